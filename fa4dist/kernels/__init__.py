@@ -1,0 +1,56 @@
+"""Single-GPU attention behind one contract.
+
+Layout follows flash-attn: q, k, v are (batch, seqlen, heads, head_dim); packed variable-length input is
+(total_tokens, heads, head_dim) with int32 ``cu_seqlens_q`` / ``cu_seqlens_k`` (segment b of q attends to segment b
+of k).  k and v may have fewer heads than q (GQA/MQA: query head h uses kv head h // (heads_q // heads_kv)).
+
+- ``attention_forward(q, k, v, ...) -> (out, lse)``: lse is fp32 natural log, (batch, heads, seqlen_q) or packed
+  (heads, total_q).  A block is placed by global offsets: with ``causal``, key j is visible to query i iff
+  ``k_offset + j <= q_offset + i`` (offsets may be per sequence/segment).  A query that sees no key gets out = 0,
+  lse = -inf.  ``accumulate=True`` merges the block into a running fp32 (out, lse) in place.
+- ``attention_backward(dout, q, k, v, out, lse, ...) -> (dq, dk, dv)`` takes the *global* out and lse and can add
+  into fp32 gradient buffers (``accumulate=True``).
+- Backends: ``reference`` (pure PyTorch, anywhere, the test oracle), ``sdpa`` (torch's fused flash / cuDNN ops,
+  GPU), ``cute`` (our CuTe DSL kernels, Hopper) when installed; ``auto`` takes the fastest that supports the call.
+"""
+
+import logging as _logging
+
+from .api import attention_backward, attention_forward
+from .mask import Visibility, block_visibility, causal_decomposition, visible_pairs
+from .merge import merge_into_, merge_partials
+from .problem import AttentionProblem, validate_inputs
+from .reference import ReferenceBackend
+from .registry import Unsupported, available_backends, get_backend, register_backend, select_backend
+from .sdpa import SdpaBackend, SdpaCudnnBackend, SdpaFlashBackend
+
+register_backend(ReferenceBackend())
+_flash, _cudnn = SdpaFlashBackend(), SdpaCudnnBackend()
+register_backend(_flash)
+register_backend(_cudnn)
+register_backend(SdpaBackend(_cudnn, _flash))
+
+try:  # our CuTe DSL kernels; the package imports cutlass lazily, so this works without it
+    from .cute import register as _register_cute
+except ImportError as _err:  # pragma: no cover - only before the CuTe backend exists
+    _logging.getLogger("fa4dist.kernels").debug("CuTe backend not registered: %s", _err)
+else:
+    _register_cute()
+
+__all__ = [
+    "attention_forward",
+    "attention_backward",
+    "merge_into_",
+    "merge_partials",
+    "AttentionProblem",
+    "validate_inputs",
+    "Visibility",
+    "block_visibility",
+    "causal_decomposition",
+    "visible_pairs",
+    "Unsupported",
+    "available_backends",
+    "get_backend",
+    "register_backend",
+    "select_backend",
+]

@@ -1,0 +1,250 @@
+"""Single-GPU attention throughput: every available fa4dist backend beside its baselines, in one run.
+
+    python bench/kernels.py                         # full sweep, writes bench/out/kernels.{json,png}
+    python bench/kernels.py --headdims 128 --seqlens 4096 16384 --directions fwd
+
+Sizes follow ../shared/docs/anchors.md: batch = total_tokens / seqlen, heads = model_dim / headdim, bf16.
+TFLOP/s counts 4*B*H*S^2*D per forward (half of it when causal) and 2.5x that per backward.  Before timing, each
+backend's output is checked against torch's flash kernel (relative error printed), so a fast wrong kernel shows.
+Machines are noisy: compare the ratios within one run, not absolute numbers across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from fa4dist.kernels import attention_backward, attention_forward, available_backends  # noqa: E402
+
+
+def bench_ms(fn, warmup_ms=25, rep_ms=100) -> float:
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    except ImportError:  # CUDA events by hand
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+
+def flops(batch, heads, seqlen, headdim, causal, direction):
+    f = 4.0 * batch * heads * seqlen * seqlen * headdim / (2 if causal else 1)
+    return f * (2.5 if direction == "bwd" else 1.0)
+
+
+def _fa4():
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception:  # not carried on this machine
+        return None
+    return flash_attn_func
+
+
+def rel_err(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def run(args):
+    device = torch.device("cuda")
+    backends = [b for b in available_backends(device) if b != "sdpa"]  # "sdpa" is cudnn-or-flash: listed apart
+    if args.backends:
+        backends = [b for b in args.backends if b in backends or b == "flash_attn_4"]
+    fa4 = _fa4()
+    if fa4 is not None and (not args.backends or "flash_attn_4" in args.backends):
+        backends.append("flash_attn_4")
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  backends: {backends}", flush=True)
+    rows = []
+    for headdim in args.headdims:
+        for causal in args.causal:
+            for seqlen in args.seqlens:
+                batch, heads = max(1, args.total_tokens // seqlen), max(1, args.model_dim // headdim)
+                gen = torch.Generator(device=device).manual_seed(seqlen * 7 + headdim)
+                shape = (batch, seqlen, heads, headdim)
+                q, k, v, dout = (torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
+                                 for _ in range(4))
+                check_out = None
+                for name in backends:
+                    if name == "reference" and seqlen > args.reference_max_seqlen:
+                        continue
+                    for direction in args.directions:
+                        for deterministic in ([False, True] if direction == "bwd" and args.deterministic else [False]):
+                            row = dict(backend=name, headdim=headdim, causal=causal, seqlen=seqlen, batch=batch,
+                                       heads=heads, direction=direction, deterministic=deterministic)
+                            try:
+                                fn, out = _make_fn(name, direction, deterministic, q, k, v, dout, causal, fa4)
+                                if direction == "fwd" and out is not None:
+                                    if check_out is None:
+                                        check_out = attention_forward(q, k, v, causal=causal, backend="sdpa_flash")[0]
+                                    row["rel_err_vs_torch_flash"] = rel_err(out, check_out)
+                                ms = bench_ms(fn, args.warmup_ms, args.rep_ms)
+                                row["ms"] = ms
+                                row["tflops"] = flops(batch, heads, seqlen, headdim, causal, direction) / ms / 1e9
+                            except Exception as exc:  # one backend failing must not hide the others
+                                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                            rows.append(row)
+                            _print_row(row)
+                del q, k, v, dout
+                torch.cuda.empty_cache()
+    accumulate_rows = _accumulate_cost(args, backends) if args.accumulate else []
+    return rows, accumulate_rows
+
+
+def _make_fn(name, direction, deterministic, q, k, v, dout, causal, fa4):
+    if name == "flash_attn_4":
+        if direction == "fwd":
+            def fwd():
+                r = fa4(q, k, v, causal=causal)
+                return r[0] if isinstance(r, tuple) else r
+            return fwd, fwd()
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        r = fa4(qg, kg, vg, causal=causal, deterministic=deterministic)
+        out = r[0] if isinstance(r, tuple) else r
+        return (lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)), None
+    if direction == "fwd":
+        fn = lambda: attention_forward(q, k, v, causal=causal, backend=name)  # noqa: E731
+        return fn, fn()[0]
+    out, lse = attention_forward(q, k, v, causal=causal, backend=name)
+    return (lambda: attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic,
+                                       backend=name)), None
+
+
+def _accumulate_cost(args, backends):
+    """Cost of merging a block into a running fp32 (out, lse) against a plain forward of the same block."""
+    rows = []
+    device = torch.device("cuda")
+    for seqlen in args.accumulate_seqlens:
+        headdim, batch = 128, max(1, args.total_tokens // seqlen)
+        heads = args.model_dim // headdim
+        q, k, v = (torch.randn(batch, seqlen, heads, headdim, device=device, dtype=torch.bfloat16) for _ in range(3))
+        run_out = torch.zeros(batch, seqlen, heads, headdim, device=device)
+        run_lse = torch.randn(batch, heads, seqlen, device=device)
+        for name in backends:
+            if name in ("reference", "flash_attn_4"):
+                continue
+            try:
+                plain = bench_ms(lambda: attention_forward(q, k, v, backend=name), args.warmup_ms, args.rep_ms)
+                acc = bench_ms(lambda: attention_forward(q, k, v, out=run_out, lse=run_lse, accumulate=True,
+                                                         backend=name), args.warmup_ms, args.rep_ms)
+                row = dict(backend=name, seqlen=seqlen, headdim=headdim, plain_ms=plain, accumulate_ms=acc,
+                           overhead=acc / plain - 1)
+            except Exception as exc:
+                row = dict(backend=name, seqlen=seqlen, error=f"{type(exc).__name__}: {exc}"[:300])
+            rows.append(row)
+            print("accumulate", row, flush=True)
+    return rows
+
+
+def _print_row(row):
+    if "error" in row:
+        print(f"  {row['backend']:>14} d={row['headdim']} causal={row['causal']!s:5} S={row['seqlen']:>6} "
+              f"{row['direction']} ERROR {row['error']}", flush=True)
+    else:
+        det = " det" if row["deterministic"] else ""
+        err = f" err={row['rel_err_vs_torch_flash']:.1e}" if "rel_err_vs_torch_flash" in row else ""
+        print(f"  {row['backend']:>14} d={row['headdim']} causal={row['causal']!s:5} S={row['seqlen']:>6} "
+              f"{row['direction']}{det}: {row['tflops']:7.1f} TFLOP/s ({row['ms']:.3f} ms){err}", flush=True)
+
+
+def summary_table(rows) -> str:
+    """Markdown table: one line per (headdim, causal, seqlen, direction), TFLOP/s per backend, ratios to baselines."""
+    key = lambda r: (r["headdim"], r["causal"], r["seqlen"], r["direction"], r["deterministic"])  # noqa: E731
+    names = sorted({r["backend"] for r in rows})
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault(key(r), {})[r["backend"]] = r.get("tflops")
+    header = "| d | causal | seqlen | dir | " + " | ".join(names)
+    ours = "cute" if "cute" in names else None
+    if ours:
+        header += " | cute/cuDNN | cute/FA4"
+    lines = [header + " |", "|" + "---|" * (header.count("|") - 0)]
+    for kk in sorted(cells):
+        d, causal, s, direction, det = kk
+        vals = cells[kk]
+        line = f"| {d} | {'yes' if causal else 'no'} | {s} | {direction}{' det' if det else ''} | "
+        line += " | ".join(f"{vals[n]:.0f}" if vals.get(n) else "-" for n in names)
+        if ours:
+            for base in ("sdpa_cudnn", "flash_attn_4"):
+                line += f" | {vals[ours] / vals[base]:.2f}" if vals.get(ours) and vals.get(base) else " | -"
+        lines.append(line + " |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["headdim"], r["causal"], r["direction"], r["deterministic"]) for r in rows if "tflops" in r})
+    if not panels:
+        return
+    cols = min(4, len(panels))
+    nrows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.6 * nrows), squeeze=False)
+    for ax, (d, causal, direction, det) in zip(axes.flat, panels):
+        for name in sorted({r["backend"] for r in rows}):
+            pts = sorted((r["seqlen"], r["tflops"]) for r in rows if "tflops" in r and r["backend"] == name
+                         and (r["headdim"], r["causal"], r["direction"], r["deterministic"]) == (d, causal, direction, det))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"d={d} {'causal' if causal else 'full'} {direction}{' det' if det else ''}")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--headdims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    p.add_argument("--causal", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+", default=[False, True])
+    p.add_argument("--directions", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    p.add_argument("--backends", nargs="+", default=None, help="default: every available backend + flash_attn_4")
+    p.add_argument("--deterministic", action="store_true", help="also time deterministic backward")
+    p.add_argument("--total-tokens", type=int, default=16384)
+    p.add_argument("--model-dim", type=int, default=2048)
+    p.add_argument("--reference-max-seqlen", type=int, default=2048)
+    p.add_argument("--accumulate", action="store_true", help="also time the accumulate (merge) entry point")
+    p.add_argument("--accumulate-seqlens", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--warmup-ms", type=int, default=25)
+    p.add_argument("--rep-ms", type=int, default=100)
+    p.add_argument("--out-dir", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "out")))
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/kernels.py needs a CUDA GPU")
+    started = time.time()
+    rows, accumulate_rows = run(args)
+    os.makedirs(args.out_dir, exist_ok=True)
+    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), command=" ".join(sys.argv),
+                  device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows,
+                  accumulate=accumulate_rows, seconds=time.time() - started)
+    with open(os.path.join(args.out_dir, "kernels.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plot(rows, os.path.join(args.out_dir, "kernels.png"))
+    print()
+    print(summary_table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Merging partial attention results: the one implementation of the log-sum-exp combine.
+
+A partial result over a subset of the keys is ``(out_i, lse_i)`` with ``out_i`` already normalized over that
+subset.  Over the union, ``lse = log(sum_i exp(lse_i))`` and ``out = sum_i exp(lse_i - lse) * out_i``.  All math is
+in fp32 (fp64 for fp64 inputs).  A side whose ``lse`` is ``-inf`` saw no key and contributes nothing; when every
+side is ``-inf`` the merged result is ``out = 0, lse = -inf``, never NaN.
+
+Layouts follow the kernel contract: out (..., seqlen, heads, head_dim) with lse (..., heads, seqlen); that is
+(batch, seqlen, heads, d) with (batch, heads, seqlen), or packed (total, heads, d) with (heads, total).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+
+def lse_as_out_layout(lse: torch.Tensor) -> torch.Tensor:
+    """View of an lse (..., heads, seqlen) broadcastable against out (..., seqlen, heads, d)."""
+    return lse.transpose(-1, -2).unsqueeze(-1)
+
+
+def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _merge_weights(lses: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Normalized weights exp(lse_i - lse) and the merged lse, stable and safe for -inf entries."""
+    peak = lses[0]
+    for lse in lses[1:]:
+        peak = torch.maximum(peak, lse)
+    # Rows where every side is -inf: shift by 0 so exp gives 0 instead of NaN.
+    shift = torch.where(torch.isneginf(peak), torch.zeros_like(peak), peak)
+    exps = [torch.exp(lse - shift) for lse in lses]
+    total = exps[0]
+    for e in exps[1:]:
+        total = total + e
+    merged = shift + torch.log(total)  # log(0) = -inf for rows no side saw
+    safe_total = torch.where(total > 0, total, torch.ones_like(total))
+    return [e / safe_total for e in exps], merged
+
+
+def _weighted(out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """out * weight, where a zero weight (a side that saw no key) contributes 0 whatever out holds, NaN included."""
+    weight = lse_as_out_layout(weight)
+    return torch.where(weight > 0, out * weight, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def merge_into_(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
+    """Merges a block's (block_out, block_lse) into the running fp32 (out, lse), in place."""
+    if out.dtype not in (torch.float32, torch.float64) or lse.dtype != out.dtype:
+        raise TypeError(f"the running out/lse must both be float32 (or float64), got {out.dtype} and {lse.dtype}")
+    (w_run, w_blk), merged = _merge_weights([lse, block_lse.to(lse.dtype)])
+    out.copy_(_weighted(out, w_run).add_(_weighted(block_out.to(out.dtype), w_blk)))
+    lse.copy_(merged)
+
+
+def merge_partials(
+    outs: Sequence[torch.Tensor],
+    lses: Sequence[torch.Tensor],
+    out: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """N-way merge in the fixed order given (so the result is bitwise reproducible for a fixed order).
+
+    Returns (out, lse) in fp32 (fp64 for fp64 inputs); writes into ``out`` when given."""
+    if len(outs) == 0 or len(outs) != len(lses):
+        raise ValueError(f"merge_partials needs as many outs as lses (at least one), got {len(outs)} and {len(lses)}")
+    dtype = _accum_dtype(outs[0].dtype)
+    weights, merged = _merge_weights([lse.to(dtype) for lse in lses])
+    acc = _weighted(outs[0].to(dtype), weights[0])
+    for o, w in zip(outs[1:], weights[1:]):
+        acc = acc + _weighted(o.to(dtype), w)
+    if out is not None:
+        out.copy_(acc)
+        acc = out
+    return acc, merged

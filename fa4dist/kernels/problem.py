@@ -1,0 +1,273 @@
+"""Validation of attention inputs: the one place where shapes, dtypes, devices and packed-sequence metadata are
+checked and described.
+
+Every backend and every context-parallel strategy receives an :class:`AttentionProblem` built here, so they never
+re-derive sizes or re-check arguments themselves.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+
+Offset = Union[int, Sequence[int], torch.Tensor]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """Sizes and mask description of one attention call (forward or backward).
+
+    Dense layout: q (batch, seqlen_q, heads_q, head_dim), k/v (batch, seqlen_k, heads_kv, head_dim[_v]).
+    Packed layout: q (total_q, heads_q, head_dim) and k/v (total_k, heads_kv, ...), with segment ``b`` of q
+    attending to segment ``b`` of k (``cu_seqlens_*``).  ``q_offsets``/``k_offsets`` hold the global position of
+    each sequence's (or segment's) first query/key, one entry per batch element or segment.
+    """
+
+    batch: int  # number of sequences (dense) or segments (packed)
+    seqlen_q: int  # dense: sequence length; packed: longest segment
+    seqlen_k: int
+    total_q: int  # number of query tokens in all sequences together
+    total_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    dtype: torch.dtype
+    device: torch.device
+    causal: bool
+    softmax_scale: float
+    q_offsets: tuple[int, ...]
+    k_offsets: tuple[int, ...]
+    cu_seqlens_q: Optional[tuple[int, ...]] = None  # host copies; None for the dense layout
+    cu_seqlens_k: Optional[tuple[int, ...]] = None
+    # The caller's cu_seqlens tensors (device tensors for fused kernels); None for the dense layout.
+    cu_seqlens_q_tensor: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    cu_seqlens_k_tensor: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    @property
+    def group_size(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    @property
+    def uniform_offsets(self) -> bool:
+        return len(set(self.q_offsets)) <= 1 and len(set(self.k_offsets)) <= 1
+
+    def out_shape(self) -> tuple[int, ...]:
+        if self.varlen:
+            return (self.total_q, self.heads_q, self.head_dim_v)
+        return (self.batch, self.seqlen_q, self.heads_q, self.head_dim_v)
+
+    def lse_shape(self) -> tuple[int, ...]:
+        if self.varlen:
+            return (self.heads_q, self.total_q)
+        return (self.batch, self.heads_q, self.seqlen_q)
+
+    def segments(self):
+        """Yields (index, q_start, q_len, k_start, k_len, q_offset, k_offset) per sequence/segment.
+
+        For the dense layout the starts index the batch dimension's sequences (q_start = b)."""
+        for b in range(self.batch):
+            if self.varlen:
+                qs, qe = self.cu_seqlens_q[b], self.cu_seqlens_q[b + 1]
+                ks, ke = self.cu_seqlens_k[b], self.cu_seqlens_k[b + 1]
+                yield b, qs, qe - qs, ks, ke - ks, self.q_offsets[b], self.k_offsets[b]
+            else:
+                yield b, b, self.seqlen_q, b, self.seqlen_k, self.q_offsets[b], self.k_offsets[b]
+
+    def flops(self, direction: str = "forward") -> float:
+        """Matmul FLOPs actually required by the mask (visible pairs only): 2 matmuls forward, 5 backward."""
+        from .mask import visible_pairs
+
+        pairs = sum(
+            visible_pairs(ql, kl, qo, ko, self.causal) for _, _, ql, _, kl, qo, ko in self.segments()
+        )
+        per_pair = 2 * self.head_dim + 2 * self.head_dim_v
+        mult = 1.0 if direction == "forward" else 2.5
+        return mult * pairs * per_pair * self.heads_q
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# argument checks
+
+
+def _check_tensor(name: str, t) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    return t
+
+
+_CU_SEQLENS_CACHE: dict = {}
+
+
+def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> tuple[int, ...]:
+    """Checks a cu_seqlens tensor and returns its host copy.
+
+    The check of a device tensor needs one copy to the host; it is remembered per (tensor, version) so a caller
+    that reuses the same cu_seqlens tensor every step (a ring, a training loop) pays it once."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-D with at least 2 entries (batch + 1), got shape {tuple(cu.shape)}")
+    key = (name, id(cu), cu.data_ptr(), cu._version, cu.numel(), total)
+    cached = _CU_SEQLENS_CACHE.get(key)
+    if cached is not None:
+        return cached
+    values = tuple(int(x) for x in cu.tolist())
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    if any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{name} must be non-decreasing, got {list(values)[:16]}")
+    if values[-1] != total:
+        raise ValueError(f"{name}[-1] = {values[-1]} disagrees with the token count {total} of the packed tensor")
+    if len(_CU_SEQLENS_CACHE) > 256:
+        _CU_SEQLENS_CACHE.clear()
+    _CU_SEQLENS_CACHE[key] = values
+    return values
+
+
+def _offsets(name: str, value: Offset, count: int) -> tuple[int, ...]:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or a sequence/tensor of ints, got bool")
+    if isinstance(value, int):
+        return (value,) * count
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
+        if value.dim() == 0:
+            return (int(value),) * count
+        values = tuple(int(x) for x in value.reshape(-1).tolist())
+    elif isinstance(value, (list, tuple)):
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+            raise TypeError(f"{name} must hold Python ints, got {value!r}")
+        values = tuple(value)
+    else:
+        raise TypeError(f"{name} must be an int or a sequence/tensor of ints, got {type(value).__name__}")
+    if len(values) != count:
+        raise ValueError(f"{name} must have one entry per sequence/segment ({count}), got {len(values)}")
+    return values
+
+
+def check_softmax_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale) or scale == 0.0:
+        raise ValueError(f"softmax_scale must be finite and non-zero, got {softmax_scale}")
+    return scale
+
+
+def validate_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    q_offset: Offset = 0,
+    k_offset: Offset = 0,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+) -> AttentionProblem:
+    """Checks q, k, v and the mask arguments; returns the problem description or raises a clear error."""
+    q, k, v = (_check_tensor(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together (packed layout) or not at all")
+    varlen = cu_seqlens_q is not None
+    ndim = 3 if varlen else 4
+    layout = "(total_tokens, heads, head_dim)" if varlen else "(batch, seqlen, heads, head_dim)"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
+        if t.shape[-1] == 0 or t.shape[-2] == 0:
+            raise ValueError(f"{name} must have at least one head and a non-empty head dim, got {tuple(t.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must agree on all but the head dim, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share the head dim, got q {q.shape[-1]}, k {k.shape[-1]}")
+    heads_q, heads_kv = q.shape[-2], k.shape[-2]
+    if heads_q % heads_kv != 0:
+        raise ValueError(
+            f"the number of query heads ({heads_q}) must be a multiple of the number of key/value heads ({heads_kv})"
+        )
+    scale = check_softmax_scale(softmax_scale, q.shape[-1])
+
+    if varlen:
+        cq = _host_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+        ck = _host_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+        if len(cq) != len(ck):
+            raise ValueError(
+                f"cu_seqlens_q and cu_seqlens_k must have the same length (segments + 1), got {len(cq)} and {len(ck)}"
+            )
+        batch = len(cq) - 1
+        seqlen_q = max(b - a for a, b in zip(cq, cq[1:]))
+        seqlen_k = max(b - a for a, b in zip(ck, ck[1:]))
+        total_q, total_k = q.shape[0], k.shape[0]
+    else:
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(f"q and k must share the batch size, got {q.shape[0]} and {k.shape[0]}")
+        cq = ck = None
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        total_q, total_k = batch * seqlen_q, batch * seqlen_k
+    return AttentionProblem(
+        batch=batch,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        total_q=total_q,
+        total_k=total_k,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        head_dim=q.shape[-1],
+        head_dim_v=v.shape[-1],
+        dtype=q.dtype,
+        device=q.device,
+        causal=causal,
+        softmax_scale=scale,
+        q_offsets=_offsets("q_offset", q_offset, batch),
+        k_offsets=_offsets("k_offset", k_offset, batch),
+        cu_seqlens_q=cq,
+        cu_seqlens_k=ck,
+        cu_seqlens_q_tensor=cu_seqlens_q,
+        cu_seqlens_k_tensor=cu_seqlens_k,
+    )
+
+
+def check_buffer(
+    name: str,
+    t: Optional[torch.Tensor],
+    shape: tuple[int, ...],
+    device: torch.device,
+    dtypes: tuple[torch.dtype, ...],
+) -> None:
+    """Checks a caller-provided output or input buffer (out, lse, dout, dq, ...)."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        allowed = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype {allowed}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")

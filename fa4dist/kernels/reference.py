@@ -1,0 +1,187 @@
+"""Pure-PyTorch reference attention: any device, any float dtype, the oracle of every test.
+
+Accumulates in fp32 (fp64 for fp64 inputs) and walks the score matrix in (query chunk x key chunk) tiles with an
+online softmax, so a 32k-token sequence on the CPU never materializes the whole score matrix.  GQA is computed by
+viewing the query heads as (kv_heads, group) — K and V are never expanded.  Tiles that the mask hides entirely
+are skipped; tiles it shows entirely skip the mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .mask import Visibility, block_visibility, visible
+from .problem import AttentionProblem
+
+# Score elements one tile may hold (fp32: 64 MiB).
+_TILE_ELEMENTS = 1 << 24
+_KEY_CHUNK = 1024
+
+
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunks(batch_heads: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    key_chunk = max(1, min(seqlen_k, _KEY_CHUNK))
+    query_chunk = max(16, _TILE_ELEMENTS // max(1, batch_heads * key_chunk))
+    return max(1, min(seqlen_q, query_chunk)), key_chunk
+
+
+def _tile_mask(q_len, k_len, q_pos0, k_pos0, causal, device):
+    vis = block_visibility(q_len, k_len, q_pos0, k_pos0, causal)
+    if vis is not Visibility.PARTIAL:
+        return vis, None
+    q_pos = torch.arange(q_pos0, q_pos0 + q_len, device=device)
+    k_pos = torch.arange(k_pos0, k_pos0 + k_len, device=device)
+    return vis, visible(q_pos, k_pos, causal)
+
+
+def _forward_dense(q, k, v, scale: float, causal: bool, q_offset: int, k_offset: int):
+    """q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D[v]) -> out (B, Sq, Hq, Dv), lse (B, Hq, Sq), in the accumulation dtype."""
+    acc = accum_dtype(q.dtype)
+    batch, seqlen_q, heads_q, _ = q.shape
+    seqlen_k, heads_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
+    group = heads_q // heads_kv
+    out = torch.zeros(batch, seqlen_q, heads_kv, group, head_dim_v, dtype=acc, device=q.device)
+    lse = torch.full((batch, heads_kv, group, seqlen_q), float("-inf"), dtype=acc, device=q.device)
+    q_chunk, k_chunk = _chunks(batch * heads_q, seqlen_q, seqlen_k)
+    for qs in range(0, seqlen_q, q_chunk):
+        ql = min(q_chunk, seqlen_q - qs)
+        qc = q[:, qs : qs + ql].to(acc).view(batch, ql, heads_kv, group, -1) * scale
+        row_max = torch.full((batch, heads_kv, group, ql), float("-inf"), dtype=acc, device=q.device)
+        row_sum = torch.zeros_like(row_max)
+        acc_out = torch.zeros(batch, heads_kv, group, ql, head_dim_v, dtype=acc, device=q.device)
+        for ks in range(0, seqlen_k, k_chunk):
+            kl = min(k_chunk, seqlen_k - ks)
+            vis, mask = _tile_mask(ql, kl, q_offset + qs, k_offset + ks, causal, q.device)
+            if vis is Visibility.NONE:
+                continue
+            kc, vc = k[:, ks : ks + kl].to(acc), v[:, ks : ks + kl].to(acc)
+            scores = torch.einsum("bqhgd,bkhd->bhgqk", qc, kc)
+            if mask is not None:
+                scores.masked_fill_(~mask, float("-inf"))
+            new_max = torch.maximum(row_max, scores.amax(-1))
+            shift = torch.where(torch.isneginf(new_max), torch.zeros_like(new_max), new_max)
+            probs = torch.exp(scores - shift.unsqueeze(-1))
+            rescale = torch.exp(row_max - shift)
+            row_sum = row_sum * rescale + probs.sum(-1)
+            acc_out = acc_out * rescale.unsqueeze(-1) + torch.einsum("bhgqk,bkhd->bhgqd", probs, vc)
+            row_max = new_max
+        seen = row_sum > 0
+        shift = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
+        lse[..., qs : qs + ql] = torch.where(seen, shift + torch.log(row_sum), torch.full_like(row_sum, -torch.inf))
+        normalized = acc_out / torch.where(seen, row_sum, torch.ones_like(row_sum)).unsqueeze(-1)
+        out[:, qs : qs + ql] = normalized.permute(0, 3, 1, 2, 4)
+    return out.view(batch, seqlen_q, heads_q, head_dim_v), lse.view(batch, heads_q, seqlen_q)
+
+
+def _backward_dense(dout, q, k, v, out, lse, scale: float, causal: bool, q_offset: int, k_offset: int):
+    """Gradients of one dense block given the *global* out and lse: returns dq, dk, dv in the accumulation dtype."""
+    acc = accum_dtype(q.dtype)
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    dq = torch.zeros(batch, seqlen_q, heads_kv, group, head_dim, dtype=acc, device=q.device)
+    dk = torch.zeros(batch, seqlen_k, heads_kv, head_dim, dtype=acc, device=q.device)
+    dv = torch.zeros(batch, seqlen_k, heads_kv, v.shape[-1], dtype=acc, device=q.device)
+    # delta_i = sum_d dout_i * out_i (rowsum of dP * P), from the global output.
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).view(batch, seqlen_q, heads_kv, group).permute(0, 2, 3, 1)
+    lse = lse.to(acc).view(batch, heads_kv, group, seqlen_q)
+    q_chunk, k_chunk = _chunks(batch * heads_q, seqlen_q, seqlen_k)
+    for qs in range(0, seqlen_q, q_chunk):
+        ql = min(q_chunk, seqlen_q - qs)
+        qc = q[:, qs : qs + ql].to(acc).view(batch, ql, heads_kv, group, -1)
+        doc = dout[:, qs : qs + ql].to(acc).view(batch, ql, heads_kv, group, -1)
+        lse_c = lse[..., qs : qs + ql]
+        lse_ok = torch.isfinite(lse_c).unsqueeze(-1)
+        lse_shift = torch.where(torch.isfinite(lse_c), lse_c, torch.zeros_like(lse_c)).unsqueeze(-1)
+        delta_c = delta[..., qs : qs + ql].unsqueeze(-1)
+        for ks in range(0, seqlen_k, k_chunk):
+            kl = min(k_chunk, seqlen_k - ks)
+            vis, mask = _tile_mask(ql, kl, q_offset + qs, k_offset + ks, causal, q.device)
+            if vis is Visibility.NONE:
+                continue
+            kc, vc = k[:, ks : ks + kl].to(acc), v[:, ks : ks + kl].to(acc)
+            scores = torch.einsum("bqhgd,bkhd->bhgqk", qc, kc) * scale
+            keep = lse_ok if mask is None else (lse_ok & mask)
+            probs = torch.where(keep, torch.exp(scores - lse_shift), torch.zeros((), dtype=acc, device=q.device))
+            dv[:, ks : ks + kl] += torch.einsum("bhgqk,bqhgd->bkhd", probs, doc)
+            dprobs = torch.einsum("bqhgd,bkhd->bhgqk", doc, vc)
+            dscores = probs * (dprobs - delta_c)
+            dq[:, qs : qs + ql] += torch.einsum("bhgqk,bkhd->bqhgd", dscores, kc) * scale
+            dk[:, ks : ks + kl] += torch.einsum("bhgqk,bqhgd->bkhd", dscores, qc) * scale
+    return dq.view(batch, seqlen_q, heads_q, head_dim), dk, dv
+
+
+def _per_sequence(problem: AttentionProblem, tensors):
+    """Yields (segment info, tensors sliced to one sequence with a batch dim of 1), for non-uniform problems."""
+    for b, q_start, q_len, k_start, k_len, q_off, k_off in problem.segments():
+        sliced = []
+        for t, side in tensors:
+            if problem.varlen:
+                start, length = (q_start, q_len) if side == "q" else (k_start, k_len)
+                sliced.append(t[start : start + length].unsqueeze(0))
+            else:
+                sliced.append(t[b : b + 1])
+        yield (b, q_start, q_len, k_start, k_len, q_off, k_off), sliced
+
+
+def forward(problem: AttentionProblem, q, k, v):
+    """Returns (out, lse) in the accumulation dtype with the contract's shapes."""
+    p = problem
+    if not p.varlen and p.uniform_offsets:
+        return _forward_dense(q, k, v, p.softmax_scale, p.causal, p.q_offsets[0], p.k_offsets[0])
+    acc = accum_dtype(q.dtype)
+    out = torch.zeros(p.out_shape(), dtype=acc, device=q.device)
+    lse = torch.full(p.lse_shape(), float("-inf"), dtype=acc, device=q.device)
+    for (b, qs, ql, _, _, qo, ko), (qb, kb, vb) in _per_sequence(p, [(q, "q"), (k, "k"), (v, "k")]):
+        ob, lb = _forward_dense(qb, kb, vb, p.softmax_scale, p.causal, qo, ko)
+        if p.varlen:
+            out[qs : qs + ql] = ob[0]
+            lse[:, qs : qs + ql] = lb[0]
+        else:
+            out[b], lse[b] = ob[0], lb[0]
+    return out, lse
+
+
+def backward(problem: AttentionProblem, dout, q, k, v, out, lse):
+    """Returns (dq, dk, dv) in the accumulation dtype for the block, given the global out and lse."""
+    p = problem
+    if not p.varlen and p.uniform_offsets:
+        return _backward_dense(dout, q, k, v, out, lse, p.softmax_scale, p.causal, p.q_offsets[0], p.k_offsets[0])
+    acc = accum_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    lse_t = lse.transpose(0, 1) if p.varlen else lse  # packed lse is (heads, total): slice along tokens
+    tensors = [(dout, "q"), (q, "q"), (k, "k"), (v, "k"), (out, "q"), (lse_t, "q")]
+    for (b, qs, ql, ks, kl, qo, ko), (dob, qb, kb, vb, ob, lb) in _per_sequence(p, tensors):
+        if p.varlen:
+            lb = lb.transpose(1, 2)  # (1, ql, heads) -> (1, heads, ql)
+        dqb, dkb, dvb = _backward_dense(dob, qb, kb, vb, ob, lb, p.softmax_scale, p.causal, qo, ko)
+        if p.varlen:
+            dq[qs : qs + ql], dk[ks : ks + kl], dv[ks : ks + kl] = dqb[0], dkb[0], dvb[0]
+        else:
+            dq[b], dk[b], dv[b] = dqb[0], dkb[0], dvb[0]
+    return dq, dk, dv
+
+
+class ReferenceBackend:
+    """Registry entry for the reference: supports every problem on every device; always deterministic."""
+
+    name = "reference"
+    priority = 0
+    fused_epilogue = False
+
+    def available(self, device) -> bool:
+        return True
+
+    def supports(self, problem: AttentionProblem, direction: str):
+        return None
+
+    def forward(self, problem, q, k, v):
+        return forward(problem, q, k, v)
+
+    def backward(self, problem, dout, q, k, v, out, lse, deterministic):
+        return backward(problem, dout, q, k, v, out, lse)

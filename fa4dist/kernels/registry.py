@@ -1,0 +1,87 @@
+"""The backend registry: every single-GPU attention implementation registers here, and `attention_forward` /
+`attention_backward` pick one by name or ("auto") by priority.
+
+A backend is an object with:
+  name: str
+  priority: int                                   higher wins under "auto"
+  fused_epilogue: bool                            True if it writes/merges into caller buffers itself
+  available(device) -> bool                       usable on this device at all (imports, hardware)
+  supports(problem, direction) -> Unsupported | None
+                                                  None if it computes this exact problem; else why not, and
+                                                  whether the reference may stand in (a mask the kernel lacks)
+                                                  or the input is simply out of its range (a head dim, a dtype)
+  forward(problem, q, k, v[, out, lse, accumulate]) -> (out, lse)
+  backward(problem, dout, q, k, v, out, lse, deterministic[, dq, dk, dv, accumulate]) -> (dq, dk, dv)
+
+Backends without a fused epilogue return fresh results; `fa4dist.kernels.api` writes or merges them into the
+caller's buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .problem import AttentionProblem
+
+log = logging.getLogger("fa4dist.kernels")
+
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    reason: str
+    # True: a mask or layout the kernel cannot express; a named backend then falls back to the reference.
+    # False: input outside the backend's range (head dim, dtype, device); asking for it by name is an error.
+    fallback: bool = False
+
+
+_BACKENDS: dict = {}
+_FALLBACK_REPORTED: set = set()
+
+
+def register_backend(backend) -> None:
+    _BACKENDS[backend.name] = backend
+
+
+def get_backend(name: str):
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(_BACKENDS)}, got {name!r}") from None
+
+
+def available_backends(device) -> list[str]:
+    """Names of the backends usable on `device`, best first."""
+    ordered = sorted(_BACKENDS.values(), key=lambda b: -b.priority)
+    return [b.name for b in ordered if b.available(device)]
+
+
+def select_backend(name: str, problem: AttentionProblem, direction: str):
+    """Returns the backend that computes `problem`.
+
+    "auto" takes the highest-priority backend that supports it.  A named backend that cannot express this exact
+    problem (a mask its kernel lacks, say) falls back to the reference and says so once through `logging`; one
+    that cannot run on this device at all is an error."""
+    if name == "auto":
+        for backend in sorted(_BACKENDS.values(), key=lambda b: -b.priority):
+            if backend.available(problem.device) and backend.supports(problem, direction) is None:
+                return backend
+        raise ValueError(f"no attention backend supports this call: {problem}")
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a string, got {type(name).__name__}")
+    backend = get_backend(name)
+    if not backend.available(problem.device):
+        raise ValueError(f"backend {name!r} is not available on device {problem.device}")
+    unsupported = backend.supports(problem, direction)
+    if unsupported is None:
+        return backend
+    if not unsupported.fallback:
+        raise ValueError(f"backend {name!r} cannot compute this call: {unsupported.reason}")
+    fallback = _BACKENDS["reference"]
+    reason = unsupported.reason
+    key = (name, direction, reason)
+    if key not in _FALLBACK_REPORTED:
+        _FALLBACK_REPORTED.add(key)
+        log.warning("fa4dist: backend %r cannot do this %s call (%s); using the reference backend", name, direction, reason)
+    return fallback

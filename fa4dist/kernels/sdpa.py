@@ -1,0 +1,236 @@
+"""Backends on torch's fused attention ops that return the LSE (GPU only).
+
+- ``sdpa_flash``: ``aten._flash_attention_forward/_backward`` (FlashAttention-2 inside torch): dense and packed
+  layouts, native GQA, head dims up to 256.
+- ``sdpa_cudnn``: ``aten._scaled_dot_product_cudnn_attention`` and its backward: dense layout, equal head counts,
+  head dims up to 128.
+- ``sdpa``: cuDNN where it applies (it is the faster of the two on Hopper), flash otherwise.
+
+Their masks are "none" and "causal aligned on the diagonal".  Any causal block of a single alignment is split by
+:func:`fa4dist.kernels.mask.causal_decomposition` into at most three such sub-blocks whose results are merged by
+:mod:`fa4dist.kernels.merge`; a packed batch whose segments need different decompositions is not expressible and
+goes to the reference (the registry says so once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .mask import SubBlock, causal_decomposition
+from .merge import merge_into_
+from .problem import AttentionProblem
+from .registry import Unsupported
+
+aten = torch.ops.aten
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one fused call each: q (B, Sq, H, D) / packed (T, H, D); returns out in q's dtype and lse (B, H, Sq) / (H, T)
+
+
+def _flash_forward(q, k, v, scale, causal, cu_q=None, cu_k=None, max_q=None, max_k=None):
+    if cu_q is None:
+        max_q, max_k = q.shape[1], k.shape[1]
+    out, lse, *_ = aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
+    return out, lse
+
+
+def _flash_backward(dout, q, k, v, out, lse, scale, causal, cu_q=None, cu_k=None, max_q=None, max_k=None):
+    if cu_q is None:
+        max_q, max_k = q.shape[1], k.shape[1]
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    unused = torch.empty(0, dtype=torch.uint64, device=q.device)
+    return aten._flash_attention_backward(
+        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale
+    )
+
+
+def _cudnn_forward(q, k, v, scale, causal):
+    out, lse, *_ = aten._scaled_dot_product_cudnn_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, causal, False, scale=scale
+    )
+    return out.transpose(1, 2), lse.reshape(q.shape[0], q.shape[2], q.shape[1])
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, scale, causal):
+    batch, seqlen_q, heads, _ = q.shape
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    offset = torch.zeros((), dtype=torch.int64, device=q.device)
+    t = lambda x: x.transpose(1, 2)  # noqa: E731  (B, S, H, D) -> (B, H, S, D) views
+    dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+        t(dout), t(q), t(k), t(v), t(out), lse.reshape(batch, heads, seqlen_q, 1).contiguous(),
+        seed, offset, None, None, None, seqlen_q, k.shape[1], 0.0, causal, scale=scale,
+    )
+    return t(dq), t(dk), t(dv)
+
+
+@contextlib.contextmanager
+def _deterministic_algorithms(enabled: bool):
+    """torch's flash backward reads the global deterministic flag; set it for the duration of one call."""
+    before, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    if enabled and not before:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        if enabled and not before:
+            torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _single_segment_plan(problem: AttentionProblem) -> list[SubBlock]:
+    return causal_decomposition(
+        problem.seqlen_q, problem.seqlen_k, problem.q_offsets[0], problem.k_offsets[0], problem.causal
+    )
+
+
+def _packed_kind(problem: AttentionProblem):
+    """For a packed batch: 'full' or 'causal' if one fused call computes every segment exactly, else None."""
+    kinds = set()
+    for _, _, ql, _, kl, qo, ko in problem.segments():
+        blocks = causal_decomposition(ql, kl, qo, ko, problem.causal)
+        if len(blocks) != 1 or (blocks[0].q_len, blocks[0].k_len) != (ql, kl):
+            return None  # a segment with masked-out rows, an empty side, or several sub-blocks
+        kinds.add("causal" if blocks[0].aligned_causal else "full")
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+class _FusedBackend:
+    name = ""
+    priority = 0
+    fused_epilogue = False
+    max_head_dim = 256
+    packed = True
+
+    def available(self, device) -> bool:
+        return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+    def supports(self, problem: AttentionProblem, direction: str):
+        if problem.device.type != "cuda":
+            return Unsupported(f"{self.name} runs on CUDA tensors only, got device {problem.device}")
+        if problem.dtype not in (torch.float16, torch.bfloat16):
+            return Unsupported(f"{self.name} takes float16 or bfloat16, got {problem.dtype}")
+        d = problem.head_dim
+        if d != problem.head_dim_v or d % 8 or d > self.max_head_dim:
+            return Unsupported(
+                f"{self.name} needs equal q/k/v head dims that are multiples of 8 up to {self.max_head_dim}, "
+                f"got {d} and {problem.head_dim_v}"
+            )
+        if problem.varlen:
+            if not self.packed:
+                return Unsupported(f"{self.name} has no packed (cu_seqlens) layout", fallback=True)
+            if _packed_kind(problem) is None:
+                return Unsupported("segments need different masks or have masked-out rows", fallback=True)
+        elif not problem.uniform_offsets:
+            return Unsupported("per-sequence offsets differ within the batch", fallback=True)
+        return None
+
+    # each subclass: _fwd(q, k, v, scale, aligned_causal), _bwd(dout, q, k, v, out, lse, scale, aligned_causal)
+
+    def forward(self, problem: AttentionProblem, q, k, v):
+        if problem.varlen:
+            causal = _packed_kind(problem) == "causal"
+            cq, ck = problem.cu_seqlens_q_tensor.to(q.device), problem.cu_seqlens_k_tensor.to(q.device)
+            return _flash_forward(q, k, v, problem.softmax_scale, causal, cq, ck, problem.seqlen_q, problem.seqlen_k)
+        blocks = _single_segment_plan(problem)
+        if len(blocks) == 1 and (blocks[0].q_len, blocks[0].k_len) == (problem.seqlen_q, problem.seqlen_k):
+            return self._fwd(q, k, v, problem.softmax_scale, blocks[0].aligned_causal)
+        out = torch.zeros(problem.out_shape(), dtype=torch.float32, device=q.device)
+        lse = torch.full(problem.lse_shape(), float("-inf"), dtype=torch.float32, device=q.device)
+        for blk in blocks:
+            rows, keys = slice(blk.q_start, blk.q_start + blk.q_len), slice(blk.k_start, blk.k_start + blk.k_len)
+            o, l = self._fwd(q[:, rows], k[:, keys], v[:, keys], problem.softmax_scale, blk.aligned_causal)
+            merge_into_(out[:, rows], lse[:, :, rows], o, l)
+        return out, lse
+
+    def backward(self, problem: AttentionProblem, dout, q, k, v, out, lse, deterministic):
+        out = out.to(q.dtype)
+        dout = dout.to(q.dtype)
+        with _deterministic_algorithms(deterministic):
+            if problem.varlen:
+                causal = _packed_kind(problem) == "causal"
+                cq, ck = problem.cu_seqlens_q_tensor.to(q.device), problem.cu_seqlens_k_tensor.to(q.device)
+                return _flash_backward(
+                    dout, q, k, v, out, lse.contiguous(), problem.softmax_scale, causal,
+                    cq, ck, problem.seqlen_q, problem.seqlen_k,
+                )
+            blocks = _single_segment_plan(problem)
+            if len(blocks) == 1 and (blocks[0].q_len, blocks[0].k_len) == (problem.seqlen_q, problem.seqlen_k):
+                return self._bwd(dout, q, k, v, out, lse.contiguous(), problem.softmax_scale, blocks[0].aligned_causal)
+            dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+            dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+            for blk in blocks:
+                rows, keys = slice(blk.q_start, blk.q_start + blk.q_len), slice(blk.k_start, blk.k_start + blk.k_len)
+                g = self._bwd(
+                    dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
+                    lse[:, :, rows].contiguous(), problem.softmax_scale, blk.aligned_causal,
+                )
+                dq[:, rows] += g[0]
+                dk[:, keys] += g[1]
+                dv[:, keys] += g[2]
+            return dq, dk, dv
+
+
+class SdpaFlashBackend(_FusedBackend):
+    name = "sdpa_flash"
+    priority = 10
+
+    def _fwd(self, q, k, v, scale, causal):
+        return _flash_forward(q, k, v, scale, causal)
+
+    def _bwd(self, dout, q, k, v, out, lse, scale, causal):
+        return _flash_backward(dout, q, k, v, out, lse, scale, causal)
+
+
+class SdpaCudnnBackend(_FusedBackend):
+    name = "sdpa_cudnn"
+    priority = 5  # reached through "sdpa", which prefers it where it applies
+    max_head_dim = 128
+    packed = False
+
+    def available(self, device) -> bool:
+        return super().available(device) and torch.backends.cudnn.is_available()
+
+    def supports(self, problem: AttentionProblem, direction: str):
+        if problem.heads_q != problem.heads_kv:
+            return Unsupported(f"{self.name} needs as many key/value heads as query heads (no GQA)", fallback=True)
+        return super().supports(problem, direction)
+
+    def _fwd(self, q, k, v, scale, causal):
+        return _cudnn_forward(q, k, v, scale, causal)
+
+    def _bwd(self, dout, q, k, v, out, lse, scale, causal):
+        return _cudnn_backward(dout, q, k, v, out, lse, scale, causal)
+
+
+class SdpaBackend:
+    """cuDNN where it applies and the call need not be deterministic, else torch's flash."""
+
+    name = "sdpa"
+    priority = 20
+    fused_epilogue = False
+
+    def __init__(self, cudnn: SdpaCudnnBackend, flash: SdpaFlashBackend):
+        self._cudnn, self._flash = cudnn, flash
+
+    def available(self, device) -> bool:
+        return self._flash.available(device)
+
+    def _pick(self, problem, direction, deterministic=False):
+        if not deterministic and self._cudnn.available(problem.device) and self._cudnn.supports(problem, direction) is None:
+            return self._cudnn
+        return self._flash
+
+    def supports(self, problem, direction):
+        return self._pick(problem, direction).supports(problem, direction)
+
+    def forward(self, problem, q, k, v):
+        return self._pick(problem, "forward").forward(problem, q, k, v)
+
+    def backward(self, problem, dout, q, k, v, out, lse, deterministic):
+        return self._pick(problem, "backward", deterministic).backward(problem, dout, q, k, v, out, lse, deterministic)

@@ -1,0 +1,218 @@
+"""The reference backend against the independent fp64 oracle; gradients; merging of split key ranges."""
+
+import random
+
+import pytest
+import torch
+
+import fa4dist
+from fa4dist.kernels import attention_backward, attention_forward, merge_partials, reference
+from oracle import naive_attention, random_cu_seqlens
+
+F64 = torch.float64
+
+
+def _dense_case(rng: random.Random, gen: torch.Generator):
+    batch = rng.randint(1, 3)
+    heads_kv = rng.choice([1, 2, 3])
+    heads_q = heads_kv * rng.choice([1, 2, 4])
+    sq, sk = rng.choice([1, 7, 33, 64, 129]), rng.choice([1, 5, 31, 64, 130])
+    d, dv = rng.choice([8, 16, 40]), None
+    dv = rng.choice([d, 24])
+    causal = rng.random() < 0.7
+    q_off, k_off = rng.randint(-40, 200), rng.randint(-40, 200)
+    q = torch.randn(batch, sq, heads_q, d, dtype=F64, generator=gen)
+    k = torch.randn(batch, sk, heads_kv, d, dtype=F64, generator=gen)
+    v = torch.randn(batch, sk, heads_kv, dv, dtype=F64, generator=gen)
+    return q, k, v, dict(causal=causal, q_offset=q_off, k_offset=k_off, softmax_scale=rng.choice([None, 0.3]))
+
+
+def _packed_case(rng: random.Random, gen: torch.Generator):
+    n = rng.randint(1, 5)
+    cu_q = random_cu_seqlens(n, 40, gen)
+    cu_k = random_cu_seqlens(n, 40, gen)
+    heads_kv = rng.choice([1, 2])
+    heads_q = heads_kv * rng.choice([1, 3])
+    d = 16
+    q = torch.randn(int(cu_q[-1]), heads_q, d, dtype=F64, generator=gen)
+    k = torch.randn(int(cu_k[-1]), heads_kv, d, dtype=F64, generator=gen)
+    v = torch.randn(int(cu_k[-1]), heads_kv, d, dtype=F64, generator=gen)
+    q_off = [rng.randint(0, 50) for _ in range(n)]
+    k_off = [rng.randint(0, 50) for _ in range(n)]
+    return q, k, v, dict(causal=rng.random() < 0.7, q_offset=q_off, k_offset=k_off, cu_seqlens_q=cu_q,
+                         cu_seqlens_k=cu_k)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_reference_forward_matches_oracle(seed):
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    q, k, v, kw = (_packed_case if seed % 3 == 2 else _dense_case)(rng, gen)
+    out, lse = attention_forward(q, k, v, backend="reference", **kw)
+    ref_out, ref_lse = naive_attention(q, k, v, **kw)
+    assert out.dtype == F64 and lse.dtype == F64
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-10, rtol=1e-10)  # -inf rows compare equal
+
+
+def test_empty_rows_give_zero_and_neg_inf():
+    q = torch.randn(1, 8, 2, 16, dtype=F64)
+    k = torch.randn(1, 8, 2, 16, dtype=F64)
+    # keys start at position 4: queries 0..3 see nothing
+    out, lse = attention_forward(q, k, k, causal=True, q_offset=0, k_offset=4, backend="reference")
+    assert torch.equal(out[:, :4], torch.zeros_like(out[:, :4]))
+    assert torch.isneginf(lse[..., :4]).all() and torch.isfinite(lse[..., 4:]).all()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_reference_backward_matches_oracle_autograd(seed):
+    rng, gen = random.Random(100 + seed), torch.Generator().manual_seed(100 + seed)
+    q, k, v, kw = (_packed_case if seed % 3 == 2 else _dense_case)(rng, gen)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = naive_attention(qr, kr, vr, **kw)
+    dout = torch.randn(ref_out.shape, dtype=F64, generator=gen)
+    ref_out.backward(dout)
+    out, lse = attention_forward(q, k, v, backend="reference", **kw)
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, backend="reference", **kw)
+    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(causal=False),
+        dict(causal=True),
+        dict(causal=True, q_offset=3, k_offset=0),
+        dict(causal=True, q_offset=0, k_offset=2),  # the first two queries see nothing
+    ],
+)
+def test_gradcheck_tiny(kw):
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 5, 4, 6, dtype=F64, generator=gen, requires_grad=True)
+    k = torch.randn(1, 4, 2, 6, dtype=F64, generator=gen, requires_grad=True)
+    v = torch.randn(1, 4, 2, 6, dtype=F64, generator=gen, requires_grad=True)
+    fn = lambda q, k, v: fa4dist.attention(q, k, v, backend="reference", **kw)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-7)
+
+
+def test_gradcheck_packed():
+    gen = torch.Generator().manual_seed(8)
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    q = torch.randn(7, 2, 4, dtype=F64, generator=gen, requires_grad=True)
+    k = torch.randn(7, 1, 4, dtype=F64, generator=gen, requires_grad=True)
+    v = torch.randn(7, 1, 4, dtype=F64, generator=gen, requires_grad=True)
+    fn = lambda q, k, v: fa4dist.attention(  # noqa: E731
+        q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, backend="reference"
+    )
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-7)
+
+
+def _random_split(rng, length, max_blocks):
+    n = rng.randint(1, max_blocks)
+    cuts = sorted(rng.sample(range(1, length), min(n - 1, length - 1))) if length > 1 else []
+    bounds = [0] + cuts + [length]
+    return list(zip(bounds, bounds[1:]))
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_split_keys_and_merge_equals_full(seed):
+    """Any split of the keys into 1..8 blocks at random boundaries, merged, gives the full result (fp64, 1e-12):
+    once with the in-place accumulate mode and once with the fixed-order N-way merge; gradients summed over the
+    blocks, each computed with the global out/lse, give the full gradients."""
+    rng, gen = random.Random(1000 + seed), torch.Generator().manual_seed(1000 + seed)
+    batch, sq, sk, hq, hkv, d = 2, rng.randint(1, 70), rng.randint(2, 90), 4, rng.choice([1, 2, 4]), 16
+    causal, q_off, k_off = rng.random() < 0.75, rng.randint(0, 60), rng.randint(0, 30)
+    q = torch.randn(batch, sq, hq, d, dtype=F64, generator=gen)
+    k = torch.randn(batch, sk, hkv, d, dtype=F64, generator=gen)
+    v = torch.randn(batch, sk, hkv, d, dtype=F64, generator=gen)
+    full_out, full_lse = attention_forward(q, k, v, causal=causal, q_offset=q_off, k_offset=k_off, backend="reference")
+    blocks = _random_split(rng, sk, 8)
+
+    run_out = torch.full((batch, sq, hq, d), float("nan"), dtype=F64)  # garbage where lse = -inf must not leak
+    run_lse = torch.full((batch, hq, sq), float("-inf"), dtype=F64)
+    outs, lses = [], []
+    for ks, ke in blocks:
+        kw = dict(causal=causal, q_offset=q_off, k_offset=k_off + ks, backend="reference")
+        attention_forward(q, k[:, ks:ke], v[:, ks:ke], out=run_out, lse=run_lse, accumulate=True, **kw)
+        o, l = attention_forward(q, k[:, ks:ke], v[:, ks:ke], **kw)
+        outs.append(o)
+        lses.append(l)
+    merged_out, merged_lse = merge_partials(outs, lses)
+    for got_out, got_lse in ((run_out, run_lse), (merged_out, merged_lse)):
+        torch.testing.assert_close(got_out, full_out, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(got_lse, full_lse, atol=1e-12, rtol=1e-12)
+
+    dout = torch.randn(full_out.shape, dtype=F64, generator=gen)
+    full_grads = attention_backward(dout, q, k, v, full_out, full_lse, causal=causal, q_offset=q_off,
+                                    k_offset=k_off, backend="reference")
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for ks, ke in blocks:
+        attention_backward(dout, q, k[:, ks:ke], v[:, ks:ke], full_out, full_lse, causal=causal, q_offset=q_off,
+                           k_offset=k_off + ks, dq=dq, dk=dk[:, ks:ke], dv=dv[:, ks:ke], accumulate=True,
+                           backend="reference")
+    for got, want in zip((dq, dk, dv), full_grads):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+def test_merge_all_neg_inf_is_zero_not_nan():
+    out = torch.full((1, 3, 2, 4), float("nan"))
+    lse = torch.full((1, 2, 3), float("-inf"))
+    blk = torch.zeros(1, 3, 2, 4)
+    attention_lse = torch.full((1, 2, 3), float("-inf"))
+    from fa4dist.kernels import merge_into_
+
+    merge_into_(out, lse, blk, attention_lse)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    o, l = merge_partials([blk, blk], [attention_lse, attention_lse])
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(l).all()
+
+
+def test_chunking_boundaries(monkeypatch):
+    """Tiny tiles force many query and key chunks with partial causal tiles; the result must not change."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 300, 2, 8, dtype=F64, generator=gen)
+    k = torch.randn(1, 250, 1, 8, dtype=F64, generator=gen)
+    kw = dict(causal=True, q_offset=17, k_offset=40)
+    want = attention_forward(q, k, k, backend="reference", **kw)
+    monkeypatch.setattr(reference, "_TILE_ELEMENTS", 16 * 2 * 7)
+    monkeypatch.setattr(reference, "_KEY_CHUNK", 7)
+    got = attention_forward(q, k, k, backend="reference", **kw)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=1e-12)
+
+
+def test_long_sequence_memory_is_bounded(monkeypatch):
+    """A 32k-token causal sequence on the CPU: the reference walks it in tiles (never a 32k x 32k score matrix)."""
+    s, h, d = 32768, 1, 16
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, s, h, d, generator=gen)
+    largest = [0]
+    einsum = torch.einsum
+
+    def recording_einsum(*args):
+        result = einsum(*args)
+        largest[0] = max(largest[0], result.numel())
+        return result
+
+    monkeypatch.setattr(torch, "einsum", recording_einsum)
+    out, lse = attention_forward(q, q, q, causal=True, backend="reference")
+    monkeypatch.undo()
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert 0 < largest[0] <= reference._TILE_ELEMENTS, f"a tile of {largest[0]} elements (the matrix is {s * s})"
+    # spot-check a few rows against the oracle on their visible prefix
+    for row in (0, 1, 12345, s - 1):
+        o, l = naive_attention(q[:, row : row + 1], q[:, : row + 1], q[:, : row + 1], causal=True, q_offset=row)
+        torch.testing.assert_close(out[:, row : row + 1].double(), o, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[..., row : row + 1].double(), l, atol=1e-5, rtol=1e-5)
+
+
+def test_half_precision_inputs_accumulate_in_fp32():
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 65, 4, 32, generator=gen).bfloat16()
+    k = torch.randn(2, 65, 2, 32, generator=gen).bfloat16()
+    out, lse = attention_forward(q, k, k, causal=True, backend="reference")
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    ref_out, ref_lse = naive_attention(q, k, k, causal=True)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-2, rtol=1e-2)  # bf16 output rounding (8 bits)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)  # fp32 accumulation

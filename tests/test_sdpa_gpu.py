@@ -1,0 +1,89 @@
+"""torch's fused ops (sdpa, sdpa_flash, sdpa_cudnn) against the reference on the GPU, bf16 and fp16."""
+
+import pytest
+import torch
+
+from fa4dist.kernels import attention_backward, attention_forward
+from oracle import REL_TOL, naive_attention, rel_error
+
+pytestmark = pytest.mark.gpu
+
+DENSE = [
+    # (batch, sq, sk, hq, hkv, d, causal, q_offset, k_offset)
+    (2, 1024, 1024, 8, 8, 128, True, 0, 0),
+    (2, 1000, 1000, 8, 8, 64, False, 0, 0),
+    (1, 257, 513, 4, 4, 128, True, 256, 0),  # bottom rows see every key, decomposed
+    (1, 300, 300, 8, 2, 64, True, 0, 100),  # the first 100 queries see nothing (GQA)
+    (2, 128, 384, 8, 1, 128, True, 128, 0),  # MQA, partly visible rectangle
+    (1, 64, 64, 4, 4, 64, True, 0, 500),  # nothing visible at all
+]
+
+
+def _tensors(shape_q, shape_k, dtype, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(torch.seed() % (2**31))
+    q = torch.randn(shape_q, device=device, dtype=dtype, generator=g)
+    k = torch.randn(shape_k, device=device, dtype=dtype, generator=g)
+    v = torch.randn(shape_k, device=device, dtype=dtype, generator=g)
+    return q, k, v
+
+
+def _check(backend, q, k, v, dtype, **kw):
+    ref_out, ref_lse = naive_attention(q.cpu(), k.cpu(), v.cpu(), **{
+        n: (x.cpu() if isinstance(x, torch.Tensor) else x) for n, x in kw.items()})
+    out = torch.full(ref_out.shape, float("nan"), device="cuda", dtype=dtype)  # poisoned: every element must be written
+    lse = torch.full(ref_lse.shape, float("nan"), device="cuda", dtype=torch.float32)
+    attention_forward(q, k, v, out=out, lse=lse, backend=backend, **kw)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert rel_error(out.cpu(), ref_out) < REL_TOL[dtype]
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite)
+    torch.testing.assert_close(lse.cpu().double()[finite], ref_lse[finite], atol=2e-3, rtol=1e-3)
+
+    qr, kr, vr = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    o64, _ = naive_attention(qr, kr, vr, **{n: (x.cpu() if isinstance(x, torch.Tensor) else x) for n, x in kw.items()})
+    dout = torch.randn_like(out)
+    o64.backward(dout.cpu().double())
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    attention_backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2], backend=backend, **kw)
+    for got, want in zip(grads, (qr.grad, kr.grad, vr.grad)):
+        if want.norm() == 0:
+            assert torch.equal(got.cpu().double(), want)
+        else:
+            assert rel_error(got.cpu(), want) < 2 * REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_flash", "sdpa_cudnn"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", DENSE)
+def test_dense(backend, dtype, case):
+    b, sq, sk, hq, hkv, d, causal, qo, ko = case
+    q, k, v = _tensors((b, sq, hq, d), (b, sk, hkv, d), dtype)
+    _check(backend, q, k, v, dtype, causal=causal, q_offset=qo, k_offset=ko)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_flash(causal):
+    lens = [0, 17, 300, 1, 512]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q, k, v = _tensors((sum(lens), 8, 128), (sum(lens), 2, 128), torch.bfloat16)
+    _check("sdpa_flash", q, k, v, torch.bfloat16, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+def test_packed_mixed_masks_fall_back_correctly(caplog):
+    cu_q = torch.tensor([0, 100, 250], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 100, 200], dtype=torch.int32, device="cuda")
+    q, k, v = _tensors((250, 4, 64), (200, 4, 64), torch.bfloat16)
+    _check("sdpa", q, k, v, torch.bfloat16, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, q_offset=[0, 80],
+           k_offset=[0, 0])
+    assert "using the reference backend" in caplog.text
+
+
+def test_flash_backward_deterministic_bitwise():
+    q, k, v = _tensors((2, 2048, 16, 128), (2, 2048, 16, 128), torch.bfloat16)
+    out, lse = attention_forward(q, k, v, causal=True, backend="sdpa_flash")
+    dout = torch.randn_like(out)
+    runs = [attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True, backend="sdpa")
+            for _ in range(3)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))

@@ -1,0 +1,142 @@
+"""Bad input gets a clear error that names the argument."""
+
+import math
+
+import pytest
+import torch
+
+from fa4dist.kernels import attention_backward, attention_forward
+
+
+def qkv(b=1, s=8, h=2, d=16, hkv=None, dtype=torch.float32):
+    hkv = hkv or h
+    return torch.randn(b, s, h, d, dtype=dtype), torch.randn(b, s, hkv, d, dtype=dtype), torch.randn(b, s, hkv, d, dtype=dtype)
+
+
+def test_not_a_tensor():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="k must be a torch.Tensor"):
+        attention_forward(q, k.numpy(), v)
+
+
+def test_mismatched_dtypes():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="share a dtype"):
+        attention_forward(q, k.double(), v)
+
+
+def test_integer_dtype():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="q must be float16, bfloat16, float32 or float64"):
+        attention_forward(q.long(), k, v)
+
+
+def test_mismatched_devices():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="one device"):
+        attention_forward(q, k.to("meta"), v)
+
+
+def test_wrong_rank():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"q must be 4-D \(batch, seqlen, heads, head_dim\)"):
+        attention_forward(q[0], k, v)
+
+
+def test_heads_do_not_divide():
+    q, k, v = qkv(h=3, hkv=2)
+    with pytest.raises(ValueError, match=r"query heads \(3\) must be a multiple of the number of key/value heads \(2\)"):
+        attention_forward(q, k, v)
+
+
+def test_head_dim_mismatch():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="share the head dim"):
+        attention_forward(q, k[..., :8], v)
+
+
+def test_kv_mismatch_and_batch_mismatch():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="k and v must agree"):
+        attention_forward(q, k, v[:, :4])
+    with pytest.raises(ValueError, match="batch size"):
+        attention_forward(q, torch.cat([k, k]), torch.cat([v, v]))
+
+
+def test_backend_head_dim_out_of_range():
+    q, k, v = qkv(d=12)
+    with pytest.raises(ValueError, match="sdpa_flash.*CUDA|not available"):
+        attention_forward(q, k, v, backend="sdpa_flash")
+
+
+def test_unknown_backend():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+        attention_forward(q, k, v, backend="nope")
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0])
+def test_non_finite_scale(scale):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        attention_forward(q, k, v, softmax_scale=scale)
+
+
+def _packed(cu_q, cu_k=None, total=10):
+    q = torch.randn(total, 2, 8)
+    return q, q.clone(), q.clone(), cu_q, cu_q if cu_k is None else cu_k
+
+
+def test_cu_seqlens_wrong_dtype():
+    q, k, v, cq, ck = _packed(torch.tensor([0, 4, 10], dtype=torch.int64))
+    with pytest.raises(TypeError, match="cu_seqlens_q must have dtype torch.int32"):
+        attention_forward(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck)
+
+
+def test_cu_seqlens_not_monotone():
+    q, k, v, cq, ck = _packed(torch.tensor([0, 6, 4, 10], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        attention_forward(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck)
+
+
+def test_cu_seqlens_disagree_with_token_count():
+    q, k, v, cq, ck = _packed(torch.tensor([0, 4, 9], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] = 9 disagrees with the token count 10"):
+        attention_forward(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck)
+
+
+def test_cu_seqlens_only_one_side_or_different_lengths():
+    q, k, v, cq, _ = _packed(torch.tensor([0, 4, 10], dtype=torch.int32))
+    with pytest.raises(ValueError, match="given together"):
+        attention_forward(q, k, v, cu_seqlens_q=cq)
+    with pytest.raises(ValueError, match="same length"):
+        attention_forward(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=torch.tensor([0, 10], dtype=torch.int32))
+
+
+def test_offsets_wrong_count():
+    q, k, v = qkv(b=2)
+    with pytest.raises(ValueError, match="q_offset must have one entry per sequence/segment"):
+        attention_forward(q, k, v, causal=True, q_offset=[0, 1, 2])
+
+
+def test_accumulate_needs_fp32_buffers():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="accumulate=True needs the running out and lse"):
+        attention_forward(q, k, v, accumulate=True)
+    out = torch.zeros(q.shape, dtype=torch.float16)
+    lse = torch.zeros(1, 2, 8)
+    with pytest.raises(TypeError, match="out must have dtype torch.float32"):
+        attention_forward(q, k, v, out=out, lse=lse, accumulate=True)
+    with pytest.raises(ValueError, match=r"lse must have shape \(1, 2, 8\)"):
+        attention_forward(q, k, v, out=out.float(), lse=lse[..., :4], accumulate=True)
+
+
+def test_backward_buffers():
+    q, k, v = qkv()
+    out, lse = attention_forward(q, k, v)
+    with pytest.raises(ValueError, match="dout must have shape"):
+        attention_backward(out[:, :4], q, k, v, out, lse)
+    with pytest.raises(ValueError, match="accumulate=True needs the fp32 dq, dk and dv"):
+        attention_backward(out, q, k, v, out, lse, accumulate=True)
+    with pytest.raises(ValueError, match="needs lse"):
+        attention_backward(out, q, k, v, out, None)
