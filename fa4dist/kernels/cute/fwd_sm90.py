@@ -1,0 +1,896 @@
+# Hopper (sm_90a) attention forward kernel written in CuTe DSL.
+#
+# Structure (one CTA = one query tile of `tile_m` rows of one (head, batch)):
+#   * warpgroup 0 is the producer: its first warp issues TMA loads of Q (once) and
+#     of K/V tiles (multi-stage ring, PipelineTmaAsync) and then idles with few
+#     registers (setmaxnreg.dec);
+#   * warpgroups 1..num_wg are consumers: each owns 64 query rows of the tile.
+#     S = Q K^T and O += P V run on wgmma (P is fed from registers), the online
+#     softmax runs in exp2 with the softmax scale folded into one FFMA, and the
+#     O rescale is skipped when no row max of the warp grew past a threshold.
+#   * Optional intra-warpgroup overlap: the QK^T of block j is issued together
+#     with the PV of block j-1, so the softmax of block j overlaps the tensor
+#     cores; optional inter-warpgroup "scheduler" named barriers make the
+#     consumer warpgroups take turns issuing their wgmmas.
+#   * Epilogue: normalisation, then either a plain store of O (q dtype) and LSE
+#     (natural log), or the accumulate-merge of this block's (O, LSE) into a
+#     running fp32 (out, lse) pair.
+#
+# Masking contract (causal): key j of the block is visible to query i iff
+#   k_offset + j <= q_offset + i   <=>   j <= i + diag,   diag = q_offset - k_offset.
+# Key tiles entirely masked are never loaded or computed; tiles entirely visible
+# run without mask math; rows without any visible key produce O = 0, LSE = -inf.
+#
+# This module imports cutlass at import time: import it lazily.
+
+import math
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+# named barrier ids (0 is __syncthreads)
+_BAR_SCHED_BASE = 2  # + consumer warpgroup index (0..2)
+
+
+# ----------------------------------------------------------------------------
+# small layout helpers
+# ----------------------------------------------------------------------------
+
+
+def _smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
+    """Row-major (cols contiguous) swizzled smem layout for a (rows, cols[, stages]) tile."""
+    kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols)
+    atom = warpgroup.make_smem_layout_atom(kind, dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def _permute(t: cute.Tensor, modes) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=list(modes)))
+
+
+def _mn_layout(acc_layout):
+    """wgmma accumulator layout ((2, 2, V), M, N) -> ((2, M), (2, V, N)) (rows, cols)."""
+    cm = cute.make_layout(acc_layout.shape)
+    shape = ((cm.shape[0][1], cm.shape[1]), (cm.shape[0][0], cm.shape[0][2], cm.shape[2]))
+    stride = ((cm.stride[0][1], cm.stride[1]), (cm.stride[0][0], cm.stride[0][2], cm.stride[2]))
+    return cute.composition(acc_layout, cute.make_layout(shape, stride=stride))
+
+
+def _mn_view(t: cute.Tensor) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, _mn_layout(t.layout))
+
+
+def _acc_as_operand_a(t: cute.Tensor) -> cute.Tensor:
+    """View a (bf16/fp16-converted) S accumulator ((2,2,V),M,N) as the wgmma A
+    register fragment ((2,2,2),M,(V/2,N)) of the following P @ V."""
+    l = cute.logical_divide(t.layout, ((None, None, 2), None, None))
+    shape = ((l.shape[0][0], l.shape[0][1], l.shape[0][2][0]), l.shape[1], (l.shape[0][2][1], l.shape[2]))
+    stride = (
+        (l.stride[0][0], l.stride[0][1], l.stride[0][2][0]),
+        l.stride[1],
+        (l.stride[0][2][1], l.stride[2]),
+    )
+    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+
+
+def _transpose_smem(t: cute.Tensor) -> cute.Tensor:
+    """(a, b, stages) smem view -> (b, a, stages) view of the same bytes."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+class FlashFwdSm90:
+    """Static configuration of one compiled forward variant."""
+
+    def __init__(
+        self,
+        dtype,
+        head_dim: int,
+        *,
+        causal: bool,
+        varlen: bool,
+        accumulate: bool,
+        seg_offsets: bool = False,
+        tile_m: int = 128,
+        tile_n: int = 128,
+        num_stages: int = 2,
+        intra_wg_overlap: bool = True,
+        sched_barrier: bool = True,
+        rescale_threshold: float = 8.0,
+        l2_rows: Optional[int] = None,
+    ):
+        assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
+        assert head_dim % 16 == 0 and tile_n % 16 == 0
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.varlen = varlen
+        self.accumulate = accumulate
+        self.seg_offsets = seg_offsets
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.num_stages = num_stages
+        self.num_wg = tile_m // 64
+        self.intra_wg_overlap = intra_wg_overlap
+        self.sched_barrier = sched_barrier and self.num_wg >= 2 and intra_wg_overlap
+        self.rescale_threshold = float(rescale_threshold)
+        self.num_threads = 128 * (self.num_wg + 1)
+        self.regs_producer, self.regs_consumer = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_wg]
+        elem = dtype.width // 8
+        # K+V rows of one head that we try to keep resident in L2 (grouping of heads for causal LPT)
+        if l2_rows is None:
+            l2_rows = (24 * 1024 * 1024) // (2 * head_dim * elem)
+        self.l2_rows = l2_rows
+
+    # ------------------------------------------------------------------------
+    # host side
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, s_q, h, d) | varlen (t_q, h, d)
+        mK: cute.Tensor,  # (b, s_k, h_kv, d) | varlen (t_k, h_kv, d)
+        mV: cute.Tensor,
+        mO: cute.Tensor,  # like q (q dtype, or fp32 running output when accumulating)
+        mLSE: cute.Tensor,  # (b, h, s_q) | varlen (h, t_q), fp32
+        scale_log2: Float32,  # softmax_scale * log2(e)
+        diag: Int32,  # q_offset - k_offset (plus per-sequence offsets mSegOffQ/K when given)
+        max_seqlen_q: Int32,  # varlen: longest segment (upper bound is fine); else ignored
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSegOffQ: Optional[cute.Tensor],
+        mSegOffK: Optional[cute.Tensor],
+        stream,
+    ):
+        if const_expr(not self.varlen):
+            mQ, mO = [_permute(t, (1, 3, 2, 0)) for t in (mQ, mO)]  # (s, d, h, b)
+            mK, mV = [_permute(t, (1, 3, 2, 0)) for t in (mK, mV)]
+            mLSE = _permute(mLSE, (2, 1, 0))  # (s, h, b)
+        else:
+            mQ, mO = [_permute(t, (0, 2, 1)) for t in (mQ, mO)]  # (t, d, h)
+            mK, mV = [_permute(t, (0, 2, 1)) for t in (mK, mV)]
+            mLSE = _permute(mLSE, (1, 0))  # (t, h)
+
+        D = self.head_dim
+        self.sQ_layout = _smem_layout(self.dtype, self.tile_m, D)
+        self.sK_layout = _smem_layout(self.dtype, self.tile_n, D, self.num_stages)
+        self.sV_layout = _smem_layout(self.dtype, self.tile_n, D, self.num_stages)
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=(self.num_wg, 1, 1),
+            tiler_mn=(64, self.tile_n),
+        )
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.MN,
+            Float32,
+            atom_layout_mnk=(self.num_wg, 1, 1),
+            tiler_mn=(64, D),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, mQ, self.sQ_layout, (self.tile_m, D))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            g2s, mK, cute.select(self.sK_layout, mode=[0, 1]), (self.tile_n, D), 1
+        )
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            g2s, mV, cute.select(self.sV_layout, mode=[0, 1]), (self.tile_n, D), 1
+        )
+        self.bytes_q = cute.size_in_bytes(self.dtype, self.sQ_layout)
+        self.bytes_kv = cute.size_in_bytes(self.dtype, cute.select(self.sK_layout, mode=[0, 1]))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        num_heads = cute.size(mQ.shape[2])
+        if const_expr(not self.varlen):
+            num_batch = cute.size(mQ.shape[3])
+            num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
+        else:
+            num_batch = cute.size(mCuSeqlensQ.shape[0]) - 1
+            num_m_blocks = cute.ceil_div(max_seqlen_q, self.tile_m)
+        grid = (num_m_blocks * num_heads * num_batch, 1, 1)
+
+        self.kernel(
+            tma_Q,
+            tma_K,
+            tma_V,
+            mO,
+            mLSE,
+            tma_atom_Q,
+            tma_atom_K,
+            tma_atom_V,
+            tiled_mma_qk,
+            tiled_mma_pv,
+            scale_log2,
+            diag,
+            num_m_blocks,
+            num_batch,
+            mCuSeqlensQ,
+            mCuSeqlensK,
+            mSegOffQ,
+            mSegOffK,
+            self.sQ_layout,
+            self.sK_layout,
+            self.sV_layout,
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        tma_atom_Q: cute.CopyAtom,
+        tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        scale_log2: Float32,
+        diag: Int32,
+        num_m_blocks: Int32,
+        num_batch: Int32,
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSegOffQ: Optional[cute.Tensor],
+        mSegOffK: Optional[cute.Tensor],
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_Q)
+            cpasync.prefetch_descriptor(tma_atom_K)
+            cpasync.prefetch_descriptor(tma_atom_V)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        producer_one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_wg * 4)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(),
+            num_stages=1,
+            producer_group=producer_one,
+            consumer_group=consumer_warps,
+            tx_count=self.bytes_q,
+            defer_sync=True,
+        )
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(),
+            num_stages=self.num_stages,
+            producer_group=producer_one,
+            consumer_group=consumer_warps,
+            tx_count=self.bytes_kv,
+            defer_sync=True,
+        )
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(),
+            num_stages=self.num_stages,
+            producer_group=producer_one,
+            consumer_group=consumer_warps,
+            tx_count=self.bytes_kv,
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        # ---------------- work tile decode (identical in every warp) ----------------
+        num_heads = cute.size(mQ.shape[2])
+        num_heads_kv = cute.size(mK.shape[2])
+        qhead_per_kv = num_heads // num_heads_kv
+        bid, _, _ = cute.arch.block_idx()
+        num_hb = num_heads * num_batch
+        m_block = Int32(0)
+        hb = Int32(0)
+        if const_expr(self.causal and not self.varlen):
+            # longest-processing-time first, heads grouped so that their K/V stay in L2
+            seqlen_k_static = cute.size(mK.shape[0])
+            group = cutlass.max(self.l2_rows // cutlass.max(seqlen_k_static, 1), 1) * qhead_per_kv
+            group = cutlass.min(group, num_hb)
+            per_group = group * num_m_blocks
+            gidx = bid // per_group
+            r = bid - gidx * per_group
+            hb_start = gidx * group
+            g_eff = cutlass.min(group, num_hb - hb_start)
+            m_block = num_m_blocks - 1 - r // g_eff
+            hb = hb_start + r % g_eff
+        elif const_expr(self.causal):
+            hb = bid // num_m_blocks
+            m_block = num_m_blocks - 1 - (bid - hb * num_m_blocks)
+        else:
+            hb = bid // num_m_blocks
+            m_block = bid - hb * num_m_blocks
+        batch = hb // num_heads
+        head = hb - batch * num_heads
+        head_kv = head // qhead_per_kv
+
+        offset_q = Int32(0)
+        offset_k = Int32(0)
+        seqlen_q = Int32(0)
+        seqlen_k = Int32(0)
+        diag_b = diag
+        if const_expr(self.varlen):
+            offset_q = mCuSeqlensQ[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+            offset_k = mCuSeqlensK[batch]
+            seqlen_k = mCuSeqlensK[batch + 1] - offset_k
+        else:
+            seqlen_q = cute.size(mQ.shape[0])
+            seqlen_k = cute.size(mK.shape[0])
+        if const_expr(self.seg_offsets):
+            # per-sequence / per-segment global offsets of the first query / key
+            diag_b = diag + mSegOffQ[batch] - mSegOffK[batch]
+
+        tile_valid = m_block * self.tile_m < seqlen_q
+        n_block_max = cute.ceil_div(seqlen_k, self.tile_n)
+        n_block_causal = Int32(0)  # blocks >= this one need the causal mask
+        if const_expr(self.causal):
+            last_row_excl = cutlass.min(seqlen_q, (m_block + 1) * self.tile_m)
+            nvis = last_row_excl + diag_b  # keys visible to the last row of the tile
+            n_block_max = cutlass.min(n_block_max, cute.ceil_div(cutlass.max(nvis, 0), self.tile_n))
+            first_vis = m_block * self.tile_m + diag_b + 1  # keys visible to the first row
+            n_block_causal = cutlass.max(first_vis, 0) // self.tile_n
+        if not tile_valid:
+            n_block_max = Int32(0)
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=None)
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if wg_idx == 0:
+            # ============================ producer ============================
+            cute.arch.setmaxregister_decrease(self.regs_producer)
+            if warp_idx == 0:
+                if n_block_max > 0:
+                    self.produce(
+                        mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                        pipe_q, pipe_k, pipe_v,
+                        m_block, head, head_kv, batch, offset_q, offset_k, n_block_max,
+                    )
+        else:
+            # ============================ consumers ===========================
+            cute.arch.setmaxregister_increase(self.regs_consumer)
+            if tile_valid:
+                self.consume(
+                    mO, mLSE, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v,
+                    scale_log2, diag_b, m_block, head, batch, offset_q, seqlen_q, seqlen_k,
+                    n_block_max, n_block_causal,
+                )
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def produce(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        tma_atom_Q: cute.CopyAtom,
+        tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom,
+        pipe_q: pipeline.PipelineAsync,
+        pipe_k: pipeline.PipelineAsync,
+        pipe_v: pipeline.PipelineAsync,
+        m_block: Int32,
+        head: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        offset_q: Int32,
+        offset_k: Int32,
+        n_block_max: Int32,
+    ):
+        D = self.head_dim
+        if const_expr(not self.varlen):
+            mQ_cur = mQ[None, None, head, batch]
+            mK_cur = mK[None, None, head_kv, batch]
+            mV_cur = mV[None, None, head_kv, batch]
+        else:
+            mQ_cur = cute.domain_offset((offset_q, 0), mQ[None, None, head])
+            mK_cur = cute.domain_offset((offset_k, 0), mK[None, None, head_kv])
+            mV_cur = cute.domain_offset((offset_k, 0), mV[None, None, head_kv])
+        gQ = cute.local_tile(mQ_cur, (self.tile_m, D), (m_block, 0))
+        gK = cute.local_tile(mK_cur, (self.tile_n, D), (None, 0))  # (tile_n, D, nblk)
+        gV = cute.local_tile(mV_cur, (self.tile_n, D), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+
+        n_block = n_block_max - 1
+        # first K tile goes out before Q so that both land together
+        pipe_k.producer_acquire(kv_state)
+        cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
+                  tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        if const_expr(self.intra_wg_overlap):
+            # consumer order: K(n), [K(n-1), V(n)], [K(n-2), V(n-1)], ..., V(0)
+            for i in cutlass.range(n_block_max - 1, unroll=1):
+                n_prev = n_block_max - 1 - i
+                prev_state = kv_state.clone()
+                kv_state.advance()
+                pipe_k.producer_acquire(kv_state)
+                cute.copy(tma_atom_K, tKgK[None, n_prev - 1], tKsK[None, kv_state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                pipe_v.producer_acquire(prev_state)
+                cute.copy(tma_atom_V, tVgV[None, n_prev], tVsV[None, prev_state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(prev_state))
+            pipe_v.producer_acquire(kv_state)
+            cute.copy(tma_atom_V, tVgV[None, 0], tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+            kv_state.advance()
+        else:
+            pipe_v.producer_acquire(kv_state)
+            cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+            kv_state.advance()
+            for i in cutlass.range(n_block_max - 1, unroll=1):
+                n = n_block_max - 2 - i
+                pipe_k.producer_acquire(kv_state)
+                cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, kv_state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                pipe_v.producer_acquire(kv_state)
+                cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, kv_state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                kv_state.advance()
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def consume(
+        self,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        pipe_q: pipeline.PipelineAsync,
+        pipe_k: pipeline.PipelineAsync,
+        pipe_v: pipeline.PipelineAsync,
+        scale_log2: Float32,
+        diag: Int32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        offset_q: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        n_block_max: Int32,
+        n_block_causal: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        tidx = tidx - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_layout = cute.make_layout(self.num_wg, stride=128)
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_layout(wg))
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_layout(wg))
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+
+        D = self.head_dim
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        sVt = _transpose_smem(sV)  # (D, tile_n, stages)
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, D)), Float32)
+        acc_O.fill(0.0)
+        s_shape = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
+
+        # per-thread coordinates of the S accumulator (rows/cols within the tile)
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS_mn = _mn_view(thr_mma_qk.partition_C(cS))
+        t0ScS_mn = _mn_view(tiled_mma_qk.get_slice(0).partition_C(cS))
+        nrows = cute.size(tScS_mn, mode=[0])
+        row_max = cute.make_rmem_tensor(nrows, Float32)
+        row_sum = cute.make_rmem_tensor(nrows, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+
+        if n_block_max > 0:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_q.consumer_wait(q_state)
+            if const_expr(self.sched_barrier):
+                if wg == 0:
+                    cute.arch.barrier_arrive(barrier_id=_BAR_SCHED_BASE, number_of_threads=256)
+            # number of blocks after the first one that still need the causal mask
+            n_masked = Int32(0)
+            if const_expr(self.causal):
+                n_masked = cutlass.max(n_block_max - 1 - cutlass.max(n_block_causal, 0), 0)
+            n_plain = n_block_max - 1 - n_masked
+
+            if const_expr(self.intra_wg_overlap):
+                # ---- first block: S only ----
+                n_block = n_block_max - 1
+                pipe_k.consumer_wait(kv_state)
+                acc_S = cute.make_rmem_tensor(s_shape, Float32)
+                self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
+                pipe_k.consumer_release(kv_state)
+                self.apply_mask(acc_S, tScS_mn, t0ScS_mn, m_block, n_block, seqlen_k, diag, True)
+                self.online_softmax(acc_S, row_max, row_sum, acc_O, scale_log2, True)
+                tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
+                for i in cutlass.range(n_masked, unroll=1):
+                    kv_state = self.overlap_step(
+                        kv_state, n_block_max - 2 - i, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
+                        tOrP, acc_O, s_shape, pipe_k, pipe_v, row_max, row_sum, scale_log2,
+                        tScS_mn, t0ScS_mn, m_block, seqlen_k, diag, True, wg,
+                    )
+                for i in cutlass.range(n_plain, unroll=1):
+                    kv_state = self.overlap_step(
+                        kv_state, n_plain - 1 - i, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
+                        tOrP, acc_O, s_shape, pipe_k, pipe_v, row_max, row_sum, scale_log2,
+                        tScS_mn, t0ScS_mn, m_block, seqlen_k, diag, False, wg,
+                    )
+                # ---- last P @ V ----
+                pipe_v.consumer_wait(kv_state)
+                self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, 0)
+                pipe_v.consumer_release(kv_state)
+                kv_state.advance()
+            else:
+                kv_state = self.simple_step(
+                    kv_state, n_block_max - 1, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
+                    tOrP, acc_O, s_shape, pipe_k, pipe_v, row_max, row_sum, scale_log2,
+                    tScS_mn, t0ScS_mn, m_block, seqlen_k, diag, 2,
+                )
+                for i in cutlass.range(n_masked, unroll=1):
+                    kv_state = self.simple_step(
+                        kv_state, n_block_max - 2 - i, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
+                        tOrP, acc_O, s_shape, pipe_k, pipe_v, row_max, row_sum, scale_log2,
+                        tScS_mn, t0ScS_mn, m_block, seqlen_k, diag, 1,
+                    )
+                for i in cutlass.range(n_plain, unroll=1):
+                    kv_state = self.simple_step(
+                        kv_state, n_plain - 1 - i, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
+                        tOrP, acc_O, s_shape, pipe_k, pipe_v, row_max, row_sum, scale_log2,
+                        tScS_mn, t0ScS_mn, m_block, seqlen_k, diag, 0,
+                    )
+
+        self.epilogue(
+            acc_O, row_max, row_sum, mO, mLSE, thr_mma_pv, scale_log2,
+            m_block, head, batch, offset_q, seqlen_q,
+        )
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def gemm(
+        self,
+        tiled_mma: cute.TiledMma,
+        acc: cute.Tensor,
+        tA: cute.Tensor,
+        tB: cute.Tensor,
+        zero_init: cutlass.Constexpr[bool],
+        wait: cutlass.Constexpr[int],
+    ):
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
+            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        if const_expr(wait >= 0):
+            warpgroup.wait_group(wait)
+
+    @cute.jit
+    def sched_sync(self, wg: Int32):
+        if const_expr(self.sched_barrier):
+            cute.arch.barrier(barrier_id=_BAR_SCHED_BASE + wg, number_of_threads=256)
+
+    @cute.jit
+    def sched_arrive(self, wg: Int32):
+        if const_expr(self.sched_barrier):
+            nxt = wg + 1
+            if nxt == self.num_wg:
+                nxt = Int32(0)
+            cute.arch.barrier_arrive(barrier_id=_BAR_SCHED_BASE + nxt, number_of_threads=256)
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def overlap_step(
+        self,
+        kv_state,
+        n_block: Int32,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tSrQ: cute.Tensor,
+        tSrK: cute.Tensor,
+        tOrVt: cute.Tensor,
+        tOrP: cute.Tensor,
+        acc_O: cute.Tensor,
+        s_shape: cutlass.Constexpr,
+        pipe_k: pipeline.PipelineAsync,
+        pipe_v: pipeline.PipelineAsync,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        scale_log2: Float32,
+        tScS_mn: cute.Tensor,
+        t0ScS_mn: cute.Tensor,
+        m_block: Int32,
+        seqlen_k: Int32,
+        diag: Int32,
+        causal_mask: cutlass.Constexpr[bool],
+        wg: Int32,
+    ):
+        v_state = kv_state.clone()
+        kv_state.advance()
+        pipe_k.consumer_wait(kv_state)
+        self.sched_sync(wg)
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, -1)
+        pipe_v.consumer_wait(v_state)
+        self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
+        self.sched_arrive(wg)
+        warpgroup.wait_group(1)
+        pipe_k.consumer_release(kv_state)
+        if const_expr(causal_mask):
+            self.apply_mask(acc_S, tScS_mn, t0ScS_mn, m_block, n_block, seqlen_k, diag, False)
+        row_scale = self.online_softmax(acc_S, row_max, row_sum, acc_O, scale_log2, False)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(v_state)
+        tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
+        self.rescale_o(acc_O, row_scale)
+        return kv_state
+
+    @cute.jit
+    def simple_step(
+        self,
+        kv_state,
+        n_block: Int32,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tSrQ: cute.Tensor,
+        tSrK: cute.Tensor,
+        tOrVt: cute.Tensor,
+        tOrP: cute.Tensor,
+        acc_O: cute.Tensor,
+        s_shape: cutlass.Constexpr,
+        pipe_k: pipeline.PipelineAsync,
+        pipe_v: pipeline.PipelineAsync,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        scale_log2: Float32,
+        tScS_mn: cute.Tensor,
+        t0ScS_mn: cute.Tensor,
+        m_block: Int32,
+        seqlen_k: Int32,
+        diag: Int32,
+        mask_kind: cutlass.Constexpr[int],  # 0 none, 1 causal, 2 seqlen + causal
+    ):
+        pipe_k.consumer_wait(kv_state)
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
+        pipe_k.consumer_release(kv_state)
+        if const_expr(mask_kind > 0):
+            self.apply_mask(acc_S, tScS_mn, t0ScS_mn, m_block, n_block, seqlen_k, diag, mask_kind == 2)
+        row_scale = self.online_softmax(acc_S, row_max, row_sum, acc_O, scale_log2, False)
+        tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
+        self.rescale_o(acc_O, row_scale)
+        pipe_v.consumer_wait(kv_state)
+        self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, 0)
+        pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def apply_mask(
+        self,
+        acc_S: cute.Tensor,
+        tScS_mn: cute.Tensor,
+        t0ScS_mn: cute.Tensor,
+        m_block: Int32,
+        n_block: Int32,
+        seqlen_k: Int32,
+        diag: Int32,
+        mask_seqlen: cutlass.Constexpr[bool],
+    ):
+        """Set S to -inf where key col >= seqlen_k (if mask_seqlen) or, when causal,
+        where col > row + diag. Comparisons are against thread 0's compile-time
+        column coordinates with this thread's column offset folded into the limit."""
+        acc_mn = _mn_view(acc_S)
+        thr_col = tScS_mn[0, 0][1]
+        col0 = n_block * self.tile_n + thr_col
+        seqlen_limit = seqlen_k - col0
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            limit = seqlen_limit
+            if const_expr(self.causal):
+                row = m_block * self.tile_m + tScS_mn[r, 0][0]
+                causal_limit = row + diag + 1 - col0
+                if const_expr(mask_seqlen):
+                    limit = cutlass.min(limit, causal_limit)
+                else:
+                    limit = causal_limit
+            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                if t0ScS_mn[0, c][1] >= limit:
+                    acc_mn[r, c] = -Float32.inf
+
+    @cute.jit
+    def online_softmax(
+        self,
+        acc_S: cute.Tensor,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        acc_O: cute.Tensor,
+        scale_log2: Float32,
+        is_first: cutlass.Constexpr[bool],
+    ):
+        """Turn S into unnormalised P in place; update running max / partial sums.
+        Returns per-row factors for O (1.0 where the max was kept)."""
+        acc_mn = _mn_view(acc_S)
+        row_scale = cute.make_rmem_tensor_like(row_max, Float32)
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            vals = acc_mn[r, None].load()
+            m_cur = vals.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            m_cur = cute.arch.warp_reduction_max(m_cur, threads_in_group=4)
+            m_old = row_max[r]
+            m_new = cute.arch.fmax(m_old, m_cur)
+            if const_expr(not is_first and self.rescale_threshold > 0.0):
+                # keep the stale max unless it grew by more than the threshold (log2 units):
+                # P stays <= 2^threshold and the final normalisation is exact either way
+                grow = (m_new - m_old) * scale_log2
+                if grow <= self.rescale_threshold:  # NaN (both -inf) also lands here: fine
+                    m_new = m_old
+            row_max[r] = m_new
+            m_safe = m_new
+            if m_new == -Float32.inf:
+                m_safe = Float32(0.0)
+            m_scaled = m_safe * scale_log2
+            p = cute.math.exp2(vals * scale_log2 - m_scaled, fastmath=True)
+            acc_mn[r, None].store(p)
+            p_sum = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            if const_expr(is_first):
+                row_scale[r] = Float32(1.0)
+                row_sum[r] = p_sum
+            else:
+                sc = cute.math.exp2(m_old * scale_log2 - m_scaled, fastmath=True)
+                row_scale[r] = sc
+                row_sum[r] = row_sum[r] * sc + p_sum
+        return row_scale
+
+    @cute.jit
+    def rescale_o(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
+        acc_mn = _mn_view(acc_O)
+        if const_expr(self.rescale_threshold > 0.0):
+            need = row_scale[0] != Float32(1.0)
+            for r in cutlass.range_constexpr(1, cute.size(row_scale)):
+                need = need | (row_scale[r] != Float32(1.0))
+            if cute.arch.vote_any_sync(need):
+                for r in cutlass.range_constexpr(cute.size(row_scale)):
+                    acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
+        else:
+            for r in cutlass.range_constexpr(cute.size(row_scale)):
+                acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def epilogue(
+        self,
+        acc_O: cute.Tensor,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        thr_mma_pv: cute.ThrMma,
+        scale_log2: Float32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        offset_q: Int32,
+        seqlen_q: Int32,
+    ):
+        D = self.head_dim
+        if const_expr(not self.varlen):
+            mO_cur = mO[None, None, head, batch]
+            mL_cur = mLSE[None, head, batch]
+        else:
+            mO_cur = cute.domain_offset((offset_q, 0), mO[None, None, head])
+            mL_cur = cute.domain_offset((offset_q,), mLSE[None, head])
+        gO = cute.local_tile(mO_cur, (self.tile_m, D), (m_block, 0))
+        tOgO_mn = _mn_view(thr_mma_pv.partition_C(gO))
+        cO = cute.make_identity_tensor((self.tile_m, D))
+        tOcO_mn = _mn_view(thr_mma_pv.partition_C(cO))
+        acc_mn = _mn_view(acc_O)
+        is_col0 = tOcO_mn[0, 0][1] == 0
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
+            s = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+            row = m_block * self.tile_m + tOcO_mn[r, 0][0]
+            empty = s == Float32(0.0) or s != s
+            inv = cute.arch.rcp_approx(Float32(1.0) if empty else s)
+            lse = Float32(-math.inf)
+            if not empty:
+                lse = (row_max[r] * scale_log2 + cute.math.log2(s, fastmath=True)) * LN_2
+            lse_old = Float32(-math.inf)
+            if const_expr(self.accumulate):
+                # the quad leader reads the running lse; the shuffle hands it to the 3 other
+                # lanes of the row and orders that read before the leader's write below
+                if row < seqlen_q and is_col0:
+                    lse_old = mL_cur[row]
+                lane = cute.arch.lane_idx()
+                lse_old = cute.arch.shuffle_sync(lse_old, offset=lane & ~3)
+            if row < seqlen_q:
+                if const_expr(not self.accumulate):
+                    o = cute.make_rmem_tensor_like(acc_mn[r, None], mO.element_type)
+                    o.store((acc_mn[r, None].load() * inv).to(mO.element_type))
+                    cute.autovec_copy(o, tOgO_mn[r, None])
+                    if is_col0:
+                        mL_cur[row] = lse
+                else:
+                    # merge (acc/s, lse) into the running (out, lse_old)
+                    m = cute.arch.fmax(lse_old, lse)
+                    w_old = Float32(1.0)
+                    w_new = Float32(0.0)
+                    lse_out = lse_old
+                    if m != -Float32.inf:
+                        e_old = cute.math.exp2((lse_old - m) * LOG2_E, fastmath=True)
+                        e_new = cute.math.exp2((lse - m) * LOG2_E, fastmath=True)
+                        tot = e_old + e_new
+                        lse_out = m + cute.math.log2(tot, fastmath=True) * LN_2
+                        rt = cute.arch.rcp_approx(tot)
+                        w_old = e_old * rt
+                        w_new = e_new * rt
+                    o_old = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
+                    cute.autovec_copy(tOgO_mn[r, None], o_old)
+                    o_blk = acc_mn[r, None].load() * (inv * w_new)
+                    o_new = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
+                    if w_old == Float32(0.0):
+                        o_new.store(o_blk)
+                    else:
+                        o_new.store(o_old.load() * w_old + o_blk)
+                    cute.autovec_copy(o_new, tOgO_mn[r, None])
+                    if is_col0:
+                        mL_cur[row] = lse_out
