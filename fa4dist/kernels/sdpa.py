@@ -68,14 +68,16 @@ def _cudnn_backward(dout, q, k, v, out, lse, scale, causal):
 
 @contextlib.contextmanager
 def _deterministic_algorithms(enabled: bool):
-    """torch's flash backward reads the global deterministic flag; set it for the duration of one call."""
+    """torch's flash backward reads the global deterministic flag (and only the strict setting: with
+    warn_only=True it stays non-deterministic, seen on torch 2.11); set it for the duration of one call."""
     before, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    if enabled and not before:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    switch = enabled and (not before or warn_only)
+    if switch:
+        torch.use_deterministic_algorithms(True, warn_only=False)
     try:
         yield
     finally:
-        if enabled and not before:
+        if switch:
             torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
