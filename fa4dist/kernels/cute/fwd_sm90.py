@@ -27,12 +27,13 @@ import math
 from typing import Optional
 
 import cutlass
+import cutlass.memory
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -82,6 +83,16 @@ def _acc_as_operand_a(t: cute.Tensor) -> cute.Tensor:
         (l.stride[0][2][1], l.stride[2]),
     )
     return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+
+
+def _tree_sum(terms):
+    """Pairwise sum of a Python list of traced scalars (plain Python: unrolled at trace time)."""
+    while len(terms) > 1:
+        nxt = [terms[i] + terms[i + 1] for i in range(0, len(terms) - 1, 2)]
+        if len(terms) % 2:
+            nxt.append(terms[-1])
+        terms = nxt
+    return terms[0]
 
 
 def _transpose_smem(t: cute.Tensor) -> cute.Tensor:
@@ -283,7 +294,7 @@ class FlashFwdSm90:
             cpasync.prefetch_descriptor(tma_atom_K)
             cpasync.prefetch_descriptor(tma_atom_V)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
         producer_one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -792,7 +803,8 @@ class FlashFwdSm90:
             m_scaled = m_safe * scale_log2
             p = cute.math.exp2(vals * scale_log2 - m_scaled, fastmath=True)
             acc_mn[r, None].store(p)
-            p_sum = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            # pairwise tree: short dependency chains instead of one serial FADD chain
+            p_sum = _tree_sum([acc_mn[r, c] for c in range(cute.size(acc_mn, mode=[1]))])
             if const_expr(is_first):
                 row_scale[r] = Float32(1.0)
                 row_sum[r] = p_sum

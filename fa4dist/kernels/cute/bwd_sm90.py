@@ -1,0 +1,774 @@
+# Hopper (sm_90a) attention backward main kernel, written in CuTe DSL.
+#
+# One CTA owns one key tile (tile_n = 128 keys) of one kv head and iterates over the query tiles
+# of every query head of its GQA group, so K/V stay resident in smem and dK/dV stay in registers
+# for the whole CTA (GQA reduction on chip: no dK/dV atomics, deterministic by construction).
+#
+#   * warpgroup 0, warp 0: producer. TMA loads of K, V (once) and, per (head, query tile), of Q and
+#     dO into a 2-stage ring, plus 1-D bulk copies of the matching lse (log2 units) and
+#     dPsum (rowsum(dO * O) * softmax_scale) vectors that ride on the same mbarriers.
+#   * warpgroup 0, warp 1: dQ writer. Takes each MMA warpgroup's fp32 dQ tile from smem and adds
+#     it into the fp32 accumulator scratch in gmem with cp.reduce.async.bulk (.add.f32). In
+#     deterministic mode it first waits on a per-(query tile, head) semaphore for its turn, so
+#     the tiles are added in a fixed key-tile order; the ticket is released once the add landed.
+#   * warpgroups 1, 2: MMA. Warpgroup w owns keys [64 w, 64 w + 64) of the tile and computes
+#       S^T = K Q^T, dP^T = V dO^T                        (SS wgmma, accumulators in registers)
+#       P^T = exp2(S^T * scale_log2 - lse2),  dS^T = P^T * (scale * dP^T - dPsum)   (scale folded in)
+#       dV += P^T dO,  dK += dS^T Q                       (RS wgmma: P^T / dS^T from registers)
+#       dS^T -> smem (as dS),  dQ = dS K                   (SS wgmma, split over both warpgroups)
+#
+# Masking contract (causal): key j visible to query i iff j <= i + diag, diag = q_offset - k_offset
+# (plus per-segment offsets). Query tiles that see no key of this key tile are never visited;
+# tiles entirely visible skip the mask math. Rows whose lse is -inf (or padding rows) carry
+# lse2 = +inf from the preprocess kernel, so their P is exactly 0: they contribute nothing.
+#
+# The dQ accumulator scratch is laid out per (query tile, head) in the MMA fragment order of
+# bwd_utils.dq_tiled_mma (see dq_chunk_layout); bwd_postprocess.py converts it.
+#
+# This module imports cutlass at import time: import it lazily.
+
+import math
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .bwd_utils import (
+    acc_to_operand_a,
+    bulk_reduce_add_f32,
+    dq_chunk_layout,
+    dq_tiled_mma,
+    ld_acquire_gpu,
+    mn_view,
+    nanosleep,
+    red_release_add_gpu,
+    select_modes,
+    smem_layout_kmajor,
+    transpose_smem,
+)
+
+# named barriers (0 is __syncthreads)
+_BAR_PDS = 1  # both MMA warpgroups: dS tile complete in smem
+_BAR_DQ_FULL = 2  # + warpgroup: dQ tile of this warpgroup written to smem (MMA wg -> writer)
+_BAR_DQ_EMPTY = 4  # + warpgroup: dQ smem buffer free again (writer -> MMA wg)
+
+
+def default_tile_m(head_dim: int) -> int:
+    return 128 if head_dim <= 64 else 64
+
+
+class FlashBwdSm90:
+    """Static configuration of one compiled backward main-kernel variant."""
+
+    def __init__(
+        self,
+        dtype,
+        head_dim: int,
+        *,
+        causal: bool,
+        varlen: bool,
+        accumulate: bool,
+        deterministic: bool,
+        seg_offsets: bool = False,
+        tile_m: Optional[int] = None,
+        tile_n: int = 128,
+        num_stages: int = 2,
+        regs_producer: int = 24,
+        regs_mma: int = 240,
+        dv_early: bool = True,
+    ):
+        assert head_dim in (64, 128)
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.varlen = varlen
+        self.accumulate = accumulate
+        self.deterministic = deterministic
+        self.seg_offsets = seg_offsets and varlen
+        self.tile_m = tile_m if tile_m is not None else default_tile_m(head_dim)
+        self.tile_n = tile_n
+        assert self.tile_n == 128 and self.tile_m in (64, 128)
+        self.num_stages = num_stages
+        self.regs_producer = regs_producer
+        self.regs_mma = regs_mma
+        self.dv_early = dv_early
+        self.num_threads = 384
+        # causal + deterministic: shortest-first, i.e. for each query tile the key tiles add their
+        # dQ from the diagonal down; CTAs are launched highest key tile first so that a CTA only
+        # ever waits on CTAs launched before it (no deadlock whatever the residency).
+        self.spt = causal and deterministic
+        self.dq_chunk_elems = self.tile_m * head_dim // 2
+
+    # ------------------------------------------------------------------------
+    # host side
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, s_q, h, d) | varlen (t_q, h, d)
+        mK: cute.Tensor,  # (b, s_k, h_kv, d) | varlen (t_k, h_kv, d)
+        mV: cute.Tensor,
+        mdO: cute.Tensor,  # like q
+        mLSE2: cute.Tensor,  # flat fp32, (chunk, h) blocks of tile_m
+        mDpsum: cute.Tensor,  # flat fp32, same indexing
+        mdQacc: cute.Tensor,  # flat fp32, (chunk, h) blocks of tile_m * d
+        mdK: cute.Tensor,  # like k (k dtype, or fp32 when accumulating)
+        mdV: cute.Tensor,
+        mSem: Optional[cute.Tensor],  # flat int32 (chunk, h), deterministic only
+        scale: Float32,  # softmax scale
+        scale_log2: Float32,  # softmax_scale * log2(e)
+        diag: Int32,
+        max_seqlen_k: Int32,  # varlen: longest key segment (upper bound is fine)
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSegOffQ: Optional[cute.Tensor],
+        mSegOffK: Optional[cute.Tensor],
+        stream,
+    ):
+        if const_expr(not self.varlen):
+            mQ, mK, mV, mdO, mdK, mdV = [select_modes(t, (1, 3, 2, 0)) for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        else:
+            mQ, mK, mV, mdO, mdK, mdV = [select_modes(t, (0, 2, 1)) for t in (mQ, mK, mV, mdO, mdK, mdV)]
+
+        D = self.head_dim
+        tm, tn = self.tile_m, self.tile_n
+        self.sQ_layout = smem_layout_kmajor(self.dtype, tm, D, self.num_stages)
+        self.sdO_layout = smem_layout_kmajor(self.dtype, tm, D, self.num_stages)
+        self.sK_layout = smem_layout_kmajor(self.dtype, tn, D)
+        self.sV_layout = smem_layout_kmajor(self.dtype, tn, D)
+        self.sdS_layout = smem_layout_kmajor(self.dtype, tm, tn, self.num_stages)
+
+        K_, MN_ = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        # S^T = K Q^T and dP^T = V dO^T: M = keys (64 per warpgroup), N = queries, K = head dim
+        tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_, K_, Float32, atom_layout_mnk=(2, 1, 1), tiler_mn=(64, tm)
+        )
+        # dV = P^T dO and dK = dS^T Q: M = keys, N = head dim, K = queries; A from registers
+        tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_, MN_, Float32, atom_layout_mnk=(2, 1, 1), tiler_mn=(64, D),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        tiled_mma_dq = dq_tiled_mma(self.dtype, tm, D)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            g2s, mQ, cute.select(self.sQ_layout, mode=[0, 1]), (tm, D), 1
+        )
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
+            g2s, mdO, cute.select(self.sdO_layout, mode=[0, 1]), (tm, D), 1
+        )
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, mK, self.sK_layout, (tn, D), 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, mV, self.sV_layout, (tn, D), 1)
+        self.bytes_q = cute.size_in_bytes(self.dtype, cute.select(self.sQ_layout, mode=[0, 1]))
+        self.bytes_kv = cute.size_in_bytes(self.dtype, self.sK_layout)
+        self.bytes_vec = tm * 4
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.num_stages], 128]
+            sDpsum: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.num_stages], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sdO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tm * D], 1024]
+
+        self.shared_storage = SharedStorage
+
+        num_heads_kv = cute.size(mK.shape[2])
+        if const_expr(not self.varlen):
+            num_batch = cute.size(mQ.shape[3])
+            n_blocks_grid = cute.ceil_div(cute.size(mK.shape[0]), tn)
+        else:
+            num_batch = cute.size(mCuSeqlensQ.shape[0]) - 1
+            n_blocks_grid = cute.ceil_div(max_seqlen_k, tn)
+        grid = (n_blocks_grid * num_heads_kv * num_batch, 1, 1)
+
+        self.kernel(
+            tma_Q, tma_K, tma_V, tma_dO, mLSE2, mDpsum, mdQacc, mdK, mdV, mSem,
+            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
+            tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+            scale, scale_log2, diag, n_blocks_grid, num_batch,
+            mCuSeqlensQ, mCuSeqlensK, mSegOffQ, mSegOffK,
+            self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE2: cute.Tensor,
+        mDpsum: cute.Tensor,
+        mdQacc: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mSem: Optional[cute.Tensor],
+        tma_atom_Q: cute.CopyAtom,
+        tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom,
+        tma_atom_dO: cute.CopyAtom,
+        tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        scale: Float32,
+        scale_log2: Float32,
+        diag: Int32,
+        n_blocks_grid: Int32,
+        num_batch: Int32,
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSegOffQ: Optional[cute.Tensor],
+        mSegOffK: Optional[cute.Tensor],
+        sQ_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+    ):
+        tm, tn = self.tile_m, self.tile_n
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_Q)
+            cpasync.prefetch_descriptor(tma_atom_K)
+            cpasync.prefetch_descriptor(tma_atom_V)
+            cpasync.prefetch_descriptor(tma_atom_dO)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        producer_one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, 8)
+        pipe_kv = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=producer_one,
+            consumer_group=mma_warps, tx_count=2 * self.bytes_kv, defer_sync=True,
+        )
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages, producer_group=producer_one,
+            consumer_group=mma_warps, tx_count=self.bytes_q + self.bytes_vec, defer_sync=True,
+        )
+        pipe_do = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages, producer_group=producer_one,
+            consumer_group=mma_warps, tx_count=self.bytes_q + self.bytes_vec, defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        vec_layout = cute.make_layout((tm, self.num_stages), stride=(1, tm))
+        sLSE = storage.sLSE.get_tensor(vec_layout)
+        sDpsum = storage.sDpsum.get_tensor(vec_layout)
+        sdQ = storage.sdQ.get_tensor(dq_chunk_layout(tm, self.head_dim))
+
+        # ---------------- work decode (identical in every warp) ----------------
+        num_heads = cute.size(mQ.shape[2])
+        num_heads_kv = cute.size(mK.shape[2])
+        group = num_heads // num_heads_kv
+        bid, _, _ = cute.arch.block_idx()
+        hb = bid // n_blocks_grid
+        j = bid - hb * n_blocks_grid
+        n_block = j
+        if const_expr(self.spt):
+            n_block = n_blocks_grid - 1 - j
+        batch = hb // num_heads_kv
+        head_kv = hb - batch * num_heads_kv
+
+        offset_q = Int32(0)
+        offset_k = Int32(0)
+        seqlen_q = Int32(0)
+        seqlen_k = Int32(0)
+        blk_base = Int32(0)  # chunk index of this sequence's first query tile in the scratch
+        diag_b = diag
+        if const_expr(self.varlen):
+            offset_q = mCuSeqlensQ[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+            offset_k = mCuSeqlensK[batch]
+            seqlen_k = mCuSeqlensK[batch + 1] - offset_k
+            blk_base = offset_q // tm + batch
+        else:
+            seqlen_q = cute.size(mQ.shape[0])
+            seqlen_k = cute.size(mK.shape[0])
+            blk_base = batch * cute.ceil_div(seqlen_q, tm)
+        if const_expr(self.seg_offsets):
+            diag_b = diag + mSegOffQ[batch] - mSegOffK[batch]
+
+        m_max = cute.ceil_div(seqlen_q, tm)
+        m_min = Int32(0)
+        m_mask_end = Int32(0)  # query tiles [m_min, m_mask_end) need mask math
+        has_work = n_block * tn < seqlen_k and seqlen_q > 0
+        if const_expr(self.causal):
+            q0 = cutlass.max(n_block * tn - diag_b, 0)  # first query that sees a key of this tile
+            has_work = has_work and q0 < seqlen_q
+            m_min = q0 // tm
+            m_full = cute.ceil_div(cutlass.max(n_block * tn + tn - 1 - diag_b, 0), tm)
+            m_mask_end = cutlass.min(cutlass.max(m_full, m_min), m_max)
+        if (n_block + 1) * tn > seqlen_k:
+            m_mask_end = m_max  # partial key tile: every query tile needs the seqlen mask
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=None)
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.regs_producer)
+            if warp_idx == 0:
+                if has_work:
+                    self.produce(
+                        mQ, mK, mV, mdO, mLSE2, mDpsum, sQ, sK, sV, sdO, sLSE, sDpsum,
+                        tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, pipe_kv, pipe_q, pipe_do,
+                        n_block, head_kv, group, batch, offset_q, offset_k, blk_base, m_min, m_max,
+                    )
+            if warp_idx == 1:
+                if has_work:
+                    self.dq_writer(
+                        mdQacc, mSem, sdQ, n_block, head_kv, group, num_heads, blk_base, m_min, m_max,
+                        seqlen_q, seqlen_k, diag_b,
+                    )
+        else:
+            cute.arch.setmaxregister_increase(self.regs_mma)
+            self.mma(
+                mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDpsum, sdQ,
+                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
+                scale, scale_log2, diag_b, n_block, head_kv, group, batch, offset_k, seqlen_k,
+                has_work, m_min, m_mask_end, m_max,
+            )
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def produce(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE2: cute.Tensor,
+        mDpsum: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        sdO: cute.Tensor,
+        sLSE: cute.Tensor,
+        sDpsum: cute.Tensor,
+        tma_atom_Q: cute.CopyAtom,
+        tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom,
+        tma_atom_dO: cute.CopyAtom,
+        pipe_kv: pipeline.PipelineAsync,
+        pipe_q: pipeline.PipelineAsync,
+        pipe_do: pipeline.PipelineAsync,
+        n_block: Int32,
+        head_kv: Int32,
+        group: Int32,
+        batch: Int32,
+        offset_q: Int32,
+        offset_k: Int32,
+        blk_base: Int32,
+        m_min: Int32,
+        m_max: Int32,
+    ):
+        D = self.head_dim
+        tm, tn = self.tile_m, self.tile_n
+        num_heads = cute.size(mQ.shape[2])
+        if const_expr(not self.varlen):
+            mK_cur = mK[None, None, head_kv, batch]
+            mV_cur = mV[None, None, head_kv, batch]
+        else:
+            mK_cur = cute.domain_offset((offset_k, 0), mK[None, None, head_kv])
+            mV_cur = cute.domain_offset((offset_k, 0), mV[None, None, head_kv])
+        gK = cute.local_tile(mK_cur, (tn, D), (n_block, 0))
+        gV = cute.local_tile(mV_cur, (tn, D), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_kv.producer_acquire(kv_state)
+        cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+
+        # lse2 / dPsum vectors: (tm, chunk * h + head)
+        n_vec = cute.size(mLSE2.shape[0]) // tm
+        gLSE_all = cute.make_tensor(mLSE2.iterator, cute.make_layout((tm, n_vec), stride=(1, tm)))
+        gDps_all = cute.make_tensor(mDpsum.iterator, cute.make_layout((tm, n_vec), stride=(1, tm)))
+        bulk_atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32, num_bits_per_copy=tm * 32)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for hi in cutlass.range(group, unroll=1):
+            head = head_kv * group + hi
+            if const_expr(not self.varlen):
+                mQ_cur = mQ[None, None, head, batch]
+                mdO_cur = mdO[None, None, head, batch]
+            else:
+                mQ_cur = cute.domain_offset((offset_q, 0), mQ[None, None, head])
+                mdO_cur = cute.domain_offset((offset_q, 0), mdO[None, None, head])
+            gQ = cute.local_tile(mQ_cur, (tm, D), (None, 0))
+            gdO = cute.local_tile(mdO_cur, (tm, D), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            tdOsdO, tdOgdO = cpasync.tma_partition(
+                tma_atom_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
+            )
+            for m in cutlass.range(m_min, m_max, unroll=1):
+                vec_idx = (blk_base + m) * num_heads + head
+                pipe_q.producer_acquire(q_state)
+                bar_q = pipe_q.producer_get_barrier(q_state)
+                cute.copy(tma_atom_Q, tQgQ[None, m], tQsQ[None, q_state.index], tma_bar_ptr=bar_q)
+                with cute.arch.elect_one():
+                    cute.copy(bulk_atom, gLSE_all[None, vec_idx], sLSE[None, q_state.index], mbar_ptr=bar_q)
+                pipe_do.producer_acquire(q_state)
+                bar_do = pipe_do.producer_get_barrier(q_state)
+                cute.copy(tma_atom_dO, tdOgdO[None, m], tdOsdO[None, q_state.index], tma_bar_ptr=bar_do)
+                with cute.arch.elect_one():
+                    cute.copy(bulk_atom, gDps_all[None, vec_idx], sDpsum[None, q_state.index], mbar_ptr=bar_do)
+                q_state.advance()
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def dq_writer(
+        self,
+        mdQacc: cute.Tensor,
+        mSem: Optional[cute.Tensor],
+        sdQ: cute.Tensor,
+        n_block: Int32,
+        head_kv: Int32,
+        group: Int32,
+        num_heads: Int32,
+        blk_base: Int32,
+        m_min: Int32,
+        m_max: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        diag_b: Int32,
+    ):
+        tm, tn = self.tile_m, self.tile_n
+        D = self.head_dim
+        lane = cute.arch.lane_idx()
+        n_chunks = cute.size(mdQacc.shape[0]) // (tm * D)
+        gdQ = cute.make_tensor(mdQacc.iterator, dq_chunk_layout(tm, D, n_chunks))
+        chunk_bytes = self.dq_chunk_elems * 4
+        n_blocks_k = cute.ceil_div(seqlen_k, tn)
+        for hi in cutlass.range(group, unroll=1):
+            head = head_kv * group + hi
+            for m in cutlass.range(m_min, m_max, unroll=1):
+                chunk = (blk_base + m) * num_heads + head
+                for w in cutlass.range_constexpr(2):
+                    if lane == 0:
+                        # the previous add of this warpgroup's buffer has finished reading smem
+                        cute.arch.cp_async_bulk_wait_group(1 - w, read=True)
+                    cute.arch.sync_warp()
+                    cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + w, number_of_threads=160)
+                if const_expr(self.deterministic):
+                    rank = n_block
+                    if const_expr(self.causal):
+                        last_row = cutlass.min(seqlen_q, (m + 1) * tm)
+                        n_hi = cutlass.min(n_blocks_k, cute.ceil_div(cutlass.max(last_row + diag_b, 0), tn))
+                        rank = n_hi - 1 - n_block
+                    if lane == 0:
+                        sem_ptr = mSem.iterator + chunk
+                        cur = ld_acquire_gpu(sem_ptr)
+                        while cur != rank:
+                            nanosleep(32)
+                            cur = ld_acquire_gpu(sem_ptr)
+                    cute.arch.sync_warp()
+                for w in cutlass.range_constexpr(2):
+                    cute.arch.barrier(barrier_id=_BAR_DQ_FULL + w, number_of_threads=160)
+                    if lane == 0:
+                        bulk_reduce_add_f32(
+                            sdQ[None, None, None, w].iterator, gdQ[None, None, None, w, chunk].iterator, chunk_bytes
+                        )
+                        cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.sync_warp()
+                if const_expr(self.deterministic):
+                    if lane == 0:
+                        cute.arch.cp_async_bulk_wait_group(0, read=False)
+                        cute.arch.fence_acq_rel_gpu()
+                        red_release_add_gpu(mSem.iterator + chunk, 1)
+                    cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def gemm(
+        self,
+        tiled_mma: cute.TiledMma,
+        acc: cute.Tensor,
+        tA: cute.Tensor,
+        tB: cute.Tensor,
+        zero_init: cutlass.Constexpr[bool],
+    ):
+        """Issue one warpgroup GEMM (all K blocks) as one wgmma commit group; does not wait."""
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
+            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def mma(
+        self,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        sdO: cute.Tensor,
+        sdS: cute.Tensor,
+        sLSE: cute.Tensor,
+        sDpsum: cute.Tensor,
+        sdQ: cute.Tensor,
+        tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        pipe_kv: pipeline.PipelineAsync,
+        pipe_q: pipeline.PipelineAsync,
+        pipe_do: pipeline.PipelineAsync,
+        scale: Float32,
+        scale_log2: Float32,
+        diag_b: Int32,
+        n_block: Int32,
+        head_kv: Int32,
+        group: Int32,
+        batch: Int32,
+        offset_k: Int32,
+        seqlen_k: Int32,
+        has_work,
+        m_min: Int32,
+        m_mask_end: Int32,
+        m_max: Int32,
+    ):
+        D = self.head_dim
+        tm, tn = self.tile_m, self.tile_n
+        tidx, _, _ = cute.arch.thread_idx()
+        tidx = tidx - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_layout = cute.make_layout(2, stride=128)
+        wg_sdp = tiled_mma_sdp.get_slice(wg_layout(wg))
+        wg_dkv = tiled_mma_dkv.get_slice(wg_layout(wg))
+        wg_dq = tiled_mma_dq.get_slice(wg_layout(wg))
+        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        thr_dkv = tiled_mma_dkv.get_slice(tidx)
+
+        # operands
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sdO)))  # (D, tm, stages)
+        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))  # (tm, tn, stages)
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))  # (D, tn)
+        sdSt = transpose_smem(sdS)  # (tn, tm, stages)
+
+        s_shape = wg_sdp.partition_shape_C((tn, tm))
+        dq_shape = wg_dq.partition_shape_C((tm, D))
+        acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, D)), Float32)
+        acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, D)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
+        tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
+
+        # coordinates of this thread's S^T elements: (key in tile, query in tile)
+        cS = cute.make_identity_tensor((tn, tm))
+        tScS_mn = mn_view(thr_sdp.partition_C(cS))
+        t0ScS_mn = mn_view(tiled_mma_sdp.get_slice(0).partition_C(cS))
+
+        # fragment-order view of this thread's dQ accumulator (matches dq_chunk_layout)
+        t_in_wg = tidx - wg * 128
+        tdQsdQ = sdQ[None, t_in_wg, None, wg]
+
+        if has_work:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_kv.consumer_wait(kv_state)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            for hi in cutlass.range(group, unroll=1):
+                for m in cutlass.range(m_min, m_mask_end, unroll=1):
+                    q_state = self.mma_step(
+                        q_state, m, n_block, True, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+                        tSrK, tSrQ, tdPrV, tdPrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt, sdSt, thr_sdp,
+                        s_shape, dq_shape, acc_dK, acc_dV, tdVrP, tdKrdS, tScS_mn, t0ScS_mn, sLSE, sDpsum,
+                        tdQsdQ, pipe_q, pipe_do, scale, scale_log2, diag_b, seqlen_k, wg,
+                    )
+                for m in cutlass.range(m_mask_end, m_max, unroll=1):
+                    q_state = self.mma_step(
+                        q_state, m, n_block, False, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+                        tSrK, tSrQ, tdPrV, tdPrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt, sdSt, thr_sdp,
+                        s_shape, dq_shape, acc_dK, acc_dV, tdVrP, tdKrdS, tScS_mn, t0ScS_mn, sLSE, sDpsum,
+                        tdQsdQ, pipe_q, pipe_do, scale, scale_log2, diag_b, seqlen_k, wg,
+                    )
+
+        # ---------------- dK / dV epilogue ----------------
+        write = has_work
+        if const_expr(not self.accumulate):
+            write = n_block * tn < seqlen_k  # fresh outputs: key tiles without work get zeros
+        if write:
+            if const_expr(not self.varlen):
+                mdK_cur = mdK[None, None, head_kv, batch]
+                mdV_cur = mdV[None, None, head_kv, batch]
+            else:
+                mdK_cur = cute.domain_offset((offset_k, 0), mdK[None, None, head_kv])
+                mdV_cur = cute.domain_offset((offset_k, 0), mdV[None, None, head_kv])
+            self.store_dkv(acc_dK, mdK_cur, thr_dkv, n_block, seqlen_k)
+            self.store_dkv(acc_dV, mdV_cur, thr_dkv, n_block, seqlen_k)
+
+    @cute.jit
+    def store_dkv(self, acc: cute.Tensor, mdst: cute.Tensor, thr_dkv: cute.ThrMma, n_block: Int32, seqlen_k: Int32):
+        """Rows of this thread's dK or dV fragment -> gmem (fresh: cast; accumulate: fp32 +=)."""
+        D = self.head_dim
+        tn = self.tile_n
+        cKV = cute.make_identity_tensor((tn, D))
+        tcKV_mn = mn_view(thr_dkv.partition_C(cKV))
+        gdst = cute.local_tile(mdst, (tn, D), (n_block, 0))
+        tdst_mn = mn_view(thr_dkv.partition_C(gdst))
+        acc_mn = mn_view(acc)
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            row = n_block * tn + tcKV_mn[r, 0][0]
+            if row < seqlen_k:
+                if const_expr(not self.accumulate):
+                    o = cute.make_rmem_tensor_like(acc_mn[r, None], mdst.element_type)
+                    o.store(acc_mn[r, None].load().to(mdst.element_type))
+                    cute.autovec_copy(o, tdst_mn[r, None])
+                else:
+                    o = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
+                    cute.autovec_copy(tdst_mn[r, None], o)
+                    o.store(o.load() + acc_mn[r, None].load())
+                    cute.autovec_copy(o, tdst_mn[r, None])
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def mma_step(
+        self,
+        q_state,
+        m_block: Int32,
+        n_block: Int32,
+        masked: cutlass.Constexpr[bool],
+        tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        tSrK: cute.Tensor,
+        tSrQ: cute.Tensor,
+        tdPrV: cute.Tensor,
+        tdPrdO: cute.Tensor,
+        tdVrdOt: cute.Tensor,
+        tdKrQt: cute.Tensor,
+        tdQrdS: cute.Tensor,
+        tdQrKt: cute.Tensor,
+        sdSt: cute.Tensor,
+        thr_sdp: cute.ThrMma,
+        s_shape: cutlass.Constexpr,
+        dq_shape: cutlass.Constexpr,
+        acc_dK: cute.Tensor,
+        acc_dV: cute.Tensor,
+        tdVrP: cute.Tensor,
+        tdKrdS: cute.Tensor,
+        tScS_mn: cute.Tensor,
+        t0ScS_mn: cute.Tensor,
+        sLSE: cute.Tensor,
+        sDpsum: cute.Tensor,
+        tdQsdQ: cute.Tensor,
+        pipe_q: pipeline.PipelineAsync,
+        pipe_do: pipeline.PipelineAsync,
+        scale: Float32,
+        scale_log2: Float32,
+        diag_b: Int32,
+        seqlen_k: Int32,
+        wg: Int32,
+    ):
+        tm, tn = self.tile_m, self.tile_n
+        stage = q_state.index
+        # (1) S^T = K Q^T ; (2) dP^T = V dO^T
+        pipe_q.consumer_wait(q_state)
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        self.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], True)
+        pipe_do.consumer_wait(q_state)
+        acc_dP = cute.make_rmem_tensor(s_shape, Float32)
+        self.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], True)
+        warpgroup.wait_group(1)
+
+        # (3) P^T = exp2(S^T * scale_log2 - lse2[query])
+        acc_S_mn = mn_view(acc_S)
+        n_rows = cute.size(acc_S_mn, mode=[0])
+        n_cols = cute.size(acc_S_mn, mode=[1])
+        if const_expr(masked):
+            thr_col = tScS_mn[0, 0][1]
+            for r in cutlass.range_constexpr(n_rows):
+                key = n_block * tn + tScS_mn[r, 0][0]
+                if key >= seqlen_k:
+                    for c in cutlass.range_constexpr(n_cols):
+                        acc_S_mn[r, c] = -Float32.inf
+                if const_expr(self.causal):
+                    # query i sees key iff i >= key - diag: mask cols with m*tm + col < key - diag
+                    limit = key - diag_b - m_block * tm - thr_col
+                    for c in cutlass.range_constexpr(n_cols):
+                        if t0ScS_mn[0, c][1] < limit:
+                            acc_S_mn[r, c] = -Float32.inf
+        for c in cutlass.range_constexpr(n_cols):
+            lse_c = sLSE[tScS_mn[0, c][1], stage]
+            for r in cutlass.range_constexpr(n_rows):
+                acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse_c, fastmath=True)
+        tdVrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
+        # (4) dV += P^T dO (issued before dS is computed)
+        if const_expr(self.dv_early):
+            self.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], False)
+            warpgroup.wait_group(1)  # dP done (dV may still run)
+        else:
+            warpgroup.wait_group(0)
+
+        # (5) dS^T = P^T * (scale * dP^T - dPsum_scaled[query])
+        acc_dP_mn = mn_view(acc_dP)
+        for c in cutlass.range_constexpr(n_cols):
+            dps_c = sDpsum[tScS_mn[0, c][1], stage]
+            for r in cutlass.range_constexpr(n_rows):
+                acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] * scale - dps_c)
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        rdS.store(acc_dP.load().to(self.dtype))
+        tdKrdS.store(acc_to_operand_a(rdS).load())
+        if const_expr(not self.dv_early):
+            self.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], False)
+        # dS^T -> smem, as the (tm, tn) K-major A operand of dQ = dS K
+        tdSsdS = thr_sdp.partition_C(sdSt[None, None, stage])
+        cute.autovec_copy(rdS, tdSsdS)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_PDS, number_of_threads=256)
+
+        # (6) dQ = dS K ; (7) dK += dS^T Q
+        acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
+        self.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, stage], tdQrKt, True)
+        self.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], False)
+        warpgroup.wait_group(1)  # dV and dQ done
+        pipe_do.consumer_release(q_state)
+
+        # dQ tile -> smem (fragment order) for the writer warp
+        cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + wg, number_of_threads=160)
+        rdQ = cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape))
+        cute.autovec_copy(rdQ, tdQsdQ)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=160)
+
+        warpgroup.wait_group(0)  # dK done
+        pipe_q.consumer_release(q_state)
+        q_state.advance()
+        return q_state

@@ -1,0 +1,167 @@
+# Small device-side helpers shared by the Hopper backward kernels (bwd_*.py).
+#
+# This module imports cutlass at import time: import it lazily.
+
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.utils import LayoutEnum
+
+# ----------------------------------------------------------------------------
+# inline PTX
+# ----------------------------------------------------------------------------
+
+
+@dsl_user_op
+def bulk_reduce_add_f32(smem_ptr, gmem_ptr, num_bytes, *, loc=None, ip=None):
+    """cp.reduce.async.bulk (non-tensor) fp32 add of `num_bytes` contiguous bytes smem -> gmem.
+
+    Issue from a single thread; completion is tracked by that thread's bulk async-groups."""
+    s = smem_ptr.toint(loc=loc, ip=ip).ir_value()
+    g = gmem_ptr.toint(loc=loc, ip=ip).ir_value()
+    llvm.inline_asm(
+        None,
+        [g, s, Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def ld_acquire_gpu(ptr, *, loc=None, ip=None) -> Int32:
+    addr = ptr.toint(loc=loc, ip=ip).ir_value()
+    val = llvm.inline_asm(
+        T.i32(),
+        [addr],
+        "ld.global.acquire.gpu.b32 $0, [$1];",
+        "=r,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Int32(val)
+
+
+@dsl_user_op
+def red_release_add_gpu(ptr, val, *, loc=None, ip=None) -> None:
+    addr = ptr.toint(loc=loc, ip=ip).ir_value()
+    llvm.inline_asm(
+        None,
+        [addr, Int32(val).ir_value(loc=loc, ip=ip)],
+        "red.release.gpu.global.add.s32 [$0], $1;",
+        "l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def nanosleep(ns, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(
+        None,
+        [Int32(ns).ir_value(loc=loc, ip=ip)],
+        "nanosleep.u32 $0;",
+        "r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+# ----------------------------------------------------------------------------
+# layouts
+# ----------------------------------------------------------------------------
+
+
+def smem_layout_kmajor(dtype, rows: int, cols: int, stages: Optional[int] = None):
+    """Swizzled smem layout of a (rows, cols[, stages]) tile with `cols` contiguous. The same bytes
+    serve as a K-major operand (K = cols) and, through transpose_smem, as an MN-major one (MN = cols)."""
+    kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols)
+    atom = warpgroup.make_smem_layout_atom(kind, dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def transpose_smem(t: cute.Tensor) -> cute.Tensor:
+    """(a, b, ...) smem view -> (b, a, ...) view of the same bytes."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+def select_modes(t: cute.Tensor, modes) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=list(modes)))
+
+
+def acc_rows_cols(acc_layout):
+    """wgmma accumulator layout ((2, 2, V), M, N) -> ((2, M), (2, V, N)): (rows, cols)."""
+    cm = cute.make_layout(acc_layout.shape)
+    shape = ((cm.shape[0][1], cm.shape[1]), (cm.shape[0][0], cm.shape[0][2], cm.shape[2]))
+    stride = ((cm.stride[0][1], cm.stride[1]), (cm.stride[0][0], cm.stride[0][2], cm.stride[2]))
+    return cute.composition(acc_layout, cute.make_layout(shape, stride=stride))
+
+
+def mn_view(t: cute.Tensor) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, acc_rows_cols(t.layout))
+
+
+def acc_to_operand_a(t: cute.Tensor) -> cute.Tensor:
+    """View an accumulator ((2, 2, V), M, N) (already converted to 16 bit) as the register A operand
+    ((2, 2, 2), M, (V / 2, N)) of a wgmma whose K is this accumulator's N."""
+    l = cute.logical_divide(t.layout, ((None, None, 2), None, None))
+    shape = ((l.shape[0][0], l.shape[0][1], l.shape[0][2][0]), l.shape[1], (l.shape[0][2][1], l.shape[2]))
+    stride = (
+        (l.stride[0][0], l.stride[0][1], l.stride[0][2][0]),
+        l.stride[1],
+        (l.stride[0][2][1], l.stride[2]),
+    )
+    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+
+
+def dq_tiled_mma(dtype, tile_m: int, head_dim: int):
+    """dQ = dS @ K over two MMA warpgroups: split along M when tile_m == 128, along the head dim
+    when tile_m == 64. Shared by the main kernel and the dQ convert kernel (which needs the same
+    thread -> element map to undo the fragment order of the dQ accumulator scratch)."""
+    if tile_m == 128:
+        atom, tiler = (2, 1, 1), (64, head_dim)
+    else:
+        assert tile_m == 64
+        atom, tiler = (1, 2, 1), (64, head_dim // 2)
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype,
+        dtype,
+        cute.nvgpu.OperandMajorMode.K,
+        cute.nvgpu.OperandMajorMode.MN,
+        cutlass.Float32,
+        atom_layout_mnk=atom,
+        tiler_mn=tiler,
+    )
+
+
+# fp32 values of one warpgroup's dQ accumulator, stored as float4 per thread and per step:
+# element (v, t, i) of the chunk sits at i * 512 + t * 4 + v  (t: thread in warpgroup, v < 4)
+DQ_VEC = 4
+DQ_THREADS = 128
+
+
+def dq_chunk_layout(tile_m: int, head_dim: int, num_chunks=None):
+    """(4, 128, steps, 2 warpgroups[, chunks]) layout of the fragment-ordered dQ accumulator tile."""
+    per_wg = tile_m * head_dim // 2
+    steps = per_wg // (DQ_VEC * DQ_THREADS)
+    shape = (DQ_VEC, DQ_THREADS, steps, 2)
+    stride = (1, DQ_VEC, DQ_VEC * DQ_THREADS, per_wg)
+    if num_chunks is not None:
+        shape = shape + (num_chunks,)
+        stride = stride + (tile_m * head_dim,)
+    return cute.make_layout(shape, stride=stride)

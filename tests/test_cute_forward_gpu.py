@@ -1,0 +1,314 @@
+"""GPU tests of the Hopper CuTe DSL forward kernel against a float64 dense masked reference.
+
+Fresh random inputs every case, outputs poisoned with NaN before the run (every element must be written), masks
+with aligned / shifted / fully visible / fully masked / partial offsets, GQA, varlen with empty segments and
+per-segment offsets, odd lengths, both dtypes, accumulate mode (merge into a running out/lse with -inf rows).
+"""
+
+import math
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.gpu]
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if torch.cuda.get_device_capability()[0] != 9:
+    pytest.skip("needs an sm_90 GPU", allow_module_level=True)
+pytest.importorskip("cutlass")
+
+from fa4dist.kernels import cute as fa4cute  # noqa: E402
+
+if not fa4cute.is_available():
+    pytest.skip("cute backend not available", allow_module_level=True)
+
+# development hook: FA4DIST_CUTE_CFG="intra_wg_overlap=False,rescale_threshold=0.0" runs the suite on a variant
+_CFG = {}
+for _item in filter(None, os.environ.get("FA4DIST_CUTE_CFG", "").split(",")):
+    _k, _v = _item.split("=")
+    _CFG[_k] = eval(_v)  # noqa: S307 - test-only knob
+
+TOL = {torch.bfloat16: (2.5e-2, 1.2e-2), torch.float16: (4e-3, 2e-3)}  # (max abs err, rel L2 err) on out
+
+
+def ref_segment(q, k, v, scale, causal, q_off, k_off):
+    """q (sq, h, d), k/v (sk, hk, d) -> out (sq, h, d) fp64, lse (h, sq) fp64."""
+    h, hk = q.shape[1], k.shape[1]
+    qd, kd, vd = q.double(), k.double(), v.double()
+    kd = kd.repeat_interleave(h // hk, dim=1)
+    vd = vd.repeat_interleave(h // hk, dim=1)
+    s = torch.einsum("qhd,khd->hqk", qd, kd) * scale
+    if causal:
+        qi = torch.arange(q.shape[0], device=q.device) + q_off
+        kj = torch.arange(k.shape[0], device=q.device) + k_off
+        s = s.masked_fill(~(kj[None, :] <= qi[:, None])[None], -math.inf)
+    lse = torch.logsumexp(s, dim=-1) if k.shape[0] else torch.full(s.shape[:2], -math.inf, dtype=s.dtype,
+                                                                      device=s.device)
+    p = torch.exp(s - lse[..., None])
+    p = torch.nan_to_num(p, nan=0.0)
+    out = torch.einsum("hqk,khd->qhd", p, vd)
+    return out, lse
+
+
+def ref_dense(q, k, v, scale, causal, q_offs, k_offs):
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        o, l = ref_segment(q[b], k[b], v[b], scale, causal, q_offs[b], k_offs[b])
+        outs.append(o)
+        lses.append(l)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def ref_varlen(q, k, v, cu_q, cu_k, scale, causal, q_offs, k_offs):
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float64, device=q.device)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cq) - 1):
+        if cq[b + 1] == cq[b]:
+            continue
+        o, l = ref_segment(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]], scale, causal,
+                           q_offs[b], k_offs[b])
+        out[cq[b]:cq[b + 1]] = o
+        lse[:, cq[b]:cq[b + 1]] = l
+    return out, lse
+
+
+def ref_merge(out_old, lse_old, out_blk, lse_blk):
+    m = torch.maximum(lse_old, lse_blk)
+    m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
+    w_old = torch.exp(lse_old - m_safe)
+    w_blk = torch.exp(lse_blk - m_safe)
+    tot = w_old + w_blk
+    new_lse = torch.where(tot > 0, m_safe + torch.log(tot), torch.full_like(m, -math.inf))
+    tot_safe = torch.where(tot > 0, tot, torch.ones_like(tot))
+    a = torch.where(tot > 0, w_old / tot_safe, torch.ones_like(tot))
+    c = torch.where(tot > 0, w_blk / tot_safe, torch.zeros_like(tot))
+    return a, c, new_lse
+
+
+def check(out, lse, ref_out, ref_lse, dtype, lse_layout_h_first):
+    assert not torch.isnan(out).any(), "NaN in out (unwritten or bad math)"
+    assert not torch.isnan(lse).any(), "NaN in lse"
+    atol, rtol = TOL[dtype]
+    err = (out.double() - ref_out).abs()
+    assert err.max().item() <= atol, f"out max abs err {err.max().item():.3e} > {atol}"
+    den = ref_out.norm().item()
+    if den > 0:
+        assert err.norm().item() / den <= rtol, f"out rel err {err.norm().item() / den:.3e}"
+    inf_ref = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), inf_ref), "lse -inf pattern differs"
+    if (~inf_ref).any():
+        lerr = (lse.double() - ref_lse)[~inf_ref].abs()
+        scale = ref_lse[~inf_ref].abs().clamp_min(1.0)
+        assert (lerr / scale).max().item() <= 2e-4, f"lse err {(lerr / scale).max().item():.3e}"
+
+
+def run(q, k, v, causal, q_off, k_off, *, cu_q=None, cu_k=None, max_q=None, out_dtype=None, accumulate=False,
+        out=None, lse=None):
+    varlen = cu_q is not None
+    if out is None:
+        out = torch.full(q.shape, float("nan"), dtype=out_dtype or q.dtype, device=q.device)
+    if lse is None:
+        shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+        lse = torch.full(shape, float("nan"), dtype=torch.float32, device=q.device)
+    fa4cute.forward(q, k, v, out, lse, causal=causal, q_offset=q_off, k_offset=k_off, cu_seqlens_q=cu_q,
+                    cu_seqlens_k=cu_k, max_seqlen_q=max_q, accumulate=accumulate, **_CFG)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def rand(*shape, dtype):
+    return torch.randn(*shape, dtype=torch.float32, device="cuda").to(dtype)
+
+
+DENSE_CASES = [
+    # (b, sq, sk, h, hk, d, causal, q_off, k_off)
+    (2, 1000, 1000, 4, 4, 128, False, 0, 0),
+    (2, 1000, 1000, 4, 4, 128, True, 0, 0),  # aligned
+    (1, 1000, 1000, 4, 4, 128, True, 0, 300),  # shifted: first 300 rows see nothing
+    (1, 1000, 1000, 2, 2, 128, True, 5000, 0),  # fully visible
+    (1, 777, 513, 2, 2, 128, True, 0, 5000),  # fully masked
+    (1, 17, 4097, 2, 2, 128, True, 4080, 0),  # partial, sq << sk
+    (1, 4097, 1000, 2, 2, 128, True, 0, 2000),  # partial, sq >> sk
+    (1, 1, 1, 2, 2, 128, False, 0, 0),
+    (1, 1, 1, 2, 2, 128, True, 0, 0),
+    (3, 200, 333, 8, 4, 128, True, 100, 0),  # GQA 2
+    (1, 4097, 4097, 16, 2, 128, True, 0, 0),  # GQA 8, odd length
+    (2, 1000, 1000, 6, 3, 64, False, 0, 0),
+    (2, 1000, 1500, 6, 3, 64, True, 500, 0),
+    (1, 2049, 2049, 2, 1, 96, True, 0, 0),
+    (1, 300, 700, 2, 2, 96, False, 0, 0),
+    (1, 1000, 1000, 2, 2, 64, True, 0, 123),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", DENSE_CASES, ids=[str(c) for c in DENSE_CASES])
+def test_dense(case, dtype):
+    b, sq, sk, h, hk, d, causal, qo, ko = case
+    if dtype == torch.float16 and d == 96:
+        pytest.skip("fp16 d96 covered by the varlen cases")
+    torch.manual_seed(hash(case) % 2**31)
+    q, k, v = rand(b, sq, h, d, dtype=dtype), rand(b, sk, hk, d, dtype=dtype), rand(b, sk, hk, d, dtype=dtype)
+    out, lse = run(q, k, v, causal, qo, ko)
+    ref_out, ref_lse = ref_dense(q, k, v, 1 / math.sqrt(d), causal, [qo] * b, [ko] * b)
+    check(out, lse, ref_out, ref_lse, dtype, False)
+
+
+def test_dense_per_sequence_offsets_and_fp32_out():
+    torch.manual_seed(7)
+    b, s, h, d = 3, 600, 4, 128
+    q, k, v = (rand(b, s, h, d, dtype=torch.bfloat16) for _ in range(3))
+    qo, ko = [0, 1000, 0], [0, 0, 400]
+    out, lse = run(q, k, v, True, qo, ko, out_dtype=torch.float32)
+    ref_out, ref_lse = ref_dense(q, k, v, 1 / math.sqrt(d), True, qo, ko)
+    check(out, lse, ref_out, ref_lse, torch.bfloat16, False)
+
+
+def _segments(seed, nseg, max_len, allow_empty=True):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0 if allow_empty else 1, max_len + 1, (nseg,), generator=g)
+    return lens
+
+
+VARLEN_CASES = [
+    # (seed, nseg, max_len_q, max_len_k, h, hk, d, causal, per_segment_offsets)
+    (1, 5, 700, 900, 4, 2, 128, False, False),
+    (2, 6, 1100, 800, 4, 4, 128, True, False),
+    (3, 7, 600, 1300, 8, 1, 128, True, True),
+    (4, 4, 2000, 2000, 2, 2, 64, True, True),
+    (5, 5, 500, 500, 3, 3, 96, False, False),
+    (6, 3, 129, 4097, 2, 2, 128, True, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=[str(c) for c in VARLEN_CASES])
+def test_varlen(case, dtype):
+    seed, nseg, mq, mk, h, hk, d, causal, per_seg = case
+    lq, lk = _segments(seed, nseg, mq), _segments(seed + 100, nseg, mk)
+    lq[0] = 0  # an empty query segment
+    lk[-1] = 0  # queries without keys
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), lq.cumsum(0)]).to(torch.int32).cuda()
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), lk.cumsum(0)]).to(torch.int32).cuda()
+    tq, tk = int(cu_q[-1]), int(cu_k[-1])
+    torch.manual_seed(seed)
+    q, k, v = rand(tq, h, d, dtype=dtype), rand(tk, hk, d, dtype=dtype), rand(tk, hk, d, dtype=dtype)
+    if per_seg:
+        g = torch.Generator().manual_seed(seed + 7)
+        qo = torch.randint(0, 3000, (nseg,), generator=g).tolist()
+        ko = torch.randint(0, 3000, (nseg,), generator=g).tolist()
+        q_off = torch.tensor(qo, dtype=torch.int32, device="cuda")
+        k_off = torch.tensor(ko, dtype=torch.int32, device="cuda")
+    else:
+        qo, ko = [64] * nseg, [0] * nseg
+        q_off, k_off = 64, 0
+    out, lse = run(q, k, v, causal, q_off, k_off, cu_q=cu_q, cu_k=cu_k, max_q=int(lq.max()))
+    ref_out, ref_lse = ref_varlen(q, k, v, cu_q, cu_k, 1 / math.sqrt(d), causal, qo, ko)
+    check(out, lse, ref_out, ref_lse, dtype, True)
+
+
+def test_varlen_without_max_seqlen():
+    lq = torch.tensor([5, 0, 300, 77])
+    lk = torch.tensor([9, 4, 250, 0])
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), lq.cumsum(0)]).to(torch.int32).cuda()
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), lk.cumsum(0)]).to(torch.int32).cuda()
+    q = rand(int(cu_q[-1]), 2, 128, dtype=torch.bfloat16)
+    k, v = rand(int(cu_k[-1]), 2, 128, dtype=torch.bfloat16), rand(int(cu_k[-1]), 2, 128, dtype=torch.bfloat16)
+    out, lse = run(q, k, v, True, 0, 0, cu_q=cu_q, cu_k=cu_k, max_q=None)
+    ref_out, ref_lse = ref_varlen(q, k, v, cu_q, cu_k, 1 / math.sqrt(128), True, [0] * 4, [0] * 4)
+    check(out, lse, ref_out, ref_lse, torch.bfloat16, True)
+
+
+ACC_CASES = [
+    # (varlen, causal, q_off, k_off, d)
+    (False, False, 0, 0, 128),
+    (False, True, 0, 0, 128),
+    (False, True, 0, 500, 64),  # block has -inf rows
+    (False, True, 0, 5000, 128),  # block fully masked: running result unchanged
+    (True, True, 100, 0, 128),
+    (True, False, 0, 0, 96),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", ACC_CASES, ids=[str(c) for c in ACC_CASES])
+def test_accumulate(case, dtype):
+    varlen, causal, qo, ko, d = case
+    torch.manual_seed(11 + qo + ko + d)
+    h, hk = 4, 2
+    if varlen:
+        lq, lk = torch.tensor([300, 0, 1000, 77]), torch.tensor([500, 20, 900, 0])
+        cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), lq.cumsum(0)]).to(torch.int32).cuda()
+        cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), lk.cumsum(0)]).to(torch.int32).cuda()
+        q = rand(int(cu_q[-1]), h, d, dtype=dtype)
+        k, v = rand(int(cu_k[-1]), hk, d, dtype=dtype), rand(int(cu_k[-1]), hk, d, dtype=dtype)
+        ref_out, ref_lse = ref_varlen(q, k, v, cu_q, cu_k, 1 / math.sqrt(d), causal, [qo] * 4, [ko] * 4)
+        lse_shape, max_q = (h, q.shape[0]), int(lq.max())
+    else:
+        b, sq, sk = 2, 700, 900
+        q, k, v = rand(b, sq, h, d, dtype=dtype), rand(b, sk, hk, d, dtype=dtype), rand(b, sk, hk, d, dtype=dtype)
+        cu_q = cu_k = max_q = None
+        ref_out, ref_lse = ref_dense(q, k, v, 1 / math.sqrt(d), causal, [qo] * b, [ko] * b)
+        lse_shape = (b, h, sq)
+    # running result: random, with some -inf rows (nothing seen yet)
+    out_old = torch.randn(q.shape, dtype=torch.float32, device="cuda")
+    lse_old = torch.randn(lse_shape, dtype=torch.float32, device="cuda") * 2 + 3
+    lse_old.view(-1)[::7] = -math.inf
+    out_run, lse_run = out_old.clone(), lse_old.clone()
+    run(q, k, v, causal, qo, ko, cu_q=cu_q, cu_k=cu_k, max_q=max_q, accumulate=True, out=out_run, lse=lse_run)
+    # expected merge in fp64; lse layout (.., h, s) vs out layout (.., s, h, d)
+    a, c, new_lse = ref_merge(out_old.double(), lse_old.double(), ref_out, ref_lse)
+    if varlen:
+        a_o, c_o = a.transpose(0, 1)[..., None], c.transpose(0, 1)[..., None]
+    else:
+        a_o, c_o = a.transpose(1, 2)[..., None], c.transpose(1, 2)[..., None]
+    exp_out = torch.where(a_o == 0, torch.zeros_like(ref_out), out_old.double() * a_o) + ref_out * c_o
+    assert not torch.isnan(out_run).any() and not torch.isnan(lse_run).any()
+    atol, rtol = TOL[dtype]
+    err = (out_run.double() - exp_out).abs().max().item()
+    assert err <= atol, f"accumulated out err {err:.3e}"
+    inf_ref = torch.isinf(new_lse)
+    assert torch.equal(torch.isinf(lse_run), inf_ref)
+    lerr = ((lse_run.double() - new_lse)[~inf_ref].abs() / new_lse[~inf_ref].abs().clamp_min(1)).max().item()
+    assert lerr <= 2e-4, f"accumulated lse err {lerr:.3e}"
+
+
+def test_accumulate_matches_two_step_full():
+    """Two accumulate calls over the two halves of the keys equal one call over all keys."""
+    torch.manual_seed(3)
+    b, s, h, d = 2, 1024, 4, 128
+    q, k, v = (rand(b, s, h, d, dtype=torch.bfloat16) for _ in range(3))
+    out = torch.zeros(b, s, h, d, dtype=torch.float32, device="cuda")
+    lse = torch.full((b, h, s), -math.inf, dtype=torch.float32, device="cuda")
+    half = s // 2
+    for lo in (half, 0):  # later keys first: order must not matter
+        fa4cute.forward(q, k[:, lo:lo + half], v[:, lo:lo + half], out, lse, causal=True, q_offset=0,
+                        k_offset=lo, accumulate=True, **_CFG)
+    ref_out, ref_lse = ref_dense(q, k, v, 1 / math.sqrt(d), True, [0] * b, [0] * b)
+    torch.cuda.synchronize()
+    check(out, lse, ref_out, ref_lse, torch.bfloat16, False)
+
+
+def test_registry_backend_roundtrip():
+    import fa4dist.kernels as K
+
+    torch.manual_seed(5)
+    q, k, v = (rand(2, 512, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+    out, lse = K.attention_forward(q, k, v, causal=True, q_offset=128, k_offset=0, backend="cute")
+    ref_out, ref_lse = ref_dense(q, k, v, 1 / math.sqrt(128), True, [128] * 2, [0] * 2)
+    torch.cuda.synchronize()
+    check(out, lse, ref_out, ref_lse, torch.bfloat16, False)
+
+
+def test_steady_state_no_recompile():
+    q, k, v = (rand(1, 256, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+    run(q, k, v, True, 0, 0)
+    n = len(fa4cute.cache_info())
+    for s in (100, 300, 1000):
+        q2, k2, v2 = (rand(2, s, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+        run(q2, k2, v2, True, 7, 3)
+    assert len(fa4cute.cache_info()) == n
