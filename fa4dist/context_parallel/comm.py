@@ -1,0 +1,165 @@
+"""Point-to-point transport for context parallelism: batched send/recv with a timeout that names what it waited
+for, and CPU staging where the process group cannot move the tensors itself.
+
+- CPU tensors on gloo and CUDA tensors on NCCL go directly (``torch.distributed.batch_isend_irecv``).
+- CUDA tensors on a gloo group (several ranks sharing one GPU: NCCL refuses two ranks on one device, gloo cannot
+  send device memory) are staged: copied to pinned host memory on a side stream, sent, received into pinned host
+  memory and copied back on the consumer's stream when the wait completes.
+
+Every wait is bounded by the transport's timeout (on NCCL the wait is a stream dependency and the process group's
+own timeout applies); a failure raises :class:`CommError` naming the operation, the peer and the timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class CommError(RuntimeError):
+    """A context-parallel transfer failed or timed out; the message names what was being waited for."""
+
+
+def _global_rank(group, group_rank: int) -> int:
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+class Pending:
+    """Transfers in flight; :meth:`wait` completes them (and copies staged receives to their device tensors)."""
+
+    def __init__(self, transport: "Transport", works, staged_recvs, keep_alive, what: str, peers: str):
+        self._t, self._works, self._staged, self._keep = transport, works, staged_recvs, keep_alive
+        self.what, self.peers = what, peers
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        t = self._t
+        for work in self._works:
+            try:
+                if t.host_wait:
+                    work.wait(t.timeout_delta)
+                else:
+                    work.wait()
+            except RuntimeError as err:
+                raise CommError(
+                    f"{t.label}: rank {t.rank} of {t.size} failed waiting for {self.what} ({self.peers}; timeout "
+                    f"{t.timeout:g}s): {err}"
+                ) from err
+        for device_tensor, host in self._staged:
+            device_tensor.copy_(host, non_blocking=True)
+        self._works = self._staged = self._keep = None
+        self.done = True
+
+
+class Transport:
+    """Send/recv on one process group; peers are given as ranks *within* the group."""
+
+    def __init__(self, group, timeout: float = 300.0, label: str = "fa4dist context parallel"):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("context parallelism needs torch.distributed initialized (init_process_group)")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        if self.rank < 0:
+            raise ValueError("this process is not a member of the given process group")
+        self.backend = str(dist.get_backend(group)).lower()
+        self.timeout = float(timeout)
+        self.timeout_delta = datetime.timedelta(seconds=self.timeout)
+        self.label = label
+        self.host_wait = self.backend != "nccl"  # NCCL waits are stream dependencies; its watchdog times out
+        self._global = [_global_rank(group, r) for r in range(self.size)]
+        self._side_stream = None
+
+    # -------------------------------------------------------------------------------------------------------------
+
+    def staged(self, t: torch.Tensor) -> bool:
+        return t.is_cuda and self.backend == "gloo"
+
+    def comm_device(self, like: Optional[torch.Tensor] = None) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Pinned host copies of device tensors, complete when this returns."""
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream()
+        side = self._side_stream
+        side.wait_stream(torch.cuda.current_stream())
+        hosts = []
+        with torch.cuda.stream(side):
+            for t in tensors:
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                t.record_stream(side)
+                hosts.append(h)
+        side.synchronize()
+        return hosts
+
+    def post(
+        self,
+        sends: Sequence[tuple[torch.Tensor, int]],
+        recvs: Sequence[tuple[torch.Tensor, int]],
+        what: str,
+        tag: int = 0,
+    ) -> Pending:
+        """Posts sends of (tensor, group peer) and receives into (tensor, group peer); returns the pending batch.
+
+        A peer equal to this rank is a local copy."""
+        ops, staged, keep = [], [], []
+        local_sends = {p: t for t, p in sends if p == self.rank}
+        send_list = [(t, p) for t, p in sends if p != self.rank]
+        stage_sends = [t for t, _ in send_list if self.staged(t)]
+        hosts = iter(self._to_host(stage_sends)) if stage_sends else iter(())
+        for t, p in send_list:
+            buf = next(hosts) if self.staged(t) else t
+            keep.append(buf)
+            ops.append(dist.P2POp(dist.isend, buf, self._global[p], self.group, tag))
+        for t, p in recvs:
+            if p == self.rank:
+                t.copy_(local_sends[p])
+                continue
+            buf = t
+            if self.staged(t):
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                staged.append((t, buf))
+            ops.append(dist.P2POp(dist.irecv, buf, self._global[p], self.group, tag))
+        peers = ", ".join(
+            [f"send to rank {p}" for _, p in send_list] + [f"recv from rank {p}" for _, p in recvs if p != self.rank]
+        )
+        try:
+            works = dist.batch_isend_irecv(ops) if ops else []
+        except RuntimeError as err:
+            raise CommError(f"{self.label}: rank {self.rank} could not post {what} ({peers}): {err}") from err
+        return Pending(self, works, staged, keep, what, peers or "local")
+
+    # -------------------------------------------------------------------------------------------------------------
+
+    def all_gather_bytes(self, payload: bytes, what: str) -> list[bytes]:
+        """Every rank's payload, in rank order (two all-gathers: lengths, then the padded bytes)."""
+        device = self.comm_device()
+        length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+        lengths = [torch.empty_like(length) for _ in range(self.size)]
+        self._collective(dist.all_gather(lengths, length, group=self.group, async_op=True), f"{what} (lengths)")
+        sizes = [int(x) for x in torch.cat(lengths).tolist()]
+        data = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+        data[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device) if payload else 0
+        gathered = [torch.empty_like(data) for _ in range(self.size)]
+        self._collective(dist.all_gather(gathered, data, group=self.group, async_op=True), what)
+        return [bytes(g[:n].cpu().tolist()) for g, n in zip(gathered, sizes)]
+
+    def _collective(self, work, what: str) -> None:
+        try:
+            work.wait(self.timeout_delta)
+        except RuntimeError as err:
+            raise CommError(
+                f"{self.label}: rank {self.rank} of {self.size} failed waiting for {what} from all ranks of its "
+                f"group (timeout {self.timeout:g}s; did every rank call it?): {err}"
+            ) from err

@@ -1,0 +1,402 @@
+"""Context-parallel attention: resolves the process groups and the strategy, checks that every rank agrees, and runs
+Ulysses / ring / 2-D attention as one differentiable function of the local shards.
+
+Every strategy is the same engine: Ulysses groups of ``u`` ranks (all-to-all to head sharding; ``u = 1`` is no
+exchange) inside a ring of ``R = cp / u`` members (``R = 1`` is no ring).  ``ring`` is u = 1, ``ulysses`` is
+u = cp, ``hybrid`` is anything between, over a 2-D DeviceMesh, two process groups, or one group and
+``ulysses_degree``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import torch
+
+from ..kernels.autograd import attention as _plain_attention
+from ..kernels.problem import check_softmax_scale, validate_inputs
+from .comm import Transport
+from .plan import ShardPlan
+from .ring import KernelOptions, RingPeers, accum_dtype, ring_backward, ring_forward
+from .schedule import Schedule
+from .ulysses import HeadSplit, UlyssesGroup
+
+STRATEGIES = ("auto", "ring", "ulysses", "hybrid")
+LABEL = "fa4dist context parallel"
+
+
+def _group_size_rank(group) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("a process group was given but torch.distributed is not initialized")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _resolve_mesh(mesh):
+    """(group, ulysses_group, ring_group) from a 1-D or 2-D DeviceMesh."""
+    ndim = getattr(mesh, "ndim", None)
+    if ndim is None or not hasattr(mesh, "get_group"):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if ndim == 1:
+        return mesh.get_group(), None, None
+    if ndim != 2:
+        raise ValueError(f"mesh must be 1-D (one cp group) or 2-D (ring x ulysses), got {ndim}-D")
+    names = tuple(mesh.mesh_dim_names or ())
+    if "ulysses" in names and "ring" in names:
+        return None, mesh.get_group("ulysses"), mesh.get_group("ring")
+    if names:
+        raise ValueError(f"a 2-D mesh needs dims named 'ring' and 'ulysses' (or unnamed: ring, ulysses), got {names}")
+    return None, mesh.get_group(1), mesh.get_group(0)
+
+
+class _Call:
+    """Everything one forward/backward needs; kept by the autograd graph."""
+
+    def __init__(self, sched, ring, uly, split, opts, heads_q, heads_kv):
+        self.sched, self.ring, self.uly, self.split, self.opts = sched, ring, uly, split, opts
+        self.heads_q, self.heads_kv = heads_q, heads_kv
+        self.sd = 0 if sched.plan.packed else 1
+
+    def _concat(self, blocks, like, heads, dim_v, acc):
+        if blocks:
+            return torch.cat(blocks, dim=self.sd)
+        shape = list(like.shape)
+        shape[self.sd], shape[-1] = 0, dim_v
+        return like.new_zeros(shape, dtype=acc)
+
+    def forward(self, q, k, v):
+        uly, split = self.uly, self.split
+        if uly is not None:
+            q = uly.seq_to_head(q, split.q_heads, "q")
+            k = uly.seq_to_head(k, split.kv_heads, "k")
+            v = uly.seq_to_head(v, split.kv_heads, "v")
+        outs, lses = ring_forward(self.sched, self.ring, q, k, v, self.opts)
+        acc = accum_dtype(q.dtype)
+        out_m = self._concat(outs, q, None, v.shape[-1], acc).to(q.dtype)
+        lse_m = torch.cat(lses, dim=-1) if lses else q.new_zeros(0, dtype=acc)
+        out = uly.head_to_seq(out_m, split.q_heads, self.heads_q, "out") if uly is not None else out_m
+        return out, (q, k, v, out_m, lse_m)
+
+    def backward(self, dout, q, k, v, out_m, lse_m):
+        uly, split, dtype = self.uly, self.split, q.dtype
+        dout = dout.to(dtype).contiguous()
+        if uly is not None:
+            dout = uly.seq_to_head(dout, split.q_heads, "dout")
+        lens = [b.length for b in self.sched.members[self.ring.index].blocks]
+        lses = list(torch.split(lse_m, lens, dim=-1)) if lens else []
+        dq, dk, dv = ring_backward(self.sched, self.ring, dout, q, k, v, out_m, lses, self.opts)
+        if uly is not None:
+            dq = uly.head_to_seq(dq.to(dtype), split.q_heads, self.heads_q, "dq")
+            rep = split.kv_replicated
+            dk = uly.head_to_seq(dk if rep else dk.to(dtype), split.kv_heads, self.heads_kv, "dk", reduce=rep)
+            dv = uly.head_to_seq(dv if rep else dv.to(dtype), split.kv_heads, self.heads_kv, "dv", reduce=rep)
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+
+
+class _ContextParallelFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, call: _Call):
+        out, saved = call.forward(q, k, v)
+        ctx.call = call
+        ctx.save_for_backward(*saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        dq, dk, dv = ctx.call.backward(dout, *ctx.saved_tensors)
+        return dq, dk, dv, None
+
+
+class ContextParallel:
+    """Context-parallel attention over a process group (or mesh); call it with the local q, k, v shards.
+
+    See :class:`fa4dist.modules.FA4ContextParallelAttention` for the options."""
+
+    def __init__(self, group=None, *, mesh=None, ulysses_group=None, ring_group=None, strategy: str = "auto",
+                 causal: bool = True, softmax_scale: Optional[float] = None, deterministic: Optional[bool] = None,
+                 backend: str = "auto", ulysses_degree: Optional[int] = None, timeout: float = 300.0,
+                 verify: bool = True):
+        if not isinstance(strategy, str) or strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        if deterministic is not None and not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be a bool or None, got {type(deterministic).__name__}")
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+        if softmax_scale is not None:
+            check_softmax_scale(softmax_scale, 1)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if ulysses_degree is not None and (isinstance(ulysses_degree, bool) or not isinstance(ulysses_degree, int)
+                                           or ulysses_degree < 1):
+            raise ValueError(f"ulysses_degree must be a positive int or None, got {ulysses_degree!r}")
+        if mesh is not None:
+            if group is not None or ulysses_group is not None or ring_group is not None:
+                raise ValueError("pass either mesh or process groups (group / ulysses_group + ring_group), not both")
+            group, ulysses_group, ring_group = _resolve_mesh(mesh)
+        if (ulysses_group is None) != (ring_group is None):
+            raise ValueError("ulysses_group and ring_group must be given together (the 2-D strategy)")
+        if ulysses_group is not None and group is not None:
+            raise ValueError("pass either group or ulysses_group + ring_group, not both")
+        self.strategy, self.causal, self.softmax_scale = strategy, causal, softmax_scale
+        self.deterministic, self.backend, self.timeout, self.verify = deterministic, backend, float(timeout), verify
+        self.ulysses_degree = ulysses_degree
+        self.group, self.ulysses_group, self.ring_group = group, ulysses_group, ring_group
+        self.grid = ulysses_group is not None
+        if self.grid:
+            u, self._uly_rank = _group_size_rank(ulysses_group)
+            r, self._ring_rank = _group_size_rank(ring_group)
+            self.cp_size, self.cp_rank = u * r, self._ring_rank * u + self._uly_rank
+            if strategy not in ("auto", "hybrid"):
+                raise ValueError(f"two process groups (or a 2-D mesh) mean strategy='hybrid', got {strategy!r}")
+            if ulysses_degree is not None and ulysses_degree != u:
+                raise ValueError(f"ulysses_degree={ulysses_degree} disagrees with the ulysses group's size {u}")
+        elif group is not None:
+            self.cp_size, self.cp_rank = _group_size_rank(group)
+        else:
+            self.cp_size, self.cp_rank = 1, 0
+        if ulysses_degree is not None and not self.grid and self.cp_size > 1:
+            if self.cp_size % ulysses_degree:
+                raise ValueError(f"ulysses_degree ({ulysses_degree}) must divide the cp size ({self.cp_size})")
+            if strategy == "ring" and ulysses_degree != 1 or strategy == "ulysses" and ulysses_degree != self.cp_size:
+                raise ValueError(f"ulysses_degree={ulysses_degree} contradicts strategy={strategy!r}")
+        self._transports: dict = {}
+        self._schedules: dict = {}
+        self._verified: set = set()
+
+    # ---- strategy ---------------------------------------------------------------------------------------------
+
+    def plan_ulysses_degree(self) -> int:
+        """The Ulysses degree a plan should balance for, where it is known before the head counts are."""
+        if self.grid:
+            return self._group_size(self.ulysses_group)
+        if self.strategy == "ulysses":
+            return self.cp_size
+        if self.strategy in ("hybrid", "auto") and self.ulysses_degree is not None:
+            return self.ulysses_degree
+        return 1
+
+    @staticmethod
+    def _group_size(group) -> int:
+        return _group_size_rank(group)[0]
+
+    def degree(self, heads_q: int, heads_kv: int, plan: ShardPlan) -> int:
+        """The Ulysses degree u of this call (1: ring only; cp: Ulysses only); raises if the heads forbid it."""
+        cp = self.cp_size
+        if self.grid:
+            u = self._group_size(self.ulysses_group)
+        elif self.strategy == "ring":
+            return 1
+        elif self.strategy == "ulysses":
+            u = cp
+        elif self.strategy == "hybrid":
+            u = self.ulysses_degree or (plan.ulysses_degree if plan.ulysses_degree > 1 else None)
+            if u is None:
+                raise ValueError(
+                    "strategy='hybrid' on one process group needs ulysses_degree= (or a plan made with "
+                    "ulysses_degree, or a 2-D mesh / ulysses_group + ring_group)"
+                )
+        else:  # auto: the plan's degree, else the largest Ulysses degree the heads allow (fewest ring steps)
+            if self.ulysses_degree is not None:
+                u = self.ulysses_degree
+            elif plan.ulysses_degree > 1 and HeadSplit.problem(heads_q, heads_kv, plan.ulysses_degree) is None:
+                u = plan.ulysses_degree
+            else:
+                u = max(HeadSplit.feasible_degrees(heads_q, heads_kv, cp))
+        if u > 1:
+            HeadSplit.check(heads_q, heads_kv, u, cp)
+        return u
+
+    def strategy_name(self, u: int) -> str:
+        return "ring" if u == 1 else "ulysses" if u == self.cp_size else "hybrid"
+
+    # ---- groups -----------------------------------------------------------------------------------------------
+
+    def _transport(self, group) -> Transport:
+        key = id(group)
+        if key not in self._transports:
+            self._transports[key] = (group, Transport(group, self.timeout, LABEL))
+        return self._transports[key][1]
+
+    def _peers(self, u: int):
+        """(RingPeers, ulysses transport, ulysses peers, ulysses index) for Ulysses degree u."""
+        if self.grid:
+            rt, ut = self._transport(self.ring_group), self._transport(self.ulysses_group)
+            R = rt.size
+            return RingPeers(rt, list(range(R)), self._ring_rank), ut, list(range(u)), self._uly_rank
+        t = self._transport(self.group)
+        R, i, j = self.cp_size // u, self.cp_rank // u, self.cp_rank % u
+        ring = RingPeers(t, [m * u + j for m in range(R)], i)
+        return ring, t, [i * u + jj for jj in range(u)], j
+
+    # ---- checks -----------------------------------------------------------------------------------------------
+
+    def _local_check(self, q, k, v, plan):
+        """(signature shared by all ranks, per-rank facts, Ulysses degree); raises on bad local input."""
+        if not isinstance(plan, ShardPlan):
+            raise TypeError(
+                f"plan must be a ShardPlan (fa4dist.context_parallel.make_plan), got {type(plan).__name__}"
+            )
+        if plan.cp_size != self.cp_size:
+            raise ValueError(f"the plan is for cp_size={plan.cp_size} but the process group has {self.cp_size} ranks")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            want = 3 if plan.packed else 4
+            if t.dim() != want:
+                layout = "(local_tokens, heads, head_dim) for this packed-document plan" if plan.packed else (
+                    "(batch, local_seqlen, heads, head_dim) for this single-sequence plan")
+                raise ValueError(f"{name} must be {want}-D {layout}, got shape {tuple(t.shape)}")
+        sd = 0 if plan.packed else 1
+        n = plan.local_len(self.cp_rank)
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.shape[sd] != n:
+                raise ValueError(
+                    f"{name} holds {t.shape[sd]} tokens but the plan gives cp rank {self.cp_rank} {n} (shard the "
+                    f"global tensors with plan.shard(x, seq_dim={sd}, rank={self.cp_rank}))"
+                )
+        if plan.packed:
+            cu = torch.tensor([0, n], dtype=torch.int32)
+            problem = validate_inputs(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
+                                      cu_seqlens_q=cu, cu_seqlens_k=cu)
+        else:
+            problem = validate_inputs(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale)
+        u = self.degree(problem.heads_q, problem.heads_kv, plan)
+        t = self._transport(self.ulysses_group if self.grid else self.group)
+        if t.backend == "nccl" and not q.is_cuda:
+            raise ValueError("an NCCL process group needs CUDA tensors (use a gloo group for CPU tensors)")
+        deterministic = self._deterministic()
+        shared = dict(
+            strategy=self.strategy_name(u), ulysses_degree=u, cp_size=self.cp_size, causal=self.causal,
+            softmax_scale=problem.softmax_scale, deterministic=deterministic, backend=self.backend,
+            plan=f"{plan.fingerprint} ({plan.total_len} tokens"
+                 + (f" in {len(plan.cu_seqlens) - 1} documents" if plan.packed else "")
+                 + f", {plan.num_chunks} chunks, ulysses_degree {plan.ulysses_degree})", dtype=str(problem.dtype), device=problem.device.type,
+            batch=None if plan.packed else problem.batch, heads_q=problem.heads_q, heads_kv=problem.heads_kv,
+            head_dim=problem.head_dim, head_dim_v=problem.head_dim_v,
+            grad=bool(torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))),
+        )
+        return shared, u
+
+    def _deterministic(self) -> bool:
+        return torch.are_deterministic_algorithms_enabled() if self.deterministic is None else self.deterministic
+
+    def _verify(self, q, k, v, plan) -> int:
+        """Checks the local input and exchanges a signature so that every rank fails alike (never hangs) on bad or
+        disagreeing input; returns the Ulysses degree."""
+        error, shared, u = None, None, None
+        try:
+            shared, u = self._local_check(q, k, v, plan)
+        except (TypeError, ValueError) as err:
+            if not self.verify:
+                raise
+            error, local_err = f"{type(err).__name__}: {err}", err
+        if not self.verify:
+            return u
+        key = json.dumps(shared, sort_keys=True) if error is None else None
+        if key is not None and key in self._verified:
+            return u
+        stages = [self._transport(self.ulysses_group), self._transport(self.ring_group)] if self.grid else [
+            self._transport(self.group)]
+        message = None
+        for stage in stages:
+            payload = json.dumps(dict(rank=self.cp_rank, error=error if message is None else message,
+                                      sig=shared)).encode()
+            gathered = [json.loads(b) for b in stage.all_gather_bytes(payload, "the first-call signature exchange")]
+            found = _disagreement(gathered)
+            if found and message is None:
+                message = found
+        if message is not None:
+            if error is not None and message.endswith(error):
+                raise type(local_err)(f"{LABEL}: {message}") from local_err
+            raise ValueError(f"{LABEL}: {message}")
+        self._verified.add(key)
+        return u
+
+    # ---- the call ---------------------------------------------------------------------------------------------
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Optional[ShardPlan] = None):
+        if self.cp_size == 1:
+            return self._single(q, k, v, plan)
+        if plan is None:
+            raise ValueError(
+                "context-parallel attention needs the plan the inputs were sharded with (plan=; build one with "
+                "fa4dist.context_parallel.make_plan or FA4ContextParallelAttention.make_plan)"
+            )
+        u = self._verify(q, k, v, plan)
+        key = (plan.fingerprint, plan.total_len, u)
+        sched = self._schedules.get(key)
+        if sched is None:
+            sched = self._schedules[key] = Schedule(plan, u, self.causal)
+        ring, ut, upeers, uidx = self._peers(u)
+        heads_q, heads_kv = q.shape[-2], k.shape[-2]
+        uly = split = None
+        if u > 1:
+            split = HeadSplit(heads_q, heads_kv, u)
+            member = sched.members[ring.index]
+            lens = [plan.local_len(r) for r in member.ranks]
+            uly = UlyssesGroup(ut, upeers, uidx, member, lens, 0 if plan.packed else 1)
+        opts = KernelOptions(self.causal, self.softmax_scale, self.backend, self._deterministic())
+        call = _Call(sched, ring, uly, split, opts, heads_q, heads_kv)
+        return _ContextParallelFunction.apply(q, k, v, call)
+
+    def _single(self, q, k, v, plan):
+        cu = None
+        if plan is not None:
+            if not isinstance(plan, ShardPlan):
+                raise TypeError(f"plan must be a ShardPlan, got {type(plan).__name__}")
+            if plan.cp_size != 1:
+                raise ValueError(f"the plan is for cp_size={plan.cp_size} but there is no process group (cp size 1)")
+            if plan.packed:
+                cu = plan.cu_seqlens_tensor(q.device if isinstance(q, torch.Tensor) else None)
+        elif isinstance(q, torch.Tensor) and q.dim() == 3:
+            raise ValueError("packed (3-D) input needs a packed-document plan (make_plan(cu_seqlens, 1)) for its "
+                             "document boundaries")
+        return _plain_attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, cu_seqlens_q=cu,
+                                cu_seqlens_k=cu, deterministic=self.deterministic, backend=self.backend)
+
+
+def _disagreement(gathered: list) -> Optional[str]:
+    """A message if any rank reported an error or the ranks' signatures differ, else None."""
+    errors = [(g["rank"], g["error"]) for g in gathered if g["error"]]
+    if errors:
+        first = errors[0][1]
+        if first.startswith("ranks disagree") or first.startswith("rank "):
+            return first
+        return f"rank {errors[0][0]} rejected its inputs: {first}" + (
+            f" (and {len(errors) - 1} more rank(s) too)" if len(errors) > 1 else "")
+    sigs = [g["sig"] for g in gathered]
+    diffs = []
+    for field in sigs[0]:
+        values = [s.get(field) for s in sigs]
+        if any(v != values[0] for v in values):
+            diffs.append(f"{field}: " + ", ".join(f"rank {g['rank']} {s.get(field)!r}" for g, s in zip(gathered, sigs)))
+    if diffs:
+        return "ranks disagree on the first call: " + "; ".join(diffs)
+    return None
+
+
+_FUNCTIONAL: dict = {}
+
+
+def context_parallel_attention(q, k, v, plan: Optional[ShardPlan] = None, group=None, *, mesh=None,
+                               ulysses_group=None, ring_group=None, strategy: str = "auto", causal: bool = True,
+                               softmax_scale: Optional[float] = None, deterministic: Optional[bool] = None,
+                               backend: str = "auto", ulysses_degree: Optional[int] = None, timeout: float = 300.0,
+                               verify: bool = True) -> torch.Tensor:
+    """Functional form of :class:`fa4dist.modules.FA4ContextParallelAttention`: the local output for the local
+    shards q, k, v (sharded with `plan`).  The signature check runs on the first call per group and options."""
+    key = (id(group), id(mesh), id(ulysses_group), id(ring_group), strategy, causal, softmax_scale, deterministic,
+           backend, ulysses_degree, float(timeout), verify)
+    entry = _FUNCTIONAL.get(key)
+    if entry is None:
+        cp = ContextParallel(group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group, strategy=strategy,
+                             causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
+                             backend=backend, ulysses_degree=ulysses_degree, timeout=timeout, verify=verify)
+        if len(_FUNCTIONAL) > 64:
+            _FUNCTIONAL.clear()
+        entry = _FUNCTIONAL[key] = (cp, (group, mesh, ulysses_group, ring_group))
+    return entry[0](q, k, v, plan)

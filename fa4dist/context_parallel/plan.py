@@ -1,0 +1,510 @@
+"""Sharding plans: which global tokens each context-parallel rank holds.
+
+A plan cuts the token stream (one sequence of ``seqlen`` tokens, or a packed batch of documents given by
+``cu_seqlens``) into ``num_chunks`` contiguous chunks of ``chunk_size`` tokens (the last real chunk may be short and
+chunks past the end are empty: any length works, the padding never reaches a kernel) and gives every rank the same
+number of chunks.  A rank's local tokens are its chunks' tokens in global order.
+
+Balancers (how chunks go to ranks):
+
+- ``contiguous``: rank r holds one contiguous run of chunks.
+- ``zigzag``: with 2c chunks per round, rank r holds chunks r and 2c-1-r of each round (the classic causal balance).
+- ``lpt`` (default): every chunk is costed from the mask (the visible (query, key) pairs of its queries; for packed
+  documents only pairs within a document, see :func:`fa4dist.kernels.mask.visible_pairs`), then chunks go
+  longest-first to the least-loaded rank that still has room, followed by a pairwise-swap refinement of the most
+  loaded rank.  With 2c equal chunks of one causal sequence this is exactly zigzag's balance.
+
+For the 2-D (Ulysses x ring) strategy, ``ulysses_degree=u`` balances over the ``cp_size / u`` ring groups (a
+group's ranks share its attention work by heads) and then hands each group's chunks to its u ranks; cp rank
+``ring_index * u + ulysses_index``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ..kernels.mask import visible_pairs
+
+BALANCERS = ("contiguous", "zigzag", "lpt")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one document inside one chunk (or block): ``length`` tokens starting ``start`` tokens into the
+    chunk, at position ``position`` of document ``doc``."""
+
+    doc: int
+    start: int
+    length: int
+    position: int
+
+
+@dataclass(frozen=True)
+class BalanceReport:
+    """Attention work per rank in visible (query, key) pairs (the cost model of the plan)."""
+
+    balancer: str
+    cp_size: int
+    ulysses_degree: int
+    num_chunks: int
+    chunk_size: int
+    work: tuple[int, ...]  # per cp rank
+    group_work: tuple[int, ...]  # per ring group (== work when ulysses_degree == 1)
+    tokens: tuple[int, ...]  # real tokens per cp rank
+
+    @property
+    def max_work(self) -> int:
+        return max(self.group_work)
+
+    @property
+    def mean_work(self) -> float:
+        return sum(self.group_work) / len(self.group_work)
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean work over the ring groups (1.0 is perfect)."""
+        return self.max_work / self.mean_work if self.mean_work else 1.0
+
+    @property
+    def efficiency(self) -> float:
+        """mean / max: the fraction of the busiest rank's compute time the average rank is busy."""
+        return 1.0 / self.imbalance
+
+    def as_dict(self) -> dict:
+        return dict(
+            balancer=self.balancer, cp_size=self.cp_size, ulysses_degree=self.ulysses_degree,
+            num_chunks=self.num_chunks, chunk_size=self.chunk_size, work=list(self.work),
+            group_work=list(self.group_work), tokens=list(self.tokens), max_work=self.max_work,
+            mean_work=self.mean_work, imbalance=self.imbalance,
+        )
+
+    def __str__(self) -> str:
+        unit = "groups" if self.ulysses_degree > 1 else "ranks"
+        lines = [
+            f"balance ({self.balancer}, {self.num_chunks} chunks of {self.chunk_size} tokens, cp={self.cp_size}"
+            + (f", ulysses={self.ulysses_degree}" if self.ulysses_degree > 1 else "")
+            + f"): max/mean work over {unit} = {self.imbalance:.4f}",
+        ]
+        for r, (w, t) in enumerate(zip(self.work, self.tokens)):
+            share = w / self.mean_work * (len(self.group_work) / len(self.work)) if self.mean_work else 1.0
+            lines.append(f"  rank {r}: {t} tokens, {w} visible pairs ({share:.3f} x mean)")
+        return "\n".join(lines)
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _documents(seqlen_or_cu_seqlens) -> tuple[int, Optional[tuple[int, ...]]]:
+    """(total tokens, document boundaries or None for one dense sequence)."""
+    if isinstance(seqlen_or_cu_seqlens, bool):
+        raise TypeError("seqlen_or_cu_seqlens must be an int (sequence length) or cu_seqlens, got bool")
+    if isinstance(seqlen_or_cu_seqlens, int):
+        return _check_int("seqlen", seqlen_or_cu_seqlens, 1), None
+    if isinstance(seqlen_or_cu_seqlens, torch.Tensor):
+        t = seqlen_or_cu_seqlens
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"cu_seqlens must hold integers, got dtype {t.dtype}")
+        if t.dim() == 0:
+            return _check_int("seqlen", int(t), 1), None
+        if t.dim() != 1:
+            raise ValueError(f"cu_seqlens must be 1-D (documents + 1), got shape {tuple(t.shape)}")
+        values = tuple(int(x) for x in t.tolist())
+    elif isinstance(seqlen_or_cu_seqlens, (list, tuple)):
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in seqlen_or_cu_seqlens):
+            raise TypeError(f"cu_seqlens must hold ints, got {list(seqlen_or_cu_seqlens)[:8]!r}")
+        values = tuple(seqlen_or_cu_seqlens)
+    else:
+        raise TypeError(
+            "seqlen_or_cu_seqlens must be an int (one sequence) or cu_seqlens (a 1-D int tensor or list of document "
+            f"boundaries), got {type(seqlen_or_cu_seqlens).__name__}"
+        )
+    if len(values) < 2:
+        raise ValueError(f"cu_seqlens needs at least 2 entries (documents + 1), got {list(values)}")
+    if values[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")
+    if any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {list(values)[:16]}")
+    if values[-1] < 1:
+        raise ValueError("cu_seqlens describes no tokens (cu_seqlens[-1] == 0)")
+    return values[-1], values
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# balancers: costs per chunk -> group per chunk, every group `capacity` chunks
+
+
+def _contiguous(costs: Sequence[int], groups: int) -> list[int]:
+    capacity = len(costs) // groups
+    return [i // capacity for i in range(len(costs))]
+
+
+def _zigzag(costs: Sequence[int], groups: int) -> list[int]:
+    if len(costs) % (2 * groups):
+        raise ValueError(
+            f"the zigzag balancer needs num_chunks to be a multiple of 2 x {groups} (two chunks per rank and round), "
+            f"got {len(costs)}"
+        )
+    out = []
+    for i in range(len(costs)):
+        j = i % (2 * groups)
+        out.append(j if j < groups else 2 * groups - 1 - j)
+    return out
+
+
+def _lpt(costs: Sequence[int], groups: int) -> list[int]:
+    """Longest processing time first with equal chunk counts per group, then pairwise-swap refinement."""
+    capacity = len(costs) // groups
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    load, count, owner = [0] * groups, [0] * groups, [0] * len(costs)
+    for i in order:
+        g = min((g for g in range(groups) if count[g] < capacity), key=lambda g: (load[g], g))
+        owner[i] = g
+        load[g] += costs[i]
+        count[g] += 1
+    # Refinement: swap a chunk of the most loaded group with one of another group while that lowers the maximum.
+    members = [[i for i in range(len(costs)) if owner[i] == g] for g in range(groups)]
+    for _ in range(4 * len(costs)):
+        top = max(range(groups), key=lambda g: (load[g], -g))
+        best = None  # (new pair maximum, a, g, b)
+        for a in members[top]:
+            for g in range(groups):
+                if g == top:
+                    continue
+                for b in members[g]:
+                    delta = costs[a] - costs[b]
+                    if delta <= 0:
+                        continue
+                    pair_max = max(load[top] - delta, load[g] + delta)
+                    if pair_max < load[top] and (best is None or pair_max < best[0]):
+                        best = (pair_max, a, g, b)
+        if best is None:
+            break
+        _, a, g, b = best
+        delta = costs[a] - costs[b]
+        load[top] -= delta
+        load[g] += delta
+        members[top][members[top].index(a)] = b
+        members[g][members[g].index(b)] = a
+        owner[a], owner[b] = g, top
+    return owner
+
+
+_BALANCER_FNS = {"contiguous": _contiguous, "zigzag": _zigzag, "lpt": _lpt}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class ShardPlan:
+    """Chunks of the global token stream and their assignment to cp ranks.  Build one with :func:`make_plan`."""
+
+    def __init__(self, total_len: int, cu_seqlens: Optional[tuple[int, ...]], cp_size: int, num_chunks: int,
+                 owner: Sequence[int], balancer: str, causal: bool, ulysses_degree: int = 1):
+        self.total_len = total_len
+        self.cu_seqlens = cu_seqlens
+        self.cp_size = cp_size
+        self.num_chunks = num_chunks
+        self.chunk_size = -(-total_len // num_chunks)
+        self.balancer = balancer
+        self.causal = causal
+        self.ulysses_degree = ulysses_degree
+        self.ring_degree = cp_size // ulysses_degree
+        self.chunk_owner: tuple[int, ...] = tuple(owner)
+        self._rank_chunks = tuple(
+            tuple(c for c in range(num_chunks) if self.chunk_owner[c] == r) for r in range(cp_size)
+        )
+
+    # ---- structure ----------------------------------------------------------------------------------------------
+
+    @property
+    def packed(self) -> bool:
+        """True for a packed batch of documents (local tensors are (tokens, heads, head_dim))."""
+        return self.cu_seqlens is not None
+
+    @property
+    def padded_len(self) -> int:
+        return self.num_chunks * self.chunk_size
+
+    def chunk_bounds(self, chunk: int) -> tuple[int, int]:
+        """[start, end) of a chunk's real tokens in the global token stream (empty past the end)."""
+        start = min(chunk * self.chunk_size, self.total_len)
+        return start, min(start + self.chunk_size, self.total_len)
+
+    def chunk_len(self, chunk: int) -> int:
+        start, end = self.chunk_bounds(chunk)
+        return end - start
+
+    @property
+    def chunk_boundaries(self) -> tuple[tuple[int, int], ...]:
+        return tuple(self.chunk_bounds(c) for c in range(self.num_chunks))
+
+    def rank_chunks(self, rank: int) -> tuple[int, ...]:
+        """The chunks rank `rank` holds, in global order (its local tokens are theirs, in this order)."""
+        return self._rank_chunks[self._check_rank(rank)]
+
+    @property
+    def assignment(self) -> tuple[tuple[int, ...], ...]:
+        """Chunks per rank."""
+        return self._rank_chunks
+
+    def local_len(self, rank: int) -> int:
+        return sum(self.chunk_len(c) for c in self.rank_chunks(rank))
+
+    def local_ranges(self, rank: int) -> list[tuple[int, int]]:
+        """The rank's local tokens as [start, end) ranges of the global token stream, adjacent chunks merged."""
+        ranges: list[list[int]] = []
+        for c in self.rank_chunks(rank):
+            start, end = self.chunk_bounds(c)
+            if end == start:
+                continue
+            if ranges and ranges[-1][1] == start:
+                ranges[-1][1] = end
+            else:
+                ranges.append([start, end])
+        return [(a, b) for a, b in ranges]
+
+    def global_indices(self, rank: Optional[int] = None) -> torch.Tensor:
+        """int64 indices into the global token stream of the rank's local tokens."""
+        parts = [torch.arange(a, b) for a, b in self.local_ranges(self._resolve_rank(rank))]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    # ---- documents ----------------------------------------------------------------------------------------------
+
+    @cached_property
+    def _doc_of_token(self) -> Optional[torch.Tensor]:
+        if self.cu_seqlens is None:
+            return None
+        cu = torch.tensor(self.cu_seqlens, dtype=torch.int64)
+        return torch.searchsorted(cu, torch.arange(self.total_len), right=True) - 1
+
+    def pieces(self, start: int, end: int) -> list[Piece]:
+        """The documents inside the global token range [start, end), in order (empty documents skipped).  For a
+        dense plan the whole range is one piece of document 0."""
+        if end <= start:
+            return []
+        if self.cu_seqlens is None:
+            return [Piece(0, 0, end - start, start)]
+        import bisect
+
+        cu = self.cu_seqlens
+        out = []
+        d = bisect.bisect_right(cu, start) - 1
+        while d < len(cu) - 1 and cu[d] < end:
+            a, b = max(cu[d], start), min(cu[d + 1], end)
+            if b > a:
+                out.append(Piece(d, a - start, b - a, a - cu[d]))
+            d += 1
+        return out
+
+    def positions(self, rank: Optional[int] = None) -> torch.Tensor:
+        """int64 positions of the rank's local tokens: the global position for one sequence, the position within
+        its document for packed documents (what RoPE needs)."""
+        idx = self.global_indices(rank)
+        if self.cu_seqlens is None:
+            return idx
+        cu = torch.tensor(self.cu_seqlens, dtype=torch.int64)
+        return idx - cu[self._doc_of_token[idx]]
+
+    def document_ids(self, rank: Optional[int] = None) -> torch.Tensor:
+        """int64 document index of each local token (all 0 for one sequence)."""
+        idx = self.global_indices(rank)
+        if self.cu_seqlens is None:
+            return torch.zeros_like(idx)
+        return self._doc_of_token[idx]
+
+    def local_cu_seqlens(self, rank: Optional[int] = None) -> torch.Tensor:
+        """int32 boundaries of the rank's local segments: maximal runs of consecutive tokens of one document."""
+        bounds = [0]
+        offset = 0
+        for a, b in self.local_ranges(self._resolve_rank(rank)):
+            for p in self.pieces(a, b):
+                offset += p.length
+                bounds.append(offset)
+        return torch.tensor(bounds, dtype=torch.int32)
+
+    def cu_seqlens_tensor(self, device=None) -> torch.Tensor:
+        """The global document boundaries as an int32 tensor ([0, total_len] for one sequence)."""
+        values = self.cu_seqlens if self.cu_seqlens is not None else (0, self.total_len)
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    # ---- cost model ---------------------------------------------------------------------------------------------
+
+    def range_cost(self, start: int, end: int, causal: Optional[bool] = None) -> int:
+        """Visible (query, key) pairs of the queries in [start, end) against every key they may see."""
+        causal = self.causal if causal is None else causal
+        if self.cu_seqlens is None:
+            return visible_pairs(end - start, self.total_len, start, 0, causal)
+        cost = 0
+        for p in self.pieces(start, end):
+            doc_len = self.cu_seqlens[p.doc + 1] - self.cu_seqlens[p.doc]
+            cost += visible_pairs(p.length, doc_len, p.position, 0, causal)
+        return cost
+
+    @cached_property
+    def chunk_costs(self) -> tuple[int, ...]:
+        return tuple(self.range_cost(*self.chunk_bounds(c)) for c in range(self.num_chunks))
+
+    def work(self, rank: int) -> int:
+        return sum(self.chunk_costs[c] for c in self.rank_chunks(rank))
+
+    def balance_report(self) -> BalanceReport:
+        work = tuple(self.work(r) for r in range(self.cp_size))
+        u = self.ulysses_degree
+        group_work = tuple(sum(work[g * u:(g + 1) * u]) for g in range(self.ring_degree))
+        return BalanceReport(
+            balancer=self.balancer, cp_size=self.cp_size, ulysses_degree=u, num_chunks=self.num_chunks,
+            chunk_size=self.chunk_size, work=work, group_work=group_work,
+            tokens=tuple(self.local_len(r) for r in range(self.cp_size)),
+        )
+
+    # ---- sharding -----------------------------------------------------------------------------------------------
+
+    def _check_rank(self, rank) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+        if not 0 <= rank < self.cp_size:
+            raise ValueError(f"rank must be in [0, {self.cp_size}) for this plan (cp_size={self.cp_size}), got {rank}")
+        return rank
+
+    def _resolve_rank(self, rank: Optional[int]) -> int:
+        if rank is not None:
+            return self._check_rank(rank)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() == self.cp_size:
+            return dist.get_rank()
+        raise ValueError(
+            "rank=None needs torch.distributed initialized with a world of cp_size ranks; pass rank= (the cp rank, "
+            "e.g. FA4ContextParallelAttention.cp_rank) explicitly"
+        )
+
+    def _check_seq(self, x, seq_dim: int, expected: int, what: str) -> int:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+            raise TypeError(f"seq_dim must be an int, got {type(seq_dim).__name__}")
+        if not -x.dim() <= seq_dim < x.dim():
+            raise ValueError(f"seq_dim={seq_dim} is out of range for a {x.dim()}-D tensor")
+        seq_dim %= x.dim()
+        if x.shape[seq_dim] != expected:
+            raise ValueError(
+                f"{what} has {x.shape[seq_dim]} tokens along seq_dim={seq_dim}, but the plan expects {expected}"
+            )
+        return seq_dim
+
+    def shard(self, x: torch.Tensor, seq_dim: int = 1, rank: Optional[int] = None) -> torch.Tensor:
+        """The local part of a global tensor (all `total_len` tokens along `seq_dim`) for cp rank `rank`."""
+        rank = self._resolve_rank(rank)
+        seq_dim = self._check_seq(x, seq_dim, self.total_len, "x")
+        parts = [x.narrow(seq_dim, a, b - a) for a, b in self.local_ranges(rank)]
+        if not parts:
+            return x.narrow(seq_dim, 0, 0).clone()
+        return parts[0].clone() if len(parts) == 1 else torch.cat(parts, dim=seq_dim)
+
+    def unshard(self, x_local, seq_dim: int = 1) -> torch.Tensor:
+        """The global tensor from every rank's local part: a list of cp_size local tensors (in rank order), or
+        their concatenation along `seq_dim` (what an all-gather of the local parts gives)."""
+        if isinstance(x_local, torch.Tensor):
+            seq_dim = self._check_seq(x_local, seq_dim, self.total_len, "the gathered tensor")
+            sizes = [self.local_len(r) for r in range(self.cp_size)]
+            x_local = list(torch.split(x_local, sizes, dim=seq_dim))
+        if not isinstance(x_local, (list, tuple)) or len(x_local) != self.cp_size:
+            raise ValueError(f"unshard needs {self.cp_size} local tensors (one per rank) or their concatenation")
+        pieces = {}
+        for r, t in enumerate(x_local):
+            d = self._check_seq(t, seq_dim, self.local_len(r), f"the local tensor of rank {r}")
+            offset = 0
+            for a, b in self.local_ranges(r):
+                pieces[a] = t.narrow(d, offset, b - a)
+                offset += b - a
+        return torch.cat([pieces[a] for a in sorted(pieces)], dim=d)
+
+    # ---- identity -----------------------------------------------------------------------------------------------
+
+    def describe(self) -> dict:
+        return dict(
+            total_len=self.total_len, cu_seqlens=list(self.cu_seqlens) if self.cu_seqlens else None,
+            cp_size=self.cp_size, ulysses_degree=self.ulysses_degree, num_chunks=self.num_chunks,
+            balancer=self.balancer, causal=self.causal, owner=list(self.chunk_owner),
+        )
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A short hash of everything that decides which rank holds which token."""
+        d = self.describe()
+        d.pop("balancer")  # two balancers giving the same assignment are the same plan
+        d.pop("causal")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ShardPlan) and self.fingerprint == other.fingerprint
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint)
+
+    def __repr__(self) -> str:
+        kind = f"{len(self.cu_seqlens) - 1} documents, " if self.cu_seqlens else ""
+        return (
+            f"ShardPlan({kind}{self.total_len} tokens, cp_size={self.cp_size}"
+            + (f", ulysses_degree={self.ulysses_degree}" if self.ulysses_degree > 1 else "")
+            + f", {self.num_chunks} chunks of {self.chunk_size}, balancer={self.balancer!r}, "
+            f"fingerprint={self.fingerprint})"
+        )
+
+
+def make_plan(
+    seqlen_or_cu_seqlens: Union[int, torch.Tensor, Sequence[int]],
+    cp_size: int,
+    balancer: str = "lpt",
+    num_chunks: Optional[int] = None,
+    *,
+    causal: bool = True,
+    ulysses_degree: int = 1,
+) -> ShardPlan:
+    """Plans how `cp_size` ranks share one sequence (an int length) or a packed batch of documents (cu_seqlens).
+
+    - ``balancer``: ``"lpt"`` (default), ``"zigzag"`` or ``"contiguous"``.
+    - ``num_chunks``: a multiple of ``cp_size`` (every rank holds as many chunks); default ``2 * cp_size`` for one
+      sequence (zigzag's count), ``8 * cp_size`` for packed documents (finer chunks let LPT balance a mix
+      dominated by one long document within ~1%).
+    - ``causal``: the mask the cost model assumes (use the attention's own).
+    - ``ulysses_degree``: for the 2-D strategy, balance over ``cp_size // ulysses_degree`` ring groups.
+    """
+    total, cu = _documents(seqlen_or_cu_seqlens)
+    _check_int("cp_size", cp_size, 1)
+    if not isinstance(balancer, str) or balancer not in BALANCERS:
+        raise ValueError(f"balancer must be one of {BALANCERS}, got {balancer!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    _check_int("ulysses_degree", ulysses_degree, 1)
+    if cp_size % ulysses_degree:
+        raise ValueError(f"ulysses_degree ({ulysses_degree}) must divide cp_size ({cp_size})")
+    if num_chunks is None:  # packed documents balance far better with more, smaller chunks
+        num_chunks = (8 if cu is not None else 2) * cp_size
+    _check_int("num_chunks", num_chunks, 1)
+    if num_chunks % cp_size:
+        raise ValueError(
+            f"num_chunks must be a multiple of cp_size ({cp_size}) so every rank holds as many chunks, got {num_chunks}"
+        )
+    groups = cp_size // ulysses_degree
+    plan = ShardPlan(total, cu, cp_size, num_chunks, [0] * num_chunks, balancer, causal, ulysses_degree)
+    group_of = _BALANCER_FNS[balancer](plan.chunk_costs, groups)
+    # Within a ring group, its u ranks take contiguous runs of the group's chunks (in global order).
+    per_rank = num_chunks // cp_size
+    owner = [0] * num_chunks
+    for g in range(groups):
+        chunks = [c for c in range(num_chunks) if group_of[c] == g]
+        for i, c in enumerate(chunks):
+            owner[c] = g * ulysses_degree + i // per_rank
+    return ShardPlan(total, cu, cp_size, num_chunks, owner, balancer, causal, ulysses_degree)

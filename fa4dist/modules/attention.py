@@ -1,0 +1,77 @@
+"""`FA4ContextParallelAttention`: context-parallel attention as an ``nn.Module``."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from ..context_parallel.core import ContextParallel
+from ..context_parallel.plan import ShardPlan, make_plan
+
+
+class FA4ContextParallelAttention(nn.Module):
+    """Attention of one long sequence spread over a process group; takes and returns local shards.
+
+    Args:
+        group: the context-parallel process group (None, or a group of one rank: plain attention through the
+            kernel contract).
+        mesh: instead of `group`, a DeviceMesh: 1-D (one cp group) or 2-D with dims ``("ring", "ulysses")``.
+        ulysses_group, ring_group: instead of `group`, the two groups of the 2-D strategy.
+        strategy: ``"ring"``, ``"ulysses"``, ``"hybrid"`` (Ulysses inside groups of `ulysses_degree` ranks, ring
+            across them) or ``"auto"`` (default: a 2-D mesh is hybrid; otherwise the plan's Ulysses degree if it has
+            one, else the largest Ulysses degree the head counts allow, ring for the rest).
+        causal: causal mask over global positions (default True; positions within a document for packed plans).
+        softmax_scale: default 1/sqrt(head_dim).
+        plan: the :class:`~fa4dist.context_parallel.ShardPlan` the inputs were sharded with (or pass it to forward).
+        deterministic: bitwise reproducible backward kernels; default follows
+            ``torch.are_deterministic_algorithms_enabled()``.  (Every cross-rank reduction already runs in an
+            order fixed by the plan, never by arrival.)
+        backend: kernel backend for every block (``"auto"``, ``"reference"``, ``"sdpa"``, ``"cute"``, ...).
+        ulysses_degree: the Ulysses group size for ``hybrid`` on one process group.
+        timeout: seconds any wait on another rank may take before a :class:`~fa4dist.context_parallel.CommError`
+            naming what was awaited.
+        verify: exchange a signature (shapes, dtypes, plan, options) on the first call, so disagreeing ranks all
+            fail with the same clear error instead of hanging.
+
+    ``forward(q, k, v, plan=None)``: dense plans take ``(batch, local_len, heads, head_dim)`` shards, packed-document
+    plans ``(local_tokens, heads, head_dim)``; k and v may have fewer heads (GQA).  Returns the local output.
+    """
+
+    def __init__(self, group=None, *, mesh=None, ulysses_group=None, ring_group=None, strategy: str = "auto",
+                 causal: bool = True, softmax_scale: Optional[float] = None, plan: Optional[ShardPlan] = None,
+                 deterministic: Optional[bool] = None, backend: str = "auto", ulysses_degree: Optional[int] = None,
+                 timeout: float = 300.0, verify: bool = True):
+        super().__init__()
+        if plan is not None and not isinstance(plan, ShardPlan):
+            raise TypeError(f"plan must be a ShardPlan (fa4dist.context_parallel.make_plan), got {type(plan).__name__}")
+        self.cp = ContextParallel(group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
+                                  strategy=strategy, causal=causal, softmax_scale=softmax_scale,
+                                  deterministic=deterministic, backend=backend, ulysses_degree=ulysses_degree,
+                                  timeout=timeout, verify=verify)
+        self.plan = plan
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp.cp_size
+
+    @property
+    def cp_rank(self) -> int:
+        """This process's rank in plans (``ring_index * ulysses_degree + ulysses_index`` on a 2-D mesh)."""
+        return self.cp.cp_rank
+
+    def make_plan(self, seqlen_or_cu_seqlens: Union[int, torch.Tensor, list], balancer: str = "lpt",
+                  num_chunks: Optional[int] = None) -> ShardPlan:
+        """A plan for this module's group, mask and Ulysses degree; shard inputs with ``plan.shard(x, rank=
+        module.cp_rank)``."""
+        return make_plan(seqlen_or_cu_seqlens, self.cp_size, balancer, num_chunks, causal=self.cp.causal,
+                         ulysses_degree=self.cp.plan_ulysses_degree())
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Optional[ShardPlan] = None):
+        return self.cp(q, k, v, plan if plan is not None else self.plan)
+
+    def extra_repr(self) -> str:
+        cp = self.cp
+        return (f"cp_size={cp.cp_size}, strategy={cp.strategy!r}, causal={cp.causal}, backend={cp.backend!r}"
+                + (f", ulysses_degree={cp.ulysses_degree}" if cp.ulysses_degree else ""))

@@ -1,0 +1,90 @@
+"""Context-parallel test cases, run inside the worker pool of :mod:`cp_harness` (one call per rank).
+
+Every rank builds the same global inputs from the seed, runs its shards through the CP module, and compares with
+the single-process fp64 oracle of the whole sequence (tests/oracle.py, which shares no code with fa4dist)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from cp_harness import GROUPS
+from fa4dist.context_parallel import make_plan
+from fa4dist.modules import FA4ContextParallelAttention
+from oracle import naive_attention
+
+
+def random_docs(seed: int, n: int, max_len: int, allow_empty: bool = True) -> list[int]:
+    rng = random.Random(seed)
+    cu = [0]
+    for i in range(n):
+        low = 0 if allow_empty and i % 5 == 3 else 1
+        cu.append(cu[-1] + rng.randint(low, max_len))
+    return cu
+
+
+def global_inputs(seed, total, heads_q, heads_kv, head_dim, dtype, batch=None, head_dim_v=None):
+    """q, k, v, dout for the whole sequence: (batch, total, h, d), or (total, h, d) when batch is None."""
+    gen = torch.Generator().manual_seed(seed)
+    lead = (total,) if batch is None else (batch, total)
+    dv = head_dim_v or head_dim
+    q = torch.randn(*lead, heads_q, head_dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(*lead, heads_kv, head_dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(*lead, heads_kv, dv, generator=gen, dtype=torch.float64)
+    dout = torch.randn(*lead, heads_q, dv, generator=gen, dtype=torch.float64)
+    return [t.to(dtype) for t in (q, k, v, dout)]
+
+
+def cp_module(rank, cp, strategy, causal, plan_u=1, ulysses_degree=None, topology="group", backend="reference",
+              deterministic=None, timeout=60.0):
+    """(module, cp rank) for ranks 0..cp-1 of the pool, or (None, None) for the others."""
+    if rank >= cp:
+        return None, None
+    kw = dict(strategy=strategy, causal=causal, backend=backend, deterministic=deterministic, timeout=timeout)
+    if topology == "mesh":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+        module = FA4ContextParallelAttention(mesh=mesh, **kw)
+    elif topology == "groups":
+        module = FA4ContextParallelAttention(ulysses_group=GROUPS["ulysses"], ring_group=GROUPS["ring"], **kw)
+    else:
+        module = FA4ContextParallelAttention(GROUPS[cp], ulysses_degree=ulysses_degree, **kw)
+    return module, module.cp_rank
+
+
+def run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, docs=None, heads=(4, 2), head_dim=8,
+             head_dim_v=None, batch=1, balancer="lpt", num_chunks=None, plan_u=1, ulysses_degree=None,
+             topology="group", seed=0, dtype=torch.float64):
+    """Max abs errors of the local out, dq, dk, dv against the fp64 oracle (None on ranks outside the group)."""
+    if topology == "mesh" and cp != world:
+        raise ValueError("mesh cases use the whole pool")
+    module, cp_rank = cp_module(rank, cp, strategy, causal, plan_u, ulysses_degree, topology)
+    if module is None:
+        return None
+    packed = docs is not None
+    total = docs[-1] if packed else seqlen
+    plan = make_plan(docs if packed else seqlen, cp, balancer, num_chunks, causal=causal,
+                     ulysses_degree=module.cp.plan_ulysses_degree() if plan_u is None else plan_u)
+    q, k, v, dout = global_inputs(seed, total, heads[0], heads[1], head_dim, torch.float64,
+                                  None if packed else batch, head_dim_v)
+    sd = 0 if packed else 1
+    leaves = [plan.shard(t, seq_dim=sd, rank=cp_rank).to(dtype).requires_grad_() for t in (q, k, v)]
+    out = module(*leaves, plan=plan)
+    out.backward(plan.shard(dout, seq_dim=sd, rank=cp_rank).to(dtype))
+
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    cu = torch.tensor(docs, dtype=torch.int32) if packed else None
+    ref, _ = naive_attention(*ref_leaves, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    ref.backward(dout)
+    errors = {}
+    for name, got, want in [("out", out, ref)] + [
+        (n, leaf.grad, r.grad) for n, leaf, r in zip(("dq", "dk", "dv"), leaves, ref_leaves)
+    ]:
+        want = plan.shard(want.detach(), seq_dim=sd, rank=cp_rank)
+        assert got.shape == want.shape, (name, got.shape, want.shape)
+        assert got.dtype == dtype, (name, got.dtype)
+        errors[name] = float((got.detach().double() - want).abs().max()) if want.numel() else 0.0
+    errors["strategy"] = module.cp.strategy_name(module.cp.degree(heads[0], heads[1], plan))
+    return errors

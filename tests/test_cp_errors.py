@@ -1,0 +1,155 @@
+"""Bad input and disagreeing ranks: every rank fails with the same clear error on the first call instead of hanging,
+and a rank that never shows up costs the others one timeout whose message names what they waited for."""
+
+import time
+
+import pytest
+import torch
+
+import cp_cases
+from cp_harness import GROUPS, fresh_group, shared_pool
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return shared_pool(4)
+
+
+def _error(fn):
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001
+        return type(err).__name__, str(err), time.monotonic() - t0
+    return None
+
+
+def _inputs(plan, rank, heads=(4, 2), dtype=torch.float64, total=None):
+    q, k, v, _ = cp_cases.global_inputs(0, total or plan.total_len, heads[0], heads[1], 8, dtype, batch=1)
+    return [plan.shard(t, rank=rank) for t in (q, k, v)]
+
+
+def bad_input_case(rank, world, kind):
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    opts = dict(strategy="ring", causal=True, backend="reference", timeout=30)
+    plan = make_plan(40, 4)
+    dtype, heads = torch.float64, (4, 2)
+    if kind == "length" and rank == 1:
+        q, k, v = _inputs(plan, rank)
+        return _error(lambda: FA4ContextParallelAttention(GROUPS[4], **opts)(q[:, :-1], k[:, :-1], v[:, :-1], plan))
+    if kind == "dtype" and rank == 1:
+        dtype = torch.float32
+    if kind == "causal" and rank == 2:
+        opts["causal"] = False
+    if kind == "plan" and rank == 3:
+        plan = make_plan(40, 4, "contiguous")
+    if kind == "heads" and rank == 0:
+        heads = (2, 2)
+    if kind == "ulysses":
+        opts["strategy"], heads = "ulysses", (12, 6)
+    if kind == "hybrid-no-degree":
+        opts["strategy"] = "hybrid"
+    module = FA4ContextParallelAttention(GROUPS[4], **opts)
+    if kind == "cp-size":
+        plan = make_plan(40, 2)
+        q, k, v = _inputs(make_plan(40, 4), rank)
+        return _error(lambda: module(q, k, v, plan))
+    if kind == "no-plan":
+        q, k, v = _inputs(plan, rank)
+        return _error(lambda: module(q, k, v))
+    if kind == "packed-dims":
+        q, k, v = _inputs(plan, rank)
+        return _error(lambda: module(q, k, v, make_plan([0, 10, 40], 4)))
+    q, k, v = _inputs(plan, rank, heads, dtype)
+    return _error(lambda: module(q, k, v, plan))
+
+
+@pytest.mark.parametrize("kind, error, pattern", [
+    ("length", "ValueError", "rank 1 rejected its inputs: ValueError: q holds 9 tokens but the plan gives cp rank 1 10 "),
+    ("dtype", "ValueError", "ranks disagree on the first call: dtype: rank 0 'torch.float64', rank 1 'torch.float32'"),
+    ("causal", "ValueError", "ranks disagree on the first call: causal: .*rank 2 False"),
+    ("plan", "ValueError", "ranks disagree on the first call: plan: "),
+    ("heads", "ValueError", "ranks disagree on the first call: heads_q: rank 0 2, rank 1 4"),
+    ("ulysses", "ValueError", "Ulysses degree 4 is impossible: .*use strategy='hybrid' with ulysses_degree in \\[2\\]"),
+    ("hybrid-no-degree", "ValueError", "strategy='hybrid' on one process group needs ulysses_degree="),
+    ("cp-size", "ValueError", "the plan is for cp_size=2 but the process group has 4 ranks"),
+    ("no-plan", "ValueError", "needs the plan the inputs were sharded with"),
+    ("packed-dims", "ValueError", "q must be 3-D \\(local_tokens, heads, head_dim\\) for this packed-document plan"),
+])
+def test_every_rank_gets_the_same_clear_error(pool, kind, error, pattern):
+    import re
+
+    results = pool.run(bad_input_case, kind=kind, timeout=90)
+    for rank, res in enumerate(results):
+        assert res is not None, f"rank {rank} did not fail"
+        name, message, elapsed = res
+        assert name == error and re.search(pattern, message), (rank, name, message)
+        assert elapsed < 20, elapsed  # an error, not a timeout
+
+
+def test_pool_still_healthy_after_errors(pool):
+    res = pool.run(cp_cases.run_case, cp=4, seqlen=30)
+    assert max(r["out"] for r in res) < 1e-10
+
+
+def absent_rank_case(rank, world, verify):
+    """Ranks 0 and 1 of a throw-away group: rank 1 never calls; rank 0 must fail within its 2 s timeout."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    group = fresh_group([0, 1])  # broken by this test on purpose; nothing else uses it
+    if rank != 0:
+        time.sleep(4 if rank == 1 else 0)
+        return None
+    plan = make_plan(20, 2)
+    module = FA4ContextParallelAttention(group, strategy="ring", backend="reference", timeout=2, verify=verify)
+    return _error(lambda: module(*_inputs(plan, 0), plan=plan))
+
+
+@pytest.mark.parametrize("verify, pattern", [
+    (True, "rank 0 of 2 failed waiting for the first-call signature exchange .lengths. from all ranks of its group "
+           "\\(timeout 2s; did every rank call it\\?\\)"),
+    (False, "rank 0 of 2 failed waiting for K/V of forward ring step 1 \\(send to rank 1, recv from rank 1; "
+            "timeout 2s\\)"),
+])
+def test_absent_rank_times_out_with_a_named_wait(pool, verify, pattern):
+    import re
+
+    name, message, elapsed = pool.run(absent_rank_case, verify=verify, timeout=60)[0]
+    assert name == "CommError" and re.search(pattern, message), message
+    assert elapsed < 10
+
+
+# ---- constructor and argument errors (single process) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, error, pattern", [
+    (dict(strategy="tree"), ValueError, "strategy must be one of"),
+    (dict(causal="yes"), TypeError, "causal must be a bool"),
+    (dict(deterministic=1), TypeError, "deterministic must be a bool or None"),
+    (dict(backend=3), TypeError, "backend must be a string"),
+    (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
+    (dict(timeout=0), ValueError, "timeout must be a positive number of seconds"),
+    (dict(ulysses_degree=0), ValueError, "ulysses_degree must be a positive int"),
+    (dict(ulysses_group=object()), ValueError, "ulysses_group and ring_group must be given together"),
+    (dict(mesh=object()), TypeError, "mesh must be a torch.distributed.device_mesh.DeviceMesh"),
+    (dict(plan=42), TypeError, "plan must be a ShardPlan"),
+])
+def test_module_argument_errors(kwargs, error, pattern):
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    with pytest.raises(error, match=pattern):
+        FA4ContextParallelAttention(**kwargs)
+
+
+def test_single_process_plan_errors():
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(ValueError, match="the plan is for cp_size=2 but there is no process group"):
+        FA4ContextParallelAttention()(q, q, q, plan=make_plan(8, 2))
