@@ -71,7 +71,8 @@ def main():
     ap.add_argument("--hdims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--variants", nargs="+", default=[""], help="cute config overrides, e.g. 'tile_n=176'")
+    ap.add_argument("--variants", nargs="+", default=[""],
+                    help="cute config overrides, e.g. 'tma_store_o=True' or head-dim specific 'd64:tile_m=128'")
     ap.add_argument("--baselines", nargs="*", default=["cudnn", "fa2", "fa4"])
     ap.add_argument("--total-tokens", type=int, default=16384)
     ap.add_argument("--model-dim", type=int, default=2048)
@@ -106,7 +107,13 @@ def main():
                 out = torch.empty_like(q)
                 lse = torch.empty(b, h, s, device=dev, dtype=torch.float32)
                 for vs in args.variants:
-                    kw = parse_variant(vs)
+                    if ":" in vs:  # head-dim specific variant, e.g. "d64:tile_m=128"
+                        want, vs_kw = vs.split(":", 1)
+                        if want != f"d{d}":
+                            continue
+                    else:
+                        vs_kw = vs
+                    kw = parse_variant(vs_kw)
                     tag = "cute" + (f"[{vs}]" if vs else "")
                     try:
                         t0 = time.time()

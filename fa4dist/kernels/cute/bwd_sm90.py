@@ -58,7 +58,7 @@ _BAR_DQ_EMPTY = 4  # + warpgroup: dQ smem buffer free again (writer -> MMA wg)
 
 
 def default_tile_m(head_dim: int) -> int:
-    return 128 if head_dim <= 64 else 64
+    return 64
 
 
 class FlashBwdSm90:
@@ -88,7 +88,7 @@ class FlashBwdSm90:
         self.varlen = varlen
         self.accumulate = accumulate
         self.deterministic = deterministic
-        self.seg_offsets = seg_offsets and varlen
+        self.seg_offsets = seg_offsets
         self.tile_m = tile_m if tile_m is not None else default_tile_m(head_dim)
         self.tile_n = tile_n
         assert self.tile_n == 128 and self.tile_m in (64, 128)
@@ -729,9 +729,9 @@ class FlashBwdSm90:
             lse_c = sLSE[tScS_mn[0, c][1], stage]
             for r in cutlass.range_constexpr(n_rows):
                 acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse_c, fastmath=True)
-        tdVrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
-        # (4) dV += P^T dO (issued before dS is computed)
+        # (4) dV += P^T dO, issued before dS is computed (dv_early) or after (fewer live registers)
         if const_expr(self.dv_early):
+            tdVrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
             self.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], False)
             warpgroup.wait_group(1)  # dP done (dV may still run)
         else:
@@ -747,6 +747,7 @@ class FlashBwdSm90:
         rdS.store(acc_dP.load().to(self.dtype))
         tdKrdS.store(acc_to_operand_a(rdS).load())
         if const_expr(not self.dv_early):
+            tdVrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
             self.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], False)
         # dS^T -> smem, as the (tm, tn) K-major A operand of dQ = dS K
         tdSsdS = thr_sdp.partition_C(sdSt[None, None, stage])

@@ -39,6 +39,7 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 # named barrier ids (0 is __syncthreads)
+_BAR_EPILOGUE = 1
 _BAR_SCHED_BASE = 2  # + consumer warpgroup index (0..2)
 
 
@@ -85,14 +86,23 @@ def _acc_as_operand_a(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
 
 
-def _tree_sum(terms):
-    """Pairwise sum of a Python list of traced scalars (plain Python: unrolled at trace time)."""
-    while len(terms) > 1:
-        nxt = [terms[i] + terms[i + 1] for i in range(0, len(terms) - 1, 2)]
-        if len(terms) % 2:
-            nxt.append(terms[-1])
-        terms = nxt
-    return terms[0]
+def _sum4(terms):
+    """Sum of a Python list of traced scalars with 4 running partial sums (unrolled at trace time):
+    short dependency chains and only 4 live temporaries (a full tree needs many, and then ptxas
+    reuses the registers of the in-flight P operand and delays the softmax past the PV wait)."""
+    n = len(terms)
+    if n < 8:
+        acc = terms[0]
+        for t in terms[1:]:
+            acc = acc + t
+        return acc
+    part = [terms[0], terms[1], terms[2], terms[3]]
+    for i in range(4, n - n % 4, 4):
+        for j in range(4):
+            part[j] = part[j] + terms[i + j]
+    for i in range(n - n % 4, n):
+        part[0] = part[0] + terms[i]
+    return (part[0] + part[1]) + (part[2] + part[3])
 
 
 def _transpose_smem(t: cute.Tensor) -> cute.Tensor:
@@ -120,6 +130,7 @@ class FlashFwdSm90:
         intra_wg_overlap: bool = True,
         sched_barrier: bool = True,
         rescale_threshold: float = 8.0,
+        tma_store_o: bool = False,
         l2_rows: Optional[int] = None,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
@@ -137,6 +148,8 @@ class FlashFwdSm90:
         self.intra_wg_overlap = intra_wg_overlap
         self.sched_barrier = sched_barrier and self.num_wg >= 2 and intra_wg_overlap
         self.rescale_threshold = float(rescale_threshold)
+        # O through smem (reusing sQ) and one TMA store; dense, non-accumulate, 16-bit out only
+        self.tma_store_o = tma_store_o and not varlen and not accumulate
         self.num_threads = 128 * (self.num_wg + 1)
         self.regs_producer, self.regs_consumer = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_wg]
         elem = dtype.width // 8
@@ -207,6 +220,12 @@ class FlashFwdSm90:
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
             g2s, mV, cute.select(self.sV_layout, mode=[0, 1]), (self.tile_n, D), 1
         )
+        self.use_tma_o = self.tma_store_o and mO.element_type == self.dtype
+        tma_atom_O, tma_O = None, None
+        if const_expr(self.use_tma_o):
+            tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, self.sQ_layout, (self.tile_m, D)
+            )
         self.bytes_q = cute.size_in_bytes(self.dtype, self.sQ_layout)
         self.bytes_kv = cute.size_in_bytes(self.dtype, cute.select(self.sK_layout, mode=[0, 1]))
 
@@ -236,9 +255,11 @@ class FlashFwdSm90:
             tma_V,
             mO,
             mLSE,
+            tma_O,
             tma_atom_Q,
             tma_atom_K,
             tma_atom_V,
+            tma_atom_O,
             tiled_mma_qk,
             tiled_mma_pv,
             scale_log2,
@@ -270,9 +291,11 @@ class FlashFwdSm90:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mO_tma: Optional[cute.Tensor],
         tma_atom_Q: cute.CopyAtom,
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
+        tma_atom_O: Optional[cute.CopyAtom],
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         scale_log2: Float32,
@@ -293,6 +316,8 @@ class FlashFwdSm90:
             cpasync.prefetch_descriptor(tma_atom_Q)
             cpasync.prefetch_descriptor(tma_atom_K)
             cpasync.prefetch_descriptor(tma_atom_V)
+            if const_expr(tma_atom_O is not None):
+                cpasync.prefetch_descriptor(tma_atom_O)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -406,7 +431,7 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             if tile_valid:
                 self.consume(
-                    mO, mLSE, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v,
+                    mO, mLSE, mO_tma, tma_atom_O, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v,
                     scale_log2, diag_b, m_block, head, batch, offset_q, seqlen_q, seqlen_k,
                     n_block_max, n_block_causal,
                 )
@@ -504,6 +529,8 @@ class FlashFwdSm90:
         self,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mO_tma: Optional[cute.Tensor],
+        tma_atom_O: Optional[cute.CopyAtom],
         sQ: cute.Tensor,
         sK: cute.Tensor,
         sV: cute.Tensor,
@@ -612,7 +639,7 @@ class FlashFwdSm90:
                     )
 
         self.epilogue(
-            acc_O, row_max, row_sum, mO, mLSE, thr_mma_pv, scale_log2,
+            acc_O, row_max, row_sum, mO, mLSE, mO_tma, tma_atom_O, sQ, tiled_mma_pv, tidx, scale_log2,
             m_block, head, batch, offset_q, seqlen_q,
         )
 
@@ -767,8 +794,9 @@ class FlashFwdSm90:
                 else:
                     limit = causal_limit
             for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                if t0ScS_mn[0, c][1] >= limit:
-                    acc_mn[r, c] = -Float32.inf
+                # a select, not an `if`: a dynamic `if` that writes a register tensor yields the
+                # whole fragment out of the branch (hundreds of FSELs per masked tile)
+                acc_mn[r, c] = -Float32.inf if t0ScS_mn[0, c][1] >= limit else acc_mn[r, c]
 
     @cute.jit
     def online_softmax(
@@ -804,7 +832,7 @@ class FlashFwdSm90:
             p = cute.math.exp2(vals * scale_log2 - m_scaled, fastmath=True)
             acc_mn[r, None].store(p)
             # pairwise tree: short dependency chains instead of one serial FADD chain
-            p_sum = _tree_sum([acc_mn[r, c] for c in range(cute.size(acc_mn, mode=[1]))])
+            p_sum = _sum4([acc_mn[r, c] for c in range(cute.size(acc_mn, mode=[1]))])
             if const_expr(is_first):
                 row_scale[r] = Float32(1.0)
                 row_sum[r] = p_sum
@@ -830,7 +858,95 @@ class FlashFwdSm90:
 
     # ------------------------------------------------------------------------
     @cute.jit
+    def epilogue_tma(
+        self,
+        acc_O: cute.Tensor,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        mLSE: cute.Tensor,
+        mO_tma: cute.Tensor,
+        tma_atom_O: cute.CopyAtom,
+        sQ: cute.Tensor,
+        tiled_mma_pv: cute.TiledMma,
+        tidx: Int32,
+        scale_log2: Float32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+    ):
+        """O -> registers (q dtype) -> smem (the Q buffer, free once every consumer warpgroup is
+        past its last S = Q K^T) -> one TMA store (rows past seqlen_q are clipped by TMA)."""
+        D = self.head_dim
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+        acc_mn = _mn_view(acc_O)
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO_mn = _mn_view(rO)
+        lse_r = cute.make_rmem_tensor_like(row_sum, Float32)
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
+            s = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+            empty = s == Float32(0.0) or s != s
+            inv = cute.arch.rcp_approx(Float32(1.0) if empty else s)
+            lse = Float32(-math.inf)
+            if not empty:
+                lse = (row_max[r] * scale_log2 + cute.math.log2(s, fastmath=True)) * LN_2
+            lse_r[r] = lse
+            rO_mn[r, None].store((acc_mn[r, None].load() * inv).to(self.dtype))
+        # every consumer warpgroup has finished reading sQ
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_wg * 128)
+        st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
+        thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)
+        cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sQ))
+        cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_wg * 128)
+        if tidx < 32:
+            gO = cute.local_tile(mO_tma[None, None, head, batch], (self.tile_m, D), (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(
+                tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gO, 0, 2)
+            )
+            cute.copy(tma_atom_O, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        mL_cur = mLSE[None, head, batch]
+        cO = cute.make_identity_tensor((self.tile_m, D))
+        tOcO_mn = _mn_view(thr_mma_pv.partition_C(cO))
+        if tOcO_mn[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(row_sum)):
+                row = m_block * self.tile_m + tOcO_mn[r, 0][0]
+                if row < seqlen_q:
+                    mL_cur[row] = lse_r[r]
+
+    @cute.jit
     def epilogue(
+        self,
+        acc_O: cute.Tensor,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mO_tma: Optional[cute.Tensor],
+        tma_atom_O: Optional[cute.CopyAtom],
+        sQ: cute.Tensor,
+        tiled_mma_pv: cute.TiledMma,
+        tidx: Int32,
+        scale_log2: Float32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        offset_q: Int32,
+        seqlen_q: Int32,
+    ):
+        D = self.head_dim
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+        if const_expr(tma_atom_O is not None):
+            self.epilogue_tma(acc_O, row_max, row_sum, mLSE, mO_tma, tma_atom_O, sQ, tiled_mma_pv, tidx,
+                              scale_log2, m_block, head, batch, seqlen_q)
+        else:
+            self.epilogue_direct(acc_O, row_max, row_sum, mO, mLSE, thr_mma_pv, scale_log2, m_block, head,
+                                 batch, offset_q, seqlen_q)
+
+    @cute.jit
+    def epilogue_direct(
         self,
         acc_O: cute.Tensor,
         row_max: cute.Tensor,
@@ -845,6 +961,7 @@ class FlashFwdSm90:
         offset_q: Int32,
         seqlen_q: Int32,
     ):
+        """O (or the accumulate-merge) straight from registers to global memory."""
         D = self.head_dim
         if const_expr(not self.varlen):
             mO_cur = mO[None, None, head, batch]

@@ -34,6 +34,7 @@ class KernelConfig:
     intra_wg_overlap: bool = True
     sched_barrier: bool = True
     rescale_threshold: float = 8.0
+    tma_store_o: bool = False  # dense non-accumulate 16-bit out: O via smem + TMA store
 
 
 def default_tiles(head_dim: int, causal: bool) -> tuple[int, int, int]:
@@ -207,7 +208,7 @@ def build_kernel_object(cfg: KernelConfig):
         _cutlass_dtype(cfg.dtype), cfg.head_dim, causal=cfg.causal, varlen=cfg.varlen, accumulate=cfg.accumulate,
         seg_offsets=cfg.seg_offsets, tile_m=cfg.tile_m, tile_n=cfg.tile_n, num_stages=cfg.num_stages,
         intra_wg_overlap=cfg.intra_wg_overlap, sched_barrier=cfg.sched_barrier,
-        rescale_threshold=cfg.rescale_threshold,
+        rescale_threshold=cfg.rescale_threshold, tma_store_o=cfg.tma_store_o,
     )
 
 

@@ -1,0 +1,97 @@
+# Backward dQ convert kernel (Hopper; SIMT, memory bound).
+#
+# The main kernel leaves dQ (already scaled) in an fp32 scratch, one (tile_m x d) chunk per
+# (query tile, head), each chunk in the register-fragment order of bwd_utils.dq_tiled_mma (so that
+# the main kernel can add whole chunks with one bulk reduction). One CTA of 256 threads per chunk
+# reloads the fragments exactly as the MMA threads held them, recovers each element's (row, col)
+# from the same tiled MMA, and writes dq: cast to the output dtype, or added (+=) into the
+# caller's fp32 buffer when accumulating.
+#
+# This module imports cutlass at import time: import it lazily.
+
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from .bwd_utils import dq_chunk_layout, dq_tiled_mma, mn_view, select_modes
+
+
+class BwdPostprocess:
+    def __init__(self, dtype, head_dim: int, tile_m: int, *, varlen: bool, accumulate: bool):
+        self.dtype = dtype  # q dtype (selects the MMA the scratch order came from)
+        self.head_dim = head_dim
+        self.tile_m = tile_m
+        self.varlen = varlen
+        self.accumulate = accumulate
+
+    @cute.jit
+    def __call__(
+        self,
+        mdQacc: cute.Tensor,  # flat fp32 scratch
+        mdQ: cute.Tensor,  # (b, s, h, d) | (t, h, d): q dtype, or fp32 when accumulating
+        m_blocks: Int32,
+        mCuSeqlensQ: Optional[cute.Tensor],
+        stream,
+    ):
+        if const_expr(not self.varlen):
+            mdQ = select_modes(mdQ, (1, 3, 2, 0))
+            num_batch = cute.size(mdQ.shape[3])
+            grid_m = cute.ceil_div(cute.size(mdQ.shape[0]), self.tile_m)
+        else:
+            mdQ = select_modes(mdQ, (0, 2, 1))
+            num_batch = cute.size(mCuSeqlensQ.shape[0]) - 1
+            grid_m = m_blocks
+        num_heads = cute.size(mdQ.shape[2])
+        tiled_mma = dq_tiled_mma(self.dtype, self.tile_m, self.head_dim)
+        self.kernel(mdQacc, mdQ, tiled_mma, mCuSeqlensQ).launch(
+            grid=(grid_m, num_heads, num_batch), block=[256, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, tiled_mma: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor]):
+        tm, D = self.tile_m, self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        num_heads = cute.size(mdQ.shape[2])
+        if const_expr(self.varlen):
+            offset_q = mCuSeqlensQ[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+            blk_base = offset_q // tm + batch
+            mdQ_cur = cute.domain_offset((offset_q, 0), mdQ[None, None, head])
+        else:
+            seqlen_q = cute.size(mdQ.shape[0])
+            blk_base = batch * cute.ceil_div(seqlen_q, tm)
+            mdQ_cur = mdQ[None, None, head, batch]
+
+        if m_block * tm < seqlen_q:
+            chunk = (blk_base + m_block) * num_heads + head
+            n_chunks = cute.size(mdQacc.shape[0]) // (tm * D)
+            gacc = cute.make_tensor(mdQacc.iterator, dq_chunk_layout(tm, D, n_chunks))
+            wg = tidx // 128
+            t = tidx - wg * 128
+            wg_layout = cute.make_layout(2, stride=128)
+            acc_shape = tiled_mma.get_slice(wg_layout(wg)).partition_shape_C((tm, D))
+            acc = cute.make_rmem_tensor(acc_shape, Float32)
+            src = gacc[None, t, None, wg, chunk]
+            flat = cute.make_tensor(acc.iterator, cute.make_layout(src.shape))
+            cute.autovec_copy(src, flat)
+
+            thr = tiled_mma.get_slice(tidx)
+            tc_mn = mn_view(thr.partition_C(cute.make_identity_tensor((tm, D))))
+            gdst = cute.local_tile(mdQ_cur, (tm, D), (m_block, 0))
+            tdst_mn = mn_view(thr.partition_C(gdst))
+            acc_mn = mn_view(acc)
+            for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+                row = m_block * tm + tc_mn[r, 0][0]
+                if row < seqlen_q:
+                    if const_expr(not self.accumulate):
+                        o = cute.make_rmem_tensor_like(acc_mn[r, None], mdQ.element_type)
+                        o.store(acc_mn[r, None].load().to(mdQ.element_type))
+                        cute.autovec_copy(o, tdst_mn[r, None])
+                    else:
+                        o = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
+                        cute.autovec_copy(tdst_mn[r, None], o)
+                        o.store(o.load() + acc_mn[r, None].load())
+                        cute.autovec_copy(o, tdst_mn[r, None])

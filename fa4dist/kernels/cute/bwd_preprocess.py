@@ -1,0 +1,139 @@
+# Backward preprocess kernel (Hopper; plain SIMT, memory bound).
+#
+# One CTA per (query tile, head, sequence): for each of the tile's rows
+#   dpsum[row] = softmax_scale * rowsum(dO * O)      (0 for padding rows)
+#   lse2[row]  = lse * log2(e)                       (+inf for padding rows and rows with lse = -inf,
+#                                                     so that P = exp2(S * scale_log2 - lse2) = 0 there)
+# written into tile-padded vectors indexed (chunk * heads + head) * tile_m + row, where
+# chunk = (first tile of the sequence) + tile. The same CTA zeroes the tile's fp32 dQ accumulator
+# chunk and, in deterministic mode, its semaphore, so the main kernel needs no memsets.
+#
+# This module imports cutlass at import time: import it lazily.
+
+import math
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from .bwd_utils import select_modes
+
+LOG2_E = math.log2(math.e)
+
+
+class BwdPreprocess:
+    def __init__(self, head_dim: int, tile_m: int, *, varlen: bool, deterministic: bool, num_threads: int = 128):
+        self.head_dim = head_dim
+        self.tile_m = tile_m
+        self.varlen = varlen
+        self.deterministic = deterministic
+        self.num_threads = num_threads
+        self.vec = 8  # elements per thread per row step
+        self.tpr = head_dim // self.vec  # threads per row
+        assert self.num_threads % self.tpr == 0 and self.tpr <= 32
+        self.rows_per_pass = self.num_threads // self.tpr
+        assert tile_m % self.rows_per_pass == 0
+
+    @cute.jit
+    def __call__(
+        self,
+        mO: cute.Tensor,  # (b, s, h, d) | (t, h, d), q dtype or fp32
+        mdO: cute.Tensor,  # like q
+        mLSE: cute.Tensor,  # (b, h, s) | (h, t) fp32
+        mLSE2: cute.Tensor,  # flat fp32
+        mDpsum: cute.Tensor,  # flat fp32
+        mdQacc: cute.Tensor,  # flat fp32
+        mSem: Optional[cute.Tensor],  # flat int32
+        scale: Float32,
+        m_blocks: Int32,  # grid size along query tiles (varlen: ceil(max_seqlen_q / tile_m))
+        mCuSeqlensQ: Optional[cute.Tensor],
+        stream,
+    ):
+        if const_expr(not self.varlen):
+            mO, mdO = [select_modes(t, (1, 3, 2, 0)) for t in (mO, mdO)]  # (s, d, h, b)
+            mLSE = select_modes(mLSE, (2, 1, 0))  # (s, h, b)
+            num_batch = cute.size(mO.shape[3])
+            grid_m = cute.ceil_div(cute.size(mO.shape[0]), self.tile_m)
+        else:
+            mO, mdO = [select_modes(t, (0, 2, 1)) for t in (mO, mdO)]  # (t, d, h)
+            mLSE = select_modes(mLSE, (1, 0))  # (t, h)
+            num_batch = cute.size(mCuSeqlensQ.shape[0]) - 1
+            grid_m = m_blocks
+        num_heads = cute.size(mO.shape[2])
+        self.kernel(mO, mdO, mLSE, mLSE2, mDpsum, mdQacc, mSem, scale, mCuSeqlensQ).launch(
+            grid=(grid_m, num_heads, num_batch), block=[self.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mO: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mLSE2: cute.Tensor,
+        mDpsum: cute.Tensor,
+        mdQacc: cute.Tensor,
+        mSem: Optional[cute.Tensor],
+        scale: Float32,
+        mCuSeqlensQ: Optional[cute.Tensor],
+    ):
+        tm, D, vec = self.tile_m, self.head_dim, self.vec
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        num_heads = cute.size(mO.shape[2])
+        offset_q = Int32(0)
+        if const_expr(self.varlen):
+            offset_q = mCuSeqlensQ[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+            blk_base = offset_q // tm + batch
+            mO_cur = cute.domain_offset((offset_q, 0), mO[None, None, head])
+            mdO_cur = cute.domain_offset((offset_q, 0), mdO[None, None, head])
+            mL_cur = cute.domain_offset((offset_q,), mLSE[None, head])
+        else:
+            seqlen_q = cute.size(mO.shape[0])
+            blk_base = batch * cute.ceil_div(seqlen_q, tm)
+            mO_cur = mO[None, None, head, batch]
+            mdO_cur = mdO[None, None, head, batch]
+            mL_cur = mLSE[None, head, batch]
+
+        if m_block * tm < seqlen_q:
+            chunk = (blk_base + m_block) * num_heads + head
+            n_vec = cute.size(mLSE2.shape[0]) // tm
+            gL2 = cute.make_tensor(mLSE2.iterator, cute.make_layout((tm, n_vec), stride=(1, tm)))[None, chunk]
+            gDp = cute.make_tensor(mDpsum.iterator, cute.make_layout((tm, n_vec), stride=(1, tm)))[None, chunk]
+            col = tidx % self.tpr
+            for p in cutlass.range_constexpr(tm // self.rows_per_pass):
+                r = p * self.rows_per_pass + tidx // self.tpr
+                row = m_block * tm + r
+                acc = Float32(0.0)
+                if row < seqlen_q:
+                    o = cute.make_rmem_tensor((vec,), mO.element_type)
+                    do = cute.make_rmem_tensor((vec,), mdO.element_type)
+                    cute.autovec_copy(cute.local_tile(mO_cur[row, None], (vec,), (col,)), o)
+                    cute.autovec_copy(cute.local_tile(mdO_cur[row, None], (vec,), (col,)), do)
+                    prod = o.load().to(Float32) * do.load().to(Float32)
+                    acc = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                acc = cute.arch.warp_reduction_sum(acc, threads_in_group=self.tpr)
+                if col == 0:
+                    lse2 = Float32(math.inf)
+                    if row < seqlen_q:
+                        lse = mL_cur[row]
+                        if lse != -Float32.inf:
+                            lse2 = lse * LOG2_E
+                    gL2[r] = lse2
+                    gDp[r] = acc * scale
+            # zero this tile's fp32 dQ accumulator chunk (16-byte stores)
+            n_chunks = cute.size(mdQacc.shape[0]) // (tm * D)
+            per_thread = tm * D // (4 * self.num_threads)
+            gacc = cute.make_tensor(
+                mdQacc.iterator,
+                cute.make_layout((4, self.num_threads, per_thread, n_chunks),
+                                 stride=(1, 4, 4 * self.num_threads, tm * D)),
+            )[None, tidx, None, chunk]
+            z = cute.make_rmem_tensor((4, per_thread), Float32)
+            z.fill(0.0)
+            cute.autovec_copy(z, gacc)
+            if const_expr(self.deterministic):
+                if tidx == 0:
+                    mSem[chunk] = Int32(0)
