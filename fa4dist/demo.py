@@ -1,52 +1,245 @@
-"""Kernel demo (until the context-parallel demo lands): one causal sequence forward and backward through the best
-available backend, checked against the reference.
+"""Context-parallel attention demo: one long causal sequence, forward and backward through
+`FA4ContextParallelAttention` on N ranks, checked against single-process attention of the whole sequence.
 
-    python -m fa4dist.demo --seqlen 4096
+    torchrun --nproc-per-node 4 -m fa4dist.demo                  # N ranks (gloo on CPU, NCCL on GPUs)
+    python -m fa4dist.demo --nproc 4                             # the same without torchrun (spawns N processes)
+    torchrun --nproc-per-node 4 -m fa4dist.demo --docs 12        # a packed batch of 12 documents instead
+    torchrun --nproc-per-node 8 -m fa4dist.demo --seqlen 131072 --strategy hybrid --ulysses-degree 2
+
+On GPUs each rank takes its own device with NCCL; with more ranks than GPUs (one H200, N > 1) the ranks share the
+device over gloo and the transport stages tensors through pinned host memory.  Prints the strategy, the balance
+report, tokens/s, peak memory per rank and the max error against the single-process result (rank 0 computes it).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
+import random
+import socket
+import sys
 import time
 
 import torch
-
-import fa4dist
-from fa4dist.kernels import available_backends
+import torch.distributed as dist
 
 
-def main():
+def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqlen", type=int, default=2048)
+    p.add_argument("--seqlen", type=int, default=None, help="total tokens (default 2048 on CPU, 32768 on GPU)")
+    p.add_argument("--docs", type=int, default=0, help="packed documents of random lengths (0: one sequence)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per batch (one-sequence mode)")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--headdim", type=int, default=64)
-    args = p.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    gen = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(1, args.seqlen, args.heads, args.headdim, device=device, dtype=dtype, generator=gen)
-    k = torch.randn(1, args.seqlen, args.kv_heads, args.headdim, device=device, dtype=dtype, generator=gen)
-    v = torch.randn_like(k)
-    backend = available_backends(device)[0]
-    leaves = [t.requires_grad_() for t in (q, k, v)]
-    start = time.perf_counter()
-    out = fa4dist.attention(*leaves, causal=True)
-    out.float().square().sum().backward()
+    p.add_argument("--strategy", default="ring", choices=["auto", "ring", "ulysses", "hybrid"])
+    p.add_argument("--ulysses-degree", type=int, default=None)
+    p.add_argument("--balancer", default="lpt", choices=["lpt", "zigzag", "contiguous"])
+    p.add_argument("--num-chunks", type=int, default=None)
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32", "float64"],
+                   help="default bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--iters", type=int, default=2, help="timed forward+backward iterations (after one warm-up)")
+    p.add_argument("--no-check", action="store_true", help="skip the single-process comparison")
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--nproc", type=int, default=2, help="processes to spawn when not started by torchrun")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+class _Progress:
+    """tqdm when installed, else a one-line text bar; silent off rank 0."""
+
+    def __init__(self, total: int, enabled: bool, desc: str):
+        self.total, self.enabled, self.desc, self.n = total, enabled, desc, 0
+        self._bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, desc=desc, file=sys.stdout, leave=True)
+            except ImportError:
+                self._draw()
+
+    def _draw(self):
+        width = 30
+        done = width * self.n // max(1, self.total)
+        print(f"\r{self.desc} [{'#' * done}{'.' * (width - done)}] {self.n}/{self.total}", end="", flush=True)
+
+    def update(self):
+        self.n += 1
+        if self._bar is not None:
+            self._bar.update(1)
+        elif self.enabled:
+            self._draw()
+
+    def close(self):
+        if self._bar is not None:
+            self._bar.close()
+        elif self.enabled:
+            print(flush=True)
+
+
+def _setup():
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        device = torch.device("cuda", local_rank % gpus)
+        torch.cuda.set_device(device)
+        backend = "nccl" if gpus >= local_world else "gloo"  # several ranks per GPU: gloo + host staging
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    kw = dict(device_id=device) if backend == "nccl" else {}
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30), **kw)
+    return rank, world, device, backend
+
+
+def _peak_memory_mb(device) -> float:
     if device.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    grads = [t.grad.clone() for t in leaves]
-    for t in leaves:
-        t.grad = None
-    ref = fa4dist.attention(*(t.double() for t in leaves), causal=True, backend="reference")
-    ref.square().sum().backward()
-    err = (out.double() - ref).norm() / ref.norm()
-    gerr = max(float((g.double() - t.grad).norm() / t.grad.norm()) for g, t in zip(grads, leaves))
-    print(f"device={device} backend(auto)={backend} seqlen={args.seqlen} heads={args.heads}/{args.kv_heads} "
-          f"d={args.headdim} dtype={dtype}")
-    print(f"forward+backward {elapsed * 1e3:.1f} ms; rel. error vs fp64 reference: out {err:.2e}, grads {gerr:.2e}")
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cu_seqlens(total: int, docs: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, total), min(docs, total) - 1)) if docs > 1 else []
+    return [0] + cuts + [total]
+
+
+def run(args) -> int:
+    import fa4dist
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    rank, world, device, comm = _setup()
+    lead = rank == 0
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    total = args.seqlen or (32768 if device.type == "cuda" else 2048)
+    packed = args.docs > 0
+    module = FA4ContextParallelAttention(
+        dist.group.WORLD, strategy=args.strategy, causal=True, backend=args.backend, timeout=args.timeout,
+        ulysses_degree=args.ulysses_degree, deterministic=True if args.deterministic else None,
+    )
+    cu = _cu_seqlens(total, args.docs, args.seed) if packed else None
+    plan = module.make_plan(cu if packed else total, balancer=args.balancer, num_chunks=args.num_chunks)
+    cp_rank = module.cp_rank
+
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    lead_shape = (total,) if packed else (args.batch, total)
+    sd = 0 if packed else 1
+
+    def randn(h):
+        return torch.randn(*lead_shape, h, args.headdim, generator=gen, device=device, dtype=dtype)
+
+    q, k, v, dout = randn(args.heads), randn(args.kv_heads), randn(args.kv_heads), randn(args.heads)
+    local = [plan.shard(t, seq_dim=sd, rank=cp_rank).requires_grad_() for t in (q, k, v)]
+    local_dout = plan.shard(dout, seq_dim=sd, rank=cp_rank)
+    u = module.cp.degree(args.heads, args.kv_heads, plan) if world > 1 else 1
+    if lead:
+        kind = f"{args.docs} packed documents, {total} tokens" if packed else f"batch {args.batch} x {total} tokens"
+        print(f"fa4dist demo: {world} ranks ({comm}, {device.type}), {kind}, heads {args.heads}/{args.kv_heads}, "
+              f"head dim {args.headdim}, {str(dtype).replace('torch.', '')}, causal, backend {args.backend}")
+        print(f"strategy: {module.cp.strategy_name(u) if world > 1 else 'single process'}"
+              + (f" (ulysses {u} x ring {world // u})" if 1 < u < world else ""))
+        print(plan.balance_report())
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    times = []
+    bar = _Progress(args.iters + 1, lead, "forward+backward")
+    for it in range(args.iters + 1):
+        for t in local:
+            t.grad = None
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        out = module(*local, plan=plan)
+        out.backward(local_dout)
+        _sync(device)
+        if it > 0:  # the first iteration warms up (kernel compiles, allocator)
+            times.append(time.perf_counter() - start)
+        bar.update()
+    bar.close()
+    peak = _peak_memory_mb(device)
+    stats = [None] * world
+    dist.all_gather_object(stats, dict(rank=rank, peak_mb=peak, step=sum(times) / max(1, len(times)),
+                                       tokens=plan.local_len(cp_rank)))
+    if lead:
+        slowest = max(s["step"] for s in stats)
+        tokens = total * (1 if packed else args.batch)
+        print(f"forward+backward: {slowest * 1e3:.1f} ms per step (slowest rank, mean of {len(times)}), "
+              f"{tokens / slowest:,.0f} tokens/s")
+        unit = "GPU memory allocated" if device.type == "cuda" else "max RSS"
+        print(f"peak memory ({unit}): " + ", ".join(f"rank {s['rank']} {s['peak_mb']:.0f} MiB" for s in stats))
+
+    ok = True
+    if not args.no_check:
+        mine = [out.detach().cpu()] + [t.grad.cpu() for t in local]
+        gathered = [None] * world if lead else None
+        dist.gather_object(mine, gathered, dst=0)
+        if lead:
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            cut = plan.cu_seqlens_tensor(device) if packed else None
+            ref = fa4dist.attention(*leaves, causal=True, cu_seqlens_q=cut, cu_seqlens_k=cut, backend=args.backend)
+            ref.backward(dout)
+            refs = [ref.detach()] + [t.grad for t in leaves]
+            by_cp_rank = dict(enumerate(gathered))  # the demo's group is WORLD: cp rank == world rank
+            tol = {torch.float64: 1e-10, torch.float32: 1e-4}.get(dtype, 2e-2)
+            for i, name in enumerate(("out", "dq", "dk", "dv")):
+                got = plan.unshard([by_cp_rank[r][i] for r in range(world)], seq_dim=sd).double()
+                want = refs[i].cpu().double()
+                err = float((got - want).abs().max())
+                rel = float((got - want).norm() / want.norm().clamp_min(1e-30))
+                ok &= rel < tol
+                print(f"check {name:>3}: max abs error {err:.2e}, rel. error {rel:.2e} vs single-process attention "
+                      f"({'ok' if rel < tol else 'FAILED'}, tolerance {tol:g})")
+        flag = [ok]
+        dist.broadcast_object_list(flag, src=0)
+        ok = flag[0]
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(local_rank: int, nproc: int, port: int, argv):
+    os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(local_rank),
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    code = run(_args(argv))
+    if code:
+        sys.exit(code)
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return run(args)
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    try:
+        mp.spawn(_spawned, args=(args.nproc, port, argv if argv is not None else sys.argv[1:]), nprocs=args.nproc)
+    except mp.ProcessExitedException as err:
+        print(f"fa4dist demo: a rank failed ({err})", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

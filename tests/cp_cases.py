@@ -56,11 +56,13 @@ def cp_module(rank, cp, strategy, causal, plan_u=1, ulysses_degree=None, topolog
 
 def run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, docs=None, heads=(4, 2), head_dim=8,
              head_dim_v=None, batch=1, balancer="lpt", num_chunks=None, plan_u=1, ulysses_degree=None,
-             topology="group", seed=0, dtype=torch.float64):
+             topology="group", seed=0, dtype=torch.float64, device="cpu", backend="reference"):
     """Max abs errors of the local out, dq, dk, dv against the fp64 oracle (None on ranks outside the group)."""
     if topology == "mesh" and cp != world:
         raise ValueError("mesh cases use the whole pool")
-    module, cp_rank = cp_module(rank, cp, strategy, causal, plan_u, ulysses_degree, topology)
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))
+    module, cp_rank = cp_module(rank, cp, strategy, causal, plan_u, ulysses_degree, topology, backend=backend)
     if module is None:
         return None
     packed = docs is not None
@@ -70,9 +72,11 @@ def run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, docs
     q, k, v, dout = global_inputs(seed, total, heads[0], heads[1], head_dim, torch.float64,
                                   None if packed else batch, head_dim_v)
     sd = 0 if packed else 1
-    leaves = [plan.shard(t, seq_dim=sd, rank=cp_rank).to(dtype).requires_grad_() for t in (q, k, v)]
+    leaves = [plan.shard(t, seq_dim=sd, rank=cp_rank).to(device, dtype).requires_grad_() for t in (q, k, v)]
     out = module(*leaves, plan=plan)
-    out.backward(plan.shard(dout, seq_dim=sd, rank=cp_rank).to(dtype))
+    out.backward(plan.shard(dout, seq_dim=sd, rank=cp_rank).to(device, dtype))
+    assert out.device.type == torch.device(device).type
+    out, grads = out.cpu(), [leaf.grad.cpu() for leaf in leaves]
 
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     cu = torch.tensor(docs, dtype=torch.int32) if packed else None
@@ -80,7 +84,7 @@ def run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, docs
     ref.backward(dout)
     errors = {}
     for name, got, want in [("out", out, ref)] + [
-        (n, leaf.grad, r.grad) for n, leaf, r in zip(("dq", "dk", "dv"), leaves, ref_leaves)
+        (n, g, r.grad) for n, g, r in zip(("dq", "dk", "dv"), grads, ref_leaves)
     ]:
         want = plan.shard(want.detach(), seq_dim=sd, rank=cp_rank)
         assert got.shape == want.shape, (name, got.shape, want.shape)

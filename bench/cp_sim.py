@@ -1,0 +1,197 @@
+"""Ring context parallelism simulated on one device: every simulated rank's real ring-step kernel calls.
+
+For cp in {2, 4, 8} and causal sequences up to 128k tokens (H=16, D=128, bf16), each simulated rank runs exactly
+the contract calls the ring engine makes at each of its steps (``fa4dist.context_parallel.ring.forward_step`` /
+``backward_step``: real partial blocks with global offsets, real fp32 merges through the contract's accumulate mode,
+invisible blocks skipped) against the keys it would hold at that step.  Reported per balancer (contiguous, zigzag,
+LPT):
+
+- compute efficiency = T_full / (cp x max_rank T_rank), T_full being one single-device call on the whole sequence
+  (1.0 would be a perfect split with no per-block overhead); the work model's prediction (mean / max visible pairs)
+  beside it;
+- the bytes each ring step sends (K+V forward; K+V plus fp32 dK+dV backward) and their time at 400 GB/s, against
+  the slowest rank's mean step compute time (the transfer hides if it is shorter).
+
+    python bench/cp_sim.py                                 # the full sweep on the GPU, backend auto
+    python bench/cp_sim.py --seqlens 131072 --cp 8 --directions fwd bwd
+    python bench/cp_sim.py --device cpu --tiny             # a smoke run on the CPU (reference backend)
+
+Prints a table and writes JSON to $OUT/cp_sim.json (or bench/out/cp_sim.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from fa4dist.context_parallel import Schedule, make_plan  # noqa: E402
+from fa4dist.context_parallel.ring import (  # noqa: E402
+    KernelOptions, KVBuffer, accum_dtype, backward_step, forward_step, new_accumulators,
+)
+from fa4dist.kernels import attention_backward, attention_forward, available_backends  # noqa: E402
+
+LINK_GBPS = 400.0
+
+
+class Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn) -> float:
+        """Seconds fn takes (device time on CUDA)."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def median_time(timer: Timer, fn, reps: int) -> float:
+    fn()  # warm-up (compiles, allocator)
+    return statistics.median(timer(fn) for _ in range(reps))
+
+
+def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdim: int, backend: str):
+    timer = Timer(device)
+    gen = torch.Generator(device=device).manual_seed(seqlen)
+    shape_q, shape_kv = (1, seqlen, heads, headdim), (1, seqlen, kv_heads, headdim)
+    q = torch.randn(shape_q, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(shape_kv, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(shape_kv, device=device, dtype=dtype, generator=gen)
+    dout = torch.randn(shape_q, device=device, dtype=dtype, generator=gen)
+    rows = []
+    full = {}
+    out_full, lse_full = attention_forward(q, k, v, causal=True, backend=backend)
+    if "fwd" in args.directions:
+        full["fwd"] = median_time(timer, lambda: attention_forward(q, k, v, causal=True, backend=backend), args.reps)
+    if "bwd" in args.directions:
+        full["bwd"] = median_time(
+            timer, lambda: attention_backward(dout, q, k, v, out_full, lse_full, causal=True, backend=backend),
+            args.reps,
+        )
+    opts = KernelOptions(causal=True, softmax_scale=None, backend=backend, deterministic=False)
+    acc = accum_dtype(dtype)
+    for cp in args.cp:
+        for balancer in args.balancers:
+            plan = make_plan(seqlen, cp, balancer, causal=True)
+            sched = Schedule(plan, 1, causal=True)
+            shards = [[plan.shard(t, rank=r) for t in (q, k, v, dout)] for r in range(cp)]
+            kv = [KVBuffer.pack(shards[r][1], shards[r][2], sched.buffer_len, 1) for r in range(cp)]
+            elt = torch.finfo(dtype).bits // 8
+            bytes_fwd = kv[0].flat.numel() * elt
+            bytes_bwd = bytes_fwd + kv[0].flat.numel() * torch.finfo(acc).bits // 8
+            model = plan.balance_report()
+            for direction in args.directions:
+                rank_times = []
+                for r in range(cp):
+                    qr, _, _, dr = shards[r]
+                    if direction == "fwd":
+                        def run_rank(r=r, qr=qr):
+                            run_rank_fwd(sched, r, qr, kv, headdim, opts)
+                    else:
+                        outs, lses = run_rank_fwd(sched, r, qr, kv, headdim, opts)
+                        out_r = torch.cat(outs, dim=1).to(dtype)
+
+                        def run_rank(r=r, qr=qr, dr=dr, out_r=out_r, lses=lses):
+                            dqs = [torch.zeros(1, b.length, heads, headdim, dtype=acc, device=device)
+                                   for b in sched.members[r].blocks]
+                            for t in range(cp):
+                                s = sched.source(r, t)
+                                partial = KVBuffer.zeros_like(kv[s], dtype=acc)
+                                backward_step(sched, r, s, dr, qr, kv[s], out_r, lses, dqs, partial, opts)
+                    rank_times.append(median_time(timer, run_rank, args.reps))
+                slowest = max(rank_times)
+                nbytes = bytes_fwd if direction == "fwd" else bytes_bwd
+                row = dict(
+                    seqlen=seqlen, cp=cp, balancer=balancer, direction=direction, t_full_ms=full[direction] * 1e3,
+                    t_rank_ms=[t * 1e3 for t in rank_times], max_rank_ms=slowest * 1e3,
+                    efficiency=full[direction] / (cp * slowest), model_efficiency=model.efficiency,
+                    bytes_per_step=nbytes, comm_ms_at_400GBps=nbytes / (LINK_GBPS * 1e9) * 1e3,
+                    step_compute_ms=slowest / cp * 1e3, calls=sum(len(sched.calls(r, s)) for r in range(cp)
+                                                                  for s in range(cp)),
+                )
+                rows.append(row)
+                print(f"{seqlen:>7} {cp:>3} {balancer:>10} {direction:>4} {row['t_full_ms']:>9.2f} "
+                      f"{row['max_rank_ms']:>9.2f} {row['efficiency']:>6.3f} {row['model_efficiency']:>6.3f} "
+                      f"{nbytes / 2**20:>9.1f} {row['comm_ms_at_400GBps']:>8.3f} {row['step_compute_ms']:>8.3f}",
+                      flush=True)
+            del shards, kv
+    return rows
+
+
+def run_rank_fwd(sched, r, qr, kv, headdim, opts):
+    outs, lses = new_accumulators(sched.members[r], qr, headdim, False)
+    for t in range(sched.ring_size):
+        s = sched.source(r, t)
+        forward_step(sched, r, s, qr, kv[s], outs, lses, opts)
+    return outs, lses
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="small sizes (a CPU smoke run)")
+    p.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--seqlens", type=int, nargs="+", default=None, help="default 16384 32768 65536 131072")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None, help="default = heads")
+    p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--dtype", default=None, help="default bfloat16 (float32 with --device cpu)")
+    p.add_argument("--balancers", nargs="+", default=["contiguous", "zigzag", "lpt"])
+    p.add_argument("--directions", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--reps", type=int, default=3)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("no CUDA device: use --device cpu --tiny")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # steadier CPU timings (tiny sizes are overhead-bound anyway)
+    if args.tiny:
+        seqlens, heads, headdim = args.seqlens or [256, 512], min(args.heads, 2), min(args.headdim, 16)
+    else:
+        seqlens, heads, headdim = args.seqlens or [16384, 32768, 65536, 131072], args.heads, args.headdim
+    kv_heads = args.kv_heads or heads
+    backend = args.backend
+    print(f"cp_sim: device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+          f"torch {torch.__version__}, backend {backend} (available: {available_backends(device)}), "
+          f"heads {heads}/{kv_heads}, head dim {headdim}, {dtype}, causal")
+    print(f"{'seqlen':>7} {'cp':>3} {'balancer':>10} {'dir':>4} {'T_full ms':>9} {'max rank':>9} {'eff':>6} "
+          f"{'model':>6} {'MiB/step':>9} {'comm ms':>8} {'step ms':>8}")
+    rows = []
+    for s in seqlens:
+        rows += simulate(args, device, dtype, s, heads, kv_heads, headdim, backend)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "cp_sim.json")
+    meta = dict(
+        date=datetime.datetime.now().isoformat(timespec="seconds"), device=str(device),
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        torch=torch.__version__, backend=backend, heads=heads, kv_heads=kv_heads, headdim=headdim,
+        dtype=str(dtype), link_GBps=LINK_GBPS,
+    )
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"wrote {path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

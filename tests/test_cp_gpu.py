@@ -1,0 +1,39 @@
+"""Context parallelism with CUDA tensors: several ranks sharing one GPU over gloo (the transport stages through
+pinned host memory), fp64 exactness with the reference backend and bf16 precision with the fused backends."""
+
+import pytest
+import torch
+
+from cp_cases import random_docs, run_case
+from cp_harness import shared_pool
+from test_cp_attention import check_precision, precision_case
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return shared_pool(4)
+
+
+@pytest.mark.parametrize("strategy, kw", [
+    ("ring", dict(cp=4, seqlen=301, heads=(4, 2))),
+    ("ring", dict(cp=3, docs=random_docs(7, 9, 60), heads=(4, 1))),
+    ("ulysses", dict(cp=4, seqlen=130, heads=(8, 2))),
+    ("hybrid", dict(cp=4, seqlen=130, heads=(4, 1), ulysses_degree=2, plan_u=2)),
+])
+def test_cuda_fp64_exact(pool, strategy, kw):
+    for r in pool.run(run_case, strategy=strategy, device="cuda:0", **kw):
+        if r is not None:
+            assert max(r[n] for n in ("out", "dq", "dk", "dv")) < 1e-10, r
+
+
+@pytest.mark.parametrize("strategy, kw", [
+    ("ring", dict(total=4096, heads=(8, 2), d=64)),
+    ("ring", dict(docs=random_docs(3, 10, 800, allow_empty=False), heads=(8, 8), d=64)),
+    ("ulysses", dict(total=4096, heads=(8, 8), d=128)),
+    ("hybrid", dict(total=4096, heads=(8, 2), d=64)),
+])
+def test_cuda_bf16_fused_backend_precision(pool, strategy, kw):
+    report = check_precision(pool.run(precision_case, strategy=strategy, device="cuda:0", backend="auto", **kw))
+    print(strategy, {k: f"{a:.2e} (cp=1 {b:.2e})" for k, (a, b) in report.items()})

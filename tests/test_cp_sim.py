@@ -1,0 +1,33 @@
+"""bench/cp_sim.py runs (CPU, tiny sizes) and reports what it promises; the numbers themselves come from the GPU."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _load():
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "cp_sim.py")
+    spec = importlib.util.spec_from_file_location("cp_sim", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cp_sim_tiny_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    rows = _load().main(["--device", "cpu", "--tiny", "--cp", "2", "4", "--seqlens", "96", "--reps", "1"])
+    data = json.loads((tmp_path / "cp_sim.json").read_text())
+    assert len(data["rows"]) == len(rows) == 2 * 3 * 2  # cp x balancers x directions
+    for row in data["rows"]:
+        assert row["efficiency"] > 0 and len(row["t_rank_ms"]) == row["cp"]
+        # K+V of one rank's member buffer (fp32 here), plus fp32 dK+dV backward
+        per_step = 2 * 2 * 16 * 4 * (96 // row["cp"])
+        assert row["bytes_per_step"] == per_step * (2 if row["direction"] == "bwd" else 1)
+    lpt = [r for r in rows if r["balancer"] == "lpt"]
+    contiguous = [r for r in rows if r["balancer"] == "contiguous"]
+    assert all(r["model_efficiency"] > 0.99 for r in lpt)
+    assert all(r["model_efficiency"] < 0.8 for r in contiguous)
