@@ -113,27 +113,32 @@ class Transport:
         """Posts sends of (tensor, group peer) and receives into (tensor, group peer); returns the pending batch.
 
         A peer equal to this rank is a local copy."""
+        return self.post_tagged([(t, p, tag) for t, p in sends], [(t, p, tag) for t, p in recvs], what)
+
+    def post_tagged(self, sends, recvs, what: str) -> Pending:
+        """:meth:`post` with a tag per message: (tensor, group peer, tag).  Messages between two ranks match by tag
+        (gloo) or by posting order (NCCL); both sides post in the same order."""
         ops, staged, keep = [], [], []
-        local_sends = {p: t for t, p in sends if p == self.rank}
-        send_list = [(t, p) for t, p in sends if p != self.rank]
-        stage_sends = [t for t, _ in send_list if self.staged(t)]
+        local_sends = {(p, tag): t for t, p, tag in sends if p == self.rank}
+        send_list = [(t, p, tag) for t, p, tag in sends if p != self.rank]
+        stage_sends = [t for t, _, _ in send_list if self.staged(t)]
         hosts = iter(self._to_host(stage_sends)) if stage_sends else iter(())
-        for t, p in send_list:
+        for t, p, tag in send_list:
             buf = next(hosts) if self.staged(t) else t
             keep.append(buf)
             ops.append(dist.P2POp(dist.isend, buf, self._global[p], self.group, tag))
-        for t, p in recvs:
+        for t, p, tag in recvs:
             if p == self.rank:
-                t.copy_(local_sends[p])
+                t.copy_(local_sends[(p, tag)])
                 continue
             buf = t
             if self.staged(t):
                 buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 staged.append((t, buf))
             ops.append(dist.P2POp(dist.irecv, buf, self._global[p], self.group, tag))
-        peers = ", ".join(
-            [f"send to rank {p}" for _, p in send_list] + [f"recv from rank {p}" for _, p in recvs if p != self.rank]
-        )
+        send_peers = sorted({p for _, p, _ in send_list})
+        recv_peers = sorted({p for _, p, _ in recvs if p != self.rank})
+        peers = ", ".join([f"send to rank {p}" for p in send_peers] + [f"recv from rank {p}" for p in recv_peers])
         try:
             works = dist.batch_isend_irecv(ops) if ops else []
         except RuntimeError as err:

@@ -69,29 +69,30 @@ class _Call:
     def forward(self, q, k, v):
         uly, split = self.uly, self.split
         if uly is not None:
-            q = uly.seq_to_head(q, split.q_heads, "q")
-            k = uly.seq_to_head(k, split.kv_heads, "k")
-            v = uly.seq_to_head(v, split.kv_heads, "v")
+            q, k, v = uly.seq_to_head([(q, split.q_heads, "q"), (k, split.kv_heads, "k"), (v, split.kv_heads, "v")])
         outs, lses = ring_forward(self.sched, self.ring, q, k, v, self.opts)
         acc = accum_dtype(q.dtype)
         out_m = self._concat(outs, q, None, v.shape[-1], acc).to(q.dtype)
         lse_m = torch.cat(lses, dim=-1) if lses else q.new_zeros(0, dtype=acc)
-        out = uly.head_to_seq(out_m, split.q_heads, self.heads_q, "out") if uly is not None else out_m
+        out = out_m
+        if uly is not None:
+            (out,) = uly.head_to_seq([(out_m, split.q_heads, self.heads_q, "out", False)])
         return out, (q, k, v, out_m, lse_m)
 
     def backward(self, dout, q, k, v, out_m, lse_m):
         uly, split, dtype = self.uly, self.split, q.dtype
         dout = dout.to(dtype).contiguous()
         if uly is not None:
-            dout = uly.seq_to_head(dout, split.q_heads, "dout")
+            (dout,) = uly.seq_to_head([(dout, split.q_heads, "dout")])
         lens = [b.length for b in self.sched.members[self.ring.index].blocks]
         lses = list(torch.split(lse_m, lens, dim=-1)) if lens else []
         dq, dk, dv = ring_backward(self.sched, self.ring, dout, q, k, v, out_m, lses, self.opts)
         if uly is not None:
-            dq = uly.head_to_seq(dq.to(dtype), split.q_heads, self.heads_q, "dq")
-            rep = split.kv_replicated
-            dk = uly.head_to_seq(dk if rep else dk.to(dtype), split.kv_heads, self.heads_kv, "dk", reduce=rep)
-            dv = uly.head_to_seq(dv if rep else dv.to(dtype), split.kv_heads, self.heads_kv, "dv", reduce=rep)
+            rep = split.kv_replicated  # replicated KV heads: send fp32 and sum in member order
+            dk, dv = (g if rep else g.to(dtype) for g in (dk, dv))
+            dq, dk, dv = uly.head_to_seq([(dq.to(dtype), split.q_heads, self.heads_q, "dq", False),
+                                          (dk, split.kv_heads, self.heads_kv, "dk", rep),
+                                          (dv, split.kv_heads, self.heads_kv, "dv", rep)])
         return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 

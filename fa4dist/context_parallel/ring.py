@@ -38,6 +38,13 @@ class KernelOptions:
     deterministic: bool
 
 
+class _Held:
+    """K and V used in place (a ring of one member sends nothing, so needs no buffer)."""
+
+    def __init__(self, k, v):
+        self.k, self.v = k, v
+
+
 class KVBuffer:
     """K and V of one member, padded to the schedule's buffer length, as views of one flat buffer."""
 
@@ -202,9 +209,11 @@ def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions)
     sd = 0 if packed else 1
     m, R = ring.index, sched.ring_size
     outs, lses = new_accumulators(sched.members[m], q, v.shape[-1], packed)
+    if R == 1:
+        forward_step(sched, m, m, q, _Held(k, v), outs, lses, opts)
+        return outs, lses
     bufs = [KVBuffer.pack(k, v, sched.buffer_len, sd)]
-    if R > 1:
-        bufs.append(KVBuffer.empty_like(bufs[0]))
+    bufs.append(KVBuffer.empty_like(bufs[0]))
     for t in range(R):
         cur = bufs[t % 2]
         pending = None
@@ -227,6 +236,10 @@ def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lses, op
     acc = accum_dtype(q.dtype)
     layout = sched.members[m]
     dqs = [torch.zeros(o.shape, dtype=acc, device=q.device) for o in _block_views(q, layout, sd)]
+    if R == 1:
+        dk, dv = torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)
+        backward_step(sched, m, m, dout, q, _Held(k, v), out, lses, dqs, _Held(dk, dv), opts)
+        return torch.cat(dqs, dim=sd) if dqs else torch.zeros(q.shape, dtype=acc, device=q.device), dk, dv
     bufs = [KVBuffer.pack(k, v, sched.buffer_len, sd)]
     if R > 1:
         bufs.append(KVBuffer.empty_like(bufs[0]))

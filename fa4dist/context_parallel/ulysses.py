@@ -90,52 +90,64 @@ class UlyssesGroup:
         self.layout, self.local_lens, self.seq_dim = layout, list(local_lens), seq_dim
         self.degree = len(peers)
 
-    def seq_to_head(self, x: torch.Tensor, heads, what: str) -> torch.Tensor:
-        """Local tokens, all heads -> the member's tokens (global order), this rank's heads.  `heads(j)` gives the
-        [lo, hi) head range of member j."""
-        hd = x.dim() - 2
-        lo, hi = heads(self.index)
-        sends, recvs, pieces = [], [], []
-        for j, peer in enumerate(self.peers):
-            if j == self.index:
-                pieces.append(x.narrow(hd, lo, hi - lo))
-                continue
-            a, b = heads(j)
-            sends.append((x.narrow(hd, a, b - a).contiguous(), peer))
-            shape = list(x.shape)
-            shape[self.seq_dim], shape[hd] = self.local_lens[j], hi - lo
-            buf = x.new_empty(shape)
-            recvs.append((buf, peer))
-            pieces.append(buf)
-        self.transport.post(sends, recvs, f"the Ulysses all-to-all of {what}", tag=1).wait()
-        return self.layout.to_member_order(torch.cat(pieces, dim=self.seq_dim), self.seq_dim)
+    def seq_to_head(self, items) -> list[torch.Tensor]:
+        """Local tokens, all heads -> the member's tokens (global order), this rank's heads, for every (tensor,
+        heads, name) in `items` in one exchange; `heads(j)` gives the [lo, hi) head range of member j."""
+        sends, recvs, all_pieces = [], [], []
+        for i, (x, heads, _) in enumerate(items):
+            hd = x.dim() - 2
+            lo, hi = heads(self.index)
+            pieces = []
+            for j, peer in enumerate(self.peers):
+                if j == self.index:
+                    pieces.append(x.narrow(hd, lo, hi - lo))
+                    continue
+                a, b = heads(j)
+                sends.append((x.narrow(hd, a, b - a).contiguous(), peer, 100 + i))
+                shape = list(x.shape)
+                shape[self.seq_dim], shape[hd] = self.local_lens[j], hi - lo
+                buf = x.new_empty(shape)
+                recvs.append((buf, peer, 100 + i))
+                pieces.append(buf)
+            all_pieces.append(pieces)
+        self._exchange(sends, recvs, [item[2] for item in items])
+        return [self.layout.to_member_order(torch.cat(p, dim=self.seq_dim), self.seq_dim) for p in all_pieces]
 
-    def head_to_seq(self, y: torch.Tensor, heads, num_heads: int, what: str, reduce: bool = False) -> torch.Tensor:
-        """Inverse of :meth:`seq_to_head`: the member's tokens, this rank's heads -> local tokens, all `num_heads`
-        heads.  With `reduce`, heads that several members hold (replicated KV heads) are summed in member order."""
-        hd = y.dim() - 2
-        y = self.layout.to_rank_order(y, self.seq_dim)
-        parts = list(torch.split(y, self.local_lens, dim=self.seq_dim))
-        shape = list(parts[self.index].shape)
-        shape[hd] = num_heads
-        out = y.new_zeros(shape) if reduce else y.new_empty(shape)
-        sends, recvs = [], []
-        for j, peer in enumerate(self.peers):
-            if j == self.index:
-                continue
-            sends.append((parts[j].contiguous(), peer))
-            a, b = heads(j)
-            rshape = list(shape)
-            rshape[hd] = b - a
-            recvs.append((y.new_empty(rshape), peer, j))
-        self.transport.post(sends, [(t, p) for t, p, _ in recvs], f"the Ulysses all-to-all of {what}", tag=2).wait()
-        received = {j: t for t, _, j in recvs}
-        received[self.index] = parts[self.index]
-        for j in range(self.degree):
-            a, b = heads(j)
-            target = out.narrow(hd, a, b - a)
-            if reduce:
-                target.add_(received[j])
-            else:
-                target.copy_(received[j])
-        return out
+    def head_to_seq(self, items) -> list[torch.Tensor]:
+        """Inverse of :meth:`seq_to_head` for every (tensor, heads, num_heads, name, reduce) in `items`: the
+        member's tokens, this rank's heads -> local tokens, all `num_heads` heads.  With `reduce`, heads that
+        several members hold (replicated KV heads) are summed in member order."""
+        sends, recvs, plans = [], [], []
+        for i, (y, heads, num_heads, _, reduce) in enumerate(items):
+            hd = y.dim() - 2
+            y = self.layout.to_rank_order(y, self.seq_dim)
+            parts = list(torch.split(y, self.local_lens, dim=self.seq_dim))
+            shape = list(parts[self.index].shape)
+            shape[hd] = num_heads
+            received = {self.index: parts[self.index]}
+            for j, peer in enumerate(self.peers):
+                if j == self.index:
+                    continue
+                sends.append((parts[j].contiguous(), peer, 200 + i))
+                a, b = heads(j)
+                rshape = list(shape)
+                rshape[hd] = b - a
+                received[j] = y.new_empty(rshape)
+                recvs.append((received[j], peer, 200 + i))
+            plans.append((y, shape, hd, heads, reduce, received))
+        self._exchange(sends, recvs, [item[3] for item in items])
+        outs = []
+        for y, shape, hd, heads, reduce, received in plans:
+            out = y.new_zeros(shape) if reduce else y.new_empty(shape)
+            for j in range(self.degree):
+                a, b = heads(j)
+                target = out.narrow(hd, a, b - a)
+                if reduce:
+                    target.add_(received[j])
+                else:
+                    target.copy_(received[j])
+            outs.append(out)
+        return outs
+
+    def _exchange(self, sends, recvs, names) -> None:
+        self.transport.post_tagged(sends, recvs, f"the Ulysses all-to-all of {', '.join(names)}").wait()
