@@ -133,6 +133,20 @@ def main():
                 del q, k, v, out, lse
                 torch.cuda.empty_cache()
 
+    # host overhead of one steady-state call (tiny problem; enqueue time, no sync inside the loop)
+    q = torch.randn(1, 128, 1, 128, device=dev, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(1, 1, 128, device=dev)
+    for _ in range(10):
+        cute_fwd.forward(q, q, q, out, lse, causal=True)
+    torch.cuda.synchronize()
+    n_calls = 2000
+    t0 = time.perf_counter()
+    for _ in range(n_calls):
+        cute_fwd.forward(q, q, q, out, lse, causal=True)
+    t_host = (time.perf_counter() - t0) / n_calls
+    torch.cuda.synchronize()
+    print(f"HOST per-call enqueue time (tiny causal forward): {t_host * 1e6:.1f} us", flush=True)
+
     acc_rows = []
     if args.acc:
         # a ring step: non-causal 16k x 8k block and a causal diagonal block, H=16, D=128

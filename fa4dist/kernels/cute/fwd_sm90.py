@@ -129,8 +129,8 @@ class FlashFwdSm90:
         num_stages: int = 2,
         intra_wg_overlap: bool = True,
         sched_barrier: bool = True,
-        rescale_threshold: float = 8.0,
-        tma_store_o: bool = False,
+        rescale_threshold: float = 0.0,
+        tma_store_o: bool = True,
         l2_rows: Optional[int] = None,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
