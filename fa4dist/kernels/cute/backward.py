@@ -225,11 +225,29 @@ _LOCK = threading.Lock()
 AOT_ENV = "FA4DIST_BWD_AOT_DIR"  # optional folder of ahead-of-time compiled variants (see export_aot)
 
 
+_SOURCE_DIGEST = None
+
+
+def _source_digest() -> str:
+    """Digest of the kernel sources, so that an AOT object built from other code is never loaded."""
+    global _SOURCE_DIGEST
+    if _SOURCE_DIGEST is None:
+        import hashlib
+
+        h = hashlib.sha1()
+        here = os.path.dirname(os.path.abspath(__file__))
+        for name in ("bwd_sm90.py", "bwd_preprocess.py", "bwd_postprocess.py", "bwd_utils.py"):
+            with open(os.path.join(here, name), "rb") as f:
+                h.update(f.read())
+        _SOURCE_DIGEST = h.hexdigest()
+    return _SOURCE_DIGEST
+
+
 def config_key(cfg) -> str:
-    """Stable file/symbol name of a config (its repr lists every static parameter)."""
+    """Stable file/symbol name of a config: its repr (every static parameter) and the kernel sources."""
     import hashlib
 
-    return "fa4bwd_" + hashlib.sha1(repr(cfg).encode()).hexdigest()[:20]
+    return "fa4bwd_" + hashlib.sha1((repr(cfg) + _source_digest()).encode()).hexdigest()[:20]
 
 
 def export_aot(cfg, out_dir: str) -> str:

@@ -1,0 +1,209 @@
+"""The Hopper CuTe DSL backward (fa4dist/kernels/cute/backward.py) against the fp64 reference, on the GPU.
+
+Fresh random inputs every test, outputs poisoned with NaN first (every element must be written), lse / out taken from
+the fp64 reference forward (the *global* out and lse a ring would hold). Masks and offsets (aligned, shifted, fully
+visible, rows that see nothing, nothing visible), GQA ratios 1/2/8, packed documents with random lengths including
+empty ones, bf16 and fp16, fp32 out/dout, accumulate mode, deterministic mode (bitwise over repeated runs on inputs
+large enough for many CTAs to contend).
+"""
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+
+def _cute_ok():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return False
+    try:
+        import cutlass  # noqa: F401
+        import tvm_ffi  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+if torch.cuda.is_available() and not _cute_ok():
+    pytest.skip("needs an sm_90 GPU with nvidia-cutlass-dsl and apache-tvm-ffi", allow_module_level=True)
+
+from fa4dist.kernels import attention_backward, attention_forward  # noqa: E402
+from fa4dist.kernels.cute.backward import backward, supports_backward  # noqa: E402
+from oracle import REL_TOL, random_cu_seqlens, rel_error  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _watchdog():
+    """A hung kernel (a barrier that never completes) must not eat the whole GPU session: dump and exit."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(int(os.environ.get("FA4DIST_TEST_WATCHDOG_S", "120")), exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _gen():
+    return torch.Generator(device="cuda").manual_seed(torch.seed() % (2**31))
+
+
+def _inputs(shape_q, shape_k, dtype, g):
+    q = torch.randn(shape_q, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(shape_k, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(shape_k, device="cuda", dtype=dtype, generator=g)
+    return q, k, v
+
+
+def _reference(q, k, v, dout, **kw):
+    """fp64 out/lse (forward) and dq/dk/dv (backward) through the reference backend on upcast inputs."""
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    out, lse = attention_forward(q64, k64, v64, backend="reference", **kw)
+    grads = attention_backward(dout.double(), q64, k64, v64, out, lse, backend="reference", **kw)
+    return out, lse, grads
+
+
+def _run(q, k, v, dout, out, lse, *, dtype_grads=None, accumulate=False, init=None, deterministic=False, **kw):
+    dtype_grads = dtype_grads or q.dtype
+    if accumulate:
+        bufs = [t.clone() for t in init]
+    else:
+        bufs = [torch.full(t.shape, float("nan"), device="cuda", dtype=dtype_grads) for t in (q, k, v)]
+    ok, why = supports_backward(q, k, v, dout=dout, out=out, lse=lse, dq=bufs[0], dk=bufs[1], dv=bufs[2],
+                                cu_seqlens_q=kw.get("cu_seqlens_q"), cu_seqlens_k=kw.get("cu_seqlens_k"),
+                                accumulate=accumulate)
+    assert ok, why
+    backward(dout, q, k, v, out, lse, *bufs, deterministic=deterministic, accumulate=accumulate, **kw)
+    torch.cuda.synchronize()
+    return bufs
+
+
+def _check(got, want, dtype, name):
+    got = got.double()
+    assert not torch.isnan(got).any(), f"{name}: NaN (unwritten or invalid)"
+    if want.norm() == 0:
+        assert got.abs().max() == 0, f"{name}: expected exact zeros"
+        return
+    err = rel_error(got.cpu(), want.cpu())
+    assert err < 2 * REL_TOL[dtype], f"{name}: rel error {err:.2e}"
+
+
+def _case(shape_q, shape_k, dtype, *, causal, q_offset=0, k_offset=0, out_fp32=False, dout_fp32=False,
+          deterministic=False, **kw):
+    g = _gen()
+    q, k, v = _inputs(shape_q, shape_k, dtype, g)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.float32 if dout_fp32 else dtype, generator=g)
+    mask = dict(causal=causal, q_offset=q_offset, k_offset=k_offset, **kw)
+    out64, lse64, ref = _reference(q, k, v, dout, **mask)
+    out = out64.float() if out_fp32 else out64.to(dtype)
+    lse = lse64.float()
+    scale = q.shape[-1] ** -0.5
+    got = _run(q, k, v, dout, out, lse, softmax_scale=scale, deterministic=deterministic, **mask)
+    for name, a, b in zip(("dq", "dk", "dv"), got, ref):
+        _check(a, b, dtype, name)
+    return q, k, v, dout, out, lse, ref, mask
+
+
+DENSE = [
+    # (batch, sq, sk, hq, hkv, d, causal, q_offset, k_offset)
+    (2, 1000, 1000, 4, 4, 128, True, 0, 0),  # aligned causal, partial tiles
+    (2, 777, 640, 4, 2, 128, False, 0, 0),  # full, GQA 2
+    (1, 257, 513, 8, 1, 64, True, 256, 0),  # shifted: bottom rows see every key; GQA 8
+    (1, 300, 300, 8, 2, 128, True, 0, 100),  # first 100 queries see nothing
+    (2, 128, 384, 8, 8, 64, True, 128, 0),  # partly visible rectangle
+    (1, 64, 64, 4, 4, 128, True, 0, 500),  # nothing visible at all
+    (1, 200, 900, 2, 2, 128, True, 10_000, 0),  # fully visible (no mask tiles)
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", DENSE, ids=[f"case{i}" for i in range(len(DENSE))])
+def test_dense(case, dtype):
+    b, sq, sk, hq, hkv, d, causal, qo, ko = case
+    _case((b, sq, hq, d), (b, sk, hkv, d), dtype, causal=causal, q_offset=qo, k_offset=ko)
+
+
+def test_fp32_out_and_dout_and_fp32_grads():
+    g = _gen()
+    q, k, v = _inputs((2, 333, 4, 128), (2, 333, 2, 128), torch.bfloat16, g)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.float32, generator=g)
+    out64, lse64, ref = _reference(q, k, v, dout, causal=True)
+    got = _run(q, k, v, dout, out64.float(), lse64.float(), dtype_grads=torch.float32, causal=True)
+    for name, a, r in zip(("dq", "dk", "dv"), got, ref):
+        _check(a, r, torch.bfloat16, name)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_accumulate(causal):
+    g = _gen()
+    q, k, v = _inputs((2, 513, 4, 128), (2, 700, 2, 128), torch.bfloat16, g)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    mask = dict(causal=causal, q_offset=300, k_offset=0)
+    out64, lse64, ref = _reference(q, k, v, dout, **mask)
+    init = [torch.randn(t.shape, device="cuda", dtype=torch.float32, generator=g) for t in (q, k, v)]
+    got = _run(q, k, v, dout, out64.to(torch.bfloat16), lse64.float(), accumulate=True, init=init, **mask)
+    for name, a, b, r in zip(("dq", "dk", "dv"), got, init, ref):
+        _check(a - b, r, torch.bfloat16, name)
+
+
+def _packed(lens_q, lens_k, hq, hkv, d, dtype, *, causal, q_offset=0, k_offset=0):
+    g = _gen()
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q, k, v = _inputs((sum(lens_q), hq, d), (sum(lens_k), hkv, d), dtype, g)
+    dout = torch.randn(q.shape, device="cuda", dtype=dtype, generator=g)
+    mask = dict(causal=causal, q_offset=q_offset, k_offset=k_offset, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    out64, lse64, ref = _reference(q, k, v, dout, **mask)
+    kw = dict(mask, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+    got = _run(q, k, v, dout, out64.to(dtype), lse64.float(), **kw)
+    for name, a, r in zip(("dq", "dk", "dv"), got, ref):
+        _check(a, r, dtype, name)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("d,dtype,hq,hkv", [(128, torch.bfloat16, 4, 2), (64, torch.float16, 8, 8)])
+def test_packed_random(causal, d, dtype, hq, hkv):
+    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    cu = random_cu_seqlens(6, 400, gen, allow_empty=True)
+    lens = (cu[1:] - cu[:-1]).tolist()
+    lens[1] = 0  # at least one empty document
+    _packed(lens, lens, hq, hkv, d, dtype, causal=causal)
+
+
+def test_packed_per_segment_offsets():
+    lens_q, lens_k = [100, 0, 257, 64], [300, 50, 129, 64]
+    q_off = torch.tensor([200, 0, 0, 5], dtype=torch.int32, device="cuda")
+    k_off = torch.tensor([0, 0, 128, 100], dtype=torch.int32, device="cuda")  # last: nothing visible
+    _packed(lens_q, lens_k, 8, 2, 128, torch.bfloat16, causal=True, q_offset=q_off, k_offset=k_off)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_deterministic_matches_reference(causal):
+    _case((1, 700, 4, 128), (1, 900, 2, 128), torch.bfloat16, causal=causal, q_offset=200, deterministic=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_deterministic_bitwise(causal):
+    """Many CTAs contending for every dQ tile: the fp32 gradients' bytes must match over repeated runs."""
+    g = _gen()
+    b, s, h, d = 2, 8192, 16, 128
+    q, k, v = _inputs((b, s, h, d), (b, s, h, d), torch.bfloat16, g)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = attention_forward(q, k, v, causal=causal, backend="sdpa_flash")
+    runs = []
+    for _ in range(3):
+        grads = [torch.full(t.shape, float("nan"), device="cuda", dtype=torch.float32) for t in (q, k, v)]
+        backward(dout, q, k, v, out, lse, *grads, softmax_scale=d**-0.5, causal=causal, deterministic=True)
+        runs.append(grads)
+    torch.cuda.synchronize()
+    for other in runs[1:]:
+        for a, c in zip(runs[0], other):
+            assert not torch.isnan(a).any()
+            assert torch.equal(a.view(torch.int32), c.view(torch.int32))
+    # and the non-deterministic mode agrees with it to rounding
+    nd = [torch.empty_like(t) for t in (q, k, v)]
+    backward(dout, q, k, v, out, lse, *nd, softmax_scale=d**-0.5, causal=causal, deterministic=False)
+    for a, c in zip(runs[0], nd):
+        assert rel_error(a.double(), c.double()) < 1e-2
