@@ -129,7 +129,7 @@ class FlashFwdSm90:
         num_stages: int = 2,
         intra_wg_overlap: bool = True,
         sched_barrier: bool = True,
-        rescale_threshold: float = 0.0,
+        rescale_threshold: float = 8.0,
         tma_store_o: bool = True,
         l2_rows: Optional[int] = None,
     ):
