@@ -1,0 +1,28 @@
+"""Training data for the recipes: byte-level tokens of local text, packed into windows of documents, and cut into
+context-parallel shards by the LPT plan.
+
+    docs = collect_documents()                      # this repository's source and docs
+    stream = PackedTokenStream(docs, seqlen=4096)   # windows with cu_seqlens / positions / labels
+    sample = stream.window(0)
+    plan = make_sample_plan(sample, cp_size)        # fa4dist.context_parallel.make_plan (LPT)
+    local = shard_sample(sample, plan, cp_rank)     # tokens, labels, positions of this rank
+"""
+
+from .packing import (
+    DEFAULT_SUFFIXES,
+    IGNORE,
+    PackedTokenStream,
+    Sample,
+    collect_documents,
+    default_text_root,
+    positions_from_cu_seqlens,
+    segments_from_doc_ids,
+)
+from .sharding import LocalBatch, SingleRankPlan, make_sample_plan, shard_sample
+from .tokenizer import BOS, EOS, PAD, VOCAB_SIZE, ByteTokenizer
+
+__all__ = [
+    "BOS", "EOS", "PAD", "VOCAB_SIZE", "ByteTokenizer", "IGNORE", "DEFAULT_SUFFIXES", "PackedTokenStream", "Sample",
+    "collect_documents", "default_text_root", "positions_from_cu_seqlens", "segments_from_doc_ids",
+    "LocalBatch", "SingleRankPlan", "make_sample_plan", "shard_sample",
+]

@@ -1,0 +1,159 @@
+"""Packed training data from local text.
+
+Documents (files of local text) are tokenized byte-level, concatenated into one token stream, and cut into
+windows of ``seqlen`` tokens.  A window keeps its document structure: ``cu_seqlens`` marks where each document
+(or piece of one) starts, ``positions`` restart at 0 in every document, and the label of a document's last token
+is ``IGNORE`` so nothing is predicted across a document boundary.  With ``packing="stream"`` the window is one
+causal sequence (documents only separated by their EOS/BOS tokens), which is what a "32k context" benchmark
+wants when the documents are short.
+
+Which windows a step trains on is a pure function of (seed, step, dp rank): a restarted job sees the same data.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from .tokenizer import ByteTokenizer
+
+IGNORE = -100
+DEFAULT_SUFFIXES = (".py", ".md", ".toml", ".txt", ".json", ".sh", ".cfg", ".yaml", ".yml")
+_SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", "node_modules", ".venv", "venv", "build", "dist"}
+
+
+def default_text_root() -> Path:
+    """The repository checkout when fa4dist is installed from one (editable), else the installed package."""
+    pkg = Path(__file__).resolve().parents[1]
+    repo = pkg.parent
+    return repo if (repo / "pyproject.toml").exists() else pkg
+
+
+def collect_documents(
+    roots: Optional[Sequence[os.PathLike | str]] = None,
+    suffixes: Iterable[str] = DEFAULT_SUFFIXES,
+    max_file_bytes: int = 1 << 20,
+) -> list[str]:
+    """Texts of the files under ``roots`` (default: this repository's source and docs), in a fixed order.
+
+    Hidden directories, caches, egg-info and build outputs are skipped; files larger than ``max_file_bytes`` or not
+    valid UTF-8 are skipped too."""
+    roots = [Path(r) for r in (roots or [default_text_root()])]
+    suffixes = tuple(suffixes)
+    docs: list[str] = []
+    for root in roots:
+        if root.is_file():
+            files = [root]
+        else:
+            files = []
+            for dirpath, dirnames, filenames in os.walk(root):
+                dirnames[:] = sorted(
+                    d for d in dirnames if not d.startswith(".") and d not in _SKIP_DIRS and not d.endswith(".egg-info")
+                )
+                files.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(suffixes))
+        for path in files:
+            try:
+                if path.stat().st_size > max_file_bytes:
+                    continue
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            if text.strip():
+                docs.append(text)
+    if not docs:
+        raise ValueError(f"no text files ({', '.join(suffixes)}) found under {[str(r) for r in roots]}")
+    return docs
+
+
+@dataclass
+class Sample:
+    """One packed window: ``tokens``/``labels``/``positions`` (seqlen,) int64, ``cu_seqlens`` int32 (docs + 1)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+    @property
+    def num_label_tokens(self) -> int:
+        return int((self.labels != IGNORE).sum())
+
+    def to(self, device) -> "Sample":
+        return Sample(*(t.to(device) for t in (self.tokens, self.labels, self.positions, self.cu_seqlens)))
+
+
+def segments_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens (int32) of the runs of equal ids in a 1-D tensor."""
+    n = doc_ids.numel()
+    starts = torch.nonzero(torch.diff(doc_ids) != 0).flatten() + 1
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), starts, torch.tensor([n])])
+    return cu.to(torch.int32)
+
+
+def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Position of every token within its segment."""
+    cu = cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]
+    starts = torch.repeat_interleave(cu[:-1], lengths)
+    return torch.arange(int(cu[-1])) - starts
+
+
+class PackedTokenStream:
+    """Documents concatenated into one token stream, cut into windows of ``seqlen`` tokens."""
+
+    def __init__(self, documents: Sequence[str], seqlen: int, *, packing: str = "documents", seed: int = 0,
+                 tokenizer: Optional[ByteTokenizer] = None):
+        if packing not in ("documents", "stream"):
+            raise ValueError(f"packing must be 'documents' or 'stream', got {packing!r}")
+        if seqlen < 2:
+            raise ValueError(f"seqlen must be at least 2, got {seqlen}")
+        tok = tokenizer or ByteTokenizer()
+        ids, doc_ids = [], []
+        for i, text in enumerate(documents):
+            t = tok.encode(text)
+            ids.extend(t)
+            doc_ids.extend([i] * len(t))
+        if not ids:
+            raise ValueError("no documents to pack")
+        tokens = torch.tensor(ids, dtype=torch.long)
+        docs = torch.tensor(doc_ids, dtype=torch.long)
+        # A corpus shorter than one window is repeated (each copy a separate document).
+        copies = -(-(seqlen + 1) // tokens.numel())
+        if copies > 1:
+            tokens = tokens.repeat(copies)
+            docs = torch.cat([docs + c * len(documents) for c in range(copies)])
+        self.tokens, self.doc_ids = tokens, docs
+        self.seqlen, self.packing, self.seed = seqlen, packing, seed
+        self.num_windows = (tokens.numel() - 1) // seqlen
+        self._perm = torch.randperm(self.num_windows, generator=torch.Generator().manual_seed(seed))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.numel()
+
+    def window(self, index: int) -> Sample:
+        """Window ``index`` of the stream (windows in a seeded order; the order repeats every ``num_windows``)."""
+        w = int(self._perm[index % self.num_windows])
+        start = w * self.seqlen
+        span = slice(start, start + self.seqlen + 1)  # one extra token: the last label
+        toks, docs = self.tokens[span], self.doc_ids[span]
+        tokens, labels = toks[:-1].clone(), toks[1:].clone()
+        if self.packing == "stream":
+            cu = torch.tensor([0, self.seqlen], dtype=torch.int32)
+        else:
+            labels[docs[1:] != docs[:-1]] = IGNORE
+            cu = segments_from_doc_ids(docs[:-1])
+        return Sample(tokens, labels, positions_from_cu_seqlens(cu), cu)
+
+    def global_index(self, step: int, sequence: int, sequences_per_step: int) -> int:
+        return step * sequences_per_step + sequence
+
+    def batch(self, step: int, sequences_per_step: int, first: int = 0, count: Optional[int] = None) -> list[Sample]:
+        """Samples ``first .. first + count`` of the ``sequences_per_step`` that make up global step ``step``
+        (a data-parallel rank asks for its slice)."""
+        count = sequences_per_step - first if count is None else count
+        return [self.window(self.global_index(step, first + i, sequences_per_step)) for i in range(count)]

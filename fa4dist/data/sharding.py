@@ -1,0 +1,81 @@
+"""A packed sample cut into this rank's context-parallel shard.
+
+``make_sample_plan`` builds the LPT plan of a sample's document structure (``fa4dist.context_parallel.make_plan``);
+``shard_sample`` returns the local tokens, labels and positions (global position within the document, for RoPE).
+Padding that the plan adds to make the chunks fit is marked with ``IGNORE`` labels, so it never counts in the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .packing import IGNORE, Sample, positions_from_cu_seqlens
+
+
+class SingleRankPlan:
+    """The plan of a sample that is not split (cp size 1): the identity, with the document structure.
+
+    It answers the same questions as a context-parallel plan, so the model and the loss have one code path."""
+
+    cp_size = 1
+
+    def __init__(self, cu_seqlens: torch.Tensor):
+        self.cu_seqlens = cu_seqlens.to(torch.int32)
+        self.total = int(cu_seqlens[-1])
+
+    def shard(self, x: torch.Tensor, seq_dim: int = 1, rank: Optional[int] = None) -> torch.Tensor:
+        return x
+
+    def unshard(self, x: torch.Tensor, seq_dim: int = 1, *args, **kwargs) -> torch.Tensor:
+        return x
+
+    def positions(self, rank: Optional[int] = None) -> torch.Tensor:
+        return positions_from_cu_seqlens(self.cu_seqlens.cpu())
+
+    def local_cu_seqlens(self, rank: Optional[int] = None) -> torch.Tensor:
+        return self.cu_seqlens
+
+    def balance_report(self) -> dict:
+        return {"cp_size": 1, "max_over_mean": 1.0}
+
+
+def make_sample_plan(sample: Sample, cp_size: int, balancer: str = "lpt", num_chunks: Optional[int] = None):
+    """The sharding plan of one packed sample over ``cp_size`` ranks."""
+    if cp_size == 1:
+        return SingleRankPlan(sample.cu_seqlens)
+    from fa4dist.context_parallel import make_plan
+
+    return make_plan(sample.cu_seqlens, cp_size, balancer=balancer, num_chunks=num_chunks)
+
+
+@dataclass
+class LocalBatch:
+    """This rank's part of a packed sample: tokens, labels, positions (all (local_tokens,)) and the plan."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor
+    plan: Any
+    rank: int
+
+    @property
+    def num_label_tokens(self) -> int:
+        return int((self.labels != IGNORE).sum())
+
+
+def shard_sample(sample: Sample, plan, rank: int, device=None) -> LocalBatch:
+    """Cuts ``sample`` into rank ``rank``'s shard under ``plan``."""
+    device = device or sample.tokens.device
+    if getattr(plan, "cp_size", 1) == 1 and isinstance(plan, SingleRankPlan):
+        return LocalBatch(sample.tokens.to(device), sample.labels.to(device), sample.positions.to(device), plan, 0)
+    tokens = plan.shard(sample.tokens, seq_dim=0, rank=rank)
+    labels = plan.shard(sample.labels, seq_dim=0, rank=rank)
+    # Padding the plan adds (any value) must not count: shard a validity mask the same way (padding -> False).
+    valid = plan.shard(torch.ones_like(sample.tokens, dtype=torch.bool), seq_dim=0, rank=rank)
+    labels = torch.where(valid, labels, torch.full_like(labels, IGNORE))
+    tokens = torch.where(valid, tokens, torch.zeros_like(tokens))
+    positions = torch.as_tensor(plan.positions(rank)).long()
+    return LocalBatch(tokens.to(device), labels.to(device), positions.to(device), plan, rank)

@@ -1,0 +1,34 @@
+"""Byte-level tokenizer: every UTF-8 byte is a token, plus BOS, EOS and PAD.
+
+No vocabulary file, nothing to download or train: the same text gives the same ids on every machine.  The
+vocabulary is rounded up to a multiple of 64 (``VOCAB_SIZE``) so embedding and LM-head matmuls stay aligned; the
+ids above ``PAD`` are never produced.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+BOS = 256
+EOS = 257
+PAD = 258
+VOCAB_SIZE = 320  # 259 used ids, rounded up to a multiple of 64
+
+
+class ByteTokenizer:
+    bos_id = BOS
+    eos_id = EOS
+    pad_id = PAD
+    vocab_size = VOCAB_SIZE
+
+    def encode(self, text: str, *, bos: bool = True, eos: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        if bos:
+            ids.insert(0, BOS)
+        if eos:
+            ids.append(EOS)
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Bytes back to text; special tokens are dropped, stray bytes decode with replacement characters."""
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")

@@ -1,0 +1,418 @@
+"""fa4dist attention inside Hugging Face transformers models.
+
+    from fa4dist.integrations.hf import register
+    register()                                              # name "fa4dist"
+    model = LlamaForCausalLM(config, attn_implementation="fa4dist")   # or model.set_attn_implementation("fa4dist")
+
+``register`` adds an attention function to transformers' ``AttentionInterface`` *and* a mask function to its
+``AttentionMaskInterface`` under the same name.  The mask function is what keeps masking honest: transformers hands
+it the mask it wants (causal, padding from ``attention_mask``, packed documents detected from ``position_ids``
+restarts, cache offsets) as a predicate; we turn that into the kernel's description (packed segments with
+``cu_seqlens`` and global offsets) and then *check* the predicate against that description -- every (query, key)
+pair for small problems, a fixed set of structural probes plus random pairs for large ones -- so a sliding
+window, a bidirectional mask, a custom 4-D mask or anything else the kernel cannot express is an error, never
+silently dropped.  Flash-attention-style ``cu_seq_lens_q``/``cu_seq_lens_k`` keyword arguments (from
+``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``) are honoured as well, and so are ``position_ids``
+restarts when transformers did not turn them into a document mask itself (it does so only with
+``use_cache=False``; with a cache its stock attentions silently let packed documents see each other, while
+flash-attention and this function keep them apart).
+
+Query rows that are padding get a zero output (the stock attention computes something meaningless there).
+
+``to_hf_llama(model)`` converts an :class:`fa4dist.models.FA4Llama` into a ``LlamaForCausalLM`` with the same
+weights (parameter names match).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+import fa4dist
+
+NAME = "fa4dist"
+_SETTINGS: dict[str, dict] = {}
+# Problems up to this many (batch x query x key) pairs are checked exhaustively; larger ones by probes.
+EXHAUSTIVE_CHECK_PAIRS = 1 << 22
+RANDOM_PROBES_PER_QUERY = 8
+
+
+class UnsupportedMask(ValueError):
+    """The model asked for a mask that fa4dist's kernels cannot express (causal within documents only)."""
+
+
+@dataclass
+class FA4MaskInfo:
+    """What the mask function hands to the attention function (instead of a dense 4-D mask).
+
+    Segments are runs of tokens in one batch row; segment s's queries ``q_index[cu_q[s]:cu_q[s+1]]`` (flat indices
+    ``b * q_length + i``) see its keys ``k_index[cu_k[s]:cu_k[s+1]]`` causally by global position
+    (``k_offsets[s] + j <= q_offsets[s] + i``)."""
+
+    batch_size: int
+    q_length: int
+    kv_length: int
+    q_offset: int
+    kv_offset: int
+    dense: bool  # one segment per row covering every query and key: the dense kernel layout
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_k: Optional[torch.Tensor] = None
+    q_index: Optional[torch.Tensor] = None
+    k_index: Optional[torch.Tensor] = None
+    q_offsets: list = field(default_factory=list)
+    k_offsets: list = field(default_factory=list)
+    checked: str = ""  # how the predicate was verified ("exhaustive" / "probes")
+    segments: list = field(default_factory=list)  # (row, q_start, q_end, k_start, k_end)
+    derived: dict = field(default_factory=dict, repr=False)  # per-forward cache (every layer shares the mask)
+
+    @property
+    def shape(self):  # for code that only looks at the mask's shape
+        return (self.batch_size, 1, self.q_length, self.kv_length)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the mask: from transformers' predicate to segments, then verified
+
+
+def _predicate(mask_function, padding_mask, q_offset, kv_offset):
+    def visible(b, i, j):
+        h = torch.zeros_like(b)
+        out = mask_function(b, h, i + q_offset, j + kv_offset)
+        out = torch.as_tensor(out, device=b.device).to(torch.bool).expand(b.shape)
+        if padding_mask is not None:
+            out = out & padding_mask[b, j + kv_offset]
+        return out
+
+    return visible
+
+
+def _runs(valid: torch.Tensor, boundary: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of the maximal runs of valid positions with no boundary inside (boundary[i]: i starts a run)."""
+    runs, start = [], None
+    v, bd = valid.tolist(), boundary.tolist()
+    for i, ok in enumerate(v):
+        if ok and start is not None and bd[i]:
+            runs.append((start, i))
+            start = i
+        elif ok and start is None:
+            start = i
+        elif not ok and start is not None:
+            runs.append((start, i))
+            start = None
+    if start is not None:
+        runs.append((start, len(v)))
+    return runs
+
+
+def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
+                 attention_mask: Optional[torch.Tensor] = None, local_size: Optional[int] = None,
+                 device="cpu", **kwargs) -> FA4MaskInfo:
+    """transformers' mask interface entry: returns an :class:`FA4MaskInfo` or raises :class:`UnsupportedMask`."""
+    from transformers.masking_utils import causal_mask_function, prepare_padding_mask
+
+    if local_size is not None:
+        raise UnsupportedMask(f"fa4dist attention has no sliding-window/chunked masks (asked for a window of "
+                              f"{local_size}); use attn_implementation='sdpa' for this model")
+    mask_function = mask_function or causal_mask_function
+    q_offset, kv_offset = int(q_offset), int(kv_offset)
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if padding is not None:
+        padding = padding.to(device=device, dtype=torch.bool)
+    visible = _predicate(mask_function, padding, q_offset, kv_offset)
+    b_all = torch.arange(batch_size, device=device)
+    self_attn = q_length == kv_length and q_offset == 0 and kv_offset == 0
+
+    seg_q = torch.full((batch_size, q_length), -1, dtype=torch.long, device=device)
+    seg_k = torch.full((batch_size, kv_length), -1, dtype=torch.long, device=device)
+    segments = []  # (b, qs, qe, ks, ke)
+    for b in range(batch_size):
+        key_valid = padding[b, kv_offset:kv_offset + kv_length] if padding is not None else \
+            torch.ones(kv_length, dtype=torch.bool, device=device)
+        if self_attn:
+            # Documents: i starts a new one where query i cannot see key i - 1 (both tokens real).
+            i = torch.arange(1, q_length, device=device)
+            bb = torch.full_like(i, b)
+            sees_prev = visible(bb, i, i - 1) if q_length > 1 else torch.zeros(0, dtype=torch.bool, device=device)
+            boundary = torch.cat([torch.ones(1, dtype=torch.bool, device=device), ~sees_prev])
+            for s, e in _runs(key_valid, boundary):
+                segments.append((b, s, e, s, e))
+        else:
+            # With a cache: one segment per row, the real keys (must be contiguous) against every query.
+            runs = _runs(key_valid, torch.zeros_like(key_valid))
+            if len(runs) > 1:
+                raise UnsupportedMask(f"row {b}: the real keys are not contiguous ({runs[:4]}...); fa4dist "
+                                      "attention supports left or right padding only")
+            if runs:
+                segments.append((b, 0, q_length, runs[0][0], runs[0][1]))
+    for n, (b, qs, qe, ks, ke) in enumerate(segments):
+        seg_q[b, qs:qe] = n
+        seg_k[b, ks:ke] = n
+
+    _verify(visible, seg_q, seg_k, q_offset, kv_offset, batch_size, q_length, kv_length, device)
+    checked = "exhaustive" if batch_size * q_length * kv_length <= EXHAUSTIVE_CHECK_PAIRS else "probes"
+
+    return _info_from_segments(segments, batch_size, q_length, kv_length, q_offset, kv_offset, device, checked)
+
+
+def _info_from_segments(segments, batch_size, q_length, kv_length, q_offset, kv_offset, device,
+                        checked) -> FA4MaskInfo:
+    dense = len(segments) == batch_size and all(
+        qs == 0 and qe == q_length and ks == 0 and ke == kv_length for _, qs, qe, ks, ke in segments)
+    info = FA4MaskInfo(batch_size, q_length, kv_length, q_offset, kv_offset, dense, checked=checked,
+                       segments=list(segments))
+    if dense:
+        return info
+    q_idx, k_idx, cu_q, cu_k = [], [], [0], [0]
+    for b, qs, qe, ks, ke in segments:
+        q_idx.append(torch.arange(qs, qe, device=device) + b * q_length)
+        k_idx.append(torch.arange(ks, ke, device=device) + b * kv_length)
+        cu_q.append(cu_q[-1] + qe - qs)
+        cu_k.append(cu_k[-1] + ke - ks)
+        info.q_offsets.append(q_offset + qs)
+        info.k_offsets.append(kv_offset + ks)
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    info.q_index = torch.cat(q_idx) if q_idx else empty
+    info.k_index = torch.cat(k_idx) if k_idx else empty
+    info.cu_seqlens_q = torch.tensor(cu_q, dtype=torch.int32, device=device)
+    info.cu_seqlens_k = torch.tensor(cu_k, dtype=torch.int32, device=device)
+    return info
+
+
+def _split_at_position_restarts(info: FA4MaskInfo, position_ids: torch.Tensor, device) -> FA4MaskInfo:
+    """Splits segments where ``position_ids`` restart (packed documents).  transformers itself finds packed
+    documents from position_ids only without a cache (``use_cache=False``); flash-attention reads them in the
+    attention call whatever the cache, and so do we, for self-attention over a whole row (no cache offset)."""
+    if info.q_length != info.kv_length or info.q_offset or info.kv_offset or position_ids is None:
+        return info
+    pos = position_ids.expand(info.batch_size, -1) if position_ids.shape[0] != info.batch_size else position_ids
+    if pos.shape[-1] != info.q_length:
+        return info
+    restart = torch.ones_like(pos, dtype=torch.bool)
+    restart[:, 1:] = torch.diff(pos, dim=-1) != 1
+    if not bool(restart[:, 1:].any()):
+        return info
+    starts = [set(torch.nonzero(restart[b]).flatten().tolist()) for b in range(info.batch_size)]
+    segments = []
+    for b, qs, qe, ks, ke in info.segments:
+        cuts = [qs] + sorted(i for i in starts[b] if qs < i < qe) + [qe]
+        segments.extend((b, a, c, a, c) for a, c in zip(cuts[:-1], cuts[1:]))
+    if len(segments) == len(info.segments):
+        return info
+    return _info_from_segments(segments, info.batch_size, info.q_length, info.kv_length, 0, 0, device,
+                               info.checked + "+position_ids")
+
+
+def _ours(seg_q, seg_k, q_offset, kv_offset, b, i, j):
+    sq, sk = seg_q[b, i], seg_k[b, j]
+    return (sq >= 0) & (sq == sk) & (j + kv_offset <= i + q_offset)
+
+
+def _verify(visible, seg_q, seg_k, q_offset, kv_offset, batch, q_length, kv_length, device):
+    """Raises UnsupportedMask unless transformers' predicate equals ours on every real query row checked."""
+    if batch * q_length * kv_length <= EXHAUSTIVE_CHECK_PAIRS:
+        b, i, j = torch.meshgrid(torch.arange(batch, device=device), torch.arange(q_length, device=device),
+                                 torch.arange(kv_length, device=device), indexing="ij")
+        b, i, j = b.flatten(), i.flatten(), j.flatten()
+    else:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        bi = torch.arange(batch).repeat_interleave(q_length)
+        ii = torch.arange(q_length).repeat(batch)
+        probes_j = [ii + q_offset - kv_offset, ii + q_offset - kv_offset + 1, ii + q_offset - kv_offset - 1,
+                    torch.zeros_like(ii), torch.full_like(ii, kv_length - 1)]
+        probes_j += [torch.randint(0, kv_length, ii.shape, generator=gen) for _ in range(RANDOM_PROBES_PER_QUERY)]
+        # the first and the one-before-first key of each query's segment
+        sk_first = torch.full((seg_k.max().item() + 2,), kv_length, dtype=torch.long) if seg_k.numel() else None
+        if sk_first is not None:
+            flat = seg_k.cpu()
+            for bb in range(batch):
+                idx = torch.nonzero(flat[bb] >= 0).flatten()
+                if idx.numel():
+                    sk_first.scatter_reduce_(0, flat[bb, idx], idx, reduce="amin")
+            sq = seg_q.cpu()[bi, ii]
+            first = torch.where(sq >= 0, sk_first[sq.clamp(min=0)], torch.zeros_like(sq))
+            probes_j += [first, first - 1]
+        j = torch.cat(probes_j).clamp(0, kv_length - 1).to(device)
+        b = bi.repeat(len(probes_j)).to(device)
+        i = ii.repeat(len(probes_j)).to(device)
+    real_query = seg_q[b, i] >= 0
+    theirs = visible(b, i, j)
+    ours = _ours(seg_q, seg_k, q_offset, kv_offset, b, i, j)
+    bad = torch.nonzero(real_query & (theirs != ours)).flatten()
+    if bad.numel():
+        n = int(bad[0])
+        raise UnsupportedMask(
+            f"the model's mask differs from what fa4dist attention computes (causal within documents, padding, "
+            f"cache offsets) at batch {int(b[n])}, query {int(i[n])}, key {int(j[n])}: the model says "
+            f"{'visible' if bool(theirs[n]) else 'masked'} ({bad.numel()} pairs differ); use "
+            f"attn_implementation='sdpa' for this model or mask")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the attention function
+
+
+def _info_from_kwargs(query, key, kwargs, q_length, kv_length) -> Optional[FA4MaskInfo]:
+    """Flash-attention style ``cu_seq_lens_q/k`` (batch 1, packed)."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return None
+    cu_q = cu_q if cu_q is not None else cu_k
+    cu_k = cu_k if cu_k is not None else cu_q
+    if query.shape[0] != 1:
+        raise UnsupportedMask(f"cu_seq_lens_q/k describe one packed row; got batch {query.shape[0]}")
+    cu_q = cu_q.to(device=query.device, dtype=torch.int32)
+    cu_k = cu_k.to(device=query.device, dtype=torch.int32)
+    if int(cu_q[-1]) != q_length or int(cu_k[-1]) != kv_length:
+        raise UnsupportedMask(f"cu_seq_lens_q/k end at {int(cu_q[-1])}/{int(cu_k[-1])}, but the row holds "
+                              f"{q_length} queries / {kv_length} keys")
+    info = FA4MaskInfo(1, q_length, kv_length, 0, 0, False, cu_q, cu_k,
+                       torch.arange(q_length, device=query.device), torch.arange(kv_length, device=query.device),
+                       checked="cu_seq_lens")
+    # Segment-local causality, bottom-right aligned within each segment when q and k lengths differ.
+    lq = (cu_q[1:] - cu_q[:-1]).tolist()
+    lk = (cu_k[1:] - cu_k[:-1]).tolist()
+    info.q_offsets = [k - q for q, k in zip(lq, lk)]
+    info.k_offsets = [0] * len(lq)
+    return info
+
+
+def _segment_ids(info: FA4MaskInfo) -> list[tuple[int, int]]:
+    cu = info.cu_seqlens_q.tolist()
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def fa4dist_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attention_mask, scaling: Optional[float] = None, dropout: float = 0.0,
+                              sliding_window: Optional[int] = None, softcap: Optional[float] = None, **kwargs):
+    """transformers' attention interface entry: query (B, Hq, Lq, D), key/value (B, Hkv, Lk, D) ->
+    (out (B, Lq, Hq, D), None)."""
+    settings = _SETTINGS.get(getattr(getattr(module, "config", None), "_attn_implementation", NAME),
+                             _SETTINGS.get(NAME, {}))
+    if dropout and module.training:
+        raise UnsupportedMask("fa4dist attention has no attention dropout; set attention_dropout=0")
+    if sliding_window is not None:
+        raise UnsupportedMask(f"fa4dist attention has no sliding window (asked for {sliding_window})")
+    if softcap:
+        raise UnsupportedMask("fa4dist attention has no logit soft-capping")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise UnsupportedMask("fa4dist attention has no attention sinks")
+    if not getattr(module, "is_causal", True):
+        raise UnsupportedMask("fa4dist attention is causal only; this module is bidirectional")
+    batch, heads_q, q_length, head_dim = query.shape
+    kv_length = key.shape[2]
+
+    from_kwargs = _info_from_kwargs(query, key, kwargs, q_length, kv_length)
+    if isinstance(attention_mask, FA4MaskInfo):
+        info = attention_mask
+    elif attention_mask is None:
+        # transformers skipped mask creation (a paged cache, flash-style kwargs): plain causal, bottom-right aligned.
+        info = FA4MaskInfo(batch, q_length, kv_length, kv_length - q_length, 0, True, checked="none",
+                           segments=[(b, 0, q_length, 0, kv_length) for b in range(batch)])
+    else:
+        raise UnsupportedMask(
+            f"fa4dist attention got a precomputed {type(attention_mask).__name__} mask of shape "
+            f"{tuple(getattr(attention_mask, 'shape', ()))}; it can only express causal masks with padding and "
+            "packed documents (pass a 2-D attention_mask or position_ids), or use attn_implementation='sdpa'")
+    if (info.batch_size, info.q_length, info.kv_length) != (batch, q_length, kv_length):
+        raise UnsupportedMask(f"mask built for (batch, q, kv) = {(info.batch_size, info.q_length, info.kv_length)}"
+                              f" but attention got {(batch, q_length, kv_length)}")
+    position_ids = kwargs.get("position_ids")
+    if info.segments and position_ids is not None:
+        cache_key = ("split", id(position_ids))
+        if cache_key not in info.derived:
+            info.derived.clear()
+            info.derived[cache_key] = (position_ids, _split_at_position_restarts(info, position_ids, query.device))
+        info = info.derived[cache_key][1]
+    if from_kwargs is not None:
+        # cu_seq_lens may refine a mask of one document per row; documents found from the mask or from
+        # position_ids must agree with them
+        if not info.dense and not (len(info.segments) == len(from_kwargs.cu_seqlens_q) - 1 and torch.equal(
+                info.cu_seqlens_q.cpu(), from_kwargs.cu_seqlens_q.cpu())):
+            raise UnsupportedMask("cu_seq_lens_q disagrees with the documents found from position_ids / "
+                                  "attention_mask")
+        info = from_kwargs
+
+    q = query.transpose(1, 2)  # (B, Lq, H, D)
+    k = key.transpose(1, 2)
+    v = value.transpose(1, 2)
+    common = dict(causal=True, softmax_scale=scaling, deterministic=settings.get("deterministic"),
+                  backend=settings.get("backend", "auto"))
+    if info.dense:
+        out = fa4dist.attention(q.contiguous(), k.contiguous(), v.contiguous(), q_offset=info.q_offset,
+                                k_offset=info.kv_offset, **common)
+        return out, None
+    qf = q.reshape(batch * q_length, heads_q, head_dim)
+    kf = k.reshape(batch * kv_length, k.shape[2], k.shape[3])
+    vf = v.reshape(batch * kv_length, v.shape[2], v.shape[3])
+    qp = qf.index_select(0, info.q_index)
+    kp = kf.index_select(0, info.k_index)
+    vp = vf.index_select(0, info.k_index)
+    if qp.shape[0] == 0:
+        return q.new_zeros(batch, q_length, heads_q, v.shape[-1]), None
+    outp = fa4dist.attention(qp, kp, vp, cu_seqlens_q=info.cu_seqlens_q, cu_seqlens_k=info.cu_seqlens_k,
+                             q_offset=info.q_offsets, k_offset=info.k_offsets, **common)
+    out = qf.new_zeros(batch * q_length, heads_q, v.shape[-1]).index_copy(0, info.q_index, outp)
+    return out.view(batch, q_length, heads_q, v.shape[-1]), None
+
+
+def register(name: str = NAME, *, backend: str = "auto", deterministic: Optional[bool] = None) -> str:
+    """Registers fa4dist attention (and its mask function) with transformers under ``name``; returns ``name``.
+
+    Use it with ``attn_implementation=name`` (``from_pretrained``/``from_config``/model constructors) or
+    ``model.set_attn_implementation(name)``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    _SETTINGS[name] = {"backend": backend, "deterministic": deterministic}
+    AttentionInterface.register(name, fa4dist_attention_forward)
+    AttentionMaskInterface.register(name, fa4dist_mask)
+    return name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# weights
+
+
+def hf_llama_config(config, **extra):
+    """A ``transformers.LlamaConfig`` equal to an :class:`fa4dist.models.ModelConfig`."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.dim, intermediate_size=config.resolved_ffn_dim,
+        num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_kv_heads, head_dim=config.resolved_head_dim, rms_norm_eps=config.norm_eps,
+        rope_theta=config.rope_theta, tie_word_embeddings=config.tie_embeddings, attention_bias=False,
+        mlp_bias=False, attention_dropout=0.0, max_position_embeddings=1 << 20, **extra,
+    )
+
+
+def to_hf_llama(model, attn_implementation: str = NAME):
+    """A ``LlamaForCausalLM`` with ``model``'s weights (an :class:`fa4dist.models.FA4Llama`)."""
+    from transformers import LlamaForCausalLM
+
+    if attn_implementation == NAME and NAME not in _SETTINGS:
+        register()
+    cfg = hf_llama_config(model.config)
+    hf = LlamaForCausalLM(cfg, attn_implementation=attn_implementation) if _accepts_attn_kwarg() else \
+        LlamaForCausalLM(cfg)
+    hf.set_attn_implementation(attn_implementation) if hasattr(hf, "set_attn_implementation") else None
+    ours = {k: v for k, v in model.state_dict().items()}
+    theirs = hf.state_dict()
+    mapped = {}
+    for k in theirs:
+        src = k[len("model."):] if k.startswith("model.") else k
+        if src not in ours:
+            raise KeyError(f"no fa4dist parameter for {k}")
+        mapped[k] = ours[src]
+    hf.load_state_dict(mapped)
+    return hf.to(next(model.parameters()).dtype)
+
+
+def _accepts_attn_kwarg() -> bool:
+    import inspect
+
+    from transformers import LlamaForCausalLM
+
+    return "attn_implementation" in inspect.signature(LlamaForCausalLM.__init__).parameters

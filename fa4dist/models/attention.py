@@ -1,0 +1,73 @@
+"""The attention the model calls: ``FA4ContextParallelAttention`` over the cp group, or the kernel contract
+directly when the sequence is not split.
+
+Both take this rank's packed q, k, v ``(local_tokens, heads, head_dim)`` (k, v at the KV head count: GQA is never
+expanded) and the sample's sharding plan, and return the local output.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fa4dist
+
+
+def group_size(group) -> int:
+    """Size of a process group, a 1-D DeviceMesh, or 1 for None."""
+    if group is None:
+        return 1
+    if hasattr(group, "size") and hasattr(group, "get_group"):  # DeviceMesh
+        return group.size()
+    return dist.get_world_size(group)
+
+
+class LocalPackedAttention(nn.Module):
+    """cp size 1: causal attention within each document of the plan, through the kernel contract.
+
+    The plan is anything with ``local_cu_seqlens(rank)`` (a cp-size-1 ``ShardPlan`` or a ``SingleRankPlan``); its
+    device copy of cu_seqlens is kept for as long as the same plan comes back (every layer of one forward)."""
+
+    def __init__(self, causal: bool = True, softmax_scale: Optional[float] = None,
+                 deterministic: Optional[bool] = None, backend: str = "auto"):
+        super().__init__()
+        self.causal, self.softmax_scale = causal, softmax_scale
+        self.deterministic, self.backend = deterministic, backend
+        self._cu_cache: tuple = (None, None)
+
+    def _cu_seqlens(self, plan, device) -> Optional[torch.Tensor]:
+        if plan is None:
+            return None
+        if self._cu_cache[0] is plan:
+            return self._cu_cache[1]
+        cu = plan.local_cu_seqlens(0).to(device=device, dtype=torch.int32)
+        self._cu_cache = (plan, cu)
+        return cu
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan=None) -> torch.Tensor:
+        cu = self._cu_seqlens(plan, q.device)
+        if cu is None and q.dim() == 3:  # one packed sequence without a plan
+            cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+        return fa4dist.attention(
+            q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, cu_seqlens_q=cu, cu_seqlens_k=cu,
+            deterministic=self.deterministic, backend=self.backend,
+        )
+
+
+def make_attention(group=None, *, strategy: str = "auto", causal: bool = True,
+                   softmax_scale: Optional[float] = None, deterministic: Optional[bool] = None,
+                   backend: str = "auto", **options) -> nn.Module:
+    """The attention module for a cp group (a ProcessGroup, a DeviceMesh, or None for no context parallelism)."""
+    if group_size(group) == 1:
+        return LocalPackedAttention(causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
+                                    backend=backend)
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    if hasattr(group, "get_group") and hasattr(group, "ndim"):  # a DeviceMesh
+        return FA4ContextParallelAttention(mesh=group, strategy=strategy, causal=causal, softmax_scale=softmax_scale,
+                                           deterministic=deterministic, backend=backend, **options)
+    return FA4ContextParallelAttention(group, strategy=strategy, causal=causal, softmax_scale=softmax_scale,
+                                       deterministic=deterministic, backend=backend, **options)

@@ -1,0 +1,68 @@
+"""Configuration of the Llama-style decoder and its size presets."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Optional
+
+from fa4dist.data.tokenizer import VOCAB_SIZE
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = VOCAB_SIZE
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: Optional[int] = None  # default dim // n_heads
+    ffn_dim: Optional[int] = None  # default: 8/3 * dim rounded up to a multiple of 64 (SwiGLU)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}) (GQA)")
+        if self.head_dim is None and self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be a multiple of n_heads ({self.n_heads}), or give head_dim")
+        if self.resolved_head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.resolved_head_dim}")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def resolved_ffn_dim(self) -> int:
+        if self.ffn_dim is not None:
+            return self.ffn_dim
+        return -(-int(8 * self.dim / 3) // 64) * 64
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def with_(self, **changes) -> "ModelConfig":
+        return replace(self, **changes)
+
+
+# Sizes: tiny for CPU tests; the others for GPUs (head_dim 128, GQA 2:1 to 4:1).  Parameter counts exclude nothing
+# (embeddings are small with the byte vocabulary).
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
+    "small": ModelConfig(dim=768, n_layers=12, n_heads=6, n_kv_heads=2, head_dim=128, ffn_dim=3072,
+                         rope_theta=500000.0),  # ~104M
+    "base": ModelConfig(dim=1024, n_layers=24, n_heads=8, n_kv_heads=4, head_dim=128, ffn_dim=4096,
+                        rope_theta=500000.0),  # ~377M
+    "1b": ModelConfig(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=8192,
+                      rope_theta=500000.0),  # ~1.0B
+}
+
+
+def get_config(name: str, **overrides) -> ModelConfig:
+    try:
+        cfg = PRESETS[name]
+    except KeyError:
+        raise ValueError(f"model size must be one of {sorted(PRESETS)}, got {name!r}") from None
+    return cfg.with_(**{k: v for k, v in overrides.items() if v is not None})

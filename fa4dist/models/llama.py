@@ -1,0 +1,209 @@
+"""A Llama-style decoder whose attention is fa4dist's context-parallel attention.
+
+RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention, no biases; parameter names follow Hugging Face's
+``LlamaForCausalLM`` so weights map one to one (``fa4dist.integrations.hf.to_hf_llama``).
+
+The model works on one packed stream of documents per call: ``tokens`` and ``positions`` are this rank's shard
+``(local_tokens,)``; ``positions`` are the *global* positions of the local tokens within their documents (the
+plan's ``positions(rank)``), so rotary embeddings are exactly those of the unsplit sequence; the plan goes to
+every attention layer, which knows from it which keys each local query may see.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .attention import make_attention
+from .config import ModelConfig
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half types (norms, rotary), the tensor's own dtype for fp32/fp64."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(_compute_dtype(x.dtype))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (tokens, head_dim) for integer positions (Hugging Face's rotate-half convention), fp32 (fp64 for
+    fp64 models)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=dtype) / head_dim))
+    freqs = positions.to(dtype)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (tokens, heads, head_dim); cos/sin (tokens, head_dim)."""
+    xf = x.to(cos.dtype)
+    half = xf.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, core: nn.Module):
+        super().__init__()
+        hd = config.resolved_head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, hd
+        self.q_proj = nn.Linear(config.dim, config.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(config.n_heads * hd, config.dim, bias=False)
+        self.core = core
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core(q, k, v, plan=plan)
+        return self.o_proj(out.reshape(t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        ffn = config.resolved_ffn_dim
+        self.gate_proj = nn.Linear(config.dim, ffn, bias=False)
+        self.up_proj = nn.Linear(config.dim, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, core: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.self_attn = Attention(config, core)
+        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = MLP(config)
+        self.activation_checkpointing = False
+
+    def _forward(self, x, cos, sin, plan):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x, cos, sin, plan):
+        # Checkpointing inside the layer: with FSDP2 around the layer, the recompute runs while its parameters are
+        # still gathered for the backward.
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, plan, use_reentrant=False)
+        return self._forward(x, cos, sin, plan)
+
+
+class FA4Llama(nn.Module):
+    """Llama-style causal LM.  ``forward(tokens, positions, plan) -> logits (local_tokens, vocab)``.
+
+    ``cp_group``: the context-parallel group (ProcessGroup, 1-D DeviceMesh or None); ``attention_factory``
+    replaces the attention core (a parameter-free module ``core(q, k, v, plan=...)``; one instance is shared by all
+    layers, so per-plan state such as the CP schedule is built once per forward, not once per layer).
+    """
+
+    def __init__(self, config: ModelConfig, cp_group=None, *, strategy: str = "auto",
+                 deterministic: Optional[bool] = None, backend: str = "auto",
+                 attention_factory: Optional[Callable[[], nn.Module]] = None):
+        super().__init__()
+        self.config = config
+        if attention_factory is None:
+            def attention_factory():
+                return make_attention(cp_group, strategy=strategy, causal=True, deterministic=deterministic,
+                                      backend=backend)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        core = attention_factory()
+        self.layers = nn.ModuleList(DecoderLayer(config, core) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: Optional[torch.Generator] = None):
+        """Normal(0, init_std) for matrices (output projections scaled by 1/sqrt(2 n_layers)), ones for norms."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                scale = std / (2 * self.config.n_layers) ** 0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+                p.normal_(0.0, scale, generator=generator)
+
+    @property
+    def attention_core(self) -> nn.Module:
+        return self.layers[0].self_attn.core
+
+    @property
+    def cp_size(self) -> int:
+        return getattr(self.attention_core, "cp_size", 1)
+
+    @property
+    def cp_rank(self) -> int:
+        return getattr(self.attention_core, "cp_rank", 0)
+
+    def make_plan(self, cu_seqlens: torch.Tensor, balancer: str = "lpt", num_chunks: Optional[int] = None):
+        """The sharding plan of one packed stream (its document boundaries) for this model's cp group: the
+        attention module's own ``make_plan`` (right cp size and Ulysses degree), or the identity at cp size 1."""
+        core = self.attention_core
+        if getattr(core, "cp_size", 1) > 1:
+            return core.make_plan(cu_seqlens, balancer=balancer, num_chunks=num_chunks)
+        from fa4dist.data.sharding import SingleRankPlan
+
+        return SingleRankPlan(cu_seqlens)
+
+    def set_activation_checkpointing(self, enabled: bool = True):
+        for layer in self.layers:
+            layer.activation_checkpointing = enabled
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, plan=None) -> torch.Tensor:
+        if tokens.dim() != 1 or positions.shape != tokens.shape:
+            raise ValueError(f"tokens and positions must be 1-D of one length (one packed stream), got "
+                             f"{tuple(tokens.shape)} and {tuple(positions.shape)}")
+        x = self.embed_tokens(tokens)
+        cos, sin = rotary_tables(positions, self.config.resolved_head_dim, self.config.rope_theta,
+                                 torch.float64 if x.dtype == torch.float64 else torch.float32)
+        for layer in self.layers:
+            x = layer(x, cos, sin, plan)
+        return self.lm_head(self.norm(x))
+
+    # -- accounting ------------------------------------------------------------------------------------------------
+    def num_parameters(self, matmul_only: bool = False) -> int:
+        params = {id(p): p for p in self.parameters()}  # tied weights once
+        if not matmul_only:
+            return sum(p.numel() for p in params.values())
+        return sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+
+    def training_flops(self, cu_seqlens_list) -> float:
+        """Model FLOPs of one training step (forward + backward, no recompute) over packed samples.
+
+        ``6 * N * T + 12 * L * H * D * P``: N the matmul parameters (every Linear, LM head included, embedding
+        lookup excluded), T the tokens, L layers, H query heads, D head dim, P the (query, key) pairs the causal
+        mask within documents leaves visible (sum of l(l+1)/2 over documents of length l).  The backward counts
+        twice the forward; activation-checkpoint recompute is not counted (MFU, not HFU)."""
+        n_mm = self.num_parameters(matmul_only=True)
+        tokens, pairs = 0, 0
+        for cu in cu_seqlens_list:
+            lengths = (cu[1:] - cu[:-1]).double()
+            tokens += int(cu[-1])
+            pairs += float((lengths * (lengths + 1) / 2).sum())
+        c = self.config
+        return 6.0 * n_mm * tokens + 12.0 * c.n_layers * c.n_heads * c.resolved_head_dim * pairs

@@ -1,0 +1,366 @@
+"""What the recipes share: arguments, process groups, data, the context-parallel loss step, logging, and a plain
+single-process reference loop (the tests compare the distributed recipes against it).
+
+Loss semantics (every recipe and the reference): a step trains on ``--batch-size`` packed sequences; a sequence's
+loss is the mean cross entropy over its label tokens; the step's loss is the mean over its sequences.  A sequence
+is split over the cp ranks of one data-parallel replica (each rank's share is its local summed loss divided by the
+sequence's token count, so the shares add up to the sequence's loss), and the dp replicas split the sequences.
+Gradients are therefore *summed* over cp and *averaged* over dp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import resource
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from fa4dist.data import PackedTokenStream, collect_documents, make_sample_plan, shard_sample
+from fa4dist.models import FA4Llama, cp_cross_entropy, get_config
+
+H200_PEAK_BF16 = 989.4e12  # dense bf16 FLOP/s of an H100/H200 SXM
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# arguments
+
+
+def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default="tiny", help="size preset: tiny, small (~100M), base (~380M), 1b")
+    g.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    g.add_argument("--seqlen", type=int, default=256, help="tokens per packed sequence (the context length)")
+    g.add_argument("--batch-size", type=int, default=2, help="packed sequences per step, over all dp replicas")
+    g.add_argument("--packing", choices=["documents", "stream"], default="documents",
+                   help="documents: causal within each document (cu_seqlens); stream: one causal sequence")
+    g.add_argument("--data", nargs="*", default=None, help="files/directories of text (default: this repository)")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--cp", type=int, default=1, help="context-parallel size (dp = world size / cp)")
+    g.add_argument("--strategy", default="auto", help="context-parallel strategy: auto, ring, ulysses, hybrid")
+    g.add_argument("--balancer", default="lpt", help="sharding plan balancer: lpt, zigzag, contiguous")
+    g.add_argument("--backend", default="auto", help="attention backend (fa4dist.kernels): auto, sdpa, cute, ...")
+    g.add_argument("--deterministic", action="store_true", help="deterministic attention and torch algorithms")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=10)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--warmup", type=int, default=2, help="linear warmup steps (then cosine to 10%%)")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--grad-clip", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="compute dtype (auto: bf16 on GPU, fp32 on CPU); master weights stay fp32")
+    g.add_argument("--activation-checkpointing", action="store_true")
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-every", type=int, default=1)
+    g.add_argument("--metrics-out", default=None, help="write one JSON line per step (rank 0)")
+    g.add_argument("--timing-warmup", type=int, default=1, help="steps left out of tokens/s and MFU")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak dense FLOP/s per device for MFU in TFLOP/s (default: 989.4 on CUDA, none on CPU)")
+    return p
+
+
+def lr_at(step: int, args) -> float:
+    """Linear warmup to ``lr``, then cosine to 10% of it at the last step (a pure function of the step)."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    span = max(1, args.steps - args.warmup)
+    progress = min(1.0, (step - args.warmup) / span)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def model_config(args):
+    return get_config(args.model, n_layers=args.layers)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) -> tuple[int, int, torch.device]:
+    """Joins the job torchrun started (or makes a world of one); returns (rank, world size, device)."""
+    if "RANK" not in os.environ:  # plain `python recipe.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+@dataclass
+class Layout:
+    """Where this rank sits: dp x cp, cp innermost (consecutive ranks share a sequence)."""
+
+    rank: int
+    world: int
+    dp: int
+    cp: int
+    dp_rank: int
+    cp_rank: int
+    mesh: object  # DeviceMesh ("dp", "cp")
+    cp_group: object
+    dp_group: object
+    batch_size: int  # packed sequences per step, all dp replicas together
+
+    @property
+    def sequences_per_rank(self) -> int:
+        return self.batch_size // self.dp
+
+
+def make_layout(rank: int, world: int, cp: int, batch_size: int, device: torch.device) -> Layout:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world % cp:
+        raise SystemExit(f"--cp {cp} must divide the world size {world}")
+    dp = world // cp
+    if batch_size % dp:
+        raise SystemExit(f"--batch-size {batch_size} must be a multiple of dp = {dp}")
+    mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
+    return Layout(rank, world, dp, cp, rank // cp, rank % cp, mesh, mesh.get_group("cp"), mesh.get_group("dp"),
+                  batch_size)
+
+
+def compute_dtype(args, device) -> torch.dtype:
+    if args.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+
+
+def set_determinism(args):
+    torch.manual_seed(args.seed)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
+def build_model(args, cp_group, device, *, deterministic: Optional[bool] = None) -> FA4Llama:
+    """The model, identically initialized on every rank (seeded), on ``device``, fp32 master weights."""
+    gen_seed = args.seed
+    torch.manual_seed(gen_seed)
+    with torch.device(device):
+        model = FA4Llama(model_config(args), cp_group if args.cp > 1 else None, strategy=args.strategy,
+                         deterministic=deterministic if deterministic is not None else (args.deterministic or None),
+                         backend=args.backend)
+    if args.activation_checkpointing:
+        model.set_activation_checkpointing(True)
+    return model
+
+
+def build_stream(args) -> PackedTokenStream:
+    return PackedTokenStream(collect_documents(args.data), args.seqlen, packing=args.packing, seed=args.seed)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one step's forward/backward (any wrapper: FSDP2 module, DeepSpeed engine, plain module)
+
+
+def forward_backward(model, samples, layout: Layout, args, device, *, backward=None, before_last=None,
+                     loss_scale: float = 1.0):
+    """Runs this rank's sequences of one step; returns (summed sequence losses of this dp replica, label tokens).
+
+    ``backward(loss, n)`` does the backward of one sequence's share (default ``(loss / n).backward()``, n the
+    sequences per rank); ``before_last()`` is called before the last micro-batch (to turn gradient sync back on).
+    ``loss_scale`` multiplies what goes into the backward (not the reported loss): a wrapper that averages
+    gradients over dp x cp ranks needs ``cp`` to turn the cp average into the sum."""
+    backward = backward or (lambda loss, n: (loss / n).backward())
+    n = len(samples)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = 0
+    raw = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    for i, sample in enumerate(samples):
+        plan = raw.make_plan(sample.cu_seqlens, balancer=args.balancer)
+        local = shard_sample(sample, plan, layout.cp_rank, device=device)
+        if i == n - 1 and before_last is not None:
+            before_last()
+        logits = model(local.tokens, local.positions, plan)
+        res = cp_cross_entropy(logits, local.labels, layout.cp_group if layout.cp > 1 else None)
+        backward(res.loss * loss_scale if loss_scale != 1.0 else res.loss, n)
+        loss_sum += res.loss.detach().double()
+        tokens += local.tokens.numel()
+    if layout.cp > 1:  # the shares of each sequence add up over cp
+        dist.all_reduce(loss_sum, group=layout.cp_group)
+    return loss_sum, tokens
+
+
+def step_loss(loss_sum: torch.Tensor, layout: Layout) -> float:
+    """The step's loss: mean over the global batch of sequence losses."""
+    if layout.dp > 1:
+        dist.all_reduce(loss_sum, group=layout.dp_group)
+    return float(loss_sum) / layout.batch_size
+
+
+def global_tokens(tokens: int, device) -> int:
+    t = torch.tensor([tokens], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return int(t.item())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# logging
+
+
+def peak_memory_gib(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # CPU: the process's peak resident set (Linux reports KiB)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class Progress:
+    """A progress bar on rank 0 (a live bar on a terminal, plain lines in a log) and JSON metrics lines."""
+
+    def __init__(self, total: int, rank: int, metrics_out: Optional[str], log_every: int = 1, start: int = 0):
+        self.total, self.rank, self.log_every = total, rank, max(1, log_every)
+        self.tty = sys.stderr.isatty()
+        self.metrics = open(metrics_out, "a") if (metrics_out and rank == 0) else None
+        self.start = start
+
+    def update(self, step: int, **fields):
+        if self.rank != 0:
+            return
+        if self.metrics:
+            self.metrics.write(json.dumps({"step": step, **fields}) + "\n")
+            self.metrics.flush()
+        done = step + 1
+        width = 30
+        filled = int(width * done / max(1, self.total))
+        bar = "#" * filled + "." * (width - filled)
+        text = " ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
+        line = f"[{bar}] {done}/{self.total} {text}"
+        if self.tty:
+            sys.stderr.write("\r" + line + ("\n" if done == self.total else ""))
+            sys.stderr.flush()
+        elif done % self.log_every == 0 or done == self.total or step == self.start:
+            print(line, flush=True)
+
+    def close(self):
+        if self.metrics:
+            self.metrics.close()
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.6g}" if abs(v) < 1e5 else f"{v:.4g}"
+    return str(v)
+
+
+class Throughput:
+    """tokens/s and MFU over the steps after the first ``warmup`` ones."""
+
+    def __init__(self, warmup: int, device):
+        self.warmup, self.device = warmup, device
+        self.tokens = 0
+        self.flops = 0.0
+        self.seconds = 0.0
+        self.steps = 0
+
+    def add(self, step_index: int, seconds: float, tokens: int, flops: float):
+        if step_index < self.warmup:
+            return
+        self.tokens += tokens
+        self.flops += flops
+        self.seconds += seconds
+        self.steps += 1
+
+    def tokens_per_s(self) -> Optional[float]:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+    def mfu(self, peak_flops: Optional[float], world: int) -> Optional[float]:
+        if not peak_flops or self.seconds <= 0:
+            return None
+        return self.flops / self.seconds / (peak_flops * world)
+
+
+def peak_flops(args, device) -> Optional[float]:
+    if args.peak_tflops is not None:
+        return args.peak_tflops * 1e12
+    return H200_PEAK_BF16 if device.type == "cuda" else None
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+FLOP_FORMULA = ("MFU = (6*N*T + 12*L*H*D*P) / (seconds * peak * devices); N = matmul parameters (all Linear "
+                "weights incl. LM head), T = tokens, L = layers, H = query heads, D = head dim, P = (query, key) "
+                "pairs visible under the causal mask within documents (sum l(l+1)/2); backward = 2x forward; "
+                "activation-checkpoint recompute not counted")
+
+
+def summary_line(**fields) -> str:
+    return "SUMMARY " + json.dumps(fields, sort_keys=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the single-process reference
+
+
+def reference_losses(args, device=torch.device("cpu")) -> list[float]:
+    """The step losses of a plain single-process run (no process group, no wrapper) of the same model and data:
+    AdamW, the same schedule and clipping; what the distributed recipes must reproduce."""
+    set_determinism(args)
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = FA4Llama(model_config(args), None, backend=args.backend,
+                         deterministic=args.deterministic or None)
+    optimizer = make_optimizer(model, args)
+    stream = build_stream(args)
+    losses = []
+    for step in range(args.steps):
+        for g in optimizer.param_groups:
+            g["lr"] = lr_at(step, args)
+        samples = stream.batch(step, args.batch_size)
+        total = 0.0
+        for sample in samples:
+            plan = make_sample_plan(sample, 1)
+            local = shard_sample(sample, plan, 0, device=device)
+            res = cp_cross_entropy(model(local.tokens, local.positions, plan), local.labels)
+            (res.loss / len(samples)).backward()
+            total += res.loss.item()
+        if args.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total / len(samples))
+    return losses
+
+
+def make_optimizer(model, args) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (norm weights excluded)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+
+
+def read_metrics(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,173 @@
+"""Pre-training the fa4dist Llama-style model with DeepSpeed ZeRO (stage 2 or 3) and context parallelism.
+
+    torchrun --nproc-per-node 4 recipes/deepspeed_train.py --zero-stage 3 --cp 2 --model small --seqlen 16384
+
+Our cp group is DeepSpeed's *sequence-parallel* group: the recipe hands ``deepspeed.initialize`` an ``mpu`` whose
+sequence-parallel group is the cp group and whose sequence-data-parallel group is all dp x cp ranks.  DeepSpeed
+then shards parameters/gradients/optimizer state over all ranks and divides the summed gradients by dp (not by
+dp x cp): gradients are summed over cp and averaged over dp, which with our loss (each cp rank's share is its
+local summed loss over the sequence's token count) is exactly the single-process gradient.  With cp = 1 no mpu is
+passed and DeepSpeed does plain data parallelism.
+
+``recipes/ds_config.json`` is the base config; the recipe fills in what depends on the run (micro batch 1 packed
+sequence, gradient accumulation = sequences per dp rank, train batch, ZeRO stage, bf16, clipping).  The
+optimizer is torch's AdamW (the same as the FSDP2 recipe and the reference), passed as a client optimizer, so no
+DeepSpeed op has to be compiled.  On CPUs DeepSpeed runs on its CPU accelerator with gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+class ContextParallelMpu:
+    """The interface DeepSpeed reads sequence parallelism from (that of ``deepspeed.runtime.sequence_parallel.
+    parallel_state_sp``), backed by our groups: cp is DeepSpeed's sequence-parallel group."""
+
+    def __init__(self, layout, seq_data_parallel_group):
+        self._layout = layout
+        self._sdp = seq_data_parallel_group
+
+    def initialize_sequence_parallel(self, *args, **kwargs):  # DeepSpeed checks for this name; groups exist already
+        raise RuntimeError("the sequence-parallel groups are fa4dist's cp groups; they are already initialized")
+
+    def get_sequence_parallel_group(self):
+        return self._layout.cp_group
+
+    def get_sequence_parallel_world_size(self):
+        return self._layout.cp
+
+    def get_sequence_parallel_rank(self):
+        return self._layout.cp_rank
+
+    def get_sequence_data_parallel_group(self):
+        return self._sdp
+
+    def get_sequence_data_parallel_world_size(self):
+        return self._layout.world
+
+    def get_sequence_data_parallel_rank(self):
+        return self._layout.rank
+
+    # as in parallel_state_sp: the model-parallel names alias the sequence-parallel ones
+    get_model_parallel_group = get_sequence_parallel_group
+    get_model_parallel_world_size = get_sequence_parallel_world_size
+    get_model_parallel_rank = get_sequence_parallel_rank
+
+
+def ds_config(args, layout, dtype) -> dict:
+    with open(args.ds_config) as f:
+        cfg = json.load(f)
+    per_rank = layout.sequences_per_rank
+    cfg["train_micro_batch_size_per_gpu"] = 1
+    cfg["gradient_accumulation_steps"] = per_rank
+    cfg["train_batch_size"] = per_rank * layout.dp
+    cfg["gradient_clipping"] = float(args.grad_clip)
+    cfg.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+    cfg["bf16"] = {"enabled": dtype == torch.bfloat16}
+    cfg["zero_allow_untested_optimizer"] = True
+    return cfg
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_args(p)
+    g = p.add_argument_group("deepspeed")
+    g.add_argument("--zero-stage", type=int, choices=[2, 3], default=2)
+    g.add_argument("--ds-config", default=str(HERE / "ds_config.json"))
+    g.add_argument("--ckpt-dir", default=None)
+    g.add_argument("--save-every", type=int, default=0)
+    g.add_argument("--resume", default=None, help="'latest' (newest tag in --ckpt-dir) or a tag")
+    args = p.parse_args(argv)
+
+    rank, world, device = common.init_distributed()
+    import deepspeed  # after the process group exists: DeepSpeed adopts it
+
+    if device.type == "cpu":
+        # DeepSpeed's CPU accelerator JIT-compiles a shared-memory collective op (about a minute, needs a C++
+        # compiler) used for inference all-reduce; training collectives go through gloo either way.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    common.set_determinism(args)
+    layout = common.make_layout(rank, world, args.cp, args.batch_size, device)
+    dtype = common.compute_dtype(args, device)
+    model = common.build_model(args, layout.mesh["cp"], device)
+    n_params = model.num_parameters()
+    optimizer = common.make_optimizer(model, args)
+    mpu = None
+    if layout.cp > 1:
+        mpu = ContextParallelMpu(layout, dist.new_group(list(range(world))))
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, mpu=mpu,
+                                                  config=ds_config(args, layout, dtype))
+    start = 0
+    if args.resume:
+        tag = None if args.resume == "latest" else args.resume
+        path, client = engine.load_checkpoint(args.ckpt_dir, tag=tag)
+        if path is None:
+            raise SystemExit(f"no DeepSpeed checkpoint found in {args.ckpt_dir}")
+        start = int(client["step"])
+    stream = common.build_stream(args)
+    per_rank = layout.sequences_per_rank
+    if rank == 0:
+        print(f"deepspeed: ZeRO-{args.zero_stage} world={world} dp={layout.dp} cp={layout.cp} model={args.model} "
+              f"params={n_params / 1e6:.1f}M seqlen={args.seqlen} batch={args.batch_size} dtype={dtype} "
+              f"device={device} accelerator={deepspeed.get_accelerator()._name} start_step={start}", flush=True)
+    progress = common.Progress(args.steps, rank, args.metrics_out, args.log_every, start)
+    meter = common.Throughput(start + args.timing_warmup, device)
+    peak = common.peak_flops(args, device)
+
+    def backward(loss, n):
+        engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps (= n) itself
+        engine.step()  # an optimizer step only at the accumulation boundary
+
+    for step in range(start, args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = common.lr_at(step, args)
+        samples = stream.batch(step, args.batch_size, first=layout.dp_rank * per_rank, count=per_rank)
+        common.sync(device)
+        t0 = common.now()
+        loss_sum, _ = common.forward_backward(engine, samples, layout, args, device, backward=backward)
+        loss = common.step_loss(loss_sum, layout)
+        common.sync(device)
+        seconds = common.now() - t0
+        tokens = args.batch_size * args.seqlen
+        flops = model.training_flops([s.cu_seqlens for s in stream.batch(step, args.batch_size)])
+        meter.add(step, seconds, tokens, flops)
+        grad_norm = engine.get_global_grad_norm()
+        progress.update(step, loss=loss, lr=common.lr_at(step, args),
+                        grad_norm=float(grad_norm) if grad_norm is not None else None,
+                        tokens_per_s=tokens / seconds, step_s=seconds, peak_mem_gib=common.peak_memory_gib(device))
+        if args.ckpt_dir and args.save_every and (step + 1) % args.save_every == 0:
+            engine.save_checkpoint(args.ckpt_dir, tag=f"step_{step + 1:06d}", client_state={"step": step + 1})
+    progress.close()
+
+    mem = torch.tensor([common.peak_memory_gib(device)], device=device)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        tps, mfu = meter.tokens_per_s(), meter.mfu(peak, world)
+        print(common.summary_line(
+            recipe="deepspeed", zero_stage=args.zero_stage, model=args.model, params=n_params, world=world,
+            dp=layout.dp, cp=layout.cp, seqlen=args.seqlen, batch_size=args.batch_size,
+            dtype=str(dtype).split(".")[-1], steps_timed=meter.steps,
+            tokens_per_s=round(tps, 1) if tps else None, mfu=round(mfu, 4) if mfu is not None else None,
+            peak_mem_gib=round(float(mem), 3), flop_formula=common.FLOP_FORMULA,
+        ), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    main()

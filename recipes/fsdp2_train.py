@@ -1,0 +1,165 @@
+"""Pre-training the fa4dist Llama-style model with FSDP2 over data-parallel x context-parallel ranks.
+
+    torchrun --nproc-per-node 4 recipes/fsdp2_train.py --model small --seqlen 16384 --cp 2 --steps 100
+
+Ranks form a (dp, cp) DeviceMesh, cp innermost.  Every layer and the root are ``fully_shard``-ed over all dp x cp
+ranks (ZeRO-3 style: parameters, gradients and optimizer state sharded over the whole world); inside, each
+sequence is split over its cp group by the LPT plan and attention runs through ``FA4ContextParallelAttention``.
+Gradients are summed over cp and averaged over dp (the loss going into the backward is multiplied by cp, and FSDP
+averages over dp x cp), so the step equals a
+single-process step over the same sequences.  Mixed precision: bf16 parameters/compute with fp32 gradient
+reduction on GPUs (``--dtype``), fp32 on CPUs.  ``--activation-checkpointing`` recomputes each layer in the
+backward.  ``--ckpt-dir`` + ``--save-every`` write torch.distributed.checkpoint checkpoints (model, optimizer,
+step); ``--resume latest`` continues from the newest one with the same losses.  Rank 0 prints a progress bar, and
+at the end a ``SUMMARY {...}`` JSON line: tokens/s, MFU (formula in the line) and peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+
+def shard_model(model, layout, dtype):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = layout.mesh
+    fsdp_mesh = mesh._flatten("dp_cp") if mesh.ndim > 1 else mesh
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)
+    # FSDP averages the gradients over the world (dp x cp), but the cp shares of a sequence must add: the training
+    # loop multiplies its loss by cp (set_gradient_divide_factor(dp) would say the same, but it needs a PREMUL_SUM
+    # reduction, which gloo lacks).
+    return model
+
+
+def save_checkpoint(model, optimizer, step: int, ckpt_dir: str, rank: int) -> Path:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    path = Path(ckpt_dir) / f"step_{step:06d}"
+    dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}, checkpoint_id=str(path))
+    dist.barrier()
+    if rank == 0:
+        (Path(ckpt_dir) / "latest").write_text(path.name)
+    return path
+
+
+def load_checkpoint(model, optimizer, resume: str, ckpt_dir: str) -> int:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if resume == "latest":
+        if not ckpt_dir:
+            raise SystemExit("--resume latest needs --ckpt-dir")
+        marker = Path(ckpt_dir) / "latest"
+        if not marker.exists():
+            raise SystemExit(f"no checkpoint in {ckpt_dir} (no 'latest' marker)")
+        path = Path(ckpt_dir) / marker.read_text().strip()
+    else:
+        path = Path(resume)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(state["step"])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_args(p)
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--ckpt-dir", default=None)
+    g.add_argument("--save-every", type=int, default=0, help="save every N steps (0: never)")
+    g.add_argument("--resume", default=None, help="a checkpoint directory, or 'latest' (newest in --ckpt-dir)")
+    args = p.parse_args(argv)
+
+    rank, world, device = common.init_distributed()
+    common.set_determinism(args)
+    layout = common.make_layout(rank, world, args.cp, args.batch_size, device)
+    dtype = common.compute_dtype(args, device)
+    model = common.build_model(args, layout.mesh["cp"], device)
+    n_params = model.num_parameters()
+    model = shard_model(model, layout, dtype)
+    optimizer = common.make_optimizer(model, args)
+
+    start = 0
+    if args.resume:
+        start = load_checkpoint(model, optimizer, args.resume, args.ckpt_dir)
+    stream = common.build_stream(args)
+    per_rank = layout.sequences_per_rank
+    if rank == 0:
+        print(f"fsdp2: world={world} dp={layout.dp} cp={layout.cp} model={args.model} params={n_params / 1e6:.1f}M "
+              f"seqlen={args.seqlen} batch={args.batch_size} dtype={dtype} packing={args.packing} "
+              f"device={device} start_step={start}", flush=True)
+    progress = common.Progress(args.steps, rank, args.metrics_out, args.log_every, start)
+    meter = common.Throughput(start + args.timing_warmup, device)
+    peak = common.peak_flops(args, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    for step in range(start, args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = common.lr_at(step, args)
+        samples = stream.batch(step, args.batch_size, first=layout.dp_rank * per_rank, count=per_rank)
+        common.sync(device)
+        t0 = common.now()
+        if per_rank > 1:
+            model.set_requires_gradient_sync(False)
+        loss_sum, _ = common.forward_backward(
+            model, samples, layout, args, device,
+            before_last=(lambda: model.set_requires_gradient_sync(True)) if per_rank > 1 else None,
+            loss_scale=float(layout.cp))
+        grad_norm = None
+        if args.grad_clip:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = common.step_loss(loss_sum, layout)
+        common.sync(device)
+        seconds = common.now() - t0
+        tokens = args.batch_size * args.seqlen
+        flops = model.training_flops([s.cu_seqlens for s in stream.batch(step, args.batch_size)])
+        meter.add(step, seconds, tokens, flops)
+        progress.update(step, loss=loss, lr=common.lr_at(step, args),
+                        grad_norm=float(grad_norm) if grad_norm is not None else None,
+                        tokens_per_s=tokens / seconds, step_s=seconds,
+                        peak_mem_gib=common.peak_memory_gib(device))
+        if args.ckpt_dir and args.save_every and (step + 1) % args.save_every == 0:
+            save_checkpoint(model, optimizer, step + 1, args.ckpt_dir, rank)
+    progress.close()
+
+    mem = torch.tensor([common.peak_memory_gib(device)], device=device)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        tps = meter.tokens_per_s()
+        mfu = meter.mfu(peak, world)
+        print(common.summary_line(
+            recipe="fsdp2", model=args.model, params=n_params, world=world, dp=layout.dp, cp=layout.cp,
+            seqlen=args.seqlen, batch_size=args.batch_size, packing=args.packing, dtype=str(dtype).split(".")[-1],
+            activation_checkpointing=args.activation_checkpointing, steps_timed=meter.steps,
+            tokens_per_s=round(tps, 1) if tps else None,
+            tokens_per_s_per_device=round(tps / world, 1) if tps else None,
+            mfu=round(mfu, 4) if mfu is not None else None,
+            peak_tflops_per_device=peak / 1e12 if peak else None,
+            achieved_tflops_per_device=round(meter.flops / meter.seconds / world / 1e12, 2) if meter.seconds else None,
+            peak_mem_gib=round(float(mem), 3), flop_formula=common.FLOP_FORMULA,
+            attention_backend=args.backend,
+        ), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""Deterministic GRPO-style RL fine-tuning of the fa4dist model on a verifiable toy task (string reversal).
+
+    torchrun --nproc-per-node 2 recipes/rl_deterministic.py --cp 2 --steps 20
+
+The task: the prompt is ``<BOS>abca=`` and the answer must be ``acba<EOS>``; the reward is 1 for an exact match
+(up to and including EOS), else 0.  A few supervised warm-up steps (``--sft-steps``) teach the format so the
+rewards are not all zero; then every RL step
+
+1. syncs the policy's weights into a separate *rollout* model (no context parallelism, like an inference engine)
+   on rank 0, which samples ``--group-size`` completions for each of ``--prompts`` prompts with a seeded generator
+   and records each sampled token's log-probability;
+2. scores them, and computes group-relative advantages ``(r - mean(group)) / (std(group) + eps)``;
+3. broadcasts tokens, masks, advantages and rollout log-probs to every rank;
+4. updates the policy with context parallelism in deterministic mode: all completions are packed as documents
+   into one stream per dp replica, split over the cp ranks by the LPT plan, and the clipped policy-gradient loss
+   ``-min(ratio * A, clip(ratio, 1 +- eps) * A)`` (ratio against the rollout log-probs) is averaged over all
+   completion tokens of the batch; gradients are summed over all ranks in one fixed-order all-reduce.
+
+The log reports, per step, the mean reward and the largest |rollout log-prob - training log-prob| of the same
+tokens under the same weights (the two paths differ: batched sampling without CP vs. packed CP attention).  At the
+end every rank hashes its weights (they must agree) and rank 0 prints ``weights_sha256=<hex>``: two runs with the
+same seed print the same hash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+from fa4dist.data import BOS, EOS, IGNORE, ByteTokenizer, SingleRankPlan, shard_sample  # noqa: E402
+from fa4dist.data.packing import Sample, positions_from_cu_seqlens  # noqa: E402
+from fa4dist.models import FA4Llama  # noqa: E402
+
+TOK = ByteTokenizer()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the task
+
+
+class ReversalTask:
+    """Reverse a string of ``length`` letters from ``alphabet``; exact match of answer + EOS."""
+
+    def __init__(self, length: int = 3, alphabet: str = "abcd"):
+        self.length, self.alphabet = length, alphabet
+        self.prompt_len = 1 + length + 1  # BOS, letters, "="
+        self.answer_len = length + 1  # reversed letters, EOS
+
+    def sample_prompts(self, n: int, gen: torch.Generator) -> list[str]:
+        idx = torch.randint(0, len(self.alphabet), (n, self.length), generator=gen)
+        return ["".join(self.alphabet[i] for i in row) for row in idx.tolist()]
+
+    def prompt_ids(self, s: str) -> list[int]:
+        return [BOS] + TOK.encode(s + "=", bos=False, eos=False)
+
+    def answer_ids(self, s: str) -> list[int]:
+        return TOK.encode(s[::-1], bos=False, eos=False) + [EOS]
+
+    def reward(self, s: str, completion: list[int]) -> float:
+        target = self.answer_ids(s)
+        return 1.0 if completion[: len(target)] == target else 0.0
+
+
+def completion_mask(tokens: torch.Tensor) -> torch.Tensor:
+    """(N, T) completions -> mask of the tokens up to and including the first EOS."""
+    is_eos = tokens == EOS
+    after = torch.cumsum(is_eos.int(), dim=1) - is_eos.int()  # EOS seen strictly before this token
+    return after == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rollouts (no context parallelism)
+
+
+@torch.no_grad()
+def rollout(model: FA4Llama, prompts: torch.Tensor, max_new: int, gen: torch.Generator, temperature: float):
+    """Samples ``max_new`` tokens for every row of ``prompts`` (N, P) -> (completions (N, max_new), their
+    log-probs (N, max_new), fp32).  All rows have the same length, so each forward packs them as N documents."""
+    device = next(model.parameters()).device
+    seqs = prompts.to(device)
+    n = seqs.shape[0]
+    new_tokens, logps = [], []
+    for _ in range(max_new):
+        length = seqs.shape[1]
+        cu = torch.arange(0, (n + 1) * length, length, dtype=torch.int32)
+        logits = model(seqs.flatten(), positions_from_cu_seqlens(cu).to(device), SingleRankPlan(cu))
+        last = logits.view(n, length, -1)[:, -1].float()
+        logp = torch.log_softmax(last / temperature, dim=-1).cpu()
+        nxt = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+        new_tokens.append(nxt)
+        logps.append(logp.gather(1, nxt[:, None]).squeeze(1))
+        seqs = torch.cat([seqs, nxt[:, None].to(device)], dim=1)
+    return torch.stack(new_tokens, 1), torch.stack(logps, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the update (context parallel, deterministic)
+
+
+def pack(tokens: torch.Tensor, comp_mask: torch.Tensor, prompt_len: int, per_token: dict):
+    """Rows (N, P + A) -> one packed sample with N documents; labels only on completion tokens.
+
+    ``per_token`` maps names to (N, A) tensors aligned with the completions; they come back as flat (N*(P+A),)
+    tensors aligned with the labels (zero where there is no label)."""
+    n, length = tokens.shape
+    labels = torch.full_like(tokens, IGNORE)
+    # position t predicts token t + 1: completion token a sits at prompt_len + a and is predicted at + a - 1
+    cols = torch.arange(comp_mask.shape[1]) + prompt_len - 1
+    labels[:, cols] = torch.where(comp_mask, tokens[:, cols + 1], torch.full_like(comp_mask, IGNORE, dtype=torch.long))
+    aligned = {}
+    for name, t in per_token.items():
+        full = torch.zeros(n, length, dtype=t.dtype)
+        full[:, cols] = torch.where(comp_mask, t, torch.zeros_like(t))
+        aligned[name] = full.flatten()
+    cu = torch.arange(0, (n + 1) * length, length, dtype=torch.int32)
+    sample = Sample(tokens.flatten(), labels.flatten(), positions_from_cu_seqlens(cu), cu)
+    return sample, aligned
+
+
+def policy_loss(model, sample, aligned, layout, total_tokens: float, clip_eps: float, device, args):
+    """This rank's share of the clipped policy-gradient loss; returns (loss, max |logp diff| of local tokens)."""
+    plan = model.make_plan(sample.cu_seqlens, balancer=args.balancer)
+    local = shard_sample(sample, plan, layout.cp_rank, device=device)
+    adv = plan.shard(aligned["adv"], seq_dim=0, rank=layout.cp_rank).to(device)
+    old = plan.shard(aligned["old_logp"], seq_dim=0, rank=layout.cp_rank).to(device)
+    logits = model(local.tokens, local.positions, plan).float() / args.temperature
+    mask = local.labels != IGNORE
+    logp = torch.log_softmax(logits, dim=-1).gather(1, local.labels.clamp(min=0)[:, None]).squeeze(1)
+    ratio = torch.exp(logp - old)
+    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
+    loss = -(surrogate * mask).sum() / total_tokens
+    diff = ((logp.detach() - old).abs() * mask).max() if mask.any() else torch.zeros((), device=device)
+    return loss, diff
+
+
+def sft_loss(model, sample, layout, total_tokens: float, device, args):
+    plan = model.make_plan(sample.cu_seqlens, balancer=args.balancer)
+    local = shard_sample(sample, plan, layout.cp_rank, device=device)
+    logits = model(local.tokens, local.positions, plan).float()
+    return F.cross_entropy(logits, local.labels, ignore_index=IGNORE, reduction="sum") / total_tokens
+
+
+def allreduce_grads(model):
+    """Sum of the gradients over all ranks, one flat buffer, one collective (a fixed reduction order)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.flatten() for p in params])
+    if dist.get_world_size() > 1:
+        dist.all_reduce(flat)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def weights_hash(model) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def broadcast(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
+    out = []
+    for t in tensors:
+        t = t.to(device).contiguous()
+        if dist.get_world_size() > 1:
+            dist.broadcast(t, src=0)
+        out.append(t.cpu())
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_args(p)
+    g = p.add_argument_group("rl")
+    g.add_argument("--sft-steps", type=int, default=150, help="supervised warm-up steps on the task")
+    g.add_argument("--prompts", type=int, default=8, help="prompts per RL step")
+    g.add_argument("--group-size", type=int, default=8, help="completions per prompt (GRPO group)")
+    g.add_argument("--task-len", type=int, default=3)
+    g.add_argument("--alphabet", default="abcd")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--clip-eps", type=float, default=0.2)
+    g.set_defaults(steps=40, lr=1e-2, warmup=10, batch_size=1, grad_clip=1.0)
+    args = p.parse_args(argv)
+    args.deterministic = True
+
+    rank, world, device = common.init_distributed()
+    common.set_determinism(args)  # torch.use_deterministic_algorithms(True)
+    layout = common.make_layout(rank, world, args.cp, 1 if world // args.cp == 1 else world // args.cp, device)
+    task = ReversalTask(args.task_len, args.alphabet)
+    total_steps = args.sft_steps + args.steps
+    args_sched = argparse.Namespace(**{**vars(args), "steps": total_steps})
+
+    policy = common.build_model(args, layout.mesh["cp"], device, deterministic=True)
+    optimizer = common.make_optimizer(policy, args)
+    if rank == 0:
+        torch.manual_seed(args.seed)
+        with torch.device(device):
+            rollout_model = FA4Llama(policy.config, None, backend=args.backend)  # no CP: the "inference engine"
+        rollout_model.eval()
+        print(f"rl: world={world} dp={layout.dp} cp={layout.cp} params={policy.num_parameters() / 1e6:.2f}M "
+              f"task=reverse {args.task_len} letters of '{args.alphabet}' sft_steps={args.sft_steps} "
+              f"rl_steps={args.steps} prompts={args.prompts}x{args.group_size}", flush=True)
+    progress = common.Progress(total_steps, rank, args.metrics_out, args.log_every)
+    n = args.prompts * args.group_size
+    if n % layout.dp:
+        raise SystemExit(f"prompts x group-size ({n}) must be a multiple of dp ({layout.dp})")
+    per_dp = n // layout.dp
+    rows = slice(layout.dp_rank * per_dp, (layout.dp_rank + 1) * per_dp)
+    rewards_log, diffs_log = [], []
+
+    for step in range(total_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = common.lr_at(step, args_sched)
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+        prompts_s = task.sample_prompts(args.prompts, gen)
+        prompt_ids = torch.tensor([task.prompt_ids(s) for s in prompts_s]).repeat_interleave(args.group_size, 0)
+        sft = step < args.sft_steps
+        if sft:  # teacher forcing on the right answers
+            comps = torch.tensor([task.answer_ids(s) for s in prompts_s]).repeat_interleave(args.group_size, 0)
+            old_logp = torch.zeros(comps.shape, dtype=torch.float32)
+            adv = torch.zeros(n)
+            reward = torch.zeros(n)
+        else:
+            if rank == 0:
+                rollout_model.load_state_dict(policy.state_dict())  # weight sync
+                comps, old_logp = rollout(rollout_model, prompt_ids, task.answer_len, gen, args.temperature)
+                reward = torch.tensor([task.reward(s, c) for s, c in
+                                       zip([s for s in prompts_s for _ in range(args.group_size)], comps.tolist())])
+                grouped = reward.view(args.prompts, args.group_size)
+                adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
+            else:
+                comps = torch.zeros(n, task.answer_len, dtype=torch.long)
+                old_logp = torch.zeros(n, task.answer_len, dtype=torch.float32)
+                reward, adv = torch.zeros(n), torch.zeros(n)
+            comps, old_logp, reward, adv = broadcast([comps, old_logp, reward, adv], device)
+        mask = completion_mask(comps)
+        tokens = torch.cat([prompt_ids, comps], dim=1)
+        total_tokens = float(mask.sum())  # every rank sees the whole batch: no count all-reduce needed
+        sample, aligned = pack(tokens[rows], mask[rows], task.prompt_len,
+                               {"adv": adv[rows, None].expand_as(comps[rows]).float(), "old_logp": old_logp[rows]})
+        optimizer.zero_grad(set_to_none=True)
+        if sft:
+            loss = sft_loss(policy, sample, layout, total_tokens, device, args)
+            diff = torch.zeros((), device=device)
+        else:
+            loss, diff = policy_loss(policy, sample, aligned, layout, total_tokens, args.clip_eps, device, args)
+        loss.backward()
+        allreduce_grads(policy)
+        if args.grad_clip:
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
+        optimizer.step()
+        loss_all = loss.detach().clone()
+        dist.all_reduce(loss_all)
+        diff = diff.detach().clone()
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        fields = {"phase": "sft" if sft else "grpo", "loss": float(loss_all)}
+        if not sft:
+            fields.update(reward=float(reward.mean()), max_logp_diff=float(diff))
+            rewards_log.append(float(reward.mean()))
+            diffs_log.append(float(diff))
+        progress.update(step, **fields)
+    progress.close()
+
+    digest = weights_hash(policy)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, digest)
+    if len(set(gathered)) != 1:
+        raise SystemExit(f"ranks disagree on the weights: {gathered}")
+    if rank == 0:
+        print(f"weights_sha256={digest}", flush=True)
+        print(common.summary_line(
+            recipe="rl_deterministic", world=world, dp=layout.dp, cp=layout.cp, seed=args.seed,
+            sft_steps=args.sft_steps, rl_steps=args.steps, reward_first=rewards_log[0] if rewards_log else None,
+            reward_last=rewards_log[-1] if rewards_log else None,
+            max_rollout_vs_train_logp_diff=max(diffs_log) if diffs_log else None, weights_sha256=digest,
+        ), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""The Llama-style model, its loss and its data pipeline: packed documents equal separate runs, RoPE takes global
+positions, the context-parallel model (2 gloo processes, ring and Ulysses) equals the single-process one in fp64
+(loss and every gradient), and the FLOP accounting."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fa4dist.data import (
+    EOS, IGNORE, ByteTokenizer, PackedTokenStream, Sample, SingleRankPlan, collect_documents,
+    positions_from_cu_seqlens, shard_sample,
+)
+from fa4dist.models import PRESETS, FA4Llama, ModelConfig, cp_cross_entropy, get_config
+
+TINY = get_config("tiny")
+
+
+def _model(cfg=TINY, seed=0, dtype=torch.float64, **kw):
+    torch.manual_seed(seed)
+    return FA4Llama(cfg, **kw).to(dtype)
+
+
+def _docs_sample(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    tokens = torch.randint(0, 256, (total,), generator=gen)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    labels = torch.roll(tokens, -1).clone()
+    labels[cu[1:].long() - 1] = IGNORE
+    return Sample(tokens, labels, positions_from_cu_seqlens(cu), cu)
+
+
+def test_packed_documents_equal_separate_runs():
+    model = _model()
+    sample = _docs_sample([7, 13, 1, 20])
+    packed = model(sample.tokens, sample.positions, SingleRankPlan(sample.cu_seqlens))
+    cu = sample.cu_seqlens.tolist()
+    for a, b in zip(cu[:-1], cu[1:]):
+        alone = model(sample.tokens[a:b], torch.arange(b - a), SingleRankPlan(torch.tensor([0, b - a])))
+        torch.testing.assert_close(packed[a:b], alone, rtol=0, atol=1e-12)
+
+
+def test_rope_uses_the_given_positions():
+    """Rotary embeddings see exactly the positions given: a common shift changes nothing (RoPE is relative), a
+    different distance does (so the plan's positions, not local indices, are what counts)."""
+    model = _model()
+    tokens = torch.randint(0, 256, (16,))
+    whole = model(tokens, torch.arange(16), SingleRankPlan(torch.tensor([0, 16])))
+    pair = tokens[9:11]
+    right = model(pair, torch.tensor([9, 10]), SingleRankPlan(torch.tensor([0, 2])))
+    shifted = model(pair, torch.tensor([0, 1]), SingleRankPlan(torch.tensor([0, 2])))
+    torch.testing.assert_close(right, shifted, rtol=0, atol=1e-10)
+    head = model(tokens[:2], torch.arange(2), SingleRankPlan(torch.tensor([0, 2])))
+    torch.testing.assert_close(whole[:2], head, rtol=0, atol=1e-12)  # causal: a prefix does not see the rest
+    far = model(pair, torch.tensor([0, 5]), SingleRankPlan(torch.tensor([0, 2])))
+    assert (far[1] - right[1]).abs().max() > 1e-6  # a different distance does
+
+
+def test_loss_is_token_mean_and_shares_add_up():
+    model = _model()
+    sample = _docs_sample([30, 50])
+    logits = model(sample.tokens, sample.positions, SingleRankPlan(sample.cu_seqlens))
+    res = cp_cross_entropy(logits, sample.labels)
+    ref = torch.nn.functional.cross_entropy(logits, sample.labels, ignore_index=IGNORE)
+    torch.testing.assert_close(res.loss, ref)
+    assert int(res.tokens) == sample.num_label_tokens == 78
+
+
+def test_activation_checkpointing_same_gradients():
+    sample = _docs_sample([40, 24])
+    grads = []
+    for ac in (False, True):
+        model = _model()
+        model.set_activation_checkpointing(ac)
+        out = model(sample.tokens, sample.positions, SingleRankPlan(sample.cu_seqlens))
+        cp_cross_entropy(out, sample.labels).loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_config_checks_and_presets():
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        ModelConfig(n_heads=4, n_kv_heads=3)
+    with pytest.raises(ValueError, match="model size"):
+        get_config("huge")
+    sizes = {}
+    for name, cfg in PRESETS.items():
+        with torch.device("meta"):
+            sizes[name] = FA4Llama(cfg).num_parameters()
+    assert sizes["tiny"] < 1e6 and 80e6 < sizes["small"] < 130e6 and 0.9e9 < sizes["1b"] < 1.1e9
+
+
+def test_training_flops_formula():
+    model = _model(dtype=torch.float32)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    n_mm = model.num_parameters(matmul_only=True)
+    pairs = 10 * 11 / 2 + 20 * 21 / 2
+    c = TINY
+    want = 6 * n_mm * 30 + 12 * c.n_layers * c.n_heads * c.resolved_head_dim * pairs
+    assert model.training_flops([cu]) == pytest.approx(want)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data
+
+
+def test_byte_tokenizer_roundtrip():
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo")
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and len(ids) == len("héllo".encode()) + 2
+    assert tok.decode(ids) == "héllo"
+
+
+def test_packed_windows_have_document_structure(tmp_path):
+    (tmp_path / "a.md").write_text("alpha " * 20)
+    (tmp_path / "b.py").write_text("print('beta')\n" * 5)
+    (tmp_path / "skip.bin").write_bytes(b"\x00\x01")
+    docs = collect_documents([tmp_path])
+    assert len(docs) == 2
+    stream = PackedTokenStream(docs, seqlen=64, seed=3)
+    for i in range(stream.num_windows):
+        s = stream.window(i)
+        cu = s.cu_seqlens.tolist()
+        assert cu[0] == 0 and cu[-1] == 64 and s.tokens.shape == s.labels.shape == s.positions.shape == (64,)
+        for a, b in zip(cu[:-1], cu[1:]):
+            assert s.positions[a:b].tolist() == list(range(b - a))
+        # inside a document the label is the next token; never across a boundary
+        for j in range(63):
+            if j + 1 not in cu:
+                assert s.labels[j] == s.tokens[j + 1]
+        for b in cu[1:-1]:
+            assert s.labels[b - 1] == IGNORE
+    # the window order is seeded and a pure function of the index
+    assert torch.equal(stream.window(5).tokens, PackedTokenStream(docs, 64, seed=3).window(5).tokens)
+    stream_mode = PackedTokenStream(docs, seqlen=64, packing="stream").window(0)
+    assert stream_mode.cu_seqlens.tolist() == [0, 64] and (stream_mode.labels != IGNORE).all()
+    assert EOS in stream.tokens.tolist()
+
+
+def test_default_corpus_is_this_repository():
+    docs = collect_documents()
+    assert any("FA4ContextParallelAttention" in d for d in docs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# context parallel (2 processes, gloo)
+
+
+def _cp_worker(rank, world, port, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        sample = _docs_sample([37, 63, 1, 149, 50], seed=1)  # 300 tokens, uneven documents
+        ref = _model()
+        ref_res = cp_cross_entropy(ref(sample.tokens, sample.positions, SingleRankPlan(sample.cu_seqlens)),
+                                   sample.labels)
+        ref_res.loss.backward()
+        results = {}
+        for strategy in ("ring", "ulysses"):
+            model = _model(cp_group=dist.group.WORLD, strategy=strategy)
+            plan = model.make_plan(sample.cu_seqlens)
+            local = shard_sample(sample, plan, model.cp_rank)
+            assert torch.equal(local.positions, plan.positions(model.cp_rank))
+            res = cp_cross_entropy(model(local.tokens, local.positions, plan), local.labels, dist.group.WORLD)
+            res.loss.backward()
+            total = res.loss.detach().clone()
+            dist.all_reduce(total)
+            gerr = 0.0
+            for p, q in zip(model.parameters(), ref.parameters()):
+                g = p.grad.clone()
+                dist.all_reduce(g)
+                gerr = max(gerr, float((g - q.grad).abs().max()))
+            results[strategy] = (float(total), gerr, int(res.tokens))
+        if rank == 0:
+            queue.put((float(ref_res.loss), int(ref_res.tokens), results))
+    except Exception as err:  # pragma: no cover - reported to the test
+        queue.put(repr(err))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_context_parallel_model_equals_single_process():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    mp.start_processes(_cp_worker, args=(2, port, queue), nprocs=2, start_method="spawn")
+    got = queue.get(timeout=10)
+    assert not isinstance(got, str), got
+    ref_loss, ref_tokens, results = got
+    for strategy, (loss, gerr, tokens) in results.items():
+        assert tokens == ref_tokens
+        assert loss == pytest.approx(ref_loss, abs=1e-12), strategy
+        assert gerr < 1e-12, (strategy, gerr)
