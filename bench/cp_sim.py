@@ -9,6 +9,8 @@ LPT):
 - compute efficiency = T_full / (cp x max_rank T_rank), T_full being one single-device call on the whole sequence
   (1.0 would be a perfect split with no per-block overhead); the work model's prediction (mean / max visible pairs)
   beside it;
+- "kernel": the efficiency of the same calls without the merges (each to a fresh output), i.e. what a fused
+  accumulate epilogue would approach;
 - the bytes each ring step sends (K+V forward; K+V plus fp32 dK+dV backward) and their time at 400 GB/s, against
   the slowest rank's mean step compute time (the transfer hides if it is shorter).
 
@@ -35,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from fa4dist.context_parallel import Schedule, make_plan  # noqa: E402
 from fa4dist.context_parallel.ring import (  # noqa: E402
-    KernelOptions, KVBuffer, accum_dtype, backward_step, forward_step, new_accumulators,
+    KernelOptions, KVBuffer, _call_views, _mask_kwargs, accum_dtype, backward_step, forward_step, new_accumulators,
 )
 from fa4dist.kernels import attention_backward, attention_forward, available_backends  # noqa: E402
 
@@ -114,6 +116,10 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                                 partial = KVBuffer.zeros_like(kv[s], dtype=acc)
                                 backward_step(sched, r, s, dr, qr, kv[s], out_r, lses, dqs, partial, opts)
                     rank_times.append(median_time(timer, run_rank, args.reps))
+                kernel_only = None
+                if direction == "fwd":  # the same calls without the merges: what a fused epilogue would approach
+                    kernel_only = max(median_time(timer, lambda r=r: run_rank_kernels(sched, r, shards[r][0], kv, opts),
+                                                  args.reps) for r in range(cp))
                 slowest = max(rank_times)
                 nbytes = bytes_fwd if direction == "fwd" else bytes_bwd
                 row = dict(
@@ -121,24 +127,35 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                     t_rank_ms=[t * 1e3 for t in rank_times], max_rank_ms=slowest * 1e3,
                     efficiency=full[direction] / (cp * slowest), model_efficiency=model.efficiency,
                     bytes_per_step=nbytes, comm_ms_at_400GBps=nbytes / (LINK_GBPS * 1e9) * 1e3,
-                    step_compute_ms=slowest / cp * 1e3, calls=sum(len(sched.calls(r, s)) for r in range(cp)
-                                                                  for s in range(cp)),
+                    step_compute_ms=slowest / cp * 1e3, calls=[sched.member_calls(r) for r in range(cp)],
+                    kernel_only_efficiency=None if kernel_only is None else full[direction] / (cp * kernel_only),
                 )
                 rows.append(row)
                 print(f"{seqlen:>7} {cp:>3} {balancer:>10} {direction:>4} {row['t_full_ms']:>9.2f} "
                       f"{row['max_rank_ms']:>9.2f} {row['efficiency']:>6.3f} {row['model_efficiency']:>6.3f} "
-                      f"{nbytes / 2**20:>9.1f} {row['comm_ms_at_400GBps']:>8.3f} {row['step_compute_ms']:>8.3f}",
-                      flush=True)
+                      f"{nbytes / 2**20:>9.1f} {row['comm_ms_at_400GBps']:>8.3f} {row['step_compute_ms']:>8.3f} "
+                      f"{'' if kernel_only is None else format(row['kernel_only_efficiency'], '6.3f'):>6}", flush=True)
             del shards, kv
     return rows
 
 
-def run_rank_fwd(sched, r, qr, kv, headdim, opts):
-    outs, lses = new_accumulators(sched.members[r], qr, headdim, False)
+def run_rank_kernels(sched, r, qr, kv, opts):
+    """Rank r's forward calls, each to a fresh output (no merge): kernel time alone."""
+    layout = sched.members[r]
     for t in range(sched.ring_size):
         s = sched.source(r, t)
-        forward_step(sched, r, s, qr, kv[s], outs, lses, opts)
-    return outs, lses
+        for call in sched.calls(r, s):
+            q_rows, k_rows, _, _ = _call_views(call, False, layout, sched.members[s], 1)
+            attention_forward(qr.narrow(1, *q_rows), kv[s].k.narrow(1, *k_rows), kv[s].v.narrow(1, *k_rows),
+                              backend=opts.backend, **_mask_kwargs(call, opts, qr.device))
+
+
+def run_rank_fwd(sched, r, qr, kv, headdim, opts):
+    acc = new_accumulators(sched.members[r], qr, headdim, False)
+    for t in range(sched.ring_size):
+        s = sched.source(r, t)
+        forward_step(sched, r, s, qr, kv[s], acc, opts)
+    return acc
 
 
 def main(argv=None):
@@ -172,7 +189,7 @@ def main(argv=None):
           f"torch {torch.__version__}, backend {backend} (available: {available_backends(device)}), "
           f"heads {heads}/{kv_heads}, head dim {headdim}, {dtype}, causal")
     print(f"{'seqlen':>7} {'cp':>3} {'balancer':>10} {'dir':>4} {'T_full ms':>9} {'max rank':>9} {'eff':>6} "
-          f"{'model':>6} {'MiB/step':>9} {'comm ms':>8} {'step ms':>8}")
+          f"{'model':>6} {'MiB/step':>9} {'comm ms':>8} {'step ms':>8} {'kernel':>6}")
     rows = []
     for s in seqlens:
         rows += simulate(args, device, dtype, s, heads, kv_heads, headdim, backend)

@@ -120,15 +120,24 @@ def _call_views(call: PairCall, packed: bool, q_layout: MemberLayout, k_layout: 
 
 
 def _mask_kwargs(call: PairCall, opts: KernelOptions, device):
-    kw = dict(causal=opts.causal, softmax_scale=opts.softmax_scale, q_offset=call.q_offset, k_offset=call.k_offset)
+    kw = dict(causal=call.causal, softmax_scale=opts.softmax_scale, q_offset=call.q_offset, k_offset=call.k_offset)
     if call.cu_seqlens is not None:
         cu = _CU(call.cu_seqlens, device)
         kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
     return kw
 
 
-def new_accumulators(layout: MemberLayout, q: torch.Tensor, head_dim_v: int, packed: bool):
-    """Per query block: running out (zeros) and lse (-inf) in the accumulation dtype."""
+class Accumulators(list):
+    """Per query block: the running out (zeros) and lse (-inf) in the accumulation dtype.  A block's first call
+    that covers all its rows writes instead of merging (one pass instead of a merge's several)."""
+
+    def __init__(self, outs, lses):
+        super().__init__([outs, lses])
+        self.fresh = [True] * len(outs)
+
+
+def new_accumulators(layout: MemberLayout, q: torch.Tensor, head_dim_v: int, packed: bool) -> Accumulators:
+    """(outs, lses) per query block, unpackable as a pair."""
     acc = accum_dtype(q.dtype)
     outs, lses = [], []
     for b in layout.blocks:
@@ -138,25 +147,29 @@ def new_accumulators(layout: MemberLayout, q: torch.Tensor, head_dim_v: int, pac
         else:
             outs.append(torch.zeros(q.shape[0], b.length, q.shape[2], head_dim_v, dtype=acc, device=q.device))
             lses.append(torch.full((q.shape[0], q.shape[2], b.length), float("-inf"), dtype=acc, device=q.device))
-    return outs, lses
+    return Accumulators(outs, lses)
 
 
-def forward_step(sched: Schedule, member: int, source: int, q: torch.Tensor, kv: KVBuffer, outs, lses,
+def forward_step(sched: Schedule, member: int, source: int, q: torch.Tensor, kv, acc: Accumulators,
                  opts: KernelOptions) -> None:
-    """Member `member`'s contract calls against `source`'s keys (held in `kv`), merged into (outs, lses)."""
+    """Member `member`'s contract calls against `source`'s keys (held in `kv`), merged into `acc`."""
     packed = sched.plan.packed
     sd = 0 if packed else 1
     q_layout, k_layout = sched.members[member], sched.members[source]
+    outs, lses = acc
     for call in sched.calls(member, source):
         q_rows, k_rows, rows, unsq = _call_views(call, packed, q_layout, k_layout, sd)
         qc = q.narrow(sd, *q_rows)
         kc, vc = kv.k.narrow(sd, *k_rows), kv.v.narrow(sd, *k_rows)
         out, lse = outs[call.q_block], lses[call.q_block]
+        whole = call.q_start == 0 and call.q_len == q_layout.blocks[call.q_block].length
+        accumulate = not (whole and acc.fresh[call.q_block])
+        acc.fresh[call.q_block] = False
         if packed:
             out, lse = out.narrow(0, *rows), lse.narrow(1, *rows)
         if unsq:
             qc, kc, vc, out, lse = (t.unsqueeze(0) for t in (qc, kc, vc, out, lse))
-        attention_forward(qc, kc, vc, out=out, lse=lse, accumulate=True, backend=opts.backend,
+        attention_forward(qc, kc, vc, out=out, lse=lse, accumulate=accumulate, backend=opts.backend,
                           **_mask_kwargs(call, opts, q.device))
 
 
@@ -208,10 +221,10 @@ def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions)
     packed = sched.plan.packed
     sd = 0 if packed else 1
     m, R = ring.index, sched.ring_size
-    outs, lses = new_accumulators(sched.members[m], q, v.shape[-1], packed)
+    acc = new_accumulators(sched.members[m], q, v.shape[-1], packed)
     if R == 1:
-        forward_step(sched, m, m, q, _Held(k, v), outs, lses, opts)
-        return outs, lses
+        forward_step(sched, m, m, q, _Held(k, v), acc, opts)
+        return acc
     bufs = [KVBuffer.pack(k, v, sched.buffer_len, sd)]
     bufs.append(KVBuffer.empty_like(bufs[0]))
     for t in range(R):
@@ -222,10 +235,10 @@ def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions)
                 [(cur.flat, ring.next())], [(bufs[(t + 1) % 2].flat, ring.prev())],
                 f"K/V of forward ring step {t + 1}", tag=10,
             )
-        forward_step(sched, m, sched.source(m, t), q, cur, outs, lses, opts)
+        forward_step(sched, m, sched.source(m, t), q, cur, acc, opts)
         if pending is not None:
             pending.wait()
-    return outs, lses
+    return acc
 
 
 def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lses, opts: KernelOptions):

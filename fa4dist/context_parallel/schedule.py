@@ -14,7 +14,7 @@ itself is a packed call whose segments are the block's document pieces (aligned:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import torch
@@ -32,8 +32,10 @@ class Block:
 
 @dataclass(frozen=True)
 class PairCall:
-    """One contract call: rows [q_start, q_start + q_len) of query block `q_block` against keys [k_start, ...) of
-    key block `k_block`.  ``cu_seqlens`` is set for a packed call (shared by q and k)."""
+    """One contract call: rows [q_start, q_start + q_len) of query block `q_block` against keys [k_start, k_start +
+    k_len) counted from key block `k_block` (a run of consecutive fully visible key blocks is one call: the blocks
+    lie back to back in the key buffer).  ``cu_seqlens`` is set for a packed call (shared by q and k); ``causal``
+    is False where every pair is visible (the same mask, cheaper)."""
 
     q_block: int
     k_block: int
@@ -45,6 +47,7 @@ class PairCall:
     k_offset: Union[int, tuple[int, ...]]
     cu_seqlens: Optional[tuple[int, ...]]
     pairs: int  # visible (query, key) pairs per (batch, head)
+    causal: bool
 
 
 class MemberLayout:
@@ -91,6 +94,15 @@ class MemberLayout:
         return x.index_select(dim, self._scatter.to(x.device))
 
 
+def _span(blocks, call: PairCall) -> int:
+    """How many key blocks a (merged) dense call covers."""
+    n, covered = 0, 0
+    while covered < call.k_len:
+        covered += blocks[call.k_block + n].length
+        n += 1
+    return n
+
+
 class Schedule:
     """Ring schedule of `plan` run with Ulysses groups of `ulysses_degree` ranks (1 for a plain ring)."""
 
@@ -119,10 +131,18 @@ class Schedule:
         if cached is not None:
             return cached
         out = []
+        k_blocks = self.members[source].blocks
         for qi, qb in enumerate(self.members[member].blocks):
-            for ki, kb in enumerate(self.members[source].blocks):
+            for ki, kb in enumerate(k_blocks):
                 call = self._pair(qi, qb, ki, kb, same=(member == source and qi == ki))
-                if call is not None:
+                if call is None:
+                    continue
+                last = out[-1] if out else None
+                if (not self.plan.packed and not call.causal and last is not None and not last.causal
+                        and last.q_block == qi and last.k_block + _span(k_blocks, last) == ki):
+                    # fully visible key blocks back to back in the buffer: one call (and one merge) for the run
+                    out[-1] = replace(last, k_len=last.k_len + call.k_len, pairs=last.pairs + call.pairs)
+                else:
                     out.append(call)
         self._calls[(member, source)] = tuple(out)
         return self._calls[(member, source)]
@@ -130,21 +150,23 @@ class Schedule:
     def _pair(self, qi: int, qb: Block, ki: int, kb: Block, same: bool) -> Optional[PairCall]:
         plan, causal = self.plan, self.causal
         if not plan.packed:
-            if block_visibility(qb.length, kb.length, qb.start, kb.start, causal) is Visibility.NONE:
+            vis = block_visibility(qb.length, kb.length, qb.start, kb.start, causal)
+            if vis is Visibility.NONE:
                 return None
             pairs = visible_pairs(qb.length, kb.length, qb.start, kb.start, causal)
-            return PairCall(qi, ki, 0, qb.length, 0, kb.length, qb.start, kb.start, None, pairs)
+            return PairCall(qi, ki, 0, qb.length, 0, kb.length, qb.start, kb.start, None, pairs,
+                            causal and vis is not Visibility.FULL)
         q_pieces = plan.pieces(qb.start, qb.start + qb.length)
         if same:
             pairs = sum(visible_pairs(p.length, p.length, p.position, p.position, causal) for p in q_pieces)
             if len(q_pieces) == 1:
                 p = q_pieces[0]
-                return PairCall(qi, ki, 0, qb.length, 0, kb.length, p.position, p.position, None, pairs)
+                return PairCall(qi, ki, 0, qb.length, 0, kb.length, p.position, p.position, None, pairs, causal)
             cu = [0]
             for p in q_pieces:
                 cu.append(cu[-1] + p.length)
             offsets = tuple(p.position for p in q_pieces)
-            return PairCall(qi, ki, 0, qb.length, 0, kb.length, offsets, offsets, tuple(cu), pairs)
+            return PairCall(qi, ki, 0, qb.length, 0, kb.length, offsets, offsets, tuple(cu), pairs, causal)
         k_by_doc = {p.doc: p for p in plan.pieces(kb.start, kb.start + kb.length)}
         shared = [(p, k_by_doc[p.doc]) for p in q_pieces if p.doc in k_by_doc]
         if not shared:
@@ -152,10 +174,16 @@ class Schedule:
         if len(shared) > 1:  # cannot happen for disjoint ranges; a bug if it does
             raise AssertionError(f"blocks {qb} and {kb} share {len(shared)} documents")
         qp, kp = shared[0]
-        if block_visibility(qp.length, kp.length, qp.position, kp.position, causal) is Visibility.NONE:
+        vis = block_visibility(qp.length, kp.length, qp.position, kp.position, causal)
+        if vis is Visibility.NONE:
             return None
         pairs = visible_pairs(qp.length, kp.length, qp.position, kp.position, causal)
-        return PairCall(qi, ki, qp.start, qp.length, kp.start, kp.length, qp.position, kp.position, None, pairs)
+        return PairCall(qi, ki, qp.start, qp.length, kp.start, kp.length, qp.position, kp.position, None, pairs,
+                        causal and vis is not Visibility.FULL)
+
+    def member_calls(self, member: int) -> int:
+        """Contract calls `member` makes over all steps (one forward call and one backward call each)."""
+        return sum(len(self.calls(member, s)) for s in range(self.ring_size))
 
     def member_work(self, member: int) -> int:
         """Visible pairs (per batch and head) over all steps of `member`: its share of the attention."""
