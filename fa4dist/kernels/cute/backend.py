@@ -1,16 +1,17 @@
-"""Registry adapter: exposes the Hopper CuTe DSL forward as backend "cute" of fa4dist.kernels.
+"""Registry adapter: exposes the Hopper CuTe DSL kernels as backend "cute" of fa4dist.kernels.
 
-The backend has a fused epilogue (it writes, or in accumulate mode merges, straight into the caller's buffers)
-and no backward yet: backward calls fall back (auto picks the next backend; naming "cute" uses the reference).
+The backend has fused epilogues: the forward writes, or in accumulate mode merges, straight into the caller's
+(out, lse); the backward writes dq/dk/dv or adds into the caller's fp32 buffers.  Head dims the backward lacks
+(96) are reported by supports(), so "auto" picks the next backend for them.
 """
 
 from __future__ import annotations
 
-
-
 import torch
 
 from . import interface as _impl
+
+_BWD_HEAD_DIMS = (64, 128)  # fa4dist.kernels.cute.backward.BWD_HEAD_DIMS, without importing cutlass here
 
 
 class CuteSm90Backend:
@@ -28,8 +29,6 @@ class CuteSm90Backend:
     def supports(self, problem, direction: str):
         from ..registry import Unsupported
 
-        if direction != "forward":
-            return Unsupported("the cute backend has no backward kernel yet", fallback=True)
         if problem.device.type != "cuda":
             return Unsupported(f"cute runs on CUDA tensors only, got {problem.device}")
         if problem.dtype not in (torch.bfloat16, torch.float16):
@@ -39,6 +38,8 @@ class CuteSm90Backend:
                 f"cute supports head dims {_impl.SUPPORTED_HEAD_DIMS} with equal q/k/v head dims, "
                 f"got {problem.head_dim}/{problem.head_dim_v}"
             )
+        if direction == "backward" and problem.head_dim not in _BWD_HEAD_DIMS:
+            return Unsupported(f"the cute backward supports head dims {_BWD_HEAD_DIMS}, got {problem.head_dim}")
         if problem.causal:
             for qo, ko in zip(problem.q_offsets, problem.k_offsets):
                 if abs(qo - ko) > 2**30:
@@ -62,10 +63,7 @@ class CuteSm90Backend:
             lse = torch.empty(problem.lse_shape(), dtype=torch.float32, device=q.device)
         out_k = out if self._kernel_ready(out, 16 // out.element_size()) else out.contiguous()
         lse_k = lse if lse.stride(-1) == 1 else lse.contiguous()
-        if problem.causal and not problem.uniform_offsets:
-            q_off, k_off = problem.q_offsets, problem.k_offsets
-        else:
-            q_off, k_off = problem.q_offsets[0], problem.k_offsets[0]
+        q_off, k_off = self._offsets(problem)
         _impl.forward(
             q, k, v, out_k, lse_k,
             softmax_scale=problem.softmax_scale, causal=problem.causal, q_offset=q_off, k_offset=k_off,
@@ -80,8 +78,40 @@ class CuteSm90Backend:
             lse.copy_(lse_k)
         return out, lse
 
-    def backward(self, *args, **kwargs):  # pragma: no cover - supports() routes backward elsewhere
-        raise NotImplementedError("the cute backend has no backward kernel yet")
+    def _offsets(self, problem):
+        if problem.causal and not problem.uniform_offsets:
+            return problem.q_offsets, problem.k_offsets
+        return problem.q_offsets[0], problem.k_offsets[0]
+
+    def backward(self, problem, dout, q, k, v, out, lse, deterministic, dq=None, dk=None, dv=None,
+                 accumulate=False):
+        from . import backward as _bwd
+
+        dout, q, k, v, out = (t if self._kernel_ready(t, 16 // t.element_size()) else t.contiguous()
+                              for t in (dout, q, k, v, out))
+        lse = lse if lse.stride(-1) == 1 else lse.contiguous()
+        given = (dq, dk, dv)
+        work = []
+        for buf, like in zip(given, (q, k, v)):
+            if buf is None:
+                work.append(torch.empty(like.shape, dtype=like.dtype, device=like.device))
+            elif self._kernel_ready(buf, 16 // buf.element_size()):
+                work.append(buf)
+            else:  # odd caller layout: work in a compact copy (holding the running sum when accumulating)
+                work.append(buf.contiguous())
+        q_off, k_off = self._offsets(problem)
+        _bwd.backward(
+            dout, q, k, v, out, lse, *work,
+            softmax_scale=problem.softmax_scale, causal=problem.causal, q_offset=q_off, k_offset=k_off,
+            cu_seqlens_q=problem.cu_seqlens_q_tensor, cu_seqlens_k=problem.cu_seqlens_k_tensor,
+            max_seqlen_q=problem.seqlen_q if problem.varlen else None,
+            max_seqlen_k=problem.seqlen_k if problem.varlen else None,
+            deterministic=deterministic, accumulate=accumulate,
+        )
+        for buf, w in zip(given, work):
+            if buf is not None and w is not buf:
+                buf.copy_(w)
+        return tuple(b if b is not None else w for b, w in zip(given, work))
 
 
 _REGISTERED = False
