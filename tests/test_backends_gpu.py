@@ -1,9 +1,10 @@
-"""torch's fused ops (sdpa, sdpa_flash, sdpa_cudnn) against the reference on the GPU, bf16 and fp16."""
+"""Every GPU backend through the kernel contract (sdpa, sdpa_flash, sdpa_cudnn, cute) against the fp64 oracle,
+bf16 and fp16, forward and backward."""
 
 import pytest
 import torch
 
-from fa4dist.kernels import attention_backward, attention_forward
+from fa4dist.kernels import attention_backward, attention_forward, available_backends
 from oracle import REL_TOL, naive_attention, rel_error
 
 pytestmark = pytest.mark.gpu
@@ -52,21 +53,67 @@ def _check(backend, q, k, v, dtype, **kw):
             assert rel_error(got.cpu(), want) < 2 * REL_TOL[dtype]
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "sdpa_flash", "sdpa_cudnn"])
+def _need(backend):
+    if torch.cuda.is_available() and backend not in available_backends("cuda"):
+        pytest.skip(f"backend {backend} is not available here")
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_flash", "sdpa_cudnn", "cute"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", DENSE)
 def test_dense(backend, dtype, case):
+    _need(backend)
     b, sq, sk, hq, hkv, d, causal, qo, ko = case
     q, k, v = _tensors((b, sq, hq, d), (b, sk, hkv, d), dtype)
     _check(backend, q, k, v, dtype, causal=causal, q_offset=qo, k_offset=ko)
 
 
+@pytest.mark.parametrize("backend", ["sdpa_flash", "cute"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_packed_flash(causal):
+def test_packed(backend, causal):
+    _need(backend)
     lens = [0, 17, 300, 1, 512]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     q, k, v = _tensors((sum(lens), 8, 128), (sum(lens), 2, 128), torch.bfloat16)
-    _check("sdpa_flash", q, k, v, torch.bfloat16, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    _check(backend, q, k, v, torch.bfloat16, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+def test_cute_packed_per_segment_offsets():
+    """What a ring step over packed documents sends: segments with their own offsets, some empty on one side."""
+    _need("cute")
+    cu_q = torch.tensor([0, 100, 250, 250, 400], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 100, 200, 264, 264], dtype=torch.int32, device="cuda")
+    q, k, v = _tensors((400, 4, 64), (264, 4, 64), torch.bfloat16)
+    _check("cute", q, k, v, torch.bfloat16, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+           q_offset=[0, 80, 0, 7], k_offset=[0, 0, 5, 0])
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "cute"])
+def test_split_keys_accumulate_matches_full(backend):
+    """A ring's view: two key blocks merged in fp32 (forward) and gradients added into fp32 buffers (backward)."""
+    _need(backend)
+    q, k, v = _tensors((2, 1024, 8, 128), (2, 1024, 2, 128), torch.bfloat16)
+    kw = dict(causal=True, q_offset=512, k_offset=0)
+    full_out, full_lse = attention_forward(q, k, v, out=torch.empty(q.shape, device="cuda"), backend=backend, **kw)
+    run_out = torch.full(q.shape, float("nan"), device="cuda")
+    run_lse = torch.full((2, 8, 1024), float("-inf"), device="cuda")
+    for ks in (0, 640):
+        part = slice(ks, ks + 640 if ks == 0 else 1024)
+        attention_forward(q, k[:, part], v[:, part], out=run_out, lse=run_lse, accumulate=True, backend=backend,
+                          causal=True, q_offset=512, k_offset=ks)
+    assert rel_error(run_out, full_out) < 2e-3 and rel_error(run_lse, full_lse) < 1e-5
+    dout = torch.randn_like(q)
+    want = attention_backward(dout, q, k, v, full_out, full_lse, backend=backend,
+                              dq=torch.empty(q.shape, device="cuda"), dk=torch.empty(k.shape, device="cuda"),
+                              dv=torch.empty(v.shape, device="cuda"), **kw)
+    got = [torch.zeros(t.shape, device="cuda") for t in (q, k, v)]
+    for ks in (0, 640):
+        part = slice(ks, ks + 640 if ks == 0 else 1024)
+        attention_backward(dout, q, k[:, part], v[:, part], full_out, full_lse, dq=got[0], dk=got[1][:, part],
+                           dv=got[2][:, part], accumulate=True, backend=backend, causal=True, q_offset=512,
+                           k_offset=ks)
+    for g, w in zip(got, want):
+        assert rel_error(g, w) < 2e-3
 
 
 def test_packed_mixed_masks_fall_back_correctly(caplog):
@@ -78,11 +125,13 @@ def test_packed_mixed_masks_fall_back_correctly(caplog):
     assert "using the reference backend" in caplog.text
 
 
-def test_flash_backward_deterministic_bitwise():
-    q, k, v = _tensors((2, 2048, 16, 128), (2, 2048, 16, 128), torch.bfloat16)
-    out, lse = attention_forward(q, k, v, causal=True, backend="sdpa_flash")
+@pytest.mark.parametrize("backend", ["sdpa", "cute"])
+def test_backward_deterministic_bitwise(backend):
+    _need(backend)
+    q, k, v = _tensors((2, 4096, 16, 128), (2, 4096, 4, 128), torch.bfloat16)
+    out, lse = attention_forward(q, k, v, causal=True, backend=backend)
     dout = torch.randn_like(out)
-    runs = [attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True, backend="sdpa")
+    runs = [attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True, backend=backend)
             for _ in range(3)]
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
