@@ -323,6 +323,12 @@ def summary_line(**fields) -> str:
 def reference_losses(args, device=torch.device("cpu")) -> list[float]:
     """The step losses of a plain single-process run (no process group, no wrapper) of the same model and data:
     AdamW, the same schedule and clipping; what the distributed recipes must reproduce."""
+    return reference_run(args, device)["loss"]
+
+
+def reference_run(args, device=torch.device("cpu")) -> dict:
+    """``{"loss": [...], "grad_norm": [...]}`` per step of the plain single-process loop.  The gradient norm (before
+    clipping) checks the gradient's scale, which the losses alone cannot: AdamW is invariant to it."""
     set_determinism(args)
     torch.manual_seed(args.seed)
     with torch.device(device):
@@ -330,7 +336,7 @@ def reference_losses(args, device=torch.device("cpu")) -> list[float]:
                          deterministic=args.deterministic or None)
     optimizer = make_optimizer(model, args)
     stream = build_stream(args)
-    losses = []
+    losses, norms = [], []
     for step in range(args.steps):
         for g in optimizer.param_groups:
             g["lr"] = lr_at(step, args)
@@ -342,12 +348,12 @@ def reference_losses(args, device=torch.device("cpu")) -> list[float]:
             res = cp_cross_entropy(model(local.tokens, local.positions, plan), local.labels)
             (res.loss / len(samples)).backward()
             total += res.loss.item()
-        if args.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total / len(samples))
-    return losses
+        norms.append(float(norm))
+    return {"loss": losses, "grad_norm": norms}
 
 
 def make_optimizer(model, args) -> torch.optim.Optimizer:

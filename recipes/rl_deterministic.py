@@ -19,7 +19,7 @@ rewards are not all zero; then every RL step
 The log reports, per step, the mean reward and the largest |rollout log-prob - training log-prob| of the same
 tokens under the same weights (the two paths differ: batched sampling without CP vs. packed CP attention).  At the
 end every rank hashes its weights (they must agree) and rank 0 prints ``weights_sha256=<hex>``: two runs with the
-same seed print the same hash.
+same seed print the same hash.  The SUMMARY line has the mean reward of the first and last 10 RL steps.
 """
 
 from __future__ import annotations
@@ -175,6 +175,10 @@ def weights_hash(model) -> str:
     return h.hexdigest()
 
 
+def _mean(values):
+    return sum(values) / len(values) if values else None
+
+
 def broadcast(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
     out = []
     for t in tensors:
@@ -287,8 +291,8 @@ def main(argv=None):
         print(f"weights_sha256={digest}", flush=True)
         print(common.summary_line(
             recipe="rl_deterministic", world=world, dp=layout.dp, cp=layout.cp, seed=args.seed,
-            sft_steps=args.sft_steps, rl_steps=args.steps, reward_first=rewards_log[0] if rewards_log else None,
-            reward_last=rewards_log[-1] if rewards_log else None,
+            sft_steps=args.sft_steps, rl_steps=args.steps,
+            reward_first=_mean(rewards_log[:10]), reward_last=_mean(rewards_log[-10:]),
             max_rollout_vs_train_logp_diff=max(diffs_log) if diffs_log else None, weights_sha256=digest,
         ), flush=True)
     dist.destroy_process_group()
