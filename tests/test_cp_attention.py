@@ -109,7 +109,7 @@ def test_hybrid_with_a_ring_plan_and_auto(pool):
 
 
 def precision_case(rank, world, strategy, device="cpu", backend="reference", total=512, heads=(4, 2), d=32,
-                   docs=None):
+                   docs=None, batch=1):
     """Relative errors vs the fp64 oracle of bf16 CP at cp=4 and of bf16 single-process attention (cp=1)."""
     import fa4dist
     from fa4dist.modules import FA4ContextParallelAttention
@@ -119,7 +119,7 @@ def precision_case(rank, world, strategy, device="cpu", backend="reference", tot
         torch.cuda.set_device(torch.device(device))
     packed = docs is not None
     total = docs[-1] if packed else total
-    q, k, v, dout = cp_cases.global_inputs(7, total, heads[0], heads[1], d, torch.float64, None if packed else 1)
+    q, k, v, dout = cp_cases.global_inputs(7, total, heads[0], heads[1], d, torch.float64, None if packed else batch)
     q, k, v, dout = (t.bfloat16().double() for t in (q, k, v, dout))  # exactly representable in bf16
     cu = torch.tensor(docs, dtype=torch.int32) if packed else None
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -30,6 +30,7 @@ def test_cuda_fp64_exact(pool, strategy, kw):
 
 @pytest.mark.parametrize("strategy, kw", [
     ("ring", dict(total=4096, heads=(8, 2), d=64)),
+    ("ring", dict(total=3001, heads=(4, 4), d=128, batch=2)),  # strided blocks (batch 2), a short last chunk
     ("ring", dict(docs=random_docs(3, 10, 800, allow_empty=False), heads=(8, 8), d=64)),
     ("ulysses", dict(total=4096, heads=(8, 8), d=128)),
     ("hybrid", dict(total=4096, heads=(8, 2), d=64)),
