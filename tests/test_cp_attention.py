@@ -133,7 +133,8 @@ def precision_case(rank, world, strategy, device="cpu", backend="reference", tot
     out1.backward(dout.to(device, torch.bfloat16))
     err1 = [rel_error(a.cpu(), b) for a, b in zip([out1.detach()] + [t.grad for t in one], refs)]
 
-    module = FA4ContextParallelAttention(GROUPS[4], strategy=strategy, ulysses_degree=2 if strategy == "hybrid" else None,
+    degree = 2 if strategy == "hybrid" else None
+    module = FA4ContextParallelAttention(GROUPS[4], strategy=strategy, ulysses_degree=degree,
                                          causal=True, backend=backend, timeout=120)
     plan = module.make_plan(docs if packed else total)
     sd = 0 if packed else 1
@@ -171,7 +172,8 @@ def test_bf16_error_at_cp4_within_1_5x_of_cp1(pool, strategy):
 def determinism_case(rank, world, strategy, dtype, packed):
     from fa4dist.modules import FA4ContextParallelAttention
 
-    module = FA4ContextParallelAttention(GROUPS[4], strategy=strategy, ulysses_degree=2 if strategy == "hybrid" else None,
+    degree = 2 if strategy == "hybrid" else None
+    module = FA4ContextParallelAttention(GROUPS[4], strategy=strategy, ulysses_degree=degree,
                                          causal=True, backend="reference", deterministic=True, timeout=60)
     docs = random_docs(5, 9, 40) if packed else None
     plan = module.make_plan(docs if packed else 150)

@@ -69,7 +69,8 @@ def bad_input_case(rank, world, kind):
 
 
 @pytest.mark.parametrize("kind, error, pattern", [
-    ("length", "ValueError", "rank 1 rejected its inputs: ValueError: q holds 9 tokens but the plan gives cp rank 1 10 "),
+    ("length", "ValueError",
+     "rank 1 rejected its inputs: ValueError: q holds 9 tokens but the plan gives cp rank 1 10 "),
     ("dtype", "ValueError", "ranks disagree on the first call: dtype: rank 0 'torch.float64', rank 1 'torch.float32'"),
     ("causal", "ValueError", "ranks disagree on the first call: causal: .*rank 2 False"),
     ("plan", "ValueError", "ranks disagree on the first call: plan: "),

@@ -236,7 +236,7 @@ class ContextParallel:
     # ---- checks -----------------------------------------------------------------------------------------------
 
     def _local_check(self, q, k, v, plan):
-        """(signature shared by all ranks, per-rank facts, Ulysses degree); raises on bad local input."""
+        """(the signature every rank must share, the Ulysses degree); raises on bad local input."""
         if not isinstance(plan, ShardPlan):
             raise TypeError(
                 f"plan must be a ShardPlan (fa4dist.context_parallel.make_plan), got {type(plan).__name__}"
@@ -269,13 +269,13 @@ class ContextParallel:
         t = self._transport(self.ulysses_group if self.grid else self.group)
         if t.backend == "nccl" and not q.is_cuda:
             raise ValueError("an NCCL process group needs CUDA tensors (use a gloo group for CPU tensors)")
-        deterministic = self._deterministic()
+        docs = f" in {len(plan.cu_seqlens) - 1} documents" if plan.packed else ""
         shared = dict(
             strategy=self.strategy_name(u), ulysses_degree=u, cp_size=self.cp_size, causal=self.causal,
-            softmax_scale=problem.softmax_scale, deterministic=deterministic, backend=self.backend,
-            plan=f"{plan.fingerprint} ({plan.total_len} tokens"
-                 + (f" in {len(plan.cu_seqlens) - 1} documents" if plan.packed else "")
-                 + f", {plan.num_chunks} chunks, ulysses_degree {plan.ulysses_degree})", dtype=str(problem.dtype), device=problem.device.type,
+            softmax_scale=problem.softmax_scale, deterministic=self._deterministic(), backend=self.backend,
+            plan=f"{plan.fingerprint} ({plan.total_len} tokens{docs}, {plan.num_chunks} chunks, "
+                 f"ulysses_degree {plan.ulysses_degree})",
+            dtype=str(problem.dtype), device=problem.device.type,
             batch=None if plan.packed else problem.batch, heads_q=problem.heads_q, heads_kv=problem.heads_kv,
             head_dim=problem.head_dim, head_dim_v=problem.head_dim_v,
             grad=bool(torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))),
