@@ -112,7 +112,7 @@ def absent_rank_case(rank, world, verify):
 
 
 @pytest.mark.parametrize("verify, pattern", [
-    (True, "rank 0 of 2 failed waiting for the first-call signature exchange .lengths. from all ranks of its group "
+    (True, "rank 0 of 2 failed waiting for the first-call signature exchange from all ranks of its group "
            "\\(timeout 2s; did every rank call it\\?\\)"),
     (False, "rank 0 of 2 failed waiting for K/V of forward ring step 1 \\(send to rank 1, recv from rank 1; "
             "timeout 2s\\)"),

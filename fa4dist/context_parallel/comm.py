@@ -147,18 +147,23 @@ class Transport:
 
     # -------------------------------------------------------------------------------------------------------------
 
-    def all_gather_bytes(self, payload: bytes, what: str) -> list[bytes]:
-        """Every rank's payload, in rank order (two all-gathers: lengths, then the padded bytes)."""
+    def all_gather_bytes(self, payload: bytes, what: str, size: int = 4096) -> list[bytes]:
+        """Every rank's payload (at most `size` bytes), in rank order: one all-gather of fixed-size buffers."""
+        if len(payload) > size - 8:
+            raise ValueError(f"all_gather_bytes: payload of {len(payload)} bytes exceeds {size - 8}")
         device = self.comm_device()
-        length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-        lengths = [torch.empty_like(length) for _ in range(self.size)]
-        self._collective(dist.all_gather(lengths, length, group=self.group, async_op=True), f"{what} (lengths)")
-        sizes = [int(x) for x in torch.cat(lengths).tolist()]
-        data = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
-        data[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device) if payload else 0
+        framed = len(payload).to_bytes(8, "little") + payload
+        data = torch.zeros(size, dtype=torch.uint8)
+        data[: len(framed)] = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
+        data = data.to(device)
         gathered = [torch.empty_like(data) for _ in range(self.size)]
         self._collective(dist.all_gather(gathered, data, group=self.group, async_op=True), what)
-        return [bytes(g[:n].cpu().tolist()) for g, n in zip(gathered, sizes)]
+        out = []
+        for g in torch.stack(gathered).cpu():
+            raw = bytes(g.tolist())
+            n = int.from_bytes(raw[:8], "little")
+            out.append(raw[8:8 + n])
+        return out
 
     def _collective(self, work, what: str) -> None:
         try:

@@ -304,8 +304,8 @@ class ContextParallel:
             self._transport(self.group)]
         message = None
         for stage in stages:
-            payload = json.dumps(dict(rank=self.cp_rank, error=error if message is None else message,
-                                      sig=shared)).encode()
+            text = error if message is None else message
+            payload = json.dumps(dict(rank=self.cp_rank, error=text and text[:2000], sig=shared)).encode()
             gathered = [json.loads(b) for b in stage.all_gather_bytes(payload, "the first-call signature exchange")]
             found = _disagreement(gathered)
             if found and message is None:
@@ -314,6 +314,8 @@ class ContextParallel:
             if error is not None and message.endswith(error):
                 raise type(local_err)(f"{LABEL}: {message}") from local_err
             raise ValueError(f"{LABEL}: {message}")
+        if len(self._verified) > 1024:  # one entry per plan: bounded for per-sample plans
+            self._verified.clear()
         self._verified.add(key)
         return u
 
@@ -331,6 +333,8 @@ class ContextParallel:
         key = (plan.fingerprint, plan.total_len, u)
         sched = self._schedules.get(key)
         if sched is None:
+            if len(self._schedules) >= 16:  # per-sample plans: keep the recent ones
+                self._schedules.pop(next(iter(self._schedules)))
             sched = self._schedules[key] = Schedule(plan, u, self.causal)
         ring, ut, upeers, uidx = self._peers(u)
         heads_q, heads_kv = q.shape[-2], k.shape[-2]

@@ -102,6 +102,8 @@ class _Cu:
         key = (values, str(device))
         t = self._cache.get(key)
         if t is None:
+            if len(self._cache) >= 512:  # per-sample document structures: bounded
+                self._cache.clear()
             t = self._cache[key] = torch.tensor(values, dtype=torch.int32, device=device)
         return t
 
