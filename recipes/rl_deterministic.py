@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import os
 import sys
 from pathlib import Path
 

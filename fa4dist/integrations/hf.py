@@ -35,7 +35,7 @@ import fa4dist
 NAME = "fa4dist"
 _SETTINGS: dict[str, dict] = {}
 # Problems up to this many (batch x query x key) pairs are checked exhaustively; larger ones by probes.
-EXHAUSTIVE_CHECK_PAIRS = 1 << 22
+EXHAUSTIVE_CHECK_PAIRS = 1 << 20
 RANDOM_PROBES_PER_QUERY = 8
 
 
@@ -121,7 +121,6 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     if padding is not None:
         padding = padding.to(device=device, dtype=torch.bool)
     visible = _predicate(mask_function, padding, q_offset, kv_offset)
-    b_all = torch.arange(batch_size, device=device)
     self_attn = q_length == kv_length and q_offset == 0 and kv_offset == 0
 
     seg_q = torch.full((batch_size, q_length), -1, dtype=torch.long, device=device)
