@@ -90,10 +90,19 @@ def test_cute_packed_per_segment_offsets():
 
 @pytest.mark.parametrize("backend", ["sdpa", "cute"])
 def test_split_keys_accumulate_matches_full(backend):
-    """A ring's view: two key blocks merged in fp32 (forward) and gradients added into fp32 buffers (backward)."""
+    """A ring's view: two key blocks merged in fp32 (forward) and gradients added into fp32 buffers (backward).
+
+    Both backends must match the fp64 oracle within the bf16 tolerance.  The cute backend keeps each block's
+    partial in fp32 (fused epilogue), so its split result must also agree with its own unsplit result to 2e-3;
+    torch's fused ops return every (sub-)block rounded to bf16, so for them that tighter agreement is not a
+    property of the backend (seen on the H200: it missed 2e-3)."""
     _need(backend)
     q, k, v = _tensors((2, 1024, 8, 128), (2, 1024, 2, 128), torch.bfloat16)
     kw = dict(causal=True, q_offset=512, k_offset=0)
+    qr, kr, vr = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = naive_attention(qr, kr, vr, **kw)
+    dout = torch.randn_like(q)
+    ref_out.backward(dout.cpu().double())
     full_out, full_lse = attention_forward(q, k, v, out=torch.empty(q.shape, device="cuda"), backend=backend, **kw)
     run_out = torch.full(q.shape, float("nan"), device="cuda")
     run_lse = torch.full((2, 8, 1024), float("-inf"), device="cuda")
@@ -101,8 +110,8 @@ def test_split_keys_accumulate_matches_full(backend):
         part = slice(ks, ks + 640 if ks == 0 else 1024)
         attention_forward(q, k[:, part], v[:, part], out=run_out, lse=run_lse, accumulate=True, backend=backend,
                           causal=True, q_offset=512, k_offset=ks)
-    assert rel_error(run_out, full_out) < 2e-3 and rel_error(run_lse, full_lse) < 1e-5
-    dout = torch.randn_like(q)
+    assert rel_error(run_out.cpu(), ref_out) < REL_TOL[torch.bfloat16]
+    assert rel_error(run_lse.cpu(), ref_lse) < 1e-4
     want = attention_backward(dout, q, k, v, full_out, full_lse, backend=backend,
                               dq=torch.empty(q.shape, device="cuda"), dk=torch.empty(k.shape, device="cuda"),
                               dv=torch.empty(v.shape, device="cuda"), **kw)
@@ -112,8 +121,12 @@ def test_split_keys_accumulate_matches_full(backend):
         attention_backward(dout, q, k[:, part], v[:, part], full_out, full_lse, dq=got[0], dk=got[1][:, part],
                            dv=got[2][:, part], accumulate=True, backend=backend, causal=True, q_offset=512,
                            k_offset=ks)
-    for g, w in zip(got, want):
-        assert rel_error(g, w) < 2e-3
+    for g, r in zip(got, (qr.grad, kr.grad, vr.grad)):
+        assert rel_error(g.cpu(), r) < 2 * REL_TOL[torch.bfloat16]
+    if backend == "cute":
+        assert rel_error(run_out, full_out) < 2e-3 and rel_error(run_lse, full_lse) < 1e-5
+        for g, w in zip(got, want):
+            assert rel_error(g, w) < 2e-3
 
 
 def test_packed_mixed_masks_fall_back_correctly(caplog):
