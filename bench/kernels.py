@@ -65,7 +65,7 @@ def run(args):
     device = torch.device("cuda")
     backends = [b for b in available_backends(device) if b != "sdpa"]  # "sdpa" is cudnn-or-flash: listed apart
     if args.backends:
-        backends = [b for b in args.backends if b in backends or b == "flash_attn_4"]
+        backends = [b for b in args.backends if b in backends]
     fa4 = _fa4()
     if fa4 is not None and (not args.backends or "flash_attn_4" in args.backends):
         backends.append("flash_attn_4")
