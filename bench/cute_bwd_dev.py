@@ -11,6 +11,7 @@ Sizes follow ../shared/docs/anchors.md: batch = 16384 / seqlen, heads = 2048 / h
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import json
 import math
@@ -52,9 +53,16 @@ def dev_variants():
         add(FP16, 64, causal, varlen=True)
         add(BF16, 128, causal, det=True)
         add(BF16, 128, causal, det=True, grads=FP32)
-        add(BF16, 128, causal, dv_early=False)
         add(BF16, 64, causal, det=True)
     add(BF16, 128, True, varlen=True, seg=True)
+    # variants timed by the bench (and the det_chunk order, tested under FA4DIST_BWD_OVERRIDE=det_chunk=8)
+    for causal in (False, True):
+        add(BF16, 128, causal, dv_early=True)
+        add(BF16, 128, causal, stmatrix_ds=False)
+        add(BF16, 64, causal, stmatrix_ds=False)
+    for trio in list(out):
+        if trio[1].deterministic:
+            out.append((trio[0], dataclasses.replace(trio[1], det_chunk=8), trio[2]))
     seen, flat = set(), []
     for trio in out:
         for cfg in trio:
@@ -212,9 +220,16 @@ def cmd_bench(args):
         row["ours_main"] = bench_ms(steps[1])
         row["ours_pre"] = bench_ms(steps[0])
         row["ours_post"] = bench_ms(steps[2])
-        if d == 128 and s == 8192:
-            st2 = B.launch_steps(dout, q, k, v, out, lse, *grads, causal=causal, dv_early=False)
-            row["ours_main_dv_late"] = bench_ms(st2[1])
+        # variants of the main kernel (each gets its own scratch: run all three steps once before timing)
+        for tag, kw in (("16bit_ds", dict(stmatrix_ds=False)), ("dv_early", dict(dv_early=True))):
+            if tag == "dv_early" and not (d == 128 and s == 8192):
+                continue
+            st_v = B.launch_steps(dout, q, k, v, out, lse, *grads, causal=causal, **kw)
+            for st in st_v:
+                st()
+            torch.cuda.synchronize()
+            row[f"err_{tag}_vs_cudnn"] = max(_relerr(a, r.transpose(1, 2)) for a, r in zip(grads, ref))
+            row[f"ours_main_{tag}"] = bench_ms(st_v[1])
         if fa4 is not None and d == 128:
             try:
                 qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
@@ -236,6 +251,11 @@ def cmd_bench(args):
         run()
         torch.cuda.synchronize()
         row["ours_det"] = bench_ms(run)
+        st_c = B.launch_steps(dout, q, k, v, out, lse, *grads, causal=causal, deterministic=True, det_chunk=8)
+        run_c = lambda: [st() for st in st_c]  # noqa: E731
+        run_c()
+        torch.cuda.synchronize()
+        row["ours_det_chunk8"] = bench_ms(run_c)
         if fa4 is not None and "fa4" in row and os.environ.get("BENCH_FA4_DET"):
             try:
                 qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
@@ -250,13 +270,15 @@ def cmd_bench(args):
     with open(os.path.join(out_dir, "cute_bwd_bench.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print()
-    print("| d | S | causal | ours | main | cuDNN | FA4 | ours/cuDNN | ours/FA4 | ours det | FA4 det | det/nondet |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| d | S | causal | ours | main | main 16-bit dS | cuDNN | FA4 | ours/cuDNN | ours/FA4 | ours det | det/nondet "
+          "| det chunk8 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         t = lambda key: tflops(r["b"], r["h"], r["s"], r["d"], r["causal"], r[key]) if key in r else float("nan")  # noqa
-        print(f"| {r['d']} | {r['s']} | {r['causal']} | {t('ours'):.0f} | {t('ours_main'):.0f} | {t('cudnn'):.0f} | "
-              f"{t('fa4'):.0f} | {t('ours') / t('cudnn'):.2f} | {t('ours') / t('fa4'):.2f} | {t('ours_det'):.0f} | "
-              f"{t('fa4_det'):.0f} | {t('ours_det') / t('ours'):.2f} |")
+        print(f"| {r['d']} | {r['s']} | {r['causal']} | {t('ours'):.0f} | {t('ours_main'):.0f} | "
+              f"{t('ours_main_16bit_ds'):.0f} | {t('cudnn'):.0f} | {t('fa4'):.0f} | {t('ours') / t('cudnn'):.2f} | "
+              f"{t('ours') / t('fa4'):.2f} | {t('ours_det'):.0f} | {t('ours_det') / t('ours'):.2f} | "
+              f"{t('ours_det_chunk8'):.0f} |")
 
 
 def _print(row):

@@ -79,7 +79,9 @@ class FlashBwdSm90:
         num_stages: int = 2,
         regs_producer: int = 24,
         regs_mma: int = 240,
-        dv_early: bool = True,
+        dv_early: bool = False,
+        stmatrix_ds: bool = False,
+        det_chunk: int = 0,
     ):
         assert head_dim in (64, 128)
         self.dtype = dtype
@@ -96,11 +98,16 @@ class FlashBwdSm90:
         self.regs_producer = regs_producer
         self.regs_mma = regs_mma
         self.dv_early = dv_early
+        self.stmatrix_ds = stmatrix_ds  # dS^T -> smem with stmatrix.trans instead of 16-bit stores
         self.num_threads = 384
         # causal + deterministic: shortest-first, i.e. for each query tile the key tiles add their
         # dQ from the diagonal down; CTAs are launched highest key tile first so that a CTA only
         # ever waits on CTAs launched before it (no deadlock whatever the residency).
         self.spt = causal and deterministic
+        # deterministic only: launch the key tiles of a head in chunks of det_chunk CTAs, chunks of all heads
+        # interleaved, so that a wave holds short ordered chains of many heads instead of one long chain of one
+        # head (a CTA still only waits on CTAs launched before it). 0 keeps key-tile-fastest order.
+        self.det_chunk = det_chunk if deterministic else 0
         self.dq_chunk_elems = self.tile_m * head_dim // 2
 
     # ------------------------------------------------------------------------
@@ -190,7 +197,10 @@ class FlashBwdSm90:
         else:
             num_batch = cute.size(mCuSeqlensQ.shape[0]) - 1
             n_blocks_grid = cute.ceil_div(max_seqlen_k, tn)
-        grid = (n_blocks_grid * num_heads_kv * num_batch, 1, 1)
+        if const_expr(self.det_chunk > 0):
+            grid = (cute.ceil_div(n_blocks_grid, self.det_chunk) * self.det_chunk * num_heads_kv * num_batch, 1, 1)
+        else:
+            grid = (n_blocks_grid * num_heads_kv * num_batch, 1, 1)
 
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, mLSE2, mDpsum, mdQacc, mdK, mdV, mSem,
@@ -282,8 +292,17 @@ class FlashBwdSm90:
         num_heads_kv = cute.size(mK.shape[2])
         group = num_heads // num_heads_kv
         bid, _, _ = cute.arch.block_idx()
-        hb = bid // n_blocks_grid
-        j = bid - hb * n_blocks_grid
+        j_valid = True
+        if const_expr(self.det_chunk > 0):
+            num_hb = num_heads_kv * num_batch
+            rest = bid // self.det_chunk
+            c = rest // num_hb
+            hb = rest - c * num_hb
+            j = c * self.det_chunk + (bid - rest * self.det_chunk)
+            j_valid = j < n_blocks_grid  # padding CTAs of the last chunk do nothing
+        else:
+            hb = bid // n_blocks_grid
+            j = bid - hb * n_blocks_grid
         n_block = j
         if const_expr(self.spt):
             n_block = n_blocks_grid - 1 - j
@@ -313,6 +332,8 @@ class FlashBwdSm90:
         m_min = Int32(0)
         m_mask_end = Int32(0)  # query tiles [m_min, m_mask_end) need mask math
         has_work = n_block * tn < seqlen_k and seqlen_q > 0
+        if const_expr(self.det_chunk > 0):
+            has_work = has_work and j_valid
         if const_expr(self.causal):
             q0 = cutlass.max(n_block * tn - diag_b, 0)  # first query that sees a key of this tile
             has_work = has_work and q0 < seqlen_q
@@ -346,7 +367,7 @@ class FlashBwdSm90:
                 mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDpsum, sdQ,
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
                 scale, scale_log2, diag_b, n_block, head_kv, group, batch, offset_k, seqlen_k,
-                has_work, m_min, m_mask_end, m_max,
+                has_work, j_valid, m_min, m_mask_end, m_max,
             )
 
     # ------------------------------------------------------------------------
@@ -555,6 +576,7 @@ class FlashBwdSm90:
         offset_k: Int32,
         seqlen_k: Int32,
         has_work,
+        j_valid,
         m_min: Int32,
         m_mask_end: Int32,
         m_max: Int32,
@@ -600,6 +622,12 @@ class FlashBwdSm90:
         t_in_wg = tidx - wg * 128
         tdQsdQ = sdQ[None, t_in_wg, None, wg]
 
+        # dS^T register fragment -> sdS store: stmatrix.trans (keys are the contiguous smem dim)
+        r2s_dS = None
+        if const_expr(self.stmatrix_ds):
+            stm_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(True, 4), self.dtype)
+            r2s_dS = cute.make_tiled_copy_S(stm_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma_sdp))
+
         if has_work:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_kv.consumer_wait(kv_state)
@@ -608,14 +636,14 @@ class FlashBwdSm90:
                 for m in cutlass.range(m_min, m_mask_end, unroll=1):
                     q_state = self.mma_step(
                         q_state, m, n_block, True, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-                        tSrK, tSrQ, tdPrV, tdPrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt, sdSt, thr_sdp,
+                        tSrK, tSrQ, tdPrV, tdPrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt, sdSt, thr_sdp, r2s_dS,
                         s_shape, dq_shape, acc_dK, acc_dV, tdVrP, tdKrdS, tScS_mn, t0ScS_mn, sLSE, sDpsum,
                         tdQsdQ, pipe_q, pipe_do, scale, scale_log2, diag_b, seqlen_k, wg,
                     )
                 for m in cutlass.range(m_mask_end, m_max, unroll=1):
                     q_state = self.mma_step(
                         q_state, m, n_block, False, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-                        tSrK, tSrQ, tdPrV, tdPrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt, sdSt, thr_sdp,
+                        tSrK, tSrQ, tdPrV, tdPrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt, sdSt, thr_sdp, r2s_dS,
                         s_shape, dq_shape, acc_dK, acc_dV, tdVrP, tdKrdS, tScS_mn, t0ScS_mn, sLSE, sDpsum,
                         tdQsdQ, pipe_q, pipe_do, scale, scale_log2, diag_b, seqlen_k, wg,
                     )
@@ -624,6 +652,8 @@ class FlashBwdSm90:
         write = has_work
         if const_expr(not self.accumulate):
             write = n_block * tn < seqlen_k  # fresh outputs: key tiles without work get zeros
+            if const_expr(self.det_chunk > 0):
+                write = write and j_valid
         if write:
             if const_expr(not self.varlen):
                 mdK_cur = mdK[None, None, head_kv, batch]
@@ -659,6 +689,19 @@ class FlashBwdSm90:
 
     # ------------------------------------------------------------------------
     @cute.jit
+    def store_ds(self, rdS: cute.Tensor, sdSt: cute.Tensor, thr_sdp: cute.ThrMma, r2s_dS, stage: Int32):
+        if const_expr(self.stmatrix_ds):
+            tidx, _, _ = cute.arch.thread_idx()
+            thr = r2s_dS.get_slice(tidx - 128)
+            dst = thr.partition_D(sdSt[None, None, stage])  # ((8, 1), 1, 4): 4 stmatrix.x4 per thread
+            src = r2s_dS.retile(rdS)  # ((8, 4), 1, 1): the same values, iterations folded into mode 0
+            src = cute.make_tensor(src.iterator, cute.composition(src.layout, cute.make_layout(dst.shape)))
+            cute.copy(r2s_dS, src, dst)
+        else:
+            cute.autovec_copy(rdS, thr_sdp.partition_C(sdSt[None, None, stage]))
+
+    # ------------------------------------------------------------------------
+    @cute.jit
     def mma_step(
         self,
         q_state,
@@ -678,6 +721,7 @@ class FlashBwdSm90:
         tdQrKt: cute.Tensor,
         sdSt: cute.Tensor,
         thr_sdp: cute.ThrMma,
+        r2s_dS,
         s_shape: cutlass.Constexpr,
         dq_shape: cutlass.Constexpr,
         acc_dK: cute.Tensor,
@@ -706,7 +750,7 @@ class FlashBwdSm90:
         pipe_do.consumer_wait(q_state)
         acc_dP = cute.make_rmem_tensor(s_shape, Float32)
         self.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], True)
-        warpgroup.wait_group(1)
+        warpgroup.wait_group(1)  # S^T done
 
         # (3) P^T = exp2(S^T * scale_log2 - lse2[query])
         acc_S_mn = mn_view(acc_S)
@@ -750,8 +794,7 @@ class FlashBwdSm90:
             tdVrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
             self.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], False)
         # dS^T -> smem, as the (tm, tn) K-major A operand of dQ = dS K
-        tdSsdS = thr_sdp.partition_C(sdSt[None, None, stage])
-        cute.autovec_copy(rdS, tdSsdS)
+        self.store_ds(rdS, sdSt, thr_sdp, r2s_dS, stage)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_PDS, number_of_threads=256)
 
