@@ -41,20 +41,19 @@ def _merge_weights(lses: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], to
     return [e / safe_total for e in exps], merged
 
 
-def _weighted(out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """out * weight, where a zero weight (a side that saw no key) contributes 0 whatever out holds, NaN included."""
-    weight = lse_as_out_layout(weight)
-    return torch.where(weight > 0, out * weight, torch.zeros((), dtype=out.dtype, device=out.device))
-
-
 def merge_into_(
     out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
 ) -> None:
-    """Merges a block's (block_out, block_lse) into the running fp32 (out, lse), in place."""
+    """Merges a block's (block_out, block_lse) into the running fp32 (out, lse), in place.
+
+    Three passes over ``out``: scale, clear the rows that had seen no key (whatever they held, NaN included), add
+    the weighted block.  ``block_out`` must be finite; the contract's backends give 0 for rows that saw no key."""
     if out.dtype not in (torch.float32, torch.float64) or lse.dtype != out.dtype:
         raise TypeError(f"the running out/lse must both be float32 (or float64), got {out.dtype} and {lse.dtype}")
     (w_run, w_blk), merged = _merge_weights([lse, block_lse.to(lse.dtype)])
-    out.copy_(_weighted(out, w_run).add_(_weighted(block_out.to(out.dtype), w_blk)))
+    w_run = lse_as_out_layout(w_run)
+    out.mul_(w_run).masked_fill_(w_run == 0, 0.0)
+    out.addcmul_(block_out, lse_as_out_layout(w_blk))
     lse.copy_(merged)
 
 
@@ -70,9 +69,9 @@ def merge_partials(
         raise ValueError(f"merge_partials needs as many outs as lses (at least one), got {len(outs)} and {len(lses)}")
     dtype = _accum_dtype(outs[0].dtype)
     weights, merged = _merge_weights([lse.to(dtype) for lse in lses])
-    acc = _weighted(outs[0].to(dtype), weights[0])
+    acc = outs[0].to(dtype) * lse_as_out_layout(weights[0])
     for o, w in zip(outs[1:], weights[1:]):
-        acc = acc + _weighted(o.to(dtype), w)
+        acc.addcmul_(o, lse_as_out_layout(w))
     if out is not None:
         out.copy_(acc)
         acc = out

@@ -16,6 +16,7 @@ from .problem import AttentionProblem
 # Score elements one tile may hold (fp32: 64 MiB).
 _TILE_ELEMENTS = 1 << 24
 _KEY_CHUNK = 1024
+_QUERY_CHUNK = 1024
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -24,7 +25,9 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _chunks(batch_heads: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
     key_chunk = max(1, min(seqlen_k, _KEY_CHUNK))
-    query_chunk = max(16, _TILE_ELEMENTS // max(1, batch_heads * key_chunk))
+    # At most _QUERY_CHUNK rows, so causal tiles above the diagonal are still skipped when few heads would let
+    # one tile span the whole sequence.
+    query_chunk = min(_QUERY_CHUNK, max(16, _TILE_ELEMENTS // max(1, batch_heads * key_chunk)))
     return max(1, min(seqlen_q, query_chunk)), key_chunk
 
 

@@ -38,6 +38,8 @@ class CuteSm90Backend:
                 f"cute supports head dims {_impl.SUPPORTED_HEAD_DIMS} with equal q/k/v head dims, "
                 f"got {problem.head_dim}/{problem.head_dim_v}"
             )
+        if problem.softmax_scale <= 0:  # both kernels mask with -inf scores, which a negative scale would flip
+            return Unsupported(f"cute needs a positive softmax_scale, got {problem.softmax_scale}")
         if direction == "backward" and problem.head_dim not in _BWD_HEAD_DIMS:
             return Unsupported(f"the cute backward supports head dims {_BWD_HEAD_DIMS}, got {problem.head_dim}")
         if problem.causal:
