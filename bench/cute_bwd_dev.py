@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import faulthandler
 import json
-import math
 import os
 import sys
 import time

@@ -1,6 +1,5 @@
 """Bad input gets a clear error that names the argument."""
 
-import math
 
 import pytest
 import torch

@@ -18,7 +18,6 @@ import math
 import os
 import threading
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -253,7 +252,7 @@ def _source_digest() -> str:
 
         h = hashlib.sha1()
         here = os.path.dirname(os.path.abspath(__file__))
-        for name in ("bwd_sm90.py", "bwd_preprocess.py", "bwd_postprocess.py", "bwd_utils.py"):
+        for name in ("bwd_sm90.py", "bwd_preprocess.py", "bwd_postprocess.py", "common_sm90.py"):
             with open(os.path.join(here, name), "rb") as f:
                 h.update(f.read())
         _SOURCE_DIGEST = h.hexdigest()

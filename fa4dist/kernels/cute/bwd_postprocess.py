@@ -1,7 +1,7 @@
 # Backward dQ convert kernel (Hopper; SIMT, memory bound).
 #
 # The main kernel leaves dQ (already scaled) in an fp32 scratch, one (tile_m x d) chunk per
-# (query tile, head), each chunk in the register-fragment order of bwd_utils.dq_tiled_mma (so that
+# (query tile, head), each chunk in the register-fragment order of common_sm90.dq_tiled_mma (so that
 # the main kernel can add whole chunks with one bulk reduction). One CTA of 256 threads per chunk
 # reloads the fragments exactly as the MMA threads held them, recovers each element's (row, col)
 # from the same tiled MMA, and writes dq: cast to the output dtype, or added (+=) into the
@@ -15,7 +15,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .bwd_utils import dq_chunk_layout, dq_tiled_mma, mn_view, select_modes
+from .common_sm90 import dq_chunk_layout, dq_tiled_mma, mn_view, select_modes
 
 
 class BwdPostprocess:

@@ -17,7 +17,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .bwd_utils import select_modes
+from .common_sm90 import select_modes
 
 LOG2_E = math.log2(math.e)
 

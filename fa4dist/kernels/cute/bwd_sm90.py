@@ -23,11 +23,10 @@
 # lse2 = +inf from the preprocess kernel, so their P is exactly 0: they contribute nothing.
 #
 # The dQ accumulator scratch is laid out per (query tile, head) in the MMA fragment order of
-# bwd_utils.dq_tiled_mma (see dq_chunk_layout); bwd_postprocess.py converts it.
+# common_sm90.dq_tiled_mma (see dq_chunk_layout); bwd_postprocess.py converts it.
 #
 # This module imports cutlass at import time: import it lazily.
 
-import math
 from typing import Optional
 
 import cutlass
@@ -37,7 +36,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .bwd_utils import (
+from .common_sm90 import (
     acc_to_operand_a,
     bulk_reduce_add_f32,
     dq_chunk_layout,
@@ -49,6 +48,7 @@ from .bwd_utils import (
     select_modes,
     smem_layout_kmajor,
     transpose_smem,
+    wgmma_gemm,
 )
 
 # named barriers (0 is __syncthreads)
@@ -538,13 +538,7 @@ class FlashBwdSm90:
         zero_init: cutlass.Constexpr[bool],
     ):
         """Issue one warpgroup GEMM (all K blocks) as one wgmma commit group; does not wait."""
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
-            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
+        wgmma_gemm(tiled_mma, acc, tA, tB, zero_init)
 
     # ------------------------------------------------------------------------
     @cute.jit

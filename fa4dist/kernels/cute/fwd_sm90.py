@@ -33,7 +33,15 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
+
+from .common_sm90 import (
+    acc_to_operand_a,
+    mn_view,
+    select_modes,
+    smem_layout_kmajor,
+    transpose_smem,
+    wgmma_gemm,
+)
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -44,46 +52,8 @@ _BAR_SCHED_BASE = 2  # + consumer warpgroup index (0..2)
 
 
 # ----------------------------------------------------------------------------
-# small layout helpers
+# small trace-time helpers
 # ----------------------------------------------------------------------------
-
-
-def _smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
-    """Row-major (cols contiguous) swizzled smem layout for a (rows, cols[, stages]) tile."""
-    kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols)
-    atom = warpgroup.make_smem_layout_atom(kind, dtype)
-    if stages is None:
-        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
-    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
-
-
-def _permute(t: cute.Tensor, modes) -> cute.Tensor:
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=list(modes)))
-
-
-def _mn_layout(acc_layout):
-    """wgmma accumulator layout ((2, 2, V), M, N) -> ((2, M), (2, V, N)) (rows, cols)."""
-    cm = cute.make_layout(acc_layout.shape)
-    shape = ((cm.shape[0][1], cm.shape[1]), (cm.shape[0][0], cm.shape[0][2], cm.shape[2]))
-    stride = ((cm.stride[0][1], cm.stride[1]), (cm.stride[0][0], cm.stride[0][2], cm.stride[2]))
-    return cute.composition(acc_layout, cute.make_layout(shape, stride=stride))
-
-
-def _mn_view(t: cute.Tensor) -> cute.Tensor:
-    return cute.make_tensor(t.iterator, _mn_layout(t.layout))
-
-
-def _acc_as_operand_a(t: cute.Tensor) -> cute.Tensor:
-    """View a (bf16/fp16-converted) S accumulator ((2,2,V),M,N) as the wgmma A
-    register fragment ((2,2,2),M,(V/2,N)) of the following P @ V."""
-    l = cute.logical_divide(t.layout, ((None, None, 2), None, None))
-    shape = ((l.shape[0][0], l.shape[0][1], l.shape[0][2][0]), l.shape[1], (l.shape[0][2][1], l.shape[2]))
-    stride = (
-        (l.stride[0][0], l.stride[0][1], l.stride[0][2][0]),
-        l.stride[1],
-        (l.stride[0][2][1], l.stride[2]),
-    )
-    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
 
 
 def _sum4(terms):
@@ -103,13 +73,6 @@ def _sum4(terms):
     for i in range(n - n % 4, n):
         part[0] = part[0] + terms[i]
     return (part[0] + part[1]) + (part[2] + part[3])
-
-
-def _transpose_smem(t: cute.Tensor) -> cute.Tensor:
-    """(a, b, stages) smem view -> (b, a, stages) view of the same bytes."""
-    shape = (t.shape[1], t.shape[0], *t.shape[2:])
-    order = (1, 0, *range(2, cute.rank(t)))
-    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
 
 
 class FlashFwdSm90:
@@ -179,18 +142,18 @@ class FlashFwdSm90:
         stream,
     ):
         if const_expr(not self.varlen):
-            mQ, mO = [_permute(t, (1, 3, 2, 0)) for t in (mQ, mO)]  # (s, d, h, b)
-            mK, mV = [_permute(t, (1, 3, 2, 0)) for t in (mK, mV)]
-            mLSE = _permute(mLSE, (2, 1, 0))  # (s, h, b)
+            mQ, mO = [select_modes(t, (1, 3, 2, 0)) for t in (mQ, mO)]  # (s, d, h, b)
+            mK, mV = [select_modes(t, (1, 3, 2, 0)) for t in (mK, mV)]
+            mLSE = select_modes(mLSE, (2, 1, 0))  # (s, h, b)
         else:
-            mQ, mO = [_permute(t, (0, 2, 1)) for t in (mQ, mO)]  # (t, d, h)
-            mK, mV = [_permute(t, (0, 2, 1)) for t in (mK, mV)]
-            mLSE = _permute(mLSE, (1, 0))  # (t, h)
+            mQ, mO = [select_modes(t, (0, 2, 1)) for t in (mQ, mO)]  # (t, d, h)
+            mK, mV = [select_modes(t, (0, 2, 1)) for t in (mK, mV)]
+            mLSE = select_modes(mLSE, (1, 0))  # (t, h)
 
         D = self.head_dim
-        self.sQ_layout = _smem_layout(self.dtype, self.tile_m, D)
-        self.sK_layout = _smem_layout(self.dtype, self.tile_n, D, self.num_stages)
-        self.sV_layout = _smem_layout(self.dtype, self.tile_n, D, self.num_stages)
+        self.sQ_layout = smem_layout_kmajor(self.dtype, self.tile_m, D)
+        self.sK_layout = smem_layout_kmajor(self.dtype, self.tile_n, D, self.num_stages)
+        self.sV_layout = smem_layout_kmajor(self.dtype, self.tile_n, D, self.num_stages)
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype,
@@ -562,7 +525,7 @@ class FlashFwdSm90:
         D = self.head_dim
         tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
-        sVt = _transpose_smem(sV)  # (D, tile_n, stages)
+        sVt = transpose_smem(sV)  # (D, tile_n, stages)
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
         acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, D)), Float32)
@@ -571,8 +534,8 @@ class FlashFwdSm90:
 
         # per-thread coordinates of the S accumulator (rows/cols within the tile)
         cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
-        tScS_mn = _mn_view(thr_mma_qk.partition_C(cS))
-        t0ScS_mn = _mn_view(tiled_mma_qk.get_slice(0).partition_C(cS))
+        tScS_mn = mn_view(thr_mma_qk.partition_C(cS))
+        t0ScS_mn = mn_view(tiled_mma_qk.get_slice(0).partition_C(cS))
         nrows = cute.size(tScS_mn, mode=[0])
         row_max = cute.make_rmem_tensor(nrows, Float32)
         row_sum = cute.make_rmem_tensor(nrows, Float32)
@@ -601,7 +564,7 @@ class FlashFwdSm90:
                 pipe_k.consumer_release(kv_state)
                 self.apply_mask(acc_S, tScS_mn, t0ScS_mn, m_block, n_block, seqlen_k, diag, True)
                 self.online_softmax(acc_S, row_max, row_sum, acc_O, scale_log2, True)
-                tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
+                tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
                 for i in cutlass.range(n_masked, unroll=1):
                     kv_state = self.overlap_step(
                         kv_state, n_block_max - 2 - i, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
@@ -654,13 +617,7 @@ class FlashFwdSm90:
         zero_init: cutlass.Constexpr[bool],
         wait: cutlass.Constexpr[int],
     ):
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
-            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
+        wgmma_gemm(tiled_mma, acc, tA, tB, zero_init)
         if const_expr(wait >= 0):
             warpgroup.wait_group(wait)
 
@@ -720,7 +677,7 @@ class FlashFwdSm90:
         row_scale = self.online_softmax(acc_S, row_max, row_sum, acc_O, scale_log2, False)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
-        tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
+        tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
         self.rescale_o(acc_O, row_scale)
         return kv_state
 
@@ -756,7 +713,7 @@ class FlashFwdSm90:
         if const_expr(mask_kind > 0):
             self.apply_mask(acc_S, tScS_mn, t0ScS_mn, m_block, n_block, seqlen_k, diag, mask_kind == 2)
         row_scale = self.online_softmax(acc_S, row_max, row_sum, acc_O, scale_log2, False)
-        tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
+        tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
         self.rescale_o(acc_O, row_scale)
         pipe_v.consumer_wait(kv_state)
         self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, 0)
@@ -780,7 +737,7 @@ class FlashFwdSm90:
         """Set S to -inf where key col >= seqlen_k (if mask_seqlen) or, when causal,
         where col > row + diag. Comparisons are against thread 0's compile-time
         column coordinates with this thread's column offset folded into the limit."""
-        acc_mn = _mn_view(acc_S)
+        acc_mn = mn_view(acc_S)
         thr_col = tScS_mn[0, 0][1]
         col0 = n_block * self.tile_n + thr_col
         seqlen_limit = seqlen_k - col0
@@ -810,7 +767,7 @@ class FlashFwdSm90:
     ):
         """Turn S into unnormalised P in place; update running max / partial sums.
         Returns per-row factors for O (1.0 where the max was kept)."""
-        acc_mn = _mn_view(acc_S)
+        acc_mn = mn_view(acc_S)
         row_scale = cute.make_rmem_tensor_like(row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(row_max)):
             vals = acc_mn[r, None].load()
@@ -844,7 +801,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def rescale_o(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
-        acc_mn = _mn_view(acc_O)
+        acc_mn = mn_view(acc_O)
         if const_expr(self.rescale_threshold > 0.0):
             need = row_scale[0] != Float32(1.0)
             for r in cutlass.range_constexpr(1, cute.size(row_scale)):
@@ -879,9 +836,9 @@ class FlashFwdSm90:
         past its last S = Q K^T) -> one TMA store (rows past seqlen_q are clipped by TMA)."""
         D = self.head_dim
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
-        acc_mn = _mn_view(acc_O)
+        acc_mn = mn_view(acc_O)
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-        rO_mn = _mn_view(rO)
+        rO_mn = mn_view(rO)
         lse_r = cute.make_rmem_tensor_like(row_sum, Float32)
         for r in cutlass.range_constexpr(cute.size(row_sum)):
             s = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
@@ -909,7 +866,7 @@ class FlashFwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         mL_cur = mLSE[None, head, batch]
         cO = cute.make_identity_tensor((self.tile_m, D))
-        tOcO_mn = _mn_view(thr_mma_pv.partition_C(cO))
+        tOcO_mn = mn_view(thr_mma_pv.partition_C(cO))
         if tOcO_mn[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(row_sum)):
                 row = m_block * self.tile_m + tOcO_mn[r, 0][0]
@@ -970,10 +927,10 @@ class FlashFwdSm90:
             mO_cur = cute.domain_offset((offset_q, 0), mO[None, None, head])
             mL_cur = cute.domain_offset((offset_q,), mLSE[None, head])
         gO = cute.local_tile(mO_cur, (self.tile_m, D), (m_block, 0))
-        tOgO_mn = _mn_view(thr_mma_pv.partition_C(gO))
+        tOgO_mn = mn_view(thr_mma_pv.partition_C(gO))
         cO = cute.make_identity_tensor((self.tile_m, D))
-        tOcO_mn = _mn_view(thr_mma_pv.partition_C(cO))
-        acc_mn = _mn_view(acc_O)
+        tOcO_mn = mn_view(thr_mma_pv.partition_C(cO))
+        acc_mn = mn_view(acc_O)
         is_col0 = tOcO_mn[0, 0][1] == 0
         for r in cutlass.range_constexpr(cute.size(row_sum)):
             s = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)

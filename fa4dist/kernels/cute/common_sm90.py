@@ -1,4 +1,4 @@
-# Small device-side helpers shared by the Hopper backward kernels (bwd_*.py).
+# Small device-side helpers shared by the Hopper forward and backward kernels (fwd_sm90.py, bwd_*.py).
 #
 # This module imports cutlass at import time: import it lazily.
 
@@ -165,3 +165,26 @@ def dq_chunk_layout(tile_m: int, head_dim: int, num_chunks=None):
         shape = shape + (num_chunks,)
         stride = stride + (tile_m * head_dim,)
     return cute.make_layout(shape, stride=stride)
+
+
+# ----------------------------------------------------------------------------
+# warpgroup MMA
+# ----------------------------------------------------------------------------
+
+
+@cute.jit
+def wgmma_gemm(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tA: cute.Tensor,
+    tB: cute.Tensor,
+    zero_init: cutlass.Constexpr[bool],
+):
+    """Issue one warpgroup GEMM (all K blocks) as one wgmma commit group; does not wait."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
+        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
