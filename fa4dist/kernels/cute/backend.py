@@ -11,7 +11,8 @@ import torch
 
 from . import interface as _impl
 
-_BWD_HEAD_DIMS = (64, 128)  # fa4dist.kernels.cute.backward.BWD_HEAD_DIMS, without importing cutlass here
+_BWD_HEAD_DIMS = (64, 128)  # fa4dist.kernels.cute.backward.BWD_HEAD_DIMS
+_INT32_MAX = 2**31 - 1
 
 
 class CuteSm90Backend:
@@ -42,6 +43,15 @@ class CuteSm90Backend:
             return Unsupported(f"cute needs a positive softmax_scale, got {problem.softmax_scale}")
         if direction == "backward" and problem.head_dim not in _BWD_HEAD_DIMS:
             return Unsupported(f"the cute backward supports head dims {_BWD_HEAD_DIMS}, got {problem.head_dim}")
+        # the kernels index in 32 bits (non-compact views are copied compact first, see _kernel_ready)
+        d = max(problem.head_dim, problem.head_dim_v)
+        largest = max(problem.total_q * problem.heads_q, problem.total_k * problem.heads_kv) * d
+        if direction == "backward":
+            from .backward import dq_scratch_elements
+
+            largest = max(largest, dq_scratch_elements(problem.total_q, problem.batch, problem.heads_q, d))
+        if largest >= _INT32_MAX:
+            return Unsupported(f"{largest} elements in one tensor: the cute kernels index in 32 bits")
         if problem.causal:
             for qo, ko in zip(problem.q_offsets, problem.k_offsets):
                 if abs(qo - ko) > 2**30:
@@ -50,10 +60,13 @@ class CuteSm90Backend:
 
     @staticmethod
     def _kernel_ready(t: torch.Tensor, elems: int) -> bool:
+        """TMA needs a contiguous head dim and 16-byte aligned base and strides; 32-bit indexing needs the
+        view's extent below 2^31 elements."""
         return (
             t.stride(-1) == 1
             and all(s % elems == 0 for s in t.stride()[:-1])
             and t.data_ptr() % 16 == 0
+            and sum((n - 1) * s for n, s in zip(t.shape, t.stride())) < _INT32_MAX
         )
 
     def forward(self, problem, q, k, v, out=None, lse=None, accumulate=False):

@@ -27,6 +27,12 @@ _INT32_MAX = 2**31 - 1
 TILE_N = 128
 
 
+def dq_scratch_elements(total_q: int, num_seqs: int, heads_q: int, head_dim: int) -> int:
+    """fp32 elements of the dQ accumulation scratch (query tiles of every sequence and head), 32-bit indexed."""
+    tm = tile_m_for(head_dim)
+    return (total_q // tm + num_seqs + 1) * heads_q * tm * head_dim
+
+
 def tile_m_for(head_dim: int) -> int:
     # 64 for both head dims: with d = 64 a 128-row query tile (FA3's choice) spills on the MMA warpgroups
     return 64
@@ -350,27 +356,15 @@ def supports_backward(q, k, v, *, dout=None, out=None, lse=None, dq=None, dk=Non
     """(ok, reason): whether this kernel can compute the call. The caller validated the contract."""
     if softmax_scale is not None and not softmax_scale > 0:
         return False, "softmax_scale must be positive (the kernel masks with -inf scores)"
-    if q.dtype not in _TORCH_DTYPES:
-        return False, f"dtype {q.dtype} not supported (bf16/fp16 only)"
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        return False, "q, k, v must share a dtype"
-    d = q.shape[-1]
-    if d not in BWD_HEAD_DIMS:
-        return False, f"head dim {d} not supported by the cute sm90 backward (supported: {BWD_HEAD_DIMS})"
-    if k.shape[-1] != d or v.shape[-1] != d:
-        return False, "q, k, v head dims must match"
-    if not (q.is_cuda and k.is_cuda and v.is_cuda):
-        return False, "tensors must be on a CUDA device"
+    from .interface import check_qkv
+
+    ok, reason = check_qkv(q, k, v, BWD_HEAD_DIMS, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                           what="backward")
+    if not ok:
+        return ok, reason
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False, "needs an sm_90 (Hopper) GPU"
-    hq, hk = q.shape[-2], k.shape[-2]
-    if hk == 0 or hq % hk:
-        return False, "heads_q must be a multiple of heads_kv"
-    varlen = cu_seqlens_q is not None
-    if varlen != (cu_seqlens_k is not None):
-        return False, "cu_seqlens_q and cu_seqlens_k must be given together"
-    if q.dim() != (3 if varlen else 4):
-        return False, "q must be (b, s, h, d) or packed (t, h, d)"
+    varlen, d, hq = cu_seqlens_q is not None, q.shape[-1], q.shape[-2]
     for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)):
         if t is not None and not _aligned(t):
             return False, f"{name} needs a contiguous last dim and 16-byte aligned base and strides"
@@ -390,13 +384,8 @@ def supports_backward(q, k, v, *, dout=None, out=None, lse=None, dq=None, dk=Non
         return False, "dk and dv must share a dtype"
     total_q = q.shape[0] * (1 if varlen else q.shape[1])
     nseg = (cu_seqlens_q.shape[0] - 1) if varlen else q.shape[0]
-    tm = tile_m_for(d)
-    chunks = (total_q // tm + nseg + 1) * hq
-    if chunks * tm * d >= _INT32_MAX:
+    if dq_scratch_elements(total_q, nseg, hq, d) >= _INT32_MAX:
         return False, "problem too large for 32-bit scratch indexing"
-    for t in (q, k):
-        if t.numel() and max(s * n for s, n in zip(t.stride(), t.shape)) >= _INT32_MAX:
-            return False, "tensor too large for 32-bit indexing"
     return True, ""
 
 

@@ -111,15 +111,17 @@ def _aligned(t: torch.Tensor, elems: int) -> bool:
     return t.data_ptr() % 16 == 0
 
 
-def supports(q, k, v, causal=False, *, cu_seqlens_q=None, cu_seqlens_k=None, accumulate=False, out=None, lse=None):
-    """(ok, reason). Checks what the kernel itself can take; the caller validated the contract."""
+def check_qkv(q, k, v, head_dims, *, cu_seqlens_q=None, cu_seqlens_k=None, what="kernel"):
+    """(ok, reason) for the q/k/v properties every CuTe kernel needs (shared by forward and backward).
+
+    The contract (fa4dist.kernels.problem) validated the call already; these are the kernels' own limits."""
     if q.dtype not in _TORCH_DTYPES:
         return False, f"dtype {q.dtype} not supported (bf16/fp16 only)"
     if k.dtype != q.dtype or v.dtype != q.dtype:
         return False, "q, k, v must share a dtype"
     d = q.shape[-1]
-    if d not in SUPPORTED_HEAD_DIMS:
-        return False, f"head dim {d} not supported by the cute sm90 kernel (supported: {SUPPORTED_HEAD_DIMS})"
+    if d not in head_dims:
+        return False, f"head dim {d} not supported by the cute sm90 {what} (supported: {head_dims})"
     if k.shape[-1] != d or v.shape[-1] != d:
         return False, "q, k, v head dims must match"
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
@@ -131,7 +133,18 @@ def supports(q, k, v, causal=False, *, cu_seqlens_q=None, cu_seqlens_k=None, acc
     if varlen != (cu_seqlens_k is not None):
         return False, "cu_seqlens_q and cu_seqlens_k must be given together"
     if q.dim() != (3 if varlen else 4):
-        return False, "q must be (b, s, h, d) or varlen (t, h, d)"
+        return False, "q must be (b, s, h, d) or packed (t, h, d)"
+    for t in (q, k):
+        if t.numel() and max(s * n for s, n in zip(t.stride(), t.shape)) >= _INT32_MAX:
+            return False, "tensor too large for 32-bit indexing"
+    return True, ""
+
+
+def supports(q, k, v, causal=False, *, cu_seqlens_q=None, cu_seqlens_k=None, accumulate=False, out=None, lse=None):
+    """(ok, reason). Checks what the kernel itself can take; the caller validated the contract."""
+    ok, reason = check_qkv(q, k, v, SUPPORTED_HEAD_DIMS, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if not ok:
+        return ok, reason
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not _aligned(t, 8):
             return False, f"{name} needs a contiguous last dim, 16-byte aligned base and strides"
@@ -142,9 +155,6 @@ def supports(q, k, v, causal=False, *, cu_seqlens_q=None, cu_seqlens_k=None, acc
             return False, "out needs a contiguous last dim, 16-byte aligned base and strides"
     if lse is not None and (lse.dtype != torch.float32 or lse.stride(-1) != 1):
         return False, "lse must be fp32 with a contiguous last dim"
-    for t in (q, k):
-        if t.numel() and max(s * n for s, n in zip(t.stride(), t.shape)) >= _INT32_MAX:
-            return False, "tensor too large for 32-bit indexing"
     return True, ""
 
 
