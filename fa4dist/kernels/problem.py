@@ -54,10 +54,6 @@ class AttentionProblem:
         return self.cu_seqlens_q is not None
 
     @property
-    def group_size(self) -> int:
-        return self.heads_q // self.heads_kv
-
-    @property
     def uniform_offsets(self) -> bool:
         return len(set(self.q_offsets)) <= 1 and len(set(self.k_offsets)) <= 1
 
@@ -82,17 +78,6 @@ class AttentionProblem:
                 yield b, qs, qe - qs, ks, ke - ks, self.q_offsets[b], self.k_offsets[b]
             else:
                 yield b, b, self.seqlen_q, b, self.seqlen_k, self.q_offsets[b], self.k_offsets[b]
-
-    def flops(self, direction: str = "forward") -> float:
-        """Matmul FLOPs actually required by the mask (visible pairs only): 2 matmuls forward, 5 backward."""
-        from .mask import visible_pairs
-
-        pairs = sum(
-            visible_pairs(ql, kl, qo, ko, self.causal) for _, _, ql, _, kl, qo, ko in self.segments()
-        )
-        per_pair = 2 * self.head_dim + 2 * self.head_dim_v
-        mult = 1.0 if direction == "forward" else 2.5
-        return mult * pairs * per_pair * self.heads_q
 
 
 # ---------------------------------------------------------------------------------------------------------------
