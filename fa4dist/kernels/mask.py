@@ -5,8 +5,9 @@ A block of ``q_len`` queries and ``k_len`` keys is placed in its sequence (or do
 with ``causal`` key ``j`` is visible to query ``i`` iff ``k_offset + j <= q_offset + i``.  Packed documents are
 separate segments (``cu_seqlens``); a query never sees a key of another segment.
 
-Everything else (the reference backend, the decomposition the fused torch ops need, block skipping in ring
-attention, the LPT cost model, the FLOP counts of the benchmarks) is derived from the functions here.
+Everything else on the host (the reference backend, the decomposition the fused torch ops need, block skipping in
+ring attention, the LPT cost model, the recipes' FLOP counts) is derived from the functions here; the CuTe kernels
+apply the same rule on the device (key j visible iff j <= i + q_offset - k_offset).
 """
 
 from __future__ import annotations
