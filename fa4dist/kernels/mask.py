@@ -6,7 +6,8 @@ with ``causal`` key ``j`` is visible to query ``i`` iff ``k_offset + j <= q_offs
 separate segments (``cu_seqlens``); a query never sees a key of another segment.
 
 Everything else on the host (the reference backend, the decomposition the fused torch ops need, block skipping in
-ring attention, the LPT cost model) is derived from the functions here; the CuTe kernels apply the same rule on the device (key j visible iff j <= i + q_offset - k_offset).
+ring attention, the LPT cost model) is derived from the functions here; the CuTe kernels apply the same rule on
+the device (key j visible iff j <= i + q_offset - k_offset).
 """
 
 from __future__ import annotations
