@@ -2,7 +2,6 @@
 pinned host memory), fp64 exactness with the reference backend and bf16 precision with the fused backends."""
 
 import pytest
-import torch
 
 from cp_cases import random_docs, run_case
 from cp_harness import shared_pool

@@ -11,11 +11,10 @@
 
 from typing import Optional
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .common_sm90 import dq_chunk_layout, dq_tiled_mma, mn_view, select_modes
+from .common_sm90 import dq_chunk_layout, dq_tiled_mma, select_modes, store_acc_rows
 
 
 class BwdPostprocess:
@@ -78,20 +77,4 @@ class BwdPostprocess:
             flat = cute.make_tensor(acc.iterator, cute.make_layout(src.shape))
             cute.autovec_copy(src, flat)
 
-            thr = tiled_mma.get_slice(tidx)
-            tc_mn = mn_view(thr.partition_C(cute.make_identity_tensor((tm, D))))
-            gdst = cute.local_tile(mdQ_cur, (tm, D), (m_block, 0))
-            tdst_mn = mn_view(thr.partition_C(gdst))
-            acc_mn = mn_view(acc)
-            for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-                row = m_block * tm + tc_mn[r, 0][0]
-                if row < seqlen_q:
-                    if const_expr(not self.accumulate):
-                        o = cute.make_rmem_tensor_like(acc_mn[r, None], mdQ.element_type)
-                        o.store(acc_mn[r, None].load().to(mdQ.element_type))
-                        cute.autovec_copy(o, tdst_mn[r, None])
-                    else:
-                        o = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
-                        cute.autovec_copy(tdst_mn[r, None], o)
-                        o.store(o.load() + acc_mn[r, None].load())
-                        cute.autovec_copy(o, tdst_mn[r, None])
+            store_acc_rows(acc, mdQ_cur, tiled_mma.get_slice(tidx), (tm, D), m_block, seqlen_q, self.accumulate)

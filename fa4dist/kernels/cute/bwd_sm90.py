@@ -47,6 +47,7 @@ from .common_sm90 import (
     red_release_add_gpu,
     select_modes,
     smem_layout_kmajor,
+    store_acc_rows,
     transpose_smem,
     wgmma_gemm,
 )
@@ -655,31 +656,9 @@ class FlashBwdSm90:
             else:
                 mdK_cur = cute.domain_offset((offset_k, 0), mdK[None, None, head_kv])
                 mdV_cur = cute.domain_offset((offset_k, 0), mdV[None, None, head_kv])
-            self.store_dkv(acc_dK, mdK_cur, thr_dkv, n_block, seqlen_k)
-            self.store_dkv(acc_dV, mdV_cur, thr_dkv, n_block, seqlen_k)
-
-    @cute.jit
-    def store_dkv(self, acc: cute.Tensor, mdst: cute.Tensor, thr_dkv: cute.ThrMma, n_block: Int32, seqlen_k: Int32):
-        """Rows of this thread's dK or dV fragment -> gmem (fresh: cast; accumulate: fp32 +=)."""
-        D = self.head_dim
-        tn = self.tile_n
-        cKV = cute.make_identity_tensor((tn, D))
-        tcKV_mn = mn_view(thr_dkv.partition_C(cKV))
-        gdst = cute.local_tile(mdst, (tn, D), (n_block, 0))
-        tdst_mn = mn_view(thr_dkv.partition_C(gdst))
-        acc_mn = mn_view(acc)
-        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            row = n_block * tn + tcKV_mn[r, 0][0]
-            if row < seqlen_k:
-                if const_expr(not self.accumulate):
-                    o = cute.make_rmem_tensor_like(acc_mn[r, None], mdst.element_type)
-                    o.store(acc_mn[r, None].load().to(mdst.element_type))
-                    cute.autovec_copy(o, tdst_mn[r, None])
-                else:
-                    o = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
-                    cute.autovec_copy(tdst_mn[r, None], o)
-                    o.store(o.load() + acc_mn[r, None].load())
-                    cute.autovec_copy(o, tdst_mn[r, None])
+            kv_tile = (self.tile_n, self.head_dim)
+            store_acc_rows(acc_dK, mdK_cur, thr_dkv, kv_tile, n_block, seqlen_k, self.accumulate)
+            store_acc_rows(acc_dV, mdV_cur, thr_dkv, kv_tile, n_block, seqlen_k, self.accumulate)
 
     # ------------------------------------------------------------------------
     @cute.jit

@@ -188,3 +188,33 @@ def wgmma_gemm(
         cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
+
+
+@cute.jit
+def store_acc_rows(
+    acc: cute.Tensor,
+    mdst: cute.Tensor,
+    thr_mma,
+    tile: cutlass.Constexpr,
+    block: Int32,
+    seqlen: Int32,
+    accumulate: cutlass.Constexpr[bool],
+):
+    """Rows of this thread's fp32 accumulator fragment of tile `block` of mdst -> gmem, rows < seqlen only:
+    cast to mdst's dtype, or (accumulate) added into the fp32 mdst."""
+    rows, cols = tile
+    coords = mn_view(thr_mma.partition_C(cute.make_identity_tensor((rows, cols))))
+    gdst = cute.local_tile(mdst, (rows, cols), (block, 0))
+    tdst_mn = mn_view(thr_mma.partition_C(gdst))
+    acc_mn = mn_view(acc)
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        if block * rows + coords[r, 0][0] < seqlen:
+            if cutlass.const_expr(not accumulate):
+                o = cute.make_rmem_tensor_like(acc_mn[r, None], mdst.element_type)
+                o.store(acc_mn[r, None].load().to(mdst.element_type))
+                cute.autovec_copy(o, tdst_mn[r, None])
+            else:
+                o = cute.make_rmem_tensor_like(acc_mn[r, None], cutlass.Float32)
+                cute.autovec_copy(tdst_mn[r, None], o)
+                o.store(o.load() + acc_mn[r, None].load())
+                cute.autovec_copy(o, tdst_mn[r, None])

@@ -520,7 +520,6 @@ class FlashFwdSm90:
         wg_mma_qk = tiled_mma_qk.get_slice(wg_layout(wg))
         wg_mma_pv = tiled_mma_pv.get_slice(wg_layout(wg))
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
-        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
 
         D = self.head_dim
         tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
@@ -893,7 +892,6 @@ class FlashFwdSm90:
         offset_q: Int32,
         seqlen_q: Int32,
     ):
-        D = self.head_dim
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
         if const_expr(tma_atom_O is not None):
             self.epilogue_tma(acc_O, row_max, row_sum, mLSE, mO_tma, tma_atom_O, sQ, tiled_mma_pv, tidx,
