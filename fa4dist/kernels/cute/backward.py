@@ -400,9 +400,9 @@ def _offset_tensor(x, n, device):
         if t.numel() == 1 and n != 1:
             t = t.expand(n)
         return t.contiguous()
-    if isinstance(x, (list, tuple)):
-        return torch.tensor([int(v) for v in x], dtype=torch.int32, device=device)
-    return torch.full((n,), int(x), dtype=torch.int32, device=device)
+    from .interface import offsets_tensor  # cached by value: no H2D copy per ring step
+
+    return offsets_tensor(x if isinstance(x, (list, tuple)) else [int(x)] * n, device)
 
 
 def _is_uniform(x):
