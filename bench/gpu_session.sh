@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,nohead
 stage kernels 190 python3 bench/kernels.py --headdims 64 128 --seqlens 1024 4096 16384 \
   --backends cute sdpa_cudnn sdpa_flash flash_attn_4 --deterministic --accumulate --accumulate-seqlens 4096 \
   --warmup-ms 10 --rep-ms 40 --out-dir "$OUT"
-TAIL_LINES=25 stage tests 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_backends_gpu.py tests/test_cp_gpu.py
+TAIL_LINES=25 stage tests 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_backends_gpu.py tests/cp/test_cp_gpu.py
 TAIL_LINES=30 stage cp_sim 50 python3 bench/cp_sim.py --reps 2
 TAIL_LINES=15 stage fsdp2 100 torchrun --nproc-per-node 1 recipes/fsdp2_train.py --model base --seqlen 32768 \
   --batch-size 1 --packing stream --steps 6 --timing-warmup 2 --dtype bf16 --activation-checkpointing --metrics-out "$OUT/fsdp2.jsonl"

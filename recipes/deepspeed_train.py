@@ -81,7 +81,7 @@ def ds_config(args, layout, dtype) -> dict:
     if args.zero_stage == 3 and layout.cp > 1:
         # ZeRO-3's reduce-scatter path (reduce_scatter_coalesced) averages gradients over all dp x sp ranks and
         # never scales back by the sequence-parallel size, unlike ZeRO-2 and ZeRO-3's all-reduce path: with it the
-        # gradients would come out cp times too small (checked in tests/test_recipes_deepspeed.py).  Take the
+        # gradients would come out cp times too small (checked in tests/recipes/test_recipes_deepspeed.py).  Take the
         # all-reduce path, which divides by dp only.
         zero["reduce_scatter"] = False
     cfg["bf16"] = {"enabled": dtype == torch.bfloat16}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 sys.path.insert(0, str(RECIPES))
 
 import common  # noqa: E402

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _load():
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "cp_sim.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "cp_sim.py")
     spec = importlib.util.spec_from_file_location("cp_sim", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

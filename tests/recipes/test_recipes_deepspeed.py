@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install --no-build-isolation deepspeed)")
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 sys.path.insert(0, str(RECIPES))
 
 import common  # noqa: E402
