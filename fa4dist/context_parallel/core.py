@@ -106,6 +106,12 @@ class _ContextParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{LABEL}: double backward (create_graph=True) is not supported across ranks: the ring and "
+                "Ulysses backward have no derivative of their own.  Differentiate once, or run the second-order "
+                "computation without context parallelism (fa4dist.attention supports it)"
+            )
         dq, dk, dv = ctx.call.backward(dout, *ctx.saved_tensors)
         return dq, dk, dv, None
 

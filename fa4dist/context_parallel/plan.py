@@ -80,20 +80,29 @@ class BalanceReport:
         return dict(
             balancer=self.balancer, cp_size=self.cp_size, ulysses_degree=self.ulysses_degree,
             num_chunks=self.num_chunks, chunk_size=self.chunk_size, work=list(self.work),
-            group_work=list(self.group_work), tokens=list(self.tokens), max_work=self.max_work,
+            group_work=list(self.group_work), compute=list(self.compute), tokens=list(self.tokens),
+            max_work=self.max_work,
             mean_work=self.mean_work, imbalance=self.imbalance,
         )
 
+    @property
+    def compute(self) -> tuple[float, ...]:
+        """Visible pairs each cp rank computes: its ring group's work over the group's u ranks (Ulysses splits a
+        group's attention by heads), the rank's own chunks' work for a plain ring."""
+        u = self.ulysses_degree
+        return tuple(self.group_work[r // u] / u for r in range(self.cp_size))
+
     def __str__(self) -> str:
-        unit = "groups" if self.ulysses_degree > 1 else "ranks"
+        mean = sum(self.compute) / len(self.compute) if self.compute else 0.0
         lines = [
             f"balance ({self.balancer}, {self.num_chunks} chunks of {self.chunk_size} tokens, cp={self.cp_size}"
-            + (f", ulysses={self.ulysses_degree}" if self.ulysses_degree > 1 else "")
-            + f"): max/mean work over {unit} = {self.imbalance:.4f}",
+            + (f", ulysses={self.ulysses_degree}: each rank computes 1/{self.ulysses_degree} of its group's heads"
+               if self.ulysses_degree > 1 else "")
+            + f"): max/mean compute over ranks = {self.imbalance:.4f}",
         ]
-        for r, (w, t) in enumerate(zip(self.work, self.tokens)):
-            share = w / self.mean_work * (len(self.group_work) / len(self.work)) if self.mean_work else 1.0
-            lines.append(f"  rank {r}: {t} tokens, {w} visible pairs ({share:.3f} x mean)")
+        for r, (c, t) in enumerate(zip(self.compute, self.tokens)):
+            share = c / mean if mean else 1.0
+            lines.append(f"  rank {r}: {t} tokens, {c:,.0f} visible pairs computed ({share:.3f} x mean)")
         return "\n".join(lines)
 
 
@@ -276,7 +285,7 @@ class ShardPlan:
 
     def global_indices(self, rank: Optional[int] = None) -> torch.Tensor:
         """int64 indices into the global token stream of the rank's local tokens."""
-        parts = [torch.arange(a, b) for a, b in self.local_ranges(self._resolve_rank(rank))]
+        parts = [torch.arange(a, b) for a, b in self.local_ranges(self._resolve_rank(rank, "global_indices"))]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
     # ---- documents ----------------------------------------------------------------------------------------------
@@ -310,7 +319,7 @@ class ShardPlan:
     def positions(self, rank: Optional[int] = None) -> torch.Tensor:
         """int64 positions of the rank's local tokens: the global position for one sequence, the position within
         its document for packed documents (what RoPE needs)."""
-        idx = self.global_indices(rank)
+        idx = self.global_indices(self._resolve_rank(rank, "positions"))
         if self.cu_seqlens is None:
             return idx
         cu = torch.tensor(self.cu_seqlens, dtype=torch.int64)
@@ -318,7 +327,7 @@ class ShardPlan:
 
     def document_ids(self, rank: Optional[int] = None) -> torch.Tensor:
         """int64 document index of each local token (all 0 for one sequence)."""
-        idx = self.global_indices(rank)
+        idx = self.global_indices(self._resolve_rank(rank, "document_ids"))
         if self.cu_seqlens is None:
             return torch.zeros_like(idx)
         return self._doc_of_token[idx]
@@ -327,7 +336,7 @@ class ShardPlan:
         """int32 boundaries of the rank's local segments: maximal runs of consecutive tokens of one document."""
         bounds = [0]
         offset = 0
-        for a, b in self.local_ranges(self._resolve_rank(rank)):
+        for a, b in self.local_ranges(self._resolve_rank(rank, "local_cu_seqlens")):
             for p in self.pieces(a, b):
                 offset += p.length
                 bounds.append(offset)
@@ -377,17 +386,14 @@ class ShardPlan:
             raise ValueError(f"rank must be in [0, {self.cp_size}) for this plan (cp_size={self.cp_size}), got {rank}")
         return rank
 
-    def _resolve_rank(self, rank: Optional[int]) -> int:
-        if rank is not None:
-            return self._check_rank(rank)
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() == self.cp_size:
-            return dist.get_rank()
-        raise ValueError(
-            "rank=None needs torch.distributed initialized with a world of cp_size ranks; pass rank= (the cp rank, "
-            "e.g. FA4ContextParallelAttention.cp_rank) explicitly"
-        )
+    def _resolve_rank(self, rank: Optional[int], what: str = "this") -> int:
+        if rank is None:
+            raise TypeError(
+                f"{what} needs rank=, the cp rank whose tokens you mean: FA4ContextParallelAttention.cp_rank (or use "
+                "module.shard(x, plan)).  It is not the global rank on a 2-D mesh, with dp > 1 or with explicit "
+                "groups, so it is never guessed"
+            )
+        return self._check_rank(rank)
 
     def _check_seq(self, x, seq_dim: int, expected: int, what: str) -> int:
         if not isinstance(x, torch.Tensor):
@@ -405,7 +411,7 @@ class ShardPlan:
 
     def shard(self, x: torch.Tensor, seq_dim: int = 1, rank: Optional[int] = None) -> torch.Tensor:
         """The local part of a global tensor (all `total_len` tokens along `seq_dim`) for cp rank `rank`."""
-        rank = self._resolve_rank(rank)
+        rank = self._resolve_rank(rank, "shard")
         seq_dim = self._check_seq(x, seq_dim, self.total_len, "x")
         parts = [x.narrow(seq_dim, a, b - a) for a, b in self.local_ranges(rank)]
         if not parts:

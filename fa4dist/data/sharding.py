@@ -26,16 +26,29 @@ class SingleRankPlan:
         self.cu_seqlens = cu_seqlens.to(torch.int32)
         self.total = int(cu_seqlens[-1])
 
+    @staticmethod
+    def _check_rank(rank) -> None:
+        if rank not in (None, 0):
+            raise ValueError(f"a single-rank plan has only rank 0, got {rank!r}")
+
     def shard(self, x: torch.Tensor, seq_dim: int = 1, rank: Optional[int] = None) -> torch.Tensor:
+        self._check_rank(rank)
         return x
 
-    def unshard(self, x: torch.Tensor, seq_dim: int = 1, *args, **kwargs) -> torch.Tensor:
-        return x
+    def unshard(self, x_local, seq_dim: int = 1) -> torch.Tensor:
+        """As :meth:`ShardPlan.unshard`: a list of the one rank's local tensor, or the tensor itself."""
+        if isinstance(x_local, (list, tuple)):
+            if len(x_local) != 1:
+                raise ValueError(f"unshard needs 1 local tensor (one per rank) or their concatenation, got {len(x_local)}")
+            x_local = x_local[0]
+        return x_local
 
     def positions(self, rank: Optional[int] = None) -> torch.Tensor:
+        self._check_rank(rank)
         return positions_from_cu_seqlens(self.cu_seqlens.cpu())
 
     def local_cu_seqlens(self, rank: Optional[int] = None) -> torch.Tensor:
+        self._check_rank(rank)
         return self.cu_seqlens
 
     def balance_report(self) -> dict:

@@ -6,7 +6,21 @@ from typing import Optional
 
 import torch
 
+from . import reference
 from .api import attention_backward, attention_forward
+from .problem import validate_inputs
+
+
+def _differentiable_grads(dout, q, k, v, mask_kwargs):
+    """dq, dk, dv as differentiable functions of (dout, q, k, v): the reference forward recomputed under autograd
+    and differentiated with ``create_graph=True`` (the fast backward treats the saved out/lse as constants, which
+    is right for one derivative and wrong for two).  Reference speed: meant for checks and small models."""
+    problem = validate_inputs(q, k, v, **mask_kwargs)
+    with torch.enable_grad():
+        out, _ = reference.forward(problem, q, k, v)
+        wanted = [t for t in (q, k, v) if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, dout.to(out.dtype), create_graph=True, allow_unused=True))
+    return tuple(next(grads) if t.requires_grad else None for t in (q, k, v))
 
 
 class _AttentionFunction(torch.autograd.Function):
@@ -21,6 +35,8 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: gradients that are themselves differentiable
+            return (*_differentiable_grads(dout, q, k, v, ctx.mask_kwargs), None, None, None)
         dq, dk, dv = attention_backward(
             dout.contiguous(), q, k, v, out, lse, backend=ctx.backend, deterministic=ctx.deterministic,
             **ctx.mask_kwargs,

@@ -25,6 +25,26 @@ def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def check_partial(name: str, out: torch.Tensor, lse: torch.Tensor, like_out: Optional[torch.Tensor] = None) -> None:
+    """Raises a clear error unless (out, lse) is a partial result in the contract's layout (and shaped like
+    ``like_out`` when given)."""
+    for what, t in ((f"{name} out", out), (f"{name} lse", lse)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if out.dim() < 3 or lse.dim() != out.dim() - 1:
+        raise ValueError(
+            f"{name}: out must be (..., seqlen, heads, head_dim) with lse (..., heads, seqlen), got out "
+            f"{tuple(out.shape)} and lse {tuple(lse.shape)}"
+        )
+    expected = tuple(out.shape[:-3]) + (out.shape[-2], out.shape[-3])
+    if tuple(lse.shape) != expected:
+        raise ValueError(f"{name}: lse must have shape {expected} for out of shape {tuple(out.shape)}, got "
+                         f"{tuple(lse.shape)}")
+    if like_out is not None and out.shape != like_out.shape:
+        raise ValueError(f"{name}: out has shape {tuple(out.shape)} but the other partial results have "
+                         f"{tuple(like_out.shape)}")
+
+
 def _merge_weights(lses: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Normalized weights exp(lse_i - lse) and the merged lse, stable and safe for -inf entries."""
     peak = lses[0]
@@ -48,6 +68,8 @@ def merge_into_(
 
     Three passes over ``out``: scale, clear the rows that had seen no key (whatever they held, NaN included), add
     the weighted block.  ``block_out`` must be finite; the contract's backends give 0 for rows that saw no key."""
+    check_partial("the running result", out, lse)
+    check_partial("the block", block_out, block_lse, like_out=out)
     if out.dtype not in (torch.float32, torch.float64) or lse.dtype != out.dtype:
         raise TypeError(f"the running out/lse must both be float32 (or float64), got {out.dtype} and {lse.dtype}")
     (w_run, w_blk), merged = _merge_weights([lse, block_lse.to(lse.dtype)])
@@ -67,6 +89,11 @@ def merge_partials(
     Returns (out, lse) in fp32 (fp64 for fp64 inputs); writes into ``out`` when given."""
     if len(outs) == 0 or len(outs) != len(lses):
         raise ValueError(f"merge_partials needs as many outs as lses (at least one), got {len(outs)} and {len(lses)}")
+    for i, (o, lse) in enumerate(zip(outs, lses)):
+        check_partial(f"merge_partials: partial {i}", o, lse, like_out=outs[0])
+    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != outs[0].shape):
+        raise ValueError(f"merge_partials: out must be a tensor of shape {tuple(outs[0].shape)}, got "
+                         f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
     dtype = _accum_dtype(outs[0].dtype)
     weights, merged = _merge_weights([lse.to(dtype) for lse in lses])
     acc = outs[0].to(dtype) * lse_as_out_layout(weights[0])

@@ -123,7 +123,20 @@ def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> tuple[int, ...]
     return values
 
 
+# Token positions must leave room for a block's length in int64 arithmetic (the kernels' own, narrower limits are
+# theirs to check).
+OFFSET_LIMIT = 2**62
+
+
 def _offsets(name: str, value: Offset, count: int) -> tuple[int, ...]:
+    values = _offset_values(name, value, count)
+    for x in values:
+        if not -OFFSET_LIMIT <= x < OFFSET_LIMIT:
+            raise ValueError(f"{name} must be a token position in [-2**62, 2**62), got {x}")
+    return values
+
+
+def _offset_values(name: str, value: Offset, count: int) -> tuple[int, ...]:
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int or a sequence/tensor of ints, got bool")
     if isinstance(value, int):
@@ -252,7 +265,7 @@ def check_buffer(
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if t.dtype not in dtypes:
-        allowed = " or ".join(str(d) for d in dtypes)
+        allowed = " or ".join(dict.fromkeys(str(d) for d in dtypes))
         raise TypeError(f"{name} must have dtype {allowed}, got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name} must be on {device}, got {t.device}")

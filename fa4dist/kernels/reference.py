@@ -4,6 +4,11 @@ Accumulates in fp32 (fp64 for fp64 inputs) and walks the score matrix in (query 
 online softmax, so a 32k-token sequence on the CPU never materializes the whole score matrix.  GQA is computed by
 viewing the query heads as (kv_heads, group) — K and V are never expanded.  Tiles that the mask hides entirely
 are skipped; tiles it shows entirely skip the mask.
+
+Non-finite values follow the contract: a masked (query, key) pair contributes exactly nothing, whatever the key,
+value, query or output gradient holds there (padding garbage, NaN, inf), so a row's results depend only on what it
+can see.  A row that sees no key gets out = 0 and lse = -inf; a row that sees keys but whose softmax is undefined
+(non-finite scores) gets lse = NaN, never -inf.
 """
 
 from __future__ import annotations
@@ -40,6 +45,39 @@ def _tile_mask(q_len, k_len, q_pos0, k_pos0, causal, device):
     return vis, visible(q_pos, k_pos, causal)
 
 
+# The two contractions of attention, masked pairs contributing exactly nothing.  A weight of 0 times a non-finite
+# value is NaN in a plain product, so non-finite values are contracted separately, only over visible pairs.
+_ROWS_FROM_KEYS = "bhgqk,bkhd->bhgqd"  # P @ V, dS @ K: values indexed by key
+_KEYS_FROM_ROWS = "bhgqk,bqhgd->bkhd"  # P^T @ dO, dS^T @ Q: values indexed by query (and head of the group)
+
+
+def _contract(equation: str, weights: torch.Tensor, values: torch.Tensor, keep) -> torch.Tensor:
+    """einsum(equation, weights, values) where the pairs that ``keep`` (broadcastable to weights, None: all)
+    hides contribute exactly zero even where ``values`` is not finite."""
+    finite = torch.isfinite(values)
+    if bool(finite.all()):
+        return torch.einsum(equation, weights, values)
+    result = torch.einsum(equation, weights, torch.where(finite, values, torch.zeros((), dtype=values.dtype)))
+    if keep is not None:
+        keep = keep.expand(weights.shape)
+    by_key = equation == _ROWS_FROM_KEYS
+    # tokens (keys, or queries) whose value vector holds a non-finite entry somewhere
+    bad = (~finite).flatten(2).any(-1).any(0)
+    for t in bad.nonzero().flatten().tolist():
+        only_bad = torch.where(finite[:, t], torch.zeros((), dtype=values.dtype), values[:, t])
+        if by_key:  # weights[..., t] (b,h,g,q) times only_bad (b,h,d) -> (b,h,g,q,d)
+            term = weights[..., t].unsqueeze(-1) * only_bad[:, :, None, None, :]
+            if keep is not None:
+                term = torch.where(keep[..., t].unsqueeze(-1), term, torch.zeros((), dtype=term.dtype))
+            result += term
+        else:  # weights[..., t, :] (b,h,g,k) times only_bad (b,h,g,d) -> (b,k,h,d) summed over g
+            term = weights[:, :, :, t, :].unsqueeze(-1) * only_bad[:, :, :, None, :]
+            if keep is not None:
+                term = torch.where(keep[:, :, :, t, :].unsqueeze(-1), term, torch.zeros((), dtype=term.dtype))
+            result += term.sum(2).permute(0, 2, 1, 3)
+    return result
+
+
 def _forward_dense(q, k, v, scale: float, causal: bool, q_offset: int, k_offset: int):
     """q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D[v]) -> out (B, Sq, Hq, Dv), lse (B, Hq, Sq), in the accumulation dtype."""
     acc = accum_dtype(q.dtype)
@@ -55,11 +93,13 @@ def _forward_dense(q, k, v, scale: float, causal: bool, q_offset: int, k_offset:
         row_max = torch.full((batch, heads_kv, group, ql), float("-inf"), dtype=acc, device=q.device)
         row_sum = torch.zeros_like(row_max)
         acc_out = torch.zeros(batch, heads_kv, group, ql, head_dim_v, dtype=acc, device=q.device)
+        sees_a_key = torch.zeros(ql, dtype=torch.bool, device=q.device)  # from the mask alone, not the values
         for ks in range(0, seqlen_k, k_chunk):
             kl = min(k_chunk, seqlen_k - ks)
             vis, mask = _tile_mask(ql, kl, q_offset + qs, k_offset + ks, causal, q.device)
             if vis is Visibility.NONE:
                 continue
+            sees_a_key |= True if mask is None else mask.any(-1)
             kc, vc = k[:, ks : ks + kl].to(acc), v[:, ks : ks + kl].to(acc)
             scores = torch.einsum("bqhgd,bkhd->bhgqk", qc, kc)
             if mask is not None:
@@ -69,12 +109,17 @@ def _forward_dense(q, k, v, scale: float, causal: bool, q_offset: int, k_offset:
             probs = torch.exp(scores - shift.unsqueeze(-1))
             rescale = torch.exp(row_max - shift)
             row_sum = row_sum * rescale + probs.sum(-1)
-            acc_out = acc_out * rescale.unsqueeze(-1) + torch.einsum("bhgqk,bkhd->bhgqd", probs, vc)
+            acc_out = acc_out * rescale.unsqueeze(-1) + _contract(_ROWS_FROM_KEYS, probs, vc, mask)
             row_max = new_max
-        seen = row_sum > 0
+        # Rows that see keys: lse from the running max and sum, NaN where the softmax is undefined (a sum of 0 from
+        # -inf scores, or NaN); -inf only for rows that see no key at all.
+        defined = row_sum > 0
         shift = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
-        lse[..., qs : qs + ql] = torch.where(seen, shift + torch.log(row_sum), torch.full_like(row_sum, -torch.inf))
-        normalized = acc_out / torch.where(seen, row_sum, torch.ones_like(row_sum)).unsqueeze(-1)
+        nan = torch.full_like(row_sum, float("nan"))
+        row_lse = torch.where(defined, shift + torch.log(row_sum), nan)
+        lse[..., qs : qs + ql] = torch.where(sees_a_key, row_lse, torch.full_like(row_sum, -torch.inf))
+        normalized = acc_out / torch.where(defined, row_sum, nan).unsqueeze(-1)
+        normalized = torch.where(sees_a_key.unsqueeze(-1), normalized, torch.zeros((), dtype=acc))
         out[:, qs : qs + ql] = normalized.permute(0, 3, 1, 2, 4)
     return out.view(batch, seqlen_q, heads_q, head_dim_v), lse.view(batch, heads_q, seqlen_q)
 
@@ -97,9 +142,11 @@ def _backward_dense(dout, q, k, v, out, lse, scale: float, causal: bool, q_offse
         qc = q[:, qs : qs + ql].to(acc).view(batch, ql, heads_kv, group, -1)
         doc = dout[:, qs : qs + ql].to(acc).view(batch, ql, heads_kv, group, -1)
         lse_c = lse[..., qs : qs + ql]
-        lse_ok = torch.isfinite(lse_c).unsqueeze(-1)
-        lse_shift = torch.where(torch.isfinite(lse_c), lse_c, torch.zeros_like(lse_c)).unsqueeze(-1)
+        # lse = -inf: the row saw no key and has no gradient; a NaN lse (undefined softmax) propagates.
+        lse_seen = ~torch.isneginf(lse_c).unsqueeze(-1)
+        lse_shift = torch.where(torch.isneginf(lse_c), torch.zeros_like(lse_c), lse_c).unsqueeze(-1)
         delta_c = delta[..., qs : qs + ql].unsqueeze(-1)
+        zero = torch.zeros((), dtype=acc, device=q.device)
         for ks in range(0, seqlen_k, k_chunk):
             kl = min(k_chunk, seqlen_k - ks)
             vis, mask = _tile_mask(ql, kl, q_offset + qs, k_offset + ks, causal, q.device)
@@ -107,13 +154,14 @@ def _backward_dense(dout, q, k, v, out, lse, scale: float, causal: bool, q_offse
                 continue
             kc, vc = k[:, ks : ks + kl].to(acc), v[:, ks : ks + kl].to(acc)
             scores = torch.einsum("bqhgd,bkhd->bhgqk", qc, kc) * scale
-            keep = lse_ok if mask is None else (lse_ok & mask)
-            probs = torch.where(keep, torch.exp(scores - lse_shift), torch.zeros((), dtype=acc, device=q.device))
-            dv[:, ks : ks + kl] += torch.einsum("bhgqk,bqhgd->bkhd", probs, doc)
+            keep = lse_seen if mask is None else (lse_seen & mask)
+            probs = torch.where(keep, torch.exp(scores - lse_shift), zero)
+            dv[:, ks : ks + kl] += _contract(_KEYS_FROM_ROWS, probs, doc, keep)
             dprobs = torch.einsum("bqhgd,bkhd->bhgqk", doc, vc)
-            dscores = probs * (dprobs - delta_c)
-            dq[:, qs : qs + ql] += torch.einsum("bhgqk,bkhd->bqhgd", dscores, kc) * scale
-            dk[:, ks : ks + kl] += torch.einsum("bhgqk,bqhgd->bkhd", dscores, qc) * scale
+            dscores = torch.where(keep, probs * (dprobs - delta_c), zero)
+            dq_tile = _contract(_ROWS_FROM_KEYS, dscores, kc, keep)  # (b, h, g, q, d)
+            dq[:, qs : qs + ql] += dq_tile.permute(0, 3, 1, 2, 4) * scale
+            dk[:, ks : ks + kl] += _contract(_KEYS_FROM_ROWS, dscores, qc, keep) * scale
     return dq.view(batch, seqlen_q, heads_q, head_dim), dk, dv
 
 

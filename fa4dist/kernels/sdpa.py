@@ -9,7 +9,8 @@
 Their masks are "none" and "causal aligned on the diagonal".  Any causal block of a single alignment is split by
 :func:`fa4dist.kernels.mask.causal_decomposition` into at most three such sub-blocks whose results are merged by
 :mod:`fa4dist.kernels.merge`; a packed batch whose segments need different decompositions is not expressible and
-goes to the reference (the registry says so once).
+goes to the reference (the registry says so once).  Aligned causal calls run under :mod:`fa4dist.kernels.guard`,
+so non-finite values at masked positions cannot leak into visible rows through the ops' tiles.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 
 import torch
 
+from .guard import guarded_causal_backward, guarded_causal_forward
 from .mask import SubBlock, causal_decomposition
 from .merge import merge_into_
 from .problem import AttentionProblem
@@ -133,19 +135,33 @@ class _FusedBackend:
 
     # each subclass: _fwd(q, k, v, scale, aligned_causal), _bwd(dout, q, k, v, out, lse, scale, aligned_causal)
 
+    def _block_fwd(self, q, k, v, scale, aligned_causal):
+        if not aligned_causal:  # no masked pair: nothing can leak
+            return self._fwd(q, k, v, scale, False)
+        return guarded_causal_forward(lambda *t: self._fwd(*t, scale, True), q, k, v)
+
+    def _block_bwd(self, dout, q, k, v, out, lse, scale, aligned_causal):
+        if not aligned_causal:
+            return self._bwd(dout, q, k, v, out, lse, scale, False)
+        return guarded_causal_backward(lambda *t: self._bwd(*t[:5], t[5].contiguous(), scale, True),
+                                       dout, q, k, v, out, lse)
+
     def forward(self, problem: AttentionProblem, q, k, v):
         if problem.varlen:
-            causal = _packed_kind(problem) == "causal"
             cq, ck = problem.cu_seqlens_q_tensor.to(q.device), problem.cu_seqlens_k_tensor.to(q.device)
-            return _flash_forward(q, k, v, problem.softmax_scale, causal, cq, ck, problem.seqlen_q, problem.seqlen_k)
+            fwd = lambda q_, k_, v_, causal: _flash_forward(  # noqa: E731
+                q_, k_, v_, problem.softmax_scale, causal, cq, ck, problem.seqlen_q, problem.seqlen_k)
+            if _packed_kind(problem) == "causal":
+                return guarded_causal_forward(lambda *t: fwd(*t, True), q, k, v, cq)
+            return fwd(q, k, v, False)
         blocks = _single_segment_plan(problem)
         if len(blocks) == 1 and (blocks[0].q_len, blocks[0].k_len) == (problem.seqlen_q, problem.seqlen_k):
-            return self._fwd(q, k, v, problem.softmax_scale, blocks[0].aligned_causal)
+            return self._block_fwd(q, k, v, problem.softmax_scale, blocks[0].aligned_causal)
         out = torch.zeros(problem.out_shape(), dtype=torch.float32, device=q.device)
         lse = torch.full(problem.lse_shape(), float("-inf"), dtype=torch.float32, device=q.device)
         for blk in blocks:
             rows, keys = slice(blk.q_start, blk.q_start + blk.q_len), slice(blk.k_start, blk.k_start + blk.k_len)
-            o, l = self._fwd(q[:, rows], k[:, keys], v[:, keys], problem.softmax_scale, blk.aligned_causal)
+            o, l = self._block_fwd(q[:, rows], k[:, keys], v[:, keys], problem.softmax_scale, blk.aligned_causal)
             merge_into_(out[:, rows], lse[:, :, rows], o, l)
         return out, lse
 
@@ -154,21 +170,23 @@ class _FusedBackend:
         dout = dout.to(q.dtype)
         with _deterministic_algorithms(deterministic):
             if problem.varlen:
-                causal = _packed_kind(problem) == "causal"
                 cq, ck = problem.cu_seqlens_q_tensor.to(q.device), problem.cu_seqlens_k_tensor.to(q.device)
-                return _flash_backward(
-                    dout, q, k, v, out, lse.contiguous(), problem.softmax_scale, causal,
-                    cq, ck, problem.seqlen_q, problem.seqlen_k,
-                )
+                bwd = lambda do_, q_, k_, v_, o_, l_, causal: _flash_backward(  # noqa: E731
+                    do_, q_, k_, v_, o_, l_.contiguous(), problem.softmax_scale, causal,
+                    cq, ck, problem.seqlen_q, problem.seqlen_k)
+                if _packed_kind(problem) == "causal":
+                    return guarded_causal_backward(lambda *t: bwd(*t, True), dout, q, k, v, out, lse, cq)
+                return bwd(dout, q, k, v, out, lse, False)
             blocks = _single_segment_plan(problem)
             if len(blocks) == 1 and (blocks[0].q_len, blocks[0].k_len) == (problem.seqlen_q, problem.seqlen_k):
-                return self._bwd(dout, q, k, v, out, lse.contiguous(), problem.softmax_scale, blocks[0].aligned_causal)
+                return self._block_bwd(dout, q, k, v, out, lse.contiguous(), problem.softmax_scale,
+                                       blocks[0].aligned_causal)
             dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
             dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
             for blk in blocks:
                 rows, keys = slice(blk.q_start, blk.q_start + blk.q_len), slice(blk.k_start, blk.k_start + blk.k_len)
-                g = self._bwd(
+                g = self._block_bwd(
                     dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
                     lse[:, :, rows].contiguous(), problem.softmax_scale, blk.aligned_causal,
                 )

@@ -63,10 +63,27 @@ class FA4ContextParallelAttention(nn.Module):
 
     def make_plan(self, seqlen_or_cu_seqlens: Union[int, torch.Tensor, list], balancer: str = "lpt",
                   num_chunks: Optional[int] = None) -> ShardPlan:
-        """A plan for this module's group, mask and Ulysses degree; shard inputs with ``plan.shard(x, rank=
-        module.cp_rank)``."""
+        """A plan for this module's group, mask and Ulysses degree; shard inputs with ``module.shard(x, plan)``."""
         return make_plan(seqlen_or_cu_seqlens, self.cp_size, balancer, num_chunks, causal=self.cp.causal,
                          ulysses_degree=self.cp.plan_ulysses_degree())
+
+    def _plan(self, plan: Optional[ShardPlan]) -> ShardPlan:
+        plan = plan if plan is not None else self.plan
+        if not isinstance(plan, ShardPlan):
+            raise TypeError(f"plan must be a ShardPlan (module.make_plan), got {type(plan).__name__}")
+        return plan
+
+    def shard(self, x: torch.Tensor, plan: Optional[ShardPlan] = None, seq_dim: Optional[int] = None) -> torch.Tensor:
+        """This rank's tokens of a global tensor under `plan` (default: the module's); ``seq_dim`` defaults to 0
+        for packed-document plans and 1 for one sequence ((batch, seqlen, ...))."""
+        plan = self._plan(plan)
+        if seq_dim is None:
+            seq_dim = 0 if plan.packed else 1
+        return plan.shard(x, seq_dim=seq_dim, rank=self.cp_rank)
+
+    def positions(self, plan: Optional[ShardPlan] = None) -> torch.Tensor:
+        """int64 positions of this rank's tokens (within their document for packed plans): what RoPE needs."""
+        return self._plan(plan).positions(self.cp_rank)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Optional[ShardPlan] = None):
         return self.cp(q, k, v, plan if plan is not None else self.plan)

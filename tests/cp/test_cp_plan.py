@@ -138,7 +138,7 @@ def test_report_and_fingerprint():
     assert make_plan(1000, 4, "contiguous").fingerprint != a.fingerprint
     assert make_plan(1001, 4).fingerprint != a.fingerprint
     text = str(a.balance_report())
-    assert "max/mean work" in text and "rank 3" in text
+    assert "max/mean compute" in text and "rank 3" in text
     assert a.balance_report().as_dict()["imbalance"] == pytest.approx(1.0, abs=1e-3)
 
 
@@ -194,14 +194,29 @@ def test_make_plan_errors(args, kwargs, error, match):
         make_plan(*args, **kwargs)
 
 
+def test_balance_report_units_with_ulysses():
+    """Per-rank figures are in the header's units: with Ulysses every rank computes 1/u of its group's work."""
+    for cp, u in ((4, 2), (4, 4), (8, 2), (2, 1)):
+        report = make_plan(4096, cp, ulysses_degree=u).balance_report()
+        text = str(report)
+        shares = [float(line.split("(")[-1].split(" x mean")[0]) for line in text.splitlines()[1:]]
+        assert len(shares) == cp
+        assert abs(sum(shares) / cp - 1.0) < 1e-3, text
+        assert abs(max(shares) - report.imbalance) < 1e-3, text
+        assert abs(sum(report.compute) - sum(report.group_work)) <= 1e-6 * sum(report.group_work)
+
+
 def test_shard_errors():
     plan = make_plan(10, 2)
     with pytest.raises(ValueError, match="x has 9 tokens along seq_dim=1, but the plan expects 10"):
         plan.shard(torch.zeros(1, 9, 2, 2), rank=0)
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
         plan.shard(torch.zeros(1, 10, 2, 2), rank=2)
-    with pytest.raises(ValueError, match="pass rank="):
-        plan.shard(torch.zeros(1, 10, 2, 2))
+    # the rank is never guessed (the global rank is not the cp rank on a 2-D mesh or with dp > 1)
+    for call in (lambda: plan.shard(torch.zeros(1, 10, 2, 2)), plan.positions, plan.global_indices,
+                 plan.document_ids, plan.local_cu_seqlens):
+        with pytest.raises(TypeError, match="needs rank=, the cp rank"):
+            call()
     with pytest.raises(ValueError, match="unshard needs 2 local tensors"):
         plan.unshard([torch.zeros(1, 5)])
     n0, n1 = plan.local_len(0), plan.local_len(1)

@@ -1,0 +1,220 @@
+"""Non-finite values: a masked pair contributes nothing, whatever the masked key, value, query or gradient holds.
+
+Garbage (NaN, +-inf) planted at positions a row cannot see must leave that row's out/lse/dq (and a key's dk/dv when
+only rows that cannot see it are bad) exactly as on clean input, for one call and for the same keys split into blocks
+merged in fp32 (the split must not change which rows are NaN).  A row that sees garbage reports a non-finite result;
+lse = -inf stays reserved for rows that see no key.  The reference runs here; GPU backends in the marked tests."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fa4dist.kernels import attention_backward, attention_forward, available_backends
+from fa4dist.kernels.guard import guarded_causal_backward, guarded_causal_forward
+from oracle import REL_TOL, naive_attention
+
+GARBAGE = (float("nan"), float("inf"), float("-inf"))
+
+
+def _inputs(gen, dtype, device, batch=2, seqlen=70, heads=4, heads_kv=2, d=16):
+    shape = (batch, seqlen)
+    q = torch.randn(*shape, heads, d, generator=gen).to(device, dtype)
+    k = torch.randn(*shape, heads_kv, d, generator=gen).to(device, dtype)
+    v = torch.randn(*shape, heads_kv, d, generator=gen).to(device, dtype)
+    dout = torch.randn(*shape, heads, d, generator=gen).to(device, dtype)
+    return q, k, v, dout
+
+
+def _forward_split(q, k, v, splits, backend):
+    """Causal attention of the whole sequence as key blocks merged into a running fp32 result."""
+    out = torch.zeros(q.shape, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=out.dtype, device=q.device)
+    bounds = [0, *splits, k.shape[1]]
+    for a, b in zip(bounds, bounds[1:]):
+        attention_forward(q, k[:, a:b], v[:, a:b], causal=True, k_offset=a, out=out, lse=lse, accumulate=True,
+                          backend=backend)
+    return out, lse
+
+
+@pytest.mark.parametrize("garbage", GARBAGE)
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_masked_keys_contribute_nothing_forward(garbage, where):
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, _ = _inputs(gen, torch.float64, "cpu")
+    p = 41  # rows < p cannot see key p
+    ref_out, ref_lse = naive_attention(q, k, v, causal=True)
+    (k if where == "k" else v)[:, p, 1] = garbage
+    rng = random.Random(2)
+    for splits in ([], [p], sorted(rng.sample(range(1, 70), 3)), [10, 20, 30, 40, 50, 60]):
+        out, lse = _forward_split(q, k, v, splits, "reference") if splits else attention_forward(
+            q, k, v, causal=True, backend="reference")
+        torch.testing.assert_close(out[:, :p], ref_out[:, :p], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse[..., :p], ref_lse[..., :p], rtol=1e-12, atol=1e-12)
+        # query heads 2, 3 read kv head 1: their rows from p on see the garbage
+        assert not torch.isfinite(out[:, p:, 2:]).any(), splits
+        torch.testing.assert_close(out[:, p:, :2], ref_out[:, p:, :2], rtol=1e-12, atol=1e-12)
+        if where == "k":
+            assert torch.isnan(lse[:, 2:, p:]).all(), "a row whose scores are not finite reports lse = NaN"
+        assert not torch.isneginf(lse).any()
+
+
+def test_masked_rows_contribute_nothing_backward():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, dout = _inputs(gen, torch.float64, "cpu")
+    r = 17  # keys > r are not seen by row r
+    out, lse = attention_forward(q, k, v, causal=True, backend="reference")
+    clean = attention_backward(dout, q, k, v, out, lse, causal=True, backend="reference")
+    for tensor in ("q", "dout"):
+        t = {"q": q, "dout": dout}[tensor].clone()
+        t[:, r, 3] = float("nan")
+        qq, dd = (t, dout) if tensor == "q" else (q, t)
+        o, lse2 = attention_forward(qq, k, v, causal=True, backend="reference")
+        dq, dk, dv = attention_backward(dd, qq, k, v, o, lse2, causal=True, backend="reference")
+        torch.testing.assert_close(dk[:, r + 1:], clean[1][:, r + 1:], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dv[:, r + 1:], clean[2][:, r + 1:], rtol=1e-12, atol=1e-12)
+        rows = torch.ones(q.shape[1], dtype=torch.bool)
+        rows[r] = False
+        torch.testing.assert_close(dq[:, rows], clean[0][:, rows], rtol=1e-12, atol=1e-12)
+        assert not torch.isfinite(dq[:, r, 3]).all()
+        assert not torch.isfinite(dk[:, : r + 1, 1]).all()  # kv head 1 serves query head 3
+
+
+def test_masked_keys_packed_documents():
+    gen = torch.Generator().manual_seed(4)
+    cu = torch.tensor([0, 20, 45, 70], dtype=torch.int32)
+    q, k, v, _ = (t[0] for t in _inputs(gen, torch.float64, "cpu", batch=1))
+    ref_out, ref_lse = naive_attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    v[30] = float("nan")  # document 1, position 10
+    k[0, 0] = float("inf")  # document 0, position 0: every row of document 0 sees it
+    out, lse = attention_forward(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, backend="reference")
+    ok = torch.zeros(70, dtype=torch.bool)
+    ok[20:30] = True
+    ok[45:] = True
+    torch.testing.assert_close(out[ok], ref_out[ok], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse[:, ok], ref_lse[:, ok], rtol=1e-12, atol=1e-12)
+    assert not torch.isfinite(out[30:45]).any()
+    assert not torch.isfinite(out[:20, :2]).any() and torch.isfinite(out[:20, 2:]).all()
+
+
+def test_infinite_query_reports_nan_not_minus_inf():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, _ = _inputs(gen, torch.float64, "cpu")
+    q[0, 9, 0] = float("inf")
+    out, lse = attention_forward(q, k, v, causal=True, q_offset=0, k_offset=5, backend="reference")
+    assert torch.isnan(lse[0, 0, 9]) and torch.isnan(out[0, 9, 0]).all()
+    # rows 0..4 see no key at all (k_offset 5): those are the only -inf rows, with out = 0
+    assert torch.isneginf(lse[..., :5]).all() and (out[:, :5] == 0).all()
+    assert not torch.isneginf(lse[..., 5:]).any()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the guard around kernels that leak (torch's fused ops), checked with a deliberately leaky kernel
+
+
+def _leaky_causal(q, k, v):
+    """Dense causal attention the way a fused kernel multiplies: P @ V over the whole tile (0 x NaN leaks)."""
+    group = q.shape[-2] // k.shape[-2]
+    ke, ve = k.repeat_interleave(group, -2), v.repeat_interleave(group, -2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, ke) / q.shape[-1] ** 0.5
+    n = q.shape[1]
+    s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse.unsqueeze(-1)), ve), lse
+
+
+def test_guard_stops_a_leaky_kernel():
+    gen = torch.Generator().manual_seed(6)
+    q, k, v, _ = _inputs(gen, torch.float64, "cpu")
+    p = 33
+    ref_out, ref_lse = naive_attention(q, k, v, causal=True)
+    v[:, p, 0] = float("nan")
+    k[:, p + 5, 1] = float("inf")
+    leaky_out, _ = _leaky_causal(q, k, v)
+    assert not torch.isfinite(leaky_out[:, :p]).all(), "the test kernel must leak, or this test proves nothing"
+    out, lse = guarded_causal_forward(_leaky_causal, q, k, v)
+    torch.testing.assert_close(out[:, :p], ref_out[:, :p], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse[..., :p], ref_lse[..., :p], rtol=1e-12, atol=1e-12)
+    assert not torch.isfinite(out[:, p:, :2]).any()
+    want = attention_forward(q, k, v, causal=True, backend="reference")
+    assert torch.equal(torch.isfinite(out), torch.isfinite(want[0]))
+
+
+def test_guard_backward_matches_reference_on_clean_positions():
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, dout = _inputs(gen, torch.float64, "cpu", batch=1)
+    cu = torch.tensor([0, 30, 70], dtype=torch.int32)
+    q, k, v, dout = (t[0] for t in (q, k, v, dout))
+    out, lse = attention_forward(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, backend="reference")
+    k[12, 0] = float("nan")
+    dout[50, 1] = float("inf")
+    want = attention_backward(dout, q, k, v, out, lse, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                              backend="reference")
+
+    def leaky_packed_backward(do_, q_, k_, v_, o_, l_):
+        """The backward formulas given the global out/lse, multiplied the way a fused kernel does."""
+        grads = [torch.zeros_like(t) for t in (q_, k_, v_)]
+        scale = q_.shape[-1] ** -0.5
+        for a, b in ((0, 30), (30, 70)):
+            qs, ks, vs, dos, os_ = (t[a:b] for t in (q_, k_, v_, do_, o_))
+            group = qs.shape[-2] // ks.shape[-2]
+            ke, ve = ks.repeat_interleave(group, -2), vs.repeat_interleave(group, -2)
+            s_ = torch.einsum("qhd,khd->hqk", qs, ke) * scale
+            s_ = s_.masked_fill(~torch.ones(b - a, b - a, dtype=torch.bool).tril(), float("-inf"))
+            probs = torch.exp(s_ - l_[:, a:b].unsqueeze(-1))
+            dp = torch.einsum("qhd,khd->hqk", dos, ve)
+            delta = (dos * os_).sum(-1).transpose(0, 1).unsqueeze(-1)
+            ds = probs * (dp - delta)
+            grads[0][a:b] = torch.einsum("hqk,khd->qhd", ds, ke) * scale
+            grads[1][a:b] = torch.einsum("hqk,qhd->khd", ds, qs).unflatten(1, (-1, group)).sum(2) * scale
+            grads[2][a:b] = torch.einsum("hqk,qhd->khd", probs, dos).unflatten(1, (-1, group)).sum(2)
+        return grads
+
+    leaked = leaky_packed_backward(dout, q, k, v, out, lse)
+    assert not torch.equal(torch.isfinite(leaked[0]), torch.isfinite(want[0])), "the test kernel must leak"
+    got = guarded_causal_backward(leaky_packed_backward, dout, q, k, v, out, lse, cu)
+    for g, w in zip(got, want):
+        assert torch.equal(torch.isfinite(g), torch.isfinite(w))
+        fin = torch.isfinite(w)
+        torch.testing.assert_close(g[fin], w[fin], rtol=1e-9, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU backends
+
+
+def _gpu_backends():
+    if not torch.cuda.is_available():
+        return ["sdpa"]
+    return [b for b in available_backends("cuda") if b != "reference"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", _gpu_backends())
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+def test_gpu_backend_masked_garbage(backend, layout):
+    gen = torch.Generator().manual_seed(8)
+    n, heads = 1000, 4  # not a multiple of any tile
+    q, k, v, dout = _inputs(gen, torch.bfloat16, "cuda", batch=1, seqlen=n, heads=heads, heads_kv=heads, d=64)
+    kw = dict(causal=True)
+    if layout == "packed":
+        q, k, v, dout = (t[0] for t in (q, k, v, dout))
+        cu = torch.tensor([0, 300, 1000], dtype=torch.int32, device="cuda")
+        kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    ref_out, ref_lse = naive_attention(q.cpu(), k.cpu(), v.cpu(), **{a: (b.cpu() if torch.is_tensor(b) else b)
+                                                                    for a, b in kw.items()})
+    seq = (lambda t: t) if layout == "packed" else (lambda t: t[0])
+    for p, garbage in ((250, float("nan")), (999, float("inf"))):
+        kk, vv = k.clone(), v.clone()
+        seq(vv)[p] = garbage
+        seq(kk)[p - 3] = garbage
+        out, lse = attention_forward(q, kk, vv, backend=backend, **kw)
+        rows = slice(0, p - 3)
+        err = (seq(out)[rows].double().cpu() - seq(ref_out)[rows]).norm() / seq(ref_out)[rows].norm()
+        assert err < REL_TOL[torch.bfloat16], (backend, layout, p, float(err))
+        assert not torch.isfinite(seq(out)[p - 3:p + 1].float()).all()
+        assert not torch.isneginf(lse).any()
+        dq, dk, dv = attention_backward(dout, q, kk, vv, out, lse, backend=backend, **kw)
+        assert torch.isfinite(seq(dq)[rows].float()).all(), (backend, layout)
