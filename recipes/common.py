@@ -52,7 +52,8 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--backend", default="auto", help="attention backend (fa4dist.kernels): auto, sdpa, cute, ...")
     g.add_argument("--deterministic", action="store_true", help="deterministic attention and torch algorithms")
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=10)
+    g.add_argument("--steps", type=int, default=10,
+                   help="training steps: the length of the LR schedule (stored in checkpoints)")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--warmup", type=int, default=2, help="linear warmup steps (then cosine to 10%%)")
     g.add_argument("--weight-decay", type=float, default=0.1)
@@ -77,6 +78,45 @@ def lr_at(step: int, args) -> float:
     span = max(1, args.steps - args.warmup)
     progress = min(1.0, (step - args.warmup) / span)
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def add_checkpoint_args(p: argparse.ArgumentParser, resume_help: str) -> None:
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--ckpt-dir", default=None)
+    g.add_argument("--save-every", type=int, default=0, help="save every N steps (0: never)")
+    g.add_argument("--resume", default=None, help=resume_help)
+    g.add_argument("--stop-at", type=int, default=None,
+                   help="stop after this step, saving a checkpoint there (as a preemption would); a later --resume "
+                        "with the same --steps continues exactly as if the run had not stopped")
+
+
+SCHEDULE_FIELDS = ("steps", "warmup", "lr")
+
+
+def schedule_state(args) -> dict:
+    """What decides the LR at every step: stored with every checkpoint, checked on resume."""
+    return {f: getattr(args, f) for f in SCHEDULE_FIELDS}
+
+
+def check_resumed_schedule(saved: dict, args) -> None:
+    """Refuses a resume whose LR schedule differs from the checkpoint's (its losses would not continue the run)."""
+    now = schedule_state(args)
+    diffs = [f"--{f} {saved[f]!r} in the checkpoint, {now[f]!r} now" for f in SCHEDULE_FIELDS if saved[f] != now[f]]
+    if diffs:
+        raise SystemExit(
+            "resume: the LR schedule differs from the checkpoint's (" + "; ".join(diffs) + "), so the run would not "
+            "continue the one that was stopped.  Pass the same values (--stop-at stops a run early without changing "
+            "its schedule)."
+        )
+
+
+def last_step(args) -> int:
+    """One past the last step this invocation runs."""
+    if args.stop_at is None:
+        return args.steps
+    if not 0 < args.stop_at <= args.steps:
+        raise SystemExit(f"--stop-at must be in [1, --steps={args.steps}], got {args.stop_at}")
+    return args.stop_at
 
 
 def model_config(args):
@@ -252,7 +292,7 @@ class Progress:
         text = " ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
         line = f"[{bar}] {done}/{self.total} {text}"
         if self.tty:
-            sys.stderr.write("\r" + line + ("\n" if done == self.total else ""))
+            sys.stderr.write("\r" + line)
             sys.stderr.flush()
         elif done % self.log_every == 0 or done == self.total or step == self.start:
             print(line, flush=True)
@@ -260,6 +300,8 @@ class Progress:
     def close(self):
         if self.metrics:
             self.metrics.close()
+        if self.rank == 0 and self.tty:  # a run stopped early leaves its bar without a line end
+            sys.stderr.write("\n")
 
 
 def _fmt(v):

@@ -89,16 +89,18 @@ def ds_config(args, layout, dtype) -> dict:
     return cfg
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_args(p)
     g = p.add_argument_group("deepspeed")
     g.add_argument("--zero-stage", type=int, choices=[2, 3], default=2)
     g.add_argument("--ds-config", default=str(HERE / "ds_config.json"))
-    g.add_argument("--ckpt-dir", default=None)
-    g.add_argument("--save-every", type=int, default=0)
-    g.add_argument("--resume", default=None, help="'latest' (newest tag in --ckpt-dir) or a tag")
-    args = p.parse_args(argv)
+    common.add_checkpoint_args(p, "'latest' (newest tag in --ckpt-dir) or a tag")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
 
     rank, world, device = common.init_distributed()
     import deepspeed  # after the process group exists: DeepSpeed adopts it
@@ -126,6 +128,7 @@ def main(argv=None):
         if path is None:
             raise SystemExit(f"no DeepSpeed checkpoint found in {args.ckpt_dir}")
         start = int(client["step"])
+        common.check_resumed_schedule(client["schedule"], args)
     stream = common.build_stream(args)
     per_rank = layout.sequences_per_rank
     if rank == 0:
@@ -140,7 +143,8 @@ def main(argv=None):
         engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps (= n) itself
         engine.step()  # an optimizer step only at the accumulation boundary
 
-    for step in range(start, args.steps):
+    stop = common.last_step(args)
+    for step in range(start, stop):
         for group in optimizer.param_groups:
             group["lr"] = common.lr_at(step, args)
         samples = stream.batch(step, args.batch_size, first=layout.dp_rank * per_rank, count=per_rank)
@@ -157,8 +161,9 @@ def main(argv=None):
         progress.update(step, loss=loss, lr=common.lr_at(step, args),
                         grad_norm=float(grad_norm) if grad_norm is not None else None,
                         tokens_per_s=tokens / seconds, step_s=seconds, peak_mem_gib=common.peak_memory_gib(device))
-        if args.ckpt_dir and args.save_every and (step + 1) % args.save_every == 0:
-            engine.save_checkpoint(args.ckpt_dir, tag=f"step_{step + 1:06d}", client_state={"step": step + 1})
+        if args.ckpt_dir and (args.save_every and (step + 1) % args.save_every == 0 or step + 1 == stop < args.steps):
+            engine.save_checkpoint(args.ckpt_dir, tag=f"step_{step + 1:06d}",
+                                   client_state={"step": step + 1, "schedule": common.schedule_state(args)})
     progress.close()
 
     mem = torch.tensor([common.peak_memory_gib(device)], device=device)

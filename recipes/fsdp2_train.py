@@ -10,7 +10,9 @@ averages over dp x cp), so the step equals a
 single-process step over the same sequences.  Mixed precision: bf16 parameters/compute with fp32 gradient
 reduction on GPUs (``--dtype``), fp32 on CPUs.  ``--activation-checkpointing`` recomputes each layer in the
 backward.  ``--ckpt-dir`` + ``--save-every`` write torch.distributed.checkpoint checkpoints (model, optimizer,
-step); ``--resume latest`` continues from the newest one with the same losses.  Rank 0 prints a progress bar, and
+step, LR schedule); ``--stop-at N`` stops early (saving a checkpoint there), and ``--resume latest`` with the
+same ``--steps`` continues from the newest one with the same losses as a run that never stopped (a resume that
+changes the schedule is refused).  Rank 0 prints a progress bar, and
 at the end a ``SUMMARY {...}`` JSON line: tokens/s, MFU (formula in the line) and peak memory.
 """
 
@@ -43,20 +45,26 @@ def shard_model(model, layout, dtype):
     return model
 
 
-def save_checkpoint(model, optimizer, step: int, ckpt_dir: str, rank: int) -> Path:
+def _schedule_tensor(args) -> torch.Tensor:
+    state = common.schedule_state(args)
+    return torch.tensor([state["steps"], state["warmup"], state["lr"]], dtype=torch.float64)
+
+
+def save_checkpoint(model, optimizer, step: int, ckpt_dir: str, rank: int, args) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     path = Path(ckpt_dir) / f"step_{step:06d}"
-    dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}, checkpoint_id=str(path))
+    dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step), "schedule": _schedule_tensor(args)},
+             checkpoint_id=str(path))
     dist.barrier()
     if rank == 0:
         (Path(ckpt_dir) / "latest").write_text(path.name)
     return path
 
 
-def load_checkpoint(model, optimizer, resume: str, ckpt_dir: str) -> int:
+def load_checkpoint(model, optimizer, resume: str, ckpt_dir: str, args) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -70,20 +78,23 @@ def load_checkpoint(model, optimizer, resume: str, ckpt_dir: str) -> int:
     else:
         path = Path(resume)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0)}
+    state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0), "schedule": _schedule_tensor(args)}
     dcp.load(state, checkpoint_id=str(path))
+    steps, warmup, lr = state["schedule"].tolist()
+    common.check_resumed_schedule(dict(steps=int(steps), warmup=int(warmup), lr=lr), args)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["step"])
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_args(p)
-    g = p.add_argument_group("checkpoints")
-    g.add_argument("--ckpt-dir", default=None)
-    g.add_argument("--save-every", type=int, default=0, help="save every N steps (0: never)")
-    g.add_argument("--resume", default=None, help="a checkpoint directory, or 'latest' (newest in --ckpt-dir)")
-    args = p.parse_args(argv)
+    common.add_checkpoint_args(p, "a checkpoint directory, or 'latest' (newest in --ckpt-dir)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
 
     rank, world, device = common.init_distributed()
     common.set_determinism(args)
@@ -96,7 +107,7 @@ def main(argv=None):
 
     start = 0
     if args.resume:
-        start = load_checkpoint(model, optimizer, args.resume, args.ckpt_dir)
+        start = load_checkpoint(model, optimizer, args.resume, args.ckpt_dir, args)
     stream = common.build_stream(args)
     per_rank = layout.sequences_per_rank
     if rank == 0:
@@ -109,7 +120,8 @@ def main(argv=None):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    for step in range(start, args.steps):
+    stop = common.last_step(args)
+    for step in range(start, stop):
         for group in optimizer.param_groups:
             group["lr"] = common.lr_at(step, args)
         samples = stream.batch(step, args.batch_size, first=layout.dp_rank * per_rank, count=per_rank)
@@ -137,8 +149,8 @@ def main(argv=None):
                         grad_norm=float(grad_norm) if grad_norm is not None else None,
                         tokens_per_s=tokens / seconds, step_s=seconds,
                         peak_mem_gib=common.peak_memory_gib(device))
-        if args.ckpt_dir and args.save_every and (step + 1) % args.save_every == 0:
-            save_checkpoint(model, optimizer, step + 1, args.ckpt_dir, rank)
+        if args.ckpt_dir and (args.save_every and (step + 1) % args.save_every == 0 or step + 1 == stop < args.steps):
+            save_checkpoint(model, optimizer, step + 1, args.ckpt_dir, rank, args)
     progress.close()
 
     mem = torch.tensor([common.peak_memory_gib(device)], device=device)

@@ -187,7 +187,7 @@ def broadcast(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
     return out
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_args(p)
     g = p.add_argument_group("rl")
@@ -199,7 +199,11 @@ def main(argv=None):
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--clip-eps", type=float, default=0.2)
     g.set_defaults(steps=40, lr=1e-2, warmup=10, batch_size=1, grad_clip=1.0)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     args.deterministic = True
 
     rank, world, device = common.init_distributed()
@@ -281,10 +285,12 @@ def main(argv=None):
     progress.close()
 
     digest = weights_hash(policy)
-    gathered = [None] * world
-    dist.all_gather_object(gathered, digest)
-    if len(set(gathered)) != 1:
-        raise SystemExit(f"ranks disagree on the weights: {gathered}")
+    mine = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.uint8, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    hashes = [bytes(t.cpu().tolist()).hex() for t in gathered]
+    if len(set(hashes)) != 1:
+        raise SystemExit(f"ranks disagree on the weights: {hashes}")
     if rank == 0:
         print(f"weights_sha256={digest}", flush=True)
         print(common.summary_line(

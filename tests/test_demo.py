@@ -24,8 +24,10 @@ def _run(cmd):
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 def test_demo_under_torchrun():
     out = _run(["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "fa4dist.demo", *SMALL])
-    assert "strategy: ring" in out and "max/mean work" in out and "tokens/s" in out and "peak memory" in out
+    assert "strategy: ring" in out and "max/mean compute" in out and "tokens/s" in out and "peak memory" in out
     assert out.count("(ok, tolerance") == 4, out
+    assert out.rstrip().splitlines()[-1].startswith("PASS: fa4dist demo, 2 ranks"), out
+    assert "\r" not in out  # not a terminal: plain progress lines
 
 
 def test_demo_self_launched_packed_ulysses():

@@ -165,6 +165,14 @@ class Transport:
             out.append(raw[8:8 + n])
         return out
 
+    def all_gather_ints(self, values: Sequence[int], what: str) -> list[list[int]]:
+        """Every rank's int64 values (the same count on every rank), in rank order: one small all-gather."""
+        device = self.comm_device()
+        mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(self.size)]
+        self._collective(dist.all_gather(gathered, mine, group=self.group, async_op=True), what)
+        return torch.stack(gathered).cpu().tolist()
+
     def _collective(self, work, what: str) -> None:
         try:
             work.wait(self.timeout_delta)

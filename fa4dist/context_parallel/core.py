@@ -9,6 +9,7 @@ u = cp, ``hybrid`` is anything between, over a 2-D DeviceMesh, two process group
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Optional
 
@@ -54,9 +55,10 @@ def _resolve_mesh(mesh):
 class _Call:
     """Everything one forward/backward needs; kept by the autograd graph."""
 
-    def __init__(self, sched, ring, uly, split, opts, heads_q, heads_kv):
+    def __init__(self, sched, ring, uly, split, opts, heads_q, heads_kv, call_id=0, agree=None):
         self.sched, self.ring, self.uly, self.split, self.opts = sched, ring, uly, split, opts
         self.heads_q, self.heads_kv = heads_q, heads_kv
+        self.call_id, self.agree = call_id, agree  # agree: ContextParallel.agree, or None without verification
         self.sd = 0 if sched.plan.packed else 1
 
     def _concat(self, blocks, like, heads, dim_v, acc):
@@ -80,6 +82,8 @@ class _Call:
         return out, (q, k, v, out_m, lse_m)
 
     def backward(self, dout, q, k, v, out_m, lse_m):
+        if self.agree is not None:  # every rank must be back-propagating the same forward call
+            self.agree("the backward of forward call", self.call_id, dict(direction="backward"))
         uly, split, dtype = self.uly, self.split, q.dtype
         dout = dout.to(dtype).contiguous()
         if uly is not None:
@@ -172,7 +176,7 @@ class ContextParallel:
                 raise ValueError(f"ulysses_degree={ulysses_degree} contradicts strategy={strategy!r}")
         self._transports: dict = {}
         self._schedules: dict = {}
-        self._verified: set = set()
+        self._calls = 0  # forward calls made (every rank makes the same ones: checked per call)
 
     # ---- strategy ---------------------------------------------------------------------------------------------
 
@@ -291,38 +295,52 @@ class ContextParallel:
     def _deterministic(self) -> bool:
         return torch.are_deterministic_algorithms_enabled() if self.deterministic is None else self.deterministic
 
+    def _stages(self) -> list:
+        """The transports an agreement check runs over, in order: one group, or the Ulysses then the ring group
+        (every pair of ranks is then connected through the two stages)."""
+        if self.grid:
+            return [self._transport(self.ulysses_group), self._transport(self.ring_group)]
+        return [self._transport(self.group)]
+
+    def agree(self, what: str, call: int, sig: Optional[dict], error: Optional[Exception] = None) -> None:
+        """Checks that every rank makes the same call: a small fingerprint (signature digest, call number, error
+        flag) all-gathered per stage.  Only when something differs do the ranks exchange their full signatures,
+        so that every rank raises the same message naming the fields and ranks (never a hang or garbage)."""
+        digest = 0 if sig is None else int.from_bytes(
+            hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).digest()[:7], "little")
+        found = 0
+        for stage in self._stages():
+            rows = stage.all_gather_ints([digest, call, int(error is not None), found],
+                                         f"the agreement check of {what} {call}")
+            if any(r[2] or r[3] for r in rows) or len({(r[0], r[1]) for r in rows}) > 1:
+                found = 1
+        if not found:
+            return
+        local = None if error is None else f"{type(error).__name__}: {error}"
+        message = None
+        for stage in self._stages():
+            text = local if message is None else message
+            payload = json.dumps(dict(rank=self.cp_rank, error=text and text[:2000], sig=sig, call=call)).encode()
+            gathered = [json.loads(b) for b in stage.all_gather_bytes(payload, f"the signatures of {what} {call}")]
+            message = message or _disagreement(gathered, f"{what} {call}")
+        message = message or f"ranks disagree on {what} {call} (found in another group of the mesh)"
+        if local is not None and message.endswith(local):
+            raise type(error)(f"{LABEL}: {message}") from error
+        raise ValueError(f"{LABEL}: {message}")
+
     def _verify(self, q, k, v, plan) -> int:
-        """Checks the local input and exchanges a signature so that every rank fails alike (never hangs) on bad or
-        disagreeing input; returns the Ulysses degree."""
-        error, shared, u = None, None, None
+        """Checks the local input and that every rank makes the same call (fails alike on every rank, never hangs,
+        on bad or disagreeing input); returns the Ulysses degree."""
+        shared, u, error = None, None, None
         try:
             shared, u = self._local_check(q, k, v, plan)
         except (TypeError, ValueError) as err:
             if not self.verify:
                 raise
-            error, local_err = f"{type(err).__name__}: {err}", err
-        if not self.verify:
-            return u
-        key = json.dumps(shared, sort_keys=True) if error is None else None
-        if key is not None and key in self._verified:
-            return u
-        stages = [self._transport(self.ulysses_group), self._transport(self.ring_group)] if self.grid else [
-            self._transport(self.group)]
-        message = None
-        for stage in stages:
-            text = error if message is None else message
-            payload = json.dumps(dict(rank=self.cp_rank, error=text and text[:2000], sig=shared)).encode()
-            gathered = [json.loads(b) for b in stage.all_gather_bytes(payload, "the first-call signature exchange")]
-            found = _disagreement(gathered)
-            if found and message is None:
-                message = found
-        if message is not None:
-            if error is not None and message.endswith(error):
-                raise type(local_err)(f"{LABEL}: {message}") from local_err
-            raise ValueError(f"{LABEL}: {message}")
-        if len(self._verified) > 1024:  # one entry per plan: bounded for per-sample plans
-            self._verified.clear()
-        self._verified.add(key)
+            error = err
+        if self.verify:
+            self._calls += 1
+            self.agree("forward call", self._calls, shared, error)
         return u
 
     # ---- the call ---------------------------------------------------------------------------------------------
@@ -351,7 +369,8 @@ class ContextParallel:
             lens = [plan.local_len(r) for r in member.ranks]
             uly = UlyssesGroup(ut, upeers, uidx, member, lens, 0 if plan.packed else 1)
         opts = KernelOptions(self.causal, self.softmax_scale, self.backend, self._deterministic())
-        call = _Call(sched, ring, uly, split, opts, heads_q, heads_kv)
+        call = _Call(sched, ring, uly, split, opts, heads_q, heads_kv, self._calls,
+                     self.agree if self.verify else None)
         return _ContextParallelFunction.apply(q, k, v, call)
 
     def _single(self, q, k, v, plan):
@@ -370,8 +389,8 @@ class ContextParallel:
                                 cu_seqlens_k=cu, deterministic=self.deterministic, backend=self.backend)
 
 
-def _disagreement(gathered: list) -> Optional[str]:
-    """A message if any rank reported an error or the ranks' signatures differ, else None."""
+def _disagreement(gathered: list, what: str = "the first call") -> Optional[str]:
+    """A message if any rank reported an error or the ranks' signatures or call numbers differ, else None."""
     errors = [(g["rank"], g["error"]) for g in gathered if g["error"]]
     if errors:
         first = errors[0][1]
@@ -379,14 +398,18 @@ def _disagreement(gathered: list) -> Optional[str]:
             return first
         return f"rank {errors[0][0]} rejected its inputs: {first}" + (
             f" (and {len(errors) - 1} more rank(s) too)" if len(errors) > 1 else "")
-    sigs = [g["sig"] for g in gathered]
+    calls = [g.get("call") for g in gathered]
+    sigs = [g["sig"] or {} for g in gathered]
     diffs = []
+    if any(c != calls[0] for c in calls):
+        diffs.append("call number (a rank made an extra or a missing attention call): " + ", ".join(
+            f"rank {g['rank']} {c}" for g, c in zip(gathered, calls)))
     for field in sigs[0]:
         values = [s.get(field) for s in sigs]
         if any(v != values[0] for v in values):
             diffs.append(f"{field}: " + ", ".join(f"rank {g['rank']} {s.get(field)!r}" for g, s in zip(gathered, sigs)))
     if diffs:
-        return "ranks disagree on the first call: " + "; ".join(diffs)
+        return f"ranks disagree on {what}: " + "; ".join(diffs)
     return None
 
 
@@ -399,7 +422,7 @@ def context_parallel_attention(q, k, v, plan: Optional[ShardPlan] = None, group=
                                backend: str = "auto", ulysses_degree: Optional[int] = None, timeout: float = 300.0,
                                verify: bool = True) -> torch.Tensor:
     """Functional form of :class:`fa4dist.modules.FA4ContextParallelAttention`: the local output for the local
-    shards q, k, v (sharded with `plan`).  The signature check runs on the first call per group and options."""
+    shards q, k, v (sharded with `plan`).  Every call checks that all ranks make the same call (``verify``)."""
     key = (id(group), id(mesh), id(ulysses_group), id(ring_group), strategy, causal, softmax_scale, deterministic,
            backend, ulysses_degree, float(timeout), verify)
     entry = _FUNCTIONAL.get(key)

@@ -1,11 +1,15 @@
 """Training data for the recipes: byte-level tokens of local text, packed into windows of documents, and cut into
 context-parallel shards by the LPT plan.
 
-    docs = collect_documents()                      # this repository's source and docs
-    stream = PackedTokenStream(docs, seqlen=4096)   # windows with cu_seqlens / positions / labels
-    sample = stream.window(0)
-    plan = make_sample_plan(sample, cp_size)        # fa4dist.context_parallel.make_plan (LPT)
-    local = shard_sample(sample, plan, cp_rank)     # tokens, labels, positions of this rank
+```python
+from fa4dist.data import PackedTokenStream, collect_documents, make_sample_plan, shard_sample
+
+docs = collect_documents()                      # this repository's source and docs
+stream = PackedTokenStream(docs, seqlen=4096)   # windows with cu_seqlens / positions / labels
+sample = stream.window(0)
+plan = make_sample_plan(sample, 2)              # over 2 cp ranks: fa4dist.context_parallel.make_plan (LPT)
+local = shard_sample(sample, plan, rank=1)      # tokens, labels, positions of cp rank 1
+```
 """
 
 from .packing import (

@@ -32,8 +32,9 @@ class FA4ContextParallelAttention(nn.Module):
         ulysses_degree: the Ulysses group size for ``hybrid`` on one process group.
         timeout: seconds any wait on another rank may take before a :class:`~fa4dist.context_parallel.CommError`
             naming what was awaited.
-        verify: exchange a signature (shapes, dtypes, plan, options) on the first call, so disagreeing ranks all
-            fail with the same clear error instead of hanging.
+        verify: on every call (forward and backward), all-gather a small fingerprint of the call (shapes, dtypes,
+            plan, options, call number), so that ranks that disagree all fail at once with one message naming
+            the field and the ranks, instead of hanging or computing garbage.
 
     ``forward(q, k, v, plan=None)``: dense plans take ``(batch, local_len, heads, head_dim)`` shards, packed-document
     plans ``(local_tokens, heads, head_dim)``; k and v may have fewer heads (GQA).  Returns the local output.

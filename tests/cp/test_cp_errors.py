@@ -1,5 +1,6 @@
-"""Bad input and disagreeing ranks: every rank fails with the same clear error on the first call instead of hanging,
-and a rank that never shows up costs the others one timeout whose message names what they waited for."""
+"""Bad input and disagreeing ranks: every rank fails with the same clear error instead of hanging, on the first call
+and on any later one (every call is checked), and a rank that never shows up costs the others one timeout whose
+message names what they waited for."""
 
 import time
 
@@ -71,10 +72,10 @@ def bad_input_case(rank, world, kind):
 @pytest.mark.parametrize("kind, error, pattern", [
     ("length", "ValueError",
      "rank 1 rejected its inputs: ValueError: q holds 9 tokens but the plan gives cp rank 1 10 "),
-    ("dtype", "ValueError", "ranks disagree on the first call: dtype: rank 0 'torch.float64', rank 1 'torch.float32'"),
-    ("causal", "ValueError", "ranks disagree on the first call: causal: .*rank 2 False"),
-    ("plan", "ValueError", "ranks disagree on the first call: plan: "),
-    ("heads", "ValueError", "ranks disagree on the first call: heads_q: rank 0 2, rank 1 4"),
+    ("dtype", "ValueError", "ranks disagree on forward call 1: dtype: rank 0 'torch.float64', rank 1 'torch.float32'"),
+    ("causal", "ValueError", "ranks disagree on forward call 1: causal: .*rank 2 False"),
+    ("plan", "ValueError", "ranks disagree on forward call 1: plan: "),
+    ("heads", "ValueError", "ranks disagree on forward call 1: heads_q: rank 0 2, rank 1 4"),
     ("ulysses", "ValueError", "Ulysses degree 4 is impossible: .*use strategy='hybrid' with ulysses_degree in \\[2\\]"),
     ("hybrid-no-degree", "ValueError", "strategy='hybrid' on one process group needs ulysses_degree="),
     ("cp-size", "ValueError", "the plan is for cp_size=2 but the process group has 4 ranks"),
@@ -90,6 +91,69 @@ def test_every_rank_gets_the_same_clear_error(pool, kind, error, pattern):
         name, message, elapsed = res
         assert name == error and re.search(pattern, message), (rank, name, message)
         assert elapsed < 20, elapsed  # an error, not a timeout
+
+
+def drift_case(rank, world, strategy, kind):
+    """Two plans (or dtypes) both used once by every rank; then rank 1 alone switches on the third call."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    heads = (4, 4)
+    module = FA4ContextParallelAttention(GROUPS[4], strategy=strategy, backend="reference", timeout=60)
+    a, b = make_plan(48, 4), make_plan(48, 4, "contiguous")
+    for plan in (a, b):  # both seen once, in agreement
+        module(*_inputs(plan, rank, heads), plan=plan)
+    plan, dtype = a, torch.float64
+    if rank == 1:
+        plan, dtype = (b, dtype) if kind == "plan" else (a, torch.float32)
+    return _error(lambda: module(*_inputs(plan, rank, heads, dtype), plan=plan))
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
+@pytest.mark.parametrize("kind, field", [("plan", "plan"), ("dtype", "dtype")])
+def test_ranks_that_drift_apart_on_a_later_call_fail_at_once(pool, strategy, kind, field):
+    results = pool.run(drift_case, strategy=strategy, kind=kind, timeout=90)
+    for rank, res in enumerate(results):
+        assert res is not None, f"rank {rank} computed instead of failing"
+        name, message, elapsed = res
+        assert name == "ValueError" and f"ranks disagree on forward call 3: {field}: " in message, message
+        assert "rank 1" in message and elapsed < 5, (elapsed, message)
+
+
+def backward_drift_case(rank, world):
+    """Two forward calls; rank 1 back-propagates them in the other order."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    module = FA4ContextParallelAttention(GROUPS[4], strategy="ring", backend="reference", timeout=60)
+    plan = make_plan(48, 4)
+    outs = [module(*[t.requires_grad_() for t in _inputs(plan, rank)], plan=plan) for _ in range(2)]
+    order = [1, 0] if rank == 1 else [0, 1]
+    return _error(lambda: [outs[i].sum().backward() for i in order])
+
+
+def test_backward_of_different_calls_fails_clearly(pool):
+    for res in pool.run(backward_drift_case, timeout=90):
+        name, message, _ = res
+        assert "ranks disagree on the backward of forward call" in message, message
+        assert "call number" in message and "rank 1" in message, message
+
+
+def double_backward_case(rank, world):
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    module = FA4ContextParallelAttention(GROUPS[4], strategy="ring", backend="reference", timeout=60)
+    plan = make_plan(48, 4)
+    q, k, v = [t.requires_grad_() for t in _inputs(plan, rank)]
+    out = module(q, k, v, plan=plan)
+    return _error(lambda: torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=True))
+
+
+def test_double_backward_across_ranks_is_refused_clearly(pool):
+    for res in pool.run(double_backward_case, timeout=90):
+        name, message, _ = res
+        assert name == "RuntimeError" and "double backward (create_graph=True) is not supported" in message
 
 
 def test_pool_still_healthy_after_errors(pool):
@@ -112,7 +176,7 @@ def absent_rank_case(rank, world, verify):
 
 
 @pytest.mark.parametrize("verify, pattern", [
-    (True, "rank 0 of 2 failed waiting for the first-call signature exchange from all ranks of its group "
+    (True, "rank 0 of 2 failed waiting for the agreement check of forward call 1 from all ranks of its group "
            "\\(timeout 2s; did every rank call it\\?\\)"),
     (False, "rank 0 of 2 failed waiting for K/V of forward ring step 1 \\(send to rank 1, recv from rank 1; "
             "timeout 2s\\)"),
