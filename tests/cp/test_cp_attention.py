@@ -235,3 +235,57 @@ def test_no_group_is_plain_attention():
                                atol=TOL, rtol=0)
     with pytest.raises(ValueError, match="packed .3-D. input needs a packed-document plan"):
         module(qp, kp, vp)
+
+
+def test_no_group_has_a_double_backward():
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    q, k, v, _ = cp_cases.global_inputs(3, 9, 2, 1, 4, torch.float64, batch=1)
+    module = FA4ContextParallelAttention(backend="reference")
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    assert torch.autograd.gradgradcheck(lambda a, b, c: module(a, b, c), leaves)
+
+
+# ---- garbage at masked positions --------------------------------------------------------------------------------
+
+
+def masked_garbage_case(rank, world, cp, strategy, packed):
+    """NaN/inf planted in k and v at one position: out and dq of the rows that cannot see it equal the clean run,
+    and the set of non-finite rows is the single-process one, whatever the split."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.kernels import attention_forward
+
+    module, _ = cp_cases.cp_module(rank, cp, strategy, True)
+    if module is None:
+        return None
+    cu = [0, 17, 40, 70] if packed else None
+    plan = make_plan(cu if packed else 70, cp)
+    q, k, v, dout = cp_cases.global_inputs(5, 70, 4, 2, 8, torch.float64, None if packed else 1)
+    sd = 0 if packed else 1
+    bad_k, bad_v = k.clone(), v.clone()
+    bad_k.narrow(sd, 31, 1).fill_(float("nan"))
+    bad_v.narrow(sd, 33, 1).fill_(float("inf"))
+    results = []
+    for kk, vv in ((k, v), (bad_k, bad_v)):
+        leaves = [module.shard(t, plan).requires_grad_() for t in (q, kk, vv)]
+        out = module(*leaves, plan=plan)
+        out.backward(module.shard(dout, plan))
+        results.append((out.detach(), leaves[0].grad))
+    cut = torch.tensor(cu, dtype=torch.int32) if packed else None
+    ref, _ = attention_forward(q, bad_k, bad_v, causal=True, cu_seqlens_q=cut, cu_seqlens_k=cut, backend="reference")
+    same_pattern = torch.equal(torch.isfinite(results[1][0]), torch.isfinite(module.shard(ref, plan)))
+    clean_rows = torch.isfinite(results[1][0])
+    equal_where_clean = torch.equal(results[1][0][clean_rows], results[0][0][clean_rows])
+    dq_finite = torch.isfinite(results[1][1])
+    dq_equal = torch.equal(results[1][1][dq_finite], results[0][1][dq_finite])
+    return same_pattern, equal_where_clean, dq_equal, int(clean_rows.sum()), int((~clean_rows).sum())
+
+
+@pytest.mark.parametrize("cp, strategy", [(2, "ring"), (3, "ring"), (4, "ring"), (2, "ulysses"), (4, "hybrid")])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_masked_garbage_does_not_depend_on_the_split(pool, cp, strategy, packed):
+    results = [r for r in pool.run(masked_garbage_case, cp=cp, strategy=strategy if strategy != "hybrid" else "auto",
+                                   packed=packed) if r is not None]
+    for res in results:
+        assert all(res[:3]), res
+    assert sum(r[3] for r in results) and sum(r[4] for r in results), "both clean and poisoned rows must occur"

@@ -223,3 +223,15 @@ def test_shard_errors():
     with pytest.raises(ValueError, match=f"the local tensor of rank 1 has {n1 - 1} tokens along seq_dim=1, but the "
                                          f"plan expects {n1}"):
         plan.unshard([torch.zeros(1, n0), torch.zeros(1, n1 - 1)])
+
+
+def test_single_rank_plan_unshard_matches_the_cp_plan_signature():
+    from fa4dist.data import SingleRankPlan
+
+    x = torch.randn(10, 2)
+    single, cp1 = SingleRankPlan(torch.tensor([0, 4, 10])), make_plan([0, 4, 10], 1)
+    for plan in (single, cp1):
+        assert torch.equal(plan.unshard([plan.shard(x, seq_dim=0, rank=0)], seq_dim=0), x)
+        assert torch.equal(plan.unshard(plan.shard(x, seq_dim=0, rank=0), seq_dim=0), x)
+    with pytest.raises(ValueError, match="a single-rank plan has only rank 0"):
+        single.shard(x, rank=1)

@@ -216,3 +216,19 @@ def test_half_precision_inputs_accumulate_in_fp32():
     ref_out, ref_lse = naive_attention(q, k, k, causal=True)
     torch.testing.assert_close(out.double(), ref_out, atol=1e-2, rtol=1e-2)  # bf16 output rounding (8 bits)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)  # fp32 accumulation
+
+
+@pytest.mark.parametrize("layout", ["dense-causal-offsets", "dense-full-gqa", "packed"])
+def test_double_backward(layout):
+    """gradgradcheck: the gradients are themselves differentiable (create_graph=True), not a silent constant."""
+    gen = torch.Generator().manual_seed(11)
+    if layout == "packed":
+        cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+        shapes, kw = ((8, 2, 4), (8, 1, 4)), dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    elif layout == "dense-full-gqa":
+        shapes, kw = ((2, 5, 4, 4), (2, 7, 2, 4)), dict(causal=False)
+    else:
+        shapes, kw = ((1, 6, 2, 4), (1, 9, 2, 4)), dict(causal=True, q_offset=3, k_offset=0)
+    q = torch.randn(*shapes[0], dtype=F64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(*shapes[1], dtype=F64, generator=gen, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradgradcheck(lambda a, b, c: fa4dist.attention(a, b, c, **kw), (q, k, v))

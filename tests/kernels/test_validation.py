@@ -139,3 +139,32 @@ def test_backward_buffers():
         attention_backward(out, q, k, v, out, lse, accumulate=True)
     with pytest.raises(ValueError, match="needs lse"):
         attention_backward(out, q, k, v, out, None)
+
+
+@pytest.mark.parametrize("offset", [2**63, -(2**63) - 1, 2**62, [0, 2**64]])
+def test_offsets_out_of_range_name_the_argument(offset):
+    q = torch.randn(2 if isinstance(offset, list) else 1, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"q_offset must be a token position in \[-2\*\*62, 2\*\*62\)"):
+        attention_forward(q, q, q, causal=True, q_offset=offset)
+    with pytest.raises(ValueError, match="k_offset must be a token position"):
+        attention_backward(q, q, q, q, q, torch.zeros(q.shape[0], 2, 4), causal=True, k_offset=offset)
+
+
+def test_buffer_dtype_message_names_each_dtype_once():
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(TypeError, match=r"lse must have dtype torch.float32, got torch.float16$"):
+        attention_forward(q, q, q, lse=torch.zeros(1, 2, 4, dtype=torch.float16))
+
+
+def test_merge_partials_shape_errors_are_named():
+    from fa4dist.kernels import merge_into_, merge_partials
+
+    out, lse = torch.randn(2, 8, 4, 16), torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match=r"partial 1: lse must have shape \(2, 4, 4\) for out of shape"):
+        merge_partials([out, out[:, :4]], [lse, lse])
+    with pytest.raises(ValueError, match=r"partial 1: out has shape \(2, 8, 4, 8\) but the other partial results"):
+        merge_partials([out, out[..., :8]], [lse, lse])
+    with pytest.raises(ValueError, match="merge_partials: out must be a tensor of shape"):
+        merge_partials([out], [lse], out=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"the block: lse must have shape \(2, 4, 8\)"):
+        merge_into_(out.clone(), lse.clone(), out, lse.transpose(1, 2))
