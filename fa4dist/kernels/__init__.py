@@ -10,6 +10,8 @@ of k).  k and v may have fewer heads than q (GQA/MQA: query head h uses kv head 
   lse = -inf.  ``accumulate=True`` merges the block into a running fp32 (out, lse) in place.
 - ``attention_backward(dout, q, k, v, out, lse, ...) -> (dq, dk, dv)`` takes the *global* out and lse and can add
   into fp32 gradient buffers (``accumulate=True``).
+- ``attention_forward_items`` / ``attention_backward_items``: a work list of many such blocks in one call, merged
+  (or added) in list order (:mod:`fa4dist.kernels.worklist`).
 - Backends: ``reference`` (pure PyTorch, anywhere, the test oracle), ``sdpa`` (torch's fused flash / cuDNN ops,
   GPU), ``cute`` (our CuTe DSL kernels, Hopper) when installed; ``auto`` takes the fastest that supports the call.
 """
@@ -23,6 +25,7 @@ from .problem import AttentionProblem, validate_inputs
 from .reference import ReferenceBackend
 from .registry import Unsupported, available_backends, get_backend, register_backend, select_backend
 from .sdpa import SdpaBackend, SdpaCudnnBackend, SdpaFlashBackend
+from .worklist import WorkItem, attention_backward_items, attention_forward_items
 
 register_backend(ReferenceBackend())
 _flash, _cudnn = SdpaFlashBackend(), SdpaCudnnBackend()
@@ -40,6 +43,9 @@ else:
 __all__ = [
     "attention_forward",
     "attention_backward",
+    "WorkItem",
+    "attention_forward_items",
+    "attention_backward_items",
     "merge_into_",
     "merge_partials",
     "AttentionProblem",

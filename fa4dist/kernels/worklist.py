@@ -1,0 +1,196 @@
+"""The work-list entry points: many blocks of one attention in one call, forward and backward.
+
+A work list is a sequence of :class:`WorkItem` s, each a block of the contract's partial-block call: query rows
+``[q_start, q_start + q_len)`` against key rows ``[k_start, k_start + k_len)`` of the token dimension, placed in
+their sequence by global positions (``q_offset``, ``k_offset``) under the mask of :mod:`fa4dist.kernels.mask`.
+Layouts: packed ``(tokens, heads, dim)`` tensors, or dense ``(batch, tokens, heads, dim)`` where every item applies
+to every batch element.
+
+- ``attention_forward_items`` merges every item's block into the running fp32 ``(out, lse)`` of its query rows, in
+  list order (items that share query rows merge in that order, so the result is a function of the list alone).
+- ``attention_backward_items`` adds every item's dq, dk, dv into fp32 buffers, in list order, given the *global*
+  out and lse.
+
+A backend that implements ``forward_items`` / ``backward_items`` runs a list in one launch (its tile scheduler
+balances the tiles of all items); any other runs it as one contract call per item, in order, through
+:func:`~fa4dist.kernels.attention_forward` / :func:`~fa4dist.kernels.attention_backward`.  That loop is also the
+definition the one-launch implementations must match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .api import attention_backward, attention_forward
+from .problem import validate_inputs
+from .registry import select_backend
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One block of a work list (see the module docstring)."""
+
+    q_start: int
+    q_len: int
+    k_start: int
+    k_len: int
+    q_offset: int = 0
+    k_offset: int = 0
+    causal: bool = False
+
+    def mask_kwargs(self) -> dict:
+        return dict(causal=self.causal, q_offset=self.q_offset, k_offset=self.k_offset)
+
+
+def _check_items(items: Sequence[WorkItem], total_q: int, total_k: int) -> tuple[WorkItem, ...]:
+    if not isinstance(items, (list, tuple)):
+        raise TypeError(f"items must be a list or tuple of WorkItem, got {type(items).__name__}")
+    for i, item in enumerate(items):
+        if not isinstance(item, WorkItem):
+            raise TypeError(f"items[{i}] must be a WorkItem, got {type(item).__name__}")
+        for name in ("q_start", "q_len", "k_start", "k_len", "q_offset", "k_offset"):
+            value = getattr(item, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"items[{i}].{name} must be an int, got {type(value).__name__}")
+        if not isinstance(item.causal, bool):
+            raise TypeError(f"items[{i}].causal must be a bool, got {type(item.causal).__name__}")
+        if item.q_start < 0 or item.q_len < 0 or item.q_start + item.q_len > total_q:
+            raise ValueError(f"items[{i}] query rows [{item.q_start}, {item.q_start + item.q_len}) are outside the "
+                             f"{total_q} query tokens")
+        if item.k_start < 0 or item.k_len < 0 or item.k_start + item.k_len > total_k:
+            raise ValueError(f"items[{i}] key rows [{item.k_start}, {item.k_start + item.k_len}) are outside the "
+                             f"{total_k} key tokens")
+    return tuple(items)
+
+
+def _layout(q, k, v):
+    """(token dim, validated problem of the whole tensors) for a packed (3-D) or dense (4-D) work list."""
+    if not isinstance(q, torch.Tensor) or q.dim() not in (3, 4):
+        raise ValueError("q must be packed (tokens, heads, dim) or dense (batch, tokens, heads, dim) for a work list, "
+                         f"got {tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if q.dim() == 3:
+        n_q, n_k = q.shape[0], k.shape[0] if isinstance(k, torch.Tensor) else 0
+        cu_q = torch.tensor([0, n_q], dtype=torch.int32)
+        cu_k = torch.tensor([0, n_k], dtype=torch.int32)
+        return 0, validate_inputs(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    return 1, validate_inputs(q, k, v)
+
+
+def _rows(t: torch.Tensor, dim: int, start: int, length: int, unsqueeze: bool) -> torch.Tensor:
+    view = t.narrow(dim, start, length)
+    return view.unsqueeze(0) if unsqueeze else view
+
+
+def _lse_rows(lse: torch.Tensor, packed: bool, start: int, length: int) -> torch.Tensor:
+    view = lse.narrow(-1, start, length)
+    return view.unsqueeze(0) if packed else view
+
+
+class _Fresh:
+    """Which query rows no item has written yet, for ``fresh=True``: an item over untouched rows writes instead of
+    merging; an item over partly written rows first sets its untouched rows to the empty result (0, -inf)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.touched = enabled, []  # disjoint [start, end) intervals, unsorted
+
+    def claim(self, start: int, end: int):
+        """(write, untouched sub-ranges to clear before merging)."""
+        if not self.enabled:
+            return False, []
+        cuts = sorted((max(a, start), min(b, end)) for a, b in self.touched if a < end and b > start)
+        gaps, at = [], start
+        for a, b in cuts:
+            if a > at:
+                gaps.append((at, a))
+            at = max(at, b)
+        if at < end:
+            gaps.append((at, end))
+        self.touched = [(a, b) for a, b in self.touched if b <= start or a >= end] + [(start, end)]
+        if not cuts:
+            return True, []
+        return False, gaps
+
+
+def attention_forward_items(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    items: Sequence[WorkItem],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    softmax_scale: Optional[float] = None,
+    fresh: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merges every item's block into the running fp32 ``(out, lse)``, in list order; returns them.
+
+    ``fresh=True``: out and lse hold no result yet (any values); rows no item covers are left as they are, rows the
+    first time an item covers them are written instead of merged (equal to merging into (0, -inf), one pass less).
+    """
+    seq_dim, problem = _layout(q, k, v)
+    items = _check_items(items, q.shape[seq_dim], k.shape[seq_dim])
+    impl = select_backend(backend, problem, "forward")
+    if getattr(impl, "forward_items", None) is not None:
+        return impl.forward_items(q, k, v, items, out, lse, softmax_scale=softmax_scale, fresh=fresh)
+    packed = seq_dim == 0
+    state = _Fresh(fresh)
+    for item in items:
+        if item.q_len == 0:
+            continue
+        o = _rows(out, seq_dim, item.q_start, item.q_len, packed)
+        m = _lse_rows(lse, packed, item.q_start, item.q_len)
+        write, clear = state.claim(item.q_start, item.q_start + item.q_len)
+        for a, b in clear:
+            _rows(out, seq_dim, a, b - a, False).zero_()
+            lse.narrow(-1, a, b - a).fill_(float("-inf"))
+        qc = _rows(q, seq_dim, item.q_start, item.q_len, packed)
+        kc = _rows(k, seq_dim, item.k_start, item.k_len, packed)
+        vc = _rows(v, seq_dim, item.k_start, item.k_len, packed)
+        attention_forward(qc, kc, vc, softmax_scale=softmax_scale, out=o, lse=m, accumulate=not write,
+                          backend=backend, **item.mask_kwargs())
+    return out, lse
+
+
+def attention_backward_items(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    items: Sequence[WorkItem],
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    *,
+    softmax_scale: Optional[float] = None,
+    deterministic: Optional[bool] = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Adds every item's gradients into the fp32 ``dq, dk, dv``, in list order, given the global out and lse."""
+    seq_dim, problem = _layout(q, k, v)
+    items = _check_items(items, q.shape[seq_dim], k.shape[seq_dim])
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    impl = select_backend(backend, problem, "backward")
+    if getattr(impl, "backward_items", None) is not None:
+        return impl.backward_items(dout, q, k, v, out, lse, items, dq, dk, dv, softmax_scale=softmax_scale,
+                                   deterministic=deterministic)
+    packed = seq_dim == 0
+    for item in items:
+        if item.q_len == 0 or item.k_len == 0:
+            continue
+        qs = (item.q_start, item.q_len)
+        ks = (item.k_start, item.k_len)
+        attention_backward(
+            _rows(dout, seq_dim, *qs, packed), _rows(q, seq_dim, *qs, packed), _rows(k, seq_dim, *ks, packed),
+            _rows(v, seq_dim, *ks, packed), _rows(out, seq_dim, *qs, packed), _lse_rows(lse, packed, *qs),
+            softmax_scale=softmax_scale, deterministic=deterministic, dq=_rows(dq, seq_dim, *qs, packed),
+            dk=_rows(dk, seq_dim, *ks, packed), dv=_rows(dv, seq_dim, *ks, packed), accumulate=True,
+            backend=backend, **item.mask_kwargs(),
+        )
+    return dq, dk, dv
