@@ -17,7 +17,10 @@ import torch
 
 from ..kernels.autograd import attention as _plain_attention
 from ..kernels.problem import check_softmax_scale, validate_inputs
+from ..kernels.invariant import enabled as invariant_enabled
+from ..kernels.invariant import sum_group
 from .comm import Transport
+from .gather import gather_backward, gather_forward
 from .plan import ShardPlan
 from .ring import KernelOptions, RingPeers, accum_dtype, ring_backward, ring_forward
 from .schedule import Schedule
@@ -55,9 +58,10 @@ def _resolve_mesh(mesh):
 class _Call:
     """Everything one forward/backward needs; kept by the autograd graph."""
 
-    def __init__(self, sched, ring, uly, split, opts, heads_q, heads_kv, call_id=0, agree=None):
+    def __init__(self, sched, ring, uly, split, opts, heads_q, heads_kv, call_id=0, agree=None, invariant=False):
         self.sched, self.ring, self.uly, self.split, self.opts = sched, ring, uly, split, opts
         self.heads_q, self.heads_kv = heads_q, heads_kv
+        self.invariant = invariant  # cp_invariant: the gather engine (fa4dist.context_parallel.gather)
         self.call_id, self.agree = call_id, agree  # agree: ContextParallel.agree, or None without verification
         self.sd = 0 if sched.plan.packed else 1
 
@@ -72,7 +76,10 @@ class _Call:
         uly, split = self.uly, self.split
         if uly is not None:
             q, k, v = uly.seq_to_head([(q, split.q_heads, "q"), (k, split.kv_heads, "k"), (v, split.kv_heads, "v")])
-        outs, lses = ring_forward(self.sched, self.ring, q, k, v, self.opts)
+        if self.invariant:
+            outs, lses = gather_forward(self.sched, self.ring, q, k, v, self.opts, self._head_map(q, k))
+        else:
+            outs, lses = ring_forward(self.sched, self.ring, q, k, v, self.opts)
         acc = accum_dtype(q.dtype)
         out_m = self._concat(outs, q, None, v.shape[-1], acc).to(q.dtype)
         lse_m = torch.cat(lses, dim=-1) if lses else q.new_zeros(0, dtype=acc)
@@ -88,6 +95,8 @@ class _Call:
         dout = dout.to(dtype).contiguous()
         if uly is not None:
             (dout,) = uly.seq_to_head([(dout, split.q_heads, "dout")])
+        if self.invariant:
+            return self._invariant_backward(dout, q, k, v, out_m, lse_m)
         lens = [b.length for b in self.sched.members[self.ring.index].blocks]
         lses = list(torch.split(lse_m, lens, dim=-1)) if lens else []
         dq, dk, dv = ring_backward(self.sched, self.ring, dout, q, k, v, out_m, lses, self.opts)
@@ -98,6 +107,26 @@ class _Call:
                                           (dk, split.kv_heads, self.heads_kv, "dk", rep),
                                           (dv, split.kv_heads, self.heads_kv, "dv", rep)])
         return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+
+    def _head_map(self, q, k) -> torch.Tensor:
+        """For each local query head, the local key/value head it reads (cp_invariant expands K/V to them)."""
+        group = self.heads_q // self.heads_kv
+        lo, kv_lo = (0, 0) if self.uly is None else (self.split.q_heads(self.uly.index)[0],
+                                                      self.split.kv_heads(self.uly.index)[0])
+        return torch.tensor([(lo + i) // group - kv_lo for i in range(q.shape[-2])], dtype=torch.int64)
+
+    def _invariant_backward(self, dout, q, k, v, out_m, lse_m):
+        """dk/dv come per query head; each key/value head sums its query heads in ascending order, after the
+        Ulysses exchange has brought every query head of the member's tokens together."""
+        uly, split, dtype = self.uly, self.split, q.dtype
+        dq, dk, dv = gather_backward(self.sched, self.ring, dout, q, k, v, out_m, lse_m, self.opts,
+                                     self._head_map(q, k))
+        if uly is not None:
+            dq, dk, dv = uly.head_to_seq([(dq, split.q_heads, self.heads_q, "dq", False),
+                                          (dk, split.q_heads, self.heads_q, "dk per query head", False),
+                                          (dv, split.q_heads, self.heads_q, "dv per query head", False)])
+        group = self.heads_q // self.heads_kv
+        return dq.to(dtype), sum_group(dk, group).to(dtype), sum_group(dv, group).to(dtype)
 
 
 class _ContextParallelFunction(torch.autograd.Function):
@@ -128,7 +157,8 @@ class ContextParallel:
     def __init__(self, group=None, *, mesh=None, ulysses_group=None, ring_group=None, strategy: str = "auto",
                  causal: bool = True, softmax_scale: Optional[float] = None, deterministic: Optional[bool] = None,
                  backend: str = "auto", ulysses_degree: Optional[int] = None, timeout: float = 300.0,
-                 verify: bool = True):
+                 verify: bool = True, cp_invariant: Optional[bool] = None):
+        self.cp_invariant = invariant_enabled(cp_invariant)
         if not isinstance(strategy, str) or strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if not isinstance(causal, bool):
@@ -289,10 +319,13 @@ class ContextParallel:
             batch=None if plan.packed else problem.batch, heads_q=problem.heads_q, heads_kv=problem.heads_kv,
             head_dim=problem.head_dim, head_dim_v=problem.head_dim_v,
             grad=bool(torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))),
+            cp_invariant=self.cp_invariant,
         )
         return shared, u
 
     def _deterministic(self) -> bool:
+        if self.cp_invariant:
+            return True
         return torch.are_deterministic_algorithms_enabled() if self.deterministic is None else self.deterministic
 
     def _stages(self) -> list:
@@ -370,7 +403,7 @@ class ContextParallel:
             uly = UlyssesGroup(ut, upeers, uidx, member, lens, 0 if plan.packed else 1)
         opts = KernelOptions(self.causal, self.softmax_scale, self.backend, self._deterministic())
         call = _Call(sched, ring, uly, split, opts, heads_q, heads_kv, self._calls,
-                     self.agree if self.verify else None)
+                     self.agree if self.verify else None, invariant=self.cp_invariant)
         return _ContextParallelFunction.apply(q, k, v, call)
 
     def _single(self, q, k, v, plan):
@@ -386,7 +419,8 @@ class ContextParallel:
             raise ValueError("packed (3-D) input needs a packed-document plan (make_plan(cu_seqlens, 1)) for its "
                              "document boundaries")
         return _plain_attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, cu_seqlens_q=cu,
-                                cu_seqlens_k=cu, deterministic=self.deterministic, backend=self.backend)
+                                cu_seqlens_k=cu, deterministic=self.deterministic, backend=self.backend,
+                                cp_invariant=self.cp_invariant)
 
 
 def _disagreement(gathered: list, what: str = "the first call") -> Optional[str]:
@@ -420,16 +454,17 @@ def context_parallel_attention(q, k, v, plan: Optional[ShardPlan] = None, group=
                                ulysses_group=None, ring_group=None, strategy: str = "auto", causal: bool = True,
                                softmax_scale: Optional[float] = None, deterministic: Optional[bool] = None,
                                backend: str = "auto", ulysses_degree: Optional[int] = None, timeout: float = 300.0,
-                               verify: bool = True) -> torch.Tensor:
+                               verify: bool = True, cp_invariant: Optional[bool] = None) -> torch.Tensor:
     """Functional form of :class:`fa4dist.modules.FA4ContextParallelAttention`: the local output for the local
     shards q, k, v (sharded with `plan`).  Every call checks that all ranks make the same call (``verify``)."""
     key = (id(group), id(mesh), id(ulysses_group), id(ring_group), strategy, causal, softmax_scale, deterministic,
-           backend, ulysses_degree, float(timeout), verify)
+           backend, ulysses_degree, float(timeout), verify, invariant_enabled(cp_invariant))
     entry = _FUNCTIONAL.get(key)
     if entry is None:
         cp = ContextParallel(group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group, strategy=strategy,
                              causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
-                             backend=backend, ulysses_degree=ulysses_degree, timeout=timeout, verify=verify)
+                             backend=backend, ulysses_degree=ulysses_degree, timeout=timeout, verify=verify,
+                             cp_invariant=cp_invariant)
         if len(_FUNCTIONAL) > 64:
             _FUNCTIONAL.clear()
         entry = _FUNCTIONAL[key] = (cp, (group, mesh, ulysses_group, ring_group))

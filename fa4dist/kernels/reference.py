@@ -18,22 +18,20 @@ import torch
 from .mask import Visibility, block_visibility, visible
 from .problem import AttentionProblem
 
-# Score elements one tile may hold (fp32: 64 MiB).
-_TILE_ELEMENTS = 1 << 24
+# Tiles are (128 queries x 1024 keys), the same for every call: a query row's result then sums the same key tiles,
+# and a key's gradient the same query tiles, whatever else is in the call (how many heads, which other rows) --
+# what the cp_invariant numerics (fa4dist.kernels.invariant) rely on.  A tile holds batch x heads x 128 x 1024
+# scores, so a 32k-token sequence on the CPU never materializes its whole score matrix.
 _KEY_CHUNK = 1024
-_QUERY_CHUNK = 1024
+_QUERY_CHUNK = 128
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunks(batch_heads: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
-    key_chunk = max(1, min(seqlen_k, _KEY_CHUNK))
-    # At most _QUERY_CHUNK rows, so causal tiles above the diagonal are still skipped when few heads would let
-    # one tile span the whole sequence.
-    query_chunk = min(_QUERY_CHUNK, max(16, _TILE_ELEMENTS // max(1, batch_heads * key_chunk)))
-    return max(1, min(seqlen_q, query_chunk)), key_chunk
+def _chunks(seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    return max(1, min(seqlen_q, _QUERY_CHUNK)), max(1, min(seqlen_k, _KEY_CHUNK))
 
 
 def _tile_mask(q_len, k_len, q_pos0, k_pos0, causal, device):
@@ -86,7 +84,7 @@ def _forward_dense(q, k, v, scale: float, causal: bool, q_offset: int, k_offset:
     group = heads_q // heads_kv
     out = torch.zeros(batch, seqlen_q, heads_kv, group, head_dim_v, dtype=acc, device=q.device)
     lse = torch.full((batch, heads_kv, group, seqlen_q), float("-inf"), dtype=acc, device=q.device)
-    q_chunk, k_chunk = _chunks(batch * heads_q, seqlen_q, seqlen_k)
+    q_chunk, k_chunk = _chunks(seqlen_q, seqlen_k)
     for qs in range(0, seqlen_q, q_chunk):
         ql = min(q_chunk, seqlen_q - qs)
         qc = q[:, qs : qs + ql].to(acc).view(batch, ql, heads_kv, group, -1) * scale
@@ -136,7 +134,7 @@ def _backward_dense(dout, q, k, v, out, lse, scale: float, causal: bool, q_offse
     # delta_i = sum_d dout_i * out_i (rowsum of dP * P), from the global output.
     delta = (dout.to(acc) * out.to(acc)).sum(-1).view(batch, seqlen_q, heads_kv, group).permute(0, 2, 3, 1)
     lse = lse.to(acc).view(batch, heads_kv, group, seqlen_q)
-    q_chunk, k_chunk = _chunks(batch * heads_q, seqlen_q, seqlen_k)
+    q_chunk, k_chunk = _chunks(seqlen_q, seqlen_k)
     for qs in range(0, seqlen_q, q_chunk):
         ql = min(q_chunk, seqlen_q - qs)
         qc = q[:, qs : qs + ql].to(acc).view(batch, ql, heads_kv, group, -1)

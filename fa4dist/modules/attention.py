@@ -36,6 +36,12 @@ class FA4ContextParallelAttention(nn.Module):
             plan, options, call number), so that ranks that disagree all fail at once with one message naming
             the field and the ranks, instead of hanging or computing garbage.
 
+        cp_invariant: out, lse and the gradients bitwise identical at every cp size, strategy and balancer, and
+            to ``fa4dist.attention(..., cp_invariant=True)`` on one device (default: the environment variable
+            ``FA4DIST_CP_INVARIANT=1``).  Implies deterministic kernels.  Costs memory and time: every rank
+            gathers the whole sequence's K/V (and, in the backward, Q, dO and out) and the backward does about
+            twice the ring's work (:mod:`fa4dist.context_parallel.gather`).
+
     ``forward(q, k, v, plan=None)``: dense plans take ``(batch, local_len, heads, head_dim)`` shards, packed-document
     plans ``(local_tokens, heads, head_dim)``; k and v may have fewer heads (GQA).  Returns the local output.
     """
@@ -43,14 +49,14 @@ class FA4ContextParallelAttention(nn.Module):
     def __init__(self, group=None, *, mesh=None, ulysses_group=None, ring_group=None, strategy: str = "auto",
                  causal: bool = True, softmax_scale: Optional[float] = None, plan: Optional[ShardPlan] = None,
                  deterministic: Optional[bool] = None, backend: str = "auto", ulysses_degree: Optional[int] = None,
-                 timeout: float = 300.0, verify: bool = True):
+                 timeout: float = 300.0, verify: bool = True, cp_invariant: Optional[bool] = None):
         super().__init__()
         if plan is not None and not isinstance(plan, ShardPlan):
             raise TypeError(f"plan must be a ShardPlan (fa4dist.context_parallel.make_plan), got {type(plan).__name__}")
         self.cp = ContextParallel(group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
                                   strategy=strategy, causal=causal, softmax_scale=softmax_scale,
                                   deterministic=deterministic, backend=backend, ulysses_degree=ulysses_degree,
-                                  timeout=timeout, verify=verify)
+                                  timeout=timeout, verify=verify, cp_invariant=cp_invariant)
         self.plan = plan
 
     @property

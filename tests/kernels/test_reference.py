@@ -175,7 +175,7 @@ def test_chunking_boundaries(monkeypatch):
     k = torch.randn(1, 250, 1, 8, dtype=F64, generator=gen)
     kw = dict(causal=True, q_offset=17, k_offset=40)
     want = attention_forward(q, k, k, backend="reference", **kw)
-    monkeypatch.setattr(reference, "_TILE_ELEMENTS", 16 * 2 * 7)
+    monkeypatch.setattr(reference, "_QUERY_CHUNK", 16)
     monkeypatch.setattr(reference, "_KEY_CHUNK", 7)
     got = attention_forward(q, k, k, backend="reference", **kw)
     for g, w in zip(got, want):
@@ -199,7 +199,8 @@ def test_long_sequence_memory_is_bounded(monkeypatch):
     out, lse = attention_forward(q, q, q, causal=True, backend="reference")
     monkeypatch.undo()
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    assert 0 < largest[0] <= reference._TILE_ELEMENTS, f"a tile of {largest[0]} elements (the matrix is {s * s})"
+    tile = reference._QUERY_CHUNK * reference._KEY_CHUNK
+    assert 0 < largest[0] <= tile, f"a tile of {largest[0]} elements (the matrix is {s * s})"
     # spot-check a few rows against the oracle on their visible prefix
     for row in (0, 1, 12345, s - 1):
         o, l = naive_attention(q[:, row : row + 1], q[:, : row + 1], q[:, : row + 1], causal=True, q_offset=row)
