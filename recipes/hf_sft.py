@@ -184,13 +184,21 @@ def _tiled_mlp_forward(forward, tokens: int, x: torch.Tensor) -> torch.Tensor:
 
 
 def enable_activation_checkpointing(model, offload: bool):
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-        kwargs = {"offload": True} if offload else {}
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, **kwargs)
+    """transformers' per-layer checkpointing (``activation_checkpointing_enable`` from 5.2x, before it
+    ``gradient_checkpointing_enable``); ``offload`` keeps the checkpoints in pinned host memory."""
+    import inspect
+
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        kwargs = dict(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
-        if offload:
-            raise SystemExit("--offload-checkpoints needs transformers' activation_checkpointing_enable(offload=)")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = model.gradient_checkpointing_enable
+        kwargs = dict(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if offload:
+        if "offload" not in inspect.signature(enable).parameters:
+            raise SystemExit("--offload-checkpoints needs a transformers whose checkpointing takes offload=")
+        kwargs["offload"] = True
+    enable(**kwargs)
 
 
 class LogitsLoss(nn.Module):
@@ -315,7 +323,7 @@ def memory_estimates(facts: dict, local_tokens: int, world: int, args, dtype) ->
     act = torch.finfo(dtype).bits // 8
     params = facts["params"]
     hd, h, kv = facts["head_dim"], facts["heads"], facts["kv_heads"]
-    chunk = args.loss_chunk or max(256, (1 << 29) // facts["vocab"])
+    chunk = min(local_tokens, args.loss_chunk or max(256, (1 << 29) // facts["vocab"]))
     per_token_layer_working = (6 * facts["hidden"] + (h + 2 * kv) * hd + 4 * facts["ffn"]) * act
     mlp_rows = min(local_tokens, args.tile_mlp) if args.tile_mlp else local_tokens
     return dict(
