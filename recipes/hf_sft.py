@@ -318,22 +318,24 @@ def preallocate_adam_state(optimizer):
 
 
 def memory_estimates(facts: dict, local_tokens: int, world: int, args, dtype) -> dict:
-    """GiB per rank of the main components (analytical; the measured phases are beside them)."""
+    """GiB per rank of the main components (analytical, beside the measured phases): fp32 weights, gradients and
+    Adam states sharded over the world; the layer-boundary checkpoints; the activations one layer's recompute
+    holds in the forward (its backward adds about as much again in gradients); the loss tile (bf16 logits, their
+    fp32 copy and gradient); the attention's own buffers (q, k, v copies, fp32 output and LSE)."""
     gib = 2**30
     act = torch.finfo(dtype).bits // 8
     params = facts["params"]
-    hd, h, kv = facts["head_dim"], facts["heads"], facts["kv_heads"]
+    hd, h, kv, ffn = facts["head_dim"], facts["heads"], facts["kv_heads"], facts["ffn"]
     chunk = min(local_tokens, args.loss_chunk or max(256, (1 << 29) // facts["vocab"]))
-    per_token_layer_working = (6 * facts["hidden"] + (h + 2 * kv) * hd + 4 * facts["ffn"]) * act
-    mlp_rows = min(local_tokens, args.tile_mlp) if args.tile_mlp else local_tokens
+    mlp_tokens = min(local_tokens, args.tile_mlp) if args.tile_mlp else local_tokens
     return dict(
         weights_fp32=params * 4 / world / gib, grads_fp32=params * 4 / world / gib,
         adam_states_fp32=2 * params * 4 / world / gib,
-        checkpoints=facts["layers"] * local_tokens * facts["hidden"] * act / gib if args.activation_checkpointing
-        else None,
-        one_layer_working_set=(local_tokens * (per_token_layer_working - 4 * facts["ffn"] * act)
-                               + mlp_rows * 4 * facts["ffn"] * act) / gib,
-        logits_tile=(chunk * facts["vocab"] * (act + 4 + 4)) / gib if args.loss == "tiled"
+        checkpoints=facts["layers"] * local_tokens * facts["hidden"] * act / gib
+        if args.activation_checkpointing else None,
+        layer_recompute_forward=(local_tokens * (6 * facts["hidden"] + (h + 2 * kv) * hd) * act
+                                 + mlp_tokens * 4 * ffn * act) / gib,
+        logits_tile=chunk * facts["vocab"] * (act + 4 + 4) / gib if args.loss == "tiled"
         else local_tokens * facts["vocab"] * (act + 4 + 4) / gib,
         attention_buffers=local_tokens * ((h + 2 * kv) * hd * act * 2 + h * hd * 4 + h * 4) / gib,
     )
