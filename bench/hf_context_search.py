@@ -138,7 +138,8 @@ def main(argv=None):
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank stops when one ran out of memory
         peak = torch.tensor([phases.get("peak_step", 0.0)], device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        record.update(status="ok" if ok.item() else "out of memory", ok=bool(ok.item()), step_s=round(seconds, 3) if seconds else None, peak_gib=round(float(peak), 3),
+        record.update(status="ok" if ok.item() else "out of memory", ok=bool(ok.item()),
+                      step_s=round(seconds, 3) if seconds else None, peak_gib=round(float(peak), 3),
                       measured_gib={k: round(v, 3) for k, v in phases.items()},
                       estimated_gib={k: (round(v, 3) if v is not None else None) for k, v in
                                      hf_sft.memory_estimates(facts, record["local_tokens"], world, args,

@@ -42,20 +42,23 @@ case "$MODE" in
   one)
     # The recipes' one-GPU benchmark shape (fa4dist's "base": 378M parameters, one causal 32k sequence), as a
     # transformers LlamaForCausalLM: compare with fsdp2_train.py's run of the same shape in bench/RESULTS.md.
-    stage hf_sft_1gpu_32k "$LIMIT_ONE" "${TORCHRUN[@]}" --nproc-per-node 1 recipes/hf_sft.py --model "$SMALL" --seqlen "$S1" --packing stream \
-      --steps $((STEPS + 1)) "${COMMON[@]}" --memory-report --metrics-out "$OUT/hf_sft_1gpu_32k.jsonl"
+    stage hf_sft_1gpu_32k "$LIMIT_ONE" "${TORCHRUN[@]}" --nproc-per-node 1 recipes/hf_sft.py --model "$SMALL" \
+      --seqlen "$S1" --packing stream --steps $((STEPS + 1)) "${COMMON[@]}" --memory-report \
+      --metrics-out "$OUT/hf_sft_1gpu_32k.jsonl"
     ;;
   two)
-    stage hf_sft_cp2_64k "$LIMIT_CP" "${TORCHRUN[@]}" --nproc-per-node 2 recipes/hf_sft.py --model "$SMALL" --seqlen "$S2" --cp 2 \
-      --packing stream --steps "$STEPS" "${COMMON[@]}" --memory-report --metrics-out "$OUT/hf_sft_cp2_64k.jsonl"
+    stage hf_sft_cp2_64k "$LIMIT_CP" "${TORCHRUN[@]}" --nproc-per-node 2 recipes/hf_sft.py --model "$SMALL" \
+      --seqlen "$S2" --cp 2 --packing stream --steps "$STEPS" "${COMMON[@]}" --memory-report \
+      --metrics-out "$OUT/hf_sft_cp2_64k.jsonl"
     # Llama-3-8B shape, random init, FSDP2 over both GPUs, cp = 2, activation checkpointing, tiled loss and MLP;
     # packed documents (this repository's files), so attention is a small part of a step.
-    TAIL_LINES=14 stage hf_search_8b "$LIMIT_SEARCH" "${TORCHRUN[@]}" --nproc-per-node 2 bench/hf_context_search.py --model "$BIG" --cp 2 \
-      --packing documents "${COMMON[@]}" "${SEARCH[@]}" --budget-s "$BUDGET" --out "$OUT/hf_search_8b.jsonl"
+    TAIL_LINES=14 stage hf_search_8b "$LIMIT_SEARCH" "${TORCHRUN[@]}" --nproc-per-node 2 bench/hf_context_search.py \
+      --model "$BIG" --cp 2 --packing documents "${COMMON[@]}" "${SEARCH[@]}" --budget-s "$BUDGET" \
+      --out "$OUT/hf_search_8b.jsonl"
     if [ "${HF_GPU_OFFLOAD:-0}" = 1 ]; then
-      TAIL_LINES=14 stage hf_search_8b_offload "$LIMIT_SEARCH" "${TORCHRUN[@]}" --nproc-per-node 2 bench/hf_context_search.py --model "$BIG" \
-        --cp 2 --packing documents "${COMMON[@]}" "${SEARCH[@]}" --offload-checkpoints --budget-s "$BUDGET" \
-        --out "$OUT/hf_search_8b_offload.jsonl"
+      TAIL_LINES=14 stage hf_search_8b_offload "$LIMIT_SEARCH" "${TORCHRUN[@]}" --nproc-per-node 2 \
+        bench/hf_context_search.py --model "$BIG" --cp 2 --packing documents "${COMMON[@]}" "${SEARCH[@]}" \
+        --offload-checkpoints --budget-s "$BUDGET" --out "$OUT/hf_search_8b_offload.jsonl"
     fi
     ;;
   *)

@@ -294,8 +294,9 @@ class ContextParallelHandle:
             raise RuntimeError("this context-parallel handle was disabled")
         ids = batch.get("input_ids") if hasattr(batch, "get") else None
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
-            raise ValueError("batch['input_ids'] must be a (1, T) tensor: one packed row, as DataCollatorWithFlattening "
-                             f"makes; got {tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+            got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise ValueError(f"batch['input_ids'] must be a (1, T) tensor: one packed row, as "
+                             f"DataCollatorWithFlattening makes; got {got}")
         total = ids.shape[1]
         for key in ("labels", "position_ids", "attention_mask"):
             t = batch.get(key)
