@@ -238,3 +238,19 @@ def test_the_attention_call_refuses_options_it_cannot_compute():
                 _cp_attention(module, q, kv, kv, None, **option, **{PLAN_KEY: plan})
         out, _ = _cp_attention(module, q, kv, kv, None, sliding_window=max(LENGTHS), **{PLAN_KEY: plan})
         assert out.shape == (1, sum(LENGTHS), 4, 16)
+
+
+def test_documents_from_flash_kwargs_or_position_ids_agree():
+    gen = torch.Generator().manual_seed(1)
+    docs = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()} for n in LENGTHS]
+    flash = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(docs)
+    model = tiny_model("llama")
+    with enable_context_parallel(model) as handle:
+        want = torch.tensor((0,) + LENGTHS).cumsum(0)
+        assert torch.equal(handle.document_boundaries(flash), want)
+        assert torch.equal(handle.document_boundaries(packed_batch()), want)
+        local = handle.shard_batch(flash)
+        assert "cu_seq_lens_q" not in local and local["input_ids"].shape == (1, sum(LENGTHS))
+        bad = dict(flash, cu_seq_lens_k=flash["cu_seq_lens_k"].flip(0))
+        with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k differ"):
+            handle.shard_batch(bad)
