@@ -1,8 +1,18 @@
-"""fa4dist attention inside Hugging Face transformers models.
+"""fa4dist attention inside Hugging Face transformers models (one process; context parallelism:
+:func:`enable_context_parallel`, in :mod:`fa4dist.integrations.hf_context_parallel`).
 
-    from fa4dist.integrations.hf import register
-    register()                                              # name "fa4dist"
-    model = LlamaForCausalLM(config, attn_implementation="fa4dist")   # or model.set_attn_implementation("fa4dist")
+```python
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from fa4dist.integrations.hf import register
+
+name = register()  # "fa4dist"
+config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+model = AutoModelForCausalLM.from_config(config, attn_implementation=name)  # or model.set_attn_implementation(name)
+logits = model(input_ids=torch.randint(0, 128, (2, 16))).logits
+```
 
 ``register`` adds an attention function to transformers' ``AttentionInterface`` *and* a mask function to its
 ``AttentionMaskInterface`` under the same name.  The mask function is what keeps masking honest: transformers hands
@@ -415,3 +425,11 @@ def _accepts_attn_kwarg() -> bool:
     from transformers import LlamaForCausalLM
 
     return "attn_implementation" in inspect.signature(LlamaForCausalLM.__init__).parameters
+
+
+def __getattr__(name):  # the context-parallel API lives in its own module, imported on first use
+    if name in ("enable_context_parallel", "ContextParallelHandle"):
+        from . import hf_context_parallel
+
+        return getattr(hf_context_parallel, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

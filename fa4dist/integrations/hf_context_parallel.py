@@ -1,0 +1,423 @@
+"""Context parallelism for Hugging Face causal LMs: ``enable_context_parallel(model, ...)``.
+
+```python
+import torch
+from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig
+
+from fa4dist.integrations.hf import enable_context_parallel
+
+config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+model = AutoModelForCausalLM.from_config(config)
+batch = DataCollatorWithFlattening()([{"input_ids": list(range(1, 40))}, {"input_ids": list(range(5, 30))}])
+with enable_context_parallel(model) as handle:  # group=None: the whole world, or one process without torch.distributed
+    local = handle.shard_batch(batch)             # this rank's tokens, positions and shifted labels
+    out = model(**local)                          # every attention layer runs FA4ContextParallelAttention
+    loss = handle.loss(out.logits, local)         # this rank's share: the shares add up to the global mean loss
+    loss.backward()
+```
+
+How it works:
+
+- The handle registers an attention function (and a mask function) with transformers under a name of its own
+  and switches the model to it (``model.set_attn_implementation``); ``disable()`` (or leaving the ``with``) puts
+  back the model's previous attention.
+- ``shard_batch`` takes what ``DataCollatorWithFlattening`` makes (``input_ids``, ``labels``, ``position_ids`` of
+  shape (1, T); documents start where ``position_ids`` do not continue by one, or at ``cu_seq_lens_q`` when the
+  collator gives them), builds the LPT plan of the documents (:func:`fa4dist.context_parallel.make_plan`) and
+  returns this rank's ``input_ids`` and ``position_ids`` (the global positions, for RoPE), ``shift_labels`` (the
+  labels shifted by one token *before* sharding, so no target is lost at a shard edge), ``use_cache=False`` and the
+  plan (under :data:`PLAN_KEY`), which transformers hands to every attention call.  The cp ranks must hold the
+  same batch; a checksum exchange makes a disagreement an error.
+- The attention function runs :class:`fa4dist.modules.FA4ContextParallelAttention` on the local query, key and
+  value (GQA kept).  What it cannot compute exactly is refused with :class:`UnsupportedMask` naming it: sliding
+  windows shorter than a document, logit soft-capping, attention sinks, chunked or bidirectional attention,
+  attention dropout in training, padding masks, KV caches, a batch of more than one row.  The mask transformers
+  builds for the local shard is checked to be causal within the local runs of positions (what plain causal LM
+  masking gives), so a model that overlays its own mask pattern fails instead of being silently wrong.
+- ``loss(logits, local)``: :func:`fa4dist.models.cp_cross_entropy` of the local logits and shifted labels: the
+  rank's summed token losses over the global count of target tokens.  Gradients summed over the cp ranks are the
+  single-process gradients (a wrapper that averages over dp x cp ranks needs the loss multiplied by cp).
+  :mod:`fa4dist.integrations.hf_loss` computes the same loss from hidden states in tiles, never holding the logits
+  of the whole shard.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from fa4dist.context_parallel import ShardPlan, make_plan
+from fa4dist.data.packing import IGNORE
+from fa4dist.models.loss import cp_cross_entropy
+from fa4dist.modules import FA4ContextParallelAttention
+
+from .hf import UnsupportedMask, fa4dist_mask
+
+PLAN_KEY = "fa4dist_cp_plan"  # the local batch's key holding the ShardPlan (transformers passes it to attention)
+LABELS_KEY = "shift_labels"  # transformers' own name for labels that are already shifted
+_HANDLES: dict[str, "ContextParallelHandle"] = {}
+_NAMES = itertools.count()
+_CHECKSUM_SEED = 0x9E3779B1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what a model asks of its attention
+
+
+def _text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _sliding_window(config) -> Optional[int]:
+    """The smallest sliding window any layer uses, or None (Mistral: one window for all layers; Qwen2/3 and others:
+    the window of their ``sliding_attention`` layers)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    return window
+
+
+def unsupported_features(model) -> list[str]:
+    """What in ``model`` (its config and attention modules) context-parallel attention cannot compute exactly."""
+    config = _text_config(model)
+    problems = []
+    if not getattr(model, "_supports_attention_backend", False):
+        problems.append(f"{type(model).__name__} does not call transformers' AttentionInterface (it would run its "
+                        "own attention on the local shard)")
+    if getattr(config, "attn_logit_softcapping", None):
+        problems.append(f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping})")
+    if getattr(config, "attention_chunk_size", None):
+        problems.append(f"chunked attention (attention_chunk_size={config.attention_chunk_size})")
+    if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
+        problems.append("bidirectional attention")
+    other = sorted({t for t in getattr(config, "layer_types", None) or () if t not in ("full_attention",
+                                                                                       "sliding_attention")})
+    if other:
+        problems.append(f"layer types {other} (only full and sliding attention layers)")
+    if any(getattr(m, "sinks", None) is not None for m in model.modules() if m is not model):
+        problems.append("attention sinks")
+    return problems
+
+
+def _refuse_unsupported(module, plan: ShardPlan, dropout, sliding_window, softcap, kwargs):
+    """The per-call checks: every option transformers passes that would change the attention is honoured or refused."""
+    if dropout and module.training:
+        raise UnsupportedMask(f"fa4dist context-parallel attention has no attention dropout (got {dropout}); set "
+                              "config.attention_dropout = 0")
+    if softcap:
+        raise UnsupportedMask(f"fa4dist context-parallel attention has no logit soft-capping (softcap={softcap})")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise UnsupportedMask("fa4dist context-parallel attention has no attention sinks")
+    if not getattr(module, "is_causal", True):
+        raise UnsupportedMask("fa4dist context-parallel attention is causal only; this module is bidirectional")
+    if sliding_window is not None:
+        longest = _longest_document(plan)
+        if longest > int(sliding_window):
+            raise UnsupportedMask(_window_message(int(sliding_window), longest))
+
+
+def _longest_document(plan: ShardPlan) -> int:
+    cu = plan.cu_seqlens or (0, plan.total_len)
+    return max(b - a for a, b in zip(cu, cu[1:]))
+
+
+def _window_message(window: int, longest: int) -> str:
+    return (f"the model has a sliding window of {window} tokens and the batch holds a document of {longest} tokens: "
+            "fa4dist context-parallel attention has no sliding window (it is exact only while every document fits "
+            "in the window); pack shorter documents or use a full-attention model")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what transformers calls
+
+
+class CheckedCausalMask:
+    """What the handle's mask function returns: transformers' mask was verified to be plain causal masking of the
+    local shard (the plan decides what each query really sees)."""
+
+    def __init__(self, checked: str):
+        self.checked = checked
+
+
+def _cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
+             attention_mask=None, local_size=None, device="cpu", **kwargs) -> CheckedCausalMask:
+    if batch_size != 1:
+        raise UnsupportedMask(f"context parallelism takes one packed row (batch size 1), got batch size {batch_size}")
+    if int(q_offset) or int(kv_offset) or q_length != kv_length:
+        raise UnsupportedMask("context parallelism does not run with a KV cache (use_cache=False, no past_key_values)")
+    if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
+        raise UnsupportedMask("context parallelism takes packed documents without padding (no attention_mask zeros)")
+    # A window is checked against the documents by shard_batch and the attention call; here the predicate itself
+    # must be causal within the local runs of positions (a window only shows where a run is longer than it).
+    try:
+        info = fa4dist_mask(batch_size, q_length, kv_length, 0, 0, mask_function=mask_function, attention_mask=None,
+                            device=device)
+    except UnsupportedMask as err:
+        window = f" (the model has a sliding window of {local_size} tokens)" if local_size is not None else ""
+        raise UnsupportedMask(f"the mask the model asks for on its local shard is not causal masking{window}; "
+                              f"fa4dist context parallelism computes causal attention within documents only: {err}"
+                              ) from err
+    return CheckedCausalMask(info.checked)
+
+
+def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                  scaling: Optional[float] = None, dropout: float = 0.0, sliding_window: Optional[int] = None,
+                  softcap: Optional[float] = None, **kwargs):
+    """transformers' attention interface entry: query (1, Hq, L, D), key/value (1, Hkv, L, D), L this rank's
+    tokens -> (out (1, L, Hq, D), None)."""
+    name = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    handle = _HANDLES.get(name)
+    if handle is None:
+        raise RuntimeError(f"the context-parallel attention {name!r} was disabled; set the model's attention back "
+                           "(handle.disable() does) or enable_context_parallel again")
+    plan = kwargs.get(PLAN_KEY)
+    if not isinstance(plan, ShardPlan):
+        raise ValueError(f"context-parallel attention needs the batch from handle.shard_batch(batch) (its "
+                         f"{PLAN_KEY!r} entry); call model(**handle.shard_batch(batch))")
+    if attention_mask is not None and not isinstance(attention_mask, CheckedCausalMask):
+        raise UnsupportedMask(f"context-parallel attention got a precomputed {type(attention_mask).__name__} mask; "
+                              "it computes causal attention within the batch's documents only")
+    _refuse_unsupported(module, plan, dropout, sliding_window, softcap, kwargs)
+    if query.shape[0] != 1:
+        raise UnsupportedMask(f"context parallelism takes one packed row (batch size 1), got {query.shape[0]}")
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (L, heads, D)
+    out = handle.attention(scaling)(q, k, v, plan)
+    return out.unsqueeze(0), None
+
+
+def _set_attn_implementation(model, name: str):
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:  # older transformers
+        model.config._attn_implementation = name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class ContextParallelHandle:
+    """The model's context-parallel state: its attention modules, plans for batches, the loss.  Made by
+    :func:`enable_context_parallel`; undo with :meth:`disable` or a ``with`` block."""
+
+    def __init__(self, model, group=None, mesh=None, strategy: str = "auto", balancer: str = "lpt", *,
+                 backend: str = "auto", deterministic: Optional[bool] = None, num_chunks: Optional[int] = None,
+                 timeout: float = 300.0, check_batch: bool = True):
+        problems = unsupported_features(model)
+        if problems:
+            raise UnsupportedMask(f"{type(model).__name__} cannot run with fa4dist context parallelism: "
+                                  + "; ".join(problems))
+        if getattr(model.config, "_attn_implementation", None) in _HANDLES:
+            raise ValueError("context parallelism is already enabled on this model; disable() that handle first")
+        if group is not None and mesh is not None:
+            raise ValueError("pass either group (a process group) or mesh (a DeviceMesh), not both")
+        if group is None and mesh is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        self.model, self.balancer, self.num_chunks, self.check_batch = model, balancer, num_chunks, check_batch
+        self._options = dict(group=group, mesh=mesh, strategy=strategy, backend=backend,
+                             deterministic=deterministic, timeout=timeout)
+        self._cores: dict = {}
+        self._planner = self.attention(None)  # every core shares the group: one answers cp size, rank, plans
+        self.loss_group = _loss_group(group, mesh)
+        self.window = _sliding_window(_text_config(model))
+        self.previous = getattr(model.config, "_attn_implementation", None)
+        self.name = f"fa4dist_cp_{next(_NAMES)}"
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionInterface.register(self.name, _cp_attention)
+        AttentionMaskInterface.register(self.name, _cp_mask)
+        _HANDLES[self.name] = self
+        _set_attn_implementation(model, self.name)
+        self.enabled = True
+
+    # ---- groups -------------------------------------------------------------------------------------------------
+
+    @property
+    def cp_size(self) -> int:
+        return self._planner.cp_size
+
+    @property
+    def cp_rank(self) -> int:
+        """This process's rank in plans (``ring_index * ulysses_degree + ulysses_index`` on a 2-D mesh)."""
+        return self._planner.cp_rank
+
+    def attention(self, scaling: Optional[float]) -> FA4ContextParallelAttention:
+        """The context-parallel attention module for a softmax scale (one per scale the model uses)."""
+        key = None if scaling is None else float(scaling)
+        core = self._cores.get(key)
+        if core is None:
+            opts = dict(self._options)
+            group, mesh = opts.pop("group"), opts.pop("mesh")
+            core = FA4ContextParallelAttention(group, mesh=mesh, causal=True, softmax_scale=key, **opts)
+            self._cores[key] = core
+        return core
+
+    # ---- batches ------------------------------------------------------------------------------------------------
+
+    def document_boundaries(self, batch) -> torch.Tensor:
+        """cu_seqlens (int64) of a packed batch: ``cu_seq_lens_q`` if given, else where ``position_ids`` do not
+        continue by one (transformers' own rule), else one document."""
+        ids = batch["input_ids"]
+        total = ids.shape[-1]
+        cu = batch.get("cu_seq_lens_q")
+        if cu is not None:
+            cu = torch.as_tensor(cu).flatten().long().cpu()
+            cu_k = batch.get("cu_seq_lens_k")
+            if cu_k is not None and not torch.equal(torch.as_tensor(cu_k).flatten().long().cpu(), cu):
+                raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; a packed batch has one set of documents")
+            if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total or bool((cu[1:] < cu[:-1]).any()):
+                raise ValueError(f"cu_seq_lens_q must rise from 0 to the {total} tokens, got {cu.tolist()[:8]}...")
+            return cu
+        pos = batch.get("position_ids")
+        if pos is None:
+            return torch.tensor([0, total])
+        pos = torch.as_tensor(pos).reshape(-1).cpu()
+        starts = torch.nonzero(torch.diff(pos) != 1).flatten() + 1
+        return torch.cat([torch.zeros(1, dtype=torch.long), starts, torch.tensor([total])])
+
+    def make_plan(self, cu_seqlens) -> ShardPlan:
+        """The plan for a packed stream of documents (cu_seqlens) over this handle's cp group."""
+        core = self._planner
+        return make_plan(cu_seqlens, self.cp_size, self.balancer, self.num_chunks, causal=True,
+                         ulysses_degree=core.cp.plan_ulysses_degree())
+
+    def shard_batch(self, batch) -> dict:
+        """This rank's part of a packed batch (``input_ids``, optional ``labels`` and ``position_ids``, (1, T)):
+        a dict ``model(**local)`` accepts.  See the module docstring."""
+        if not self.enabled:
+            raise RuntimeError("this context-parallel handle was disabled")
+        ids = batch.get("input_ids") if hasattr(batch, "get") else None
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
+            got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise ValueError(f"batch['input_ids'] must be a (1, T) tensor: one packed row, as "
+                             f"DataCollatorWithFlattening makes; got {got}")
+        total = ids.shape[1]
+        for key in ("labels", "position_ids", "attention_mask"):
+            t = batch.get(key)
+            if t is not None and tuple(t.shape) != (1, total):
+                raise ValueError(f"batch[{key!r}] must have the shape of input_ids (1, {total}), got {tuple(t.shape)}")
+        mask = batch.get("attention_mask")
+        if mask is not None and not bool(mask.bool().all()):
+            raise UnsupportedMask("context parallelism takes packed documents without padding (attention_mask has "
+                                  "zeros); use DataCollatorWithFlattening")
+        if batch.get("inputs_embeds") is not None or batch.get("past_key_values") is not None:
+            raise ValueError("shard_batch takes input_ids (no inputs_embeds) and no past_key_values")
+        cu = self.document_boundaries(batch)
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        if self.window is not None and max(lengths) > self.window:
+            raise UnsupportedMask(_window_message(self.window, max(lengths)))
+        positions = batch.get("position_ids")
+        if positions is None:
+            from fa4dist.data import positions_from_cu_seqlens
+
+            positions = positions_from_cu_seqlens(cu)[None].to(ids.device)
+        labels = batch.get("labels")
+        shifted = None
+        if labels is not None:  # the target of token i is labels[i + 1]; the last token has none
+            shifted = torch.cat([labels[:, 1:], labels.new_full((1, 1), IGNORE)], dim=1)
+        plan = self.make_plan(cu)
+        empty = [r for r in range(self.cp_size) if plan.local_len(r) == 0]
+        if empty:
+            raise ValueError(f"a batch of {total} tokens leaves cp ranks {empty} of {self.cp_size} without tokens; "
+                             "pack more tokens per batch (or pass fewer num_chunks)")
+        if self.check_batch and self.cp_size > 1:
+            self._check_same_batch(ids, positions, shifted)
+        rank = self.cp_rank
+        local = {"input_ids": plan.shard(ids, seq_dim=1, rank=rank),
+                 "position_ids": plan.shard(positions, seq_dim=1, rank=rank), "use_cache": False, PLAN_KEY: plan}
+        if shifted is not None:
+            local[LABELS_KEY] = plan.shard(shifted, seq_dim=1, rank=rank)
+        return local
+
+    def _check_same_batch(self, ids, positions, shifted):
+        """Every cp rank must shard the same batch: compare a checksum over the cp group (fails loudly, no hang)."""
+        mine = torch.tensor([ids.shape[1], _checksum(ids), _checksum(positions),
+                             _checksum(shifted) if shifted is not None else 0], dtype=torch.int64)
+        group = self.loss_group
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+        gathered = [torch.empty_like(mine, device=device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine.to(device), group=group)
+        rows = [g.cpu().tolist() for g in gathered]
+        if any(r != rows[0] for r in rows):
+            raise ValueError("the cp ranks were given different batches (tokens, positions or labels differ; "
+                             f"[length, checksums] per cp rank: {rows}); every rank of a cp group must shard the "
+                             "same packed batch")
+
+    # ---- loss ---------------------------------------------------------------------------------------------------
+
+    def loss(self, logits: torch.Tensor, local: dict) -> torch.Tensor:
+        """This rank's share of the batch's mean next-token loss (the shares of the cp ranks add up to it)."""
+        labels = local.get(LABELS_KEY)
+        if labels is None:
+            raise ValueError("the local batch has no labels (shard_batch was given a batch without 'labels')")
+        if logits.dim() == 3:
+            logits = logits[0]
+        if logits.shape[0] != labels.shape[-1]:
+            raise ValueError(f"logits hold {logits.shape[0]} tokens but the local batch {labels.shape[-1]}")
+        return cp_cross_entropy(logits, labels.reshape(-1), self.loss_group if self.cp_size > 1 else None).loss
+
+    # ---- undo ---------------------------------------------------------------------------------------------------
+
+    def disable(self):
+        """Puts back the model's previous attention implementation (idempotent)."""
+        if not self.enabled:
+            return
+        _HANDLES.pop(self.name, None)
+        if self.previous is not None:
+            _set_attn_implementation(self.model, self.previous)
+        self.enabled = False
+
+    def __enter__(self) -> "ContextParallelHandle":
+        return self
+
+    def __exit__(self, *exc):
+        self.disable()
+        return False
+
+    def __repr__(self) -> str:
+        return (f"ContextParallelHandle(cp_size={self.cp_size}, cp_rank={self.cp_rank}, balancer={self.balancer!r}, "
+                f"attention={self.name!r}, previous={self.previous!r}, enabled={self.enabled})")
+
+
+def _checksum(t: torch.Tensor) -> int:
+    """An order-sensitive int64 checksum (wrapping arithmetic: the same bytes on every rank)."""
+    x = t.reshape(-1).to("cpu", torch.int64)
+    weights = (torch.arange(1, x.numel() + 1, dtype=torch.int64) * _CHECKSUM_SEED) % 1_000_003 + 1
+    return int((x * weights).sum())
+
+
+def _loss_group(group, mesh):
+    """The process group spanning every cp rank (the loss's token count is summed over it)."""
+    if mesh is None:
+        return group
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    return mesh._flatten("fa4dist_cp").get_group()
+
+
+def enable_context_parallel(model, group=None, mesh=None, strategy: str = "auto", balancer: str = "lpt", *,
+                            backend: str = "auto", deterministic: Optional[bool] = None,
+                            num_chunks: Optional[int] = None, timeout: float = 300.0,
+                            check_batch: bool = True) -> ContextParallelHandle:
+    """Runs ``model``'s attention layers with fa4dist context parallelism; returns the handle
+    (``shard_batch``, ``loss``, ``disable``; a context manager).
+
+    - ``group``: the cp process group (default: the whole world when torch.distributed is initialized, else one
+      process); or ``mesh``: a 1-D DeviceMesh, or 2-D ``("ring", "ulysses")`` for the hybrid strategy.
+    - ``strategy``: ``"auto"``, ``"ring"``, ``"ulysses"``, ``"hybrid"`` (:class:`FA4ContextParallelAttention`).
+    - ``balancer``: the plan's balancer, ``"lpt"`` (default), ``"zigzag"`` or ``"contiguous"``; ``num_chunks`` its
+      chunk count (default 8 per rank).
+    - ``backend``, ``deterministic``, ``timeout``: passed to the attention.
+    - ``check_batch``: compare a checksum of the batch over the cp ranks in every ``shard_batch``.
+
+    Raises :class:`~fa4dist.integrations.hf.UnsupportedMask` naming what the model needs that the attention does
+    not compute (soft-capping, sinks, chunked or bidirectional attention, no AttentionInterface)."""
+    return ContextParallelHandle(model, group, mesh, strategy, balancer, backend=backend,
+                                 deterministic=deterministic, num_chunks=num_chunks, timeout=timeout,
+                                 check_batch=check_batch)

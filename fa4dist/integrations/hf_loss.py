@@ -1,0 +1,117 @@
+"""The context-parallel next-token loss of a Hugging Face causal LM computed from hidden states in tiles.
+
+The logits of a long shard do not fit: 64k tokens x a 128k vocabulary are 32 GB in fp32, more than the rest of
+the step.  :func:`tiled_cp_cross_entropy` runs the LM head and the cross entropy over ``chunk_tokens`` tokens at a
+time, each tile under activation checkpointing, so one tile's logits (and in the backward their gradient) are all
+that ever exist; the value and the gradients are those of :func:`fa4dist.models.cp_cross_entropy` on the full
+logits (the rank's summed token losses over the global count of target tokens).
+
+:class:`TiledCausalLMLoss` wraps a model whose logits are ``lm_head(final hidden states)`` (Llama, Mistral,
+Qwen2/Qwen3): ``forward(local)`` returns the rank's loss share.  Its own parameters are the model's, so FSDP2's
+root unit (``fully_shard(wrapper)``) keeps the LM head gathered while the tiles run.
+
+```python
+import torch
+from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig
+
+from fa4dist.integrations.hf import enable_context_parallel
+from fa4dist.integrations.hf_loss import TiledCausalLMLoss
+
+config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+model = AutoModelForCausalLM.from_config(config)
+handle = enable_context_parallel(model)
+step = TiledCausalLMLoss(model, handle, chunk_tokens=16)
+local = handle.shard_batch(DataCollatorWithFlattening()([{"input_ids": list(range(1, 50))}]))
+step(local).backward()
+handle.disable()
+```
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fa4dist.data.packing import IGNORE
+
+from .hf_context_parallel import LABELS_KEY, PLAN_KEY, ContextParallelHandle
+
+# Models whose logits are exactly lm_head(final hidden states) (no soft-capping or logit scale).
+PLAIN_LM_HEAD_MODELS = ("llama", "mistral", "qwen2", "qwen3")
+LOGITS_BUDGET_ELEMENTS = 1 << 29  # default tile: this many logits (2 GiB in fp32)
+
+
+def default_chunk_tokens(vocab_size: int) -> int:
+    return max(256, LOGITS_BUDGET_ELEMENTS // max(1, vocab_size))
+
+
+def _tile_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   labels: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias)
+    if logits.dtype in (torch.float16, torch.bfloat16):  # as cp_cross_entropy: the softmax in fp32 (fp64 stays)
+        logits = logits.float()
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
+
+
+def tiled_cp_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, cp_group=None, *,
+                           bias: Optional[torch.Tensor] = None, chunk_tokens: Optional[int] = None) -> torch.Tensor:
+    """This rank's share of the mean next-token loss: ``sum_i CE(hidden[i] @ weight.T + bias, labels[i])`` over
+    the local tokens, divided by the number of target tokens (labels != -100) of all ranks in ``cp_group``.
+
+    ``hidden`` (tokens, dim) or (1, tokens, dim); ``labels`` (tokens,) already shifted.  Tiles of
+    ``chunk_tokens`` tokens (default: 2**29 logits per tile) are recomputed in the backward."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1)
+    if hidden.shape[0] != labels.shape[0]:
+        raise ValueError(f"hidden holds {hidden.shape[0]} tokens but labels {labels.shape[0]}")
+    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
+    if chunk < 1:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk}")
+    total = hidden.new_zeros((), dtype=torch.float32 if hidden.dtype != torch.float64 else torch.float64)
+    for start in range(0, hidden.shape[0], chunk):
+        h, y = hidden[start:start + chunk], labels[start:start + chunk]
+        if torch.is_grad_enabled():
+            part = checkpoint(_tile_loss_sum, h, weight, bias, y, use_reentrant=False)
+        else:
+            part = _tile_loss_sum(h, weight, bias, y)
+        total = total + part.to(total.dtype)
+    count = (labels != IGNORE).sum().to(total.dtype)
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        dist.all_reduce(count, group=cp_group)
+    return total / count.clamp(min=1.0)
+
+
+class TiledCausalLMLoss(nn.Module):
+    """``forward(local)`` -> this rank's loss share of a local batch from ``handle.shard_batch``, with the LM head
+    and cross entropy in tiles (:func:`tiled_cp_cross_entropy`); the full logits never exist."""
+
+    def __init__(self, model: nn.Module, handle: ContextParallelHandle, chunk_tokens: Optional[int] = None):
+        super().__init__()
+        model_type = getattr(model.config, "model_type", None)
+        if model_type not in PLAIN_LM_HEAD_MODELS:
+            raise ValueError(f"TiledCausalLMLoss computes logits as lm_head(hidden states), which is known to be "
+                             f"the model's own computation for {PLAIN_LM_HEAD_MODELS}, not {model_type!r}; use "
+                             "handle.loss(model(**local).logits, local)")
+        head = model.get_output_embeddings()
+        if not isinstance(head, nn.Linear):
+            raise ValueError(f"the model's output embedding must be an nn.Linear, got {type(head).__name__}")
+        self.model, self.handle = model, handle
+        self.chunk_tokens = chunk_tokens or default_chunk_tokens(head.out_features)
+
+    def forward(self, local: dict) -> torch.Tensor:
+        labels = local.get(LABELS_KEY)
+        if labels is None or PLAN_KEY not in local:
+            raise ValueError("TiledCausalLMLoss takes the output of handle.shard_batch(batch) of a batch with labels")
+        inputs = {k: v for k, v in local.items() if k != LABELS_KEY}
+        decoder = getattr(self.model, self.model.base_model_prefix)
+        hidden = decoder(**inputs).last_hidden_state
+        head = self.model.get_output_embeddings()
+        group = self.handle.loss_group if self.handle.cp_size > 1 else None
+        return tiled_cp_cross_entropy(hidden, head.weight, labels, group, bias=head.bias,
+                                      chunk_tokens=self.chunk_tokens)

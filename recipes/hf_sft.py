@@ -1,0 +1,460 @@
+"""Supervised fine-tuning of a Hugging Face causal LM with FSDP2 and fa4dist context parallelism.
+
+    torchrun --nproc-per-node 2 recipes/hf_sft.py --arch llama --model tiny --cp 2 --steps 10
+    torchrun --nproc-per-node 2 recipes/hf_sft.py --checkpoint /path/to/local/hf/model --cp 2 --seqlen 65536
+
+The model is a transformers class (``--arch llama|qwen2|qwen3|mistral``) built from a config: fa4dist's size
+presets (``--model tiny|small|base|1b``, byte vocabulary) or Llama-3 shapes (``llama3.2-1b``, ``llama3-8b``,
+vocabulary 128256), randomly initialized; or a local checkpoint directory (``--checkpoint``, nothing is
+downloaded).  Data are packed windows of documents from :mod:`fa4dist.data` (this repository's text, byte tokens),
+turned into what transformers' ``DataCollatorWithFlattening`` makes.  Each window goes through
+``enable_context_parallel``'s ``shard_batch`` (LPT plan of its documents, labels shifted globally, global
+positions) and the model's attention layers run ``FA4ContextParallelAttention`` over the cp group.
+
+Ranks form a (dp, cp) mesh, cp innermost; decoder layers and the root are ``fully_shard``-ed over all dp x cp ranks
+(bf16 compute, fp32 master weights and reductions on GPUs).  FSDP averages gradients over dp x cp, so the loss
+that goes into the backward is multiplied by cp (the cp shares of a sequence add up).  The loss is computed from
+the final hidden states in tiles of ``--loss-chunk`` tokens (``--loss tiled``, default: the logits of the whole
+shard never exist) or from the model's logits (``--loss logits``).  ``--activation-checkpointing`` uses
+transformers' own per-layer checkpointing; ``--tile-mlp N`` also runs each MLP over N tokens at a time under
+checkpointing (the MLP intermediates of a long shard are the largest activations).  ``--init sharded`` (default
+for models over 2B parameters) builds the model on the meta device and initializes each rank's shard on its
+device: normal(0, initializer_range) matrices, ones for norms -- not bitwise transformers' init.
+
+Rank 0 prints a progress bar and a ``SUMMARY {...}`` JSON line (tokens/s, MFU, peak memory) like the other
+recipes; ``--memory-report`` adds a ``MEMORY {...}`` line (measured phases and estimated components).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+from fa4dist.data.tokenizer import VOCAB_SIZE  # noqa: E402
+from fa4dist.models import get_config  # noqa: E402
+
+ARCHS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}
+LLAMA3_PRESETS = {
+    "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+                        rms_norm_eps=1e-5, tie_word_embeddings=True),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False),
+}
+SHARDED_INIT_ABOVE = 2e9  # parameters: --init auto builds larger models on the meta device
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_args(p)
+    g = p.add_argument_group("Hugging Face model")
+    g.add_argument("--arch", choices=sorted(ARCHS), default="llama", help="transformers model family")
+    g.add_argument("--checkpoint", default=None, help="a local checkpoint directory (from_pretrained, offline)")
+    g.add_argument("--init", choices=["auto", "full", "sharded"], default="auto",
+                   help="full: every rank builds the whole model (seeded, transformers' init); sharded: meta "
+                        "device, then each rank initializes its shard; auto: sharded above 2B parameters")
+    g.add_argument("--loss", choices=["tiled", "logits"], default="tiled",
+                   help="tiled: LM head + cross entropy over --loss-chunk tokens at a time; logits: the model's")
+    g.add_argument("--loss-chunk", type=int, default=None, help="tokens per loss tile (default: 2**29 / vocab)")
+    g.add_argument("--tile-mlp", type=int, default=0, help="run each MLP over this many tokens at a time (0: off)")
+    g.add_argument("--offload-checkpoints", action="store_true",
+                   help="keep activation checkpoints in pinned host memory (transformers >= 5.2x)")
+    g.add_argument("--memory-report", action="store_true", help="print a MEMORY {...} line after the first step")
+    args = p.parse_args(argv)
+    if args.model not in LLAMA3_PRESETS:
+        get_config(args.model)  # a clear error for an unknown preset
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the model
+
+
+def hf_config(args):
+    """The transformers config of ``--arch`` at the ``--model`` size."""
+    import transformers
+
+    if args.model in LLAMA3_PRESETS:
+        if args.arch != "llama":
+            raise SystemExit(f"--model {args.model} is a Llama shape; use --arch llama")
+        size = dict(LLAMA3_PRESETS[args.model])
+    else:
+        c = get_config(args.model)
+        size = dict(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.resolved_ffn_dim,
+                    num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+                    head_dim=c.resolved_head_dim, rope_theta=c.rope_theta, rms_norm_eps=c.norm_eps,
+                    tie_word_embeddings=c.tie_embeddings)
+    if args.layers:
+        size["num_hidden_layers"] = args.layers
+    extra = dict(attention_dropout=0.0, max_position_embeddings=max(args.seqlen, 8192))
+    if args.arch == "mistral":
+        extra["sliding_window"] = None  # full attention (a window shorter than a document is refused)
+    rope_theta = size.pop("rope_theta")
+    config = getattr(transformers, ARCHS[args.arch])(**size, **extra)
+    _set_rope_theta(config, rope_theta)
+    return config
+
+
+def _set_rope_theta(config, theta: float):
+    """transformers 5 keeps rope_theta in ``rope_parameters``; older versions as an attribute."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict):
+        params["rope_theta"] = theta
+    else:
+        config.rope_theta = theta
+
+
+def count_parameters(config) -> int:
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def build_model(args, device):
+    """(model with fp32 weights, sharded_init): on ``device``, or on the meta device for a sharded init."""
+    from transformers import AutoModelForCausalLM
+
+    if args.checkpoint:
+        model = AutoModelForCausalLM.from_pretrained(args.checkpoint, local_files_only=True, dtype=torch.float32,
+                                                     attn_implementation="sdpa")
+        if model.config.vocab_size < VOCAB_SIZE:
+            raise SystemExit(f"the checkpoint's vocabulary ({model.config.vocab_size}) is smaller than the byte "
+                             f"tokens of fa4dist.data ({VOCAB_SIZE})")
+        return model.to(device), False
+    config = hf_config(args)
+    sharded = args.init == "sharded" or args.init == "auto" and count_parameters(config) > SHARDED_INIT_ABOVE
+    torch.manual_seed(args.seed)
+    with torch.device("meta" if sharded else device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return model, sharded
+
+
+@torch.no_grad()
+def init_shards(model, seed: int, rank: int, device):
+    """After ``to_empty``: normal(0, initializer_range) matrices, ones for 1-D weights, zero biases, each rank its
+    own shard; the rotary buffers (lost on the meta device) rebuilt from the config."""
+    std = getattr(model.config, "initializer_range", 0.02)
+    gen = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
+    for name, p in model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if name.endswith("bias"):
+            local.zero_()
+        elif p.dim() == 1:
+            local.fill_(1.0)
+        else:
+            local.normal_(0.0, std, generator=gen)
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            fresh = type(module)(module.config)
+            for buf_name, buf in fresh.named_buffers(recurse=False):
+                setattr(module, buf_name, buf.to(device))
+
+
+def tile_mlps(model, tokens: int):
+    """Runs every decoder layer's MLP over ``tokens`` tokens at a time, each tile under checkpointing: the MLP's
+    intermediates (the widest activations) exist for one tile at a time.  Same result, more recompute."""
+    decoder = getattr(model, model.base_model_prefix)
+    for layer in decoder.layers:
+        mlp = layer.mlp
+        mlp.forward = functools.partial(_tiled_mlp_forward, type(mlp).forward.__get__(mlp), tokens)
+
+
+def _tiled_mlp_forward(forward, tokens: int, x: torch.Tensor) -> torch.Tensor:
+    if x.shape[-2] <= tokens:
+        return forward(x)
+    parts = [checkpoint(forward, part, use_reentrant=False) if torch.is_grad_enabled() else forward(part)
+             for part in x.split(tokens, dim=-2)]
+    return torch.cat(parts, dim=-2)
+
+
+def enable_activation_checkpointing(model, offload: bool):
+    """transformers' per-layer checkpointing (``activation_checkpointing_enable`` from 5.2x, before it
+    ``gradient_checkpointing_enable``); ``offload`` keeps the checkpoints in pinned host memory."""
+    import inspect
+
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        kwargs = dict(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        enable = model.gradient_checkpointing_enable
+        kwargs = dict(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if offload:
+        if "offload" not in inspect.signature(enable).parameters:
+            raise SystemExit("--offload-checkpoints needs a transformers whose checkpointing takes offload=")
+        kwargs["offload"] = True
+    enable(**kwargs)
+
+
+class LogitsLoss(nn.Module):
+    """The loss share from the model's own logits (``--loss logits``)."""
+
+    def __init__(self, model, handle):
+        super().__init__()
+        self.model, self.handle = model, handle
+
+    def forward(self, local):
+        inputs = {k: v for k, v in local.items() if k != "shift_labels"}
+        return self.handle.loss(self.model(**inputs).logits, local)
+
+
+def prepare(args, layout, device, dtype):
+    """The model under CP and FSDP2: (loss module (the FSDP root), handle, model, facts for the FLOP count)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from fa4dist.integrations.hf import enable_context_parallel
+    from fa4dist.integrations.hf_loss import TiledCausalLMLoss
+
+    model, sharded = build_model(args, device)
+    cfg = model.config
+    facts = dict(
+        params=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+        matmul_params=sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)),
+        layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        hidden=cfg.hidden_size, ffn=cfg.intermediate_size, vocab=cfg.vocab_size, kv_heads=cfg.num_key_value_heads,
+    )
+    handle = enable_context_parallel(model, mesh=layout.mesh["cp"], strategy=args.strategy, balancer=args.balancer,
+                                     backend=args.backend, deterministic=args.deterministic or None)
+    if args.activation_checkpointing or args.offload_checkpoints:
+        enable_activation_checkpointing(model, args.offload_checkpoints)
+    if args.tile_mlp:
+        tile_mlps(model, args.tile_mlp)
+    model.train()
+    if args.loss == "tiled":
+        step = TiledCausalLMLoss(model, handle, chunk_tokens=args.loss_chunk)
+    else:
+        step = LogitsLoss(model, handle)
+    mesh = layout.mesh
+    fsdp_mesh = mesh._flatten("dp_cp") if mesh.ndim > 1 else mesh
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in getattr(model, model.base_model_prefix).layers:
+        fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp)
+    fully_shard(step, mesh=fsdp_mesh, mp_policy=mp)
+    if sharded:
+        step.to_empty(device=device)
+        init_shards(model, args.seed, layout.rank, device)
+    return step, handle, model, facts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data and the step
+
+
+def hf_batch(sample) -> dict:
+    """A packed window as transformers' DataCollatorWithFlattening makes it: one row of documents, positions
+    restarting per document, labels -100 at each document's first token."""
+    from transformers import DataCollatorWithFlattening
+
+    cu = sample.cu_seqlens.tolist()
+    tokens = sample.tokens.tolist()
+    return DataCollatorWithFlattening()([{"input_ids": tokens[a:b]} for a, b in zip(cu, cu[1:])])
+
+
+def to_device(local: dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in local.items()}
+
+
+def training_flops(facts: dict, cu_seqlens_list) -> float:
+    """6·N·T + 12·L·H·D·P (the recipes' MFU formula, common.FLOP_FORMULA)."""
+    tokens, pairs = 0, 0.0
+    for cu in cu_seqlens_list:
+        lengths = (cu[1:] - cu[:-1]).double()
+        tokens += int(cu[-1])
+        pairs += float((lengths * (lengths + 1) / 2).sum())
+    return 6.0 * facts["matmul_params"] * tokens + 12.0 * facts["layers"] * facts["heads"] * facts["head_dim"] * pairs
+
+
+def forward_backward(step, handle, samples, layout, device, phases: Optional[dict] = None):
+    """This rank's sequences of one step; returns the summed sequence losses of this dp replica (over cp)."""
+    n = len(samples)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for i, sample in enumerate(samples):
+        local = to_device(handle.shard_batch(hf_batch(sample)), device)
+        if n > 1:
+            step.set_requires_gradient_sync(i == n - 1)
+        loss = step(local)
+        if phases is not None and i == 0:
+            phases.update(after_forward=_mem(device), peak_forward=_peak(device))
+        (loss * layout.cp / n).backward()  # FSDP averages over dp x cp: the cp shares must add
+        loss_sum += loss.detach().double()
+    if layout.cp > 1:
+        dist.all_reduce(loss_sum, group=layout.cp_group)
+    return loss_sum
+
+
+def _mem(device) -> float:
+    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+def _peak(device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+def preallocate_adam_state(optimizer):
+    """AdamW's state as its first step would create it, so the first step's peak memory is the steady state's."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def memory_estimates(facts: dict, local_tokens: int, world: int, args, dtype) -> dict:
+    """GiB per rank of the main components (analytical, beside the measured phases): fp32 weights, gradients and
+    Adam states sharded over the world; the layer-boundary checkpoints; the activations one layer's recompute
+    holds in the forward (its backward adds about as much again in gradients); the loss tile (bf16 logits, their
+    fp32 copy and gradient); the attention's own buffers (q, k, v copies, fp32 output and LSE)."""
+    gib = 2**30
+    act = torch.finfo(dtype).bits // 8
+    params = facts["params"]
+    hd, h, kv, ffn = facts["head_dim"], facts["heads"], facts["kv_heads"], facts["ffn"]
+    chunk = min(local_tokens, args.loss_chunk or max(256, (1 << 29) // facts["vocab"]))
+    mlp_tokens = min(local_tokens, args.tile_mlp) if args.tile_mlp else local_tokens
+    return dict(
+        weights_fp32=params * 4 / world / gib, grads_fp32=params * 4 / world / gib,
+        adam_states_fp32=2 * params * 4 / world / gib,
+        checkpoints=facts["layers"] * local_tokens * facts["hidden"] * act / gib
+        if args.activation_checkpointing else None,
+        layer_recompute_forward=(local_tokens * (6 * facts["hidden"] + (h + 2 * kv) * hd) * act
+                                 + mlp_tokens * 4 * ffn * act) / gib,
+        logits_tile=chunk * facts["vocab"] * (act + 4 + 4) / gib if args.loss == "tiled"
+        else local_tokens * facts["vocab"] * (act + 4 + 4) / gib,
+        attention_buffers=local_tokens * ((h + 2 * kv) * hd * act * 2 + h * hd * 4 + h * 4) / gib,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world, device = common.init_distributed()
+    common.set_determinism(args)
+    layout = common.make_layout(rank, world, args.cp, args.batch_size, device)
+    dtype = common.compute_dtype(args, device)
+    step, handle, model, facts = prepare(args, layout, device, dtype)
+    optimizer = common.make_optimizer(step, args)
+    if args.memory_report:
+        preallocate_adam_state(optimizer)
+    stream = common.build_stream(args)
+    per_rank = layout.sequences_per_rank
+    if rank == 0:
+        print(f"hf_sft: world={world} dp={layout.dp} cp={layout.cp} arch={args.arch} model="
+              f"{args.checkpoint or args.model} params={facts['params'] / 1e6:.1f}M seqlen={args.seqlen} "
+              f"batch={args.batch_size} dtype={dtype} packing={args.packing} loss={args.loss} device={device} "
+              f"attention={handle.name} (cp_size={handle.cp_size})", flush=True)
+    progress = common.Progress(args.steps, rank, args.metrics_out, args.log_every)
+    meter = common.Throughput(args.timing_warmup, device)
+    peak = common.peak_flops(args, device)
+    phases: dict = {}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        phases["static"] = _mem(device)
+
+    for i in range(args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = common.lr_at(i, args)
+        samples = stream.batch(i, args.batch_size, first=layout.dp_rank * per_rank, count=per_rank)
+        common.sync(device)
+        t0 = common.now()
+        loss_sum = forward_backward(step, handle, samples, layout, device, phases if i == 0 else None)
+        grad_norm = None
+        if args.grad_clip:
+            grad_norm = torch.nn.utils.clip_grad_norm_(step.parameters(), args.grad_clip)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = common.step_loss(loss_sum, layout)
+        common.sync(device)
+        seconds = common.now() - t0
+        if i == 0:
+            phases["peak_step"] = _peak(device)
+        tokens = args.batch_size * args.seqlen
+        meter.add(i, seconds, tokens, training_flops(facts, [s.cu_seqlens for s in
+                                                             stream.batch(i, args.batch_size)]))
+        progress.update(i, loss=loss, lr=common.lr_at(i, args),
+                        grad_norm=float(grad_norm) if grad_norm is not None else None,
+                        tokens_per_s=tokens / seconds, step_s=seconds, peak_mem_gib=common.peak_memory_gib(device))
+    progress.close()
+
+    mem = torch.tensor([common.peak_memory_gib(device)], device=device)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        tps = meter.tokens_per_s()
+        mfu = meter.mfu(peak, world)
+        print(common.summary_line(
+            recipe="hf_sft", arch=args.arch, model=args.checkpoint or args.model, params=facts["params"],
+            world=world, dp=layout.dp, cp=layout.cp, seqlen=args.seqlen, batch_size=args.batch_size,
+            packing=args.packing, dtype=str(dtype).split(".")[-1], loss=args.loss, tile_mlp=args.tile_mlp,
+            activation_checkpointing=args.activation_checkpointing, steps_timed=meter.steps,
+            tokens_per_s=round(tps, 1) if tps else None,
+            tokens_per_s_per_device=round(tps / world, 1) if tps else None,
+            mfu=round(mfu, 4) if mfu is not None else None,
+            peak_tflops_per_device=peak / 1e12 if peak else None,
+            achieved_tflops_per_device=round(meter.flops / meter.seconds / world / 1e12, 2) if meter.seconds else None,
+            peak_mem_gib=round(float(mem), 3), flop_formula=common.FLOP_FORMULA, attention_backend=args.backend,
+        ), flush=True)
+        if args.memory_report:
+            local = -(-args.seqlen // layout.cp)
+            print("MEMORY " + json.dumps(dict(
+                measured_gib={k: round(v, 3) for k, v in phases.items()}, local_tokens=local,
+                estimated_gib={k: (round(v, 3) if v is not None else None)
+                               for k, v in memory_estimates(facts, local, world, args, dtype).items()},
+            ), sort_keys=True), flush=True)
+    handle.disable()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the single-process reference
+
+
+def reference_run(args, device=torch.device("cpu")) -> dict:
+    """``{"loss": [...], "grad_norm": [...]}`` of a plain single-process loop over the same data: the model's own
+    attention (``sdpa``, packed documents from position_ids) and its own loss (``labels``, shifted inside),
+    AdamW, the same schedule and clipping.  What the distributed recipe must reproduce."""
+    common.set_determinism(args)
+    model, sharded = build_model(args, device)
+    if sharded:
+        raise SystemExit("the reference needs --init full")
+    model.train()
+    optimizer = common.make_optimizer(model, args)
+    stream = common.build_stream(args)
+    losses, norms = [], []
+    for i in range(args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = common.lr_at(i, args)
+        samples = stream.batch(i, args.batch_size)
+        total = 0.0
+        for sample in samples:
+            out = model(**hf_batch(sample), use_cache=False)
+            (out.loss / len(samples)).backward()
+            total += out.loss.item()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total / len(samples))
+        norms.append(float(norm))
+    return {"loss": losses, "grad_norm": norms}
+
+
+if __name__ == "__main__":
+    main()
