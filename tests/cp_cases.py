@@ -37,11 +37,14 @@ def global_inputs(seed, total, heads_q, heads_kv, head_dim, dtype, batch=None, h
 
 
 def cp_module(rank, cp, strategy, causal, plan_u=1, ulysses_degree=None, topology="group", backend="reference",
-              deterministic=None, timeout=60.0):
-    """(module, cp rank) for ranks 0..cp-1 of the pool, or (None, None) for the others."""
+              deterministic=None, timeout=60.0, **options):
+    """(module, cp rank) for ranks 0..cp-1 of the pool (cp = 1: no group), or (None, None) for the others."""
     if rank >= cp:
         return None, None
-    kw = dict(strategy=strategy, causal=causal, backend=backend, deterministic=deterministic, timeout=timeout)
+    kw = dict(strategy=strategy, causal=causal, backend=backend, deterministic=deterministic, timeout=timeout,
+              **options)
+    if cp == 1:
+        return FA4ContextParallelAttention(None, **kw), 0
     if topology == "mesh":
         from torch.distributed.device_mesh import init_device_mesh
 

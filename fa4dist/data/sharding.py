@@ -39,7 +39,8 @@ class SingleRankPlan:
         """As :meth:`ShardPlan.unshard`: a list of the one rank's local tensor, or the tensor itself."""
         if isinstance(x_local, (list, tuple)):
             if len(x_local) != 1:
-                raise ValueError(f"unshard needs 1 local tensor (one per rank) or their concatenation, got {len(x_local)}")
+                raise ValueError(
+                    f"unshard needs 1 local tensor (one per rank) or their concatenation, got {len(x_local)}")
             x_local = x_local[0]
         return x_local
 

@@ -31,6 +31,7 @@ def attention_forward(
     lse: Optional[torch.Tensor] = None,
     accumulate: bool = False,
     backend: str = "auto",
+    cp_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a query block against a key block whose mask is given by global offsets.
 
@@ -40,7 +41,7 @@ def attention_forward(
     """
     problem = validate_inputs(
         q, k, v, causal=causal, softmax_scale=softmax_scale, q_offset=q_offset, k_offset=k_offset,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, cp_invariant=cp_invariant,
     )
     acc = _accum_dtypes(problem)
     if accumulate and (out is None or lse is None):
@@ -85,6 +86,7 @@ def attention_backward(
     dv: Optional[torch.Tensor] = None,
     accumulate: bool = False,
     backend: str = "auto",
+    cp_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the *global* out and lse (those of the whole key range, as a ring has them).
 
@@ -94,7 +96,7 @@ def attention_backward(
     """
     problem = validate_inputs(
         q, k, v, causal=causal, softmax_scale=softmax_scale, q_offset=q_offset, k_offset=k_offset,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, cp_invariant=cp_invariant,
     )
     acc = _accum_dtypes(problem)
     for name, t in (("dout", dout), ("out", out), ("lse", lse)):

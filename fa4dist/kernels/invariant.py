@@ -69,7 +69,8 @@ def forward(q, k, v, items: list[WorkItem], *, softmax_scale=None, backend="auto
     out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
     lse_shape = (q.shape[-2], q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
     lse = torch.full(lse_shape, float("-inf"), dtype=acc, device=q.device)
-    attention_forward_items(q, k, v, items, out, lse, softmax_scale=softmax_scale, fresh=True, backend=backend)
+    attention_forward_items(q, k, v, items, out, lse, softmax_scale=softmax_scale, fresh=True, backend=backend,
+                            cp_invariant=True)
     return out, lse
 
 
@@ -78,7 +79,7 @@ def backward(dout, q, k, v, out, lse, items: list[WorkItem], *, softmax_scale=No
     acc = accum_dtype(q.dtype)
     grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v)]
     attention_backward_items(dout, q, k, v, out, lse, items, *grads, softmax_scale=softmax_scale,
-                             deterministic=True, backend=backend)
+                             deterministic=True, backend=backend, cp_invariant=True)
     return grads
 
 

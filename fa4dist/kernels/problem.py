@@ -45,6 +45,9 @@ class AttentionProblem:
     k_offsets: tuple[int, ...]
     cu_seqlens_q: Optional[tuple[int, ...]] = None  # host copies; None for the dense layout
     cu_seqlens_k: Optional[tuple[int, ...]] = None
+    # cp_invariant numerics (fa4dist.kernels.invariant): a row's (a key's) result may depend on nothing but its
+    # own operands; only backends that guarantee that take such a call.
+    cp_invariant: bool = False
     # The caller's cu_seqlens tensors (device tensors for fused kernels); None for the dense layout.
     cu_seqlens_q_tensor: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
     cu_seqlens_k_tensor: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
@@ -180,6 +183,7 @@ def validate_inputs(
     k_offset: Offset = 0,
     cu_seqlens_q: Optional[torch.Tensor] = None,
     cu_seqlens_k: Optional[torch.Tensor] = None,
+    cp_invariant: bool = False,
 ) -> AttentionProblem:
     """Checks q, k, v and the mask arguments; returns the problem description or raises a clear error."""
     q, k, v = (_check_tensor(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
@@ -247,6 +251,7 @@ def validate_inputs(
         cu_seqlens_k=ck,
         cu_seqlens_q_tensor=cu_seqlens_q,
         cu_seqlens_k_tensor=cu_seqlens_k,
+        cp_invariant=bool(cp_invariant),
     )
 
 

@@ -76,7 +76,60 @@ def _contract(equation: str, weights: torch.Tensor, values: torch.Tensor, keep) 
     return result
 
 
-def _forward_dense(q, k, v, scale: float, causal: bool, q_offset: int, k_offset: int):
+class _Einsum:
+    """The reference's usual arithmetic: tile contractions as BLAS matrix products."""
+
+    chunks = staticmethod(_chunks)
+
+    @staticmethod
+    def scores(qc, kc):  # (b, q, h, g, d) x (b, k, h, d) -> (b, h, g, q, k)
+        return torch.einsum("bqhgd,bkhd->bhgqk", qc, kc)
+
+    @staticmethod
+    def rows_from_keys(weights, values, keep):
+        return _contract(_ROWS_FROM_KEYS, weights, values, keep)
+
+    @staticmethod
+    def keys_from_rows(weights, values, keep):
+        return _contract(_KEYS_FROM_ROWS, weights, values, keep)
+
+
+class _ShapeIndependent:
+    """cp_invariant arithmetic: every contraction an elementwise product summed over one contiguous last axis of
+    fixed length, so an output element's rounding depends on nothing but its own operands (BLAS picks kernels, and
+    with them summation orders, by matrix shape: a row computed in a 1-row call can differ from the same row in a
+    128-row call; so can a multi-axis torch reduction).  Smaller tiles bound the products' memory; masked pairs are
+    selected away before the sum, so non-finite values there cannot leak."""
+
+    @staticmethod
+    def chunks(seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+        return max(1, min(seqlen_q, 32)), max(1, min(seqlen_k, 128))
+
+    @staticmethod
+    def _sum_last(product: torch.Tensor, keep, order) -> torch.Tensor:
+        """product (b,h,g,q,k,d), masked pairs zeroed, permuted so that the summed axes come last (contiguous)."""
+        if keep is not None:
+            product = torch.where(keep.unsqueeze(-1), product, torch.zeros((), dtype=product.dtype))
+        return product.permute(*order).contiguous().sum(-1)
+
+    @staticmethod
+    def scores(qc, kc):  # (b, q, h, g, d) x (b, k, h, d) -> (b, h, g, q, k)
+        return (qc.permute(0, 2, 3, 1, 4).unsqueeze(-2) * kc.permute(0, 2, 1, 3)[:, :, None, None]).sum(-1)
+
+    @classmethod
+    def rows_from_keys(cls, weights, values, keep):  # (b,h,g,q,k) x (b,k,h,d) -> (b,h,g,q,d), summed over k
+        product = weights.unsqueeze(-1) * values.permute(0, 2, 1, 3)[:, :, None, None]
+        return cls._sum_last(product, keep, (0, 1, 2, 3, 5, 4))
+
+    @classmethod
+    def keys_from_rows(cls, weights, values, keep):  # (b,h,g,q,k) x (b,q,h,g,d) -> (b,k,h,d), summed over (g, q)
+        product = weights.unsqueeze(-1) * values.permute(0, 2, 3, 1, 4).unsqueeze(-2)
+        if keep is not None:
+            product = torch.where(keep.unsqueeze(-1), product, torch.zeros((), dtype=product.dtype))
+        return product.permute(0, 4, 1, 5, 2, 3).contiguous().flatten(-2).sum(-1)
+
+
+def _forward_dense(q, k, v, scale: float, causal: bool, q_offset: int, k_offset: int, ops=_Einsum):
     """q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D[v]) -> out (B, Sq, Hq, Dv), lse (B, Hq, Sq), in the accumulation dtype."""
     acc = accum_dtype(q.dtype)
     batch, seqlen_q, heads_q, _ = q.shape
@@ -84,7 +137,7 @@ def _forward_dense(q, k, v, scale: float, causal: bool, q_offset: int, k_offset:
     group = heads_q // heads_kv
     out = torch.zeros(batch, seqlen_q, heads_kv, group, head_dim_v, dtype=acc, device=q.device)
     lse = torch.full((batch, heads_kv, group, seqlen_q), float("-inf"), dtype=acc, device=q.device)
-    q_chunk, k_chunk = _chunks(seqlen_q, seqlen_k)
+    q_chunk, k_chunk = ops.chunks(seqlen_q, seqlen_k)
     for qs in range(0, seqlen_q, q_chunk):
         ql = min(q_chunk, seqlen_q - qs)
         qc = q[:, qs : qs + ql].to(acc).view(batch, ql, heads_kv, group, -1) * scale
@@ -99,7 +152,7 @@ def _forward_dense(q, k, v, scale: float, causal: bool, q_offset: int, k_offset:
                 continue
             sees_a_key |= True if mask is None else mask.any(-1)
             kc, vc = k[:, ks : ks + kl].to(acc), v[:, ks : ks + kl].to(acc)
-            scores = torch.einsum("bqhgd,bkhd->bhgqk", qc, kc)
+            scores = ops.scores(qc, kc)
             if mask is not None:
                 scores.masked_fill_(~mask, float("-inf"))
             new_max = torch.maximum(row_max, scores.amax(-1))
@@ -107,7 +160,7 @@ def _forward_dense(q, k, v, scale: float, causal: bool, q_offset: int, k_offset:
             probs = torch.exp(scores - shift.unsqueeze(-1))
             rescale = torch.exp(row_max - shift)
             row_sum = row_sum * rescale + probs.sum(-1)
-            acc_out = acc_out * rescale.unsqueeze(-1) + _contract(_ROWS_FROM_KEYS, probs, vc, mask)
+            acc_out = acc_out * rescale.unsqueeze(-1) + ops.rows_from_keys(probs, vc, mask)
             row_max = new_max
         # Rows that see keys: lse from the running max and sum, NaN where the softmax is undefined (a sum of 0 from
         # -inf scores, or NaN); -inf only for rows that see no key at all.
@@ -122,7 +175,7 @@ def _forward_dense(q, k, v, scale: float, causal: bool, q_offset: int, k_offset:
     return out.view(batch, seqlen_q, heads_q, head_dim_v), lse.view(batch, heads_q, seqlen_q)
 
 
-def _backward_dense(dout, q, k, v, out, lse, scale: float, causal: bool, q_offset: int, k_offset: int):
+def _backward_dense(dout, q, k, v, out, lse, scale: float, causal: bool, q_offset: int, k_offset: int, ops=_Einsum):
     """Gradients of one dense block given the *global* out and lse: returns dq, dk, dv in the accumulation dtype."""
     acc = accum_dtype(q.dtype)
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -134,7 +187,7 @@ def _backward_dense(dout, q, k, v, out, lse, scale: float, causal: bool, q_offse
     # delta_i = sum_d dout_i * out_i (rowsum of dP * P), from the global output.
     delta = (dout.to(acc) * out.to(acc)).sum(-1).view(batch, seqlen_q, heads_kv, group).permute(0, 2, 3, 1)
     lse = lse.to(acc).view(batch, heads_kv, group, seqlen_q)
-    q_chunk, k_chunk = _chunks(seqlen_q, seqlen_k)
+    q_chunk, k_chunk = ops.chunks(seqlen_q, seqlen_k)
     for qs in range(0, seqlen_q, q_chunk):
         ql = min(q_chunk, seqlen_q - qs)
         qc = q[:, qs : qs + ql].to(acc).view(batch, ql, heads_kv, group, -1)
@@ -151,15 +204,15 @@ def _backward_dense(dout, q, k, v, out, lse, scale: float, causal: bool, q_offse
             if vis is Visibility.NONE:
                 continue
             kc, vc = k[:, ks : ks + kl].to(acc), v[:, ks : ks + kl].to(acc)
-            scores = torch.einsum("bqhgd,bkhd->bhgqk", qc, kc) * scale
+            scores = ops.scores(qc, kc) * scale
             keep = lse_seen if mask is None else (lse_seen & mask)
             probs = torch.where(keep, torch.exp(scores - lse_shift), zero)
-            dv[:, ks : ks + kl] += _contract(_KEYS_FROM_ROWS, probs, doc, keep)
-            dprobs = torch.einsum("bqhgd,bkhd->bhgqk", doc, vc)
+            dv[:, ks : ks + kl] += ops.keys_from_rows(probs, doc, keep)
+            dprobs = ops.scores(doc, vc)
             dscores = torch.where(keep, probs * (dprobs - delta_c), zero)
-            dq_tile = _contract(_ROWS_FROM_KEYS, dscores, kc, keep)  # (b, h, g, q, d)
+            dq_tile = ops.rows_from_keys(dscores, kc, keep)  # (b, h, g, q, d)
             dq[:, qs : qs + ql] += dq_tile.permute(0, 3, 1, 2, 4) * scale
-            dk[:, ks : ks + kl] += _contract(_KEYS_FROM_ROWS, dscores, qc, keep) * scale
+            dk[:, ks : ks + kl] += ops.keys_from_rows(dscores, qc, keep) * scale
     return dq.view(batch, seqlen_q, heads_q, head_dim), dk, dv
 
 
@@ -176,16 +229,20 @@ def _per_sequence(problem: AttentionProblem, tensors):
         yield (b, q_start, q_len, k_start, k_len, q_off, k_off), sliced
 
 
+def _ops(problem: AttentionProblem):
+    return _ShapeIndependent if problem.cp_invariant else _Einsum
+
+
 def forward(problem: AttentionProblem, q, k, v):
     """Returns (out, lse) in the accumulation dtype with the contract's shapes."""
     p = problem
     if not p.varlen and p.uniform_offsets:
-        return _forward_dense(q, k, v, p.softmax_scale, p.causal, p.q_offsets[0], p.k_offsets[0])
+        return _forward_dense(q, k, v, p.softmax_scale, p.causal, p.q_offsets[0], p.k_offsets[0], _ops(p))
     acc = accum_dtype(q.dtype)
     out = torch.zeros(p.out_shape(), dtype=acc, device=q.device)
     lse = torch.full(p.lse_shape(), float("-inf"), dtype=acc, device=q.device)
     for (b, qs, ql, _, _, qo, ko), (qb, kb, vb) in _per_sequence(p, [(q, "q"), (k, "k"), (v, "k")]):
-        ob, lb = _forward_dense(qb, kb, vb, p.softmax_scale, p.causal, qo, ko)
+        ob, lb = _forward_dense(qb, kb, vb, p.softmax_scale, p.causal, qo, ko, _ops(p))
         if p.varlen:
             out[qs : qs + ql] = ob[0]
             lse[:, qs : qs + ql] = lb[0]
@@ -198,7 +255,8 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse):
     """Returns (dq, dk, dv) in the accumulation dtype for the block, given the global out and lse."""
     p = problem
     if not p.varlen and p.uniform_offsets:
-        return _backward_dense(dout, q, k, v, out, lse, p.softmax_scale, p.causal, p.q_offsets[0], p.k_offsets[0])
+        return _backward_dense(dout, q, k, v, out, lse, p.softmax_scale, p.causal, p.q_offsets[0], p.k_offsets[0],
+                               _ops(p))
     acc = accum_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
@@ -208,7 +266,7 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse):
     for (b, qs, ql, ks, kl, qo, ko), (dob, qb, kb, vb, ob, lb) in _per_sequence(p, tensors):
         if p.varlen:
             lb = lb.transpose(1, 2)  # (1, ql, heads) -> (1, heads, ql)
-        dqb, dkb, dvb = _backward_dense(dob, qb, kb, vb, ob, lb, p.softmax_scale, p.causal, qo, ko)
+        dqb, dkb, dvb = _backward_dense(dob, qb, kb, vb, ob, lb, p.softmax_scale, p.causal, qo, ko, _ops(p))
         if p.varlen:
             dq[qs : qs + ql], dk[ks : ks + kl], dv[ks : ks + kl] = dqb[0], dkb[0], dvb[0]
         else:
@@ -222,6 +280,7 @@ class ReferenceBackend:
     name = "reference"
     priority = 0
     fused_epilogue = False
+    cp_invariant = True  # row- and key-independent arithmetic on request (problem.cp_invariant)
 
     def available(self, device) -> bool:
         return True

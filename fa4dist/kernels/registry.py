@@ -57,6 +57,13 @@ def available_backends(device) -> list[str]:
     return [b.name for b in ordered if b.available(device)]
 
 
+def _supports(backend, problem: AttentionProblem, direction: str):
+    if problem.cp_invariant and not getattr(backend, "cp_invariant", False):
+        return Unsupported("cp_invariant needs a backend whose arithmetic per row and per key does not depend on the "
+                           "rest of the call", fallback=True)
+    return backend.supports(problem, direction)
+
+
 def select_backend(name: str, problem: AttentionProblem, direction: str):
     """Returns the backend that computes `problem`.
 
@@ -65,7 +72,7 @@ def select_backend(name: str, problem: AttentionProblem, direction: str):
     that cannot run on this device at all is an error."""
     if name == "auto":
         for backend in sorted(_BACKENDS.values(), key=lambda b: -b.priority):
-            if backend.available(problem.device) and backend.supports(problem, direction) is None:
+            if backend.available(problem.device) and _supports(backend, problem, direction) is None:
                 return backend
         raise ValueError(f"no attention backend supports this call: {problem}")
     if not isinstance(name, str):
@@ -73,7 +80,7 @@ def select_backend(name: str, problem: AttentionProblem, direction: str):
     backend = get_backend(name)
     if not backend.available(problem.device):
         raise ValueError(f"backend {name!r} is not available on device {problem.device}")
-    unsupported = backend.supports(problem, direction)
+    unsupported = _supports(backend, problem, direction)
     if unsupported is None:
         return backend
     if not unsupported.fallback:

@@ -66,7 +66,7 @@ def _check_items(items: Sequence[WorkItem], total_q: int, total_k: int) -> tuple
     return tuple(items)
 
 
-def _layout(q, k, v):
+def _layout(q, k, v, cp_invariant: bool = False):
     """(token dim, validated problem of the whole tensors) for a packed (3-D) or dense (4-D) work list."""
     if not isinstance(q, torch.Tensor) or q.dim() not in (3, 4):
         raise ValueError("q must be packed (tokens, heads, dim) or dense (batch, tokens, heads, dim) for a work list, "
@@ -75,8 +75,8 @@ def _layout(q, k, v):
         n_q, n_k = q.shape[0], k.shape[0] if isinstance(k, torch.Tensor) else 0
         cu_q = torch.tensor([0, n_q], dtype=torch.int32)
         cu_k = torch.tensor([0, n_k], dtype=torch.int32)
-        return 0, validate_inputs(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    return 1, validate_inputs(q, k, v)
+        return 0, validate_inputs(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, cp_invariant=cp_invariant)
+    return 1, validate_inputs(q, k, v, cp_invariant=cp_invariant)
 
 
 def _rows(t: torch.Tensor, dim: int, start: int, length: int, unsqueeze: bool) -> torch.Tensor:
@@ -125,17 +125,19 @@ def attention_forward_items(
     softmax_scale: Optional[float] = None,
     fresh: bool = False,
     backend: str = "auto",
+    cp_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merges every item's block into the running fp32 ``(out, lse)``, in list order; returns them.
 
     ``fresh=True``: out and lse hold no result yet (any values); rows no item covers are left as they are, rows the
     first time an item covers them are written instead of merged (equal to merging into (0, -inf), one pass less).
     """
-    seq_dim, problem = _layout(q, k, v)
+    seq_dim, problem = _layout(q, k, v, cp_invariant)
     items = _check_items(items, q.shape[seq_dim], k.shape[seq_dim])
     impl = select_backend(backend, problem, "forward")
     if getattr(impl, "forward_items", None) is not None:
-        return impl.forward_items(q, k, v, items, out, lse, softmax_scale=softmax_scale, fresh=fresh)
+        return impl.forward_items(q, k, v, items, out, lse, softmax_scale=softmax_scale, fresh=fresh,
+                                  cp_invariant=cp_invariant)
     packed = seq_dim == 0
     state = _Fresh(fresh)
     for item in items:
@@ -151,7 +153,7 @@ def attention_forward_items(
         kc = _rows(k, seq_dim, item.k_start, item.k_len, packed)
         vc = _rows(v, seq_dim, item.k_start, item.k_len, packed)
         attention_forward(qc, kc, vc, softmax_scale=softmax_scale, out=o, lse=m, accumulate=not write,
-                          backend=backend, **item.mask_kwargs())
+                          backend=backend, cp_invariant=cp_invariant, **item.mask_kwargs())
     return out, lse
 
 
@@ -170,16 +172,17 @@ def attention_backward_items(
     softmax_scale: Optional[float] = None,
     deterministic: Optional[bool] = None,
     backend: str = "auto",
+    cp_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Adds every item's gradients into the fp32 ``dq, dk, dv``, in list order, given the global out and lse."""
-    seq_dim, problem = _layout(q, k, v)
+    seq_dim, problem = _layout(q, k, v, cp_invariant)
     items = _check_items(items, q.shape[seq_dim], k.shape[seq_dim])
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     impl = select_backend(backend, problem, "backward")
     if getattr(impl, "backward_items", None) is not None:
         return impl.backward_items(dout, q, k, v, out, lse, items, dq, dk, dv, softmax_scale=softmax_scale,
-                                   deterministic=deterministic)
+                                   deterministic=deterministic, cp_invariant=cp_invariant)
     packed = seq_dim == 0
     for item in items:
         if item.q_len == 0 or item.k_len == 0:
@@ -191,6 +194,6 @@ def attention_backward_items(
             _rows(v, seq_dim, *ks, packed), _rows(out, seq_dim, *qs, packed), _lse_rows(lse, packed, *qs),
             softmax_scale=softmax_scale, deterministic=deterministic, dq=_rows(dq, seq_dim, *qs, packed),
             dk=_rows(dk, seq_dim, *ks, packed), dv=_rows(dv, seq_dim, *ks, packed), accumulate=True,
-            backend=backend, **item.mask_kwargs(),
+            backend=backend, cp_invariant=cp_invariant, **item.mask_kwargs(),
         )
     return dq, dk, dv

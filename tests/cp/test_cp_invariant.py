@@ -1,0 +1,100 @@
+"""cp_invariant=True: out, dq, dk and dv are the same bytes at every cp size (1 to 4), strategy (ring, Ulysses,
+hybrid) and balancer, for one sequence and packed documents, fp32 and bf16, with GQA (replicated key/value heads
+under Ulysses included), and equal to single-device ``fa4dist.attention(..., cp_invariant=True)``."""
+
+import pytest
+import torch
+
+import cp_cases
+from cp_harness import shared_pool
+
+pytestmark = pytest.mark.timeout(300)
+
+DOCS = [0, 37, 38, 90, 161, 200]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return shared_pool(4)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.uint8)
+
+
+def invariant_case(rank, world, layouts, dtype, packed, heads):
+    """For each (cp, strategy, balancer, ulysses degree): whether the global out/dq/dk/dv bytes equal the single
+    device's (every rank computes the single-device result itself)."""
+    import fa4dist
+    from fa4dist.context_parallel import make_plan
+
+    total = DOCS[-1] if packed else 200
+    q, k, v, dout = cp_cases.global_inputs(7, total, heads[0], heads[1], 16, dtype, None if packed else 2)
+    sd = 0 if packed else 1
+    cu = torch.tensor(DOCS, dtype=torch.int32) if packed else None
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = fa4dist.attention(*leaves, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, backend="reference",
+                            cp_invariant=True)
+    ref.backward(dout)
+    want = [ref] + [t.grad for t in leaves]
+    results = []
+    for cp, strategy, balancer, u in layouts:
+        module, _ = cp_cases.cp_module(rank, cp, strategy, True, ulysses_degree=u, backend="reference",
+                                       cp_invariant=True)
+        if module is not None:
+            plan = make_plan(DOCS if packed else total, cp, balancer, causal=True, ulysses_degree=u or 1)
+            local = [module.shard(t, plan).requires_grad_() for t in (q, k, v)]
+            out = module(*local, plan=plan)
+            out.backward(module.shard(dout, plan))
+            mine = [out] + [t.grad for t in local]
+            gathered = [_gather(t, cp, sd) for t in mine]
+            got = [plan.unshard(parts, seq_dim=sd) for parts in gathered]
+            same = [torch.equal(_bytes(g), _bytes(w)) for g, w in zip(got, want)]
+            results.append((cp, strategy, balancer, u, same))
+        _sync_world()
+    return results
+
+
+def _gather(t, cp, sd):
+    """Every cp rank's local tensor (lengths differ), through the pool's group of the first cp ranks."""
+    import torch.distributed as dist
+
+    from cp_harness import GROUPS
+
+    group = GROUPS[cp] if cp > 1 else None
+    if group is None:
+        return [t.detach()]
+    n = torch.tensor([t.shape[sd]])
+    sizes = [torch.zeros_like(n) for _ in range(cp)]
+    dist.all_gather(sizes, n, group=group)
+    longest = int(max(sizes))
+    pad = list(t.shape)
+    pad[sd] = longest - t.shape[sd]
+    padded = torch.cat([t.detach(), t.new_zeros(pad)], dim=sd)
+    parts = [torch.empty_like(padded) for _ in range(cp)]
+    dist.all_gather(parts, padded, group=group)
+    return [p.narrow(sd, 0, int(s)) for p, s in zip(parts, sizes)]
+
+
+def _sync_world():
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+LAYOUTS = [(1, "ring", "lpt", None), (2, "ring", "lpt", None), (3, "ring", "zigzag", None),
+           (4, "ring", "contiguous", None), (2, "ulysses", "lpt", None), (4, "ulysses", "lpt", None),
+           (4, "hybrid", "lpt", 2), (3, "ring", "lpt", None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 1)], ids=["gqa", "mqa"])
+def test_bitwise_identical_across_layouts(pool, dtype, packed, heads):
+    results = pool.run(invariant_case, layouts=LAYOUTS, dtype=dtype, packed=packed, heads=heads)
+    checked = 0
+    for per_rank in results:
+        for cp, strategy, balancer, u, same in per_rank:
+            assert all(same), f"cp={cp} {strategy} {balancer} u={u}: out/dq/dk/dv bytes equal: {same}"
+            checked += 1
+    assert checked >= sum(cp for cp, *_ in LAYOUTS)
