@@ -42,6 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--peer", action="store_true", help="also time torch's own context parallel (cuDNN SDPA)")
     p.add_argument("--profile", action="store_true", help="trace one ring step (first size and heads)")
     p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--invariant", action="store_true", help="also time cp_invariant=True (first size)")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     return p.parse_args(argv)
 
@@ -99,10 +100,16 @@ def ours(args, world, device, tokens, heads, kv_heads, rows, t_full_cache):
         t_full_cache[key] = _on_rank0(full, args.reps, device)
         leaves = None
     t_full = t_full_cache[key]
+    first = tokens == args.tokens_per_gpu[0]
     for strategy in args.strategies:
-        for verify in ((True, False) if strategy == "ring" and tokens == args.tokens_per_gpu[0] else (True,)):
-            module = FA4ContextParallelAttention(dist.group.WORLD, strategy=strategy, causal=True, verify=verify,
-                                                 deterministic=args.deterministic)
+        variants = [dict(verify=True, cp_invariant=False)]
+        if strategy == "ring" and first:
+            variants.append(dict(verify=False, cp_invariant=False))  # the per-call agreement check's cost
+        if args.invariant and first:
+            variants.append(dict(verify=True, cp_invariant=True))  # cp_invariant's cost
+        for variant in variants:
+            module = FA4ContextParallelAttention(dist.group.WORLD, strategy=strategy, causal=True,
+                                                 deterministic=args.deterministic, **variant)
             try:
                 plan = module.make_plan(total, balancer=args.balancer)
                 local = [module.shard(t, plan).requires_grad_() for t in (q, k, v)]
@@ -120,8 +127,7 @@ def ours(args, world, device, tokens, heads, kv_heads, rows, t_full_cache):
             t = _timed(step, args.reps, device)
             row = dict(strategy=strategy, balancer=args.balancer, cp=world, tokens_per_gpu=tokens, heads=heads,
                        kv_heads=kv_heads, step_ms=t * 1e3, t_full_ms=t_full * 1e3,
-                       efficiency=t_full / (world * t), peer=None, verify=verify,
-                       deterministic=args.deterministic)
+                       efficiency=t_full / (world * t), peer=None, deterministic=args.deterministic, **variant)
             rows.append(row)
             _print(row)
             local = None
@@ -233,7 +239,8 @@ def _print(row):
     if dist.get_rank() == 0:
         print(f"{row['strategy']:<24} cp={row['cp']} {row['tokens_per_gpu']:>7} tok/GPU {row['heads']:>2}/"
               f"{row['kv_heads']:<2} step {row['step_ms']:9.1f} ms  one GPU {row['t_full_ms']:9.1f} ms  "
-              f"efficiency {row['efficiency']:.3f}" + (f"  verify={row['verify']}" if 'verify' in row else "")
+              f"efficiency {row['efficiency']:.3f}"
+              + (f"  verify={row['verify']} cp_invariant={row['cp_invariant']}" if 'verify' in row else "")
               + (f"  [{row['peer']}]" if row["peer"] else ""), flush=True)
 
 

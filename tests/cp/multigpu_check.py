@@ -90,10 +90,46 @@ def main() -> int:
                   + " ".join(f"{e:.1e}" for e in errors)
                   + f"  deterministic={'bytes equal' if same else 'DIFFERENT'}  {'ok' if ok else 'FAILED'}",
                   flush=True)
+    failures += _invariant_cases(rank, world, device, total, heads, kv_heads, d)
     dist.destroy_process_group()
     if rank == 0:
         print("PASS" if not failures else f"FAIL: {failures} case(s)", flush=True)
     return 1 if failures else 0
+
+
+def _invariant_cases(rank, world, device, total, heads, kv_heads, d) -> int:
+    """cp_invariant=True: every rank's local out/dq/dk/dv bytes equal the single-GPU cp_invariant result's rows."""
+    import fa4dist
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    failures = 0
+    dtype = torch.bfloat16
+    for strategy, docs in (("ring", None), ("ulysses", None), ("ring", 5)):
+        gen = torch.Generator(device=device).manual_seed(2)
+        packed = docs is not None
+        lead = (total,) if packed else (1, total)
+        tensors = [torch.randn(*lead, h, d, device=device, dtype=dtype, generator=gen)
+                   for h in (heads, kv_heads, kv_heads, heads)]
+        module = FA4ContextParallelAttention(dist.group.WORLD, strategy=strategy, causal=True, cp_invariant=True)
+        cu = [0] + sorted(int(c) for c in torch.randperm(total - 1, generator=torch.Generator().manual_seed(docs or 1))
+                          [:(docs or 1) - 1] + 1) + [total] if packed else None
+        plan = module.make_plan(cu if packed else total)
+        got = _run(module, plan, tensors, packed)
+        leaves = [t.detach().clone().requires_grad_() for t in tensors[:3]]
+        cut = plan.cu_seqlens_tensor(device) if packed else None
+        ref = fa4dist.attention(*leaves, causal=True, cu_seqlens_q=cut, cu_seqlens_k=cut, cp_invariant=True)
+        ref.backward(tensors[3])
+        refs = [module.shard(r.detach(), plan, seq_dim=0 if packed else 1) for r in [ref] + [t.grad for t in leaves]]
+        same = [torch.equal(g.contiguous().view(torch.uint8), r.contiguous().view(torch.uint8))
+                for g, r in zip(got, refs)]
+        flag = torch.tensor([0 if all(same) else 1], device=device)
+        dist.all_reduce(flag)
+        failures += int(flag.item() > 0)
+        if rank == 0 or not all(same):
+            name = f"cp_invariant {strategy} {'packed' if packed else 'dense'}"
+            print(f"rank {rank} {name:<30} bytes equal to one GPU out/dq/dk/dv: {same}  "
+                  f"{'ok' if all(same) else 'FAILED'}", flush=True)
+    return failures
 
 
 if __name__ == "__main__":

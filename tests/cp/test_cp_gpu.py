@@ -6,6 +6,7 @@ import pytest
 from cp_cases import random_docs, run_case
 from cp_harness import shared_pool
 from test_cp_attention import check_precision, precision_case
+from test_cp_invariant import invariant_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -37,3 +38,18 @@ def test_cuda_fp64_exact(pool, strategy, kw):
 def test_cuda_bf16_fused_backend_precision(pool, strategy, kw):
     report = check_precision(pool.run(precision_case, strategy=strategy, device="cuda:0", backend="auto", **kw))
     print(strategy, {k: f"{a:.2e} (cp=1 {b:.2e})" for k, (a, b) in report.items()})
+
+
+@pytest.mark.parametrize("packed, heads", [(False, (4, 2)), (True, (4, 1))])
+def test_cuda_cp_invariant_bitwise_across_layouts(pool, packed, heads):
+    """cp_invariant with the fastest backend that guarantees it, bf16, several ranks on one GPU: the same bytes at
+    cp 1-4, ring, Ulysses and hybrid as one device."""
+    import torch
+
+    layouts = [(1, "ring", "lpt", None), (2, "ring", "lpt", None), (3, "ring", "zigzag", None),
+               (4, "ulysses", "lpt", None), (4, "hybrid", "lpt", 2)]
+    docs = [0, 700, 701, 1900, 3000]
+    for per_rank in pool.run(invariant_case, layouts=layouts, dtype=torch.bfloat16, packed=packed, heads=heads,
+                             device="cuda:0", backend="auto", head_dim=128, docs=docs, total=2048, timeout=280):
+        for cp, strategy, balancer, u, same in per_rank:
+            assert all(same), f"cp={cp} {strategy} {balancer} u={u}: out/dq/dk/dv bytes equal: {same}"

@@ -22,33 +22,38 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(torch.uint8)
 
 
-def invariant_case(rank, world, layouts, dtype, packed, heads):
+def invariant_case(rank, world, layouts, dtype, packed, heads, device="cpu", backend="reference", head_dim=16,
+                   docs=DOCS, total=200):
     """For each (cp, strategy, balancer, ulysses degree): whether the global out/dq/dk/dv bytes equal the single
     device's (every rank computes the single-device result itself)."""
     import fa4dist
     from fa4dist.context_parallel import make_plan
 
-    total = DOCS[-1] if packed else 200
-    q, k, v, dout = cp_cases.global_inputs(7, total, heads[0], heads[1], 16, dtype, None if packed else 2)
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))
+    total = docs[-1] if packed else total
+    q, k, v, dout = (t.to(device) for t in cp_cases.global_inputs(7, total, heads[0], heads[1], head_dim, dtype,
+                                                                   None if packed else 2))
     sd = 0 if packed else 1
-    cu = torch.tensor(DOCS, dtype=torch.int32) if packed else None
+    cu = torch.tensor(docs, dtype=torch.int32, device=device) if packed else None
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = fa4dist.attention(*leaves, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, backend="reference",
+    ref = fa4dist.attention(*leaves, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, backend=backend,
                             cp_invariant=True)
     ref.backward(dout)
     want = [ref] + [t.grad for t in leaves]
     results = []
     for cp, strategy, balancer, u in layouts:
-        module, _ = cp_cases.cp_module(rank, cp, strategy, True, ulysses_degree=u, backend="reference",
+        module, _ = cp_cases.cp_module(rank, cp, strategy, True, ulysses_degree=u, backend=backend,
                                        cp_invariant=True)
         if module is not None:
-            plan = make_plan(DOCS if packed else total, cp, balancer, causal=True, ulysses_degree=u or 1)
+            plan = make_plan(docs if packed else total, cp, balancer, causal=True, ulysses_degree=u or 1)
             local = [module.shard(t, plan).requires_grad_() for t in (q, k, v)]
             out = module(*local, plan=plan)
             out.backward(module.shard(dout, plan))
             mine = [out] + [t.grad for t in local]
             gathered = [_gather(t, cp, sd) for t in mine]
             got = [plan.unshard(parts, seq_dim=sd) for parts in gathered]
+            want = [w.detach().cpu() for w in want]
             same = [torch.equal(_bytes(g), _bytes(w)) for g, w in zip(got, want)]
             results.append((cp, strategy, balancer, u, same))
         _sync_world()
@@ -63,14 +68,15 @@ def _gather(t, cp, sd):
 
     group = GROUPS[cp] if cp > 1 else None
     if group is None:
-        return [t.detach()]
+        return [t.detach().cpu()]
+    t = t.detach().cpu()  # gloo
     n = torch.tensor([t.shape[sd]])
     sizes = [torch.zeros_like(n) for _ in range(cp)]
     dist.all_gather(sizes, n, group=group)
     longest = int(max(sizes))
     pad = list(t.shape)
     pad[sd] = longest - t.shape[sd]
-    padded = torch.cat([t.detach(), t.new_zeros(pad)], dim=sd)
+    padded = torch.cat([t, t.new_zeros(pad)], dim=sd)
     parts = [torch.empty_like(padded) for _ in range(cp)]
     dist.all_gather(parts, padded, group=group)
     return [p.narrow(sd, 0, int(s)) for p, s in zip(parts, sizes)]
