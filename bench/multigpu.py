@@ -131,7 +131,6 @@ def ours(args, world, device, tokens, heads, kv_heads, rows, t_full_cache):
             rows.append(row)
             _print(row)
             local = None
-    del q, k, v, dout
 
 
 def peer(args, world, device, tokens, heads, rows):
@@ -276,8 +275,9 @@ def main(argv=None):
                                 tokens_per_gpu=args.tokens_per_gpu[0], heads=heads, kv_heads=kv_heads)
         if rank == 0:
             for r, s in enumerate(summaries):
-                print(f"profile rank {r}: step {s['step_us'] / 1e3:.1f} ms, compute busy {s['compute_busy_us'] / 1e3:.1f}"
-                      f" ms, comm {s['comm_busy_us'] / 1e3:.1f} ms, comm not under compute "
+                print(f"profile rank {r}: step {s['step_us'] / 1e3:.1f} ms, compute busy "
+                      f"{s['compute_busy_us'] / 1e3:.1f} ms, comm {s['comm_busy_us'] / 1e3:.1f} ms, "
+                      "comm not under compute "
                       f"{s['comm_not_under_compute_us'] / 1e3:.2f} ms, GPU idle {s['gpu_idle_us'] / 1e3:.2f} ms",
                       flush=True)
     if rank == 0:
