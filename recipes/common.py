@@ -51,6 +51,9 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--balancer", default="lpt", help="sharding plan balancer: lpt, zigzag, contiguous")
     g.add_argument("--backend", default="auto", help="attention backend (fa4dist.kernels): auto, sdpa, cute, ...")
     g.add_argument("--deterministic", action="store_true", help="deterministic attention and torch algorithms")
+    g.add_argument("--cp-invariant", action="store_true",
+                   help="attention whose bits do not depend on the cp size (fa4dist.kernels.invariant); also "
+                        "FA4DIST_CP_INVARIANT=1")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=10,
                    help="training steps: the length of the LR schedule (stored in checkpoints)")
@@ -203,9 +206,10 @@ def build_model(args, cp_group, device, *, deterministic: Optional[bool] = None)
     with torch.device(device):
         model = FA4Llama(model_config(args), cp_group if args.cp > 1 else None, strategy=args.strategy,
                          deterministic=deterministic if deterministic is not None else (args.deterministic or None),
-                         backend=args.backend)
+                         backend=args.backend, cp_invariant=True if args.cp_invariant else None)
     if args.activation_checkpointing:
         model.set_activation_checkpointing(True)
+    model.set_row_invariant(args.cp_invariant)  # a token's logits then do not depend on the shard either
     return model
 
 

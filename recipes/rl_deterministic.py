@@ -103,6 +103,20 @@ def rollout(model: FA4Llama, prompts: torch.Tensor, max_new: int, gen: torch.Gen
     return torch.stack(new_tokens, 1), torch.stack(logps, 1)
 
 
+@torch.no_grad()
+def prefill_scores(model: FA4Llama, prompts: torch.Tensor, comps: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The completions' log-probs from one forward over the finished sequences, packed as documents (what an
+    inference engine's scoring prefill computes): (N, A), fp32."""
+    device = next(model.parameters()).device
+    seqs = torch.cat([prompts, comps], dim=1)
+    n, length = seqs.shape
+    cu = torch.arange(0, (n + 1) * length, length, dtype=torch.int32)
+    logits = model(seqs.flatten().to(device), positions_from_cu_seqlens(cu).to(device), SingleRankPlan(cu))
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1).view(n, length, -1).cpu()
+    cols = torch.arange(comps.shape[1]) + prompts.shape[1] - 1  # position t predicts token t + 1
+    return logp[:, cols].gather(2, comps[:, :, None]).squeeze(2)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the update (context parallel, deterministic)
 
@@ -198,6 +212,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--alphabet", default="abcd")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--clip-eps", type=float, default=0.2)
+    g.add_argument("--score-with-prefill", action="store_true",
+                   help="the rollout's log-probs come from one forward over the finished completions (a scoring "
+                        "prefill) instead of the sampling steps; the sampling-vs-prefill gap is logged too")
     g.set_defaults(steps=40, lr=1e-2, warmup=10, batch_size=1, grad_clip=1.0)
     return p.parse_args(argv)
 
@@ -218,7 +235,10 @@ def main(argv=None):
     if rank == 0:
         torch.manual_seed(args.seed)
         with torch.device(device):
-            rollout_model = FA4Llama(policy.config, None, backend=args.backend)  # no CP: the "inference engine"
+            # no CP: the "inference engine"
+            rollout_model = FA4Llama(policy.config, None, backend=args.backend,
+                                     cp_invariant=True if args.cp_invariant else None)
+        rollout_model.set_row_invariant(args.cp_invariant)
         rollout_model.eval()
         print(f"rl: world={world} dp={layout.dp} cp={layout.cp} params={policy.num_parameters() / 1e6:.2f}M "
               f"task=reverse {args.task_len} letters of '{args.alphabet}' sft_steps={args.sft_steps} "
@@ -229,7 +249,7 @@ def main(argv=None):
         raise SystemExit(f"prompts x group-size ({n}) must be a multiple of dp ({layout.dp})")
     per_dp = n // layout.dp
     rows = slice(layout.dp_rank * per_dp, (layout.dp_rank + 1) * per_dp)
-    rewards_log, diffs_log = [], []
+    rewards_log, diffs_log, sampling_gaps = [], [], []
 
     for step in range(total_steps):
         for group in optimizer.param_groups:
@@ -247,6 +267,11 @@ def main(argv=None):
             if rank == 0:
                 rollout_model.load_state_dict(policy.state_dict())  # weight sync
                 comps, old_logp = rollout(rollout_model, prompt_ids, task.answer_len, gen, args.temperature)
+                if args.score_with_prefill:  # the log-probs an inference engine's scoring prefill reports
+                    sampled_logp = old_logp
+                    old_logp = prefill_scores(rollout_model, prompt_ids, comps, args.temperature)
+                    mask0 = completion_mask(comps)
+                    sampling_gaps.append(float(((sampled_logp - old_logp).abs() * mask0).max()))
                 reward = torch.tensor([task.reward(s, c) for s, c in
                                        zip([s for s in prompts_s for _ in range(args.group_size)], comps.tolist())])
                 grouped = reward.view(args.prompts, args.group_size)
@@ -297,7 +322,9 @@ def main(argv=None):
             recipe="rl_deterministic", world=world, dp=layout.dp, cp=layout.cp, seed=args.seed,
             sft_steps=args.sft_steps, rl_steps=args.steps,
             reward_first=_mean(rewards_log[:10]), reward_last=_mean(rewards_log[-10:]),
-            max_rollout_vs_train_logp_diff=max(diffs_log) if diffs_log else None, weights_sha256=digest,
+            max_rollout_vs_train_logp_diff=max(diffs_log) if diffs_log else None,
+            rollout_logp=("prefill" if args.score_with_prefill else "sampling"), cp_invariant=args.cp_invariant,
+            max_sampling_vs_prefill_logp_diff=max(sampling_gaps) if sampling_gaps else None, weights_sha256=digest,
         ), flush=True)
     dist.destroy_process_group()
 

@@ -32,10 +32,10 @@ class LocalPackedAttention(nn.Module):
     device copy of cu_seqlens is kept for as long as the same plan comes back (every layer of one forward)."""
 
     def __init__(self, causal: bool = True, softmax_scale: Optional[float] = None,
-                 deterministic: Optional[bool] = None, backend: str = "auto"):
+                 deterministic: Optional[bool] = None, backend: str = "auto", cp_invariant: Optional[bool] = None):
         super().__init__()
         self.causal, self.softmax_scale = causal, softmax_scale
-        self.deterministic, self.backend = deterministic, backend
+        self.deterministic, self.backend, self.cp_invariant = deterministic, backend, cp_invariant
         self._cu_cache: tuple = (None, None)
 
     def _cu_seqlens(self, plan, device) -> Optional[torch.Tensor]:
@@ -53,17 +53,18 @@ class LocalPackedAttention(nn.Module):
             cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
         return fa4dist.attention(
             q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, cu_seqlens_q=cu, cu_seqlens_k=cu,
-            deterministic=self.deterministic, backend=self.backend,
+            deterministic=self.deterministic, backend=self.backend, cp_invariant=self.cp_invariant,
         )
 
 
 def make_attention(group=None, *, strategy: str = "auto", causal: bool = True,
                    softmax_scale: Optional[float] = None, deterministic: Optional[bool] = None,
-                   backend: str = "auto", **options) -> nn.Module:
+                   backend: str = "auto", cp_invariant: Optional[bool] = None, **options) -> nn.Module:
     """The attention module for a cp group (a ProcessGroup, a DeviceMesh, or None for no context parallelism)."""
     if group_size(group) == 1:
         return LocalPackedAttention(causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
-                                    backend=backend)
+                                    backend=backend, cp_invariant=cp_invariant)
+    options["cp_invariant"] = cp_invariant
     from fa4dist.modules import FA4ContextParallelAttention
 
     if hasattr(group, "get_group") and hasattr(group, "ndim"):  # a DeviceMesh

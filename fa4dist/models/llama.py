@@ -27,6 +27,28 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` whose output rows can be made independent of how many rows a call has (``row_invariant``).
+
+    BLAS libraries pick their kernels, and with them the order of a row's sums, by matrix shape (on a CPU, a 1- to
+    5-row product rounds differently from a 300-row one): the same token gets different bits in a one-document
+    prefill and in a context-parallel shard.  Row-invariant calls run in fixed blocks of ``ROW_BLOCK`` rows (the
+    last zero-padded), so every product has one shape.  One launch per block: slower, meant for the cp_invariant
+    mode's log-prob checks, not for throughput."""
+
+    ROW_BLOCK = 64
+    row_invariant = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.row_invariant or x.dim() != 2:
+            return F.linear(x, self.weight, self.bias)
+        n = x.shape[0]
+        pad = (-n) % self.ROW_BLOCK
+        padded = F.pad(x, (0, 0, 0, pad)) if pad else x
+        blocks = [F.linear(b, self.weight, self.bias) for b in padded.split(self.ROW_BLOCK)]
+        return torch.cat(blocks)[:n] if blocks else F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -62,10 +84,10 @@ class Attention(nn.Module):
         super().__init__()
         hd = config.resolved_head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, hd
-        self.q_proj = nn.Linear(config.dim, config.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(config.n_heads * hd, config.dim, bias=False)
+        self.q_proj = Linear(config.dim, config.n_heads * hd, bias=False)
+        self.k_proj = Linear(config.dim, config.n_kv_heads * hd, bias=False)
+        self.v_proj = Linear(config.dim, config.n_kv_heads * hd, bias=False)
+        self.o_proj = Linear(config.n_heads * hd, config.dim, bias=False)
         self.core = core
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan) -> torch.Tensor:
@@ -82,9 +104,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         ffn = config.resolved_ffn_dim
-        self.gate_proj = nn.Linear(config.dim, ffn, bias=False)
-        self.up_proj = nn.Linear(config.dim, ffn, bias=False)
-        self.down_proj = nn.Linear(ffn, config.dim, bias=False)
+        self.gate_proj = Linear(config.dim, ffn, bias=False)
+        self.up_proj = Linear(config.dim, ffn, bias=False)
+        self.down_proj = Linear(ffn, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -120,19 +142,19 @@ class FA4Llama(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, cp_group=None, *, strategy: str = "auto",
-                 deterministic: Optional[bool] = None, backend: str = "auto",
+                 deterministic: Optional[bool] = None, backend: str = "auto", cp_invariant: Optional[bool] = None,
                  attention_factory: Optional[Callable[[], nn.Module]] = None):
         super().__init__()
         self.config = config
         if attention_factory is None:
             def attention_factory():
                 return make_attention(cp_group, strategy=strategy, causal=True, deterministic=deterministic,
-                                      backend=backend)
+                                      backend=backend, cp_invariant=cp_invariant)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
         core = attention_factory()
         self.layers = nn.ModuleList(DecoderLayer(config, core) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.reset_parameters()
@@ -169,6 +191,14 @@ class FA4Llama(nn.Module):
         from fa4dist.data.sharding import SingleRankPlan
 
         return SingleRankPlan(cu_seqlens)
+
+    def set_row_invariant(self, enabled: bool = True):
+        """Every matrix product computes each token's row with the same arithmetic whatever the call's token count
+        (:class:`Linear`); with cp_invariant attention, a token's logits are then the same bits in a prefill of
+        the whole batch and in any context-parallel shard."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.row_invariant = enabled
 
     def set_activation_checkpointing(self, enabled: bool = True):
         for layer in self.layers:
