@@ -13,6 +13,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from .mask import Mask
+
 Offset = Union[int, Sequence[int], torch.Tensor]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -39,15 +41,25 @@ class AttentionProblem:
     head_dim_v: int
     dtype: torch.dtype
     device: torch.device
-    causal: bool
+    mask: Mask  # causal and sliding window, canonical (see fa4dist.kernels.mask)
     softmax_scale: float
     q_offsets: tuple[int, ...]
     k_offsets: tuple[int, ...]
     cu_seqlens_q: Optional[tuple[int, ...]] = None  # host copies; None for the dense layout
     cu_seqlens_k: Optional[tuple[int, ...]] = None
+    softcap: Optional[float] = None  # scores are softcap * tanh(scale * q.k / softcap)
+    has_sinks: bool = False  # a learnable logit per query head joins every row's softmax (merged by the contract)
     # The caller's cu_seqlens tensors (device tensors for fused kernels); None for the dense layout.
     cu_seqlens_q_tensor: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
     cu_seqlens_k_tensor: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+
+    @property
+    def causal(self) -> bool:
+        return self.mask.causal
+
+    @property
+    def window(self) -> tuple[int, int]:
+        return self.mask.window
 
     @property
     def varlen(self) -> bool:
@@ -169,12 +181,63 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     return scale
 
 
+def check_window(window) -> tuple[int, int]:
+    """``window=(left, right)`` in tokens, ``-1`` meaning unbounded (``None``: ``(-1, -1)``)."""
+    if window is None:
+        return (-1, -1)
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a (left, right) pair of ints (-1: unbounded on that side), got {window!r}")
+    for side, w in zip(("left", "right"), window):
+        if isinstance(w, bool) or not isinstance(w, int):
+            raise TypeError(f"window {side} must be an int >= -1 (-1: unbounded), got {w!r}")
+        if not -1 <= w < OFFSET_LIMIT:
+            raise ValueError(f"window {side} must be an int >= -1 (-1: unbounded), got {w}")
+    return (int(window[0]), int(window[1]))
+
+
+def check_mask(causal, window) -> Mask:
+    """The canonical :class:`~fa4dist.kernels.mask.Mask` of ``causal`` and ``window``, or a clear error."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    return Mask.canonical(causal, check_window(window))
+
+
+def check_softcap(softcap) -> Optional[float]:
+    """``softcap``: None (no capping) or a finite float > 0."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float > 0 or None, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be finite and > 0, or None for no capping (flash-attn's 0.0 is None here), "
+                         f"got {softcap}")
+    return float(softcap)
+
+
+def check_sinks(sinks, heads_q: int, device: torch.device) -> bool:
+    """``sinks``: None or a float tensor (heads_q,) on the inputs' device, one logit per query head."""
+    if sinks is None:
+        return False
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor of shape ({heads_q},) or None, got {type(sinks).__name__}")
+    if sinks.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"sinks must be float16, bfloat16, float32 or float64, got {sinks.dtype}")
+    if tuple(sinks.shape) != (heads_q,):
+        raise ValueError(f"sinks must have shape ({heads_q},): one logit per query head, got {tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks must be on the inputs' device {device}, got {sinks.device}")
+    return True
+
+
 def validate_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     *,
     causal: bool = False,
+    window=(-1, -1),
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
     softmax_scale: Optional[float] = None,
     q_offset: Offset = 0,
     k_offset: Offset = 0,
@@ -183,8 +246,8 @@ def validate_inputs(
 ) -> AttentionProblem:
     """Checks q, k, v and the mask arguments; returns the problem description or raises a clear error."""
     q, k, v = (_check_tensor(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    mask = check_mask(causal, window)
+    softcap = check_softcap(softcap)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -209,6 +272,7 @@ def validate_inputs(
             f"the number of query heads ({heads_q}) must be a multiple of the number of key/value heads ({heads_kv})"
         )
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    has_sinks = check_sinks(sinks, heads_q, q.device)
 
     if varlen:
         cq = _host_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
@@ -239,7 +303,7 @@ def validate_inputs(
         head_dim_v=v.shape[-1],
         dtype=q.dtype,
         device=q.device,
-        causal=causal,
+        mask=mask,
         softmax_scale=scale,
         q_offsets=_offsets("q_offset", q_offset, batch),
         k_offsets=_offsets("k_offset", k_offset, batch),
@@ -247,6 +311,8 @@ def validate_inputs(
         cu_seqlens_k=ck,
         cu_seqlens_q_tensor=cu_seqlens_q,
         cu_seqlens_k_tensor=cu_seqlens_k,
+        softcap=softcap,
+        has_sinks=has_sinks,
     )
 
 
