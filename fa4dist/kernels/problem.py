@@ -27,7 +27,9 @@ class AttentionProblem:
     Dense layout: q (batch, seqlen_q, heads_q, head_dim), k/v (batch, seqlen_k, heads_kv, head_dim[_v]).
     Packed layout: q (total_q, heads_q, head_dim) and k/v (total_k, heads_kv, ...), with segment ``b`` of q
     attending to segment ``b`` of k (``cu_seqlens_*``).  ``q_offsets``/``k_offsets`` hold the global position of
-    each sequence's (or segment's) first query/key, one entry per batch element or segment.
+    each sequence's (or segment's) first query/key, one entry per batch element or segment.  ``mask`` (causal and
+    sliding window, canonical), ``softcap`` and ``has_sinks`` are the score options every backend either computes
+    or refuses (sinks are merged by the contract, see :mod:`fa4dist.kernels.merge`).
     """
 
     batch: int  # number of sequences (dense) or segments (packed)

@@ -405,3 +405,16 @@ def test_sdpa_supports_says_what_goes_to_the_reference():
     assert flash.supports(on_cuda(packed, packed, packed, q_offset=[0, 4], k_offset=[0, 4], **kw), "forward") is None
     shifted = flash.supports(on_cuda(packed, packed, packed, q_offset=[0, 4], k_offset=[1, 4], **kw), "forward")
     assert shifted.fallback and "square, aligned segments" in shifted.reason
+
+
+def test_cute_refuses_the_new_options_with_a_fallback():
+    from dataclasses import replace
+
+    from fa4dist.kernels.cute.backend import CuteSm90Backend
+    from fa4dist.kernels.problem import validate_inputs
+
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16, device="meta")
+    for kw in (dict(window=(3, -1)), dict(softcap=5.0), dict(sinks=torch.zeros(2, device="meta"))):
+        problem = replace(validate_inputs(q, q, q, causal=True, **kw), device=torch.device("cuda"))
+        got = CuteSm90Backend().supports(problem, "forward")
+        assert got is not None and got.fallback and "no sliding window, softcap or sinks" in got.reason, kw
