@@ -60,10 +60,10 @@ class BalanceReport:
     work: tuple[int, ...]  # per cp rank
     group_work: tuple[int, ...]  # per ring group (== work when ulysses_degree == 1)
     tokens: tuple[int, ...]  # real tokens per cp rank
-    mask: str = "causal"
-    steps_run: tuple[int, ...] = ()  # remote ring steps (1..R-1) that some member needs; the others are skipped
-    member_steps: tuple[tuple[int, ...], ...] = ()  # per ring member: the remote steps at which it receives keys
-    received: tuple[int, ...] = ()  # per ring member: K/V tokens received over a forward (the backward: again)
+    mask: str  # the mask the plan was costed with
+    steps_run: tuple[int, ...]  # remote ring steps (1..R-1) that some member needs; the others are skipped
+    member_steps: tuple[tuple[int, ...], ...]  # per ring member: the remote steps at which it receives keys
+    received: tuple[int, ...]  # per ring member: K/V tokens received over a forward (the backward: again)
 
     @property
     def ring_size(self) -> int:

@@ -131,6 +131,8 @@ class Schedule:
         )
         self._raw: dict = {}
         self._calls: dict = {}
+        self._needed: dict = {}
+        self._steps: Optional[tuple[int, ...]] = None
 
     def source(self, member: int, step: int) -> int:
         """The member whose keys `member` computes against at step `step`."""
@@ -158,7 +160,11 @@ class Schedule:
     def needed(self, member: int, source: int) -> tuple[tuple[int, int], ...]:
         """(start, length) ranges of `source`'s member layout that `member`'s calls read, merged and sorted: what
         `source` sends `member` (empty: no transfer and no compute)."""
-        return _merge_ranges((c.k_row, c.k_len) for c in self._raw_calls(member, source))
+        cached = self._needed.get((member, source))
+        if cached is None:
+            cached = self._needed[(member, source)] = _merge_ranges(
+                (c.k_row, c.k_len) for c in self._raw_calls(member, source))
+        return cached
 
     def calls(self, member: int, source: int) -> tuple[PairCall, ...]:
         """The contract calls of `member`'s queries against `source`'s keys, ordered by (query block, key), with key
@@ -238,8 +244,10 @@ class Schedule:
     def steps(self) -> tuple[int, ...]:
         """The remote steps (1..R-1) at which some member receives keys, in order: the same for every member (the
         transfers of a step between two members are posted by both in one global order)."""
-        return tuple(t for t in range(1, self.ring_size)
-                     if any(self.recv_len(m, t) for m in range(self.ring_size)))
+        if self._steps is None:
+            self._steps = tuple(t for t in range(1, self.ring_size)
+                                if any(self.recv_len(m, t) for m in range(self.ring_size)))
+        return self._steps
 
     def member_steps(self, member: int) -> tuple[int, ...]:
         """The remote steps at which `member` receives keys (and computes)."""

@@ -37,3 +37,19 @@ def test_cuda_fp64_exact(pool, strategy, kw):
 def test_cuda_bf16_fused_backend_precision(pool, strategy, kw):
     report = check_precision(pool.run(precision_case, strategy=strategy, device="cuda:0", backend="auto", **kw))
     print(strategy, {k: f"{a:.2e} (cp=1 {b:.2e})" for k, (a, b) in report.items()})
+
+
+@pytest.mark.parametrize("strategy, kw", [
+    ("ring", dict(cp=4, seqlen=301, heads=(4, 2), window=(40, -1), sinks=True, balancer="contiguous")),
+    ("hybrid", dict(cp=4, docs=random_docs(5, 9, 60), heads=(4, 1), window=(9, 3), causal=False, sinks=True,
+                    ulysses_degree=2, plan_u=2)),
+])
+def test_cuda_fp64_exact_with_a_window_and_sinks(pool, strategy, kw):
+    import torch
+
+    results = [r for r in pool.run(run_case, strategy=strategy, device="cuda:0", **kw) if r is not None]
+    for r in results:
+        assert max(r[n] for n in ("out", "dq", "dk", "dv")) < 1e-10, r
+    total = torch.tensor([r["dsinks"] for r in results], dtype=torch.float64).sum(0)
+    torch.testing.assert_close(total, torch.tensor(results[0]["dsinks_ref"], dtype=torch.float64), atol=1e-10,
+                               rtol=1e-10)

@@ -102,9 +102,10 @@ def test_hybrid(pool, topology, name, case):
 def determinism_case(rank, world, strategy):
     from fa4dist.modules import FA4ContextParallelAttention
 
-    module = FA4ContextParallelAttention(GROUPS[4], strategy=strategy, ulysses_degree=2 if strategy == "hybrid" else None,
-                                         causal=True, window=(11, -1), softcap=3.0, backend="reference",
-                                         deterministic=True, timeout=60)
+    degree = 2 if strategy == "hybrid" else None
+    module = FA4ContextParallelAttention(GROUPS[4], strategy=strategy, ulysses_degree=degree, causal=True,
+                                         window=(11, -1), softcap=3.0, backend="reference", deterministic=True,
+                                         timeout=60)
     plan = module.make_plan(150, "contiguous")
     q, k, v, dout = cp_cases.global_inputs(3, 150, 4, 2, 16, torch.float32, batch=2)
     sinks = torch.linspace(-1.0, 1.0, 4)
