@@ -2,20 +2,23 @@
 
 For cp in {2, 4, 8} and causal sequences up to 128k tokens (H=16, D=128, bf16), each simulated rank runs exactly
 the contract calls the ring engine makes at each of its steps (``fa4dist.context_parallel.ring.forward_step`` /
-``backward_step``: real partial blocks with global offsets, real fp32 merges through the contract's accumulate mode,
-invisible blocks skipped) against the keys it would hold at that step.  Reported per balancer (contiguous, zigzag,
-LPT):
+``backward_step``: real partial blocks with global offsets, trimmed to what the mask lets through, real fp32 merges
+through the contract's accumulate mode) against the key rows it would receive at that step.  Reported per balancer
+(contiguous, zigzag, LPT):
 
 - compute efficiency = T_full / (cp x max_rank T_rank), T_full being one single-device call on the whole sequence
   (1.0 would be a perfect split with no per-block overhead); the work model's prediction (mean / max visible pairs)
   beside it;
 - "kernel": the efficiency of the same calls without the merges (each to a fresh output), i.e. what a fused
   accumulate epilogue would approach;
-- the bytes each ring step sends (K+V forward; K+V plus fp32 dK+dV backward) and their time at 400 GB/s, against
-  the slowest rank's mean step compute time (the transfer hides if it is shorter).
+- the ring steps each rank computes (``steps``: its own keys plus the remote steps it receives at; without a window
+  every rank runs cp steps, with ``--window W`` only the steps whose keys fall inside some query's window);
+- the largest transfer a rank receives in one step (K+V forward; K+V plus fp32 dK+dV backward), its time at
+  400 GB/s, and the slowest rank's mean compute time per step it runs (the transfer hides if it is shorter).
 
     python bench/cp_sim.py                                 # the full sweep on the GPU, backend auto
     python bench/cp_sim.py --seqlens 131072 --cp 8 --directions fwd bwd
+    python bench/cp_sim.py --window 4095 --seqlens 131072  # a causal sliding window of 4096 tokens
     python bench/cp_sim.py --device cpu --tiny             # a smoke run on the CPU (reference backend)
 
 Prints a table and writes JSON to $OUT/cp_sim.json (or bench/out/cp_sim.json).
@@ -37,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from fa4dist.context_parallel import Schedule, make_plan  # noqa: E402
 from fa4dist.context_parallel.ring import (  # noqa: E402
-    KernelOptions, KVBuffer, _call_views, _mask_kwargs, accum_dtype, backward_step, forward_step, new_accumulators,
+    KernelOptions, KVBuffer, accum_dtype, backward_step, call_rows, forward_step, mask_kwargs, new_accumulators,
 )
 from fa4dist.kernels import attention_backward, attention_forward, available_backends  # noqa: E402
 
@@ -67,6 +70,13 @@ def median_time(timer: Timer, fn, reps: int) -> float:
     return statistics.median(timer(fn) for _ in range(reps))
 
 
+class _Own:
+    """A rank's own K and V (or dK and dV), used in place at step 0."""
+
+    def __init__(self, k, v):
+        self.k, self.v = k, v
+
+
 def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdim: int, backend: str):
     timer = Timer(device)
     gen = torch.Generator(device=device).manual_seed(seqlen)
@@ -75,86 +85,101 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
     k = torch.randn(shape_kv, device=device, dtype=dtype, generator=gen)
     v = torch.randn(shape_kv, device=device, dtype=dtype, generator=gen)
     dout = torch.randn(shape_q, device=device, dtype=dtype, generator=gen)
+    window = (args.window, -1) if args.window is not None else (-1, -1)
+    mask = dict(causal=True, window=window)
     rows = []
     full = {}
-    out_full, lse_full = attention_forward(q, k, v, causal=True, backend=backend)
+    out_full, lse_full = attention_forward(q, k, v, backend=backend, **mask)
     if "fwd" in args.directions:
-        full["fwd"] = median_time(timer, lambda: attention_forward(q, k, v, causal=True, backend=backend), args.reps)
+        full["fwd"] = median_time(timer, lambda: attention_forward(q, k, v, backend=backend, **mask), args.reps)
     if "bwd" in args.directions:
         full["bwd"] = median_time(
-            timer, lambda: attention_backward(dout, q, k, v, out_full, lse_full, causal=True, backend=backend),
+            timer, lambda: attention_backward(dout, q, k, v, out_full, lse_full, backend=backend, **mask),
             args.reps,
         )
-    opts = KernelOptions(causal=True, softmax_scale=None, backend=backend, deterministic=False)
+    opts = KernelOptions(softmax_scale=None, softcap=None, backend=backend, deterministic=False)
     acc = accum_dtype(dtype)
+    elt, acc_elt = torch.finfo(dtype).bits // 8, torch.finfo(acc).bits // 8
     for cp in args.cp:
         for balancer in args.balancers:
-            plan = make_plan(seqlen, cp, balancer, causal=True)
-            sched = Schedule(plan, 1, causal=True)
+            plan = make_plan(seqlen, cp, balancer, **mask)
+            sched = Schedule(plan, 1, plan.mask)
             shards = [[plan.shard(t, rank=r) for t in (q, k, v, dout)] for r in range(cp)]
-            kv = [KVBuffer.pack(shards[r][1], shards[r][2], sched.buffer_len, 1) for r in range(cp)]
-            elt = torch.finfo(dtype).bits // 8
-            bytes_fwd = kv[0].flat.numel() * elt
-            bytes_bwd = bytes_fwd + kv[0].flat.numel() * torch.finfo(acc).bits // 8
+            # the key rows rank r receives from rank s (what the ring engine sends it), packed as it would be
+            held = {(r, s): KVBuffer.gather(shards[s][1], shards[s][2], sched.needed(r, s), 1)
+                    for r in range(cp) for s in range(cp) if s != r and sched.needed(r, s)}
+            row_bytes = kv_heads * headdim * 2  # K and V elements per received key row
+            largest = max([sched.recv_len(r, t) for r in range(cp) for t in range(1, cp)] + [0])
+            bytes_fwd = largest * row_bytes * elt
+            bytes_bwd = bytes_fwd + largest * row_bytes * acc_elt
             model = plan.balance_report()
+            steps = [1 + len(sched.member_steps(r)) for r in range(cp)]
             for direction in args.directions:
                 rank_times = []
                 for r in range(cp):
-                    qr, _, _, dr = shards[r]
+                    qr, kr, vr, dr = shards[r]
                     if direction == "fwd":
-                        def run_rank(r=r, qr=qr):
-                            run_rank_fwd(sched, r, qr, kv, headdim, opts)
+                        def run_rank(r=r, qr=qr, kr=kr, vr=vr):
+                            run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts)
                     else:
-                        outs, lses = run_rank_fwd(sched, r, qr, kv, headdim, opts)
+                        outs, lses = run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts)
                         out_r = torch.cat(outs, dim=1).to(dtype)
 
-                        def run_rank(r=r, qr=qr, dr=dr, out_r=out_r, lses=lses):
+                        def run_rank(r=r, qr=qr, kr=kr, vr=vr, dr=dr, out_r=out_r, lses=lses):
                             dqs = [torch.zeros(1, b.length, heads, headdim, dtype=acc, device=device)
                                    for b in sched.members[r].blocks]
-                            for t in range(cp):
+                            own = _Own(torch.zeros(kr.shape, dtype=acc, device=device),
+                                       torch.zeros(vr.shape, dtype=acc, device=device))
+                            backward_step(sched, r, r, dr, qr, _Own(kr, vr), out_r, lses, dqs, own, opts)
+                            for t in sched.member_steps(r):
                                 s = sched.source(r, t)
-                                partial = KVBuffer.zeros_like(kv[s], dtype=acc)
-                                backward_step(sched, r, s, dr, qr, kv[s], out_r, lses, dqs, partial, opts)
+                                partial = KVBuffer.zeros_like(held[(r, s)], dtype=acc)
+                                backward_step(sched, r, s, dr, qr, held[(r, s)], out_r, lses, dqs, partial, opts)
                     rank_times.append(median_time(timer, run_rank, args.reps))
                 kernel_only = None
                 if direction == "fwd":  # the same calls without the merges: what a fused epilogue would approach
-                    kernel_only = max(median_time(timer, lambda r=r: run_rank_kernels(sched, r, shards[r][0], kv, opts),
+                    kernel_only = max(median_time(timer, lambda r=r: run_rank_kernels(sched, r, shards[r], held, opts),
                                                   args.reps) for r in range(cp))
                 slowest = max(rank_times)
+                slowest_steps = steps[rank_times.index(slowest)]
                 nbytes = bytes_fwd if direction == "fwd" else bytes_bwd
                 row = dict(
-                    seqlen=seqlen, cp=cp, balancer=balancer, direction=direction, t_full_ms=full[direction] * 1e3,
-                    t_rank_ms=[t * 1e3 for t in rank_times], max_rank_ms=slowest * 1e3,
-                    efficiency=full[direction] / (cp * slowest), model_efficiency=model.efficiency,
+                    seqlen=seqlen, cp=cp, balancer=balancer, direction=direction, window=list(window),
+                    t_full_ms=full[direction] * 1e3, t_rank_ms=[t * 1e3 for t in rank_times],
+                    max_rank_ms=slowest * 1e3, efficiency=full[direction] / (cp * slowest),
+                    model_efficiency=model.efficiency, steps=steps, steps_run=[0, *sched.steps()],
                     bytes_per_step=nbytes, comm_ms_at_400GBps=nbytes / (LINK_GBPS * 1e9) * 1e3,
-                    step_compute_ms=slowest / cp * 1e3, calls=[sched.member_calls(r) for r in range(cp)],
+                    step_compute_ms=slowest / slowest_steps * 1e3, calls=[sched.member_calls(r) for r in range(cp)],
                     kernel_only_efficiency=None if kernel_only is None else full[direction] / (cp * kernel_only),
                 )
                 rows.append(row)
                 print(f"{seqlen:>7} {cp:>3} {balancer:>10} {direction:>4} {row['t_full_ms']:>9.2f} "
                       f"{row['max_rank_ms']:>9.2f} {row['efficiency']:>6.3f} {row['model_efficiency']:>6.3f} "
-                      f"{nbytes / 2**20:>9.1f} {row['comm_ms_at_400GBps']:>8.3f} {row['step_compute_ms']:>8.3f} "
+                      f"{max(steps):>3}/{cp:<3} {nbytes / 2**20:>9.1f} {row['comm_ms_at_400GBps']:>8.3f} "
+                      f"{row['step_compute_ms']:>8.3f} "
                       f"{'' if kernel_only is None else format(row['kernel_only_efficiency'], '6.3f'):>6}", flush=True)
-            del shards, kv
+            del shards, held
     return rows
 
 
-def run_rank_kernels(sched, r, qr, kv, opts):
+def run_rank_kernels(sched, r, shard, held, opts):
     """Rank r's forward calls, each to a fresh output (no merge): kernel time alone."""
+    qr, kr, vr, _ = shard
     layout = sched.members[r]
-    for t in range(sched.ring_size):
-        s = sched.source(r, t)
+    for s in [r] + [sched.source(r, t) for t in sched.member_steps(r)]:
+        keys = _Own(kr, vr) if s == r else held[(r, s)]
         for call in sched.calls(r, s):
-            q_rows, k_rows, _, _ = _call_views(call, False, layout, sched.members[s], 1)
-            attention_forward(qr.narrow(1, *q_rows), kv[s].k.narrow(1, *k_rows), kv[s].v.narrow(1, *k_rows),
-                              backend=opts.backend, **_mask_kwargs(call, opts, qr.device))
+            q_rows, k_rows, _ = call_rows(call, layout)
+            attention_forward(qr.narrow(1, *q_rows), keys.k.narrow(1, *k_rows), keys.v.narrow(1, *k_rows),
+                              backend=opts.backend, **mask_kwargs(call, opts, qr.device))
 
 
-def run_rank_fwd(sched, r, qr, kv, headdim, opts):
+def run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts):
     acc = new_accumulators(sched.members[r], qr, headdim, False)
-    for t in range(sched.ring_size):
+    forward_step(sched, r, r, qr, _Own(kr, vr), acc, opts)
+    for t in sched.member_steps(r):
         s = sched.source(r, t)
-        forward_step(sched, r, s, qr, kv[s], acc, opts)
+        forward_step(sched, r, s, qr, held[(r, s)], acc, opts)
     return acc
 
 
@@ -171,6 +196,9 @@ def main(argv=None):
     p.add_argument("--balancers", nargs="+", default=["contiguous", "zigzag", "lpt"])
     p.add_argument("--directions", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     p.add_argument("--backend", default="auto")
+    p.add_argument("--window", type=int, default=None,
+                   help="causal sliding window: each query sees itself and the WINDOW keys before it "
+                        "(window=(WINDOW, 0)); default: plain causal")
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -187,9 +215,10 @@ def main(argv=None):
     backend = args.backend
     print(f"cp_sim: device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
           f"torch {torch.__version__}, backend {backend} (available: {available_backends(device)}), "
-          f"heads {heads}/{kv_heads}, head dim {headdim}, {dtype}, causal")
+          f"heads {heads}/{kv_heads}, head dim {headdim}, {dtype}, causal"
+          + (f", window ({args.window}, 0)" if args.window is not None else ""))
     print(f"{'seqlen':>7} {'cp':>3} {'balancer':>10} {'dir':>4} {'T_full ms':>9} {'max rank':>9} {'eff':>6} "
-          f"{'model':>6} {'MiB/step':>9} {'comm ms':>8} {'step ms':>8} {'kernel':>6}")
+          f"{'model':>6} {'steps':>7} {'MiB/step':>9} {'comm ms':>8} {'step ms':>8} {'kernel':>6}")
     rows = []
     for s in seqlens:
         rows += simulate(args, device, dtype, s, heads, kv_heads, headdim, backend)
@@ -202,7 +231,7 @@ def main(argv=None):
         date=datetime.datetime.now().isoformat(timespec="seconds"), device=str(device),
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         torch=torch.__version__, backend=backend, heads=heads, kv_heads=kv_heads, headdim=headdim,
-        dtype=str(dtype), link_GBps=LINK_GBPS,
+        dtype=str(dtype), link_GBps=LINK_GBPS, window=args.window,
     )
     with open(path, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)

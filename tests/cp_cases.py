@@ -37,12 +37,12 @@ def global_inputs(seed, total, heads_q, heads_kv, head_dim, dtype, batch=None, h
 
 
 def cp_module(rank, cp, strategy, causal, plan_u=1, ulysses_degree=None, topology="group", backend="reference",
-              deterministic=None, timeout=60.0, **options):
+              deterministic=None, timeout=60.0, window=(-1, -1), softcap=None, **options):
     """(module, cp rank) for ranks 0..cp-1 of the pool (cp = 1: no group), or (None, None) for the others."""
     if rank >= cp:
         return None, None
     kw = dict(strategy=strategy, causal=causal, backend=backend, deterministic=deterministic, timeout=timeout,
-              **options)
+              window=window, softcap=softcap, **options)
     if cp == 1:
         return FA4ContextParallelAttention(None, **kw), 0
     if topology == "mesh":
@@ -59,31 +59,40 @@ def cp_module(rank, cp, strategy, causal, plan_u=1, ulysses_degree=None, topolog
 
 def run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, docs=None, heads=(4, 2), head_dim=8,
              head_dim_v=None, batch=1, balancer="lpt", num_chunks=None, plan_u=1, ulysses_degree=None,
-             topology="group", seed=0, dtype=torch.float64, device="cpu", backend="reference"):
-    """Max abs errors of the local out, dq, dk, dv against the fp64 oracle (None on ranks outside the group)."""
+             topology="group", seed=0, dtype=torch.float64, device="cpu", backend="reference", window=(-1, -1),
+             softcap=None, sinks=False):
+    """Max abs errors of the local out, dq, dk, dv against the fp64 oracle (None on ranks outside the group).
+
+    With ``sinks``: also this rank's share of the sinks' gradient ("dsinks", to be summed over the ranks) and the
+    oracle's whole gradient ("dsinks_ref")."""
     if topology == "mesh" and cp != world:
         raise ValueError("mesh cases use the whole pool")
     if device != "cpu":
         torch.cuda.set_device(torch.device(device))
-    module, cp_rank = cp_module(rank, cp, strategy, causal, plan_u, ulysses_degree, topology, backend=backend)
+    module, cp_rank = cp_module(rank, cp, strategy, causal, plan_u, ulysses_degree, topology, backend=backend,
+                                window=window, softcap=softcap)
     if module is None:
         return None
     packed = docs is not None
     total = docs[-1] if packed else seqlen
-    plan = make_plan(docs if packed else seqlen, cp, balancer, num_chunks, causal=causal,
+    plan = make_plan(docs if packed else seqlen, cp, balancer, num_chunks, causal=causal, window=window,
                      ulysses_degree=module.cp.plan_ulysses_degree() if plan_u is None else plan_u)
     q, k, v, dout = global_inputs(seed, total, heads[0], heads[1], head_dim, torch.float64,
                                   None if packed else batch, head_dim_v)
+    sink_logits = torch.randn(heads[0], generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
     sd = 0 if packed else 1
     leaves = [plan.shard(t, seq_dim=sd, rank=cp_rank).to(device, dtype).requires_grad_() for t in (q, k, v)]
-    out = module(*leaves, plan=plan)
+    sinks_leaf = sink_logits.to(device, dtype, copy=True).requires_grad_() if sinks else None
+    out = module(*leaves, plan=plan, sinks=sinks_leaf)
     out.backward(plan.shard(dout, seq_dim=sd, rank=cp_rank).to(device, dtype))
     assert out.device.type == torch.device(device).type
     out, grads = out.cpu(), [leaf.grad.cpu() for leaf in leaves]
 
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_sinks = sink_logits.clone().requires_grad_() if sinks else None
     cu = torch.tensor(docs, dtype=torch.int32) if packed else None
-    ref, _ = naive_attention(*ref_leaves, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    ref, _ = naive_attention(*ref_leaves, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, window=window,
+                             softcap=softcap, sinks=ref_sinks)
     ref.backward(dout)
     errors = {}
     for name, got, want in [("out", out, ref)] + [
@@ -94,4 +103,7 @@ def run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, docs
         assert got.dtype == dtype, (name, got.dtype)
         errors[name] = float((got.detach().double() - want).abs().max()) if want.numel() else 0.0
     errors["strategy"] = module.cp.strategy_name(module.cp.degree(heads[0], heads[1], plan))
+    if sinks:
+        errors["dsinks"] = sinks_leaf.grad.cpu().double().tolist()
+        errors["dsinks_ref"] = ref_sinks.grad.tolist()
     return errors

@@ -22,25 +22,44 @@ def _segments(q, k, cu_q, cu_k, q_offset, k_offset):
 
 
 def naive_attention(q, k, v, *, causal=False, softmax_scale=None, q_offset=0, k_offset=0, cu_seqlens_q=None,
-                    cu_seqlens_k=None):
-    """Returns (out, lse) in fp64 with the contract's shapes; differentiable through torch autograd."""
+                    cu_seqlens_k=None, window=(-1, -1), softcap=None, sinks=None):
+    """Returns (out, lse) in fp64 with the contract's shapes; differentiable through torch autograd (sinks too).
+
+    The mask, written out by hand: key at global position s is visible to the query at position p iff
+    (not causal or s <= p) and (left == -1 or s >= p - left) and (right == -1 or s <= p + right).  softcap:
+    scores = softcap * tanh(scores / softcap) after scaling.  sinks (one logit per query head): an extra column of
+    the row's softmax whose value is zero."""
     q, k, v = q.double(), k.double(), v.double()
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     group = q.shape[-2] // k.shape[-2]
+    left, right = window
     outs, lses = [], []
     for qi, ki, qo, ko in _segments(q, k, cu_seqlens_q, cu_seqlens_k, q_offset, k_offset):
         qs = q[qi]  # (Sq, H, D)
         ks = k[ki].repeat_interleave(group, dim=-2)
         vs = v[ki].repeat_interleave(group, dim=-2)
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        key_pos = ko + torch.arange(ks.shape[0], device=q.device)
+        query_pos = qo + torch.arange(qs.shape[0], device=q.device)
         mask = torch.ones(qs.shape[0], ks.shape[0], dtype=torch.bool, device=q.device)
         if causal:  # key j visible to query i iff its global position is not later
-            key_pos = ko + torch.arange(ks.shape[0], device=q.device)
-            query_pos = qo + torch.arange(qs.shape[0], device=q.device)
-            mask = key_pos[None, :] <= query_pos[:, None]
+            mask &= key_pos[None, :] <= query_pos[:, None]
+        if left != -1:
+            mask &= key_pos[None, :] >= query_pos[:, None] - left
+        if right != -1:
+            mask &= key_pos[None, :] <= query_pos[:, None] + right
         scores = scores.masked_fill(~mask, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1) if ks.shape[0] else torch.full(scores.shape[:2], float("-inf"),
-                                                                             dtype=torch.float64, device=q.device)
+        if sinks is not None:  # the sink column joins the softmax of every row of its head
+            sink_col = sinks.double().view(-1, 1, 1).expand(scores.shape[0], scores.shape[1], 1)
+            scores = torch.cat([scores, sink_col], dim=-1)
+            mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=torch.bool, device=q.device)], dim=-1)
+            vs = torch.cat([vs, vs.new_zeros(1, *vs.shape[1:])], dim=0)
+        if scores.shape[-1]:
+            lse = torch.logsumexp(scores, dim=-1)
+        else:
+            lse = torch.full(scores.shape[:2], float("-inf"), dtype=torch.float64, device=q.device)
         lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
         probs = torch.where(mask, torch.exp(scores - lse_safe.unsqueeze(-1)), torch.zeros_like(scores))
         outs.append(torch.einsum("hqk,khd->qhd", probs, vs))

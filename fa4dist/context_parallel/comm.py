@@ -76,6 +76,7 @@ class Transport:
         self.host_wait = self.backend != "nccl"  # NCCL waits are stream dependencies; its watchdog times out
         self._global = [_global_rank(group, r) for r in range(self.size)]
         self._side_stream = None
+        self._ready = False
 
     # -------------------------------------------------------------------------------------------------------------
 
@@ -144,6 +145,17 @@ class Transport:
         except RuntimeError as err:
             raise CommError(f"{self.label}: rank {self.rank} could not post {what} ({peers}): {err}") from err
         return Pending(self, works, staged, keep, what, peers or "local")
+
+    def ready(self) -> None:
+        """Call on every rank of the group before its first point-to-point batch: NCCL needs every rank in the first
+        operation of a group, and a sparse ring schedule's first batch need not involve all (one tiny all-reduce,
+        once; nothing on gloo)."""
+        if self._ready:
+            return
+        if self.backend == "nccl":
+            self._collective(dist.all_reduce(torch.zeros(1, device=self.comm_device()), group=self.group,
+                                             async_op=True), "the first use of the group")
+        self._ready = True
 
     # -------------------------------------------------------------------------------------------------------------
 

@@ -5,6 +5,12 @@ Every strategy is the same engine: Ulysses groups of ``u`` ranks (all-to-all to 
 exchange) inside a ring of ``R = cp / u`` members (``R = 1`` is no ring).  ``ring`` is u = 1, ``ulysses`` is
 u = cp, ``hybrid`` is anything between, over a 2-D DeviceMesh, two process groups, or one group and
 ``ulysses_degree``.
+
+The mask (causal, sliding window), softcap and sinks go through every strategy: the schedule skips what the mask
+hides, the kernels get the mask and softcap per call, and the sinks (per query head; Ulysses members take their
+heads' share) are merged into each row's result once, after the ring (:func:`fa4dist.kernels.merge.merge_sink_`).
+The sinks' gradient on each rank is its rows' share: summed over the cp group (as data-parallel gradient reduction
+over a dp x cp mesh does for every replicated weight) it is the gradient of the whole sequence.
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ from typing import Optional
 import torch
 
 from ..kernels.autograd import attention as _plain_attention
-from ..kernels.problem import check_softmax_scale, validate_inputs
 from ..kernels.invariant import enabled as invariant_enabled
 from ..kernels.invariant import sum_group
+from ..kernels.merge import merge_sink_, sink_grad
+from ..kernels.problem import check_mask, check_softcap, check_softmax_scale, check_window, validate_inputs
 from .comm import Transport
 from .gather import gather_backward, gather_forward
 from .plan import ShardPlan
@@ -72,7 +79,14 @@ class _Call:
         shape[self.sd], shape[-1] = 0, dim_v
         return like.new_zeros(shape, dtype=acc)
 
-    def forward(self, q, k, v):
+    def member_sinks(self, sinks):
+        """The sinks of the query heads this rank computes (its Ulysses share), or None."""
+        if sinks is None or self.uly is None:
+            return sinks
+        lo, hi = self.split.q_heads(self.uly.index)
+        return sinks[lo:hi]
+
+    def forward(self, q, k, v, sinks):
         uly, split = self.uly, self.split
         if uly is not None:
             q, k, v = uly.seq_to_head([(q, split.q_heads, "q"), (k, split.kv_heads, "k"), (v, split.kv_heads, "v")])
@@ -80,6 +94,10 @@ class _Call:
             outs, lses = gather_forward(self.sched, self.ring, q, k, v, self.opts, self._head_map(q, k))
         else:
             outs, lses = ring_forward(self.sched, self.ring, q, k, v, self.opts)
+        member_sinks = self.member_sinks(sinks)
+        if member_sinks is not None:  # the sinks' virtual key block, once per row, after every real key
+            for o, lse in zip(outs, lses):
+                merge_sink_(o, lse, member_sinks)
         acc = accum_dtype(q.dtype)
         out_m = self._concat(outs, q, None, v.shape[-1], acc).to(q.dtype)
         lse_m = torch.cat(lses, dim=-1) if lses else q.new_zeros(0, dtype=acc)
@@ -88,7 +106,7 @@ class _Call:
             (out,) = uly.head_to_seq([(out_m, split.q_heads, self.heads_q, "out", False)])
         return out, (q, k, v, out_m, lse_m)
 
-    def backward(self, dout, q, k, v, out_m, lse_m):
+    def backward(self, dout, q, k, v, out_m, lse_m, sinks):
         if self.agree is not None:  # every rank must be back-propagating the same forward call
             self.agree("the backward of forward call", self.call_id, dict(direction="backward"))
         uly, split, dtype = self.uly, self.split, q.dtype
@@ -100,13 +118,20 @@ class _Call:
         lens = [b.length for b in self.sched.members[self.ring.index].blocks]
         lses = list(torch.split(lse_m, lens, dim=-1)) if lens else []
         dq, dk, dv = ring_backward(self.sched, self.ring, dout, q, k, v, out_m, lses, self.opts)
+        dsinks = None
+        if sinks is not None:  # this rank's rows' share of the sinks' gradient (in its Ulysses heads)
+            dsinks = torch.zeros(sinks.shape, dtype=accum_dtype(dtype), device=sinks.device)
+            lo, hi = split.q_heads(uly.index) if uly is not None else (0, sinks.shape[0])
+            if out_m.numel():
+                dsinks[lo:hi] = sink_grad(dout, out_m, lse_m, self.member_sinks(sinks))
+            dsinks = dsinks.to(sinks.dtype)
         if uly is not None:
             rep = split.kv_replicated  # replicated KV heads: send fp32 and sum in member order
             dk, dv = (g if rep else g.to(dtype) for g in (dk, dv))
             dq, dk, dv = uly.head_to_seq([(dq.to(dtype), split.q_heads, self.heads_q, "dq", False),
                                           (dk, split.kv_heads, self.heads_kv, "dk", rep),
                                           (dv, split.kv_heads, self.heads_kv, "dv", rep)])
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dsinks
 
     def _head_map(self, q, k) -> torch.Tensor:
         """For each local query head, the local key/value head it reads (cp_invariant expands K/V to them)."""
@@ -126,15 +151,15 @@ class _Call:
                                           (dk, split.q_heads, self.heads_q, "dk per query head", False),
                                           (dv, split.q_heads, self.heads_q, "dv per query head", False)])
         group = self.heads_q // self.heads_kv
-        return dq.to(dtype), sum_group(dk, group).to(dtype), sum_group(dv, group).to(dtype)
+        return dq.to(dtype), sum_group(dk, group).to(dtype), sum_group(dv, group).to(dtype), None
 
 
 class _ContextParallelFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, call: _Call):
-        out, saved = call.forward(q, k, v)
+    def forward(ctx, q, k, v, sinks, call: _Call):
+        out, saved = call.forward(q, k, v, sinks)
         ctx.call = call
-        ctx.save_for_backward(*saved)
+        ctx.save_for_backward(*saved, sinks)
         return out
 
     @staticmethod
@@ -145,8 +170,8 @@ class _ContextParallelFunction(torch.autograd.Function):
                 "Ulysses backward have no derivative of their own.  Differentiate once, or run the second-order "
                 "computation without context parallelism (fa4dist.attention supports it)"
             )
-        dq, dk, dv = ctx.call.backward(dout, *ctx.saved_tensors)
-        return dq, dk, dv, None
+        dq, dk, dv, dsinks = ctx.call.backward(dout, *ctx.saved_tensors)
+        return dq, dk, dv, dsinks, None
 
 
 class ContextParallel:
@@ -155,14 +180,15 @@ class ContextParallel:
     See :class:`fa4dist.modules.FA4ContextParallelAttention` for the options."""
 
     def __init__(self, group=None, *, mesh=None, ulysses_group=None, ring_group=None, strategy: str = "auto",
-                 causal: bool = True, softmax_scale: Optional[float] = None, deterministic: Optional[bool] = None,
+                 causal: bool = True, window: tuple[int, int] = (-1, -1), softcap: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, deterministic: Optional[bool] = None,
                  backend: str = "auto", ulysses_degree: Optional[int] = None, timeout: float = 300.0,
                  verify: bool = True, cp_invariant: Optional[bool] = None):
         self.cp_invariant = invariant_enabled(cp_invariant)
         if not isinstance(strategy, str) or strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        self.mask = check_mask(causal, window)
+        self.softcap = check_softcap(softcap)
         if deterministic is not None and not isinstance(deterministic, bool):
             raise TypeError(f"deterministic must be a bool or None, got {type(deterministic).__name__}")
         if not isinstance(backend, str):
@@ -183,6 +209,7 @@ class ContextParallel:
         if ulysses_group is not None and group is not None:
             raise ValueError("pass either group or ulysses_group + ring_group, not both")
         self.strategy, self.causal, self.softmax_scale = strategy, causal, softmax_scale
+        self.window = check_window(window)
         self.deterministic, self.backend, self.timeout, self.verify = deterministic, backend, float(timeout), verify
         self.ulysses_degree = ulysses_degree
         self.group, self.ulysses_group, self.ring_group = group, ulysses_group, ring_group
@@ -275,7 +302,7 @@ class ContextParallel:
 
     # ---- checks -----------------------------------------------------------------------------------------------
 
-    def _local_check(self, q, k, v, plan):
+    def _local_check(self, q, k, v, plan, sinks):
         """(the signature every rank must share, the Ulysses degree); raises on bad local input."""
         if not isinstance(plan, ShardPlan):
             raise TypeError(
@@ -299,19 +326,23 @@ class ContextParallel:
                     f"{name} holds {t.shape[sd]} tokens but the plan gives cp rank {self.cp_rank} {n} (shard the "
                     f"global tensors with plan.shard(x, seq_dim={sd}, rank={self.cp_rank}))"
                 )
+        if self.cp_invariant and sinks is not None:
+            raise ValueError("cp_invariant=True does not support sinks yet (pass sinks=None)")
+        options = dict(causal=self.causal, window=self.window, softcap=self.softcap, sinks=sinks,
+                       softmax_scale=self.softmax_scale)
         if plan.packed:
             cu = torch.tensor([0, n], dtype=torch.int32)
-            problem = validate_inputs(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
-                                      cu_seqlens_q=cu, cu_seqlens_k=cu)
+            problem = validate_inputs(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, **options)
         else:
-            problem = validate_inputs(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale)
+            problem = validate_inputs(q, k, v, **options)
         u = self.degree(problem.heads_q, problem.heads_kv, plan)
         t = self._transport(self.ulysses_group if self.grid else self.group)
         if t.backend == "nccl" and not q.is_cuda:
             raise ValueError("an NCCL process group needs CUDA tensors (use a gloo group for CPU tensors)")
         docs = f" in {len(plan.cu_seqlens) - 1} documents" if plan.packed else ""
         shared = dict(
-            strategy=self.strategy_name(u), ulysses_degree=u, cp_size=self.cp_size, causal=self.causal,
+            strategy=self.strategy_name(u), ulysses_degree=u, cp_size=self.cp_size, mask=str(self.mask),
+            softcap=self.softcap, sinks=str(sinks.dtype) if sinks is not None else None,
             softmax_scale=problem.softmax_scale, deterministic=self._deterministic(), backend=self.backend,
             plan=f"{plan.fingerprint} ({plan.total_len} tokens{docs}, {plan.num_chunks} chunks, "
                  f"ulysses_degree {plan.ulysses_degree})",
@@ -361,12 +392,12 @@ class ContextParallel:
             raise type(error)(f"{LABEL}: {message}") from error
         raise ValueError(f"{LABEL}: {message}")
 
-    def _verify(self, q, k, v, plan) -> int:
+    def _verify(self, q, k, v, plan, sinks) -> int:
         """Checks the local input and that every rank makes the same call (fails alike on every rank, never hangs,
         on bad or disagreeing input); returns the Ulysses degree."""
         shared, u, error = None, None, None
         try:
-            shared, u = self._local_check(q, k, v, plan)
+            shared, u = self._local_check(q, k, v, plan, sinks)
         except (TypeError, ValueError) as err:
             if not self.verify:
                 raise
@@ -378,22 +409,25 @@ class ContextParallel:
 
     # ---- the call ---------------------------------------------------------------------------------------------
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Optional[ShardPlan] = None):
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Optional[ShardPlan] = None,
+                 sinks: Optional[torch.Tensor] = None):
         if self.cp_size == 1:
-            return self._single(q, k, v, plan)
+            return self._single(q, k, v, plan, sinks)
         if plan is None:
             raise ValueError(
                 "context-parallel attention needs the plan the inputs were sharded with (plan=; build one with "
                 "fa4dist.context_parallel.make_plan or FA4ContextParallelAttention.make_plan)"
             )
-        u = self._verify(q, k, v, plan)
+        u = self._verify(q, k, v, plan, sinks)
         key = (plan.fingerprint, plan.total_len, u)
         sched = self._schedules.get(key)
         if sched is None:
             if len(self._schedules) >= 16:  # per-sample plans: keep the recent ones
                 self._schedules.pop(next(iter(self._schedules)))
-            sched = self._schedules[key] = Schedule(plan, u, self.causal)
+            sched = self._schedules[key] = Schedule(plan, u, self.mask)
         ring, ut, upeers, uidx = self._peers(u)
+        if sched.ring_size > 1:
+            ring.transport.ready()  # a sparse schedule's first transfers need not involve every rank
         heads_q, heads_kv = q.shape[-2], k.shape[-2]
         uly = split = None
         if u > 1:
@@ -401,12 +435,12 @@ class ContextParallel:
             member = sched.members[ring.index]
             lens = [plan.local_len(r) for r in member.ranks]
             uly = UlyssesGroup(ut, upeers, uidx, member, lens, 0 if plan.packed else 1)
-        opts = KernelOptions(self.causal, self.softmax_scale, self.backend, self._deterministic())
+        opts = KernelOptions(self.softmax_scale, self.softcap, self.backend, self._deterministic())
         call = _Call(sched, ring, uly, split, opts, heads_q, heads_kv, self._calls,
                      self.agree if self.verify else None, invariant=self.cp_invariant)
-        return _ContextParallelFunction.apply(q, k, v, call)
+        return _ContextParallelFunction.apply(q, k, v, sinks, call)
 
-    def _single(self, q, k, v, plan):
+    def _single(self, q, k, v, plan, sinks):
         cu = None
         if plan is not None:
             if not isinstance(plan, ShardPlan):
@@ -418,8 +452,9 @@ class ContextParallel:
         elif isinstance(q, torch.Tensor) and q.dim() == 3:
             raise ValueError("packed (3-D) input needs a packed-document plan (make_plan(cu_seqlens, 1)) for its "
                              "document boundaries")
-        return _plain_attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, cu_seqlens_q=cu,
-                                cu_seqlens_k=cu, deterministic=self.deterministic, backend=self.backend,
+        return _plain_attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, window=self.window,
+                                softcap=self.softcap, sinks=sinks, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                deterministic=self.deterministic, backend=self.backend,
                                 cp_invariant=self.cp_invariant)
 
 
@@ -452,20 +487,23 @@ _FUNCTIONAL: dict = {}
 
 def context_parallel_attention(q, k, v, plan: Optional[ShardPlan] = None, group=None, *, mesh=None,
                                ulysses_group=None, ring_group=None, strategy: str = "auto", causal: bool = True,
-                               softmax_scale: Optional[float] = None, deterministic: Optional[bool] = None,
-                               backend: str = "auto", ulysses_degree: Optional[int] = None, timeout: float = 300.0,
+                               window: tuple[int, int] = (-1, -1), softcap: Optional[float] = None,
+                               sinks: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
+                               deterministic: Optional[bool] = None, backend: str = "auto",
+                               ulysses_degree: Optional[int] = None, timeout: float = 300.0,
                                verify: bool = True, cp_invariant: Optional[bool] = None) -> torch.Tensor:
     """Functional form of :class:`fa4dist.modules.FA4ContextParallelAttention`: the local output for the local
     shards q, k, v (sharded with `plan`).  Every call checks that all ranks make the same call (``verify``)."""
-    key = (id(group), id(mesh), id(ulysses_group), id(ring_group), strategy, causal, softmax_scale, deterministic,
-           backend, ulysses_degree, float(timeout), verify, invariant_enabled(cp_invariant))
+    key = (id(group), id(mesh), id(ulysses_group), id(ring_group), strategy, causal, repr(window), softcap,
+           softmax_scale, deterministic, backend, ulysses_degree, float(timeout), verify,
+           invariant_enabled(cp_invariant))
     entry = _FUNCTIONAL.get(key)
     if entry is None:
         cp = ContextParallel(group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group, strategy=strategy,
-                             causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
-                             backend=backend, ulysses_degree=ulysses_degree, timeout=timeout, verify=verify,
-                             cp_invariant=cp_invariant)
+                             causal=causal, window=window, softcap=softcap, softmax_scale=softmax_scale,
+                             deterministic=deterministic, backend=backend, ulysses_degree=ulysses_degree,
+                             timeout=timeout, verify=verify, cp_invariant=cp_invariant)
         if len(_FUNCTIONAL) > 64:
             _FUNCTIONAL.clear()
         entry = _FUNCTIONAL[key] = (cp, (group, mesh, ulysses_group, ring_group))
-    return entry[0](q, k, v, plan)
+    return entry[0](q, k, v, plan, sinks)

@@ -27,7 +27,7 @@ def gather_members(sched: Schedule, ring: RingPeers, x: torch.Tensor, seq_dim: i
     layouts = sched.members
     me = ring.index
     shape = list(x.shape)
-    shape[seq_dim] = sched.buffer_len
+    shape[seq_dim] = max(layout.length for layout in layouts)
     send = x.new_zeros(shape)
     send.narrow(seq_dim, 0, x.shape[seq_dim]).copy_(x)
     bufs = {m: (send if m == me else torch.empty_like(send)) for m in range(sched.ring_size)}
@@ -57,15 +57,17 @@ def _pieces(sched: Schedule, member: int):
                 plan.cu_seqlens[p.doc + 1] - doc_start
 
 
-def row_items(sched: Schedule, member: int, causal: bool) -> list[WorkItem]:
+def row_items(sched: Schedule, member: int) -> list[WorkItem]:
     """The member's rows (local) against all keys of their document (in the gathered sequence)."""
-    return [WorkItem(row, n, doc_start, doc_len, pos, 0, causal)
+    mask = dict(causal=sched.mask.causal, window=sched.mask.window)
+    return [WorkItem(row, n, doc_start, doc_len, pos, 0, **mask)
             for row, n, _, pos, doc_start, doc_len in _pieces(sched, member)]
 
 
-def key_items(sched: Schedule, member: int, causal: bool) -> list[WorkItem]:
+def key_items(sched: Schedule, member: int) -> list[WorkItem]:
     """All queries of a document (in the gathered sequence) against the member's keys (local)."""
-    return [WorkItem(doc_start, doc_len, row, n, 0, pos, causal)
+    mask = dict(causal=sched.mask.causal, window=sched.mask.window)
+    return [WorkItem(doc_start, doc_len, row, n, 0, pos, **mask)
             for row, n, _, pos, doc_start, doc_len in _pieces(sched, member)]
 
 
@@ -85,8 +87,8 @@ def gather_forward(sched: Schedule, ring: RingPeers, q, k, v, opts, head_map: to
     m = ring.index
     full_k = _expand(gather_members(sched, ring, k, sd, "the invariant forward's K"), head_map)
     full_v = _expand(gather_members(sched, ring, v, sd, "the invariant forward's V"), head_map)
-    out, lse = invariant.forward(q, full_k, full_v, row_items(sched, m, opts.causal),
-                                 softmax_scale=opts.softmax_scale, backend=opts.backend)
+    out, lse = invariant.forward(q, full_k, full_v, row_items(sched, m), softmax_scale=opts.softmax_scale,
+                                 softcap=opts.softcap, backend=opts.backend)
     lens = [b.length for b in sched.members[m].blocks]
     acc = Accumulators(list(torch.split(out, lens, dim=sd)), list(torch.split(lse, lens, dim=-1)))
     return acc
@@ -100,14 +102,14 @@ def gather_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, o
     m = ring.index
     full_k = _expand(gather_members(sched, ring, k, sd, "the invariant backward's K"), head_map)
     full_v = _expand(gather_members(sched, ring, v, sd, "the invariant backward's V"), head_map)
-    dq, _, _ = invariant.backward(dout, q, full_k, full_v, out, lse, row_items(sched, m, opts.causal),
-                                  softmax_scale=opts.softmax_scale, backend=opts.backend)
+    dq, _, _ = invariant.backward(dout, q, full_k, full_v, out, lse, row_items(sched, m),
+                                  softmax_scale=opts.softmax_scale, softcap=opts.softcap, backend=opts.backend)
     del full_k, full_v
     full = [gather_members(sched, ring, t, sd, f"the invariant backward's {name}")
             for t, name in ((q, "Q"), (dout, "dO"), (out, "out"))]
     full_lse = gather_members(sched, ring, lse, _lse_seq_dim(packed), "the invariant backward's lse")
     local_k, local_v = _expand(k, head_map), _expand(v, head_map)
     _, dk, dv = invariant.backward(full[1], full[0], local_k, local_v, full[2], full_lse,
-                                   key_items(sched, m, opts.causal), softmax_scale=opts.softmax_scale,
+                                   key_items(sched, m), softmax_scale=opts.softmax_scale, softcap=opts.softcap,
                                    backend=opts.backend)
     return dq, dk, dv

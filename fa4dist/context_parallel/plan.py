@@ -9,10 +9,11 @@ Balancers (how chunks go to ranks):
 
 - ``contiguous``: rank r holds one contiguous run of chunks.
 - ``zigzag``: with 2c chunks per round, rank r holds chunks r and 2c-1-r of each round (the classic causal balance).
-- ``lpt`` (default): every chunk is costed from the mask (the visible (query, key) pairs of its queries; for packed
-  documents only pairs within a document, see :func:`fa4dist.kernels.mask.visible_pairs`), then chunks go
-  longest-first to the least-loaded rank that still has room, followed by a pairwise-swap refinement of the most
-  loaded rank.  With 2c equal chunks of one causal sequence this is exactly zigzag's balance.
+- ``lpt`` (default): every chunk is costed from the mask (the visible (query, key) pairs of its queries under
+  causal and the sliding window; for packed documents only pairs within a document, see
+  :func:`fa4dist.kernels.mask.visible_pairs`), then chunks go longest-first to the least-loaded rank that still has
+  room, followed by a pairwise-swap refinement of the most loaded rank.  With 2c equal chunks of one causal
+  sequence this is exactly zigzag's balance.
 
 For the 2-D (Ulysses x ring) strategy, ``ulysses_degree=u`` balances over the ``cp_size / u`` ring groups (a
 group's ranks share its attention work by heads) and then hands each group's chunks to its u ranks; cp rank
@@ -29,7 +30,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..kernels.mask import visible_pairs
+from ..kernels.mask import Mask, visible_pairs
+from ..kernels.problem import check_mask
 
 BALANCERS = ("contiguous", "zigzag", "lpt")
 
@@ -47,7 +49,8 @@ class Piece:
 
 @dataclass(frozen=True)
 class BalanceReport:
-    """Attention work per rank in visible (query, key) pairs (the cost model of the plan)."""
+    """Attention work per rank in visible (query, key) pairs (the cost model of the plan), and the ring steps the
+    mask leaves: a member computes (and receives K/V) only at the steps where its queries see the source's keys."""
 
     balancer: str
     cp_size: int
@@ -57,6 +60,19 @@ class BalanceReport:
     work: tuple[int, ...]  # per cp rank
     group_work: tuple[int, ...]  # per ring group (== work when ulysses_degree == 1)
     tokens: tuple[int, ...]  # real tokens per cp rank
+    mask: str  # the mask the plan was costed with
+    steps_run: tuple[int, ...]  # remote ring steps (1..R-1) that some member needs; the others are skipped
+    member_steps: tuple[tuple[int, ...], ...]  # per ring member: the remote steps at which it receives keys
+    received: tuple[int, ...]  # per ring member: K/V tokens received over a forward (the backward: again)
+
+    @property
+    def ring_size(self) -> int:
+        return len(self.group_work)
+
+    @property
+    def skipped_steps(self) -> tuple[int, ...]:
+        """Per ring member: remote steps it neither receives at nor computes (out of R - 1)."""
+        return tuple(self.ring_size - 1 - len(s) for s in self.member_steps)
 
     @property
     def max_work(self) -> int:
@@ -82,7 +98,9 @@ class BalanceReport:
             num_chunks=self.num_chunks, chunk_size=self.chunk_size, work=list(self.work),
             group_work=list(self.group_work), compute=list(self.compute), tokens=list(self.tokens),
             max_work=self.max_work,
-            mean_work=self.mean_work, imbalance=self.imbalance,
+            mean_work=self.mean_work, imbalance=self.imbalance, mask=self.mask, steps_run=list(self.steps_run),
+            member_steps=[list(s) for s in self.member_steps], skipped_steps=list(self.skipped_steps),
+            received=list(self.received),
         )
 
     @property
@@ -103,6 +121,13 @@ class BalanceReport:
         for r, (c, t) in enumerate(zip(self.compute, self.tokens)):
             share = c / mean if mean else 1.0
             lines.append(f"  rank {r}: {t} tokens, {c:,.0f} visible pairs computed ({share:.3f} x mean)")
+        if self.ring_size > 1:
+            member = "rank" if self.ulysses_degree == 1 else "ring group"
+            lines.append(f"ring of {self.ring_size} ({self.mask}): remote steps run {list(self.steps_run)} of "
+                         f"1..{self.ring_size - 1}")
+            for m, (steps, got) in enumerate(zip(self.member_steps, self.received)):
+                lines.append(f"  {member} {m}: receives K/V at steps {list(steps)} ({got} tokens), skips "
+                             f"{self.skipped_steps[m]} of {self.ring_size - 1}")
         return "\n".join(lines)
 
 
@@ -219,14 +244,14 @@ class ShardPlan:
     """Chunks of the global token stream and their assignment to cp ranks.  Build one with :func:`make_plan`."""
 
     def __init__(self, total_len: int, cu_seqlens: Optional[tuple[int, ...]], cp_size: int, num_chunks: int,
-                 owner: Sequence[int], balancer: str, causal: bool, ulysses_degree: int = 1):
+                 owner: Sequence[int], balancer: str, mask: Mask, ulysses_degree: int = 1):
         self.total_len = total_len
         self.cu_seqlens = cu_seqlens
         self.cp_size = cp_size
         self.num_chunks = num_chunks
         self.chunk_size = -(-total_len // num_chunks)
         self.balancer = balancer
-        self.causal = causal
+        self.mask = mask  # what the cost model assumes (the attention's own mask)
         self.ulysses_degree = ulysses_degree
         self.ring_degree = cp_size // ulysses_degree
         self.chunk_owner: tuple[int, ...] = tuple(owner)
@@ -349,15 +374,19 @@ class ShardPlan:
 
     # ---- cost model ---------------------------------------------------------------------------------------------
 
-    def range_cost(self, start: int, end: int, causal: Optional[bool] = None) -> int:
+    @property
+    def causal(self) -> bool:
+        return self.mask.causal
+
+    def range_cost(self, start: int, end: int, mask: Optional[Mask] = None) -> int:
         """Visible (query, key) pairs of the queries in [start, end) against every key they may see."""
-        causal = self.causal if causal is None else causal
+        mask = self.mask if mask is None else mask
         if self.cu_seqlens is None:
-            return visible_pairs(end - start, self.total_len, start, 0, causal)
+            return visible_pairs(end - start, self.total_len, start, 0, mask)
         cost = 0
         for p in self.pieces(start, end):
             doc_len = self.cu_seqlens[p.doc + 1] - self.cu_seqlens[p.doc]
-            cost += visible_pairs(p.length, doc_len, p.position, 0, causal)
+            cost += visible_pairs(p.length, doc_len, p.position, 0, mask)
         return cost
 
     @cached_property
@@ -368,13 +397,21 @@ class ShardPlan:
         return sum(self.chunk_costs[c] for c in self.rank_chunks(rank))
 
     def balance_report(self) -> BalanceReport:
+        """Work per rank and, for the ring of the plan's Ulysses degree under its mask, the steps each member runs
+        and skips (see :class:`~fa4dist.context_parallel.schedule.Schedule`)."""
+        from .schedule import Schedule  # the schedule is built on plans
+
         work = tuple(self.work(r) for r in range(self.cp_size))
         u = self.ulysses_degree
         group_work = tuple(sum(work[g * u:(g + 1) * u]) for g in range(self.ring_degree))
+        sched = Schedule(self, u, self.mask)
+        members = range(sched.ring_size)
         return BalanceReport(
             balancer=self.balancer, cp_size=self.cp_size, ulysses_degree=u, num_chunks=self.num_chunks,
             chunk_size=self.chunk_size, work=work, group_work=group_work,
-            tokens=tuple(self.local_len(r) for r in range(self.cp_size)),
+            tokens=tuple(self.local_len(r) for r in range(self.cp_size)), mask=str(self.mask),
+            steps_run=sched.steps(), member_steps=tuple(sched.member_steps(m) for m in members),
+            received=tuple(sched.member_received(m) for m in members),
         )
 
     # ---- sharding -----------------------------------------------------------------------------------------------
@@ -442,7 +479,8 @@ class ShardPlan:
         return dict(
             total_len=self.total_len, cu_seqlens=list(self.cu_seqlens) if self.cu_seqlens else None,
             cp_size=self.cp_size, ulysses_degree=self.ulysses_degree, num_chunks=self.num_chunks,
-            balancer=self.balancer, causal=self.causal, owner=list(self.chunk_owner),
+            balancer=self.balancer, causal=self.mask.causal, window=list(self.mask.window),
+            owner=list(self.chunk_owner),
         )
 
     @cached_property
@@ -450,7 +488,8 @@ class ShardPlan:
         """A short hash of everything that decides which rank holds which token."""
         d = self.describe()
         d.pop("balancer")  # two balancers giving the same assignment are the same plan
-        d.pop("causal")
+        d.pop("causal")  # the mask only informed the costs
+        d.pop("window")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def __eq__(self, other) -> bool:
@@ -476,6 +515,7 @@ def make_plan(
     num_chunks: Optional[int] = None,
     *,
     causal: bool = True,
+    window: tuple[int, int] = (-1, -1),
     ulysses_degree: int = 1,
 ) -> ShardPlan:
     """Plans how `cp_size` ranks share one sequence (an int length) or a packed batch of documents (cu_seqlens).
@@ -484,15 +524,16 @@ def make_plan(
     - ``num_chunks``: a multiple of ``cp_size`` (every rank holds as many chunks); default ``2 * cp_size`` for one
       sequence (zigzag's count), ``8 * cp_size`` for packed documents (finer chunks let LPT balance a mix
       dominated by one long document within ~1%).
-    - ``causal``: the mask the cost model assumes (use the attention's own).
+    - ``causal``, ``window``: the mask the cost model assumes (use the attention's own; ``window=(left, right)`` as
+      in :func:`fa4dist.kernels.attention_forward`).  With a window, ``balance_report()`` shows the ring steps it
+      leaves; a ``contiguous`` plan keeps a member's window inside its neighbour's chunks (fewest transfers).
     - ``ulysses_degree``: for the 2-D strategy, balance over ``cp_size // ulysses_degree`` ring groups.
     """
     total, cu = _documents(seqlen_or_cu_seqlens)
     _check_int("cp_size", cp_size, 1)
     if not isinstance(balancer, str) or balancer not in BALANCERS:
         raise ValueError(f"balancer must be one of {BALANCERS}, got {balancer!r}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    mask = check_mask(causal, window)
     _check_int("ulysses_degree", ulysses_degree, 1)
     if cp_size % ulysses_degree:
         raise ValueError(f"ulysses_degree ({ulysses_degree}) must divide cp_size ({cp_size})")
@@ -504,7 +545,7 @@ def make_plan(
             f"num_chunks must be a multiple of cp_size ({cp_size}) so every rank holds as many chunks, got {num_chunks}"
         )
     groups = cp_size // ulysses_degree
-    plan = ShardPlan(total, cu, cp_size, num_chunks, [0] * num_chunks, balancer, causal, ulysses_degree)
+    plan = ShardPlan(total, cu, cp_size, num_chunks, [0] * num_chunks, balancer, mask, ulysses_degree)
     group_of = _BALANCER_FNS[balancer](plan.chunk_costs, groups)
     # Within a ring group, its u ranks take contiguous runs of the group's chunks (in global order).
     per_rank = num_chunks // cp_size
@@ -513,4 +554,4 @@ def make_plan(
         chunks = [c for c in range(num_chunks) if group_of[c] == g]
         for i, c in enumerate(chunks):
             owner[c] = g * ulysses_degree + i // per_rank
-    return ShardPlan(total, cu, cp_size, num_chunks, owner, balancer, causal, ulysses_degree)
+    return ShardPlan(total, cu, cp_size, num_chunks, owner, balancer, mask, ulysses_degree)

@@ -1,17 +1,22 @@
 """Ring attention over the members of a :class:`~fa4dist.context_parallel.schedule.Schedule`.
 
-Forward: K and V (at the KV head count, packed into one flat buffer) go round the ring, double-buffered: the
-transfer for step t+1 is posted before step t computes.  Every step makes the schedule's contract calls for the
-held keys with ``accumulate=True`` into per-block fp32 (fp64 for fp64 inputs) running ``(out, lse)``, so nothing
-is rounded between steps; the merge order is (step, query block, key block), a function of the plan alone.
+Forward: at step ``t`` member ``m`` sends the key rows that member ``m + t`` reads (K and V at the KV head count,
+packed into one flat buffer) straight to it, and receives from ``m - t`` the rows it reads itself; rows nobody
+reads are never sent, and a step with nothing to receive is not computed (with a sliding window most steps carry
+nothing).  The transfer of the next step is posted before a step computes, so it overlaps.  Every step makes the
+schedule's contract calls for the held keys with ``accumulate=True`` into per-block fp32 (fp64 for fp64 inputs)
+running ``(out, lse)``, so nothing is rounded between steps; the merge order is (step, query block, key), a
+function of the plan alone.
 
-Backward: K and V go round again; each step recomputes its blocks against the global ``(out, lse)`` with
-``attention_backward``, adding dQ into local fp32 buffers and dK/dV into a fresh fp32 partial, which is added to
-the accumulated dK/dV arriving from the previous member (it trails K/V by one step, so the transfer overlaps the
-next step's compute) and sent on; after the last step every member receives its own keys' dK/dV.
+Backward: the keys go out again the same way; each step recomputes its blocks against the global ``(out, lse)``
+with ``attention_backward``, adding dQ into local fp32 buffers and dK/dV into a fresh fp32 buffer for the rows it
+received, which goes straight back to their owner (posted after the step, awaited one step later so it overlaps).
+The owner adds its own dK/dV first, then the returns in step order: fixed by the plan, never by arrival.
 
-``batch_isend_irecv`` posts each step's send and receive together, so no member blocks another for any ring size,
-odd sizes included.  ``forward_step`` and ``backward_step`` are also what ``bench/cp_sim.py`` times.
+Every member walks the same list of steps (those any member needs) and posts each step's sends and receives
+together (``batch_isend_irecv``), so two members always post the messages between them in the same order and no
+member blocks another, for any ring size.  ``forward_step`` and ``backward_step`` are also what
+``bench/cp_sim.py`` times.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Optional
 import torch
 
 from ..kernels import attention_backward, attention_forward
-from .comm import Transport
+from .comm import Pending, Transport
 from .schedule import MemberLayout, PairCall, Schedule
 
 
@@ -32,27 +37,27 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class KernelOptions:
-    causal: bool
+    """Per-call kernel options besides the mask (which the schedule gives each call)."""
+
     softmax_scale: Optional[float]
+    softcap: Optional[float]
     backend: str
     deterministic: bool
 
 
 class _Held:
-    """K and V used in place (a ring of one member sends nothing, so needs no buffer)."""
+    """K and V (or dK and dV) used in place: a member's own rows."""
 
     def __init__(self, k, v):
         self.k, self.v = k, v
 
 
 class KVBuffer:
-    """K and V of one member, padded to the schedule's buffer length, as views of one flat buffer."""
+    """K and V of some key rows (or their fp32 gradients), as views of one flat buffer: what a transfer moves."""
 
     def __init__(self, flat: torch.Tensor, k_shape, v_shape):
         self.flat, self.k_shape, self.v_shape = flat, tuple(k_shape), tuple(v_shape)
-        nk = 1
-        for s in k_shape:
-            nk *= s
+        nk = _numel(k_shape)
         self.k = flat[:nk].view(k_shape)
         self.v = flat[nk:].view(v_shape)
 
@@ -63,9 +68,11 @@ class KVBuffer:
         return ks, vs
 
     @classmethod
-    def empty_like(cls, other: "KVBuffer", dtype=None) -> "KVBuffer":
-        return cls(torch.empty(other.flat.shape, dtype=dtype or other.flat.dtype, device=other.flat.device),
-                   other.k_shape, other.v_shape)
+    def empty(cls, k: torch.Tensor, v: torch.Tensor, length: int, seq_dim: int, dtype=None) -> "KVBuffer":
+        """A buffer for `length` rows shaped like k and v."""
+        ks, vs = cls.shapes(k, v, length, seq_dim)
+        flat = torch.empty(_numel(ks) + _numel(vs), dtype=dtype or k.dtype, device=k.device)
+        return cls(flat, ks, vs)
 
     @classmethod
     def zeros_like(cls, other: "KVBuffer", dtype=None) -> "KVBuffer":
@@ -73,16 +80,23 @@ class KVBuffer:
                    other.k_shape, other.v_shape)
 
     @classmethod
-    def pack(cls, k: torch.Tensor, v: torch.Tensor, length: int, seq_dim: int) -> "KVBuffer":
-        ks, vs = cls.shapes(k, v, length, seq_dim)
-        n = _numel(ks) + _numel(vs)
-        buf = cls(torch.empty(n, dtype=k.dtype, device=k.device), ks, vs)
-        buf.k.narrow(seq_dim, 0, k.shape[seq_dim]).copy_(k)
-        buf.v.narrow(seq_dim, 0, v.shape[seq_dim]).copy_(v)
-        if length > k.shape[seq_dim]:  # padding is never read by a kernel; zero it so no NaN garbage travels
-            buf.k.narrow(seq_dim, k.shape[seq_dim], length - k.shape[seq_dim]).zero_()
-            buf.v.narrow(seq_dim, v.shape[seq_dim], length - v.shape[seq_dim]).zero_()
+    def gather(cls, k: torch.Tensor, v: torch.Tensor, ranges, seq_dim: int) -> "KVBuffer":
+        """The rows of k and v in `ranges` ((start, length), ...), back to back."""
+        buf = cls.empty(k, v, sum(n for _, n in ranges), seq_dim)
+        at = 0
+        for start, n in ranges:
+            buf.k.narrow(seq_dim, at, n).copy_(k.narrow(seq_dim, start, n))
+            buf.v.narrow(seq_dim, at, n).copy_(v.narrow(seq_dim, start, n))
+            at += n
         return buf
+
+    def add_into(self, dk: torch.Tensor, dv: torch.Tensor, ranges, seq_dim: int) -> None:
+        """Adds this buffer's rows (back to back) into the rows `ranges` of dk and dv: the inverse of gather."""
+        at = 0
+        for start, n in ranges:
+            dk.narrow(seq_dim, start, n).add_(self.k.narrow(seq_dim, at, n))
+            dv.narrow(seq_dim, start, n).add_(self.v.narrow(seq_dim, at, n))
+            at += n
 
 
 def _numel(shape) -> int:
@@ -111,18 +125,17 @@ class _Cu:
 _CU = _Cu()
 
 
-def _call_views(call: PairCall, packed: bool, q_layout: MemberLayout, k_layout: MemberLayout, seq_dim: int):
-    """Slices (along the token dim) of the member tensors for one call, and whether to add a batch dim of 1."""
-    qb, kb = q_layout.blocks[call.q_block], k_layout.blocks[call.k_block]
-    q_rows = (qb.offset + call.q_start, call.q_len)
-    k_rows = (kb.offset + call.k_start, call.k_len)
-    block_rows = (call.q_start, call.q_len)  # rows within the query block's accumulators
-    unsqueeze = packed and call.cu_seqlens is None
-    return q_rows, k_rows, block_rows, unsqueeze
+def call_rows(call: PairCall, q_layout: MemberLayout):
+    """(q rows in the member layout, key rows in the held buffer, rows within the query block's accumulators), each
+    a (start, length) along the token dim."""
+    qb = q_layout.blocks[call.q_block]
+    return (qb.offset + call.q_start, call.q_len), (call.k_row, call.k_len), (call.q_start, call.q_len)
 
 
-def _mask_kwargs(call: PairCall, opts: KernelOptions, device):
-    kw = dict(causal=call.causal, softmax_scale=opts.softmax_scale, q_offset=call.q_offset, k_offset=call.k_offset)
+def mask_kwargs(call: PairCall, opts: KernelOptions, device):
+    """The contract's mask arguments for one call."""
+    kw = dict(causal=call.mask.causal, window=call.mask.window, softcap=opts.softcap,
+              softmax_scale=opts.softmax_scale, q_offset=call.q_offset, k_offset=call.k_offset)
     if call.cu_seqlens is not None:
         cu = _CU(call.cu_seqlens, device)
         kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
@@ -157,46 +170,42 @@ def forward_step(sched: Schedule, member: int, source: int, q: torch.Tensor, kv,
     """Member `member`'s contract calls against `source`'s keys (held in `kv`), merged into `acc`."""
     packed = sched.plan.packed
     sd = 0 if packed else 1
-    q_layout, k_layout = sched.members[member], sched.members[source]
+    q_layout = sched.members[member]
     outs, lses = acc
     for call in sched.calls(member, source):
-        q_rows, k_rows, rows, unsq = _call_views(call, packed, q_layout, k_layout, sd)
+        q_rows, k_rows, rows = call_rows(call, q_layout)
         qc = q.narrow(sd, *q_rows)
         kc, vc = kv.k.narrow(sd, *k_rows), kv.v.narrow(sd, *k_rows)
-        out, lse = outs[call.q_block], lses[call.q_block]
         whole = call.q_start == 0 and call.q_len == q_layout.blocks[call.q_block].length
         accumulate = not (whole and acc.fresh[call.q_block])
         acc.fresh[call.q_block] = False
-        if packed:
-            out, lse = out.narrow(0, *rows), lse.narrow(1, *rows)
-        if unsq:
+        out, lse = outs[call.q_block].narrow(sd, *rows), lses[call.q_block].narrow(-1, *rows)
+        if packed and call.cu_seqlens is None:  # a dense batch-1 call on two document pieces
             qc, kc, vc, out, lse = (t.unsqueeze(0) for t in (qc, kc, vc, out, lse))
         attention_forward(qc, kc, vc, out=out, lse=lse, accumulate=accumulate, backend=opts.backend,
-                          **_mask_kwargs(call, opts, q.device))
+                          **mask_kwargs(call, opts, q.device))
 
 
-def backward_step(sched: Schedule, member: int, source: int, dout: torch.Tensor, q: torch.Tensor, kv: KVBuffer,
-                  out: torch.Tensor, lses, dqs, dkv: KVBuffer, opts: KernelOptions) -> None:
+def backward_step(sched: Schedule, member: int, source: int, dout: torch.Tensor, q: torch.Tensor, kv,
+                  out: torch.Tensor, lses, dqs, dkv, opts: KernelOptions) -> None:
     """Member `member`'s backward calls against `source`'s keys: adds into the per-block dQ accumulators `dqs` and
     the dK/dV buffer `dkv` (laid out like `kv`)."""
     packed = sched.plan.packed
     sd = 0 if packed else 1
-    q_layout, k_layout = sched.members[member], sched.members[source]
+    q_layout = sched.members[member]
     for call in sched.calls(member, source):
-        q_rows, k_rows, rows, unsq = _call_views(call, packed, q_layout, k_layout, sd)
+        q_rows, k_rows, rows = call_rows(call, q_layout)
         qc, doc, oc = (t.narrow(sd, *q_rows) for t in (q, dout, out))
         kc, vc = kv.k.narrow(sd, *k_rows), kv.v.narrow(sd, *k_rows)
         dkc, dvc = dkv.k.narrow(sd, *k_rows), dkv.v.narrow(sd, *k_rows)
-        lse, dq = lses[call.q_block], dqs[call.q_block]
-        if packed:
-            lse, dq = lse.narrow(1, *rows), dq.narrow(0, *rows)
+        lse, dq = lses[call.q_block].narrow(-1, *rows), dqs[call.q_block].narrow(sd, *rows)
         tensors = (doc, qc, kc, vc, oc, lse, dq, dkc, dvc)
-        if unsq:
+        if packed and call.cu_seqlens is None:
             tensors = tuple(t.unsqueeze(0) for t in tensors)
         doc, qc, kc, vc, oc, lse, dq, dkc, dvc = tensors
         attention_backward(doc, qc, kc, vc, oc, lse, dq=dq, dk=dkc, dv=dvc, accumulate=True,
                            deterministic=opts.deterministic, backend=opts.backend,
-                           **_mask_kwargs(call, opts, q.device))
+                           **mask_kwargs(call, opts, q.device))
 
 
 @dataclass
@@ -211,35 +220,92 @@ class RingPeers:
     def size(self) -> int:
         return len(self.ranks)
 
-    def next(self) -> int:
-        return self.ranks[(self.index + 1) % self.size]
-
-    def prev(self) -> int:
-        return self.ranks[(self.index - 1) % self.size]
+    def peer(self, member: int) -> int:
+        return self.ranks[member % self.size]
 
 
-def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions):
+class _Exchange:
+    """The point-to-point transfers of this member's ring steps: key rows out and in, and (backward) their fp32
+    gradients back to the owner."""
+
+    def __init__(self, sched: Schedule, ring: RingPeers, k: torch.Tensor, v: torch.Tensor, direction: str):
+        self.sched, self.ring, self.k, self.v, self.direction = sched, ring, k, v, direction
+        self.sd = 0 if sched.plan.packed else 1
+        self._packed: dict = {}  # gathered send buffers by ranges (a full send is packed once)
+
+    def _send_buffer(self, ranges) -> KVBuffer:
+        buf = self._packed.get(ranges)
+        if buf is None:
+            buf = self._packed[ranges] = KVBuffer.gather(self.k, self.v, ranges, self.sd)
+        return buf
+
+    def post_keys(self, step: int) -> "_Incoming":
+        """Posts step `step`'s sends and receives of key rows; returns what will hold the received rows."""
+        sched, ring, m = self.sched, self.ring, self.ring.index
+        send_ranges, recv_len = sched.send_ranges(m, step), sched.recv_len(m, step)
+        sends = [(self._send_buffer(send_ranges).flat, ring.peer(sched.dest(m, step)))] if send_ranges else []
+        held = KVBuffer.empty(self.k, self.v, recv_len, self.sd) if recv_len else None
+        recvs = [(held.flat, ring.peer(sched.source(m, step)))] if held is not None else []
+        tag = 10 if self.direction == "forward" else 20
+        return _Incoming(self._post(sends, recvs, f"K/V of {self.direction} ring step {step}", tag), held)
+
+    def post_grads(self, step: int, partial: Optional[KVBuffer], acc) -> "_Returning":
+        """Posts the return of step `step`'s dK/dV partial to the keys' owner, and the receive of the partial for
+        the rows this member sent at that step."""
+        sched, ring, m = self.sched, self.ring, self.ring.index
+        sent = sched.send_ranges(m, step)
+        sends = [(partial.flat, ring.peer(sched.source(m, step)))] if partial is not None else []
+        incoming = KVBuffer.empty(self.k, self.v, sum(n for _, n in sent), self.sd, dtype=acc) if sent else None
+        recvs = [(incoming.flat, ring.peer(sched.dest(m, step)))] if incoming is not None else []
+        pending = self._post(sends, recvs, f"dK/dV of backward ring step {step}", 21)
+        return _Returning(pending, incoming, sent, partial)
+
+    def _post(self, sends, recvs, what: str, tag: int) -> Optional[Pending]:
+        if not sends and not recvs:
+            return None
+        return self.ring.transport.post(sends, recvs, what, tag=tag)
+
+
+@dataclass
+class _Incoming:
+    pending: Optional[Pending]
+    held: Optional[KVBuffer]
+
+    def wait(self) -> Optional[KVBuffer]:
+        if self.pending is not None:
+            self.pending.wait()
+        return self.held
+
+
+@dataclass
+class _Returning:
+    pending: Optional[Pending]
+    incoming: Optional[KVBuffer]
+    ranges: tuple
+    partial: Optional[KVBuffer]  # kept alive until its send completes
+
+    def finish(self, dk: torch.Tensor, dv: torch.Tensor, seq_dim: int) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+        if self.incoming is not None:
+            self.incoming.add_into(dk, dv, self.ranges, seq_dim)
+
+
+def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions) -> Accumulators:
     """Returns per-block (outs, lses) of this member's queries over every member's keys."""
     packed = sched.plan.packed
-    sd = 0 if packed else 1
-    m, R = ring.index, sched.ring_size
+    m = ring.index
     acc = new_accumulators(sched.members[m], q, v.shape[-1], packed)
-    if R == 1:
-        forward_step(sched, m, m, q, _Held(k, v), acc, opts)
-        return acc
-    bufs = [KVBuffer.pack(k, v, sched.buffer_len, sd)]
-    bufs.append(KVBuffer.empty_like(bufs[0]))
-    for t in range(R):
-        cur = bufs[t % 2]
-        pending = None
-        if t + 1 < R:
-            pending = ring.transport.post(
-                [(cur.flat, ring.next())], [(bufs[(t + 1) % 2].flat, ring.prev())],
-                f"K/V of forward ring step {t + 1}", tag=10,
-            )
-        forward_step(sched, m, sched.source(m, t), q, cur, acc, opts)
-        if pending is not None:
-            pending.wait()
+    steps = sched.steps()
+    exchange = _Exchange(sched, ring, k, v, "forward")
+    incoming = exchange.post_keys(steps[0]) if steps else None
+    forward_step(sched, m, m, q, _Held(k, v), acc, opts)
+    for i, t in enumerate(steps):
+        following = exchange.post_keys(steps[i + 1]) if i + 1 < len(steps) else None
+        held = incoming.wait()
+        if held is not None:
+            forward_step(sched, m, sched.source(m, t), q, held, acc, opts)
+        incoming = following
     return acc
 
 
@@ -247,53 +313,32 @@ def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lses, op
     """Returns (dq, dk, dv) of this member's tokens in the accumulation dtype."""
     packed = sched.plan.packed
     sd = 0 if packed else 1
-    m, R = ring.index, sched.ring_size
+    m = ring.index
     acc = accum_dtype(q.dtype)
     layout = sched.members[m]
     dqs = [torch.zeros(o.shape, dtype=acc, device=q.device) for o in _block_views(q, layout, sd)]
-    if R == 1:
-        dk, dv = torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)
-        backward_step(sched, m, m, dout, q, _Held(k, v), out, lses, dqs, _Held(dk, dv), opts)
-        return torch.cat(dqs, dim=sd) if dqs else torch.zeros(q.shape, dtype=acc, device=q.device), dk, dv
-    bufs = [KVBuffer.pack(k, v, sched.buffer_len, sd)]
-    if R > 1:
-        bufs.append(KVBuffer.empty_like(bufs[0]))
-    dkv_pending, dkv_incoming = None, None
-    for t in range(R):
-        cur = bufs[t % 2]
-        kv_pending = None
-        if t + 1 < R:
-            kv_pending = ring.transport.post(
-                [(cur.flat, ring.next())], [(bufs[(t + 1) % 2].flat, ring.prev())],
-                f"K/V of backward ring step {t + 1}", tag=20,
-            )
-        partial = KVBuffer.zeros_like(cur, dtype=acc)
-        backward_step(sched, m, sched.source(m, t), dout, q, cur, out, lses, dqs, partial, opts)
-        if dkv_pending is not None:
-            dkv_pending.wait()
-            dkv_incoming.flat.add_(partial.flat)
-            partial = dkv_incoming
-        if R > 1:
-            dkv_incoming = KVBuffer.empty_like(partial)
-            what = f"dK/dV after backward ring step {t}" if t + 1 < R else "this rank's own dK/dV (end of the ring)"
-            dkv_pending = ring.transport.post(
-                [(partial.flat, ring.next())], [(dkv_incoming.flat, ring.prev())], what, tag=21,
-            )
-        if kv_pending is not None:
-            kv_pending.wait()
-    if R > 1:
-        dkv_pending.wait()
-        partial = dkv_incoming
-    n = layout.length
+    dk, dv = torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)
+    steps = sched.steps()
+    exchange = _Exchange(sched, ring, k, v, "backward")
+    incoming = exchange.post_keys(steps[0]) if steps else None
+    backward_step(sched, m, m, dout, q, _Held(k, v), out, lses, dqs, _Held(dk, dv), opts)
+    returning = None
+    for i, t in enumerate(steps):
+        following = exchange.post_keys(steps[i + 1]) if i + 1 < len(steps) else None
+        held = incoming.wait()
+        partial = None
+        if held is not None:
+            partial = KVBuffer.zeros_like(held, dtype=acc)
+            backward_step(sched, m, sched.source(m, t), dout, q, held, out, lses, dqs, partial, opts)
+        posted = exchange.post_grads(t, partial, acc)
+        if returning is not None:  # the previous step's returns, added in step order
+            returning.finish(dk, dv, sd)
+        returning, incoming = posted, following
+    if returning is not None:
+        returning.finish(dk, dv, sd)
     dq = torch.cat(dqs, dim=sd) if dqs else torch.zeros_like(q, dtype=acc)
-    return dq, partial.k.narrow(sd, 0, n), partial.v.narrow(sd, 0, n)
+    return dq, dk, dv
 
 
 def _block_views(x: torch.Tensor, layout: MemberLayout, sd: int):
     return [x.narrow(sd, b.offset, b.length) for b in layout.blocks]
-
-
-def concat_blocks(blocks, dim: int, like: torch.Tensor, empty_shape) -> torch.Tensor:
-    if blocks:
-        return torch.cat(blocks, dim=dim)
-    return torch.zeros(empty_shape, dtype=like.dtype, device=like.device)

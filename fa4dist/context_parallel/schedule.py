@@ -1,12 +1,21 @@
-"""The ring schedule of a plan: which kernel-contract calls each ring member makes at each step.  Pure bookkeeping
-(no communication, no tensors), shared by the ring engine and by ``bench/cp_sim.py``.
+"""The ring schedule of a plan: which key rows each ring member sends to which, and which kernel-contract calls it
+makes with them.  Pure bookkeeping (no communication, no tensors), shared by the ring engine, the plan's balance
+report and ``bench/cp_sim.py``.
 
 A ring *member* is one rank (plain ring) or one Ulysses group (2-D): it holds the chunks of its cp ranks, laid out
-in global order, and consecutive chunks merge into *blocks* (contiguous global token ranges).  At step t member m
-holds the keys of member (m - t) mod R and makes one contract call per (query block, key block) pair that any
-query can see; pairs the mask hides entirely are dropped here, without a launch.
+in global order, and consecutive chunks merge into *blocks* (contiguous global token ranges).  At step ``t`` of
+``R`` member ``m`` computes against the keys of member ``(m - t) mod R`` (step 0: its own).
 
-Calls are dense ``(batch, len, heads, d)`` with the blocks' global offsets for one sequence.  For packed documents
+Only what the mask lets through is sent or computed:
+
+- a (query block, key block) pair is trimmed to the rectangle of its visible pairs (rows that see a key, keys that
+  some row sees: :func:`fa4dist.kernels.mask.visible_rect`) and dropped when there is none;
+- at step ``t`` member ``m`` receives from its source, *point to point*, only the key rows its calls read (merged
+  into ranges, sent as one compact buffer), and nothing at all where no query of ``m`` sees a key of the source.
+  With a sliding window most steps are empty: a member needs keys only from the members whose chunks lie within
+  the window of its own.  Steps no member needs are not run (:meth:`Schedule.steps`).
+
+Calls are dense ``(batch, len, heads, d)`` with the pieces' global offsets for one sequence.  For packed documents
 a pair of different blocks shares at most one document (two disjoint token ranges cannot share two), so it is a
 dense batch-1 call on that document's two pieces with their positions in the document as offsets; a block against
 itself is a packed call whose segments are the block's document pieces (aligned: q and k share cu_seqlens).
@@ -19,7 +28,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..kernels.mask import Visibility, block_visibility, visible_pairs
+from ..kernels.mask import NO_MASK, Mask, MaskLike, Visibility, as_mask, block_visibility, visible_pairs, visible_rect
 from .plan import ShardPlan
 
 
@@ -32,22 +41,22 @@ class Block:
 
 @dataclass(frozen=True)
 class PairCall:
-    """One contract call: rows [q_start, q_start + q_len) of query block `q_block` against keys [k_start, k_start +
-    k_len) counted from key block `k_block` (a run of consecutive fully visible key blocks is one call: the blocks
-    lie back to back in the key buffer).  ``cu_seqlens`` is set for a packed call (shared by q and k); ``causal``
-    is False where every pair is visible (the same mask, cheaper)."""
+    """One contract call: rows [q_start, q_start + q_len) of query block ``q_block`` against the key rows [k_row,
+    k_row + k_len) of the key buffer the member holds at that step (its own member layout at step 0, the compact
+    buffer it received otherwise; a run of fully visible keys back to back in that buffer is one call).
+    ``cu_seqlens`` is set for a packed call (shared by q and k); ``mask`` is ``NO_MASK`` where every pair is visible
+    (the same result, cheaper)."""
 
     q_block: int
-    k_block: int
     q_start: int
     q_len: int
-    k_start: int
+    k_row: int
     k_len: int
     q_offset: Union[int, tuple[int, ...]]
     k_offset: Union[int, tuple[int, ...]]
     cu_seqlens: Optional[tuple[int, ...]]
     pairs: int  # visible (query, key) pairs per (batch, head)
-    causal: bool
+    mask: Mask
 
 
 class MemberLayout:
@@ -94,79 +103,125 @@ class MemberLayout:
         return x.index_select(dim, self._scatter.to(x.device))
 
 
-def _span(blocks, call: PairCall) -> int:
-    """How many key blocks a (merged) dense call covers."""
-    n, covered = 0, 0
-    while covered < call.k_len:
-        covered += blocks[call.k_block + n].length
-        n += 1
-    return n
+def _merge_ranges(ranges) -> tuple[tuple[int, int], ...]:
+    """Sorted, merged (start, length) ranges covering the given ones."""
+    out: list[list[int]] = []
+    for start, length in sorted(ranges):
+        if out and start <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], start + length - out[-1][0])
+        else:
+            out.append([start, length])
+    return tuple((a, n) for a, n in out)
 
 
 class Schedule:
-    """Ring schedule of `plan` run with Ulysses groups of `ulysses_degree` ranks (1 for a plain ring)."""
+    """Ring schedule of `plan` run with Ulysses groups of `ulysses_degree` ranks (1 for a plain ring) under `mask`
+    (a :class:`~fa4dist.kernels.mask.Mask`, or a bool for causal or not)."""
 
-    def __init__(self, plan: ShardPlan, ulysses_degree: int, causal: bool):
+    def __init__(self, plan: ShardPlan, ulysses_degree: int, mask: MaskLike):
         if plan.cp_size % ulysses_degree:
             raise ValueError(f"ulysses_degree ({ulysses_degree}) must divide the plan's cp_size ({plan.cp_size})")
         self.plan = plan
-        self.causal = causal
+        self.mask = as_mask(mask)
         self.ulysses_degree = ulysses_degree
         self.ring_size = plan.cp_size // ulysses_degree
         u = ulysses_degree
         self.members = tuple(
             MemberLayout(plan, tuple(range(m * u, (m + 1) * u))) for m in range(self.ring_size)
         )
-        # every member's key buffer has room for the longest member's tokens
-        self.buffer_len = max(m.length for m in self.members)
+        self._raw: dict = {}
         self._calls: dict = {}
+        self._needed: dict = {}
+        self._steps: Optional[tuple[int, ...]] = None
 
     def source(self, member: int, step: int) -> int:
-        """The member whose keys `member` holds at ring step `step`."""
+        """The member whose keys `member` computes against at step `step`."""
         return (member - step) % self.ring_size
 
+    def dest(self, member: int, step: int) -> int:
+        """The member that computes against `member`'s keys at step `step` (what `member` sends to)."""
+        return (member + step) % self.ring_size
+
+    # ---- calls ---------------------------------------------------------------------------------------------------
+
+    def _raw_calls(self, member: int, source: int) -> tuple[PairCall, ...]:
+        """The calls of `member`'s queries against `source`'s keys, key rows in `source`'s member layout."""
+        cached = self._raw.get((member, source))
+        if cached is None:
+            out = []
+            for qi, qb in enumerate(self.members[member].blocks):
+                for ki, kb in enumerate(self.members[source].blocks):
+                    call = self._pair(qi, qb, kb, same=(member == source and qi == ki))
+                    if call is not None:
+                        out.append(call)
+            cached = self._raw[(member, source)] = tuple(out)
+        return cached
+
+    def needed(self, member: int, source: int) -> tuple[tuple[int, int], ...]:
+        """(start, length) ranges of `source`'s member layout that `member`'s calls read, merged and sorted: what
+        `source` sends `member` (empty: no transfer and no compute)."""
+        cached = self._needed.get((member, source))
+        if cached is None:
+            cached = self._needed[(member, source)] = _merge_ranges(
+                (c.k_row, c.k_len) for c in self._raw_calls(member, source))
+        return cached
+
     def calls(self, member: int, source: int) -> tuple[PairCall, ...]:
-        """The contract calls of `member`'s queries against `source`'s keys, ordered by (query block, key block)."""
+        """The contract calls of `member`'s queries against `source`'s keys, ordered by (query block, key), with key
+        rows in the buffer `member` holds: its own layout if member == source, else the compact buffer of
+        :meth:`needed`'s ranges back to back."""
         cached = self._calls.get((member, source))
         if cached is not None:
             return cached
-        out = []
-        k_blocks = self.members[source].blocks
-        for qi, qb in enumerate(self.members[member].blocks):
-            for ki, kb in enumerate(k_blocks):
-                call = self._pair(qi, qb, ki, kb, same=(member == source and qi == ki))
-                if call is None:
-                    continue
-                last = out[-1] if out else None
-                if (not self.plan.packed and not call.causal and last is not None and not last.causal
-                        and last.q_block == qi and last.k_block + _span(k_blocks, last) == ki):
-                    # fully visible key blocks back to back in the buffer: one call (and one merge) for the run
-                    out[-1] = replace(last, k_len=last.k_len + call.k_len, pairs=last.pairs + call.pairs)
-                else:
-                    out.append(call)
+        raw = self._raw_calls(member, source)
+        if member != source:  # key rows of the source layout -> rows of the compact received buffer
+            ranges, at, compact = self.needed(member, source), 0, []
+            for start, length in ranges:
+                compact.append((start, length, at))
+                at += length
+            raw = tuple(replace(c, k_row=next(c.k_row - s + a for s, n, a in compact if s <= c.k_row < s + n))
+                        for c in raw)
+        out: list[PairCall] = []
+        for call in raw:
+            last = out[-1] if out else None
+            if (not self.plan.packed and last is not None and call.mask.full and last.mask.full
+                    and (last.q_block, last.q_start, last.q_len) == (call.q_block, call.q_start, call.q_len)
+                    and last.k_row + last.k_len == call.k_row):
+                # fully visible keys back to back in the buffer: one call (and one merge) for the run
+                out[-1] = replace(last, k_len=last.k_len + call.k_len, pairs=last.pairs + call.pairs)
+            else:
+                out.append(call)
         self._calls[(member, source)] = tuple(out)
         return self._calls[(member, source)]
 
-    def _pair(self, qi: int, qb: Block, ki: int, kb: Block, same: bool) -> Optional[PairCall]:
-        plan, causal = self.plan, self.causal
+    def _trimmed(self, qi: int, q_len: int, k_row: int, k_len: int, q_pos: int, k_pos: int,
+                 q_at: int = 0) -> Optional[PairCall]:
+        """The call of one dense piece pair (queries at positions q_pos.., rows q_at.. of block qi; keys at
+        positions k_pos.., member-layout rows k_row..) trimmed to its visible rectangle."""
+        rect = visible_rect(q_len, k_len, q_pos, k_pos, self.mask)
+        if rect is None:
+            return None
+        qp, kp = q_pos + rect.q_start, k_pos + rect.k_start
+        vis = block_visibility(rect.q_len, rect.k_len, qp, kp, self.mask)
+        pairs = visible_pairs(rect.q_len, rect.k_len, qp, kp, self.mask)
+        return PairCall(qi, q_at + rect.q_start, rect.q_len, k_row + rect.k_start, rect.k_len, qp, kp, None, pairs,
+                        NO_MASK if vis is Visibility.FULL else self.mask)
+
+    def _pair(self, qi: int, qb: Block, kb: Block, same: bool) -> Optional[PairCall]:
+        plan, mask = self.plan, self.mask
         if not plan.packed:
-            vis = block_visibility(qb.length, kb.length, qb.start, kb.start, causal)
-            if vis is Visibility.NONE:
-                return None
-            pairs = visible_pairs(qb.length, kb.length, qb.start, kb.start, causal)
-            return PairCall(qi, ki, 0, qb.length, 0, kb.length, qb.start, kb.start, None, pairs,
-                            causal and vis is not Visibility.FULL)
+            return self._trimmed(qi, qb.length, kb.offset, kb.length, qb.start, kb.start)
         q_pieces = plan.pieces(qb.start, qb.start + qb.length)
         if same:
-            pairs = sum(visible_pairs(p.length, p.length, p.position, p.position, causal) for p in q_pieces)
+            pairs = sum(visible_pairs(p.length, p.length, p.position, p.position, mask) for p in q_pieces)
             if len(q_pieces) == 1:
                 p = q_pieces[0]
-                return PairCall(qi, ki, 0, qb.length, 0, kb.length, p.position, p.position, None, pairs, causal)
+                return PairCall(qi, 0, qb.length, kb.offset, kb.length, p.position, p.position, None, pairs, mask)
             cu = [0]
             for p in q_pieces:
                 cu.append(cu[-1] + p.length)
             offsets = tuple(p.position for p in q_pieces)
-            return PairCall(qi, ki, 0, qb.length, 0, kb.length, offsets, offsets, tuple(cu), pairs, causal)
+            return PairCall(qi, 0, qb.length, kb.offset, kb.length, offsets, offsets, tuple(cu), pairs, mask)
         k_by_doc = {p.doc: p for p in plan.pieces(kb.start, kb.start + kb.length)}
         shared = [(p, k_by_doc[p.doc]) for p in q_pieces if p.doc in k_by_doc]
         if not shared:
@@ -174,12 +229,29 @@ class Schedule:
         if len(shared) > 1:  # cannot happen for disjoint ranges; a bug if it does
             raise AssertionError(f"blocks {qb} and {kb} share {len(shared)} documents")
         qp, kp = shared[0]
-        vis = block_visibility(qp.length, kp.length, qp.position, kp.position, causal)
-        if vis is Visibility.NONE:
-            return None
-        pairs = visible_pairs(qp.length, kp.length, qp.position, kp.position, causal)
-        return PairCall(qi, ki, qp.start, qp.length, kp.start, kp.length, qp.position, kp.position, None, pairs,
-                        causal and vis is not Visibility.FULL)
+        return self._trimmed(qi, qp.length, kb.offset + kp.start, kp.length, qp.position, kp.position, q_at=qp.start)
+
+    # ---- steps and transfers -------------------------------------------------------------------------------------
+
+    def recv_len(self, member: int, step: int) -> int:
+        """Key rows `member` receives at `step` (0: nothing)."""
+        return sum(n for _, n in self.needed(member, self.source(member, step)))
+
+    def send_ranges(self, member: int, step: int) -> tuple[tuple[int, int], ...]:
+        """Ranges of its own layout `member` sends at `step` (to :meth:`dest`)."""
+        return self.needed(self.dest(member, step), member)
+
+    def steps(self) -> tuple[int, ...]:
+        """The remote steps (1..R-1) at which some member receives keys, in order: the same for every member (the
+        transfers of a step between two members are posted by both in one global order)."""
+        if self._steps is None:
+            self._steps = tuple(t for t in range(1, self.ring_size)
+                                if any(self.recv_len(m, t) for m in range(self.ring_size)))
+        return self._steps
+
+    def member_steps(self, member: int) -> tuple[int, ...]:
+        """The remote steps at which `member` receives keys (and computes)."""
+        return tuple(t for t in range(1, self.ring_size) if self.recv_len(member, t))
 
     def member_calls(self, member: int) -> int:
         """Contract calls `member` makes over all steps (one forward call and one backward call each)."""
@@ -188,3 +260,8 @@ class Schedule:
     def member_work(self, member: int) -> int:
         """Visible pairs (per batch and head) over all steps of `member`: its share of the attention."""
         return sum(c.pairs for s in range(self.ring_size) for c in self.calls(member, s))
+
+    def member_received(self, member: int) -> int:
+        """Key/value tokens `member` receives over a forward (the backward receives them again and returns as many
+        dK/dV rows)."""
+        return sum(self.recv_len(member, t) for t in range(1, self.ring_size))

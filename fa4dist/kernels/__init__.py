@@ -6,10 +6,14 @@ of k).  k and v may have fewer heads than q (GQA/MQA: query head h uses kv head 
 
 - ``attention_forward(q, k, v, ...) -> (out, lse)``: lse is fp32 natural log, (batch, heads, seqlen_q) or packed
   (heads, total_q).  A block is placed by global offsets: with ``causal``, key j is visible to query i iff
-  ``k_offset + j <= q_offset + i`` (offsets may be per sequence/segment).  A query that sees no key gets out = 0,
-  lse = -inf.  ``accumulate=True`` merges the block into a running fp32 (out, lse) in place.
-- ``attention_backward(dout, q, k, v, out, lse, ...) -> (dq, dk, dv)`` takes the *global* out and lse and can add
-  into fp32 gradient buffers (``accumulate=True``).
+  ``k_offset + j <= q_offset + i`` (offsets may be per sequence/segment); ``window=(left, right)`` (flash-attn's
+  window_size, -1 unbounded) keeps the keys within [p - left, p + right] of the query's position p, intersected
+  with causal (:mod:`fa4dist.kernels.mask`, one :class:`Mask` value).  A query that sees no key gets out = 0,
+  lse = -inf.  ``accumulate=True`` merges the block into a running fp32 (out, lse) in place.  ``softcap`` caps the
+  scaled scores (``softcap * tanh(s / softcap)``); ``sinks`` (one logit per query head) join every row's softmax
+  once: split keys pass them to one call per row (:mod:`fa4dist.kernels.merge` holds the rule).
+- ``attention_backward(dout, q, k, v, out, lse, ...) -> (dq, dk, dv[, dsinks])`` takes the *global* out and lse
+  and can add into fp32 gradient buffers (``accumulate=True``).
 - ``attention_forward_items`` / ``attention_backward_items``: a work list of many such blocks in one call, merged
   (or added) in list order (:mod:`fa4dist.kernels.worklist`).
 - Backends: ``reference`` (pure PyTorch, anywhere, the test oracle), ``sdpa`` (torch's fused flash / cuDNN ops,
@@ -19,8 +23,8 @@ of k).  k and v may have fewer heads than q (GQA/MQA: query head h uses kv head 
 import logging as _logging
 
 from .api import attention_backward, attention_forward
-from .mask import Visibility, block_visibility, causal_decomposition, visible_pairs
-from .merge import merge_into_, merge_partials
+from .mask import Mask, Visibility, block_visibility, causal_decomposition, visible_pairs
+from .merge import merge_into_, merge_partials, merge_sink_, sink_grad
 from .problem import AttentionProblem, validate_inputs
 from .reference import ReferenceBackend
 from .registry import Unsupported, available_backends, get_backend, register_backend, select_backend
@@ -48,6 +52,9 @@ __all__ = [
     "attention_backward_items",
     "merge_into_",
     "merge_partials",
+    "merge_sink_",
+    "sink_grad",
+    "Mask",
     "AttentionProblem",
     "validate_inputs",
     "Visibility",

@@ -7,13 +7,20 @@ from typing import Optional
 
 import torch
 
-from .merge import merge_into_
+from .merge import merge_into_, merge_sink_, sink_grad
 from .problem import AttentionProblem, Offset, check_buffer, validate_inputs
 from .registry import select_backend
+
+Window = tuple[int, int]
 
 
 def _accum_dtypes(problem: AttentionProblem) -> tuple[torch.dtype, ...]:
     return (torch.float64,) if problem.dtype == torch.float64 else (torch.float32,)
+
+
+def _no_sinks_in_fused(impl, problem: AttentionProblem) -> None:
+    if problem.has_sinks and impl.fused_epilogue:  # its epilogue rounds before the contract could merge the sink
+        raise ValueError(f"backend {impl.name!r} writes its own epilogue and must refuse sinks in supports()")
 
 
 def attention_forward(
@@ -22,6 +29,9 @@ def attention_forward(
     v: torch.Tensor,
     *,
     causal: bool = False,
+    window: Window = (-1, -1),
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
     softmax_scale: Optional[float] = None,
     q_offset: Offset = 0,
     k_offset: Offset = 0,
@@ -38,10 +48,19 @@ def attention_forward(
     Returns ``(out, lse)``: out shaped like q (with v's head dim), lse (batch, heads, seqlen_q) or packed
     (heads, total_q), fp32 natural log (fp64 for fp64 inputs).  With ``accumulate=True``, ``out`` and ``lse`` must
     be given as the running fp32 result; the block is merged into them in place and they are returned.
+
+    - ``window=(left, right)``: flash-attn's ``window_size`` on global positions: the query at position p sees keys
+      at positions in ``[p - left, p + right]``, ``-1`` meaning unbounded on that side, intersected with ``causal``
+      and the documents (so causal + ``(W - 1, 0)`` is a sliding window of W tokens, the query included).
+    - ``softcap``: the scores are ``softcap * tanh(softmax_scale * q.k / softcap)`` (Gemma 2); None: no capping.
+    - ``sinks``: (heads_q,) float logits, one per query head, that join every row's softmax denominator (GPT-OSS):
+      the result includes them.  A sink must enter each row once: when a row's keys are split over several calls,
+      pass ``sinks`` to exactly one of them (see :mod:`fa4dist.kernels.merge`).
     """
     problem = validate_inputs(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, q_offset=q_offset, k_offset=k_offset,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, cp_invariant=cp_invariant,
+        q, k, v, causal=causal, window=window, softcap=softcap, sinks=sinks, softmax_scale=softmax_scale,
+        q_offset=q_offset, k_offset=k_offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        cp_invariant=cp_invariant,
     )
     acc = _accum_dtypes(problem)
     if accumulate and (out is None or lse is None):
@@ -50,8 +69,12 @@ def attention_forward(
     check_buffer("lse", lse, problem.lse_shape(), problem.device, acc)
     impl = select_backend(backend, problem, "forward")
     if impl.fused_epilogue:
+        _no_sinks_in_fused(impl, problem)
         return impl.forward(problem, q, k, v, out=out, lse=lse, accumulate=accumulate)
     block_out, block_lse = impl.forward(problem, q, k, v)
+    if sinks is not None:  # the sinks' virtual key block, merged once, in the accumulation dtype
+        block_out, block_lse = block_out.to(acc[0]), block_lse.to(acc[0])
+        merge_sink_(block_out, block_lse, sinks)
     if accumulate:
         merge_into_(out, lse, block_out, block_lse)
         return out, lse
@@ -75,6 +98,9 @@ def attention_backward(
     lse: torch.Tensor,
     *,
     causal: bool = False,
+    window: Window = (-1, -1),
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
     softmax_scale: Optional[float] = None,
     q_offset: Offset = 0,
     k_offset: Offset = 0,
@@ -84,19 +110,25 @@ def attention_backward(
     dq: Optional[torch.Tensor] = None,
     dk: Optional[torch.Tensor] = None,
     dv: Optional[torch.Tensor] = None,
+    dsinks: Optional[torch.Tensor] = None,
     accumulate: bool = False,
     backend: str = "auto",
     cp_invariant: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+):
     """Gradients of one block given the *global* out and lse (those of the whole key range, as a ring has them).
 
     Returns ``(dq, dk, dv)`` in q's dtype, or written into the given buffers; with ``accumulate=True`` the block's
     gradients are added to the given fp32 buffers.  ``deterministic=None`` follows
-    ``torch.are_deterministic_algorithms_enabled()``.
+    ``torch.are_deterministic_algorithms_enabled()``.  The mask arguments are the forward's.
+
+    With ``sinks`` it returns ``(dq, dk, dv, dsinks)``, dsinks (heads_q,) in fp32 (fp64 for fp64 inputs), written
+    or (``accumulate=True``) added into ``dsinks=`` when given.  dq, dk, dv do not depend on it (the global lse
+    already holds the sinks); dsinks sums over these rows, so pass ``sinks`` to one call per row, as forward.
     """
     problem = validate_inputs(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, q_offset=q_offset, k_offset=k_offset,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, cp_invariant=cp_invariant,
+        q, k, v, causal=causal, window=window, softcap=softcap, sinks=sinks, softmax_scale=softmax_scale,
+        q_offset=q_offset, k_offset=k_offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        cp_invariant=cp_invariant,
     )
     acc = _accum_dtypes(problem)
     for name, t in (("dout", dout), ("out", out), ("lse", lse)):
@@ -110,10 +142,15 @@ def attention_backward(
         raise ValueError("accumulate=True needs the fp32 dq, dk and dv buffers to add into")
     for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         check_buffer(name, buf, tuple(like.shape), problem.device, acc if accumulate else (problem.dtype,) + acc)
+    if dsinks is not None:
+        if sinks is None:
+            raise ValueError("dsinks= is the buffer of the sinks' gradient: pass sinks= too")
+        check_buffer("dsinks", dsinks, (problem.heads_q,), problem.device, acc)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     impl = select_backend(backend, problem, "backward")
     if impl.fused_epilogue:
+        _no_sinks_in_fused(impl, problem)
         return impl.backward(
             problem, dout, q, k, v, out, lse, deterministic, dq=dq, dk=dk, dv=dv, accumulate=accumulate
         )
@@ -126,4 +163,13 @@ def attention_backward(
             result.append(buf.add_(g))
         else:
             result.append(buf.copy_(g))
-    return tuple(result)
+    if sinks is None:
+        return tuple(result)
+    ds = sink_grad(dout, out, lse, sinks)
+    if dsinks is None:
+        dsinks = ds
+    elif accumulate:
+        dsinks.add_(ds)
+    else:
+        dsinks.copy_(ds)
+    return (*result, dsinks)

@@ -8,19 +8,24 @@ import torch
 
 from . import invariant, reference
 from .api import attention_backward, attention_forward
+from .merge import with_sink
 from .problem import validate_inputs
 
 
-def _differentiable_grads(dout, q, k, v, mask_kwargs):
-    """dq, dk, dv as differentiable functions of (dout, q, k, v): the reference forward recomputed under autograd
-    and differentiated with ``create_graph=True`` (the fast backward treats the saved out/lse as constants, which
-    is right for one derivative and wrong for two).  Reference speed: meant for checks and small models."""
-    problem = validate_inputs(q, k, v, **mask_kwargs)
+def _differentiable_grads(dout, q, k, v, sinks, mask_kwargs):
+    """dq, dk, dv (and dsinks) as differentiable functions of (dout, q, k, v, sinks): the reference forward
+    recomputed under autograd and differentiated with ``create_graph=True`` (the fast backward treats the saved
+    out/lse as constants, which is right for one derivative and wrong for two).  Reference speed: meant for checks
+    and small models."""
+    problem = validate_inputs(q, k, v, sinks=sinks, **mask_kwargs)
+    inputs = (q, k, v, sinks)
     with torch.enable_grad():
-        out, _ = reference.forward(problem, q, k, v)
-        wanted = [t for t in (q, k, v) if t.requires_grad]
+        out, lse = reference.forward(problem, q, k, v)
+        if sinks is not None:
+            out, _ = with_sink(out, lse, sinks)
+        wanted = [t for t in inputs if t is not None and t.requires_grad]
         grads = iter(torch.autograd.grad(out, wanted, dout.to(out.dtype), create_graph=True, allow_unused=True))
-    return tuple(next(grads) if t.requires_grad else None for t in (q, k, v))
+    return tuple(next(grads) if t is not None and t.requires_grad else None for t in inputs)
 
 
 class _InvariantAttentionFunction(torch.autograd.Function):
@@ -35,10 +40,12 @@ class _InvariantAttentionFunction(torch.autograd.Function):
         group = problem.heads_q // problem.heads_kv
         items = invariant.single_device_items(problem)
         k_e, v_e = invariant.expand_kv(k, group), invariant.expand_kv(v, group)
-        out, lse = invariant.forward(q, k_e, v_e, items, softmax_scale=problem.softmax_scale, backend=backend)
+        out, lse = invariant.forward(q, k_e, v_e, items, softmax_scale=problem.softmax_scale,
+                                     softcap=problem.softcap, backend=backend)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.items, ctx.group, ctx.scale, ctx.backend = items, group, problem.softmax_scale, backend
+        ctx.items, ctx.group, ctx.backend = items, group, backend
+        ctx.scale, ctx.softcap = problem.softmax_scale, problem.softcap
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -50,30 +57,31 @@ class _InvariantAttentionFunction(torch.autograd.Function):
                                "supported in this mode)")
         k_e, v_e = invariant.expand_kv(k, ctx.group), invariant.expand_kv(v, ctx.group)
         dq, dk, dv = invariant.backward(dout.contiguous(), q, k_e, v_e, out, lse, ctx.items, softmax_scale=ctx.scale,
-                                        backend=ctx.backend)
+                                        softcap=ctx.softcap, backend=ctx.backend)
         dk, dv = (invariant.sum_group(g, ctx.group) for g in (dk, dv))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask_kwargs, backend, deterministic):
-        out, lse = attention_forward(q, k, v, backend=backend, **mask_kwargs)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, sinks, mask_kwargs, backend, deterministic):
+        out, lse = attention_forward(q, k, v, sinks=sinks, backend=backend, **mask_kwargs)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.mask_kwargs, ctx.backend, ctx.deterministic = mask_kwargs, backend, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, sinks, out, lse = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: gradients that are themselves differentiable
-            return (*_differentiable_grads(dout, q, k, v, ctx.mask_kwargs), None, None, None)
-        dq, dk, dv = attention_backward(
-            dout.contiguous(), q, k, v, out, lse, backend=ctx.backend, deterministic=ctx.deterministic,
+            return (*_differentiable_grads(dout, q, k, v, sinks, ctx.mask_kwargs), None, None, None)
+        grads = attention_backward(
+            dout.contiguous(), q, k, v, out, lse, sinks=sinks, backend=ctx.backend, deterministic=ctx.deterministic,
             **ctx.mask_kwargs,
         )
-        return dq, dk, dv, None, None, None
+        dsinks = grads[3].to(sinks.dtype) if sinks is not None else None
+        return grads[0], grads[1], grads[2], dsinks, None, None, None
 
 
 def attention(
@@ -84,6 +92,9 @@ def attention(
     softmax_scale: Optional[float] = None,
     return_lse: bool = False,
     *,
+    window: tuple[int, int] = (-1, -1),
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
     cu_seqlens_q: Optional[torch.Tensor] = None,
     cu_seqlens_k: Optional[torch.Tensor] = None,
     q_offset=0,
@@ -94,16 +105,20 @@ def attention(
 ):
     """Differentiable attention through the kernel contract (q, k, v as in `fa4dist.kernels`).
 
+    ``window=(left, right)`` (flash-attn's window_size, -1 unbounded), ``softcap`` and ``sinks`` (a (heads_q,)
+    tensor of learnable logits, which gets a gradient) as in :func:`fa4dist.kernels.attention_forward`.
     Returns out, or (out, lse) with ``return_lse=True`` (lse carries no gradient).  ``cp_invariant=True`` (default:
     the environment variable ``FA4DIST_CP_INVARIANT=1``) computes the numerics that context-parallel attention
     reproduces bit for bit at any cp size (:mod:`fa4dist.kernels.invariant`; deterministic, GQA gradients per query
     head summed in order)."""
     mask_kwargs = dict(
-        causal=causal, softmax_scale=softmax_scale, q_offset=q_offset, k_offset=k_offset,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        causal=causal, window=window, softcap=softcap, softmax_scale=softmax_scale, q_offset=q_offset,
+        k_offset=k_offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
     )
     if invariant.enabled(cp_invariant):
+        if sinks is not None:
+            raise ValueError("cp_invariant=True does not support sinks yet (pass sinks=None)")
         out, lse = _InvariantAttentionFunction.apply(q, k, v, mask_kwargs, backend)
         return (out, lse) if return_lse else out
-    out, lse = _AttentionFunction.apply(q, k, v, mask_kwargs, backend, deterministic)
+    out, lse = _AttentionFunction.apply(q, k, v, sinks, mask_kwargs, backend, deterministic)
     return (out, lse) if return_lse else out

@@ -1,12 +1,13 @@
 """Non-finite inputs for fused kernels that would leak them through masked pairs.
 
-Inside a tile that the causal mask cuts, a fused kernel multiplies a masked probability (exactly 0) by the value,
-key, query or output gradient of the masked pair; ``0 x NaN`` is NaN, so padding garbage at a future position
-poisons rows that never see it, and the pattern depends on how a sequence is split.  The contract says a masked
-pair contributes nothing (see :mod:`fa4dist.kernels.reference`, which computes it exactly).
+Inside a tile that the mask cuts, a fused kernel multiplies a masked probability (exactly 0) by the value, key,
+query or output gradient of the masked pair; ``0 x NaN`` is NaN, so padding garbage at a future (or out-of-window)
+position poisons rows that never see it, and the pattern depends on how a sequence is split.  The contract says a
+masked pair contributes nothing (see :mod:`fa4dist.kernels.reference`, which computes it exactly).
 
-For a kernel that cannot be changed (torch's fused ops), this module applies the rule around the call, for the
-aligned causal blocks (query i sees keys 0..i of its segment) where masked pairs share tiles with visible ones:
+For a kernel that cannot be changed (torch's fused ops), this module applies the rule around the call, for blocks
+whose mask is a band in local indices: row ``i`` sees keys ``j`` with ``lo <= j - i <= hi`` (None: unbounded) of
+its segment.  An aligned causal block (``lo = None, hi = 0``) is one; a sliding-window block is another.
 
 - *clean*: every non-finite token vector (a query, key, value, output or output-gradient row) is replaced by zeros,
   so the kernel's masked products are ``0 x 0``;
@@ -15,8 +16,9 @@ aligned causal blocks (query i sees keys 0..i of its segment) where masked pairs
   bad query row sees it.
 
 On finite input the cleaned tensors equal the originals, so results are bitwise unchanged; the cost is one pass
-over the inputs.  Layouts: dense ``(batch, seqlen, heads, d)`` with lse ``(batch, heads, seqlen)``, or packed
-``(tokens, heads, d)`` with lse ``(heads, tokens)`` and ``cu_seqlens`` (square segments, diagonal i == j).
+over the inputs.  Layouts: dense ``(batch, seqlen, heads, d)`` with lse ``(batch, heads, seqlen)`` (any q and k
+lengths, the band on local indices), or packed ``(tokens, heads, d)`` with lse ``(heads, tokens)`` and one
+``cu_seqlens`` for q and k (square segments, the band on indices within each segment).
 """
 
 from __future__ import annotations
@@ -39,22 +41,31 @@ def _clean(t: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
     return torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=t.dtype, device=t.device), t)
 
 
-def _segment_scan(flags: torch.Tensor, cu: Optional[torch.Tensor], reverse: bool) -> torch.Tensor:
-    """For flags (..., tokens, heads): whether any flag is set at or before (``reverse``: at or after) each token
-    within its segment (a whole sequence for the dense layout, a ``cu_seqlens`` segment for packed)."""
+def _band_any(flags: torch.Tensor, n_out: int, lo: Optional[int], hi: Optional[int],
+              cu: Optional[torch.Tensor]) -> torch.Tensor:
+    """For flags (..., m, heads) along the token dim: (..., n_out, heads), entry i True if any flag is set at an
+    index j with ``lo <= j - i <= hi`` (None: unbounded) in i's segment (``cu``, shared by both sides: n_out == m;
+    else the whole range [0, m))."""
     dim = flags.dim() - 2
-    x = flags.flip(dim) if reverse else flags
-    counts = x.to(torch.int64).cumsum(dim)
-    if cu is not None:
-        n = flags.shape[dim]
-        cu = cu.to(device=flags.device, dtype=torch.int64)
-        bounds = cu.flip(0).neg() + n if reverse else cu  # segment starts in the (possibly flipped) order
-        bounds = bounds.sort().values
-        start = bounds[torch.searchsorted(bounds, torch.arange(n, device=flags.device), right=True) - 1]
-        before = counts.index_select(dim, (start - 1).clamp_min(0)) * (start > 0).view(-1, 1)
-        counts = counts - before
-    seen = counts > 0
-    return seen.flip(dim) if reverse else seen
+    m, device = flags.shape[dim], flags.device
+    zero = torch.zeros_like(flags.narrow(dim, 0, 1), dtype=torch.int64)
+    counts = torch.cat([zero, flags.to(torch.int64).cumsum(dim)], dim)  # counts[j] = flags set before j
+    idx = torch.arange(n_out, device=device)
+    if cu is None:
+        seg_lo, seg_hi = torch.zeros_like(idx), torch.full_like(idx, m)
+    else:
+        cu = cu.to(device=device, dtype=torch.int64)
+        seg = torch.searchsorted(cu, idx, right=True) - 1
+        seg_lo, seg_hi = cu[seg], cu[seg + 1]
+    start = seg_lo if lo is None else torch.minimum(torch.maximum(idx + lo, seg_lo), seg_hi)
+    end = seg_hi if hi is None else torch.minimum(torch.maximum(idx + hi + 1, seg_lo), seg_hi)
+    end = torch.maximum(end, start)
+    return (counts.index_select(dim, end) - counts.index_select(dim, start)) > 0
+
+
+def _seen_by(lo: Optional[int], hi: Optional[int]) -> tuple[Optional[int], Optional[int]]:
+    """The band of rows that see key j (row - key), from the band of keys row i sees (key - row)."""
+    return (None if hi is None else -hi), (None if lo is None else -lo)
 
 
 def _to_query_heads(flags: torch.Tensor, heads_q: int) -> torch.Tensor:
@@ -73,12 +84,14 @@ def _lse_layout(flags: torch.Tensor) -> torch.Tensor:
 NAN = float("nan")
 
 
-def guarded_causal_forward(kernel, q, k, v, cu_seqlens=None):
-    """``kernel(q, k, v) -> (out, lse)`` for an aligned causal block, with the clean/poison rule."""
+def guarded_forward(kernel, q, k, v, lo: Optional[int] = None, hi: Optional[int] = 0, cu_seqlens=None):
+    """``kernel(q, k, v) -> (out, lse)`` for a block whose row i sees keys ``lo <= j - i <= hi`` (every row at
+    least one), with the clean/poison rule."""
     bad_k, bad_v, bad_q = _bad_rows(k), _bad_rows(v), _bad_rows(q)
     out, lse = kernel(q, _clean(k, bad_k), _clean(v, bad_v))
-    sees_bad_k = _to_query_heads(_segment_scan(bad_k, cu_seqlens, reverse=False), q.shape[-2])
-    sees_bad_v = _to_query_heads(_segment_scan(bad_v, cu_seqlens, reverse=False), q.shape[-2])
+    n, heads_q = q.shape[-3], q.shape[-2]
+    sees_bad_k = _to_query_heads(_band_any(bad_k, n, lo, hi, cu_seqlens), heads_q)
+    sees_bad_v = _to_query_heads(_band_any(bad_v, n, lo, hi, cu_seqlens), heads_q)
     lse_bad = sees_bad_k | bad_q
     out = torch.where((lse_bad | sees_bad_v).unsqueeze(-1), torch.full((), NAN, dtype=out.dtype, device=out.device),
                       out)
@@ -86,19 +99,31 @@ def guarded_causal_forward(kernel, q, k, v, cu_seqlens=None):
     return out, lse
 
 
-def guarded_causal_backward(kernel, dout, q, k, v, out, lse, cu_seqlens=None):
-    """``kernel(dout, q, k, v, out, lse) -> (dq, dk, dv)`` for an aligned causal block, with the clean/poison
-    rule (a row is bad if its query, output, output gradient or lse is not finite)."""
+def guarded_backward(kernel, dout, q, k, v, out, lse, lo: Optional[int] = None, hi: Optional[int] = 0,
+                     cu_seqlens=None):
+    """``kernel(dout, q, k, v, out, lse) -> (dq, dk, dv)`` for a block whose row i sees keys ``lo <= j - i <= hi``,
+    with the clean/poison rule (a row is bad if its query, output, output gradient or lse is not finite)."""
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
+    n, m = q.shape[-3], k.shape[-3]
     bad_row = _bad_rows(q, dout, out) | ~torch.isfinite(_lse_layout(lse))
     bad_key = _bad_rows(k, v)
     zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
     dq, dk, dv = kernel(_clean(dout, bad_row), _clean(q, bad_row), _clean(k, bad_key), _clean(v, bad_key),
                         _clean(out, bad_row), torch.where(_lse_layout(bad_row), zero, lse))
-    row_poisoned = bad_row | _to_query_heads(_segment_scan(bad_key, cu_seqlens, reverse=False), heads_q)
-    key_poisoned = bad_key | _to_kv_heads(_segment_scan(bad_row, cu_seqlens, reverse=True), heads_kv)
+    row_poisoned = bad_row | _to_query_heads(_band_any(bad_key, n, lo, hi, cu_seqlens), heads_q)
+    key_poisoned = bad_key | _to_kv_heads(_band_any(bad_row, m, *_seen_by(lo, hi), cu_seqlens), heads_kv)
 
     def poison(g, flags):
         return torch.where(flags.unsqueeze(-1), torch.full((), NAN, dtype=g.dtype, device=g.device), g)
 
     return poison(dq, row_poisoned), poison(dk, key_poisoned), poison(dv, key_poisoned)
+
+
+def guarded_causal_forward(kernel, q, k, v, cu_seqlens=None):
+    """:func:`guarded_forward` for an aligned causal block (query i sees keys 0..i of its segment)."""
+    return guarded_forward(kernel, q, k, v, None, 0, cu_seqlens)
+
+
+def guarded_causal_backward(kernel, dout, q, k, v, out, lse, cu_seqlens=None):
+    """:func:`guarded_backward` for an aligned causal block."""
+    return guarded_backward(kernel, dout, q, k, v, out, lse, None, 0, cu_seqlens)

@@ -63,30 +63,29 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def forward(q, k, v, items: list[WorkItem], *, softmax_scale=None, backend="auto"):
+def forward(q, k, v, items: list[WorkItem], *, softmax_scale=None, softcap=None, backend="auto"):
     """(out fp32, lse) of the rows the items cover (every row by exactly one item), keys already expanded."""
     acc = accum_dtype(q.dtype)
     out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
     lse_shape = (q.shape[-2], q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
     lse = torch.full(lse_shape, float("-inf"), dtype=acc, device=q.device)
-    attention_forward_items(q, k, v, items, out, lse, softmax_scale=softmax_scale, fresh=True, backend=backend,
-                            cp_invariant=True)
+    attention_forward_items(q, k, v, items, out, lse, softmax_scale=softmax_scale, softcap=softcap, fresh=True,
+                            backend=backend, cp_invariant=True)
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, items: list[WorkItem], *, softmax_scale=None, backend="auto"):
+def backward(dout, q, k, v, out, lse, items: list[WorkItem], *, softmax_scale=None, softcap=None, backend="auto"):
     """fp32 (dq, dk, dv) of the items (keys already expanded; deterministic kernels), added into zeros."""
     acc = accum_dtype(q.dtype)
     grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v)]
-    attention_backward_items(dout, q, k, v, out, lse, items, *grads, softmax_scale=softmax_scale,
+    attention_backward_items(dout, q, k, v, out, lse, items, *grads, softmax_scale=softmax_scale, softcap=softcap,
                              deterministic=True, backend=backend, cp_invariant=True)
     return grads
 
 
 def single_device_items(problem) -> list[WorkItem]:
     """One item per sequence (dense) or segment (packed): all its queries against all its keys."""
+    mask = dict(causal=problem.mask.causal, window=problem.mask.window)
     if not problem.varlen:
-        return [WorkItem(0, problem.seqlen_q, 0, problem.seqlen_k, problem.q_offsets[0], problem.k_offsets[0],
-                         problem.causal)]
-    return [WorkItem(qs, ql, ks, kl, qo, ko, problem.causal)
-            for _, qs, ql, ks, kl, qo, ko in problem.segments()]
+        return [WorkItem(0, problem.seqlen_q, 0, problem.seqlen_k, problem.q_offsets[0], problem.k_offsets[0], **mask)]
+    return [WorkItem(qs, ql, ks, kl, qo, ko, **mask) for _, qs, ql, ks, kl, qo, ko in problem.segments()]

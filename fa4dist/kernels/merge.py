@@ -7,6 +7,14 @@ side is ``-inf`` the merged result is ``out = 0, lse = -inf``, never NaN.
 
 Layouts follow the kernel contract: out (..., seqlen, heads, head_dim) with lse (..., heads, seqlen); that is
 (batch, seqlen, heads, d) with (batch, heads, seqlen), or packed (total, heads, d) with (heads, total).
+
+Attention sinks (one learnable logit ``sink_h`` per query head, GPT-OSS style) join every row's softmax
+denominator once: the softmax runs over the row's visible keys plus a virtual key of score ``sink_h`` whose value is
+zero.  That virtual key is one more partial result, ``(out = 0, lse = sink_h)`` for every row, and it must be
+merged exactly once per row however the real keys are split (:func:`merge_sink_` / :func:`with_sink`); merged
+twice it would count twice.  The backward needs nothing new for dq, dk, dv (the global lse already holds the sink);
+the sink's own gradient is ``dsink_h = -sum_rows exp(sink_h - lse) * rowsum(dout * out)`` over every row of head
+``h``, again once per row (:func:`sink_grad`).
 """
 
 from __future__ import annotations
@@ -103,3 +111,44 @@ def merge_partials(
         out.copy_(acc)
         acc = out
     return acc, merged
+
+
+def _sink_lse(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The virtual key block's lse, broadcast like ``lse`` (..., heads, seqlen): ``sinks[h]`` on every row."""
+    if sinks.dim() != 1 or sinks.shape[0] != lse.shape[-2]:
+        raise ValueError(f"sinks must have shape ({lse.shape[-2]},) for lse of shape {tuple(lse.shape)}, got "
+                         f"{tuple(sinks.shape)}")
+    return sinks.to(lse.dtype).view(-1, 1).expand(lse.shape)
+
+
+def merge_sink_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Merges the sinks' virtual key block into the running fp32 (out, lse), in place (once per row!)."""
+    check_partial("the running result", out, lse)
+    (w_run, _), merged = _merge_weights([lse, _sink_lse(lse, sinks)])
+    w_run = lse_as_out_layout(w_run)
+    out.mul_(w_run).masked_fill_(w_run == 0, 0.0)
+    lse.copy_(merged)
+
+
+def with_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Out-of-place (and differentiable) :func:`merge_sink_`: returns the (out, lse) of the keys plus the sink."""
+    check_partial("the result", out, lse)
+    (w_run, _), merged = _merge_weights([lse, _sink_lse(lse, sinks)])
+    w_run = lse_as_out_layout(w_run)
+    scaled = out * w_run
+    return torch.where(w_run == 0, torch.zeros((), dtype=scaled.dtype, device=scaled.device), scaled), merged
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The gradient of the sinks (heads,) from these rows, given their *global* out and lse (sink included), in
+    fp32 (fp64 for fp64 inputs): ``-sum_rows exp(sink - lse) * rowsum(dout * out)``.  A row whose lse is ``-inf``
+    (no key, no sink) contributes nothing."""
+    check_partial("the result", out, lse)
+    acc = _accum_dtype(out.dtype)
+    lse = lse.to(acc)
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(-1, -2)  # (..., heads, seqlen) like lse
+    sink = _sink_lse(lse, sinks)
+    seen = ~torch.isneginf(lse)
+    zero = torch.zeros((), dtype=acc, device=lse.device)
+    per_row = torch.where(seen, torch.exp(sink - torch.where(seen, lse, zero)) * delta, zero)
+    return -per_row.reshape(-1, *per_row.shape[-2:]).sum(dim=(0, 2))

@@ -8,10 +8,13 @@ re-derive sizes or re-check arguments themselves.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import torch
+
+from .mask import Mask
 
 Offset = Union[int, Sequence[int], torch.Tensor]
 
@@ -25,7 +28,9 @@ class AttentionProblem:
     Dense layout: q (batch, seqlen_q, heads_q, head_dim), k/v (batch, seqlen_k, heads_kv, head_dim[_v]).
     Packed layout: q (total_q, heads_q, head_dim) and k/v (total_k, heads_kv, ...), with segment ``b`` of q
     attending to segment ``b`` of k (``cu_seqlens_*``).  ``q_offsets``/``k_offsets`` hold the global position of
-    each sequence's (or segment's) first query/key, one entry per batch element or segment.
+    each sequence's (or segment's) first query/key, one entry per batch element or segment.  ``mask`` (causal and
+    sliding window, canonical), ``softcap`` and ``has_sinks`` are the score options every backend either computes
+    or refuses (sinks are merged by the contract, see :mod:`fa4dist.kernels.merge`).
     """
 
     batch: int  # number of sequences (dense) or segments (packed)
@@ -39,7 +44,7 @@ class AttentionProblem:
     head_dim_v: int
     dtype: torch.dtype
     device: torch.device
-    causal: bool
+    mask: Mask  # causal and sliding window, canonical (see fa4dist.kernels.mask)
     softmax_scale: float
     q_offsets: tuple[int, ...]
     k_offsets: tuple[int, ...]
@@ -48,9 +53,19 @@ class AttentionProblem:
     # cp_invariant numerics (fa4dist.kernels.invariant): a row's (a key's) result may depend on nothing but its
     # own operands; only backends that guarantee that take such a call.
     cp_invariant: bool = False
+    softcap: Optional[float] = None  # scores are softcap * tanh(scale * q.k / softcap)
+    has_sinks: bool = False  # a learnable logit per query head joins every row's softmax (merged by the contract)
     # The caller's cu_seqlens tensors (device tensors for fused kernels); None for the dense layout.
     cu_seqlens_q_tensor: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
     cu_seqlens_k_tensor: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+
+    @property
+    def causal(self) -> bool:
+        return self.mask.causal
+
+    @property
+    def window(self) -> tuple[int, int]:
+        return self.mask.window
 
     @property
     def varlen(self) -> bool:
@@ -102,7 +117,8 @@ def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> tuple[int, ...]
     """Checks a cu_seqlens tensor and returns its host copy.
 
     The check of a device tensor needs one copy to the host; it is remembered per (tensor, version) so a caller
-    that reuses the same cu_seqlens tensor every step (a ring, a training loop) pays it once."""
+    that reuses the same cu_seqlens tensor every step (a ring, a training loop) pays it once.  The entry holds a
+    weak reference to the tensor: a new tensor that happens to get a freed one's id and address is not it."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -111,8 +127,8 @@ def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> tuple[int, ...]
         raise ValueError(f"{name} must be 1-D with at least 2 entries (batch + 1), got shape {tuple(cu.shape)}")
     key = (name, id(cu), cu.data_ptr(), cu._version, cu.numel(), total)
     cached = _CU_SEQLENS_CACHE.get(key)
-    if cached is not None:
-        return cached
+    if cached is not None and cached[0]() is cu:
+        return cached[1]
     values = tuple(int(x) for x in cu.tolist())
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {values[0]}")
@@ -122,7 +138,7 @@ def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> tuple[int, ...]
         raise ValueError(f"{name}[-1] = {values[-1]} disagrees with the token count {total} of the packed tensor")
     if len(_CU_SEQLENS_CACHE) > 256:
         _CU_SEQLENS_CACHE.clear()
-    _CU_SEQLENS_CACHE[key] = values
+    _CU_SEQLENS_CACHE[key] = (weakref.ref(cu), values)
     return values
 
 
@@ -172,12 +188,63 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     return scale
 
 
+def check_window(window) -> tuple[int, int]:
+    """``window=(left, right)`` in tokens, ``-1`` meaning unbounded (``None``: ``(-1, -1)``)."""
+    if window is None:
+        return (-1, -1)
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a (left, right) pair of ints (-1: unbounded on that side), got {window!r}")
+    for side, w in zip(("left", "right"), window):
+        if isinstance(w, bool) or not isinstance(w, int):
+            raise TypeError(f"window {side} must be an int >= -1 (-1: unbounded), got {w!r}")
+        if not -1 <= w < OFFSET_LIMIT:
+            raise ValueError(f"window {side} must be an int >= -1 (-1: unbounded), got {w}")
+    return (int(window[0]), int(window[1]))
+
+
+def check_mask(causal, window) -> Mask:
+    """The canonical :class:`~fa4dist.kernels.mask.Mask` of ``causal`` and ``window``, or a clear error."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    return Mask.canonical(causal, check_window(window))
+
+
+def check_softcap(softcap) -> Optional[float]:
+    """``softcap``: None (no capping) or a finite float > 0."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float > 0 or None, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be finite and > 0, or None for no capping (flash-attn's 0.0 is None here), "
+                         f"got {softcap}")
+    return float(softcap)
+
+
+def check_sinks(sinks, heads_q: int, device: torch.device) -> bool:
+    """``sinks``: None or a float tensor (heads_q,) on the inputs' device, one logit per query head."""
+    if sinks is None:
+        return False
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor of shape ({heads_q},) or None, got {type(sinks).__name__}")
+    if sinks.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"sinks must be float16, bfloat16, float32 or float64, got {sinks.dtype}")
+    if tuple(sinks.shape) != (heads_q,):
+        raise ValueError(f"sinks must have shape ({heads_q},): one logit per query head, got {tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks must be on the inputs' device {device}, got {sinks.device}")
+    return True
+
+
 def validate_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     *,
     causal: bool = False,
+    window=(-1, -1),
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
     softmax_scale: Optional[float] = None,
     q_offset: Offset = 0,
     k_offset: Offset = 0,
@@ -187,8 +254,8 @@ def validate_inputs(
 ) -> AttentionProblem:
     """Checks q, k, v and the mask arguments; returns the problem description or raises a clear error."""
     q, k, v = (_check_tensor(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    mask = check_mask(causal, window)
+    softcap = check_softcap(softcap)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -213,6 +280,7 @@ def validate_inputs(
             f"the number of query heads ({heads_q}) must be a multiple of the number of key/value heads ({heads_kv})"
         )
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    has_sinks = check_sinks(sinks, heads_q, q.device)
 
     if varlen:
         cq = _host_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
@@ -243,7 +311,7 @@ def validate_inputs(
         head_dim_v=v.shape[-1],
         dtype=q.dtype,
         device=q.device,
-        causal=causal,
+        mask=mask,
         softmax_scale=scale,
         q_offsets=_offsets("q_offset", q_offset, batch),
         k_offsets=_offsets("k_offset", k_offset, batch),
@@ -252,6 +320,8 @@ def validate_inputs(
         cu_seqlens_q_tensor=cu_seqlens_q,
         cu_seqlens_k_tensor=cu_seqlens_k,
         cp_invariant=bool(cp_invariant),
+        softcap=softcap,
+        has_sinks=has_sinks,
     )
 
 

@@ -2,8 +2,10 @@
 
 Accumulates in fp32 (fp64 for fp64 inputs) and walks the score matrix in (query chunk x key chunk) tiles with an
 online softmax, so a 32k-token sequence on the CPU never materializes the whole score matrix.  GQA is computed by
-viewing the query heads as (kv_heads, group) — K and V are never expanded.  Tiles that the mask hides entirely
-are skipped; tiles it shows entirely skip the mask.
+viewing the query heads as (kv_heads, group) — K and V are never expanded.  Tiles that the mask (causal, sliding
+window) hides entirely are never loaded: each query tile visits only the key tiles of its visible key range; tiles
+it shows entirely skip the mask.  ``softcap`` caps the scaled scores (``softcap * tanh(s / softcap)``) before the
+softmax; sinks are not the backend's business (the contract merges them, see :mod:`fa4dist.kernels.merge`).
 
 Non-finite values follow the contract: a masked (query, key) pair contributes exactly nothing, whatever the key,
 value, query or output gradient holds there (padding garbage, NaN, inf), so a row's results depend only on what it
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .mask import Visibility, block_visibility, visible
+from .mask import Mask, Visibility, block_visibility, visible, visible_rect
 from .problem import AttentionProblem
 
 # Tiles are (128 queries x 1024 keys), the same for every call: a query row's result then sums the same key tiles,
@@ -34,13 +36,26 @@ def _chunks(seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
     return max(1, min(seqlen_q, _QUERY_CHUNK)), max(1, min(seqlen_k, _KEY_CHUNK))
 
 
-def _tile_mask(q_len, k_len, q_pos0, k_pos0, causal, device):
-    vis = block_visibility(q_len, k_len, q_pos0, k_pos0, causal)
+def _tile_mask(q_len, k_len, q_pos0, k_pos0, mask: Mask, device):
+    vis = block_visibility(q_len, k_len, q_pos0, k_pos0, mask)
     if vis is not Visibility.PARTIAL:
         return vis, None
     q_pos = torch.arange(q_pos0, q_pos0 + q_len, device=device)
     k_pos = torch.arange(k_pos0, k_pos0 + k_len, device=device)
-    return vis, visible(q_pos, k_pos, causal)
+    return vis, visible(q_pos, k_pos, mask)
+
+
+def _key_tiles(q_len: int, seqlen_k: int, q_pos0: int, k_offset: int, mask: Mask, k_chunk: int):
+    """Starts of the key tiles (on the fixed grid of k_chunk) that hold a key visible to these queries."""
+    rect = visible_rect(q_len, seqlen_k, q_pos0, k_offset, mask)
+    if rect is None:
+        return range(0)
+    return range(rect.k_start // k_chunk * k_chunk, rect.k_start + rect.k_len, k_chunk)
+
+
+def _capped(scores: torch.Tensor, softcap) -> torch.Tensor:
+    """softcap * tanh(scores / softcap) (scores already scaled), or the scores themselves."""
+    return scores if softcap is None else softcap * torch.tanh(scores / softcap)
 
 
 # The two contractions of attention, masked pairs contributing exactly nothing.  A weight of 0 times a non-finite
@@ -129,9 +144,11 @@ class _ShapeIndependent:
         return product.permute(0, 4, 1, 5, 2, 3).contiguous().flatten(-2).sum(-1)
 
 
-def _forward_dense(q, k, v, scale: float, causal: bool, q_offset: int, k_offset: int, ops=_Einsum):
-    """q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D[v]) -> out (B, Sq, Hq, Dv), lse (B, Hq, Sq), in the accumulation dtype."""
+def _forward_dense(p: AttentionProblem, q, k, v, q_offset: int, k_offset: int):
+    """q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D[v]) -> out (B, Sq, Hq, Dv), lse (B, Hq, Sq), in the accumulation dtype;
+    mask, scale and softcap from the problem, offsets of this sequence given."""
     acc = accum_dtype(q.dtype)
+    scale, ops = p.softmax_scale, _ops(p)
     batch, seqlen_q, heads_q, _ = q.shape
     seqlen_k, heads_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
     group = heads_q // heads_kv
@@ -145,14 +162,14 @@ def _forward_dense(q, k, v, scale: float, causal: bool, q_offset: int, k_offset:
         row_sum = torch.zeros_like(row_max)
         acc_out = torch.zeros(batch, heads_kv, group, ql, head_dim_v, dtype=acc, device=q.device)
         sees_a_key = torch.zeros(ql, dtype=torch.bool, device=q.device)  # from the mask alone, not the values
-        for ks in range(0, seqlen_k, k_chunk):
+        for ks in _key_tiles(ql, seqlen_k, q_offset + qs, k_offset, p.mask, k_chunk):
             kl = min(k_chunk, seqlen_k - ks)
-            vis, mask = _tile_mask(ql, kl, q_offset + qs, k_offset + ks, causal, q.device)
+            vis, mask = _tile_mask(ql, kl, q_offset + qs, k_offset + ks, p.mask, q.device)
             if vis is Visibility.NONE:
                 continue
             sees_a_key |= True if mask is None else mask.any(-1)
             kc, vc = k[:, ks : ks + kl].to(acc), v[:, ks : ks + kl].to(acc)
-            scores = ops.scores(qc, kc)
+            scores = _capped(ops.scores(qc, kc), p.softcap)
             if mask is not None:
                 scores.masked_fill_(~mask, float("-inf"))
             new_max = torch.maximum(row_max, scores.amax(-1))
@@ -175,9 +192,10 @@ def _forward_dense(q, k, v, scale: float, causal: bool, q_offset: int, k_offset:
     return out.view(batch, seqlen_q, heads_q, head_dim_v), lse.view(batch, heads_q, seqlen_q)
 
 
-def _backward_dense(dout, q, k, v, out, lse, scale: float, causal: bool, q_offset: int, k_offset: int, ops=_Einsum):
+def _backward_dense(p: AttentionProblem, dout, q, k, v, out, lse, q_offset: int, k_offset: int):
     """Gradients of one dense block given the *global* out and lse: returns dq, dk, dv in the accumulation dtype."""
     acc = accum_dtype(q.dtype)
+    scale, ops = p.softmax_scale, _ops(p)
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
@@ -198,18 +216,20 @@ def _backward_dense(dout, q, k, v, out, lse, scale: float, causal: bool, q_offse
         lse_shift = torch.where(torch.isneginf(lse_c), torch.zeros_like(lse_c), lse_c).unsqueeze(-1)
         delta_c = delta[..., qs : qs + ql].unsqueeze(-1)
         zero = torch.zeros((), dtype=acc, device=q.device)
-        for ks in range(0, seqlen_k, k_chunk):
+        for ks in _key_tiles(ql, seqlen_k, q_offset + qs, k_offset, p.mask, k_chunk):
             kl = min(k_chunk, seqlen_k - ks)
-            vis, mask = _tile_mask(ql, kl, q_offset + qs, k_offset + ks, causal, q.device)
+            vis, mask = _tile_mask(ql, kl, q_offset + qs, k_offset + ks, p.mask, q.device)
             if vis is Visibility.NONE:
                 continue
             kc, vc = k[:, ks : ks + kl].to(acc), v[:, ks : ks + kl].to(acc)
-            scores = ops.scores(qc, kc) * scale
+            scores = _capped(ops.scores(qc, kc) * scale, p.softcap)
             keep = lse_seen if mask is None else (lse_seen & mask)
             probs = torch.where(keep, torch.exp(scores - lse_shift), zero)
             dv[:, ks : ks + kl] += ops.keys_from_rows(probs, doc, keep)
             dprobs = ops.scores(doc, vc)
             dscores = torch.where(keep, probs * (dprobs - delta_c), zero)
+            if p.softcap is not None:  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2 (masked pairs stay 0)
+                dscores = torch.where(keep, dscores * (1 - (scores / p.softcap) ** 2), zero)
             dq_tile = ops.rows_from_keys(dscores, kc, keep)  # (b, h, g, q, d)
             dq[:, qs : qs + ql] += dq_tile.permute(0, 3, 1, 2, 4) * scale
             dk[:, ks : ks + kl] += ops.keys_from_rows(dscores, qc, keep) * scale
@@ -237,12 +257,12 @@ def forward(problem: AttentionProblem, q, k, v):
     """Returns (out, lse) in the accumulation dtype with the contract's shapes."""
     p = problem
     if not p.varlen and p.uniform_offsets:
-        return _forward_dense(q, k, v, p.softmax_scale, p.causal, p.q_offsets[0], p.k_offsets[0], _ops(p))
+        return _forward_dense(p, q, k, v, p.q_offsets[0], p.k_offsets[0])
     acc = accum_dtype(q.dtype)
     out = torch.zeros(p.out_shape(), dtype=acc, device=q.device)
     lse = torch.full(p.lse_shape(), float("-inf"), dtype=acc, device=q.device)
     for (b, qs, ql, _, _, qo, ko), (qb, kb, vb) in _per_sequence(p, [(q, "q"), (k, "k"), (v, "k")]):
-        ob, lb = _forward_dense(qb, kb, vb, p.softmax_scale, p.causal, qo, ko, _ops(p))
+        ob, lb = _forward_dense(p, qb, kb, vb, qo, ko)
         if p.varlen:
             out[qs : qs + ql] = ob[0]
             lse[:, qs : qs + ql] = lb[0]
@@ -255,8 +275,7 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse):
     """Returns (dq, dk, dv) in the accumulation dtype for the block, given the global out and lse."""
     p = problem
     if not p.varlen and p.uniform_offsets:
-        return _backward_dense(dout, q, k, v, out, lse, p.softmax_scale, p.causal, p.q_offsets[0], p.k_offsets[0],
-                               _ops(p))
+        return _backward_dense(p, dout, q, k, v, out, lse, p.q_offsets[0], p.k_offsets[0])
     acc = accum_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
@@ -266,7 +285,7 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse):
     for (b, qs, ql, ks, kl, qo, ko), (dob, qb, kb, vb, ob, lb) in _per_sequence(p, tensors):
         if p.varlen:
             lb = lb.transpose(1, 2)  # (1, ql, heads) -> (1, heads, ql)
-        dqb, dkb, dvb = _backward_dense(dob, qb, kb, vb, ob, lb, p.softmax_scale, p.causal, qo, ko, _ops(p))
+        dqb, dkb, dvb = _backward_dense(p, dob, qb, kb, vb, ob, lb, qo, ko)
         if p.varlen:
             dq[qs : qs + ql], dk[ks : ks + kl], dv[ks : ks + kl] = dqb[0], dkb[0], dvb[0]
         else:
@@ -275,7 +294,8 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse):
 
 
 class ReferenceBackend:
-    """Registry entry for the reference: supports every problem on every device; always deterministic."""
+    """Registry entry for the reference: supports every problem on every device (every mask, softcap; sinks are
+    merged by the contract); always deterministic."""
 
     name = "reference"
     priority = 0

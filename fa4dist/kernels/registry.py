@@ -14,7 +14,9 @@ A backend is an object with:
   backward(problem, dout, q, k, v, out, lse, deterministic[, dq, dk, dv, accumulate]) -> (dq, dk, dv)
 
 Backends without a fused epilogue return fresh results; `fa4dist.kernels.api` writes or merges them into the
-caller's buffers.
+caller's buffers, and merges the attention sinks into them (a backend never sees the sinks tensor, only
+``problem.has_sinks``; one with a fused epilogue must refuse sinks in supports()).  Masks (``problem.mask``: causal,
+sliding window) and ``problem.softcap`` are the backend's to compute or refuse.
 """
 
 from __future__ import annotations

@@ -9,8 +9,15 @@
 Their masks are "none" and "causal aligned on the diagonal".  Any causal block of a single alignment is split by
 :func:`fa4dist.kernels.mask.causal_decomposition` into at most three such sub-blocks whose results are merged by
 :mod:`fa4dist.kernels.merge`; a packed batch whose segments need different decompositions is not expressible and
-goes to the reference (the registry says so once).  Aligned causal calls run under :mod:`fa4dist.kernels.guard`,
-so non-finite values at masked positions cannot leak into visible rows through the ops' tiles.
+goes to the reference (the registry says so once).  Masked calls run under :mod:`fa4dist.kernels.guard`, so
+non-finite values at masked positions cannot leak into visible rows through the ops' tiles.
+
+Sliding windows: only the flash op has them (``window_size_left/right``, aligned on the bottom-right corner of the
+call).  A dense block of one alignment is cut by :func:`fa4dist.kernels.mask.band_decomposition` into at most two
+row ranges, each one windowed call over just the keys its rows see (rows that see nothing are never launched); a
+packed batch goes in one call when every segment is square and aligned (q and k offsets equal), else to the
+reference.  Softcap is not compiled into torch's flash build: calls with ``softcap`` go to the reference.  Sinks
+need nothing from the ops (the contract merges them).
 """
 
 from __future__ import annotations
@@ -19,8 +26,8 @@ import contextlib
 
 import torch
 
-from .guard import guarded_causal_backward, guarded_causal_forward
-from .mask import SubBlock, causal_decomposition
+from .guard import guarded_backward, guarded_causal_backward, guarded_causal_forward, guarded_forward
+from .mask import BandBlock, SubBlock, band_decomposition, causal_decomposition
 from .merge import merge_into_
 from .problem import AttentionProblem
 from .registry import Unsupported
@@ -32,21 +39,34 @@ aten = torch.ops.aten
 # one fused call each: q (B, Sq, H, D) / packed (T, H, D); returns out in q's dtype and lse (B, H, Sq) / (H, T)
 
 
-def _flash_forward(q, k, v, scale, causal, cu_q=None, cu_k=None, max_q=None, max_k=None):
+def _flash_forward(q, k, v, scale, causal, cu_q=None, cu_k=None, max_q=None, max_k=None, window=(-1, -1)):
     if cu_q is None:
         max_q, max_k = q.shape[1], k.shape[1]
-    out, lse, *_ = aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
+    out, lse, *_ = aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
+                                                 window_size_left=window[0], window_size_right=window[1])
     return out, lse
 
 
-def _flash_backward(dout, q, k, v, out, lse, scale, causal, cu_q=None, cu_k=None, max_q=None, max_k=None):
+def _flash_backward(dout, q, k, v, out, lse, scale, causal, cu_q=None, cu_k=None, max_q=None, max_k=None,
+                    window=(-1, -1)):
     if cu_q is None:
         max_q, max_k = q.shape[1], k.shape[1]
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
     unused = torch.empty(0, dtype=torch.uint64, device=q.device)
     return aten._flash_attention_backward(
-        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale
+        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale,
+        window_size_left=window[0], window_size_right=window[1],
     )
+
+
+def flash_window(blk: BandBlock) -> tuple[int, int]:
+    """flash-attn's (window_size_left, window_size_right) for a band block: its windows count from the diagonal
+    through the bottom-right corner (key ``i + k_len - q_len``); -1 is unbounded."""
+    shift = blk.k_len - blk.q_len
+    left = -1 if blk.lo is None else shift - blk.lo
+    right = -1 if blk.hi is None else blk.hi - shift
+    assert left >= -1 and right >= -1 and (left >= 0 or blk.lo is None) and (right >= 0 or blk.hi is None), blk
+    return left, right
 
 
 def _cudnn_forward(q, k, v, scale, causal):
@@ -88,15 +108,21 @@ def _deterministic_algorithms(enabled: bool):
 
 def _single_segment_plan(problem: AttentionProblem) -> list[SubBlock]:
     return causal_decomposition(
-        problem.seqlen_q, problem.seqlen_k, problem.q_offsets[0], problem.k_offsets[0], problem.causal
+        problem.seqlen_q, problem.seqlen_k, problem.q_offsets[0], problem.k_offsets[0], problem.mask
     )
+
+
+def _packed_window_ok(problem: AttentionProblem) -> bool:
+    """A packed windowed batch is one flash call if every segment is square and aligned (its band is the same on
+    local indices and every row sees at least itself)."""
+    return all(ql == kl and qo == ko for _, _, ql, _, kl, qo, ko in problem.segments())
 
 
 def _packed_kind(problem: AttentionProblem):
     """For a packed batch: 'full' or 'causal' if one fused call computes every segment exactly, else None."""
     kinds = set()
     for _, _, ql, _, kl, qo, ko in problem.segments():
-        blocks = causal_decomposition(ql, kl, qo, ko, problem.causal)
+        blocks = causal_decomposition(ql, kl, qo, ko, problem.mask)
         if len(blocks) != 1 or (blocks[0].q_len, blocks[0].k_len) != (ql, kl):
             return None  # a segment with masked-out rows, an empty side, or several sub-blocks
         kinds.add("causal" if blocks[0].aligned_causal else "full")
@@ -109,6 +135,7 @@ class _FusedBackend:
     fused_epilogue = False
     max_head_dim = 256
     packed = True
+    windows = False  # the op has window_size_left/right
 
     def available(self, device) -> bool:
         return torch.device(device).type == "cuda" and torch.cuda.is_available()
@@ -124,10 +151,17 @@ class _FusedBackend:
                 f"{self.name} needs equal q/k/v head dims that are multiples of 8 up to {self.max_head_dim}, "
                 f"got {d} and {problem.head_dim_v}"
             )
+        if problem.softcap is not None:
+            return Unsupported(f"{self.name} has no softcap (torch builds flash without it)", fallback=True)
+        if problem.mask.windowed and not self.windows:
+            return Unsupported(f"{self.name} has no sliding window", fallback=True)
         if problem.varlen:
             if not self.packed:
                 return Unsupported(f"{self.name} has no packed (cu_seqlens) layout", fallback=True)
-            if _packed_kind(problem) is None:
+            if problem.mask.windowed:
+                if not _packed_window_ok(problem):
+                    return Unsupported("a packed sliding window needs square, aligned segments", fallback=True)
+            elif _packed_kind(problem) is None:
                 return Unsupported("segments need different masks or have masked-out rows", fallback=True)
         elif not problem.uniform_offsets:
             return Unsupported("per-sequence offsets differ within the batch", fallback=True)
@@ -146,7 +180,55 @@ class _FusedBackend:
         return guarded_causal_backward(lambda *t: self._bwd(*t[:5], t[5].contiguous(), scale, True),
                                        dout, q, k, v, out, lse)
 
+    def _windowed_forward(self, problem: AttentionProblem, q, k, v):
+        """A sliding window (flash only): one call per band block, under the guard with the block's band."""
+        mask, scale = problem.mask, problem.softmax_scale
+        if problem.varlen:  # square aligned segments: the band is the mask's own on every segment
+            cq, ck = problem.cu_seqlens_q_tensor.to(q.device), problem.cu_seqlens_k_tensor.to(q.device)
+            window = (mask.window[0], -1 if mask.hi is None else mask.hi)
+            return guarded_forward(lambda *t: _flash_forward(*t, scale, False, cq, ck, problem.seqlen_q,
+                                                             problem.seqlen_k, window), q, k, v, mask.lo, mask.hi, cq)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # (fp64: the CPU emulation in the tests)
+        out = torch.zeros(problem.out_shape(), dtype=acc, device=q.device)
+        lse = torch.full(problem.lse_shape(), float("-inf"), dtype=acc, device=q.device)
+        for blk in band_decomposition(problem.seqlen_q, problem.seqlen_k, problem.q_offsets[0], problem.k_offsets[0],
+                                      mask):
+            rows, keys = slice(blk.q_start, blk.q_start + blk.q_len), slice(blk.k_start, blk.k_start + blk.k_len)
+            window = flash_window(blk)
+            o, l = guarded_forward(lambda *t: _flash_forward(*t, scale, False, window=window),
+                                   q[:, rows], k[:, keys], v[:, keys], blk.lo, blk.hi)
+            out[:, rows], lse[:, :, rows] = o, l  # the blocks' rows are disjoint
+        return out, lse
+
+    def _windowed_backward(self, problem: AttentionProblem, dout, q, k, v, out, lse):
+        mask, scale = problem.mask, problem.softmax_scale
+        if problem.varlen:
+            cq, ck = problem.cu_seqlens_q_tensor.to(q.device), problem.cu_seqlens_k_tensor.to(q.device)
+            window = (mask.window[0], -1 if mask.hi is None else mask.hi)
+            return guarded_backward(
+                lambda do_, q_, k_, v_, o_, l_: _flash_backward(do_, q_, k_, v_, o_, l_.contiguous(), scale, False, cq,
+                                                                ck, problem.seqlen_q, problem.seqlen_k, window),
+                dout, q, k, v, out, lse, mask.lo, mask.hi, cq)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+        for blk in band_decomposition(problem.seqlen_q, problem.seqlen_k, problem.q_offsets[0], problem.k_offsets[0],
+                                      mask):
+            rows, keys = slice(blk.q_start, blk.q_start + blk.q_len), slice(blk.k_start, blk.k_start + blk.k_len)
+            window = flash_window(blk)
+            g = guarded_backward(
+                lambda do_, q_, k_, v_, o_, l_: _flash_backward(do_, q_, k_, v_, o_, l_.contiguous(), scale, False,
+                                                                window=window),
+                dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, :, rows], blk.lo, blk.hi)
+            dq[:, rows] += g[0]
+            dk[:, keys] += g[1]
+            dv[:, keys] += g[2]
+        return dq, dk, dv
+
     def forward(self, problem: AttentionProblem, q, k, v):
+        if problem.mask.windowed:
+            return self._windowed_forward(problem, q, k, v)
         if problem.varlen:
             cq, ck = problem.cu_seqlens_q_tensor.to(q.device), problem.cu_seqlens_k_tensor.to(q.device)
             fwd = lambda q_, k_, v_, causal: _flash_forward(  # noqa: E731
@@ -169,6 +251,8 @@ class _FusedBackend:
         out = out.to(q.dtype)
         dout = dout.to(q.dtype)
         with _deterministic_algorithms(deterministic):
+            if problem.mask.windowed:
+                return self._windowed_backward(problem, dout, q, k, v, out, lse)
             if problem.varlen:
                 cq, ck = problem.cu_seqlens_q_tensor.to(q.device), problem.cu_seqlens_k_tensor.to(q.device)
                 bwd = lambda do_, q_, k_, v_, o_, l_, causal: _flash_backward(  # noqa: E731
@@ -199,6 +283,7 @@ class _FusedBackend:
 class SdpaFlashBackend(_FusedBackend):
     name = "sdpa_flash"
     priority = 10
+    windows = True
 
     def _fwd(self, q, k, v, scale, causal):
         return _flash_forward(q, k, v, scale, causal)

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from .api import attention_backward, attention_forward
-from .problem import validate_inputs
+from .problem import check_window, validate_inputs
 from .registry import select_backend
 
 
@@ -40,9 +40,10 @@ class WorkItem:
     q_offset: int = 0
     k_offset: int = 0
     causal: bool = False
+    window: tuple[int, int] = (-1, -1)  # flash-attn's window_size in global positions (fa4dist.kernels.mask)
 
     def mask_kwargs(self) -> dict:
-        return dict(causal=self.causal, q_offset=self.q_offset, k_offset=self.k_offset)
+        return dict(causal=self.causal, window=self.window, q_offset=self.q_offset, k_offset=self.k_offset)
 
 
 def _check_items(items: Sequence[WorkItem], total_q: int, total_k: int) -> tuple[WorkItem, ...]:
@@ -57,6 +58,10 @@ def _check_items(items: Sequence[WorkItem], total_q: int, total_k: int) -> tuple
                 raise TypeError(f"items[{i}].{name} must be an int, got {type(value).__name__}")
         if not isinstance(item.causal, bool):
             raise TypeError(f"items[{i}].causal must be a bool, got {type(item.causal).__name__}")
+        try:
+            check_window(item.window)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"items[{i}]: {err}") from None
         if item.q_start < 0 or item.q_len < 0 or item.q_start + item.q_len > total_q:
             raise ValueError(f"items[{i}] query rows [{item.q_start}, {item.q_start + item.q_len}) are outside the "
                              f"{total_q} query tokens")
@@ -123,6 +128,7 @@ def attention_forward_items(
     lse: torch.Tensor,
     *,
     softmax_scale: Optional[float] = None,
+    softcap: Optional[float] = None,
     fresh: bool = False,
     backend: str = "auto",
     cp_invariant: bool = False,
@@ -136,8 +142,8 @@ def attention_forward_items(
     items = _check_items(items, q.shape[seq_dim], k.shape[seq_dim])
     impl = select_backend(backend, problem, "forward")
     if getattr(impl, "forward_items", None) is not None:
-        return impl.forward_items(q, k, v, items, out, lse, softmax_scale=softmax_scale, fresh=fresh,
-                                  cp_invariant=cp_invariant)
+        return impl.forward_items(q, k, v, items, out, lse, softmax_scale=softmax_scale, softcap=softcap,
+                                  fresh=fresh, cp_invariant=cp_invariant)
     packed = seq_dim == 0
     state = _Fresh(fresh)
     for item in items:
@@ -152,8 +158,8 @@ def attention_forward_items(
         qc = _rows(q, seq_dim, item.q_start, item.q_len, packed)
         kc = _rows(k, seq_dim, item.k_start, item.k_len, packed)
         vc = _rows(v, seq_dim, item.k_start, item.k_len, packed)
-        attention_forward(qc, kc, vc, softmax_scale=softmax_scale, out=o, lse=m, accumulate=not write,
-                          backend=backend, cp_invariant=cp_invariant, **item.mask_kwargs())
+        attention_forward(qc, kc, vc, softmax_scale=softmax_scale, softcap=softcap, out=o, lse=m,
+                          accumulate=not write, backend=backend, cp_invariant=cp_invariant, **item.mask_kwargs())
     return out, lse
 
 
@@ -170,6 +176,7 @@ def attention_backward_items(
     dv: torch.Tensor,
     *,
     softmax_scale: Optional[float] = None,
+    softcap: Optional[float] = None,
     deterministic: Optional[bool] = None,
     backend: str = "auto",
     cp_invariant: bool = False,
@@ -182,7 +189,7 @@ def attention_backward_items(
     impl = select_backend(backend, problem, "backward")
     if getattr(impl, "backward_items", None) is not None:
         return impl.backward_items(dout, q, k, v, out, lse, items, dq, dk, dv, softmax_scale=softmax_scale,
-                                   deterministic=deterministic, cp_invariant=cp_invariant)
+                                   softcap=softcap, deterministic=deterministic, cp_invariant=cp_invariant)
     packed = seq_dim == 0
     for item in items:
         if item.q_len == 0 or item.k_len == 0:
@@ -192,7 +199,8 @@ def attention_backward_items(
         attention_backward(
             _rows(dout, seq_dim, *qs, packed), _rows(q, seq_dim, *qs, packed), _rows(k, seq_dim, *ks, packed),
             _rows(v, seq_dim, *ks, packed), _rows(out, seq_dim, *qs, packed), _lse_rows(lse, packed, *qs),
-            softmax_scale=softmax_scale, deterministic=deterministic, dq=_rows(dq, seq_dim, *qs, packed),
+            softmax_scale=softmax_scale, softcap=softcap, deterministic=deterministic,
+            dq=_rows(dq, seq_dim, *qs, packed),
             dk=_rows(dk, seq_dim, *ks, packed), dv=_rows(dv, seq_dim, *ks, packed), accumulate=True,
             backend=backend, cp_invariant=cp_invariant, **item.mask_kwargs(),
         )

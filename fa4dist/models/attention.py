@@ -2,7 +2,8 @@
 directly when the sequence is not split.
 
 Both take this rank's packed q, k, v ``(local_tokens, heads, head_dim)`` (k, v at the KV head count: GQA is never
-expanded) and the sample's sharding plan, and return the local output.
+expanded), the sample's sharding plan and optionally the layer's attention sinks, and return the local output.  A
+layer picks its mask with ``window=`` (a sliding-window layer) and ``softcap=``.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ class LocalPackedAttention(nn.Module):
     device copy of cu_seqlens is kept for as long as the same plan comes back (every layer of one forward)."""
 
     def __init__(self, causal: bool = True, softmax_scale: Optional[float] = None,
-                 deterministic: Optional[bool] = None, backend: str = "auto", cp_invariant: Optional[bool] = None):
+                 deterministic: Optional[bool] = None, backend: str = "auto", window: tuple[int, int] = (-1, -1),
+                 softcap: Optional[float] = None, cp_invariant: Optional[bool] = None):
         super().__init__()
-        self.causal, self.softmax_scale = causal, softmax_scale
+        self.causal, self.softmax_scale, self.window, self.softcap = causal, softmax_scale, window, softcap
         self.deterministic, self.backend, self.cp_invariant = deterministic, backend, cp_invariant
         self._cu_cache: tuple = (None, None)
 
@@ -47,28 +49,30 @@ class LocalPackedAttention(nn.Module):
         self._cu_cache = (plan, cu)
         return cu
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan=None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan=None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         cu = self._cu_seqlens(plan, q.device)
         if cu is None and q.dim() == 3:  # one packed sequence without a plan
             cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
         return fa4dist.attention(
-            q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, cu_seqlens_q=cu, cu_seqlens_k=cu,
-            deterministic=self.deterministic, backend=self.backend, cp_invariant=self.cp_invariant,
+            q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, window=self.window, softcap=self.softcap,
+            sinks=sinks, cu_seqlens_q=cu, cu_seqlens_k=cu, deterministic=self.deterministic, backend=self.backend,
+            cp_invariant=self.cp_invariant,
         )
 
 
 def make_attention(group=None, *, strategy: str = "auto", causal: bool = True,
                    softmax_scale: Optional[float] = None, deterministic: Optional[bool] = None,
-                   backend: str = "auto", cp_invariant: Optional[bool] = None, **options) -> nn.Module:
-    """The attention module for a cp group (a ProcessGroup, a DeviceMesh, or None for no context parallelism)."""
+                   backend: str = "auto", window: tuple[int, int] = (-1, -1), softcap: Optional[float] = None,
+                   cp_invariant: Optional[bool] = None, **options) -> nn.Module:
+    """The attention module for a cp group (a ProcessGroup, a DeviceMesh, or None for no context parallelism);
+    ``window``/``softcap`` as in :func:`fa4dist.attention` (a sliding-window layer passes its window)."""
+    common = dict(causal=causal, softmax_scale=softmax_scale, deterministic=deterministic, backend=backend,
+                  window=window, softcap=softcap, cp_invariant=cp_invariant)
     if group_size(group) == 1:
-        return LocalPackedAttention(causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
-                                    backend=backend, cp_invariant=cp_invariant)
-    options["cp_invariant"] = cp_invariant
+        return LocalPackedAttention(**common)
     from fa4dist.modules import FA4ContextParallelAttention
 
     if hasattr(group, "get_group") and hasattr(group, "ndim"):  # a DeviceMesh
-        return FA4ContextParallelAttention(mesh=group, strategy=strategy, causal=causal, softmax_scale=softmax_scale,
-                                           deterministic=deterministic, backend=backend, **options)
-    return FA4ContextParallelAttention(group, strategy=strategy, causal=causal, softmax_scale=softmax_scale,
-                                       deterministic=deterministic, backend=backend, **options)
+        return FA4ContextParallelAttention(mesh=group, strategy=strategy, **common, **options)
+    return FA4ContextParallelAttention(group, strategy=strategy, **common, **options)

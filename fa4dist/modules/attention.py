@@ -23,6 +23,10 @@ class FA4ContextParallelAttention(nn.Module):
             across them) or ``"auto"`` (default: a 2-D mesh is hybrid; otherwise the plan's Ulysses degree if it has
             one, else the largest Ulysses degree the head counts allow, ring for the rest).
         causal: causal mask over global positions (default True; positions within a document for packed plans).
+        window: ``(left, right)`` sliding window over the same positions, flash-attn's ``window_size`` (-1:
+            unbounded; causal + ``(W - 1, 0)`` is a window of W tokens, the query included).  Ring steps whose keys
+            no query can see are neither sent nor computed; plans from :meth:`make_plan` are costed with it.
+        softcap: scores become ``softcap * tanh(scale * q.k / softcap)`` (None: no capping).
         softmax_scale: default 1/sqrt(head_dim).
         plan: the :class:`~fa4dist.context_parallel.ShardPlan` the inputs were sharded with (or pass it to forward).
         deterministic: bitwise reproducible backward kernels; default follows
@@ -40,21 +44,26 @@ class FA4ContextParallelAttention(nn.Module):
             to ``fa4dist.attention(..., cp_invariant=True)`` on one device (default: the environment variable
             ``FA4DIST_CP_INVARIANT=1``).  Implies deterministic kernels.  Costs memory and time: every rank
             gathers the whole sequence's K/V (and, in the backward, Q, dO and out) and the backward does about
-            twice the ring's work (:mod:`fa4dist.context_parallel.gather`).
+            twice the ring's work (:mod:`fa4dist.context_parallel.gather`).  No sinks in this mode yet.
 
-    ``forward(q, k, v, plan=None)``: dense plans take ``(batch, local_len, heads, head_dim)`` shards, packed-document
-    plans ``(local_tokens, heads, head_dim)``; k and v may have fewer heads (GQA).  Returns the local output.
+    ``forward(q, k, v, plan=None, sinks=None)``: dense plans take ``(batch, local_len, heads, head_dim)`` shards,
+    packed-document plans ``(local_tokens, heads, head_dim)``; k and v may have fewer heads (GQA).  ``sinks``: a
+    (heads_q,) tensor of learnable logits (the same on every rank) that join every row's softmax once; its
+    gradient on each rank is that rank's rows' share (sum over the cp group, as a dp x cp gradient reduction does).
+    Returns the local output.
     """
 
     def __init__(self, group=None, *, mesh=None, ulysses_group=None, ring_group=None, strategy: str = "auto",
-                 causal: bool = True, softmax_scale: Optional[float] = None, plan: Optional[ShardPlan] = None,
+                 causal: bool = True, window: tuple[int, int] = (-1, -1), softcap: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, plan: Optional[ShardPlan] = None,
                  deterministic: Optional[bool] = None, backend: str = "auto", ulysses_degree: Optional[int] = None,
                  timeout: float = 300.0, verify: bool = True, cp_invariant: Optional[bool] = None):
         super().__init__()
         if plan is not None and not isinstance(plan, ShardPlan):
             raise TypeError(f"plan must be a ShardPlan (fa4dist.context_parallel.make_plan), got {type(plan).__name__}")
         self.cp = ContextParallel(group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
-                                  strategy=strategy, causal=causal, softmax_scale=softmax_scale,
+                                  strategy=strategy, causal=causal, window=window, softcap=softcap,
+                                  softmax_scale=softmax_scale,
                                   deterministic=deterministic, backend=backend, ulysses_degree=ulysses_degree,
                                   timeout=timeout, verify=verify, cp_invariant=cp_invariant)
         self.plan = plan
@@ -72,7 +81,7 @@ class FA4ContextParallelAttention(nn.Module):
                   num_chunks: Optional[int] = None) -> ShardPlan:
         """A plan for this module's group, mask and Ulysses degree; shard inputs with ``module.shard(x, plan)``."""
         return make_plan(seqlen_or_cu_seqlens, self.cp_size, balancer, num_chunks, causal=self.cp.causal,
-                         ulysses_degree=self.cp.plan_ulysses_degree())
+                         window=self.cp.window, ulysses_degree=self.cp.plan_ulysses_degree())
 
     def _plan(self, plan: Optional[ShardPlan]) -> ShardPlan:
         plan = plan if plan is not None else self.plan
@@ -92,10 +101,13 @@ class FA4ContextParallelAttention(nn.Module):
         """int64 positions of this rank's tokens (within their document for packed plans): what RoPE needs."""
         return self._plan(plan).positions(self.cp_rank)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Optional[ShardPlan] = None):
-        return self.cp(q, k, v, plan if plan is not None else self.plan)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Optional[ShardPlan] = None,
+                sinks: Optional[torch.Tensor] = None):
+        return self.cp(q, k, v, plan if plan is not None else self.plan, sinks)
 
     def extra_repr(self) -> str:
         cp = self.cp
         return (f"cp_size={cp.cp_size}, strategy={cp.strategy!r}, causal={cp.causal}, backend={cp.backend!r}"
+                + (f", window={cp.window}" if cp.mask.windowed else "")
+                + (f", softcap={cp.softcap}" if cp.softcap is not None else "")
                 + (f", ulysses_degree={cp.ulysses_degree}" if cp.ulysses_degree else ""))

@@ -73,7 +73,7 @@ def bad_input_case(rank, world, kind):
     ("length", "ValueError",
      "rank 1 rejected its inputs: ValueError: q holds 9 tokens but the plan gives cp rank 1 10 "),
     ("dtype", "ValueError", "ranks disagree on forward call 1: dtype: rank 0 'torch.float64', rank 1 'torch.float32'"),
-    ("causal", "ValueError", "ranks disagree on forward call 1: causal: .*rank 2 False"),
+    ("causal", "ValueError", "ranks disagree on forward call 1: mask: .*rank 2 'full'"),
     ("plan", "ValueError", "ranks disagree on forward call 1: plan: "),
     ("heads", "ValueError", "ranks disagree on forward call 1: heads_q: rank 0 2, rank 1 4"),
     ("ulysses", "ValueError", "Ulysses degree 4 is impossible: .*use strategy='hybrid' with ulysses_degree in \\[2\\]"),

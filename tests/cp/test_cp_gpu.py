@@ -53,3 +53,17 @@ def test_cuda_cp_invariant_bitwise_across_layouts(pool, packed, heads):
                              device="cuda:0", backend="auto", head_dim=128, docs=docs, total=2048, timeout=280):
         for cp, strategy, balancer, u, same in per_rank:
             assert all(same), f"cp={cp} {strategy} {balancer} u={u}: out/dq/dk/dv bytes equal: {same}"
+@pytest.mark.parametrize("strategy, kw", [
+    ("ring", dict(cp=4, seqlen=301, heads=(4, 2), window=(40, -1), sinks=True, balancer="contiguous")),
+    ("hybrid", dict(cp=4, docs=random_docs(5, 9, 60), heads=(4, 1), window=(9, 3), causal=False, sinks=True,
+                    ulysses_degree=2, plan_u=2)),
+])
+def test_cuda_fp64_exact_with_a_window_and_sinks(pool, strategy, kw):
+    import torch
+
+    results = [r for r in pool.run(run_case, strategy=strategy, device="cuda:0", **kw) if r is not None]
+    for r in results:
+        assert max(r[n] for n in ("out", "dq", "dk", "dv")) < 1e-10, r
+    total = torch.tensor([r["dsinks"] for r in results], dtype=torch.float64).sum(0)
+    torch.testing.assert_close(total, torch.tensor(results[0]["dsinks_ref"], dtype=torch.float64), atol=1e-10,
+                               rtol=1e-10)

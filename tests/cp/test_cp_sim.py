@@ -31,3 +31,23 @@ def test_cp_sim_tiny_cpu(tmp_path, monkeypatch):
     contiguous = [r for r in rows if r["balancer"] == "contiguous"]
     assert all(r["model_efficiency"] > 0.99 for r in lpt)
     assert all(r["model_efficiency"] < 0.8 for r in contiguous)
+    for r in rows:  # plain causal: zigzag/LPT ranks run every step; contiguous rank i never needs later keys
+        want = [r["cp"]] * r["cp"] if r["balancer"] != "contiguous" else list(range(1, r["cp"] + 1))
+        assert r["steps"] == want, r
+
+
+def test_cp_sim_window_drops_the_steps(tmp_path, monkeypatch):
+    """A causal window of 16 tokens in chunks of 32 (contiguous) or 16 (zigzag, LPT): a rank computes only its own
+    keys and those of the one or two ranks whose chunks touch its own."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    rows = _load().main(["--device", "cpu", "--tiny", "--cp", "4", "--seqlens", "128", "--reps", "1", "--window", "15",
+                         "--directions", "fwd"])
+    by = {r["balancer"]: r for r in rows}
+    assert by["contiguous"]["steps"] == [1, 2, 2, 2]  # rank 0 has no earlier keys
+    assert by["contiguous"]["steps_run"] == [0, 1]
+    assert max(by["zigzag"]["steps"]) == 3 and max(by["lpt"]["steps"]) <= 3
+    key_row = 2 * 2 * 16 * 4  # K and V, 2 heads of 16 fp32
+    for r in rows:
+        assert r["window"] == [15, -1] and r["efficiency"] > 0
+        # only the 15 keys before a chunk travel (LPT deals chunks round-robin: a rank may need two such runs)
+        assert r["bytes_per_step"] == key_row * 15 * (1 if r["balancer"] != "lpt" else 2), r

@@ -1,11 +1,13 @@
-"""Mask helpers against brute force over every small alignment."""
+"""Mask helpers against brute force over every small alignment, with and without sliding windows."""
 
 import itertools
 
 import pytest
 import torch
 
-from fa4dist.kernels.mask import Visibility, block_visibility, causal_decomposition, visible, visible_pairs
+from fa4dist.kernels.mask import (
+    Mask, Visibility, band_decomposition, block_visibility, causal_decomposition, visible, visible_pairs, visible_rect,
+)
 
 
 def _brute(q_len, k_len, q_off, k_off, causal):
@@ -38,3 +40,85 @@ def test_pairs_visibility_and_decomposition_match_brute_force(causal):
                 covered[rows, keys] += 1
         assert torch.equal(covered, m.long()), (q_len, k_len, q_off, k_off)  # each visible pair exactly once
         assert len(causal_decomposition(q_len, k_len, q_off, k_off, causal)) <= 3
+
+
+# ---- sliding windows ----------------------------------------------------------------------------------------------
+
+WINDOWS = [(-1, -1), (0, -1), (2, -1), (-1, 0), (-1, 3), (1, 2), (3, 0), (0, 0), (4, 1)]
+WINDOW_CASES = list(itertools.product(range(0, 6), range(0, 6), range(-2, 5), range(0, 3)))
+
+
+def _explicit(q_len, k_len, q_off, k_off, causal, window):
+    """The window rule written out: key s visible to query p iff (not causal or s <= p) and p - left <= s <= p + right
+    (-1: unbounded)."""
+    p = torch.arange(q_off, q_off + q_len).view(-1, 1)
+    s = torch.arange(k_off, k_off + k_len).view(1, -1)
+    m = torch.ones(q_len, k_len, dtype=torch.bool)
+    if causal:
+        m &= s <= p
+    if window[0] != -1:
+        m &= s >= p - window[0]
+    if window[1] != -1:
+        m &= s <= p + window[1]
+    return m
+
+
+def _flash_rule(blk, window):
+    """What flash-attn's kernel computes for a call of blk's shape with window_size=window: bottom-right aligned,
+    and a window of at least seqlen_k read as unbounded."""
+    n, m = blk.q_len, blk.k_len
+    left, right = (w if w < m else -1 for w in window)
+    i, j = torch.arange(n).view(-1, 1), torch.arange(m).view(1, -1)
+    keep = torch.ones(n, m, dtype=torch.bool)
+    if left >= 0:
+        keep &= j >= i + (m - n) - left
+    if right >= 0:
+        keep &= j <= i + (m - n) + right
+    return keep
+
+
+def test_canonical_masks():
+    assert Mask.canonical(False, (-1, 0)) == Mask(True)
+    assert Mask.canonical(True, (3, 5)) == Mask(True, (3, -1))
+    assert Mask.canonical(False, (3, 0)) == Mask(True, (3, -1))
+    assert Mask.canonical(False, (3, 2)) == Mask(False, (3, 2))
+    assert not Mask.canonical(True).windowed and Mask.canonical(False, (-1, 2)).windowed
+    assert (Mask(True, (4, -1)).lo, Mask(True, (4, -1)).hi) == (-4, 0) and Mask().full
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_window_helpers_match_brute_force(causal, window):
+    from fa4dist.kernels.sdpa import flash_window
+
+    mask = Mask.canonical(causal, window)
+    for q_len, k_len, q_off, k_off in WINDOW_CASES:
+        case = (q_len, k_len, q_off, k_off)
+        m = _explicit(q_len, k_len, q_off, k_off, causal, window)
+        assert torch.equal(_brute(q_len, k_len, q_off, k_off, mask), m), case
+        assert visible_pairs(q_len, k_len, q_off, k_off, mask) == int(m.sum()), case
+        vis = block_visibility(q_len, k_len, q_off, k_off, mask)
+        assert vis is (Visibility.NONE if not m.any() else Visibility.FULL if m.all() else Visibility.PARTIAL), case
+        rect = visible_rect(q_len, k_len, q_off, k_off, mask)
+        if not m.any():
+            assert rect is None and band_decomposition(q_len, k_len, q_off, k_off, mask) == []
+            continue
+        rows, keys = m.any(1).nonzero().flatten(), m.any(0).nonzero().flatten()
+        assert (rect.q_start, rect.q_len) == (int(rows[0]), int(rows[-1] - rows[0] + 1)), case
+        assert (rect.k_start, rect.k_len) == (int(keys[0]), int(keys[-1] - keys[0] + 1)), case
+        covered = torch.zeros(q_len, k_len, dtype=torch.int64)
+        blocks = band_decomposition(q_len, k_len, q_off, k_off, mask)
+        assert len(blocks) <= 2
+        for blk in blocks:
+            sub = m[blk.q_start:blk.q_start + blk.q_len, blk.k_start:blk.k_start + blk.k_len]
+            assert sub.any(1).all(), (case, blk)  # every launched row sees a key
+            assert torch.equal(_flash_rule(blk, flash_window(blk)), sub), (case, blk)
+            covered[blk.q_start:blk.q_start + blk.q_len, blk.k_start:blk.k_start + blk.k_len] += sub.long()
+        assert torch.equal(covered, m.long()), case  # each visible pair exactly once
+        if not mask.windowed:
+            covered.zero_()
+            for blk in causal_decomposition(q_len, k_len, q_off, k_off, mask):
+                sub = torch.ones(blk.q_len, blk.k_len, dtype=torch.int64)
+                covered[blk.q_start:blk.q_start + blk.q_len, blk.k_start:blk.k_start + blk.k_len] += (
+                    sub.tril() if blk.aligned_causal else sub)
+            assert torch.equal(covered, m.long()), case

@@ -1,0 +1,420 @@
+"""Sliding windows, softcap and attention sinks through the kernel contract, against the independent fp64 oracle.
+
+Every mask combination (causal or not, packed documents or not, window left/right bounded or not, softcap or not,
+sinks or not, GQA) with the keys split at random into 1..8 blocks merged through the contract's accumulate mode
+(running result poisoned with NaN first; the sinks passed to exactly one block), forward and backward (dsinks
+included) at 1e-10.  Then: the split and N-way merge paths agree, autograd and double backward of
+``fa4dist.attention``, clear errors for bad options, garbage outside the window contributing nothing, and the sdpa
+backend's window path run on the CPU against a leaky emulation of torch's flash op (the real op: the gpu tests)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import fa4dist
+from fa4dist.kernels import attention_backward, attention_forward, merge_partials
+from fa4dist.kernels.merge import merge_sink_
+from oracle import naive_attention
+
+F64 = torch.float64
+TOL = dict(atol=1e-10, rtol=1e-10)
+
+COMBOS = list(itertools.product([False, True], [False, True], [-1, 3], [-1, 2], [None, 1.5], [False, True]))
+
+
+def _combo_id(c):
+    causal, docs, left, right, softcap, sinks = c
+    return (f"{'causal' if causal else 'full'}-{'docs' if docs else 'dense'}-w{left},{right}"
+            f"{'-cap' if softcap else ''}{'-sinks' if sinks else ''}")
+
+
+class Case:
+    """Inputs of one combination: dense (batch 2, q and k at different offsets) or packed documents (per-segment
+    offsets, q and k segments of different lengths), GQA."""
+
+    def __init__(self, seed, causal, docs, window, softcap, with_sinks):
+        rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+        self.rng, self.docs = rng, docs
+        heads_kv = rng.choice([1, 2])
+        heads_q = heads_kv * rng.choice([2, 3])
+        d = 8
+        if docs:
+            q_lens = [rng.randint(0 if i == 2 else 1, 12) for i in range(4)]
+            k_lens = [max(0, n + rng.randint(-3, 3)) for n in q_lens]
+            self.cu_q = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
+            self.cu_k = torch.tensor([0] + list(itertools.accumulate(k_lens)), dtype=torch.int32)
+            self.q_off = [rng.randint(0, 6) for _ in q_lens]
+            self.k_off = [rng.randint(0, 6) for _ in q_lens]
+            q_shape, k_shape = (int(self.cu_q[-1]), heads_q, d), (int(self.cu_k[-1]), heads_kv, d)
+        else:
+            self.cu_q = self.cu_k = None
+            self.q_off, self.k_off = rng.randint(0, 12), rng.randint(0, 4)
+            q_shape, k_shape = (2, rng.randint(9, 20), heads_q, d), (2, rng.randint(9, 24), heads_kv, d)
+        self.q = torch.randn(q_shape, dtype=F64, generator=gen)
+        self.k = torch.randn(k_shape, dtype=F64, generator=gen)
+        self.v = torch.randn(k_shape, dtype=F64, generator=gen)
+        self.dout = torch.randn(q_shape, dtype=F64, generator=gen)
+        self.sinks = torch.randn(heads_q, dtype=F64, generator=gen) if with_sinks else None
+        self.opts = dict(causal=causal, window=window, softcap=softcap, softmax_scale=rng.choice([None, 0.7]))
+
+    def oracle(self):
+        """out, lse and the gradients of q, k, v (and sinks) by autograd through the oracle."""
+        leaves = [t.clone().requires_grad_() for t in (self.q, self.k, self.v)]
+        sinks = self.sinks.clone().requires_grad_() if self.sinks is not None else None
+        out, lse = naive_attention(*leaves, sinks=sinks, q_offset=self.q_off, k_offset=self.k_off,
+                                   cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k, **self.opts)
+        out.backward(self.dout)
+        grads = [t.grad for t in leaves] + ([sinks.grad] if sinks is not None else [])
+        return out.detach(), lse.detach(), grads
+
+    def key_blocks(self, n_blocks):
+        """A random split of the keys into n_blocks blocks: per block the key indices (along the token dim) and the
+        contract arguments that place it (k_offset, and cu_seqlens_k for packed documents)."""
+        rng = self.rng
+        if not self.docs:
+            sk = self.k.shape[1]
+            cuts = sorted(rng.sample(range(1, sk), min(n_blocks - 1, sk - 1)))
+            bounds = [0, *cuts, sk]
+            return [(torch.arange(a, b), dict(k_offset=self.k_off + a)) for a, b in zip(bounds, bounds[1:])]
+        cu = self.cu_k.tolist()
+        parts = []  # per segment: n_blocks (start, end) within the segment
+        for s in range(len(cu) - 1):
+            n = cu[s + 1] - cu[s]
+            cuts = sorted(rng.choice(range(n + 1)) for _ in range(n_blocks - 1))
+            bounds = [0, *cuts, n]
+            parts.append(list(zip(bounds, bounds[1:])))
+        blocks = []
+        for b in range(n_blocks):
+            index = torch.cat([torch.arange(cu[s] + a, cu[s] + e) for s, ps in enumerate(parts)
+                               for a, e in [ps[b]]]).long()
+            lens = [ps[b][1] - ps[b][0] for ps in parts]
+            cu_b = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)
+            k_off = [self.k_off[s] + ps[b][0] for s, ps in enumerate(parts)]
+            blocks.append((index, dict(k_offset=k_off, cu_seqlens_k=cu_b)))
+        return blocks
+
+    def call_kwargs(self, extra):
+        kw = dict(self.opts, q_offset=self.q_off, backend="reference", **extra)
+        if self.docs:
+            kw["cu_seqlens_q"] = self.cu_q
+        return kw
+
+    @property
+    def seq_dim(self):
+        return 0 if self.docs else 1
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=[_combo_id(c) for c in COMBOS])
+def test_split_keys_match_the_oracle(combo):
+    causal, docs, left, right, softcap, with_sinks = combo
+    seed = COMBOS.index(combo)
+    case = Case(seed, causal, docs, (left, right), softcap, with_sinks)
+    ref_out, ref_lse, ref_grads = case.oracle()
+    sd = case.seq_dim
+    blocks = case.key_blocks(random.Random(seed).randint(1, 8))
+    sink_block = random.Random(seed + 1).randrange(len(blocks))  # the sinks join exactly one call
+
+    out = torch.full(ref_out.shape, float("nan"), dtype=F64)  # garbage where lse = -inf must not leak
+    lse = torch.full(ref_lse.shape, float("-inf"), dtype=F64)
+    for b, (index, place) in enumerate(blocks):
+        sinks = case.sinks if b == sink_block else None
+        k, v = case.k.index_select(sd, index), case.v.index_select(sd, index)
+        attention_forward(case.q, k, v, out=out, lse=lse, accumulate=True, sinks=sinks, **case.call_kwargs(place))
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(lse, ref_lse, **TOL)  # -inf rows compare equal
+
+    dq, dk, dv = torch.zeros_like(case.q), torch.zeros_like(case.k), torch.zeros_like(case.v)
+    dsinks = torch.zeros(case.q.shape[-2], dtype=F64) if with_sinks else None
+    for b, (index, place) in enumerate(blocks):
+        k, v = case.k.index_select(sd, index), case.v.index_select(sd, index)
+        dk_b, dv_b = torch.zeros_like(k), torch.zeros_like(v)
+        extra = dict(sinks=case.sinks, dsinks=dsinks) if with_sinks and b == sink_block else {}
+        attention_backward(case.dout, case.q, k, v, out, lse, dq=dq, dk=dk_b, dv=dv_b, accumulate=True,
+                           **case.call_kwargs(dict(place, **extra)))
+        dk.index_add_(sd, index, dk_b)
+        dv.index_add_(sd, index, dv_b)
+    got = [dq, dk, dv] + ([dsinks] if with_sinks else [])
+    for name, g, want in zip(("dq", "dk", "dv", "dsinks"), got, ref_grads):
+        torch.testing.assert_close(g, want, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_n_way_merge_with_the_sink_merged_once_equals_one_call(seed):
+    case = Case(100 + seed, seed % 2 == 0, seed >= 2, (4, -1 if seed % 2 == 0 else 1), 2.0, True)
+    sd = case.seq_dim
+    full_out, full_lse = attention_forward(case.q, case.k, case.v, sinks=case.sinks,
+                                           **case.call_kwargs(dict(k_offset=case.k_off, **(
+                                               dict(cu_seqlens_k=case.cu_k) if case.docs else {}))))
+    outs, lses = [], []
+    for index, place in case.key_blocks(5):
+        o, lse = attention_forward(case.q, case.k.index_select(sd, index), case.v.index_select(sd, index),
+                                   **case.call_kwargs(place))
+        outs.append(o)
+        lses.append(lse)
+    out, lse = merge_partials(outs, lses)
+    merge_sink_(out, lse, case.sinks)
+    torch.testing.assert_close(out, full_out, **TOL)
+    torch.testing.assert_close(lse, full_lse, **TOL)
+    # merged twice, a sink would count twice: the test would notice
+    merge_sink_(out, lse, case.sinks)
+    assert not torch.allclose(lse[torch.isfinite(lse)], full_lse[torch.isfinite(full_lse)])
+
+
+def test_autograd_gives_dsinks_and_a_double_backward():
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 7, 4, 4, dtype=F64, generator=gen, requires_grad=True)
+    k = torch.randn(1, 7, 2, 4, dtype=F64, generator=gen, requires_grad=True)
+    v = torch.randn(1, 7, 2, 4, dtype=F64, generator=gen, requires_grad=True)
+    sinks = torch.randn(4, dtype=F64, generator=gen, requires_grad=True)
+    kw = dict(causal=True, window=(2, -1), softcap=1.5, backend="reference")
+    out = fa4dist.attention(q, k, v, sinks=sinks, **kw)
+    ref, _ = naive_attention(q, k, v, sinks=sinks, causal=True, window=(2, -1), softcap=1.5)
+    torch.testing.assert_close(out, ref, **TOL)
+    g = torch.autograd.grad(out.square().sum(), [q, k, v, sinks])
+    want = torch.autograd.grad(ref.square().sum(), [q, k, v, sinks])
+    for a, b in zip(g, want):
+        torch.testing.assert_close(a, b, **TOL)
+    fn = lambda a, b, c, s: fa4dist.attention(a, b, c, sinks=s, **kw)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v, sinks), eps=1e-6, atol=1e-7)
+    assert torch.autograd.gradgradcheck(fn, (q, k, v, sinks), eps=1e-6, atol=1e-6)
+
+
+# ---- bad values ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(window=(3,)), TypeError, r"window must be a \(left, right\) pair"),
+    (dict(window=5), TypeError, r"window must be a \(left, right\) pair"),
+    (dict(window=(-2, 0)), ValueError, "window left must be an int >= -1"),
+    (dict(window=(1, 2.0)), TypeError, "window right must be an int >= -1"),
+    (dict(window=(True, 0)), TypeError, "window left must be an int"),
+    (dict(softcap=0.0), ValueError, "softcap must be finite and > 0, or None"),
+    (dict(softcap=-1.0), ValueError, "softcap must be finite and > 0"),
+    (dict(softcap=float("inf")), ValueError, "softcap must be finite"),
+    (dict(softcap="1"), TypeError, "softcap must be a float > 0 or None"),
+    (dict(sinks=[0.0] * 4), TypeError, r"sinks must be a torch.Tensor of shape \(4,\)"),
+    (dict(sinks=torch.zeros(2)), ValueError, r"sinks must have shape \(4,\): one logit per query head"),
+    (dict(sinks=torch.zeros(1, 4)), ValueError, r"sinks must have shape \(4,\)"),
+    (dict(sinks=torch.zeros(4, dtype=torch.int64)), TypeError, "sinks must be float16, bfloat16, float32 or float64"),
+    (dict(sinks=torch.zeros(4, device="meta")), ValueError, "sinks must be on the inputs' device cpu"),
+])
+def test_bad_options_get_clear_errors(kwargs, error, match):
+    q, k = torch.randn(1, 5, 4, 8), torch.randn(1, 5, 2, 8)
+    with pytest.raises(error, match=match):
+        attention_forward(q, k, k, causal=True, **kwargs)
+    out, lse = attention_forward(q, k, k, causal=True)
+    with pytest.raises(error, match=match):
+        attention_backward(torch.randn_like(q), q, k, k, out, lse, causal=True, **kwargs)
+
+
+def test_dsinks_buffer_needs_sinks():
+    q, k = torch.randn(1, 5, 4, 8), torch.randn(1, 5, 2, 8)
+    out, lse = attention_forward(q, k, k)
+    with pytest.raises(ValueError, match="dsinks= is the buffer of the sinks' gradient: pass sinks= too"):
+        attention_backward(torch.randn_like(q), q, k, k, out, lse, dsinks=torch.zeros(4))
+    with pytest.raises(ValueError, match=r"dsinks must have shape \(4,\)"):
+        attention_backward(torch.randn_like(q), q, k, k, out, lse, sinks=torch.zeros(4), dsinks=torch.zeros(3))
+
+
+# ---- garbage outside the window -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_garbage_outside_the_window_contributes_nothing(where):
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 40, 4, 8, dtype=F64, generator=gen)
+    k, v = (torch.randn(1, 40, 2, 8, dtype=F64, generator=gen) for _ in range(2))
+    dout = torch.randn(q.shape, dtype=F64, generator=gen)
+    kw = dict(causal=True, window=(5, -1), softcap=3.0, backend="reference")
+    clean_out, clean_lse = attention_forward(q, k, v, **kw)
+    clean = attention_backward(dout, q, k, v, clean_out, clean_lse, **kw)
+    p = 17  # rows 17..22 see key 17; the others never do
+    (k if where == "k" else v)[:, p, 1] = float("nan")
+    sees = torch.zeros(40, dtype=torch.bool)
+    sees[p:p + 6] = True
+    for splits in ([], [p], [9, 18, 30], list(range(4, 40, 4))):
+        out = torch.full(q.shape, float("nan"), dtype=F64)
+        lse = torch.full((1, 4, 40), float("-inf"), dtype=F64)
+        bounds = [0, *splits, 40]
+        for a, b in zip(bounds, bounds[1:]):
+            attention_forward(q, k[:, a:b], v[:, a:b], k_offset=a, out=out, lse=lse, accumulate=True, **kw)
+        torch.testing.assert_close(out[:, ~sees], clean_out[:, ~sees], rtol=1e-12, atol=1e-12)
+        assert not torch.isfinite(out[:, sees, 2:]).any()  # query heads 2, 3 read kv head 1
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, **kw)
+        torch.testing.assert_close(dq[:, ~sees], clean[0][:, ~sees], rtol=1e-12, atol=1e-12)
+        keys_clean = torch.ones(40, dtype=torch.bool)
+        keys_clean[p - 5:p + 6] = False  # keys seen by the poisoned rows, and the bad key itself
+        torch.testing.assert_close(dk[:, keys_clean], clean[1][:, keys_clean], rtol=1e-12, atol=1e-12)
+
+
+# ---- the sdpa backend's window path, on the CPU ---------------------------------------------------------------------
+
+
+def _leaky_flash_forward(q, k, v, scale, causal, cu_q=None, cu_k=None, max_q=None, max_k=None, window=(-1, -1)):
+    """torch's flash forward as documented, in fp64, multiplying masked probabilities (0) by the values the way a
+    fused kernel does (so 0 x NaN leaks): bottom-right aligned window, a window >= seqlen_k is unbounded, an empty
+    row gets lse = +inf."""
+    out, lse = torch.zeros_like(q), []
+    for qs, ks, q_len, k_len, lim in _flash_segments(q, k, cu_q, cu_k, max_k):
+        left, right = (w if w < lim else -1 for w in window)
+        if causal:
+            right = 0
+        i, j = torch.arange(q_len).view(-1, 1), torch.arange(k_len).view(1, -1)
+        keep = torch.ones(q_len, k_len, dtype=torch.bool)
+        if left >= 0:
+            keep &= j >= i + (k_len - q_len) - left
+        if right >= 0:
+            keep &= j <= i + (k_len - q_len) + right
+        group = q.shape[-2] // k.shape[-2]
+        ke, ve = k[ks].repeat_interleave(group, -2), v[ks].repeat_interleave(group, -2)
+        s = torch.einsum("...qhd,...khd->...hqk", q[qs], ke) * scale
+        s = s.masked_fill(~keep, float("-inf"))
+        seg_lse = torch.logsumexp(s, -1)
+        seg_lse = torch.where(keep.any(-1), seg_lse, torch.full_like(seg_lse, float("inf")))
+        probs = torch.exp(s - seg_lse.unsqueeze(-1))
+        out[qs] = torch.einsum("...hqk,...khd->...qhd", probs, ve)
+        lse.append(seg_lse)
+    return out, torch.cat(lse, dim=-1)
+
+
+def _leaky_flash_backward(dout, q, k, v, out, lse, scale, causal, cu_q=None, cu_k=None, max_q=None, max_k=None,
+                          window=(-1, -1)):
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    group = q.shape[-2] // k.shape[-2]
+    starts = cu_q.tolist()[:-1] if cu_q is not None else [0]
+    for (qs, ks, q_len, k_len, lim), start in zip(_flash_segments(q, k, cu_q, cu_k, max_k), starts):
+        left, right = (w if w < lim else -1 for w in window)
+        i, j = torch.arange(q_len).view(-1, 1), torch.arange(k_len).view(1, -1)
+        keep = torch.ones(q_len, k_len, dtype=torch.bool)
+        if left >= 0:
+            keep &= j >= i + (k_len - q_len) - left
+        if right >= 0:
+            keep &= j <= i + (k_len - q_len) + right
+        ke, ve = k[ks].repeat_interleave(group, -2), v[ks].repeat_interleave(group, -2)
+        seg_lse = lse[..., start:start + q_len] if cu_q is not None else lse
+        s = (torch.einsum("...qhd,...khd->...hqk", q[qs], ke) * scale).masked_fill(~keep, float("-inf"))
+        probs = torch.exp(s - seg_lse.unsqueeze(-1))
+        dp = torch.einsum("...qhd,...khd->...hqk", dout[qs], ve)
+        delta = (dout[qs] * out[qs]).sum(-1).transpose(-1, -2).unsqueeze(-1)
+        ds = probs * (dp - delta)
+        dq[qs] = torch.einsum("...hqk,...khd->...qhd", ds, ke) * scale
+        dk[ks] = torch.einsum("...hqk,...qhd->...khd", ds, q[qs]).unflatten(-2, (-1, group)).sum(-2) * scale
+        dv[ks] = torch.einsum("...hqk,...qhd->...khd", probs, dout[qs]).unflatten(-2, (-1, group)).sum(-2)
+    return dq, dk, dv
+
+
+def _flash_segments(q, k, cu_q, cu_k, max_k):
+    if cu_q is None:
+        yield (slice(None),), (slice(None),), q.shape[1], k.shape[1], k.shape[1]
+        return
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for s in range(len(cq) - 1):
+        yield (slice(cq[s], cq[s + 1]),), (slice(ck[s], ck[s + 1]),), cq[s + 1] - cq[s], ck[s + 1] - ck[s], max_k
+
+
+@pytest.fixture
+def emulated_flash(monkeypatch):
+    from fa4dist.kernels import sdpa
+
+    monkeypatch.setattr(sdpa, "_flash_forward", _leaky_flash_forward)
+    monkeypatch.setattr(sdpa, "_flash_backward", _leaky_flash_backward)
+    return sdpa.SdpaFlashBackend()
+
+
+@pytest.mark.parametrize("window, causal", [((3, -1), True), ((0, 0), False), ((2, 4), False), ((-1, 1), False),
+                                            ((6, 2), False), ((30, -1), True)])
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+def test_sdpa_window_path_on_an_emulated_flash_op(emulated_flash, window, causal, layout):
+    """band_decomposition + flash_window + the band guard, with NaN planted in k, v and dout: the backend's window
+    path must give the reference's values and the same non-finite pattern, for any alignment."""
+    from fa4dist.kernels.mask import visible_rect
+    from fa4dist.kernels.problem import validate_inputs
+
+    gen = torch.Generator().manual_seed(11)
+    rng = random.Random(sum(window) + causal)
+    if layout == "dense":
+        n, m = rng.randint(5, 20), rng.randint(5, 20)
+        q = torch.randn(2, n, 4, 8, dtype=F64, generator=gen)
+        k, v = (torch.randn(2, m, 2, 8, dtype=F64, generator=gen) for _ in range(2))
+        place = dict(q_offset=rng.randint(0, 12), k_offset=rng.randint(0, 8))
+    else:
+        cu = torch.tensor([0, 7, 7, 19, 30], dtype=torch.int32)
+        q = torch.randn(30, 4, 8, dtype=F64, generator=gen)
+        k, v = (torch.randn(30, 2, 8, dtype=F64, generator=gen) for _ in range(2))
+        offsets = [3, 0, 5, 1]
+        place = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, q_offset=offsets, k_offset=offsets)
+    sd = q.dim() - 3
+    kw = dict(causal=causal, window=window, **place)
+    problem = validate_inputs(q, k, v, **kw)
+    bad_k, bad_v = 4, 2  # in the packed case keys of the first document, which its rows see
+    if layout == "dense":  # keys inside the visible rectangle, so that some rows see the garbage
+        rect = visible_rect(n, m, place["q_offset"], place["k_offset"], problem.mask)
+        bad_k, bad_v = rect.k_start + rect.k_len // 2, rect.k_start
+    k.narrow(sd, bad_k, 1)[..., 1, 2] = float("nan")
+    v.narrow(sd, bad_v, 1)[..., 0, 0] = float("inf")
+    out, lse = emulated_flash._windowed_forward(problem, q, k, v)
+    want_out, want_lse = attention_forward(q, k, v, backend="reference", **kw)
+    assert torch.isfinite(want_out).any() and not torch.isfinite(want_out).all(), "garbage must reach some rows"
+    _same_rows(out, want_out)
+    _same_rows(lse.unsqueeze(-1), want_lse.unsqueeze(-1))
+    # backward: garbage in k and dout (the guard poisons dv of keys seen by a row with a bad output too, which the
+    # exact reference need not; so v is clean here)
+    v.narrow(sd, bad_v, 1)[..., 0, 0] = 0.5
+    dout = torch.randn(q.shape, dtype=F64, generator=gen)
+    dout.narrow(sd, 6, 1)[..., 3, 1] = float("nan")
+    want_out, want_lse = attention_forward(q, k, v, backend="reference", **kw)
+    got = emulated_flash._windowed_backward(problem, dout, q, k, v, want_out, want_lse)
+    want = attention_backward(dout, q, k, v, want_out, want_lse, backend="reference", **kw)
+    for g, w in zip(got, want):
+        _same_rows(g, w)
+
+
+def _same_rows(got, want):
+    """The same (token, head) rows are non-finite (the guard poisons a whole row where the reference may leave a
+    single element), and the finite rows agree at fp64 precision."""
+    bad = ~torch.isfinite(want).all(-1)
+    assert torch.equal(~torch.isfinite(got).all(-1), bad)
+    torch.testing.assert_close(got[~bad], want[~bad], **TOL)
+
+
+def test_sdpa_supports_says_what_goes_to_the_reference():
+    """Which windowed / softcapped calls the sdpa backends take (checked on meta tensors placed on "cuda")."""
+    from dataclasses import replace
+
+    from fa4dist.kernels.problem import validate_inputs
+    from fa4dist.kernels.sdpa import SdpaCudnnBackend, SdpaFlashBackend
+
+    def on_cuda(*tensors, **kw):
+        return replace(validate_inputs(*tensors, **kw), device=torch.device("cuda"))
+
+    flash, cudnn = SdpaFlashBackend(), SdpaCudnnBackend()
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16, device="meta")
+    capped = flash.supports(on_cuda(q, q, q, causal=True, softcap=5.0), "forward")
+    assert capped.fallback and "no softcap" in capped.reason
+    assert flash.supports(on_cuda(q, q, q, causal=True, window=(3, -1)), "forward") is None
+    assert flash.supports(on_cuda(q, q, q, window=(3, 2), q_offset=5), "backward") is None
+    windowed = cudnn.supports(on_cuda(q, q, q, causal=True, window=(3, -1)), "forward")
+    assert windowed.fallback and "no sliding window" in windowed.reason
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    packed = torch.zeros(8, 2, 64, dtype=torch.bfloat16, device="meta")
+    kw = dict(causal=True, window=(2, -1), cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert flash.supports(on_cuda(packed, packed, packed, q_offset=[0, 4], k_offset=[0, 4], **kw), "forward") is None
+    shifted = flash.supports(on_cuda(packed, packed, packed, q_offset=[0, 4], k_offset=[1, 4], **kw), "forward")
+    assert shifted.fallback and "square, aligned segments" in shifted.reason
+
+
+def test_cute_refuses_the_new_options_with_a_fallback():
+    from dataclasses import replace
+
+    from fa4dist.kernels.cute.backend import CuteSm90Backend
+    from fa4dist.kernels.problem import validate_inputs
+
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16, device="meta")
+    for kw in (dict(window=(3, -1)), dict(softcap=5.0), dict(sinks=torch.zeros(2, device="meta"))):
+        problem = replace(validate_inputs(q, q, q, causal=True, **kw), device=torch.device("cuda"))
+        got = CuteSm90Backend().supports(problem, "forward")
+        assert got is not None and got.fallback and "no sliding window, softcap or sinks" in got.reason, kw
