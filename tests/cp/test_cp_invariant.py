@@ -23,7 +23,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def invariant_case(rank, world, layouts, dtype, packed, heads, device="cpu", backend="reference", head_dim=16,
-                   docs=DOCS, total=200):
+                   docs=DOCS, total=200, window=(-1, -1), softcap=None):
     """For each (cp, strategy, balancer, ulysses degree): whether the global out/dq/dk/dv bytes equal the single
     device's (every rank computes the single-device result itself)."""
     import fa4dist
@@ -38,13 +38,13 @@ def invariant_case(rank, world, layouts, dtype, packed, heads, device="cpu", bac
     cu = torch.tensor(docs, dtype=torch.int32, device=device) if packed else None
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = fa4dist.attention(*leaves, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, backend=backend,
-                            cp_invariant=True)
+                            cp_invariant=True, window=window, softcap=softcap)
     ref.backward(dout)
     want = [ref] + [t.grad for t in leaves]
     results = []
     for cp, strategy, balancer, u in layouts:
         module, _ = cp_cases.cp_module(rank, cp, strategy, True, ulysses_degree=u, backend=backend,
-                                       cp_invariant=True)
+                                       cp_invariant=True, window=window, softcap=softcap)
         if module is not None:
             plan = make_plan(docs if packed else total, cp, balancer, causal=True, ulysses_degree=u or 1)
             local = [module.shard(t, plan).requires_grad_() for t in (q, k, v)]
@@ -104,3 +104,12 @@ def test_bitwise_identical_across_layouts(pool, dtype, packed, heads):
             assert all(same), f"cp={cp} {strategy} {balancer} u={u}: out/dq/dk/dv bytes equal: {same}"
             checked += 1
     assert checked >= sum(cp for cp, *_ in LAYOUTS)
+
+
+def test_bitwise_identical_with_a_window_and_softcap(pool):
+    layouts = [(1, "ring", "lpt", None), (3, "ring", "lpt", None), (4, "hybrid", "lpt", 2)]
+    results = pool.run(invariant_case, layouts=layouts, dtype=torch.float32, packed=True, heads=(4, 2),
+                       window=(20, -1), softcap=3.0)
+    for per_rank in results:
+        for cp, strategy, balancer, u, same in per_rank:
+            assert all(same), f"cp={cp} {strategy} {balancer} u={u}: out/dq/dk/dv bytes equal: {same}"
