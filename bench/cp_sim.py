@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from fa4dist.context_parallel import Schedule, make_plan  # noqa: E402
 from fa4dist.context_parallel.ring import (  # noqa: E402
-    KernelOptions, KVBuffer, accum_dtype, backward_step, call_rows, forward_step, mask_kwargs, new_accumulators,
+    Accumulators, KernelOptions, KVBuffer, accum_dtype, backward_step, forward_step,
 )
 from fa4dist.kernels import attention_backward, attention_forward, available_backends  # noqa: E402
 
@@ -122,19 +122,18 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                         def run_rank(r=r, qr=qr, kr=kr, vr=vr):
                             run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts)
                     else:
-                        outs, lses = run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts)
-                        out_r = torch.cat(outs, dim=1).to(dtype)
+                        fwd = run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts)
+                        out_r, lse_r = fwd.out.to(dtype), fwd.lse
 
-                        def run_rank(r=r, qr=qr, kr=kr, vr=vr, dr=dr, out_r=out_r, lses=lses):
-                            dqs = [torch.zeros(1, b.length, heads, headdim, dtype=acc, device=device)
-                                   for b in sched.members[r].blocks]
+                        def run_rank(r=r, qr=qr, kr=kr, vr=vr, dr=dr, out_r=out_r, lse_r=lse_r):
+                            dq = torch.zeros(qr.shape, dtype=acc, device=device)
                             own = _Own(torch.zeros(kr.shape, dtype=acc, device=device),
                                        torch.zeros(vr.shape, dtype=acc, device=device))
-                            backward_step(sched, r, r, dr, qr, _Own(kr, vr), out_r, lses, dqs, own, opts)
+                            backward_step(sched, r, r, dr, qr, _Own(kr, vr), out_r, lse_r, dq, own, opts)
                             for t in sched.member_steps(r):
                                 s = sched.source(r, t)
                                 partial = KVBuffer.zeros_like(held[(r, s)], dtype=acc)
-                                backward_step(sched, r, s, dr, qr, held[(r, s)], out_r, lses, dqs, partial, opts)
+                                backward_step(sched, r, s, dr, qr, held[(r, s)], out_r, lse_r, dq, partial, opts)
                     rank_times.append(median_time(timer, run_rank, args.reps))
                 kernel_only = None
                 if direction == "fwd":  # the same calls without the merges: what a fused epilogue would approach
@@ -163,19 +162,18 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
 
 
 def run_rank_kernels(sched, r, shard, held, opts):
-    """Rank r's forward calls, each to a fresh output (no merge): kernel time alone."""
+    """Rank r's forward blocks, each to a fresh output (no merge): kernel time alone."""
     qr, kr, vr, _ = shard
-    layout = sched.members[r]
     for s in [r] + [sched.source(r, t) for t in sched.member_steps(r)]:
         keys = _Own(kr, vr) if s == r else held[(r, s)]
-        for call in sched.calls(r, s):
-            q_rows, k_rows, _ = call_rows(call, layout)
-            attention_forward(qr.narrow(1, *q_rows), keys.k.narrow(1, *k_rows), keys.v.narrow(1, *k_rows),
-                              backend=opts.backend, **mask_kwargs(call, opts, qr.device))
+        for item in sched.items(r, s):
+            attention_forward(qr.narrow(1, item.q_start, item.q_len), keys.k.narrow(1, item.k_start, item.k_len),
+                              keys.v.narrow(1, item.k_start, item.k_len), backend=opts.backend,
+                              softmax_scale=opts.softmax_scale, softcap=opts.softcap, **item.mask_kwargs())
 
 
 def run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts):
-    acc = new_accumulators(sched.members[r], qr, headdim, False)
+    acc = Accumulators.empty(sched.members[r], qr, headdim, False)
     forward_step(sched, r, r, qr, _Own(kr, vr), acc, opts)
     for t in sched.member_steps(r):
         s = sched.source(r, t)

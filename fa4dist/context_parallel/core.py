@@ -70,14 +70,6 @@ class _Call:
         self.heads_q, self.heads_kv = heads_q, heads_kv
         self.invariant = invariant  # cp_invariant: the gather engine (fa4dist.context_parallel.gather)
         self.call_id, self.agree = call_id, agree  # agree: ContextParallel.agree, or None without verification
-        self.sd = 0 if sched.plan.packed else 1
-
-    def _concat(self, blocks, like, heads, dim_v, acc):
-        if blocks:
-            return torch.cat(blocks, dim=self.sd)
-        shape = list(like.shape)
-        shape[self.sd], shape[-1] = 0, dim_v
-        return like.new_zeros(shape, dtype=acc)
 
     def member_sinks(self, sinks):
         """The sinks of the query heads this rank computes (its Ulysses share), or None."""
@@ -91,16 +83,13 @@ class _Call:
         if uly is not None:
             q, k, v = uly.seq_to_head([(q, split.q_heads, "q"), (k, split.kv_heads, "k"), (v, split.kv_heads, "v")])
         if self.invariant:
-            outs, lses = gather_forward(self.sched, self.ring, q, k, v, self.opts, self._head_map(q, k))
+            acc = gather_forward(self.sched, self.ring, q, k, v, self.opts, self._head_map(q, k))
         else:
-            outs, lses = ring_forward(self.sched, self.ring, q, k, v, self.opts)
+            acc = ring_forward(self.sched, self.ring, q, k, v, self.opts)
         member_sinks = self.member_sinks(sinks)
         if member_sinks is not None:  # the sinks' virtual key block, once per row, after every real key
-            for o, lse in zip(outs, lses):
-                merge_sink_(o, lse, member_sinks)
-        acc = accum_dtype(q.dtype)
-        out_m = self._concat(outs, q, None, v.shape[-1], acc).to(q.dtype)
-        lse_m = torch.cat(lses, dim=-1) if lses else q.new_zeros(0, dtype=acc)
+            merge_sink_(acc.out, acc.lse, member_sinks)
+        out_m, lse_m = acc.out.to(q.dtype), acc.lse
         out = out_m
         if uly is not None:
             (out,) = uly.head_to_seq([(out_m, split.q_heads, self.heads_q, "out", False)])
@@ -115,9 +104,7 @@ class _Call:
             (dout,) = uly.seq_to_head([(dout, split.q_heads, "dout")])
         if self.invariant:
             return self._invariant_backward(dout, q, k, v, out_m, lse_m)
-        lens = [b.length for b in self.sched.members[self.ring.index].blocks]
-        lses = list(torch.split(lse_m, lens, dim=-1)) if lens else []
-        dq, dk, dv = ring_backward(self.sched, self.ring, dout, q, k, v, out_m, lses, self.opts)
+        dq, dk, dv = ring_backward(self.sched, self.ring, dout, q, k, v, out_m, lse_m, self.opts)
         dsinks = None
         if sinks is not None:  # this rank's rows' share of the sinks' gradient (in its Ulysses heads)
             dsinks = torch.zeros(sinks.shape, dtype=accum_dtype(dtype), device=sinks.device)

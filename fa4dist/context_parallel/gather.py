@@ -80,8 +80,8 @@ def _lse_seq_dim(packed: bool) -> int:
 
 
 def gather_forward(sched: Schedule, ring: RingPeers, q, k, v, opts, head_map: torch.Tensor):
-    """Per-block fp32 (outs, lses) of the member's rows, like ``ring_forward``; ``head_map[i]`` is the local
-    key/value head local query head i reads."""
+    """The fp32 (out, lse) of the member's rows, like ``ring_forward``; ``head_map[i]`` is the local key/value
+    head local query head i reads."""
     packed = sched.plan.packed
     sd = 0 if packed else 1
     m = ring.index
@@ -89,9 +89,7 @@ def gather_forward(sched: Schedule, ring: RingPeers, q, k, v, opts, head_map: to
     full_v = _expand(gather_members(sched, ring, v, sd, "the invariant forward's V"), head_map)
     out, lse = invariant.forward(q, full_k, full_v, row_items(sched, m), softmax_scale=opts.softmax_scale,
                                  softcap=opts.softcap, backend=opts.backend)
-    lens = [b.length for b in sched.members[m].blocks]
-    acc = Accumulators(list(torch.split(out, lens, dim=sd)), list(torch.split(lse, lens, dim=-1)))
-    return acc
+    return Accumulators(out, lse)
 
 
 def gather_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opts, head_map: torch.Tensor):

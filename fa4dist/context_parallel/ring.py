@@ -3,13 +3,13 @@
 Forward: at step ``t`` member ``m`` sends the key rows that member ``m + t`` reads (K and V at the KV head count,
 packed into one flat buffer) straight to it, and receives from ``m - t`` the rows it reads itself; rows nobody
 reads are never sent, and a step with nothing to receive is not computed (with a sliding window most steps carry
-nothing).  The transfer of the next step is posted before a step computes, so it overlaps.  Every step makes the
-schedule's contract calls for the held keys with ``accumulate=True`` into per-block fp32 (fp64 for fp64 inputs)
-running ``(out, lse)``, so nothing is rounded between steps; the merge order is (step, query block, key), a
-function of the plan alone.
+nothing).  The transfer of the next step is posted before a step computes, so it overlaps.  Every step is one
+work-list call (:mod:`fa4dist.kernels.worklist`: one launch where the backend runs lists in one) of the schedule's
+blocks for the held keys, merged into the member's fp32 (fp64 for fp64 inputs) running ``(out, lse)``, so nothing
+is rounded between steps; the merge order is (step, query block, key), a function of the plan alone.
 
-Backward: the keys go out again the same way; each step recomputes its blocks against the global ``(out, lse)``
-with ``attention_backward``, adding dQ into local fp32 buffers and dK/dV into a fresh fp32 buffer for the rows it
+Backward: the keys go out again the same way; each step's work list recomputes its blocks against the global
+``(out, lse)``, adding dQ into the member's fp32 buffer and dK/dV into a fresh fp32 buffer for the rows it
 received, which goes straight back to their owner (posted after the step, awaited one step later so it overlaps).
 The owner adds its own dK/dV first, then the returns in step order: fixed by the plan, never by arrival.
 
@@ -26,9 +26,9 @@ from typing import Optional
 
 import torch
 
-from ..kernels import attention_backward, attention_forward
+from ..kernels.worklist import attention_backward_items, attention_forward_items
 from .comm import Pending, Transport
-from .schedule import MemberLayout, PairCall, Schedule
+from .schedule import MemberLayout, Schedule
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -106,106 +106,45 @@ def _numel(shape) -> int:
     return n
 
 
-class _Cu:
-    """int32 cu_seqlens tensors per (values, device), made once (the contract caches their host copies)."""
+@dataclass
+class Accumulators:
+    """The running fp32 (fp64 for fp64 inputs) ``out`` and ``lse`` of a member's rows, in its layout.  ``fresh``:
+    no step has written yet, so the first step's work list writes where it can instead of merging (a merge is
+    several passes for backends without a fused epilogue)."""
 
-    def __init__(self):
-        self._cache: dict = {}
+    out: torch.Tensor
+    lse: torch.Tensor
+    fresh: bool = False
 
-    def __call__(self, values, device) -> torch.Tensor:
-        key = (values, str(device))
-        t = self._cache.get(key)
-        if t is None:
-            if len(self._cache) >= 512:  # per-sample document structures: bounded
-                self._cache.clear()
-            t = self._cache[key] = torch.tensor(values, dtype=torch.int32, device=device)
-        return t
-
-
-_CU = _Cu()
-
-
-def call_rows(call: PairCall, q_layout: MemberLayout):
-    """(q rows in the member layout, key rows in the held buffer, rows within the query block's accumulators), each
-    a (start, length) along the token dim."""
-    qb = q_layout.blocks[call.q_block]
-    return (qb.offset + call.q_start, call.q_len), (call.k_row, call.k_len), (call.q_start, call.q_len)
-
-
-def mask_kwargs(call: PairCall, opts: KernelOptions, device):
-    """The contract's mask arguments for one call."""
-    kw = dict(causal=call.mask.causal, window=call.mask.window, softcap=opts.softcap,
-              softmax_scale=opts.softmax_scale, q_offset=call.q_offset, k_offset=call.k_offset)
-    if call.cu_seqlens is not None:
-        cu = _CU(call.cu_seqlens, device)
-        kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
-    return kw
-
-
-class Accumulators(list):
-    """Per query block: the running out (zeros) and lse (-inf) in the accumulation dtype.  A block's first call
-    that covers all its rows writes instead of merging (one pass instead of a merge's several)."""
-
-    def __init__(self, outs, lses):
-        super().__init__([outs, lses])
-        self.fresh = [True] * len(outs)
-
-
-def new_accumulators(layout: MemberLayout, q: torch.Tensor, head_dim_v: int, packed: bool) -> Accumulators:
-    """(outs, lses) per query block, unpackable as a pair."""
-    acc = accum_dtype(q.dtype)
-    outs, lses = [], []
-    for b in layout.blocks:
+    @classmethod
+    def empty(cls, layout: MemberLayout, q: torch.Tensor, head_dim_v: int, packed: bool) -> "Accumulators":
+        """(0, -inf) for every row: what rows no key reaches keep."""
+        acc, n = accum_dtype(q.dtype), layout.length
         if packed:
-            outs.append(torch.zeros(b.length, q.shape[1], head_dim_v, dtype=acc, device=q.device))
-            lses.append(torch.full((q.shape[1], b.length), float("-inf"), dtype=acc, device=q.device))
+            out = torch.zeros(n, q.shape[1], head_dim_v, dtype=acc, device=q.device)
+            lse = torch.full((q.shape[1], n), float("-inf"), dtype=acc, device=q.device)
         else:
-            outs.append(torch.zeros(q.shape[0], b.length, q.shape[2], head_dim_v, dtype=acc, device=q.device))
-            lses.append(torch.full((q.shape[0], q.shape[2], b.length), float("-inf"), dtype=acc, device=q.device))
-    return Accumulators(outs, lses)
+            out = torch.zeros(q.shape[0], n, q.shape[2], head_dim_v, dtype=acc, device=q.device)
+            lse = torch.full((q.shape[0], q.shape[2], n), float("-inf"), dtype=acc, device=q.device)
+        return cls(out, lse, fresh=True)
 
 
 def forward_step(sched: Schedule, member: int, source: int, q: torch.Tensor, kv, acc: Accumulators,
                  opts: KernelOptions) -> None:
-    """Member `member`'s contract calls against `source`'s keys (held in `kv`), merged into `acc`."""
-    packed = sched.plan.packed
-    sd = 0 if packed else 1
-    q_layout = sched.members[member]
-    outs, lses = acc
-    for call in sched.calls(member, source):
-        q_rows, k_rows, rows = call_rows(call, q_layout)
-        qc = q.narrow(sd, *q_rows)
-        kc, vc = kv.k.narrow(sd, *k_rows), kv.v.narrow(sd, *k_rows)
-        whole = call.q_start == 0 and call.q_len == q_layout.blocks[call.q_block].length
-        accumulate = not (whole and acc.fresh[call.q_block])
-        acc.fresh[call.q_block] = False
-        out, lse = outs[call.q_block].narrow(sd, *rows), lses[call.q_block].narrow(-1, *rows)
-        if packed and call.cu_seqlens is None:  # a dense batch-1 call on two document pieces
-            qc, kc, vc, out, lse = (t.unsqueeze(0) for t in (qc, kc, vc, out, lse))
-        attention_forward(qc, kc, vc, out=out, lse=lse, accumulate=accumulate, backend=opts.backend,
-                          **mask_kwargs(call, opts, q.device))
+    """Member `member`'s work list against `source`'s keys (held in `kv`), merged into `acc`: one call."""
+    attention_forward_items(q, kv.k, kv.v, sched.items(member, source), acc.out, acc.lse,
+                            softmax_scale=opts.softmax_scale, softcap=opts.softcap, fresh=acc.fresh,
+                            backend=opts.backend)
+    acc.fresh = False
 
 
 def backward_step(sched: Schedule, member: int, source: int, dout: torch.Tensor, q: torch.Tensor, kv,
-                  out: torch.Tensor, lses, dqs, dkv, opts: KernelOptions) -> None:
-    """Member `member`'s backward calls against `source`'s keys: adds into the per-block dQ accumulators `dqs` and
-    the dK/dV buffer `dkv` (laid out like `kv`)."""
-    packed = sched.plan.packed
-    sd = 0 if packed else 1
-    q_layout = sched.members[member]
-    for call in sched.calls(member, source):
-        q_rows, k_rows, rows = call_rows(call, q_layout)
-        qc, doc, oc = (t.narrow(sd, *q_rows) for t in (q, dout, out))
-        kc, vc = kv.k.narrow(sd, *k_rows), kv.v.narrow(sd, *k_rows)
-        dkc, dvc = dkv.k.narrow(sd, *k_rows), dkv.v.narrow(sd, *k_rows)
-        lse, dq = lses[call.q_block].narrow(-1, *rows), dqs[call.q_block].narrow(sd, *rows)
-        tensors = (doc, qc, kc, vc, oc, lse, dq, dkc, dvc)
-        if packed and call.cu_seqlens is None:
-            tensors = tuple(t.unsqueeze(0) for t in tensors)
-        doc, qc, kc, vc, oc, lse, dq, dkc, dvc = tensors
-        attention_backward(doc, qc, kc, vc, oc, lse, dq=dq, dk=dkc, dv=dvc, accumulate=True,
-                           deterministic=opts.deterministic, backend=opts.backend,
-                           **mask_kwargs(call, opts, q.device))
+                  out: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor, dkv, opts: KernelOptions) -> None:
+    """Member `member`'s backward work list against `source`'s keys: adds into the fp32 `dq` (member layout) and
+    the dK/dV buffer `dkv` (laid out like `kv`): one call."""
+    attention_backward_items(dout, q, kv.k, kv.v, out, lse, sched.items(member, source), dq, dkv.k, dkv.v,
+                             softmax_scale=opts.softmax_scale, softcap=opts.softcap,
+                             deterministic=opts.deterministic, backend=opts.backend)
 
 
 @dataclass
@@ -292,10 +231,9 @@ class _Returning:
 
 
 def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions) -> Accumulators:
-    """Returns per-block (outs, lses) of this member's queries over every member's keys."""
-    packed = sched.plan.packed
+    """The fp32 (out, lse) of this member's queries over every member's keys."""
     m = ring.index
-    acc = new_accumulators(sched.members[m], q, v.shape[-1], packed)
+    acc = Accumulators.empty(sched.members[m], q, v.shape[-1], sched.plan.packed)
     steps = sched.steps()
     exchange = _Exchange(sched, ring, k, v, "forward")
     incoming = exchange.post_keys(steps[0]) if steps else None
@@ -309,19 +247,17 @@ def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions)
     return acc
 
 
-def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lses, opts: KernelOptions):
+def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opts: KernelOptions):
     """Returns (dq, dk, dv) of this member's tokens in the accumulation dtype."""
-    packed = sched.plan.packed
-    sd = 0 if packed else 1
+    sd = 0 if sched.plan.packed else 1
     m = ring.index
     acc = accum_dtype(q.dtype)
-    layout = sched.members[m]
-    dqs = [torch.zeros(o.shape, dtype=acc, device=q.device) for o in _block_views(q, layout, sd)]
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)
     steps = sched.steps()
     exchange = _Exchange(sched, ring, k, v, "backward")
     incoming = exchange.post_keys(steps[0]) if steps else None
-    backward_step(sched, m, m, dout, q, _Held(k, v), out, lses, dqs, _Held(dk, dv), opts)
+    backward_step(sched, m, m, dout, q, _Held(k, v), out, lse, dq, _Held(dk, dv), opts)
     returning = None
     for i, t in enumerate(steps):
         following = exchange.post_keys(steps[i + 1]) if i + 1 < len(steps) else None
@@ -329,16 +265,11 @@ def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lses, op
         partial = None
         if held is not None:
             partial = KVBuffer.zeros_like(held, dtype=acc)
-            backward_step(sched, m, sched.source(m, t), dout, q, held, out, lses, dqs, partial, opts)
+            backward_step(sched, m, sched.source(m, t), dout, q, held, out, lse, dq, partial, opts)
         posted = exchange.post_grads(t, partial, acc)
         if returning is not None:  # the previous step's returns, added in step order
             returning.finish(dk, dv, sd)
         returning, incoming = posted, following
     if returning is not None:
         returning.finish(dk, dv, sd)
-    dq = torch.cat(dqs, dim=sd) if dqs else torch.zeros_like(q, dtype=acc)
     return dq, dk, dv
-
-
-def _block_views(x: torch.Tensor, layout: MemberLayout, sd: int):
-    return [x.narrow(sd, b.offset, b.length) for b in layout.blocks]

@@ -29,6 +29,7 @@ from typing import Optional, Union
 import torch
 
 from ..kernels.mask import NO_MASK, Mask, MaskLike, Visibility, as_mask, block_visibility, visible_pairs, visible_rect
+from ..kernels.worklist import WorkItem
 from .plan import ShardPlan
 
 
@@ -131,6 +132,7 @@ class Schedule:
         )
         self._raw: dict = {}
         self._calls: dict = {}
+        self._items: dict = {}
         self._needed: dict = {}
         self._steps: Optional[tuple[int, ...]] = None
 
@@ -193,6 +195,26 @@ class Schedule:
                 out.append(call)
         self._calls[(member, source)] = tuple(out)
         return self._calls[(member, source)]
+
+    def items(self, member: int, source: int) -> tuple[WorkItem, ...]:
+        """:meth:`calls` as one work list (fa4dist.kernels.worklist): query rows in `member`'s layout, key rows in
+        the buffer it holds; a packed call becomes one item per document piece.  One launch per step where the
+        backend runs work lists in one; the same calls, in the same order, where it loops."""
+        cached = self._items.get((member, source))
+        if cached is not None:
+            return cached
+        blocks = self.members[member].blocks
+        out = []
+        for c in self.calls(member, source):
+            q_row = blocks[c.q_block].offset + c.q_start
+            mask = dict(causal=c.mask.causal, window=c.mask.window)
+            if c.cu_seqlens is None:
+                out.append(WorkItem(q_row, c.q_len, c.k_row, c.k_len, c.q_offset, c.k_offset, **mask))
+                continue
+            for i, (a, b) in enumerate(zip(c.cu_seqlens, c.cu_seqlens[1:])):
+                out.append(WorkItem(q_row + a, b - a, c.k_row + a, b - a, c.q_offset[i], c.k_offset[i], **mask))
+        self._items[(member, source)] = tuple(out)
+        return self._items[(member, source)]
 
     def _trimmed(self, qi: int, q_len: int, k_row: int, k_len: int, q_pos: int, k_pos: int,
                  q_at: int = 0) -> Optional[PairCall]:
