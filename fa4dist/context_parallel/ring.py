@@ -139,12 +139,15 @@ def forward_step(sched: Schedule, member: int, source: int, q: torch.Tensor, kv,
 
 
 def backward_step(sched: Schedule, member: int, source: int, dout: torch.Tensor, q: torch.Tensor, kv,
-                  out: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor, dkv, opts: KernelOptions) -> None:
-    """Member `member`'s backward work list against `source`'s keys: adds into the fp32 `dq` (member layout) and
-    the dK/dV buffer `dkv` (laid out like `kv`): one call."""
-    attention_backward_items(dout, q, kv.k, kv.v, out, lse, sched.items(member, source), dq, dkv.k, dkv.v,
-                             softmax_scale=opts.softmax_scale, softcap=opts.softcap,
-                             deterministic=opts.deterministic, backend=opts.backend)
+                  out: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor, dkv, opts: KernelOptions,
+                  items=None) -> None:
+    """Member `member`'s backward work list against `source`'s keys (or the given part of it): adds into the fp32
+    `dq` (member layout) and the dK/dV buffer `dkv` (laid out like `kv`): one call."""
+    items = sched.items(member, source) if items is None else items
+    if items:
+        attention_backward_items(dout, q, kv.k, kv.v, out, lse, items, dq, dkv.k, dkv.v,
+                                 softmax_scale=opts.softmax_scale, softcap=opts.softcap,
+                                 deterministic=opts.deterministic, backend=opts.backend)
 
 
 @dataclass
@@ -257,7 +260,9 @@ def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opt
     steps = sched.steps()
     exchange = _Exchange(sched, ring, k, v, "backward")
     incoming = exchange.post_keys(steps[0]) if steps else None
-    backward_step(sched, m, m, dout, q, _Held(k, v), out, lse, dq, _Held(dk, dv), opts)
+    # The own keys' work, half while the first remote keys travel, half while the last dK/dV travel back.
+    own_first, own_last = sched.own_halves(m) if steps else (sched.items(m, m), ())
+    backward_step(sched, m, m, dout, q, _Held(k, v), out, lse, dq, _Held(dk, dv), opts, own_first)
     returning = None
     for i, t in enumerate(steps):
         following = exchange.post_keys(steps[i + 1]) if i + 1 < len(steps) else None
@@ -270,6 +275,7 @@ def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opt
         if returning is not None:  # the previous step's returns, added in step order
             returning.finish(dk, dv, sd)
         returning, incoming = posted, following
+    backward_step(sched, m, m, dout, q, _Held(k, v), out, lse, dq, _Held(dk, dv), opts, own_last)
     if returning is not None:
         returning.finish(dk, dv, sd)
     return dq, dk, dv

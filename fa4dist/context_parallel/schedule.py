@@ -104,6 +104,19 @@ class MemberLayout:
         return x.index_select(dim, self._scatter.to(x.device))
 
 
+def _rows_for_pairs(item: WorkItem, pairs: float) -> int:
+    """The fewest leading query rows of `item` that hold at least `pairs` visible pairs (bisection)."""
+    mask = Mask(item.causal, item.window)
+    lo, hi = 0, item.q_len
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if visible_pairs(mid, item.k_len, item.q_offset, item.k_offset, mask) >= pairs:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def _merge_ranges(ranges) -> tuple[tuple[int, int], ...]:
     """Sorted, merged (start, length) ranges covering the given ones."""
     out: list[list[int]] = []
@@ -215,6 +228,26 @@ class Schedule:
                 out.append(WorkItem(q_row + a, b - a, c.k_row + a, b - a, c.q_offset[i], c.k_offset[i], **mask))
         self._items[(member, source)] = tuple(out)
         return self._items[(member, source)]
+
+    def own_halves(self, member: int) -> tuple[tuple[WorkItem, ...], tuple[WorkItem, ...]]:
+        """The member's own-keys work list cut in two of about equal work (an item split by its query rows where
+        needed): the backward runs the first half before its first remote step, while that step's keys travel,
+        and the second after its last, while that step's dK/dV travel back."""
+        items = self.items(member, member)
+        cost = [visible_pairs(i.q_len, i.k_len, i.q_offset, i.k_offset, Mask(i.causal, i.window)) for i in items]
+        half, done = sum(cost) / 2, 0
+        for n, (item, c) in enumerate(zip(items, cost)):
+            if done + c < half:
+                done += c
+                continue
+            # split this item's rows so that the first part holds about half - done pairs
+            rows = _rows_for_pairs(item, half - done)
+            first = replace(item, q_len=rows)
+            second = replace(item, q_start=item.q_start + rows, q_len=item.q_len - rows, q_offset=item.q_offset + rows)
+            head = items[:n] + ((first,) if rows else ())
+            tail = ((second,) if item.q_len - rows else ()) + items[n + 1:]
+            return head, tail
+        return items, ()
 
     def _trimmed(self, qi: int, q_len: int, k_row: int, k_len: int, q_pos: int, k_pos: int,
                  q_at: int = 0) -> Optional[PairCall]:
