@@ -47,18 +47,23 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _timed(fn, reps: int, device, collective: bool = True) -> float:
     """Median seconds of fn over `reps` runs after one warm-up; with `collective`, the slowest rank's time."""
     fn()
-    torch.cuda.synchronize(device)
+    _sync(device)
     times = []
     for _ in range(reps):
         if collective:
             dist.barrier()
-        torch.cuda.synchronize(device)
+        _sync(device)
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize(device)
+        _sync(device)
         t = torch.tensor([time.perf_counter() - t0], device=device)
         if collective:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -78,7 +83,8 @@ def _on_rank0(fn, reps, device) -> float:
 def _inputs(total, heads, kv_heads, d, device, layout="bshd"):
     gen = torch.Generator(device=device).manual_seed(total + heads)
     shape = (lambda h: (1, total, h, d)) if layout == "bshd" else (lambda h: (1, h, total, d))
-    return [torch.randn(*shape(h), device=device, dtype=torch.bfloat16, generator=gen)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return [torch.randn(*shape(h), device=device, dtype=dtype, generator=gen)
             for h in (heads, kv_heads, kv_heads, heads)]
 
 
@@ -246,25 +252,42 @@ def _print(row):
 def main(argv=None):
     args = parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=30), device_id=device)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=30), device_id=device)
+        name = f"{torch.cuda.get_device_name(device)}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
+    else:  # a smoke run of the script on CPUs (gloo, tiny sizes): no peer, no profile
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+        args.peer = args.profile = False
+        name = "CPU (smoke run)"
     os.makedirs(args.out_dir, exist_ok=True)
     if rank == 0:
-        print(f"multigpu: {world} x {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
-              f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
+        print(f"multigpu: {world} x {name}, torch {torch.__version__}", flush=True)
     rows, t_full_cache, extra = [], {}, {}
     for tokens in args.tokens_per_gpu:
         for spec in args.heads:
             heads, kv_heads = map(int, spec.split(":"))
             ours(args, world, device, tokens, heads, kv_heads, rows, t_full_cache)
             if args.peer and heads == kv_heads:
-                peer(args, world, device, tokens, heads, rows)
+                try:
+                    peer(args, world, device, tokens, heads, rows)
+                except Exception as err:  # noqa: BLE001 - the peer's failure is a result, not our crash
+                    if rank == 0:
+                        print(f"peer failed: {type(err).__name__}: {err}"[:500], flush=True)
+                    rows.append(dict(strategy="torch context parallel", cp=world, tokens_per_gpu=tokens, heads=heads,
+                                     kv_heads=heads, peer="torch_context_parallel_cudnn",
+                                     error=f"{type(err).__name__}: {err}"[:500]))
             torch.cuda.empty_cache()
     if args.profile:
         heads, kv_heads = map(int, args.heads[0].split(":"))
-        summaries = [None] * world
-        mine = profile(args, world, device, args.tokens_per_gpu[0], heads, kv_heads)
+        try:
+            mine = profile(args, world, device, args.tokens_per_gpu[0], heads, kv_heads)
+        except Exception as err:  # noqa: BLE001
+            mine = dict(step_us=0.0, compute_busy_us=0.0, comm_busy_us=0.0, comm_not_under_compute_us=0.0,
+                        gpu_idle_us=0.0, top_kernels=[f"profile failed: {type(err).__name__}: {err}"[:500]])
+            print(mine["top_kernels"][0], flush=True)
         t = torch.tensor([mine["step_us"], mine["compute_busy_us"], mine["comm_busy_us"],
                           mine["comm_not_under_compute_us"], mine["gpu_idle_us"]], device=device, dtype=torch.float64)
         gathered = [torch.empty_like(t) for _ in range(world)]
@@ -284,7 +307,7 @@ def main(argv=None):
         date = datetime.date.today().isoformat()
         path = os.path.join(args.out_dir, f"{date}-multigpu.json")
         with open(path, "w") as f:
-            json.dump(dict(date=date, world=world, device=torch.cuda.get_device_name(device),
+            json.dump(dict(date=date, world=world, device=name,
                            torch=torch.__version__, args=vars(args), rows=rows, **extra), f, indent=1)
         print(f"wrote {path}", flush=True)
     dist.destroy_process_group()

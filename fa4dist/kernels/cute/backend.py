@@ -19,6 +19,11 @@ class CuteSm90Backend:
     name = "cute"
     priority = 30  # above "sdpa" (20): chosen by "auto" wherever it supports the call
     fused_epilogue = True
+    # cp_invariant (fa4dist.kernels.invariant): a row's result depends on its own operands only (fixed tiles, the
+    # per-row softmax state, key tiles at fixed offsets from the call's first key; fully masked tiles add exact
+    # zeros) and a key's gradient sums query tiles in a fixed order; checked bitwise on the GPU
+    # (tests/cp/test_cp_gpu.py, tests/cp/multigpu_check.py).
+    cp_invariant = True
 
     def available(self, device) -> bool:
         device = torch.device(device)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One call on two H200s (kind nvidia-h200-x2): context parallelism over NCCL and the GPU tests that need a GPU, in
+# time-limited stages; logs and JSON go to $OUT.  A session's part is picked by its first argument:
+#   source .devwheels/install.sh && bash bench/gpu_session_x2.sh cp      # CP tests + multi-GPU bench + p2p
+#   source .devwheels/install.sh && bash bench/gpu_session_x2.sh recipes # HF SFT, FSDP2 at 2 GPUs, cp_sim
+set -u
+PART=${1:-cp}
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+stage() {
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "=== $name rc=$? in $((SECONDS - t0))s"
+  tail -n "${TAIL_LINES:-20}" "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())"
+env | grep -E "^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)=" || true
+TORCHRUN=(python3 -m torch.distributed.run --standalone --nproc-per-node 2)
+case "$PART" in
+  cp)
+    TAIL_LINES=14 stage multigpu_check 150 "${TORCHRUN[@]}" tests/cp/multigpu_check.py
+    TAIL_LINES=8 stage p2p 45 "${TORCHRUN[@]}" bench/p2p.py --out-dir "$OUT"
+    TAIL_LINES=24 stage multigpu_bench 200 "${TORCHRUN[@]}" bench/multigpu.py --tokens-per-gpu 32768 131072 \
+      --heads 32:8 32:32 --peer --profile --invariant --reps 3 --out-dir "$OUT"
+    TAIL_LINES=25 stage gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -rfE -x \
+      tests/kernels/test_nonfinite.py tests/kernels/test_window_gpu.py tests/cp/test_cp_gpu.py
+    ;;
+  recipes)
+    TAIL_LINES=12 stage hf_two 240 bash bench/hf_gpu.sh two
+    TAIL_LINES=12 stage fsdp2_cp2_64k 100 "${TORCHRUN[@]}" recipes/fsdp2_train.py --model base --seqlen 65536 --cp 2 \
+      --batch-size 1 --packing stream --steps 6 --timing-warmup 2 --dtype bf16 --activation-checkpointing \
+      --metrics-out "$OUT/fsdp2_cp2.jsonl"
+    TAIL_LINES=20 stage cp_sim 90 python3 bench/cp_sim.py --reps 2
+    ;;
+esac
