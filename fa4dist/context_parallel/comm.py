@@ -19,6 +19,18 @@ import torch
 import torch.distributed as dist
 
 
+_STORE_SEQ: dict = {}
+
+
+def _store_channel(group) -> tuple:
+    """(the default process group's store, the key prefix of `group`: its name, unique per group and the same on
+    every rank, since groups are created collectively in one order)."""
+    from torch.distributed import distributed_c10d
+
+    name = (group if group is not None else dist.group.WORLD).group_name
+    return distributed_c10d._get_default_store(), f"fa4dist/agree/{name}/"
+
+
 class CommError(RuntimeError):
     """A context-parallel transfer failed or timed out; the message names what was being waited for."""
 
@@ -176,6 +188,27 @@ class Transport:
             n = int.from_bytes(raw[:8], "little")
             out.append(raw[8:8 + n])
         return out
+
+    def host_gather_ints(self, values: Sequence[int], what: str) -> list[list[int]]:
+        """Every rank's ints (the same count on every rank), in rank order, through the process group's store
+        (the rendezvous TCPStore): host-side only, so it neither waits for the GPU nor stalls its stream, unlike a
+        collective whose result is read back.  Exchanges on one group are numbered, and a rank deletes its key of
+        exchange n - 1 once every rank has posted exchange n (so each has read n - 1)."""
+        store, prefix = _store_channel(self.group)
+        seq = _STORE_SEQ[prefix] = _STORE_SEQ.get(prefix, 0) + 1
+        keys = [f"{prefix}{seq}/{r}" for r in range(self.size)]
+        store.set(keys[self.rank], ",".join(str(int(x)) for x in values))
+        try:
+            store.wait(keys, self.timeout_delta)
+        except Exception as err:  # the store raises its own timeout types, by version
+            raise CommError(
+                f"{self.label}: rank {self.rank} of {self.size} failed waiting for {what} from all ranks of its "
+                f"group (timeout {self.timeout:g}s; did every rank call it?): {err}"
+            ) from err
+        rows = [[int(x) for x in bytes(v).decode().split(",")] for v in store.multi_get(keys)]
+        if seq > 1:
+            store.delete_key(f"{prefix}{seq - 1}/{self.rank}")
+        return rows
 
     def all_gather_ints(self, values: Sequence[int], what: str) -> list[list[int]]:
         """Every rank's int64 values (the same count on every rank), in rank order: one small all-gather."""

@@ -355,14 +355,14 @@ class ContextParallel:
 
     def agree(self, what: str, call: int, sig: Optional[dict], error: Optional[Exception] = None) -> None:
         """Checks that every rank makes the same call: a small fingerprint (signature digest, call number, error
-        flag) all-gathered per stage.  Only when something differs do the ranks exchange their full signatures,
+        flag) exchanged per stage through the group's store (host-side: no GPU sync, no collective).  Only when something differs do the ranks exchange their full signatures,
         so that every rank raises the same message naming the fields and ranks (never a hang or garbage)."""
         digest = 0 if sig is None else int.from_bytes(
             hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).digest()[:7], "little")
         found = 0
         for stage in self._stages():
-            rows = stage.all_gather_ints([digest, call, int(error is not None), found],
-                                         f"the agreement check of {what} {call}")
+            rows = stage.host_gather_ints([digest, call, int(error is not None), found],
+                                          f"the agreement check of {what} {call}")
             if any(r[2] or r[3] for r in rows) or len({(r[0], r[1]) for r in rows}) > 1:
                 found = 1
         if not found:
