@@ -161,10 +161,13 @@ def peer(args, world, device, tokens, heads, rows):
         full_leaves = None  # free before the distributed run
         mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("cp",))
         set_rotate_method("alltoall")
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        leaves = [t.detach().clone() for t in (q, k, v)]  # sharded in place on entry: grads only after that
         d = dout.clone()
         with context_parallel(mesh, buffers=[*leaves, d], buffer_seq_dims=[2, 2, 2, 2],
                               no_restore_buffers={*leaves, d}):
+            for t in leaves:
+                t.requires_grad_()
+
             def step():
                 for t in leaves:
                     t.grad = None
