@@ -78,15 +78,25 @@ def ds_config(args, layout, dtype) -> dict:
     cfg["gradient_clipping"] = float(args.grad_clip)
     zero = cfg.setdefault("zero_optimization", {})
     zero["stage"] = args.zero_stage
-    if args.zero_stage == 3 and layout.cp > 1:
-        # ZeRO-3's reduce-scatter path (reduce_scatter_coalesced) averages gradients over all dp x sp ranks and
-        # never scales back by the sequence-parallel size, unlike ZeRO-2 and ZeRO-3's all-reduce path: with it the
-        # gradients would come out cp times too small (checked in tests/recipes/test_recipes_deepspeed.py).  Take the
-        # all-reduce path, which divides by dp only.
-        zero["reduce_scatter"] = False
+    if args.zero_stage == 3:
+        # Gather the next layers' parameters on a side stream while this one computes, keep the small ones (norms)
+        # resident instead of gathering them one by one, and keep a layer gathered between its recompute and its
+        # backward under activation checkpointing (all three were off: every gather sat on the critical path).
+        zero["overlap_comm"] = True
+        zero["stage3_param_persistence_threshold"] = 100_000
+        zero["stage3_prefetch_bucket_size"] = 200_000_000
+        zero["stage3_max_reuse_distance"] = 1_000_000_000
     cfg["bf16"] = {"enabled": dtype == torch.bfloat16}
     cfg["zero_allow_untested_optimizer"] = True
     return cfg
+
+
+def zero3_loss_scale(args, layout) -> float:
+    """ZeRO-3's reduce-scatter averages gradients over all dp x sp ranks and never scales back by the sequence-
+    parallel size (ZeRO-2 divides by dp only): the loss going into the backward is multiplied by cp, as in the FSDP2
+    recipe, so the cp shares add up (checked in tests/recipes/test_recipes_deepspeed.py).  (The earlier workaround,
+    its all-reduce path, moved twice the gradient bytes and held whole gradients.)"""
+    return float(layout.cp) if args.zero_stage == 3 else 1.0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -150,7 +160,8 @@ def main(argv=None):
         samples = stream.batch(step, args.batch_size, first=layout.dp_rank * per_rank, count=per_rank)
         common.sync(device)
         t0 = common.now()
-        loss_sum, _ = common.forward_backward(engine, samples, layout, args, device, backward=backward)
+        loss_sum, _ = common.forward_backward(engine, samples, layout, args, device, backward=backward,
+                                              loss_scale=zero3_loss_scale(args, layout))
         loss = common.step_loss(loss_sum, layout)
         common.sync(device)
         seconds = common.now() - t0
