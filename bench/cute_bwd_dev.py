@@ -4,7 +4,7 @@
     python bench/cute_bwd_dev.py smoke          # GPU: one small case per main variant vs the fp64 reference
     python bench/cute_bwd_dev.py bench          # GPU: TFLOP/s beside cuDNN and flash-attn-4, det and not
 
-With FA4DIST_BWD_AOT_DIR=DIR set, the kernels are loaded from DIR instead of compiled (saves device time).
+With FA4DIST_CUTE_AOT_DIR=DIR set, the kernels are loaded from DIR instead of compiled (saves device time).
 Sizes follow ../shared/docs/anchors.md: batch = 16384 / seqlen, heads = 2048 / headdim, bf16; backward TFLOP/s
 = 2.5 x 4 B H S^2 D (/2 causal). Timings: triton.testing.do_bench medians, all in one run (ratios matter).
 """
@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from fa4dist.kernels.cute import backward as B  # noqa: E402
+from fa4dist.kernels.cute import host  # noqa: E402
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -76,7 +77,7 @@ def cmd_aot(folder):
     cfgs = dev_variants()
     t0 = time.time()
     for i, cfg in enumerate(cfgs):
-        path = B.export_aot(cfg, folder)
+        path = host.export_aot(cfg, folder)
         print(f"[{i + 1}/{len(cfgs)}] {time.time() - t0:6.1f}s {os.path.basename(path)} {cfg}", flush=True)
 
 
@@ -112,7 +113,7 @@ def cmd_aotcheck():
     B.backward(dout, q, k, v, out64.to(BF16), lse64.float(), *bufs, causal=True)
     torch.cuda.synchronize()
     errs = [_relerr(a, r) for a, r in zip(bufs, ref)]
-    aot = [type(f).__name__ for f in B._CACHE.values()]
+    aot = [type(f).__name__ for f in host._CACHE.values()]
     print(f"aotcheck: errs {errs} in {time.time() - t0:.2f}s, kernels {aot}", flush=True)
     sys.exit(0 if all(e < 3e-2 for e in errs) else 1)
 

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from fa4dist.kernels.cute import interface as cute_fwd  # noqa: E402
+from fa4dist.kernels.cute import forward as cute_fwd  # noqa: E402
 
 
 def bench_ms(fn, warmup=25, rep=100):

@@ -18,6 +18,7 @@ pytest.importorskip("tvm_ffi")
 torch = pytest.importorskip("torch")
 
 from fa4dist.kernels.cute import backward as bwd  # noqa: E402
+from fa4dist.kernels.cute import host  # noqa: E402
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -77,9 +78,9 @@ def test_compile_backward_variant(variant, tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)  # --keep-ptx writes the .ptx into the working directory
     pre, main, post = _configs(variant)
     for cfg in (pre, post):
-        compiled = bwd.compile_config(cfg, extra_options="--keep-ptx")
+        compiled = host.compile_config(cfg, extra_options="--keep-ptx")
         assert ".target sm_90a" in compiled.artifacts.PTX
-    compiled = bwd.compile_config(main, extra_options="--keep-ptx remarks{ptx}")
+    compiled = host.compile_config(main, extra_options="--keep-ptx remarks{ptx}")
     ptx = compiled.artifacts.PTX
     assert ptx and ".target sm_90a" in ptx
     assert "wgmma.mma_async" in ptx

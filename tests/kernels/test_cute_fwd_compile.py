@@ -16,7 +16,8 @@ pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 torch = pytest.importorskip("torch")
 
-from fa4dist.kernels.cute import interface as cute_fwd  # noqa: E402
+from fa4dist.kernels.cute import forward as cute_fwd  # noqa: E402
+from fa4dist.kernels.cute import host  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -60,7 +61,7 @@ def test_compile_variant(variant, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # --keep-ptx writes the .ptx into the working directory
     dt, d, causal, varlen, acc, extra = variant
     cfg = cute_fwd.make_config(dt, d, causal=causal, varlen=varlen, accumulate=acc, **extra)
-    compiled = cute_fwd.compile_variant(cfg, extra_options="--keep-ptx")
+    compiled = host.compile_config(cfg, extra_options="--keep-ptx")
     ptx = compiled.artifacts.PTX
     assert ptx, "no PTX kept"
     assert ".target sm_90a" in ptx

@@ -49,7 +49,9 @@ class BwdPostprocess:
         )
 
     @cute.kernel
-    def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, tiled_mma: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor]):
+    def kernel(
+        self, mdQacc: cute.Tensor, mdQ: cute.Tensor, tiled_mma: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor]
+    ):
         tm, D = self.tile_m, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
