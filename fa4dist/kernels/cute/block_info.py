@@ -62,6 +62,20 @@ class SeqlenInfo:
             diag_b = diag + mSegOffQ[batch] - mSegOffK[batch]
         return SeqlenInfo(offset_q, offset_k, seqlen_q, seqlen_k, diag_b, scratch_base)
 
+    @staticmethod
+    def create_q(batch, mQ: cute.Tensor, mCuSeqlensQ, *, varlen: bool, scratch_tile_m: int) -> "SeqlenInfo":
+        """The query side only (the backward's pre- and postprocess kernels): offset_q, seqlen_q and
+        scratch_base; key fields are None."""
+        offset_q = Int32(0)
+        if const_expr(varlen):
+            offset_q = mCuSeqlensQ[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+            scratch_base = offset_q // scratch_tile_m + batch
+        else:
+            seqlen_q = cute.size(mQ.shape[0])
+            scratch_base = batch * cute.ceil_div(seqlen_q, scratch_tile_m)
+        return SeqlenInfo(offset_q, None, seqlen_q, None, None, scratch_base)
+
 
 @dataclass(frozen=True)
 class BlockInfo:
