@@ -57,7 +57,6 @@ def dev_variants():
     add(BF16, 128, True, varlen=True, seg=True)
     # variants timed by the bench (and the det_chunk order, tested under FA4DIST_BWD_OVERRIDE=det_chunk=8)
     for causal in (False, True):
-        add(BF16, 128, causal, dv_early=True)
         add(BF16, 128, causal, stmatrix_ds=False)
         add(BF16, 64, causal, stmatrix_ds=False)
     for trio in list(out):
@@ -221,9 +220,7 @@ def cmd_bench(args):
         row["ours_pre"] = bench_ms(steps[0])
         row["ours_post"] = bench_ms(steps[2])
         # variants of the main kernel (each gets its own scratch: run all three steps once before timing)
-        for tag, kw in (("16bit_ds", dict(stmatrix_ds=False)), ("dv_early", dict(dv_early=True))):
-            if tag == "dv_early" and not (d == 128 and s == 8192):
-                continue
+        for tag, kw in (("16bit_ds", dict(stmatrix_ds=False)),):
             st_v = B.launch_steps(dout, q, k, v, out, lse, *grads, causal=causal, **kw)
             for st in st_v:
                 st()

@@ -55,7 +55,6 @@ class BwdConfig:
     deterministic: bool
     dkv_fp32: bool  # dk/dv buffers are fp32 (always when accumulating)
     tile_m: int
-    dv_early: bool = False  # GPU run 1: issuing dV after dS is 4-15 % faster
     stmatrix_ds: bool = True  # GPU run 2: 26/26 tests, main kernel 2-6 % faster than 16-bit stores
     det_chunk: int = 0  # deterministic launch order in chunks of key tiles (0: off)
     regs_mma: int = 240
@@ -66,7 +65,7 @@ class BwdConfig:
         return FlashBwdSm90(
             host.cutlass_dtype(self.dtype), self.head_dim, causal=self.causal, varlen=self.varlen,
             accumulate=self.accumulate, deterministic=self.deterministic, seg_offsets=self.seg_offsets,
-            tile_m=self.tile_m, dv_early=self.dv_early, stmatrix_ds=self.stmatrix_ds, det_chunk=self.det_chunk,
+            tile_m=self.tile_m, stmatrix_ds=self.stmatrix_ds, det_chunk=self.det_chunk,
             regs_mma=self.regs_mma,
         )
 
@@ -151,13 +150,13 @@ class PostConfig:
         return (dqacc, dq, cutlass.Int32(1), cu_q, host.fake_stream())
 
 
-_FIELDS = {"dv_early": host.parse_bool, "stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int}
+_FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int}
 # development hook: FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_BWD_OVERRIDE", _FIELDS)
 
 
 def set_override(**kw) -> None:
-    """Development hook: force fields of BwdConfig (dv_early=..., stmatrix_ds=..., regs_mma=...)."""
+    """Development hook: force fields of BwdConfig (stmatrix_ds=..., det_chunk=..., regs_mma=...)."""
     _OVERRIDE.clear()
     _OVERRIDE.update(kw)
 

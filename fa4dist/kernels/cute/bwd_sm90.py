@@ -21,6 +21,15 @@ Masking (mask.py in its transposed mode, block_info.py): query tiles that see no
 visited; tiles entirely visible skip the mask math. Rows whose lse is -inf (or padding rows) carry lse2 = +inf
 from the preprocess kernel, so their P is exactly 0: they contribute nothing.
 
+Non-finite values (sanitize.py): a masked pair contributes nothing, whatever K, V, Q or dO hold there. In masked
+steps P^T and dS^T are selected (not multiplied) to 0 at masked pairs, which covers S, dP and a NaN lse; what is
+left is the tensor cores multiplying those zeros with operand rows. Warps 2-3 of warpgroup 0 (the sanitizer)
+therefore see the K tile (once per CTA: dQ = dS K) and, in masked steps and in a packed sequence's last query
+tile, the Q and dO tiles before the MMA warpgroups do: those land on separate barriers, rows holding NaN / inf
+are zeroed, a bad query row's lse2 becomes NaN (its own gradients and those of the keys it sees are NaN), and
+the sanitizer then completes the barriers the MMA warpgroups wait on. A row that sees a non-finite key has a NaN
+lse from the forward, so its gradients are NaN through P.
+
 The dQ accumulator scratch is laid out per (query tile, head) in the MMA fragment order of
 common_sm90.dq_tiled_mma (see dq_chunk_layout); bwd_postprocess.py converts it.
 
@@ -58,6 +67,7 @@ from .common_sm90 import (
     wgmma_gemm,
 )
 from .mask import AttentionMask
+from .sanitize import block_any, clear_nonfinite_rows, row_is_nonfinite, tile_maybe_nonfinite, zero_row
 from .tile_scheduler import bwd_work_tile
 
 
@@ -77,9 +87,8 @@ class FlashBwdSm90:
         tile_m: int = 64,
         tile_n: int = 128,
         num_stages: int = 2,
-        regs_producer: int = 24,
+        regs_producer: int = 32,  # 32 x 128 + 240 x 256 = the 64K registers of an SM
         regs_mma: int = 240,
-        dv_early: bool = False,
         stmatrix_ds: bool = False,
         det_chunk: int = 0,
     ):
@@ -97,7 +106,6 @@ class FlashBwdSm90:
         self.num_stages = num_stages
         self.regs_producer = regs_producer
         self.regs_mma = regs_mma
-        self.dv_early = dv_early
         self.stmatrix_ds = stmatrix_ds  # dS^T -> smem with stmatrix.trans instead of 16-bit stores
         self.num_threads = 384
         # causal + deterministic: shortest-first, i.e. for each query tile the key tiles add their
@@ -110,6 +118,11 @@ class FlashBwdSm90:
         self.det_chunk = det_chunk if deterministic else 0
         self.dq_chunk_elems = self.tile_m * head_dim // 2
         self.block_info = BlockInfo(self.tile_m, self.tile_n, causal)
+        # masked pairs with stored operands exist only with a causal mask or packed sequences (a dense sequence
+        # end is zero-filled by TMA)
+        self.sanitize = causal or varlen
+        self.fp16 = dtype == cutlass.Float16
+        self.sanitizer_threads = 64  # warps 2..3 of warpgroup 0
 
     # ------------------------------------------------------------------------
     # host side
@@ -180,6 +193,10 @@ class FlashBwdSm90:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            # tiles the sanitizer sees first land here
+            mbar_kvland: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_qland: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_doland: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.num_stages], 128]
             sDpsum: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.num_stages], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sQ_layout)], 1024]
@@ -266,6 +283,14 @@ class FlashBwdSm90:
         pipe_kv = tma_pipeline(storage.mbar_kv.data_ptr(), 1, mma_warps, 2 * self.bytes_kv)
         pipe_q = tma_pipeline(storage.mbar_q.data_ptr(), self.num_stages, mma_warps, self.bytes_q + self.bytes_vec)
         pipe_do = tma_pipeline(storage.mbar_do.data_ptr(), self.num_stages, mma_warps, self.bytes_q + self.bytes_vec)
+        pipe_kvland = pipe_qland = pipe_doland = None
+        if const_expr(self.sanitize):
+            san_warps = self.sanitizer_threads // 32
+            pipe_kvland = tma_pipeline(storage.mbar_kvland.data_ptr(), 1, san_warps, 2 * self.bytes_kv)
+            pipe_qland = tma_pipeline(storage.mbar_qland.data_ptr(), self.num_stages, san_warps,
+                                      self.bytes_q + self.bytes_vec)
+            pipe_doland = tma_pipeline(storage.mbar_doland.data_ptr(), self.num_stages, san_warps,
+                                       self.bytes_q + self.bytes_vec)
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
 
         vec_layout = cute.make_layout((tm, self.num_stages), stride=(1, tm))
@@ -281,6 +306,7 @@ class FlashBwdSm90:
             sdQ=storage.sdQ.get_tensor(dq_chunk_layout(tm, self.head_dim)),
             tma_atom_Q=tma_atom_Q, tma_atom_K=tma_atom_K, tma_atom_V=tma_atom_V, tma_atom_dO=tma_atom_dO,
             pipe_kv=pipe_kv, pipe_q=pipe_q, pipe_do=pipe_do,
+            pipe_kvland=pipe_kvland, pipe_qland=pipe_qland, pipe_doland=pipe_doland,
         )
 
         # ---------------- work tile, sequence and query-tile range (identical in every warp) ----------------
@@ -301,6 +327,10 @@ class FlashBwdSm90:
             if warp_idx == 1:
                 if has_work:
                     self.dq_writer(io, tile, seqlen, rng)
+            if const_expr(self.sanitize):
+                if warp_idx >= 2:
+                    if has_work:
+                        self.sanitizer(io, tile, seqlen, rng, tidx - 64)
         else:
             cute.arch.setmaxregister_increase(self.regs_mma)
             self.mma(io, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, scale, scale_log2, tile, seqlen, rng)
@@ -323,9 +353,14 @@ class FlashBwdSm90:
         tKsK, tKgK = tma_tile_partition(io.tma_atom_K, io.sK, gK)
         tVsV, tVgV = tma_tile_partition(io.tma_atom_V, io.sV, gV)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        io.pipe_kv.producer_acquire(kv_state)
-        cute.copy(io.tma_atom_K, tKgK, tKsK, tma_bar_ptr=io.pipe_kv.producer_get_barrier(kv_state))
-        cute.copy(io.tma_atom_V, tVgV, tVsV, tma_bar_ptr=io.pipe_kv.producer_get_barrier(kv_state))
+        if const_expr(self.sanitize):
+            io.pipe_kvland.producer_acquire(kv_state)  # the sanitizer completes pipe_kv
+            bar_kv = io.pipe_kvland.producer_get_barrier(kv_state)
+        else:
+            io.pipe_kv.producer_acquire(kv_state)
+            bar_kv = io.pipe_kv.producer_get_barrier(kv_state)
+        cute.copy(io.tma_atom_K, tKgK, tKsK, tma_bar_ptr=bar_kv)
+        cute.copy(io.tma_atom_V, tVgV, tVsV, tma_bar_ptr=bar_kv)
 
         # lse2 / dPsum vectors: (tm, chunk * h + head)
         n_vec = cute.size(io.mLSE2.shape[0]) // tm
@@ -335,6 +370,7 @@ class FlashBwdSm90:
         pipe_q, pipe_do = io.pipe_q, io.pipe_do
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        land_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for hi in cutlass.range(group, unroll=1):
             head = head_kv * group + hi
             if const_expr(not self.varlen):
@@ -349,16 +385,102 @@ class FlashBwdSm90:
             tdOsdO, tdOgdO = tma_tile_partition(io.tma_atom_dO, io.sdO, gdO)
             for m in cutlass.range(rng.m_min, rng.m_max, unroll=1):
                 vec_idx = (seqlen.scratch_base + m) * num_heads + head
-                pipe_q.producer_acquire(q_state)
-                bar_q = pipe_q.producer_get_barrier(q_state)
-                cute.copy(io.tma_atom_Q, tQgQ[None, m], tQsQ[None, q_state.index], tma_bar_ptr=bar_q)
-                with cute.arch.elect_one():
-                    cute.copy(bulk_atom, gLSE_all[None, vec_idx], io.sLSE[None, q_state.index], mbar_ptr=bar_q)
-                pipe_do.producer_acquire(q_state)
-                bar_do = pipe_do.producer_get_barrier(q_state)
-                cute.copy(io.tma_atom_dO, tdOgdO[None, m], tdOsdO[None, q_state.index], tma_bar_ptr=bar_do)
-                with cute.arch.elect_one():
-                    cute.copy(bulk_atom, gDps_all[None, vec_idx], io.sDpsum[None, q_state.index], mbar_ptr=bar_do)
+                if const_expr(self.sanitize):
+                    if self.step_sanitized(m, rng, seqlen):
+                        # land on the sanitizer's barriers; it completes pipe_q / pipe_do of this stage
+                        pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
+                        io.pipe_qland.producer_acquire(land_state)
+                        bar_q = io.pipe_qland.producer_get_barrier(land_state)
+                        cute.copy(io.tma_atom_Q, tQgQ[None, m], tQsQ[None, q_state.index], tma_bar_ptr=bar_q)
+                        with cute.arch.elect_one():
+                            cute.copy(bulk_atom, gLSE_all[None, vec_idx], io.sLSE[None, q_state.index],
+                                      mbar_ptr=bar_q)
+                        pipe_do.sync_object_empty.wait(q_state.index, q_state.phase)
+                        io.pipe_doland.producer_acquire(land_state)
+                        bar_do = io.pipe_doland.producer_get_barrier(land_state)
+                        cute.copy(io.tma_atom_dO, tdOgdO[None, m], tdOsdO[None, q_state.index], tma_bar_ptr=bar_do)
+                        with cute.arch.elect_one():
+                            cute.copy(bulk_atom, gDps_all[None, vec_idx], io.sDpsum[None, q_state.index],
+                                      mbar_ptr=bar_do)
+                        land_state.advance()
+                    else:
+                        self.load_q_do(io, tQgQ, tQsQ, tdOgdO, tdOsdO, gLSE_all, gDps_all, bulk_atom, q_state, m,
+                                       vec_idx)
+                else:
+                    self.load_q_do(io, tQgQ, tQsQ, tdOgdO, tdOsdO, gLSE_all, gDps_all, bulk_atom, q_state, m, vec_idx)
+                q_state.advance()
+
+    @cute.jit
+    def load_q_do(self, io: Context, tQgQ, tQsQ, tdOgdO, tdOsdO, gLSE_all, gDps_all, bulk_atom, q_state, m: Int32,
+                  vec_idx: Int32):
+        """Q tile m (+ its lse2 vector) and dO tile m (+ its dPsum vector) into the stage of q_state."""
+        pipe_q, pipe_do = io.pipe_q, io.pipe_do
+        pipe_q.producer_acquire(q_state)
+        bar_q = pipe_q.producer_get_barrier(q_state)
+        cute.copy(io.tma_atom_Q, tQgQ[None, m], tQsQ[None, q_state.index], tma_bar_ptr=bar_q)
+        with cute.arch.elect_one():
+            cute.copy(bulk_atom, gLSE_all[None, vec_idx], io.sLSE[None, q_state.index], mbar_ptr=bar_q)
+        pipe_do.producer_acquire(q_state)
+        bar_do = pipe_do.producer_get_barrier(q_state)
+        cute.copy(io.tma_atom_dO, tdOgdO[None, m], tdOsdO[None, q_state.index], tma_bar_ptr=bar_do)
+        with cute.arch.elect_one():
+            cute.copy(bulk_atom, gDps_all[None, vec_idx], io.sDpsum[None, q_state.index], mbar_ptr=bar_do)
+
+    def step_sanitized(self, m, rng: Context, seqlen: SeqlenInfo):
+        """Query tile m's Q / dO go through the sanitizer: causal masked steps (a query row that does not see a
+        key of the tile), and (packed sequences) the tile cut by the sequence end, whose padding rows are
+        another sequence's tokens."""
+        sanitized = False
+        if const_expr(self.causal):
+            sanitized = m < rng.m_mask_end
+        if const_expr(self.varlen):
+            sanitized = sanitized | ((m + 1) * self.tile_m > seqlen.seqlen_q)
+        return sanitized
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def sanitizer(self, io: Context, tile, seqlen: SeqlenInfo, rng: Context, tid: Int32):
+        """Warps 2-3 of warpgroup 0: the K tile once, then the Q / dO tiles of the sanitized steps (same order as
+        the producer): zero rows holding NaN / inf (a bad query row also gets lse2 = NaN), then complete the
+        barriers the MMA warpgroups wait on."""
+        nthr, fp16 = self.sanitizer_threads, self.fp16
+        bar = int(BwdBarrier.SANITIZE)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        io.pipe_kvland.consumer_wait(kv_state)
+        if block_any(tile_maybe_nonfinite(io.sK.iterator, self.tile_n * self.head_dim, Int32(0), tid, nthr, fp16),
+                     bar, nthr):
+            clear_nonfinite_rows(io.sK, tid, nthr, fp16)
+            cute.arch.fence_view_async_shared()  # zeroed rows -> wgmma (async proxy)
+            cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
+        if tid == 0:
+            cute.arch.mbarrier_arrive(io.pipe_kv.sync_object_full.get_barrier(0))
+
+        tm, n_elems = self.tile_m, self.tile_m * self.head_dim
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        land_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        for hi in cutlass.range(tile.group, unroll=1):
+            for m in cutlass.range(rng.m_min, rng.m_max, unroll=1):
+                if self.step_sanitized(m, rng, seqlen):
+                    stage = q_state.index
+                    io.pipe_qland.consumer_wait(land_state)
+                    io.pipe_doland.consumer_wait(land_state)
+                    maybe = tile_maybe_nonfinite(io.sQ.iterator, n_elems, stage, tid, nthr, fp16)
+                    maybe = maybe | tile_maybe_nonfinite(io.sdO.iterator, n_elems, stage, tid, nthr, fp16)
+                    if block_any(maybe, bar, nthr):
+                        sQ, sdO = io.sQ[None, None, stage], io.sdO[None, None, stage]
+                        for r in cutlass.range(tid, tm, nthr, unroll=1):
+                            if row_is_nonfinite(sQ, r, fp16) | row_is_nonfinite(sdO, r, fp16):
+                                zero_row(sQ, r)
+                                zero_row(sdO, r)
+                                io.sLSE[r, stage] = Float32.nan
+                        cute.arch.fence_view_async_shared()  # zeroed rows -> wgmma (async proxy)
+                        cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
+                    if tid == 0:
+                        cute.arch.mbarrier_arrive(io.pipe_q.sync_object_full.get_barrier(stage))
+                        cute.arch.mbarrier_arrive(io.pipe_do.sync_object_full.get_barrier(stage))
+                    io.pipe_qland.consumer_release(land_state)
+                    io.pipe_doland.consumer_release(land_state)
+                    land_state.advance()
                 q_state.advance()
 
     # ------------------------------------------------------------------------
@@ -555,36 +677,36 @@ class FlashBwdSm90:
         self.gemm(st.tiled_mma_sdp, acc_dP, st.tdPrV, st.tdPrdO[None, None, None, stage], True)
         warpgroup.wait_group(1)  # S^T done
 
-        # (3) P^T = exp2(S^T * scale_log2 - lse2[query])
+        # (3) P^T = exp2(S^T * scale_log2 - lse2[query]), 0 at masked pairs
         acc_S_mn = mn_view(acc_S)
         n_rows = cute.size(acc_S_mn, mode=[0])
         n_cols = cute.size(acc_S_mn, mode=[1])
-        if const_expr(masked):
-            st.mask.apply_transposed(acc_S, m_block, st.n_block)
         for c in cutlass.range_constexpr(n_cols):
             lse_c = st.sLSE[tScS_mn[0, c][1], stage]
             for r in cutlass.range_constexpr(n_rows):
                 acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * st.scale_log2 - lse_c, fastmath=True)
-        # (4) dV += P^T dO, issued before dS is computed (dv_early) or after (fewer live registers)
-        if const_expr(self.dv_early):
-            st.tdVrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
-            self.gemm(st.tiled_mma_dkv, st.acc_dV, st.tdVrP, st.tdVrdOt[None, None, None, stage], False)
-            warpgroup.wait_group(1)  # dP done (dV may still run)
-        else:
-            warpgroup.wait_group(0)
+        if const_expr(masked):
+            st.mask.apply_transposed(acc_S, m_block, st.n_block, 0.0)
+        warpgroup.wait_group(0)  # dP^T done
 
         # (5) dS^T = P^T * (scale * dP^T - dPsum_scaled[query])
         acc_dP_mn = mn_view(acc_dP)
         for c in cutlass.range_constexpr(n_cols):
             dps_c = st.sDpsum[tScS_mn[0, c][1], stage]
             for r in cutlass.range_constexpr(n_rows):
-                acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] * scale - dps_c)
+                p = acc_S_mn[r, c]
+                ds = p * (acc_dP_mn[r, c] * scale - dps_c)
+                if const_expr(masked):
+                    # P is exactly 0 at masked pairs, but 0 * NaN (dP of a bad V row, dPsum of a bad row) is not
+                    ds = ds if p != Float32(0.0) else Float32(0.0)
+                acc_dP_mn[r, c] = ds
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         rdS.store(acc_dP.load().to(self.dtype))
         st.tdKrdS.store(acc_to_operand_a(rdS).load())
-        if const_expr(not self.dv_early):
-            st.tdVrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
-            self.gemm(st.tiled_mma_dkv, st.acc_dV, st.tdVrP, st.tdVrdOt[None, None, None, stage], False)
+        # (4) dV += P^T dO, issued after dS is computed (GPU run 1: 4-15 % faster than before it, fewer live
+        # registers)
+        st.tdVrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
+        self.gemm(st.tiled_mma_dkv, st.acc_dV, st.tdVrP, st.tdVrdOt[None, None, None, stage], False)
         # dS^T -> smem, as the (tm, tn) K-major A operand of dQ = dS K
         self.store_ds(st, rdS, stage)
         cute.arch.fence_view_async_shared()

@@ -15,6 +15,14 @@ Structure (one CTA = one query tile of ``tile_m`` rows of one (head, batch); til
 Masking (mask.py, block_info.py): key tiles entirely masked are never loaded or computed; tiles entirely visible
 run without mask math; rows without any visible key produce O = 0, LSE = -inf.
 
+Non-finite values (sanitize.py): a masked pair contributes nothing, whatever V holds there. The V tiles of the
+masked blocks (diagonal, document boundary, sequence end) go through warps 1-3 of the producer warpgroup
+before the consumers see them: the TMA lands them on a separate barrier, the sanitizer warps zero rows holding
+NaN / inf and publish the first bad row, then release the tile. The consumers mark the rows that see that key
+(their O becomes NaN; their lse, which V does not enter, stays); K needs no such care (masked scores are replaced
+by a select). A row whose softmax is undefined (all scores -inf, or NaN) gets lse = NaN; -inf only means "saw
+no key".
+
 This module imports cutlass at import time: import it lazily.
 """
 
@@ -43,11 +51,9 @@ from .common_sm90 import (
     wgmma_gemm,
 )
 from .mask import AttentionMask
-from .softmax import OnlineSoftmax
+from .sanitize import NONE, block_any, clear_nonfinite_rows, tile_maybe_nonfinite
+from .softmax import OnlineSoftmax, merge_lse
 from .tile_scheduler import fwd_work_tile
-
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
 
 
 class FlashFwdSm90:
@@ -96,6 +102,10 @@ class FlashFwdSm90:
             l2_rows = (24 * 1024 * 1024) // (2 * head_dim * elem)
         self.l2_rows = l2_rows
         self.block_info = BlockInfo(tile_m, tile_n, causal)
+        # V tiles of masked blocks go through the sanitizer warps (dense non-causal: TMA zero-fills past the end)
+        self.sanitize_v = causal or varlen
+        self.fp16 = dtype == cutlass.Float16
+        self.sanitizer_threads = 96  # warps 1..3 of the producer warpgroup
 
     # ------------------------------------------------------------------------
     # host side
@@ -173,6 +183,8 @@ class FlashFwdSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_vland: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]  # V tiles to sanitize land here
+            sVbad: cute.struct.MemRange[Int32, self.num_stages]  # per stage: first row that held NaN / inf
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], 1024]
@@ -265,6 +277,10 @@ class FlashFwdSm90:
         pipe_q = tma_pipeline(storage.mbar_q.data_ptr(), 1, consumer_warps, self.bytes_q)
         pipe_k = tma_pipeline(storage.mbar_k.data_ptr(), self.num_stages, consumer_warps, self.bytes_kv)
         pipe_v = tma_pipeline(storage.mbar_v.data_ptr(), self.num_stages, consumer_warps, self.bytes_kv)
+        pipe_vland = None
+        if const_expr(self.sanitize_v):
+            pipe_vland = tma_pipeline(storage.mbar_vland.data_ptr(), self.num_stages, self.sanitizer_threads // 32,
+                                      self.bytes_kv)
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
 
         io = Context(
@@ -273,7 +289,8 @@ class FlashFwdSm90:
             sK=storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
             sV=storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
             tma_atom_Q=tma_atom_Q, tma_atom_K=tma_atom_K, tma_atom_V=tma_atom_V, tma_atom_O=tma_atom_O,
-            pipe_q=pipe_q, pipe_k=pipe_k, pipe_v=pipe_v,
+            pipe_q=pipe_q, pipe_k=pipe_k, pipe_v=pipe_v, pipe_vland=pipe_vland,
+            sVbad=storage.sVbad.get_tensor(cute.make_layout(self.num_stages)),
         )
 
         # ---------------- work tile, sequence and key-block range (identical in every warp) ----------------
@@ -282,6 +299,11 @@ class FlashFwdSm90:
         seqlen = SeqlenInfo.create(tile.batch, mQ, mK, diag, mCuSeqlensQ, mCuSeqlensK, mSegOffQ, mSegOffK,
                                    varlen=self.varlen, seg_offsets=self.seg_offsets)
         tile_valid, n_block_max, n_block_causal = self.block_info.key_blocks(seqlen, tile.block)
+        # the first n_sanitize blocks in processing order (the masked ones) have their V tile sanitized
+        n_sanitize = Int32(0)
+        if const_expr(self.sanitize_v):
+            n_masked, _ = self.block_info.masked_and_plain(n_block_max, n_block_causal)
+            n_sanitize = cutlass.min(n_masked + 1, n_block_max)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=None)
 
@@ -291,16 +313,20 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             if warp_idx == 0:
                 if n_block_max > 0:
-                    self.produce(io, tile, seqlen, n_block_max)
+                    self.produce(io, tile, seqlen, n_block_max, n_sanitize)
+            if const_expr(self.sanitize_v):
+                if warp_idx > 0:
+                    self.sanitize_v_tiles(io, n_sanitize, tidx - 32)
         else:
             # ============================ consumers ===========================
             cute.arch.setmaxregister_increase(self.regs_consumer)
             if tile_valid:
-                self.consume(io, tiled_mma_qk, tiled_mma_pv, scale_log2, tile, seqlen, n_block_max, n_block_causal)
+                self.consume(io, tiled_mma_qk, tiled_mma_pv, scale_log2, tile, seqlen, n_block_max,
+                             n_block_causal)
 
     # ------------------------------------------------------------------------
     @cute.jit
-    def produce(self, io: Context, tile, seqlen: SeqlenInfo, n_block_max: Int32):
+    def produce(self, io: Context, tile, seqlen: SeqlenInfo, n_block_max: Int32, n_sanitize: Int32):
         D = self.head_dim
         head, head_kv, batch = tile.head, tile.head_kv, tile.batch
         if const_expr(not self.varlen):
@@ -317,49 +343,117 @@ class FlashFwdSm90:
         tQsQ, tQgQ = tma_tile_partition(io.tma_atom_Q, io.sQ, gQ)
         tKsK, tKgK = tma_tile_partition(io.tma_atom_K, io.sK, gK)
         tVsV, tVgV = tma_tile_partition(io.tma_atom_V, io.sV, gV)
-        pipe_q, pipe_k, pipe_v = io.pipe_q, io.pipe_k, io.pipe_v
-        tma_atom_K, tma_atom_V = io.tma_atom_K, io.tma_atom_V
+        pipe_q, pipe_k = io.pipe_q, io.pipe_k
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        land_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        ld = Context(io=io, tVgV=tVgV, tVsV=tVsV)
 
         n_block = n_block_max - 1
         # first K tile goes out before Q so that both land together
         pipe_k.producer_acquire(kv_state)
-        cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
+        cute.copy(io.tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
                   tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
         pipe_q.producer_acquire(q_state)
         cute.copy(io.tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        # V tiles of the first n_sanitize blocks (processing order) land on the sanitizer's barrier instead
+        san = self.sanitize_v
         if const_expr(self.intra_wg_overlap):
             # consumer order: K(n), [K(n-1), V(n)], [K(n-2), V(n-1)], ..., V(0)
-            for i in cutlass.range(n_block_max - 1, unroll=1):
+            n_pairs = n_block_max - 1
+            n_pairs_sanitized = Int32(0)
+            if const_expr(san):
+                n_pairs_sanitized = cutlass.min(n_sanitize, n_pairs)
+                for i in cutlass.range(n_pairs_sanitized, unroll=1):
+                    n_prev = n_block_max - 1 - i
+                    prev_state = kv_state.clone()
+                    kv_state.advance()
+                    self.load_k(ld, tKgK, tKsK, kv_state, n_prev - 1)
+                    self.load_v_sanitized(ld, prev_state, land_state, n_prev)
+                    land_state.advance()
+            for i in cutlass.range(n_pairs_sanitized, n_pairs, unroll=1):
                 n_prev = n_block_max - 1 - i
                 prev_state = kv_state.clone()
                 kv_state.advance()
-                pipe_k.producer_acquire(kv_state)
-                cute.copy(tma_atom_K, tKgK[None, n_prev - 1], tKsK[None, kv_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-                pipe_v.producer_acquire(prev_state)
-                cute.copy(tma_atom_V, tVgV[None, n_prev], tVsV[None, prev_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(prev_state))
-            pipe_v.producer_acquire(kv_state)
-            cute.copy(tma_atom_V, tVgV[None, 0], tVsV[None, kv_state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                self.load_k(ld, tKgK, tKsK, kv_state, n_prev - 1)
+                self.load_v(ld, prev_state, n_prev)
+            if const_expr(san):
+                if n_sanitize > n_pairs:
+                    self.load_v_sanitized(ld, kv_state, land_state, 0)
+                else:
+                    self.load_v(ld, kv_state, 0)
+            else:
+                self.load_v(ld, kv_state, 0)
             kv_state.advance()
         else:
-            pipe_v.producer_acquire(kv_state)
-            cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, kv_state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+            if const_expr(san):
+                if n_sanitize > 0:
+                    self.load_v_sanitized(ld, kv_state, land_state, n_block)
+                else:
+                    self.load_v(ld, kv_state, n_block)
+                land_state.advance()
+            else:
+                self.load_v(ld, kv_state, n_block)
             kv_state.advance()
             for i in cutlass.range(n_block_max - 1, unroll=1):
                 n = n_block_max - 2 - i
-                pipe_k.producer_acquire(kv_state)
-                cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, kv_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-                pipe_v.producer_acquire(kv_state)
-                cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, kv_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                self.load_k(ld, tKgK, tKsK, kv_state, n)
+                if const_expr(san):
+                    if i + 1 < n_sanitize:
+                        self.load_v_sanitized(ld, kv_state, land_state, n)
+                    else:
+                        self.load_v(ld, kv_state, n)
+                    land_state.advance()
+                else:
+                    self.load_v(ld, kv_state, n)
                 kv_state.advance()
+
+    @cute.jit
+    def load_k(self, ld: Context, tKgK: cute.Tensor, tKsK: cute.Tensor, state, n: Int32):
+        ld.io.pipe_k.producer_acquire(state)
+        cute.copy(ld.io.tma_atom_K, tKgK[None, n], tKsK[None, state.index],
+                  tma_bar_ptr=ld.io.pipe_k.producer_get_barrier(state))
+
+    @cute.jit
+    def load_v(self, ld: Context, state, n: Int32):
+        """V(n) into the stage of ``state``, armed on the consumers' V barrier."""
+        ld.io.pipe_v.producer_acquire(state)
+        cute.copy(ld.io.tma_atom_V, ld.tVgV[None, n], ld.tVsV[None, state.index],
+                  tma_bar_ptr=ld.io.pipe_v.producer_get_barrier(state))
+
+    @cute.jit
+    def load_v_sanitized(self, ld: Context, state, land_state, n: Int32):
+        """V(n) into the stage of ``state``, landing on the sanitizer's barrier: the sanitizer, not the TMA,
+        completes the consumers' V barrier of that stage."""
+        ld.io.pipe_v.sync_object_empty.wait(state.index, state.phase)
+        ld.io.pipe_vland.producer_acquire(land_state)
+        cute.copy(ld.io.tma_atom_V, ld.tVgV[None, n], ld.tVsV[None, state.index],
+                  tma_bar_ptr=ld.io.pipe_vland.producer_get_barrier(land_state))
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def sanitize_v_tiles(self, io: Context, n_sanitize: Int32, tid: Int32):
+        """Sanitizer warps: for each V tile to sanitize, zero rows that hold NaN / inf, publish the first such row
+        (sVbad[stage], NONE if none), then complete the consumers' V barrier of the stage."""
+        nthr = self.sanitizer_threads
+        land_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        for _ in cutlass.range(n_sanitize, unroll=1):
+            io.pipe_vland.consumer_wait(land_state)
+            stage = land_state.index
+            if tid == 0:
+                io.sVbad[stage] = Int32(NONE)
+            maybe = tile_maybe_nonfinite(io.sV.iterator, self.tile_n * self.head_dim, stage, tid, nthr, self.fp16)
+            if block_any(maybe, int(FwdBarrier.SANITIZE), nthr):
+                first = clear_nonfinite_rows(io.sV[None, None, stage], tid, nthr, self.fp16)
+                if first != NONE:
+                    cute.arch.atomic_min(io.sVbad.iterator + stage, first)
+                cute.arch.fence_view_async_shared()  # zeroed rows -> wgmma (async proxy)
+                cute.arch.barrier(barrier_id=int(FwdBarrier.SANITIZE), number_of_threads=nthr)
+            if tid == 0:
+                cute.arch.mbarrier_arrive(io.pipe_v.sync_object_full.get_barrier(stage))
+            io.pipe_vland.consumer_release(land_state)
+            land_state.advance()
 
     # ------------------------------------------------------------------------
     @cute.jit
@@ -403,6 +497,7 @@ class FlashFwdSm90:
             acc_O=acc_O, s_shape=s_shape, pipe_k=io.pipe_k, pipe_v=io.pipe_v, softmax=softmax, m_block=m_block,
             wg=wg, mask=AttentionMask(self.tile_m, self.tile_n, self.causal, seqlen.seqlen_k, seqlen.diag, tScS_mn,
                                       t0ScS_mn),
+            sVbad=io.sVbad,
         )
 
         if n_block_max > 0:
@@ -425,6 +520,7 @@ class FlashFwdSm90:
                 ml.mask.apply(acc_S, m_block, n_block, True)
                 softmax.online(acc_S, True)
                 tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
+                self.mark_rows_seeing_bad_v(ml, kv_state, n_block)
                 for i in cutlass.range(n_masked, unroll=1):
                     kv_state = self.overlap_step(ml, kv_state, n_block_max - 2 - i, True)
                 for i in cutlass.range(n_plain, unroll=1):
@@ -441,7 +537,7 @@ class FlashFwdSm90:
                 for i in cutlass.range(n_plain, unroll=1):
                     kv_state = self.simple_step(ml, kv_state, n_plain - 1 - i, 0)
 
-        self.epilogue(io, ml, tidx, scale_log2, tile, seqlen)
+        self.epilogue(io, ml, tidx, tile, seqlen)
 
     # ------------------------------------------------------------------------
     @cute.jit
@@ -493,7 +589,23 @@ class FlashFwdSm90:
         ml.pipe_v.consumer_release(v_state)
         ml.tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
         ml.softmax.rescale_o(ml.acc_O, row_scale)
+        if const_expr(causal_mask):
+            self.mark_rows_seeing_bad_v(ml, kv_state, n_block)
         return kv_state
+
+    @cute.jit
+    def mark_rows_seeing_bad_v(self, ml: Context, kv_state, n_block: Int32):
+        """After the softmax of a masked block (no PV in flight): wait for its V tile (sanitized) and make O
+        non-finite for the rows that see the first key whose V row held NaN / inf. Their lse stays what the
+        scores give, as in the reference (a bad value row does not change the softmax)."""
+        if const_expr(self.sanitize_v):
+            ml.pipe_v.consumer_wait(kv_state)
+            bad_key = n_block * self.tile_n + ml.sVbad[kv_state.index]
+            acc_mn = mn_view(ml.acc_O)
+            for r in cutlass.range_constexpr(cute.size(ml.softmax.row_sum)):
+                row = ml.m_block * self.tile_m + ml.mask.tScS_mn[r, 0][0]
+                seen = ml.mask.visible(row, bad_key)
+                acc_mn[r, 0] = Float32.nan if seen else acc_mn[r, 0]  # each of the row's 4 threads: one column
 
     @cute.jit
     def simple_step(self, ml: Context, kv_state, n_block: Int32, mask_kind: cutlass.Constexpr[int]):
@@ -507,6 +619,8 @@ class FlashFwdSm90:
         row_scale = ml.softmax.online(acc_S, False)
         ml.tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
         ml.softmax.rescale_o(ml.acc_O, row_scale)
+        if const_expr(mask_kind > 0):
+            self.mark_rows_seeing_bad_v(ml, kv_state, n_block)
         ml.pipe_v.consumer_wait(kv_state)
         self.gemm(ml.tiled_mma_pv, ml.acc_O, ml.tOrP, ml.tOrVt[None, None, None, kv_state.index], False, 0)
         ml.pipe_v.consumer_release(kv_state)
@@ -515,32 +629,30 @@ class FlashFwdSm90:
 
     # ------------------------------------------------------------------------
     @cute.jit
-    def epilogue(self, io: Context, ml: Context, tidx: Int32, scale_log2: Float32, tile, seqlen: SeqlenInfo):
+    def epilogue(self, io: Context, ml: Context, tidx: Int32, tile, seqlen: SeqlenInfo):
         if const_expr(io.tma_atom_O is not None):
-            self.epilogue_tma(io, ml, tidx, scale_log2, tile, seqlen)
+            self.epilogue_tma(io, ml, tidx, tile, seqlen)
         else:
-            self.epilogue_direct(io, ml, tidx, scale_log2, tile, seqlen)
+            self.epilogue_direct(io, ml, tidx, tile, seqlen)
 
     @cute.jit
-    def epilogue_tma(self, io: Context, ml: Context, tidx: Int32, scale_log2: Float32, tile, seqlen: SeqlenInfo):
+    def epilogue_tma(self, io: Context, ml: Context, tidx: Int32, tile, seqlen: SeqlenInfo):
         """O -> registers (q dtype) -> smem (the Q buffer, free once every consumer warpgroup is
         past its last S = Q K^T) -> one TMA store (rows past seqlen_q are clipped by TMA)."""
         D = self.head_dim
         tiled_mma_pv, acc_O, sQ = ml.tiled_mma_pv, ml.acc_O, io.sQ
-        row_max, row_sum = ml.softmax.row_max, ml.softmax.row_sum
+        row_sum = ml.softmax.row_sum
         m_block = tile.block
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
         acc_mn = mn_view(acc_O)
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO_mn = mn_view(rO)
         lse_r = cute.make_rmem_tensor_like(row_sum, Float32)
+        cO = cute.make_identity_tensor((self.tile_m, D))
+        tOcO_mn = mn_view(thr_mma_pv.partition_C(cO))
         for r in cutlass.range_constexpr(cute.size(row_sum)):
-            s = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
-            empty = s == Float32(0.0) or s != s
-            inv = cute.arch.rcp_approx(Float32(1.0) if empty else s)
-            lse = Float32(-math.inf)
-            if not empty:
-                lse = (row_max[r] * scale_log2 + cute.math.log2(s, fastmath=True)) * LN_2
+            row = m_block * self.tile_m + tOcO_mn[r, 0][0]
+            inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row))
             lse_r[r] = lse
             rO_mn[r, None].store((acc_mn[r, None].load() * inv).to(self.dtype))
         # every consumer warpgroup has finished reading sQ
@@ -557,8 +669,6 @@ class FlashFwdSm90:
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         mL_cur = io.mLSE[None, tile.head, tile.batch]
-        cO = cute.make_identity_tensor((self.tile_m, D))
-        tOcO_mn = mn_view(thr_mma_pv.partition_C(cO))
         if tOcO_mn[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(row_sum)):
                 row = m_block * self.tile_m + tOcO_mn[r, 0][0]
@@ -566,12 +676,11 @@ class FlashFwdSm90:
                     mL_cur[row] = lse_r[r]
 
     @cute.jit
-    def epilogue_direct(self, io: Context, ml: Context, tidx: Int32, scale_log2: Float32, tile,
-                        seqlen: SeqlenInfo):
+    def epilogue_direct(self, io: Context, ml: Context, tidx: Int32, tile, seqlen: SeqlenInfo):
         """O (or the accumulate-merge) straight from registers to global memory."""
         D = self.head_dim
         acc_O = ml.acc_O
-        row_max, row_sum = ml.softmax.row_max, ml.softmax.row_sum
+        row_sum = ml.softmax.row_sum
         m_block, head, batch = tile.block, tile.head, tile.batch
         seqlen_q = seqlen.seqlen_q
         mO, mLSE = io.mO, io.mLSE
@@ -589,13 +698,8 @@ class FlashFwdSm90:
         acc_mn = mn_view(acc_O)
         is_col0 = tOcO_mn[0, 0][1] == 0
         for r in cutlass.range_constexpr(cute.size(row_sum)):
-            s = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
             row = m_block * self.tile_m + tOcO_mn[r, 0][0]
-            empty = s == Float32(0.0) or s != s
-            inv = cute.arch.rcp_approx(Float32(1.0) if empty else s)
-            lse = Float32(-math.inf)
-            if not empty:
-                lse = (row_max[r] * scale_log2 + cute.math.log2(s, fastmath=True)) * LN_2
+            inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row))
             lse_old = Float32(-math.inf)
             if const_expr(self.accumulate):
                 # the quad leader reads the running lse; the shuffle hands it to the 3 other
@@ -613,18 +717,7 @@ class FlashFwdSm90:
                         mL_cur[row] = lse
                 else:
                     # merge (acc/s, lse) into the running (out, lse_old)
-                    m = cute.arch.fmax(lse_old, lse)
-                    w_old = Float32(1.0)
-                    w_new = Float32(0.0)
-                    lse_out = lse_old
-                    if m != -Float32.inf:
-                        e_old = cute.math.exp2((lse_old - m) * LOG2_E, fastmath=True)
-                        e_new = cute.math.exp2((lse - m) * LOG2_E, fastmath=True)
-                        tot = e_old + e_new
-                        lse_out = m + cute.math.log2(tot, fastmath=True) * LN_2
-                        rt = cute.arch.rcp_approx(tot)
-                        w_old = e_old * rt
-                        w_new = e_new * rt
+                    w_old, w_new, lse_out = merge_lse(lse_old, lse)
                     o_old = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
                     cute.autovec_copy(tOgO_mn[r, None], o_old)
                     o_blk = acc_mn[r, None].load() * (inv * w_new)

@@ -255,6 +255,10 @@ def get_compiled(cfg):
                 fn = _load_aot(cfg)
                 if fn is None:
                     fn = compile_config(cfg)
+                    log = os.environ.get("FA4DIST_CUTE_COMPILE_LOG")
+                    if log:  # development: which variants an AOT folder was missing
+                        with open(log, "a") as f:
+                            f.write(repr(cfg) + "\n")
                 _CACHE[cfg] = fn
     return fn
 

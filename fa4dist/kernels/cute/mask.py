@@ -39,6 +39,20 @@ class AttentionMask:
     tScS_mn: Any
     t0ScS_mn: Any
 
+    def visible(self, q, k):
+        """Key k (index in the sequence) visible to query q."""
+        vis = k < self.seqlen_k
+        if const_expr(self.causal):
+            vis = vis & (k <= q + self.diag)
+        return vis
+
+    def row_sees_any_key(self, q):
+        """Query q sees at least one key (else its lse is -inf and its out 0)."""
+        sees = self.seqlen_k > 0
+        if const_expr(self.causal):
+            sees = sees & (q + self.diag >= 0)
+        return sees
+
     @cute.jit
     def apply(self, acc_S: cute.Tensor, m_block: Int32, n_block: Int32, mask_seqlen: cutlass.Constexpr[bool]):
         """S (rows = queries of tile m_block, cols = keys of block n_block): -inf where key col >= seqlen_k (if
@@ -62,21 +76,18 @@ class AttentionMask:
                 acc_mn[r, c] = -Float32.inf if self.t0ScS_mn[0, c][1] >= limit else acc_mn[r, c]
 
     @cute.jit
-    def apply_transposed(self, acc_St: cute.Tensor, m_block: Int32, n_block: Int32):
-        """S^T (rows = keys of block n_block, cols = queries of tile m_block): -inf where the key is at or past
-        seqlen_k or, when causal, where query < key - diag."""
+    def apply_transposed(self, acc_St: cute.Tensor, m_block: Int32, n_block: Int32, fill: cutlass.Constexpr[float]):
+        """S^T-shaped fragment (rows = keys of block n_block, cols = queries of tile m_block): ``fill`` where the
+        key is at or past seqlen_k or (causal) where query < key - diag. A select per element: whatever the
+        fragment held there (NaN, inf) is replaced. (Padding query rows past seqlen_q need no mask here: their
+        lse2 is +inf, so P is 0 once their operand rows are finite.)"""
         acc_mn = mn_view(acc_St)
-        n_rows = cute.size(acc_mn, mode=[0])
-        n_cols = cute.size(acc_mn, mode=[1])
-        thr_col = self.tScS_mn[0, 0][1]
-        for r in cutlass.range_constexpr(n_rows):
+        q0 = m_block * self.tile_m + self.tScS_mn[0, 0][1]  # query of this thread's column 0
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             key = n_block * self.tile_n + self.tScS_mn[r, 0][0]
-            if key >= self.seqlen_k:
-                for c in cutlass.range_constexpr(n_cols):
-                    acc_mn[r, c] = -Float32.inf
+            lo = Int32(0)  # columns >= lo are visible
             if const_expr(self.causal):
-                # query i sees key iff i >= key - diag: mask cols with m*tm + col < key - diag
-                limit = key - self.diag - m_block * self.tile_m - thr_col
-                for c in cutlass.range_constexpr(n_cols):
-                    if self.t0ScS_mn[0, c][1] < limit:
-                        acc_mn[r, c] = -Float32.inf
+                lo = key - self.diag - q0
+            lo = lo if key < self.seqlen_k else Int32(self.tile_m)
+            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                acc_mn[r, c] = acc_mn[r, c] if self.t0ScS_mn[0, c][1] >= lo else Float32(fill)

@@ -12,11 +12,16 @@ This module imports cutlass at import time: import it lazily.
 from dataclasses import dataclass
 from typing import Any
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from .common_sm90 import mn_view
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
 
 
 def sum4(terms):
@@ -106,3 +111,36 @@ class OnlineSoftmax:
         else:
             for r in cutlass.range_constexpr(cute.size(row_scale)):
                 acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
+
+    @cute.jit
+    def finalize(self, r: cutlass.Constexpr[int], sees_key):
+        """(1 / row sum, natural-log lse) of this thread's row r; ``sees_key``: the mask shows the row a key."""
+        s = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+        inv = Float32(0.0)
+        lse = -Float32.inf
+        if sees_key:
+            inv = cute.arch.rcp_approx(s)  # 1/0 = inf and NaN stay non-finite: 0 * inf = NaN out
+            lse = Float32.nan
+            if s > Float32(0.0):
+                lse = (self.row_max[r] * self.scale_log2 + cute.math.log2(s, fastmath=True)) * LN_2
+        return inv, lse
+
+
+@cute.jit
+def merge_lse(lse_old: Float32, lse_new: Float32):
+    """(w_old, w_new, lse) of merging a normalised partial result with lse_new into one with lse_old:
+    out = w_old * out_old + w_new * out_new. A -inf side weighs 0 (both -inf: keep the old, w = (1, 0)); a NaN
+    lse on either side gives NaN weights and lse."""
+    m = lse_old if lse_old > lse_new else lse_new  # NaN-propagating max (NaN compares false)
+    w_old = Float32(1.0)
+    w_new = Float32(0.0)
+    lse = lse_old
+    if m != -Float32.inf:
+        e_old = cute.math.exp2((lse_old - m) * LOG2_E, fastmath=True)
+        e_new = cute.math.exp2((lse_new - m) * LOG2_E, fastmath=True)
+        tot = e_old + e_new
+        lse = m + cute.math.log2(tot, fastmath=True) * LN_2
+        rt = cute.arch.rcp_approx(tot)
+        w_old = e_old * rt
+        w_new = e_new * rt
+    return w_old, w_new, lse
