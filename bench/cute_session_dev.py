@@ -56,6 +56,7 @@ def fwd_configs():
     for d in (64, 128):  # bench variants
         for causal in (False, True):
             add(bf16, d, causal, rescale_threshold=0.0)
+        add(bf16, d, True, sanitize=False)  # the cost of the masked-key guarantee
     return out
 
 
@@ -89,6 +90,9 @@ def bwd_configs():
             add(bf16, d, causal, det=True, grads=fp32)
             add(bf16, d, causal, det=True, det_chunk=8)
             add(bf16, d, causal, det=True, grads=fp32, det_chunk=8)
+            add(bf16, d, causal, det=True, det_defer=True)
+            add(bf16, d, causal, det=True, grads=fp32, det_defer=True)
+            add(bf16, d, causal, sanitize=False)  # bench: the cost of the masked-key guarantee
     add(bf16, 128, True, varlen=True, seg=True)
     add(bf16, 128, True, varlen=True, seg=True, acc=True)
     add(bf16, 128, True, seg=True)

@@ -91,6 +91,8 @@ class FlashBwdSm90:
         regs_mma: int = 240,
         stmatrix_ds: bool = False,
         det_chunk: int = 0,
+        sanitize: bool = True,
+        det_defer: bool = False,
     ):
         assert head_dim in (64, 128)
         self.dtype = dtype
@@ -116,11 +118,12 @@ class FlashBwdSm90:
         # interleaved, so that a wave holds short ordered chains of many heads instead of one long chain of one
         # head (a CTA still only waits on CTAs launched before it). 0 keeps key-tile-fastest order.
         self.det_chunk = det_chunk if deterministic else 0
+        self.det_defer = det_defer and deterministic
         self.dq_chunk_elems = self.tile_m * head_dim // 2
         self.block_info = BlockInfo(self.tile_m, self.tile_n, causal)
         # masked pairs with stored operands exist only with a causal mask or packed sequences (a dense sequence
         # end is zero-filled by TMA)
-        self.sanitize = causal or varlen
+        self.sanitize = sanitize and (causal or varlen)
         self.fp16 = dtype == cutlass.Float16
         self.sanitizer_threads = 64  # warps 2..3 of warpgroup 0
 
@@ -495,6 +498,7 @@ class FlashBwdSm90:
         gdQ = cute.make_tensor(io.mdQacc.iterator, dq_chunk_layout(tm, D, n_chunks))
         chunk_bytes = self.dq_chunk_elems * 4
         n_blocks_k = cute.ceil_div(seqlen.seqlen_k, tn)
+        prev_chunk = Int32(-1)  # det_defer: the chunk whose adds are still to be confirmed and released
         for hi in cutlass.range(group, unroll=1):
             head = head_kv * group + hi
             for m in cutlass.range(rng.m_min, rng.m_max, unroll=1):
@@ -526,13 +530,31 @@ class FlashBwdSm90:
                         )
                         cute.arch.cp_async_bulk_commit_group()
                     cute.arch.sync_warp()
-                if const_expr(self.deterministic):
+                if const_expr(self.deterministic and not self.det_defer):
+                    # release the ticket once the adds landed in gmem (the MMA warpgroups wait for the next
+                    # EMPTY arrive meanwhile: one gmem round trip per step on their path)
                     if lane == 0:
                         cute.arch.cp_async_bulk_wait_group(0, read=False)
                         cute.arch.fence_acq_rel_gpu()
                         red_release_add_gpu(mSem.iterator + chunk, 1)
                     cute.arch.sync_warp()
+                if const_expr(self.deterministic and self.det_defer):
+                    # release the previous step's ticket now that this step's adds are issued: its adds had a
+                    # whole step to land, and the EMPTY arrive above did not wait for them. A CTA still waits
+                    # only on the CTA of the rank before it, so the order (and the bits) are unchanged.
+                    if lane == 0:
+                        if prev_chunk >= 0:
+                            cute.arch.cp_async_bulk_wait_group(2, read=False)  # all but this step's 2 groups
+                            cute.arch.fence_acq_rel_gpu()
+                            red_release_add_gpu(mSem.iterator + prev_chunk, 1)
+                    cute.arch.sync_warp()
+                    prev_chunk = chunk
         if lane == 0:
+            if const_expr(self.deterministic and self.det_defer):
+                if prev_chunk >= 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    cute.arch.fence_acq_rel_gpu()
+                    red_release_add_gpu(mSem.iterator + prev_chunk, 1)
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     # ------------------------------------------------------------------------

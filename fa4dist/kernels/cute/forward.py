@@ -44,6 +44,9 @@ class FwdConfig:
     # the full GPU test suite ran on.
     rescale_threshold: float = 8.0
     tma_store_o: bool = True  # dense non-accumulate 16-bit out: O via smem + TMA store (else direct stores)
+    # masked V tiles through the sanitizer warps (masked keys contribute nothing even if non-finite). False is a
+    # measurement knob only (the cost of the guarantee): NaN / inf at masked positions then leak.
+    sanitize: bool = True
 
     def build(self):
         from .fwd_sm90 import FlashFwdSm90
@@ -52,7 +55,7 @@ class FwdConfig:
             host.cutlass_dtype(self.dtype), self.head_dim, causal=self.causal, varlen=self.varlen,
             accumulate=self.accumulate, seg_offsets=self.seg_offsets, tile_m=self.tile_m, tile_n=self.tile_n,
             num_stages=self.num_stages, intra_wg_overlap=self.intra_wg_overlap, sched_barrier=self.sched_barrier,
-            rescale_threshold=self.rescale_threshold, tma_store_o=self.tma_store_o,
+            rescale_threshold=self.rescale_threshold, tma_store_o=self.tma_store_o, sanitize=self.sanitize,
         )
 
     def fake_args(self):
@@ -90,6 +93,7 @@ def default_tiles(head_dim: int, causal: bool) -> tuple[int, int, int]:
 _FIELDS = {
     "tile_m": int, "tile_n": int, "num_stages": int, "intra_wg_overlap": host.parse_bool,
     "sched_barrier": host.parse_bool, "rescale_threshold": float, "tma_store_o": host.parse_bool,
+    "sanitize": host.parse_bool,
 }
 # development hook: FA4DIST_FWD_OVERRIDE="rescale_threshold=0,tile_m=128" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_FWD_OVERRIDE", _FIELDS)

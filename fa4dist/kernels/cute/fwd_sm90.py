@@ -75,6 +75,7 @@ class FlashFwdSm90:
         sched_barrier: bool = True,
         rescale_threshold: float = 8.0,
         tma_store_o: bool = True,
+        sanitize: bool = True,
         l2_rows: Optional[int] = None,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
@@ -103,7 +104,7 @@ class FlashFwdSm90:
         self.l2_rows = l2_rows
         self.block_info = BlockInfo(tile_m, tile_n, causal)
         # V tiles of masked blocks go through the sanitizer warps (dense non-causal: TMA zero-fills past the end)
-        self.sanitize_v = causal or varlen
+        self.sanitize_v = sanitize and (causal or varlen)
         self.fp16 = dtype == cutlass.Float16
         self.sanitizer_threads = 96  # warps 1..3 of the producer warpgroup
 
