@@ -66,8 +66,9 @@ def rel_err(a, b):
 
 
 def parse_variants(specs):
-    """["fwd:rescale_threshold=0", "bwd:det_chunk=8", "d64:fwd:tile_m=128"] -> [(name, headdim|None, direction,
-    overrides)]. Values are parsed as int, float or bool."""
+    """["fwd:rescale_threshold=0.0", "bwd-det:det_chunk=8", "d64:fwd:tile_m=128"] -> [(name, headdim|None,
+    direction, overrides)]; direction fwd, bwd, or bwd-det (deterministic rows only). Values are parsed as int,
+    float (with a point) or bool (true / false): write them as the config field's type."""
     out = []
     for spec in specs or []:
         parts = spec.split(":")
@@ -155,9 +156,11 @@ def run(args):
                     if variant is not None and variant[1] not in (None, headdim):
                         continue
                     for direction in args.directions:
-                        if variant is not None and variant[2] != direction:
+                        if variant is not None and variant[2].split("-")[0] != direction:
                             continue
                         dets = [False, True] if direction == "bwd" and args.deterministic else [False]
+                        if variant is not None and variant[2] == "bwd-det":
+                            dets = [True]
                         for deterministic in dets:
                             row = dict(backend=name, headdim=headdim, causal=causal, seqlen=seqlen, batch=batch,
                                        heads=heads, direction=direction, deterministic=deterministic)
