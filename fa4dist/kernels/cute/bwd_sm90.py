@@ -87,7 +87,7 @@ class FlashBwdSm90:
         tile_m: int = 64,
         tile_n: int = 128,
         num_stages: int = 2,
-        regs_producer: int = 32,  # 32 x 128 + 240 x 256 = the 64K registers of an SM
+        regs_producer: int = 24,  # 24 x 128 + 240 x 256 = 168 x 384, the registers the CTA launches with
         regs_mma: int = 240,
         stmatrix_ds: bool = False,
         det_chunk: int = 0,
@@ -373,7 +373,7 @@ class FlashBwdSm90:
         pipe_q, pipe_do = io.pipe_q, io.pipe_do
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        land_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        n_sanitized = Int32(0)  # landing barriers: stage n % stages, producer phase 1 - (n // stages) % 2
         for hi in cutlass.range(group, unroll=1):
             head = head_kv * group + hi
             if const_expr(not self.varlen):
@@ -391,21 +391,25 @@ class FlashBwdSm90:
                 if const_expr(self.sanitize):
                     if self.step_sanitized(m, rng, seqlen):
                         # land on the sanitizer's barriers; it completes pipe_q / pipe_do of this stage
+                        ns = self.num_stages
+                        land, phase = n_sanitized % ns, 1 - (n_sanitized // ns) % 2
                         pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
-                        io.pipe_qland.producer_acquire(land_state)
-                        bar_q = io.pipe_qland.producer_get_barrier(land_state)
+                        io.pipe_qland.sync_object_empty.wait(land, phase)
+                        io.pipe_qland.sync_object_full.arrive(land, None)  # arms the landing barrier with the bytes
+                        bar_q = io.pipe_qland.sync_object_full.get_barrier(land)
                         cute.copy(io.tma_atom_Q, tQgQ[None, m], tQsQ[None, q_state.index], tma_bar_ptr=bar_q)
                         with cute.arch.elect_one():
                             cute.copy(bulk_atom, gLSE_all[None, vec_idx], io.sLSE[None, q_state.index],
                                       mbar_ptr=bar_q)
                         pipe_do.sync_object_empty.wait(q_state.index, q_state.phase)
-                        io.pipe_doland.producer_acquire(land_state)
-                        bar_do = io.pipe_doland.producer_get_barrier(land_state)
+                        io.pipe_doland.sync_object_empty.wait(land, phase)
+                        io.pipe_doland.sync_object_full.arrive(land, None)
+                        bar_do = io.pipe_doland.sync_object_full.get_barrier(land)
                         cute.copy(io.tma_atom_dO, tdOgdO[None, m], tdOsdO[None, q_state.index], tma_bar_ptr=bar_do)
                         with cute.arch.elect_one():
                             cute.copy(bulk_atom, gDps_all[None, vec_idx], io.sDpsum[None, q_state.index],
                                       mbar_ptr=bar_do)
-                        land_state.advance()
+                        n_sanitized = n_sanitized + 1
                     else:
                         self.load_q_do(io, tQgQ, tQsQ, tdOgdO, tdOsdO, gLSE_all, gDps_all, bulk_atom, q_state, m,
                                        vec_idx)
@@ -458,15 +462,17 @@ class FlashBwdSm90:
         if tid == 0:
             cute.arch.mbarrier_arrive(io.pipe_kv.sync_object_full.get_barrier(0))
 
-        tm, n_elems = self.tile_m, self.tile_m * self.head_dim
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        land_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        # plain counters instead of two pipeline states: this warpgroup runs on 24 registers
+        tm, n_elems, ns = self.tile_m, self.tile_m * self.head_dim, self.num_stages
+        step = Int32(0)  # every step: the smem stage of Q / dO
+        n_sanitized = Int32(0)  # sanitized steps: the stage and phase of the landing barriers
         for hi in cutlass.range(tile.group, unroll=1):
             for m in cutlass.range(rng.m_min, rng.m_max, unroll=1):
                 if self.step_sanitized(m, rng, seqlen):
-                    stage = q_state.index
-                    io.pipe_qland.consumer_wait(land_state)
-                    io.pipe_doland.consumer_wait(land_state)
+                    stage = step % ns
+                    land, phase = n_sanitized % ns, (n_sanitized // ns) % 2
+                    io.pipe_qland.sync_object_full.wait(land, phase)
+                    io.pipe_doland.sync_object_full.wait(land, phase)
                     maybe = tile_maybe_nonfinite(io.sQ.iterator, n_elems, stage, tid, nthr, fp16)
                     maybe = maybe | tile_maybe_nonfinite(io.sdO.iterator, n_elems, stage, tid, nthr, fp16)
                     if block_any(maybe, bar, nthr):
@@ -481,10 +487,11 @@ class FlashBwdSm90:
                     if tid == 0:
                         cute.arch.mbarrier_arrive(io.pipe_q.sync_object_full.get_barrier(stage))
                         cute.arch.mbarrier_arrive(io.pipe_do.sync_object_full.get_barrier(stage))
-                    io.pipe_qland.consumer_release(land_state)
-                    io.pipe_doland.consumer_release(land_state)
-                    land_state.advance()
-                q_state.advance()
+                    if tid % 32 == 0:  # one arrival per sanitizer warp frees the landing stage
+                        cute.arch.mbarrier_arrive(io.pipe_qland.sync_object_empty.get_barrier(land))
+                        cute.arch.mbarrier_arrive(io.pipe_doland.sync_object_empty.get_barrier(land))
+                    n_sanitized = n_sanitized + 1
+                step = step + 1
 
     # ------------------------------------------------------------------------
     @cute.jit
