@@ -230,24 +230,3 @@ def test_deterministic_chunked_launch_order(causal):
         assert torch.equal(a.view(torch.int32), c.view(torch.int32))
 
 
-
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("d", [128, 64])
-def test_deterministic_deferred_release(causal, d):
-    """det_defer (a dQ ticket released one step later): the same fixed order of additions, so the same bits as
-    the default deterministic mode, and bitwise stable."""
-    g = _gen()
-    b, s, h = 2, 4096, 2048 // d
-    q, k, v = _inputs((b, s, h, d), (b, s, h // 2, d), torch.bfloat16, g)
-    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
-    out, lse = attention_forward(q, k, v, causal=causal, backend="sdpa")
-    runs = []
-    for defer in (True, True, False):
-        grads = [torch.full(t.shape, float("nan"), device="cuda", dtype=torch.float32) for t in (q, k, v)]
-        backward(dout, q, k, v, out, lse, *grads, causal=causal, deterministic=True, det_defer=defer)
-        runs.append(grads)
-    torch.cuda.synchronize()
-    for other in runs[1:]:
-        for a, c in zip(runs[0], other):
-            assert not torch.isnan(a).any()
-            assert torch.equal(a.view(torch.int32), c.view(torch.int32))

@@ -61,9 +61,6 @@ class BwdConfig:
     # K and masked-step Q / dO tiles through the sanitizer warps (masked pairs contribute nothing even with
     # non-finite operands). False is a measurement knob only (the cost of the guarantee).
     sanitize: bool = True
-    # deterministic only: release a dQ ticket one step later, after the next step's adds are issued, so that the
-    # MMA warpgroups never wait for a gmem round trip (same addition order, same bits)
-    det_defer: bool = False
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -72,7 +69,7 @@ class BwdConfig:
             host.cutlass_dtype(self.dtype), self.head_dim, causal=self.causal, varlen=self.varlen,
             accumulate=self.accumulate, deterministic=self.deterministic, seg_offsets=self.seg_offsets,
             tile_m=self.tile_m, stmatrix_ds=self.stmatrix_ds, det_chunk=self.det_chunk,
-            regs_mma=self.regs_mma, sanitize=self.sanitize, det_defer=self.det_defer,
+            regs_mma=self.regs_mma, sanitize=self.sanitize,
         )
 
     def fake_args(self):
@@ -156,8 +153,7 @@ class PostConfig:
         return (dqacc, dq, cutlass.Int32(1), cu_q, host.fake_stream())
 
 
-_FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "sanitize": host.parse_bool,
-           "det_defer": host.parse_bool}
+_FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "sanitize": host.parse_bool}
 # development hook: FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_BWD_OVERRIDE", _FIELDS)
 

@@ -92,7 +92,6 @@ class FlashBwdSm90:
         stmatrix_ds: bool = False,
         det_chunk: int = 0,
         sanitize: bool = True,
-        det_defer: bool = False,
     ):
         assert head_dim in (64, 128)
         self.dtype = dtype
@@ -118,14 +117,14 @@ class FlashBwdSm90:
         # interleaved, so that a wave holds short ordered chains of many heads instead of one long chain of one
         # head (a CTA still only waits on CTAs launched before it). 0 keeps key-tile-fastest order.
         self.det_chunk = det_chunk if deterministic else 0
-        self.det_defer = det_defer and deterministic
         self.dq_chunk_elems = self.tile_m * head_dim // 2
         self.block_info = BlockInfo(self.tile_m, self.tile_n, causal)
         # masked pairs with stored operands exist only with a causal mask or packed sequences (a dense sequence
         # end is zero-filled by TMA)
         self.sanitize = sanitize and (causal or varlen)
         self.fp16 = dtype == cutlass.Float16
-        self.sanitizer_threads = 64  # warps 2..3 of warpgroup 0
+        self.sanitizer_threads = 64  # warps 2..3 of warpgroup 0: one thread per query row of a tile
+        assert self.tile_m == self.sanitizer_threads
 
     # ------------------------------------------------------------------------
     # host side
@@ -477,10 +476,11 @@ class FlashBwdSm90:
                     maybe = maybe | tile_maybe_nonfinite(io.sdO.iterator, n_elems, stage, tid, nthr, fp16)
                     if block_any(maybe, bar, nthr):
                         sQ, sdO = io.sQ[None, None, stage], io.sdO[None, None, stage]
-                        for r in cutlass.range(tid, tm, nthr, unroll=1):
-                            if row_is_nonfinite(sQ, r, fp16) | row_is_nonfinite(sdO, r, fp16):
-                                zero_row(sQ, r)
-                                zero_row(sdO, r)
+                        r = tid  # one query row per sanitizer thread (tile_m == 64 == sanitizer threads)
+                        if row_is_nonfinite(sQ, r, fp16) | row_is_nonfinite(sdO, r, fp16):
+                            zero_row(sQ, r)
+                            zero_row(sdO, r)
+                            if m * tm + r < seqlen.seqlen_q:  # a padding row keeps lse2 = +inf: P = 0
                                 io.sLSE[r, stage] = Float32.nan
                         cute.arch.fence_view_async_shared()  # zeroed rows -> wgmma (async proxy)
                         cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
@@ -505,7 +505,6 @@ class FlashBwdSm90:
         gdQ = cute.make_tensor(io.mdQacc.iterator, dq_chunk_layout(tm, D, n_chunks))
         chunk_bytes = self.dq_chunk_elems * 4
         n_blocks_k = cute.ceil_div(seqlen.seqlen_k, tn)
-        prev_chunk = Int32(-1)  # det_defer: the chunk whose adds are still to be confirmed and released
         for hi in cutlass.range(group, unroll=1):
             head = head_kv * group + hi
             for m in cutlass.range(rng.m_min, rng.m_max, unroll=1):
@@ -537,31 +536,15 @@ class FlashBwdSm90:
                         )
                         cute.arch.cp_async_bulk_commit_group()
                     cute.arch.sync_warp()
-                if const_expr(self.deterministic and not self.det_defer):
-                    # release the ticket once the adds landed in gmem (the MMA warpgroups wait for the next
-                    # EMPTY arrive meanwhile: one gmem round trip per step on their path)
+                if const_expr(self.deterministic):
+                    # release the ticket once the adds landed in gmem. (Releasing it one step later, after the
+                    # next step's adds, was measured: 0.6-0.9x, each CTA of a chain then lags one more step.)
                     if lane == 0:
                         cute.arch.cp_async_bulk_wait_group(0, read=False)
                         cute.arch.fence_acq_rel_gpu()
                         red_release_add_gpu(mSem.iterator + chunk, 1)
                     cute.arch.sync_warp()
-                if const_expr(self.deterministic and self.det_defer):
-                    # release the previous step's ticket now that this step's adds are issued: its adds had a
-                    # whole step to land, and the EMPTY arrive above did not wait for them. A CTA still waits
-                    # only on the CTA of the rank before it, so the order (and the bits) are unchanged.
-                    if lane == 0:
-                        if prev_chunk >= 0:
-                            cute.arch.cp_async_bulk_wait_group(2, read=False)  # all but this step's 2 groups
-                            cute.arch.fence_acq_rel_gpu()
-                            red_release_add_gpu(mSem.iterator + prev_chunk, 1)
-                    cute.arch.sync_warp()
-                    prev_chunk = chunk
         if lane == 0:
-            if const_expr(self.deterministic and self.det_defer):
-                if prev_chunk >= 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-                    cute.arch.fence_acq_rel_gpu()
-                    red_release_add_gpu(mSem.iterator + prev_chunk, 1)
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     # ------------------------------------------------------------------------
@@ -645,13 +628,18 @@ class FlashBwdSm90:
             tdQrKt=tdQrKt, sdSt=sdSt, thr_sdp=thr_sdp, r2s_dS=r2s_dS, s_shape=s_shape, dq_shape=dq_shape,
             acc_dK=acc_dK, acc_dV=acc_dV, tdVrP=tdVrP, tdKrdS=tdKrdS, tScS_mn=tScS_mn, sLSE=io.sLSE,
             sDpsum=io.sDpsum, tdQsdQ=tdQsdQ, pipe_q=io.pipe_q, pipe_do=io.pipe_do, scale=scale,
-            scale_log2=scale_log2, wg=wg, n_block=tile.block,
+            scale_log2=scale_log2, wg=wg, n_block=tile.block, pipe_kv=io.pipe_kv,
             mask=AttentionMask(tm, tn, self.causal, seqlen.seqlen_k, seqlen.diag, tScS_mn, t0ScS_mn),
         )
 
         if rng.has_work:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            io.pipe_kv.consumer_wait(kv_state)
+            if const_expr(self.sanitize):
+                # S^T / dP^T may read K and V as they landed (a bad key's scores are masked or its rows' lse is
+                # NaN); the dQ GEMM waits for the sanitized K (mma_step), which hides the K check
+                io.pipe_kvland.consumer_wait(kv_state)
+            else:
+                io.pipe_kv.consumer_wait(kv_state)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             for hi in cutlass.range(tile.group, unroll=1):
                 for m in cutlass.range(rng.m_min, rng.m_mask_end, unroll=1):
@@ -742,6 +730,8 @@ class FlashBwdSm90:
         cute.arch.barrier(barrier_id=int(BwdBarrier.PDS), number_of_threads=256)
 
         # (6) dQ = dS K ; (7) dK += dS^T Q
+        if const_expr(self.sanitize):
+            st.pipe_kv.sync_object_full.wait(0, 0)  # the sanitized K (a completed phase: returns at once)
         acc_dQ = cute.make_rmem_tensor(st.dq_shape, Float32)
         self.gemm(st.tiled_mma_dq, acc_dQ, st.tdQrdS[None, None, None, stage], st.tdQrKt, True)
         self.gemm(st.tiled_mma_dkv, st.acc_dK, st.tdKrdS, st.tdKrQt[None, None, None, stage], False)

@@ -75,7 +75,7 @@ def tile_maybe_nonfinite(base: cute.Pointer, tile_elems: cutlass.Constexpr[int],
     words = cute.make_tensor(cute.recast_ptr(base, dtype=Int32), cute.make_layout((4, n_vec), stride=(1, 4)))
     words = cute.domain_offset((0, stage * n_vec), words)
     acc = Int32(0)
-    for v in cutlass.range(tid, n_vec, num_threads, unroll=2):
+    for v in cutlass.range(tid, n_vec, num_threads, unroll=1):
         w = cute.make_rmem_tensor((4,), Int32)
         cute.autovec_copy(words[None, v], w)
         for i in cutlass.range_constexpr(4):
