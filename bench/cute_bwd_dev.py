@@ -267,11 +267,13 @@ def cmd_bench(args):
     with open(os.path.join(out_dir, "cute_bwd_bench.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print()
-    print("| d | S | causal | ours | main | main 16-bit dS | cuDNN | FA4 | ours/cuDNN | ours/FA4 | ours det | det/nondet "
+    print("| d | S | causal | ours | main | main 16-bit dS | cuDNN | FA4 | ours/cuDNN | ours/FA4 | ours det "
+          "| det/nondet "
           "| det chunk8 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        t = lambda key: tflops(r["b"], r["h"], r["s"], r["d"], r["causal"], r[key]) if key in r else float("nan")  # noqa
+        def t(key, r=r):
+            return tflops(r["b"], r["h"], r["s"], r["d"], r["causal"], r[key]) if key in r else float("nan")
         print(f"| {r['d']} | {r['s']} | {r['causal']} | {t('ours'):.0f} | {t('ours_main'):.0f} | "
               f"{t('ours_main_16bit_ds'):.0f} | {t('cudnn'):.0f} | {t('fa4'):.0f} | {t('ours') / t('cudnn'):.2f} | "
               f"{t('ours') / t('fa4'):.2f} | {t('ours_det'):.0f} | {t('ours_det') / t('ours'):.2f} | "

@@ -30,7 +30,6 @@ SUBSET = [
     (BF16, 64, False, True, True, True, {}),
     (BF16, 128, True, True, True, False, {"seg_offsets": True}),
     (FP16, 128, False, False, False, False, {"o_fp32": True, "do_fp32": True, "grads_fp32": True}),
-    (FP16, 128, True, True, False, False, {}),
     (BF16, 128, False, False, False, True, {"stmatrix_ds": False}),
     (FP16, 64, True, False, True, False, {"stmatrix_ds": False}),
     (BF16, 128, True, True, False, True, {"det_chunk": 8}),
