@@ -4,7 +4,7 @@
     python bench/cute_bwd_dev.py smoke          # GPU: one small case per main variant vs the fp64 reference
     python bench/cute_bwd_dev.py bench          # GPU: TFLOP/s beside cuDNN and flash-attn-4, det and not
 
-With FA4DIST_BWD_AOT_DIR=DIR set, the kernels are loaded from DIR instead of compiled (saves device time).
+With FA4DIST_CUTE_AOT_DIR=DIR set, the kernels are loaded from DIR instead of compiled (saves device time).
 Sizes follow ../shared/docs/anchors.md: batch = 16384 / seqlen, heads = 2048 / headdim, bf16; backward TFLOP/s
 = 2.5 x 4 B H S^2 D (/2 causal). Timings: triton.testing.do_bench medians, all in one run (ratios matter).
 """
@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from fa4dist.kernels.cute import backward as B  # noqa: E402
+from fa4dist.kernels.cute import host  # noqa: E402
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -56,7 +57,6 @@ def dev_variants():
     add(BF16, 128, True, varlen=True, seg=True)
     # variants timed by the bench (and the det_chunk order, tested under FA4DIST_BWD_OVERRIDE=det_chunk=8)
     for causal in (False, True):
-        add(BF16, 128, causal, dv_early=True)
         add(BF16, 128, causal, stmatrix_ds=False)
         add(BF16, 64, causal, stmatrix_ds=False)
     for trio in list(out):
@@ -76,7 +76,7 @@ def cmd_aot(folder):
     cfgs = dev_variants()
     t0 = time.time()
     for i, cfg in enumerate(cfgs):
-        path = B.export_aot(cfg, folder)
+        path = host.export_aot(cfg, folder)
         print(f"[{i + 1}/{len(cfgs)}] {time.time() - t0:6.1f}s {os.path.basename(path)} {cfg}", flush=True)
 
 
@@ -112,7 +112,7 @@ def cmd_aotcheck():
     B.backward(dout, q, k, v, out64.to(BF16), lse64.float(), *bufs, causal=True)
     torch.cuda.synchronize()
     errs = [_relerr(a, r) for a, r in zip(bufs, ref)]
-    aot = [type(f).__name__ for f in B._CACHE.values()]
+    aot = [type(f).__name__ for f in host._CACHE.values()]
     print(f"aotcheck: errs {errs} in {time.time() - t0:.2f}s, kernels {aot}", flush=True)
     sys.exit(0 if all(e < 3e-2 for e in errs) else 1)
 
@@ -220,9 +220,7 @@ def cmd_bench(args):
         row["ours_pre"] = bench_ms(steps[0])
         row["ours_post"] = bench_ms(steps[2])
         # variants of the main kernel (each gets its own scratch: run all three steps once before timing)
-        for tag, kw in (("16bit_ds", dict(stmatrix_ds=False)), ("dv_early", dict(dv_early=True))):
-            if tag == "dv_early" and not (d == 128 and s == 8192):
-                continue
+        for tag, kw in (("16bit_ds", dict(stmatrix_ds=False)),):
             st_v = B.launch_steps(dout, q, k, v, out, lse, *grads, causal=causal, **kw)
             for st in st_v:
                 st()
@@ -269,11 +267,13 @@ def cmd_bench(args):
     with open(os.path.join(out_dir, "cute_bwd_bench.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print()
-    print("| d | S | causal | ours | main | main 16-bit dS | cuDNN | FA4 | ours/cuDNN | ours/FA4 | ours det | det/nondet "
+    print("| d | S | causal | ours | main | main 16-bit dS | cuDNN | FA4 | ours/cuDNN | ours/FA4 | ours det "
+          "| det/nondet "
           "| det chunk8 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        t = lambda key: tflops(r["b"], r["h"], r["s"], r["d"], r["causal"], r[key]) if key in r else float("nan")  # noqa
+        def t(key, r=r):
+            return tflops(r["b"], r["h"], r["s"], r["d"], r["causal"], r[key]) if key in r else float("nan")
         print(f"| {r['d']} | {r['s']} | {r['causal']} | {t('ours'):.0f} | {t('ours_main'):.0f} | "
               f"{t('ours_main_16bit_ds'):.0f} | {t('cudnn'):.0f} | {t('fa4'):.0f} | {t('ours') / t('cudnn'):.2f} | "
               f"{t('ours') / t('fa4'):.2f} | {t('ours_det'):.0f} | {t('ours_det') / t('ours'):.2f} | "

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from fa4dist.kernels.cute import interface as cute_fwd  # noqa: E402
+from fa4dist.kernels.cute import forward as cute_fwd  # noqa: E402
 
 
 def bench_ms(fn, warmup=25, rep=100):
@@ -166,7 +166,8 @@ def main():
                 m = torch.maximum(run_l, lse)
                 w1, w2 = torch.exp(run_l - m), torch.exp(lse - m)
                 tot = w1 + w2
-                run_o.mul_((w1 / tot).transpose(1, 2)[..., None]).add_(out.float() * (w2 / tot).transpose(1, 2)[..., None])
+                a_old, a_new = (w1 / tot).transpose(1, 2)[..., None], (w2 / tot).transpose(1, 2)[..., None]
+                run_o.mul_(a_old).add_(out.float() * a_new)
                 run_l.copy_(m + torch.log(tot))
 
             unfused = bench_ms(torch_merge, rep=args.rep)

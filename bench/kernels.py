@@ -1,12 +1,15 @@
-"""Single-GPU attention throughput: every available fa4dist backend beside its baselines, in one run.
+"""Single-GPU attention throughput: every available fa4dist backend beside its baselines, in one process.
 
-    python bench/kernels.py                         # full sweep, writes bench/out/kernels.{json,png}
-    python bench/kernels.py --headdims 128 --seqlens 4096 16384 --directions fwd
+    python bench/kernels.py                         # full sweep, writes <out-dir>/<date>-kernels.{json,png}
+    python bench/kernels.py --headdims 128 --seqlens 4096 16384 --directions fwd --rounds 5
+    python bench/kernels.py --cute-variants fwd:rescale_threshold=0 bwd:det_chunk=8   # cute config overrides
 
 Sizes follow ../shared/docs/anchors.md: batch = total_tokens / seqlen, heads = model_dim / headdim, bf16.
 TFLOP/s counts 4*B*H*S^2*D per forward (half of it when causal) and 2.5x that per backward.  Before timing, each
-backend's output is checked against torch's flash kernel (relative error printed), so a fast wrong kernel shows.
-Machines are noisy: compare the ratios within one run, not absolute numbers across runs.
+backend's forward output is checked against torch's flash kernel (relative error printed), so a fast wrong kernel
+shows.  Timing: for every point, every (backend, direction, deterministic) is timed once per round, rounds
+interleaved (round 1 of all of them, then round 2, ...), and the median over the rounds is reported: slow drifts
+of the machine hit every backend alike.  Compare the ratios within one run, not absolute numbers across runs.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -61,52 +65,35 @@ def rel_err(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def run(args):
-    device = torch.device("cuda")
-    backends = [b for b in available_backends(device) if b != "sdpa"]  # "sdpa" is cudnn-or-flash: listed apart
-    if args.backends:
-        backends = [b for b in args.backends if b in backends]
-    fa4 = _fa4()
-    if fa4 is not None and (not args.backends or "flash_attn_4" in args.backends):
-        backends.append("flash_attn_4")
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  backends: {backends}", flush=True)
-    rows = []
-    for headdim in args.headdims:
-        for causal in args.causal:
-            for seqlen in args.seqlens:
-                batch, heads = max(1, args.total_tokens // seqlen), max(1, args.model_dim // headdim)
-                gen = torch.Generator(device=device).manual_seed(seqlen * 7 + headdim)
-                shape = (batch, seqlen, heads, headdim)
-                q, k, v, dout = (torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
-                                 for _ in range(4))
-                check_out = None
-                for name in backends:
-                    if name == "reference" and seqlen > args.reference_max_seqlen:
-                        continue
-                    for direction in args.directions:
-                        for deterministic in ([False, True] if direction == "bwd" and args.deterministic else [False]):
-                            row = dict(backend=name, headdim=headdim, causal=causal, seqlen=seqlen, batch=batch,
-                                       heads=heads, direction=direction, deterministic=deterministic)
-                            try:
-                                fn, out = _make_fn(name, direction, deterministic, q, k, v, dout, causal, fa4)
-                                if direction == "fwd" and out is not None:
-                                    if check_out is None:
-                                        check_out = attention_forward(q, k, v, causal=causal, backend="sdpa_flash")[0]
-                                    row["rel_err_vs_torch_flash"] = rel_err(out, check_out)
-                                ms = bench_ms(fn, args.warmup_ms, args.rep_ms)
-                                row["ms"] = ms
-                                row["tflops"] = flops(batch, heads, seqlen, headdim, causal, direction) / ms / 1e9
-                            except Exception as exc:  # one backend failing must not hide the others
-                                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                            rows.append(row)
-                            _print_row(row)
-                del q, k, v, dout
-                torch.cuda.empty_cache()
-    accumulate_rows = _accumulate_cost(args, backends) if args.accumulate else []
-    return rows, accumulate_rows
+def parse_variants(specs):
+    """["fwd:rescale_threshold=0.0", "bwd-det:det_chunk=8", "d64:fwd:tile_m=128"] -> [(name, headdim|None,
+    direction, overrides)]; direction fwd, bwd, or bwd-det (deterministic rows only). Values are parsed as int,
+    float (with a point) or bool (true / false): write them as the config field's type."""
+    out = []
+    for spec in specs or []:
+        parts = spec.split(":")
+        d = None
+        if parts[0].startswith("d") and parts[0][1:].isdigit():
+            d = int(parts[0][1:])
+            parts = parts[1:]
+        direction, kv = parts[0], parts[1] if len(parts) > 1 else ""
+        kw = {}
+        for item in filter(None, kv.split(",")):
+            key, val = item.split("=")
+            low = val.lower()
+            if low in ("true", "false"):
+                kw[key] = low == "true"
+            else:
+                try:
+                    kw[key] = int(val)
+                except ValueError:
+                    kw[key] = float(val)
+        out.append((f"cute[{spec}]", d, direction, kw))
+    return out
 
 
-def _make_fn(name, direction, deterministic, q, k, v, dout, causal, fa4):
+def _make_fn(name, direction, deterministic, q, k, v, dout, causal, fa4, overrides):
+    """(callable, forward output or None) for one timed item."""
     if name == "flash_attn_4":
         if direction == "fwd":
             def fwd():
@@ -117,6 +104,21 @@ def _make_fn(name, direction, deterministic, q, k, v, dout, causal, fa4):
         r = fa4(qg, kg, vg, causal=causal, deterministic=deterministic)
         out = r[0] if isinstance(r, tuple) else r
         return (lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)), None
+    if overrides is not None:  # a cute variant: the kernel entry points with config overrides
+        from fa4dist.kernels.cute import backward as cbwd
+        from fa4dist.kernels.cute import forward as cfwd
+
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
+        if direction == "fwd":
+            fn = lambda: cfwd.forward(q, k, v, out, lse, causal=causal, **overrides)  # noqa: E731
+            fn()
+            return fn, out
+        cfwd.forward(q, k, v, out, lse, causal=causal)
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        steps = cbwd.launch_steps(dout, q, k, v, out, lse, *grads, causal=causal, deterministic=deterministic,
+                                  **overrides)
+        return (lambda: [st() for st in steps]), None
     if direction == "fwd":
         fn = lambda: attention_forward(q, k, v, causal=causal, backend=name)  # noqa: E731
         return fn, fn()[0]
@@ -125,27 +127,104 @@ def _make_fn(name, direction, deterministic, q, k, v, dout, causal, fa4):
                                        backend=name)), None
 
 
-def _accumulate_cost(args, backends):
-    """Cost of merging a block into a running fp32 (out, lse) against a plain forward of the same block."""
+def run(args):
+    device = torch.device("cuda")
+    backends = [b for b in available_backends(device) if b != "sdpa"]  # "sdpa" is cudnn-or-flash: listed apart
+    if args.backends:
+        backends = [b for b in args.backends if b in backends]
+    fa4 = _fa4()
+    if fa4 is not None and (not args.backends or "flash_attn_4" in args.backends):
+        backends.append("flash_attn_4")
+    variants = parse_variants(args.cute_variants)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  backends: {backends}  "
+          f"variants: {[v[0] for v in variants]}", flush=True)
+    rows = []
+    for headdim in args.headdims:
+        for causal in args.causal:
+            for seqlen in args.seqlens:
+                batch, heads = max(1, args.total_tokens // seqlen), max(1, args.model_dim // headdim)
+                gen = torch.Generator(device=device).manual_seed(seqlen * 7 + headdim)
+                shape = (batch, seqlen, heads, headdim)
+                q, k, v, dout = (torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
+                                 for _ in range(4))
+                check_out = None
+                items = []  # (row, fn)
+                names = [(b, None) for b in backends] + [(v[0], v) for v in variants]
+                for name, variant in names:
+                    if name == "reference" and seqlen > args.reference_max_seqlen:
+                        continue
+                    if variant is not None and variant[1] not in (None, headdim):
+                        continue
+                    for direction in args.directions:
+                        if variant is not None and variant[2].split("-")[0] != direction:
+                            continue
+                        dets = [False, True] if direction == "bwd" and args.deterministic else [False]
+                        if variant is not None and variant[2] == "bwd-det":
+                            dets = [True]
+                        for deterministic in dets:
+                            row = dict(backend=name, headdim=headdim, causal=causal, seqlen=seqlen, batch=batch,
+                                       heads=heads, direction=direction, deterministic=deterministic)
+                            try:
+                                overrides = variant[3] if variant is not None else None
+                                fn, out = _make_fn(name, direction, deterministic, q, k, v, dout, causal, fa4,
+                                                   overrides)
+                                if direction == "fwd" and out is not None:
+                                    if check_out is None:
+                                        check_out = attention_forward(q, k, v, causal=causal,
+                                                                      backend="sdpa_flash")[0]
+                                    row["rel_err_vs_torch_flash"] = rel_err(out, check_out)
+                                fn()  # compile / warm up outside the timed rounds
+                                items.append((row, fn))
+                            except Exception as exc:  # one backend failing must not hide the others
+                                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                                rows.append(row)
+                                _print_row(row)
+                torch.cuda.synchronize()
+                times = {id(row): [] for row, _ in items}
+                for _ in range(args.rounds):
+                    for row, fn in items:
+                        times[id(row)].append(bench_ms(fn, args.warmup_ms, args.rep_ms))
+                for row, _ in items:
+                    ms = statistics.median(times[id(row)])
+                    row["ms"] = ms
+                    row["ms_rounds"] = times[id(row)]
+                    row["tflops"] = flops(batch, heads, seqlen, headdim, causal, row["direction"]) / ms / 1e9
+                    rows.append(row)
+                    _print_row(row)
+                del q, k, v, dout, items
+                torch.cuda.empty_cache()
+    accumulate_rows = _accumulate_cost(args) if args.accumulate else []
+    return rows, accumulate_rows
+
+
+def _accumulate_cost(args):
+    """Cost of merging a block into a running fp32 (out, lse) against a plain forward of the same block (cute),
+    interleaved rounds, medians."""
     rows = []
     device = torch.device("cuda")
     for seqlen in args.accumulate_seqlens:
-        headdim, batch = 128, max(1, args.total_tokens // seqlen)
-        heads = args.model_dim // headdim
-        q, k, v = (torch.randn(batch, seqlen, heads, headdim, device=device, dtype=torch.bfloat16) for _ in range(3))
-        run_out = torch.zeros(batch, seqlen, heads, headdim, device=device)
-        run_lse = torch.randn(batch, heads, seqlen, device=device)
-        for name in backends:
-            if name in ("reference", "flash_attn_4"):
-                continue
+        for causal in (False, True):
+            headdim, batch = 128, max(1, args.total_tokens // seqlen)
+            heads = args.model_dim // headdim
+            q, k, v = (torch.randn(batch, seqlen, heads, headdim, device=device, dtype=torch.bfloat16)
+                       for _ in range(3))
+            run_out = torch.zeros(batch, seqlen, heads, headdim, device=device)
+            run_lse = torch.randn(batch, heads, seqlen, device=device)
             try:
-                plain = bench_ms(lambda: attention_forward(q, k, v, backend=name), args.warmup_ms, args.rep_ms)
-                acc = bench_ms(lambda: attention_forward(q, k, v, out=run_out, lse=run_lse, accumulate=True,
-                                                         backend=name), args.warmup_ms, args.rep_ms)
-                row = dict(backend=name, seqlen=seqlen, headdim=headdim, plain_ms=plain, accumulate_ms=acc,
-                           overhead=acc / plain - 1)
+                plain = lambda: attention_forward(q, k, v, causal=causal, backend="cute")  # noqa: E731
+                acc = lambda: attention_forward(q, k, v, causal=causal, out=run_out, lse=run_lse,  # noqa: E731
+                                                accumulate=True, backend="cute")
+                plain()
+                acc()
+                tp, ta = [], []
+                for _ in range(args.rounds):
+                    tp.append(bench_ms(plain, args.warmup_ms, args.rep_ms))
+                    ta.append(bench_ms(acc, args.warmup_ms, args.rep_ms))
+                p, a = statistics.median(tp), statistics.median(ta)
+                row = dict(backend="cute", seqlen=seqlen, headdim=headdim, causal=causal, plain_ms=p,
+                           accumulate_ms=a, overhead=a / p - 1)
             except Exception as exc:
-                row = dict(backend=name, seqlen=seqlen, error=f"{type(exc).__name__}: {exc}"[:300])
+                row = dict(backend="cute", seqlen=seqlen, causal=causal, error=f"{type(exc).__name__}: {exc}"[:300])
             rows.append(row)
             print("accumulate", row, flush=True)
     return rows
@@ -200,8 +279,8 @@ def plot(rows, path):
     fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.6 * nrows), squeeze=False)
     for ax, (d, causal, direction, det) in zip(axes.flat, panels):
         for name in sorted({r["backend"] for r in rows}):
-            pts = sorted((r["seqlen"], r["tflops"]) for r in rows if "tflops" in r and r["backend"] == name
-                         and (r["headdim"], r["causal"], r["direction"], r["deterministic"]) == (d, causal, direction, det))
+            pts = sorted((r["seqlen"], r["tflops"]) for r in rows if "tflops" in r and r["backend"] == name and
+                         (r["headdim"], r["causal"], r["direction"], r["deterministic"]) == (d, causal, direction, det))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         ax.set_xscale("log", base=2)
@@ -221,7 +300,10 @@ def main():
     p.add_argument("--causal", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+", default=[False, True])
     p.add_argument("--directions", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     p.add_argument("--backends", nargs="+", default=None, help="default: every available backend + flash_attn_4")
+    p.add_argument("--cute-variants", nargs="*", default=None,
+                   help="extra cute rows with config overrides: [dNN:]fwd|bwd:key=value,... (e.g. bwd:det_chunk=8)")
     p.add_argument("--deterministic", action="store_true", help="also time deterministic backward")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per point (median reported)")
     p.add_argument("--total-tokens", type=int, default=16384)
     p.add_argument("--model-dim", type=int, default=2048)
     p.add_argument("--reference-max-seqlen", type=int, default=2048)
@@ -229,19 +311,24 @@ def main():
     p.add_argument("--accumulate-seqlens", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--warmup-ms", type=int, default=25)
     p.add_argument("--rep-ms", type=int, default=100)
-    p.add_argument("--out-dir", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "out")))
+    p.add_argument("--out-dir", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results")))
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
     started = time.time()
     rows, accumulate_rows = run(args)
     os.makedirs(args.out_dir, exist_ok=True)
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), command=" ".join(sys.argv),
-                  device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows,
-                  accumulate=accumulate_rows, seconds=time.time() - started)
-    with open(os.path.join(args.out_dir, "kernels.json"), "w") as f:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    result = dict(date=now.isoformat(), command=" ".join(sys.argv), device=torch.cuda.get_device_name(),
+                  torch=torch.__version__, rounds=args.rounds, rows=rows, accumulate=accumulate_rows,
+                  seconds=time.time() - started)
+    stem = os.path.join(args.out_dir, f"{now.date().isoformat()}-kernels")
+    with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
-    plot(rows, os.path.join(args.out_dir, "kernels.png"))
+    try:
+        plot(rows, stem + ".png")
+    except Exception as exc:  # matplotlib missing: the JSON is the result
+        print("no plot:", exc)
     print()
     print(summary_table(rows))
 

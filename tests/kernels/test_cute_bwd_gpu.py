@@ -229,3 +229,4 @@ def test_deterministic_chunked_launch_order(causal):
     for a, c in zip(runs[0], runs[2]):  # same fixed order of additions as the default launch order
         assert torch.equal(a.view(torch.int32), c.view(torch.int32))
 
+

@@ -6,7 +6,6 @@ per-segment offsets, odd lengths, both dtypes, accumulate mode (merge into a run
 """
 
 import math
-import os
 
 import pytest
 
@@ -20,16 +19,12 @@ if torch.cuda.get_device_capability()[0] != 9:
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 pytest.importorskip("cutlass")
 
-from fa4dist.kernels import cute as fa4cute  # noqa: E402
+from fa4dist.kernels.cute import forward as fa4cute  # noqa: E402
 
 if not fa4cute.is_available():
     pytest.skip("cute backend not available", allow_module_level=True)
 
-# development hook: FA4DIST_CUTE_CFG="intra_wg_overlap=False,rescale_threshold=0.0" runs the suite on a variant
-_CFG = {}
-for _item in filter(None, os.environ.get("FA4DIST_CUTE_CFG", "").split(",")):
-    _k, _v = _item.split("=")
-    _CFG[_k] = eval(_v)  # noqa: S307 - test-only knob
+# FA4DIST_FWD_OVERRIDE="intra_wg_overlap=0,rescale_threshold=0" (read by forward.py) runs the suite on a variant
 
 TOL = {torch.bfloat16: (2.5e-2, 1.2e-2), torch.float16: (4e-3, 2e-3)}  # (max abs err, rel L2 err) on out
 
@@ -115,7 +110,7 @@ def run(q, k, v, causal, q_off, k_off, *, cu_q=None, cu_k=None, max_q=None, out_
         shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
         lse = torch.full(shape, float("nan"), dtype=torch.float32, device=q.device)
     fa4cute.forward(q, k, v, out, lse, causal=causal, q_offset=q_off, k_offset=k_off, cu_seqlens_q=cu_q,
-                    cu_seqlens_k=cu_k, max_seqlen_q=max_q, accumulate=accumulate, **_CFG)
+                    cu_seqlens_k=cu_k, max_seqlen_q=max_q, accumulate=accumulate)
     torch.cuda.synchronize()
     return out, lse
 
@@ -287,7 +282,7 @@ def test_accumulate_matches_two_step_full():
     half = s // 2
     for lo in (half, 0):  # later keys first: order must not matter
         fa4cute.forward(q, k[:, lo:lo + half], v[:, lo:lo + half], out, lse, causal=True, q_offset=0,
-                        k_offset=lo, accumulate=True, **_CFG)
+                        k_offset=lo, accumulate=True)
     ref_out, ref_lse = ref_dense(q, k, v, 1 / math.sqrt(d), True, [0] * b, [0] * b)
     torch.cuda.synchronize()
     check(out, lse, ref_out, ref_lse, torch.bfloat16, False)

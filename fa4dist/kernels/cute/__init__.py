@@ -1,25 +1,22 @@
-"""fa4dist's own Hopper (sm_90a) attention forward kernel in CuTe DSL.
+"""fa4dist's own Hopper (sm_90a) attention kernels in CuTe DSL: forward and backward on one shared toolkit.
 
-Nothing here imports cutlass at import time; the kernel module is loaded on first use.
+Nothing here imports cutlass at import time; the kernel modules are loaded on first use.
 
-    from fa4dist.kernels import cute as fa4cute
-    fa4cute.is_available()                 # cutlass importable and an sm90 GPU present
-    fa4cute.supports(q, k, v, causal)      # -> (ok, reason)
-    fa4cute.forward(q, k, v, out, lse, softmax_scale=..., causal=..., q_offset=0, k_offset=0,
-                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                    accumulate=False)
+    from fa4dist.kernels.cute import backward, forward
+    forward.is_available()                 # cutlass importable and an sm90 GPU present
+    forward.supports(q, k, v, causal)      # -> (ok, reason)
+    forward.forward(q, k, v, out, lse, softmax_scale=..., causal=..., q_offset=0, k_offset=0,
+                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, accumulate=False)
+    backward.backward(dout, q, k, v, out, lse, dq, dk, dv, ..., deterministic=False, accumulate=False)
+
+Layout: forward.py / backward.py are the Python entry points (configs, checks, launch); host.py is their shared
+host layer (compile cache, AOT export, fake arguments, offsets); backend.py registers them as backend "cute";
+fwd_sm90.py / bwd_sm90.py (+ bwd_preprocess.py, bwd_postprocess.py) are the kernels, built from the shared device
+modules: tile_scheduler.py (which tile a CTA works on), block_info.py (sequence extents and block ranges),
+mask.py, softmax.py, sanitize.py (non-finite inputs under the mask), barriers.py and common_sm90.py (layouts,
+MMA, TMA and pipeline helpers, inline PTX).
 """
 
-from .interface import (  # noqa: F401
-    SUPPORTED_HEAD_DIMS,
-    KernelConfig,
-    cache_info,
-    compile_variant,
-    cutlass_importable,
-    forward,
-    get_compiled,
-    is_available,
-    make_config,
-    supports,
-)
-from .backend import CuteSm90Backend, register  # noqa: F401,E402
+from .backend import CuteSm90Backend, register  # noqa: F401
+from .forward import SUPPORTED_HEAD_DIMS, is_available, supports  # noqa: F401
+from .host import cutlass_importable  # noqa: F401

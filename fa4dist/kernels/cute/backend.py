@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from . import interface as _impl
-
-_BWD_HEAD_DIMS = (64, 128)  # fa4dist.kernels.cute.backward.BWD_HEAD_DIMS
-_INT32_MAX = 2**31 - 1
+from . import forward as _fwd
+from . import host
 
 
 class CuteSm90Backend:
@@ -30,7 +28,7 @@ class CuteSm90Backend:
         if device.type != "cuda" or not torch.cuda.is_available():
             return False
         major, _ = torch.cuda.get_device_capability(device)
-        return major == 9 and _impl.cutlass_importable()
+        return major == 9 and host.cutlass_importable()
 
     def supports(self, problem, direction: str):
         from ..registry import Unsupported
@@ -41,23 +39,23 @@ class CuteSm90Backend:
             return Unsupported("cute has no sliding window, softcap or sinks yet", fallback=True)
         if problem.dtype not in (torch.bfloat16, torch.float16):
             return Unsupported(f"cute takes float16 or bfloat16, got {problem.dtype}")
-        if problem.head_dim != problem.head_dim_v or problem.head_dim not in _impl.SUPPORTED_HEAD_DIMS:
+        if problem.head_dim != problem.head_dim_v or problem.head_dim not in _fwd.SUPPORTED_HEAD_DIMS:
             return Unsupported(
-                f"cute supports head dims {_impl.SUPPORTED_HEAD_DIMS} with equal q/k/v head dims, "
+                f"cute supports head dims {_fwd.SUPPORTED_HEAD_DIMS} with equal q/k/v head dims, "
                 f"got {problem.head_dim}/{problem.head_dim_v}"
             )
         if problem.softmax_scale <= 0:  # both kernels mask with -inf scores, which a negative scale would flip
             return Unsupported(f"cute needs a positive softmax_scale, got {problem.softmax_scale}")
-        if direction == "backward" and problem.head_dim not in _BWD_HEAD_DIMS:
-            return Unsupported(f"the cute backward supports head dims {_BWD_HEAD_DIMS}, got {problem.head_dim}")
+        from . import backward as _bwd
+
+        if direction == "backward" and problem.head_dim not in _bwd.BWD_HEAD_DIMS:
+            return Unsupported(f"the cute backward supports head dims {_bwd.BWD_HEAD_DIMS}, got {problem.head_dim}")
         # the kernels index in 32 bits (non-compact views are copied compact first, see _kernel_ready)
         d = max(problem.head_dim, problem.head_dim_v)
         largest = max(problem.total_q * problem.heads_q, problem.total_k * problem.heads_kv) * d
         if direction == "backward":
-            from .backward import dq_scratch_elements
-
-            largest = max(largest, dq_scratch_elements(problem.total_q, problem.batch, problem.heads_q, d))
-        if largest >= _INT32_MAX:
+            largest = max(largest, _bwd.dq_scratch_elements(problem.total_q, problem.batch, problem.heads_q, d))
+        if largest >= host.INT32_MAX:
             return Unsupported(f"{largest} elements in one tensor: the cute kernels index in 32 bits")
         if problem.causal:
             for qo, ko in zip(problem.q_offsets, problem.k_offsets):
@@ -73,7 +71,7 @@ class CuteSm90Backend:
             t.stride(-1) == 1
             and all(s % elems == 0 for s in t.stride()[:-1])
             and t.data_ptr() % 16 == 0
-            and sum((n - 1) * s for n, s in zip(t.shape, t.stride())) < _INT32_MAX
+            and sum((n - 1) * s for n, s in zip(t.shape, t.stride())) < host.INT32_MAX
         )
 
     def forward(self, problem, q, k, v, out=None, lse=None, accumulate=False):
@@ -86,7 +84,7 @@ class CuteSm90Backend:
         out_k = out if self._kernel_ready(out, 16 // out.element_size()) else out.contiguous()
         lse_k = lse if lse.stride(-1) == 1 else lse.contiguous()
         q_off, k_off = self._offsets(problem)
-        _impl.forward(
+        _fwd.forward(
             q, k, v, out_k, lse_k,
             softmax_scale=problem.softmax_scale, causal=problem.causal, q_offset=q_off, k_offset=k_off,
             cu_seqlens_q=problem.cu_seqlens_q_tensor, cu_seqlens_k=problem.cu_seqlens_k_tensor,

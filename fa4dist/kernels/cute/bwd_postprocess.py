@@ -14,6 +14,7 @@ from typing import Optional
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from .block_info import SeqlenInfo
 from .common_sm90 import dq_chunk_layout, dq_tiled_mma, select_modes, store_acc_rows
 
 
@@ -49,19 +50,18 @@ class BwdPostprocess:
         )
 
     @cute.kernel
-    def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, tiled_mma: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor]):
+    def kernel(
+        self, mdQacc: cute.Tensor, mdQ: cute.Tensor, tiled_mma: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor]
+    ):
         tm, D = self.tile_m, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         num_heads = cute.size(mdQ.shape[2])
+        seqlen = SeqlenInfo.create_q(batch, mdQ, mCuSeqlensQ, varlen=self.varlen, scratch_tile_m=tm)
+        seqlen_q, blk_base = seqlen.seqlen_q, seqlen.scratch_base
         if const_expr(self.varlen):
-            offset_q = mCuSeqlensQ[batch]
-            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
-            blk_base = offset_q // tm + batch
-            mdQ_cur = cute.domain_offset((offset_q, 0), mdQ[None, None, head])
+            mdQ_cur = cute.domain_offset((seqlen.offset_q, 0), mdQ[None, None, head])
         else:
-            seqlen_q = cute.size(mdQ.shape[0])
-            blk_base = batch * cute.ceil_div(seqlen_q, tm)
             mdQ_cur = mdQ[None, None, head, batch]
 
         if m_block * tm < seqlen_q:

@@ -17,6 +17,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from .block_info import SeqlenInfo
 from .common_sm90 import select_modes
 
 LOG2_E = math.log2(math.e)
@@ -82,17 +83,13 @@ class BwdPreprocess:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         num_heads = cute.size(mO.shape[2])
-        offset_q = Int32(0)
+        seqlen = SeqlenInfo.create_q(batch, mO, mCuSeqlensQ, varlen=self.varlen, scratch_tile_m=tm)
+        seqlen_q, blk_base = seqlen.seqlen_q, seqlen.scratch_base
         if const_expr(self.varlen):
-            offset_q = mCuSeqlensQ[batch]
-            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
-            blk_base = offset_q // tm + batch
-            mO_cur = cute.domain_offset((offset_q, 0), mO[None, None, head])
-            mdO_cur = cute.domain_offset((offset_q, 0), mdO[None, None, head])
-            mL_cur = cute.domain_offset((offset_q,), mLSE[None, head])
+            mO_cur = cute.domain_offset((seqlen.offset_q, 0), mO[None, None, head])
+            mdO_cur = cute.domain_offset((seqlen.offset_q, 0), mdO[None, None, head])
+            mL_cur = cute.domain_offset((seqlen.offset_q,), mLSE[None, head])
         else:
-            seqlen_q = cute.size(mO.shape[0])
-            blk_base = batch * cute.ceil_div(seqlen_q, tm)
             mO_cur = mO[None, None, head, batch]
             mdO_cur = mdO[None, None, head, batch]
             mL_cur = mLSE[None, head, batch]

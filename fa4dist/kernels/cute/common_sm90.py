@@ -1,17 +1,38 @@
-# Small device-side helpers shared by the Hopper forward and backward kernels (fwd_sm90.py, bwd_*.py).
-#
-# This module imports cutlass at import time: import it lazily.
+"""Device-side helpers shared by the Hopper forward and backward kernels (fwd_sm90.py, bwd_*.py): inline PTX,
+smem layouts and accumulator views, the wgmma issue loop, TMA partitions and pipeline setup.
 
+This module imports cutlass at import time: import it lazily.
+"""
+
+import dataclasses
 from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
+
+_CONTEXT_TYPES: dict = {}
+
+
+def Context(**values):
+    """Trace-time values bound once per tile (operands, accumulators, pipelines, mask, softmax), handed to the
+    step functions as one argument: an instance of a frozen dataclass with these fields. The DSL passes frozen
+    dataclasses through dynamic control flow as read-only constants, so only tensors (written in place) and
+    values fixed for the tile belong here; anything a dynamic loop updates (a pipeline state) stays an explicit
+    loop-carried value."""
+    names = tuple(values)
+    cls = _CONTEXT_TYPES.get(names)
+    if cls is None:
+        cls = dataclasses.make_dataclass("Context", names, frozen=True)
+        _CONTEXT_TYPES[names] = cls
+    return cls(**values)
+
 
 # ----------------------------------------------------------------------------
 # inline PTX
@@ -218,3 +239,30 @@ def store_acc_rows(
                 cute.autovec_copy(tdst_mn[r, None], o)
                 o.store(o.load() + acc_mn[r, None].load())
                 cute.autovec_copy(o, tdst_mn[r, None])
+
+
+# ----------------------------------------------------------------------------
+# TMA and pipelines
+# ----------------------------------------------------------------------------
+
+
+def tma_tile_partition(tma_atom: cute.CopyAtom, s_tile: cute.Tensor, g_tile: cute.Tensor):
+    """(smem, gmem) TMA partitions of one tile (a CTA without cluster multicast): the first two modes of each
+    tensor are the tile, further modes (stages, tile index) are kept."""
+    return cpasync.tma_partition(
+        tma_atom, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 2), cute.group_modes(g_tile, 0, 2)
+    )
+
+
+def tma_pipeline(barrier_storage, num_stages: int, consumer_warps: int, tx_count: int):
+    """A TMA-fed ring: one producer thread arms each stage with ``tx_count`` bytes, ``consumer_warps`` warps (one
+    arrival per warp) release it. The mbarriers are initialised without a CTA sync (``pipeline_init_arrive`` /
+    ``pipeline_init_wait`` of the caller fence them once for all pipelines)."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=barrier_storage,
+        num_stages=num_stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+        tx_count=tx_count,
+        defer_sync=True,
+    )

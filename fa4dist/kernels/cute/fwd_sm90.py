@@ -1,78 +1,59 @@
-# Hopper (sm_90a) attention forward kernel written in CuTe DSL.
-#
-# Structure (one CTA = one query tile of `tile_m` rows of one (head, batch)):
-#   * warpgroup 0 is the producer: its first warp issues TMA loads of Q (once) and
-#     of K/V tiles (multi-stage ring, PipelineTmaAsync) and then idles with few
-#     registers (setmaxnreg.dec);
-#   * warpgroups 1..num_wg are consumers: each owns 64 query rows of the tile.
-#     S = Q K^T and O += P V run on wgmma (P is fed from registers), the online
-#     softmax runs in exp2 with the softmax scale folded into one FFMA, and the
-#     O rescale is skipped when no row max of the warp grew past a threshold.
-#   * Optional intra-warpgroup overlap: the QK^T of block j is issued together
-#     with the PV of block j-1, so the softmax of block j overlaps the tensor
-#     cores; optional inter-warpgroup "scheduler" named barriers make the
-#     consumer warpgroups take turns issuing their wgmmas.
-#   * Epilogue: normalisation, then either a plain store of O (q dtype) and LSE
-#     (natural log), or the accumulate-merge of this block's (O, LSE) into a
-#     running fp32 (out, lse) pair.
-#
-# Masking contract (causal): key j of the block is visible to query i iff
-#   k_offset + j <= q_offset + i   <=>   j <= i + diag,   diag = q_offset - k_offset.
-# Key tiles entirely masked are never loaded or computed; tiles entirely visible
-# run without mask math; rows without any visible key produce O = 0, LSE = -inf.
-#
-# This module imports cutlass at import time: import it lazily.
+"""Hopper (sm_90a) attention forward kernel written in CuTe DSL.
+
+Structure (one CTA = one query tile of ``tile_m`` rows of one (head, batch); tile_scheduler.fwd_work_tile):
+  * warpgroup 0 is the producer: its first warp issues TMA loads of Q (once) and of K/V tiles (multi-stage
+    ring, PipelineTmaAsync) and then idles with few registers (setmaxnreg.dec);
+  * warpgroups 1..num_wg are consumers: each owns 64 query rows of the tile. S = Q K^T and O += P V run on
+    wgmma (P is fed from registers), the online softmax (softmax.py) runs in exp2 with the softmax scale folded
+    into one FFMA, and the O rescale is skipped when no row max of the warp grew past a threshold.
+  * Optional intra-warpgroup overlap: the QK^T of block j is issued together with the PV of block j-1, so the
+    softmax of block j overlaps the tensor cores; optional inter-warpgroup "scheduler" named barriers make the
+    consumer warpgroups take turns issuing their wgmmas.
+  * Epilogue: normalisation, then either a plain store of O (q dtype) and LSE (natural log), or the
+    accumulate-merge of this block's (O, LSE) into a running fp32 (out, lse) pair.
+
+Masking (mask.py, block_info.py): key tiles entirely masked are never loaded or computed; tiles entirely visible
+run without mask math; rows without any visible key produce O = 0, LSE = -inf.
+
+Non-finite values (sanitize.py): a masked pair contributes nothing, whatever V holds there. The V tiles of the
+masked blocks (diagonal, document boundary, sequence end) go through warps 1-3 of the producer warpgroup
+before the consumers see them: the TMA lands them on a separate barrier, the sanitizer warps zero rows holding
+NaN / inf and publish the first bad row, then release the tile. The consumers mark the rows that see that key
+(their O becomes NaN; their lse, which V does not enter, stays); K needs no such care (masked scores are replaced
+by a select). A row whose softmax is undefined (all scores -inf, or NaN) gets lse = NaN; -inf only means "saw
+no key".
+
+This module imports cutlass at import time: import it lazily.
+"""
 
 import math
 from typing import Optional
 
 import cutlass
-import cutlass.memory
 import cutlass.cute as cute
+import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from .barriers import FwdBarrier
+from .block_info import BlockInfo, SeqlenInfo
 from .common_sm90 import (
+    Context,
     acc_to_operand_a,
     mn_view,
     select_modes,
     smem_layout_kmajor,
+    tma_pipeline,
+    tma_tile_partition,
     transpose_smem,
     wgmma_gemm,
 )
-
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
-
-# named barrier ids (0 is __syncthreads)
-_BAR_EPILOGUE = 1
-_BAR_SCHED_BASE = 2  # + consumer warpgroup index (0..2)
-
-
-# ----------------------------------------------------------------------------
-# small trace-time helpers
-# ----------------------------------------------------------------------------
-
-
-def _sum4(terms):
-    """Sum of a Python list of traced scalars with 4 running partial sums (unrolled at trace time):
-    short dependency chains and only 4 live temporaries (a full tree needs many, and then ptxas
-    reuses the registers of the in-flight P operand and delays the softmax past the PV wait)."""
-    n = len(terms)
-    if n < 8:
-        acc = terms[0]
-        for t in terms[1:]:
-            acc = acc + t
-        return acc
-    part = [terms[0], terms[1], terms[2], terms[3]]
-    for i in range(4, n - n % 4, 4):
-        for j in range(4):
-            part[j] = part[j] + terms[i + j]
-    for i in range(n - n % 4, n):
-        part[0] = part[0] + terms[i]
-    return (part[0] + part[1]) + (part[2] + part[3])
+from .mask import AttentionMask
+from .sanitize import NONE, block_any, clear_nonfinite_rows, tile_maybe_nonfinite
+from .softmax import OnlineSoftmax, merge_lse
+from .tile_scheduler import fwd_work_tile
 
 
 class FlashFwdSm90:
@@ -94,6 +75,7 @@ class FlashFwdSm90:
         sched_barrier: bool = True,
         rescale_threshold: float = 8.0,
         tma_store_o: bool = True,
+        sanitize: bool = True,
         l2_rows: Optional[int] = None,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
@@ -120,6 +102,11 @@ class FlashFwdSm90:
         if l2_rows is None:
             l2_rows = (24 * 1024 * 1024) // (2 * head_dim * elem)
         self.l2_rows = l2_rows
+        self.block_info = BlockInfo(tile_m, tile_n, causal)
+        # V tiles of masked blocks go through the sanitizer warps (dense non-causal: TMA zero-fills past the end)
+        self.sanitize_v = sanitize and (causal or varlen)
+        self.fp16 = dtype == cutlass.Float16
+        self.sanitizer_threads = 96  # warps 1..3 of the producer warpgroup
 
     # ------------------------------------------------------------------------
     # host side
@@ -197,6 +184,8 @@ class FlashFwdSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_vland: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]  # V tiles to sanitize land here
+            sVbad: cute.struct.MemRange[Int32, self.num_stages]  # per stage: first row that held NaN / inf
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], 1024]
@@ -285,96 +274,37 @@ class FlashFwdSm90:
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
-        producer_one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_wg * 4)
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(),
-            num_stages=1,
-            producer_group=producer_one,
-            consumer_group=consumer_warps,
-            tx_count=self.bytes_q,
-            defer_sync=True,
-        )
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(),
-            num_stages=self.num_stages,
-            producer_group=producer_one,
-            consumer_group=consumer_warps,
-            tx_count=self.bytes_kv,
-            defer_sync=True,
-        )
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(),
-            num_stages=self.num_stages,
-            producer_group=producer_one,
-            consumer_group=consumer_warps,
-            tx_count=self.bytes_kv,
-            defer_sync=True,
-        )
+        consumer_warps = self.num_wg * 4
+        pipe_q = tma_pipeline(storage.mbar_q.data_ptr(), 1, consumer_warps, self.bytes_q)
+        pipe_k = tma_pipeline(storage.mbar_k.data_ptr(), self.num_stages, consumer_warps, self.bytes_kv)
+        pipe_v = tma_pipeline(storage.mbar_v.data_ptr(), self.num_stages, consumer_warps, self.bytes_kv)
+        pipe_vland = None
+        if const_expr(self.sanitize_v):
+            pipe_vland = tma_pipeline(storage.mbar_vland.data_ptr(), self.num_stages, self.sanitizer_threads // 32,
+                                      self.bytes_kv)
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        io = Context(
+            mQ=mQ, mK=mK, mV=mV, mO=mO, mLSE=mLSE, mO_tma=mO_tma,
+            sQ=storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
+            sK=storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
+            sV=storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
+            tma_atom_Q=tma_atom_Q, tma_atom_K=tma_atom_K, tma_atom_V=tma_atom_V, tma_atom_O=tma_atom_O,
+            pipe_q=pipe_q, pipe_k=pipe_k, pipe_v=pipe_v, pipe_vland=pipe_vland,
+            sVbad=storage.sVbad.get_tensor(cute.make_layout(self.num_stages)),
+        )
 
-        # ---------------- work tile decode (identical in every warp) ----------------
-        num_heads = cute.size(mQ.shape[2])
-        num_heads_kv = cute.size(mK.shape[2])
-        qhead_per_kv = num_heads // num_heads_kv
-        bid, _, _ = cute.arch.block_idx()
-        num_hb = num_heads * num_batch
-        m_block = Int32(0)
-        hb = Int32(0)
-        if const_expr(self.causal and not self.varlen):
-            # longest-processing-time first, heads grouped so that their K/V stay in L2
-            seqlen_k_static = cute.size(mK.shape[0])
-            group = cutlass.max(self.l2_rows // cutlass.max(seqlen_k_static, 1), 1) * qhead_per_kv
-            group = cutlass.min(group, num_hb)
-            per_group = group * num_m_blocks
-            gidx = bid // per_group
-            r = bid - gidx * per_group
-            hb_start = gidx * group
-            g_eff = cutlass.min(group, num_hb - hb_start)
-            m_block = num_m_blocks - 1 - r // g_eff
-            hb = hb_start + r % g_eff
-        elif const_expr(self.causal):
-            hb = bid // num_m_blocks
-            m_block = num_m_blocks - 1 - (bid - hb * num_m_blocks)
-        else:
-            hb = bid // num_m_blocks
-            m_block = bid - hb * num_m_blocks
-        batch = hb // num_heads
-        head = hb - batch * num_heads
-        head_kv = head // qhead_per_kv
-
-        offset_q = Int32(0)
-        offset_k = Int32(0)
-        seqlen_q = Int32(0)
-        seqlen_k = Int32(0)
-        diag_b = diag
-        if const_expr(self.varlen):
-            offset_q = mCuSeqlensQ[batch]
-            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
-            offset_k = mCuSeqlensK[batch]
-            seqlen_k = mCuSeqlensK[batch + 1] - offset_k
-        else:
-            seqlen_q = cute.size(mQ.shape[0])
-            seqlen_k = cute.size(mK.shape[0])
-        if const_expr(self.seg_offsets):
-            # per-sequence / per-segment global offsets of the first query / key
-            diag_b = diag + mSegOffQ[batch] - mSegOffK[batch]
-
-        tile_valid = m_block * self.tile_m < seqlen_q
-        n_block_max = cute.ceil_div(seqlen_k, self.tile_n)
-        n_block_causal = Int32(0)  # blocks >= this one need the causal mask
-        if const_expr(self.causal):
-            last_row_excl = cutlass.min(seqlen_q, (m_block + 1) * self.tile_m)
-            nvis = last_row_excl + diag_b  # keys visible to the last row of the tile
-            n_block_max = cutlass.min(n_block_max, cute.ceil_div(cutlass.max(nvis, 0), self.tile_n))
-            first_vis = m_block * self.tile_m + diag_b + 1  # keys visible to the first row
-            n_block_causal = cutlass.max(first_vis, 0) // self.tile_n
-        if not tile_valid:
-            n_block_max = Int32(0)
+        # ---------------- work tile, sequence and key-block range (identical in every warp) ----------------
+        tile = fwd_work_tile(mQ, mK, num_m_blocks, num_batch, causal=self.causal, varlen=self.varlen,
+                             l2_rows=self.l2_rows)
+        seqlen = SeqlenInfo.create(tile.batch, mQ, mK, diag, mCuSeqlensQ, mCuSeqlensK, mSegOffQ, mSegOffK,
+                                   varlen=self.varlen, seg_offsets=self.seg_offsets)
+        tile_valid, n_block_max, n_block_causal = self.block_info.key_blocks(seqlen, tile.block)
+        # the first n_sanitize blocks in processing order (the masked ones) have their V tile sanitized
+        n_sanitize = Int32(0)
+        if const_expr(self.sanitize_v):
+            n_masked, _ = self.block_info.masked_and_plain(n_block_max, n_block_causal)
+            n_sanitize = cutlass.min(n_masked + 1, n_block_max)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=None)
 
@@ -384,132 +314,158 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             if warp_idx == 0:
                 if n_block_max > 0:
-                    self.produce(
-                        mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                        pipe_q, pipe_k, pipe_v,
-                        m_block, head, head_kv, batch, offset_q, offset_k, n_block_max,
-                    )
+                    self.produce(io, tile, seqlen, n_block_max, n_sanitize)
+            if const_expr(self.sanitize_v):
+                if warp_idx > 0:
+                    self.sanitize_v_tiles(io, n_sanitize, tidx - 32)
         else:
             # ============================ consumers ===========================
             cute.arch.setmaxregister_increase(self.regs_consumer)
             if tile_valid:
-                self.consume(
-                    mO, mLSE, mO_tma, tma_atom_O, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v,
-                    scale_log2, diag_b, m_block, head, batch, offset_q, seqlen_q, seqlen_k,
-                    n_block_max, n_block_causal,
-                )
+                self.consume(io, tiled_mma_qk, tiled_mma_pv, scale_log2, tile, seqlen, n_block_max,
+                             n_block_causal)
 
     # ------------------------------------------------------------------------
     @cute.jit
-    def produce(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        tma_atom_Q: cute.CopyAtom,
-        tma_atom_K: cute.CopyAtom,
-        tma_atom_V: cute.CopyAtom,
-        pipe_q: pipeline.PipelineAsync,
-        pipe_k: pipeline.PipelineAsync,
-        pipe_v: pipeline.PipelineAsync,
-        m_block: Int32,
-        head: Int32,
-        head_kv: Int32,
-        batch: Int32,
-        offset_q: Int32,
-        offset_k: Int32,
-        n_block_max: Int32,
-    ):
+    def produce(self, io: Context, tile, seqlen: SeqlenInfo, n_block_max: Int32, n_sanitize: Int32):
         D = self.head_dim
+        head, head_kv, batch = tile.head, tile.head_kv, tile.batch
         if const_expr(not self.varlen):
-            mQ_cur = mQ[None, None, head, batch]
-            mK_cur = mK[None, None, head_kv, batch]
-            mV_cur = mV[None, None, head_kv, batch]
+            mQ_cur = io.mQ[None, None, head, batch]
+            mK_cur = io.mK[None, None, head_kv, batch]
+            mV_cur = io.mV[None, None, head_kv, batch]
         else:
-            mQ_cur = cute.domain_offset((offset_q, 0), mQ[None, None, head])
-            mK_cur = cute.domain_offset((offset_k, 0), mK[None, None, head_kv])
-            mV_cur = cute.domain_offset((offset_k, 0), mV[None, None, head_kv])
-        gQ = cute.local_tile(mQ_cur, (self.tile_m, D), (m_block, 0))
+            mQ_cur = cute.domain_offset((seqlen.offset_q, 0), io.mQ[None, None, head])
+            mK_cur = cute.domain_offset((seqlen.offset_k, 0), io.mK[None, None, head_kv])
+            mV_cur = cute.domain_offset((seqlen.offset_k, 0), io.mV[None, None, head_kv])
+        gQ = cute.local_tile(mQ_cur, (self.tile_m, D), (tile.block, 0))
         gK = cute.local_tile(mK_cur, (self.tile_n, D), (None, 0))  # (tile_n, D, nblk)
         gV = cute.local_tile(mV_cur, (self.tile_n, D), (None, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
+        tQsQ, tQgQ = tma_tile_partition(io.tma_atom_Q, io.sQ, gQ)
+        tKsK, tKgK = tma_tile_partition(io.tma_atom_K, io.sK, gK)
+        tVsV, tVgV = tma_tile_partition(io.tma_atom_V, io.sV, gV)
+        pipe_q, pipe_k = io.pipe_q, io.pipe_k
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        land_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        ld = Context(io=io, tVgV=tVgV, tVsV=tVsV)
 
         n_block = n_block_max - 1
         # first K tile goes out before Q so that both land together
         pipe_k.producer_acquire(kv_state)
-        cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
+        cute.copy(io.tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
                   tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
         pipe_q.producer_acquire(q_state)
-        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        cute.copy(io.tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        # V tiles of the first n_sanitize blocks (processing order) land on the sanitizer's barrier instead
+        san = self.sanitize_v
         if const_expr(self.intra_wg_overlap):
             # consumer order: K(n), [K(n-1), V(n)], [K(n-2), V(n-1)], ..., V(0)
-            for i in cutlass.range(n_block_max - 1, unroll=1):
+            n_pairs = n_block_max - 1
+            n_pairs_sanitized = Int32(0)
+            if const_expr(san):
+                n_pairs_sanitized = cutlass.min(n_sanitize, n_pairs)
+                for i in cutlass.range(n_pairs_sanitized, unroll=1):
+                    n_prev = n_block_max - 1 - i
+                    prev_state = kv_state.clone()
+                    kv_state.advance()
+                    self.load_k(ld, tKgK, tKsK, kv_state, n_prev - 1)
+                    self.load_v_sanitized(ld, prev_state, land_state, n_prev)
+                    land_state.advance()
+            for i in cutlass.range(n_pairs_sanitized, n_pairs, unroll=1):
                 n_prev = n_block_max - 1 - i
                 prev_state = kv_state.clone()
                 kv_state.advance()
-                pipe_k.producer_acquire(kv_state)
-                cute.copy(tma_atom_K, tKgK[None, n_prev - 1], tKsK[None, kv_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-                pipe_v.producer_acquire(prev_state)
-                cute.copy(tma_atom_V, tVgV[None, n_prev], tVsV[None, prev_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(prev_state))
-            pipe_v.producer_acquire(kv_state)
-            cute.copy(tma_atom_V, tVgV[None, 0], tVsV[None, kv_state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                self.load_k(ld, tKgK, tKsK, kv_state, n_prev - 1)
+                self.load_v(ld, prev_state, n_prev)
+            if const_expr(san):
+                if n_sanitize > n_pairs:
+                    self.load_v_sanitized(ld, kv_state, land_state, 0)
+                else:
+                    self.load_v(ld, kv_state, 0)
+            else:
+                self.load_v(ld, kv_state, 0)
             kv_state.advance()
         else:
-            pipe_v.producer_acquire(kv_state)
-            cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, kv_state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+            if const_expr(san):
+                if n_sanitize > 0:
+                    self.load_v_sanitized(ld, kv_state, land_state, n_block)
+                else:
+                    self.load_v(ld, kv_state, n_block)
+                land_state.advance()
+            else:
+                self.load_v(ld, kv_state, n_block)
             kv_state.advance()
             for i in cutlass.range(n_block_max - 1, unroll=1):
                 n = n_block_max - 2 - i
-                pipe_k.producer_acquire(kv_state)
-                cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, kv_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-                pipe_v.producer_acquire(kv_state)
-                cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, kv_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                self.load_k(ld, tKgK, tKsK, kv_state, n)
+                if const_expr(san):
+                    if i + 1 < n_sanitize:
+                        self.load_v_sanitized(ld, kv_state, land_state, n)
+                    else:
+                        self.load_v(ld, kv_state, n)
+                    land_state.advance()
+                else:
+                    self.load_v(ld, kv_state, n)
                 kv_state.advance()
+
+    @cute.jit
+    def load_k(self, ld: Context, tKgK: cute.Tensor, tKsK: cute.Tensor, state, n: Int32):
+        ld.io.pipe_k.producer_acquire(state)
+        cute.copy(ld.io.tma_atom_K, tKgK[None, n], tKsK[None, state.index],
+                  tma_bar_ptr=ld.io.pipe_k.producer_get_barrier(state))
+
+    @cute.jit
+    def load_v(self, ld: Context, state, n: Int32):
+        """V(n) into the stage of ``state``, armed on the consumers' V barrier."""
+        ld.io.pipe_v.producer_acquire(state)
+        cute.copy(ld.io.tma_atom_V, ld.tVgV[None, n], ld.tVsV[None, state.index],
+                  tma_bar_ptr=ld.io.pipe_v.producer_get_barrier(state))
+
+    @cute.jit
+    def load_v_sanitized(self, ld: Context, state, land_state, n: Int32):
+        """V(n) into the stage of ``state``, landing on the sanitizer's barrier: the sanitizer, not the TMA,
+        completes the consumers' V barrier of that stage."""
+        ld.io.pipe_v.sync_object_empty.wait(state.index, state.phase)
+        ld.io.pipe_vland.producer_acquire(land_state)
+        cute.copy(ld.io.tma_atom_V, ld.tVgV[None, n], ld.tVsV[None, state.index],
+                  tma_bar_ptr=ld.io.pipe_vland.producer_get_barrier(land_state))
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def sanitize_v_tiles(self, io: Context, n_sanitize: Int32, tid: Int32):
+        """Sanitizer warps: for each V tile to sanitize, zero rows that hold NaN / inf, publish the first such row
+        (sVbad[stage], NONE if none), then complete the consumers' V barrier of the stage."""
+        nthr = self.sanitizer_threads
+        land_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        for _ in cutlass.range(n_sanitize, unroll=1):
+            io.pipe_vland.consumer_wait(land_state)
+            stage = land_state.index
+            if tid == 0:
+                io.sVbad[stage] = Int32(NONE)
+            maybe = tile_maybe_nonfinite(io.sV.iterator, self.tile_n * self.head_dim, stage, tid, nthr, self.fp16)
+            if block_any(maybe, int(FwdBarrier.SANITIZE), nthr):
+                first = clear_nonfinite_rows(io.sV[None, None, stage], tid, nthr, self.fp16)
+                if first != NONE:
+                    cute.arch.atomic_min(io.sVbad.iterator + stage, first)
+                cute.arch.fence_view_async_shared()  # zeroed rows -> wgmma (async proxy)
+                cute.arch.barrier(barrier_id=int(FwdBarrier.SANITIZE), number_of_threads=nthr)
+            if tid == 0:
+                cute.arch.mbarrier_arrive(io.pipe_v.sync_object_full.get_barrier(stage))
+            io.pipe_vland.consumer_release(land_state)
+            land_state.advance()
 
     # ------------------------------------------------------------------------
     @cute.jit
     def consume(
         self,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mO_tma: Optional[cute.Tensor],
-        tma_atom_O: Optional[cute.CopyAtom],
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
+        io: Context,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
-        pipe_q: pipeline.PipelineAsync,
-        pipe_k: pipeline.PipelineAsync,
-        pipe_v: pipeline.PipelineAsync,
         scale_log2: Float32,
-        diag: Int32,
-        m_block: Int32,
-        head: Int32,
-        batch: Int32,
-        offset_q: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
+        tile,
+        seqlen: SeqlenInfo,
         n_block_max: Int32,
         n_block_causal: Int32,
     ):
@@ -522,9 +478,9 @@ class FlashFwdSm90:
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
 
         D = self.head_dim
-        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
-        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
-        sVt = transpose_smem(sV)  # (D, tile_n, stages)
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(io.sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(io.sK))
+        sVt = transpose_smem(io.sV)  # (D, tile_n, stages)
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
         acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, D)), Float32)
@@ -535,75 +491,54 @@ class FlashFwdSm90:
         cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
         tScS_mn = mn_view(thr_mma_qk.partition_C(cS))
         t0ScS_mn = mn_view(tiled_mma_qk.get_slice(0).partition_C(cS))
-        nrows = cute.size(tScS_mn, mode=[0])
-        row_max = cute.make_rmem_tensor(nrows, Float32)
-        row_sum = cute.make_rmem_tensor(nrows, Float32)
-        row_max.fill(-Float32.inf)
-        row_sum.fill(0.0)
+        softmax = OnlineSoftmax.create(cute.size(tScS_mn, mode=[0]), scale_log2, self.rescale_threshold)
+        m_block = tile.block
+        ml = Context(
+            tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tOrP=tOrP,
+            acc_O=acc_O, s_shape=s_shape, pipe_k=io.pipe_k, pipe_v=io.pipe_v, softmax=softmax, m_block=m_block,
+            wg=wg, mask=AttentionMask(self.tile_m, self.tile_n, self.causal, seqlen.seqlen_k, seqlen.diag, tScS_mn,
+                                      t0ScS_mn),
+            sVbad=io.sVbad,
+        )
 
         if n_block_max > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            pipe_q.consumer_wait(q_state)
+            io.pipe_q.consumer_wait(q_state)
             if const_expr(self.sched_barrier):
                 if wg == 0:
-                    cute.arch.barrier_arrive(barrier_id=_BAR_SCHED_BASE, number_of_threads=256)
-            # number of blocks after the first one that still need the causal mask
-            n_masked = Int32(0)
-            if const_expr(self.causal):
-                n_masked = cutlass.max(n_block_max - 1 - cutlass.max(n_block_causal, 0), 0)
-            n_plain = n_block_max - 1 - n_masked
+                    cute.arch.barrier_arrive(barrier_id=int(FwdBarrier.SCHED_WG0), number_of_threads=256)
+            # blocks after the first one that still need the causal mask, then blocks that need none
+            n_masked, n_plain = self.block_info.masked_and_plain(n_block_max, n_block_causal)
 
             if const_expr(self.intra_wg_overlap):
                 # ---- first block: S only ----
                 n_block = n_block_max - 1
-                pipe_k.consumer_wait(kv_state)
+                io.pipe_k.consumer_wait(kv_state)
                 acc_S = cute.make_rmem_tensor(s_shape, Float32)
                 self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
-                pipe_k.consumer_release(kv_state)
-                self.apply_mask(acc_S, tScS_mn, t0ScS_mn, m_block, n_block, seqlen_k, diag, True)
-                self.online_softmax(acc_S, row_max, row_sum, acc_O, scale_log2, True)
+                io.pipe_k.consumer_release(kv_state)
+                ml.mask.apply(acc_S, m_block, n_block, True)
+                softmax.online(acc_S, True)
                 tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
+                self.mark_rows_seeing_bad_v(ml, kv_state, n_block)
                 for i in cutlass.range(n_masked, unroll=1):
-                    kv_state = self.overlap_step(
-                        kv_state, n_block_max - 2 - i, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
-                        tOrP, acc_O, s_shape, pipe_k, pipe_v, row_max, row_sum, scale_log2,
-                        tScS_mn, t0ScS_mn, m_block, seqlen_k, diag, True, wg,
-                    )
+                    kv_state = self.overlap_step(ml, kv_state, n_block_max - 2 - i, True)
                 for i in cutlass.range(n_plain, unroll=1):
-                    kv_state = self.overlap_step(
-                        kv_state, n_plain - 1 - i, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
-                        tOrP, acc_O, s_shape, pipe_k, pipe_v, row_max, row_sum, scale_log2,
-                        tScS_mn, t0ScS_mn, m_block, seqlen_k, diag, False, wg,
-                    )
+                    kv_state = self.overlap_step(ml, kv_state, n_plain - 1 - i, False)
                 # ---- last P @ V ----
-                pipe_v.consumer_wait(kv_state)
+                io.pipe_v.consumer_wait(kv_state)
                 self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, 0)
-                pipe_v.consumer_release(kv_state)
+                io.pipe_v.consumer_release(kv_state)
                 kv_state.advance()
             else:
-                kv_state = self.simple_step(
-                    kv_state, n_block_max - 1, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
-                    tOrP, acc_O, s_shape, pipe_k, pipe_v, row_max, row_sum, scale_log2,
-                    tScS_mn, t0ScS_mn, m_block, seqlen_k, diag, 2,
-                )
+                kv_state = self.simple_step(ml, kv_state, n_block_max - 1, 2)
                 for i in cutlass.range(n_masked, unroll=1):
-                    kv_state = self.simple_step(
-                        kv_state, n_block_max - 2 - i, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
-                        tOrP, acc_O, s_shape, pipe_k, pipe_v, row_max, row_sum, scale_log2,
-                        tScS_mn, t0ScS_mn, m_block, seqlen_k, diag, 1,
-                    )
+                    kv_state = self.simple_step(ml, kv_state, n_block_max - 2 - i, 1)
                 for i in cutlass.range(n_plain, unroll=1):
-                    kv_state = self.simple_step(
-                        kv_state, n_plain - 1 - i, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
-                        tOrP, acc_O, s_shape, pipe_k, pipe_v, row_max, row_sum, scale_log2,
-                        tScS_mn, t0ScS_mn, m_block, seqlen_k, diag, 0,
-                    )
+                    kv_state = self.simple_step(ml, kv_state, n_plain - 1 - i, 0)
 
-        self.epilogue(
-            acc_O, row_max, row_sum, mO, mLSE, mO_tma, tma_atom_O, sQ, tiled_mma_pv, tidx, scale_log2,
-            m_block, head, batch, offset_q, seqlen_q,
-        )
+        self.epilogue(io, ml, tidx, tile, seqlen)
 
     # ------------------------------------------------------------------------
     @cute.jit
@@ -623,7 +558,7 @@ class FlashFwdSm90:
     @cute.jit
     def sched_sync(self, wg: Int32):
         if const_expr(self.sched_barrier):
-            cute.arch.barrier(barrier_id=_BAR_SCHED_BASE + wg, number_of_threads=256)
+            cute.arch.barrier(barrier_id=int(FwdBarrier.SCHED_WG0) + wg, number_of_threads=256)
 
     @cute.jit
     def sched_arrive(self, wg: Int32):
@@ -631,299 +566,132 @@ class FlashFwdSm90:
             nxt = wg + 1
             if nxt == self.num_wg:
                 nxt = Int32(0)
-            cute.arch.barrier_arrive(barrier_id=_BAR_SCHED_BASE + nxt, number_of_threads=256)
+            cute.arch.barrier_arrive(barrier_id=int(FwdBarrier.SCHED_WG0) + nxt, number_of_threads=256)
 
     # ------------------------------------------------------------------------
     @cute.jit
-    def overlap_step(
-        self,
-        kv_state,
-        n_block: Int32,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        tSrQ: cute.Tensor,
-        tSrK: cute.Tensor,
-        tOrVt: cute.Tensor,
-        tOrP: cute.Tensor,
-        acc_O: cute.Tensor,
-        s_shape: cutlass.Constexpr,
-        pipe_k: pipeline.PipelineAsync,
-        pipe_v: pipeline.PipelineAsync,
-        row_max: cute.Tensor,
-        row_sum: cute.Tensor,
-        scale_log2: Float32,
-        tScS_mn: cute.Tensor,
-        t0ScS_mn: cute.Tensor,
-        m_block: Int32,
-        seqlen_k: Int32,
-        diag: Int32,
-        causal_mask: cutlass.Constexpr[bool],
-        wg: Int32,
-    ):
+    def overlap_step(self, ml: Context, kv_state, n_block: Int32, causal_mask: cutlass.Constexpr[bool]):
+        """S of block n_block issued with the PV of the previous block; softmax of S while PV runs."""
         v_state = kv_state.clone()
         kv_state.advance()
-        pipe_k.consumer_wait(kv_state)
-        self.sched_sync(wg)
-        acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, -1)
-        pipe_v.consumer_wait(v_state)
-        self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
-        self.sched_arrive(wg)
+        ml.pipe_k.consumer_wait(kv_state)
+        self.sched_sync(ml.wg)
+        acc_S = cute.make_rmem_tensor(ml.s_shape, Float32)
+        self.gemm(ml.tiled_mma_qk, acc_S, ml.tSrQ, ml.tSrK[None, None, None, kv_state.index], True, -1)
+        ml.pipe_v.consumer_wait(v_state)
+        self.gemm(ml.tiled_mma_pv, ml.acc_O, ml.tOrP, ml.tOrVt[None, None, None, v_state.index], False, -1)
+        self.sched_arrive(ml.wg)
         warpgroup.wait_group(1)
-        pipe_k.consumer_release(kv_state)
+        ml.pipe_k.consumer_release(kv_state)
         if const_expr(causal_mask):
-            self.apply_mask(acc_S, tScS_mn, t0ScS_mn, m_block, n_block, seqlen_k, diag, False)
-        row_scale = self.online_softmax(acc_S, row_max, row_sum, acc_O, scale_log2, False)
+            ml.mask.apply(acc_S, ml.m_block, n_block, False)
+        row_scale = ml.softmax.online(acc_S, False)
         warpgroup.wait_group(0)
-        pipe_v.consumer_release(v_state)
-        tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
-        self.rescale_o(acc_O, row_scale)
+        ml.pipe_v.consumer_release(v_state)
+        ml.tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
+        ml.softmax.rescale_o(ml.acc_O, row_scale)
+        if const_expr(causal_mask):
+            self.mark_rows_seeing_bad_v(ml, kv_state, n_block)
         return kv_state
 
     @cute.jit
-    def simple_step(
-        self,
-        kv_state,
-        n_block: Int32,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        tSrQ: cute.Tensor,
-        tSrK: cute.Tensor,
-        tOrVt: cute.Tensor,
-        tOrP: cute.Tensor,
-        acc_O: cute.Tensor,
-        s_shape: cutlass.Constexpr,
-        pipe_k: pipeline.PipelineAsync,
-        pipe_v: pipeline.PipelineAsync,
-        row_max: cute.Tensor,
-        row_sum: cute.Tensor,
-        scale_log2: Float32,
-        tScS_mn: cute.Tensor,
-        t0ScS_mn: cute.Tensor,
-        m_block: Int32,
-        seqlen_k: Int32,
-        diag: Int32,
-        mask_kind: cutlass.Constexpr[int],  # 0 none, 1 causal, 2 seqlen + causal
-    ):
-        pipe_k.consumer_wait(kv_state)
-        acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
-        pipe_k.consumer_release(kv_state)
+    def mark_rows_seeing_bad_v(self, ml: Context, kv_state, n_block: Int32):
+        """After the softmax of a masked block (no PV in flight): wait for its V tile (sanitized) and make O
+        non-finite for the rows that see the first key whose V row held NaN / inf. Their lse stays what the
+        scores give, as in the reference (a bad value row does not change the softmax)."""
+        if const_expr(self.sanitize_v):
+            ml.pipe_v.consumer_wait(kv_state)
+            bad_key = n_block * self.tile_n + ml.sVbad[kv_state.index]
+            acc_mn = mn_view(ml.acc_O)
+            for r in cutlass.range_constexpr(cute.size(ml.softmax.row_sum)):
+                row = ml.m_block * self.tile_m + ml.mask.tScS_mn[r, 0][0]
+                seen = ml.mask.visible(row, bad_key)
+                acc_mn[r, 0] = Float32.nan if seen else acc_mn[r, 0]  # each of the row's 4 threads: one column
+
+    @cute.jit
+    def simple_step(self, ml: Context, kv_state, n_block: Int32, mask_kind: cutlass.Constexpr[int]):
+        """S, softmax, PV of one block in sequence. mask_kind: 0 none, 1 causal, 2 seqlen + causal."""
+        ml.pipe_k.consumer_wait(kv_state)
+        acc_S = cute.make_rmem_tensor(ml.s_shape, Float32)
+        self.gemm(ml.tiled_mma_qk, acc_S, ml.tSrQ, ml.tSrK[None, None, None, kv_state.index], True, 0)
+        ml.pipe_k.consumer_release(kv_state)
         if const_expr(mask_kind > 0):
-            self.apply_mask(acc_S, tScS_mn, t0ScS_mn, m_block, n_block, seqlen_k, diag, mask_kind == 2)
-        row_scale = self.online_softmax(acc_S, row_max, row_sum, acc_O, scale_log2, False)
-        tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
-        self.rescale_o(acc_O, row_scale)
-        pipe_v.consumer_wait(kv_state)
-        self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, 0)
-        pipe_v.consumer_release(kv_state)
+            ml.mask.apply(acc_S, ml.m_block, n_block, mask_kind == 2)
+        row_scale = ml.softmax.online(acc_S, False)
+        ml.tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
+        ml.softmax.rescale_o(ml.acc_O, row_scale)
+        if const_expr(mask_kind > 0):
+            self.mark_rows_seeing_bad_v(ml, kv_state, n_block)
+        ml.pipe_v.consumer_wait(kv_state)
+        self.gemm(ml.tiled_mma_pv, ml.acc_O, ml.tOrP, ml.tOrVt[None, None, None, kv_state.index], False, 0)
+        ml.pipe_v.consumer_release(kv_state)
         kv_state.advance()
         return kv_state
 
     # ------------------------------------------------------------------------
     @cute.jit
-    def apply_mask(
-        self,
-        acc_S: cute.Tensor,
-        tScS_mn: cute.Tensor,
-        t0ScS_mn: cute.Tensor,
-        m_block: Int32,
-        n_block: Int32,
-        seqlen_k: Int32,
-        diag: Int32,
-        mask_seqlen: cutlass.Constexpr[bool],
-    ):
-        """Set S to -inf where key col >= seqlen_k (if mask_seqlen) or, when causal,
-        where col > row + diag. Comparisons are against thread 0's compile-time
-        column coordinates with this thread's column offset folded into the limit."""
-        acc_mn = mn_view(acc_S)
-        thr_col = tScS_mn[0, 0][1]
-        col0 = n_block * self.tile_n + thr_col
-        seqlen_limit = seqlen_k - col0
-        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            limit = seqlen_limit
-            if const_expr(self.causal):
-                row = m_block * self.tile_m + tScS_mn[r, 0][0]
-                causal_limit = row + diag + 1 - col0
-                if const_expr(mask_seqlen):
-                    limit = cutlass.min(limit, causal_limit)
-                else:
-                    limit = causal_limit
-            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                # a select, not an `if`: a dynamic `if` that writes a register tensor yields the
-                # whole fragment out of the branch (hundreds of FSELs per masked tile)
-                acc_mn[r, c] = -Float32.inf if t0ScS_mn[0, c][1] >= limit else acc_mn[r, c]
-
-    @cute.jit
-    def online_softmax(
-        self,
-        acc_S: cute.Tensor,
-        row_max: cute.Tensor,
-        row_sum: cute.Tensor,
-        acc_O: cute.Tensor,
-        scale_log2: Float32,
-        is_first: cutlass.Constexpr[bool],
-    ):
-        """Turn S into unnormalised P in place; update running max / partial sums.
-        Returns per-row factors for O (1.0 where the max was kept)."""
-        acc_mn = mn_view(acc_S)
-        row_scale = cute.make_rmem_tensor_like(row_max, Float32)
-        for r in cutlass.range_constexpr(cute.size(row_max)):
-            vals = acc_mn[r, None].load()
-            m_cur = vals.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-            m_cur = cute.arch.warp_reduction_max(m_cur, threads_in_group=4)
-            m_old = row_max[r]
-            m_new = cute.arch.fmax(m_old, m_cur)
-            if const_expr(not is_first and self.rescale_threshold > 0.0):
-                # keep the stale max unless it grew by more than the threshold (log2 units):
-                # P stays <= 2^threshold and the final normalisation is exact either way
-                grow = (m_new - m_old) * scale_log2
-                if grow <= self.rescale_threshold:  # NaN (both -inf) also lands here: fine
-                    m_new = m_old
-            row_max[r] = m_new
-            m_safe = m_new
-            if m_new == -Float32.inf:
-                m_safe = Float32(0.0)
-            m_scaled = m_safe * scale_log2
-            p = cute.math.exp2(vals * scale_log2 - m_scaled, fastmath=True)
-            acc_mn[r, None].store(p)
-            # pairwise tree: short dependency chains instead of one serial FADD chain
-            p_sum = _sum4([acc_mn[r, c] for c in range(cute.size(acc_mn, mode=[1]))])
-            if const_expr(is_first):
-                row_scale[r] = Float32(1.0)
-                row_sum[r] = p_sum
-            else:
-                sc = cute.math.exp2(m_old * scale_log2 - m_scaled, fastmath=True)
-                row_scale[r] = sc
-                row_sum[r] = row_sum[r] * sc + p_sum
-        return row_scale
-
-    @cute.jit
-    def rescale_o(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
-        acc_mn = mn_view(acc_O)
-        if const_expr(self.rescale_threshold > 0.0):
-            need = row_scale[0] != Float32(1.0)
-            for r in cutlass.range_constexpr(1, cute.size(row_scale)):
-                need = need | (row_scale[r] != Float32(1.0))
-            if cute.arch.vote_any_sync(need):
-                for r in cutlass.range_constexpr(cute.size(row_scale)):
-                    acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
+    def epilogue(self, io: Context, ml: Context, tidx: Int32, tile, seqlen: SeqlenInfo):
+        if const_expr(io.tma_atom_O is not None):
+            self.epilogue_tma(io, ml, tidx, tile, seqlen)
         else:
-            for r in cutlass.range_constexpr(cute.size(row_scale)):
-                acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
+            self.epilogue_direct(io, ml, tidx, tile, seqlen)
 
-    # ------------------------------------------------------------------------
     @cute.jit
-    def epilogue_tma(
-        self,
-        acc_O: cute.Tensor,
-        row_max: cute.Tensor,
-        row_sum: cute.Tensor,
-        mLSE: cute.Tensor,
-        mO_tma: cute.Tensor,
-        tma_atom_O: cute.CopyAtom,
-        sQ: cute.Tensor,
-        tiled_mma_pv: cute.TiledMma,
-        tidx: Int32,
-        scale_log2: Float32,
-        m_block: Int32,
-        head: Int32,
-        batch: Int32,
-        seqlen_q: Int32,
-    ):
+    def epilogue_tma(self, io: Context, ml: Context, tidx: Int32, tile, seqlen: SeqlenInfo):
         """O -> registers (q dtype) -> smem (the Q buffer, free once every consumer warpgroup is
         past its last S = Q K^T) -> one TMA store (rows past seqlen_q are clipped by TMA)."""
         D = self.head_dim
+        tiled_mma_pv, acc_O, sQ = ml.tiled_mma_pv, ml.acc_O, io.sQ
+        row_sum = ml.softmax.row_sum
+        m_block = tile.block
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
         acc_mn = mn_view(acc_O)
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO_mn = mn_view(rO)
         lse_r = cute.make_rmem_tensor_like(row_sum, Float32)
+        cO = cute.make_identity_tensor((self.tile_m, D))
+        tOcO_mn = mn_view(thr_mma_pv.partition_C(cO))
         for r in cutlass.range_constexpr(cute.size(row_sum)):
-            s = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
-            empty = s == Float32(0.0) or s != s
-            inv = cute.arch.rcp_approx(Float32(1.0) if empty else s)
-            lse = Float32(-math.inf)
-            if not empty:
-                lse = (row_max[r] * scale_log2 + cute.math.log2(s, fastmath=True)) * LN_2
+            row = m_block * self.tile_m + tOcO_mn[r, 0][0]
+            inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row))
             lse_r[r] = lse
             rO_mn[r, None].store((acc_mn[r, None].load() * inv).to(self.dtype))
         # every consumer warpgroup has finished reading sQ
-        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_wg * 128)
+        cute.arch.barrier(barrier_id=int(FwdBarrier.EPILOGUE), number_of_threads=self.num_wg * 128)
         st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
         thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)
         cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sQ))
         cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
-        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_wg * 128)
+        cute.arch.barrier(barrier_id=int(FwdBarrier.EPILOGUE), number_of_threads=self.num_wg * 128)
         if tidx < 32:
-            gO = cute.local_tile(mO_tma[None, None, head, batch], (self.tile_m, D), (m_block, 0))
-            tOsO, tOgO = cpasync.tma_partition(
-                tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gO, 0, 2)
-            )
-            cute.copy(tma_atom_O, tOsO, tOgO)
+            gO = cute.local_tile(io.mO_tma[None, None, tile.head, tile.batch], (self.tile_m, D), (m_block, 0))
+            tOsO, tOgO = tma_tile_partition(io.tma_atom_O, sQ, gO)
+            cute.copy(io.tma_atom_O, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-        mL_cur = mLSE[None, head, batch]
-        cO = cute.make_identity_tensor((self.tile_m, D))
-        tOcO_mn = mn_view(thr_mma_pv.partition_C(cO))
+        mL_cur = io.mLSE[None, tile.head, tile.batch]
         if tOcO_mn[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(row_sum)):
                 row = m_block * self.tile_m + tOcO_mn[r, 0][0]
-                if row < seqlen_q:
+                if row < seqlen.seqlen_q:
                     mL_cur[row] = lse_r[r]
 
     @cute.jit
-    def epilogue(
-        self,
-        acc_O: cute.Tensor,
-        row_max: cute.Tensor,
-        row_sum: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mO_tma: Optional[cute.Tensor],
-        tma_atom_O: Optional[cute.CopyAtom],
-        sQ: cute.Tensor,
-        tiled_mma_pv: cute.TiledMma,
-        tidx: Int32,
-        scale_log2: Float32,
-        m_block: Int32,
-        head: Int32,
-        batch: Int32,
-        offset_q: Int32,
-        seqlen_q: Int32,
-    ):
-        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
-        if const_expr(tma_atom_O is not None):
-            self.epilogue_tma(acc_O, row_max, row_sum, mLSE, mO_tma, tma_atom_O, sQ, tiled_mma_pv, tidx,
-                              scale_log2, m_block, head, batch, seqlen_q)
-        else:
-            self.epilogue_direct(acc_O, row_max, row_sum, mO, mLSE, thr_mma_pv, scale_log2, m_block, head,
-                                 batch, offset_q, seqlen_q)
-
-    @cute.jit
-    def epilogue_direct(
-        self,
-        acc_O: cute.Tensor,
-        row_max: cute.Tensor,
-        row_sum: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        thr_mma_pv: cute.ThrMma,
-        scale_log2: Float32,
-        m_block: Int32,
-        head: Int32,
-        batch: Int32,
-        offset_q: Int32,
-        seqlen_q: Int32,
-    ):
+    def epilogue_direct(self, io: Context, ml: Context, tidx: Int32, tile, seqlen: SeqlenInfo):
         """O (or the accumulate-merge) straight from registers to global memory."""
         D = self.head_dim
+        acc_O = ml.acc_O
+        row_sum = ml.softmax.row_sum
+        m_block, head, batch = tile.block, tile.head, tile.batch
+        seqlen_q = seqlen.seqlen_q
+        mO, mLSE = io.mO, io.mLSE
+        thr_mma_pv = ml.tiled_mma_pv.get_slice(tidx)
         if const_expr(not self.varlen):
             mO_cur = mO[None, None, head, batch]
             mL_cur = mLSE[None, head, batch]
         else:
-            mO_cur = cute.domain_offset((offset_q, 0), mO[None, None, head])
-            mL_cur = cute.domain_offset((offset_q,), mLSE[None, head])
+            mO_cur = cute.domain_offset((seqlen.offset_q, 0), mO[None, None, head])
+            mL_cur = cute.domain_offset((seqlen.offset_q,), mLSE[None, head])
         gO = cute.local_tile(mO_cur, (self.tile_m, D), (m_block, 0))
         tOgO_mn = mn_view(thr_mma_pv.partition_C(gO))
         cO = cute.make_identity_tensor((self.tile_m, D))
@@ -931,13 +699,8 @@ class FlashFwdSm90:
         acc_mn = mn_view(acc_O)
         is_col0 = tOcO_mn[0, 0][1] == 0
         for r in cutlass.range_constexpr(cute.size(row_sum)):
-            s = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
             row = m_block * self.tile_m + tOcO_mn[r, 0][0]
-            empty = s == Float32(0.0) or s != s
-            inv = cute.arch.rcp_approx(Float32(1.0) if empty else s)
-            lse = Float32(-math.inf)
-            if not empty:
-                lse = (row_max[r] * scale_log2 + cute.math.log2(s, fastmath=True)) * LN_2
+            inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row))
             lse_old = Float32(-math.inf)
             if const_expr(self.accumulate):
                 # the quad leader reads the running lse; the shuffle hands it to the 3 other
@@ -955,18 +718,7 @@ class FlashFwdSm90:
                         mL_cur[row] = lse
                 else:
                     # merge (acc/s, lse) into the running (out, lse_old)
-                    m = cute.arch.fmax(lse_old, lse)
-                    w_old = Float32(1.0)
-                    w_new = Float32(0.0)
-                    lse_out = lse_old
-                    if m != -Float32.inf:
-                        e_old = cute.math.exp2((lse_old - m) * LOG2_E, fastmath=True)
-                        e_new = cute.math.exp2((lse - m) * LOG2_E, fastmath=True)
-                        tot = e_old + e_new
-                        lse_out = m + cute.math.log2(tot, fastmath=True) * LN_2
-                        rt = cute.arch.rcp_approx(tot)
-                        w_old = e_old * rt
-                        w_new = e_new * rt
+                    w_old, w_new, lse_out = merge_lse(lse_old, lse)
                     o_old = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
                     cute.autovec_copy(tOgO_mn[r, None], o_old)
                     o_blk = acc_mn[r, None].load() * (inv * w_new)

@@ -1,0 +1,240 @@
+"""One GPU session for the CuTe DSL kernels, prepared on the CPU: ahead-of-time objects, then tests and bench.
+
+    python bench/cute_session_dev.py aot DIR [--jobs 2]   # CPU: compile the variants tests and bench use, export
+    python bench/cute_session_dev.py gpu AOT_TAR -- STAGE... # GPU: unpack, warm FA4, run the stages, logs to $OUT
+    python bench/cute_session_dev.py smoke                  # GPU: small forward / backward cases vs the oracle
+
+AOT objects are keyed by each config and a digest of the kernel sources (host.config_key), so a stale object is
+never loaded; a variant missing from DIR is compiled on first use (3-5 s). With FA4DIST_CUTE_COMPILE_LOG set,
+host.get_compiled appends every config it had to compile to that file: the list of what to add next time.
+Stages ("name:limit_s:command") run one after another, each under its own time limit, output to $OUT/name.log;
+a failing stage whose name starts with "smoke" ends the session (a hang would eat the rest of it).
+flash-attn-4 compiles its kernels on first call (5-7 s each): `gpu` first warms its disk cache for the bench's
+(head dim, causal) pairs in parallel processes, in the background while the tests run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..")
+sys.path.insert(0, ROOT)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the variants the GPU tests and the bench use
+
+
+def fwd_configs():
+    import torch
+
+    from fa4dist.kernels.cute import forward as F
+
+    bf16, fp16 = torch.bfloat16, torch.float16
+    out = []
+
+    def add(dt, d, causal, varlen=False, acc=False, seg=False, out_fp32=False, **kw):
+        out.append(F.make_config(dt, d, causal=causal, varlen=varlen, accumulate=acc, seg_offsets=seg,
+                                 out_fp32=out_fp32, **kw))
+
+    for dt in (bf16, fp16):
+        for d in (64, 96, 128):
+            for causal in (False, True):
+                add(dt, d, causal)
+        for d, causal, seg in ((128, False, False), (128, True, False), (128, True, True), (64, True, True),
+                               (96, False, False), (64, True, False), (64, False, False)):
+            add(dt, d, causal, varlen=True, seg=seg)
+        for varlen, causal, d in ((False, False, 128), (False, True, 128), (False, True, 64), (True, True, 128),
+                                  (True, False, 96), (True, False, 128)):
+            add(dt, d, causal, varlen=varlen, acc=True)
+    add(bf16, 128, True, seg=True, out_fp32=True)
+    add(bf16, 128, True, varlen=True, seg=True, acc=True)
+    for d in (64, 128):  # bench variants
+        for causal in (False, True):
+            add(bf16, d, causal, sanitize=False)  # the cost of the masked-key guarantee
+    return out
+
+
+def bwd_configs():
+    import dataclasses
+
+    import torch
+
+    from fa4dist.kernels.cute import backward as B
+
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    out = []
+
+    def add(dt, d, causal, varlen=False, acc=False, det=False, seg=False, o=None, do=None, grads=None, **kw):
+        grads = fp32 if acc else (grads or dt)
+        out.extend(B.make_configs(dt, d, causal=causal, varlen=varlen, seg_offsets=seg, accumulate=acc,
+                                  deterministic=det, dq_dtype=grads, dkv_dtype=grads, o_dtype=o or dt,
+                                  do_dtype=do or dt, **kw))
+
+    for dt in (bf16, fp16):
+        for d in (64, 128):
+            for causal in (False, True):
+                add(dt, d, causal)
+                add(dt, d, causal, varlen=True)
+    add(bf16, 128, True, o=fp32, do=fp32, grads=fp32)
+    for causal in (False, True):
+        add(bf16, 128, causal, acc=True)
+        add(bf16, 128, causal, varlen=True, acc=True)
+        for d in (64, 128):
+            add(bf16, d, causal, det=True)
+            add(bf16, d, causal, det=True, grads=fp32)
+            add(bf16, d, causal, det=True, det_chunk=8)
+            add(bf16, d, causal, det=True, grads=fp32, det_chunk=8)
+            add(bf16, d, causal, varlen=True, det=True)  # the session's smoke stage
+            add(bf16, d, causal, sanitize=False)  # bench: the cost of the masked-key guarantee
+            add(bf16, d, causal, det=True, sanitize=False)
+    add(bf16, 128, True, varlen=True, seg=True)
+    add(bf16, 128, True, varlen=True, seg=True, acc=True)
+    add(bf16, 128, True, seg=True)
+    seen, flat = set(), []
+    for cfg in out:
+        if cfg not in seen:
+            seen.add(cfg)
+            flat.append(cfg)
+    return flat
+
+
+def _export_shard(args):
+    folder, shard, jobs = args
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from fa4dist.kernels.cute import host
+
+    cfgs = (fwd_configs() + bwd_configs())[shard::jobs]
+    for cfg in cfgs:
+        if not os.path.exists(os.path.join(folder, host.config_key(cfg) + ".o")):  # kept from an earlier export
+            host.export_aot(cfg, folder)
+    return len(cfgs)
+
+
+def cmd_aot(folder, jobs):
+    import multiprocessing as mp
+
+    t0 = time.time()
+    os.makedirs(folder, exist_ok=True)
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        n = sum(pool.map(_export_shard, [(folder, i, jobs) for i in range(jobs)]))
+    print(f"{n} AOT objects in {folder} ({time.time() - t0:.0f} s)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU side
+
+
+def cmd_smoke():
+    """A few small forward / backward calls against the fp64 oracle (dense, packed, causal, deterministic): exit
+    1 if one is wrong, and a hang (a barrier that never completes) is cut after 90 s."""
+    import faulthandler
+
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from oracle import naive_attention, rel_error
+
+    from fa4dist.kernels.cute import backward as B
+    from fa4dist.kernels.cute import forward as F
+
+    faulthandler.dump_traceback_later(90, exit=True)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ok = True
+    for d in (128, 64):
+        for causal, lens in ((True, None), (False, None), (True, [100, 300, 77]), (False, [129, 1, 200])):
+            t0 = time.time()
+            if lens is None:
+                shape = (2, 333, 4, d)
+                kw = dict(causal=causal)
+                okw = dict(causal=causal)
+            else:
+                cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+                shape = (sum(lens), 4, d)
+                kw = dict(causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                          max_seqlen_k=max(lens))
+                okw = dict(causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+            q, k, v, dout = (torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16) for _ in range(4))
+            qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+            ro, rl = naive_attention(qd, kd, vd, **okw)
+            rg = torch.autograd.grad(ro, (qd, kd, vd), dout.double())
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full(rl.shape, float("nan"), device="cuda")
+            F.forward(q, k, v, out, lse, **kw)
+            errs = [rel_error(out.cpu(), ro.detach().cpu())]
+            for det in (False, True):
+                grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+                B.backward(dout, q, k, v, out, lse, *grads, deterministic=det, **kw)
+                errs += [rel_error(a.cpu(), b.cpu()) for a, b in zip(grads, rg)]
+            torch.cuda.synchronize()
+            good = all(e < 3e-2 for e in errs)
+            ok &= good
+            print(f"smoke d={d} causal={causal} packed={lens is not None}: errs {[f'{e:.1e}' for e in errs]} "
+                  f"{'ok' if good else 'FAIL'} ({time.time() - t0:.1f}s)", flush=True)
+    sys.exit(0 if ok else 1)
+
+FA4_WARM = r"""
+import sys, torch
+from flash_attn.cute import flash_attn_func as fa4
+d, causal = int(sys.argv[1]), sys.argv[2] == "1"
+for s in map(int, sys.argv[3:]):
+    q, k, v = (torch.randn(1, s, 2048 // d, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    for det in (False, True):
+        r = fa4(q, k, v, causal=causal, deterministic=det)
+        o = r[0] if isinstance(r, tuple) else r
+        o.backward(torch.ones_like(o))
+torch.cuda.synchronize()
+print("warm", d, causal, flush=True)
+"""
+
+
+def cmd_gpu(aot_tar, stages):
+    out = os.environ.get("OUT", "/tmp/out")
+    os.makedirs(out, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="1",
+               FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="/tmp/fa4cache",
+               FA4DIST_CUTE_COMPILE_LOG=os.path.join(out, "compiled.txt"))
+    if aot_tar and os.path.exists(aot_tar):
+        subprocess.run(["tar", "-xJf", aot_tar, "-C", "/tmp"], check=True)
+        env["FA4DIST_CUTE_AOT_DIR"] = "/tmp/" + os.path.basename(aot_tar).split(".")[0]
+    warm = []
+    for d in (64, 128):
+        for causal in ("0", "1"):
+            warm.append(subprocess.Popen([sys.executable, "-c", FA4_WARM, str(d), causal, "1024", "4096", "16384"],
+                                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    for spec in stages:
+        name, limit, command = spec.split(":", 2)
+        if name.startswith("bench"):
+            for p in warm:  # the bench times flash-attn-4: its kernels must be in the cache by now
+                p.wait()
+        t0 = time.time()
+        with open(os.path.join(out, name + ".log"), "w") as log:
+            rc = subprocess.run(["timeout", limit, "bash", "-c", command], env=env, stdout=log,
+                                stderr=subprocess.STDOUT).returncode
+        print(f"=== {name} rc={rc} in {time.time() - t0:.0f}s", flush=True)
+        with open(os.path.join(out, name + ".log")) as log:
+            tail = log.read().splitlines()[-int(os.environ.get("TAIL_LINES", "25")):]
+        print("\n".join(tail), flush=True)
+        if rc != 0 and name.startswith("smoke"):
+            print("=== smoke failed: later stages skipped", flush=True)
+            break
+    for p in warm:
+        p.kill()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "aot":
+        jobs = int(sys.argv[sys.argv.index("--jobs") + 1]) if "--jobs" in sys.argv else 2
+        cmd_aot(sys.argv[2], jobs)
+    elif sys.argv[1] == "gpu":
+        cmd_gpu(sys.argv[2], sys.argv[sys.argv.index("--") + 1:])
+    elif sys.argv[1] == "smoke":
+        cmd_smoke()
+    elif sys.argv[1] == "list":
+        for c in fwd_configs() + bwd_configs():
+            print(c)

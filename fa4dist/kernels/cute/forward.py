@@ -1,0 +1,251 @@
+"""Python entry point of the Hopper forward (fwd_sm90.py): configs, support check, launch.
+
+    from fa4dist.kernels.cute.forward import forward, supports
+    ok, why = supports(q, k, v, causal=True)
+    forward(q, k, v, out, lse, softmax_scale=..., causal=..., q_offset=0, k_offset=0, cu_seqlens_q=None,
+            cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, accumulate=False)
+
+Writes out / lse in place (or, with accumulate=True, merges this block into a running fp32 (out, lse)). Compile
+cache, AOT objects, fake arguments and offsets come from host.py, shared with the backward. Everything that
+touches cutlass is imported lazily, so ``import fa4dist`` works without it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import host
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128)
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Every static parameter of one compiled forward variant (the compile-cache key)."""
+
+    dtype: str  # "bf16" | "fp16"
+    head_dim: int
+    causal: bool
+    varlen: bool
+    accumulate: bool
+    seg_offsets: bool  # per-sequence / per-segment q/k offset tensors (int32, (nseg,))
+    out_fp32: bool  # non-accumulate only: write out as fp32 instead of q's dtype
+    tile_m: int
+    tile_n: int
+    num_stages: int
+    intra_wg_overlap: bool = True
+    sched_barrier: bool = True
+    # > 0: keep a stale row max until it grows by more than this (log2 units) and skip the O rescale when no
+    # row of the warp moved (vote.any); 0: exact max, always rescale (no vote, no branch). Default from
+    # default_rescale_threshold (measured, NOTES_FWD.md).
+    rescale_threshold: float = 8.0
+    tma_store_o: bool = True  # dense non-accumulate 16-bit out: O via smem + TMA store (else direct stores)
+    # masked V tiles through the sanitizer warps (masked keys contribute nothing even if non-finite). False is a
+    # measurement knob only (the cost of the guarantee): NaN / inf at masked positions then leak.
+    sanitize: bool = True
+
+    def build(self):
+        from .fwd_sm90 import FlashFwdSm90
+
+        return FlashFwdSm90(
+            host.cutlass_dtype(self.dtype), self.head_dim, causal=self.causal, varlen=self.varlen,
+            accumulate=self.accumulate, seg_offsets=self.seg_offsets, tile_m=self.tile_m, tile_n=self.tile_n,
+            num_stages=self.num_stages, intra_wg_overlap=self.intra_wg_overlap, sched_barrier=self.sched_barrier,
+            rescale_threshold=self.rescale_threshold, tma_store_o=self.tma_store_o, sanitize=self.sanitize,
+        )
+
+    def fake_args(self):
+        """Fake tensors describing every runtime argument of the variant (no GPU needed)."""
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_fake_tensor
+
+        dt = host.cutlass_dtype(self.dtype)
+        out_fp32 = self.accumulate or self.out_fp32
+        out_dt, out_div = (cutlass.Float32, 4) if out_fp32 else (dt, 8)
+        qs, ks, ls = host.qkv_shapes(self.varlen, self.head_dim)
+        q, k, v = host.fake_tensor(dt, qs, 8), host.fake_tensor(dt, ks, 8), host.fake_tensor(dt, ks, 8)
+        o = host.fake_tensor(out_dt, qs, out_div)
+        lse = host.fake_tensor(cutlass.Float32, ls, 1)
+        cu_q = cu_k = off_q = off_k = None
+        if self.varlen:
+            nb1 = cute.sym_int()
+            cu_q = make_fake_tensor(cutlass.Int32, (nb1,), stride=(1,), assumed_align=4)
+            cu_k = make_fake_tensor(cutlass.Int32, (nb1,), stride=(1,), assumed_align=4)
+        if self.seg_offsets:
+            nb = cute.sym_int()
+            off_q, off_k = host.fake_i32(nb), host.fake_i32(nb)
+        return (q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(1), cu_q, cu_k, off_q, off_k,
+                host.fake_stream())
+
+
+def default_tiles(head_dim: int, causal: bool) -> tuple[int, int, int]:
+    """(tile_m, tile_n, num_stages) for a head dim."""
+    if head_dim <= 64:
+        return 192, 128, 2
+    return 128, 128, 2
+
+
+def default_rescale_threshold(head_dim: int, causal: bool) -> float:
+    """0.0 (always rescale) where it measured faster on the H200 (2026-11-30, run b: hdim 128 +4-11% non-causal,
+    +1-4% causal; hdim 64 non-causal +2-4%); 8.0 for hdim 64 causal, where the two were within noise."""
+    return 8.0 if head_dim <= 64 and causal else 0.0
+
+
+_FIELDS = {
+    "tile_m": int, "tile_n": int, "num_stages": int, "intra_wg_overlap": host.parse_bool,
+    "sched_barrier": host.parse_bool, "rescale_threshold": float, "tma_store_o": host.parse_bool,
+    "sanitize": host.parse_bool,
+}
+# development hook: FA4DIST_FWD_OVERRIDE="rescale_threshold=0,tile_m=128" (tests and benches run a variant)
+_OVERRIDE: dict = host.env_overrides("FA4DIST_FWD_OVERRIDE", _FIELDS)
+
+
+def set_override(**kw) -> None:
+    """Development hook: force fields of FwdConfig (tile_m=..., intra_wg_overlap=..., ...)."""
+    _OVERRIDE.clear()
+    _OVERRIDE.update(kw)
+    _FAST.clear()
+
+
+def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=False, out_fp32=False,
+                **overrides) -> FwdConfig:
+    tm, tn, st = default_tiles(head_dim, causal)
+    kw = dict(
+        dtype=host.dtype_name(dtype), head_dim=head_dim, causal=bool(causal), varlen=bool(varlen),
+        accumulate=bool(accumulate), seg_offsets=bool(seg_offsets) and bool(causal),
+        out_fp32=bool(out_fp32) and not accumulate, tile_m=tm, tile_n=tn, num_stages=st,
+        rescale_threshold=default_rescale_threshold(head_dim, bool(causal)),
+    )
+    kw.update(_OVERRIDE)
+    kw.update(overrides)
+    return FwdConfig(**kw)
+
+
+# ----------------------------------------------------------------------------
+# availability / support
+# ----------------------------------------------------------------------------
+
+_AVAILABLE = None
+
+
+def is_available() -> bool:
+    """cutlass-dsl (+ tvm-ffi) importable and the current CUDA device is an sm_90 GPU."""
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        ok = torch.cuda.is_available()
+        if ok:
+            major, _ = torch.cuda.get_device_capability()
+            ok = major == 9
+        _AVAILABLE = bool(ok and host.cutlass_importable())
+    return _AVAILABLE
+
+
+def supports(q, k, v, causal=False, *, cu_seqlens_q=None, cu_seqlens_k=None, accumulate=False, out=None, lse=None):
+    """(ok, reason). Checks what the kernel itself can take; the caller validated the contract."""
+    ok, reason = host.check_qkv(q, k, v, SUPPORTED_HEAD_DIMS, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if not ok:
+        return ok, reason
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not host.aligned(t, 8):
+            return False, f"{name} needs a contiguous last dim, 16-byte aligned base and strides"
+    if out is not None:
+        if out.dtype != torch.float32 and (accumulate or out.dtype != q.dtype):
+            return False, "out must be fp32 (or q's dtype when not accumulating)"
+        if not host.aligned(out):
+            return False, "out needs a contiguous last dim, 16-byte aligned base and strides"
+    if lse is not None and (lse.dtype != torch.float32 or lse.stride(-1) != 1):
+        return False, "lse must be fp32 with a contiguous last dim"
+    return True, ""
+
+
+def cache_info() -> list:
+    return host.cache_info(FwdConfig)
+
+
+# ----------------------------------------------------------------------------
+# launch
+# ----------------------------------------------------------------------------
+
+_FAST: dict = {}  # (dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32) -> compiled, default tiles
+
+
+def forward(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    softmax_scale=None,
+    causal=False,
+    q_offset=0,
+    k_offset=0,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    accumulate=False,
+    **overrides,
+):
+    """Run the Hopper forward into `out` / `lse` (in place). Inputs are assumed validated.
+
+    Dense: q (b, s_q, h, d), k/v (b, s_k, h_kv, d), out like q, lse (b, h, s_q) fp32.
+    Varlen: q (t_q, h, d), k/v (t_k, h_kv, d), cu_seqlens_* int32 (nseg+1,), lse (h, t_q).
+    out: q's dtype or fp32; with accumulate=True it must be fp32 and out / lse hold a running result into
+    which this block is merged (in place).
+    q_offset / k_offset: ints, or per sequence / segment (list, tuple or int32 tensor of shape (nseg,)).
+    max_seqlen_q: varlen only, the longest q segment; if None the grid is sized by total_q (correct, no host
+    sync, but launches idle CTAs).  max_seqlen_k is unused.
+    Non-finite values: a masked (query, key) pair contributes nothing whatever k / v hold there; a row that sees
+    a non-finite key or value gets NaN; lse is -inf only for rows that see no key at all (NaN when the softmax
+    of a row that sees keys is undefined).
+    """
+    varlen = cu_seqlens_q is not None
+    d = q.shape[-1]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    nseq = (cu_seqlens_q.shape[0] - 1) if varlen else q.shape[0]
+    per_seq = not (host.is_uniform_offset(q_offset) and host.is_uniform_offset(k_offset))
+    diag = 0
+    off_q = off_k = None
+    if causal:
+        if per_seq:
+            off_q = host.segment_offsets(q_offset, nseq, q.device)
+            off_k = host.segment_offsets(k_offset, nseq, q.device)
+        else:
+            diag = int(q_offset) - int(k_offset)
+            if abs(diag) > host.INT32_MAX // 2:
+                raise ValueError("q_offset - k_offset out of int32 range")
+    seg_offsets = causal and per_seq
+    out_fp32 = out.dtype == torch.float32
+    if accumulate and not out_fp32:
+        raise ValueError("accumulate=True needs an fp32 out")
+    # degenerate sizes: nothing to launch, or no keys at all (TMA descriptors need non-empty tensors)
+    total_q = q.shape[0] * (1 if varlen else q.shape[1])
+    if total_q == 0 or nseq == 0:
+        return out, lse
+    if k.shape[0] == 0 or (not varlen and k.shape[1] == 0):
+        if not accumulate:
+            out.zero_()
+            lse.fill_(-math.inf)
+        return out, lse
+    fast_key = (q.dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32)
+    fn = _FAST.get(fast_key) if not overrides and not _OVERRIDE else None
+    if fn is None:
+        cfg = make_config(q.dtype, d, causal=causal, varlen=varlen, accumulate=accumulate,
+                          seg_offsets=seg_offsets, out_fp32=out_fp32, **overrides)
+        fn = host.get_compiled(cfg)
+        if not overrides and not _OVERRIDE:
+            _FAST[fast_key] = fn
+    if varlen:
+        msq = int(max_seqlen_q) if max_seqlen_q is not None else int(q.shape[0])
+        msq = max(msq, 1)
+    else:
+        msq = 1
+    scale_log2 = float(softmax_scale) * math.log2(math.e)
+    fn(q, k, v, out, lse, scale_log2, diag, msq, cu_seqlens_q, cu_seqlens_k, off_q, off_k)
+    return out, lse

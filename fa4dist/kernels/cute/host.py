@@ -1,0 +1,268 @@
+"""Host side shared by the CuTe DSL forward and backward: one compile cache, ahead-of-time export, fake arguments,
+offset tensors and the kernels' own input checks.
+
+A compiled variant is keyed by a frozen config dataclass (plain Python values only) that knows how to build its
+kernel object (``cfg.build()``) and the fake arguments that describe its runtime signature (``cfg.fake_args()``).
+Everything that touches cutlass is imported lazily, so ``import fa4dist`` works without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+
+import torch
+
+INT32_MAX = 2**31 - 1
+TORCH_DTYPES = (torch.bfloat16, torch.float16)
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+AOT_ENV = "FA4DIST_CUTE_AOT_DIR"  # optional folder of ahead-of-time compiled variants (see export_aot)
+
+
+def cutlass_dtype(name: str):
+    import cutlass
+
+    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}[name]
+
+
+def dtype_name(dtype) -> str:
+    return DTYPE_NAMES.get(dtype, dtype)
+
+
+def aligned(t: torch.Tensor, elems: int | None = None) -> bool:
+    """TMA can read/write ``t``: contiguous last dim, 16-byte aligned base and strides (dims of extent 1 aside)."""
+    elems = elems or 16 // t.element_size()
+    if t.stride(-1) != 1:
+        return False
+    if any(s % elems for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
+        return False
+    return t.data_ptr() % 16 == 0
+
+
+def cutlass_importable() -> bool:
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+        import tvm_ffi  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def check_qkv(q, k, v, head_dims, *, cu_seqlens_q=None, cu_seqlens_k=None, what="kernel"):
+    """(ok, reason) for the q/k/v properties every CuTe kernel needs (shared by forward and backward).
+
+    The contract (fa4dist.kernels.problem) validated the call already; these are the kernels' own limits."""
+    if q.dtype not in TORCH_DTYPES:
+        return False, f"dtype {q.dtype} not supported (bf16/fp16 only)"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return False, "q, k, v must share a dtype"
+    d = q.shape[-1]
+    if d not in head_dims:
+        return False, f"head dim {d} not supported by the cute sm90 {what} (supported: {head_dims})"
+    if k.shape[-1] != d or v.shape[-1] != d:
+        return False, "q, k, v head dims must match"
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        return False, "tensors must be on a CUDA device"
+    hq, hk = q.shape[-2], k.shape[-2]
+    if hk == 0 or hq % hk:
+        return False, "heads_q must be a multiple of heads_kv"
+    varlen = cu_seqlens_q is not None
+    if varlen != (cu_seqlens_k is not None):
+        return False, "cu_seqlens_q and cu_seqlens_k must be given together"
+    if q.dim() != (3 if varlen else 4):
+        return False, "q must be (b, s, h, d) or packed (t, h, d)"
+    for t in (q, k):
+        if t.numel() and max(s * n for s, n in zip(t.stride(), t.shape)) >= INT32_MAX:
+            return False, "tensor too large for 32-bit indexing"
+    return True, ""
+
+
+def env_overrides(var: str, fields: dict) -> dict:
+    """``VAR="stmatrix_ds=1,tile_m=128"`` -> {field: value}, each value parsed by ``fields[field]`` (development
+    hook for tests and benches; unknown names are an error)."""
+    out = {}
+    for item in filter(None, (x.strip() for x in os.environ.get(var, "").split(","))):
+        key, _, val = item.partition("=")
+        key = key.strip()
+        if key not in fields:
+            raise ValueError(f"{var}: unknown field {key!r} (known: {sorted(fields)})")
+        out[key] = fields[key](val.strip())
+    return out
+
+
+def parse_bool(s: str) -> bool:
+    return s.lower() in ("1", "true", "yes")
+
+
+# ----------------------------------------------------------------------------
+# offsets
+# ----------------------------------------------------------------------------
+
+_OFFSET_CACHE: dict = {}
+
+
+def offsets_tensor(values, device) -> torch.Tensor:
+    """int32 device tensor of per-sequence offsets, cached by value (one H2D copy per distinct tuple)."""
+    key = (tuple(int(x) for x in values), str(device))
+    t = _OFFSET_CACHE.get(key)
+    if t is None:
+        if len(_OFFSET_CACHE) > 64:
+            _OFFSET_CACHE.clear()
+        t = torch.tensor(key[0], dtype=torch.int32, device=device)
+        _OFFSET_CACHE[key] = t
+    return t
+
+
+def is_uniform_offset(x) -> bool:
+    return not isinstance(x, (torch.Tensor, list, tuple))
+
+
+def segment_offsets(x, n: int, device) -> torch.Tensor:
+    """One int32 offset per sequence / segment on ``device``: from an int, a sequence, or a tensor (a tensor with
+    one element is broadcast; no host synchronisation)."""
+    if isinstance(x, torch.Tensor):
+        t = x.to(device=device, dtype=torch.int32).reshape(-1)
+        if t.numel() == 1 and n != 1:
+            t = t.expand(n)
+        return t.contiguous()
+    if isinstance(x, (list, tuple)):
+        return offsets_tensor(x, device)
+    return offsets_tensor([int(x)] * n, device)
+
+
+# ----------------------------------------------------------------------------
+# fake arguments (compile without a GPU)
+# ----------------------------------------------------------------------------
+
+
+def fake_tensor(dtype, shape, div):
+    """Fake tensor with a contiguous last dim and symbolic outer strides divisible by ``div`` elements."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    stride = tuple(cute.sym_int64(divisibility=div) for _ in shape[:-1]) + (1,)
+    return make_fake_tensor(dtype, shape, stride=stride, assumed_align=16 if div > 1 else 4)
+
+
+def fake_flat(dtype):
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(dtype, (cute.sym_int(),), stride=(1,), assumed_align=16)
+
+
+def fake_i32(n=None):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(cutlass.Int32, (n if n is not None else cute.sym_int(),), stride=(1,), assumed_align=4)
+
+
+def qkv_shapes(varlen: bool, head_dim: int):
+    """Symbolic (q, k, lse) shapes: dense (b, s, h, d) / (b, h, s), or packed (t, h, d) / (h, t)."""
+    import cutlass.cute as cute
+
+    h, hk = cute.sym_int(), cute.sym_int()
+    if not varlen:
+        b, sq, sk = cute.sym_int(), cute.sym_int(), cute.sym_int()
+        return (b, sq, h, head_dim), (b, sk, hk, head_dim), (b, h, sq)
+    tq, tk = cute.sym_int(), cute.sym_int()
+    return (tq, h, head_dim), (tk, hk, head_dim), (h, tq)
+
+
+def fake_stream():
+    from cutlass.cute.runtime import make_fake_stream
+
+    return make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+# ----------------------------------------------------------------------------
+# compile cache and ahead-of-time export
+# ----------------------------------------------------------------------------
+
+_CACHE: dict = {}
+_LOCK = threading.Lock()
+_SOURCE_DIGEST = None
+
+
+def compile_config(cfg, *, tvm_ffi: bool = True, extra_options: str = ""):
+    """Compile one variant (works without a GPU when CUTE_DSL_ARCH=sm_90a is set)."""
+    import cutlass.cute as cute
+
+    opts = "--enable-tvm-ffi" if tvm_ffi else ""
+    if extra_options:
+        opts = (opts + " " + extra_options).strip()
+    return cute.compile(cfg.build(), *cfg.fake_args(), options=opts)
+
+
+def _source_digest() -> str:
+    """Digest of the kernel sources, so that an AOT object built from other code is never loaded."""
+    global _SOURCE_DIGEST
+    if _SOURCE_DIGEST is None:
+        h = hashlib.sha1()
+        here = os.path.dirname(os.path.abspath(__file__))
+        for name in sorted(os.listdir(here)):
+            if name.endswith(".py"):
+                with open(os.path.join(here, name), "rb") as f:
+                    h.update(f.read())
+        _SOURCE_DIGEST = h.hexdigest()
+    return _SOURCE_DIGEST
+
+
+def config_key(cfg) -> str:
+    """Stable file/symbol name of a config: its repr (every static parameter) and the kernel sources."""
+    return "fa4cute_" + hashlib.sha1((repr(cfg) + _source_digest()).encode()).hexdigest()[:20]
+
+
+def export_aot(cfg, out_dir: str) -> str:
+    """Compile ``cfg`` (no GPU needed) and write it as a TVM-FFI object file that get_compiled can load."""
+    os.makedirs(out_dir, exist_ok=True)
+    name = config_key(cfg)
+    path = os.path.join(out_dir, name + ".o")
+    compile_config(cfg).export_to_c(path, function_name=name)
+    return path
+
+
+def _load_aot(cfg):
+    folder = os.environ.get(AOT_ENV)
+    if not folder:
+        return None
+    name = config_key(cfg)
+    path = os.path.join(folder, name + ".o")
+    if not os.path.exists(path):
+        return None
+    try:
+        import cutlass.cute as cute
+
+        return getattr(cute.runtime.load_module(path, enable_tvm_ffi=True), name)
+    except Exception as exc:  # fall back to compiling
+        logging.getLogger("fa4dist.kernels").warning("cute: AOT load of %s failed (%s)", path, exc)
+        return None
+
+
+def get_compiled(cfg):
+    """The compiled kernel of ``cfg``: from the cache, an AOT object, or compiled now (once per process)."""
+    fn = _CACHE.get(cfg)
+    if fn is None:
+        with _LOCK:
+            fn = _CACHE.get(cfg)
+            if fn is None:
+                os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+                fn = _load_aot(cfg)
+                if fn is None:
+                    fn = compile_config(cfg)
+                    log = os.environ.get("FA4DIST_CUTE_COMPILE_LOG")
+                    if log:  # development: which variants an AOT folder was missing
+                        with open(log, "a") as f:
+                            f.write(repr(cfg) + "\n")
+                _CACHE[cfg] = fn
+    return fn
+
+
+def cache_info(kind=None) -> list:
+    """Configs compiled (or loaded) so far in this process, optionally only those of one config class."""
+    return [c for c in _CACHE if kind is None or isinstance(c, kind)]

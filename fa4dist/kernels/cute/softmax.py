@@ -1,0 +1,146 @@
+"""Online softmax of the forward: the running row max and row sums of one thread's rows, the O rescale, and the
+finalisation into (1 / rowsum, lse).
+
+Scores arrive as fp32 accumulator fragments (rows = queries); exp2 runs with the softmax scale folded into one
+FFMA. With ``rescale_threshold`` > 0 a stale row max is kept until the new one exceeds it by more than the
+threshold (log2 units), so P stays below 2^threshold and O is rescaled only when some row of the warp moved; the
+final normalisation is exact either way.
+
+This module imports cutlass at import time: import it lazily.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+
+from .common_sm90 import mn_view
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+def sum4(terms):
+    """Sum of a Python list of traced scalars with 4 running partial sums (unrolled at trace time):
+    short dependency chains and only 4 live temporaries (a full tree needs many, and then ptxas
+    reuses the registers of the in-flight P operand and delays the softmax past the PV wait)."""
+    n = len(terms)
+    if n < 8:
+        acc = terms[0]
+        for t in terms[1:]:
+            acc = acc + t
+        return acc
+    part = [terms[0], terms[1], terms[2], terms[3]]
+    for i in range(4, n - n % 4, 4):
+        for j in range(4):
+            part[j] = part[j] + terms[i + j]
+    for i in range(n - n % 4, n):
+        part[0] = part[0] + terms[i]
+    return (part[0] + part[1]) + (part[2] + part[3])
+
+
+@dataclass(frozen=True)
+class OnlineSoftmax:
+    """Running max / partial sums of this thread's rows (one register each; the 4 threads of a row each hold a
+    partial sum, reduced at the end). Frozen: the state lives in the two register tensors."""
+
+    row_max: Any
+    row_sum: Any
+    scale_log2: Any
+    rescale_threshold: float
+
+    @staticmethod
+    def create(nrows: int, scale_log2: Float32, rescale_threshold: float) -> "OnlineSoftmax":
+        row_max = cute.make_rmem_tensor(nrows, Float32)
+        row_sum = cute.make_rmem_tensor(nrows, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        return OnlineSoftmax(row_max, row_sum, scale_log2, rescale_threshold)
+
+    @cute.jit
+    def online(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]):
+        """Turn S into unnormalised P in place; update running max / partial sums.
+        Returns per-row factors for O (1.0 where the max was kept)."""
+        row_max, row_sum, scale_log2 = self.row_max, self.row_sum, self.scale_log2
+        acc_mn = mn_view(acc_S)
+        row_scale = cute.make_rmem_tensor_like(row_max, Float32)
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            vals = acc_mn[r, None].load()
+            m_cur = vals.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            m_cur = cute.arch.warp_reduction_max(m_cur, threads_in_group=4)
+            m_old = row_max[r]
+            m_new = cute.arch.fmax(m_old, m_cur)
+            if const_expr(not is_first and self.rescale_threshold > 0.0):
+                # keep the stale max unless it grew by more than the threshold (log2 units):
+                # P stays <= 2^threshold and the final normalisation is exact either way
+                grow = (m_new - m_old) * scale_log2
+                if grow <= self.rescale_threshold:  # NaN (both -inf) also lands here: fine
+                    m_new = m_old
+            row_max[r] = m_new
+            m_safe = m_new
+            if m_new == -Float32.inf:
+                m_safe = Float32(0.0)
+            m_scaled = m_safe * scale_log2
+            p = cute.math.exp2(vals * scale_log2 - m_scaled, fastmath=True)
+            acc_mn[r, None].store(p)
+            # pairwise tree: short dependency chains instead of one serial FADD chain
+            p_sum = sum4([acc_mn[r, c] for c in range(cute.size(acc_mn, mode=[1]))])
+            if const_expr(is_first):
+                row_scale[r] = Float32(1.0)
+                row_sum[r] = p_sum
+            else:
+                sc = cute.math.exp2(m_old * scale_log2 - m_scaled, fastmath=True)
+                row_scale[r] = sc
+                row_sum[r] = row_sum[r] * sc + p_sum
+        return row_scale
+
+    @cute.jit
+    def rescale_o(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
+        acc_mn = mn_view(acc_O)
+        if const_expr(self.rescale_threshold > 0.0):
+            need = row_scale[0] != Float32(1.0)
+            for r in cutlass.range_constexpr(1, cute.size(row_scale)):
+                need = need | (row_scale[r] != Float32(1.0))
+            if cute.arch.vote_any_sync(need):
+                for r in cutlass.range_constexpr(cute.size(row_scale)):
+                    acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
+        else:
+            for r in cutlass.range_constexpr(cute.size(row_scale)):
+                acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
+
+    @cute.jit
+    def finalize(self, r: cutlass.Constexpr[int], sees_key):
+        """(1 / row sum, natural-log lse) of this thread's row r; ``sees_key``: the mask shows the row a key."""
+        s = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+        inv = Float32(0.0)
+        lse = -Float32.inf
+        if sees_key:
+            inv = cute.arch.rcp_approx(s)  # 1/0 = inf and NaN stay non-finite: 0 * inf = NaN out
+            lse = Float32.nan
+            if s > Float32(0.0):
+                lse = (self.row_max[r] * self.scale_log2 + cute.math.log2(s, fastmath=True)) * LN_2
+        return inv, lse
+
+
+@cute.jit
+def merge_lse(lse_old: Float32, lse_new: Float32):
+    """(w_old, w_new, lse) of merging a normalised partial result with lse_new into one with lse_old:
+    out = w_old * out_old + w_new * out_new. A -inf side weighs 0 (both -inf: keep the old, w = (1, 0)); a NaN
+    lse on either side gives NaN weights and lse."""
+    m = lse_old if lse_old > lse_new else lse_new  # NaN-propagating max (NaN compares false)
+    w_old = Float32(1.0)
+    w_new = Float32(0.0)
+    lse = lse_old
+    if m != -Float32.inf:
+        e_old = cute.math.exp2((lse_old - m) * LOG2_E, fastmath=True)
+        e_new = cute.math.exp2((lse_new - m) * LOG2_E, fastmath=True)
+        tot = e_old + e_new
+        lse = m + cute.math.log2(tot, fastmath=True) * LN_2
+        rt = cute.arch.rcp_approx(tot)
+        w_old = e_old * rt
+        w_new = e_new * rt
+    return w_old, w_new, lse

@@ -1,0 +1,94 @@
+"""Which work tile a CTA computes: the decode of blockIdx.x into (block, head, batch) for both kernels.
+
+Both kernels launch one CTA per work tile (non-persistent grids). The forward's tile is a query tile of one
+(head, sequence); the backward's is a key tile of one (kv head, sequence). The launch order is part of the
+design: causal forward tiles go longest first, with heads grouped so that their K/V stay in L2; deterministic
+backward tiles go in the order that keeps the dQ semaphore chains short and deadlock-free. A later work-list
+(several (query range, key range, offsets, mask) items in one launch) replaces these decoders and nothing else.
+
+This module imports cutlass at import time: import it lazily.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
+
+@dataclass(frozen=True)
+class WorkTile:
+    """The tile one CTA computes: ``block`` (query tile for the forward, key tile for the backward), heads and
+    sequence; ``valid`` is False for padding CTAs of a rounded-up grid. (Frozen: read-only in dynamic control
+    flow.)"""
+
+    block: Any
+    head: Any  # forward: the query head; backward: None (the CTA loops over the heads of its group)
+    head_kv: Any
+    batch: Any
+    num_heads: Any
+    group: Any  # query heads per kv head
+    valid: Any = True
+
+
+def fwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, num_m_blocks: Int32, num_batch: Int32, *, causal: bool,
+                  varlen: bool, l2_rows: int) -> WorkTile:
+    """Forward: query tile ``block`` of (head, batch). Causal grids run the longest tiles (highest m) first; the
+    dense causal grid also groups heads so that the K/V rows of a group (``l2_rows``) stay resident in L2."""
+    num_heads = cute.size(mQ.shape[2])
+    num_heads_kv = cute.size(mK.shape[2])
+    qhead_per_kv = num_heads // num_heads_kv
+    bid, _, _ = cute.arch.block_idx()
+    num_hb = num_heads * num_batch
+    m_block = Int32(0)
+    hb = Int32(0)
+    if const_expr(causal and not varlen):
+        seqlen_k_static = cute.size(mK.shape[0])
+        group = cutlass.max(l2_rows // cutlass.max(seqlen_k_static, 1), 1) * qhead_per_kv
+        group = cutlass.min(group, num_hb)
+        per_group = group * num_m_blocks
+        gidx = bid // per_group
+        r = bid - gidx * per_group
+        hb_start = gidx * group
+        g_eff = cutlass.min(group, num_hb - hb_start)
+        m_block = num_m_blocks - 1 - r // g_eff
+        hb = hb_start + r % g_eff
+    elif const_expr(causal):
+        hb = bid // num_m_blocks
+        m_block = num_m_blocks - 1 - (bid - hb * num_m_blocks)
+    else:
+        hb = bid // num_m_blocks
+        m_block = bid - hb * num_m_blocks
+    batch = hb // num_heads
+    head = hb - batch * num_heads
+    head_kv = head // qhead_per_kv
+    return WorkTile(m_block, head, head_kv, batch, num_heads, qhead_per_kv)
+
+
+def bwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, n_blocks_grid: Int32, num_batch: Int32, *,
+                  shortest_first: bool, det_chunk: int) -> WorkTile:
+    """Backward: key tile ``block`` of (kv head, batch), key tiles fastest. ``shortest_first`` (causal
+    deterministic) launches the highest key tile first, so that a CTA only ever waits on CTAs launched before it;
+    ``det_chunk`` > 0 interleaves chunks of that many key tiles of all heads (padding CTAs are not ``valid``)."""
+    num_heads = cute.size(mQ.shape[2])
+    num_heads_kv = cute.size(mK.shape[2])
+    group = num_heads // num_heads_kv
+    bid, _, _ = cute.arch.block_idx()
+    j_valid = True
+    if const_expr(det_chunk > 0):
+        num_hb = num_heads_kv * num_batch
+        rest = bid // det_chunk
+        c = rest // num_hb
+        hb = rest - c * num_hb
+        j = c * det_chunk + (bid - rest * det_chunk)
+        j_valid = j < n_blocks_grid  # padding CTAs of the last chunk do nothing
+    else:
+        hb = bid // n_blocks_grid
+        j = bid - hb * n_blocks_grid
+    n_block = j
+    if const_expr(shortest_first):
+        n_block = n_blocks_grid - 1 - j
+    batch = hb // num_heads_kv
+    head_kv = hb - batch * num_heads_kv
+    return WorkTile(n_block, None, head_kv, batch, num_heads, group, j_valid)
