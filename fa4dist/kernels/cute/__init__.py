@@ -1,13 +1,10 @@
 """fa4dist's own Hopper (sm_90a) attention kernels in CuTe DSL: forward and backward on one shared toolkit.
 
-Nothing here imports cutlass at import time; the kernel modules are loaded on first use.
-
-    from fa4dist.kernels.cute import backward, forward
-    forward.is_available()                 # cutlass importable and an sm90 GPU present
-    forward.supports(q, k, v, causal)      # -> (ok, reason)
-    forward.forward(q, k, v, out, lse, softmax_scale=..., causal=..., q_offset=0, k_offset=0,
-                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, accumulate=False)
-    backward.backward(dout, q, k, v, out, lse, dq, dk, dv, ..., deterministic=False, accumulate=False)
+Nothing here imports cutlass at import time; the kernel modules are loaded on first use.  The rest of fa4dist
+reaches the kernels through the contract (``backend="cute"``); the entry points, for kernel work, are
+``forward.is_available()`` (cutlass importable and an sm90 GPU present), ``forward.supports(q, k, v, causal)``
+(``(ok, reason)``), ``forward.forward(q, k, v, out, lse, ...)`` and ``backward.backward(dout, q, k, v, out, lse,
+dq, dk, dv, ...)`` (their own docstrings list the arguments).
 
 Layout: forward.py / backward.py are the Python entry points (configs, checks, launch); host.py is their shared
 host layer (compile cache, AOT export, fake arguments, offsets); backend.py registers them as backend "cute";

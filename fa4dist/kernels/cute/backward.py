@@ -1,10 +1,8 @@
 """Python entry point of the Hopper backward: preprocess -> main kernel -> dQ convert.
 
-    from fa4dist.kernels.cute.backward import backward, supports_backward
-    ok, why = supports_backward(q, k, v, dq=dq, dk=dk, dv=dv, accumulate=False, ...)
-    backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=..., causal=..., q_offset=0, k_offset=0,
-             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-             deterministic=False, accumulate=False)
+``supports_backward(q, k, v, dq=, dk=, dv=, accumulate=, ...)`` returns ``(ok, reason)``; ``backward(dout, q, k, v,
+out, lse, dq, dk, dv, *, softmax_scale, causal, q_offset=0, k_offset=0, cu_seqlens_q=None, cu_seqlens_k=None,
+max_seqlen_q=None, max_seqlen_k=None, deterministic=False, accumulate=False)``.
 
 Writes dq/dk/dv in place: fresh buffers (q dtype or fp32) are overwritten; with accumulate=True the block's
 gradients are added to fp32 buffers (never rounded in between). Compile cache, AOT objects, fake arguments and
