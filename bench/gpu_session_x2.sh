@@ -24,10 +24,9 @@ TORCHRUN=(python3 -m torch.distributed.run --standalone --nproc-per-node 2)
 case "$PART" in
   cp)
     TAIL_LINES=14 stage multigpu_check 150 "${TORCHRUN[@]}" tests/cp/multigpu_check.py
-    TAIL_LINES=8 stage p2p 45 "${TORCHRUN[@]}" bench/p2p.py --out-dir "$OUT"
     TAIL_LINES=24 stage multigpu_bench 200 "${TORCHRUN[@]}" bench/multigpu.py --tokens-per-gpu 32768 131072 \
       --heads 32:8 32:32 --peer --profile --invariant --reps 3 --out-dir "$OUT"
-    TAIL_LINES=25 stage gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -rfE -x \
+    TAIL_LINES=25 stage gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -rfE \
       tests/kernels/test_nonfinite.py tests/kernels/test_window_gpu.py tests/cp/test_cp_gpu.py
     ;;
   recipes)

@@ -3,8 +3,8 @@
 ``supports(q, k, v, causal=...)`` returns ``(ok, reason)``; ``forward(q, k, v, out, lse, *, softmax_scale, causal,
 q_offset=0, k_offset=0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
 accumulate=False)`` writes out / lse in place (or, with accumulate=True, merges this block into a running fp32
-(out, lse)).  Compile cache, AOT objects, fake arguments and offsets come from host.py, shared with the backward. Everything that
-touches cutlass is imported lazily, so ``import fa4dist`` works without it.
+(out, lse)).  Compile cache, AOT objects, fake arguments and offsets come from host.py, shared with the backward.
+Everything that touches cutlass is imported lazily, so ``import fa4dist`` works without it.
 """
 
 from __future__ import annotations
