@@ -30,10 +30,16 @@ case "$PART" in
       tests/kernels/test_nonfinite.py tests/kernels/test_window_gpu.py tests/cp/test_cp_gpu.py
     ;;
   recipes)
-    TAIL_LINES=12 stage hf_two 240 bash bench/hf_gpu.sh two
-    TAIL_LINES=12 stage fsdp2_cp2_64k 100 "${TORCHRUN[@]}" recipes/fsdp2_train.py --model base --seqlen 65536 --cp 2 \
-      --batch-size 1 --packing stream --steps 6 --timing-warmup 2 --dtype bf16 --activation-checkpointing \
-      --metrics-out "$OUT/fsdp2_cp2.jsonl"
-    TAIL_LINES=20 stage cp_sim 90 python3 bench/cp_sim.py --reps 2
+    # DeepSpeed is not on the GPU image: its wheels (and pydantic's) travel in .dswhl when this part runs.
+    if ls .dswhl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dsite .dswhl/*.whl
+      export PYTHONPATH="$PYTHONPATH:/tmp/dsite"
+    fi
+    TAIL_LINES=12 stage hf_two 220 bash bench/hf_gpu.sh two
+    RECIPE=(--model base --seqlen 65536 --cp 2 --batch-size 1 --packing stream --steps 6 --timing-warmup 2
+            --dtype bf16 --activation-checkpointing)
+    TAIL_LINES=3 stage fsdp2_cp2_64k 90 "${TORCHRUN[@]}" recipes/fsdp2_train.py "${RECIPE[@]}"
+    TAIL_LINES=3 stage ds_zero3_cp2_64k 110 "${TORCHRUN[@]}" recipes/deepspeed_train.py --zero-stage 3 "${RECIPE[@]}"
+    TAIL_LINES=3 stage ds_zero2_cp2_64k 100 "${TORCHRUN[@]}" recipes/deepspeed_train.py --zero-stage 2 "${RECIPE[@]}"
     ;;
 esac

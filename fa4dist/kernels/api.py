@@ -18,9 +18,21 @@ def _accum_dtypes(problem: AttentionProblem) -> tuple[torch.dtype, ...]:
     return (torch.float64,) if problem.dtype == torch.float64 else (torch.float32,)
 
 
-def _no_sinks_in_fused(impl, problem: AttentionProblem) -> None:
-    if problem.has_sinks and impl.fused_epilogue:  # its epilogue rounds before the contract could merge the sink
-        raise ValueError(f"backend {impl.name!r} writes its own epilogue and must refuse sinks in supports()")
+def _fused_forward_with_sinks(impl, problem, q, k, v, sinks, out, lse, accumulate, acc_dtype):
+    """A fused-epilogue backend never sees the sinks: it merges its block into the running result (then the sinks
+    join it once), or writes the block in fp32, the sinks are merged and the result is rounded once."""
+    if accumulate:
+        impl.forward(problem, q, k, v, out=out, lse=lse, accumulate=True)
+        merge_sink_(out, lse, sinks)
+        return out, lse
+    out32 = torch.empty(problem.out_shape(), dtype=acc_dtype, device=q.device)
+    lse32 = lse if lse is not None else torch.empty(problem.lse_shape(), dtype=acc_dtype, device=q.device)
+    impl.forward(problem, q, k, v, out=out32, lse=lse32, accumulate=False)
+    merge_sink_(out32, lse32, sinks)
+    if out is None:
+        return out32.to(problem.dtype), lse32
+    out.copy_(out32)
+    return out, lse32
 
 
 def attention_forward(
@@ -69,7 +81,8 @@ def attention_forward(
     check_buffer("lse", lse, problem.lse_shape(), problem.device, acc)
     impl = select_backend(backend, problem, "forward")
     if impl.fused_epilogue:
-        _no_sinks_in_fused(impl, problem)
+        if sinks is not None:
+            return _fused_forward_with_sinks(impl, problem, q, k, v, sinks, out, lse, accumulate, acc[0])
         return impl.forward(problem, q, k, v, out=out, lse=lse, accumulate=accumulate)
     block_out, block_lse = impl.forward(problem, q, k, v)
     if sinks is not None:  # the sinks' virtual key block, merged once, in the accumulation dtype
@@ -150,19 +163,19 @@ def attention_backward(
         deterministic = torch.are_deterministic_algorithms_enabled()
     impl = select_backend(backend, problem, "backward")
     if impl.fused_epilogue:
-        _no_sinks_in_fused(impl, problem)
-        return impl.backward(
+        result = tuple(impl.backward(
             problem, dout, q, k, v, out, lse, deterministic, dq=dq, dk=dk, dv=dv, accumulate=accumulate
-        )
-    block = impl.backward(problem, dout, q, k, v, out, lse, deterministic)
-    result = []
-    for buf, g in zip((dq, dk, dv), block):
-        if buf is None:
-            result.append(g.to(problem.dtype))
-        elif accumulate:
-            result.append(buf.add_(g))
-        else:
-            result.append(buf.copy_(g))
+        ))
+    else:
+        block = impl.backward(problem, dout, q, k, v, out, lse, deterministic)
+        result = []
+        for buf, g in zip((dq, dk, dv), block):
+            if buf is None:
+                result.append(g.to(problem.dtype))
+            elif accumulate:
+                result.append(buf.add_(g))
+            else:
+                result.append(buf.copy_(g))
     if sinks is None:
         return tuple(result)
     ds = sink_grad(dout, out, lse, sinks)

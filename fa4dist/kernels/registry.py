@@ -15,7 +15,8 @@ A backend is an object with:
 
 Backends without a fused epilogue return fresh results; `fa4dist.kernels.api` writes or merges them into the
 caller's buffers, and merges the attention sinks into them (a backend never sees the sinks tensor, only
-``problem.has_sinks``; one with a fused epilogue must refuse sinks in supports()).  Masks (``problem.mask``: causal,
+``problem.has_sinks``; a fused-epilogue backend's block is merged into the running fp32 result, or written in
+fp32, before the contract merges the sinks).  Masks (``problem.mask``: causal,
 sliding window) and ``problem.softcap`` are the backend's to compute or refuse.
 """
 

@@ -414,7 +414,66 @@ def test_cute_refuses_the_new_options_with_a_fallback():
     from fa4dist.kernels.problem import validate_inputs
 
     q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16, device="meta")
-    for kw in (dict(window=(3, -1)), dict(softcap=5.0), dict(sinks=torch.zeros(2, device="meta"))):
+    for kw in (dict(window=(3, -1)), dict(softcap=5.0)):
         problem = replace(validate_inputs(q, q, q, causal=True, **kw), device=torch.device("cuda"))
         got = CuteSm90Backend().supports(problem, "forward")
-        assert got is not None and got.fallback and "no sliding window, softcap or sinks" in got.reason, kw
+        assert got is not None and got.fallback and "no sliding window or softcap" in got.reason, kw
+    # the sinks are the contract's to merge, around the kernels
+    problem = replace(validate_inputs(q, q, q, causal=True, sinks=torch.zeros(2, device="meta")),
+                      device=torch.device("cuda"))
+    assert CuteSm90Backend().supports(problem, "forward") is None
+
+
+class _FusedReference:
+    """The reference behind a fused-epilogue interface (writes or merges into the caller's buffers itself), to
+    check the contract's sink handling for such backends on the CPU."""
+
+    name, priority, fused_epilogue, cp_invariant = "test_fused", -1, True, False
+
+    def available(self, device):
+        return True
+
+    def supports(self, problem, direction):
+        return None
+
+    def forward(self, problem, q, k, v, out=None, lse=None, accumulate=False):
+        from fa4dist.kernels import reference
+        from fa4dist.kernels.merge import merge_into_
+
+        o, m = reference.forward(problem, q, k, v)
+        if accumulate:
+            merge_into_(out, lse, o, m)
+            return out, lse
+        out.copy_(o)
+        lse.copy_(m)
+        return out, lse
+
+    def backward(self, problem, dout, q, k, v, out, lse, deterministic, dq=None, dk=None, dv=None, accumulate=False):
+        from fa4dist.kernels import reference
+
+        grads = reference.backward(problem, dout, q, k, v, out, lse)
+        if not accumulate:
+            return tuple(g.to(q.dtype) for g in grads)
+        for buf, g in zip((dq, dk, dv), grads):
+            buf.add_(g)
+        return dq, dk, dv
+
+
+def test_sinks_through_a_fused_epilogue_backend(monkeypatch):
+    from fa4dist.kernels import registry
+
+    monkeypatch.setitem(registry._BACKENDS, "test_fused", _FusedReference())
+    case = Case(7, True, False, (5, -1), None, True)
+    ref_out, ref_lse, ref_grads = case.oracle()
+    kw = case.call_kwargs(dict(k_offset=case.k_off))
+    kw["backend"] = "test_fused"
+    out, lse = attention_forward(case.q, case.k, case.v, sinks=case.sinks, **kw)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(lse, ref_lse, **TOL)
+    run_out = torch.zeros(ref_out.shape, dtype=F64)
+    run_lse = torch.full(ref_lse.shape, float("-inf"), dtype=F64)
+    attention_forward(case.q, case.k, case.v, sinks=case.sinks, out=run_out, lse=run_lse, accumulate=True, **kw)
+    torch.testing.assert_close(run_out, ref_out, **TOL)
+    dq, dk, dv, dsinks = attention_backward(case.dout, case.q, case.k, case.v, out, lse, sinks=case.sinks, **kw)
+    for got, want in zip((dq, dk, dv, dsinks), ref_grads):
+        torch.testing.assert_close(got, want, **TOL)

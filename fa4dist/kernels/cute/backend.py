@@ -35,8 +35,8 @@ class CuteSm90Backend:
 
         if problem.device.type != "cuda":
             return Unsupported(f"cute runs on CUDA tensors only, got {problem.device}")
-        if problem.mask.windowed or problem.softcap is not None or problem.has_sinks:
-            return Unsupported("cute has no sliding window, softcap or sinks yet", fallback=True)
+        if problem.mask.windowed or problem.softcap is not None:  # (sinks are merged by the contract)
+            return Unsupported("cute has no sliding window or softcap yet", fallback=True)
         if problem.dtype not in (torch.bfloat16, torch.float16):
             return Unsupported(f"cute takes float16 or bfloat16, got {problem.dtype}")
         if problem.head_dim != problem.head_dim_v or problem.head_dim not in _fwd.SUPPORTED_HEAD_DIMS:
