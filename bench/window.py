@@ -6,7 +6,8 @@ flash-attn-4 with the same options, in one process, interleaved rounds, medians.
 
 Rows: causal (no window), causal + window W, causal + sinks, causal + softcap 30 (flash-attn-4 only: ours falls
 back to the reference backend for softcap), each forward and forward+backward, TFLOP/s counted on the visible
-pairs; plus the relative error of ours against the reference backend for the window and sink rows.  Writes $OUT/<date>-window.json (or bench/results/).
+pairs; plus the relative error of ours against the reference backend for the window and sink rows.  Writes
+$OUT/<date>-window.json (or bench/results/).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def main(argv=None):
                 row["rel_error_vs_reference_first_4k"] = float((got[:, small] - ref).norm() / ref.norm())
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"| case | ours fwd / fwd+bwd TFLOP/s | flash-attn-4 fwd / fwd+bwd | ratio fwd / fwd+bwd |")
+    print("| case | ours fwd / fwd+bwd TFLOP/s | flash-attn-4 fwd / fwd+bwd | ratio fwd / fwd+bwd |")
     print("|---|---|---|---|")
     for row in rows:
         o, f = row.get("ours", {}), row.get("flash-attn-4", {})
