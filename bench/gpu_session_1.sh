@@ -2,18 +2,7 @@
 # One call on one H200: the window/softcap/sinks bench beside flash-attn-4, the HF recipe at 32k, and the ring
 # simulation at cp = 8 (with and without a window).  source .devwheels/install.sh && bash bench/gpu_session_1.sh
 set -u
-OUT=${OUT:-bench/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-stage() {
-  local name=$1 limit=$2
-  shift 2
-  echo "=== $name (limit ${limit}s): $*"
-  local t0=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  echo "=== $name rc=$? in $((SECONDS - t0))s"
-  tail -n "${TAIL_LINES:-12}" "$OUT/$name.log"
-}
+source "$(dirname "$0")/stage.sh"
 TAIL_LINES=8 stage window 110 python3 bench/window.py --out-dir "$OUT"
 TAIL_LINES=6 stage hf_one 85 bash bench/hf_gpu.sh one
 TAIL_LINES=8 stage cp_sim 60 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt --reps 2

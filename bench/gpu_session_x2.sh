@@ -5,18 +5,7 @@
 #   source .devwheels/install.sh && bash bench/gpu_session_x2.sh recipes # HF SFT, FSDP2 at 2 GPUs, cp_sim
 set -u
 PART=${1:-cp}
-OUT=${OUT:-bench/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-stage() {
-  local name=$1 limit=$2
-  shift 2
-  echo "=== $name (limit ${limit}s): $*"
-  local t0=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  echo "=== $name rc=$? in $((SECONDS - t0))s"
-  tail -n "${TAIL_LINES:-20}" "$OUT/$name.log"
-}
+source "$(dirname "$0")/stage.sh"
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())"
 env | grep -E "^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)=" || true

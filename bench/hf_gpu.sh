@@ -8,19 +8,7 @@
 # HF_GPU_OFFLOAD=1 adds a second search with the activation checkpoints offloaded to host memory (+~2 min).
 set -u
 MODE=${1:-}
-OUT=${OUT:-bench/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-stage() {
-  local name=$1 limit=$2
-  shift 2
-  echo "=== $name (limit ${limit}s): $*"
-  local t0=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "=== $name rc=$rc in $((SECONDS - t0))s"
-  tail -n "${TAIL_LINES:-6}" "$OUT/$name.log"
-}
+source "$(dirname "$0")/stage.sh"
 
 if [ "${HF_GPU_TINY:-0}" = 1 ]; then
   SMALL=tiny; BIG=tiny; S1=512; S2=1024; DTYPE=auto; STEPS=3; WARM=1
