@@ -13,6 +13,11 @@ RECIPES = Path(__file__).resolve().parent
 REPO = RECIPES.parent
 
 
+def tiny_args(steps: int) -> list[str]:
+    """The recipes' tiny size (a few seconds a step on 2 CPU processes): what the recipe tests train."""
+    return ["--model", "tiny", "--seqlen", "256", "--batch-size", "2", "--steps", str(steps), "--lr", "1e-3"]
+
+
 def torchrun(script: str, args: list[str], nproc: int = 2, timeout: float = 240.0,
              env: dict | None = None) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node nproc recipes/<script> args``; raises with the output on failure

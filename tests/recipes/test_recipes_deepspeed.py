@@ -4,26 +4,16 @@ as DeepSpeed's sequence-parallel group give the losses and gradient norms of a s
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install --no-build-isolation deepspeed)")
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-sys.path.insert(0, str(RECIPES))
-
 import common  # noqa: E402
 import launch  # noqa: E402
 
 STEPS = 3
-BASE = ["--model", "tiny", "--seqlen", "256", "--batch-size", "2", "--steps", str(STEPS), "--lr", "1e-3"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return launch.snapshot_corpus(tmp_path_factory.mktemp("corpus"))
+BASE = launch.tiny_args(STEPS)
 
 
 @pytest.fixture(scope="module")

@@ -5,24 +5,14 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
-from pathlib import Path
 
 import pytest
-
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-sys.path.insert(0, str(RECIPES))
 
 import common  # noqa: E402
 import launch  # noqa: E402
 
 STEPS = 4
-BASE = ["--model", "tiny", "--seqlen", "256", "--batch-size", "2", "--steps", str(STEPS), "--lr", "1e-3"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return launch.snapshot_corpus(tmp_path_factory.mktemp("corpus"))
+BASE = launch.tiny_args(STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +45,7 @@ def test_fsdp2_cp2_matches_single_process(tmp_path, corpus, reference):
 
 def readme_resume_pair() -> list[list[str]]:
     """The README's stop-and-resume example: its two fsdp2_train.py command lines, as argument lists."""
-    readme = (RECIPES.parent / "README.md").read_text()
+    readme = (launch.REPO / "README.md").read_text()
     commands = []
     for line in readme.splitlines():
         if "recipes/fsdp2_train.py" in line and "--ckpt-dir" in line:

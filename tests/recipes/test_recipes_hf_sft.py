@@ -4,27 +4,17 @@ and loss (cp = 2 with activation checkpointing, tiled MLP and tiled loss; dp = 2
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
-
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-sys.path.insert(0, str(RECIPES))
 
 import common  # noqa: E402
 import hf_sft  # noqa: E402
 import launch  # noqa: E402
 
 STEPS = 3
-BASE = ["--model", "tiny", "--seqlen", "256", "--batch-size", "2", "--steps", str(STEPS), "--lr", "1e-3"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return launch.snapshot_corpus(tmp_path_factory.mktemp("corpus"))
+BASE = launch.tiny_args(STEPS)
 
 
 def reference(corpus, *extra):

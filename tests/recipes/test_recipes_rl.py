@@ -4,13 +4,8 @@ bit-identical weights (the same hash), and the rollout-vs-training log-prob gap 
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
-
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-sys.path.insert(0, str(RECIPES))
 
 import launch  # noqa: E402
 
@@ -33,3 +28,14 @@ def test_rl_two_runs_same_hash(tmp_path):
     assert s1["rl_steps"] == 3 and s1["max_rollout_vs_train_logp_diff"] is not None
     assert s1["max_rollout_vs_train_logp_diff"] < 1e-3  # same weights, fp32: only summation order differs
     assert s1 == s2
+
+
+@pytest.mark.timeout(420)
+def test_cp_invariant_prefill_scores_equal_training_log_probs_exactly(tmp_path):
+    """With cp_invariant attention and row-invariant matrix products, the rollout's scoring prefill (one process,
+    no CP) and the cp = 2 training forward give the same log-prob bits for the same tokens."""
+    out = launch.torchrun("rl_deterministic.py", ARGS + ["--cp-invariant", "--score-with-prefill"])
+    s = launch.summary(out.stdout)
+    assert s["cp_invariant"] and s["rollout_logp"] == "prefill"
+    assert s["max_rollout_vs_train_logp_diff"] == 0.0, s
+    assert s["max_sampling_vs_prefill_logp_diff"] is not None
