@@ -25,8 +25,9 @@ pairs for large ones -- so a bidirectional mask, chunked attention, a custom 4-D
 cannot express is an error, never silently dropped.  Flash-attention-style ``cu_seq_lens_q``/``cu_seq_lens_k``
 keyword arguments (from ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``) are honoured as well, and so
 are ``position_ids`` restarts when transformers did not turn them into a document mask itself (it does so only with
-``use_cache=False``; with a cache its stock attentions silently let packed documents see each other, while
-flash-attention and this function keep them apart).
+``use_cache=False``, and never for models that do not hand ``position_ids`` to their mask, as GPT-OSS; there its
+stock attentions silently let packed documents see each other, while flash-attention and this function keep them
+apart).
 
 What the attention call adds to the mask is passed on to the kernels: the softmax ``scaling`` (Gemma's
 ``query_pre_attn_scalar``), logit soft-capping (``softcap``, Gemma 2), and learned per-head attention sinks
@@ -305,7 +306,8 @@ def _verify(visible, layout: _Layout, batch, q_length, kv_length, device, local_
         n = int(bad[0])
         window = "" if local_size is None else (
             f"; transformers named local_size={local_size}, read as {describe_window(window_of(int(local_size)))} "
-            "(the query and the ones before it): chunked attention (attention_chunk_size) has no fa4dist kernel")
+            "(the query and the ones before it); if this is chunked attention (attention_chunk_size), fa4dist "
+            "computes it only where each chunk is a whole document (no cache offset)")
         raise UnsupportedMask(
             f"the model's mask differs from what fa4dist attention computes (causal within documents, padding, "
             f"cache offsets, sliding windows) at batch {int(b[n])}, query {int(i[n])}, key {int(j[n])}: the model "
@@ -326,8 +328,8 @@ def layer_window(mask_window: Optional[tuple], sliding_window: Optional[int]) ->
         return asked
     if sliding_window is not None and asked != tuple(mask_window):
         raise UnsupportedMask(f"the attention call asks for {describe_window(asked)} but the layer's mask has "
-                              f"{describe_window(tuple(mask_window))}; fa4dist attention computes one of them only "
-                              "when they agree")
+                              f"{describe_window(tuple(mask_window))}; they must agree (the eager attention would "
+                              "follow the mask, flash-attention the argument)")
     return tuple(mask_window)
 
 
