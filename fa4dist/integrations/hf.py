@@ -16,16 +16,24 @@ logits = model(input_ids=torch.randint(0, 128, (2, 16))).logits
 
 ``register`` adds an attention function to transformers' ``AttentionInterface`` *and* a mask function to its
 ``AttentionMaskInterface`` under the same name.  The mask function is what keeps masking honest: transformers hands
-it the mask it wants (causal, padding from ``attention_mask``, packed documents detected from ``position_ids``
-restarts, cache offsets) as a predicate; we turn that into the kernel's description (packed segments with
-``cu_seqlens`` and global offsets) and then *check* the predicate against that description -- every (query, key)
-pair for small problems, a fixed set of structural probes plus random pairs for large ones -- so a sliding
-window, a bidirectional mask, a custom 4-D mask or anything else the kernel cannot express is an error, never
-silently dropped.  Flash-attention-style ``cu_seq_lens_q``/``cu_seq_lens_k`` keyword arguments (from
-``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``) are honoured as well, and so are ``position_ids``
-restarts when transformers did not turn them into a document mask itself (it does so only with
-``use_cache=False``; with a cache its stock attentions silently let packed documents see each other, while
-flash-attention and this function keep them apart).
+it the mask it wants (causal or sliding-window causal, padding from ``attention_mask``, packed documents detected
+from ``position_ids`` restarts, cache offsets) as a predicate; we turn that into the kernel's description (packed
+segments with ``cu_seqlens``, global offsets, and for a sliding-window layer the window that transformers names in
+``local_size``) and then *check* the predicate against that description -- every (query, key) pair for small
+problems, a fixed set of structural probes (the diagonal, the window's edge, the segments' first keys) plus random
+pairs for large ones -- so a bidirectional mask, chunked attention, a custom 4-D mask or anything else the kernel
+cannot express is an error, never silently dropped.  Flash-attention-style ``cu_seq_lens_q``/``cu_seq_lens_k``
+keyword arguments (from ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``) are honoured as well, and so
+are ``position_ids`` restarts when transformers did not turn them into a document mask itself (it does so only with
+``use_cache=False``, and never for models that do not hand ``position_ids`` to their mask, as GPT-OSS; there its
+stock attentions silently let packed documents see each other, while flash-attention and this function keep them
+apart).
+
+What the attention call adds to the mask is passed on to the kernels: the softmax ``scaling`` (Gemma's
+``query_pre_attn_scalar``), logit soft-capping (``softcap``, Gemma 2), and learned per-head attention sinks
+(``s_aux``, GPT-OSS; they get their gradient).  A ``sliding_window`` argument must agree with the window of the
+layer's mask (a window of W tokens, the query included: the kernels' ``window=(W - 1, 0)``).  Attention dropout in
+training and per-token sinks are refused.
 
 Query rows that are padding get a zero output (the stock attention computes something meaningless there).
 
@@ -41,16 +49,33 @@ from typing import Optional
 import torch
 
 import fa4dist
+from fa4dist.kernels.mask import Mask
 
 NAME = "fa4dist"
 _SETTINGS: dict[str, dict] = {}
 # Problems up to this many (batch x query x key) pairs are checked exhaustively; larger ones by probes.
 EXHAUSTIVE_CHECK_PAIRS = 1 << 20
 RANDOM_PROBES_PER_QUERY = 8
+NO_WINDOW = (-1, -1)
 
 
 class UnsupportedMask(ValueError):
-    """The model asked for a mask that fa4dist's kernels cannot express (causal within documents only)."""
+    """The model asked for attention that fa4dist's kernels cannot express (they compute causal attention within
+    documents, optionally with a sliding window, soft-capping and per-head sinks)."""
+
+
+def window_of(sliding_window: Optional[int]) -> tuple[int, int]:
+    """The kernels' ``window`` for transformers' sliding window of W tokens (the query and the W - 1 keys before it,
+    transformers' ``kv_idx > q_idx - W``): ``(W - 1, 0)``; None: no window."""
+    if sliding_window is None:
+        return NO_WINDOW
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise UnsupportedMask(f"a sliding window must be a positive number of tokens, got {sliding_window!r}")
+    return (sliding_window - 1, 0)
+
+
+def describe_window(window: tuple[int, int]) -> str:
+    return "no sliding window" if window[0] < 0 else f"a sliding window of {window[0] + 1} tokens"
 
 
 @dataclass
@@ -59,7 +84,7 @@ class FA4MaskInfo:
 
     Segments are runs of tokens in one batch row; segment s's queries ``q_index[cu_q[s]:cu_q[s+1]]`` (flat indices
     ``b * q_length + i``) see its keys ``k_index[cu_k[s]:cu_k[s+1]]`` causally by global position
-    (``k_offsets[s] + j <= q_offsets[s] + i``)."""
+    (``k_offsets[s] + j <= q_offsets[s] + i``), within ``window`` (the kernels' ``(left, right)``) when it has one."""
 
     batch_size: int
     q_length: int
@@ -75,6 +100,7 @@ class FA4MaskInfo:
     k_offsets: list = field(default_factory=list)
     checked: str = ""  # how the predicate was verified ("exhaustive" / "probes")
     segments: list = field(default_factory=list)  # (row, q_start, q_end, k_start, k_end)
+    window: tuple = NO_WINDOW  # verified against the predicate, like the segments
     derived: dict = field(default_factory=dict, repr=False)  # per-forward cache (every layer shares the mask)
 
     @property
@@ -83,7 +109,7 @@ class FA4MaskInfo:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the mask: from transformers' predicate to segments, then verified
+# the mask: from transformers' predicate to segments and a window, then verified
 
 
 def _predicate(mask_function, padding_mask, q_offset, kv_offset):
@@ -96,6 +122,28 @@ def _predicate(mask_function, padding_mask, q_offset, kv_offset):
         return out
 
     return visible
+
+
+@dataclass
+class _Layout:
+    """Our description on (batch, query, key) indices: segment ids (-1: none) and the band of ``mask`` on global
+    positions (query ``i + q_offset``, key ``j + kv_offset``)."""
+
+    seg_q: torch.Tensor
+    seg_k: torch.Tensor
+    q_offset: int
+    kv_offset: int
+    mask: Mask
+
+    def visible(self, b, i, j):
+        sq, sk = self.seg_q[b, i], self.seg_k[b, j]
+        diff = (j + self.kv_offset) - (i + self.q_offset)  # s - p, as in fa4dist.kernels.mask
+        keep = (sq >= 0) & (sq == sk)
+        if self.mask.hi is not None:
+            keep &= diff <= self.mask.hi
+        if self.mask.lo is not None:
+            keep &= diff >= self.mask.lo
+        return keep
 
 
 def _runs(valid: torch.Tensor, boundary: torch.Tensor) -> list[tuple[int, int]]:
@@ -119,12 +167,13 @@ def _runs(valid: torch.Tensor, boundary: torch.Tensor) -> list[tuple[int, int]]:
 def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
                  attention_mask: Optional[torch.Tensor] = None, local_size: Optional[int] = None,
                  device="cpu", **kwargs) -> FA4MaskInfo:
-    """transformers' mask interface entry: returns an :class:`FA4MaskInfo` or raises :class:`UnsupportedMask`."""
+    """transformers' mask interface entry: returns an :class:`FA4MaskInfo` or raises :class:`UnsupportedMask`.
+
+    ``local_size`` (transformers passes it for sliding-window layers, and for chunked attention) is read as a
+    sliding window of that many tokens; the predicate check then tells whether it was one."""
     from transformers.masking_utils import causal_mask_function, prepare_padding_mask
 
-    if local_size is not None:
-        raise UnsupportedMask(f"fa4dist attention has no sliding-window/chunked masks (asked for a window of "
-                              f"{local_size}); use attn_implementation='sdpa' for this model")
+    window = window_of(None if local_size is None else int(local_size))
     mask_function = mask_function or causal_mask_function
     q_offset, kv_offset = int(q_offset), int(kv_offset)
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
@@ -159,18 +208,20 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         seg_q[b, qs:qe] = n
         seg_k[b, ks:ke] = n
 
-    _verify(visible, seg_q, seg_k, q_offset, kv_offset, batch_size, q_length, kv_length, device)
+    layout = _Layout(seg_q, seg_k, q_offset, kv_offset, Mask.canonical(True, window))
+    _verify(visible, layout, batch_size, q_length, kv_length, device, local_size)
     checked = "exhaustive" if batch_size * q_length * kv_length <= EXHAUSTIVE_CHECK_PAIRS else "probes"
 
-    return _info_from_segments(segments, batch_size, q_length, kv_length, q_offset, kv_offset, device, checked)
+    return _info_from_segments(segments, batch_size, q_length, kv_length, q_offset, kv_offset, device, checked,
+                               window)
 
 
-def _info_from_segments(segments, batch_size, q_length, kv_length, q_offset, kv_offset, device,
-                        checked) -> FA4MaskInfo:
+def _info_from_segments(segments, batch_size, q_length, kv_length, q_offset, kv_offset, device, checked,
+                        window) -> FA4MaskInfo:
     dense = len(segments) == batch_size and all(
         qs == 0 and qe == q_length and ks == 0 and ke == kv_length for _, qs, qe, ks, ke in segments)
     info = FA4MaskInfo(batch_size, q_length, kv_length, q_offset, kv_offset, dense, checked=checked,
-                       segments=list(segments))
+                       segments=list(segments), window=window)
     if dense:
         return info
     q_idx, k_idx, cu_q, cu_k = [], [], [0], [0]
@@ -210,59 +261,94 @@ def _split_at_position_restarts(info: FA4MaskInfo, position_ids: torch.Tensor, d
     if len(segments) == len(info.segments):
         return info
     return _info_from_segments(segments, info.batch_size, info.q_length, info.kv_length, 0, 0, device,
-                               info.checked + "+position_ids")
+                               info.checked + "+position_ids", info.window)
 
 
-def _ours(seg_q, seg_k, q_offset, kv_offset, b, i, j):
-    sq, sk = seg_q[b, i], seg_k[b, j]
-    return (sq >= 0) & (sq == sk) & (j + kv_offset <= i + q_offset)
+def _probe_pairs(layout: _Layout, batch, q_length, kv_length, device):
+    """(b, i, j) to check for a large problem: per query the diagonal and its neighbours, the window's edge and the
+    key just outside it, the first and last key, its segment's first key and the one before, and random keys."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    bi = torch.arange(batch).repeat_interleave(q_length)
+    ii = torch.arange(q_length).repeat(batch)
+    diagonal = ii + layout.q_offset - layout.kv_offset
+    probes_j = [diagonal, diagonal + 1, diagonal - 1, torch.zeros_like(ii), torch.full_like(ii, kv_length - 1)]
+    if layout.mask.lo is not None:
+        probes_j += [diagonal + layout.mask.lo, diagonal + layout.mask.lo - 1]
+    probes_j += [torch.randint(0, kv_length, ii.shape, generator=gen) for _ in range(RANDOM_PROBES_PER_QUERY)]
+    seg_k = layout.seg_k
+    if seg_k.numel():
+        sk_first = torch.full((seg_k.max().item() + 2,), kv_length, dtype=torch.long)
+        flat = seg_k.cpu()
+        for bb in range(batch):
+            idx = torch.nonzero(flat[bb] >= 0).flatten()
+            if idx.numel():
+                sk_first.scatter_reduce_(0, flat[bb, idx], idx, reduce="amin")
+        sq = layout.seg_q.cpu()[bi, ii]
+        first = torch.where(sq >= 0, sk_first[sq.clamp(min=0)], torch.zeros_like(sq))
+        probes_j += [first, first - 1]
+    j = torch.cat(probes_j).clamp(0, kv_length - 1).to(device)
+    return bi.repeat(len(probes_j)).to(device), ii.repeat(len(probes_j)).to(device), j
 
 
-def _verify(visible, seg_q, seg_k, q_offset, kv_offset, batch, q_length, kv_length, device):
+def _verify(visible, layout: _Layout, batch, q_length, kv_length, device, local_size=None):
     """Raises UnsupportedMask unless transformers' predicate equals ours on every real query row checked."""
     if batch * q_length * kv_length <= EXHAUSTIVE_CHECK_PAIRS:
         b, i, j = torch.meshgrid(torch.arange(batch, device=device), torch.arange(q_length, device=device),
                                  torch.arange(kv_length, device=device), indexing="ij")
         b, i, j = b.flatten(), i.flatten(), j.flatten()
     else:
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        bi = torch.arange(batch).repeat_interleave(q_length)
-        ii = torch.arange(q_length).repeat(batch)
-        probes_j = [ii + q_offset - kv_offset, ii + q_offset - kv_offset + 1, ii + q_offset - kv_offset - 1,
-                    torch.zeros_like(ii), torch.full_like(ii, kv_length - 1)]
-        probes_j += [torch.randint(0, kv_length, ii.shape, generator=gen) for _ in range(RANDOM_PROBES_PER_QUERY)]
-        # the first and the one-before-first key of each query's segment
-        sk_first = torch.full((seg_k.max().item() + 2,), kv_length, dtype=torch.long) if seg_k.numel() else None
-        if sk_first is not None:
-            flat = seg_k.cpu()
-            for bb in range(batch):
-                idx = torch.nonzero(flat[bb] >= 0).flatten()
-                if idx.numel():
-                    sk_first.scatter_reduce_(0, flat[bb, idx], idx, reduce="amin")
-            sq = seg_q.cpu()[bi, ii]
-            first = torch.where(sq >= 0, sk_first[sq.clamp(min=0)], torch.zeros_like(sq))
-            probes_j += [first, first - 1]
-        j = torch.cat(probes_j).clamp(0, kv_length - 1).to(device)
-        b = bi.repeat(len(probes_j)).to(device)
-        i = ii.repeat(len(probes_j)).to(device)
-    real_query = seg_q[b, i] >= 0
+        b, i, j = _probe_pairs(layout, batch, q_length, kv_length, device)
+    real_query = layout.seg_q[b, i] >= 0
     theirs = visible(b, i, j)
-    ours = _ours(seg_q, seg_k, q_offset, kv_offset, b, i, j)
+    ours = layout.visible(b, i, j)
     bad = torch.nonzero(real_query & (theirs != ours)).flatten()
     if bad.numel():
         n = int(bad[0])
+        window = "" if local_size is None else (
+            f"; transformers named local_size={local_size}, read as {describe_window(window_of(int(local_size)))} "
+            "(the query and the ones before it); if this is chunked attention (attention_chunk_size), fa4dist "
+            "computes it only where each chunk is a whole document (no cache offset)")
         raise UnsupportedMask(
             f"the model's mask differs from what fa4dist attention computes (causal within documents, padding, "
-            f"cache offsets) at batch {int(b[n])}, query {int(i[n])}, key {int(j[n])}: the model says "
-            f"{'visible' if bool(theirs[n]) else 'masked'} ({bad.numel()} pairs differ); use "
-            f"attn_implementation='sdpa' for this model or mask")
+            f"cache offsets, sliding windows) at batch {int(b[n])}, query {int(i[n])}, key {int(j[n])}: the model "
+            f"says {'visible' if bool(theirs[n]) else 'masked'} ({bad.numel()} pairs differ){window}; use "
+            f"attn_implementation='sdpa' or 'eager' for this model or mask")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # the attention function
 
 
-def _info_from_kwargs(query, key, kwargs, q_length, kv_length) -> Optional[FA4MaskInfo]:
+def layer_window(mask_window: Optional[tuple], sliding_window: Optional[int]) -> tuple[int, int]:
+    """The kernels' window of one attention call: the one its mask was verified to have (None: no mask was built),
+    which must agree with the call's ``sliding_window`` argument when it has one (the two describe the same layer:
+    the eager attention reads the mask, flash-attention the argument)."""
+    asked = window_of(None if sliding_window is None else int(sliding_window))
+    if mask_window is None:
+        return asked
+    if sliding_window is not None and asked != tuple(mask_window):
+        raise UnsupportedMask(f"the attention call asks for {describe_window(asked)} but the layer's mask has "
+                              f"{describe_window(tuple(mask_window))}; they must agree (the eager attention would "
+                              "follow the mask, flash-attention the argument)")
+    return tuple(mask_window)
+
+
+def attention_sinks(kwargs: dict, heads_q: int) -> Optional[torch.Tensor]:
+    """The learned per-head attention sinks of a call (GPT-OSS passes them as ``s_aux``), or None."""
+    if kwargs.get("sinks") is not None:
+        raise UnsupportedMask("the attention call passes `sinks` (per-token sink logits): fa4dist attention has "
+                              "per-head learned sinks only (transformers' `s_aux`, as GPT-OSS)")
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (heads_q,):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise UnsupportedMask(f"s_aux (attention sinks) must be one logit per query head, shape ({heads_q},), got "
+                              f"{shape}")
+    return sinks
+
+
+def _info_from_kwargs(query, kwargs, q_length, kv_length) -> Optional[FA4MaskInfo]:
     """Flash-attention style ``cu_seq_lens_q/k`` (batch 1, packed)."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and cu_k is None:
@@ -287,32 +373,9 @@ def _info_from_kwargs(query, key, kwargs, q_length, kv_length) -> Optional[FA4Ma
     return info
 
 
-def _segment_ids(info: FA4MaskInfo) -> list[tuple[int, int]]:
-    cu = info.cu_seqlens_q.tolist()
-    return list(zip(cu[:-1], cu[1:]))
-
-
-def fa4dist_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                              attention_mask, scaling: Optional[float] = None, dropout: float = 0.0,
-                              sliding_window: Optional[int] = None, softcap: Optional[float] = None, **kwargs):
-    """transformers' attention interface entry: query (B, Hq, Lq, D), key/value (B, Hkv, Lk, D) ->
-    (out (B, Lq, Hq, D), None)."""
-    settings = _SETTINGS.get(getattr(getattr(module, "config", None), "_attn_implementation", NAME),
-                             _SETTINGS.get(NAME, {}))
-    if dropout and module.training:
-        raise UnsupportedMask("fa4dist attention has no attention dropout; set attention_dropout=0")
-    if sliding_window is not None:
-        raise UnsupportedMask(f"fa4dist attention has no sliding window (asked for {sliding_window})")
-    if softcap:
-        raise UnsupportedMask("fa4dist attention has no logit soft-capping")
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise UnsupportedMask("fa4dist attention has no attention sinks")
-    if not getattr(module, "is_causal", True):
-        raise UnsupportedMask("fa4dist attention is causal only; this module is bidirectional")
-    batch, heads_q, q_length, head_dim = query.shape
-    kv_length = key.shape[2]
-
-    from_kwargs = _info_from_kwargs(query, key, kwargs, q_length, kv_length)
+def _layout_of_call(attention_mask, kwargs, query, batch, q_length, kv_length) -> FA4MaskInfo:
+    """The segments of one call: the mask function's, split at ``position_ids`` restarts, or ``cu_seq_lens``."""
+    from_kwargs = _info_from_kwargs(query, kwargs, q_length, kv_length)
     if isinstance(attention_mask, FA4MaskInfo):
         info = attention_mask
     elif attention_mask is None:
@@ -322,8 +385,9 @@ def fa4dist_attention_forward(module, query: torch.Tensor, key: torch.Tensor, va
     else:
         raise UnsupportedMask(
             f"fa4dist attention got a precomputed {type(attention_mask).__name__} mask of shape "
-            f"{tuple(getattr(attention_mask, 'shape', ()))}; it can only express causal masks with padding and "
-            "packed documents (pass a 2-D attention_mask or position_ids), or use attn_implementation='sdpa'")
+            f"{tuple(getattr(attention_mask, 'shape', ()))}; it can only express causal masks (with sliding windows) "
+            "with padding and packed documents (pass a 2-D attention_mask or position_ids), or use "
+            "attn_implementation='sdpa'")
     if (info.batch_size, info.q_length, info.kv_length) != (batch, q_length, kv_length):
         raise UnsupportedMask(f"mask built for (batch, q, kv) = {(info.batch_size, info.q_length, info.kv_length)}"
                               f" but attention got {(batch, q_length, kv_length)}")
@@ -342,12 +406,32 @@ def fa4dist_attention_forward(module, query: torch.Tensor, key: torch.Tensor, va
             raise UnsupportedMask("cu_seq_lens_q disagrees with the documents found from position_ids / "
                                   "attention_mask")
         info = from_kwargs
+    return info
+
+
+def fa4dist_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attention_mask, scaling: Optional[float] = None, dropout: float = 0.0,
+                              sliding_window: Optional[int] = None, softcap: Optional[float] = None, **kwargs):
+    """transformers' attention interface entry: query (B, Hq, Lq, D), key/value (B, Hkv, Lk, D) ->
+    (out (B, Lq, Hq, D), None)."""
+    settings = _SETTINGS.get(getattr(getattr(module, "config", None), "_attn_implementation", NAME),
+                             _SETTINGS.get(NAME, {}))
+    if dropout and module.training:
+        raise UnsupportedMask("fa4dist attention has no attention dropout; set attention_dropout=0")
+    if not getattr(module, "is_causal", True):
+        raise UnsupportedMask("fa4dist attention is causal only; this module is bidirectional")
+    batch, heads_q, q_length, head_dim = query.shape
+    kv_length = key.shape[2]
+    sinks = attention_sinks(kwargs, heads_q)
+    window = layer_window(attention_mask.window if isinstance(attention_mask, FA4MaskInfo) else None,
+                          sliding_window)
+    info = _layout_of_call(attention_mask, kwargs, query, batch, q_length, kv_length)
 
     q = query.transpose(1, 2)  # (B, Lq, H, D)
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
-    common = dict(causal=True, softmax_scale=scaling, deterministic=settings.get("deterministic"),
-                  backend=settings.get("backend", "auto"))
+    common = dict(causal=True, window=window, softcap=softcap or None, sinks=sinks, softmax_scale=scaling,
+                  deterministic=settings.get("deterministic"), backend=settings.get("backend", "auto"))
     if info.dense:
         out = fa4dist.attention(q.contiguous(), k.contiguous(), v.contiguous(), q_offset=info.q_offset,
                                 k_offset=info.kv_offset, **common)

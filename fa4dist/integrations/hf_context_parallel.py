@@ -30,11 +30,15 @@ How it works:
   plan (under :data:`PLAN_KEY`), which transformers hands to every attention call.  The cp ranks must hold the
   same batch; a checksum exchange makes a disagreement an error.
 - The attention function runs :class:`fa4dist.modules.FA4ContextParallelAttention` on the local query, key and
-  value (GQA kept).  What it cannot compute exactly is refused with :class:`UnsupportedMask` naming it: sliding
-  windows shorter than a document, logit soft-capping, attention sinks, chunked or bidirectional attention,
-  attention dropout in training, padding masks, KV caches, a batch of more than one row.  The mask transformers
-  builds for the local shard is checked to be causal within the local runs of positions (what plain causal LM
-  masking gives), so a model that overlays its own mask pattern fails instead of being silently wrong.
+  value (GQA kept), with the layer's softmax scale, sliding window (Mistral, Gemma 2/3, GPT-OSS: on global
+  positions within each document, so windows cross shard edges) and logit soft-capping (Gemma 2), one module per
+  distinct (scale, window, softcap); learned per-head attention sinks (GPT-OSS's ``s_aux``) go with each call, and
+  each rank's sinks gradient is its rows' share (summed over the cp ranks it is the whole gradient, as a dp x cp
+  gradient reduction does).  What it cannot compute exactly is refused with :class:`UnsupportedMask` naming it:
+  chunked or bidirectional attention, per-token sinks, attention dropout in training, padding masks, KV caches, a
+  batch of more than one row.  The mask transformers builds for the local shard is checked to be causal (with the
+  layer's sliding window) within the local runs of positions, what plain causal LM masking gives, so a model that
+  overlays its own mask pattern fails instead of being silently wrong.
 - ``loss(logits, local)``: :func:`fa4dist.models.cp_cross_entropy` of the local logits and shifted labels: the
   rank's summed token losses over the global count of target tokens.  Gradients summed over the cp ranks are the
   single-process gradients (a wrapper that averages over dp x cp ranks needs the loss multiplied by cp).
@@ -55,7 +59,7 @@ from fa4dist.data.packing import IGNORE
 from fa4dist.models.loss import cp_cross_entropy
 from fa4dist.modules import FA4ContextParallelAttention
 
-from .hf import UnsupportedMask, fa4dist_mask
+from .hf import NO_WINDOW, UnsupportedMask, attention_sinks, fa4dist_mask, layer_window, window_of
 
 PLAN_KEY = "fa4dist_cp_plan"  # the local batch's key holding the ShardPlan (transformers passes it to attention)
 LABELS_KEY = "shift_labels"  # transformers' own name for labels that are already shifted
@@ -73,25 +77,24 @@ def _text_config(model):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _sliding_window(config) -> Optional[int]:
-    """The smallest sliding window any layer uses, or None (Mistral: one window for all layers; Qwen2/3 and others:
-    the window of their ``sliding_attention`` layers)."""
+def _plan_window(config) -> tuple[int, int]:
+    """The window the plan's cost model assumes: the model's, when every layer has it (Mistral, or ``layer_types``
+    all ``sliding_attention``); else none (a plan costed for causal attention balances the global layers, and any
+    plan is exact for every layer)."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
-    return window
+    if window is None or (layer_types is not None and set(layer_types) != {"sliding_attention"}):
+        return NO_WINDOW
+    return window_of(int(window))
 
 
 def unsupported_features(model) -> list[str]:
-    """What in ``model`` (its config and attention modules) context-parallel attention cannot compute exactly."""
+    """What in ``model`` (its config) context-parallel attention cannot compute exactly."""
     config = _text_config(model)
     problems = []
     if not getattr(model, "_supports_attention_backend", False):
         problems.append(f"{type(model).__name__} does not call transformers' AttentionInterface (it would run its "
                         "own attention on the local shard)")
-    if getattr(config, "attn_logit_softcapping", None):
-        problems.append(f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping})")
     if getattr(config, "attention_chunk_size", None):
         problems.append(f"chunked attention (attention_chunk_size={config.attention_chunk_size})")
     if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
@@ -100,37 +103,16 @@ def unsupported_features(model) -> list[str]:
                                                                                        "sliding_attention")})
     if other:
         problems.append(f"layer types {other} (only full and sliding attention layers)")
-    if any(getattr(m, "sinks", None) is not None for m in model.modules() if m is not model):
-        problems.append("attention sinks")
     return problems
 
 
-def _refuse_unsupported(module, plan: ShardPlan, dropout, sliding_window, softcap, kwargs):
-    """The per-call checks: every option transformers passes that would change the attention is honoured or refused."""
+def _refuse_unsupported(module, dropout):
+    """The per-call checks of what no option of the attention computes."""
     if dropout and module.training:
         raise UnsupportedMask(f"fa4dist context-parallel attention has no attention dropout (got {dropout}); set "
                               "config.attention_dropout = 0")
-    if softcap:
-        raise UnsupportedMask(f"fa4dist context-parallel attention has no logit soft-capping (softcap={softcap})")
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise UnsupportedMask("fa4dist context-parallel attention has no attention sinks")
     if not getattr(module, "is_causal", True):
         raise UnsupportedMask("fa4dist context-parallel attention is causal only; this module is bidirectional")
-    if sliding_window is not None:
-        longest = _longest_document(plan)
-        if longest > int(sliding_window):
-            raise UnsupportedMask(_window_message(int(sliding_window), longest))
-
-
-def _longest_document(plan: ShardPlan) -> int:
-    cu = plan.cu_seqlens or (0, plan.total_len)
-    return max(b - a for a, b in zip(cu, cu[1:]))
-
-
-def _window_message(window: int, longest: int) -> str:
-    return (f"the model has a sliding window of {window} tokens and the batch holds a document of {longest} tokens: "
-            "fa4dist context-parallel attention has no sliding window (it is exact only while every document fits "
-            "in the window); pack shorter documents or use a full-attention model")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -139,10 +121,11 @@ def _window_message(window: int, longest: int) -> str:
 
 class CheckedCausalMask:
     """What the handle's mask function returns: transformers' mask was verified to be plain causal masking of the
-    local shard (the plan decides what each query really sees)."""
+    local shard, with ``window`` (the kernels' ``(left, right)``) on a sliding-window layer (the plan decides which
+    documents each query really sees)."""
 
-    def __init__(self, checked: str):
-        self.checked = checked
+    def __init__(self, checked: str, window: tuple[int, int] = NO_WINDOW):
+        self.checked, self.window = checked, window
 
 
 def _cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
@@ -153,17 +136,15 @@ def _cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
         raise UnsupportedMask("context parallelism does not run with a KV cache (use_cache=False, no past_key_values)")
     if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
         raise UnsupportedMask("context parallelism takes packed documents without padding (no attention_mask zeros)")
-    # A window is checked against the documents by shard_batch and the attention call; here the predicate itself
-    # must be causal within the local runs of positions (a window only shows where a run is longer than it).
+    # The predicate must be causal (with the layer's window, which transformers names in local_size) within the
+    # local runs of positions; the plan holds the documents, which the attention call follows.
     try:
         info = fa4dist_mask(batch_size, q_length, kv_length, 0, 0, mask_function=mask_function, attention_mask=None,
-                            device=device)
+                            local_size=local_size, device=device)
     except UnsupportedMask as err:
-        window = f" (the model has a sliding window of {local_size} tokens)" if local_size is not None else ""
-        raise UnsupportedMask(f"the mask the model asks for on its local shard is not causal masking{window}; "
-                              f"fa4dist context parallelism computes causal attention within documents only: {err}"
-                              ) from err
-    return CheckedCausalMask(info.checked)
+        raise UnsupportedMask(f"the mask the model asks for on its local shard is not causal masking (with a "
+                              f"sliding window); fa4dist context parallelism computes nothing else: {err}") from err
+    return CheckedCausalMask(info.checked, info.window)
 
 
 def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -183,11 +164,13 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     if attention_mask is not None and not isinstance(attention_mask, CheckedCausalMask):
         raise UnsupportedMask(f"context-parallel attention got a precomputed {type(attention_mask).__name__} mask; "
                               "it computes causal attention within the batch's documents only")
-    _refuse_unsupported(module, plan, dropout, sliding_window, softcap, kwargs)
+    _refuse_unsupported(module, dropout)
     if query.shape[0] != 1:
         raise UnsupportedMask(f"context parallelism takes one packed row (batch size 1), got {query.shape[0]}")
+    window = layer_window(attention_mask.window if attention_mask is not None else None, sliding_window)
+    sinks = attention_sinks(kwargs, query.shape[1])
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (L, heads, D)
-    out = handle.attention(scaling)(q, k, v, plan)
+    out = handle.attention(scaling, window, softcap or None)(q, k, v, plan, sinks=sinks)
     return out.unsqueeze(0), None
 
 
@@ -224,7 +207,7 @@ class ContextParallelHandle:
         self._cores: dict = {}
         self._planner = self.attention(None)  # every core shares the group: one answers cp size, rank, plans
         self.loss_group = _loss_group(group, mesh)
-        self.window = _sliding_window(_text_config(model))
+        self.plan_window = _plan_window(_text_config(model))
         self.previous = getattr(model.config, "_attn_implementation", None)
         self.name = f"fa4dist_cp_{next(_NAMES)}"
         from transformers import AttentionInterface
@@ -247,14 +230,17 @@ class ContextParallelHandle:
         """This process's rank in plans (``ring_index * ulysses_degree + ulysses_index`` on a 2-D mesh)."""
         return self._planner.cp_rank
 
-    def attention(self, scaling: Optional[float]) -> FA4ContextParallelAttention:
-        """The context-parallel attention module for a softmax scale (one per scale the model uses)."""
-        key = None if scaling is None else float(scaling)
+    def attention(self, scaling: Optional[float], window: tuple[int, int] = NO_WINDOW,
+                  softcap: Optional[float] = None) -> FA4ContextParallelAttention:
+        """The context-parallel attention module for a softmax scale, a window (the kernels' ``(left, right)``) and
+        a softcap: one per combination the model's layers use (every rank's layers ask for the same ones)."""
+        key = (None if scaling is None else float(scaling), tuple(window), None if softcap is None else float(softcap))
         core = self._cores.get(key)
         if core is None:
             opts = dict(self._options)
             group, mesh = opts.pop("group"), opts.pop("mesh")
-            core = FA4ContextParallelAttention(group, mesh=mesh, causal=True, softmax_scale=key, **opts)
+            core = FA4ContextParallelAttention(group, mesh=mesh, causal=True, softmax_scale=key[0], window=key[1],
+                                               softcap=key[2], **opts)
             self._cores[key] = core
         return core
 
@@ -282,10 +268,11 @@ class ContextParallelHandle:
         return torch.cat([torch.zeros(1, dtype=torch.long), starts, torch.tensor([total])])
 
     def make_plan(self, cu_seqlens) -> ShardPlan:
-        """The plan for a packed stream of documents (cu_seqlens) over this handle's cp group."""
+        """The plan for a packed stream of documents (cu_seqlens) over this handle's cp group (costed with the
+        model's window when every layer has it)."""
         core = self._planner
         return make_plan(cu_seqlens, self.cp_size, self.balancer, self.num_chunks, causal=True,
-                         ulysses_degree=core.cp.plan_ulysses_degree())
+                         window=self.plan_window, ulysses_degree=core.cp.plan_ulysses_degree())
 
     def shard_batch(self, batch) -> dict:
         """This rank's part of a packed batch (``input_ids``, optional ``labels`` and ``position_ids``, (1, T)):
@@ -309,9 +296,6 @@ class ContextParallelHandle:
         if batch.get("inputs_embeds") is not None or batch.get("past_key_values") is not None:
             raise ValueError("shard_batch takes input_ids (no inputs_embeds) and no past_key_values")
         cu = self.document_boundaries(batch)
-        lengths = (cu[1:] - cu[:-1]).tolist()
-        if self.window is not None and max(lengths) > self.window:
-            raise UnsupportedMask(_window_message(self.window, max(lengths)))
         positions = batch.get("position_ids")
         if positions is None:
             from fa4dist.data import positions_from_cu_seqlens
@@ -417,7 +401,7 @@ def enable_context_parallel(model, group=None, mesh=None, strategy: str = "auto"
     - ``check_batch``: compare a checksum of the batch over the cp ranks in every ``shard_batch``.
 
     Raises :class:`~fa4dist.integrations.hf.UnsupportedMask` naming what the model needs that the attention does
-    not compute (soft-capping, sinks, chunked or bidirectional attention, no AttentionInterface)."""
+    not compute (chunked or bidirectional attention, other layer types, no AttentionInterface)."""
     return ContextParallelHandle(model, group, mesh, strategy, balancer, backend=backend,
                                  deterministic=deterministic, num_chunks=num_chunks, timeout=timeout,
                                  check_batch=check_batch)

@@ -1,11 +1,13 @@
-"""enable_context_parallel on transformers models (gloo, CPU, fp64): tiny LlamaForCausalLM and Qwen2ForCausalLM,
-a packed batch of 3 documents from DataCollatorWithFlattening, cp = 2 and 3.  The ranks' loss shares add up to,
-and their all-reduced gradients equal, those of a single-process oracle that runs each document alone with eager
-attention (1e-9 relative), with the loss from the logits and tiled from the hidden states alike.  Options the
-attention cannot compute are refused; disable() gives back the model's own attention.
+"""enable_context_parallel on transformers models (gloo, CPU, fp64): tiny Llama, Qwen2, Mistral (a sliding window),
+Gemma 2 (sliding and global layers, soft-capping), Gemma 3 and GPT-OSS (sliding window, learned sinks), a packed
+batch of 3 documents from DataCollatorWithFlattening, all longer than the window, cp = 2 and 3, ring and Ulysses.
+The ranks' loss shares add up to, and their all-reduced gradients (the sinks' included) equal, those of a
+single-process oracle that runs each document alone with the model's eager attention in fp64 (1e-9 relative), with
+the loss from the logits and tiled from the hidden states alike.  Options the attention cannot compute are refused;
+disable() gives back the model's own attention.
 
-The oracle's attention is transformers' eager attention with its softmax in the model's dtype (``EAGER_FP64``):
-the stock ``eager`` computes the softmax in fp32 whatever the dtype, which alone moves gradients by ~1e-7."""
+The oracle's attention is ``hf_tiny.EAGER_FP64``: the models' eager attention with its softmax in the model's dtype
+(the stock ``eager`` computes it in fp32 whatever the dtype, which alone moves gradients by ~1e-7)."""
 
 from __future__ import annotations
 
@@ -14,42 +16,21 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import hf_tiny  # noqa: E402
 from cp_harness import GROUPS, shared_pool  # noqa: E402
-from transformers import (  # noqa: E402
-    AttentionInterface, AutoModelForCausalLM, DataCollatorWithFlattening, Gemma2Config, LlamaConfig, MistralConfig,
-    Qwen2Config,
-)
+from hf_tiny import EAGER_FP64, VOCAB  # noqa: E402
+from transformers import DataCollatorWithFlattening  # noqa: E402
 
 from fa4dist.integrations.hf import UnsupportedMask, enable_context_parallel  # noqa: E402
+from fa4dist.integrations.hf_context_parallel import PLAN_KEY, CheckedCausalMask, _cp_attention  # noqa: E402
 from fa4dist.integrations.hf_loss import TiledCausalLMLoss  # noqa: E402
 
-VOCAB = 97
 LENGTHS = (23, 41, 17)
-SIZE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2)
-CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
 REL = 1e-9
-EAGER_FP64 = "eager_fp64"
-
-
-def eager_fp64_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Causal softmax(q k^T * scale) v of one unpadded row, all in the inputs' dtype (fp64 here)."""
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scores = query @ key.transpose(-1, -2) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
-    n = query.shape[-2]
-    causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
-    probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
-    return (probs @ value).transpose(1, 2).contiguous(), probs
-
-
-AttentionInterface.register(EAGER_FP64, eager_fp64_attention)
 
 
 def tiny_model(family: str, seed: int = 0, **overrides):
-    config = CONFIGS[family](**{**SIZE, **overrides})
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").double()
+    return hf_tiny.tiny_model(family, seed, attn_implementation="eager", **overrides)
 
 
 def packed_batch(lengths=LENGTHS, seed: int = 1) -> dict:
@@ -63,7 +44,7 @@ def per_document_logits(model, batch, lengths=LENGTHS) -> torch.Tensor:
     own = model.config._attn_implementation
     model.set_attn_implementation(EAGER_FP64)
     ids = batch["input_ids"][0]
-    bounds = torch.tensor((0,) + LENGTHS).cumsum(0).tolist()
+    bounds = torch.tensor((0,) + tuple(lengths)).cumsum(0).tolist()
     logits = torch.cat([model(input_ids=ids[None, a:b], use_cache=False).logits[0]
                         for a, b in zip(bounds, bounds[1:])])
     model.set_attn_implementation(own)
@@ -71,7 +52,7 @@ def per_document_logits(model, batch, lengths=LENGTHS) -> torch.Tensor:
 
 
 def oracle(family: str, lengths=LENGTHS):
-    """Each document alone through the model's eager attention: (mean loss, {name: grad})."""
+    """Each document alone through the model's eager attention in fp64: (mean loss, {name: grad})."""
     model = tiny_model(family)
     model.set_attn_implementation(EAGER_FP64)
     ids = packed_batch(lengths)["input_ids"][0]
@@ -87,7 +68,7 @@ def oracle(family: str, lengths=LENGTHS):
     return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def _cp_run(rank, world, family, cp, tiled):
+def _cp_run(rank, world, family, cp, tiled, strategy="auto"):
     """On ranks < cp: the loss share and gradients, summed over the cp group (rank 0 returns them)."""
     import torch.distributed as dist
 
@@ -95,7 +76,7 @@ def _cp_run(rank, world, family, cp, tiled):
         return None
     group = GROUPS[cp]
     model = tiny_model(family)
-    handle = enable_context_parallel(model, group=group)
+    handle = enable_context_parallel(model, group=group, strategy=strategy)
     assert handle.cp_size == cp and handle.cp_rank == rank
     local = handle.shard_batch(packed_batch())
     if tiled:
@@ -103,6 +84,8 @@ def _cp_run(rank, world, family, cp, tiled):
     else:
         loss = handle.loss(model(**local).logits, local)
     loss.backward()
+    strategies = sorted({core.cp.strategy_name(core.cp.degree(4, 2, local[PLAN_KEY])) for core in
+                         handle._cores.values()})
     handle.disable()
     total = loss.detach().clone()
     dist.all_reduce(total, group=group)
@@ -113,7 +96,7 @@ def _cp_run(rank, world, family, cp, tiled):
         grads[name] = g
     tokens = torch.tensor([local["input_ids"].shape[1]])
     dist.all_reduce(tokens, group=group)
-    return (float(total), grads, int(tokens)) if rank == 0 else None
+    return (float(total), grads, int(tokens), strategies) if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
@@ -123,25 +106,41 @@ def pool():
 
 @pytest.fixture(scope="module")
 def oracles():
-    return {family: oracle(family) for family in ("llama", "qwen2")}
+    return {family: oracle(family) for family in hf_tiny.CONFIGS}
 
 
 def assert_rel_close(got: float, want: float, what: str):
     assert abs(got - want) <= REL * abs(want), f"{what}: {got!r} vs {want!r}"
 
 
+def check_against_oracle(result, want, strategy=None):
+    loss, grads, tokens, strategies = result
+    want_loss, want_grads = want
+    assert tokens == sum(LENGTHS)
+    if strategy is not None:
+        assert strategies == [strategy]
+    assert_rel_close(loss, want_loss, "summed loss shares")
+    assert grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        hf_tiny.assert_close_rel(grads[name], g, REL, name)
+
+
 @pytest.mark.parametrize("tiled", [False, True], ids=["logits", "tiled"])
 @pytest.mark.parametrize("cp", [2, 3])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_cp_loss_and_gradients_equal_per_document_oracle(pool, oracles, family, cp, tiled):
-    loss, grads, tokens = pool.run(_cp_run, family=family, cp=cp, tiled=tiled)[0]
-    want_loss, want_grads = oracles[family]
-    assert tokens == sum(LENGTHS)
-    assert_rel_close(loss, want_loss, "summed loss shares")
-    assert grads.keys() == want_grads.keys()
-    for name, want in want_grads.items():
-        err = float((grads[name] - want).abs().max())
-        assert err <= REL * float(want.abs().max()), f"{name}: max error {err:.3e}, max |grad| {want.abs().max():.3e}"
+    check_against_oracle(pool.run(_cp_run, family=family, cp=cp, tiled=tiled)[0], oracles[family])
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "mistral", "gpt_oss"])
+def test_cp_windows_softcap_and_sinks_equal_per_document_oracle(pool, oracles, family, strategy):
+    """Windows of 6 tokens in documents of 17-41 split over 2 ranks in chunks of ~5: windows cross every shard
+    edge; Gemma 2's soft-capping; GPT-OSS's sinks, whose gradient is summed over the ranks (Ulysses: by heads)."""
+    check_against_oracle(pool.run(_cp_run, family=family, cp=2, tiled=False, strategy=strategy)[0],
+                         oracles[family], strategy)
+    if family == "gpt_oss":
+        assert {f"model.layers.{i}.self_attn.sinks" for i in range(2)} <= oracles[family][1].keys()
 
 
 def _different_batches(rank, world):
@@ -184,27 +183,9 @@ def test_disable_restores_the_models_own_attention():
     handle.disable()  # idempotent
 
 
-def test_sliding_window_exact_when_documents_fit_and_refused_otherwise():
-    model = tiny_model("mistral", sliding_window=max(LENGTHS))  # Mistral: one window for every layer
-    with torch.no_grad(), enable_context_parallel(model) as handle:
-        ours = model(**handle.shard_batch(packed_batch())).logits  # every document fits: the window is moot
-    with torch.no_grad():
-        want = per_document_logits(model, packed_batch())
-    torch.testing.assert_close(ours, want, rtol=1e-10, atol=1e-12)
-
-    narrow = tiny_model("mistral", sliding_window=max(LENGTHS) - 1)
-    with enable_context_parallel(narrow) as handle:
-        with pytest.raises(UnsupportedMask, match=f"sliding window of {max(LENGTHS) - 1} tokens"):
-            handle.shard_batch(packed_batch())
-        handle.window = None  # past shard_batch's check, the model's forward refuses the window itself
-        with pytest.raises(UnsupportedMask, match=f"sliding window of {max(LENGTHS) - 1} tokens"):
-            narrow(**handle.shard_batch(packed_batch()))
-
-
 def test_unsupported_models_and_options_are_refused():
-    gemma = Gemma2Config(**SIZE, head_dim=16, attn_logit_softcapping=50.0)
-    with pytest.raises(UnsupportedMask, match="soft-capping"):
-        enable_context_parallel(AutoModelForCausalLM.from_config(gemma))
+    with pytest.raises(UnsupportedMask, match="chunked attention"):
+        enable_context_parallel(tiny_model("llama", attention_chunk_size=8))
     dropout = tiny_model("llama", attention_dropout=0.1).train()
     with enable_context_parallel(dropout) as handle, pytest.raises(UnsupportedMask, match="dropout"):
         dropout(**handle.shard_batch(packed_batch()))
@@ -223,21 +204,31 @@ def test_unsupported_models_and_options_are_refused():
             handle.shard_batch(padded)
 
 
-def test_the_attention_call_refuses_options_it_cannot_compute():
-    from fa4dist.integrations.hf_context_parallel import PLAN_KEY, _cp_attention
-
-    model = tiny_model("llama")
+def test_the_attention_call_takes_windows_softcap_and_sinks_and_refuses_the_rest():
+    model = tiny_model("gpt_oss")
     with enable_context_parallel(model) as handle:
         plan = handle.shard_batch(packed_batch())[PLAN_KEY]
+        assert handle.plan_window == (-1, -1)  # GPT-OSS interleaves global layers: the plan is costed causal
         module = model.model.layers[0].self_attn
-        q = torch.zeros(1, 4, sum(LENGTHS), 16, dtype=torch.float64)
-        kv = torch.zeros(1, 2, sum(LENGTHS), 16, dtype=torch.float64)
-        for option, message in ((dict(sliding_window=16), "sliding window of 16 tokens"),
-                                (dict(softcap=30.0), "soft-capping"), (dict(s_aux=torch.zeros(4)), "sinks")):
+        q = torch.randn(1, 4, sum(LENGTHS), 16, dtype=torch.float64)
+        kv = torch.randn(1, 2, sum(LENGTHS), 16, dtype=torch.float64)
+        mask = CheckedCausalMask("exhaustive", (5, 0))
+        out, _ = _cp_attention(module, q, kv, kv, mask, scaling=0.25, sliding_window=6, softcap=2.0, s_aux=module.sinks,
+                               **{PLAN_KEY: plan})
+        assert out.shape == (1, sum(LENGTHS), 4, 16) and bool(out.isfinite().all())
+        assert (0.25, (5, 0), 2.0) in handle._cores  # scaling, window, softcap
+        for option, message in ((dict(sliding_window=16), "sliding window of 16 tokens but the layer's mask has a "
+                                                          "sliding window of 6"),
+                                (dict(sinks=torch.zeros(1, 4, sum(LENGTHS), 1)), "per-token"),
+                                (dict(s_aux=torch.zeros(2, dtype=torch.float64)), r"shape \(4,\)")):
             with pytest.raises(UnsupportedMask, match=message):
-                _cp_attention(module, q, kv, kv, None, **option, **{PLAN_KEY: plan})
-        out, _ = _cp_attention(module, q, kv, kv, None, sliding_window=max(LENGTHS), **{PLAN_KEY: plan})
-        assert out.shape == (1, sum(LENGTHS), 4, 16)
+                _cp_attention(module, q, kv, kv, mask, **option, **{PLAN_KEY: plan})
+        module.is_causal = False
+        with pytest.raises(UnsupportedMask, match="bidirectional"):
+            _cp_attention(module, q, kv, kv, mask, **{PLAN_KEY: plan})
+    mistral = tiny_model("mistral")
+    with enable_context_parallel(mistral) as handle:
+        assert handle.plan_window == (hf_tiny.WINDOW - 1, 0)  # every layer has the window: the plan is costed with it
 
 
 def test_documents_from_flash_kwargs_or_position_ids_agree():

@@ -1,6 +1,8 @@
-"""fa4dist attention inside transformers' LlamaForCausalLM (built offline from a config): logits and gradients equal
-the stock attention ("sdpa" and "eager") for padded batches, packed documents (position_ids restarts and
-flash-style cu_seq_lens), cached generation; masks the kernel cannot express are errors, never dropped."""
+"""fa4dist attention inside transformers models (built offline from configs): logits and gradients equal the stock
+attention ("sdpa" and "eager") for padded batches, packed documents (position_ids restarts and flash-style
+cu_seq_lens), cached generation; Gemma 2 (sliding and global layers, soft-capping), Gemma 3, Mistral (sliding window)
+and GPT-OSS (sliding window, sinks) equal their own eager attention in fp64 (``hf_tiny.EAGER_FP64``) with windows
+shorter than the documents; masks the kernel cannot express are errors, never dropped."""
 
 from __future__ import annotations
 
@@ -14,8 +16,11 @@ from transformers.masking_utils import (  # noqa: E402
     bidirectional_mask_function, causal_mask_function, sliding_window_causal_mask_function,
 )
 
+import hf_tiny  # noqa: E402
 from fa4dist.data import SingleRankPlan  # noqa: E402
-from fa4dist.integrations.hf import UnsupportedMask, fa4dist_mask, register, to_hf_llama  # noqa: E402
+from fa4dist.integrations.hf import (  # noqa: E402
+    UnsupportedMask, fa4dist_attention_forward, fa4dist_mask, register, to_hf_llama,
+)
 from fa4dist.models import FA4Llama, get_config  # noqa: E402
 
 NAME = register()
@@ -130,23 +135,133 @@ def test_masks_we_cannot_express_are_errors(model):
     with pytest.raises(UnsupportedMask, match="precomputed"):
         model(input_ids=ids, attention_mask=custom)
     kw = dict(batch_size=1, q_length=12, kv_length=12)
-    with pytest.raises(UnsupportedMask, match="sliding-window"):
-        fa4dist_mask(**kw, mask_function=sliding_window_causal_mask_function(4), local_size=4)
-    # the predicate is checked too, not only the arguments: a window smuggled in without local_size, a
-    # bidirectional mask
-    with pytest.raises(UnsupportedMask, match="differs"):
-        fa4dist_mask(**kw, mask_function=sliding_window_causal_mask_function(4))
-    with pytest.raises(UnsupportedMask, match="differs"):
-        fa4dist_mask(**kw, mask_function=bidirectional_mask_function)
     assert fa4dist_mask(**kw, mask_function=causal_mask_function).dense
+    window = fa4dist_mask(**kw, mask_function=sliding_window_causal_mask_function(4), local_size=4)
+    assert window.dense and window.window == (3, 0) and window.checked == "exhaustive"
+    # the predicate is checked, not only the arguments: a window that local_size does not name (or names wrong),
+    # chunked attention (which transformers also announces with local_size), bidirectional masks
+    def bidirectional_window(b, h, q, kv):
+        return (q - kv).abs() < 4
+
+    for mask_function, local_size in ((sliding_window_causal_mask_function(4), None),
+                                      (sliding_window_causal_mask_function(4), 5),
+                                      (bidirectional_window, 4), (bidirectional_mask_function, None)):
+        with pytest.raises(UnsupportedMask, match="differs"):
+            fa4dist_mask(**kw, mask_function=mask_function, local_size=local_size)
+
+    def chunked(b, h, q, kv):  # chunked attention (Llama 4), which transformers announces with local_size too
+        return (kv <= q) & (kv // 4 == q // 4)
+
+    # over a whole sequence its chunks are separate documents, which the kernels compute exactly ...
+    info = fa4dist_mask(**kw, mask_function=chunked, local_size=4)
+    assert [seg[1:3] for seg in info.segments] == [(0, 4), (4, 8), (8, 12)]
+    # ... but after a cache offset they are not: refused, naming it
+    with pytest.raises(UnsupportedMask, match="chunked attention"):
+        fa4dist_mask(batch_size=1, q_length=1, kv_length=10, q_offset=9, mask_function=chunked, local_size=4)
 
 
 def test_large_masks_are_checked_by_probes():
     kw = dict(batch_size=1, q_length=4096, kv_length=4096)
     info = fa4dist_mask(**kw, mask_function=causal_mask_function)
     assert info.dense and info.checked == "probes"
+    windowed = fa4dist_mask(**kw, mask_function=sliding_window_causal_mask_function(1024), local_size=1024)
+    assert windowed.window == (1023, 0) and windowed.checked == "probes"
     with pytest.raises(UnsupportedMask, match="differs"):
         fa4dist_mask(**kw, mask_function=sliding_window_causal_mask_function(1024))
+    with pytest.raises(UnsupportedMask, match="differs"):  # one token off: the window's edge probes see it
+        fa4dist_mask(**kw, mask_function=sliding_window_causal_mask_function(1023), local_size=1024)
+
+
+# ---- windows, soft-capping, sinks: Gemma 2/3, Mistral, GPT-OSS against their own eager attention in fp64 --------
+
+WINDOWED = ["gemma2", "gemma3", "mistral", "gpt_oss"]
+REL = 1e-9
+
+
+def _packed_loss_and_grads(model, impl, ids, pos, lengths_per_row, per_document: bool):
+    """Logits of the packed rows (or of each document alone), the next-token loss over each whole row, and the
+    gradients of that loss."""
+    model.set_attn_implementation(impl)
+    model.zero_grad(set_to_none=True)
+    if per_document:
+        rows = []
+        for row, lengths in zip(ids, lengths_per_row):
+            bounds = torch.tensor([0] + lengths).cumsum(0).tolist()
+            rows.append(torch.cat([model(input_ids=row[None, a:b], use_cache=False).logits[0]
+                                   for a, b in zip(bounds, bounds[1:])]))
+        logits = torch.stack(rows)
+    else:
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_windowed_models_match_their_eager_attention_in_fp64(family):
+    """Packed documents longer than the window against each document alone through the model's eager attention
+    (GPT-OSS does not hand position_ids to its mask: its own attentions let packed documents see each other),
+    then a padded batch against the eager attention of the same batch."""
+    model = hf_tiny.tiny_model(family, seed=7)
+    lengths = [[9, 14, 5], [28]]
+    ids, pos = _packed(lengths, seed=8)
+    want_logits, want_grads = _packed_loss_and_grads(model, hf_tiny.EAGER_FP64, ids, pos, lengths, True)
+    got_logits, got_grads = _packed_loss_and_grads(model, NAME, ids, pos, lengths, False)
+    hf_tiny.assert_close_rel(got_logits, want_logits, REL, "logits")
+    assert got_grads.keys() == want_grads.keys()
+    if family == "gpt_oss":
+        assert {f"model.layers.{i}.self_attn.sinks" for i in range(2)} <= got_grads.keys()
+    for name, want in want_grads.items():
+        hf_tiny.assert_close_rel(got_grads[name], want, REL, name)
+
+    # padding (left and right) with the window inside each row's real tokens
+    mask = torch.ones(3, 20, dtype=torch.long)
+    mask[1, :4] = 0
+    mask[2, 13:] = 0
+    batch = dict(input_ids=torch.randint(0, hf_tiny.VOCAB, (3, 20), generator=torch.Generator().manual_seed(9)),
+                 attention_mask=mask, use_cache=False)
+    want = logits_with(model, hf_tiny.EAGER_FP64, **batch)
+    got = logits_with(model, NAME, **batch)
+    hf_tiny.assert_close_rel(got[mask.bool()], want[mask.bool()], REL, "padded logits")
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_cached_generation_past_the_window_matches_eager_fp64(family):
+    """The sliding layers' cache keeps the last window of keys (a key offset); left padding in the prompt."""
+    model = hf_tiny.tiny_model(family, seed=10).eval()
+    ids = torch.randint(1, hf_tiny.VOCAB, (2, 8), generator=torch.Generator().manual_seed(11))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    outs = {}
+    for impl in (hf_tiny.EAGER_FP64, NAME):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            outs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3 * hf_tiny.WINDOW,
+                                        do_sample=False, pad_token_id=0, output_logits=True,
+                                        return_dict_in_generate=True)
+    assert torch.equal(outs[NAME].sequences, outs[hf_tiny.EAGER_FP64].sequences)
+    for step, (got, want) in enumerate(zip(outs[NAME].logits, outs[hf_tiny.EAGER_FP64].logits)):
+        hf_tiny.assert_close_rel(got, want, REL, f"logits of generated token {step}")
+
+
+def test_the_attention_call_refuses_what_it_cannot_compute():
+    model = hf_tiny.tiny_model("gpt_oss")
+    module = model.model.layers[0].self_attn  # a sliding layer
+    q = torch.randn(1, 4, 10, 16, dtype=torch.float64)
+    kv = torch.randn(1, 2, 10, 16, dtype=torch.float64)
+    full = fa4dist_mask(1, 10, 10, mask_function=causal_mask_function)
+    windowed = fa4dist_mask(1, 10, 10, mask_function=sliding_window_causal_mask_function(6), local_size=6)
+    out, _ = fa4dist_attention_forward(module, q, kv, kv, windowed, sliding_window=6, s_aux=module.sinks)
+    assert out.shape == (1, 10, 4, 16)
+    with pytest.raises(UnsupportedMask, match="a sliding window of 6 tokens but the layer's mask has no sliding"):
+        fa4dist_attention_forward(module, q, kv, kv, full, sliding_window=6)
+    with pytest.raises(UnsupportedMask, match="per-token"):
+        fa4dist_attention_forward(module, q, kv, kv, windowed, sinks=torch.zeros(1, 4, 10, 1))
+    with pytest.raises(UnsupportedMask, match=r"shape \(4,\)"):
+        fa4dist_attention_forward(module, q, kv, kv, windowed, s_aux=torch.zeros(2))
+    module.train()
+    with pytest.raises(UnsupportedMask, match="dropout"):
+        fa4dist_attention_forward(module, q, kv, kv, windowed, dropout=0.1)
 
 
 def test_fa4dist_model_converts_to_hf_llama():

@@ -1,0 +1,97 @@
+"""Tiny randomly initialized transformers causal LMs (fp64) and the fp64 eager attention the HF integration tests
+compare against.
+
+Families: ``llama``, ``qwen2`` (plain causal), ``mistral`` (a sliding window on every layer), ``gemma2`` (sliding
+and global layers interleaved, logit soft-capping, ``query_pre_attn_scalar``), ``gemma3`` (sliding and global
+layers, ``query_pre_attn_scalar``), ``gpt_oss`` (sliding and global layers, learned attention sinks).  Windows are
+:data:`WINDOW` tokens, shorter than the test documents, so they bind.
+
+:data:`EAGER_FP64` is the models' own eager attention with its softmax in the inputs' dtype: transformers builds its
+usual eager mask for it (causal, sliding window, padding, packed documents: the model's own predicate), and it
+applies the call's scaling, soft-capping and sinks as the models' eager functions do.  Stock ``eager`` computes the
+softmax in fp32 (Gemma 2/3, Mistral, Llama; GPT-OSS keeps the dtype), which alone moves fp64 results by ~1e-7.
+
+Gemma's RMSNorm computes in fp32 whatever the dtype (its weight gradient is summed in fp32, so the same batch run
+packed or one document at a time differs by ~1e-7); :func:`tiny_model` runs those norms in the model's dtype, the
+same formula, so that fp64 comparisons see only the attention.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from transformers import (
+    AttentionInterface, AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GptOssConfig, LlamaConfig,
+    MistralConfig, Qwen2Config,
+)
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+VOCAB = 97
+WINDOW = 6
+SOFTCAP = 0.5
+SIZE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)
+INTERLEAVED = ["sliding_attention", "full_attention"]
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**SIZE),
+    "qwen2": lambda: Qwen2Config(**SIZE),
+    "mistral": lambda: MistralConfig(**SIZE, sliding_window=WINDOW),
+    # a large init puts the scores where the cap bends them (the models' 0.02 gives scores of ~0.02)
+    "gemma2": lambda: Gemma2Config(**SIZE, head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=SOFTCAP,
+                                   query_pre_attn_scalar=24, layer_types=INTERLEAVED, initializer_range=0.2),
+    "gemma3": lambda: Gemma3TextConfig(**SIZE, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                       layer_types=INTERLEAVED),
+    "gpt_oss": lambda: GptOssConfig(**{**SIZE, "intermediate_size": 32}, head_dim=16, sliding_window=WINDOW,
+                                    layer_types=INTERLEAVED, num_local_experts=4, num_experts_per_tok=2),
+}
+EAGER_FP64 = "eager_fp64"
+
+
+def eager_fp64_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
+                         s_aux=None, **kwargs):
+    """softmax(cap(q k^T * scale) + mask [, sinks]) v with the softmax in the inputs' dtype (fp64 here)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = query @ key.transpose(-1, -2) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask[..., :key.shape[-2]]
+    if s_aux is not None:  # the sink: one more logit per row, whose value is zero
+        sink = s_aux.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1).to(scores.dtype)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
+    return (probs.to(value.dtype) @ value).transpose(1, 2).contiguous(), probs
+
+
+AttentionInterface.register(EAGER_FP64, eager_fp64_attention)
+AttentionMaskInterface.register(EAGER_FP64, eager_mask)
+
+
+def _gemma_rms_norm_in_dtype(self, x):
+    """Gemma's RMSNorm, ``x / rms(x) * (1 + weight)``, in x's dtype (the stock one casts to fp32)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.to(x.dtype))
+
+
+def tiny_model(family: str, seed: int = 0, attn_implementation: str = EAGER_FP64, **overrides):
+    """A tiny fp64 model of ``family`` with the config's overrides, weights from ``seed``."""
+    config = CONFIGS[family]()
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).double()
+    if hasattr(model, "set_experts_implementation"):  # GPT-OSS: the grouped-GEMM experts have no fp64
+        model.set_experts_implementation("eager")
+    for module in model.modules():
+        if type(module).__name__ in ("Gemma2RMSNorm", "Gemma3RMSNorm"):
+            module.forward = types.MethodType(_gemma_rms_norm_in_dtype, module)
+    return model
+
+
+def assert_close_rel(got: torch.Tensor, want: torch.Tensor, rel: float, what: str):
+    """max |got - want| <= rel * max |want| (and no NaN)."""
+    err = float((got - want).abs().max())
+    scale = float(want.abs().max())
+    assert err <= rel * scale, f"{what}: max error {err:.3e}, max |value| {scale:.3e}"
