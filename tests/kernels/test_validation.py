@@ -168,3 +168,20 @@ def test_merge_partials_shape_errors_are_named():
         merge_partials([out], [lse], out=torch.zeros(3))
     with pytest.raises(ValueError, match=r"the block: lse must have shape \(2, 4, 8\)"):
         merge_into_(out.clone(), lse.clone(), out, lse.transpose(1, 2))
+
+
+def test_cp_invariant_option_errors(monkeypatch):
+    import fa4dist
+
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(TypeError, match="cp_invariant must be a bool or None, got str"):
+        fa4dist.attention(q, q, q, cp_invariant="yes")
+    monkeypatch.setenv("FA4DIST_CP_INVARIANT", "maybe")
+    with pytest.raises(ValueError, match="FA4DIST_CP_INVARIANT must be 0 or 1, got 'maybe'"):
+        fa4dist.attention(q, q, q)
+    monkeypatch.setenv("FA4DIST_CP_INVARIANT", "1")
+    with pytest.raises(ValueError, match="cp_invariant=True does not support sinks yet"):
+        fa4dist.attention(q, q, q, sinks=torch.zeros(2))
+    out = fa4dist.attention(q, q, q, causal=True)  # the environment variable turns the mode on
+    monkeypatch.setenv("FA4DIST_CP_INVARIANT", "0")
+    assert torch.allclose(out, fa4dist.attention(q, q, q, causal=True), atol=1e-6)

@@ -93,3 +93,11 @@ def test_fsdp2_dp2_with_activation_checkpointing_matches_single_process(tmp_path
         "--data", corpus, "--cp", "1", "--activation-checkpointing", "--metrics-out", tmp_path / "m.jsonl"])
     assert_close(losses(tmp_path / "m.jsonl"), reference["loss"])
     assert_close(losses(tmp_path / "m.jsonl", "grad_norm"), reference["grad_norm"])
+
+
+def test_stop_at_out_of_range_is_refused():
+    import fsdp2_train
+
+    args = fsdp2_train.parse_args(["--steps", "10", "--stop-at", "11"])
+    with pytest.raises(SystemExit, match=r"--stop-at must be in \[1, --steps=10\], got 11"):
+        common.last_step(args)
