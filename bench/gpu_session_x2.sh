@@ -3,6 +3,7 @@
 # time-limited stages; logs and JSON go to $OUT.  A session's part is picked by its first argument:
 #   source .devwheels/install.sh && bash bench/gpu_session_x2.sh cp      # CP tests + multi-GPU bench + p2p
 #   source .devwheels/install.sh && bash bench/gpu_session_x2.sh recipes # HF SFT, FSDP2 at 2 GPUs, cp_sim
+#   source .devwheels/install.sh && bash bench/gpu_session_x2.sh window  # CP with a sliding window in the kernels
 set -u
 PART=${1:-cp}
 source "$(dirname "$0")/stage.sh"
@@ -17,6 +18,13 @@ case "$PART" in
       --heads 32:8 32:32 --peer --profile --invariant --reps 3 --out-dir "$OUT"
     TAIL_LINES=25 stage gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -rfE \
       tests/kernels/test_nonfinite.py tests/kernels/test_window_gpu.py tests/cp/test_cp_gpu.py
+    ;;
+  window)
+    TAIL_LINES=18 stage multigpu_check 150 "${TORCHRUN[@]}" tests/cp/multigpu_check.py
+    TAIL_LINES=8 stage multigpu_window 120 "${TORCHRUN[@]}" bench/multigpu.py --tokens-per-gpu 65536 \
+      --heads 32:8 --window 4096 --reps 3 --out-dir "$OUT"
+    TAIL_LINES=10 stage window_tests 150 python3 -m pytest -x -q -p no:cacheprovider tests/kernels/test_window_gpu.py \
+      -k cute
     ;;
   recipes)
     # DeepSpeed is not on the GPU image: its wheels (and pydantic's) travel in .dswhl when this part runs.

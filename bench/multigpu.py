@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--peer", action="store_true", help="also time torch's own context parallel (cuDNN SDPA)")
     p.add_argument("--profile", action="store_true", help="trace one ring step (first size and heads)")
     p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--window", type=int, default=0,
+                   help="causal sliding window of W tokens, the query included (window=(W - 1, 0)); 0: none")
     p.add_argument("--invariant", action="store_true", help="also time cp_invariant=True (first size)")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     return p.parse_args(argv)
@@ -88,6 +90,10 @@ def _inputs(total, heads, kv_heads, d, device, layout="bshd"):
             for h in (heads, kv_heads, kv_heads, heads)]
 
 
+def _window(args) -> tuple[int, int]:
+    return (args.window - 1, 0) if args.window else (-1, -1)
+
+
 def ours(args, world, device, tokens, heads, kv_heads, rows, t_full_cache):
     import fa4dist
     from fa4dist.modules import FA4ContextParallelAttention
@@ -101,7 +107,8 @@ def ours(args, world, device, tokens, heads, kv_heads, rows, t_full_cache):
         def full():
             for t in leaves:
                 t.grad = None
-            fa4dist.attention(*leaves, causal=True, deterministic=args.deterministic).backward(dout)
+            fa4dist.attention(*leaves, causal=True, window=_window(args),
+                              deterministic=args.deterministic).backward(dout)
 
         t_full_cache[key] = _on_rank0(full, args.reps, device)
         leaves = None
@@ -115,7 +122,7 @@ def ours(args, world, device, tokens, heads, kv_heads, rows, t_full_cache):
             variants.append(dict(verify=True, cp_invariant=True))  # cp_invariant's cost
         for variant in variants:
             module = FA4ContextParallelAttention(dist.group.WORLD, strategy=strategy, causal=True,
-                                                 deterministic=args.deterministic, **variant)
+                                                 window=_window(args), deterministic=args.deterministic, **variant)
             try:
                 plan = module.make_plan(total, balancer=args.balancer)
                 local = [module.shard(t, plan).requires_grad_() for t in (q, k, v)]
@@ -133,7 +140,8 @@ def ours(args, world, device, tokens, heads, kv_heads, rows, t_full_cache):
             t = _timed(step, args.reps, device)
             row = dict(strategy=strategy, balancer=args.balancer, cp=world, tokens_per_gpu=tokens, heads=heads,
                        kv_heads=kv_heads, step_ms=t * 1e3, t_full_ms=t_full * 1e3,
-                       efficiency=t_full / (world * t), peer=None, deterministic=args.deterministic, **variant)
+                       efficiency=t_full / (world * t), peer=None, deterministic=args.deterministic,
+                       window=args.window or None, speedup=t_full / t, **variant)
             rows.append(row)
             _print(row)
             local = None
@@ -248,6 +256,7 @@ def _print(row):
         print(f"{row['strategy']:<24} cp={row['cp']} {row['tokens_per_gpu']:>7} tok/GPU {row['heads']:>2}/"
               f"{row['kv_heads']:<2} step {row['step_ms']:9.1f} ms  one GPU {row['t_full_ms']:9.1f} ms  "
               f"efficiency {row['efficiency']:.3f}"
+              + (f"  window {row['window']}: {row['speedup']:.2f}x one GPU" if row.get("window") else "")
               + (f"  verify={row['verify']} cp_invariant={row['cp_invariant']}" if 'verify' in row else "")
               + (f"  [{row['peer']}]" if row["peer"] else ""), flush=True)
 

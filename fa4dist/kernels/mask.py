@@ -15,7 +15,7 @@ within each document; a query never sees a key of another segment.
 
 Everything else on the host (the reference backend, the sub-blocks the fused torch ops need, block skipping and
 key trimming in ring attention, the LPT cost model) is derived from the functions here; the CuTe kernels apply the
-causal rule on the device (key j visible iff j <= i + q_offset - k_offset) and refuse windows for now.
+causal rule and a window's lower edge on the device (cute/backend.kernel_band maps a band onto them).
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
     torchrun --nproc-per-node <gpus> tests/cp/multigpu_check.py
 
 For ring, Ulysses and hybrid (where the GPU count allows), causal one-sequence and packed-document inputs with GQA,
-bf16: every rank's local out/dq/dk/dv against single-GPU attention of the whole sequence (the same backend) at bf16
-tolerance, and a second deterministic run compared byte for byte.  Prints one line per case and exits non-zero on
-any failure.
+with and without a sliding window, bf16: every rank's local out/dq/dk/dv against single-GPU attention of the whole
+sequence (the same backend) at bf16 tolerance, and a second deterministic run compared byte for byte.  Prints one
+line per case and exits non-zero on any failure.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ def _cases(world: int):
     strategies = [("ring", None), ("ulysses", None)]
     if world >= 4 and world % 2 == 0:
         strategies.append(("hybrid", 2))
+    no_window = (-1, -1)
     for strategy, u in strategies:
-        for docs in (None, 7):
-            yield strategy, u, docs
+        for docs, window in ((None, no_window), (7, no_window), (None, (1499, 0)), (7, (299, 0))):
+            yield strategy, u, docs, window
 
 
 def _run(module, plan, tensors, packed):
@@ -53,14 +54,14 @@ def main() -> int:
         dist.init_process_group("gloo", timeout=timeout)
         total, heads, kv_heads, d = 192 * world, 4, 2, 16
     failures = 0
-    for strategy, u, docs in _cases(world):
+    for strategy, u, docs, window in _cases(world):
         gen = torch.Generator(device=device).manual_seed(1)
         packed = docs is not None
         lead = (total,) if packed else (1, total)
         tensors = [torch.randn(*lead, h, d, device=device, dtype=torch.bfloat16, generator=gen)
                    for h in (heads, kv_heads, kv_heads, heads)]
         module = FA4ContextParallelAttention(dist.group.WORLD, strategy=strategy, ulysses_degree=u, causal=True,
-                                             deterministic=True)
+                                             window=window, deterministic=True)
         if packed:
             cuts = sorted(torch.randperm(total - 1, generator=torch.Generator().manual_seed(docs))[:docs - 1] + 1)
             cu = [0] + [int(c) for c in cuts] + [total]
@@ -73,7 +74,8 @@ def main() -> int:
                    for a, b in zip(got, again))
         leaves = [t.detach().clone().requires_grad_() for t in tensors[:3]]
         cut = plan.cu_seqlens_tensor(device) if packed else None
-        ref = fa4dist.attention(*leaves, causal=True, cu_seqlens_q=cut, cu_seqlens_k=cut, deterministic=True)
+        ref = fa4dist.attention(*leaves, causal=True, window=window, cu_seqlens_q=cut, cu_seqlens_k=cut,
+                                deterministic=True)
         ref.backward(tensors[3])
         refs = [ref.detach()] + [t.grad for t in leaves]
         errors = []
@@ -85,8 +87,9 @@ def main() -> int:
         dist.all_reduce(flag)
         failures += int(flag.item() > 0)
         if rank == 0 or not ok:
-            name = f"{strategy}{'' if u is None else f'(u={u})'} {'packed' if packed else 'dense'}"
-            print(f"rank {rank} {name:<22} rel. errors out/dq/dk/dv "
+            name = (f"{strategy}{'' if u is None else f'(u={u})'} {'packed' if packed else 'dense'}"
+                    + (f" w{window[0] + 1}" if window[0] >= 0 else ""))
+            print(f"rank {rank} {name:<28} rel. errors out/dq/dk/dv "
                   + " ".join(f"{e:.1e}" for e in errors)
                   + f"  deterministic={'bytes equal' if same else 'DIFFERENT'}  {'ok' if ok else 'FAILED'}",
                   flush=True)

@@ -33,6 +33,8 @@ SUBSET = [
     (BF16, 128, False, False, False, True, {"stmatrix_ds": False}),
     (FP16, 64, True, False, True, False, {"stmatrix_ds": False}),
     (BF16, 128, True, True, False, True, {"det_chunk": 8}),
+    (BF16, 128, True, False, False, True, {"window_left": 4096}),
+    (FP16, 64, True, True, True, False, {"window_left": 200, "seg_offsets": True}),
 ]
 
 

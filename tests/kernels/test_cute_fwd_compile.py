@@ -34,6 +34,9 @@ SUBSET = [
     (torch.bfloat16, 64, False, False, True, {"rescale_threshold": 0.0}),
     (torch.bfloat16, 128, True, False, False, {"tma_store_o": False, "rescale_threshold": 8.0}),
     (torch.float16, 64, False, False, False, {"tma_store_o": True, "tile_m": 128, "num_stages": 4}),
+    (torch.bfloat16, 128, True, False, False, {"window_left": 4096}),
+    (torch.bfloat16, 64, True, True, True, {"window_left": 200, "seg_offsets": True}),
+    (torch.float16, 128, True, False, False, {"window_left": 100, "intra_wg_overlap": False}),
 ]
 
 

@@ -407,21 +407,53 @@ def test_sdpa_supports_says_what_goes_to_the_reference():
     assert shifted.fallback and "square, aligned segments" in shifted.reason
 
 
-def test_cute_refuses_the_new_options_with_a_fallback():
+def test_cute_takes_windows_with_an_upper_edge_and_refuses_softcap_with_a_fallback():
     from dataclasses import replace
 
     from fa4dist.kernels.cute.backend import CuteSm90Backend
     from fa4dist.kernels.problem import validate_inputs
 
     q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16, device="meta")
-    for kw in (dict(window=(3, -1)), dict(softcap=5.0)):
-        problem = replace(validate_inputs(q, q, q, causal=True, **kw), device=torch.device("cuda"))
-        got = CuteSm90Backend().supports(problem, "forward")
-        assert got is not None and got.fallback and "no sliding window or softcap" in got.reason, kw
+
+    def supports(**kw):
+        problem = replace(validate_inputs(q, q, q, **kw), device=torch.device("cuda"))
+        return CuteSm90Backend().supports(problem, "forward")
+
+    for kw in (dict(causal=True, window=(3, -1)), dict(window=(3, 2)), dict(window=(-1, 0)), dict(window=(0, 0))):
+        assert supports(**kw) is None, kw
+    capped = supports(causal=True, softcap=5.0)
+    assert capped is not None and capped.fallback and "no softcap" in capped.reason
+    left_only = supports(window=(3, -1))  # a lower edge and no upper one: not a band below a diagonal
+    assert left_only is not None and left_only.fallback and "upper edge" in left_only.reason
     # the sinks are the contract's to merge, around the kernels
-    problem = replace(validate_inputs(q, q, q, causal=True, sinks=torch.zeros(2, device="meta")),
-                      device=torch.device("cuda"))
-    assert CuteSm90Backend().supports(problem, "forward") is None
+    assert supports(causal=True, sinks=torch.zeros(2, device="meta")) is None
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_cute_kernel_band_is_the_mask(seed):
+    """The kernels see causal on a shifted diagonal plus window_left below it (cute/backend.kernel_band); for every
+    band with an upper edge that must be exactly fa4dist.kernels.mask.visible."""
+    from fa4dist.kernels.cute.backend import kernel_band
+    from fa4dist.kernels.mask import Mask, visible
+
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(40):
+        left, right = (int(x) - 1 for x in torch.randint(0, 12, (2,), generator=g))
+        causal = bool(torch.randint(0, 2, (1,), generator=g))
+        mask = Mask.canonical(causal, (left, right))
+        band = kernel_band(mask)
+        if mask.hi is None:
+            assert band is None or not mask.windowed
+            continue
+        k_causal, window_left, shift = band
+        q_off, k_off = (int(x) for x in torch.randint(-20, 20, (2,), generator=g))
+        q_pos, k_pos = torch.arange(15) + q_off, torch.arange(17) + k_off
+        diag = q_off + shift - k_off  # the kernels' diagonal: key j visible to query i iff j <= i + diag ...
+        i, j = torch.arange(15)[:, None], torch.arange(17)[None, :]
+        got = j <= i + diag if k_causal else torch.ones(15, 17, dtype=torch.bool)
+        if window_left >= 0:  # ... and j >= i + diag - window_left
+            got = got & (j >= i + diag - window_left)
+        assert torch.equal(got, visible(q_pos, k_pos, mask)), (mask, band)
 
 
 class _FusedReference:

@@ -3,6 +3,11 @@
 The backend has fused epilogues: the forward writes, or in accumulate mode merges, straight into the caller's
 (out, lse); the backward writes dq/dk/dv or adds into the caller's fp32 buffers.  Head dims the backward lacks
 (96) are reported by supports(), so "auto" picks the next backend for them.
+
+Masks: the kernels know a causal diagonal and a sliding window's lower edge below it (``window_left``).
+``kernel_band`` maps a call's band ``lo <= s - p <= hi`` onto that: causal on the diagonal shifted by ``hi`` (the
+query offsets move by ``hi``) and ``window_left = hi - lo``. A band without an upper edge but with a lower one is
+not expressible and falls back.
 """
 
 from __future__ import annotations
@@ -11,6 +16,16 @@ import torch
 
 from . import forward as _fwd
 from . import host
+
+
+def kernel_band(mask):
+    """(causal, window_left, q_shift) the kernels take for ``mask`` (fa4dist.kernels.mask.Mask), or None."""
+    if not mask.windowed:
+        return mask.causal, -1, 0
+    hi, lo = mask.hi, mask.lo
+    if hi is None:
+        return None
+    return True, (hi - lo if lo is not None else -1), hi
 
 
 class CuteSm90Backend:
@@ -35,8 +50,14 @@ class CuteSm90Backend:
 
         if problem.device.type != "cuda":
             return Unsupported(f"cute runs on CUDA tensors only, got {problem.device}")
-        if problem.mask.windowed or problem.softcap is not None:  # (sinks are merged by the contract)
-            return Unsupported("cute has no sliding window or softcap yet", fallback=True)
+        if problem.softcap is not None:  # (sinks are merged by the contract)
+            return Unsupported("cute has no softcap yet", fallback=True)
+        band = kernel_band(problem.mask)
+        if band is None:
+            return Unsupported(f"cute takes windows with an upper edge (causal or right >= 0), got {problem.mask}",
+                               fallback=True)
+        if band[1] >= 2**30:
+            return Unsupported("window wider than 2^30 keys", fallback=True)
         if problem.dtype not in (torch.bfloat16, torch.float16):
             return Unsupported(f"cute takes float16 or bfloat16, got {problem.dtype}")
         if problem.head_dim != problem.head_dim_v or problem.head_dim not in _fwd.SUPPORTED_HEAD_DIMS:
@@ -57,9 +78,9 @@ class CuteSm90Backend:
             largest = max(largest, _bwd.dq_scratch_elements(problem.total_q, problem.batch, problem.heads_q, d))
         if largest >= host.INT32_MAX:
             return Unsupported(f"{largest} elements in one tensor: the cute kernels index in 32 bits")
-        if problem.causal:
+        if band[0]:
             for qo, ko in zip(problem.q_offsets, problem.k_offsets):
-                if abs(qo - ko) > 2**30:
+                if abs(qo + band[2] - ko) > 2**30:
                     return Unsupported("q_offset - k_offset beyond int32 range")
         return None
 
@@ -83,10 +104,11 @@ class CuteSm90Backend:
             lse = torch.empty(problem.lse_shape(), dtype=torch.float32, device=q.device)
         out_k = out if self._kernel_ready(out, 16 // out.element_size()) else out.contiguous()
         lse_k = lse if lse.stride(-1) == 1 else lse.contiguous()
-        q_off, k_off = self._offsets(problem)
+        causal, window_left, q_off, k_off = self._band_and_offsets(problem)
         _fwd.forward(
             q, k, v, out_k, lse_k,
-            softmax_scale=problem.softmax_scale, causal=problem.causal, q_offset=q_off, k_offset=k_off,
+            softmax_scale=problem.softmax_scale, causal=causal, window_left=window_left, q_offset=q_off,
+            k_offset=k_off,
             cu_seqlens_q=problem.cu_seqlens_q_tensor, cu_seqlens_k=problem.cu_seqlens_k_tensor,
             max_seqlen_q=problem.seqlen_q if problem.varlen else None,
             max_seqlen_k=problem.seqlen_k if problem.varlen else None,
@@ -98,10 +120,14 @@ class CuteSm90Backend:
             lse.copy_(lse_k)
         return out, lse
 
-    def _offsets(self, problem):
-        if problem.causal and not problem.uniform_offsets:
-            return problem.q_offsets, problem.k_offsets
-        return problem.q_offsets[0], problem.k_offsets[0]
+    @staticmethod
+    def _band_and_offsets(problem):
+        """(causal, window_left, q_offset, k_offset) for the kernels: offsets per segment only where they differ
+        and a mask needs them; query offsets shifted onto the kernels' diagonal (kernel_band)."""
+        causal, window_left, shift = kernel_band(problem.mask)
+        if causal and not problem.uniform_offsets:
+            return causal, window_left, tuple(o + shift for o in problem.q_offsets), problem.k_offsets
+        return causal, window_left, problem.q_offsets[0] + shift, problem.k_offsets[0]
 
     def backward(self, problem, dout, q, k, v, out, lse, deterministic, dq=None, dk=None, dv=None,
                  accumulate=False):
@@ -119,10 +145,11 @@ class CuteSm90Backend:
                 work.append(buf)
             else:  # odd caller layout: work in a compact copy (holding the running sum when accumulating)
                 work.append(buf.contiguous())
-        q_off, k_off = self._offsets(problem)
+        causal, window_left, q_off, k_off = self._band_and_offsets(problem)
         _bwd.backward(
             dout, q, k, v, out, lse, *work,
-            softmax_scale=problem.softmax_scale, causal=problem.causal, q_offset=q_off, k_offset=k_off,
+            softmax_scale=problem.softmax_scale, causal=causal, window_left=window_left, q_offset=q_off,
+            k_offset=k_off,
             cu_seqlens_q=problem.cu_seqlens_q_tensor, cu_seqlens_k=problem.cu_seqlens_k_tensor,
             max_seqlen_q=problem.seqlen_q if problem.varlen else None,
             max_seqlen_k=problem.seqlen_k if problem.varlen else None,

@@ -59,6 +59,7 @@ class BwdConfig:
     # K and masked-step Q / dO tiles through the sanitizer warps (masked pairs contribute nothing even with
     # non-finite operands). False is a measurement knob only (the cost of the guarantee).
     sanitize: bool = True
+    window_left: int = -1  # >= 0 (causal only): the sliding window's lower edge (forward.FwdConfig)
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -67,7 +68,7 @@ class BwdConfig:
             host.cutlass_dtype(self.dtype), self.head_dim, causal=self.causal, varlen=self.varlen,
             accumulate=self.accumulate, deterministic=self.deterministic, seg_offsets=self.seg_offsets,
             tile_m=self.tile_m, stmatrix_ds=self.stmatrix_ds, det_chunk=self.det_chunk,
-            regs_mma=self.regs_mma, sanitize=self.sanitize,
+            regs_mma=self.regs_mma, sanitize=self.sanitize, window_left=self.window_left,
         )
 
     def fake_args(self):
@@ -167,13 +168,13 @@ def cache_info() -> list:
 
 
 def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, deterministic, dq_dtype, dkv_dtype,
-                 o_dtype, do_dtype, **overrides):
+                 o_dtype, do_dtype, window_left=-1, **overrides):
     tm = tile_m_for(head_dim)
     name = host.dtype_name(q_dtype)
     kw = dict(
         dtype=name, head_dim=head_dim, causal=bool(causal), varlen=bool(varlen), seg_offsets=bool(seg_offsets),
         accumulate=bool(accumulate), deterministic=bool(deterministic), dkv_fp32=dkv_dtype == torch.float32,
-        tile_m=tm,
+        tile_m=tm, window_left=int(window_left),
     )
     kw.update(_OVERRIDE)
     kw.update(overrides)
@@ -252,6 +253,7 @@ def backward(
     max_seqlen_k=None,
     deterministic=False,
     accumulate=False,
+    window_left=-1,
     **overrides,
 ):
     """Gradients of one attention block (given the global out and lse), written into dq, dk, dv.
@@ -259,11 +261,13 @@ def backward(
     dout, q, k, v: bf16/fp16 (dout may be fp32); out: q dtype or fp32; lse fp32 (natural log), (b, h, s_q) or
     packed (h, t_q). dq/dk/dv: fresh buffers (q dtype or fp32) or, with accumulate=True, fp32 buffers added into.
     q_offset / k_offset: ints, or int32 tensors / sequences with one global offset per sequence or segment.
+    window_left >= 0 (causal only): the sliding window's lower edge, as in forward.forward.
     """
     for step in launch_steps(
         dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal, q_offset=q_offset,
         k_offset=k_offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, deterministic=deterministic, accumulate=accumulate, **overrides,
+        max_seqlen_k=max_seqlen_k, deterministic=deterministic, accumulate=accumulate, window_left=window_left,
+        **overrides,
     ):
         step()
     return dq, dk, dv
@@ -290,6 +294,7 @@ def launch_steps(
     max_seqlen_k=None,
     deterministic=False,
     accumulate=False,
+    window_left=-1,
     **overrides,
 ):
     """The backward as a list of callables (preprocess, main kernel, dQ convert), each launching one kernel on the
@@ -302,6 +307,7 @@ def launch_steps(
         softmax_scale = 1.0 / math.sqrt(d)
     if not softmax_scale > 0:
         raise ValueError("the cute backward needs a positive softmax_scale")
+    window_left = host.check_window_left(window_left, causal)
     device = q.device
     nseg = (cu_seqlens_q.shape[0] - 1) if varlen else q.shape[0]
     total_q = q.shape[0] * (1 if varlen else q.shape[1])
@@ -334,7 +340,7 @@ def launch_steps(
     pre_cfg, main_cfg, post_cfg = make_configs(
         q.dtype, d, causal=causal, varlen=varlen, seg_offsets=seg_offsets, accumulate=accumulate,
         deterministic=deterministic, dq_dtype=dq.dtype, dkv_dtype=dk.dtype, o_dtype=out.dtype,
-        do_dtype=dout.dtype, **overrides,
+        do_dtype=dout.dtype, window_left=window_left, **overrides,
     )
     pre_fn, main_fn, post_fn = (host.get_compiled(c) for c in (pre_cfg, main_cfg, post_cfg))
 

@@ -3,14 +3,14 @@
 ``SeqlenInfo``: offsets and lengths of one sequence (a batch entry, or a packed segment through cu_seqlens) and
 its ``diag`` = q_offset - k_offset in global positions (per segment when offset tensors are given).
 
-``BlockInfo``: the block ranges that follow from the mask (fa4dist.kernels.mask semantics, causal in global
-positions: key j visible to query i iff j <= i + diag):
-  forward  - for a query tile, the key blocks that hold a visible key, and from which block on the causal
-             mask is needed;
-  backward - for a key tile, the query tiles that see one of its keys, and which of them need mask math.
-Blocks outside these ranges are never loaded. Both kernels take their ranges from here, so a sliding window
-``(left, right)`` becomes a lower bound beside each upper bound (n_block_min / m_max from the window), not a
-change to either kernel's loops.
+``BlockInfo``: the block ranges that follow from the mask (fa4dist.kernels.mask semantics in global positions:
+key j visible to query i iff j <= i + diag when causal, and, with a sliding window of ``window_left`` keys,
+j >= i + diag - window_left; the host turns a window's right edge into the diagonal, see backend.py):
+  forward  - for a query tile, the key blocks that hold a visible key [n_block_min, n_block_max), from which block
+             on the causal mask is needed, and below which block the window's lower edge needs it;
+  backward - for a key tile, the query tiles that see one of its keys [m_min, m_max), the causal band
+             [m_min, m_mask_end) and the window band [m_window_start, m_max) that need mask math.
+Blocks outside these ranges are never loaded. Both kernels take their ranges from here.
 
 This module imports cutlass at import time: import it lazily.
 """
@@ -79,11 +79,17 @@ class SeqlenInfo:
 
 @dataclass(frozen=True)
 class BlockInfo:
-    """Block ranges of one kernel's tiling (tile_m queries x tile_n keys) under the mask."""
+    """Block ranges of one kernel's tiling (tile_m queries x tile_n keys) under the mask. ``window_left`` >= 0
+    (causal only): keys more than this many positions below the diagonal are masked too."""
 
     tile_m: int
     tile_n: int
     causal: bool
+    window_left: int = -1
+
+    @property
+    def windowed(self) -> bool:
+        return self.window_left >= 0
 
     # ---------------- forward: key blocks of a query tile ----------------
 
@@ -95,34 +101,50 @@ class BlockInfo:
 
     @cute.jit
     def key_blocks(self, seqlen: SeqlenInfo, m_block: Int32):
-        """(tile_valid, n_block_max, n_block_causal): the tile visits key blocks [0, n_block_max) (none when the
-        tile lies past the sequence: not tile_valid); blocks >= n_block_causal need the causal mask."""
+        """(tile_valid, n_block_min, n_block_max, n_block_causal, n_block_window_end): the tile visits key blocks
+        [n_block_min, n_block_max) (none when the tile lies past the sequence: not tile_valid, n_block_max =
+        n_block_min); blocks >= n_block_causal need the causal mask, blocks < n_block_window_end the window's.
+        Without a window n_block_min and n_block_window_end are 0."""
         tile_valid = m_block * self.tile_m < seqlen.seqlen_q
         n_block_max = cute.ceil_div(seqlen.seqlen_k, self.tile_n)
+        n_block_min = Int32(0)
         n_block_causal = Int32(0)  # blocks >= this one need the causal mask
+        n_block_window_end = Int32(0)  # blocks < this one need the window's mask
         if const_expr(self.causal):
             n_block_max = self.n_block_max(seqlen, m_block, n_block_max)
             first_vis = m_block * self.tile_m + seqlen.diag + 1  # keys visible to the first row
             n_block_causal = cutlass.max(first_vis, 0) // self.tile_n
+        if const_expr(self.windowed):
+            first_row_lo = m_block * self.tile_m + seqlen.diag - self.window_left  # first key the tile's first row sees
+            n_block_min = cutlass.min(cutlass.max(first_row_lo, 0) // self.tile_n, n_block_max)
+            last_row_lo = first_row_lo + self.tile_m - 1  # ... and its last row (padding rows only mask more)
+            n_block_window_end = cute.ceil_div(cutlass.max(last_row_lo, 0), self.tile_n)
         if not tile_valid:
-            n_block_max = Int32(0)
-        return tile_valid, n_block_max, n_block_causal
+            n_block_max = n_block_min
+        return tile_valid, n_block_min, n_block_max, n_block_causal, n_block_window_end
 
-    def masked_and_plain(self, n_block_max, n_block_causal):
-        """Split of the blocks after the first one (which always gets the full mask) into (n_masked, n_plain):
-        blocks that still need the causal mask, then blocks that need none."""
+    def phases(self, n_block_min, n_block_max, n_block_causal, n_block_window_end):
+        """Split of the blocks after the first one (the highest, which always gets the full mask), in processing
+        order (descending), into (n_masked, n_plain, n_window): blocks that still need the causal mask, then
+        blocks that need none, then the lowest blocks, which need the window's mask. Masked blocks apply the
+        whole mask (both edges), so a block in two bands is handled by either."""
+        n_rest = cutlass.max(n_block_max - n_block_min - 1, 0)
         n_masked = Int32(0)
         if const_expr(self.causal):
-            n_masked = cutlass.max(n_block_max - 1 - cutlass.max(n_block_causal, 0), 0)
-        return n_masked, n_block_max - 1 - n_masked
+            n_masked = cutlass.max(n_block_max - 1 - cutlass.max(n_block_causal, n_block_min), 0)
+        n_window = Int32(0)
+        if const_expr(self.windowed):
+            n_window = cutlass.min(cutlass.max(n_block_window_end - n_block_min, 0), n_rest - n_masked)
+        return n_masked, n_rest - n_masked - n_window, n_window
 
     # ---------------- backward: query tiles of a key tile ----------------
 
     @cute.jit
     def query_tiles(self, seqlen: SeqlenInfo, n_block: Int32, valid):
-        """(has_work, m_min, m_mask_end, m_max): key tile ``n_block`` visits query tiles [m_min, m_max), the
-        first [m_min, m_mask_end) of them with mask math (causal band; all of them when the key tile is cut by
-        the sequence end)."""
+        """(has_work, m_min, m_mask_end, m_window_start, m_max): key tile ``n_block`` visits query tiles
+        [m_min, m_max), the first [m_min, m_mask_end) of them with mask math (causal band; all of them when the
+        key tile is cut by the sequence end) and the last [m_window_start, m_max) too (the window's band;
+        m_window_start = m_max without a window)."""
         tm, tn = self.tile_m, self.tile_n
         m_max = cute.ceil_div(seqlen.seqlen_q, tm)
         m_min = Int32(0)
@@ -138,4 +160,14 @@ class BlockInfo:
             m_mask_end = cutlass.min(cutlass.max(m_full, m_min), m_max)
         if (n_block + 1) * tn > seqlen.seqlen_k:
             m_mask_end = m_max  # partial key tile: every query tile needs the seqlen mask
-        return has_work, m_min, m_mask_end, m_max
+        m_window_start = m_max
+        if const_expr(self.windowed):
+            # last query that sees a key of this tile (its last key), and the first query that misses its first key
+            q_last = n_block * tn + tn - 1 - seqlen.diag + self.window_left
+            has_work = has_work and q_last >= 0
+            m_max = cutlass.min(m_max, q_last // tm + 1)
+            has_work = has_work and m_min < m_max
+            q_miss = cutlass.max(n_block * tn - seqlen.diag + self.window_left + 1, 0)
+            m_mask_end = cutlass.min(m_mask_end, m_max)
+            m_window_start = cutlass.min(cutlass.max(q_miss // tm, m_mask_end), m_max)
+        return has_work, m_min, m_mask_end, m_window_start, m_max

@@ -92,6 +92,7 @@ class FlashBwdSm90:
         stmatrix_ds: bool = False,
         det_chunk: int = 0,
         sanitize: bool = True,
+        window_left: int = -1,
     ):
         assert head_dim in (64, 128)
         self.dtype = dtype
@@ -118,7 +119,9 @@ class FlashBwdSm90:
         # head (a CTA still only waits on CTAs launched before it). 0 keeps key-tile-fastest order.
         self.det_chunk = det_chunk if deterministic else 0
         self.dq_chunk_elems = self.tile_m * head_dim // 2
-        self.block_info = BlockInfo(self.tile_m, self.tile_n, causal)
+        assert window_left < 0 or causal, "a sliding window comes with the causal upper edge (see backend.py)"
+        self.window_left = window_left
+        self.block_info = BlockInfo(self.tile_m, self.tile_n, causal, window_left)
         # masked pairs with stored operands exist only with a causal mask or packed sequences (a dense sequence
         # end is zero-filled by TMA)
         self.sanitize = sanitize and (causal or varlen)
@@ -315,8 +318,10 @@ class FlashBwdSm90:
         tile = bwd_work_tile(mQ, mK, n_blocks_grid, num_batch, shortest_first=self.spt, det_chunk=self.det_chunk)
         seqlen = SeqlenInfo.create(tile.batch, mQ, mK, diag, mCuSeqlensQ, mCuSeqlensK, mSegOffQ, mSegOffK,
                                    varlen=self.varlen, seg_offsets=self.seg_offsets, scratch_tile_m=tm)
-        has_work, m_min, m_mask_end, m_max = self.block_info.query_tiles(seqlen, tile.block, tile.valid)
-        rng = Context(has_work=has_work, m_min=m_min, m_mask_end=m_mask_end, m_max=m_max)
+        has_work, m_min, m_mask_end, m_window_start, m_max = self.block_info.query_tiles(seqlen, tile.block,
+                                                                                         tile.valid)
+        rng = Context(has_work=has_work, m_min=m_min, m_mask_end=m_mask_end, m_window_start=m_window_start,
+                      m_max=m_max)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=None)
 
@@ -433,12 +438,14 @@ class FlashBwdSm90:
             cute.copy(bulk_atom, gDps_all[None, vec_idx], io.sDpsum[None, q_state.index], mbar_ptr=bar_do)
 
     def step_sanitized(self, m, rng: Context, seqlen: SeqlenInfo):
-        """Query tile m's Q / dO go through the sanitizer: causal masked steps (a query row that does not see a
-        key of the tile), and (packed sequences) the tile cut by the sequence end, whose padding rows are
-        another sequence's tokens."""
+        """Query tile m's Q / dO go through the sanitizer: masked steps (causal band and window band: a query row
+        that does not see a key of the tile), and (packed sequences) the tile cut by the sequence end, whose
+        padding rows are another sequence's tokens."""
         sanitized = False
         if const_expr(self.causal):
             sanitized = m < rng.m_mask_end
+        if const_expr(self.block_info.windowed):
+            sanitized = sanitized | (m >= rng.m_window_start)
         if const_expr(self.varlen):
             sanitized = sanitized | ((m + 1) * self.tile_m > seqlen.seqlen_q)
         return sanitized
@@ -629,7 +636,8 @@ class FlashBwdSm90:
             acc_dK=acc_dK, acc_dV=acc_dV, tdVrP=tdVrP, tdKrdS=tdKrdS, tScS_mn=tScS_mn, sLSE=io.sLSE,
             sDpsum=io.sDpsum, tdQsdQ=tdQsdQ, pipe_q=io.pipe_q, pipe_do=io.pipe_do, scale=scale,
             scale_log2=scale_log2, wg=wg, n_block=tile.block, pipe_kv=io.pipe_kv,
-            mask=AttentionMask(tm, tn, self.causal, seqlen.seqlen_k, seqlen.diag, tScS_mn, t0ScS_mn),
+            mask=AttentionMask(tm, tn, self.causal, seqlen.seqlen_k, seqlen.diag, tScS_mn, t0ScS_mn,
+                               self.window_left),
         )
 
         if rng.has_work:
@@ -644,8 +652,14 @@ class FlashBwdSm90:
             for hi in cutlass.range(tile.group, unroll=1):
                 for m in cutlass.range(rng.m_min, rng.m_mask_end, unroll=1):
                     q_state = self.mma_step(st, q_state, m, True)
-                for m in cutlass.range(rng.m_mask_end, rng.m_max, unroll=1):
-                    q_state = self.mma_step(st, q_state, m, False)
+                if const_expr(self.block_info.windowed):
+                    for m in cutlass.range(rng.m_mask_end, rng.m_window_start, unroll=1):
+                        q_state = self.mma_step(st, q_state, m, False)
+                    for m in cutlass.range(rng.m_window_start, rng.m_max, unroll=1):
+                        q_state = self.mma_step(st, q_state, m, True)
+                else:
+                    for m in cutlass.range(rng.m_mask_end, rng.m_max, unroll=1):
+                        q_state = self.mma_step(st, q_state, m, False)
 
         # ---------------- dK / dV epilogue ----------------
         n_block, seqlen_k = tile.block, seqlen.seqlen_k

@@ -43,6 +43,9 @@ class FwdConfig:
     # masked V tiles through the sanitizer warps (masked keys contribute nothing even if non-finite). False is a
     # measurement knob only (the cost of the guarantee): NaN / inf at masked positions then leak.
     sanitize: bool = True
+    # >= 0 (causal only): a sliding window's lower edge, keys more than this far below the diagonal are masked
+    # and their blocks never loaded (backend.py folds a window's right edge into the diagonal)
+    window_left: int = -1
 
     def build(self):
         from .fwd_sm90 import FlashFwdSm90
@@ -52,6 +55,7 @@ class FwdConfig:
             accumulate=self.accumulate, seg_offsets=self.seg_offsets, tile_m=self.tile_m, tile_n=self.tile_n,
             num_stages=self.num_stages, intra_wg_overlap=self.intra_wg_overlap, sched_barrier=self.sched_barrier,
             rescale_threshold=self.rescale_threshold, tma_store_o=self.tma_store_o, sanitize=self.sanitize,
+            window_left=self.window_left,
         )
 
     def fake_args(self):
@@ -109,13 +113,13 @@ def set_override(**kw) -> None:
 
 
 def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=False, out_fp32=False,
-                **overrides) -> FwdConfig:
+                window_left=-1, **overrides) -> FwdConfig:
     tm, tn, st = default_tiles(head_dim, causal)
     kw = dict(
         dtype=host.dtype_name(dtype), head_dim=head_dim, causal=bool(causal), varlen=bool(varlen),
         accumulate=bool(accumulate), seg_offsets=bool(seg_offsets) and bool(causal),
         out_fp32=bool(out_fp32) and not accumulate, tile_m=tm, tile_n=tn, num_stages=st,
-        rescale_threshold=default_rescale_threshold(head_dim, bool(causal)),
+        rescale_threshold=default_rescale_threshold(head_dim, bool(causal)), window_left=int(window_left),
     )
     kw.update(_OVERRIDE)
     kw.update(overrides)
@@ -167,7 +171,7 @@ def cache_info() -> list:
 # launch
 # ----------------------------------------------------------------------------
 
-_FAST: dict = {}  # (dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32) -> compiled, default tiles
+_FAST: dict = {}  # (dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32, window_left) -> compiled
 
 
 def forward(
@@ -186,6 +190,7 @@ def forward(
     max_seqlen_q=None,
     max_seqlen_k=None,
     accumulate=False,
+    window_left=-1,
     **overrides,
 ):
     """Run the Hopper forward into `out` / `lse` (in place). Inputs are assumed validated.
@@ -195,6 +200,8 @@ def forward(
     out: q's dtype or fp32; with accumulate=True it must be fp32 and out / lse hold a running result into
     which this block is merged (in place).
     q_offset / k_offset: ints, or per sequence / segment (list, tuple or int32 tensor of shape (nseg,)).
+    window_left >= 0 (causal only): key j is also masked for query i when j < i + q_offset - k_offset -
+    window_left, and the blocks below the window are never loaded.
     max_seqlen_q: varlen only, the longest q segment; if None the grid is sized by total_q (correct, no host
     sync, but launches idle CTAs).  max_seqlen_k is unused.
     Non-finite values: a masked (query, key) pair contributes nothing whatever k / v hold there; a row that sees
@@ -205,6 +212,7 @@ def forward(
     d = q.shape[-1]
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
+    window_left = host.check_window_left(window_left, causal)
     nseq = (cu_seqlens_q.shape[0] - 1) if varlen else q.shape[0]
     per_seq = not (host.is_uniform_offset(q_offset) and host.is_uniform_offset(k_offset))
     diag = 0
@@ -230,11 +238,11 @@ def forward(
             out.zero_()
             lse.fill_(-math.inf)
         return out, lse
-    fast_key = (q.dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32)
+    fast_key = (q.dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32, window_left)
     fn = _FAST.get(fast_key) if not overrides and not _OVERRIDE else None
     if fn is None:
         cfg = make_config(q.dtype, d, causal=causal, varlen=varlen, accumulate=accumulate,
-                          seg_offsets=seg_offsets, out_fp32=out_fp32, **overrides)
+                          seg_offsets=seg_offsets, out_fp32=out_fp32, window_left=window_left, **overrides)
         fn = host.get_compiled(cfg)
         if not overrides and not _OVERRIDE:
             _FAST[fast_key] = fn

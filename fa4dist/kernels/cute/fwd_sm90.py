@@ -51,7 +51,7 @@ from .common_sm90 import (
     wgmma_gemm,
 )
 from .mask import AttentionMask
-from .sanitize import NONE, block_any, clear_nonfinite_rows, tile_maybe_nonfinite
+from .sanitize import NONE, block_any, clear_nonfinite_rows, clear_nonfinite_rows_marking, tile_maybe_nonfinite
 from .softmax import OnlineSoftmax, merge_lse
 from .tile_scheduler import fwd_work_tile
 
@@ -77,9 +77,12 @@ class FlashFwdSm90:
         tma_store_o: bool = True,
         sanitize: bool = True,
         l2_rows: Optional[int] = None,
+        window_left: int = -1,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
         assert head_dim % 16 == 0 and tile_n % 16 == 0
+        assert window_left < 0 or causal, "a sliding window comes with the causal upper edge (see backend.py)"
+        self.window_left = window_left
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -102,11 +105,14 @@ class FlashFwdSm90:
         if l2_rows is None:
             l2_rows = (24 * 1024 * 1024) // (2 * head_dim * elem)
         self.l2_rows = l2_rows
-        self.block_info = BlockInfo(tile_m, tile_n, causal)
+        self.block_info = BlockInfo(tile_m, tile_n, causal, window_left)
         # V tiles of masked blocks go through the sanitizer warps (dense non-causal: TMA zero-fills past the end)
         self.sanitize_v = sanitize and (causal or varlen)
         self.fp16 = dtype == cutlass.Float16
         self.sanitizer_threads = 96  # warps 1..3 of the producer warpgroup
+        # smem words per stage telling the consumers which V rows held NaN / inf: the first such row, or with a
+        # window (rows see an interval of a tile's keys) a bitmask of all of them
+        self.bad_v_words = tile_n // 32 if window_left >= 0 else 1
 
     # ------------------------------------------------------------------------
     # host side
@@ -185,7 +191,8 @@ class FlashFwdSm90:
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_vland: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]  # V tiles to sanitize land here
-            sVbad: cute.struct.MemRange[Int32, self.num_stages]  # per stage: first row that held NaN / inf
+            # per stage: the first row that held NaN / inf (with a window: a bitmask of every such row)
+            sVbad: cute.struct.MemRange[Int32, self.bad_v_words * self.num_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], 1024]
@@ -291,7 +298,7 @@ class FlashFwdSm90:
             sV=storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
             tma_atom_Q=tma_atom_Q, tma_atom_K=tma_atom_K, tma_atom_V=tma_atom_V, tma_atom_O=tma_atom_O,
             pipe_q=pipe_q, pipe_k=pipe_k, pipe_v=pipe_v, pipe_vland=pipe_vland,
-            sVbad=storage.sVbad.get_tensor(cute.make_layout(self.num_stages)),
+            sVbad=storage.sVbad.get_tensor(cute.make_layout((self.bad_v_words, self.num_stages))),
         )
 
         # ---------------- work tile, sequence and key-block range (identical in every warp) ----------------
@@ -299,12 +306,12 @@ class FlashFwdSm90:
                              l2_rows=self.l2_rows)
         seqlen = SeqlenInfo.create(tile.batch, mQ, mK, diag, mCuSeqlensQ, mCuSeqlensK, mSegOffQ, mSegOffK,
                                    varlen=self.varlen, seg_offsets=self.seg_offsets)
-        tile_valid, n_block_max, n_block_causal = self.block_info.key_blocks(seqlen, tile.block)
-        # the first n_sanitize blocks in processing order (the masked ones) have their V tile sanitized
-        n_sanitize = Int32(0)
-        if const_expr(self.sanitize_v):
-            n_masked, _ = self.block_info.masked_and_plain(n_block_max, n_block_causal)
-            n_sanitize = cutlass.min(n_masked + 1, n_block_max)
+        tile_valid, n_block_min, n_block_max, n_block_causal, n_block_window_end = self.block_info.key_blocks(
+            seqlen, tile.block)
+        n_masked, n_plain, n_window = self.block_info.phases(n_block_min, n_block_max, n_block_causal,
+                                                             n_block_window_end)
+        blk = Context(n_block_min=n_block_min, n_block_max=n_block_max, n_blocks=n_block_max - n_block_min,
+                      n_masked=n_masked, n_plain=n_plain, n_window=n_window)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=None)
 
@@ -313,21 +320,20 @@ class FlashFwdSm90:
             # ============================ producer ============================
             cute.arch.setmaxregister_decrease(self.regs_producer)
             if warp_idx == 0:
-                if n_block_max > 0:
-                    self.produce(io, tile, seqlen, n_block_max, n_sanitize)
+                if blk.n_blocks > 0:
+                    self.produce(io, tile, seqlen, blk)
             if const_expr(self.sanitize_v):
                 if warp_idx > 0:
-                    self.sanitize_v_tiles(io, n_sanitize, tidx - 32)
+                    self.sanitize_v_tiles(io, blk, tidx - 32)
         else:
             # ============================ consumers ===========================
             cute.arch.setmaxregister_increase(self.regs_consumer)
             if tile_valid:
-                self.consume(io, tiled_mma_qk, tiled_mma_pv, scale_log2, tile, seqlen, n_block_max,
-                             n_block_causal)
+                self.consume(io, tiled_mma_qk, tiled_mma_pv, scale_log2, tile, seqlen, blk)
 
     # ------------------------------------------------------------------------
     @cute.jit
-    def produce(self, io: Context, tile, seqlen: SeqlenInfo, n_block_max: Int32, n_sanitize: Int32):
+    def produce(self, io: Context, tile, seqlen: SeqlenInfo, blk: Context):
         D = self.head_dim
         head, head_kv, batch = tile.head, tile.head_kv, tile.batch
         if const_expr(not self.varlen):
@@ -351,21 +357,26 @@ class FlashFwdSm90:
         land_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         ld = Context(io=io, tVgV=tVgV, tVsV=tVsV)
 
+        n_block_max, n_blocks = blk.n_block_max, blk.n_blocks
         n_block = n_block_max - 1
+        n_san_top, n_san_bottom = self.sanitized_v_counts(blk)
         # first K tile goes out before Q so that both land together
         pipe_k.producer_acquire(kv_state)
         cute.copy(io.tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
                   tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
         pipe_q.producer_acquire(q_state)
         cute.copy(io.tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-        # V tiles of the first n_sanitize blocks (processing order) land on the sanitizer's barrier instead
+        # V tiles of the masked blocks (sanitized_v_counts) land on the sanitizer's barrier instead
         san = self.sanitize_v
         if const_expr(self.intra_wg_overlap):
-            # consumer order: K(n), [K(n-1), V(n)], [K(n-2), V(n-1)], ..., V(0)
-            n_pairs = n_block_max - 1
+            # consumer order: K(n), [K(n-1), V(n)], [K(n-2), V(n-1)], ..., V(n_block_min)
+            n_pairs = n_blocks - 1
+            # pair i loads K(i + 1) and V(i), in three runs: sanitized V (the top masked blocks), plain V, and
+            # sanitized V again (the window's bottom blocks). (The runs as one trace-time loop over (kind, start,
+            # end) hoisted the plain run's end above the first loop: not the PTX verified on the GPU, so not taken.)
             n_pairs_sanitized = Int32(0)
             if const_expr(san):
-                n_pairs_sanitized = cutlass.min(n_sanitize, n_pairs)
+                n_pairs_sanitized = cutlass.min(n_san_top, n_pairs)
                 for i in cutlass.range(n_pairs_sanitized, unroll=1):
                     n_prev = n_block_max - 1 - i
                     prev_state = kv_state.clone()
@@ -373,23 +384,35 @@ class FlashFwdSm90:
                     self.load_k(ld, tKgK, tKsK, kv_state, n_prev - 1)
                     self.load_v_sanitized(ld, prev_state, land_state, n_prev)
                     land_state.advance()
-            for i in cutlass.range(n_pairs_sanitized, n_pairs, unroll=1):
+            n_pairs_plain_end = n_pairs
+            if const_expr(san and self.block_info.windowed):
+                n_pairs_plain_end = cutlass.min(cutlass.max(n_blocks - n_san_bottom, n_pairs_sanitized), n_pairs)
+            for i in cutlass.range(n_pairs_sanitized, n_pairs_plain_end, unroll=1):
                 n_prev = n_block_max - 1 - i
                 prev_state = kv_state.clone()
                 kv_state.advance()
                 self.load_k(ld, tKgK, tKsK, kv_state, n_prev - 1)
                 self.load_v(ld, prev_state, n_prev)
+            if const_expr(san and self.block_info.windowed):
+                for i in cutlass.range(n_pairs_plain_end, n_pairs, unroll=1):
+                    n_prev = n_block_max - 1 - i
+                    prev_state = kv_state.clone()
+                    kv_state.advance()
+                    self.load_k(ld, tKgK, tKsK, kv_state, n_prev - 1)
+                    self.load_v_sanitized(ld, prev_state, land_state, n_prev)
+                    land_state.advance()
+            n_last = blk.n_block_min
             if const_expr(san):
-                if n_sanitize > n_pairs:
-                    self.load_v_sanitized(ld, kv_state, land_state, 0)
+                if n_san_top > n_pairs or n_san_bottom > 0:
+                    self.load_v_sanitized(ld, kv_state, land_state, n_last)
                 else:
-                    self.load_v(ld, kv_state, 0)
+                    self.load_v(ld, kv_state, n_last)
             else:
-                self.load_v(ld, kv_state, 0)
+                self.load_v(ld, kv_state, n_last)
             kv_state.advance()
         else:
             if const_expr(san):
-                if n_sanitize > 0:
+                if n_san_top > 0 or n_san_bottom >= n_blocks:
                     self.load_v_sanitized(ld, kv_state, land_state, n_block)
                 else:
                     self.load_v(ld, kv_state, n_block)
@@ -397,11 +420,11 @@ class FlashFwdSm90:
             else:
                 self.load_v(ld, kv_state, n_block)
             kv_state.advance()
-            for i in cutlass.range(n_block_max - 1, unroll=1):
+            for i in cutlass.range(n_blocks - 1, unroll=1):
                 n = n_block_max - 2 - i
                 self.load_k(ld, tKgK, tKsK, kv_state, n)
                 if const_expr(san):
-                    if i + 1 < n_sanitize:
+                    if i + 1 < n_san_top or i + 1 >= n_blocks - n_san_bottom:
                         self.load_v_sanitized(ld, kv_state, land_state, n)
                     else:
                         self.load_v(ld, kv_state, n)
@@ -433,22 +456,43 @@ class FlashFwdSm90:
                   tma_bar_ptr=ld.io.pipe_vland.producer_get_barrier(land_state))
 
     # ------------------------------------------------------------------------
+    def sanitized_v_counts(self, blk: Context):
+        """(n_top, n_bottom): the V tiles of the masked blocks go through the sanitizer, i.e. processing index i
+        (block n_block_max - 1 - i) iff i < n_top (causal band, sequence end) or i >= n_blocks - n_bottom (the
+        window's lower edge); the two sets never overlap (block_info.phases)."""
+        return cutlass.min(blk.n_masked + 1, blk.n_blocks), blk.n_window
+
     @cute.jit
-    def sanitize_v_tiles(self, io: Context, n_sanitize: Int32, tid: Int32):
+    def sanitize_v_tiles(self, io: Context, blk: Context, tid: Int32):
         """Sanitizer warps: for each V tile to sanitize, zero rows that hold NaN / inf, publish the first such row
-        (sVbad[stage], NONE if none), then complete the consumers' V barrier of the stage."""
+        (sVbad[stage], NONE if none), then complete the consumers' V barrier of the stage. The landing barriers
+        count sanitized tiles only; the smem stage is the tile's processing index modulo the stages (the K/V
+        ring's), which differs from the landing stage once plain tiles came in between."""
         nthr = self.sanitizer_threads
+        n_top, n_bottom = self.sanitized_v_counts(blk)
         land_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        for _ in cutlass.range(n_sanitize, unroll=1):
+        for j in cutlass.range(n_top + n_bottom, unroll=1):
             io.pipe_vland.consumer_wait(land_state)
-            stage = land_state.index
-            if tid == 0:
-                io.sVbad[stage] = Int32(NONE)
+            proc_idx = j
+            if const_expr(self.block_info.windowed):
+                if j >= n_top:
+                    proc_idx = blk.n_blocks - n_bottom + (j - n_top)
+            stage = proc_idx % self.num_stages
+            if const_expr(self.block_info.windowed):
+                if tid < self.bad_v_words:
+                    io.sVbad[tid, stage] = Int32(0)
+            else:
+                if tid == 0:
+                    io.sVbad[0, stage] = Int32(NONE)
             maybe = tile_maybe_nonfinite(io.sV.iterator, self.tile_n * self.head_dim, stage, tid, nthr, self.fp16)
             if block_any(maybe, int(FwdBarrier.SANITIZE), nthr):
-                first = clear_nonfinite_rows(io.sV[None, None, stage], tid, nthr, self.fp16)
-                if first != NONE:
-                    cute.arch.atomic_min(io.sVbad.iterator + stage, first)
+                if const_expr(self.block_info.windowed):
+                    clear_nonfinite_rows_marking(io.sV[None, None, stage], tid, nthr, self.fp16,
+                                                 io.sVbad.iterator + stage * self.bad_v_words)
+                else:
+                    first = clear_nonfinite_rows(io.sV[None, None, stage], tid, nthr, self.fp16)
+                    if first != NONE:
+                        cute.arch.atomic_min(io.sVbad.iterator + stage, first)
                 cute.arch.fence_view_async_shared()  # zeroed rows -> wgmma (async proxy)
                 cute.arch.barrier(barrier_id=int(FwdBarrier.SANITIZE), number_of_threads=nthr)
             if tid == 0:
@@ -466,8 +510,7 @@ class FlashFwdSm90:
         scale_log2: Float32,
         tile,
         seqlen: SeqlenInfo,
-        n_block_max: Int32,
-        n_block_causal: Int32,
+        blk: Context,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - 128
@@ -497,19 +540,22 @@ class FlashFwdSm90:
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tOrP=tOrP,
             acc_O=acc_O, s_shape=s_shape, pipe_k=io.pipe_k, pipe_v=io.pipe_v, softmax=softmax, m_block=m_block,
             wg=wg, mask=AttentionMask(self.tile_m, self.tile_n, self.causal, seqlen.seqlen_k, seqlen.diag, tScS_mn,
-                                      t0ScS_mn),
+                                      t0ScS_mn, self.window_left),
             sVbad=io.sVbad,
         )
 
-        if n_block_max > 0:
+        n_block_max = blk.n_block_max
+        if blk.n_blocks > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             io.pipe_q.consumer_wait(q_state)
             if const_expr(self.sched_barrier):
                 if wg == 0:
                     cute.arch.barrier_arrive(barrier_id=int(FwdBarrier.SCHED_WG0), number_of_threads=256)
-            # blocks after the first one that still need the causal mask, then blocks that need none
-            n_masked, n_plain = self.block_info.masked_and_plain(n_block_max, n_block_causal)
+            # blocks after the first one that still need the causal mask, then blocks that need none, then the
+            # lowest blocks, cut by the window's lower edge (block_info.phases)
+            n_masked, n_plain, n_window = blk.n_masked, blk.n_plain, blk.n_window
+            n_plain_top = blk.n_block_min + n_window + n_plain  # one past the highest plain block
 
             if const_expr(self.intra_wg_overlap):
                 # ---- first block: S only ----
@@ -525,7 +571,10 @@ class FlashFwdSm90:
                 for i in cutlass.range(n_masked, unroll=1):
                     kv_state = self.overlap_step(ml, kv_state, n_block_max - 2 - i, True)
                 for i in cutlass.range(n_plain, unroll=1):
-                    kv_state = self.overlap_step(ml, kv_state, n_plain - 1 - i, False)
+                    kv_state = self.overlap_step(ml, kv_state, n_plain_top - 1 - i, False)
+                if const_expr(self.block_info.windowed):
+                    for i in cutlass.range(n_window, unroll=1):
+                        kv_state = self.overlap_step(ml, kv_state, blk.n_block_min + n_window - 1 - i, True)
                 # ---- last P @ V ----
                 io.pipe_v.consumer_wait(kv_state)
                 self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, 0)
@@ -536,7 +585,10 @@ class FlashFwdSm90:
                 for i in cutlass.range(n_masked, unroll=1):
                     kv_state = self.simple_step(ml, kv_state, n_block_max - 2 - i, 1)
                 for i in cutlass.range(n_plain, unroll=1):
-                    kv_state = self.simple_step(ml, kv_state, n_plain - 1 - i, 0)
+                    kv_state = self.simple_step(ml, kv_state, n_plain_top - 1 - i, 0)
+                if const_expr(self.block_info.windowed):
+                    for i in cutlass.range(n_window, unroll=1):
+                        kv_state = self.simple_step(ml, kv_state, blk.n_block_min + n_window - 1 - i, 1)
 
         self.epilogue(io, ml, tidx, tile, seqlen)
 
@@ -597,15 +649,18 @@ class FlashFwdSm90:
     @cute.jit
     def mark_rows_seeing_bad_v(self, ml: Context, kv_state, n_block: Int32):
         """After the softmax of a masked block (no PV in flight): wait for its V tile (sanitized) and make O
-        non-finite for the rows that see the first key whose V row held NaN / inf. Their lse stays what the
+        non-finite for the rows that see a key whose V row held NaN / inf (the first such key decides for a
+        prefix of visible keys; with a window, any marked key of the row's interval). Their lse stays what the
         scores give, as in the reference (a bad value row does not change the softmax)."""
         if const_expr(self.sanitize_v):
             ml.pipe_v.consumer_wait(kv_state)
-            bad_key = n_block * self.tile_n + ml.sVbad[kv_state.index]
             acc_mn = mn_view(ml.acc_O)
             for r in cutlass.range_constexpr(cute.size(ml.softmax.row_sum)):
                 row = ml.m_block * self.tile_m + ml.mask.tScS_mn[r, 0][0]
-                seen = ml.mask.visible(row, bad_key)
+                if const_expr(self.block_info.windowed):
+                    seen = ml.mask.row_sees_marked_key(row, n_block, ml.sVbad[None, kv_state.index])
+                else:
+                    seen = ml.mask.visible(row, n_block * self.tile_n + ml.sVbad[0, kv_state.index])
                 acc_mn[r, 0] = Float32.nan if seen else acc_mn[r, 0]  # each of the row's 4 threads: one column
 
     @cute.jit

@@ -116,6 +116,17 @@ def offsets_tensor(values, device) -> torch.Tensor:
     return t
 
 
+def check_window_left(window_left, causal: bool) -> int:
+    """The kernels' sliding-window lower edge: -1 (none) or 0 <= window_left < 2^30, with the causal mask (the
+    backend folds a window's right edge into the diagonal first)."""
+    window_left = int(window_left)
+    if window_left < -1 or window_left >= 2**30:
+        raise ValueError(f"window_left must be -1 (no window) or in [0, 2^30), got {window_left}")
+    if window_left >= 0 and not causal:
+        raise ValueError("window_left needs causal=True: the kernels take a window as a band below the diagonal")
+    return window_left
+
+
 def is_uniform_offset(x) -> bool:
     return not isinstance(x, (torch.Tensor, list, tuple))
 

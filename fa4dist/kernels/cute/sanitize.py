@@ -12,7 +12,8 @@ shared memory before the MMA reads them:
     only cost on clean data.
   * ``clear_nonfinite_rows`` (rare path): exact per-row check; rows holding a non-finite value are zeroed in
     smem and reported to the caller, which decides what the row's non-finiteness means (the forward marks the
-    query rows that see the first bad key; the backward marks a bad query row's lse NaN).
+    query rows that see the first bad key, or with a window any marked key: ``clear_nonfinite_rows_marking``; the
+    backward marks a bad query row's lse NaN).
 
 Writes are generic-proxy stores: the caller fences them (``fence.proxy.async``) before wgmma reads the tile.
 
@@ -116,3 +117,16 @@ def clear_nonfinite_rows(sX: cute.Tensor, tid: Int32, num_threads: cutlass.Const
             zero_row(sX, r)
             first = cutlass.min(first, r)
     return first
+
+
+@cute.jit
+def clear_nonfinite_rows_marking(sX: cute.Tensor, tid: Int32, num_threads: cutlass.Constexpr[int],
+                                 fp16: cutlass.Constexpr[bool], bits: cute.Pointer):
+    """As clear_nonfinite_rows, but every bad row r is reported by setting bit r % 32 of the shared word
+    ``bits + r // 32`` (zeroed by the caller): for masks whose visible keys in a tile are an interval, where the
+    first bad row does not decide."""
+    for r in cutlass.range(tid, cute.size(sX, mode=[0]), num_threads, unroll=1):
+        if row_is_nonfinite(sX, r, fp16):
+            zero_row(sX, r)
+            cute.arch.atomic_or(bits + r // 32, Int32(1) << (r % 32))
+
