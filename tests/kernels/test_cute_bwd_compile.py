@@ -35,6 +35,8 @@ SUBSET = [
     (BF16, 128, True, True, False, True, {"det_chunk": 8}),
     (BF16, 128, True, False, False, True, {"window_left": 4096}),
     (FP16, 64, True, True, True, False, {"window_left": 200, "seg_offsets": True}),
+    (BF16, 128, True, False, False, True, {"softcap": 30.0, "window_left": 4096}),
+    (BF16, 64, False, False, False, False, {"softcap": 50.0}),
 ]
 
 

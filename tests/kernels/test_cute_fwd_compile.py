@@ -37,6 +37,8 @@ SUBSET = [
     (torch.bfloat16, 128, True, False, False, {"window_left": 4096}),
     (torch.bfloat16, 64, True, True, True, {"window_left": 200, "seg_offsets": True}),
     (torch.float16, 128, True, False, False, {"window_left": 100, "intra_wg_overlap": False}),
+    (torch.bfloat16, 128, True, False, False, {"softcap": 30.0}),
+    (torch.bfloat16, 64, False, True, True, {"softcap": 50.0}),
 ]
 
 

@@ -193,3 +193,27 @@ def test_a_row_whose_window_starts_between_two_bad_values_sees_the_later_one(bac
     assert bad[0, 200 + left - 10, 1]  # its window starts past key 130 and holds key 200
     assert not bad[0, 200 + left + 1, 1] and bad[0, 130, 1]  # past both / sees the first
     assert bad[:, :, [0, 2, 3]].sum() == 0
+
+
+@pytest.mark.parametrize("case", [
+    # (batch, sq, sk, hq, hkv, d, causal, window, softcap)
+    (1, 1024, 1024, 8, 2, 128, True, (-1, -1), 30.0),
+    (2, 700, 900, 4, 4, 64, False, (-1, -1), 5.0),
+    (1, 2048, 2048, 4, 4, 128, True, (511, -1), 50.0),  # Gemma 2: a window and the cap
+])
+def test_cute_softcap_kernels(case, monkeypatch):
+    """The softcap kernels (tanh in the score path, its derivative recovered from P in the backward) against the
+    fp64 oracle; cute refuses softcap until this passes on a GPU (FA4DIST_CUTE_SOFTCAP=1 lets it run them)."""
+    _need("cute")
+    monkeypatch.setenv("FA4DIST_CUTE_SOFTCAP", "1")
+    b, sq, sk, hq, hkv, d, causal, window, softcap = case
+    q, k, v = _tensors((b, sq, hq, d), (b, sk, hkv, d), seed=7)
+    kw = dict(causal=causal, window=window, softcap=softcap)
+    assert select_backend("cute", validate_inputs(q, k, v, **kw), "backward").name == "cute"
+    _check("cute", q, k, v, **kw)
+    out, lse = attention_forward(q, k, v, backend="cute", **kw)
+    dout = torch.randn_like(q)
+    first = attention_backward(dout, q, k, v, out, lse, backend="cute", deterministic=True, **kw)
+    again = attention_backward(dout, q, k, v, out, lse, backend="cute", deterministic=True, **kw)
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(first, again))
+

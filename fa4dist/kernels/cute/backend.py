@@ -12,6 +12,8 @@ not expressible and falls back.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import forward as _fwd
@@ -50,8 +52,10 @@ class CuteSm90Backend:
 
         if problem.device.type != "cuda":
             return Unsupported(f"cute runs on CUDA tensors only, got {problem.device}")
-        if problem.softcap is not None:  # (sinks are merged by the contract)
-            return Unsupported("cute has no softcap yet", fallback=True)
+        if problem.softcap is not None and os.environ.get("FA4DIST_CUTE_SOFTCAP") != "1":
+            # (sinks are merged by the contract)
+            return Unsupported("cute's softcap kernels compile but are not verified on a GPU yet (no softcap until "
+                               "then; FA4DIST_CUTE_SOFTCAP=1 runs them, for that verification)", fallback=True)
         band = kernel_band(problem.mask)
         if band is None:
             return Unsupported(f"cute takes windows with an upper edge (causal or right >= 0), got {problem.mask}",
@@ -108,7 +112,7 @@ class CuteSm90Backend:
         _fwd.forward(
             q, k, v, out_k, lse_k,
             softmax_scale=problem.softmax_scale, causal=causal, window_left=window_left, q_offset=q_off,
-            k_offset=k_off,
+            k_offset=k_off, softcap=problem.softcap,
             cu_seqlens_q=problem.cu_seqlens_q_tensor, cu_seqlens_k=problem.cu_seqlens_k_tensor,
             max_seqlen_q=problem.seqlen_q if problem.varlen else None,
             max_seqlen_k=problem.seqlen_k if problem.varlen else None,
@@ -149,7 +153,7 @@ class CuteSm90Backend:
         _bwd.backward(
             dout, q, k, v, out, lse, *work,
             softmax_scale=problem.softmax_scale, causal=causal, window_left=window_left, q_offset=q_off,
-            k_offset=k_off,
+            k_offset=k_off, softcap=problem.softcap,
             cu_seqlens_q=problem.cu_seqlens_q_tensor, cu_seqlens_k=problem.cu_seqlens_k_tensor,
             max_seqlen_q=problem.seqlen_q if problem.varlen else None,
             max_seqlen_k=problem.seqlen_k if problem.varlen else None,

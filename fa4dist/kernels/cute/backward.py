@@ -60,6 +60,7 @@ class BwdConfig:
     # non-finite operands). False is a measurement knob only (the cost of the guarantee).
     sanitize: bool = True
     window_left: int = -1  # >= 0 (causal only): the sliding window's lower edge (forward.FwdConfig)
+    softcap: float = 0.0  # > 0: soft-capped scores (forward.FwdConfig); the launch passes tanh's scale
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -68,7 +69,7 @@ class BwdConfig:
             host.cutlass_dtype(self.dtype), self.head_dim, causal=self.causal, varlen=self.varlen,
             accumulate=self.accumulate, deterministic=self.deterministic, seg_offsets=self.seg_offsets,
             tile_m=self.tile_m, stmatrix_ds=self.stmatrix_ds, det_chunk=self.det_chunk,
-            regs_mma=self.regs_mma, sanitize=self.sanitize, window_left=self.window_left,
+            regs_mma=self.regs_mma, sanitize=self.sanitize, window_left=self.window_left, softcap=self.softcap,
         )
 
     def fake_args(self):
@@ -168,13 +169,13 @@ def cache_info() -> list:
 
 
 def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, deterministic, dq_dtype, dkv_dtype,
-                 o_dtype, do_dtype, window_left=-1, **overrides):
+                 o_dtype, do_dtype, window_left=-1, softcap=0.0, **overrides):
     tm = tile_m_for(head_dim)
     name = host.dtype_name(q_dtype)
     kw = dict(
         dtype=name, head_dim=head_dim, causal=bool(causal), varlen=bool(varlen), seg_offsets=bool(seg_offsets),
         accumulate=bool(accumulate), deterministic=bool(deterministic), dkv_fp32=dkv_dtype == torch.float32,
-        tile_m=tm, window_left=int(window_left),
+        tile_m=tm, window_left=int(window_left), softcap=float(softcap or 0.0),
     )
     kw.update(_OVERRIDE)
     kw.update(overrides)
@@ -254,6 +255,7 @@ def backward(
     deterministic=False,
     accumulate=False,
     window_left=-1,
+    softcap=None,
     **overrides,
 ):
     """Gradients of one attention block (given the global out and lse), written into dq, dk, dv.
@@ -261,13 +263,13 @@ def backward(
     dout, q, k, v: bf16/fp16 (dout may be fp32); out: q dtype or fp32; lse fp32 (natural log), (b, h, s_q) or
     packed (h, t_q). dq/dk/dv: fresh buffers (q dtype or fp32) or, with accumulate=True, fp32 buffers added into.
     q_offset / k_offset: ints, or int32 tensors / sequences with one global offset per sequence or segment.
-    window_left >= 0 (causal only): the sliding window's lower edge, as in forward.forward.
+    window_left >= 0 (causal only): the sliding window's lower edge, and softcap, as in forward.forward.
     """
     for step in launch_steps(
         dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal, q_offset=q_offset,
         k_offset=k_offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, deterministic=deterministic, accumulate=accumulate, window_left=window_left,
-        **overrides,
+        softcap=softcap, **overrides,
     ):
         step()
     return dq, dk, dv
@@ -295,6 +297,7 @@ def launch_steps(
     deterministic=False,
     accumulate=False,
     window_left=-1,
+    softcap=None,
     **overrides,
 ):
     """The backward as a list of callables (preprocess, main kernel, dQ convert), each launching one kernel on the
@@ -308,6 +311,7 @@ def launch_steps(
     if not softmax_scale > 0:
         raise ValueError("the cute backward needs a positive softmax_scale")
     window_left = host.check_window_left(window_left, causal)
+    softcap = host.check_softcap(softcap)
     device = q.device
     nseg = (cu_seqlens_q.shape[0] - 1) if varlen else q.shape[0]
     total_q = q.shape[0] * (1 if varlen else q.shape[1])
@@ -340,7 +344,7 @@ def launch_steps(
     pre_cfg, main_cfg, post_cfg = make_configs(
         q.dtype, d, causal=causal, varlen=varlen, seg_offsets=seg_offsets, accumulate=accumulate,
         deterministic=deterministic, dq_dtype=dq.dtype, dkv_dtype=dk.dtype, o_dtype=out.dtype,
-        do_dtype=dout.dtype, window_left=window_left, **overrides,
+        do_dtype=dout.dtype, window_left=window_left, softcap=softcap, **overrides,
     )
     pre_fn, main_fn, post_fn = (host.get_compiled(c) for c in (pre_cfg, main_cfg, post_cfg))
 
@@ -361,7 +365,7 @@ def launch_steps(
     sem = torch.empty(n_chunks, dtype=torch.int32, device=device) if deterministic else None
 
     scale = float(softmax_scale)
-    scale_log2 = scale * math.log2(math.e)
+    scale_log2 = host.score_scale(scale, softcap)
     msk = max(msk, 1)
     return [
         lambda: pre_fn(out, dout, lse, lse2, dpsum, dq_acc, sem, scale, m_grid, cu_seqlens_q),

@@ -68,6 +68,7 @@ from .common_sm90 import (
 )
 from .mask import AttentionMask
 from .sanitize import block_any, clear_nonfinite_rows, row_is_nonfinite, tile_maybe_nonfinite, zero_row
+from .softmax import softcap_grad, softcap_scale_log2, softcap_scores
 from .tile_scheduler import bwd_work_tile
 
 
@@ -93,6 +94,7 @@ class FlashBwdSm90:
         det_chunk: int = 0,
         sanitize: bool = True,
         window_left: int = -1,
+        softcap: float = 0.0,
     ):
         assert head_dim in (64, 128)
         self.dtype = dtype
@@ -121,6 +123,7 @@ class FlashBwdSm90:
         self.dq_chunk_elems = self.tile_m * head_dim // 2
         assert window_left < 0 or causal, "a sliding window comes with the causal upper edge (see backend.py)"
         self.window_left = window_left
+        self.softcap = float(softcap)  # > 0: capped scores; the runtime scale_log2 is then tanh's (softmax.py)
         self.block_info = BlockInfo(self.tile_m, self.tile_n, causal, window_left)
         # masked pairs with stored operands exist only with a causal mask or packed sequences (a dense sequence
         # end is zero-filled by TMA)
@@ -712,10 +715,15 @@ class FlashBwdSm90:
         acc_S_mn = mn_view(acc_S)
         n_rows = cute.size(acc_S_mn, mode=[0])
         n_cols = cute.size(acc_S_mn, mode=[1])
+        if const_expr(self.softcap > 0):
+            softcap_scores(acc_S, st.scale_log2)  # tanh(s * softmax_scale / c); the exponential scales by c log2 e
+        exp_scale_log2 = st.scale_log2
+        if const_expr(self.softcap > 0):
+            exp_scale_log2 = Float32(softcap_scale_log2(self.softcap))
         for c in cutlass.range_constexpr(n_cols):
             lse_c = st.sLSE[tScS_mn[0, c][1], stage]
             for r in cutlass.range_constexpr(n_rows):
-                acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * st.scale_log2 - lse_c, fastmath=True)
+                acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * exp_scale_log2 - lse_c, fastmath=True)
         if const_expr(masked):
             st.mask.apply_transposed(acc_S, m_block, st.n_block, 0.0)
         warpgroup.wait_group(0)  # dP^T done
@@ -724,10 +732,18 @@ class FlashBwdSm90:
         acc_dP_mn = mn_view(acc_dP)
         for c in cutlass.range_constexpr(n_cols):
             dps_c = st.sDpsum[tScS_mn[0, c][1], stage]
+            lse_c = Float32(0.0)
+            if const_expr(self.softcap > 0):
+                lse_c = st.sLSE[tScS_mn[0, c][1], stage]
             for r in cutlass.range_constexpr(n_rows):
                 p = acc_S_mn[r, c]
                 ds = p * (acc_dP_mn[r, c] * scale - dps_c)
-                if const_expr(masked):
+                if const_expr(self.softcap > 0):
+                    # chain rule through the cap; P == 0 (masked, underflow, padding rows) must give dS = 0, not
+                    # 0 * (-inf) from log2(0)
+                    ds = ds * softcap_grad(p, lse_c, self.softcap)
+                    ds = ds if p != Float32(0.0) else Float32(0.0)
+                if const_expr(masked and self.softcap <= 0):
                     # P is exactly 0 at masked pairs, but 0 * NaN (dP of a bad V row, dPsum of a bad row) is not
                     ds = ds if p != Float32(0.0) else Float32(0.0)
                 acc_dP_mn[r, c] = ds

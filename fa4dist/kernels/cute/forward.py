@@ -46,6 +46,8 @@ class FwdConfig:
     # >= 0 (causal only): a sliding window's lower edge, keys more than this far below the diagonal are masked
     # and their blocks never loaded (backend.py folds a window's right edge into the diagonal)
     window_left: int = -1
+    # > 0: soft-capped scores (softcap * tanh(scale * s / softcap)); the launch then passes tanh's scale
+    softcap: float = 0.0
 
     def build(self):
         from .fwd_sm90 import FlashFwdSm90
@@ -55,7 +57,7 @@ class FwdConfig:
             accumulate=self.accumulate, seg_offsets=self.seg_offsets, tile_m=self.tile_m, tile_n=self.tile_n,
             num_stages=self.num_stages, intra_wg_overlap=self.intra_wg_overlap, sched_barrier=self.sched_barrier,
             rescale_threshold=self.rescale_threshold, tma_store_o=self.tma_store_o, sanitize=self.sanitize,
-            window_left=self.window_left,
+            window_left=self.window_left, softcap=self.softcap,
         )
 
     def fake_args(self):
@@ -113,13 +115,14 @@ def set_override(**kw) -> None:
 
 
 def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=False, out_fp32=False,
-                window_left=-1, **overrides) -> FwdConfig:
+                window_left=-1, softcap=0.0, **overrides) -> FwdConfig:
     tm, tn, st = default_tiles(head_dim, causal)
     kw = dict(
         dtype=host.dtype_name(dtype), head_dim=head_dim, causal=bool(causal), varlen=bool(varlen),
         accumulate=bool(accumulate), seg_offsets=bool(seg_offsets) and bool(causal),
         out_fp32=bool(out_fp32) and not accumulate, tile_m=tm, tile_n=tn, num_stages=st,
         rescale_threshold=default_rescale_threshold(head_dim, bool(causal)), window_left=int(window_left),
+        softcap=float(softcap or 0.0),
     )
     kw.update(_OVERRIDE)
     kw.update(overrides)
@@ -171,7 +174,7 @@ def cache_info() -> list:
 # launch
 # ----------------------------------------------------------------------------
 
-_FAST: dict = {}  # (dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32, window_left) -> compiled
+_FAST: dict = {}  # (dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32, window_left, softcap) -> fn
 
 
 def forward(
@@ -191,6 +194,7 @@ def forward(
     max_seqlen_k=None,
     accumulate=False,
     window_left=-1,
+    softcap=None,
     **overrides,
 ):
     """Run the Hopper forward into `out` / `lse` (in place). Inputs are assumed validated.
@@ -202,6 +206,7 @@ def forward(
     q_offset / k_offset: ints, or per sequence / segment (list, tuple or int32 tensor of shape (nseg,)).
     window_left >= 0 (causal only): key j is also masked for query i when j < i + q_offset - k_offset -
     window_left, and the blocks below the window are never loaded.
+    softcap > 0: scores become softcap * tanh(softmax_scale * q.k / softcap) before the mask and the softmax.
     max_seqlen_q: varlen only, the longest q segment; if None the grid is sized by total_q (correct, no host
     sync, but launches idle CTAs).  max_seqlen_k is unused.
     Non-finite values: a masked (query, key) pair contributes nothing whatever k / v hold there; a row that sees
@@ -238,11 +243,13 @@ def forward(
             out.zero_()
             lse.fill_(-math.inf)
         return out, lse
-    fast_key = (q.dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32, window_left)
+    softcap = host.check_softcap(softcap)
+    fast_key = (q.dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32, window_left, softcap)
     fn = _FAST.get(fast_key) if not overrides and not _OVERRIDE else None
     if fn is None:
         cfg = make_config(q.dtype, d, causal=causal, varlen=varlen, accumulate=accumulate,
-                          seg_offsets=seg_offsets, out_fp32=out_fp32, window_left=window_left, **overrides)
+                          seg_offsets=seg_offsets, out_fp32=out_fp32, window_left=window_left, softcap=softcap,
+                          **overrides)
         fn = host.get_compiled(cfg)
         if not overrides and not _OVERRIDE:
             _FAST[fast_key] = fn
@@ -251,6 +258,6 @@ def forward(
         msq = max(msq, 1)
     else:
         msq = 1
-    scale_log2 = float(softmax_scale) * math.log2(math.e)
+    scale_log2 = host.score_scale(softmax_scale, softcap)
     fn(q, k, v, out, lse, scale_log2, diag, msq, cu_seqlens_q, cu_seqlens_k, off_q, off_k)
     return out, lse

@@ -52,7 +52,7 @@ from .common_sm90 import (
 )
 from .mask import AttentionMask
 from .sanitize import NONE, block_any, clear_nonfinite_rows, clear_nonfinite_rows_marking, tile_maybe_nonfinite
-from .softmax import OnlineSoftmax, merge_lse
+from .softmax import OnlineSoftmax, merge_lse, softcap_scale_log2, softcap_scores
 from .tile_scheduler import fwd_work_tile
 
 
@@ -78,11 +78,13 @@ class FlashFwdSm90:
         sanitize: bool = True,
         l2_rows: Optional[int] = None,
         window_left: int = -1,
+        softcap: float = 0.0,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
         assert head_dim % 16 == 0 and tile_n % 16 == 0
         assert window_left < 0 or causal, "a sliding window comes with the causal upper edge (see backend.py)"
         self.window_left = window_left
+        self.softcap = float(softcap)  # > 0: scores capped to softcap * tanh(. / softcap); scale_log2 = tanh scale
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -534,14 +536,17 @@ class FlashFwdSm90:
         cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
         tScS_mn = mn_view(thr_mma_qk.partition_C(cS))
         t0ScS_mn = mn_view(tiled_mma_qk.get_slice(0).partition_C(cS))
-        softmax = OnlineSoftmax.create(cute.size(tScS_mn, mode=[0]), scale_log2, self.rescale_threshold)
+        exp_scale_log2 = scale_log2  # with softcap the runtime scale is tanh's; the exponential's is c * log2(e)
+        if const_expr(self.softcap > 0):
+            exp_scale_log2 = Float32(softcap_scale_log2(self.softcap))
+        softmax = OnlineSoftmax.create(cute.size(tScS_mn, mode=[0]), exp_scale_log2, self.rescale_threshold)
         m_block = tile.block
         ml = Context(
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tOrP=tOrP,
             acc_O=acc_O, s_shape=s_shape, pipe_k=io.pipe_k, pipe_v=io.pipe_v, softmax=softmax, m_block=m_block,
             wg=wg, mask=AttentionMask(self.tile_m, self.tile_n, self.causal, seqlen.seqlen_k, seqlen.diag, tScS_mn,
                                       t0ScS_mn, self.window_left),
-            sVbad=io.sVbad,
+            sVbad=io.sVbad, tanh_scale=scale_log2,
         )
 
         n_block_max = blk.n_block_max
@@ -564,6 +569,7 @@ class FlashFwdSm90:
                 acc_S = cute.make_rmem_tensor(s_shape, Float32)
                 self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
                 io.pipe_k.consumer_release(kv_state)
+                self.cap_scores(ml, acc_S)
                 ml.mask.apply(acc_S, m_block, n_block, True)
                 softmax.online(acc_S, True)
                 tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
@@ -635,6 +641,7 @@ class FlashFwdSm90:
         self.sched_arrive(ml.wg)
         warpgroup.wait_group(1)
         ml.pipe_k.consumer_release(kv_state)
+        self.cap_scores(ml, acc_S)
         if const_expr(causal_mask):
             ml.mask.apply(acc_S, ml.m_block, n_block, False)
         row_scale = ml.softmax.online(acc_S, False)
@@ -645,6 +652,11 @@ class FlashFwdSm90:
         if const_expr(causal_mask):
             self.mark_rows_seeing_bad_v(ml, kv_state, n_block)
         return kv_state
+
+    @cute.jit
+    def cap_scores(self, ml: Context, acc_S: cute.Tensor):
+        if const_expr(self.softcap > 0):
+            softcap_scores(acc_S, ml.tanh_scale)
 
     @cute.jit
     def mark_rows_seeing_bad_v(self, ml: Context, kv_state, n_block: Int32):
@@ -670,6 +682,7 @@ class FlashFwdSm90:
         acc_S = cute.make_rmem_tensor(ml.s_shape, Float32)
         self.gemm(ml.tiled_mma_qk, acc_S, ml.tSrQ, ml.tSrK[None, None, None, kv_state.index], True, 0)
         ml.pipe_k.consumer_release(kv_state)
+        self.cap_scores(ml, acc_S)
         if const_expr(mask_kind > 0):
             ml.mask.apply(acc_S, ml.m_block, n_block, mask_kind == 2)
         row_scale = ml.softmax.online(acc_S, False)

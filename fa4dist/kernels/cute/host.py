@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import threading
 
@@ -125,6 +126,24 @@ def check_window_left(window_left, causal: bool) -> int:
     if window_left >= 0 and not causal:
         raise ValueError("window_left needs causal=True: the kernels take a window as a band below the diagonal")
     return window_left
+
+
+def check_softcap(softcap) -> float:
+    """0.0 (off) or the positive cap of soft-capped scores."""
+    if softcap is None:
+        return 0.0
+    softcap = float(softcap)
+    if not softcap > 0 or math.isinf(softcap):
+        raise ValueError(f"softcap must be None or a positive finite number, got {softcap}")
+    return softcap
+
+
+def score_scale(softmax_scale: float, softcap: float) -> float:
+    """The kernels' runtime score scale: softmax_scale * log2(e) for the exponential, or with soft-capping
+    softmax_scale / softcap for the tanh (the exponential's c * log2(e) is then compiled in; cute/softmax.py)."""
+    if softcap > 0:
+        return float(softmax_scale) / softcap
+    return float(softmax_scale) * math.log2(math.e)
 
 
 def is_uniform_offset(x) -> bool:

@@ -1,5 +1,6 @@
 """Online softmax of the forward: the running row max and row sums of one thread's rows, the O rescale, and the
-finalisation into (1 / rowsum, lse).
+finalisation into (1 / rowsum, lse); and soft-capping, the transform of the scores both kernels apply before the
+mask and the exponential (``softcap_scores``, with the backward's derivative ``softcap_grad``).
 
 Scores arrive as fp32 accumulator fragments (rows = queries); exp2 runs with the softmax scale folded into one
 FFMA. With ``rescale_threshold`` > 0 a stale row max is kept until the new one exceeds it by more than the
@@ -144,3 +145,32 @@ def merge_lse(lse_old: Float32, lse_new: Float32):
         w_old = e_old * rt
         w_new = e_new * rt
     return w_old, w_new, lse
+
+
+# ---------------- soft-capping: scores -> c * tanh(softmax_scale * s / c) ----------------
+# The kernels keep tanh(softmax_scale * s / c) in the accumulator and let the exponential scale it by c * log2(e),
+# so a softcap variant receives tanh_scale = softmax_scale / c where the others receive softmax_scale * log2(e).
+
+
+def softcap_scale_log2(softcap: float) -> float:
+    """The exponential's scale of capped scores: c * log2(e)."""
+    return softcap * LOG2_E
+
+
+@cute.jit
+def softcap_scores(acc: cute.Tensor, tanh_scale: Float32):
+    """acc <- tanh(acc * tanh_scale), elementwise (any fragment layout; before the mask, which then writes -inf)."""
+    acc_mn = mn_view(acc)
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+            acc_mn[r, c] = cute.math.tanh(acc_mn[r, c] * tanh_scale)
+
+
+@cute.jit
+def softcap_grad(p: Float32, lse2: Float32, softcap: cutlass.Constexpr[float]) -> Float32:
+    """d(capped score) / d(scaled score) = 1 - tanh^2, recovered from P = exp2(tanh * c * log2(e) - lse2) instead
+    of keeping the tanh in registers: tanh = (log2(P) + lse2) / (c * log2(e)). Only meaningful where P > 0 (the
+    caller zeroes dS where P == 0)."""
+    t = (cute.math.log2(p, fastmath=True) + lse2) * Float32(1.0 / softcap_scale_log2(softcap))
+    return Float32(1.0) - t * t
+
