@@ -3,7 +3,9 @@
     torchrun --nproc-per-node 2 recipes/hf_sft.py --arch llama --model tiny --cp 2 --steps 10
     torchrun --nproc-per-node 2 recipes/hf_sft.py --checkpoint /path/to/local/hf/model --cp 2 --seqlen 65536
 
-The model is a transformers class (``--arch llama|qwen2|qwen3|mistral``) built from a config: fa4dist's size
+The model is a transformers class (``--arch llama|qwen2|qwen3|mistral|gemma2|gemma3``) built from a config
+(``--sliding-window N``: the window of Mistral's layers and of Gemma's local layers; Gemma 2 also soft-caps its
+attention and final logits): fa4dist's size
 presets (``--model tiny|small|base|1b``, byte vocabulary) or Llama-3 shapes (``llama3.2-1b``, ``llama3-8b``,
 vocabulary 128256), randomly initialized; or a local checkpoint directory (``--checkpoint``, nothing is
 downloaded).  Data are packed windows of documents from :mod:`fa4dist.data` (this repository's text, byte tokens),
@@ -46,7 +48,9 @@ import common  # noqa: E402
 from fa4dist.data.tokenizer import VOCAB_SIZE  # noqa: E402
 from fa4dist.models import get_config  # noqa: E402
 
-ARCHS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}
+ARCHS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig",
+         "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
+WINDOWED_ARCHS = ("mistral", "gemma2", "gemma3")
 LLAMA3_PRESETS = {
     "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
@@ -63,6 +67,9 @@ def parse_args(argv=None):
     common.add_common_args(p)
     g = p.add_argument_group("Hugging Face model")
     g.add_argument("--arch", choices=sorted(ARCHS), default="llama", help="transformers model family")
+    g.add_argument("--sliding-window", type=int, default=None,
+                   help="tokens in the sliding window of Mistral's layers and Gemma's local layers (default: "
+                        "Mistral none, Gemma the config class's)")
     g.add_argument("--checkpoint", default=None, help="a local checkpoint directory (from_pretrained, offline)")
     g.add_argument("--init", choices=["auto", "full", "sharded"], default="auto",
                    help="full: every rank builds the whole model (seeded, transformers' init); sharded: meta "
@@ -77,6 +84,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.model not in LLAMA3_PRESETS:
         get_config(args.model)  # a clear error for an unknown preset
+    if args.sliding_window is not None and (args.arch not in WINDOWED_ARCHS or args.sliding_window < 1):
+        p.error(f"--sliding-window takes a positive number of tokens and --arch {' or '.join(WINDOWED_ARCHS)}")
     return args
 
 
@@ -102,10 +111,15 @@ def hf_config(args):
         size["num_hidden_layers"] = args.layers
     extra = dict(attention_dropout=0.0, max_position_embeddings=max(args.seqlen, 8192))
     if args.arch == "mistral":
-        extra["sliding_window"] = None  # full attention (a window shorter than a document is refused)
+        extra["sliding_window"] = args.sliding_window  # None: full attention
+    if args.arch.startswith("gemma"):
+        extra["query_pre_attn_scalar"] = size["head_dim"] or size["hidden_size"] // size["num_attention_heads"]
+        if args.sliding_window is not None:
+            extra["sliding_window"] = args.sliding_window
     rope_theta = size.pop("rope_theta")
     config = getattr(transformers, ARCHS[args.arch])(**size, **extra)
-    _set_rope_theta(config, rope_theta)
+    if args.arch != "gemma3":  # Gemma 3 keeps its two thetas (local and global layers)
+        _set_rope_theta(config, rope_theta)
     return config
 
 
@@ -126,13 +140,22 @@ def count_parameters(config) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
+def own_attention(model_type: str) -> str:
+    """The model's own attention (the reference run's; enable_context_parallel replaces it in the recipe): sdpa,
+    or eager for Gemma, whose attention soft-capping sdpa cannot express."""
+    return "eager" if model_type.startswith("gemma") else "sdpa"
+
+
 def build_model(args, device):
     """(model with fp32 weights, sharded_init): on ``device``, or on the meta device for a sharded init."""
     from transformers import AutoModelForCausalLM
 
     if args.checkpoint:
+        from transformers import AutoConfig
+
+        model_type = AutoConfig.from_pretrained(args.checkpoint, local_files_only=True).model_type
         model = AutoModelForCausalLM.from_pretrained(args.checkpoint, local_files_only=True, dtype=torch.float32,
-                                                     attn_implementation="sdpa")
+                                                     attn_implementation=own_attention(model_type))
         if model.config.vocab_size < VOCAB_SIZE:
             raise SystemExit(f"the checkpoint's vocabulary ({model.config.vocab_size}) is smaller than the byte "
                              f"tokens of fa4dist.data ({VOCAB_SIZE})")
@@ -141,7 +164,8 @@ def build_model(args, device):
     sharded = args.init == "sharded" or args.init == "auto" and count_parameters(config) > SHARDED_INIT_ABOVE
     torch.manual_seed(args.seed)
     with torch.device("meta" if sharded else device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=own_attention(config.model_type),
+                                                 dtype=torch.float32)
     return model, sharded
 
 

@@ -7,7 +7,8 @@ that ever exist; the value and the gradients are those of :func:`fa4dist.models.
 logits (the rank's summed token losses over the global count of target tokens).
 
 :class:`TiledCausalLMLoss` wraps a model whose logits are ``lm_head(final hidden states)`` (Llama, Mistral,
-Qwen2/Qwen3): ``forward(local)`` returns the rank's loss share.  Its own parameters are the model's, so FSDP2's
+Qwen2/Qwen3), soft-capped where the config says so (Gemma 2/3: ``c * tanh(logits / c)`` with
+``final_logit_softcapping``): ``forward(local)`` returns the rank's loss share.  Its own parameters are the model's, so FSDP2's
 root unit (``fully_shard(wrapper)``) keeps the LM head gathered while the tiles run.
 
 ```python
@@ -42,8 +43,10 @@ from fa4dist.data.packing import IGNORE
 
 from .hf_context_parallel import LABELS_KEY, PLAN_KEY, ContextParallelHandle
 
-# Models whose logits are exactly lm_head(final hidden states) (no soft-capping or logit scale).
+# Models whose logits are exactly lm_head(final hidden states) (no soft-capping or logit scale) ...
 PLAIN_LM_HEAD_MODELS = ("llama", "mistral", "qwen2", "qwen3")
+# ... and those whose logits are that, soft-capped by config.final_logit_softcapping when it is set.
+CAPPED_LM_HEAD_MODELS = ("gemma2", "gemma3_text")
 LOGITS_BUDGET_ELEMENTS = 1 << 29  # default tile: this many logits (2 GiB in fp32)
 
 
@@ -52,17 +55,21 @@ def default_chunk_tokens(vocab_size: int) -> int:
 
 
 def _tile_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                   labels: torch.Tensor) -> torch.Tensor:
+                   labels: torch.Tensor, logit_softcap: Optional[float] = None) -> torch.Tensor:
     logits = F.linear(hidden, weight, bias)
     if logits.dtype in (torch.float16, torch.bfloat16):  # as cp_cross_entropy: the softmax in fp32 (fp64 stays)
         logits = logits.float()
+    if logit_softcap is not None:
+        logits = logit_softcap * torch.tanh(logits / logit_softcap)
     return F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
 
 
 def tiled_cp_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, cp_group=None, *,
-                           bias: Optional[torch.Tensor] = None, chunk_tokens: Optional[int] = None) -> torch.Tensor:
+                           bias: Optional[torch.Tensor] = None, chunk_tokens: Optional[int] = None,
+                           logit_softcap: Optional[float] = None) -> torch.Tensor:
     """This rank's share of the mean next-token loss: ``sum_i CE(hidden[i] @ weight.T + bias, labels[i])`` over
     the local tokens, divided by the number of target tokens (labels != -100) of all ranks in ``cp_group``.
+    ``logit_softcap`` c: the logits are ``c * tanh(logits / c)`` first (Gemma 2's final soft-capping).
 
     ``hidden`` (tokens, dim) or (1, tokens, dim); ``labels`` (tokens,) already shifted.  Tiles of
     ``chunk_tokens`` tokens (default: 2**29 logits per tile) are recomputed in the backward."""
@@ -73,13 +80,15 @@ def tiled_cp_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
     if chunk < 1:
         raise ValueError(f"chunk_tokens must be positive, got {chunk}")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be None or positive, got {logit_softcap}")
     total = hidden.new_zeros((), dtype=torch.float32 if hidden.dtype != torch.float64 else torch.float64)
     for start in range(0, hidden.shape[0], chunk):
         h, y = hidden[start:start + chunk], labels[start:start + chunk]
         if torch.is_grad_enabled():
-            part = checkpoint(_tile_loss_sum, h, weight, bias, y, use_reentrant=False)
+            part = checkpoint(_tile_loss_sum, h, weight, bias, y, logit_softcap, use_reentrant=False)
         else:
-            part = _tile_loss_sum(h, weight, bias, y)
+            part = _tile_loss_sum(h, weight, bias, y, logit_softcap)
         total = total + part.to(total.dtype)
     count = (labels != IGNORE).sum().to(total.dtype)
     if cp_group is not None and dist.get_world_size(cp_group) > 1:
@@ -94,10 +103,14 @@ class TiledCausalLMLoss(nn.Module):
     def __init__(self, model: nn.Module, handle: ContextParallelHandle, chunk_tokens: Optional[int] = None):
         super().__init__()
         model_type = getattr(model.config, "model_type", None)
-        if model_type not in PLAIN_LM_HEAD_MODELS:
-            raise ValueError(f"TiledCausalLMLoss computes logits as lm_head(hidden states), which is known to be "
-                             f"the model's own computation for {PLAIN_LM_HEAD_MODELS}, not {model_type!r}; use "
+        if model_type not in PLAIN_LM_HEAD_MODELS + CAPPED_LM_HEAD_MODELS:
+            raise ValueError(f"TiledCausalLMLoss computes logits as lm_head(hidden states) (soft-capped for "
+                             f"{CAPPED_LM_HEAD_MODELS}), which is known to be the model's own computation for "
+                             f"{PLAIN_LM_HEAD_MODELS + CAPPED_LM_HEAD_MODELS}, not {model_type!r}; use "
                              "handle.loss(model(**local).logits, local)")
+        self.logit_softcap = None
+        if model_type in CAPPED_LM_HEAD_MODELS:
+            self.logit_softcap = getattr(model.config, "final_logit_softcapping", None)
         head = model.get_output_embeddings()
         if not isinstance(head, nn.Linear):
             raise ValueError(f"the model's output embedding must be an nn.Linear, got {type(head).__name__}")
@@ -114,4 +127,4 @@ class TiledCausalLMLoss(nn.Module):
         head = self.model.get_output_embeddings()
         group = self.handle.loss_group if self.handle.cp_size > 1 else None
         return tiled_cp_cross_entropy(hidden, head.weight, labels, group, bias=head.bias,
-                                      chunk_tokens=self.chunk_tokens)
+                                      chunk_tokens=self.chunk_tokens, logit_softcap=self.logit_softcap)

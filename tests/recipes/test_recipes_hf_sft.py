@@ -51,3 +51,21 @@ def test_hf_sft_qwen2_dp2_logits_loss_matches_single_process(tmp_path, corpus):
     want = reference(corpus, "--arch", "qwen2")
     assert_close(metrics(tmp_path / "m.jsonl", "loss"), want["loss"])
     assert_close(metrics(tmp_path / "m.jsonl", "grad_norm"), want["grad_norm"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_hf_sft_gemma_cp2_with_windows_matches_single_process(tmp_path, corpus, arch):
+    """Gemma 2 (attention and final-logit soft-capping, every other layer a 32-token window) and Gemma 3 (local
+    and global layers) at cp = 2 with the tiled loss, against the model's own eager attention and loss."""
+    extra = ["--arch", arch, "--sliding-window", "32"]
+    launch.torchrun("hf_sft.py", BASE + [
+        "--data", corpus, "--cp", "2", "--loss-chunk", "40", "--metrics-out", tmp_path / "m.jsonl", *extra])
+    want = reference(corpus, *extra)
+    assert_close(metrics(tmp_path / "m.jsonl", "loss"), want["loss"])
+    assert_close(metrics(tmp_path / "m.jsonl", "grad_norm"), want["grad_norm"])
+
+
+def test_hf_sft_sliding_window_needs_a_windowed_arch():
+    with pytest.raises(SystemExit):
+        hf_sft.parse_args(BASE + ["--arch", "llama", "--sliding-window", "32"])
