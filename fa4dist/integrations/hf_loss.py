@@ -8,8 +8,8 @@ logits (the rank's summed token losses over the global count of target tokens).
 
 :class:`TiledCausalLMLoss` wraps a model whose logits are ``lm_head(final hidden states)`` (Llama, Mistral,
 Qwen2/Qwen3), soft-capped where the config says so (Gemma 2/3: ``c * tanh(logits / c)`` with
-``final_logit_softcapping``): ``forward(local)`` returns the rank's loss share.  Its own parameters are the model's, so FSDP2's
-root unit (``fully_shard(wrapper)``) keeps the LM head gathered while the tiles run.
+``final_logit_softcapping``): ``forward(local)`` returns the rank's loss share.  Its own parameters are the
+model's, so FSDP2's root unit (``fully_shard(wrapper)``) keeps the LM head gathered while the tiles run.
 
 ```python
 import torch
