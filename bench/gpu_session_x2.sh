@@ -23,6 +23,8 @@ case "$PART" in
     TAIL_LINES=18 stage multigpu_check 150 "${TORCHRUN[@]}" tests/cp/multigpu_check.py
     TAIL_LINES=8 stage multigpu_window 120 "${TORCHRUN[@]}" bench/multigpu.py --tokens-per-gpu 65536 \
       --heads 32:8 --window 4096 --reps 3 --out-dir "$OUT"
+    TAIL_LINES=12 stage multigpu_window_profile 120 "${TORCHRUN[@]}" bench/multigpu.py --tokens-per-gpu 65536 \
+      --heads 32:8 --window 4096 --reps 3 --balancer contiguous --strategies ring --profile --out-dir "$OUT/profile"
     TAIL_LINES=10 stage window_tests 150 python3 -m pytest -x -q -p no:cacheprovider tests/kernels/test_window_gpu.py \
       -k cute
     ;;

@@ -198,7 +198,7 @@ def profile(args, world, device, tokens, heads, kv_heads) -> dict:
 
     total = tokens * world
     q, k, v, dout = _inputs(total, heads, kv_heads, args.headdim, device)
-    module = FA4ContextParallelAttention(dist.group.WORLD, strategy="ring", causal=True)
+    module = FA4ContextParallelAttention(dist.group.WORLD, strategy="ring", causal=True, window=_window(args))
     plan = module.make_plan(total, balancer=args.balancer)
     local = [module.shard(t, plan).requires_grad_() for t in (q, k, v)]
     local_dout = module.shard(dout, plan)
