@@ -3,9 +3,10 @@
     torchrun --nproc-per-node 2 recipes/hf_sft.py --arch llama --model tiny --cp 2 --steps 10
     torchrun --nproc-per-node 2 recipes/hf_sft.py --checkpoint /path/to/local/hf/model --cp 2 --seqlen 65536
 
-The model is a transformers class (``--arch llama|qwen2|qwen3|mistral|gemma2|gemma3``) built from a config
-(``--sliding-window N``: the window of Mistral's layers and of Gemma's local layers; Gemma 2 also soft-caps its
-attention and final logits): fa4dist's size
+The model is a transformers class (``--arch llama|qwen2|qwen3|mistral|gemma2|gemma3|gpt_oss``) built from a config
+(``--sliding-window N``: the window of Mistral's layers and of Gemma's and GPT-OSS's local layers; Gemma 2 also
+soft-caps its attention and final logits; GPT-OSS has per-head attention sinks and ``--experts`` experts per MoE
+layer, ``--experts-per-token`` of them active; its router aux loss is off): fa4dist's size
 presets (``--model tiny|small|base|1b``, byte vocabulary) or Llama-3 shapes (``llama3.2-1b``, ``llama3-8b``,
 vocabulary 128256), randomly initialized; or a local checkpoint directory (``--checkpoint``, nothing is
 downloaded).  Data are packed windows of documents from :mod:`fa4dist.data` (this repository's text, byte tokens),
@@ -49,8 +50,8 @@ from fa4dist.data.tokenizer import VOCAB_SIZE  # noqa: E402
 from fa4dist.models import get_config  # noqa: E402
 
 ARCHS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig",
-         "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
-WINDOWED_ARCHS = ("mistral", "gemma2", "gemma3")
+         "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "gpt_oss": "GptOssConfig"}
+WINDOWED_ARCHS = ("mistral", "gemma2", "gemma3", "gpt_oss")
 LLAMA3_PRESETS = {
     "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
@@ -70,6 +71,8 @@ def parse_args(argv=None):
     g.add_argument("--sliding-window", type=int, default=None,
                    help="tokens in the sliding window of Mistral's layers and Gemma's local layers (default: "
                         "Mistral none, Gemma the config class's)")
+    g.add_argument("--experts", type=int, default=8, help="gpt_oss: experts per MoE layer")
+    g.add_argument("--experts-per-token", type=int, default=2, help="gpt_oss: experts each token runs")
     g.add_argument("--checkpoint", default=None, help="a local checkpoint directory (from_pretrained, offline)")
     g.add_argument("--init", choices=["auto", "full", "sharded"], default="auto",
                    help="full: every rank builds the whole model (seeded, transformers' init); sharded: meta "
@@ -86,6 +89,10 @@ def parse_args(argv=None):
         get_config(args.model)  # a clear error for an unknown preset
     if args.sliding_window is not None and (args.arch not in WINDOWED_ARCHS or args.sliding_window < 1):
         p.error(f"--sliding-window takes a positive number of tokens and --arch {' or '.join(WINDOWED_ARCHS)}")
+    if args.arch == "gpt_oss" and args.tile_mlp:
+        p.error("--tile-mlp runs dense MLPs; GPT-OSS's MoE layer returns router scores too (not tiled)")
+    if not 1 <= args.experts_per_token <= args.experts:
+        p.error(f"--experts-per-token must be in [1, --experts], got {args.experts_per_token} of {args.experts}")
     return args
 
 
@@ -116,6 +123,13 @@ def hf_config(args):
         extra["query_pre_attn_scalar"] = size["head_dim"] or size["hidden_size"] // size["num_attention_heads"]
         if args.sliding_window is not None:
             extra["sliding_window"] = args.sliding_window
+    if args.arch == "gpt_oss":
+        extra.update(num_local_experts=args.experts, num_experts_per_tok=args.experts_per_token,
+                     output_router_logits=False,
+                     # its YaRN scaling (factor 32 over 4096 positions) expects this context length
+                     max_position_embeddings=max(args.seqlen, 131072))
+        if args.sliding_window is not None:
+            extra["sliding_window"] = args.sliding_window
     rope_theta = size.pop("rope_theta")
     config = getattr(transformers, ARCHS[args.arch])(**size, **extra)
     if args.arch != "gemma3":  # Gemma 3 keeps its two thetas (local and global layers)
@@ -142,8 +156,8 @@ def count_parameters(config) -> int:
 
 def own_attention(model_type: str) -> str:
     """The model's own attention (the reference run's; enable_context_parallel replaces it in the recipe): sdpa,
-    or eager for Gemma, whose attention soft-capping sdpa cannot express."""
-    return "eager" if model_type.startswith("gemma") else "sdpa"
+    or eager for Gemma and GPT-OSS, whose attention soft-capping and sinks sdpa cannot express."""
+    return "eager" if model_type.startswith("gemma") or model_type == "gpt_oss" else "sdpa"
 
 
 def build_model(args, device):
@@ -188,6 +202,19 @@ def init_shards(model, seed: int, rank: int, device):
             fresh = type(module)(module.config)
             for buf_name, buf in fresh.named_buffers(recurse=False):
                 setattr(module, buf_name, buf.to(device))
+
+
+def active_expert_params(model) -> float:
+    """Expert matmul parameters one token runs (MoE layers whose experts are 3-D parameter banks, not nn.Linear:
+    top-k of E experts), for the FLOP count."""
+    total = 0.0
+    for module in model.modules():
+        experts = getattr(module, "num_experts", None)
+        if experts and type(module).__name__.endswith("Experts"):
+            k = model.config.num_experts_per_tok
+            bank = sum(p.numel() for p in module.parameters(recurse=False) if p.dim() == 3)
+            total += bank * k / experts
+    return total
 
 
 def tile_mlps(model, tokens: int):
@@ -248,7 +275,8 @@ def prepare(args, layout, device, dtype):
     cfg = model.config
     facts = dict(
         params=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
-        matmul_params=sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)),
+        matmul_params=sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+        + active_expert_params(model),
         layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         hidden=cfg.hidden_size, ffn=cfg.intermediate_size, vocab=cfg.vocab_size, kv_heads=cfg.num_key_value_heads,

@@ -7,9 +7,10 @@ that ever exist; the value and the gradients are those of :func:`fa4dist.models.
 logits (the rank's summed token losses over the global count of target tokens).
 
 :class:`TiledCausalLMLoss` wraps a model whose logits are ``lm_head(final hidden states)`` (Llama, Mistral,
-Qwen2/Qwen3), soft-capped where the config says so (Gemma 2/3: ``c * tanh(logits / c)`` with
-``final_logit_softcapping``): ``forward(local)`` returns the rank's loss share.  Its own parameters are the
-model's, so FSDP2's root unit (``fully_shard(wrapper)``) keeps the LM head gathered while the tiles run.
+Qwen2/Qwen3, GPT-OSS without its router aux loss), soft-capped where the config says so (Gemma 2/3:
+``c * tanh(logits / c)`` with ``final_logit_softcapping``): ``forward(local)`` returns the rank's loss share.  Its
+own parameters are the model's, so FSDP2's root unit (``fully_shard(wrapper)``) keeps the LM head gathered while
+the tiles run.
 
 ```python
 import torch
@@ -44,7 +45,7 @@ from fa4dist.data.packing import IGNORE
 from .hf_context_parallel import LABELS_KEY, PLAN_KEY, ContextParallelHandle
 
 # Models whose logits are exactly lm_head(final hidden states) (no soft-capping or logit scale) ...
-PLAIN_LM_HEAD_MODELS = ("llama", "mistral", "qwen2", "qwen3")
+PLAIN_LM_HEAD_MODELS = ("llama", "mistral", "qwen2", "qwen3", "gpt_oss")
 # ... and those whose logits are that, soft-capped by config.final_logit_softcapping when it is set.
 CAPPED_LM_HEAD_MODELS = ("gemma2", "gemma3_text")
 LOGITS_BUDGET_ELEMENTS = 1 << 29  # default tile: this many logits (2 GiB in fp32)
@@ -108,6 +109,9 @@ class TiledCausalLMLoss(nn.Module):
                              f"{CAPPED_LM_HEAD_MODELS}), which is known to be the model's own computation for "
                              f"{PLAIN_LM_HEAD_MODELS + CAPPED_LM_HEAD_MODELS}, not {model_type!r}; use "
                              "handle.loss(model(**local).logits, local)")
+        if getattr(model.config, "output_router_logits", False):
+            raise ValueError("the model adds a router aux loss (config.output_router_logits); TiledCausalLMLoss "
+                             "computes the next-token loss only")
         self.logit_softcap = None
         if model_type in CAPPED_LM_HEAD_MODELS:
             self.logit_softcap = getattr(model.config, "final_logit_softcapping", None)

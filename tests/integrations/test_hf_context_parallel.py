@@ -143,9 +143,10 @@ def test_cp_windows_softcap_and_sinks_equal_per_document_oracle(pool, oracles, f
         assert {f"model.layers.{i}.self_attn.sinks" for i in range(2)} <= oracles[family][1].keys()
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
-def test_tiled_loss_soft_caps_gemmas_logits_as_the_model_does(pool, oracles, family):
-    """TiledCausalLMLoss on Gemma 2 (final logits soft-capped at the config's value) and Gemma 3 (not capped)."""
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gpt_oss"])
+def test_tiled_loss_of_windowed_families_is_the_models_loss(pool, oracles, family):
+    """TiledCausalLMLoss on Gemma 2 (final logits soft-capped at the config's value), Gemma 3 (not capped) and
+    GPT-OSS (plain head, sinks in the attention)."""
     check_against_oracle(pool.run(_cp_run, family=family, cp=2, tiled=True)[0], oracles[family])
 
 

@@ -54,10 +54,11 @@ def test_hf_sft_qwen2_dp2_logits_loss_matches_single_process(tmp_path, corpus):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_hf_sft_gemma_cp2_with_windows_matches_single_process(tmp_path, corpus, arch):
-    """Gemma 2 (attention and final-logit soft-capping, every other layer a 32-token window) and Gemma 3 (local
-    and global layers) at cp = 2 with the tiled loss, against the model's own eager attention and loss."""
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "gpt_oss"])
+def test_hf_sft_windowed_archs_cp2_match_single_process(tmp_path, corpus, arch):
+    """Gemma 2 (attention and final-logit soft-capping, every other layer a 32-token window), Gemma 3 (local and
+    global layers) and GPT-OSS (sinks, MoE) at cp = 2 with the tiled loss, against the model's own eager attention
+    and loss."""
     extra = ["--arch", arch, "--sliding-window", "32"]
     launch.torchrun("hf_sft.py", BASE + [
         "--data", corpus, "--cp", "2", "--loss-chunk", "40", "--metrics-out", tmp_path / "m.jsonl", *extra])
@@ -66,6 +67,9 @@ def test_hf_sft_gemma_cp2_with_windows_matches_single_process(tmp_path, corpus, 
     assert_close(metrics(tmp_path / "m.jsonl", "grad_norm"), want["grad_norm"])
 
 
-def test_hf_sft_sliding_window_needs_a_windowed_arch():
+@pytest.mark.parametrize("bad", [["--arch", "llama", "--sliding-window", "32"],
+                                 ["--arch", "gpt_oss", "--tile-mlp", "8"],
+                                 ["--arch", "gpt_oss", "--experts", "2", "--experts-per-token", "3"]])
+def test_hf_sft_refuses_options_its_arch_lacks(bad):
     with pytest.raises(SystemExit):
-        hf_sft.parse_args(BASE + ["--arch", "llama", "--sliding-window", "32"])
+        hf_sft.parse_args(BASE + bad)
