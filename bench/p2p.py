@@ -14,10 +14,10 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
+from timing import cuda_median_ms  # bench/, the script's folder
 
 
 def parse_args(argv=None):
@@ -63,17 +63,8 @@ class PeerCopy:
 
 
 def _time(fn, reps, device) -> float:
-    fn()
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    """Seconds (median, bench/timing.py)."""
+    return cuda_median_ms(fn, reps, device) / 1e3
 
 
 def main(argv=None):

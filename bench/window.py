@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import fa4dist  # noqa: E402
 from fa4dist.kernels.mask import Mask, visible_pairs  # noqa: E402
+from timing import cuda_median_ms  # noqa: E402  (bench/, the script's folder)
 
 
 def parse_args(argv=None):
@@ -37,20 +38,6 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     return p.parse_args(argv)
-
-
-def _ms(fn, reps=5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main(argv=None):
@@ -93,8 +80,8 @@ def main(argv=None):
             for impl, fn in impls.items():
                 try:
                     with torch.no_grad():
-                        result[impl]["fwd"].append(_ms(fn))
-                    result[impl]["fwdbwd"].append(_ms(lambda fn=fn: fn().backward(dout)))
+                        result[impl]["fwd"].append(cuda_median_ms(fn, 5))
+                    result[impl]["fwdbwd"].append(cuda_median_ms(lambda fn=fn: fn().backward(dout), 5))
                 except Exception as err:  # noqa: BLE001 - an option a library lacks is a result
                     result[impl]["error"] = f"{type(err).__name__}: {err}"[:300]
                     break

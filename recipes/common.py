@@ -373,13 +373,26 @@ def reference_losses(args, device=torch.device("cpu")) -> list[float]:
 
 
 def reference_run(args, device=torch.device("cpu")) -> dict:
-    """``{"loss": [...], "grad_norm": [...]}`` per step of the plain single-process loop.  The gradient norm (before
-    clipping) checks the gradient's scale, which the losses alone cannot: AdamW is invariant to it."""
+    """``{"loss": [...], "grad_norm": [...]}`` per step of the plain single-process loop of FA4Llama."""
     set_determinism(args)
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = FA4Llama(model_config(args), None, backend=args.backend,
                          deterministic=args.deterministic or None)
+
+    def sample_loss(sample):
+        plan = make_sample_plan(sample, 1)
+        local = shard_sample(sample, plan, 0, device=device)
+        return cp_cross_entropy(model(local.tokens, local.positions, plan), local.labels).loss
+
+    return reference_loop(model, sample_loss, args)
+
+
+def reference_loop(model, sample_loss, args) -> dict:
+    """The plain single-process training loop every recipe must reproduce: AdamW, the same schedule and clipping,
+    ``sample_loss(sample)`` (a scalar) averaged over each step's samples.  Returns ``{"loss": [...], "grad_norm":
+    [...]}``; the gradient norm (before clipping) checks the gradient's scale, which the losses alone cannot
+    (AdamW is invariant to it)."""
     optimizer = make_optimizer(model, args)
     stream = build_stream(args)
     losses, norms = [], []
@@ -389,17 +402,27 @@ def reference_run(args, device=torch.device("cpu")) -> dict:
         samples = stream.batch(step, args.batch_size)
         total = 0.0
         for sample in samples:
-            plan = make_sample_plan(sample, 1)
-            local = shard_sample(sample, plan, 0, device=device)
-            res = cp_cross_entropy(model(local.tokens, local.positions, plan), local.labels)
-            (res.loss / len(samples)).backward()
-            total += res.loss.item()
+            loss = sample_loss(sample)
+            (loss / len(samples)).backward()
+            total += loss.item()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total / len(samples))
         norms.append(float(norm))
     return {"loss": losses, "grad_norm": norms}
+
+
+def clip_and_step(params, optimizer, args):
+    """Gradient clipping (``--grad-clip``; its norm as a plain tensor, also for DTensor gradients, or None when
+    off), then the optimizer step."""
+    grad_norm = None
+    if args.grad_clip:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
 
 
 def make_optimizer(model, args) -> torch.optim.Optimizer:

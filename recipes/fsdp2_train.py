@@ -133,12 +133,7 @@ def main(argv=None):
             model, samples, layout, args, device,
             before_last=(lambda: model.set_requires_gradient_sync(True)) if per_rank > 1 else None,
             loss_scale=float(layout.cp))
-        grad_norm = None
-        if args.grad_clip:
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = common.clip_and_step(model.parameters(), optimizer, args)
         loss = common.step_loss(loss_sum, layout)
         common.sync(device)
         seconds = common.now() - t0

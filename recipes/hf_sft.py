@@ -428,12 +428,7 @@ def main(argv=None):
         common.sync(device)
         t0 = common.now()
         loss_sum = forward_backward(step, handle, samples, layout, device, phases if i == 0 else None)
-        grad_norm = None
-        if args.grad_clip:
-            grad_norm = torch.nn.utils.clip_grad_norm_(step.parameters(), args.grad_clip)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = common.clip_and_step(step.parameters(), optimizer, args)
         loss = common.step_loss(loss_sum, layout)
         common.sync(device)
         seconds = common.now() - t0
@@ -480,32 +475,15 @@ def main(argv=None):
 
 
 def reference_run(args, device=torch.device("cpu")) -> dict:
-    """``{"loss": [...], "grad_norm": [...]}`` of a plain single-process loop over the same data: the model's own
-    attention (``sdpa``, packed documents from position_ids) and its own loss (``labels``, shifted inside),
-    AdamW, the same schedule and clipping.  What the distributed recipe must reproduce."""
+    """``{"loss": [...], "grad_norm": [...]}`` of common.reference_loop over the same data with the model's own
+    attention (``own_attention``: sdpa, or eager for Gemma and GPT-OSS; packed documents from position_ids) and
+    its own loss (``labels``, shifted inside).  What the distributed recipe must reproduce."""
     common.set_determinism(args)
     model, sharded = build_model(args, device)
     if sharded:
         raise SystemExit("the reference needs --init full")
     model.train()
-    optimizer = common.make_optimizer(model, args)
-    stream = common.build_stream(args)
-    losses, norms = [], []
-    for i in range(args.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = common.lr_at(i, args)
-        samples = stream.batch(i, args.batch_size)
-        total = 0.0
-        for sample in samples:
-            out = model(**hf_batch(sample), use_cache=False)
-            (out.loss / len(samples)).backward()
-            total += out.loss.item()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(total / len(samples))
-        norms.append(float(norm))
-    return {"loss": losses, "grad_norm": norms}
+    return common.reference_loop(model, lambda sample: model(**hf_batch(sample), use_cache=False).loss, args)
 
 
 if __name__ == "__main__":

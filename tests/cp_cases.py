@@ -107,3 +107,30 @@ def run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, docs
         errors["dsinks"] = sinks_leaf.grad.cpu().double().tolist()
         errors["dsinks_ref"] = ref_sinks.grad.tolist()
     return errors
+
+
+def case_kwargs(cp: int, case: dict) -> dict:
+    """A case table's kwargs for run_case at degree ``cp`` (``chunks_per_rank`` becomes ``num_chunks``)."""
+    case = dict(case)
+    per = case.pop("chunks_per_rank", None)
+    if per is not None:
+        case["num_chunks"] = per * cp
+    return case
+
+
+def check_results(results, strategy=None, tol=1e-10) -> list:
+    """run_case's results over the pool: every rank in the group within ``tol`` of the oracle (out, dq, dk, dv),
+    on the strategy asked for, and the ranks' sink-gradient shares summing to the oracle's whole gradient."""
+    seen = [r for r in results if r is not None]
+    assert seen
+    for r in seen:
+        for name in ("out", "dq", "dk", "dv"):
+            assert r[name] < tol, (name, r)
+        if strategy is not None:
+            assert r["strategy"] == strategy
+    if "dsinks" in seen[0]:  # every rank holds its rows' share: the sum is the whole gradient
+        total = torch.tensor([r["dsinks"] for r in seen], dtype=torch.float64).sum(0)
+        want = torch.tensor(seen[0]["dsinks_ref"], dtype=torch.float64)
+        torch.testing.assert_close(total, want, atol=tol, rtol=tol)
+    return seen
+

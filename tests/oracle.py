@@ -86,3 +86,22 @@ def rel_error(got, want):
 # Tolerances by input dtype for ||out - ref|| / ||ref|| against an fp64 oracle (METHOD.md: bf16 operands land
 # between 1e-3 and 1e-2; fp16 has 3 more mantissa bits).
 REL_TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+def flash_op_keep(q_len: int, k_len: int, window=(-1, -1), causal: bool = False,
+                  unbounded_from: int | None = None) -> torch.Tensor:
+    """The (q_len, k_len) pairs torch's flash op keeps for one segment (flash-attn's documented rule, written out
+    here so that the tests model the op independently of fa4dist's sub-block code): windows aligned to the
+    bottom-right corner (query i sits at key position i + k_len - q_len), a window side of at least
+    ``unbounded_from`` (the call's max_seqlen_k; default k_len) read as unbounded, and causal the right side 0."""
+    limit = k_len if unbounded_from is None else unbounded_from
+    left, right = (w if w < limit else -1 for w in window)
+    if causal:
+        right = 0
+    i, j = torch.arange(q_len).view(-1, 1), torch.arange(k_len).view(1, -1)
+    keep = torch.ones(q_len, k_len, dtype=torch.bool)
+    if left >= 0:
+        keep &= j >= i + (k_len - q_len) - left
+    if right >= 0:
+        keep &= j <= i + (k_len - q_len) + right
+    return keep

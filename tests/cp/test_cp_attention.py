@@ -9,7 +9,7 @@ import torch
 
 import cp_cases
 from cp_harness import GROUPS, shared_pool
-from cp_cases import random_docs, run_case
+from cp_cases import case_kwargs, check_results, random_docs, run_case
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -19,17 +19,6 @@ TOL = 1e-10
 @pytest.fixture(scope="module")
 def pool():
     return shared_pool(4)
-
-
-def _check(results, strategy=None):
-    seen = [r for r in results if r is not None]
-    assert seen
-    for r in seen:
-        for name in ("out", "dq", "dk", "dv"):
-            assert r[name] < TOL, (name, r)
-        if strategy is not None:
-            assert r["strategy"] == strategy
-    return seen
 
 
 # (id, kwargs) per strategy; every case runs at cp 2, 3 and 4.  Head counts divide every Ulysses degree they meet.
@@ -56,18 +45,10 @@ HYBRID = [
 ]
 
 
-def _kwargs(cp, case):
-    case = dict(case)
-    per = case.pop("chunks_per_rank", None)
-    if per is not None:
-        case["num_chunks"] = per * cp
-    return case
-
-
 @pytest.mark.parametrize("cp", [2, 3, 4])
 @pytest.mark.parametrize("name, case", RING, ids=[c[0] for c in RING])
 def test_ring(pool, cp, name, case):
-    _check(pool.run(run_case, cp=cp, strategy="ring", **_kwargs(cp, case)), "ring")
+    check_results(pool.run(run_case, cp=cp, strategy="ring", **case_kwargs(cp, case)), "ring")
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
@@ -78,7 +59,7 @@ def test_ulysses(pool, cp, name, case):
 
     if HeadSplit.problem(heads[0], heads[1], cp) is not None:  # 12/6 heads over 4 ranks: tested as an error
         pytest.skip("head split impossible at this degree (see test_cp_errors)")
-    _check(pool.run(run_case, cp=cp, strategy="ulysses", **_kwargs(cp, case)), "ulysses")
+    check_results(pool.run(run_case, cp=cp, strategy="ulysses", **case_kwargs(cp, case)), "ulysses")
 
 
 @pytest.mark.parametrize("cp, u", [(2, 1), (2, 2), (3, 1), (3, 3), (4, 2)])
@@ -87,22 +68,25 @@ def test_hybrid_one_group(pool, cp, u, name, case):
     want = {1: "ring", cp: "ulysses"}.get(u, "hybrid")
     if case["heads"][0] % u:
         pytest.skip("heads do not split")
-    _check(pool.run(run_case, cp=cp, strategy="hybrid", ulysses_degree=u, plan_u=u, **case), want)
+    check_results(pool.run(run_case, cp=cp, strategy="hybrid", ulysses_degree=u, plan_u=u, **case), want)
 
 
 @pytest.mark.parametrize("topology", ["mesh", "groups"])
 @pytest.mark.parametrize("name, case", HYBRID, ids=[c[0] for c in HYBRID])
 def test_hybrid_2x2(pool, topology, name, case):
-    _check(pool.run(run_case, cp=4, strategy="hybrid", topology=topology, plan_u=2, **case), "hybrid")
+    check_results(pool.run(run_case, cp=4, strategy="hybrid", topology=topology, plan_u=2, **case), "hybrid")
 
 
 def test_hybrid_with_a_ring_plan_and_auto(pool):
     """Any plan is correct under any strategy (only the balance differs); auto picks by the head counts."""
-    _check(pool.run(run_case, cp=4, strategy="hybrid", ulysses_degree=2, plan_u=1, seqlen=50, heads=(4, 2)), "hybrid")
-    _check(pool.run(run_case, cp=4, strategy="auto", seqlen=50, heads=(4, 4)), "ulysses")
-    _check(pool.run(run_case, cp=4, strategy="auto", seqlen=50, heads=(6, 3)), "ring")  # no Ulysses degree fits
-    _check(pool.run(run_case, cp=4, strategy="auto", seqlen=50, heads=(6, 6)), "hybrid")  # 2 x 2
-    _check(pool.run(run_case, cp=4, strategy="auto", plan_u=2, seqlen=50, heads=(4, 4)), "hybrid")  # the plan's u
+    def run(**kw):
+        return pool.run(run_case, cp=4, seqlen=50, **kw)
+
+    check_results(run(strategy="hybrid", ulysses_degree=2, plan_u=1, heads=(4, 2)), "hybrid")
+    check_results(run(strategy="auto", heads=(4, 4)), "ulysses")
+    check_results(run(strategy="auto", heads=(6, 3)), "ring")  # no Ulysses degree fits
+    check_results(run(strategy="auto", heads=(6, 6)), "hybrid")  # 2 x 2
+    check_results(run(strategy="auto", plan_u=2, heads=(4, 4)), "hybrid")  # the plan's u
 
 
 # ---- precision -------------------------------------------------------------------------------------------------

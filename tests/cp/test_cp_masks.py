@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cp_cases
-from cp_cases import random_docs, run_case
+from cp_cases import case_kwargs, check_results, random_docs, run_case
 from cp_harness import GROUPS, shared_pool
 from fa4dist.context_parallel import Schedule, make_plan
 from fa4dist.kernels.mask import Mask
@@ -24,19 +24,6 @@ TOL = 1e-10
 @pytest.fixture(scope="module")
 def pool():
     return shared_pool(4)
-
-
-def _check(results, strategy):
-    seen = [r for r in results if r is not None]
-    assert seen
-    for r in seen:
-        for name in ("out", "dq", "dk", "dv"):
-            assert r[name] < TOL, (name, r)
-        assert r["strategy"] == strategy
-    if "dsinks" in seen[0]:  # every rank holds its rows' share: the sum is the whole gradient
-        total = torch.tensor([r["dsinks"] for r in seen], dtype=torch.float64).sum(0)
-        want = torch.tensor(seen[0]["dsinks_ref"], dtype=torch.float64)
-        torch.testing.assert_close(total, want, atol=TOL, rtol=TOL)
 
 
 # (id, kwargs); every case runs at cp 2, 3 and 4.  Windows shorter than a chunk skip steps; longer ones do not.
@@ -64,18 +51,10 @@ HYBRID = [
 ]
 
 
-def _kwargs(cp, case):
-    case = dict(case)
-    per = case.pop("chunks_per_rank", None)
-    if per is not None:
-        case["num_chunks"] = per * cp
-    return case
-
-
 @pytest.mark.parametrize("cp", [2, 3, 4])
 @pytest.mark.parametrize("name, case", RING, ids=[c[0] for c in RING])
 def test_ring(pool, cp, name, case):
-    _check(pool.run(run_case, cp=cp, strategy="ring", **_kwargs(cp, case)), "ring")
+    check_results(pool.run(run_case, cp=cp, strategy="ring", **case_kwargs(cp, case)), "ring")
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
@@ -86,14 +65,14 @@ def test_ulysses(pool, cp, name, case):
     heads = case["heads"]
     if HeadSplit.problem(heads[0], heads[1], cp) is not None:
         pytest.skip("head split impossible at this degree (see test_cp_errors)")
-    _check(pool.run(run_case, cp=cp, strategy="ulysses", **_kwargs(cp, case)), "ulysses")
+    check_results(pool.run(run_case, cp=cp, strategy="ulysses", **case_kwargs(cp, case)), "ulysses")
 
 
 @pytest.mark.parametrize("topology", ["group", "mesh"])
 @pytest.mark.parametrize("name, case", HYBRID, ids=[c[0] for c in HYBRID])
 def test_hybrid(pool, topology, name, case):
     extra = dict(ulysses_degree=2) if topology == "group" else {}
-    _check(pool.run(run_case, cp=4, strategy="hybrid", topology=topology, plan_u=2, **extra, **case), "hybrid")
+    check_results(pool.run(run_case, cp=4, strategy="hybrid", topology=topology, plan_u=2, **extra, **case), "hybrid")
 
 
 # ---- determinism, agreement -------------------------------------------------------------------------------------

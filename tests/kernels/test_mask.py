@@ -8,6 +8,7 @@ import torch
 from fa4dist.kernels.mask import (
     Mask, Visibility, band_decomposition, block_visibility, causal_decomposition, visible, visible_pairs, visible_rect,
 )
+from oracle import flash_op_keep
 
 
 def _brute(q_len, k_len, q_off, k_off, causal):
@@ -66,15 +67,7 @@ def _explicit(q_len, k_len, q_off, k_off, causal, window):
 def _flash_rule(blk, window):
     """What flash-attn's kernel computes for a call of blk's shape with window_size=window: bottom-right aligned,
     and a window of at least seqlen_k read as unbounded."""
-    n, m = blk.q_len, blk.k_len
-    left, right = (w if w < m else -1 for w in window)
-    i, j = torch.arange(n).view(-1, 1), torch.arange(m).view(1, -1)
-    keep = torch.ones(n, m, dtype=torch.bool)
-    if left >= 0:
-        keep &= j >= i + (m - n) - left
-    if right >= 0:
-        keep &= j <= i + (m - n) + right
-    return keep
+    return flash_op_keep(blk.q_len, blk.k_len, window)
 
 
 def test_canonical_masks():

@@ -18,7 +18,7 @@ import torch
 import fa4dist
 from fa4dist.kernels import attention_backward, attention_forward, merge_partials
 from fa4dist.kernels.merge import merge_sink_
-from oracle import naive_attention
+from oracle import flash_op_keep, naive_attention
 
 F64 = torch.float64
 TOL = dict(atol=1e-10, rtol=1e-10)
@@ -260,15 +260,7 @@ def _leaky_flash_forward(q, k, v, scale, causal, cu_q=None, cu_k=None, max_q=Non
     row gets lse = +inf."""
     out, lse = torch.zeros_like(q), []
     for qs, ks, q_len, k_len, lim in _flash_segments(q, k, cu_q, cu_k, max_k):
-        left, right = (w if w < lim else -1 for w in window)
-        if causal:
-            right = 0
-        i, j = torch.arange(q_len).view(-1, 1), torch.arange(k_len).view(1, -1)
-        keep = torch.ones(q_len, k_len, dtype=torch.bool)
-        if left >= 0:
-            keep &= j >= i + (k_len - q_len) - left
-        if right >= 0:
-            keep &= j <= i + (k_len - q_len) + right
+        keep = flash_op_keep(q_len, k_len, window, causal, unbounded_from=lim)
         group = q.shape[-2] // k.shape[-2]
         ke, ve = k[ks].repeat_interleave(group, -2), v[ks].repeat_interleave(group, -2)
         s = torch.einsum("...qhd,...khd->...hqk", q[qs], ke) * scale
@@ -287,13 +279,7 @@ def _leaky_flash_backward(dout, q, k, v, out, lse, scale, causal, cu_q=None, cu_
     group = q.shape[-2] // k.shape[-2]
     starts = cu_q.tolist()[:-1] if cu_q is not None else [0]
     for (qs, ks, q_len, k_len, lim), start in zip(_flash_segments(q, k, cu_q, cu_k, max_k), starts):
-        left, right = (w if w < lim else -1 for w in window)
-        i, j = torch.arange(q_len).view(-1, 1), torch.arange(k_len).view(1, -1)
-        keep = torch.ones(q_len, k_len, dtype=torch.bool)
-        if left >= 0:
-            keep &= j >= i + (k_len - q_len) - left
-        if right >= 0:
-            keep &= j <= i + (k_len - q_len) + right
+        keep = flash_op_keep(q_len, k_len, window, causal, unbounded_from=lim)
         ke, ve = k[ks].repeat_interleave(group, -2), v[ks].repeat_interleave(group, -2)
         seg_lse = lse[..., start:start + q_len] if cu_q is not None else lse
         s = (torch.einsum("...qhd,...khd->...hqk", q[qs], ke) * scale).masked_fill(~keep, float("-inf"))

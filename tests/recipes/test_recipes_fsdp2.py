@@ -10,6 +10,7 @@ import pytest
 
 import common  # noqa: E402
 import launch  # noqa: E402
+from recipe_metrics import assert_steps_close, step_metrics  # noqa: E402
 
 STEPS = 4
 BASE = launch.tiny_args(STEPS)
@@ -21,16 +22,6 @@ def reference(corpus):
     return common.reference_run(p.parse_args(BASE + ["--data", str(corpus)]))
 
 
-def losses(path, key="loss") -> list[float]:
-    return [m[key] for m in common.read_metrics(path)]
-
-
-def assert_close(got, want, tol=2e-5):
-    assert len(got) == len(want), (got, want)
-    for step, (g, w) in enumerate(zip(got, want)):
-        assert abs(g - w) <= tol * max(1.0, abs(w)), f"step {step}: {g} != {w} (all: {got} vs {want})"
-
-
 @pytest.mark.timeout(300)
 def test_fsdp2_cp2_matches_single_process(tmp_path, corpus, reference):
     first = launch.torchrun("fsdp2_train.py", BASE + [
@@ -38,9 +29,9 @@ def test_fsdp2_cp2_matches_single_process(tmp_path, corpus, reference):
     s = launch.summary(first.stdout)
     assert (s["dp"], s["cp"], s["world"]) == (1, 2, 2)
     assert s["tokens_per_s"] > 0 and s["peak_mem_gib"] > 0
-    assert_close(losses(tmp_path / "first.jsonl"), reference["loss"])
+    assert_steps_close(step_metrics(tmp_path / "first.jsonl"), reference["loss"])
     # the gradient's scale too (sum over cp, not average): AdamW would hide a constant factor in the losses
-    assert_close(losses(tmp_path / "first.jsonl", "grad_norm"), reference["grad_norm"])
+    assert_steps_close(step_metrics(tmp_path / "first.jsonl", "grad_norm"), reference["grad_norm"])
 
 
 def readme_resume_pair() -> list[list[str]]:
@@ -91,8 +82,8 @@ def test_readme_stop_and_resume_repeats_an_uninterrupted_run(tmp_path, corpus):
 def test_fsdp2_dp2_with_activation_checkpointing_matches_single_process(tmp_path, corpus, reference):
     launch.torchrun("fsdp2_train.py", BASE + [
         "--data", corpus, "--cp", "1", "--activation-checkpointing", "--metrics-out", tmp_path / "m.jsonl"])
-    assert_close(losses(tmp_path / "m.jsonl"), reference["loss"])
-    assert_close(losses(tmp_path / "m.jsonl", "grad_norm"), reference["grad_norm"])
+    assert_steps_close(step_metrics(tmp_path / "m.jsonl"), reference["loss"])
+    assert_steps_close(step_metrics(tmp_path / "m.jsonl", "grad_norm"), reference["grad_norm"])
 
 
 def test_stop_at_out_of_range_is_refused():

@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import common  # noqa: E402
 import hf_sft  # noqa: E402
 import launch  # noqa: E402
+from recipe_metrics import assert_steps_close, step_metrics  # noqa: E402
 
 STEPS = 3
 BASE = launch.tiny_args(STEPS)
@@ -19,16 +19,6 @@ BASE = launch.tiny_args(STEPS)
 
 def reference(corpus, *extra):
     return hf_sft.reference_run(hf_sft.parse_args(BASE + ["--data", str(corpus), *extra]))
-
-
-def metrics(path, key) -> list[float]:
-    return [m[key] for m in common.read_metrics(path)]
-
-
-def assert_close(got, want, tol=2e-5):
-    assert len(got) == len(want), (got, want)
-    for step, (g, w) in enumerate(zip(got, want)):
-        assert abs(g - w) <= tol * max(1.0, abs(w)), f"step {step}: {g} != {w} (all: {got} vs {want})"
 
 
 @pytest.mark.timeout(300)
@@ -40,8 +30,8 @@ def test_hf_sft_cp2_matches_single_process(tmp_path, corpus):
     assert (s["recipe"], s["dp"], s["cp"], s["loss"]) == ("hf_sft", 1, 2, "tiled")
     assert s["tokens_per_s"] > 0 and s["peak_mem_gib"] > 0
     want = reference(corpus)
-    assert_close(metrics(tmp_path / "m.jsonl", "loss"), want["loss"])
-    assert_close(metrics(tmp_path / "m.jsonl", "grad_norm"), want["grad_norm"])
+    assert_steps_close(step_metrics(tmp_path / "m.jsonl", "loss"), want["loss"])
+    assert_steps_close(step_metrics(tmp_path / "m.jsonl", "grad_norm"), want["grad_norm"])
 
 
 @pytest.mark.timeout(300)
@@ -49,8 +39,8 @@ def test_hf_sft_qwen2_dp2_logits_loss_matches_single_process(tmp_path, corpus):
     launch.torchrun("hf_sft.py", BASE + [
         "--data", corpus, "--arch", "qwen2", "--cp", "1", "--loss", "logits", "--metrics-out", tmp_path / "m.jsonl"])
     want = reference(corpus, "--arch", "qwen2")
-    assert_close(metrics(tmp_path / "m.jsonl", "loss"), want["loss"])
-    assert_close(metrics(tmp_path / "m.jsonl", "grad_norm"), want["grad_norm"])
+    assert_steps_close(step_metrics(tmp_path / "m.jsonl", "loss"), want["loss"])
+    assert_steps_close(step_metrics(tmp_path / "m.jsonl", "grad_norm"), want["grad_norm"])
 
 
 @pytest.mark.timeout(300)
@@ -63,8 +53,8 @@ def test_hf_sft_windowed_archs_cp2_match_single_process(tmp_path, corpus, arch):
     launch.torchrun("hf_sft.py", BASE + [
         "--data", corpus, "--cp", "2", "--loss-chunk", "40", "--metrics-out", tmp_path / "m.jsonl", *extra])
     want = reference(corpus, *extra)
-    assert_close(metrics(tmp_path / "m.jsonl", "loss"), want["loss"])
-    assert_close(metrics(tmp_path / "m.jsonl", "grad_norm"), want["grad_norm"])
+    assert_steps_close(step_metrics(tmp_path / "m.jsonl", "loss"), want["loss"])
+    assert_steps_close(step_metrics(tmp_path / "m.jsonl", "grad_norm"), want["grad_norm"])
 
 
 @pytest.mark.parametrize("bad", [["--arch", "llama", "--sliding-window", "32"],
