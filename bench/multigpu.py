@@ -229,7 +229,9 @@ def profile(args, world, device, tokens, heads, kv_heads) -> dict:
         top_kernels=[(e.key, round(e.device_time_total / 1e3, 3), e.count) for e in sorted(
             prof.key_averages(), key=lambda e: -e.device_time_total)[:12]],
     )
-    if dist.get_rank() == 0:
+    with open(os.path.join(args.out_dir, f"profile-rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(summary, f, indent=1)  # every rank's kernels: the critical rank need not be rank 0
+    if dist.get_rank() == dist.get_world_size() - 1:
         path = os.path.join(args.out_dir, "multigpu-trace.json")
         prof.export_chrome_trace(path)
         if os.path.getsize(path) > 15 * 2**20:
@@ -315,6 +317,9 @@ def main(argv=None):
                       "comm not under compute "
                       f"{s['comm_not_under_compute_us'] / 1e3:.2f} ms, GPU idle {s['gpu_idle_us'] / 1e3:.2f} ms",
                       flush=True)
+        if rank == world - 1:
+            for name, ms, count in mine["top_kernels"]:
+                print(f"  rank {rank}: {ms:8.3f} ms  x{count:<4} {name[:110]}", flush=True)
     if rank == 0:
         date = datetime.date.today().isoformat()
         path = os.path.join(args.out_dir, f"{date}-multigpu.json")

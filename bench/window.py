@@ -5,10 +5,10 @@ flash-attn-4 with the same options, in one process, interleaved rounds, medians.
     python bench/window.py --seqlen 8192 --window 1024
 
 Rows: causal (no window), causal + window W, causal + sinks, causal + softcap 30 (ours only where a fast backend
-takes softcap: the cute softcap kernels with FA4DIST_CUTE_SOFTCAP=1; else flash-attn-4 alone, ours would time the
-reference backend), each forward and forward+backward, TFLOP/s counted on the visible
-pairs; plus the relative error of ours against the reference backend for the window and sink rows.  Writes
-$OUT/<date>-window.json (or bench/results/).
+takes the options; the reference backend is not timed), each forward and forward+backward, TFLOP/s counted on the
+visible pairs; the cost of sinks and softcap (time against the same library's causal row); plus the relative error
+of ours against the reference backend for the window, sink and softcap rows.  Writes $OUT/<date>-window.json (or
+bench/results/).
 """
 
 from __future__ import annotations
@@ -102,14 +102,25 @@ def main(argv=None):
                 row["rel_error_vs_reference_first_4k"] = float((got[:, small] - ref).norm() / ref.norm())
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("| case | ours fwd / fwd+bwd TFLOP/s | flash-attn-4 fwd / fwd+bwd | ratio fwd / fwd+bwd |")
-    print("|---|---|---|---|")
+    causal = rows[0]
+    for row in rows:  # the options' cost: time over the causal row's (same visible pairs), per library
+        if row["case"] in ("sinks", "softcap 30"):
+            for impl in ("ours", "flash-attn-4"):
+                mine, base = row.get(impl, {}), causal.get(impl, {})
+                if "fwd_ms" in mine and "fwd_ms" in base:
+                    mine["cost_vs_causal"] = dict(fwd=mine["fwd_ms"] / base["fwd_ms"] - 1,
+                                                  fwdbwd=mine["fwdbwd_ms"] / base["fwdbwd_ms"] - 1)
+    print("| case | ours fwd / fwd+bwd TFLOP/s | flash-attn-4 fwd / fwd+bwd | ratio fwd / fwd+bwd | cost vs causal: "
+          "ours / flash-attn-4 (fwd, fwd+bwd) |")
+    print("|---|---|---|---|---|")
     for row in rows:
         o, f = row.get("ours", {}), row.get("flash-attn-4", {})
         cell = lambda x: "-" if "fwd_tflops" not in x else f"{x['fwd_tflops']:.0f} / {x['fwdbwd_tflops']:.0f}"  # noqa
         ratio = "-" if "fwd_tflops" not in o or "fwd_tflops" not in f else (
             f"{o['fwd_tflops'] / f['fwd_tflops']:.2f} / {o['fwdbwd_tflops'] / f['fwdbwd_tflops']:.2f}")
-        print(f"| {row['case']} | {cell(o)} | {cell(f)} | {ratio} |")
+        cost = lambda x: "-" if "cost_vs_causal" not in x else (  # noqa
+            f"{x['cost_vs_causal']['fwd']:+.0%}, {x['cost_vs_causal']['fwdbwd']:+.0%}")
+        print(f"| {row['case']} | {cell(o)} | {cell(f)} | {ratio} | {cost(o)} / {cost(f)} |")
     date = datetime.date.today().isoformat()
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, f"{date}-window.json"), "w") as fh:

@@ -19,8 +19,12 @@ def _accum_dtypes(problem: AttentionProblem) -> tuple[torch.dtype, ...]:
 
 
 def _fused_forward_with_sinks(impl, problem, q, k, v, sinks, out, lse, accumulate, acc_dtype):
-    """A fused-epilogue backend never sees the sinks: it merges its block into the running result (then the sinks
-    join it once), or writes the block in fp32, the sinks are merged and the result is rounded once."""
+    """A backend with ``fused_sinks`` puts the sinks into its epilogue's denominator when it writes a result.
+    Otherwise (and always for an accumulate-merge) a fused-epilogue backend never sees them: it merges its block
+    into the running result (then the sinks join it once), or writes the block in fp32, the sinks are merged and
+    the result is rounded once."""
+    if not accumulate and getattr(impl, "fused_sinks", False):
+        return impl.forward(problem, q, k, v, out=out, lse=lse, accumulate=False, sinks=sinks)
     if accumulate:
         impl.forward(problem, q, k, v, out=out, lse=lse, accumulate=True)
         merge_sink_(out, lse, sinks)

@@ -5,6 +5,8 @@ A backend is an object with:
   name: str
   priority: int                                   higher wins under "auto"
   fused_epilogue: bool                            True if it writes/merges into caller buffers itself
+  fused_sinks: bool (optional)                    its forward takes sinks= into its epilogue when it writes a
+                                                  result (not when merging into a running one)
   available(device) -> bool                       usable on this device at all (imports, hardware)
   supports(problem, direction) -> Unsupported | None
                                                   None if it computes this exact problem; else why not, and
@@ -14,9 +16,9 @@ A backend is an object with:
   backward(problem, dout, q, k, v, out, lse, deterministic[, dq, dk, dv, accumulate]) -> (dq, dk, dv)
 
 Backends without a fused epilogue return fresh results; `fa4dist.kernels.api` writes or merges them into the
-caller's buffers, and merges the attention sinks into them (a backend never sees the sinks tensor, only
-``problem.has_sinks``; a fused-epilogue backend's block is merged into the running fp32 result, or written in
-fp32, before the contract merges the sinks).  Masks (``problem.mask``: causal,
+caller's buffers, and merges the attention sinks into them (a backend sees the sinks tensor only through
+``fused_sinks``, else only ``problem.has_sinks``; a fused-epilogue backend's block is merged into the running fp32
+result, or written in fp32, before the contract merges the sinks).  Masks (``problem.mask``: causal,
 sliding window) and ``problem.softcap`` are the backend's to compute or refuse.
 """
 

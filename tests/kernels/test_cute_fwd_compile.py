@@ -39,6 +39,8 @@ SUBSET = [
     (torch.float16, 128, True, False, False, {"window_left": 100, "intra_wg_overlap": False}),
     (torch.bfloat16, 128, True, False, False, {"softcap": 30.0}),
     (torch.bfloat16, 64, False, True, True, {"softcap": 50.0}),
+    (torch.bfloat16, 128, True, False, False, {"sinks": True}),  # TMA-store epilogue
+    (torch.float16, 64, True, True, False, {"sinks": True, "window_left": 127, "softcap": 20.0}),  # direct
 ]
 
 
@@ -79,6 +81,8 @@ def test_compile_variant(variant, tmp_path, monkeypatch, capfd):
         assert "ld.global" in ptx  # reads the running out / lse
     if cfg.tma_store_o and not varlen and not acc and not extra.get("out_fp32"):
         assert "stmatrix" in ptx and "cp.async.bulk.tensor.4d.global.shared" in ptx
+    if extra.get("softcap"):
+        assert "tanh.approx.f32" in ptx  # the hardware tanh (softmax.softcap_scores)
     if causal or varlen:  # masked V tiles go through the sanitizer warps (packed fp16/bf16 FMA check)
         assert "bar.red.or.pred" in ptx and ("fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx)
     log = capfd.readouterr()

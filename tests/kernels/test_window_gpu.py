@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fa4dist.kernels import attention_backward, attention_forward, available_backends, select_backend
+from fa4dist.kernels.merge import merge_sink_
 from fa4dist.kernels.problem import validate_inputs
 from oracle import REL_TOL, naive_attention, rel_error
 
@@ -201,11 +202,10 @@ def test_a_row_whose_window_starts_between_two_bad_values_sees_the_later_one(bac
     (2, 700, 900, 4, 4, 64, False, (-1, -1), 5.0),
     (1, 2048, 2048, 4, 4, 128, True, (511, -1), 50.0),  # Gemma 2: a window and the cap
 ])
-def test_cute_softcap_kernels(case, monkeypatch):
-    """The softcap kernels (tanh in the score path, its derivative recovered from P in the backward) against the
-    fp64 oracle; cute refuses softcap until this passes on a GPU (FA4DIST_CUTE_SOFTCAP=1 lets it run them)."""
+def test_cute_softcap_kernels(case):
+    """The softcap kernels (the hardware tanh in the score path, its derivative recovered from P in the backward)
+    against the fp64 oracle."""
     _need("cute")
-    monkeypatch.setenv("FA4DIST_CUTE_SOFTCAP", "1")
     b, sq, sk, hq, hkv, d, causal, window, softcap = case
     q, k, v = _tensors((b, sq, hq, d), (b, sk, hkv, d), seed=7)
     kw = dict(causal=causal, window=window, softcap=softcap)
@@ -217,3 +217,33 @@ def test_cute_softcap_kernels(case, monkeypatch):
     again = attention_backward(dout, q, k, v, out, lse, backend="cute", deterministic=True, **kw)
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(first, again))
 
+
+
+@pytest.mark.parametrize("case", [
+    # (batch, sq, sk, hq, hkv, d, causal, window, q_offset)
+    (2, 1024, 1024, 8, 2, 128, True, (-1, -1), 0),  # the TMA-store epilogue
+    (1, 700, 900, 4, 4, 64, False, (-1, -1), 0),
+    (1, 1024, 1536, 4, 4, 128, True, (255, -1), -300),  # rows 0..299 see no key: (0, sink)
+])
+def test_cute_sinks_in_the_forward_epilogue(case):
+    """The sinks join the denominator in the cute forward's epilogue (no fp32 round trip): against the fp64
+    oracle, and against the contract's merge of the same kernel's fp32 block (kernels/merge.merge_sink_), there
+    with one head's sink at -inf (no sink: its rows that see no key keep lse = -inf)."""
+    _need("cute")
+    b, sq, sk, hq, hkv, d, causal, window, q_offset = case
+    q, k, v = _tensors((b, sq, hq, d), (b, sk, hkv, d), seed=11)
+    sinks = torch.randn(hq, device="cuda", dtype=torch.float32) * 3
+    kw = dict(causal=causal, window=window, q_offset=q_offset, sinks=sinks)
+    _check("cute", q, k, v, **kw)
+    sinks[-1] = float("-inf")  # (the oracle's own gradient of a -inf sink is NaN: compared with the merge only)
+    fused_out, fused_lse = attention_forward(q, k, v, backend="cute", **kw)
+    block_out = torch.empty(fused_out.shape, dtype=torch.float32, device="cuda")
+    block_lse = torch.empty(fused_lse.shape, dtype=torch.float32, device="cuda")
+    attention_forward(q, k, v, out=block_out, lse=block_lse, backend="cute", **{**kw, "sinks": None})
+    merge_sink_(block_out, block_lse, sinks)
+    assert rel_error(fused_out.float(), block_out) < REL_TOL[BF16]
+    torch.testing.assert_close(fused_lse, block_lse, atol=1e-5, rtol=1e-5)
+    if q_offset < 0:
+        unseen = fused_lse[..., :-q_offset]
+        assert torch.equal(unseen[:, :-1], sinks[:-1].view(1, -1, 1).expand_as(unseen[:, :-1]))
+        assert torch.isneginf(unseen[:, -1]).all() and not fused_out[:, :-q_offset].any()

@@ -12,7 +12,6 @@ not expressible and falls back.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -52,10 +51,6 @@ class CuteSm90Backend:
 
         if problem.device.type != "cuda":
             return Unsupported(f"cute runs on CUDA tensors only, got {problem.device}")
-        if problem.softcap is not None and os.environ.get("FA4DIST_CUTE_SOFTCAP") != "1":
-            # (sinks are merged by the contract)
-            return Unsupported("cute's softcap kernels compile but are not verified on a GPU yet (no softcap until "
-                               "then; FA4DIST_CUTE_SOFTCAP=1 runs them, for that verification)", fallback=True)
         band = kernel_band(problem.mask)
         if band is None:
             return Unsupported(f"cute takes windows with an upper edge (causal or right >= 0), got {problem.mask}",
@@ -99,7 +94,9 @@ class CuteSm90Backend:
             and sum((n - 1) * s for n, s in zip(t.shape, t.stride())) < host.INT32_MAX
         )
 
-    def forward(self, problem, q, k, v, out=None, lse=None, accumulate=False):
+    fused_sinks = True  # the forward epilogue takes the sinks (non-accumulate); the contract merges them otherwise
+
+    def forward(self, problem, q, k, v, out=None, lse=None, accumulate=False, sinks=None):
         # TMA needs 16-byte aligned strides and a contiguous head dim: copy odd layouts once
         q, k, v = (t if self._kernel_ready(t, 8) else t.contiguous() for t in (q, k, v))
         if out is None:
@@ -117,6 +114,7 @@ class CuteSm90Backend:
             max_seqlen_q=problem.seqlen_q if problem.varlen else None,
             max_seqlen_k=problem.seqlen_k if problem.varlen else None,
             accumulate=accumulate,
+            sinks=None if sinks is None else sinks.detach().to(device=q.device, dtype=torch.float32).contiguous(),
         )
         if out_k is not out:
             out.copy_(out_k)

@@ -48,6 +48,8 @@ class FwdConfig:
     window_left: int = -1
     # > 0: soft-capped scores (softcap * tanh(scale * s / softcap)); the launch then passes tanh's scale
     softcap: float = 0.0
+    # a (heads_q,) fp32 tensor of sink logits joins each row's denominator in the epilogue (non-accumulate)
+    sinks: bool = False
 
     def build(self):
         from .fwd_sm90 import FlashFwdSm90
@@ -57,7 +59,7 @@ class FwdConfig:
             accumulate=self.accumulate, seg_offsets=self.seg_offsets, tile_m=self.tile_m, tile_n=self.tile_n,
             num_stages=self.num_stages, intra_wg_overlap=self.intra_wg_overlap, sched_barrier=self.sched_barrier,
             rescale_threshold=self.rescale_threshold, tma_store_o=self.tma_store_o, sanitize=self.sanitize,
-            window_left=self.window_left, softcap=self.softcap,
+            window_left=self.window_left, softcap=self.softcap, sinks=self.sinks,
         )
 
     def fake_args(self):
@@ -81,8 +83,9 @@ class FwdConfig:
         if self.seg_offsets:
             nb = cute.sym_int()
             off_q, off_k = host.fake_i32(nb), host.fake_i32(nb)
+        sinks = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4) if self.sinks else None
         return (q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(1), cu_q, cu_k, off_q, off_k,
-                host.fake_stream())
+                sinks, host.fake_stream())
 
 
 def default_tiles(head_dim: int, causal: bool) -> tuple[int, int, int]:
@@ -115,14 +118,14 @@ def set_override(**kw) -> None:
 
 
 def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=False, out_fp32=False,
-                window_left=-1, softcap=0.0, **overrides) -> FwdConfig:
+                window_left=-1, softcap=0.0, sinks=False, **overrides) -> FwdConfig:
     tm, tn, st = default_tiles(head_dim, causal)
     kw = dict(
         dtype=host.dtype_name(dtype), head_dim=head_dim, causal=bool(causal), varlen=bool(varlen),
         accumulate=bool(accumulate), seg_offsets=bool(seg_offsets) and bool(causal),
         out_fp32=bool(out_fp32) and not accumulate, tile_m=tm, tile_n=tn, num_stages=st,
         rescale_threshold=default_rescale_threshold(head_dim, bool(causal)), window_left=int(window_left),
-        softcap=float(softcap or 0.0),
+        softcap=float(softcap or 0.0), sinks=bool(sinks),
     )
     kw.update(_OVERRIDE)
     kw.update(overrides)
@@ -174,7 +177,7 @@ def cache_info() -> list:
 # launch
 # ----------------------------------------------------------------------------
 
-_FAST: dict = {}  # (dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32, window_left, softcap) -> fn
+_FAST: dict = {}  # (dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32, window_left, softcap, sinks) -> fn
 
 
 def forward(
@@ -195,6 +198,7 @@ def forward(
     accumulate=False,
     window_left=-1,
     softcap=None,
+    sinks=None,
     **overrides,
 ):
     """Run the Hopper forward into `out` / `lse` (in place). Inputs are assumed validated.
@@ -207,6 +211,8 @@ def forward(
     window_left >= 0 (causal only): key j is also masked for query i when j < i + q_offset - k_offset -
     window_left, and the blocks below the window are never loaded.
     softcap > 0: scores become softcap * tanh(softmax_scale * q.k / softcap) before the mask and the softmax.
+    sinks: None, or a (heads_q,) fp32 CUDA tensor of logits, one per query head, that join each row's softmax
+    denominator (not with accumulate=True: a row takes its sink once, after its last block).
     max_seqlen_q: varlen only, the longest q segment; if None the grid is sized by total_q (correct, no host
     sync, but launches idle CTAs).  max_seqlen_k is unused.
     Non-finite values: a masked (query, key) pair contributes nothing whatever k / v hold there; a row that sees
@@ -234,6 +240,12 @@ def forward(
     out_fp32 = out.dtype == torch.float32
     if accumulate and not out_fp32:
         raise ValueError("accumulate=True needs an fp32 out")
+    if sinks is not None:
+        if accumulate:
+            raise ValueError("sinks join a row once: merge them after the last accumulate call (kernels/merge.py)")
+        if sinks.dtype != torch.float32 or sinks.shape != (q.shape[-2],) or sinks.stride(0) != 1:
+            raise ValueError(f"sinks must be a contiguous fp32 tensor of shape ({q.shape[-2]},), got "
+                             f"{sinks.dtype} {tuple(sinks.shape)}")
     # degenerate sizes: nothing to launch, or no keys at all (TMA descriptors need non-empty tensors)
     total_q = q.shape[0] * (1 if varlen else q.shape[1])
     if total_q == 0 or nseq == 0:
@@ -241,14 +253,19 @@ def forward(
     if k.shape[0] == 0 or (not varlen and k.shape[1] == 0):
         if not accumulate:
             out.zero_()
-            lse.fill_(-math.inf)
+            if sinks is None:
+                lse.fill_(-math.inf)
+            else:  # no key: the sink alone
+                lse.copy_(sinks.view(-1, 1) if varlen else sinks.view(1, -1, 1))
         return out, lse
     softcap = host.check_softcap(softcap)
-    fast_key = (q.dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32, window_left, softcap)
+    has_sinks = sinks is not None
+    fast_key = (q.dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32, window_left, softcap, has_sinks)
     fn = _FAST.get(fast_key) if not overrides and not _OVERRIDE else None
     if fn is None:
         cfg = make_config(q.dtype, d, causal=causal, varlen=varlen, accumulate=accumulate,
                           seg_offsets=seg_offsets, out_fp32=out_fp32, window_left=window_left, softcap=softcap,
+                          sinks=has_sinks,
                           **overrides)
         fn = host.get_compiled(cfg)
         if not overrides and not _OVERRIDE:
@@ -259,5 +276,5 @@ def forward(
     else:
         msq = 1
     scale_log2 = host.score_scale(softmax_scale, softcap)
-    fn(q, k, v, out, lse, scale_log2, diag, msq, cu_seqlens_q, cu_seqlens_k, off_q, off_k)
+    fn(q, k, v, out, lse, scale_log2, diag, msq, cu_seqlens_q, cu_seqlens_k, off_q, off_k, sinks)
     return out, lse

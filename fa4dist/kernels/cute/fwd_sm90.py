@@ -9,8 +9,9 @@ Structure (one CTA = one query tile of ``tile_m`` rows of one (head, batch); til
   * Optional intra-warpgroup overlap: the QK^T of block j is issued together with the PV of block j-1, so the
     softmax of block j overlaps the tensor cores; optional inter-warpgroup "scheduler" named barriers make the
     consumer warpgroups take turns issuing their wgmmas.
-  * Epilogue: normalisation, then either a plain store of O (q dtype) and LSE (natural log), or the
-    accumulate-merge of this block's (O, LSE) into a running fp32 (out, lse) pair.
+  * Epilogue: normalisation (with the optional per-head sink logit in the denominator), then either a plain
+    store of O (q dtype) and LSE (natural log), or the accumulate-merge of this block's (O, LSE) into a running
+    fp32 (out, lse) pair.
 
 Masking (mask.py, block_info.py): key tiles entirely masked are never loaded or computed; tiles entirely visible
 run without mask math; rows without any visible key produce O = 0, LSE = -inf.
@@ -79,12 +80,17 @@ class FlashFwdSm90:
         l2_rows: Optional[int] = None,
         window_left: int = -1,
         softcap: float = 0.0,
+        sinks: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
         assert head_dim % 16 == 0 and tile_n % 16 == 0
         assert window_left < 0 or causal, "a sliding window comes with the causal upper edge (see backend.py)"
         self.window_left = window_left
         self.softcap = float(softcap)  # > 0: scores capped to softcap * tanh(. / softcap); scale_log2 = tanh scale
+        # one learned logit per query head joins each row's denominator in the epilogue (non-accumulate only: a
+        # running result takes its sinks once, from the contract, after its last block)
+        assert not (sinks and accumulate), "sinks enter a row once: not in an accumulate-merge"
+        self.sinks = sinks
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -134,6 +140,7 @@ class FlashFwdSm90:
         mCuSeqlensK: Optional[cute.Tensor],
         mSegOffQ: Optional[cute.Tensor],
         mSegOffK: Optional[cute.Tensor],
+        mSinks: Optional[cute.Tensor],  # (h,) fp32 sink logits when self.sinks
         stream,
     ):
         if const_expr(not self.varlen):
@@ -231,6 +238,7 @@ class FlashFwdSm90:
             mCuSeqlensK,
             mSegOffQ,
             mSegOffK,
+            mSinks,
             self.sQ_layout,
             self.sK_layout,
             self.sV_layout,
@@ -267,6 +275,7 @@ class FlashFwdSm90:
         mCuSeqlensK: Optional[cute.Tensor],
         mSegOffQ: Optional[cute.Tensor],
         mSegOffK: Optional[cute.Tensor],
+        mSinks: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -294,7 +303,7 @@ class FlashFwdSm90:
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
 
         io = Context(
-            mQ=mQ, mK=mK, mV=mV, mO=mO, mLSE=mLSE, mO_tma=mO_tma,
+            mQ=mQ, mK=mK, mV=mV, mO=mO, mLSE=mLSE, mO_tma=mO_tma, mSinks=mSinks,
             sQ=storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
             sK=storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
             sV=storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
@@ -719,9 +728,12 @@ class FlashFwdSm90:
         lse_r = cute.make_rmem_tensor_like(row_sum, Float32)
         cO = cute.make_identity_tensor((self.tile_m, D))
         tOcO_mn = mn_view(thr_mma_pv.partition_C(cO))
+        sink = None
+        if const_expr(self.sinks):
+            sink = io.mSinks[tile.head]
         for r in cutlass.range_constexpr(cute.size(row_sum)):
             row = m_block * self.tile_m + tOcO_mn[r, 0][0]
-            inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row))
+            inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row), sink)
             lse_r[r] = lse
             rO_mn[r, None].store((acc_mn[r, None].load() * inv).to(self.dtype))
         # every consumer warpgroup has finished reading sQ
@@ -766,9 +778,12 @@ class FlashFwdSm90:
         tOcO_mn = mn_view(thr_mma_pv.partition_C(cO))
         acc_mn = mn_view(acc_O)
         is_col0 = tOcO_mn[0, 0][1] == 0
+        sink = None
+        if const_expr(self.sinks):
+            sink = io.mSinks[head]
         for r in cutlass.range_constexpr(cute.size(row_sum)):
             row = m_block * self.tile_m + tOcO_mn[r, 0][0]
-            inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row))
+            inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row), sink)
             lse_old = Float32(-math.inf)
             if const_expr(self.accumulate):
                 # the quad leader reads the running lse; the shuffle hands it to the 3 other
