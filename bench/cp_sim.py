@@ -43,6 +43,7 @@ from fa4dist.context_parallel.ring import (  # noqa: E402
     Accumulators, KernelOptions, KVBuffer, accum_dtype, backward_step, forward_step,
 )
 from fa4dist.kernels import attention_backward, attention_forward, available_backends  # noqa: E402
+from fa4dist.kernels.worklist import share_queries  # noqa: E402
 
 LINK_GBPS = 400.0
 
@@ -92,8 +93,8 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
     out_full, lse_full = attention_forward(q, k, v, backend=backend, **mask)
     if "fwd" in args.directions:
         full["fwd"] = median_time(timer, lambda: attention_forward(q, k, v, backend=backend, **mask), args.reps)
-    if "bwd" in args.directions:
-        full["bwd"] = median_time(
+    if "bwd" in args.directions or "bwd_per_call" in args.directions:
+        full["bwd"] = full["bwd_per_call"] = median_time(
             timer, lambda: attention_backward(dout, q, k, v, out_full, lse_full, backend=backend, **mask),
             args.reps,
         )
@@ -125,15 +126,23 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                         fwd = run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts)
                         out_r, lse_r = fwd.out.to(dtype), fwd.lse
 
-                        def run_rank(r=r, qr=qr, kr=kr, vr=vr, dr=dr, out_r=out_r, lse_r=lse_r):
+                        def run_rank(r=r, qr=qr, kr=kr, vr=vr, dr=dr, out_r=out_r, lse_r=lse_r,
+                                     share=direction == "bwd"):
                             dq = torch.zeros(qr.shape, dtype=acc, device=device)
                             own = _Own(torch.zeros(kr.shape, dtype=acc, device=device),
                                        torch.zeros(vr.shape, dtype=acc, device=device))
-                            backward_step(sched, r, r, dr, qr, _Own(kr, vr), out_r, lse_r, dq, own, opts)
+                            # as the ring engine: one shared query side for all steps (bwd_per_call: without)
+                            shared = share_queries(dr, qr, out_r, lse_r, backend=opts.backend,
+                                                   deterministic=False) if share else None
+                            backward_step(sched, r, r, dr, qr, _Own(kr, vr), out_r, lse_r, dq, own, opts,
+                                          shared=shared)
                             for t in sched.member_steps(r):
                                 s = sched.source(r, t)
                                 partial = KVBuffer.zeros_like(held[(r, s)], dtype=acc)
-                                backward_step(sched, r, s, dr, qr, held[(r, s)], out_r, lse_r, dq, partial, opts)
+                                backward_step(sched, r, s, dr, qr, held[(r, s)], out_r, lse_r, dq, partial, opts,
+                                              shared=shared)
+                            if shared is not None:
+                                shared.finish(dq)
                     rank_times.append(median_time(timer, run_rank, args.reps))
                 kernel_only = None
                 if direction == "fwd":  # the same calls without the merges: what a fused epilogue would approach
@@ -192,7 +201,9 @@ def main(argv=None):
     p.add_argument("--headdim", type=int, default=128)
     p.add_argument("--dtype", default=None, help="default bfloat16 (float32 with --device cpu)")
     p.add_argument("--balancers", nargs="+", default=["contiguous", "zigzag", "lpt"])
-    p.add_argument("--directions", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    p.add_argument("--directions", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd", "bwd_per_call"],
+                   help="bwd_per_call: the backward without the shared query side (one preprocess and dQ convert "
+                        "per call, as before 2026-12-01)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--window", type=int, default=None,
                    help="causal sliding window: each query sees itself and the WINDOW keys before it "

@@ -9,8 +9,9 @@ blocks for the held keys, merged into the member's fp32 (fp64 for fp64 inputs) r
 is rounded between steps; the merge order is (step, query block, key), a function of the plan alone.
 
 Backward: the keys go out again the same way; each step's work list recomputes its blocks against the global
-``(out, lse)``, adding dQ into the member's fp32 buffer and dK/dV into a fresh fp32 buffer for the rows it
-received, which goes straight back to their owner (posted after the step, awaited one step later so it overlaps).
+``(out, lse)``, adding dQ into the member's shared query side (one preprocess and one dQ convert for all steps,
+:func:`~fa4dist.kernels.worklist.share_queries`, where the backend has one; else its fp32 buffer) and dK/dV into
+a fresh fp32 buffer for the rows it received, which goes straight back to their owner (posted after the step, awaited one step later so it overlaps).
 The owner adds its own dK/dV first, then the returns in step order: fixed by the plan, never by arrival.
 
 Every member walks the same list of steps (those any member needs) and posts each step's sends and receives
@@ -26,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from ..kernels.worklist import attention_backward_items, attention_forward_items
+from ..kernels.worklist import attention_backward_items, attention_forward_items, share_queries
 from .comm import Pending, Transport
 from .schedule import MemberLayout, Schedule
 
@@ -140,14 +141,15 @@ def forward_step(sched: Schedule, member: int, source: int, q: torch.Tensor, kv,
 
 def backward_step(sched: Schedule, member: int, source: int, dout: torch.Tensor, q: torch.Tensor, kv,
                   out: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor, dkv, opts: KernelOptions,
-                  items=None) -> None:
+                  items=None, shared=None) -> None:
     """Member `member`'s backward work list against `source`'s keys (or the given part of it): adds into the fp32
-    `dq` (member layout) and the dK/dV buffer `dkv` (laid out like `kv`): one call."""
+    `dq` (member layout; or into `shared`, the member's shared query side, until its finish) and the dK/dV buffer
+    `dkv` (laid out like `kv`): one call."""
     items = sched.items(member, source) if items is None else items
     if items:
         attention_backward_items(dout, q, kv.k, kv.v, out, lse, items, dq, dkv.k, dkv.v,
                                  softmax_scale=opts.softmax_scale, softcap=opts.softcap,
-                                 deterministic=opts.deterministic, backend=opts.backend)
+                                 deterministic=opts.deterministic, backend=opts.backend, shared=shared)
 
 
 @dataclass
@@ -260,9 +262,11 @@ def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opt
     steps = sched.steps()
     exchange = _Exchange(sched, ring, k, v, "backward")
     incoming = exchange.post_keys(steps[0]) if steps else None
+    shared = share_queries(dout, q, out, lse, softmax_scale=opts.softmax_scale, softcap=opts.softcap,
+                           deterministic=opts.deterministic, backend=opts.backend) if steps else None
     # The own keys' work, half while the first remote keys travel, half while the last dK/dV travel back.
     own_first, own_last = sched.own_halves(m) if steps else (sched.items(m, m), ())
-    backward_step(sched, m, m, dout, q, _Held(k, v), out, lse, dq, _Held(dk, dv), opts, own_first)
+    backward_step(sched, m, m, dout, q, _Held(k, v), out, lse, dq, _Held(dk, dv), opts, own_first, shared)
     returning = None
     for i, t in enumerate(steps):
         following = exchange.post_keys(steps[i + 1]) if i + 1 < len(steps) else None
@@ -270,12 +274,14 @@ def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opt
         partial = None
         if held is not None:
             partial = KVBuffer.zeros_like(held, dtype=acc)
-            backward_step(sched, m, sched.source(m, t), dout, q, held, out, lse, dq, partial, opts)
+            backward_step(sched, m, sched.source(m, t), dout, q, held, out, lse, dq, partial, opts, shared=shared)
         posted = exchange.post_grads(t, partial, acc)
         if returning is not None:  # the previous step's returns, added in step order
             returning.finish(dk, dv, sd)
         returning, incoming = posted, following
-    backward_step(sched, m, m, dout, q, _Held(k, v), out, lse, dq, _Held(dk, dv), opts, own_last)
+    backward_step(sched, m, m, dout, q, _Held(k, v), out, lse, dq, _Held(dk, dv), opts, own_last, shared)
+    if shared is not None:
+        shared.finish(dq)
     if returning is not None:
         returning.finish(dk, dv, sd)
     return dq, dk, dv

@@ -11,6 +11,11 @@ to every batch element.
 - ``attention_backward_items`` adds every item's dq, dk, dv into fp32 buffers, in list order, given the *global*
   out and lse.
 
+Several backward work lists on the same queries (a ring's steps against every member's keys) can share their
+query side: :func:`share_queries` gives a handle where the backend has one (cute: one preprocess and one dQ
+convert for all of them instead of one per call), ``attention_backward_items(..., shared=handle)`` adds the
+items it can take into it, and :meth:`SharedQueries.finish` adds the shared dQ into the fp32 dq at the end.
+
 A backend that implements ``forward_items`` / ``backward_items`` runs a list in one launch (its tile scheduler
 balances the tiles of all items); any other runs it as one contract call per item, in order, through
 :func:`~fa4dist.kernels.attention_forward` / :func:`~fa4dist.kernels.attention_backward`.  That loop is also the
@@ -163,6 +168,45 @@ def attention_forward_items(
     return out, lse
 
 
+class SharedQueries:
+    """The shared query side of backward work lists on the same queries (:func:`share_queries`)."""
+
+    def __init__(self, impl, state, seq_dim: int, deterministic: bool):
+        self.impl, self.state, self.seq_dim, self.deterministic = impl, state, seq_dim, deterministic
+        self.finished = False
+
+    def takes(self, item: "WorkItem") -> bool:
+        return not self.finished and self.state.takes(item.q_start, item.q_len)
+
+    def finish(self, dq: torch.Tensor) -> torch.Tensor:
+        """Adds the shared dQ of every item it took into the fp32 dq (the work lists' dq); returns dq."""
+        if self.finished:
+            raise RuntimeError("SharedQueries.finish was already called")
+        self.finished = True
+        self.state.finish(dq.unsqueeze(0) if self.seq_dim == 0 else dq)
+        return dq
+
+
+def share_queries(dout, q, out, lse, *, softmax_scale=None, softcap=None, deterministic=None,
+                  backend: str = "auto") -> Optional[SharedQueries]:
+    """A shared query side for backward work lists on these queries (dout, q, out, lse as the lists get them), or
+    None where the backend has none (every call then keeps its own, with the same result up to fp32 rounding)."""
+    seq_dim, problem = _layout(q, q, q)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    impl = select_backend(backend, validate_inputs(*(_rows(q, seq_dim, 0, q.shape[seq_dim], seq_dim == 0),) * 3,
+                                                   softcap=softcap, softmax_scale=softmax_scale), "backward")
+    make = getattr(impl, "shared_rows", None)
+    if make is None or q.shape[seq_dim] == 0:
+        return None
+    packed = seq_dim == 0
+    state = make(_rows(dout, seq_dim, 0, q.shape[seq_dim], packed), _rows(q, seq_dim, 0, q.shape[seq_dim], packed),
+                 _rows(out, seq_dim, 0, q.shape[seq_dim], packed), _lse_rows(lse, packed, 0, q.shape[seq_dim]),
+                 softmax_scale=softmax_scale if softmax_scale is not None else problem.softmax_scale,
+                 deterministic=bool(deterministic))
+    return None if state is None else SharedQueries(impl, state, seq_dim, bool(deterministic))
+
+
 def attention_backward_items(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -180,8 +224,10 @@ def attention_backward_items(
     deterministic: Optional[bool] = None,
     backend: str = "auto",
     cp_invariant: bool = False,
+    shared: Optional[SharedQueries] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Adds every item's gradients into the fp32 ``dq, dk, dv``, in list order, given the global out and lse."""
+    """Adds every item's gradients into the fp32 ``dq, dk, dv``, in list order, given the global out and lse.
+    ``shared``: the items it takes add their dQ into it instead (:func:`share_queries`; not with cp_invariant)."""
     seq_dim, problem = _layout(q, k, v, cp_invariant)
     items = _check_items(items, q.shape[seq_dim], k.shape[seq_dim])
     if deterministic is None:
@@ -190,12 +236,24 @@ def attention_backward_items(
     if getattr(impl, "backward_items", None) is not None:
         return impl.backward_items(dout, q, k, v, out, lse, items, dq, dk, dv, softmax_scale=softmax_scale,
                                    softcap=softcap, deterministic=deterministic, cp_invariant=cp_invariant)
+    if shared is not None and (cp_invariant or shared.deterministic != bool(deterministic)):
+        raise ValueError("shared= needs cp_invariant=False and the deterministic setting it was made with")
     packed = seq_dim == 0
     for item in items:
         if item.q_len == 0 or item.k_len == 0:
             continue
         qs = (item.q_start, item.q_len)
         ks = (item.k_start, item.k_len)
+        if shared is not None and shared.takes(item):
+            views = [_rows(t, seq_dim, *qs, packed) for t in (dout, q, out)]
+            kv = [_rows(t, seq_dim, *ks, packed) for t in (k, v, dk, dv)]
+            item_problem = validate_inputs(views[1], kv[0], kv[1], softcap=softcap, softmax_scale=softmax_scale,
+                                           **item.mask_kwargs())
+            if select_backend(backend, item_problem, "backward") is shared.impl:
+                shared.impl.backward(item_problem, views[0], views[1], kv[0], kv[1], views[2],
+                                     _lse_rows(lse, packed, *qs), deterministic, dq=None, dk=kv[2], dv=kv[3],
+                                     accumulate=True, rows=shared.state, q_start=item.q_start)
+                continue
         attention_backward(
             _rows(dout, seq_dim, *qs, packed), _rows(q, seq_dim, *qs, packed), _rows(k, seq_dim, *ks, packed),
             _rows(v, seq_dim, *ks, packed), _rows(out, seq_dim, *qs, packed), _lse_rows(lse, packed, *qs),

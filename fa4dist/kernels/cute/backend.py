@@ -131,8 +131,20 @@ class CuteSm90Backend:
             return causal, window_left, tuple(o + shift for o in problem.q_offsets), problem.k_offsets
         return causal, window_left, problem.q_offsets[0] + shift, problem.k_offsets[0]
 
+    def shared_rows(self, dout, q, out, lse, *, softmax_scale, deterministic):
+        """The query side of many backward launches on row ranges of these queries (backward.SharedRows), or None
+        where it cannot be shared (a dense batch above 1, odd layouts): then every launch keeps its own."""
+        from . import backward as _bwd
+
+        if q.dim() != 4 or q.shape[0] != 1 or not all(
+                self._kernel_ready(t, 16 // t.element_size()) for t in (dout, q, out)):
+            return None
+        return _bwd.SharedRows(dout, q, out, lse, softmax_scale=softmax_scale, deterministic=deterministic)
+
     def backward(self, problem, dout, q, k, v, out, lse, deterministic, dq=None, dk=None, dv=None,
-                 accumulate=False):
+                 accumulate=False, rows=None, q_start=0):
+        """rows / q_start: these queries are rows [q_start, ...) of a shared_rows(): dQ goes into its scratch (dq
+        is then not touched), dK and dV are added into dk and dv."""
         from . import backward as _bwd
 
         dout, q, k, v, out = (t if self._kernel_ready(t, 16 // t.element_size()) else t.contiguous()
@@ -155,7 +167,7 @@ class CuteSm90Backend:
             cu_seqlens_q=problem.cu_seqlens_q_tensor, cu_seqlens_k=problem.cu_seqlens_k_tensor,
             max_seqlen_q=problem.seqlen_q if problem.varlen else None,
             max_seqlen_k=problem.seqlen_k if problem.varlen else None,
-            deterministic=deterministic, accumulate=accumulate,
+            deterministic=deterministic, accumulate=accumulate, rows=rows, q_start=q_start,
         )
         for buf, w in zip(given, work):
             if buf is not None and w is not buf:

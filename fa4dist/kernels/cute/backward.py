@@ -14,6 +14,7 @@ max_seqlen_k for packed input, otherwise the grids are sized by the token counts
 from __future__ import annotations
 
 import math
+from typing import Optional
 from dataclasses import dataclass
 
 import torch
@@ -256,6 +257,8 @@ def backward(
     accumulate=False,
     window_left=-1,
     softcap=None,
+    rows=None,
+    q_start=0,
     **overrides,
 ):
     """Gradients of one attention block (given the global out and lse), written into dq, dk, dv.
@@ -264,12 +267,13 @@ def backward(
     packed (h, t_q). dq/dk/dv: fresh buffers (q dtype or fp32) or, with accumulate=True, fp32 buffers added into.
     q_offset / k_offset: ints, or int32 tensors / sequences with one global offset per sequence or segment.
     window_left >= 0 (causal only): the sliding window's lower edge, and softcap, as in forward.forward.
+    rows: a :class:`SharedRows` whose rows [q_start, ...) these queries are: dQ goes into its scratch (dq unused).
     """
     for step in launch_steps(
         dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal, q_offset=q_offset,
         k_offset=k_offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, deterministic=deterministic, accumulate=accumulate, window_left=window_left,
-        softcap=softcap, **overrides,
+        softcap=softcap, rows=rows, q_start=q_start, **overrides,
     ):
         step()
     return dq, dk, dv
@@ -298,10 +302,16 @@ def launch_steps(
     accumulate=False,
     window_left=-1,
     softcap=None,
+    rows: Optional["SharedRows"] = None,
+    q_start: int = 0,
     **overrides,
 ):
     """The backward as a list of callables (preprocess, main kernel, dQ convert), each launching one kernel on the
-    current stream; `backward` runs them in order. Split out so that benchmarks can time each kernel."""
+    current stream; `backward` runs them in order. Split out so that benchmarks can time each kernel.
+
+    rows: the query side is shared (:class:`SharedRows`): q, dout, out, lse are rows [q_start, q_start + len) of
+    its queries, the preprocess and the dQ convert are its own (dq is ignored), and the steps are the main kernel
+    alone, on views of its scratch."""
     varlen = cu_seqlens_q is not None
     d = q.shape[-1]
     hq = q.shape[-2]
@@ -317,7 +327,7 @@ def launch_steps(
     total_q = q.shape[0] * (1 if varlen else q.shape[1])
     total_k = k.shape[0] * (1 if varlen else k.shape[1])
     if total_q == 0 or total_k == 0 or nseg == 0 or hq == 0:
-        if accumulate:  # no visible pair: nothing to add
+        if accumulate or rows is not None:  # no visible pair: nothing to add
             return []
         return [lambda: (dq.zero_(), dk.zero_(), dv.zero_())]
 
@@ -343,9 +353,22 @@ def launch_steps(
 
     pre_cfg, main_cfg, post_cfg = make_configs(
         q.dtype, d, causal=causal, varlen=varlen, seg_offsets=seg_offsets, accumulate=accumulate,
-        deterministic=deterministic, dq_dtype=dq.dtype, dkv_dtype=dk.dtype, o_dtype=out.dtype,
-        do_dtype=dout.dtype, window_left=window_left, softcap=softcap, **overrides,
+        deterministic=deterministic, dq_dtype=torch.float32 if rows is not None else dq.dtype, dkv_dtype=dk.dtype,
+        o_dtype=out.dtype, do_dtype=dout.dtype, window_left=window_left, softcap=softcap, **overrides,
     )
+    scale = float(softmax_scale)
+    scale_log2 = host.score_scale(scale, softcap)
+    if rows is not None:
+        if varlen or q.shape[0] != 1:
+            raise ValueError("a launch on shared rows takes a dense batch-1 view of them")
+        lse2, dpsum, dq_acc, sem = rows.views(q_start, total_q, deterministic)
+        main_fn = host.get_compiled(main_cfg)
+        msk = max(int(max_seqlen_k) if varlen and max_seqlen_k is not None else (total_k if varlen else k.shape[1]),
+                  1)
+        main = lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, dq_acc, dk, dv, sem, scale, scale_log2,  # noqa
+                               diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k)
+        # deterministic: the dQ tickets count from 0 again for this launch's key tiles
+        return ([sem.zero_] if sem is not None else []) + [main]
     pre_fn, main_fn, post_fn = (host.get_compiled(c) for c in (pre_cfg, main_cfg, post_cfg))
 
     # scratch: one chunk per (query tile, head); sequences padded to whole tiles
@@ -363,9 +386,6 @@ def launch_steps(
     dpsum = torch.empty(n_chunks * tm, dtype=torch.float32, device=device)
     dq_acc = torch.empty(n_chunks * tm * d, dtype=torch.float32, device=device)
     sem = torch.empty(n_chunks, dtype=torch.int32, device=device) if deterministic else None
-
-    scale = float(softmax_scale)
-    scale_log2 = host.score_scale(scale, softcap)
     msk = max(msk, 1)
     return [
         lambda: pre_fn(out, dout, lse, lse2, dpsum, dq_acc, sem, scale, m_grid, cu_seqlens_q),
@@ -373,3 +393,65 @@ def launch_steps(
                         cu_seqlens_q, cu_seqlens_k, off_q, off_k),
         lambda: post_fn(dq_acc, dq, m_grid, cu_seqlens_q),
     ]
+
+
+class SharedRows:
+    """The query side of one backward spread over many main-kernel launches on row ranges of the same queries (a
+    ring's steps against the keys of every member): the preprocess (lse in log2 units, rowsum(dO * O), scratch
+    zeroing) runs once over all rows, every launch adds its dQ into the one fp32 scratch, and one dQ convert at the
+    end adds the sum into the caller's fp32 dq. A launch per step then costs the main kernel alone (the preprocess
+    and the convert are full passes over the member's rows: about 3% of a ring step at 32k tokens per GPU).
+
+    Queries: one dense sequence, ``(1, s, h, d)`` (a packed token range is its batch-1 view); a launch takes rows
+    ``[q_start, q_start + n)`` whose ends fall on the scratch's query tiles (or the last row), so that no launch's
+    padding rows are another launch's rows (:meth:`takes`). dQ differs from per-launch converts by the rounding of
+    one fp32 sum instead of several; its order is the launch order, which the caller fixes."""
+
+    def __init__(self, dout, q, out, lse, *, softmax_scale=None, deterministic=False):
+        if q.dim() != 4 or q.shape[0] != 1:
+            raise ValueError(f"SharedRows takes one dense sequence (1, s, h, d), got q {tuple(q.shape)}")
+        d = q.shape[-1]
+        self.q, self.heads, self.head_dim = q, q.shape[2], d
+        self.tm = tm = tile_m_for(d)
+        self.rows = q.shape[1]
+        self.deterministic = bool(deterministic)
+        scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d))
+        # scratch of one sequence: query tile m of head h is chunk m * heads + h (SeqlenInfo.scratch_base = 0)
+        n_chunks = max(-(-self.rows // tm), 1) * self.heads
+        device = q.device
+        self.lse2 = torch.empty(n_chunks * tm, dtype=torch.float32, device=device)
+        self.dpsum = torch.empty(n_chunks * tm, dtype=torch.float32, device=device)
+        self.dq_acc = torch.empty(n_chunks * tm * d, dtype=torch.float32, device=device)
+        self.sem = torch.empty(n_chunks, dtype=torch.int32, device=device) if deterministic else None
+        dout, out, lse = (t if t.stride(-1) == 1 else t.contiguous() for t in (dout, out, lse))
+        pre = PreConfig(o_dtype=host.dtype_name(out.dtype), do_dtype=host.dtype_name(dout.dtype), head_dim=d,
+                        tile_m=tm, varlen=False, deterministic=self.deterministic)
+        self.post = host.get_compiled(PostConfig(dtype=host.dtype_name(q.dtype), dq_fp32=True, head_dim=d, tile_m=tm,
+                                                 varlen=False, accumulate=True))
+        if self.rows:
+            host.get_compiled(pre)(out, dout, lse, self.lse2, self.dpsum, self.dq_acc, self.sem, scale, 1, None)
+
+    def takes(self, q_start: int, q_len: int) -> bool:
+        """Whether rows [q_start, q_start + q_len) start on a scratch tile and end on one (or at the last row)."""
+        end = q_start + q_len
+        return q_len > 0 and end <= self.rows and q_start % self.tm == 0 and (end % self.tm == 0 or end == self.rows)
+
+    def views(self, q_start: int, q_len: int, deterministic: bool):
+        """(lse2, dpsum, dq_acc, sem) of rows [q_start, q_start + q_len), laid out as a launch on those rows sees
+        its own scratch."""
+        if not self.takes(q_start, q_len):
+            raise ValueError(f"rows [{q_start}, {q_start + q_len}) are not whole scratch tiles of {self.rows} rows")
+        if bool(deterministic) != self.deterministic:
+            raise ValueError("a launch on shared rows must match their deterministic setting")
+        first = (q_start // self.tm) * self.heads  # the launch's first chunk
+        tm, d = self.tm, self.head_dim
+        return (self.lse2[first * tm:], self.dpsum[first * tm:], self.dq_acc[first * tm * d:],
+                None if self.sem is None else self.sem[first:])
+
+    def finish(self, dq: torch.Tensor) -> torch.Tensor:
+        """Adds the launches' dQ into the fp32 dq of all rows (q's shape); returns dq."""
+        if dq.dtype != torch.float32 or tuple(dq.shape) != tuple(self.q.shape):
+            raise ValueError(f"dq must be fp32 of shape {tuple(self.q.shape)}, got {dq.dtype} {tuple(dq.shape)}")
+        if self.rows:
+            self.post(self.dq_acc, dq, 1, None)
+        return dq
