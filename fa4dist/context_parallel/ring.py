@@ -11,7 +11,8 @@ is rounded between steps; the merge order is (step, query block, key), a functio
 Backward: the keys go out again the same way; each step's work list recomputes its blocks against the global
 ``(out, lse)``, adding dQ into the member's shared query side (one preprocess and one dQ convert for all steps,
 :func:`~fa4dist.kernels.worklist.share_queries`, where the backend has one; else its fp32 buffer) and dK/dV into
-a fresh fp32 buffer for the rows it received, which goes straight back to their owner (posted after the step, awaited one step later so it overlaps).
+a fresh fp32 buffer for the rows it received, which goes straight back to their owner (posted after the step,
+awaited one step later so it overlaps).
 The owner adds its own dK/dV first, then the returns in step order: fixed by the plan, never by arrival.
 
 Every member walks the same list of steps (those any member needs) and posts each step's sends and receives

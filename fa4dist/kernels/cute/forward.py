@@ -83,7 +83,9 @@ class FwdConfig:
         if self.seg_offsets:
             nb = cute.sym_int()
             off_q, off_k = host.fake_i32(nb), host.fake_i32(nb)
-        sinks = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4) if self.sinks else None
+        sinks = None
+        if self.sinks:
+            sinks = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
         return (q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(1), cu_q, cu_k, off_q, off_k,
                 sinks, host.fake_stream())
 
