@@ -78,6 +78,13 @@ def attention_forward(
         q_offset=q_offset, k_offset=k_offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         cp_invariant=cp_invariant,
     )
+    return forward_problem(problem, q, k, v, sinks=sinks, out=out, lse=lse, accumulate=accumulate, backend=backend)
+
+
+def forward_problem(problem: AttentionProblem, q, k, v, *, sinks=None, out=None, lse=None, accumulate=False,
+                    backend: str = "auto"):
+    """:func:`attention_forward` of a problem that :func:`~fa4dist.kernels.problem.validate_inputs` made of these
+    very tensors and options (the autograd function validates once for its forward and backward)."""
     acc = _accum_dtypes(problem)
     if accumulate and (out is None or lse is None):
         raise ValueError("accumulate=True needs the running out and lse to merge into (pass out= and lse=)")
@@ -147,6 +154,14 @@ def attention_backward(
         q_offset=q_offset, k_offset=k_offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         cp_invariant=cp_invariant,
     )
+    return backward_problem(problem, dout, q, k, v, out, lse, sinks=sinks, deterministic=deterministic, dq=dq, dk=dk,
+                            dv=dv, dsinks=dsinks, accumulate=accumulate, backend=backend)
+
+
+def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sinks=None, deterministic=None,
+                     dq=None, dk=None, dv=None, dsinks=None, accumulate=False, backend: str = "auto"):
+    """:func:`attention_backward` of a problem already validated from these tensors and options (as
+    :func:`forward_problem`)."""
     acc = _accum_dtypes(problem)
     for name, t in (("dout", dout), ("out", out), ("lse", lse)):
         if t is None:

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from . import invariant, reference
-from .api import attention_backward, attention_forward
+from .api import backward_problem, forward_problem
 from .merge import with_sink
 from .problem import validate_inputs
 
@@ -65,9 +65,11 @@ class _InvariantAttentionFunction(torch.autograd.Function):
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, mask_kwargs, backend, deterministic):
-        out, lse = attention_forward(q, k, v, sinks=sinks, backend=backend, **mask_kwargs)
+        # validated once for both passes (the per-call host time shows at short sequences)
+        problem = validate_inputs(q, k, v, sinks=sinks, **mask_kwargs)
+        out, lse = forward_problem(problem, q, k, v, sinks=sinks, backend=backend)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
-        ctx.mask_kwargs, ctx.backend, ctx.deterministic = mask_kwargs, backend, deterministic
+        ctx.problem, ctx.mask_kwargs, ctx.backend, ctx.deterministic = problem, mask_kwargs, backend, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -76,10 +78,8 @@ class _AttentionFunction(torch.autograd.Function):
         q, k, v, sinks, out, lse = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: gradients that are themselves differentiable
             return (*_differentiable_grads(dout, q, k, v, sinks, ctx.mask_kwargs), None, None, None)
-        grads = attention_backward(
-            dout.contiguous(), q, k, v, out, lse, sinks=sinks, backend=ctx.backend, deterministic=ctx.deterministic,
-            **ctx.mask_kwargs,
-        )
+        grads = backward_problem(ctx.problem, dout.contiguous(), q, k, v, out, lse, sinks=sinks, backend=ctx.backend,
+                                 deterministic=ctx.deterministic)
         dsinks = grads[3].to(sinks.dtype) if sinks is not None else None
         return grads[0], grads[1], grads[2], dsinks, None, None, None
 

@@ -1,0 +1,105 @@
+"""Where one attention call's GPU time goes, kernel by kernel: ours (fa4dist.attention, backend auto) and
+flash-attn-4 (when installed) under torch.profiler on the same inputs, forward and forward+backward.
+
+    python bench/kernel_breakdown.py                                  # S 1k, B 16, H 16, D 128, causal, bf16
+    python bench/kernel_breakdown.py --seqlen 4096 --batch 4 --headdim 64 --no-causal
+
+For each library and pass: the kernels (name shortened), their mean GPU time per call, and the whole call's GPU
+span; the short-sequence backward is where ours trails flash-attn-4 most (bench/RESULTS.md), and whether that is
+the main kernel or the pre- and postprocessing around it decides what to change.  Writes
+$OUT/<date>-kernel-breakdown.json (or bench/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import fa4dist  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlen", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--no-causal", dest="causal", action="store_false")
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--calls", type=int, default=20, help="profiled calls per pass (kernel times are their mean)")
+    p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    return p.parse_args(argv)
+
+
+def _short(name: str) -> str:
+    """A kernel's name without the template noise: the class or function it comes from."""
+    found = re.search(r"(FlashFwdSm90|FlashBwdSm90|BwdPreprocess|BwdPostprocess|FlashAttention\w*|"
+                      r"FlashAttentionBackward\w*|flash_\w+|ncclDev\w+|elementwise_kernel|vectorized_\w+|"
+                      r"reduce_kernel|fill\w*|copy\w*|Memset|Memcpy)", name)
+    return found.group(1) if found else name[:60]
+
+
+def profile(fn, calls: int) -> dict:
+    """Mean GPU time per call of every kernel `fn` launches, and the mean GPU span of one call."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0]
+    kernels: dict = {}
+    for e in events:
+        kernels[_short(e.name)] = kernels.get(_short(e.name), 0.0) + e.device_time / calls
+    span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / calls
+    return dict(span_us=span, busy_us=sum(kernels.values()),
+                kernels={k: round(v, 2) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])})
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(args.deterministic)
+    shape = (args.batch, args.seqlen, args.heads, args.headdim)
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    libs = {"ours": lambda: fa4dist.attention(*leaves, causal=args.causal)}
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        def fa4():
+            out = flash_attn_func(*leaves, causal=args.causal, deterministic=args.deterministic)
+            return out[0] if isinstance(out, tuple) else out
+        libs["flash-attn-4"] = fa4
+    except ImportError:
+        pass
+    result = {}
+    for name, fn in libs.items():
+        with torch.no_grad():
+            fwd = profile(fn, args.calls)
+        both = profile(lambda fn=fn: fn().backward(dout), args.calls)
+        result[name] = dict(fwd=fwd, fwdbwd=both)
+        for label, r in (("forward", fwd), ("forward+backward", both)):
+            print(f"{name} {label}: span {r['span_us']:.1f} us, kernels {r['busy_us']:.1f} us", flush=True)
+            for kname, us in r["kernels"].items():
+                print(f"    {us:9.2f} us  {kname}", flush=True)
+    date = datetime.date.today().isoformat()
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, f"{date}-kernel-breakdown.json"), "w") as fh:
+        json.dump(dict(date=date, device=torch.cuda.get_device_name(), args=vars(args), libs=result), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
