@@ -37,6 +37,8 @@ SUBSET = [
     (FP16, 64, True, True, True, False, {"window_left": 200, "seg_offsets": True}),
     (BF16, 128, True, False, False, True, {"softcap": 30.0, "window_left": 4096}),
     (BF16, 64, False, False, False, False, {"softcap": 50.0}),
+    (BF16, 128, True, False, False, False, {"window_left": 1000}),  # masked_last with a window band
+    (BF16, 128, True, False, False, False, {"masked_last": False}),
 ]
 
 

@@ -62,6 +62,8 @@ class BwdConfig:
     sanitize: bool = True
     window_left: int = -1  # >= 0 (causal only): the sliding window's lower edge (forward.FwdConfig)
     softcap: float = 0.0  # > 0: soft-capped scores (forward.FwdConfig); the launch passes tanh's scale
+    # non-deterministic causal: plain query tiles before the masked band (bwd_sm90.FlashBwdSm90.masked_last)
+    masked_last: bool = True
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -71,6 +73,7 @@ class BwdConfig:
             accumulate=self.accumulate, deterministic=self.deterministic, seg_offsets=self.seg_offsets,
             tile_m=self.tile_m, stmatrix_ds=self.stmatrix_ds, det_chunk=self.det_chunk,
             regs_mma=self.regs_mma, sanitize=self.sanitize, window_left=self.window_left, softcap=self.softcap,
+            masked_last=self.masked_last,
         )
 
     def fake_args(self):
@@ -154,7 +157,8 @@ class PostConfig:
         return (dqacc, dq, cutlass.Int32(1), cu_q, host.fake_stream())
 
 
-_FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "sanitize": host.parse_bool}
+_FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "sanitize": host.parse_bool,
+           "masked_last": host.parse_bool}
 # development hook: FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_BWD_OVERRIDE", _FIELDS)
 

@@ -95,6 +95,7 @@ class FlashBwdSm90:
         sanitize: bool = True,
         window_left: int = -1,
         softcap: float = 0.0,
+        masked_last: bool = True,
     ):
         assert head_dim in (64, 128)
         self.dtype = dtype
@@ -128,6 +129,12 @@ class FlashBwdSm90:
         # masked pairs with stored operands exist only with a causal mask or packed sequences (a dense sequence
         # end is zero-filled by TMA)
         self.sanitize = sanitize and (causal or varlen)
+        # Non-deterministic causal: a key tile visits its plain query tiles first and the masked causal band after
+        # them, so that the band's Q / dO tiles are sanitized while plain steps compute instead of stalling the
+        # first steps of every CTA (short sequences: a key tile sees few query tiles). The deterministic dQ
+        # tickets need the ascending order: it keeps it. Every loop over a key tile's query tiles goes through
+        # step_m, so the producer, the sanitizer, the MMA warpgroups and the dQ writer agree.
+        self.masked_last = masked_last and self.sanitize and causal and not deterministic
         self.fp16 = dtype == cutlass.Float16
         self.sanitizer_threads = 64  # warps 2..3 of warpgroup 0: one thread per query row of a tile
         assert self.tile_m == self.sanitizer_threads
@@ -393,7 +400,8 @@ class FlashBwdSm90:
             gdO = cute.local_tile(mdO_cur, (tm, D), (None, 0))
             tQsQ, tQgQ = tma_tile_partition(io.tma_atom_Q, io.sQ, gQ)
             tdOsdO, tdOgdO = tma_tile_partition(io.tma_atom_dO, io.sdO, gdO)
-            for m in cutlass.range(rng.m_min, rng.m_max, unroll=1):
+            for i in cutlass.range(rng.m_max - rng.m_min, unroll=1):
+                m = self.step_m(i, rng)
                 vec_idx = (seqlen.scratch_base + m) * num_heads + head
                 if const_expr(self.sanitize):
                     if self.step_sanitized(m, rng, seqlen):
@@ -453,6 +461,21 @@ class FlashBwdSm90:
             sanitized = sanitized | ((m + 1) * self.tile_m > seqlen.seqlen_q)
         return sanitized
 
+    @cute.jit
+    def step_m(self, i: Int32, rng: Context):
+        """The query tile of a key tile's step i (0 <= i < m_max - m_min): ascending, or with masked_last the
+        plain tiles [m_mask_end, m_window_start) first, then the causal band [m_min, m_mask_end), then the
+        window's band [m_window_start, m_max)."""
+        m = rng.m_min + i
+        if const_expr(self.masked_last):
+            n_plain = rng.m_window_start - rng.m_mask_end
+            n_band = rng.m_mask_end - rng.m_min
+            if i < n_plain:
+                m = rng.m_mask_end + i
+            elif i < n_plain + n_band:
+                m = rng.m_min + (i - n_plain)
+        return m
+
     # ------------------------------------------------------------------------
     @cute.jit
     def sanitizer(self, io: Context, tile, seqlen: SeqlenInfo, rng: Context, tid: Int32):
@@ -476,7 +499,8 @@ class FlashBwdSm90:
         step = Int32(0)  # every step: the smem stage of Q / dO
         n_sanitized = Int32(0)  # sanitized steps: the stage and phase of the landing barriers
         for hi in cutlass.range(tile.group, unroll=1):
-            for m in cutlass.range(rng.m_min, rng.m_max, unroll=1):
+            for i in cutlass.range(rng.m_max - rng.m_min, unroll=1):
+                m = self.step_m(i, rng)
                 if self.step_sanitized(m, rng, seqlen):
                     stage = step % ns
                     land, phase = n_sanitized % ns, (n_sanitized // ns) % 2
@@ -517,7 +541,8 @@ class FlashBwdSm90:
         n_blocks_k = cute.ceil_div(seqlen.seqlen_k, tn)
         for hi in cutlass.range(group, unroll=1):
             head = head_kv * group + hi
-            for m in cutlass.range(rng.m_min, rng.m_max, unroll=1):
+            for i in cutlass.range(rng.m_max - rng.m_min, unroll=1):
+                m = self.step_m(i, rng)
                 chunk = (seqlen.scratch_base + m) * num_heads + head
                 for w in cutlass.range_constexpr(2):
                     if lane == 0:
@@ -653,16 +678,19 @@ class FlashBwdSm90:
                 io.pipe_kv.consumer_wait(kv_state)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             for hi in cutlass.range(tile.group, unroll=1):
-                for m in cutlass.range(rng.m_min, rng.m_mask_end, unroll=1):
-                    q_state = self.mma_step(st, q_state, m, True)
-                if const_expr(self.block_info.windowed):
+                if const_expr(self.masked_last):  # step_m's order: plain, causal band, window band
                     for m in cutlass.range(rng.m_mask_end, rng.m_window_start, unroll=1):
                         q_state = self.mma_step(st, q_state, m, False)
-                    for m in cutlass.range(rng.m_window_start, rng.m_max, unroll=1):
+                    for m in cutlass.range(rng.m_min, rng.m_mask_end, unroll=1):
                         q_state = self.mma_step(st, q_state, m, True)
                 else:
-                    for m in cutlass.range(rng.m_mask_end, rng.m_max, unroll=1):
+                    for m in cutlass.range(rng.m_min, rng.m_mask_end, unroll=1):
+                        q_state = self.mma_step(st, q_state, m, True)
+                    for m in cutlass.range(rng.m_mask_end, rng.m_window_start, unroll=1):
                         q_state = self.mma_step(st, q_state, m, False)
+                if const_expr(self.block_info.windowed):
+                    for m in cutlass.range(rng.m_window_start, rng.m_max, unroll=1):
+                        q_state = self.mma_step(st, q_state, m, True)
 
         # ---------------- dK / dV epilogue ----------------
         n_block, seqlen_k = tile.block, seqlen.seqlen_k
