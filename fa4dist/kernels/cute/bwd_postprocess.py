@@ -5,17 +5,28 @@
 # the main kernel can add whole chunks with one bulk reduction). One CTA of 256 threads per chunk
 # reloads the fragments exactly as the MMA threads held them, recovers each element's (row, col)
 # from the same tiled MMA, and writes dq: cast to the output dtype, or added (+=) into the
-# caller's fp32 buffer when accumulating.
+# caller's fp32 buffer when accumulating. A dense 16-bit dq goes through shared memory (stmatrix) and
+# one TMA store per chunk: the fragment order's direct stores cover half of each 32-byte sector.
 #
 # This module imports cutlass at import time: import it lazily.
 
 from typing import Optional
 
+import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
 
 from .block_info import SeqlenInfo
-from .common_sm90 import dq_chunk_layout, dq_tiled_mma, select_modes, store_acc_rows
+from .common_sm90 import (
+    dq_chunk_layout,
+    dq_tiled_mma,
+    select_modes,
+    smem_layout_kmajor,
+    store_acc_rows,
+    tma_tile_partition,
+)
 
 
 class BwdPostprocess:
@@ -45,13 +56,28 @@ class BwdPostprocess:
             grid_m = m_blocks
         num_heads = cute.size(mdQ.shape[2])
         tiled_mma = dq_tiled_mma(self.dtype, self.tile_m, self.head_dim)
-        self.kernel(mdQacc, mdQ, tiled_mma, mCuSeqlensQ).launch(
+        self.use_tma = not self.accumulate and not self.varlen and mdQ.element_type == self.dtype
+        tma_atom, tma_dQ = None, None
+        self.sdQ_layout = smem_layout_kmajor(self.dtype, self.tile_m, self.head_dim)
+        if const_expr(self.use_tma):
+            tma_atom, tma_dQ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mdQ, self.sdQ_layout, (self.tile_m, self.head_dim)
+            )
+
+        @cute.struct
+        class SharedStorage:
+            sdQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sdQ_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(mdQacc, mdQ, tma_dQ, tma_atom, tiled_mma, mCuSeqlensQ, self.sdQ_layout).launch(
             grid=(grid_m, num_heads, num_batch), block=[256, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(
-        self, mdQacc: cute.Tensor, mdQ: cute.Tensor, tiled_mma: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor]
+        self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mdQ_tma: Optional[cute.Tensor],
+        tma_atom: Optional[cute.CopyAtom], tiled_mma: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor],
+        sdQ_layout: cute.ComposedLayout,
     ):
         tm, D = self.tile_m, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
@@ -77,4 +103,22 @@ class BwdPostprocess:
             flat = cute.make_tensor(acc.iterator, cute.make_layout(src.shape))
             cute.autovec_copy(src, flat)
 
-            store_acc_rows(acc, mdQ_cur, tiled_mma.get_slice(tidx), (tm, D), m_block, seqlen_q, self.accumulate)
+            if const_expr(self.use_tma):
+                # fragments -> smem (stmatrix) -> one TMA store of the chunk (rows past seqlen_q are clipped)
+                storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+                sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+                rdQ = cute.make_rmem_tensor_like(acc, self.dtype)
+                rdQ.store(acc.load().to(self.dtype))
+                st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
+                thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma).get_slice(tidx)
+                cute.copy(st_atom, thr_st.retile(rdQ), thr_st.partition_D(sdQ))
+                cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
+                cute.arch.barrier()
+                if tidx < 32:
+                    gdQ = cute.local_tile(mdQ_tma[None, None, head, batch], (tm, D), (m_block, 0))
+                    tdQsdQ, tdQgdQ = tma_tile_partition(tma_atom, sdQ, gdQ)
+                    cute.copy(tma_atom, tdQsdQ, tdQgdQ)
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+            else:
+                store_acc_rows(acc, mdQ_cur, tiled_mma.get_slice(tidx), (tm, D), m_block, seqlen_q, self.accumulate)
