@@ -82,9 +82,11 @@ def _configs(v):
 def test_compile_backward_variant(variant, tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)  # --keep-ptx writes the .ptx into the working directory
     pre, main, post = _configs(variant)
-    for cfg in (pre, post):
-        compiled = host.compile_config(cfg, extra_options="--keep-ptx")
-        assert ".target sm_90a" in compiled.artifacts.PTX
+    pre_ptx, post_ptx = (host.compile_config(cfg, extra_options="--keep-ptx").artifacts.PTX for cfg in (pre, post))
+    assert ".target sm_90a" in pre_ptx and ".target sm_90a" in post_ptx
+    # a dense 16-bit dq leaves the convert through smem and a TMA store; fp32 or packed dq, stores from registers
+    tma_store = not post.accumulate and not post.varlen and not post.dq_fp32
+    assert ("stmatrix" in post_ptx and "cp.async.bulk.tensor" in post_ptx) == tma_store, post
     compiled = host.compile_config(main, extra_options="--keep-ptx remarks{ptx}")
     ptx = compiled.artifacts.PTX
     assert ptx and ".target sm_90a" in ptx
