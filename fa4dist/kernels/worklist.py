@@ -191,19 +191,21 @@ def share_queries(dout, q, out, lse, *, softmax_scale=None, softcap=None, determ
                   backend: str = "auto") -> Optional[SharedQueries]:
     """A shared query side for backward work lists on these queries (dout, q, out, lse as the lists get them), or
     None where the backend has none (every call then keeps its own, with the same result up to fp32 rounding)."""
-    seq_dim, problem = _layout(q, q, q)
+    packed = isinstance(q, torch.Tensor) and q.dim() == 3
+    seq_dim = 0 if packed else 1
+    n = q.shape[seq_dim]
+    if n == 0:
+        return None
+    queries = _rows(q, seq_dim, 0, n, packed)  # a launch's view: dense, batch 1 for packed rows
+    problem = validate_inputs(queries, queries, queries, softcap=softcap, softmax_scale=softmax_scale)
+    impl = select_backend(backend, problem, "backward")
+    make = getattr(impl, "shared_rows", None)
+    if make is None:
+        return None
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    impl = select_backend(backend, validate_inputs(*(_rows(q, seq_dim, 0, q.shape[seq_dim], seq_dim == 0),) * 3,
-                                                   softcap=softcap, softmax_scale=softmax_scale), "backward")
-    make = getattr(impl, "shared_rows", None)
-    if make is None or q.shape[seq_dim] == 0:
-        return None
-    packed = seq_dim == 0
-    state = make(_rows(dout, seq_dim, 0, q.shape[seq_dim], packed), _rows(q, seq_dim, 0, q.shape[seq_dim], packed),
-                 _rows(out, seq_dim, 0, q.shape[seq_dim], packed), _lse_rows(lse, packed, 0, q.shape[seq_dim]),
-                 softmax_scale=softmax_scale if softmax_scale is not None else problem.softmax_scale,
-                 deterministic=bool(deterministic))
+    state = make(_rows(dout, seq_dim, 0, n, packed), queries, _rows(out, seq_dim, 0, n, packed),
+                 _lse_rows(lse, packed, 0, n), softmax_scale=problem.softmax_scale, deterministic=bool(deterministic))
     return None if state is None else SharedQueries(impl, state, seq_dim, bool(deterministic))
 
 

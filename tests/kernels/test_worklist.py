@@ -92,3 +92,20 @@ def test_bad_items_are_named(item, error, match):
     out, lse = torch.zeros(20, 2, 8), torch.full((2, 20), float("-inf"))
     with pytest.raises(error, match=match):
         attention_forward_items(q, q, q, [item], out, lse, backend="reference")
+
+
+def test_shared_queries_is_none_without_a_backend_that_shares_and_refuses_cp_invariant():
+    """share_queries gives None on the reference (every call keeps its own query side: the lists then equal the
+    plain ones); a handle made for one deterministic setting, or passed with cp_invariant, is refused by name."""
+    from fa4dist.kernels.worklist import SharedQueries, share_queries
+
+    q, k, v, dout = (torch.randn(1, 64, 2, 16, dtype=torch.float64) for _ in range(4))
+    out, lse = torch.zeros_like(q), torch.zeros(1, 2, 64, dtype=torch.float64)
+    assert share_queries(dout, q, out, lse, backend="reference") is None
+    assert share_queries(dout[0], q[0], out[0], lse[0], backend="reference") is None  # packed rows
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    items = [WorkItem(0, 64, 0, 64, causal=True)]
+    handle = SharedQueries(impl=None, state=None, seq_dim=1, deterministic=False)
+    for kw in (dict(cp_invariant=True, deterministic=False), dict(deterministic=True)):
+        with pytest.raises(ValueError, match="shared= needs cp_invariant=False and the deterministic setting"):
+            attention_backward_items(dout, q, k, v, out, lse, items, *grads, backend="reference", shared=handle, **kw)

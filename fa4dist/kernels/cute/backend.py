@@ -152,8 +152,10 @@ class CuteSm90Backend:
         lse = lse if lse.stride(-1) == 1 else lse.contiguous()
         given = (dq, dk, dv)
         work = []
-        for buf, like in zip(given, (q, k, v)):
-            if buf is None:
+        for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+            if buf is None and name == "dq" and rows is not None:
+                work.append(None)  # dQ goes into the shared rows' scratch
+            elif buf is None:
                 work.append(torch.empty(like.shape, dtype=like.dtype, device=like.device))
             elif self._kernel_ready(buf, 16 // buf.element_size()):
                 work.append(buf)

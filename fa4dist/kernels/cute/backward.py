@@ -367,8 +367,7 @@ def launch_steps(
             raise ValueError("a launch on shared rows takes a dense batch-1 view of them")
         lse2, dpsum, dq_acc, sem = rows.views(q_start, total_q, deterministic)
         main_fn = host.get_compiled(main_cfg)
-        msk = max(int(max_seqlen_k) if varlen and max_seqlen_k is not None else (total_k if varlen else k.shape[1]),
-                  1)
+        msk = max(k.shape[1], 1)
         main = lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, dq_acc, dk, dv, sem, scale, scale_log2,  # noqa
                                diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k)
         # deterministic: the dQ tickets count from 0 again for this launch's key tiles
