@@ -153,6 +153,14 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def finish_distributed() -> None:
+    """Leaves the job: every rank meets at a barrier, then destroys the process group. Without the barrier a rank
+    that is done tears down its gloo pairs while another still prints its summary, and gloo can abort that
+    process at exit ("terminate called without an active exception", seen once in CI, 2026-12-01)."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 @dataclass
 class Layout:
     """Where this rank sits: dp x cp, cp innermost (consecutive ranks share a sequence)."""

@@ -188,7 +188,7 @@ def main(argv=None):
             tokens_per_s=round(tps, 1) if tps else None, mfu=round(mfu, 4) if mfu is not None else None,
             peak_mem_gib=round(float(mem), 3), flop_formula=common.FLOP_FORMULA,
         ), flush=True)
-    dist.destroy_process_group()
+    common.finish_distributed()
 
 
 if __name__ == "__main__":

@@ -165,7 +165,7 @@ def main(argv=None):
             peak_mem_gib=round(float(mem), 3), flop_formula=common.FLOP_FORMULA,
             attention_backend=args.backend,
         ), flush=True)
-    dist.destroy_process_group()
+    common.finish_distributed()
 
 
 if __name__ == "__main__":

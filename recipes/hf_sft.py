@@ -467,7 +467,7 @@ def main(argv=None):
                                for k, v in memory_estimates(facts, local, world, args, dtype).items()},
             ), sort_keys=True), flush=True)
     handle.disable()
-    dist.destroy_process_group()
+    common.finish_distributed()
 
 
 # ---------------------------------------------------------------------------------------------------------------

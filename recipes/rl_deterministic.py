@@ -326,7 +326,7 @@ def main(argv=None):
             rollout_logp=("prefill" if args.score_with_prefill else "sampling"), cp_invariant=args.cp_invariant,
             max_sampling_vs_prefill_logp_diff=max(sampling_gaps) if sampling_gaps else None, weights_sha256=digest,
         ), flush=True)
-    dist.destroy_process_group()
+    common.finish_distributed()
 
 
 if __name__ == "__main__":
