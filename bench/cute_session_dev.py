@@ -1,6 +1,7 @@
 """One GPU session for the CuTe DSL kernels, prepared on the CPU: ahead-of-time objects, then tests and bench.
 
-    python bench/cute_session_dev.py aot DIR [--jobs 2]   # CPU: compile the variants tests and bench use, export
+    python bench/cute_session_dev.py aot DIR [--jobs 2] [--set exp2]   # compile the variants tests and bench
+                                                          # use (or one named set of them), export
     python bench/cute_session_dev.py gpu AOT_TAR -- STAGE... # GPU: unpack, warm FA4, run the stages, logs to $OUT
     python bench/cute_session_dev.py smoke                  # GPU: small forward / backward cases vs the oracle
 
@@ -59,9 +60,31 @@ def fwd_configs():
     return out
 
 
-def bwd_configs():
-    import dataclasses
+def exp2_poly_configs():
+    """The forward variants of the exp2-polynomial test (test_exp2_on_the_fma_pipe) and of its bench sweep
+    (bench/gpu_session_exp2.sh)."""
+    import torch
 
+    from fa4dist.kernels.cute import forward as F
+
+    out = []
+    for dt in (torch.bfloat16, torch.float16):
+        for d, causal in ((128, True), (128, False), (64, True)):
+            for every in (0, 1, 2, 3):
+                out.append(F.make_config(dt, d, causal=causal, varlen=False, accumulate=False, exp2_poly_every=every))
+    for d in (64, 128):
+        for causal in (False, True):
+            for cap in ((0.0, 30.0) if d == 128 else (0.0,)):
+                for every in (0, 2, 3, 4, 8):
+                    out.append(F.make_config(torch.bfloat16, d, causal=causal, varlen=False, accumulate=False,
+                                             softcap=cap, exp2_poly_every=every))
+    return list(dict.fromkeys(out))
+
+
+CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "exp2": exp2_poly_configs}
+
+
+def bwd_configs():
     import torch
 
     from fa4dist.kernels.cute import backward as B
@@ -104,24 +127,24 @@ def bwd_configs():
 
 
 def _export_shard(args):
-    folder, shard, jobs = args
+    folder, shard, jobs, which = args
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     from fa4dist.kernels.cute import host
 
-    cfgs = (fwd_configs() + bwd_configs())[shard::jobs]
+    cfgs = CONFIG_SETS[which]()[shard::jobs]
     for cfg in cfgs:
         if not os.path.exists(os.path.join(folder, host.config_key(cfg) + ".o")):  # kept from an earlier export
             host.export_aot(cfg, folder)
     return len(cfgs)
 
 
-def cmd_aot(folder, jobs):
+def cmd_aot(folder, jobs, which="all"):
     import multiprocessing as mp
 
     t0 = time.time()
     os.makedirs(folder, exist_ok=True)
     with mp.get_context("spawn").Pool(jobs) as pool:
-        n = sum(pool.map(_export_shard, [(folder, i, jobs) for i in range(jobs)]))
+        n = sum(pool.map(_export_shard, [(folder, i, jobs, which) for i in range(jobs)]))
     print(f"{n} AOT objects in {folder} ({time.time() - t0:.0f} s)")
 
 
@@ -230,7 +253,7 @@ def cmd_gpu(aot_tar, stages):
 if __name__ == "__main__":
     if sys.argv[1] == "aot":
         jobs = int(sys.argv[sys.argv.index("--jobs") + 1]) if "--jobs" in sys.argv else 2
-        cmd_aot(sys.argv[2], jobs)
+        cmd_aot(sys.argv[2], jobs, sys.argv[sys.argv.index("--set") + 1] if "--set" in sys.argv else "all")
     elif sys.argv[1] == "gpu":
         cmd_gpu(sys.argv[2], sys.argv[sys.argv.index("--") + 1:])
     elif sys.argv[1] == "smoke":

@@ -3,6 +3,7 @@
     python bench/kernels.py                         # full sweep, writes <out-dir>/<date>-kernels.{json,png}
     python bench/kernels.py --headdims 128 --seqlens 4096 16384 --directions fwd --rounds 5
     python bench/kernels.py --cute-variants fwd:rescale_threshold=0 bwd:det_chunk=8   # cute config overrides
+    python bench/kernels.py --softcap 30 --backends cute flash_attn_4      # soft-capped scores (Gemma 2)
 
 Sizes follow ../shared/docs/anchors.md: batch = total_tokens / seqlen, heads = model_dim / headdim, bf16.
 TFLOP/s counts 4*B*H*S^2*D per forward (half of it when causal) and 2.5x that per backward.  Before timing, each
@@ -92,16 +93,17 @@ def parse_variants(specs):
     return out
 
 
-def _make_fn(name, direction, deterministic, q, k, v, dout, causal, fa4, overrides):
-    """(callable, forward output or None) for one timed item."""
+def _make_fn(name, direction, deterministic, q, k, v, dout, causal, fa4, overrides, softcap=None):
+    """(callable, forward output or None) for one timed item. softcap: None, or every backend's scores capped."""
+    cap = {} if softcap is None else dict(softcap=softcap)
     if name == "flash_attn_4":
         if direction == "fwd":
             def fwd():
-                r = fa4(q, k, v, causal=causal)
+                r = fa4(q, k, v, causal=causal, **cap)
                 return r[0] if isinstance(r, tuple) else r
             return fwd, fwd()
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-        r = fa4(qg, kg, vg, causal=causal, deterministic=deterministic)
+        r = fa4(qg, kg, vg, causal=causal, deterministic=deterministic, **cap)
         out = r[0] if isinstance(r, tuple) else r
         return (lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)), None
     if overrides is not None:  # a cute variant: the kernel entry points with config overrides
@@ -111,20 +113,20 @@ def _make_fn(name, direction, deterministic, q, k, v, dout, causal, fa4, overrid
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
         if direction == "fwd":
-            fn = lambda: cfwd.forward(q, k, v, out, lse, causal=causal, **overrides)  # noqa: E731
+            fn = lambda: cfwd.forward(q, k, v, out, lse, causal=causal, **cap, **overrides)  # noqa: E731
             fn()
             return fn, out
-        cfwd.forward(q, k, v, out, lse, causal=causal)
+        cfwd.forward(q, k, v, out, lse, causal=causal, **cap)
         grads = [torch.empty_like(t) for t in (q, k, v)]
         steps = cbwd.launch_steps(dout, q, k, v, out, lse, *grads, causal=causal, deterministic=deterministic,
-                                  **overrides)
+                                  **cap, **overrides)
         return (lambda: [st() for st in steps]), None
     if direction == "fwd":
-        fn = lambda: attention_forward(q, k, v, causal=causal, backend=name)  # noqa: E731
+        fn = lambda: attention_forward(q, k, v, causal=causal, backend=name, **cap)  # noqa: E731
         return fn, fn()[0]
-    out, lse = attention_forward(q, k, v, causal=causal, backend=name)
+    out, lse = attention_forward(q, k, v, causal=causal, backend=name, **cap)
     return (lambda: attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic,
-                                       backend=name)), None
+                                       backend=name, **cap)), None
 
 
 def run(args):
@@ -163,12 +165,13 @@ def run(args):
                             dets = [True]
                         for deterministic in dets:
                             row = dict(backend=name, headdim=headdim, causal=causal, seqlen=seqlen, batch=batch,
-                                       heads=heads, direction=direction, deterministic=deterministic)
+                                       heads=heads, direction=direction, deterministic=deterministic,
+                                       softcap=args.softcap)
                             try:
                                 overrides = variant[3] if variant is not None else None
                                 fn, out = _make_fn(name, direction, deterministic, q, k, v, dout, causal, fa4,
-                                                   overrides)
-                                if direction == "fwd" and out is not None:
+                                                   overrides, args.softcap)
+                                if direction == "fwd" and out is not None and args.softcap is None:
                                     if check_out is None:
                                         check_out = attention_forward(q, k, v, causal=causal,
                                                                       backend="sdpa_flash")[0]
@@ -304,6 +307,8 @@ def main():
                    help="extra cute rows with config overrides: [dNN:]fwd|bwd:key=value,... (e.g. bwd:det_chunk=8)")
     p.add_argument("--deterministic", action="store_true", help="also time deterministic backward")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per point (median reported)")
+    p.add_argument("--softcap", type=float, default=None,
+                   help="soft-cap every backend's scores (torch's SDPA backends cannot: pass --backends)")
     p.add_argument("--total-tokens", type=int, default=16384)
     p.add_argument("--model-dim", type=int, default=2048)
     p.add_argument("--reference-max-seqlen", type=int, default=2048)

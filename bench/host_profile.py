@@ -1,0 +1,115 @@
+"""Host time of one fa4dist.attention call: wall time per call with and without a synchronize after each, and a
+cProfile of the calls (top functions by own time), forward and forward+backward, flash-attn-4 beside it.
+
+    python bench/host_profile.py                      # S 1k, B 16, H 16, D 128, causal, bf16
+    python bench/host_profile.py --seqlen 4096 --batch 4
+
+At short sequences the GPU waits on the host (bench/kernel_breakdown.py: ~300 us idle per forward+backward at
+1k, flash-attn-4 ~40 us); this shows whether that is Python work per call or a hidden device synchronisation
+(a sync shows as per-call wall time = host time + GPU time even when calls are queued back to back).
+Writes $OUT/<date>-host-profile.txt (or bench/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import fa4dist  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlen", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--no-causal", dest="causal", action="store_false")
+    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    return p.parse_args(argv)
+
+
+def per_call_us(fn, calls: int, sync_each: bool) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+        if sync_each:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def host_only_us(fn, calls: int) -> float:
+    """Python time of the calls alone (no synchronize inside the timed loop; the queue is drained first)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    shape = (args.batch, args.seqlen, args.heads, args.headdim)
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    libs = {"ours": lambda: fa4dist.attention(*leaves, causal=args.causal)}
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        def fa4():
+            out = flash_attn_func(*leaves, causal=args.causal)
+            return out[0] if isinstance(out, tuple) else out
+        libs["flash-attn-4"] = fa4
+    except ImportError:
+        pass
+    report = io.StringIO()
+
+    def say(line=""):
+        print(line, flush=True)
+        report.write(line + "\n")
+
+    for name, fn in libs.items():
+        passes = {"forward": lambda fn=fn: fn(), "forward+backward": lambda fn=fn: fn().backward(dout)}
+        for label, call in passes.items():
+            ctx = torch.no_grad() if label == "forward" else torch.enable_grad()
+            with ctx:
+                for _ in range(5):
+                    call()
+                queued = per_call_us(call, args.calls, False)
+                synced = per_call_us(call, args.calls, True)
+                host = host_only_us(call, args.calls)
+                say(f"{name} {label}: {queued:.1f} us/call queued back to back, {synced:.1f} us/call with a sync "
+                    f"after each, {host:.1f} us/call of host time before the GPU drains")
+                prof = cProfile.Profile()
+                torch.cuda.synchronize()
+                prof.enable()
+                for _ in range(args.calls):
+                    call()
+                prof.disable()
+                torch.cuda.synchronize()
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
+            say(s.getvalue())
+    date = datetime.date.today().isoformat()
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, f"{date}-host-profile.txt"), "w") as fh:
+        fh.write(report.getvalue())
+
+
+if __name__ == "__main__":
+    main()
