@@ -99,49 +99,6 @@ def nanosleep(ns, *, loc=None, ip=None) -> None:
     )
 
 
-# 2^f on [0, 1) as 1 + f (a + f (b + f c)): the minimax fit of the relative error with p(0) = 1 exactly
-# (Lawson's iteration on 20k points, 2026-12-01), max relative error 8.6e-5 in fp32 Horner form, below the bf16
-# and fp16 rounding of P (2^-9, 2^-11). tests/kernels/test_exp2_poly.py checks a float32 mirror of this code.
-EXP2_POLY = (0.6951168179512024, 0.22764484584331512, 0.07706717401742935)
-
-
-def _ptx_f32(x: float) -> str:
-    import struct
-
-    return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
-
-
-@dsl_user_op
-def exp2_poly(x, *, loc=None, ip=None) -> cutlass.Float32:
-    """2^x on the FMA and integer pipes instead of the MUFU unit (which does 16 exp2 per clock and SM, the
-    forward's co-bottleneck next to the tensor cores): clamp at -127, split x into floor j and fraction f with
-    one round-down add of 1.5 * 2^23, evaluate the cubic, add j to the exponent field. -inf (a masked score)
-    and everything at or below -127 give exactly +0 (f = 0, p = 1.0, exponent field 0); NaN stays NaN
-    (max.NaN). Valid for x <= 127 (the softmax's x is at most its rescale threshold)."""
-    a, b, c = (_ptx_f32(v) for v in EXP2_POLY)
-    val = llvm.inline_asm(
-        T.f32(),
-        [cutlass.Float32(x).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .f32 xc, xr, xi, fr, p;\n\t.reg .b32 ri, pi, ei;\n\t"
-        "max.NaN.f32 xc, $1, 0fC2FE0000;\n\t"  # -127
-        "add.rm.f32 xr, xc, 0f4B400000;\n\t"  # 1.5 * 2^23: floor(xc) lands in the low mantissa bits
-        "sub.rn.f32 xi, xr, 0f4B400000;\n\t"
-        "sub.rn.f32 fr, xc, xi;\n\t"
-        f"fma.rn.f32 p, fr, {c}, {b};\n\t"
-        f"fma.rn.f32 p, p, fr, {a};\n\t"
-        "fma.rn.f32 p, p, fr, 0f3F800000;\n\t"
-        "mov.b32 ri, xr;\n\tmov.b32 pi, p;\n\t"
-        "shl.b32 ei, ri, 23;\n\t"
-        "add.s32 ei, ei, pi;\n\t"
-        "mov.b32 $0, ei;\n\t}",
-        "=f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return cutlass.Float32(val)
-
-
 # ----------------------------------------------------------------------------
 # layouts
 # ----------------------------------------------------------------------------

@@ -50,9 +50,6 @@ class FwdConfig:
     softcap: float = 0.0
     # a (heads_q,) fp32 tensor of sink logits joins each row's denominator in the epilogue (non-accumulate)
     sinks: bool = False
-    # > 0: every k-th column's exp2 in the softmax runs as a polynomial on the FMA pipe instead of the MUFU unit
-    # (default_exp2_poly_every: where it measured faster)
-    exp2_poly_every: int = 0
 
     def build(self):
         from .fwd_sm90 import FlashFwdSm90
@@ -63,7 +60,6 @@ class FwdConfig:
             num_stages=self.num_stages, intra_wg_overlap=self.intra_wg_overlap, sched_barrier=self.sched_barrier,
             rescale_threshold=self.rescale_threshold, tma_store_o=self.tma_store_o, sanitize=self.sanitize,
             window_left=self.window_left, softcap=self.softcap, sinks=self.sinks,
-            exp2_poly_every=self.exp2_poly_every,
         )
 
     def fake_args(self):
@@ -101,11 +97,6 @@ def default_tiles(head_dim: int, causal: bool) -> tuple[int, int, int]:
     return 128, 128, 2
 
 
-def default_exp2_poly_every(head_dim: int, causal: bool, softcap: float) -> int:
-    """How many columns per emulated exp2 (0: all on the MUFU unit). Not measured yet: off everywhere."""
-    return 0
-
-
 def default_rescale_threshold(head_dim: int, causal: bool) -> float:
     """0.0 (always rescale) where it measured faster on the H200 (2026-11-30, run b: hdim 128 +4-11% non-causal,
     +1-4% causal; hdim 64 non-causal +2-4%); 8.0 for hdim 64 causal, where the two were within noise."""
@@ -115,7 +106,7 @@ def default_rescale_threshold(head_dim: int, causal: bool) -> float:
 _FIELDS = {
     "tile_m": int, "tile_n": int, "num_stages": int, "intra_wg_overlap": host.parse_bool,
     "sched_barrier": host.parse_bool, "rescale_threshold": float, "tma_store_o": host.parse_bool,
-    "sanitize": host.parse_bool, "exp2_poly_every": int,
+    "sanitize": host.parse_bool,
 }
 # development hook: FA4DIST_FWD_OVERRIDE="rescale_threshold=0,tile_m=128" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_FWD_OVERRIDE", _FIELDS)
@@ -137,7 +128,6 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
         out_fp32=bool(out_fp32) and not accumulate, tile_m=tm, tile_n=tn, num_stages=st,
         rescale_threshold=default_rescale_threshold(head_dim, bool(causal)), window_left=int(window_left),
         softcap=float(softcap or 0.0), sinks=bool(sinks),
-        exp2_poly_every=default_exp2_poly_every(head_dim, bool(causal), float(softcap or 0.0)),
     )
     kw.update(_OVERRIDE)
     kw.update(overrides)

@@ -81,7 +81,6 @@ class FlashFwdSm90:
         window_left: int = -1,
         softcap: float = 0.0,
         sinks: bool = False,
-        exp2_poly_every: int = 0,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
         assert head_dim % 16 == 0 and tile_n % 16 == 0
@@ -105,7 +104,6 @@ class FlashFwdSm90:
         self.intra_wg_overlap = intra_wg_overlap
         self.sched_barrier = sched_barrier and self.num_wg >= 2 and intra_wg_overlap
         self.rescale_threshold = float(rescale_threshold)
-        self.exp2_poly_every = int(exp2_poly_every)  # > 0: every k-th score's exp2 on the FMA pipe (softmax.py)
         # O through smem (reusing sQ) and one TMA store; dense, non-accumulate, 16-bit out only
         self.tma_store_o = tma_store_o and not varlen and not accumulate
         self.num_threads = 128 * (self.num_wg + 1)
@@ -550,8 +548,7 @@ class FlashFwdSm90:
         exp_scale_log2 = scale_log2  # with softcap the runtime scale is tanh's; the exponential's is c * log2(e)
         if const_expr(self.softcap > 0):
             exp_scale_log2 = Float32(softcap_scale_log2(self.softcap))
-        softmax = OnlineSoftmax.create(cute.size(tScS_mn, mode=[0]), exp_scale_log2, self.rescale_threshold,
-                                       self.exp2_poly_every)
+        softmax = OnlineSoftmax.create(cute.size(tScS_mn, mode=[0]), exp_scale_log2, self.rescale_threshold)
         m_block = tile.block
         ml = Context(
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tOrP=tOrP,

@@ -5,9 +5,7 @@ mask and the exponential (``softcap_scores``, with the backward's derivative ``s
 Scores arrive as fp32 accumulator fragments (rows = queries); exp2 runs with the softmax scale folded into one
 FFMA. With ``rescale_threshold`` > 0 a stale row max is kept until the new one exceeds it by more than the
 threshold (log2 units), so P stays below 2^threshold and O is rescaled only when some row of the warp moved; the
-final normalisation is exact either way. With ``exp2_poly_every`` = k > 0, every k-th column's exp2 runs as a
-cubic on the FMA pipe (common_sm90.exp2_poly) instead of the MUFU unit, which soft-capping (one more MUFU op per
-score, the tanh) and hdim 64 (twice the exponentials per FLOP) make the bottleneck.
+final normalisation is exact either way.
 
 This module imports cutlass at import time: import it lazily.
 """
@@ -21,7 +19,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
-from .common_sm90 import exp2_poly, mn_view
+from .common_sm90 import mn_view
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -55,16 +53,14 @@ class OnlineSoftmax:
     row_sum: Any
     scale_log2: Any
     rescale_threshold: float
-    exp2_poly_every: int = 0  # > 0: every k-th column's exp2 on the FMA pipe (exp2_poly)
 
     @staticmethod
-    def create(nrows: int, scale_log2: Float32, rescale_threshold: float,
-               exp2_poly_every: int = 0) -> "OnlineSoftmax":
+    def create(nrows: int, scale_log2: Float32, rescale_threshold: float) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor(nrows, Float32)
         row_sum = cute.make_rmem_tensor(nrows, Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        return OnlineSoftmax(row_max, row_sum, scale_log2, rescale_threshold, exp2_poly_every)
+        return OnlineSoftmax(row_max, row_sum, scale_log2, rescale_threshold)
 
     @cute.jit
     def online(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]):
@@ -90,17 +86,8 @@ class OnlineSoftmax:
             if m_new == -Float32.inf:
                 m_safe = Float32(0.0)
             m_scaled = m_safe * scale_log2
-            every = self.exp2_poly_every
-            if const_expr(every == 0):
-                p = cute.math.exp2(vals * scale_log2 - m_scaled, fastmath=True)
-                acc_mn[r, None].store(p)
-            else:
-                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                    x = acc_mn[r, c] * scale_log2 - m_scaled
-                    if const_expr(c % every == every - 1):
-                        acc_mn[r, c] = exp2_poly(x)
-                    else:
-                        acc_mn[r, c] = cute.math.exp2(x, fastmath=True)
+            p = cute.math.exp2(vals * scale_log2 - m_scaled, fastmath=True)
+            acc_mn[r, None].store(p)
             # pairwise tree: short dependency chains instead of one serial FADD chain
             p_sum = sum4([acc_mn[r, c] for c in range(cute.size(acc_mn, mode=[1]))])
             if const_expr(is_first):
