@@ -1,6 +1,6 @@
 """One GPU session for the CuTe DSL kernels, prepared on the CPU: ahead-of-time objects, then tests and bench.
 
-    python bench/cute_session_dev.py aot DIR [--jobs 2] [--set exp2]   # compile the variants tests and bench
+    python bench/cute_session_dev.py aot DIR [--jobs 2] [--set softcap]   # compile the variants tests and bench
                                                           # use (or one named set of them), export
     python bench/cute_session_dev.py gpu AOT_TAR -- STAGE... # GPU: unpack, warm FA4, run the stages, logs to $OUT
     python bench/cute_session_dev.py smoke                  # GPU: small forward / backward cases vs the oracle
@@ -60,28 +60,24 @@ def fwd_configs():
     return out
 
 
-def exp2_poly_configs():
-    """The forward variants of the exp2-polynomial test (test_exp2_on_the_fma_pipe) and of its bench sweep
-    (bench/gpu_session_exp2.sh)."""
+def softcap_configs():
+    """The forward variants of the soft-capping tests (tests/kernels/test_window_gpu.py) and bench
+    (bench/gpu_session_softcap.sh): the fixed row max beside the running one."""
     import torch
 
     from fa4dist.kernels.cute import forward as F
 
     out = []
-    for dt in (torch.bfloat16, torch.float16):
-        for d, causal in ((128, True), (128, False), (64, True)):
-            for every in (0, 1, 2, 3):
-                out.append(F.make_config(dt, d, causal=causal, varlen=False, accumulate=False, exp2_poly_every=every))
     for d in (64, 128):
         for causal in (False, True):
-            for cap in ((0.0, 30.0) if d == 128 else (0.0,)):
-                for every in (0, 2, 3, 4, 8):
+            for cap in (30.0, 50.0):
+                for fixed in (True, False):
                     out.append(F.make_config(torch.bfloat16, d, causal=causal, varlen=False, accumulate=False,
-                                             softcap=cap, exp2_poly_every=every))
-    return list(dict.fromkeys(out))
+                                             softcap=cap, softcap_fixed_max=fixed))
+    return out
 
 
-CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "exp2": exp2_poly_configs}
+CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_configs}
 
 
 def bwd_configs():

@@ -220,6 +220,36 @@ def test_cute_softcap_kernels(case):
 
 
 @pytest.mark.parametrize("case", [
+    # (batch, sq, sk, hq, hkv, d, causal, window, softcap, q_scale, q_offset, sinks)
+    (1, 1024, 1024, 8, 2, 128, True, (-1, -1), 50.0, 8.0, 0, False),  # saturated: P spans e^-80 .. e^20
+    (1, 1000, 1200, 4, 4, 64, False, (-1, -1), 51.0, 8.0, 0, False),  # past the range: the running max
+    (1, 1024, 1536, 4, 4, 128, True, (255, -1), 20.0, 1.0, -300, True),  # sinks; rows that see no key
+])
+def test_cute_softcap_fixed_row_max(case):
+    """Capped scores are bounded, so the bf16 forward replaces the running row max by a constant
+    (cute/softmax.softcap_fixed_row_max): against the fp64 oracle, and against the running-max kernel."""
+    _need("cute")
+    from fa4dist.kernels.cute import forward as cute_forward
+
+    b, sq, sk, hq, hkv, d, causal, window, softcap, q_scale, q_offset, with_sinks = case
+    q, k, v = _tensors((b, sq, hq, d), (b, sk, hkv, d), seed=13)
+    q = (q.float() * q_scale).to(BF16)
+    kw = dict(causal=causal, window=window, softcap=softcap, q_offset=q_offset)
+    if with_sinks:
+        kw["sinks"] = torch.randn(hq, device="cuda", dtype=torch.float32) * 3
+    _check("cute", q, k, v, **kw)
+    fixed_out, fixed_lse = attention_forward(q, k, v, backend="cute", **kw)
+    try:
+        cute_forward.set_override(softcap_fixed_max=False)
+        running_out, running_lse = attention_forward(q, k, v, backend="cute", **kw)
+    finally:
+        cute_forward.set_override()
+    assert rel_error(fixed_out.float(), running_out.float()) < REL_TOL[BF16]
+    finite = torch.isfinite(running_lse)
+    assert torch.equal(torch.isfinite(fixed_lse), finite)
+    torch.testing.assert_close(fixed_lse[finite], running_lse[finite], atol=1e-4, rtol=1e-5)
+
+@pytest.mark.parametrize("case", [
     # (batch, sq, sk, hq, hkv, d, causal, window, q_offset)
     (2, 1024, 1024, 8, 2, 128, True, (-1, -1), 0),  # the TMA-store epilogue
     (1, 700, 900, 4, 4, 64, False, (-1, -1), 0),

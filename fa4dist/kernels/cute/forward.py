@@ -50,6 +50,9 @@ class FwdConfig:
     softcap: float = 0.0
     # a (heads_q,) fp32 tensor of sink logits joins each row's denominator in the epilogue (non-accumulate)
     sinks: bool = False
+    # softcap with bf16 and c <= 50: a constant row max instead of the running one (scores are bounded: no max
+    # reductions, no O rescale). False is a measurement knob (the running max, as without softcap)
+    softcap_fixed_max: bool = True
 
     def build(self):
         from .fwd_sm90 import FlashFwdSm90
@@ -60,6 +63,7 @@ class FwdConfig:
             num_stages=self.num_stages, intra_wg_overlap=self.intra_wg_overlap, sched_barrier=self.sched_barrier,
             rescale_threshold=self.rescale_threshold, tma_store_o=self.tma_store_o, sanitize=self.sanitize,
             window_left=self.window_left, softcap=self.softcap, sinks=self.sinks,
+            softcap_fixed_max=self.softcap_fixed_max,
         )
 
     def fake_args(self):
@@ -106,7 +110,7 @@ def default_rescale_threshold(head_dim: int, causal: bool) -> float:
 _FIELDS = {
     "tile_m": int, "tile_n": int, "num_stages": int, "intra_wg_overlap": host.parse_bool,
     "sched_barrier": host.parse_bool, "rescale_threshold": float, "tma_store_o": host.parse_bool,
-    "sanitize": host.parse_bool,
+    "sanitize": host.parse_bool, "softcap_fixed_max": host.parse_bool,
 }
 # development hook: FA4DIST_FWD_OVERRIDE="rescale_threshold=0,tile_m=128" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_FWD_OVERRIDE", _FIELDS)

@@ -53,7 +53,7 @@ from .common_sm90 import (
 )
 from .mask import AttentionMask
 from .sanitize import NONE, block_any, clear_nonfinite_rows, clear_nonfinite_rows_marking, tile_maybe_nonfinite
-from .softmax import OnlineSoftmax, merge_lse, softcap_scale_log2, softcap_scores
+from .softmax import OnlineSoftmax, merge_lse, softcap_fixed_row_max, softcap_scale_log2, softcap_scores
 from .tile_scheduler import fwd_work_tile
 
 
@@ -81,12 +81,16 @@ class FlashFwdSm90:
         window_left: int = -1,
         softcap: float = 0.0,
         sinks: bool = False,
+        softcap_fixed_max: bool = True,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
         assert head_dim % 16 == 0 and tile_n % 16 == 0
         assert window_left < 0 or causal, "a sliding window comes with the causal upper edge (see backend.py)"
         self.window_left = window_left
         self.softcap = float(softcap)  # > 0: scores capped to softcap * tanh(. / softcap); scale_log2 = tanh scale
+        # capped scores are bounded: a constant row max where P's range allows (softmax.softcap_fixed_row_max)
+        self.fixed_row_max = (softcap_fixed_row_max(self.softcap, dtype == cutlass.Float16)
+                              if softcap_fixed_max else None)
         # one learned logit per query head joins each row's denominator in the epilogue (non-accumulate only: a
         # running result takes its sinks once, from the contract, after its last block)
         assert not (sinks and accumulate), "sinks enter a row once: not in an accumulate-merge"
@@ -548,7 +552,8 @@ class FlashFwdSm90:
         exp_scale_log2 = scale_log2  # with softcap the runtime scale is tanh's; the exponential's is c * log2(e)
         if const_expr(self.softcap > 0):
             exp_scale_log2 = Float32(softcap_scale_log2(self.softcap))
-        softmax = OnlineSoftmax.create(cute.size(tScS_mn, mode=[0]), exp_scale_log2, self.rescale_threshold)
+        softmax = OnlineSoftmax.create(cute.size(tScS_mn, mode=[0]), exp_scale_log2, self.rescale_threshold,
+                                       self.fixed_row_max)
         m_block = tile.block
         ml = Context(
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tOrP=tOrP,

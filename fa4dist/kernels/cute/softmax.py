@@ -5,13 +5,14 @@ mask and the exponential (``softcap_scores``, with the backward's derivative ``s
 Scores arrive as fp32 accumulator fragments (rows = queries); exp2 runs with the softmax scale folded into one
 FFMA. With ``rescale_threshold`` > 0 a stale row max is kept until the new one exceeds it by more than the
 threshold (log2 units), so P stays below 2^threshold and O is rescaled only when some row of the warp moved; the
-final normalisation is exact either way.
+final normalisation is exact either way. Soft-capped scores are bounded (|c tanh| <= c), so with
+``fixed_row_max`` the row max is a constant instead (``softcap_fixed_row_max``): no max reductions, no O rescale.
 
 This module imports cutlass at import time: import it lazily.
 """
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import math
 
@@ -53,21 +54,31 @@ class OnlineSoftmax:
     row_sum: Any
     scale_log2: Any
     rescale_threshold: float
+    # a constant row max (in the accumulator's units) in place of the running one: bounded (capped) scores only
+    fixed_row_max: Optional[float] = None
 
     @staticmethod
-    def create(nrows: int, scale_log2: Float32, rescale_threshold: float) -> "OnlineSoftmax":
+    def create(nrows: int, scale_log2: Float32, rescale_threshold: float,
+               fixed_row_max: Optional[float] = None) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor(nrows, Float32)
         row_sum = cute.make_rmem_tensor(nrows, Float32)
-        row_max.fill(-Float32.inf)
+        row_max.fill(-Float32.inf if fixed_row_max is None else fixed_row_max)
         row_sum.fill(0.0)
-        return OnlineSoftmax(row_max, row_sum, scale_log2, rescale_threshold)
+        return OnlineSoftmax(row_max, row_sum, scale_log2, rescale_threshold, fixed_row_max)
 
     @cute.jit
     def online(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]):
         """Turn S into unnormalised P in place; update running max / partial sums.
-        Returns per-row factors for O (1.0 where the max was kept)."""
+        Returns per-row factors for O (1.0 where the max was kept; None with a fixed row max: O keeps its scale)."""
         row_max, row_sum, scale_log2 = self.row_max, self.row_sum, self.scale_log2
         acc_mn = mn_view(acc_S)
+        if const_expr(self.fixed_row_max is not None):
+            m_scaled = Float32(self.fixed_row_max) * scale_log2
+            for r in cutlass.range_constexpr(cute.size(row_max)):
+                acc_mn[r, None].store(cute.math.exp2(acc_mn[r, None].load() * scale_log2 - m_scaled, fastmath=True))
+                p_sum = sum4([acc_mn[r, c] for c in range(cute.size(acc_mn, mode=[1]))])
+                row_sum[r] = p_sum if const_expr(is_first) else row_sum[r] + p_sum
+            return None
         row_scale = cute.make_rmem_tensor_like(row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(row_max)):
             vals = acc_mn[r, None].load()
@@ -100,7 +111,9 @@ class OnlineSoftmax:
         return row_scale
 
     @cute.jit
-    def rescale_o(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
+    def rescale_o(self, acc_O: cute.Tensor, row_scale):
+        if const_expr(self.fixed_row_max is not None):
+            return  # the row max never moves
         acc_mn = mn_view(acc_O)
         if const_expr(self.rescale_threshold > 0.0):
             need = row_scale[0] != Float32(1.0)
@@ -170,6 +183,29 @@ def merge_lse(lse_old: Float32, lse_new: Float32):
 def softcap_scale_log2(softcap: float) -> float:
     """The exponential's scale of capped scores: c * log2(e)."""
     return softcap * LOG2_E
+
+
+# With a fixed row max of `shift` (natural-log units), P = exp(capped score - shift) lies in
+# [e^(-c - shift), e^(c - shift)]; it is kept within [e^-80, e^20]. Every P is then a normal fp32 / bf16 number
+# (the smallest normal is e^-87.3: nothing underflows that the running max would keep, and the row sum's relative
+# precision does not depend on its magnitude). The price is headroom: O accumulates P * v with P up to e^20
+# instead of 1, so it overflows fp32 once |v| * keys reaches e^68.7 (~7e29) instead of e^88.7. fp16 P (normal
+# range e^-9.7 .. e^11) is too narrow for any useful c: fp16 keeps the running max. c = 50 (Gemma 2's
+# attention) is the largest cap that fits.
+FIXED_MAX_P_LN = 20.0
+FIXED_MIN_P_LN = -80.0
+
+
+def softcap_fixed_row_max(softcap: float, fp16: bool) -> Optional[float]:
+    """The constant row max, in the accumulator's units (tanh values, which the exponential scales by
+    c * log2(e)), that replaces the running max for scores capped at ``softcap``; None where the range of P
+    does not allow one (fp16, or c > 50)."""
+    if softcap <= 0 or fp16:
+        return None
+    shift = max(0.0, softcap - FIXED_MAX_P_LN)
+    if -softcap - shift < FIXED_MIN_P_LN:
+        return None
+    return shift / softcap
 
 
 @cute.jit
