@@ -61,8 +61,8 @@ def fwd_configs():
 
 
 def softcap_configs():
-    """The forward variants of the soft-capping tests (tests/kernels/test_window_gpu.py) and bench
-    (bench/gpu_session_softcap.sh): the fixed row max beside the running one."""
+    """The variants of the soft-capping bench (bench/gpu_session_softcap.sh): forward with the fixed row max
+    beside the running one, backward with the cap's derivative in registers beside the one recovered from P."""
     import torch
 
     from fa4dist.kernels.cute import forward as F
@@ -74,7 +74,15 @@ def softcap_configs():
                 for fixed in (True, False):
                     out.append(F.make_config(torch.bfloat16, d, causal=causal, varlen=False, accumulate=False,
                                              softcap=cap, softcap_fixed_max=fixed))
-    return out
+    from fa4dist.kernels.cute import backward as B
+
+    for d in (64, 128):
+        for regs in (True, False):
+            out.extend(B.make_configs(torch.bfloat16, d, causal=True, varlen=False, seg_offsets=False,
+                                      accumulate=False, deterministic=False, dq_dtype=torch.bfloat16,
+                                      dkv_dtype=torch.bfloat16, o_dtype=torch.bfloat16, do_dtype=torch.bfloat16,
+                                      softcap=30.0, softcap_grad_regs=regs))
+    return list(dict.fromkeys(out))
 
 
 CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_configs}

@@ -64,6 +64,9 @@ class BwdConfig:
     softcap: float = 0.0  # > 0: soft-capped scores (forward.FwdConfig); the launch passes tanh's scale
     # non-deterministic causal: plain query tiles before the masked band (bwd_sm90.FlashBwdSm90.masked_last)
     masked_last: bool = True
+    # softcap: the derivative of the cap kept in fp16 registers from the S phase (True) or recovered from P
+    # through a log2 (False); default_softcap_grad_regs says which is faster where
+    softcap_grad_regs: bool = True
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -73,7 +76,7 @@ class BwdConfig:
             accumulate=self.accumulate, deterministic=self.deterministic, seg_offsets=self.seg_offsets,
             tile_m=self.tile_m, stmatrix_ds=self.stmatrix_ds, det_chunk=self.det_chunk,
             regs_mma=self.regs_mma, sanitize=self.sanitize, window_left=self.window_left, softcap=self.softcap,
-            masked_last=self.masked_last,
+            masked_last=self.masked_last, softcap_grad_regs=self.softcap_grad_regs,
         )
 
     def fake_args(self):
@@ -158,7 +161,7 @@ class PostConfig:
 
 
 _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "sanitize": host.parse_bool,
-           "masked_last": host.parse_bool}
+           "masked_last": host.parse_bool, "softcap_grad_regs": host.parse_bool}
 # development hook: FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_BWD_OVERRIDE", _FIELDS)
 
@@ -173,6 +176,12 @@ def cache_info() -> list:
     return host.cache_info((BwdConfig, PreConfig, PostConfig))
 
 
+def default_softcap_grad_regs(head_dim: int) -> bool:
+    """hdim 64 keeps the cap's derivative in registers (no spills); at hdim 128 that spills 20 bytes, so it
+    recovers it from P until a measurement says otherwise."""
+    return head_dim <= 64
+
+
 def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, deterministic, dq_dtype, dkv_dtype,
                  o_dtype, do_dtype, window_left=-1, softcap=0.0, **overrides):
     tm = tile_m_for(head_dim)
@@ -181,6 +190,7 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
         dtype=name, head_dim=head_dim, causal=bool(causal), varlen=bool(varlen), seg_offsets=bool(seg_offsets),
         accumulate=bool(accumulate), deterministic=bool(deterministic), dkv_fp32=dkv_dtype == torch.float32,
         tile_m=tm, window_left=int(window_left), softcap=float(softcap or 0.0),
+        softcap_grad_regs=default_softcap_grad_regs(head_dim),
     )
     kw.update(_OVERRIDE)
     kw.update(overrides)

@@ -68,7 +68,7 @@ from .common_sm90 import (
 )
 from .mask import AttentionMask
 from .sanitize import block_any, clear_nonfinite_rows, row_is_nonfinite, tile_maybe_nonfinite, zero_row
-from .softmax import softcap_grad, softcap_scale_log2, softcap_scores
+from .softmax import softcap_grad_fp16, softcap_grad_from_p, softcap_scale_log2, softcap_scores
 from .tile_scheduler import bwd_work_tile
 
 
@@ -96,6 +96,7 @@ class FlashBwdSm90:
         window_left: int = -1,
         softcap: float = 0.0,
         masked_last: bool = True,
+        softcap_grad_regs: bool = True,
     ):
         assert head_dim in (64, 128)
         self.dtype = dtype
@@ -125,6 +126,8 @@ class FlashBwdSm90:
         assert window_left < 0 or causal, "a sliding window comes with the causal upper edge (see backend.py)"
         self.window_left = window_left
         self.softcap = float(softcap)  # > 0: capped scores; the runtime scale_log2 is then tanh's (softmax.py)
+        # the cap's derivative 1 - tanh^2 kept from the S phase in fp16 registers, or recovered from P (softmax.py)
+        self.softcap_grad_regs = softcap_grad_regs
         self.block_info = BlockInfo(self.tile_m, self.tile_n, causal, window_left)
         # masked pairs with stored operands exist only with a causal mask or packed sequences (a dense sequence
         # end is zero-filled by TMA)
@@ -743,8 +746,11 @@ class FlashBwdSm90:
         acc_S_mn = mn_view(acc_S)
         n_rows = cute.size(acc_S_mn, mode=[0])
         n_cols = cute.size(acc_S_mn, mode=[1])
+        cap_grad = None
         if const_expr(self.softcap > 0):
             softcap_scores(acc_S, st.scale_log2)  # tanh(s * softmax_scale / c); the exponential scales by c log2 e
+            if const_expr(self.softcap_grad_regs):
+                cap_grad = mn_view(softcap_grad_fp16(acc_S))  # 1 - tanh^2, for dS below
         exp_scale_log2 = st.scale_log2
         if const_expr(self.softcap > 0):
             exp_scale_log2 = Float32(softcap_scale_log2(self.softcap))
@@ -758,20 +764,21 @@ class FlashBwdSm90:
 
         # (5) dS^T = P^T * (scale * dP^T - dPsum_scaled[query])
         acc_dP_mn = mn_view(acc_dP)
+        inv_exp_scale = Float32(1.0 / softcap_scale_log2(self.softcap)) if self.softcap > 0 else None
         for c in cutlass.range_constexpr(n_cols):
             dps_c = st.sDpsum[tScS_mn[0, c][1], stage]
-            lse_c = Float32(0.0)
-            if const_expr(self.softcap > 0):
-                lse_c = st.sLSE[tScS_mn[0, c][1], stage]
+            u_offset = None
+            if const_expr(self.softcap > 0 and not self.softcap_grad_regs):
+                u_offset = st.sLSE[tScS_mn[0, c][1], stage] * inv_exp_scale
             for r in cutlass.range_constexpr(n_rows):
                 p = acc_S_mn[r, c]
                 ds = p * (acc_dP_mn[r, c] * scale - dps_c)
-                if const_expr(self.softcap > 0):
-                    # chain rule through the cap; P == 0 (masked, underflow, padding rows) must give dS = 0, not
-                    # 0 * (-inf) from log2(0)
-                    ds = ds * softcap_grad(p, lse_c, self.softcap)
-                    ds = ds if p != Float32(0.0) else Float32(0.0)
-                if const_expr(masked and self.softcap <= 0):
+                if const_expr(self.softcap > 0):  # the chain rule through the cap
+                    if const_expr(self.softcap_grad_regs):
+                        ds = ds * Float32(cap_grad[r, c])
+                    else:
+                        ds = ds * softcap_grad_from_p(p, u_offset, inv_exp_scale)
+                if const_expr(masked):
                     # P is exactly 0 at masked pairs, but 0 * NaN (dP of a bad V row, dPsum of a bad row) is not
                     ds = ds if p != Float32(0.0) else Float32(0.0)
                 acc_dP_mn[r, c] = ds

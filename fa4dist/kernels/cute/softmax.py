@@ -1,6 +1,6 @@
 """Online softmax of the forward: the running row max and row sums of one thread's rows, the O rescale, and the
 finalisation into (1 / rowsum, lse); and soft-capping, the transform of the scores both kernels apply before the
-mask and the exponential (``softcap_scores``, with the backward's derivative ``softcap_grad``).
+mask and the exponential (``softcap_scores``, with the backward's derivative ``softcap_grad_fp16``).
 
 Scores arrive as fp32 accumulator fragments (rows = queries); exp2 runs with the softmax scale folded into one
 FFMA. With ``rescale_threshold`` > 0 a stale row max is kept until the new one exceeds it by more than the
@@ -221,10 +221,22 @@ def softcap_scores(acc: cute.Tensor, tanh_scale: Float32):
 
 
 @cute.jit
-def softcap_grad(p: Float32, lse2: Float32, softcap: cutlass.Constexpr[float]) -> Float32:
-    """d(capped score) / d(scaled score) = 1 - tanh^2, recovered from P = exp2(tanh * c * log2(e) - lse2) instead
-    of keeping the tanh in registers: tanh = (log2(P) + lse2) / (c * log2(e)). Only meaningful where P > 0 (the
-    caller zeroes dS where P == 0)."""
-    t = (cute.math.log2(p, fastmath=True) + lse2) * Float32(1.0 / softcap_scale_log2(softcap))
-    return Float32(1.0) - t * t
+def softcap_grad_fp16(acc: cute.Tensor) -> cute.Tensor:
+    """d(capped score) / d(scaled score) = 1 - tanh^2 of capped scores ``acc`` (tanh values), as fp16 registers
+    shaped like ``acc``: the backward computes it beside the exponential and multiplies it into dS after the dP
+    MMA. fp16 holds [0, 1] to 2^-11 relative (below dS's own bf16 rounding) in half the registers of fp32.
+    32 more live registers per thread: hdim 128 spills a few (``softcap_grad_from_p`` is the other way)."""
+    g = cute.make_rmem_tensor_like(acc, cutlass.Float16)
+    t = acc.load()
+    g.store((1.0 - t * t).to(cutlass.Float16))
+    return g
 
+
+@cute.jit
+def softcap_grad_from_p(p: Float32, u_offset: Float32, inv_exp_scale: Float32) -> Float32:
+    """The same 1 - tanh^2 recovered from P = exp2(tanh * a - lse2), a = c * log2(e), without keeping tanh:
+    tanh = log2(P) / a + lse2 / a (``u_offset`` = lse2 / a, per query; ``inv_exp_scale`` = 1 / a). One more MUFU
+    op per score. P == 0 gives log2 = -inf and the clamp at 0 makes the factor 0, so dS = 0 there without a
+    select (1 - tanh^2 is never negative, so the clamp changes nothing else)."""
+    u = cute.math.log2(p, fastmath=True) * inv_exp_scale + u_offset
+    return cute.arch.fmax(Float32(1.0) - u * u, Float32(0.0))
