@@ -177,9 +177,9 @@ def cache_info() -> list:
 
 
 def default_softcap_grad_regs(head_dim: int) -> bool:
-    """hdim 64 keeps the cap's derivative in registers (no spills); at hdim 128 that spills 20 bytes, so it
-    recovers it from P until a measurement says otherwise."""
-    return head_dim <= 64
+    """The cap's derivative in fp16 registers at both head dims: faster than recovering it from P on the H200
+    (2026-12-01, causal, 4k / 16k: hdim 64 +10% / +10%, hdim 128 +5% / +3% although it spills 20 bytes there)."""
+    return True
 
 
 def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, deterministic, dq_dtype, dkv_dtype,
