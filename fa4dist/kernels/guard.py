@@ -29,10 +29,11 @@ import torch
 
 
 def _bad_rows(*tensors: torch.Tensor) -> torch.Tensor:
-    """(..., tokens, heads) True where any of the tensors' head vectors holds a non-finite entry."""
+    """(..., tokens, heads) True where any of the tensors' head vectors holds a non-finite entry: one reduction
+    per tensor (the max |x| of each vector, which NaN and inf both make non-finite), no full-size temporary."""
     bad = None
     for t in tensors:
-        b = ~torch.isfinite(t).all(-1)
+        b = ~torch.isfinite(torch.linalg.vector_norm(t, ord=float("inf"), dim=-1))
         bad = b if bad is None else bad | b
     return bad
 
@@ -46,10 +47,12 @@ def _band_any(flags: torch.Tensor, n_out: int, lo: Optional[int], hi: Optional[i
     """For flags (..., m, heads) along the token dim: (..., n_out, heads), entry i True if any flag is set at an
     index j with ``lo <= j - i <= hi`` (None: unbounded) in i's segment (``cu``, shared by both sides: n_out == m;
     else the whole range [0, m))."""
-    dim = flags.dim() - 2
-    m, device = flags.shape[dim], flags.device
-    zero = torch.zeros_like(flags.narrow(dim, 0, 1), dtype=torch.int64)
-    counts = torch.cat([zero, flags.to(torch.int64).cumsum(dim)], dim)  # counts[j] = flags set before j
+    m, device = flags.shape[-2], flags.device
+    # the prefix count runs along the last, contiguous dim: torch's scan over an outer dim took 2.9 ms for 16k
+    # tokens x 16 heads on the H200 (2026-12-01), the innermost scan is a few microseconds
+    tokens_last = flags.transpose(-1, -2).to(torch.int32).contiguous()
+    zero = torch.zeros_like(tokens_last.narrow(-1, 0, 1))
+    counts = torch.cat([zero, tokens_last.cumsum(-1, dtype=torch.int32)], -1)  # counts[j] = flags set before j
     idx = torch.arange(n_out, device=device)
     if cu is None:
         seg_lo, seg_hi = torch.zeros_like(idx), torch.full_like(idx, m)
@@ -60,7 +63,7 @@ def _band_any(flags: torch.Tensor, n_out: int, lo: Optional[int], hi: Optional[i
     start = seg_lo if lo is None else torch.minimum(torch.maximum(idx + lo, seg_lo), seg_hi)
     end = seg_hi if hi is None else torch.minimum(torch.maximum(idx + hi + 1, seg_lo), seg_hi)
     end = torch.maximum(end, start)
-    return (counts.index_select(dim, end) - counts.index_select(dim, start)) > 0
+    return ((counts.index_select(-1, end) - counts.index_select(-1, start)) > 0).transpose(-1, -2)
 
 
 def _seen_by(lo: Optional[int], hi: Optional[int]) -> tuple[Optional[int], Optional[int]]:
