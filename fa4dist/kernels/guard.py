@@ -39,7 +39,10 @@ def _bad_rows(*tensors: torch.Tensor) -> torch.Tensor:
 
 
 def _clean(t: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
-    return torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=t.dtype, device=t.device), t)
+    """Every non-finite entry zeroed (one vectorised pass; ``bad`` is not needed). Zeroing the entries rather than
+    the rows they sit in gives the same results: the masked products are 0 x finite either way, and everything a
+    bad row reaches through a visible pair is poisoned afterwards."""
+    return torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _band_any(flags: torch.Tensor, n_out: int, lo: Optional[int], hi: Optional[int],
@@ -48,6 +51,19 @@ def _band_any(flags: torch.Tensor, n_out: int, lo: Optional[int], hi: Optional[i
     index j with ``lo <= j - i <= hi`` (None: unbounded) in i's segment (``cu``, shared by both sides: n_out == m;
     else the whole range [0, m))."""
     m, device = flags.shape[-2], flags.device
+    if cu is None and (lo is None or hi is None) and m > 0:
+        # a half-open band (causal, and the rows that see a key under it): only the first / last flag matters
+        idx = torch.arange(n_out, device=device).view(-1, 1)
+        pos = torch.arange(m, device=device).view(-1, 1)
+        if lo is None:  # keys [0, i + hi]: some flag at j <= i + hi
+            first = torch.where(flags, pos, m).amin(-2, keepdim=True)
+            hit = first < m  # (first == m: no flag)
+            if hi is not None:
+                hit = hit & (first <= idx + hi)
+        else:  # keys [i + lo, m): some flag at j >= i + lo
+            last = torch.where(flags, pos, -1).amax(-2, keepdim=True)
+            hit = (last >= 0) & (last >= idx + lo)
+        return hit.expand(*flags.shape[:-2], n_out, flags.shape[-1])
     # the prefix count runs along the last, contiguous dim: torch's scan over an outer dim took 2.9 ms for 16k
     # tokens x 16 heads on the H200 (2026-12-01), the innermost scan is a few microseconds
     tokens_last = flags.transpose(-1, -2).to(torch.int32).contiguous()

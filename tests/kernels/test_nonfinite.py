@@ -218,3 +218,35 @@ def test_gpu_backend_masked_garbage(backend, layout):
         assert not torch.isneginf(lse).any()
         dq, dk, dv = attention_backward(dout, q, kk, vv, out, lse, backend=backend, **kw)
         assert torch.isfinite(seq(dq)[rows].float()).all(), (backend, layout)
+
+
+def test_band_any_matches_its_definition():
+    """kernels/guard._band_any (prefix counts, or the first / last flag for a half-open band) against the loop
+    that defines it: row i sees a flag at j with lo <= j - i <= hi within i's segment."""
+    from fa4dist.kernels.guard import _band_any
+
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(240):
+        m = int(torch.randint(1, 30, (1,), generator=gen))
+        flags = torch.rand(2, m, 3, generator=gen) < (0.0, 0.08, 0.4)[trial % 3]
+        lo, hi = (None, -3, 0, 2)[trial % 4], (None, 0, 3, -1)[(trial // 4) % 4]
+        if lo is not None and hi is not None and hi < lo:
+            continue
+        cuts = None
+        if trial % 2:
+            cuts = sorted({0, m, *torch.randint(0, m + 1, (3,), generator=gen).tolist()})
+        n_out = m if cuts else m + (trial // 16) % 3 * 4 - 4
+        if n_out < 1:
+            continue
+        want = torch.zeros(2, n_out, 3, dtype=torch.bool)
+        for i in range(n_out):
+            seg_lo, seg_hi = 0, m
+            if cuts:
+                seg_lo = max(c for c in cuts if c <= i)
+                seg_hi = min((c for c in cuts if c > i), default=m)
+            for j in range(seg_lo, seg_hi):
+                if (lo is None or j - i >= lo) and (hi is None or j - i <= hi):
+                    want[:, i] |= flags[:, j]
+        cu = torch.tensor(cuts) if cuts else None
+        got = _band_any(flags if cu is None else flags[0], n_out, lo, hi, cu)
+        assert torch.equal(got, want if cu is None else want[0]), (trial, lo, hi, m, n_out, cuts)
