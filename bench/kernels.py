@@ -4,6 +4,7 @@
     python bench/kernels.py --headdims 128 --seqlens 4096 16384 --directions fwd --rounds 5
     python bench/kernels.py --cute-variants fwd:rescale_threshold=0 bwd:det_chunk=8   # cute config overrides
     python bench/kernels.py --softcap 30 --backends cute flash_attn_4      # soft-capped scores (Gemma 2)
+    python bench/kernels.py --deterministic --cute-variants bwd-det:grads=all bwd-det:grads=dq bwd-det:grads=dkv
 
 Sizes follow ../shared/docs/anchors.md: batch = total_tokens / seqlen, heads = model_dim / headdim, bf16.
 TFLOP/s counts 4*B*H*S^2*D per forward (half of it when causal) and 2.5x that per backward.  Before timing, each
@@ -117,9 +118,15 @@ def _make_fn(name, direction, deterministic, q, k, v, dout, causal, fa4, overrid
             fn()
             return fn, out
         cfwd.forward(q, k, v, out, lse, causal=causal, **cap)
-        grads = [torch.empty_like(t) for t in (q, k, v)]
+        overrides = dict(overrides)
+        which = overrides.pop("grads", None)  # all / dq / dkv: added into fp32 buffers, as the cp_invariant engine
+        if which is None:
+            grads = [torch.empty_like(t) for t in (q, k, v)]
+        else:
+            grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v)]
+            grads = {"all": grads, "dq": [grads[0], None, None], "dkv": [None, grads[1], grads[2]]}[which]
         steps = cbwd.launch_steps(dout, q, k, v, out, lse, *grads, causal=causal, deterministic=deterministic,
-                                  **cap, **overrides)
+                                  accumulate=which is not None, **cap, **overrides)
         return (lambda: [st() for st in steps]), None
     if direction == "fwd":
         fn = lambda: attention_forward(q, k, v, causal=causal, backend=name, **cap)  # noqa: E731

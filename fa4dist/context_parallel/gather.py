@@ -5,10 +5,13 @@ in :mod:`fa4dist.kernels.invariant`.  Forward: the members' K/V are all-gathered
 member makes, for each of its blocks (each document piece of it), the one call a single device makes for those
 rows: against all keys of the document.  Backward, in two passes: (1) K/V gathered again, the same calls give the
 member's dq; (2) Q, dO, out and lse gathered, calls of all of a document's queries against the member's own keys
-give its dk/dv.  No merge and no cross-rank sum ever rounds anything, so the bits do not depend on the layout.
+give its dk/dv. Each pass asks only for its gradients: the CuTe kernels then run 3 (dq) and 4 (dk/dv) of the
+backward's 5 GEMMs per tile, and the second pass has no dQ tickets.  No merge and no cross-rank sum ever rounds
+anything, so the bits do not depend on the layout.
 
 It trades the ring's memory (only two K/V blocks in flight) and one-pass backward for that: the whole sequence's
-K/V (and, in the backward, Q, dO, out) sit on every member, and the backward computes about twice the ring's work.
+K/V (and, in the backward, Q, dO, out) sit on every member, and the backward computes about 1.4 times the ring's
+work (twice before each pass skipped the other's GEMMs).
 """
 
 from __future__ import annotations
@@ -101,7 +104,8 @@ def gather_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, o
     full_k = _expand(gather_members(sched, ring, k, sd, "the invariant backward's K"), head_map)
     full_v = _expand(gather_members(sched, ring, v, sd, "the invariant backward's V"), head_map)
     dq, _, _ = invariant.backward(dout, q, full_k, full_v, out, lse, row_items(sched, m),
-                                  softmax_scale=opts.softmax_scale, softcap=opts.softcap, backend=opts.backend)
+                                  softmax_scale=opts.softmax_scale, softcap=opts.softcap, backend=opts.backend,
+                                  grads="dq")
     del full_k, full_v
     full = [gather_members(sched, ring, t, sd, f"the invariant backward's {name}")
             for t, name in ((q, "Q"), (dout, "dO"), (out, "out"))]
@@ -109,5 +113,5 @@ def gather_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, o
     local_k, local_v = _expand(k, head_map), _expand(v, head_map)
     _, dk, dv = invariant.backward(full[1], full[0], local_k, local_v, full[2], full_lse,
                                    key_items(sched, m), softmax_scale=opts.softmax_scale, softcap=opts.softcap,
-                                   backend=opts.backend)
+                                   backend=opts.backend, grads="dkv")
     return dq, dk, dv

@@ -142,7 +142,8 @@ def attention_backward(
     """Gradients of one block given the *global* out and lse (those of the whole key range, as a ring has them).
 
     Returns ``(dq, dk, dv)`` in q's dtype, or written into the given buffers; with ``accumulate=True`` the block's
-    gradients are added to the given fp32 buffers.  ``deterministic=None`` follows
+    gradients are added to the given fp32 buffers, and a gradient without a buffer (dq, or dk and dv together) is
+    not computed (returned as None; the CuTe kernels then skip its GEMMs).  ``deterministic=None`` follows
     ``torch.are_deterministic_algorithms_enabled()``.  The mask arguments are the forward's.
 
     With ``sinks`` it returns ``(dq, dk, dv, dsinks)``, dsinks (heads_q,) in fp32 (fp64 for fp64 inputs), written
@@ -169,9 +170,11 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
     check_buffer("dout", dout, problem.out_shape(), problem.device, (problem.dtype,) + acc)
     check_buffer("out", out, problem.out_shape(), problem.device, (problem.dtype,) + acc)
     check_buffer("lse", lse, problem.lse_shape(), problem.device, acc)
-    grads = {"dq": dq, "dk": dk, "dv": dv}
-    if accumulate and any(g is None for g in grads.values()):
-        raise ValueError("accumulate=True needs the fp32 dq, dk and dv buffers to add into")
+    if accumulate and (dk is None) != (dv is None):
+        raise ValueError("accumulate=True adds into the given fp32 buffers: give dk and dv both, or neither (then "
+                         "neither is computed)")
+    if accumulate and dq is None and dk is None:
+        raise ValueError("accumulate=True needs fp32 buffers to add into: dq, or dk and dv, or all three")
     for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         check_buffer(name, buf, tuple(like.shape), problem.device, acc if accumulate else (problem.dtype,) + acc)
     if dsinks is not None:
@@ -189,7 +192,9 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
         block = impl.backward(problem, dout, q, k, v, out, lse, deterministic)
         result = []
         for buf, g in zip((dq, dk, dv), block):
-            if buf is None:
+            if buf is None and accumulate:
+                result.append(None)  # not asked for
+            elif buf is None:
                 result.append(g.to(problem.dtype))
             elif accumulate:
                 result.append(buf.add_(g))

@@ -74,13 +74,19 @@ def forward(q, k, v, items: list[WorkItem], *, softmax_scale=None, softcap=None,
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, items: list[WorkItem], *, softmax_scale=None, softcap=None, backend="auto"):
-    """fp32 (dq, dk, dv) of the items (keys already expanded; deterministic kernels), added into zeros."""
+def backward(dout, q, k, v, out, lse, items: list[WorkItem], *, softmax_scale=None, softcap=None, backend="auto",
+             grads: str = "all"):
+    """fp32 (dq, dk, dv) of the items (keys already expanded; deterministic kernels), added into zeros.
+    ``grads="dq"`` / ``"dkv"``: only those (the others are None and not computed; the kept ones have the same bits
+    as with ``"all"``, since each is its own sum in the kernels)."""
+    if grads not in ("all", "dq", "dkv"):
+        raise ValueError(f"grads must be 'all', 'dq' or 'dkv', got {grads!r}")
     acc = accum_dtype(q.dtype)
-    grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v)]
-    attention_backward_items(dout, q, k, v, out, lse, items, *grads, softmax_scale=softmax_scale, softcap=softcap,
+    wanted = {"all": (True, True, True), "dq": (True, False, False), "dkv": (False, True, True)}[grads]
+    bufs = [torch.zeros(t.shape, dtype=acc, device=t.device) if want else None for t, want in zip((q, k, v), wanted)]
+    attention_backward_items(dout, q, k, v, out, lse, items, *bufs, softmax_scale=softmax_scale, softcap=softcap,
                              deterministic=True, backend=backend, cp_invariant=True)
-    return grads
+    return bufs
 
 
 def single_device_items(problem) -> list[WorkItem]:

@@ -89,7 +89,9 @@ def _layout(q, k, v, cp_invariant: bool = False):
     return 1, validate_inputs(q, k, v, cp_invariant=cp_invariant)
 
 
-def _rows(t: torch.Tensor, dim: int, start: int, length: int, unsqueeze: bool) -> torch.Tensor:
+def _rows(t: Optional[torch.Tensor], dim: int, start: int, length: int, unsqueeze: bool) -> Optional[torch.Tensor]:
+    if t is None:  # a gradient the caller does not ask for
+        return None
     view = t.narrow(dim, start, length)
     return view.unsqueeze(0) if unsqueeze else view
 
@@ -217,9 +219,9 @@ def attention_backward_items(
     out: torch.Tensor,
     lse: torch.Tensor,
     items: Sequence[WorkItem],
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
+    dq: Optional[torch.Tensor],
+    dk: Optional[torch.Tensor],
+    dv: Optional[torch.Tensor],
     *,
     softmax_scale: Optional[float] = None,
     softcap: Optional[float] = None,
@@ -227,8 +229,9 @@ def attention_backward_items(
     backend: str = "auto",
     cp_invariant: bool = False,
     shared: Optional[SharedQueries] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Adds every item's gradients into the fp32 ``dq, dk, dv``, in list order, given the global out and lse.
+    ``dq=None`` or ``dk=dv=None``: those are not computed (the contract's rule for accumulate=True).
     ``shared``: the items it takes add their dQ into it instead (:func:`share_queries`; not with cp_invariant)."""
     seq_dim, problem = _layout(q, k, v, cp_invariant)
     items = _check_items(items, q.shape[seq_dim], k.shape[seq_dim])
@@ -238,8 +241,9 @@ def attention_backward_items(
     if getattr(impl, "backward_items", None) is not None:
         return impl.backward_items(dout, q, k, v, out, lse, items, dq, dk, dv, softmax_scale=softmax_scale,
                                    softcap=softcap, deterministic=deterministic, cp_invariant=cp_invariant)
-    if shared is not None and (cp_invariant or shared.deterministic != bool(deterministic)):
-        raise ValueError("shared= needs cp_invariant=False and the deterministic setting it was made with")
+    if shared is not None and (cp_invariant or shared.deterministic != bool(deterministic) or dk is None):
+        raise ValueError("shared= needs cp_invariant=False and the deterministic setting it was made with (and "
+                         "dk and dv to add into)")
     packed = seq_dim == 0
     for item in items:
         if item.q_len == 0 or item.k_len == 0:

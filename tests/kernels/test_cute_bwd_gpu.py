@@ -272,3 +272,30 @@ def test_shared_queries_equal_per_call_backward(deterministic, packed):
     if deterministic:
         again = run(True)
         assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(shared, again))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_one_gradient_variants_equal_the_full_backward(packed, d):
+    """accumulate with dq only, or dk and dv only (the cp_invariant engine's passes): the kernel variant without
+    the other GEMMs adds the same bytes as the full deterministic backward, and leaves no trace of the others."""
+    g = _gen()
+    if packed:
+        cu = torch.tensor([0, 300, 1000, 1777], dtype=torch.int32, device="cuda")
+        q, k, v = _inputs((1777, 4, d), (1777, 2, d), torch.bfloat16, g)
+        kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=777, max_seqlen_k=777)
+        fwd_kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    else:
+        q, k, v = _inputs((2, 1500, 4, d), (2, 1700, 2, d), torch.bfloat16, g)
+        kw = fwd_kw = dict(causal=True, q_offset=200)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = attention_forward(q, k, v, backend="cute", **fwd_kw)
+    init = [torch.randn(t.shape, device="cuda", dtype=torch.float32, generator=g) for t in (q, k, v)]
+    full = _run(q, k, v, dout, out, lse, accumulate=True, init=init, deterministic=True, **kw)
+    dq = init[0].clone()
+    backward(dout, q, k, v, out, lse, dq, None, None, deterministic=True, accumulate=True, **kw)
+    dk, dv = init[1].clone(), init[2].clone()
+    backward(dout, q, k, v, out, lse, None, dk, dv, deterministic=True, accumulate=True, **kw)
+    torch.cuda.synchronize()
+    for got, want in ((dq, full[0]), (dk, full[1]), (dv, full[2])):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -135,8 +135,26 @@ def test_backward_buffers():
     out, lse = attention_forward(q, k, v)
     with pytest.raises(ValueError, match="dout must have shape"):
         attention_backward(out[:, :4], q, k, v, out, lse)
-    with pytest.raises(ValueError, match="accumulate=True needs the fp32 dq, dk and dv"):
+    with pytest.raises(ValueError, match="accumulate=True needs fp32 buffers to add into"):
         attention_backward(out, q, k, v, out, lse, accumulate=True)
+    with pytest.raises(ValueError, match="give dk and dv both, or neither"):
+        attention_backward(out, q, k, v, out, lse, accumulate=True, dq=torch.zeros(q.shape), dk=torch.zeros(k.shape))
+
+
+def test_backward_skips_the_gradients_without_a_buffer():
+    """accumulate=True with dq only, or dk and dv only: the others are not computed (None), the given ones are
+    the same bytes as when all three are asked for."""
+    q, k, v = qkv()
+    dout = torch.randn_like(q)
+    out, lse = attention_forward(q, k, v, causal=True)
+    full = [torch.zeros(t.shape) for t in (q, k, v)]
+    attention_backward(dout, q, k, v, out, lse, causal=True, dq=full[0], dk=full[1], dv=full[2], accumulate=True)
+    dq = torch.zeros(q.shape)
+    got = attention_backward(dout, q, k, v, out, lse, causal=True, dq=dq, accumulate=True)
+    assert got[1] is None and got[2] is None and torch.equal(dq, full[0])
+    dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
+    got = attention_backward(dout, q, k, v, out, lse, causal=True, dk=dk, dv=dv, accumulate=True)
+    assert got[0] is None and torch.equal(dk, full[1]) and torch.equal(dv, full[2])
     with pytest.raises(ValueError, match="needs lse"):
         attention_backward(out, q, k, v, out, None)
 

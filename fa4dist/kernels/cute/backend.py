@@ -155,6 +155,8 @@ class CuteSm90Backend:
         for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
             if buf is None and name == "dq" and rows is not None:
                 work.append(None)  # dQ goes into the shared rows' scratch
+            elif buf is None and accumulate:
+                work.append(None)  # not asked for: the kernel variant skips it (api.backward_problem)
             elif buf is None:
                 work.append(torch.empty(like.shape, dtype=like.dtype, device=like.device))
             elif self._kernel_ready(buf, 16 // buf.element_size()):

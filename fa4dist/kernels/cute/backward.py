@@ -67,6 +67,8 @@ class BwdConfig:
     # softcap: the derivative of the cap kept in fp16 registers from the S phase (True) or recovered from P
     # through a log2 (False); default_softcap_grad_regs says which is faster where
     softcap_grad_regs: bool = True
+    # "all", or only "dq" / only "dkv" (the cp_invariant engine's two passes; bwd_sm90.FlashBwdSm90)
+    grads: str = "all"
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -76,7 +78,7 @@ class BwdConfig:
             accumulate=self.accumulate, deterministic=self.deterministic, seg_offsets=self.seg_offsets,
             tile_m=self.tile_m, stmatrix_ds=self.stmatrix_ds, det_chunk=self.det_chunk,
             regs_mma=self.regs_mma, sanitize=self.sanitize, window_left=self.window_left, softcap=self.softcap,
-            masked_last=self.masked_last, softcap_grad_regs=self.softcap_grad_regs,
+            masked_last=self.masked_last, softcap_grad_regs=self.softcap_grad_regs, grads=self.grads,
         )
 
     def fake_args(self):
@@ -112,11 +114,13 @@ class PreConfig:
     tile_m: int
     varlen: bool
     deterministic: bool
+    zero_dq: bool = True  # False: the main kernel computes no dQ, so there is no scratch to zero
 
     def build(self):
         from .bwd_preprocess import BwdPreprocess
 
-        return BwdPreprocess(self.head_dim, self.tile_m, varlen=self.varlen, deterministic=self.deterministic)
+        return BwdPreprocess(self.head_dim, self.tile_m, varlen=self.varlen, deterministic=self.deterministic,
+                             zero_dq=self.zero_dq)
 
     def fake_args(self):
         import cutlass
@@ -127,7 +131,7 @@ class PreConfig:
         do = host.fake_tensor(dodt, qs, 16 // (dodt.width // 8))
         lse = host.fake_tensor(cutlass.Float32, ls, 1)
         lse2, dps, dqacc = (host.fake_flat(cutlass.Float32) for _ in range(3))
-        sem = host.fake_flat(cutlass.Int32) if self.deterministic else None
+        sem = host.fake_flat(cutlass.Int32) if self.deterministic and self.zero_dq else None
         cu_q = host.fake_i32() if self.varlen else None
         return (o, do, lse, lse2, dps, dqacc, sem, cutlass.Float32(1.0), cutlass.Int32(1), cu_q, host.fake_stream())
 
@@ -185,20 +189,20 @@ def default_softcap_grad_regs(head_dim: int) -> bool:
 
 
 def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, deterministic, dq_dtype, dkv_dtype,
-                 o_dtype, do_dtype, window_left=-1, softcap=0.0, **overrides):
+                 o_dtype, do_dtype, window_left=-1, softcap=0.0, grads="all", **overrides):
     tm = tile_m_for(head_dim)
     name = host.dtype_name(q_dtype)
     kw = dict(
         dtype=name, head_dim=head_dim, causal=bool(causal), varlen=bool(varlen), seg_offsets=bool(seg_offsets),
         accumulate=bool(accumulate), deterministic=bool(deterministic), dkv_fp32=dkv_dtype == torch.float32,
         tile_m=tm, window_left=int(window_left), softcap=float(softcap or 0.0),
-        softcap_grad_regs=default_softcap_grad_regs(head_dim),
+        softcap_grad_regs=default_softcap_grad_regs(head_dim), grads=grads,
     )
     kw.update(_OVERRIDE)
     kw.update(overrides)
     main = BwdConfig(**kw)
     pre = PreConfig(o_dtype=host.dtype_name(o_dtype), do_dtype=host.dtype_name(do_dtype), head_dim=head_dim,
-                    tile_m=tm, varlen=bool(varlen), deterministic=bool(deterministic))
+                    tile_m=tm, varlen=bool(varlen), deterministic=bool(deterministic), zero_dq=grads != "dkv")
     post = PostConfig(dtype=name, dq_fp32=dq_dtype == torch.float32, head_dim=head_dim, tile_m=tm,
                       varlen=bool(varlen), accumulate=bool(accumulate))
     return pre, main, post
@@ -284,6 +288,7 @@ def backward(
     q_offset / k_offset: ints, or int32 tensors / sequences with one global offset per sequence or segment.
     window_left >= 0 (causal only): the sliding window's lower edge, and softcap, as in forward.forward.
     rows: a :class:`SharedRows` whose rows [q_start, ...) these queries are: dQ goes into its scratch (dq unused).
+    With accumulate=True, dq = None or dk = dv = None skips those gradients (a variant without their GEMMs).
     """
     for step in launch_steps(
         dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal, q_offset=q_offset,
@@ -367,11 +372,20 @@ def launch_steps(
     if out.stride(-1) != 1:
         out = out.contiguous()
 
+    grads = "all"
+    if dk is None or dv is None or (dq is None and rows is None):
+        if not accumulate or rows is not None or (dk is None) != (dv is None) or (dq is None and dk is None):
+            raise ValueError("the cute backward skips gradients only when accumulating: dq=None, or dk=dv=None")
+        grads = "dq" if dk is None else "dkv"
     pre_cfg, main_cfg, post_cfg = make_configs(
         q.dtype, d, causal=causal, varlen=varlen, seg_offsets=seg_offsets, accumulate=accumulate,
-        deterministic=deterministic, dq_dtype=torch.float32 if rows is not None else dq.dtype, dkv_dtype=dk.dtype,
-        o_dtype=out.dtype, do_dtype=dout.dtype, window_left=window_left, softcap=softcap, **overrides,
+        deterministic=deterministic, dq_dtype=torch.float32 if dq is None else dq.dtype,
+        dkv_dtype=torch.float32 if dk is None else dk.dtype, o_dtype=out.dtype, do_dtype=dout.dtype,
+        window_left=window_left, softcap=softcap, grads=grads, **overrides,
     )
+    if grads == "dq":  # never written (the kernel's dK / dV stores are compiled out); shaped like k for its checks
+        dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     scale = float(softmax_scale)
     scale_log2 = host.score_scale(scale, softcap)
     if rows is not None:
@@ -384,7 +398,8 @@ def launch_steps(
                                diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k)
         # deterministic: the dQ tickets count from 0 again for this launch's key tiles
         return ([sem.zero_] if sem is not None else []) + [main]
-    pre_fn, main_fn, post_fn = (host.get_compiled(c) for c in (pre_cfg, main_cfg, post_cfg))
+    pre_fn, main_fn = host.get_compiled(pre_cfg), host.get_compiled(main_cfg)
+    post_fn = host.get_compiled(post_cfg) if grads != "dkv" else None
 
     # scratch: one chunk per (query tile, head); sequences padded to whole tiles
     if varlen:
@@ -399,9 +414,17 @@ def launch_steps(
     n_chunks = n_blocks * hq
     lse2 = torch.empty(n_chunks * tm, dtype=torch.float32, device=device)
     dpsum = torch.empty(n_chunks * tm, dtype=torch.float32, device=device)
+    msk = max(msk, 1)
+    if grads == "dkv":  # no dQ: no scratch, no tickets (one chunk and one ticket satisfy the signature)
+        dq_acc = torch.empty(tm * d, dtype=torch.float32, device=device)
+        sem = torch.empty(1, dtype=torch.int32, device=device) if deterministic else None
+        return [
+            lambda: pre_fn(out, dout, lse, lse2, dpsum, dq_acc, None, scale, m_grid, cu_seqlens_q),
+            lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, dq_acc, dk, dv, sem, scale, scale_log2, diag, msk,
+                            cu_seqlens_q, cu_seqlens_k, off_q, off_k),
+        ]
     dq_acc = torch.empty(n_chunks * tm * d, dtype=torch.float32, device=device)
     sem = torch.empty(n_chunks, dtype=torch.int32, device=device) if deterministic else None
-    msk = max(msk, 1)
     return [
         lambda: pre_fn(out, dout, lse, lse2, dpsum, dq_acc, sem, scale, m_grid, cu_seqlens_q),
         lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, dq_acc, dk, dv, sem, scale, scale_log2, diag, msk,

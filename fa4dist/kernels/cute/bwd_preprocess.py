@@ -6,7 +6,8 @@
 #                                                     so that P = exp2(S * scale_log2 - lse2) = 0 there)
 # written into tile-padded vectors indexed (chunk * heads + head) * tile_m + row, where
 # chunk = (first tile of the sequence) + tile. The same CTA zeroes the tile's fp32 dQ accumulator
-# chunk and, in deterministic mode, its semaphore, so the main kernel needs no memsets.
+# chunk and, in deterministic mode, its semaphore, so the main kernel needs no memsets (zero_dq=False: a
+# launch that computes no dQ has no scratch).
 #
 # This module imports cutlass at import time: import it lazily.
 
@@ -24,7 +25,9 @@ LOG2_E = math.log2(math.e)
 
 
 class BwdPreprocess:
-    def __init__(self, head_dim: int, tile_m: int, *, varlen: bool, deterministic: bool, num_threads: int = 128):
+    def __init__(self, head_dim: int, tile_m: int, *, varlen: bool, deterministic: bool, num_threads: int = 128,
+                 zero_dq: bool = True):
+        self.zero_dq = zero_dq
         self.head_dim = head_dim
         self.tile_m = tile_m
         self.varlen = varlen
@@ -120,17 +123,18 @@ class BwdPreprocess:
                             lse2 = lse * LOG2_E
                     gL2[r] = lse2
                     gDp[r] = acc * scale
-            # zero this tile's fp32 dQ accumulator chunk (16-byte stores)
-            n_chunks = cute.size(mdQacc.shape[0]) // (tm * D)
-            per_thread = tm * D // (4 * self.num_threads)
-            gacc = cute.make_tensor(
-                mdQacc.iterator,
-                cute.make_layout((4, self.num_threads, per_thread, n_chunks),
-                                 stride=(1, 4, 4 * self.num_threads, tm * D)),
-            )[None, tidx, None, chunk]
-            z = cute.make_rmem_tensor((4, per_thread), Float32)
-            z.fill(0.0)
-            cute.autovec_copy(z, gacc)
-            if const_expr(self.deterministic):
+            if const_expr(self.zero_dq):
+                # zero this tile's fp32 dQ accumulator chunk (16-byte stores)
+                n_chunks = cute.size(mdQacc.shape[0]) // (tm * D)
+                per_thread = tm * D // (4 * self.num_threads)
+                gacc = cute.make_tensor(
+                    mdQacc.iterator,
+                    cute.make_layout((4, self.num_threads, per_thread, n_chunks),
+                                     stride=(1, 4, 4 * self.num_threads, tm * D)),
+                )[None, tidx, None, chunk]
+                z = cute.make_rmem_tensor((4, per_thread), Float32)
+                z.fill(0.0)
+                cute.autovec_copy(z, gacc)
+            if const_expr(self.deterministic and self.zero_dq):
                 if tidx == 0:
                     mSem[chunk] = Int32(0)

@@ -97,8 +97,14 @@ class FlashBwdSm90:
         softcap: float = 0.0,
         masked_last: bool = True,
         softcap_grad_regs: bool = True,
+        grads: str = "all",
     ):
         assert head_dim in (64, 128)
+        # which gradients this variant computes: "all", "dq" (no dV / dK GEMMs, no dK / dV stores) or "dkv" (no
+        # dQ GEMM, no dS smem copy, no dQ writer, no tickets): the cp_invariant engine's two passes each need one
+        assert grads in ("all", "dq", "dkv"), grads
+        self.compute_dq = grads != "dkv"
+        self.compute_dkv = grads != "dq"
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -345,8 +351,9 @@ class FlashBwdSm90:
                 if has_work:
                     self.produce(io, tile, seqlen, rng)
             if warp_idx == 1:
-                if has_work:
-                    self.dq_writer(io, tile, seqlen, rng)
+                if const_expr(self.compute_dq):
+                    if has_work:
+                        self.dq_writer(io, tile, seqlen, rng)
             if const_expr(self.sanitize):
                 if warp_idx >= 2:
                     if has_work:
@@ -696,6 +703,12 @@ class FlashBwdSm90:
                         q_state = self.mma_step(st, q_state, m, True)
 
         # ---------------- dK / dV epilogue ----------------
+        if const_expr(self.compute_dkv):
+            self.store_dkv(io, st, thr_dkv, tile, seqlen, rng)
+
+    @cute.jit
+    def store_dkv(self, io: Context, st: Context, thr_dkv, tile, seqlen: SeqlenInfo, rng: Context):
+        acc_dK, acc_dV, tn = st.acc_dK, st.acc_dV, self.tile_n
         n_block, seqlen_k = tile.block, seqlen.seqlen_k
         write = rng.has_work
         if const_expr(not self.accumulate):
@@ -784,31 +797,38 @@ class FlashBwdSm90:
                 acc_dP_mn[r, c] = ds
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         rdS.store(acc_dP.load().to(self.dtype))
-        st.tdKrdS.store(acc_to_operand_a(rdS).load())
-        # (4) dV += P^T dO, issued after dS is computed (GPU run 1: 4-15 % faster than before it, fewer live
-        # registers)
-        st.tdVrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
-        self.gemm(st.tiled_mma_dkv, st.acc_dV, st.tdVrP, st.tdVrdOt[None, None, None, stage], False)
-        # dS^T -> smem, as the (tm, tn) K-major A operand of dQ = dS K
-        self.store_ds(st, rdS, stage)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=int(BwdBarrier.PDS), number_of_threads=256)
-
-        # (6) dQ = dS K ; (7) dK += dS^T Q
-        if const_expr(self.sanitize):
-            st.pipe_kv.sync_object_full.wait(0, 0)  # the sanitized K (a completed phase: returns at once)
-        acc_dQ = cute.make_rmem_tensor(st.dq_shape, Float32)
-        self.gemm(st.tiled_mma_dq, acc_dQ, st.tdQrdS[None, None, None, stage], st.tdQrKt, True)
-        self.gemm(st.tiled_mma_dkv, st.acc_dK, st.tdKrdS, st.tdKrQt[None, None, None, stage], False)
-        warpgroup.wait_group(1)  # dV and dQ done
+        if const_expr(self.compute_dkv):
+            st.tdKrdS.store(acc_to_operand_a(rdS).load())
+            # (4) dV += P^T dO, issued after dS is computed (GPU run 1: 4-15 % faster than before it, fewer live
+            # registers)
+            st.tdVrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
+            self.gemm(st.tiled_mma_dkv, st.acc_dV, st.tdVrP, st.tdVrdOt[None, None, None, stage], False)
+        acc_dQ = None
+        if const_expr(self.compute_dq):
+            # dS^T -> smem, as the (tm, tn) K-major A operand of dQ = dS K
+            self.store_ds(st, rdS, stage)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=int(BwdBarrier.PDS), number_of_threads=256)
+            # (6) dQ = dS K
+            if const_expr(self.sanitize):
+                st.pipe_kv.sync_object_full.wait(0, 0)  # the sanitized K (a completed phase: returns at once)
+            acc_dQ = cute.make_rmem_tensor(st.dq_shape, Float32)
+            self.gemm(st.tiled_mma_dq, acc_dQ, st.tdQrdS[None, None, None, stage], st.tdQrKt, True)
+        if const_expr(self.compute_dkv):
+            # (7) dK += dS^T Q
+            self.gemm(st.tiled_mma_dkv, st.acc_dK, st.tdKrdS, st.tdKrQt[None, None, None, stage], False)
+            warpgroup.wait_group(1)  # dV (and dQ) done: only dK may be in flight
+        else:
+            warpgroup.wait_group(0)  # dQ done
         st.pipe_do.consumer_release(q_state)
 
-        # dQ tile -> smem (fragment order) for the writer warp
-        cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_WG0) + st.wg, number_of_threads=160)
-        rdQ = cute.make_tensor(acc_dQ.iterator, cute.make_layout(st.tdQsdQ.shape))
-        cute.autovec_copy(rdQ, st.tdQsdQ)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_FULL_WG0) + st.wg, number_of_threads=160)
+        if const_expr(self.compute_dq):
+            # dQ tile -> smem (fragment order) for the writer warp
+            cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_WG0) + st.wg, number_of_threads=160)
+            rdQ = cute.make_tensor(acc_dQ.iterator, cute.make_layout(st.tdQsdQ.shape))
+            cute.autovec_copy(rdQ, st.tdQsdQ)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_FULL_WG0) + st.wg, number_of_threads=160)
 
         warpgroup.wait_group(0)  # dK done
         st.pipe_q.consumer_release(q_state)
