@@ -70,7 +70,7 @@ def rel_err(a, b):
 def parse_variants(specs):
     """["fwd:rescale_threshold=0.0", "bwd-det:det_chunk=8", "d64:fwd:tile_m=128"] -> [(name, headdim|None,
     direction, overrides)]; direction fwd, bwd, or bwd-det (deterministic rows only). Values are parsed as int,
-    float (with a point) or bool (true / false): write them as the config field's type."""
+    float (with a point), bool (true / false) or else kept as words: write them as the config field's type."""
     out = []
     for spec in specs or []:
         parts = spec.split(":")
@@ -89,7 +89,10 @@ def parse_variants(specs):
                 try:
                     kw[key] = int(val)
                 except ValueError:
-                    kw[key] = float(val)
+                    try:
+                        kw[key] = float(val)
+                    except ValueError:
+                        kw[key] = val  # a word (grads=dq)
         out.append((f"cute[{spec}]", d, direction, kw))
     return out
 
