@@ -38,10 +38,10 @@ def _bad_rows(*tensors: torch.Tensor) -> torch.Tensor:
     return bad
 
 
-def _clean(t: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
-    """Every non-finite entry zeroed (one vectorised pass; ``bad`` is not needed). Zeroing the entries rather than
-    the rows they sit in gives the same results: the masked products are 0 x finite either way, and everything a
-    bad row reaches through a visible pair is poisoned afterwards."""
+def _clean(t: torch.Tensor) -> torch.Tensor:
+    """Every non-finite entry zeroed (one vectorised pass). Zeroing the entries rather than the rows they sit in
+    gives the same results: the masked products are 0 x finite either way, and everything a bad row reaches
+    through a visible pair is poisoned afterwards."""
     return torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
 
 
@@ -107,14 +107,14 @@ def guarded_forward(kernel, q, k, v, lo: Optional[int] = None, hi: Optional[int]
     """``kernel(q, k, v) -> (out, lse)`` for a block whose row i sees keys ``lo <= j - i <= hi`` (every row at
     least one), with the clean/poison rule."""
     bad_k, bad_v, bad_q = _bad_rows(k), _bad_rows(v), _bad_rows(q)
-    out, lse = kernel(q, _clean(k, bad_k), _clean(v, bad_v))
+    out, lse = kernel(q, _clean(k), _clean(v))
     n, heads_q = q.shape[-3], q.shape[-2]
-    sees_bad_k = _to_query_heads(_band_any(bad_k, n, lo, hi, cu_seqlens), heads_q)
-    sees_bad_v = _to_query_heads(_band_any(bad_v, n, lo, hi, cu_seqlens), heads_q)
+    # keys and values in one band query (each op costs host time: at short sequences the guard is host-bound)
+    sees_bad_k, sees_bad_v = _to_query_heads(_band_any(torch.stack((bad_k, bad_v)), n, lo, hi, cu_seqlens),
+                                             heads_q).unbind(0)
     lse_bad = sees_bad_k | bad_q
-    out = torch.where((lse_bad | sees_bad_v).unsqueeze(-1), torch.full((), NAN, dtype=out.dtype, device=out.device),
-                      out)
-    lse = torch.where(_lse_layout(lse_bad), torch.full((), NAN, dtype=lse.dtype, device=lse.device), lse)
+    out = out.masked_fill((lse_bad | sees_bad_v).unsqueeze(-1), NAN)
+    lse = lse.masked_fill(_lse_layout(lse_bad), NAN)
     return out, lse
 
 
@@ -127,13 +127,13 @@ def guarded_backward(kernel, dout, q, k, v, out, lse, lo: Optional[int] = None, 
     bad_row = _bad_rows(q, dout, out) | ~torch.isfinite(_lse_layout(lse))
     bad_key = _bad_rows(k, v)
     zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
-    dq, dk, dv = kernel(_clean(dout, bad_row), _clean(q, bad_row), _clean(k, bad_key), _clean(v, bad_key),
-                        _clean(out, bad_row), torch.where(_lse_layout(bad_row), zero, lse))
+    dq, dk, dv = kernel(_clean(dout), _clean(q), _clean(k), _clean(v), _clean(out),
+                        torch.where(_lse_layout(bad_row), zero, lse))
     row_poisoned = bad_row | _to_query_heads(_band_any(bad_key, n, lo, hi, cu_seqlens), heads_q)
     key_poisoned = bad_key | _to_kv_heads(_band_any(bad_row, m, *_seen_by(lo, hi), cu_seqlens), heads_kv)
 
     def poison(g, flags):
-        return torch.where(flags.unsqueeze(-1), torch.full((), NAN, dtype=g.dtype, device=g.device), g)
+        return g.masked_fill(flags.unsqueeze(-1), NAN)
 
     return poison(dq, row_poisoned), poison(dk, key_poisoned), poison(dv, key_poisoned)
 
