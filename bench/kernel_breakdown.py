@@ -21,21 +21,16 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import fa4dist  # noqa: E402
+from calls import add_problem_args, make_calls  # noqa: E402  (bench/, the script's folder)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqlen", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--headdim", type=int, default=128)
-    p.add_argument("--no-causal", dest="causal", action="store_false")
+    add_problem_args(p)
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--calls", type=int, default=20, help="profiled calls per pass (kernel times are their mean)")
-    p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     return p.parse_args(argv)
 
 
@@ -70,21 +65,8 @@ def profile(fn, calls: int) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    torch.manual_seed(0)
     torch.use_deterministic_algorithms(args.deterministic)
-    shape = (args.batch, args.seqlen, args.heads, args.headdim)
-    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    libs = {"ours": lambda: fa4dist.attention(*leaves, causal=args.causal)}
-    try:
-        from flash_attn.cute import flash_attn_func
-
-        def fa4():
-            out = flash_attn_func(*leaves, causal=args.causal, deterministic=args.deterministic)
-            return out[0] if isinstance(out, tuple) else out
-        libs["flash-attn-4"] = fa4
-    except ImportError:
-        pass
+    libs, dout = make_calls(args, args.deterministic)
     result = {}
     for name, fn in libs.items():
         with torch.no_grad():

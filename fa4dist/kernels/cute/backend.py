@@ -12,7 +12,6 @@ not expressible and falls back.
 
 from __future__ import annotations
 
-
 import torch
 
 from . import forward as _fwd

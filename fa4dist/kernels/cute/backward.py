@@ -14,8 +14,8 @@ max_seqlen_k for packed input, otherwise the grids are sized by the token counts
 from __future__ import annotations
 
 import math
-from typing import Optional
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 

@@ -271,8 +271,7 @@ def forward(
     if fn is None:
         cfg = make_config(q.dtype, d, causal=causal, varlen=varlen, accumulate=accumulate,
                           seg_offsets=seg_offsets, out_fp32=out_fp32, window_left=window_left, softcap=softcap,
-                          sinks=has_sinks,
-                          **overrides)
+                          sinks=has_sinks, **overrides)
         fn = host.get_compiled(cfg)
         if not overrides and not _OVERRIDE:
             _FAST[fast_key] = fn
