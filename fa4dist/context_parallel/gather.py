@@ -3,22 +3,24 @@
 Drop-in for the ring engine (:mod:`fa4dist.context_parallel.ring`) when ``cp_invariant=True``; the numerics rule is
 in :mod:`fa4dist.kernels.invariant`.  Forward: the members' K/V are all-gathered into the whole sequence, and each
 member makes, for each of its blocks (each document piece of it), the one call a single device makes for those
-rows: against all keys of the document.  Backward, in two passes: (1) K/V gathered again, the same calls give the
-member's dq; (2) Q, dO, out and lse gathered, calls of all of a document's queries against the member's own keys
-give its dk/dv. Each pass asks only for its gradients: the CuTe kernels then run 3 (dq) and 4 (dk/dv) of the
-backward's 5 GEMMs per tile, and the second pass has no dQ tickets.  No merge and no cross-rank sum ever rounds
-anything, so the bits do not depend on the layout.
+rows: against all keys of the document.  Backward, in one pass: Q, dO, out, lse and K/V are gathered; each member
+makes, for the canonical key tiles its keys start, one call of all of the document's queries against them (dq in
+int64 fixed point for every query, dk/dv of its keys), plus a dk/dv-only call for a tile it holds the tail of.
+The int64 dq of all rows is then summed over the members (each receives its own rows: integer sums, exact in any
+order) and converted once.  No merge and no cross-rank sum ever rounds anything, so the bits do not depend on the
+layout.
 
-It trades the ring's memory (only two K/V blocks in flight) and one-pass backward for that: the whole sequence's
-K/V (and, in the backward, Q, dO, out) sit on every member, and the backward computes about 1.4 times the ring's
-work (twice before each pass skipped the other's GEMMs).
+It trades the ring's memory (only two K/V blocks in flight) for that: the whole sequence's K/V, Q, dO and out sit
+on every member in the backward, with an int64 dq of all its rows (8 bytes per element), and one exchange of
+that dq (each member sends every other member the rows it owns).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels import invariant
+from ..kernels import fixed_point, invariant
+from ..kernels.problem import check_softmax_scale
 from ..kernels.worklist import WorkItem
 from .ring import Accumulators, RingPeers
 from .schedule import Schedule
@@ -67,11 +69,37 @@ def row_items(sched: Schedule, member: int) -> list[WorkItem]:
             for row, n, _, pos, doc_start, doc_len in _pieces(sched, member)]
 
 
-def key_items(sched: Schedule, member: int) -> list[WorkItem]:
-    """All queries of a document (in the gathered sequence) against the member's keys (local)."""
+def key_calls(sched: Schedule, member: int) -> list[invariant.KeyCall]:
+    """The backward's calls for the member's keys: all queries of a document (in the gathered sequence) against
+    the canonical key tiles (in the gathered sequence) the member's pieces start or hold the tail of; dk/dv kept
+    at the member's local rows."""
     mask = dict(causal=sched.mask.causal, window=sched.mask.window)
-    return [WorkItem(doc_start, doc_len, row, n, 0, pos, **mask)
-            for row, n, _, pos, doc_start, doc_len in _pieces(sched, member)]
+    calls = []
+    for row, n, _, pos, doc_start, doc_len in _pieces(sched, member):
+        calls += invariant.key_calls(doc_start, doc_len, doc_start, doc_len, pos, n, row, **mask)
+    return calls
+
+
+def member_rows(sched: Schedule, member: int, full: torch.Tensor, seq_dim: int) -> torch.Tensor:
+    """A member's rows of a whole-sequence tensor, in its local layout (the inverse of :func:`gather_members`)."""
+    layout = sched.members[member]
+    return torch.cat([full.narrow(seq_dim, b.start, b.length) for b in layout.blocks], dim=seq_dim) \
+        if layout.blocks else full.narrow(seq_dim, 0, 0)
+
+
+def sum_members(sched: Schedule, ring: RingPeers, full: torch.Tensor, seq_dim: int, what: str) -> torch.Tensor:
+    """This member's rows of the sum over members of a whole-sequence integer tensor (exact in any order)."""
+    me = ring.index
+    total = member_rows(sched, me, full, seq_dim).clone()
+    if sched.ring_size == 1:
+        return total
+    peers = [m for m in range(sched.ring_size) if m != me]
+    recvs = {m: torch.empty_like(total) for m in peers}
+    ring.transport.post_tagged([(member_rows(sched, m, full, seq_dim), ring.ranks[m], 31) for m in peers],
+                               [(recvs[m], ring.ranks[m], 31) for m in peers], what).wait()
+    for m in peers:
+        total += recvs[m]
+    return total
 
 
 def _expand(k: torch.Tensor, head_map: torch.Tensor) -> torch.Tensor:
@@ -100,18 +128,22 @@ def gather_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, o
     head's query heads in ascending order with :func:`fa4dist.kernels.invariant.sum_group`)."""
     packed = sched.plan.packed
     sd = 0 if packed else 1
+    lse_sd = _lse_seq_dim(packed)
     m = ring.index
     full_k = _expand(gather_members(sched, ring, k, sd, "the invariant backward's K"), head_map)
     full_v = _expand(gather_members(sched, ring, v, sd, "the invariant backward's V"), head_map)
-    dq, _, _ = invariant.backward(dout, q, full_k, full_v, out, lse, row_items(sched, m),
-                                  softmax_scale=opts.softmax_scale, softcap=opts.softcap, backend=opts.backend,
-                                  grads="dq")
-    del full_k, full_v
-    full = [gather_members(sched, ring, t, sd, f"the invariant backward's {name}")
-            for t, name in ((q, "Q"), (dout, "dO"), (out, "out"))]
-    full_lse = gather_members(sched, ring, lse, _lse_seq_dim(packed), "the invariant backward's lse")
-    local_k, local_v = _expand(k, head_map), _expand(v, head_map)
-    _, dk, dv = invariant.backward(full[1], full[0], local_k, local_v, full[2], full_lse,
-                                   key_items(sched, m), softmax_scale=opts.softmax_scale, softcap=opts.softcap,
-                                   backend=opts.backend, grads="dkv")
+    full_q, full_do, full_out = (gather_members(sched, ring, t, sd, f"the invariant backward's {name}")
+                                 for t, name in ((q, "Q"), (dout, "dO"), (out, "out")))
+    full_lse = gather_members(sched, ring, lse, lse_sd, "the invariant backward's lse")
+    scale = fixed_point.dq_scale(full_do, full_out, fixed_point.head_absmax(full_k), fixed_point.head_absmax(full_v),
+                                 check_softmax_scale(opts.softmax_scale, q.shape[-1]))
+    acc = invariant.accum_dtype(q.dtype)
+    dq_fixed = torch.zeros(full_q.shape, dtype=torch.int64, device=q.device)
+    dk = torch.zeros(*k.shape[:-2], full_k.shape[-2], k.shape[-1], dtype=acc, device=k.device)
+    dv = torch.zeros(*v.shape[:-2], full_v.shape[-2], v.shape[-1], dtype=acc, device=v.device)
+    invariant.backward(full_do, full_q, full_k, full_v, full_out, full_lse, key_calls(sched, m), dq_fixed, scale, dk,
+                       dv, softmax_scale=opts.softmax_scale, softcap=opts.softcap, backend=opts.backend)
+    del full_k, full_v, full_q, full_do, full_out, full_lse
+    mine = sum_members(sched, ring, dq_fixed, sd, "the invariant backward's fixed-point dq")
+    dq = fixed_point.from_fixed(mine, member_rows(sched, m, scale, lse_sd), acc)
     return dq, dk, dv

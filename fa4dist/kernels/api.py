@@ -138,6 +138,7 @@ def attention_backward(
     accumulate: bool = False,
     backend: str = "auto",
     cp_invariant: bool = False,
+    dq_scale: Optional[torch.Tensor] = None,
 ):
     """Gradients of one block given the *global* out and lse (those of the whole key range, as a ring has them).
 
@@ -149,6 +150,12 @@ def attention_backward(
     With ``sinks`` it returns ``(dq, dk, dv, dsinks)``, dsinks (heads_q,) in fp32 (fp64 for fp64 inputs), written
     or (``accumulate=True``) added into ``dsinks=`` when given.  dq, dk, dv do not depend on it (the global lse
     already holds the sinks); dsinks sums over these rows, so pass ``sinks`` to one call per row, as forward.
+
+    ``dq_scale`` (with ``cp_invariant=True`` and ``accumulate=True``): dq is an int64 buffer of fixed-point sums
+    (:mod:`fa4dist.kernels.fixed_point`): each canonical key tile's contribution (tiles of ``KEY_TILE`` keys from
+    the block's first key) times its row's scale (fp32 powers of two in lse's layout, from
+    :func:`~fa4dist.kernels.fixed_point.dq_scale`) is truncated and added.  The order of those integer adds does
+    not matter, so any split of the keys over calls (on tile boundaries) sums to the same bits.
     """
     problem = validate_inputs(
         q, k, v, causal=causal, window=window, softcap=softcap, sinks=sinks, softmax_scale=softmax_scale,
@@ -156,11 +163,12 @@ def attention_backward(
         cp_invariant=cp_invariant,
     )
     return backward_problem(problem, dout, q, k, v, out, lse, sinks=sinks, deterministic=deterministic, dq=dq, dk=dk,
-                            dv=dv, dsinks=dsinks, accumulate=accumulate, backend=backend)
+                            dv=dv, dsinks=dsinks, accumulate=accumulate, backend=backend, dq_scale=dq_scale)
 
 
 def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sinks=None, deterministic=None,
-                     dq=None, dk=None, dv=None, dsinks=None, accumulate=False, backend: str = "auto"):
+                     dq=None, dk=None, dv=None, dsinks=None, accumulate=False, backend: str = "auto",
+                     dq_scale=None):
     """:func:`attention_backward` of a problem already validated from these tensors and options (as
     :func:`forward_problem`)."""
     acc = _accum_dtypes(problem)
@@ -175,8 +183,17 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
                          "neither is computed)")
     if accumulate and dq is None and dk is None:
         raise ValueError("accumulate=True needs fp32 buffers to add into: dq, or dk and dv, or all three")
+    if dq_scale is not None:
+        if not (problem.cp_invariant and accumulate and dq is not None):
+            raise ValueError("dq_scale= (the fixed-point dq) needs cp_invariant=True, accumulate=True and an int64 dq")
+        if sinks is not None:
+            raise ValueError("the fixed-point dq does not support sinks (pass sinks=None)")
+        check_buffer("dq_scale", dq_scale, problem.lse_shape(), problem.device, (torch.float32,))
     for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        check_buffer(name, buf, tuple(like.shape), problem.device, acc if accumulate else (problem.dtype,) + acc)
+        want = acc if accumulate else (problem.dtype,) + acc
+        if name == "dq" and dq_scale is not None:
+            want = (torch.int64,)
+        check_buffer(name, buf, tuple(like.shape), problem.device, want)
     if dsinks is not None:
         if sinks is None:
             raise ValueError("dsinks= is the buffer of the sinks' gradient: pass sinks= too")
@@ -184,12 +201,17 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     impl = select_backend(backend, problem, "backward")
+    fixed = {}
+    if dq_scale is not None:
+        if not getattr(impl, "fixed_point_dq", False):
+            raise ValueError(f"backend {impl.name!r} has no fixed-point dq (dq_scale=); the reference and cute do")
+        fixed = dict(dq_scale=dq_scale)
     if impl.fused_epilogue:
         result = tuple(impl.backward(
-            problem, dout, q, k, v, out, lse, deterministic, dq=dq, dk=dk, dv=dv, accumulate=accumulate
+            problem, dout, q, k, v, out, lse, deterministic, dq=dq, dk=dk, dv=dv, accumulate=accumulate, **fixed
         ))
     else:
-        block = impl.backward(problem, dout, q, k, v, out, lse, deterministic)
+        block = impl.backward(problem, dout, q, k, v, out, lse, deterministic, **fixed)
         result = []
         for buf, g in zip((dq, dk, dv), block):
             if buf is None and accumulate:

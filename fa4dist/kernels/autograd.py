@@ -56,8 +56,9 @@ class _InvariantAttentionFunction(torch.autograd.Function):
             raise RuntimeError("cp_invariant=True attention is differentiable once (create_graph=True is not "
                                "supported in this mode)")
         k_e, v_e = invariant.expand_kv(k, ctx.group), invariant.expand_kv(v, ctx.group)
-        dq, dk, dv = invariant.backward(dout.contiguous(), q, k_e, v_e, out, lse, ctx.items, softmax_scale=ctx.scale,
-                                        softcap=ctx.softcap, backend=ctx.backend)
+        dq, dk, dv = invariant.single_device_backward(dout.contiguous(), q, k_e, v_e, out, lse, ctx.items,
+                                                      softmax_scale=ctx.scale, softcap=ctx.softcap,
+                                                      backend=ctx.backend)
         dk, dv = (invariant.sum_group(g, ctx.group) for g in (dk, dv))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 

@@ -2,30 +2,41 @@
 
 The rule (for any backend, compared with itself):
 
-- a query row's ``out``, ``lse`` and ``dq`` come from one contract call whose keys are *all* the keys of the row's
+- a query row's ``out`` and ``lse`` come from one contract call whose keys are *all* the keys of the row's
   document (sequence or packed segment), starting at the document's first key: the backend's key tiles then sit
   at the same document positions whatever the layout, and a row's result depends only on the row;
-- a key's ``dk`` and ``dv`` come from one contract call whose queries are *all* the queries of its document,
-  starting at the first: the query tiles whose contributions a key sums are the same in every layout;
-- results are computed into fp32 buffers (``accumulate`` into zeros) and rounded to the input dtype once;
+- keys are cut into canonical tiles of ``fixed_point.KEY_TILE`` keys counted from the document's first key.  A
+  key's ``dk`` and ``dv`` come from a call over whole canonical tiles (the one holding the key, or a run of them)
+  against *all* queries of its document, starting at the first: the query tiles a key sums, and their order,
+  are the same in every layout;
+- a row's ``dq`` is the sum, over the canonical key tiles it sees, of each tile's contribution, each computed in a
+  call over whole tiles and added in int64 fixed point (:mod:`fa4dist.kernels.fixed_point`) with a per-row scale
+  fixed from layout-free maxima: integer sums do not depend on their order, so any assignment of tiles to calls
+  and ranks gives the same integers, converted once;
+- out, dk and dv are computed into fp32 buffers (``accumulate`` into zeros) and rounded to the input dtype once;
 - GQA: keys and values are expanded to one head per query head, so ``dk``/``dv`` exist per query head, and a
   key/value head's gradient is the sum over its query heads in ascending head order (never a sum over a subset
   first, which is what a Ulysses head split would otherwise do).
 
-One device computes it with one call per document (the backward's one call gives both the rows' dq and the keys'
-dk/dv); context parallelism gathers the other ranks' keys (forward, dq) and queries (dk, dv) and makes the same
-calls for its own rows and keys (:mod:`fa4dist.context_parallel.gather`).  Backends must be row-independent and
-deterministic (the reference is; the CuTe kernels are by construction, in deterministic mode).
+One device computes it with one forward call per document and one backward call per document (all its key tiles:
+dq, dk and dv at once); context parallelism gathers the other ranks' keys (forward) and queries (backward), makes
+the calls for its own rows and for the canonical tiles its keys start, and sums the int64 dq over the ranks
+(:mod:`fa4dist.context_parallel.gather`).  Backends must be row-independent and deterministic, and have the
+fixed-point dq (the reference and the CuTe kernels do).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .worklist import WorkItem, attention_backward_items, attention_forward_items
+from . import fixed_point
+from .api import attention_backward
+from .problem import check_softmax_scale
+from .worklist import WorkItem, attention_forward_items, lse_token_rows, token_rows
 
 
 ENV = "FA4DIST_CP_INVARIANT"
@@ -74,19 +85,87 @@ def forward(q, k, v, items: list[WorkItem], *, softmax_scale=None, softcap=None,
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, items: list[WorkItem], *, softmax_scale=None, softcap=None, backend="auto",
-             grads: str = "all"):
-    """fp32 (dq, dk, dv) of the items (keys already expanded; deterministic kernels), added into zeros.
-    ``grads="dq"`` / ``"dkv"``: only those (the others are None and not computed; the kept ones have the same bits
-    as with ``"all"``, since each is its own sum in the kernels)."""
-    if grads not in ("all", "dq", "dkv"):
-        raise ValueError(f"grads must be 'all', 'dq' or 'dkv', got {grads!r}")
+@dataclass(frozen=True)
+class KeyCall:
+    """One contract call of the invariant backward: all queries of a document against whole canonical key tiles.
+    ``dq``: the call adds its tiles' fixed-point dq (False: the first tile starts in another caller's keys, which
+    adds its dq; this call is for dk/dv).  Keys ``[keep, keep + keep_len)`` of the call are the caller's: their
+    dk/dv go to rows ``[dest, dest + keep_len)`` of its buffers."""
+
+    item: WorkItem
+    dq: bool
+    keep: int
+    keep_len: int
+    dest: int
+
+
+def key_calls(q_start: int, q_len: int, k_start: int, k_len: int, pos: int, n: int, dest: int, *, causal: bool,
+              window=(-1, -1)) -> list[KeyCall]:
+    """The calls for a caller's keys at positions ``[pos, pos + n)`` of one document: its queries are rows
+    ``[q_start, q_start + q_len)`` of q and its keys rows ``[k_start, k_start + k_len)`` of k (first of each at
+    position 0); the keys' dk/dv go to rows ``[dest, dest + n)``.  At most two calls: the head of a tile that
+    starts before ``pos`` (dk/dv only), then every tile that starts in ``[pos, pos + n)``, through the end of the
+    last one (its keys past ``pos + n`` are another caller's: their dk/dv are computed and dropped)."""
+    tile = fixed_point.KEY_TILE
+    end = pos + n
+    first = pos - pos % tile
+    calls = []
+
+    def item(lo, hi):
+        return WorkItem(q_start, q_len, k_start + lo, hi - lo, 0, lo, causal=causal, window=window)
+
+    if first < pos:
+        tile_end = min(first + tile, k_len)
+        calls.append(KeyCall(item(first, tile_end), False, pos - first, min(end, tile_end) - pos, dest))
+        first += tile
+    if first < end:
+        stop = min(-(-end // tile) * tile, k_len)
+        calls.append(KeyCall(item(first, stop), True, 0, end - first, dest + first - pos))
+    return calls
+
+
+def backward(dout, q, k, v, out, lse, calls: list[KeyCall], dq_fixed: torch.Tensor, dq_scale: torch.Tensor, dk,
+             dv, *, softmax_scale=None, softcap=None, backend="auto"):
+    """Adds the calls' int64 dq into ``dq_fixed`` (q's rows; ``dq_scale`` from :func:`fixed_point.dq_scale`) and
+    writes the calls' kept dk/dv into the fp32 ``dk``/``dv`` (zeros; keys already expanded).  Packed
+    ``(t, h, d)`` or dense ``(b, s, h, d)`` tensors (then every call applies to every batch element)."""
+    packed = q.dim() == 3
+    seq_dim = 0 if packed else 1
+    for call in calls:
+        it = call.item
+        if it.q_len == 0 or it.k_len == 0:
+            continue
+        qs, ks = (it.q_start, it.q_len), (it.k_start, it.k_len)
+        rows = [token_rows(t, seq_dim, *qs, packed) for t in (dout, q, out)]
+        keys = [token_rows(t, seq_dim, *ks, packed) for t in (k, v)]
+        kept = [token_rows(t, seq_dim, call.dest, call.keep_len, packed) for t in (dk, dv)]
+        whole = call.keep == 0 and call.keep_len == it.k_len
+        grads = kept if whole else [torch.zeros(t.shape, dtype=dk.dtype, device=t.device) for t in keys]
+        attention_backward(
+            rows[0], rows[1], keys[0], keys[1], rows[2], lse_token_rows(lse, packed, *qs),
+            softmax_scale=softmax_scale, softcap=softcap, deterministic=True, accumulate=True, backend=backend,
+            cp_invariant=True, dq=token_rows(dq_fixed, seq_dim, *qs, packed) if call.dq else None,
+            dq_scale=lse_token_rows(dq_scale, packed, *qs) if call.dq else None, dk=grads[0], dv=grads[1],
+            **it.mask_kwargs(),
+        )
+        if not whole:
+            for dst, src in zip(kept, grads):
+                dst.copy_(src.narrow(1, call.keep, call.keep_len))
+
+
+def single_device_backward(dout, q, k, v, out, lse, items: list[WorkItem], *, softmax_scale=None, softcap=None,
+                           backend="auto"):
+    """fp32 (dq, dk, dv) of one device (keys already expanded): one call per item (a document's queries against
+    all its keys, from :func:`single_device_items`)."""
     acc = accum_dtype(q.dtype)
-    wanted = {"all": (True, True, True), "dq": (True, False, False), "dkv": (False, True, True)}[grads]
-    bufs = [torch.zeros(t.shape, dtype=acc, device=t.device) if want else None for t, want in zip((q, k, v), wanted)]
-    attention_backward_items(dout, q, k, v, out, lse, items, *bufs, softmax_scale=softmax_scale, softcap=softcap,
-                             deterministic=True, backend=backend, cp_invariant=True)
-    return bufs
+    dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
+    dq_fixed = torch.zeros(q.shape, dtype=torch.int64, device=q.device)
+    scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    dq_scale = fixed_point.dq_scale(dout, out, fixed_point.head_absmax(k), fixed_point.head_absmax(v), scale)
+    calls = [KeyCall(it, True, 0, it.k_len, it.k_start) for it in items]
+    backward(dout, q, k, v, out, lse, calls, dq_fixed, dq_scale, dk, dv, softmax_scale=softmax_scale,
+             softcap=softcap, backend=backend)
+    return fixed_point.from_fixed(dq_fixed, dq_scale, acc), dk, dv
 
 
 def single_device_items(problem) -> list[WorkItem]:

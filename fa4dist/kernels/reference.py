@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from . import fixed_point
 from .mask import Mask, Visibility, block_visibility, visible, visible_rect
 from .problem import AttentionProblem
 
@@ -118,7 +119,8 @@ class _ShapeIndependent:
 
     @staticmethod
     def chunks(seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
-        return max(1, min(seqlen_q, 32)), max(1, min(seqlen_k, 128))
+        # keys in the canonical tiles of the fixed-point dq: a tile's contribution is one sum over its keys
+        return max(1, min(seqlen_q, 32)), max(1, min(seqlen_k, fixed_point.KEY_TILE))
 
     @staticmethod
     def _sum_last(product: torch.Tensor, keep, order) -> torch.Tensor:
@@ -192,14 +194,16 @@ def _forward_dense(p: AttentionProblem, q, k, v, q_offset: int, k_offset: int):
     return out.view(batch, seqlen_q, heads_q, head_dim_v), lse.view(batch, heads_q, seqlen_q)
 
 
-def _backward_dense(p: AttentionProblem, dout, q, k, v, out, lse, q_offset: int, k_offset: int):
-    """Gradients of one dense block given the *global* out and lse: returns dq, dk, dv in the accumulation dtype."""
+def _backward_dense(p: AttentionProblem, dout, q, k, v, out, lse, q_offset: int, k_offset: int, dq_scale=None):
+    """Gradients of one dense block given the *global* out and lse: returns dq, dk, dv in the accumulation dtype
+    (dq in int64 fixed point with ``dq_scale``, (b, h, s): one term per key tile, fa4dist.kernels.fixed_point)."""
     acc = accum_dtype(q.dtype)
     scale, ops = p.softmax_scale, _ops(p)
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
-    dq = torch.zeros(batch, seqlen_q, heads_kv, group, head_dim, dtype=acc, device=q.device)
+    dq = torch.zeros(batch, seqlen_q, heads_kv, group, head_dim, dtype=acc if dq_scale is None else torch.int64,
+                     device=q.device)
     dk = torch.zeros(batch, seqlen_k, heads_kv, head_dim, dtype=acc, device=q.device)
     dv = torch.zeros(batch, seqlen_k, heads_kv, v.shape[-1], dtype=acc, device=q.device)
     # delta_i = sum_d dout_i * out_i (rowsum of dP * P), from the global output.
@@ -216,6 +220,8 @@ def _backward_dense(p: AttentionProblem, dout, q, k, v, out, lse, q_offset: int,
         lse_shift = torch.where(torch.isneginf(lse_c), torch.zeros_like(lse_c), lse_c).unsqueeze(-1)
         delta_c = delta[..., qs : qs + ql].unsqueeze(-1)
         zero = torch.zeros((), dtype=acc, device=q.device)
+        if dq_scale is not None:  # (b, h, ql) -> (b, ql, h_kv, group, 1), as dq's rows
+            row_scale = dq_scale[..., qs : qs + ql].reshape(batch, heads_kv, group, ql).permute(0, 3, 1, 2)[..., None]
         for ks in _key_tiles(ql, seqlen_k, q_offset + qs, k_offset, p.mask, k_chunk):
             kl = min(k_chunk, seqlen_k - ks)
             vis, mask = _tile_mask(ql, kl, q_offset + qs, k_offset + ks, p.mask, q.device)
@@ -230,8 +236,11 @@ def _backward_dense(p: AttentionProblem, dout, q, k, v, out, lse, q_offset: int,
             dscores = torch.where(keep, probs * (dprobs - delta_c), zero)
             if p.softcap is not None:  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2 (masked pairs stay 0)
                 dscores = torch.where(keep, dscores * (1 - (scores / p.softcap) ** 2), zero)
-            dq_tile = ops.rows_from_keys(dscores, kc, keep)  # (b, h, g, q, d)
-            dq[:, qs : qs + ql] += dq_tile.permute(0, 3, 1, 2, 4) * scale
+            dq_tile = ops.rows_from_keys(dscores, kc, keep).permute(0, 3, 1, 2, 4) * scale  # (b, q, h, g, d)
+            if dq_scale is None:
+                dq[:, qs : qs + ql] += dq_tile
+            else:
+                dq[:, qs : qs + ql] += fixed_point.to_fixed(dq_tile, row_scale)
             dk[:, ks : ks + kl] += ops.keys_from_rows(dscores, qc, keep) * scale
     return dq.view(batch, seqlen_q, heads_q, head_dim), dk, dv
 
@@ -271,21 +280,27 @@ def forward(problem: AttentionProblem, q, k, v):
     return out, lse
 
 
-def backward(problem: AttentionProblem, dout, q, k, v, out, lse):
-    """Returns (dq, dk, dv) in the accumulation dtype for the block, given the global out and lse."""
+def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq_scale=None):
+    """Returns (dq, dk, dv) in the accumulation dtype for the block, given the global out and lse; with
+    ``dq_scale`` (lse's layout) dq is int64 fixed point (fa4dist.kernels.fixed_point; cp_invariant problems)."""
     p = problem
+    if dq_scale is not None and not p.cp_invariant:
+        raise ValueError("the fixed-point dq (dq_scale=) is computed on the canonical key tiles of cp_invariant=True")
     if not p.varlen and p.uniform_offsets:
-        return _backward_dense(p, dout, q, k, v, out, lse, p.q_offsets[0], p.k_offsets[0])
+        return _backward_dense(p, dout, q, k, v, out, lse, p.q_offsets[0], p.k_offsets[0], dq_scale)
     acc = accum_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dq = torch.zeros(q.shape, dtype=acc if dq_scale is None else torch.int64, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     lse_t = lse.transpose(0, 1) if p.varlen else lse  # packed lse is (heads, total): slice along tokens
     tensors = [(dout, "q"), (q, "q"), (k, "k"), (v, "k"), (out, "q"), (lse_t, "q")]
-    for (b, qs, ql, ks, kl, qo, ko), (dob, qb, kb, vb, ob, lb) in _per_sequence(p, tensors):
+    if dq_scale is not None:
+        tensors.append((dq_scale.transpose(0, 1) if p.varlen else dq_scale, "q"))
+    for (b, qs, ql, ks, kl, qo, ko), (dob, qb, kb, vb, ob, lb, *scale_b) in _per_sequence(p, tensors):
         if p.varlen:
             lb = lb.transpose(1, 2)  # (1, ql, heads) -> (1, heads, ql)
-        dqb, dkb, dvb = _backward_dense(p, dob, qb, kb, vb, ob, lb, qo, ko)
+            scale_b = [t.transpose(1, 2) for t in scale_b]
+        dqb, dkb, dvb = _backward_dense(p, dob, qb, kb, vb, ob, lb, qo, ko, *scale_b)
         if p.varlen:
             dq[qs : qs + ql], dk[ks : ks + kl], dv[ks : ks + kl] = dqb[0], dkb[0], dvb[0]
         else:
@@ -301,6 +316,7 @@ class ReferenceBackend:
     priority = 0
     fused_epilogue = False
     cp_invariant = True  # row- and key-independent arithmetic on request (problem.cp_invariant)
+    fixed_point_dq = True  # dq in int64 fixed point on request (dq_scale=; fa4dist.kernels.fixed_point)
 
     def available(self, device) -> bool:
         return True
@@ -311,5 +327,5 @@ class ReferenceBackend:
     def forward(self, problem, q, k, v):
         return forward(problem, q, k, v)
 
-    def backward(self, problem, dout, q, k, v, out, lse, deterministic):
-        return backward(problem, dout, q, k, v, out, lse)
+    def backward(self, problem, dout, q, k, v, out, lse, deterministic, dq_scale=None):
+        return backward(problem, dout, q, k, v, out, lse, dq_scale)

@@ -89,14 +89,16 @@ def _layout(q, k, v, cp_invariant: bool = False):
     return 1, validate_inputs(q, k, v, cp_invariant=cp_invariant)
 
 
-def _rows(t: Optional[torch.Tensor], dim: int, start: int, length: int, unsqueeze: bool) -> Optional[torch.Tensor]:
+def token_rows(t: Optional[torch.Tensor], dim: int, start: int, length: int, unsqueeze: bool) -> Optional[torch.Tensor]:
+    """Rows [start, start + length) of the token dim ``dim`` (packed: with a batch dim of 1 added), or None."""
     if t is None:  # a gradient the caller does not ask for
         return None
     view = t.narrow(dim, start, length)
     return view.unsqueeze(0) if unsqueeze else view
 
 
-def _lse_rows(lse: torch.Tensor, packed: bool, start: int, length: int) -> torch.Tensor:
+def lse_token_rows(lse: torch.Tensor, packed: bool, start: int, length: int) -> torch.Tensor:
+    """The same rows of an lse-shaped tensor ((b, h, s), or packed (h, t) -> (1, h, length))."""
     view = lse.narrow(-1, start, length)
     return view.unsqueeze(0) if packed else view
 
@@ -156,15 +158,15 @@ def attention_forward_items(
     for item in items:
         if item.q_len == 0:
             continue
-        o = _rows(out, seq_dim, item.q_start, item.q_len, packed)
-        m = _lse_rows(lse, packed, item.q_start, item.q_len)
+        o = token_rows(out, seq_dim, item.q_start, item.q_len, packed)
+        m = lse_token_rows(lse, packed, item.q_start, item.q_len)
         write, clear = state.claim(item.q_start, item.q_start + item.q_len)
         for a, b in clear:
-            _rows(out, seq_dim, a, b - a, False).zero_()
+            token_rows(out, seq_dim, a, b - a, False).zero_()
             lse.narrow(-1, a, b - a).fill_(float("-inf"))
-        qc = _rows(q, seq_dim, item.q_start, item.q_len, packed)
-        kc = _rows(k, seq_dim, item.k_start, item.k_len, packed)
-        vc = _rows(v, seq_dim, item.k_start, item.k_len, packed)
+        qc = token_rows(q, seq_dim, item.q_start, item.q_len, packed)
+        kc = token_rows(k, seq_dim, item.k_start, item.k_len, packed)
+        vc = token_rows(v, seq_dim, item.k_start, item.k_len, packed)
         attention_forward(qc, kc, vc, softmax_scale=softmax_scale, softcap=softcap, out=o, lse=m,
                           accumulate=not write, backend=backend, cp_invariant=cp_invariant, **item.mask_kwargs())
     return out, lse
@@ -198,7 +200,7 @@ def share_queries(dout, q, out, lse, *, softmax_scale=None, softcap=None, determ
     n = q.shape[seq_dim]
     if n == 0:
         return None
-    queries = _rows(q, seq_dim, 0, n, packed)  # a launch's view: dense, batch 1 for packed rows
+    queries = token_rows(q, seq_dim, 0, n, packed)  # a launch's view: dense, batch 1 for packed rows
     problem = validate_inputs(queries, queries, queries, softcap=softcap, softmax_scale=softmax_scale)
     impl = select_backend(backend, problem, "backward")
     make = getattr(impl, "shared_rows", None)
@@ -206,8 +208,8 @@ def share_queries(dout, q, out, lse, *, softmax_scale=None, softcap=None, determ
         return None
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    state = make(_rows(dout, seq_dim, 0, n, packed), queries, _rows(out, seq_dim, 0, n, packed),
-                 _lse_rows(lse, packed, 0, n), softmax_scale=problem.softmax_scale, deterministic=bool(deterministic))
+    state = make(token_rows(dout, seq_dim, 0, n, packed), queries, token_rows(out, seq_dim, 0, n, packed),
+                 lse_token_rows(lse, packed, 0, n), softmax_scale=problem.softmax_scale, deterministic=bool(deterministic))
     return None if state is None else SharedQueries(impl, state, seq_dim, bool(deterministic))
 
 
@@ -251,21 +253,21 @@ def attention_backward_items(
         qs = (item.q_start, item.q_len)
         ks = (item.k_start, item.k_len)
         if shared is not None and shared.takes(item):
-            views = [_rows(t, seq_dim, *qs, packed) for t in (dout, q, out)]
-            kv = [_rows(t, seq_dim, *ks, packed) for t in (k, v, dk, dv)]
+            views = [token_rows(t, seq_dim, *qs, packed) for t in (dout, q, out)]
+            kv = [token_rows(t, seq_dim, *ks, packed) for t in (k, v, dk, dv)]
             item_problem = validate_inputs(views[1], kv[0], kv[1], softcap=softcap, softmax_scale=softmax_scale,
                                            **item.mask_kwargs())
             if select_backend(backend, item_problem, "backward") is shared.impl:
                 shared.impl.backward(item_problem, views[0], views[1], kv[0], kv[1], views[2],
-                                     _lse_rows(lse, packed, *qs), deterministic, dq=None, dk=kv[2], dv=kv[3],
+                                     lse_token_rows(lse, packed, *qs), deterministic, dq=None, dk=kv[2], dv=kv[3],
                                      accumulate=True, rows=shared.state, q_start=item.q_start)
                 continue
         attention_backward(
-            _rows(dout, seq_dim, *qs, packed), _rows(q, seq_dim, *qs, packed), _rows(k, seq_dim, *ks, packed),
-            _rows(v, seq_dim, *ks, packed), _rows(out, seq_dim, *qs, packed), _lse_rows(lse, packed, *qs),
+            token_rows(dout, seq_dim, *qs, packed), token_rows(q, seq_dim, *qs, packed), token_rows(k, seq_dim, *ks, packed),
+            token_rows(v, seq_dim, *ks, packed), token_rows(out, seq_dim, *qs, packed), lse_token_rows(lse, packed, *qs),
             softmax_scale=softmax_scale, softcap=softcap, deterministic=deterministic,
-            dq=_rows(dq, seq_dim, *qs, packed),
-            dk=_rows(dk, seq_dim, *ks, packed), dv=_rows(dv, seq_dim, *ks, packed), accumulate=True,
+            dq=token_rows(dq, seq_dim, *qs, packed),
+            dk=token_rows(dk, seq_dim, *ks, packed), dv=token_rows(dv, seq_dim, *ks, packed), accumulate=True,
             backend=backend, cp_invariant=cp_invariant, **item.mask_kwargs(),
         )
     return dq, dk, dv

@@ -113,3 +113,18 @@ def test_bitwise_identical_with_a_window_and_softcap(pool):
     for per_rank in results:
         for cp, strategy, balancer, u, same in per_rank:
             assert all(same), f"cp={cp} {strategy} {balancer} u={u}: out/dq/dk/dv bytes equal: {same}"
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_bitwise_identical_over_many_key_tiles(pool, packed):
+    """Sequences of several canonical key tiles (fixed_point.KEY_TILE = 128) cut into chunks that start and end
+    inside tiles: the dq of a tile split over members comes from one member, the others' keys there get dk/dv
+    from a dk/dv-only call, and the int64 dq is summed over the members."""
+    layouts = [(1, "ring", "lpt", None), (2, "ring", "zigzag", None), (3, "ring", "lpt", None),
+               (4, "ring", "contiguous", None), (4, "hybrid", "lpt", 2)]
+    docs = [0, 300, 301, 690]
+    results = pool.run(invariant_case, layouts=layouts, dtype=torch.float32, packed=packed, heads=(4, 2),
+                       head_dim=8, docs=docs, total=690)
+    for per_rank in results:
+        for cp, strategy, balancer, u, same in per_rank:
+            assert all(same), f"cp={cp} {strategy} {balancer} u={u}: out/dq/dk/dv bytes equal: {same}"

@@ -41,6 +41,11 @@ SUBSET = [
     (BF16, 128, True, False, False, False, {"masked_last": False}),
     (BF16, 128, True, False, True, True, {"grads": "dq"}),  # the cp_invariant engine's two passes
     (BF16, 64, True, True, True, True, {"grads": "dkv", "seg_offsets": True}),
+    # the fixed-point dQ (cp_invariant): int64 scratch, .add.u64, no tickets even when deterministic
+    (BF16, 128, True, False, True, True, {"dq_fixed": True}),
+    (BF16, 128, False, False, True, False, {"dq_fixed": True}),
+    (FP16, 64, True, True, True, True, {"dq_fixed": True, "seg_offsets": True}),
+    (BF16, 128, True, True, True, True, {"dq_fixed": True, "softcap": 30.0, "window_left": 4096}),
 ]
 
 
@@ -95,8 +100,11 @@ def test_compile_backward_variant(variant, tmp_path, monkeypatch, capfd):
     assert "wgmma.mma_async" in ptx
     assert "cp.async.bulk.tensor" in ptx  # TMA loads
     # dQ accumulation (and its tickets), unless the variant computes no dQ
-    dq_adds = "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
+    add = "u64" if main.dq_fixed else "f32"
+    dq_adds = f"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.{add}" in ptx
     assert dq_adds == (main.grads != "dkv")
+    if main.dq_fixed:
+        assert not main.deterministic and "cvt.rzi.s64.f32" in ptx
     assert len(re.findall(r"setmaxnreg\.(inc|dec)", ptx)) == 2
     assert "ld.local" not in ptx and "st.local" not in ptx
     if main.deterministic:

@@ -299,3 +299,58 @@ def test_one_gradient_variants_equal_the_full_backward(packed, d):
     torch.cuda.synchronize()
     for got, want in ((dq, full[0]), (dk, full[1]), (dv, full[2])):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fixed_point_dq(packed, d):
+    """The int64 fixed-point dQ (dq_scale=, cp_invariant's one pass): its dq is the fp32 dq's value to fp32
+    accuracy; keys split over launches on 128-key tile boundaries give the same int64 bytes as one launch, in any
+    launch order; its dk/dv are the bytes of the deterministic dk/dv-only variant; reruns repeat the bytes."""
+    from fa4dist.kernels import fixed_point
+
+    g = _gen()
+    if packed:
+        cu = torch.tensor([0, 300, 1000, 1777], dtype=torch.int32, device="cuda")
+        q, k, v = _inputs((1777, 4, d), (1777, 4, d), torch.bfloat16, g)
+        kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=777, max_seqlen_k=777)
+        fwd_kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    else:
+        q, k, v = _inputs((2, 1500, 4, d), (2, 1700, 4, d), torch.bfloat16, g)
+        kw = fwd_kw = dict(causal=True, q_offset=200)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = attention_forward(q, k, v, backend="cute", **fwd_kw)
+    scale = fixed_point.dq_scale(dout, out, fixed_point.head_absmax(k), fixed_point.head_absmax(v), d ** -0.5)
+    zeros = [torch.zeros(t.shape, device="cuda", dtype=torch.float32) for t in (q, k, v)]
+    want = _run(q, k, v, dout, out, lse, accumulate=True, init=zeros, deterministic=True, **kw)
+
+    def fixed_run():
+        dq = torch.full(q.shape, 0, dtype=torch.int64, device="cuda")
+        dk, dv = (torch.zeros(t.shape, device="cuda", dtype=torch.float32) for t in (k, v))
+        backward(dout, q, k, v, out, lse, dq, dk, dv, accumulate=True, dq_scale=scale, deterministic=True, **kw)
+        torch.cuda.synchronize()
+        return dq, dk, dv
+
+    dq_int, dk, dv = fixed_run()
+    assert int(dq_int.abs().max()) < 2**62
+    got = fixed_point.from_fixed(dq_int, scale)
+    assert torch.isfinite(got).all()
+    # same bf16 dS, same fp32 tile products: only the sum's rounding differs (fp32 order vs exact)
+    assert rel_error(got, want[0]) < 1e-5
+    dk_only, dv_only = (torch.zeros(t.shape, device="cuda", dtype=torch.float32) for t in (k, v))
+    backward(dout, q, k, v, out, lse, None, dk_only, dv_only, accumulate=True, deterministic=True, **kw)
+    torch.cuda.synchronize()
+    for a, b in ((dk, dk_only), (dv, dv_only)):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    again = fixed_run()
+    for a, b in zip((dq_int, dk, dv), again):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    if not packed:
+        # keys [640, 1700) then [0, 640): the same integers
+        split = torch.zeros_like(dq_int)
+        for lo, hi in ((640, 1700), (0, 640)):
+            dk_s, dv_s = (torch.zeros(t[:, lo:hi].shape, device="cuda", dtype=torch.float32) for t in (k, v))
+            backward(dout, q, k[:, lo:hi], v[:, lo:hi], out, lse, split, dk_s, dv_s, accumulate=True,
+                     dq_scale=scale, causal=True, q_offset=200, k_offset=lo)
+        torch.cuda.synchronize()
+        assert torch.equal(split, dq_int)

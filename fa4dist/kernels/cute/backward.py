@@ -67,8 +67,10 @@ class BwdConfig:
     # softcap: the derivative of the cap kept in fp16 registers from the S phase (True) or recovered from P
     # through a log2 (False); default_softcap_grad_regs says which is faster where
     softcap_grad_regs: bool = True
-    # "all", or only "dq" / only "dkv" (the cp_invariant engine's two passes; bwd_sm90.FlashBwdSm90)
+    # "all", or only "dq" / only "dkv" (bwd_sm90.FlashBwdSm90)
     grads: str = "all"
+    # dQ in int64 fixed point (fa4dist.kernels.fixed_point; cp_invariant): no tickets, exact order-free sums
+    dq_fixed: bool = False
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -79,6 +81,7 @@ class BwdConfig:
             tile_m=self.tile_m, stmatrix_ds=self.stmatrix_ds, det_chunk=self.det_chunk,
             regs_mma=self.regs_mma, sanitize=self.sanitize, window_left=self.window_left, softcap=self.softcap,
             masked_last=self.masked_last, softcap_grad_regs=self.softcap_grad_regs, grads=self.grads,
+            dq_fixed=self.dq_fixed,
         )
 
     def fake_args(self):
@@ -91,8 +94,10 @@ class BwdConfig:
         q, k, v, do = fk(dt, qs, 8), fk(dt, ks, 8), fk(dt, ks, 8), fk(dt, qs, 8)
         gdt, gdiv = (cutlass.Float32, 4) if self.dkv_fp32 else (dt, 8)
         dk, dv = fk(gdt, ks, gdiv), fk(gdt, ks, gdiv)
-        lse2, dps, dqacc = (host.fake_flat(cutlass.Float32) for _ in range(3))
+        lse2, dps = (host.fake_flat(cutlass.Float32) for _ in range(2))
+        dqacc = host.fake_flat(cutlass.Int64 if self.dq_fixed else cutlass.Float32)
         sem = host.fake_flat(cutlass.Int32) if self.deterministic else None
+        dq_scale = host.fake_flat(cutlass.Float32) if self.dq_fixed else None
         cu_q = cu_k = off_q = off_k = None
         if self.varlen:
             nb1 = cute.sym_int()
@@ -100,7 +105,7 @@ class BwdConfig:
         if self.seg_offsets:
             nb = cute.sym_int()
             off_q, off_k = host.fake_i32(nb), host.fake_i32(nb)
-        return (q, k, v, do, lse2, dps, dqacc, dk, dv, sem, cutlass.Float32(1.0), cutlass.Float32(1.0),
+        return (q, k, v, do, lse2, dps, dqacc, dk, dv, sem, dq_scale, cutlass.Float32(1.0), cutlass.Float32(1.0),
                 cutlass.Int32(0), cutlass.Int32(1), cu_q, cu_k, off_q, off_k, host.fake_stream())
 
 
@@ -115,12 +120,13 @@ class PreConfig:
     varlen: bool
     deterministic: bool
     zero_dq: bool = True  # False: the main kernel computes no dQ, so there is no scratch to zero
+    dq_fixed: bool = False  # int64 scratch, and the rows' fixed-point scales copied next to lse2
 
     def build(self):
         from .bwd_preprocess import BwdPreprocess
 
         return BwdPreprocess(self.head_dim, self.tile_m, varlen=self.varlen, deterministic=self.deterministic,
-                             zero_dq=self.zero_dq)
+                             zero_dq=self.zero_dq, dq_fixed=self.dq_fixed)
 
     def fake_args(self):
         import cutlass
@@ -132,13 +138,17 @@ class PreConfig:
         lse = host.fake_tensor(cutlass.Float32, ls, 1)
         lse2, dps, dqacc = (host.fake_flat(cutlass.Float32) for _ in range(3))
         sem = host.fake_flat(cutlass.Int32) if self.deterministic and self.zero_dq else None
+        scale_rows = host.fake_tensor(cutlass.Float32, ls, 1) if self.dq_fixed else None
+        scale2 = host.fake_flat(cutlass.Float32) if self.dq_fixed else None
         cu_q = host.fake_i32() if self.varlen else None
-        return (o, do, lse, lse2, dps, dqacc, sem, cutlass.Float32(1.0), cutlass.Int32(1), cu_q, host.fake_stream())
+        return (o, do, lse, lse2, dps, dqacc, sem, scale_rows, scale2, cutlass.Float32(1.0), cutlass.Int32(1), cu_q,
+                host.fake_stream())
 
 
 @dataclass(frozen=True)
 class PostConfig:
-    """The dQ convert kernel (bwd_postprocess.py): fp32 fragment-ordered scratch -> dq."""
+    """The dQ convert kernel (bwd_postprocess.py): fp32 fragment-ordered scratch -> dq (int64 -> int64 dq,
+    added, with dq_fixed)."""
 
     dtype: str  # q dtype
     dq_fp32: bool
@@ -146,20 +156,23 @@ class PostConfig:
     tile_m: int
     varlen: bool
     accumulate: bool
+    dq_fixed: bool = False
 
     def build(self):
         from .bwd_postprocess import BwdPostprocess
 
         return BwdPostprocess(host.cutlass_dtype(self.dtype), self.head_dim, self.tile_m, varlen=self.varlen,
-                              accumulate=self.accumulate)
+                              accumulate=self.accumulate, dq_fixed=self.dq_fixed)
 
     def fake_args(self):
         import cutlass
 
         qs, _, _ = host.qkv_shapes(self.varlen, self.head_dim)
         gdt, gdiv = (cutlass.Float32, 4) if self.dq_fp32 else (host.cutlass_dtype(self.dtype), 8)
+        if self.dq_fixed:
+            gdt, gdiv = cutlass.Int64, 2
         dq = host.fake_tensor(gdt, qs, gdiv)
-        dqacc = host.fake_flat(cutlass.Float32)
+        dqacc = host.fake_flat(cutlass.Int64 if self.dq_fixed else cutlass.Float32)
         cu_q = host.fake_i32() if self.varlen else None
         return (dqacc, dq, cutlass.Int32(1), cu_q, host.fake_stream())
 
@@ -189,22 +202,28 @@ def default_softcap_grad_regs(head_dim: int) -> bool:
 
 
 def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, deterministic, dq_dtype, dkv_dtype,
-                 o_dtype, do_dtype, window_left=-1, softcap=0.0, grads="all", **overrides):
+                 o_dtype, do_dtype, window_left=-1, softcap=0.0, grads="all", dq_fixed=False, **overrides):
     tm = tile_m_for(head_dim)
+    if dq_fixed:
+        # exact integer sums: deterministic without tickets; the query tiles of a key tile in ascending order
+        # (no masked_last), as every deterministic variant (the dk/dv-only calls of the cp_invariant backward) has
+        deterministic = False
+        overrides.setdefault("masked_last", False)
     name = host.dtype_name(q_dtype)
     kw = dict(
         dtype=name, head_dim=head_dim, causal=bool(causal), varlen=bool(varlen), seg_offsets=bool(seg_offsets),
         accumulate=bool(accumulate), deterministic=bool(deterministic), dkv_fp32=dkv_dtype == torch.float32,
         tile_m=tm, window_left=int(window_left), softcap=float(softcap or 0.0),
-        softcap_grad_regs=default_softcap_grad_regs(head_dim), grads=grads,
+        softcap_grad_regs=default_softcap_grad_regs(head_dim), grads=grads, dq_fixed=bool(dq_fixed),
     )
     kw.update(_OVERRIDE)
     kw.update(overrides)
     main = BwdConfig(**kw)
     pre = PreConfig(o_dtype=host.dtype_name(o_dtype), do_dtype=host.dtype_name(do_dtype), head_dim=head_dim,
-                    tile_m=tm, varlen=bool(varlen), deterministic=bool(deterministic), zero_dq=grads != "dkv")
+                    tile_m=tm, varlen=bool(varlen), deterministic=bool(deterministic), zero_dq=grads != "dkv",
+                    dq_fixed=bool(dq_fixed))
     post = PostConfig(dtype=name, dq_fp32=dq_dtype == torch.float32, head_dim=head_dim, tile_m=tm,
-                      varlen=bool(varlen), accumulate=bool(accumulate))
+                      varlen=bool(varlen), accumulate=bool(accumulate), dq_fixed=bool(dq_fixed))
     return pre, main, post
 
 
@@ -214,7 +233,7 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
 
 
 def supports_backward(q, k, v, *, dout=None, out=None, lse=None, dq=None, dk=None, dv=None, causal=False,
-                      cu_seqlens_q=None, cu_seqlens_k=None, accumulate=False, softmax_scale=None):
+                      cu_seqlens_q=None, cu_seqlens_k=None, accumulate=False, softmax_scale=None, dq_scale=None):
     """(ok, reason): whether this kernel can compute the call. The caller validated the contract."""
     if softmax_scale is not None and not softmax_scale > 0:
         return False, "softmax_scale must be positive (the kernel masks with -inf scores)"
@@ -236,6 +255,8 @@ def supports_backward(q, k, v, *, dout=None, out=None, lse=None, dq=None, dk=Non
         if t is None:
             continue
         want = (torch.float32,) if accumulate else (q.dtype, torch.float32)
+        if name == "dq" and dq_scale is not None:
+            want = (torch.int64,)
         if t.dtype not in want:
             return False, f"{name} must be {' or '.join(map(str, want))}"
         if tuple(t.shape) != tuple(like.shape) or not host.aligned(t):
@@ -279,6 +300,7 @@ def backward(
     softcap=None,
     rows=None,
     q_start=0,
+    dq_scale=None,
     **overrides,
 ):
     """Gradients of one attention block (given the global out and lse), written into dq, dk, dv.
@@ -289,12 +311,14 @@ def backward(
     window_left >= 0 (causal only): the sliding window's lower edge, and softcap, as in forward.forward.
     rows: a :class:`SharedRows` whose rows [q_start, ...) these queries are: dQ goes into its scratch (dq unused).
     With accumulate=True, dq = None or dk = dv = None skips those gradients (a variant without their GEMMs).
+    dq_scale (accumulate=True, dq int64): the fixed-point dQ of fa4dist.kernels.fixed_point; each (query tile,
+    key tile) contribution times its row's scale (fp32 powers of two, lse's shape) is rounded and added into dq.
     """
     for step in launch_steps(
         dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal, q_offset=q_offset,
         k_offset=k_offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, deterministic=deterministic, accumulate=accumulate, window_left=window_left,
-        softcap=softcap, rows=rows, q_start=q_start, **overrides,
+        softcap=softcap, rows=rows, q_start=q_start, dq_scale=dq_scale, **overrides,
     ):
         step()
     return dq, dk, dv
@@ -325,6 +349,7 @@ def launch_steps(
     softcap=None,
     rows: Optional["SharedRows"] = None,
     q_start: int = 0,
+    dq_scale: Optional[torch.Tensor] = None,
     **overrides,
 ):
     """The backward as a list of callables (preprocess, main kernel, dQ convert), each launching one kernel on the
@@ -372,6 +397,15 @@ def launch_steps(
     if out.stride(-1) != 1:
         out = out.contiguous()
 
+    dq_fixed = dq_scale is not None
+    if dq_fixed:
+        if not accumulate or rows is not None or dq is None or dq.dtype != torch.int64:
+            raise ValueError("the fixed-point dQ (dq_scale=) adds into an int64 dq: accumulate=True, no shared rows")
+        if dq_scale.dtype != torch.float32 or tuple(dq_scale.shape) != tuple(lse.shape):
+            raise ValueError(f"dq_scale must be fp32 shaped like lse {tuple(lse.shape)}, got {dq_scale.dtype} "
+                             f"{tuple(dq_scale.shape)}")
+        if dq_scale.stride(-1) != 1:
+            dq_scale = dq_scale.contiguous()
     grads = "all"
     if dk is None or dv is None or (dq is None and rows is None):
         if not accumulate or rows is not None or (dk is None) != (dv is None) or (dq is None and dk is None):
@@ -381,7 +415,7 @@ def launch_steps(
         q.dtype, d, causal=causal, varlen=varlen, seg_offsets=seg_offsets, accumulate=accumulate,
         deterministic=deterministic, dq_dtype=torch.float32 if dq is None else dq.dtype,
         dkv_dtype=torch.float32 if dk is None else dk.dtype, o_dtype=out.dtype, do_dtype=dout.dtype,
-        window_left=window_left, softcap=softcap, grads=grads, **overrides,
+        window_left=window_left, softcap=softcap, grads=grads, dq_fixed=dq_fixed, **overrides,
     )
     if grads == "dq":  # never written (the kernel's dK / dV stores are compiled out); shaped like k for its checks
         dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
@@ -394,7 +428,7 @@ def launch_steps(
         lse2, dpsum, dq_acc, sem = rows.views(q_start, total_q, deterministic)
         main_fn = host.get_compiled(main_cfg)
         msk = max(k.shape[1], 1)
-        main = lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, dq_acc, dk, dv, sem, scale, scale_log2,  # noqa
+        main = lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, dq_acc, dk, dv, sem, None, scale, scale_log2,  # noqa
                                diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k)
         # deterministic: the dQ tickets count from 0 again for this launch's key tiles
         return ([sem.zero_] if sem is not None else []) + [main]
@@ -419,15 +453,23 @@ def launch_steps(
         dq_acc = torch.empty(tm * d, dtype=torch.float32, device=device)
         sem = torch.empty(1, dtype=torch.int32, device=device) if deterministic else None
         return [
-            lambda: pre_fn(out, dout, lse, lse2, dpsum, dq_acc, None, scale, m_grid, cu_seqlens_q),
-            lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, dq_acc, dk, dv, sem, scale, scale_log2, diag, msk,
+            lambda: pre_fn(out, dout, lse, lse2, dpsum, dq_acc, None, None, None, scale, m_grid, cu_seqlens_q),
+            lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, dq_acc, dk, dv, sem, None, scale, scale_log2, diag, msk,
                             cu_seqlens_q, cu_seqlens_k, off_q, off_k),
         ]
-    dq_acc = torch.empty(n_chunks * tm * d, dtype=torch.float32, device=device)
-    sem = torch.empty(n_chunks, dtype=torch.int32, device=device) if deterministic else None
+    if dq_fixed:
+        # int64 scratch (zeroed by the preprocess as fp32 words) and the rows' scales in lse2's indexing
+        dq_acc = torch.empty(n_chunks * tm * d, dtype=torch.int64, device=device)
+        dq_words = dq_acc.view(torch.float32)
+        scale2 = torch.empty(n_chunks * tm, dtype=torch.float32, device=device)
+        sem = None
+    else:
+        dq_acc = dq_words = torch.empty(n_chunks * tm * d, dtype=torch.float32, device=device)
+        scale2 = None
+        sem = torch.empty(n_chunks, dtype=torch.int32, device=device) if main_cfg.deterministic else None
     return [
-        lambda: pre_fn(out, dout, lse, lse2, dpsum, dq_acc, sem, scale, m_grid, cu_seqlens_q),
-        lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, dq_acc, dk, dv, sem, scale, scale_log2, diag, msk,
+        lambda: pre_fn(out, dout, lse, lse2, dpsum, dq_words, sem, dq_scale, scale2, scale, m_grid, cu_seqlens_q),
+        lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, dq_acc, dk, dv, sem, scale2, scale, scale_log2, diag, msk,
                         cu_seqlens_q, cu_seqlens_k, off_q, off_k),
         lambda: post_fn(dq_acc, dq, m_grid, cu_seqlens_q),
     ]
@@ -467,7 +509,8 @@ class SharedRows:
         self.post = host.get_compiled(PostConfig(dtype=host.dtype_name(q.dtype), dq_fp32=True, head_dim=d, tile_m=tm,
                                                  varlen=False, accumulate=True))
         if self.rows:
-            host.get_compiled(pre)(out, dout, lse, self.lse2, self.dpsum, self.dq_acc, self.sem, scale, 1, None)
+            host.get_compiled(pre)(out, dout, lse, self.lse2, self.dpsum, self.dq_acc, self.sem, None, None, scale, 1,
+                                   None)
 
     def takes(self, q_start: int, q_len: int) -> bool:
         """Whether rows [q_start, q_start + q_len) start on a scratch tile and end on one (or at the last row)."""

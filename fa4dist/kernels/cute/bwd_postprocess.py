@@ -7,6 +7,7 @@
 # from the same tiled MMA, and writes dq: cast to the output dtype, or added (+=) into the
 # caller's fp32 buffer when accumulating. A dense 16-bit dq goes through shared memory (stmatrix) and
 # one TMA store per chunk: the fragment order's direct stores cover half of each 32-byte sector.
+# Fixed-point dQ (dq_fixed): the scratch is int64 and is added (+=) into the caller's int64 dq, exactly.
 #
 # This module imports cutlass at import time: import it lazily.
 
@@ -30,18 +31,21 @@ from .common_sm90 import (
 
 
 class BwdPostprocess:
-    def __init__(self, dtype, head_dim: int, tile_m: int, *, varlen: bool, accumulate: bool):
+    def __init__(self, dtype, head_dim: int, tile_m: int, *, varlen: bool, accumulate: bool, dq_fixed: bool = False):
         self.dtype = dtype  # q dtype (selects the MMA the scratch order came from)
         self.head_dim = head_dim
         self.tile_m = tile_m
         self.varlen = varlen
         self.accumulate = accumulate
+        self.dq_fixed = dq_fixed
+        assert accumulate or not dq_fixed
+        self.acc_type = cutlass.Int64 if dq_fixed else Float32
 
     @cute.jit
     def __call__(
         self,
-        mdQacc: cute.Tensor,  # flat fp32 scratch
-        mdQ: cute.Tensor,  # (b, s, h, d) | (t, h, d): q dtype, or fp32 when accumulating
+        mdQacc: cute.Tensor,  # flat fp32 scratch (int64: dq_fixed)
+        mdQ: cute.Tensor,  # (b, s, h, d) | (t, h, d): q dtype, or fp32 when accumulating (int64: dq_fixed)
         m_blocks: Int32,
         mCuSeqlensQ: Optional[cute.Tensor],
         stream,
@@ -98,7 +102,7 @@ class BwdPostprocess:
             t = tidx - wg * 128
             wg_layout = cute.make_layout(2, stride=128)
             acc_shape = tiled_mma.get_slice(wg_layout(wg)).partition_shape_C((tm, D))
-            acc = cute.make_rmem_tensor(acc_shape, Float32)
+            acc = cute.make_rmem_tensor(acc_shape, self.acc_type)
             src = gacc[None, t, None, wg, chunk]
             flat = cute.make_tensor(acc.iterator, cute.make_layout(src.shape))
             cute.autovec_copy(src, flat)

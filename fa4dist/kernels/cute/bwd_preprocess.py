@@ -7,7 +7,9 @@
 # written into tile-padded vectors indexed (chunk * heads + head) * tile_m + row, where
 # chunk = (first tile of the sequence) + tile. The same CTA zeroes the tile's fp32 dQ accumulator
 # chunk and, in deterministic mode, its semaphore, so the main kernel needs no memsets (zero_dq=False: a
-# launch that computes no dQ has no scratch).
+# launch that computes no dQ has no scratch). Fixed-point dQ (dq_fixed): the accumulator is int64 (zeroed as
+# twice the fp32 words) and the rows' scales (fixed_point.dq_scale, lse's layout) are copied into the same
+# tile-padded indexing as lse2 (0 for padding rows), where the main kernel reads them.
 #
 # This module imports cutlass at import time: import it lazily.
 
@@ -26,8 +28,10 @@ LOG2_E = math.log2(math.e)
 
 class BwdPreprocess:
     def __init__(self, head_dim: int, tile_m: int, *, varlen: bool, deterministic: bool, num_threads: int = 128,
-                 zero_dq: bool = True):
+                 zero_dq: bool = True, dq_fixed: bool = False):
         self.zero_dq = zero_dq
+        self.dq_fixed = dq_fixed
+        self.dq_words = 2 if dq_fixed else 1  # 32-bit words per dQ accumulator element
         self.head_dim = head_dim
         self.tile_m = tile_m
         self.varlen = varlen
@@ -49,6 +53,8 @@ class BwdPreprocess:
         mDpsum: cute.Tensor,  # flat fp32
         mdQacc: cute.Tensor,  # flat fp32
         mSem: Optional[cute.Tensor],  # flat int32
+        mScale: Optional[cute.Tensor],  # dq_fixed: (b, h, s) | (h, t) fp32, the rows' fixed-point scales
+        mScale2: Optional[cute.Tensor],  # dq_fixed: flat fp32, indexed as mLSE2
         scale: Float32,
         m_blocks: Int32,  # grid size along query tiles (varlen: ceil(max_seqlen_q / tile_m))
         mCuSeqlensQ: Optional[cute.Tensor],
@@ -57,15 +63,19 @@ class BwdPreprocess:
         if const_expr(not self.varlen):
             mO, mdO = [select_modes(t, (1, 3, 2, 0)) for t in (mO, mdO)]  # (s, d, h, b)
             mLSE = select_modes(mLSE, (2, 1, 0))  # (s, h, b)
+            if const_expr(self.dq_fixed):
+                mScale = select_modes(mScale, (2, 1, 0))
             num_batch = cute.size(mO.shape[3])
             grid_m = cute.ceil_div(cute.size(mO.shape[0]), self.tile_m)
         else:
             mO, mdO = [select_modes(t, (0, 2, 1)) for t in (mO, mdO)]  # (t, d, h)
             mLSE = select_modes(mLSE, (1, 0))  # (t, h)
+            if const_expr(self.dq_fixed):
+                mScale = select_modes(mScale, (1, 0))
             num_batch = cute.size(mCuSeqlensQ.shape[0]) - 1
             grid_m = m_blocks
         num_heads = cute.size(mO.shape[2])
-        self.kernel(mO, mdO, mLSE, mLSE2, mDpsum, mdQacc, mSem, scale, mCuSeqlensQ).launch(
+        self.kernel(mO, mdO, mLSE, mLSE2, mDpsum, mdQacc, mSem, mScale, mScale2, scale, mCuSeqlensQ).launch(
             grid=(grid_m, num_heads, num_batch), block=[self.num_threads, 1, 1], stream=stream
         )
 
@@ -79,6 +89,8 @@ class BwdPreprocess:
         mDpsum: cute.Tensor,
         mdQacc: cute.Tensor,
         mSem: Optional[cute.Tensor],
+        mScale: Optional[cute.Tensor],
+        mScale2: Optional[cute.Tensor],
         scale: Float32,
         mCuSeqlensQ: Optional[cute.Tensor],
     ):
@@ -92,10 +104,14 @@ class BwdPreprocess:
             mO_cur = cute.domain_offset((seqlen.offset_q, 0), mO[None, None, head])
             mdO_cur = cute.domain_offset((seqlen.offset_q, 0), mdO[None, None, head])
             mL_cur = cute.domain_offset((seqlen.offset_q,), mLSE[None, head])
+            if const_expr(self.dq_fixed):
+                mSc_cur = cute.domain_offset((seqlen.offset_q,), mScale[None, head])
         else:
             mO_cur = mO[None, None, head, batch]
             mdO_cur = mdO[None, None, head, batch]
             mL_cur = mLSE[None, head, batch]
+            if const_expr(self.dq_fixed):
+                mSc_cur = mScale[None, head, batch]
 
         if m_block * tm < seqlen_q:
             chunk = (blk_base + m_block) * num_heads + head
@@ -123,14 +139,21 @@ class BwdPreprocess:
                             lse2 = lse * LOG2_E
                     gL2[r] = lse2
                     gDp[r] = acc * scale
+                    if const_expr(self.dq_fixed):
+                        gSc2 = cute.make_tensor(mScale2.iterator, cute.make_layout((tm, n_vec), stride=(1, tm)))
+                        row_scale = Float32(0.0)
+                        if row < seqlen_q:
+                            row_scale = mSc_cur[row]
+                        gSc2[r, chunk] = row_scale
             if const_expr(self.zero_dq):
-                # zero this tile's fp32 dQ accumulator chunk (16-byte stores)
-                n_chunks = cute.size(mdQacc.shape[0]) // (tm * D)
-                per_thread = tm * D // (4 * self.num_threads)
+                # zero this tile's dQ accumulator chunk (16-byte stores of fp32 words)
+                words = tm * D * self.dq_words
+                n_chunks = cute.size(mdQacc.shape[0]) // words
+                per_thread = words // (4 * self.num_threads)
                 gacc = cute.make_tensor(
                     mdQacc.iterator,
                     cute.make_layout((4, self.num_threads, per_thread, n_chunks),
-                                     stride=(1, 4, 4 * self.num_threads, tm * D)),
+                                     stride=(1, 4, 4 * self.num_threads, words)),
                 )[None, tidx, None, chunk]
                 z = cute.make_rmem_tensor((4, per_thread), Float32)
                 z.fill(0.0)

@@ -10,7 +10,9 @@ for the whole CTA (GQA reduction on chip: no dK/dV atomics, deterministic by con
   * warpgroup 0, warp 1: dQ writer. Takes each MMA warpgroup's fp32 dQ tile from smem and adds it into the fp32
     accumulator scratch in gmem with cp.reduce.async.bulk (.add.f32). In deterministic mode it first waits on a
     per-(query tile, head) semaphore for its turn, so the tiles are added in a fixed key-tile order; the ticket
-    is released once the add landed.
+    is released once the add landed. With the fixed-point dQ (dq_fixed) the tiles arrive as int64 (each row
+    times its power-of-two scale, rounded) and are added with .add.u64: integer sums do not depend on their
+    order, so there are no tickets, and any split of the key tiles over launches or ranks gives the same sums.
   * warpgroups 1, 2: MMA. Warpgroup w owns keys [64 w, 64 w + 64) of the tile and computes
       S^T = K Q^T, dP^T = V dO^T                        (SS wgmma, accumulators in registers)
       P^T = exp2(S^T * scale_log2 - lse2),  dS^T = P^T * (scale * dP^T - dPsum)   (scale folded in)
@@ -52,6 +54,7 @@ from .common_sm90 import (
     Context,
     acc_to_operand_a,
     bulk_reduce_add_f32,
+    bulk_reduce_add_u64,
     dq_chunk_layout,
     dq_tiled_mma,
     ld_acquire_gpu,
@@ -98,6 +101,7 @@ class FlashBwdSm90:
         masked_last: bool = True,
         softcap_grad_regs: bool = True,
         grads: str = "all",
+        dq_fixed: bool = False,
     ):
         assert head_dim in (64, 128)
         # which gradients this variant computes: "all", "dq" (no dV / dK GEMMs, no dK / dV stores) or "dkv" (no
@@ -105,6 +109,12 @@ class FlashBwdSm90:
         assert grads in ("all", "dq", "dkv"), grads
         self.compute_dq = grads != "dkv"
         self.compute_dkv = grads != "dq"
+        # fixed-point dQ (fa4dist.kernels.fixed_point): each step's dQ tile times its rows' power-of-two scales,
+        # converted to int64 and added with an integer bulk reduction. Integer sums do not depend on their order,
+        # so the result is deterministic without tickets (and the same for any split of the key tiles).
+        self.dq_fixed = dq_fixed
+        assert not dq_fixed or (self.compute_dq and not deterministic), "fixed-point dQ: no tickets to take"
+        self.dq_acc_type = cutlass.Int64 if dq_fixed else Float32
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -164,6 +174,7 @@ class FlashBwdSm90:
         mdK: cute.Tensor,  # like k (k dtype, or fp32 when accumulating)
         mdV: cute.Tensor,
         mSem: Optional[cute.Tensor],  # flat int32 (chunk, h), deterministic only
+        mdQscale: Optional[cute.Tensor],  # flat fp32 like mLSE2: the rows' fixed-point scales (dq_fixed only)
         scale: Float32,  # softmax scale
         scale_log2: Float32,  # softmax_scale * log2(e)
         diag: Int32,
@@ -228,7 +239,7 @@ class FlashBwdSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tm * D], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[self.dq_acc_type, tm * D], 1024]
 
         self.shared_storage = SharedStorage
 
@@ -245,7 +256,7 @@ class FlashBwdSm90:
             grid = (n_blocks_grid * num_heads_kv * num_batch, 1, 1)
 
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_dO, mLSE2, mDpsum, mdQacc, mdK, mdV, mSem,
+            tma_Q, tma_K, tma_V, tma_dO, mLSE2, mDpsum, mdQacc, mdK, mdV, mSem, mdQscale,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
             scale, scale_log2, diag, n_blocks_grid, num_batch,
@@ -269,6 +280,7 @@ class FlashBwdSm90:
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mSem: Optional[cute.Tensor],
+        mdQscale: Optional[cute.Tensor],
         tma_atom_Q: cute.CopyAtom,
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
@@ -320,6 +332,7 @@ class FlashBwdSm90:
         vec_layout = cute.make_layout((tm, self.num_stages), stride=(1, tm))
         io = Context(
             mQ=mQ, mK=mK, mV=mV, mdO=mdO, mLSE2=mLSE2, mDpsum=mDpsum, mdQacc=mdQacc, mdK=mdK, mdV=mdV, mSem=mSem,
+            mdQscale=mdQscale,
             sQ=storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
             sdO=storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner),
             sK=storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
@@ -547,7 +560,7 @@ class FlashBwdSm90:
         lane = cute.arch.lane_idx()
         n_chunks = cute.size(io.mdQacc.shape[0]) // (tm * D)
         gdQ = cute.make_tensor(io.mdQacc.iterator, dq_chunk_layout(tm, D, n_chunks))
-        chunk_bytes = self.dq_chunk_elems * 4
+        chunk_bytes = self.dq_chunk_elems * (8 if self.dq_fixed else 4)
         n_blocks_k = cute.ceil_div(seqlen.seqlen_k, tn)
         for hi in cutlass.range(group, unroll=1):
             head = head_kv * group + hi
@@ -576,9 +589,8 @@ class FlashBwdSm90:
                 for w in cutlass.range_constexpr(2):
                     cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_WG0) + w, number_of_threads=160)
                     if lane == 0:
-                        bulk_reduce_add_f32(
-                            sdQ[None, None, None, w].iterator, gdQ[None, None, None, w, chunk].iterator, chunk_bytes
-                        )
+                        add = bulk_reduce_add_u64 if const_expr(self.dq_fixed) else bulk_reduce_add_f32
+                        add(sdQ[None, None, None, w].iterator, gdQ[None, None, None, w, chunk].iterator, chunk_bytes)
                         cute.arch.cp_async_bulk_commit_group()
                     cute.arch.sync_warp()
                 if const_expr(self.deterministic):
@@ -660,6 +672,10 @@ class FlashBwdSm90:
         # fragment-order view of this thread's dQ accumulator (matches dq_chunk_layout)
         t_in_wg = tidx - wg * 128
         tdQsdQ = io.sdQ[None, t_in_wg, None, wg]
+        # fixed-point dQ: the query row (in its tile) of each row of this thread's dQ fragment
+        tdQcdQ_mn = None
+        if const_expr(self.dq_fixed):
+            tdQcdQ_mn = mn_view(tiled_mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor((tm, D))))
 
         # dS^T register fragment -> sdS store: stmatrix.trans (keys are the contiguous smem dim)
         r2s_dS = None
@@ -674,6 +690,8 @@ class FlashBwdSm90:
             acc_dK=acc_dK, acc_dV=acc_dV, tdVrP=tdVrP, tdKrdS=tdKrdS, tScS_mn=tScS_mn, sLSE=io.sLSE,
             sDpsum=io.sDpsum, tdQsdQ=tdQsdQ, pipe_q=io.pipe_q, pipe_do=io.pipe_do, scale=scale,
             scale_log2=scale_log2, wg=wg, n_block=tile.block, pipe_kv=io.pipe_kv,
+            mdQscale=io.mdQscale, tdQcdQ_mn=tdQcdQ_mn, scratch_base=seqlen.scratch_base,
+            num_heads=cute.size(io.mQ.shape[2]),
             mask=AttentionMask(tm, tn, self.causal, seqlen.seqlen_k, seqlen.diag, tScS_mn, t0ScS_mn,
                                self.window_left),
         )
@@ -688,19 +706,20 @@ class FlashBwdSm90:
                 io.pipe_kv.consumer_wait(kv_state)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             for hi in cutlass.range(tile.group, unroll=1):
+                head = tile.head_kv * tile.group + hi
                 if const_expr(self.masked_last):  # step_m's order: plain, causal band, window band
                     for m in cutlass.range(rng.m_mask_end, rng.m_window_start, unroll=1):
-                        q_state = self.mma_step(st, q_state, m, False)
+                        q_state = self.mma_step(st, q_state, m, head, False)
                     for m in cutlass.range(rng.m_min, rng.m_mask_end, unroll=1):
-                        q_state = self.mma_step(st, q_state, m, True)
+                        q_state = self.mma_step(st, q_state, m, head, True)
                 else:
                     for m in cutlass.range(rng.m_min, rng.m_mask_end, unroll=1):
-                        q_state = self.mma_step(st, q_state, m, True)
+                        q_state = self.mma_step(st, q_state, m, head, True)
                     for m in cutlass.range(rng.m_mask_end, rng.m_window_start, unroll=1):
-                        q_state = self.mma_step(st, q_state, m, False)
+                        q_state = self.mma_step(st, q_state, m, head, False)
                 if const_expr(self.block_info.windowed):
                     for m in cutlass.range(rng.m_window_start, rng.m_max, unroll=1):
-                        q_state = self.mma_step(st, q_state, m, True)
+                        q_state = self.mma_step(st, q_state, m, head, True)
 
         # ---------------- dK / dV epilogue ----------------
         if const_expr(self.compute_dkv):
@@ -741,11 +760,20 @@ class FlashBwdSm90:
 
     # ------------------------------------------------------------------------
     @cute.jit
-    def mma_step(self, st: Context, q_state, m_block: Int32, masked: cutlass.Constexpr[bool]):
+    def mma_step(self, st: Context, q_state, m_block: Int32, head: Int32, masked: cutlass.Constexpr[bool]):
         """One (query tile, key tile) step of both MMA warpgroups: S^T, dP^T, P^T, dS^T, dV, dK, and the dQ tile
         handed to the writer warp."""
         stage = q_state.index
         tScS_mn, scale = st.tScS_mn, st.scale
+        row_scales = None
+        if const_expr(self.dq_fixed):
+            # this thread's rows' fixed-point scales, loaded now so that the step's GEMMs hide the latency
+            chunk = (st.scratch_base + m_block) * st.num_heads + head
+            gscale = cute.make_tensor(st.mdQscale.iterator + chunk * self.tile_m, cute.make_layout(self.tile_m))
+            n_dq_rows = cute.size(st.tdQcdQ_mn, mode=[0])
+            row_scales = cute.make_rmem_tensor((n_dq_rows,), Float32)
+            for r in cutlass.range_constexpr(n_dq_rows):
+                row_scales[r] = gscale[st.tdQcdQ_mn[r, 0][0]]
         # (1) S^T = K Q^T ; (2) dP^T = V dO^T
         st.pipe_q.consumer_wait(q_state)
         acc_S = cute.make_rmem_tensor(st.s_shape, Float32)
@@ -825,6 +853,15 @@ class FlashBwdSm90:
         if const_expr(self.compute_dq):
             # dQ tile -> smem (fragment order) for the writer warp
             cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_WG0) + st.wg, number_of_threads=160)
+            if const_expr(self.dq_fixed):
+                # dQ * 2^s (exact: a power of two) rounded to an integer; |sum| < 2^62 (fixed_point.py)
+                acc_dQ_mn = mn_view(acc_dQ)
+                for r in cutlass.range_constexpr(cute.size(acc_dQ_mn, mode=[0])):
+                    for c in cutlass.range_constexpr(cute.size(acc_dQ_mn, mode=[1])):
+                        acc_dQ_mn[r, c] = acc_dQ_mn[r, c] * row_scales[r]
+                fixed = cute.make_rmem_tensor(st.dq_shape, cutlass.Int64)
+                fixed.store(acc_dQ.load().to(cutlass.Int64))
+                acc_dQ = fixed
             rdQ = cute.make_tensor(acc_dQ.iterator, cute.make_layout(st.tdQsdQ.shape))
             cute.autovec_copy(rdQ, st.tdQsdQ)
             cute.arch.fence_view_async_shared()

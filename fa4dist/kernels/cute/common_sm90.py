@@ -44,12 +44,22 @@ def bulk_reduce_add_f32(smem_ptr, gmem_ptr, num_bytes, *, loc=None, ip=None):
     """cp.reduce.async.bulk (non-tensor) fp32 add of `num_bytes` contiguous bytes smem -> gmem.
 
     Issue from a single thread; completion is tracked by that thread's bulk async-groups."""
+    _bulk_reduce_add("f32", smem_ptr, gmem_ptr, num_bytes, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def bulk_reduce_add_u64(smem_ptr, gmem_ptr, num_bytes, *, loc=None, ip=None):
+    """As bulk_reduce_add_f32 for 64-bit integers (two's complement: signed sums too): the fixed-point dQ."""
+    _bulk_reduce_add("u64", smem_ptr, gmem_ptr, num_bytes, loc=loc, ip=ip)
+
+
+def _bulk_reduce_add(kind, smem_ptr, gmem_ptr, num_bytes, *, loc=None, ip=None):
     s = smem_ptr.toint(loc=loc, ip=ip).ir_value()
     g = gmem_ptr.toint(loc=loc, ip=ip).ir_value()
     llvm.inline_asm(
         None,
         [g, s, Int32(num_bytes).ir_value(loc=loc, ip=ip)],
-        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        f"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.{kind} [$0], [$1], $2;",
         "l,r,r",
         has_side_effects=True,
         is_align_stack=False,
@@ -221,8 +231,8 @@ def store_acc_rows(
     seqlen: Int32,
     accumulate: cutlass.Constexpr[bool],
 ):
-    """Rows of this thread's fp32 accumulator fragment of tile `block` of mdst -> gmem, rows < seqlen only:
-    cast to mdst's dtype, or (accumulate) added into the fp32 mdst."""
+    """Rows of this thread's accumulator fragment of tile `block` of mdst -> gmem, rows < seqlen only: cast to
+    mdst's dtype, or (accumulate) added into mdst of the accumulator's type (fp32, or int64: fixed-point dQ)."""
     rows, cols = tile
     coords = mn_view(thr_mma.partition_C(cute.make_identity_tensor((rows, cols))))
     gdst = cute.local_tile(mdst, (rows, cols), (block, 0))
@@ -235,7 +245,7 @@ def store_acc_rows(
                 o.store(acc_mn[r, None].load().to(mdst.element_type))
                 cute.autovec_copy(o, tdst_mn[r, None])
             else:
-                o = cute.make_rmem_tensor_like(acc_mn[r, None], cutlass.Float32)
+                o = cute.make_rmem_tensor_like(acc_mn[r, None], acc.element_type)
                 cute.autovec_copy(tdst_mn[r, None], o)
                 o.store(o.load() + acc_mn[r, None].load())
                 cute.autovec_copy(o, tdst_mn[r, None])

@@ -1,0 +1,87 @@
+"""Fixed-point dq: sums of dq in int64, exact and independent of their order (cp_invariant's one-pass backward).
+
+A row's dq is a sum over key tiles of contributions, and fp32 addition is not associative: its bits depend on the
+order of the terms, which a ring splits over members and steps.  Here every contribution c (one query tile against
+one canonical tile of ``KEY_TILE`` keys, computed the same way in every layout) becomes the integer trunc(c * 2^s),
+with one power of two 2^s per (row, head) fixed before the backward starts from layout-free quantities.  Integers
+then add exactly in any order: the kernel's bulk adds, several launches, a sum over ranks.  The result is
+``dq = sum * 2^-s``, rounded once.
+
+**The scale.**  With P summing to at most 1 over a row, |dP_ij| = |dO_i . V_j| <= d m_i Vmax and
+|D_i| = |dO_i . O_i| <= d m_i Omax_i, where m_i = max |dO_i|, Omax_i = max |O_i| and Kmax, Vmax are the largest
+|K|, |V| of the head over the whole sequence (a soft-cap's derivative is at most 1), so
+
+    |dq_i| <= softmax_scale * Kmax * d * m_i * (Vmax + Omax_i) =: bound_i,
+
+and so is the sum of |contribution| over the tiles (each tile's share of P is part of the same 1).  With
+bound_i < 2^e_i, s_i = 61 - e_i keeps |sum| below 2^62 (room for the rounding of 16-bit dS and of the tiles'
+fp32 sums) and resolves 2^-61 of the bound: far finer than fp32 for any row whose dq is not ~2^30 times smaller
+than its bound.  s_i is clamped to [-126, 126], so that 2^s_i is a normal fp32.  All inputs of the bound are
+maxima (exact in any order and layout) and the arithmetic is elementwise fp64, so every layout computes the same
+scales.  A row whose bound is not finite (a non-finite dO or out row, or a non-finite K or V anywhere in its head)
+gets a NaN scale, and its dq comes out NaN: loud, though wider than fp32 sums would spread a bad key.
+
+The caller must pass the forward's own out and lse (the bound relies on P summing to at most 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+KEY_TILE = 128  # canonical key tile: every backend's dq contribution covers one such tile (cute: TILE_N)
+FRACTION_HEADROOM = 61  # |sum| < 2^(61 + 1): one spare bit for rounding, and int64's sign bit
+_MIN_EXP, _MAX_EXP = -126, 126
+
+
+def _absmax(t: torch.Tensor, dims) -> torch.Tensor:
+    # the infinity norm: max |t| in one fused pass (exact in any order; NaN propagates); 0 over no elements
+    if t.numel() == 0:
+        return torch.zeros(_reduced_shape(t, dims), dtype=torch.float64,
+                           device=t.device)
+    return torch.linalg.vector_norm(t.detach(), ord=float("inf"), dim=dims).double()
+
+
+def _reduced_shape(t: torch.Tensor, dims) -> tuple:
+    dims = {d % t.dim() for d in ((dims,) if isinstance(dims, int) else dims)}
+    return tuple(n for i, n in enumerate(t.shape) if i not in dims)
+
+
+def head_absmax(t: torch.Tensor) -> torch.Tensor:
+    """max |t| per head (fp64, one per head), over every token (and batch) and the head dim: (..., heads, d)."""
+    return _absmax(t, tuple(i for i in range(t.dim()) if i != t.dim() - 2))
+
+
+def dq_scale(dout: torch.Tensor, out: torch.Tensor, k_absmax: torch.Tensor, v_absmax: torch.Tensor,
+             softmax_scale: float) -> torch.Tensor:
+    """The rows' scales 2^s (fp32, lse's layout: (b, h, s) for dense (b, s, h, d) input, (h, t) for packed
+    (t, h, d)); ``k_absmax`` / ``v_absmax``: :func:`head_absmax` of the keys and values each query head reads."""
+    head_dim = dout.shape[-1]
+    m = _absmax(dout, -1)  # (..., heads)
+    o_max = _absmax(out, -1)
+    bound = (float(softmax_scale) * head_dim) * k_absmax.to(m.device) * m * (v_absmax.to(m.device) + o_max)
+    exponent = torch.frexp(bound).exponent  # bound < 2^exponent (0 -> 0)
+    shift = (FRACTION_HEADROOM - exponent).clamp(_MIN_EXP, _MAX_EXP)
+    scale = torch.ldexp(torch.ones_like(bound), shift.to(bound.dtype)).float()
+    scale = torch.where(torch.isfinite(bound), scale, torch.full_like(scale, float("nan")))
+    return scale.movedim(-1, 0) if dout.dim() == 3 else scale.movedim(-1, 1)
+
+
+def _per_row(scale: torch.Tensor, packed: bool) -> torch.Tensor:
+    """Scales in lse's layout -> (..., tokens, heads, 1), broadcasting against (..., tokens, heads, d)."""
+    return (scale.movedim(0, -1) if packed else scale.movedim(1, -1)).unsqueeze(-1)
+
+
+def to_fixed(contribution: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int64 trunc(contribution * 2^s), ``scale`` broadcasting against the contributions (what the kernels add;
+    a NaN product adds 0, and the row's NaN scale makes its dq NaN in :func:`from_fixed`)."""
+    scaled = contribution * scale.to(contribution.dtype)
+    return torch.nan_to_num(scaled.trunc(), nan=0.0, posinf=0.0, neginf=0.0).to(torch.int64)
+
+
+def from_fixed(dq_fixed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """dq = sum * 2^-s in ``dtype``: the integer rounded once to ``dtype`` (to nearest), then scaled by a power of
+    two (exact unless the result is subnormal); NaN rows where the scale is NaN."""
+    if dq_fixed.dtype != torch.int64:
+        raise TypeError(f"dq_fixed must be int64, got {dq_fixed.dtype}")
+    inverse = (1.0 / _per_row(scale, dq_fixed.dim() == 3).double()).to(dtype)
+    return dq_fixed.to(dtype) * inverse
