@@ -75,7 +75,11 @@ def main(argv=None):
                 print(f"{tokens:>7} {hq}/{hkv} {mode:>14}: fwd {f_ms:8.2f} ms  fwd+bwd {s_ms:8.2f} ms  "
                       f"x{row['step_vs_plain']:.3f} of plain  x{row['step_vs_deterministic']:.3f} of deterministic  "
                       f"{row['tflops']:.0f} TFLOP/s", flush=True)
+            group = hq // hkv
             rows += _kernel_rows(q, k, v, dout, args)
+            if group > 1:  # as cp_invariant calls it: K/V expanded to one head per query head
+                rows += _kernel_rows(q, k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2), dout,
+                                     args)
             if args.profile and tokens == args.tokens[0]:
                 _profile(fa4dist, leaves, dout)
     os.makedirs(args.out_dir, exist_ok=True)
