@@ -106,6 +106,15 @@ def _expand(k: torch.Tensor, head_map: torch.Tensor) -> torch.Tensor:
     return k.index_select(-2, head_map.to(k.device))
 
 
+def _forward_kv(k: torch.Tensor, head_map: torch.Tensor) -> torch.Tensor:
+    """K or V for the forward: as they are where query head i reads head i // group (GQA: a row's out does not
+    depend on how many query heads share its K/V), else expanded by ``head_map`` (a Ulysses split of the heads)."""
+    heads_q, heads_kv = head_map.numel(), k.shape[-2]
+    if heads_q % heads_kv == 0 and torch.equal(head_map.cpu(), torch.arange(heads_q) // (heads_q // heads_kv)):
+        return k
+    return _expand(k, head_map)
+
+
 def _lse_seq_dim(packed: bool) -> int:
     return 1 if packed else 2
 
@@ -116,8 +125,8 @@ def gather_forward(sched: Schedule, ring: RingPeers, q, k, v, opts, head_map: to
     packed = sched.plan.packed
     sd = 0 if packed else 1
     m = ring.index
-    full_k = _expand(gather_members(sched, ring, k, sd, "the invariant forward's K"), head_map)
-    full_v = _expand(gather_members(sched, ring, v, sd, "the invariant forward's V"), head_map)
+    full_k = _forward_kv(gather_members(sched, ring, k, sd, "the invariant forward's K"), head_map)
+    full_v = _forward_kv(gather_members(sched, ring, v, sd, "the invariant forward's V"), head_map)
     out, lse = invariant.forward(q, full_k, full_v, row_items(sched, m), softmax_scale=opts.softmax_scale,
                                  softcap=opts.softcap, backend=opts.backend)
     return Accumulators(out, lse)

@@ -39,8 +39,8 @@ class _InvariantAttentionFunction(torch.autograd.Function):
             raise ValueError("cp_invariant=True needs one q_offset and one k_offset for a dense batch")
         group = problem.heads_q // problem.heads_kv
         items = invariant.single_device_items(problem)
-        k_e, v_e = invariant.expand_kv(k, group), invariant.expand_kv(v, group)
-        out, lse = invariant.forward(q, k_e, v_e, items, softmax_scale=problem.softmax_scale,
+        # no K/V expansion: a query head's row reads its key/value head either way (the same bits)
+        out, lse = invariant.forward(q, k, v, items, softmax_scale=problem.softmax_scale,
                                      softcap=problem.softcap, backend=backend)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)

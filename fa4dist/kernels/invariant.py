@@ -75,7 +75,8 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def forward(q, k, v, items: list[WorkItem], *, softmax_scale=None, softcap=None, backend="auto"):
-    """(out fp32, lse) of the rows the items cover (every row by exactly one item), keys already expanded."""
+    """(out fp32, lse) of the rows the items cover (every row by exactly one item); K/V per key/value head (GQA) or
+    expanded per query head: a row reads the same values either way, and the backends give the same bits."""
     acc = accum_dtype(q.dtype)
     out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
     lse_shape = (q.shape[-2], q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])

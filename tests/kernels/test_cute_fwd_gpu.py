@@ -307,3 +307,25 @@ def test_steady_state_no_recompile():
         q2, k2, v2 = (rand(2, s, 2, 128, dtype=torch.bfloat16) for _ in range(3))
         run(q2, k2, v2, True, 7, 3)
     assert len(fa4cute.cache_info()) == n
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gqa_rows_equal_expanded_rows(packed, d):
+    """A query head's out and lse do not depend on how many query heads share its K/V: GQA gives the bytes of K/V
+    expanded per query head (cp_invariant's forward relies on it and skips the expansion)."""
+    from fa4dist.kernels import attention_forward, invariant
+
+    g = torch.Generator(device="cuda").manual_seed(torch.seed() % (2**31))
+    if packed:
+        cu = torch.tensor([0, 300, 1000, 1777], dtype=torch.int32, device="cuda")
+        shape_q, shape_k, kw = (1777, 8, d), (1777, 2, d), dict(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    else:
+        shape_q, shape_k, kw = (2, 1500, 8, d), (2, 1500, 2, d), {}
+    q = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(shape_k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    gqa = attention_forward(q, k, v, causal=True, backend="cute", **kw)
+    expanded = attention_forward(q, invariant.expand_kv(k, 4), invariant.expand_kv(v, 4), causal=True,
+                                 backend="cute", **kw)
+    for a, b in zip(gqa, expanded):
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
