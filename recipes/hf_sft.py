@@ -474,16 +474,34 @@ def main(argv=None):
 # the single-process reference
 
 
+def per_document_loss(model, sample) -> torch.Tensor:
+    """The packed sample's mean next-token loss computed one document at a time (each a batch of its own, positions
+    from 0), with the model's own loss: what the packed call means, without trusting the model's packed-sequence
+    masks (transformers 5.24's eager GPT-OSS sliding-window layers let a document's first tokens see the previous
+    document in a packed row: a document run alone and the same document packed differ by ~4e-2 there)."""
+    cu = sample.cu_seqlens.tolist()
+    total, count = None, 0
+    for a, b in zip(cu, cu[1:]):
+        if b - a < 2:  # no next-token label in a one-token document
+            continue
+        ids = sample.tokens[a:b].unsqueeze(0)
+        out = model(input_ids=ids, position_ids=torch.arange(b - a).unsqueeze(0), labels=ids, use_cache=False)
+        term = out.loss * (b - a - 1)  # the model's mean over its b - a - 1 labels, back to a sum
+        total = term if total is None else total + term
+        count += b - a - 1
+    return total / count
+
+
 def reference_run(args, device=torch.device("cpu")) -> dict:
     """``{"loss": [...], "grad_norm": [...]}`` of common.reference_loop over the same data with the model's own
-    attention (``own_attention``: sdpa, or eager for Gemma and GPT-OSS; packed documents from position_ids) and
-    its own loss (``labels``, shifted inside).  What the distributed recipe must reproduce."""
+    attention (``own_attention``: sdpa, or eager for Gemma and GPT-OSS) and its own loss (``labels``, shifted
+    inside), one document at a time (:func:`per_document_loss`).  What the distributed recipe must reproduce."""
     common.set_determinism(args)
     model, sharded = build_model(args, device)
     if sharded:
         raise SystemExit("the reference needs --init full")
     model.train()
-    return common.reference_loop(model, lambda sample: model(**hf_batch(sample), use_cache=False).loss, args)
+    return common.reference_loop(model, lambda sample: per_document_loss(model, sample), args)
 
 
 if __name__ == "__main__":
