@@ -1,6 +1,7 @@
 """Which parts of a whole training step keep their bits when the cp size changes (cp_invariant attention on)?
 
     torchrun --nproc-per-node 1 bench/cp_invariance_model.py run      # writes $OUT/model-cp1.pt
+                                        # (--invariant-grads 1: parameter gradients in int64 fixed point)
     torchrun --nproc-per-node 2 bench/cp_invariance_model.py run      # ... cp2
     torchrun --nproc-per-node 4 bench/cp_invariance_model.py run      # ... cp4
     python bench/cp_invariance_model.py compare                       # the table; $OUT/<date>-cp-invariance.json
@@ -36,6 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--docs", type=int, default=5)
     p.add_argument("--strategy", default="ring")
     p.add_argument("--row-invariant", type=int, default=1, help="1: row-invariant matrix products (default)")
+    p.add_argument("--invariant-grads", type=int, default=0,
+                   help="1: parameter gradients in int64 fixed point (FA4Llama.set_invariant_grads)")
     return p.parse_args(argv)
 
 
@@ -69,6 +72,8 @@ def run(args):
         model = FA4Llama(config, dist.group.WORLD if world > 1 else None, strategy=args.strategy, cp_invariant=True)
     model.set_row_invariant(bool(args.row_invariant))
     model.to(dtype)
+    if args.invariant_grads:
+        model.set_invariant_grads(True)
     gen = torch.Generator().manual_seed(1)
     cuts = sorted(torch.randperm(args.tokens - 1, generator=gen)[: args.docs - 1] + 1)
     cu = torch.tensor([0] + [int(c) for c in cuts] + [args.tokens], dtype=torch.int32)
@@ -81,10 +86,12 @@ def run(args):
     logits = model(local.tokens, local.positions, plan)
     loss = cp_cross_entropy(logits, local.labels, dist.group.WORLD if world > 1 else None).loss
     loss.backward()
+    if args.invariant_grads:
+        model.invariant_grads.finish()  # summed over the ranks already
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad.detach().clone()
-        if world > 1:
+        if world > 1 and not args.invariant_grads:
             dist.all_reduce(g)
         grads[name] = g.cpu()
     loss_total = loss.detach().clone()
@@ -95,7 +102,8 @@ def run(args):
         full = plan.unshard([p.cpu() for p in parts], seq_dim=0) if world > 1 else parts[0].cpu()
         os.makedirs(OUT, exist_ok=True)
         torch.save(dict(cp=world, dtype=str(dtype), logits=full, loss=loss_total.cpu(), grads=grads,
-                        row_invariant=bool(args.row_invariant)), os.path.join(OUT, f"model-cp{world}.pt"))
+                        row_invariant=bool(args.row_invariant), invariant_grads=bool(args.invariant_grads)),
+                   os.path.join(OUT, f"model-cp{world}.pt"))
         print(f"cp={world}: saved logits {tuple(full.shape)}, loss {float(loss_total):.6f}, {len(grads)} grads",
               flush=True)
     dist.destroy_process_group()
@@ -118,7 +126,8 @@ def compare(args):
         if cp == 1:
             continue
         r = runs[cp]
-        row = dict(cp=cp, dtype=r["dtype"], row_invariant=r["row_invariant"], logits=_compare(r["logits"], base["logits"]),
+        row = dict(cp=cp, dtype=r["dtype"], row_invariant=r["row_invariant"],
+                   invariant_grads=r.get("invariant_grads", False), logits=_compare(r["logits"], base["logits"]),
                    loss=_compare(r["loss"], base["loss"]))
         grads = {n: _compare(g, base["grads"][n]) for n, g in r["grads"].items()}
         row["grads_same"] = sum(g["same_bytes"] for g in grads.values())

@@ -20,6 +20,10 @@ The log reports, per step, the mean reward and the largest |rollout log-prob - t
 tokens under the same weights (the two paths differ: batched sampling without CP vs. packed CP attention).  At the
 end every rank hashes its weights (they must agree) and rank 0 prints ``weights_sha256=<hex>``: two runs with the
 same seed print the same hash.  The SUMMARY line has the mean reward of the first and last 10 RL steps.
+
+``--cp-invariant``: cp_invariant attention, row-invariant matrix products and parameter gradients in int64 fixed
+point (:mod:`fa4dist.models.invariant_grads`, in place of the fp32 all-reduce): the whole training step, and so the
+final hash, is the same at every cp size (``--cp 1`` and ``--cp 2`` print the same hash).
 """
 
 from __future__ import annotations
@@ -231,6 +235,9 @@ def main(argv=None):
     args_sched = argparse.Namespace(**{**vars(args), "steps": total_steps})
 
     policy = common.build_model(args, layout.mesh["cp"], device, deterministic=True)
+    if args.cp_invariant:
+        # parameter gradients in int64 fixed point, summed over every rank: the same bits at every cp size
+        policy.set_invariant_grads(True)
     optimizer = common.make_optimizer(policy, args)
     if rank == 0:
         torch.manual_seed(args.seed)
@@ -293,7 +300,10 @@ def main(argv=None):
         else:
             loss, diff = policy_loss(policy, sample, aligned, layout, total_tokens, args.clip_eps, device, args)
         loss.backward()
-        allreduce_grads(policy)
+        if args.cp_invariant:
+            policy.invariant_grads.finish()
+        else:
+            allreduce_grads(policy)
         if args.grad_clip:
             torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
         optimizer.step()

@@ -36,7 +36,7 @@ def _worker(rank, world, init_file, commands, results, sys_path, threads):
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
-        for n in range(2, world):
+        for n in range(1, world):
             GROUPS[n] = dist.new_group(list(range(n)))
         GROUPS[world] = dist.group.WORLD
         if world == 4:

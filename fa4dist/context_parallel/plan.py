@@ -244,12 +244,13 @@ class ShardPlan:
     """Chunks of the global token stream and their assignment to cp ranks.  Build one with :func:`make_plan`."""
 
     def __init__(self, total_len: int, cu_seqlens: Optional[tuple[int, ...]], cp_size: int, num_chunks: int,
-                 owner: Sequence[int], balancer: str, mask: Mask, ulysses_degree: int = 1):
+                 owner: Sequence[int], balancer: str, mask: Mask, ulysses_degree: int = 1, align: int = 1):
         self.total_len = total_len
         self.cu_seqlens = cu_seqlens
         self.cp_size = cp_size
         self.num_chunks = num_chunks
-        self.chunk_size = -(-total_len // num_chunks)
+        self.align = align
+        self.chunk_size = -(-(-(-total_len // num_chunks)) // align) * align  # ceil(total / chunks), up to align
         self.balancer = balancer
         self.mask = mask  # what the cost model assumes (the attention's own mask)
         self.ulysses_degree = ulysses_degree
@@ -479,7 +480,7 @@ class ShardPlan:
         return dict(
             total_len=self.total_len, cu_seqlens=list(self.cu_seqlens) if self.cu_seqlens else None,
             cp_size=self.cp_size, ulysses_degree=self.ulysses_degree, num_chunks=self.num_chunks,
-            balancer=self.balancer, causal=self.mask.causal, window=list(self.mask.window),
+            chunk_size=self.chunk_size, balancer=self.balancer, causal=self.mask.causal, window=list(self.mask.window),
             owner=list(self.chunk_owner),
         )
 
@@ -517,6 +518,7 @@ def make_plan(
     causal: bool = True,
     window: tuple[int, int] = (-1, -1),
     ulysses_degree: int = 1,
+    align: int = 1,
 ) -> ShardPlan:
     """Plans how `cp_size` ranks share one sequence (an int length) or a packed batch of documents (cu_seqlens).
 
@@ -528,6 +530,8 @@ def make_plan(
       in :func:`fa4dist.kernels.attention_forward`).  With a window, ``balance_report()`` shows the ring steps it
       leaves; a ``contiguous`` plan keeps a member's window inside its neighbour's chunks (fewest transfers).
     - ``ulysses_degree``: for the 2-D strategy, balance over ``cp_size // ulysses_degree`` ring groups.
+    - ``align``: chunk sizes are a multiple of it, so every chunk starts at a multiple of ``align`` tokens of the
+      stream (the cp_invariant training step's canonical token blocks, :mod:`fa4dist.models.invariant_grads`).
     """
     total, cu = _documents(seqlen_or_cu_seqlens)
     _check_int("cp_size", cp_size, 1)
@@ -535,6 +539,7 @@ def make_plan(
         raise ValueError(f"balancer must be one of {BALANCERS}, got {balancer!r}")
     mask = check_mask(causal, window)
     _check_int("ulysses_degree", ulysses_degree, 1)
+    _check_int("align", align, 1)
     if cp_size % ulysses_degree:
         raise ValueError(f"ulysses_degree ({ulysses_degree}) must divide cp_size ({cp_size})")
     if num_chunks is None:  # packed documents balance far better with more, smaller chunks
@@ -545,7 +550,7 @@ def make_plan(
             f"num_chunks must be a multiple of cp_size ({cp_size}) so every rank holds as many chunks, got {num_chunks}"
         )
     groups = cp_size // ulysses_degree
-    plan = ShardPlan(total, cu, cp_size, num_chunks, [0] * num_chunks, balancer, mask, ulysses_degree)
+    plan = ShardPlan(total, cu, cp_size, num_chunks, [0] * num_chunks, balancer, mask, ulysses_degree, align)
     group_of = _BALANCER_FNS[balancer](plan.chunk_costs, groups)
     # Within a ring group, its u ranks take contiguous runs of the group's chunks (in global order).
     per_rank = num_chunks // cp_size
@@ -554,4 +559,4 @@ def make_plan(
         chunks = [c for c in range(num_chunks) if group_of[c] == g]
         for i, c in enumerate(chunks):
             owner[c] = g * ulysses_degree + i // per_rank
-    return ShardPlan(total, cu, cp_size, num_chunks, owner, balancer, mask, ulysses_degree)
+    return ShardPlan(total, cu, cp_size, num_chunks, owner, balancer, mask, ulysses_degree, align)

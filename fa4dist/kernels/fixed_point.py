@@ -59,11 +59,17 @@ def dq_scale(dout: torch.Tensor, out: torch.Tensor, k_absmax: torch.Tensor, v_ab
     m = _absmax(dout, -1)  # (..., heads)
     o_max = _absmax(out, -1)
     bound = (float(softmax_scale) * head_dim) * k_absmax.to(m.device) * m * (v_absmax.to(m.device) + o_max)
+    scale = power_of_two_scale(bound)
+    return scale.movedim(-1, 0) if dout.dim() == 3 else scale.movedim(-1, 1)
+
+
+def power_of_two_scale(bound: torch.Tensor) -> torch.Tensor:
+    """2^(61 - e) for ``bound < 2^e`` (fp64 bounds of sums of |terms|), clamped to [2^-126, 2^126] so that it is a
+    normal fp32 (fp32 result); NaN where the bound is not finite.  Terms times it then sum below 2^62 in int64."""
     exponent = torch.frexp(bound).exponent  # bound < 2^exponent (0 -> 0)
     shift = (FRACTION_HEADROOM - exponent).clamp(_MIN_EXP, _MAX_EXP)
     scale = torch.ldexp(torch.ones_like(bound), shift.to(bound.dtype)).float()
-    scale = torch.where(torch.isfinite(bound), scale, torch.full_like(scale, float("nan")))
-    return scale.movedim(-1, 0) if dout.dim() == 3 else scale.movedim(-1, 1)
+    return torch.where(torch.isfinite(bound), scale, torch.full_like(scale, float("nan")))
 
 
 def _per_row(scale: torch.Tensor, packed: bool) -> torch.Tensor:

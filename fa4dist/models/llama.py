@@ -38,8 +38,12 @@ class Linear(nn.Linear):
 
     ROW_BLOCK = 64
     row_invariant = False
+    fixed_grads = None  # (FixedPointGrads, site): the cp_invariant step's weight gradient (invariant_grads.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fixed_grads is not None and x.dim() == 2:
+            grads, site = self.fixed_grads
+            return grads.linear(x, self.weight, site, self.ROW_BLOCK)
         if not self.row_invariant or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
         n = x.shape[0]
@@ -54,10 +58,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fixed_grads = None  # as Linear.fixed_grads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.to(_compute_dtype(x.dtype))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.fixed_grads is not None:
+            grads, site = self.fixed_grads
+            return grads.scale(xf.to(x.dtype), self.weight, site)
         return self.weight * xf.to(x.dtype)
 
 
@@ -157,6 +165,8 @@ class FA4Llama(nn.Module):
         self.lm_head = Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.invariant_grads = None  # FixedPointGrads (set_invariant_grads)
+        self._embed_site = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -187,7 +197,9 @@ class FA4Llama(nn.Module):
         attention module's own ``make_plan`` (right cp size and Ulysses degree), or the identity at cp size 1."""
         core = self.attention_core
         if getattr(core, "cp_size", 1) > 1:
-            return core.make_plan(cu_seqlens, balancer=balancer, num_chunks=num_chunks)
+            # invariant gradients: every rank's tokens are whole ROW_BLOCK blocks of the stream
+            align = Linear.ROW_BLOCK if self.invariant_grads is not None else 1
+            return core.make_plan(cu_seqlens, balancer=balancer, num_chunks=num_chunks, align=align)
         from fa4dist.data.sharding import SingleRankPlan
 
         return SingleRankPlan(cu_seqlens)
@@ -200,6 +212,25 @@ class FA4Llama(nn.Module):
             if isinstance(m, Linear):
                 m.row_invariant = enabled
 
+    def set_invariant_grads(self, enabled: bool = True, group=None):
+        """Parameter gradients in int64 fixed point (:mod:`fa4dist.models.invariant_grads`): with cp_invariant
+        attention and row-invariant products (turned on here too) a training step's gradients are the same bits at
+        every cp size.  Call ``model.invariant_grads.finish()`` after each backward: it sums the gradients over
+        ``group`` (default: every rank) and sets ``p.grad``, in place of a gradient all-reduce.  Plans come from
+        :meth:`make_plan` (chunks aligned to the canonical token blocks).  Returns the FixedPointGrads, or None."""
+        from .invariant_grads import FixedPointGrads
+
+        self.invariant_grads = FixedPointGrads(group) if enabled else None
+        self._embed_site = self.invariant_grads.site(self.embed_tokens.weight) if enabled else None
+        for m in self.modules():
+            if isinstance(m, (Linear, RMSNorm)):
+                if isinstance(m, Linear) and m.bias is not None:
+                    raise ValueError("invariant gradients cover bias-free Linear layers only")
+                m.fixed_grads = (self.invariant_grads, self.invariant_grads.site(m.weight)) if enabled else None
+        if enabled:
+            self.set_row_invariant(True)
+        return self.invariant_grads
+
     def set_activation_checkpointing(self, enabled: bool = True):
         for layer in self.layers:
             layer.activation_checkpointing = enabled
@@ -208,7 +239,14 @@ class FA4Llama(nn.Module):
         if tokens.dim() != 1 or positions.shape != tokens.shape:
             raise ValueError(f"tokens and positions must be 1-D of one length (one packed stream), got "
                              f"{tuple(tokens.shape)} and {tuple(positions.shape)}")
-        x = self.embed_tokens(tokens)
+        if self.invariant_grads is not None:
+            chunk = getattr(plan, "chunk_size", None)
+            if chunk is not None and self.cp_size > 1 and chunk % Linear.ROW_BLOCK:
+                raise ValueError(f"invariant gradients need plans whose chunks are multiples of {Linear.ROW_BLOCK} "
+                                 f"tokens (model.make_plan makes them), got chunk_size={chunk}")
+            x = self.invariant_grads.embedding(tokens, self.embed_tokens.weight, self._embed_site)
+        else:
+            x = self.embed_tokens(tokens)
         cos, sin = rotary_tables(positions, self.config.resolved_head_dim, self.config.rope_theta,
                                  torch.float64 if x.dtype == torch.float64 else torch.float32)
         for layer in self.layers:

@@ -78,10 +78,11 @@ class FA4ContextParallelAttention(nn.Module):
         return self.cp.cp_rank
 
     def make_plan(self, seqlen_or_cu_seqlens: Union[int, torch.Tensor, list], balancer: str = "lpt",
-                  num_chunks: Optional[int] = None) -> ShardPlan:
-        """A plan for this module's group, mask and Ulysses degree; shard inputs with ``module.shard(x, plan)``."""
+                  num_chunks: Optional[int] = None, align: int = 1) -> ShardPlan:
+        """A plan for this module's group, mask and Ulysses degree; shard inputs with ``module.shard(x, plan)``
+        (``align``: chunk sizes a multiple of it, see :func:`fa4dist.context_parallel.make_plan`)."""
         return make_plan(seqlen_or_cu_seqlens, self.cp_size, balancer, num_chunks, causal=self.cp.causal,
-                         window=self.cp.window, ulysses_degree=self.cp.plan_ulysses_degree())
+                         window=self.cp.window, ulysses_degree=self.cp.plan_ulysses_degree(), align=align)
 
     def _plan(self, plan: Optional[ShardPlan]) -> ShardPlan:
         plan = plan if plan is not None else self.plan

@@ -39,3 +39,23 @@ def test_cp_invariant_prefill_scores_equal_training_log_probs_exactly(tmp_path):
     assert s["cp_invariant"] and s["rollout_logp"] == "prefill"
     assert s["max_rollout_vs_train_logp_diff"] == 0.0, s
     assert s["max_sampling_vs_prefill_logp_diff"] is not None
+
+
+@pytest.mark.timeout(420)
+def test_cp_invariant_runs_end_with_the_same_weights_at_cp_1_and_2():
+    """--cp-invariant: attention, matrix products and parameter gradients (int64 fixed point) do not depend on the
+    cp size, so a cp = 1 and a cp = 2 run print the same weights hash."""
+    hashes = []
+    for cp in (1, 2):
+        out = launch.torchrun("rl_deterministic.py", _args_at(cp) + ["--cp-invariant"], nproc=cp)
+        s = launch.summary(out.stdout)
+        assert s["cp"] == cp and s["cp_invariant"]
+        hashes.append(s["weights_sha256"])
+    assert hashes[0] == hashes[1]
+
+
+def _args_at(cp):
+    """The module's ARGS at another cp size."""
+    args = list(ARGS)
+    args[args.index("--cp") + 1] = str(cp)
+    return args

@@ -1,0 +1,106 @@
+"""A whole training step's parameter gradients with the same bytes at every cp size
+(fa4dist/models/invariant_grads.py): the tiny Llama with cp_invariant attention and invariant gradients, one
+packed sample, cp = 1, 2, 4 (ring and Ulysses) on CPU gloo in fp32."""
+
+import pytest
+import torch
+
+from cp_harness import GROUPS, shared_pool
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return shared_pool(4)
+
+
+def _step(rank, world, layouts, tokens=700, docs=(0, 150, 151, 420, 700)):
+    """Per layout (cp, strategy): the gradients' bytes (rank 0 of the layout), or None elsewhere."""
+    import torch.distributed as dist
+
+    from fa4dist.data.packing import IGNORE, Sample, positions_from_cu_seqlens
+    from fa4dist.data.sharding import shard_sample
+    from fa4dist.models import FA4Llama, cp_cross_entropy, get_config
+
+    config = get_config("tiny")
+    gen = torch.Generator().manual_seed(3)
+    cu = torch.tensor(docs, dtype=torch.int32)
+    ids = torch.randint(0, config.vocab_size, (tokens,), generator=gen)
+    labels = torch.roll(ids, -1).clone()
+    labels[cu[1:] - 1] = IGNORE
+    sample = Sample(ids, labels, positions_from_cu_seqlens(cu), cu)
+    results = []
+    for cp, strategy in layouts:
+        grads = None
+        if rank < cp:
+            group = GROUPS[cp] if cp > 1 else None
+            torch.manual_seed(0)
+            model = FA4Llama(config, group, strategy=strategy, cp_invariant=True, backend="reference")
+            model.set_invariant_grads(True, GROUPS[cp])  # the gradients' sum: this layout's ranks only
+            plan = model.make_plan(cu)
+            local = shard_sample(sample, plan, model.cp_rank)
+            logits = model(local.tokens, local.positions, plan)
+            cp_cross_entropy(logits, local.labels, group).loss.backward()
+            model.invariant_grads.finish()
+            if rank == 0:
+                grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append(grads)
+        dist.barrier()
+    return results
+
+
+def test_gradients_are_the_same_bytes_at_every_cp_size(pool):
+    layouts = [(1, "ring"), (2, "ring"), (4, "ring"), (2, "ulysses"), (3, "ring")]
+    per_rank = pool.run(_step, layouts=layouts)
+    base, *others = per_rank[0]
+    assert base and len(base) > 10
+    for (cp, strategy), grads in zip(layouts[1:], others):
+        for name, g in grads.items():
+            assert torch.equal(g.view(torch.int32), base[name].view(torch.int32)), (cp, strategy, name)
+
+
+def _misaligned(rank, world):
+    """The error a cp = 2 model with invariant gradients raises for a plan not made by model.make_plan."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.models import FA4Llama, get_config
+
+    if rank >= 2:
+        return None
+    model = FA4Llama(get_config("tiny"), GROUPS[2], cp_invariant=True, backend="reference")
+    model.set_invariant_grads(True, GROUPS[2])
+    cu = torch.tensor([0, 700], dtype=torch.int32)
+    plan = make_plan(cu, 2)  # 4 chunks of 175 tokens
+    aligned = model.make_plan(cu)
+    try:
+        model(torch.zeros(350, dtype=torch.long), torch.arange(350), plan)
+    except ValueError as err:
+        return str(err), aligned.chunk_size
+    return None
+
+
+def test_misaligned_plans_are_refused(pool):
+    message, aligned = pool.run(_misaligned)[0]
+    assert "multiples of 64" in message and aligned % 64 == 0
+
+
+def test_gradients_match_autograd():
+    from fa4dist.models import FA4Llama, get_config
+
+    config = get_config("tiny")
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, config.vocab_size, (300,), generator=gen)
+    positions = torch.arange(300)
+    grads = []
+    for invariant in (False, True):
+        torch.manual_seed(0)
+        model = FA4Llama(config, None, cp_invariant=True, backend="reference")
+        if invariant:
+            model.set_invariant_grads(True)
+        model(ids, positions).float().logsumexp(-1).sum().backward()
+        if invariant:
+            model.invariant_grads.finish()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[1].items():
+        want = grads[0][name]
+        assert (g - want).abs().max() <= 1e-5 * want.abs().max(), name
