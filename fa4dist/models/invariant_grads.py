@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..kernels import fixed_point
+from .llama import row_block_products, row_blocks
 
 
 class _Site:
@@ -59,28 +60,21 @@ def _absmax(t: torch.Tensor) -> torch.Tensor:
     return t.detach().abs().amax() if t.numel() else torch.zeros((), dtype=t.dtype, device=t.device)
 
 
-def _blocks(t: torch.Tensor, rows: int) -> list[torch.Tensor]:
-    pad = (-t.shape[0]) % rows
-    return list((F.pad(t, (0, 0, 0, pad)) if pad else t).split(rows))
-
-
 class _FixedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, site, rows):
         ctx.save_for_backward(x, weight)
         ctx.site, ctx.rows = site, rows
-        n = x.shape[0]
-        out = torch.cat([F.linear(b, weight) for b in _blocks(x, rows)]) if n else F.linear(x, weight)
-        return out[:n]
+        return row_block_products(x, weight, rows)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         site, rows, n = ctx.site, ctx.rows, x.shape[0]
         scale = site.start(n, _absmax(dy), _absmax(x))
-        dx = torch.cat([b @ weight for b in _blocks(dy, rows)])[:n] if n else dy @ weight
+        dx = row_block_products(dy, weight.t(), rows)
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        for dy_b, x_b in zip(_blocks(dy, rows), _blocks(x, rows)):  # one fixed-shape product per canonical block
+        for dy_b, x_b in zip(row_blocks(dy, rows), row_blocks(x, rows)):  # one fixed-shape product per canonical block
             site.total += fixed_point.to_fixed(dy_b.t().to(acc) @ x_b.to(acc), scale)
         return dx, None, None, None
 

@@ -104,3 +104,24 @@ def test_gradients_match_autograd():
     for name, g in grads[1].items():
         want = grads[0][name]
         assert (g - want).abs().max() <= 1e-5 * want.abs().max(), name
+
+
+def test_row_invariant_linear_weight_gradient_is_one_product():
+    """Row blocks in the forward (Linear.row_invariant), but the weight gradient is dy^T x in one product: in bf16
+    the same bytes as F.linear's (autograd through the blocks would add 16-bit rounded block gradients)."""
+    from fa4dist.models.llama import Linear
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1000, 48, generator=gen).bfloat16()
+    dy = torch.randn(1000, 32, generator=gen).bfloat16()
+    grads = []
+    for row_invariant in (False, True):
+        layer = Linear(48, 32, bias=True).bfloat16()
+        torch.manual_seed(0)
+        torch.nn.init.normal_(layer.weight)
+        layer.row_invariant = row_invariant
+        xi = x.clone().requires_grad_()
+        layer(xi).backward(dy)
+        grads.append((layer.weight.grad, layer.bias.grad, xi.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    assert (grads[0][2].float() - grads[1][2].float()).abs().max() <= 1e-2 * grads[0][2].float().abs().max()
