@@ -301,9 +301,10 @@ def test_one_gradient_variants_equal_the_full_backward(packed, d):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-@pytest.mark.parametrize("d", [64, 128])
-def test_fixed_point_dq(packed, d):
+@pytest.mark.parametrize("packed,d,options", [(False, 64, {}), (False, 128, {}), (True, 64, {}), (True, 128, {}),
+                                               (False, 128, {"softcap": 30.0, "window_left": 700})],
+                         ids=["dense-d64", "dense-d128", "packed-d64", "packed-d128", "dense-d128-softcap-window"])
+def test_fixed_point_dq(packed, d, options):
     """The int64 fixed-point dQ (dq_scale=, cp_invariant's one pass): its dq is the fp32 dq's value to fp32
     accuracy; keys split over launches on 128-key tile boundaries give the same int64 bytes as one launch, in any
     launch order; its dk/dv are the bytes of the deterministic dk/dv-only variant; reruns repeat the bytes."""
@@ -317,7 +318,10 @@ def test_fixed_point_dq(packed, d):
         fwd_kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
     else:
         q, k, v = _inputs((2, 1500, 4, d), (2, 1700, 4, d), torch.bfloat16, g)
-        kw = fwd_kw = dict(causal=True, q_offset=200)
+        kw = dict(causal=True, q_offset=200, **options)
+        fwd_kw = dict(causal=True, q_offset=200)
+        if options:  # the contract's window=(left, 0) is the kernels' window_left on the causal diagonal
+            fwd_kw.update(softcap=options["softcap"], window=(options["window_left"], 0))
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
     out, lse = attention_forward(q, k, v, backend="cute", **fwd_kw)
     scale = fixed_point.dq_scale(dout, out, fixed_point.head_absmax(k), fixed_point.head_absmax(v), d ** -0.5)
@@ -351,6 +355,6 @@ def test_fixed_point_dq(packed, d):
         for lo, hi in ((640, 1700), (0, 640)):
             dk_s, dv_s = (torch.zeros(t[:, lo:hi].shape, device="cuda", dtype=torch.float32) for t in (k, v))
             backward(dout, q, k[:, lo:hi], v[:, lo:hi], out, lse, split, dk_s, dv_s, accumulate=True,
-                     dq_scale=scale, causal=True, q_offset=200, k_offset=lo)
+                     dq_scale=scale, causal=True, q_offset=200, k_offset=lo, **options)
         torch.cuda.synchronize()
         assert torch.equal(split, dq_int)
