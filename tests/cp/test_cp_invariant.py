@@ -23,7 +23,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def invariant_case(rank, world, layouts, dtype, packed, heads, device="cpu", backend="reference", head_dim=16,
-                   docs=DOCS, total=200, window=(-1, -1), softcap=None):
+                   docs=DOCS, total=200, window=(-1, -1), softcap=None, chunks_per_rank=None):
     """For each (cp, strategy, balancer, ulysses degree): whether the global out/dq/dk/dv bytes equal the single
     device's (every rank computes the single-device result itself)."""
     import fa4dist
@@ -46,7 +46,8 @@ def invariant_case(rank, world, layouts, dtype, packed, heads, device="cpu", bac
         module, _ = cp_cases.cp_module(rank, cp, strategy, True, ulysses_degree=u, backend=backend,
                                        cp_invariant=True, window=window, softcap=softcap)
         if module is not None:
-            plan = make_plan(docs if packed else total, cp, balancer, causal=True, ulysses_degree=u or 1)
+            num_chunks = cp * chunks_per_rank if chunks_per_rank else None
+            plan = make_plan(docs if packed else total, cp, balancer, num_chunks, causal=True, ulysses_degree=u or 1)
             local = [module.shard(t, plan).requires_grad_() for t in (q, k, v)]
             out = module(*local, plan=plan)
             out.backward(module.shard(dout, plan))
@@ -128,3 +129,17 @@ def test_bitwise_identical_over_many_key_tiles(pool, packed):
     for per_rank in results:
         for cp, strategy, balancer, u, same in per_rank:
             assert all(same), f"cp={cp} {strategy} {balancer} u={u}: out/dq/dk/dv bytes equal: {same}"
+
+
+def test_bitwise_identical_with_chunks_smaller_than_a_key_tile(pool):
+    """Chunks of ~20-40 tokens: a 128-key tile spans several members' keys (its dq comes from the member holding
+    its first key, reading the others' keys as halo), with a window and soft-capping, packed and dense."""
+    layouts = [(1, "ring", "lpt", None), (3, "ring", "lpt", None), (4, "ring", "zigzag", None),
+               (4, "hybrid", "lpt", 2)]
+    for packed in (True, False):
+        results = pool.run(invariant_case, layouts=layouts, dtype=torch.float32, packed=packed, heads=(4, 2),
+                           head_dim=8, docs=[0, 300, 301, 690], total=500, window=(150, -1), softcap=4.0,
+                           chunks_per_rank=6)
+        for per_rank in results:
+            for cp, strategy, balancer, u, same in per_rank:
+                assert all(same), f"packed={packed} cp={cp} {strategy} {balancer} u={u}: bytes equal: {same}"
