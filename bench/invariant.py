@@ -91,7 +91,8 @@ def main(argv=None):
 
 def _kernel_rows(q, k, v, dout, args):
     """The CuTe backward alone (preprocess, main kernel, dQ convert; accumulating into zeros): fp32 dQ with and
-    without the deterministic tickets, and the int64 fixed-point dQ (deterministic with no tickets)."""
+    without the deterministic tickets, the int64 fixed-point dQ (deterministic with no tickets), and what
+    deterministic=True picks (the int64 dQ for long GQA calls: backward.fixed_point_deterministic)."""
     from fa4dist.kernels import attention_forward, fixed_point
     from fa4dist.kernels.cute.backward import backward
 
@@ -105,7 +106,9 @@ def _kernel_rows(q, k, v, dout, args):
     variants = {
         "fp32 dQ": lambda: backward(dout, q, k, v, out, lse, dq32, dk, dv, causal=True, accumulate=True),
         "fp32 dQ, tickets": lambda: backward(dout, q, k, v, out, lse, dq32, dk, dv, causal=True, accumulate=True,
-                                             deterministic=True),
+                                             deterministic=True, det_dq="tickets"),
+        "deterministic, auto": lambda: backward(dout, q, k, v, out, lse, dq32, dk, dv, causal=True,
+                                                accumulate=True, deterministic=True),
         "int64 dQ": lambda: backward(dout, q, k, v, out, lse, dq64, dk, dv, causal=True, accumulate=True,
                                      dq_scale=scale),
     }

@@ -60,7 +60,7 @@ def dq_scale(dout: torch.Tensor, out: torch.Tensor, k_absmax: torch.Tensor, v_ab
     o_max = _absmax(out, -1)
     bound = (float(softmax_scale) * head_dim) * k_absmax.to(m.device) * m * (v_absmax.to(m.device) + o_max)
     scale = power_of_two_scale(bound)
-    return scale.movedim(-1, 0) if dout.dim() == 3 else scale.movedim(-1, 1)
+    return (scale.movedim(-1, 0) if dout.dim() == 3 else scale.movedim(-1, 1)).contiguous()
 
 
 def power_of_two_scale(bound: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,9 @@ SUBSET = [
     (BF16, 128, False, False, True, False, {"dq_fixed": True}),
     (FP16, 64, True, True, True, True, {"dq_fixed": True, "seg_offsets": True}),
     (BF16, 128, True, True, True, True, {"dq_fixed": True, "softcap": 30.0, "window_left": 4096}),
+    # the deterministic GQA backward: int64 dQ converted to a float dq (fresh bf16 through TMA; fp32 added)
+    (BF16, 128, True, False, False, True, {"dq_fixed": True, "fixed_to_float": True}),
+    (FP16, 64, True, True, True, True, {"dq_fixed": True, "fixed_to_float": True}),
 ]
 
 
@@ -105,6 +108,8 @@ def test_compile_backward_variant(variant, tmp_path, monkeypatch, capfd):
     assert dq_adds == (main.grads != "dkv")
     if main.dq_fixed:
         assert not main.deterministic and "cvt.rzi.s64.f32" in ptx
+    if post.fixed_to_float:  # each row's integer rounded to fp32, divided exactly by its power of two
+        assert "cvt.rn.f32.s64" in post_ptx and ("rcp.rn.f32" in post_ptx or "div.rn.f32" in post_ptx)
     assert len(re.findall(r"setmaxnreg\.(inc|dec)", ptx)) == 2
     assert "ld.local" not in ptx and "st.local" not in ptx
     if main.deterministic:

@@ -148,7 +148,7 @@ class PreConfig:
 @dataclass(frozen=True)
 class PostConfig:
     """The dQ convert kernel (bwd_postprocess.py): fp32 fragment-ordered scratch -> dq (int64 -> int64 dq,
-    added, with dq_fixed)."""
+    added, with dq_fixed; int64 -> a float dq with fixed_to_float)."""
 
     dtype: str  # q dtype
     dq_fp32: bool
@@ -157,24 +157,27 @@ class PostConfig:
     varlen: bool
     accumulate: bool
     dq_fixed: bool = False
+    fixed_to_float: bool = False
 
     def build(self):
         from .bwd_postprocess import BwdPostprocess
 
         return BwdPostprocess(host.cutlass_dtype(self.dtype), self.head_dim, self.tile_m, varlen=self.varlen,
-                              accumulate=self.accumulate, dq_fixed=self.dq_fixed)
+                              accumulate=self.accumulate, dq_fixed=self.dq_fixed,
+                              fixed_to_float=self.fixed_to_float)
 
     def fake_args(self):
         import cutlass
 
         qs, _, _ = host.qkv_shapes(self.varlen, self.head_dim)
         gdt, gdiv = (cutlass.Float32, 4) if self.dq_fp32 else (host.cutlass_dtype(self.dtype), 8)
-        if self.dq_fixed:
+        if self.dq_fixed and not self.fixed_to_float:
             gdt, gdiv = cutlass.Int64, 2
         dq = host.fake_tensor(gdt, qs, gdiv)
         dqacc = host.fake_flat(cutlass.Int64 if self.dq_fixed else cutlass.Float32)
+        scale2 = host.fake_flat(cutlass.Float32) if self.fixed_to_float else None
         cu_q = host.fake_i32() if self.varlen else None
-        return (dqacc, dq, cutlass.Int32(1), cu_q, host.fake_stream())
+        return (dqacc, dq, scale2, cutlass.Int32(1), cu_q, host.fake_stream())
 
 
 _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "sanitize": host.parse_bool,
@@ -201,8 +204,20 @@ def default_softcap_grad_regs(head_dim: int) -> bool:
     return head_dim <= 64
 
 
+# The deterministic backward uses the int64 dQ with GQA from this many query tokens on: measured 0.86-0.92x the
+# ticketed time at 16k and 32k tokens, 32/8 heads, hdim 64 and 128 (bench/RESULTS.md, 2026-12-01 fourth session);
+# without GQA the tickets are as fast or faster (1.02-1.11x), and shorter calls were not measured.
+FIXED_POINT_DET_MIN_TOKENS = 16384
+
+
+def fixed_point_deterministic(heads_q: int, heads_kv: int, total_q: int) -> bool:
+    """Whether a deterministic backward takes the int64 fixed-point dQ (GQA, long) rather than the tickets."""
+    return heads_q > heads_kv and total_q >= FIXED_POINT_DET_MIN_TOKENS
+
+
 def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, deterministic, dq_dtype, dkv_dtype,
-                 o_dtype, do_dtype, window_left=-1, softcap=0.0, grads="all", dq_fixed=False, **overrides):
+                 o_dtype, do_dtype, window_left=-1, softcap=0.0, grads="all", dq_fixed=False, fixed_to_float=False,
+                 **overrides):
     tm = tile_m_for(head_dim)
     if dq_fixed:
         # exact integer sums: deterministic without tickets; the query tiles of a key tile in ascending order
@@ -223,7 +238,8 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
                     tile_m=tm, varlen=bool(varlen), deterministic=bool(deterministic), zero_dq=grads != "dkv",
                     dq_fixed=bool(dq_fixed))
     post = PostConfig(dtype=name, dq_fp32=dq_dtype == torch.float32, head_dim=head_dim, tile_m=tm,
-                      varlen=bool(varlen), accumulate=bool(accumulate), dq_fixed=bool(dq_fixed))
+                      varlen=bool(varlen), accumulate=bool(accumulate), dq_fixed=bool(dq_fixed),
+                      fixed_to_float=bool(fixed_to_float))
     return pre, main, post
 
 
@@ -406,6 +422,18 @@ def launch_steps(
                              f"{tuple(dq_scale.shape)}")
         if dq_scale.stride(-1) != 1:
             dq_scale = dq_scale.contiguous()
+    # deterministic GQA: the int64 fixed-point dQ instead of the ticketed fp32 one (exact sums, no tickets),
+    # converted to the caller's dq by the convert kernel; det_dq="tickets" / "fixed" forces one (benchmarks)
+    det_dq = overrides.pop("det_dq", "auto")
+    fixed_to_float = False
+    if deterministic and not dq_fixed and rows is None and dq is not None and (dk is not None or not accumulate):
+        if det_dq == "fixed" or (det_dq == "auto" and fixed_point_deterministic(hq, k.shape[-2], total_q)):
+            from .. import fixed_point
+
+            group = hq // k.shape[-2]
+            k_max, v_max = (fixed_point.head_absmax(t).repeat_interleave(group) for t in (k, v))
+            dq_scale = fixed_point.dq_scale(dout, out, k_max, v_max, softmax_scale)
+            dq_fixed = fixed_to_float = True
     grads = "all"
     if dk is None or dv is None or (dq is None and rows is None):
         if not accumulate or rows is not None or (dk is None) != (dv is None) or (dq is None and dk is None):
@@ -415,7 +443,8 @@ def launch_steps(
         q.dtype, d, causal=causal, varlen=varlen, seg_offsets=seg_offsets, accumulate=accumulate,
         deterministic=deterministic, dq_dtype=torch.float32 if dq is None else dq.dtype,
         dkv_dtype=torch.float32 if dk is None else dk.dtype, o_dtype=out.dtype, do_dtype=dout.dtype,
-        window_left=window_left, softcap=softcap, grads=grads, dq_fixed=dq_fixed, **overrides,
+        window_left=window_left, softcap=softcap, grads=grads, dq_fixed=dq_fixed, fixed_to_float=fixed_to_float,
+        **overrides,
     )
     if grads == "dq":  # never written (the kernel's dK / dV stores are compiled out); shaped like k for its checks
         dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
@@ -471,7 +500,7 @@ def launch_steps(
         lambda: pre_fn(out, dout, lse, lse2, dpsum, dq_words, sem, dq_scale, scale2, scale, m_grid, cu_seqlens_q),
         lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, dq_acc, dk, dv, sem, scale2, scale, scale_log2, diag, msk,
                         cu_seqlens_q, cu_seqlens_k, off_q, off_k),
-        lambda: post_fn(dq_acc, dq, m_grid, cu_seqlens_q),
+        lambda: post_fn(dq_acc, dq, scale2 if fixed_to_float else None, m_grid, cu_seqlens_q),
     ]
 
 
@@ -534,5 +563,5 @@ class SharedRows:
         if dq.dtype != torch.float32 or tuple(dq.shape) != tuple(self.q.shape):
             raise ValueError(f"dq must be fp32 of shape {tuple(self.q.shape)}, got {dq.dtype} {tuple(dq.shape)}")
         if self.rows:
-            self.post(self.dq_acc, dq, 1, None)
+            self.post(self.dq_acc, dq, None, 1, None)
         return dq

@@ -7,7 +7,9 @@
 # from the same tiled MMA, and writes dq: cast to the output dtype, or added (+=) into the
 # caller's fp32 buffer when accumulating. A dense 16-bit dq goes through shared memory (stmatrix) and
 # one TMA store per chunk: the fragment order's direct stores cover half of each 32-byte sector.
-# Fixed-point dQ (dq_fixed): the scratch is int64 and is added (+=) into the caller's int64 dq, exactly.
+# Fixed-point dQ (dq_fixed): the scratch is int64; it is added (+=) into the caller's int64 dq, exactly, or
+# (fixed_to_float) converted, each row's integer rounded to fp32 and divided by its power-of-two scale (read
+# from the preprocess's tile-padded copy), then written or added as an fp32 scratch would be.
 #
 # This module imports cutlass at import time: import it lazily.
 
@@ -23,6 +25,7 @@ from .block_info import SeqlenInfo
 from .common_sm90 import (
     dq_chunk_layout,
     dq_tiled_mma,
+    mn_view,
     select_modes,
     smem_layout_kmajor,
     store_acc_rows,
@@ -31,14 +34,17 @@ from .common_sm90 import (
 
 
 class BwdPostprocess:
-    def __init__(self, dtype, head_dim: int, tile_m: int, *, varlen: bool, accumulate: bool, dq_fixed: bool = False):
+    def __init__(self, dtype, head_dim: int, tile_m: int, *, varlen: bool, accumulate: bool, dq_fixed: bool = False,
+                 fixed_to_float: bool = False):
         self.dtype = dtype  # q dtype (selects the MMA the scratch order came from)
         self.head_dim = head_dim
         self.tile_m = tile_m
         self.varlen = varlen
         self.accumulate = accumulate
         self.dq_fixed = dq_fixed
-        assert accumulate or not dq_fixed
+        self.fixed_to_float = fixed_to_float  # int64 scratch -> a float dq (the deterministic GQA backward)
+        assert accumulate or not dq_fixed or fixed_to_float
+        assert dq_fixed or not fixed_to_float
         self.acc_type = cutlass.Int64 if dq_fixed else Float32
 
     @cute.jit
@@ -46,6 +52,7 @@ class BwdPostprocess:
         self,
         mdQacc: cute.Tensor,  # flat fp32 scratch (int64: dq_fixed)
         mdQ: cute.Tensor,  # (b, s, h, d) | (t, h, d): q dtype, or fp32 when accumulating (int64: dq_fixed)
+        mScale2: Optional[cute.Tensor],  # fixed_to_float: flat fp32, the rows' scales in lse2's tile indexing
         m_blocks: Int32,
         mCuSeqlensQ: Optional[cute.Tensor],
         stream,
@@ -61,6 +68,7 @@ class BwdPostprocess:
         num_heads = cute.size(mdQ.shape[2])
         tiled_mma = dq_tiled_mma(self.dtype, self.tile_m, self.head_dim)
         self.use_tma = not self.accumulate and not self.varlen and mdQ.element_type == self.dtype
+        self.use_tma = self.use_tma and not (self.dq_fixed and not self.fixed_to_float)
         tma_atom, tma_dQ = None, None
         self.sdQ_layout = smem_layout_kmajor(self.dtype, self.tile_m, self.head_dim)
         if const_expr(self.use_tma):
@@ -73,13 +81,13 @@ class BwdPostprocess:
             sdQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sdQ_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        self.kernel(mdQacc, mdQ, tma_dQ, tma_atom, tiled_mma, mCuSeqlensQ, self.sdQ_layout).launch(
+        self.kernel(mdQacc, mdQ, mScale2, tma_dQ, tma_atom, tiled_mma, mCuSeqlensQ, self.sdQ_layout).launch(
             grid=(grid_m, num_heads, num_batch), block=[256, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(
-        self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mdQ_tma: Optional[cute.Tensor],
+        self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mScale2: Optional[cute.Tensor], mdQ_tma: Optional[cute.Tensor],
         tma_atom: Optional[cute.CopyAtom], tiled_mma: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor],
         sdQ_layout: cute.ComposedLayout,
     ):
@@ -106,6 +114,18 @@ class BwdPostprocess:
             src = gacc[None, t, None, wg, chunk]
             flat = cute.make_tensor(acc.iterator, cute.make_layout(src.shape))
             cute.autovec_copy(src, flat)
+            if const_expr(self.fixed_to_float):
+                # each row's integer sum, rounded once to fp32, times 2^-s (exact: a power of two)
+                fixed = acc
+                acc = cute.make_rmem_tensor(acc_shape, Float32)
+                acc.store(fixed.load().to(Float32))
+                acc_mn = mn_view(acc)
+                rows = mn_view(tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((tm, D))))
+                gscale = cute.make_tensor(mScale2.iterator + chunk * tm, cute.make_layout(tm))
+                for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+                    inverse = Float32(1.0) / gscale[rows[r, 0][0]]
+                    for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                        acc_mn[r, c] = acc_mn[r, c] * inverse
 
             if const_expr(self.use_tma):
                 # fragments -> smem (stmatrix) -> one TMA store of the chunk (rows past seqlen_q are clipped)
