@@ -9,7 +9,7 @@ then add exactly in any order: the kernel's bulk adds, several launches, a sum o
 
 **The scale.**  With P summing to at most 1 over a row, |dP_ij| = |dO_i . V_j| <= d m_i Vmax and
 |D_i| = |dO_i . O_i| <= d m_i Omax_i, where m_i = max |dO_i|, Omax_i = max |O_i| and Kmax, Vmax are the largest
-|K|, |V| of the head over the whole sequence (a soft-cap's derivative is at most 1), so
+finite |K|, |V| of the head over the whole sequence (a soft-cap's derivative is at most 1), so
 
     |dq_i| <= softmax_scale * Kmax * d * m_i * (Vmax + Omax_i) =: bound_i,
 
@@ -18,8 +18,9 @@ bound_i < 2^e_i, s_i = 61 - e_i keeps |sum| below 2^62 (room for the rounding of
 fp32 sums) and resolves 2^-61 of the bound: far finer than fp32 for any row whose dq is not ~2^30 times smaller
 than its bound.  s_i is clamped to [-126, 126], so that 2^s_i is a normal fp32.  All inputs of the bound are
 maxima (exact in any order and layout) and the arithmetic is elementwise fp64, so every layout computes the same
-scales.  A row whose bound is not finite (a non-finite dO or out row, or a non-finite K or V anywhere in its head)
-gets a NaN scale, and its dq comes out NaN: loud, though wider than fp32 sums would spread a bad key.
+scales.  Non-finite values spread as in fp32 sums: a masked bad key or value contributes nothing (the kernels
+select it away, and the maxima skip it), a row that sees one has a non-finite out, and a row whose bound is not
+finite (a non-finite dO or out row) gets a NaN scale, so its dq comes out NaN.
 
 The caller must pass the forward's own out and lse (the bound relies on P summing to at most 1).
 """
@@ -33,22 +34,21 @@ FRACTION_HEADROOM = 61  # |sum| < 2^(61 + 1): one spare bit for rounding, and in
 _MIN_EXP, _MAX_EXP = -126, 126
 
 
-def _absmax(t: torch.Tensor, dims) -> torch.Tensor:
-    # the infinity norm: max |t| in one fused pass (exact in any order; NaN propagates); 0 over no elements
+def absmax(t: torch.Tensor, dim=None) -> torch.Tensor:
+    """max |t| over ``dim`` (all dims for None) in fp64: the infinity norm, one fused pass, exact in any order;
+    NaN propagates; 0 over no elements."""
+    t = t.detach()
     if t.numel() == 0:
-        return torch.zeros(_reduced_shape(t, dims), dtype=torch.float64,
-                           device=t.device)
-    return torch.linalg.vector_norm(t.detach(), ord=float("inf"), dim=dims).double()
-
-
-def _reduced_shape(t: torch.Tensor, dims) -> tuple:
-    dims = {d % t.dim() for d in ((dims,) if isinstance(dims, int) else dims)}
-    return tuple(n for i, n in enumerate(t.shape) if i not in dims)
+        return t.abs().sum(dim=dim).double()  # zeros of the reduced shape
+    return torch.linalg.vector_norm(t, ord=float("inf"), dim=dim).double()
 
 
 def head_absmax(t: torch.Tensor) -> torch.Tensor:
-    """max |t| per head (fp64, one per head), over every token (and batch) and the head dim: (..., heads, d)."""
-    return _absmax(t, tuple(i for i in range(t.dim()) if i != t.dim() - 2))
+    """max |t| per head (fp64) over every token (and batch) and the head dim of (..., heads, d) keys or values,
+    *finite* entries only: a masked bad key contributes nothing (the kernels select it away), and a row that sees
+    one has a non-finite out, which makes its own scale NaN."""
+    finite = t.detach().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return absmax(finite, tuple(i for i in range(t.dim()) if i != t.dim() - 2))
 
 
 def dq_scale(dout: torch.Tensor, out: torch.Tensor, k_absmax: torch.Tensor, v_absmax: torch.Tensor,
@@ -56,8 +56,8 @@ def dq_scale(dout: torch.Tensor, out: torch.Tensor, k_absmax: torch.Tensor, v_ab
     """The rows' scales 2^s (fp32, lse's layout: (b, h, s) for dense (b, s, h, d) input, (h, t) for packed
     (t, h, d)); ``k_absmax`` / ``v_absmax``: :func:`head_absmax` of the keys and values each query head reads."""
     head_dim = dout.shape[-1]
-    m = _absmax(dout, -1)  # (..., heads)
-    o_max = _absmax(out, -1)
+    m = absmax(dout, -1)  # (..., heads)
+    o_max = absmax(out, -1)
     bound = (float(softmax_scale) * head_dim) * k_absmax.to(m.device) * m * (v_absmax.to(m.device) + o_max)
     scale = power_of_two_scale(bound)
     return (scale.movedim(-1, 0) if dout.dim() == 3 else scale.movedim(-1, 1)).contiguous()

@@ -44,20 +44,16 @@ class _Site:
             raise RuntimeError("a cp_invariant parameter got two backward passes before FixedPointGrads.finish() "
                                "(call finish() after each backward)")
         device = self.param.device
-        peak = torch.stack([m.detach().double().reshape(()) for m in maxima]).to(device)
+        peak = torch.stack([m.reshape(()) for m in maxima]).to(device)
         count = torch.tensor([tokens], dtype=torch.int64, device=device)
         group = self.grads.group
         if self.grads.distributed:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
             dist.all_reduce(count, group=group)
-        bound = float(count) * torch.prod(peak)
+        bound = count.double().reshape(()) * torch.prod(peak)  # on the device: no host sync
         self.scale = fixed_point.power_of_two_scale(bound)
         self.total = torch.zeros(self.param.shape, dtype=torch.int64, device=device)
         return self.scale
-
-
-def _absmax(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().abs().amax() if t.numel() else torch.zeros((), dtype=t.dtype, device=t.device)
 
 
 class _FixedLinear(torch.autograd.Function):
@@ -71,7 +67,7 @@ class _FixedLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         site, rows, n = ctx.site, ctx.rows, x.shape[0]
-        scale = site.start(n, _absmax(dy), _absmax(x))
+        scale = site.start(n, fixed_point.absmax(dy), fixed_point.absmax(x))
         dx = row_block_products(dy, weight.t(), rows)
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         for dy_b, x_b in zip(row_blocks(dy, rows), row_blocks(x, rows)):  # one fixed-shape product per canonical block
@@ -93,7 +89,7 @@ class _FixedScale(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         site = ctx.site
         flat_dy, flat_x = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        scale = site.start(flat_dy.shape[0], _absmax(dy), _absmax(x))
+        scale = site.start(flat_dy.shape[0], fixed_point.absmax(dy), fixed_point.absmax(x))
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         site.total += fixed_point.to_fixed(flat_dy.to(acc) * flat_x.to(acc), scale).sum(0)
         return (dy * weight).to(x.dtype), None, None
@@ -111,7 +107,7 @@ class _FixedEmbedding(torch.autograd.Function):
         (tokens,) = ctx.saved_tensors
         site = ctx.site
         flat = dy.reshape(-1, dy.shape[-1])
-        scale = site.start(flat.shape[0], _absmax(dy))
+        scale = site.start(flat.shape[0], fixed_point.absmax(dy))
         acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
         site.total.index_add_(0, tokens.reshape(-1), fixed_point.to_fixed(flat.to(acc), scale))
         return None, None, None

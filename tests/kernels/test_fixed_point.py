@@ -70,6 +70,19 @@ def test_non_finite_rows_come_out_nan():
     assert torch.isfinite(dq[0, :50]).all() and torch.isfinite(dq[0, 51:]).all() and torch.isfinite(dq[0, 50, 0]).all()
 
 
+def test_a_masked_bad_key_stays_masked():
+    """A NaN key reaches only the rows that see it (as in fp32 sums): causal rows before it keep finite scales and
+    finite dq, rows after it come out NaN."""
+    q, k, v, dout = _problem(6)
+    k[0, 250, 1, 4] = float("nan")
+    out, lse = attention_forward(q, k, v, causal=True, backend="reference", cp_invariant=True)
+    scale = fixed_point.dq_scale(dout, out, fixed_point.head_absmax(k), fixed_point.head_absmax(v), 0.25)
+    assert torch.isfinite(scale[0, 1, :250]).all() and torch.isnan(scale[0, 1, 250:]).all()
+    dq = fixed_point.from_fixed(_fixed_dq(q, k, v, dout, out, lse, scale, causal=True), scale)
+    assert torch.isfinite(dq[0, :250]).all() and torch.isfinite(dq[0, :, 0]).all()
+    assert torch.isnan(dq[0, 250:, 1]).all()
+
+
 def test_scales_are_powers_of_two_in_lse_layout():
     q, k, v, dout = _problem(4)
     out, _ = attention_forward(q, k, v, causal=True, backend="reference")

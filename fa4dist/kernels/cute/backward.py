@@ -425,6 +425,8 @@ def launch_steps(
     # deterministic GQA: the int64 fixed-point dQ instead of the ticketed fp32 one (exact sums, no tickets),
     # converted to the caller's dq by the convert kernel; det_dq="tickets" / "fixed" forces one (benchmarks)
     det_dq = overrides.pop("det_dq", "auto")
+    if det_dq not in ("auto", "tickets", "fixed"):
+        raise ValueError(f"det_dq must be 'auto', 'tickets' or 'fixed', got {det_dq!r}")
     fixed_to_float = False
     if deterministic and not dq_fixed and rows is None and dq is not None and (dk is not None or not accumulate):
         if det_dq == "fixed" or (det_dq == "auto" and fixed_point_deterministic(hq, k.shape[-2], total_q)):
