@@ -16,10 +16,12 @@ query side: :func:`share_queries` gives a handle where the backend has one (cute
 convert for all of them instead of one per call), ``attention_backward_items(..., shared=handle)`` adds the
 items it can take into it, and :meth:`SharedQueries.finish` adds the shared dQ into the fp32 dq at the end.
 
-A backend that implements ``forward_items`` / ``backward_items`` runs a list in one launch (its tile scheduler
-balances the tiles of all items); any other runs it as one contract call per item, in order, through
+A backend that implements ``forward_items`` / ``backward_items`` runs a list in few launches; any other (or one
+that declines a list by returning None) runs it as one contract call per item, in order, through
 :func:`~fa4dist.kernels.attention_forward` / :func:`~fa4dist.kernels.attention_backward`.  That loop is also the
-definition the one-launch implementations must match.
+definition the launches must match: :func:`forward_launches` cuts a forward list into launches of items with
+pairwise disjoint query rows (each row then merges its items in list order, as in the loop), and the cute backend
+runs each in one launch whose rows get the loop's bits.
 """
 
 from __future__ import annotations
@@ -76,8 +78,9 @@ def _check_items(items: Sequence[WorkItem], total_q: int, total_k: int) -> tuple
     return tuple(items)
 
 
-def _layout(q, k, v, cp_invariant: bool = False):
-    """(token dim, validated problem of the whole tensors) for a packed (3-D) or dense (4-D) work list."""
+def _layout(q, k, v, cp_invariant: bool = False, softmax_scale=None, softcap=None):
+    """(token dim, validated problem of the whole tensors, with the list's softmax_scale and softcap) for a packed
+    (3-D) or dense (4-D) work list."""
     if not isinstance(q, torch.Tensor) or q.dim() not in (3, 4):
         raise ValueError("q must be packed (tokens, heads, dim) or dense (batch, tokens, heads, dim) for a work list, "
                          f"got {tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
@@ -85,8 +88,9 @@ def _layout(q, k, v, cp_invariant: bool = False):
         n_q, n_k = q.shape[0], k.shape[0] if isinstance(k, torch.Tensor) else 0
         cu_q = torch.tensor([0, n_q], dtype=torch.int32)
         cu_k = torch.tensor([0, n_k], dtype=torch.int32)
-        return 0, validate_inputs(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, cp_invariant=cp_invariant)
-    return 1, validate_inputs(q, k, v, cp_invariant=cp_invariant)
+        return 0, validate_inputs(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, cp_invariant=cp_invariant,
+                                  softmax_scale=softmax_scale, softcap=softcap)
+    return 1, validate_inputs(q, k, v, cp_invariant=cp_invariant, softmax_scale=softmax_scale, softcap=softcap)
 
 
 def token_rows(t: Optional[torch.Tensor], dim: int, start: int, length: int, unsqueeze: bool) -> Optional[torch.Tensor]:
@@ -122,10 +126,54 @@ class _Fresh:
             at = max(at, b)
         if at < end:
             gaps.append((at, end))
-        self.touched = [(a, b) for a, b in self.touched if b <= start or a >= end] + [(start, end)]
+        # the union: a touched interval reaching past [start, end) keeps its rows outside it
+        lo = min([start] + [a for a, b in self.touched if a < end and b > start])
+        hi = max([end] + [b for a, b in self.touched if a < end and b > start])
+        self.touched = [(a, b) for a, b in self.touched if b <= start or a >= end] + [(lo, hi)]
         if not cuts:
             return True, []
         return False, gaps
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Items of a forward work list that one launch can run (:func:`forward_launches`)."""
+
+    items: tuple[WorkItem, ...]  # pairwise disjoint query rows, in list order
+    write: bool  # fresh rows (no earlier item touched them): written, not merged
+    variant: object  # the backend's kernel variant of every item
+
+
+def forward_launches(items: Sequence[WorkItem], fresh: bool, variant) -> tuple[tuple[tuple[int, int], ...],
+                                                                                 tuple[Launch, ...]]:
+    """(rows to set to the empty result (0, -inf) first, launches in order) that compute ``items`` as the loop of
+    :func:`attention_forward_items` does. ``variant(item)``: the backend's kernel variant of an item (hashable);
+    items of different variants never share a launch.
+
+    An item goes to the wave after the last wave holding an earlier item that shares one of its query rows, so
+    every row still merges its items in list order; a wave becomes one launch per (write, variant). Items without
+    query rows, or without keys (their fresh rows are cleared instead), launch nothing."""
+    state = _Fresh(fresh)
+    clears: list[tuple[int, int]] = []
+    placed: list[tuple[int, int, int]] = []  # (start, end, wave) of the items so far
+    waves: list[dict] = []
+    for item in items:
+        if item.q_len == 0:
+            continue
+        start, end = item.q_start, item.q_start + item.q_len
+        write, gaps = state.claim(start, end)
+        clears.extend(gaps)  # rows no earlier item touched: no later-placed item touches them before this one
+        if item.k_len == 0:  # no key: fresh rows get the empty result, running ones keep theirs
+            if write:
+                clears.append((start, end))
+            continue
+        wave = 1 + max((w for a, b, w in placed if a < end and b > start), default=-1)
+        placed.append((start, end, wave))
+        if wave == len(waves):
+            waves.append({})
+        waves[wave].setdefault((write, variant(item)), []).append(item)
+    launches = tuple(Launch(tuple(group), write, var) for wave in waves for (write, var), group in wave.items())
+    return tuple(clears), launches
 
 
 def attention_forward_items(
@@ -147,12 +195,14 @@ def attention_forward_items(
     ``fresh=True``: out and lse hold no result yet (any values); rows no item covers are left as they are, rows the
     first time an item covers them are written instead of merged (equal to merging into (0, -inf), one pass less).
     """
-    seq_dim, problem = _layout(q, k, v, cp_invariant)
+    seq_dim, problem = _layout(q, k, v, cp_invariant, softmax_scale, softcap)
     items = _check_items(items, q.shape[seq_dim], k.shape[seq_dim])
     impl = select_backend(backend, problem, "forward")
     if getattr(impl, "forward_items", None) is not None:
-        return impl.forward_items(q, k, v, items, out, lse, softmax_scale=softmax_scale, softcap=softcap,
-                                  fresh=fresh, cp_invariant=cp_invariant)
+        done = impl.forward_items(q, k, v, items, out, lse, softmax_scale=problem.softmax_scale,
+                                  softcap=problem.softcap, fresh=fresh)
+        if done is not None:
+            return out, lse
     packed = seq_dim == 0
     state = _Fresh(fresh)
     for item in items:

@@ -109,3 +109,77 @@ def test_shared_queries_is_none_without_a_backend_that_shares_and_refuses_cp_inv
     for kw in (dict(cp_invariant=True, deterministic=False), dict(deterministic=True)):
         with pytest.raises(ValueError, match="shared= needs cp_invariant=False and the deterministic setting"):
             attention_backward_items(dout, q, k, v, out, lse, items, *grads, backend="reference", shared=handle, **kw)
+
+
+def _random_list(rng, n_rows, n_keys, count):
+    """Items over random (often overlapping) query rows, some without keys, causal or windowed or full."""
+    items = []
+    for _ in range(count):
+        qa = rng.randrange(n_rows)
+        ql = rng.randint(1, n_rows - qa)
+        ka = rng.randrange(n_keys)
+        kl = rng.choice([0, rng.randint(1, n_keys - ka)])
+        mask = rng.choice([dict(causal=True), dict(), dict(causal=True, window=(rng.randint(0, 9), -1))])
+        items.append(WorkItem(qa, ql, ka, kl, rng.randint(0, 30), rng.randint(0, 30), **mask))
+    return items
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_forward_launches_compute_the_loop(seed):
+    """The launch plan (clears, then launches of items with disjoint query rows and one variant each) run item by
+    item gives the loop's bytes: every row merges its items in list order."""
+    from fa4dist.kernels import attention_forward
+    from fa4dist.kernels.worklist import forward_launches
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    n_rows, n_keys, fresh = rng.randint(3, 40), rng.randint(3, 40), seed % 2 == 0
+    q = torch.randn(n_rows, 2, 8, generator=gen)
+    k, v = (torch.randn(n_keys, 1, 8, generator=gen) for _ in range(2))
+    items = _random_list(rng, n_rows, n_keys, rng.randint(1, 9))
+    start_out, start_lse = torch.randn(n_rows, 2, 8, generator=gen), torch.randn(2, n_rows, generator=gen)
+    want = start_out.clone(), start_lse.clone()
+    attention_forward_items(q, k, v, items, *want, fresh=fresh, backend="reference")
+
+    variant = lambda it: (it.causal, it.window)  # noqa: E731
+    clears, launches = forward_launches(items, fresh, variant)
+    got_out, got_lse = start_out.clone(), start_lse.clone()
+    for a, b in clears:
+        got_out[a:b] = 0
+        got_lse[:, a:b] = float("-inf")
+    for launch in launches:
+        rows = sorted((it.q_start, it.q_start + it.q_len) for it in launch.items)
+        assert all(e <= s for (_, e), (s, _) in zip(rows, rows[1:])), "a launch's items share query rows"
+        assert {variant(it) for it in launch.items} == {launch.variant}
+        for it in launch.items:
+            assert it.k_len > 0
+            attention_forward(q[it.q_start:it.q_start + it.q_len][None], k[it.k_start:it.k_start + it.k_len][None],
+                              v[it.k_start:it.k_start + it.k_len][None], out=got_out[it.q_start:][:it.q_len][None],
+                              lse=got_lse[:, it.q_start:it.q_start + it.q_len][None], accumulate=not launch.write,
+                              backend="reference", **it.mask_kwargs())
+    assert torch.equal(got_out, want[0]) and torch.equal(got_lse, want[1])
+    # disjoint rows and one variant: a single launch
+    disjoint = [WorkItem(10 * i, 10, 0, 5, 10 * i, 0, True) for i in range(4)]
+    assert len(forward_launches(disjoint, True, variant)[1]) == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fresh_equals_merging_into_the_empty_result(seed):
+    """fresh=True over poisoned buffers gives the bytes of fresh=False over (0, -inf) on every row an item covers,
+    whatever the overlaps (an item partly over written rows keeps the rows its neighbours wrote)."""
+    rng = random.Random(100 + seed)
+    gen = torch.Generator().manual_seed(seed)
+    n_rows, n_keys = rng.randint(3, 40), rng.randint(3, 40)
+    q = torch.randn(n_rows, 2, 8, generator=gen)
+    k, v = (torch.randn(n_keys, 2, 8, generator=gen) for _ in range(2))
+    items = _random_list(rng, n_rows, n_keys, rng.randint(2, 9))
+    items = [WorkItem(16, 2, 0, 3), WorkItem(17, 16, 3, 5), WorkItem(16, 22, 1, 7)] + items if n_rows >= 40 else items
+    fresh = torch.full((n_rows, 2, 8), float("nan")), torch.full((2, n_rows), float("nan"))
+    attention_forward_items(q, k, v, items, *fresh, fresh=True, backend="reference")
+    merged = torch.zeros(n_rows, 2, 8), torch.full((2, n_rows), float("-inf"))
+    attention_forward_items(q, k, v, items, *merged, fresh=False, backend="reference")
+    covered = torch.zeros(n_rows, dtype=torch.bool)
+    for it in items:
+        covered[it.q_start:it.q_start + it.q_len] = True
+    assert torch.equal(fresh[0][covered], merged[0][covered])
+    assert torch.equal(fresh[1][:, covered], merged[1][:, covered])

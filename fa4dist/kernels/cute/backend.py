@@ -98,6 +98,83 @@ class CuteSm90Backend:
 
     fused_sinks = True  # the forward epilogue takes the sinks (non-accumulate); the contract merges them otherwise
 
+    def forward_items(self, q, k, v, items, out, lse, *, softmax_scale, softcap, fresh):
+        """A forward work list (fa4dist.kernels.worklist) in few launches: one per wave of items with disjoint query
+        rows and kernel variant (worklist.forward_launches; per batch element for a dense batch). Each row gets the
+        bits of the per-item loop. Returns None (the caller loops) where the tensors or an item do not suit it."""
+        if not self._worklist_ready(q, k, v, out, lse):
+            return None
+        plan = self._forward_plan(q, items, fresh, softmax_scale, softcap)
+        if plan is None:
+            return None
+        clears, launches = plan
+        packed = q.dim() == 3
+        tok = 0 if packed else 1
+        for a, b in clears:
+            out.narrow(tok, a, b - a).zero_()
+            lse.narrow(-1, a, b - a).fill_(float("-inf"))
+        for bi in ([None] if packed else range(q.shape[0])):
+            view = (lambda t: t) if packed else (lambda t: t[bi])  # noqa: E731 - a dense batch element as packed
+            for table, max_q, causal, window_left, write in launches:
+                _fwd.forward_worklist(view(q), view(k), view(v), view(out), view(lse), table, max_q,
+                                      softmax_scale=softmax_scale, causal=causal, window_left=window_left,
+                                      softcap=softcap, accumulate=not write)
+        return out, lse
+
+    def _worklist_ready(self, q, k, v, out, lse) -> bool:
+        """Tensors a work-list launch takes as they are (the loop copies odd layouts per item instead)."""
+        if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16) or out.dtype != torch.float32:
+            return False
+        if q.shape[-1] not in _fwd.SUPPORTED_HEAD_DIMS or v.shape[-1] != q.shape[-1] or lse.stride(-1) != 1:
+            return False
+        if not all(self._kernel_ready(t, 8) for t in (q, k, v)) or not self._kernel_ready(out, 4):
+            return False
+        return q.shape[-3] > 0 and k.shape[-3] > 0
+
+    _PLANS: dict = {}
+
+    def _forward_plan(self, q, items, fresh, softmax_scale, softcap):
+        """(clears, [(device table, longest query rows, causal, window_left, write)]) of a work list, cached by the
+        list (a ring's schedule hands the same lists every step), or None if an item's mask does not suit."""
+        from ..mask import Mask
+        from ..worklist import forward_launches
+
+        d = q.shape[-1]
+        key = (tuple(items), bool(fresh), q.dtype, d, str(q.device))
+        plan = self._PLANS.get(key)
+        if plan is not None:
+            return plan
+        # items without a mask may join a causal launch (a diagonal past their last key) where the two variants
+        # differ in nothing a row's bits depend on
+        opts = dict(varlen=True, accumulate=True, softcap=softcap or 0.0)
+        mix = _fwd.same_kernel_math(q.dtype, d, dict(causal=False, **opts), dict(causal=True, **opts))
+        bands = {}
+        for item in items:
+            band = kernel_band(Mask.canonical(item.causal, item.window))
+            if band is None or band[1] >= 2**30 or abs(item.q_offset + band[2] - item.k_offset) > 2**30:
+                return None
+            bands[item] = band
+
+        def variant(item):
+            causal, window_left, _ = bands[item]
+            return (causal or mix, window_left)
+
+        clears, launches = forward_launches(items, fresh, variant)
+        out = []
+        for launch in launches:
+            causal, window_left = launch.variant
+            rows = []
+            for item in launch.items:
+                item_causal, _, shift = bands[item]
+                diag = item.q_offset + shift - item.k_offset if item_causal else item.k_len  # sees every key
+                rows += [item.q_start, item.q_len, item.k_start, item.k_len, diag]
+            table = torch.tensor(rows, dtype=torch.int32, device=q.device)
+            out.append((table, max(i.q_len for i in launch.items), causal, window_left, launch.write))
+        if len(self._PLANS) > 256:
+            self._PLANS.clear()
+        plan = self._PLANS[key] = (clears, tuple(out))
+        return plan
+
     def forward(self, problem, q, k, v, out=None, lse=None, accumulate=False, sinks=None):
         # TMA needs 16-byte aligned strides and a contiguous head dim: copy odd layouts once
         q, k, v = (t if self._kernel_ready(t, 8) else t.contiguous() for t in (q, k, v))

@@ -1,7 +1,8 @@
 """Where a sequence lives and which blocks of it a tile must visit, for the forward and the backward alike.
 
-``SeqlenInfo``: offsets and lengths of one sequence (a batch entry, or a packed segment through cu_seqlens) and
-its ``diag`` = q_offset - k_offset in global positions (per segment when offset tensors are given).
+``SeqlenInfo``: offsets and lengths of one sequence (a batch entry, a packed segment through cu_seqlens, or an item
+of a work list's table) and its ``diag`` = q_offset - k_offset in global positions (per segment when offset tensors
+are given, per item from the table).
 
 ``BlockInfo``: the block ranges that follow from the mask (fa4dist.kernels.mask semantics in global positions:
 key j visible to query i iff j <= i + diag when causal, and, with a sliding window of ``window_left`` keys,
@@ -23,6 +24,11 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
 
+# A work list's table (kernels run one launch over many blocks, fa4dist.kernels.worklist): per item, in this order,
+# the first query row, the query rows, the first key row, the key rows and q_offset - k_offset (the causal diagonal)
+WORKLIST_COLUMNS = 5
+
+
 @dataclass(frozen=True)
 class SeqlenInfo:
     """Offsets (into the packed tensors; 0 for the dense layout), lengths and diagonal of one sequence."""
@@ -36,16 +42,24 @@ class SeqlenInfo:
 
     @staticmethod
     def create(batch, mQ: cute.Tensor, mK: cute.Tensor, diag: Int32, mCuSeqlensQ, mCuSeqlensK, mSegOffQ, mSegOffK,
-               *, varlen: bool, seg_offsets: bool, scratch_tile_m=None) -> "SeqlenInfo":
+               *, varlen: bool, seg_offsets: bool, scratch_tile_m=None, worklist: bool = False) -> "SeqlenInfo":
         """mQ / mK in the kernels' (s, d, h[, b]) / packed (t, d, h) mode order; ``scratch_tile_m`` also derives
-        ``scratch_base`` (the backward's padded per-tile vectors)."""
+        ``scratch_base`` (the backward's padded per-tile vectors). ``worklist`` (packed tensors): ``batch`` is an
+        item of the flat int32 table mCuSeqlensQ, WORKLIST_COLUMNS words per item (see there)."""
         offset_q = Int32(0)
         offset_k = Int32(0)
         seqlen_q = Int32(0)
         seqlen_k = Int32(0)
         scratch_base = None
         diag_b = diag
-        if const_expr(varlen):
+        if const_expr(worklist):
+            row = batch * WORKLIST_COLUMNS
+            offset_q = mCuSeqlensQ[row]
+            seqlen_q = mCuSeqlensQ[row + 1]
+            offset_k = mCuSeqlensQ[row + 2]
+            seqlen_k = mCuSeqlensQ[row + 3]
+            diag_b = diag + mCuSeqlensQ[row + 4]
+        elif const_expr(varlen):
             offset_q = mCuSeqlensQ[batch]
             seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
             offset_k = mCuSeqlensK[batch]

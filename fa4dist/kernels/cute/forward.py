@@ -53,6 +53,9 @@ class FwdConfig:
     # softcap with bf16 and c <= 50: a constant row max instead of the running one (scores are bounded: no max
     # reductions, no O rescale). False is a measurement knob (the running max, as without softcap)
     softcap_fixed_max: bool = True
+    # one launch over a work list (packed tensors; the item table of block_info.WORKLIST_COLUMNS replaces
+    # cu_seqlens, and its diagonal column the offsets): forward_worklist
+    worklist: bool = False
 
     def build(self):
         from .fwd_sm90 import FlashFwdSm90
@@ -63,7 +66,7 @@ class FwdConfig:
             num_stages=self.num_stages, intra_wg_overlap=self.intra_wg_overlap, sched_barrier=self.sched_barrier,
             rescale_threshold=self.rescale_threshold, tma_store_o=self.tma_store_o, sanitize=self.sanitize,
             window_left=self.window_left, softcap=self.softcap, sinks=self.sinks,
-            softcap_fixed_max=self.softcap_fixed_max,
+            softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
         )
 
     def fake_args(self):
@@ -80,7 +83,9 @@ class FwdConfig:
         o = host.fake_tensor(out_dt, qs, out_div)
         lse = host.fake_tensor(cutlass.Float32, ls, 1)
         cu_q = cu_k = off_q = off_k = None
-        if self.varlen:
+        if self.worklist:
+            cu_q = host.fake_i32()  # the item table
+        elif self.varlen:
             nb1 = cute.sym_int()
             cu_q = make_fake_tensor(cutlass.Int32, (nb1,), stride=(1,), assumed_align=4)
             cu_k = make_fake_tensor(cutlass.Int32, (nb1,), stride=(1,), assumed_align=4)
@@ -112,6 +117,8 @@ _FIELDS = {
     "sched_barrier": host.parse_bool, "rescale_threshold": float, "tma_store_o": host.parse_bool,
     "sanitize": host.parse_bool, "softcap_fixed_max": host.parse_bool,
 }
+# the fields a work-list launch must share with the per-item calls it replaces to give their bits (all but these)
+_LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o")
 # development hook: FA4DIST_FWD_OVERRIDE="rescale_threshold=0,tile_m=128" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_FWD_OVERRIDE", _FIELDS)
 
@@ -124,14 +131,14 @@ def set_override(**kw) -> None:
 
 
 def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=False, out_fp32=False,
-                window_left=-1, softcap=0.0, sinks=False, **overrides) -> FwdConfig:
+                window_left=-1, softcap=0.0, sinks=False, worklist=False, **overrides) -> FwdConfig:
     tm, tn, st = default_tiles(head_dim, causal)
     kw = dict(
         dtype=host.dtype_name(dtype), head_dim=head_dim, causal=bool(causal), varlen=bool(varlen),
         accumulate=bool(accumulate), seg_offsets=bool(seg_offsets) and bool(causal),
         out_fp32=bool(out_fp32) and not accumulate, tile_m=tm, tile_n=tn, num_stages=st,
         rescale_threshold=default_rescale_threshold(head_dim, bool(causal)), window_left=int(window_left),
-        softcap=float(softcap or 0.0), sinks=bool(sinks),
+        softcap=float(softcap or 0.0), sinks=bool(sinks), worklist=bool(worklist),
     )
     kw.update(_OVERRIDE)
     kw.update(overrides)
@@ -283,3 +290,46 @@ def forward(
     scale_log2 = host.score_scale(softmax_scale, softcap)
     fn(q, k, v, out, lse, scale_log2, diag, msq, cu_seqlens_q, cu_seqlens_k, off_q, off_k, sinks)
     return out, lse
+
+
+def forward_worklist(q, k, v, out, lse, table, max_q_len, *, softmax_scale, causal, window_left=-1, softcap=None,
+                     accumulate):
+    """One launch over the items of a work list, writing (or with accumulate=True merging into) out / lse in place.
+
+    Packed q (t_q, h, d), k / v (t_k, h_kv, d), out (t_q, h, d) fp32 (or q's dtype when not accumulating), lse
+    (h, t_q). ``table``: int32 CUDA tensor, block_info.WORKLIST_COLUMNS words per item (first query row, query rows,
+    first key row, key rows, q_offset - k_offset); the items' query rows must be pairwise disjoint (a row is
+    written by one CTA). ``max_q_len``: the longest item's query rows (sizes the grid). A causal launch reads each
+    item's diagonal (an item with a diagonal >= its key rows sees every key); a non-causal one ignores it.
+    Each item's rows get the bits of a call of :func:`forward` on that item alone with the same options."""
+    if table.dtype != torch.int32 or table.dim() != 1 or table.numel() == 0:
+        raise ValueError("table must be a non-empty flat int32 tensor")
+    d = q.shape[-1]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    window_left = host.check_window_left(window_left, causal)
+    softcap = host.check_softcap(softcap)
+    out_fp32 = out.dtype == torch.float32
+    if accumulate and not out_fp32:
+        raise ValueError("accumulate=True needs an fp32 out")
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        raise ValueError("a work-list launch needs query and key rows")
+    fast_key = ("worklist", q.dtype, d, causal, accumulate, out_fp32, window_left, softcap)
+    fn = _FAST.get(fast_key) if not _OVERRIDE else None
+    if fn is None:
+        cfg = make_config(q.dtype, d, causal=causal, varlen=True, accumulate=accumulate, out_fp32=out_fp32,
+                          window_left=window_left, softcap=softcap, worklist=True)
+        fn = host.get_compiled(cfg)
+        if not _OVERRIDE:
+            _FAST[fast_key] = fn
+    fn(q, k, v, out, lse, host.score_scale(softmax_scale, softcap), 0, max(int(max_q_len), 1), table, None, None,
+       None, None)
+    return out, lse
+
+
+def same_kernel_math(dtype, head_dim, a: dict, b: dict) -> bool:
+    """Whether two calls' variants (make_config keyword sets) differ only in how a launch finds its rows, so that
+    a row gets the same bits from either (a work list may then put such items in one launch)."""
+    ca, cb = make_config(dtype, head_dim, **a), make_config(dtype, head_dim, **b)
+    skip = set(_LAUNCH_SHAPE_FIELDS) | {"causal"}
+    return all(getattr(ca, f) == getattr(cb, f) for f in ca.__dataclass_fields__ if f not in skip)

@@ -39,7 +39,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .barriers import FwdBarrier
-from .block_info import BlockInfo, SeqlenInfo
+from .block_info import WORKLIST_COLUMNS, BlockInfo, SeqlenInfo
 from .common_sm90 import (
     Context,
     acc_to_operand_a,
@@ -82,6 +82,7 @@ class FlashFwdSm90:
         softcap: float = 0.0,
         sinks: bool = False,
         softcap_fixed_max: bool = True,
+        worklist: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
         assert head_dim % 16 == 0 and tile_n % 16 == 0
@@ -99,6 +100,10 @@ class FlashFwdSm90:
         self.head_dim = head_dim
         self.causal = causal
         self.varlen = varlen
+        # a work list: packed tensors, mCuSeqlensQ is the item table (block_info.WORKLIST_COLUMNS), one "sequence"
+        # per item with its own query rows, key rows and diagonal
+        assert not worklist or (varlen and not seg_offsets)
+        self.worklist = worklist
         self.accumulate = accumulate
         self.seg_offsets = seg_offsets
         self.tile_m = tile_m
@@ -140,8 +145,8 @@ class FlashFwdSm90:
         scale_log2: Float32,  # softmax_scale * log2(e)
         diag: Int32,  # q_offset - k_offset (plus per-sequence offsets mSegOffQ/K when given)
         max_seqlen_q: Int32,  # varlen: longest segment (upper bound is fine); else ignored
-        mCuSeqlensQ: Optional[cute.Tensor],
-        mCuSeqlensK: Optional[cute.Tensor],
+        mCuSeqlensQ: Optional[cute.Tensor],  # varlen: (nseg + 1,); worklist: the flat item table
+        mCuSeqlensK: Optional[cute.Tensor],  # varlen only (None with a work list)
         mSegOffQ: Optional[cute.Tensor],
         mSegOffK: Optional[cute.Tensor],
         mSinks: Optional[cute.Tensor],  # (h,) fp32 sink logits when self.sinks
@@ -216,6 +221,9 @@ class FlashFwdSm90:
         if const_expr(not self.varlen):
             num_batch = cute.size(mQ.shape[3])
             num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
+        elif const_expr(self.worklist):
+            num_batch = cute.size(mCuSeqlensQ.shape[0]) // WORKLIST_COLUMNS
+            num_m_blocks = cute.ceil_div(max_seqlen_q, self.tile_m)
         else:
             num_batch = cute.size(mCuSeqlensQ.shape[0]) - 1
             num_m_blocks = cute.ceil_div(max_seqlen_q, self.tile_m)
@@ -320,7 +328,7 @@ class FlashFwdSm90:
         tile = fwd_work_tile(mQ, mK, num_m_blocks, num_batch, causal=self.causal, varlen=self.varlen,
                              l2_rows=self.l2_rows)
         seqlen = SeqlenInfo.create(tile.batch, mQ, mK, diag, mCuSeqlensQ, mCuSeqlensK, mSegOffQ, mSegOffK,
-                                   varlen=self.varlen, seg_offsets=self.seg_offsets)
+                                   varlen=self.varlen, seg_offsets=self.seg_offsets, worklist=self.worklist)
         tile_valid, n_block_min, n_block_max, n_block_causal, n_block_window_end = self.block_info.key_blocks(
             seqlen, tile.block)
         n_masked, n_plain, n_window = self.block_info.phases(n_block_min, n_block_max, n_block_causal,

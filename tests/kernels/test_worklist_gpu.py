@@ -1,0 +1,175 @@
+"""GPU tests of the cute backend's work-list forward (few launches per list) against its own per-item loop and the
+fp64 reference.
+
+A list runs as launches of items with disjoint query rows (fa4dist.kernels.worklist.forward_launches), each one
+kernel launch over an item table. Every row must get the loop's bytes (the same tiles from the same first key, the
+same kernel math), on random lists with overlapping rows, fresh and running buffers, packed documents, dense
+batches, GQA, windows and soft-capping, and on the lists of real ring schedules. Fresh inputs every case; fresh
+outputs are poisoned with NaN.
+"""
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.gpu]
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+    pytest.skip("needs an sm_90 GPU", allow_module_level=True)
+pytest.importorskip("cutlass")
+
+from fa4dist.context_parallel.plan import make_plan  # noqa: E402
+from fa4dist.context_parallel.schedule import Schedule  # noqa: E402
+from fa4dist.kernels import WorkItem, attention_forward_items  # noqa: E402
+from fa4dist.kernels.cute import forward as cute_fwd  # noqa: E402
+from fa4dist.kernels.cute.backend import CuteSm90Backend  # noqa: E402
+
+if not cute_fwd.is_available():
+    pytest.skip("cute backend not available", allow_module_level=True)
+
+TOL = {torch.bfloat16: 2.5e-2, torch.float16: 4e-3}  # max abs error of out against the fp64 reference
+
+
+def _run(q, k, v, items, out, lse, fresh, launches=None, **kw):
+    """attention_forward_items on cute; ``launches``: a list that receives the one-launch calls' item counts."""
+    if launches is None:
+        return attention_forward_items(q, k, v, items, out, lse, fresh=fresh, backend="cute", **kw)
+    real = cute_fwd.forward_worklist
+
+    def counting(*a, **k2):
+        launches.append(a[5].numel() // 5)
+        return real(*a, **k2)
+
+    cute_fwd.forward_worklist = counting
+    try:
+        return attention_forward_items(q, k, v, items, out, lse, fresh=fresh, backend="cute", **kw)
+    finally:
+        cute_fwd.forward_worklist = real
+
+
+def _loop(monkeypatch, *args, **kw):
+    """The same list through the per-item loop (the backend declines the one-launch path)."""
+    with monkeypatch.context() as m:
+        m.setattr(CuteSm90Backend, "forward_items", lambda self, *a, **k: None)
+        return _run(*args, **kw)
+
+
+def _buffers(q, fresh, packed, gen):
+    shape = (*q.shape[:-1], q.shape[-1])
+    lse_shape = (q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
+    if fresh:
+        return (torch.full(shape, float("nan"), device="cuda"), torch.full(lse_shape, float("nan"), device="cuda"))
+    out = torch.randn(shape, device="cuda", generator=gen)
+    lse = torch.randn(lse_shape, device="cuda", generator=gen) + 3
+    lse[..., ::7] = float("-inf")  # rows no earlier block reached
+    return out, lse
+
+
+def _random_items(rng, n_rows, n_keys, count, masks):
+    items = []
+    for _ in range(count):
+        qa = rng.randrange(n_rows)
+        ql = rng.randint(1, min(n_rows - qa, 700))
+        ka = rng.randrange(n_keys)
+        kl = rng.choice([0, rng.randint(1, n_keys - ka), rng.randint(1, min(n_keys - ka, 300))])
+        items.append(WorkItem(qa, ql, ka, kl, rng.randint(0, 900), rng.randint(0, 900), **rng.choice(masks)))
+    return items
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_lists_equal_the_loop(monkeypatch, seed):
+    rng = random.Random(seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    d = rng.choice([64, 128])
+    hk = rng.choice([1, 2])
+    h = hk * rng.choice([1, 2, 4])
+    packed = seed % 3 != 0
+    n_rows, n_keys = rng.randint(100, 1500), rng.randint(100, 1500)
+    masks = [dict(causal=True), dict(), dict(causal=True, window=(rng.randint(0, 400), -1))]
+    lead = (n_rows,) if packed else (2, n_rows)
+    klead = (n_keys,) if packed else (2, n_keys)
+    q = torch.randn(*lead, h, d, device="cuda", dtype=dtype, generator=gen)
+    k, v = (torch.randn(*klead, hk, d, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    items = _random_items(rng, n_rows, n_keys, rng.randint(1, 12), masks)
+    fresh = seed % 2 == 0
+    softcap = 30.0 if seed % 4 == 1 else None
+    out0, lse0 = _buffers(q, fresh, packed, gen)
+    out, lse = out0.clone(), lse0.clone()
+    loop = out0.clone(), lse0.clone()
+    launches = []
+    _run(q, k, v, items, out, lse, fresh, launches, softcap=softcap)
+    _loop(monkeypatch, q, k, v, items, *loop, fresh, softcap=softcap)
+    assert launches, "the list ran through the loop, not the one-launch path"
+    covered = torch.zeros(n_rows, dtype=torch.bool, device="cuda")
+    for it in items:
+        covered[it.q_start:it.q_start + it.q_len] = True
+    rows = (lambda t: t[covered]) if packed else (lambda t: t[:, covered])  # noqa: E731
+    assert torch.equal(rows(out), rows(loop[0])), "out differs from the per-item loop"
+    assert torch.equal(lse[..., covered], loop[1][..., covered]), "lse differs from the per-item loop"
+    assert torch.equal(rows(out).isnan().sum(), torch.tensor(0, device="cuda")), "a covered row stayed poisoned"
+    # the value: the fp64 reference merging the same items into the same start
+    ref = out0.double().clone(), lse0.double().clone()
+    attention_forward_items(q.double(), k.double(), v.double(), items, *ref, fresh=fresh, backend="reference",
+                            softcap=softcap)
+    err = (rows(out).double() - rows(ref[0])).abs().max().item()
+    assert err <= TOL[dtype], f"out error {err} against the fp64 reference"
+    lse_err = (lse[..., covered].double() - ref[1][..., covered]).nan_to_num(0.0, 0.0, 0.0).abs().max().item()
+    assert lse_err <= 1e-3 * 4, f"lse error {lse_err}"
+    assert torch.equal(lse[..., covered].isinf(), ref[1][..., covered].isinf())
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("d", [64, 128])
+def test_ring_schedule_lists_equal_the_loop_in_few_launches(monkeypatch, packed, cp, d):
+    """Every (member, source) list of a causal ring schedule: the loop's bytes, in at most as many launches as
+    the list has waves and variants (one per step for zigzag's remote steps)."""
+    gen = torch.Generator(device="cuda").manual_seed(cp * 10 + d)
+    total = 4096 * cp
+    docs = [0, 700, 3000, 3100, total - 1000, total] if packed else None
+    plan = make_plan(torch.tensor(docs) if packed else total, cp, "zigzag" if not packed else "lpt")
+    sched = Schedule(plan, 1, True)
+    rows = plan.total_len // cp + 4096
+    q = torch.randn(1, rows, 4, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(1, rows, 2, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    fewer = 0
+    for member in range(cp):
+        for step in range(cp):
+            source = sched.source(member, step)
+            items = sched.items(member, source)
+            if not items:
+                continue
+            fresh = step == 0
+            out, lse = _buffers(q, fresh, False, gen)
+            loop = out.clone(), lse.clone()
+            launches = []
+            _run(q, k, v, list(items), out, lse, fresh, launches)
+            _loop(monkeypatch, q, k, v, list(items), *loop, fresh)
+            n_items = sum(1 for it in items if it.q_len and it.k_len)
+            assert 1 <= len(launches) <= n_items
+            fewer += n_items - len(launches)
+            covered = torch.zeros(rows, dtype=torch.bool, device="cuda")
+            for it in items:
+                covered[it.q_start:it.q_start + it.q_len] = True
+            assert torch.equal(out[:, covered], loop[0][:, covered]), (member, step)
+            assert torch.equal(lse[..., covered], loop[1][..., covered]), (member, step)
+    if packed or cp == 4:
+        assert fewer > 0, "no list ran in fewer launches than items"
+
+
+def test_declines_odd_layouts_and_falls_back(monkeypatch):
+    """A list on tensors a launch cannot take as they are (a non-contiguous head dim) runs through the loop."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(300, 2, 128, 2, device="cuda", dtype=torch.bfloat16, generator=gen)[..., 0]
+    k = torch.randn(300, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out, lse = torch.zeros(300, 2, 128, device="cuda"), torch.full((2, 300), float("-inf"), device="cuda")
+    launches = []
+    _run(q, k, k, [WorkItem(0, 300, 0, 300, 0, 0, True)], out, lse, True, launches)
+    assert not launches
+    ref = torch.zeros_like(out), torch.full_like(lse, float("-inf"))
+    attention_forward_items(q.double(), k.double(), k.double(), [WorkItem(0, 300, 0, 300, 0, 0, True)], *ref,
+                            fresh=True, backend="reference")
+    assert (out - ref[0]).abs().max().item() <= TOL[torch.bfloat16]
