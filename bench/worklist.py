@@ -1,15 +1,18 @@
-"""The work-list forward in few launches against the per-item loop, on the lists of real ring schedules.
+"""The work lists in few launches against the per-item loop, on the lists of real ring schedules (fwd and bwd).
 
 For each case (a causal sequence or a packed batch of documents, its plan at cp ranks), every member's forward
 lists over all its ring steps (``Schedule.items``: exactly what ``ring.forward_step`` hands the backend) run on one
 GPU against stand-in key buffers, two ways in one process, interleaved:
 
 - ``loop``: one contract call per item (the backend's ``forward_items`` switched off: what every list did before);
-- ``launch``: the cute backend's work-list path (``fa4dist.kernels.worklist.forward_launches``: one launch per wave
-  of items with disjoint query rows and kernel variant).
+- ``launch``: the cute backend's work-list path (forward: ``fa4dist.kernels.worklist.forward_launches``, one
+  launch per wave of items with disjoint query rows and kernel variant; backward, non-deterministic, through the
+  member's shared query side as ``ring.backward_step`` runs it: ``backward_launches``, one main kernel per group
+  of items with disjoint key rows).
 
 Reported: launches and items per member (summed over its steps), the slowest member's time both ways (what the
-ring waits for), and their ratio; plus the bytes of the one-launch out/lse against the loop's (they must be equal).
+ring waits for), and their ratio; plus the bytes of the one-launch out/lse against the loop's (they must be equal;
+the backward's sums are unordered, so its gradients are compared to the loop's relative error).
 
     python bench/worklist.py                          # the default sweep (H200: a few seconds per case)
     python bench/worklist.py --cp 8 --tokens 131072 --docs 0
@@ -32,10 +35,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from fa4dist.context_parallel import Schedule, make_plan  # noqa: E402
-from fa4dist.kernels import attention_forward_items  # noqa: E402
+from fa4dist.kernels import attention_backward_items, attention_forward_items  # noqa: E402
+from fa4dist.kernels.cute import backward as cute_bwd  # noqa: E402
+from fa4dist.kernels.worklist import share_queries  # noqa: E402
 from fa4dist.kernels.cute import forward as cute_fwd  # noqa: E402
 from fa4dist.kernels.cute.backend import CuteSm90Backend  # noqa: E402
-from fa4dist.kernels.worklist import forward_launches  # noqa: E402
 
 
 def documents(total: int, mean: int, seed: int) -> list[int]:
@@ -62,6 +66,16 @@ def run_member(lists, q, k, v, out, lse):
         attention_forward_items(q, k, v, items, out, lse, fresh=fresh, backend="cute")
 
 
+def run_member_bwd(lists, dout, q, k, v, out, lse, grads):
+    """The member's backward over its steps as the ring runs it: one shared query side, every step's list."""
+    shared = share_queries(dout, q, out, lse, deterministic=False, backend="cute")
+    for _, items in lists:
+        attention_backward_items(dout, q, k, v, out, lse, items, *grads, deterministic=False, backend="cute",
+                                 shared=shared)
+    if shared is not None:
+        shared.finish(grads[0])
+
+
 def time_fn(fn, reps: int) -> float:
     fn()
     torch.cuda.synchronize()
@@ -76,6 +90,72 @@ def time_fn(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def measure(direction, sched, cp, q, k, v, args) -> dict:
+    """Times every member's lists both ways (interleaved rounds, best of each); the slowest member's times."""
+    n, h, d = q.shape[1], q.shape[2], q.shape[3]
+    g = torch.Generator(device="cuda").manual_seed(7)
+    dout = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=g)
+    out = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=g)
+    lse = torch.randn(1, h, n, device="cuda", generator=g) + 8
+    attr = "forward_items" if direction == "fwd" else "backward_items"
+    per = {"loop": [], "launch": []}
+    counts, diffs = [], []
+    for member in range(cp):
+        lists = member_lists(sched, member)
+        n_items = sum(sum(1 for it in items if it.q_len and it.k_len) for _, items in lists)
+        if direction == "fwd":
+            bufs = {mode: (torch.zeros(1, n, h, d, device="cuda"), torch.full((1, h, n), float("-inf"),
+                                                                              device="cuda")) for mode in per}
+            work = {mode: (lambda b=bufs[mode]: run_member(lists, q, k, v, *b)) for mode in per}
+        else:
+            bufs = {mode: [torch.zeros(t.shape, device="cuda") for t in (q, k, v)] for mode in per}
+            work = {mode: (lambda b=bufs[mode]: run_member_bwd(lists, dout, q, k, v, out, lse, b)) for mode in per}
+        best = {mode: float("inf") for mode in per}
+        for _ in range(args.rounds):
+            for mode in per:
+                saved = getattr(CuteSm90Backend, attr)
+                if mode == "loop":  # the backend without its work-list path: the per-item loop
+                    setattr(CuteSm90Backend, attr, None)
+                try:
+                    for b in bufs[mode]:
+                        b.zero_()
+                    best[mode] = min(best[mode], time_fn(work[mode], args.reps))
+                finally:
+                    setattr(CuteSm90Backend, attr, saved)
+        for mode in per:
+            per[mode].append(best[mode])
+        # same inputs, both ways once more from zero: the results, and the launches counted
+        module, fn_name = (cute_fwd, "forward_worklist") if direction == "fwd" else (cute_bwd, "backward_worklist")
+        real, calls = getattr(module, fn_name), []
+        for mode in per:
+            saved = getattr(CuteSm90Backend, attr)
+            if mode == "loop":
+                setattr(CuteSm90Backend, attr, None)
+            else:
+                setattr(module, fn_name, lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+            try:
+                for b in bufs[mode]:
+                    b.zero_()
+                if direction == "fwd":
+                    bufs[mode][1].fill_(float("-inf"))
+                work[mode]()
+            finally:
+                setattr(CuteSm90Backend, attr, saved)
+                setattr(module, fn_name, real)
+        counts.append((n_items, len(calls)))
+        for a, b in zip(bufs["launch"], bufs["loop"]):
+            fin = torch.isfinite(b)
+            scale = b[fin].abs().max().clamp_min(1e-30) if fin.any() else torch.tensor(1.0, device="cuda")
+            diffs.append(((a - b)[fin].abs().max() / scale).item() if fin.any() else 0.0)
+            if direction == "fwd" and not torch.equal(a, b):
+                print(f"  member {member}: one-launch bytes differ from the loop's", flush=True)
+    row = dict(direction=direction, items=max(c[0] for c in counts), launches=max(c[1] for c in counts),
+               loop_ms=max(per["loop"]), launch_ms=max(per["launch"]), loop_member_ms=per["loop"],
+               launch_member_ms=per["launch"], max_rel_diff=max(diffs))
+    row["speedup"] = row["loop_ms"] / row["launch_ms"]
+    return row
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
@@ -85,6 +165,7 @@ def main():
     p.add_argument("--headdim", type=int, default=128)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--directions", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     args = p.parse_args()
     h, hk = (int(x) for x in args.heads.split(":"))
     d = args.headdim
@@ -99,41 +180,14 @@ def main():
                 g = torch.Generator(device="cuda").manual_seed(cp)
                 q = torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
                 k, v = (torch.randn(1, n, hk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-                variant = lambda it: (it.causal or d > 64, it.window)  # noqa: E731 - the backend's grouping
-                per = {"loop": [], "launch": []}
-                counts = []
-                for member in range(cp):
-                    lists = member_lists(sched, member)
-                    n_items = sum(sum(1 for it in items if it.q_len and it.k_len) for _, items in lists)
-                    n_launch = sum(len(forward_launches(items, fresh, variant)[1]) for fresh, items in lists)
-                    counts.append((n_items, n_launch))
-                    bufs = {mode: (torch.zeros(1, n, h, d, device="cuda"),
-                                   torch.full((1, h, n), float("-inf"), device="cuda")) for mode in per}
-                    best = {mode: float("inf") for mode in per}
-                    for _ in range(args.rounds):
-                        for mode in per:
-                            saved = CuteSm90Backend.forward_items
-                            if mode == "loop":  # the backend without its work-list path: the per-item loop
-                                CuteSm90Backend.forward_items = None
-                            try:
-                                t = time_fn(lambda: run_member(lists, q, k, v, *bufs[mode]), args.reps)
-                            finally:
-                                CuteSm90Backend.forward_items = saved
-                            best[mode] = min(best[mode], t)
-                    same = all(torch.equal(a, b) for a, b in zip(bufs["loop"], bufs["launch"]))
-                    for mode in per:
-                        per[mode].append(best[mode])
-                    if not same:
-                        print(f"  member {member}: one-launch bytes differ from the loop's", flush=True)
-                row = dict(tokens=tokens, cp=cp, docs=mean, heads=args.heads, headdim=d,
-                           items=max(c[0] for c in counts), launches=max(c[1] for c in counts),
-                           loop_ms=max(per["loop"]), launch_ms=max(per["launch"]),
-                           loop_member_ms=per["loop"], launch_member_ms=per["launch"])
-                row["speedup"] = row["loop_ms"] / row["launch_ms"]
-                rows.append(row)
-                print(f"{tokens:>7} cp={cp} docs={mean or '-':>5}  items {row['items']:>4} -> launches "
-                      f"{row['launches']:>4}   slowest member: loop {row['loop_ms']:8.3f} ms  launch "
-                      f"{row['launch_ms']:8.3f} ms  x{row['speedup']:.3f}", flush=True)
+                for direction in args.directions:
+                    row = measure(direction, sched, cp, q, k, v, args)
+                    row.update(tokens=tokens, cp=cp, docs=mean, heads=args.heads, headdim=d)
+                    rows.append(row)
+                    print(f"{direction} {tokens:>7} cp={cp} docs={mean or '-':>5}  items {row['items']:>4} -> "
+                          f"launches {row['launches']:>4}   slowest member: loop {row['loop_ms']:8.3f} ms  launch "
+                          f"{row['launch_ms']:8.3f} ms  x{row['speedup']:.3f}  (rel diff "
+                          f"{row['max_rel_diff']:.1e})", flush=True)
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
     os.makedirs(out_dir, exist_ok=True)
     meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(),

@@ -26,7 +26,7 @@ runs each in one launch whose rows get the loop's bits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -176,6 +176,42 @@ def forward_launches(items: Sequence[WorkItem], fresh: bool, variant) -> tuple[t
     return tuple(clears), launches
 
 
+def _disjoint(a: WorkItem, b: WorkItem, keys_only: bool = False) -> bool:
+    """Whether two items share no key row and (unless ``keys_only``) no query row."""
+    keys = a.k_start + a.k_len <= b.k_start or b.k_start + b.k_len <= a.k_start
+    return keys and (keys_only or a.q_start + a.q_len <= b.q_start or b.q_start + b.q_len <= a.q_start)
+
+
+def backward_launches(items: Sequence[WorkItem], variant, queries_shared: bool = False) -> tuple[Launch, ...]:
+    """Launches of a non-deterministic backward list (its sums are unordered, so any grouping is the list): items
+    with pairwise disjoint key rows (a key tile's dK / dV are added by one CTA), pairwise disjoint query rows unless
+    ``queries_shared`` (dQ then goes to one shared scratch by atomic adds; else each launch converts its own), and
+    one variant (``variant(item)``, hashable) each, first fit in list order. Unmasked items on the same keys with
+    adjacent query rows join first (one item: the keys' gradients then sum over both in one pass). Items without
+    rows are dropped."""
+    joined: list[WorkItem] = []
+    for item in items:
+        if item.q_len == 0 or item.k_len == 0:
+            continue
+        last = joined[-1] if joined else None
+        if (last is not None and not item.causal and item.window == (-1, -1) and not last.causal
+                and last.window == (-1, -1) and (last.k_start, last.k_len) == (item.k_start, item.k_len)
+                and last.q_start + last.q_len == item.q_start):
+            joined[-1] = replace(last, q_len=last.q_len + item.q_len)
+        else:
+            joined.append(item)
+    groups: list[tuple[object, list[WorkItem]]] = []
+    for item in joined:
+        var = variant(item)
+        for gvar, group in groups:
+            if gvar == var and all(_disjoint(item, other, queries_shared) for other in group):
+                group.append(item)
+                break
+        else:
+            groups.append((var, [item]))
+    return tuple(Launch(tuple(group), False, var) for var, group in groups)
+
+
 def attention_forward_items(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -285,17 +321,20 @@ def attention_backward_items(
     """Adds every item's gradients into the fp32 ``dq, dk, dv``, in list order, given the global out and lse.
     ``dq=None`` or ``dk=dv=None``: those are not computed (the contract's rule for accumulate=True).
     ``shared``: the items it takes add their dQ into it instead (:func:`share_queries`; not with cp_invariant)."""
-    seq_dim, problem = _layout(q, k, v, cp_invariant)
+    seq_dim, problem = _layout(q, k, v, cp_invariant, softmax_scale, softcap)
     items = _check_items(items, q.shape[seq_dim], k.shape[seq_dim])
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     impl = select_backend(backend, problem, "backward")
-    if getattr(impl, "backward_items", None) is not None:
-        return impl.backward_items(dout, q, k, v, out, lse, items, dq, dk, dv, softmax_scale=softmax_scale,
-                                   softcap=softcap, deterministic=deterministic, cp_invariant=cp_invariant)
     if shared is not None and (cp_invariant or shared.deterministic != bool(deterministic) or dk is None):
         raise ValueError("shared= needs cp_invariant=False and the deterministic setting it was made with (and "
                          "dk and dv to add into)")
+    if getattr(impl, "backward_items", None) is not None and not cp_invariant:
+        rows = None if shared is None or shared.finished or shared.impl is not impl else shared.state
+        done = impl.backward_items(dout, q, k, v, out, lse, items, dq, dk, dv, softmax_scale=problem.softmax_scale,
+                                   softcap=problem.softcap, deterministic=bool(deterministic), shared=rows)
+        if done is not None:
+            return dq, dk, dv
     packed = seq_dim == 0
     for item in items:
         if item.q_len == 0 or item.k_len == 0:

@@ -49,6 +49,9 @@ SUBSET = [
     # the deterministic GQA backward: int64 dQ converted to a float dq (fresh bf16 through TMA; fp32 added)
     (BF16, 128, True, False, False, True, {"dq_fixed": True, "fixed_to_float": True}),
     (FP16, 64, True, True, True, True, {"dq_fixed": True, "fixed_to_float": True}),
+    # one launch over a work list's item table (pre, main and convert read the table)
+    (BF16, 128, True, True, True, False, {"worklist": True}),
+    (FP16, 64, True, True, True, False, {"worklist": True, "window_left": 300, "softcap": 30.0}),
 ]
 
 

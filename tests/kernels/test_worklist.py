@@ -183,3 +183,39 @@ def test_fresh_equals_merging_into_the_empty_result(seed):
         covered[it.q_start:it.q_start + it.q_len] = True
     assert torch.equal(fresh[0][covered], merged[0][covered])
     assert torch.equal(fresh[1][:, covered], merged[1][:, covered])
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("queries_shared", [False, True])
+def test_backward_launches_compute_the_list(seed, queries_shared):
+    """The non-deterministic backward's launches (disjoint key rows, and query rows unless shared; unmasked
+    neighbours on the same keys joined) run item by item give the list's gradients (fp64, up to the order of the
+    sums)."""
+    from fa4dist.kernels.worklist import backward_launches
+
+    rng = random.Random(50 + seed)
+    gen = torch.Generator().manual_seed(seed)
+    n_rows, n_keys = rng.randint(3, 40), rng.randint(3, 40)
+    q = torch.randn(n_rows, 2, 8, generator=gen, dtype=F64)
+    k, v = (torch.randn(n_keys, 1, 8, generator=gen, dtype=F64) for _ in range(2))
+    dout = torch.randn(n_rows, 2, 8, generator=gen, dtype=F64)
+    items = _random_list(rng, n_rows, n_keys, rng.randint(1, 9))
+    items += [WorkItem(0, 2, 1, 2), WorkItem(2, 3, 1, 2)]  # unmasked neighbours on the same keys: joined
+    out, lse = torch.zeros(n_rows, 2, 8, dtype=F64), torch.full((2, n_rows), float("-inf"), dtype=F64)
+    attention_forward_items(q, k, v, items, out, lse, backend="reference")
+    want = [torch.zeros_like(t) for t in (q, k, v)]
+    attention_backward_items(dout, q, k, v, out, lse, items, *want, backend="reference")
+    launches = backward_launches(items, lambda it: (it.causal, it.window), queries_shared=queries_shared)
+    got = [torch.zeros_like(t) for t in (q, k, v)]
+    joined = 0
+    for launch in launches:
+        for i, a in enumerate(launch.items):
+            joined += a not in items
+            for b in launch.items[i + 1:]:
+                assert a.k_start + a.k_len <= b.k_start or b.k_start + b.k_len <= a.k_start, "shared key rows"
+                if not queries_shared:
+                    assert a.q_start + a.q_len <= b.q_start or b.q_start + b.q_len <= a.q_start, "shared query rows"
+        attention_backward_items(dout, q, k, v, out, lse, list(launch.items), *got, backend="reference")
+    assert joined >= 1
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)

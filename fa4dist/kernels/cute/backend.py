@@ -121,6 +121,38 @@ class CuteSm90Backend:
                                       softcap=softcap, accumulate=not write)
         return out, lse
 
+    def backward_items(self, dout, q, k, v, out, lse, items, dq, dk, dv, *, softmax_scale, softcap, deterministic,
+                       shared=None):
+        """A non-deterministic backward work list in few launches (worklist.backward_launches): one main kernel per
+        group of items with disjoint query and key rows; the group's own preprocess and dQ convert, or none where
+        ``shared`` (backward.SharedRows of these queries) takes every item's rows. Returns None (the caller loops)
+        for deterministic lists (their dQ order is the list's) and where the tensors or an item do not suit it."""
+        from . import backward as _bwd
+
+        if deterministic or dq is None or dk is None or dv is None or q.shape[-1] not in _bwd.BWD_HEAD_DIMS:
+            return None
+        if not self._worklist_ready(q, k, v, dq, lse) or dout.dtype != q.dtype:
+            return None
+        if not all(self._kernel_ready(t, 8) for t in (dout, out)) or not all(
+                self._kernel_ready(t, 4) and t.dtype == torch.float32 for t in (dk, dv)):
+            return None
+        packed = q.dim() == 3
+        if shared is not None and not (packed or q.shape[0] == 1):
+            shared = None
+        plan = self._backward_plan(q, items, shared)
+        if plan is None:
+            return None
+        use_shared, launches = plan
+        shared = shared if use_shared else None
+        for bi in ([None] if packed else range(q.shape[0])):
+            view = (lambda t: t) if packed else (lambda t: t[bi])  # noqa: E731 - a dense batch element as packed
+            for table, tiles, max_q, max_k, causal, window_left in launches:
+                _bwd.backward_worklist(view(dout), view(q), view(k), view(v), view(out), view(lse), view(dq),
+                                       view(dk), view(dv), table, scratch_tiles=tiles, max_q_len=max_q,
+                                       max_k_len=max_k, softmax_scale=softmax_scale, causal=causal,
+                                       window_left=window_left, softcap=softcap, rows=shared)
+        return dq, dk, dv
+
     def _worklist_ready(self, q, k, v, out, lse) -> bool:
         """Tensors a work-list launch takes as they are (the loop copies odd layouts per item instead)."""
         if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16) or out.dtype != torch.float32:
@@ -133,10 +165,63 @@ class CuteSm90Backend:
 
     _PLANS: dict = {}
 
+    @staticmethod
+    def _band(item):
+        """The kernels' (causal, window_left, q_shift) of an item, or None where they cannot take it."""
+        from ..mask import Mask
+
+        band = kernel_band(Mask.canonical(item.causal, item.window))
+        if band is None or band[1] >= 2**30 or abs(item.q_offset + band[2] - item.k_offset) > 2**30:
+            return None
+        return band
+
+    def _bands(self, items):
+        """{item: kernel band} of every item, or None where one does not suit the kernels."""
+        bands = {item: self._band(item) for item in items}
+        return None if any(b is None for b in bands.values()) else bands
+
+    @staticmethod
+    def _row(item, band, scratch_base):
+        """The item's row of a work-list table (block_info.WORKLIST_COLUMNS)."""
+        causal, _, shift = band
+        diag = item.q_offset + shift - item.k_offset if causal else item.k_len  # unmasked: sees every key
+        return [item.q_start, item.q_len, item.k_start, item.k_len, diag, scratch_base]
+
+    def _backward_plan(self, q, items, shared):
+        """(whether the launches use ``shared``, [(device table, scratch tiles, longest query rows, longest key
+        rows, causal, window_left)]) of a backward list, cached by the list; None if an item does not suit."""
+        from ..worklist import backward_launches
+        from .backward import tile_m_for
+
+        key = ("bwd", tuple(items), None if shared is None else shared.rows, q.dtype, q.shape[-1], str(q.device))
+        plan = self._PLANS.get(key)
+        if plan is not None:
+            return plan
+        if self._bands(items) is None:
+            return None
+        tm = tile_m_for(q.shape[-1])
+        # the shared query side takes items whose rows start (and end) on its tiles; otherwise every launch keeps
+        # its own, and then its items need disjoint query rows too (one convert per launch)
+        use_shared = shared is not None and all(shared.takes(i.q_start, i.q_len) for i in items if i.q_len and i.k_len)
+        launches = backward_launches(items, lambda it: self._band(it)[:2], queries_shared=use_shared)
+        out = []
+        for launch in launches:
+            rows, tiles = [], 0
+            for item in launch.items:
+                rows += self._row(item, self._band(item), item.q_start // tm if use_shared else tiles)
+                tiles += -(-item.q_len // tm)
+            causal, window_left = launch.variant
+            table = torch.tensor(rows, dtype=torch.int32, device=q.device)
+            out.append((table, tiles, max(i.q_len for i in launch.items), max(i.k_len for i in launch.items),
+                        causal, window_left))
+        if len(self._PLANS) > 256:
+            self._PLANS.clear()
+        plan = self._PLANS[key] = (use_shared, tuple(out))
+        return plan
+
     def _forward_plan(self, q, items, fresh, softmax_scale, softcap):
         """(clears, [(device table, longest query rows, causal, window_left, write)]) of a work list, cached by the
         list (a ring's schedule hands the same lists every step), or None if an item's mask does not suit."""
-        from ..mask import Mask
         from ..worklist import forward_launches
 
         d = q.shape[-1]
@@ -148,12 +233,9 @@ class CuteSm90Backend:
         # differ in nothing a row's bits depend on
         opts = dict(varlen=True, accumulate=True, softcap=softcap or 0.0)
         mix = _fwd.same_kernel_math(q.dtype, d, dict(causal=False, **opts), dict(causal=True, **opts))
-        bands = {}
-        for item in items:
-            band = kernel_band(Mask.canonical(item.causal, item.window))
-            if band is None or band[1] >= 2**30 or abs(item.q_offset + band[2] - item.k_offset) > 2**30:
-                return None
-            bands[item] = band
+        bands = self._bands(items)
+        if bands is None:
+            return None
 
         def variant(item):
             causal, window_left, _ = bands[item]
@@ -165,9 +247,7 @@ class CuteSm90Backend:
             causal, window_left = launch.variant
             rows = []
             for item in launch.items:
-                item_causal, _, shift = bands[item]
-                diag = item.q_offset + shift - item.k_offset if item_causal else item.k_len  # sees every key
-                rows += [item.q_start, item.q_len, item.k_start, item.k_len, diag]
+                rows += self._row(item, bands[item], 0)
             table = torch.tensor(rows, dtype=torch.int32, device=q.device)
             out.append((table, max(i.q_len for i in launch.items), causal, window_left, launch.write))
         if len(self._PLANS) > 256:

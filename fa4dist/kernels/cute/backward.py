@@ -71,6 +71,8 @@ class BwdConfig:
     grads: str = "all"
     # dQ in int64 fixed point (fa4dist.kernels.fixed_point; cp_invariant): no tickets, exact order-free sums
     dq_fixed: bool = False
+    # one launch over a work list's items (block_info.WORKLIST_COLUMNS table; backward_worklist)
+    worklist: bool = False
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -81,7 +83,7 @@ class BwdConfig:
             tile_m=self.tile_m, stmatrix_ds=self.stmatrix_ds, det_chunk=self.det_chunk,
             regs_mma=self.regs_mma, sanitize=self.sanitize, window_left=self.window_left, softcap=self.softcap,
             masked_last=self.masked_last, softcap_grad_regs=self.softcap_grad_regs, grads=self.grads,
-            dq_fixed=self.dq_fixed,
+            dq_fixed=self.dq_fixed, worklist=self.worklist,
         )
 
     def fake_args(self):
@@ -99,7 +101,9 @@ class BwdConfig:
         sem = host.fake_flat(cutlass.Int32) if self.deterministic else None
         dq_scale = host.fake_flat(cutlass.Float32) if self.dq_fixed else None
         cu_q = cu_k = off_q = off_k = None
-        if self.varlen:
+        if self.worklist:
+            cu_q = host.fake_i32()  # the item table
+        elif self.varlen:
             nb1 = cute.sym_int()
             cu_q, cu_k = host.fake_i32(nb1), host.fake_i32(nb1)
         if self.seg_offsets:
@@ -121,12 +125,13 @@ class PreConfig:
     deterministic: bool
     zero_dq: bool = True  # False: the main kernel computes no dQ, so there is no scratch to zero
     dq_fixed: bool = False  # int64 scratch, and the rows' fixed-point scales copied next to lse2
+    worklist: bool = False  # cu_seqlens is a work list's item table (its query rows and scratch tiles)
 
     def build(self):
         from .bwd_preprocess import BwdPreprocess
 
         return BwdPreprocess(self.head_dim, self.tile_m, varlen=self.varlen, deterministic=self.deterministic,
-                             zero_dq=self.zero_dq, dq_fixed=self.dq_fixed)
+                             zero_dq=self.zero_dq, dq_fixed=self.dq_fixed, worklist=self.worklist)
 
     def fake_args(self):
         import cutlass
@@ -158,13 +163,14 @@ class PostConfig:
     accumulate: bool
     dq_fixed: bool = False
     fixed_to_float: bool = False
+    worklist: bool = False  # cu_seqlens is a work list's item table (its query rows and scratch tiles)
 
     def build(self):
         from .bwd_postprocess import BwdPostprocess
 
         return BwdPostprocess(host.cutlass_dtype(self.dtype), self.head_dim, self.tile_m, varlen=self.varlen,
                               accumulate=self.accumulate, dq_fixed=self.dq_fixed,
-                              fixed_to_float=self.fixed_to_float)
+                              fixed_to_float=self.fixed_to_float, worklist=self.worklist)
 
     def fake_args(self):
         import cutlass
@@ -217,7 +223,7 @@ def fixed_point_deterministic(heads_q: int, heads_kv: int, total_q: int) -> bool
 
 def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, deterministic, dq_dtype, dkv_dtype,
                  o_dtype, do_dtype, window_left=-1, softcap=0.0, grads="all", dq_fixed=False, fixed_to_float=False,
-                 **overrides):
+                 worklist=False, **overrides):
     tm = tile_m_for(head_dim)
     if dq_fixed:
         # exact integer sums: deterministic without tickets; the query tiles of a key tile in ascending order
@@ -230,16 +236,17 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
         accumulate=bool(accumulate), deterministic=bool(deterministic), dkv_fp32=dkv_dtype == torch.float32,
         tile_m=tm, window_left=int(window_left), softcap=float(softcap or 0.0),
         softcap_grad_regs=default_softcap_grad_regs(head_dim), grads=grads, dq_fixed=bool(dq_fixed),
+        worklist=bool(worklist),
     )
     kw.update(_OVERRIDE)
     kw.update(overrides)
     main = BwdConfig(**kw)
     pre = PreConfig(o_dtype=host.dtype_name(o_dtype), do_dtype=host.dtype_name(do_dtype), head_dim=head_dim,
                     tile_m=tm, varlen=bool(varlen), deterministic=bool(deterministic), zero_dq=grads != "dkv",
-                    dq_fixed=bool(dq_fixed))
+                    dq_fixed=bool(dq_fixed), worklist=bool(worklist))
     post = PostConfig(dtype=name, dq_fp32=dq_dtype == torch.float32, head_dim=head_dim, tile_m=tm,
                       varlen=bool(varlen), accumulate=bool(accumulate), dq_fixed=bool(dq_fixed),
-                      fixed_to_float=bool(fixed_to_float))
+                      fixed_to_float=bool(fixed_to_float), worklist=bool(worklist))
     return pre, main, post
 
 
@@ -567,3 +574,45 @@ class SharedRows:
         if self.rows:
             self.post(self.dq_acc, dq, None, 1, None)
         return dq
+
+
+def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_tiles, max_q_len, max_k_len,
+                      softmax_scale, causal, window_left=-1, softcap=None, rows: Optional[SharedRows] = None):
+    """The gradients of a work list's items in one main-kernel launch, added into fp32 dq, dk, dv (not
+    deterministic: dQ goes through atomic adds).
+
+    Packed views: dout / q / out (t_q, h, d), k / v (t_k, h_kv, d), lse (h, t_q), dq (t_q, h, d), dk / dv (t_k, h_kv,
+    d), all fp32 gradients. ``table``: int32 CUDA tensor, block_info.WORKLIST_COLUMNS words per item; the items'
+    key rows are pairwise disjoint (a key tile's dK / dV are added by one CTA), and their scratch tiles (column 5)
+    too. Without ``rows``: the launch's own preprocess and dQ convert run over the items' rows, the items' query
+    rows pairwise disjoint and the scratch ``scratch_tiles`` query tiles long. With ``rows`` (a :class:`SharedRows`
+    of these queries, ``dq`` unused): every item's rows start on one of its tiles, column 5 is that tile, and only
+    the main kernel runs (its dQ is in the shared scratch until ``rows.finish``)."""
+    d, hq = q.shape[-1], q.shape[-2]
+    tm = tile_m_for(d)
+    scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d))
+    window_left = host.check_window_left(window_left, causal)
+    softcap = host.check_softcap(softcap)
+    if dout.dtype != q.dtype:
+        raise ValueError("a work-list backward takes dout in q's dtype")
+    pre_cfg, main_cfg, post_cfg = make_configs(
+        q.dtype, d, causal=causal, varlen=True, seg_offsets=False, accumulate=True, deterministic=False,
+        dq_dtype=torch.float32, dkv_dtype=torch.float32, o_dtype=out.dtype, do_dtype=dout.dtype,
+        window_left=window_left, softcap=softcap, worklist=True)
+    main_fn = host.get_compiled(main_cfg)
+    scale_log2 = host.score_scale(scale, softcap)
+    msk = max(int(max_k_len), 1)
+    if rows is not None:
+        main_fn(q, k, v, dout, rows.lse2, rows.dpsum, rows.dq_acc, dk, dv, None, None, scale, scale_log2, 0, msk,
+                table, None, None, None)
+        return dq, dk, dv
+    n_chunks = max(int(scratch_tiles), 1) * hq
+    lse2 = torch.empty(n_chunks * tm, dtype=torch.float32, device=q.device)
+    dpsum = torch.empty(n_chunks * tm, dtype=torch.float32, device=q.device)
+    dq_acc = torch.empty(n_chunks * tm * d, dtype=torch.float32, device=q.device)
+    m_grid = max(1, -(-int(max_q_len) // tm))
+    host.get_compiled(pre_cfg)(out, dout, lse, lse2, dpsum, dq_acc, None, None, None, scale, m_grid, table)
+    main_fn(q, k, v, dout, lse2, dpsum, dq_acc, dk, dv, None, None, scale, scale_log2, 0, msk, table, None, None,
+            None)
+    host.get_compiled(post_cfg)(dq_acc, dq, None, m_grid, table)
+    return dq, dk, dv

@@ -25,8 +25,9 @@ from cutlass import Int32, const_expr
 
 
 # A work list's table (kernels run one launch over many blocks, fa4dist.kernels.worklist): per item, in this order,
-# the first query row, the query rows, the first key row, the key rows and q_offset - k_offset (the causal diagonal)
-WORKLIST_COLUMNS = 5
+# the first query row, the query rows, the first key row, the key rows, q_offset - k_offset (the causal diagonal)
+# and (backward) the item's first query tile in the tile-padded scratch (items own disjoint scratch tiles)
+WORKLIST_COLUMNS = 6
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class SeqlenInfo:
             offset_k = mCuSeqlensQ[row + 2]
             seqlen_k = mCuSeqlensQ[row + 3]
             diag_b = diag + mCuSeqlensQ[row + 4]
+            if const_expr(scratch_tile_m is not None):
+                scratch_base = mCuSeqlensQ[row + 5]
         elif const_expr(varlen):
             offset_q = mCuSeqlensQ[batch]
             seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
@@ -77,11 +80,17 @@ class SeqlenInfo:
         return SeqlenInfo(offset_q, offset_k, seqlen_q, seqlen_k, diag_b, scratch_base)
 
     @staticmethod
-    def create_q(batch, mQ: cute.Tensor, mCuSeqlensQ, *, varlen: bool, scratch_tile_m: int) -> "SeqlenInfo":
+    def create_q(batch, mQ: cute.Tensor, mCuSeqlensQ, *, varlen: bool, scratch_tile_m: int,
+                 worklist: bool = False) -> "SeqlenInfo":
         """The query side only (the backward's pre- and postprocess kernels): offset_q, seqlen_q and
         scratch_base; key fields are None."""
         offset_q = Int32(0)
-        if const_expr(varlen):
+        if const_expr(worklist):
+            row = batch * WORKLIST_COLUMNS
+            offset_q = mCuSeqlensQ[row]
+            seqlen_q = mCuSeqlensQ[row + 1]
+            scratch_base = mCuSeqlensQ[row + 5]
+        elif const_expr(varlen):
             offset_q = mCuSeqlensQ[batch]
             seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
             scratch_base = offset_q // scratch_tile_m + batch

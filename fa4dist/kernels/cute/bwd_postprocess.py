@@ -21,7 +21,7 @@ import cutlass.memory
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from .block_info import SeqlenInfo
+from .block_info import WORKLIST_COLUMNS, SeqlenInfo
 from .common_sm90 import (
     dq_chunk_layout,
     dq_tiled_mma,
@@ -35,7 +35,8 @@ from .common_sm90 import (
 
 class BwdPostprocess:
     def __init__(self, dtype, head_dim: int, tile_m: int, *, varlen: bool, accumulate: bool, dq_fixed: bool = False,
-                 fixed_to_float: bool = False):
+                 fixed_to_float: bool = False, worklist: bool = False):
+        self.worklist = worklist  # mCuSeqlensQ is a work list's item table (block_info.WORKLIST_COLUMNS)
         self.dtype = dtype  # q dtype (selects the MMA the scratch order came from)
         self.head_dim = head_dim
         self.tile_m = tile_m
@@ -64,6 +65,8 @@ class BwdPostprocess:
         else:
             mdQ = select_modes(mdQ, (0, 2, 1))
             num_batch = cute.size(mCuSeqlensQ.shape[0]) - 1
+            if const_expr(self.worklist):
+                num_batch = cute.size(mCuSeqlensQ.shape[0]) // WORKLIST_COLUMNS
             grid_m = m_blocks
         num_heads = cute.size(mdQ.shape[2])
         tiled_mma = dq_tiled_mma(self.dtype, self.tile_m, self.head_dim)
@@ -95,7 +98,8 @@ class BwdPostprocess:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         num_heads = cute.size(mdQ.shape[2])
-        seqlen = SeqlenInfo.create_q(batch, mdQ, mCuSeqlensQ, varlen=self.varlen, scratch_tile_m=tm)
+        seqlen = SeqlenInfo.create_q(batch, mdQ, mCuSeqlensQ, varlen=self.varlen, scratch_tile_m=tm,
+                                     worklist=self.worklist)
         seqlen_q, blk_base = seqlen.seqlen_q, seqlen.scratch_base
         if const_expr(self.varlen):
             mdQ_cur = cute.domain_offset((seqlen.offset_q, 0), mdQ[None, None, head])

@@ -20,7 +20,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .block_info import SeqlenInfo
+from .block_info import WORKLIST_COLUMNS, SeqlenInfo
 from .common_sm90 import select_modes
 
 LOG2_E = math.log2(math.e)
@@ -28,7 +28,8 @@ LOG2_E = math.log2(math.e)
 
 class BwdPreprocess:
     def __init__(self, head_dim: int, tile_m: int, *, varlen: bool, deterministic: bool, num_threads: int = 128,
-                 zero_dq: bool = True, dq_fixed: bool = False):
+                 zero_dq: bool = True, dq_fixed: bool = False, worklist: bool = False):
+        self.worklist = worklist  # mCuSeqlensQ is a work list's item table (block_info.WORKLIST_COLUMNS)
         self.zero_dq = zero_dq
         self.dq_fixed = dq_fixed
         self.dq_words = 2 if dq_fixed else 1  # 32-bit words per dQ accumulator element
@@ -73,6 +74,8 @@ class BwdPreprocess:
             if const_expr(self.dq_fixed):
                 mScale = select_modes(mScale, (1, 0))
             num_batch = cute.size(mCuSeqlensQ.shape[0]) - 1
+            if const_expr(self.worklist):
+                num_batch = cute.size(mCuSeqlensQ.shape[0]) // WORKLIST_COLUMNS
             grid_m = m_blocks
         num_heads = cute.size(mO.shape[2])
         self.kernel(mO, mdO, mLSE, mLSE2, mDpsum, mdQacc, mSem, mScale, mScale2, scale, mCuSeqlensQ).launch(
@@ -98,7 +101,8 @@ class BwdPreprocess:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         num_heads = cute.size(mO.shape[2])
-        seqlen = SeqlenInfo.create_q(batch, mO, mCuSeqlensQ, varlen=self.varlen, scratch_tile_m=tm)
+        seqlen = SeqlenInfo.create_q(batch, mO, mCuSeqlensQ, varlen=self.varlen, scratch_tile_m=tm,
+                                     worklist=self.worklist)
         seqlen_q, blk_base = seqlen.seqlen_q, seqlen.scratch_base
         if const_expr(self.varlen):
             mO_cur = cute.domain_offset((seqlen.offset_q, 0), mO[None, None, head])

@@ -49,7 +49,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .barriers import BwdBarrier
-from .block_info import BlockInfo, SeqlenInfo
+from .block_info import WORKLIST_COLUMNS, BlockInfo, SeqlenInfo
 from .common_sm90 import (
     Context,
     acc_to_operand_a,
@@ -102,8 +102,13 @@ class FlashBwdSm90:
         softcap_grad_regs: bool = True,
         grads: str = "all",
         dq_fixed: bool = False,
+        worklist: bool = False,
     ):
         assert head_dim in (64, 128)
+        # a work list: mCuSeqlensQ is the item table (block_info.WORKLIST_COLUMNS), one "sequence" per item with
+        # its own query rows, key rows, diagonal and scratch tiles; items of one launch have disjoint key rows
+        assert not worklist or (varlen and not seg_offsets and not deterministic)
+        self.worklist = worklist
         # which gradients this variant computes: "all", "dq" (no dV / dK GEMMs, no dK / dV stores) or "dkv" (no
         # dQ GEMM, no dS smem copy, no dQ writer, no tickets): the cp_invariant engine's two passes each need one
         assert grads in ("all", "dq", "dkv"), grads
@@ -249,6 +254,8 @@ class FlashBwdSm90:
             n_blocks_grid = cute.ceil_div(cute.size(mK.shape[0]), tn)
         else:
             num_batch = cute.size(mCuSeqlensQ.shape[0]) - 1
+            if const_expr(self.worklist):
+                num_batch = cute.size(mCuSeqlensQ.shape[0]) // WORKLIST_COLUMNS
             n_blocks_grid = cute.ceil_div(max_seqlen_k, tn)
         if const_expr(self.det_chunk > 0):
             grid = (cute.ceil_div(n_blocks_grid, self.det_chunk) * self.det_chunk * num_heads_kv * num_batch, 1, 1)
@@ -349,7 +356,8 @@ class FlashBwdSm90:
         # ---------------- work tile, sequence and query-tile range (identical in every warp) ----------------
         tile = bwd_work_tile(mQ, mK, n_blocks_grid, num_batch, shortest_first=self.spt, det_chunk=self.det_chunk)
         seqlen = SeqlenInfo.create(tile.batch, mQ, mK, diag, mCuSeqlensQ, mCuSeqlensK, mSegOffQ, mSegOffK,
-                                   varlen=self.varlen, seg_offsets=self.seg_offsets, scratch_tile_m=tm)
+                                   varlen=self.varlen, seg_offsets=self.seg_offsets, scratch_tile_m=tm,
+                                   worklist=self.worklist)
         has_work, m_min, m_mask_end, m_window_start, m_max = self.block_info.query_tiles(seqlen, tile.block,
                                                                                          tile.valid)
         rng = Context(has_work=has_work, m_min=m_min, m_mask_end=m_mask_end, m_window_start=m_window_start,
