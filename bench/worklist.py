@@ -66,12 +66,12 @@ def run_member(lists, q, k, v, out, lse):
         attention_forward_items(q, k, v, items, out, lse, fresh=fresh, backend="cute")
 
 
-def run_member_bwd(lists, dout, q, k, v, out, lse, grads):
+def run_member_bwd(lists, dout, q, k, v, out, lse, grads, deterministic=False):
     """The member's backward over its steps as the ring runs it: one shared query side, every step's list."""
-    shared = share_queries(dout, q, out, lse, deterministic=False, backend="cute")
+    shared = share_queries(dout, q, out, lse, deterministic=deterministic, backend="cute")
     for _, items in lists:
-        attention_backward_items(dout, q, k, v, out, lse, items, *grads, deterministic=False, backend="cute",
-                                 shared=shared)
+        attention_backward_items(dout, q, k, v, out, lse, items, *grads, deterministic=deterministic,
+                                 backend="cute", shared=shared)
     if shared is not None:
         shared.finish(grads[0])
 
@@ -109,7 +109,9 @@ def measure(direction, sched, cp, q, k, v, args) -> dict:
             work = {mode: (lambda b=bufs[mode]: run_member(lists, q, k, v, *b)) for mode in per}
         else:
             bufs = {mode: [torch.zeros(t.shape, device="cuda") for t in (q, k, v)] for mode in per}
-            work = {mode: (lambda b=bufs[mode]: run_member_bwd(lists, dout, q, k, v, out, lse, b)) for mode in per}
+            det = direction == "bwd-det"
+            work = {mode: (lambda b=bufs[mode]: run_member_bwd(lists, dout, q, k, v, out, lse, b, det))
+                    for mode in per}
         best = {mode: float("inf") for mode in per}
         for _ in range(args.rounds):
             for mode in per:
@@ -165,7 +167,7 @@ def main():
     p.add_argument("--headdim", type=int, default=128)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--directions", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    p.add_argument("--directions", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd", "bwd-det"])
     args = p.parse_args()
     h, hk = (int(x) for x in args.heads.split(":"))
     d = args.headdim

@@ -183,7 +183,8 @@ def _disjoint(a: WorkItem, b: WorkItem, keys_only: bool = False) -> bool:
 
 
 def backward_launches(items: Sequence[WorkItem], variant, queries_shared: bool = False) -> tuple[Launch, ...]:
-    """Launches of a non-deterministic backward list (its sums are unordered, so any grouping is the list): items
+    """Launches of a backward list (any grouping gives its gradients up to the order of the sums; the grouping is a
+    function of the list, so a deterministic backend's sums keep one order run to run): items
     with pairwise disjoint key rows (a key tile's dK / dV are added by one CTA), pairwise disjoint query rows unless
     ``queries_shared`` (dQ then goes to one shared scratch by atomic adds; else each launch converts its own), and
     one variant (``variant(item)``, hashable) each, first fit in list order. Unmasked items on the same keys with

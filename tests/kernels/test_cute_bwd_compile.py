@@ -52,6 +52,7 @@ SUBSET = [
     # one launch over a work list's item table (pre, main and convert read the table)
     (BF16, 128, True, True, True, False, {"worklist": True}),
     (FP16, 64, True, True, True, False, {"worklist": True, "window_left": 300, "softcap": 30.0}),
+    (BF16, 128, True, True, True, True, {"worklist": True}),  # deterministic: each item's tickets
 ]
 
 

@@ -184,7 +184,7 @@ from fa4dist.kernels.cute import backward as cute_bwd  # noqa: E402
 from fa4dist.kernels.worklist import share_queries  # noqa: E402
 
 
-def _run_bwd(args, grads, launches=None, loop=False, monkeypatch=None, shared=False, **kw):
+def _run_bwd(args, grads, launches=None, loop=False, monkeypatch=None, shared=False, deterministic=False, **kw):
     """attention_backward_items on cute into ``grads`` (fp32 dq, dk, dv); ``shared``: through a shared query side
     as the ring runs it; ``launches`` receives the one-launch calls' item counts; ``loop``: the per-item loop."""
     dout, q, k, v, out, lse, items = args
@@ -199,9 +199,10 @@ def _run_bwd(args, grads, launches=None, loop=False, monkeypatch=None, shared=Fa
             m.setattr(CuteSm90Backend, "backward_items", lambda self, *a, **k2: None)
         if launches is not None:
             m.setattr(cute_bwd, "backward_worklist", counting)
-        handle = share_queries(dout, q, out, lse, deterministic=False, backend="cute", **kw) if shared else None
-        attention_backward_items(dout, q, k, v, out, lse, items, *grads, deterministic=False, backend="cute",
-                                 shared=handle, **kw)
+        handle = (share_queries(dout, q, out, lse, deterministic=deterministic, backend="cute", **kw) if shared
+                  else None)
+        attention_backward_items(dout, q, k, v, out, lse, items, *grads, deterministic=deterministic,
+                                 backend="cute", shared=handle, **kw)
         if handle is not None:
             handle.finish(grads[0])
     return grads
@@ -211,10 +212,12 @@ def _rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("seed", range(8))
-def test_backward_random_lists_equal_the_loop(monkeypatch, seed):
+def test_backward_random_lists_equal_the_loop(monkeypatch, seed, deterministic):
     """Gradients of random lists (overlapping rows and keys, masks, GQA, packed and dense): the one-launch path
-    equals the per-item loop up to the order of fp32 sums, and the fp64 reference at bf16 tolerance."""
+    equals the per-item loop up to the order of fp32 sums, and the fp64 reference at bf16 tolerance;
+    deterministic, a second run gives the same bytes."""
     rng = random.Random(1000 + seed)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     d = rng.choice([64, 128])
@@ -236,9 +239,14 @@ def test_backward_random_lists_equal_the_loop(monkeypatch, seed):
     args = (dout, q, k, v, out, lse, items)
     zeros = lambda: [torch.zeros(t.shape, device="cuda") for t in (q, k, v)]  # noqa: E731
     launches = []
-    got = _run_bwd(args, zeros(), launches, monkeypatch=monkeypatch, softcap=softcap)
-    loop = _run_bwd(args, zeros(), loop=True, monkeypatch=monkeypatch, softcap=softcap)
+    det = dict(deterministic=deterministic, softcap=softcap)
+    got = _run_bwd(args, zeros(), launches, monkeypatch=monkeypatch, **det)
+    loop = _run_bwd(args, zeros(), loop=True, monkeypatch=monkeypatch, **det)
     assert launches and len(launches) <= len(items)
+    if deterministic:
+        again = _run_bwd(args, zeros(), monkeypatch=monkeypatch, **det)
+        for name, a, b in zip(("dq", "dk", "dv"), got, again):
+            assert torch.equal(a, b), f"deterministic {name} differs between two runs"
     for name, a, b in zip(("dq", "dk", "dv"), got, loop):
         assert _rel(a, b) <= 1e-4, f"{name} differs from the loop by {_rel(a, b)}"
     ref = [torch.zeros(t.shape, device="cuda", dtype=torch.float64) for t in (q, k, v)]
@@ -248,9 +256,10 @@ def test_backward_random_lists_equal_the_loop(monkeypatch, seed):
         assert _rel(a, b) <= 2e-2, f"{name} error {_rel(a, b)} against the fp64 reference"
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_backward_ring_lists_equal_the_loop_in_few_launches(monkeypatch, packed, cp):
+def test_backward_ring_lists_equal_the_loop_in_few_launches(monkeypatch, packed, cp, deterministic):
     """A member's backward over all its ring steps, through the shared query side as the ring runs it: the
     loop's gradients (up to fp32 order) in fewer launches than items."""
     gen = torch.Generator(device="cuda").manual_seed(cp)
@@ -271,8 +280,9 @@ def test_backward_ring_lists_equal_the_loop_in_few_launches(monkeypatch, packed,
         got, loop = ([torch.zeros(t.shape, device="cuda") for t in (q, k, v)] for _ in range(2))
         launches = []
         for items in lists:  # (every step against the same stand-in keys: the sums only need to agree)
-            _run_bwd((dout, q, k, v, out, lse, items), got, launches, monkeypatch=monkeypatch, shared=True)
-            _run_bwd((dout, q, k, v, out, lse, items), loop, loop=True, monkeypatch=monkeypatch, shared=True)
+            args = (dout, q, k, v, out, lse, items)
+            _run_bwd(args, got, launches, monkeypatch=monkeypatch, shared=True, deterministic=deterministic)
+            _run_bwd(args, loop, loop=True, monkeypatch=monkeypatch, shared=True, deterministic=deterministic)
         total_items += sum(len(x) for x in lists)
         total_launches += len(launches)
         assert launches

@@ -123,13 +123,15 @@ class CuteSm90Backend:
 
     def backward_items(self, dout, q, k, v, out, lse, items, dq, dk, dv, *, softmax_scale, softcap, deterministic,
                        shared=None):
-        """A non-deterministic backward work list in few launches (worklist.backward_launches): one main kernel per
-        group of items with disjoint query and key rows; the group's own preprocess and dQ convert, or none where
-        ``shared`` (backward.SharedRows of these queries) takes every item's rows. Returns None (the caller loops)
-        for deterministic lists (their dQ order is the list's) and where the tensors or an item do not suit it."""
+        """A backward work list in few launches (worklist.backward_launches): one main kernel per group of items
+        with disjoint key rows (and query rows, unless the launches share a non-deterministic query side); the
+        group's own preprocess and dQ convert, or none where ``shared`` (backward.SharedRows of these queries)
+        takes every item's rows. Deterministic: the same sums in an order fixed by the list (the tickets of each
+        query tile within a launch, the launches in order), not the loop's order. Returns None (the caller
+        loops) where the tensors or an item do not suit it."""
         from . import backward as _bwd
 
-        if deterministic or dq is None or dk is None or dv is None or q.shape[-1] not in _bwd.BWD_HEAD_DIMS:
+        if dq is None or dk is None or dv is None or q.shape[-1] not in _bwd.BWD_HEAD_DIMS:
             return None
         if not self._worklist_ready(q, k, v, dq, lse) or dout.dtype != q.dtype:
             return None
@@ -139,7 +141,11 @@ class CuteSm90Backend:
         packed = q.dim() == 3
         if shared is not None and not (packed or q.shape[0] == 1):
             shared = None
-        plan = self._backward_plan(q, items, shared)
+        if shared is not None and shared.deterministic != bool(deterministic):
+            shared = None
+        if deterministic and shared is None and _bwd.fixed_point_deterministic(q.shape[-2], k.shape[-2], q.shape[-3]):
+            return None  # the loop's calls take the int64 dQ there, faster than tickets
+        plan = self._backward_plan(q, items, shared, bool(deterministic))
         if plan is None:
             return None
         use_shared, launches = plan
@@ -150,7 +156,8 @@ class CuteSm90Backend:
                 _bwd.backward_worklist(view(dout), view(q), view(k), view(v), view(out), view(lse), view(dq),
                                        view(dk), view(dv), table, scratch_tiles=tiles, max_q_len=max_q,
                                        max_k_len=max_k, softmax_scale=softmax_scale, causal=causal,
-                                       window_left=window_left, softcap=softcap, rows=shared)
+                                       window_left=window_left, softcap=softcap, rows=shared,
+                                       deterministic=deterministic)
         return dq, dk, dv
 
     def _worklist_ready(self, q, k, v, out, lse) -> bool:
@@ -187,13 +194,14 @@ class CuteSm90Backend:
         diag = item.q_offset + shift - item.k_offset if causal else item.k_len  # unmasked: sees every key
         return [item.q_start, item.q_len, item.k_start, item.k_len, diag, scratch_base]
 
-    def _backward_plan(self, q, items, shared):
+    def _backward_plan(self, q, items, shared, deterministic: bool):
         """(whether the launches use ``shared``, [(device table, scratch tiles, longest query rows, longest key
         rows, causal, window_left)]) of a backward list, cached by the list; None if an item does not suit."""
         from ..worklist import backward_launches
         from .backward import tile_m_for
 
-        key = ("bwd", tuple(items), None if shared is None else shared.rows, q.dtype, q.shape[-1], str(q.device))
+        key = ("bwd", tuple(items), None if shared is None else shared.rows, deterministic, q.dtype, q.shape[-1],
+               str(q.device))
         plan = self._PLANS.get(key)
         if plan is not None:
             return plan
@@ -201,9 +209,11 @@ class CuteSm90Backend:
             return None
         tm = tile_m_for(q.shape[-1])
         # the shared query side takes items whose rows start (and end) on its tiles; otherwise every launch keeps
-        # its own, and then its items need disjoint query rows too (one convert per launch)
+        # its own, and then its items need disjoint query rows too (one convert per launch; the tickets of one
+        # query tile count one item's key tiles)
         use_shared = shared is not None and all(shared.takes(i.q_start, i.q_len) for i in items if i.q_len and i.k_len)
-        launches = backward_launches(items, lambda it: self._band(it)[:2], queries_shared=use_shared)
+        launches = backward_launches(items, lambda it: self._band(it)[:2],
+                                     queries_shared=use_shared and not deterministic)
         out = []
         for launch in launches:
             rows, tiles = [], 0

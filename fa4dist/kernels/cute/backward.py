@@ -577,9 +577,11 @@ class SharedRows:
 
 
 def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_tiles, max_q_len, max_k_len,
-                      softmax_scale, causal, window_left=-1, softcap=None, rows: Optional[SharedRows] = None):
-    """The gradients of a work list's items in one main-kernel launch, added into fp32 dq, dk, dv (not
-    deterministic: dQ goes through atomic adds).
+                      softmax_scale, causal, window_left=-1, softcap=None, rows: Optional[SharedRows] = None,
+                      deterministic=False):
+    """The gradients of a work list's items in one main-kernel launch, added into fp32 dq, dk, dv. Deterministic:
+    the items' scratch tiles are pairwise disjoint too, and each query tile takes its item's key tiles' dQ in the
+    tickets' fixed order (as for the segments of a packed call); otherwise dQ goes through unordered atomic adds.
 
     Packed views: dout / q / out (t_q, h, d), k / v (t_k, h_kv, d), lse (h, t_q), dq (t_q, h, d), dk / dv (t_k, h_kv,
     d), all fp32 gradients. ``table``: int32 CUDA tensor, block_info.WORKLIST_COLUMNS words per item; the items'
@@ -596,23 +598,29 @@ def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_til
     if dout.dtype != q.dtype:
         raise ValueError("a work-list backward takes dout in q's dtype")
     pre_cfg, main_cfg, post_cfg = make_configs(
-        q.dtype, d, causal=causal, varlen=True, seg_offsets=False, accumulate=True, deterministic=False,
+        q.dtype, d, causal=causal, varlen=True, seg_offsets=False, accumulate=True, deterministic=deterministic,
         dq_dtype=torch.float32, dkv_dtype=torch.float32, o_dtype=out.dtype, do_dtype=dout.dtype,
         window_left=window_left, softcap=softcap, worklist=True)
     main_fn = host.get_compiled(main_cfg)
     scale_log2 = host.score_scale(scale, softcap)
     msk = max(int(max_k_len), 1)
     if rows is not None:
-        main_fn(q, k, v, dout, rows.lse2, rows.dpsum, rows.dq_acc, dk, dv, None, None, scale, scale_log2, 0, msk,
+        sem = rows.sem
+        if bool(deterministic) != rows.deterministic:
+            raise ValueError("a launch on shared rows must match their deterministic setting")
+        if sem is not None:
+            sem.zero_()  # the tickets count this launch's key tiles from 0 again
+        main_fn(q, k, v, dout, rows.lse2, rows.dpsum, rows.dq_acc, dk, dv, sem, None, scale, scale_log2, 0, msk,
                 table, None, None, None)
         return dq, dk, dv
     n_chunks = max(int(scratch_tiles), 1) * hq
     lse2 = torch.empty(n_chunks * tm, dtype=torch.float32, device=q.device)
     dpsum = torch.empty(n_chunks * tm, dtype=torch.float32, device=q.device)
     dq_acc = torch.empty(n_chunks * tm * d, dtype=torch.float32, device=q.device)
+    sem = torch.empty(n_chunks, dtype=torch.int32, device=q.device) if deterministic else None  # pre zeroes it
     m_grid = max(1, -(-int(max_q_len) // tm))
-    host.get_compiled(pre_cfg)(out, dout, lse, lse2, dpsum, dq_acc, None, None, None, scale, m_grid, table)
-    main_fn(q, k, v, dout, lse2, dpsum, dq_acc, dk, dv, None, None, scale, scale_log2, 0, msk, table, None, None,
+    host.get_compiled(pre_cfg)(out, dout, lse, lse2, dpsum, dq_acc, sem, None, None, scale, m_grid, table)
+    main_fn(q, k, v, dout, lse2, dpsum, dq_acc, dk, dv, sem, None, scale, scale_log2, 0, msk, table, None, None,
             None)
     host.get_compiled(post_cfg)(dq_acc, dq, None, m_grid, table)
     return dq, dk, dv

@@ -106,8 +106,9 @@ class FlashBwdSm90:
     ):
         assert head_dim in (64, 128)
         # a work list: mCuSeqlensQ is the item table (block_info.WORKLIST_COLUMNS), one "sequence" per item with
-        # its own query rows, key rows, diagonal and scratch tiles; items of one launch have disjoint key rows
-        assert not worklist or (varlen and not seg_offsets and not deterministic)
+        # its own query rows, key rows, diagonal and scratch tiles; items of one launch have disjoint key rows (and,
+        # deterministic, disjoint scratch tiles: each query tile's tickets count its own item's key tiles)
+        assert not worklist or (varlen and not seg_offsets)
         self.worklist = worklist
         # which gradients this variant computes: "all", "dq" (no dV / dK GEMMs, no dK / dV stores) or "dkv" (no
         # dQ GEMM, no dS smem copy, no dQ writer, no tickets): the cp_invariant engine's two passes each need one
