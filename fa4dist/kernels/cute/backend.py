@@ -188,6 +188,18 @@ class CuteSm90Backend:
         return None if any(b is None for b in bands.values()) else bands
 
     @staticmethod
+    def _longest_first(items):
+        """A launch's items by descending work (visible pairs): the kernels take the table's items in order (each
+        item's tiles longest first), so the largest start first. A launch's items are independent, so the order
+        changes no result."""
+        from ..mask import Mask, visible_pairs
+
+        def work(it):
+            return visible_pairs(it.q_len, it.k_len, it.q_offset, it.k_offset, Mask.canonical(it.causal, it.window))
+
+        return sorted(items, key=work, reverse=True)
+
+    @staticmethod
     def _row(item, band, scratch_base):
         """The item's row of a work-list table (block_info.WORKLIST_COLUMNS)."""
         causal, _, shift = band
@@ -217,7 +229,7 @@ class CuteSm90Backend:
         out = []
         for launch in launches:
             rows, tiles = [], 0
-            for item in launch.items:
+            for item in self._longest_first(launch.items):
                 rows += self._row(item, self._band(item), item.q_start // tm if use_shared else tiles)
                 tiles += -(-item.q_len // tm)
             causal, window_left = launch.variant
@@ -235,7 +247,7 @@ class CuteSm90Backend:
         from ..worklist import forward_launches
 
         d = q.shape[-1]
-        key = (tuple(items), bool(fresh), q.dtype, d, str(q.device))
+        key = (tuple(items), bool(fresh), softcap, q.dtype, d, str(q.device))
         plan = self._PLANS.get(key)
         if plan is not None:
             return plan
@@ -256,7 +268,7 @@ class CuteSm90Backend:
         for launch in launches:
             causal, window_left = launch.variant
             rows = []
-            for item in launch.items:
+            for item in self._longest_first(launch.items):
                 rows += self._row(item, bands[item], 0)
             table = torch.tensor(rows, dtype=torch.int32, device=q.device)
             out.append((table, max(i.q_len for i in launch.items), causal, window_left, launch.write))
