@@ -3,8 +3,10 @@
 Both kernels launch one CTA per work tile (non-persistent grids). The forward's tile is a query tile of one
 (head, sequence); the backward's is a key tile of one (kv head, sequence). The launch order is part of the
 design: causal forward tiles go longest first, with heads grouped so that their K/V stay in L2; deterministic
-backward tiles go in the order that keeps the dQ semaphore chains short and deadlock-free. A later work-list
-(several (query range, key range, offsets, mask) items in one launch) replaces these decoders and nothing else.
+backward tiles go in the order that keeps the dQ semaphore chains short and deadlock-free. A work-list launch
+(several (query range, key range, offsets, mask) items, fa4dist.kernels.worklist) keeps these decoders: its items
+take the place of a packed call's sequences (``batch`` is the item; block_info.SeqlenInfo reads its rows from the
+item table), so each item's tiles keep the order above, and the items go in table order (largest first).
 
 This module imports cutlass at import time: import it lazily.
 """
