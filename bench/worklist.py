@@ -27,7 +27,6 @@ import datetime
 import json
 import os
 import random
-import statistics
 import sys
 
 import torch
@@ -35,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from fa4dist.context_parallel import Schedule, make_plan  # noqa: E402
+from timing import cuda_median_ms  # noqa: E402
 from fa4dist.kernels import attention_backward_items, attention_forward_items  # noqa: E402
 from fa4dist.kernels.cute import backward as cute_bwd  # noqa: E402
 from fa4dist.kernels.worklist import share_queries  # noqa: E402
@@ -76,20 +76,6 @@ def run_member_bwd(lists, dout, q, k, v, out, lse, grads, deterministic=False):
         shared.finish(grads[0])
 
 
-def time_fn(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def measure(direction, sched, cp, q, k, v, args) -> dict:
     """Times every member's lists both ways (interleaved rounds, best of each); the slowest member's times."""
     n, h, d = q.shape[1], q.shape[2], q.shape[3]
@@ -121,7 +107,7 @@ def measure(direction, sched, cp, q, k, v, args) -> dict:
                 try:
                     for b in bufs[mode]:
                         b.zero_()
-                    best[mode] = min(best[mode], time_fn(work[mode], args.reps))
+                    best[mode] = min(best[mode], cuda_median_ms(work[mode], args.reps))
                 finally:
                     setattr(CuteSm90Backend, attr, saved)
         for mode in per:
