@@ -22,7 +22,8 @@ from fa4dist.kernels.cute import host  # noqa: E402
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
-# (dtype, head_dim, causal, varlen, accumulate, deterministic, extra)
+# (dtype, head_dim, causal, varlen, accumulate, deterministic, extra) -- every option at least once, few twice (CI
+# time: each variant compiles three kernels)
 SUBSET = [
     (BF16, 128, False, False, False, False, {}),
     (BF16, 128, True, False, False, True, {}),
@@ -31,9 +32,7 @@ SUBSET = [
     (BF16, 128, True, True, True, False, {"seg_offsets": True}),
     (FP16, 128, False, False, False, False, {"o_fp32": True, "do_fp32": True, "grads_fp32": True}),
     (BF16, 128, False, False, False, True, {"stmatrix_ds": False}),
-    (FP16, 64, True, False, True, False, {"stmatrix_ds": False}),
     (BF16, 128, True, True, False, True, {"det_chunk": 8}),
-    (BF16, 128, True, False, False, True, {"window_left": 4096}),
     (FP16, 64, True, True, True, False, {"window_left": 200, "seg_offsets": True}),
     (BF16, 128, True, False, False, True, {"softcap": 30.0, "window_left": 4096}),
     (BF16, 64, False, False, False, False, {"softcap": 50.0}),
@@ -42,17 +41,14 @@ SUBSET = [
     (BF16, 128, True, False, True, True, {"grads": "dq"}),  # the cp_invariant engine's two passes
     (BF16, 64, True, True, True, True, {"grads": "dkv", "seg_offsets": True}),
     # the fixed-point dQ (cp_invariant): int64 scratch, .add.u64, no tickets even when deterministic
-    (BF16, 128, True, False, True, True, {"dq_fixed": True}),
-    (BF16, 128, False, False, True, False, {"dq_fixed": True}),
     (FP16, 64, True, True, True, True, {"dq_fixed": True, "seg_offsets": True}),
     (BF16, 128, True, True, True, True, {"dq_fixed": True, "softcap": 30.0, "window_left": 4096}),
     # the deterministic GQA backward: int64 dQ converted to a float dq (fresh bf16 through TMA; fp32 added)
     (BF16, 128, True, False, False, True, {"dq_fixed": True, "fixed_to_float": True}),
     (FP16, 64, True, True, True, True, {"dq_fixed": True, "fixed_to_float": True}),
-    # one launch over a work list's item table (pre, main and convert read the table)
-    (BF16, 128, True, True, True, False, {"worklist": True}),
-    (FP16, 64, True, True, True, False, {"worklist": True, "window_left": 300, "softcap": 30.0}),
-    (BF16, 128, True, True, True, True, {"worklist": True}),  # deterministic: each item's tickets
+    # one launch over a work list's item table (pre, main and convert read the table; deterministic: each
+    # item's tickets). bench/cute_ptx_dev.py compiles these subsets; the GPU tests run the other work-list variants
+    (BF16, 128, True, True, True, True, {"worklist": True}),
 ]
 
 

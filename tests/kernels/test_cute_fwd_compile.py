@@ -42,7 +42,6 @@ SUBSET = [
     (torch.bfloat16, 128, True, False, False, {"sinks": True}),  # TMA-store epilogue
     (torch.float16, 64, True, True, False, {"sinks": True, "window_left": 127, "softcap": 20.0}),  # direct
     (torch.bfloat16, 128, True, True, True, {"worklist": True}),  # one launch over a work list's item table
-    (torch.float16, 64, True, True, False, {"worklist": True, "out_fp32": True, "window_left": 300}),
 ]
 
 

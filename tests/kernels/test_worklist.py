@@ -219,3 +219,44 @@ def test_backward_launches_compute_the_list(seed, queries_shared):
     assert joined >= 1
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cute_backward_plan_splits_shared_and_own_items(deterministic):
+    """The cute backward's launch plan (host side, no GPU): items the shared query side takes (rows on its 64-row
+    tiles) go to launches on its scratch (base = their first tile), the others to launches with their own scratch
+    (bases one after another); no launch has two items on one key row, nor (own scratch, or deterministic) on one
+    query row."""
+    from fa4dist.kernels.cute.backend import CuteSm90Backend
+
+    class Rows:  # what the plan asks of backward.SharedRows
+        rows = 512
+
+        @staticmethod
+        def takes(start, length):
+            end = start + length
+            return length > 0 and end <= 512 and start % 64 == 0 and (end % 64 == 0 or end == 512)
+
+    q = torch.zeros(1, 512, 2, 128, dtype=torch.bfloat16)
+    items = [WorkItem(0, 128, 0, 256, 256, 0), WorkItem(128, 128, 0, 256, 384, 0),  # joined: same keys, unmasked
+             WorkItem(0, 256, 256, 128, 0, 0, True), WorkItem(256, 100, 0, 300, 300, 0, True),
+             WorkItem(300, 90, 300, 50, 300, 300, True), WorkItem(390, 122, 384, 128, 390, 384, True)]
+    plan = CuteSm90Backend()._backward_plan(q, items, Rows, deterministic)
+    seen = []
+    for table, tiles, max_q, max_k, causal, window_left, on_shared in plan:
+        rows = table.view(-1, 6).tolist()
+        for i, (qs, ql, ks, kl, diag, base) in enumerate(rows):
+            assert Rows.takes(qs, ql) == on_shared
+            seen.append((qs, ql, ks, kl))
+            if on_shared:
+                assert base == qs // 64
+            for qs2, ql2, ks2, kl2, _, base2 in rows[i + 1:]:
+                assert ks + kl <= ks2 or ks2 + kl2 <= ks, "two items on one key row"
+                if deterministic or not on_shared:
+                    assert qs + ql <= qs2 or qs2 + ql2 <= qs, "two items on one query row"
+                if not on_shared:
+                    assert base + -(-ql // 64) <= base2 or base2 + -(-ql2 // 64) <= base, "scratch tiles overlap"
+        if not on_shared:
+            assert tiles == sum(-(-r[1] // 64) for r in rows)
+    assert (0, 256, 0, 256) in seen  # the two unmasked neighbours became one item
+    assert sorted(seen) == sorted([(0, 256, 0, 256)] + [(i.q_start, i.q_len, i.k_start, i.k_len) for i in items[2:]])

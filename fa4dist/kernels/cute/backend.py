@@ -124,11 +124,11 @@ class CuteSm90Backend:
     def backward_items(self, dout, q, k, v, out, lse, items, dq, dk, dv, *, softmax_scale, softcap, deterministic,
                        shared=None):
         """A backward work list in few launches (worklist.backward_launches): one main kernel per group of items
-        with disjoint key rows (and query rows, unless the launches share a non-deterministic query side); the
-        group's own preprocess and dQ convert, or none where ``shared`` (backward.SharedRows of these queries)
-        takes every item's rows. Deterministic: the same sums in an order fixed by the list (the tickets of each
-        query tile within a launch, the launches in order), not the loop's order. Returns None (the caller
-        loops) where the tensors or an item do not suit it."""
+        with disjoint key rows (and query rows, unless the launches share a non-deterministic query side). Items
+        whose rows ``shared`` (backward.SharedRows of these queries) takes add their dQ into its scratch; the other
+        groups run their own preprocess and dQ convert. Deterministic: the same sums in an order fixed by the list
+        (the tickets of each query tile within a launch, the launches in order), not the loop's order. Returns None
+        (the caller loops) where the tensors or an item do not suit it."""
         from . import backward as _bwd
 
         if dq is None or dk is None or dv is None or q.shape[-1] not in _bwd.BWD_HEAD_DIMS:
@@ -148,16 +148,14 @@ class CuteSm90Backend:
         plan = self._backward_plan(q, items, shared, bool(deterministic))
         if plan is None:
             return None
-        use_shared, launches = plan
-        shared = shared if use_shared else None
         for bi in ([None] if packed else range(q.shape[0])):
             view = (lambda t: t) if packed else (lambda t: t[bi])  # noqa: E731 - a dense batch element as packed
-            for table, tiles, max_q, max_k, causal, window_left in launches:
+            for table, tiles, max_q, max_k, causal, window_left, on_shared in plan:
                 _bwd.backward_worklist(view(dout), view(q), view(k), view(v), view(out), view(lse), view(dq),
                                        view(dk), view(dv), table, scratch_tiles=tiles, max_q_len=max_q,
                                        max_k_len=max_k, softmax_scale=softmax_scale, causal=causal,
-                                       window_left=window_left, softcap=softcap, rows=shared,
-                                       deterministic=deterministic)
+                                       window_left=window_left, softcap=softcap,
+                                       rows=shared if on_shared else None, deterministic=deterministic)
         return dq, dk, dv
 
     def _worklist_ready(self, q, k, v, out, lse) -> bool:
@@ -207,8 +205,8 @@ class CuteSm90Backend:
         return [item.q_start, item.q_len, item.k_start, item.k_len, diag, scratch_base]
 
     def _backward_plan(self, q, items, shared, deterministic: bool):
-        """(whether the launches use ``shared``, [(device table, scratch tiles, longest query rows, longest key
-        rows, causal, window_left)]) of a backward list, cached by the list; None if an item does not suit."""
+        """[(device table, scratch tiles, longest query rows, longest key rows, causal, window_left, whether the
+        launch uses ``shared``)] of a backward list, cached by the list; None if an item does not suit."""
         from ..worklist import backward_launches
         from .backward import tile_m_for
 
@@ -220,25 +218,28 @@ class CuteSm90Backend:
         if self._bands(items) is None:
             return None
         tm = tile_m_for(q.shape[-1])
-        # the shared query side takes items whose rows start (and end) on its tiles; otherwise every launch keeps
-        # its own, and then its items need disjoint query rows too (one convert per launch; the tickets of one
-        # query tile count one item's key tiles)
-        use_shared = shared is not None and all(shared.takes(i.q_start, i.q_len) for i in items if i.q_len and i.k_len)
-        launches = backward_launches(items, lambda it: self._band(it)[:2],
-                                     queries_shared=use_shared and not deterministic)
+        # the shared query side takes items whose rows start (and end) on its tiles; the others' launches keep their
+        # own, and then their items need disjoint query rows too (one convert per launch), as every deterministic
+        # launch's do (the tickets of one query tile count one item's key tiles)
+        taken = [shared is not None and shared.takes(i.q_start, i.q_len) for i in items]
+        variant = lambda it: self._band(it)[:2]  # noqa: E731
+        parts = ((True, backward_launches([i for i, t in zip(items, taken) if t], variant,
+                                          queries_shared=not deterministic)),
+                 (False, backward_launches([i for i, t in zip(items, taken) if not t], variant)))
         out = []
-        for launch in launches:
-            rows, tiles = [], 0
-            for item in self._longest_first(launch.items):
-                rows += self._row(item, self._band(item), item.q_start // tm if use_shared else tiles)
-                tiles += -(-item.q_len // tm)
-            causal, window_left = launch.variant
-            table = torch.tensor(rows, dtype=torch.int32, device=q.device)
-            out.append((table, tiles, max(i.q_len for i in launch.items), max(i.k_len for i in launch.items),
-                        causal, window_left))
+        for on_shared, launches in parts:
+            for launch in launches:
+                rows, tiles = [], 0
+                for item in self._longest_first(launch.items):
+                    rows += self._row(item, self._band(item), item.q_start // tm if on_shared else tiles)
+                    tiles += -(-item.q_len // tm)
+                causal, window_left = launch.variant
+                table = torch.tensor(rows, dtype=torch.int32, device=q.device)
+                out.append((table, tiles, max(i.q_len for i in launch.items), max(i.k_len for i in launch.items),
+                            causal, window_left, on_shared))
         if len(self._PLANS) > 256:
             self._PLANS.clear()
-        plan = self._PLANS[key] = (use_shared, tuple(out))
+        plan = self._PLANS[key] = tuple(out)
         return plan
 
     def _forward_plan(self, q, items, fresh, softmax_scale, softcap):
