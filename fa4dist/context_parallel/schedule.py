@@ -104,6 +104,11 @@ class MemberLayout:
         return x.index_select(dim, self._scatter.to(x.device))
 
 
+# own_halves cuts an item at a multiple of this many member rows (a multiple of every kernel's query tile: cute's
+# backward takes 64-row tiles; a half that starts off a tile cannot use the member's shared query side)
+OWN_CUT_ALIGN = 128
+
+
 def _rows_for_pairs(item: WorkItem, pairs: float) -> int:
     """The fewest leading query rows of `item` that hold at least `pairs` visible pairs (bisection)."""
     mask = Mask(item.causal, item.window)
@@ -231,8 +236,9 @@ class Schedule:
 
     def own_halves(self, member: int) -> tuple[tuple[WorkItem, ...], tuple[WorkItem, ...]]:
         """The member's own-keys work list cut in two of about equal work (an item split by its query rows where
-        needed): the backward runs the first half before its first remote step, while that step's keys travel,
-        and the second after its last, while that step's dK/dV travel back."""
+        needed, at a multiple of OWN_CUT_ALIGN member rows where the item allows, so that a shared query side's
+        tiles hold each half's rows whole): the backward runs the first half before its first remote step, while
+        that step's keys travel, and the second after its last, while that step's dK/dV travel back."""
         items = self.items(member, member)
         cost = [visible_pairs(i.q_len, i.k_len, i.q_offset, i.k_offset, Mask(i.causal, i.window)) for i in items]
         half, done = sum(cost) / 2, 0
@@ -242,6 +248,8 @@ class Schedule:
                 continue
             # split this item's rows so that the first part holds about half - done pairs
             rows = _rows_for_pairs(item, half - done)
+            cut = round((item.q_start + rows) / OWN_CUT_ALIGN) * OWN_CUT_ALIGN  # the nearest aligned member row
+            rows = min(max(cut - item.q_start, 0), item.q_len)
             first = replace(item, q_len=rows)
             second = replace(item, q_start=item.q_start + rows, q_len=item.q_len - rows, q_offset=item.q_offset + rows)
             head = items[:n] + ((first,) if rows else ())

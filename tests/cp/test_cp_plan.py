@@ -235,3 +235,32 @@ def test_single_rank_plan_unshard_matches_the_cp_plan_signature():
         assert torch.equal(plan.unshard(plan.shard(x, seq_dim=0, rank=0), seq_dim=0), x)
     with pytest.raises(ValueError, match="a single-rank plan has only rank 0"):
         single.shard(x, rank=1)
+
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_own_halves_cover_the_own_list_and_cut_on_aligned_rows(packed, cp):
+    """own_halves splits the member's own list into two lists that cover its pairs exactly, with about half the
+    work each; a cut inside an item falls on a multiple of OWN_CUT_ALIGN member rows (so a shared query side's
+    tiles hold each half's rows)."""
+    from fa4dist.context_parallel.schedule import OWN_CUT_ALIGN
+    from fa4dist.kernels.mask import Mask
+
+    def pairs(its):
+        return sum(visible_pairs(i.q_len, i.k_len, i.q_offset, i.k_offset, Mask(i.causal, i.window)) for i in its)
+
+    total = 8192 * cp
+    docs = torch.tensor([0, 777, 3001, 3100, total - 1003, total]) if packed else total
+    sched = Schedule(make_plan(docs, cp, "lpt" if packed else "zigzag"), 1, True)
+    for m in range(cp):
+        items = sched.items(m, m)
+        head, tail = sched.own_halves(m)
+        assert pairs(head) + pairs(tail) == pairs(items)
+        assert len(head) + len(tail) in (len(items), len(items) + 1)
+        if len(head) + len(tail) == len(items) + 1:  # one item was cut in two: on an aligned row
+            first, second = head[-1], tail[0]
+            assert first.q_start + first.q_len == second.q_start and first.k_start == second.k_start
+            assert second.q_start % OWN_CUT_ALIGN == 0
+        # about half each: off by at most the pairs of the rows the alignment moved the cut by
+        assert abs(pairs(head) - pairs(items) / 2) <= OWN_CUT_ALIGN * max(i.k_len for i in items)
