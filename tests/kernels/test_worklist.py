@@ -260,3 +260,34 @@ def test_cute_backward_plan_splits_shared_and_own_items(deterministic):
             assert tiles == sum(-(-r[1] // 64) for r in rows)
     assert (0, 256, 0, 256) in seen  # the two unmasked neighbours became one item
     assert sorted(seen) == sorted([(0, 256, 0, 256)] + [(i.q_start, i.q_len, i.k_start, i.k_len) for i in items[2:]])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cute_forward_plan_tables(head_dim):
+    """The cute forward's launch plan (host side, no GPU): every item with keys in one launch row of the table,
+    with its diagonal (unmasked items: past their last key), launches of items on disjoint query rows; unmasked
+    and causal items share launches only at hdim 128 (at 64 the two variants differ in their rescale threshold)."""
+    from fa4dist.kernels.cute.backend import CuteSm90Backend
+
+    q = torch.zeros(600, 2, head_dim, dtype=torch.bfloat16)
+    items = [WorkItem(0, 200, 0, 200, 0, 0, True), WorkItem(200, 200, 0, 200, 200, 0),
+             WorkItem(200, 200, 200, 200, 200, 200, True), WorkItem(400, 100, 100, 0, 400, 100, True),
+             WorkItem(450, 150, 0, 300, 700, 150, True, (100, -1))]
+    clears, launches = CuteSm90Backend()._forward_plan(q, items, True, None, None)
+    # fresh rows of an item without keys, and the untouched rows of an item partly over written ones: (0, -inf)
+    assert clears == ((400, 500), (500, 600))
+    seen = {}
+    for table, max_q, causal, window_left, write in launches:
+        rows = table.view(-1, 6).tolist()
+        assert max_q == max(r[1] for r in rows)
+        for i, (qs, ql, ks, kl, diag, base) in enumerate(rows):
+            seen[(qs, ql, ks, kl)] = (diag, causal, window_left, write)
+            for qs2, ql2, *_ in rows[i + 1:]:
+                assert qs + ql <= qs2 or qs2 + ql2 <= qs
+    assert seen[(0, 200, 0, 200)][0] == 0 and seen[(200, 200, 200, 200)][0] == 0
+    assert seen[(200, 200, 0, 200)][0] >= 200  # unmasked: a diagonal past the last key
+    assert seen[(450, 150, 0, 300)] == (700 - 150, True, 100, False)  # merges into its cleared rows
+    assert seen[(200, 200, 200, 200)][3] is False and seen[(0, 200, 0, 200)][3] is True  # merge after the first
+    mixed = seen[(200, 200, 0, 200)][1]
+    assert mixed == (head_dim == 128)
+    assert len(launches) == (3 if head_dim == 128 else 4)
