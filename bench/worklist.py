@@ -23,6 +23,7 @@ Prints a table and writes JSON to $OUT/worklist.json (or bench/out/worklist.json
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -76,6 +77,18 @@ def run_member_bwd(lists, dout, q, k, v, out, lse, grads, deterministic=False):
         shared.finish(grads[0])
 
 
+@contextlib.contextmanager
+def work_list_path(attr: str, mode: str):
+    """The cute backend with its work-list entry ``attr`` ("launch") or without it ("loop": the per-item loop)."""
+    saved = getattr(CuteSm90Backend, attr)
+    if mode == "loop":
+        setattr(CuteSm90Backend, attr, None)
+    try:
+        yield
+    finally:
+        setattr(CuteSm90Backend, attr, saved)
+
+
 def measure(direction, sched, cp, q, k, v, args) -> dict:
     """Times every member's lists both ways (interleaved rounds, best of each); the slowest member's times."""
     n, h, d = q.shape[1], q.shape[2], q.shape[3]
@@ -98,38 +111,31 @@ def measure(direction, sched, cp, q, k, v, args) -> dict:
             det = direction == "bwd-det"
             work = {mode: (lambda b=bufs[mode]: run_member_bwd(lists, dout, q, k, v, out, lse, b, det))
                     for mode in per}
+        def reset(mode):
+            for buf in bufs[mode]:
+                buf.zero_()
+            if direction == "fwd":
+                bufs[mode][1].fill_(float("-inf"))
+
         best = {mode: float("inf") for mode in per}
         for _ in range(args.rounds):
             for mode in per:
-                saved = getattr(CuteSm90Backend, attr)
-                if mode == "loop":  # the backend without its work-list path: the per-item loop
-                    setattr(CuteSm90Backend, attr, None)
-                try:
-                    for b in bufs[mode]:
-                        b.zero_()
+                with work_list_path(attr, mode):
+                    reset(mode)
                     best[mode] = min(best[mode], cuda_median_ms(work[mode], args.reps))
-                finally:
-                    setattr(CuteSm90Backend, attr, saved)
         for mode in per:
             per[mode].append(best[mode])
-        # same inputs, both ways once more from zero: the results, and the launches counted
+        # same inputs, both ways once more from the start: the results, and the launch path's kernel calls counted
         module, fn_name = (cute_fwd, "forward_worklist") if direction == "fwd" else (cute_bwd, "backward_worklist")
         real, calls = getattr(module, fn_name), []
         for mode in per:
-            saved = getattr(CuteSm90Backend, attr)
-            if mode == "loop":
-                setattr(CuteSm90Backend, attr, None)
-            else:
+            with work_list_path(attr, mode):
+                reset(mode)
                 setattr(module, fn_name, lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
-            try:
-                for b in bufs[mode]:
-                    b.zero_()
-                if direction == "fwd":
-                    bufs[mode][1].fill_(float("-inf"))
-                work[mode]()
-            finally:
-                setattr(CuteSm90Backend, attr, saved)
-                setattr(module, fn_name, real)
+                try:
+                    work[mode]()
+                finally:
+                    setattr(module, fn_name, real)
         counts.append((n_items, len(calls)))
         for a, b in zip(bufs["launch"], bufs["loop"]):
             fin = torch.isfinite(b)

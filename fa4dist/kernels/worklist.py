@@ -32,6 +32,7 @@ from typing import Optional, Sequence
 import torch
 
 from .api import attention_backward, attention_forward
+from .mask import Mask
 from .problem import check_window, validate_inputs
 from .registry import select_backend
 
@@ -137,10 +138,10 @@ class _Fresh:
 
 @dataclass(frozen=True)
 class Launch:
-    """Items of a forward work list that one launch can run (:func:`forward_launches`)."""
+    """Items of a work list that one launch can run (:func:`forward_launches`, :func:`backward_launches`)."""
 
-    items: tuple[WorkItem, ...]  # pairwise disjoint query rows, in list order
-    write: bool  # fresh rows (no earlier item touched them): written, not merged
+    items: tuple[WorkItem, ...]  # in list order
+    write: bool  # forward: fresh rows (no earlier item touched them), written, not merged
     variant: object  # the backend's kernel variant of every item
 
 
@@ -195,8 +196,9 @@ def backward_launches(items: Sequence[WorkItem], variant, queries_shared: bool =
         if item.q_len == 0 or item.k_len == 0:
             continue
         last = joined[-1] if joined else None
-        if (last is not None and not item.causal and item.window == (-1, -1) and not last.causal
-                and last.window == (-1, -1) and (last.k_start, last.k_len) == (item.k_start, item.k_len)
+        if (last is not None and Mask.canonical(item.causal, item.window).full
+                and Mask.canonical(last.causal, last.window).full
+                and (last.k_start, last.k_len) == (item.k_start, item.k_len)
                 and last.q_start + last.q_len == item.q_start):
             joined[-1] = replace(last, q_len=last.q_len + item.q_len)
         else:
@@ -296,7 +298,8 @@ def share_queries(dout, q, out, lse, *, softmax_scale=None, softcap=None, determ
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     state = make(token_rows(dout, seq_dim, 0, n, packed), queries, token_rows(out, seq_dim, 0, n, packed),
-                 lse_token_rows(lse, packed, 0, n), softmax_scale=problem.softmax_scale, deterministic=bool(deterministic))
+                 lse_token_rows(lse, packed, 0, n), softmax_scale=problem.softmax_scale,
+                 deterministic=bool(deterministic))
     return None if state is None else SharedQueries(impl, state, seq_dim, bool(deterministic))
 
 
@@ -353,8 +356,9 @@ def attention_backward_items(
                                      accumulate=True, rows=shared.state, q_start=item.q_start)
                 continue
         attention_backward(
-            token_rows(dout, seq_dim, *qs, packed), token_rows(q, seq_dim, *qs, packed), token_rows(k, seq_dim, *ks, packed),
-            token_rows(v, seq_dim, *ks, packed), token_rows(out, seq_dim, *qs, packed), lse_token_rows(lse, packed, *qs),
+            token_rows(dout, seq_dim, *qs, packed), token_rows(q, seq_dim, *qs, packed),
+            token_rows(k, seq_dim, *ks, packed), token_rows(v, seq_dim, *ks, packed),
+            token_rows(out, seq_dim, *qs, packed), lse_token_rows(lse, packed, *qs),
             softmax_scale=softmax_scale, softcap=softcap, deterministic=deterministic,
             dq=token_rows(dq, seq_dim, *qs, packed),
             dk=token_rows(dk, seq_dim, *ks, packed), dv=token_rows(dv, seq_dim, *ks, packed), accumulate=True,

@@ -57,6 +57,18 @@ def _inputs(shape_q, shape_k, dtype, g):
     return q, k, v
 
 
+def _causal_case(g, packed, d, heads_kv):
+    """(q, k, v, kernel kwargs, forward kwargs), bf16, 4 query heads, causal: three packed segments of different
+    lengths, or a dense batch of 2 with 1500 queries 200 positions after 1700 keys' start."""
+    if packed:
+        cu = torch.tensor([0, 300, 1000, 1777], dtype=torch.int32, device="cuda")
+        q, k, v = _inputs((1777, 4, d), (1777, heads_kv, d), torch.bfloat16, g)
+        kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=777, max_seqlen_k=777)
+        return q, k, v, kw, dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    q, k, v = _inputs((2, 1500, 4, d), (2, 1700, heads_kv, d), torch.bfloat16, g)
+    return q, k, v, dict(causal=True, q_offset=200), dict(causal=True, q_offset=200)
+
+
 def _reference(q, k, v, dout, **kw):
     """fp64 out/lse (forward) and dq/dk/dv (backward) through the reference backend on upcast inputs."""
     q64, k64, v64 = q.double(), k.double(), v.double()
@@ -280,14 +292,7 @@ def test_one_gradient_variants_equal_the_full_backward(packed, d):
     """accumulate with dq only, or dk and dv only (the cp_invariant engine's passes): the kernel variant without
     the other GEMMs adds the same bytes as the full deterministic backward, and leaves no trace of the others."""
     g = _gen()
-    if packed:
-        cu = torch.tensor([0, 300, 1000, 1777], dtype=torch.int32, device="cuda")
-        q, k, v = _inputs((1777, 4, d), (1777, 2, d), torch.bfloat16, g)
-        kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=777, max_seqlen_k=777)
-        fwd_kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
-    else:
-        q, k, v = _inputs((2, 1500, 4, d), (2, 1700, 2, d), torch.bfloat16, g)
-        kw = fwd_kw = dict(causal=True, q_offset=200)
+    q, k, v, kw, fwd_kw = _causal_case(g, packed, d, heads_kv=2)
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
     out, lse = attention_forward(q, k, v, backend="cute", **fwd_kw)
     init = [torch.randn(t.shape, device="cuda", dtype=torch.float32, generator=g) for t in (q, k, v)]
@@ -311,17 +316,10 @@ def test_fixed_point_dq(packed, d, options):
     from fa4dist.kernels import fixed_point
 
     g = _gen()
-    if packed:
-        cu = torch.tensor([0, 300, 1000, 1777], dtype=torch.int32, device="cuda")
-        q, k, v = _inputs((1777, 4, d), (1777, 4, d), torch.bfloat16, g)
-        kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=777, max_seqlen_k=777)
-        fwd_kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
-    else:
-        q, k, v = _inputs((2, 1500, 4, d), (2, 1700, 4, d), torch.bfloat16, g)
-        kw = dict(causal=True, q_offset=200, **options)
-        fwd_kw = dict(causal=True, q_offset=200)
-        if options:  # the contract's window=(left, 0) is the kernels' window_left on the causal diagonal
-            fwd_kw.update(softcap=options["softcap"], window=(options["window_left"], 0))
+    q, k, v, kw, fwd_kw = _causal_case(g, packed, d, heads_kv=4)
+    kw.update(options)
+    if options:  # the contract's window=(left, 0) is the kernels' window_left on the causal diagonal
+        fwd_kw.update(softcap=options["softcap"], window=(options["window_left"], 0))
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
     out, lse = attention_forward(q, k, v, backend="cute", **fwd_kw)
     scale = fixed_point.dq_scale(dout, out, fixed_point.head_absmax(k), fixed_point.head_absmax(v), d ** -0.5)

@@ -28,6 +28,16 @@ def kernel_band(mask):
     return True, (hi - lo if lo is not None else -1), hi
 
 
+# the kernels hold a window's width and a causal diagonal in int32 arithmetic with headroom
+BAND_LIMIT = 2**30
+
+
+def band_diagonal_fits(band, q_offset: int, k_offset: int) -> bool:
+    """Whether a call's kernel band (kernel_band) and its diagonal q_offset - k_offset fit the kernels' range."""
+    causal, window_left, shift = band
+    return window_left < BAND_LIMIT and (not causal or abs(q_offset + shift - k_offset) <= BAND_LIMIT)
+
+
 class CuteSm90Backend:
     name = "cute"
     priority = 30  # above "sdpa" (20): chosen by "auto" wherever it supports the call
@@ -57,7 +67,7 @@ class CuteSm90Backend:
         if band is None:
             return Unsupported(f"cute takes windows with an upper edge (causal or right >= 0), got {problem.mask}",
                                fallback=True)
-        if band[1] >= 2**30:
+        if band[1] >= BAND_LIMIT:
             return Unsupported("window wider than 2^30 keys", fallback=True)
         if problem.dtype not in (torch.bfloat16, torch.float16):
             return Unsupported(f"cute takes float16 or bfloat16, got {problem.dtype}")
@@ -79,10 +89,8 @@ class CuteSm90Backend:
             largest = max(largest, _bwd.dq_scratch_elements(problem.total_q, problem.batch, problem.heads_q, d))
         if largest >= host.INT32_MAX:
             return Unsupported(f"{largest} elements in one tensor: the cute kernels index in 32 bits")
-        if band[0]:
-            for qo, ko in zip(problem.q_offsets, problem.k_offsets):
-                if abs(qo + band[2] - ko) > 2**30:
-                    return Unsupported("q_offset - k_offset beyond int32 range")
+        if not all(band_diagonal_fits(band, qo, ko) for qo, ko in zip(problem.q_offsets, problem.k_offsets)):
+            return Unsupported("q_offset - k_offset beyond int32 range")
         return None
 
     @staticmethod
@@ -176,9 +184,7 @@ class CuteSm90Backend:
         from ..mask import Mask
 
         band = kernel_band(Mask.canonical(item.causal, item.window))
-        if band is None or band[1] >= 2**30 or abs(item.q_offset + band[2] - item.k_offset) > 2**30:
-            return None
-        return band
+        return band if band is not None and band_diagonal_fits(band, item.q_offset, item.k_offset) else None
 
     def _bands(self, items):
         """{item: kernel band} of every item, or None where one does not suit the kernels."""
@@ -233,6 +239,8 @@ class CuteSm90Backend:
                 for item in self._longest_first(launch.items):
                     rows += self._row(item, self._band(item), item.q_start // tm if on_shared else tiles)
                     tiles += -(-item.q_len // tm)
+                if tiles * q.shape[-2] * tm * q.shape[-1] >= host.INT32_MAX:
+                    return None  # the launch's own dQ scratch would outgrow 32-bit indexing
                 causal, window_left = launch.variant
                 table = torch.tensor(rows, dtype=torch.int32, device=q.device)
                 out.append((table, tiles, max(i.q_len for i in launch.items), max(i.k_len for i in launch.items),
