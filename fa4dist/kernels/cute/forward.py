@@ -297,9 +297,9 @@ def forward_worklist(q, k, v, out, lse, table, max_q_len, *, softmax_scale, caus
     """One launch over the items of a work list, writing (or with accumulate=True merging into) out / lse in place.
 
     Packed q (t_q, h, d), k / v (t_k, h_kv, d), out (t_q, h, d) fp32 (or q's dtype when not accumulating), lse
-    (h, t_q). ``table``: int32 CUDA tensor, block_info.WORKLIST_COLUMNS words per item (first query row, query rows,
-    first key row, key rows, q_offset - k_offset); the items' query rows must be pairwise disjoint (a row is
-    written by one CTA). ``max_q_len``: the longest item's query rows (sizes the grid). A causal launch reads each
+    (h, t_q). ``table``: int32 CUDA tensor, block_info.WORKLIST_COLUMNS words per item (see there; the forward reads
+    the rows and the diagonal); the items' query rows must be pairwise disjoint (a row is written by one CTA).
+    ``max_q_len``: the longest item's query rows (sizes the grid). A causal launch reads each
     item's diagonal (an item with a diagonal >= its key rows sees every key); a non-causal one ignores it.
     Each item's rows get the bits of a call of :func:`forward` on that item alone with the same options."""
     if table.dtype != torch.int32 or table.dim() != 1 or table.numel() == 0:
