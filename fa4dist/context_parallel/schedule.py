@@ -105,7 +105,8 @@ class MemberLayout:
 
 
 # own_halves cuts an item at a multiple of this many member rows (a multiple of every kernel's query tile: cute's
-# backward takes 64-row tiles; a half that starts off a tile cannot use the member's shared query side)
+# backward takes 64-row tiles at hdim 128 and 128-row tiles at hdim 64; a half that starts off a tile cannot use the
+# member's shared query side)
 OWN_CUT_ALIGN = 128
 
 

@@ -120,7 +120,17 @@ def test_compile_backward_variant(variant, tmp_path, monkeypatch, capfd):
     log = capfd.readouterr()
     text = log.out + log.err
     spills = re.findall(r"(\d+) bytes spill stores", text)
-    assert spills and all(int(s) == 0 for s in spills), "ptxas spills registers:\n" + text[-2000:]
+    budget = _spill_budget(main)
+    assert spills and all(int(s) <= budget for s in spills), "ptxas spills registers:\n" + text[-2000:]
+
+
+def _spill_budget(main) -> int:
+    """Bytes of spill stores a main-kernel variant may have: none, except the soft-capped hdim-64 backward on its
+    128-row query tiles, whose masked steps spill 8-40 bytes (the cap's derivative recovered from P needs each
+    query's lse again next to the dPsum values). Measured on the H200 (bench/RESULTS.md, 2026-12-01, sixth
+    session): 0.97-1.00x the 64-row tiles with the derivative in registers, which do not spill; the 128-row tiles
+    are kept so that a capped call shares the uncapped calls' tiles (the ring's shared query side has one)."""
+    return 64 if main.softcap > 0 and main.head_dim == 64 and main.tile_m == 128 else 0
 
 
 @pytest.mark.cute

@@ -32,8 +32,10 @@ def dq_scratch_elements(total_q: int, num_seqs: int, heads_q: int, head_dim: int
 
 
 def tile_m_for(head_dim: int) -> int:
-    # 64 for both head dims: with d = 64 a 128-row query tile (FA3's choice) spills on the MMA warpgroups
-    return 64
+    """Query rows of a backward step. hdim 64 takes 128 (as FA3 / flash-attn-4): a step twice as long against the
+    same fixed costs per step (barriers, the dQ add and, deterministic, its ticket); hdim 128 keeps 64, its dK / dV
+    accumulators leave no registers for a longer step."""
+    return _OVERRIDE.get("tile_m") or (128 if head_dim <= 64 else 64)
 
 
 # ----------------------------------------------------------------------------
@@ -202,12 +204,15 @@ def cache_info() -> list:
     return host.cache_info((BwdConfig, PreConfig, PostConfig))
 
 
-def default_softcap_grad_regs(head_dim: int) -> bool:
+def default_softcap_grad_regs(head_dim: int, tile_m: int) -> bool:
     """Whether the cap's derivative stays in fp16 registers (True) or is recovered from P. Measured on the H200
-    (2026-12-01, causal, 4k / 16k): registers are faster at hdim 64 (+10% / +10%, no spills) and at hdim 128 too
-    (+5% / +3%), but there they spill (20 bytes, 36 with the deterministic windowed variant), so hdim 128 keeps
-    the spill-free P path that the compile tests can hold to zero spills."""
-    return head_dim <= 64
+    (2026-12-01, causal, 4k / 16k, 64-row query tiles): registers were faster at hdim 64 (+10% / +10%, no spills)
+    and at hdim 128 too (+5% / +3%), but there they spill (20 bytes, 36 with the deterministic windowed variant).
+    The fp16 copy costs tile_m * head_dim / 256 registers per MMA thread: it fits next to a 64 x 64 step only. hdim
+    128 takes the spill-free P path; so does hdim 64 on its 128-row query tiles, where the P path spills 8-40 bytes
+    in masked steps (the registers path 200) and runs at 0.97-1.00x the 64-row tiles' registers path (sixth
+    session, bench/RESULTS.md)."""
+    return tile_m * head_dim <= 64 * 64
 
 
 # The deterministic backward uses the int64 dQ with GQA from this many query tokens on: measured 0.86-0.92x the
@@ -224,7 +229,7 @@ def fixed_point_deterministic(heads_q: int, heads_kv: int, total_q: int) -> bool
 def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, deterministic, dq_dtype, dkv_dtype,
                  o_dtype, do_dtype, window_left=-1, softcap=0.0, grads="all", dq_fixed=False, fixed_to_float=False,
                  worklist=False, **overrides):
-    tm = tile_m_for(head_dim)
+    tm = overrides.get("tile_m") or tile_m_for(head_dim)  # the three kernels share the query tile
     if dq_fixed:
         # exact integer sums: deterministic without tickets; the query tiles of a key tile in ascending order
         # (no masked_last), as every deterministic variant (the dk/dv-only calls of the cp_invariant backward) has
@@ -235,7 +240,7 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
         dtype=name, head_dim=head_dim, causal=bool(causal), varlen=bool(varlen), seg_offsets=bool(seg_offsets),
         accumulate=bool(accumulate), deterministic=bool(deterministic), dkv_fp32=dkv_dtype == torch.float32,
         tile_m=tm, window_left=int(window_left), softcap=float(softcap or 0.0),
-        softcap_grad_regs=default_softcap_grad_regs(head_dim), grads=grads, dq_fixed=bool(dq_fixed),
+        softcap_grad_regs=default_softcap_grad_regs(head_dim, tm), grads=grads, dq_fixed=bool(dq_fixed),
         worklist=bool(worklist),
     )
     kw.update(_OVERRIDE)
@@ -384,7 +389,7 @@ def launch_steps(
     varlen = cu_seqlens_q is not None
     d = q.shape[-1]
     hq = q.shape[-2]
-    tm = tile_m_for(d)
+    tm = overrides.get("tile_m") or tile_m_for(d)  # a measurement knob may pick the other tile
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     if not softmax_scale > 0:

@@ -157,12 +157,12 @@ class FlashBwdSm90:
         # Non-deterministic causal: a key tile visits its plain query tiles first and the masked causal band after
         # them, so that the band's Q / dO tiles are sanitized while plain steps compute instead of stalling the
         # first steps of every CTA (short sequences: a key tile sees few query tiles). The deterministic dQ
-        # tickets need the ascending order: it keeps it. Every loop over a key tile's query tiles goes through
-        # step_m, so the producer, the sanitizer, the MMA warpgroups and the dQ writer agree.
+        # tickets need the ascending order: it keeps it. Every loop over a key tile's steps goes through
+        # phases(), so the producer, the sanitizer, the MMA warpgroups and the dQ writer agree.
         self.masked_last = masked_last and self.sanitize and causal and not deterministic
         self.fp16 = dtype == cutlass.Float16
-        self.sanitizer_threads = 64  # warps 2..3 of warpgroup 0: one thread per query row of a tile
-        assert self.tile_m == self.sanitizer_threads
+        self.sanitizer_threads = 64  # warps 2..3 of warpgroup 0: tile_m / 64 query rows of a tile per thread
+        assert self.tile_m % self.sanitizer_threads == 0
 
     # ------------------------------------------------------------------------
     # host side
@@ -352,6 +352,7 @@ class FlashBwdSm90:
             tma_atom_Q=tma_atom_Q, tma_atom_K=tma_atom_K, tma_atom_V=tma_atom_V, tma_atom_dO=tma_atom_dO,
             pipe_kv=pipe_kv, pipe_q=pipe_q, pipe_do=pipe_do,
             pipe_kvland=pipe_kvland, pipe_qland=pipe_qland, pipe_doland=pipe_doland,
+            diag=diag, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, mSegOffQ=mSegOffQ, mSegOffK=mSegOffK,
         )
 
         # ---------------- work tile, sequence and query-tile range (identical in every warp) ----------------
@@ -416,58 +417,39 @@ class FlashBwdSm90:
         gLSE_all = cute.make_tensor(io.mLSE2.iterator, cute.make_layout((tm, n_vec), stride=(1, tm)))
         gDps_all = cute.make_tensor(io.mDpsum.iterator, cute.make_layout((tm, n_vec), stride=(1, tm)))
         bulk_atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32, num_bits_per_copy=tm * 32)
-        pipe_q, pipe_do = io.pipe_q, io.pipe_do
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         n_sanitized = Int32(0)  # landing barriers: stage n % stages, producer phase 1 - (n // stages) % 2
-        for hi in cutlass.range(group, unroll=1):
-            head = head_kv * group + hi
-            if const_expr(not self.varlen):
-                mQ_cur = io.mQ[None, None, head, batch]
-                mdO_cur = io.mdO[None, None, head, batch]
-            else:
-                mQ_cur = cute.domain_offset((seqlen.offset_q, 0), io.mQ[None, None, head])
-                mdO_cur = cute.domain_offset((seqlen.offset_q, 0), io.mdO[None, None, head])
-            gQ = cute.local_tile(mQ_cur, (tm, D), (None, 0))
-            gdO = cute.local_tile(mdO_cur, (tm, D), (None, 0))
-            tQsQ, tQgQ = tma_tile_partition(io.tma_atom_Q, io.sQ, gQ)
-            tdOsdO, tdOgdO = tma_tile_partition(io.tma_atom_dO, io.sdO, gdO)
-            for i in cutlass.range(rng.m_max - rng.m_min, unroll=1):
-                m = self.step_m(i, rng)
-                vec_idx = (seqlen.scratch_base + m) * num_heads + head
-                if const_expr(self.sanitize):
-                    if self.step_sanitized(m, rng, seqlen):
-                        # land on the sanitizer's barriers; it completes pipe_q / pipe_do of this stage
-                        ns = self.num_stages
-                        land, phase = n_sanitized % ns, 1 - (n_sanitized // ns) % 2
-                        pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
-                        io.pipe_qland.sync_object_empty.wait(land, phase)
-                        io.pipe_qland.sync_object_full.arrive(land, None)  # arms the landing barrier with the bytes
-                        bar_q = io.pipe_qland.sync_object_full.get_barrier(land)
-                        cute.copy(io.tma_atom_Q, tQgQ[None, m], tQsQ[None, q_state.index], tma_bar_ptr=bar_q)
-                        with cute.arch.elect_one():
-                            cute.copy(bulk_atom, gLSE_all[None, vec_idx], io.sLSE[None, q_state.index],
-                                      mbar_ptr=bar_q)
-                        pipe_do.sync_object_empty.wait(q_state.index, q_state.phase)
-                        io.pipe_doland.sync_object_empty.wait(land, phase)
-                        io.pipe_doland.sync_object_full.arrive(land, None)
-                        bar_do = io.pipe_doland.sync_object_full.get_barrier(land)
-                        cute.copy(io.tma_atom_dO, tdOgdO[None, m], tdOsdO[None, q_state.index], tma_bar_ptr=bar_do)
-                        with cute.arch.elect_one():
-                            cute.copy(bulk_atom, gDps_all[None, vec_idx], io.sDpsum[None, q_state.index],
-                                      mbar_ptr=bar_do)
-                        n_sanitized = n_sanitized + 1
-                    else:
-                        self.load_q_do(io, tQgQ, tQsQ, tdOgdO, tdOsdO, gLSE_all, gDps_all, bulk_atom, q_state, m,
-                                       vec_idx)
+        for first, end, _ in self.phases(rng):
+            for hi in cutlass.range(group, unroll=1):
+                head = head_kv * group + hi
+                if const_expr(not self.varlen):
+                    mQ_cur = io.mQ[None, None, head, batch]
+                    mdO_cur = io.mdO[None, None, head, batch]
                 else:
-                    self.load_q_do(io, tQgQ, tQsQ, tdOgdO, tdOsdO, gLSE_all, gDps_all, bulk_atom, q_state, m, vec_idx)
-                q_state.advance()
+                    mQ_cur = cute.domain_offset((seqlen.offset_q, 0), io.mQ[None, None, head])
+                    mdO_cur = cute.domain_offset((seqlen.offset_q, 0), io.mdO[None, None, head])
+                gQ = cute.local_tile(mQ_cur, (tm, D), (None, 0))
+                gdO = cute.local_tile(mdO_cur, (tm, D), (None, 0))
+                tQsQ, tQgQ = tma_tile_partition(io.tma_atom_Q, io.sQ, gQ)
+                tdOsdO, tdOgdO = tma_tile_partition(io.tma_atom_dO, io.sdO, gdO)
+                for m in cutlass.range(first, end, unroll=1):
+                    vec_idx = (seqlen.scratch_base + m) * num_heads + head
+                    tiles = (tQgQ, tQsQ, tdOgdO, tdOsdO, gLSE_all, gDps_all, bulk_atom)
+                    if const_expr(self.sanitize):
+                        if self.step_sanitized(m, rng, seqlen):
+                            self.land_q_do(io, tiles, q_state, m, vec_idx, n_sanitized)
+                            n_sanitized = n_sanitized + 1
+                        else:
+                            self.load_q_do(io, tiles, q_state, m, vec_idx)
+                    else:
+                        self.load_q_do(io, tiles, q_state, m, vec_idx)
+                    q_state.advance()
 
     @cute.jit
-    def load_q_do(self, io: Context, tQgQ, tQsQ, tdOgdO, tdOsdO, gLSE_all, gDps_all, bulk_atom, q_state, m: Int32,
-                  vec_idx: Int32):
+    def load_q_do(self, io: Context, tiles, q_state, m: Int32, vec_idx: Int32):
         """Q tile m (+ its lse2 vector) and dO tile m (+ its dPsum vector) into the stage of q_state."""
+        tQgQ, tQsQ, tdOgdO, tdOsdO, gLSE_all, gDps_all, bulk_atom = tiles
         pipe_q, pipe_do = io.pipe_q, io.pipe_do
         pipe_q.producer_acquire(q_state)
         bar_q = pipe_q.producer_get_barrier(q_state)
@@ -476,6 +458,28 @@ class FlashBwdSm90:
             cute.copy(bulk_atom, gLSE_all[None, vec_idx], io.sLSE[None, q_state.index], mbar_ptr=bar_q)
         pipe_do.producer_acquire(q_state)
         bar_do = pipe_do.producer_get_barrier(q_state)
+        cute.copy(io.tma_atom_dO, tdOgdO[None, m], tdOsdO[None, q_state.index], tma_bar_ptr=bar_do)
+        with cute.arch.elect_one():
+            cute.copy(bulk_atom, gDps_all[None, vec_idx], io.sDpsum[None, q_state.index], mbar_ptr=bar_do)
+
+    @cute.jit
+    def land_q_do(self, io: Context, tiles, q_state, m: Int32, vec_idx: Int32, n_sanitized: Int32):
+        """load_q_do for a sanitized step: the tiles land on the sanitizer's barriers (stage n_sanitized % stages),
+        and the sanitizer completes pipe_q / pipe_do of q_state's stage once it has checked them."""
+        tQgQ, tQsQ, tdOgdO, tdOsdO, gLSE_all, gDps_all, bulk_atom = tiles
+        ns = self.num_stages
+        land, phase = n_sanitized % ns, 1 - (n_sanitized // ns) % 2
+        io.pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
+        io.pipe_qland.sync_object_empty.wait(land, phase)
+        io.pipe_qland.sync_object_full.arrive(land, None)  # arms the landing barrier with the bytes
+        bar_q = io.pipe_qland.sync_object_full.get_barrier(land)
+        cute.copy(io.tma_atom_Q, tQgQ[None, m], tQsQ[None, q_state.index], tma_bar_ptr=bar_q)
+        with cute.arch.elect_one():
+            cute.copy(bulk_atom, gLSE_all[None, vec_idx], io.sLSE[None, q_state.index], mbar_ptr=bar_q)
+        io.pipe_do.sync_object_empty.wait(q_state.index, q_state.phase)
+        io.pipe_doland.sync_object_empty.wait(land, phase)
+        io.pipe_doland.sync_object_full.arrive(land, None)
+        bar_do = io.pipe_doland.sync_object_full.get_barrier(land)
         cute.copy(io.tma_atom_dO, tdOgdO[None, m], tdOsdO[None, q_state.index], tma_bar_ptr=bar_do)
         with cute.arch.elect_one():
             cute.copy(bulk_atom, gDps_all[None, vec_idx], io.sDpsum[None, q_state.index], mbar_ptr=bar_do)
@@ -494,19 +498,20 @@ class FlashBwdSm90:
         return sanitized
 
     @cute.jit
-    def step_m(self, i: Int32, rng: Context):
-        """The query tile of a key tile's step i (0 <= i < m_max - m_min): ascending, or with masked_last the
-        plain tiles [m_mask_end, m_window_start) first, then the causal band [m_min, m_mask_end), then the
-        window's band [m_window_start, m_max)."""
-        m = rng.m_min + i
-        if const_expr(self.masked_last):
-            n_plain = rng.m_window_start - rng.m_mask_end
-            n_band = rng.m_mask_end - rng.m_min
-            if i < n_plain:
-                m = rng.m_mask_end + i
-            elif i < n_plain + n_band:
-                m = rng.m_min + (i - n_plain)
-        return m
+    def phases(self, rng: Context):
+        """A key tile's steps as (first query tile, end, masked) ranges in visiting order: ascending (the causal
+        band, the plain tiles, the window's band), or with masked_last the plain tiles [m_mask_end, m_window_start)
+        first, then the causal band [m_min, m_mask_end), then the window's band [m_window_start, m_max). Every role
+        visits phase by phase, within a phase head by head of the GQA group, within a head the range in ascending
+        order; so the producer, the sanitizer, the MMA warpgroups and the dQ writer agree on the steps. (The MMA
+        warpgroups walk a phase's heads and tiles as one flat loop: with a loop over heads around the tile loops,
+        ptxas spilled dK / dV and serialized the wgmmas at hdim 64 with 128-row query tiles; NOTES_BWD.md.)"""
+        band = (rng.m_min, rng.m_mask_end, True)
+        plain = (rng.m_mask_end, rng.m_window_start, False)
+        out = [plain, band] if self.masked_last else [band, plain]
+        if const_expr(self.block_info.windowed):
+            out.append((rng.m_window_start, rng.m_max, True))
+        return out
 
     # ------------------------------------------------------------------------
     @cute.jit
@@ -527,37 +532,47 @@ class FlashBwdSm90:
             cute.arch.mbarrier_arrive(io.pipe_kv.sync_object_full.get_barrier(0))
 
         # plain counters instead of two pipeline states: this warpgroup runs on 24 registers
-        tm, n_elems, ns = self.tile_m, self.tile_m * self.head_dim, self.num_stages
+        ns = self.num_stages
         step = Int32(0)  # every step: the smem stage of Q / dO
         n_sanitized = Int32(0)  # sanitized steps: the stage and phase of the landing barriers
-        for hi in cutlass.range(tile.group, unroll=1):
-            for i in cutlass.range(rng.m_max - rng.m_min, unroll=1):
-                m = self.step_m(i, rng)
-                if self.step_sanitized(m, rng, seqlen):
-                    stage = step % ns
-                    land, phase = n_sanitized % ns, (n_sanitized // ns) % 2
-                    io.pipe_qland.sync_object_full.wait(land, phase)
-                    io.pipe_doland.sync_object_full.wait(land, phase)
-                    maybe = tile_maybe_nonfinite(io.sQ.iterator, n_elems, stage, tid, nthr, fp16)
-                    maybe = maybe | tile_maybe_nonfinite(io.sdO.iterator, n_elems, stage, tid, nthr, fp16)
-                    if block_any(maybe, bar, nthr):
-                        sQ, sdO = io.sQ[None, None, stage], io.sdO[None, None, stage]
-                        r = tid  # one query row per sanitizer thread (tile_m == 64 == sanitizer threads)
-                        if row_is_nonfinite(sQ, r, fp16) | row_is_nonfinite(sdO, r, fp16):
-                            zero_row(sQ, r)
-                            zero_row(sdO, r)
-                            if m * tm + r < seqlen.seqlen_q:  # a padding row keeps lse2 = +inf: P = 0
-                                io.sLSE[r, stage] = Float32.nan
-                        cute.arch.fence_view_async_shared()  # zeroed rows -> wgmma (async proxy)
-                        cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
-                    if tid == 0:
-                        cute.arch.mbarrier_arrive(io.pipe_q.sync_object_full.get_barrier(stage))
-                        cute.arch.mbarrier_arrive(io.pipe_do.sync_object_full.get_barrier(stage))
-                    if tid % 32 == 0:  # one arrival per sanitizer warp frees the landing stage
-                        cute.arch.mbarrier_arrive(io.pipe_qland.sync_object_empty.get_barrier(land))
-                        cute.arch.mbarrier_arrive(io.pipe_doland.sync_object_empty.get_barrier(land))
-                    n_sanitized = n_sanitized + 1
-                step = step + 1
+        for first, end, _ in self.phases(rng):
+            for hi in cutlass.range(tile.group, unroll=1):
+                for m in cutlass.range(first, end, unroll=1):
+                    if self.step_sanitized(m, rng, seqlen):
+                        self.sanitize_q_do(io, seqlen, m, step % ns, n_sanitized, tid)
+                        n_sanitized = n_sanitized + 1
+                    step = step + 1
+
+    @cute.jit
+    def sanitize_q_do(self, io: Context, seqlen: SeqlenInfo, m: Int32, stage: Int32, n_sanitized: Int32, tid: Int32):
+        """One sanitized step: wait for Q / dO tile m on the landing barriers, zero the rows holding NaN / inf
+        (tile_m / 64 rows per thread; a bad query row's lse2 becomes NaN), then complete pipe_q / pipe_do of the
+        smem stage and free the landing stage."""
+        nthr, fp16, tm, ns = self.sanitizer_threads, self.fp16, self.tile_m, self.num_stages
+        bar = int(BwdBarrier.SANITIZE)
+        land, phase = n_sanitized % ns, (n_sanitized // ns) % 2
+        io.pipe_qland.sync_object_full.wait(land, phase)
+        io.pipe_doland.sync_object_full.wait(land, phase)
+        n_elems = tm * self.head_dim
+        maybe = tile_maybe_nonfinite(io.sQ.iterator, n_elems, stage, tid, nthr, fp16)
+        maybe = maybe | tile_maybe_nonfinite(io.sdO.iterator, n_elems, stage, tid, nthr, fp16)
+        if block_any(maybe, bar, nthr):
+            sQ, sdO = io.sQ[None, None, stage], io.sdO[None, None, stage]
+            for k in cutlass.range_constexpr(tm // nthr):
+                r = tid + k * nthr
+                if row_is_nonfinite(sQ, r, fp16) | row_is_nonfinite(sdO, r, fp16):
+                    zero_row(sQ, r)
+                    zero_row(sdO, r)
+                    if m * tm + r < seqlen.seqlen_q:  # a padding row keeps lse2 = +inf: P = 0
+                        io.sLSE[r, stage] = Float32.nan
+            cute.arch.fence_view_async_shared()  # zeroed rows -> wgmma (async proxy)
+            cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
+        if tid == 0:
+            cute.arch.mbarrier_arrive(io.pipe_q.sync_object_full.get_barrier(stage))
+            cute.arch.mbarrier_arrive(io.pipe_do.sync_object_full.get_barrier(stage))
+        if tid % 32 == 0:  # one arrival per sanitizer warp frees the landing stage
+            cute.arch.mbarrier_arrive(io.pipe_qland.sync_object_empty.get_barrier(land))
+            cute.arch.mbarrier_arrive(io.pipe_doland.sync_object_empty.get_barrier(land))
 
     # ------------------------------------------------------------------------
     @cute.jit
@@ -565,53 +580,60 @@ class FlashBwdSm90:
         tm, tn = self.tile_m, self.tile_n
         D = self.head_dim
         head_kv, group, num_heads, n_block = tile.head_kv, tile.group, tile.num_heads, tile.block
-        mSem, sdQ = io.mSem, io.sdQ
         lane = cute.arch.lane_idx()
         n_chunks = cute.size(io.mdQacc.shape[0]) // (tm * D)
         gdQ = cute.make_tensor(io.mdQacc.iterator, dq_chunk_layout(tm, D, n_chunks))
         chunk_bytes = self.dq_chunk_elems * (8 if self.dq_fixed else 4)
         n_blocks_k = cute.ceil_div(seqlen.seqlen_k, tn)
-        for hi in cutlass.range(group, unroll=1):
-            head = head_kv * group + hi
-            for i in cutlass.range(rng.m_max - rng.m_min, unroll=1):
-                m = self.step_m(i, rng)
-                chunk = (seqlen.scratch_base + m) * num_heads + head
-                for w in cutlass.range_constexpr(2):
-                    if lane == 0:
-                        # the previous add of this warpgroup's buffer has finished reading smem
-                        cute.arch.cp_async_bulk_wait_group(1 - w, read=True)
-                    cute.arch.sync_warp()
-                    cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_WG0) + w, number_of_threads=160)
-                if const_expr(self.deterministic):
-                    rank = n_block
-                    if const_expr(self.causal):
-                        # key tiles add from the diagonal down: rank 0 is the last key tile this query tile sees
-                        n_hi = self.block_info.n_block_max(seqlen, m, n_blocks_k)
-                        rank = n_hi - 1 - n_block
-                    if lane == 0:
-                        sem_ptr = mSem.iterator + chunk
-                        cur = ld_acquire_gpu(sem_ptr)
-                        while cur != rank:
-                            nanosleep(32)
-                            cur = ld_acquire_gpu(sem_ptr)
-                    cute.arch.sync_warp()
-                for w in cutlass.range_constexpr(2):
-                    cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_WG0) + w, number_of_threads=160)
-                    if lane == 0:
-                        add = bulk_reduce_add_u64 if const_expr(self.dq_fixed) else bulk_reduce_add_f32
-                        add(sdQ[None, None, None, w].iterator, gdQ[None, None, None, w, chunk].iterator, chunk_bytes)
-                        cute.arch.cp_async_bulk_commit_group()
-                    cute.arch.sync_warp()
-                if const_expr(self.deterministic):
-                    # release the ticket once the adds landed in gmem. (Releasing it one step later, after the
-                    # next step's adds, was measured: 0.6-0.9x, each CTA of a chain then lags one more step.)
-                    if lane == 0:
-                        cute.arch.cp_async_bulk_wait_group(0, read=False)
-                        cute.arch.fence_acq_rel_gpu()
-                        red_release_add_gpu(mSem.iterator + chunk, 1)
-                    cute.arch.sync_warp()
+        wr = Context(gdQ=gdQ, chunk_bytes=chunk_bytes, n_blocks_k=n_blocks_k, lane=lane)
+        for first, end, _ in self.phases(rng):
+            for hi in cutlass.range(group, unroll=1):
+                head = head_kv * group + hi
+                for m in cutlass.range(first, end, unroll=1):
+                    self.add_dq_tile(io, wr, seqlen, n_block, m, (seqlen.scratch_base + m) * num_heads + head)
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def add_dq_tile(self, io: Context, wr: Context, seqlen: SeqlenInfo, n_block: Int32, m: Int32, chunk: Int32):
+        """The dQ writer's step: free each warpgroup's smem buffer once its previous add has read it, (deterministic)
+        wait for this key tile's turn on query tile m, add both halves of the tile into scratch chunk `chunk`, and
+        (deterministic) release the ticket once the adds landed."""
+        lane, gdQ, sdQ, mSem, chunk_bytes = wr.lane, wr.gdQ, io.sdQ, io.mSem, wr.chunk_bytes
+        for w in cutlass.range_constexpr(2):
+            if lane == 0:
+                # the previous add of this warpgroup's buffer has finished reading smem
+                cute.arch.cp_async_bulk_wait_group(1 - w, read=True)
+            cute.arch.sync_warp()
+            cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_WG0) + w, number_of_threads=160)
+        if const_expr(self.deterministic):
+            rank = n_block
+            if const_expr(self.causal):
+                # key tiles add from the diagonal down: rank 0 is the last key tile this query tile sees
+                n_hi = self.block_info.n_block_max(seqlen, m, wr.n_blocks_k)
+                rank = n_hi - 1 - n_block
+            if lane == 0:
+                sem_ptr = mSem.iterator + chunk
+                cur = ld_acquire_gpu(sem_ptr)
+                while cur != rank:
+                    nanosleep(32)
+                    cur = ld_acquire_gpu(sem_ptr)
+            cute.arch.sync_warp()
+        for w in cutlass.range_constexpr(2):
+            cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_WG0) + w, number_of_threads=160)
+            if lane == 0:
+                add = bulk_reduce_add_u64 if const_expr(self.dq_fixed) else bulk_reduce_add_f32
+                add(sdQ[None, None, None, w].iterator, gdQ[None, None, None, w, chunk].iterator, chunk_bytes)
+                cute.arch.cp_async_bulk_commit_group()
+            cute.arch.sync_warp()
+        if const_expr(self.deterministic):
+            # release the ticket once the adds landed in gmem. (Releasing it one step later, after the
+            # next step's adds, was measured: 0.6-0.9x, each CTA of a chain then lags one more step.)
+            if lane == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                cute.arch.fence_acq_rel_gpu()
+                red_release_add_gpu(mSem.iterator + chunk, 1)
+            cute.arch.sync_warp()
 
     # ------------------------------------------------------------------------
     @cute.jit
@@ -670,8 +692,6 @@ class FlashBwdSm90:
         acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, D)), Float32)
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
-        tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
-        tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
 
         # coordinates of this thread's S^T elements: (key in tile, query in tile)
         cS = cute.make_identity_tensor((tn, tm))
@@ -696,7 +716,7 @@ class FlashBwdSm90:
             tiled_mma_sdp=tiled_mma_sdp, tiled_mma_dkv=tiled_mma_dkv, tiled_mma_dq=tiled_mma_dq,
             tSrK=tSrK, tSrQ=tSrQ, tdPrV=tdPrV, tdPrdO=tdPrdO, tdVrdOt=tdVrdOt, tdKrQt=tdKrQt, tdQrdS=tdQrdS,
             tdQrKt=tdQrKt, sdSt=sdSt, thr_sdp=thr_sdp, r2s_dS=r2s_dS, s_shape=s_shape, dq_shape=dq_shape,
-            acc_dK=acc_dK, acc_dV=acc_dV, tdVrP=tdVrP, tdKrdS=tdKrdS, tScS_mn=tScS_mn, sLSE=io.sLSE,
+            acc_dK=acc_dK, acc_dV=acc_dV, tScS_mn=tScS_mn, sLSE=io.sLSE,
             sDpsum=io.sDpsum, tdQsdQ=tdQsdQ, pipe_q=io.pipe_q, pipe_do=io.pipe_do, scale=scale,
             scale_log2=scale_log2, wg=wg, n_block=tile.block, pipe_kv=io.pipe_kv,
             mdQscale=io.mdQscale, tdQcdQ_mn=tdQcdQ_mn, scratch_base=seqlen.scratch_base,
@@ -714,21 +734,16 @@ class FlashBwdSm90:
             else:
                 io.pipe_kv.consumer_wait(kv_state)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-            for hi in cutlass.range(tile.group, unroll=1):
-                head = tile.head_kv * tile.group + hi
-                if const_expr(self.masked_last):  # step_m's order: plain, causal band, window band
-                    for m in cutlass.range(rng.m_mask_end, rng.m_window_start, unroll=1):
-                        q_state = self.mma_step(st, q_state, m, head, False)
-                    for m in cutlass.range(rng.m_min, rng.m_mask_end, unroll=1):
-                        q_state = self.mma_step(st, q_state, m, head, True)
-                else:
-                    for m in cutlass.range(rng.m_min, rng.m_mask_end, unroll=1):
-                        q_state = self.mma_step(st, q_state, m, head, True)
-                    for m in cutlass.range(rng.m_mask_end, rng.m_window_start, unroll=1):
-                        q_state = self.mma_step(st, q_state, m, head, False)
-                if const_expr(self.block_info.windowed):
-                    for m in cutlass.range(rng.m_window_start, rng.m_max, unroll=1):
-                        q_state = self.mma_step(st, q_state, m, head, True)
+            for first, end, masked in self.phases(rng):
+                # one flat loop over the phase's (head, tile) steps: see phases()
+                head = tile.head_kv * tile.group
+                m = first
+                for _ in cutlass.range(tile.group * (end - first), unroll=1):
+                    q_state = self.mma_step(st, q_state, m, head, masked)
+                    m = m + 1
+                    wrap = m == end
+                    head = head + (1 if wrap else 0)
+                    m = first if wrap else m
 
         # ---------------- dK / dV epilogue ----------------
         if const_expr(self.compute_dkv):
@@ -748,8 +763,13 @@ class FlashBwdSm90:
                 mdK_cur = io.mdK[None, None, tile.head_kv, tile.batch]
                 mdV_cur = io.mdV[None, None, tile.head_kv, tile.batch]
             else:
-                mdK_cur = cute.domain_offset((seqlen.offset_k, 0), io.mdK[None, None, tile.head_kv])
-                mdV_cur = cute.domain_offset((seqlen.offset_k, 0), io.mdV[None, None, tile.head_kv])
+                # the key offset read again rather than kept in a register through the MMA loop, which at hdim 64
+                # with 128-row query tiles uses all of the warpgroups' 240
+                offset_k = SeqlenInfo.create(tile.batch, io.mQ, io.mK, io.diag, io.mCuSeqlensQ, io.mCuSeqlensK,
+                                             io.mSegOffQ, io.mSegOffK, varlen=True, seg_offsets=self.seg_offsets,
+                                             worklist=self.worklist).offset_k
+                mdK_cur = cute.domain_offset((offset_k, 0), io.mdK[None, None, tile.head_kv])
+                mdV_cur = cute.domain_offset((offset_k, 0), io.mdV[None, None, tile.head_kv])
             kv_tile = (self.tile_n, self.head_dim)
             store_acc_rows(acc_dK, mdK_cur, thr_dkv, kv_tile, n_block, seqlen_k, self.accumulate)
             store_acc_rows(acc_dV, mdV_cur, thr_dkv, kv_tile, n_block, seqlen_k, self.accumulate)
@@ -774,15 +794,6 @@ class FlashBwdSm90:
         handed to the writer warp."""
         stage = q_state.index
         tScS_mn, scale = st.tScS_mn, st.scale
-        row_scales = None
-        if const_expr(self.dq_fixed):
-            # this thread's rows' fixed-point scales, loaded now so that the step's GEMMs hide the latency
-            chunk = (st.scratch_base + m_block) * st.num_heads + head
-            gscale = cute.make_tensor(st.mdQscale.iterator + chunk * self.tile_m, cute.make_layout(self.tile_m))
-            n_dq_rows = cute.size(st.tdQcdQ_mn, mode=[0])
-            row_scales = cute.make_rmem_tensor((n_dq_rows,), Float32)
-            for r in cutlass.range_constexpr(n_dq_rows):
-                row_scales[r] = gscale[st.tdQcdQ_mn[r, 0][0]]
         # (1) S^T = K Q^T ; (2) dP^T = V dO^T
         st.pipe_q.consumer_wait(q_state)
         acc_S = cute.make_rmem_tensor(st.s_shape, Float32)
@@ -835,11 +846,13 @@ class FlashBwdSm90:
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         rdS.store(acc_dP.load().to(self.dtype))
         if const_expr(self.compute_dkv):
-            st.tdKrdS.store(acc_to_operand_a(rdS).load())
             # (4) dV += P^T dO, issued after dS is computed (GPU run 1: 4-15 % faster than before it, fewer live
             # registers)
-            st.tdVrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
-            self.gemm(st.tiled_mma_dkv, st.acc_dV, st.tdVrP, st.tdVrdOt[None, None, None, stage], False)
+            # P^T and dS^T as the register A operands, made in this step (not loop-carried: registers are live
+            # only while their GEMM is in flight)
+            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+            self.gemm(st.tiled_mma_dkv, st.acc_dV, acc_to_operand_a(rP), st.tdVrdOt[None, None, None, stage], False)
         acc_dQ = None
         if const_expr(self.compute_dq):
             # dS^T -> smem, as the (tm, tn) K-major A operand of dQ = dS K
@@ -851,9 +864,19 @@ class FlashBwdSm90:
                 st.pipe_kv.sync_object_full.wait(0, 0)  # the sanitized K (a completed phase: returns at once)
             acc_dQ = cute.make_rmem_tensor(st.dq_shape, Float32)
             self.gemm(st.tiled_mma_dq, acc_dQ, st.tdQrdS[None, None, None, stage], st.tdQrKt, True)
+            if const_expr(self.dq_fixed):
+                # this thread's rows' fixed-point scales, loaded under the dQ and dK GEMMs (loaded at the start of
+                # the step they held registers through its S / dS phase, which spilled at hdim 64 with 128-row
+                # query tiles)
+                chunk = (st.scratch_base + m_block) * st.num_heads + head
+                gscale = cute.make_tensor(st.mdQscale.iterator + chunk * self.tile_m, cute.make_layout(self.tile_m))
+                n_dq_rows = cute.size(st.tdQcdQ_mn, mode=[0])
+                row_scales = cute.make_rmem_tensor((n_dq_rows,), Float32)
+                for r in cutlass.range_constexpr(n_dq_rows):
+                    row_scales[r] = gscale[st.tdQcdQ_mn[r, 0][0]]
         if const_expr(self.compute_dkv):
             # (7) dK += dS^T Q
-            self.gemm(st.tiled_mma_dkv, st.acc_dK, st.tdKrdS, st.tdKrQt[None, None, None, stage], False)
+            self.gemm(st.tiled_mma_dkv, st.acc_dK, acc_to_operand_a(rdS), st.tdKrQt[None, None, None, stage], False)
             warpgroup.wait_group(1)  # dV (and dQ) done: only dK may be in flight
         else:
             warpgroup.wait_group(0)  # dQ done
