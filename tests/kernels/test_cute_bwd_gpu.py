@@ -360,11 +360,9 @@ def test_fixed_point_dq(packed, d, options):
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_deterministic_gqa_backward_takes_the_fixed_point_dq(packed):
-    """A long deterministic GQA backward adds dQ in int64 (no tickets) and converts it once: reruns give the same
-    bytes, dk/dv are the ticketed backward's bytes (the same query order), and dq agrees with the ticketed fp32
-    sum to fp32 accuracy."""
-    from fa4dist.kernels.cute.backward import fixed_point_deterministic
-
+    """A deterministic backward on the int64 dQ (no tickets; `det_dq="auto"` takes it for long GQA calls at hdim
+    128, test_fixed_point.py has the rule) converts it once: reruns give the same bytes, dk/dv are the ticketed
+    backward's bytes (the same query order), and dq agrees with the ticketed fp32 sum to fp32 accuracy."""
     g = _gen()
     total = 16384 + 300
     if packed:
@@ -376,12 +374,11 @@ def test_deterministic_gqa_backward_takes_the_fixed_point_dq(packed):
     else:
         q, k, v = _inputs((1, total, 8, 64), (1, total, 2, 64), torch.bfloat16, g)
         kw = fwd_kw = dict(causal=True)
-    assert fixed_point_deterministic(8, 2, total)
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
     out, lse = attention_forward(q, k, v, backend="cute", **fwd_kw)
     zeros = [torch.zeros(t.shape, device="cuda", dtype=torch.float32) for t in (q, k, v)]
-    fixed = _run(q, k, v, dout, out, lse, accumulate=True, init=zeros, deterministic=True, **kw)
-    again = _run(q, k, v, dout, out, lse, accumulate=True, init=zeros, deterministic=True, **kw)
+    fixed = _run(q, k, v, dout, out, lse, accumulate=True, init=zeros, deterministic=True, det_dq="fixed", **kw)
+    again = _run(q, k, v, dout, out, lse, accumulate=True, init=zeros, deterministic=True, det_dq="fixed", **kw)
     tickets = _run(q, k, v, dout, out, lse, accumulate=True, init=zeros, deterministic=True, det_dq="tickets",
                    **kw)
     for a, b in zip(fixed, again):
@@ -390,5 +387,5 @@ def test_deterministic_gqa_backward_takes_the_fixed_point_dq(packed):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
     assert rel_error(fixed[0], tickets[0]) < 1e-5
     # a fresh bf16 dq (the convert's TMA store) is the fp32 one rounded
-    fresh = _run(q, k, v, dout, out, lse, deterministic=True, **kw)
+    fresh = _run(q, k, v, dout, out, lse, deterministic=True, det_dq="fixed", **kw)
     assert torch.equal(fresh[0], fixed[0].to(torch.bfloat16))

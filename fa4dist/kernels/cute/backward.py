@@ -215,15 +215,18 @@ def default_softcap_grad_regs(head_dim: int, tile_m: int) -> bool:
     return tile_m * head_dim <= 64 * 64
 
 
-# The deterministic backward uses the int64 dQ with GQA from this many query tokens on: measured 0.86-0.92x the
-# ticketed time at 16k and 32k tokens, 32/8 heads, hdim 64 and 128 (bench/RESULTS.md, 2026-12-01 fourth session);
-# without GQA the tickets are as fast or faster (1.02-1.11x), and shorter calls were not measured.
+# The deterministic backward uses the int64 dQ with GQA from this many query tokens on, at hdim 128: measured
+# 0.86-0.92x the ticketed time at 16k and 32k tokens, 32/8 heads (bench/RESULTS.md, 2026-12-01 fourth session);
+# without GQA the tickets are as fast or faster (1.02-1.11x), and shorter calls were not measured. hdim 64 keeps the
+# tickets since its 128-row query tiles halved them: 32k tokens, 32/8 heads, 24.89 ms with tickets against 26.36 ms
+# in int64 (sixth session).
 FIXED_POINT_DET_MIN_TOKENS = 16384
 
 
-def fixed_point_deterministic(heads_q: int, heads_kv: int, total_q: int) -> bool:
-    """Whether a deterministic backward takes the int64 fixed-point dQ (GQA, long) rather than the tickets."""
-    return heads_q > heads_kv and total_q >= FIXED_POINT_DET_MIN_TOKENS
+def fixed_point_deterministic(heads_q: int, heads_kv: int, total_q: int, head_dim: int) -> bool:
+    """Whether a deterministic backward takes the int64 fixed-point dQ (GQA, long, 64-row query tiles) rather than
+    the tickets."""
+    return heads_q > heads_kv and total_q >= FIXED_POINT_DET_MIN_TOKENS and tile_m_for(head_dim) == 64
 
 
 def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, deterministic, dq_dtype, dkv_dtype,
@@ -441,7 +444,7 @@ def launch_steps(
         raise ValueError(f"det_dq must be 'auto', 'tickets' or 'fixed', got {det_dq!r}")
     fixed_to_float = False
     if deterministic and not dq_fixed and rows is None and dq is not None and (dk is not None or not accumulate):
-        if det_dq == "fixed" or (det_dq == "auto" and fixed_point_deterministic(hq, k.shape[-2], total_q)):
+        if det_dq == "fixed" or (det_dq == "auto" and fixed_point_deterministic(hq, k.shape[-2], total_q, d)):
             from .. import fixed_point
 
             group = hq // k.shape[-2]
