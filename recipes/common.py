@@ -221,6 +221,14 @@ def build_model(args, cp_group, device, *, deterministic: Optional[bool] = None)
     return model
 
 
+def cp_invariant_scope(reducer: str) -> str:
+    """What --cp-invariant covers in a recipe whose parameter gradients ``reducer`` sums in floating point (FSDP2's
+    reduce-scatter, DeepSpeed's all-reduce), printed at the start of such a run."""
+    return (f"cp_invariant: attention and logits have the same bits at every cp size; parameter gradients go through "
+            f"{reducer} in floating point, so the weights after a step do not (recipes/rl_deterministic.py "
+            f"--cp-invariant sums them in int64: the whole step)")
+
+
 def build_stream(args) -> PackedTokenStream:
     return PackedTokenStream(collect_documents(args.data), args.seqlen, packing=args.packing, seed=args.seed)
 

@@ -114,6 +114,8 @@ def main(argv=None):
         print(f"fsdp2: world={world} dp={layout.dp} cp={layout.cp} model={args.model} params={n_params / 1e6:.1f}M "
               f"seqlen={args.seqlen} batch={args.batch_size} dtype={dtype} packing={args.packing} "
               f"device={device} start_step={start}", flush=True)
+        if args.cp_invariant:
+            print(common.cp_invariant_scope("FSDP2's reduce-scatter"), flush=True)
     progress = common.Progress(args.steps, rank, args.metrics_out, args.log_every, start)
     meter = common.Throughput(start + args.timing_warmup, device)
     peak = common.peak_flops(args, device)
