@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -221,12 +222,38 @@ def build_model(args, cp_group, device, *, deterministic: Optional[bool] = None)
     return model
 
 
-def cp_invariant_scope(reducer: str) -> str:
-    """What --cp-invariant covers in a recipe whose parameter gradients ``reducer`` sums in floating point (FSDP2's
-    reduce-scatter, DeepSpeed's all-reduce), printed at the start of such a run."""
+def cp_invariant_scope(reducer: Optional[str]) -> str:
+    """What --cp-invariant covers, printed at the start of a run: the whole step when the parameter gradients are
+    the int64 ones (``reducer`` None), attention and logits only when ``reducer`` (DeepSpeed's reduction) sums them
+    in floating point."""
+    if reducer is None:
+        return ("cp_invariant: attention, logits and parameter gradients (int64 fixed point, summed over every rank) "
+                "have the same bits at every cp size: so do the weights after each step")
     return (f"cp_invariant: attention and logits have the same bits at every cp size; parameter gradients go through "
-            f"{reducer} in floating point, so the weights after a step do not (recipes/rl_deterministic.py "
-            f"--cp-invariant sums them in int64: the whole step)")
+            f"{reducer} in floating point, so the weights after a step do not (recipes/fsdp2_train.py and "
+            f"recipes/rl_deterministic.py sum them in int64: the whole step)")
+
+
+def install_invariant_grads(model):
+    """``model.set_invariant_grads(True)`` (every rank's sum), checking that it covers every parameter: one left to
+    the wrapper's float reduction would break the step's invariance and its scale (the loop then skips the cp
+    factor FSDP's average needs)."""
+    grads = model.set_invariant_grads(True)
+    covered = {id(s.param) for s in grads.sites}
+    missing = [n for n, p in model.named_parameters() if id(p) not in covered]
+    if missing:
+        raise SystemExit(f"--cp-invariant: no int64 gradient for parameters {missing}")
+    return grads
+
+
+def weights_hash(model) -> str:
+    """sha256 over the model's whole weights (DTensor shards gathered: every rank must call it), by name."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        h.update(name.encode())
+        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def build_stream(args) -> PackedTokenStream:
@@ -429,11 +456,17 @@ def reference_loop(model, sample_loss, args) -> dict:
     return {"loss": losses, "grad_norm": norms}
 
 
-def clip_and_step(params, optimizer, args):
+def clip_and_step(params, optimizer, args, norm: Optional[torch.Tensor] = None):
     """Gradient clipping (``--grad-clip``; its norm as a plain tensor, also for DTensor gradients, or None when
-    off), then the optimizer step."""
+    off), then the optimizer step. ``norm``: the gradients' norm, given (FixedPointGrads.finish: the same bits at
+    every cp size, where a norm over DTensor shards is not)."""
     grad_norm = None
-    if args.grad_clip:
+    if args.grad_clip and norm is not None:
+        from fa4dist.models.invariant_grads import clip_by_norm
+
+        clip_by_norm(list(params), args.grad_clip, norm)
+        grad_norm = norm
+    elif args.grad_clip:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     optimizer.step()

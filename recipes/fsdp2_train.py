@@ -103,6 +103,9 @@ def main(argv=None):
     model = common.build_model(args, layout.mesh["cp"], device)
     n_params = model.num_parameters()
     model = shard_model(model, layout, dtype)
+    # --cp-invariant: parameter gradients in int64 fixed point, summed over every rank in place of FSDP2's
+    # reduce-scatter (installed after sharding: each rank then sets its shard of the summed gradient)
+    invariant = common.install_invariant_grads(model) if args.cp_invariant else None
     optimizer = common.make_optimizer(model, args)
 
     start = 0
@@ -115,7 +118,7 @@ def main(argv=None):
               f"seqlen={args.seqlen} batch={args.batch_size} dtype={dtype} packing={args.packing} "
               f"device={device} start_step={start}", flush=True)
         if args.cp_invariant:
-            print(common.cp_invariant_scope("FSDP2's reduce-scatter"), flush=True)
+            print(common.cp_invariant_scope(None), flush=True)
     progress = common.Progress(args.steps, rank, args.metrics_out, args.log_every, start)
     meter = common.Throughput(start + args.timing_warmup, device)
     peak = common.peak_flops(args, device)
@@ -134,8 +137,9 @@ def main(argv=None):
         loss_sum, _ = common.forward_backward(
             model, samples, layout, args, device,
             before_last=(lambda: model.set_requires_gradient_sync(True)) if per_rank > 1 else None,
-            loss_scale=float(layout.cp))
-        grad_norm = common.clip_and_step(model.parameters(), optimizer, args)
+            loss_scale=1.0 if invariant else float(layout.cp))  # FSDP2 averages over dp x cp; the int64 sum, dp
+        norm = invariant.finish(divide_by=layout.dp) if invariant else None
+        grad_norm = common.clip_and_step(model.parameters(), optimizer, args, norm=norm)
         loss = common.step_loss(loss_sum, layout)
         common.sync(device)
         seconds = common.now() - t0
@@ -152,6 +156,7 @@ def main(argv=None):
 
     mem = torch.tensor([common.peak_memory_gib(device)], device=device)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    digest = common.weights_hash(model) if args.cp_invariant else None  # whole weights: every rank takes part
     if rank == 0:
         tps = meter.tokens_per_s()
         mfu = meter.mfu(peak, world)
@@ -165,7 +170,7 @@ def main(argv=None):
             peak_tflops_per_device=peak / 1e12 if peak else None,
             achieved_tflops_per_device=round(meter.flops / meter.seconds / world / 1e12, 2) if meter.seconds else None,
             peak_mem_gib=round(float(mem), 3), flop_formula=common.FLOP_FORMULA,
-            attention_backend=args.backend,
+            attention_backend=args.backend, cp_invariant=args.cp_invariant, weights_sha256=digest,
         ), flush=True)
     common.finish_distributed()
 

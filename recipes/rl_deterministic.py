@@ -29,7 +29,6 @@ final hash, is the same at every cp size (``--cp 1`` and ``--cp 2`` print the sa
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 from pathlib import Path
 
@@ -183,14 +182,6 @@ def allreduce_grads(model):
         offset += p.numel()
 
 
-def weights_hash(model) -> str:
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 def _mean(values):
     return sum(values) / len(values) if values else None
 
@@ -319,7 +310,7 @@ def main(argv=None):
         progress.update(step, **fields)
     progress.close()
 
-    digest = weights_hash(policy)
+    digest = common.weights_hash(policy)
     mine = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.uint8, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine)

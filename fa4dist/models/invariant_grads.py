@@ -13,7 +13,10 @@ maxima and T all-reduced over the group: exact), keeps every sum below 2^62.  :m
 all-reduces the int64 sums (exact in any order), converts each site once and adds a parameter's sites (a tied
 embedding has two) in a fixed order.  Blocks are canonical when every rank's tokens are whole blocks of the stream:
 plans whose chunks are multiples of ``ROW_BLOCK`` (``FA4Llama.make_plan`` asks for that in this mode).  The input
-gradients of these ops stay per token (fixed row blocks for the matrices), so nothing else changes.
+gradients of these ops stay per token (fixed row blocks for the matrices), so nothing else changes.  Several
+backward passes before ``finish`` (micro-batches) are converted one by one and added in backward order; a sharded
+parameter (FSDP2's DTensor) gets its shard of the sum; ``finish`` returns the whole gradients' norm for clipping
+(:func:`clip_by_norm`), since a norm over shards depends on the world size.
 
 Slower than autograd's own (one small product per block, int64 sums): a reproducibility mode.
 """
@@ -25,24 +28,28 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..kernels import fixed_point
 from .llama import row_block_products, row_blocks
 
 
 class _Site:
-    """One parameter's contributions from one module: the int64 sum and its scale (per backward)."""
+    """One parameter's contributions from one module: the int64 sum and its scale (per backward), and the converted
+    gradient of the step's earlier backward passes (gradient accumulation)."""
 
     def __init__(self, param: torch.nn.Parameter, grads: "FixedPointGrads"):
         self.param, self.grads = param, grads
         self.total: Optional[torch.Tensor] = None
         self.scale: Optional[torch.Tensor] = None
+        self.earlier: Optional[torch.Tensor] = None
 
     def start(self, tokens: int, *maxima: torch.Tensor) -> torch.Tensor:
-        """The power of two for this backward's contributions (all-reducing the token count and the maxima)."""
+        """The power of two for this backward's contributions (all-reducing the token count and the maxima). A
+        second backward before FixedPointGrads.finish() (micro-batches) first settles the previous one's sum: each
+        backward pass has its own scale, so their int64 sums cannot be added."""
         if self.total is not None:
-            raise RuntimeError("a cp_invariant parameter got two backward passes before FixedPointGrads.finish() "
-                               "(call finish() after each backward)")
+            self.settle(self.grads.sum_over_group([self.total]))
         device = self.param.device
         peak = torch.stack([m.reshape(()) for m in maxima]).to(device)
         count = torch.tensor([tokens], dtype=torch.int64, device=device)
@@ -54,6 +61,14 @@ class _Site:
         self.scale = fixed_point.power_of_two_scale(bound)
         self.total = torch.zeros(self.param.shape, dtype=torch.int64, device=device)
         return self.scale
+
+    def settle(self, total: torch.Tensor) -> None:
+        """This backward's int64 sum over the group, converted once (its scale is a power of two: exact) and added
+        after the earlier backward passes' (in backward order, the same at every cp size)."""
+        acc = torch.float64 if self.param.dtype == torch.float64 else torch.float32
+        value = total.to(acc) * (1.0 / self.scale.double()).to(acc)
+        self.earlier = value if self.earlier is None else self.earlier + value
+        self.total = self.scale = None
 
 
 class _FixedLinear(torch.autograd.Function):
@@ -115,8 +130,8 @@ class _FixedEmbedding(torch.autograd.Function):
 
 class FixedPointGrads:
     """The fixed-point gradients of a model's Linear (weight only), RMSNorm and Embedding parameters; install with
-    ``FA4Llama.set_invariant_grads`` and call :meth:`finish` after each backward (it sets ``p.grad``, summed over
-    ``group``, the default group when distributed: no other gradient all-reduce for these parameters)."""
+    ``FA4Llama.set_invariant_grads`` and call :meth:`finish` after the step's backward passes (it sets ``p.grad``,
+    summed over ``group``, the default group when distributed: no other gradient reduction for these parameters)."""
 
     def __init__(self, group=None):
         self.group = group
@@ -140,27 +155,57 @@ class FixedPointGrads:
     def embedding(self, tokens, weight, site):
         return _FixedEmbedding.apply(tokens, weight, site)
 
-    @torch.no_grad()
-    def finish(self) -> None:
-        """Sums every site over the group (int64: exact), converts it once and sets each parameter's gradient
-        (sites of one parameter added in installation order); sites without a backward this step add nothing."""
-        live = [s for s in self.sites if s.total is not None]
-        if self.distributed and live:
-            flat = torch.cat([s.total.flatten() for s in live])
+    def sum_over_group(self, totals: list[torch.Tensor]) -> torch.Tensor:
+        """The int64 tensors summed over the group (exact, in any order), as one flat tensor when several."""
+        flat = torch.cat([t.flatten() for t in totals]) if len(totals) > 1 else totals[0]
+        if self.distributed:
             dist.all_reduce(flat, group=self.group)
-            offset = 0
-            for s in live:
-                s.total.copy_(flat[offset:offset + s.total.numel()].view_as(s.total))
-                offset += s.total.numel()
+        return flat
+
+    @torch.no_grad()
+    def finish(self, divide_by: int = 1) -> torch.Tensor:
+        """Sums every site over the group (int64: exact), converts it once and sets each parameter's gradient
+        (sites of one parameter added in installation order; backward passes since the last finish() in their
+        order); sites without a backward this step add nothing. ``divide_by``: the gradient is the sum over the
+        group divided by it (the data-parallel replicas' mean). A sharded parameter (a DTensor, FSDP2) gets its
+        own shard of the summed gradient, which every rank has whole.
+
+        Returns the gradients' total 2-norm, computed from the whole gradients the same way on every rank, hence
+        the same bits at every cp size, unlike a norm over shards (for clipping: :func:`clip_by_norm`)."""
+        live = [s for s in self.sites if s.total is not None]
+        if live:
+            flat = self.sum_over_group([s.total for s in live])
+            for s, part in zip(live, torch.split(flat, [s.total.numel() for s in live])):
+                s.settle(part.view(s.total.shape))
         grads: dict[int, torch.Tensor] = {}
-        for s in live:
-            acc = torch.float64 if s.param.dtype == torch.float64 else torch.float32
-            value = s.total.to(acc) * (1.0 / s.scale.double()).to(acc)  # a power of two: exact
-            key = id(s.param)
-            grads[key] = value if key not in grads else grads[key] + value
-            s.total = s.scale = None
+        for s in self.sites:
+            if s.earlier is not None:
+                key = id(s.param)
+                grads[key] = s.earlier if key not in grads else grads[key] + s.earlier
+                s.earlier = None
+        squares = []
         for s in self.sites:
             g = grads.pop(id(s.param), None)
-            if g is not None:
-                g = g.to(s.param.dtype)
-                s.param.grad = g if s.param.grad is None else s.param.grad + g
+            if g is None:
+                continue
+            if divide_by != 1:
+                g = g / divide_by
+            g = g.to(s.param.dtype)
+            squares.append(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2)
+            if isinstance(s.param, DTensor):
+                g = distribute_tensor(g, s.param.device_mesh, s.param.placements, src_data_rank=None)
+            s.param.grad = g if s.param.grad is None else s.param.grad + g
+        if not squares:
+            return torch.zeros((), dtype=torch.float64)
+        return torch.stack(squares).sum().sqrt()
+
+
+@torch.no_grad()
+def clip_by_norm(params, max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scales the gradients by min(1, max_norm / (total_norm + 1e-6)), as ``torch.nn.utils.clip_grad_norm_`` does,
+    with a norm given (FixedPointGrads.finish's): elementwise, so the shards of a gradient scale as it would whole."""
+    coef = max_norm / (float(total_norm) + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)

@@ -243,8 +243,9 @@ class FA4Llama(nn.Module):
     def set_invariant_grads(self, enabled: bool = True, group=None):
         """Parameter gradients in int64 fixed point (:mod:`fa4dist.models.invariant_grads`): with cp_invariant
         attention and row-invariant products (turned on here too) a training step's gradients are the same bits at
-        every cp size.  Call ``model.invariant_grads.finish()`` after each backward: it sums the gradients over
-        ``group`` (default: every rank) and sets ``p.grad``, in place of a gradient all-reduce.  Plans come from
+        every cp size.  Call ``model.invariant_grads.finish()`` after the step's backward passes: it sums the
+        gradients over ``group`` (default: every rank) and sets ``p.grad`` (a sharded parameter's shard: install it
+        after FSDP2's ``fully_shard``), in place of the gradient all-reduce or reduce-scatter.  Plans come from
         :meth:`make_plan` (chunks aligned to the canonical token blocks).  Returns the FixedPointGrads, or None."""
         from .invariant_grads import FixedPointGrads
 

@@ -125,3 +125,35 @@ def test_row_invariant_linear_weight_gradient_is_one_product():
         grads.append((layer.weight.grad, layer.bias.grad, xi.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
     assert (grads[0][2].float() - grads[1][2].float()).abs().max() <= 1e-2 * grads[0][2].float().abs().max()
+
+
+def test_micro_batches_add_in_backward_order():
+    """Two backward passes before finish() (gradient accumulation): each is converted with its own scale and the
+    step's gradient is their sum in backward order -- the bytes of finishing each alone and adding; the returned
+    norm is the gradients' whole norm."""
+    from fa4dist.models import FA4Llama, get_config
+
+    config = get_config("tiny")
+    gen = torch.Generator().manual_seed(6)
+    batches = [torch.randint(0, config.vocab_size, (n,), generator=gen) for n in (200, 130)]
+
+    def model_and_loss(ids):
+        return model(ids, torch.arange(ids.numel())).float().logsumexp(-1).sum()
+
+    torch.manual_seed(0)
+    model = FA4Llama(config, None, cp_invariant=True, backend="reference")
+    model.set_invariant_grads(True)
+    alone = []
+    for ids in batches:
+        model_and_loss(ids).backward()
+        model.invariant_grads.finish()
+        alone.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        model.zero_grad(set_to_none=True)
+    for ids in batches:
+        model_and_loss(ids).backward()
+    norm = model.invariant_grads.finish()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for name, g in grads.items():
+        assert torch.equal(g, alone[0][name] + alone[1][name]), name
+    whole = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads.values()]).norm()
+    assert torch.allclose(norm, whole, rtol=1e-12)

@@ -1,5 +1,6 @@
 """The FSDP2 recipe on 2 CPU processes (gloo): dp x cp losses equal a single-process run of the same model and data,
-and the README's stop-and-resume pair repeats an uninterrupted run bit for bit."""
+the README's stop-and-resume pair repeats an uninterrupted run bit for bit, and --cp-invariant ends with the same
+weights at cp = 1 and 2."""
 
 from __future__ import annotations
 
@@ -32,6 +33,20 @@ def test_fsdp2_cp2_matches_single_process(tmp_path, corpus, reference):
     assert_steps_close(step_metrics(tmp_path / "first.jsonl"), reference["loss"])
     # the gradient's scale too (sum over cp, not average): AdamW would hide a constant factor in the losses
     assert_steps_close(step_metrics(tmp_path / "first.jsonl", "grad_norm"), reference["grad_norm"])
+
+
+@pytest.mark.timeout(420)
+def test_cp_invariant_weights_are_the_same_bytes_at_cp_1_and_2(corpus):
+    """--cp-invariant under FSDP2: int64 parameter gradients summed over every rank (each rank keeps its shard),
+    and clipping by their whole norm, so a cp = 1 and a cp = 2 run end with the same weights."""
+    args = launch.tiny_args(2) + ["--data", corpus, "--cp-invariant"]
+    runs = []
+    for cp in (1, 2):
+        out = launch.torchrun("fsdp2_train.py", args + ["--cp", str(cp)], nproc=cp)
+        assert "parameter gradients (int64 fixed point" in out.stdout
+        runs.append(launch.summary(out.stdout))
+    assert [s["cp"] for s in runs] == [1, 2] and all(s["cp_invariant"] for s in runs)
+    assert runs[0]["weights_sha256"] == runs[1]["weights_sha256"]
 
 
 def readme_resume_pair() -> list[list[str]]:
