@@ -222,16 +222,12 @@ def build_model(args, cp_group, device, *, deterministic: Optional[bool] = None)
     return model
 
 
-def cp_invariant_scope(reducer: Optional[str]) -> str:
-    """What --cp-invariant covers, printed at the start of a run: the whole step when the parameter gradients are
-    the int64 ones (``reducer`` None), attention and logits only when ``reducer`` (DeepSpeed's reduction) sums them
-    in floating point."""
-    if reducer is None:
-        return ("cp_invariant: attention, logits and parameter gradients (int64 fixed point, summed over every rank) "
-                "have the same bits at every cp size: so do the weights after each step")
-    return (f"cp_invariant: attention and logits have the same bits at every cp size; parameter gradients go through "
-            f"{reducer} in floating point, so the weights after a step do not (recipes/fsdp2_train.py and "
-            f"recipes/rl_deterministic.py sum them in int64: the whole step)")
+def cp_invariant_scope(invariant: str, rest: Optional[str] = None) -> str:
+    """The line a recipe prints with --cp-invariant: what has the same bits at every cp size, and what does not."""
+    if rest is None:
+        return f"cp_invariant: {invariant} have the same bits at every cp size: so do the weights after each step"
+    return (f"cp_invariant: {invariant} have the same bits at every cp size; {rest} do not, so the weights after a "
+            f"step do not (recipes/fsdp2_train.py and recipes/rl_deterministic.py make the whole step invariant)")
 
 
 def install_invariant_grads(model):

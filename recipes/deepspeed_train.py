@@ -146,7 +146,8 @@ def main(argv=None):
               f"params={n_params / 1e6:.1f}M seqlen={args.seqlen} batch={args.batch_size} dtype={dtype} "
               f"device={device} accelerator={deepspeed.get_accelerator()._name} start_step={start}", flush=True)
         if args.cp_invariant:
-            print(common.cp_invariant_scope("DeepSpeed's reduction"), flush=True)
+            print(common.cp_invariant_scope(
+                "attention and logits", "parameter gradients (DeepSpeed's float reduction)"), flush=True)
     progress = common.Progress(args.steps, rank, args.metrics_out, args.log_every, start)
     meter = common.Throughput(start + args.timing_warmup, device)
     peak = common.peak_flops(args, device)

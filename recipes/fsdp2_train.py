@@ -118,7 +118,8 @@ def main(argv=None):
               f"seqlen={args.seqlen} batch={args.batch_size} dtype={dtype} packing={args.packing} "
               f"device={device} start_step={start}", flush=True)
         if args.cp_invariant:
-            print(common.cp_invariant_scope(None), flush=True)
+            print(common.cp_invariant_scope(
+                "attention, logits and parameter gradients (int64 fixed point, summed over every rank)"), flush=True)
     progress = common.Progress(args.steps, rank, args.metrics_out, args.log_every, start)
     meter = common.Throughput(start + args.timing_warmup, device)
     peak = common.peak_flops(args, device)

@@ -282,7 +282,8 @@ def prepare(args, layout, device, dtype):
         hidden=cfg.hidden_size, ffn=cfg.intermediate_size, vocab=cfg.vocab_size, kv_heads=cfg.num_key_value_heads,
     )
     handle = enable_context_parallel(model, mesh=layout.mesh["cp"], strategy=args.strategy, balancer=args.balancer,
-                                     backend=args.backend, deterministic=args.deterministic or None)
+                                     backend=args.backend, deterministic=args.deterministic or None,
+                                     cp_invariant=True if args.cp_invariant else None)
     if args.activation_checkpointing or args.offload_checkpoints:
         enable_activation_checkpointing(model, args.offload_checkpoints)
     if args.tile_mlp:
@@ -413,6 +414,11 @@ def main(argv=None):
               f"{args.checkpoint or args.model} params={facts['params'] / 1e6:.1f}M seqlen={args.seqlen} "
               f"batch={args.batch_size} dtype={dtype} packing={args.packing} loss={args.loss} device={device} "
               f"attention={handle.name} (cp_size={handle.cp_size})", flush=True)
+        if args.cp_invariant:
+            print(common.cp_invariant_scope(
+                "the attention's outputs and gradients",
+                "the transformers model's matrix products over each rank's rows and FSDP2's gradient reduce-scatter"),
+                flush=True)
     progress = common.Progress(args.steps, rank, args.metrics_out, args.log_every)
     meter = common.Throughput(args.timing_warmup, device)
     peak = common.peak_flops(args, device)

@@ -190,7 +190,7 @@ class ContextParallelHandle:
 
     def __init__(self, model, group=None, mesh=None, strategy: str = "auto", balancer: str = "lpt", *,
                  backend: str = "auto", deterministic: Optional[bool] = None, num_chunks: Optional[int] = None,
-                 timeout: float = 300.0, check_batch: bool = True):
+                 timeout: float = 300.0, check_batch: bool = True, cp_invariant: Optional[bool] = None):
         problems = unsupported_features(model)
         if problems:
             raise UnsupportedMask(f"{type(model).__name__} cannot run with fa4dist context parallelism: "
@@ -203,7 +203,7 @@ class ContextParallelHandle:
             group = dist.group.WORLD
         self.model, self.balancer, self.num_chunks, self.check_batch = model, balancer, num_chunks, check_batch
         self._options = dict(group=group, mesh=mesh, strategy=strategy, backend=backend,
-                             deterministic=deterministic, timeout=timeout)
+                             deterministic=deterministic, timeout=timeout, cp_invariant=cp_invariant)
         self._cores: dict = {}
         self._planner = self.attention(None)  # every core shares the group: one answers cp size, rank, plans
         self.loss_group = _loss_group(group, mesh)
@@ -388,7 +388,7 @@ def _loss_group(group, mesh):
 def enable_context_parallel(model, group=None, mesh=None, strategy: str = "auto", balancer: str = "lpt", *,
                             backend: str = "auto", deterministic: Optional[bool] = None,
                             num_chunks: Optional[int] = None, timeout: float = 300.0,
-                            check_batch: bool = True) -> ContextParallelHandle:
+                            check_batch: bool = True, cp_invariant: Optional[bool] = None) -> ContextParallelHandle:
     """Runs ``model``'s attention layers with fa4dist context parallelism; returns the handle
     (``shard_batch``, ``loss``, ``disable``; a context manager).
 
@@ -397,11 +397,13 @@ def enable_context_parallel(model, group=None, mesh=None, strategy: str = "auto"
     - ``strategy``: ``"auto"``, ``"ring"``, ``"ulysses"``, ``"hybrid"`` (:class:`FA4ContextParallelAttention`).
     - ``balancer``: the plan's balancer, ``"lpt"`` (default), ``"zigzag"`` or ``"contiguous"``; ``num_chunks`` its
       chunk count (default 8 per rank).
-    - ``backend``, ``deterministic``, ``timeout``: passed to the attention.
+    - ``backend``, ``deterministic``, ``timeout``, ``cp_invariant``: passed to the attention
+      (:class:`FA4ContextParallelAttention`; ``cp_invariant`` makes the attention's results the same bits at every
+      cp size, not the rest of the transformers model).
     - ``check_batch``: compare a checksum of the batch over the cp ranks in every ``shard_batch``.
 
     Raises :class:`~fa4dist.integrations.hf.UnsupportedMask` naming what the model needs that the attention does
     not compute (chunked or bidirectional attention, other layer types, no AttentionInterface)."""
     return ContextParallelHandle(model, group, mesh, strategy, balancer, backend=backend,
                                  deterministic=deterministic, num_chunks=num_chunks, timeout=timeout,
-                                 check_batch=check_batch)
+                                 check_batch=check_batch, cp_invariant=cp_invariant)

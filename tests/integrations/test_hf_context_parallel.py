@@ -68,7 +68,7 @@ def oracle(family: str, lengths=LENGTHS):
     return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def _cp_run(rank, world, family, cp, tiled, strategy="auto"):
+def _cp_run(rank, world, family, cp, tiled, strategy="auto", cp_invariant=None):
     """On ranks < cp: the loss share and gradients, summed over the cp group (rank 0 returns them)."""
     import torch.distributed as dist
 
@@ -76,7 +76,7 @@ def _cp_run(rank, world, family, cp, tiled, strategy="auto"):
         return None
     group = GROUPS[cp]
     model = tiny_model(family)
-    handle = enable_context_parallel(model, group=group, strategy=strategy)
+    handle = enable_context_parallel(model, group=group, strategy=strategy, cp_invariant=cp_invariant)
     assert handle.cp_size == cp and handle.cp_rank == rank
     local = handle.shard_batch(packed_batch())
     if tiled:
@@ -84,6 +84,7 @@ def _cp_run(rank, world, family, cp, tiled, strategy="auto"):
     else:
         loss = handle.loss(model(**local).logits, local)
     loss.backward()
+    assert all(core.cp.cp_invariant == bool(cp_invariant) for core in handle._cores.values())
     strategies = sorted({core.cp.strategy_name(core.cp.degree(4, 2, local[PLAN_KEY])) for core in
                          handle._cores.values()})
     handle.disable()
@@ -130,6 +131,13 @@ def check_against_oracle(result, want, strategy=None):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_cp_loss_and_gradients_equal_per_document_oracle(pool, oracles, family, cp, tiled):
     check_against_oracle(pool.run(_cp_run, family=family, cp=cp, tiled=tiled)[0], oracles[family])
+
+
+def test_cp_invariant_attention_through_the_handle_equals_the_oracle(pool, oracles):
+    """enable_context_parallel(cp_invariant=True) runs every attention core in that mode (the gather engine), with
+    the model's loss and gradients."""
+    check_against_oracle(pool.run(_cp_run, family="llama", cp=2, tiled=False, cp_invariant=True)[0],
+                         oracles["llama"])
 
 
 @pytest.mark.parametrize("strategy", ["ring", "ulysses"])
