@@ -196,16 +196,17 @@ class FixedPointGrads:
                 g = distribute_tensor(g, s.param.device_mesh, s.param.placements, src_data_rank=None)
             s.param.grad = g if s.param.grad is None else s.param.grad + g
         if not squares:
-            return torch.zeros((), dtype=torch.float64)
+            return torch.zeros((), dtype=torch.float64, device=self.sites[0].param.device if self.sites else None)
         return torch.stack(squares).sum().sqrt()
 
 
 @torch.no_grad()
 def clip_by_norm(params, max_norm: float, total_norm: torch.Tensor) -> None:
     """Scales the gradients by min(1, max_norm / (total_norm + 1e-6)), as ``torch.nn.utils.clip_grad_norm_`` does,
-    with a norm given (FixedPointGrads.finish's): elementwise, so the shards of a gradient scale as it would whole."""
-    coef = max_norm / (float(total_norm) + 1e-6)
-    if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+    with a norm given (FixedPointGrads.finish's): elementwise, so the shards of a gradient scale as it would whole.
+    The coefficient stays on the device (no host sync); a DTensor gradient is scaled through its local shard."""
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            local.mul_(coef.to(local.device, local.dtype))

@@ -179,6 +179,11 @@ def test_ranks_with_different_batches_fail_alike(pool):
 # ---- single process: refusals and undo ------------------------------------------------------------------------
 
 
+def test_cp_invariant_must_be_a_bool():
+    with pytest.raises(TypeError, match="cp_invariant must be a bool"):
+        enable_context_parallel(tiny_model("llama"), cp_invariant="yes")
+
+
 def test_disable_restores_the_models_own_attention():
     model = tiny_model("llama")
     batch = packed_batch()

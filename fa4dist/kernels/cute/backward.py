@@ -392,7 +392,6 @@ def launch_steps(
     varlen = cu_seqlens_q is not None
     d = q.shape[-1]
     hq = q.shape[-2]
-    tm = overrides.get("tile_m") or tile_m_for(d)  # a measurement knob may pick the other tile
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     if not softmax_scale > 0:
@@ -463,6 +462,7 @@ def launch_steps(
         window_left=window_left, softcap=softcap, grads=grads, dq_fixed=dq_fixed, fixed_to_float=fixed_to_float,
         **overrides,
     )
+    tm = main_cfg.tile_m  # make_configs chose it (a measurement knob may pick the other tile)
     if grads == "dq":  # never written (the kernel's dK / dV stores are compiled out); shaped like k for its checks
         dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
