@@ -5,6 +5,7 @@
     python bench/kernels.py --cute-variants fwd:rescale_threshold=0 bwd:det_chunk=8   # cute config overrides
     python bench/kernels.py --softcap 30 --backends cute flash_attn_4      # soft-capped scores (Gemma 2)
     python bench/kernels.py --deterministic --cute-variants bwd-det:grads=all bwd-det:grads=dq bwd-det:grads=dkv
+    python bench/kernels.py --baseline-dir OLD   # also "cute@baseline": OLD/fa4dist (another checkout) interleaved
 
 Sizes follow ../shared/docs/anchors.md: batch = total_tokens / seqlen, heads = model_dim / headdim, bf16.
 TFLOP/s counts 4*B*H*S^2*D per forward (half of it when causal) and 2.5x that per backward.  Before timing, each
@@ -48,6 +49,25 @@ def bench_ms(fn, warmup_ms=25, rep_ms=100) -> float:
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
         return sorted(times)[len(times) // 2]
+
+
+_BASELINE = None  # the fa4dist.kernels module of --baseline-dir, imported as fa4dist_baseline
+
+
+def load_baseline(checkout: str):
+    """Import ``checkout/fa4dist`` under the name fa4dist_baseline (its kernels use relative imports only), so an
+    older checkout's kernels run beside this one's in the same rounds: an A/B free of the machine's drift."""
+    import importlib.util
+
+    pkg = os.path.join(os.path.abspath(checkout), "fa4dist")
+    spec = importlib.util.spec_from_file_location("fa4dist_baseline", os.path.join(pkg, "__init__.py"),
+                                                  submodule_search_locations=[pkg])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["fa4dist_baseline"] = mod
+    spec.loader.exec_module(mod)
+    import fa4dist_baseline.kernels as kernels
+
+    return kernels
 
 
 def flops(batch, heads, seqlen, headdim, causal, direction):
@@ -131,12 +151,15 @@ def _make_fn(name, direction, deterministic, q, k, v, dout, causal, fa4, overrid
         steps = cbwd.launch_steps(dout, q, k, v, out, lse, *grads, causal=causal, deterministic=deterministic,
                                   accumulate=which is not None, **cap, **overrides)
         return (lambda: [st() for st in steps]), None
+    fwd_api, bwd_api = attention_forward, attention_backward
+    if name == "cute@baseline":
+        fwd_api, bwd_api, name = _BASELINE.attention_forward, _BASELINE.attention_backward, "cute"
     if direction == "fwd":
-        fn = lambda: attention_forward(q, k, v, causal=causal, backend=name, **cap)  # noqa: E731
+        fn = lambda: fwd_api(q, k, v, causal=causal, backend=name, **cap)  # noqa: E731
         return fn, fn()[0]
-    out, lse = attention_forward(q, k, v, causal=causal, backend=name, **cap)
-    return (lambda: attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic,
-                                       backend=name, **cap)), None
+    out, lse = fwd_api(q, k, v, causal=causal, backend=name, **cap)
+    return (lambda: bwd_api(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic,
+                            backend=name, **cap)), None
 
 
 def run(args):
@@ -147,6 +170,8 @@ def run(args):
     fa4 = _fa4()
     if fa4 is not None and (not args.backends or "flash_attn_4" in args.backends):
         backends.append("flash_attn_4")
+    if _BASELINE is not None:
+        backends.append("cute@baseline")
     variants = parse_variants(args.cute_variants)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  backends: {backends}  "
           f"variants: {[v[0] for v in variants]}", flush=True)
@@ -212,9 +237,13 @@ def run(args):
 
 def _accumulate_cost(args):
     """Cost of merging a block into a running fp32 (out, lse) against a plain forward of the same block (cute),
-    interleaved rounds, medians."""
+    interleaved rounds, medians; ``--accumulate-variants`` adds merges through the kernels' entry point with cute
+    config overrides (e.g. prefetch_running=false) to the same rounds."""
+    from fa4dist.kernels.cute import forward as cfwd
+
     rows = []
     device = torch.device("cuda")
+    variants = [(spec, parse_variants([f"fwd:{spec}"])[0][3]) for spec in args.accumulate_variants or []]
     for seqlen in args.accumulate_seqlens:
         for causal in (False, True):
             headdim, batch = 128, max(1, args.total_tokens // seqlen)
@@ -224,18 +253,32 @@ def _accumulate_cost(args):
             run_out = torch.zeros(batch, seqlen, heads, headdim, device=device)
             run_lse = torch.randn(batch, heads, seqlen, device=device)
             try:
-                plain = lambda: attention_forward(q, k, v, causal=causal, backend="cute")  # noqa: E731
-                acc = lambda: attention_forward(q, k, v, causal=causal, out=run_out, lse=run_lse,  # noqa: E731
-                                                accumulate=True, backend="cute")
-                plain()
-                acc()
-                tp, ta = [], []
+                fns = {
+                    "plain": lambda: attention_forward(q, k, v, causal=causal, backend="cute"),
+                    "accumulate": lambda: attention_forward(q, k, v, causal=causal, out=run_out, lse=run_lse,
+                                                            accumulate=True, backend="cute"),
+                }
+                if _BASELINE is not None:
+                    fns["baseline"] = lambda: _BASELINE.attention_forward(q, k, v, causal=causal, out=run_out,
+                                                                          lse=run_lse, accumulate=True, backend="cute")
+                    fns["baseline_plain"] = lambda: _BASELINE.attention_forward(q, k, v, causal=causal, backend="cute")
+                for spec, kw in variants:
+                    fns[spec] = (lambda kw=kw: cfwd.forward(q, k, v, run_out, run_lse, causal=causal,
+                                                            accumulate=True, **kw))
+                times = {name: [] for name in fns}
+                for fn in fns.values():
+                    fn()
                 for _ in range(args.rounds):
-                    tp.append(bench_ms(plain, args.warmup_ms, args.rep_ms))
-                    ta.append(bench_ms(acc, args.warmup_ms, args.rep_ms))
-                p, a = statistics.median(tp), statistics.median(ta)
+                    for name, fn in fns.items():
+                        times[name].append(bench_ms(fn, args.warmup_ms, args.rep_ms))
+                med = {name: statistics.median(t) for name, t in times.items()}
+                p, a = med["plain"], med["accumulate"]
                 row = dict(backend="cute", seqlen=seqlen, headdim=headdim, causal=causal, plain_ms=p,
-                           accumulate_ms=a, overhead=a / p - 1)
+                           accumulate_ms=a, overhead=a / p - 1,
+                           variants={spec: dict(ms=med[spec], overhead=med[spec] / p - 1) for spec, _ in variants})
+                if _BASELINE is not None:
+                    row["baseline"] = dict(plain_ms=med["baseline_plain"], accumulate_ms=med["baseline"],
+                                           overhead=med["baseline"] / med["baseline_plain"] - 1)
             except Exception as exc:
                 row = dict(backend="cute", seqlen=seqlen, causal=causal, error=f"{type(exc).__name__}: {exc}"[:300])
             rows.append(row)
@@ -324,12 +367,19 @@ def main():
     p.add_argument("--reference-max-seqlen", type=int, default=2048)
     p.add_argument("--accumulate", action="store_true", help="also time the accumulate (merge) entry point")
     p.add_argument("--accumulate-seqlens", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--accumulate-variants", nargs="*", default=None,
+                   help="cute forward overrides timed as merges beside the default (prefetch_running=false)")
+    p.add_argument("--baseline-dir", default=None,
+                   help="a checkout whose fa4dist kernels run as backend cute@baseline in the same rounds")
     p.add_argument("--warmup-ms", type=int, default=25)
     p.add_argument("--rep-ms", type=int, default=100)
     p.add_argument("--out-dir", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results")))
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
+    if args.baseline_dir:
+        global _BASELINE
+        _BASELINE = load_baseline(args.baseline_dir)
     started = time.time()
     rows, accumulate_rows = run(args)
     os.makedirs(args.out_dir, exist_ok=True)

@@ -42,6 +42,7 @@ SUBSET = [
     (torch.bfloat16, 128, True, False, False, {"sinks": True}),  # TMA-store epilogue
     (torch.float16, 64, True, True, False, {"sinks": True, "window_left": 127, "softcap": 20.0}),  # direct
     (torch.bfloat16, 128, True, True, True, {"worklist": True}),  # one launch over a work list's item table
+    (torch.bfloat16, 128, False, False, True, {"prefetch_running": False}),
 ]
 
 
@@ -79,7 +80,9 @@ def test_compile_variant(variant, tmp_path, monkeypatch, capfd):
     assert len(re.findall(r"setmaxnreg\.(inc|dec)", ptx)) == 2
     assert "ld.local" not in ptx and "st.local" not in ptx
     if acc:
-        assert "ld.global" in ptx  # reads the running out / lse
+        # reads the running out (two floats per load) / lse, asked from L2 ahead by the producer warp
+        assert "ld.global.v2.b32" in ptx
+        assert ("cp.async.bulk.prefetch.L2.global" in ptx) == cfg.prefetch_running
     if cfg.tma_store_o and not varlen and not acc and not extra.get("out_fp32"):
         assert "stmatrix" in ptx and "cp.async.bulk.tensor.4d.global.shared" in ptx
     if extra.get("softcap"):

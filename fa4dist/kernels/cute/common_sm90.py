@@ -68,6 +68,37 @@ def _bulk_reduce_add(kind, smem_ptr, gmem_ptr, num_bytes, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def prefetch_l2_bulk(gmem_ptr, num_bytes, *, loc=None, ip=None):
+    """cp.async.bulk.prefetch.L2: ask L2 for `num_bytes` (a multiple of 16) contiguous bytes at a 16-byte aligned
+    address; a hint with no completion to wait for."""
+    g = gmem_ptr.toint(loc=loc, ip=ip).ir_value()
+    llvm.inline_asm(
+        None,
+        [g, Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.async.bulk.prefetch.L2.global [$0], $1;",
+        "l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def prefetch_l2(gmem_ptr, *, loc=None, ip=None):
+    """prefetch.global.L2: ask L2 for the line holding one address (any alignment)."""
+    g = gmem_ptr.toint(loc=loc, ip=ip).ir_value()
+    llvm.inline_asm(
+        None,
+        [g],
+        "prefetch.global.L2 [$0];",
+        "l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
 def ld_acquire_gpu(ptr, *, loc=None, ip=None) -> Int32:
     addr = ptr.toint(loc=loc, ip=ip).ir_value()
     val = llvm.inline_asm(
@@ -211,14 +242,22 @@ def wgmma_gemm(
     tB: cute.Tensor,
     zero_init: cutlass.Constexpr[bool],
 ):
-    """Issue one warpgroup GEMM (all K blocks) as one wgmma commit group; does not wait."""
+    """Issue one warpgroup GEMM (all K blocks) as one wgmma commit group; does not wait. ``tA``: the A fragment,
+    or the tuple of its K-block slices (``k_slices``): sliced once before a loop, their smem descriptors are
+    loop-invariant values instead of 64-bit adds in every iteration."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
-        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+    for k in cutlass.range_constexpr(cute.size(tB.shape[2])):
+        a_k = tA[k] if isinstance(tA, tuple) else tA[None, None, k]
+        cute.gemm(atom, acc, a_k, tB[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
+
+
+def k_slices(frag: cute.Tensor) -> tuple:
+    """The K-block slices of an MMA operand fragment, for :func:`wgmma_gemm`."""
+    return tuple(frag[None, None, k] for k in range(cute.size(frag.shape[2])))
 
 
 @cute.jit

@@ -56,6 +56,9 @@ class FwdConfig:
     # one launch over a work list (packed tensors; the item table of block_info.WORKLIST_COLUMNS replaces
     # cu_seqlens, and its diagonal column the offsets): forward_worklist
     worklist: bool = False
+    # accumulate: the producer prefetches the running (out, lse) rows into L2 before the epilogue merges into them.
+    # False is a measurement knob (the epilogue then waits on HBM for them)
+    prefetch_running: bool = True
 
     def build(self):
         from .fwd_sm90 import FlashFwdSm90
@@ -67,6 +70,7 @@ class FwdConfig:
             rescale_threshold=self.rescale_threshold, tma_store_o=self.tma_store_o, sanitize=self.sanitize,
             window_left=self.window_left, softcap=self.softcap, sinks=self.sinks,
             softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
+            prefetch_running=self.prefetch_running,
         )
 
     def fake_args(self):
@@ -115,7 +119,7 @@ def default_rescale_threshold(head_dim: int, causal: bool) -> float:
 _FIELDS = {
     "tile_m": int, "tile_n": int, "num_stages": int, "intra_wg_overlap": host.parse_bool,
     "sched_barrier": host.parse_bool, "rescale_threshold": float, "tma_store_o": host.parse_bool,
-    "sanitize": host.parse_bool, "softcap_fixed_max": host.parse_bool,
+    "sanitize": host.parse_bool, "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
 }
 # the fields a work-list launch must share with the per-item calls it replaces to give their bits (all but these)
 _LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o")

@@ -43,7 +43,10 @@ from .block_info import WORKLIST_COLUMNS, BlockInfo, SeqlenInfo
 from .common_sm90 import (
     Context,
     acc_to_operand_a,
+    k_slices,
     mn_view,
+    prefetch_l2,
+    prefetch_l2_bulk,
     select_modes,
     smem_layout_kmajor,
     tma_pipeline,
@@ -55,6 +58,11 @@ from .mask import AttentionMask
 from .sanitize import NONE, block_any, clear_nonfinite_rows, clear_nonfinite_rows_marking, tile_maybe_nonfinite
 from .softmax import OnlineSoftmax, merge_lse, softcap_fixed_row_max, softcap_scale_log2, softcap_scores
 from .tile_scheduler import fwd_work_tile
+
+
+# a tile of at most this many key blocks prefetches its running (out, lse) at its start: ~1.7 us per block at
+# hdim 128 against ~2 us for an SM's share of HBM bandwidth to bring 64 KB when every SM does it at once
+PREFETCH_LEAD_BLOCKS = 4
 
 
 class FlashFwdSm90:
@@ -83,6 +91,7 @@ class FlashFwdSm90:
         sinks: bool = False,
         softcap_fixed_max: bool = True,
         worklist: bool = False,
+        prefetch_running: bool = True,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
         assert head_dim % 16 == 0 and tile_n % 16 == 0
@@ -105,6 +114,9 @@ class FlashFwdSm90:
         assert not worklist or (varlen and not seg_offsets)
         self.worklist = worklist
         self.accumulate = accumulate
+        # accumulate: the producer warp asks L2 for the running (out, lse) of the tile once its last K/V load is
+        # out, so the epilogue's reads of them hit L2 instead of waiting on HBM
+        self.prefetch_running = prefetch_running and accumulate
         self.seg_offsets = seg_offsets
         self.tile_m = tile_m
         self.tile_n = tile_n
@@ -389,6 +401,11 @@ class FlashFwdSm90:
                   tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
         pipe_q.producer_acquire(q_state)
         cute.copy(io.tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        # the running (out, lse) of a short tile is asked for now (its last loads would leave too little time)
+        prefetch_early = n_blocks <= PREFETCH_LEAD_BLOCKS
+        if const_expr(self.prefetch_running):
+            if prefetch_early:
+                self.prefetch_running_tile(io, tile, seqlen)
         # V tiles of the masked blocks (sanitized_v_counts) land on the sanitizer's barrier instead
         san = self.sanitize_v
         if const_expr(self.intra_wg_overlap):
@@ -455,6 +472,38 @@ class FlashFwdSm90:
                 else:
                     self.load_v(ld, kv_state, n)
                 kv_state.advance()
+        if const_expr(self.prefetch_running):
+            if not prefetch_early:
+                self.prefetch_running_tile(io, tile, seqlen)
+
+    @cute.jit
+    def prefetch_running_tile(self, io: Context, tile, seqlen: SeqlenInfo):
+        """Warp-wide: L2 prefetches of the tile's rows of the running fp32 out (one bulk prefetch of a row per
+        lane and step) and of its running lse (a line per lane), rows past seqlen_q left alone. Issued after the
+        last K/V load (about two key blocks, the pipeline's depth, before the epilogue reads them), or for a tile of
+        at most PREFETCH_LEAD_BLOCKS blocks right after Q's load."""
+        D = self.head_dim
+        mO_cur, mL_cur = self.running_views(io, tile, seqlen)
+        lane = cute.arch.lane_idx()
+        first = tile.block * self.tile_m
+        rows = cutlass.min(seqlen.seqlen_q - first, Int32(self.tile_m))
+        for i in cutlass.range_constexpr(self.tile_m // 32):
+            r = lane + i * 32
+            if r < rows:
+                prefetch_l2_bulk(cute.domain_offset((first + r, 0), mO_cur).iterator, D * 4)
+        # the lse rows are contiguous: one line (32 floats) per lane, and the last row (the tile may reach into
+        # one more line than tile_m / 32)
+        if lane * 32 < rows:
+            prefetch_l2(cute.domain_offset((first + lane * 32,), mL_cur).iterator)
+        if lane == 0 and rows > 0:
+            prefetch_l2(cute.domain_offset((first + rows - 1,), mL_cur).iterator)
+
+    def running_views(self, io: Context, tile, seqlen: SeqlenInfo):
+        """(out, lse) of the tile's sequence and head: (seqlen_q, D) and (seqlen_q,) views."""
+        if const_expr(not self.varlen):
+            return io.mO[None, None, tile.head, tile.batch], io.mLSE[None, tile.head, tile.batch]
+        return (cute.domain_offset((seqlen.offset_q, 0), io.mO[None, None, tile.head]),
+                cute.domain_offset((seqlen.offset_q,), io.mLSE[None, tile.head]))
 
     @cute.jit
     def load_k(self, ld: Context, tKgK: cute.Tensor, tKsK: cute.Tensor, state, n: Int32):
@@ -544,7 +593,9 @@ class FlashFwdSm90:
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
 
         D = self.head_dim
-        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(io.sQ))
+        # Q's K-block slices once: their descriptors stay out of the key-block loop (SASS: 3 fewer 64-bit adds per
+        # block at hdim 128)
+        tSrQ = k_slices(wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(io.sQ)))
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(io.sK))
         sVt = transpose_smem(io.sV)  # (D, tile_n, stages)
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
@@ -775,54 +826,70 @@ class FlashFwdSm90:
         D = self.head_dim
         acc_O = ml.acc_O
         row_sum = ml.softmax.row_sum
-        m_block, head, batch = tile.block, tile.head, tile.batch
+        m_block = tile.block
         seqlen_q = seqlen.seqlen_q
-        mO, mLSE = io.mO, io.mLSE
+        mO_cur, mL_cur = self.running_views(io, tile, seqlen)
         thr_mma_pv = ml.tiled_mma_pv.get_slice(tidx)
-        if const_expr(not self.varlen):
-            mO_cur = mO[None, None, head, batch]
-            mL_cur = mLSE[None, head, batch]
-        else:
-            mO_cur = cute.domain_offset((seqlen.offset_q, 0), mO[None, None, head])
-            mL_cur = cute.domain_offset((seqlen.offset_q,), mLSE[None, head])
         gO = cute.local_tile(mO_cur, (self.tile_m, D), (m_block, 0))
         tOgO_mn = mn_view(thr_mma_pv.partition_C(gO))
         cO = cute.make_identity_tensor((self.tile_m, D))
         tOcO_mn = mn_view(thr_mma_pv.partition_C(cO))
         acc_mn = mn_view(acc_O)
         is_col0 = tOcO_mn[0, 0][1] == 0
-        sink = None
-        if const_expr(self.sinks):
-            sink = io.mSinks[head]
-        for r in cutlass.range_constexpr(cute.size(row_sum)):
-            row = m_block * self.tile_m + tOcO_mn[r, 0][0]
-            inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row), sink)
-            lse_old = Float32(-math.inf)
-            if const_expr(self.accumulate):
-                # the quad leader reads the running lse; the shuffle hands it to the 3 other
-                # lanes of the row and orders that read before the leader's write below
-                if row < seqlen_q and is_col0:
-                    lse_old = mL_cur[row]
-                lane = cute.arch.lane_idx()
-                lse_old = cute.arch.shuffle_sync(lse_old, offset=lane & ~3)
-            if row < seqlen_q:
-                if const_expr(not self.accumulate):
-                    o = cute.make_rmem_tensor_like(acc_mn[r, None], mO.element_type)
-                    o.store((acc_mn[r, None].load() * inv).to(mO.element_type))
+        if const_expr(self.accumulate):
+            self.merge_running(ml, tOgO_mn, tOcO_mn, mL_cur, mO_cur.stride[0], m_block, seqlen_q, is_col0)
+        else:
+            sink = None
+            if const_expr(self.sinks):
+                sink = io.mSinks[tile.head]
+            for r in cutlass.range_constexpr(cute.size(row_sum)):
+                row = m_block * self.tile_m + tOcO_mn[r, 0][0]
+                inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row), sink)
+                if row < seqlen_q:
+                    o = cute.make_rmem_tensor_like(acc_mn[r, None], io.mO.element_type)
+                    o.store((acc_mn[r, None].load() * inv).to(io.mO.element_type))
                     cute.autovec_copy(o, tOgO_mn[r, None])
                     if is_col0:
                         mL_cur[row] = lse
-                else:
-                    # merge (acc/s, lse) into the running (out, lse_old)
-                    w_old, w_new, lse_out = merge_lse(lse_old, lse)
-                    o_old = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
-                    cute.autovec_copy(tOgO_mn[r, None], o_old)
-                    o_blk = acc_mn[r, None].load() * (inv * w_new)
-                    o_new = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
-                    if w_old == Float32(0.0):
-                        o_new.store(o_blk)
-                    else:
-                        o_new.store(o_old.load() * w_old + o_blk)
-                    cute.autovec_copy(o_new, tOgO_mn[r, None])
-                    if is_col0:
-                        mL_cur[row] = lse_out
+
+    @cute.jit
+    def merge_running(self, ml: Context, tOgO_mn, tOcO_mn, mL_cur, row_stride, m_block: Int32, seqlen_q: Int32,
+                      is_col0):
+        """Merge this block's (O / rowsum, lse) into the running fp32 (out, lse) of the tile's rows. Every read
+        is issued before the first write (rows past seqlen_q read the last row instead: no branch around the
+        loads), so the reads of all rows overlap; the producer has asked L2 for these rows already."""
+        acc_mn = mn_view(ml.acc_O)
+        row_sum = ml.softmax.row_sum
+        n_rows = cute.size(row_sum)
+        lse_old = cute.make_rmem_tensor_like(row_sum, Float32)
+        o_old = cute.make_rmem_tensor_like(ml.acc_O, Float32)
+        o_old_mn = mn_view(o_old)
+        for r in cutlass.range_constexpr(n_rows):
+            row = m_block * self.tile_m + tOcO_mn[r, 0][0]
+            row_in = cutlass.min(row, seqlen_q - 1)
+            # the quad leader reads the running lse; the shuffle below hands it to the 3 other lanes of the row
+            # and orders that read before the leader's write
+            lse_r = Float32(-math.inf)
+            if is_col0:
+                lse_r = mL_cur[row_in]
+            lse_old[r] = lse_r
+            src = tOgO_mn[r, None]
+            src = cute.make_tensor(src.iterator + (row_in - row) * row_stride, src.layout)
+            cute.autovec_copy(src, o_old_mn[r, None])
+        lane = cute.arch.lane_idx()
+        for r in cutlass.range_constexpr(n_rows):
+            lse_old[r] = cute.arch.shuffle_sync(lse_old[r], offset=lane & ~3)
+        for r in cutlass.range_constexpr(n_rows):
+            row = m_block * self.tile_m + tOcO_mn[r, 0][0]
+            inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row), None)
+            w_old, w_new, lse_out = merge_lse(lse_old[r], lse)
+            o_blk = acc_mn[r, None].load() * (inv * w_new)
+            o_new = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
+            if w_old == Float32(0.0):  # an empty running row may hold anything: 0 * NaN must not leak
+                o_new.store(o_blk)
+            else:
+                o_new.store(o_old_mn[r, None].load() * w_old + o_blk)
+            if row < seqlen_q:
+                cute.autovec_copy(o_new, tOgO_mn[r, None])
+                if is_col0:
+                    mL_cur[row] = lse_out

@@ -82,7 +82,9 @@ class OnlineSoftmax:
         row_scale = cute.make_rmem_tensor_like(row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(row_max)):
             vals = acc_mn[r, None].load()
-            m_cur = vals.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            # as Float32, so that every step of the quad's reduction is one max.f32 (a generic scalar gets a
+            # NaN-propagating compare-and-select, 3 instructions; a NaN score makes its row NaN through P anyway)
+            m_cur = Float32(vals.reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
             m_cur = cute.arch.warp_reduction_max(m_cur, threads_in_group=4)
             m_old = row_max[r]
             m_new = cute.arch.fmax(m_old, m_cur)
