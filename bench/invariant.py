@@ -32,6 +32,8 @@ def parse_args(argv=None):
     p.add_argument("--headdim", type=int, default=128)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--baseline-dir", default=None,
+                   help="a checkout whose fa4dist also runs cp_invariant=True (mode cp_invariant@baseline)")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     return p.parse_args(argv)
 
@@ -45,6 +47,12 @@ def main(argv=None):
     import fa4dist
 
     device = torch.device("cuda")
+    modes = {name: (fa4dist.attention, kw) for name, kw in MODES.items()}
+    if args.baseline_dir:
+        from kernels import load_baseline
+
+        load_baseline(args.baseline_dir)
+        modes["cp_invariant@baseline"] = (sys.modules["fa4dist_baseline"].attention, MODES["cp_invariant"])
     rows = []
     for tokens in args.tokens:
         for spec in args.heads:
@@ -54,15 +62,15 @@ def main(argv=None):
                                          generator=gen) for h in (hq, hkv, hkv, hq))
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             times = {}
-            for mode, kw in MODES.items():
+            for mode, (attention, kw) in modes.items():
                 def fwd():
                     with torch.no_grad():
-                        fa4dist.attention(*leaves, causal=True, **kw)
+                        attention(*leaves, causal=True, **kw)
 
                 def step():
                     for t in leaves:
                         t.grad = None
-                    fa4dist.attention(*leaves, causal=True, **kw).backward(dout)
+                    attention(*leaves, causal=True, **kw).backward(dout)
 
                 times[mode] = (cuda_median_ms(fwd, args.reps), cuda_median_ms(step, args.reps))
             flops = 4 * tokens * tokens / 2 * hq * args.headdim * 3.5  # causal fwd (2 GEMMs) + bwd (5)

@@ -139,13 +139,15 @@ def gather_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, o
     sd = 0 if packed else 1
     lse_sd = _lse_seq_dim(packed)
     m = ring.index
-    full_k = _expand(gather_members(sched, ring, k, sd, "the invariant backward's K"), head_map)
-    full_v = _expand(gather_members(sched, ring, v, sd, "the invariant backward's V"), head_map)
+    full_k = gather_members(sched, ring, k, sd, "the invariant backward's K")
+    full_v = gather_members(sched, ring, v, sd, "the invariant backward's V")
+    # each query head's maxima are its key/value head's (taken before the expansion: fewer bytes, same values)
+    k_max, v_max = (fixed_point.head_absmax(t)[head_map.to(t.device)] for t in (full_k, full_v))
+    full_k, full_v = _expand(full_k, head_map), _expand(full_v, head_map)
     full_q, full_do, full_out = (gather_members(sched, ring, t, sd, f"the invariant backward's {name}")
                                  for t, name in ((q, "Q"), (dout, "dO"), (out, "out")))
     full_lse = gather_members(sched, ring, lse, lse_sd, "the invariant backward's lse")
-    scale = fixed_point.dq_scale(full_do, full_out, fixed_point.head_absmax(full_k), fixed_point.head_absmax(full_v),
-                                 check_softmax_scale(opts.softmax_scale, q.shape[-1]))
+    scale = fixed_point.dq_scale(full_do, full_out, k_max, v_max, check_softmax_scale(opts.softmax_scale, q.shape[-1]))
     acc = invariant.accum_dtype(q.dtype)
     dq_fixed = torch.zeros(full_q.shape, dtype=torch.int64, device=q.device)
     dk = torch.zeros(*k.shape[:-2], full_k.shape[-2], k.shape[-1], dtype=acc, device=k.device)

@@ -55,8 +55,7 @@ class _InvariantAttentionFunction(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("cp_invariant=True attention is differentiable once (create_graph=True is not "
                                "supported in this mode)")
-        k_e, v_e = invariant.expand_kv(k, ctx.group), invariant.expand_kv(v, ctx.group)
-        dq, dk, dv = invariant.single_device_backward(dout.contiguous(), q, k_e, v_e, out, lse, ctx.items,
+        dq, dk, dv = invariant.single_device_backward(dout.contiguous(), q, k, v, out, lse, ctx.items,
                                                       softmax_scale=ctx.scale, softcap=ctx.softcap,
                                                       backend=ctx.backend)
         dk, dv = (invariant.sum_group(g, ctx.group) for g in (dk, dv))

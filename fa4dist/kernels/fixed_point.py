@@ -90,4 +90,5 @@ def from_fixed(dq_fixed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype =
     if dq_fixed.dtype != torch.int64:
         raise TypeError(f"dq_fixed must be int64, got {dq_fixed.dtype}")
     inverse = (1.0 / _per_row(scale, dq_fixed.dim() == 3).double()).to(dtype)
-    return dq_fixed.to(dtype) * inverse
+    # one pass: the product's operands are cast to ``dtype`` (the integer rounded to nearest), as .to(dtype) would
+    return dq_fixed * inverse

@@ -156,13 +156,17 @@ def backward(dout, q, k, v, out, lse, calls: list[KeyCall], dq_fixed: torch.Tens
 
 def single_device_backward(dout, q, k, v, out, lse, items: list[WorkItem], *, softmax_scale=None, softcap=None,
                            backend="auto"):
-    """fp32 (dq, dk, dv) of one device (keys already expanded): one call per item (a document's queries against
-    all its keys, from :func:`single_device_items`)."""
+    """fp32 (dq, dk, dv) of one device: one call per item (a document's queries against all its keys, from
+    :func:`single_device_items`); K/V per key/value head, dk/dv per query head (sum them with :func:`sum_group`)."""
     acc = accum_dtype(q.dtype)
+    group = q.shape[-2] // k.shape[-2]
+    # the maxima of the heads as they are (a query head's expanded copy has the same entries), then the expansion
+    k_max, v_max = (fixed_point.head_absmax(t).repeat_interleave(group) for t in (k, v))
+    k, v = expand_kv(k, group), expand_kv(v, group)
     dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
     dq_fixed = torch.zeros(q.shape, dtype=torch.int64, device=q.device)
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
-    dq_scale = fixed_point.dq_scale(dout, out, fixed_point.head_absmax(k), fixed_point.head_absmax(v), scale)
+    dq_scale = fixed_point.dq_scale(dout, out, k_max, v_max, scale)
     calls = [KeyCall(it, True, 0, it.k_len, it.k_start) for it in items]
     backward(dout, q, k, v, out, lse, calls, dq_fixed, dq_scale, dk, dv, softmax_scale=softmax_scale,
              softcap=softcap, backend=backend)
