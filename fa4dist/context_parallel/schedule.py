@@ -29,7 +29,7 @@ from typing import Optional, Union
 import torch
 
 from ..kernels.mask import NO_MASK, Mask, MaskLike, Visibility, as_mask, block_visibility, visible_pairs, visible_rect
-from ..kernels.worklist import WorkItem
+from ..kernels.worklist import WorkItem, coalesce
 from .plan import ShardPlan
 
 
@@ -202,23 +202,15 @@ class Schedule:
                 at += length
             raw = tuple(replace(c, k_row=next(c.k_row - s + a for s, n, a in compact if s <= c.k_row < s + n))
                         for c in raw)
-        out: list[PairCall] = []
-        for call in raw:
-            last = out[-1] if out else None
-            if (not self.plan.packed and last is not None and call.mask.full and last.mask.full
-                    and (last.q_block, last.q_start, last.q_len) == (call.q_block, call.q_start, call.q_len)
-                    and last.k_row + last.k_len == call.k_row):
-                # fully visible keys back to back in the buffer: one call (and one merge) for the run
-                out[-1] = replace(last, k_len=last.k_len + call.k_len, pairs=last.pairs + call.pairs)
-            else:
-                out.append(call)
-        self._calls[(member, source)] = tuple(out)
+        self._calls[(member, source)] = tuple(raw)
         return self._calls[(member, source)]
 
     def items(self, member: int, source: int) -> tuple[WorkItem, ...]:
         """:meth:`calls` as one work list (fa4dist.kernels.worklist): query rows in `member`'s layout, key rows in
-        the buffer it holds; a packed call becomes one item per document piece.  One launch per step where the
-        backend runs work lists in one; the same calls, in the same order, where it loops."""
+        the buffer it holds; a packed call becomes one item per document piece, and blocks that see all their keys
+        and share one side are joined (``worklist.coalesce``: a member's two chunks against one held chunk, or one
+        chunk against the two it holds).  One launch per step where the backend runs work lists in one; the same
+        items, in the same order, where it loops."""
         cached = self._items.get((member, source))
         if cached is not None:
             return cached
@@ -232,7 +224,7 @@ class Schedule:
                 continue
             for i, (a, b) in enumerate(zip(c.cu_seqlens, c.cu_seqlens[1:])):
                 out.append(WorkItem(q_row + a, b - a, c.k_row + a, b - a, c.q_offset[i], c.k_offset[i], **mask))
-        self._items[(member, source)] = tuple(out)
+        self._items[(member, source)] = coalesce(out)
         return self._items[(member, source)]
 
     def own_halves(self, member: int) -> tuple[tuple[WorkItem, ...], tuple[WorkItem, ...]]:

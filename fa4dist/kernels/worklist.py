@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import torch
 
 from .api import attention_backward, attention_forward
-from .mask import Mask
+from .mask import Mask, visible_pairs
 from .problem import check_window, validate_inputs
 from .registry import select_backend
 
@@ -134,6 +134,60 @@ class _Fresh:
         if not cuts:
             return True, []
         return False, gaps
+
+
+def sees_all_keys(item: WorkItem) -> bool:
+    """Every query row of the item sees every one of its keys under its mask (no masked pair)."""
+    mask = Mask(item.causal, item.window)
+    return visible_pairs(item.q_len, item.k_len, item.q_offset, item.k_offset, mask) == item.q_len * item.k_len > 0
+
+
+def _joined(a: WorkItem, b: WorkItem) -> Optional[WorkItem]:
+    """a and b (each seeing all its keys) as one item that sees all its keys, with the mask flags of one of them:
+    the same key rows and adjacent query rows, or the same query rows and adjacent key rows; None if they do not
+    fit."""
+    if (a.k_start, a.k_len) == (b.k_start, b.k_len):
+        lo, hi = (a, b) if a.q_start <= b.q_start else (b, a)
+        if lo.q_start + lo.q_len != hi.q_start:
+            return None
+        rows = (lo.q_start, lo.q_len + hi.q_len, a.k_start, a.k_len)
+    elif (a.q_start, a.q_len) == (b.q_start, b.q_len):
+        lo, hi = (a, b) if a.k_start <= b.k_start else (b, a)
+        if lo.k_start + lo.k_len != hi.k_start:
+            return None
+        rows = (a.q_start, a.q_len, lo.k_start, lo.k_len + hi.k_len)
+    else:
+        return None
+    # positions that show every query every key under the same mask: the rows' own positions stop mattering
+    for flags in (a, b):
+        for q_offset in (0, rows[3] - 1):
+            joined = WorkItem(*rows, q_offset, 0, causal=flags.causal, window=flags.window)
+            if sees_all_keys(joined):
+                return joined
+    return None
+
+
+def coalesce(items: Sequence[WorkItem]) -> tuple[WorkItem, ...]:
+    """The list with items that see all their keys joined where they share one side (the same key rows with
+    adjacent query rows, or the same query rows with adjacent key rows), into the place of the first of them.
+    A ring step's blocks of a zigzag or LPT plan often pair up so (a member's two chunks against one held chunk,
+    or one chunk against the two it holds): one item then does in one pass what two did, with no merge between
+    them (forward) and one dK/dV accumulation instead of two (backward). The sums change only in their rounding;
+    the result is still a function of the list."""
+    out: list[WorkItem] = []
+    for item in items:
+        place = len(out)
+        if sees_all_keys(item):
+            i = 0
+            while i < len(out):
+                joined = _joined(out[i], item) if sees_all_keys(out[i]) else None
+                if joined is None:
+                    i += 1
+                    continue
+                del out[i]
+                item, place, i = joined, min(place, i), 0  # the joined item may fit another one
+        out.insert(place, item)
+    return tuple(out)
 
 
 @dataclass(frozen=True)

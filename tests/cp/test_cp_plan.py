@@ -264,3 +264,22 @@ def test_own_halves_cover_the_own_list_and_cut_on_aligned_rows(packed, cp):
             assert second.q_start % OWN_CUT_ALIGN == 0
         # about half each: off by at most the pairs of the rows the alignment moved the cut by
         assert abs(pairs(head) - pairs(items) / 2) <= OWN_CUT_ALIGN * max(i.k_len for i in items)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_zigzag_remote_steps_are_one_item_each(cp):
+    """A remote step of zigzag sees whole chunks only (a member's two chunks against one held chunk, or one chunk
+    against both held ones): Schedule.items joins them into one block (worklist.coalesce), so every remote step is
+    one item, and its pairs are the schedule's own count."""
+    from fa4dist.kernels.mask import Mask, visible_pairs
+
+    plan = make_plan(4096 * cp, cp, "zigzag")
+    sched = Schedule(plan, 1, True)
+    for m in range(cp):
+        for step in range(1, cp):
+            s = sched.source(m, step)
+            items = sched.items(m, s)
+            assert len(items) == 1, (m, s, items)
+            (it,) = items
+            pairs = visible_pairs(it.q_len, it.k_len, it.q_offset, it.k_offset, Mask(it.causal, it.window))
+            assert pairs == it.q_len * it.k_len == sum(c.pairs for c in sched.calls(m, s))

@@ -291,3 +291,57 @@ def test_cute_forward_plan_tables(head_dim):
     mixed = seen[(200, 200, 0, 200)][1]
     assert mixed == (head_dim == 128)
     assert len(launches) == (3 if head_dim == 128 else 4)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_coalesce_joins_blocks_that_see_all_keys_and_keeps_the_result(seed):
+    """Blocks that see all their keys and share one side (the same keys and adjacent query rows, or the same query
+    rows and adjacent keys) become one; masked blocks stay; the joined list computes the same attention."""
+    from fa4dist.kernels.worklist import coalesce, sees_all_keys
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(100 + seed)
+    n = 64
+    # query blocks of 16 rows at positions past all keys or interleaved with them; key blocks of 16
+    items = []
+    for qa in range(0, n, 16):
+        for ka in range(0, n, 16):
+            q_pos = rng.choice([qa, n + qa])  # n + qa: every key is in the row's past
+            items.append(WorkItem(qa, 16, ka, 16, q_pos, ka, causal=True))
+    rng.shuffle(items)
+    joined = coalesce(items)
+    assert len(joined) < len(items)
+    full = [i for i in items if sees_all_keys(i)]
+    assert sum(i.q_len * i.k_len for i in joined if sees_all_keys(i)) == sum(i.q_len * i.k_len for i in full)
+    assert [i for i in joined if not sees_all_keys(i)] == [i for i in items if not sees_all_keys(i)]
+    q, k, v = (torch.randn(n, 2, 8, dtype=F64, generator=gen) for _ in range(3))
+    results = []
+    for lst in (items, list(joined)):
+        out = torch.full((n, 2, 8), float("nan"), dtype=F64)
+        lse = torch.full((2, n), float("nan"), dtype=F64)
+        attention_forward_items(q, k, v, lst, out, lse, fresh=True, backend="reference")
+        results.append((out, lse))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-12, atol=1e-12)
+    dout = torch.randn(n, 2, 8, dtype=F64, generator=gen)
+    grads = []
+    for lst in (items, list(joined)):
+        g = [torch.zeros(n, 2, 8, dtype=F64) for _ in range(3)]
+        attention_backward_items(dout, q, k, v, *results[0], lst, *g, backend="reference")
+        grads.append(g)
+    for got, want in zip(*grads[::-1]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_coalesce_joins_both_sides_and_leaves_gaps_apart():
+    from fa4dist.kernels.worklist import coalesce
+
+    same_keys = [WorkItem(0, 8, 0, 16, 100, 0), WorkItem(8, 8, 0, 16, 300, 0, causal=True)]
+    assert coalesce(same_keys) == (WorkItem(0, 16, 0, 16, 0, 0),)
+    same_rows = [WorkItem(0, 8, 16, 16, 50, 16, causal=True), WorkItem(0, 8, 0, 16, 40, 0, causal=True)]
+    (one,) = coalesce(same_rows)
+    assert (one.q_start, one.q_len, one.k_start, one.k_len, one.causal) == (0, 8, 0, 32, True)
+    gap = [WorkItem(0, 8, 0, 16), WorkItem(9, 8, 0, 16)]  # rows 8 .. 9 are not adjacent
+    assert coalesce(gap) == tuple(gap)
+    masked = [WorkItem(0, 8, 0, 16, 0, 0, causal=True), WorkItem(8, 8, 0, 16, 8, 0, causal=True)]
+    assert coalesce(masked) == tuple(masked)

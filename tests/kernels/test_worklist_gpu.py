@@ -158,7 +158,7 @@ def test_ring_schedule_lists_equal_the_loop_in_few_launches(monkeypatch, packed,
                 covered[it.q_start:it.q_start + it.q_len] = True
             assert torch.equal(out[:, covered], loop[0][:, covered]), (member, step)
             assert torch.equal(lse[..., covered], loop[1][..., covered]), (member, step)
-    if packed or cp == 4:
+    if packed:  # (a dense zigzag step has few items already: Schedule.items joins its fully visible blocks)
         assert fewer > 0, "no list ran in fewer launches than items"
 
 
