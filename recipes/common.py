@@ -227,14 +227,15 @@ def cp_invariant_scope(invariant: str, rest: Optional[str] = None) -> str:
     if rest is None:
         return f"cp_invariant: {invariant} have the same bits at every cp size: so do the weights after each step"
     return (f"cp_invariant: {invariant} have the same bits at every cp size; {rest} do not, so the weights after a "
-            f"step do not (recipes/fsdp2_train.py and recipes/rl_deterministic.py make the whole step invariant)")
+            f"step do not (recipes/fsdp2_train.py, deepspeed_train.py and rl_deterministic.py make the whole step "
+            f"invariant)")
 
 
-def install_invariant_grads(model):
+def install_invariant_grads(model, zero_weight_grads: bool = False):
     """``model.set_invariant_grads(True)`` (every rank's sum), checking that it covers every parameter: one left to
     the wrapper's float reduction would break the step's invariance and its scale (the loop then skips the cp
-    factor FSDP's average needs)."""
-    grads = model.set_invariant_grads(True)
+    factor FSDP's average needs). ``zero_weight_grads``: for DeepSpeed (FixedPointGrads)."""
+    grads = model.set_invariant_grads(True, zero_weight_grads=zero_weight_grads)
     covered = {id(s.param) for s in grads.sites}
     missing = [n for n, p in model.named_parameters() if id(p) not in covered]
     if missing:

@@ -75,7 +75,9 @@ def ds_config(args, layout, dtype) -> dict:
     cfg["train_micro_batch_size_per_gpu"] = 1
     cfg["gradient_accumulation_steps"] = per_rank
     cfg["train_batch_size"] = per_rank * layout.dp
-    cfg["gradient_clipping"] = float(args.grad_clip)
+    # --cp-invariant clips by the int64 gradients' whole norm before handing them over (FixedPointGrads.finish):
+    # DeepSpeed's own norm adds partition partials in an order that depends on the world size
+    cfg["gradient_clipping"] = 0.0 if args.cp_invariant else float(args.grad_clip)
     zero = cfg.setdefault("zero_optimization", {})
     zero["stage"] = args.zero_stage
     if args.zero_stage == 3:
@@ -114,6 +116,7 @@ def main(argv=None):
 
     rank, world, device = common.init_distributed()
     import deepspeed  # after the process group exists: DeepSpeed adopts it
+    from deepspeed.utils import safe_set_full_grad
 
     if device.type == "cpu":
         # DeepSpeed's CPU accelerator JIT-compiles a shared-memory collective op (about a minute, needs a C++
@@ -125,6 +128,9 @@ def main(argv=None):
     dtype = common.compute_dtype(args, device)
     model = common.build_model(args, layout.mesh["cp"], device)
     n_params = model.num_parameters()
+    # --cp-invariant: parameter gradients in int64 fixed point, summed over every rank; DeepSpeed's hooks reduce
+    # zeros for them, and the sums replace those in its gradient partitions before each optimizer step
+    invariant = common.install_invariant_grads(model, zero_weight_grads=True) if args.cp_invariant else None
     optimizer = common.make_optimizer(model, args)
     mpu = None
     if layout.cp > 1:
@@ -147,13 +153,19 @@ def main(argv=None):
               f"device={device} accelerator={deepspeed.get_accelerator()._name} start_step={start}", flush=True)
         if args.cp_invariant:
             print(common.cp_invariant_scope(
-                "attention and logits", "parameter gradients (DeepSpeed's float reduction)"), flush=True)
+                "attention, logits and parameter gradients (int64 fixed point, summed over every rank, set into "
+                "DeepSpeed's partitions)"), flush=True)
     progress = common.Progress(args.steps, rank, args.metrics_out, args.log_every, start)
     meter = common.Throughput(start + args.timing_warmup, device)
     peak = common.peak_flops(args, device)
 
+    invariant_norm = []  # the step's gradient norm in --cp-invariant mode
+
     def backward(loss, n):
         engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps (= n) itself
+        if invariant is not None and engine.is_gradient_accumulation_boundary():
+            invariant_norm[:] = [invariant.finish(divide_by=layout.dp, max_norm=args.grad_clip or None,
+                                                  assign=safe_set_full_grad)]
         engine.step()  # an optimizer step only at the accumulation boundary
 
     stop = common.last_step(args)
@@ -164,14 +176,14 @@ def main(argv=None):
         common.sync(device)
         t0 = common.now()
         loss_sum, _ = common.forward_backward(engine, samples, layout, args, device, backward=backward,
-                                              loss_scale=zero3_loss_scale(args, layout))
+                                              loss_scale=1.0 if invariant else zero3_loss_scale(args, layout))
         loss = common.step_loss(loss_sum, layout)
         common.sync(device)
         seconds = common.now() - t0
         tokens = args.batch_size * args.seqlen
         flops = model.training_flops([s.cu_seqlens for s in stream.batch(step, args.batch_size)])
         meter.add(step, seconds, tokens, flops)
-        grad_norm = engine.get_global_grad_norm()
+        grad_norm = invariant_norm[0] if invariant is not None else engine.get_global_grad_norm()
         progress.update(step, loss=loss, lr=common.lr_at(step, args),
                         grad_norm=float(grad_norm) if grad_norm is not None else None,
                         tokens_per_s=tokens / seconds, step_s=seconds, peak_mem_gib=common.peak_memory_gib(device))
@@ -182,6 +194,10 @@ def main(argv=None):
 
     mem = torch.tensor([common.peak_memory_gib(device)], device=device)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    digest = None
+    if args.cp_invariant:  # the whole weights (ZeRO-3 gathers its partitions; every rank takes part)
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+            digest = common.weights_hash(model)
     if rank == 0:
         tps, mfu = meter.tokens_per_s(), meter.mfu(peak, world)
         print(common.summary_line(
@@ -190,6 +206,7 @@ def main(argv=None):
             dtype=str(dtype).split(".")[-1], steps_timed=meter.steps,
             tokens_per_s=round(tps, 1) if tps else None, mfu=round(mfu, 4) if mfu is not None else None,
             peak_mem_gib=round(float(mem), 3), flop_formula=common.FLOP_FORMULA,
+            cp_invariant=args.cp_invariant, weights_sha256=digest,
         ), flush=True)
     common.finish_distributed()
 

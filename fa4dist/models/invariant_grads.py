@@ -87,7 +87,7 @@ class _FixedLinear(torch.autograd.Function):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         for dy_b, x_b in zip(row_blocks(dy, rows), row_blocks(x, rows)):  # one fixed-shape product per canonical block
             site.total += fixed_point.to_fixed(dy_b.t().to(acc) @ x_b.to(acc), scale)
-        return dx, None, None, None
+        return dx, site.grads.placeholder(weight), None, None
 
 
 class _FixedScale(torch.autograd.Function):
@@ -107,14 +107,14 @@ class _FixedScale(torch.autograd.Function):
         scale = site.start(flat_dy.shape[0], fixed_point.absmax(dy), fixed_point.absmax(x))
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         site.total += fixed_point.to_fixed(flat_dy.to(acc) * flat_x.to(acc), scale).sum(0)
-        return (dy * weight).to(x.dtype), None, None
+        return (dy * weight).to(x.dtype), site.grads.placeholder(weight), None
 
 
 class _FixedEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, weight, site):
         ctx.save_for_backward(tokens)
-        ctx.site = site
+        ctx.site, ctx.weight_meta = site, (weight.shape, weight.dtype, weight.device)
         return F.embedding(tokens, weight)
 
     @staticmethod
@@ -125,7 +125,7 @@ class _FixedEmbedding(torch.autograd.Function):
         scale = site.start(flat.shape[0], fixed_point.absmax(dy))
         acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
         site.total.index_add_(0, tokens.reshape(-1), fixed_point.to_fixed(flat.to(acc), scale))
-        return None, None, None
+        return None, site.grads.placeholder(*ctx.weight_meta), None
 
 
 class FixedPointGrads:
@@ -133,13 +133,24 @@ class FixedPointGrads:
     ``FA4Llama.set_invariant_grads`` and call :meth:`finish` after the step's backward passes (it sets ``p.grad``,
     summed over ``group``, the default group when distributed: no other gradient reduction for these parameters)."""
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, zero_weight_grads: bool = False):
         self.group = group
         self.sites: list[_Site] = []
+        # a wrapper that reduces gradients itself from its own hooks and buffers (DeepSpeed) gets a zero gradient
+        # for every weight, so those run as usual; finish(assign=...) then hands it the real one
+        self.zero_weight_grads = zero_weight_grads
 
     @property
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
+
+    def placeholder(self, weight_or_shape, dtype=None, device=None) -> Optional[torch.Tensor]:
+        """What autograd receives as a weight's gradient: nothing, or zeros (``zero_weight_grads``)."""
+        if not self.zero_weight_grads:
+            return None
+        if isinstance(weight_or_shape, torch.Tensor):
+            return torch.zeros_like(weight_or_shape)
+        return torch.zeros(weight_or_shape, dtype=dtype, device=device)
 
     def site(self, param: torch.nn.Parameter) -> _Site:
         s = _Site(param, self)
@@ -163,15 +174,19 @@ class FixedPointGrads:
         return flat
 
     @torch.no_grad()
-    def finish(self, divide_by: int = 1) -> torch.Tensor:
+    def finish(self, divide_by: int = 1, *, max_norm: Optional[float] = None, assign=None) -> torch.Tensor:
         """Sums every site over the group (int64: exact), converts it once and sets each parameter's gradient
         (sites of one parameter added in installation order; backward passes since the last finish() in their
         order); sites without a backward this step add nothing. ``divide_by``: the gradient is the sum over the
         group divided by it (the data-parallel replicas' mean). A sharded parameter (a DTensor, FSDP2) gets its
         own shard of the summed gradient, which every rank has whole.
 
-        Returns the gradients' total 2-norm, computed from the whole gradients the same way on every rank, hence
-        the same bits at every cp size, unlike a norm over shards (for clipping: :func:`clip_by_norm`)."""
+        ``max_norm``: clip the gradients by their total norm first (as :func:`clip_by_norm`). ``assign(param,
+        grad)``: hand each whole gradient to the wrapper (DeepSpeed: ``deepspeed.utils.safe_set_full_grad``)
+        instead of setting ``param.grad``.
+
+        Returns the gradients' total 2-norm (before clipping), computed from the whole gradients the same way on
+        every rank, hence the same bits at every cp size, unlike a norm over shards."""
         live = [s for s in self.sites if s.total is not None]
         if live:
             flat = self.sum_over_group([s.total for s in live])
@@ -183,21 +198,33 @@ class FixedPointGrads:
                 key = id(s.param)
                 grads[key] = s.earlier if key not in grads else grads[key] + s.earlier
                 s.earlier = None
-        squares = []
+        whole = []
         for s in self.sites:
             g = grads.pop(id(s.param), None)
             if g is None:
                 continue
             if divide_by != 1:
                 g = g / divide_by
-            g = g.to(s.param.dtype)
-            squares.append(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2)
-            if isinstance(s.param, DTensor):
-                g = distribute_tensor(g, s.param.device_mesh, s.param.placements, src_data_rank=None)
-            s.param.grad = g if s.param.grad is None else s.param.grad + g
-        if not squares:
+            whole.append((s.param, g.to(s.param.dtype)))
+        if not whole:
             return torch.zeros((), dtype=torch.float64, device=self.sites[0].param.device if self.sites else None)
-        return torch.stack(squares).sum().sqrt()
+        norm = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for _, g in whole]).sum().sqrt()
+        coef = None if max_norm is None else clip_coefficient(max_norm, norm)
+        for param, g in whole:
+            if coef is not None:
+                g = g * coef.to(g.device, g.dtype)
+            if assign is not None:
+                assign(param, g)
+                continue
+            if isinstance(param, DTensor):
+                g = distribute_tensor(g, param.device_mesh, param.placements, src_data_rank=None)
+            param.grad = g if param.grad is None else param.grad + g
+        return norm
+
+
+def clip_coefficient(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """min(1, max_norm / (total_norm + 1e-6)), on the device, as ``torch.nn.utils.clip_grad_norm_`` computes it."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
 
 
 @torch.no_grad()
@@ -205,7 +232,7 @@ def clip_by_norm(params, max_norm: float, total_norm: torch.Tensor) -> None:
     """Scales the gradients by min(1, max_norm / (total_norm + 1e-6)), as ``torch.nn.utils.clip_grad_norm_`` does,
     with a norm given (FixedPointGrads.finish's): elementwise, so the shards of a gradient scale as it would whole.
     The coefficient stays on the device (no host sync); a DTensor gradient is scaled through its local shard."""
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    coef = clip_coefficient(max_norm, total_norm)
     for p in params:
         if p.grad is not None:
             local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad

@@ -240,16 +240,18 @@ class FA4Llama(nn.Module):
             if isinstance(m, Linear):
                 m.row_invariant = enabled
 
-    def set_invariant_grads(self, enabled: bool = True, group=None):
+    def set_invariant_grads(self, enabled: bool = True, group=None, zero_weight_grads: bool = False):
         """Parameter gradients in int64 fixed point (:mod:`fa4dist.models.invariant_grads`): with cp_invariant
         attention and row-invariant products (turned on here too) a training step's gradients are the same bits at
         every cp size.  Call ``model.invariant_grads.finish()`` after the step's backward passes: it sums the
         gradients over ``group`` (default: every rank) and sets ``p.grad`` (a sharded parameter's shard: install it
         after FSDP2's ``fully_shard``), in place of the gradient all-reduce or reduce-scatter.  Plans come from
-        :meth:`make_plan` (chunks aligned to the canonical token blocks).  Returns the FixedPointGrads, or None."""
+        :meth:`make_plan` (chunks aligned to the canonical token blocks).  ``zero_weight_grads``: autograd still
+        gives each weight a (zero) gradient, for a wrapper whose reduction runs from gradient hooks (DeepSpeed; the
+        real gradients then go in through ``finish(assign=...)``).  Returns the FixedPointGrads, or None."""
         from .invariant_grads import FixedPointGrads
 
-        self.invariant_grads = FixedPointGrads(group) if enabled else None
+        self.invariant_grads = FixedPointGrads(group, zero_weight_grads) if enabled else None
         self._embed_site = self.invariant_grads.site(self.embed_tokens.weight) if enabled else None
         for m in self.modules():
             if isinstance(m, (Linear, RMSNorm)):

@@ -38,3 +38,28 @@ def test_deepspeed_matches_single_process(tmp_path, corpus, reference, stage, cp
         got = [m[key] for m in metrics]
         for step, (g, w) in enumerate(zip(got, reference[key])):
             assert abs(g - w) <= 2e-5 * max(1.0, abs(w)), f"{key} at step {step}: {got} vs {reference[key]}"
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])
+def test_cp_invariant_weights_are_the_same_bytes_at_cp_1_and_2(tmp_path, corpus, reference, stage):
+    """--cp-invariant under DeepSpeed: int64 parameter gradients summed over every rank, clipped by their whole norm
+    and set into DeepSpeed's gradient partitions (deepspeed.utils.safe_set_full_grad) in place of its float
+    reduction: a cp = 1 and a cp = 2 run end with the same weights, and train as the float run does."""
+    args = BASE + ["--data", corpus, "--cp-invariant", "--zero-stage", stage]
+    runs = []
+    for cp in (1, 2):
+        metrics_path = tmp_path / f"m{cp}.jsonl"
+        out = launch.torchrun("deepspeed_train.py", args + ["--cp", cp, "--metrics-out", metrics_path], nproc=cp)
+        assert "parameter gradients (int64 fixed point" in out.stdout
+        runs.append((launch.summary(out.stdout), common.read_metrics(metrics_path)))
+    (first, m1), (second, m2) = runs
+    assert len(m1) == len(m2) == STEPS
+    assert (first["cp"], second["cp"], first["cp_invariant"], second["cp_invariant"]) == (1, 2, True, True)
+    assert first["weights_sha256"] == second["weights_sha256"]
+    # (the logged loss is each rank's share summed by a float all-reduce: not part of the step, not invariant)
+    for key in ("loss", "grad_norm"):  # the gradients DeepSpeed's own reduction gives (the reference's)
+        for metrics in (m1, m2):
+            for step, m in enumerate(metrics):
+                want = reference[key][step]
+                assert abs(m[key] - want) <= 2e-5 * max(1.0, abs(want)), f"{key} at step {step}: {m[key]} vs {want}"
