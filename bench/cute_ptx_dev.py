@@ -5,7 +5,8 @@
 
 Each variant is compiled for sm_90a with fake tensors (no GPU needed). The kernel's symbol name (which spells the
 Python module and class) is replaced by a fixed token, so moving code between modules does not count as a change.
-The variants are the compile tests' subsets: every static option of the forward and the backward at least once.
+The variants are the compile tests' subsets and their EXTRA lists (measurement knobs): every static option of the
+forward and the backward at least once.
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ def variants():
     from fa4dist.kernels.cute import host
 
     out = []
-    for v in tf.SUBSET:
+    for v in tf.SUBSET + tf.EXTRA:
         dt, d, causal, varlen, acc, extra = v
         cfg = fwd.make_config(dt, d, causal=causal, varlen=varlen, accumulate=acc, **extra)
         out.append(("fwd-" + tf._id(v), cfg))
-    for v in tb.SUBSET:
+    for v in tb.SUBSET + tb.EXTRA:
         for part, cfg in zip(("pre", "main", "post"), tb._configs(v)):
             out.append((f"bwd-{part}-" + tb._id(v), cfg))
     return [(name, (lambda c=cfg: host.compile_config(c, extra_options="--keep-ptx"))) for name, cfg in out]

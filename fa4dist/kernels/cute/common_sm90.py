@@ -53,49 +53,31 @@ def bulk_reduce_add_u64(smem_ptr, gmem_ptr, num_bytes, *, loc=None, ip=None):
     _bulk_reduce_add("u64", smem_ptr, gmem_ptr, num_bytes, loc=loc, ip=ip)
 
 
+def _void_asm(asm: str, constraints: str, operands: list) -> None:
+    """One PTX instruction with side effects and no result."""
+    llvm.inline_asm(None, operands, asm, constraints, has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 def _bulk_reduce_add(kind, smem_ptr, gmem_ptr, num_bytes, *, loc=None, ip=None):
     s = smem_ptr.toint(loc=loc, ip=ip).ir_value()
     g = gmem_ptr.toint(loc=loc, ip=ip).ir_value()
-    llvm.inline_asm(
-        None,
-        [g, s, Int32(num_bytes).ir_value(loc=loc, ip=ip)],
-        f"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.{kind} [$0], [$1], $2;",
-        "l,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    _void_asm(f"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.{kind} [$0], [$1], $2;", "l,r,r",
+              [g, s, Int32(num_bytes).ir_value(loc=loc, ip=ip)])
 
 
 @dsl_user_op
 def prefetch_l2_bulk(gmem_ptr, num_bytes, *, loc=None, ip=None):
     """cp.async.bulk.prefetch.L2: ask L2 for `num_bytes` (a multiple of 16) contiguous bytes at a 16-byte aligned
     address; a hint with no completion to wait for."""
-    g = gmem_ptr.toint(loc=loc, ip=ip).ir_value()
-    llvm.inline_asm(
-        None,
-        [g, Int32(num_bytes).ir_value(loc=loc, ip=ip)],
-        "cp.async.bulk.prefetch.L2.global [$0], $1;",
-        "l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    _void_asm("cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r",
+              [gmem_ptr.toint(loc=loc, ip=ip).ir_value(), Int32(num_bytes).ir_value(loc=loc, ip=ip)])
 
 
 @dsl_user_op
 def prefetch_l2(gmem_ptr, *, loc=None, ip=None):
     """prefetch.global.L2: ask L2 for the line holding one address (any alignment)."""
-    g = gmem_ptr.toint(loc=loc, ip=ip).ir_value()
-    llvm.inline_asm(
-        None,
-        [g],
-        "prefetch.global.L2 [$0];",
-        "l",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    _void_asm("prefetch.global.L2 [$0];", "l", [gmem_ptr.toint(loc=loc, ip=ip).ir_value()])
 
 
 @dsl_user_op
@@ -115,29 +97,13 @@ def ld_acquire_gpu(ptr, *, loc=None, ip=None) -> Int32:
 
 @dsl_user_op
 def red_release_add_gpu(ptr, val, *, loc=None, ip=None) -> None:
-    addr = ptr.toint(loc=loc, ip=ip).ir_value()
-    llvm.inline_asm(
-        None,
-        [addr, Int32(val).ir_value(loc=loc, ip=ip)],
-        "red.release.gpu.global.add.s32 [$0], $1;",
-        "l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    _void_asm("red.release.gpu.global.add.s32 [$0], $1;", "l,r",
+              [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(val).ir_value(loc=loc, ip=ip)])
 
 
 @dsl_user_op
 def nanosleep(ns, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(
-        None,
-        [Int32(ns).ir_value(loc=loc, ip=ip)],
-        "nanosleep.u32 $0;",
-        "r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    _void_asm("nanosleep.u32 $0;", "r", [Int32(ns).ir_value(loc=loc, ip=ip)])
 
 
 # ----------------------------------------------------------------------------
