@@ -20,6 +20,7 @@ through the contract's accumulate mode) against the key rows it would receive at
     python bench/cp_sim.py --seqlens 131072 --cp 8 --directions fwd bwd
     python bench/cp_sim.py --window 4095 --seqlens 131072  # a causal sliding window of 4096 tokens
     python bench/cp_sim.py --device cpu --tiny             # a smoke run on the CPU (reference backend)
+    python bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt --profile-ranks 0 6   # kernels of ranks 0, 6
 
 Prints a table and writes JSON to $OUT/cp_sim.json (or bench/out/cp_sim.json).
 """
@@ -116,7 +117,7 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
             model = plan.balance_report()
             steps = [1 + len(sched.member_steps(r)) for r in range(cp)]
             for direction in args.directions:
-                rank_times = []
+                rank_times, profiles = [], {}
                 for r in range(cp):
                     qr, kr, vr, dr = shards[r]
                     if direction == "fwd":
@@ -144,6 +145,8 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                             if shared is not None:
                                 shared.finish(dq)
                     rank_times.append(median_time(timer, run_rank, args.reps))
+                    if r in args.profile_ranks:
+                        profiles[r] = profile_kernels(run_rank, device)
                 kernel_only = None
                 if direction == "fwd":  # the same calls without the merges: what a fused epilogue would approach
                     kernel_only = max(median_time(timer, lambda r=r: run_rank_kernels(sched, r, shards[r], held, opts),
@@ -159,6 +162,7 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                     bytes_per_step=nbytes, comm_ms_at_400GBps=nbytes / (LINK_GBPS * 1e9) * 1e3,
                     step_compute_ms=slowest / slowest_steps * 1e3, calls=[sched.member_calls(r) for r in range(cp)],
                     kernel_only_efficiency=None if kernel_only is None else full[direction] / (cp * kernel_only),
+                    profiles=profiles,
                 )
                 rows.append(row)
                 print(f"{seqlen:>7} {cp:>3} {balancer:>10} {direction:>4} {row['t_full_ms']:>9.2f} "
@@ -166,8 +170,33 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                       f"{max(steps):>3}/{cp:<3} {nbytes / 2**20:>9.1f} {row['comm_ms_at_400GBps']:>8.3f} "
                       f"{row['step_compute_ms']:>8.3f} "
                       f"{'' if kernel_only is None else format(row['kernel_only_efficiency'], '6.3f'):>6}", flush=True)
+                for r, kernels in profiles.items():
+                    print(f"    rank {r} {direction}: " + "; ".join(
+                        f"{k['name'][:48]} x{k['calls']} {k['ms']:.3f} ms" for k in kernels[:8]), flush=True)
             del shards, held
     return rows
+
+
+def profile_kernels(fn, device: torch.device, top: int = 12) -> list[dict]:
+    """One call of fn under torch.profiler: its kernels (CPU ops on the CPU) by total device time, the largest
+    first, as dicts of name, calls and ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = e.device_time_total if cuda else e.self_cpu_time_total
+        if us > 0:
+            rows.append(dict(name=e.key, calls=e.count, ms=us / 1e3))
+    return sorted(rows, key=lambda k: -k["ms"])[:top]
 
 
 def run_rank_kernels(sched, r, shard, held, opts):
@@ -209,6 +238,9 @@ def main(argv=None):
                    help="causal sliding window: each query sees itself and the WINDOW keys before it "
                         "(window=(WINDOW, 0)); default: plain causal")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--profile-ranks", type=int, nargs="*", default=[],
+                   help="also profile one step list of these simulated ranks: their kernels by device time (a rank "
+                        "the work model calls balanced that runs slower shows where)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

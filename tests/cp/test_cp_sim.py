@@ -51,3 +51,17 @@ def test_cp_sim_window_drops_the_steps(tmp_path, monkeypatch):
         assert r["window"] == [15, -1] and r["efficiency"] > 0
         # only the 15 keys before a chunk travel (LPT deals chunks round-robin: a rank may need two such runs)
         assert r["bytes_per_step"] == key_row * 15 * (1 if r["balancer"] != "lpt" else 2), r
+
+
+def test_cp_sim_profiles_the_ranks_asked_for(tmp_path, monkeypatch):
+    """--profile-ranks: one step list of those ranks under torch.profiler, its ops by time, in the row's JSON."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    rows = _load().main(["--device", "cpu", "--tiny", "--cp", "2", "--seqlens", "64", "--reps", "1",
+                         "--balancers", "lpt", "--profile-ranks", "1"])
+    data = json.loads((tmp_path / "cp_sim.json").read_text())
+    for row in data["rows"]:
+        assert list(row["profiles"]) == ["1"]  # JSON keys are strings
+        kernels = row["profiles"]["1"]
+        assert kernels and all(k["ms"] > 0 and k["calls"] >= 1 for k in kernels)
+        assert [k["ms"] for k in kernels] == sorted((k["ms"] for k in kernels), reverse=True)
+    assert all(r["profiles"].keys() == {1} for r in rows)
