@@ -498,8 +498,13 @@ class FlashFwdSm90:
         if lane == 0 and rows > 0:
             prefetch_l2(cute.domain_offset((first + rows - 1,), mL_cur).iterator)
 
+    def row_sink(self, io: Context, tile):
+        """The tile's head's sink logit (joins each row's denominator in the epilogue), or None without sinks."""
+        return io.mSinks[tile.head] if self.sinks else None
+
     def running_views(self, io: Context, tile, seqlen: SeqlenInfo):
-        """(out, lse) of the tile's sequence and head: (seqlen_q, D) and (seqlen_q,) views."""
+        """(out, lse) of the tile's sequence and head: (seqlen_q, D) and (seqlen_q,) views (the epilogues' outputs,
+        and with accumulate=True the running result)."""
         if const_expr(not self.varlen):
             return io.mO[None, None, tile.head, tile.batch], io.mLSE[None, tile.head, tile.batch]
         return (cute.domain_offset((seqlen.offset_q, 0), io.mO[None, None, tile.head]),
@@ -792,9 +797,7 @@ class FlashFwdSm90:
         lse_r = cute.make_rmem_tensor_like(row_sum, Float32)
         cO = cute.make_identity_tensor((self.tile_m, D))
         tOcO_mn = mn_view(thr_mma_pv.partition_C(cO))
-        sink = None
-        if const_expr(self.sinks):
-            sink = io.mSinks[tile.head]
+        sink = self.row_sink(io, tile)
         for r in cutlass.range_constexpr(cute.size(row_sum)):
             row = m_block * self.tile_m + tOcO_mn[r, 0][0]
             inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row), sink)
@@ -813,7 +816,7 @@ class FlashFwdSm90:
             cute.copy(io.tma_atom_O, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-        mL_cur = io.mLSE[None, tile.head, tile.batch]
+        _, mL_cur = self.running_views(io, tile, seqlen)
         if tOcO_mn[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(row_sum)):
                 row = m_block * self.tile_m + tOcO_mn[r, 0][0]
@@ -839,9 +842,7 @@ class FlashFwdSm90:
         if const_expr(self.accumulate):
             self.merge_running(ml, tOgO_mn, tOcO_mn, mL_cur, mO_cur.stride[0], m_block, seqlen_q, is_col0)
         else:
-            sink = None
-            if const_expr(self.sinks):
-                sink = io.mSinks[tile.head]
+            sink = self.row_sink(io, tile)
             for r in cutlass.range_constexpr(cute.size(row_sum)):
                 row = m_block * self.tile_m + tOcO_mn[r, 0][0]
                 inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row), sink)
