@@ -59,6 +59,10 @@ class FwdConfig:
     # accumulate: the producer prefetches the running (out, lse) rows into L2 before the epilogue merges into them.
     # False is a measurement knob (the epilogue then waits on HBM for them)
     prefetch_running: bool = True
+    # > 0 (dense launches): a persistent grid of at most this many CTAs (the SM count), each walking tiles in launch
+    # order, so that a tile's epilogue overlaps the next tile's loads; 0: one CTA per tile. Default from
+    # default_persistent_ctas (measured, NOTES_FWD.md)
+    persistent_ctas: int = 0
 
     def build(self):
         from .fwd_sm90 import FlashFwdSm90
@@ -70,7 +74,7 @@ class FwdConfig:
             rescale_threshold=self.rescale_threshold, tma_store_o=self.tma_store_o, sanitize=self.sanitize,
             window_left=self.window_left, softcap=self.softcap, sinks=self.sinks,
             softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
-            prefetch_running=self.prefetch_running,
+            prefetch_running=self.prefetch_running, persistent_ctas=self.persistent_ctas,
         )
 
     def fake_args(self):
@@ -116,13 +120,24 @@ def default_rescale_threshold(head_dim: int, causal: bool) -> float:
     return 8.0 if head_dim <= 64 and causal else 0.0
 
 
+def default_persistent_ctas(causal: bool, varlen: bool, accumulate: bool, out_fp32: bool) -> int:
+    """The SM count for dense non-causal launches that write a 16-bit out (the TMA-store epilogue), where a
+    persistent grid measured 1.03-1.08x at hdim 128 on the H200 (2026-12-01, eighth session); else 0 (one CTA per
+    tile). Causal tiles differ in length, and the static walk balances them worse than the hardware's block
+    scheduler does (0.82-0.95x at 16k); packed launches' producer warp has no registers left for the walk; and the
+    merge epilogue compiled into the persistent kernel rounds some elements 1 ulp apart from the one-CTA-per-tile
+    kernel (measured), while work lists promise the bits of the per-item calls, which write fp32 or merge."""
+    return host.sm_count() if not (causal or varlen or accumulate or out_fp32) else 0
+
+
 _FIELDS = {
     "tile_m": int, "tile_n": int, "num_stages": int, "intra_wg_overlap": host.parse_bool,
     "sched_barrier": host.parse_bool, "rescale_threshold": float, "tma_store_o": host.parse_bool,
     "sanitize": host.parse_bool, "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
+    "persistent_ctas": int,
 }
 # the fields a work-list launch must share with the per-item calls it replaces to give their bits (all but these)
-_LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o")
+_LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o", "persistent_ctas")
 # development hook: FA4DIST_FWD_OVERRIDE="rescale_threshold=0,tile_m=128" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_FWD_OVERRIDE", _FIELDS)
 
@@ -143,6 +158,7 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
         out_fp32=bool(out_fp32) and not accumulate, tile_m=tm, tile_n=tn, num_stages=st,
         rescale_threshold=default_rescale_threshold(head_dim, bool(causal)), window_left=int(window_left),
         softcap=float(softcap or 0.0), sinks=bool(sinks), worklist=bool(worklist),
+        persistent_ctas=default_persistent_ctas(bool(causal), bool(varlen), bool(accumulate), bool(out_fp32)),
     )
     kw.update(_OVERRIDE)
     kw.update(overrides)

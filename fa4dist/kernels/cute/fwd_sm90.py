@@ -1,6 +1,8 @@
 """Hopper (sm_90a) attention forward kernel written in CuTe DSL.
 
-Structure (one CTA = one query tile of ``tile_m`` rows of one (head, batch); tile_scheduler.fwd_work_tile):
+Structure (one CTA = one query tile of ``tile_m`` rows of one (head, batch), tile_scheduler.fwd_work_tile; or with
+``persistent_ctas`` one CTA per SM walking tiles, tile_scheduler.persistent_turn, each role's pipeline states running
+on from one tile into the next):
   * warpgroup 0 is the producer: its first warp issues TMA loads of Q (once) and of K/V tiles (multi-stage
     ring, PipelineTmaAsync) and then idles with few registers (setmaxnreg.dec);
   * warpgroups 1..num_wg are consumers: each owns 64 query rows of the tile. S = Q K^T and O += P V run on
@@ -57,7 +59,7 @@ from .common_sm90 import (
 from .mask import AttentionMask
 from .sanitize import NONE, block_any, clear_nonfinite_rows, clear_nonfinite_rows_marking, tile_maybe_nonfinite
 from .softmax import OnlineSoftmax, merge_lse, softcap_fixed_row_max, softcap_scale_log2, softcap_scores
-from .tile_scheduler import fwd_work_tile
+from .tile_scheduler import fwd_work_tile, persistent_turn
 
 
 # a tile of at most this many key blocks prefetches its running (out, lse) at its start: ~1.7 us per block at
@@ -92,6 +94,7 @@ class FlashFwdSm90:
         softcap_fixed_max: bool = True,
         worklist: bool = False,
         prefetch_running: bool = True,
+        persistent_ctas: int = 0,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
         assert head_dim % 16 == 0 and tile_n % 16 == 0
@@ -127,6 +130,14 @@ class FlashFwdSm90:
         self.rescale_threshold = float(rescale_threshold)
         # O through smem (reusing sQ) and one TMA store; dense, non-accumulate, 16-bit out only
         self.tma_store_o = tma_store_o and not varlen and not accumulate
+        # > 0: a persistent grid of at most this many CTAs (one per SM), each walking tiles in launch order
+        # (tile_scheduler.persistent_turn): the next tile's K and Q loads overlap this tile's epilogue. O is then
+        # staged in its own smem buffer (sO), so the next Q can land while this tile's O is stored
+        # (dense only: a packed launch's producer warp would need more than its 24 registers for the walk, and
+        # setmaxnreg cannot give it more: 24 + 2 x 240 is the CTA's whole allocation)
+        self.persistent = persistent_ctas > 0 and not varlen
+        self.persistent_ctas = persistent_ctas if self.persistent else 0
+        self.separate_o = self.persistent and self.tma_store_o
         self.num_threads = 128 * (self.num_wg + 1)
         self.regs_producer, self.regs_consumer = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_wg]
         elem = dtype.width // 8
@@ -215,19 +226,23 @@ class FlashFwdSm90:
         self.bytes_q = cute.size_in_bytes(self.dtype, self.sQ_layout)
         self.bytes_kv = cute.size_in_bytes(self.dtype, cute.select(self.sK_layout, mode=[0, 1]))
 
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            mbar_vland: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]  # V tiles to sanitize land here
-            # per stage: the first row that held NaN / inf (with a window: a bitmask of every such row)
-            sVbad: cute.struct.MemRange[Int32, self.bad_v_words * self.num_stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], 1024]
+        def smem_tile(layout):
+            return cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
 
-        self.shared_storage = SharedStorage
+        fields = dict(
+            mbar_q=cute.struct.MemRange[cutlass.Int64, 2],
+            mbar_k=cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
+            mbar_v=cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
+            mbar_vland=cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],  # V tiles to sanitize land here
+            # per stage: the first row that held NaN / inf (with a window: a bitmask of every such row)
+            sVbad=cute.struct.MemRange[Int32, self.bad_v_words * self.num_stages],
+            sQ=smem_tile(self.sQ_layout),
+            sK=smem_tile(self.sK_layout),
+            sV=smem_tile(self.sV_layout),
+        )
+        if const_expr(self.separate_o):
+            fields["sO"] = smem_tile(self.sQ_layout)
+        self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
         num_heads = cute.size(mQ.shape[2])
         if const_expr(not self.varlen):
@@ -239,7 +254,10 @@ class FlashFwdSm90:
         else:
             num_batch = cute.size(mCuSeqlensQ.shape[0]) - 1
             num_m_blocks = cute.ceil_div(max_seqlen_q, self.tile_m)
-        grid = (num_m_blocks * num_heads * num_batch, 1, 1)
+        num_tiles = num_m_blocks * num_heads * num_batch
+        grid = (num_tiles, 1, 1)
+        if const_expr(self.persistent):
+            grid = (cutlass.min(num_tiles, Int32(self.persistent_ctas)), 1, 1)
 
         self.kernel(
             tma_Q,
@@ -334,19 +352,17 @@ class FlashFwdSm90:
             tma_atom_Q=tma_atom_Q, tma_atom_K=tma_atom_K, tma_atom_V=tma_atom_V, tma_atom_O=tma_atom_O,
             pipe_q=pipe_q, pipe_k=pipe_k, pipe_v=pipe_v, pipe_vland=pipe_vland,
             sVbad=storage.sVbad.get_tensor(cute.make_layout((self.bad_v_words, self.num_stages))),
+            sO=(storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if const_expr(self.separate_o)
+                else None),
         )
+        launch = Context(diag=diag, num_m_blocks=num_m_blocks, num_batch=num_batch, mCuSeqlensQ=mCuSeqlensQ,
+                         mCuSeqlensK=mCuSeqlensK, mSegOffQ=mSegOffQ, mSegOffK=mSegOffK)
 
-        # ---------------- work tile, sequence and key-block range (identical in every warp) ----------------
-        tile = fwd_work_tile(mQ, mK, num_m_blocks, num_batch, causal=self.causal, varlen=self.varlen,
-                             l2_rows=self.l2_rows)
-        seqlen = SeqlenInfo.create(tile.batch, mQ, mK, diag, mCuSeqlensQ, mCuSeqlensK, mSegOffQ, mSegOffK,
-                                   varlen=self.varlen, seg_offsets=self.seg_offsets, worklist=self.worklist)
-        tile_valid, n_block_min, n_block_max, n_block_causal, n_block_window_end = self.block_info.key_blocks(
-            seqlen, tile.block)
-        n_masked, n_plain, n_window = self.block_info.phases(n_block_min, n_block_max, n_block_causal,
-                                                             n_block_window_end)
-        blk = Context(n_block_min=n_block_min, n_block_max=n_block_max, n_blocks=n_block_max - n_block_min,
-                      n_masked=n_masked, n_plain=n_plain, n_window=n_window)
+        # the one work tile of a non-persistent CTA (identical in every warp); a persistent CTA finds its tiles in
+        # each role's tile loop (the roles walk the same tiles, so their pipeline states stay in step)
+        first = None
+        if const_expr(not self.persistent):
+            first = self.work_at(io, launch, None)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=None)
 
@@ -355,20 +371,110 @@ class FlashFwdSm90:
             # ============================ producer ============================
             cute.arch.setmaxregister_decrease(self.regs_producer)
             if warp_idx == 0:
-                if blk.n_blocks > 0:
-                    self.produce(io, tile, seqlen, blk)
+                self.producer_role(io, launch, first)
             if const_expr(self.sanitize_v):
                 if warp_idx > 0:
-                    self.sanitize_v_tiles(io, blk, tidx - 32)
+                    self.sanitizer_role(io, launch, first, tidx - 32)
         else:
             # ============================ consumers ===========================
             cute.arch.setmaxregister_increase(self.regs_consumer)
-            if tile_valid:
-                self.consume(io, tiled_mma_qk, tiled_mma_pv, scale_log2, tile, seqlen, blk)
+            self.consumer_role(io, launch, first, tiled_mma_qk, tiled_mma_pv, scale_log2)
 
     # ------------------------------------------------------------------------
     @cute.jit
-    def produce(self, io: Context, tile, seqlen: SeqlenInfo, blk: Context):
+    def work_at(self, io: Context, launch: Context, tile_idx):
+        """(tile, seqlen, tile_valid, blk) of launch-order tile ``tile_idx`` (None: this CTA's blockIdx.x): the
+        work tile, its sequence and its key-block range in processing phases."""
+        tile = fwd_work_tile(io.mQ, io.mK, launch.num_m_blocks, launch.num_batch, causal=self.causal,
+                             varlen=self.varlen, l2_rows=self.l2_rows, tile_idx=tile_idx)
+        seqlen = SeqlenInfo.create(tile.batch, io.mQ, io.mK, launch.diag, launch.mCuSeqlensQ, launch.mCuSeqlensK,
+                                   launch.mSegOffQ, launch.mSegOffK, varlen=self.varlen,
+                                   seg_offsets=self.seg_offsets, worklist=self.worklist)
+        tile_valid, n_block_min, n_block_max, n_block_causal, n_block_window_end = self.block_info.key_blocks(
+            seqlen, tile.block)
+        n_masked, n_plain, n_window = self.block_info.phases(n_block_min, n_block_max, n_block_causal,
+                                                             n_block_window_end)
+        blk = Context(n_block_min=n_block_min, n_block_max=n_block_max, n_blocks=n_block_max - n_block_min,
+                      n_masked=n_masked, n_plain=n_plain, n_window=n_window)
+        return tile, seqlen, tile_valid, blk
+
+    @cute.jit
+    def persistent_grid(self, io: Context, launch: Context):
+        """(num_ctas, num_tiles, turns) of a persistent CTA: every CTA takes the same number of turns (a turn past
+        the last tile is skipped)."""
+        num_ctas = cute.arch.grid_dim()[0]
+        num_tiles = launch.num_m_blocks * cute.size(io.mQ.shape[2]) * launch.num_batch
+        return num_ctas, num_tiles, cute.ceil_div(num_tiles, num_ctas)
+
+    @cute.jit
+    def producer_role(self, io: Context, launch: Context, first):
+        """Warp 0: the TMA loads of every tile of the CTA."""
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        land_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        if const_expr(self.persistent):
+            num_ctas, num_tiles, turns = self.persistent_grid(io, launch)
+            for turn in cutlass.range(turns, unroll=1):
+                t = persistent_turn(turn, num_ctas)
+                if t < num_tiles:
+                    tile, seqlen, _, blk = self.work_at(io, launch, t)
+                    if blk.n_blocks > 0:
+                        q_state, kv_state, land_state = self.produce(io, tile, seqlen, blk, q_state, kv_state,
+                                                                     land_state)
+        else:
+            tile, seqlen, _, blk = first
+            if blk.n_blocks > 0:
+                self.produce(io, tile, seqlen, blk, q_state, kv_state, land_state)
+
+    @cute.jit
+    def sanitizer_role(self, io: Context, launch: Context, first, tid: Int32):
+        """Warps 1-3: the V tiles of every tile's masked blocks (sanitize_v_tiles)."""
+        land_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        if const_expr(self.persistent):
+            num_ctas, num_tiles, turns = self.persistent_grid(io, launch)
+            kv_base = Int32(0)  # the K/V ring's stage of this tile's first block
+            for turn in cutlass.range(turns, unroll=1):
+                t = persistent_turn(turn, num_ctas)
+                if t < num_tiles:
+                    _, _, _, blk = self.work_at(io, launch, t)
+                    land_state = self.sanitize_v_tiles(io, blk, tid, land_state, kv_base)
+                    kv_base = (kv_base + blk.n_blocks) % self.num_stages
+        else:
+            self.sanitize_v_tiles(io, first[3], tid, land_state, None)
+
+    @cute.jit
+    def consumer_role(self, io: Context, launch: Context, first, tiled_mma_qk, tiled_mma_pv, scale_log2: Float32):
+        """The consumer warpgroups: every tile's main loop and epilogue."""
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        if const_expr(self.persistent):
+            if const_expr(self.sched_barrier):
+                # one turn token for the whole kernel: every tile's steps pass it on, the last one back to
+                # warpgroup 0 (a tile without steps leaves it there)
+                tidx, _, _ = cute.arch.thread_idx()
+                if cute.arch.make_warp_uniform((tidx - 128) // 128) == 0:
+                    cute.arch.barrier_arrive(barrier_id=int(FwdBarrier.SCHED_WG0), number_of_threads=256)
+            num_ctas, num_tiles, turns = self.persistent_grid(io, launch)
+            for turn in cutlass.range(turns, unroll=1):
+                t = persistent_turn(turn, num_ctas)
+                if t < num_tiles:
+                    tile, seqlen, tile_valid, blk = self.work_at(io, launch, t)
+                    if tile_valid:
+                        kv_state, q_state = self.consume(io, tiled_mma_qk, tiled_mma_pv, scale_log2, tile, seqlen,
+                                                         blk, kv_state, q_state)
+            if const_expr(self.separate_o):
+                tidx, _, _ = cute.arch.thread_idx()
+                if tidx - 128 < 32:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO stays allocated until read
+        else:
+            tile, seqlen, tile_valid, blk = first
+            if tile_valid:
+                self.consume(io, tiled_mma_qk, tiled_mma_pv, scale_log2, tile, seqlen, blk, kv_state, q_state)
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def produce(self, io: Context, tile, seqlen: SeqlenInfo, blk: Context, q_state, kv_state, land_state):
+        """One tile's loads: K first, then Q, then K/V in the consumers' order; returns the advanced states."""
         D = self.head_dim
         head, head_kv, batch = tile.head, tile.head_kv, tile.batch
         if const_expr(not self.varlen):
@@ -387,9 +493,6 @@ class FlashFwdSm90:
         tVsV, tVgV = tma_tile_partition(io.tma_atom_V, io.sV, gV)
         pipe_q, pipe_k = io.pipe_q, io.pipe_k
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        land_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         ld = Context(io=io, tVgV=tVgV, tVsV=tVsV)
 
         n_block_max, n_blocks = blk.n_block_max, blk.n_blocks
@@ -445,6 +548,7 @@ class FlashFwdSm90:
             if const_expr(san):
                 if n_san_top > n_pairs or n_san_bottom > 0:
                     self.load_v_sanitized(ld, kv_state, land_state, n_last)
+                    land_state.advance()  # (a persistent CTA's next tile lands on the next stage)
                 else:
                     self.load_v(ld, kv_state, n_last)
             else:
@@ -475,6 +579,8 @@ class FlashFwdSm90:
         if const_expr(self.prefetch_running):
             if not prefetch_early:
                 self.prefetch_running_tile(io, tile, seqlen)
+        q_state.advance()
+        return q_state, kv_state, land_state
 
     @cute.jit
     def prefetch_running_tile(self, io: Context, tile, seqlen: SeqlenInfo):
@@ -540,20 +646,22 @@ class FlashFwdSm90:
         return cutlass.min(blk.n_masked + 1, blk.n_blocks), blk.n_window
 
     @cute.jit
-    def sanitize_v_tiles(self, io: Context, blk: Context, tid: Int32):
-        """Sanitizer warps: for each V tile to sanitize, zero rows that hold NaN / inf, publish the first such row
-        (sVbad[stage], NONE if none), then complete the consumers' V barrier of the stage. The landing barriers
-        count sanitized tiles only; the smem stage is the tile's processing index modulo the stages (the K/V
-        ring's), which differs from the landing stage once plain tiles came in between."""
+    def sanitize_v_tiles(self, io: Context, blk: Context, tid: Int32, land_state, kv_base):
+        """Sanitizer warps: for each V tile of one work tile to sanitize, zero rows that hold NaN / inf, publish the
+        first such row (sVbad[stage], NONE if none), then complete the consumers' V barrier of the stage. The
+        landing barriers count sanitized tiles only; the smem stage is the K/V ring's: the tile's processing index
+        (plus ``kv_base``, the ring's stage at the work tile's first block; None: 0) modulo the stages, which
+        differs from the landing stage once plain tiles came in between. Returns the advanced landing state."""
         nthr = self.sanitizer_threads
         n_top, n_bottom = self.sanitized_v_counts(blk)
-        land_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         for j in cutlass.range(n_top + n_bottom, unroll=1):
             io.pipe_vland.consumer_wait(land_state)
             proc_idx = j
             if const_expr(self.block_info.windowed):
                 if j >= n_top:
                     proc_idx = blk.n_blocks - n_bottom + (j - n_top)
+            if const_expr(kv_base is not None):
+                proc_idx = proc_idx + kv_base
             stage = proc_idx % self.num_stages
             if const_expr(self.block_info.windowed):
                 if tid < self.bad_v_words:
@@ -576,6 +684,7 @@ class FlashFwdSm90:
                 cute.arch.mbarrier_arrive(io.pipe_v.sync_object_full.get_barrier(stage))
             io.pipe_vland.consumer_release(land_state)
             land_state.advance()
+        return land_state
 
     # ------------------------------------------------------------------------
     @cute.jit
@@ -588,7 +697,10 @@ class FlashFwdSm90:
         tile,
         seqlen: SeqlenInfo,
         blk: Context,
+        kv_state,
+        q_state,
     ):
+        """One tile's main loop and epilogue; returns the advanced (kv_state, q_state)."""
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -629,10 +741,8 @@ class FlashFwdSm90:
 
         n_block_max = blk.n_block_max
         if blk.n_blocks > 0:
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             io.pipe_q.consumer_wait(q_state)
-            if const_expr(self.sched_barrier):
+            if const_expr(self.sched_barrier and not self.persistent):  # (persistent: consumer_role's token)
                 if wg == 0:
                     cute.arch.barrier_arrive(barrier_id=int(FwdBarrier.SCHED_WG0), number_of_threads=256)
             # blocks after the first one that still need the causal mask, then blocks that need none, then the
@@ -673,8 +783,13 @@ class FlashFwdSm90:
                 if const_expr(self.block_info.windowed):
                     for i in cutlass.range(n_window, unroll=1):
                         kv_state = self.simple_step(ml, kv_state, blk.n_block_min + n_window - 1 - i, 1)
+            if const_expr(self.persistent):
+                # every wgmma reading sQ has completed (the last PV waited for all): the next tile's Q may land
+                io.pipe_q.consumer_release(q_state)
+                q_state.advance()
 
         self.epilogue(io, ml, tidx, tile, seqlen)
+        return kv_state, q_state
 
     # ------------------------------------------------------------------------
     @cute.jit
@@ -784,10 +899,12 @@ class FlashFwdSm90:
 
     @cute.jit
     def epilogue_tma(self, io: Context, ml: Context, tidx: Int32, tile, seqlen: SeqlenInfo):
-        """O -> registers (q dtype) -> smem (the Q buffer, free once every consumer warpgroup is
-        past its last S = Q K^T) -> one TMA store (rows past seqlen_q are clipped by TMA)."""
+        """O -> registers (q dtype) -> smem -> one TMA store (rows past seqlen_q are clipped by TMA). The smem is the
+        Q buffer, free once every consumer warpgroup is past its last S = Q K^T; or in a persistent CTA its own
+        buffer sO, free once the previous tile's store has read it (the next tile's Q may be landing in sQ)."""
         D = self.head_dim
-        tiled_mma_pv, acc_O, sQ = ml.tiled_mma_pv, ml.acc_O, io.sQ
+        tiled_mma_pv, acc_O = ml.tiled_mma_pv, ml.acc_O
+        sO = io.sO if const_expr(self.separate_o) else io.sQ
         row_sum = ml.softmax.row_sum
         m_block = tile.block
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
@@ -803,19 +920,23 @@ class FlashFwdSm90:
             inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row), sink)
             lse_r[r] = lse
             rO_mn[r, None].store((acc_mn[r, None].load() * inv).to(self.dtype))
-        # every consumer warpgroup has finished reading sQ
+        if const_expr(self.separate_o):
+            if tidx < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous tile's store has read sO
+        # every consumer warpgroup has finished reading sQ (separate sO: the previous store is done with it)
         cute.arch.barrier(barrier_id=int(FwdBarrier.EPILOGUE), number_of_threads=self.num_wg * 128)
         st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
         thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)
-        cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sQ))
+        cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sO))
         cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
         cute.arch.barrier(barrier_id=int(FwdBarrier.EPILOGUE), number_of_threads=self.num_wg * 128)
         if tidx < 32:
             gO = cute.local_tile(io.mO_tma[None, None, tile.head, tile.batch], (self.tile_m, D), (m_block, 0))
-            tOsO, tOgO = tma_tile_partition(io.tma_atom_O, sQ, gO)
+            tOsO, tOgO = tma_tile_partition(io.tma_atom_O, sO, gO)
             cute.copy(io.tma_atom_O, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(not self.separate_o):
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         _, mL_cur = self.running_views(io, tile, seqlen)
         if tOcO_mn[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(row_sum)):

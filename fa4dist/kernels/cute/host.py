@@ -52,6 +52,21 @@ def cutlass_importable() -> bool:
     return True
 
 
+_SM_COUNT: list = []
+H100_H200_SMS = 132  # what a compile without a GPU (CI, AOT export on a CPU box) sizes persistent grids for
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current CUDA device (the size of a persistent grid); without a GPU, the
+    H100 / H200 count."""
+    if not _SM_COUNT:
+        n = H100_H200_SMS
+        if torch.cuda.is_available():
+            n = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        _SM_COUNT.append(int(n))
+    return _SM_COUNT[0]
+
+
 def check_qkv(q, k, v, head_dims, *, cu_seqlens_q=None, cu_seqlens_k=None, what="kernel"):
     """(ok, reason) for the q/k/v properties every CuTe kernel needs (shared by forward and backward).
 

@@ -1,7 +1,9 @@
 """Which work tile a CTA computes: the decode of blockIdx.x into (block, head, batch) for both kernels.
 
-Both kernels launch one CTA per work tile (non-persistent grids). The forward's tile is a query tile of one
-(head, sequence); the backward's is a key tile of one (kv head, sequence). The launch order is part of the
+The backward launches one CTA per work tile. The forward does too, or with a persistent grid (``persistent_turn``)
+one CTA per SM, each walking tiles of the same launch order, so that the next tile's loads overlap the current one's
+epilogue. The forward's tile is a query tile of one (head, sequence); the backward's is a key tile of one (kv
+head, sequence). The launch order is part of the
 design: causal forward tiles go longest first, with heads grouped so that their K/V stay in L2; deterministic
 backward tiles go in the order that keeps the dQ semaphore chains short and deadlock-free. A work-list launch
 (several (query range, key range, offsets, mask) items, fa4dist.kernels.worklist) keeps these decoders: its items
@@ -34,14 +36,27 @@ class WorkTile:
     valid: Any = True
 
 
+def persistent_turn(turn: Int32, num_ctas: Int32) -> Int32:
+    """The tile index a CTA of a persistent grid (``num_ctas`` CTAs) takes at its ``turn``-th tile: waves of
+    ``num_ctas`` consecutive tiles of the launch order, every second wave walked backwards (a snake), so that with
+    tiles ordered longest first each CTA's sum of lengths evens out (a plain stride would give CTA 0 the longest
+    tile of every wave). May be past the last tile in the last wave: the caller skips it."""
+    bid, _, _ = cute.arch.block_idx()
+    col = bid + (turn % 2) * (num_ctas - 1 - 2 * bid)  # odd turns: num_ctas - 1 - bid
+    return turn * num_ctas + col
+
+
 def fwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, num_m_blocks: Int32, num_batch: Int32, *, causal: bool,
-                  varlen: bool, l2_rows: int) -> WorkTile:
-    """Forward: query tile ``block`` of (head, batch). Causal grids run the longest tiles (highest m) first; the
-    dense causal grid also groups heads so that the K/V rows of a group (``l2_rows``) stay resident in L2."""
+                  varlen: bool, l2_rows: int, tile_idx=None) -> WorkTile:
+    """Forward: query tile ``block`` of (head, batch) for the launch-order index ``tile_idx`` (default: this CTA's
+    blockIdx.x). Causal grids run the longest tiles (highest m) first; the dense causal grid also groups heads so
+    that the K/V rows of a group (``l2_rows``) stay resident in L2."""
     num_heads = cute.size(mQ.shape[2])
     num_heads_kv = cute.size(mK.shape[2])
     qhead_per_kv = num_heads // num_heads_kv
-    bid, _, _ = cute.arch.block_idx()
+    bid = tile_idx
+    if const_expr(tile_idx is None):
+        bid, _, _ = cute.arch.block_idx()
     num_hb = num_heads * num_batch
     m_block = Int32(0)
     hb = Int32(0)
