@@ -342,12 +342,15 @@ PERSISTENT_CASES = [
 ]
 
 
-# every case on one CTA per SM of an H200 (most CTAs walk 2-4 tiles), two also on 5 CTAs (dozens of tiles each)
-PERSISTENT_RUNS = [(c, 132) for c in PERSISTENT_CASES] + [(PERSISTENT_CASES[1], 5), (PERSISTENT_CASES[4], 5)]
+# every case on one CTA per SM of an H200 (most CTAs walk 2-4 tiles), two also on 5 CTAs (dozens of tiles each);
+# the static walk and the dynamic one (tiles claimed from a global counter)
+PERSISTENT_RUNS = ([(c, 132, dyn) for c in PERSISTENT_CASES for dyn in (False, True)]
+                   + [(PERSISTENT_CASES[i], 5, dyn) for i in (1, 4) for dyn in (False, True)])
 
 
-@pytest.mark.parametrize("case,ctas", PERSISTENT_RUNS, ids=[f"{c[0]}-{n}" for c, n in PERSISTENT_RUNS])
-def test_persistent_grid_gives_the_bits_of_one_cta_per_tile(case, ctas):
+@pytest.mark.parametrize("case,ctas,dynamic", PERSISTENT_RUNS,
+                         ids=[f"{c[0]}-{n}{'-dynamic' if d else ''}" for c, n, d in PERSISTENT_RUNS])
+def test_persistent_grid_gives_the_bits_of_one_cta_per_tile(case, ctas, dynamic):
     """A persistent grid (each CTA walks several tiles, its pipelines running on from one tile into the next)
     writes every out / lse byte a one-CTA-per-tile grid writes: plain, with GQA, masked, windowed, capped with
     sinks, NaN in masked V rows; and the accumulate-merge form within fp32 rounding. (Causal and merge launches
@@ -375,7 +378,7 @@ def test_persistent_grid_gives_the_bits_of_one_cta_per_tile(case, ctas):
         return out, lse, run_o, run_l
 
     want = launch(persistent_ctas=0)
-    got = launch(persistent_ctas=ctas)
+    got = launch(persistent_ctas=ctas, dynamic_tiles=dynamic)
     for name, a, g in zip(("out", "lse"), want, got):
         assert torch.equal(a.view(torch.uint8), g.view(torch.uint8)), f"{name} differs with {ctas} persistent CTAs"
     # the merge epilogue compiled into the persistent kernel rounds o_old * w_old + o_blk apart from the other kernel

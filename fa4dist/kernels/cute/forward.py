@@ -63,6 +63,9 @@ class FwdConfig:
     # order, so that a tile's epilogue overlaps the next tile's loads; 0: one CTA per tile. Default from
     # default_persistent_ctas (measured, NOTES_FWD.md)
     persistent_ctas: int = 0
+    # persistent only: CTAs take their next tile from a global counter (greedy, as the hardware's block scheduler
+    # balances tiles of different lengths) instead of the static walk; the launch passes a zeroed int32 counter
+    dynamic_tiles: bool = False
 
     def build(self):
         from .fwd_sm90 import FlashFwdSm90
@@ -75,7 +78,13 @@ class FwdConfig:
             window_left=self.window_left, softcap=self.softcap, sinks=self.sinks,
             softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
             prefetch_running=self.prefetch_running, persistent_ctas=self.persistent_ctas,
+            dynamic_tiles=self.dynamic_tiles,
         )
+
+    @property
+    def takes_tile_counter(self) -> bool:
+        """Whether the launch passes a zeroed (1,) int32 tile counter (a dynamic persistent dense grid)."""
+        return self.dynamic_tiles and self.persistent_ctas > 0 and not self.varlen
 
     def fake_args(self):
         """Fake tensors describing every runtime argument of the variant (no GPU needed)."""
@@ -103,8 +112,9 @@ class FwdConfig:
         sinks = None
         if self.sinks:
             sinks = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+        counter = host.fake_i32(1) if self.takes_tile_counter else None
         return (q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(1), cu_q, cu_k, off_q, off_k,
-                sinks, host.fake_stream())
+                sinks, counter, host.fake_stream())
 
 
 def default_tiles(head_dim: int, causal: bool) -> tuple[int, int, int]:
@@ -134,10 +144,10 @@ _FIELDS = {
     "tile_m": int, "tile_n": int, "num_stages": int, "intra_wg_overlap": host.parse_bool,
     "sched_barrier": host.parse_bool, "rescale_threshold": float, "tma_store_o": host.parse_bool,
     "sanitize": host.parse_bool, "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
-    "persistent_ctas": int,
+    "persistent_ctas": int, "dynamic_tiles": host.parse_bool,
 }
 # the fields a work-list launch must share with the per-item calls it replaces to give their bits (all but these)
-_LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o", "persistent_ctas")
+_LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o", "persistent_ctas", "dynamic_tiles")
 # development hook: FA4DIST_FWD_OVERRIDE="rescale_threshold=0,tile_m=128" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_FWD_OVERRIDE", _FIELDS)
 
@@ -294,21 +304,24 @@ def forward(
     softcap = host.check_softcap(softcap)
     has_sinks = sinks is not None
     fast_key = (q.dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32, window_left, softcap, has_sinks)
-    fn = _FAST.get(fast_key) if not overrides and not _OVERRIDE else None
-    if fn is None:
+    fast = _FAST.get(fast_key) if not overrides and not _OVERRIDE else None
+    if fast is None:
         cfg = make_config(q.dtype, d, causal=causal, varlen=varlen, accumulate=accumulate,
                           seg_offsets=seg_offsets, out_fp32=out_fp32, window_left=window_left, softcap=softcap,
                           sinks=has_sinks, **overrides)
-        fn = host.get_compiled(cfg)
+        fast = (host.get_compiled(cfg), cfg.takes_tile_counter)
         if not overrides and not _OVERRIDE:
-            _FAST[fast_key] = fn
+            _FAST[fast_key] = fast
+    fn, takes_counter = fast
     if varlen:
         msq = int(max_seqlen_q) if max_seqlen_q is not None else int(q.shape[0])
         msq = max(msq, 1)
     else:
         msq = 1
     scale_log2 = host.score_scale(softmax_scale, softcap)
-    fn(q, k, v, out, lse, scale_log2, diag, msq, cu_seqlens_q, cu_seqlens_k, off_q, off_k, sinks)
+    # a fresh counter per launch: launches on several streams (or in a CUDA graph) never share one
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if takes_counter else None
+    fn(q, k, v, out, lse, scale_log2, diag, msq, cu_seqlens_q, cu_seqlens_k, off_q, off_k, sinks, counter)
     return out, lse
 
 
@@ -343,7 +356,7 @@ def forward_worklist(q, k, v, out, lse, table, max_q_len, *, softmax_scale, caus
         if not _OVERRIDE:
             _FAST[fast_key] = fn
     fn(q, k, v, out, lse, host.score_scale(softmax_scale, softcap), 0, max(int(max_q_len), 1), table, None, None,
-       None, None)
+       None, None, None)
     return out, lse
 
 

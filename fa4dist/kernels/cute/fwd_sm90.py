@@ -95,6 +95,7 @@ class FlashFwdSm90:
         worklist: bool = False,
         prefetch_running: bool = True,
         persistent_ctas: int = 0,
+        dynamic_tiles: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
         assert head_dim % 16 == 0 and tile_n % 16 == 0
@@ -138,6 +139,10 @@ class FlashFwdSm90:
         self.persistent = persistent_ctas > 0 and not varlen
         self.persistent_ctas = persistent_ctas if self.persistent else 0
         self.separate_o = self.persistent and self.tma_store_o
+        # a persistent CTA's next tile comes from a global counter (launch order, first come first served: the
+        # hardware scheduler's greedy balance for tiles of different lengths) instead of the static walk; the
+        # producer warp claims it and hands it to the other roles through a two-slot smem pipeline
+        self.dynamic_tiles = dynamic_tiles and self.persistent
         self.num_threads = 128 * (self.num_wg + 1)
         self.regs_producer, self.regs_consumer = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_wg]
         elem = dtype.width // 8
@@ -173,6 +178,7 @@ class FlashFwdSm90:
         mSegOffQ: Optional[cute.Tensor],
         mSegOffK: Optional[cute.Tensor],
         mSinks: Optional[cute.Tensor],  # (h,) fp32 sink logits when self.sinks
+        mTileCounter: Optional[cute.Tensor],  # dynamic_tiles: (1,) int32, zero at launch
         stream,
     ):
         if const_expr(not self.varlen):
@@ -242,6 +248,9 @@ class FlashFwdSm90:
         )
         if const_expr(self.separate_o):
             fields["sO"] = smem_tile(self.sQ_layout)
+        if const_expr(self.dynamic_tiles):
+            fields["mbar_tile"] = cute.struct.MemRange[cutlass.Int64, 2 * 2]
+            fields["sTile"] = cute.struct.MemRange[Int32, 2]  # the claimed tile indices in flight
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
         num_heads = cute.size(mQ.shape[2])
@@ -281,6 +290,7 @@ class FlashFwdSm90:
             mSegOffQ,
             mSegOffK,
             mSinks,
+            mTileCounter,
             self.sQ_layout,
             self.sK_layout,
             self.sV_layout,
@@ -318,6 +328,7 @@ class FlashFwdSm90:
         mSegOffQ: Optional[cute.Tensor],
         mSegOffK: Optional[cute.Tensor],
         mSinks: Optional[cute.Tensor],
+        mTileCounter: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -342,6 +353,14 @@ class FlashFwdSm90:
         if const_expr(self.sanitize_v):
             pipe_vland = tma_pipeline(storage.mbar_vland.data_ptr(), self.num_stages, self.sanitizer_threads // 32,
                                       self.bytes_kv)
+        pipe_tile = None
+        if const_expr(self.dynamic_tiles):
+            # every consumer warp and sanitizer warp reads each claimed tile index (one arrival per warp)
+            readers = consumer_warps + (self.sanitizer_threads // 32 if self.sanitize_v else 0)
+            pipe_tile = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_tile.data_ptr(), num_stages=2,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, readers), defer_sync=True)
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
 
         io = Context(
@@ -354,6 +373,8 @@ class FlashFwdSm90:
             sVbad=storage.sVbad.get_tensor(cute.make_layout((self.bad_v_words, self.num_stages))),
             sO=(storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if const_expr(self.separate_o)
                 else None),
+            pipe_tile=pipe_tile, mTileCounter=mTileCounter,
+            sTile=storage.sTile.get_tensor(cute.make_layout(2)) if const_expr(self.dynamic_tiles) else None,
         )
         launch = Context(diag=diag, num_m_blocks=num_m_blocks, num_batch=num_batch, mCuSeqlensQ=mCuSeqlensQ,
                          mCuSeqlensK=mCuSeqlensK, mSegOffQ=mSegOffQ, mSegOffK=mSegOffK)
@@ -407,24 +428,70 @@ class FlashFwdSm90:
         return num_ctas, num_tiles, cute.ceil_div(num_tiles, num_ctas)
 
     @cute.jit
+    def claim_tile(self, io: Context, num_ctas: Int32):
+        """Producer warp, dynamic_tiles: the next tile index from the global counter (num_ctas + the claims before
+        it: each CTA's first tile is its blockIdx.x), the same in every lane."""
+        t = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            t = cute.arch.atomic_add(io.mTileCounter.iterator, Int32(1)) + num_ctas
+        return cute.arch.shuffle_sync(t, 0)
+
+    @cute.jit
+    def publish_tile(self, io: Context, tile_state, t: Int32):
+        """Producer warp, dynamic_tiles: hands tile index ``t`` (past the last tile: stop) to the other roles."""
+        io.pipe_tile.producer_acquire(tile_state)
+        if cute.arch.lane_idx() == 0:
+            io.sTile[tile_state.index] = t
+            io.pipe_tile.producer_commit(tile_state)
+        tile_state.advance()
+        return tile_state
+
+    @cute.jit
+    def receive_tile(self, io: Context, tile_state):
+        """A consumer or sanitizer warp, dynamic_tiles: the next tile index the producer claimed (the slot is
+        released at once: the index is all it holds)."""
+        io.pipe_tile.consumer_wait(tile_state)
+        t = io.sTile[tile_state.index]
+        cute.arch.sync_warp()  # every lane has read the slot before lane 0 frees it
+        if cute.arch.lane_idx() == 0:
+            io.pipe_tile.consumer_release(tile_state)
+        tile_state.advance()
+        return t, tile_state
+
+    @cute.jit
     def producer_role(self, io: Context, launch: Context, first):
         """Warp 0: the TMA loads of every tile of the CTA."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         land_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        if const_expr(self.persistent):
+        if const_expr(self.dynamic_tiles):
+            num_ctas, num_tiles, _ = self.persistent_grid(io, launch)
+            tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+            t, _, _ = cute.arch.block_idx()
+            tile_state = self.publish_tile(io, tile_state, t)
+            while t < num_tiles:
+                q_state, kv_state, land_state = self.produce_at(io, launch, t, q_state, kv_state, land_state)
+                # claimed once this tile's loads are out: about two key blocks before the CTA runs dry
+                t = self.claim_tile(io, num_ctas)
+                tile_state = self.publish_tile(io, tile_state, t)
+        elif const_expr(self.persistent):
             num_ctas, num_tiles, turns = self.persistent_grid(io, launch)
             for turn in cutlass.range(turns, unroll=1):
                 t = persistent_turn(turn, num_ctas)
                 if t < num_tiles:
-                    tile, seqlen, _, blk = self.work_at(io, launch, t)
-                    if blk.n_blocks > 0:
-                        q_state, kv_state, land_state = self.produce(io, tile, seqlen, blk, q_state, kv_state,
-                                                                     land_state)
+                    q_state, kv_state, land_state = self.produce_at(io, launch, t, q_state, kv_state, land_state)
         else:
             tile, seqlen, _, blk = first
             if blk.n_blocks > 0:
                 self.produce(io, tile, seqlen, blk, q_state, kv_state, land_state)
+
+    @cute.jit
+    def produce_at(self, io: Context, launch: Context, t: Int32, q_state, kv_state, land_state):
+        """A persistent CTA's loads of tile ``t`` (none for a tile without key blocks)."""
+        tile, seqlen, _, blk = self.work_at(io, launch, t)
+        if blk.n_blocks > 0:
+            q_state, kv_state, land_state = self.produce(io, tile, seqlen, blk, q_state, kv_state, land_state)
+        return q_state, kv_state, land_state
 
     @cute.jit
     def sanitizer_role(self, io: Context, launch: Context, first, tid: Int32):
@@ -433,20 +500,34 @@ class FlashFwdSm90:
         if const_expr(self.persistent):
             num_ctas, num_tiles, turns = self.persistent_grid(io, launch)
             kv_base = Int32(0)  # the K/V ring's stage of this tile's first block
-            for turn in cutlass.range(turns, unroll=1):
-                t = persistent_turn(turn, num_ctas)
-                if t < num_tiles:
-                    _, _, _, blk = self.work_at(io, launch, t)
-                    land_state = self.sanitize_v_tiles(io, blk, tid, land_state, kv_base)
-                    kv_base = (kv_base + blk.n_blocks) % self.num_stages
+            if const_expr(self.dynamic_tiles):
+                tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+                t, tile_state = self.receive_tile(io, tile_state)
+                while t < num_tiles:
+                    land_state, kv_base = self.sanitize_at(io, launch, t, tid, land_state, kv_base)
+                    t, tile_state = self.receive_tile(io, tile_state)
+            else:
+                for turn in cutlass.range(turns, unroll=1):
+                    t = persistent_turn(turn, num_ctas)
+                    if t < num_tiles:
+                        land_state, kv_base = self.sanitize_at(io, launch, t, tid, land_state, kv_base)
         else:
             self.sanitize_v_tiles(io, first[3], tid, land_state, None)
+
+    @cute.jit
+    def sanitize_at(self, io: Context, launch: Context, t: Int32, tid: Int32, land_state, kv_base: Int32):
+        """A persistent CTA's sanitizer work for tile ``t``; returns the landing state and the ring's stage at the
+        next tile's first block."""
+        _, _, _, blk = self.work_at(io, launch, t)
+        land_state = self.sanitize_v_tiles(io, blk, tid, land_state, kv_base)
+        return land_state, (kv_base + blk.n_blocks) % self.num_stages
 
     @cute.jit
     def consumer_role(self, io: Context, launch: Context, first, tiled_mma_qk, tiled_mma_pv, scale_log2: Float32):
         """The consumer warpgroups: every tile's main loop and epilogue."""
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        mmas = Context(tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, scale_log2=scale_log2)
         if const_expr(self.persistent):
             if const_expr(self.sched_barrier):
                 # one turn token for the whole kernel: every tile's steps pass it on, the last one back to
@@ -455,13 +536,17 @@ class FlashFwdSm90:
                 if cute.arch.make_warp_uniform((tidx - 128) // 128) == 0:
                     cute.arch.barrier_arrive(barrier_id=int(FwdBarrier.SCHED_WG0), number_of_threads=256)
             num_ctas, num_tiles, turns = self.persistent_grid(io, launch)
-            for turn in cutlass.range(turns, unroll=1):
-                t = persistent_turn(turn, num_ctas)
-                if t < num_tiles:
-                    tile, seqlen, tile_valid, blk = self.work_at(io, launch, t)
-                    if tile_valid:
-                        kv_state, q_state = self.consume(io, tiled_mma_qk, tiled_mma_pv, scale_log2, tile, seqlen,
-                                                         blk, kv_state, q_state)
+            if const_expr(self.dynamic_tiles):
+                tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+                t, tile_state = self.receive_tile(io, tile_state)
+                while t < num_tiles:
+                    kv_state, q_state = self.consume_at(io, launch, mmas, t, kv_state, q_state)
+                    t, tile_state = self.receive_tile(io, tile_state)
+            else:
+                for turn in cutlass.range(turns, unroll=1):
+                    t = persistent_turn(turn, num_ctas)
+                    if t < num_tiles:
+                        kv_state, q_state = self.consume_at(io, launch, mmas, t, kv_state, q_state)
             if const_expr(self.separate_o):
                 tidx, _, _ = cute.arch.thread_idx()
                 if tidx - 128 < 32:
@@ -471,7 +556,15 @@ class FlashFwdSm90:
             if tile_valid:
                 self.consume(io, tiled_mma_qk, tiled_mma_pv, scale_log2, tile, seqlen, blk, kv_state, q_state)
 
-    # ------------------------------------------------------------------------
+    @cute.jit
+    def consume_at(self, io: Context, launch: Context, mmas: Context, t: Int32, kv_state, q_state):
+        """A persistent CTA's main loop and epilogue of tile ``t`` (none for a tile past its sequence)."""
+        tile, seqlen, tile_valid, blk = self.work_at(io, launch, t)
+        if tile_valid:
+            kv_state, q_state = self.consume(io, mmas.tiled_mma_qk, mmas.tiled_mma_pv, mmas.scale_log2, tile, seqlen,
+                                             blk, kv_state, q_state)
+        return kv_state, q_state
+
     @cute.jit
     def produce(self, io: Context, tile, seqlen: SeqlenInfo, blk: Context, q_state, kv_state, land_state):
         """One tile's loads: K first, then Q, then K/V in the consumers' order; returns the advanced states."""
