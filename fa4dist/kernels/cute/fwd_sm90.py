@@ -59,7 +59,7 @@ from .common_sm90 import (
 from .mask import AttentionMask
 from .sanitize import NONE, block_any, clear_nonfinite_rows, clear_nonfinite_rows_marking, tile_maybe_nonfinite
 from .softmax import OnlineSoftmax, merge_lse, softcap_fixed_row_max, softcap_scale_log2, softcap_scores
-from .tile_scheduler import fwd_work_tile, persistent_turn
+from .tile_scheduler import TileClaims, fwd_work_tile, persistent_turn
 
 
 # a tile of at most this many key blocks prefetches its running (out, lse) at its start: ~1.7 us per block at
@@ -139,9 +139,8 @@ class FlashFwdSm90:
         self.persistent = persistent_ctas > 0 and not varlen
         self.persistent_ctas = persistent_ctas if self.persistent else 0
         self.separate_o = self.persistent and self.tma_store_o
-        # a persistent CTA's next tile comes from a global counter (launch order, first come first served: the
-        # hardware scheduler's greedy balance for tiles of different lengths) instead of the static walk; the
-        # producer warp claims it and hands it to the other roles through a two-slot smem pipeline
+        # a persistent CTA's next tile comes from a global counter (tile_scheduler.TileClaims) instead of the
+        # static walk
         self.dynamic_tiles = dynamic_tiles and self.persistent
         self.num_threads = 128 * (self.num_wg + 1)
         self.regs_producer, self.regs_consumer = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_wg]
@@ -249,8 +248,8 @@ class FlashFwdSm90:
         if const_expr(self.separate_o):
             fields["sO"] = smem_tile(self.sQ_layout)
         if const_expr(self.dynamic_tiles):
-            fields["mbar_tile"] = cute.struct.MemRange[cutlass.Int64, 2 * 2]
-            fields["sTile"] = cute.struct.MemRange[Int32, 2]  # the claimed tile indices in flight
+            fields["mbar_tile"] = cute.struct.MemRange[cutlass.Int64, 2 * TileClaims.STAGES]
+            fields["sTile"] = cute.struct.MemRange[Int32, TileClaims.STAGES]  # claimed tile indices in flight
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
         num_heads = cute.size(mQ.shape[2])
@@ -353,14 +352,12 @@ class FlashFwdSm90:
         if const_expr(self.sanitize_v):
             pipe_vland = tma_pipeline(storage.mbar_vland.data_ptr(), self.num_stages, self.sanitizer_threads // 32,
                                       self.bytes_kv)
-        pipe_tile = None
+        claims = None
         if const_expr(self.dynamic_tiles):
-            # every consumer warp and sanitizer warp reads each claimed tile index (one arrival per warp)
-            readers = consumer_warps + (self.sanitizer_threads // 32 if self.sanitize_v else 0)
-            pipe_tile = pipeline.PipelineAsync.create(
-                barrier_storage=storage.mbar_tile.data_ptr(), num_stages=2,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, readers), defer_sync=True)
+            # every consumer warp and sanitizer warp reads each claimed tile index
+            claims = TileClaims.create(storage.mbar_tile.data_ptr(), storage.sTile.get_tensor(cute.make_layout(2)),
+                                       mTileCounter,
+                                       consumer_warps + (self.sanitizer_threads // 32 if self.sanitize_v else 0))
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
 
         io = Context(
@@ -373,8 +370,7 @@ class FlashFwdSm90:
             sVbad=storage.sVbad.get_tensor(cute.make_layout((self.bad_v_words, self.num_stages))),
             sO=(storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if const_expr(self.separate_o)
                 else None),
-            pipe_tile=pipe_tile, mTileCounter=mTileCounter,
-            sTile=storage.sTile.get_tensor(cute.make_layout(2)) if const_expr(self.dynamic_tiles) else None,
+            claims=claims,
         )
         launch = Context(diag=diag, num_m_blocks=num_m_blocks, num_batch=num_batch, mCuSeqlensQ=mCuSeqlensQ,
                          mCuSeqlensK=mCuSeqlensK, mSegOffQ=mSegOffQ, mSegOffK=mSegOffK)
@@ -428,37 +424,6 @@ class FlashFwdSm90:
         return num_ctas, num_tiles, cute.ceil_div(num_tiles, num_ctas)
 
     @cute.jit
-    def claim_tile(self, io: Context, num_ctas: Int32):
-        """Producer warp, dynamic_tiles: the next tile index from the global counter (num_ctas + the claims before
-        it: each CTA's first tile is its blockIdx.x), the same in every lane."""
-        t = Int32(0)
-        if cute.arch.lane_idx() == 0:
-            t = cute.arch.atomic_add(io.mTileCounter.iterator, Int32(1)) + num_ctas
-        return cute.arch.shuffle_sync(t, 0)
-
-    @cute.jit
-    def publish_tile(self, io: Context, tile_state, t: Int32):
-        """Producer warp, dynamic_tiles: hands tile index ``t`` (past the last tile: stop) to the other roles."""
-        io.pipe_tile.producer_acquire(tile_state)
-        if cute.arch.lane_idx() == 0:
-            io.sTile[tile_state.index] = t
-            io.pipe_tile.producer_commit(tile_state)
-        tile_state.advance()
-        return tile_state
-
-    @cute.jit
-    def receive_tile(self, io: Context, tile_state):
-        """A consumer or sanitizer warp, dynamic_tiles: the next tile index the producer claimed (the slot is
-        released at once: the index is all it holds)."""
-        io.pipe_tile.consumer_wait(tile_state)
-        t = io.sTile[tile_state.index]
-        cute.arch.sync_warp()  # every lane has read the slot before lane 0 frees it
-        if cute.arch.lane_idx() == 0:
-            io.pipe_tile.consumer_release(tile_state)
-        tile_state.advance()
-        return t, tile_state
-
-    @cute.jit
     def producer_role(self, io: Context, launch: Context, first):
         """Warp 0: the TMA loads of every tile of the CTA."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -466,14 +431,14 @@ class FlashFwdSm90:
         land_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         if const_expr(self.dynamic_tiles):
             num_ctas, num_tiles, _ = self.persistent_grid(io, launch)
-            tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+            tile_state = TileClaims.producer_state()
             t, _, _ = cute.arch.block_idx()
-            tile_state = self.publish_tile(io, tile_state, t)
+            tile_state = io.claims.publish(tile_state, t)
             while t < num_tiles:
                 q_state, kv_state, land_state = self.produce_at(io, launch, t, q_state, kv_state, land_state)
                 # claimed once this tile's loads are out: about two key blocks before the CTA runs dry
-                t = self.claim_tile(io, num_ctas)
-                tile_state = self.publish_tile(io, tile_state, t)
+                t = io.claims.claim(num_ctas)
+                tile_state = io.claims.publish(tile_state, t)
         elif const_expr(self.persistent):
             num_ctas, num_tiles, turns = self.persistent_grid(io, launch)
             for turn in cutlass.range(turns, unroll=1):
@@ -501,11 +466,11 @@ class FlashFwdSm90:
             num_ctas, num_tiles, turns = self.persistent_grid(io, launch)
             kv_base = Int32(0)  # the K/V ring's stage of this tile's first block
             if const_expr(self.dynamic_tiles):
-                tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
-                t, tile_state = self.receive_tile(io, tile_state)
+                tile_state = TileClaims.reader_state()
+                t, tile_state = io.claims.receive(tile_state)
                 while t < num_tiles:
                     land_state, kv_base = self.sanitize_at(io, launch, t, tid, land_state, kv_base)
-                    t, tile_state = self.receive_tile(io, tile_state)
+                    t, tile_state = io.claims.receive(tile_state)
             else:
                 for turn in cutlass.range(turns, unroll=1):
                     t = persistent_turn(turn, num_ctas)
@@ -537,11 +502,11 @@ class FlashFwdSm90:
                     cute.arch.barrier_arrive(barrier_id=int(FwdBarrier.SCHED_WG0), number_of_threads=256)
             num_ctas, num_tiles, turns = self.persistent_grid(io, launch)
             if const_expr(self.dynamic_tiles):
-                tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
-                t, tile_state = self.receive_tile(io, tile_state)
+                tile_state = TileClaims.reader_state()
+                t, tile_state = io.claims.receive(tile_state)
                 while t < num_tiles:
                     kv_state, q_state = self.consume_at(io, launch, mmas, t, kv_state, q_state)
-                    t, tile_state = self.receive_tile(io, tile_state)
+                    t, tile_state = io.claims.receive(tile_state)
             else:
                 for turn in cutlass.range(turns, unroll=1):
                     t = persistent_turn(turn, num_ctas)

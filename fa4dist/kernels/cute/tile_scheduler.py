@@ -2,8 +2,8 @@
 
 The backward launches one CTA per work tile. The forward does too, or with a persistent grid (``persistent_turn``)
 one CTA per SM, each walking tiles of the same launch order, so that the next tile's loads overlap the current one's
-epilogue. The forward's tile is a query tile of one (head, sequence); the backward's is a key tile of one (kv
-head, sequence). The launch order is part of the
+epilogue, the static walk or (``TileClaims``) tiles claimed from a counter. The forward's tile is a query tile of
+one (head, sequence); the backward's is a key tile of one (kv head, sequence). The launch order is part of the
 design: causal forward tiles go longest first, with heads grouped so that their K/V stay in L2; deterministic
 backward tiles go in the order that keeps the dQ semaphore chains short and deadlock-free. A work-list launch
 (several (query range, key range, offsets, mask) items, fa4dist.kernels.worklist) keeps these decoders: its items
@@ -18,6 +18,7 @@ from typing import Any
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass import Int32, const_expr
 
 
@@ -44,6 +45,68 @@ def persistent_turn(turn: Int32, num_ctas: Int32) -> Int32:
     bid, _, _ = cute.arch.block_idx()
     col = bid + (turn % 2) * (num_ctas - 1 - 2 * bid)  # odd turns: num_ctas - 1 - bid
     return turn * num_ctas + col
+
+
+@dataclass(frozen=True)
+class TileClaims:
+    """The dynamic walk of a persistent grid: a CTA's first tile is its blockIdx.x; the producer warp claims each
+    next one from a global (1,) int32 counter, zero at launch (grid size + the claims before it, so tiles go out in
+    launch order, first come first served: the greedy balance of the hardware's block scheduler), and hands it to the
+    CTA's other warps through a two-slot smem pipeline. A claim past the last tile tells every warp to stop."""
+
+    pipe: Any  # PipelineAsync over the slots: one producer thread, one arrival per reading warp
+    slots: Any  # (2,) int32 smem
+    counter: Any  # (1,) int32 global
+
+    STAGES = 2
+
+    @staticmethod
+    def create(barrier_storage, slots, counter, reader_warps: int) -> "TileClaims":
+        """``barrier_storage``: 2 * STAGES mbarriers; initialised without a CTA sync (the caller's
+        pipeline_init_arrive / pipeline_init_wait fence them)."""
+        pipe = pipeline.PipelineAsync.create(
+            barrier_storage=barrier_storage, num_stages=TileClaims.STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, reader_warps), defer_sync=True)
+        return TileClaims(pipe, slots, counter)
+
+    @staticmethod
+    def producer_state():
+        return pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TileClaims.STAGES)
+
+    @staticmethod
+    def reader_state():
+        return pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TileClaims.STAGES)
+
+    @cute.jit
+    def claim(self, num_ctas: Int32) -> Int32:
+        """Producer warp: the next tile index, the same in every lane."""
+        t = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            t = cute.arch.atomic_add(self.counter.iterator, Int32(1)) + num_ctas
+        return cute.arch.shuffle_sync(t, 0)
+
+    @cute.jit
+    def publish(self, state, t: Int32):
+        """Producer warp: hands tile index ``t`` to the readers; returns the advanced state."""
+        self.pipe.producer_acquire(state)
+        if cute.arch.lane_idx() == 0:
+            self.slots[state.index] = t
+            self.pipe.producer_commit(state)
+        state.advance()
+        return state
+
+    @cute.jit
+    def receive(self, state):
+        """A reading warp: (the next tile index, the advanced state); the slot is freed at once (the index is all
+        it holds)."""
+        self.pipe.consumer_wait(state)
+        t = self.slots[state.index]
+        cute.arch.sync_warp()  # every lane has read the slot before lane 0 frees it
+        if cute.arch.lane_idx() == 0:
+            self.pipe.consumer_release(state)
+        state.advance()
+        return t, state
 
 
 def fwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, num_m_blocks: Int32, num_batch: Int32, *, causal: bool,
