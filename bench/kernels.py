@@ -7,6 +7,10 @@
     python bench/kernels.py --deterministic --cute-variants bwd-det:grads=all bwd-det:grads=dq bwd-det:grads=dkv
     python bench/kernels.py --baseline-dir OLD   # also "cute@baseline": OLD/fa4dist (another checkout) interleaved
 
+Baselines: flash-attn-4 when installed, and ``cudnn``, torch's cuDNN SDPA op called directly (the cute/cuDNN
+column; ``--backends sdpa_cudnn`` brings it too). ``sdpa_cudnn`` is our contract's backend over that op, with the
+masked-key guard around it: a backend we ship, timed like ours, not the baseline.
+
 Sizes follow ../shared/docs/anchors.md: batch = total_tokens / seqlen, heads = model_dim / headdim, bf16.
 TFLOP/s counts 4*B*H*S^2*D per forward (half of it when causal) and 2.5x that per backward.  Before timing, each
 backend's forward output is checked against torch's flash kernel (relative error printed), so a fast wrong kernel
@@ -117,9 +121,32 @@ def parse_variants(specs):
     return out
 
 
+def _cudnn_raw(q, k, v, causal):
+    """torch's own cuDNN attention, called directly (no contract, no masked-key guard): the baseline anchors.md
+    measured. (B, S, H, D) in and out, as the other backends."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                               v.transpose(1, 2), is_causal=causal)
+    return out.transpose(1, 2)
+
+
+# torch's cuDNN SDPA op as is: the cuDNN baseline of the ratio column. "sdpa_cudnn" is our contract's backend over
+# the same op, with the masked-key guard's passes around it (kernels/guard.py): a backend we ship, not the baseline
+CUDNN_RAW = "cudnn"
+
+
 def _make_fn(name, direction, deterministic, q, k, v, dout, causal, fa4, overrides, softcap=None):
     """(callable, forward output or None) for one timed item. softcap: None, or every backend's scores capped."""
     cap = {} if softcap is None else dict(softcap=softcap)
+    if name == CUDNN_RAW:
+        if direction == "fwd":
+            fn = lambda: _cudnn_raw(q, k, v, causal)  # noqa: E731
+            return fn, fn()
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        out = _cudnn_raw(qg, kg, vg, causal)
+        return (lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)), None
     if name == "flash_attn_4":
         if direction == "fwd":
             def fwd():
@@ -170,6 +197,8 @@ def run(args):
     fa4 = _fa4()
     if fa4 is not None and (not args.backends or "flash_attn_4" in args.backends):
         backends.append("flash_attn_4")
+    if not args.backends or CUDNN_RAW in args.backends or "sdpa_cudnn" in args.backends:
+        backends.append(CUDNN_RAW)
     if _BASELINE is not None:
         backends.append("cute@baseline")
     variants = parse_variants(args.cute_variants)
@@ -199,6 +228,8 @@ def run(args):
                         if variant is not None and variant[2] == "bwd-det":
                             dets = [True]
                         for deterministic in dets:
+                            if name == CUDNN_RAW and (deterministic or args.softcap is not None):
+                                continue  # (torch's op has neither)
                             row = dict(backend=name, headdim=headdim, causal=causal, seqlen=seqlen, batch=batch,
                                        heads=heads, direction=direction, deterministic=deterministic,
                                        softcap=args.softcap)
@@ -315,7 +346,9 @@ def summary_table(rows) -> str:
         line = f"| {d} | {'yes' if causal else 'no'} | {s} | {direction}{' det' if det else ''} | "
         line += " | ".join(f"{vals[n]:.0f}" if vals.get(n) else "-" for n in names)
         if ours:
-            for base in ("sdpa_cudnn", "flash_attn_4"):
+            # against torch's cuDNN op itself where the run has it (older JSON: the guarded backend)
+            cudnn = CUDNN_RAW if vals.get(CUDNN_RAW) else "sdpa_cudnn"
+            for base in (cudnn, "flash_attn_4"):
                 line += f" | {vals[ours] / vals[base]:.2f}" if vals.get(ours) and vals.get(base) else " | -"
         lines.append(line + " |")
     return "\n".join(lines)

@@ -1,0 +1,29 @@
+"""bench/kernels.py's table (CPU): the cute/cuDNN column divides by torch's cuDNN op itself, not by our guarded
+sdpa_cudnn backend; JSON from before the raw baseline existed falls back to the guarded one."""
+
+import importlib.util
+import os
+
+
+def _load():
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rows(tflops: dict):
+    return [dict(backend=b, headdim=128, causal=True, seqlen=1024, direction="fwd", deterministic=False, tflops=t)
+            for b, t in tflops.items()]
+
+
+def test_cudnn_ratio_uses_torchs_op():
+    table = _load().summary_table(_rows({"cute": 400.0, "cudnn": 500.0, "sdpa_cudnn": 100.0, "flash_attn_4": 410.0}))
+    last = table.splitlines()[-1]
+    assert last.endswith("| 0.80 | 0.98 |"), table
+
+
+def test_cudnn_ratio_falls_back_to_the_guarded_backend():
+    table = _load().summary_table(_rows({"cute": 400.0, "sdpa_cudnn": 200.0, "flash_attn_4": 400.0}))
+    assert table.splitlines()[-1].endswith("| 2.00 | 1.00 |"), table
