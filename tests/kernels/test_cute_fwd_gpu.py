@@ -353,8 +353,8 @@ PERSISTENT_RUNS = ([(c, 132, dyn) for c in PERSISTENT_CASES for dyn in (False, T
 def test_persistent_grid_gives_the_bits_of_one_cta_per_tile(case, ctas, dynamic):
     """A persistent grid (each CTA walks several tiles, its pipelines running on from one tile into the next)
     writes every out / lse byte a one-CTA-per-tile grid writes: plain, with GQA, masked, windowed, capped with
-    sinks, NaN in masked V rows; and the accumulate-merge form within fp32 rounding. (Causal and merge launches
-    are persistent only on request: forward.default_persistent_ctas.)"""
+    sinks, NaN in masked V rows, packed (with the dynamic walk); and the accumulate-merge form within fp32
+    rounding. (Causal, packed and merge launches are persistent only on request: forward.default_persistent_ctas.)"""
     _, b, sq, sk, h, hk, d, causal, qo, ko, extra = case
     torch.manual_seed(ctas + sq)
     q, k, v = rand(b, sq, h, d, dtype=torch.bfloat16), rand(b, sk, hk, d, dtype=torch.bfloat16), \
@@ -374,12 +374,22 @@ def test_persistent_grid_gives_the_bits_of_one_cta_per_tile(case, ctas, dynamic)
         if sinks is None:
             fa4cute.forward(q, k, v, run_o, run_l, causal=causal, q_offset=qo, k_offset=ko, accumulate=True,
                             **extra, **kw)
+        results = [out, lse, run_o, run_l]
+        if dynamic:  # packed launches are persistent only with the dynamic walk
+            cu_q = torch.arange(0, b + 1, dtype=torch.int32, device="cuda") * sq
+            cu_k = torch.arange(0, b + 1, dtype=torch.int32, device="cuda") * sk
+            pk_o = torch.full((b * sq, h, d), float("nan"), dtype=q.dtype, device="cuda")
+            pk_l = torch.full((h, b * sq), float("nan"), dtype=torch.float32, device="cuda")
+            fa4cute.forward(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), pk_o, pk_l, causal=causal,
+                            q_offset=qo, k_offset=ko, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=sq,
+                            sinks=sinks, **extra, **kw)
+            results += [pk_o, pk_l]
         torch.cuda.synchronize()
-        return out, lse, run_o, run_l
+        return results
 
     want = launch(persistent_ctas=0)
     got = launch(persistent_ctas=ctas, dynamic_tiles=dynamic)
-    for name, a, g in zip(("out", "lse"), want, got):
+    for name, a, g in zip(("out", "lse", "packed out", "packed lse"), want[:2] + want[4:], got[:2] + got[4:]):
         assert torch.equal(a.view(torch.uint8), g.view(torch.uint8)), f"{name} differs with {ctas} persistent CTAs"
     # the merge epilogue compiled into the persistent kernel rounds o_old * w_old + o_blk apart from the other kernel
     # (fused or not: measured up to 2.6e-5 relative to small results), which is why merges are not persistent by

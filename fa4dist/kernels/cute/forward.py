@@ -59,9 +59,9 @@ class FwdConfig:
     # accumulate: the producer prefetches the running (out, lse) rows into L2 before the epilogue merges into them.
     # False is a measurement knob (the epilogue then waits on HBM for them)
     prefetch_running: bool = True
-    # > 0 (dense launches): a persistent grid of at most this many CTAs (the SM count), each walking tiles in launch
-    # order, so that a tile's epilogue overlaps the next tile's loads; 0: one CTA per tile. Default from
-    # default_persistent_ctas (measured, NOTES_FWD.md)
+    # > 0: a persistent grid of at most this many CTAs (the SM count), each walking tiles in launch order, so that a
+    # tile's epilogue overlaps the next tile's loads (packed launches only with dynamic_tiles); 0: one CTA per tile.
+    # Default from default_persistent_ctas (measured, NOTES_FWD.md)
     persistent_ctas: int = 0
     # persistent only: CTAs take their next tile from a global counter (greedy, as the hardware's block scheduler
     # balances tiles of different lengths) instead of the static walk; the launch passes a zeroed int32 counter
@@ -82,9 +82,14 @@ class FwdConfig:
         )
 
     @property
+    def persistent(self) -> bool:
+        """Whether the kernel runs on a persistent grid (packed launches only with dynamic_tiles: fwd_sm90)."""
+        return self.persistent_ctas > 0 and (not self.varlen or self.dynamic_tiles)
+
+    @property
     def takes_tile_counter(self) -> bool:
-        """Whether the launch passes a zeroed (1,) int32 tile counter (a dynamic persistent dense grid)."""
-        return self.dynamic_tiles and self.persistent_ctas > 0 and not self.varlen
+        """Whether the launch passes a zeroed (1,) int32 tile counter (a dynamic persistent grid)."""
+        return self.dynamic_tiles and self.persistent
 
     def fake_args(self):
         """Fake tensors describing every runtime argument of the variant (no GPU needed)."""
@@ -134,9 +139,10 @@ def default_persistent_ctas(causal: bool, varlen: bool, accumulate: bool, out_fp
     """The SM count for dense non-causal launches that write a 16-bit out (the TMA-store epilogue), where a
     persistent grid measured 1.03-1.08x at hdim 128 on the H200 (2026-12-01, eighth session); else 0 (one CTA per
     tile). Causal tiles differ in length, and the static walk balances them worse than the hardware's block
-    scheduler does (0.82-0.95x at 16k); packed launches' producer warp has no registers left for the walk; and the
-    merge epilogue compiled into the persistent kernel rounds some elements 1 ulp apart from the one-CTA-per-tile
-    kernel (measured), while work lists promise the bits of the per-item calls, which write fp32 or merge."""
+    scheduler does (0.82-0.95x at 16k; dynamic_tiles is the fix, not yet measured); packed launches' producer warp
+    fits only the dynamic walk in its registers (not yet run on a GPU); and the merge epilogue compiled into the
+    persistent kernel rounds some elements 1 ulp apart from the one-CTA-per-tile kernel (measured), while work
+    lists promise the bits of the per-item calls, which write fp32 or merge."""
     return host.sm_count() if not (causal or varlen or accumulate or out_fp32) else 0
 
 
@@ -319,9 +325,8 @@ def forward(
     else:
         msq = 1
     scale_log2 = host.score_scale(softmax_scale, softcap)
-    # a fresh counter per launch: launches on several streams (or in a CUDA graph) never share one
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if takes_counter else None
-    fn(q, k, v, out, lse, scale_log2, diag, msq, cu_seqlens_q, cu_seqlens_k, off_q, off_k, sinks, counter)
+    fn(q, k, v, out, lse, scale_log2, diag, msq, cu_seqlens_q, cu_seqlens_k, off_q, off_k, sinks,
+       _tile_counter(takes_counter, q.device))
     return out, lse
 
 
@@ -348,16 +353,23 @@ def forward_worklist(q, k, v, out, lse, table, max_q_len, *, softmax_scale, caus
     if q.shape[0] == 0 or k.shape[0] == 0:
         raise ValueError("a work-list launch needs query and key rows")
     fast_key = ("worklist", q.dtype, d, causal, accumulate, out_fp32, window_left, softcap)
-    fn = _FAST.get(fast_key) if not _OVERRIDE else None
-    if fn is None:
+    fast = _FAST.get(fast_key) if not _OVERRIDE else None
+    if fast is None:
         cfg = make_config(q.dtype, d, causal=causal, varlen=True, accumulate=accumulate, out_fp32=out_fp32,
                           window_left=window_left, softcap=softcap, worklist=True)
-        fn = host.get_compiled(cfg)
+        fast = (host.get_compiled(cfg), cfg.takes_tile_counter)
         if not _OVERRIDE:
-            _FAST[fast_key] = fn
+            _FAST[fast_key] = fast
+    fn, takes_counter = fast
     fn(q, k, v, out, lse, host.score_scale(softmax_scale, softcap), 0, max(int(max_q_len), 1), table, None, None,
-       None, None, None)
+       None, None, _tile_counter(takes_counter, q.device))
     return out, lse
+
+
+def _tile_counter(needed: bool, device):
+    """A zeroed (1,) int32 tile counter for a dynamic persistent launch (fresh per launch: launches on several
+    streams, or in a CUDA graph, never share one), else None."""
+    return torch.zeros(1, dtype=torch.int32, device=device) if needed else None
 
 
 def same_kernel_math(dtype, head_dim, a: dict, b: dict) -> bool:
