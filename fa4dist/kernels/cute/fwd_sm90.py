@@ -425,27 +425,42 @@ class FlashFwdSm90:
         return num_ctas, num_tiles, cute.ceil_div(num_tiles, num_ctas)
 
     @cute.jit
+    def walk_tiles(self, io: Context, launch: Context, body, state, claimer: bool):
+        """A persistent CTA's tiles for one role: ``state = body(t, state)`` for each tile index t it takes, in the
+        static walk (tile_scheduler.persistent_turn) or with dynamic_tiles as claimed (``claimer``: this warp, the
+        producer, claims each next tile once its loads of the current one are out, and hands it to the readers);
+        returns the final state."""
+        num_ctas, num_tiles, turns = self.persistent_grid(io, launch)
+        if const_expr(self.dynamic_tiles and claimer):
+            tile_state = TileClaims.producer_state()
+            t, _, _ = cute.arch.block_idx()
+            tile_state = io.claims.publish(tile_state, t)
+            while t < num_tiles:
+                state = body(t, state)
+                t = io.claims.claim(num_ctas)  # about two key blocks before the CTA runs dry
+                tile_state = io.claims.publish(tile_state, t)
+        elif const_expr(self.dynamic_tiles):
+            tile_state = TileClaims.reader_state()
+            t, tile_state = io.claims.receive(tile_state)
+            while t < num_tiles:
+                state = body(t, state)
+                t, tile_state = io.claims.receive(tile_state)
+        else:
+            for turn in cutlass.range(turns, unroll=1):
+                t = persistent_turn(turn, num_ctas)
+                if t < num_tiles:
+                    state = body(t, state)
+        return state
+
+    @cute.jit
     def producer_role(self, io: Context, launch: Context, first):
         """Warp 0: the TMA loads of every tile of the CTA."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         land_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        if const_expr(self.dynamic_tiles):
-            num_ctas, num_tiles, _ = self.persistent_grid(io, launch)
-            tile_state = TileClaims.producer_state()
-            t, _, _ = cute.arch.block_idx()
-            tile_state = io.claims.publish(tile_state, t)
-            while t < num_tiles:
-                q_state, kv_state, land_state = self.produce_at(io, launch, t, q_state, kv_state, land_state)
-                # claimed once this tile's loads are out: about two key blocks before the CTA runs dry
-                t = io.claims.claim(num_ctas)
-                tile_state = io.claims.publish(tile_state, t)
-        elif const_expr(self.persistent):
-            num_ctas, num_tiles, turns = self.persistent_grid(io, launch)
-            for turn in cutlass.range(turns, unroll=1):
-                t = persistent_turn(turn, num_ctas)
-                if t < num_tiles:
-                    q_state, kv_state, land_state = self.produce_at(io, launch, t, q_state, kv_state, land_state)
+        if const_expr(self.persistent):
+            self.walk_tiles(io, launch, lambda t, st: self.produce_at(io, launch, t, *st),
+                            (q_state, kv_state, land_state), True)
         else:
             tile, seqlen, _, blk = first
             if blk.n_blocks > 0:
@@ -464,19 +479,9 @@ class FlashFwdSm90:
         """Warps 1-3: the V tiles of every tile's masked blocks (sanitize_v_tiles)."""
         land_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         if const_expr(self.persistent):
-            num_ctas, num_tiles, turns = self.persistent_grid(io, launch)
-            kv_base = Int32(0)  # the K/V ring's stage of this tile's first block
-            if const_expr(self.dynamic_tiles):
-                tile_state = TileClaims.reader_state()
-                t, tile_state = io.claims.receive(tile_state)
-                while t < num_tiles:
-                    land_state, kv_base = self.sanitize_at(io, launch, t, tid, land_state, kv_base)
-                    t, tile_state = io.claims.receive(tile_state)
-            else:
-                for turn in cutlass.range(turns, unroll=1):
-                    t = persistent_turn(turn, num_ctas)
-                    if t < num_tiles:
-                        land_state, kv_base = self.sanitize_at(io, launch, t, tid, land_state, kv_base)
+            # (with the K/V ring's stage of each tile's first block)
+            self.walk_tiles(io, launch, lambda t, st: self.sanitize_at(io, launch, t, tid, *st),
+                            (land_state, Int32(0)), False)
         else:
             self.sanitize_v_tiles(io, first[3], tid, land_state, None)
 
@@ -501,18 +506,8 @@ class FlashFwdSm90:
                 tidx, _, _ = cute.arch.thread_idx()
                 if cute.arch.make_warp_uniform((tidx - 128) // 128) == 0:
                     cute.arch.barrier_arrive(barrier_id=int(FwdBarrier.SCHED_WG0), number_of_threads=256)
-            num_ctas, num_tiles, turns = self.persistent_grid(io, launch)
-            if const_expr(self.dynamic_tiles):
-                tile_state = TileClaims.reader_state()
-                t, tile_state = io.claims.receive(tile_state)
-                while t < num_tiles:
-                    kv_state, q_state = self.consume_at(io, launch, mmas, t, kv_state, q_state)
-                    t, tile_state = io.claims.receive(tile_state)
-            else:
-                for turn in cutlass.range(turns, unroll=1):
-                    t = persistent_turn(turn, num_ctas)
-                    if t < num_tiles:
-                        kv_state, q_state = self.consume_at(io, launch, mmas, t, kv_state, q_state)
+            self.walk_tiles(io, launch, lambda t, st: self.consume_at(io, launch, mmas, t, *st),
+                            (kv_state, q_state), False)
             if const_expr(self.separate_o):
                 tidx, _, _ = cute.arch.thread_idx()
                 if tidx - 128 < 32:
