@@ -1,20 +1,15 @@
 """bench/cp_sim.py runs (CPU, tiny sizes) and reports what it promises; the numbers themselves come from the GPU."""
 
-import importlib.util
 import json
-import os
 
+import bench_scripts
 import pytest
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _load():
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "cp_sim.py")
-    spec = importlib.util.spec_from_file_location("cp_sim", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_scripts.load("cp_sim")
 
 
 def test_cp_sim_tiny_cpu(tmp_path, monkeypatch):

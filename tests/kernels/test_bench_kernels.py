@@ -1,16 +1,11 @@
 """bench/kernels.py's table (CPU): the cute/cuDNN column divides by torch's cuDNN op itself, not by our guarded
 sdpa_cudnn backend; JSON from before the raw baseline existed falls back to the guarded one."""
 
-import importlib.util
-import os
+import bench_scripts
 
 
 def _load():
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "kernels.py")
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_scripts.load("kernels")
 
 
 def _rows(tflops: dict):
