@@ -40,8 +40,10 @@ SUBSET = [
     (torch.bfloat16, 128, True, False, False, {"sinks": True}),  # TMA-store epilogue
     (torch.float16, 64, True, True, False, {"sinks": True, "window_left": 127, "softcap": 20.0}),  # direct
     (torch.bfloat16, 128, True, True, True, {"worklist": True}),  # one launch over a work list's item table
-    # ... on a persistent grid, tiles claimed from a counter (packed launches are persistent only this way)
-    (torch.bfloat16, 64, True, True, True, {"worklist": True, "persistent_ctas": 132, "dynamic_tiles": True}),
+    # ... on a persistent grid, tiles claimed from a counter (packed launches are persistent only this way), merging
+    # with fixed roundings
+    (torch.bfloat16, 64, True, True, True, {"worklist": True, "persistent_ctas": 132, "dynamic_tiles": True,
+                                            "exact_merge": True}),
     # a persistent grid on request where it is not the default, with tiles claimed from a counter: the sanitizer's
     # walk over masked tiles
     (torch.bfloat16, 128, True, False, False, {"window_left": 300, "persistent_ctas": 132, "dynamic_tiles": True}),
@@ -104,6 +106,7 @@ def test_compile_variant(variant, tmp_path, monkeypatch, capfd):
     # a persistent CTA walks the tiles by the grid's size (the default for dense non-causal 16-bit writes)
     assert ("%nctaid.x" in ptx) == cfg.persistent
     assert ("atom.global.add.u32" in ptx) == cfg.takes_tile_counter  # the dynamic walk's claims
+    assert ("mul.rn.f32" in ptx) == cfg.exact_merge  # the merge's separately rounded product
     if causal or varlen:  # masked V tiles go through the sanitizer warps (packed fp16/bf16 FMA check)
         assert "bar.red.or.pred" in ptx and ("fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx)
     log = capfd.readouterr()

@@ -80,6 +80,26 @@ def prefetch_l2(gmem_ptr, *, loc=None, ip=None):
     _void_asm("prefetch.global.L2 [$0];", "l", [gmem_ptr.toint(loc=loc, ip=ip).ir_value()])
 
 
+def _f32_asm(asm: str, operands: list, *, loc=None, ip=None) -> cutlass.Float32:
+    res = llvm.inline_asm(T.f32(), [cutlass.Float32(x).ir_value(loc=loc, ip=ip) for x in operands], asm,
+                          "=f" + ",f" * len(operands), has_side_effects=False, is_align_stack=False,
+                          asm_dialect=llvm.AsmDialect.AD_ATT)
+    return cutlass.Float32(res)
+
+
+@dsl_user_op
+def fma_rn(a, b, c, *, loc=None, ip=None) -> cutlass.Float32:
+    """a * b + c rounded once (fma.rn.f32), whatever the surrounding code: ptxas fuses a plain mul and add by its
+    own choice, which can differ between two kernels compiled from one source."""
+    return _f32_asm("fma.rn.f32 $0, $1, $2, $3;", [a, b, c], loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mul_rn(a, b, *, loc=None, ip=None) -> cutlass.Float32:
+    """a * b rounded on its own (mul.rn.f32: never fused into a following add)."""
+    return _f32_asm("mul.rn.f32 $0, $1, $2;", [a, b], loc=loc, ip=ip)
+
+
 @dsl_user_op
 def ld_acquire_gpu(ptr, *, loc=None, ip=None) -> Int32:
     addr = ptr.toint(loc=loc, ip=ip).ir_value()

@@ -66,6 +66,9 @@ class FwdConfig:
     # persistent only: CTAs take their next tile from a global counter (greedy, as the hardware's block scheduler
     # balances tiles of different lengths) instead of the static walk; the launch passes a zeroed int32 counter
     dynamic_tiles: bool = False
+    # accumulate: the merge with fixed roundings (fwd_sm90.merge_running), the same bits in every compiled variant
+    # (persistent or not; today they may differ by 1-2 ulp); a knob until the GPU has run it (NOTES_FWD.md)
+    exact_merge: bool = False
 
     def build(self):
         from .fwd_sm90 import FlashFwdSm90
@@ -78,7 +81,7 @@ class FwdConfig:
             window_left=self.window_left, softcap=self.softcap, sinks=self.sinks,
             softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
             prefetch_running=self.prefetch_running, persistent_ctas=self.persistent_ctas,
-            dynamic_tiles=self.dynamic_tiles,
+            dynamic_tiles=self.dynamic_tiles, exact_merge=self.exact_merge,
         )
 
     @property
@@ -150,7 +153,7 @@ _FIELDS = {
     "tile_m": int, "tile_n": int, "num_stages": int, "intra_wg_overlap": host.parse_bool,
     "sched_barrier": host.parse_bool, "rescale_threshold": float, "tma_store_o": host.parse_bool,
     "sanitize": host.parse_bool, "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
-    "persistent_ctas": int, "dynamic_tiles": host.parse_bool,
+    "persistent_ctas": int, "dynamic_tiles": host.parse_bool, "exact_merge": host.parse_bool,
 }
 # the fields a work-list launch must share with the per-item calls it replaces to give their bits (all but these)
 _LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o", "persistent_ctas", "dynamic_tiles")

@@ -45,8 +45,10 @@ from .block_info import WORKLIST_COLUMNS, BlockInfo, SeqlenInfo
 from .common_sm90 import (
     Context,
     acc_to_operand_a,
+    fma_rn,
     k_slices,
     mn_view,
+    mul_rn,
     prefetch_l2,
     prefetch_l2_bulk,
     select_modes,
@@ -96,6 +98,7 @@ class FlashFwdSm90:
         prefetch_running: bool = True,
         persistent_ctas: int = 0,
         dynamic_tiles: bool = False,
+        exact_merge: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
         assert head_dim % 16 == 0 and tile_n % 16 == 0
@@ -143,6 +146,10 @@ class FlashFwdSm90:
         # a persistent CTA's next tile comes from a global counter (tile_scheduler.TileClaims) instead of the
         # static walk
         self.dynamic_tiles = dynamic_tiles and self.persistent
+        # accumulate: the merge's o_old * w_old + o_blk with fixed roundings (an fma of a separately rounded
+        # product), so that every compiled variant merges to the same bits; otherwise ptxas picks which product to
+        # fuse, and persistent and one-CTA-per-tile kernels were measured 1-2 ulp apart
+        self.exact_merge = exact_merge and accumulate
         self.num_threads = 128 * (self.num_wg + 1)
         self.regs_producer, self.regs_consumer = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_wg]
         elem = dtype.width // 8
@@ -1059,12 +1066,20 @@ class FlashFwdSm90:
             row = m_block * self.tile_m + tOcO_mn[r, 0][0]
             inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row), None)
             w_old, w_new, lse_out = merge_lse(lse_old[r], lse)
-            o_blk = acc_mn[r, None].load() * (inv * w_new)
             o_new = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
-            if w_old == Float32(0.0):  # an empty running row may hold anything: 0 * NaN must not leak
-                o_new.store(o_blk)
+            if const_expr(self.exact_merge):
+                s_new = inv * w_new
+                for i in cutlass.range_constexpr(cute.size(o_new)):
+                    o_new[i] = mul_rn(acc_mn[r, i], s_new)
+                if w_old != Float32(0.0):  # an empty running row may hold anything: 0 * NaN must not leak
+                    for i in cutlass.range_constexpr(cute.size(o_new)):
+                        o_new[i] = fma_rn(o_old_mn[r, i], w_old, o_new[i])
             else:
-                o_new.store(o_old_mn[r, None].load() * w_old + o_blk)
+                o_blk = acc_mn[r, None].load() * (inv * w_new)
+                if w_old == Float32(0.0):  # an empty running row may hold anything: 0 * NaN must not leak
+                    o_new.store(o_blk)
+                else:
+                    o_new.store(o_old_mn[r, None].load() * w_old + o_blk)
             if row < seqlen_q:
                 cute.autovec_copy(o_new, tOgO_mn[r, None])
                 if is_col0:
