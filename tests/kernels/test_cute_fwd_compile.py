@@ -129,3 +129,25 @@ def test_supports_reports_reasons():
     q32 = torch.empty(1, 4, 2, 128, dtype=torch.float32)
     ok, reason = cute_fwd.supports(q32, q32, q32)
     assert not ok and "dtype" in reason
+
+
+def test_persistent_grid_default_and_the_sms_variable(monkeypatch):
+    """Dense non-causal 16-bit writes run on a persistent grid of the SM count; causal, packed, merge and fp32
+    writes one CTA per tile (forward.default_persistent_ctas); FA4DIST_CUTE_SMS=N caps the grid."""
+    monkeypatch.setattr(host, "_SM_COUNT", [])
+    monkeypatch.delenv(host.SMS_ENV, raising=False)
+    full = cute_fwd.make_config(torch.bfloat16, 128, causal=False, varlen=False, accumulate=False)
+    assert full.persistent and full.persistent_ctas == host.sm_count() > 0
+    for kw in (dict(causal=True, varlen=False, accumulate=False), dict(causal=False, varlen=True, accumulate=False),
+               dict(causal=False, varlen=False, accumulate=True),
+               dict(causal=False, varlen=False, accumulate=False, out_fp32=True)):
+        cfg = cute_fwd.make_config(torch.bfloat16, 128, **kw)
+        assert cfg.persistent_ctas == 0 and not cfg.persistent, kw
+    monkeypatch.setattr(host, "_SM_COUNT", [])
+    monkeypatch.setenv(host.SMS_ENV, "100")
+    capped = cute_fwd.make_config(torch.bfloat16, 128, causal=False, varlen=False, accumulate=False)
+    assert capped.persistent_ctas == min(100, full.persistent_ctas)
+    monkeypatch.setattr(host, "_SM_COUNT", [])
+    monkeypatch.setenv(host.SMS_ENV, "lots")
+    with pytest.raises(ValueError, match="FA4DIST_CUTE_SMS must be a positive number"):
+        host.sm_count()

@@ -54,15 +54,22 @@ def cutlass_importable() -> bool:
 
 _SM_COUNT: list = []
 H100_H200_SMS = 132  # what a compile without a GPU (CI, AOT export on a CPU box) sizes persistent grids for
+SMS_ENV = "FA4DIST_CUTE_SMS"
 
 
 def sm_count() -> int:
-    """Streaming multiprocessors of the current CUDA device (the size of a persistent grid); without a GPU, the
-    H100 / H200 count."""
+    """The size of a persistent grid: the current CUDA device's streaming multiprocessors (without a GPU, the
+    H100 / H200 count), or fewer with FA4DIST_CUTE_SMS=N, which leaves SMs to kernels that run alongside ours
+    (communication overlapped with attention): a persistent CTA waiting for a busy SM delays its whole share."""
     if not _SM_COUNT:
         n = H100_H200_SMS
         if torch.cuda.is_available():
             n = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        value = os.environ.get(SMS_ENV, "").strip()
+        if value:
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"{SMS_ENV} must be a positive number of SMs, got {value!r}")
+            n = min(n, int(value))
         _SM_COUNT.append(int(n))
     return _SM_COUNT[0]
 
