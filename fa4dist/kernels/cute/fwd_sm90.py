@@ -363,8 +363,8 @@ class FlashFwdSm90:
         claims = None
         if const_expr(self.dynamic_tiles):
             # every consumer warp and sanitizer warp reads each claimed tile index
-            claims = TileClaims.create(storage.mbar_tile.data_ptr(), storage.sTile.get_tensor(cute.make_layout(2)),
-                                       mTileCounter,
+            claims = TileClaims.create(storage.mbar_tile.data_ptr(),
+                                       storage.sTile.get_tensor(cute.make_layout(TileClaims.STAGES)), mTileCounter,
                                        consumer_warps + (self.sanitizer_threads // 32 if self.sanitize_v else 0))
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
 
