@@ -9,6 +9,7 @@ Everything that touches cutlass is imported lazily, so ``import fa4dist`` works 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -64,10 +65,11 @@ class FwdConfig:
     # Default from default_persistent_ctas (measured, NOTES_FWD.md)
     persistent_ctas: int = 0
     # persistent only: CTAs take their next tile from a global counter (greedy, as the hardware's block scheduler
-    # balances tiles of different lengths) instead of the static walk; the launch passes a zeroed int32 counter
-    dynamic_tiles: bool = False
+    # balances tiles of different lengths, and a CTA delayed by another kernel on its SM claims fewer) instead of
+    # the static walk (False: a measurement knob); the launch passes a zeroed int32 counter
+    dynamic_tiles: bool = True
     # accumulate: the merge with fixed roundings (fwd_sm90.merge_running), the same bits in every compiled variant
-    # (persistent or not; today they may differ by 1-2 ulp); a knob until the GPU has run it (NOTES_FWD.md)
+    # (persistent or not; without it they may differ by 1-2 ulp); off while merges are not persistent by default
     exact_merge: bool = False
 
     def build(self):
@@ -138,15 +140,23 @@ def default_rescale_threshold(head_dim: int, causal: bool) -> float:
     return 8.0 if head_dim <= 64 and causal else 0.0
 
 
-def default_persistent_ctas(causal: bool, varlen: bool, accumulate: bool, out_fp32: bool) -> int:
-    """The SM count for dense non-causal launches that write a 16-bit out (the TMA-store epilogue), where a
-    persistent grid measured 1.03-1.08x at hdim 128 on the H200 (2026-12-01, eighth session); else 0 (one CTA per
-    tile). Causal tiles differ in length, and the static walk balances them worse than the hardware's block
-    scheduler does (0.82-0.95x at 16k; dynamic_tiles is the fix, not yet measured); packed launches' producer warp
-    fits only the dynamic walk in its registers (not yet run on a GPU); and the merge epilogue compiled into the
-    persistent kernel rounds some elements 1 ulp apart from the one-CTA-per-tile kernel (measured), while work
-    lists promise the bits of the per-item calls, which write fp32 or merge."""
-    return host.sm_count() if not (causal or varlen or accumulate or out_fp32) else 0
+# hdim 96's causal kernel spills 16 bytes on the persistent grid (ptxas, every dtype and option): one CTA per tile
+PERSISTENT_CAUSAL_HEAD_DIMS = (64, 128)
+
+
+def default_persistent_ctas(cfg: FwdConfig) -> int:
+    """For a variant's other fields: the SM count for dense launches that write a 16-bit out (the TMA-store
+    epilogue), causal or not, on the dynamic walk: measured on the H200 (2026-12-01, ninth session) at 1.01-1.14x the
+    one-CTA-per-tile kernel causal and 1.0-1.10x non-causal (hdim 64 and 128, 1k-16k). Else 0 (one CTA per tile):
+    merges measured no faster persistent (0.98-1.01x at 4k-16k), the work lists, which promise the bits of their
+    per-item calls, merge or write fp32, single packed launches were not measured on it, and two variants spill
+    there (ptxas): causal hdim 96 (PERSISTENT_CAUSAL_HEAD_DIMS) and the non-overlapped consumer (intra_wg_overlap
+    False, a measurement knob), whose producer's claims spill."""
+    if cfg.varlen or cfg.accumulate or cfg.out_fp32 or not cfg.intra_wg_overlap:
+        return 0
+    if cfg.causal and cfg.head_dim not in PERSISTENT_CAUSAL_HEAD_DIMS:
+        return 0
+    return host.sm_count()
 
 
 _FIELDS = {
@@ -177,11 +187,13 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
         out_fp32=bool(out_fp32) and not accumulate, tile_m=tm, tile_n=tn, num_stages=st,
         rescale_threshold=default_rescale_threshold(head_dim, bool(causal)), window_left=int(window_left),
         softcap=float(softcap or 0.0), sinks=bool(sinks), worklist=bool(worklist),
-        persistent_ctas=default_persistent_ctas(bool(causal), bool(varlen), bool(accumulate), bool(out_fp32)),
     )
     kw.update(_OVERRIDE)
     kw.update(overrides)
-    return FwdConfig(**kw)
+    cfg = FwdConfig(**kw)
+    if "persistent_ctas" not in kw:  # the default follows the other fields, overrides included
+        cfg = dataclasses.replace(cfg, persistent_ctas=default_persistent_ctas(cfg))
+    return cfg
 
 
 # ----------------------------------------------------------------------------

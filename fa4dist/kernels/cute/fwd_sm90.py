@@ -97,7 +97,7 @@ class FlashFwdSm90:
         worklist: bool = False,
         prefetch_running: bool = True,
         persistent_ctas: int = 0,
-        dynamic_tiles: bool = False,
+        dynamic_tiles: bool = True,
         exact_merge: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)

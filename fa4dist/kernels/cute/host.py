@@ -60,7 +60,8 @@ SMS_ENV = "FA4DIST_CUTE_SMS"
 def sm_count() -> int:
     """The size of a persistent grid: the current CUDA device's streaming multiprocessors (without a GPU, the
     H100 / H200 count), or fewer with FA4DIST_CUTE_SMS=N, which leaves SMs to kernels that run alongside ours
-    (communication overlapped with attention): a persistent CTA waiting for a busy SM delays its whole share."""
+    (communication overlapped with attention). The dynamic walk tolerates a CTA that waits for a busy SM (it claims
+    fewer tiles); the static walk (dynamic_tiles=False, a measurement knob) delays that CTA's whole share."""
     if not _SM_COUNT:
         n = H100_H200_SMS
         if torch.cuda.is_available():
