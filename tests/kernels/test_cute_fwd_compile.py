@@ -44,6 +44,8 @@ SUBSET = [
     # with fixed roundings
     (torch.bfloat16, 64, True, True, True, {"worklist": True, "persistent_ctas": 132, "dynamic_tiles": True,
                                             "exact_merge": True}),
+    # hdim 64 causal short sequences: 128-row tiles on the persistent grid (forward.short_queries)
+    (torch.bfloat16, 64, True, False, False, {"short": True}),
     # the static walk (a measurement knob), with the sanitizer's walk over masked tiles
     (torch.bfloat16, 128, True, False, False, {"window_left": 300, "dynamic_tiles": False}),
 ]
@@ -155,3 +157,15 @@ def test_persistent_grid_default_and_the_sms_variable(monkeypatch):
     monkeypatch.setenv(host.SMS_ENV, "lots")
     with pytest.raises(ValueError, match="FA4DIST_CUTE_SMS must be a positive number"):
         host.sm_count()
+
+
+def test_short_causal_hdim64_sequences_take_128_row_tiles():
+    """hdim 64 causal dense 16-bit launches of at most SHORT_CAUSAL_ROWS query rows: 128-row tiles; longer ones,
+    non-causal ones, packed, merge and fp32 launches and other head dims keep theirs (forward.short_queries)."""
+    n = cute_fwd.SHORT_CAUSAL_ROWS
+    assert cute_fwd.short_queries(64, True, True, n) and cute_fwd.short_queries(64, True, True, 1)
+    for args in ((64, True, True, n + 1), (64, False, True, 512), (64, True, False, 512), (128, True, True, 512)):
+        assert not cute_fwd.short_queries(*args), args
+    tiles = [cute_fwd.make_config(torch.bfloat16, 64, causal=True, varlen=False, accumulate=False, short=short).tile_m
+             for short in (True, False)]
+    assert tiles == [128, 192]
