@@ -22,3 +22,13 @@ def test_cudnn_ratio_uses_torchs_op():
 def test_cudnn_ratio_falls_back_to_the_guarded_backend():
     table = _load().summary_table(_rows({"cute": 400.0, "sdpa_cudnn": 200.0, "flash_attn_4": 400.0}))
     assert table.splitlines()[-1].endswith("| 2.00 | 1.00 |"), table
+
+
+def test_packed_tiles_documents_cover_the_batch():
+    """bench/packed_tiles.py cuts exactly the batch into documents (equal or mixed lengths in the stated range) and
+    counts causal FLOPs over each document's visible pairs."""
+    packed = bench_scripts.load("packed_tiles")
+    assert packed.doc_lengths(4096, 1000, False) == [1000] * 4 + [96]
+    mixed = packed.doc_lengths(65536, 512, True)
+    assert sum(mixed) == 65536 and max(mixed) <= 1024 and min(mixed[:-1]) >= 128
+    assert packed.causal_flops([1, 2], heads=2, headdim=8) == 4.0 * 2 * 8 * (1 + 3)

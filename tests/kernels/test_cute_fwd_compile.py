@@ -104,7 +104,7 @@ def test_compile_variant(variant, tmp_path, monkeypatch, capfd):
         # bf16 and c <= 50: a constant row max (softmax.softcap_fixed_row_max), so no per-score max reductions
         fixed = dt == torch.bfloat16 and extra["softcap"] <= 50
         assert (ptx.count("max.NaN.f32") < 64) == fixed
-    # a persistent CTA walks the tiles by the grid's size (the default for dense 16-bit writes)
+    # a persistent CTA walks the tiles by the grid's size (the default for 16-bit writes)
     assert ("%nctaid.x" in ptx) == cfg.persistent
     assert ("atom.global.add.u32" in ptx) == cfg.takes_tile_counter  # the dynamic walk's claims
     assert ("mul.rn.f32" in ptx) == cfg.exact_merge  # the merge's separately rounded product
@@ -133,17 +133,22 @@ def test_supports_reports_reasons():
 
 
 def test_persistent_grid_default_and_the_sms_variable(monkeypatch):
-    """Dense 16-bit writes, causal or not (hdim 96 non-causal only), run on a persistent grid of the SM count that
-    claims its tiles from a counter; packed, merge and fp32 writes one CTA per tile
-    (forward.default_persistent_ctas); FA4DIST_CUTE_SMS=N caps the grid."""
+    """16-bit writes, dense or packed, causal or not (hdim 96 non-causal only), run on a persistent grid of the SM
+    count that claims its tiles from a counter; merges, fp32 writes, packed windows and the non-overlapped consumer
+    one CTA per tile (forward.default_persistent_ctas); FA4DIST_CUTE_SMS=N caps the grid."""
     monkeypatch.setattr(host, "_SM_COUNT", [])
     monkeypatch.delenv(host.SMS_ENV, raising=False)
     full = cute_fwd.make_config(torch.bfloat16, 128, causal=False, varlen=False, accumulate=False)
     assert full.persistent and full.persistent_ctas == host.sm_count() > 0 and full.takes_tile_counter
-    causal = cute_fwd.make_config(torch.bfloat16, 64, causal=True, varlen=False, accumulate=False, window_left=9)
-    assert causal.persistent and causal.takes_tile_counter
-    for kw in (dict(causal=False, varlen=True, accumulate=False), dict(causal=True, varlen=False, accumulate=True),
-               dict(causal=False, varlen=False, accumulate=False, out_fp32=True)):
+    for kw in (dict(causal=True, varlen=False, accumulate=False, window_left=9),
+               dict(causal=True, varlen=True, accumulate=False, seg_offsets=True),
+               dict(causal=False, varlen=True, accumulate=False, worklist=True)):
+        cfg = cute_fwd.make_config(torch.bfloat16, 64, **kw)
+        assert cfg.persistent and cfg.takes_tile_counter, kw
+    for kw in (dict(causal=True, varlen=True, accumulate=True), dict(causal=True, varlen=False, accumulate=True),
+               dict(causal=False, varlen=False, accumulate=False, out_fp32=True),
+               dict(causal=True, varlen=False, accumulate=False, intra_wg_overlap=False),
+               dict(causal=True, varlen=True, accumulate=False, window_left=100)):
         cfg = cute_fwd.make_config(torch.bfloat16, 128, **kw)
         assert cfg.persistent_ctas == 0 and not cfg.persistent and not cfg.takes_tile_counter, kw
     # hdim 96's causal kernel spills on the persistent grid; its non-causal one does not

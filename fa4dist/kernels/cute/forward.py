@@ -159,14 +159,16 @@ PERSISTENT_CAUSAL_HEAD_DIMS = (64, 128)
 
 
 def default_persistent_ctas(cfg: FwdConfig) -> int:
-    """For a variant's other fields: the SM count for dense launches that write a 16-bit out (the TMA-store
-    epilogue), causal or not, on the dynamic walk: measured on the H200 (2026-12-01, ninth session) at 1.01-1.14x the
-    one-CTA-per-tile kernel causal and 1.0-1.10x non-causal (hdim 64 and 128, 1k-16k). Else 0 (one CTA per tile):
-    merges measured no faster persistent (0.98-1.01x at 4k-16k), the work lists, which promise the bits of their
-    per-item calls, merge or write fp32, single packed launches were not measured on it, and two variants spill
-    there (ptxas): causal hdim 96 (PERSISTENT_CAUSAL_HEAD_DIMS) and the non-overlapped consumer (intra_wg_overlap
-    False, a measurement knob), whose producer's claims spill."""
-    if cfg.varlen or cfg.accumulate or cfg.out_fp32 or not cfg.intra_wg_overlap:
+    """For a variant's other fields: the SM count for launches that write a 16-bit out, dense or packed, causal or
+    not, on the dynamic walk. Measured on the H200 (2026-12-01, ninth session): dense 1.01-1.15x the one-CTA-per-
+    tile kernel causal and 1.0-1.12x non-causal (hdim 64 and 128, 512-16k); packed causal documents 1.11-1.25x at
+    hdim 64 (512-2048-token documents) and 1.03-1.08x at hdim 128. Else 0 (one CTA per tile): merges measured no
+    faster persistent in a single launch (0.98-1.03x at 4k-16k; +1-3% in the ring simulation, within its noise),
+    and the work lists promise the bits of their per-item calls, which merge or write fp32; and three variant
+    families spill there (ptxas): causal hdim 96 (PERSISTENT_CAUSAL_HEAD_DIMS), the non-overlapped consumer
+    (intra_wg_overlap False, a measurement knob), and packed windows (fp16 hdim 64 with softcap and sinks spills 8
+    bytes; the producer's claim hand-off in both)."""
+    if cfg.accumulate or cfg.out_fp32 or not cfg.intra_wg_overlap or (cfg.varlen and cfg.window_left >= 0):
         return 0
     if cfg.causal and cfg.head_dim not in PERSISTENT_CAUSAL_HEAD_DIMS:
         return 0

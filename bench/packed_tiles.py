@@ -1,0 +1,122 @@
+"""Packed causal documents (one varlen launch) on the Hopper forward: tile shapes and grids against flash-attn-4.
+
+A batch of `--total-tokens` tokens cut into documents of `--doclen` tokens (or, with `--mixed`, lengths drawn
+uniformly between doclen / 4 and 2 * doclen, fixed seed), H = model_dim / headdim, bf16. Rows: our kernel entry
+point (`fa4dist.kernels.cute.forward.forward`) as configured by default and with each `--variants` override
+(e.g. tile_m=128, or persistent_ctas=132), and flash-attn-4's varlen forward when installed. Each point's rows
+are timed in interleaved rounds (median of the rounds' medians); outputs are checked against the default row.
+
+    python bench/packed_tiles.py --headdim 64 --doclen 512 1024 2048 --variants tile_m=128 tile_m=128,persistent_ctas=132
+
+Prints a table and writes JSON to $OUT/packed_tiles.json (or bench/out/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kernels import parse_variants  # noqa: E402
+from timing import cuda_median_ms  # noqa: E402
+
+
+def doc_lengths(total: int, doclen: int, mixed: bool) -> list[int]:
+    """Document lengths summing to `total`: all `doclen` (the last one shorter if it must be), or with `mixed`
+    drawn uniformly from [doclen / 4, 2 * doclen] with a fixed seed."""
+    gen = torch.Generator().manual_seed(0)
+    lens, left = [], total
+    while left > 0:
+        n = doclen if not mixed else int(torch.randint(max(1, doclen // 4), 2 * doclen + 1, (1,), generator=gen))
+        lens.append(min(n, left))
+        left -= lens[-1]
+    return lens
+
+
+def causal_flops(lens: list[int], heads: int, headdim: int) -> float:
+    """Forward FLOPs of causal attention over the documents: 4 * H * D * (the visible pairs of each)."""
+    return 4.0 * heads * headdim * sum(n * (n + 1) / 2 for n in lens)
+
+
+def _fa4_varlen():
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception:
+        return None
+    return flash_attn_varlen_func
+
+
+def run(args) -> list[dict]:
+    from fa4dist.kernels.cute import forward as cfwd
+
+    device = torch.device("cuda")
+    heads = args.model_dim // args.headdim
+    variants = [(spec, parse_variants([f"fwd:{spec}"])[0][3]) for spec in args.variants]
+    fa4 = _fa4_varlen()
+    rows = []
+    for doclen in args.doclen:
+        lens = doc_lengths(args.total_tokens, doclen, args.mixed)
+        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+        max_len = max(lens)
+        q, k, v = (torch.randn(args.total_tokens, heads, args.headdim, device=device, dtype=torch.bfloat16)
+                   for _ in range(3))
+
+        def ours(**kw):
+            out = torch.empty_like(q)
+            lse = torch.empty(heads, args.total_tokens, device=device, dtype=torch.float32)
+            return lambda: cfwd.forward(q, k, v, out, lse, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                        max_seqlen_q=max_len, **kw)[0]
+
+        fns = {"cute": ours()}
+        for spec, kw in variants:
+            fns[f"cute[{spec}]"] = ours(**kw)
+        if fa4 is not None:
+            def fa4_call():
+                r = fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
+                        causal=True)
+                return r[0] if isinstance(r, tuple) else r
+            fns["flash_attn_4"] = fa4_call
+        want = fns["cute"]().float()
+        errs = {name: ((fn().float() - want).abs().max() / want.abs().max()).item() for name, fn in fns.items()}
+        times = {name: [] for name in fns}
+        for _ in range(args.rounds):
+            for name, fn in fns.items():
+                times[name].append(cuda_median_ms(fn, args.reps))
+        flop = causal_flops(lens, heads, args.headdim)
+        for name in fns:
+            ms = statistics.median(times[name])
+            row = dict(backend=name, headdim=args.headdim, doclen=doclen, mixed=args.mixed, docs=len(lens),
+                       max_len=max_len, ms=ms, tflops=flop / ms / 1e9, rel_diff_vs_default=errs[name])
+            rows.append(row)
+            print(f"{name:>40} d={args.headdim} doclen={doclen:>5}{' mixed' if args.mixed else ''} docs={len(lens):>4}"
+                  f" {row['tflops']:7.1f} TFLOP/s ({ms:.3f} ms) diff={errs[name]:.1e}", flush=True)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--headdim", type=int, default=64)
+    p.add_argument("--doclen", type=int, nargs="+", default=[512, 1024, 2048])
+    p.add_argument("--mixed", action="store_true", help="document lengths drawn from [doclen / 4, 2 * doclen]")
+    p.add_argument("--total-tokens", type=int, default=65536)
+    p.add_argument("--model-dim", type=int, default=2048)
+    p.add_argument("--variants", nargs="*", default=[], help="cute forward overrides, e.g. tile_m=128")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args()
+    rows = run(args)
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "out")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "packed_tiles.json"), "w") as f:
+        json.dump(dict(args=vars(args), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
