@@ -2,13 +2,14 @@
 
 A batch of `--total-tokens` tokens cut into documents of `--doclen` tokens (or, with `--mixed`, lengths drawn
 uniformly between doclen / 4 and 2 * doclen, fixed seed), H = model_dim / headdim, bf16. Rows: our kernel entry
-point (`fa4dist.kernels.cute.forward.forward`) as configured by default and with each `--variants` override
-(e.g. tile_m=128, or persistent_ctas=132), and flash-attn-4's varlen forward when installed. Each point's rows
-are timed in interleaved rounds (median of the rounds' medians); outputs are checked against the default row.
+point (`fa4dist.kernels.cute.forward.forward`) as configured by default and with each `--variants` override (e.g.
+tile_m=128, or persistent_ctas=0: one CTA per tile), and flash-attn-4's varlen forward when installed. Each point's
+rows are timed in interleaved rounds (median of the rounds' medians); outputs are checked against the default row.
 
-    python bench/packed_tiles.py --headdim 64 --doclen 512 1024 2048 --variants tile_m=128 tile_m=128,persistent_ctas=132
+    python bench/packed_tiles.py --headdim 64 --doclen 512 1024 2048 --variants tile_m=128 persistent_ctas=0
 
-Prints a table and writes JSON to $OUT/packed_tiles.json (or bench/out/).
+Prints each row, then a table of TFLOP/s with every row's ratio to flash-attn-4, and writes JSON to
+$OUT/packed_tiles.json (or bench/out/).
 """
 
 from __future__ import annotations
@@ -100,6 +101,22 @@ def run(args) -> list[dict]:
     return rows
 
 
+def summary_table(rows: list[dict]) -> str:
+    """A markdown table: one line per document length, TFLOP/s per backend row, and each row / flash-attn-4."""
+    names = list(dict.fromkeys(r["backend"] for r in rows))
+    ours = [n for n in names if n != "flash_attn_4"]
+    fa4 = "flash_attn_4" in names
+    head = ["d", "doclen", "docs"] + names + ([f"{n} / FA4" for n in ours] if fa4 else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key in dict.fromkeys((r["headdim"], r["doclen"], r["docs"]) for r in rows):
+        at = {r["backend"]: r["tflops"] for r in rows if (r["headdim"], r["doclen"], r["docs"]) == key}
+        cells = [str(x) for x in key] + [f"{at[n]:.0f}" if n in at else "-" for n in names]
+        if fa4:
+            cells += [f"{at[n] / at['flash_attn_4']:.2f}" if n in at and "flash_attn_4" in at else "-" for n in ours]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--headdim", type=int, default=64)
@@ -112,6 +129,8 @@ def main():
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
     rows = run(args)
+    print()
+    print(summary_table(rows))
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "out")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "packed_tiles.json"), "w") as f:

@@ -32,3 +32,7 @@ def test_packed_tiles_documents_cover_the_batch():
     mixed = packed.doc_lengths(65536, 512, True)
     assert sum(mixed) == 65536 and max(mixed) <= 1024 and min(mixed[:-1]) >= 128
     assert packed.causal_flops([1, 2], heads=2, headdim=8) == 4.0 * 2 * 8 * (1 + 3)
+    rows = [dict(backend=b, headdim=64, doclen=512, docs=128, tflops=t)
+            for b, t in (("cute", 200.0), ("cute[persistent_ctas=0]", 160.0), ("flash_attn_4", 100.0))]
+    table = packed.summary_table(rows)
+    assert "| 64 | 512 | 128 | 200 | 160 | 100 | 2.00 | 1.60 |" in table
