@@ -25,7 +25,6 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kernels import parse_variants  # noqa: E402
 from timing import cuda_median_ms  # noqa: E402
 
 
@@ -59,7 +58,7 @@ def run(args) -> list[dict]:
 
     device = torch.device("cuda")
     heads = args.model_dim // args.headdim
-    variants = [(spec, parse_variants([f"fwd:{spec}"])[0][3]) for spec in args.variants]
+    variants = [(spec, cfwd.parse_overrides(spec)) for spec in args.variants]
     fa4 = _fa4_varlen()
     rows = []
     for doclen in args.doclen:

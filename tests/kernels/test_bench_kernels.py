@@ -36,3 +36,15 @@ def test_packed_tiles_documents_cover_the_batch():
             for b, t in (("cute", 200.0), ("cute[persistent_ctas=0]", 160.0), ("flash_attn_4", 100.0))]
     table = packed.summary_table(rows)
     assert "| 64 | 512 | 128 | 200 | 160 | 100 | 2.00 | 1.60 |" in table
+
+
+def test_forward_override_text_is_typed_and_checked():
+    """The packed bench's variant rows parse through the forward's own field types; a misspelt field is an error."""
+    import pytest
+
+    from fa4dist.kernels.cute import forward
+
+    assert forward.parse_overrides("tile_m=128, dynamic_tiles=0,rescale_threshold=8") == dict(
+        tile_m=128, dynamic_tiles=False, rescale_threshold=8.0)
+    with pytest.raises(ValueError, match="forward overrides: unknown field 'tile_mm'"):
+        forward.parse_overrides("tile_mm=128")

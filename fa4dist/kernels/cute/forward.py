@@ -187,6 +187,11 @@ _LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o", "per
 _OVERRIDE: dict = host.env_overrides("FA4DIST_FWD_OVERRIDE", _FIELDS)
 
 
+def parse_overrides(text: str) -> dict:
+    """``"tile_m=128,persistent_ctas=0"`` -> FwdConfig field overrides, typed (benches' variant rows)."""
+    return host.parse_overrides(text, _FIELDS, "forward overrides")
+
+
 def set_override(**kw) -> None:
     """Development hook: force fields of FwdConfig (tile_m=..., intra_wg_overlap=..., ...)."""
     _OVERRIDE.clear()

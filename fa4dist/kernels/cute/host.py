@@ -104,17 +104,22 @@ def check_qkv(q, k, v, head_dims, *, cu_seqlens_q=None, cu_seqlens_k=None, what=
     return True, ""
 
 
-def env_overrides(var: str, fields: dict) -> dict:
-    """``VAR="stmatrix_ds=1,tile_m=128"`` -> {field: value}, each value parsed by ``fields[field]`` (development
-    hook for tests and benches; unknown names are an error)."""
+def parse_overrides(text: str, fields: dict, source: str) -> dict:
+    """``"stmatrix_ds=1,tile_m=128"`` -> {field: value}, each value parsed by ``fields[field]``; unknown names are
+    an error naming ``source``."""
     out = {}
-    for item in filter(None, (x.strip() for x in os.environ.get(var, "").split(","))):
+    for item in filter(None, (x.strip() for x in text.split(","))):
         key, _, val = item.partition("=")
         key = key.strip()
         if key not in fields:
-            raise ValueError(f"{var}: unknown field {key!r} (known: {sorted(fields)})")
+            raise ValueError(f"{source}: unknown field {key!r} (known: {sorted(fields)})")
         out[key] = fields[key](val.strip())
     return out
+
+
+def env_overrides(var: str, fields: dict) -> dict:
+    """parse_overrides of environment variable ``var`` (development hook for tests and benches)."""
+    return parse_overrides(os.environ.get(var, ""), fields, var)
 
 
 def parse_bool(s: str) -> bool:
