@@ -46,8 +46,6 @@ SUBSET = [
                                             "exact_merge": True}),
     # hdim 64 causal short sequences: 128-row tiles on the persistent grid (forward.short_queries)
     (torch.bfloat16, 64, True, False, False, {"short": True}),
-    # the static walk (a measurement knob), with the sanitizer's walk over masked tiles
-    (torch.bfloat16, 128, True, False, False, {"window_left": 300, "dynamic_tiles": False}),
 ]
 
 
@@ -57,6 +55,8 @@ EXTRA = [
     (torch.bfloat16, 128, True, False, False, {"intra_wg_overlap": False}),
     (torch.bfloat16, 128, True, False, False, {"tma_store_o": False, "rescale_threshold": 8.0}),
     (torch.bfloat16, 128, False, False, True, {"prefetch_running": False}),
+    # the static walk of a persistent grid, with the sanitizer's walk over masked tiles
+    (torch.bfloat16, 128, True, False, False, {"window_left": 300, "dynamic_tiles": False}),
 ]
 
 
