@@ -9,12 +9,13 @@ rows are timed in interleaved rounds (median of the rounds' medians); outputs ar
     python bench/packed_tiles.py --headdim 64 --doclen 512 1024 2048 --variants tile_m=128 persistent_ctas=0
 
 Prints each row, then a table of TFLOP/s with every row's ratio to flash-attn-4, and writes JSON to
-$OUT/packed_tiles.json (or bench/out/).
+$OUT/<date>-packed-tiles-d<headdim>[-mixed].json (or bench/out/), one file per kind of run.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -132,7 +133,8 @@ def main():
     print(summary_table(rows))
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "out")
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "packed_tiles.json"), "w") as f:
+    name = f"{datetime.date.today()}-packed-tiles-d{args.headdim}{'-mixed' if args.mixed else ''}.json"
+    with open(os.path.join(out_dir, name), "w") as f:
         json.dump(dict(args=vars(args), rows=rows), f, indent=1)
 
 

@@ -1,7 +1,9 @@
-"""bench/kernels.py's table (CPU): the cute/cuDNN column divides by torch's cuDNN op itself, not by our guarded
-sdpa_cudnn backend; JSON from before the raw baseline existed falls back to the guarded one."""
+"""The kernel benchmarks' CPU-checkable promises: bench/kernels.py's cute/cuDNN column divides by torch's cuDNN op
+itself, not by our guarded sdpa_cudnn backend (JSON from before the raw baseline falls back to the guarded one);
+bench/packed_tiles.py's documents, FLOPs, table and variant parsing."""
 
 import bench_scripts
+import pytest
 
 
 def _load():
@@ -40,8 +42,6 @@ def test_packed_tiles_documents_cover_the_batch():
 
 def test_forward_override_text_is_typed_and_checked():
     """The packed bench's variant rows parse through the forward's own field types; a misspelt field is an error."""
-    import pytest
-
     from fa4dist.kernels.cute import forward
 
     assert forward.parse_overrides("tile_m=128, dynamic_tiles=0,rescale_threshold=8") == dict(

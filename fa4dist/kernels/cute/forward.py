@@ -82,13 +82,15 @@ class FwdConfig:
             rescale_threshold=self.rescale_threshold, tma_store_o=self.tma_store_o, sanitize=self.sanitize,
             window_left=self.window_left, softcap=self.softcap, sinks=self.sinks,
             softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
-            prefetch_running=self.prefetch_running, persistent_ctas=self.persistent_ctas,
-            dynamic_tiles=self.dynamic_tiles, exact_merge=self.exact_merge,
+            prefetch_running=self.prefetch_running, persistent_ctas=self.persistent_ctas if self.persistent else 0,
+            dynamic_tiles=self.takes_tile_counter, exact_merge=self.exact_merge,
         )
 
     @property
     def persistent(self) -> bool:
-        """Whether the kernel runs on a persistent grid (packed launches only with dynamic_tiles: fwd_sm90)."""
+        """Whether the kernel runs on a persistent grid: packed launches only with dynamic_tiles (their producer
+        warp needs more than its 24 registers for the static walk, which setmaxnreg cannot give it, 24 + 2 x 240
+        being the CTA's whole allocation; the dynamic walk fits)."""
         return self.persistent_ctas > 0 and (not self.varlen or self.dynamic_tiles)
 
     @property

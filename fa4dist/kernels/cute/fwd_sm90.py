@@ -136,12 +136,11 @@ class FlashFwdSm90:
         self.tma_store_o = tma_store_o and not varlen and not accumulate
         # > 0: a persistent grid of at most this many CTAs (one per SM), each walking tiles in launch order
         # (tile_scheduler.persistent_turn): the next tile's K and Q loads overlap this tile's epilogue. O is then
-        # staged in its own smem buffer (sO), so the next Q can land while this tile's O is stored
-        # (packed launches only with dynamic_tiles: their producer warp needs more than its 24 registers for the
-        # static walk, which setmaxnreg cannot give it, 24 + 2 x 240 being the CTA's whole allocation; the dynamic
-        # walk fits)
-        self.persistent = persistent_ctas > 0 and (not varlen or dynamic_tiles)
-        self.persistent_ctas = persistent_ctas if self.persistent else 0
+        # staged in its own smem buffer (sO), so the next Q can land while this tile's O is stored. Which variants
+        # may run persistent is FwdConfig.persistent's rule; its build passes 0 for the others
+        self.persistent = persistent_ctas > 0
+        assert not (self.persistent and varlen and not dynamic_tiles), "packed persistent grids need dynamic_tiles"
+        self.persistent_ctas = persistent_ctas
         self.separate_o = self.persistent and self.tma_store_o
         # a persistent CTA's next tile comes from a global counter (tile_scheduler.TileClaims) instead of the
         # static walk
