@@ -85,7 +85,40 @@ def softcap_configs():
     return list(dict.fromkeys(out))
 
 
-CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_configs}
+def persistent_bwd_configs():
+    """The persistent backward's session: the variants of its bits test (tests/kernels/test_cute_bwd_gpu.py,
+    PERSISTENT_RUNS, one CTA per tile and PERSISTENT_TEST_CTAS) and every backward variant of the "all" set on a
+    132-CTA persistent grid (the backward suites run under FA4DIST_BWD_OVERRIDE=persistent_ctas=132, the bench's
+    variant rows too)."""
+    import dataclasses
+
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_cute_bwd_gpu import PERSISTENT, PERSISTENT_RUNS, PERSISTENT_TEST_CTAS
+
+    from fa4dist.kernels.cute import backward as B
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    out = []
+    for name, form in PERSISTENT_RUNS:
+        _, _, _, _, _, d, causal, options = PERSISTENT[name]
+        acc = form == "accumulate"
+        for det in (False, True):
+            for ctas in (0, PERSISTENT_TEST_CTAS):
+                out.extend(B.make_configs(
+                    bf16, d, causal=causal, varlen=form == "packed", seg_offsets=False, accumulate=acc,
+                    deterministic=det, dq_dtype=fp32 if acc else bf16, dkv_dtype=fp32 if acc else bf16,
+                    o_dtype=bf16, do_dtype=bf16, window_left=options.get("window_left", -1),
+                    softcap=options.get("softcap", 0.0), persistent_ctas=ctas))
+    for cfg in bwd_configs():
+        out.append(dataclasses.replace(cfg, persistent_ctas=132) if isinstance(cfg, B.BwdConfig) else cfg)
+    return list(dict.fromkeys(out))
+
+
+CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_configs,
+               "persistent_bwd": persistent_bwd_configs}
 
 
 def bwd_configs():

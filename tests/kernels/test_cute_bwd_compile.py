@@ -44,6 +44,9 @@ SUBSET = [
     # one launch over a work list's item table (pre, main and convert read the table; deterministic: each
     # item's tickets). bench/cute_ptx_dev.py compiles these subsets; the GPU tests run the other work-list variants
     (BF16, 128, True, True, True, True, {"worklist": True}),
+    # a persistent grid claiming key tiles from a counter (a knob until measured on the GPU), deterministic: the
+    # tickets across claimed tiles, the sanitizer's stages and landing barriers running on from tile to tile
+    (BF16, 128, True, False, False, True, {"persistent_ctas": 132}),
 ]
 
 
@@ -55,6 +58,7 @@ EXTRA = [
     (BF16, 128, True, False, False, False, {"masked_last": False}),
     (FP16, 64, True, True, True, True, {"dq_fixed": True, "fixed_to_float": True}),
     (BF16, 128, True, False, False, True, {"softcap": 30.0, "window_left": 4096}),  # also with dq_fixed in SUBSET
+    (FP16, 64, True, True, False, False, {"persistent_ctas": 132}),  # packed on the persistent grid
 ]
 
 
@@ -117,6 +121,8 @@ def test_compile_backward_variant(variant, tmp_path, monkeypatch, capfd):
     if post.fixed_to_float:  # each row's integer rounded to fp32, divided exactly by its power of two
         assert "cvt.rn.f32.s64" in post_ptx and ("rcp.rn.f32" in post_ptx or "div.rn.f32" in post_ptx)
     assert len(re.findall(r"setmaxnreg\.(inc|dec)", ptx)) == 2
+    # a persistent CTA claims its next key tile with an atomic add on the launch's counter, by the grid's size
+    assert ("atom.global.add.u32" in ptx) == ("%nctaid.x" in ptx) == main.takes_tile_counter
     assert "ld.local" not in ptx and "st.local" not in ptx
     if main.deterministic:
         assert ("ld.global.acquire.gpu" in ptx and "red.release.gpu" in ptx) == (main.grads != "dkv")
@@ -140,6 +146,26 @@ def _spill_budget(main) -> int:
 
 
 @pytest.mark.cute
+def test_persistent_grid_is_a_knob_with_a_counter(monkeypatch):
+    """The persistent backward grid is off unless asked for (not yet measured on a GPU); asked for, its launch
+    passes a tile counter; a deterministic one larger than the SM count is refused (its tickets need every CTA
+    resident), before any kernel runs."""
+    main = _configs(SUBSET[0])[1]
+    assert main.persistent_ctas == 0 and not main.takes_tile_counter
+    assert bwd._FIELDS["persistent_ctas"]("132") == 132
+    pers = bwd.make_configs(BF16, 128, causal=True, varlen=False, seg_offsets=False, accumulate=False,
+                            deterministic=True, dq_dtype=BF16, dkv_dtype=BF16, o_dtype=BF16, do_dtype=BF16,
+                            persistent_ctas=132)[1]
+    assert pers.takes_tile_counter and pers.build().persistent
+    assert len(pers.fake_args()) == len(main.fake_args())  # the counter's slot is None without it
+    monkeypatch.setattr(host, "_SM_COUNT", [132])
+    q, k, v, dout = (torch.randn(1, 256, 2, 128, dtype=BF16) for _ in range(4))
+    lse = torch.zeros(1, 2, 256)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    with pytest.raises(ValueError, match="persistent_ctas=133 exceeds the 132 SMs"):
+        bwd.launch_steps(dout, q, k, v, q, lse, *grads, causal=True, deterministic=True, persistent_ctas=133)
+
+
 def test_configs_are_hashable_cache_keys():
     a = _configs(SUBSET[0])
     b = _configs(SUBSET[0])

@@ -244,6 +244,72 @@ def test_deterministic_chunked_launch_order(causal):
 
 
 
+PERSISTENT = {
+    # name: (batch, sq, sk, hq, hkv, d, causal, mask options)
+    "causal": (2, 1000, 1000, 4, 4, 128, True, {}),
+    "full-gqa2": (2, 777, 640, 4, 2, 128, False, {}),
+    "d64-shifted-gqa8": (1, 257, 513, 8, 1, 64, True, {"q_offset": 256}),
+    "window-softcap": (2, 900, 900, 4, 2, 128, True, {"window_left": 200, "softcap": 30.0}),
+    "d64-window": (2, 1100, 1100, 4, 4, 64, True, {"window_left": 300}),
+}
+# (case, form): every case as a fresh 16-bit backward; two of them also accumulated into fp32 and packed
+PERSISTENT_RUNS = [(c, "fresh") for c in PERSISTENT] + [(c, f) for c in ("causal", "d64-shifted-gqa8")
+                                                        for f in ("accumulate", "packed")]
+PERSISTENT_TEST_CTAS = 5  # every CTA walks many tiles (bench/cute_session_dev.py compiles these variants)
+
+
+def persistent_case(name, form, deterministic, g):
+    """(dout, q, k, v, out, lse) and the keyword arguments of one PERSISTENT_RUNS backward call (dq, dk, dv
+    aside)."""
+    b, sq, sk, hq, hkv, d, causal, options = PERSISTENT[name]
+    q, k, v = _inputs((b, sq, hq, d), (b, sk, hkv, d), torch.bfloat16, g)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    mask = dict(causal=causal, **options)
+    contract = {key: val for key, val in mask.items() if key != "window_left"}  # the contract's window is a pair
+    if "window_left" in mask:
+        contract["window"] = (mask["window_left"], -1)
+    out, lse = attention_forward(q, k, v, backend="reference", **contract)
+    out = out.to(torch.bfloat16)
+    kw = dict(mask, deterministic=deterministic, accumulate=form == "accumulate")
+    if form == "packed":
+        cu_q = torch.arange(0, b + 1, dtype=torch.int32, device="cuda") * sq
+        cu_k = torch.arange(0, b + 1, dtype=torch.int32, device="cuda") * sk
+        kw.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=sq, max_seqlen_k=sk)
+        lse = lse.permute(1, 0, 2).reshape(hq, b * sq).contiguous()
+        q, k, v, dout, out = (t.flatten(0, 1) for t in (q, k, v, dout, out))
+    return (dout, q, k, v, out, lse), kw
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["nondet", "det"])
+@pytest.mark.parametrize("run", PERSISTENT_RUNS, ids=[f"{c}-{f}" for c, f in PERSISTENT_RUNS])
+def test_persistent_grid_gives_the_bits_of_one_cta_per_tile(run, deterministic):
+    """A persistent grid (each CTA claims several key tiles, its pipelines running on from one tile into the next)
+    writes the dK / dV bytes of one CTA per tile, and in deterministic mode the dQ bytes too (the tickets fix the
+    order of the dQ adds whichever CTA computes a tile); otherwise dQ agrees to the rounding of its fp32 adds."""
+    name, form = run
+    args, kw = persistent_case(name, form, deterministic, _gen())
+    q, k, v = args[1:4]
+    init = [torch.randn(t.shape, device="cuda", dtype=torch.float32) for t in (q, k, v)]
+
+    def launch(ctas):
+        if form == "accumulate":
+            grads = [t.clone() for t in init]
+        else:
+            grads = [torch.full(t.shape, float("nan"), device="cuda", dtype=torch.bfloat16) for t in (q, k, v)]
+        backward(*args, *grads, persistent_ctas=ctas, **kw)
+        torch.cuda.synchronize()
+        return grads
+
+    want, got = launch(0), launch(PERSISTENT_TEST_CTAS)
+    for gname, a, c in zip(("dq", "dk", "dv"), want, got):
+        assert not torch.isnan(c).any(), f"{gname}: NaN (unwritten) on the persistent grid"
+        if gname != "dq" or deterministic:
+            assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), f"{gname} differs on the persistent grid"
+        else:  # fp32 atomic adds in another order: rounding apart
+            tol = 1e-5 if c.dtype == torch.float32 else 1e-2
+            assert rel_error(c.double(), a.double()) < tol, f"{gname} differs on the persistent grid"
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 def test_shared_queries_equal_per_call_backward(deterministic, packed):

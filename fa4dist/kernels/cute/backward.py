@@ -75,6 +75,10 @@ class BwdConfig:
     dq_fixed: bool = False
     # one launch over a work list's items (block_info.WORKLIST_COLUMNS table; backward_worklist)
     worklist: bool = False
+    # > 0: a persistent grid of at most this many CTAs claiming key tiles from a counter (bwd_sm90.FlashBwdSm90);
+    # the launch passes a zeroed int32 counter. A knob, off by default: built and compiled (spill-free in the default
+    # variants) when no GPU was lent, not yet run (bench/gpu_session_persistent_bwd.sh runs its tests and bench)
+    persistent_ctas: int = 0
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -85,8 +89,13 @@ class BwdConfig:
             tile_m=self.tile_m, stmatrix_ds=self.stmatrix_ds, det_chunk=self.det_chunk,
             regs_mma=self.regs_mma, sanitize=self.sanitize, window_left=self.window_left, softcap=self.softcap,
             masked_last=self.masked_last, softcap_grad_regs=self.softcap_grad_regs, grads=self.grads,
-            dq_fixed=self.dq_fixed, worklist=self.worklist,
+            dq_fixed=self.dq_fixed, worklist=self.worklist, persistent_ctas=self.persistent_ctas,
         )
+
+    @property
+    def takes_tile_counter(self) -> bool:
+        """Whether the launch passes a zeroed (1,) int32 tile counter (a persistent grid)."""
+        return self.persistent_ctas > 0
 
     def fake_args(self):
         import cutlass
@@ -111,8 +120,9 @@ class BwdConfig:
         if self.seg_offsets:
             nb = cute.sym_int()
             off_q, off_k = host.fake_i32(nb), host.fake_i32(nb)
+        counter = host.fake_i32(1) if self.takes_tile_counter else None
         return (q, k, v, do, lse2, dps, dqacc, dk, dv, sem, dq_scale, cutlass.Float32(1.0), cutlass.Float32(1.0),
-                cutlass.Int32(0), cutlass.Int32(1), cu_q, cu_k, off_q, off_k, host.fake_stream())
+                cutlass.Int32(0), cutlass.Int32(1), cu_q, cu_k, off_q, off_k, counter, host.fake_stream())
 
 
 @dataclass(frozen=True)
@@ -189,7 +199,7 @@ class PostConfig:
 
 
 _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "sanitize": host.parse_bool,
-           "masked_last": host.parse_bool, "softcap_grad_regs": host.parse_bool}
+           "masked_last": host.parse_bool, "softcap_grad_regs": host.parse_bool, "persistent_ctas": int}
 # development hook: FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_BWD_OVERRIDE", _FIELDS)
 
@@ -463,11 +473,19 @@ def launch_steps(
         **overrides,
     )
     tm = main_cfg.tile_m  # make_configs chose it (a measurement knob may pick the other tile)
+    if main_cfg.deterministic and main_cfg.persistent_ctas > host.sm_count():
+        # a ticket waits on tiles claimed or launched before it: every CTA of the grid must be resident at once
+        raise ValueError(f"persistent_ctas={main_cfg.persistent_ctas} exceeds the {host.sm_count()} SMs: a "
+                         "deterministic persistent backward needs every CTA resident (one per SM)")
     if grads == "dq":  # never written (the kernel's dK / dV stores are compiled out); shaped like k for its checks
         dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     scale = float(softmax_scale)
     scale_log2 = host.score_scale(scale, softcap)
+
+    def counter():  # a fresh zeroed tile counter per main-kernel launch (a persistent grid's)
+        return host.tile_counter(main_cfg.takes_tile_counter, device)
+
     if rows is not None:
         if varlen or q.shape[0] != 1:
             raise ValueError("a launch on shared rows takes a dense batch-1 view of them")
@@ -475,7 +493,7 @@ def launch_steps(
         main_fn = host.get_compiled(main_cfg)
         msk = max(k.shape[1], 1)
         main = lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, dq_acc, dk, dv, sem, None, scale, scale_log2,  # noqa
-                               diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k)
+                               diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k, counter())
         # deterministic: the dQ tickets count from 0 again for this launch's key tiles
         return ([sem.zero_] if sem is not None else []) + [main]
     pre_fn, main_fn = host.get_compiled(pre_cfg), host.get_compiled(main_cfg)
@@ -501,7 +519,7 @@ def launch_steps(
         return [
             lambda: pre_fn(out, dout, lse, lse2, dpsum, dq_acc, None, None, None, scale, m_grid, cu_seqlens_q),
             lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, dq_acc, dk, dv, sem, None, scale, scale_log2, diag, msk,
-                            cu_seqlens_q, cu_seqlens_k, off_q, off_k),
+                            cu_seqlens_q, cu_seqlens_k, off_q, off_k, counter()),
         ]
     if dq_fixed:
         # int64 scratch (zeroed by the preprocess as fp32 words) and the rows' scales in lse2's indexing
@@ -516,7 +534,7 @@ def launch_steps(
     return [
         lambda: pre_fn(out, dout, lse, lse2, dpsum, dq_words, sem, dq_scale, scale2, scale, m_grid, cu_seqlens_q),
         lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, dq_acc, dk, dv, sem, scale2, scale, scale_log2, diag, msk,
-                        cu_seqlens_q, cu_seqlens_k, off_q, off_k),
+                        cu_seqlens_q, cu_seqlens_k, off_q, off_k, counter()),
         lambda: post_fn(dq_acc, dq, scale2 if fixed_to_float else None, m_grid, cu_seqlens_q),
     ]
 
@@ -619,7 +637,7 @@ def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_til
         if sem is not None:
             sem.zero_()  # the tickets count this launch's key tiles from 0 again
         main_fn(q, k, v, dout, rows.lse2, rows.dpsum, rows.dq_acc, dk, dv, sem, None, scale, scale_log2, 0, msk,
-                table, None, None, None)
+                table, None, None, None, host.tile_counter(main_cfg.takes_tile_counter, q.device))
         return dq, dk, dv
     n_chunks = max(int(scratch_tiles), 1) * hq
     lse2 = torch.empty(n_chunks * tm, dtype=torch.float32, device=q.device)
@@ -629,6 +647,6 @@ def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_til
     m_grid = max(1, -(-int(max_q_len) // tm))
     host.get_compiled(pre_cfg)(out, dout, lse, lse2, dpsum, dq_acc, sem, None, None, scale, m_grid, table)
     main_fn(q, k, v, dout, lse2, dpsum, dq_acc, dk, dv, sem, None, scale, scale_log2, 0, msk, table, None, None,
-            None)
+            None, host.tile_counter(main_cfg.takes_tile_counter, q.device))
     host.get_compiled(post_cfg)(dq_acc, dq, None, m_grid, table)
     return dq, dk, dv

@@ -2,7 +2,10 @@
 
 One CTA owns one key tile (tile_n = 128 keys) of one kv head (tile_scheduler.bwd_work_tile) and iterates over
 the query tiles of every query head of its GQA group, so K/V stay resident in smem and dK/dV stay in registers
-for the whole CTA (GQA reduction on chip: no dK/dV atomics, deterministic by construction).
+for the whole tile (GQA reduction on chip: no dK/dV atomics, deterministic by construction). With
+``persistent_ctas`` (a knob) the grid has one CTA per SM, each claiming key tiles from a counter
+(tile_scheduler.TileClaims) and walking them with every role's pipeline states running on from one tile into the
+next: the MMA warpgroups free K / V after a tile's last step, so the next tile's loads overlap its dK / dV stores.
 
   * warpgroup 0, warp 0: producer. TMA loads of K, V (once) and, per (head, query tile), of Q and dO into a
     2-stage ring, plus 1-D bulk copies of the matching lse (log2 units) and dPsum (rowsum(dO * O) *
@@ -72,7 +75,7 @@ from .common_sm90 import (
 from .mask import AttentionMask
 from .sanitize import block_any, clear_nonfinite_rows, row_is_nonfinite, tile_maybe_nonfinite, zero_row
 from .softmax import softcap_grad_fp16, softcap_grad_from_p, softcap_scale_log2, softcap_scores
-from .tile_scheduler import bwd_work_tile
+from .tile_scheduler import TileClaims, bwd_work_tile
 
 
 class FlashBwdSm90:
@@ -103,6 +106,7 @@ class FlashBwdSm90:
         grads: str = "all",
         dq_fixed: bool = False,
         worklist: bool = False,
+        persistent_ctas: int = 0,
     ):
         assert head_dim in (64, 128)
         # a work list: mCuSeqlensQ is the item table (block_info.WORKLIST_COLUMNS), one "sequence" per item with
@@ -163,6 +167,13 @@ class FlashBwdSm90:
         self.fp16 = dtype == cutlass.Float16
         self.sanitizer_threads = 64  # warps 2..3 of warpgroup 0: tile_m / 64 query rows of a tile per thread
         assert self.tile_m % self.sanitizer_threads == 0
+        # > 0: a persistent grid of at most this many CTAs (one per SM), each claiming key tiles from a counter in
+        # launch order (tile_scheduler.TileClaims), so that the next tile's K / V and first Q / dO loads overlap this
+        # tile's last steps and its dK / dV stores, and no CTA pays a launch and prologue per tile. The claims go out
+        # in launch order, so a deterministic tile still only waits on tiles claimed before it (no deadlock: every
+        # CTA of the grid is resident). 0: one CTA per tile.
+        self.persistent = persistent_ctas > 0
+        self.persistent_ctas = persistent_ctas
 
     # ------------------------------------------------------------------------
     # host side
@@ -189,6 +200,7 @@ class FlashBwdSm90:
         mCuSeqlensK: Optional[cute.Tensor],
         mSegOffQ: Optional[cute.Tensor],
         mSegOffK: Optional[cute.Tensor],
+        mTileCounter: Optional[cute.Tensor],  # persistent: (1,) int32, zero at launch
         stream,
     ):
         if const_expr(not self.varlen):
@@ -229,25 +241,30 @@ class FlashBwdSm90:
         self.bytes_kv = cute.size_in_bytes(self.dtype, self.sK_layout)
         self.bytes_vec = tm * 4
 
-        @cute.struct
-        class SharedStorage:
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            # tiles the sanitizer sees first land here
-            mbar_kvland: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_qland: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            mbar_doland: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.num_stages], 128]
-            sDpsum: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.num_stages], 128]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sdO_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[self.dq_acc_type, tm * D], 1024]
+        def smem_tile(dtype, elems):
+            return cute.struct.Align[cute.struct.MemRange[dtype, elems], 1024]
 
-        self.shared_storage = SharedStorage
+        fields = dict(
+            mbar_kv=cute.struct.MemRange[cutlass.Int64, 2],
+            mbar_q=cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
+            mbar_do=cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
+            # tiles the sanitizer sees first land here
+            mbar_kvland=cute.struct.MemRange[cutlass.Int64, 2],
+            mbar_qland=cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
+            mbar_doland=cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
+            sLSE=cute.struct.Align[cute.struct.MemRange[Float32, tm * self.num_stages], 128],
+            sDpsum=cute.struct.Align[cute.struct.MemRange[Float32, tm * self.num_stages], 128],
+            sQ=smem_tile(self.dtype, cute.cosize(self.sQ_layout)),
+            sdO=smem_tile(self.dtype, cute.cosize(self.sdO_layout)),
+            sK=smem_tile(self.dtype, cute.cosize(self.sK_layout)),
+            sV=smem_tile(self.dtype, cute.cosize(self.sV_layout)),
+            sdS=smem_tile(self.dtype, cute.cosize(self.sdS_layout)),
+            sdQ=smem_tile(self.dq_acc_type, tm * D),
+        )
+        if const_expr(self.persistent):
+            fields["mbar_tile"] = cute.struct.MemRange[cutlass.Int64, 2 * TileClaims.STAGES]
+            fields["sTile"] = cute.struct.MemRange[Int32, TileClaims.STAGES]  # claimed tile indices in flight
+        self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
         num_heads_kv = cute.size(mK.shape[2])
         if const_expr(not self.varlen):
@@ -259,16 +276,19 @@ class FlashBwdSm90:
                 num_batch = cute.size(mCuSeqlensQ.shape[0]) // WORKLIST_COLUMNS
             n_blocks_grid = cute.ceil_div(max_seqlen_k, tn)
         if const_expr(self.det_chunk > 0):
-            grid = (cute.ceil_div(n_blocks_grid, self.det_chunk) * self.det_chunk * num_heads_kv * num_batch, 1, 1)
+            num_tiles = cute.ceil_div(n_blocks_grid, self.det_chunk) * self.det_chunk * num_heads_kv * num_batch
         else:
-            grid = (n_blocks_grid * num_heads_kv * num_batch, 1, 1)
+            num_tiles = n_blocks_grid * num_heads_kv * num_batch
+        grid = (num_tiles, 1, 1)
+        if const_expr(self.persistent):
+            grid = (cutlass.min(num_tiles, Int32(self.persistent_ctas)), 1, 1)
 
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, mLSE2, mDpsum, mdQacc, mdK, mdV, mSem, mdQscale,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-            scale, scale_log2, diag, n_blocks_grid, num_batch,
-            mCuSeqlensQ, mCuSeqlensK, mSegOffQ, mSegOffK,
+            scale, scale_log2, diag, n_blocks_grid, num_batch, num_tiles,
+            mCuSeqlensQ, mCuSeqlensK, mSegOffQ, mSegOffK, mTileCounter,
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -301,10 +321,12 @@ class FlashBwdSm90:
         diag: Int32,
         n_blocks_grid: Int32,
         num_batch: Int32,
+        num_tiles: Int32,
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
         mSegOffQ: Optional[cute.Tensor],
         mSegOffK: Optional[cute.Tensor],
+        mTileCounter: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout,
         sdO_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
@@ -328,13 +350,22 @@ class FlashBwdSm90:
         pipe_q = tma_pipeline(storage.mbar_q.data_ptr(), self.num_stages, mma_warps, self.bytes_q + self.bytes_vec)
         pipe_do = tma_pipeline(storage.mbar_do.data_ptr(), self.num_stages, mma_warps, self.bytes_q + self.bytes_vec)
         pipe_kvland = pipe_qland = pipe_doland = None
+        san_warps = self.sanitizer_threads // 32 if self.sanitize else 0
         if const_expr(self.sanitize):
-            san_warps = self.sanitizer_threads // 32
-            pipe_kvland = tma_pipeline(storage.mbar_kvland.data_ptr(), 1, san_warps, 2 * self.bytes_kv)
+            # persistent: the K / V buffers are free for the next tile's loads once the sanitizer and the MMA
+            # warpgroups are done with them, so both release the landing stage
+            pipe_kvland = tma_pipeline(storage.mbar_kvland.data_ptr(), 1,
+                                       san_warps + (mma_warps if self.persistent else 0), 2 * self.bytes_kv)
             pipe_qland = tma_pipeline(storage.mbar_qland.data_ptr(), self.num_stages, san_warps,
                                       self.bytes_q + self.bytes_vec)
             pipe_doland = tma_pipeline(storage.mbar_doland.data_ptr(), self.num_stages, san_warps,
                                        self.bytes_q + self.bytes_vec)
+        claims = None
+        if const_expr(self.persistent):
+            # every warp but the producer reads each claimed tile index
+            claims = TileClaims.create(storage.mbar_tile.data_ptr(),
+                                       storage.sTile.get_tensor(cute.make_layout(TileClaims.STAGES)), mTileCounter,
+                                       mma_warps + san_warps + (1 if self.compute_dq else 0))
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
 
         vec_layout = cute.make_layout((tm, self.num_stages), stride=(1, tm))
@@ -353,17 +384,15 @@ class FlashBwdSm90:
             pipe_kv=pipe_kv, pipe_q=pipe_q, pipe_do=pipe_do,
             pipe_kvland=pipe_kvland, pipe_qland=pipe_qland, pipe_doland=pipe_doland,
             diag=diag, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, mSegOffQ=mSegOffQ, mSegOffK=mSegOffK,
+            claims=claims,
         )
+        launch = Context(n_blocks_grid=n_blocks_grid, num_batch=num_batch, num_tiles=num_tiles)
 
-        # ---------------- work tile, sequence and query-tile range (identical in every warp) ----------------
-        tile = bwd_work_tile(mQ, mK, n_blocks_grid, num_batch, shortest_first=self.spt, det_chunk=self.det_chunk)
-        seqlen = SeqlenInfo.create(tile.batch, mQ, mK, diag, mCuSeqlensQ, mCuSeqlensK, mSegOffQ, mSegOffK,
-                                   varlen=self.varlen, seg_offsets=self.seg_offsets, scratch_tile_m=tm,
-                                   worklist=self.worklist)
-        has_work, m_min, m_mask_end, m_window_start, m_max = self.block_info.query_tiles(seqlen, tile.block,
-                                                                                         tile.valid)
-        rng = Context(has_work=has_work, m_min=m_min, m_mask_end=m_mask_end, m_window_start=m_window_start,
-                      m_max=m_max)
+        # the one work tile of a non-persistent CTA (identical in every warp); a persistent CTA finds its tiles in
+        # each role's tile walk (the roles walk the same tiles, so their pipeline states stay in step)
+        first = None
+        if const_expr(not self.persistent):
+            first = self.work_at(io, launch, None)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=None)
 
@@ -371,23 +400,70 @@ class FlashBwdSm90:
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             if warp_idx == 0:
-                if has_work:
-                    self.produce(io, tile, seqlen, rng)
+                self.producer_role(io, launch, first)
             if warp_idx == 1:
                 if const_expr(self.compute_dq):
-                    if has_work:
-                        self.dq_writer(io, tile, seqlen, rng)
+                    self.dq_writer_role(io, launch, first)
             if const_expr(self.sanitize):
                 if warp_idx >= 2:
-                    if has_work:
-                        self.sanitizer(io, tile, seqlen, rng, tidx - 64)
+                    self.sanitizer_role(io, launch, first, tidx - 64)
         else:
             cute.arch.setmaxregister_increase(self.regs_mma)
-            self.mma(io, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, scale, scale_log2, tile, seqlen, rng)
+            self.mma_role(io, launch, first, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, scale, scale_log2)
 
     # ------------------------------------------------------------------------
     @cute.jit
-    def produce(self, io: Context, tile, seqlen: SeqlenInfo, rng: Context):
+    def work_at(self, io: Context, launch: Context, tile_idx):
+        """(tile, seqlen, rng) of launch-order tile ``tile_idx`` (None: this CTA's blockIdx.x): the work tile, its
+        sequence and the range of query tiles it visits (block_info.BlockInfo.query_tiles)."""
+        tile = bwd_work_tile(io.mQ, io.mK, launch.n_blocks_grid, launch.num_batch, shortest_first=self.spt,
+                             det_chunk=self.det_chunk, tile_idx=tile_idx)
+        seqlen = SeqlenInfo.create(tile.batch, io.mQ, io.mK, io.diag, io.mCuSeqlensQ, io.mCuSeqlensK, io.mSegOffQ,
+                                   io.mSegOffK, varlen=self.varlen, seg_offsets=self.seg_offsets,
+                                   scratch_tile_m=self.tile_m, worklist=self.worklist)
+        has_work, m_min, m_mask_end, m_window_start, m_max = self.block_info.query_tiles(seqlen, tile.block,
+                                                                                         tile.valid)
+        rng = Context(has_work=has_work, m_min=m_min, m_mask_end=m_mask_end, m_window_start=m_window_start,
+                      m_max=m_max)
+        return tile, seqlen, rng
+
+    @cute.jit
+    def walk_tiles(self, io: Context, launch: Context, body, state, claimer: bool):
+        """A persistent CTA's tiles for one role: ``state = body(tile, seqlen, rng, state)`` for each tile it
+        claims (``claimer``: the producer warp, which claims each next tile once its loads of the current one are
+        out); returns the final state."""
+        num_ctas = cute.arch.grid_dim()[0]
+        return io.claims.walk(lambda t, st: body(*self.work_at(io, launch, t), st), state, launch.num_tiles,
+                              num_ctas, claimer)
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def producer_role(self, io: Context, launch: Context, first):
+        """Warp 0: the TMA loads of every tile of the CTA."""
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        n_sanitized = Int32(0)  # landing barriers: stage n % stages, producer phase 1 - (n // stages) % 2
+        if const_expr(self.persistent):
+            self.walk_tiles(io, launch, lambda tile, seqlen, rng, st: self.produce(io, tile, seqlen, rng, *st),
+                            (kv_state, q_state, n_sanitized), True)
+        else:
+            tile, seqlen, rng = first
+            if rng.has_work:
+                self.produce(io, tile, seqlen, rng, kv_state, q_state, n_sanitized)
+
+    # ------------------------------------------------------------------------
+    @cute.jit
+    def produce(self, io: Context, tile, seqlen: SeqlenInfo, rng: Context, kv_state, q_state, n_sanitized: Int32):
+        """One tile's loads (none for a tile without work): K and V, then Q / dO of every step; returns the advanced
+        (kv_state, q_state, n_sanitized)."""
+        if rng.has_work:
+            kv_state, q_state, n_sanitized = self.produce_tile(io, tile, seqlen, rng, kv_state, q_state,
+                                                               n_sanitized)
+        return kv_state, q_state, n_sanitized
+
+    @cute.jit
+    def produce_tile(self, io: Context, tile, seqlen: SeqlenInfo, rng: Context, kv_state, q_state,
+                     n_sanitized: Int32):
         D = self.head_dim
         tm, tn = self.tile_m, self.tile_n
         head_kv, group, batch = tile.head_kv, tile.group, tile.batch
@@ -402,7 +478,6 @@ class FlashBwdSm90:
         gV = cute.local_tile(mV_cur, (tn, D), (tile.block, 0))
         tKsK, tKgK = tma_tile_partition(io.tma_atom_K, io.sK, gK)
         tVsV, tVgV = tma_tile_partition(io.tma_atom_V, io.sV, gV)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         if const_expr(self.sanitize):
             io.pipe_kvland.producer_acquire(kv_state)  # the sanitizer completes pipe_kv
             bar_kv = io.pipe_kvland.producer_get_barrier(kv_state)
@@ -411,6 +486,7 @@ class FlashBwdSm90:
             bar_kv = io.pipe_kv.producer_get_barrier(kv_state)
         cute.copy(io.tma_atom_K, tKgK, tKsK, tma_bar_ptr=bar_kv)
         cute.copy(io.tma_atom_V, tVgV, tVsV, tma_bar_ptr=bar_kv)
+        kv_state.advance()
 
         # lse2 / dPsum vectors: (tm, chunk * h + head)
         n_vec = cute.size(io.mLSE2.shape[0]) // tm
@@ -418,8 +494,6 @@ class FlashBwdSm90:
         gDps_all = cute.make_tensor(io.mDpsum.iterator, cute.make_layout((tm, n_vec), stride=(1, tm)))
         bulk_atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32, num_bits_per_copy=tm * 32)
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        n_sanitized = Int32(0)  # landing barriers: stage n % stages, producer phase 1 - (n // stages) % 2
         for first, end, _ in self.phases(rng):
             for hi in cutlass.range(group, unroll=1):
                 head = head_kv * group + hi
@@ -445,6 +519,7 @@ class FlashBwdSm90:
                     else:
                         self.load_q_do(io, tiles, q_state, m, vec_idx)
                     q_state.advance()
+        return kv_state, q_state, n_sanitized
 
     @cute.jit
     def load_q_do(self, io: Context, tiles, q_state, m: Int32, vec_idx: Int32):
@@ -515,13 +590,38 @@ class FlashBwdSm90:
 
     # ------------------------------------------------------------------------
     @cute.jit
-    def sanitizer(self, io: Context, tile, seqlen: SeqlenInfo, rng: Context, tid: Int32):
-        """Warps 2-3 of warpgroup 0: the K tile once, then the Q / dO tiles of the sanitized steps (same order as
-        the producer): zero rows holding NaN / inf (a bad query row also gets lse2 = NaN), then complete the
-        barriers the MMA warpgroups wait on."""
+    def sanitizer_role(self, io: Context, launch: Context, first, tid: Int32):
+        """Warps 2-3 of warpgroup 0: every tile's K and its sanitized steps' Q / dO tiles."""
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        # plain counters instead of two pipeline states: this warpgroup runs on 24 registers
+        step = Int32(0)  # every step: the smem stage of Q / dO
+        n_sanitized = Int32(0)  # sanitized steps: the stage and phase of the landing barriers
+        if const_expr(self.persistent):
+            self.walk_tiles(io, launch,
+                            lambda tile, seqlen, rng, st: self.sanitizer(io, tile, seqlen, rng, tid, *st),
+                            (kv_state, step, n_sanitized), False)
+        else:
+            tile, seqlen, rng = first
+            if rng.has_work:
+                self.sanitize_tile(io, tile, seqlen, rng, tid, kv_state, step, n_sanitized)
+
+    @cute.jit
+    def sanitizer(self, io: Context, tile, seqlen: SeqlenInfo, rng: Context, tid: Int32, kv_state, step: Int32,
+                  n_sanitized: Int32):
+        """One tile's sanitizer work (none for a tile without work); returns the advanced (kv_state, step,
+        n_sanitized)."""
+        if rng.has_work:
+            kv_state, step, n_sanitized = self.sanitize_tile(io, tile, seqlen, rng, tid, kv_state, step, n_sanitized)
+        return kv_state, step, n_sanitized
+
+    @cute.jit
+    def sanitize_tile(self, io: Context, tile, seqlen: SeqlenInfo, rng: Context, tid: Int32, kv_state, step: Int32,
+                      n_sanitized: Int32):
+        """The K tile once, then the Q / dO tiles of the sanitized steps (same order as the producer): zero rows
+        holding NaN / inf (a bad query row also gets lse2 = NaN), then complete the barriers the MMA warpgroups wait
+        on."""
         nthr, fp16 = self.sanitizer_threads, self.fp16
         bar = int(BwdBarrier.SANITIZE)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         io.pipe_kvland.consumer_wait(kv_state)
         if block_any(tile_maybe_nonfinite(io.sK.iterator, self.tile_n * self.head_dim, Int32(0), tid, nthr, fp16),
                      bar, nthr):
@@ -530,11 +630,11 @@ class FlashBwdSm90:
             cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
         if tid == 0:
             cute.arch.mbarrier_arrive(io.pipe_kv.sync_object_full.get_barrier(0))
+        if const_expr(self.persistent):
+            io.pipe_kvland.consumer_release(kv_state)  # (the MMA warpgroups release it too, after their last step)
+        kv_state.advance()
 
-        # plain counters instead of two pipeline states: this warpgroup runs on 24 registers
         ns = self.num_stages
-        step = Int32(0)  # every step: the smem stage of Q / dO
-        n_sanitized = Int32(0)  # sanitized steps: the stage and phase of the landing barriers
         for first, end, _ in self.phases(rng):
             for hi in cutlass.range(tile.group, unroll=1):
                 for m in cutlass.range(first, end, unroll=1):
@@ -542,6 +642,7 @@ class FlashBwdSm90:
                         self.sanitize_q_do(io, seqlen, m, step % ns, n_sanitized, tid)
                         n_sanitized = n_sanitized + 1
                     step = step + 1
+        return kv_state, step, n_sanitized
 
     @cute.jit
     def sanitize_q_do(self, io: Context, seqlen: SeqlenInfo, m: Int32, stage: Int32, n_sanitized: Int32, tid: Int32):
@@ -576,7 +677,30 @@ class FlashBwdSm90:
 
     # ------------------------------------------------------------------------
     @cute.jit
-    def dq_writer(self, io: Context, tile, seqlen: SeqlenInfo, rng: Context):
+    def dq_writer_role(self, io: Context, launch: Context, first):
+        """Warp 1 of warpgroup 0: every tile's dQ adds, then the wait for their smem reads (smem stays allocated
+        until the last add has read it)."""
+        if const_expr(self.persistent):
+            self.walk_tiles(io, launch, lambda tile, seqlen, rng, st: self.dq_writer(io, tile, seqlen, rng, st),
+                            Int32(0), False)
+            if cute.arch.lane_idx() == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            tile, seqlen, rng = first
+            if rng.has_work:
+                self.dq_writer_tile(io, tile, seqlen, rng)
+                if cute.arch.lane_idx() == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def dq_writer(self, io: Context, tile, seqlen: SeqlenInfo, rng: Context, state):
+        """One tile's dQ adds (none for a tile without work); the state is not used (a walk's body returns one)."""
+        if rng.has_work:
+            self.dq_writer_tile(io, tile, seqlen, rng)
+        return state
+
+    @cute.jit
+    def dq_writer_tile(self, io: Context, tile, seqlen: SeqlenInfo, rng: Context):
         tm, tn = self.tile_m, self.tile_n
         D = self.head_dim
         head_kv, group, num_heads, n_block = tile.head_kv, tile.group, tile.num_heads, tile.block
@@ -591,8 +715,6 @@ class FlashBwdSm90:
                 head = head_kv * group + hi
                 for m in cutlass.range(first, end, unroll=1):
                     self.add_dq_tile(io, wr, seqlen, n_block, m, (seqlen.scratch_base + m) * num_heads + head)
-        if lane == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def add_dq_tile(self, io: Context, wr: Context, seqlen: SeqlenInfo, n_block: Int32, m: Int32, chunk: Int32):
@@ -650,7 +772,30 @@ class FlashBwdSm90:
 
     # ------------------------------------------------------------------------
     @cute.jit
-    def mma(
+    def mma_role(
+        self,
+        io: Context,
+        launch: Context,
+        first,
+        tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        scale: Float32,
+        scale_log2: Float32,
+    ):
+        """Warpgroups 1, 2: every tile's steps and its dK / dV epilogue."""
+        mm = self.mma_operands(io, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, scale, scale_log2)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        if const_expr(self.persistent):
+            self.walk_tiles(io, launch, lambda tile, seqlen, rng, st: self.mma_tile(io, mm, tile, seqlen, rng, *st),
+                            (kv_state, q_state), False)
+        else:
+            tile, seqlen, rng = first
+            self.mma_tile(io, mm, tile, seqlen, rng, kv_state, q_state)
+
+    @cute.jit
+    def mma_operands(
         self,
         io: Context,
         tiled_mma_sdp: cute.TiledMma,
@@ -658,10 +803,8 @@ class FlashBwdSm90:
         tiled_mma_dq: cute.TiledMma,
         scale: Float32,
         scale_log2: Float32,
-        tile,
-        seqlen: SeqlenInfo,
-        rng: Context,
     ):
+        """What the MMA threads bind once: operand fragments, partitions and copy atoms (the same for every tile)."""
         D = self.head_dim
         tm, tn = self.tile_m, self.tile_n
         tidx, _, _ = cute.arch.thread_idx()
@@ -688,10 +831,6 @@ class FlashBwdSm90:
 
         s_shape = wg_sdp.partition_shape_C((tn, tm))
         dq_shape = wg_dq.partition_shape_C((tm, D))
-        acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, D)), Float32)
-        acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, D)), Float32)
-        acc_dK.fill(0.0)
-        acc_dV.fill(0.0)
 
         # coordinates of this thread's S^T elements: (key in tile, query in tile)
         cS = cute.make_identity_tensor((tn, tm))
@@ -712,28 +851,48 @@ class FlashBwdSm90:
             stm_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(True, 4), self.dtype)
             r2s_dS = cute.make_tiled_copy_S(stm_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma_sdp))
 
-        st = Context(
+        return Context(
             tiled_mma_sdp=tiled_mma_sdp, tiled_mma_dkv=tiled_mma_dkv, tiled_mma_dq=tiled_mma_dq,
             tSrK=tSrK, tSrQ=tSrQ, tdPrV=tdPrV, tdPrdO=tdPrdO, tdVrdOt=tdVrdOt, tdKrQt=tdKrQt, tdQrdS=tdQrdS,
-            tdQrKt=tdQrKt, sdSt=sdSt, thr_sdp=thr_sdp, r2s_dS=r2s_dS, s_shape=s_shape, dq_shape=dq_shape,
-            acc_dK=acc_dK, acc_dV=acc_dV, tScS_mn=tScS_mn, sLSE=io.sLSE,
-            sDpsum=io.sDpsum, tdQsdQ=tdQsdQ, pipe_q=io.pipe_q, pipe_do=io.pipe_do, scale=scale,
-            scale_log2=scale_log2, wg=wg, n_block=tile.block, pipe_kv=io.pipe_kv,
-            mdQscale=io.mdQscale, tdQcdQ_mn=tdQcdQ_mn, scratch_base=seqlen.scratch_base,
+            tdQrKt=tdQrKt, sdSt=sdSt, thr_sdp=thr_sdp, thr_dkv=thr_dkv, wg_dkv=wg_dkv, r2s_dS=r2s_dS,
+            s_shape=s_shape, dq_shape=dq_shape, tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn, tdQsdQ=tdQsdQ,
+            tdQcdQ_mn=tdQcdQ_mn, scale=scale, scale_log2=scale_log2, wg=wg,
+        )
+
+    @cute.jit
+    def mma_tile(self, io: Context, mm: Context, tile, seqlen: SeqlenInfo, rng: Context, kv_state, q_state):
+        """One tile's steps (none for a tile without work) and its dK / dV epilogue; returns the advanced
+        (kv_state, q_state)."""
+        D = self.head_dim
+        tm, tn = self.tile_m, self.tile_n
+        acc_dK = cute.make_rmem_tensor(mm.wg_dkv.partition_shape_C((tn, D)), Float32)
+        acc_dV = cute.make_rmem_tensor(mm.wg_dkv.partition_shape_C((tn, D)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        # the phase of this tile's K / V (a one-CTA-per-tile kernel has one tile: phase 0)
+        kv_phase = 0
+        if const_expr(self.persistent):
+            kv_phase = kv_state.phase
+        st = Context(
+            tiled_mma_sdp=mm.tiled_mma_sdp, tiled_mma_dkv=mm.tiled_mma_dkv, tiled_mma_dq=mm.tiled_mma_dq,
+            tSrK=mm.tSrK, tSrQ=mm.tSrQ, tdPrV=mm.tdPrV, tdPrdO=mm.tdPrdO, tdVrdOt=mm.tdVrdOt, tdKrQt=mm.tdKrQt,
+            tdQrdS=mm.tdQrdS, tdQrKt=mm.tdQrKt, sdSt=mm.sdSt, thr_sdp=mm.thr_sdp, r2s_dS=mm.r2s_dS,
+            s_shape=mm.s_shape, dq_shape=mm.dq_shape, acc_dK=acc_dK, acc_dV=acc_dV, tScS_mn=mm.tScS_mn,
+            sLSE=io.sLSE, sDpsum=io.sDpsum, tdQsdQ=mm.tdQsdQ, pipe_q=io.pipe_q, pipe_do=io.pipe_do, scale=mm.scale,
+            scale_log2=mm.scale_log2, wg=mm.wg, n_block=tile.block, pipe_kv=io.pipe_kv, kv_phase=kv_phase,
+            mdQscale=io.mdQscale, tdQcdQ_mn=mm.tdQcdQ_mn, scratch_base=seqlen.scratch_base,
             num_heads=cute.size(io.mQ.shape[2]),
-            mask=AttentionMask(tm, tn, self.causal, seqlen.seqlen_k, seqlen.diag, tScS_mn, t0ScS_mn,
+            mask=AttentionMask(tm, tn, self.causal, seqlen.seqlen_k, seqlen.diag, mm.tScS_mn, mm.t0ScS_mn,
                                self.window_left),
         )
 
         if rng.has_work:
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             if const_expr(self.sanitize):
                 # S^T / dP^T may read K and V as they landed (a bad key's scores are masked or its rows' lse is
                 # NaN); the dQ GEMM waits for the sanitized K (mma_step), which hides the K check
                 io.pipe_kvland.consumer_wait(kv_state)
             else:
                 io.pipe_kv.consumer_wait(kv_state)
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             for first, end, masked in self.phases(rng):
                 # one flat loop over the phase's (head, tile) steps: see phases()
                 head = tile.head_kv * tile.group
@@ -744,10 +903,19 @@ class FlashBwdSm90:
                     wrap = m == end
                     head = head + (1 if wrap else 0)
                     m = first if wrap else m
+            if const_expr(self.persistent):
+                # every GEMM of the tile has completed (mma_step waits for all): K / V may be overwritten by the
+                # next tile's loads while this one stores its dK / dV
+                if const_expr(self.sanitize):
+                    io.pipe_kvland.consumer_release(kv_state)
+                else:
+                    io.pipe_kv.consumer_release(kv_state)
+            kv_state.advance()
 
         # ---------------- dK / dV epilogue ----------------
         if const_expr(self.compute_dkv):
-            self.store_dkv(io, st, thr_dkv, tile, seqlen, rng)
+            self.store_dkv(io, st, mm.thr_dkv, tile, seqlen, rng)
+        return kv_state, q_state
 
     @cute.jit
     def store_dkv(self, io: Context, st: Context, thr_dkv, tile, seqlen: SeqlenInfo, rng: Context):
@@ -861,7 +1029,7 @@ class FlashBwdSm90:
             cute.arch.barrier(barrier_id=int(BwdBarrier.PDS), number_of_threads=256)
             # (6) dQ = dS K
             if const_expr(self.sanitize):
-                st.pipe_kv.sync_object_full.wait(0, 0)  # the sanitized K (a completed phase: returns at once)
+                st.pipe_kv.sync_object_full.wait(0, st.kv_phase)  # the sanitized K (once done: returns at once)
             acc_dQ = cute.make_rmem_tensor(st.dq_shape, Float32)
             self.gemm(st.tiled_mma_dq, acc_dQ, st.tdQrdS[None, None, None, stage], st.tdQrKt, True)
             if const_expr(self.dq_fixed):

@@ -366,7 +366,7 @@ def forward(
         msq = 1
     scale_log2 = host.score_scale(softmax_scale, softcap)
     fn(q, k, v, out, lse, scale_log2, diag, msq, cu_seqlens_q, cu_seqlens_k, off_q, off_k, sinks,
-       _tile_counter(takes_counter, q.device))
+       host.tile_counter(takes_counter, q.device))
     return out, lse
 
 
@@ -402,14 +402,8 @@ def forward_worklist(q, k, v, out, lse, table, max_q_len, *, softmax_scale, caus
             _FAST[fast_key] = fast
     fn, takes_counter = fast
     fn(q, k, v, out, lse, host.score_scale(softmax_scale, softcap), 0, max(int(max_q_len), 1), table, None, None,
-       None, None, _tile_counter(takes_counter, q.device))
+       None, None, host.tile_counter(takes_counter, q.device))
     return out, lse
-
-
-def _tile_counter(needed: bool, device):
-    """A zeroed (1,) int32 tile counter for a dynamic persistent launch (fresh per launch: launches on several
-    streams, or in a CUDA graph, never share one), else None."""
-    return torch.zeros(1, dtype=torch.int32, device=device) if needed else None
 
 
 def same_kernel_math(dtype, head_dim, a: dict, b: dict) -> bool:

@@ -437,20 +437,9 @@ class FlashFwdSm90:
         producer, claims each next tile once its loads of the current one are out, and hands it to the readers);
         returns the final state."""
         num_ctas, num_tiles, turns = self.persistent_grid(io, launch)
-        if const_expr(self.dynamic_tiles and claimer):
-            tile_state = TileClaims.producer_state()
-            t, _, _ = cute.arch.block_idx()
-            tile_state = io.claims.publish(tile_state, t)
-            while t < num_tiles:
-                state = body(t, state)
-                t = io.claims.claim(num_ctas)  # about two key blocks before the CTA runs dry
-                tile_state = io.claims.publish(tile_state, t)
-        elif const_expr(self.dynamic_tiles):
-            tile_state = TileClaims.reader_state()
-            t, tile_state = io.claims.receive(tile_state)
-            while t < num_tiles:
-                state = body(t, state)
-                t, tile_state = io.claims.receive(tile_state)
+        if const_expr(self.dynamic_tiles):
+            # the producer claims a next tile about two key blocks before the CTA runs dry
+            state = io.claims.walk(body, state, num_tiles, num_ctas, claimer)
         else:
             for turn in cutlass.range(turns, unroll=1):
                 t = persistent_turn(turn, num_ctas)

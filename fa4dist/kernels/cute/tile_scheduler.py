@@ -1,9 +1,9 @@
 """Which work tile a CTA computes: the decode of blockIdx.x into (block, head, batch) for both kernels.
 
-The backward launches one CTA per work tile. The forward does too, or with a persistent grid (``persistent_turn``)
-one CTA per SM, each walking tiles of the same launch order, so that the next tile's loads overlap the current one's
-epilogue, the static walk or (``TileClaims``) tiles claimed from a counter. The forward's tile is a query tile of
-one (head, sequence); the backward's is a key tile of one (kv head, sequence). The launch order is part of the
+Both kernels launch one CTA per work tile, or a persistent grid of one CTA per SM, each walking tiles of the same
+launch order, so that the next tile's loads overlap the current one's epilogue: tiles claimed from a counter
+(``TileClaims``), or in the forward the static walk (``persistent_turn``, a measurement knob). The forward's tile
+is a query tile of one (head, sequence); the backward's is a key tile of one (kv head, sequence). The launch order is part of the
 design: causal forward tiles go longest first, with heads grouped so that their K/V stay in L2; deterministic
 backward tiles go in the order that keeps the dQ semaphore chains short and deadlock-free. A work-list launch
 (several (query range, key range, offsets, mask) items, fa4dist.kernels.worklist) keeps these decoders: its items
@@ -97,6 +97,27 @@ class TileClaims:
         return state
 
     @cute.jit
+    def walk(self, body, state, num_tiles: Int32, num_ctas: Int32, claimer: bool):
+        """One role's walk over the CTA's tiles: ``state = body(t, state)`` for each tile index t, from this CTA's
+        blockIdx.x on, as claimed; returns the final state. ``claimer`` (the producer warp) claims each next tile
+        once ``body`` has issued the current one's loads and publishes it; every other role receives it."""
+        if const_expr(claimer):
+            tile_state = TileClaims.producer_state()
+            t, _, _ = cute.arch.block_idx()
+            tile_state = self.publish(tile_state, t)
+            while t < num_tiles:
+                state = body(t, state)
+                t = self.claim(num_ctas)
+                tile_state = self.publish(tile_state, t)
+        else:
+            tile_state = TileClaims.reader_state()
+            t, tile_state = self.receive(tile_state)
+            while t < num_tiles:
+                state = body(t, state)
+                t, tile_state = self.receive(tile_state)
+        return state
+
+    @cute.jit
     def receive(self, state):
         """A reading warp: (the next tile index, the advanced state); the slot is freed at once (the index is all
         it holds)."""
@@ -147,14 +168,17 @@ def fwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, num_m_blocks: Int32, num_bat
 
 
 def bwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, n_blocks_grid: Int32, num_batch: Int32, *,
-                  shortest_first: bool, det_chunk: int) -> WorkTile:
-    """Backward: key tile ``block`` of (kv head, batch), key tiles fastest. ``shortest_first`` (causal
-    deterministic) launches the highest key tile first, so that a CTA only ever waits on CTAs launched before it;
-    ``det_chunk`` > 0 interleaves chunks of that many key tiles of all heads (padding CTAs are not ``valid``)."""
+                  shortest_first: bool, det_chunk: int, tile_idx=None) -> WorkTile:
+    """Backward: key tile ``block`` of (kv head, batch), key tiles fastest, for the launch-order index ``tile_idx``
+    (default: this CTA's blockIdx.x). ``shortest_first`` (causal deterministic) launches the highest key tile first,
+    so that a CTA only ever waits on CTAs launched (or tiles claimed) before it; ``det_chunk`` > 0 interleaves chunks
+    of that many key tiles of all heads (padding tiles are not ``valid``)."""
     num_heads = cute.size(mQ.shape[2])
     num_heads_kv = cute.size(mK.shape[2])
     group = num_heads // num_heads_kv
-    bid, _, _ = cute.arch.block_idx()
+    bid = tile_idx
+    if const_expr(tile_idx is None):
+        bid, _, _ = cute.arch.block_idx()
     j_valid = True
     if const_expr(det_chunk > 0):
         num_hb = num_heads_kv * num_batch
