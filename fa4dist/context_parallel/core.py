@@ -25,7 +25,9 @@ from ..kernels.autograd import attention as _plain_attention
 from ..kernels.invariant import enabled as invariant_enabled
 from ..kernels.invariant import sum_group
 from ..kernels.merge import merge_sink_, sink_grad
-from ..kernels.problem import check_mask, check_softcap, check_softmax_scale, check_window, validate_inputs
+from ..kernels.problem import (
+    check_mask, check_optional_bool, check_softcap, check_softmax_scale, check_window, validate_inputs,
+)
 from .comm import Transport
 from .gather import gather_backward, gather_forward
 from .plan import ShardPlan
@@ -176,8 +178,7 @@ class ContextParallel:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.mask = check_mask(causal, window)
         self.softcap = check_softcap(softcap)
-        if deterministic is not None and not isinstance(deterministic, bool):
-            raise TypeError(f"deterministic must be a bool or None, got {type(deterministic).__name__}")
+        check_optional_bool("deterministic", deterministic)
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a string, got {type(backend).__name__}")
         if softmax_scale is not None:

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from .merge import merge_into_, merge_sink_, sink_grad
-from .problem import AttentionProblem, Offset, check_buffer, validate_inputs
+from .problem import AttentionProblem, Offset, check_buffer, check_optional_bool, validate_inputs
 from .registry import select_backend
 
 Window = tuple[int, int]
@@ -198,7 +198,7 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
         if sinks is None:
             raise ValueError("dsinks= is the buffer of the sinks' gradient: pass sinks= too")
         check_buffer("dsinks", dsinks, (problem.heads_q,), problem.device, acc)
-    if deterministic is None:
+    if check_optional_bool("deterministic", deterministic) is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     impl = select_backend(backend, problem, "backward")
     fixed = {}

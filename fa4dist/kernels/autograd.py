@@ -9,7 +9,7 @@ import torch
 from . import invariant, reference
 from .api import backward_problem, forward_problem
 from .merge import with_sink
-from .problem import validate_inputs
+from .problem import check_optional_bool, validate_inputs
 
 
 def _differentiable_grads(dout, q, k, v, sinks, mask_kwargs):
@@ -115,6 +115,7 @@ def attention(
         causal=causal, window=window, softcap=softcap, softmax_scale=softmax_scale, q_offset=q_offset,
         k_offset=k_offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
     )
+    check_optional_bool("deterministic", deterministic)  # checked now: the backward runs later
     if invariant.enabled(cp_invariant):
         if sinks is not None:
             raise ValueError("cp_invariant=True does not support sinks yet (pass sinks=None)")

@@ -35,7 +35,7 @@ import torch
 
 from . import fixed_point
 from .api import attention_backward
-from .problem import check_softmax_scale
+from .problem import check_optional_bool, check_softmax_scale
 from .worklist import WorkItem, attention_forward_items, lse_token_rows, token_rows
 
 
@@ -49,9 +49,7 @@ def enabled(cp_invariant: Optional[bool]) -> bool:
         if value not in ("", "0", "1", "false", "true", "no", "yes"):
             raise ValueError(f"{ENV} must be 0 or 1, got {os.environ[ENV]!r}")
         return value in ("1", "true", "yes")
-    if not isinstance(cp_invariant, bool):
-        raise TypeError(f"cp_invariant must be a bool or None, got {type(cp_invariant).__name__}")
-    return cp_invariant
+    return check_optional_bool("cp_invariant", cp_invariant)
 
 
 def expand_kv(t: torch.Tensor, group: int) -> torch.Tensor:

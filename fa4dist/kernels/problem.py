@@ -202,6 +202,13 @@ def check_window(window) -> tuple[int, int]:
     return (int(window[0]), int(window[1]))
 
 
+def check_optional_bool(name: str, value) -> Optional[bool]:
+    """A mode flag: True, False or None (the default that follows a global setting), never a truthy stand-in."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
+    return value
+
+
 def check_mask(causal, window) -> Mask:
     """The canonical :class:`~fa4dist.kernels.mask.Mask` of ``causal`` and ``window``, or a clear error."""
     if not isinstance(causal, bool):

@@ -188,6 +188,21 @@ def test_merge_partials_shape_errors_are_named():
         merge_into_(out.clone(), lse.clone(), out, lse.transpose(1, 2))
 
 
+def test_deterministic_flag_must_be_a_bool():
+    """A truthy stand-in ("yes", 1) for deterministic is refused where it is given, not read as some mode: by
+    fa4dist.attention (whose backward runs later) and by attention_backward."""
+    import fa4dist
+    from fa4dist.kernels import attention_backward, attention_forward
+
+    q = torch.randn(1, 4, 2, 8)
+    for value in ("yes", 1):
+        with pytest.raises(TypeError, match=f"deterministic must be a bool or None, got {type(value).__name__}"):
+            fa4dist.attention(q, q, q, deterministic=value)
+    out, lse = attention_forward(q, q, q, backend="reference")
+    with pytest.raises(TypeError, match="deterministic must be a bool or None, got str"):
+        attention_backward(out, q, q, q, out, lse, backend="reference", deterministic="no")
+
+
 def test_cp_invariant_option_errors(monkeypatch):
     import fa4dist
 
