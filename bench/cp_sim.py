@@ -7,8 +7,10 @@ through the contract's accumulate mode) against the key rows it would receive at
 (contiguous, zigzag, LPT):
 
 - compute efficiency = T_full / (cp x max_rank T_rank), T_full being one single-device call on the whole sequence
-  (1.0 would be a perfect split with no per-block overhead); the work model's prediction (mean / max visible pairs)
-  beside it;
+  (1.0 would be a perfect split with no per-block overhead), the median of the rounds' own ratios: every round
+  times the whole-sequence call and every rank's run in turn, so that the device's clock drift over the run
+  (the same point moved by 0.1 between calls when T_full was timed once ahead of the ranks) cancels; the work
+  model's prediction (mean / max visible pairs) beside it;
 - "kernel": the efficiency of the same calls without the merges (each to a fresh output), i.e. what a fused
   accumulate epilogue would approach;
 - the ring steps each rank computes (``steps``: its own keys plus the remote steps it receives at; without a window
@@ -67,9 +69,13 @@ class Timer:
         return time.perf_counter() - t0
 
 
-def median_time(timer: Timer, fn, reps: int) -> float:
-    fn()  # warm-up (compiles, allocator)
-    return statistics.median(timer(fn) for _ in range(reps))
+def interleaved_rounds(timer: Timer, fns: list, reps: int) -> list[list[float]]:
+    """Seconds of each of ``fns`` in ``reps`` rounds, each round timing every fn once in turn (after one warm-up
+    call each: compiles, allocator): a drift of the device's clocks over the run then moves a round's times
+    together, and ratios within a round stay fair. Returns rounds x fns."""
+    for fn in fns:
+        fn()
+    return [[timer(fn) for fn in fns] for _ in range(reps)]
 
 
 class _Own:
@@ -92,13 +98,10 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
     rows = []
     full = {}
     out_full, lse_full = attention_forward(q, k, v, backend=backend, **mask)
-    if "fwd" in args.directions:
-        full["fwd"] = median_time(timer, lambda: attention_forward(q, k, v, backend=backend, **mask), args.reps)
-    if "bwd" in args.directions or "bwd_per_call" in args.directions:
-        full["bwd"] = full["bwd_per_call"] = median_time(
-            timer, lambda: attention_backward(dout, q, k, v, out_full, lse_full, backend=backend, **mask),
-            args.reps,
-        )
+    # one call on the whole sequence, timed in every round beside the ranks' runs
+    full["fwd"] = lambda: attention_forward(q, k, v, backend=backend, **mask)
+    full["bwd"] = full["bwd_per_call"] = lambda: attention_backward(dout, q, k, v, out_full, lse_full,
+                                                                    backend=backend, **mask)
     opts = KernelOptions(softmax_scale=None, softcap=None, backend=backend, deterministic=False)
     acc = accum_dtype(dtype)
     elt, acc_elt = torch.finfo(dtype).bits // 8, torch.finfo(acc).bits // 8
@@ -117,7 +120,7 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
             model = plan.balance_report()
             steps = [1 + len(sched.member_steps(r)) for r in range(cp)]
             for direction in args.directions:
-                rank_times, profiles = [], {}
+                runners, profiles = [], {}
                 for r in range(cp):
                     qr, kr, vr, dr = shards[r]
                     if direction == "fwd":
@@ -144,24 +147,33 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                                               shared=shared)
                             if shared is not None:
                                 shared.finish(dq)
-                    rank_times.append(median_time(timer, run_rank, args.reps))
+                    runners.append(run_rank)
                     if r in args.profile_ranks:
                         profiles[r] = profile_kernels(run_rank, device)
-                kernel_only = None
+                kernels = []
                 if direction == "fwd":  # the same calls without the merges: what a fused epilogue would approach
-                    kernel_only = max(median_time(timer, lambda r=r: run_rank_kernels(sched, r, shards[r], held, opts),
-                                                  args.reps) for r in range(cp))
+                    kernels = [lambda r=r: run_rank_kernels(sched, r, shards[r], held, opts) for r in range(cp)]
+                # per round: the whole-sequence call, every rank's run, every rank's kernels alone; the efficiency
+                # is the median of the rounds' own ratios
+                rounds = interleaved_rounds(timer, [full[direction]] + runners + kernels, args.reps)
+                t_full = statistics.median(rd[0] for rd in rounds)
+                rank_times = [statistics.median(rd[1 + r] for rd in rounds) for r in range(cp)]
+                efficiency = statistics.median(rd[0] / (cp * max(rd[1:1 + cp])) for rd in rounds)
+                kernel_eff = None
+                if kernels:
+                    kernel_eff = statistics.median(rd[0] / (cp * max(rd[1 + cp:])) for rd in rounds)
                 slowest = max(rank_times)
                 slowest_steps = steps[rank_times.index(slowest)]
                 nbytes = bytes_fwd if direction == "fwd" else bytes_bwd
                 row = dict(
                     seqlen=seqlen, cp=cp, balancer=balancer, direction=direction, window=list(window),
-                    t_full_ms=full[direction] * 1e3, t_rank_ms=[t * 1e3 for t in rank_times],
-                    max_rank_ms=slowest * 1e3, efficiency=full[direction] / (cp * slowest),
+                    t_full_ms=t_full * 1e3, t_rank_ms=[t * 1e3 for t in rank_times],
+                    max_rank_ms=slowest * 1e3, efficiency=efficiency,
+                    efficiency_rounds=[rd[0] / (cp * max(rd[1:1 + cp])) for rd in rounds],
                     model_efficiency=model.efficiency, steps=steps, steps_run=[0, *sched.steps()],
                     bytes_per_step=nbytes, comm_ms_at_400GBps=nbytes / (LINK_GBPS * 1e9) * 1e3,
                     step_compute_ms=slowest / slowest_steps * 1e3, calls=[sched.member_calls(r) for r in range(cp)],
-                    kernel_only_efficiency=None if kernel_only is None else full[direction] / (cp * kernel_only),
+                    kernel_only_efficiency=kernel_eff,
                     profiles=profiles,
                 )
                 rows.append(row)
@@ -169,7 +181,8 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                       f"{row['max_rank_ms']:>9.2f} {row['efficiency']:>6.3f} {row['model_efficiency']:>6.3f} "
                       f"{max(steps):>3}/{cp:<3} {nbytes / 2**20:>9.1f} {row['comm_ms_at_400GBps']:>8.3f} "
                       f"{row['step_compute_ms']:>8.3f} "
-                      f"{'' if kernel_only is None else format(row['kernel_only_efficiency'], '6.3f'):>6}", flush=True)
+                      f"{'' if kernel_eff is None else format(kernel_eff, '6.3f'):>6}  "
+                      f"rounds {' '.join(format(e, '.3f') for e in row['efficiency_rounds'])}", flush=True)
                 for r, kernels in profiles.items():
                     print(f"    rank {r} {direction}: " + "; ".join(
                         f"{k['name'][:48]} x{k['calls']} {k['ms']:.3f} ms" for k in kernels[:8]), flush=True)

@@ -14,11 +14,14 @@ def _load():
 
 def test_cp_sim_tiny_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
-    rows = _load().main(["--device", "cpu", "--tiny", "--cp", "2", "4", "--seqlens", "96", "--reps", "1"])
+    rows = _load().main(["--device", "cpu", "--tiny", "--cp", "2", "4", "--seqlens", "96", "--reps", "3"])
     data = json.loads((tmp_path / "cp_sim.json").read_text())
     assert len(data["rows"]) == len(rows) == 2 * 3 * 2  # cp x balancers x directions
     for row in data["rows"]:
         assert row["efficiency"] > 0 and len(row["t_rank_ms"]) == row["cp"]
+        # the efficiency is the median of the interleaved rounds' own ratios
+        assert len(row["efficiency_rounds"]) == 3 and row["efficiency"] == sorted(row["efficiency_rounds"])[1]
+        assert (row["kernel_only_efficiency"] is None) == (row["direction"] != "fwd")
         # K+V of one rank's member buffer (fp32 here), plus fp32 dK+dV backward
         per_step = 2 * 2 * 16 * 4 * (96 // row["cp"])
         assert row["bytes_per_step"] == per_step * (2 if row["direction"] == "bwd" else 1)
