@@ -87,9 +87,9 @@ def softcap_configs():
 
 def persistent_bwd_configs():
     """The persistent backward's session: the variants of its bits test (tests/kernels/test_cute_bwd_gpu.py,
-    PERSISTENT_RUNS, one CTA per tile and PERSISTENT_TEST_CTAS) and every backward variant of the "all" set on a
-    132-CTA persistent grid (the backward suites run under FA4DIST_BWD_OVERRIDE=persistent_ctas=132, the bench's
-    variant rows too)."""
+    PERSISTENT_RUNS, one CTA per tile and PERSISTENT_TEST_CTAS), of the rotated deterministic order's test and
+    bench rows, and every backward variant of the "all" set on a 132-CTA persistent grid (the backward suites run
+    under FA4DIST_BWD_OVERRIDE=persistent_ctas=132, the bench's variant rows too)."""
     import dataclasses
 
     import torch
@@ -112,6 +112,18 @@ def persistent_bwd_configs():
                     deterministic=det, dq_dtype=fp32 if acc else bf16, dkv_dtype=fp32 if acc else bf16,
                     o_dtype=bf16, do_dtype=bf16, window_left=options.get("window_left", -1),
                     softcap=options.get("softcap", 0.0), persistent_ctas=ctas))
+    from test_cute_bwd_gpu import ROTATED
+
+    for lens_q, lens_k, hq, hkv, d in ROTATED.values():  # test_rotated_deterministic_order: fp32 grads
+        packed = not (len(set(lens_q)) == 1 and lens_q == lens_k)
+        for rotate in (True, False):
+            out.extend(B.make_configs(bf16, d, causal=False, varlen=packed, seg_offsets=False, accumulate=False,
+                                      deterministic=True, dq_dtype=fp32, dkv_dtype=fp32, o_dtype=bf16,
+                                      do_dtype=bf16, det_rotate=rotate))
+    for d in (64, 128):  # the bench's bwd-det:det_rotate=true rows (16-bit grads)
+        out.extend(B.make_configs(bf16, d, causal=False, varlen=False, seg_offsets=False, accumulate=False,
+                                  deterministic=True, dq_dtype=bf16, dkv_dtype=bf16, o_dtype=bf16, do_dtype=bf16,
+                                  det_rotate=True))
     for cfg in bwd_configs():
         out.append(dataclasses.replace(cfg, persistent_ctas=132) if isinstance(cfg, B.BwdConfig) else cfg)
     return list(dict.fromkeys(out))

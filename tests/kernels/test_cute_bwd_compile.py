@@ -59,6 +59,9 @@ EXTRA = [
     (FP16, 64, True, True, True, True, {"dq_fixed": True, "fixed_to_float": True}),
     (BF16, 128, True, False, False, True, {"softcap": 30.0, "window_left": 4096}),  # also with dq_fixed in SUBSET
     (FP16, 64, True, True, False, False, {"persistent_ctas": 132}),  # packed on the persistent grid
+    # deterministic non-causal in the rotated order, dense and packed
+    (BF16, 128, False, False, False, True, {"det_rotate": True}),
+    (BF16, 64, False, True, True, True, {"det_rotate": True, "persistent_ctas": 132}),
 ]
 
 

@@ -244,6 +244,51 @@ def test_deterministic_chunked_launch_order(causal):
 
 
 
+ROTATED = {
+    # name: (q and k lengths per sequence (a dense batch when equal), hq, hkv, d)
+    "dense-gqa2": ([4096, 4096], [4096, 4096], 8, 4, 128),
+    "dense-d64": ([3000], [3000], 4, 4, 64),
+    # packed: a sequence with more key tiles than query tiles (the ascending order), one cut mid-tile, an empty one
+    "packed": ([700, 64, 0, 1500], [900, 1000, 50, 1300], 4, 2, 128),
+}
+
+
+@pytest.mark.parametrize("case", list(ROTATED), ids=list(ROTATED))
+def test_rotated_deterministic_order(case):
+    """det_rotate (non-causal, deterministic): each key tile's query tiles in a rotated order and the dQ adds in
+    the order the key tiles reach a query tile. The same bytes run to run, the oracle's values, and the ascending
+    order's to fp32 rounding."""
+    lens_q, lens_k, hq, hkv, d = ROTATED[case]
+    g = _gen()
+    dense = len(set(lens_q)) == 1 and lens_q == lens_k
+    if dense:
+        shape_q, shape_k = (len(lens_q), lens_q[0], hq, d), (len(lens_k), lens_k[0], hkv, d)
+        kw = {}
+    else:
+        shape_q, shape_k = (sum(lens_q), hq, d), (sum(lens_k), hkv, d)
+        cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    q, k, v = _inputs(shape_q, shape_k, torch.bfloat16, g)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    out64, lse64, ref = _reference(q, k, v, dout, causal=False, **kw)
+    out, lse = out64.to(torch.bfloat16), lse64.float()
+    if not dense:
+        kw.update(max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+
+    def launch(rotate):
+        grads = [torch.full(t.shape, float("nan"), device="cuda", dtype=torch.float32) for t in (q, k, v)]
+        backward(dout, q, k, v, out, lse, *grads, causal=False, deterministic=True, det_rotate=rotate, **kw)
+        torch.cuda.synchronize()
+        return grads
+
+    first, again, ascending = launch(True), launch(True), launch(False)
+    for name, a, b, c, r in zip(("dq", "dk", "dv"), first, again, ascending, ref):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"{name}: bytes differ run to run"
+        _check(a, r, torch.bfloat16, name)
+        assert rel_error(a.double(), c.double()) < 1e-5, f"{name}: rotated and ascending orders apart"
+
+
 PERSISTENT = {
     # name: (batch, sq, sk, hq, hkv, d, causal, mask options)
     "causal": (2, 1000, 1000, 4, 4, 128, True, {}),

@@ -78,6 +78,28 @@ from .softmax import softcap_grad_fp16, softcap_grad_from_p, softcap_scale_log2,
 from .tile_scheduler import TileClaims, bwd_work_tile
 
 
+@cute.jit
+def rotation_step(tile_m: int, tile_n: int, seqlen: SeqlenInfo, max_key_tiles: int) -> Int32:
+    """det_rotate: key tile n of a sequence starts its query tiles at c * n, c = M // N for M query tiles and N key
+    tiles (so the starts are distinct and c steps apart); 0 (the ascending order) where N > M or N > max_key_tiles."""
+    n_k = cute.ceil_div(seqlen.seqlen_k, tile_n)
+    n_q = cute.ceil_div(seqlen.seqlen_q, tile_m)
+    c = n_q // cutlass.max(n_k, 1)
+    return c if n_k <= n_q and n_k <= max_key_tiles else Int32(0)
+
+
+@cute.jit
+def rank_rotated(n: Int32, m: Int32, n_k: Int32, c: Int32) -> Int32:
+    """det_rotate: the turn of key tile n among the N = n_k key tiles adding into query tile m, in the order they
+    reach it (key tile n' reaches m after (m - c n') mod M steps). With q = m // c the key tiles n <= q come first,
+    from q down (q - n before it), then the others from N - 1 down (q + 1 + N - 1 - n before it). c = 0: ascending."""
+    rank = n
+    if c > 0:
+        q = m // c
+        rank = (cutlass.min(q, n_k - 1) - n) if n <= q else (q + n_k - n)
+    return rank
+
+
 class FlashBwdSm90:
     """Static configuration of one compiled backward main-kernel variant."""
 
@@ -107,6 +129,7 @@ class FlashBwdSm90:
         dq_fixed: bool = False,
         worklist: bool = False,
         persistent_ctas: int = 0,
+        det_rotate: int = 0,
     ):
         assert head_dim in (64, 128)
         # a work list: mCuSeqlensQ is the item table (block_info.WORKLIST_COLUMNS), one "sequence" per item with
@@ -148,6 +171,15 @@ class FlashBwdSm90:
         # interleaved, so that a wave holds short ordered chains of many heads instead of one long chain of one
         # head (a CTA still only waits on CTAs launched before it). 0 keeps key-tile-fastest order.
         self.det_chunk = det_chunk if deterministic else 0
+        # deterministic non-causal only (> 0): key tile n of a sequence with at most det_rotate key tiles visits its
+        # query tiles in a rotated order, starting at c * n (c = query tiles // key tiles), and query tile m takes
+        # the key tiles' dQ in the order they reach it (rank_rotated), so that the tiles of a head start without
+        # waiting on each other's tickets; in the ascending order every key tile starts at query tile 0 and key tile
+        # n waits n steps (NOTES_BWD.md). That order has a key tile wait on tiles launched after it, so a sequence
+        # is rotated only if all its key tiles fit on the GPU at once (det_rotate <= SMs: make_configs takes half).
+        # Causal runs shortest-first, whose order is already the arrival order.
+        self.det_rotate = det_rotate if deterministic and not causal else 0
+        assert not (self.det_rotate and self.det_chunk), "det_rotate needs a sequence's key tiles launched together"
         self.dq_chunk_elems = self.tile_m * head_dim // 2
         assert window_left < 0 or causal, "a sliding window comes with the causal upper edge (see backend.py)"
         self.window_left = window_left
@@ -423,8 +455,11 @@ class FlashBwdSm90:
                                    scratch_tile_m=self.tile_m, worklist=self.worklist)
         has_work, m_min, m_mask_end, m_window_start, m_max = self.block_info.query_tiles(seqlen, tile.block,
                                                                                          tile.valid)
+        extra = {}
+        if const_expr(self.det_rotate):
+            extra["rot"] = rotation_step(self.tile_m, self.tile_n, seqlen, self.det_rotate) * tile.block
         rng = Context(has_work=has_work, m_min=m_min, m_mask_end=m_mask_end, m_window_start=m_window_start,
-                      m_max=m_max)
+                      m_max=m_max, **extra)
         return tile, seqlen, rng
 
     @cute.jit
@@ -507,7 +542,8 @@ class FlashBwdSm90:
                 gdO = cute.local_tile(mdO_cur, (tm, D), (None, 0))
                 tQsQ, tQgQ = tma_tile_partition(io.tma_atom_Q, io.sQ, gQ)
                 tdOsdO, tdOgdO = tma_tile_partition(io.tma_atom_dO, io.sdO, gdO)
-                for m in cutlass.range(first, end, unroll=1):
+                for i in cutlass.range(first, end, unroll=1):
+                    m = self.phase_m(i, first, end, rng)
                     vec_idx = (seqlen.scratch_base + m) * num_heads + head
                     tiles = (tQgQ, tQsQ, tdOgdO, tdOsdO, gLSE_all, gDps_all, bulk_atom)
                     if const_expr(self.sanitize):
@@ -588,6 +624,16 @@ class FlashBwdSm90:
             out.append((rng.m_window_start, rng.m_max, True))
         return out
 
+    @cute.jit
+    def phase_m(self, i: Int32, first: Int32, end: Int32, rng: Context):
+        """The query tile of loop index i in [first, end) of a phase: i itself, or with det_rotate the phase
+        rotated to start at first + rng.rot (rot < end - first in the one non-empty phase of a non-causal tile)."""
+        m = i
+        if const_expr(self.det_rotate):
+            m = i + rng.rot
+            m = m - (end - first) if m >= end else m
+        return m
+
     # ------------------------------------------------------------------------
     @cute.jit
     def sanitizer_role(self, io: Context, launch: Context, first, tid: Int32):
@@ -637,7 +683,8 @@ class FlashBwdSm90:
         ns = self.num_stages
         for first, end, _ in self.phases(rng):
             for hi in cutlass.range(tile.group, unroll=1):
-                for m in cutlass.range(first, end, unroll=1):
+                for i in cutlass.range(first, end, unroll=1):
+                    m = self.phase_m(i, first, end, rng)
                     if self.step_sanitized(m, rng, seqlen):
                         self.sanitize_q_do(io, seqlen, m, step % ns, n_sanitized, tid)
                         n_sanitized = n_sanitized + 1
@@ -713,7 +760,8 @@ class FlashBwdSm90:
         for first, end, _ in self.phases(rng):
             for hi in cutlass.range(group, unroll=1):
                 head = head_kv * group + hi
-                for m in cutlass.range(first, end, unroll=1):
+                for i in cutlass.range(first, end, unroll=1):
+                    m = self.phase_m(i, first, end, rng)
                     self.add_dq_tile(io, wr, seqlen, n_block, m, (seqlen.scratch_base + m) * num_heads + head)
 
     @cute.jit
@@ -734,6 +782,9 @@ class FlashBwdSm90:
                 # key tiles add from the diagonal down: rank 0 is the last key tile this query tile sees
                 n_hi = self.block_info.n_block_max(seqlen, m, wr.n_blocks_k)
                 rank = n_hi - 1 - n_block
+            if const_expr(self.det_rotate):
+                c = rotation_step(self.tile_m, self.tile_n, seqlen, self.det_rotate)
+                rank = rank_rotated(n_block, m, wr.n_blocks_k, c)
             if lane == 0:
                 sem_ptr = mSem.iterator + chunk
                 cur = ld_acquire_gpu(sem_ptr)
@@ -896,13 +947,22 @@ class FlashBwdSm90:
             for first, end, masked in self.phases(rng):
                 # one flat loop over the phase's (head, tile) steps: see phases()
                 head = tile.head_kv * tile.group
-                m = first
-                for _ in cutlass.range(tile.group * (end - first), unroll=1):
-                    q_state = self.mma_step(st, q_state, m, head, masked)
-                    m = m + 1
-                    wrap = m == end
-                    head = head + (1 if wrap else 0)
-                    m = first if wrap else m
+                if const_expr(self.det_rotate):
+                    m_start = self.phase_m(first, first, end, rng)
+                    m = m_start
+                    for _ in cutlass.range(tile.group * (end - first), unroll=1):
+                        q_state = self.mma_step(st, q_state, m, head, masked)
+                        m = m + 1
+                        m = first if m == end else m
+                        head = head + (1 if m == m_start else 0)  # the rotated phase is done: the next head
+                else:
+                    m = first
+                    for _ in cutlass.range(tile.group * (end - first), unroll=1):
+                        q_state = self.mma_step(st, q_state, m, head, masked)
+                        m = m + 1
+                        wrap = m == end
+                        head = head + (1 if wrap else 0)
+                        m = first if wrap else m
             if const_expr(self.persistent):
                 # every GEMM of the tile has completed (mma_step waits for all): K / V may be overwritten by the
                 # next tile's loads while this one stores its dK / dV
