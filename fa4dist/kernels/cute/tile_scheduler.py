@@ -3,9 +3,9 @@
 Both kernels launch one CTA per work tile, or a persistent grid of one CTA per SM, each walking tiles of the same
 launch order, so that the next tile's loads overlap the current one's epilogue: tiles claimed from a counter
 (``TileClaims``), or in the forward the static walk (``persistent_turn``, a measurement knob). The forward's tile
-is a query tile of one (head, sequence); the backward's is a key tile of one (kv head, sequence). The launch order is part of the
-design: causal forward tiles go longest first, with heads grouped so that their K/V stay in L2; deterministic
-backward tiles go in the order that keeps the dQ semaphore chains short and deadlock-free. A work-list launch
+is a query tile of one (head, sequence); the backward's is a key tile of one (kv head, sequence). The launch order
+is part of the design: causal forward tiles go longest first, with heads grouped so that their K/V stay in L2;
+deterministic backward tiles go in the order that keeps the dQ semaphore chains short and deadlock-free. A work-list launch
 (several (query range, key range, offsets, mask) items, fa4dist.kernels.worklist) keeps these decoders: its items
 take the place of a packed call's sequences (``batch`` is the item; block_info.SeqlenInfo reads its rows from the
 item table), so each item's tiles keep the order above, and the items go in table order (largest first).
