@@ -24,7 +24,7 @@ through the contract's accumulate mode) against the key rows it would receive at
     python bench/cp_sim.py --device cpu --tiny             # a smoke run on the CPU (reference backend)
     python bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt --profile-ranks 0 6   # kernels of ranks 0, 6
 
-Prints a table and writes JSON to $OUT/cp_sim.json (or bench/out/cp_sim.json).
+Prints a table and writes JSON to $OUT/cp_sim.json (or bench/out/cp_sim.json; cp_sim-TAG.json with --tag TAG).
 """
 
 from __future__ import annotations
@@ -251,6 +251,7 @@ def main(argv=None):
                    help="causal sliding window: each query sees itself and the WINDOW keys before it "
                         "(window=(WINDOW, 0)); default: plain causal")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--tag", default="", help="names the JSON cp_sim-TAG.json (several runs in one $OUT)")
     p.add_argument("--profile-ranks", type=int, nargs="*", default=[],
                    help="also profile one step list of these simulated ranks: their kernels by device time (a rank "
                         "the work model calls balanced that runs slower shows where)")
@@ -280,7 +281,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "cp_sim.json")
+    path = os.path.join(out_dir, f"cp_sim{'-' + args.tag if args.tag else ''}.json")
     meta = dict(
         date=datetime.datetime.now().isoformat(timespec="seconds"), device=str(device),
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -24,9 +24,9 @@ FA4DIST_BWD_OVERRIDE=persistent_ctas=132 TAIL_LINES=6 stage bwd_suite_persistent
   -p no:cacheprovider -rfE tests/kernels/test_cute_bwd_gpu.py -k "not persistent_grid and not rotated"
 # the ring simulation's backward as it is, then with every launch (the whole-sequence one too) on the grid
 TAIL_LINES=6 stage cp_sim_bwd 120 python3 bench/cp_sim.py --seqlens 131072 --cp 8 4 --balancers lpt \
-  --directions bwd --reps 3
+  --directions bwd --reps 3 --tag bwd
 FA4DIST_BWD_OVERRIDE=persistent_ctas=132 TAIL_LINES=6 stage cp_sim_bwd_persistent 120 python3 bench/cp_sim.py \
-  --seqlens 131072 --cp 8 4 --balancers lpt --directions bwd --reps 3
+  --seqlens 131072 --cp 8 4 --balancers lpt --directions bwd --reps 3 --tag bwd-persistent
 # the forward's merges on the persistent grid, exact merges on both sides: one merge launch against a plain
 # forward (the accumulate target: within 2%), then the ring simulation's forward
 TAIL_LINES=8 stage merge_cost 120 python3 bench/kernels.py --headdims 128 --seqlens 4096 --causal false true \
@@ -35,6 +35,7 @@ TAIL_LINES=8 stage merge_cost 120 python3 bench/kernels.py --headdims 128 --seql
 # (the whole-sequence call is on the persistent grid in both: only the merges differ)
 for override in exact_merge=true exact_merge=true,persistent_ctas=132; do
   FA4DIST_FWD_OVERRIDE=$override TAIL_LINES=4 stage "cp_sim_fwd_${override//[=,]/_}" 100 \
-    python3 bench/cp_sim.py --seqlens 131072 --cp 8 4 --balancers lpt --directions fwd --reps 5
+    python3 bench/cp_sim.py --seqlens 131072 --cp 8 4 --balancers lpt --directions fwd --reps 5 \
+    --tag "fwd-${override//[=,]/-}"
 done
 fi
