@@ -119,11 +119,17 @@ def persistent_bwd_configs():
         for rotate in (True, False):
             out.extend(B.make_configs(bf16, d, causal=False, varlen=packed, seg_offsets=False, accumulate=False,
                                       deterministic=True, dq_dtype=fp32, dkv_dtype=fp32, o_dtype=bf16,
-                                      do_dtype=bf16, det_rotate=rotate))
-    for d in (64, 128):  # the bench's bwd-det:det_rotate=true rows (16-bit grads)
-        out.extend(B.make_configs(bf16, d, causal=False, varlen=False, seg_offsets=False, accumulate=False,
-                                  deterministic=True, dq_dtype=bf16, dkv_dtype=bf16, o_dtype=bf16, do_dtype=bf16,
-                                  det_rotate=True))
+                                      do_dtype=bf16, det_resident=rotate))
+    for packed in (False, True):  # test_longest_first_causal_deterministic_order: fp32 grads
+        for resident in (True, False):
+            out.extend(B.make_configs(bf16, 128, causal=True, varlen=packed, seg_offsets=False, accumulate=False,
+                                      deterministic=True, dq_dtype=fp32, dkv_dtype=fp32, o_dtype=bf16,
+                                      do_dtype=bf16, det_resident=resident))
+    for d in (64, 128):  # the bench's bwd-det:det_resident=true rows (16-bit grads)
+        for causal in (False, True):
+            out.extend(B.make_configs(bf16, d, causal=causal, varlen=False, seg_offsets=False, accumulate=False,
+                                      deterministic=True, dq_dtype=bf16, dkv_dtype=bf16, o_dtype=bf16,
+                                      do_dtype=bf16, det_resident=True))
     for cfg in bwd_configs():
         out.append(dataclasses.replace(cfg, persistent_ctas=132) if isinstance(cfg, B.BwdConfig) else cfg)
     return list(dict.fromkeys(out))

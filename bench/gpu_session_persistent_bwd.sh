@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The persistent backward grid (key tiles claimed from a counter, bwd_sm90.FlashBwdSm90.persistent) and the rotated
-# deterministic order (det_rotate): their variants compiled on the machine's 16 cores, the bits tests against one
+# deterministic order (det_resident): their variants compiled on the machine's 16 cores, the bits tests against one
 # CTA per tile / the ascending order, the speed table beside flash-attn-4 and the defaults, the backward suite with
 # every launch forced onto a 132-CTA grid, then the ring simulation's backward on it.
 # Two device calls (each within the 600 s limit; the AOT stage skips objects a warm machine kept):
@@ -13,15 +13,15 @@ export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/persistent_bwd FA4DIST_CUTE_COMPILE_LOG=$O
 TAIL_LINES=2 stage aot 200 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set persistent_bwd
 if [ "$part" = 1 ]; then
 TAIL_LINES=6 stage bits 150 python3 -m pytest -x -q -p no:cacheprovider -rfE \
-  tests/kernels/test_cute_bwd_gpu.py -k "persistent_grid or rotated_deterministic"
+  tests/kernels/test_cute_bwd_gpu.py -k "persistent_grid or rotated_deterministic or longest_first"
 TAIL_LINES=30 stage bwd_bench 200 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 4096 16384 \
   --causal false true --directions bwd --deterministic --backends cute flash_attn_4 \
-  --cute-variants bwd:persistent_ctas=132 bwd:persistent_ctas=0 bwd-det:det_rotate=true \
+  --cute-variants bwd:persistent_ctas=132 bwd:persistent_ctas=0 bwd-det:det_resident=true \
   --rounds 3 --warmup-ms 15 --rep-ms 60 --out-dir "$OUT"
 fi
 if [ "$part" = 2 ]; then
 FA4DIST_BWD_OVERRIDE=persistent_ctas=132 TAIL_LINES=6 stage bwd_suite_persistent 150 python3 -m pytest -q \
-  -p no:cacheprovider -rfE tests/kernels/test_cute_bwd_gpu.py -k "not persistent_grid and not rotated"
+  -p no:cacheprovider -rfE tests/kernels/test_cute_bwd_gpu.py -k "not persistent_grid and not rotated and not longest_first"
 # the ring simulation's backward as it is, then with every launch (the whole-sequence one too) on the grid
 TAIL_LINES=6 stage cp_sim_bwd 120 python3 bench/cp_sim.py --seqlens 131072 --cp 8 4 --balancers lpt \
   --directions bwd --reps 3 --tag bwd

@@ -59,9 +59,10 @@ EXTRA = [
     (FP16, 64, True, True, True, True, {"dq_fixed": True, "fixed_to_float": True}),
     (BF16, 128, True, False, False, True, {"softcap": 30.0, "window_left": 4096}),  # also with dq_fixed in SUBSET
     (FP16, 64, True, True, False, False, {"persistent_ctas": 132}),  # packed on the persistent grid
-    # deterministic non-causal in the rotated order, dense and packed
-    (BF16, 128, False, False, False, True, {"det_rotate": True}),
-    (BF16, 64, False, True, True, True, {"det_rotate": True, "persistent_ctas": 132}),
+    # deterministic orders that need a sequence's key tiles resident at once: non-causal rotated, dense and packed
+    (BF16, 128, False, False, False, True, {"det_resident": True}),
+    (BF16, 64, False, True, True, True, {"det_resident": True, "persistent_ctas": 132}),
+    (BF16, 128, True, False, False, True, {"det_resident": True}),  # causal: longest first when the tiles fit
 ]
 
 

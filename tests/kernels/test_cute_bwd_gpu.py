@@ -255,7 +255,7 @@ ROTATED = {
 
 @pytest.mark.parametrize("case", list(ROTATED), ids=list(ROTATED))
 def test_rotated_deterministic_order(case):
-    """det_rotate (non-causal, deterministic): each key tile's query tiles in a rotated order and the dQ adds in
+    """det_resident (non-causal, deterministic): each key tile's query tiles in a rotated order and the dQ adds in
     the order the key tiles reach a query tile. The same bytes run to run, the oracle's values, and the ascending
     order's to fp32 rounding."""
     lens_q, lens_k, hq, hkv, d = ROTATED[case]
@@ -278,7 +278,7 @@ def test_rotated_deterministic_order(case):
 
     def launch(rotate):
         grads = [torch.full(t.shape, float("nan"), device="cuda", dtype=torch.float32) for t in (q, k, v)]
-        backward(dout, q, k, v, out, lse, *grads, causal=False, deterministic=True, det_rotate=rotate, **kw)
+        backward(dout, q, k, v, out, lse, *grads, causal=False, deterministic=True, det_resident=rotate, **kw)
         torch.cuda.synchronize()
         return grads
 
@@ -287,6 +287,36 @@ def test_rotated_deterministic_order(case):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"{name}: bytes differ run to run"
         _check(a, r, torch.bfloat16, name)
         assert rel_error(a.double(), c.double()) < 1e-5, f"{name}: rotated and ascending orders apart"
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_longest_first_causal_deterministic_order(packed):
+    """det_resident on a causal deterministic backward launches each sequence's key tiles longest first (they all
+    fit on the GPU at once) and keeps the dQ order: the bytes of the shortest-first launch."""
+    g = _gen()
+    if packed:
+        lens = [1500, 700, 2048, 64]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        q, k, v = _inputs((sum(lens), 8, 128), (sum(lens), 4, 128), torch.bfloat16, g)
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu)
+        fwd_kw = dict(kw)
+        kw.update(max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+    else:
+        q, k, v = _inputs((2, 4096, 8, 128), (2, 4096, 4, 128), torch.bfloat16, g)
+        kw, fwd_kw = {}, {}
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = attention_forward(q, k, v, causal=True, backend="reference", **fwd_kw)
+    out = out.to(torch.bfloat16)
+    runs = []
+    for resident in (False, True, True):
+        grads = [torch.full(t.shape, float("nan"), device="cuda", dtype=torch.float32) for t in (q, k, v)]
+        backward(dout, q, k, v, out, lse, *grads, causal=True, deterministic=True, det_resident=resident, **kw)
+        runs.append(grads)
+    torch.cuda.synchronize()
+    for other in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), runs[0], other):
+            assert not torch.isnan(b).any(), f"{name}: NaN (unwritten)"
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"{name}: bytes differ"
 
 
 PERSISTENT = {

@@ -1,4 +1,4 @@
-"""The rotated deterministic dQ order of the CuTe backward (bwd_sm90.rotation_step / rank_rotated, det_rotate), as
+"""The rotated deterministic dQ order of the CuTe backward (bwd_sm90.rotation_step / rank_rotated, det_resident), as
 integer arithmetic on the CPU: the kernel's formulas, restated here, must give every query tile's key tiles the
 ranks 0..N-1 in the order the key tiles reach that tile, so that no key tile waits on a ticket systematically.
 (The kernel itself is checked against these bytes on the GPU: test_cute_bwd_gpu.test_rotated_deterministic_order.)

@@ -59,9 +59,9 @@ class BwdConfig:
     stmatrix_ds: bool = True  # GPU run 2: 26/26 tests, main kernel 2-6 % faster than 16-bit stores
     det_chunk: int = 0  # deterministic launch order in chunks of key tiles (0: off)
     # deterministic non-causal: each key tile's query tiles in a rotated order, dQ taken in arrival order, for
-    # sequences of at most this many key tiles (bwd_sm90.FlashBwdSm90.det_rotate; make_configs turns True into half
+    # sequences of at most this many key tiles (bwd_sm90.FlashBwdSm90.det_resident; make_configs turns True into half
     # the SM count). A knob, off (0): compiled, not yet run on a GPU
-    det_rotate: int = 0
+    det_resident: int = 0
     regs_mma: int = 240
     # K and masked-step Q / dO tiles through the sanitizer warps (masked pairs contribute nothing even with
     # non-finite operands). False is a measurement knob only (the cost of the guarantee).
@@ -94,7 +94,7 @@ class BwdConfig:
             regs_mma=self.regs_mma, sanitize=self.sanitize, window_left=self.window_left, softcap=self.softcap,
             masked_last=self.masked_last, softcap_grad_regs=self.softcap_grad_regs, grads=self.grads,
             dq_fixed=self.dq_fixed, worklist=self.worklist, persistent_ctas=self.persistent_ctas,
-            det_rotate=self.det_rotate,
+            det_resident=self.det_resident,
         )
 
     @property
@@ -205,7 +205,7 @@ class PostConfig:
 
 _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "sanitize": host.parse_bool,
            "masked_last": host.parse_bool, "softcap_grad_regs": host.parse_bool, "persistent_ctas": int,
-           "det_rotate": host.parse_bool}  # True: rotate sequences of up to half the SMs' key tiles
+           "det_resident": host.parse_bool}  # True: rotate sequences of up to half the SMs' key tiles
 # development hook: FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_BWD_OVERRIDE", _FIELDS)
 
@@ -265,10 +265,10 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
     kw.update(_OVERRIDE)
     kw.update(overrides)
     # True: half the SMs (every key tile of a rotated sequence must be resident at once, with room to spare)
-    rotate = kw.get("det_rotate", 0)
-    kw["det_rotate"] = host.sm_count() // 2 if rotate is True else int(rotate)
+    rotate = kw.get("det_resident", 0)
+    kw["det_resident"] = host.sm_count() // 2 if rotate is True else int(rotate)
     if kw.get("persistent_ctas", 0) > 0:  # ... on the persistent grid, every such tile claimed at once
-        kw["det_rotate"] = min(kw["det_rotate"], kw["persistent_ctas"] // 2)
+        kw["det_resident"] = min(kw["det_resident"], kw["persistent_ctas"] // 2)
     main = BwdConfig(**kw)
     pre = PreConfig(o_dtype=host.dtype_name(o_dtype), do_dtype=host.dtype_name(do_dtype), head_dim=head_dim,
                     tile_m=tm, varlen=bool(varlen), deterministic=bool(deterministic), zero_dq=grads != "dkv",

@@ -129,7 +129,7 @@ class FlashBwdSm90:
         dq_fixed: bool = False,
         worklist: bool = False,
         persistent_ctas: int = 0,
-        det_rotate: int = 0,
+        det_resident: int = 0,
     ):
         assert head_dim in (64, 128)
         # a work list: mCuSeqlensQ is the item table (block_info.WORKLIST_COLUMNS), one "sequence" per item with
@@ -171,15 +171,19 @@ class FlashBwdSm90:
         # interleaved, so that a wave holds short ordered chains of many heads instead of one long chain of one
         # head (a CTA still only waits on CTAs launched before it). 0 keeps key-tile-fastest order.
         self.det_chunk = det_chunk if deterministic else 0
-        # deterministic non-causal only (> 0): key tile n of a sequence with at most det_rotate key tiles visits its
-        # query tiles in a rotated order, starting at c * n (c = query tiles // key tiles), and query tile m takes
-        # the key tiles' dQ in the order they reach it (rank_rotated), so that the tiles of a head start without
-        # waiting on each other's tickets; in the ascending order every key tile starts at query tile 0 and key tile
-        # n waits n steps (NOTES_BWD.md). That order has a key tile wait on tiles launched after it, so a sequence
-        # is rotated only if all its key tiles fit on the GPU at once (det_rotate <= SMs: make_configs takes half).
-        # Causal runs shortest-first, whose order is already the arrival order.
-        self.det_rotate = det_rotate if deterministic and not causal else 0
-        assert not (self.det_rotate and self.det_chunk), "det_rotate needs a sequence's key tiles launched together"
+        # det_resident > 0: deterministic orders in which a key tile may wait on key tiles of its sequence launched
+        # (or claimed) after it, for sequences of at most det_resident key tiles: those fit on the GPU at once, and
+        # the hardware dispatches CTAs in order, so they are all resident once the earlier sequences' CTAs finish
+        # (make_configs takes half the SM count). Longer sequences keep the orders that wait only on earlier CTAs.
+        # - non-causal (det_rotate): key tile n visits its query tiles in a rotated order starting at c * n (c =
+        #   query tiles // key tiles), and query tile m takes the key tiles' dQ in the order they reach it
+        #   (rank_rotated), so the tiles of a head start without waiting on each other's tickets; in the ascending
+        #   order every key tile starts at query tile 0 and key tile n waits n steps (NOTES_BWD.md).
+        # - causal (det_lpt): the same dQ order as shortest-first (the diagonal key tile first, already the arrival
+        #   order), but the key tiles launched longest first, so the longest ones no longer run in the last wave.
+        assert not (det_resident and self.det_chunk), "det_resident needs a sequence's key tiles launched together"
+        self.det_rotate = det_resident if deterministic and not causal else 0
+        self.det_lpt = det_resident if deterministic and causal else 0
         self.dq_chunk_elems = self.tile_m * head_dim // 2
         assert window_left < 0 or causal, "a sliding window comes with the causal upper edge (see backend.py)"
         self.window_left = window_left
@@ -448,7 +452,10 @@ class FlashBwdSm90:
     def work_at(self, io: Context, launch: Context, tile_idx):
         """(tile, seqlen, rng) of launch-order tile ``tile_idx`` (None: this CTA's blockIdx.x): the work tile, its
         sequence and the range of query tiles it visits (block_info.BlockInfo.query_tiles)."""
-        tile = bwd_work_tile(io.mQ, io.mK, launch.n_blocks_grid, launch.num_batch, shortest_first=self.spt,
+        spt = self.spt
+        if const_expr(self.det_lpt):
+            spt = launch.n_blocks_grid > self.det_lpt  # every sequence's key tiles fit: longest first
+        tile = bwd_work_tile(io.mQ, io.mK, launch.n_blocks_grid, launch.num_batch, shortest_first=spt,
                              det_chunk=self.det_chunk, tile_idx=tile_idx)
         seqlen = SeqlenInfo.create(tile.batch, io.mQ, io.mK, io.diag, io.mCuSeqlensQ, io.mCuSeqlensK, io.mSegOffQ,
                                    io.mSegOffK, varlen=self.varlen, seg_offsets=self.seg_offsets,

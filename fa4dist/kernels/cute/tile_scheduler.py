@@ -5,10 +5,11 @@ launch order, so that the next tile's loads overlap the current one's epilogue: 
 (``TileClaims``), or in the forward the static walk (``persistent_turn``, a measurement knob). The forward's tile
 is a query tile of one (head, sequence); the backward's is a key tile of one (kv head, sequence). The launch order
 is part of the design: causal forward tiles go longest first, with heads grouped so that their K/V stay in L2;
-deterministic backward tiles go in the order that keeps the dQ semaphore chains short and deadlock-free. A work-list launch
-(several (query range, key range, offsets, mask) items, fa4dist.kernels.worklist) keeps these decoders: its items
-take the place of a packed call's sequences (``batch`` is the item; block_info.SeqlenInfo reads its rows from the
-item table), so each item's tiles keep the order above, and the items go in table order (largest first).
+deterministic backward tiles go in the order that keeps the dQ semaphore chains short and deadlock-free. A
+work-list launch (several (query range, key range, offsets, mask) items, fa4dist.kernels.worklist) keeps these
+decoders: its items take the place of a packed call's sequences (``batch`` is the item; block_info.SeqlenInfo reads
+its rows from the item table), so each item's tiles keep the order above, and the items go in table order (largest
+first).
 
 This module imports cutlass at import time: import it lazily.
 """
@@ -170,8 +171,9 @@ def fwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, num_m_blocks: Int32, num_bat
 def bwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, n_blocks_grid: Int32, num_batch: Int32, *,
                   shortest_first: bool, det_chunk: int, tile_idx=None) -> WorkTile:
     """Backward: key tile ``block`` of (kv head, batch), key tiles fastest, for the launch-order index ``tile_idx``
-    (default: this CTA's blockIdx.x). ``shortest_first`` (causal deterministic) launches the highest key tile first,
-    so that a CTA only ever waits on CTAs launched (or tiles claimed) before it; ``det_chunk`` > 0 interleaves chunks
+    (default: this CTA's blockIdx.x). ``shortest_first`` (causal deterministic; a bool, or a Boolean decided at run
+    time) launches the highest key tile first, so that a CTA only ever waits on CTAs launched (or tiles claimed)
+    before it; ``det_chunk`` > 0 interleaves chunks
     of that many key tiles of all heads (padding tiles are not ``valid``)."""
     num_heads = cute.size(mQ.shape[2])
     num_heads_kv = cute.size(mK.shape[2])
@@ -191,8 +193,10 @@ def bwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, n_blocks_grid: Int32, num_ba
         hb = bid // n_blocks_grid
         j = bid - hb * n_blocks_grid
     n_block = j
-    if const_expr(shortest_first):
+    if const_expr(shortest_first is True):
         n_block = n_blocks_grid - 1 - j
+    elif const_expr(shortest_first is not False):  # decided at run time (a Boolean): 0 or 1 as an integer
+        n_block = j + Int32(shortest_first) * (n_blocks_grid - 1 - 2 * j)
     batch = hb // num_heads_kv
     head_kv = hb - batch * num_heads_kv
     return WorkTile(n_block, None, head_kv, batch, num_heads, group, j_valid)
