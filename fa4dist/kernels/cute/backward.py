@@ -279,6 +279,14 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
     return pre, main, post
 
 
+def check_resident(cfg: BwdConfig) -> None:
+    """A deterministic persistent grid's tickets wait on tiles claimed or launched before them: every CTA of the
+    grid must be resident at once (one per SM), or the launch could hang. Refused before any kernel runs."""
+    if cfg.deterministic and cfg.persistent_ctas > host.sm_count():
+        raise ValueError(f"persistent_ctas={cfg.persistent_ctas} exceeds the {host.sm_count()} SMs: a "
+                         "deterministic persistent backward needs every CTA resident (one per SM)")
+
+
 # ----------------------------------------------------------------------------
 # support check
 # ----------------------------------------------------------------------------
@@ -484,10 +492,7 @@ def launch_steps(
         **overrides,
     )
     tm = main_cfg.tile_m  # make_configs chose it (a measurement knob may pick the other tile)
-    if main_cfg.deterministic and main_cfg.persistent_ctas > host.sm_count():
-        # a ticket waits on tiles claimed or launched before it: every CTA of the grid must be resident at once
-        raise ValueError(f"persistent_ctas={main_cfg.persistent_ctas} exceeds the {host.sm_count()} SMs: a "
-                         "deterministic persistent backward needs every CTA resident (one per SM)")
+    check_resident(main_cfg)
     if grads == "dq":  # never written (the kernel's dK / dV stores are compiled out); shaped like k for its checks
         dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
@@ -638,6 +643,7 @@ def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_til
         q.dtype, d, causal=causal, varlen=True, seg_offsets=False, accumulate=True, deterministic=deterministic,
         dq_dtype=torch.float32, dkv_dtype=torch.float32, o_dtype=out.dtype, do_dtype=dout.dtype,
         window_left=window_left, softcap=softcap, worklist=True)
+    check_resident(main_cfg)
     main_fn = host.get_compiled(main_cfg)
     scale_log2 = host.score_scale(scale, softcap)
     msk = max(int(max_k_len), 1)
