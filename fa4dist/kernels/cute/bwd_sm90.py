@@ -288,6 +288,13 @@ class FlashBwdSm90:
             mbar_kvland=cute.struct.MemRange[cutlass.Int64, 2],
             mbar_qland=cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
             mbar_doland=cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
+        )
+        if const_expr(self.persistent):
+            # next to the other barriers, in the padding before sLSE's alignment: the hdim-64 fixed-point dQ kernel
+            # takes all 227 KB of the SM's shared memory, so these 40 bytes must not come after its tiles
+            fields["mbar_tile"] = cute.struct.MemRange[cutlass.Int64, 2 * TileClaims.STAGES]
+            fields["sTile"] = cute.struct.MemRange[Int32, TileClaims.STAGES]  # claimed tile indices in flight
+        fields.update(
             sLSE=cute.struct.Align[cute.struct.MemRange[Float32, tm * self.num_stages], 128],
             sDpsum=cute.struct.Align[cute.struct.MemRange[Float32, tm * self.num_stages], 128],
             sQ=smem_tile(self.dtype, cute.cosize(self.sQ_layout)),
@@ -297,9 +304,6 @@ class FlashBwdSm90:
             sdS=smem_tile(self.dtype, cute.cosize(self.sdS_layout)),
             sdQ=smem_tile(self.dq_acc_type, tm * D),
         )
-        if const_expr(self.persistent):
-            fields["mbar_tile"] = cute.struct.MemRange[cutlass.Int64, 2 * TileClaims.STAGES]
-            fields["sTile"] = cute.struct.MemRange[Int32, TileClaims.STAGES]  # claimed tile indices in flight
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
         num_heads_kv = cute.size(mK.shape[2])
