@@ -170,6 +170,26 @@ def test_persistent_grid_is_a_knob_with_a_counter(monkeypatch):
         bwd.launch_steps(dout, q, k, v, q, lse, *grads, causal=True, deterministic=True, persistent_ctas=133)
 
 
+def test_shared_memory_past_a_ctas_share_is_refused_at_compile_time():
+    """Every kernel's shared-storage struct is checked against the 227 KB a Hopper CTA may use when it is compiled
+    (the hdim-64 fixed-point dQ backward takes exactly that much: 40 more bytes would fail every launch)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from fa4dist.kernels.cute.common_sm90 import SMEM_BYTES, check_smem
+
+    def storage(extra_bytes):
+        fields = dict(tiles=cute.struct.Align[cute.struct.MemRange[cutlass.Int64, (SMEM_BYTES - 1024) // 8], 1024])
+        if extra_bytes:
+            fields["more"] = cute.struct.MemRange[cutlass.Int8, 1024 + extra_bytes]
+        return cute.struct(type("S", (), {"__annotations__": fields}))
+
+    check_smem(storage(0))
+    # (a struct's size rounds up to its largest alignment, here a whole 1 KB more)
+    with pytest.raises(ValueError, match=f"shared memory {SMEM_BYTES + 1024} bytes exceeds the {SMEM_BYTES}"):
+        check_smem(storage(8))
+
+
 def test_configs_are_hashable_cache_keys():
     a = _configs(SUBSET[0])
     b = _configs(SUBSET[0])

@@ -58,6 +58,7 @@ from .common_sm90 import (
     acc_to_operand_a,
     bulk_reduce_add_f32,
     bulk_reduce_add_u64,
+    check_smem,
     dq_chunk_layout,
     dq_tiled_mma,
     ld_acquire_gpu,
@@ -305,6 +306,7 @@ class FlashBwdSm90:
             sdQ=smem_tile(self.dq_acc_type, tm * D),
         )
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        check_smem(self.shared_storage)
 
         num_heads_kv = cute.size(mK.shape[2])
         if const_expr(not self.varlen):

@@ -289,6 +289,17 @@ def tma_tile_partition(tma_atom: cute.CopyAtom, s_tile: cute.Tensor, g_tile: cut
     )
 
 
+SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on Hopper (sm_90)
+
+
+def check_smem(storage) -> None:
+    """At compile time: a kernel's shared-storage struct fits one CTA's shared memory (a struct past it would
+    compile and then fail at every launch)."""
+    size = storage.size_in_bytes()
+    if size > SMEM_BYTES:
+        raise ValueError(f"shared memory {size} bytes exceeds the {SMEM_BYTES} a Hopper CTA may use")
+
+
 def tma_pipeline(barrier_storage, num_stages: int, consumer_warps: int, tx_count: int):
     """A TMA-fed ring: one producer thread arms each stage with ``tx_count`` bytes, ``consumer_warps`` warps (one
     arrival per warp) release it. The mbarriers are initialised without a CTA sync (``pipeline_init_arrive`` /

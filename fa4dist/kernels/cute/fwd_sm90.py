@@ -45,6 +45,7 @@ from .block_info import WORKLIST_COLUMNS, BlockInfo, SeqlenInfo
 from .common_sm90 import (
     Context,
     acc_to_operand_a,
+    check_smem,
     fma_rn,
     k_slices,
     mn_view,
@@ -258,6 +259,7 @@ class FlashFwdSm90:
             fields["mbar_tile"] = cute.struct.MemRange[cutlass.Int64, 2 * TileClaims.STAGES]
             fields["sTile"] = cute.struct.MemRange[Int32, TileClaims.STAGES]  # claimed tile indices in flight
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        check_smem(self.shared_storage)
 
         num_heads = cute.size(mQ.shape[2])
         if const_expr(not self.varlen):
