@@ -32,6 +32,12 @@ FA4DIST_BWD_OVERRIDE=persistent_ctas=132 TAIL_LINES=6 stage cp_sim_bwd_persisten
 TAIL_LINES=8 stage merge_cost 120 python3 bench/kernels.py --headdims 128 --seqlens 4096 --causal false true \
   --directions fwd --backends cute --accumulate --accumulate-seqlens 4096 16384 \
   --accumulate-variants exact_merge=true persistent_ctas=132,exact_merge=true --rounds 3 --out-dir "$OUT"
+# hdim 96 causal forward on the persistent grid with a 32 / 232 register split (spill-free; 24 / 240 spills)
+TAIL_LINES=4 stage d96_bits 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_cute_fwd_gpu.py \
+  -k "persistent_grid and d96"
+TAIL_LINES=8 stage d96_bench 100 python3 bench/kernels.py --headdims 96 --seqlens 1024 4096 16384 --causal true \
+  --directions fwd --backends cute sdpa_cudnn flash_attn_4 --cute-variants fwd:persistent_ctas=132,regs_producer=32 \
+  --rounds 3 --out-dir "$OUT"
 # (the whole-sequence call is on the persistent grid in both: only the merges differ)
 for override in exact_merge=true exact_merge=true,persistent_ctas=132; do
   FA4DIST_FWD_OVERRIDE=$override TAIL_LINES=4 stage "cp_sim_fwd_${override//[=,]/_}" 100 \

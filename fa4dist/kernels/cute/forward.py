@@ -60,6 +60,9 @@ class FwdConfig:
     # accumulate: the producer prefetches the running (out, lse) rows into L2 before the epilogue merges into them.
     # False is a measurement knob (the epilogue then waits on HBM for them)
     prefetch_running: bool = True
+    # registers per thread of the producer warpgroup (0: the split of the warpgroup count; fwd_sm90.FlashFwdSm90).
+    # A knob: 32 compiles hdim 96's causal persistent kernel without spills (not yet run on a GPU)
+    regs_producer: int = 0
     # > 0: a persistent grid of at most this many CTAs (the SM count), each walking tiles in launch order, so that a
     # tile's epilogue overlaps the next tile's loads (packed launches only with dynamic_tiles); 0: one CTA per tile.
     # Default from default_persistent_ctas (measured, NOTES_FWD.md)
@@ -83,7 +86,7 @@ class FwdConfig:
             window_left=self.window_left, softcap=self.softcap, sinks=self.sinks,
             softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
             prefetch_running=self.prefetch_running, persistent_ctas=self.persistent_ctas if self.persistent else 0,
-            dynamic_tiles=self.takes_tile_counter, exact_merge=self.exact_merge,
+            dynamic_tiles=self.takes_tile_counter, exact_merge=self.exact_merge, regs_producer=self.regs_producer,
         )
 
     @property
@@ -181,7 +184,7 @@ _FIELDS = {
     "tile_m": int, "tile_n": int, "num_stages": int, "intra_wg_overlap": host.parse_bool,
     "sched_barrier": host.parse_bool, "rescale_threshold": float, "tma_store_o": host.parse_bool,
     "sanitize": host.parse_bool, "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
-    "persistent_ctas": int, "dynamic_tiles": host.parse_bool, "exact_merge": host.parse_bool,
+    "persistent_ctas": int, "dynamic_tiles": host.parse_bool, "exact_merge": host.parse_bool, "regs_producer": int,
 }
 # the fields a work-list launch must share with the per-item calls it replaces to give their bits (all but these)
 _LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o", "persistent_ctas", "dynamic_tiles")

@@ -100,6 +100,7 @@ class FlashFwdSm90:
         persistent_ctas: int = 0,
         dynamic_tiles: bool = True,
         exact_merge: bool = False,
+        regs_producer: int = 0,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
         assert head_dim % 16 == 0 and tile_n % 16 == 0
@@ -152,6 +153,15 @@ class FlashFwdSm90:
         self.exact_merge = exact_merge and accumulate
         self.num_threads = 128 * (self.num_wg + 1)
         self.regs_producer, self.regs_consumer = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_wg]
+        if regs_producer:
+            # another split of the registers the CTA launches with (64K over its warpgroups, in multiples of 8 per
+            # thread: 168 each for 3 warpgroups): the consumers take what the producer warpgroup leaves
+            # (setmaxnreg, multiples of 8). More for the producer moves a persistent walk's spills out of it (hdim
+            # 96 causal: 32 / 232, NOTES_FWD.md)
+            per_thread = 65536 // (128 * (self.num_wg + 1)) // 8 * 8
+            assert regs_producer % 8 == 0 and 24 <= regs_producer < per_thread, regs_producer
+            self.regs_producer = regs_producer
+            self.regs_consumer = min((per_thread * (self.num_wg + 1) - regs_producer) // self.num_wg // 8 * 8, 256)
         elem = dtype.width // 8
         # K+V rows of one head that we try to keep resident in L2 (grouping of heads for causal LPT)
         if l2_rows is None:
