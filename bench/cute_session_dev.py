@@ -88,8 +88,8 @@ def softcap_configs():
 def persistent_bwd_configs():
     """The persistent backward's session: the variants of its bits test (tests/kernels/test_cute_bwd_gpu.py,
     PERSISTENT_RUNS, one CTA per tile and PERSISTENT_TEST_CTAS), of the rotated deterministic order's test and
-    bench rows, and every backward variant of the "all" set on a 132-CTA persistent grid (the backward suites run
-    under FA4DIST_BWD_OVERRIDE=persistent_ctas=132, the bench's variant rows too)."""
+    bench rows, and every backward variant of the "all" set as it is and on a 132-CTA persistent grid (the
+    backward suites run under FA4DIST_BWD_OVERRIDE=persistent_ctas=132; the bench times both)."""
     import dataclasses
 
     import torch
@@ -130,8 +130,10 @@ def persistent_bwd_configs():
             out.extend(B.make_configs(bf16, d, causal=causal, varlen=False, seg_offsets=False, accumulate=False,
                                       deterministic=True, dq_dtype=bf16, dkv_dtype=bf16, o_dtype=bf16,
                                       do_dtype=bf16, det_resident=True))
-    for cfg in bwd_configs():
-        out.append(dataclasses.replace(cfg, persistent_ctas=132) if isinstance(cfg, B.BwdConfig) else cfg)
+    for cfg in bwd_configs():  # as they are (the contract's and the one-CTA rows) and on the grid
+        out.append(cfg)
+        if isinstance(cfg, B.BwdConfig):
+            out.append(dataclasses.replace(cfg, persistent_ctas=132))
     return list(dict.fromkeys(out))
 
 

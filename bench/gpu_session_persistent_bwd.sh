@@ -3,18 +3,19 @@
 # deterministic order (det_resident): their variants compiled on the machine's 16 cores, the bits tests against one
 # CTA per tile / the ascending order, the speed table beside flash-attn-4 and the defaults, the backward suite with
 # every launch forced onto a 132-CTA grid, then the ring simulation's backward on it.
-# Two device calls (each within the 600 s limit; the AOT stage skips objects a warm machine kept):
+# Three device calls (each within the 600 s limit; the AOT stage skips objects a warm machine kept):
 #   source .devwheels/install.sh && bash bench/gpu_session_persistent_bwd.sh 1   # bits tests, speed table
-#   source .devwheels/install.sh && bash bench/gpu_session_persistent_bwd.sh 2   # suites, merges, ring simulation
+#   source .devwheels/install.sh && bash bench/gpu_session_persistent_bwd.sh 2   # suite on the grid, ring backward
+#   source .devwheels/install.sh && bash bench/gpu_session_persistent_bwd.sh 3   # forward: merges, hdim 96
 set -u
 part=${1:-1}
 source "$(dirname "$0")/stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/persistent_bwd FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
-TAIL_LINES=2 stage aot 200 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set persistent_bwd
+[ "$part" = 3 ] || TAIL_LINES=2 stage aot 150 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set persistent_bwd
 if [ "$part" = 1 ]; then
 TAIL_LINES=6 stage bits 150 python3 -m pytest -x -q -p no:cacheprovider -rfE \
   tests/kernels/test_cute_bwd_gpu.py -k "persistent_grid or rotated_deterministic or longest_first"
-TAIL_LINES=30 stage bwd_bench 200 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 4096 16384 \
+TAIL_LINES=30 stage bwd_bench 280 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 4096 16384 \
   --causal false true --directions bwd --deterministic --backends cute flash_attn_4 \
   --cute-variants bwd:persistent_ctas=132 bwd:persistent_ctas=0 bwd-det:det_resident=true \
   --rounds 3 --warmup-ms 15 --rep-ms 60 --out-dir "$OUT"
@@ -27,6 +28,8 @@ TAIL_LINES=6 stage cp_sim_bwd 120 python3 bench/cp_sim.py --seqlens 131072 --cp 
   --directions bwd --reps 3 --tag bwd
 FA4DIST_BWD_OVERRIDE=persistent_ctas=132 TAIL_LINES=6 stage cp_sim_bwd_persistent 120 python3 bench/cp_sim.py \
   --seqlens 131072 --cp 8 4 --balancers lpt --directions bwd --reps 3 --tag bwd-persistent
+fi
+if [ "$part" = 3 ]; then
 # the forward's merges on the persistent grid, exact merges on both sides: one merge launch against a plain
 # forward (the accumulate target: within 2%), then the ring simulation's forward
 TAIL_LINES=8 stage merge_cost 120 python3 bench/kernels.py --headdims 128 --seqlens 4096 --causal false true \
