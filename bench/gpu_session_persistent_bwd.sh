@@ -5,7 +5,7 @@
 # every launch forced onto a 132-CTA grid, then the ring simulation's backward on it.
 # Three device calls (each within the 600 s limit; the AOT stage skips objects a warm machine kept):
 #   source .devwheels/install.sh && bash bench/gpu_session_persistent_bwd.sh 1   # bits tests, speed table
-#   source .devwheels/install.sh && bash bench/gpu_session_persistent_bwd.sh 2   # suite on the grid, ring backward
+#   source .devwheels/install.sh && bash bench/gpu_session_persistent_bwd.sh 2   # suites, ring backward
 #   source .devwheels/install.sh && bash bench/gpu_session_persistent_bwd.sh 3   # forward: merges, hdim 96
 set -u
 part=${1:-1}
@@ -21,13 +21,16 @@ TAIL_LINES=30 stage bwd_bench 280 python3 bench/kernels.py --headdims 128 64 --s
   --rounds 3 --warmup-ms 15 --rep-ms 60 --out-dir "$OUT"
 fi
 if [ "$part" = 2 ]; then
+# the default kernels first (one CTA per tile: their PTX moved with the refactor, the same operations), then on the grid
+TAIL_LINES=6 stage bwd_suite 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_cute_bwd_gpu.py \
+  -k "not persistent_grid and not rotated and not longest_first"
 FA4DIST_BWD_OVERRIDE=persistent_ctas=132 TAIL_LINES=6 stage bwd_suite_persistent 150 python3 -m pytest -q \
   -p no:cacheprovider -rfE tests/kernels/test_cute_bwd_gpu.py -k "not persistent_grid and not rotated and not longest_first"
 # the ring simulation's backward as it is, then with every launch (the whole-sequence one too) on the grid
-TAIL_LINES=6 stage cp_sim_bwd 120 python3 bench/cp_sim.py --seqlens 131072 --cp 8 4 --balancers lpt \
+TAIL_LINES=6 stage cp_sim_bwd 90 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
   --directions bwd --reps 3 --tag bwd
-FA4DIST_BWD_OVERRIDE=persistent_ctas=132 TAIL_LINES=6 stage cp_sim_bwd_persistent 120 python3 bench/cp_sim.py \
-  --seqlens 131072 --cp 8 4 --balancers lpt --directions bwd --reps 3 --tag bwd-persistent
+FA4DIST_BWD_OVERRIDE=persistent_ctas=132 TAIL_LINES=6 stage cp_sim_bwd_persistent 90 python3 bench/cp_sim.py \
+  --seqlens 131072 --cp 8 --balancers lpt --directions bwd --reps 3 --tag bwd-persistent
 fi
 if [ "$part" = 3 ]; then
 # the forward's merges on the persistent grid, exact merges on both sides: one merge launch against a plain
