@@ -58,9 +58,10 @@ class BwdConfig:
     tile_m: int
     stmatrix_ds: bool = True  # GPU run 2: 26/26 tests, main kernel 2-6 % faster than 16-bit stores
     det_chunk: int = 0  # deterministic launch order in chunks of key tiles (0: off)
-    # deterministic non-causal: each key tile's query tiles in a rotated order, dQ taken in arrival order, for
-    # sequences of at most this many key tiles (bwd_sm90.FlashBwdSm90.det_resident; make_configs turns True into half
-    # the SM count). A knob, off (0): compiled, not yet run on a GPU
+    # deterministic orders for sequences of at most this many key tiles, which fit on the GPU at once: non-causal
+    # key tiles visit their query tiles rotated and add dQ in arrival order, causal ones launch longest first
+    # (bwd_sm90.FlashBwdSm90.det_resident; make_configs turns True into half the SM count). A knob, off (0):
+    # compiled, not yet run on a GPU
     det_resident: int = 0
     regs_mma: int = 240
     # K and masked-step Q / dO tiles through the sanitizer warps (masked pairs contribute nothing even with
@@ -205,7 +206,7 @@ class PostConfig:
 
 _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "sanitize": host.parse_bool,
            "masked_last": host.parse_bool, "softcap_grad_regs": host.parse_bool, "persistent_ctas": int,
-           "det_resident": host.parse_bool}  # True: rotate sequences of up to half the SMs' key tiles
+           "det_resident": host.parse_bool}  # True: sequences of up to half the SMs' key tiles
 # development hook: FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_BWD_OVERRIDE", _FIELDS)
 
@@ -264,9 +265,9 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
     )
     kw.update(_OVERRIDE)
     kw.update(overrides)
-    # True: half the SMs (every key tile of a rotated sequence must be resident at once, with room to spare)
-    rotate = kw.get("det_resident", 0)
-    kw["det_resident"] = host.sm_count() // 2 if rotate is True else int(rotate)
+    # True: half the SMs (every key tile of such a sequence must be resident at once, with room to spare)
+    resident = kw.get("det_resident", 0)
+    kw["det_resident"] = host.sm_count() // 2 if resident is True else int(resident)
     if kw.get("persistent_ctas", 0) > 0:  # ... on the persistent grid, every such tile claimed at once
         kw["det_resident"] = min(kw["det_resident"], kw["persistent_ctas"] // 2)
     main = BwdConfig(**kw)

@@ -63,6 +63,7 @@ from .common_sm90 import (
     bulk_reduce_add_u64,
     check_smem,
     dq_chunk_layout,
+    extend_context,
     dq_tiled_mma,
     ld_acquire_gpu,
     mn_view,
@@ -479,10 +480,12 @@ class FlashBwdSm90:
         return tile, seqlen, rng
 
     @cute.jit
-    def walk_tiles(self, io: Context, launch: Context, body, state, claimer: bool):
-        """A persistent CTA's tiles for one role: ``state = body(tile, seqlen, rng, state)`` for each tile it
-        claims (``claimer``: the producer warp, which claims each next tile once its loads of the current one are
-        out); returns the final state."""
+    def each_tile(self, io: Context, launch: Context, first, body, state, claimer: bool):
+        """One role's tiles: ``state = body(tile, seqlen, rng, state)`` for the CTA's one tile ``first``, or on a
+        persistent grid for each tile it claims (``claimer``: the producer warp, which claims each next tile once
+        its loads of the current one are out); returns the final state. ``body`` skips a tile without work."""
+        if const_expr(not self.persistent):
+            return body(*first, state)
         num_ctas = cute.arch.grid_dim()[0]
         return io.claims.walk(lambda t, st: body(*self.work_at(io, launch, t), st), state, launch.num_tiles,
                               num_ctas, claimer)
@@ -494,13 +497,8 @@ class FlashBwdSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         n_sanitized = Int32(0)  # landing barriers: stage n % stages, producer phase 1 - (n // stages) % 2
-        if const_expr(self.persistent):
-            self.walk_tiles(io, launch, lambda tile, seqlen, rng, st: self.produce(io, tile, seqlen, rng, *st),
-                            (kv_state, q_state, n_sanitized), True)
-        else:
-            tile, seqlen, rng = first
-            if rng.has_work:
-                self.produce(io, tile, seqlen, rng, kv_state, q_state, n_sanitized)
+        self.each_tile(io, launch, first, lambda tile, seqlen, rng, st: self.produce(io, tile, seqlen, rng, *st),
+                       (kv_state, q_state, n_sanitized), True)
 
     # ------------------------------------------------------------------------
     @cute.jit
@@ -658,14 +656,9 @@ class FlashBwdSm90:
         # plain counters instead of two pipeline states: this warpgroup runs on 24 registers
         step = Int32(0)  # every step: the smem stage of Q / dO
         n_sanitized = Int32(0)  # sanitized steps: the stage and phase of the landing barriers
-        if const_expr(self.persistent):
-            self.walk_tiles(io, launch,
-                            lambda tile, seqlen, rng, st: self.sanitizer(io, tile, seqlen, rng, tid, *st),
-                            (kv_state, step, n_sanitized), False)
-        else:
-            tile, seqlen, rng = first
-            if rng.has_work:
-                self.sanitize_tile(io, tile, seqlen, rng, tid, kv_state, step, n_sanitized)
+        self.each_tile(io, launch, first,
+                       lambda tile, seqlen, rng, st: self.sanitizer(io, tile, seqlen, rng, tid, *st),
+                       (kv_state, step, n_sanitized), False)
 
     @cute.jit
     def sanitizer(self, io: Context, tile, seqlen: SeqlenInfo, rng: Context, tid: Int32, kv_state, step: Int32,
@@ -743,17 +736,10 @@ class FlashBwdSm90:
     def dq_writer_role(self, io: Context, launch: Context, first):
         """Warp 1 of warpgroup 0: every tile's dQ adds, then the wait for their smem reads (smem stays allocated
         until the last add has read it)."""
-        if const_expr(self.persistent):
-            self.walk_tiles(io, launch, lambda tile, seqlen, rng, st: self.dq_writer(io, tile, seqlen, rng, st),
-                            Int32(0), False)
-            if cute.arch.lane_idx() == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-        else:
-            tile, seqlen, rng = first
-            if rng.has_work:
-                self.dq_writer_tile(io, tile, seqlen, rng)
-                if cute.arch.lane_idx() == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+        self.each_tile(io, launch, first, lambda tile, seqlen, rng, st: self.dq_writer(io, tile, seqlen, rng, st),
+                       Int32(0), False)
+        if cute.arch.lane_idx() == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def dq_writer(self, io: Context, tile, seqlen: SeqlenInfo, rng: Context, state):
@@ -854,12 +840,8 @@ class FlashBwdSm90:
         mm = self.mma_operands(io, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, scale, scale_log2)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        if const_expr(self.persistent):
-            self.walk_tiles(io, launch, lambda tile, seqlen, rng, st: self.mma_tile(io, mm, tile, seqlen, rng, *st),
-                            (kv_state, q_state), False)
-        else:
-            tile, seqlen, rng = first
-            self.mma_tile(io, mm, tile, seqlen, rng, kv_state, q_state)
+        self.each_tile(io, launch, first, lambda tile, seqlen, rng, st: self.mma_tile(io, mm, tile, seqlen, rng, *st),
+                       (kv_state, q_state), False)
 
     @cute.jit
     def mma_operands(
@@ -940,15 +922,10 @@ class FlashBwdSm90:
         kv_phase = 0
         if const_expr(self.persistent):
             kv_phase = kv_state.phase
-        st = Context(
-            tiled_mma_sdp=mm.tiled_mma_sdp, tiled_mma_dkv=mm.tiled_mma_dkv, tiled_mma_dq=mm.tiled_mma_dq,
-            tSrK=mm.tSrK, tSrQ=mm.tSrQ, tdPrV=mm.tdPrV, tdPrdO=mm.tdPrdO, tdVrdOt=mm.tdVrdOt, tdKrQt=mm.tdKrQt,
-            tdQrdS=mm.tdQrdS, tdQrKt=mm.tdQrKt, sdSt=mm.sdSt, thr_sdp=mm.thr_sdp, r2s_dS=mm.r2s_dS,
-            s_shape=mm.s_shape, dq_shape=mm.dq_shape, acc_dK=acc_dK, acc_dV=acc_dV, tScS_mn=mm.tScS_mn,
-            sLSE=io.sLSE, sDpsum=io.sDpsum, tdQsdQ=mm.tdQsdQ, pipe_q=io.pipe_q, pipe_do=io.pipe_do, scale=mm.scale,
-            scale_log2=mm.scale_log2, wg=mm.wg, n_block=tile.block, pipe_kv=io.pipe_kv, kv_phase=kv_phase,
-            mdQscale=io.mdQscale, tdQcdQ_mn=mm.tdQcdQ_mn, scratch_base=seqlen.scratch_base,
-            num_heads=cute.size(io.mQ.shape[2]),
+        st = extend_context(
+            mm, acc_dK=acc_dK, acc_dV=acc_dV, sLSE=io.sLSE, sDpsum=io.sDpsum, pipe_q=io.pipe_q, pipe_do=io.pipe_do,
+            n_block=tile.block, pipe_kv=io.pipe_kv, kv_phase=kv_phase, mdQscale=io.mdQscale,
+            scratch_base=seqlen.scratch_base, num_heads=cute.size(io.mQ.shape[2]),
             mask=AttentionMask(tm, tn, self.causal, seqlen.seqlen_k, seqlen.diag, mm.tScS_mn, mm.t0ScS_mn,
                                self.window_left),
         )

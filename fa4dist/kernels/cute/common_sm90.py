@@ -34,6 +34,11 @@ def Context(**values):
     return cls(**values)
 
 
+def extend_context(ctx, **values):
+    """A Context with ``ctx``'s fields and ``values`` (per-tile values added to per-CTA ones bound once)."""
+    return Context(**{f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx)}, **values)
+
+
 # ----------------------------------------------------------------------------
 # inline PTX
 # ----------------------------------------------------------------------------
