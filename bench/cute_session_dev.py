@@ -125,11 +125,12 @@ def persistent_bwd_configs():
             out.extend(B.make_configs(bf16, 128, causal=True, varlen=packed, seg_offsets=False, accumulate=False,
                                       deterministic=True, dq_dtype=fp32, dkv_dtype=fp32, o_dtype=bf16,
                                       do_dtype=bf16, det_resident=resident))
-    for d in (64, 128):  # the bench's bwd-det:det_resident=true rows (16-bit grads)
+    for d in (64, 128):  # the bench's bwd-det:det_resident=true / false rows (16-bit grads)
         for causal in (False, True):
-            out.extend(B.make_configs(bf16, d, causal=causal, varlen=False, seg_offsets=False, accumulate=False,
-                                      deterministic=True, dq_dtype=bf16, dkv_dtype=bf16, o_dtype=bf16,
-                                      do_dtype=bf16, det_resident=True))
+            for resident in (True, False):
+                out.extend(B.make_configs(bf16, d, causal=causal, varlen=False, seg_offsets=False,
+                                          accumulate=False, deterministic=True, dq_dtype=bf16, dkv_dtype=bf16,
+                                          o_dtype=bf16, do_dtype=bf16, det_resident=resident))
     for cfg in bwd_configs():  # as they are (the contract's and the one-CTA rows) and on the grid
         out.append(cfg)
         if isinstance(cfg, B.BwdConfig):

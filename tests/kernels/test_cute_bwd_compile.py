@@ -47,6 +47,8 @@ SUBSET = [
     # a persistent grid claiming key tiles from a counter (a knob until measured on the GPU), deterministic: the
     # tickets across claimed tiles, the sanitizer's stages and landing barriers running on from tile to tile
     (BF16, 128, True, False, False, True, {"persistent_ctas": 132}),
+    # deterministic non-causal fresh gradients: the rotated order by default (backward.default_det_resident)
+    (BF16, 64, False, True, False, True, {"softcap": 30.0}),
 ]
 
 
@@ -59,7 +61,8 @@ EXTRA = [
     (FP16, 64, True, True, True, True, {"dq_fixed": True, "fixed_to_float": True}),
     (BF16, 128, True, False, False, True, {"softcap": 30.0, "window_left": 4096}),  # also with dq_fixed in SUBSET
     (FP16, 64, True, True, False, False, {"persistent_ctas": 132}),  # packed on the persistent grid
-    # deterministic orders that need a sequence's key tiles resident at once: non-causal rotated, dense and packed
+    # deterministic orders that need a sequence's key tiles resident at once: non-causal rotated (SUBSET has the
+    # default's), dense and packed merging on the persistent grid
     (BF16, 128, False, False, False, True, {"det_resident": True}),
     (BF16, 64, False, True, True, True, {"det_resident": True, "persistent_ctas": 132}),
     (BF16, 128, True, False, False, True, {"det_resident": True}),  # causal: longest first when the tiles fit
@@ -168,6 +171,27 @@ def test_persistent_grid_is_a_knob_with_a_counter(monkeypatch):
     grads = [torch.empty_like(t) for t in (q, k, v)]
     with pytest.raises(ValueError, match="persistent_ctas=133 exceeds the 132 SMs"):
         bwd.launch_steps(dout, q, k, v, q, lse, *grads, causal=True, deterministic=True, persistent_ctas=133)
+
+
+@pytest.mark.cute
+def test_rotated_deterministic_order_is_the_default_for_fresh_non_causal_gradients(monkeypatch):
+    """A deterministic non-causal backward that writes fresh dq, dk and dv takes the rotated order on sequences of
+    up to half the SMs' key tiles; causal calls, merges (the ring's steps, cp_invariant's passes), one-gradient
+    calls, work lists and det_chunk keep the ascending order (backward.default_det_resident); asking wins."""
+    monkeypatch.setattr(host, "_SM_COUNT", [132])
+
+    def resident(causal=False, accumulate=False, deterministic=True, **kw):
+        grads = FP32 if accumulate else BF16
+        return bwd.make_configs(BF16, 128, causal=causal, varlen=False, seg_offsets=False, accumulate=accumulate,
+                                deterministic=deterministic, dq_dtype=grads, dkv_dtype=grads, o_dtype=BF16,
+                                do_dtype=BF16, **kw)[1].det_resident
+
+    assert resident() == 66
+    assert resident(persistent_ctas=100) == 50  # on the persistent grid, half its CTAs
+    for kw in (dict(causal=True), dict(accumulate=True), dict(deterministic=False), dict(det_chunk=8),
+               dict(accumulate=True, grads="dq"), dict(accumulate=True, worklist=True), dict(det_resident=False)):
+        assert resident(**kw) == 0, kw
+    assert resident(causal=True, det_resident=True) == 66
 
 
 def test_shared_memory_past_a_ctas_share_is_refused_at_compile_time():

@@ -230,9 +230,10 @@ def test_deterministic_chunked_launch_order(causal):
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
     out, lse = attention_forward(q, k, v, causal=causal, backend="sdpa")
     runs = []
-    for chunk in (8, 8, 0):
+    for chunk in (8, 8, 0):  # (without chunks non-causal calls default to the rotated order: ask for ascending)
         grads = [torch.full(t.shape, float("nan"), device="cuda", dtype=torch.float32) for t in (q, k, v)]
-        backward(dout, q, k, v, out, lse, *grads, causal=causal, deterministic=True, det_chunk=chunk)
+        backward(dout, q, k, v, out, lse, *grads, causal=causal, deterministic=True, det_chunk=chunk,
+                 det_resident=False)
         runs.append(grads)
     torch.cuda.synchronize()
     for a, c in zip(runs[0], runs[1]):

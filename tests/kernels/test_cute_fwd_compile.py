@@ -46,6 +46,8 @@ SUBSET = [
                                             "exact_merge": True}),
     # hdim 64 causal short sequences: 128-row tiles on the persistent grid (forward.short_queries)
     (torch.bfloat16, 64, True, False, False, {"short": True}),
+    # hdim 96 causal on the persistent grid: its producer takes 32 registers (forward.default_regs_producer)
+    (torch.bfloat16, 96, True, False, False, {}),
 ]
 
 
@@ -57,10 +59,10 @@ EXTRA = [
     (torch.bfloat16, 128, False, False, True, {"prefetch_running": False}),
     # the static walk of a persistent grid, with the sanitizer's walk over masked tiles
     (torch.bfloat16, 128, True, False, False, {"window_left": 300, "dynamic_tiles": False}),
-    # hdim 96 causal on the persistent grid with 32 / 232 registers (24 / 240 spills there: not the default yet)
-    (torch.float16, 96, True, False, False, {"persistent_ctas": 132, "regs_producer": 32, "softcap": 20.0,
-                                             "sinks": True}),
-    (torch.bfloat16, 96, True, False, False, {"persistent_ctas": 132, "regs_producer": 32}),
+    # hdim 96 causal on the persistent grid (32 / 232 registers by default): options, packed documents, a window
+    (torch.float16, 96, True, False, False, {"softcap": 20.0, "sinks": True}),
+    (torch.bfloat16, 96, True, True, False, {"seg_offsets": True}),
+    (torch.bfloat16, 96, True, False, False, {"window_left": 300}),
 ]
 
 
@@ -137,7 +139,7 @@ def test_supports_reports_reasons():
 
 
 def test_persistent_grid_default_and_the_sms_variable(monkeypatch):
-    """16-bit writes, dense or packed, causal or not (hdim 96 non-causal only), run on a persistent grid of the SM
+    """16-bit writes, dense or packed, causal or not, run on a persistent grid of the SM
     count that claims its tiles from a counter; merges, fp32 writes, packed windows and the non-overlapped consumer
     one CTA per tile (forward.default_persistent_ctas); FA4DIST_CUTE_SMS=N caps the grid."""
     monkeypatch.setattr(host, "_SM_COUNT", [])
@@ -155,8 +157,10 @@ def test_persistent_grid_default_and_the_sms_variable(monkeypatch):
                dict(causal=True, varlen=True, accumulate=False, window_left=100)):
         cfg = cute_fwd.make_config(torch.bfloat16, 128, **kw)
         assert cfg.persistent_ctas == 0 and not cfg.persistent and not cfg.takes_tile_counter, kw
-    # hdim 96's causal kernel spills on the persistent grid; its non-causal one does not
-    assert not cute_fwd.make_config(torch.float16, 96, causal=True, varlen=False, accumulate=False).persistent
+    # hdim 96's causal kernel is persistent with 32 producer registers (24 spill there); elsewhere the usual split
+    d96 = cute_fwd.make_config(torch.float16, 96, causal=True, varlen=False, accumulate=False)
+    assert d96.persistent and d96.regs_producer == 32
+    assert cute_fwd.make_config(torch.float16, 96, causal=True, varlen=False, accumulate=True).regs_producer == 0
     assert cute_fwd.make_config(torch.float16, 96, causal=False, varlen=False, accumulate=False).persistent
     monkeypatch.setattr(host, "_SM_COUNT", [])
     monkeypatch.setenv(host.SMS_ENV, "100")

@@ -60,8 +60,8 @@ class BwdConfig:
     det_chunk: int = 0  # deterministic launch order in chunks of key tiles (0: off)
     # deterministic orders for sequences of at most this many key tiles, which fit on the GPU at once: non-causal
     # key tiles visit their query tiles rotated and add dQ in arrival order, causal ones launch longest first
-    # (bwd_sm90.FlashBwdSm90.det_resident; make_configs turns True into half the SM count). A knob, off (0):
-    # compiled, not yet run on a GPU
+    # (bwd_sm90.FlashBwdSm90.det_resident; make_configs turns True into half the SM count). Default from
+    # default_det_resident (the rotated order where it measured faster)
     det_resident: int = 0
     regs_mma: int = 240
     # K and masked-step Q / dO tiles through the sanitizer warps (masked pairs contribute nothing even with
@@ -232,6 +232,20 @@ def default_softcap_grad_regs(head_dim: int, tile_m: int) -> bool:
     return tile_m * head_dim <= 64 * 64
 
 
+def default_det_resident(deterministic: bool, causal: bool, accumulate: bool, grads: str, det_chunk: int,
+                         worklist: bool) -> bool:
+    """Whether a backward takes the rotated deterministic order (det_resident=True): non-causal deterministic
+    calls that write fresh gradients, all three. Measured on the H200 (2026-12-01, eleventh session, bench/
+    gpu_session_persistent_bwd.sh 1): deterministic non-causal 1.19x / 1.12x the ascending order at hdim 64 1k /
+    4k, 1.08x / 1.09x at hdim 128 (0.95-0.98x flash-attn-4 there, from 0.80-0.91x); at 16k 0.98-1.00x, where
+    sequences of more than half the SMs' key tiles keep the ascending order anyway. Causal, the longest-first
+    launch measured within noise (0.98-1.02x): off. Merging calls (the ring's steps, the cp_invariant engine's
+    passes), one-gradient calls, work lists and det_chunk keep the ascending order: their callers rely on the
+    bytes of the full ascending backward, or (cp_invariant) on an order that does not follow the block's shape."""
+    return bool(deterministic and not causal and not accumulate and grads == "all" and not det_chunk
+                and not worklist)
+
+
 # The deterministic backward uses the int64 dQ with GQA from this many query tokens on, at hdim 128: measured
 # 0.86-0.92x the ticketed time at 16k and 32k tokens, 32/8 heads (bench/RESULTS.md, 2026-12-01 fourth session);
 # without GQA the tickets are as fast or faster (1.02-1.11x), and shorter calls were not measured. hdim 64 keeps the
@@ -265,6 +279,9 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
     )
     kw.update(_OVERRIDE)
     kw.update(overrides)
+    if "det_resident" not in kw:
+        kw["det_resident"] = default_det_resident(kw["deterministic"], kw["causal"], kw["accumulate"], kw["grads"],
+                                                  kw.get("det_chunk", 0), kw["worklist"])
     # True: half the SMs (every key tile of such a sequence must be resident at once, with room to spare)
     resident = kw.get("det_resident", 0)
     kw["det_resident"] = host.sm_count() // 2 if resident is True else int(resident)

@@ -61,7 +61,7 @@ class FwdConfig:
     # False is a measurement knob (the epilogue then waits on HBM for them)
     prefetch_running: bool = True
     # registers per thread of the producer warpgroup (0: the split of the warpgroup count; fwd_sm90.FlashFwdSm90).
-    # A knob: 32 compiles hdim 96's causal persistent kernel without spills (not yet run on a GPU)
+    # Default from default_regs_producer (32 for hdim 96's causal persistent kernel, which spills on 24 / 240)
     regs_producer: int = 0
     # > 0: a persistent grid of at most this many CTAs (the SM count), each walking tiles in launch order, so that a
     # tile's epilogue overlaps the next tile's loads (packed launches only with dynamic_tiles); 0: one CTA per tile.
@@ -159,8 +159,17 @@ def default_rescale_threshold(head_dim: int, causal: bool) -> float:
     return 8.0 if head_dim <= 64 and causal else 0.0
 
 
-# hdim 96's causal kernel spills 16 bytes on the persistent grid (ptxas, every dtype and option): one CTA per tile
-PERSISTENT_CAUSAL_HEAD_DIMS = (64, 128)
+# hdim 96's causal kernel spills 16 bytes on the persistent grid with the default 24 / 240 register split (ptxas,
+# every dtype and option); with 32 / 232 (default_regs_producer) it does not
+PERSISTENT_CAUSAL_HEAD_DIMS = (64, 96, 128)
+
+
+def default_regs_producer(cfg: FwdConfig) -> int:
+    """32 for hdim 96's causal kernel on the persistent grid: spill-free there (24 / 240 spills 16 bytes), and
+    measured on the H200 (2026-12-01, eleventh session, bench/gpu_session_persistent_bwd.sh 3) 1.16x / 1.03x /
+    0.99x the one-CTA-per-tile kernel at 1k / 4k / 16k (1.06x / 1.00x / 0.92x flash-attn-4). Else 0 (the split
+    of the warpgroup count)."""
+    return 32 if cfg.persistent and cfg.causal and cfg.head_dim == 96 else 0
 
 
 def default_persistent_ctas(cfg: FwdConfig) -> int:
@@ -170,7 +179,8 @@ def default_persistent_ctas(cfg: FwdConfig) -> int:
     hdim 64 (512-2048-token documents) and 1.03-1.08x at hdim 128. Else 0 (one CTA per tile): merges measured no
     faster persistent in a single launch (0.98-1.03x at 4k-16k; +1-3% in the ring simulation, within its noise),
     and the work lists promise the bits of their per-item calls, which merge or write fp32; and three variant
-    families spill there (ptxas): causal hdim 96 (PERSISTENT_CAUSAL_HEAD_DIMS), the non-overlapped consumer
+    families spill there (ptxas): causal hdim 96 unless its producer takes 32 registers (default_regs_producer),
+    the non-overlapped consumer
     (intra_wg_overlap False, a measurement knob), and packed windows (fp16 hdim 64 with softcap and sinks spills 8
     bytes; the producer's claim hand-off in both)."""
     if cfg.accumulate or cfg.out_fp32 or not cfg.intra_wg_overlap or (cfg.varlen and cfg.window_left >= 0):
@@ -219,6 +229,8 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
     cfg = FwdConfig(**kw)
     if "persistent_ctas" not in kw:  # the default follows the other fields, overrides included
         cfg = dataclasses.replace(cfg, persistent_ctas=default_persistent_ctas(cfg))
+    if "regs_producer" not in kw:
+        cfg = dataclasses.replace(cfg, regs_producer=default_regs_producer(cfg))
     return cfg
 
 
