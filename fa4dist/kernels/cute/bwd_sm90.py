@@ -6,9 +6,10 @@ for the whole tile (GQA reduction on chip: no dK/dV atomics, deterministic by co
 ``persistent_ctas`` (a knob) the grid has one CTA per SM, each claiming key tiles from a counter
 (tile_scheduler.TileClaims) and walking them with every role's pipeline states running on from one tile into the
 next: the MMA warpgroups free K / V after a tile's last step, so the next tile's loads overlap its dK / dV stores.
-With ``det_resident`` (backward.default_det_resident: non-causal fresh gradients) the deterministic orders may let a key tile wait on tiles launched after it, for
-sequences whose key tiles all fit on the GPU at once: non-causal tiles visit their query tiles rotated and add
-dQ in arrival order (rotation_step, rank_rotated), causal tiles launch longest first.
+With ``det_resident`` (backward.default_det_resident: non-causal fresh gradients) the deterministic orders may
+let a key tile wait on tiles launched after it, for sequences whose key tiles all fit on the GPU at once:
+non-causal tiles visit their query tiles rotated and add dQ in arrival order (rotation_step, rank_rotated),
+causal tiles launch longest first.
 
   * warpgroup 0, warp 0: producer. TMA loads of K, V (once) and, per (head, query tile), of Q and dO into a
     2-stage ring, plus 1-D bulk copies of the matching lse (log2 units) and dPsum (rowsum(dO * O) *
