@@ -34,6 +34,7 @@ def test_packed_tiles_documents_cover_the_batch():
     mixed = packed.doc_lengths(65536, 512, True)
     assert sum(mixed) == 65536 and max(mixed) <= 1024 and min(mixed[:-1]) >= 128
     assert packed.causal_flops([1, 2], heads=2, headdim=8) == 4.0 * 2 * 8 * (1 + 3)
+    assert packed.causal_flops([1, 2], heads=2, headdim=8, direction="bwd") == 2.5 * 4.0 * 2 * 8 * (1 + 3)
     rows = [dict(backend=b, headdim=64, doclen=512, docs=128, tflops=t)
             for b, t in (("cute", 200.0), ("cute[persistent_ctas=0]", 160.0), ("flash_attn_4", 100.0))]
     table = packed.summary_table(rows)
@@ -48,3 +49,13 @@ def test_forward_override_text_is_typed_and_checked():
         tile_m=128, dynamic_tiles=False, rescale_threshold=8.0)
     with pytest.raises(ValueError, match="forward overrides: unknown field 'tile_mm'"):
         forward.parse_overrides("tile_mm=128")
+
+
+def test_backward_override_text_is_typed_and_checked():
+    """The packed bench's backward rows parse through the backward's own field types."""
+    from fa4dist.kernels.cute import backward
+
+    assert backward.parse_overrides("persistent_ctas=132,det_resident=false") == dict(
+        persistent_ctas=132, det_resident=False)
+    with pytest.raises(ValueError, match="backward overrides: unknown field 'persistent'"):
+        backward.parse_overrides("persistent=1")

@@ -211,6 +211,11 @@ _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "s
 _OVERRIDE: dict = host.env_overrides("FA4DIST_BWD_OVERRIDE", _FIELDS)
 
 
+def parse_overrides(text: str) -> dict:
+    """``"persistent_ctas=132,det_resident=0"`` -> BwdConfig field overrides, typed (benches' variant rows)."""
+    return host.parse_overrides(text, _FIELDS, "backward overrides")
+
+
 def set_override(**kw) -> None:
     """Development hook: force fields of BwdConfig (stmatrix_ds=..., det_chunk=..., regs_mma=...)."""
     _OVERRIDE.clear()
