@@ -124,14 +124,14 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                 for r in range(cp):
                     qr, kr, vr, dr = shards[r]
                     if direction == "fwd":
-                        def run_rank(r=r, qr=qr, kr=kr, vr=vr):
+                        def run_rank(r=r, qr=qr, kr=kr, vr=vr, held=held):
                             run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts)
                     else:
                         fwd = run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts)
                         out_r, lse_r = fwd.out.to(dtype), fwd.lse
 
                         def run_rank(r=r, qr=qr, kr=kr, vr=vr, dr=dr, out_r=out_r, lse_r=lse_r,
-                                     share=direction == "bwd"):
+                                     share=direction == "bwd", held=held, sched=sched):
                             dq = torch.zeros(qr.shape, dtype=acc, device=device)
                             own = _Own(torch.zeros(kr.shape, dtype=acc, device=device),
                                        torch.zeros(vr.shape, dtype=acc, device=device))
@@ -152,7 +152,8 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                         profiles[r] = profile_kernels(run_rank, device)
                 kernels = []
                 if direction == "fwd":  # the same calls without the merges: what a fused epilogue would approach
-                    kernels = [lambda r=r: run_rank_kernels(sched, r, shards[r], held, opts) for r in range(cp)]
+                    kernels = [lambda r=r, shards=shards, held=held: run_rank_kernels(sched, r, shards[r], held, opts)
+                               for r in range(cp)]
                 # per round: the whole-sequence call, every rank's run, every rank's kernels alone; the efficiency
                 # is the median of the rounds' own ratios
                 rounds = interleaved_rounds(timer, [full[direction]] + runners + kernels, args.reps)

@@ -159,7 +159,7 @@ def main(argv=None):
         seqlen = next_length(tries, own, capacity)
     if rank == 0:
         best = max((t["seqlen"] for t in tries if t["ok"]), default=None)
-        print(f"| seqlen | ok | step s | tokens/s | MFU | peak GiB | after forward GiB |")
+        print("| seqlen | ok | step s | tokens/s | MFU | peak GiB | after forward GiB |")
         print("|---|---|---|---|---|---|---|")
         for t in tries:
             m = t["measured_gib"]

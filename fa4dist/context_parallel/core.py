@@ -356,8 +356,9 @@ class ContextParallel:
 
     def agree(self, what: str, call: int, sig: Optional[dict], error: Optional[Exception] = None) -> None:
         """Checks that every rank makes the same call: a small fingerprint (signature digest, call number, error
-        flag) exchanged per stage through the group's store (host-side: no GPU sync, no collective).  Only when something differs do the ranks exchange their full signatures,
-        so that every rank raises the same message naming the fields and ranks (never a hang or garbage)."""
+        flag) exchanged per stage through the group's store (host-side: no GPU sync, no collective).  Only when
+        something differs do the ranks exchange their full signatures, so that every rank raises the same message
+        naming the fields and ranks (never a hang or garbage)."""
         digest = 0 if sig is None else int.from_bytes(
             hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).digest()[:7], "little")
         found = 0

@@ -5,12 +5,14 @@ packed into one flat buffer) straight to it, and receives from ``m - t`` the row
 reads are never sent, and a step with nothing to receive is not computed (with a sliding window most steps carry
 nothing).  The transfer of the next step is posted before a step computes, so it overlaps.  Every step is one
 work-list call (:mod:`fa4dist.kernels.worklist`: on cute, one launch per wave of blocks with disjoint query rows,
-with the per-block loop's bits) of the schedule's blocks for the held keys, merged into the member's fp32 (fp64 for fp64 inputs) running ``(out, lse)``, so nothing
-is rounded between steps; the merge order is (step, query block, key), a function of the plan alone.
+with the per-block loop's bits) of the schedule's blocks for the held keys, merged into the member's fp32 (fp64 for
+fp64 inputs) running ``(out, lse)``, so nothing is rounded between steps; the merge order is (step, query block,
+key), a function of the plan alone.
 
 Backward: the keys go out again the same way; each step's work list (on cute, one main kernel per group of blocks
-with disjoint key rows) recomputes its blocks against the global ``(out, lse)``, adding dQ into the member's shared query side (one preprocess and one dQ convert for all steps,
-:func:`~fa4dist.kernels.worklist.share_queries`, where the backend has one; else its fp32 buffer) and dK/dV into
+with disjoint key rows) recomputes its blocks against the global ``(out, lse)``, adding dQ into the member's shared
+query side (one preprocess and one dQ convert for all steps, :func:`~fa4dist.kernels.worklist.share_queries`, where
+the backend has one; else its fp32 buffer) and dK/dV into
 a fresh fp32 buffer for the rows it received, which goes straight back to their owner (posted after the step,
 awaited one step later so it overlaps).
 The owner adds its own dK/dV first, then the returns in step order: fixed by the plan, never by arrival.

@@ -95,5 +95,6 @@ def select_backend(name: str, problem: AttentionProblem, direction: str):
     key = (name, direction, reason)
     if key not in _FALLBACK_REPORTED:
         _FALLBACK_REPORTED.add(key)
-        log.warning("fa4dist: backend %r cannot do this %s call (%s); using the reference backend", name, direction, reason)
+        log.warning("fa4dist: backend %r cannot do this %s call (%s); using the reference backend", name, direction,
+                    reason)
     return fallback

@@ -92,7 +92,8 @@ def _cudnn_backward(dout, q, k, v, out, lse, scale, causal):
 def _deterministic_algorithms(enabled: bool):
     """torch's flash backward reads the global deterministic flag (and only the strict setting: with
     warn_only=True it stays non-deterministic, seen on torch 2.11); set it for the duration of one call."""
-    before, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     switch = enabled and (not before or warn_only)
     if switch:
         torch.use_deterministic_algorithms(True, warn_only=False)
@@ -195,9 +196,9 @@ class _FusedBackend:
                                       mask):
             rows, keys = slice(blk.q_start, blk.q_start + blk.q_len), slice(blk.k_start, blk.k_start + blk.k_len)
             window = flash_window(blk)
-            o, l = guarded_forward(lambda *t: _flash_forward(*t, scale, False, window=window),
-                                   q[:, rows], k[:, keys], v[:, keys], blk.lo, blk.hi)
-            out[:, rows], lse[:, :, rows] = o, l  # the blocks' rows are disjoint
+            o, block_lse = guarded_forward(lambda *t: _flash_forward(*t, scale, False, window=window),
+                                           q[:, rows], k[:, keys], v[:, keys], blk.lo, blk.hi)
+            out[:, rows], lse[:, :, rows] = o, block_lse  # the blocks' rows are disjoint
         return out, lse
 
     def _windowed_backward(self, problem: AttentionProblem, dout, q, k, v, out, lse):
@@ -243,8 +244,9 @@ class _FusedBackend:
         lse = torch.full(problem.lse_shape(), float("-inf"), dtype=torch.float32, device=q.device)
         for blk in blocks:
             rows, keys = slice(blk.q_start, blk.q_start + blk.q_len), slice(blk.k_start, blk.k_start + blk.k_len)
-            o, l = self._block_fwd(q[:, rows], k[:, keys], v[:, keys], problem.softmax_scale, blk.aligned_causal)
-            merge_into_(out[:, rows], lse[:, :, rows], o, l)
+            o, block_lse = self._block_fwd(q[:, rows], k[:, keys], v[:, keys], problem.softmax_scale,
+                                           blk.aligned_causal)
+            merge_into_(out[:, rows], lse[:, :, rows], o, block_lse)
         return out, lse
 
     def backward(self, problem: AttentionProblem, dout, q, k, v, out, lse, deterministic):
@@ -327,8 +329,9 @@ class SdpaBackend:
         return self._flash.available(device)
 
     def _pick(self, problem, direction, deterministic=False):
-        if not deterministic and self._cudnn.available(problem.device) and self._cudnn.supports(problem, direction) is None:
-            return self._cudnn
+        cudnn = self._cudnn
+        if not deterministic and cudnn.available(problem.device) and cudnn.supports(problem, direction) is None:
+            return cudnn
         return self._flash
 
     def supports(self, problem, direction):

@@ -205,7 +205,8 @@ class FA4Llama(nn.Module):
             if p.dim() == 1:
                 p.fill_(1.0)
             else:
-                scale = std / (2 * self.config.n_layers) ** 0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+                residual_out = name.endswith(("o_proj.weight", "down_proj.weight"))
+                scale = std / (2 * self.config.n_layers) ** 0.5 if residual_out else std
                 p.normal_(0.0, scale, generator=generator)
 
     @property

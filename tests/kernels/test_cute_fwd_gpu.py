@@ -51,9 +51,9 @@ def ref_segment(q, k, v, scale, causal, q_off, k_off):
 def ref_dense(q, k, v, scale, causal, q_offs, k_offs):
     outs, lses = [], []
     for b in range(q.shape[0]):
-        o, l = ref_segment(q[b], k[b], v[b], scale, causal, q_offs[b], k_offs[b])
+        o, lse_b = ref_segment(q[b], k[b], v[b], scale, causal, q_offs[b], k_offs[b])
         outs.append(o)
-        lses.append(l)
+        lses.append(lse_b)
     return torch.stack(outs), torch.stack(lses)
 
 
@@ -64,10 +64,10 @@ def ref_varlen(q, k, v, cu_q, cu_k, scale, causal, q_offs, k_offs):
     for b in range(len(cq) - 1):
         if cq[b + 1] == cq[b]:
             continue
-        o, l = ref_segment(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]], scale, causal,
-                           q_offs[b], k_offs[b])
+        o, lse_b = ref_segment(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]], scale, causal,
+                               q_offs[b], k_offs[b])
         out[cq[b]:cq[b + 1]] = o
-        lse[:, cq[b]:cq[b + 1]] = l
+        lse[:, cq[b]:cq[b + 1]] = lse_b
     return out, lse
 
 

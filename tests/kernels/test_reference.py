@@ -135,9 +135,9 @@ def test_split_keys_and_merge_equals_full(seed):
     for ks, ke in blocks:
         kw = dict(causal=causal, q_offset=q_off, k_offset=k_off + ks, backend="reference")
         attention_forward(q, k[:, ks:ke], v[:, ks:ke], out=run_out, lse=run_lse, accumulate=True, **kw)
-        o, l = attention_forward(q, k[:, ks:ke], v[:, ks:ke], **kw)
+        o, part_lse = attention_forward(q, k[:, ks:ke], v[:, ks:ke], **kw)
         outs.append(o)
-        lses.append(l)
+        lses.append(part_lse)
     merged_out, merged_lse = merge_partials(outs, lses)
     for got_out, got_lse in ((run_out, run_lse), (merged_out, merged_lse)):
         torch.testing.assert_close(got_out, full_out, atol=1e-12, rtol=1e-12)
@@ -164,8 +164,8 @@ def test_merge_all_neg_inf_is_zero_not_nan():
 
     merge_into_(out, lse, blk, attention_lse)
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
-    o, l = merge_partials([blk, blk], [attention_lse, attention_lse])
-    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(l).all()
+    o, merged_lse = merge_partials([blk, blk], [attention_lse, attention_lse])
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(merged_lse).all()
 
 
 def test_chunking_boundaries(monkeypatch):
@@ -203,9 +203,10 @@ def test_long_sequence_memory_is_bounded(monkeypatch):
     assert 0 < largest[0] <= tile, f"a tile of {largest[0]} elements (the matrix is {s * s})"
     # spot-check a few rows against the oracle on their visible prefix
     for row in (0, 1, 12345, s - 1):
-        o, l = naive_attention(q[:, row : row + 1], q[:, : row + 1], q[:, : row + 1], causal=True, q_offset=row)
+        o, row_lse = naive_attention(q[:, row : row + 1], q[:, : row + 1], q[:, : row + 1], causal=True,
+                                     q_offset=row)
         torch.testing.assert_close(out[:, row : row + 1].double(), o, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(lse[..., row : row + 1].double(), l, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[..., row : row + 1].double(), row_lse, atol=1e-5, rtol=1e-5)
 
 
 def test_half_precision_inputs_accumulate_in_fp32():

@@ -9,7 +9,8 @@ from fa4dist.kernels import attention_backward, attention_forward
 
 def qkv(b=1, s=8, h=2, d=16, hkv=None, dtype=torch.float32):
     hkv = hkv or h
-    return torch.randn(b, s, h, d, dtype=dtype), torch.randn(b, s, hkv, d, dtype=dtype), torch.randn(b, s, hkv, d, dtype=dtype)
+    return (torch.randn(b, s, h, d, dtype=dtype), torch.randn(b, s, hkv, d, dtype=dtype),
+            torch.randn(b, s, hkv, d, dtype=dtype))
 
 
 def test_not_a_tensor():
@@ -44,7 +45,8 @@ def test_wrong_rank():
 
 def test_heads_do_not_divide():
     q, k, v = qkv(h=3, hkv=2)
-    with pytest.raises(ValueError, match=r"query heads \(3\) must be a multiple of the number of key/value heads \(2\)"):
+    with pytest.raises(ValueError,
+                       match=r"query heads \(3\) must be a multiple of the number of key/value heads \(2\)"):
         attention_forward(q, k, v)
 
 

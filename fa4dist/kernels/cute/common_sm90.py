@@ -172,12 +172,16 @@ def mn_view(t: cute.Tensor) -> cute.Tensor:
 def acc_to_operand_a(t: cute.Tensor) -> cute.Tensor:
     """View an accumulator ((2, 2, V), M, N) (already converted to 16 bit) as the register A operand
     ((2, 2, 2), M, (V / 2, N)) of a wgmma whose K is this accumulator's N."""
-    l = cute.logical_divide(t.layout, ((None, None, 2), None, None))
-    shape = ((l.shape[0][0], l.shape[0][1], l.shape[0][2][0]), l.shape[1], (l.shape[0][2][1], l.shape[2]))
+    parts = cute.logical_divide(t.layout, ((None, None, 2), None, None))
+    shape = (
+        (parts.shape[0][0], parts.shape[0][1], parts.shape[0][2][0]),
+        parts.shape[1],
+        (parts.shape[0][2][1], parts.shape[2]),
+    )
     stride = (
-        (l.stride[0][0], l.stride[0][1], l.stride[0][2][0]),
-        l.stride[1],
-        (l.stride[0][2][1], l.stride[2]),
+        (parts.stride[0][0], parts.stride[0][1], parts.stride[0][2][0]),
+        parts.stride[1],
+        (parts.stride[0][2][1], parts.stride[2]),
     )
     return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
 
