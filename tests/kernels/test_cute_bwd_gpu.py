@@ -7,43 +7,16 @@ empty ones, bf16 and fp16, fp32 out/dout, accumulate mode, deterministic mode (b
 large enough for many CTAs to contend).
 """
 
-import os
-
 import pytest
 import torch
+from cute_gpu import hang_watchdog, skip_module_without_cute  # noqa: F401 (an autouse fixture)
 
 pytestmark = pytest.mark.gpu
-
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-
-
-def _cute_ok():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        return False
-    try:
-        import cutlass  # noqa: F401
-        import tvm_ffi  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-if torch.cuda.is_available() and not _cute_ok():
-    pytest.skip("needs an sm_90 GPU with nvidia-cutlass-dsl and apache-tvm-ffi", allow_module_level=True)
+skip_module_without_cute()
 
 from fa4dist.kernels import attention_backward, attention_forward  # noqa: E402
 from fa4dist.kernels.cute.backward import backward, supports_backward  # noqa: E402
 from oracle import REL_TOL, random_cu_seqlens, rel_error  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _watchdog():
-    """A hung kernel (a barrier that never completes) must not eat the whole GPU session: dump and exit."""
-    import faulthandler
-
-    faulthandler.dump_traceback_later(int(os.environ.get("FA4DIST_TEST_WATCHDOG_S", "120")), exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 def _gen():

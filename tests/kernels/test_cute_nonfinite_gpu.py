@@ -8,29 +8,12 @@ queries that see it. Clean rows and keys are compared with the fp64 oracle (test
 where the planted values are replaced by zeros (clean rows never see them), outputs poisoned with NaN first.
 """
 
-import os
-
 import pytest
 import torch
+from cute_gpu import hang_watchdog, skip_module_without_cute  # noqa: F401 (an autouse fixture)
 
 pytestmark = pytest.mark.gpu
-
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-
-
-def _cute_ok():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        return False
-    try:
-        import cutlass  # noqa: F401
-        import tvm_ffi  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-if torch.cuda.is_available() and not _cute_ok():
-    pytest.skip("needs an sm_90 GPU with nvidia-cutlass-dsl and apache-tvm-ffi", allow_module_level=True)
+skip_module_without_cute()
 
 from fa4dist.kernels.cute.backward import backward  # noqa: E402
 from fa4dist.kernels.cute.forward import forward  # noqa: E402
@@ -43,15 +26,6 @@ DEVICE = "cuda"
 def _sync():
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-
-
-@pytest.fixture(autouse=True)
-def _watchdog():
-    import faulthandler
-
-    faulthandler.dump_traceback_later(int(os.environ.get("FA4DIST_TEST_WATCHDOG_S", "120")), exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -358,51 +358,10 @@ def supports_backward(q, k, v, *, dout=None, out=None, lse=None, dq=None, dk=Non
 # ----------------------------------------------------------------------------
 
 
-def backward(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    dq,
-    dk,
-    dv,
-    *,
-    softmax_scale=None,
-    causal=False,
-    q_offset=0,
-    k_offset=0,
-    cu_seqlens_q=None,
-    cu_seqlens_k=None,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
-    deterministic=False,
-    accumulate=False,
-    window_left=-1,
-    softcap=None,
-    rows=None,
-    q_start=0,
-    dq_scale=None,
-    **overrides,
-):
-    """Gradients of one attention block (given the global out and lse), written into dq, dk, dv.
-
-    dout, q, k, v: bf16/fp16 (dout may be fp32); out: q dtype or fp32; lse fp32 (natural log), (b, h, s_q) or
-    packed (h, t_q). dq/dk/dv: fresh buffers (q dtype or fp32) or, with accumulate=True, fp32 buffers added into.
-    q_offset / k_offset: ints, or int32 tensors / sequences with one global offset per sequence or segment.
-    window_left >= 0 (causal only): the sliding window's lower edge, and softcap, as in forward.forward.
-    rows: a :class:`SharedRows` whose rows [q_start, ...) these queries are: dQ goes into its scratch (dq unused).
-    With accumulate=True, dq = None or dk = dv = None skips those gradients (a variant without their GEMMs).
-    dq_scale (accumulate=True, dq int64): the fixed-point dQ of fa4dist.kernels.fixed_point; each (query tile,
-    key tile) contribution times its row's scale (fp32 powers of two, lse's shape) is rounded and added into dq.
-    """
-    for step in launch_steps(
-        dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal, q_offset=q_offset,
-        k_offset=k_offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, deterministic=deterministic, accumulate=accumulate, window_left=window_left,
-        softcap=softcap, rows=rows, q_start=q_start, dq_scale=dq_scale, **overrides,
-    ):
+def backward(dout, q, k, v, out, lse, dq, dk, dv, **options):
+    """Gradients of one attention block (given the global out and lse), written into dq, dk, dv: the launches of
+    :func:`launch_steps` (which documents the arguments and options) run in order. Returns (dq, dk, dv)."""
+    for step in launch_steps(dout, q, k, v, out, lse, dq, dk, dv, **options):
         step()
     return dq, dk, dv
 
@@ -437,6 +396,15 @@ def launch_steps(
 ):
     """The backward as a list of callables (preprocess, main kernel, dQ convert), each launching one kernel on the
     current stream; `backward` runs them in order. Split out so that benchmarks can time each kernel.
+
+    dout, q, k, v: bf16/fp16 (dout may be fp32); out: q dtype or fp32; lse fp32 (natural log), (b, h, s_q) or
+    packed (h, t_q). dq/dk/dv: fresh buffers (q dtype or fp32) or, with accumulate=True, fp32 buffers added into.
+    q_offset / k_offset: ints, or int32 tensors / sequences with one global offset per sequence or segment.
+    window_left >= 0 (causal only): the sliding window's lower edge, and softcap, as in forward.forward.
+    With accumulate=True, dq = None or dk = dv = None skips those gradients (a variant without their GEMMs).
+    dq_scale (accumulate=True, dq int64): the fixed-point dQ of fa4dist.kernels.fixed_point; each (query tile,
+    key tile) contribution times its row's scale (fp32 powers of two, lse's shape) is rounded and added into dq.
+    overrides: BwdConfig fields (measurement knobs; det_dq="auto" | "tickets" | "fixed").
 
     rows: the query side is shared (:class:`SharedRows`): q, dout, out, lse are rows [q_start, q_start + len) of
     its queries, the preprocess and the dQ convert are its own (dq is ignored), and the steps are the main kernel
