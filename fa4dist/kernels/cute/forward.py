@@ -74,9 +74,9 @@ class FwdConfig:
     # accumulate: the merge with fixed roundings (fwd_sm90.merge_running), the same bits in every compiled variant
     # (persistent or not; without it they may differ by 1-2 ulp); off while merges are not persistent by default
     exact_merge: bool = False
-    # accumulate, dense, one CTA per tile: the running out tile through smem with a TMA load and a TMA store
-    # instead of the consumers' global loads and stores (fwd_sm90.epilogue_merge_tma). A knob: compiled, not yet
-    # run on a GPU (NOTES_FWD.md, eleventh session)
+    # accumulate, one CTA per tile: the running out tile through smem with a TMA load and a TMA store instead of
+    # the consumers' global loads and stores (fwd_sm90.epilogue_merge_tma). A knob: compiled, not yet run on a
+    # GPU (NOTES_FWD.md, eleventh session)
     tma_merge: bool = False
 
     def build(self):
@@ -237,8 +237,8 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
         cfg = dataclasses.replace(cfg, persistent_ctas=default_persistent_ctas(cfg))
     if "regs_producer" not in kw:
         cfg = dataclasses.replace(cfg, regs_producer=default_regs_producer(cfg))
-    if cfg.tma_merge and not (cfg.accumulate and not cfg.varlen and not cfg.persistent):
-        cfg = dataclasses.replace(cfg, tma_merge=False)  # the knob applies to dense one-CTA-per-tile merges only
+    if cfg.tma_merge and not (cfg.accumulate and not cfg.persistent):
+        cfg = dataclasses.replace(cfg, tma_merge=False)  # the knob applies to merges on one CTA per tile only
     return cfg
 
 

@@ -152,11 +152,12 @@ class FlashFwdSm90:
         # product), so that every compiled variant merges to the same bits; otherwise ptxas picks which product to
         # fuse, and persistent and one-CTA-per-tile kernels were measured 1-2 ulp apart
         self.exact_merge = exact_merge and accumulate
-        # accumulate, dense, one CTA per tile: the running out tile comes in through TMA into its own smem buffer
-        # (sOrun, loaded by the producer after Q) and the merged tile goes back with one TMA store, so the consumers
-        # neither wait on global loads nor issue global stores in the epilogue (NOTES_FWD.md, eleventh session)
-        assert not tma_merge or (accumulate and not varlen and not self.persistent), \
-            "tma_merge: dense accumulate launches with one CTA per tile"
+        # accumulate, one CTA per tile: the running out tile comes in through TMA into its own smem buffer (sOrun,
+        # loaded by the producer after Q) and the merged tile goes back with one TMA store, so the consumers neither
+        # wait on global loads nor issue global stores in the epilogue (NOTES_FWD.md, eleventh session). Packed: a
+        # tile that reaches past its sequence's end stores its rows directly (the TMA box would write the next
+        # sequence's)
+        assert not tma_merge or (accumulate and not self.persistent), "tma_merge: merges with one CTA per tile"
         self.tma_merge = tma_merge  # (the L2 prefetch then asks for the running lse only)
         self.num_threads = 128 * (self.num_wg + 1)
         self.regs_producer, self.regs_consumer = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_wg]
@@ -514,7 +515,7 @@ class FlashFwdSm90:
                 self.produce(io, tile, seqlen, blk, q_state, kv_state, land_state)
             elif const_expr(self.tma_merge):
                 if tile_valid:  # no keys: the epilogue still merges (an empty block) and stores the tile
-                    self.load_running_tile(io, tile)
+                    self.load_running_tile(io, tile, seqlen)
 
     @cute.jit
     def produce_at(self, io: Context, launch: Context, t: Int32, q_state, kv_state, land_state):
@@ -609,7 +610,7 @@ class FlashFwdSm90:
         pipe_q.producer_acquire(q_state)
         cute.copy(io.tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         if const_expr(self.tma_merge):
-            self.load_running_tile(io, tile)
+            self.load_running_tile(io, tile, seqlen)
         # the running (out, lse) of a short tile is asked for now (its last loads would leave too little time)
         prefetch_early = n_blocks <= PREFETCH_LEAD_BLOCKS
         if const_expr(self.prefetch_running):
@@ -711,12 +712,19 @@ class FlashFwdSm90:
         if lane == 0 and rows > 0:
             prefetch_l2(cute.domain_offset((first + rows - 1,), mL_cur).iterator)
 
+    def running_tma_view(self, io: Context, mO_tma: cute.Tensor, tile, seqlen: SeqlenInfo):
+        """The (rows, D) TMA coordinates of the running out of the tile's sequence and head (packed: from the
+        sequence's first row of the whole packed tensor)."""
+        if const_expr(not self.varlen):
+            return mO_tma[None, None, tile.head, tile.batch]
+        return cute.domain_offset((seqlen.offset_q, 0), mO_tma[None, None, tile.head])
+
     @cute.jit
-    def load_running_tile(self, io: Context, tile):
-        """tma_merge: the tile's running fp32 out into sOrun, on its own barrier (rows past the sequence come in as
-        zeros and are clipped again by the store)."""
+    def load_running_tile(self, io: Context, tile, seqlen: SeqlenInfo):
+        """tma_merge: the tile's running fp32 out into sOrun, on its own barrier (rows past a dense sequence come
+        in as zeros; past a packed one, as the next sequence's rows: never stored back)."""
         D = self.head_dim
-        gOrun = cute.local_tile(io.running_tma.ld[None, None, tile.head, tile.batch], (self.tile_m, D),
+        gOrun = cute.local_tile(self.running_tma_view(io, io.running_tma.ld, tile, seqlen), (self.tile_m, D),
                                 (tile.block, 0))
         tOsOrun, tOgOrun = tma_tile_partition(io.running_tma.atom_ld, io.sOrun, gOrun)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -1155,12 +1163,16 @@ class FlashFwdSm90:
     @cute.jit
     def epilogue_merge_tma(self, io: Context, ml: Context, tidx: Int32, tile, seqlen: SeqlenInfo):
         """tma_merge: the block merged into the running tile in sOrun (landed there by the producer's TMA load),
-        then one TMA store of the tile (rows past seqlen_q clipped); the running lse (a float per row) is read and
-        written directly, its reads issued before the wait for the tile."""
+        then one TMA store of the tile (rows past a dense sequence clipped; a packed tile that reaches past its
+        sequence stores its rows directly instead); the running lse (a float per row) is read and written
+        directly, its reads issued before the wait for the tile."""
         D = self.head_dim
         m_block, seqlen_q = tile.block, seqlen.seqlen_q
-        _, mL_cur = self.running_views(io, tile, seqlen)
+        mO_cur, mL_cur = self.running_views(io, tile, seqlen)
         thr_mma_pv = ml.tiled_mma_pv.get_slice(tidx)
+        # packed: only a tile inside its sequence goes out by TMA (dense: TMA clips at the sequence's end)
+        by_tma = (m_block + 1) * self.tile_m <= seqlen_q
+        tOgO_mn = mn_view(thr_mma_pv.partition_C(cute.local_tile(mO_cur, (self.tile_m, D), (m_block, 0))))
         sOrun_mn = mn_view(thr_mma_pv.partition_C(io.sOrun))
         tOcO_mn = mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, D))))
         is_col0 = tOcO_mn[0, 0][1] == 0
@@ -1183,14 +1195,30 @@ class FlashFwdSm90:
             o_old = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
             cute.autovec_copy(sOrun_mn[r, None], o_old)
             o_new, lse_out = self.merged_row(ml, r, row, lse_old[r], o_old)
-            cute.autovec_copy(o_new, sOrun_mn[r, None])
+            if const_expr(not self.varlen):
+                cute.autovec_copy(o_new, sOrun_mn[r, None])
+            else:
+                if by_tma:
+                    cute.autovec_copy(o_new, sOrun_mn[r, None])
+                elif row < seqlen_q:
+                    cute.autovec_copy(o_new, tOgO_mn[r, None])
             if row < seqlen_q:
                 if is_col0:
                     mL_cur[row] = lse_out
+        if const_expr(not self.varlen):
+            self.store_running_tile(io, tidx, tile, seqlen)
+        else:
+            if by_tma:
+                self.store_running_tile(io, tidx, tile, seqlen)
+
+    @cute.jit
+    def store_running_tile(self, io: Context, tidx: Int32, tile, seqlen: SeqlenInfo):
+        """tma_merge: sOrun (the merged tile, written by every consumer thread) out with one TMA store."""
         cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
         cute.arch.barrier(barrier_id=int(FwdBarrier.EPILOGUE), number_of_threads=self.num_wg * 128)
         if tidx < 32:
-            gO = cute.local_tile(io.running_tma.st[None, None, tile.head, tile.batch], (self.tile_m, D), (m_block, 0))
+            gO = cute.local_tile(self.running_tma_view(io, io.running_tma.st, tile, seqlen),
+                                 (self.tile_m, self.head_dim), (tile.block, 0))
             tOsO, tOgO = tma_tile_partition(io.running_tma.atom_st, io.sOrun, gO)
             cute.copy(io.running_tma.atom_st, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
