@@ -186,6 +186,28 @@ def test_persistent_grid_default_and_the_sms_variable(monkeypatch):
         host.sm_count()
 
 
+def test_an_mps_client_limit_lowers_the_sm_count(monkeypatch):
+    """Under an MPS client limit the process holds only that share of the SMs at once: the persistent grids and
+    the deterministic orders that need CTAs resident together must count those, or the orders could hang."""
+    monkeypatch.setattr(host, "_SM_COUNT", [])
+    monkeypatch.delenv(host.SMS_ENV, raising=False)
+    monkeypatch.delenv(host.MPS_ENV, raising=False)
+    full = host.sm_count()
+    monkeypatch.setattr(host, "_SM_COUNT", [])
+    monkeypatch.setenv(host.MPS_ENV, "25")
+    quarter = host.sm_count()
+    assert quarter == max(1, int(full * 0.25))
+    from fa4dist.kernels.cute import backward as cute_bwd
+
+    main = cute_bwd.make_configs(torch.bfloat16, 128, causal=False, varlen=False, seg_offsets=False,
+                                 accumulate=False, deterministic=True, dq_dtype=torch.bfloat16,
+                                 dkv_dtype=torch.bfloat16, o_dtype=torch.bfloat16, do_dtype=torch.bfloat16)[1]
+    assert main.det_resident == quarter // 2  # rotated sequences fit in what the process can hold
+    monkeypatch.setattr(host, "_SM_COUNT", [])
+    monkeypatch.setenv(host.MPS_ENV, "100")
+    assert host.sm_count() == full
+
+
 def test_tma_merge_is_taken_by_merges_on_one_cta_per_tile_only():
     """The tma_merge knob applies where its kernel path exists (merges, dense or packed, one CTA per tile) and is
     dropped elsewhere, so that FA4DIST_FWD_OVERRIDE=tma_merge=1 can run a whole suite."""

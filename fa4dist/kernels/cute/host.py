@@ -57,15 +57,27 @@ H100_H200_SMS = 132  # what a compile without a GPU (CI, AOT export on a CPU box
 SMS_ENV = "FA4DIST_CUTE_SMS"
 
 
+MPS_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+
+
 def sm_count() -> int:
-    """The size of a persistent grid: the current CUDA device's streaming multiprocessors (without a GPU, the
-    H100 / H200 count), or fewer with FA4DIST_CUTE_SMS=N, which leaves SMs to kernels that run alongside ours
-    (communication overlapped with attention). The dynamic walk tolerates a CTA that waits for a busy SM (it claims
-    fewer tiles); the static walk (dynamic_tiles=False, a measurement knob) delays that CTA's whole share."""
+    """The SMs this process's kernels can hold at once: the current CUDA device's streaming multiprocessors
+    (without a GPU, the H100 / H200 count), that share of them under an MPS client limit
+    (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), or fewer with FA4DIST_CUTE_SMS=N, which leaves SMs to kernels that run
+    alongside ours (communication overlapped with attention). It sizes the persistent grids (the dynamic walk
+    tolerates a CTA that waits for a busy SM: it claims fewer tiles; the static walk, a measurement knob, delays
+    that CTA's whole share) and bounds the deterministic orders whose waits need CTAs resident together
+    (backward.make_configs, check_resident): counting SMs the process cannot use could hang those."""
     if not _SM_COUNT:
         n = H100_H200_SMS
         if torch.cuda.is_available():
             n = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        try:
+            share = float(os.environ.get(MPS_ENV, "100"))
+        except ValueError:
+            share = 100.0  # (not ours to judge: the MPS client reads it)
+        if 0 < share < 100:
+            n = max(1, int(n * share / 100))
         value = os.environ.get(SMS_ENV, "").strip()
         if value:
             if not value.isdigit() or int(value) < 1:
