@@ -13,7 +13,7 @@ varlen backward through autograd (its forward not timed); dq / dk / dv are check
     python bench/packed_tiles.py --direction bwd --deterministic --doclen 512 1024 --variants persistent_ctas=132
 
 Prints each row, then a table of TFLOP/s with every row's ratio to flash-attn-4, and writes JSON to
-$OUT/<date>-packed-tiles-d<headdim>[-mixed].json (or bench/out/), one file per kind of run.
+$OUT/<date>-packed-tiles[-bwd|-bwd-det]-d<headdim>[-mixed].json (or bench/out/), one file per kind of run.
 """
 
 from __future__ import annotations

@@ -949,7 +949,7 @@ class FlashBwdSm90:
                         m = m + 1
                         m = first if m == end else m
                         head = head + (1 if m == m_start else 0)  # the rotated phase is done: the next head
-                else:
+                else:  # (the rotated loop with m_start = first; kept apart: the PTX measured on the GPU)
                     m = first
                     for _ in cutlass.range(tile.group * (end - first), unroll=1):
                         q_state = self.mma_step(st, q_state, m, head, masked)

@@ -1117,18 +1117,11 @@ class FlashFwdSm90:
         for r in cutlass.range_constexpr(n_rows):
             row = m_block * self.tile_m + tOcO_mn[r, 0][0]
             row_in = cutlass.min(row, seqlen_q - 1)
-            # the quad leader reads the running lse; the shuffle below hands it to the 3 other lanes of the row
-            # and orders that read before the leader's write
-            lse_r = Float32(-math.inf)
-            if is_col0:
-                lse_r = mL_cur[row_in]
-            lse_old[r] = lse_r
+            lse_old[r] = self.running_lse(mL_cur, row_in, is_col0)
             src = tOgO_mn[r, None]
             src = cute.make_tensor(src.iterator + (row_in - row) * row_stride, src.layout)
             cute.autovec_copy(src, o_old_mn[r, None])
-        lane = cute.arch.lane_idx()
-        for r in cutlass.range_constexpr(n_rows):
-            lse_old[r] = cute.arch.shuffle_sync(lse_old[r], offset=lane & ~3)
+        self.share_running_lse(lse_old)
         for r in cutlass.range_constexpr(n_rows):
             row = m_block * self.tile_m + tOcO_mn[r, 0][0]
             o_new, lse_out = self.merged_row(ml, r, row, lse_old[r], o_old_mn[r, None])
@@ -1136,6 +1129,23 @@ class FlashFwdSm90:
                 cute.autovec_copy(o_new, tOgO_mn[r, None])
                 if is_col0:
                     mL_cur[row] = lse_out
+
+    @cute.jit
+    def running_lse(self, mL_cur: cute.Tensor, row_in: Int32, is_col0) -> Float32:
+        """A row's running lse as the quad leader reads it (-inf in the row's 3 other lanes, which
+        share_running_lse fills)."""
+        lse_r = Float32(-math.inf)
+        if is_col0:
+            lse_r = mL_cur[row_in]
+        return lse_r
+
+    @cute.jit
+    def share_running_lse(self, lse_old: cute.Tensor):
+        """Each row's running lse from its quad leader to the row's 3 other lanes (the shuffle also orders the
+        leader's read before its later write of the row)."""
+        lane = cute.arch.lane_idx()
+        for r in cutlass.range_constexpr(cute.size(lse_old)):
+            lse_old[r] = cute.arch.shuffle_sync(lse_old[r], offset=lane & ~3)
 
     @cute.jit
     def merged_row(self, ml: Context, r, row: Int32, lse_old: Float32, o_old: cute.Tensor):
@@ -1170,9 +1180,11 @@ class FlashFwdSm90:
         m_block, seqlen_q = tile.block, seqlen.seqlen_q
         mO_cur, mL_cur = self.running_views(io, tile, seqlen)
         thr_mma_pv = ml.tiled_mma_pv.get_slice(tidx)
-        # packed: only a tile inside its sequence goes out by TMA (dense: TMA clips at the sequence's end)
-        by_tma = (m_block + 1) * self.tile_m <= seqlen_q
-        tOgO_mn = mn_view(thr_mma_pv.partition_C(cute.local_tile(mO_cur, (self.tile_m, D), (m_block, 0))))
+        by_tma, tOgO_mn = True, None
+        if const_expr(self.varlen):
+            # only a tile inside its sequence goes out by TMA (a dense sequence's end clips the box)
+            by_tma = (m_block + 1) * self.tile_m <= seqlen_q
+            tOgO_mn = mn_view(thr_mma_pv.partition_C(cute.local_tile(mO_cur, (self.tile_m, D), (m_block, 0))))
         sOrun_mn = mn_view(thr_mma_pv.partition_C(io.sOrun))
         tOcO_mn = mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, D))))
         is_col0 = tOcO_mn[0, 0][1] == 0
@@ -1181,13 +1193,8 @@ class FlashFwdSm90:
         lse_old = cute.make_rmem_tensor_like(row_sum, Float32)
         for r in cutlass.range_constexpr(n_rows):
             row_in = cutlass.min(m_block * self.tile_m + tOcO_mn[r, 0][0], seqlen_q - 1)
-            lse_r = Float32(-math.inf)
-            if is_col0:  # the quad leader reads; the shuffle hands it to the row's other lanes
-                lse_r = mL_cur[row_in]
-            lse_old[r] = lse_r
-        lane = cute.arch.lane_idx()
-        for r in cutlass.range_constexpr(n_rows):
-            lse_old[r] = cute.arch.shuffle_sync(lse_old[r], offset=lane & ~3)
+            lse_old[r] = self.running_lse(mL_cur, row_in, is_col0)
+        self.share_running_lse(lse_old)
         io.pipe_orun.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
         acc_mn = mn_view(ml.acc_O)
         for r in cutlass.range_constexpr(n_rows):

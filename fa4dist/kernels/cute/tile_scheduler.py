@@ -173,8 +173,8 @@ def bwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, n_blocks_grid: Int32, num_ba
     """Backward: key tile ``block`` of (kv head, batch), key tiles fastest, for the launch-order index ``tile_idx``
     (default: this CTA's blockIdx.x). ``shortest_first`` (causal deterministic; a bool, or a Boolean decided at run
     time) launches the highest key tile first, so that a CTA only ever waits on CTAs launched (or tiles claimed)
-    before it; ``det_chunk`` > 0 interleaves chunks
-    of that many key tiles of all heads (padding tiles are not ``valid``)."""
+    before it; ``det_chunk`` > 0 interleaves chunks of that many key tiles of all heads (padding tiles are not
+    ``valid``)."""
     num_heads = cute.size(mQ.shape[2])
     num_heads_kv = cute.size(mK.shape[2])
     group = num_heads // num_heads_kv
