@@ -78,10 +78,12 @@ def softcap_configs():
 
     for d in (64, 128):
         for regs in (True, False):
-            out.extend(B.make_configs(torch.bfloat16, d, causal=True, varlen=False, seg_offsets=False,
-                                      accumulate=False, deterministic=False, dq_dtype=torch.bfloat16,
-                                      dkv_dtype=torch.bfloat16, o_dtype=torch.bfloat16, do_dtype=torch.bfloat16,
-                                      softcap=30.0, softcap_grad_regs=regs))
+            for max_k in (None, 1024):  # long and short (the persistent grid's) sequences
+                out.extend(B.make_configs(torch.bfloat16, d, causal=True, varlen=False, seg_offsets=False,
+                                          accumulate=False, deterministic=False, dq_dtype=torch.bfloat16,
+                                          dkv_dtype=torch.bfloat16, o_dtype=torch.bfloat16,
+                                          do_dtype=torch.bfloat16, softcap=30.0, softcap_grad_regs=regs,
+                                          max_seqlen_k=max_k))
     return list(dict.fromkeys(out))
 
 
@@ -182,9 +184,10 @@ def bwd_configs():
 
     def add(dt, d, causal, varlen=False, acc=False, det=False, seg=False, o=None, do=None, grads=None, **kw):
         grads = fp32 if acc else (grads or dt)
-        out.extend(B.make_configs(dt, d, causal=causal, varlen=varlen, seg_offsets=seg, accumulate=acc,
-                                  deterministic=det, dq_dtype=grads, dkv_dtype=grads, o_dtype=o or dt,
-                                  do_dtype=do or dt, **kw))
+        for max_k in (None, 1024):  # long sequences and short ones (the persistent grid's, where it applies)
+            out.extend(B.make_configs(dt, d, causal=causal, varlen=varlen, seg_offsets=seg, accumulate=acc,
+                                      deterministic=det, dq_dtype=grads, dkv_dtype=grads, o_dtype=o or dt,
+                                      do_dtype=do or dt, max_seqlen_k=max_k, **kw))
 
     for dt in (bf16, fp16):
         for d in (64, 128):

@@ -153,10 +153,9 @@ def _spill_budget(main) -> int:
 
 
 @pytest.mark.cute
-def test_persistent_grid_is_a_knob_with_a_counter(monkeypatch):
-    """The persistent backward grid is off unless asked for (measured mixed, bench/RESULTS.md); asked for, its launch
-    passes a tile counter; a deterministic one larger than the SM count is refused (its tickets need every CTA
-    resident), before any kernel runs."""
+def test_persistent_grid_takes_a_counter(monkeypatch):
+    """Off for a call whose key length is not given; asked for, the launch passes a tile counter; a deterministic
+    grid larger than the SM count is refused (its tickets need every CTA resident), before any kernel runs."""
     main = _configs(SUBSET[0])[1]
     assert main.persistent_ctas == 0 and not main.takes_tile_counter
     assert bwd._FIELDS["persistent_ctas"]("132") == 132
@@ -171,6 +170,43 @@ def test_persistent_grid_is_a_knob_with_a_counter(monkeypatch):
     grads = [torch.empty_like(t) for t in (q, k, v)]
     with pytest.raises(ValueError, match="persistent_ctas=133 exceeds the 132 SMs"):
         bwd.launch_steps(dout, q, k, v, q, lse, *grads, causal=True, deterministic=True, persistent_ctas=133)
+
+
+@pytest.mark.cute
+def test_persistent_grid_is_the_default_for_short_fresh_non_deterministic_gradients(monkeypatch):
+    """Non-deterministic calls that write fresh dq, dk and dv on key sequences of at most PERSISTENT_MAX_SEQLEN_K
+    tokens run on a grid of the SM count (backward.default_persistent_ctas); longer or unknown lengths, merges,
+    one-gradient calls, work lists, the fixed-point dQ and deterministic calls keep one CTA per tile; asking wins."""
+    monkeypatch.setattr(host, "_SM_COUNT", [114])
+    limit = bwd.PERSISTENT_MAX_SEQLEN_K
+
+    def ctas(max_seqlen_k=1024, accumulate=False, deterministic=False, **kw):
+        grads = FP32 if accumulate else BF16
+        return bwd.make_configs(BF16, 64, causal=True, varlen=True, seg_offsets=False, accumulate=accumulate,
+                                deterministic=deterministic, dq_dtype=grads, dkv_dtype=grads, o_dtype=BF16,
+                                do_dtype=BF16, max_seqlen_k=max_seqlen_k, **kw)[1].persistent_ctas
+
+    assert ctas() == ctas(max_seqlen_k=limit) == 114
+    for kw in (dict(max_seqlen_k=limit + 1), dict(max_seqlen_k=None), dict(accumulate=True),
+               dict(accumulate=True, grads="dq"), dict(accumulate=True, worklist=True),
+               dict(accumulate=True, dq_fixed=True), dict(deterministic=True), dict(persistent_ctas=0)):
+        assert ctas(**kw) == 0, kw
+    assert ctas(max_seqlen_k=None, persistent_ctas=100) == 100
+
+    # launch_steps passes the key length: a dense call's own, a packed call's max_seqlen_k
+    seen = []
+    monkeypatch.setattr(bwd, "make_configs", lambda *a, **kw: seen.append(kw["max_seqlen_k"]) or 1 / 0)
+    q, k, v, dout = (torch.randn(2, 300, 2, 64, dtype=BF16) for _ in range(4))
+    lse = torch.zeros(2, 2, 300)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    for kw in (dict(), dict(cu_seqlens_q=torch.tensor([0, 100, 600], dtype=torch.int32),
+                            cu_seqlens_k=torch.tensor([0, 100, 600], dtype=torch.int32), max_seqlen_k=500)):
+        packed = "max_seqlen_k" in kw
+        args = [t.flatten(0, 1) if packed else t for t in (dout, q, k, v, q)]
+        with pytest.raises(ZeroDivisionError):
+            bwd.launch_steps(*args, lse.permute(1, 0, 2).flatten(1) if packed else lse,
+                             *[g.flatten(0, 1) if packed else g for g in grads], causal=True, **kw)
+    assert seen == [300, 500]
 
 
 @pytest.mark.cute

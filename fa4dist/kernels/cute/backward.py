@@ -81,8 +81,8 @@ class BwdConfig:
     # one launch over a work list's items (block_info.WORKLIST_COLUMNS table; backward_worklist)
     worklist: bool = False
     # > 0: a persistent grid of at most this many CTAs claiming key tiles from a counter (bwd_sm90.FlashBwdSm90);
-    # the launch passes a zeroed int32 counter. A knob, off by default: measured mixed on the H200 (+6-10% at
-    # causal 1k hdim 64, up to -9% at causal 16k; NOTES_BWD.md, eleventh session)
+    # the launch passes a zeroed int32 counter. Default from default_persistent_ctas (short sequences only: it
+    # measured up to -9% at causal 16k; NOTES_BWD.md, eleventh and twelfth sessions)
     persistent_ctas: int = 0
 
     def build(self):
@@ -251,6 +251,28 @@ def default_det_resident(deterministic: bool, causal: bool, accumulate: bool, gr
                 and not worklist)
 
 
+# The longest key sequence (dense: the key length; packed: max_seqlen_k) that the persistent grid takes by default
+PERSISTENT_MAX_SEQLEN_K = 2048
+
+
+def default_persistent_ctas(deterministic: bool, accumulate: bool, grads: str, worklist: bool, dq_fixed: bool,
+                            max_seqlen_k: Optional[int]) -> int:
+    """The SM count for non-deterministic backwards that write fresh dq, dk and dv, on key sequences of at most
+    PERSISTENT_MAX_SEQLEN_K tokens; else 0 (one CTA per tile). Measured on the H200 against one CTA per tile
+    (bench/RESULTS.md): packed causal documents of 512 / 1024 / 2048 tokens 1.15 / 1.11 / 1.03x at hdim 64 and
+    1.07 / 1.06 / 1.02x at hdim 128 (twelfth session); dense causal 1k 1.02-1.10x, non-causal 1k 1.00-1.05x, 4k
+    within 3% either way, causal 16k down to 0.91x (eleventh session, two samples).
+    Kept off the grid: merging calls (the ring's steps, whose NCCL transfers on another stream need SMs that a
+    persistent grid holds until its last tile), one-gradient calls, work lists, the fixed-point dQ, calls whose
+    longest key sequence is unknown (packed without max_seqlen_k), and deterministic calls: their tickets make a
+    tile wait on tiles of lower-numbered CTAs, which needs every CTA of the grid resident, and two such grids of
+    two MPS clients on one GPU could each hold SMs the other waits for (deterministic packed documents gained
+    1.00-1.16x too: a knob, persistent_ctas=<SMs>)."""
+    if deterministic or accumulate or grads != "all" or worklist or dq_fixed or max_seqlen_k is None:
+        return 0
+    return host.sm_count() if max_seqlen_k <= PERSISTENT_MAX_SEQLEN_K else 0
+
+
 # The deterministic backward uses the int64 dQ with GQA from this many query tokens on, at hdim 128: measured
 # 0.86-0.92x the ticketed time at 16k and 32k tokens, 32/8 heads (bench/RESULTS.md, 2026-12-01 fourth session);
 # without GQA the tickets are as fast or faster (1.02-1.11x), and shorter calls were not measured. hdim 64 keeps the
@@ -267,7 +289,9 @@ def fixed_point_deterministic(heads_q: int, heads_kv: int, total_q: int, head_di
 
 def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, deterministic, dq_dtype, dkv_dtype,
                  o_dtype, do_dtype, window_left=-1, softcap=0.0, grads="all", dq_fixed=False, fixed_to_float=False,
-                 worklist=False, **overrides):
+                 worklist=False, max_seqlen_k=None, **overrides):
+    """(PreConfig, BwdConfig, PostConfig) of one backward call. max_seqlen_k: its longest key sequence, if known
+    (default_persistent_ctas); overrides: BwdConfig fields, which win over the defaults."""
     tm = overrides.get("tile_m") or tile_m_for(head_dim)  # the three kernels share the query tile
     if dq_fixed:
         # exact integer sums: deterministic without tickets; the query tiles of a key tile in ascending order
@@ -284,6 +308,9 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
     )
     kw.update(_OVERRIDE)
     kw.update(overrides)
+    if "persistent_ctas" not in kw:
+        kw["persistent_ctas"] = default_persistent_ctas(kw["deterministic"], kw["accumulate"], kw["grads"],
+                                                        kw["worklist"], kw["dq_fixed"], max_seqlen_k)
     if "det_resident" not in kw:
         kw["det_resident"] = default_det_resident(kw["deterministic"], kw["causal"], kw["accumulate"], kw["grads"],
                                                   kw.get("det_chunk", 0), kw["worklist"])
@@ -480,7 +507,7 @@ def launch_steps(
         deterministic=deterministic, dq_dtype=torch.float32 if dq is None else dq.dtype,
         dkv_dtype=torch.float32 if dk is None else dk.dtype, o_dtype=out.dtype, do_dtype=dout.dtype,
         window_left=window_left, softcap=softcap, grads=grads, dq_fixed=dq_fixed, fixed_to_float=fixed_to_float,
-        **overrides,
+        max_seqlen_k=None if rows is not None else max_seqlen_k if varlen else k.shape[1], **overrides,
     )
     tm = main_cfg.tile_m  # make_configs chose it (a measurement knob may pick the other tile)
     check_resident(main_cfg)
