@@ -140,38 +140,8 @@ def persistent_bwd_configs():
     return list(dict.fromkeys(out))
 
 
-def tma_merge_configs():
-    """The merge through smem and TMA (FwdConfig.tma_merge): its bits test's variants
-    (tests/kernels/test_cute_fwd_gpu.py), the merge-cost bench's rows, and the accumulate suite's merges."""
-    import dataclasses
-
-    import torch
-
-    from fa4dist.kernels.cute import forward as F
-
-    bf16, fp16 = torch.bfloat16, torch.float16
-    out = []
-    for d, causal in ((128, True), (64, False), (96, True), (128, False), (64, True)):
-        for tma in (False, True):
-            out.append(F.make_config(bf16, d, causal=causal, varlen=False, accumulate=True, exact_merge=True,
-                                     tma_merge=tma))
-            out.append(F.make_config(bf16, d, causal=causal, varlen=False, accumulate=True, tma_merge=tma))
-    for d, causal in ((128, True), (64, False)):  # the bits test's packed cases
-        for tma in (False, True):
-            out.append(F.make_config(bf16, d, causal=causal, varlen=True, accumulate=True, exact_merge=True,
-                                     tma_merge=tma))
-    for cfg in fwd_configs():  # the accumulate suite under FA4DIST_FWD_OVERRIDE=tma_merge=1
-        if cfg.accumulate:
-            out.append(dataclasses.replace(cfg, tma_merge=True))
-    for dt in (bf16, fp16):
-        for d in (64, 96, 128):
-            for causal in (False, True):
-                out.append(F.make_config(dt, d, causal=causal, varlen=False, accumulate=True, tma_merge=True))
-    return list(dict.fromkeys(out))
-
-
 CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_configs,
-               "persistent_bwd": persistent_bwd_configs, "tma_merge": tma_merge_configs}
+               "persistent_bwd": persistent_bwd_configs}
 
 
 def bwd_configs():

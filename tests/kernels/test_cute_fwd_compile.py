@@ -59,11 +59,7 @@ EXTRA = [
     (torch.bfloat16, 128, False, False, True, {"prefetch_running": False}),
     # the static walk of a persistent grid, with the sanitizer's walk over masked tiles
     (torch.bfloat16, 128, True, False, False, {"window_left": 300, "dynamic_tiles": False}),
-    # the running out tile of a merge through smem and TMA (a knob): hdim 128 (224 of 227 KB of smem), hdim 64
-    (torch.bfloat16, 128, True, False, True, {"tma_merge": True}),
-    (torch.bfloat16, 64, False, False, True, {"tma_merge": True, "exact_merge": True}),
-    (torch.bfloat16, 128, True, True, True, {"tma_merge": True, "seg_offsets": True}),  # packed: partial tiles direct
-    (torch.bfloat16, 64, True, True, True, {"tma_merge": True, "worklist": True}),  # a ring step's work list
+    (torch.bfloat16, 64, True, True, True, {"worklist": True}),  # a ring step's work list
     # hdim 96 causal on the persistent grid (32 / 232 registers by default): options, packed documents, a window
     (torch.float16, 96, True, False, False, {"softcap": 20.0, "sinks": True}),
     (torch.bfloat16, 96, True, True, False, {"seg_offsets": True}),
@@ -104,16 +100,7 @@ def test_compile_variant(variant, tmp_path, monkeypatch, capfd):
     assert "cp.async.bulk.tensor" in ptx  # TMA loads
     assert len(re.findall(r"setmaxnreg\.(inc|dec)", ptx)) == 2
     assert "ld.local" not in ptx and "st.local" not in ptx
-    if acc and cfg.tma_merge:
-        # the running out tile by TMA both ways (no loads or stores of it from the consumers; packed: a tile past
-        # its sequence's end stores its rows directly); lse rows from L2
-        assert ("st.global.v2" in ptx) == varlen
-        if not varlen:  # (packed launches read their sequence table in pairs)
-            assert "ld.global.v2.b32" not in ptx
-        assert re.search(r"cp\.async\.bulk\.tensor\.[34]d\.shared::cta\.global", ptx)  # loads (Q, K, V, the tile)
-        assert re.search(r"cp\.async\.bulk\.tensor\.[34]d\.global\.shared", ptx)  # the tile's store
-        assert ("prefetch.global.L2" in ptx) == cfg.prefetch_running
-    elif acc:
+    if acc:
         # reads the running out (two floats per load) / lse, asked from L2 ahead by the producer warp
         assert "ld.global.v2.b32" in ptx
         assert ("cp.async.bulk.prefetch.L2.global" in ptx) == cfg.prefetch_running
@@ -206,19 +193,6 @@ def test_an_mps_client_limit_lowers_the_sm_count(monkeypatch):
     monkeypatch.setattr(host, "_SM_COUNT", [])
     monkeypatch.setenv(host.MPS_ENV, "100")
     assert host.sm_count() == full
-
-
-def test_tma_merge_is_taken_by_merges_on_one_cta_per_tile_only():
-    """The tma_merge knob applies where its kernel path exists (merges, dense or packed, one CTA per tile) and is
-    dropped elsewhere, so that FA4DIST_FWD_OVERRIDE=tma_merge=1 can run a whole suite."""
-    def cfg(**kw):
-        return cute_fwd.make_config(torch.bfloat16, 128, causal=True, tma_merge=True, **kw)
-
-    assert cfg(varlen=False, accumulate=True).tma_merge
-    assert not cfg(varlen=False, accumulate=False).tma_merge
-    assert cfg(varlen=True, accumulate=True).tma_merge
-    assert not cfg(varlen=False, accumulate=True, persistent_ctas=132).tma_merge
-    assert cute_fwd.parse_overrides("tma_merge=1") == dict(tma_merge=True)
 
 
 def test_short_causal_hdim64_sequences_take_128_row_tiles():

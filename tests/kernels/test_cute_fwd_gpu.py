@@ -272,61 +272,6 @@ def test_accumulate(case, dtype):
     assert lerr <= 2e-4, f"accumulated lse err {lerr:.3e}"
 
 
-TMA_MERGE_CASES = [  # (d, causal, k_off, packed)
-    (128, True, 0, False), (128, True, 700, False), (64, False, 0, False), (96, True, 300, False),
-    (128, True, 0, True), (64, False, 0, True),
-]
-
-
-@pytest.mark.parametrize("d,causal,k_off,packed", TMA_MERGE_CASES,
-                         ids=["d128-causal", "d128-causal-keyless-tiles", "d64-full", "d96-causal",
-                              "packed-d128-causal", "packed-d64-full"])
-def test_tma_merge_gives_the_bits_of_the_direct_merge(d, causal, k_off, packed):
-    """tma_merge (the running out tile in through TMA, merged in smem, out through one TMA store) writes every
-    byte of the direct merge (both with exact_merge's fixed roundings): odd lengths (a partial last tile), running
-    rows that have seen nothing (lse -inf, NaN garbage in out), with k_off > 0 causal tiles without a key, and
-    packed sequences whose tiles inside a sequence go out by TMA and whose last partial tiles store directly (a
-    TMA box there would overwrite the next sequence's rows)."""
-    torch.manual_seed(d + k_off + packed)
-    h, hk = 4, 2
-    if packed:
-        lens_q, lens_k = [1000, 128, 77, 640], [900, 300, 77, 700]
-        cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
-        cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
-        q = rand(sum(lens_q), h, d, dtype=torch.bfloat16)
-        k, v = rand(sum(lens_k), hk, d, dtype=torch.bfloat16), rand(sum(lens_k), hk, d, dtype=torch.bfloat16)
-        lse_shape = (h, sum(lens_q))
-        kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
-    else:
-        b, sq, sk = 2, 1000, 1100
-        q, k, v = rand(b, sq, h, d, dtype=torch.bfloat16), rand(b, sk, hk, d, dtype=torch.bfloat16), \
-            rand(b, sk, hk, d, dtype=torch.bfloat16)
-        lse_shape, kw = (b, h, sq), {}
-    out0 = torch.randn(q.shape, dtype=torch.float32, device="cuda")
-    lse0 = torch.randn(lse_shape, dtype=torch.float32, device="cuda") * 2 + 3
-    lse0.view(-1)[::7] = -math.inf
-    # an empty running row may hold anything ((h, t) lse against (t, h, d) out when packed)
-    empty = torch.isinf(lse0)
-    (out0.transpose(0, 1) if packed else out0.transpose(1, 2))[empty] = float("nan")
-
-    def merged(**extra):
-        out, lse = out0.clone(), lse0.clone()
-        fa4cute.forward(q, k, v, out, lse, causal=causal, k_offset=k_off, accumulate=True, exact_merge=True, **kw,
-                        **extra)
-        torch.cuda.synchronize()
-        return out, lse
-
-    assert fa4cute.make_config(torch.bfloat16, d, causal=causal, varlen=packed, accumulate=True,
-                               tma_merge=True).tma_merge  # the knob is taken here (not dropped by the rule)
-    want, got = merged(tma_merge=False), merged(tma_merge=True)
-    for name, a, c in zip(("out", "lse"), want, got):
-        assert torch.equal(a.view(torch.int32), c.view(torch.int32)), f"{name} differs with tma_merge"
-    # the rows that saw keys changed (empty running rows that see none keep their garbage, as the direct merge)
-    seen = torch.isfinite(got[1]) & torch.isfinite(lse0) & (got[1] != lse0)
-    rows = got[0].transpose(0, 1) if packed else got[0].transpose(1, 2)
-    assert seen.any() and not torch.isnan(rows[seen]).any()
-
-
 def test_accumulate_matches_two_step_full():
     """Two accumulate calls over the two halves of the keys equal one call over all keys."""
     torch.manual_seed(3)

@@ -74,10 +74,6 @@ class FwdConfig:
     # accumulate: the merge with fixed roundings (fwd_sm90.merge_running), the same bits in every compiled variant
     # (persistent or not; without it they may differ by 1-2 ulp); off while merges are not persistent by default
     exact_merge: bool = False
-    # accumulate, one CTA per tile: the running out tile through smem with a TMA load and a TMA store instead of
-    # the consumers' global loads and stores (fwd_sm90.epilogue_merge_tma). A knob: compiled, not yet run on a
-    # GPU (NOTES_FWD.md, eleventh session)
-    tma_merge: bool = False
 
     def build(self):
         from .fwd_sm90 import FlashFwdSm90
@@ -91,7 +87,6 @@ class FwdConfig:
             softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
             prefetch_running=self.prefetch_running, persistent_ctas=self.persistent_ctas if self.persistent else 0,
             dynamic_tiles=self.takes_tile_counter, exact_merge=self.exact_merge, regs_producer=self.regs_producer,
-            tma_merge=self.tma_merge,
         )
 
     @property
@@ -200,7 +195,6 @@ _FIELDS = {
     "sched_barrier": host.parse_bool, "rescale_threshold": float, "tma_store_o": host.parse_bool,
     "sanitize": host.parse_bool, "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
     "persistent_ctas": int, "dynamic_tiles": host.parse_bool, "exact_merge": host.parse_bool, "regs_producer": int,
-    "tma_merge": host.parse_bool,
 }
 # the fields a work-list launch must share with the per-item calls it replaces to give their bits (all but these)
 _LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o", "persistent_ctas", "dynamic_tiles")
@@ -237,8 +231,6 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
         cfg = dataclasses.replace(cfg, persistent_ctas=default_persistent_ctas(cfg))
     if "regs_producer" not in kw:
         cfg = dataclasses.replace(cfg, regs_producer=default_regs_producer(cfg))
-    if cfg.tma_merge and not (cfg.accumulate and not cfg.persistent):
-        cfg = dataclasses.replace(cfg, tma_merge=False)  # the knob applies to merges on one CTA per tile only
     return cfg
 
 

@@ -101,7 +101,6 @@ class FlashFwdSm90:
         dynamic_tiles: bool = True,
         exact_merge: bool = False,
         regs_producer: int = 0,
-        tma_merge: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
         assert head_dim % 16 == 0 and tile_n % 16 == 0
@@ -152,13 +151,6 @@ class FlashFwdSm90:
         # product), so that every compiled variant merges to the same bits; otherwise ptxas picks which product to
         # fuse, and persistent and one-CTA-per-tile kernels were measured 1-2 ulp apart
         self.exact_merge = exact_merge and accumulate
-        # accumulate, one CTA per tile: the running out tile comes in through TMA into its own smem buffer (sOrun,
-        # loaded by the producer after Q) and the merged tile goes back with one TMA store, so the consumers neither
-        # wait on global loads nor issue global stores in the epilogue (NOTES_FWD.md, eleventh session). Packed: a
-        # tile that reaches past its sequence's end stores its rows directly (the TMA box would write the next
-        # sequence's)
-        assert not tma_merge or (accumulate and not self.persistent), "tma_merge: merges with one CTA per tile"
-        self.tma_merge = tma_merge  # (the L2 prefetch then asks for the running lse only)
         self.num_threads = 128 * (self.num_wg + 1)
         self.regs_producer, self.regs_consumer = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_wg]
         if regs_producer:
@@ -254,15 +246,6 @@ class FlashFwdSm90:
             tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), mO, self.sQ_layout, (self.tile_m, D)
             )
-        tma_atom_Orun_ld, tma_Orun_ld, tma_atom_Orun_st, tma_Orun_st = None, None, None, None
-        self.sOrun_layout = None
-        if const_expr(self.tma_merge):
-            self.sOrun_layout = smem_layout_kmajor(Float32, self.tile_m, D)
-            tma_atom_Orun_ld, tma_Orun_ld = cpasync.make_tiled_tma_atom(g2s, mO, self.sOrun_layout, (self.tile_m, D))
-            tma_atom_Orun_st, tma_Orun_st = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), mO, self.sOrun_layout, (self.tile_m, D)
-            )
-            self.bytes_orun = cute.size_in_bytes(Float32, self.sOrun_layout)
         self.bytes_q = cute.size_in_bytes(self.dtype, self.sQ_layout)
         self.bytes_kv = cute.size_in_bytes(self.dtype, cute.select(self.sK_layout, mode=[0, 1]))
 
@@ -282,9 +265,6 @@ class FlashFwdSm90:
         )
         if const_expr(self.separate_o):
             fields["sO"] = smem_tile(self.sQ_layout)
-        if const_expr(self.tma_merge):
-            fields["mbar_orun"] = cute.struct.MemRange[cutlass.Int64, 2]
-            fields["sOrun"] = cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(self.sOrun_layout)], 1024]
         if const_expr(self.dynamic_tiles):
             fields["mbar_tile"] = cute.struct.MemRange[cutlass.Int64, 2 * TileClaims.STAGES]
             fields["sTile"] = cute.struct.MemRange[Int32, TileClaims.STAGES]  # claimed tile indices in flight
@@ -329,14 +309,9 @@ class FlashFwdSm90:
             mSegOffK,
             mSinks,
             mTileCounter,
-            tma_Orun_ld,
-            tma_Orun_st,
-            tma_atom_Orun_ld,
-            tma_atom_Orun_st,
             self.sQ_layout,
             self.sK_layout,
             self.sV_layout,
-            self.sOrun_layout,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -372,14 +347,9 @@ class FlashFwdSm90:
         mSegOffK: Optional[cute.Tensor],
         mSinks: Optional[cute.Tensor],
         mTileCounter: Optional[cute.Tensor],
-        mOrun_ld: Optional[cute.Tensor],  # tma_merge: the running out's TMA tensors and atoms (load / store)
-        mOrun_st: Optional[cute.Tensor],
-        tma_atom_Orun_ld: Optional[cute.CopyAtom],
-        tma_atom_Orun_st: Optional[cute.CopyAtom],
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
-        sOrun_layout: Optional[cute.ComposedLayout],
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -389,9 +359,6 @@ class FlashFwdSm90:
             cpasync.prefetch_descriptor(tma_atom_V)
             if const_expr(tma_atom_O is not None):
                 cpasync.prefetch_descriptor(tma_atom_O)
-            if const_expr(self.tma_merge):
-                cpasync.prefetch_descriptor(tma_atom_Orun_ld)
-                cpasync.prefetch_descriptor(tma_atom_Orun_st)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -404,9 +371,6 @@ class FlashFwdSm90:
         if const_expr(self.sanitize_v):
             pipe_vland = tma_pipeline(storage.mbar_vland.data_ptr(), self.num_stages, self.sanitizer_threads // 32,
                                       self.bytes_kv)
-        pipe_orun = None
-        if const_expr(self.tma_merge):
-            pipe_orun = tma_pipeline(storage.mbar_orun.data_ptr(), 1, consumer_warps, self.bytes_orun)
         claims = None
         if const_expr(self.dynamic_tiles):
             # every consumer warp and sanitizer warp reads each claimed tile index
@@ -426,11 +390,6 @@ class FlashFwdSm90:
             sO=(storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if const_expr(self.separate_o)
                 else None),
             claims=claims,
-            pipe_orun=pipe_orun,
-            running_tma=(Context(ld=mOrun_ld, st=mOrun_st, atom_ld=tma_atom_Orun_ld, atom_st=tma_atom_Orun_st)
-                         if const_expr(self.tma_merge) else None),
-            sOrun=(storage.sOrun.get_tensor(sOrun_layout.outer, swizzle=sOrun_layout.inner)
-                   if const_expr(self.tma_merge) else None),
         )
         launch = Context(diag=diag, num_m_blocks=num_m_blocks, num_batch=num_batch, mCuSeqlensQ=mCuSeqlensQ,
                          mCuSeqlensK=mCuSeqlensK, mSegOffQ=mSegOffQ, mSegOffK=mSegOffK)
@@ -510,12 +469,9 @@ class FlashFwdSm90:
             self.walk_tiles(io, launch, lambda t, st: self.produce_at(io, launch, t, *st),
                             (q_state, kv_state, land_state), True)
         else:
-            tile, seqlen, tile_valid, blk = first
+            tile, seqlen, _, blk = first
             if blk.n_blocks > 0:
                 self.produce(io, tile, seqlen, blk, q_state, kv_state, land_state)
-            elif const_expr(self.tma_merge):
-                if tile_valid:  # no keys: the epilogue still merges (an empty block) and stores the tile
-                    self.load_running_tile(io, tile, seqlen)
 
     @cute.jit
     def produce_at(self, io: Context, launch: Context, t: Int32, q_state, kv_state, land_state):
@@ -609,8 +565,6 @@ class FlashFwdSm90:
                   tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
         pipe_q.producer_acquire(q_state)
         cute.copy(io.tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-        if const_expr(self.tma_merge):
-            self.load_running_tile(io, tile, seqlen)
         # the running (out, lse) of a short tile is asked for now (its last loads would leave too little time)
         prefetch_early = n_blocks <= PREFETCH_LEAD_BLOCKS
         if const_expr(self.prefetch_running):
@@ -700,36 +654,16 @@ class FlashFwdSm90:
         lane = cute.arch.lane_idx()
         first = tile.block * self.tile_m
         rows = cutlass.min(seqlen.seqlen_q - first, Int32(self.tile_m))
-        if const_expr(not self.tma_merge):  # (tma_merge: the out rows come in by the TMA load after Q)
-            for i in cutlass.range_constexpr(self.tile_m // 32):
-                r = lane + i * 32
-                if r < rows:
-                    prefetch_l2_bulk(cute.domain_offset((first + r, 0), mO_cur).iterator, D * 4)
+        for i in cutlass.range_constexpr(self.tile_m // 32):
+            r = lane + i * 32
+            if r < rows:
+                prefetch_l2_bulk(cute.domain_offset((first + r, 0), mO_cur).iterator, D * 4)
         # the lse rows are contiguous: one line (32 floats) per lane, and the last row (the tile may reach into
         # one more line than tile_m / 32)
         if lane * 32 < rows:
             prefetch_l2(cute.domain_offset((first + lane * 32,), mL_cur).iterator)
         if lane == 0 and rows > 0:
             prefetch_l2(cute.domain_offset((first + rows - 1,), mL_cur).iterator)
-
-    def running_tma_view(self, io: Context, mO_tma: cute.Tensor, tile, seqlen: SeqlenInfo):
-        """The (rows, D) TMA coordinates of the running out of the tile's sequence and head (packed: from the
-        sequence's first row of the whole packed tensor)."""
-        if const_expr(not self.varlen):
-            return mO_tma[None, None, tile.head, tile.batch]
-        return cute.domain_offset((seqlen.offset_q, 0), mO_tma[None, None, tile.head])
-
-    @cute.jit
-    def load_running_tile(self, io: Context, tile, seqlen: SeqlenInfo):
-        """tma_merge: the tile's running fp32 out into sOrun, on its own barrier (rows past a dense sequence come
-        in as zeros; past a packed one, as the next sequence's rows: never stored back)."""
-        D = self.head_dim
-        gOrun = cute.local_tile(self.running_tma_view(io, io.running_tma.ld, tile, seqlen), (self.tile_m, D),
-                                (tile.block, 0))
-        tOsOrun, tOgOrun = tma_tile_partition(io.running_tma.atom_ld, io.sOrun, gOrun)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        io.pipe_orun.producer_acquire(state)
-        cute.copy(io.running_tma.atom_ld, tOgOrun, tOsOrun, tma_bar_ptr=io.pipe_orun.producer_get_barrier(state))
 
     def row_sink(self, io: Context, tile):
         """The tile's head's sink logit (joins each row's denominator in the epilogue), or None without sinks."""
@@ -1021,8 +955,6 @@ class FlashFwdSm90:
     def epilogue(self, io: Context, ml: Context, tidx: Int32, tile, seqlen: SeqlenInfo):
         if const_expr(io.tma_atom_O is not None):
             self.epilogue_tma(io, ml, tidx, tile, seqlen)
-        elif const_expr(self.tma_merge):
-            self.epilogue_merge_tma(io, ml, tidx, tile, seqlen)
         else:
             self.epilogue_direct(io, ml, tidx, tile, seqlen)
 
@@ -1170,63 +1102,3 @@ class FlashFwdSm90:
                 o_new.store(o_old.load() * w_old + o_blk)
         return o_new, lse_out
 
-    @cute.jit
-    def epilogue_merge_tma(self, io: Context, ml: Context, tidx: Int32, tile, seqlen: SeqlenInfo):
-        """tma_merge: the block merged into the running tile in sOrun (landed there by the producer's TMA load),
-        then one TMA store of the tile (rows past a dense sequence clipped; a packed tile that reaches past its
-        sequence stores its rows directly instead); the running lse (a float per row) is read and written
-        directly, its reads issued before the wait for the tile."""
-        D = self.head_dim
-        m_block, seqlen_q = tile.block, seqlen.seqlen_q
-        mO_cur, mL_cur = self.running_views(io, tile, seqlen)
-        thr_mma_pv = ml.tiled_mma_pv.get_slice(tidx)
-        by_tma, tOgO_mn = True, None
-        if const_expr(self.varlen):
-            # only a tile inside its sequence goes out by TMA (a dense sequence's end clips the box)
-            by_tma = (m_block + 1) * self.tile_m <= seqlen_q
-            tOgO_mn = mn_view(thr_mma_pv.partition_C(cute.local_tile(mO_cur, (self.tile_m, D), (m_block, 0))))
-        sOrun_mn = mn_view(thr_mma_pv.partition_C(io.sOrun))
-        tOcO_mn = mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, D))))
-        is_col0 = tOcO_mn[0, 0][1] == 0
-        row_sum = ml.softmax.row_sum
-        n_rows = cute.size(row_sum)
-        lse_old = cute.make_rmem_tensor_like(row_sum, Float32)
-        for r in cutlass.range_constexpr(n_rows):
-            row_in = cutlass.min(m_block * self.tile_m + tOcO_mn[r, 0][0], seqlen_q - 1)
-            lse_old[r] = self.running_lse(mL_cur, row_in, is_col0)
-        self.share_running_lse(lse_old)
-        io.pipe_orun.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-        acc_mn = mn_view(ml.acc_O)
-        for r in cutlass.range_constexpr(n_rows):
-            row = m_block * self.tile_m + tOcO_mn[r, 0][0]
-            o_old = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
-            cute.autovec_copy(sOrun_mn[r, None], o_old)
-            o_new, lse_out = self.merged_row(ml, r, row, lse_old[r], o_old)
-            if const_expr(not self.varlen):
-                cute.autovec_copy(o_new, sOrun_mn[r, None])
-            else:
-                if by_tma:
-                    cute.autovec_copy(o_new, sOrun_mn[r, None])
-                elif row < seqlen_q:
-                    cute.autovec_copy(o_new, tOgO_mn[r, None])
-            if row < seqlen_q:
-                if is_col0:
-                    mL_cur[row] = lse_out
-        if const_expr(not self.varlen):
-            self.store_running_tile(io, tidx, tile, seqlen)
-        else:
-            if by_tma:
-                self.store_running_tile(io, tidx, tile, seqlen)
-
-    @cute.jit
-    def store_running_tile(self, io: Context, tidx: Int32, tile, seqlen: SeqlenInfo):
-        """tma_merge: sOrun (the merged tile, written by every consumer thread) out with one TMA store."""
-        cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
-        cute.arch.barrier(barrier_id=int(FwdBarrier.EPILOGUE), number_of_threads=self.num_wg * 128)
-        if tidx < 32:
-            gO = cute.local_tile(self.running_tma_view(io, io.running_tma.st, tile, seqlen),
-                                 (self.tile_m, self.head_dim), (tile.block, 0))
-            tOsO, tOgO = tma_tile_partition(io.running_tma.atom_st, io.sOrun, gO)
-            cute.copy(io.running_tma.atom_st, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sOrun stays allocated until the store has read it
