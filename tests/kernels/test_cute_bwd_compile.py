@@ -173,10 +173,11 @@ def test_persistent_grid_takes_a_counter(monkeypatch):
 
 
 @pytest.mark.cute
-def test_persistent_grid_is_the_default_for_short_fresh_non_deterministic_gradients(monkeypatch):
-    """Non-deterministic calls that write fresh dq, dk and dv on key sequences of at most PERSISTENT_MAX_SEQLEN_K
-    tokens run on a grid of the SM count (backward.default_persistent_ctas); longer or unknown lengths, merges,
-    one-gradient calls, work lists, the fixed-point dQ and deterministic calls keep one CTA per tile; asking wins."""
+def test_persistent_grid_is_the_default_for_short_fresh_gradients(monkeypatch):
+    """Calls that write fresh dq, dk and dv (deterministic or not) on key sequences of at most
+    PERSISTENT_MAX_SEQLEN_K tokens run on a grid of the SM count (backward.default_persistent_ctas); longer or
+    unknown lengths, merges, one-gradient calls, work lists and the fixed-point dQ keep one CTA per tile; asking
+    wins."""
     monkeypatch.setattr(host, "_SM_COUNT", [114])
     limit = bwd.PERSISTENT_MAX_SEQLEN_K
 
@@ -186,10 +187,10 @@ def test_persistent_grid_is_the_default_for_short_fresh_non_deterministic_gradie
                                 deterministic=deterministic, dq_dtype=grads, dkv_dtype=grads, o_dtype=BF16,
                                 do_dtype=BF16, max_seqlen_k=max_seqlen_k, **kw)[1].persistent_ctas
 
-    assert ctas() == ctas(max_seqlen_k=limit) == 114
+    assert ctas() == ctas(max_seqlen_k=limit) == ctas(deterministic=True) == 114
     for kw in (dict(max_seqlen_k=limit + 1), dict(max_seqlen_k=None), dict(accumulate=True),
                dict(accumulate=True, grads="dq"), dict(accumulate=True, worklist=True),
-               dict(accumulate=True, dq_fixed=True), dict(deterministic=True), dict(persistent_ctas=0)):
+               dict(accumulate=True, dq_fixed=True), dict(persistent_ctas=0)):
         assert ctas(**kw) == 0, kw
     assert ctas(max_seqlen_k=None, persistent_ctas=100) == 100
 

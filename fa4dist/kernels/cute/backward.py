@@ -255,20 +255,19 @@ def default_det_resident(deterministic: bool, causal: bool, accumulate: bool, gr
 PERSISTENT_MAX_SEQLEN_K = 2048
 
 
-def default_persistent_ctas(deterministic: bool, accumulate: bool, grads: str, worklist: bool, dq_fixed: bool,
+def default_persistent_ctas(accumulate: bool, grads: str, worklist: bool, dq_fixed: bool,
                             max_seqlen_k: Optional[int]) -> int:
-    """The SM count for non-deterministic backwards that write fresh dq, dk and dv, on key sequences of at most
+    """The SM count for backwards that write fresh dq, dk and dv, deterministic or not, on key sequences of at most
     PERSISTENT_MAX_SEQLEN_K tokens; else 0 (one CTA per tile). Measured on the H200 against one CTA per tile
     (bench/RESULTS.md): packed causal documents of 512 / 1024 / 2048 tokens 1.15 / 1.11 / 1.03x at hdim 64 and
-    1.07 / 1.06 / 1.02x at hdim 128 (twelfth session); dense causal 1k 1.02-1.10x, non-causal 1k 1.00-1.05x, 4k
-    within 3% either way, causal 16k down to 0.91x (eleventh session, two samples).
+    1.07 / 1.06 / 1.02x at hdim 128, deterministic 1.17 / 1.10 / 1.04x and 1.05 / 1.04 / 1.00x (twelfth session);
+    dense causal 1k 1.02-1.10x (deterministic too), non-causal 1k 1.00-1.05x, 4k within 3% either way, causal 16k
+    down to 0.91x (eleventh session, two samples). A deterministic grid claims every tile from its counter, so its
+    dQ tickets never wait on a CTA that has no SM (tile_scheduler.TileClaims).
     Kept off the grid: merging calls (the ring's steps, whose NCCL transfers on another stream need SMs that a
-    persistent grid holds until its last tile), one-gradient calls, work lists, the fixed-point dQ, calls whose
-    longest key sequence is unknown (packed without max_seqlen_k), and deterministic calls: their tickets make a
-    tile wait on tiles of lower-numbered CTAs, which needs every CTA of the grid resident, and two such grids of
-    two MPS clients on one GPU could each hold SMs the other waits for (deterministic packed documents gained
-    1.00-1.16x too: a knob, persistent_ctas=<SMs>)."""
-    if deterministic or accumulate or grads != "all" or worklist or dq_fixed or max_seqlen_k is None:
+    persistent grid holds until its last tile), one-gradient calls, work lists, the fixed-point dQ, and calls
+    whose longest key sequence is unknown (packed without max_seqlen_k)."""
+    if accumulate or grads != "all" or worklist or dq_fixed or max_seqlen_k is None:
         return 0
     return host.sm_count() if max_seqlen_k <= PERSISTENT_MAX_SEQLEN_K else 0
 
@@ -309,8 +308,8 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
     kw.update(_OVERRIDE)
     kw.update(overrides)
     if "persistent_ctas" not in kw:
-        kw["persistent_ctas"] = default_persistent_ctas(kw["deterministic"], kw["accumulate"], kw["grads"],
-                                                        kw["worklist"], kw["dq_fixed"], max_seqlen_k)
+        kw["persistent_ctas"] = default_persistent_ctas(kw["accumulate"], kw["grads"], kw["worklist"],
+                                                        kw["dq_fixed"], max_seqlen_k)
     if "det_resident" not in kw:
         kw["det_resident"] = default_det_resident(kw["deterministic"], kw["causal"], kw["accumulate"], kw["grads"],
                                                   kw.get("det_chunk", 0), kw["worklist"])
@@ -330,8 +329,9 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
 
 
 def check_resident(cfg: BwdConfig) -> None:
-    """A deterministic persistent grid's tickets wait on tiles claimed or launched before them: every CTA of the
-    grid must be resident at once (one per SM), or the launch could hang. Refused before any kernel runs."""
+    """A deterministic persistent grid of more CTAs than SMs is refused before any kernel runs. Its claims keep it
+    from hanging (tile_scheduler.TileClaims), but the rotated order's bound (half the grid's CTAs, make_configs)
+    assumes every CTA can hold an SM, and the CTAs past the SM count would only wait for one."""
     if cfg.deterministic and cfg.persistent_ctas > host.sm_count():
         raise ValueError(f"persistent_ctas={cfg.persistent_ctas} exceeds the {host.sm_count()} SMs: a "
                          "deterministic persistent backward needs every CTA resident (one per SM)")

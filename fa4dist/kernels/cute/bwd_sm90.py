@@ -212,8 +212,8 @@ class FlashBwdSm90:
         # > 0: a persistent grid of at most this many CTAs (one per SM), each claiming key tiles from a counter in
         # launch order (tile_scheduler.TileClaims), so that the next tile's K / V and first Q / dO loads overlap this
         # tile's last steps and its dK / dV stores, and no CTA pays a launch and prologue per tile. The claims go out
-        # in launch order, so a deterministic tile still only waits on tiles claimed before it (no deadlock: every
-        # CTA of the grid is resident). 0: one CTA per tile.
+        # in launch order, and a deterministic grid claims its first tiles too, so a deterministic tile only waits
+        # on tiles claimed before it, by CTAs that run (no deadlock, resident or not). 0: one CTA per tile.
         self.persistent = persistent_ctas > 0
         self.persistent_ctas = persistent_ctas
 
@@ -488,8 +488,10 @@ class FlashBwdSm90:
         if const_expr(not self.persistent):
             return body(*first, state)
         num_ctas = cute.arch.grid_dim()[0]
+        # deterministic: every tile claimed, none taken by blockIdx.x, so that a tile only waits on tiles held by
+        # running CTAs (TileClaims: no hang when some of the grid's CTAs find no SM)
         return io.claims.walk(lambda t, st: body(*self.work_at(io, launch, t), st), state, launch.num_tiles,
-                              num_ctas, claimer)
+                              num_ctas, claimer, claim_first=self.deterministic)
 
     # ------------------------------------------------------------------------
     @cute.jit

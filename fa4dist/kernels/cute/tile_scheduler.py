@@ -53,7 +53,13 @@ class TileClaims:
     """The dynamic walk of a persistent grid: a CTA's first tile is its blockIdx.x; the producer warp claims each
     next one from a global (1,) int32 counter, zero at launch (grid size + the claims before it, so tiles go out in
     launch order, first come first served: the greedy balance of the hardware's block scheduler), and hands it to the
-    CTA's other warps through a two-slot smem pipeline. A claim past the last tile tells every warp to stop."""
+    CTA's other warps through a two-slot smem pipeline. A claim past the last tile tells every warp to stop.
+
+    ``claim_first`` (walk): the first tile is claimed from the counter too (claims then count from 0). Every tile
+    is then held by a CTA that runs, and tiles are claimed in launch order: a tile that waits on tiles launched
+    before it (the deterministic backward's dQ tickets) waits on tiles whose CTAs are running, so the grid cannot
+    hang even when some of its CTAs find no SM (another process's kernels under MPS). With blockIdx.x first, a
+    tile could wait on the first tile of a CTA that is not yet resident."""
 
     pipe: Any  # PipelineAsync over the slots: one producer thread, one arrival per reading warp
     slots: Any  # (2,) int32 smem
@@ -80,11 +86,12 @@ class TileClaims:
         return pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TileClaims.STAGES)
 
     @cute.jit
-    def claim(self, num_ctas: Int32) -> Int32:
-        """Producer warp: the next tile index, the same in every lane."""
+    def claim(self, claimed_before: Int32) -> Int32:
+        """Producer warp: the next tile index (``claimed_before``: tiles handed out before the counter's first
+        claim), the same in every lane."""
         t = Int32(0)
         if cute.arch.lane_idx() == 0:
-            t = cute.arch.atomic_add(self.counter.iterator, Int32(1)) + num_ctas
+            t = cute.arch.atomic_add(self.counter.iterator, Int32(1)) + claimed_before
         return cute.arch.shuffle_sync(t, 0)
 
     @cute.jit
@@ -98,17 +105,23 @@ class TileClaims:
         return state
 
     @cute.jit
-    def walk(self, body, state, num_tiles: Int32, num_ctas: Int32, claimer: bool):
+    def walk(self, body, state, num_tiles: Int32, num_ctas: Int32, claimer: bool, claim_first: bool = False):
         """One role's walk over the CTA's tiles: ``state = body(t, state)`` for each tile index t, from this CTA's
-        blockIdx.x on, as claimed; returns the final state. ``claimer`` (the producer warp) claims each next tile
-        once ``body`` has issued the current one's loads and publishes it; every other role receives it."""
+        blockIdx.x on (``claim_first``: from its first claim on), as claimed; returns the final state. ``claimer``
+        (the producer warp) claims each next tile once ``body`` has issued the current one's loads and publishes it;
+        every other role receives it."""
         if const_expr(claimer):
             tile_state = TileClaims.producer_state()
-            t, _, _ = cute.arch.block_idx()
+            claimed_before = num_ctas  # the counter counts claims after the grid's blockIdx.x tiles
+            if const_expr(claim_first):
+                claimed_before = Int32(0)
+                t = self.claim(claimed_before)
+            else:
+                t, _, _ = cute.arch.block_idx()
             tile_state = self.publish(tile_state, t)
             while t < num_tiles:
                 state = body(t, state)
-                t = self.claim(num_ctas)
+                t = self.claim(claimed_before)
                 tile_state = self.publish(tile_state, t)
         else:
             tile_state = TileClaims.reader_state()
