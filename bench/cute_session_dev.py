@@ -61,7 +61,7 @@ def fwd_configs():
 
 
 def softcap_configs():
-    """The variants of the soft-capping bench (bench/gpu_session_softcap.sh): forward with the fixed row max
+    """The variants of the soft-capping bench (bench/sessions/gpu_session_softcap.sh): forward with the fixed row max
     beside the running one, backward with the cap's derivative in registers beside the one recovered from P."""
     import torch
 

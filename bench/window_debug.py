@@ -1,5 +1,5 @@
 """Development check of the CuTe sliding-window kernels against the reference, one case per process (a hang
-costs one case; bench/gpu_session_window.sh runs it):
+costs one case; bench/sessions/gpu_session_window.sh runs it):
     python bench/window_debug.py CASE      (fwd256, fwd1024, bwd1024, ...; see CASES)"""
 import faulthandler
 import os

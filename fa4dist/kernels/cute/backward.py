@@ -240,7 +240,7 @@ def default_softcap_grad_regs(head_dim: int, tile_m: int) -> bool:
 def default_det_resident(deterministic: bool, causal: bool, accumulate: bool, grads: str, det_chunk: int,
                          worklist: bool) -> bool:
     """Whether a backward takes the rotated deterministic order (det_resident=True): non-causal deterministic
-    calls that write fresh gradients, all three. Measured on the H200 (2026-12-01, eleventh session, bench/
+    calls that write fresh gradients, all three. Measured on the H200 (2026-12-01, eleventh session, bench/sessions/
     gpu_session_persistent_bwd.sh 1): deterministic non-causal 1.19x / 1.12x the ascending order at hdim 64 1k /
     4k, 1.08x / 1.09x at hdim 128 (0.95-0.98x flash-attn-4 there, from 0.80-0.91x); at 16k 0.98-1.00x, where
     sequences of more than half the SMs' key tiles keep the ascending order anyway. Causal, the longest-first

@@ -166,7 +166,7 @@ PERSISTENT_CAUSAL_HEAD_DIMS = (64, 96, 128)
 
 def default_regs_producer(cfg: FwdConfig) -> int:
     """32 for hdim 96's causal kernel on the persistent grid: spill-free there (24 / 240 spills 16 bytes), and
-    measured on the H200 (2026-12-01, eleventh session, bench/gpu_session_persistent_bwd.sh 3) 1.16x / 1.03x /
+    measured on the H200 (2026-12-01, eleventh session, bench/sessions/gpu_session_persistent_bwd.sh 3) 1.16x / 1.03x /
     0.99x the one-CTA-per-tile kernel at 1k / 4k / 16k (1.06x / 1.00x / 0.92x flash-attn-4). Else 0 (the split
     of the warpgroup count)."""
     return 32 if cfg.persistent and cfg.causal and cfg.head_dim == 96 else 0

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One call on two H200s (kind nvidia-h200-x2): context parallelism over NCCL and the GPU tests that need a GPU, in
+# time-limited stages; logs and JSON go to $OUT.  A session's part is picked by its first argument:
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh cp      # CP tests + multi-GPU bench + p2p
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh recipes # HF SFT, FSDP2 at 2 GPUs, cp_sim
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh window  # CP with a sliding window in the kernels
+set -u
+PART=${1:-cp}
+source "$(dirname "$0")/../stage.sh"
+nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())"
+env | grep -E "^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)=" || true
+TORCHRUN=(python3 -m torch.distributed.run --standalone --nproc-per-node 2)
+case "$PART" in
+  cp)
+    TAIL_LINES=14 stage multigpu_check 150 "${TORCHRUN[@]}" tests/cp/multigpu_check.py
+    TAIL_LINES=24 stage multigpu_bench 200 "${TORCHRUN[@]}" bench/multigpu.py --tokens-per-gpu 32768 131072 \
+      --heads 32:8 32:32 --peer --profile --invariant --reps 3 --out-dir "$OUT"
+    TAIL_LINES=25 stage gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -rfE \
+      tests/kernels/test_nonfinite.py tests/kernels/test_window_gpu.py tests/cp/test_cp_gpu.py
+    ;;
+  window)
+    TAIL_LINES=18 stage multigpu_check 150 "${TORCHRUN[@]}" tests/cp/multigpu_check.py
+    TAIL_LINES=8 stage multigpu_window 120 "${TORCHRUN[@]}" bench/multigpu.py --tokens-per-gpu 65536 \
+      --heads 32:8 --window 4096 --reps 3 --out-dir "$OUT"
+    TAIL_LINES=12 stage multigpu_window_profile 120 "${TORCHRUN[@]}" bench/multigpu.py --tokens-per-gpu 65536 \
+      --heads 32:8 --window 4096 --reps 3 --balancer contiguous --strategies ring --profile --out-dir "$OUT/profile"
+    TAIL_LINES=10 stage window_tests 150 python3 -m pytest -x -q -p no:cacheprovider tests/kernels/test_window_gpu.py \
+      -k cute
+    ;;
+  recipes)
+    # DeepSpeed is not on the GPU image: its wheels (and pydantic's) travel in .dswhl when this part runs.
+    if ls .dswhl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dsite .dswhl/*.whl
+      export PYTHONPATH="$PYTHONPATH:/tmp/dsite"
+    fi
+    TAIL_LINES=12 stage hf_two 220 bash bench/hf_gpu.sh two
+    RECIPE=(--model base --seqlen 65536 --cp 2 --batch-size 1 --packing stream --steps 6 --timing-warmup 2
+            --dtype bf16 --activation-checkpointing)
+    TAIL_LINES=3 stage fsdp2_cp2_64k 90 "${TORCHRUN[@]}" recipes/fsdp2_train.py "${RECIPE[@]}"
+    TAIL_LINES=3 stage ds_zero3_cp2_64k 110 "${TORCHRUN[@]}" recipes/deepspeed_train.py --zero-stage 3 "${RECIPE[@]}"
+    TAIL_LINES=3 stage ds_zero2_cp2_64k 100 "${TORCHRUN[@]}" recipes/deepspeed_train.py --zero-stage 2 "${RECIPE[@]}"
+    ;;
+esac
