@@ -46,6 +46,9 @@ SUBSET = [
     (BF16, 128, True, True, True, True, {"worklist": True}),
     # deterministic non-causal fresh gradients: the rotated order by default (backward.default_det_resident)
     (BF16, 64, False, True, False, True, {"softcap": 30.0}),
+    # short fresh gradients on the persistent grid by default (backward.default_persistent_ctas), deterministic:
+    # every tile claimed from the counter
+    (BF16, 128, True, True, False, True, {"persistent_ctas": 132}),
 ]
 
 
@@ -128,8 +131,14 @@ def test_compile_backward_variant(variant, tmp_path, monkeypatch, capfd):
     if post.fixed_to_float:  # each row's integer rounded to fp32, divided exactly by its power of two
         assert "cvt.rn.f32.s64" in post_ptx and ("rcp.rn.f32" in post_ptx or "div.rn.f32" in post_ptx)
     assert len(re.findall(r"setmaxnreg\.(inc|dec)", ptx)) == 2
-    # a persistent CTA claims its next key tile with an atomic add on the launch's counter, by the grid's size
-    assert ("atom.global.add.u32" in ptx) == ("%nctaid.x" in ptx) == main.takes_tile_counter
+    # a persistent CTA claims its next key tile with an atomic add on the launch's counter, after the grid's
+    # blockIdx.x tiles; a deterministic grid claims its first tile too, so that no dQ ticket waits on a CTA without
+    # an SM (tile_scheduler.TileClaims): it never reads its block index
+    assert ("atom.global.add.u32" in ptx) == main.takes_tile_counter
+    blockidx_first = main.takes_tile_counter and not main.deterministic
+    assert ("%nctaid.x" in ptx) == blockidx_first
+    if main.takes_tile_counter and main.deterministic:
+        assert "%ctaid.x" not in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
     if main.deterministic:
         assert ("ld.global.acquire.gpu" in ptx and "red.release.gpu" in ptx) == (main.grads != "dkv")
