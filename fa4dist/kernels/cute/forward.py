@@ -74,6 +74,10 @@ class FwdConfig:
     # accumulate: the merge with fixed roundings (fwd_sm90.merge_running), the same bits in every compiled variant
     # (persistent or not; without it they may differ by 1-2 ulp); off while merges are not persistent by default
     exact_merge: bool = False
+    # dense causal: the K + V rows (of all heads in a group) that the launch order keeps resident in L2 together
+    # (tile_scheduler.fwd_work_tile's head groups); 0: the kernel's default, 24 MB worth. A measurement knob
+    # (NOTES_FWD.md, twelfth session: is the 4k causal merge's cost L2 pressure on that group?)
+    l2_rows: int = 0
 
     def build(self):
         from .fwd_sm90 import FlashFwdSm90
@@ -87,6 +91,7 @@ class FwdConfig:
             softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
             prefetch_running=self.prefetch_running, persistent_ctas=self.persistent_ctas if self.persistent else 0,
             dynamic_tiles=self.takes_tile_counter, exact_merge=self.exact_merge, regs_producer=self.regs_producer,
+            l2_rows=self.l2_rows or None,
         )
 
     @property
@@ -195,6 +200,7 @@ _FIELDS = {
     "sched_barrier": host.parse_bool, "rescale_threshold": float, "tma_store_o": host.parse_bool,
     "sanitize": host.parse_bool, "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
     "persistent_ctas": int, "dynamic_tiles": host.parse_bool, "exact_merge": host.parse_bool, "regs_producer": int,
+    "l2_rows": int,
 }
 # the fields a work-list launch must share with the per-item calls it replaces to give their bits (all but these)
 _LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o", "persistent_ctas", "dynamic_tiles")
