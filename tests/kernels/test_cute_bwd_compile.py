@@ -44,11 +44,9 @@ SUBSET = [
     # one launch over a work list's item table (pre, main and convert read the table; deterministic: each
     # item's tickets). bench/cute_ptx_dev.py compiles these subsets; the GPU tests run the other work-list variants
     (BF16, 128, True, True, True, True, {"worklist": True}),
-    # deterministic non-causal fresh gradients: the rotated order by default (backward.default_det_resident)
-    (BF16, 64, False, True, False, True, {"softcap": 30.0}),
-    # short fresh gradients on the persistent grid by default (backward.default_persistent_ctas), deterministic:
-    # every tile claimed from the counter
-    (BF16, 128, True, True, False, True, {"persistent_ctas": 132}),
+    # deterministic non-causal fresh gradients: the rotated order by default (backward.default_det_resident), and
+    # for short sequences on the persistent grid (backward.default_persistent_ctas), every tile claimed
+    (BF16, 64, False, True, False, True, {"softcap": 30.0, "persistent_ctas": 132}),
 ]
 
 
