@@ -14,11 +14,4 @@ TAIL_LINES=5 stage merge_default_grid 150 "${common[@]}" --out-dir "$OUT/default
   --accumulate-variants persistent_ctas=132 persistent_ctas=132,exact_merge=true
 FA4DIST_FWD_OVERRIDE=persistent_ctas=0 TAIL_LINES=5 stage merge_one_cta 120 "${common[@]}" --out-dir "$OUT/one_cta" \
   --accumulate-variants prefetch_running=false
-export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/persistent_bwd
-TAIL_LINES=2 stage aot 150 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set persistent_bwd
-for d in 64 128; do
-  for det in "" --deterministic; do
-    TAIL_LINES=6 stage "packed_bwd_d${d}${det:+_det}" 80 python3 bench/packed_tiles.py --direction bwd $det \
-      --headdim "$d" --doclen 512 1024 2048 --variants persistent_ctas=132 --rounds 3
-  done
-done
+OUT=$OUT bash "$(dirname "$0")/gpu_session_persistent_bwd2.sh" 2  # the packed backward rows

@@ -334,7 +334,7 @@ def check_resident(cfg: BwdConfig) -> None:
     assumes every CTA can hold an SM, and the CTAs past the SM count would only wait for one."""
     if cfg.deterministic and cfg.persistent_ctas > host.sm_count():
         raise ValueError(f"persistent_ctas={cfg.persistent_ctas} exceeds the {host.sm_count()} SMs: a "
-                         "deterministic persistent backward needs every CTA resident (one per SM)")
+                         "deterministic persistent backward takes at most one CTA per SM")
 
 
 # ----------------------------------------------------------------------------

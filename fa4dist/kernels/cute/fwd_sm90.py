@@ -1041,6 +1041,7 @@ class FlashFwdSm90:
         """Merge this block's (O / rowsum, lse) into the running fp32 (out, lse) of the tile's rows. Every read
         is issued before the first write (rows past seqlen_q read the last row instead: no branch around the
         loads), so the reads of all rows overlap; the producer has asked L2 for these rows already."""
+        acc_mn = mn_view(ml.acc_O)
         row_sum = ml.softmax.row_sum
         n_rows = cute.size(row_sum)
         lse_old = cute.make_rmem_tensor_like(row_sum, Float32)
@@ -1049,56 +1050,37 @@ class FlashFwdSm90:
         for r in cutlass.range_constexpr(n_rows):
             row = m_block * self.tile_m + tOcO_mn[r, 0][0]
             row_in = cutlass.min(row, seqlen_q - 1)
-            lse_old[r] = self.running_lse(mL_cur, row_in, is_col0)
+            # the quad leader reads the running lse; the shuffle below hands it to the 3 other lanes of the row
+            # and orders that read before the leader's write
+            lse_r = Float32(-math.inf)
+            if is_col0:
+                lse_r = mL_cur[row_in]
+            lse_old[r] = lse_r
             src = tOgO_mn[r, None]
             src = cute.make_tensor(src.iterator + (row_in - row) * row_stride, src.layout)
             cute.autovec_copy(src, o_old_mn[r, None])
-        self.share_running_lse(lse_old)
+        lane = cute.arch.lane_idx()
+        for r in cutlass.range_constexpr(n_rows):
+            lse_old[r] = cute.arch.shuffle_sync(lse_old[r], offset=lane & ~3)
         for r in cutlass.range_constexpr(n_rows):
             row = m_block * self.tile_m + tOcO_mn[r, 0][0]
-            o_new, lse_out = self.merged_row(ml, r, row, lse_old[r], o_old_mn[r, None])
+            inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row), None)
+            w_old, w_new, lse_out = merge_lse(lse_old[r], lse)
+            o_new = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
+            if const_expr(self.exact_merge):
+                s_new = inv * w_new
+                for i in cutlass.range_constexpr(cute.size(o_new)):
+                    o_new[i] = mul_rn(acc_mn[r, i], s_new)
+                if w_old != Float32(0.0):  # an empty running row may hold anything: 0 * NaN must not leak
+                    for i in cutlass.range_constexpr(cute.size(o_new)):
+                        o_new[i] = fma_rn(o_old_mn[r, i], w_old, o_new[i])
+            else:
+                o_blk = acc_mn[r, None].load() * (inv * w_new)
+                if w_old == Float32(0.0):  # an empty running row may hold anything: 0 * NaN must not leak
+                    o_new.store(o_blk)
+                else:
+                    o_new.store(o_old_mn[r, None].load() * w_old + o_blk)
             if row < seqlen_q:
                 cute.autovec_copy(o_new, tOgO_mn[r, None])
                 if is_col0:
                     mL_cur[row] = lse_out
-
-    @cute.jit
-    def running_lse(self, mL_cur: cute.Tensor, row_in: Int32, is_col0) -> Float32:
-        """A row's running lse as the quad leader reads it (-inf in the row's 3 other lanes, which
-        share_running_lse fills)."""
-        lse_r = Float32(-math.inf)
-        if is_col0:
-            lse_r = mL_cur[row_in]
-        return lse_r
-
-    @cute.jit
-    def share_running_lse(self, lse_old: cute.Tensor):
-        """Each row's running lse from its quad leader to the row's 3 other lanes (the shuffle also orders the
-        leader's read before its later write of the row)."""
-        lane = cute.arch.lane_idx()
-        for r in cutlass.range_constexpr(cute.size(lse_old)):
-            lse_old[r] = cute.arch.shuffle_sync(lse_old[r], offset=lane & ~3)
-
-    @cute.jit
-    def merged_row(self, ml: Context, r, row: Int32, lse_old: Float32, o_old: cute.Tensor):
-        """Row ``r`` of the thread's accumulator (tile row ``row``): the block's normalised row merged into the
-        running one (``o_old``, registers, with ``lse_old``); returns (o_new in fp32 registers, lse)."""
-        acc_mn = mn_view(ml.acc_O)
-        inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row), None)
-        w_old, w_new, lse_out = merge_lse(lse_old, lse)
-        o_new = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
-        if const_expr(self.exact_merge):
-            s_new = inv * w_new
-            for i in cutlass.range_constexpr(cute.size(o_new)):
-                o_new[i] = mul_rn(acc_mn[r, i], s_new)
-            if w_old != Float32(0.0):  # an empty running row may hold anything: 0 * NaN must not leak
-                for i in cutlass.range_constexpr(cute.size(o_new)):
-                    o_new[i] = fma_rn(o_old[i], w_old, o_new[i])
-        else:
-            o_blk = acc_mn[r, None].load() * (inv * w_new)
-            if w_old == Float32(0.0):  # an empty running row may hold anything: 0 * NaN must not leak
-                o_new.store(o_blk)
-            else:
-                o_new.store(o_old.load() * w_old + o_blk)
-        return o_new, lse_out
-
