@@ -75,8 +75,8 @@ class FwdConfig:
     # (persistent or not; without it they may differ by 1-2 ulp); off while merges are not persistent by default
     exact_merge: bool = False
     # dense causal: the K + V rows (of all heads in a group) that the launch order keeps resident in L2 together
-    # (tile_scheduler.fwd_work_tile's head groups); 0: the kernel's default, 24 MB worth. A measurement knob
-    # (NOTES_FWD.md, twelfth session: is the 4k causal merge's cost L2 pressure on that group?)
+    # (tile_scheduler.fwd_work_tile's head groups); 0: the kernel's default, 16 MB worth at hdim 128 and 24 MB
+    # below (NOTES_FWD.md, thirteenth session). A measurement knob
     l2_rows: int = 0
 
     def build(self):

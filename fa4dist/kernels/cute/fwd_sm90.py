@@ -163,9 +163,10 @@ class FlashFwdSm90:
             self.regs_producer = regs_producer
             self.regs_consumer = min((per_thread * (self.num_wg + 1) - regs_producer) // self.num_wg // 8 * 8, 256)
         elem = dtype.width // 8
-        # K+V rows of one head that we try to keep resident in L2 (grouping of heads for causal LPT)
+        # K+V rows of a group of heads that we try to keep resident in L2 (grouping of heads for causal LPT):
+        # 16 MB at hdim 128, 24 MB below (measured on the H200 at 4k-32k, NOTES_FWD.md, thirteenth session)
         if l2_rows is None:
-            l2_rows = (24 * 1024 * 1024) // (2 * head_dim * elem)
+            l2_rows = ((16 if head_dim >= 128 else 24) * 1024 * 1024) // (2 * head_dim * elem)
         self.l2_rows = l2_rows
         self.block_info = BlockInfo(tile_m, tile_n, causal, window_left)
         # V tiles of masked blocks go through the sanitizer warps (dense non-causal: TMA zero-fills past the end)
