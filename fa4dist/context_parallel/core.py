@@ -398,6 +398,7 @@ class ContextParallel:
 
     # ---- the call ---------------------------------------------------------------------------------------------
 
+    @torch.compiler.disable  # torch.compile runs it eagerly, behind one graph break (kernels/torch_ops.py)
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Optional[ShardPlan] = None,
                  sinks: Optional[torch.Tensor] = None):
         if self.cp_size == 1:
@@ -474,6 +475,7 @@ def _disagreement(gathered: list, what: str = "the first call") -> Optional[str]
 _FUNCTIONAL: dict = {}
 
 
+@torch.compiler.disable  # torch.compile runs it eagerly, behind one graph break (kernels/torch_ops.py)
 def context_parallel_attention(q, k, v, plan: Optional[ShardPlan] = None, group=None, *, mesh=None,
                                ulysses_group=None, ring_group=None, strategy: str = "auto", causal: bool = True,
                                window: tuple[int, int] = (-1, -1), softcap: Optional[float] = None,

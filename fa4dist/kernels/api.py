@@ -39,6 +39,7 @@ def _fused_forward_with_sinks(impl, problem, q, k, v, sinks, out, lse, accumulat
     return out, lse32
 
 
+@torch.compiler.disable  # torch.compile runs it eagerly, behind one graph break (kernels/torch_ops.py)
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -113,6 +114,7 @@ def forward_problem(problem: AttentionProblem, q, k, v, *, sinks=None, out=None,
     return out, lse
 
 
+@torch.compiler.disable  # torch.compile runs it eagerly, behind one graph break (kernels/torch_ops.py)
 def attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,

@@ -269,6 +269,7 @@ def backward_launches(items: Sequence[WorkItem], variant, queries_shared: bool =
     return tuple(Launch(tuple(group), False, var) for var, group in groups)
 
 
+@torch.compiler.disable  # torch.compile runs it eagerly, behind one graph break (kernels/torch_ops.py)
 def attention_forward_items(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -334,6 +335,7 @@ class SharedQueries:
         return dq
 
 
+@torch.compiler.disable  # torch.compile runs it eagerly, behind one graph break (kernels/torch_ops.py)
 def share_queries(dout, q, out, lse, *, softmax_scale=None, softcap=None, deterministic=None,
                   backend: str = "auto") -> Optional[SharedQueries]:
     """A shared query side for backward work lists on these queries (dout, q, out, lse as the lists get them), or
@@ -357,6 +359,7 @@ def share_queries(dout, q, out, lse, *, softmax_scale=None, softcap=None, determ
     return None if state is None else SharedQueries(impl, state, seq_dim, bool(deterministic))
 
 
+@torch.compiler.disable  # torch.compile runs it eagerly, behind one graph break (kernels/torch_ops.py)
 def attention_backward_items(
     dout: torch.Tensor,
     q: torch.Tensor,

@@ -1,0 +1,141 @@
+"""`fa4dist.attention` as torch custom ops, so that torch.compile traces a model through it without a graph break.
+
+Under torch.compile (``torch.compiler.is_compiling()``), :func:`fa4dist.kernels.autograd.attention` calls
+``torch.ops.fa4dist.attention_fwd`` instead of its autograd.Function; the op's autograd formula calls
+``torch.ops.fa4dist.attention_bwd``. Both run exactly what the eager path runs (``api.forward_problem`` /
+``api.backward_problem`` on the same validated problem), so compiled and eager calls give the same bytes; what
+the ops add is a shape-only ("fake") implementation that lets dynamo and inductor trace around them, including
+``fullgraph=True``. Eager calls keep the autograd.Function: a custom op's dispatch costs host time that shows at
+short sequences.
+
+Not through the ops (each is excluded from tracing with ``torch.compiler.disable``, so a compiled model runs it
+eagerly behind one graph break): ``cp_invariant=True``, the contract's in-place entry points (``out=``,
+``accumulate=``, work lists) and context-parallel attention (collectives and plans). Second derivatives
+(``create_graph=True``) are not available under torch.compile; eager calls have them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .api import backward_problem, forward_problem
+from .problem import validate_inputs
+
+_NAMESPACE = "fa4dist"
+
+
+def _offset_arg(value):
+    """An offset (int, sequence of ints, or integer tensor) as the ops take it: (list of ints, tensor or None)."""
+    if isinstance(value, torch.Tensor):
+        return [], value
+    if isinstance(value, (list, tuple)):
+        return list(value), None
+    return [value], None
+
+
+def _offset_value(values: list[int], tensor: Optional[torch.Tensor]):
+    if tensor is not None:
+        return tensor
+    return values[0] if len(values) == 1 else list(values)
+
+
+def _problem(q, k, v, sinks, causal, window, softcap, softmax_scale, q_offsets, q_offset_t, k_offsets, k_offset_t,
+             cu_seqlens_q, cu_seqlens_k):
+    return validate_inputs(
+        q, k, v, sinks=sinks, causal=causal, window=tuple(window), softcap=softcap, softmax_scale=softmax_scale,
+        q_offset=_offset_value(q_offsets, q_offset_t), k_offset=_offset_value(k_offsets, k_offset_t),
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+    )
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], causal: bool,
+    window: list[int], softcap: Optional[float], softmax_scale: Optional[float], q_offsets: list[int],
+    q_offset_t: Optional[torch.Tensor], k_offsets: list[int], k_offset_t: Optional[torch.Tensor],
+    cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor], backend: str,
+    deterministic: Optional[bool],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse); ``deterministic`` is the backward's option, carried to it."""
+    problem = _problem(q, k, v, sinks, causal, window, softcap, softmax_scale, q_offsets, q_offset_t, k_offsets,
+                       k_offset_t, cu_seqlens_q, cu_seqlens_k)
+    out, lse = forward_problem(problem, q, k, v, sinks=sinks, backend=backend)
+    return out.contiguous(), lse.contiguous()
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, sinks, causal, window, softcap, softmax_scale, q_offsets, q_offset_t, k_offsets,
+                        k_offset_t, cu_seqlens_q, cu_seqlens_k, backend, deterministic):
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    if cu_seqlens_q is not None:  # packed: (heads, total_q)
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+    else:  # (batch, heads, seqlen_q)
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
+    return out, lse
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::attention_bwd", mutates_args=())
+def attention_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
+    out: torch.Tensor, lse: torch.Tensor, causal: bool, window: list[int], softcap: Optional[float],
+    softmax_scale: Optional[float], q_offsets: list[int], q_offset_t: Optional[torch.Tensor], k_offsets: list[int],
+    k_offset_t: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+    backend: str, deterministic: Optional[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks); dsinks is an empty tensor when there are no sinks (an op returns tensors only)."""
+    problem = _problem(q, k, v, sinks, causal, window, softcap, softmax_scale, q_offsets, q_offset_t, k_offsets,
+                       k_offset_t, cu_seqlens_q, cu_seqlens_k)
+    grads = backward_problem(problem, dout.contiguous(), q, k, v, out, lse, sinks=sinks, backend=backend,
+                             deterministic=deterministic)
+    dsinks = grads[3].to(sinks.dtype) if sinks is not None else q.new_empty((0,))
+    return grads[0].contiguous(), grads[1].contiguous(), grads[2].contiguous(), dsinks
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(dout, q, k, v, sinks, out, lse, causal, window, softcap, softmax_scale, q_offsets,
+                        q_offset_t, k_offsets, k_offset_t, cu_seqlens_q, cu_seqlens_k, backend, deterministic):
+    dsinks = torch.empty_like(sinks, memory_format=torch.contiguous_format) if sinks is not None \
+        else q.new_empty((0,))
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format), dsinks)
+
+
+# attention_fwd's arguments: q, k, v, sinks, then the mask's ten (which attention_bwd takes again), backend and
+# deterministic
+_MASK_ARGS = slice(4, 14)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, sinks = inputs[:4]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, sinks, out, lse)
+    ctx.mask_args, ctx.backend, ctx.deterministic = inputs[_MASK_ARGS], inputs[14], inputs[15]
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, sinks, out, lse = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.fa4dist.attention_bwd(dout, q, k, v, sinks, out, lse, *ctx.mask_args,
+                                                         ctx.backend, ctx.deterministic)
+    return (dq, dk, dv, dsinks if sinks is not None else None) + (None,) * 12
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compiled_attention(q, k, v, sinks, mask_kwargs: dict, backend: str, deterministic: Optional[bool]):
+    """(out, lse) through the ops: what :func:`fa4dist.attention` runs while torch.compile traces it."""
+    q_offsets, q_offset_t = _offset_arg(mask_kwargs["q_offset"])
+    k_offsets, k_offset_t = _offset_arg(mask_kwargs["k_offset"])
+    window = mask_kwargs["window"]
+    window = [-1, -1] if window is None else list(window)
+    return torch.ops.fa4dist.attention_fwd(
+        q, k, v, sinks, bool(mask_kwargs["causal"]), window, mask_kwargs["softcap"], mask_kwargs["softmax_scale"],
+        q_offsets, q_offset_t, k_offsets, k_offset_t, mask_kwargs["cu_seqlens_q"], mask_kwargs["cu_seqlens_k"],
+        backend, deterministic)

@@ -1,0 +1,165 @@
+"""torch.compile over fa4dist.attention (kernels/torch_ops.py): one graph, no breaks, fullgraph=True works, and the
+compiled outputs and gradients are the eager ones' bytes; the entry points that are not ops run eagerly behind a
+graph break and give the eager bytes too. CPU with the reference backend ("aot_eager" traces exactly what
+inductor receives, without its code generation; one test runs inductor itself); the cute kernels on the GPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fa4dist
+from fa4dist.kernels import attention_forward
+from fa4dist.modules import FA4ContextParallelAttention
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _model_step(attn_kwargs, heads=4, heads_kv=2, d=16):
+    """A projection into q/k/v views (non-contiguous, as a model makes them), attention, a loss."""
+    def step(x, w, sinks=None):
+        qkv = (x @ w).unflatten(-1, (heads + 2 * heads_kv, d))
+        q, k, v = qkv[..., :heads, :], qkv[..., heads:heads + heads_kv, :], qkv[..., heads + heads_kv:, :]
+        kw = dict(attn_kwargs)
+        if sinks is not None:
+            kw["sinks"] = sinks
+        return fa4dist.attention(q, k, v, **kw).square().mean()
+    return step
+
+
+def _inputs(shape_prefix, heads=4, heads_kv=2, d=16, sinks=False):
+    g = torch.Generator().manual_seed(torch.seed() % (2**31))
+    x = torch.randn(*shape_prefix, heads * d, generator=g, dtype=torch.float64)
+    w = (torch.randn(heads * d, (heads + 2 * heads_kv) * d, generator=g, dtype=torch.float64) / 8).requires_grad_()
+    s = torch.randn(heads, generator=g, dtype=torch.float64).requires_grad_() if sinks else None
+    return x, w, s
+
+
+def _eager_and_compiled(step, args, backend="aot_eager", fullgraph=True):
+    wanted = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    eager = step(*args)
+    g_eager = torch.autograd.grad(eager, wanted)
+    compiled = torch.compile(step, backend=backend, fullgraph=fullgraph)(*args)
+    g_compiled = torch.autograd.grad(compiled, wanted)
+    return (eager, *g_eager), (compiled, *g_compiled)
+
+
+def _assert_same_bytes(a, b):
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x, y), (x - y).abs().max()
+
+
+CASES = {
+    "causal GQA": (dict(causal=True, backend="reference"), (2, 48), False),
+    "window, softcap, sinks": (dict(causal=True, window=(7, 0), softcap=5.0, backend="reference"), (1, 40), True),
+    "offsets": (dict(causal=True, q_offset=16, k_offset=[0, 3], backend="reference"), (2, 24), False),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_attention_is_one_graph_with_the_eager_bytes(name):
+    attn_kwargs, prefix, sinks = CASES[name]
+    x, w, s = _inputs(prefix, sinks=sinks)
+    step = _model_step(attn_kwargs)
+    args = (x, w, s) if sinks else (x, w)
+    explain = torch._dynamo.explain(step)(*args)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1, explain.break_reasons
+    torch._dynamo.reset()
+    eager, compiled = _eager_and_compiled(step, args)
+    _assert_same_bytes(eager, compiled)
+
+
+def test_packed_documents_compile():
+    heads, heads_kv, d = 4, 2, 16
+    g = torch.Generator().manual_seed(torch.seed() % (2**31))
+    x = torch.randn(50, heads * d, generator=g, dtype=torch.float64)
+    w = (torch.randn(heads * d, (heads + 2 * heads_kv) * d, generator=g, dtype=torch.float64) / 8).requires_grad_()
+    cu = torch.tensor([0, 17, 17, 50], dtype=torch.int32)  # an empty document too
+    step = _model_step(dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, backend="reference"))
+    eager, compiled = _eager_and_compiled(step, (x, w))
+    _assert_same_bytes(eager, compiled)
+
+
+def test_inductor_compiles_it():
+    x, w, _ = _inputs((1, 32))
+    step = _model_step(dict(causal=True, backend="reference"))
+    eager, compiled = _eager_and_compiled(step, (x, w), backend="inductor")
+    for a, b in zip(eager, compiled):  # inductor may order the loss's reduction and the projection's differently
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-15)
+
+
+def test_return_lse_and_the_backends_error_come_through():
+    q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.float64) for _ in range(3))
+
+    def f(q, k, v):
+        return fa4dist.attention(q, k, v, causal=True, return_lse=True, backend="reference")
+
+    out, lse = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    ref_out, ref_lse = f(q, k, v)
+    _assert_same_bytes((out, lse), (ref_out, ref_lse))
+
+    def bad(q, k, v):
+        return fa4dist.attention(q, k, v, causal="yes", backend="reference")
+
+    with pytest.raises(Exception, match="causal"):
+        torch.compile(bad, backend="aot_eager")(q, k, v)
+
+
+def test_the_entry_points_that_are_not_ops_run_eagerly():
+    """cp_invariant, the in-place contract and the module: one graph break each, the eager bytes."""
+    x, w, _ = _inputs((1, 32))
+    for kwargs in (dict(causal=True, cp_invariant=True, backend="reference"),):
+        step = _model_step(kwargs)
+        explain = torch._dynamo.explain(step)(x, w)
+        assert explain.graph_break_count >= 1
+        torch._dynamo.reset()
+        eager, compiled = _eager_and_compiled(step, (x, w), fullgraph=False)
+        _assert_same_bytes(eager, compiled)
+
+    q, k, v = (torch.randn(1, 16, 2, 16, dtype=torch.float64) for _ in range(3))
+
+    def contract(q, k, v):
+        out = torch.zeros(1, 16, 2, 16, dtype=torch.float64)
+        lse = torch.full((1, 2, 16), float("-inf"), dtype=torch.float64)
+        attention_forward(q, k, v, causal=True, out=out, lse=lse, accumulate=True, backend="reference")
+        return out * 2
+
+    _assert_same_bytes((torch.compile(contract, backend="aot_eager")(q, k, v),), (contract(q, k, v),))
+
+    attn = FA4ContextParallelAttention(causal=True, backend="reference")  # no group: one rank
+    proj = torch.nn.Linear(32, 32, dtype=torch.float64)
+
+    def module_step(x):
+        h = F.silu(proj(x)).unflatten(-1, (2, 16))
+        return attn(h, h, h).sum()
+
+    xs = torch.randn(1, 16, 32, dtype=torch.float64)
+    _assert_same_bytes((torch.compile(module_step, backend="aot_eager")(xs),), (module_step(xs),))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [True])
+def test_cute_kernels_under_torch_compile(deterministic):
+    from cute_gpu import skip_module_without_cute
+
+    skip_module_without_cute()
+    heads, heads_kv, d = 8, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(torch.seed() % (2**31))
+    x = torch.randn(2, 1000, heads * d, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = (torch.randn(heads * d, (heads + 2 * heads_kv) * d, device="cuda", dtype=torch.bfloat16, generator=g)
+         / 32).requires_grad_()
+    step = _model_step(dict(causal=True, backend="cute", deterministic=deterministic), heads, heads_kv, d)
+    explain = torch._dynamo.explain(step)(x, w)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    torch._dynamo.reset()
+    eager, compiled = _eager_and_compiled(step, (x, w), backend="aot_eager")
+    _assert_same_bytes(eager, compiled)
+    torch._dynamo.reset()
+    eager, compiled = _eager_and_compiled(step, (x, w), backend="inductor")  # its own projection and loss code
+    for a, b in zip(eager, compiled):
+        assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=1e-4)
