@@ -140,8 +140,27 @@ def persistent_bwd_configs():
     return list(dict.fromkeys(out))
 
 
+def tma_dkv_configs():
+    """The dK / dV TMA-store session (thirteenth): the bench's dense backward rows at 1k (persistent grid) and 4k,
+    with the store on (the default) and off, deterministic with it on; and the backward suite's variants."""
+    import torch
+
+    from fa4dist.kernels.cute import backward as B
+
+    bf16 = torch.bfloat16
+    out = []
+    for d in (64, 128):
+        for causal in (False, True):
+            for seqlen in (1024, 4096):
+                for det, tma in ((False, True), (False, False), (True, True)):
+                    out.extend(B.make_configs(bf16, d, causal=causal, varlen=False, seg_offsets=False,
+                                              accumulate=False, deterministic=det, dq_dtype=bf16, dkv_dtype=bf16,
+                                              o_dtype=bf16, do_dtype=bf16, max_seqlen_k=seqlen, tma_store_dkv=tma))
+    return list(dict.fromkeys(out + bwd_configs()))
+
+
 CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_configs,
-               "persistent_bwd": persistent_bwd_configs}
+               "persistent_bwd": persistent_bwd_configs, "tma_dkv": tma_dkv_configs}
 
 
 def bwd_configs():

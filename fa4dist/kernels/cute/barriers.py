@@ -18,3 +18,4 @@ class BwdBarrier(IntEnum):
     DQ_FULL_WG0 = 2  # + MMA warpgroup (0..1): its dQ tile is in smem (MMA warpgroup -> dQ writer warp)
     DQ_EMPTY_WG0 = 4  # + MMA warpgroup (0..1): its dQ smem buffer is free again (dQ writer warp -> MMA warpgroup)
     SANITIZE = 6  # both MMA warpgroups: non-finite rows of a tile found and cleared
+    DKV_EPILOGUE = 7  # both MMA warpgroups: the dK / dV staging tile is free, then written (TMA store)

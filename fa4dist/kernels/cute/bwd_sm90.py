@@ -137,6 +137,7 @@ class FlashBwdSm90:
         worklist: bool = False,
         persistent_ctas: int = 0,
         det_resident: int = 0,
+        tma_store_dkv: bool = True,
     ):
         assert head_dim in (64, 128)
         # a work list: mCuSeqlensQ is the item table (block_info.WORKLIST_COLUMNS), one "sequence" per item with
@@ -217,6 +218,9 @@ class FlashBwdSm90:
         # on tiles claimed before it, by CTAs that run (no deadlock, resident or not). 0: one CTA per tile.
         self.persistent = persistent_ctas > 0
         self.persistent_ctas = persistent_ctas
+        # fresh dK / dV through a staging tile and TMA stores (the output dtype is checked when tracing: __call__);
+        # not beside the int64 dQ tile, which leaves no shared memory for it
+        self.tma_store_dkv = tma_store_dkv and not accumulate and not varlen and self.compute_dkv and not dq_fixed
 
     # ------------------------------------------------------------------------
     # host side
@@ -280,6 +284,13 @@ class FlashBwdSm90:
         )
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, mK, self.sK_layout, (tn, D), 1)
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, mV, self.sV_layout, (tn, D), 1)
+        # fresh 16-bit dK / dV (tma_store_dkv): one staging tile in the K tile's layout, a TMA store atom each
+        self.use_tma_dkv = self.tma_store_dkv and mdK.element_type == self.dtype
+        tma_atom_dK = tma_dK = tma_atom_dV = tma_dV = None
+        if const_expr(self.use_tma_dkv):
+            s2g = cpasync.CopyBulkTensorTileS2GOp()
+            tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(s2g, mdK, self.sK_layout, (tn, D))
+            tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(s2g, mdV, self.sV_layout, (tn, D))
         self.bytes_q = cute.size_in_bytes(self.dtype, cute.select(self.sQ_layout, mode=[0, 1]))
         self.bytes_kv = cute.size_in_bytes(self.dtype, self.sK_layout)
         self.bytes_vec = tm * 4
@@ -311,6 +322,8 @@ class FlashBwdSm90:
             sdS=smem_tile(self.dtype, cute.cosize(self.sdS_layout)),
             sdQ=smem_tile(self.dq_acc_type, tm * D),
         )
+        if const_expr(self.use_tma_dkv):
+            fields["sdKV"] = smem_tile(self.dtype, cute.cosize(self.sK_layout))
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
         check_smem(self.shared_storage)
 
@@ -333,7 +346,7 @@ class FlashBwdSm90:
 
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, mLSE2, mDpsum, mdQacc, mdK, mdV, mSem, mdQscale,
-            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
+            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_dK, tma_dV, tma_atom_dK, tma_atom_dV,
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
             scale, scale_log2, diag, n_blocks_grid, num_batch, num_tiles,
             mCuSeqlensQ, mCuSeqlensK, mSegOffQ, mSegOffK, mTileCounter,
@@ -361,6 +374,10 @@ class FlashBwdSm90:
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
         tma_atom_dO: cute.CopyAtom,
+        tma_dK: Optional[cute.Tensor],
+        tma_dV: Optional[cute.Tensor],
+        tma_atom_dK: Optional[cute.CopyAtom],
+        tma_atom_dV: Optional[cute.CopyAtom],
         tiled_mma_sdp: cute.TiledMma,
         tiled_mma_dkv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma,
@@ -389,6 +406,9 @@ class FlashBwdSm90:
             cpasync.prefetch_descriptor(tma_atom_K)
             cpasync.prefetch_descriptor(tma_atom_V)
             cpasync.prefetch_descriptor(tma_atom_dO)
+            if const_expr(self.use_tma_dkv):
+                cpasync.prefetch_descriptor(tma_atom_dK)
+                cpasync.prefetch_descriptor(tma_atom_dV)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -432,7 +452,8 @@ class FlashBwdSm90:
             pipe_kv=pipe_kv, pipe_q=pipe_q, pipe_do=pipe_do,
             pipe_kvland=pipe_kvland, pipe_qland=pipe_qland, pipe_doland=pipe_doland,
             diag=diag, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, mSegOffQ=mSegOffQ, mSegOffK=mSegOffK,
-            claims=claims,
+            claims=claims, tma_dK=tma_dK, tma_dV=tma_dV, tma_atom_dK=tma_atom_dK, tma_atom_dV=tma_atom_dV,
+            sdKV=storage.sdKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner) if self.use_tma_dkv else None,
         )
         launch = Context(n_blocks_grid=n_blocks_grid, num_batch=num_batch, num_tiles=num_tiles)
 
@@ -846,6 +867,10 @@ class FlashBwdSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         self.each_tile(io, launch, first, lambda tile, seqlen, rng, st: self.mma_tile(io, mm, tile, seqlen, rng, *st),
                        (kv_state, q_state), False)
+        if const_expr(self.use_tma_dkv):
+            tidx, _, _ = cute.arch.thread_idx()
+            if tidx - 128 < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the staging tile stays allocated until read
 
     @cute.jit
     def mma_operands(
@@ -983,7 +1008,11 @@ class FlashBwdSm90:
             write = n_block * tn < seqlen_k  # fresh outputs: key tiles without work get zeros
             if const_expr(self.det_chunk > 0):
                 write = write and tile.valid
-        if write:
+        if const_expr(self.use_tma_dkv):
+            if write:
+                self.store_tile_tma(io, st.tiled_mma_dkv, acc_dV, io.tma_atom_dV, io.tma_dV, tile)
+                self.store_tile_tma(io, st.tiled_mma_dkv, acc_dK, io.tma_atom_dK, io.tma_dK, tile)
+        elif write:
             if const_expr(not self.varlen):
                 mdK_cur = io.mdK[None, None, tile.head_kv, tile.batch]
                 mdV_cur = io.mdV[None, None, tile.head_kv, tile.batch]
@@ -998,6 +1027,30 @@ class FlashBwdSm90:
             kv_tile = (self.tile_n, self.head_dim)
             store_acc_rows(acc_dK, mdK_cur, thr_dkv, kv_tile, n_block, seqlen_k, self.accumulate)
             store_acc_rows(acc_dV, mdV_cur, thr_dkv, kv_tile, n_block, seqlen_k, self.accumulate)
+
+    @cute.jit
+    def store_tile_tma(self, io: Context, tiled_mma_dkv, acc: cute.Tensor, tma_atom, mdst: cute.Tensor, tile):
+        """One fresh dK or dV tile: registers (16-bit) -> the staging tile (stmatrix) -> one TMA store (rows past
+        seqlen_k are clipped). MMA warp 0 issues the stores, and waits until the previous one has read the staging
+        tile before anyone writes it again."""
+        tidx, _, _ = cute.arch.thread_idx()
+        tidx = tidx - 128
+        r = cute.make_rmem_tensor_like(acc, self.dtype)
+        r.store(acc.load().to(self.dtype))
+        if tidx < 32:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=int(BwdBarrier.DKV_EPILOGUE), number_of_threads=256)
+        st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
+        thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_dkv).get_slice(tidx)
+        cute.copy(st_atom, thr_st.retile(r), thr_st.partition_D(io.sdKV))
+        cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
+        cute.arch.barrier(barrier_id=int(BwdBarrier.DKV_EPILOGUE), number_of_threads=256)
+        if tidx < 32:
+            g = cute.local_tile(mdst[None, None, tile.head_kv, tile.batch], (self.tile_n, self.head_dim),
+                                (tile.block, 0))
+            s_part, g_part = tma_tile_partition(tma_atom, io.sdKV, g)
+            cute.copy(tma_atom, s_part, g_part)
+            cute.arch.cp_async_bulk_commit_group()
 
     # ------------------------------------------------------------------------
     @cute.jit
