@@ -2,6 +2,7 @@
 itself, not by our guarded sdpa_cudnn backend (JSON from before the raw baseline falls back to the guarded one);
 bench/packed_tiles.py's documents, FLOPs, table and variant parsing."""
 
+import os
 import bench_scripts
 import pytest
 
@@ -59,3 +60,20 @@ def test_backward_override_text_is_typed_and_checked():
         persistent_ctas=132, det_resident=False)
     with pytest.raises(ValueError, match="backward overrides: unknown field 'persistent'"):
         backward.parse_overrides("persistent=1")
+
+
+def test_ncu_scripts_parse_cases_and_read_the_committed_counters(capsys):
+    """bench/ncu_kernels.py's case strings, and bench/ncu_summary.py over the thirteenth session's counters: the
+    per-kernel table and the side-by-side stalls (our 1k causal backward's main kernel is launch 2, 430 us)."""
+    ncu = bench_scripts.load("ncu_kernels")
+    assert ncu.parse_case("bwd:128:1024:causal:det") == dict(direction="bwd", headdim=128, seqlen=1024, causal=True,
+                                                             deterministic=True)
+    for bad in ("fwd:128:1024:causal:det", "bwd:128:1024", "bwd:128:1024:yes"):
+        with pytest.raises(SystemExit, match="--cases"):
+            ncu.parse_case(bad)
+    summary = bench_scripts.load("ncu_summary")
+    results = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results")
+    summary.raw(os.path.join(results, "2026-12-02-thirteenth-ncu-raw.csv.gz"), [(2, 5)])
+    out = capsys.readouterr().out
+    assert "| 2 | kernel_cutlass_kernel_fa4distkernelscute | 430.4 | 132 |" in out
+    assert "lg_throttle" in out and "smsp__sass_inst_executed_op_global_st.sum" in out

@@ -26,6 +26,9 @@ causal tiles launch longest first.
       P^T = exp2(S^T * scale_log2 - lse2),  dS^T = P^T * (scale * dP^T - dPsum)   (scale folded in)
       dV += P^T dO,  dK += dS^T Q                       (RS wgmma: P^T / dS^T from registers)
       dS^T -> smem (as dS),  dQ = dS K                   (SS wgmma, split over both warpgroups)
+    After a tile's last step they write dK / dV: fresh 16-bit outputs of a dense call go through a staging tile
+    in smem (stmatrix) and one TMA store each (tma_store_dkv, store_tile_tma); fp32, accumulated and packed
+    outputs are stored (or added) from registers.
 
 Masking (mask.py in its transposed mode, block_info.py): query tiles that see no key of this key tile are never
 visited; tiles entirely visible skip the mask math. Rows whose lse is -inf (or padding rows) carry lse2 = +inf
