@@ -87,6 +87,8 @@ class BwdConfig:
     # fresh 16-bit dK / dV of a dense call staged in shared memory and written with TMA stores, as flash-attn-4
     # does (False: stores from registers, which the varlen, accumulating and fp32-output variants always use)
     tma_store_dkv: bool = True
+    # each step's lse2 / dPsum read from smem while its first GEMMs run (a measurement knob, NOTES_BWD.md)
+    early_vectors: bool = False
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -98,7 +100,7 @@ class BwdConfig:
             regs_mma=self.regs_mma, sanitize=self.sanitize, window_left=self.window_left, softcap=self.softcap,
             masked_last=self.masked_last, softcap_grad_regs=self.softcap_grad_regs, grads=self.grads,
             dq_fixed=self.dq_fixed, worklist=self.worklist, persistent_ctas=self.persistent_ctas,
-            det_resident=self.det_resident, tma_store_dkv=self.tma_store_dkv,
+            det_resident=self.det_resident, tma_store_dkv=self.tma_store_dkv, early_vectors=self.early_vectors,
         )
 
     @property
@@ -209,7 +211,7 @@ class PostConfig:
 
 _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "sanitize": host.parse_bool,
            "masked_last": host.parse_bool, "softcap_grad_regs": host.parse_bool, "persistent_ctas": int,
-           "tma_store_dkv": host.parse_bool,
+           "tma_store_dkv": host.parse_bool, "early_vectors": host.parse_bool,
            "det_resident": host.parse_bool}  # True: sequences of up to half the SMs' key tiles
 # development hook: FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_BWD_OVERRIDE", _FIELDS)

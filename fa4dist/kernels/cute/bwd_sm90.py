@@ -141,6 +141,7 @@ class FlashBwdSm90:
         persistent_ctas: int = 0,
         det_resident: int = 0,
         tma_store_dkv: bool = True,
+        early_vectors: bool = False,
     ):
         assert head_dim in (64, 128)
         # a work list: mCuSeqlensQ is the item table (block_info.WORKLIST_COLUMNS), one "sequence" per item with
@@ -224,6 +225,11 @@ class FlashBwdSm90:
         # fresh dK / dV through a staging tile and TMA stores (the output dtype is checked when tracing: __call__);
         # not beside the int64 dQ tile, which leaves no shared memory for it
         self.tma_store_dkv = tma_store_dkv and not accumulate and not varlen and self.compute_dkv and not dq_fixed
+        # a measurement knob (thirteenth session, not yet run): each step's lse2 / dPsum columns read from smem
+        # while its S^T / dP^T GEMMs run; the counters had the lse2 subtraction waiting on its shared load. 64-row
+        # query tiles only: 32 more live registers there (0-4 bytes of spills at hdim 128), 64 on 128-row tiles,
+        # which spill ~220 bytes (ptxas, hdim 64)
+        self.early_vectors = early_vectors and tile_m == 64
 
     # ------------------------------------------------------------------------
     # host side
@@ -1082,12 +1088,20 @@ class FlashBwdSm90:
         st.pipe_do.consumer_wait(q_state)
         acc_dP = cute.make_rmem_tensor(st.s_shape, Float32)
         self.gemm(st.tiled_mma_sdp, acc_dP, st.tdPrV, st.tdPrdO[None, None, None, stage], True)
-        warpgroup.wait_group(1)  # S^T done
-
-        # (3) P^T = exp2(S^T * scale_log2 - lse2[query]), 0 at masked pairs
         acc_S_mn = mn_view(acc_S)
         n_rows = cute.size(acc_S_mn, mode=[0])
         n_cols = cute.size(acc_S_mn, mode=[1])
+        lse_early = dps_early = None
+        if const_expr(self.early_vectors):
+            # the columns' lse2 and dPsum read while the GEMMs run (both landed with Q / dO), not at their use
+            lse_early = cute.make_rmem_tensor(n_cols, Float32)
+            dps_early = cute.make_rmem_tensor(n_cols, Float32)
+            for c in cutlass.range_constexpr(n_cols):
+                lse_early[c] = st.sLSE[tScS_mn[0, c][1], stage]
+                dps_early[c] = st.sDpsum[tScS_mn[0, c][1], stage]
+        warpgroup.wait_group(1)  # S^T done
+
+        # (3) P^T = exp2(S^T * scale_log2 - lse2[query]), 0 at masked pairs
         cap_grad = None
         if const_expr(self.softcap > 0):
             softcap_scores(acc_S, st.scale_log2)  # tanh(s * softmax_scale / c); the exponential scales by c log2 e
@@ -1097,7 +1111,7 @@ class FlashBwdSm90:
         if const_expr(self.softcap > 0):
             exp_scale_log2 = Float32(softcap_scale_log2(self.softcap))
         for c in cutlass.range_constexpr(n_cols):
-            lse_c = st.sLSE[tScS_mn[0, c][1], stage]
+            lse_c = lse_early[c] if const_expr(self.early_vectors) else st.sLSE[tScS_mn[0, c][1], stage]
             for r in cutlass.range_constexpr(n_rows):
                 acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * exp_scale_log2 - lse_c, fastmath=True)
         if const_expr(masked):
@@ -1108,7 +1122,7 @@ class FlashBwdSm90:
         acc_dP_mn = mn_view(acc_dP)
         inv_exp_scale = Float32(1.0 / softcap_scale_log2(self.softcap)) if self.softcap > 0 else None
         for c in cutlass.range_constexpr(n_cols):
-            dps_c = st.sDpsum[tScS_mn[0, c][1], stage]
+            dps_c = dps_early[c] if const_expr(self.early_vectors) else st.sDpsum[tScS_mn[0, c][1], stage]
             u_offset = None
             if const_expr(self.softcap > 0 and not self.softcap_grad_regs):
                 u_offset = st.sLSE[tScS_mn[0, c][1], stage] * inv_exp_scale
