@@ -9,7 +9,7 @@ import torch
 from . import invariant, reference, torch_ops
 from .api import backward_problem, forward_problem
 from .merge import with_sink
-from .problem import check_mask, check_optional_bool, check_softcap, validate_inputs
+from .problem import check_optional_bool, validate_inputs
 
 
 def _differentiable_grads(dout, q, k, v, sinks, mask_kwargs):
@@ -121,8 +121,6 @@ def attention(
             raise ValueError("cp_invariant=True does not support sinks yet (pass sinks=None)")
         out, lse = _invariant_attention(q, k, v, mask_kwargs, backend)
     elif torch.compiler.is_compiling():  # traced by torch.compile: the same calls as torch custom ops
-        check_mask(causal, window)  # the plain options' errors at trace time, as eager raises them
-        check_softcap(softcap)
         out, lse = torch_ops.compiled_attention(q, k, v, sinks, mask_kwargs, backend, deterministic)
     else:
         out, lse = _AttentionFunction.apply(q, k, v, sinks, mask_kwargs, backend, deterministic)

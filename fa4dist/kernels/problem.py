@@ -113,18 +113,22 @@ def _check_tensor(name: str, t) -> torch.Tensor:
 _CU_SEQLENS_CACHE: dict = {}
 
 
-def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> tuple[int, ...]:
-    """Checks a cu_seqlens tensor and returns its host copy.
-
-    The check of a device tensor needs one copy to the host; it is remembered per (tensor, version) so a caller
-    that reuses the same cu_seqlens tensor every step (a ring, a training loop) pays it once.  The entry holds a
-    weak reference to the tensor: a new tensor that happens to get a freed one's id and address is not it."""
+def _check_cu_seqlens_layout(name: str, cu) -> None:
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
         raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}")
     if cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"{name} must be 1-D with at least 2 entries (batch + 1), got shape {tuple(cu.shape)}")
+
+
+def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> tuple[int, ...]:
+    """Checks a cu_seqlens tensor and returns its host copy.
+
+    The check of a device tensor needs one copy to the host; it is remembered per (tensor, version) so a caller
+    that reuses the same cu_seqlens tensor every step (a ring, a training loop) pays it once.  The entry holds a
+    weak reference to the tensor: a new tensor that happens to get a freed one's id and address is not it."""
+    _check_cu_seqlens_layout(name, cu)
     key = (name, id(cu), cu.data_ptr(), cu._version, cu.numel(), total)
     cached = _CU_SEQLENS_CACHE.get(key)
     if cached is not None and cached[0]() is cu:
@@ -243,23 +247,10 @@ def check_sinks(sinks, heads_q: int, device: torch.device) -> bool:
     return True
 
 
-def validate_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    window=(-1, -1),
-    softcap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
-    softmax_scale: Optional[float] = None,
-    q_offset: Offset = 0,
-    k_offset: Offset = 0,
-    cu_seqlens_q: Optional[torch.Tensor] = None,
-    cu_seqlens_k: Optional[torch.Tensor] = None,
-    cp_invariant: bool = False,
-) -> AttentionProblem:
-    """Checks q, k, v and the mask arguments; returns the problem description or raises a clear error."""
+def check_layout(q, k, v, *, causal=False, window=(-1, -1), softcap=None, sinks=None, softmax_scale=None,
+                 cu_seqlens_q=None, cu_seqlens_k=None):
+    """The checks of :func:`validate_inputs` that read no tensor's values (types, dtypes, devices, shapes, the
+    mask options): (mask, softcap, softmax_scale, has_sinks). torch.compile's trace runs them on fake tensors."""
     q, k, v = (_check_tensor(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
     mask = check_mask(causal, window)
     softcap = check_softcap(softcap)
@@ -288,7 +279,35 @@ def validate_inputs(
         )
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     has_sinks = check_sinks(sinks, heads_q, q.device)
+    if varlen:
+        _check_cu_seqlens_layout("cu_seqlens_q", cu_seqlens_q)
+        _check_cu_seqlens_layout("cu_seqlens_k", cu_seqlens_k)
+    elif q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must share the batch size, got {q.shape[0]} and {k.shape[0]}")
+    return mask, softcap, scale, has_sinks
 
+
+def validate_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    window=(-1, -1),
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    q_offset: Offset = 0,
+    k_offset: Offset = 0,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    cp_invariant: bool = False,
+) -> AttentionProblem:
+    """Checks q, k, v and the mask arguments; returns the problem description or raises a clear error."""
+    mask, softcap, scale, has_sinks = check_layout(q, k, v, causal=causal, window=window, softcap=softcap,
+                                                   sinks=sinks, softmax_scale=softmax_scale,
+                                                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    varlen = cu_seqlens_q is not None
     if varlen:
         cq = _host_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
         ck = _host_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
@@ -301,8 +320,6 @@ def validate_inputs(
         seqlen_k = max(b - a for a, b in zip(ck, ck[1:]))
         total_q, total_k = q.shape[0], k.shape[0]
     else:
-        if q.shape[0] != k.shape[0]:
-            raise ValueError(f"q and k must share the batch size, got {q.shape[0]} and {k.shape[0]}")
         cq = ck = None
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         total_q, total_k = batch * seqlen_q, batch * seqlen_k
@@ -312,8 +329,8 @@ def validate_inputs(
         seqlen_k=seqlen_k,
         total_q=total_q,
         total_k=total_k,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
+        heads_q=q.shape[-2],
+        heads_kv=k.shape[-2],
         head_dim=q.shape[-1],
         head_dim_v=v.shape[-1],
         dtype=q.dtype,

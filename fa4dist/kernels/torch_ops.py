@@ -21,24 +21,18 @@ from typing import Optional
 import torch
 
 from .api import backward_problem, forward_problem
-from .problem import validate_inputs
+from .problem import _offsets, check_layout, validate_inputs
 
-_NAMESPACE = "fa4dist"
-
-
-def _offset_arg(value):
-    """An offset (int, sequence of ints, or integer tensor) as the ops take it: (list of ints, tensor or None)."""
+def _offset_arg(name: str, value, count: int):
+    """An offset as the ops take it: (its per-sequence ints, None), checked as the eager call checks it, or
+    ([], the tensor) for a tensor of offsets (its values are read when the op runs)."""
     if isinstance(value, torch.Tensor):
         return [], value
-    if isinstance(value, (list, tuple)):
-        return list(value), None
-    return [value], None
+    return list(_offsets(name, value, count)), None
 
 
 def _offset_value(values: list[int], tensor: Optional[torch.Tensor]):
-    if tensor is not None:
-        return tensor
-    return values[0] if len(values) == 1 else list(values)
+    return tensor if tensor is not None else values
 
 
 def _problem(q, k, v, sinks, causal, window, softcap, softmax_scale, q_offsets, q_offset_t, k_offsets, k_offset_t,
@@ -54,7 +48,7 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-@torch.library.custom_op(f"{_NAMESPACE}::attention_fwd", mutates_args=())
+@torch.library.custom_op("fa4dist::attention_fwd", mutates_args=())
 def attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], causal: bool,
     window: list[int], softcap: Optional[float], softmax_scale: Optional[float], q_offsets: list[int],
@@ -80,7 +74,7 @@ def _attention_fwd_fake(q, k, v, sinks, causal, window, softcap, softmax_scale, 
     return out, lse
 
 
-@torch.library.custom_op(f"{_NAMESPACE}::attention_bwd", mutates_args=())
+@torch.library.custom_op("fa4dist::attention_bwd", mutates_args=())
 def attention_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
     out: torch.Tensor, lse: torch.Tensor, causal: bool, window: list[int], softcap: Optional[float],
@@ -121,8 +115,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse):
     q, k, v, sinks, out, lse = ctx.saved_tensors
-    dq, dk, dv, dsinks = torch.ops.fa4dist.attention_bwd(dout, q, k, v, sinks, out, lse, *ctx.mask_args,
-                                                         ctx.backend, ctx.deterministic)
+    dq, dk, dv, dsinks = attention_bwd(dout, q, k, v, sinks, out, lse, *ctx.mask_args, ctx.backend,
+                                       ctx.deterministic)
     return (dq, dk, dv, dsinks if sinks is not None else None) + (None,) * 12
 
 
@@ -130,12 +124,17 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def compiled_attention(q, k, v, sinks, mask_kwargs: dict, backend: str, deterministic: Optional[bool]):
-    """(out, lse) through the ops: what :func:`fa4dist.attention` runs while torch.compile traces it."""
-    q_offsets, q_offset_t = _offset_arg(mask_kwargs["q_offset"])
-    k_offsets, k_offset_t = _offset_arg(mask_kwargs["k_offset"])
+    """(out, lse) through the ops: what :func:`fa4dist.attention` runs while torch.compile traces it. The checks
+    that read no tensor's values run here, at trace time, as the eager call runs them; the rest when the op runs."""
+    cu_q = mask_kwargs["cu_seqlens_q"]
+    check_layout(q, k, v, sinks=sinks, cu_seqlens_q=cu_q, cu_seqlens_k=mask_kwargs["cu_seqlens_k"],
+                 **{n: mask_kwargs[n] for n in ("causal", "window", "softcap", "softmax_scale")})
+    count = int(q.shape[0] if cu_q is None else cu_q.shape[0] - 1)  # sequences or packed segments
+    q_offsets, q_offset_t = _offset_arg("q_offset", mask_kwargs["q_offset"], count)
+    k_offsets, k_offset_t = _offset_arg("k_offset", mask_kwargs["k_offset"], count)
     window = mask_kwargs["window"]
     window = [-1, -1] if window is None else list(window)
-    return torch.ops.fa4dist.attention_fwd(
-        q, k, v, sinks, bool(mask_kwargs["causal"]), window, mask_kwargs["softcap"], mask_kwargs["softmax_scale"],
+    return attention_fwd(
+        q, k, v, sinks, mask_kwargs["causal"], window, mask_kwargs["softcap"], mask_kwargs["softmax_scale"],
         q_offsets, q_offset_t, k_offsets, k_offset_t, mask_kwargs["cu_seqlens_q"], mask_kwargs["cu_seqlens_k"],
         backend, deterministic)

@@ -93,7 +93,7 @@ def test_inductor_compiles_it():
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-15)
 
 
-def test_return_lse_and_the_backends_error_come_through():
+def test_return_lse_and_bad_input_under_compile():
     q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.float64) for _ in range(3))
 
     def f(q, k, v):
@@ -103,11 +103,17 @@ def test_return_lse_and_the_backends_error_come_through():
     ref_out, ref_lse = f(q, k, v)
     _assert_same_bytes((out, lse), (ref_out, ref_lse))
 
-    def bad(q, k, v):
-        return fa4dist.attention(q, k, v, causal="yes", backend="reference")
-
-    with pytest.raises(Exception, match="causal"):
-        torch.compile(bad, backend="aot_eager")(q, k, v)
+    # bad input: the eager call's errors, raised while tracing
+    q2, k2, v2 = (torch.randn(2, 8, 2, 16, dtype=torch.float64) for _ in range(3))
+    for args, kwargs, error, match in (
+        ((q, k, v), dict(causal="yes"), TypeError, "causal must be a bool"),
+        ((q2, k2, v2), dict(q_offset=[3]), ValueError, r"q_offset must have one entry per sequence/segment \(2\)"),
+        ((q[0], k[0], v[0]), {}, ValueError, r"q must be 4-D \(batch, seqlen, heads, head_dim\)"),
+        ((q, k[..., :8], v), {}, ValueError, "q and k must share the head dim"),
+    ):
+        torch._dynamo.reset()
+        with pytest.raises(error, match=match):
+            torch.compile(lambda *t: fa4dist.attention(*t, backend="reference", **kwargs), backend="aot_eager")(*args)
 
 
 def test_the_entry_points_that_are_not_ops_run_eagerly():

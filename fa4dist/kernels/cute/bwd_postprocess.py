@@ -29,7 +29,7 @@ from .common_sm90 import (
     select_modes,
     smem_layout_kmajor,
     store_acc_rows,
-    tma_tile_partition,
+    store_tile_tma,
 )
 
 
@@ -137,16 +137,9 @@ class BwdPostprocess:
                 sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
                 rdQ = cute.make_rmem_tensor_like(acc, self.dtype)
                 rdQ.store(acc.load().to(self.dtype))
-                st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
-                thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma).get_slice(tidx)
-                cute.copy(st_atom, thr_st.retile(rdQ), thr_st.partition_D(sdQ))
-                cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
-                cute.arch.barrier()
+                store_tile_tma(tiled_mma, rdQ, sdQ, tma_atom, mdQ_tma[None, None, head, batch], (tm, D),
+                               (m_block, 0), tidx)
                 if tidx < 32:
-                    gdQ = cute.local_tile(mdQ_tma[None, None, head, batch], (tm, D), (m_block, 0))
-                    tdQsdQ, tdQgdQ = tma_tile_partition(tma_atom, sdQ, gdQ)
-                    cute.copy(tma_atom, tdQsdQ, tdQgdQ)
-                    cute.arch.cp_async_bulk_commit_group()
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
             else:
                 store_acc_rows(acc, mdQ_cur, tiled_mma.get_slice(tidx), (tm, D), m_block, seqlen_q, self.accumulate)

@@ -27,7 +27,7 @@ causal tiles launch longest first.
       dV += P^T dO,  dK += dS^T Q                       (RS wgmma: P^T / dS^T from registers)
       dS^T -> smem (as dS),  dQ = dS K                   (SS wgmma, split over both warpgroups)
     After a tile's last step they write dK / dV: fresh 16-bit outputs of a dense call go through a staging tile
-    in smem (stmatrix) and one TMA store each (tma_store_dkv, store_tile_tma); fp32, accumulated and packed
+    in smem (stmatrix) and one TMA store each (tma_store_dkv, store_dkv_tile); fp32, accumulated and packed
     outputs are stored (or added) from registers.
 
 Masking (mask.py in its transposed mode, block_info.py): query tiles that see no key of this key tile are never
@@ -77,6 +77,7 @@ from .common_sm90 import (
     select_modes,
     smem_layout_kmajor,
     store_acc_rows,
+    store_tile_tma,
     tma_pipeline,
     tma_tile_partition,
     transpose_smem,
@@ -1019,8 +1020,8 @@ class FlashBwdSm90:
                 write = write and tile.valid
         if const_expr(self.use_tma_dkv):
             if write:
-                self.store_tile_tma(io, st.tiled_mma_dkv, acc_dV, io.tma_atom_dV, io.tma_dV, tile)
-                self.store_tile_tma(io, st.tiled_mma_dkv, acc_dK, io.tma_atom_dK, io.tma_dK, tile)
+                self.store_dkv_tile(io, st.tiled_mma_dkv, acc_dV, io.tma_atom_dV, io.tma_dV, tile)
+                self.store_dkv_tile(io, st.tiled_mma_dkv, acc_dK, io.tma_atom_dK, io.tma_dK, tile)
         elif write:
             if const_expr(not self.varlen):
                 mdK_cur = io.mdK[None, None, tile.head_kv, tile.batch]
@@ -1038,10 +1039,8 @@ class FlashBwdSm90:
             store_acc_rows(acc_dV, mdV_cur, thr_dkv, kv_tile, n_block, seqlen_k, self.accumulate)
 
     @cute.jit
-    def store_tile_tma(self, io: Context, tiled_mma_dkv, acc: cute.Tensor, tma_atom, mdst: cute.Tensor, tile):
-        """One fresh dK or dV tile: registers (16-bit) -> the staging tile (stmatrix) -> one TMA store (rows past
-        seqlen_k are clipped). MMA warp 0 issues the stores, and waits until the previous one has read the staging
-        tile before anyone writes it again."""
+    def store_dkv_tile(self, io: Context, tiled_mma_dkv, acc: cute.Tensor, tma_atom, mdst: cute.Tensor, tile):
+        """One fresh dK or dV tile through the staging tile and a TMA store, once the previous store has read it."""
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - 128
         r = cute.make_rmem_tensor_like(acc, self.dtype)
@@ -1049,17 +1048,8 @@ class FlashBwdSm90:
         if tidx < 32:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=int(BwdBarrier.DKV_EPILOGUE), number_of_threads=256)
-        st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
-        thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_dkv).get_slice(tidx)
-        cute.copy(st_atom, thr_st.retile(r), thr_st.partition_D(io.sdKV))
-        cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
-        cute.arch.barrier(barrier_id=int(BwdBarrier.DKV_EPILOGUE), number_of_threads=256)
-        if tidx < 32:
-            g = cute.local_tile(mdst[None, None, tile.head_kv, tile.batch], (self.tile_n, self.head_dim),
-                                (tile.block, 0))
-            s_part, g_part = tma_tile_partition(tma_atom, io.sdKV, g)
-            cute.copy(tma_atom, s_part, g_part)
-            cute.arch.cp_async_bulk_commit_group()
+        store_tile_tma(tiled_mma_dkv, r, io.sdKV, tma_atom, mdst[None, None, tile.head_kv, tile.batch],
+                       (self.tile_n, self.head_dim), (tile.block, 0), tidx, int(BwdBarrier.DKV_EPILOGUE), 256)
 
     # ------------------------------------------------------------------------
     @cute.jit

@@ -298,6 +298,25 @@ def tma_tile_partition(tma_atom: cute.CopyAtom, s_tile: cute.Tensor, g_tile: cut
     )
 
 
+@cute.jit
+def store_tile_tma(tiled_mma: cute.TiledMma, frag: cute.Tensor, s_tile: cute.Tensor, tma_atom: cute.CopyAtom,
+                   gmem: cute.Tensor, tile: cutlass.Constexpr, coord, tidx: Int32, barrier_id=None,
+                   num_threads=None):
+    """A 16-bit accumulator fragment (``tiled_mma``'s C layout) -> ``s_tile`` (stmatrix) -> one TMA store into
+    tile ``coord`` of ``gmem`` (rows past its end are clipped). The barrier (``barrier_id``, ``num_threads``; None:
+    the whole CTA) orders every thread's smem writes before the store; the first warp issues it and owns its bulk
+    group, so it is the one to wait before ``s_tile`` is written again."""
+    st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), frag.element_type)
+    thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma).get_slice(tidx)
+    cute.copy(st_atom, thr_st.retile(frag), thr_st.partition_D(s_tile))
+    cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+    if tidx < 32:
+        s_part, g_part = tma_tile_partition(tma_atom, s_tile, cute.local_tile(gmem, tile, coord))
+        cute.copy(tma_atom, s_part, g_part)
+        cute.arch.cp_async_bulk_commit_group()
+
+
 SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on Hopper (sm_90)
 
 

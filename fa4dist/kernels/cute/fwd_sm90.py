@@ -55,6 +55,7 @@ from .common_sm90 import (
     select_modes,
     smem_layout_kmajor,
     tma_pipeline,
+    store_tile_tma,
     tma_tile_partition,
     transpose_smem,
     wgmma_gemm,
@@ -987,17 +988,10 @@ class FlashFwdSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous tile's store has read sO
         # every consumer warpgroup has finished reading sQ (separate sO: the previous store is done with it)
         cute.arch.barrier(barrier_id=int(FwdBarrier.EPILOGUE), number_of_threads=self.num_wg * 128)
-        st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
-        thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)
-        cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sO))
-        cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
-        cute.arch.barrier(barrier_id=int(FwdBarrier.EPILOGUE), number_of_threads=self.num_wg * 128)
-        if tidx < 32:
-            gO = cute.local_tile(io.mO_tma[None, None, tile.head, tile.batch], (self.tile_m, D), (m_block, 0))
-            tOsO, tOgO = tma_tile_partition(io.tma_atom_O, sO, gO)
-            cute.copy(io.tma_atom_O, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
-            if const_expr(not self.separate_o):
+        store_tile_tma(tiled_mma_pv, rO, sO, io.tma_atom_O, io.mO_tma[None, None, tile.head, tile.batch],
+                       (self.tile_m, D), (m_block, 0), tidx, int(FwdBarrier.EPILOGUE), self.num_wg * 128)
+        if const_expr(not self.separate_o):
+            if tidx < 32:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         _, mL_cur = self.running_views(io, tile, seqlen)
         if tOcO_mn[0, 0][1] == 0:
