@@ -2,11 +2,13 @@
 
     python bench/ncu_summary.py raw RAW.csv[.gz] [--pairs 2:5 8:11]   # `ncu --import R --page raw --csv`
     python bench/ncu_summary.py source SASS.csv[.gz] [...]           # `--page source --csv --print-source sass`
+    python bench/ncu_summary.py compare OURS.csv[.gz] THEIRS.csv[.gz]  # two source pages: where the samples differ
 
 raw: per kernel (launch ID) its time, grid, registers, tensor-pipe and shared-pipe activity, issue activity, bank
 conflicts and DRAM; with --pairs A:B (ours:theirs), the warp stall reasons per issued instruction side by side and
 the SASS operation counts (spills, global / shared / TMA operations). source: the share of warp samples per stall
-reason and per opcode, and the 25 instructions with the most samples.
+reason and per opcode, and the 25 instructions with the most samples. compare: two source pages' samples per
+stall reason and per opcode, and instructions executed per opcode, with their differences.
 """
 
 from __future__ import annotations
@@ -64,21 +66,30 @@ def raw(path: str, pairs: list[tuple[int, int]]):
         print(f"  {name[:52]:52s} " + "  ".join(f"{x:9.3g} / {y:<9.3g}" for x, y in vals))
 
 
-def source(path: str):
+def _source_counts(path: str):
+    """(header, rows, stall-reason columns, samples per reason, samples per opcode, instructions executed per
+    opcode) of one `--page source` CSV."""
     rows = list(csv.reader(_open(path)))
     hdr, data = rows[1], rows[2:]
-    i_all, i_src = hdr.index("Warp Stall Sampling (All Samples)"), hdr.index("Source")
+    i_all, i_src, i_exec = (hdr.index(h) for h in ("Warp Stall Sampling (All Samples)", "Source",
+                                                   "Instructions Executed"))
     reasons = [i for i, h in enumerate(hdr) if h.startswith("stall_") and "Not Issued" not in h]
-    total = sum(int(r[i_all] or 0) for r in data)
-    print(f"{path}: {len(data)} SASS instructions, {total} warp samples")
-    by_reason = collections.Counter()
-    by_op = collections.Counter()
+    by_reason, by_op, executed = collections.Counter(), collections.Counter(), collections.Counter()
     for r in data:
         for i in reasons:
             by_reason[hdr[i][6:]] += int(r[i] or 0)
         words = r[i_src].split()
         op = words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "")
         by_op[op.split(".")[0]] += int(r[i_all] or 0)
+        executed[op.split(".")[0]] += int(_num(r[i_exec] or "0"))
+    return hdr, data, reasons, by_reason, by_op, executed
+
+
+def source(path: str):
+    hdr, data, reasons, by_reason, by_op, _ = _source_counts(path)
+    i_all, i_src = hdr.index("Warp Stall Sampling (All Samples)"), hdr.index("Source")
+    total = sum(int(r[i_all] or 0) for r in data)
+    print(f"{path}: {len(data)} SASS instructions, {total} warp samples")
     print("  by stall reason: " + ", ".join(f"{k} {v / total:.1%}" for k, v in by_reason.most_common(10)))
     print("  by opcode: " + ", ".join(f"{k} {v / total:.1%}" for k, v in by_op.most_common(14)))
     for r in sorted(data, key=lambda r: -int(r[i_all] or 0))[:25]:
@@ -86,12 +97,30 @@ def source(path: str):
         print(f"  {int(r[i_all]) / total:6.1%}  {r[i_src].strip()[:64]:64s} {top}")
 
 
+def compare(ours: str, theirs: str):
+    """Two kernels' source pages side by side: where the extra warp samples sit (by opcode and by stall reason),
+    and whether the instruction mix differs (instructions executed per opcode). Samples are taken at a fixed rate,
+    so with equal instruction counts the extra samples are the extra time."""
+    a, b = _source_counts(ours)[3:], _source_counts(theirs)[3:]
+    for title, i, n in (("warp samples by stall reason", 0, 12), ("warp samples by opcode", 1, 12),
+                        ("instructions executed by opcode", 2, 12)):
+        print(f"{title}: ours, theirs, ours - theirs (totals {sum(a[i].values()):.4g} / {sum(b[i].values()):.4g})")
+        keys = sorted(set(a[i]) | set(b[i]), key=lambda k: -abs(a[i][k] - b[i][k]))[:n]
+        for k in keys:
+            print(f"  {k[:22]:22s} {a[i][k]:12.4g} {b[i][k]:12.4g} {a[i][k] - b[i][k]:+12.4g}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("page", choices=["raw", "source"])
+    p.add_argument("page", choices=["raw", "source", "compare"])
     p.add_argument("paths", nargs="+")
     p.add_argument("--pairs", nargs="*", default=[], help="raw: launch IDs to compare, ours:theirs")
     args = p.parse_args()
+    if args.page == "compare":
+        if len(args.paths) != 2:
+            p.error("compare takes two source pages: ours and theirs")
+        compare(*args.paths)
+        return
     for path in args.paths:
         if args.page == "raw":
             raw(path, [tuple(int(x) for x in pair.split(":")) for pair in args.pairs])

@@ -77,3 +77,14 @@ def test_ncu_scripts_parse_cases_and_read_the_committed_counters(capsys):
     out = capsys.readouterr().out
     assert "| 2 | kernel_cutlass_kernel_fa4distkernelscute | 430.4 | 132 |" in out
     assert "lg_throttle" in out and "smsp__sass_inst_executed_op_global_st.sum" in out
+    # the fourteenth session's source pages (hdim-64 forward, 16k, ours against flash-attn-4): the extra samples sat
+    # on the MUFUs, with the instructions executed within 1% (the same instruction mix, scheduled differently)
+    pages = [os.path.join(results, f"2026-12-02-fourteenth-ncu-sass-{who}-fwd-d64-full-16k.csv.gz")
+             for who in ("cute", "fa4")]
+    summary.compare(*pages)
+    out = capsys.readouterr().out
+    mufu = next(line.split() for line in out.splitlines() if line.split()[:1] == ["MUFU"])
+    assert float(mufu[3]) > 20000  # ours - theirs, warp samples
+    executed = next(line for line in out.splitlines() if line.startswith("instructions executed"))
+    ours, theirs = (float(x) for x in executed.split("totals ")[1].rstrip(")").split(" / "))
+    assert abs(ours / theirs - 1) < 0.01

@@ -1,0 +1,109 @@
+"""Where the forward's softmax work lands in the SASS, on the CPU: the PV wait, the O rescale and the P conversion
+placed against the step's exponentials.
+
+ptxas schedules the step (two rows' max, exp2, sum; the O rescale; P to 16 bits) by its own heuristics, and the
+order it picks decides how much of the MUFU queue's shadow the other work fills. The fourteenth session's
+counters found our hdim-64 forward with every O-rescale FMUL after the step's last exp2 (flash-attn-4's after its
+~13th) and the MUFUs waiting on a full MIO queue. This compiles one forward variant for sm_90a (no GPU), runs
+ptxas and nvdisasm, and for every main-loop step (from the S wait, `WARPGROUP.DEPBAR.LE gsb0, 0x1`, to the next
+HGMMA) prints how many exp2 precede the PV wait, the first and last O-rescale FMUL and the P conversions.
+
+    python bench/sass_softmax.py --headdim 64 [--causal] [--set sum_from_old=false] \\
+        [--ptxas /usr/local/cuda/bin/ptxas] [--nvdisasm nvdisasm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _tool(name: str, given: str | None) -> str:
+    path = given or shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/local/cuda*/bin/{name}"))), None)
+    if not path:
+        raise SystemExit(f"{name} not found: pass --{name} PATH")
+    return path
+
+
+def sass_of(cfg, ptxas: str, nvdisasm: str) -> list[str]:
+    """The variant's SASS instructions, in order (compiled in a scratch folder with --keep-ptx)."""
+    from fa4dist.kernels.cute import host
+
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)
+        try:
+            host.compile_config(cfg, extra_options="--keep-ptx")
+        finally:
+            os.chdir(cwd)
+        ptx = glob.glob(os.path.join(tmp, "*.ptx"))[0]
+        text = re.sub(r"^\.version 9\.\d+", ".version 9.0", open(ptx).read(), flags=re.M)  # older ptxas
+        with open(os.path.join(tmp, "k.ptx"), "w") as f:
+            f.write(text)
+        cubin = os.path.join(tmp, "k.cubin")
+        subprocess.run([ptxas, "-arch=sm_90a", "-O3", os.path.join(tmp, "k.ptx"), "-o", cubin], check=True)
+        listing = subprocess.run([nvdisasm, "-c", cubin], check=True, capture_output=True, text=True).stdout
+    lines = [ln for ln in listing.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
+    return [re.sub(r"^\s*/\*[0-9a-f]+\*/\s*", "", ln).split(";")[0].strip() for ln in lines]
+
+
+def softmax_steps(ins: list[str]):
+    """Per step with at least 32 exp2: (length, exp2 count, exp2 before the PV wait, exp2 before each O-rescale
+    FMUL (in-place FMUL of a register), exp2 before each P conversion)."""
+    for i, op in enumerate(ins):
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in op:
+            continue
+        mufu, pv_wait, rescale, convert = 0, None, [], []
+        j = i + 1
+        while j < len(ins) and "HGMMA" not in ins[j]:
+            t = ins[j]
+            mufu += "MUFU.EX2" in t
+            if "DEPBAR.LE gsb0, 0x0" in t and pv_wait is None:
+                pv_wait = mufu
+            m = re.match(r"(@\S+\s+)?FMUL (R\d+), (R\d+), R\d+", t)
+            if m and m.group(2) == m.group(3):
+                rescale.append(mufu)
+            if t.startswith("F2FP") or " F2FP" in t:
+                convert.append(mufu)
+            j += 1
+        if mufu >= 32:
+            yield j - i, mufu, pv_wait, rescale, convert
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--headdim", type=int, default=64)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--short", action="store_true", help="the short-sequence tiles (forward.short_queries)")
+    p.add_argument("--set", default="", help="FwdConfig overrides, e.g. sum_from_old=false,rescale_threshold=8")
+    p.add_argument("--ptxas")
+    p.add_argument("--nvdisasm")
+    args = p.parse_args()
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import torch
+
+    from fa4dist.kernels.cute import forward as F
+
+    cfg = F.make_config(torch.bfloat16, args.headdim, causal=args.causal, varlen=False, accumulate=False,
+                        short=args.short, **F.parse_overrides(args.set))
+    print(cfg)
+    ins = sass_of(cfg, _tool("ptxas", args.ptxas), _tool("nvdisasm", args.nvdisasm))
+
+    def span(xs):
+        return f"{len(xs)} after exp2 #{xs[0]}..#{xs[-1]}" if xs else "none"
+
+    for length, mufu, pv_wait, rescale, convert in softmax_steps(ins):
+        print(f"step: {length} instructions, {mufu} exp2; PV wait after exp2 #{pv_wait}; O-rescale FMULs "
+              f"{span(rescale)}; P conversions {span(convert)}")
+
+
+if __name__ == "__main__":
+    main()
