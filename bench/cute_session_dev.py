@@ -159,8 +159,94 @@ def tma_dkv_configs():
     return list(dict.fromkeys(out + bwd_configs()))
 
 
+def session14_configs():
+    """The fourteenth session's benches: the backward's early lse2 / dPsum reads (hdim 128, 1k-16k, deterministic
+    too) beside the default, and hdim-64 forward variants at 4k / 16k (one CTA per tile, three stages, the rescale
+    threshold flipped, no scheduling barrier)."""
+    import torch
+
+    from fa4dist.kernels.cute import backward as B
+    from fa4dist.kernels.cute import forward as F
+
+    bf16 = torch.bfloat16
+    out = []
+    for causal in (False, True):
+        for seqlen in (1024, 4096, 16384):
+            for det in (False, True):
+                for early in (False, True):
+                    out.extend(B.make_configs(bf16, 128, causal=causal, varlen=False, seg_offsets=False,
+                                              accumulate=False, deterministic=det, dq_dtype=bf16, dkv_dtype=bf16,
+                                              o_dtype=bf16, do_dtype=bf16, max_seqlen_k=seqlen, early_vectors=early))
+        for overrides in D64_FWD_VARIANTS[causal]:
+            out.append(F.make_config(bf16, 64, causal=causal, varlen=False, accumulate=False, **overrides))
+    return list(dict.fromkeys(out))
+
+
+def fwd_bench_configs():
+    """The forward rows of bench/kernels.py (hdim 64 and 128, causal or not, long and short sequences), bf16, and
+    each with the O rescale unconditional (rescale_threshold 0)."""
+    import torch
+
+    from fa4dist.kernels.cute import forward as F
+
+    out = [F.make_config(torch.bfloat16, d, causal=causal, varlen=False, accumulate=False, short=short, **kw)
+           for d in (64, 128) for causal in (False, True) for short in (False, True)
+           for kw in ({}, dict(rescale_threshold=0.0))]
+    return list(dict.fromkeys(out))
+
+
+def sum_from_old_configs():
+    """The fourteenth session's third call: the forward suite's variants, the bench's forward rows, and those rows
+    with FwdConfig.sum_from_old flipped (hdim 64 off, hdim 128 on)."""
+    import torch
+
+    from fa4dist.kernels.cute import forward as F
+
+    flipped = [F.make_config(torch.bfloat16, d, causal=causal, varlen=False, accumulate=False, short=short,
+                             sum_from_old=d != 64)
+               for d in (64, 128) for causal in (False, True) for short in (False, True)]
+    return list(dict.fromkeys(fwd_configs() + fwd_bench_configs() + flipped))
+
+
+def early_vectors_configs():
+    """The backward variants of the fourteenth session's GPU check of early_vectors (now a default): dense bf16 and
+    fp16, hdim 64 and 128, causal or not, deterministic or not, short (the persistent grid) and long sequences, as
+    test_cute_bwd_gpu's dense and deterministic tests make them; and test_early_vectors_give_the_same_bits' pairs."""
+    import torch
+
+    from fa4dist.kernels.cute import backward as B
+
+    out = []
+    for dt in (torch.bfloat16, torch.float16):
+        for d in (64, 128):
+            for causal in (False, True):
+                for det in (False, True):
+                    for max_k in (1024, None):
+                        for grads in ((dt, torch.float32) if det else (dt,)):
+                            out.extend(B.make_configs(dt, d, causal=causal, varlen=False, seg_offsets=False,
+                                                      accumulate=False, deterministic=det, dq_dtype=grads,
+                                                      dkv_dtype=grads, o_dtype=dt, do_dtype=dt, max_seqlen_k=max_k))
+    for causal in (False, True):
+        for det in (False, True):
+            for early in (False, True):
+                out.extend(B.make_configs(torch.bfloat16, 128, causal=causal, varlen=False, seg_offsets=False,
+                                          accumulate=False, deterministic=det, dq_dtype=torch.bfloat16,
+                                          dkv_dtype=torch.bfloat16, o_dtype=torch.bfloat16, do_dtype=torch.bfloat16,
+                                          max_seqlen_k=1000, early_vectors=early))
+    return list(dict.fromkeys(out))
+
+
+# the hdim-64 forward rows of the fourteenth session (bench/sessions/gpu_session_14.sh: keep the two in step)
+D64_FWD_VARIANTS = {
+    causal: [{}, dict(persistent_ctas=0), dict(num_stages=3), dict(rescale_threshold=0.0 if causal else 8.0),
+             dict(sched_barrier=False)]
+    for causal in (False, True)
+}
+
 CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_configs,
-               "persistent_bwd": persistent_bwd_configs, "tma_dkv": tma_dkv_configs}
+               "persistent_bwd": persistent_bwd_configs, "tma_dkv": tma_dkv_configs, "session14": session14_configs,
+               "fwd_bench": fwd_bench_configs, "sum_from_old": sum_from_old_configs,
+               "early_vectors": early_vectors_configs}
 
 
 def bwd_configs():

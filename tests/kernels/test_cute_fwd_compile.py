@@ -205,3 +205,16 @@ def test_short_causal_hdim64_sequences_take_128_row_tiles():
     tiles = [cute_fwd.make_config(torch.bfloat16, 64, causal=True, varlen=False, accumulate=False, short=short).tile_m
              for short in (True, False)]
     assert tiles == [128, 192]
+
+
+def test_sum_from_old_follows_the_head_dim_only():
+    """The row sum's order (FwdConfig.sum_from_old) is a function of the head dim alone, so that every variant of
+    one head dim sums alike: persistent or not, short tiles or not, merge, packed, work list (their bits are
+    compared with each other). On at hdim 64, off at 96 and 128 (measured, forward.default_sum_from_old); the O
+    rescale is unconditional by default everywhere (rescale_threshold 0)."""
+    for d, want in ((64, True), (96, False), (128, False)):
+        for kw in (dict(varlen=False, accumulate=False), dict(varlen=False, accumulate=False, short=True),
+                   dict(varlen=True, accumulate=True), dict(varlen=True, accumulate=True, worklist=True)):
+            for causal in (False, True):
+                cfg = cute_fwd.make_config(torch.bfloat16, d, causal=causal, **kw)
+                assert cfg.sum_from_old is want and cfg.rescale_threshold == 0.0, (d, causal, kw)

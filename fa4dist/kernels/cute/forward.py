@@ -40,6 +40,10 @@ class FwdConfig:
     # row of the warp moved (vote.any); 0: exact max, always rescale (no vote, no branch). Default from
     # default_rescale_threshold (measured, NOTES_FWD.md).
     rescale_threshold: float = 8.0
+    # the online softmax's row sum starts from the old, rescaled sum (softmax.OnlineSoftmax.online): ptxas then
+    # interleaves the O rescale with the exponentials. Changes the sum's rounding order. Default from
+    # default_sum_from_old (measured, NOTES_FWD.md)
+    sum_from_old: bool = False
     tma_store_o: bool = True  # dense non-accumulate 16-bit out: O via smem + TMA store (else direct stores)
     # masked V tiles through the sanitizer warps (masked keys contribute nothing even if non-finite). False is a
     # measurement knob only (the cost of the guarantee): NaN / inf at masked positions then leak.
@@ -86,8 +90,8 @@ class FwdConfig:
             host.cutlass_dtype(self.dtype), self.head_dim, causal=self.causal, varlen=self.varlen,
             accumulate=self.accumulate, seg_offsets=self.seg_offsets, tile_m=self.tile_m, tile_n=self.tile_n,
             num_stages=self.num_stages, intra_wg_overlap=self.intra_wg_overlap, sched_barrier=self.sched_barrier,
-            rescale_threshold=self.rescale_threshold, tma_store_o=self.tma_store_o, sanitize=self.sanitize,
-            window_left=self.window_left, softcap=self.softcap, sinks=self.sinks,
+            rescale_threshold=self.rescale_threshold, sum_from_old=self.sum_from_old, tma_store_o=self.tma_store_o,
+            sanitize=self.sanitize, window_left=self.window_left, softcap=self.softcap, sinks=self.sinks,
             softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
             prefetch_running=self.prefetch_running, persistent_ctas=self.persistent_ctas if self.persistent else 0,
             dynamic_tiles=self.takes_tile_counter, exact_merge=self.exact_merge, regs_producer=self.regs_producer,
@@ -159,9 +163,20 @@ def default_tiles(head_dim: int, causal: bool, short: bool = False) -> tuple[int
 
 
 def default_rescale_threshold(head_dim: int, causal: bool) -> float:
-    """0.0 (always rescale) where it measured faster on the H200 (2026-11-30, run b: hdim 128 +4-11% non-causal,
-    +1-4% causal; hdim 64 non-causal +2-4%); 8.0 for hdim 64 causal, where the two were within noise."""
-    return 8.0 if head_dim <= 64 and causal else 0.0
+    """0.0 (always rescale): measured faster on the H200 (2026-11-30, run b: hdim 128 +4-11% non-causal, +1-4%
+    causal; hdim 64 non-causal +2-4%). hdim 64 causal kept 8.0 (within noise) until its row sum started from the
+    old one (default_sum_from_old, 2026-12-02): the unconditional rescale then interleaves with the exponentials
+    (the vote's branch keeps it after them), +3% / +7% at 4k / 16k against 8.0 with the same sum."""
+    return 0.0
+
+
+def default_sum_from_old(head_dim: int) -> bool:
+    """True for hdim <= 64 (3 consumer warpgroups, where the MUFU queue binds). H200, 2026-12-02, fourteenth session,
+    against the previous kernels in the same rounds: hdim 64 +2.5 / +3 / 0% non-causal and +3 / +3 / +1.5% causal
+    at 1k / 4k / 16k (an earlier run: causal +4 / +5% at 4k / 16k); hdim 128 lost 2-5% at 4k-16k (its tensor pipe
+    binds, and the FMULs then delay its P). A function of the head dim only, so that every
+    variant of one head dim (persistent or not, work list or per-item, merge or plain) sums in one order."""
+    return head_dim <= 64
 
 
 # hdim 96's causal kernel spills 16 bytes on the persistent grid with the default 24 / 240 register split (ptxas,
@@ -197,7 +212,8 @@ def default_persistent_ctas(cfg: FwdConfig) -> int:
 
 _FIELDS = {
     "tile_m": int, "tile_n": int, "num_stages": int, "intra_wg_overlap": host.parse_bool,
-    "sched_barrier": host.parse_bool, "rescale_threshold": float, "tma_store_o": host.parse_bool,
+    "sched_barrier": host.parse_bool, "rescale_threshold": float, "sum_from_old": host.parse_bool,
+    "tma_store_o": host.parse_bool,
     "sanitize": host.parse_bool, "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
     "persistent_ctas": int, "dynamic_tiles": host.parse_bool, "exact_merge": host.parse_bool, "regs_producer": int,
     "l2_rows": int,
@@ -227,7 +243,8 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
         dtype=host.dtype_name(dtype), head_dim=head_dim, causal=bool(causal), varlen=bool(varlen),
         accumulate=bool(accumulate), seg_offsets=bool(seg_offsets) and bool(causal),
         out_fp32=bool(out_fp32) and not accumulate, tile_m=tm, tile_n=tn, num_stages=st,
-        rescale_threshold=default_rescale_threshold(head_dim, bool(causal)), window_left=int(window_left),
+        rescale_threshold=default_rescale_threshold(head_dim, bool(causal)),
+        sum_from_old=default_sum_from_old(head_dim), window_left=int(window_left),
         softcap=float(softcap or 0.0), sinks=bool(sinks), worklist=bool(worklist),
     )
     kw.update(_OVERRIDE)

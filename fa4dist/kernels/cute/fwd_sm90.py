@@ -89,6 +89,7 @@ class FlashFwdSm90:
         intra_wg_overlap: bool = True,
         sched_barrier: bool = True,
         rescale_threshold: float = 8.0,
+        sum_from_old: bool = False,
         tma_store_o: bool = True,
         sanitize: bool = True,
         l2_rows: Optional[int] = None,
@@ -135,6 +136,7 @@ class FlashFwdSm90:
         self.intra_wg_overlap = intra_wg_overlap
         self.sched_barrier = sched_barrier and self.num_wg >= 2 and intra_wg_overlap
         self.rescale_threshold = float(rescale_threshold)
+        self.sum_from_old = sum_from_old  # the row sum's order (softmax.OnlineSoftmax.online)
         # O through smem (reusing sQ) and one TMA store; dense, non-accumulate, 16-bit out only
         self.tma_store_o = tma_store_o and not varlen and not accumulate
         # > 0: a persistent grid of at most this many CTAs (one per SM), each walking tiles in launch order
@@ -792,7 +794,7 @@ class FlashFwdSm90:
         if const_expr(self.softcap > 0):
             exp_scale_log2 = Float32(softcap_scale_log2(self.softcap))
         softmax = OnlineSoftmax.create(cute.size(tScS_mn, mode=[0]), exp_scale_log2, self.rescale_threshold,
-                                       self.fixed_row_max)
+                                       self.fixed_row_max, self.sum_from_old)
         m_block = tile.block
         ml = Context(
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tOrP=tOrP,

@@ -26,10 +26,12 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 
-def sum4(terms):
-    """Sum of a Python list of traced scalars with 4 running partial sums (unrolled at trace time):
+def sum4(terms, init=None):
+    """Sum of a Python list of traced scalars (after ``init``) with 4 running partial sums (unrolled at trace time):
     short dependency chains and only 4 live temporaries (a full tree needs many, and then ptxas
     reuses the registers of the in-flight P operand and delays the softmax past the PV wait)."""
+    if init is not None:  # a running total the terms add to: it leads the first chain
+        terms = [init] + list(terms)
     n = len(terms)
     if n < 8:
         acc = terms[0]
@@ -56,15 +58,17 @@ class OnlineSoftmax:
     rescale_threshold: float
     # a constant row max (in the accumulator's units) in place of the running one: bounded (capped) scores only
     fixed_row_max: Optional[float] = None
+    # the old, rescaled row sum leads the new block's partial sums (else it is added after them): see online()
+    sum_from_old: bool = False
 
     @staticmethod
     def create(nrows: int, scale_log2: Float32, rescale_threshold: float,
-               fixed_row_max: Optional[float] = None) -> "OnlineSoftmax":
+               fixed_row_max: Optional[float] = None, sum_from_old: bool = False) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor(nrows, Float32)
         row_sum = cute.make_rmem_tensor(nrows, Float32)
         row_max.fill(-Float32.inf if fixed_row_max is None else fixed_row_max)
         row_sum.fill(0.0)
-        return OnlineSoftmax(row_max, row_sum, scale_log2, rescale_threshold, fixed_row_max)
+        return OnlineSoftmax(row_max, row_sum, scale_log2, rescale_threshold, fixed_row_max, sum_from_old)
 
     @cute.jit
     def online(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]):
@@ -101,15 +105,24 @@ class OnlineSoftmax:
             m_scaled = m_safe * scale_log2
             p = cute.math.exp2(vals * scale_log2 - m_scaled, fastmath=True)
             acc_mn[r, None].store(p)
-            # pairwise tree: short dependency chains instead of one serial FADD chain
-            p_sum = sum4([acc_mn[r, c] for c in range(cute.size(acc_mn, mode=[1]))])
-            if const_expr(is_first):
-                row_scale[r] = Float32(1.0)
-                row_sum[r] = p_sum
-            else:
+            terms = [acc_mn[r, c] for c in range(cute.size(acc_mn, mode=[1]))]
+            if const_expr(self.sum_from_old and not is_first):
+                # the old sum, rescaled, leads the first of the short chains (flash-attn-4's order): the O
+                # factor's exp2 is then on the sum's critical path, ptxas issues it among the first exponentials,
+                # and the O rescale's FMULs fill the MUFU queue's shadow instead of following the last exponential
                 sc = cute.math.exp2(m_old * scale_log2 - m_scaled, fastmath=True)
                 row_scale[r] = sc
-                row_sum[r] = row_sum[r] * sc + p_sum
+                row_sum[r] = sum4(terms, row_sum[r] * sc)
+            else:
+                # pairwise tree: short dependency chains instead of one serial FADD chain
+                p_sum = sum4(terms)
+                if const_expr(is_first):
+                    row_scale[r] = Float32(1.0)
+                    row_sum[r] = p_sum
+                else:
+                    sc = cute.math.exp2(m_old * scale_log2 - m_scaled, fastmath=True)
+                    row_scale[r] = sc
+                    row_sum[r] = row_sum[r] * sc + p_sum
         return row_scale
 
     @cute.jit
