@@ -165,9 +165,13 @@ def _spill_budget(main) -> int:
     are kept so that a capped call shares the uncapped calls' tiles (the ring's shared query side has one).
     And the causal hdim-64 backward on the persistent grid (the default for short sequences), whose tile loop keeps
     a few values beside the 128-row tiles' registers: 16 bytes, 24 with the dK / dV TMA stores (bench/RESULTS.md,
-    thirteenth session: +6-10% against one CTA per tile, +5% for the TMA stores, spills included)."""
+    thirteenth session: +6-10% against one CTA per tile, +5% for the TMA stores, spills included). And, at hdim 128,
+    the deterministic causal kernel on the persistent grid with its step's vectors read early: 4 bytes (fourteenth
+    session: +3-6% at 1k, the spill included)."""
     if main.softcap > 0 and main.head_dim == 64 and main.tile_m == 128:
         return 64
+    if main.early_vectors and main.causal and main.persistent_ctas > 0:
+        return 4  # the deterministic causal kernel of short sequences (backward.default_early_vectors)
     return 32 if main.causal and main.head_dim == 64 and main.tile_m == 128 and main.persistent_ctas > 0 else 0
 
 
@@ -287,3 +291,21 @@ def test_entry_point_imports_without_cutlass():
         "assert not any(m == 'cutlass' or m.startswith('cutlass.') for m in sys.modules), 'cutlass imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_early_vectors_default_scope():
+    """The step's lse2 / dPsum read early (BwdConfig.early_vectors) by default where it measured faster: hdim 128
+    (64-row query tiles), dense fresh calls with all gradients, non-causal or deterministic, no soft-cap; the
+    ring's merges, packed calls, one-gradient calls, the fixed-point dQ and work lists keep the loads at their use
+    (not measured). Its bits are the same either way (the GPU test compares them)."""
+    def main(d=128, causal=False, det=False, **kw):
+        return bwd.make_configs(BF16, d, causal=causal, varlen=kw.pop("varlen", False), seg_offsets=False,
+                                accumulate=kw.pop("accumulate", False), deterministic=det, dq_dtype=BF16,
+                                dkv_dtype=BF16, o_dtype=BF16, do_dtype=BF16, **kw)[1]
+
+    assert main().early_vectors and main(det=True).early_vectors and main(causal=True, det=True).early_vectors
+    assert main(max_seqlen_k=1024).early_vectors  # the persistent grid too
+    for off in (main(causal=True), main(d=64), main(softcap=30.0), main(varlen=True), main(accumulate=True),
+                main(grads="dq", accumulate=True), main(dq_fixed=True, accumulate=True, det=True),
+                main(varlen=True, accumulate=True, worklist=True)):
+        assert not off.early_vectors, off

@@ -87,7 +87,8 @@ class BwdConfig:
     # fresh 16-bit dK / dV of a dense call staged in shared memory and written with TMA stores, as flash-attn-4
     # does (False: stores from registers, which the varlen, accumulating and fp32-output variants always use)
     tma_store_dkv: bool = True
-    # each step's lse2 / dPsum read from smem while its first GEMMs run (a measurement knob, NOTES_BWD.md)
+    # each step's lse2 / dPsum read from smem while its first GEMMs run (64-row query tiles only; the same bits).
+    # Default from default_early_vectors (measured, NOTES_BWD.md)
     early_vectors: bool = False
 
     def build(self):
@@ -257,6 +258,21 @@ def default_det_resident(deterministic: bool, causal: bool, accumulate: bool, gr
                 and not worklist)
 
 
+def default_early_vectors(tile_m: int, causal: bool, deterministic: bool, varlen: bool, accumulate: bool,
+                          grads: str, dq_fixed: bool, worklist: bool, softcap: float) -> bool:
+    """Whether the step reads its lse2 / dPsum columns while its first GEMMs run (early_vectors): on 64-row query
+    tiles (hdim 128), for the family measured, dense calls writing fresh dq, dk and dv, non-causal, or causal and
+    deterministic. H200, 2026-12-02, fourteenth session, two interleaved runs against the default at 1k / 4k / 16k
+    (bench/sessions/gpu_session_14.sh, 14b.sh): non-causal +4 / 0 / +4% and +13 / +2 / +3%, deterministic
+    non-causal +2 / +3 / 0% and +3 / +2 / -2%, deterministic causal +3 / 0 / 0% and +6 / 0 / 0%; causal
+    non-deterministic lost (-2% at 4k in both runs, 0 / -3% at 16k): off there. The loads only move, so every
+    variant gives the same bits either way. On the persistent grid (short sequences) the causal deterministic
+    kernel spills 4 bytes with them (measured with the spill: the 1k gains above); soft-capped calls, not measured,
+    keep them off (16 bytes of spills there)."""
+    return bool(tile_m == 64 and (not causal or deterministic) and not varlen and not accumulate and grads == "all"
+                and not dq_fixed and not worklist and not softcap)
+
+
 # The longest key sequence (dense: the key length; packed: max_seqlen_k) that the persistent grid takes by default
 PERSISTENT_MAX_SEQLEN_K = 2048
 
@@ -316,6 +332,10 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
     if "persistent_ctas" not in kw:
         kw["persistent_ctas"] = default_persistent_ctas(kw["accumulate"], kw["grads"], kw["worklist"],
                                                         kw["dq_fixed"], max_seqlen_k)
+    if "early_vectors" not in kw:
+        kw["early_vectors"] = default_early_vectors(tm, kw["causal"], kw["deterministic"], kw["varlen"],
+                                                    kw["accumulate"], kw["grads"], kw["dq_fixed"], kw["worklist"],
+                                                    kw["softcap"])
     if "det_resident" not in kw:
         kw["det_resident"] = default_det_resident(kw["deterministic"], kw["causal"], kw["accumulate"], kw["grads"],
                                                   kw.get("det_chunk", 0), kw["worklist"])

@@ -226,10 +226,9 @@ class FlashBwdSm90:
         # fresh dK / dV through a staging tile and TMA stores (the output dtype is checked when tracing: __call__);
         # not beside the int64 dQ tile, which leaves no shared memory for it
         self.tma_store_dkv = tma_store_dkv and not accumulate and not varlen and self.compute_dkv and not dq_fixed
-        # a measurement knob (thirteenth session, not yet run): each step's lse2 / dPsum columns read from smem
-        # while its S^T / dP^T GEMMs run; the counters had the lse2 subtraction waiting on its shared load. 64-row
-        # query tiles only: 32 more live registers there (0-4 bytes of spills at hdim 128), 64 on 128-row tiles,
-        # which spill ~220 bytes (ptxas, hdim 64)
+        # each step's lse2 / dPsum columns read from smem while its S^T / dP^T GEMMs run (the counters had the lse2
+        # subtraction waiting on its shared load; backward.default_early_vectors). 64-row query tiles only: 32
+        # more live registers there, 64 on 128-row tiles, which spill ~220 bytes (ptxas, hdim 64)
         self.early_vectors = early_vectors and tile_m == 64
 
     # ------------------------------------------------------------------------
