@@ -7,8 +7,11 @@ counters found our hdim-64 forward with every O-rescale FMUL after the step's la
 ~13th) and the MUFUs waiting on a full MIO queue. This compiles one forward variant for sm_90a (no GPU), runs
 ptxas and nvdisasm, and for every main-loop step (from the S wait, `WARPGROUP.DEPBAR.LE gsb0, 0x1`, to the next
 HGMMA) prints how many exp2 precede the PV wait, the first and last O-rescale FMUL and the P conversions.
+``--fa4`` does the same for flash-attn-4's forward (where installed: it compiles on the CPU under torch's
+FakeTensorMode, its PTX kept with CUTE_DSL_KEEP), so the two schedules compare without a GPU; the local ptxas
+reproduced the placements the GPU machine's SASS showed (hdim 64: its PV wait after exp2 #11-12, FMULs #13-19).
 
-    python bench/sass_softmax.py --headdim 64 [--causal] [--set sum_from_old=false] \\
+    python bench/sass_softmax.py --headdim 64 [--causal] [--set sum_from_old=false] [--fa4] \\
         [--ptxas /usr/local/cuda/bin/ptxas] [--nvdisasm nvdisasm]
 """
 
@@ -33,18 +36,39 @@ def _tool(name: str, given: str | None) -> str:
     return path
 
 
-def sass_of(cfg, ptxas: str, nvdisasm: str) -> list[str]:
-    """The variant's SASS instructions, in order (compiled in a scratch folder with --keep-ptx)."""
+def ours_ptx(cfg, folder: str) -> str:
+    """Compile our forward variant in ``folder`` (--keep-ptx writes the PTX into the working directory)."""
     from fa4dist.kernels.cute import host
 
     cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        host.compile_config(cfg, extra_options="--keep-ptx")
+    finally:
+        os.chdir(cwd)
+    return glob.glob(os.path.join(folder, "*.ptx"))[0]
+
+
+def fa4_ptx(head_dim: int, causal: bool, folder: str) -> str:
+    """Compile flash-attn-4's forward for sm_90a on the CPU (fake CUDA tensors of bench/kernels.py's shapes at
+    16k: its tile sizes do not depend on the length) and return its PTX."""
+    os.environ.update(FLASH_ATTENTION_ARCH="sm_90", FLASH_ATTENTION_NUM_SMS="132", CUTE_DSL_KEEP="ptx",
+                      CUTE_DSL_DUMP_DIR=folder)
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flash_attn.cute import flash_attn_func
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = (torch.empty(1, 16384, 2048 // head_dim, head_dim, dtype=torch.bfloat16, device="cuda")
+                   for _ in range(3))
+        flash_attn_func(q, k, v, causal=causal)
+    return [p for p in glob.glob(os.path.join(folder, "*.ptx")) if "Forward" in p][0]
+
+
+def sass_of(ptx: str, ptxas: str, nvdisasm: str) -> list[str]:
+    """The SASS instructions of a PTX file, in order."""
     with tempfile.TemporaryDirectory() as tmp:
-        os.chdir(tmp)
-        try:
-            host.compile_config(cfg, extra_options="--keep-ptx")
-        finally:
-            os.chdir(cwd)
-        ptx = glob.glob(os.path.join(tmp, "*.ptx"))[0]
         text = re.sub(r"^\.version 9\.\d+", ".version 9.0", open(ptx).read(), flags=re.M)  # older ptxas
         with open(os.path.join(tmp, "k.ptx"), "w") as f:
             f.write(text)
@@ -84,6 +108,7 @@ def main():
     p.add_argument("--causal", action="store_true")
     p.add_argument("--short", action="store_true", help="the short-sequence tiles (forward.short_queries)")
     p.add_argument("--set", default="", help="FwdConfig overrides, e.g. sum_from_old=false,rescale_threshold=8")
+    p.add_argument("--fa4", action="store_true", help="flash-attn-4's forward of the same head dim and mask instead")
     p.add_argument("--ptxas")
     p.add_argument("--nvdisasm")
     args = p.parse_args()
@@ -92,10 +117,17 @@ def main():
 
     from fa4dist.kernels.cute import forward as F
 
-    cfg = F.make_config(torch.bfloat16, args.headdim, causal=args.causal, varlen=False, accumulate=False,
-                        short=args.short, **F.parse_overrides(args.set))
-    print(cfg)
-    ins = sass_of(cfg, _tool("ptxas", args.ptxas), _tool("nvdisasm", args.nvdisasm))
+    tools = _tool("ptxas", args.ptxas), _tool("nvdisasm", args.nvdisasm)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.fa4:
+            print(f"flash-attn-4 forward, hdim {args.headdim}, {'causal' if args.causal else 'full'}")
+            ptx = fa4_ptx(args.headdim, args.causal, tmp)
+        else:
+            cfg = F.make_config(torch.bfloat16, args.headdim, causal=args.causal, varlen=False, accumulate=False,
+                                short=args.short, **F.parse_overrides(args.set))
+            print(cfg)
+            ptx = ours_ptx(cfg, tmp)
+        ins = sass_of(ptx, *tools)
 
     def span(xs):
         return f"{len(xs)} after exp2 #{xs[0]}..#{xs[-1]}" if xs else "none"
