@@ -2,6 +2,7 @@
 
     python bench/cute_session_dev.py aot DIR [--jobs 2] [--set softcap]   # compile the variants tests and bench
                                                           # use (or one named set of them), export
+    python bench/cute_session_dev.py aot DIR --set log:LOG1,LOG2  # the configs compile logs list (below)
     python bench/cute_session_dev.py gpu AOT_TAR -- STAGE... # GPU: unpack, warm FA4, run the stages, logs to $OUT
     python bench/cute_session_dev.py smoke                  # GPU: small forward / backward cases vs the oracle
 
@@ -292,12 +293,39 @@ def bwd_configs():
     return flat
 
 
+def logged_configs(paths: str):
+    """The configs of FA4DIST_CUTE_COMPILE_LOG files (comma-separated paths; one repr per line: what a GPU run had
+    to compile), parsed as literals, not evaluated. ``--set log:PATH,...`` exports them, so that the next run of
+    the same suites finds them ahead of time (bench/results/*-compiled-*.txt keep such lists)."""
+    import ast
+
+    from fa4dist.kernels.cute import backward as B
+    from fa4dist.kernels.cute import forward as F
+
+    classes = {c.__name__: c for c in (F.FwdConfig, B.BwdConfig, B.PreConfig, B.PostConfig)}
+    out = []
+    for path in paths.split(","):
+        for line in open(path):
+            if not line.strip():
+                continue
+            call = ast.parse(line.strip(), mode="eval").body
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in classes
+                    and not call.args):
+                raise SystemExit(f"{path}: not a config repr: {line.strip()[:80]}")
+            out.append(classes[call.func.id](**{kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}))
+    return list(dict.fromkeys(out))
+
+
+def _config_set(which: str):
+    return logged_configs(which[4:]) if which.startswith("log:") else CONFIG_SETS[which]()
+
+
 def _export_shard(args):
     folder, shard, jobs, which = args
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     from fa4dist.kernels.cute import host
 
-    cfgs = CONFIG_SETS[which]()[shard::jobs]
+    cfgs = _config_set(which)[shard::jobs]
     for cfg in cfgs:
         if not os.path.exists(os.path.join(folder, host.config_key(cfg) + ".o")):  # kept from an earlier export
             host.export_aot(cfg, folder)

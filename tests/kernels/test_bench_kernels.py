@@ -88,3 +88,26 @@ def test_ncu_scripts_parse_cases_and_read_the_committed_counters(capsys):
     executed = next(line for line in out.splitlines() if line.startswith("instructions executed"))
     ours, theirs = (float(x) for x in executed.split("totals ")[1].rstrip(")").split(" / "))
     assert abs(ours / theirs - 1) < 0.01
+
+
+def test_compile_logs_replay_as_an_aot_set(tmp_path):
+    """bench/cute_session_dev.py --set log:PATH: the configs a GPU run had to compile (FA4DIST_CUTE_COMPILE_LOG),
+    read back as literals (the fourteenth session's suites: 81 forward, 10 backward, 6 + 6 pre / post variants),
+    equal to the configs the code builds for the same call; anything but a config repr is refused."""
+    pytest.importorskip("cutlass")
+    torch = pytest.importorskip("torch")
+    dev = bench_scripts.load("cute_session_dev")
+    from fa4dist.kernels.cute import forward
+
+    results = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results")
+    cfgs = dev.logged_configs(os.path.join(results, "2026-12-02-fourteenth-compiled-suites.txt"))
+    names = [type(c).__name__ for c in cfgs]
+    assert (names.count("FwdConfig"), names.count("BwdConfig"), names.count("PreConfig"),
+            names.count("PostConfig")) == (81, 10, 6, 6)
+    made = forward.make_config(torch.bfloat16, 64, causal=True, varlen=False, accumulate=False)
+    log = tmp_path / "compiled.txt"
+    log.write_text(repr(made) + "\n")
+    assert dev.logged_configs(str(log)) == [made]
+    log.write_text("__import__('os').system('true')\n")
+    with pytest.raises(SystemExit, match="not a config repr"):
+        dev.logged_configs(str(log))
