@@ -237,6 +237,19 @@ def early_vectors_configs():
     return list(dict.fromkeys(out))
 
 
+def try_wait_configs():
+    """The forward bench rows with FwdConfig.try_wait_kv on, and at hdim 128 also with sum_from_old (prepared in
+    the fourteenth session: bench/sessions/gpu_session_15.sh)."""
+    import dataclasses
+
+    out = []
+    for cfg in fwd_bench_configs():
+        out.append(dataclasses.replace(cfg, try_wait_kv=True))
+        if cfg.head_dim == 128:
+            out.append(dataclasses.replace(cfg, try_wait_kv=True, sum_from_old=True))
+    return list(dict.fromkeys(out))
+
+
 # the hdim-64 forward rows of the fourteenth session (bench/sessions/gpu_session_14.sh: keep the two in step)
 D64_FWD_VARIANTS = {
     causal: [{}, dict(persistent_ctas=0), dict(num_stages=3), dict(rescale_threshold=0.0 if causal else 8.0),
@@ -247,7 +260,7 @@ D64_FWD_VARIANTS = {
 CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_configs,
                "persistent_bwd": persistent_bwd_configs, "tma_dkv": tma_dkv_configs, "session14": session14_configs,
                "fwd_bench": fwd_bench_configs, "sum_from_old": sum_from_old_configs,
-               "early_vectors": early_vectors_configs}
+               "early_vectors": early_vectors_configs, "try_wait": try_wait_configs}
 
 
 def bwd_configs():

@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
-# Prepared in the fourteenth session, for the next: a fresh table with every default of the fourteenth session
-# (the forward's sum_from_old at hdim 64, the backward's early lse2 / dPsum reads at hdim 128), ours beside
-# flash-attn-4 and cuDNN, deterministic too; three rounds. Then Nsight Compute's SASS-level samples of the
-# hdim-128 forward at 16k (full), ours against flash-attn-4: on the CPU (bench/sass_softmax.py --fa4) our step
-# waits for the PV GEMM before its first exp2 and flash-attn-4's after its 10th; the samples say what it costs.
-#   source .devwheels/install.sh && bash bench/sessions/gpu_session_15.sh
+# Prepared in the fourteenth session, for the next. Two calls:
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_15.sh 1   # try_wait_kv, then the fresh table
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_15.sh 2   # the hdim-128 forward's SASS samples
+# 1: FwdConfig.try_wait_kv (the K / V barriers tried once before the blocking wait, as flash-attn-4 does): on the
+#    CPU (bench/sass_softmax.py) ptxas then puts the hdim-128 step's PV wait after the 11th exp2 instead of before
+#    the first (flash-attn-4: the 10th); hdim 64 non-causal unchanged, causal after the 4th. Prediction: hdim 128
+#    forward +1-3% at 4k-16k, hdim 64 within noise. The knob beside the default (and at hdim 128 with
+#    sum_from_old, which lost 2-5% alone), flash-attn-4 and cuDNN beside; then a fresh table with this session's
+#    defaults, deterministic backward too.
+# 2: Nsight Compute's SASS-level samples of the hdim-128 forward at 16k (full), ours against flash-attn-4.
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s15 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
-TAIL_LINES=2 stage aot_fwd 120 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set fwd_bench
-TAIL_LINES=2 stage aot_bwd 150 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 \
-  --set early_vectors
-TAIL_LINES=40 stage table 300 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 4096 16384 \
-  --causal false true --directions fwd bwd --deterministic --backends cute sdpa_cudnn flash_attn_4 --rounds 3 \
-  --out-dir "$OUT"
-mv "$OUT/$(date +%F)-kernels.json" "$OUT/table.json" 2>/dev/null
-rm -f "$OUT"/*.png
+if [ "${1:-1}" = 1 ]; then
+  TAIL_LINES=2 stage aot_fwd 150 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set fwd_bench
+  TAIL_LINES=2 stage aot_tw 150 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set try_wait
+  TAIL_LINES=2 stage aot_bwd 150 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 \
+    --set early_vectors
+  TAIL_LINES=20 stage try_wait 150 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 4096 16384 \
+    --causal false true --directions fwd --backends cute sdpa_cudnn flash_attn_4 --cute-variants \
+    fwd:try_wait_kv=true d128:fwd:try_wait_kv=true,sum_from_old=true --rounds 3 --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/try-wait.json" 2>/dev/null
+  TAIL_LINES=40 stage table 240 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 4096 16384 \
+    --causal false true --directions fwd bwd --deterministic --backends cute sdpa_cudnn flash_attn_4 --rounds 3 \
+    --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/table.json" 2>/dev/null
+  rm -f "$OUT"/*.png
+  exit
+fi
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 for who in cute:fa4dist flash_attn_4:flash_attn; do
   b=${who%%:*} p=${who##*:}

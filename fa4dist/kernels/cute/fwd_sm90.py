@@ -90,6 +90,7 @@ class FlashFwdSm90:
         sched_barrier: bool = True,
         rescale_threshold: float = 8.0,
         sum_from_old: bool = False,
+        try_wait_kv: bool = False,
         tma_store_o: bool = True,
         sanitize: bool = True,
         l2_rows: Optional[int] = None,
@@ -137,6 +138,9 @@ class FlashFwdSm90:
         self.sched_barrier = sched_barrier and self.num_wg >= 2 and intra_wg_overlap
         self.rescale_threshold = float(rescale_threshold)
         self.sum_from_old = sum_from_old  # the row sum's order (softmax.OnlineSoftmax.online)
+        # the overlapped step tries the K / V barriers once before its blocking wait loop (flash-attn-4's form):
+        # ptxas then places the PV wait among the exponentials instead of before them (NOTES_FWD.md)
+        self.try_wait_kv = try_wait_kv
         # O through smem (reusing sQ) and one TMA store; dense, non-accumulate, 16-bit out only
         self.tma_store_o = tma_store_o and not varlen and not accumulate
         # > 0: a persistent grid of at most this many CTAs (one per SM), each walking tiles in launch order
@@ -890,11 +894,11 @@ class FlashFwdSm90:
         """S of block n_block issued with the PV of the previous block; softmax of S while PV runs."""
         v_state = kv_state.clone()
         kv_state.advance()
-        ml.pipe_k.consumer_wait(kv_state)
+        self.consumer_wait(ml.pipe_k, kv_state)
         self.sched_sync(ml.wg)
         acc_S = cute.make_rmem_tensor(ml.s_shape, Float32)
         self.gemm(ml.tiled_mma_qk, acc_S, ml.tSrQ, ml.tSrK[None, None, None, kv_state.index], True, -1)
-        ml.pipe_v.consumer_wait(v_state)
+        self.consumer_wait(ml.pipe_v, v_state)
         self.gemm(ml.tiled_mma_pv, ml.acc_O, ml.tOrP, ml.tOrVt[None, None, None, v_state.index], False, -1)
         self.sched_arrive(ml.wg)
         warpgroup.wait_group(1)
@@ -910,6 +914,15 @@ class FlashFwdSm90:
         if const_expr(causal_mask):
             self.mark_rows_seeing_bad_v(ml, kv_state, n_block)
         return kv_state
+
+    @cute.jit
+    def consumer_wait(self, pipe, state):
+        """Wait for a K / V stage: with try_wait_kv one non-blocking try first, the blocking loop only if it
+        failed (the same acquire either way)."""
+        if const_expr(self.try_wait_kv):
+            pipe.consumer_wait(state, pipe.consumer_try_wait(state))
+        else:
+            pipe.consumer_wait(state)
 
     @cute.jit
     def cap_scores(self, ml: Context, acc_S: cute.Tensor):
