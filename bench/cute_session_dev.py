@@ -238,15 +238,15 @@ def early_vectors_configs():
 
 
 def try_wait_configs():
-    """The forward bench rows with FwdConfig.try_wait_kv on, and at hdim 128 also with sum_from_old (prepared in
+    """The forward bench rows with FwdConfig.late_pv_wait on, and at hdim 128 also with sum_from_old (prepared in
     the fourteenth session: bench/sessions/gpu_session_15.sh)."""
     import dataclasses
 
     out = []
     for cfg in fwd_bench_configs():
-        out.append(dataclasses.replace(cfg, try_wait_kv=True))
+        out.append(dataclasses.replace(cfg, late_pv_wait=True))
         if cfg.head_dim == 128:
-            out.append(dataclasses.replace(cfg, try_wait_kv=True, sum_from_old=True))
+            out.append(dataclasses.replace(cfg, late_pv_wait=True, sum_from_old=True))
     return list(dict.fromkeys(out))
 
 

@@ -106,6 +106,28 @@ def mul_rn(a, b, *, loc=None, ip=None) -> cutlass.Float32:
 
 
 @dsl_user_op
+def cvt_pack_16x2(lo, hi, dtype, *, loc=None, ip=None) -> Int32:
+    """Two fp32 values rounded to nearest into one register of 16-bit pairs (cvt.rn.bf16x2.f32 / .f16x2, ``lo`` in
+    the low half): the instruction ``.to(dtype)`` lowers to, so the same bits."""
+    op = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    val = llvm.inline_asm(T.i32(), [cutlass.Float32(hi).ir_value(loc=loc, ip=ip),
+                                    cutlass.Float32(lo).ir_value(loc=loc, ip=ip)],
+                          f"cvt.rn.{op}.f32 $0, $1, $2;", "=r,f,f", has_side_effects=False, is_align_stack=False,
+                          asm_dialect=llvm.AsmDialect.AD_ATT)
+    return Int32(val)
+
+
+@cute.jit
+def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor):
+    """dst (16-bit registers) = src (fp32, same size) rounded to nearest, one inline cvt per pair. An opaque
+    instruction stays where the source puts it: LLVM moves a plain ``.to()`` of a loop-carried operand through the
+    loop's phi (converting at the loop's top and carrying the fp32 values)."""
+    dst_pairs = cute.recast_tensor(dst, Int32)
+    for i in cutlass.range_constexpr(cute.size(dst_pairs)):
+        dst_pairs[i] = cvt_pack_16x2(src[2 * i], src[2 * i + 1], dst.element_type)
+
+
+@dsl_user_op
 def ld_acquire_gpu(ptr, *, loc=None, ip=None) -> Int32:
     addr = ptr.toint(loc=loc, ip=ip).ir_value()
     val = llvm.inline_asm(

@@ -44,10 +44,10 @@ class FwdConfig:
     # interleaves the O rescale with the exponentials. Changes the sum's rounding order. Default from
     # default_sum_from_old (measured, NOTES_FWD.md)
     sum_from_old: bool = False
-    # the overlapped step tries each K / V barrier once before the blocking wait (flash-attn-4's form); ptxas then
-    # places the PV wait after ~10 exponentials at hdim 128 instead of before the first (NOTES_FWD.md, fourteenth
-    # session). A measurement knob, not yet run on the GPU
-    try_wait_kv: bool = False
+    # flash-attn-4's forms in the overlapped step (each K / V barrier tried once before the blocking wait, P
+    # converted with inline cvts): ptxas then places the PV wait after ~10 exponentials instead of before the first
+    # (NOTES_FWD.md, fourteenth session). The same bits. A measurement knob, not yet run on the GPU
+    late_pv_wait: bool = False
     tma_store_o: bool = True  # dense non-accumulate 16-bit out: O via smem + TMA store (else direct stores)
     # masked V tiles through the sanitizer warps (masked keys contribute nothing even if non-finite). False is a
     # measurement knob only (the cost of the guarantee): NaN / inf at masked positions then leak.
@@ -94,7 +94,7 @@ class FwdConfig:
             host.cutlass_dtype(self.dtype), self.head_dim, causal=self.causal, varlen=self.varlen,
             accumulate=self.accumulate, seg_offsets=self.seg_offsets, tile_m=self.tile_m, tile_n=self.tile_n,
             num_stages=self.num_stages, intra_wg_overlap=self.intra_wg_overlap, sched_barrier=self.sched_barrier,
-            rescale_threshold=self.rescale_threshold, sum_from_old=self.sum_from_old, try_wait_kv=self.try_wait_kv,
+            rescale_threshold=self.rescale_threshold, sum_from_old=self.sum_from_old, late_pv_wait=self.late_pv_wait,
             tma_store_o=self.tma_store_o, sanitize=self.sanitize, window_left=self.window_left, softcap=self.softcap,
             sinks=self.sinks, softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
             prefetch_running=self.prefetch_running, persistent_ctas=self.persistent_ctas if self.persistent else 0,
@@ -217,7 +217,7 @@ def default_persistent_ctas(cfg: FwdConfig) -> int:
 _FIELDS = {
     "tile_m": int, "tile_n": int, "num_stages": int, "intra_wg_overlap": host.parse_bool,
     "sched_barrier": host.parse_bool, "rescale_threshold": float, "sum_from_old": host.parse_bool,
-    "try_wait_kv": host.parse_bool,
+    "late_pv_wait": host.parse_bool,
     "tma_store_o": host.parse_bool,
     "sanitize": host.parse_bool, "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
     "persistent_ctas": int, "dynamic_tiles": host.parse_bool, "exact_merge": host.parse_bool, "regs_producer": int,

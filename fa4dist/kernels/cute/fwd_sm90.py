@@ -46,6 +46,7 @@ from .common_sm90 import (
     Context,
     acc_to_operand_a,
     check_smem,
+    convert_to_16bit,
     fma_rn,
     k_slices,
     mn_view,
@@ -90,7 +91,7 @@ class FlashFwdSm90:
         sched_barrier: bool = True,
         rescale_threshold: float = 8.0,
         sum_from_old: bool = False,
-        try_wait_kv: bool = False,
+        late_pv_wait: bool = False,
         tma_store_o: bool = True,
         sanitize: bool = True,
         l2_rows: Optional[int] = None,
@@ -138,9 +139,10 @@ class FlashFwdSm90:
         self.sched_barrier = sched_barrier and self.num_wg >= 2 and intra_wg_overlap
         self.rescale_threshold = float(rescale_threshold)
         self.sum_from_old = sum_from_old  # the row sum's order (softmax.OnlineSoftmax.online)
-        # the overlapped step tries the K / V barriers once before its blocking wait loop (flash-attn-4's form):
-        # ptxas then places the PV wait among the exponentials instead of before them (NOTES_FWD.md)
-        self.try_wait_kv = try_wait_kv
+        # flash-attn-4's forms in the overlapped step: each K / V barrier tried once before the blocking wait loop,
+        # and P converted with inline cvts; ptxas then places the PV wait among the exponentials instead of before
+        # them (NOTES_FWD.md, fourteenth session)
+        self.late_pv_wait = late_pv_wait
         # O through smem (reusing sQ) and one TMA store; dense, non-accumulate, 16-bit out only
         self.tma_store_o = tma_store_o and not varlen and not accumulate
         # > 0: a persistent grid of at most this many CTAs (one per SM), each walking tiles in launch order
@@ -909,7 +911,10 @@ class FlashFwdSm90:
         row_scale = ml.softmax.online(acc_S, False)
         warpgroup.wait_group(0)
         ml.pipe_v.consumer_release(v_state)
-        ml.tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
+        if const_expr(self.late_pv_wait):
+            convert_to_16bit(acc_to_operand_a(acc_S), ml.tOrP)
+        else:
+            ml.tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
         ml.softmax.rescale_o(ml.acc_O, row_scale)
         if const_expr(causal_mask):
             self.mark_rows_seeing_bad_v(ml, kv_state, n_block)
@@ -917,9 +922,9 @@ class FlashFwdSm90:
 
     @cute.jit
     def consumer_wait(self, pipe, state):
-        """Wait for a K / V stage: with try_wait_kv one non-blocking try first, the blocking loop only if it
+        """Wait for a K / V stage: with late_pv_wait one non-blocking try first, the blocking loop only if it
         failed (the same acquire either way)."""
-        if const_expr(self.try_wait_kv):
+        if const_expr(self.late_pv_wait):
             pipe.consumer_wait(state, pipe.consumer_try_wait(state))
         else:
             pipe.consumer_wait(state)
