@@ -64,7 +64,8 @@ EXTRA = [
     (torch.float16, 96, True, False, False, {"softcap": 20.0, "sinks": True}),
     (torch.bfloat16, 96, True, True, False, {"seg_offsets": True}),
     (torch.bfloat16, 96, True, False, False, {"window_left": 300}),
-    # the K / V waits tried once before blocking (fourteenth session: the PV wait moves among the exponentials)
+    # flash-attn-4's wait and conversion forms (late_pv_wait; fourteenth session: the PV wait moves among the
+    # exponentials)
     (torch.bfloat16, 128, False, False, False, {"late_pv_wait": True}),
     (torch.bfloat16, 64, True, False, False, {"late_pv_wait": True, "sum_from_old": False}),
 ]

@@ -37,9 +37,12 @@ class FwdConfig:
     intra_wg_overlap: bool = True
     sched_barrier: bool = True
     # > 0: keep a stale row max until it grows by more than this (log2 units) and skip the O rescale when no
-    # row of the warp moved (vote.any); 0: exact max, always rescale (no vote, no branch). Default from
-    # default_rescale_threshold (measured, NOTES_FWD.md).
-    rescale_threshold: float = 8.0
+    # row of the warp moved (vote.any); 0: exact max, always rescale (no vote, no branch), the default everywhere:
+    # measured faster on the H200 (2026-11-30, run b: hdim 128 +4-11% non-causal, +1-4% causal; hdim 64 non-causal
+    # +2-4%); hdim 64 causal, within noise then, kept 8 until its row sum started from the old one (sum_from_old,
+    # 2026-12-02): the unconditional rescale then interleaves with the exponentials (the vote's branch keeps it
+    # after them), +3% / +7% at 4k / 16k against 8 with the same sum. > 0 is a measurement knob (NOTES_FWD.md)
+    rescale_threshold: float = 0.0
     # the online softmax's row sum starts from the old, rescaled sum (softmax.OnlineSoftmax.online): ptxas then
     # interleaves the O rescale with the exponentials. Changes the sum's rounding order. Default from
     # default_sum_from_old (measured, NOTES_FWD.md)
@@ -166,14 +169,6 @@ def default_tiles(head_dim: int, causal: bool, short: bool = False) -> tuple[int
     return 128, 128, 2
 
 
-def default_rescale_threshold(head_dim: int, causal: bool) -> float:
-    """0.0 (always rescale): measured faster on the H200 (2026-11-30, run b: hdim 128 +4-11% non-causal, +1-4%
-    causal; hdim 64 non-causal +2-4%). hdim 64 causal kept 8.0 (within noise) until its row sum started from the
-    old one (default_sum_from_old, 2026-12-02): the unconditional rescale then interleaves with the exponentials
-    (the vote's branch keeps it after them), +3% / +7% at 4k / 16k against 8.0 with the same sum."""
-    return 0.0
-
-
 def default_sum_from_old(head_dim: int) -> bool:
     """True for hdim <= 64 (3 consumer warpgroups, where the MUFU queue binds). H200, 2026-12-02, fourteenth session,
     against the previous kernels in the same rounds: hdim 64 +2.5 / +3 / 0% non-causal and +3 / +3 / +1.5% causal
@@ -217,9 +212,8 @@ def default_persistent_ctas(cfg: FwdConfig) -> int:
 _FIELDS = {
     "tile_m": int, "tile_n": int, "num_stages": int, "intra_wg_overlap": host.parse_bool,
     "sched_barrier": host.parse_bool, "rescale_threshold": float, "sum_from_old": host.parse_bool,
-    "late_pv_wait": host.parse_bool,
-    "tma_store_o": host.parse_bool,
-    "sanitize": host.parse_bool, "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
+    "late_pv_wait": host.parse_bool, "tma_store_o": host.parse_bool, "sanitize": host.parse_bool,
+    "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
     "persistent_ctas": int, "dynamic_tiles": host.parse_bool, "exact_merge": host.parse_bool, "regs_producer": int,
     "l2_rows": int,
 }
@@ -248,7 +242,6 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
         dtype=host.dtype_name(dtype), head_dim=head_dim, causal=bool(causal), varlen=bool(varlen),
         accumulate=bool(accumulate), seg_offsets=bool(seg_offsets) and bool(causal),
         out_fp32=bool(out_fp32) and not accumulate, tile_m=tm, tile_n=tn, num_stages=st,
-        rescale_threshold=default_rescale_threshold(head_dim, bool(causal)),
         sum_from_old=default_sum_from_old(head_dim), window_left=int(window_left),
         softcap=float(softcap or 0.0), sinks=bool(sinks), worklist=bool(worklist),
     )

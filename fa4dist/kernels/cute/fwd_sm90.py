@@ -89,7 +89,7 @@ class FlashFwdSm90:
         num_stages: int = 2,
         intra_wg_overlap: bool = True,
         sched_barrier: bool = True,
-        rescale_threshold: float = 8.0,
+        rescale_threshold: float = 0.0,
         sum_from_old: bool = False,
         late_pv_wait: bool = False,
         tma_store_o: bool = True,

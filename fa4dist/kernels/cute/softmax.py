@@ -114,7 +114,8 @@ class OnlineSoftmax:
                 row_scale[r] = sc
                 row_sum[r] = sum4(terms, row_sum[r] * sc)
             else:
-                # pairwise tree: short dependency chains instead of one serial FADD chain
+                # pairwise tree: short dependency chains instead of one serial FADD chain (the sum before the O
+                # factor, in the order the kernels without sum_from_old were measured and PTX-compared in)
                 p_sum = sum4(terms)
                 if const_expr(is_first):
                     row_scale[r] = Float32(1.0)
