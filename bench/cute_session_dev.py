@@ -17,6 +17,7 @@ flash-attn-4 compiles its kernels on first call (5-7 s each): `gpu` first warms 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -93,7 +94,6 @@ def persistent_bwd_configs():
     PERSISTENT_RUNS, one CTA per tile and PERSISTENT_TEST_CTAS), of the rotated deterministic order's test and
     bench rows, and every backward variant of the "all" set as it is and on a 132-CTA persistent grid (the
     backward suites run under FA4DIST_BWD_OVERRIDE=persistent_ctas=132; the bench times both)."""
-    import dataclasses
 
     import torch
 
@@ -212,7 +212,7 @@ def sum_from_old_configs():
 def early_vectors_configs():
     """The backward variants of the fourteenth session's GPU check of early_vectors (now a default): dense bf16 and
     fp16, hdim 64 and 128, causal or not, deterministic or not, short (the persistent grid) and long sequences, as
-    test_cute_bwd_gpu's dense and deterministic tests make them; and test_early_vectors_give_the_same_bits' pairs."""
+    test_cute_bwd_gpu's dense and deterministic tests make them; and test_step_forms_give_the_same_bits' pairs."""
     import torch
 
     from fa4dist.kernels.cute import backward as B
@@ -240,13 +240,47 @@ def early_vectors_configs():
 def try_wait_configs():
     """The forward bench rows with FwdConfig.late_pv_wait on, and at hdim 128 also with sum_from_old (prepared in
     the fourteenth session: bench/sessions/gpu_session_15.sh)."""
-    import dataclasses
 
     out = []
     for cfg in fwd_bench_configs():
         out.append(dataclasses.replace(cfg, late_pv_wait=True))
         if cfg.head_dim == 128:
             out.append(dataclasses.replace(cfg, late_pv_wait=True, sum_from_old=True))
+    return list(dict.fromkeys(out))
+
+
+def session15_configs():
+    """The fifteenth session's second call: the backward bench rows (hdim 64 and 128, causal or not, deterministic
+    or not, 1k / 4k / 16k) with BwdConfig.try_waits on; the pairs of test_step_forms_give_the_same_bits
+    (try_waits) and of test_late_pv_wait_gives_the_same_bits (the forward's late_pv_wait both ways)."""
+    import torch
+
+    from fa4dist.kernels.cute import backward as B
+    from fa4dist.kernels.cute import forward as F
+
+    bf16 = torch.bfloat16
+    dense = dict(varlen=False, seg_offsets=False, accumulate=False, dq_dtype=bf16, dkv_dtype=bf16, o_dtype=bf16,
+                 do_dtype=bf16)
+    out = []
+    for d in (64, 128):
+        for causal in (False, True):
+            for det in (False, True):
+                for seqlen in (1024, 4096, 16384):
+                    for tw in (False, True):
+                        out.extend(B.make_configs(bf16, d, causal=causal, deterministic=det, max_seqlen_k=seqlen,
+                                                  try_waits=tw, **dense))
+                if d == 128:
+                    for tw in (False, True):
+                        out.extend(B.make_configs(bf16, d, causal=causal, deterministic=det, max_seqlen_k=1000,
+                                                  try_waits=tw, **dense))
+    for d in (64, 128):
+        for causal in (False, True):
+            for acc in (False, True):
+                extras = [{}] + ([dict(softcap=30.0, window_left=300)] if d == 128 and causal else [])
+                for kw in extras:
+                    for late in (False, True):
+                        out.append(F.make_config(bf16, d, causal=causal, varlen=False, accumulate=acc,
+                                                 late_pv_wait=late, **kw))
     return list(dict.fromkeys(out))
 
 
@@ -260,7 +294,8 @@ D64_FWD_VARIANTS = {
 CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_configs,
                "persistent_bwd": persistent_bwd_configs, "tma_dkv": tma_dkv_configs, "session14": session14_configs,
                "fwd_bench": fwd_bench_configs, "sum_from_old": sum_from_old_configs,
-               "early_vectors": early_vectors_configs, "try_wait": try_wait_configs}
+               "early_vectors": early_vectors_configs, "try_wait": try_wait_configs,
+               "session15": session15_configs}
 
 
 def bwd_configs():
@@ -329,8 +364,27 @@ def logged_configs(paths: str):
     return list(dict.fromkeys(out))
 
 
+def refreshed_configs(paths: str):
+    """``--set fresh:PATH,...``: the logged configs with the forward fields today's defaults derive from the head
+    dim and causality alone (sum_from_old, late_pv_wait) derived again, so that a list logged before a default
+    changed still compiles what the same suites compile now."""
+    from fa4dist.kernels.cute import forward as F
+
+    out = []
+    for cfg in logged_configs(paths):
+        if isinstance(cfg, F.FwdConfig):
+            cfg = dataclasses.replace(cfg, sum_from_old=F.default_sum_from_old(cfg.head_dim),
+                                      late_pv_wait=F.default_late_pv_wait(cfg.head_dim, cfg.causal))
+        out.append(cfg)
+    return list(dict.fromkeys(out))
+
+
 def _config_set(which: str):
-    return logged_configs(which[4:]) if which.startswith("log:") else CONFIG_SETS[which]()
+    if which.startswith("log:"):
+        return logged_configs(which[4:])
+    if which.startswith("fresh:"):
+        return refreshed_configs(which[6:])
+    return CONFIG_SETS[which]()
 
 
 def _export_shard(args):

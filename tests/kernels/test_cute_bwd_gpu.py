@@ -363,31 +363,33 @@ def test_persistent_grid_gives_the_bits_of_one_cta_per_tile(run, deterministic):
             assert rel_error(c.double(), a.double()) < tol, f"{gname} differs on the persistent grid"
 
 
+@pytest.mark.parametrize("knob", ["early_vectors", "try_waits"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["nondet", "det"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_early_vectors_give_the_same_bits(causal, deterministic):
-    """Reading a step's lse2 / dPsum while its first GEMMs run (early_vectors, on by default for some hdim-128
-    calls) only moves loads: dK / dV bytes equal to the kernel without it, and dQ too when deterministic. A
-    sequence long enough for the 132-CTA grid to hold many key tiles, 1000 tokens (the persistent grid), GQA 2."""
+def test_step_forms_give_the_same_bits(causal, deterministic, knob):
+    """Forms of the step that only move work (early_vectors: a step's lse2 / dPsum read while its first GEMMs
+    run; try_waits: the Q / dO waits tried before they block, P^T / dS^T converted with inline cvts): dK / dV
+    bytes equal to the kernel without them, and dQ too when deterministic. A sequence long enough for the 132-CTA
+    grid to hold many key tiles, 1000 tokens (the persistent grid), GQA 2."""
     g = _gen()
     q, k, v = _inputs((2, 1000, 4, 128), (2, 1000, 2, 128), torch.bfloat16, g)
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
     out, lse = attention_forward(q, k, v, causal=causal, backend="sdpa_flash")
 
-    def launch(early):
+    def launch(on):
         grads = [torch.full(t.shape, float("nan"), device="cuda", dtype=torch.bfloat16) for t in (q, k, v)]
         backward(dout, q, k, v, out, lse, *grads, softmax_scale=128**-0.5, causal=causal,
-                 deterministic=deterministic, early_vectors=early)
+                 deterministic=deterministic, **{knob: on})
         torch.cuda.synchronize()
         return grads
 
     want, got = launch(False), launch(True)
     for name, a, c in zip(("dq", "dk", "dv"), want, got):
-        assert not torch.isnan(c).any(), f"{name}: NaN (unwritten) with early_vectors"
+        assert not torch.isnan(c).any(), f"{name}: NaN (unwritten) with {knob}"
         if name != "dq" or deterministic:
-            assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), f"{name} differs with early_vectors"
+            assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), f"{name} differs with {knob}"
         else:  # fp32 atomic adds in another order: rounding apart
-            assert rel_error(c.double(), a.double()) < 1e-2, f"{name} differs with early_vectors"
+            assert rel_error(c.double(), a.double()) < 1e-2, f"{name} differs with {knob}"
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

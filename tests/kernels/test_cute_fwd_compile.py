@@ -64,10 +64,10 @@ EXTRA = [
     (torch.float16, 96, True, False, False, {"softcap": 20.0, "sinks": True}),
     (torch.bfloat16, 96, True, True, False, {"seg_offsets": True}),
     (torch.bfloat16, 96, True, False, False, {"window_left": 300}),
-    # flash-attn-4's wait and conversion forms (late_pv_wait; fourteenth session: the PV wait moves among the
-    # exponentials)
-    (torch.bfloat16, 128, False, False, False, {"late_pv_wait": True}),
-    (torch.bfloat16, 64, True, False, False, {"late_pv_wait": True, "sum_from_old": False}),
+    # flash-attn-4's wait and conversion forms (late_pv_wait, default but at hdim 64 causal: forward.
+    # default_late_pv_wait) switched the other way
+    (torch.bfloat16, 128, False, False, False, {"late_pv_wait": False}),
+    (torch.bfloat16, 64, True, False, False, {"late_pv_wait": True}),
 ]
 
 
@@ -222,3 +222,15 @@ def test_sum_from_old_follows_the_head_dim_only():
             for causal in (False, True):
                 cfg = cute_fwd.make_config(torch.bfloat16, d, causal=causal, **kw)
                 assert cfg.sum_from_old is want and cfg.rescale_threshold == 0.0, (d, causal, kw)
+
+
+def test_late_pv_wait_default_scope():
+    """flash-attn-4's wait and conversion forms (FwdConfig.late_pv_wait) by default everywhere but hdim <= 64
+    causal, where they measured no faster (forward.default_late_pv_wait); every variant of a call follows it."""
+    for d in (64, 96, 128):
+        for causal in (False, True):
+            for kw in (dict(varlen=False, accumulate=False), dict(varlen=True, accumulate=True, worklist=True)):
+                cfg = cute_fwd.make_config(torch.bfloat16, d, causal=causal, **kw)
+                assert cfg.late_pv_wait is not (d == 64 and causal), (d, causal, kw)
+    assert cute_fwd.make_config(torch.bfloat16, 128, causal=False, varlen=False, accumulate=False,
+                                late_pv_wait=False).late_pv_wait is False

@@ -49,7 +49,7 @@ class FwdConfig:
     sum_from_old: bool = False
     # flash-attn-4's forms in the overlapped step (each K / V barrier tried once before the blocking wait, P
     # converted with inline cvts): ptxas then places the PV wait after ~10 exponentials instead of before the first
-    # (NOTES_FWD.md, fourteenth session). The same bits. A measurement knob, not yet run on the GPU
+    # (NOTES_FWD.md, fourteenth session). The same bits either way. Default from default_late_pv_wait (measured)
     late_pv_wait: bool = False
     tma_store_o: bool = True  # dense non-accumulate 16-bit out: O via smem + TMA store (else direct stores)
     # masked V tiles through the sanitizer warps (masked keys contribute nothing even if non-finite). False is a
@@ -178,6 +178,15 @@ def default_sum_from_old(head_dim: int) -> bool:
     return head_dim <= 64
 
 
+def default_late_pv_wait(head_dim: int, causal: bool) -> bool:
+    """Off only for hdim <= 64 causal. H200, 2026-12-02, fifteenth session (bench/sessions/gpu_session_15.sh 1 and
+    a 5-round rerun, in the same rounds as the kernels without it): hdim 128 +1 / +1 / +2.5 / +1 / +1% non-causal
+    and +2 / +1.5 / +3 / 0 / +2% causal at 2k / 4k / 8k / 16k / 32k (the first run: +6% non-causal at 16k); hdim 64
+    non-causal +1 / 0 / 0.5 / 1.5 / 2%, hdim 64 causal 0 to -0.6% (its PV wait already sat among the exponentials
+    with sum_from_old). The bits do not depend on it (test_late_pv_wait_gives_the_same_bits)."""
+    return not (head_dim <= 64 and causal)
+
+
 # hdim 96's causal kernel spills 16 bytes on the persistent grid with the default 24 / 240 register split (ptxas,
 # every dtype and option); with 32 / 232 (default_regs_producer) it does not
 PERSISTENT_CAUSAL_HEAD_DIMS = (64, 96, 128)
@@ -242,7 +251,8 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
         dtype=host.dtype_name(dtype), head_dim=head_dim, causal=bool(causal), varlen=bool(varlen),
         accumulate=bool(accumulate), seg_offsets=bool(seg_offsets) and bool(causal),
         out_fp32=bool(out_fp32) and not accumulate, tile_m=tm, tile_n=tn, num_stages=st,
-        sum_from_old=default_sum_from_old(head_dim), window_left=int(window_left),
+        sum_from_old=default_sum_from_old(head_dim), late_pv_wait=default_late_pv_wait(head_dim, causal),
+        window_left=int(window_left),
         softcap=float(softcap or 0.0), sinks=bool(sinks), worklist=bool(worklist),
     )
     kw.update(_OVERRIDE)
