@@ -66,8 +66,8 @@ def fa4_ptx(head_dim: int, causal: bool, folder: str) -> str:
     return [p for p in glob.glob(os.path.join(folder, "*.ptx")) if "Forward" in p][0]
 
 
-def sass_of(ptx: str, ptxas: str, nvdisasm: str) -> list[str]:
-    """The SASS instructions of a PTX file, in order."""
+def sass_of(ptx: str, ptxas: str, nvdisasm: str, labels: bool = False) -> list[str]:
+    """The SASS instructions of a PTX file, in order (``labels``: with the branch targets' label lines)."""
     with tempfile.TemporaryDirectory() as tmp:
         text = re.sub(r"^\.version 9\.\d+", ".version 9.0", open(ptx).read(), flags=re.M)  # older ptxas
         with open(os.path.join(tmp, "k.ptx"), "w") as f:
@@ -75,8 +75,39 @@ def sass_of(ptx: str, ptxas: str, nvdisasm: str) -> list[str]:
         cubin = os.path.join(tmp, "k.cubin")
         subprocess.run([ptxas, "-arch=sm_90a", "-O3", os.path.join(tmp, "k.ptx"), "-o", cubin], check=True)
         listing = subprocess.run([nvdisasm, "-c", cubin], check=True, capture_output=True, text=True).stdout
-    lines = [ln for ln in listing.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
-    return [re.sub(r"^\s*/\*[0-9a-f]+\*/\s*", "", ln).split(";")[0].strip() for ln in lines]
+    out = []
+    for ln in listing.splitlines():
+        if re.search(r"/\*[0-9a-f]{4,}\*/", ln):
+            out.append(re.sub(r"^\s*/\*[0-9a-f]+\*/\s*", "", ln).split(";")[0].strip())
+        elif labels and re.match(r"^\.L_\w+:", ln.strip()):
+            out.append(ln.strip())
+    return out
+
+
+def _opcode(t: str) -> str:
+    words = t.split()
+    return (words[1] if words[0].startswith("@") and len(words) > 1 else words[0]).split(".")[0]
+
+
+def main_loop_opcodes(lines: list[str]):
+    """The opcode counts of the innermost loop (a label, then a branch back to it) with the most exp2: the main
+    loop's step, what every warp issues per key tile. None if no loop holds 32 exp2."""
+    where = {ln[:-1]: i for i, ln in enumerate(lines) if ln.startswith(".L_") and ln.endswith(":")}
+    best = None
+    for j, t in enumerate(lines):
+        m = re.search(r"BRA\s+`?\(?(\.L_\w+)", t)
+        if not m or where.get(m.group(1), j) >= j:
+            continue
+        body = [x for x in lines[where[m.group(1)]:j + 1] if not x.startswith(".L_")]
+        mufu = sum("MUFU.EX2" in x for x in body)
+        if mufu >= 32 and (best is None or len(body) < len(best)):
+            best = body
+    if best is None:
+        return None
+    counts = {}
+    for t in best:
+        counts[_opcode(t)] = counts.get(_opcode(t), 0) + 1
+    return counts
 
 
 def softmax_steps(ins: list[str]):
@@ -109,6 +140,7 @@ def main():
     p.add_argument("--short", action="store_true", help="the short-sequence tiles (forward.short_queries)")
     p.add_argument("--set", default="", help="FwdConfig overrides, e.g. sum_from_old=false,rescale_threshold=8")
     p.add_argument("--fa4", action="store_true", help="flash-attn-4's forward of the same head dim and mask instead")
+    p.add_argument("--ops", action="store_true", help="also the main loop's instructions per step, by opcode")
     p.add_argument("--ptxas")
     p.add_argument("--nvdisasm")
     args = p.parse_args()
@@ -127,7 +159,8 @@ def main():
                                 short=args.short, **F.parse_overrides(args.set))
             print(cfg)
             ptx = ours_ptx(cfg, tmp)
-        ins = sass_of(ptx, *tools)
+        lines = sass_of(ptx, *tools, labels=True)
+        ins = [t for t in lines if not t.startswith(".L_")]
 
     def span(xs):
         return f"{len(xs)} after exp2 #{xs[0]}..#{xs[-1]}" if xs else "none"
@@ -135,6 +168,13 @@ def main():
     for length, mufu, pv_wait, rescale, convert in softmax_steps(ins):
         print(f"step: {length} instructions, {mufu} exp2; PV wait after exp2 #{pv_wait}; O-rescale FMULs "
               f"{span(rescale)}; P conversions {span(convert)}")
+    if args.ops:
+        counts = main_loop_opcodes(lines)
+        if counts is None:
+            print("no loop with 32 exp2 found")
+        else:
+            print(f"main loop: {sum(counts.values())} instructions per step: "
+                  + ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))))
 
 
 if __name__ == "__main__":
