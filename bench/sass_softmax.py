@@ -11,8 +11,12 @@ HGMMA) prints how many exp2 precede the PV wait, the first and last O-rescale FM
 FakeTensorMode, its PTX kept with CUTE_DSL_KEEP), so the two schedules compare without a GPU; the local ptxas
 reproduced the placements the GPU machine's SASS showed (hdim 64: its PV wait after exp2 #11-12, FMULs #13-19).
 
-    python bench/sass_softmax.py --headdim 64 [--causal] [--set sum_from_old=false] [--fa4] \\
+    python bench/sass_softmax.py --headdim 64 [--causal] [--set sum_from_old=false] [--fa4] [--ops] \\
         [--ptxas /usr/local/cuda/bin/ptxas] [--nvdisasm nvdisasm]
+    python bench/sass_softmax.py --backward --headdim 64 --ops [--deterministic] [--set try_waits=true]
+
+``--ops`` counts the instructions of the main loop's step by opcode (the innermost loop with 32+ exp2): what every
+warp issues per key tile, the quantity Nsight Compute's per-step counts gave in the fifteenth session.
 """
 
 from __future__ import annotations
@@ -37,15 +41,11 @@ def _tool(name: str, given: str | None) -> str:
 
 
 def ours_ptx(cfg, folder: str) -> str:
-    """Compile our forward variant in ``folder`` (--keep-ptx writes the PTX into the working directory)."""
+    """Compile our variant (forward or backward config) with its PTX kept in ``folder`` (named explicitly: the DSL
+    otherwise keeps every PTX of a process in the working directory of its first compile)."""
     from fa4dist.kernels.cute import host
 
-    cwd = os.getcwd()
-    os.chdir(folder)
-    try:
-        host.compile_config(cfg, extra_options="--keep-ptx")
-    finally:
-        os.chdir(cwd)
+    host.compile_config(cfg, extra_options=f"--keep-ptx --dump-dir={folder}")
     return glob.glob(os.path.join(folder, "*.ptx"))[0]
 
 
@@ -138,7 +138,11 @@ def main():
     p.add_argument("--headdim", type=int, default=64)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--short", action="store_true", help="the short-sequence tiles (forward.short_queries)")
-    p.add_argument("--set", default="", help="FwdConfig overrides, e.g. sum_from_old=false,rescale_threshold=8")
+    p.add_argument("--set", default="", help="FwdConfig overrides, e.g. sum_from_old=false,rescale_threshold=8 "
+                   "(BwdConfig's with --backward)")
+    p.add_argument("--backward", action="store_true",
+                   help="the backward's main kernel instead (dense bf16 fresh gradients, --deterministic; with --ops)")
+    p.add_argument("--deterministic", action="store_true")
     p.add_argument("--fa4", action="store_true", help="flash-attn-4's forward of the same head dim and mask instead")
     p.add_argument("--ops", action="store_true", help="also the main loop's instructions per step, by opcode")
     p.add_argument("--ptxas")
@@ -154,6 +158,16 @@ def main():
         if args.fa4:
             print(f"flash-attn-4 forward, hdim {args.headdim}, {'causal' if args.causal else 'full'}")
             ptx = fa4_ptx(args.headdim, args.causal, tmp)
+        elif args.backward:
+            from fa4dist.kernels.cute import backward as B
+
+            bf16 = torch.bfloat16
+            _, cfg, _ = B.make_configs(bf16, args.headdim, causal=args.causal, varlen=False, seg_offsets=False,
+                                       accumulate=False, deterministic=args.deterministic, dq_dtype=bf16,
+                                       dkv_dtype=bf16, o_dtype=bf16, do_dtype=bf16, max_seqlen_k=16384,
+                                       **B.parse_overrides(args.set))
+            print(cfg)
+            ptx = ours_ptx(cfg, tmp)
         else:
             cfg = F.make_config(torch.bfloat16, args.headdim, causal=args.causal, varlen=False, accumulate=False,
                                 short=args.short, **F.parse_overrides(args.set))

@@ -1,5 +1,15 @@
+import os
+import tempfile
+
 import pytest
 import torch
+
+# CuTe DSL writes --keep-ptx files into one dump folder per process (the working directory at its first compile,
+# cached): the repository root for most runs, shared by pytest-xdist workers, whose same-named kernel files then
+# overwrite each other's between write and read-back. A folder of this process's own, set before cutlass loads
+# (always: workers inherit the controller's environment, so an inherited value would be shared again).
+os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(
+    prefix=f"fa4dist-cute-dump-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")
 
 
 def pytest_collection_modifyitems(config, items):

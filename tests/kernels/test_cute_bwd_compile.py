@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 
 from fa4dist.kernels.cute import backward as bwd  # noqa: E402
 from fa4dist.kernels.cute import host  # noqa: E402
+from ptxas_log import assert_ptxas_clean  # noqa: E402
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -69,10 +70,10 @@ EXTRA = [
     (BF16, 128, False, False, False, True, {"det_resident": True}),
     (BF16, 64, False, True, True, True, {"det_resident": True, "persistent_ctas": 132}),
     (BF16, 128, True, False, False, True, {"det_resident": True}),  # causal: longest first when the tiles fit
-    # the forward's wait and conversion forms in the step (fifteenth session: within noise at hdim 128, -10% at
-    # hdim 64 non-causal)
+    # the forward's wait and conversion forms in the step (fifteenth session: within noise at hdim 128; at hdim 64
+    # ptxas serializes the wgmmas with both forms on, either alone does not, measured -10-13%)
     (BF16, 128, False, False, False, True, {"try_waits": True}),
-    (BF16, 64, True, False, False, False, {"try_waits": True}),
+    (BF16, 128, True, False, False, False, {"try_waits": True}),
 ]
 
 
@@ -155,10 +156,7 @@ def test_compile_backward_variant(variant, tmp_path, monkeypatch, capfd):
     if main.causal or main.varlen:  # K (and masked-step Q / dO) tiles go through the sanitizer warps
         assert "bar.red.or.pred" in ptx and ("fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx)
     log = capfd.readouterr()
-    text = log.out + log.err
-    spills = re.findall(r"(\d+) bytes spill stores", text)
-    budget = _spill_budget(main)
-    assert spills and all(int(s) <= budget for s in spills), "ptxas spills registers:\n" + text[-2000:]
+    assert_ptxas_clean(log.out + log.err, _spill_budget(main))
 
 
 def _spill_budget(main) -> int:
