@@ -13,7 +13,7 @@ reproduced the placements the GPU machine's SASS showed (hdim 64: its PV wait af
 
     python bench/sass_softmax.py --headdim 64 [--causal] [--set sum_from_old=false] [--fa4] [--ops] \\
         [--ptxas /usr/local/cuda/bin/ptxas] [--nvdisasm nvdisasm]
-    python bench/sass_softmax.py --backward --headdim 64 --ops [--deterministic] [--set try_waits=true]
+    python bench/sass_softmax.py --backward --headdim 64 --ops [--deterministic] [--set try_waits=true] [--fa4]
 
 ``--ops`` counts the instructions of the main loop's step by opcode (the innermost loop with 32+ exp2): what every
 warp issues per key tile, the quantity Nsight Compute's per-step counts gave in the fifteenth session.
@@ -49,21 +49,29 @@ def ours_ptx(cfg, folder: str) -> str:
     return glob.glob(os.path.join(folder, "*.ptx"))[0]
 
 
-def fa4_ptx(head_dim: int, causal: bool, folder: str) -> str:
-    """Compile flash-attn-4's forward for sm_90a on the CPU (fake CUDA tensors of bench/kernels.py's shapes at
-    16k: its tile sizes do not depend on the length) and return its PTX."""
+def fa4_ptx(head_dim: int, causal: bool, folder: str, backward: bool = False) -> str:
+    """Compile flash-attn-4's forward (or its backward, called directly: autograd would need a CUDA device) for
+    sm_90a on the CPU (fake CUDA tensors of bench/kernels.py's shapes at 16k: its tile sizes do not depend on the
+    length) and return its PTX."""
     os.environ.update(FLASH_ATTENTION_ARCH="sm_90", FLASH_ATTENTION_NUM_SMS="132", CUTE_DSL_KEEP="ptx",
                       CUTE_DSL_DUMP_DIR=folder)
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from flash_attn.cute import flash_attn_func
+    from flash_attn.cute.interface import _flash_attn_bwd
 
+    heads = 2048 // head_dim
     with FakeTensorMode(allow_non_fake_inputs=True):
-        q, k, v = (torch.empty(1, 16384, 2048 // head_dim, head_dim, dtype=torch.bfloat16, device="cuda")
-                   for _ in range(3))
-        flash_attn_func(q, k, v, causal=causal)
-    return [p for p in glob.glob(os.path.join(folder, "*.ptx")) if "Forward" in p][0]
+        q, k, v, out, dout = (torch.empty(1, 16384, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+                              for _ in range(5))
+        if backward:
+            lse = torch.empty(1, heads, 16384, dtype=torch.float32, device="cuda")
+            _flash_attn_bwd(q, k, v, out, dout, lse, causal=causal)
+        else:
+            flash_attn_func(q, k, v, causal=causal)
+    kernel = "BackwardSm90" if backward else "Forward"
+    return [p for p in glob.glob(os.path.join(folder, "*.ptx")) if kernel in p][0]
 
 
 def sass_of(ptx: str, ptxas: str, nvdisasm: str, labels: bool = False) -> list[str]:
@@ -156,8 +164,9 @@ def main():
     tools = _tool("ptxas", args.ptxas), _tool("nvdisasm", args.nvdisasm)
     with tempfile.TemporaryDirectory() as tmp:
         if args.fa4:
-            print(f"flash-attn-4 forward, hdim {args.headdim}, {'causal' if args.causal else 'full'}")
-            ptx = fa4_ptx(args.headdim, args.causal, tmp)
+            print(f"flash-attn-4 {'backward' if args.backward else 'forward'}, hdim {args.headdim}, "
+                  f"{'causal' if args.causal else 'full'}")
+            ptx = fa4_ptx(args.headdim, args.causal, tmp, args.backward)
         elif args.backward:
             from fa4dist.kernels.cute import backward as B
 
@@ -179,7 +188,7 @@ def main():
     def span(xs):
         return f"{len(xs)} after exp2 #{xs[0]}..#{xs[-1]}" if xs else "none"
 
-    for length, mufu, pv_wait, rescale, convert in softmax_steps(ins):
+    for length, mufu, pv_wait, rescale, convert in ([] if args.backward else softmax_steps(ins)):
         print(f"step: {length} instructions, {mufu} exp2; PV wait after exp2 #{pv_wait}; O-rescale FMULs "
               f"{span(rescale)}; P conversions {span(convert)}")
     if args.ops:
