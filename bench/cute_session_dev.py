@@ -94,7 +94,6 @@ def persistent_bwd_configs():
     PERSISTENT_RUNS, one CTA per tile and PERSISTENT_TEST_CTAS), of the rotated deterministic order's test and
     bench rows, and every backward variant of the "all" set as it is and on a 132-CTA persistent grid (the
     backward suites run under FA4DIST_BWD_OVERRIDE=persistent_ctas=132; the bench times both)."""
-
     import torch
 
     sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
@@ -240,7 +239,6 @@ def early_vectors_configs():
 def try_wait_configs():
     """The forward bench rows with FwdConfig.late_pv_wait on, and at hdim 128 also with sum_from_old (prepared in
     the fourteenth session: bench/sessions/gpu_session_15.sh)."""
-
     out = []
     for cfg in fwd_bench_configs():
         out.append(dataclasses.replace(cfg, late_pv_wait=True))

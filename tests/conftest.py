@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 # (always: workers inherit the controller's environment, so an inherited value would be shared again).
 os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(
     prefix=f"fa4dist-cute-dump-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")
+atexit.register(shutil.rmtree, os.environ["CUTE_DSL_DUMP_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

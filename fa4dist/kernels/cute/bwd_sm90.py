@@ -67,7 +67,6 @@ from .common_sm90 import (
     bulk_reduce_add_f32,
     bulk_reduce_add_u64,
     check_smem,
-    convert_to_16bit,
     dq_chunk_layout,
     extend_context,
     dq_tiled_mma,
@@ -77,10 +76,12 @@ from .common_sm90 import (
     red_release_add_gpu,
     select_modes,
     smem_layout_kmajor,
+    stage_wait,
     store_acc_rows,
     store_tile_tma,
     tma_pipeline,
     tma_tile_partition,
+    to_16bit,
     transpose_smem,
     wgmma_gemm,
 )
@@ -1070,34 +1071,16 @@ class FlashBwdSm90:
 
     # ------------------------------------------------------------------------
     @cute.jit
-    def consumer_wait(self, pipe, state):
-        """Wait for a Q / dO stage: with try_waits one non-blocking try first, the blocking loop only if it failed
-        (the same acquire either way)."""
-        if const_expr(self.try_waits):
-            pipe.consumer_wait(state, pipe.consumer_try_wait(state))
-        else:
-            pipe.consumer_wait(state)
-
-    @cute.jit
-    def to_16bit(self, src: cute.Tensor, dst: cute.Tensor):
-        """dst = src in the operand dtype, rounded to nearest (inline cvts with try_waits, where they stay)."""
-        if const_expr(self.try_waits):
-            convert_to_16bit(src, dst)
-        else:
-            dst.store(src.load().to(self.dtype))
-
-    # ------------------------------------------------------------------------
-    @cute.jit
     def mma_step(self, st: Context, q_state, m_block: Int32, head: Int32, masked: cutlass.Constexpr[bool]):
         """One (query tile, key tile) step of both MMA warpgroups: S^T, dP^T, P^T, dS^T, dV, dK, and the dQ tile
         handed to the writer warp."""
         stage = q_state.index
         tScS_mn, scale = st.tScS_mn, st.scale
         # (1) S^T = K Q^T ; (2) dP^T = V dO^T
-        self.consumer_wait(st.pipe_q, q_state)
+        stage_wait(st.pipe_q, q_state, self.try_waits)
         acc_S = cute.make_rmem_tensor(st.s_shape, Float32)
         self.gemm(st.tiled_mma_sdp, acc_S, st.tSrK, st.tSrQ[None, None, None, stage], True)
-        self.consumer_wait(st.pipe_do, q_state)
+        stage_wait(st.pipe_do, q_state, self.try_waits)
         acc_dP = cute.make_rmem_tensor(st.s_shape, Float32)
         self.gemm(st.tiled_mma_sdp, acc_dP, st.tdPrV, st.tdPrdO[None, None, None, stage], True)
         acc_S_mn = mn_view(acc_S)
@@ -1151,14 +1134,14 @@ class FlashBwdSm90:
                     ds = ds if p != Float32(0.0) else Float32(0.0)
                 acc_dP_mn[r, c] = ds
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
-        self.to_16bit(acc_dP, rdS)
+        to_16bit(acc_dP, rdS, self.try_waits)
         if const_expr(self.compute_dkv):
             # (4) dV += P^T dO, issued after dS is computed (GPU run 1: 4-15 % faster than before it, fewer live
             # registers)
             # P^T and dS^T as the register A operands, made in this step (not loop-carried: registers are live
             # only while their GEMM is in flight)
             rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-            self.to_16bit(acc_S, rP)
+            to_16bit(acc_S, rP, self.try_waits)
             self.gemm(st.tiled_mma_dkv, st.acc_dV, acc_to_operand_a(rP), st.tdVrdOt[None, None, None, stage], False)
         acc_dQ = None
         if const_expr(self.compute_dq):

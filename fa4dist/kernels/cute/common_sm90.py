@@ -127,6 +127,27 @@ def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor):
         dst_pairs[i] = cvt_pack_16x2(src[2 * i], src[2 * i + 1], dst.element_type)
 
 
+@cute.jit
+def to_16bit(src: cute.Tensor, dst: cute.Tensor, inline_cvt: cutlass.Constexpr[bool]):
+    """dst = src rounded to nearest in dst's 16-bit type: with ``inline_cvt`` through :func:`convert_to_16bit`
+    (where the source puts it), else a ``.to()`` conversion (which LLVM may move). The same bits either way."""
+    if cutlass.const_expr(inline_cvt):
+        convert_to_16bit(src, dst)
+    else:
+        dst.store(src.load().to(dst.element_type))
+
+
+@cute.jit
+def stage_wait(pipe, state, try_first: cutlass.Constexpr[bool]):
+    """A consumer's wait for a pipeline stage: with ``try_first`` one non-blocking try, the blocking loop only if it
+    failed (flash-attn-4's form: ptxas then schedules other work around the wait), else the blocking loop alone.
+    The same acquire either way."""
+    if cutlass.const_expr(try_first):
+        pipe.consumer_wait(state, pipe.consumer_try_wait(state))
+    else:
+        pipe.consumer_wait(state)
+
+
 @dsl_user_op
 def ld_acquire_gpu(ptr, *, loc=None, ip=None) -> Int32:
     addr = ptr.toint(loc=loc, ip=ip).ir_value()

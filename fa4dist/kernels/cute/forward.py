@@ -456,7 +456,8 @@ def forward_worklist(q, k, v, out, lse, table, max_q_len, *, softmax_scale, caus
 
 def same_kernel_math(dtype, head_dim, a: dict, b: dict) -> bool:
     """Whether two calls' variants (make_config keyword sets) differ only in how a launch finds its rows (or in
-    where ptxas schedules: _SCHEDULE_FIELDS), so that a row gets the same bits from either (a work list may then put such items in one launch)."""
+    where ptxas schedules: _SCHEDULE_FIELDS), so that a row gets the same bits from either (a work list may then
+    put such items in one launch)."""
     ca, cb = make_config(dtype, head_dim, **a), make_config(dtype, head_dim, **b)
     skip = set(_LAUNCH_SHAPE_FIELDS) | set(_SCHEDULE_FIELDS) | {"causal"}
     return all(getattr(ca, f) == getattr(cb, f) for f in ca.__dataclass_fields__ if f not in skip)

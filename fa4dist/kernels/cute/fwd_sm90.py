@@ -46,7 +46,6 @@ from .common_sm90 import (
     Context,
     acc_to_operand_a,
     check_smem,
-    convert_to_16bit,
     fma_rn,
     k_slices,
     mn_view,
@@ -55,9 +54,11 @@ from .common_sm90 import (
     prefetch_l2_bulk,
     select_modes,
     smem_layout_kmajor,
+    stage_wait,
     tma_pipeline,
     store_tile_tma,
     tma_tile_partition,
+    to_16bit,
     transpose_smem,
     wgmma_gemm,
 )
@@ -896,11 +897,11 @@ class FlashFwdSm90:
         """S of block n_block issued with the PV of the previous block; softmax of S while PV runs."""
         v_state = kv_state.clone()
         kv_state.advance()
-        self.consumer_wait(ml.pipe_k, kv_state)
+        stage_wait(ml.pipe_k, kv_state, self.late_pv_wait)
         self.sched_sync(ml.wg)
         acc_S = cute.make_rmem_tensor(ml.s_shape, Float32)
         self.gemm(ml.tiled_mma_qk, acc_S, ml.tSrQ, ml.tSrK[None, None, None, kv_state.index], True, -1)
-        self.consumer_wait(ml.pipe_v, v_state)
+        stage_wait(ml.pipe_v, v_state, self.late_pv_wait)
         self.gemm(ml.tiled_mma_pv, ml.acc_O, ml.tOrP, ml.tOrVt[None, None, None, v_state.index], False, -1)
         self.sched_arrive(ml.wg)
         warpgroup.wait_group(1)
@@ -911,23 +912,11 @@ class FlashFwdSm90:
         row_scale = ml.softmax.online(acc_S, False)
         warpgroup.wait_group(0)
         ml.pipe_v.consumer_release(v_state)
-        if const_expr(self.late_pv_wait):
-            convert_to_16bit(acc_to_operand_a(acc_S), ml.tOrP)
-        else:
-            ml.tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
+        to_16bit(acc_to_operand_a(acc_S), ml.tOrP, self.late_pv_wait)
         ml.softmax.rescale_o(ml.acc_O, row_scale)
         if const_expr(causal_mask):
             self.mark_rows_seeing_bad_v(ml, kv_state, n_block)
         return kv_state
-
-    @cute.jit
-    def consumer_wait(self, pipe, state):
-        """Wait for a K / V stage: with late_pv_wait one non-blocking try first, the blocking loop only if it
-        failed (the same acquire either way)."""
-        if const_expr(self.late_pv_wait):
-            pipe.consumer_wait(state, pipe.consumer_try_wait(state))
-        else:
-            pipe.consumer_wait(state)
 
     @cute.jit
     def cap_scores(self, ml: Context, acc_S: cute.Tensor):
