@@ -282,6 +282,41 @@ def session15_configs():
     return list(dict.fromkeys(out))
 
 
+def session16_configs():
+    """The sixteenth session's first call: the bench rows, forward (fwd_bench_configs) and backward (hdim 64 and
+    128, causal or not, deterministic or not, 1k / 4k / 16k), each with the descriptor bases hoisted (the default)
+    and not (hoist_descriptors=False); the pairs of test_schedule_fields_give_the_same_bits and
+    test_step_forms_give_the_same_bits (hoist_descriptors both ways)."""
+    import torch
+
+    from fa4dist.kernels.cute import backward as B
+    from fa4dist.kernels.cute import forward as F
+
+    bf16 = torch.bfloat16
+    dense = dict(varlen=False, seg_offsets=False, accumulate=False, dq_dtype=bf16, dkv_dtype=bf16, o_dtype=bf16,
+                 do_dtype=bf16)
+    out = []
+    for cfg in fwd_bench_configs():
+        out.extend([cfg, dataclasses.replace(cfg, hoist_descriptors=False)])
+    for d in (64, 128):
+        for causal in (False, True):
+            for det in (False, True):
+                for seqlen in (1000, 1024, 4096, 16384) if d == 128 else (1024, 4096, 16384):
+                    for hoist in (False, True):
+                        out.extend(B.make_configs(bf16, d, causal=causal, deterministic=det, max_seqlen_k=seqlen,
+                                                  hoist_descriptors=hoist, **dense))
+    for d in (64, 128):
+        for causal in (False, True):
+            for acc in (False, True):
+                extras = [{}] + ([dict(softcap=30.0, window_left=300)] if d == 128 and causal else [])
+                for kw in extras:
+                    for field in F._SCHEDULE_FIELDS:
+                        for on in (False, True):
+                            out.append(F.make_config(bf16, d, causal=causal, varlen=False, accumulate=acc,
+                                                     **{field: on}, **kw))
+    return list(dict.fromkeys(out))
+
+
 # the hdim-64 forward rows of the fourteenth session (bench/sessions/gpu_session_14.sh: keep the two in step)
 D64_FWD_VARIANTS = {
     causal: [{}, dict(persistent_ctas=0), dict(num_stages=3), dict(rescale_threshold=0.0 if causal else 8.0),
@@ -293,7 +328,7 @@ CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_
                "persistent_bwd": persistent_bwd_configs, "tma_dkv": tma_dkv_configs, "session14": session14_configs,
                "fwd_bench": fwd_bench_configs, "sum_from_old": sum_from_old_configs,
                "early_vectors": early_vectors_configs, "try_wait": try_wait_configs,
-               "session15": session15_configs}
+               "session15": session15_configs, "session16": session16_configs}
 
 
 def bwd_configs():

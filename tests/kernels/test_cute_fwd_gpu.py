@@ -410,7 +410,7 @@ def test_persistent_grid_gives_the_bits_of_one_cta_per_tile(case, ctas, dynamic,
         assert err <= 16 * 2.0 ** -23, f"{name} differs by {err:.2e} with {ctas} persistent CTAs"
 
 
-LATE_PV_WAIT_CASES = [
+SCHEDULE_FIELD_CASES = [
     # (b, s, h, hk, d, causal, extra)
     (2, 1500, 4, 2, 128, False, {}),
     (2, 1500, 4, 2, 128, True, {}),
@@ -420,12 +420,14 @@ LATE_PV_WAIT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", LATE_PV_WAIT_CASES, ids=[str(c[:6]) + ("-" + "-".join(c[6]) if c[6] else "")
-                                                          for c in LATE_PV_WAIT_CASES])
-def test_late_pv_wait_gives_the_same_bits(case):
-    """FwdConfig.late_pv_wait (the K / V waits tried before they block, P converted with inline cvts; default
-    from forward.default_late_pv_wait) changes where ptxas schedules, not what is computed: out / lse bytes equal
-    to the kernel without it, fresh and merged into a running result, with NaN in a masked V row."""
+@pytest.mark.parametrize("field", fa4cute._SCHEDULE_FIELDS)
+@pytest.mark.parametrize("case", SCHEDULE_FIELD_CASES, ids=[str(c[:6]) + ("-" + "-".join(c[6]) if c[6] else "")
+                                                            for c in SCHEDULE_FIELD_CASES])
+def test_schedule_fields_give_the_same_bits(case, field):
+    """Each of forward._SCHEDULE_FIELDS (late_pv_wait: the K / V waits tried before they block, P converted with
+    inline cvts; hoist_descriptors: the smem descriptor bases computed once per CTA) changes where ptxas
+    schedules, not what is computed: out / lse bytes equal either way, fresh and merged into a running result,
+    with NaN in a masked V row."""
     b, s, h, hk, d, causal, extra = case
     torch.manual_seed(s + d)
     q, k, v = rand(b, s, h, d, dtype=torch.bfloat16), rand(b, s, hk, d, dtype=torch.bfloat16), \
@@ -435,18 +437,18 @@ def test_late_pv_wait_gives_the_same_bits(case):
     running = (torch.randn(q.shape, dtype=torch.float32, device="cuda"),
                torch.randn((b, h, s), dtype=torch.float32, device="cuda"))
 
-    def launch(late):
+    def launch(on):
         out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
         lse = torch.full((b, h, s), float("nan"), dtype=torch.float32, device="cuda")
-        fa4cute.forward(q, k, v, out, lse, causal=causal, late_pv_wait=late, **extra)
+        fa4cute.forward(q, k, v, out, lse, causal=causal, **{field: on}, **extra)
         run_o, run_l = (t.clone() for t in running)
-        fa4cute.forward(q, k, v, run_o, run_l, causal=causal, accumulate=True, late_pv_wait=late, **extra)
+        fa4cute.forward(q, k, v, run_o, run_l, causal=causal, accumulate=True, **{field: on}, **extra)
         torch.cuda.synchronize()
         return out, lse, run_o, run_l
 
     want, got = launch(False), launch(True)
     for name, a, g in zip(("out", "lse", "merged out", "merged lse"), want, got):
-        assert torch.equal(a.view(torch.uint8), g.view(torch.uint8)), f"{name} differs with late_pv_wait"
+        assert torch.equal(a.view(torch.uint8), g.view(torch.uint8)), f"{name} differs with {field}"
     if not causal:  # (causal cases hold a NaN V row: their oracle rows are NaN too)
         ref_o, ref_l = ref_dense(q, k, v, d**-0.5, False, [0] * b, [0] * b)
         check(got[0], got[1], ref_o, ref_l, torch.bfloat16, True)

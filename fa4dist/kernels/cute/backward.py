@@ -93,6 +93,9 @@ class BwdConfig:
     # the forward's late_pv_wait forms in the step (Q / dO barriers tried before the blocking wait, P^T / dS^T
     # converted with inline cvts; the same bits). A measurement knob (NOTES_BWD.md, fifteenth session)
     try_waits: bool = False
+    # the smem operands' descriptor bases computed once per CTA instead of in every step
+    # (common_sm90.loop_invariant_descriptors; the same bits). False: a measurement knob
+    hoist_descriptors: bool = True
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -105,7 +108,7 @@ class BwdConfig:
             masked_last=self.masked_last, softcap_grad_regs=self.softcap_grad_regs, grads=self.grads,
             dq_fixed=self.dq_fixed, worklist=self.worklist, persistent_ctas=self.persistent_ctas,
             det_resident=self.det_resident, tma_store_dkv=self.tma_store_dkv, early_vectors=self.early_vectors,
-            try_waits=self.try_waits,
+            try_waits=self.try_waits, hoist_descriptors=self.hoist_descriptors,
         )
 
     @property
@@ -217,7 +220,7 @@ class PostConfig:
 _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "sanitize": host.parse_bool,
            "masked_last": host.parse_bool, "softcap_grad_regs": host.parse_bool, "persistent_ctas": int,
            "tma_store_dkv": host.parse_bool, "early_vectors": host.parse_bool,
-           "try_waits": host.parse_bool,
+           "try_waits": host.parse_bool, "hoist_descriptors": host.parse_bool,
            "det_resident": host.parse_bool}  # True: sequences of up to half the SMs' key tiles
 # development hook: FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_BWD_OVERRIDE", _FIELDS)
