@@ -250,7 +250,7 @@ def try_wait_configs():
 def session15_configs():
     """The fifteenth session's second call: the backward bench rows (hdim 64 and 128, causal or not, deterministic
     or not, 1k / 4k / 16k) with BwdConfig.try_waits on; the pairs of test_step_forms_give_the_same_bits
-    (try_waits) and of test_late_pv_wait_gives_the_same_bits (the forward's late_pv_wait both ways)."""
+    (try_waits) and of test_schedule_fields_give_the_same_bits (then named for late_pv_wait: it both ways)."""
     import torch
 
     from fa4dist.kernels.cute import backward as B

@@ -187,7 +187,7 @@ def default_late_pv_wait(head_dim: int, causal: bool) -> bool:
     a 5-round rerun, in the same rounds as the kernels without it): hdim 128 +1 / +1 / +2.5 / +1 / +1% non-causal
     and +2 / +1.5 / +3 / 0 / +2% causal at 2k / 4k / 8k / 16k / 32k (the first run: +6% non-causal at 16k); hdim 64
     non-causal +1 / 0 / 0.5 / 1.5 / 2%, hdim 64 causal 0 to -0.6% (its PV wait already sat among the exponentials
-    with sum_from_old). The bits do not depend on it (test_late_pv_wait_gives_the_same_bits)."""
+    with sum_from_old). The bits do not depend on it (test_schedule_fields_give_the_same_bits)."""
     return not (head_dim <= 64 and causal)
 
 
