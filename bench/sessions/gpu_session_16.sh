@@ -8,6 +8,7 @@
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_16.sh 1   # bits tests, the A/B bench
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_16.sh 2   # a longer A/B
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_16.sh 3   # the kernel suites, new defaults
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_16.sh 4   # the table under the final defaults
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s16 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
@@ -21,6 +22,15 @@ if [ "${1:-1}" = 1 ]; then
     --cute-variants fwd:hoist_descriptors=false bwd:hoist_descriptors=false \
     --rounds 3 --out-dir "$OUT"
   mv "$OUT/$(date +%F)-kernels.json" "$OUT/hoist-ab.json" 2>/dev/null
+  rm -f "$OUT"/*.png
+  exit
+fi
+if [ "$1" = 4 ]; then
+  TAIL_LINES=2 stage aot 200 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set session16
+  TAIL_LINES=40 stage table 300 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 4096 16384 \
+    --causal false true --directions fwd bwd --deterministic --backends cute sdpa_cudnn flash_attn_4 --rounds 3 \
+    --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/table.json" 2>/dev/null
   rm -f "$OUT"/*.png
   exit
 fi
