@@ -317,6 +317,21 @@ def session16_configs():
     return list(dict.fromkeys(out))
 
 
+def tile_n_176_configs():
+    """The hdim-128 forward bench rows (long sequences, causal or not) with 176-key tiles (FA3's non-causal tile;
+    the O staging buffer then no longer fits beside two K / V stages: tma_store_o off), and with tma_store_o off
+    alone (sixteenth session, bench/sessions/gpu_session_16.sh 5)."""
+    import torch
+
+    from fa4dist.kernels.cute import forward as F
+
+    out = []
+    for causal in (False, True):
+        for kw in (dict(tile_n=176, tma_store_o=False), dict(tma_store_o=False), {}):
+            out.append(F.make_config(torch.bfloat16, 128, causal=causal, varlen=False, accumulate=False, **kw))
+    return list(dict.fromkeys(out))
+
+
 # the hdim-64 forward rows of the fourteenth session (bench/sessions/gpu_session_14.sh: keep the two in step)
 D64_FWD_VARIANTS = {
     causal: [{}, dict(persistent_ctas=0), dict(num_stages=3), dict(rescale_threshold=0.0 if causal else 8.0),
@@ -328,7 +343,8 @@ CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_
                "persistent_bwd": persistent_bwd_configs, "tma_dkv": tma_dkv_configs, "session14": session14_configs,
                "fwd_bench": fwd_bench_configs, "sum_from_old": sum_from_old_configs,
                "early_vectors": early_vectors_configs, "try_wait": try_wait_configs,
-               "session15": session15_configs, "session16": session16_configs}
+               "session15": session15_configs, "session16": session16_configs,
+               "tile_n_176": tile_n_176_configs}
 
 
 def bwd_configs():

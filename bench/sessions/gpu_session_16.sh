@@ -9,6 +9,7 @@
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_16.sh 2   # a longer A/B
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_16.sh 3   # the kernel suites, new defaults
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_16.sh 4   # the table under the final defaults
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_16.sh 5   # 176-key tiles at hdim 128
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s16 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
@@ -23,6 +24,21 @@ if [ "${1:-1}" = 1 ]; then
     --rounds 3 --out-dir "$OUT"
   mv "$OUT/$(date +%F)-kernels.json" "$OUT/hoist-ab.json" 2>/dev/null
   rm -f "$OUT"/*.png
+  exit
+fi
+if [ "$1" = 5 ]; then
+  # FA3's non-causal hdim-128 tile, 128 x 176: on the CPU no spills (168 registers) with tma_store_o off (the O
+  # staging buffer no longer fits), 587 instructions per 176-key step = 427 per 128 keys (466 at 128). Prediction:
+  # non-causal +2-4% at 8k-32k if the step's fixed costs (waits, barriers, the O rescale) are what is left
+  TAIL_LINES=2 stage aot 100 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set tile_n_176
+  TAIL_LINES=20 stage ab176 110 python3 bench/kernels.py --headdims 128 --seqlens 4096 8192 16384 32768 \
+    --causal false true --directions fwd --backends cute flash_attn_4 --cute-variants \
+    fwd:tile_n=176,tma_store_o=false fwd:tma_store_o=false --rounds 5 --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/tile-n-176.json" 2>/dev/null
+  rm -f "$OUT"/*.png
+  # the dense forward tests at hdim 128 (every fresh launch on the 176-key tiles; fp64 oracle, odd lengths)
+  FA4DIST_FWD_OVERRIDE=tile_n=176,tma_store_o=0 TAIL_LINES=6 stage suite176 150 python3 -m pytest -q \
+    -p no:cacheprovider -rfE -n 8 tests/kernels/test_cute_fwd_gpu.py -k "(test_dense and 128) or (test_gqa_rows and 128)"
   exit
 fi
 if [ "$1" = 4 ]; then
