@@ -178,3 +178,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    common.exit_process()

@@ -512,3 +512,4 @@ def reference_run(args, device=torch.device("cpu")) -> dict:
 
 if __name__ == "__main__":
     main()
+    common.exit_process()

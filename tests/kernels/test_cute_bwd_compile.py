@@ -74,6 +74,8 @@ EXTRA = [
     # ptxas serializes the wgmmas with both forms on, either alone does not, measured -10-13%)
     (BF16, 128, False, False, False, True, {"try_waits": True}),
     (BF16, 128, True, False, False, False, {"try_waits": True}),
+    # the descriptor bases left to the DSL in every step (the knob's off position, sixteenth session)
+    (BF16, 128, False, False, False, True, {"hoist_descriptors": False}),
 ]
 
 
@@ -150,6 +152,9 @@ def test_compile_backward_variant(variant, tmp_path, monkeypatch, capfd):
     if main.takes_tile_counter and main.deterministic:
         assert "%ctaid.x" not in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
+    # the streamed operands' descriptor bases computed once per tile (loop_invariant_descriptors: Q, dO, dS and the
+    # transposes a variant's GEMMs use)
+    assert ("%dynamic_smem_size" in ptx) == main.hoist_descriptors
     if main.deterministic:
         assert ("ld.global.acquire.gpu" in ptx and "red.release.gpu" in ptx) == (main.grads != "dkv")
 

@@ -69,6 +69,8 @@ EXTRA = [
     # default_late_pv_wait) switched the other way
     (torch.bfloat16, 128, False, False, False, {"late_pv_wait": False}),
     (torch.bfloat16, 64, True, False, False, {"late_pv_wait": True}),
+    # the descriptor bases left to the DSL in every step (the knob's off position, sixteenth session)
+    (torch.bfloat16, 128, False, False, False, {"hoist_descriptors": False}),
 ]
 
 
@@ -120,6 +122,8 @@ def test_compile_variant(variant, tmp_path, monkeypatch, capfd):
     assert ("%nctaid.x" in ptx) == cfg.persistent
     assert ("atom.global.add.u32" in ptx) == cfg.takes_tile_counter  # the dynamic walk's claims
     assert ("mul.rn.f32" in ptx) == cfg.exact_merge  # the merge's separately rounded product
+    # the descriptor bases computed once per tile (common_sm90.loop_invariant_descriptors: Q, K, V)
+    assert ("%dynamic_smem_size" in ptx) == cfg.hoist_descriptors
     if causal or varlen:  # masked V tiles go through the sanitizer warps (packed fp16/bf16 FMA check)
         assert "bar.red.or.pred" in ptx and ("fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx)
     log = capfd.readouterr()

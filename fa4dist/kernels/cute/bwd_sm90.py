@@ -67,11 +67,11 @@ from .common_sm90 import (
     bulk_reduce_add_f32,
     bulk_reduce_add_u64,
     check_smem,
+    descriptor_hoister,
     dq_chunk_layout,
     extend_context,
     dq_tiled_mma,
     ld_acquire_gpu,
-    loop_invariant_descriptors,
     mn_view,
     nanosleep,
     red_release_add_gpu,
@@ -917,7 +917,7 @@ class FlashBwdSm90:
         # operands. The streamed ones' descriptor bases (Q, dO, dS and their transposes) are computed once
         # (loop_invariant_descriptors: 377 -> 360 instructions per step at hdim 128); K's, V's and K^T's are left to
         # the DSL: held across the loop too, they spill hdim 128's deterministic and packed accumulating variants
-        hoist = loop_invariant_descriptors if const_expr(self.hoist_descriptors) else (lambda frag: frag)
+        hoist = descriptor_hoister(self.hoist_descriptors)
         tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
         tSrQ = hoist(wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ)))
         tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(io.sV))

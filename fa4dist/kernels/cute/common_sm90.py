@@ -411,3 +411,10 @@ def loop_invariant_descriptors(frag: cute.Tensor) -> cute.Tensor:
 
     base = _opaque_descriptor_word(smem_descriptor_to_int(frag.iterator))
     return cute.make_tensor(int_to_smem_descriptor(base), frag.layout)
+
+
+def descriptor_hoister(enabled: bool):
+    """:func:`loop_invariant_descriptors`, or the identity when ``enabled`` is False (the knob's off position,
+    ``hoist_descriptors`` of the forward's and backward's configs)."""
+    return loop_invariant_descriptors if enabled else (lambda frag: frag)
+

@@ -46,9 +46,9 @@ from .common_sm90 import (
     Context,
     acc_to_operand_a,
     check_smem,
+    descriptor_hoister,
     fma_rn,
     k_slices,
-    loop_invariant_descriptors,
     mn_view,
     mul_rn,
     prefetch_l2,
@@ -787,7 +787,7 @@ class FlashFwdSm90:
         D = self.head_dim
         # the smem operands' descriptor bases computed once here, not per step (loop_invariant_descriptors); Q's
         # K-block slices once too (SASS: 3 fewer 64-bit adds per block at hdim 128)
-        hoist = loop_invariant_descriptors if const_expr(self.hoist_descriptors) else (lambda frag: frag)
+        hoist = descriptor_hoister(self.hoist_descriptors)
         tSrQ = k_slices(hoist(wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(io.sQ))))
         tSrK = hoist(wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(io.sK)))
         sVt = transpose_smem(io.sV)  # (D, tile_n, stages)
