@@ -10,6 +10,7 @@
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_16.sh 3   # the kernel suites, new defaults
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_16.sh 4   # the table under the final defaults
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_16.sh 5   # 176-key tiles at hdim 128
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_16.sh 6   # the 1k A/B again, 5 rounds
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s16 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
@@ -23,6 +24,16 @@ if [ "${1:-1}" = 1 ]; then
     --cute-variants fwd:hoist_descriptors=false bwd:hoist_descriptors=false \
     --rounds 3 --out-dir "$OUT"
   mv "$OUT/$(date +%F)-kernels.json" "$OUT/hoist-ab.json" 2>/dev/null
+  rm -f "$OUT"/*.png
+  exit
+fi
+if [ "$1" = 6 ]; then
+  # call 3's 1k / 2k stage ran one round before its limit: 1k alone, 5 rounds, every row AOT-compiled
+  TAIL_LINES=2 stage aot 100 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set session16
+  TAIL_LINES=30 stage ab1k5 120 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 --causal false true \
+    --directions fwd bwd --deterministic --backends cute flash_attn_4 \
+    --cute-variants fwd:hoist_descriptors=false bwd:hoist_descriptors=false --rounds 5 --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/hoist-ab1k5.json" 2>/dev/null
   rm -f "$OUT"/*.png
   exit
 fi
