@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fa4dist.data import PackedTokenStream, collect_documents, make_sample_plan, shard_sample
+from fa4dist.demo import exit_process  # noqa: F401 (the recipes' __main__ end with it)
 from fa4dist.models import FA4Llama, cp_cross_entropy, get_config
 
 H200_PEAK_BF16 = 989.4e12  # dense bf16 FLOP/s of an H100/H200 SXM
@@ -161,16 +162,6 @@ def finish_distributed() -> None:
     dist.barrier()
     dist.destroy_process_group()
 
-
-def exit_process(code: int = 0):
-    """Ends a recipe run as a process (its ``__main__``), after main returned: flushes the output and leaves with
-    ``os._exit``, without the interpreter's teardown of torch's C++ objects. On CPU a gloo thread can still be
-    joinable at that teardown and abort a process whose run had finished ("terminate called without an active
-    exception" after the summary line, on rank 1: CI on 2026-12-02, in a job that had passed the barrier of
-    finish_distributed; about once in twenty CI runs, not reproduced in 20 runs here)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 @dataclass
