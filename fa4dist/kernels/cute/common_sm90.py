@@ -405,7 +405,7 @@ def loop_invariant_descriptors(frag: cute.Tensor) -> cute.Tensor:
     or); neither LLVM nor ptxas hoists that out of the key-block loop, and ptxas, seeing the constant high word,
     splits every 64-bit K-block add and rematerializes that word before each wgmma. With the base made opaque the
     step's K, Q and V descriptors are a stage offset and K-block adds on a loop-invariant value (forward, hdim 128:
-    486 -> 465 instructions per step, flash-attn-4's 455; ``bench/sass_softmax.py --ops``). Same descriptors,
+    486 -> 466 instructions per step, flash-attn-4's 455; ``bench/sass_softmax.py --ops``). Same descriptors,
     same bits."""
     from cutlass.cute.nvgpu.tcgen05 import int_to_smem_descriptor, smem_descriptor_to_int
 
@@ -417,4 +417,3 @@ def descriptor_hoister(enabled: bool):
     """:func:`loop_invariant_descriptors`, or the identity when ``enabled`` is False (the knob's off position,
     ``hoist_descriptors`` of the forward's and backward's configs)."""
     return loop_invariant_descriptors if enabled else (lambda frag: frag)
-

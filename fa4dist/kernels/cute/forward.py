@@ -51,7 +51,7 @@ class FwdConfig:
     # converted with inline cvts): ptxas then places the PV wait after ~10 exponentials instead of before the first
     # (NOTES_FWD.md, fourteenth session). The same bits either way. Default from default_late_pv_wait (measured)
     late_pv_wait: bool = False
-    # the smem operands' descriptor bases computed once per CTA instead of in every step
+    # the smem operands' descriptor bases computed once per tile instead of in every step
     # (common_sm90.loop_invariant_descriptors; the same bits). False: a measurement knob
     hoist_descriptors: bool = True
     tma_store_o: bool = True  # dense non-accumulate 16-bit out: O via smem + TMA store (else direct stores)
