@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Sixteenth session: the smem operands' descriptor bases computed once per tile (hoist_descriptors, forward and
-# backward; common_sm90.loop_invariant_descriptors). On the CPU (bench/sass_softmax.py --ops) the step's
+# Sixteenth session: the smem operands' descriptor bases computed once per tile (forward) or CTA (backward), not
+# per step (hoist_descriptors; common_sm90.loop_invariant_descriptors). On the CPU (bench/sass_softmax.py --ops) the step's
 # instructions drop: forward hdim 128 486 -> 466 (flash-attn-4 455), hdim 64 432 -> 418 (flash-attn-4 418);
 # backward hdim 128 377 -> 360, hdim 64 535 -> 521 (the streamed operands only: all of them spill hdim 128's deterministic variants).
 # Prediction: forward +0.5-2% at hdim 128 (the loop issues ~50% of its slots; 4% fewer instructions), backward

@@ -93,7 +93,7 @@ class BwdConfig:
     # the forward's late_pv_wait forms in the step (Q / dO barriers tried before the blocking wait, P^T / dS^T
     # converted with inline cvts; the same bits). A measurement knob (NOTES_BWD.md, fifteenth session)
     try_waits: bool = False
-    # the smem operands' descriptor bases computed once per tile instead of in every step
+    # the smem operands' descriptor bases computed once per CTA instead of in every step
     # (common_sm90.loop_invariant_descriptors; the same bits). False: a measurement knob
     hoist_descriptors: bool = True
 

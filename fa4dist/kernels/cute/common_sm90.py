@@ -399,7 +399,7 @@ def _opaque_descriptor_word(desc, *, loc=None, ip=None) -> cutlass.Int64:
 
 def loop_invariant_descriptors(frag: cute.Tensor) -> cute.Tensor:
     """An smem MMA operand fragment (``make_fragment_A/B`` of an smem partition) whose descriptor base is computed
-    here, in the caller's setup, instead of at every GEMM.
+    here, in the caller's setup (the forward's per tile, the backward's per CTA), instead of at every GEMM.
 
     The DSL lowers each use of a descriptor fragment by rebuilding the base from the smem pointer (add, shift, and,
     or); neither LLVM nor ptxas hoists that out of the key-block loop, and ptxas, seeing the constant high word,
