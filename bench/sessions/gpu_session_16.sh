@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Sixteenth session: the smem operands' descriptor bases computed once per tile (forward) or CTA (backward), not
-# per step (hoist_descriptors; common_sm90.loop_invariant_descriptors). On the CPU (bench/sass_softmax.py --ops) the step's
-# instructions drop: forward hdim 128 486 -> 466 (flash-attn-4 455), hdim 64 432 -> 418 (flash-attn-4 418);
-# backward hdim 128 377 -> 360, hdim 64 535 -> 521 (the streamed operands only: all of them spill hdim 128's deterministic variants).
-# Prediction: forward +0.5-2% at hdim 128 (the loop issues ~50% of its slots; 4% fewer instructions), backward
-# +1-2%; no change in bits.
+# Sixteenth session: the smem operands' descriptor bases computed once per tile (forward) or CTA (backward), not per
+# step (hoist_descriptors; common_sm90.loop_invariant_descriptors). On the CPU (bench/sass_softmax.py --ops) the
+# step's instructions drop: forward hdim 128 486 -> 466 (flash-attn-4 455), hdim 64 432 -> 418 (flash-attn-4 418);
+# backward hdim 128 377 -> 360, hdim 64 535 -> 521 (the streamed operands only: all of them spill hdim 128's
+# deterministic variants). Prediction: forward +0.5-2% at hdim 128 (the loop issues ~50% of its slots; 4% fewer
+# instructions), backward +1-2%; no change in bits.
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_16.sh 1   # bits tests, the A/B bench
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_16.sh 2   # a longer A/B
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_16.sh 3   # the kernel suites, new defaults
