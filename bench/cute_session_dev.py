@@ -247,73 +247,63 @@ def try_wait_configs():
     return list(dict.fromkeys(out))
 
 
-def session15_configs():
-    """The fifteenth session's second call: the backward bench rows (hdim 64 and 128, causal or not, deterministic
-    or not, 1k / 4k / 16k) with BwdConfig.try_waits on; the pairs of test_step_forms_give_the_same_bits
-    (try_waits) and of test_schedule_fields_give_the_same_bits (then named for late_pv_wait: it both ways)."""
+def _bwd_bench_pairs(field: str):
+    """The backward bench rows (bf16 dense, hdim 64 and 128, causal or not, deterministic or not, 1k / 4k / 16k)
+    and test_step_forms_give_the_same_bits' 1000-token hdim-128 rows, each with ``field`` off and on."""
     import torch
 
     from fa4dist.kernels.cute import backward as B
-    from fa4dist.kernels.cute import forward as F
 
     bf16 = torch.bfloat16
     dense = dict(varlen=False, seg_offsets=False, accumulate=False, dq_dtype=bf16, dkv_dtype=bf16, o_dtype=bf16,
                  do_dtype=bf16)
     out = []
-    for d in (64, 128):
-        for causal in (False, True):
-            for det in (False, True):
-                for seqlen in (1024, 4096, 16384):
-                    for tw in (False, True):
-                        out.extend(B.make_configs(bf16, d, causal=causal, deterministic=det, max_seqlen_k=seqlen,
-                                                  try_waits=tw, **dense))
-                if d == 128:
-                    for tw in (False, True):
-                        out.extend(B.make_configs(bf16, d, causal=causal, deterministic=det, max_seqlen_k=1000,
-                                                  try_waits=tw, **dense))
-    for d in (64, 128):
-        for causal in (False, True):
-            for acc in (False, True):
-                extras = [{}] + ([dict(softcap=30.0, window_left=300)] if d == 128 and causal else [])
-                for kw in extras:
-                    for late in (False, True):
-                        out.append(F.make_config(bf16, d, causal=causal, varlen=False, accumulate=acc,
-                                                 late_pv_wait=late, **kw))
-    return list(dict.fromkeys(out))
-
-
-def session16_configs():
-    """The sixteenth session's first call: the bench rows, forward (fwd_bench_configs) and backward (hdim 64 and
-    128, causal or not, deterministic or not, 1k / 4k / 16k), each with the descriptor bases hoisted (the default)
-    and not (hoist_descriptors=False); the pairs of test_schedule_fields_give_the_same_bits and
-    test_step_forms_give_the_same_bits (hoist_descriptors both ways)."""
-    import torch
-
-    from fa4dist.kernels.cute import backward as B
-    from fa4dist.kernels.cute import forward as F
-
-    bf16 = torch.bfloat16
-    dense = dict(varlen=False, seg_offsets=False, accumulate=False, dq_dtype=bf16, dkv_dtype=bf16, o_dtype=bf16,
-                 do_dtype=bf16)
-    out = []
-    for cfg in fwd_bench_configs():
-        out.extend([cfg, dataclasses.replace(cfg, hoist_descriptors=False)])
     for d in (64, 128):
         for causal in (False, True):
             for det in (False, True):
                 for seqlen in (1000, 1024, 4096, 16384) if d == 128 else (1024, 4096, 16384):
-                    for hoist in (False, True):
+                    for on in (False, True):
                         out.extend(B.make_configs(bf16, d, causal=causal, deterministic=det, max_seqlen_k=seqlen,
-                                                  hoist_descriptors=hoist, **dense))
+                                                  **{field: on}, **dense))
+    return out
+
+
+def _fwd_bits_pairs(fields):
+    """test_schedule_fields_give_the_same_bits' forward variants (fresh and merged, hdim 64 and 128, causal or not,
+    softcap + window at hdim 128 causal), each of ``fields`` off and on."""
+    import torch
+
+    from fa4dist.kernels.cute import forward as F
+
+    out = []
     for d in (64, 128):
         for causal in (False, True):
             for acc in (False, True):
                 extras = [{}] + ([dict(softcap=30.0, window_left=300)] if d == 128 and causal else [])
                 for kw in extras:
-                    for field in F._SCHEDULE_FIELDS:
+                    for field in fields:
                         for on in (False, True):
-                            out.append(F.make_config(bf16, d, causal=causal, varlen=False, accumulate=acc,
+                            out.append(F.make_config(torch.bfloat16, d, causal=causal, varlen=False, accumulate=acc,
                                                      **{field: on}, **kw))
+    return out
+
+
+def session15_configs():
+    """The fifteenth session's second call: the backward bench rows with BwdConfig.try_waits off and on, and the
+    forward's late_pv_wait both ways (the bits tests' pairs)."""
+    return list(dict.fromkeys(_bwd_bench_pairs("try_waits") + _fwd_bits_pairs(("late_pv_wait",))))
+
+
+def session16_configs():
+    """The sixteenth session's first call: the bench rows, forward (fwd_bench_configs) and backward, each with the
+    descriptor bases hoisted (the default) and not (hoist_descriptors=False), and the bits tests' pairs of every
+    forward schedule field."""
+    from fa4dist.kernels.cute import forward as F
+
+    out = []
+    for cfg in fwd_bench_configs():
+        out.extend([cfg, dataclasses.replace(cfg, hoist_descriptors=False)])
+    out += _bwd_bench_pairs("hoist_descriptors") + _fwd_bits_pairs(F._SCHEDULE_FIELDS)
     return list(dict.fromkeys(out))
 
 
