@@ -322,6 +322,29 @@ def tile_n_176_configs():
     return list(dict.fromkeys(out))
 
 
+def session17_configs():
+    """The seventeenth session's first call: the causal forward bench rows (fwd_bench_configs), the hdim-128
+    dense causal merges (bench/kernels.py --accumulate, one CTA per tile and persistent), packed causal documents
+    and the backward bench rows, each with long and short tiles interleaved and not, and the bits tests' pairs of
+    every forward schedule field."""
+    import torch
+
+    from fa4dist.kernels.cute import forward as F
+
+    out = []
+    for cfg in fwd_bench_configs():
+        out.extend([cfg, dataclasses.replace(cfg, interleave_lengths=cfg.causal)])
+    for on in (False, True):
+        for persistent in (0, 132):
+            out.append(F.make_config(torch.bfloat16, 128, causal=True, varlen=False, accumulate=True,
+                                     interleave_lengths=on, persistent_ctas=persistent))
+        for d in (64, 128):  # packed causal documents (bench/packed_tiles.py)
+            out.append(F.make_config(torch.bfloat16, d, causal=True, varlen=True, accumulate=False,
+                                     interleave_lengths=on))
+    out += _fwd_bits_pairs(F._SCHEDULE_FIELDS) + _bwd_bench_pairs("interleave_lengths")
+    return list(dict.fromkeys(out))
+
+
 # the hdim-64 forward rows of the fourteenth session (bench/sessions/gpu_session_14.sh: keep the two in step)
 D64_FWD_VARIANTS = {
     causal: [{}, dict(persistent_ctas=0), dict(num_stages=3), dict(rescale_threshold=0.0 if causal else 8.0),
@@ -334,7 +357,7 @@ CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_
                "fwd_bench": fwd_bench_configs, "sum_from_old": sum_from_old_configs,
                "early_vectors": early_vectors_configs, "try_wait": try_wait_configs,
                "session15": session15_configs, "session16": session16_configs,
-               "tile_n_176": tile_n_176_configs}
+               "tile_n_176": tile_n_176_configs, "session17": session17_configs}
 
 
 def bwd_configs():

@@ -76,6 +76,9 @@ EXTRA = [
     (BF16, 128, True, False, False, False, {"try_waits": True}),
     # the descriptor bases left to the DSL in every step (the knob's off position, sixteenth session)
     (BF16, 128, False, False, False, True, {"hoist_descriptors": False}),
+    # long and short causal key tiles interleaved in the launch order, one CTA per tile and persistent
+    (BF16, 128, True, False, False, False, {"interleave_lengths": True}),
+    (BF16, 64, True, False, False, False, {"interleave_lengths": True, "persistent_ctas": 132}),
 ]
 
 

@@ -71,6 +71,9 @@ EXTRA = [
     (torch.bfloat16, 64, True, False, False, {"late_pv_wait": True}),
     # the descriptor bases left to the DSL in every step (the knob's off position, sixteenth session)
     (torch.bfloat16, 128, False, False, False, {"hoist_descriptors": False}),
+    # long and short causal tiles interleaved in the launch order (dense with head groups; packed)
+    (torch.bfloat16, 128, True, False, True, {"interleave_lengths": True}),
+    (torch.bfloat16, 64, True, True, False, {"interleave_lengths": True}),
 ]
 
 
@@ -128,6 +131,22 @@ def test_compile_variant(variant, tmp_path, monkeypatch, capfd):
         assert "bar.red.or.pred" in ptx and ("fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx)
     log = capfd.readouterr()
     assert_ptxas_clean(log.out + log.err)
+
+
+@pytest.mark.cute
+@pytest.mark.parametrize("num_m_blocks", [1, 2, 5, 8, 33])
+def test_causal_launch_orders_are_permutations(num_m_blocks):
+    """tile_scheduler.causal_m_block: longest first, or long and short interleaved (n-1, 0, n-2, 1, ...): each a
+    permutation of the query tiles, the interleaved one pairing neighbours to the same work."""
+    from fa4dist.kernels.cute.tile_scheduler import causal_m_block
+
+    n = num_m_blocks
+    longest = [causal_m_block(p, n, False) for p in range(n)]
+    mixed = [causal_m_block(p, n, True) for p in range(n)]
+    assert longest == list(range(n - 1, -1, -1))
+    assert sorted(mixed) == list(range(n))
+    assert mixed[:4] == [n - 1, 0, n - 2, 1][:n]
+    assert all(mixed[p] + mixed[p + 1] == n - 1 for p in range(0, n - 1, 2))
 
 
 @pytest.mark.cute

@@ -96,6 +96,9 @@ class BwdConfig:
     # the smem operands' descriptor bases computed once per CTA instead of in every step
     # (common_sm90.loop_invariant_descriptors; the same bits). False: a measurement knob
     hoist_descriptors: bool = True
+    # causal, not deterministic: long and short key tiles alternate in the launch order (tile_scheduler.
+    # bwd_work_tile), so that tiles that are mostly epilogue run beside long ones. A measurement knob
+    interleave_lengths: bool = False
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -109,6 +112,7 @@ class BwdConfig:
             dq_fixed=self.dq_fixed, worklist=self.worklist, persistent_ctas=self.persistent_ctas,
             det_resident=self.det_resident, tma_store_dkv=self.tma_store_dkv, early_vectors=self.early_vectors,
             try_waits=self.try_waits, hoist_descriptors=self.hoist_descriptors,
+            interleave_lengths=self.interleave_lengths,
         )
 
     @property
@@ -221,6 +225,7 @@ _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "s
            "masked_last": host.parse_bool, "softcap_grad_regs": host.parse_bool, "persistent_ctas": int,
            "tma_store_dkv": host.parse_bool, "early_vectors": host.parse_bool,
            "try_waits": host.parse_bool, "hoist_descriptors": host.parse_bool,
+           "interleave_lengths": host.parse_bool,
            "det_resident": host.parse_bool}  # True: sequences of up to half the SMs' key tiles
 # development hook: FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_BWD_OVERRIDE", _FIELDS)
@@ -352,6 +357,8 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
     kw["det_resident"] = host.sm_count() // 2 if resident is True else int(resident)
     if kw.get("persistent_ctas", 0) > 0:  # ... on the persistent grid, every such tile claimed at once
         kw["det_resident"] = min(kw["det_resident"], kw["persistent_ctas"] // 2)
+    if kw.get("interleave_lengths") and not (kw["causal"] and not kw["deterministic"]):
+        kw["interleave_lengths"] = False  # the kernel's rule (bwd_sm90): one cache entry per kernel
     main = BwdConfig(**kw)
     pre = PreConfig(o_dtype=host.dtype_name(o_dtype), do_dtype=host.dtype_name(do_dtype), head_dim=head_dim,
                     tile_m=tm, varlen=bool(varlen), deterministic=bool(deterministic), zero_dq=grads != "dkv",

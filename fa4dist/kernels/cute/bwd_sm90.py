@@ -148,6 +148,7 @@ class FlashBwdSm90:
         early_vectors: bool = False,
         try_waits: bool = False,
         hoist_descriptors: bool = True,
+        interleave_lengths: bool = False,
     ):
         assert head_dim in (64, 128)
         # a work list: mCuSeqlensQ is the item table (block_info.WORKLIST_COLUMNS), one "sequence" per item with
@@ -239,6 +240,9 @@ class FlashBwdSm90:
         # P^T / dS^T converted with inline cvts (common_sm90.convert_to_16bit); the same bits either way
         self.try_waits = try_waits
         self.hoist_descriptors = hoist_descriptors
+        # causal, no deterministic order: long and short key tiles alternate in the launch order
+        # (tile_scheduler.bwd_work_tile)
+        self.interleave_lengths = interleave_lengths and causal and not deterministic
 
     # ------------------------------------------------------------------------
     # host side
@@ -507,7 +511,7 @@ class FlashBwdSm90:
         if const_expr(self.det_lpt):
             spt = launch.n_blocks_grid > self.det_lpt  # every sequence's key tiles fit: longest first
         tile = bwd_work_tile(io.mQ, io.mK, launch.n_blocks_grid, launch.num_batch, shortest_first=spt,
-                             det_chunk=self.det_chunk, tile_idx=tile_idx)
+                             det_chunk=self.det_chunk, interleave=self.interleave_lengths, tile_idx=tile_idx)
         seqlen = SeqlenInfo.create(tile.batch, io.mQ, io.mK, io.diag, io.mCuSeqlensQ, io.mCuSeqlensK, io.mSegOffQ,
                                    io.mSegOffK, varlen=self.varlen, seg_offsets=self.seg_offsets,
                                    scratch_tile_m=self.tile_m, worklist=self.worklist)

@@ -92,6 +92,10 @@ class FwdConfig:
     # (tile_scheduler.fwd_work_tile's head groups); 0: the kernel's default, 16 MB worth at hdim 128 and 24 MB
     # below (NOTES_FWD.md, thirteenth session). A measurement knob
     l2_rows: int = 0
+    # causal: the launch order alternates long and short query tiles (longest, shortest, ...) instead of longest
+    # first (tile_scheduler.causal_m_block), so that short tiles, mostly epilogue, run beside long ones. Only the
+    # order of tiles changes, never a sum's. Default from default_interleave_lengths
+    interleave_lengths: bool = False
 
     def build(self):
         from .fwd_sm90 import FlashFwdSm90
@@ -106,7 +110,7 @@ class FwdConfig:
             sinks=self.sinks, softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
             prefetch_running=self.prefetch_running, persistent_ctas=self.persistent_ctas if self.persistent else 0,
             dynamic_tiles=self.takes_tile_counter, exact_merge=self.exact_merge, regs_producer=self.regs_producer,
-            l2_rows=self.l2_rows or None,
+            l2_rows=self.l2_rows or None, interleave_lengths=self.interleave_lengths,
         )
 
     @property
@@ -222,6 +226,11 @@ def default_persistent_ctas(cfg: FwdConfig) -> int:
     return host.sm_count()
 
 
+def default_interleave_lengths(cfg: FwdConfig) -> bool:
+    """Not measured yet: False (longest first) everywhere."""
+    return False
+
+
 _FIELDS = {
     "tile_m": int, "tile_n": int, "num_stages": int, "intra_wg_overlap": host.parse_bool,
     "sched_barrier": host.parse_bool, "rescale_threshold": float, "sum_from_old": host.parse_bool,
@@ -229,12 +238,12 @@ _FIELDS = {
     "sanitize": host.parse_bool,
     "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
     "persistent_ctas": int, "dynamic_tiles": host.parse_bool, "exact_merge": host.parse_bool, "regs_producer": int,
-    "l2_rows": int,
+    "l2_rows": int, "interleave_lengths": host.parse_bool,
 }
 # the fields a work-list launch must share with the per-item calls it replaces to give their bits (all but these)
 _LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o", "persistent_ctas", "dynamic_tiles")
-# fields that move instructions, not results (each one's bits test compares the bytes both ways)
-_SCHEDULE_FIELDS = ("late_pv_wait", "hoist_descriptors")
+# fields that move instructions or tiles, not results (each one's bits test compares the bytes both ways)
+_SCHEDULE_FIELDS = ("late_pv_wait", "hoist_descriptors", "interleave_lengths")
 # development hook: FA4DIST_FWD_OVERRIDE="rescale_threshold=0,tile_m=128" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_FWD_OVERRIDE", _FIELDS)
 
@@ -269,6 +278,10 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
         cfg = dataclasses.replace(cfg, persistent_ctas=default_persistent_ctas(cfg))
     if "regs_producer" not in kw:
         cfg = dataclasses.replace(cfg, regs_producer=default_regs_producer(cfg))
+    if "interleave_lengths" not in kw:
+        cfg = dataclasses.replace(cfg, interleave_lengths=default_interleave_lengths(cfg))
+    if cfg.interleave_lengths and not cfg.causal:  # tiles of one length: the same kernel, one cache entry
+        cfg = dataclasses.replace(cfg, interleave_lengths=False)
     return cfg
 
 

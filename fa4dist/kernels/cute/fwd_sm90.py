@@ -98,6 +98,7 @@ class FlashFwdSm90:
         tma_store_o: bool = True,
         sanitize: bool = True,
         l2_rows: Optional[int] = None,
+        interleave_lengths: bool = False,
         window_left: int = -1,
         softcap: float = 0.0,
         sinks: bool = False,
@@ -181,6 +182,8 @@ class FlashFwdSm90:
         if l2_rows is None:
             l2_rows = ((16 if head_dim >= 128 else 24) * 1024 * 1024) // (2 * head_dim * elem)
         self.l2_rows = l2_rows
+        # causal: long and short query tiles alternate in the launch order (tile_scheduler.causal_m_block)
+        self.interleave_lengths = interleave_lengths and causal
         self.block_info = BlockInfo(tile_m, tile_n, causal, window_left)
         # V tiles of masked blocks go through the sanitizer warps (dense non-causal: TMA zero-fills past the end)
         self.sanitize_v = sanitize and (causal or varlen)
@@ -436,7 +439,8 @@ class FlashFwdSm90:
         """(tile, seqlen, tile_valid, blk) of launch-order tile ``tile_idx`` (None: this CTA's blockIdx.x): the
         work tile, its sequence and its key-block range in processing phases."""
         tile = fwd_work_tile(io.mQ, io.mK, launch.num_m_blocks, launch.num_batch, causal=self.causal,
-                             varlen=self.varlen, l2_rows=self.l2_rows, tile_idx=tile_idx)
+                             varlen=self.varlen, l2_rows=self.l2_rows,
+                             interleave=self.interleave_lengths, tile_idx=tile_idx)
         seqlen = SeqlenInfo.create(tile.batch, io.mQ, io.mK, launch.diag, launch.mCuSeqlensQ, launch.mCuSeqlensK,
                                    launch.mSegOffQ, launch.mSegOffK, varlen=self.varlen,
                                    seg_offsets=self.seg_offsets, worklist=self.worklist)

@@ -4,7 +4,8 @@ Both kernels launch one CTA per work tile, or a persistent grid of one CTA per S
 launch order, so that the next tile's loads overlap the current one's epilogue: tiles claimed from a counter
 (``TileClaims``), or in the forward the static walk (``persistent_turn``, a measurement knob). The forward's tile
 is a query tile of one (head, sequence); the backward's is a key tile of one (kv head, sequence). The launch order
-is part of the design: causal forward tiles go longest first, with heads grouped so that their K/V stay in L2;
+is part of the design: causal forward tiles go longest first (or long and short alternating, for merges), with
+heads grouped so that their K/V stay in L2;
 deterministic backward tiles go in the order that keeps the dQ semaphore chains short and deadlock-free. A
 work-list launch (several (query range, key range, offsets, mask) items, fa4dist.kernels.worklist) keeps these
 decoders: its items take the place of a packed call's sequences (``batch`` is the item; block_info.SeqlenInfo reads
@@ -144,11 +145,24 @@ class TileClaims:
         return t, state
 
 
+def causal_m_block(position, num_m_blocks, interleave: bool):
+    """The query tile at ``position`` of a causal (head, sequence)'s launch order: longest first (highest m), or
+    with ``interleave`` longest, shortest, second longest, second shortest, ... (m = n-1, 0, n-2, 1, ...), so that
+    the tiles in flight together mix compute-bound long tiles with short ones that are mostly epilogue (a merge's
+    running rows: memory-bound), while the pairs of neighbours still sum to the same work."""
+    if const_expr(not interleave):
+        return num_m_blocks - 1 - position
+    half = position // 2
+    odd = position - 2 * half
+    return num_m_blocks - 1 - half + odd * (2 * half + 1 - num_m_blocks)  # even: n - 1 - half; odd: half
+
+
 def fwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, num_m_blocks: Int32, num_batch: Int32, *, causal: bool,
-                  varlen: bool, l2_rows: int, tile_idx=None) -> WorkTile:
+                  varlen: bool, l2_rows: int, interleave: bool = False, tile_idx=None) -> WorkTile:
     """Forward: query tile ``block`` of (head, batch) for the launch-order index ``tile_idx`` (default: this CTA's
-    blockIdx.x). Causal grids run the longest tiles (highest m) first; the dense causal grid also groups heads so
-    that the K/V rows of a group (``l2_rows``) stay resident in L2."""
+    blockIdx.x). Causal grids run the longest tiles (highest m) first, or alternate long and short ones
+    (``interleave``, causal_m_block); the dense causal grid also groups heads so that the K/V rows of a group
+    (``l2_rows``) stay resident in L2."""
     num_heads = cute.size(mQ.shape[2])
     num_heads_kv = cute.size(mK.shape[2])
     qhead_per_kv = num_heads // num_heads_kv
@@ -167,11 +181,11 @@ def fwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, num_m_blocks: Int32, num_bat
         r = bid - gidx * per_group
         hb_start = gidx * group
         g_eff = cutlass.min(group, num_hb - hb_start)
-        m_block = num_m_blocks - 1 - r // g_eff
+        m_block = causal_m_block(r // g_eff, num_m_blocks, interleave)
         hb = hb_start + r % g_eff
     elif const_expr(causal):
         hb = bid // num_m_blocks
-        m_block = num_m_blocks - 1 - (bid - hb * num_m_blocks)
+        m_block = causal_m_block(bid - hb * num_m_blocks, num_m_blocks, interleave)
     else:
         hb = bid // num_m_blocks
         m_block = bid - hb * num_m_blocks
@@ -182,12 +196,13 @@ def fwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, num_m_blocks: Int32, num_bat
 
 
 def bwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, n_blocks_grid: Int32, num_batch: Int32, *,
-                  shortest_first: bool, det_chunk: int, tile_idx=None) -> WorkTile:
+                  shortest_first: bool, det_chunk: int, interleave: bool = False, tile_idx=None) -> WorkTile:
     """Backward: key tile ``block`` of (kv head, batch), key tiles fastest, for the launch-order index ``tile_idx``
     (default: this CTA's blockIdx.x). ``shortest_first`` (causal deterministic; a bool, or a Boolean decided at run
     time) launches the highest key tile first, so that a CTA only ever waits on CTAs launched (or tiles claimed)
     before it; ``det_chunk`` > 0 interleaves chunks of that many key tiles of all heads (padding tiles are not
-    ``valid``)."""
+    ``valid``). ``interleave`` (causal, neither of those): long and short key tiles alternate (causal_m_block's
+    order, mirrored: key tile 0 sees the most query tiles)."""
     num_heads = cute.size(mQ.shape[2])
     num_heads_kv = cute.size(mK.shape[2])
     group = num_heads // num_heads_kv
@@ -206,7 +221,9 @@ def bwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, n_blocks_grid: Int32, num_ba
         hb = bid // n_blocks_grid
         j = bid - hb * n_blocks_grid
     n_block = j
-    if const_expr(shortest_first is True):
+    if const_expr(interleave):
+        n_block = n_blocks_grid - 1 - causal_m_block(j, n_blocks_grid, True)
+    elif const_expr(shortest_first is True):
         n_block = n_blocks_grid - 1 - j
     elif const_expr(shortest_first is not False):  # decided at run time (a Boolean): 0 or 1 as an integer
         n_block = j + Int32(shortest_first) * (n_blocks_grid - 1 - 2 * j)
