@@ -183,14 +183,16 @@ def session14_configs():
 
 
 def fwd_bench_configs():
-    """The forward rows of bench/kernels.py (hdim 64 and 128, causal or not, long and short sequences), bf16, and
-    each with the O rescale unconditional (rescale_threshold 0)."""
+    """The forward rows of bench/kernels.py (hdim 64 and 128, causal or not, long and short sequences: the
+    launch-size choices of forward.forward), bf16, and each with the O rescale unconditional (rescale_threshold 0)."""
     import torch
 
     from fa4dist.kernels.cute import forward as F
 
-    out = [F.make_config(torch.bfloat16, d, causal=causal, varlen=False, accumulate=False, short=short, **kw)
-           for d in (64, 128) for causal in (False, True) for short in (False, True)
+    out = [F.make_config(torch.bfloat16, d, causal=causal, varlen=False, accumulate=False,
+                         short=F.short_queries(d, causal, True, s), interleave=F.interleaved_launch(causal, True, s),
+                         **kw)
+           for d in (64, 128) for causal in (False, True) for s in (1024, 2048, 4096)
            for kw in ({}, dict(rescale_threshold=0.0))]
     return list(dict.fromkeys(out))
 

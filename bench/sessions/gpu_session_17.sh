@@ -6,6 +6,15 @@
 # Prediction: the 4k causal merge's overhead over the plain forward +10-12% -> +3-5%, 16k within noise; the plain
 # causal forward and the causal backward within +-2% (their short tiles move little data), perhaps + at 1k.
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_17.sh 1   # bits tests, merge / plain / bwd A/B
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_17.sh 2   # short sequences again, 5 rounds
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_17.sh 3   # suites under the new defaults; ncu
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_17.sh 4   # the table under the final defaults
+# Call 1: the merge lost (+15.7% against +12.9% at 4k causal), as did 4k / 16k and packed documents (-2 to -7%);
+# 1k gained: forward hdim 128 +8%, backward +7-8% at both head dims (3 rounds). Call 2 asks whether 1k / 2k hold.
+# They did (forward +10% / +3% at hdim 128, 0 / +6% at hdim 64 at 1k / 2k; backward +8% at 1k, -5% / 0 at 2k): the
+# default for dense causal forwards of <= 2048 rows and backwards of <= 1024 keys (forward.interleaved_launch,
+# backward.default_interleave_lengths). Call 3 runs the kernel suites under those defaults, and Nsight Compute's
+# SASS samples of the hdim-128 non-causal forward at 16k after the descriptor hoist (the remaining 2-4% there).
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s17 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
@@ -25,6 +34,43 @@ if [ "${1:-1}" = 1 ]; then
   for d in 128 64; do
     TAIL_LINES=8 stage packed_$d 90 python3 bench/packed_tiles.py --direction fwd --headdim $d --doclen 512 1024 2048 \
       --variants interleave_lengths=1 --rounds 3
+  done
+  rm -f "$OUT"/*.png
+  exit
+fi
+if [ "$1" = 3 ]; then
+  TAIL_LINES=6 stage suites 360 $PYTEST -n 8 tests/kernels/test_cute_fwd_gpu.py tests/kernels/test_cute_bwd_gpu.py \
+    tests/kernels/test_cute_nonfinite_gpu.py tests/kernels/test_window_gpu.py
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for who in cute:fa4dist flash_attn_4:flash_attn; do
+    b=${who%%:*} p=${who##*:}
+    TAIL_LINES=2 stage ncu_$b 120 "$NCU" --profile-from-start off --clock-control none --section SourceCounters \
+      --section WarpStateStats --import-source no -k "regex:$p" --launch-count 1 --export "/tmp/src_$b" -f \
+      python3 bench/ncu_kernels.py --cases fwd:128:16384:full --backends "$b"
+    "$NCU" --import "/tmp/src_$b.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$OUT/sass_$b.csv.gz"
+  done
+  python3 bench/ncu_summary.py compare "$OUT/sass_cute.csv.gz" "$OUT/sass_flash_attn_4.csv.gz" > "$OUT/ncu_compare.txt"
+  head -60 "$OUT/ncu_compare.txt"
+  exit
+fi
+if [ "$1" = 4 ]; then
+  TAIL_LINES=2 stage aot 200 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set session17
+  TAIL_LINES=40 stage table 330 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 4096 16384 \
+    --causal false true --directions fwd bwd --deterministic --backends cute sdpa_cudnn flash_attn_4 --rounds 3 \
+    --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/table.json" 2>/dev/null
+  rm -f "$OUT"/*.png
+  exit
+fi
+if [ "$1" = 2 ]; then
+  TAIL_LINES=2 stage aot 200 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set session17
+  TAIL_LINES=20 stage short 200 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 2048 --causal true \
+    --directions fwd bwd --backends cute sdpa_cudnn flash_attn_4 \
+    --cute-variants fwd:interleave_lengths=1 bwd:interleave_lengths=1 --rounds 5 --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/short.json" 2>/dev/null
+  for d in 128 64; do
+    TAIL_LINES=8 stage packed_bwd_$d 100 python3 bench/packed_tiles.py --direction bwd --headdim $d \
+      --doclen 512 1024 2048 --variants interleave_lengths=1 --rounds 3
   done
   rm -f "$OUT"/*.png
   exit

@@ -48,8 +48,9 @@ SUBSET = [
     # deterministic non-causal fresh gradients: the rotated order by default (backward.default_det_resident), and
     # for short sequences on the persistent grid (backward.default_persistent_ctas), every tile claimed
     (BF16, 64, False, True, False, True, {"softcap": 30.0, "persistent_ctas": 132}),
-    # the default of a short dense causal call at hdim 64: the persistent grid, dK / dV through TMA stores
-    (BF16, 64, True, False, False, False, {"persistent_ctas": 132}),
+    # the default of a short dense causal call at hdim 64: the persistent grid, dK / dV through TMA stores, long
+    # and short key tiles interleaved (backward.default_interleave_lengths)
+    (BF16, 64, True, False, False, False, {"persistent_ctas": 132, "max_seqlen_k": 1024}),
 ]
 
 
@@ -76,9 +77,8 @@ EXTRA = [
     (BF16, 128, True, False, False, False, {"try_waits": True}),
     # the descriptor bases left to the DSL in every step (the knob's off position, sixteenth session)
     (BF16, 128, False, False, False, True, {"hoist_descriptors": False}),
-    # long and short causal key tiles interleaved in the launch order, one CTA per tile and persistent
+    # long and short causal key tiles interleaved in the launch order on one CTA per tile
     (BF16, 128, True, False, False, False, {"interleave_lengths": True}),
-    (BF16, 64, True, False, False, False, {"interleave_lengths": True, "persistent_ctas": 132}),
 ]
 
 
@@ -319,3 +319,24 @@ def test_early_vectors_default_scope():
                 main(grads="dq", accumulate=True), main(dq_fixed=True, accumulate=True, det=True),
                 main(varlen=True, accumulate=True, worklist=True)):
         assert not off.early_vectors, off
+
+
+def test_interleaved_key_tiles_default_scope():
+    """Long and short key tiles alternate in the launch order (BwdConfig.interleave_lengths) by default for dense
+    causal non-deterministic calls writing fresh gradients of at most INTERLEAVE_MAX_SEQLEN_K keys, without a
+    window (measured faster there); longer sequences, deterministic, packed, merging, one-gradient and windowed
+    calls keep their orders; an override wins, and the kernel's rule (causal, not deterministic) holds for it."""
+    def main(causal=True, det=False, **kw):
+        kw.setdefault("max_seqlen_k", 1024)
+        return bwd.make_configs(BF16, 128, causal=causal, varlen=kw.pop("varlen", False), seg_offsets=False,
+                                accumulate=kw.pop("accumulate", False), deterministic=det, dq_dtype=BF16,
+                                dkv_dtype=BF16, o_dtype=BF16, do_dtype=BF16, **kw)[1]
+
+    n = bwd.INTERLEAVE_MAX_SEQLEN_K
+    assert main().interleave_lengths and main(max_seqlen_k=1).interleave_lengths
+    for off in (main(max_seqlen_k=n + 1), main(max_seqlen_k=None), main(causal=False), main(det=True),
+                main(varlen=True), main(accumulate=True), main(grads="dq", accumulate=True),
+                main(window_left=100), main(interleave_lengths=False), main(det=True, interleave_lengths=True),
+                main(causal=False, interleave_lengths=True)):
+        assert not off.interleave_lengths, off
+    assert main(max_seqlen_k=4096, interleave_lengths=True).interleave_lengths

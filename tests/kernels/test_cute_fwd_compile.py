@@ -6,6 +6,7 @@ option at least once); set FA4DIST_COMPILE_ALL=1 to compile the full product of 
 varlen x accumulate.
 """
 
+import functools
 import itertools
 import os
 import re
@@ -45,8 +46,9 @@ SUBSET = [
     # with fixed roundings
     (torch.bfloat16, 64, True, True, True, {"worklist": True, "persistent_ctas": 132, "dynamic_tiles": True,
                                             "exact_merge": True}),
-    # hdim 64 causal short sequences: 128-row tiles on the persistent grid (forward.short_queries)
-    (torch.bfloat16, 64, True, False, False, {"short": True}),
+    # hdim 64 causal short sequences: 128-row tiles on the persistent grid (forward.short_queries), long and short
+    # tiles interleaved (forward.interleaved_launch)
+    (torch.bfloat16, 64, True, False, False, {"short": True, "interleave": True}),
     # hdim 96 causal on the persistent grid: its producer takes 32 registers (forward.default_regs_producer)
     (torch.bfloat16, 96, True, False, False, {}),
 ]
@@ -71,7 +73,7 @@ EXTRA = [
     (torch.bfloat16, 64, True, False, False, {"late_pv_wait": True}),
     # the descriptor bases left to the DSL in every step (the knob's off position, sixteenth session)
     (torch.bfloat16, 128, False, False, False, {"hoist_descriptors": False}),
-    # long and short causal tiles interleaved in the launch order (dense with head groups; packed)
+    # long and short causal tiles interleaved in the launch order: dense with head groups (a merge), packed
     (torch.bfloat16, 128, True, False, True, {"interleave_lengths": True}),
     (torch.bfloat16, 64, True, True, False, {"interleave_lengths": True}),
 ]
@@ -232,6 +234,21 @@ def test_short_causal_hdim64_sequences_take_128_row_tiles():
     tiles = [cute_fwd.make_config(torch.bfloat16, 64, causal=True, varlen=False, accumulate=False, short=short).tile_m
              for short in (True, False)]
     assert tiles == [128, 192]
+
+
+def test_short_dense_causal_launches_interleave_long_and_short_tiles():
+    """Dense causal launches writing a 16-bit out, without a window, of at most INTERLEAVE_MAX_ROWS query rows
+    alternate long and short tiles; longer ones, non-causal, packed, merge / fp32 and windowed launches keep longest
+    first (forward.interleaved_launch); make_config takes the caller's choice, an override wins."""
+    n = cute_fwd.INTERLEAVE_MAX_ROWS
+    assert cute_fwd.interleaved_launch(True, True, n) and cute_fwd.interleaved_launch(True, True, 1)
+    for args in ((True, True, n + 1), (False, True, 512), (True, False, 512), (True, True, 512, 100)):
+        assert not cute_fwd.interleaved_launch(*args), args
+    make = functools.partial(cute_fwd.make_config, torch.bfloat16, 128, varlen=False, accumulate=False)
+    assert make(causal=True, interleave=True).interleave_lengths
+    assert not make(causal=True).interleave_lengths
+    assert not make(causal=True, interleave=True, interleave_lengths=False).interleave_lengths
+    assert not make(causal=False, interleave_lengths=True).interleave_lengths  # one length: one kernel
 
 
 def test_sum_from_old_follows_the_head_dim_only():

@@ -93,8 +93,8 @@ class FwdConfig:
     # below (NOTES_FWD.md, thirteenth session). A measurement knob
     l2_rows: int = 0
     # causal: the launch order alternates long and short query tiles (longest, shortest, ...) instead of longest
-    # first (tile_scheduler.causal_m_block), so that short tiles, mostly epilogue, run beside long ones. Only the
-    # order of tiles changes, never a sum's. Default from default_interleave_lengths
+    # first (tile_scheduler.causal_m_block). Only the order of tiles changes, never a sum's. Default from
+    # interleaved_launch (short dense sequences)
     interleave_lengths: bool = False
 
     def build(self):
@@ -226,9 +226,18 @@ def default_persistent_ctas(cfg: FwdConfig) -> int:
     return host.sm_count()
 
 
-def default_interleave_lengths(cfg: FwdConfig) -> bool:
-    """Not measured yet: False (longest first) everywhere."""
-    return False
+# dense causal plain launches of at most this many query rows alternate long and short tiles (interleaved_launch)
+INTERLEAVE_MAX_ROWS = 2048
+
+
+def interleaved_launch(causal: bool, dense_plain: bool, seqlen_q: int, window_left: int = -1) -> bool:
+    """Whether a launch alternates long and short causal tiles (FwdConfig.interleave_lengths): dense causal launches
+    writing a 16-bit out, no window, at most INTERLEAVE_MAX_ROWS query rows. Measured on the H200 against longest
+    first in the same rounds (2026-12-02, seventeenth session, bench/sessions/gpu_session_17.sh 1 and 2): hdim 128
+    +10% / +3% at 1k / 2k (+8% at 1k in the first run), hdim 64 0 / +6% (1k runs on 128-row tiles); at 4k -2% /
+    +1%, at 16k -6% / -2.4%. Packed causal documents of 512-2048 tokens lost 4-7%, and the 4k causal merge (the lead
+    it was built for: +15.7% over a plain forward against +12.9%) lost too, so those keep longest first."""
+    return causal and dense_plain and window_left < 0 and seqlen_q <= INTERLEAVE_MAX_ROWS
 
 
 _FIELDS = {
@@ -261,7 +270,10 @@ def set_override(**kw) -> None:
 
 
 def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=False, out_fp32=False,
-                window_left=-1, softcap=0.0, sinks=False, worklist=False, short=False, **overrides) -> FwdConfig:
+                window_left=-1, softcap=0.0, sinks=False, worklist=False, short=False, interleave=False,
+                **overrides) -> FwdConfig:
+    """The FwdConfig of a call: the defaults for its fields, then FA4DIST_FWD_OVERRIDE, then ``overrides``.
+    ``short`` / ``interleave``: the launch-size choices the caller made (short_queries, interleaved_launch)."""
     tm, tn, st = default_tiles(head_dim, causal, short)
     kw = dict(
         dtype=host.dtype_name(dtype), head_dim=head_dim, causal=bool(causal), varlen=bool(varlen),
@@ -279,7 +291,7 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
     if "regs_producer" not in kw:
         cfg = dataclasses.replace(cfg, regs_producer=default_regs_producer(cfg))
     if "interleave_lengths" not in kw:
-        cfg = dataclasses.replace(cfg, interleave_lengths=default_interleave_lengths(cfg))
+        cfg = dataclasses.replace(cfg, interleave_lengths=bool(interleave))
     if cfg.interleave_lengths and not cfg.causal:  # tiles of one length: the same kernel, one cache entry
         cfg = dataclasses.replace(cfg, interleave_lengths=False)
     return cfg
@@ -414,13 +426,16 @@ def forward(
         return out, lse
     softcap = host.check_softcap(softcap)
     has_sinks = sinks is not None
-    short = short_queries(d, causal, not (varlen or out_fp32), 0 if varlen else q.shape[1])
-    fast_key = (q.dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32, window_left, softcap, has_sinks, short)
+    dense_plain = not (varlen or out_fp32)  # (out_fp32 covers accumulate)
+    short = short_queries(d, causal, dense_plain, 0 if varlen else q.shape[1])
+    interleave = interleaved_launch(causal, dense_plain, 0 if varlen else q.shape[1], window_left)
+    fast_key = (q.dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32, window_left, softcap, has_sinks, short,
+                interleave)
     fast = _FAST.get(fast_key) if not overrides and not _OVERRIDE else None
     if fast is None:
         cfg = make_config(q.dtype, d, causal=causal, varlen=varlen, accumulate=accumulate,
                           seg_offsets=seg_offsets, out_fp32=out_fp32, window_left=window_left, softcap=softcap,
-                          sinks=has_sinks, short=short, **overrides)
+                          sinks=has_sinks, short=short, interleave=interleave, **overrides)
         fast = (host.get_compiled(cfg), cfg.takes_tile_counter)
         if not overrides and not _OVERRIDE:
             _FAST[fast_key] = fast
