@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..")
@@ -249,9 +250,10 @@ def try_wait_configs():
     return list(dict.fromkeys(out))
 
 
-def _bwd_bench_pairs(field: str):
+def _bwd_bench_pairs(field: Optional[str]):
     """The backward bench rows (bf16 dense, hdim 64 and 128, causal or not, deterministic or not, 1k / 4k / 16k)
-    and test_step_forms_give_the_same_bits' 1000-token hdim-128 rows, each with ``field`` off and on."""
+    and test_step_forms_give_the_same_bits' 1000-token hdim-128 rows, each with ``field`` off and on (None: the
+    defaults only)."""
     import torch
 
     from fa4dist.kernels.cute import backward as B
@@ -264,9 +266,9 @@ def _bwd_bench_pairs(field: str):
         for causal in (False, True):
             for det in (False, True):
                 for seqlen in (1000, 1024, 4096, 16384) if d == 128 else (1024, 4096, 16384):
-                    for on in (False, True):
+                    for kw in ({field: False}, {field: True}) if field else ({},):
                         out.extend(B.make_configs(bf16, d, causal=causal, deterministic=det, max_seqlen_k=seqlen,
-                                                  **{field: on}, **dense))
+                                                  **kw, **dense))
     return out
 
 
@@ -347,6 +349,17 @@ def session17_configs():
     return list(dict.fromkeys(out))
 
 
+def session17b_configs():
+    """The seventeenth session's last call: the forward bench rows with Q's K-block slices hoisted (the default) and
+    not (hoist_q_slices=False), the bits tests' pairs of that field, and the backward bench rows under the defaults
+    (the table)."""
+    out = []
+    for cfg in fwd_bench_configs():
+        out.extend([cfg, dataclasses.replace(cfg, hoist_q_slices=False)])
+    out += _fwd_bits_pairs(("hoist_q_slices",)) + _bwd_bench_pairs(None)
+    return list(dict.fromkeys(out))
+
+
 # the hdim-64 forward rows of the fourteenth session (bench/sessions/gpu_session_14.sh: keep the two in step)
 D64_FWD_VARIANTS = {
     causal: [{}, dict(persistent_ctas=0), dict(num_stages=3), dict(rescale_threshold=0.0 if causal else 8.0),
@@ -359,7 +372,8 @@ CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_
                "fwd_bench": fwd_bench_configs, "sum_from_old": sum_from_old_configs,
                "early_vectors": early_vectors_configs, "try_wait": try_wait_configs,
                "session15": session15_configs, "session16": session16_configs,
-               "tile_n_176": tile_n_176_configs, "session17": session17_configs}
+               "tile_n_176": tile_n_176_configs, "session17": session17_configs,
+               "session17b": session17b_configs}
 
 
 def bwd_configs():

@@ -9,6 +9,7 @@
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_17.sh 2   # short sequences again, 5 rounds
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_17.sh 3   # suites under the new defaults; ncu
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_17.sh 4   # the table under the final defaults
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_17.sh 5   # Q's slices hoisted: bits, A/B, table
 # Call 1: the merge lost (+15.7% against +12.9% at 4k causal), as did 4k / 16k and packed documents (-2 to -7%);
 # 1k gained: forward hdim 128 +8%, backward +7-8% at both head dims (3 rounds). Call 2 asks whether 1k / 2k hold.
 # They did (forward +10% / +3% at hdim 128, 0 / +6% at hdim 64 at 1k / 2k; backward +8% at 1k, -5% / 0 at 2k): the
@@ -51,6 +52,23 @@ if [ "$1" = 3 ]; then
   done
   python3 bench/ncu_summary.py compare "$OUT/sass_cute.csv.gz" "$OUT/sass_flash_attn_4.csv.gz" > "$OUT/ncu_compare.txt"
   head -60 "$OUT/ncu_compare.txt"
+  exit
+fi
+if [ "$1" = 5 ]; then
+  # call 3's SASS samples: the QK wgmmas of a step wait on 28 split 64-bit adds (Q's K-block slices re-added to
+  # the hoisted base every step, then K's). hoist_q_slices makes each of Q's slices its own loop-invariant
+  # descriptor: 466 -> 450 instructions per step at hdim 128 (flash-attn-4 455), 482 -> 470 causal, hdim 64
+  # 418 -> 406 / 427 -> 419, and the seven QK wgmmas issue back to back. Prediction: +1-2% forward at hdim 128.
+  TAIL_LINES=2 stage aot 200 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set session17b
+  TAIL_LINES=4 stage bits 100 $PYTEST -n 8 tests/kernels/test_cute_fwd_gpu.py -k "schedule_fields and hoist_q"
+  TAIL_LINES=24 stage ab 200 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 4096 16384 32768 \
+    --causal false true --directions fwd --backends cute flash_attn_4 --cute-variants fwd:hoist_q_slices=false \
+    --rounds 5 --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/q-slices-ab.json" 2>/dev/null
+  TAIL_LINES=30 stage table 230 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 4096 16384 \
+    --causal false true --directions fwd bwd --backends cute sdpa_cudnn flash_attn_4 --rounds 3 --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/table.json" 2>/dev/null
+  rm -f "$OUT"/*.png
   exit
 fi
 if [ "$1" = 4 ]; then

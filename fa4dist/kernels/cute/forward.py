@@ -54,6 +54,9 @@ class FwdConfig:
     # the smem operands' descriptor bases computed once per tile instead of in every step
     # (common_sm90.loop_invariant_descriptors; the same bits). False: a measurement knob
     hoist_descriptors: bool = True
+    # with hoist_descriptors: each of Q's K-block slices its own loop-invariant descriptor (False: the base only, the
+    # slices' offsets added in every step; a measurement knob, the same bits)
+    hoist_q_slices: bool = True
     tma_store_o: bool = True  # dense non-accumulate 16-bit out: O via smem + TMA store (else direct stores)
     # masked V tiles through the sanitizer warps (masked keys contribute nothing even if non-finite). False is a
     # measurement knob only (the cost of the guarantee): NaN / inf at masked positions then leak.
@@ -105,7 +108,7 @@ class FwdConfig:
             accumulate=self.accumulate, seg_offsets=self.seg_offsets, tile_m=self.tile_m, tile_n=self.tile_n,
             num_stages=self.num_stages, intra_wg_overlap=self.intra_wg_overlap, sched_barrier=self.sched_barrier,
             rescale_threshold=self.rescale_threshold, sum_from_old=self.sum_from_old, late_pv_wait=self.late_pv_wait,
-            hoist_descriptors=self.hoist_descriptors,
+            hoist_descriptors=self.hoist_descriptors, hoist_q_slices=self.hoist_q_slices,
             tma_store_o=self.tma_store_o, sanitize=self.sanitize, window_left=self.window_left, softcap=self.softcap,
             sinks=self.sinks, softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
             prefetch_running=self.prefetch_running, persistent_ctas=self.persistent_ctas if self.persistent else 0,
@@ -243,7 +246,8 @@ def interleaved_launch(causal: bool, dense_plain: bool, seqlen_q: int, window_le
 _FIELDS = {
     "tile_m": int, "tile_n": int, "num_stages": int, "intra_wg_overlap": host.parse_bool,
     "sched_barrier": host.parse_bool, "rescale_threshold": float, "sum_from_old": host.parse_bool,
-    "late_pv_wait": host.parse_bool, "hoist_descriptors": host.parse_bool, "tma_store_o": host.parse_bool,
+    "late_pv_wait": host.parse_bool, "hoist_descriptors": host.parse_bool,
+    "hoist_q_slices": host.parse_bool, "tma_store_o": host.parse_bool,
     "sanitize": host.parse_bool,
     "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
     "persistent_ctas": int, "dynamic_tiles": host.parse_bool, "exact_merge": host.parse_bool, "regs_producer": int,
@@ -252,7 +256,7 @@ _FIELDS = {
 # the fields a work-list launch must share with the per-item calls it replaces to give their bits (all but these)
 _LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o", "persistent_ctas", "dynamic_tiles")
 # fields that move instructions or tiles, not results (each one's bits test compares the bytes both ways)
-_SCHEDULE_FIELDS = ("late_pv_wait", "hoist_descriptors", "interleave_lengths")
+_SCHEDULE_FIELDS = ("late_pv_wait", "hoist_descriptors", "hoist_q_slices", "interleave_lengths")
 # development hook: FA4DIST_FWD_OVERRIDE="rescale_threshold=0,tile_m=128" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_FWD_OVERRIDE", _FIELDS)
 
@@ -292,6 +296,8 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
         cfg = dataclasses.replace(cfg, regs_producer=default_regs_producer(cfg))
     if "interleave_lengths" not in kw:
         cfg = dataclasses.replace(cfg, interleave_lengths=bool(interleave))
+    if cfg.hoist_q_slices and not cfg.hoist_descriptors:  # (the slices are hoisted with the bases only)
+        cfg = dataclasses.replace(cfg, hoist_q_slices=False)
     if cfg.interleave_lengths and not cfg.causal:  # tiles of one length: the same kernel, one cache entry
         cfg = dataclasses.replace(cfg, interleave_lengths=False)
     return cfg

@@ -95,6 +95,7 @@ class FlashFwdSm90:
         sum_from_old: bool = False,
         late_pv_wait: bool = False,
         hoist_descriptors: bool = True,
+        hoist_q_slices: bool = True,
         tma_store_o: bool = True,
         sanitize: bool = True,
         l2_rows: Optional[int] = None,
@@ -148,6 +149,7 @@ class FlashFwdSm90:
         # them (NOTES_FWD.md, fourteenth session)
         self.late_pv_wait = late_pv_wait
         self.hoist_descriptors = hoist_descriptors
+        self.hoist_q_slices = hoist_q_slices and hoist_descriptors
         # O through smem (reusing sQ) and one TMA store; dense, non-accumulate, 16-bit out only
         self.tma_store_o = tma_store_o and not varlen and not accumulate
         # > 0: a persistent grid of at most this many CTAs (one per SM), each walking tiles in launch order
@@ -790,9 +792,14 @@ class FlashFwdSm90:
 
         D = self.head_dim
         # the smem operands' descriptor bases computed once here, not per step (loop_invariant_descriptors); Q's
-        # K-block slices once too (SASS: 3 fewer 64-bit adds per block at hdim 128)
+        # K-block slices too, each its own loop-invariant descriptor with hoist_q_slices (else ptxas adds each
+        # slice's offset to the base again in every step, a 64-bit add split in two before each QK wgmma)
         hoist = descriptor_hoister(self.hoist_descriptors)
-        tSrQ = k_slices(hoist(wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(io.sQ))))
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(io.sQ))
+        if const_expr(self.hoist_q_slices):
+            tSrQ = tuple(hoist(q) for q in k_slices(tSrQ))
+        else:
+            tSrQ = k_slices(hoist(tSrQ))
         tSrK = hoist(wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(io.sK)))
         sVt = transpose_smem(io.sV)  # (D, tile_n, stages)
         tOrVt = hoist(wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt)))
