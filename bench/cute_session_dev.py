@@ -360,6 +360,25 @@ def session17b_configs():
     return list(dict.fromkeys(out))
 
 
+def session17c_configs():
+    """The seventeenth session's last call: the non-deterministic backward bench rows at 4k-16k (hdim 64 and 128,
+    causal or not) under the defaults and on the persistent grid (persistent_ctas=132)."""
+    import torch
+
+    from fa4dist.kernels.cute import backward as B
+
+    bf16 = torch.bfloat16
+    out = []
+    for d in (64, 128):
+        for causal in (False, True):
+            for seqlen in (4096, 8192, 16384):
+                for kw in ({}, dict(persistent_ctas=132)):
+                    out.extend(B.make_configs(bf16, d, causal=causal, varlen=False, seg_offsets=False,
+                                              accumulate=False, deterministic=False, dq_dtype=bf16, dkv_dtype=bf16,
+                                              o_dtype=bf16, do_dtype=bf16, max_seqlen_k=seqlen, **kw))
+    return list(dict.fromkeys(out))
+
+
 # the hdim-64 forward rows of the fourteenth session (bench/sessions/gpu_session_14.sh: keep the two in step)
 D64_FWD_VARIANTS = {
     causal: [{}, dict(persistent_ctas=0), dict(num_stages=3), dict(rescale_threshold=0.0 if causal else 8.0),
@@ -373,7 +392,7 @@ CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_
                "early_vectors": early_vectors_configs, "try_wait": try_wait_configs,
                "session15": session15_configs, "session16": session16_configs,
                "tile_n_176": tile_n_176_configs, "session17": session17_configs,
-               "session17b": session17b_configs}
+               "session17b": session17b_configs, "session17c": session17c_configs}
 
 
 def bwd_configs():

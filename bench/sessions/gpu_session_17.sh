@@ -11,6 +11,7 @@
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_17.sh 4   # the table under the final defaults
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_17.sh 5   # Q's slices hoisted: bits, A/B, table
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_17.sh 6   # the causal 4k backward: counters
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_17.sh 7   # the persistent backward at 4k-16k
 # Call 1: the merge lost (+15.7% against +12.9% at 4k causal), as did 4k / 16k and packed documents (-2 to -7%);
 # 1k gained: forward hdim 128 +8%, backward +7-8% at both head dims (3 rounds). Call 2 asks whether 1k / 2k hold.
 # They did (forward +10% / +3% at hdim 128, 0 / +6% at hdim 64 at 1k / 2k; backward +8% at 1k, -5% / 0 at 2k): the
@@ -86,6 +87,17 @@ if [ "$1" = 6 ]; then
   python3 bench/ncu_summary.py raw "$OUT/raw.csv.gz" --pairs 1:4 7:10 > "$OUT/ncu_summary.txt" 2>&1
   head -40 "$OUT/ncu_summary.txt"
   rm -f "$OUT"/*.png "$OUT/prof.ncu-rep"
+  exit
+fi
+if [ "$1" = 7 ]; then
+  # call 6: the persistent grid gave the causal backward +6% / +1.7% at hdim 64 4k / 8k, +0.6% / +2.3% at hdim 128
+  # (5 rounds); it is the default only up to 2048 keys. Non-causal too, and 16k, before moving that bound
+  TAIL_LINES=2 stage aot 120 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set session17c
+  TAIL_LINES=16 stage persistent 230 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 8192 16384 \
+    --causal false true --directions bwd --backends cute flash_attn_4 --cute-variants bwd:persistent_ctas=132 \
+    --rounds 3 --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/bwd-persistent.json" 2>/dev/null
+  rm -f "$OUT"/*.png
   exit
 fi
 if [ "$1" = 4 ]; then
