@@ -79,6 +79,9 @@ EXTRA = [
     (BF16, 128, False, False, False, True, {"hoist_descriptors": False}),
     # long and short causal key tiles interleaved in the launch order on one CTA per tile
     (BF16, 128, True, False, False, False, {"interleave_lengths": True}),
+    # dense non-deterministic 4k: the persistent grid without the interleaved order, causal and not
+    (BF16, 64, True, False, False, False, {"max_seqlen_k": 4096}),
+    (BF16, 128, False, False, False, False, {"max_seqlen_k": 4096}),
 ]
 
 
@@ -208,7 +211,8 @@ def test_persistent_grid_takes_a_counter(monkeypatch):
 @pytest.mark.cute
 def test_persistent_grid_is_the_default_for_short_fresh_gradients(monkeypatch):
     """Calls that write fresh dq, dk and dv (deterministic or not) on key sequences of at most
-    PERSISTENT_MAX_SEQLEN_K tokens run on a grid of the SM count (backward.default_persistent_ctas); longer or
+    PERSISTENT_MAX_SEQLEN_K tokens (dense non-deterministic: PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET) run on a grid
+    of the SM count (backward.default_persistent_ctas); longer or
     unknown lengths, merges, one-gradient calls, work lists and the fixed-point dQ keep one CTA per tile; asking
     wins."""
     monkeypatch.setattr(host, "_SM_COUNT", [114])
@@ -216,7 +220,8 @@ def test_persistent_grid_is_the_default_for_short_fresh_gradients(monkeypatch):
 
     def ctas(max_seqlen_k=1024, accumulate=False, deterministic=False, **kw):
         grads = FP32 if accumulate else BF16
-        return bwd.make_configs(BF16, 64, causal=True, varlen=True, seg_offsets=False, accumulate=accumulate,
+        varlen = kw.pop("varlen", True)
+        return bwd.make_configs(BF16, 64, causal=True, varlen=varlen, seg_offsets=False, accumulate=accumulate,
                                 deterministic=deterministic, dq_dtype=grads, dkv_dtype=grads, o_dtype=BF16,
                                 do_dtype=BF16, max_seqlen_k=max_seqlen_k, **kw)[1].persistent_ctas
 
@@ -226,6 +231,11 @@ def test_persistent_grid_is_the_default_for_short_fresh_gradients(monkeypatch):
                dict(accumulate=True, dq_fixed=True), dict(persistent_ctas=0)):
         assert ctas(**kw) == 0, kw
     assert ctas(max_seqlen_k=None, persistent_ctas=100) == 100
+    # dense non-deterministic calls up to PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET keys (measured to 8k)
+    dense_limit = bwd.PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET
+    assert ctas(max_seqlen_k=dense_limit, varlen=False) == 114
+    assert ctas(max_seqlen_k=dense_limit + 1, varlen=False) == 0
+    assert ctas(max_seqlen_k=limit + 1, varlen=False, deterministic=True) == 0
 
     # launch_steps passes the key length: a dense call's own, a packed call's max_seqlen_k
     seen = []

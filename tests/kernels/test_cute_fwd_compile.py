@@ -46,9 +46,10 @@ SUBSET = [
     # with fixed roundings
     (torch.bfloat16, 64, True, True, True, {"worklist": True, "persistent_ctas": 132, "dynamic_tiles": True,
                                             "exact_merge": True}),
-    # hdim 64 causal short sequences: 128-row tiles on the persistent grid (forward.short_queries), long and short
-    # tiles interleaved (forward.interleaved_launch)
-    (torch.bfloat16, 64, True, False, False, {"short": True, "interleave": True}),
+    # hdim 64 causal short sequences: 128-row tiles on the persistent grid (forward.short_queries)
+    (torch.bfloat16, 64, True, False, False, {"short": True}),
+    # hdim 128 causal sequences of at most 2k: long and short tiles interleaved (forward.interleaved_launch)
+    (torch.bfloat16, 128, True, False, False, {"interleave": True}),
     # hdim 96 causal on the persistent grid: its producer takes 32 registers (forward.default_regs_producer)
     (torch.bfloat16, 96, True, False, False, {}),
 ]

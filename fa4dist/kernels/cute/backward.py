@@ -81,8 +81,9 @@ class BwdConfig:
     # one launch over a work list's items (block_info.WORKLIST_COLUMNS table; backward_worklist)
     worklist: bool = False
     # > 0: a persistent grid of at most this many CTAs claiming key tiles from a counter (bwd_sm90.FlashBwdSm90);
-    # the launch passes a zeroed int32 counter. Default from default_persistent_ctas (short sequences only: it
-    # measured up to -9% at causal 16k; NOTES_BWD.md, eleventh and twelfth sessions)
+    # the launch passes a zeroed int32 counter. Default from default_persistent_ctas (sequences of up to 2k, 8k dense
+    # non-deterministic: it measured up to -9% at causal 16k; NOTES_BWD.md, eleventh, twelfth and seventeenth
+    # sessions)
     persistent_ctas: int = 0
     # fresh 16-bit dK / dV of a dense call staged in shared memory and written with TMA stores, as flash-attn-4
     # does (False: stores from registers, which the varlen, accumulating and fp32-output variants always use)
@@ -303,25 +304,33 @@ def default_interleave_lengths(causal: bool, deterministic: bool, varlen: bool, 
                 and max_seqlen_k <= INTERLEAVE_MAX_SEQLEN_K)
 
 
-# The longest key sequence (dense: the key length; packed: max_seqlen_k) that the persistent grid takes by default
+# The longest key sequence (dense: the key length; packed: max_seqlen_k) that the persistent grid takes by default,
+# and for dense non-deterministic calls
 PERSISTENT_MAX_SEQLEN_K = 2048
+PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET = 8192
 
 
 def default_persistent_ctas(accumulate: bool, grads: str, worklist: bool, dq_fixed: bool,
-                            max_seqlen_k: Optional[int]) -> int:
-    """The SM count for backwards that write fresh dq, dk and dv, deterministic or not, on key sequences of at most
-    PERSISTENT_MAX_SEQLEN_K tokens; else 0 (one CTA per tile). Measured on the H200 against one CTA per tile
-    (bench/RESULTS.md): packed causal documents of 512 / 1024 / 2048 tokens 1.15 / 1.11 / 1.03x at hdim 64 and
-    1.07 / 1.06 / 1.02x at hdim 128, deterministic 1.17 / 1.10 / 1.04x and 1.05 / 1.04 / 1.00x (twelfth session);
-    dense causal 1k 1.02-1.10x (deterministic too), non-causal 1k 1.00-1.05x, 4k within 3% either way, causal 16k
-    down to 0.91x (eleventh session, two samples). A deterministic grid claims every tile from its counter, so its
-    dQ tickets never wait on a CTA that has no SM (tile_scheduler.TileClaims).
+                            max_seqlen_k: Optional[int], deterministic: bool = False, varlen: bool = True) -> int:
+    """The SM count for backwards that write fresh dq, dk and dv on key sequences of at most PERSISTENT_MAX_SEQLEN_K
+    tokens, PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET for dense non-deterministic calls; else 0 (one CTA per tile).
+    Measured on the H200
+    against one CTA per tile (bench/RESULTS.md): packed causal documents of 512 / 1024 / 2048 tokens 1.15 / 1.11 /
+    1.03x at hdim 64 and 1.07 / 1.06 / 1.02x at hdim 128, deterministic 1.17 / 1.10 / 1.04x and 1.05 / 1.04 /
+    1.00x (twelfth session); dense causal 1k 1.02-1.10x (deterministic too), non-causal 1k 1.00-1.05x (eleventh
+    session). Dense, non-deterministic, 4k / 8k / 16k (seventeenth session, bench/sessions/gpu_session_17.sh 6 and
+    7): causal hdim 64 +5.9 / +1.7% and +4.8 / +3.7 / +0.6%, causal hdim 128 +0.6 / +2.3% and +1.2 / +1.9 /
+    -1.7%, non-causal hdim 64 -0.2 / -0.4 / +1.9%, hdim 128 +2.2 / +1.5 / +2.2% (the eleventh session had causal
+    16k down to 0.91x): on the grid up to 8k. Deterministic and packed calls beyond 2k are not measured there.
+    A deterministic grid claims every tile from its counter, so its dQ tickets never wait on a CTA that has no SM
+    (tile_scheduler.TileClaims).
     Kept off the grid: merging calls (the ring's steps, whose NCCL transfers on another stream need SMs that a
     persistent grid holds until its last tile), one-gradient calls, work lists, the fixed-point dQ, and calls
     whose longest key sequence is unknown (packed without max_seqlen_k)."""
     if accumulate or grads != "all" or worklist or dq_fixed or max_seqlen_k is None:
         return 0
-    return host.sm_count() if max_seqlen_k <= PERSISTENT_MAX_SEQLEN_K else 0
+    bound = PERSISTENT_MAX_SEQLEN_K if deterministic or varlen else PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET
+    return host.sm_count() if max_seqlen_k <= bound else 0
 
 
 # The deterministic backward uses the int64 dQ with GQA from this many query tokens on, at hdim 128: measured
@@ -361,7 +370,8 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
     kw.update(overrides)
     if "persistent_ctas" not in kw:
         kw["persistent_ctas"] = default_persistent_ctas(kw["accumulate"], kw["grads"], kw["worklist"],
-                                                        kw["dq_fixed"], max_seqlen_k)
+                                                        kw["dq_fixed"], max_seqlen_k, kw["deterministic"],
+                                                        kw["varlen"])
     if "early_vectors" not in kw:
         kw["early_vectors"] = default_early_vectors(tm, kw["causal"], kw["deterministic"], kw["varlen"],
                                                     kw["accumulate"], kw["grads"], kw["dq_fixed"], kw["worklist"],
