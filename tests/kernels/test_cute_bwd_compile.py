@@ -180,11 +180,17 @@ def _spill_budget(main) -> int:
     a few values beside the 128-row tiles' registers: 16 bytes, 24 with the dK / dV TMA stores (bench/RESULTS.md,
     thirteenth session: +6-10% against one CTA per tile, +5% for the TMA stores, spills included). And, at hdim 128,
     the deterministic causal kernel on the persistent grid with its step's vectors read early: 4 bytes (fourteenth
-    session: +3-6% at 1k, the spill included)."""
+    session: +3-6% at 1k, the spill included). And the causal hdim-64 kernel of one CTA per tile with the dK / dV
+    TMA stores (long sequences, deterministic or not): 4 bytes since those stores came in (thirteenth session,
+    measured with it); Nsight Compute counts one spill store and one load per warp and CTA, outside the step loop
+    (seventeenth session)."""
     if main.softcap > 0 and main.head_dim == 64 and main.tile_m == 128:
         return 64
     if main.early_vectors and main.causal and main.persistent_ctas > 0:
         return 4  # the deterministic causal kernel of short sequences (backward.default_early_vectors)
+    dense_fresh = main.tma_store_dkv and not (main.accumulate or main.varlen or main.dq_fixed)  # (the TMA stores)
+    if main.causal and main.head_dim == 64 and main.tile_m == 128 and dense_fresh and not main.persistent_ctas:
+        return 4
     return 32 if main.causal and main.head_dim == 64 and main.tile_m == 128 and main.persistent_ctas > 0 else 0
 
 
