@@ -12,6 +12,7 @@
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_17.sh 5   # Q's slices hoisted: bits, A/B, table
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_17.sh 6   # the causal 4k backward: counters
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_17.sh 7   # the persistent backward at 4k-16k
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_17.sh 8   # SASS samples, causal 4k hdim-128 bwd
 # Call 1: the merge lost (+15.7% against +12.9% at 4k causal), as did 4k / 16k and packed documents (-2 to -7%);
 # 1k gained: forward hdim 128 +8%, backward +7-8% at both head dims (3 rounds). Call 2 asks whether 1k / 2k hold.
 # They did (forward +10% / +3% at hdim 128, 0 / +6% at hdim 64 at 1k / 2k; backward +8% at 1k, -5% / 0 at 2k): the
@@ -98,6 +99,22 @@ if [ "$1" = 7 ]; then
     --rounds 3 --out-dir "$OUT"
   mv "$OUT/$(date +%F)-kernels.json" "$OUT/bwd-persistent.json" 2>/dev/null
   rm -f "$OUT"/*.png
+  exit
+fi
+if [ "$1" = 8 ]; then
+  # call 6's counters: at hdim 128 causal 4k our main kernel stalls 1.9x flash-attn-4's long scoreboard per issued
+  # instruction (5.5 / 2.9) and 3.5x its short scoreboard, with the same shared-load counts: which instructions
+  # wait (SASS-level samples of both main kernels, the new defaults: the persistent grid at 4k)
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for who in cute:FlashBwdSm90 flash_attn_4:FlashAttentionBackwardSm90; do
+    b=${who%%:*} p=${who##*:}
+    TAIL_LINES=2 stage ncu_$b 90 "$NCU" --profile-from-start off --clock-control none --section SourceCounters \
+      --section WarpStateStats --import-source no -k "regex:$p" --launch-count 1 --export "/tmp/src_$b" -f \
+      python3 bench/ncu_kernels.py --cases bwd:128:4096:causal --backends "$b"
+    "$NCU" --import "/tmp/src_$b.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$OUT/sass_$b.csv.gz"
+  done
+  python3 bench/ncu_summary.py compare "$OUT/sass_cute.csv.gz" "$OUT/sass_flash_attn_4.csv.gz" > "$OUT/ncu_compare.txt"
+  head -50 "$OUT/ncu_compare.txt"
   exit
 fi
 if [ "$1" = 4 ]; then
