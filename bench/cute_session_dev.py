@@ -380,6 +380,15 @@ def session17c_configs():
     return list(dict.fromkeys(out))
 
 
+def session18_configs():
+    """Prepared in the seventeenth session for the next: the forward bench rows with the row max in flash-attn-4's
+    chained form (chained_max) and without, and the bits tests' pairs of that field."""
+    out = []
+    for cfg in fwd_bench_configs():
+        out.extend([cfg, dataclasses.replace(cfg, chained_max=True)])
+    return list(dict.fromkeys(out + _fwd_bits_pairs(("chained_max",))))
+
+
 # the hdim-64 forward rows of the fourteenth session (bench/sessions/gpu_session_14.sh: keep the two in step)
 D64_FWD_VARIANTS = {
     causal: [{}, dict(persistent_ctas=0), dict(num_stages=3), dict(rescale_threshold=0.0 if causal else 8.0),
@@ -393,7 +402,8 @@ CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_
                "early_vectors": early_vectors_configs, "try_wait": try_wait_configs,
                "session15": session15_configs, "session16": session16_configs,
                "tile_n_176": tile_n_176_configs, "session17": session17_configs,
-               "session17b": session17b_configs, "session17c": session17c_configs}
+               "session17b": session17b_configs, "session17c": session17c_configs,
+               "session18": session18_configs}
 
 
 def bwd_configs():

@@ -47,6 +47,10 @@ class FwdConfig:
     # interleaves the O rescale with the exponentials. Changes the sum's rounding order. Default from
     # default_sum_from_old (measured, NOTES_FWD.md)
     sum_from_old: bool = False
+    # the row max in flash-attn-4's form: max.f32 in four interleaved chains (softmax.max_chains) instead of the
+    # max.NaN.f32 tree; the same bits for rows without a NaN score (NaN rows stay NaN). A measurement knob
+    # (NOTES_FWD.md, seventeenth session)
+    chained_max: bool = False
     # flash-attn-4's forms in the overlapped step (each K / V barrier tried once before the blocking wait, P
     # converted with inline cvts): ptxas then places the PV wait after ~10 exponentials instead of before the first
     # (NOTES_FWD.md, fourteenth session). The same bits either way. Default from default_late_pv_wait (measured)
@@ -108,6 +112,7 @@ class FwdConfig:
             accumulate=self.accumulate, seg_offsets=self.seg_offsets, tile_m=self.tile_m, tile_n=self.tile_n,
             num_stages=self.num_stages, intra_wg_overlap=self.intra_wg_overlap, sched_barrier=self.sched_barrier,
             rescale_threshold=self.rescale_threshold, sum_from_old=self.sum_from_old, late_pv_wait=self.late_pv_wait,
+            chained_max=self.chained_max,
             hoist_descriptors=self.hoist_descriptors, hoist_q_slices=self.hoist_q_slices,
             tma_store_o=self.tma_store_o, sanitize=self.sanitize, window_left=self.window_left, softcap=self.softcap,
             sinks=self.sinks, softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
@@ -247,6 +252,7 @@ def interleaved_launch(causal: bool, dense_plain: bool, seqlen_q: int, window_le
 _FIELDS = {
     "tile_m": int, "tile_n": int, "num_stages": int, "intra_wg_overlap": host.parse_bool,
     "sched_barrier": host.parse_bool, "rescale_threshold": float, "sum_from_old": host.parse_bool,
+    "chained_max": host.parse_bool,
     "late_pv_wait": host.parse_bool, "hoist_descriptors": host.parse_bool,
     "hoist_q_slices": host.parse_bool, "tma_store_o": host.parse_bool,
     "sanitize": host.parse_bool,
@@ -257,7 +263,7 @@ _FIELDS = {
 # the fields a work-list launch must share with the per-item calls it replaces to give their bits (all but these)
 _LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o", "persistent_ctas", "dynamic_tiles")
 # fields that move instructions or tiles, not results (each one's bits test compares the bytes both ways)
-_SCHEDULE_FIELDS = ("late_pv_wait", "hoist_descriptors", "hoist_q_slices", "interleave_lengths")
+_SCHEDULE_FIELDS = ("late_pv_wait", "hoist_descriptors", "hoist_q_slices", "interleave_lengths", "chained_max")
 # development hook: FA4DIST_FWD_OVERRIDE="rescale_threshold=0,tile_m=128" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_FWD_OVERRIDE", _FIELDS)
 

@@ -93,6 +93,7 @@ class FlashFwdSm90:
         sched_barrier: bool = True,
         rescale_threshold: float = 0.0,
         sum_from_old: bool = False,
+        chained_max: bool = False,
         late_pv_wait: bool = False,
         hoist_descriptors: bool = True,
         hoist_q_slices: bool = True,
@@ -144,6 +145,7 @@ class FlashFwdSm90:
         self.sched_barrier = sched_barrier and self.num_wg >= 2 and intra_wg_overlap
         self.rescale_threshold = float(rescale_threshold)
         self.sum_from_old = sum_from_old  # the row sum's order (softmax.OnlineSoftmax.online)
+        self.chained_max = chained_max  # the row max as flash-attn-4 takes it (softmax.max_chains)
         # flash-attn-4's forms in the overlapped step: each K / V barrier tried once before the blocking wait loop,
         # and P converted with inline cvts; ptxas then places the PV wait among the exponentials instead of before
         # them (NOTES_FWD.md, fourteenth session)
@@ -816,7 +818,7 @@ class FlashFwdSm90:
         if const_expr(self.softcap > 0):
             exp_scale_log2 = Float32(softcap_scale_log2(self.softcap))
         softmax = OnlineSoftmax.create(cute.size(tScS_mn, mode=[0]), exp_scale_log2, self.rescale_threshold,
-                                       self.fixed_row_max, self.sum_from_old)
+                                       self.fixed_row_max, self.sum_from_old, self.chained_max)
         m_block = tile.block
         ml = Context(
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tOrP=tOrP,

@@ -47,6 +47,23 @@ def sum4(terms, init=None):
     return (part[0] + part[1]) + (part[2] + part[3])
 
 
+def max_chains(terms):
+    """The max of a Python list of traced fp32 scalars as four interleaved linear chains of ``max.f32`` (flash-attn-
+    4's form; unrolled at trace time). ``max.f32`` returns the other operand where one is NaN, unlike the
+    TensorSSA reduce's ``max.NaN.f32``: a row holding a NaN score gets a finite max, and its P, sum and out are NaN
+    through the NaN score itself, as before."""
+    part = list(terms[:4])
+    for i in range(4, len(terms) - len(terms) % 4, 4):
+        for j in range(4):
+            part[j] = cute.arch.fmax(part[j], terms[i + j])
+    for t in terms[len(terms) - len(terms) % 4:] if len(terms) >= 4 else []:
+        part[0] = cute.arch.fmax(part[0], t)
+    while len(part) > 1:
+        part = [cute.arch.fmax(part[k], part[k + 1]) if k + 1 < len(part) else part[k]
+                for k in range(0, len(part), 2)]
+    return part[0]
+
+
 @dataclass(frozen=True)
 class OnlineSoftmax:
     """Running max / partial sums of this thread's rows (one register each; the 4 threads of a row each hold a
@@ -60,15 +77,19 @@ class OnlineSoftmax:
     fixed_row_max: Optional[float] = None
     # the old, rescaled row sum leads the new block's partial sums (else it is added after them): see online()
     sum_from_old: bool = False
+    # the row max as flash-attn-4 takes it (max_chains) instead of the TensorSSA reduce's tree
+    chained_max: bool = False
 
     @staticmethod
     def create(nrows: int, scale_log2: Float32, rescale_threshold: float,
-               fixed_row_max: Optional[float] = None, sum_from_old: bool = False) -> "OnlineSoftmax":
+               fixed_row_max: Optional[float] = None, sum_from_old: bool = False,
+               chained_max: bool = False) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor(nrows, Float32)
         row_sum = cute.make_rmem_tensor(nrows, Float32)
         row_max.fill(-Float32.inf if fixed_row_max is None else fixed_row_max)
         row_sum.fill(0.0)
-        return OnlineSoftmax(row_max, row_sum, scale_log2, rescale_threshold, fixed_row_max, sum_from_old)
+        return OnlineSoftmax(row_max, row_sum, scale_log2, rescale_threshold, fixed_row_max, sum_from_old,
+                             chained_max)
 
     @cute.jit
     def online(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]):
@@ -88,7 +109,10 @@ class OnlineSoftmax:
             vals = acc_mn[r, None].load()
             # as Float32, so that every step of the quad's reduction is one max.f32 (a generic scalar gets a
             # NaN-propagating compare-and-select, 3 instructions; a NaN score makes its row NaN through P anyway)
-            m_cur = Float32(vals.reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
+            if const_expr(self.chained_max):
+                m_cur = max_chains([acc_mn[r, c] for c in range(cute.size(acc_mn, mode=[1]))])
+            else:
+                m_cur = Float32(vals.reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
             m_cur = cute.arch.warp_reduction_max(m_cur, threads_in_group=4)
             m_old = row_max[r]
             m_new = cute.arch.fmax(m_old, m_cur)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Prepared in the seventeenth session for the next one (NOTES_FWD.md, seventeenth session: where flash-attn-4's
+# forward warps wait instead). Two calls:
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_18.sh 1   # chained_max: bits, A/B
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_17.sh 8   # SASS samples, causal 4k bwd
+# 1: FwdConfig.chained_max, the row max as flash-attn-4 takes it (max.f32 in four interleaved linear chains
+#    instead of the TensorSSA reduce's max.NaN.f32 tree). On the CPU (bench/sass_softmax.py --set chained_max=true)
+#    the hdim-128 step keeps its 450 instructions and its PV wait moves from the 12th exp2 to the 15th (causal:
+#    11th -> 13th); hdim 64 unchanged in count. Nsight Compute had our warps losing +6.1k dispatch / +4.7k
+#    not_selected samples on FMNMX and +6.9k wait on MUFU against flash-attn-4. Prediction: +0-2% on the hdim-128
+#    forward at 4k-32k; a loss means the max's form is not where the softmax's stalls come from.
+set -u
+source "$(dirname "$0")/../stage.sh"
+export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s18 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
+PYTEST="python3 -m pytest -x -q -p no:cacheprovider -rfE"
+if [ "${1:-1}" = 1 ]; then
+  TAIL_LINES=2 stage aot 200 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set session18
+  TAIL_LINES=4 stage bits 100 $PYTEST -n 8 tests/kernels/test_cute_fwd_gpu.py -k "schedule_fields and chained_max"
+  TAIL_LINES=24 stage ab 240 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 4096 16384 32768 \
+    --causal false true --directions fwd --backends cute flash_attn_4 --cute-variants fwd:chained_max=true \
+    --rounds 5 --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/chained-max-ab.json" 2>/dev/null
+  rm -f "$OUT"/*.png
+  exit
+fi
