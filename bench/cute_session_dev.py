@@ -382,11 +382,13 @@ def session17c_configs():
 
 def session18_configs():
     """Prepared in the seventeenth session for the next: the forward bench rows with the row max in flash-attn-4's
-    chained form (chained_max) and without, and the bits tests' pairs of that field."""
+    chained form (chained_max) and without, the bits tests' pairs of that field, and the backward bench rows with
+    the lse2 / dPsum vectors permuted (permuted_vectors) and not."""
     out = []
     for cfg in fwd_bench_configs():
         out.extend([cfg, dataclasses.replace(cfg, chained_max=True)])
-    return list(dict.fromkeys(out + _fwd_bits_pairs(("chained_max",))))
+    out += _fwd_bits_pairs(("chained_max",)) + _bwd_bench_pairs("permuted_vectors")
+    return list(dict.fromkeys(out))
 
 
 # the hdim-64 forward rows of the fourteenth session (bench/sessions/gpu_session_14.sh: keep the two in step)

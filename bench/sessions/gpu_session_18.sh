@@ -2,6 +2,7 @@
 # Prepared in the seventeenth session for the next one (NOTES_FWD.md, seventeenth session: where flash-attn-4's
 # forward warps wait instead). Two calls:
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_18.sh 1   # chained_max: bits, A/B
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_18.sh 2   # permuted_vectors: suite, A/B
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_17.sh 8   # SASS samples, causal 4k bwd
 # 1: FwdConfig.chained_max, the row max as flash-attn-4 takes it (max.f32 in four interleaved linear chains
 #    instead of the TensorSSA reduce's max.NaN.f32 tree). On the CPU (bench/sass_softmax.py --set chained_max=true)
@@ -9,6 +10,13 @@
 #    11th -> 13th); hdim 64 unchanged in count. Nsight Compute had our warps losing +6.1k dispatch / +4.7k
 #    not_selected samples on FMNMX and +6.9k wait on MUFU against flash-attn-4. Prediction: +0-2% on the hdim-128
 #    forward at 4k-32k; a loss means the max's form is not where the softmax's stalls come from.
+# 2: BwdConfig.permuted_vectors, the lse2 / dPsum vectors stored permuted per query tile by the preprocess and read
+#    four columns per 16-byte load (Nsight Compute, seventeenth session: at hdim 64 our backward executes 8x
+#    flash-attn-4's shared loads, 32 LDS.64 per step; long / short scoreboard and MIO stalls 2-3x theirs). On the
+#    CPU: 521 -> 505 instructions per step at hdim 64 (causal 516 -> 501), hdim 128 causal 352 -> 344; the
+#    hdim-64 causal kernel of one CTA per tile spills 8 bytes instead of 4 (outside the loop). Prediction: hdim 64
+#    backward +1-3%, hdim 128 within noise. First every backward variant's GPU tests under the override (a wrong
+#    permutation anywhere shows there), then the A/B.
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s18 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
@@ -20,6 +28,18 @@ if [ "${1:-1}" = 1 ]; then
     --causal false true --directions fwd --backends cute flash_attn_4 --cute-variants fwd:chained_max=true \
     --rounds 5 --out-dir "$OUT"
   mv "$OUT/$(date +%F)-kernels.json" "$OUT/chained-max-ab.json" 2>/dev/null
+  rm -f "$OUT"/*.png
+  exit
+fi
+if [ "$1" = 2 ]; then
+  TAIL_LINES=2 stage aot 200 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set session18
+  TAIL_LINES=4 stage bits 100 $PYTEST -n 8 tests/kernels/test_cute_bwd_gpu.py -k "step_forms and permuted"
+  FA4DIST_BWD_OVERRIDE=permuted_vectors=1 TAIL_LINES=6 stage suite 300 $PYTEST -n 8 tests/kernels/test_cute_bwd_gpu.py \
+    tests/kernels/test_cute_nonfinite_gpu.py -k "not test_step_forms"
+  TAIL_LINES=30 stage ab 240 python3 bench/kernels.py --headdims 64 128 --seqlens 1024 4096 16384 \
+    --causal false true --directions bwd --deterministic --backends cute flash_attn_4 \
+    --cute-variants bwd:permuted_vectors=true --rounds 5 --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/permuted-vectors-ab.json" 2>/dev/null
   rm -f "$OUT"/*.png
   exit
 fi

@@ -5,7 +5,9 @@
 #   lse2[row]  = lse * log2(e)                       (+inf for padding rows and rows with lse = -inf,
 #                                                     so that P = exp2(S * scale_log2 - lse2) = 0 there)
 # written into tile-padded vectors indexed (chunk * heads + head) * tile_m + row, where
-# chunk = (first tile of the sequence) + tile. The same CTA zeroes the tile's fp32 dQ accumulator
+# chunk = (first tile of the sequence) + tile; with permuted_vectors a tile's row r sits at
+# row_vector_layout(tile_m, True)(r) instead, so that the query columns one thread of the main kernel's S^T
+# fragment reads lie next to each other (16-byte loads). The same CTA zeroes the tile's fp32 dQ accumulator
 # chunk and, in deterministic mode, its semaphore, so the main kernel needs no memsets (zero_dq=False: a
 # launch that computes no dQ has no scratch). Fixed-point dQ (dq_fixed): the accumulator is int64 (zeroed as
 # twice the fp32 words) and the rows' scales (fixed_point.dq_scale, lse's layout) are copied into the same
@@ -26,9 +28,27 @@ from .common_sm90 import select_modes
 LOG2_E = math.log2(math.e)
 
 
+def row_vector_layout(tile_m: int, permuted: bool):
+    """Where row r of a query tile's lse2 / dPsum vector sits among the tile's tile_m floats (scratch and smem
+    alike: the main kernel copies a tile's floats as they are). Plain: at r. Permuted: row r = c0 + 2 c1 + 8 c2
+    (c0 < 2, c1 < 4) at c0 + 2 c2 + (tile_m / 4) c1. A wgmma accumulator thread holds the columns 8 j + 2 (lane % 4)
+    + c0 (PTX's fragment layout), so its columns' values are then tile_m / 4 consecutive floats from (lane % 4) *
+    tile_m / 4, in its fragment's column order (bwd_sm90.FlashBwdSm90.column_groups)."""
+    if not permuted:
+        return cute.make_layout(tile_m)
+    return cute.make_layout((2, 4, tile_m // 8), stride=(1, tile_m // 4, 2))
+
+
+def row_vectors(base: cute.Tensor, tile_m: int, permuted: bool, n_tiles) -> cute.Tensor:
+    """(tile_m, n_tiles) view of flat per-tile vectors (``base``'s iterator) in row_vector_layout's order."""
+    tile = row_vector_layout(tile_m, permuted)
+    return cute.make_tensor(base.iterator, cute.make_layout((tile.shape, n_tiles), stride=(tile.stride, tile_m)))
+
+
 class BwdPreprocess:
     def __init__(self, head_dim: int, tile_m: int, *, varlen: bool, deterministic: bool, num_threads: int = 128,
-                 zero_dq: bool = True, dq_fixed: bool = False, worklist: bool = False):
+                 zero_dq: bool = True, dq_fixed: bool = False, worklist: bool = False, permuted_vectors: bool = False):
+        self.permuted_vectors = permuted_vectors  # lse2 / dPsum rows in row_vector_layout's permuted order
         self.worklist = worklist  # mCuSeqlensQ is a work list's item table (block_info.WORKLIST_COLUMNS)
         self.zero_dq = zero_dq
         self.dq_fixed = dq_fixed
@@ -120,8 +140,8 @@ class BwdPreprocess:
         if m_block * tm < seqlen_q:
             chunk = (blk_base + m_block) * num_heads + head
             n_vec = cute.size(mLSE2.shape[0]) // tm
-            gL2 = cute.make_tensor(mLSE2.iterator, cute.make_layout((tm, n_vec), stride=(1, tm)))[None, chunk]
-            gDp = cute.make_tensor(mDpsum.iterator, cute.make_layout((tm, n_vec), stride=(1, tm)))[None, chunk]
+            gL2 = row_vectors(mLSE2, tm, self.permuted_vectors, n_vec)[None, chunk]
+            gDp = row_vectors(mDpsum, tm, self.permuted_vectors, n_vec)[None, chunk]
             col = tidx % self.tpr
             for p in cutlass.range_constexpr(tm // self.rows_per_pass):
                 r = p * self.rows_per_pass + tidx // self.tpr

@@ -89,6 +89,7 @@ from .common_sm90 import (
 from .mask import AttentionMask
 from .sanitize import block_any, clear_nonfinite_rows, row_is_nonfinite, tile_maybe_nonfinite, zero_row
 from .softmax import softcap_grad_fp16, softcap_grad_from_p, softcap_scale_log2, softcap_scores
+from .bwd_preprocess import row_vector_layout
 from .tile_scheduler import TileClaims, bwd_work_tile
 
 
@@ -149,6 +150,7 @@ class FlashBwdSm90:
         try_waits: bool = False,
         hoist_descriptors: bool = True,
         interleave_lengths: bool = False,
+        permuted_vectors: bool = False,
     ):
         assert head_dim in (64, 128)
         # a work list: mCuSeqlensQ is the item table (block_info.WORKLIST_COLUMNS), one "sequence" per item with
@@ -243,6 +245,10 @@ class FlashBwdSm90:
         # causal, no deterministic order: long and short key tiles alternate in the launch order
         # (tile_scheduler.bwd_work_tile)
         self.interleave_lengths = interleave_lengths and causal and not deterministic
+        # lse2 / dPsum rows in bwd_preprocess.row_vector_layout's permuted order, read four columns per 16-byte load
+        # (column_groups); not with early_vectors (which reads every column at once)
+        assert not (permuted_vectors and early_vectors), "permuted_vectors reads columns at their use"
+        self.permuted_vectors = permuted_vectors
 
     # ------------------------------------------------------------------------
     # host side
@@ -458,7 +464,9 @@ class FlashBwdSm90:
                                        mma_warps + san_warps + (1 if self.compute_dq else 0))
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
 
-        vec_layout = cute.make_layout((tm, self.num_stages), stride=(1, tm))
+        row_tile = row_vector_layout(tm, self.permuted_vectors)  # where a query row's lse2 / dPsum sits
+        vec_layout = cute.make_layout((row_tile.shape, self.num_stages), stride=(row_tile.stride, tm))
+        raw_layout = cute.make_layout((tm, self.num_stages), stride=(1, tm))
         io = Context(
             mQ=mQ, mK=mK, mV=mV, mdO=mdO, mLSE2=mLSE2, mDpsum=mDpsum, mdQacc=mdQacc, mdK=mdK, mdV=mdV, mSem=mSem,
             mdQscale=mdQscale,
@@ -469,6 +477,9 @@ class FlashBwdSm90:
             sdS=storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner),
             sLSE=storage.sLSE.get_tensor(vec_layout),
             sDpsum=storage.sDpsum.get_tensor(vec_layout),
+            # the same floats as stored: the bulk copies of whole vectors, and column_groups
+            sLSE_raw=storage.sLSE.get_tensor(raw_layout),
+            sDpsum_raw=storage.sDpsum.get_tensor(raw_layout),
             sdQ=storage.sdQ.get_tensor(dq_chunk_layout(tm, self.head_dim)),
             tma_atom_Q=tma_atom_Q, tma_atom_K=tma_atom_K, tma_atom_V=tma_atom_V, tma_atom_dO=tma_atom_dO,
             pipe_kv=pipe_kv, pipe_q=pipe_q, pipe_do=pipe_do,
@@ -627,12 +638,12 @@ class FlashBwdSm90:
         bar_q = pipe_q.producer_get_barrier(q_state)
         cute.copy(io.tma_atom_Q, tQgQ[None, m], tQsQ[None, q_state.index], tma_bar_ptr=bar_q)
         with cute.arch.elect_one():
-            cute.copy(bulk_atom, gLSE_all[None, vec_idx], io.sLSE[None, q_state.index], mbar_ptr=bar_q)
+            cute.copy(bulk_atom, gLSE_all[None, vec_idx], io.sLSE_raw[None, q_state.index], mbar_ptr=bar_q)
         pipe_do.producer_acquire(q_state)
         bar_do = pipe_do.producer_get_barrier(q_state)
         cute.copy(io.tma_atom_dO, tdOgdO[None, m], tdOsdO[None, q_state.index], tma_bar_ptr=bar_do)
         with cute.arch.elect_one():
-            cute.copy(bulk_atom, gDps_all[None, vec_idx], io.sDpsum[None, q_state.index], mbar_ptr=bar_do)
+            cute.copy(bulk_atom, gDps_all[None, vec_idx], io.sDpsum_raw[None, q_state.index], mbar_ptr=bar_do)
 
     @cute.jit
     def land_q_do(self, io: Context, tiles, q_state, m: Int32, vec_idx: Int32, n_sanitized: Int32):
@@ -647,14 +658,14 @@ class FlashBwdSm90:
         bar_q = io.pipe_qland.sync_object_full.get_barrier(land)
         cute.copy(io.tma_atom_Q, tQgQ[None, m], tQsQ[None, q_state.index], tma_bar_ptr=bar_q)
         with cute.arch.elect_one():
-            cute.copy(bulk_atom, gLSE_all[None, vec_idx], io.sLSE[None, q_state.index], mbar_ptr=bar_q)
+            cute.copy(bulk_atom, gLSE_all[None, vec_idx], io.sLSE_raw[None, q_state.index], mbar_ptr=bar_q)
         io.pipe_do.sync_object_empty.wait(q_state.index, q_state.phase)
         io.pipe_doland.sync_object_empty.wait(land, phase)
         io.pipe_doland.sync_object_full.arrive(land, None)
         bar_do = io.pipe_doland.sync_object_full.get_barrier(land)
         cute.copy(io.tma_atom_dO, tdOgdO[None, m], tdOsdO[None, q_state.index], tma_bar_ptr=bar_do)
         with cute.arch.elect_one():
-            cute.copy(bulk_atom, gDps_all[None, vec_idx], io.sDpsum[None, q_state.index], mbar_ptr=bar_do)
+            cute.copy(bulk_atom, gDps_all[None, vec_idx], io.sDpsum_raw[None, q_state.index], mbar_ptr=bar_do)
 
     def step_sanitized(self, m, rng: Context, seqlen: SeqlenInfo):
         """Query tile m's Q / dO go through the sanitizer: masked steps (causal band and window band: a query row
@@ -977,7 +988,8 @@ class FlashBwdSm90:
         if const_expr(self.persistent):
             kv_phase = kv_state.phase
         st = extend_context(
-            mm, acc_dK=acc_dK, acc_dV=acc_dV, sLSE=io.sLSE, sDpsum=io.sDpsum, pipe_q=io.pipe_q, pipe_do=io.pipe_do,
+            mm, acc_dK=acc_dK, acc_dV=acc_dV, sLSE=io.sLSE, sDpsum=io.sDpsum, sLSE_raw=io.sLSE_raw,
+            sDpsum_raw=io.sDpsum_raw, pipe_q=io.pipe_q, pipe_do=io.pipe_do,
             n_block=tile.block, pipe_kv=io.pipe_kv, kv_phase=kv_phase, mdQscale=io.mdQscale,
             scratch_base=seqlen.scratch_base, num_heads=cute.size(io.mQ.shape[2]),
             mask=AttentionMask(tm, tn, self.causal, seqlen.seqlen_k, seqlen.diag, mm.tScS_mn, mm.t0ScS_mn,
@@ -1080,6 +1092,17 @@ class FlashBwdSm90:
             cute.autovec_copy(rdS, st.thr_sdp.partition_C(st.sdSt[None, None, stage]))
 
     # ------------------------------------------------------------------------
+    def column_groups(self, raw: cute.Tensor, stage, tScS_mn: cute.Tensor, n_cols: int) -> cute.Tensor:
+        """permuted_vectors: this thread's n_cols values of stage ``stage``'s vector (``raw``: the floats as
+        stored) as a (4, n_cols / 4) tensor, group g holding the fragment's columns 4g .. 4g + 3. They start at
+        (lane % 4) * tile_m / 4 (bwd_preprocess.row_vector_layout), found from the thread's first column, 2 (lane %
+        4); 16-byte aligned, so each group is one vector load."""
+        base = (tScS_mn[0, 0][1] // 2) * (self.tile_m // 4)
+        addr = (raw[None, stage].iterator + base).toint()
+        ptr = cute.make_ptr(Float32, addr, cute.AddressSpace.smem, assumed_align=16)
+        return cute.make_tensor(ptr, cute.make_layout((4, n_cols // 4), stride=(1, 4)))
+
+    # ------------------------------------------------------------------------
     @cute.jit
     def mma_step(self, st: Context, q_state, m_block: Int32, head: Int32, masked: cutlass.Constexpr[bool]):
         """One (query tile, key tile) step of both MMA warpgroups: S^T, dP^T, P^T, dS^T, dV, dK, and the dQ tile
@@ -1115,8 +1138,16 @@ class FlashBwdSm90:
         exp_scale_log2 = st.scale_log2
         if const_expr(self.softcap > 0):
             exp_scale_log2 = Float32(softcap_scale_log2(self.softcap))
+        lse_groups = self.column_groups(st.sLSE_raw, stage, tScS_mn, n_cols) if self.permuted_vectors else None
+        lse_group = None
         for c in cutlass.range_constexpr(n_cols):
-            lse_c = lse_early[c] if const_expr(self.early_vectors) else st.sLSE[tScS_mn[0, c][1], stage]
+            if const_expr(self.permuted_vectors):
+                if const_expr(c % 4 == 0):
+                    lse_group = cute.make_rmem_tensor(4, Float32)
+                    cute.autovec_copy(lse_groups[None, c // 4], lse_group)
+                lse_c = lse_group[c % 4]
+            else:
+                lse_c = lse_early[c] if const_expr(self.early_vectors) else st.sLSE[tScS_mn[0, c][1], stage]
             for r in cutlass.range_constexpr(n_rows):
                 acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * exp_scale_log2 - lse_c, fastmath=True)
         if const_expr(masked):
@@ -1126,8 +1157,16 @@ class FlashBwdSm90:
         # (5) dS^T = P^T * (scale * dP^T - dPsum_scaled[query])
         acc_dP_mn = mn_view(acc_dP)
         inv_exp_scale = Float32(1.0 / softcap_scale_log2(self.softcap)) if self.softcap > 0 else None
+        dps_groups = self.column_groups(st.sDpsum_raw, stage, tScS_mn, n_cols) if self.permuted_vectors else None
+        dps_group = None
         for c in cutlass.range_constexpr(n_cols):
-            dps_c = dps_early[c] if const_expr(self.early_vectors) else st.sDpsum[tScS_mn[0, c][1], stage]
+            if const_expr(self.permuted_vectors):
+                if const_expr(c % 4 == 0):
+                    dps_group = cute.make_rmem_tensor(4, Float32)
+                    cute.autovec_copy(dps_groups[None, c // 4], dps_group)
+                dps_c = dps_group[c % 4]
+            else:
+                dps_c = dps_early[c] if const_expr(self.early_vectors) else st.sDpsum[tScS_mn[0, c][1], stage]
             u_offset = None
             if const_expr(self.softcap > 0 and not self.softcap_grad_regs):
                 u_offset = st.sLSE[tScS_mn[0, c][1], stage] * inv_exp_scale
