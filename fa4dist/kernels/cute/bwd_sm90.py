@@ -61,6 +61,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .barriers import BwdBarrier
 from .block_info import WORKLIST_COLUMNS, BlockInfo, SeqlenInfo
+from .bwd_preprocess import row_vector_layout
 from .common_sm90 import (
     Context,
     acc_to_operand_a,
@@ -89,7 +90,6 @@ from .common_sm90 import (
 from .mask import AttentionMask
 from .sanitize import block_any, clear_nonfinite_rows, row_is_nonfinite, tile_maybe_nonfinite, zero_row
 from .softmax import softcap_grad_fp16, softcap_grad_from_p, softcap_scale_log2, softcap_scores
-from .bwd_preprocess import row_vector_layout
 from .tile_scheduler import TileClaims, bwd_work_tile
 
 
@@ -1102,6 +1102,25 @@ class FlashBwdSm90:
         ptr = cute.make_ptr(Float32, addr, cute.AddressSpace.smem, assumed_align=16)
         return cute.make_tensor(ptr, cute.make_layout((4, n_cols // 4), stride=(1, 4)))
 
+    def column_reader(self, vec: cute.Tensor, raw: cute.Tensor, stage, tScS_mn: cute.Tensor, n_cols: int,
+                      early: Optional[cute.Tensor]):
+        """c -> this thread's value of column c of a query tile's lse2 / dPsum vector (``vec``: the rows' view,
+        ``raw``: the floats as stored), read where the step asks for it: from ``early`` (early_vectors), from a
+        group of four loaded at the group's first column (permuted_vectors: column_groups), or from smem."""
+        if const_expr(self.permuted_vectors):
+            groups, loaded = self.column_groups(raw, stage, tScS_mn, n_cols), {}
+
+            def value(c):
+                if c // 4 not in loaded:
+                    loaded[c // 4] = cute.make_rmem_tensor(4, Float32)
+                    cute.autovec_copy(groups[None, c // 4], loaded[c // 4])
+                return loaded[c // 4][c % 4]
+
+            return value
+        if const_expr(early is not None):
+            return lambda c: early[c]
+        return lambda c: vec[tScS_mn[0, c][1], stage]
+
     # ------------------------------------------------------------------------
     @cute.jit
     def mma_step(self, st: Context, q_state, m_block: Int32, head: Int32, masked: cutlass.Constexpr[bool]):
@@ -1138,16 +1157,9 @@ class FlashBwdSm90:
         exp_scale_log2 = st.scale_log2
         if const_expr(self.softcap > 0):
             exp_scale_log2 = Float32(softcap_scale_log2(self.softcap))
-        lse_groups = self.column_groups(st.sLSE_raw, stage, tScS_mn, n_cols) if self.permuted_vectors else None
-        lse_group = None
+        lse_of = self.column_reader(st.sLSE, st.sLSE_raw, stage, tScS_mn, n_cols, lse_early)
         for c in cutlass.range_constexpr(n_cols):
-            if const_expr(self.permuted_vectors):
-                if const_expr(c % 4 == 0):
-                    lse_group = cute.make_rmem_tensor(4, Float32)
-                    cute.autovec_copy(lse_groups[None, c // 4], lse_group)
-                lse_c = lse_group[c % 4]
-            else:
-                lse_c = lse_early[c] if const_expr(self.early_vectors) else st.sLSE[tScS_mn[0, c][1], stage]
+            lse_c = lse_of(c)
             for r in cutlass.range_constexpr(n_rows):
                 acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * exp_scale_log2 - lse_c, fastmath=True)
         if const_expr(masked):
@@ -1157,16 +1169,9 @@ class FlashBwdSm90:
         # (5) dS^T = P^T * (scale * dP^T - dPsum_scaled[query])
         acc_dP_mn = mn_view(acc_dP)
         inv_exp_scale = Float32(1.0 / softcap_scale_log2(self.softcap)) if self.softcap > 0 else None
-        dps_groups = self.column_groups(st.sDpsum_raw, stage, tScS_mn, n_cols) if self.permuted_vectors else None
-        dps_group = None
+        dps_of = self.column_reader(st.sDpsum, st.sDpsum_raw, stage, tScS_mn, n_cols, dps_early)
         for c in cutlass.range_constexpr(n_cols):
-            if const_expr(self.permuted_vectors):
-                if const_expr(c % 4 == 0):
-                    dps_group = cute.make_rmem_tensor(4, Float32)
-                    cute.autovec_copy(dps_groups[None, c // 4], dps_group)
-                dps_c = dps_group[c % 4]
-            else:
-                dps_c = dps_early[c] if const_expr(self.early_vectors) else st.sDpsum[tScS_mn[0, c][1], stage]
+            dps_c = dps_of(c)
             u_offset = None
             if const_expr(self.softcap > 0 and not self.softcap_grad_regs):
                 u_offset = st.sLSE[tScS_mn[0, c][1], stage] * inv_exp_scale
