@@ -14,3 +14,21 @@ stage() {
   echo "=== $name rc=$rc in $((SECONDS - t0))s"
   tail -n "${TAIL_LINES:-12}" "$OUT/$name.log"
 }
+
+# `ncu_sass_pair CASE OURS_REGEX FA4_REGEX`: Nsight Compute's SASS-level samples (SourceCounters, WarpStateStats) of
+# one launch of our kernel and one of flash-attn-4's for a bench/ncu_kernels.py case, the source pages as
+# $OUT/sass_cute.csv.gz and $OUT/sass_flash_attn_4.csv.gz, and their comparison (bench/ncu_summary.py compare) in
+# $OUT/ncu_compare.txt, whose head it prints.
+ncu_sass_pair() {
+  local case=$1 ncu who b p
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for who in "cute:$2" "flash_attn_4:$3"; do
+    b=${who%%:*} p=${who#*:}
+    TAIL_LINES=2 stage "ncu_$b" 120 "$ncu" --profile-from-start off --clock-control none --section SourceCounters \
+      --section WarpStateStats --import-source no -k "regex:$p" --launch-count 1 --export "/tmp/src_$b" -f \
+      python3 bench/ncu_kernels.py --cases "$case" --backends "$b"
+    "$ncu" --import "/tmp/src_$b.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$OUT/sass_$b.csv.gz"
+  done
+  python3 bench/ncu_summary.py compare "$OUT/sass_cute.csv.gz" "$OUT/sass_flash_attn_4.csv.gz" > "$OUT/ncu_compare.txt"
+  head -60 "$OUT/ncu_compare.txt"
+}

@@ -45,16 +45,7 @@ fi
 if [ "$1" = 3 ]; then
   TAIL_LINES=6 stage suites 360 $PYTEST -n 8 tests/kernels/test_cute_fwd_gpu.py tests/kernels/test_cute_bwd_gpu.py \
     tests/kernels/test_cute_nonfinite_gpu.py tests/kernels/test_window_gpu.py
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  for who in cute:fa4dist flash_attn_4:flash_attn; do
-    b=${who%%:*} p=${who##*:}
-    TAIL_LINES=2 stage ncu_$b 120 "$NCU" --profile-from-start off --clock-control none --section SourceCounters \
-      --section WarpStateStats --import-source no -k "regex:$p" --launch-count 1 --export "/tmp/src_$b" -f \
-      python3 bench/ncu_kernels.py --cases fwd:128:16384:full --backends "$b"
-    "$NCU" --import "/tmp/src_$b.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$OUT/sass_$b.csv.gz"
-  done
-  python3 bench/ncu_summary.py compare "$OUT/sass_cute.csv.gz" "$OUT/sass_flash_attn_4.csv.gz" > "$OUT/ncu_compare.txt"
-  head -60 "$OUT/ncu_compare.txt"
+  ncu_sass_pair fwd:128:16384:full fa4dist flash_attn  # (bench/stage.sh)
   exit
 fi
 if [ "$1" = 5 ]; then
@@ -105,16 +96,7 @@ if [ "$1" = 8 ]; then
   # call 6's counters: at hdim 128 causal 4k our main kernel stalls 1.9x flash-attn-4's long scoreboard per issued
   # instruction (5.5 / 2.9) and 3.5x its short scoreboard, with the same shared-load counts: which instructions
   # wait (SASS-level samples of both main kernels, the new defaults: the persistent grid at 4k)
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  for who in cute:FlashBwdSm90 flash_attn_4:FlashAttentionBackwardSm90; do
-    b=${who%%:*} p=${who##*:}
-    TAIL_LINES=2 stage ncu_$b 90 "$NCU" --profile-from-start off --clock-control none --section SourceCounters \
-      --section WarpStateStats --import-source no -k "regex:$p" --launch-count 1 --export "/tmp/src_$b" -f \
-      python3 bench/ncu_kernels.py --cases bwd:128:4096:causal --backends "$b"
-    "$NCU" --import "/tmp/src_$b.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$OUT/sass_$b.csv.gz"
-  done
-  python3 bench/ncu_summary.py compare "$OUT/sass_cute.csv.gz" "$OUT/sass_flash_attn_4.csv.gz" > "$OUT/ncu_compare.txt"
-  head -50 "$OUT/ncu_compare.txt"
+  ncu_sass_pair bwd:128:4096:causal FlashBwdSm90 FlashAttentionBackwardSm90
   exit
 fi
 if [ "$1" = 4 ]; then
