@@ -163,7 +163,6 @@ def finish_distributed() -> None:
     dist.destroy_process_group()
 
 
-
 @dataclass
 class Layout:
     """Where this rank sits: dp x cp, cp innermost (consecutive ranks share a sequence)."""

@@ -241,11 +241,14 @@ def test_short_causal_hdim64_sequences_take_128_row_tiles():
 
 def test_short_dense_causal_launches_interleave_long_and_short_tiles():
     """Dense causal launches writing a 16-bit out, without a window, of at most INTERLEAVE_MAX_ROWS query rows
-    alternate long and short tiles; longer ones, non-causal, packed, merge / fp32 and windowed launches keep longest
-    first (forward.interleaved_launch); make_config takes the caller's choice, an override wins."""
-    n = cute_fwd.INTERLEAVE_MAX_ROWS
-    assert cute_fwd.interleaved_launch(True, True, n) and cute_fwd.interleaved_launch(True, True, 1)
-    for args in ((True, True, n + 1), (False, True, 512), (True, False, 512), (True, True, 512, 100)):
+    alternate long and short tiles; longer ones, non-causal, packed, merge / fp32 and windowed launches and hdim
+    64's short-sequence tiles keep longest first (forward.interleaved_launch); make_config takes the caller's
+    choice, an override wins."""
+    n, short = cute_fwd.INTERLEAVE_MAX_ROWS, cute_fwd.SHORT_CAUSAL_ROWS
+    assert cute_fwd.interleaved_launch(128, True, True, n) and cute_fwd.interleaved_launch(128, True, True, 1)
+    assert cute_fwd.interleaved_launch(64, True, True, n) and cute_fwd.interleaved_launch(64, True, True, short + 1)
+    for args in ((128, True, True, n + 1), (128, False, True, 512), (128, True, False, 512),
+                 (128, True, True, 512, 100), (64, True, True, short)):
         assert not cute_fwd.interleaved_launch(*args), args
     make = functools.partial(cute_fwd.make_config, torch.bfloat16, 128, varlen=False, accumulate=False)
     assert make(causal=True, interleave=True).interleave_lengths

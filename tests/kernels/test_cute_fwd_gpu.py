@@ -425,8 +425,10 @@ SCHEDULE_FIELD_CASES = [
                                                             for c in SCHEDULE_FIELD_CASES])
 def test_schedule_fields_give_the_same_bits(case, field):
     """Each of forward._SCHEDULE_FIELDS (late_pv_wait: the K / V waits tried before they block, P converted with
-    inline cvts; hoist_descriptors: the smem descriptor bases computed once per tile; interleave_lengths: long and
-    short causal tiles alternating in the launch order) changes where ptxas schedules or which CTA computes what,
+    inline cvts; hoist_descriptors / hoist_q_slices: the smem descriptor bases, and Q's slices, computed once per
+    tile; interleave_lengths: long and short causal tiles alternating in the launch order; chained_max: the row
+    max as four max.f32 chains, the same max for rows without a NaN score) changes where ptxas schedules or which
+    CTA computes what,
     not what is computed: out / lse bytes equal either way, fresh and merged into a running result,
     with NaN in a masked V row."""
     b, s, h, hk, d, causal, extra = case

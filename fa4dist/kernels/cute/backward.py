@@ -320,19 +320,17 @@ def default_persistent_ctas(accumulate: bool, grads: str, worklist: bool, dq_fix
                             max_seqlen_k: Optional[int], deterministic: bool = False, varlen: bool = True) -> int:
     """The SM count for backwards that write fresh dq, dk and dv on key sequences of at most PERSISTENT_MAX_SEQLEN_K
     tokens, PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET for dense non-deterministic calls; else 0 (one CTA per tile).
-    Measured on the H200
-    against one CTA per tile (bench/RESULTS.md): packed causal documents of 512 / 1024 / 2048 tokens 1.15 / 1.11 /
-    1.03x at hdim 64 and 1.07 / 1.06 / 1.02x at hdim 128, deterministic 1.17 / 1.10 / 1.04x and 1.05 / 1.04 /
-    1.00x (twelfth session); dense causal 1k 1.02-1.10x (deterministic too), non-causal 1k 1.00-1.05x (eleventh
-    session). Dense, non-deterministic, 4k / 8k / 16k (seventeenth session, bench/sessions/gpu_session_17.sh 6 and
-    7): causal hdim 64 +5.9 / +1.7% and +4.8 / +3.7 / +0.6%, causal hdim 128 +0.6 / +2.3% and +1.2 / +1.9 /
-    -1.7%, non-causal hdim 64 -0.2 / -0.4 / +1.9%, hdim 128 +2.2 / +1.5 / +2.2% (the eleventh session had causal
-    16k down to 0.91x): on the grid up to 8k. Deterministic and packed calls beyond 2k are not measured there.
-    A deterministic grid claims every tile from its counter, so its dQ tickets never wait on a CTA that has no SM
-    (tile_scheduler.TileClaims).
-    Kept off the grid: merging calls (the ring's steps, whose NCCL transfers on another stream need SMs that a
-    persistent grid holds until its last tile), one-gradient calls, work lists, the fixed-point dQ, and calls
-    whose longest key sequence is unknown (packed without max_seqlen_k)."""
+    Measured on the H200 against one CTA per tile (bench/RESULTS.md): packed causal documents of 512 / 1024 / 2048
+    tokens 1.15 / 1.11 / 1.03x at hdim 64 and 1.07 / 1.06 / 1.02x at hdim 128, deterministic 1.17 / 1.10 / 1.04x and
+    1.05 / 1.04 / 1.00x (twelfth session); dense causal 1k 1.02-1.10x (deterministic too), non-causal 1k 1.00-1.05x
+    (eleventh session). Dense, non-deterministic, 4k / 8k / 16k (seventeenth session,
+    bench/sessions/gpu_session_17.sh 6 and 7): causal hdim 64 +5.9 / +1.7% and +4.8 / +3.7 / +0.6%, causal hdim 128
+    +0.6 / +2.3% and +1.2 / +1.9 / -1.7%, non-causal hdim 64 -0.2 / -0.4 / +1.9%, hdim 128 +2.2 / +1.5 / +2.2% (the
+    eleventh session had causal 16k down to 0.91x): on the grid up to 8k. Deterministic and packed calls beyond 2k
+    are not measured there. A deterministic grid claims every tile from its counter, so its dQ tickets never wait on
+    a CTA that has no SM (tile_scheduler.TileClaims). Kept off the grid: merging calls (the ring's steps, whose NCCL
+    transfers on another stream need SMs that a persistent grid holds until its last tile), one-gradient calls, work
+    lists, the fixed-point dQ, and calls whose longest key sequence is unknown (packed without max_seqlen_k)."""
     if accumulate or grads != "all" or worklist or dq_fixed or max_seqlen_k is None:
         return 0
     bound = PERSISTENT_MAX_SEQLEN_K if deterministic or varlen else PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET

@@ -39,10 +39,11 @@ def row_vector_layout(tile_m: int, permuted: bool):
     return cute.make_layout((2, 4, tile_m // 8), stride=(1, tile_m // 4, 2))
 
 
-def row_vectors(base: cute.Tensor, tile_m: int, permuted: bool, n_tiles) -> cute.Tensor:
-    """(tile_m, n_tiles) view of flat per-tile vectors (``base``'s iterator) in row_vector_layout's order."""
+def row_vectors_layout(tile_m: int, permuted: bool, n_tiles):
+    """(tile_m, n_tiles): n_tiles consecutive per-tile vectors (the scratch's tiles, the main kernel's smem
+    stages), a tile's rows in row_vector_layout's order."""
     tile = row_vector_layout(tile_m, permuted)
-    return cute.make_tensor(base.iterator, cute.make_layout((tile.shape, n_tiles), stride=(tile.stride, tile_m)))
+    return cute.make_layout((tile.shape, n_tiles), stride=(tile.stride, tile_m))
 
 
 class BwdPreprocess:
@@ -140,8 +141,9 @@ class BwdPreprocess:
         if m_block * tm < seqlen_q:
             chunk = (blk_base + m_block) * num_heads + head
             n_vec = cute.size(mLSE2.shape[0]) // tm
-            gL2 = row_vectors(mLSE2, tm, self.permuted_vectors, n_vec)[None, chunk]
-            gDp = row_vectors(mDpsum, tm, self.permuted_vectors, n_vec)[None, chunk]
+            vectors = row_vectors_layout(tm, self.permuted_vectors, n_vec)
+            gL2 = cute.make_tensor(mLSE2.iterator, vectors)[None, chunk]
+            gDp = cute.make_tensor(mDpsum.iterator, vectors)[None, chunk]
             col = tidx % self.tpr
             for p in cutlass.range_constexpr(tm // self.rows_per_pass):
                 r = p * self.rows_per_pass + tidx // self.tpr

@@ -61,7 +61,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .barriers import BwdBarrier
 from .block_info import WORKLIST_COLUMNS, BlockInfo, SeqlenInfo
-from .bwd_preprocess import row_vector_layout
+from .bwd_preprocess import row_vectors_layout
 from .common_sm90 import (
     Context,
     acc_to_operand_a,
@@ -464,9 +464,8 @@ class FlashBwdSm90:
                                        mma_warps + san_warps + (1 if self.compute_dq else 0))
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
 
-        row_tile = row_vector_layout(tm, self.permuted_vectors)  # where a query row's lse2 / dPsum sits
-        vec_layout = cute.make_layout((row_tile.shape, self.num_stages), stride=(row_tile.stride, tm))
-        raw_layout = cute.make_layout((tm, self.num_stages), stride=(1, tm))
+        vec_layout = row_vectors_layout(tm, self.permuted_vectors, self.num_stages)  # a query row's lse2 / dPsum
+        raw_layout = row_vectors_layout(tm, False, self.num_stages)  # the floats as stored
         io = Context(
             mQ=mQ, mK=mK, mV=mV, mdO=mdO, mLSE2=mLSE2, mDpsum=mDpsum, mdQacc=mdQacc, mdK=mdK, mdV=mdV, mSem=mSem,
             mdQscale=mdQscale,

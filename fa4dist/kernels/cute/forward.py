@@ -238,15 +238,16 @@ def default_persistent_ctas(cfg: FwdConfig) -> int:
 INTERLEAVE_MAX_ROWS = 2048
 
 
-def interleaved_launch(causal: bool, dense_plain: bool, seqlen_q: int, window_left: int = -1) -> bool:
+def interleaved_launch(head_dim: int, causal: bool, dense_plain: bool, seqlen_q: int, window_left: int = -1) -> bool:
     """Whether a launch alternates long and short causal tiles (FwdConfig.interleave_lengths): dense causal launches
-    writing a 16-bit out, no window, at most INTERLEAVE_MAX_ROWS query rows (forward() leaves out the short_queries
-    tiles). Measured on the H200 against longest first in the same rounds (2026-12-02, seventeenth session,
-    bench/sessions/gpu_session_17.sh 1 and 2): hdim 128 +8 / +10% at 1k, +3% at 2k; hdim 64 +6% at 2k, -1.2 /
-    -0.6% at 1k (its 128-row short tiles: left out); at 4k -2% / +1%, at 16k -6% / -2.4% (hdim 128 / 64). Packed
-    causal documents of 512-2048 tokens lost 4-7%, and the 4k causal merge (the lead it was built for: +15.7% over a
-    plain forward against +12.9%) lost too, so those keep longest first."""
-    return causal and dense_plain and window_left < 0 and seqlen_q <= INTERLEAVE_MAX_ROWS
+    writing a 16-bit out, no window, at most INTERLEAVE_MAX_ROWS query rows, not on short_queries' tiles. Measured
+    on the H200 against longest first in the same rounds (2026-12-02, seventeenth session,
+    bench/sessions/gpu_session_17.sh 1 and 2): hdim 128 +8 / +10% at 1k, +3% at 2k; hdim 64 +6% at 2k, -1.2 / -0.6%
+    at 1k (its 128-row short tiles: left out); at 4k -2% / +1%, at 16k -6% / -2.4% (hdim 128 / 64). Packed causal
+    documents of 512-2048 tokens lost 4-7%, and the 4k causal merge (the lead it was built for: +15.7% over a plain
+    forward against +12.9%) lost too, so those keep longest first."""
+    return (causal and dense_plain and window_left < 0 and seqlen_q <= INTERLEAVE_MAX_ROWS
+            and not short_queries(head_dim, causal, dense_plain, seqlen_q))
 
 
 _FIELDS = {
@@ -441,7 +442,7 @@ def forward(
     has_sinks = sinks is not None
     dense_plain = not (varlen or out_fp32)  # (out_fp32 covers accumulate)
     short = short_queries(d, causal, dense_plain, 0 if varlen else q.shape[1])
-    interleave = not short and interleaved_launch(causal, dense_plain, 0 if varlen else q.shape[1], window_left)
+    interleave = interleaved_launch(d, causal, dense_plain, 0 if varlen else q.shape[1], window_left)
     fast_key = (q.dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32, window_left, softcap, has_sinks, short,
                 interleave)
     fast = _FAST.get(fast_key) if not overrides and not _OVERRIDE else None

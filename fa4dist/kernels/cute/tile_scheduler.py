@@ -4,8 +4,8 @@ Both kernels launch one CTA per work tile, or a persistent grid of one CTA per S
 launch order, so that the next tile's loads overlap the current one's epilogue: tiles claimed from a counter
 (``TileClaims``), or in the forward the static walk (``persistent_turn``, a measurement knob). The forward's tile
 is a query tile of one (head, sequence); the backward's is a key tile of one (kv head, sequence). The launch order
-is part of the design: causal forward tiles go longest first (or long and short alternating, for merges), with
-heads grouped so that their K/V stay in L2;
+is part of the design: causal forward tiles go longest first (long and short alternating for short dense
+sequences), with heads grouped so that their K/V stay in L2;
 deterministic backward tiles go in the order that keeps the dQ semaphore chains short and deadlock-free. A
 work-list launch (several (query range, key range, offsets, mask) items, fa4dist.kernels.worklist) keeps these
 decoders: its items take the place of a packed call's sequences (``batch`` is the item; block_info.SeqlenInfo reads
@@ -147,9 +147,9 @@ class TileClaims:
 
 def causal_m_block(position, num_m_blocks, interleave: bool):
     """The query tile at ``position`` of a causal (head, sequence)'s launch order: longest first (highest m), or
-    with ``interleave`` longest, shortest, second longest, second shortest, ... (m = n-1, 0, n-2, 1, ...), so that
-    the tiles in flight together mix compute-bound long tiles with short ones that are mostly epilogue (a merge's
-    running rows: memory-bound), while the pairs of neighbours still sum to the same work."""
+    with ``interleave`` longest, shortest, second longest, second shortest, ... (m = n-1, 0, n-2, 1, ...): the
+    tiles in flight together mix long tiles with short ones, and neighbours pair to the same work (measured faster
+    for short sequences only: forward.interleaved_launch, backward.default_interleave_lengths)."""
     if const_expr(not interleave):
         return num_m_blocks - 1 - position
     half = position // 2
