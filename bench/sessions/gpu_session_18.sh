@@ -17,9 +17,26 @@
 #    hdim-64 causal kernel of one CTA per tile spills 8 bytes instead of 4 (outside the loop). Prediction: hdim 64
 #    backward +1-3%, hdim 128 within noise. First every backward variant's GPU tests under the override (a wrong
 #    permutation anywhere shows there), then the A/B.
+#    Run twice in the eighteenth session: first -10 to -15% at hdim 64 (call 3's counters: 16-way bank conflicts
+#    on the 16-byte loads), then again after row_vector_layout interleaved a quad's groups (one wavefront per
+#    quarter warp); the counters stage checks that.
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s18 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
+# `vector_counters FORM`: Nsight Compute's counters of every kernel of one hdim-64 4k backward call under
+# FA4DIST_BWD_OVERRIDE=FORM ("default": none): bank conflicts, shared wavefronts, instructions, stalls.
+vector_counters() {
+  local ncu metrics=gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  metrics=$metrics,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum
+  metrics=$metrics,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__sass_inst_executed_op_shared_ld.sum
+  metrics=$metrics,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio
+  metrics=$metrics,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio
+  metrics=$metrics,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio
+  TAIL_LINES=40 FA4DIST_BWD_OVERRIDE=${1/default/} stage "counters_${1%%=*}" 120 "$ncu" \
+    --profile-from-start off --clock-control none --metrics "$metrics" \
+    python3 bench/ncu_kernels.py --cases bwd:64:4096:full --backends cute
+}
 PYTEST="python3 -m pytest -x -q -p no:cacheprovider -rfE"
 if [ "${1:-1}" = 1 ]; then
   TAIL_LINES=2 stage aot 200 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set session18
@@ -36,10 +53,31 @@ if [ "$1" = 2 ]; then
   TAIL_LINES=4 stage bits 100 $PYTEST -n 8 tests/kernels/test_cute_bwd_gpu.py -k "step_forms and permuted"
   FA4DIST_BWD_OVERRIDE=permuted_vectors=1 TAIL_LINES=6 stage suite 300 $PYTEST -n 8 tests/kernels/test_cute_bwd_gpu.py \
     tests/kernels/test_cute_nonfinite_gpu.py -k "not test_step_forms"
+  vector_counters permuted_vectors=1
   TAIL_LINES=30 stage ab 240 python3 bench/kernels.py --headdims 64 128 --seqlens 1024 4096 16384 \
     --causal false true --directions bwd --deterministic --backends cute flash_attn_4 \
     --cute-variants bwd:permuted_vectors=true --rounds 5 --out-dir "$OUT"
   mv "$OUT/$(date +%F)-kernels.json" "$OUT/permuted-vectors-ab.json" 2>/dev/null
   rm -f "$OUT"/*.png
+  exit
+fi
+if [ "$1" = 3 ]; then
+  # call 2 refuted permuted_vectors (hdim 64 backward -10 to -15% for 16 fewer instructions per step): where the
+  # time went. Counters of the default and the knob's launches (bank conflicts, shared wavefronts, instructions,
+  # every kernel of the call: preprocess, main, postprocess), then the SASS-level samples of both main kernels.
+  TAIL_LINES=2 stage aot 200 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set session18
+  for form in default permuted_vectors=1; do vector_counters "$form"; done
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for form in default permuted_vectors=1; do
+    TAIL_LINES=2 FA4DIST_BWD_OVERRIDE=${form/default/} stage "sass_${form%%=*}" 120 "$ncu" --profile-from-start off \
+      --clock-control none --section SourceCounters --section WarpStateStats --import-source no \
+      -k regex:FlashBwdSm90 --launch-count 1 --export "/tmp/src_${form%%=*}" -f \
+      python3 bench/ncu_kernels.py --cases bwd:64:4096:full --backends cute
+    "$ncu" --import "/tmp/src_${form%%=*}.ncu-rep" --page source --csv --print-source sass 2>&1 \
+      | gzip > "$OUT/sass_${form%%=*}.csv.gz"
+  done
+  python3 bench/ncu_summary.py compare "$OUT/sass_permuted_vectors.csv.gz" "$OUT/sass_default.csv.gz" \
+    > "$OUT/ncu_compare.txt"
+  head -60 "$OUT/ncu_compare.txt"
   exit
 fi

@@ -368,8 +368,9 @@ def test_interleaved_key_tiles_default_scope():
 @pytest.mark.parametrize("tile_m", [64, 128])
 def test_permuted_vectors_put_a_threads_columns_in_a_row(tile_m):
     """bwd_preprocess.row_vector_layout (permuted) and FlashBwdSm90.column_groups agree with the S^T GEMM's
-    accumulator fragment: for every thread, the vector positions of its columns, in fragment order, are the
-    tile_m / 4 consecutive floats from (first column // 2) * tile_m / 4 (evaluated while tracing, on the CPU)."""
+    accumulator fragment: for every thread, the vector positions of its columns, in fragment order, are groups of
+    four consecutive floats at (first column // 2) * 4 + 16 g, and a quad's four threads read one contiguous run
+    per group (no bank conflicts; evaluated while tracing, on the CPU)."""
     import cutlass
     import cutlass.cute as cute
     import cutlass.utils.hopper_helpers as sm90_utils
@@ -393,7 +394,11 @@ def test_permuted_vectors_put_a_threads_columns_in_a_row(tile_m):
     cute.compile(probe)
     assert len(seen) == 256
     for t, cols in seen.items():
-        base = (cols[0][0] // 2) * (tile_m // 4)
-        assert [p for _, p in cols] == list(range(base, base + tile_m // 4)), t
+        base = (cols[0][0] // 2) * 4
+        assert [p for _, p in cols] == [base + 16 * g + i for g in range(tile_m // 16) for i in range(4)], t
+    for quad in range(0, 256, 4):  # group g of lanes 4k .. 4k + 3: the floats 16 g .. 16 g + 15
+        for g in range(tile_m // 16):
+            assert sorted(p for t in range(quad, quad + 4) for _, p in seen[t][4 * g:4 * g + 4]) == \
+                list(range(16 * g, 16 * g + 16)), (quad, g)
     # the permutation is one: every position is some row's
     assert sorted(p for _, p in seen[0] + seen[1] + seen[2] + seen[3]) == list(range(tile_m))

@@ -6,8 +6,8 @@
 #                                                     so that P = exp2(S * scale_log2 - lse2) = 0 there)
 # written into tile-padded vectors indexed (chunk * heads + head) * tile_m + row, where
 # chunk = (first tile of the sequence) + tile; with permuted_vectors a tile's row r sits at
-# row_vector_layout(tile_m, True)(r) instead, so that the query columns one thread of the main kernel's S^T
-# fragment reads lie next to each other (16-byte loads). The same CTA zeroes the tile's fp32 dQ accumulator
+# row_vector_layout(tile_m, True)(r) instead, so that the main kernel's S^T fragment reads its query columns four
+# at a time (16-byte loads). The same CTA zeroes the tile's fp32 dQ accumulator
 # chunk and, in deterministic mode, its semaphore, so the main kernel needs no memsets (zero_dq=False: a
 # launch that computes no dQ has no scratch). Fixed-point dQ (dq_fixed): the accumulator is int64 (zeroed as
 # twice the fp32 words) and the rows' scales (fixed_point.dq_scale, lse's layout) are copied into the same
@@ -30,13 +30,16 @@ LOG2_E = math.log2(math.e)
 
 def row_vector_layout(tile_m: int, permuted: bool):
     """Where row r of a query tile's lse2 / dPsum vector sits among the tile's tile_m floats (scratch and smem
-    alike: the main kernel copies a tile's floats as they are). Plain: at r. Permuted: row r = c0 + 2 c1 + 8 c2
-    (c0 < 2, c1 < 4) at c0 + 2 c2 + (tile_m / 4) c1. A wgmma accumulator thread holds the columns 8 j + 2 (lane % 4)
-    + c0 (PTX's fragment layout), so its columns' values are then tile_m / 4 consecutive floats from (lane % 4) *
-    tile_m / 4, in its fragment's column order (bwd_sm90.FlashBwdSm90.column_groups)."""
+    alike: the main kernel copies a tile's floats as they are). Plain: at r. Permuted: row r = c0 + 2 c1 + 8 h +
+    16 g (c0, h < 2, c1 < 4) at c0 + 2 h + 4 c1 + 16 g. A wgmma accumulator thread holds the columns 8 j + 2 (lane
+    % 4) + c0 (PTX's fragment layout), so its fragment's columns 4 g .. 4 g + 3 are then four consecutive floats at
+    4 (lane % 4) + 16 g, and the four lanes of a quad read one contiguous 64-byte run per group (one wavefront
+    per quarter warp; the seventeenth session's layout, a thread's columns all in one run, put the quad's four
+    16-byte loads 128 bytes apart on the same banks: 16 wavefronts per load). bwd_sm90.FlashBwdSm90.column_groups
+    reads it."""
     if not permuted:
         return cute.make_layout(tile_m)
-    return cute.make_layout((2, 4, tile_m // 8), stride=(1, tile_m // 4, 2))
+    return cute.make_layout((2, 4, 2, tile_m // 16), stride=(1, 4, 2, 16))
 
 
 def row_vectors_layout(tile_m: int, permuted: bool, n_tiles):

@@ -1093,13 +1093,13 @@ class FlashBwdSm90:
     # ------------------------------------------------------------------------
     def column_groups(self, raw: cute.Tensor, stage, tScS_mn: cute.Tensor, n_cols: int) -> cute.Tensor:
         """permuted_vectors: this thread's n_cols values of stage ``stage``'s vector (``raw``: the floats as
-        stored) as a (4, n_cols / 4) tensor, group g holding the fragment's columns 4g .. 4g + 3. They start at
-        (lane % 4) * tile_m / 4 (bwd_preprocess.row_vector_layout), found from the thread's first column, 2 (lane %
-        4); 16-byte aligned, so each group is one vector load."""
-        base = (tScS_mn[0, 0][1] // 2) * (self.tile_m // 4)
+        stored) as a (4, n_cols / 4) tensor, group g holding the fragment's columns 4g .. 4g + 3 at 4 (lane % 4) +
+        16 g (bwd_preprocess.row_vector_layout; lane % 4 from the thread's first column, 2 (lane % 4)); 16-byte
+        aligned, so each group is one vector load."""
+        base = (tScS_mn[0, 0][1] // 2) * 4
         addr = (raw[None, stage].iterator + base).toint()
         ptr = cute.make_ptr(Float32, addr, cute.AddressSpace.smem, assumed_align=16)
-        return cute.make_tensor(ptr, cute.make_layout((4, n_cols // 4), stride=(1, 4)))
+        return cute.make_tensor(ptr, cute.make_layout((4, n_cols // 4), stride=(1, 16)))
 
     def column_reader(self, vec: cute.Tensor, raw: cute.Tensor, stage, tScS_mn: cute.Tensor, n_cols: int,
                       early: Optional[cute.Tensor]):
