@@ -193,8 +193,9 @@ def fwd_bench_configs():
     out = [F.make_config(torch.bfloat16, d, causal=causal, varlen=False, accumulate=False,
                          short=F.short_queries(d, causal, True, s),
                          interleave=F.interleaved_launch(d, causal, True, s),
+                         chained=F.chained_max_launch(d, causal, True, s),
                          **kw)
-           for d in (64, 128) for causal in (False, True) for s in (1024, 2048, 4096)
+           for d in (64, 128) for causal in (False, True) for s in (1024, 2048, 4096, 16384)
            for kw in ({}, dict(rescale_threshold=0.0))]
     return list(dict.fromkeys(out))
 

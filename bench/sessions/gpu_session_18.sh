@@ -81,3 +81,31 @@ if [ "$1" = 3 ]; then
   head -60 "$OUT/ncu_compare.txt"
   exit
 fi
+if [ "$1" = 4 ]; then
+  # call 5 (gpu_session_17.sh 8): at hdim 128 causal 4k the step's first P FFMAs wait ~10k samples on the lse2
+  # shared load (short scoreboard; flash-attn-4's whole kernel 5.4k). early_vectors lost 2% there in the
+  # fourteenth session, before the persistent grid reached 4k-8k: again, causal non-deterministic. And call 1's
+  # chained_max gains at hdim 128 non-causal 16k / 32k (+1.1 / +1.6%) once more.
+  TAIL_LINES=2 stage aot 200 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set session18
+  TAIL_LINES=12 stage early 240 python3 bench/kernels.py --headdims 128 --seqlens 1024 4096 8192 16384 \
+    --causal true --directions bwd --backends cute flash_attn_4 --cute-variants bwd:early_vectors=true \
+    --rounds 5 --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/early-vectors-causal.json" 2>/dev/null
+  TAIL_LINES=10 stage chained 150 python3 bench/kernels.py --headdims 128 --seqlens 8192 16384 32768 \
+    --causal false --directions fwd --backends cute flash_attn_4 --cute-variants fwd:chained_max=true \
+    --rounds 7 --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/chained-max-nc.json" 2>/dev/null
+  rm -f "$OUT"/*.png
+  exit
+fi
+if [ "$1" = 5 ]; then
+  # chained_max a third time, wider: non-causal 16k / 32k gained in calls 1 and 4; the causal and hdim-64 shapes
+  # were mixed in call 1 (-1.6% causal 32k hdim 128).
+  TAIL_LINES=2 stage aot 200 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set session18
+  TAIL_LINES=16 stage chained 300 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 16384 32768 \
+    --causal false true --directions fwd --backends cute flash_attn_4 --cute-variants fwd:chained_max=true \
+    --rounds 7 --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/chained-max-wide.json" 2>/dev/null
+  rm -f "$OUT"/*.png
+  exit
+fi

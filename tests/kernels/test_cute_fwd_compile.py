@@ -50,6 +50,8 @@ SUBSET = [
     (torch.bfloat16, 64, True, False, False, {"short": True}),
     # hdim 128 causal sequences of at most 2k: long and short tiles interleaved (forward.interleaved_launch)
     (torch.bfloat16, 128, True, False, False, {"interleave": True}),
+    # hdim 128 non-causal sequences of 8k+ keys: the row max in chains (forward.chained_max_launch)
+    (torch.bfloat16, 128, False, False, False, {"chained": True}),
     # hdim 96 causal on the persistent grid: its producer takes 32 registers (forward.default_regs_producer)
     (torch.bfloat16, 96, True, False, False, {}),
 ]
@@ -254,6 +256,21 @@ def test_short_dense_causal_launches_interleave_long_and_short_tiles():
     assert make(causal=True, interleave=True).interleave_lengths
     assert not make(causal=True).interleave_lengths
     assert not make(causal=True, interleave=True, interleave_lengths=False).interleave_lengths
+
+
+def test_long_dense_non_causal_hdim128_launches_chain_the_row_max():
+    """Dense non-causal hdim-128 launches writing a 16-bit out, of CHAINED_MAX_MIN_KEYS+ keys, without a window,
+    soft-cap or sinks take the row max in chains; shorter, causal, hdim-64, packed, merge / fp32, windowed,
+    soft-capped and sink launches keep the tree (forward.chained_max_launch); make_config takes the caller's
+    choice, an override wins."""
+    n = cute_fwd.CHAINED_MAX_MIN_KEYS
+    assert cute_fwd.chained_max_launch(128, False, True, n) and cute_fwd.chained_max_launch(128, False, True, 4 * n)
+    for args in ((128, False, True, n - 1), (128, True, True, n), (64, False, True, n), (128, False, False, n),
+                 (128, False, True, n, 100), (128, False, True, n, -1, 30.0), (128, False, True, n, -1, 0.0, True)):
+        assert not cute_fwd.chained_max_launch(*args), args
+    make = functools.partial(cute_fwd.make_config, torch.bfloat16, 128, causal=False, varlen=False, accumulate=False)
+    assert make(chained=True).chained_max and not make().chained_max
+    assert not make(chained=True, chained_max=False).chained_max
     assert not make(causal=False, interleave_lengths=True).interleave_lengths  # one length: one kernel
 
 

@@ -48,8 +48,8 @@ class FwdConfig:
     # default_sum_from_old (measured, NOTES_FWD.md)
     sum_from_old: bool = False
     # the row max in flash-attn-4's form: max.f32 in four interleaved chains (softmax.max_chains) instead of the
-    # max.NaN.f32 tree; the same bits for rows without a NaN score (NaN rows stay NaN). A measurement knob
-    # (NOTES_FWD.md, seventeenth session)
+    # max.NaN.f32 tree; the same bits for rows without a NaN score (NaN rows stay NaN). Default from
+    # chained_max_launch (long dense non-causal hdim-128 launches; measured, NOTES_FWD.md eighteenth session)
     chained_max: bool = False
     # flash-attn-4's forms in the overlapped step (each K / V barrier tried once before the blocking wait, P
     # converted with inline cvts): ptxas then places the PV wait after ~10 exponentials instead of before the first
@@ -250,6 +250,23 @@ def interleaved_launch(head_dim: int, causal: bool, dense_plain: bool, seqlen_q:
             and not short_queries(head_dim, causal, dense_plain, seqlen_q))
 
 
+# dense non-causal hdim-128 launches of at least this many keys take the row max in chains (chained_max_launch)
+CHAINED_MAX_MIN_KEYS = 8192
+
+
+def chained_max_launch(head_dim: int, causal: bool, dense_plain: bool, seqlen_k: int, window_left: int = -1,
+                       softcap: float = 0.0, sinks: bool = False) -> bool:
+    """Whether a launch takes the row max in flash-attn-4's chained form (FwdConfig.chained_max): dense non-causal
+    hdim-128 launches writing a 16-bit out, of at least CHAINED_MAX_MIN_KEYS keys, without a window, soft-cap or
+    sinks. Measured on the H200 against the tree in the same rounds (2026-12-02, eighteenth session,
+    bench/sessions/gpu_session_18.sh 1, 4, 5): hdim 128 non-causal +1.1 / +2.2 / +2.3% at 16k and +1.6 / +1.9 /
+    +1.2% at 32k, +0.9% at 8k, -0.2 / -0.2% at 4k, -0.9% at 1k; causal hdim 128 -1.4 / +0.7% at 4k, -0.5 / 0% at
+    16k, -0.6 / -1.6% at 32k; hdim 64 within +-1.5% either way. The row max is exact in both forms, so the bits
+    are the same (test_schedule_fields_give_the_same_bits)."""
+    return (head_dim == 128 and not causal and dense_plain and seqlen_k >= CHAINED_MAX_MIN_KEYS and window_left < 0
+            and not softcap and not sinks)
+
+
 _FIELDS = {
     "tile_m": int, "tile_n": int, "num_stages": int, "intra_wg_overlap": host.parse_bool,
     "sched_barrier": host.parse_bool, "rescale_threshold": float, "sum_from_old": host.parse_bool,
@@ -283,9 +300,10 @@ def set_override(**kw) -> None:
 
 def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=False, out_fp32=False,
                 window_left=-1, softcap=0.0, sinks=False, worklist=False, short=False, interleave=False,
-                **overrides) -> FwdConfig:
+                chained=False, **overrides) -> FwdConfig:
     """The FwdConfig of a call: the defaults for its fields, then FA4DIST_FWD_OVERRIDE, then ``overrides``.
-    ``short`` / ``interleave``: the launch-size choices the caller made (short_queries, interleaved_launch)."""
+    ``short`` / ``interleave`` / ``chained``: the launch-size choices the caller made (short_queries,
+    interleaved_launch, chained_max_launch)."""
     tm, tn, st = default_tiles(head_dim, causal, short)
     kw = dict(
         dtype=host.dtype_name(dtype), head_dim=head_dim, causal=bool(causal), varlen=bool(varlen),
@@ -304,6 +322,8 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
         cfg = dataclasses.replace(cfg, regs_producer=default_regs_producer(cfg))
     if "interleave_lengths" not in kw:
         cfg = dataclasses.replace(cfg, interleave_lengths=bool(interleave))
+    if "chained_max" not in kw:
+        cfg = dataclasses.replace(cfg, chained_max=bool(chained))
     if cfg.hoist_q_slices and not cfg.hoist_descriptors:  # (the slices are hoisted with the bases only)
         cfg = dataclasses.replace(cfg, hoist_q_slices=False)
     if cfg.interleave_lengths and not cfg.causal:  # tiles of one length: the same kernel, one cache entry
@@ -443,13 +463,14 @@ def forward(
     dense_plain = not (varlen or out_fp32)  # (out_fp32 covers accumulate)
     short = short_queries(d, causal, dense_plain, 0 if varlen else q.shape[1])
     interleave = interleaved_launch(d, causal, dense_plain, 0 if varlen else q.shape[1], window_left)
+    chained = chained_max_launch(d, causal, dense_plain, 0 if varlen else k.shape[1], window_left, softcap, has_sinks)
     fast_key = (q.dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32, window_left, softcap, has_sinks, short,
-                interleave)
+                interleave, chained)
     fast = _FAST.get(fast_key) if not overrides and not _OVERRIDE else None
     if fast is None:
         cfg = make_config(q.dtype, d, causal=causal, varlen=varlen, accumulate=accumulate,
                           seg_offsets=seg_offsets, out_fp32=out_fp32, window_left=window_left, softcap=softcap,
-                          sinks=has_sinks, short=short, interleave=interleave, **overrides)
+                          sinks=has_sinks, short=short, interleave=interleave, chained=chained, **overrides)
         fast = (host.get_compiled(cfg), cfg.takes_tile_counter)
         if not overrides and not _OVERRIDE:
             _FAST[fast_key] = fast
