@@ -20,6 +20,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "kernels"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # (the compile tests' helpers, as tests/conftest.py adds them)
 
 
 def normalize(ptx: str) -> str:

@@ -79,10 +79,6 @@ EXTRA = [
     (BF16, 128, False, False, False, True, {"hoist_descriptors": False}),
     # long and short causal key tiles interleaved in the launch order on one CTA per tile
     (BF16, 128, True, False, False, False, {"interleave_lengths": True}),
-    # the lse2 / dPsum vectors permuted per tile and read four columns per 16-byte load (a knob)
-    (BF16, 64, True, False, False, False, {"permuted_vectors": True}),
-    (BF16, 128, False, False, False, True, {"permuted_vectors": True}),
-    (BF16, 64, True, True, False, True, {"permuted_vectors": True, "persistent_ctas": 132}),
     # dense non-deterministic 4k: the persistent grid without the interleaved order, causal and not
     (BF16, 64, True, False, False, False, {"max_seqlen_k": 4096}),
     (BF16, 128, False, False, False, False, {"max_seqlen_k": 4096}),
@@ -165,8 +161,6 @@ def test_compile_backward_variant(variant, tmp_path, monkeypatch, capfd):
     # the streamed operands' descriptor bases computed once per tile (loop_invariant_descriptors: Q, dO, dS and the
     # transposes a variant's GEMMs use)
     assert ("%dynamic_smem_size" in ptx) == main.hoist_descriptors
-    if main.permuted_vectors:  # each step reads its lse2 / dPsum columns four at a time (column_groups)
-        assert ptx.count("ld.shared.v4.b32") >= 2 * 2 * (main.tile_m // 16)
     if main.deterministic:
         assert ("ld.global.acquire.gpu" in ptx and "red.release.gpu" in ptx) == (main.grads != "dkv")
 
@@ -196,7 +190,7 @@ def _spill_budget(main) -> int:
         return 4  # the deterministic causal kernel of short sequences (backward.default_early_vectors)
     dense_fresh = main.tma_store_dkv and not (main.accumulate or main.varlen or main.dq_fixed)  # (the TMA stores)
     if main.causal and main.head_dim == 64 and main.tile_m == 128 and dense_fresh and not main.persistent_ctas:
-        return 8 if main.permuted_vectors else 4  # (the knob's 16-byte loads: 8, seventeenth session)
+        return 4
     return 32 if main.causal and main.head_dim == 64 and main.tile_m == 128 and main.persistent_ctas > 0 else 0
 
 
@@ -362,43 +356,3 @@ def test_interleaved_key_tiles_default_scope():
                 main(causal=False, interleave_lengths=True)):
         assert not off.interleave_lengths, off
     assert main(max_seqlen_k=4096, interleave_lengths=True).interleave_lengths
-
-
-@pytest.mark.cute
-@pytest.mark.parametrize("tile_m", [64, 128])
-def test_permuted_vectors_put_a_threads_columns_in_a_row(tile_m):
-    """bwd_preprocess.row_vector_layout (permuted) and FlashBwdSm90.column_groups agree with the S^T GEMM's
-    accumulator fragment: for every thread, the vector positions of its columns, in fragment order, are groups of
-    four consecutive floats at (first column // 2) * 4 + 16 g, and a quad's four threads read one contiguous run
-    per group (no bank conflicts; evaluated while tracing, on the CPU)."""
-    import cutlass
-    import cutlass.cute as cute
-    import cutlass.utils.hopper_helpers as sm90_utils
-
-    from fa4dist.kernels.cute.bwd_preprocess import row_vector_layout
-    from fa4dist.kernels.cute.common_sm90 import mn_view
-
-    seen = {}
-
-    @cute.jit
-    def probe():
-        k_major = cute.nvgpu.OperandMajorMode.K
-        mma = sm90_utils.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, k_major, k_major,
-                                                cutlass.Float32, atom_layout_mnk=(2, 1, 1), tiler_mn=(64, tile_m))
-        perm = row_vector_layout(tile_m, True)
-        coords = cute.make_identity_tensor((128, tile_m))
-        for t in tuple(range(256)):  # (a Python loop: traced 256 times, no staged loop)
-            cols = mn_view(mma.get_slice(t).partition_C(coords))
-            seen[t] = [(cols[0, c][1], perm(cols[0, c][1])) for c in range(cute.size(cols, mode=[1]))]
-
-    cute.compile(probe)
-    assert len(seen) == 256
-    for t, cols in seen.items():
-        base = (cols[0][0] // 2) * 4
-        assert [p for _, p in cols] == [base + 16 * g + i for g in range(tile_m // 16) for i in range(4)], t
-    for quad in range(0, 256, 4):  # group g of lanes 4k .. 4k + 3: the floats 16 g .. 16 g + 15
-        for g in range(tile_m // 16):
-            assert sorted(p for t in range(quad, quad + 4) for _, p in seen[t][4 * g:4 * g + 4]) == \
-                list(range(16 * g, 16 * g + 16)), (quad, g)
-    # the permutation is one: every position is some row's
-    assert sorted(p for _, p in seen[0] + seen[1] + seen[2] + seen[3]) == list(range(tile_m))

@@ -100,10 +100,6 @@ class BwdConfig:
     # causal, not deterministic: long and short key tiles alternate in the launch order (tile_scheduler.
     # bwd_work_tile). Default from default_interleave_lengths (short dense sequences)
     interleave_lengths: bool = False
-    # the query tiles' lse2 / dPsum vectors stored permuted per tile (bwd_preprocess.row_vector_layout) and read
-    # four columns per 16-byte load (FlashBwdSm90.column_groups) instead of one pair per 8-byte load; the same values
-    # and bits. A measurement knob (NOTES_BWD.md, seventeenth session)
-    permuted_vectors: bool = False
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -117,7 +113,7 @@ class BwdConfig:
             dq_fixed=self.dq_fixed, worklist=self.worklist, persistent_ctas=self.persistent_ctas,
             det_resident=self.det_resident, tma_store_dkv=self.tma_store_dkv, early_vectors=self.early_vectors,
             try_waits=self.try_waits, hoist_descriptors=self.hoist_descriptors,
-            interleave_lengths=self.interleave_lengths, permuted_vectors=self.permuted_vectors,
+            interleave_lengths=self.interleave_lengths,
         )
 
     @property
@@ -166,14 +162,12 @@ class PreConfig:
     zero_dq: bool = True  # False: the main kernel computes no dQ, so there is no scratch to zero
     dq_fixed: bool = False  # int64 scratch, and the rows' fixed-point scales copied next to lse2
     worklist: bool = False  # cu_seqlens is a work list's item table (its query rows and scratch tiles)
-    permuted_vectors: bool = False  # lse2 / dPsum in bwd_preprocess.row_vector_layout's permuted order
 
     def build(self):
         from .bwd_preprocess import BwdPreprocess
 
         return BwdPreprocess(self.head_dim, self.tile_m, varlen=self.varlen, deterministic=self.deterministic,
-                             zero_dq=self.zero_dq, dq_fixed=self.dq_fixed, worklist=self.worklist,
-                             permuted_vectors=self.permuted_vectors)
+                             zero_dq=self.zero_dq, dq_fixed=self.dq_fixed, worklist=self.worklist)
 
     def fake_args(self):
         import cutlass
@@ -232,7 +226,7 @@ _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "s
            "masked_last": host.parse_bool, "softcap_grad_regs": host.parse_bool, "persistent_ctas": int,
            "tma_store_dkv": host.parse_bool, "early_vectors": host.parse_bool,
            "try_waits": host.parse_bool, "hoist_descriptors": host.parse_bool,
-           "interleave_lengths": host.parse_bool, "permuted_vectors": host.parse_bool,
+           "interleave_lengths": host.parse_bool,
            "det_resident": host.parse_bool}  # True: sequences of up to half the SMs' key tiles
 # development hook: FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_BWD_OVERRIDE", _FIELDS)
@@ -376,8 +370,6 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
         kw["persistent_ctas"] = default_persistent_ctas(kw["accumulate"], kw["grads"], kw["worklist"],
                                                         kw["dq_fixed"], max_seqlen_k, kw["deterministic"],
                                                         kw["varlen"])
-    if "early_vectors" not in kw and kw.get("permuted_vectors"):
-        kw["early_vectors"] = False  # (permuted_vectors reads each group of columns at its use)
     if "early_vectors" not in kw:
         kw["early_vectors"] = default_early_vectors(tm, kw["causal"], kw["deterministic"], kw["varlen"],
                                                     kw["accumulate"], kw["grads"], kw["dq_fixed"], kw["worklist"],
@@ -399,7 +391,7 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
     main = BwdConfig(**kw)
     pre = PreConfig(o_dtype=host.dtype_name(o_dtype), do_dtype=host.dtype_name(do_dtype), head_dim=head_dim,
                     tile_m=tm, varlen=bool(varlen), deterministic=bool(deterministic), zero_dq=grads != "dkv",
-                    dq_fixed=bool(dq_fixed), worklist=bool(worklist), permuted_vectors=main.permuted_vectors)
+                    dq_fixed=bool(dq_fixed), worklist=bool(worklist))
     post = PostConfig(dtype=name, dq_fp32=dq_dtype == torch.float32, head_dim=head_dim, tile_m=tm,
                       varlen=bool(varlen), accumulate=bool(accumulate), dq_fixed=bool(dq_fixed),
                       fixed_to_float=bool(fixed_to_float), worklist=bool(worklist))
@@ -601,9 +593,6 @@ def launch_steps(
     if rows is not None:
         if varlen or q.shape[0] != 1:
             raise ValueError("a launch on shared rows takes a dense batch-1 view of them")
-        if main_cfg.permuted_vectors != rows.permuted_vectors:
-            raise ValueError(f"a launch on shared rows must read their lse2 / dPsum in the order their preprocess "
-                             f"wrote (permuted_vectors={rows.permuted_vectors}), got {main_cfg.permuted_vectors}")
         lse2, dpsum, dq_acc, sem = rows.views(q_start, total_q, deterministic)
         main_fn = host.get_compiled(main_cfg)
         msk = max(k.shape[1], 1)
@@ -683,11 +672,8 @@ class SharedRows:
         self.dq_acc = torch.empty(n_chunks * tm * d, dtype=torch.float32, device=device)
         self.sem = torch.empty(n_chunks, dtype=torch.int32, device=device) if deterministic else None
         dout, out, lse = (t if t.stride(-1) == 1 else t.contiguous() for t in (dout, out, lse))
-        # the vectors' order of the launches' default config (FA4DIST_BWD_OVERRIDE may set it for a whole suite)
-        self.permuted_vectors = bool(_OVERRIDE.get("permuted_vectors", False))
         pre = PreConfig(o_dtype=host.dtype_name(out.dtype), do_dtype=host.dtype_name(dout.dtype), head_dim=d,
-                        tile_m=tm, varlen=False, deterministic=self.deterministic,
-                        permuted_vectors=self.permuted_vectors)
+                        tile_m=tm, varlen=False, deterministic=self.deterministic)
         self.post = host.get_compiled(PostConfig(dtype=host.dtype_name(q.dtype), dq_fp32=True, head_dim=d, tile_m=tm,
                                                  varlen=False, accumulate=True))
         if self.rows:

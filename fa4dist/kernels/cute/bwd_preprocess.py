@@ -5,9 +5,7 @@
 #   lse2[row]  = lse * log2(e)                       (+inf for padding rows and rows with lse = -inf,
 #                                                     so that P = exp2(S * scale_log2 - lse2) = 0 there)
 # written into tile-padded vectors indexed (chunk * heads + head) * tile_m + row, where
-# chunk = (first tile of the sequence) + tile; with permuted_vectors a tile's row r sits at
-# row_vector_layout(tile_m, True)(r) instead, so that the main kernel's S^T fragment reads its query columns four
-# at a time (16-byte loads). The same CTA zeroes the tile's fp32 dQ accumulator
+# chunk = (first tile of the sequence) + tile. The same CTA zeroes the tile's fp32 dQ accumulator
 # chunk and, in deterministic mode, its semaphore, so the main kernel needs no memsets (zero_dq=False: a
 # launch that computes no dQ has no scratch). Fixed-point dQ (dq_fixed): the accumulator is int64 (zeroed as
 # twice the fp32 words) and the rows' scales (fixed_point.dq_scale, lse's layout) are copied into the same
@@ -28,31 +26,9 @@ from .common_sm90 import select_modes
 LOG2_E = math.log2(math.e)
 
 
-def row_vector_layout(tile_m: int, permuted: bool):
-    """Where row r of a query tile's lse2 / dPsum vector sits among the tile's tile_m floats (scratch and smem
-    alike: the main kernel copies a tile's floats as they are). Plain: at r. Permuted: row r = c0 + 2 c1 + 8 h +
-    16 g (c0, h < 2, c1 < 4) at c0 + 2 h + 4 c1 + 16 g. A wgmma accumulator thread holds the columns 8 j + 2 (lane
-    % 4) + c0 (PTX's fragment layout), so its fragment's columns 4 g .. 4 g + 3 are then four consecutive floats at
-    4 (lane % 4) + 16 g, and the four lanes of a quad read one contiguous 64-byte run per group (one wavefront
-    per quarter warp; the seventeenth session's layout, a thread's columns all in one run, put the quad's four
-    16-byte loads 128 bytes apart on the same banks: 16 wavefronts per load). bwd_sm90.FlashBwdSm90.column_groups
-    reads it."""
-    if not permuted:
-        return cute.make_layout(tile_m)
-    return cute.make_layout((2, 4, 2, tile_m // 16), stride=(1, 4, 2, 16))
-
-
-def row_vectors_layout(tile_m: int, permuted: bool, n_tiles):
-    """(tile_m, n_tiles): n_tiles consecutive per-tile vectors (the scratch's tiles, the main kernel's smem
-    stages), a tile's rows in row_vector_layout's order."""
-    tile = row_vector_layout(tile_m, permuted)
-    return cute.make_layout((tile.shape, n_tiles), stride=(tile.stride, tile_m))
-
-
 class BwdPreprocess:
     def __init__(self, head_dim: int, tile_m: int, *, varlen: bool, deterministic: bool, num_threads: int = 128,
-                 zero_dq: bool = True, dq_fixed: bool = False, worklist: bool = False, permuted_vectors: bool = False):
-        self.permuted_vectors = permuted_vectors  # lse2 / dPsum rows in row_vector_layout's permuted order
+                 zero_dq: bool = True, dq_fixed: bool = False, worklist: bool = False):
         self.worklist = worklist  # mCuSeqlensQ is a work list's item table (block_info.WORKLIST_COLUMNS)
         self.zero_dq = zero_dq
         self.dq_fixed = dq_fixed
@@ -144,9 +120,8 @@ class BwdPreprocess:
         if m_block * tm < seqlen_q:
             chunk = (blk_base + m_block) * num_heads + head
             n_vec = cute.size(mLSE2.shape[0]) // tm
-            vectors = row_vectors_layout(tm, self.permuted_vectors, n_vec)
-            gL2 = cute.make_tensor(mLSE2.iterator, vectors)[None, chunk]
-            gDp = cute.make_tensor(mDpsum.iterator, vectors)[None, chunk]
+            gL2 = cute.make_tensor(mLSE2.iterator, cute.make_layout((tm, n_vec), stride=(1, tm)))[None, chunk]
+            gDp = cute.make_tensor(mDpsum.iterator, cute.make_layout((tm, n_vec), stride=(1, tm)))[None, chunk]
             col = tidx % self.tpr
             for p in cutlass.range_constexpr(tm // self.rows_per_pass):
                 r = p * self.rows_per_pass + tidx // self.tpr

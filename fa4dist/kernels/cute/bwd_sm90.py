@@ -61,7 +61,6 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .barriers import BwdBarrier
 from .block_info import WORKLIST_COLUMNS, BlockInfo, SeqlenInfo
-from .bwd_preprocess import row_vectors_layout
 from .common_sm90 import (
     Context,
     acc_to_operand_a,
@@ -150,7 +149,6 @@ class FlashBwdSm90:
         try_waits: bool = False,
         hoist_descriptors: bool = True,
         interleave_lengths: bool = False,
-        permuted_vectors: bool = False,
     ):
         assert head_dim in (64, 128)
         # a work list: mCuSeqlensQ is the item table (block_info.WORKLIST_COLUMNS), one "sequence" per item with
@@ -245,10 +243,6 @@ class FlashBwdSm90:
         # causal, no deterministic order: long and short key tiles alternate in the launch order
         # (tile_scheduler.bwd_work_tile)
         self.interleave_lengths = interleave_lengths and causal and not deterministic
-        # lse2 / dPsum rows in bwd_preprocess.row_vector_layout's permuted order, read four columns per 16-byte load
-        # (column_groups); not with early_vectors (which reads every column at once)
-        assert not (permuted_vectors and early_vectors), "permuted_vectors reads columns at their use"
-        self.permuted_vectors = permuted_vectors
 
     # ------------------------------------------------------------------------
     # host side
@@ -464,8 +458,7 @@ class FlashBwdSm90:
                                        mma_warps + san_warps + (1 if self.compute_dq else 0))
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
 
-        vec_layout = row_vectors_layout(tm, self.permuted_vectors, self.num_stages)  # a query row's lse2 / dPsum
-        raw_layout = row_vectors_layout(tm, False, self.num_stages)  # the floats as stored
+        vec_layout = cute.make_layout((tm, self.num_stages), stride=(1, tm))
         io = Context(
             mQ=mQ, mK=mK, mV=mV, mdO=mdO, mLSE2=mLSE2, mDpsum=mDpsum, mdQacc=mdQacc, mdK=mdK, mdV=mdV, mSem=mSem,
             mdQscale=mdQscale,
@@ -476,9 +469,6 @@ class FlashBwdSm90:
             sdS=storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner),
             sLSE=storage.sLSE.get_tensor(vec_layout),
             sDpsum=storage.sDpsum.get_tensor(vec_layout),
-            # the same floats as stored: the bulk copies of whole vectors, and column_groups
-            sLSE_raw=storage.sLSE.get_tensor(raw_layout),
-            sDpsum_raw=storage.sDpsum.get_tensor(raw_layout),
             sdQ=storage.sdQ.get_tensor(dq_chunk_layout(tm, self.head_dim)),
             tma_atom_Q=tma_atom_Q, tma_atom_K=tma_atom_K, tma_atom_V=tma_atom_V, tma_atom_dO=tma_atom_dO,
             pipe_kv=pipe_kv, pipe_q=pipe_q, pipe_do=pipe_do,
@@ -637,12 +627,12 @@ class FlashBwdSm90:
         bar_q = pipe_q.producer_get_barrier(q_state)
         cute.copy(io.tma_atom_Q, tQgQ[None, m], tQsQ[None, q_state.index], tma_bar_ptr=bar_q)
         with cute.arch.elect_one():
-            cute.copy(bulk_atom, gLSE_all[None, vec_idx], io.sLSE_raw[None, q_state.index], mbar_ptr=bar_q)
+            cute.copy(bulk_atom, gLSE_all[None, vec_idx], io.sLSE[None, q_state.index], mbar_ptr=bar_q)
         pipe_do.producer_acquire(q_state)
         bar_do = pipe_do.producer_get_barrier(q_state)
         cute.copy(io.tma_atom_dO, tdOgdO[None, m], tdOsdO[None, q_state.index], tma_bar_ptr=bar_do)
         with cute.arch.elect_one():
-            cute.copy(bulk_atom, gDps_all[None, vec_idx], io.sDpsum_raw[None, q_state.index], mbar_ptr=bar_do)
+            cute.copy(bulk_atom, gDps_all[None, vec_idx], io.sDpsum[None, q_state.index], mbar_ptr=bar_do)
 
     @cute.jit
     def land_q_do(self, io: Context, tiles, q_state, m: Int32, vec_idx: Int32, n_sanitized: Int32):
@@ -657,14 +647,14 @@ class FlashBwdSm90:
         bar_q = io.pipe_qland.sync_object_full.get_barrier(land)
         cute.copy(io.tma_atom_Q, tQgQ[None, m], tQsQ[None, q_state.index], tma_bar_ptr=bar_q)
         with cute.arch.elect_one():
-            cute.copy(bulk_atom, gLSE_all[None, vec_idx], io.sLSE_raw[None, q_state.index], mbar_ptr=bar_q)
+            cute.copy(bulk_atom, gLSE_all[None, vec_idx], io.sLSE[None, q_state.index], mbar_ptr=bar_q)
         io.pipe_do.sync_object_empty.wait(q_state.index, q_state.phase)
         io.pipe_doland.sync_object_empty.wait(land, phase)
         io.pipe_doland.sync_object_full.arrive(land, None)
         bar_do = io.pipe_doland.sync_object_full.get_barrier(land)
         cute.copy(io.tma_atom_dO, tdOgdO[None, m], tdOsdO[None, q_state.index], tma_bar_ptr=bar_do)
         with cute.arch.elect_one():
-            cute.copy(bulk_atom, gDps_all[None, vec_idx], io.sDpsum_raw[None, q_state.index], mbar_ptr=bar_do)
+            cute.copy(bulk_atom, gDps_all[None, vec_idx], io.sDpsum[None, q_state.index], mbar_ptr=bar_do)
 
     def step_sanitized(self, m, rng: Context, seqlen: SeqlenInfo):
         """Query tile m's Q / dO go through the sanitizer: masked steps (causal band and window band: a query row
@@ -987,8 +977,7 @@ class FlashBwdSm90:
         if const_expr(self.persistent):
             kv_phase = kv_state.phase
         st = extend_context(
-            mm, acc_dK=acc_dK, acc_dV=acc_dV, sLSE=io.sLSE, sDpsum=io.sDpsum, sLSE_raw=io.sLSE_raw,
-            sDpsum_raw=io.sDpsum_raw, pipe_q=io.pipe_q, pipe_do=io.pipe_do,
+            mm, acc_dK=acc_dK, acc_dV=acc_dV, sLSE=io.sLSE, sDpsum=io.sDpsum, pipe_q=io.pipe_q, pipe_do=io.pipe_do,
             n_block=tile.block, pipe_kv=io.pipe_kv, kv_phase=kv_phase, mdQscale=io.mdQscale,
             scratch_base=seqlen.scratch_base, num_heads=cute.size(io.mQ.shape[2]),
             mask=AttentionMask(tm, tn, self.causal, seqlen.seqlen_k, seqlen.diag, mm.tScS_mn, mm.t0ScS_mn,
@@ -1091,31 +1080,9 @@ class FlashBwdSm90:
             cute.autovec_copy(rdS, st.thr_sdp.partition_C(st.sdSt[None, None, stage]))
 
     # ------------------------------------------------------------------------
-    def column_groups(self, raw: cute.Tensor, stage, tScS_mn: cute.Tensor, n_cols: int) -> cute.Tensor:
-        """permuted_vectors: this thread's n_cols values of stage ``stage``'s vector (``raw``: the floats as
-        stored) as a (4, n_cols / 4) tensor, group g holding the fragment's columns 4g .. 4g + 3 at 4 (lane % 4) +
-        16 g (bwd_preprocess.row_vector_layout; lane % 4 from the thread's first column, 2 (lane % 4)); 16-byte
-        aligned, so each group is one vector load."""
-        base = (tScS_mn[0, 0][1] // 2) * 4
-        addr = (raw[None, stage].iterator + base).toint()
-        ptr = cute.make_ptr(Float32, addr, cute.AddressSpace.smem, assumed_align=16)
-        return cute.make_tensor(ptr, cute.make_layout((4, n_cols // 4), stride=(1, 16)))
-
-    def column_reader(self, vec: cute.Tensor, raw: cute.Tensor, stage, tScS_mn: cute.Tensor, n_cols: int,
-                      early: Optional[cute.Tensor]):
-        """c -> this thread's value of column c of a query tile's lse2 / dPsum vector (``vec``: the rows' view,
-        ``raw``: the floats as stored), read where the step asks for it: from ``early`` (early_vectors), from a
-        group of four loaded at the group's first column (permuted_vectors: column_groups), or from smem."""
-        if const_expr(self.permuted_vectors):
-            groups, loaded = self.column_groups(raw, stage, tScS_mn, n_cols), {}
-
-            def value(c):
-                if c // 4 not in loaded:
-                    loaded[c // 4] = cute.make_rmem_tensor(4, Float32)
-                    cute.autovec_copy(groups[None, c // 4], loaded[c // 4])
-                return loaded[c // 4][c % 4]
-
-            return value
+    def column_reader(self, vec: cute.Tensor, stage, tScS_mn: cute.Tensor, early: Optional[cute.Tensor]):
+        """c -> this thread's value of column c of a query tile's lse2 / dPsum vector, read where the step asks for
+        it: from ``early`` (early_vectors: loaded while the step's first GEMMs ran) or from smem."""
         if const_expr(early is not None):
             return lambda c: early[c]
         return lambda c: vec[tScS_mn[0, c][1], stage]
@@ -1156,7 +1123,7 @@ class FlashBwdSm90:
         exp_scale_log2 = st.scale_log2
         if const_expr(self.softcap > 0):
             exp_scale_log2 = Float32(softcap_scale_log2(self.softcap))
-        lse_of = self.column_reader(st.sLSE, st.sLSE_raw, stage, tScS_mn, n_cols, lse_early)
+        lse_of = self.column_reader(st.sLSE, stage, tScS_mn, lse_early)
         for c in cutlass.range_constexpr(n_cols):
             lse_c = lse_of(c)
             for r in cutlass.range_constexpr(n_rows):
@@ -1168,7 +1135,7 @@ class FlashBwdSm90:
         # (5) dS^T = P^T * (scale * dP^T - dPsum_scaled[query])
         acc_dP_mn = mn_view(acc_dP)
         inv_exp_scale = Float32(1.0 / softcap_scale_log2(self.softcap)) if self.softcap > 0 else None
-        dps_of = self.column_reader(st.sDpsum, st.sDpsum_raw, stage, tScS_mn, n_cols, dps_early)
+        dps_of = self.column_reader(st.sDpsum, stage, tScS_mn, dps_early)
         for c in cutlass.range_constexpr(n_cols):
             dps_c = dps_of(c)
             u_offset = None
