@@ -19,7 +19,8 @@
 #    permutation anywhere shows there), then the A/B.
 #    Run twice in the eighteenth session: first -10 to -15% at hdim 64 (call 3's counters: 16-way bank conflicts
 #    on the 16-byte loads), then again after row_vector_layout interleaved a quad's groups (one wavefront per
-#    quarter warp); the counters stage checks that.
+#    quarter warp); the counters stage checks that. Neutral then: the knob was removed after this session, so
+#    calls 2 and 3 run only on the commits that had it (584192f .. the layout fix).
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s18 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
@@ -106,6 +107,16 @@ if [ "$1" = 5 ]; then
     --causal false true --directions fwd --backends cute flash_attn_4 --cute-variants fwd:chained_max=true \
     --rounds 7 --out-dir "$OUT"
   mv "$OUT/$(date +%F)-kernels.json" "$OUT/chained-max-wide.json" 2>/dev/null
+  rm -f "$OUT"/*.png
+  exit
+fi
+if [ "$1" = 6 ]; then
+  # after chained_max became the default for dense non-causal hdim-128 launches of 8k+ keys: the default path
+  # against flash-attn-4 (the compile log shows which configs the calls built)
+  TAIL_LINES=10 stage default 200 python3 bench/kernels.py --headdims 128 --seqlens 4096 8192 32768 \
+    --causal false --directions fwd --backends cute flash_attn_4 --rounds 5 --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/chained-default.json" 2>/dev/null
+  grep -c "chained_max=True" "$FA4DIST_CUTE_COMPILE_LOG"
   rm -f "$OUT"/*.png
   exit
 fi
