@@ -392,6 +392,12 @@ def session18_configs():
     return list(dict.fromkeys(out))
 
 
+def table_configs():
+    """The kernel table's rows under the current defaults (bench/kernels.py, forward and backward, hdim 64 and 128,
+    causal or not, deterministic or not, 1k / 4k / 16k): what a fresh table call needs compiled."""
+    return list(dict.fromkeys(fwd_bench_configs() + _bwd_bench_pairs(None)))
+
+
 # the hdim-64 forward rows of the fourteenth session (bench/sessions/gpu_session_14.sh: keep the two in step)
 D64_FWD_VARIANTS = {
     causal: [{}, dict(persistent_ctas=0), dict(num_stages=3), dict(rescale_threshold=0.0 if causal else 8.0),
@@ -406,7 +412,7 @@ CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_
                "session15": session15_configs, "session16": session16_configs,
                "tile_n_176": tile_n_176_configs, "session17": session17_configs,
                "session17b": session17b_configs, "session17c": session17c_configs,
-               "session18": session18_configs}
+               "session18": session18_configs, "table": table_configs}
 
 
 def bwd_configs():

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Prepared in the eighteenth session for the next one: the suites and the kernel table under the current defaults
+# (chained_max for dense non-causal hdim-128 launches of 8k+ keys; permuted_vectors removed), so that the issue's
+# table is one run of the final code.
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_19.sh 1   # kernel GPU suites (defaults)
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_19.sh 2   # the table beside cuDNN and FA4
+set -u
+source "$(dirname "$0")/../stage.sh"
+export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s19 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
+PYTEST="python3 -m pytest -q -p no:cacheprovider -rfE"
+if [ "${1:-1}" = 1 ]; then
+  TAIL_LINES=4 stage fwd 240 $PYTEST -n 8 tests/kernels/test_cute_fwd_gpu.py tests/kernels/test_cute_nonfinite_gpu.py
+  TAIL_LINES=4 stage bwd 300 $PYTEST -n 8 tests/kernels/test_cute_bwd_gpu.py
+  exit
+fi
+if [ "$1" = 2 ]; then
+  TAIL_LINES=2 stage aot 200 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set table
+  TAIL_LINES=40 stage table 360 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 4096 16384 \
+    --causal false true --directions fwd bwd --deterministic --backends cute sdpa_cudnn flash_attn_4 --rounds 3 \
+    --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/table.json" 2>/dev/null
+  rm -f "$OUT"/*.png
+  exit
+fi
