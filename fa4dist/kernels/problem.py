@@ -258,6 +258,9 @@ def check_layout(q, k, v, *, causal=False, window=(-1, -1), softcap=None, sinks=
         raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    if q.device.type == "meta":  # (the reference's non-finite checks would fail deep inside on .item())
+        raise ValueError("q, k and v are on the meta device, which holds no values: attention runs on cpu or cuda "
+                         "tensors (torch.compile traces fa4dist with fake tensors of those devices)")
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together (packed layout) or not at all")
     varlen = cu_seqlens_q is not None

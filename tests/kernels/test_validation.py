@@ -37,6 +37,12 @@ def test_mismatched_devices():
         attention_forward(q, k.to("meta"), v)
 
 
+def test_meta_tensors_are_refused_by_name():
+    q, k, v = (t.to("meta") for t in qkv())
+    with pytest.raises(ValueError, match="meta device"):
+        attention_forward(q, k, v)
+
+
 def test_wrong_rank():
     q, k, v = qkv()
     with pytest.raises(ValueError, match=r"q must be 4-D \(batch, seqlen, heads, head_dim\)"):
