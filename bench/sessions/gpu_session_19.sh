@@ -4,6 +4,12 @@
 # table is one run of the final code.
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_19.sh 1   # kernel GPU suites (defaults)
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_19.sh 2   # the table beside cuDNN and FA4
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_19.sh 3   # SASS samples, det 16k hdim-128 bwd
+# 3: the deterministic non-causal hdim-128 backward at 16k is 0.93-0.95x flash-attn-4's deterministic one while
+#    the non-deterministic one is 0.99: our determinism costs ~7%, theirs ~2.5%. At 16k the ascending ticket order's
+#    first-wave skew is ~2% by count (NOTES_BWD, tenth session), so where the rest waits is the question: the dQ
+#    writer's acquire / bulk add / completion wait / release chain against the step time, or the MMA warps on the
+#    dQ smem buffer. Nsight Compute's SASS samples of both deterministic main kernels say which instructions wait.
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s19 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
@@ -20,5 +26,9 @@ if [ "$1" = 2 ]; then
     --out-dir "$OUT"
   mv "$OUT/$(date +%F)-kernels.json" "$OUT/table.json" 2>/dev/null
   rm -f "$OUT"/*.png
+  exit
+fi
+if [ "$1" = 3 ]; then
+  ncu_sass_pair bwd:128:16384:full:det FlashBwdSm90 FlashAttentionBackwardSm90
   exit
 fi
