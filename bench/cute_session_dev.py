@@ -398,6 +398,27 @@ def table_configs():
     return list(dict.fromkeys(fwd_bench_configs() + _bwd_bench_pairs(None)))
 
 
+def session19_configs():
+    """Prepared in the eighteenth session: the table's rows (table_configs), and the deterministic backward bench
+    rows (and the ticket bits test's) with the dQ tickets in flash-attn-4's form, the release fence alone and both
+    (BwdConfig.ticket_sleep_ns, release_fence)."""
+    import torch
+
+    from fa4dist.kernels.cute import backward as B
+
+    bf16 = torch.bfloat16
+    dense = dict(varlen=False, seg_offsets=False, accumulate=False, dq_dtype=bf16, dkv_dtype=bf16, o_dtype=bf16,
+                 do_dtype=bf16)
+    out = table_configs()
+    for d in (64, 128):
+        for causal in (False, True):
+            for seqlen in (1000, 1024, 4096, 16384):
+                for forms in (dict(release_fence=False), dict(ticket_sleep_ns=0, release_fence=False)):
+                    out.extend(B.make_configs(bf16, d, causal=causal, deterministic=True, max_seqlen_k=seqlen,
+                                              **forms, **dense))
+    return list(dict.fromkeys(out))
+
+
 # the hdim-64 forward rows of the fourteenth session (bench/sessions/gpu_session_14.sh: keep the two in step)
 D64_FWD_VARIANTS = {
     causal: [{}, dict(persistent_ctas=0), dict(num_stages=3), dict(rescale_threshold=0.0 if causal else 8.0),
@@ -412,7 +433,8 @@ CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_
                "session15": session15_configs, "session16": session16_configs,
                "tile_n_176": tile_n_176_configs, "session17": session17_configs,
                "session17b": session17b_configs, "session17c": session17c_configs,
-               "session18": session18_configs, "table": table_configs}
+               "session18": session18_configs, "table": table_configs,
+               "session19": session19_configs}
 
 
 def bwd_configs():

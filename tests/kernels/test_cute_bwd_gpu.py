@@ -394,6 +394,31 @@ def test_step_forms_give_the_same_bits(causal, deterministic, knob):
             assert rel_error(c.double(), a.double()) < 1e-2, f"{name} differs with {knob}"
 
 
+@pytest.mark.parametrize("seqlen", [1000, 4096], ids=["persistent", "per-tile"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ticket_forms_give_the_same_bits(causal, seqlen):
+    """The deterministic dQ tickets in flash-attn-4's form (the poll spins instead of sleeping, the release without
+    the extra fence before red.release): dq, dk and dv bytes equal to the default form's, and run to run."""
+    g = _gen()
+    q, k, v = _inputs((1, seqlen, 4, 128), (1, seqlen, 2, 128), torch.bfloat16, g)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = attention_forward(q, k, v, causal=causal, backend="sdpa_flash")
+
+    def launch(**forms):
+        grads = [torch.full(t.shape, float("nan"), device="cuda", dtype=torch.bfloat16) for t in (q, k, v)]
+        backward(dout, q, k, v, out, lse, *grads, softmax_scale=128**-0.5, causal=causal, deterministic=True,
+                 **forms)
+        torch.cuda.synchronize()
+        return grads
+
+    want = launch()
+    lean = dict(ticket_sleep_ns=0, release_fence=False)
+    for got in (launch(**lean), launch(**lean)):
+        for name, a, c in zip(("dq", "dk", "dv"), want, got):
+            assert not torch.isnan(c).any(), f"{name}: NaN (unwritten)"
+            assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), f"{name} differs in the lean ticket form"
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 def test_shared_queries_equal_per_call_backward(deterministic, packed):

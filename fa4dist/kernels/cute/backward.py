@@ -100,6 +100,12 @@ class BwdConfig:
     # causal, not deterministic: long and short key tiles alternate in the launch order (tile_scheduler.
     # bwd_work_tile). Default from default_interleave_lengths (short dense sequences)
     interleave_lengths: bool = False
+    # deterministic: the dQ writer's ticket poll sleeps this many ns between reads (0: it spins, as flash-attn-4's
+    # does), and fences before it releases the ticket (False: red.release alone, which is itself a release: the
+    # SASS of the explicit fence.acq_rel.gpu plus red.release has two MEMBAR.ALL.GPU per step, flash-attn-4's one).
+    # The same order of adds either way, so the same bits. Measurement knobs (NOTES_BWD.md, eighteenth session)
+    ticket_sleep_ns: int = 32
+    release_fence: bool = True
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -113,7 +119,8 @@ class BwdConfig:
             dq_fixed=self.dq_fixed, worklist=self.worklist, persistent_ctas=self.persistent_ctas,
             det_resident=self.det_resident, tma_store_dkv=self.tma_store_dkv, early_vectors=self.early_vectors,
             try_waits=self.try_waits, hoist_descriptors=self.hoist_descriptors,
-            interleave_lengths=self.interleave_lengths,
+            interleave_lengths=self.interleave_lengths, ticket_sleep_ns=self.ticket_sleep_ns,
+            release_fence=self.release_fence,
         )
 
     @property
@@ -226,7 +233,7 @@ _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "s
            "masked_last": host.parse_bool, "softcap_grad_regs": host.parse_bool, "persistent_ctas": int,
            "tma_store_dkv": host.parse_bool, "early_vectors": host.parse_bool,
            "try_waits": host.parse_bool, "hoist_descriptors": host.parse_bool,
-           "interleave_lengths": host.parse_bool,
+           "interleave_lengths": host.parse_bool, "ticket_sleep_ns": int, "release_fence": host.parse_bool,
            "det_resident": host.parse_bool}  # True: sequences of up to half the SMs' key tiles
 # development hook: FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_BWD_OVERRIDE", _FIELDS)

@@ -149,6 +149,8 @@ class FlashBwdSm90:
         try_waits: bool = False,
         hoist_descriptors: bool = True,
         interleave_lengths: bool = False,
+        ticket_sleep_ns: int = 32,
+        release_fence: bool = True,
     ):
         assert head_dim in (64, 128)
         # a work list: mCuSeqlensQ is the item table (block_info.WORKLIST_COLUMNS), one "sequence" per item with
@@ -243,6 +245,11 @@ class FlashBwdSm90:
         # causal, no deterministic order: long and short key tiles alternate in the launch order
         # (tile_scheduler.bwd_work_tile)
         self.interleave_lengths = interleave_lengths and causal and not deterministic
+        # deterministic dQ tickets: the poll's sleep between reads (0: spin) and the explicit fence before the
+        # release (red.release alone already releases); the same order of adds either way
+        assert ticket_sleep_ns >= 0, ticket_sleep_ns
+        self.ticket_sleep_ns = ticket_sleep_ns
+        self.release_fence = release_fence
 
     # ------------------------------------------------------------------------
     # host side
@@ -838,7 +845,8 @@ class FlashBwdSm90:
                 sem_ptr = mSem.iterator + chunk
                 cur = ld_acquire_gpu(sem_ptr)
                 while cur != rank:
-                    nanosleep(32)
+                    if const_expr(self.ticket_sleep_ns > 0):
+                        nanosleep(self.ticket_sleep_ns)
                     cur = ld_acquire_gpu(sem_ptr)
             cute.arch.sync_warp()
         for w in cutlass.range_constexpr(2):
@@ -853,7 +861,8 @@ class FlashBwdSm90:
             # next step's adds, was measured: 0.6-0.9x, each CTA of a chain then lags one more step.)
             if lane == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
-                cute.arch.fence_acq_rel_gpu()
+                if const_expr(self.release_fence):
+                    cute.arch.fence_acq_rel_gpu()
                 red_release_add_gpu(mSem.iterator + chunk, 1)
             cute.arch.sync_warp()
 
