@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from .merge import merge_into_, merge_sink_, sink_grad
-from .problem import AttentionProblem, Offset, check_buffer, check_optional_bool, validate_inputs
+from .problem import AttentionProblem, Offset, check_buffer, check_optional_bool, require_values, validate_inputs
 from .registry import select_backend
 
 Window = tuple[int, int]
@@ -86,6 +86,7 @@ def forward_problem(problem: AttentionProblem, q, k, v, *, sinks=None, out=None,
                     backend: str = "auto"):
     """:func:`attention_forward` of a problem that :func:`~fa4dist.kernels.problem.validate_inputs` made of these
     very tensors and options (the autograd function validates once for its forward and backward)."""
+    require_values(problem)
     acc = _accum_dtypes(problem)
     if accumulate and (out is None or lse is None):
         raise ValueError("accumulate=True needs the running out and lse to merge into (pass out= and lse=)")
@@ -173,6 +174,7 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
                      dq_scale=None):
     """:func:`attention_backward` of a problem already validated from these tensors and options (as
     :func:`forward_problem`)."""
+    require_values(problem)
     acc = _accum_dtypes(problem)
     for name, t in (("dout", dout), ("out", out), ("lse", lse)):
         if t is None:

@@ -258,9 +258,6 @@ def check_layout(q, k, v, *, causal=False, window=(-1, -1), softcap=None, sinks=
         raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    if q.device.type == "meta":  # (the reference's non-finite checks would fail deep inside on .item())
-        raise ValueError("q, k and v are on the meta device, which holds no values: attention runs on cpu or cuda "
-                         "tensors (torch.compile traces fa4dist with fake tensors of those devices)")
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together (packed layout) or not at all")
     varlen = cu_seqlens_q is not None
@@ -288,6 +285,14 @@ def check_layout(q, k, v, *, causal=False, window=(-1, -1), softcap=None, sinks=
     elif q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must share the batch size, got {q.shape[0]} and {k.shape[0]}")
     return mask, softcap, scale, has_sinks
+
+
+def require_values(problem: AttentionProblem) -> None:
+    """A call that computes needs tensors with values: meta tensors describe a problem (backends' ``supports``
+    queries take them) but cannot be computed on (the reference's non-finite checks would fail deep inside)."""
+    if problem.device.type == "meta":
+        raise ValueError("q, k and v are on the meta device, which holds no values: attention runs on cpu or cuda "
+                         "tensors (torch.compile traces fa4dist with fake tensors of those devices)")
 
 
 def validate_inputs(
