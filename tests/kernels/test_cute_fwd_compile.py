@@ -77,7 +77,6 @@ EXTRA = [
     # the descriptor bases left to the DSL in every step (the knob's off position, sixteenth session)
     (torch.bfloat16, 128, False, False, False, {"hoist_descriptors": False}),
     (torch.bfloat16, 64, True, False, False, {"hoist_q_slices": False}),  # the bases hoisted, Q's slices not
-    (torch.bfloat16, 128, False, False, False, {"chained_max": True}),  # flash-attn-4's row max (softmax.max_chains)
     # long and short causal tiles interleaved in the launch order: dense with head groups (a merge), packed
     (torch.bfloat16, 128, True, False, True, {"interleave_lengths": True}),
     (torch.bfloat16, 64, True, True, False, {"interleave_lengths": True}),

@@ -1089,14 +1089,6 @@ class FlashBwdSm90:
             cute.autovec_copy(rdS, st.thr_sdp.partition_C(st.sdSt[None, None, stage]))
 
     # ------------------------------------------------------------------------
-    def column_reader(self, vec: cute.Tensor, stage, tScS_mn: cute.Tensor, early: Optional[cute.Tensor]):
-        """c -> this thread's value of column c of a query tile's lse2 / dPsum vector, read where the step asks for
-        it: from ``early`` (early_vectors: loaded while the step's first GEMMs ran) or from smem."""
-        if const_expr(early is not None):
-            return lambda c: early[c]
-        return lambda c: vec[tScS_mn[0, c][1], stage]
-
-    # ------------------------------------------------------------------------
     @cute.jit
     def mma_step(self, st: Context, q_state, m_block: Int32, head: Int32, masked: cutlass.Constexpr[bool]):
         """One (query tile, key tile) step of both MMA warpgroups: S^T, dP^T, P^T, dS^T, dV, dK, and the dQ tile
@@ -1132,9 +1124,8 @@ class FlashBwdSm90:
         exp_scale_log2 = st.scale_log2
         if const_expr(self.softcap > 0):
             exp_scale_log2 = Float32(softcap_scale_log2(self.softcap))
-        lse_of = self.column_reader(st.sLSE, stage, tScS_mn, lse_early)
         for c in cutlass.range_constexpr(n_cols):
-            lse_c = lse_of(c)
+            lse_c = lse_early[c] if const_expr(self.early_vectors) else st.sLSE[tScS_mn[0, c][1], stage]
             for r in cutlass.range_constexpr(n_rows):
                 acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * exp_scale_log2 - lse_c, fastmath=True)
         if const_expr(masked):
@@ -1144,9 +1135,8 @@ class FlashBwdSm90:
         # (5) dS^T = P^T * (scale * dP^T - dPsum_scaled[query])
         acc_dP_mn = mn_view(acc_dP)
         inv_exp_scale = Float32(1.0 / softcap_scale_log2(self.softcap)) if self.softcap > 0 else None
-        dps_of = self.column_reader(st.sDpsum, stage, tScS_mn, dps_early)
         for c in cutlass.range_constexpr(n_cols):
-            dps_c = dps_of(c)
+            dps_c = dps_early[c] if const_expr(self.early_vectors) else st.sDpsum[tScS_mn[0, c][1], stage]
             u_offset = None
             if const_expr(self.softcap > 0 and not self.softcap_grad_regs):
                 u_offset = st.sLSE[tScS_mn[0, c][1], stage] * inv_exp_scale

@@ -53,11 +53,8 @@ def max_chains(terms):
     TensorSSA reduce's ``max.NaN.f32``: a row holding a NaN score gets a finite max, and its P, sum and out are NaN
     through the NaN score itself, as before."""
     part = list(terms[:4])
-    for i in range(4, len(terms) - len(terms) % 4, 4):
-        for j in range(4):
-            part[j] = cute.arch.fmax(part[j], terms[i + j])
-    for t in terms[len(terms) - len(terms) % 4:] if len(terms) >= 4 else []:
-        part[0] = cute.arch.fmax(part[0], t)
+    for i, t in enumerate(terms[4:]):
+        part[i % 4] = cute.arch.fmax(part[i % 4], t)
     while len(part) > 1:
         part = [cute.arch.fmax(part[k], part[k + 1]) if k + 1 < len(part) else part[k]
                 for k in range(0, len(part), 2)]
