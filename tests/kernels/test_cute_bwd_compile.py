@@ -74,8 +74,9 @@ EXTRA = [
     # the forward's wait and conversion forms in the step (fifteenth session: within noise at hdim 128; at hdim 64
     # ptxas serializes the wgmmas with both forms on, either alone does not, measured -10-13%)
     (BF16, 128, False, False, False, True, {"try_waits": True}),
-    # the dQ tickets in flash-attn-4's form: a spinning poll, the release without the extra fence (knobs)
-    (BF16, 128, False, False, False, True, {"ticket_sleep_ns": 0, "release_fence": False}),
+    # the dQ tickets' other forms: a spinning poll, an explicit fence before the release (knobs; the default
+    # releases with red.release alone)
+    (BF16, 128, False, False, False, True, {"ticket_sleep_ns": 0, "release_fence": True}),
     (BF16, 128, True, False, False, False, {"try_waits": True}),
     # the descriptor bases left to the DSL in every step (the knob's off position, sixteenth session)
     (BF16, 128, False, False, False, True, {"hoist_descriptors": False}),

@@ -397,8 +397,8 @@ def test_step_forms_give_the_same_bits(causal, deterministic, knob):
 @pytest.mark.parametrize("seqlen", [1000, 4096], ids=["persistent", "per-tile"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_ticket_forms_give_the_same_bits(causal, seqlen):
-    """The deterministic dQ tickets in flash-attn-4's form (the poll spins instead of sleeping, the release without
-    the extra fence before red.release): dq, dk and dv bytes equal to the default form's, and run to run."""
+    """The deterministic dQ tickets' other forms (the poll spinning instead of sleeping; an explicit fence before
+    red.release): dq, dk and dv bytes equal to the default form's, and run to run."""
     g = _gen()
     q, k, v = _inputs((1, seqlen, 4, 128), (1, seqlen, 2, 128), torch.bfloat16, g)
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -412,11 +412,12 @@ def test_ticket_forms_give_the_same_bits(causal, seqlen):
         return grads
 
     want = launch()
-    lean = dict(ticket_sleep_ns=0, release_fence=False)
-    for got in (launch(**lean), launch(**lean)):
+    spin, fenced = dict(ticket_sleep_ns=0), dict(release_fence=True)
+    for forms in (spin, spin, fenced):
+        got = launch(**forms)
         for name, a, c in zip(("dq", "dk", "dv"), want, got):
-            assert not torch.isnan(c).any(), f"{name}: NaN (unwritten)"
-            assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), f"{name} differs in the lean ticket form"
+            assert not torch.isnan(c).any(), f"{name}: NaN (unwritten) with {forms}"
+            assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), f"{name} differs with {forms}"
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

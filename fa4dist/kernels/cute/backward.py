@@ -101,11 +101,12 @@ class BwdConfig:
     # bwd_work_tile). Default from default_interleave_lengths (short dense sequences)
     interleave_lengths: bool = False
     # deterministic: the dQ writer's ticket poll sleeps this many ns between reads (0: it spins, as flash-attn-4's
-    # does), and fences before it releases the ticket (False: red.release alone, which is itself a release: the
-    # SASS of the explicit fence.acq_rel.gpu plus red.release has two MEMBAR.ALL.GPU per step, flash-attn-4's one).
-    # The same order of adds either way, so the same bits. Measurement knobs (NOTES_BWD.md, eighteenth session)
+    # does; measured neutral), and fences before it releases the ticket (True: an explicit fence.acq_rel.gpu before
+    # red.release, two MEMBAR.ALL.GPU per step in the SASS; False, the default: red.release alone, itself a
+    # release, one MEMBAR as in flash-attn-4: +1.4-2.8% on the deterministic hdim-128 backward, +0.7-1.8% at hdim
+    # 64 but one -0.4% row). The same order of adds either way, so the same bits (NOTES_BWD.md, nineteenth session)
     ticket_sleep_ns: int = 32
-    release_fence: bool = True
+    release_fence: bool = False
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90

@@ -150,7 +150,7 @@ class FlashBwdSm90:
         hoist_descriptors: bool = True,
         interleave_lengths: bool = False,
         ticket_sleep_ns: int = 32,
-        release_fence: bool = True,
+        release_fence: bool = False,
     ):
         assert head_dim in (64, 128)
         # a work list: mCuSeqlensQ is the item table (block_info.WORKLIST_COLUMNS), one "sequence" per item with
