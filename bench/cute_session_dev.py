@@ -419,6 +419,27 @@ def session19_configs():
     return list(dict.fromkeys(out))
 
 
+def session19b_configs():
+    """The nineteenth session's second set: the deterministic backward bench rows (table_configs) and the ticket
+    bits test's launches with the dQ buffer freed before the ticket's release (BwdConfig.early_dq_free), beside the
+    bits test's other forms (spinning, fenced)."""
+    import torch
+
+    from fa4dist.kernels.cute import backward as B
+
+    bf16 = torch.bfloat16
+    dense = dict(varlen=False, seg_offsets=False, accumulate=False, dq_dtype=bf16, dkv_dtype=bf16, o_dtype=bf16,
+                 do_dtype=bf16)
+    out = table_configs()
+    for d in (64, 128):
+        for causal in (False, True):
+            for seqlen in (1000, 1024, 4096, 16384):
+                for forms in (dict(early_dq_free=True), dict(ticket_sleep_ns=0), dict(release_fence=True)):
+                    out.extend(B.make_configs(bf16, d, causal=causal, deterministic=True, max_seqlen_k=seqlen,
+                                              **forms, **dense))
+    return list(dict.fromkeys(out))
+
+
 # the hdim-64 forward rows of the fourteenth session (bench/sessions/gpu_session_14.sh: keep the two in step)
 D64_FWD_VARIANTS = {
     causal: [{}, dict(persistent_ctas=0), dict(num_stages=3), dict(rescale_threshold=0.0 if causal else 8.0),
@@ -434,7 +455,7 @@ CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_
                "tile_n_176": tile_n_176_configs, "session17": session17_configs,
                "session17b": session17b_configs, "session17c": session17c_configs,
                "session18": session18_configs, "table": table_configs,
-               "session19": session19_configs}
+               "session19": session19_configs, "session19b": session19b_configs}
 
 
 def bwd_configs():

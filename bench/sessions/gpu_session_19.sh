@@ -17,6 +17,11 @@
 #    the bits test first, then the deterministic rows with the fence dropped, and with both. Prediction: the fence
 #    alone +1-3% on the deterministic backward at 4k-16k (one GPU-wide barrier less on the chain every step), the
 #    spin another 0-2%; nothing on the non-deterministic rows (they have no tickets).
+# 5: (added after 4 made release_fence=False the default) the dQ buffer freed once a step's adds have read it,
+#    the ticket released after (BwdConfig.early_dq_free): the samples of 3 had the MMA warps' dQ smem store waiting
+#    on the buffer's empty barrier, which the writer arrived only after the previous step's adds landed and its
+#    ticket was released. Same order of adds: the bits test first. Prediction: deterministic rows +1-3% at 4k-16k
+#    (the landing and release leave the MMA warps' path), nothing at 1k.
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s19 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
@@ -29,6 +34,17 @@ if [ "$1" = 4 ]; then
     --cute-variants bwd-det:release_fence=false "bwd-det:ticket_sleep_ns=0,release_fence=false" --rounds 5 \
     --out-dir "$OUT"
   mv "$OUT/$(date +%F)-kernels.json" "$OUT/ticket-forms-ab.json" 2>/dev/null
+  rm -f "$OUT"/*.png
+  exit
+fi
+if [ "$1" = 5 ]; then
+  TAIL_LINES=2 stage aot 200 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set session19b
+  TAIL_LINES=4 stage bits 120 $PYTEST -n 8 tests/kernels/test_cute_bwd_gpu.py -k "ticket_forms"
+  grep -q " passed" "$OUT/bits.log" && ! grep -qE "failed|error" "$OUT/bits.log" || exit 1
+  TAIL_LINES=30 stage ab 200 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 16384 \
+    --causal false true --directions bwd --deterministic --backends cute flash_attn_4 \
+    --cute-variants bwd-det:early_dq_free=true --rounds 3 --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/early-dq-free-ab.json" 2>/dev/null
   rm -f "$OUT"/*.png
   exit
 fi

@@ -77,6 +77,11 @@ EXTRA = [
     # the dQ tickets' other forms: a spinning poll, an explicit fence before the release (knobs; the default
     # releases with red.release alone)
     (BF16, 128, False, False, False, True, {"ticket_sleep_ns": 0, "release_fence": True}),
+    # the dQ buffer freed when the adds have read it, the ticket released after (knob; causal, persistent and
+    # packed walks: the deferred release crosses phases, heads and claimed tiles)
+    (BF16, 128, True, False, False, True, {"early_dq_free": True}),
+    (BF16, 128, True, False, False, True, {"early_dq_free": True, "max_seqlen_k": 1024}),
+    (BF16, 64, False, True, False, True, {"early_dq_free": True}),
     (BF16, 128, True, False, False, False, {"try_waits": True}),
     # the descriptor bases left to the DSL in every step (the knob's off position, sixteenth session)
     (BF16, 128, False, False, False, True, {"hoist_descriptors": False}),

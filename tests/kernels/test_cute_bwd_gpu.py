@@ -398,7 +398,8 @@ def test_step_forms_give_the_same_bits(causal, deterministic, knob):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_ticket_forms_give_the_same_bits(causal, seqlen):
     """The deterministic dQ tickets' other forms (the poll spinning instead of sleeping; an explicit fence before
-    red.release): dq, dk and dv bytes equal to the default form's, and run to run."""
+    red.release; the dQ buffer freed before the release, early_dq_free): dq, dk and dv bytes equal to the default
+    form's, and run to run."""
     g = _gen()
     q, k, v = _inputs((1, seqlen, 4, 128), (1, seqlen, 2, 128), torch.bfloat16, g)
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -412,8 +413,8 @@ def test_ticket_forms_give_the_same_bits(causal, seqlen):
         return grads
 
     want = launch()
-    spin, fenced = dict(ticket_sleep_ns=0), dict(release_fence=True)
-    for forms in (spin, spin, fenced):
+    spin, fenced, early = dict(ticket_sleep_ns=0), dict(release_fence=True), dict(early_dq_free=True)
+    for forms in (spin, spin, fenced, early, early):
         got = launch(**forms)
         for name, a, c in zip(("dq", "dk", "dv"), want, got):
             assert not torch.isnan(c).any(), f"{name}: NaN (unwritten) with {forms}"

@@ -107,6 +107,11 @@ class BwdConfig:
     # 64 but one -0.4% row). The same order of adds either way, so the same bits (NOTES_BWD.md, nineteenth session)
     ticket_sleep_ns: int = 32
     release_fence: bool = False
+    # deterministic: the dQ writer frees the dQ smem buffer once a step's adds have read it and releases the
+    # step's ticket after that, once they landed, so the MMA warps' next dQ store does not wait for the landing and
+    # the release (the largest stall of the deterministic 16k samples, NOTES_BWD.md nineteenth session); the same
+    # order of adds, so the same bits. A measurement knob
+    early_dq_free: bool = False
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -121,7 +126,7 @@ class BwdConfig:
             det_resident=self.det_resident, tma_store_dkv=self.tma_store_dkv, early_vectors=self.early_vectors,
             try_waits=self.try_waits, hoist_descriptors=self.hoist_descriptors,
             interleave_lengths=self.interleave_lengths, ticket_sleep_ns=self.ticket_sleep_ns,
-            release_fence=self.release_fence,
+            release_fence=self.release_fence, early_dq_free=self.early_dq_free,
         )
 
     @property
@@ -235,6 +240,7 @@ _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "s
            "tma_store_dkv": host.parse_bool, "early_vectors": host.parse_bool,
            "try_waits": host.parse_bool, "hoist_descriptors": host.parse_bool,
            "interleave_lengths": host.parse_bool, "ticket_sleep_ns": int, "release_fence": host.parse_bool,
+           "early_dq_free": host.parse_bool,
            "det_resident": host.parse_bool}  # True: sequences of up to half the SMs' key tiles
 # development hook: FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_BWD_OVERRIDE", _FIELDS)

@@ -151,6 +151,7 @@ class FlashBwdSm90:
         interleave_lengths: bool = False,
         ticket_sleep_ns: int = 32,
         release_fence: bool = False,
+        early_dq_free: bool = False,
     ):
         assert head_dim in (64, 128)
         # a work list: mCuSeqlensQ is the item table (block_info.WORKLIST_COLUMNS), one "sequence" per item with
@@ -250,6 +251,10 @@ class FlashBwdSm90:
         assert ticket_sleep_ns >= 0, ticket_sleep_ns
         self.ticket_sleep_ns = ticket_sleep_ns
         self.release_fence = release_fence
+        # deterministic: the dQ writer frees the smem buffer for the next step once a step's bulk adds have read
+        # it, and releases the step's ticket after that (at the next step's top, or the tile's end) once they
+        # landed; otherwise it releases first and frees the buffer after. The same order of adds either way
+        self.early_dq_free = early_dq_free and deterministic
 
     # ------------------------------------------------------------------------
     # host side
@@ -813,18 +818,27 @@ class FlashBwdSm90:
         chunk_bytes = self.dq_chunk_elems * (8 if self.dq_fixed else 4)
         n_blocks_k = cute.ceil_div(seqlen.seqlen_k, tn)
         wr = Context(gdQ=gdQ, chunk_bytes=chunk_bytes, n_blocks_k=n_blocks_k, lane=lane)
+        pending = Int32(-1)  # early_dq_free: the chunk whose ticket waits for its adds to land
         for first, end, _ in self.phases(rng):
             for hi in cutlass.range(group, unroll=1):
                 head = head_kv * group + hi
                 for i in cutlass.range(first, end, unroll=1):
                     m = self.phase_m(i, first, end, rng)
-                    self.add_dq_tile(io, wr, seqlen, n_block, m, (seqlen.scratch_base + m) * num_heads + head)
+                    chunk = (seqlen.scratch_base + m) * num_heads + head
+                    self.add_dq_tile(io, wr, seqlen, n_block, m, chunk, pending)
+                    if const_expr(self.early_dq_free):
+                        pending = chunk
+        if const_expr(self.early_dq_free):
+            if pending >= 0:
+                self.release_ticket(io, wr, pending)
 
     @cute.jit
-    def add_dq_tile(self, io: Context, wr: Context, seqlen: SeqlenInfo, n_block: Int32, m: Int32, chunk: Int32):
+    def add_dq_tile(self, io: Context, wr: Context, seqlen: SeqlenInfo, n_block: Int32, m: Int32, chunk: Int32,
+                    pending: Int32):
         """The dQ writer's step: free each warpgroup's smem buffer once its previous add has read it, (deterministic)
         wait for this key tile's turn on query tile m, add both halves of the tile into scratch chunk `chunk`, and
-        (deterministic) release the ticket once the adds landed."""
+        (deterministic) release the ticket once the adds landed: at the end of the step, or with early_dq_free the
+        previous step's (`pending`, -1 for none) after freeing the buffers."""
         lane, gdQ, sdQ, mSem, chunk_bytes = wr.lane, wr.gdQ, io.sdQ, io.mSem, wr.chunk_bytes
         for w in cutlass.range_constexpr(2):
             if lane == 0:
@@ -832,6 +846,9 @@ class FlashBwdSm90:
                 cute.arch.cp_async_bulk_wait_group(1 - w, read=True)
             cute.arch.sync_warp()
             cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_WG0) + w, number_of_threads=160)
+        if const_expr(self.early_dq_free):
+            if pending >= 0:
+                self.release_ticket(io, wr, pending)
         if const_expr(self.deterministic):
             rank = n_block
             if const_expr(self.causal):
@@ -856,15 +873,20 @@ class FlashBwdSm90:
                 add(sdQ[None, None, None, w].iterator, gdQ[None, None, None, w, chunk].iterator, chunk_bytes)
                 cute.arch.cp_async_bulk_commit_group()
             cute.arch.sync_warp()
-        if const_expr(self.deterministic):
-            # release the ticket once the adds landed in gmem. (Releasing it one step later, after the
-            # next step's adds, was measured: 0.6-0.9x, each CTA of a chain then lags one more step.)
-            if lane == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=False)
-                if const_expr(self.release_fence):
-                    cute.arch.fence_acq_rel_gpu()
-                red_release_add_gpu(mSem.iterator + chunk, 1)
-            cute.arch.sync_warp()
+        if const_expr(self.deterministic and not self.early_dq_free):
+            # (Releasing the ticket one step later, after the next step's adds, was measured: 0.6-0.9x, each CTA
+            # of a chain then lags one more step. early_dq_free releases it before the next step's ticket wait.)
+            self.release_ticket(io, wr, chunk)
+
+    @cute.jit
+    def release_ticket(self, io: Context, wr: Context, chunk: Int32):
+        """(deterministic) The next key tile's turn on scratch chunk `chunk`, once this CTA's adds landed in gmem."""
+        if wr.lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+            if const_expr(self.release_fence):
+                cute.arch.fence_acq_rel_gpu()
+            red_release_add_gpu(io.mSem.iterator + chunk, 1)
+        cute.arch.sync_warp()
 
     # ------------------------------------------------------------------------
     @cute.jit
