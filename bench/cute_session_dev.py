@@ -437,6 +437,12 @@ def session19b_configs():
                 for forms in (dict(early_dq_free=True), dict(ticket_sleep_ns=0), dict(release_fence=True)):
                     out.extend(B.make_configs(bf16, d, causal=causal, deterministic=True, max_seqlen_k=seqlen,
                                               **forms, **dense))
+    # the soft-capped causal hdim-128 backward with the cap's derivative in registers (8 bytes of spills now)
+    # beside the default's recovery from P
+    for seqlen in (4096, 16384):
+        for forms in (dict(), dict(softcap_grad_regs=True)):
+            out.extend(B.make_configs(bf16, 128, causal=True, deterministic=False, max_seqlen_k=seqlen, softcap=30.0,
+                                      **forms, **dense))
     return list(dict.fromkeys(out))
 
 

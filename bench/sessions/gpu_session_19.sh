@@ -21,7 +21,8 @@
 #    the ticket released after (BwdConfig.early_dq_free): the samples of 3 had the MMA warps' dQ smem store waiting
 #    on the buffer's empty barrier, which the writer arrived only after the previous step's adds landed and its
 #    ticket was released. Same order of adds: the bits test first. Prediction: deterministic rows +1-3% at 4k-16k
-#    (the landing and release leave the MMA warps' path), nothing at 1k.
+#    (the landing and release leave the MMA warps' path), nothing at 1k. Then the soft-capped causal hdim-128
+#    backward with the cap's derivative in registers: it spills 8 bytes now (20 when measured +3-5% on 2026-12-01).
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s19 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
@@ -45,6 +46,10 @@ if [ "$1" = 5 ]; then
     --causal false true --directions bwd --deterministic --backends cute flash_attn_4 \
     --cute-variants bwd-det:early_dq_free=true --rounds 3 --out-dir "$OUT"
   mv "$OUT/$(date +%F)-kernels.json" "$OUT/early-dq-free-ab.json" 2>/dev/null
+  TAIL_LINES=8 stage softcap 120 python3 bench/kernels.py --headdims 128 --seqlens 4096 16384 --causal true \
+    --directions bwd --softcap 30 --backends cute --cute-variants bwd:softcap_grad_regs=true --rounds 3 \
+    --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/softcap-grad-regs-ab.json" 2>/dev/null
   rm -f "$OUT"/*.png
   exit
 fi
