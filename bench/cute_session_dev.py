@@ -398,51 +398,47 @@ def table_configs():
     return list(dict.fromkeys(fwd_bench_configs() + _bwd_bench_pairs(None)))
 
 
-def session19_configs():
-    """Prepared in the eighteenth session: the table's rows (table_configs), and the deterministic backward bench
-    rows (and the ticket bits test's) with the dQ tickets in flash-attn-4's form, the release fence alone and both
-    (BwdConfig.ticket_sleep_ns, release_fence)."""
+def _dense_bf16_bwd(**kw):
+    """make_configs of a dense bf16 backward writing fresh bf16 gradients (the bench's and bits tests' calls)."""
     import torch
 
     from fa4dist.kernels.cute import backward as B
 
     bf16 = torch.bfloat16
-    dense = dict(varlen=False, seg_offsets=False, accumulate=False, dq_dtype=bf16, dkv_dtype=bf16, o_dtype=bf16,
-                 do_dtype=bf16)
+    return B.make_configs(bf16, kw.pop("head_dim"), varlen=False, seg_offsets=False, accumulate=False, dq_dtype=bf16,
+                          dkv_dtype=bf16, o_dtype=bf16, do_dtype=bf16, **kw)
+
+
+def _ticket_form_configs(forms_list):
+    """The table's rows and the deterministic backward's rows (bench and ticket bits test lengths) in each form."""
     out = table_configs()
     for d in (64, 128):
         for causal in (False, True):
             for seqlen in (1000, 1024, 4096, 16384):
-                for forms in (dict(release_fence=False), dict(ticket_sleep_ns=0, release_fence=False)):
-                    out.extend(B.make_configs(bf16, d, causal=causal, deterministic=True, max_seqlen_k=seqlen,
-                                              **forms, **dense))
-    return list(dict.fromkeys(out))
+                for forms in forms_list:
+                    out.extend(_dense_bf16_bwd(head_dim=d, causal=causal, deterministic=True, max_seqlen_k=seqlen,
+                                               **forms))
+    return out
+
+
+def session19_configs():
+    """Prepared in the eighteenth session: the table's rows (table_configs), and the deterministic backward bench
+    rows (and the ticket bits test's) with the dQ tickets in flash-attn-4's form, the release fence alone and both
+    (BwdConfig.ticket_sleep_ns, release_fence)."""
+    forms = (dict(release_fence=False), dict(ticket_sleep_ns=0, release_fence=False))
+    return list(dict.fromkeys(_ticket_form_configs(forms)))
 
 
 def session19b_configs():
     """The nineteenth session's second set: the deterministic backward bench rows (table_configs) and the ticket
     bits test's launches with the dQ buffer freed before the ticket's release (BwdConfig.early_dq_free), beside the
-    bits test's other forms (spinning, fenced)."""
-    import torch
-
-    from fa4dist.kernels.cute import backward as B
-
-    bf16 = torch.bfloat16
-    dense = dict(varlen=False, seg_offsets=False, accumulate=False, dq_dtype=bf16, dkv_dtype=bf16, o_dtype=bf16,
-                 do_dtype=bf16)
-    out = table_configs()
-    for d in (64, 128):
-        for causal in (False, True):
-            for seqlen in (1000, 1024, 4096, 16384):
-                for forms in (dict(early_dq_free=True), dict(ticket_sleep_ns=0), dict(release_fence=True)):
-                    out.extend(B.make_configs(bf16, d, causal=causal, deterministic=True, max_seqlen_k=seqlen,
-                                              **forms, **dense))
-    # the soft-capped causal hdim-128 backward with the cap's derivative in registers (8 bytes of spills now)
-    # beside the default's recovery from P
+    bits test's other forms (spinning, fenced); and the soft-capped causal hdim-128 backward with the cap's
+    derivative in registers (8 bytes of spills now) beside the default's recovery from P."""
+    out = _ticket_form_configs((dict(early_dq_free=True), dict(ticket_sleep_ns=0), dict(release_fence=True)))
     for seqlen in (4096, 16384):
         for forms in (dict(), dict(softcap_grad_regs=True)):
-            out.extend(B.make_configs(bf16, 128, causal=True, deterministic=False, max_seqlen_k=seqlen, softcap=30.0,
-                                      **forms, **dense))
+            out.extend(_dense_bf16_bwd(head_dim=128, causal=True, deterministic=False, max_seqlen_k=seqlen,
+                                       softcap=30.0, **forms))
     return list(dict.fromkeys(out))
 
 
