@@ -8,8 +8,8 @@
 #    cp_invariant engine calls it) with fp32 dQ, fp32 dQ + tickets, int64 dQ. On 2026-12-01 the tickets cost 1.19x
 #    the fp32 dQ with 32/32 heads but 1.48x with 32/8 (GQA). Hypothesis (NOTES_BWD.md, nineteenth session): a GQA
 #    CTA walks its group's four heads, so each CTA is four times longer, and the causal deterministic launch order
-#    (shortest first, which the diagonal-first tickets need when the grid is not resident) leaves the longest CTAs
-#    for the last wave: the tail is four times longer relative to the launch. If so, the GQA ticket rows' gap to
+#    (shortest first, which the diagonal-first tickets need when the grid is not resident) ends the launch with
+#    the last kv head's longest key tiles: a tail four times longer relative to the launch. If so, the GQA ticket rows' gap to
 #    the fp32 ones should shrink with more kv heads per query head (32:16 between 32:8 and 32:32).
 # 2: bench/cp_sim.py, 128k tokens, 16 heads of 128, LPT, the ring's real step calls on one GPU (forward, backward).
 set -u
