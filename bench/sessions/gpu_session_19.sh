@@ -21,7 +21,10 @@
 #    the ticket released after (BwdConfig.early_dq_free): the samples of 3 had the MMA warps' dQ smem store waiting
 #    on the buffer's empty barrier, which the writer arrived only after the previous step's adds landed and its
 #    ticket was released. Same order of adds: the bits test first. Prediction: deterministic rows +1-3% at 4k-16k
-#    (the landing and release leave the MMA warps' path), nothing at 1k. Then the soft-capped causal hdim-128
+#    (the landing and release leave the MMA warps' path), nothing at 1k. With it, a second dQ buffer in the dK / dV
+#    staging tile (BwdConfig.dq_stages = 2; hdim 128, one CTA per tile, so the 4k non-deterministic rows, which run
+#    on the persistent grid, keep one buffer): the MMA warps then wait for the add of two steps back. Prediction:
+#    another +1-2% on the deterministic rows, 0-1% on the non-deterministic 16k ones. Then the soft-capped causal hdim-128
 #    backward with the cap's derivative in registers: it spills 8 bytes now (20 when measured +3-5% on 2026-12-01).
 set -u
 source "$(dirname "$0")/../stage.sh"
@@ -40,11 +43,12 @@ if [ "$1" = 4 ]; then
 fi
 if [ "$1" = 5 ]; then
   TAIL_LINES=2 stage aot 200 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set session19b
-  TAIL_LINES=4 stage bits 120 $PYTEST -n 8 tests/kernels/test_cute_bwd_gpu.py -k "ticket_forms"
+  TAIL_LINES=4 stage bits 150 $PYTEST -n 8 tests/kernels/test_cute_bwd_gpu.py -k "ticket_forms or second_dq_buffer"
   grep -q " passed" "$OUT/bits.log" && ! grep -qE "failed|error" "$OUT/bits.log" || exit 1
-  TAIL_LINES=30 stage ab 200 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 16384 \
+  TAIL_LINES=30 stage ab 240 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 16384 \
     --causal false true --directions bwd --deterministic --backends cute flash_attn_4 \
-    --cute-variants bwd-det:early_dq_free=true --rounds 3 --out-dir "$OUT"
+    --cute-variants bwd-det:early_dq_free=true bwd:dq_stages=2 "bwd-det:dq_stages=2,early_dq_free=true" \
+    --rounds 3 --out-dir "$OUT"
   mv "$OUT/$(date +%F)-kernels.json" "$OUT/early-dq-free-ab.json" 2>/dev/null
   TAIL_LINES=8 stage softcap 120 python3 bench/kernels.py --headdims 128 --seqlens 4096 16384 --causal true \
     --directions bwd --softcap 30 --backends cute --cute-variants bwd:softcap_grad_regs=true --rounds 3 \

@@ -421,6 +421,44 @@ def test_ticket_forms_give_the_same_bits(causal, seqlen):
             assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), f"{name} differs with {forms}"
 
 
+@pytest.mark.parametrize("forms", [dict(dq_stages=2), dict(dq_stages=2, early_dq_free=True)],
+                         ids=["two-buffers", "two-buffers-early-free"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["nondet", "det"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_second_dq_buffer_gives_the_same_bits(causal, deterministic, forms):
+    """A second dQ smem buffer in the dK / dV staging tile (dq_stages = 2; early_dq_free: the buffer freed before
+    the ticket's release): dK / dV bytes equal to the one-buffer kernel's (their staging tile held dQ tiles during
+    the steps), dQ too when deterministic, run to run. 4096 tokens on one CTA per key tile (where the knob
+    applies; the non-deterministic default there is the persistent grid), GQA 2."""
+    from fa4dist.kernels.cute.backward import make_configs
+
+    seqlen, grid = 4096, dict(persistent_ctas=0)
+    kept = make_configs(torch.bfloat16, 128, causal=causal, varlen=False, seg_offsets=False, accumulate=False,
+                        deterministic=deterministic, dq_dtype=torch.bfloat16, dkv_dtype=torch.bfloat16,
+                        o_dtype=torch.bfloat16, do_dtype=torch.bfloat16, max_seqlen_k=seqlen, **grid, **forms)[1]
+    assert kept.dq_stages == 2, "the test's shape must take the second buffer"
+    g = _gen()
+    q, k, v = _inputs((1, seqlen, 4, 128), (1, seqlen, 2, 128), torch.bfloat16, g)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = attention_forward(q, k, v, causal=causal, backend="sdpa_flash")
+
+    def launch(**kw):
+        grads = [torch.full(t.shape, float("nan"), device="cuda", dtype=torch.bfloat16) for t in (q, k, v)]
+        backward(dout, q, k, v, out, lse, *grads, softmax_scale=128**-0.5, causal=causal,
+                 deterministic=deterministic, **kw)
+        torch.cuda.synchronize()
+        return grads
+
+    want = launch(**grid)
+    for got in (launch(**grid, **forms), launch(**grid, **forms)):
+        for name, a, c in zip(("dq", "dk", "dv"), want, got):
+            assert not torch.isnan(c).any(), f"{name}: NaN (unwritten) with {forms}"
+            if name != "dq" or deterministic:
+                assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), f"{name} differs with {forms}"
+            else:  # fp32 atomic adds in another order: rounding apart
+                assert rel_error(c.double(), a.double()) < 1e-2, f"{name} differs with {forms}"
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 def test_shared_queries_equal_per_call_backward(deterministic, packed):
