@@ -18,7 +18,9 @@ causal tiles launch longest first.
   * warpgroup 0, warp 1: dQ writer. Takes each MMA warpgroup's fp32 dQ tile from smem and adds it into the fp32
     accumulator scratch in gmem with cp.reduce.async.bulk (.add.f32). In deterministic mode it first waits on a
     per-(query tile, head) semaphore for its turn, so the tiles are added in a fixed key-tile order; the ticket
-    is released once the add landed. With the fixed-point dQ (dq_fixed) the tiles arrive as int64 (each row
+    is released once the add landed (early_dq_free: after the smem buffer is handed back). Each MMA warpgroup's
+    dQ buffer is one smem tile, or (dq_stages = 2) two, the second in the dK / dV staging tile, which steps
+    alternate with. With the fixed-point dQ (dq_fixed) the tiles arrive as int64 (each row
     times its power-of-two scale, rounded) and are added with .add.u64: integer sums do not depend on their
     order, so there are no tickets, and any split of the key tiles over launches or ranks gives the same sums.
   * warpgroups 1, 2: MMA. Warpgroup w owns keys [64 w, 64 w + 64) of the tile and computes
