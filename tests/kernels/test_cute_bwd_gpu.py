@@ -65,6 +65,17 @@ def _run(q, k, v, dout, out, lse, *, dtype_grads=None, accumulate=False, init=No
     return bufs
 
 
+def _assert_same_grads(want, got, deterministic, what):
+    """Two backwards of one problem in forms that only move work: every gradient written, dK / dV bytes equal, and
+    dQ's too when deterministic (otherwise its fp32 atomic adds ran in another order: rounding apart)."""
+    for name, a, c in zip(("dq", "dk", "dv"), want, got):
+        assert not torch.isnan(c).any(), f"{name}: NaN (unwritten) with {what}"
+        if name != "dq" or deterministic:
+            assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), f"{name} differs with {what}"
+        else:
+            assert rel_error(c.double(), a.double()) < 1e-2, f"{name} differs with {what}"
+
+
 def _check(got, want, dtype, name):
     got = got.double()
     assert not torch.isnan(got).any(), f"{name}: NaN (unwritten or invalid)"
@@ -379,19 +390,10 @@ def test_step_forms_give_the_same_bits(causal, deterministic, knob):
     out, lse = attention_forward(q, k, v, causal=causal, backend="sdpa_flash")
 
     def launch(on):
-        grads = [torch.full(t.shape, float("nan"), device="cuda", dtype=torch.bfloat16) for t in (q, k, v)]
-        backward(dout, q, k, v, out, lse, *grads, softmax_scale=128**-0.5, causal=causal,
-                 deterministic=deterministic, **{knob: on})
-        torch.cuda.synchronize()
-        return grads
+        return _run(q, k, v, dout, out, lse, softmax_scale=128**-0.5, causal=causal, deterministic=deterministic,
+                    **{knob: on})
 
-    want, got = launch(False), launch(True)
-    for name, a, c in zip(("dq", "dk", "dv"), want, got):
-        assert not torch.isnan(c).any(), f"{name}: NaN (unwritten) with {knob}"
-        if name != "dq" or deterministic:
-            assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), f"{name} differs with {knob}"
-        else:  # fp32 atomic adds in another order: rounding apart
-            assert rel_error(c.double(), a.double()) < 1e-2, f"{name} differs with {knob}"
+    _assert_same_grads(launch(False), launch(True), deterministic, knob)
 
 
 @pytest.mark.parametrize("seqlen", [1000, 4096], ids=["persistent", "per-tile"])
@@ -406,19 +408,12 @@ def test_ticket_forms_give_the_same_bits(causal, seqlen):
     out, lse = attention_forward(q, k, v, causal=causal, backend="sdpa_flash")
 
     def launch(**forms):
-        grads = [torch.full(t.shape, float("nan"), device="cuda", dtype=torch.bfloat16) for t in (q, k, v)]
-        backward(dout, q, k, v, out, lse, *grads, softmax_scale=128**-0.5, causal=causal, deterministic=True,
-                 **forms)
-        torch.cuda.synchronize()
-        return grads
+        return _run(q, k, v, dout, out, lse, softmax_scale=128**-0.5, causal=causal, deterministic=True, **forms)
 
     want = launch()
     spin, fenced, early = dict(ticket_sleep_ns=0), dict(release_fence=True), dict(early_dq_free=True)
     for forms in (spin, spin, fenced, early, early):
-        got = launch(**forms)
-        for name, a, c in zip(("dq", "dk", "dv"), want, got):
-            assert not torch.isnan(c).any(), f"{name}: NaN (unwritten) with {forms}"
-            assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), f"{name} differs with {forms}"
+        _assert_same_grads(want, launch(**forms), True, forms)
 
 
 @pytest.mark.parametrize("forms", [dict(dq_stages=2), dict(dq_stages=2, early_dq_free=True)],
@@ -443,20 +438,12 @@ def test_second_dq_buffer_gives_the_same_bits(causal, deterministic, forms):
     out, lse = attention_forward(q, k, v, causal=causal, backend="sdpa_flash")
 
     def launch(**kw):
-        grads = [torch.full(t.shape, float("nan"), device="cuda", dtype=torch.bfloat16) for t in (q, k, v)]
-        backward(dout, q, k, v, out, lse, *grads, softmax_scale=128**-0.5, causal=causal,
-                 deterministic=deterministic, **kw)
-        torch.cuda.synchronize()
-        return grads
+        return _run(q, k, v, dout, out, lse, softmax_scale=128**-0.5, causal=causal, deterministic=deterministic,
+                    **grid, **kw)
 
-    want = launch(**grid)
-    for got in (launch(**grid, **forms), launch(**grid, **forms)):
-        for name, a, c in zip(("dq", "dk", "dv"), want, got):
-            assert not torch.isnan(c).any(), f"{name}: NaN (unwritten) with {forms}"
-            if name != "dq" or deterministic:
-                assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), f"{name} differs with {forms}"
-            else:  # fp32 atomic adds in another order: rounding apart
-                assert rel_error(c.double(), a.double()) < 1e-2, f"{name} differs with {forms}"
+    want = launch()
+    for _ in range(2):
+        _assert_same_grads(want, launch(**forms), deterministic, forms)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

@@ -255,6 +255,7 @@ def test_short_dense_causal_launches_interleave_long_and_short_tiles():
     assert make(causal=True, interleave=True).interleave_lengths
     assert not make(causal=True).interleave_lengths
     assert not make(causal=True, interleave=True, interleave_lengths=False).interleave_lengths
+    assert not make(causal=False, interleave_lengths=True).interleave_lengths  # one length: one kernel
 
 
 def test_long_dense_non_causal_hdim128_launches_chain_the_row_max():
@@ -270,7 +271,6 @@ def test_long_dense_non_causal_hdim128_launches_chain_the_row_max():
     make = functools.partial(cute_fwd.make_config, torch.bfloat16, 128, causal=False, varlen=False, accumulate=False)
     assert make(chained=True).chained_max and not make().chained_max
     assert not make(chained=True, chained_max=False).chained_max
-    assert not make(causal=False, interleave_lengths=True).interleave_lengths  # one length: one kernel
 
 
 def test_sum_from_old_follows_the_head_dim_only():

@@ -428,9 +428,8 @@ def test_schedule_fields_give_the_same_bits(case, field):
     inline cvts; hoist_descriptors / hoist_q_slices: the smem descriptor bases, and Q's slices, computed once per
     tile; interleave_lengths: long and short causal tiles alternating in the launch order; chained_max: the row
     max as four max.f32 chains, the same max for rows without a NaN score) changes where ptxas schedules or which
-    CTA computes what,
-    not what is computed: out / lse bytes equal either way, fresh and merged into a running result,
-    with NaN in a masked V row."""
+    CTA computes what, not what is computed: out / lse bytes equal either way, fresh and merged into a running
+    result, with NaN in a masked V row."""
     b, s, h, hk, d, causal, extra = case
     torch.manual_seed(s + d)
     q, k, v = rand(b, s, h, d, dtype=torch.bfloat16), rand(b, s, hk, d, dtype=torch.bfloat16), \
