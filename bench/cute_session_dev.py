@@ -430,22 +430,10 @@ def session19_configs():
 
 
 def session19b_configs():
-    """The nineteenth session's second set: the deterministic backward bench rows (table_configs) and the ticket
-    bits test's launches with the dQ buffer freed before the ticket's release (BwdConfig.early_dq_free) and with a
-    second dQ buffer (dq_stages = 2), beside the bits test's other forms (spinning, fenced); the second buffer's
-    bits test and bench rows; and the soft-capped causal hdim-128 backward with the cap's derivative in registers
-    (8 bytes of spills now) beside the default's recovery from P."""
-    out = _ticket_form_configs((dict(early_dq_free=True), dict(ticket_sleep_ns=0), dict(release_fence=True),
-                                dict(dq_stages=2), dict(dq_stages=2, early_dq_free=True)))
-    # the second dQ buffer's bits test (one CTA per tile at 4096 keys) and non-deterministic bench rows
-    for d in (64, 128):
-        for causal in (False, True):
-            for det in (False, True):
-                for forms in (dict(), dict(dq_stages=2), dict(dq_stages=2, early_dq_free=True)):
-                    out.extend(_dense_bf16_bwd(head_dim=d, causal=causal, deterministic=det, max_seqlen_k=4096,
-                                               persistent_ctas=0, **forms))
-                out.extend(_dense_bf16_bwd(head_dim=d, causal=causal, deterministic=det, max_seqlen_k=16384,
-                                           dq_stages=2))
+    """The nineteenth session's second set: the deterministic backward bench rows (table_configs), the ticket bits
+    test's launches (spinning, fenced; the early-freed dQ buffer it also held was measured and removed), and the
+    soft-capped causal hdim-128 backward with the cap's derivative in registers beside its recovery from P."""
+    out = _ticket_form_configs((dict(ticket_sleep_ns=0), dict(release_fence=True)))
     for seqlen in (4096, 16384):
         for forms in (dict(), dict(softcap_grad_regs=True)):
             out.extend(_dense_bf16_bwd(head_dim=128, causal=True, deterministic=False, max_seqlen_k=seqlen,
@@ -468,7 +456,7 @@ CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_
                "tile_n_176": tile_n_176_configs, "session17": session17_configs,
                "session17b": session17b_configs, "session17c": session17c_configs,
                "session18": session18_configs, "table": table_configs,
-               "session19": session19_configs, "session19b": session19b_configs}
+               "session19": session19_configs}
 
 
 def bwd_configs():

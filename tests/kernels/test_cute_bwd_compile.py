@@ -77,16 +77,6 @@ EXTRA = [
     # the dQ tickets' other forms: a spinning poll, an explicit fence before the release (knobs; the default
     # releases with red.release alone)
     (BF16, 128, False, False, False, True, {"ticket_sleep_ns": 0, "release_fence": True}),
-    # the dQ buffer freed when the adds have read it, the ticket released after (knob; causal, persistent and
-    # packed walks: the deferred release crosses phases, heads and claimed tiles)
-    (BF16, 128, True, False, False, True, {"early_dq_free": True}),
-    (BF16, 128, True, False, False, True, {"early_dq_free": True, "max_seqlen_k": 1024}),
-    (BF16, 64, False, True, False, True, {"early_dq_free": True}),
-    # a second dQ buffer in the dK / dV staging tile (knob): deterministic with and without early_dq_free, and
-    # the atomic dQ of a causal call (4k keys: one CTA per tile)
-    (BF16, 128, False, False, False, True, {"dq_stages": 2, "max_seqlen_k": 16384}),
-    (BF16, 128, True, False, False, True, {"dq_stages": 2, "early_dq_free": True, "max_seqlen_k": 16384}),
-    (BF16, 128, True, False, False, False, {"dq_stages": 2, "max_seqlen_k": 16384}),
     (BF16, 128, True, False, False, False, {"try_waits": True}),
     # the descriptor bases left to the DSL in every step (the knob's off position, sixteenth session)
     (BF16, 128, False, False, False, True, {"hoist_descriptors": False}),
@@ -176,8 +166,6 @@ def test_compile_backward_variant(variant, tmp_path, monkeypatch, capfd):
     assert ("%dynamic_smem_size" in ptx) == main.hoist_descriptors
     if main.deterministic:
         assert ("ld.global.acquire.gpu" in ptx and "red.release.gpu" in ptx) == (main.grads != "dkv")
-    # the second dQ buffer's handshakes (named barriers 8..11): the writer frees it for the epilogue at the end
-    assert ("bar.arrive 10, 160" in ptx) == (main.dq_stages == 2)
 
     if main.causal or main.varlen:  # K (and masked-step Q / dO) tiles go through the sanitizer warps
         assert "bar.red.or.pred" in ptx and ("fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx)
@@ -371,21 +359,3 @@ def test_interleaved_key_tiles_default_scope():
                 main(causal=False, interleave_lengths=True)):
         assert not off.interleave_lengths, off
     assert main(max_seqlen_k=4096, interleave_lengths=True).interleave_lengths
-
-
-def test_second_dq_buffer_scope():
-    """A second dQ buffer (BwdConfig.dq_stages = 2) is kept only where the dK / dV staging tile exists and holds a
-    dQ tile: dense fresh 16-bit gradients, all three, one CTA per tile, 64-row query tiles (hdim 128); elsewhere
-    make_configs drops it to 1, so the knob can be forced over a whole suite."""
-    def main(d=128, det=True, **kw):
-        kw.setdefault("max_seqlen_k", 16384)
-        dkv = kw.pop("dkv_dtype", BF16)
-        return bwd.make_configs(BF16, d, causal=kw.pop("causal", False), varlen=kw.pop("varlen", False),
-                                seg_offsets=False, accumulate=kw.pop("accumulate", False), deterministic=det,
-                                dq_dtype=BF16, dkv_dtype=dkv, o_dtype=BF16, do_dtype=BF16, dq_stages=2, **kw)[1]
-
-    assert main().dq_stages == 2 and main(det=False).dq_stages == 2 and main(causal=True).dq_stages == 2
-    for off in (main(d=64), main(max_seqlen_k=1024), main(varlen=True, max_seqlen_k=None),
-                main(accumulate=True), main(dkv_dtype=FP32), main(grads="dq", accumulate=True),
-                main(dq_fixed=True, accumulate=True), main(tma_store_dkv=False)):
-        assert off.dq_stages == 1, off

@@ -400,8 +400,7 @@ def test_step_forms_give_the_same_bits(causal, deterministic, knob):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_ticket_forms_give_the_same_bits(causal, seqlen):
     """The deterministic dQ tickets' other forms (the poll spinning instead of sleeping; an explicit fence before
-    red.release; the dQ buffer freed before the release, early_dq_free): dq, dk and dv bytes equal to the default
-    form's, and run to run."""
+    red.release): dq, dk and dv bytes equal to the default form's, and run to run."""
     g = _gen()
     q, k, v = _inputs((1, seqlen, 4, 128), (1, seqlen, 2, 128), torch.bfloat16, g)
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -411,39 +410,9 @@ def test_ticket_forms_give_the_same_bits(causal, seqlen):
         return _run(q, k, v, dout, out, lse, softmax_scale=128**-0.5, causal=causal, deterministic=True, **forms)
 
     want = launch()
-    spin, fenced, early = dict(ticket_sleep_ns=0), dict(release_fence=True), dict(early_dq_free=True)
-    for forms in (spin, spin, fenced, early, early):
+    spin, fenced = dict(ticket_sleep_ns=0), dict(release_fence=True)
+    for forms in (spin, spin, fenced):
         _assert_same_grads(want, launch(**forms), True, forms)
-
-
-@pytest.mark.parametrize("forms", [dict(dq_stages=2), dict(dq_stages=2, early_dq_free=True)],
-                         ids=["two-buffers", "two-buffers-early-free"])
-@pytest.mark.parametrize("deterministic", [False, True], ids=["nondet", "det"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_second_dq_buffer_gives_the_same_bits(causal, deterministic, forms):
-    """A second dQ smem buffer in the dK / dV staging tile (dq_stages = 2; early_dq_free: the buffer freed before
-    the ticket's release): dK / dV bytes equal to the one-buffer kernel's (their staging tile held dQ tiles during
-    the steps), dQ too when deterministic, run to run. 4096 tokens on one CTA per key tile (where the knob
-    applies; the non-deterministic default there is the persistent grid), GQA 2."""
-    from fa4dist.kernels.cute.backward import make_configs
-
-    seqlen, grid = 4096, dict(persistent_ctas=0)
-    kept = make_configs(torch.bfloat16, 128, causal=causal, varlen=False, seg_offsets=False, accumulate=False,
-                        deterministic=deterministic, dq_dtype=torch.bfloat16, dkv_dtype=torch.bfloat16,
-                        o_dtype=torch.bfloat16, do_dtype=torch.bfloat16, max_seqlen_k=seqlen, **grid, **forms)[1]
-    assert kept.dq_stages == 2, "the test's shape must take the second buffer"
-    g = _gen()
-    q, k, v = _inputs((1, seqlen, 4, 128), (1, seqlen, 2, 128), torch.bfloat16, g)
-    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
-    out, lse = attention_forward(q, k, v, causal=causal, backend="sdpa_flash")
-
-    def launch(**kw):
-        return _run(q, k, v, dout, out, lse, softmax_scale=128**-0.5, causal=causal, deterministic=deterministic,
-                    **grid, **kw)
-
-    want = launch()
-    for _ in range(2):
-        _assert_same_grads(want, launch(**forms), deterministic, forms)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

@@ -107,16 +107,6 @@ class BwdConfig:
     # 64 but one -0.4% row). The same order of adds either way, so the same bits (NOTES_BWD.md, nineteenth session)
     ticket_sleep_ns: int = 32
     release_fence: bool = False
-    # deterministic: the dQ writer frees the dQ smem buffer once a step's adds have read it and releases the
-    # step's ticket after that, once they landed, so the MMA warps' next dQ store does not wait for the landing and
-    # the release (the largest stall of the deterministic 16k samples, NOTES_BWD.md nineteenth session); the same
-    # order of adds, so the same bits. A measurement knob
-    early_dq_free: bool = False
-    # 2: a second dQ smem buffer in the dK / dV TMA staging tile, which is idle until the epilogue; steps alternate
-    # between the buffers, so the MMA warps' dQ store waits for the writer's add of two steps back (with the
-    # deterministic tickets: the ticket of two steps back). make_configs keeps it where the staging tile exists
-    # and holds a dQ tile (two_dq_buffers_fit); otherwise 1. The same adds in the same order. A measurement knob
-    dq_stages: int = 1
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -131,7 +121,7 @@ class BwdConfig:
             det_resident=self.det_resident, tma_store_dkv=self.tma_store_dkv, early_vectors=self.early_vectors,
             try_waits=self.try_waits, hoist_descriptors=self.hoist_descriptors,
             interleave_lengths=self.interleave_lengths, ticket_sleep_ns=self.ticket_sleep_ns,
-            release_fence=self.release_fence, early_dq_free=self.early_dq_free, dq_stages=self.dq_stages,
+            release_fence=self.release_fence,
         )
 
     @property
@@ -245,7 +235,6 @@ _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "s
            "tma_store_dkv": host.parse_bool, "early_vectors": host.parse_bool,
            "try_waits": host.parse_bool, "hoist_descriptors": host.parse_bool,
            "interleave_lengths": host.parse_bool, "ticket_sleep_ns": int, "release_fence": host.parse_bool,
-           "early_dq_free": host.parse_bool, "dq_stages": int,
            "det_resident": host.parse_bool}  # True: sequences of up to half the SMs' key tiles
 # development hook: FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_BWD_OVERRIDE", _FIELDS)
@@ -407,8 +396,6 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
             kw["worklist"], kw["window_left"], max_seqlen_k)
     if kw.get("interleave_lengths") and not (kw["causal"] and not kw["deterministic"]):
         kw["interleave_lengths"] = False  # the kernel's rule (bwd_sm90): one cache entry per kernel
-    if kw.get("dq_stages", 1) != 1 and not two_dq_buffers_fit(kw, dkv_dtype == q_dtype):
-        kw["dq_stages"] = 1
     main = BwdConfig(**kw)
     pre = PreConfig(o_dtype=host.dtype_name(o_dtype), do_dtype=host.dtype_name(do_dtype), head_dim=head_dim,
                     tile_m=tm, varlen=bool(varlen), deterministic=bool(deterministic), zero_dq=grads != "dkv",
@@ -417,17 +404,6 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
                       varlen=bool(varlen), accumulate=bool(accumulate), dq_fixed=bool(dq_fixed),
                       fixed_to_float=bool(fixed_to_float), worklist=bool(worklist))
     return pre, main, post
-
-
-def two_dq_buffers_fit(kw: dict, dkv_16bit: bool) -> bool:
-    """Whether a backward (make_configs' fields) can hold a second dQ buffer (BwdConfig.dq_stages = 2) in its dK / dV
-    staging tile: fresh 16-bit dK / dV of a dense call written through TMA, all three gradients, not the fixed-point
-    dQ, one CTA per tile (a persistent tile's first steps would overlap the previous tile's dK / dV store), and a
-    staging tile (tile_n x head_dim 16-bit) at least as large as a dQ tile (tile_m x head_dim fp32): 64-row query
-    tiles."""
-    return bool(kw.get("tma_store_dkv", True) and dkv_16bit and not kw["accumulate"] and not kw["varlen"]
-                and kw["grads"] == "all" and not kw["dq_fixed"] and not kw.get("persistent_ctas", 0)
-                and kw["tile_m"] * 2 <= 128)
 
 
 def check_resident(cfg: BwdConfig) -> None:

@@ -19,5 +19,3 @@ class BwdBarrier(IntEnum):
     DQ_EMPTY_WG0 = 4  # + MMA warpgroup (0..1): its dQ smem buffer is free again (dQ writer warp -> MMA warpgroup)
     SANITIZE = 6  # both MMA warpgroups: non-finite rows of a tile found and cleared
     DKV_EPILOGUE = 7  # both MMA warpgroups: the dK / dV staging tile is free, then written (TMA store)
-    DQ_FULL1_WG0 = 8  # + MMA warpgroup: the second dQ buffer's DQ_FULL (BwdConfig.dq_stages = 2)
-    DQ_EMPTY1_WG0 = 10  # + MMA warpgroup: the second dQ buffer's DQ_EMPTY

@@ -18,9 +18,7 @@ causal tiles launch longest first.
   * warpgroup 0, warp 1: dQ writer. Takes each MMA warpgroup's fp32 dQ tile from smem and adds it into the fp32
     accumulator scratch in gmem with cp.reduce.async.bulk (.add.f32). In deterministic mode it first waits on a
     per-(query tile, head) semaphore for its turn, so the tiles are added in a fixed key-tile order; the ticket
-    is released once the add landed (early_dq_free: after the smem buffer is handed back). Each MMA warpgroup's
-    dQ buffer is one smem tile, or (dq_stages = 2) two, the second in the dK / dV staging tile, which steps
-    alternate with. With the fixed-point dQ (dq_fixed) the tiles arrive as int64 (each row
+    is released once the add landed. With the fixed-point dQ (dq_fixed) the tiles arrive as int64 (each row
     times its power-of-two scale, rounded) and are added with .add.u64: integer sums do not depend on their
     order, so there are no tickets, and any split of the key tiles over launches or ranks gives the same sums.
   * warpgroups 1, 2: MMA. Warpgroup w owns keys [64 w, 64 w + 64) of the tile and computes
@@ -153,8 +151,6 @@ class FlashBwdSm90:
         interleave_lengths: bool = False,
         ticket_sleep_ns: int = 32,
         release_fence: bool = False,
-        early_dq_free: bool = False,
-        dq_stages: int = 1,
     ):
         assert head_dim in (64, 128)
         # a work list: mCuSeqlensQ is the item table (block_info.WORKLIST_COLUMNS), one "sequence" per item with
@@ -254,17 +250,6 @@ class FlashBwdSm90:
         assert ticket_sleep_ns >= 0, ticket_sleep_ns
         self.ticket_sleep_ns = ticket_sleep_ns
         self.release_fence = release_fence
-        # deterministic: the dQ writer frees the smem buffer for the next step once a step's bulk adds have read
-        # it, and releases the step's ticket after that (at the next step's top, or the tile's end) once they
-        # landed; otherwise it releases first and frees the buffer after. The same order of adds either way
-        self.early_dq_free = early_dq_free and deterministic
-        # 2: a second dQ smem buffer in the dK / dV TMA staging tile (idle until the epilogue), steps alternating
-        # between the two, so the MMA warps' dQ store waits for the add of two steps back (backward.make_configs
-        # keeps it where it fits: one CTA per tile, fresh 16-bit dK / dV through TMA, 64-row query tiles)
-        assert dq_stages in (1, 2), dq_stages
-        assert dq_stages == 1 or (self.tma_store_dkv and not self.persistent and tile_m * 2 <= self.tile_n), \
-            "a second dQ buffer needs the dK / dV staging tile of a one-CTA-per-tile kernel (64-row query tiles)"
-        self.dq_stages = dq_stages
 
     # ------------------------------------------------------------------------
     # host side
@@ -330,7 +315,6 @@ class FlashBwdSm90:
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, mV, self.sV_layout, (tn, D), 1)
         # fresh 16-bit dK / dV (tma_store_dkv): one staging tile in the K tile's layout, a TMA store atom each
         self.use_tma_dkv = self.tma_store_dkv and mdK.element_type == self.dtype
-        assert self.dq_stages == 1 or self.use_tma_dkv, "a second dQ buffer lives in the 16-bit dK / dV staging tile"
         tma_atom_dK = tma_dK = tma_atom_dV = tma_dV = None
         if const_expr(self.use_tma_dkv):
             s2g = cpasync.CopyBulkTensorTileS2GOp()
@@ -499,9 +483,6 @@ class FlashBwdSm90:
             diag=diag, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, mSegOffQ=mSegOffQ, mSegOffK=mSegOffK,
             claims=claims, tma_dK=tma_dK, tma_dV=tma_dV, tma_atom_dK=tma_atom_dK, tma_atom_dV=tma_atom_dV,
             sdKV=storage.sdKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner) if self.use_tma_dkv else None,
-            # the second dQ buffer (dq_stages = 2): the staging tile's bytes, fp32 in dQ's fragment order
-            sdQ1=storage.sdKV.get_tensor(dq_chunk_layout(tm, self.head_dim), dtype=Float32)
-            if self.dq_stages == 2 else None,
         )
         launch = Context(n_blocks_grid=n_blocks_grid, num_batch=num_batch, num_tiles=num_tiles)
 
@@ -816,33 +797,10 @@ class FlashBwdSm90:
 
     @cute.jit
     def dq_writer(self, io: Context, tile, seqlen: SeqlenInfo, rng: Context, state):
-        """One tile's dQ adds (none for a tile without work); the state is not used (a walk's body returns one).
-        With two dQ buffers, the second one (the dK / dV staging tile) is handed to the epilogue once read."""
+        """One tile's dQ adds (none for a tile without work); the state is not used (a walk's body returns one)."""
         if rng.has_work:
             self.dq_writer_tile(io, tile, seqlen, rng)
-        if const_expr(self.dq_stages == 2):
-            self.free_dq_buffers(1, 0)
         return state
-
-    @cute.jit
-    def free_dq_buffers(self, stage, pending_groups: cutlass.Constexpr):
-        """Both warpgroups' halves of dQ buffer ``stage`` are free once the bulk adds before the last
-        ``pending_groups`` have read smem (the adds are committed one group per half, warpgroup 0's first)."""
-        lane = cute.arch.lane_idx()
-        for w in cutlass.range_constexpr(2):
-            if lane == 0:
-                cute.arch.cp_async_bulk_wait_group(max(pending_groups - w, 0), read=True)
-            cute.arch.sync_warp()
-            cute.arch.barrier_arrive(barrier_id=self.dq_barrier(BwdBarrier.DQ_EMPTY_WG0, w, stage),
-                                     number_of_threads=160)
-
-    def dq_barrier(self, first: BwdBarrier, wg, stage):
-        """The named barrier of a dQ buffer handshake (DQ_FULL_WG0 or DQ_EMPTY_WG0) for warpgroup ``wg`` and buffer
-        ``stage`` (0, or 1: DQ_FULL1_WG0 / DQ_EMPTY1_WG0, the same distance further for both)."""
-        if const_expr(self.dq_stages == 1):
-            return int(first) + wg
-        second = {BwdBarrier.DQ_FULL_WG0: BwdBarrier.DQ_FULL1_WG0, BwdBarrier.DQ_EMPTY_WG0: BwdBarrier.DQ_EMPTY1_WG0}
-        return int(first) + wg + stage * (int(second[first]) - int(first))
 
     @cute.jit
     def dq_writer_tile(self, io: Context, tile, seqlen: SeqlenInfo, rng: Context):
@@ -854,50 +812,26 @@ class FlashBwdSm90:
         gdQ = cute.make_tensor(io.mdQacc.iterator, dq_chunk_layout(tm, D, n_chunks))
         chunk_bytes = self.dq_chunk_elems * (8 if self.dq_fixed else 4)
         n_blocks_k = cute.ceil_div(seqlen.seqlen_k, tn)
-        n_steps = 0
-        if const_expr(self.dq_stages == 2):
-            for first, end, _ in self.phases(rng):
-                n_steps = n_steps + group * cutlass.max(end - first, 0)
-            self.free_dq_buffers(0, 0)  # the first step's buffer
-        wr = Context(gdQ=gdQ, chunk_bytes=chunk_bytes, n_blocks_k=n_blocks_k, lane=lane, n_steps=n_steps)
-        pending = Int32(-1)  # early_dq_free: the chunk whose ticket waits for its adds to land
-        step = Int32(0)  # dq_stages = 2: the step's buffer is step % 2
+        wr = Context(gdQ=gdQ, chunk_bytes=chunk_bytes, n_blocks_k=n_blocks_k, lane=lane)
         for first, end, _ in self.phases(rng):
             for hi in cutlass.range(group, unroll=1):
                 head = head_kv * group + hi
                 for i in cutlass.range(first, end, unroll=1):
                     m = self.phase_m(i, first, end, rng)
-                    chunk = (seqlen.scratch_base + m) * num_heads + head
-                    self.add_dq_tile(io, wr, seqlen, n_block, m, chunk, pending, step)
-                    if const_expr(self.early_dq_free):
-                        pending = chunk
-                    if const_expr(self.dq_stages == 2):
-                        step = step + 1
-        if const_expr(self.early_dq_free):
-            if pending >= 0:
-                self.release_ticket(io, wr, pending)
+                    self.add_dq_tile(io, wr, seqlen, n_block, m, (seqlen.scratch_base + m) * num_heads + head)
 
     @cute.jit
-    def add_dq_tile(self, io: Context, wr: Context, seqlen: SeqlenInfo, n_block: Int32, m: Int32, chunk: Int32,
-                    pending: Int32, step: Int32):
+    def add_dq_tile(self, io: Context, wr: Context, seqlen: SeqlenInfo, n_block: Int32, m: Int32, chunk: Int32):
         """The dQ writer's step: free each warpgroup's smem buffer once its previous add has read it, (deterministic)
         wait for this key tile's turn on query tile m, add both halves of the tile into scratch chunk `chunk`, and
-        (deterministic) release the ticket once the adds landed: at the end of the step, or with early_dq_free the
-        previous step's (`pending`, -1 for none) after freeing the buffers. With two dQ buffers (dq_stages = 2) the
-        step reads buffer step % 2 and frees the other one, which the previous step's adds read, for the next step
-        (the tile's first buffer was freed before its first step, the second goes to the epilogue after the last)."""
+        (deterministic) release the ticket once the adds landed."""
         lane, gdQ, sdQ, mSem, chunk_bytes = wr.lane, wr.gdQ, io.sdQ, io.mSem, wr.chunk_bytes
-        stage = 0
-        if const_expr(self.dq_stages == 1):
-            # the previous add of each warpgroup's buffer has finished reading smem
-            self.free_dq_buffers(0, 1)
-        else:
-            stage = step % 2
-            if step + 1 < wr.n_steps:
-                self.free_dq_buffers(1 - stage, 1)
-        if const_expr(self.early_dq_free):
-            if pending >= 0:
-                self.release_ticket(io, wr, pending)
+        for w in cutlass.range_constexpr(2):
+            if lane == 0:
+                # the previous add of this warpgroup's buffer has finished reading smem
+                cute.arch.cp_async_bulk_wait_group(1 - w, read=True)
+            cute.arch.sync_warp()
+            cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_WG0) + w, number_of_threads=160)
         if const_expr(self.deterministic):
             rank = n_block
             if const_expr(self.causal):
@@ -916,32 +850,21 @@ class FlashBwdSm90:
                     cur = ld_acquire_gpu(sem_ptr)
             cute.arch.sync_warp()
         for w in cutlass.range_constexpr(2):
-            cute.arch.barrier(barrier_id=self.dq_barrier(BwdBarrier.DQ_FULL_WG0, w, stage), number_of_threads=160)
+            cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_WG0) + w, number_of_threads=160)
             if lane == 0:
                 add = bulk_reduce_add_u64 if const_expr(self.dq_fixed) else bulk_reduce_add_f32
-                dst = gdQ[None, None, None, w, chunk].iterator
-                if const_expr(self.dq_stages == 1):
-                    add(sdQ[None, None, None, w].iterator, dst, chunk_bytes)
-                elif stage == 0:
-                    add(sdQ[None, None, None, w].iterator, dst, chunk_bytes)
-                else:
-                    add(io.sdQ1[None, None, None, w].iterator, dst, chunk_bytes)
+                add(sdQ[None, None, None, w].iterator, gdQ[None, None, None, w, chunk].iterator, chunk_bytes)
                 cute.arch.cp_async_bulk_commit_group()
             cute.arch.sync_warp()
-        if const_expr(self.deterministic and not self.early_dq_free):
-            # (Releasing the ticket one step later, after the next step's adds, was measured: 0.6-0.9x, each CTA
-            # of a chain then lags one more step. early_dq_free releases it before the next step's ticket wait.)
-            self.release_ticket(io, wr, chunk)
-
-    @cute.jit
-    def release_ticket(self, io: Context, wr: Context, chunk: Int32):
-        """(deterministic) The next key tile's turn on scratch chunk `chunk`, once this CTA's adds landed in gmem."""
-        if wr.lane == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
-            if const_expr(self.release_fence):
-                cute.arch.fence_acq_rel_gpu()
-            red_release_add_gpu(io.mSem.iterator + chunk, 1)
-        cute.arch.sync_warp()
+        if const_expr(self.deterministic):
+            # release the ticket once the adds landed in gmem. (Releasing it one step later, after the
+            # next step's adds, was measured: 0.6-0.9x, each CTA of a chain then lags one more step.)
+            if lane == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                if const_expr(self.release_fence):
+                    cute.arch.fence_acq_rel_gpu()
+                red_release_add_gpu(mSem.iterator + chunk, 1)
+            cute.arch.sync_warp()
 
     # ------------------------------------------------------------------------
     @cute.jit
@@ -1029,7 +952,6 @@ class FlashBwdSm90:
         # fragment-order view of this thread's dQ accumulator (matches dq_chunk_layout)
         t_in_wg = tidx - wg * 128
         tdQsdQ = io.sdQ[None, t_in_wg, None, wg]
-        tdQsdQ1 = io.sdQ1[None, t_in_wg, None, wg] if const_expr(self.dq_stages == 2) else None
         # fixed-point dQ: the query row (in its tile) of each row of this thread's dQ fragment
         tdQcdQ_mn = None
         if const_expr(self.dq_fixed):
@@ -1045,7 +967,7 @@ class FlashBwdSm90:
             tiled_mma_sdp=tiled_mma_sdp, tiled_mma_dkv=tiled_mma_dkv, tiled_mma_dq=tiled_mma_dq,
             tSrK=tSrK, tSrQ=tSrQ, tdPrV=tdPrV, tdPrdO=tdPrdO, tdVrdOt=tdVrdOt, tdKrQt=tdKrQt, tdQrdS=tdQrdS,
             tdQrKt=tdQrKt, sdSt=sdSt, thr_sdp=thr_sdp, thr_dkv=thr_dkv, wg_dkv=wg_dkv, r2s_dS=r2s_dS,
-            s_shape=s_shape, dq_shape=dq_shape, tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn, tdQsdQ=tdQsdQ, tdQsdQ1=tdQsdQ1,
+            s_shape=s_shape, dq_shape=dq_shape, tScS_mn=tScS_mn, t0ScS_mn=t0ScS_mn, tdQsdQ=tdQsdQ,
             tdQcdQ_mn=tdQcdQ_mn, scale=scale, scale_log2=scale_log2, wg=wg,
         )
 
@@ -1121,10 +1043,6 @@ class FlashBwdSm90:
             if const_expr(self.det_chunk > 0):
                 write = write and tile.valid
         if const_expr(self.use_tma_dkv):
-            if const_expr(self.dq_stages == 2):
-                # the staging tile is the second dQ buffer: the writer frees it after the tile's last add read it
-                cute.arch.barrier(barrier_id=self.dq_barrier(BwdBarrier.DQ_EMPTY_WG0, st.wg, 1),
-                                  number_of_threads=160)
             if write:
                 self.store_dkv_tile(io, st.tiled_mma_dkv, acc_dV, io.tma_atom_dV, io.tma_dV, tile)
                 self.store_dkv_tile(io, st.tiled_mma_dkv, acc_dK, io.tma_atom_dK, io.tma_dK, tile)
@@ -1274,11 +1192,8 @@ class FlashBwdSm90:
         st.pipe_do.consumer_release(q_state)
 
         if const_expr(self.compute_dq):
-            # dQ tile -> smem (fragment order) for the writer warp; with two buffers, the step's parity picks one
-            # (a one-CTA-per-tile kernel: q_state counts the tile's steps from 0)
-            dq_stage = 0 if const_expr(self.dq_stages == 1) else q_state.count % 2
-            cute.arch.barrier(barrier_id=self.dq_barrier(BwdBarrier.DQ_EMPTY_WG0, st.wg, dq_stage),
-                              number_of_threads=160)
+            # dQ tile -> smem (fragment order) for the writer warp
+            cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_WG0) + st.wg, number_of_threads=160)
             if const_expr(self.dq_fixed):
                 # dQ * 2^s (exact: a power of two) rounded to an integer; |sum| < 2^62 (fixed_point.py)
                 acc_dQ_mn = mn_view(acc_dQ)
@@ -1289,15 +1204,9 @@ class FlashBwdSm90:
                 fixed.store(acc_dQ.load().to(cutlass.Int64))
                 acc_dQ = fixed
             rdQ = cute.make_tensor(acc_dQ.iterator, cute.make_layout(st.tdQsdQ.shape))
-            if const_expr(self.dq_stages == 1):
-                cute.autovec_copy(rdQ, st.tdQsdQ)
-            elif dq_stage == 0:
-                cute.autovec_copy(rdQ, st.tdQsdQ)
-            else:
-                cute.autovec_copy(rdQ, st.tdQsdQ1)
+            cute.autovec_copy(rdQ, st.tdQsdQ)
             cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(barrier_id=self.dq_barrier(BwdBarrier.DQ_FULL_WG0, st.wg, dq_stage),
-                                     number_of_threads=160)
+            cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_FULL_WG0) + st.wg, number_of_threads=160)
 
         warpgroup.wait_group(0)  # dK done
         st.pipe_q.consumer_release(q_state)
