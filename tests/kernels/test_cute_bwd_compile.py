@@ -186,9 +186,14 @@ def _spill_budget(main) -> int:
     session: +3-6% at 1k, the spill included). And the causal hdim-64 kernel of one CTA per tile with the dK / dV
     TMA stores (long sequences, deterministic or not): 4 bytes since those stores came in (thirteenth session,
     measured with it); Nsight Compute counts one spill store and one load per warp and CTA, outside the step loop
-    (seventeenth session)."""
+    (seventeenth session). And the soft-capped hdim-128 backward with the cap's derivative in registers
+    (backward.default_softcap_grad_regs): 8 bytes causal, 16 on the persistent grid, 20-32 deterministic causal or
+    windowed, none non-causal; measured with them on the H200 (bench/RESULTS.md, twentieth session: +6% causal at 4k
+    and 16k with 8 bytes; 2026-12-01: +3-5% with 20-36)."""
     if main.softcap > 0 and main.head_dim == 64 and main.tile_m == 128:
         return 64
+    if main.softcap > 0 and main.head_dim == 128 and main.softcap_grad_regs:
+        return 32
     if main.early_vectors and main.causal and main.persistent_ctas > 0:
         return 4  # the deterministic causal kernel of short sequences (backward.default_early_vectors)
     dense_fresh = main.tma_store_dkv and not (main.accumulate or main.varlen or main.dq_fixed)  # (the TMA stores)

@@ -256,14 +256,14 @@ def cache_info() -> list:
 
 
 def default_softcap_grad_regs(head_dim: int, tile_m: int) -> bool:
-    """Whether the cap's derivative stays in fp16 registers (True) or is recovered from P. Measured on the H200
-    (2026-12-01, causal, 4k / 16k, 64-row query tiles): registers were faster at hdim 64 (+10% / +10%, no spills)
-    and at hdim 128 too (+5% / +3%), but there they spill (20 bytes, 36 with the deterministic windowed variant).
-    The fp16 copy costs tile_m * head_dim / 256 registers per MMA thread: it fits next to a 64 x 64 step only. hdim
-    128 takes the spill-free P path; so does hdim 64 on its 128-row query tiles, where the P path spills 8-40 bytes
-    in masked steps (the registers path 200) and runs at 0.97-1.00x the 64-row tiles' registers path (sixth
+    """Whether the cap's derivative stays in fp16 registers (True) or is recovered from P. The fp16 copy costs
+    tile_m * head_dim / 256 registers per MMA thread. Measured on the H200: registers are faster on 64-row query
+    tiles at both head dims, at hdim 64 by +10% (causal 4k / 16k, no spills, 2026-12-01) and at hdim 128 by +6%
+    (causal 4k and 16k, 8 bytes of spills; twentieth session, bench/sessions/gpu_session_19.sh 5) and +3-5% when
+    it spilled 20-36 bytes (2026-12-01). hdim 64's 128-row query tiles take the P path: there the registers
+    path spills 200 bytes, and the P path's 8-40 run at 0.97-1.00x the 64-row tiles' registers path (sixth
     session, bench/RESULTS.md)."""
-    return tile_m * head_dim <= 64 * 64
+    return tile_m == 64
 
 
 def default_det_resident(deterministic: bool, causal: bool, accumulate: bool, grads: str, det_chunk: int,

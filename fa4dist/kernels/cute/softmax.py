@@ -262,8 +262,8 @@ def softcap_grad_fp16(acc: cute.Tensor) -> cute.Tensor:
     """d(capped score) / d(scaled score) = 1 - tanh^2 of capped scores ``acc`` (tanh values), as fp16 registers
     shaped like ``acc``: the backward computes it beside the exponential and multiplies it into dS after the dP
     MMA. fp16 holds [0, 1] to 2^-11 relative (below dS's own bf16 rounding) in half the registers of fp32.
-    32 more live registers per thread: hdim 128 spills a few, so it takes ``softcap_grad_from_p``
-    (backward.default_softcap_grad_regs)."""
+    32 more live registers per thread on a 64-row query tile (hdim 128 spills a few bytes and still wins); 128-row
+    tiles take ``softcap_grad_from_p`` (backward.default_softcap_grad_regs)."""
     g = cute.make_rmem_tensor_like(acc, cutlass.Float16)
     t = acc.load()
     g.store((1.0 - t * t).to(cutlass.Float16))
