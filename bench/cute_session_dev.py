@@ -429,15 +429,16 @@ def session19_configs():
     return list(dict.fromkeys(_ticket_form_configs(forms)))
 
 
-def session19b_configs():
-    """The nineteenth session's second set: the deterministic backward bench rows (table_configs), the ticket bits
-    test's launches (spinning, fenced; the early-freed dQ buffer it also held was measured and removed), and the
-    soft-capped causal hdim-128 backward with the cap's derivative in registers beside its recovery from P."""
-    out = _ticket_form_configs((dict(ticket_sleep_ns=0), dict(release_fence=True)))
+def session21_configs():
+    """The twentieth session's softcap rows: the soft-capped hdim-128 backward (4k / 16k, causal or not,
+    deterministic or not) with the cap's derivative in registers (the default since then) and recovered from P."""
+    out = []
     for seqlen in (4096, 16384):
-        for forms in (dict(), dict(softcap_grad_regs=True)):
-            out.extend(_dense_bf16_bwd(head_dim=128, causal=True, deterministic=False, max_seqlen_k=seqlen,
-                                       softcap=30.0, **forms))
+        for causal in (False, True):
+            for det in (False, True):
+                for forms in (dict(), dict(softcap_grad_regs=False)):
+                    out.extend(_dense_bf16_bwd(head_dim=128, causal=causal, deterministic=det, max_seqlen_k=seqlen,
+                                               softcap=30.0, **forms))
     return list(dict.fromkeys(out))
 
 
@@ -456,7 +457,7 @@ CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_
                "tile_n_176": tile_n_176_configs, "session17": session17_configs,
                "session17b": session17b_configs, "session17c": session17c_configs,
                "session18": session18_configs, "table": table_configs,
-               "session19": session19_configs}
+               "session19": session19_configs, "session21": session21_configs}
 
 
 def bwd_configs():

@@ -26,6 +26,7 @@
 #    on the persistent grid, keep one buffer): the MMA warps then wait for the add of two steps back. Prediction:
 #    another +1-2% on the deterministic rows, 0-1% on the non-deterministic 16k ones. Then the soft-capped causal hdim-128
 #    backward with the cap's derivative in registers: it spills 8 bytes now (20 when measured +3-5% on 2026-12-01).
+#    (Run in the twentieth session; early_dq_free, dq_stages and the session19b set were removed after it.)
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s19 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
