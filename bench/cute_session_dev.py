@@ -442,6 +442,30 @@ def session21_configs():
     return list(dict.fromkeys(out))
 
 
+def det_gqa_configs():
+    """The deterministic GQA backward's three forms at 4k / 16k / 32k (bench/kernels.py --kv-group 4 --cute-variants
+    bwd-det:det_dq=tickets|fixed|expanded, gpu_session_21.sh 2): the ticketed kernel writing fresh bf16 gradients
+    (GQA, as the tickets form), with fp32 dK / dV (expanded heads), the int64 dQ converted to bf16 (fixed), and
+    the non-deterministic rows."""
+    import torch
+
+    from fa4dist.kernels.cute import backward as B
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    out = table_configs()  # (the forwards)
+    for d in (64, 128):
+        for causal in (False, True):
+            for seqlen in (4096, 16384, 32768):
+                for det in (False, True):
+                    out.extend(_dense_bf16_bwd(head_dim=d, causal=causal, deterministic=det, max_seqlen_k=seqlen))
+                out.extend(B.make_configs(bf16, d, causal=causal, varlen=False, seg_offsets=False, accumulate=False,
+                                          deterministic=True, dq_dtype=bf16, dkv_dtype=fp32, o_dtype=bf16,
+                                          do_dtype=bf16, max_seqlen_k=seqlen))
+                out.extend(_dense_bf16_bwd(head_dim=d, causal=causal, deterministic=True, max_seqlen_k=seqlen,
+                                           dq_fixed=True, fixed_to_float=True))
+    return list(dict.fromkeys(out))
+
+
 # the hdim-64 forward rows of the fourteenth session (bench/sessions/gpu_session_14.sh: keep the two in step)
 D64_FWD_VARIANTS = {
     causal: [{}, dict(persistent_ctas=0), dict(num_stages=3), dict(rescale_threshold=0.0 if causal else 8.0),
@@ -457,7 +481,8 @@ CONFIG_SETS = {"all": lambda: fwd_configs() + bwd_configs(), "softcap": softcap_
                "tile_n_176": tile_n_176_configs, "session17": session17_configs,
                "session17b": session17b_configs, "session17c": session17c_configs,
                "session18": session18_configs, "table": table_configs,
-               "session19": session19_configs, "session21": session21_configs}
+               "session19": session19_configs, "session21": session21_configs,
+               "det_gqa": det_gqa_configs}
 
 
 def bwd_configs():

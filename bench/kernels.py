@@ -4,6 +4,7 @@
     python bench/kernels.py --headdims 128 --seqlens 4096 16384 --directions fwd --rounds 5
     python bench/kernels.py --cute-variants fwd:rescale_threshold=0 bwd:det_chunk=8   # cute config overrides
     python bench/kernels.py --softcap 30 --backends cute flash_attn_4      # soft-capped scores (Gemma 2)
+    python bench/kernels.py --kv-group 4 --deterministic --cute-variants bwd-det:det_dq=expanded   # GQA
     python bench/kernels.py --deterministic --cute-variants bwd-det:grads=all bwd-det:grads=dq bwd-det:grads=dkv
     python bench/kernels.py --baseline-dir OLD   # also "cute@baseline": OLD/fa4dist (another checkout) interleaved
 
@@ -191,6 +192,10 @@ def _make_fn(name, direction, deterministic, q, k, v, dout, causal, fa4, overrid
 
 def run(args):
     device = torch.device("cuda")
+    for headdim in args.headdims:
+        if (args.model_dim // headdim) % args.kv_group:
+            raise SystemExit(f"--kv-group {args.kv_group} must divide the {args.model_dim // headdim} heads of "
+                             f"hdim {headdim}")
     backends = [b for b in available_backends(device) if b != "sdpa"]  # "sdpa" is cudnn-or-flash: listed apart
     if args.backends:
         backends = [b for b in args.backends if b in backends]
@@ -211,8 +216,9 @@ def run(args):
                 batch, heads = max(1, args.total_tokens // seqlen), max(1, args.model_dim // headdim)
                 gen = torch.Generator(device=device).manual_seed(seqlen * 7 + headdim)
                 shape = (batch, seqlen, heads, headdim)
-                q, k, v, dout = (torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
-                                 for _ in range(4))
+                kv_shape = (batch, seqlen, heads // args.kv_group, headdim)
+                q, k, v, dout = (torch.randn(sh, device=device, dtype=torch.bfloat16, generator=gen)
+                                 for sh in (shape, kv_shape, kv_shape, shape))
                 check_out = None
                 items = []  # (row, fn)
                 names = [(b, None) for b in backends] + [(v[0], v) for v in variants]
@@ -228,10 +234,11 @@ def run(args):
                         if variant is not None and variant[2] == "bwd-det":
                             dets = [True]
                         for deterministic in dets:
-                            if name == CUDNN_RAW and (deterministic or args.softcap is not None):
-                                continue  # (torch's op has neither)
+                            if name == CUDNN_RAW and (deterministic or args.softcap is not None or args.kv_group > 1):
+                                continue  # (torch's op has neither; GQA would need its enable_gqa)
                             row = dict(backend=name, headdim=headdim, causal=causal, seqlen=seqlen, batch=batch,
-                                       heads=heads, direction=direction, deterministic=deterministic,
+                                       heads=heads, kv_heads=heads // args.kv_group, direction=direction,
+                                       deterministic=deterministic,
                                        softcap=args.softcap)
                             try:
                                 overrides = variant[3] if variant is not None else None
@@ -395,6 +402,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per point (median reported)")
     p.add_argument("--softcap", type=float, default=None,
                    help="soft-cap every backend's scores (torch's SDPA backends cannot: pass --backends)")
+    p.add_argument("--kv-group", type=int, default=1,
+                   help="query heads per key / value head (GQA): kv heads = heads / this")
     p.add_argument("--total-tokens", type=int, default=16384)
     p.add_argument("--model-dim", type=int, default=2048)
     p.add_argument("--reference-max-seqlen", type=int, default=2048)

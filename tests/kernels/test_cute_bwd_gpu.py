@@ -529,6 +529,35 @@ def test_fixed_point_dq(packed, d, options):
         assert torch.equal(split, dq_int)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_deterministic_gqa_backward_on_expanded_heads(packed, d):
+    """det_dq="expanded": K / V copied per query head, the ticketed backward, each group's dK / dV summed in head
+    order. dq is the GQA ticketed backward's bytes (the same tiles added in the same order), dk / dv its values to
+    fp32 rounding (another association of the group's sum); reruns give the same bytes, fresh and accumulating."""
+    g = _gen()
+    total = 4096 + 300
+    if packed:
+        cu = torch.tensor([0, 1000, 1001, total], dtype=torch.int32, device="cuda")
+        q, k, v = _inputs((total, 8, d), (total, 2, d), torch.bfloat16, g)
+        kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=total - 1001, max_seqlen_k=total - 1001)
+        fwd_kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    else:
+        q, k, v = _inputs((1, total, 8, d), (1, total, 2, d), torch.bfloat16, g)
+        kw = fwd_kw = dict(causal=True)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = attention_forward(q, k, v, backend="cute", **fwd_kw)
+    init = [torch.randn(t.shape, device="cuda", dtype=torch.float32, generator=g) for t in (q, k, v)]
+    for accumulate in (False, True):
+        extra = dict(accumulate=True, init=init) if accumulate else {}
+        runs = [_run(q, k, v, dout, out, lse, deterministic=True, det_dq="expanded", **extra, **kw) for _ in range(2)]
+        tickets = _run(q, k, v, dout, out, lse, deterministic=True, det_dq="tickets", **extra, **kw)
+        _assert_same_grads(runs[0], runs[1], True, f"expanded rerun, accumulate={accumulate}")
+        assert torch.equal(runs[0][0].view(torch.uint8), tickets[0].view(torch.uint8)), "dq"
+        for name, a, b in zip(("dk", "dv"), runs[0][1:], tickets[1:]):
+            assert rel_error(a.double(), b.double()) < (1e-2 if not accumulate else 1e-5), name
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_deterministic_gqa_backward_takes_the_fixed_point_dq(packed):
     """A deterministic backward on the int64 dQ (no tickets; `det_dq="auto"` takes it for long GQA calls at hdim

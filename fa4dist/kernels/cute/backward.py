@@ -509,11 +509,21 @@ def launch_steps(
     With accumulate=True, dq = None or dk = dv = None skips those gradients (a variant without their GEMMs).
     dq_scale (accumulate=True, dq int64): the fixed-point dQ of fa4dist.kernels.fixed_point; each (query tile,
     key tile) contribution times its row's scale (fp32 powers of two, lse's shape) is rounded and added into dq.
-    overrides: BwdConfig fields (measurement knobs; det_dq="auto" | "tickets" | "fixed").
+    overrides: BwdConfig fields (measurement knobs; det_dq="auto" | "tickets" | "fixed" | "expanded").
 
     rows: the query side is shared (:class:`SharedRows`): q, dout, out, lse are rows [q_start, q_start + len) of
     its queries, the preprocess and the dQ convert are its own (dq is ignored), and the steps are the main kernel
     alone, on views of its scratch."""
+    det_dq = overrides.pop("det_dq", "auto")
+    if det_dq not in ("auto", "tickets", "fixed", "expanded"):
+        raise ValueError(f"det_dq must be 'auto', 'tickets', 'fixed' or 'expanded', got {det_dq!r}")
+    group = q.shape[-2] // max(k.shape[-2], 1)
+    if (det_dq == "expanded" and deterministic and group > 1 and rows is None and dq_scale is None
+            and dq is not None and dk is not None and dv is not None):
+        inner = dict(softmax_scale=softmax_scale, causal=causal, q_offset=q_offset, k_offset=k_offset,
+                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                     max_seqlen_k=max_seqlen_k, window_left=window_left, softcap=softcap, **overrides)
+        return _expanded_kv_steps(dout, q, k, v, out, lse, dq, dk, dv, group, accumulate, inner)
     varlen = cu_seqlens_q is not None
     d = q.shape[-1]
     hq = q.shape[-2]
@@ -562,10 +572,7 @@ def launch_steps(
         if dq_scale.stride(-1) != 1:
             dq_scale = dq_scale.contiguous()
     # deterministic GQA: the int64 fixed-point dQ instead of the ticketed fp32 one (exact sums, no tickets),
-    # converted to the caller's dq by the convert kernel; det_dq="tickets" / "fixed" forces one (benchmarks)
-    det_dq = overrides.pop("det_dq", "auto")
-    if det_dq not in ("auto", "tickets", "fixed"):
-        raise ValueError(f"det_dq must be 'auto', 'tickets' or 'fixed', got {det_dq!r}")
+    # converted to the caller's dq by the convert kernel; det_dq="tickets" / "fixed" / "expanded" forces one
     fixed_to_float = False
     if deterministic and not dq_fixed and rows is None and dq is not None and (dk is not None or not accumulate):
         if det_dq == "fixed" or (det_dq == "auto" and fixed_point_deterministic(hq, k.shape[-2], total_q, d)):
@@ -649,6 +656,36 @@ def launch_steps(
                         cu_seqlens_q, cu_seqlens_k, off_q, off_k, counter()),
         lambda: post_fn(dq_acc, dq, scale2 if fixed_to_float else None, m_grid, cu_seqlens_q),
     ]
+
+
+def _expanded_kv_steps(dout, q, k, v, out, lse, dq, dk, dv, group, accumulate, options):
+    """A deterministic GQA backward as the kernel runs it without GQA: K and V copied to one head per query head,
+    the ticketed backward into dq and fp32 dK / dV per query head, then each key / value head's group of query heads
+    summed in ascending head order (invariant.sum_group) into the caller's dk / dv (written, or added when
+    accumulating). A GQA CTA walks its whole group of heads, so the launch's longest CTAs are group times longer
+    and its tail with them (NOTES_BWD.md, twentieth session); expanded, every CTA is one head long. Costs
+    2 x group x |K| of K / V copies and 2 x group x |K| fp32 of dK / dV per query head in memory."""
+    from ..invariant import sum_group
+
+    heads = k.shape[-2] * group
+    k_e, v_e = (torch.empty(*t.shape[:-2], heads, t.shape[-1], dtype=t.dtype, device=t.device) for t in (k, v))
+    dk_e, dv_e = (torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (k_e, v_e))
+
+    def expand():
+        for src, dst in ((k, k_e), (v, v_e)):
+            dst.unflatten(-2, (-1, group)).copy_(src.unsqueeze(-2).expand(*src.shape[:-1], group, src.shape[-1]))
+        if accumulate:
+            dk_e.zero_()
+            dv_e.zero_()
+
+    def reduce():
+        for dst, per_head in ((dk, dk_e), (dv, dv_e)):
+            total = sum_group(per_head, group)
+            dst.add_(total) if accumulate else dst.copy_(total)
+
+    steps = launch_steps(dout, q, k_e, v_e, out, lse, dq, dk_e, dv_e, deterministic=True, accumulate=accumulate,
+                         det_dq="tickets", **options)
+    return [expand] + steps + [reduce]
 
 
 class SharedRows:
