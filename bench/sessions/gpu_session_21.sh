@@ -3,6 +3,7 @@
 # at hdim 128 (+6% on the non-deterministic causal backward at 4k / 16k, 8 bytes of spills):
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_21.sh 1
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_21.sh 2   # the deterministic GQA forms
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_21.sh 3   # suites and GQA table, new defaults
 # 1: the softcap kernels' GPU tests under the new default; the soft-capped hdim-128 backward, causal or not,
 #    deterministic or not, against the P path (the deterministic causal kernel spills 20 bytes, the windowed one 32:
 #    prediction +3-6% there too, +2-4% non-causal, which does not spill); then bench/window.py (the cost of the
@@ -37,6 +38,19 @@ if [ "$1" = 2 ]; then
     --backends cute flash_attn_4 --cute-variants bwd-det:det_dq=expanded bwd-det:det_dq=tickets \
     bwd-det:det_dq=fixed --rounds 3 --out-dir "$OUT"
   mv "$OUT/$(date +%F)-kernels.json" "$OUT/det-gqa.json" 2>/dev/null
+  rm -f "$OUT"/*.png
+  exit
+fi
+# 3: after 2 made the expanded heads the default for long causal GQA calls (backward.deterministic_gqa_form) and
+#    the GQA tickets everywhere else (the int64 dQ was slowest at every point): the backward and work-list GPU
+#    suites, then the GQA table under the new defaults beside flash-attn-4 (the defaults should match 2's best column).
+if [ "$1" = 3 ]; then
+  TAIL_LINES=2 stage aot 200 python3 bench/cute_session_dev.py aot "$FA4DIST_CUTE_AOT_DIR" --jobs 16 --set det_gqa
+  TAIL_LINES=6 stage tests 300 $PYTEST -n 8 tests/kernels/test_cute_bwd_gpu.py tests/kernels/test_worklist_gpu.py
+  TAIL_LINES=28 stage det_gqa 200 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 16384 32768 \
+    --total-tokens 32768 --kv-group 4 --causal false true --directions bwd --deterministic \
+    --backends cute flash_attn_4 --rounds 3 --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-kernels.json" "$OUT/det-gqa-defaults.json" 2>/dev/null
   rm -f "$OUT"/*.png
   exit
 fi

@@ -364,3 +364,12 @@ def test_interleaved_key_tiles_default_scope():
                 main(causal=False, interleave_lengths=True)):
         assert not off.interleave_lengths, off
     assert main(max_seqlen_k=4096, interleave_lengths=True).interleave_lengths
+
+
+def test_deterministic_gqa_takes_expanded_heads_where_measured_faster():
+    # the cute backward's deterministic GQA dQ: K / V expanded per query head for long causal calls (16k keys at
+    # hdim 128, 32k at hdim 64), the GQA tickets elsewhere: without GQA, non-causal, shorter, or of unknown length
+    form = bwd.deterministic_gqa_form
+    assert form(4, 128, True, 16384) == form(8, 64, True, 32768) == "expanded"
+    assert form(1, 128, True, 65536) == form(4, 128, False, 65536) == form(4, 128, True, 16383) == "tickets"
+    assert form(4, 64, True, 16384) == form(4, 128, True, None) == form(4, 96, True, 65536) == "tickets"

@@ -558,10 +558,22 @@ def test_deterministic_gqa_backward_on_expanded_heads(packed, d):
             assert rel_error(a.double(), b.double()) < (1e-2 if not accumulate else 1e-5), name
 
 
+def test_long_causal_deterministic_gqa_backward_takes_expanded_heads():
+    """deterministic=True alone (det_dq="auto") on a causal GQA call of 16k keys at hdim 128 is the expanded form's
+    bytes (backward.deterministic_gqa_form; test_cute_bwd_compile.py has the rule)."""
+    g = _gen()
+    q, k, v = _inputs((1, 16384, 4, 128), (1, 16384, 1, 128), torch.bfloat16, g)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = attention_forward(q, k, v, causal=True, backend="cute")
+    auto = _run(q, k, v, dout, out, lse, deterministic=True, causal=True)
+    expanded = _run(q, k, v, dout, out, lse, deterministic=True, causal=True, det_dq="expanded")
+    _assert_same_grads(expanded, auto, True, "det_dq auto against expanded")
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_deterministic_gqa_backward_takes_the_fixed_point_dq(packed):
-    """A deterministic backward on the int64 dQ (no tickets; `det_dq="auto"` takes it for long GQA calls at hdim
-    128, test_fixed_point.py has the rule) converts it once: reruns give the same bytes, dk/dv are the ticketed
+    """A deterministic backward on the int64 dQ (no tickets; `det_dq="fixed"`, measured slower than the other
+    forms, twentieth session) converts it once: reruns give the same bytes, dk/dv are the ticketed
     backward's bytes (the same query order), and dq agrees with the ticketed fp32 sum to fp32 accuracy."""
     g = _gen()
     total = 16384 + 300

@@ -133,14 +133,3 @@ def test_key_calls_cover_every_key_once_and_every_tile_dq_once(seed):
                 assert a <= it.k_start < b  # a caller adds the dq of the tiles that start in its keys
     assert kept == [1] * doc_len
     assert sorted(dq_tiles) == list(range(-(-doc_len // KEY_TILE)))
-
-
-def test_deterministic_backward_takes_the_int64_dq_where_measured_faster():
-    # the cute backward's deterministic dQ: int64 for long GQA calls at hdim 128 (64-row query tiles), tickets
-    # elsewhere -- without GQA, for short calls, and at hdim 64, whose 128-row tiles halved the tickets
-    from fa4dist.kernels.cute.backward import FIXED_POINT_DET_MIN_TOKENS as n
-    from fa4dist.kernels.cute.backward import fixed_point_deterministic as takes
-
-    assert takes(32, 8, n, 128) and takes(8, 2, 4 * n, 128)
-    assert not takes(32, 32, n, 128) and not takes(32, 8, n - 1, 128)
-    assert not takes(32, 8, 4 * n, 64)

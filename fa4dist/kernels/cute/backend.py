@@ -151,9 +151,10 @@ class CuteSm90Backend:
             shared = None
         if shared is not None and shared.deterministic != bool(deterministic):
             shared = None
-        if deterministic and shared is None and _bwd.fixed_point_deterministic(q.shape[-2], k.shape[-2], q.shape[-3],
-                                                                                q.shape[-1]):
-            return None  # the loop's calls take the int64 dQ there, faster than tickets
+        causal_keys = [it.k_len for it in items if it.causal]
+        if deterministic and shared is None and _bwd.deterministic_gqa_form(
+                q.shape[-2] // k.shape[-2], q.shape[-1], True, max(causal_keys, default=None)) == "expanded":
+            return None  # the loop's calls take the expanded heads there, faster than the GQA tickets
         plan = self._backward_plan(q, items, shared, bool(deterministic))
         if plan is None:
             return None

@@ -339,18 +339,23 @@ def default_persistent_ctas(accumulate: bool, grads: str, worklist: bool, dq_fix
     return host.sm_count() if max_seqlen_k <= bound else 0
 
 
-# The deterministic backward uses the int64 dQ with GQA from this many query tokens on, at hdim 128: measured
-# 0.86-0.92x the ticketed time at 16k and 32k tokens, 32/8 heads (bench/RESULTS.md, 2026-12-01 fourth session);
-# without GQA the tickets are as fast or faster (1.02-1.11x), and shorter calls were not measured. hdim 64 keeps the
-# tickets since its 128-row query tiles halved them: 32k tokens, 32/8 heads, 24.89 ms with tickets against 26.36 ms
-# in int64 (sixth session).
-FIXED_POINT_DET_MIN_TOKENS = 16384
+# The deterministic GQA backward runs on K / V expanded per query head (det_dq="expanded") for causal calls whose
+# longest key sequence reaches this length, by head dim; the GQA tickets elsewhere. Measured on the H200 (twentieth
+# session, bench/sessions/gpu_session_21.sh 2: bench/kernels.py --kv-group 4, 32k tokens per call, 16 / 4 heads of
+# 128 and 32 / 8 of 64, bf16, TFLOP/s expanded / GQA tickets / int64 dQ): hdim 128 causal 4k 378 / 397 / 330, 16k
+# 509 / 407 / 432, 32k 537 / 407 / 444 (flash-attn-4's deterministic 459 / 545 / 557); non-causal 4k-32k the tickets
+# by 1-16%. hdim 64 causal 16k 483 / 492, 32k 508 / 480; non-causal the tickets. The int64 dQ (the default for long
+# hdim-128 GQA calls before) is slowest everywhere since the tickets got faster; det_dq="fixed" still forces it.
+EXPANDED_GQA_MIN_SEQLEN_K = {128: 16384, 64: 32768}
 
 
-def fixed_point_deterministic(heads_q: int, heads_kv: int, total_q: int, head_dim: int) -> bool:
-    """Whether a deterministic backward takes the int64 fixed-point dQ (GQA, long, 64-row query tiles) rather than
-    the tickets."""
-    return heads_q > heads_kv and total_q >= FIXED_POINT_DET_MIN_TOKENS and tile_m_for(head_dim) == 64
+def deterministic_gqa_form(group: int, head_dim: int, causal: bool, max_seqlen_k) -> str:
+    """How a deterministic backward with `group` query heads per key / value head adds dQ: "expanded" (K / V copied
+    per query head, so that no CTA walks a group of heads: the causal launch ends with its longest CTAs, group times
+    longer with GQA) or "tickets" (the GQA kernel as it is). max_seqlen_k: the longest key sequence, None unknown."""
+    if group <= 1 or not causal or max_seqlen_k is None:
+        return "tickets"
+    return "expanded" if max_seqlen_k >= EXPANDED_GQA_MIN_SEQLEN_K.get(head_dim, math.inf) else "tickets"
 
 
 def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, deterministic, dq_dtype, dkv_dtype,
@@ -518,6 +523,9 @@ def launch_steps(
     if det_dq not in ("auto", "tickets", "fixed", "expanded"):
         raise ValueError(f"det_dq must be 'auto', 'tickets', 'fixed' or 'expanded', got {det_dq!r}")
     group = q.shape[-2] // max(k.shape[-2], 1)
+    if det_dq == "auto" and deterministic:
+        det_dq = deterministic_gqa_form(group, q.shape[-1], causal,
+                                        k.shape[1] if cu_seqlens_k is None else max_seqlen_k)
     if (det_dq == "expanded" and deterministic and group > 1 and rows is None and dq_scale is None
             and dq is not None and dk is not None and dv is not None):
         inner = dict(softmax_scale=softmax_scale, causal=causal, q_offset=q_offset, k_offset=k_offset,
@@ -571,11 +579,11 @@ def launch_steps(
                              f"{tuple(dq_scale.shape)}")
         if dq_scale.stride(-1) != 1:
             dq_scale = dq_scale.contiguous()
-    # deterministic GQA: the int64 fixed-point dQ instead of the ticketed fp32 one (exact sums, no tickets),
-    # converted to the caller's dq by the convert kernel; det_dq="tickets" / "fixed" / "expanded" forces one
+    # det_dq="fixed": the int64 fixed-point dQ instead of the ticketed fp32 one (exact sums, no tickets), converted
+    # to the caller's dq by the convert kernel (measured slower than the other two forms, twentieth session)
     fixed_to_float = False
     if deterministic and not dq_fixed and rows is None and dq is not None and (dk is not None or not accumulate):
-        if det_dq == "fixed" or (det_dq == "auto" and fixed_point_deterministic(hq, k.shape[-2], total_q, d)):
+        if det_dq == "fixed":
             from .. import fixed_point
 
             group = hq // k.shape[-2]
