@@ -100,7 +100,7 @@ def main(argv=None):
 def _kernel_rows(q, k, v, dout, args):
     """The CuTe backward alone (preprocess, main kernel, dQ convert; accumulating into zeros): fp32 dQ with and
     without the deterministic tickets, the int64 fixed-point dQ (deterministic with no tickets), and what
-    deterministic=True picks (the int64 dQ for long GQA calls: backward.fixed_point_deterministic)."""
+    deterministic=True picks (K / V expanded for long causal GQA calls: backward.deterministic_gqa_form)."""
     from fa4dist.kernels import attention_forward, fixed_point
     from fa4dist.kernels.cute.backward import backward
 
