@@ -10,7 +10,11 @@ cudaProfilerStart/Stop, in the order it prints, so `ncu --profile-from-start off
     ncu --import OUT/prof.ncu-rep --page details > OUT/details.txt   # read the kernels in the printed order
 
 A case is DIRECTION:HEADDIM:SEQLEN:causal|full[:det], sized as bench/kernels.py sizes it (batch = 16384 / S,
-heads = 2048 / D, bf16). Without ncu it runs as a plain script (a smoke test of the calls).
+heads = 2048 / D, bf16). DIRECTION is fwd, bwd, merge (our forward merging into a running fp32 (out, lse), as a ring
+step calls it), fwd1 (our plain forward on the merge's grid, one CTA per tile), bwdacc (our backward adding into fp32
+dq / dk / dv, as the ring calls it) or bwdfixed (the same with the int64 fixed-point dq of cp_invariant); the last
+four are our kernels' cases only. Without ncu
+it runs as a plain script (a smoke test of the calls).
 """
 
 from __future__ import annotations
@@ -27,9 +31,43 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernels as kbench  # noqa: E402  (bench/kernels.py: the same calls the timing bench makes)
 
 
+DIRECTIONS = ("fwd", "bwd", "merge", "fwd1", "bwdacc", "bwdfixed")
+OURS_ONLY = ("merge", "fwd1", "bwdacc", "bwdfixed")
+
+
+def _cute_forward_fn(direction, q, k, v, causal):
+    """merge: the forward merging into running fp32 rows (refilled before each call would change nothing the
+    counters see: the merge reads and writes the same bytes); fwd1: the plain forward with persistent_ctas=0."""
+    from fa4dist.kernels.cute import forward as cfwd
+
+    lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
+    if direction == "merge":
+        out = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+        return lambda: cfwd.forward(q, k, v, out, lse, causal=causal, accumulate=True)
+    out = torch.empty_like(q)
+    return lambda: cfwd.forward(q, k, v, out, lse, causal=causal, persistent_ctas=0)
+
+
+def _cute_accumulating_backward_fn(direction, q, k, v, dout, causal):
+    """bwdacc / bwdfixed: the backward adding into fp32 dk / dv, and fp32 (bwdacc) or int64 fixed-point
+    (bwdfixed, fixed_point.dq_scale's scales) dq."""
+    from fa4dist.kernels import attention_forward, fixed_point
+    from fa4dist.kernels.cute.backward import backward
+
+    out, lse = attention_forward(q, k, v, causal=causal, backend="cute")
+    dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+    if direction == "bwdacc":
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        return lambda: backward(dout, q, k, v, out, lse, dq, dk, dv, causal=causal, accumulate=True)
+    scale = fixed_point.dq_scale(dout, out, fixed_point.head_absmax(k), fixed_point.head_absmax(v),
+                                 q.shape[-1] ** -0.5)
+    dq = torch.zeros(q.shape, dtype=torch.int64, device=q.device)
+    return lambda: backward(dout, q, k, v, out, lse, dq, dk, dv, causal=causal, accumulate=True, dq_scale=scale)
+
+
 def parse_case(spec: str):
     parts = spec.split(":")
-    if len(parts) not in (4, 5) or parts[0] not in ("fwd", "bwd") or parts[3] not in ("causal", "full"):
+    if len(parts) not in (4, 5) or parts[0] not in DIRECTIONS or parts[3] not in ("causal", "full"):
         raise SystemExit(f"--cases: expected DIRECTION:HEADDIM:SEQLEN:causal|full[:det], got {spec!r}")
     if len(parts) == 5 and (parts[4] != "det" or parts[0] != "bwd"):
         raise SystemExit(f"--cases: only a backward case takes ':det', got {spec!r}")
@@ -58,8 +96,17 @@ def main():
             if backend == "flash_attn_4" and fa4 is None:
                 print(f"skip {spec} {backend}: flash-attn-4 is not installed", flush=True)
                 continue
-            fn, _ = kbench._make_fn(backend, case["direction"], case["deterministic"], q, k, v, dout,
-                                    case["causal"], fa4, None)
+            if case["direction"] in OURS_ONLY:
+                if backend != "cute":
+                    print(f"skip {spec} {backend}: {case['direction']} is our kernel's case only", flush=True)
+                    continue
+                if case["direction"] in ("merge", "fwd1"):
+                    fn = _cute_forward_fn(case["direction"], q, k, v, case["causal"])
+                else:
+                    fn = _cute_accumulating_backward_fn(case["direction"], q, k, v, dout, case["causal"])
+            else:
+                fn, _ = kbench._make_fn(backend, case["direction"], case["deterministic"], q, k, v, dout,
+                                        case["causal"], fa4, None)
             for _ in range(3):
                 fn()
             calls.append((f"{spec} {backend} (B={batch} H={heads})", fn, (q, k, v, dout)))
