@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from . import fixed_point
 from .merge import merge_into_, merge_sink_, sink_grad
 from .problem import AttentionProblem, Offset, check_buffer, check_optional_bool, require_values, validate_inputs
 from .registry import select_backend
@@ -158,7 +159,10 @@ def attention_backward(
     (:mod:`fa4dist.kernels.fixed_point`): each canonical key tile's contribution (tiles of ``KEY_TILE`` keys from
     the block's first key) times its row's scale (fp32 powers of two in lse's layout, from
     :func:`~fa4dist.kernels.fixed_point.dq_scale`) is truncated and added.  The order of those integer adds does
-    not matter, so any split of the keys over calls (on tile boundaries) sums to the same bits.
+    not matter, so any split of the keys over calls (on tile boundaries) sums to the same bits.  With a float dq
+    (fp32; fp64 for fp64 inputs) instead, the call's integer sums are converted once
+    (:func:`~fa4dist.kernels.fixed_point.from_fixed`) and added: when one call covers every key its rows see and
+    dq holds zeros, that is the int64 route's dq, bit for bit, without the int64 buffer (one device's form).
     """
     problem = validate_inputs(
         q, k, v, causal=causal, window=window, softcap=softcap, sinks=sinks, softmax_scale=softmax_scale,
@@ -189,14 +193,15 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
         raise ValueError("accumulate=True needs fp32 buffers to add into: dq, or dk and dv, or all three")
     if dq_scale is not None:
         if not (problem.cp_invariant and accumulate and dq is not None):
-            raise ValueError("dq_scale= (the fixed-point dq) needs cp_invariant=True, accumulate=True and an int64 dq")
+            raise ValueError("dq_scale= (the fixed-point dq) needs cp_invariant=True, accumulate=True and a dq "
+                             "buffer (int64 sums, or a float dq the converted sums are added to)")
         if sinks is not None:
             raise ValueError("the fixed-point dq does not support sinks (pass sinks=None)")
         check_buffer("dq_scale", dq_scale, problem.lse_shape(), problem.device, (torch.float32,))
     for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         want = acc if accumulate else (problem.dtype,) + acc
         if name == "dq" and dq_scale is not None:
-            want = (torch.int64,)
+            want = (torch.int64,) + acc
         check_buffer(name, buf, tuple(like.shape), problem.device, want)
     if dsinks is not None:
         if sinks is None:
@@ -215,7 +220,9 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
             problem, dout, q, k, v, out, lse, deterministic, dq=dq, dk=dk, dv=dv, accumulate=accumulate, **fixed
         ))
     else:
-        block = impl.backward(problem, dout, q, k, v, out, lse, deterministic, **fixed)
+        block = list(impl.backward(problem, dout, q, k, v, out, lse, deterministic, **fixed))
+        if dq_scale is not None and dq.dtype != torch.int64:  # the integer sums, converted once
+            block[0] = fixed_point.from_fixed(block[0], dq_scale, dq.dtype)
         result = []
         for buf, g in zip((dq, dk, dv), block):
             if buf is None and accumulate:

@@ -127,7 +127,9 @@ def backward(dout, q, k, v, out, lse, calls: list[KeyCall], dq_fixed: torch.Tens
              dv, *, softmax_scale=None, softcap=None, backend="auto"):
     """Adds the calls' int64 dq into ``dq_fixed`` (q's rows; ``dq_scale`` from :func:`fixed_point.dq_scale`) and
     writes the calls' kept dk/dv into the fp32 ``dk``/``dv`` (zeros; keys already expanded).  Packed
-    ``(t, h, d)`` or dense ``(b, s, h, d)`` tensors (then every call applies to every batch element)."""
+    ``(t, h, d)`` or dense ``(b, s, h, d)`` tensors (then every call applies to every batch element).
+    ``dq_fixed`` may instead be a float dq of zeros when every row's keys are in one call (one device's calls):
+    each call's integer sums are then converted once and added, the bits of the int64 route."""
     packed = q.dim() == 3
     seq_dim = 0 if packed else 1
     for call in calls:
@@ -161,14 +163,15 @@ def single_device_backward(dout, q, k, v, out, lse, items: list[WorkItem], *, so
     # the maxima of the heads as they are (a query head's expanded copy has the same entries), then the expansion
     k_max, v_max = (fixed_point.head_absmax(t).repeat_interleave(group) for t in (k, v))
     k, v = expand_kv(k, group), expand_kv(v, group)
-    dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
-    dq_fixed = torch.zeros(q.shape, dtype=torch.int64, device=q.device)
+    # each row's keys are in its item's one call: its integer sums are converted straight into a float dq (the
+    # bits of an int64 dq converted after, without the int64 buffer and its passes)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     dq_scale = fixed_point.dq_scale(dout, out, k_max, v_max, scale)
     calls = [KeyCall(it, True, 0, it.k_len, it.k_start) for it in items]
-    backward(dout, q, k, v, out, lse, calls, dq_fixed, dq_scale, dk, dv, softmax_scale=softmax_scale,
+    backward(dout, q, k, v, out, lse, calls, dq, dq_scale, dk, dv, softmax_scale=softmax_scale,
              softcap=softcap, backend=backend)
-    return fixed_point.from_fixed(dq_fixed, dq_scale, acc), dk, dv
+    return dq, dk, dv
 
 
 def single_device_items(problem) -> list[WorkItem]:

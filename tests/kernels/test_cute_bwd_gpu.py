@@ -508,6 +508,13 @@ def test_fixed_point_dq(packed, d, options):
     assert int(dq_int.abs().max()) < 2**62
     got = fixed_point.from_fixed(dq_int, scale)
     assert torch.isfinite(got).all()
+    # the same sums converted by the convert kernel into an fp32 dq of zeros: from_fixed's bits
+    dq_float = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
+    backward(dout, q, k, v, out, lse, dq_float, *(torch.zeros(t.shape, device="cuda", dtype=torch.float32)
+                                                  for t in (k, v)),
+             accumulate=True, dq_scale=scale, deterministic=True, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(dq_float.view(torch.int32), got.view(torch.int32))
     # same bf16 dS, same fp32 tile products: only the sum's rounding differs (fp32 order vs exact)
     assert rel_error(got, want[0]) < 1e-5
     dk_only, dv_only = (torch.zeros(t.shape, device="cuda", dtype=torch.float32) for t in (k, v))

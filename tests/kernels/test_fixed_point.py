@@ -25,7 +25,7 @@ def _fixed_dq(q, k, v, dout, out, lse, scale, splits=None, **mask):
     dq = torch.zeros(q.shape, dtype=torch.int64)
     bounds = splits or [0, k.shape[1]]
     for a, b in zip(bounds[:-1], bounds[1:]):
-        dk, dv = (torch.zeros(t[:, a:b].shape, dtype=torch.float32) for t in (k, v))
+        dk, dv = (torch.zeros(t[:, a:b].shape, dtype=invariant.accum_dtype(q.dtype)) for t in (k, v))
         attention_backward(dout, q, k[:, a:b], v[:, a:b], out, lse, dq=dq, dk=dk, dv=dv, accumulate=True,
                            dq_scale=scale, cp_invariant=True, backend="reference", k_offset=a, **mask)
     return dq
@@ -94,6 +94,21 @@ def test_scales_are_powers_of_two_in_lse_layout():
     assert torch.equal(packed, scale[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_float_dq_takes_the_converted_sums(dtype):
+    """dq_scale with a float dq of zeros (one call over every key, as one device makes it): from_fixed of the
+    int64 route's sums, bit for bit."""
+    q, k, v, dout = (t.to(dtype) for t in _problem(7, seqlen=3 * KEY_TILE + 5))
+    out, lse = attention_forward(q, k, v, causal=True, backend="reference", cp_invariant=True)
+    scale = fixed_point.dq_scale(dout, out, fixed_point.head_absmax(k), fixed_point.head_absmax(v), 0.25)
+    want = fixed_point.from_fixed(_fixed_dq(q, k, v, dout, out, lse, scale, causal=True), scale, dtype)
+    dq = torch.zeros(q.shape, dtype=dtype)
+    dk, dv = (torch.zeros(t.shape, dtype=dtype) for t in (k, v))
+    attention_backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, accumulate=True, dq_scale=scale,
+                       cp_invariant=True, backend="reference", causal=True)
+    assert torch.equal(dq.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_contract_refuses_a_fixed_point_dq_it_cannot_honour():
     q, k, v, dout = _problem(5, seqlen=64)
     out, lse = attention_forward(q, k, v, causal=True, backend="reference")
@@ -102,7 +117,11 @@ def test_contract_refuses_a_fixed_point_dq_it_cannot_honour():
     with pytest.raises(ValueError, match="cp_invariant=True"):
         attention_backward(dout, q, k, v, out, lse, dq=dq, accumulate=True, dq_scale=scale, causal=True)
     with pytest.raises((TypeError, ValueError), match="dq"):
-        attention_backward(dout, q, k, v, out, lse, dq=dq.float(), accumulate=True, dq_scale=scale, causal=True,
+        attention_backward(dout, q, k, v, out, lse, dq=dq.to(torch.bfloat16), accumulate=True, dq_scale=scale,
+                           causal=True, cp_invariant=True)
+    dk, dv = (torch.zeros(t.shape) for t in (k, v))
+    with pytest.raises(ValueError, match="dq buffer"):
+        attention_backward(dout, q, k, v, out, lse, dk=dk, dv=dv, accumulate=True, dq_scale=scale, causal=True,
                            cp_invariant=True)
     with pytest.raises((TypeError, ValueError), match="dq_scale"):
         attention_backward(dout, q, k, v, out, lse, dq=dq, accumulate=True, dq_scale=scale[..., :10], causal=True,

@@ -449,7 +449,7 @@ def supports_backward(q, k, v, *, dout=None, out=None, lse=None, dq=None, dk=Non
             continue
         want = (torch.float32,) if accumulate else (q.dtype, torch.float32)
         if name == "dq" and dq_scale is not None:
-            want = (torch.int64,)
+            want = (torch.int64, torch.float32)
         if t.dtype not in want:
             return False, f"{name} must be {' or '.join(map(str, want))}"
         if tuple(t.shape) != tuple(like.shape) or not host.aligned(t):
@@ -514,6 +514,7 @@ def launch_steps(
     With accumulate=True, dq = None or dk = dv = None skips those gradients (a variant without their GEMMs).
     dq_scale (accumulate=True, dq int64): the fixed-point dQ of fa4dist.kernels.fixed_point; each (query tile,
     key tile) contribution times its row's scale (fp32 powers of two, lse's shape) is rounded and added into dq.
+    With an fp32 dq, the launch's integer sums are converted once (fixed_point.from_fixed's rounding) and added.
     overrides: BwdConfig fields (measurement knobs; det_dq="auto" | "tickets" | "fixed" | "expanded").
 
     rows: the query side is shared (:class:`SharedRows`): q, dout, out, lse are rows [q_start, q_start + len) of
@@ -571,9 +572,13 @@ def launch_steps(
         out = out.contiguous()
 
     dq_fixed = dq_scale is not None
+    # the fixed-point dQ into a float dq: the launch's integer sums converted once by the convert kernel and added
+    fixed_to_float = False
     if dq_fixed:
-        if not accumulate or rows is not None or dq is None or dq.dtype != torch.int64:
-            raise ValueError("the fixed-point dQ (dq_scale=) adds into an int64 dq: accumulate=True, no shared rows")
+        if not accumulate or rows is not None or dq is None or dq.dtype not in (torch.int64, torch.float32):
+            raise ValueError("the fixed-point dQ (dq_scale=) adds into an int64 dq (or, converted, an fp32 one): "
+                             "accumulate=True, no shared rows")
+        fixed_to_float = dq.dtype == torch.float32
         if dq_scale.dtype != torch.float32 or tuple(dq_scale.shape) != tuple(lse.shape):
             raise ValueError(f"dq_scale must be fp32 shaped like lse {tuple(lse.shape)}, got {dq_scale.dtype} "
                              f"{tuple(dq_scale.shape)}")
@@ -581,7 +586,6 @@ def launch_steps(
             dq_scale = dq_scale.contiguous()
     # det_dq="fixed": the int64 fixed-point dQ instead of the ticketed fp32 one (exact sums, no tickets), converted
     # to the caller's dq by the convert kernel (measured slower than the other two forms, twentieth session)
-    fixed_to_float = False
     if deterministic and not dq_fixed and rows is None and dq is not None and (dk is not None or not accumulate):
         if det_dq == "fixed":
             from .. import fixed_point
