@@ -31,7 +31,10 @@ def parse_args(argv=None):
     p.add_argument("--heads", nargs="+", default=["32:8"], help="query:key/value heads")
     p.add_argument("--headdim", type=int, default=128)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the kernel rows (median)")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--fixed-variants", nargs="*", default=[],
+                   help="more int64 dQ kernel rows, each with BwdConfig overrides, e.g. fixed_scales_early=0")
     p.add_argument("--baseline-dir", default=None,
                    help="a checkout whose fa4dist also runs cp_invariant=True (mode cp_invariant@baseline)")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
@@ -102,7 +105,7 @@ def _kernel_rows(q, k, v, dout, args):
     without the deterministic tickets, the int64 fixed-point dQ (deterministic with no tickets), and what
     deterministic=True picks (K / V expanded for long causal GQA calls: backward.deterministic_gqa_form)."""
     from fa4dist.kernels import attention_forward, fixed_point
-    from fa4dist.kernels.cute.backward import backward
+    from fa4dist.kernels.cute.backward import backward, parse_overrides
 
     out, lse = attention_forward(q, k, v, causal=True, backend="cute")
     scale = fixed_point.dq_scale(dout, out, fixed_point.head_absmax(k).repeat_interleave(q.shape[2] // k.shape[2]),
@@ -120,7 +123,13 @@ def _kernel_rows(q, k, v, dout, args):
         "int64 dQ": lambda: backward(dout, q, k, v, out, lse, dq64, dk, dv, causal=True, accumulate=True,
                                      dq_scale=scale),
     }
-    times = {name: cuda_median_ms(fn, args.reps) for name, fn in variants.items()}
+    for spec in args.fixed_variants:  # the int64 dQ kernel with BwdConfig overrides (measurement knobs)
+        overrides = parse_overrides(spec)
+        variants[f"int64 dQ {spec}"] = (lambda o: lambda: backward(dout, q, k, v, out, lse, dq64, dk, dv, causal=True,
+                                                                   accumulate=True, dq_scale=scale, **o))(overrides)
+    # interleaved rounds (the machine drifts): each variant's median over the rounds' medians
+    rounds = [{name: cuda_median_ms(fn, args.reps) for name, fn in variants.items()} for _ in range(args.rounds)]
+    times = {name: sorted(r[name] for r in rounds)[len(rounds) // 2] for name in variants}
     rows = []
     for name, ms in times.items():
         row = dict(tokens=q.shape[1], heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[-1],

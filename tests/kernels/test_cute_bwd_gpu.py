@@ -537,6 +537,37 @@ def test_fixed_point_dq(packed, d, options):
 
 
 @pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("case", ["dense", "dense-full", "packed"])
+def test_fixed_point_dq_forms_give_the_same_bits(case, d):
+    """fixed_scales_early (the rows' scales loaded at the start of the step) and dq_pair (two CTAs' int64 tiles
+    summed in shared memory before one add to global memory) only move work: the int64 dq and the dk / dv bytes equal the kernel's without them,
+    rerun after rerun. Dense 1700 keys (14 key tiles: every pair in one head), causal or not; packed segments of
+    300 / 700 / 777 keys (pairs that meet in a sequence, straddle two, or hold a padding key tile)."""
+    from fa4dist.kernels import fixed_point
+
+    g = _gen()
+    q, k, v, kw, fwd_kw = _causal_case(g, case == "packed", d, heads_kv=4)
+    if case == "dense-full":
+        kw, fwd_kw = dict(causal=False), dict(causal=False)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = attention_forward(q, k, v, backend="cute", **fwd_kw)
+    scale = fixed_point.dq_scale(dout, out, fixed_point.head_absmax(k), fixed_point.head_absmax(v), d ** -0.5)
+
+    def run(**forms):
+        dq = torch.zeros(q.shape, dtype=torch.int64, device="cuda")
+        dk, dv = (torch.zeros(t.shape, device="cuda", dtype=torch.float32) for t in (k, v))
+        backward(dout, q, k, v, out, lse, dq, dk, dv, accumulate=True, dq_scale=scale, deterministic=True, **kw,
+                 **forms)
+        torch.cuda.synchronize()
+        return dq, dk, dv
+
+    want = run(fixed_scales_early=False)
+    for forms in ({}, {"dq_pair": True}, {"dq_pair": True}, {"dq_pair": True, "fixed_scales_early": False}):
+        for name, a, b in zip(("dq", "dk", "dv"), want, run(**forms)):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (name, forms)
+
+
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_deterministic_gqa_backward_on_expanded_heads(packed, d):
     """det_dq="expanded": K / V copied per query head, the ticketed backward, each group's dK / dV summed in head
