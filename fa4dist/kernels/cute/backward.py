@@ -108,11 +108,8 @@ class BwdConfig:
     ticket_sleep_ns: int = 32
     release_fence: bool = False
     # fixed-point dQ: the rows' scales loaded at the start of the step (64-row query tiles without a cap; the same
-    # bits, -8% on the int64 kernel at 32k causal hdim 128: NOTES_BWD.md twenty-first session)
+    # bits; -4% on the int64 kernel at 32k causal hdim 128, median of three runs: NOTES_BWD.md twenty-first session)
     fixed_scales_early: bool = True
-    # fixed-point dQ on one CTA per tile: clusters of two CTAs whose shared query tiles go to global memory as one
-    # int64 sum (bwd_sm90.FlashBwdSm90.dq_pair; the same bits). A measurement knob until measured
-    dq_pair: bool = False
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -128,7 +125,6 @@ class BwdConfig:
             try_waits=self.try_waits, hoist_descriptors=self.hoist_descriptors,
             interleave_lengths=self.interleave_lengths, ticket_sleep_ns=self.ticket_sleep_ns,
             release_fence=self.release_fence, fixed_scales_early=self.fixed_scales_early,
-            dq_pair=self.dq_pair,
         )
 
     @property
@@ -242,7 +238,7 @@ _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "s
            "tma_store_dkv": host.parse_bool, "early_vectors": host.parse_bool,
            "try_waits": host.parse_bool, "hoist_descriptors": host.parse_bool,
            "interleave_lengths": host.parse_bool, "ticket_sleep_ns": int, "release_fence": host.parse_bool,
-           "fixed_scales_early": host.parse_bool, "dq_pair": host.parse_bool,
+           "fixed_scales_early": host.parse_bool,
            "det_resident": host.parse_bool}  # True: sequences of up to half the SMs' key tiles
 # development hook: FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_BWD_OVERRIDE", _FIELDS)
@@ -409,9 +405,6 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
             kw["worklist"], kw["window_left"], max_seqlen_k)
     if kw.get("interleave_lengths") and not (kw["causal"] and not kw["deterministic"]):
         kw["interleave_lengths"] = False  # the kernel's rule (bwd_sm90): one cache entry per kernel
-    if kw.get("dq_pair") and not (kw["dq_fixed"] and kw["persistent_ctas"] == 0 and not kw["worklist"]
-                                  and not kw.get("masked_last", True)):
-        kw["dq_pair"] = False  # pairs: the fixed-point dQ on one CTA per tile, query tiles in ascending order
     main = BwdConfig(**kw)
     pre = PreConfig(o_dtype=host.dtype_name(o_dtype), do_dtype=host.dtype_name(do_dtype), head_dim=head_dim,
                     tile_m=tm, varlen=bool(varlen), deterministic=bool(deterministic), zero_dq=grads != "dkv",

@@ -57,7 +57,6 @@ import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .barriers import BwdBarrier
@@ -67,9 +66,7 @@ from .common_sm90 import (
     acc_to_operand_a,
     bulk_reduce_add_f32,
     bulk_reduce_add_u64,
-    bulk_reduce_add_u64_to_peer,
     check_smem,
-    mbarrier_wait_cluster,
     descriptor_hoister,
     dq_chunk_layout,
     extend_context,
@@ -155,7 +152,6 @@ class FlashBwdSm90:
         ticket_sleep_ns: int = 32,
         release_fence: bool = False,
         fixed_scales_early: bool = True,
-        dq_pair: bool = False,
     ):
         assert head_dim in (64, 128)
         # a work list: mCuSeqlensQ is the item table (block_info.WORKLIST_COLUMNS), one "sequence" per item with
@@ -260,12 +256,6 @@ class FlashBwdSm90:
         # against 28). The same bits; -8% on the int64 kernel at 32k causal hdim 128 (NOTES_BWD.md, twenty-first
         # session, which also measured converting the tile before its buffer's empty barrier: +8% beside this)
         self.fixed_scales_early = fixed_scales_early and dq_fixed and tile_m == 64 and not softcap
-        # fixed-point dQ, one CTA per tile: clusters of two CTAs on neighbouring key tiles of a head, and for each
-        # query tile both visit, the odd CTA adds its int64 tile into the even CTA's buffer (a bulk reduce between
-        # the two shared memories) and only the even one adds the sum to global memory: half the L2 reduce bytes.
-        # Integer sums are exact in any grouping, so the bits are the unpaired kernel's (add_dq_tile)
-        assert not dq_pair or (dq_fixed and not self.persistent and not worklist and not self.masked_last)
-        self.dq_pair = dq_pair
 
     # ------------------------------------------------------------------------
     # host side
@@ -352,11 +342,7 @@ class FlashBwdSm90:
             mbar_qland=cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
             mbar_doland=cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
         )
-        if const_expr(self.dq_pair):
-            # per dQ half: ready (in the odd CTA: the even CTA's tile is in its buffer), donated (in the even CTA:
-            # the odd CTA's tile landed in it), released (in the odd CTA: its tile was read); before sLSE's
-            # alignment, like the persistent grid's barriers
-            fields["mbar_pair"] = cute.struct.MemRange[cutlass.Int64, 6]
+
         if const_expr(self.persistent):
             # next to the other barriers, in the padding before sLSE's alignment: the hdim-64 fixed-point dQ kernel
             # takes all 227 KB of the SM's shared memory, so these 40 bytes must not come after its tiles
@@ -386,10 +372,6 @@ class FlashBwdSm90:
             if const_expr(self.worklist):
                 num_batch = cute.size(mCuSeqlensQ.shape[0]) // WORKLIST_COLUMNS
             n_blocks_grid = cute.ceil_div(max_seqlen_k, tn)
-        if const_expr(self.dq_pair):
-            # the pairs are launch indices (2c, 2c + 1): an even count keeps both key tiles of a pair in one head
-            # (a padding key tile past the keys has no work)
-            n_blocks_grid = cute.ceil_div(n_blocks_grid, 2) * 2
         if const_expr(self.det_chunk > 0):
             num_tiles = cute.ceil_div(n_blocks_grid, self.det_chunk) * self.det_chunk * num_heads_kv * num_batch
         else:
@@ -405,8 +387,7 @@ class FlashBwdSm90:
             scale, scale_log2, diag, n_blocks_grid, num_batch, num_tiles,
             mCuSeqlensQ, mCuSeqlensK, mSegOffQ, mSegOffK, mTileCounter,
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
-        ).launch(grid=grid, block=[self.num_threads, 1, 1], cluster=[2 if self.dq_pair else 1, 1, 1],
-                 stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------
     # device side
@@ -489,19 +470,12 @@ class FlashBwdSm90:
             claims = TileClaims.create(storage.mbar_tile.data_ptr(),
                                        storage.sTile.get_tensor(cute.make_layout(TileClaims.STAGES)), mTileCounter,
                                        mma_warps + san_warps + (1 if self.compute_dq else 0))
-        cluster = None
-        if const_expr(self.dq_pair):
-            cluster = cute.make_layout((2, 1))
-            if tidx == 0:
-                for i in cutlass.range_constexpr(6):
-                    cute.arch.mbarrier_init(storage.mbar_pair.data_ptr() + i, 1)
-        # (a cluster: the pair barriers initialized in both CTAs before either arrives on the other's)
-        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster, is_relaxed=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
 
         vec_layout = cute.make_layout((tm, self.num_stages), stride=(1, tm))
         io = Context(
             mQ=mQ, mK=mK, mV=mV, mdO=mdO, mLSE2=mLSE2, mDpsum=mDpsum, mdQacc=mdQacc, mdK=mdK, mdV=mdV, mSem=mSem,
-            mdQscale=mdQscale, mbar_pair=storage.mbar_pair.data_ptr() if self.dq_pair else None,
+            mdQscale=mdQscale,
             sQ=storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
             sdO=storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner),
             sK=storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
@@ -525,7 +499,7 @@ class FlashBwdSm90:
         if const_expr(not self.persistent):
             first = self.work_at(io, launch, None)
 
-        pipeline.pipeline_init_wait(cluster_shape_mn=cluster)
+        pipeline.pipeline_init_wait(cluster_shape_mn=None)
 
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if wg_idx == 0:
@@ -541,10 +515,6 @@ class FlashBwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.regs_mma)
             self.mma_role(io, launch, first, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, scale, scale_log2)
-        if const_expr(self.dq_pair):
-            # neither CTA of a pair leaves while the other may still reach into its shared memory
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
 
     # ------------------------------------------------------------------------
     @cute.jit
@@ -827,20 +797,20 @@ class FlashBwdSm90:
     def dq_writer_role(self, io: Context, launch: Context, first):
         """Warp 1 of warpgroup 0: every tile's dQ adds, then the wait for their smem reads (smem stays allocated
         until the last add has read it)."""
-        self.each_tile(io, launch, first,
-                       lambda tile, seqlen, rng, st: self.dq_writer(io, launch, tile, seqlen, rng, st), Int32(0), False)
+        self.each_tile(io, launch, first, lambda tile, seqlen, rng, st: self.dq_writer(io, tile, seqlen, rng, st),
+                       Int32(0), False)
         if cute.arch.lane_idx() == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def dq_writer(self, io: Context, launch: Context, tile, seqlen: SeqlenInfo, rng: Context, state):
+    def dq_writer(self, io: Context, tile, seqlen: SeqlenInfo, rng: Context, state):
         """One tile's dQ adds (none for a tile without work); the state is not used (a walk's body returns one)."""
         if rng.has_work:
-            self.dq_writer_tile(io, launch, tile, seqlen, rng)
+            self.dq_writer_tile(io, tile, seqlen, rng)
         return state
 
     @cute.jit
-    def dq_writer_tile(self, io: Context, launch: Context, tile, seqlen: SeqlenInfo, rng: Context):
+    def dq_writer_tile(self, io: Context, tile, seqlen: SeqlenInfo, rng: Context):
         tm, tn = self.tile_m, self.tile_n
         D = self.head_dim
         head_kv, group, num_heads, n_block = tile.head_kv, tile.group, tile.num_heads, tile.block
@@ -849,17 +819,7 @@ class FlashBwdSm90:
         gdQ = cute.make_tensor(io.mdQacc.iterator, dq_chunk_layout(tm, D, n_chunks))
         chunk_bytes = self.dq_chunk_elems * (8 if self.dq_fixed else 4)
         n_blocks_k = cute.ceil_div(seqlen.seqlen_k, tn)
-        pair = {}
-        if const_expr(self.dq_pair):
-            # the query tiles both CTAs of the pair visit, [lo, hi): each visits its range in ascending order
-            # (no masked_last, one head: dq_fixed), so the shared steps come in the same order on both sides
-            bid, _, _ = cute.arch.block_idx()
-            peer, _, peer_rng = self.work_at(io, launch, bid ^ 1)
-            same = peer_rng.has_work and peer.head_kv == head_kv and peer.batch == tile.batch and group == 1
-            shared_lo = cutlass.max(rng.m_min, peer_rng.m_min)
-            shared_hi = shared_lo + Int32(same) * cutlass.max(cutlass.min(rng.m_max, peer_rng.m_max) - shared_lo, 0)
-            pair = dict(pair_lo=shared_lo, pair_hi=shared_hi, donor=cute.arch.block_idx_in_cluster() == 1)
-        wr = Context(gdQ=gdQ, chunk_bytes=chunk_bytes, n_blocks_k=n_blocks_k, lane=lane, **pair)
+        wr = Context(gdQ=gdQ, chunk_bytes=chunk_bytes, n_blocks_k=n_blocks_k, lane=lane)
         for first, end, _ in self.phases(rng):
             for hi in cutlass.range(group, unroll=1):
                 head = head_kv * group + hi
@@ -871,22 +831,12 @@ class FlashBwdSm90:
     def add_dq_tile(self, io: Context, wr: Context, seqlen: SeqlenInfo, n_block: Int32, m: Int32, chunk: Int32):
         """The dQ writer's step: free each warpgroup's smem buffer once its previous add has read it, (deterministic)
         wait for this key tile's turn on query tile m, add both halves of the tile into scratch chunk `chunk`, and
-        (deterministic) release the ticket once the adds landed. dq_pair, a query tile both CTAs of the pair visit:
-        the even CTA, its tile in smem, lets the odd CTA add its tile into it (ready), waits for those bytes
-        (donated), adds the sum to global memory and hands the odd CTA its buffer back (released)."""
+        (deterministic) release the ticket once the adds landed."""
         lane, gdQ, sdQ, mSem, chunk_bytes = wr.lane, wr.gdQ, io.sdQ, io.mSem, wr.chunk_bytes
         for w in cutlass.range_constexpr(2):
             if lane == 0:
-                if const_expr(self.dq_pair):
-                    if wr.donor and m > wr.pair_lo and m <= wr.pair_hi:
-                        # the previous step (m - 1) was shared: the even CTA has read this buffer (its donated
-                        # barrier completed) and released it
-                        mbarrier_wait_cluster(io.mbar_pair + 4 + w, (m - 1 - wr.pair_lo) % 2)
-                    else:
-                        cute.arch.cp_async_bulk_wait_group(1 - w, read=True)
-                else:
-                    # the previous add of this warpgroup's buffer has finished reading smem
-                    cute.arch.cp_async_bulk_wait_group(1 - w, read=True)
+                # the previous add of this warpgroup's buffer has finished reading smem
+                cute.arch.cp_async_bulk_wait_group(1 - w, read=True)
             cute.arch.sync_warp()
             cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_WG0) + w, number_of_threads=160)
         if const_expr(self.deterministic):
@@ -906,16 +856,13 @@ class FlashBwdSm90:
                         nanosleep(self.ticket_sleep_ns)
                     cur = ld_acquire_gpu(sem_ptr)
             cute.arch.sync_warp()
-        if const_expr(self.dq_pair):
-            self.add_dq_tile_paired(io, wr, m, chunk)
-        else:
-            for w in cutlass.range_constexpr(2):
-                cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_WG0) + w, number_of_threads=160)
-                if lane == 0:
-                    add = bulk_reduce_add_u64 if const_expr(self.dq_fixed) else bulk_reduce_add_f32
-                    add(sdQ[None, None, None, w].iterator, gdQ[None, None, None, w, chunk].iterator, chunk_bytes)
-                    cute.arch.cp_async_bulk_commit_group()
-                cute.arch.sync_warp()
+        for w in cutlass.range_constexpr(2):
+            cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_WG0) + w, number_of_threads=160)
+            if lane == 0:
+                add = bulk_reduce_add_u64 if const_expr(self.dq_fixed) else bulk_reduce_add_f32
+                add(sdQ[None, None, None, w].iterator, gdQ[None, None, None, w, chunk].iterator, chunk_bytes)
+                cute.arch.cp_async_bulk_commit_group()
+            cute.arch.sync_warp()
         if const_expr(self.deterministic):
             # release the ticket once the adds landed in gmem. (Releasing it one step later, after the
             # next step's adds, was measured: 0.6-0.9x, each CTA of a chain then lags one more step.)
@@ -925,50 +872,6 @@ class FlashBwdSm90:
                     cute.arch.fence_acq_rel_gpu()
                 red_release_add_gpu(mSem.iterator + chunk, 1)
             cute.arch.sync_warp()
-
-    @cute.jit
-    def add_dq_tile_paired(self, io: Context, wr: Context, m: Int32, chunk: Int32):
-        """dq_pair: query tile m's int64 dQ tile, both warpgroup halves. On a query tile both CTAs visit, the even
-        CTA lets the odd one in once each half is in its buffer (ready), and once the odd CTA's half has been added
-        into it, shared memory to shared memory (donated: the bytes landed), adds the sum to global memory and
-        releases the odd CTA's buffer (released); the odd CTA adds nothing to global memory. Otherwise each CTA adds
-        its own tile. Barriers (both CTAs have all six): ready 0..1 and released 4..5 used in the odd CTA, donated
-        2..3 in the even one; one phase per shared query tile, in the ascending order both visit them."""
-        lane, mbar, nbytes = wr.lane, io.mbar_pair, wr.chunk_bytes
-        shared = m >= wr.pair_lo and m < wr.pair_hi
-        parity = (m - wr.pair_lo) % 2
-        src = [io.sdQ[None, None, None, w].iterator for w in range(2)]
-        dst = [wr.gdQ[None, None, None, w, chunk].iterator for w in range(2)]
-        if shared and wr.donor:
-            for w in cutlass.range_constexpr(2):
-                cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_WG0) + w, number_of_threads=160)
-                if lane == 0:
-                    mbarrier_wait_cluster(mbar + w, parity)
-                    bulk_reduce_add_u64_to_peer(src[w], src[w], mbar + 2 + w, 0, nbytes)
-                cute.arch.sync_warp()
-        elif shared:
-            # both halves offered before either is waited for, so the odd CTA's two adds overlap
-            for w in cutlass.range_constexpr(2):
-                cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_WG0) + w, number_of_threads=160)
-                if lane == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + 2 + w, nbytes)
-                    cute.arch.mbarrier_arrive(mbar + w, peer_cta_rank_in_cluster=1, scope=nvvm.MemScopeKind.CLUSTER)
-                cute.arch.sync_warp()
-            for w in cutlass.range_constexpr(2):
-                if lane == 0:
-                    cute.arch.mbarrier_wait(mbar + 2 + w, parity)
-                    bulk_reduce_add_u64(src[w], dst[w], nbytes)
-                    cute.arch.cp_async_bulk_commit_group()
-                    cute.arch.mbarrier_arrive(mbar + 4 + w, peer_cta_rank_in_cluster=1,
-                                              scope=nvvm.MemScopeKind.CLUSTER)
-                cute.arch.sync_warp()
-        else:
-            for w in cutlass.range_constexpr(2):
-                cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_WG0) + w, number_of_threads=160)
-                if lane == 0:
-                    bulk_reduce_add_u64(src[w], dst[w], nbytes)
-                    cute.arch.cp_async_bulk_commit_group()
-                cute.arch.sync_warp()
 
     # ------------------------------------------------------------------------
     @cute.jit

@@ -58,31 +58,6 @@ def bulk_reduce_add_u64(smem_ptr, gmem_ptr, num_bytes, *, loc=None, ip=None):
     _bulk_reduce_add("u64", smem_ptr, gmem_ptr, num_bytes, loc=loc, ip=ip)
 
 
-@dsl_user_op
-def bulk_reduce_add_u64_to_peer(src_ptr, dst_ptr, mbar_ptr, peer_rank, num_bytes, *, loc=None, ip=None):
-    """cp.reduce.async.bulk int64 add of ``num_bytes`` of this CTA's smem at ``src_ptr`` into the smem of CTA
-    ``peer_rank`` of the cluster, at the offset ``dst_ptr`` has here, completing ``num_bytes`` of transactions on
-    the peer's mbarrier at ``mbar_ptr``'s offset (the peer expects them). Issue from one thread; the source may be
-    reused once the peer has seen its mbarrier complete (this thread tracks nothing)."""
-    s = src_ptr.toint(loc=loc, ip=ip).ir_value()
-    d = dst_ptr.toint(loc=loc, ip=ip).ir_value()
-    m = mbar_ptr.toint(loc=loc, ip=ip).ir_value()
-    _void_asm("{ .reg .b32 d, m; mapa.shared::cluster.u32 d, $1, $3; mapa.shared::cluster.u32 m, $2, $3; "
-              "cp.reduce.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes.add.u64 "
-              "[d], [$0], $4, [m]; }", "r,r,r,r,r",
-              [s, d, m, Int32(peer_rank).ir_value(loc=loc, ip=ip), Int32(num_bytes).ir_value(loc=loc, ip=ip)])
-
-
-@dsl_user_op
-def mbarrier_wait_cluster(mbar_ptr, parity, *, loc=None, ip=None):
-    """Wait for phase ``parity`` of a local mbarrier that a CTA of the cluster arrives on remotely (with release
-    at cluster scope): try_wait with acquire at cluster scope, so that what that CTA wrote before it arrived is seen
-    here, without a separate cluster fence."""
-    m = mbar_ptr.toint(loc=loc, ip=ip).ir_value()
-    _void_asm("{ .reg .pred p; LAB_WAIT: mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], $1; "
-              "@!p bra LAB_WAIT; }", "r,r", [m, Int32(parity).ir_value(loc=loc, ip=ip)])
-
-
 def _void_asm(asm: str, constraints: str, operands: list) -> None:
     """One PTX instruction with side effects and no result."""
     llvm.inline_asm(None, operands, asm, constraints, has_side_effects=True, is_align_stack=False,
