@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Prepared in the twenty-first session (2026-12-03):
-#   source .devwheels/install.sh && bash bench/sessions/gpu_session_22.sh 1
+# Prepared in the twenty-first session (2026-12-03), results in bench/results/2026-12-03-twenty-first-*:
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_22.sh 1   # int64 dQ probes, merge samples
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_22.sh 2   # int64 dQ samples
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_22.sh 3|4 # forms, dq_pair: 3 ran on a working
+#     state with fixed_convert_first (never committed), 4 on f04cf4e (dq_pair, removed since)
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_22.sh 5   # the early scales, five rounds
 # 1: two diagnostics.
 #    a) Where the int64 fixed-point dQ's cost goes (cp_invariant's backward kernel is 1.19-1.27x the fp32 dQ one):
 #       the conversion (F2I.S64, 16 / clk / SM like the exp2s) against the doubled smem and L2 reduce bytes, by
