@@ -19,8 +19,9 @@ The rule (for any backend, compared with itself):
   first, which is what a Ulysses head split would otherwise do).
 
 One device computes it with one forward call per document and one backward call per document (all its key tiles:
-dq, dk and dv at once); context parallelism gathers the other ranks' keys (forward) and queries (backward), makes
-the calls for its own rows and for the canonical tiles its keys start, and sums the int64 dq over the ranks
+dq, dk and dv at once; each row's integer dq sums, all in that one call, converted straight into a float dq);
+context parallelism gathers the other ranks' keys (forward) and queries (backward), makes the calls for its own
+rows and for the canonical tiles its keys start, and sums the int64 dq over the ranks
 (:mod:`fa4dist.context_parallel.gather`).  Backends must be row-independent and deterministic, and have the
 fixed-point dq (the reference and the CuTe kernels do).
 """
