@@ -113,3 +113,12 @@ if [ "$1" = 5 ]; then
   done
   exit
 fi
+# 6: where the cp_invariant step's time goes after 0599382 (int64 dq converted straight into the float dq) and the
+#    early scales: torch.profiler's GPU kernels of one step, 32 / 32 and 32 / 8 heads (the 32 / 8 step also expands
+#    K / V per query head and sums dK / dV per group).
+if [ "$1" = 6 ]; then
+  TAIL_LINES=80 stage profile 240 python3 bench/invariant.py --tokens 32768 --heads 32:32 32:8 --reps 3 --profile \
+    --out-dir "$OUT"
+  mv "$OUT/$(date +%F)-invariant.json" "$OUT/invariant-profile.json"
+  exit
+fi
