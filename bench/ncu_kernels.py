@@ -13,8 +13,7 @@ A case is DIRECTION:HEADDIM:SEQLEN:causal|full[:det], sized as bench/kernels.py 
 heads = 2048 / D, bf16). DIRECTION is fwd, bwd, merge (our forward merging into a running fp32 (out, lse), as a ring
 step calls it), fwd1 (our plain forward on the merge's grid, one CTA per tile), bwdacc (our backward adding into fp32
 dq / dk / dv, as the ring calls it) or bwdfixed (the same with the int64 fixed-point dq of cp_invariant); the last
-four are our kernels' cases only. Without ncu
-it runs as a plain script (a smoke test of the calls).
+four are our kernels' cases only. Without ncu it runs as a plain script (a smoke test of the calls).
 """
 
 from __future__ import annotations

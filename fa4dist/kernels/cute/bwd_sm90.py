@@ -253,8 +253,9 @@ class FlashBwdSm90:
         self.release_fence = release_fence
         # fixed-point dQ: the rows' scales loaded at the start of the step (64-row query tiles without a cap: two
         # registers; 128-row tiles spilled, and beside the cap's derivative the windowed kernel spilled 44 bytes
-        # against 28). The same bits; -8% on the int64 kernel at 32k causal hdim 128 (NOTES_BWD.md, twenty-first
-        # session, which also measured converting the tile before its buffer's empty barrier: +8% beside this)
+        # against 28). The same bits; -4% on the int64 kernel at 32k causal hdim 128, the median of three runs
+        # (NOTES_BWD.md, twenty-first session, which also measured converting the tile before its buffer's empty
+        # barrier: +8% beside this)
         self.fixed_scales_early = fixed_scales_early and dq_fixed and tile_m == 64 and not softcap
 
     # ------------------------------------------------------------------------
@@ -342,7 +343,6 @@ class FlashBwdSm90:
             mbar_qland=cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
             mbar_doland=cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
         )
-
         if const_expr(self.persistent):
             # next to the other barriers, in the padding before sLSE's alignment: the hdim-64 fixed-point dQ kernel
             # takes all 227 KB of the SM's shared memory, so these 40 bytes must not come after its tiles
