@@ -154,7 +154,7 @@ def _profile(fa4dist, leaves, dout):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=100), flush=True)
 
 
 if __name__ == "__main__":

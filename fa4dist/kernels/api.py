@@ -155,14 +155,17 @@ def attention_backward(
     or (``accumulate=True``) added into ``dsinks=`` when given.  dq, dk, dv do not depend on it (the global lse
     already holds the sinks); dsinks sums over these rows, so pass ``sinks`` to one call per row, as forward.
 
-    ``dq_scale`` (with ``cp_invariant=True`` and ``accumulate=True``): dq is an int64 buffer of fixed-point sums
-    (:mod:`fa4dist.kernels.fixed_point`): each canonical key tile's contribution (tiles of ``KEY_TILE`` keys from
-    the block's first key) times its row's scale (fp32 powers of two in lse's layout, from
-    :func:`~fa4dist.kernels.fixed_point.dq_scale`) is truncated and added.  The order of those integer adds does
-    not matter, so any split of the keys over calls (on tile boundaries) sums to the same bits.  With a float dq
-    (fp32; fp64 for fp64 inputs) instead, the call's integer sums are converted once
-    (:func:`~fa4dist.kernels.fixed_point.from_fixed`) and added: when one call covers every key its rows see and
-    dq holds zeros, that is the int64 route's dq, bit for bit, without the int64 buffer (one device's form).
+    ``dq_scale`` (with ``cp_invariant=True``): the fixed-point dq (:mod:`fa4dist.kernels.fixed_point`).  With
+    ``accumulate=True``, dq is an int64 buffer of fixed-point sums: each canonical key tile's contribution (tiles
+    of ``KEY_TILE`` keys from the block's first key) times its row's scale (fp32 powers of two in lse's layout,
+    from :func:`~fa4dist.kernels.fixed_point.dq_scale`) is truncated and added.  The order of those integer adds
+    does not matter, so any split of the keys over calls (on tile boundaries) sums to the same bits.  With a float
+    dq (fp32; fp64 for fp64 inputs) instead, the call's integer sums are converted once
+    (:func:`~fa4dist.kernels.fixed_point.from_fixed`, to fp32 / fp64) and added.  With ``accumulate=False`` the
+    converted sums are written (into dq, or returned, rounded from fp32 / fp64 to dq's dtype), and dk / dv are
+    written as the accumulating form adds them into zeros (a signed zero comes out +0).  So when one call covers
+    every key its rows see and every query its keys see, its results are the int64 route's, bit for bit, with no
+    int64 or fp32 buffers (one device's form).
     """
     problem = validate_inputs(
         q, k, v, causal=causal, window=window, softcap=softcap, sinks=sinks, softmax_scale=softmax_scale,
@@ -192,16 +195,18 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
     if accumulate and dq is None and dk is None:
         raise ValueError("accumulate=True needs fp32 buffers to add into: dq, or dk and dv, or all three")
     if dq_scale is not None:
-        if not (problem.cp_invariant and accumulate and dq is not None):
-            raise ValueError("dq_scale= (the fixed-point dq) needs cp_invariant=True, accumulate=True and a dq "
-                             "buffer (int64 sums, or a float dq the converted sums are added to)")
+        if not problem.cp_invariant:
+            raise ValueError("dq_scale= (the fixed-point dq) needs cp_invariant=True")
+        if accumulate and dq is None:
+            raise ValueError("dq_scale= with accumulate=True needs a dq buffer (int64 sums, or a float dq the "
+                             "converted sums are added to)")
         if sinks is not None:
             raise ValueError("the fixed-point dq does not support sinks (pass sinks=None)")
         check_buffer("dq_scale", dq_scale, problem.lse_shape(), problem.device, (torch.float32,))
     for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         want = acc if accumulate else (problem.dtype,) + acc
-        if name == "dq" and dq_scale is not None:
-            want = (torch.int64,) + acc
+        if name == "dq" and dq_scale is not None and accumulate:
+            want = (torch.int64,) + acc  # written (accumulate=False): the converted sums, in q's dtype or acc
         check_buffer(name, buf, tuple(like.shape), problem.device, want)
     if dsinks is not None:
         if sinks is None:
@@ -221,8 +226,11 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
         ))
     else:
         block = list(impl.backward(problem, dout, q, k, v, out, lse, deterministic, **fixed))
-        if dq_scale is not None and dq.dtype != torch.int64:  # the integer sums, converted once
-            block[0] = fixed_point.from_fixed(block[0], dq_scale, dq.dtype)
+        if dq_scale is not None and (dq is None or dq.dtype != torch.int64):  # the integer sums, converted once
+            block[0] = fixed_point.from_fixed(block[0], dq_scale, acc[0])
+        if dq_scale is not None and not accumulate:
+            # written as the accumulating form adds them into zeros (-0 + 0 = +0): the same bits either way
+            block[1], block[2] = block[1] + 0.0, block[2] + 0.0
         result = []
         for buf, g in zip((dq, dk, dv), block):
             if buf is None and accumulate:

@@ -37,14 +37,13 @@ class _InvariantAttentionFunction(torch.autograd.Function):
         problem = validate_inputs(q, k, v, **mask_kwargs)
         if not problem.varlen and not problem.uniform_offsets:
             raise ValueError("cp_invariant=True needs one q_offset and one k_offset for a dense batch")
-        group = problem.heads_q // problem.heads_kv
         items = invariant.single_device_items(problem)
         # no K/V expansion: a query head's row reads its key/value head either way (the same bits)
         out, lse = invariant.forward(q, k, v, items, softmax_scale=problem.softmax_scale,
                                      softcap=problem.softcap, backend=backend)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.items, ctx.group, ctx.backend = items, group, backend
+        ctx.items, ctx.backend = items, backend
         ctx.scale, ctx.softcap = problem.softmax_scale, problem.softcap
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -58,8 +57,7 @@ class _InvariantAttentionFunction(torch.autograd.Function):
         dq, dk, dv = invariant.single_device_backward(dout.contiguous(), q, k, v, out, lse, ctx.items,
                                                       softmax_scale=ctx.scale, softcap=ctx.softcap,
                                                       backend=ctx.backend)
-        dk, dv = (invariant.sum_group(g, ctx.group) for g in (dk, dv))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq, dk, dv, None, None
 
 
 class _AttentionFunction(torch.autograd.Function):

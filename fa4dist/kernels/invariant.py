@@ -77,9 +77,14 @@ def forward(q, k, v, items: list[WorkItem], *, softmax_scale=None, softcap=None,
     """(out fp32, lse) of the rows the items cover (every row by exactly one item); K/V per key/value head (GQA) or
     expanded per query head: a row reads the same values either way, and the backends give the same bits."""
     acc = accum_dtype(q.dtype)
-    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
     lse_shape = (q.shape[-2], q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
-    lse = torch.full(lse_shape, float("-inf"), dtype=acc, device=q.device)
+    n_rows = q.shape[0 if q.dim() == 3 else 1]
+    if _gaps(_written_rows(items, n_rows, 0)[0], n_rows):  # rows no call writes hold (0, -inf)
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
+        lse = torch.full(lse_shape, float("-inf"), dtype=acc, device=q.device)
+    else:  # every row is written (fresh), none merged: no fill needed
+        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
+        lse = torch.empty(lse_shape, dtype=acc, device=q.device)
     attention_forward_items(q, k, v, items, out, lse, softmax_scale=softmax_scale, softcap=softcap, fresh=True,
                             backend=backend, cp_invariant=True)
     return out, lse
@@ -157,22 +162,63 @@ def backward(dout, q, k, v, out, lse, calls: list[KeyCall], dq_fixed: torch.Tens
 
 def single_device_backward(dout, q, k, v, out, lse, items: list[WorkItem], *, softmax_scale=None, softcap=None,
                            backend="auto"):
-    """fp32 (dq, dk, dv) of one device: one call per item (a document's queries against all its keys, from
-    :func:`single_device_items`); K/V per key/value head, dk/dv per query head (sum them with :func:`sum_group`)."""
-    acc = accum_dtype(q.dtype)
+    """(dq, dk, dv) of one device in the inputs' dtypes (GQA: dk / dv summed over each key / value head's query
+    heads): one call per item (a document's queries against all its keys, from :func:`single_device_items`).
+
+    Each row's keys and each key's queries are in its item's one call, so the calls *write* their gradients
+    (``accumulate=False``): the integer dq sums converted straight into q's dtype, dk / dv as the accumulating form
+    adds them into zeros.  That is the bits of the context-parallel route (int64 dq, fp32 dk / dv buffers) without
+    its buffers, zero fills and fp32 round trips."""
     group = q.shape[-2] // k.shape[-2]
+    packed = q.dim() == 3
+    seq_dim = 0 if packed else 1
     # the maxima of the heads as they are (a query head's expanded copy has the same entries), then the expansion
     k_max, v_max = (fixed_point.head_absmax(t).repeat_interleave(group) for t in (k, v))
     k, v = expand_kv(k, group), expand_kv(v, group)
-    # each row's keys are in its item's one call: its integer sums are converted straight into a float dq (the
-    # bits of an int64 dq converted after, without the int64 buffer and its passes)
-    dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     dq_scale = fixed_point.dq_scale(dout, out, k_max, v_max, scale)
-    calls = [KeyCall(it, True, 0, it.k_len, it.k_start) for it in items]
-    backward(dout, q, k, v, out, lse, calls, dq, dq_scale, dk, dv, softmax_scale=softmax_scale,
-             softcap=softcap, backend=backend)
+    # GQA: dk / dv per query head in fp32 (summed over the group below, then rounded once), else in k's dtype
+    grad_dtype = k.dtype if group == 1 else accum_dtype(q.dtype)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk, dv = (torch.empty(t.shape, dtype=grad_dtype, device=t.device) for t in (k, v))
+    q_rows, k_rows = _written_rows(items, q.shape[seq_dim], k.shape[seq_dim])
+    for a, b in _gaps(q_rows, q.shape[seq_dim]):
+        token_rows(dq, seq_dim, a, b - a, packed).zero_()
+    for a, b in _gaps(k_rows, k.shape[seq_dim]):
+        for t in (dk, dv):
+            token_rows(t, seq_dim, a, b - a, packed).zero_()
+    for it in items:
+        if it.q_len == 0 or it.k_len == 0:
+            continue
+        qs, ks = (it.q_start, it.q_len), (it.k_start, it.k_len)
+        rows = [token_rows(t, seq_dim, *qs, packed) for t in (dout, q, out, dq)]
+        keys = [token_rows(t, seq_dim, *ks, packed) for t in (k, v, dk, dv)]
+        attention_backward(
+            rows[0], rows[1], keys[0], keys[1], rows[2], lse_token_rows(lse, packed, *qs),
+            softmax_scale=softmax_scale, softcap=softcap, deterministic=True, backend=backend, cp_invariant=True,
+            dq=rows[3], dq_scale=lse_token_rows(dq_scale, packed, *qs), dk=keys[2], dv=keys[3], **it.mask_kwargs(),
+        )
+    if group > 1:
+        dk, dv = (sum_group(g, group).to(k.dtype) for g in (dk, dv))
     return dq, dk, dv
+
+
+def _written_rows(items: list[WorkItem], n_q: int, n_k: int) -> tuple[list, list]:
+    """The query and key row ranges the items' calls write (calls with no rows or no keys are skipped)."""
+    live = [it for it in items if it.q_len > 0 and it.k_len > 0]
+    return ([(it.q_start, it.q_start + it.q_len) for it in live], [(it.k_start, it.k_start + it.k_len) for it in live])
+
+
+def _gaps(ranges: list, n: int) -> list:
+    """The parts of ``[0, n)`` no range covers (ranges may overlap)."""
+    gaps, at = [], 0
+    for a, b in sorted(ranges):
+        if a > at:
+            gaps.append((at, a))
+        at = max(at, b)
+    if at < n:
+        gaps.append((at, n))
+    return gaps
 
 
 def single_device_items(problem) -> list[WorkItem]:

@@ -40,7 +40,8 @@ SUBSET = [
     # the fixed-point dQ (cp_invariant): int64 scratch, .add.u64, no tickets even when deterministic
     (FP16, 64, True, True, True, True, {"dq_fixed": True, "seg_offsets": True}),
     (BF16, 128, True, True, True, True, {"dq_fixed": True, "softcap": 30.0, "window_left": 4096}),
-    # the deterministic GQA backward: int64 dQ converted to a float dq (fresh bf16 through TMA; fp32 added)
+    # int64 dQ converted to a float dq (fresh bf16 through TMA; fp32 added): the written form of one device's
+    # cp_invariant calls, and the deterministic GQA backward's det_dq="fixed"
     (BF16, 128, True, False, False, True, {"dq_fixed": True, "fixed_to_float": True}),
     # one launch over a work list's item table (pre, main and convert read the table; deterministic: each
     # item's tickets). bench/cute_ptx_dev.py compiles these subsets; the GPU tests run the other work-list variants
@@ -149,6 +150,8 @@ def test_compile_backward_variant(variant, tmp_path, monkeypatch, capfd):
     assert dq_adds == (main.grads != "dkv")
     if main.dq_fixed:
         assert not main.deterministic and "cvt.rzi.s64.f32" in ptx
+    if main.dq_fixed and not main.accumulate:  # written dK / dV plus +0: the accumulating form's bits, -0 included
+        assert len(re.findall(r"add\.f32\s+%r\d+, %r\d+, 0f00000000;", ptx)) >= 64
     if post.fixed_to_float:  # each row's integer rounded to fp32, divided exactly by its power of two
         assert "cvt.rn.f32.s64" in post_ptx and ("rcp.rn.f32" in post_ptx or "div.rn.f32" in post_ptx)
     assert len(re.findall(r"setmaxnreg\.(inc|dec)", ptx)) == 2

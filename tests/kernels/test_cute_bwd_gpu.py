@@ -515,6 +515,14 @@ def test_fixed_point_dq(packed, d, options):
              accumulate=True, dq_scale=scale, deterministic=True, **kw)
     torch.cuda.synchronize()
     assert torch.equal(dq_float.view(torch.int32), got.view(torch.int32))
+    # the written form (accumulate=False, one device's calls) into poisoned buffers: dq is those sums rounded to
+    # the buffer's dtype once, dk / dv the bytes added into zeros (then rounded, for bf16 buffers)
+    for dtype in (torch.bfloat16, torch.float32):
+        written = [torch.full(t.shape, float("nan"), dtype=dtype, device="cuda") for t in (q, k, v)]
+        backward(dout, q, k, v, out, lse, *written, dq_scale=scale, deterministic=True, **kw)
+        torch.cuda.synchronize()
+        for name, a, b in zip(("dq", "dk", "dv"), written, (got, dk, dv)):
+            assert torch.equal(a.view(torch.uint8), b.to(dtype).view(torch.uint8)), (name, dtype)
     # same bf16 dS, same fp32 tile products: only the sum's rounding differs (fp32 order vs exact)
     assert rel_error(got, want[0]) < 1e-5
     dk_only, dv_only = (torch.zeros(t.shape, device="cuda", dtype=torch.float32) for t in (k, v))

@@ -109,6 +109,32 @@ def test_a_float_dq_takes_the_converted_sums(dtype):
     assert torch.equal(dq.view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("given", [False, True], ids=["returned", "buffers"])
+def test_the_written_form_gives_the_accumulating_forms_bits(dtype, given):
+    """accumulate=False with dq_scale (one device's calls): dq is the converted sums rounded to q's dtype once, and
+    dk / dv are what adding into zeros gives, then rounded; keys past the last query see no row (zero gradients,
+    where a written -0 would differ from 0 + -0)."""
+    q, k, v, dout = (t.to(dtype) for t in _problem(11, seqlen=2 * KEY_TILE + 9))
+    q, dout = q[:, :KEY_TILE + 3], dout[:, :KEY_TILE + 3]
+    out, lse = attention_forward(q, k, v, causal=True, backend="reference", cp_invariant=True)
+    scale = fixed_point.dq_scale(dout, out, fixed_point.head_absmax(k), fixed_point.head_absmax(v), 0.25)
+    acc = invariant.accum_dtype(dtype)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=acc) for t in (q, k, v))
+    attention_backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, accumulate=True, dq_scale=scale,
+                       cp_invariant=True, backend="reference", causal=True)
+    want = [t.to(dtype) for t in (dq, dk, dv)]
+    bufs = {}
+    if given:
+        bufs = {name: torch.full(t.shape, float("nan"), dtype=dtype) for name, t in zip(("dq", "dk", "dv"), (q, k, v))}
+    got = attention_backward(dout, q, k, v, out, lse, dq_scale=scale, cp_invariant=True, backend="reference",
+                             causal=True, **bufs)
+    for g, w in zip(got, want):
+        assert g.dtype == dtype
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+    assert torch.equal(want[1][:, -5:], torch.zeros_like(want[1][:, -5:]))  # the unseen keys
+
+
 def test_contract_refuses_a_fixed_point_dq_it_cannot_honour():
     q, k, v, dout = _problem(5, seqlen=64)
     out, lse = attention_forward(q, k, v, causal=True, backend="reference")
@@ -126,6 +152,8 @@ def test_contract_refuses_a_fixed_point_dq_it_cannot_honour():
     with pytest.raises((TypeError, ValueError), match="dq_scale"):
         attention_backward(dout, q, k, v, out, lse, dq=dq, accumulate=True, dq_scale=scale[..., :10], causal=True,
                            cp_invariant=True)
+    with pytest.raises((TypeError, ValueError), match="dq"):  # int64 sums are added, never written
+        attention_backward(dout, q, k, v, out, lse, dq=dq, dq_scale=scale, causal=True, cp_invariant=True)
 
 
 @pytest.mark.parametrize("seed", range(20))

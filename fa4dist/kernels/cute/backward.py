@@ -452,7 +452,7 @@ def supports_backward(q, k, v, *, dout=None, out=None, lse=None, dq=None, dk=Non
         if t is None:
             continue
         want = (torch.float32,) if accumulate else (q.dtype, torch.float32)
-        if name == "dq" and dq_scale is not None:
+        if name == "dq" and dq_scale is not None and accumulate:
             want = (torch.int64, torch.float32)
         if t.dtype not in want:
             return False, f"{name} must be {' or '.join(map(str, want))}"
@@ -518,7 +518,9 @@ def launch_steps(
     With accumulate=True, dq = None or dk = dv = None skips those gradients (a variant without their GEMMs).
     dq_scale (accumulate=True, dq int64): the fixed-point dQ of fa4dist.kernels.fixed_point; each (query tile,
     key tile) contribution times its row's scale (fp32 powers of two, lse's shape) is rounded and added into dq.
-    With an fp32 dq, the launch's integer sums are converted once (fixed_point.from_fixed's rounding) and added.
+    With an fp32 dq, the launch's integer sums are converted once (fixed_point.from_fixed's rounding) and added;
+    with accumulate=False, converted to fp32 and written (into an fp32 or q-dtype dq), and dK / dV written as
+    the accumulating kernel adds them into zeros (a signed zero comes out +0).
     overrides: BwdConfig fields (measurement knobs; det_dq="auto" | "tickets" | "fixed" | "expanded").
 
     rows: the query side is shared (:class:`SharedRows`): q, dout, out, lse are rows [q_start, q_start + len) of
@@ -577,12 +579,15 @@ def launch_steps(
 
     dq_fixed = dq_scale is not None
     # the fixed-point dQ into a float dq: the launch's integer sums converted once by the convert kernel and added
+    # (accumulate=True) or written
     fixed_to_float = False
     if dq_fixed:
-        if not accumulate or rows is not None or dq is None or dq.dtype not in (torch.int64, torch.float32):
-            raise ValueError("the fixed-point dQ (dq_scale=) adds into an int64 dq (or, converted, an fp32 one): "
-                             "accumulate=True, no shared rows")
-        fixed_to_float = dq.dtype == torch.float32
+        dq_dtypes = (torch.int64, torch.float32) if accumulate else (q.dtype, torch.float32)
+        if rows is not None or dq is None or dq.dtype not in dq_dtypes:
+            raise ValueError("the fixed-point dQ (dq_scale=) adds into an int64 dq or, converted, an fp32 one "
+                             "(accumulate=True), or writes the converted sums into an fp32 or q-dtype dq "
+                             "(accumulate=False); no shared rows")
+        fixed_to_float = dq.dtype != torch.int64
         if dq_scale.dtype != torch.float32 or tuple(dq_scale.shape) != tuple(lse.shape):
             raise ValueError(f"dq_scale must be fp32 shaped like lse {tuple(lse.shape)}, got {dq_scale.dtype} "
                              f"{tuple(dq_scale.shape)}")

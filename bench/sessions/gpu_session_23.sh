@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Prepared in the twenty-second session (2026-12-03), results in bench/results/2026-12-03-twenty-second-*:
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_23.sh 1   # cp_invariant's one-device passes
+# 1: one device's cp_invariant backward writes its gradients (accumulate=False: dq converted straight into bf16,
+#    dK / dV stored in bf16 plus +0, no fp32 buffers, zero fills or casts), the K / V maxima in two reductions
+#    without a copy, the forward's fp32 out not zero-filled. Bits first (the kernel's written form against the
+#    accumulating one; the staged-rank layouts against one device), then the step beside the previous commit's
+#    (.kwt/inv: `git archive 1202321 fa4dist`) and a profile. Prediction: -1.5 to -2 ms of the ~10 ms over plain
+#    at 32 / 32 heads (fills 4 x 0.18, casts 3 x 0.18, the dK / dV epilogue's fp32 reads, the copies 2 x 0.13),
+#    1.21x -> ~1.17-1.18x plain; at 32 / 8 less (dK / dV stay fp32 per query head).
+set -u
+source "$(dirname "$0")/../stage.sh"
+export FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
+if [ "${1:-1}" = 1 ]; then
+  TAIL_LINES=4 stage tests_bwd 200 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 tests/kernels/test_cute_bwd_gpu.py \
+    -k "fixed_point"
+  TAIL_LINES=4 stage tests_cp 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/cp/test_cp_gpu.py -k invariant
+  TAIL_LINES=60 stage invariant 330 python3 bench/invariant.py --tokens 32768 --heads 32:32 32:8 --reps 5 \
+    --baseline-dir .kwt/inv --profile --out-dir "$OUT"
+  exit
+fi
