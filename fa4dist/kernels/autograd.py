@@ -24,7 +24,10 @@ def _differentiable_grads(dout, q, k, v, sinks, mask_kwargs):
         if sinks is not None:
             out, _ = with_sink(out, lse, sinks)
         wanted = [t for t in inputs if t is not None and t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, dout.to(out.dtype), create_graph=True, allow_unused=True))
+        if not out.requires_grad:  # no row sees a key (and no sinks): out is constant zeros
+            return tuple(torch.zeros_like(t) if t is not None and t.requires_grad else None for t in inputs)
+        grads = torch.autograd.grad(out, wanted, dout.to(out.dtype), create_graph=True, allow_unused=True)
+        grads = iter(torch.zeros_like(t) if g is None else g for t, g in zip(wanted, grads))
     return tuple(next(grads) if t is not None and t.requires_grad else None for t in inputs)
 
 

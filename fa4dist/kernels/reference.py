@@ -186,9 +186,13 @@ def _forward_dense(p: AttentionProblem, q, k, v, q_offset: int, k_offset: int):
         defined = row_sum > 0
         shift = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
         nan = torch.full_like(row_sum, float("nan"))
-        row_lse = torch.where(defined, shift + torch.log(row_sum), nan)
+        # the log and the division take 1 where their result is not used (a keyless row, an undefined one): a
+        # 0 there would give NaN derivatives through the unused branch of torch.where (create_graph=True)
+        safe_sum = torch.where(defined, row_sum, torch.ones_like(row_sum))
+        row_lse = torch.where(defined, shift + torch.log(safe_sum), nan)
         lse[..., qs : qs + ql] = torch.where(sees_a_key, row_lse, torch.full_like(row_sum, -torch.inf))
-        normalized = acc_out / torch.where(defined, row_sum, nan).unsqueeze(-1)
+        denominator = torch.where(defined | ~sees_a_key, safe_sum, nan)  # keyless rows: 0 / 1, then 0 below
+        normalized = acc_out / denominator.unsqueeze(-1)
         normalized = torch.where(sees_a_key.unsqueeze(-1), normalized, torch.zeros((), dtype=acc))
         out[:, qs : qs + ql] = normalized.permute(0, 3, 1, 2, 4)
     return out.view(batch, seqlen_q, heads_q, head_dim_v), lse.view(batch, heads_q, seqlen_q)

@@ -220,13 +220,20 @@ def test_half_precision_inputs_accumulate_in_fp32():
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)  # fp32 accumulation
 
 
-@pytest.mark.parametrize("layout", ["dense-causal-offsets", "dense-full-gqa", "packed"])
+@pytest.mark.parametrize("layout", ["dense-causal-offsets", "dense-full-gqa", "packed", "keyless-rows",
+                                    "no-visible-key", "packed-empty-key-segment"])
 def test_double_backward(layout):
-    """gradgradcheck: the gradients are themselves differentiable (create_graph=True), not a silent constant."""
+    """gradgradcheck: the gradients are themselves differentiable (create_graph=True), not a silent constant; rows
+    that see no key (out 0) contribute nothing, also to the second derivatives (no NaN through them)."""
     gen = torch.Generator().manual_seed(11)
     if layout == "packed":
         cu = torch.tensor([0, 3, 8], dtype=torch.int32)
         shapes, kw = ((8, 2, 4), (8, 1, 4)), dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    elif layout == "packed-empty-key-segment":
+        cu_q, cu_k = torch.tensor([0, 3, 5, 8], dtype=torch.int32), torch.tensor([0, 2, 2, 6], dtype=torch.int32)
+        shapes, kw = ((8, 2, 4), (6, 1, 4)), dict(causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    elif layout in ("keyless-rows", "no-visible-key"):  # rows 0-1 (all rows) before the first key
+        shapes, kw = ((1, 4, 2, 4), (1, 4, 1, 4)), dict(causal=True, k_offset=2 if layout == "keyless-rows" else 10)
     elif layout == "dense-full-gqa":
         shapes, kw = ((2, 5, 4, 4), (2, 7, 2, 4)), dict(causal=False)
     else:
