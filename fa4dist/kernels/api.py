@@ -9,7 +9,8 @@ import torch
 
 from . import fixed_point
 from .merge import merge_into_, merge_sink_, sink_grad
-from .problem import AttentionProblem, Offset, check_buffer, check_optional_bool, require_values, validate_inputs
+from .problem import (AttentionProblem, Offset, check_bool, check_buffer, check_optional_bool, require_values,
+                      validate_inputs)
 from .registry import select_backend
 
 Window = tuple[int, int]
@@ -89,10 +90,14 @@ def forward_problem(problem: AttentionProblem, q, k, v, *, sinks=None, out=None,
     very tensors and options (the autograd function validates once for its forward and backward)."""
     require_values(problem)
     acc = _accum_dtypes(problem)
+    check_bool("accumulate", accumulate)
     if accumulate and (out is None or lse is None):
         raise ValueError("accumulate=True needs the running out and lse to merge into (pass out= and lse=)")
     check_buffer("out", out, problem.out_shape(), problem.device, acc if accumulate else (problem.dtype,) + acc)
     check_buffer("lse", lse, problem.lse_shape(), problem.device, acc)
+    if problem.batch == 0:  # no sequence: empty results, no backend to run
+        return (out if out is not None else torch.empty(problem.out_shape(), dtype=problem.dtype, device=q.device),
+                lse if lse is not None else torch.empty(problem.lse_shape(), dtype=acc[0], device=q.device))
     impl = select_backend(backend, problem, "forward")
     if impl.fused_epilogue:
         if sinks is not None:
@@ -183,6 +188,7 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
     :func:`forward_problem`)."""
     require_values(problem)
     acc = _accum_dtypes(problem)
+    check_bool("accumulate", accumulate)
     for name, t in (("dout", dout), ("out", out), ("lse", lse)):
         if t is None:
             raise ValueError(f"attention_backward needs {name} (the global forward result and its gradient)")
@@ -214,6 +220,14 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
         check_buffer("dsinks", dsinks, (problem.heads_q,), problem.device, acc)
     if check_optional_bool("deterministic", deterministic) is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
+    if problem.batch == 0:  # no sequence: empty gradients (None where accumulate=True asked for none)
+        grads = tuple(buf if buf is not None or accumulate else torch.empty(like.shape, dtype=problem.dtype,
+                                                                            device=like.device)
+                      for buf, like in ((dq, q), (dk, k), (dv, v)))
+        if sinks is None:
+            return grads
+        return (*grads, dsinks if dsinks is not None else torch.zeros(problem.heads_q, dtype=acc[0],
+                                                                      device=sinks.device))
     impl = select_backend(backend, problem, "backward")
     fixed = {}
     if dq_scale is not None:

@@ -9,7 +9,7 @@ import torch
 from . import invariant, reference, torch_ops
 from .api import backward_problem, forward_problem
 from .merge import with_sink
-from .problem import check_optional_bool, validate_inputs
+from .problem import check_bool, check_optional_bool, validate_inputs
 
 
 def _differentiable_grads(dout, q, k, v, sinks, mask_kwargs):
@@ -117,6 +117,7 @@ def attention(
         k_offset=k_offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
     )
     check_optional_bool("deterministic", deterministic)  # checked now: the backward runs later
+    check_bool("return_lse", return_lse)
     if invariant.enabled(cp_invariant):
         if sinks is not None:
             raise ValueError("cp_invariant=True does not support sinks yet (pass sinks=None)")

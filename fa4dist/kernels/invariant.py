@@ -225,5 +225,7 @@ def single_device_items(problem) -> list[WorkItem]:
     """One item per sequence (dense) or segment (packed): all its queries against all its keys."""
     mask = dict(causal=problem.mask.causal, window=problem.mask.window)
     if not problem.varlen:
+        if problem.batch == 0:
+            return []
         return [WorkItem(0, problem.seqlen_q, 0, problem.seqlen_k, problem.q_offsets[0], problem.k_offsets[0], **mask)]
     return [WorkItem(qs, ql, ks, kl, qo, ko, **mask) for _, qs, ql, ks, kl, qo, ko in problem.segments()]

@@ -213,10 +213,16 @@ def check_optional_bool(name: str, value) -> Optional[bool]:
     return value
 
 
+def check_bool(name: str, value) -> bool:
+    """A flag: True or False, never a truthy stand-in ("False" is a non-empty string)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def check_mask(causal, window) -> Mask:
     """The canonical :class:`~fa4dist.kernels.mask.Mask` of ``causal`` and ``window``, or a clear error."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_bool("causal", causal)
     return Mask.canonical(causal, check_window(window))
 
 

@@ -33,7 +33,7 @@ import torch
 
 from .api import attention_backward, attention_forward
 from .mask import Mask, visible_pairs
-from .problem import check_window, validate_inputs
+from .problem import AttentionProblem, check_buffer, check_window, validate_inputs
 from .registry import select_backend
 
 
@@ -92,6 +92,20 @@ def _layout(q, k, v, cp_invariant: bool = False, softmax_scale=None, softcap=Non
         return 0, validate_inputs(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, cp_invariant=cp_invariant,
                                   softmax_scale=softmax_scale, softcap=softcap)
     return 1, validate_inputs(q, k, v, cp_invariant=cp_invariant, softmax_scale=softmax_scale, softcap=softcap)
+
+
+def _check_whole_buffers(problem: AttentionProblem, what: str, running: dict, grads: dict) -> None:
+    """The caller's whole buffers, named, before any item's view of them: ``running`` (fp32 / fp64 for fp64 inputs:
+    the running out and lse, or dout / out / lse given as the forward left them) and ``grads`` (fp32 / fp64 buffers
+    shaped like q, k, v, or None)."""
+    acc = (torch.float64,) if problem.dtype == torch.float64 else (torch.float32,)
+    shapes = {"out": problem.out_shape(), "dout": problem.out_shape(), "lse": problem.lse_shape()}
+    for name, (t, dtypes) in running.items():
+        if t is None:
+            raise ValueError(f"{what} needs {name}")
+        check_buffer(name, t, shapes[name], problem.device, dtypes or acc)
+    for name, (t, shape) in grads.items():
+        check_buffer(name, t, shape, problem.device, acc)
 
 
 def token_rows(t: Optional[torch.Tensor], dim: int, start: int, length: int, unsqueeze: bool) -> Optional[torch.Tensor]:
@@ -290,6 +304,8 @@ def attention_forward_items(
     first time an item covers them are written instead of merged (equal to merging into (0, -inf), one pass less).
     """
     seq_dim, problem = _layout(q, k, v, cp_invariant, softmax_scale, softcap)
+    _check_whole_buffers(problem, "attention_forward_items (the running fp32 result)",
+                         {"out": (out, None), "lse": (lse, None)}, {})
     items = _check_items(items, q.shape[seq_dim], k.shape[seq_dim])
     impl = select_backend(backend, problem, "forward")
     if getattr(impl, "forward_items", None) is not None:
@@ -383,6 +399,10 @@ def attention_backward_items(
     ``dq=None`` or ``dk=dv=None``: those are not computed (the contract's rule for accumulate=True).
     ``shared``: the items it takes add their dQ into it instead (:func:`share_queries`; not with cp_invariant)."""
     seq_dim, problem = _layout(q, k, v, cp_invariant, softmax_scale, softcap)
+    given = (problem.dtype, torch.float64) if problem.dtype == torch.float64 else (problem.dtype, torch.float32)
+    _check_whole_buffers(problem, "attention_backward_items (the global forward result and its gradient)",
+                         {"dout": (dout, given), "out": (out, given), "lse": (lse, None)},
+                         {"dq": (dq, tuple(q.shape)), "dk": (dk, tuple(k.shape)), "dv": (dv, tuple(v.shape))})
     items = _check_items(items, q.shape[seq_dim], k.shape[seq_dim])
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()

@@ -226,3 +226,57 @@ def test_cp_invariant_option_errors(monkeypatch):
     out = fa4dist.attention(q, q, q, causal=True)  # the environment variable turns the mode on
     monkeypatch.setenv("FA4DIST_CP_INVARIANT", "0")
     assert torch.allclose(out, fa4dist.attention(q, q, q, causal=True), atol=1e-6)
+
+
+@pytest.mark.parametrize("flag", ["accumulate", "return_lse"])
+def test_flags_refuse_truthy_stand_ins(flag):
+    """accumulate="False" would merge: a bool is required, as for causal and deterministic."""
+    import fa4dist
+
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+        if flag == "accumulate":
+            attention_forward(q, k, v, out=torch.zeros(q.shape), lse=torch.zeros(1, 2, 8), accumulate="False")
+        else:
+            fa4dist.attention(q, k, v, return_lse="False")
+    with pytest.raises(TypeError, match="accumulate must be a bool"):
+        attention_backward(q, q, k, v, q, torch.zeros(1, 2, 8), accumulate=1)
+
+
+@pytest.mark.parametrize("cp_invariant", [False, True])
+def test_an_empty_batch_gives_empty_results(cp_invariant):
+    """batch = 0: empty out, lse and gradients (and a zero sink gradient), through every entry point."""
+    import fa4dist
+
+    q, k, v = qkv(b=0)
+    out, lse = attention_forward(q, k, v, causal=True)
+    assert out.shape == q.shape and lse.shape == (0, 2, 8)
+    assert all(g.shape == t.shape for g, t in zip(attention_backward(q, q, k, v, out, lse), (q, k, v)))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    fa4dist.attention(*leaves, causal=True, cp_invariant=cp_invariant).sum().backward()
+    assert all(t.grad.shape == t.shape for t in leaves)
+    if not cp_invariant:
+        sinks = torch.zeros(2, requires_grad=True)
+        fa4dist.attention(q, k, v, sinks=sinks).sum().backward()
+        assert torch.equal(sinks.grad, torch.zeros(2))
+
+
+def test_work_lists_check_the_whole_buffers():
+    """The work-list entry points name the caller's buffers and their whole shapes, before any item's view."""
+    from fa4dist.kernels import WorkItem, attention_backward_items, attention_forward_items
+
+    q = k = v = torch.randn(20, 4, 8)
+    item = [WorkItem(0, 10, 0, 10)]
+    with pytest.raises(ValueError, match="needs out"):
+        attention_forward_items(q, k, v, item, None, None)
+    with pytest.raises(ValueError, match=r"lse must have shape \(4, 20\)"):
+        attention_forward_items(q, k, v, item, torch.zeros(20, 4, 8), torch.zeros(20, 4))
+    with pytest.raises(ValueError, match=r"out must have shape \(20, 4, 8\)"):
+        attention_forward_items(q, k, v, item, torch.zeros(25, 4, 8), torch.zeros(4, 25), fresh=True)
+    with pytest.raises(TypeError, match="out must have dtype torch.float32"):
+        attention_forward_items(q, k, v, item, torch.zeros(20, 4, 8, dtype=torch.float64), torch.zeros(4, 20))
+    out, lse = torch.zeros(20, 4, 8), torch.zeros(4, 20)
+    with pytest.raises(ValueError, match=r"dq must have shape \(20, 4, 8\)"):
+        attention_backward_items(q, q, k, v, out, lse, item, torch.zeros(20, 4, 7), None, None)
+    with pytest.raises(ValueError, match=r"lse must have shape \(4, 20\)"):
+        attention_backward_items(q, q, k, v, out, lse[:, :10], item, torch.zeros(20, 4, 8), None, None)
