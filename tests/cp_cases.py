@@ -134,3 +134,23 @@ def check_results(results, strategy=None, tol=1e-10) -> list:
         torch.testing.assert_close(total, want, atol=tol, rtol=tol)
     return seen
 
+
+
+def deepcopy_case(rank, world, *, cp, strategy="ring"):
+    """A deep copy of the module (as of a model: a frozen reference, EMA weights) shares the process group and
+    gives the original's bytes, called before and after it; (bool, bool) on the group's ranks."""
+    import copy
+
+    module, cp_rank = cp_module(rank, cp, strategy, True)
+    if module is None:
+        return None
+    twin = copy.deepcopy(module)
+    plan = make_plan(40, cp, "lpt")
+    q, k, v, _ = global_inputs(3, 40, 4, 2, 8, torch.float64, 1)
+    local = [plan.shard(t, seq_dim=1, rank=cp_rank) for t in (q, k, v)]
+    outs = [m(*local, plan=plan) for m in (twin, module, twin)]
+    from fa4dist.models.invariant_grads import FixedPointGrads  # cp_invariant's gradients hold the group too
+
+    grads = FixedPointGrads(module.cp.group)
+    shared = twin.cp.group is module.cp.group and copy.deepcopy(grads).group is grads.group
+    return shared, all(torch.equal(o, outs[1]) for o in outs)

@@ -31,6 +31,20 @@ def _store_channel(group) -> tuple:
     return distributed_c10d._get_default_store(), f"fa4dist/agree/{name}/"
 
 
+def deepcopy_sharing(obj, memo: dict, shared: Sequence[str]):
+    """``copy.deepcopy`` of ``obj`` whose attributes named in ``shared`` (process groups and what wraps them, which
+    cannot be copied) are the original's: a deep copy of a model (a frozen reference, EMA weights) communicates
+    over the same groups.  For use in a class's ``__deepcopy__``."""
+    import copy
+
+    new = copy.copy(obj)
+    memo[id(obj)] = new
+    for name, value in vars(obj).items():
+        if name not in shared:
+            setattr(new, name, copy.deepcopy(value, memo))
+    return new
+
+
 class CommError(RuntimeError):
     """A context-parallel transfer failed or timed out; the message names what was being waited for."""
 

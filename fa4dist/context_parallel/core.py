@@ -28,7 +28,7 @@ from ..kernels.merge import merge_sink_, sink_grad
 from ..kernels.problem import (
     check_mask, check_optional_bool, check_softcap, check_softmax_scale, check_window, validate_inputs,
 )
-from .comm import Transport
+from .comm import Transport, deepcopy_sharing
 from .gather import gather_backward, gather_forward
 from .plan import ShardPlan
 from .ring import KernelOptions, RingPeers, accum_dtype, ring_backward, ring_forward
@@ -222,6 +222,10 @@ class ContextParallel:
         self._transports: dict = {}
         self._schedules: dict = {}
         self._calls = 0  # forward calls made (every rank makes the same ones: checked per call)
+
+    def __deepcopy__(self, memo):
+        # the copy shares the process groups and their transports (neither can be copied), and copies the rest
+        return deepcopy_sharing(self, memo, ("group", "ulysses_group", "ring_group", "_transports"))
 
     # ---- strategy ---------------------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional, Sequence, Union
@@ -143,8 +144,8 @@ def _documents(seqlen_or_cu_seqlens) -> tuple[int, Optional[tuple[int, ...]]]:
     """(total tokens, document boundaries or None for one dense sequence)."""
     if isinstance(seqlen_or_cu_seqlens, bool):
         raise TypeError("seqlen_or_cu_seqlens must be an int (sequence length) or cu_seqlens, got bool")
-    if isinstance(seqlen_or_cu_seqlens, int):
-        return _check_int("seqlen", seqlen_or_cu_seqlens, 1), None
+    if isinstance(seqlen_or_cu_seqlens, numbers.Integral):  # int, or a NumPy integer
+        return _check_int("seqlen", int(seqlen_or_cu_seqlens), 1), None
     if isinstance(seqlen_or_cu_seqlens, torch.Tensor):
         t = seqlen_or_cu_seqlens
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
@@ -155,9 +156,9 @@ def _documents(seqlen_or_cu_seqlens) -> tuple[int, Optional[tuple[int, ...]]]:
             raise ValueError(f"cu_seqlens must be 1-D (documents + 1), got shape {tuple(t.shape)}")
         values = tuple(int(x) for x in t.tolist())
     elif isinstance(seqlen_or_cu_seqlens, (list, tuple)):
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in seqlen_or_cu_seqlens):
+        if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in seqlen_or_cu_seqlens):
             raise TypeError(f"cu_seqlens must hold ints, got {list(seqlen_or_cu_seqlens)[:8]!r}")
-        values = tuple(seqlen_or_cu_seqlens)
+        values = tuple(int(x) for x in seqlen_or_cu_seqlens)
     else:
         raise TypeError(
             "seqlen_or_cu_seqlens must be an int (one sequence) or cu_seqlens (a 1-D int tensor or list of document "

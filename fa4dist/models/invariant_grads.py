@@ -140,6 +140,11 @@ class FixedPointGrads:
         # for every weight, so those run as usual; finish(assign=...) then hands it the real one
         self.zero_weight_grads = zero_weight_grads
 
+    def __deepcopy__(self, memo):
+        from ..context_parallel.comm import deepcopy_sharing
+
+        return deepcopy_sharing(self, memo, ("group",))  # the copy reduces over the same process group
+
     @property
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1

@@ -273,3 +273,9 @@ def test_masked_garbage_does_not_depend_on_the_split(pool, cp, strategy, packed)
     for res in results:
         assert all(res[:3]), res
     assert sum(r[3] for r in results) and sum(r[4] for r in results), "both clean and poisoned rows must occur"
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
+def test_a_deep_copy_shares_the_group(pool, strategy):
+    for result in pool.run(cp_cases.deepcopy_case, cp=2, strategy=strategy):
+        assert result is None or result == (True, True)

@@ -283,3 +283,11 @@ def test_zigzag_remote_steps_are_one_item_each(cp):
             (it,) = items
             pairs = visible_pairs(it.q_len, it.k_len, it.q_offset, it.k_offset, Mask(it.causal, it.window))
             assert pairs == it.q_len * it.k_len == sum(c.pairs for c in sched.calls(m, s))
+
+
+def test_numpy_integers_are_lengths():
+    np = pytest.importorskip("numpy")
+    assert make_plan(np.int64(10), 2) == make_plan(10, 2)
+    assert make_plan([0, np.int32(4), 9], 2) == make_plan([0, 4, 9], 2)
+    with pytest.raises(TypeError, match="bool"):
+        make_plan(True, 2)
