@@ -19,3 +19,12 @@ if [ "${1:-1}" = 1 ]; then
     --baseline-dir .kwt/inv --profile --out-dir "$OUT"
   exit
 fi
+# 2: call 1 measured the step at 1.192x plain (32 / 32; the previous commit 1.223x in the same run), and its profile
+#    put the four maxima of the scales at 1.36 ms (the row reductions over d at ~0.8 TB/s). Which torch form of a
+#    row maximum reads fastest (bench/scale_maxima.py; every form gives the same values). Prediction: a two-stage
+#    form (over 8 contiguous elements, then the partial maxima) near the read bandwidth, 3-4x the current one.
+if [ "$1" = 2 ]; then
+  TAIL_LINES=20 stage maxima 120 python3 bench/scale_maxima.py --tokens 32768 --heads 32 --headdim 128 --out-dir "$OUT"
+  TAIL_LINES=20 stage maxima64 120 python3 bench/scale_maxima.py --tokens 32768 --heads 32 --headdim 64 --out-dir "$OUT/d64"
+  exit
+fi

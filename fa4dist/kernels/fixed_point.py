@@ -9,7 +9,7 @@ then add exactly in any order: the kernel's bulk adds, several launches, a sum o
 
 **The scale.**  With P summing to at most 1 over a row, |dP_ij| = |dO_i . V_j| <= d m_i Vmax and
 |D_i| = |dO_i . O_i| <= d m_i Omax_i, where m_i = max |dO_i|, Omax_i = max |O_i| and Kmax, Vmax are the largest
-|K|, |V| of the head over the whole sequence's finite key / value vectors (a soft-cap's derivative is at most 1), so
+finite |K|, |V| of the head over the whole sequence (a soft-cap's derivative is at most 1), so
 
     |dq_i| <= softmax_scale * Kmax * d * m_i * (Vmax + Omax_i) =: bound_i,
 
@@ -45,13 +45,12 @@ def absmax(t: torch.Tensor, dim=None) -> torch.Tensor:
 
 def head_absmax(t: torch.Tensor) -> torch.Tensor:
     """max |t| per head (fp64) over every token (and batch) and the head dim of (..., heads, d) keys or values,
-    leaving out the tokens whose vector has a non-finite entry: a masked bad key contributes nothing (the kernels
-    select it away), and a row that sees one has a non-finite score (any non-finite entry makes the dot product
-    NaN or infinite) or out, which makes its own scale NaN.  Two reductions (over d, then over the tokens of
-    each head), no copy of t."""
-    per_token = absmax(t, -1)  # (..., heads): NaN / inf where the vector has a non-finite entry
-    per_token = torch.where(torch.isfinite(per_token), per_token, torch.zeros_like(per_token))
-    return absmax(per_token, tuple(range(per_token.dim() - 1)))
+    *finite* entries only: a masked bad key contributes nothing (the kernels select it away), and a row that sees
+    one has a non-finite out, which makes its own scale NaN.  (A copy without the non-finite entries, then one
+    reduction: on the H200, 0.66x the time of two reductions without the copy at hdim 64 and 1.05x at hdim 128,
+    bench/scale_maxima.py.)"""
+    finite = t.detach().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return absmax(finite, tuple(i for i in range(t.dim()) if i != t.dim() - 2))
 
 
 def dq_scale(dout: torch.Tensor, out: torch.Tensor, k_absmax: torch.Tensor, v_absmax: torch.Tensor,
