@@ -140,7 +140,7 @@ class _Call:
                                           (dk, split.q_heads, self.heads_q, "dk per query head", False),
                                           (dv, split.q_heads, self.heads_q, "dv per query head", False)])
         group = self.heads_q // self.heads_kv
-        return dq.to(dtype), sum_group(dk, group).to(dtype), sum_group(dv, group).to(dtype), None
+        return dq.to(dtype), sum_group(dk, group, dtype), sum_group(dv, group, dtype), None
 
 
 class _ContextParallelFunction(torch.autograd.Function):

@@ -58,15 +58,21 @@ def expand_kv(t: torch.Tensor, group: int) -> torch.Tensor:
     return t if group == 1 else t.repeat_interleave(group, dim=-2)
 
 
-def sum_group(grad: torch.Tensor, group: int) -> torch.Tensor:
-    """(..., heads_kv * group, d) per query head -> (..., heads_kv, d): the group's heads added in ascending order."""
+def sum_group(grad: torch.Tensor, group: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """(..., heads_kv * group, d) per query head -> (..., heads_kv, d): the group's heads added in ascending order,
+    in grad's dtype; ``dtype``: the sum rounded to it once, by the last addition (one pass less, the same bits as
+    rounding the sum after)."""
+    dtype = dtype or grad.dtype
     if group == 1:
-        return grad
+        return grad.to(dtype)
     parts = grad.unflatten(-2, (-1, group))
-    total = parts[..., 0, :].clone()
-    for g in range(1, group):
+    if group == 2:
+        return torch.add(parts[..., 0, :], parts[..., 1, :], out=torch.empty_like(parts[..., 0, :], dtype=dtype))
+    total = torch.add(parts[..., 0, :], parts[..., 1, :])
+    for g in range(2, group - 1):
         total += parts[..., g, :]
-    return total
+    # computed in grad's dtype, written in dtype: the rounding of the finished sum
+    return torch.add(total, parts[..., group - 1, :], out=torch.empty_like(total, dtype=dtype))
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -199,7 +205,7 @@ def single_device_backward(dout, q, k, v, out, lse, items: list[WorkItem], *, so
             dq=rows[3], dq_scale=lse_token_rows(dq_scale, packed, *qs), dk=keys[2], dv=keys[3], **it.mask_kwargs(),
         )
     if group > 1:
-        dk, dv = (sum_group(g, group).to(k.dtype) for g in (dk, dv))
+        dk, dv = (sum_group(g, group, k.dtype) for g in (dk, dv))
     return dq, dk, dv
 
 
