@@ -28,3 +28,20 @@ if [ "$1" = 2 ]; then
   TAIL_LINES=20 stage maxima64 120 python3 bench/scale_maxima.py --tokens 32768 --heads 32 --headdim 64 --out-dir "$OUT/d64"
   exit
 fi
+# 3: the scales' maxima by a row kernel of our own (cute/row_absmax.py: 16-byte loads, the max on the bits,
+#    head_dim / 8 threads per row; fixed_point.absmax over the last dim and head_absmax take it). Bits first (its
+#    values against torch's, NaN / inf planted; the cp_invariant tests), then bench/scale_maxima.py and the step
+#    beside the commit before it (.kwt/prev: 141832d, which has the group sums' fused rounding too) and beside
+#    1202321 (.kwt/inv). Prediction: each row maximum ~70-90 us (3-4 TB/s) against ~300; the step -0.8 to -1 ms at
+#    32 / 32 (1.19x -> ~1.17x plain); at 32 / 8 also the group sums' -0.4 ms against 1202321.
+if [ "$1" = 3 ]; then
+  TAIL_LINES=4 stage tests 240 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 tests/kernels/test_row_absmax_gpu.py \
+    tests/kernels/test_cute_bwd_gpu.py -k "row or fixed_point"
+  TAIL_LINES=4 stage tests_cp 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/cp/test_cp_gpu.py -k invariant
+  TAIL_LINES=16 stage maxima 120 python3 bench/scale_maxima.py --tokens 32768 --heads 32 --headdim 128 --out-dir "$OUT"
+  TAIL_LINES=24 stage invariant_prev 300 python3 bench/invariant.py --tokens 32768 --heads 32:32 32:8 --reps 5 \
+    --baseline-dir .kwt/prev --out-dir "$OUT/prev"
+  TAIL_LINES=24 stage invariant_start 300 python3 bench/invariant.py --tokens 32768 --heads 32:32 32:8 --reps 5 \
+    --baseline-dir .kwt/inv --profile --out-dir "$OUT/start"
+  exit
+fi

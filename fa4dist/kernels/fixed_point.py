@@ -36,21 +36,44 @@ _MIN_EXP, _MAX_EXP = -126, 126
 
 def absmax(t: torch.Tensor, dim=None) -> torch.Tensor:
     """max |t| over ``dim`` (all dims for None) in fp64: the infinity norm, one fused pass, exact in any order;
-    NaN propagates; 0 over no elements."""
+    NaN propagates; 0 over no elements.  Over the last dim of a 16-bit CUDA tensor: our row kernel
+    (:func:`_row_kernel`), the same values."""
     t = t.detach()
     if t.numel() == 0:
         return t.abs().sum(dim=dim).double()  # zeros of the reduced shape
+    if dim in (-1, t.dim() - 1):
+        rows = _row_kernel(t, finite_only=False)
+        if rows is not None:
+            return rows.double()
     return torch.linalg.vector_norm(t, ord=float("inf"), dim=dim).double()
 
 
 def head_absmax(t: torch.Tensor) -> torch.Tensor:
     """max |t| per head (fp64) over every token (and batch) and the head dim of (..., heads, d) keys or values,
     *finite* entries only: a masked bad key contributes nothing (the kernels select it away), and a row that sees
-    one has a non-finite out, which makes its own scale NaN.  (A copy without the non-finite entries, then one
-    reduction: on the H200, 0.66x the time of two reductions without the copy at hdim 64 and 1.05x at hdim 128,
-    bench/scale_maxima.py.)"""
-    finite = t.detach().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    one has a non-finite out, which makes its own scale NaN.  A 16-bit CUDA tensor: each (token, head) vector's
+    finite maximum by our row kernel, then the heads' maxima of those; otherwise a copy without the non-finite
+    entries, then one reduction (torch's fastest form on the H200, bench/scale_maxima.py)."""
+    t = t.detach()
+    rows = _row_kernel(t, finite_only=True)
+    if rows is not None:
+        return absmax(rows, tuple(range(rows.dim() - 1)))
+    finite = t.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     return absmax(finite, tuple(i for i in range(t.dim()) if i != t.dim() - 2))
+
+
+def _row_kernel(t: torch.Tensor, finite_only: bool):
+    """max |t| over the last dim by ``kernels/cute/row_absmax.py`` (torch reads such rows at ~0.9 TB/s), in t's
+    dtype; None where it does not apply (not a 16-bit CUDA tensor it takes, or no CuTe DSL)."""
+    if not (t.is_cuda and t.dtype in (torch.bfloat16, torch.float16)):
+        return None
+    from .cute import host
+
+    if not host.cutlass_importable():
+        return None
+    from .cute.row_absmax import row_absmax
+
+    return row_absmax(t, finite_only)
 
 
 def dq_scale(dout: torch.Tensor, out: torch.Tensor, k_absmax: torch.Tensor, v_absmax: torch.Tensor,

@@ -376,3 +376,18 @@ def test_deterministic_gqa_takes_expanded_heads_where_measured_faster():
     assert form(4, 128, True, 16384) == form(8, 64, True, 32768) == "expanded"
     assert form(1, 128, True, 65536) == form(4, 128, False, 65536) == form(4, 128, True, 16383) == "tickets"
     assert form(4, 64, True, 16384) == form(4, 128, True, None) == form(4, 96, True, 65536) == "tickets"
+
+
+@pytest.mark.cute
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("finite_only", [False, True])
+def test_compile_row_absmax(d, finite_only, tmp_path, monkeypatch):
+    """The fixed-point scales' row maxima kernel (cute/row_absmax.py): 16-byte loads, a shuffle reduction over the
+    row's threads, the finite-only select against inf's bits."""
+    from fa4dist.kernels.cute.row_absmax import RowAbsMaxConfig
+
+    monkeypatch.chdir(tmp_path)
+    ptx = host.compile_config(RowAbsMaxConfig(d, "bf16", finite_only), extra_options="--keep-ptx").artifacts.PTX
+    assert ".target sm_90a" in ptx and "ld.global.v4" in ptx
+    assert ptx.count("shfl.sync.bfly") == (d // 8).bit_length() - 1
+    assert ("32640" in ptx) == finite_only  # bf16 inf's bits, 0x7f80
