@@ -107,6 +107,10 @@ class FA4MaskInfo:
     def shape(self):  # for code that only looks at the mask's shape
         return (self.batch_size, 1, self.q_length, self.kv_length)
 
+    @property
+    def ndim(self) -> int:  # as a prepared 4-D mask (transformers checks it before building one)
+        return 4
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # the mask: from transformers' predicate to segments and a window, then verified
@@ -173,6 +177,14 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     sliding window of that many tokens; the predicate check then tells whether it was one."""
     from transformers.masking_utils import causal_mask_function, prepare_padding_mask
 
+    if isinstance(attention_mask, FA4MaskInfo):
+        # built for this very forward already: generate() with a static cache makes the mask up front and passes it
+        # back in as the attention mask
+        built = (attention_mask.batch_size, attention_mask.q_length, attention_mask.kv_length)
+        if built != (batch_size, q_length, kv_length):
+            raise UnsupportedMask(f"a prepared fa4dist mask for (batch, queries, keys) = {built} was passed to a call "
+                                  f"with {(batch_size, q_length, kv_length)}")
+        return attention_mask
     window = window_of(None if local_size is None else int(local_size))
     mask_function = mask_function or causal_mask_function
     q_offset, kv_offset = int(q_offset), int(kv_offset)

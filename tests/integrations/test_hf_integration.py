@@ -114,7 +114,9 @@ def test_gradients_match_sdpa():
         torch.testing.assert_close(grads[NAME][n], g, rtol=1e-4, atol=1e-6, msg=n)
 
 
-def test_cached_generation_matches_sdpa(model):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_cached_generation_matches_sdpa(model, cache):
+    """A static cache makes generate() build the mask up front and pass it back in as the attention mask."""
     gen = torch.Generator().manual_seed(4)
     ids = torch.randint(1, VOCAB, (2, 7), generator=gen)
     mask = torch.ones_like(ids)
@@ -124,7 +126,7 @@ def test_cached_generation_matches_sdpa(model):
         model.set_attn_implementation(impl)
         with torch.no_grad():
             outs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
-                                        pad_token_id=0)
+                                        pad_token_id=0, cache_implementation=cache)
     assert torch.equal(outs[NAME], outs["sdpa"])
 
 
