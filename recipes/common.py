@@ -38,26 +38,46 @@ H200_PEAK_BF16 = 989.4e12  # dense bf16 FLOP/s of an H100/H200 SXM
 # arguments
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (a count), refused by name otherwise."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default="tiny", help="size preset: tiny, small (~100M), base (~380M), 1b")
-    g.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    g.add_argument("--layers", type=positive_int, default=None, help="override the preset's layer count")
     g.add_argument("--seqlen", type=int, default=256, help="tokens per packed sequence (the context length)")
-    g.add_argument("--batch-size", type=int, default=2, help="packed sequences per step, over all dp replicas")
+    g.add_argument("--batch-size", type=positive_int, default=2, help="packed sequences per step, over all dp replicas")
     g.add_argument("--packing", choices=["documents", "stream"], default="documents",
                    help="documents: causal within each document (cu_seqlens); stream: one causal sequence")
     g.add_argument("--data", nargs="*", default=None, help="files/directories of text (default: this repository)")
     g = p.add_argument_group("parallelism")
-    g.add_argument("--cp", type=int, default=1, help="context-parallel size (dp = world size / cp)")
-    g.add_argument("--strategy", default="auto", help="context-parallel strategy: auto, ring, ulysses, hybrid")
-    g.add_argument("--balancer", default="lpt", help="sharding plan balancer: lpt, zigzag, contiguous")
+    g.add_argument("--cp", type=positive_int, default=1, help="context-parallel size (dp = world size / cp)")
+    g.add_argument("--strategy", choices=["auto", "ring", "ulysses", "hybrid"], default="auto",
+                   help="context-parallel strategy (hybrid: with --ulysses-degree; auto: the largest Ulysses degree "
+                        "the heads allow, ring over the rest)")
+    g.add_argument("--ulysses-degree", type=positive_int, default=None,
+                   help="Ulysses degree of the hybrid strategy (it divides --cp; ring over cp / degree)")
+    g.add_argument("--balancer", choices=["lpt", "zigzag", "contiguous"], default="lpt",
+                   help="sharding plan balancer")
     g.add_argument("--backend", default="auto", help="attention backend (fa4dist.kernels): auto, sdpa, cute, ...")
     g.add_argument("--deterministic", action="store_true", help="deterministic attention and torch algorithms")
     g.add_argument("--cp-invariant", action="store_true",
                    help="attention whose bits do not depend on the cp size (fa4dist.kernels.invariant); also "
                         "FA4DIST_CP_INVARIANT=1")
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=10,
+    g.add_argument("--steps", type=positive_int, default=10,
                    help="training steps: the length of the LR schedule (stored in checkpoints)")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--warmup", type=int, default=2, help="linear warmup steps (then cosine to 10%%)")
@@ -68,7 +88,7 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="compute dtype (auto: bf16 on GPU, fp32 on CPU); master weights stay fp32")
     g.add_argument("--activation-checkpointing", action="store_true")
     g = p.add_argument_group("logging")
-    g.add_argument("--log-every", type=int, default=1)
+    g.add_argument("--log-every", type=positive_int, default=1)
     g.add_argument("--metrics-out", default=None, help="write one JSON line per step (rank 0)")
     g.add_argument("--timing-warmup", type=int, default=1, help="steps left out of tokens/s and MFU")
     g.add_argument("--peak-tflops", type=float, default=None,
@@ -88,11 +108,17 @@ def lr_at(step: int, args) -> float:
 def add_checkpoint_args(p: argparse.ArgumentParser, resume_help: str) -> None:
     g = p.add_argument_group("checkpoints")
     g.add_argument("--ckpt-dir", default=None)
-    g.add_argument("--save-every", type=int, default=0, help="save every N steps (0: never)")
+    g.add_argument("--save-every", type=non_negative_int, default=0, help="save every N steps (0: never)")
     g.add_argument("--resume", default=None, help=resume_help)
     g.add_argument("--stop-at", type=int, default=None,
                    help="stop after this step, saving a checkpoint there (as a preemption would); a later --resume "
                         "with the same --steps continues exactly as if the run had not stopped")
+
+
+def check_checkpoint_args(p: argparse.ArgumentParser, args) -> None:
+    """Options that save a checkpoint need somewhere to save it."""
+    if (args.stop_at is not None or args.save_every) and not args.ckpt_dir:
+        p.error("--stop-at and --save-every save checkpoints: give --ckpt-dir")
 
 
 SCHEDULE_FIELDS = ("steps", "warmup", "lr")
@@ -216,7 +242,8 @@ def build_model(args, cp_group, device, *, deterministic: Optional[bool] = None)
     with torch.device(device):
         model = FA4Llama(model_config(args), cp_group if args.cp > 1 else None, strategy=args.strategy,
                          deterministic=deterministic if deterministic is not None else (args.deterministic or None),
-                         backend=args.backend, cp_invariant=True if args.cp_invariant else None)
+                         backend=args.backend, cp_invariant=True if args.cp_invariant else None,
+                         ulysses_degree=args.ulysses_degree)
     if args.activation_checkpointing:
         model.set_activation_checkpointing(True)
     model.set_row_invariant(args.cp_invariant)  # a token's logits then do not depend on the shard either

@@ -108,7 +108,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--zero-stage", type=int, choices=[2, 3], default=2)
     g.add_argument("--ds-config", default=str(HERE / "ds_config.json"))
     common.add_checkpoint_args(p, "'latest' (newest tag in --ckpt-dir) or a tag")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    common.check_checkpoint_args(p, args)
+    return args
 
 
 def main(argv=None):

@@ -90,7 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_args(p)
     common.add_checkpoint_args(p, "a checkpoint directory, or 'latest' (newest in --ckpt-dir)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    common.check_checkpoint_args(p, args)
+    return args
 
 
 def main(argv=None):

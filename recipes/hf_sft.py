@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -85,6 +86,11 @@ def parse_args(argv=None):
                    help="keep activation checkpoints in pinned host memory (transformers >= 5.2x)")
     g.add_argument("--memory-report", action="store_true", help="print a MEMORY {...} line after the first step")
     args = p.parse_args(argv)
+    if args.strategy == "hybrid" or args.ulysses_degree is not None:
+        p.error("--strategy hybrid / --ulysses-degree: enable_context_parallel takes the hybrid strategy from a 2-D "
+                "mesh, which this recipe does not build (auto picks the largest Ulysses degree the heads allow)")
+    if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
+        p.error(f"--checkpoint must be a local checkpoint directory, {args.checkpoint!r} is not one")
     if args.model not in LLAMA3_PRESETS:
         get_config(args.model)  # a clear error for an unknown preset
     if args.sliding_window is not None and (args.arch not in WINDOWED_ARCHS or args.sliding_window < 1):

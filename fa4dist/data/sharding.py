@@ -22,9 +22,10 @@ class SingleRankPlan:
 
     cp_size = 1
 
-    def __init__(self, cu_seqlens: torch.Tensor):
-        self.cu_seqlens = cu_seqlens.to(torch.int32)
-        self.total = int(cu_seqlens[-1])
+    def __init__(self, cu_seqlens):
+        # a tensor or a list of document boundaries (as make_plan takes them)
+        self.cu_seqlens = torch.as_tensor(cu_seqlens).to(torch.int32)
+        self.total = int(self.cu_seqlens[-1])
 
     @staticmethod
     def _check_rank(rank) -> None:

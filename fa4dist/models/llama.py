@@ -179,13 +179,15 @@ class FA4Llama(nn.Module):
 
     def __init__(self, config: ModelConfig, cp_group=None, *, strategy: str = "auto",
                  deterministic: Optional[bool] = None, backend: str = "auto", cp_invariant: Optional[bool] = None,
-                 attention_factory: Optional[Callable[[], nn.Module]] = None):
+                 ulysses_degree: Optional[int] = None, attention_factory: Optional[Callable[[], nn.Module]] = None):
         super().__init__()
         self.config = config
         if attention_factory is None:
+            options = {} if ulysses_degree is None else dict(ulysses_degree=ulysses_degree)
+
             def attention_factory():
                 return make_attention(cp_group, strategy=strategy, causal=True, deterministic=deterministic,
-                                      backend=backend, cp_invariant=cp_invariant)
+                                      backend=backend, cp_invariant=cp_invariant, **options)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
         core = attention_factory()
         self.layers = nn.ModuleList(DecoderLayer(config, core) for _ in range(config.n_layers))

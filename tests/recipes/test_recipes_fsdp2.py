@@ -104,6 +104,32 @@ def test_fsdp2_dp2_with_activation_checkpointing_matches_single_process(tmp_path
 def test_stop_at_out_of_range_is_refused():
     import fsdp2_train
 
-    args = fsdp2_train.parse_args(["--steps", "10", "--stop-at", "11"])
+    args = fsdp2_train.parse_args(["--steps", "10", "--stop-at", "11", "--ckpt-dir", "unused"])
     with pytest.raises(SystemExit, match=r"--stop-at must be in \[1, --steps=10\], got 11"):
         common.last_step(args)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--cp", "0"], "--cp: must be a positive integer"),
+    (["--batch-size", "0"], "--batch-size: must be a positive integer"),
+    (["--layers", "0"], "--layers: must be a positive integer"),
+    (["--strategy", "bogus"], "--strategy: invalid choice"),
+    (["--balancer", "bogus"], "--balancer: invalid choice"),
+    (["--stop-at", "1"], "give --ckpt-dir"),
+    (["--save-every", "2"], "give --ckpt-dir"),
+])
+def test_bad_options_are_refused_by_name(bad, message, capsys):
+    import fsdp2_train
+
+    with pytest.raises(SystemExit):
+        fsdp2_train.parse_args(["--steps", "2"] + bad)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_the_hybrid_strategy_takes_a_ulysses_degree(tmp_path, corpus, reference):
+    """--strategy hybrid on the recipes' 1-D cp mesh: Ulysses over --ulysses-degree ranks, ring over the rest; the
+    same losses as one process."""
+    launch.torchrun("fsdp2_train.py", BASE + ["--data", corpus, "--cp", "4", "--strategy", "hybrid",
+                                              "--ulysses-degree", "2", "--metrics-out", tmp_path / "m.jsonl"], nproc=4)
+    assert_steps_close(step_metrics(tmp_path / "m.jsonl"), reference["loss"])

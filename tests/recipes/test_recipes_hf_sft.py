@@ -59,7 +59,9 @@ def test_hf_sft_windowed_archs_cp2_match_single_process(tmp_path, corpus, arch):
 
 @pytest.mark.parametrize("bad", [["--arch", "llama", "--sliding-window", "32"],
                                  ["--arch", "gpt_oss", "--tile-mlp", "8"],
-                                 ["--arch", "gpt_oss", "--experts", "2", "--experts-per-token", "3"]])
+                                 ["--arch", "gpt_oss", "--experts", "2", "--experts-per-token", "3"],
+                                 ["--strategy", "hybrid"], ["--ulysses-degree", "2"],
+                                 ["--checkpoint", "/nonexistent/checkpoint"]])
 def test_hf_sft_refuses_options_its_arch_lacks(bad):
     with pytest.raises(SystemExit):
         hf_sft.parse_args(BASE + bad)
