@@ -45,3 +45,13 @@ if [ "$1" = 3 ]; then
     --baseline-dir .kwt/inv --profile --out-dir "$OUT/start"
   exit
 fi
+# 4: after the contract's hardening (accumulate / return_lse checked as bools, an empty batch, the work lists'
+#    whole buffers): the GPU suites of the contract, the backends, the work lists and torch.compile, and the
+#    CP GPU tests (staged ranks), under one limit each.
+if [ "$1" = 4 ]; then
+  TAIL_LINES=6 stage tests_backends 280 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 -m gpu \
+    tests/kernels/test_backends_gpu.py tests/kernels/test_worklist_gpu.py tests/kernels/test_torch_compile.py \
+    tests/kernels/test_nonfinite.py
+  TAIL_LINES=6 stage tests_cp 250 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/cp/test_cp_gpu.py
+  exit
+fi
