@@ -85,7 +85,7 @@ def forward(q, k, v, items: list[WorkItem], *, softmax_scale=None, softcap=None,
     acc = accum_dtype(q.dtype)
     lse_shape = (q.shape[-2], q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
     n_rows = q.shape[0 if q.dim() == 3 else 1]
-    if _gaps(_written_rows(items, n_rows, 0)[0], n_rows):  # rows no call writes hold (0, -inf)
+    if _gaps(_written_rows(items)[0], n_rows):  # rows no call writes hold (0, -inf)
         out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
         lse = torch.full(lse_shape, float("-inf"), dtype=acc, device=q.device)
     else:  # every row is written (fresh), none merged: no fill needed
@@ -187,7 +187,7 @@ def single_device_backward(dout, q, k, v, out, lse, items: list[WorkItem], *, so
     grad_dtype = k.dtype if group == 1 else accum_dtype(q.dtype)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk, dv = (torch.empty(t.shape, dtype=grad_dtype, device=t.device) for t in (k, v))
-    q_rows, k_rows = _written_rows(items, q.shape[seq_dim], k.shape[seq_dim])
+    q_rows, k_rows = _written_rows(items)
     for a, b in _gaps(q_rows, q.shape[seq_dim]):
         token_rows(dq, seq_dim, a, b - a, packed).zero_()
     for a, b in _gaps(k_rows, k.shape[seq_dim]):
@@ -209,7 +209,7 @@ def single_device_backward(dout, q, k, v, out, lse, items: list[WorkItem], *, so
     return dq, dk, dv
 
 
-def _written_rows(items: list[WorkItem], n_q: int, n_k: int) -> tuple[list, list]:
+def _written_rows(items: list[WorkItem]) -> tuple[list, list]:
     """The query and key row ranges the items' calls write (calls with no rows or no keys are skipped)."""
     live = [it for it in items if it.q_len > 0 and it.k_len > 0]
     return ([(it.q_start, it.q_start + it.q_len) for it in live], [(it.k_start, it.k_start + it.k_len) for it in live])

@@ -7,12 +7,15 @@
 # in torch), then an inf. finite_only: entries at or above inf's bits (inf, NaN) count as 0. The result is written
 # in the input's dtype (as 16-bit patterns): converting it to fp64 is exact.
 #
-# This module imports cutlass at import time: import it lazily (fixed_point goes through `row_absmax`).
+# This module imports cutlass at import time: import it lazily (fixed_point.absmax checks that cutlass imports).
 
 from dataclasses import dataclass
 from typing import Optional
 
+import cutlass
+import cutlass.cute as cute
 import torch
+from cutlass import Int16, Int32, const_expr
 
 from . import host
 
@@ -30,9 +33,6 @@ class RowAbsMaxConfig:
         return RowAbsMax(self.head_dim, INF_BITS[self.dtype], self.finite_only)
 
     def fake_args(self):
-        import cutlass
-        import cutlass.cute as cute
-
         rows = host.fake_tensor(cutlass.Int16, (cute.sym_int(), self.head_dim), 8)
         return rows, host.fake_flat(cutlass.Int16), host.fake_stream()
 
@@ -42,7 +42,7 @@ def supported(t: torch.Tensor) -> bool:
     d = t.shape[-1] if t.dim() else 0
     return (t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and t.dim() >= 2 and t.numel() > 0
             and d in (8, 16, 32, 64, 128, 256) and t.is_contiguous() and host.aligned(t)
-            and torch.cuda.get_device_capability(t.device)[0] == 9 and host.cutlass_importable())
+            and torch.cuda.get_device_capability(t.device)[0] == 9)
 
 
 def row_absmax(t: torch.Tensor, finite_only: bool = False) -> Optional[torch.Tensor]:
@@ -54,11 +54,6 @@ def row_absmax(t: torch.Tensor, finite_only: bool = False) -> Optional[torch.Ten
     cfg = RowAbsMaxConfig(d, host.dtype_name(t.dtype), bool(finite_only))
     host.get_compiled(cfg)(t.view(torch.int16).view(-1, d), out.view(torch.int16).view(-1))
     return out
-
-
-import cutlass  # noqa: E402 (after the host-side part, which must not need cutlass to say "unsupported")
-import cutlass.cute as cute  # noqa: E402
-from cutlass import Int16, Int32, const_expr  # noqa: E402
 
 
 class RowAbsMax:
