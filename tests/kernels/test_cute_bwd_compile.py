@@ -391,3 +391,32 @@ def test_compile_row_absmax(d, finite_only, tmp_path, monkeypatch):
     assert ".target sm_90a" in ptx and "ld.global.v4" in ptx
     assert ptx.count("shfl.sync.bfly") == (d // 8).bit_length() - 1
     assert ("32640" in ptx) == finite_only  # bf16 inf's bits, 0x7f80
+
+
+def test_a_repeated_call_reuses_its_configs_and_kernels(monkeypatch):
+    """launch_steps' configs and compiled kernels are remembered per distinct call (no make_configs or compile
+    cache lookups on a repeat), never under a measurement knob, and forgotten when a knob is set."""
+    compiled = []
+    monkeypatch.setattr(host, "get_compiled", lambda cfg: compiled.append(cfg) or cfg)
+    monkeypatch.setattr(bwd, "_FAST", {})
+    kw = dict(causal=True, varlen=False, seg_offsets=False, accumulate=False, deterministic=False, dq_dtype=BF16,
+              dkv_dtype=BF16, o_dtype=BF16, do_dtype=BF16, window_left=-1, softcap=0.0, grads="all",
+              dq_fixed=False, fixed_to_float=False, max_seqlen_k=1024)
+    first = bwd._compiled_configs((BF16, 128), kw, {}, shared=False, device="cuda:0")
+    assert len(compiled) == 3 and set(first[3:]) == set(compiled) == set(first[:3])
+    assert bwd._compiled_configs((BF16, 128), dict(kw), {}, shared=False, device="cuda:0") is first
+    assert len(compiled) == 3
+    # another call's options, the shared rows' main kernel alone, and a measurement knob each build their own
+    other = bwd._compiled_configs((BF16, 128), dict(kw, max_seqlen_k=65536), {}, shared=False, device="cuda:0")
+    assert other is not first and len(compiled) == 6
+    shared = bwd._compiled_configs((BF16, 128), dict(kw, max_seqlen_k=None), {}, shared=True, device="cuda:0")
+    assert shared[3] is None and shared[5] is None and len(compiled) == 7
+    knob = bwd._compiled_configs((BF16, 128), kw, {"persistent_ctas": 0}, shared=False, device="cuda:0")
+    assert knob[1].persistent_ctas == 0 and len(compiled) == 10
+    assert bwd._compiled_configs((BF16, 128), kw, {"persistent_ctas": 0}, shared=False, device="cuda:0") is not knob
+    bwd.set_override(stmatrix_ds=False)
+    try:
+        assert not bwd._FAST
+        assert not bwd._compiled_configs((BF16, 128), kw, {}, shared=False, device="cuda:0")[1].stmatrix_ds
+    finally:
+        bwd.set_override()

@@ -253,6 +253,7 @@ def set_override(**kw) -> None:
     """Development hook: force fields of BwdConfig (stmatrix_ds=..., det_chunk=..., regs_mma=...)."""
     _OVERRIDE.clear()
     _OVERRIDE.update(kw)
+    _FAST.clear()
 
 
 def cache_info() -> list:
@@ -608,15 +609,19 @@ def launch_steps(
         if not accumulate or rows is not None or (dk is None) != (dv is None) or (dq is None and dk is None):
             raise ValueError("the cute backward skips gradients only when accumulating: dq=None, or dk=dv=None")
         grads = "dq" if dk is None else "dkv"
-    pre_cfg, main_cfg, post_cfg = make_configs(
-        q.dtype, d, causal=causal, varlen=varlen, seg_offsets=seg_offsets, accumulate=accumulate,
-        deterministic=deterministic, dq_dtype=torch.float32 if dq is None else dq.dtype,
-        dkv_dtype=torch.float32 if dk is None else dk.dtype, o_dtype=out.dtype, do_dtype=dout.dtype,
-        window_left=window_left, softcap=softcap, grads=grads, dq_fixed=dq_fixed, fixed_to_float=fixed_to_float,
-        max_seqlen_k=None if rows is not None else max_seqlen_k if varlen else k.shape[1], **overrides,
+    if rows is not None and (varlen or q.shape[0] != 1):
+        raise ValueError("a launch on shared rows takes a dense batch-1 view of them")
+    config_args = (q.dtype, d)
+    config_kw = dict(
+        causal=causal, varlen=varlen, seg_offsets=seg_offsets, accumulate=accumulate, deterministic=deterministic,
+        dq_dtype=torch.float32 if dq is None else dq.dtype, dkv_dtype=torch.float32 if dk is None else dk.dtype,
+        o_dtype=out.dtype, do_dtype=dout.dtype, window_left=window_left, softcap=softcap, grads=grads,
+        dq_fixed=dq_fixed, fixed_to_float=fixed_to_float,
+        max_seqlen_k=None if rows is not None else max_seqlen_k if varlen else k.shape[1],
     )
+    pre_cfg, main_cfg, post_cfg, pre_fn, main_fn, post_fn = _compiled_configs(
+        config_args, config_kw, overrides, shared=rows is not None, device=device)
     tm = main_cfg.tile_m  # make_configs chose it (a measurement knob may pick the other tile)
-    check_resident(main_cfg)
     if grads == "dq":  # never written (the kernel's dK / dV stores are compiled out); shaped like k for its checks
         dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
@@ -627,17 +632,12 @@ def launch_steps(
         return host.tile_counter(main_cfg.takes_tile_counter, device)
 
     if rows is not None:
-        if varlen or q.shape[0] != 1:
-            raise ValueError("a launch on shared rows takes a dense batch-1 view of them")
         lse2, dpsum, dq_acc, sem = rows.views(q_start, total_q, deterministic)
-        main_fn = host.get_compiled(main_cfg)
         msk = max(k.shape[1], 1)
         main = lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, dq_acc, dk, dv, sem, None, scale, scale_log2,  # noqa
                                diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k, counter())
         # deterministic: the dQ tickets count from 0 again for this launch's key tiles
         return ([sem.zero_] if sem is not None else []) + [main]
-    pre_fn, main_fn = host.get_compiled(pre_cfg), host.get_compiled(main_cfg)
-    post_fn = host.get_compiled(post_cfg) if grads != "dkv" else None
 
     # scratch: one chunk per (query tile, head); sequences padded to whole tiles
     if varlen:
@@ -677,6 +677,32 @@ def launch_steps(
                         cu_seqlens_q, cu_seqlens_k, off_q, off_k, counter()),
         lambda: post_fn(dq_acc, dq, scale2 if fixed_to_float else None, m_grid, cu_seqlens_q),
     ]
+
+
+_FAST: dict = {}  # (make_configs' arguments, shared, device) -> (its three configs, their compiled kernels)
+
+
+def _compiled_configs(args: tuple, kw: dict, overrides: dict, *, shared: bool, device) -> tuple:
+    """(pre, main, post configs, pre, main, post kernels) of one call: make_configs, check_resident and the compile
+    cache's lookups, remembered per distinct call (their Python costs ~60 us of host per backward, and a training
+    loop repeats a few calls) unless a measurement knob (overrides, FA4DIST_BWD_OVERRIDE) is set. ``shared``: a
+    launch on shared rows runs the main kernel alone (no preprocess or convert compiled for it)."""
+    key = None
+    if not overrides and not _OVERRIDE:
+        key = (args, tuple(sorted(kw.items())), shared, device)
+        found = _FAST.get(key)
+        if found is not None:
+            return found
+    pre_cfg, main_cfg, post_cfg = make_configs(*args, **kw, **overrides)
+    check_resident(main_cfg)
+    pre_fn = None if shared else host.get_compiled(pre_cfg)
+    post_fn = None if shared or kw["grads"] == "dkv" else host.get_compiled(post_cfg)
+    found = (pre_cfg, main_cfg, post_cfg, pre_fn, host.get_compiled(main_cfg), post_fn)
+    if key is not None:
+        if len(_FAST) > 256:
+            _FAST.clear()
+        _FAST[key] = found
+    return found
 
 
 def _expanded_kv_steps(dout, q, k, v, out, lse, dq, dk, dv, group, accumulate, options):
