@@ -15,11 +15,15 @@ import fa4dist  # noqa: E402
 
 
 def add_problem_args(p) -> None:
-    """--seqlen, --batch, --heads, --headdim, --no-causal and --out-dir on an argparse parser."""
+    """--seqlen, --batch, --heads, --kv-heads, --headdim, --mode, --no-causal and --out-dir on an argparse
+    parser."""
     p.add_argument("--seqlen", type=int, default=1024)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None, help="key / value heads (GQA; default: --heads)")
     p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--mode", choices=("plain", "deterministic", "cp_invariant"), default="plain",
+                   help="our call's numerics: the default, deterministic=True or cp_invariant=True")
     p.add_argument("--no-causal", dest="causal", action="store_false")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
 
@@ -28,10 +32,25 @@ def make_calls(args, deterministic: bool = False):
     """({library: call returning the output}, dout): bf16 CUDA inputs of the arguments' shape, seed 0; the outputs
     are differentiable (call(...).backward(dout) runs the backward)."""
     torch.manual_seed(0)
-    shape = (args.batch, args.seqlen, args.heads, args.headdim)
-    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    kv_heads = getattr(args, "kv_heads", None) or args.heads
+    q, k, v, dout = (torch.randn(args.batch, args.seqlen, h, args.headdim, device="cuda", dtype=torch.bfloat16)
+                     for h in (args.heads, kv_heads, kv_heads, args.heads))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    calls = {"ours": lambda: fa4dist.attention(*leaves, causal=args.causal)}
+    mode = getattr(args, "mode", "plain")
+    # plain: fa4dist's default, which follows torch.use_deterministic_algorithms (bench/kernel_breakdown.py sets it)
+    ours = {"plain": {}, "deterministic": dict(deterministic=True), "cp_invariant": dict(cp_invariant=True)}[mode]
+    calls = {"ours": lambda: fa4dist.attention(*leaves, causal=args.causal, **ours)}
+    if getattr(args, "contract", False):  # the kernel contract's forward as bench/kernels.py times it (no autograd)
+        from fa4dist.kernels import attention_forward
+
+        from fa4dist.kernels import attention_backward
+
+        invariant = mode == "cp_invariant"
+        calls["ours, contract"] = lambda: attention_forward(q, k, v, causal=args.causal, backend="cute",
+                                                             cp_invariant=invariant)[0]
+        out, lse = attention_forward(q, k, v, causal=args.causal, backend="cute")
+        calls["ours, contract backward"] = lambda: attention_backward(
+            dout, q, k, v, out, lse, causal=args.causal, backend="cute", deterministic=mode == "deterministic")[0]
     try:
         from flash_attn.cute import flash_attn_func
 

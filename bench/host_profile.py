@@ -3,6 +3,10 @@ cProfile of the calls (top functions by own time), forward and forward+backward,
 
     python bench/host_profile.py                      # S 1k, B 16, H 16, D 128, causal, bf16
     python bench/host_profile.py --seqlen 4096 --batch 4
+    python bench/host_profile.py --seqlen 32768 --batch 1 --heads 32 --kv-heads 8 --mode cp_invariant --calls 10
+
+``--sync-debug``: one more call of each pass under torch.cuda.set_sync_debug_mode("warn"), printing where every
+synchronizing operation was called from.
 
 At short sequences the GPU waits on the host (bench/kernel_breakdown.py: ~300 us idle per forward+backward at
 1k, flash-attn-4 ~40 us); this shows whether that is Python work per call or a hidden device synchronisation
@@ -20,6 +24,8 @@ import os
 import pstats
 import sys
 import time
+import traceback
+import warnings
 
 import torch
 
@@ -33,6 +39,11 @@ def parse_args(argv=None):
     add_problem_args(p)
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--contract", action="store_true",
+                   help="also time the contract's attention_forward(backend='cute') alone, forward only")
+    p.add_argument("--torch-profile", action="store_true",
+                   help="also torch.profiler's CPU-side table of the calls (aten ops, launches, autograd nodes)")
+    p.add_argument("--sync-debug", action="store_true", help="report the stack of every synchronizing operation")
     return p.parse_args(argv)
 
 
@@ -56,6 +67,31 @@ def host_only_us(fn, calls: int) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
+def synchronizing_calls(call) -> list[str]:
+    """The stacks (innermost frames last, fa4dist's and the bench's frames only) of every operation that
+    synchronized the host with the GPU during one ``call()``."""
+    found = []
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.format_stack()[:-1] if "fa4dist" in f or "bench" in f]
+        found.append(f"{message}\n" + "".join(frames[-6:]))
+
+    torch.cuda.synchronize()
+    previous = warnings.showwarning
+    warnings.showwarning = show
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = previous
+    torch.cuda.synchronize()
+    return found
+
+
 def main(argv=None):
     args = parse_args(argv)
     libs, dout = make_calls(args)
@@ -67,6 +103,8 @@ def main(argv=None):
 
     for name, fn in libs.items():
         passes = {"forward": lambda fn=fn: fn(), "forward+backward": lambda fn=fn: fn().backward(dout)}
+        if "contract" in name:  # the contract's entry points alone: one pass, no autograd
+            passes = {name.split("contract ")[-1] if name.endswith("backward") else "forward": fn}
         for label, call in passes.items():
             ctx = torch.no_grad() if label == "forward" else torch.enable_grad()
             with ctx:
@@ -77,6 +115,11 @@ def main(argv=None):
                 host = host_only_us(call, args.calls)
                 say(f"{name} {label}: {queued:.1f} us/call queued back to back, {synced:.1f} us/call with a sync "
                     f"after each, {host:.1f} us/call of host time before the GPU drains")
+                if args.sync_debug:
+                    syncs = synchronizing_calls(call)
+                    say(f"{name} {label}: {len(syncs)} synchronizing operations")
+                    for stack in syncs:
+                        say(stack)
                 prof = cProfile.Profile()
                 torch.cuda.synchronize()
                 prof.enable()
@@ -87,6 +130,15 @@ def main(argv=None):
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
             say(s.getvalue())
+            if args.torch_profile:
+                from torch.profiler import ProfilerActivity, profile
+
+                with ctx, profile(activities=[ProfilerActivity.CPU]) as tprof:
+                    for _ in range(args.calls):
+                        call()
+                    torch.cuda.synchronize()
+                say(f"{name} {label}: torch.profiler, CPU time of {args.calls} calls")
+                say(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     date = datetime.date.today().isoformat()
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, f"{date}-host-profile.txt"), "w") as fh:
