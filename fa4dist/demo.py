@@ -46,7 +46,29 @@ def _args(argv=None):
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--nproc", type=int, default=2, help="processes to spawn when not started by torchrun")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    return args
+
+
+def _check_args(p: argparse.ArgumentParser, args) -> None:
+    """Sizes the demo cannot run refused by name, before any process starts (the library checks the rest, e.g.
+    heads the Ulysses degree must divide, on every rank)."""
+    positive = ["batch", "heads", "kv_heads", "headdim", "iters", "nproc"]
+    positive += [name for name in ("seqlen", "num_chunks", "ulysses_degree") if getattr(args, name) is not None]
+    for name in positive:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.docs < 0:
+        p.error(f"--docs must be 0 (one sequence) or a positive number of documents, got {args.docs}")
+    if args.docs > 0 and args.batch != 1:
+        p.error("--batch applies to the one-sequence mode; packed documents (--docs) are one batch")
+    if args.seqlen is not None and args.docs > args.seqlen:
+        p.error(f"--docs {args.docs} needs at least as many tokens (--seqlen {args.seqlen})")
+    if args.heads % args.kv_heads:
+        p.error(f"--kv-heads ({args.kv_heads}) must divide --heads ({args.heads})")
+    if not args.timeout > 0:
+        p.error(f"--timeout must be positive seconds, got {args.timeout}")
 
 
 class _Progress:
@@ -112,8 +134,10 @@ def run(args) -> int:
     rank, world, device, comm = _setup()
     lead = rank == 0
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    total = args.seqlen or (32768 if device.type == "cuda" else 2048)
+    total = args.seqlen if args.seqlen is not None else (32768 if device.type == "cuda" else 2048)
     packed = args.docs > 0
+    if packed and args.docs > total:
+        raise ValueError(f"--docs {args.docs} needs at least as many tokens (the default --seqlen is {total})")
     module = FA4ContextParallelAttention(
         dist.group.WORLD, strategy=args.strategy, causal=True, backend=args.backend, timeout=args.timeout,
         ulysses_degree=args.ulysses_degree, deterministic=True if args.deterministic else None,
@@ -253,6 +277,11 @@ def main(argv=None) -> int:
         mp.spawn(_spawned, args=(args.nproc, port, argv if argv is not None else sys.argv[1:]), nprocs=args.nproc)
     except mp.ProcessExitedException as err:
         print(f"fa4dist demo: a rank failed ({err})", file=sys.stderr)
+        return 1
+    except mp.ProcessRaisedException as err:
+        # the rank's own traceback ends the message; its last line names the error
+        last = str(err).strip().splitlines()[-1]
+        print(f"fa4dist demo: a rank failed: {last}", file=sys.stderr)
         return 1
     return 0
 

@@ -2,6 +2,7 @@
 launcher `python -m fa4dist.demo --nproc N`."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,3 +35,33 @@ def test_demo_self_launched_packed_ulysses():
     out = _run([sys.executable, "-m", "fa4dist.demo", "--nproc", "2", "--docs", "5", "--strategy", "ulysses", *SMALL])
     assert "strategy: ulysses" in out and "5 packed documents" in out
     assert out.count("(ok, tolerance") == 4, out
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--seqlen", "0"], "--seqlen must be a positive integer, got 0"),
+    (["--nproc", "0"], "--nproc must be a positive integer, got 0"),
+    (["--iters", "0"], "--iters must be a positive integer, got 0"),
+    (["--batch", "0"], "--batch must be a positive integer, got 0"),
+    (["--heads", "-1"], "--heads must be a positive integer, got -1"),
+    (["--num-chunks", "0"], "--num-chunks must be a positive integer, got 0"),
+    (["--docs", "-3"], "--docs must be 0 \\(one sequence\\) or a positive number"),
+    (["--docs", "500", "--seqlen", "128"], "--docs 500 needs at least as many tokens"),
+    (["--docs", "4", "--batch", "2"], "--batch applies to the one-sequence mode"),
+    (["--kv-heads", "3"], "--kv-heads \\(3\\) must divide --heads \\(8\\)"),
+    (["--timeout", "-1"], "--timeout must be positive seconds"),
+])
+def test_demo_refuses_sizes_it_cannot_run_by_name(bad, message, capsys):
+    from fa4dist import demo
+
+    with pytest.raises(SystemExit) as exit_info:
+        demo._args(bad)
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_rank_that_raises_ends_the_self_launched_demo_with_one_line():
+    cmd = [sys.executable, "-m", "fa4dist.demo", "--nproc", "3", "--strategy", "ulysses", *SMALL]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "fa4dist demo: a rank failed: ValueError: Ulysses degree 3 is impossible" in proc.stderr

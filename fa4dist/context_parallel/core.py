@@ -437,12 +437,30 @@ class ContextParallel:
     def _single(self, q, k, v, plan, sinks):
         cu = None
         if plan is not None:
-            if not isinstance(plan, ShardPlan):
-                raise TypeError(f"plan must be a ShardPlan, got {type(plan).__name__}")
-            if plan.cp_size != 1:
-                raise ValueError(f"the plan is for cp_size={plan.cp_size} but there is no process group (cp size 1)")
-            if plan.packed:
-                cu = plan.cu_seqlens_tensor(q.device if isinstance(q, torch.Tensor) else None)
+            from fa4dist.data.sharding import SingleRankPlan
+
+            if isinstance(plan, SingleRankPlan):  # fa4dist.data's plan of an unsplit packed sample
+                packed, total = True, plan.total
+            elif isinstance(plan, ShardPlan):
+                if plan.cp_size != 1:
+                    raise ValueError(
+                        f"the plan is for cp_size={plan.cp_size} but there is no process group (cp size 1)")
+                packed, total = plan.packed, plan.total_len
+            else:
+                raise TypeError(f"plan must be a ShardPlan (or fa4dist.data's SingleRankPlan), got "
+                                f"{type(plan).__name__}")
+            sd = 0 if packed else 1
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+                if t.dim() != (3 if packed else 4):
+                    layout = "(tokens, heads, head_dim) for a packed-document plan" if packed else (
+                        "(batch, seqlen, heads, head_dim) for a single-sequence plan")
+                    raise ValueError(f"{name} must be {3 if packed else 4}-D {layout}, got shape {tuple(t.shape)}")
+                if t.shape[sd] != total:
+                    raise ValueError(f"{name} holds {t.shape[sd]} tokens but the plan covers {total}")
+            if packed:
+                cu = plan.cu_seqlens_tensor(q.device) if isinstance(plan, ShardPlan) else plan.cu_seqlens.to(q.device)
         elif isinstance(q, torch.Tensor) and q.dim() == 3:
             raise ValueError("packed (3-D) input needs a packed-document plan (make_plan(cu_seqlens, 1)) for its "
                              "document boundaries")

@@ -42,8 +42,12 @@ def collect_documents(
 
     Hidden directories, caches, egg-info and build outputs are skipped; files larger than ``max_file_bytes`` or not
     valid UTF-8 are skipped too."""
+    if isinstance(roots, (str, os.PathLike)):  # one root (a string is not a sequence of roots)
+        roots = [roots]
     roots = [Path(r) for r in (roots or [default_text_root()])]
-    suffixes = tuple(suffixes)
+    suffixes = (suffixes,) if isinstance(suffixes, str) else tuple(suffixes)
+    if not suffixes or not all(isinstance(x, str) for x in suffixes):
+        raise TypeError(f"suffixes must be file name endings (strings), got {suffixes!r}")
     docs: list[str] = []
     for root in roots:
         if root.is_file():
@@ -94,6 +98,14 @@ def segments_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
     return cu.to(torch.int32)
 
 
+def _check_int(name: str, value, minimum: Optional[int]) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Position of every token within its segment."""
     cu = cu_seqlens.long()
@@ -109,11 +121,16 @@ class PackedTokenStream:
                  tokenizer: Optional[ByteTokenizer] = None):
         if packing not in ("documents", "stream"):
             raise ValueError(f"packing must be 'documents' or 'stream', got {packing!r}")
-        if seqlen < 2:
-            raise ValueError(f"seqlen must be at least 2, got {seqlen}")
+        _check_int("seqlen", seqlen, 2)
+        _check_int("seed", seed, None)
+        if isinstance(documents, (str, bytes)):
+            raise TypeError("documents must be a sequence of texts, got one "
+                            f"{type(documents).__name__} (wrap it in a list: [text])")
         tok = tokenizer or ByteTokenizer()
         ids, doc_ids = [], []
         for i, text in enumerate(documents):
+            if not isinstance(text, str):
+                raise TypeError(f"documents[{i}] must be a str, got {type(text).__name__}")
             t = tok.encode(text)
             ids.extend(t)
             doc_ids.extend([i] * len(t))
@@ -155,5 +172,11 @@ class PackedTokenStream:
     def batch(self, step: int, sequences_per_step: int, first: int = 0, count: Optional[int] = None) -> list[Sample]:
         """Samples ``first .. first + count`` of the ``sequences_per_step`` that make up global step ``step``
         (a data-parallel rank asks for its slice)."""
+        _check_int("sequences_per_step", sequences_per_step, 1)
+        _check_int("first", first, 0)
         count = sequences_per_step - first if count is None else count
+        _check_int("count", count, 0)
+        if first + count > sequences_per_step:
+            raise ValueError(f"samples first={first} .. first + count={first + count} exceed the step's "
+                             f"sequences_per_step={sequences_per_step}")
         return [self.window(self.global_index(step, first + i, sequences_per_step)) for i in range(count)]

@@ -23,8 +23,11 @@ class SingleRankPlan:
     cp_size = 1
 
     def __init__(self, cu_seqlens):
-        # a tensor or a list of document boundaries (as make_plan takes them)
-        self.cu_seqlens = torch.as_tensor(cu_seqlens).to(torch.int32)
+        # a tensor or a list of document boundaries (as make_plan takes them, and checked as it checks them)
+        from fa4dist.context_parallel import make_plan
+
+        self._plan = make_plan(cu_seqlens, 1)
+        self.cu_seqlens = self._plan.cu_seqlens_tensor()
         self.total = int(self.cu_seqlens[-1])
 
     @staticmethod
@@ -53,17 +56,18 @@ class SingleRankPlan:
         self._check_rank(rank)
         return self.cu_seqlens
 
-    def balance_report(self) -> dict:
-        return {"cp_size": 1, "max_over_mean": 1.0}
+    def balance_report(self):
+        """As :meth:`ShardPlan.balance_report` (one rank: balanced by definition)."""
+        return self._plan.balance_report()
 
 
 def make_sample_plan(sample: Sample, cp_size: int, balancer: str = "lpt", num_chunks: Optional[int] = None):
-    """The sharding plan of one packed sample over ``cp_size`` ranks."""
-    if cp_size == 1:
-        return SingleRankPlan(sample.cu_seqlens)
+    """The sharding plan of one packed sample over ``cp_size`` ranks (a :class:`SingleRankPlan` for one rank; the
+    arguments are checked alike for every size)."""
     from fa4dist.context_parallel import make_plan
 
-    return make_plan(sample.cu_seqlens, cp_size, balancer=balancer, num_chunks=num_chunks)
+    plan = make_plan(sample.cu_seqlens, cp_size, balancer=balancer, num_chunks=num_chunks)
+    return SingleRankPlan(sample.cu_seqlens) if cp_size == 1 else plan
 
 
 @dataclass
@@ -84,7 +88,8 @@ class LocalBatch:
 def shard_sample(sample: Sample, plan, rank: int, device=None) -> LocalBatch:
     """Cuts ``sample`` into rank ``rank``'s shard under ``plan``."""
     device = device or sample.tokens.device
-    if getattr(plan, "cp_size", 1) == 1 and isinstance(plan, SingleRankPlan):
+    if isinstance(plan, SingleRankPlan):
+        plan._check_rank(rank)
         return LocalBatch(sample.tokens.to(device), sample.labels.to(device), sample.positions.to(device), plan, 0)
     tokens = plan.shard(sample.tokens, seq_dim=0, rank=rank)
     labels = plan.shard(sample.labels, seq_dim=0, rank=rank)

@@ -218,3 +218,27 @@ def test_single_process_plan_errors():
     q = torch.randn(1, 8, 2, 4)
     with pytest.raises(ValueError, match="the plan is for cp_size=2 but there is no process group"):
         FA4ContextParallelAttention()(q, q, q, plan=make_plan(8, 2))
+    # without a process group the plan's token count is checked as every rank checks its own
+    for total in (5, 21):
+        with pytest.raises(ValueError, match=f"q holds 8 tokens but the plan covers {total}"):
+            FA4ContextParallelAttention()(q, q, q, plan=make_plan(total, 1))
+    longer = torch.randn(1, 9, 2, 4)
+    with pytest.raises(ValueError, match="k holds 9 tokens but the plan covers 8"):
+        FA4ContextParallelAttention()(q, longer, longer, plan=make_plan(8, 1))
+    with pytest.raises(ValueError, match="q must be 3-D \\(tokens, heads, head_dim\\) for a packed-document plan"):
+        FA4ContextParallelAttention()(q, q, q, plan=make_plan([0, 3, 8], 1))
+
+
+def test_single_process_takes_the_data_helpers_single_rank_plan():
+    """fa4dist.data's plan of an unsplit packed sample (make_sample_plan(sample, 1)) is a plan the module takes:
+    attention within each of its documents, as a cp-size-1 ShardPlan of the same boundaries gives."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.data.sharding import SingleRankPlan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    q, k, v = (torch.randn(8, 2, 4, dtype=torch.float64) for _ in range(3))
+    attn = FA4ContextParallelAttention(causal=True)
+    got = attn(q, k, v, plan=SingleRankPlan([0, 3, 8]))
+    assert torch.equal(got, attn(q, k, v, plan=make_plan([0, 3, 8], 1)))
+    with pytest.raises(ValueError, match="q holds 8 tokens but the plan covers 9"):
+        attn(q, k, v, plan=SingleRankPlan([0, 3, 9]))

@@ -1,0 +1,65 @@
+"""fa4dist.data.packing: documents collected from local text and packed into windows; bad arguments refused by
+name."""
+
+import pytest
+import torch
+
+from fa4dist.data.packing import IGNORE, PackedTokenStream, collect_documents
+
+
+def _tree(tmp_path):
+    (tmp_path / "a.txt").write_text("alpha document")
+    (tmp_path / "b.py").write_text("print('beta')")
+    (tmp_path / "c.dat").write_text("not collected")
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "d.txt").write_text("delta")
+    return tmp_path
+
+
+def test_one_root_and_one_suffix_may_be_given_as_strings(tmp_path):
+    """A string is one root (not a sequence of one-character roots), and a string suffix one ending."""
+    root = _tree(tmp_path)
+    assert collect_documents(str(root), suffixes=".txt") == ["alpha document", "delta"]
+    assert collect_documents(root, suffixes=(".py",)) == ["print('beta')"]
+    assert collect_documents([root]) == collect_documents(str(root))
+    with pytest.raises(TypeError, match="suffixes must be file name endings"):
+        collect_documents(root, suffixes=[1])
+
+
+def test_windows_keep_their_document_structure():
+    stream = PackedTokenStream(["abcdef", "ghijklmnop", "qrs"], seqlen=8, seed=1)
+    for i in range(stream.num_windows):
+        w = stream.window(i)
+        cu = w.cu_seqlens.tolist()
+        assert cu[0] == 0 and cu[-1] == 8 and all(b > a for a, b in zip(cu, cu[1:]))
+        for a, b in zip(cu, cu[1:]):  # positions restart in every document; no label across a boundary
+            assert w.positions[a:b].tolist() == list(range(b - a))
+        ends = [b - 1 for b in cu[1:-1]]
+        assert all(w.labels[e] == IGNORE for e in ends)
+
+
+@pytest.mark.parametrize("documents, seqlen, kwargs, error, message", [
+    ("hello world", 4, {}, TypeError, "documents must be a sequence of texts, got one str"),
+    (b"hello", 4, {}, TypeError, "documents must be a sequence of texts, got one bytes"),
+    (["ok", b"x"], 4, {}, TypeError, "documents\\[1\\] must be a str, got bytes"),
+    (["ok", None], 4, {}, TypeError, "documents\\[1\\] must be a str, got NoneType"),
+    (["abc"], 4.0, {}, TypeError, "seqlen must be an int, got float"),
+    (["abc"], "8", {}, TypeError, "seqlen must be an int, got str"),
+    (["abc"], 1, {}, ValueError, "seqlen must be at least 2, got 1"),
+    (["abc"], 4, dict(seed=None), TypeError, "seed must be an int, got NoneType"),
+    (["abc"], 4, dict(packing="rows"), ValueError, "packing must be 'documents' or 'stream'"),
+])
+def test_bad_stream_arguments_are_refused_by_name(documents, seqlen, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        PackedTokenStream(documents, seqlen, **kwargs)
+
+
+def test_a_step_batch_stays_inside_its_step():
+    stream = PackedTokenStream(["abcdefgh" * 20], seqlen=4)
+    whole = stream.batch(3, 4)
+    assert [torch.equal(a.tokens, b.tokens) for a, b in zip(whole[1:3], stream.batch(3, 4, first=1, count=2))] == [
+        True, True]
+    for first, count in ((2, 4), (-2, None), (0, -1)):
+        with pytest.raises(ValueError, match="first|count"):
+            stream.batch(0, 4, first=first, count=count)

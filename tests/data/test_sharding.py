@@ -1,0 +1,45 @@
+"""fa4dist.data.sharding: a packed sample's plan and this rank's shard, checked alike at every cp size."""
+
+import pytest
+import torch
+
+from fa4dist.data.packing import IGNORE, PackedTokenStream
+from fa4dist.data.sharding import SingleRankPlan, make_sample_plan, shard_sample
+
+
+def _sample():
+    return PackedTokenStream(["abcdefg", "hijklmnopqrs", "tuv"], seqlen=16, seed=0).window(0)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_the_shards_cover_every_label_once(cp):
+    sample = _sample()
+    plan = make_sample_plan(sample, cp)
+    shards = [shard_sample(sample, plan, r) for r in range(cp)]
+    labels = torch.cat([s.labels for s in shards])
+    assert sorted(labels[labels != IGNORE].tolist()) == sorted(sample.labels[sample.labels != IGNORE].tolist())
+    assert isinstance(plan, SingleRankPlan) == (cp == 1)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(balancer="nope"), ValueError, "balancer must be one of"),
+    (dict(num_chunks=-1), ValueError, "num_chunks must be >= 1"),
+    (dict(num_chunks="x"), TypeError, "num_chunks must be an int"),
+])
+def test_bad_plan_arguments_are_refused_at_every_cp_size(cp, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        make_sample_plan(_sample(), cp, **kwargs)
+
+
+def test_a_single_rank_plan_has_rank_0_only_and_checks_its_boundaries():
+    sample = _sample()
+    plan = make_sample_plan(sample, 1)
+    for rank in (1, -1):
+        with pytest.raises(ValueError, match=f"a single-rank plan has only rank 0, got {rank}"):
+            shard_sample(sample, plan, rank)
+    with pytest.raises(ValueError, match="cu_seqlens needs at least 2 entries"):
+        SingleRankPlan([])
+    with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
+        SingleRankPlan([0, 5, 3])
+    assert "max/mean compute over ranks = 1.0000" in str(plan.balance_report())
