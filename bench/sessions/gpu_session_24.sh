@@ -60,3 +60,14 @@ if [ "$1" = 3 ]; then
     tests/kernels/test_cute_bwd_gpu.py tests/kernels/test_backends_gpu.py
   exit
 fi
+# 4: the GPU suites the backward's remembered configs touch (launch_steps: fresh, accumulating, shared rows, fixed
+#    point), after the hardening commits: the CP GPU tests (staged ranks, shared query side), the work lists, the
+#    backward kernels, the backends.
+if [ "$1" = 4 ]; then
+  TAIL_LINES=4 stage tests_cp 200 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/cp/test_cp_gpu.py
+  TAIL_LINES=4 stage tests_worklist 150 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 -m gpu \
+    tests/kernels/test_worklist_gpu.py
+  TAIL_LINES=4 stage tests_bwd 200 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 -m gpu \
+    tests/kernels/test_cute_bwd_gpu.py
+  exit
+fi

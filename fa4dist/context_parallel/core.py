@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Optional
 
 import torch
@@ -64,14 +65,28 @@ def _resolve_mesh(mesh):
     return None, mesh.get_group(1), mesh.get_group(0)
 
 
+_INSTANCES: dict = {}  # process groups' key -> modules created on them so far in this process
+
+
+def _next_instance(key: tuple) -> int:
+    """The number of a new module on these process groups: modules are numbered in the order a rank creates them
+    on the groups, which is the same on every rank that builds the same model.  The agreement checks compare it,
+    so two modules called in different orders on different ranks fail instead of pairing the wrong calls."""
+    number = _INSTANCES.get(key, 0)
+    _INSTANCES[key] = number + 1
+    return number
+
+
 class _Call:
     """Everything one forward/backward needs; kept by the autograd graph."""
 
-    def __init__(self, sched, ring, uly, split, opts, heads_q, heads_kv, call_id=0, agree=None, invariant=False):
+    def __init__(self, sched, ring, uly, split, opts, heads_q, heads_kv, call_id=0, agree=None, invariant=False,
+                 signature=None):
         self.sched, self.ring, self.uly, self.split, self.opts = sched, ring, uly, split, opts
         self.heads_q, self.heads_kv = heads_q, heads_kv
         self.invariant = invariant  # cp_invariant: the gather engine (fa4dist.context_parallel.gather)
         self.call_id, self.agree = call_id, agree  # agree: ContextParallel.agree, or None without verification
+        self.signature = signature  # the forward call's agreed signature (its backward's check names it)
 
     def member_sinks(self, sinks):
         """The sinks of the query heads this rank computes (its Ulysses share), or None."""
@@ -99,7 +114,7 @@ class _Call:
 
     def backward(self, dout, q, k, v, out_m, lse_m, sinks):
         if self.agree is not None:  # every rank must be back-propagating the same forward call
-            self.agree("the backward of forward call", self.call_id, dict(direction="backward"))
+            self.agree("the backward of forward call", self.call_id, dict(direction="backward", **self.signature))
         uly, split, dtype = self.uly, self.split, q.dtype
         dout = dout.to(dtype).contiguous()
         if uly is not None:
@@ -183,8 +198,8 @@ class ContextParallel:
             raise TypeError(f"backend must be a string, got {type(backend).__name__}")
         if softmax_scale is not None:
             check_softmax_scale(softmax_scale, 1)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
         if ulysses_degree is not None and (isinstance(ulysses_degree, bool) or not isinstance(ulysses_degree, int)
                                            or ulysses_degree < 1):
             raise ValueError(f"ulysses_degree must be a positive int or None, got {ulysses_degree!r}")
@@ -222,10 +237,17 @@ class ContextParallel:
         self._transports: dict = {}
         self._schedules: dict = {}
         self._calls = 0  # forward calls made (every rank makes the same ones: checked per call)
+        self.instance = _next_instance(self._group_key())
+
+    def _group_key(self) -> tuple:
+        return (id(self.group), id(self.ulysses_group), id(self.ring_group))
 
     def __deepcopy__(self, memo):
-        # the copy shares the process groups and their transports (neither can be copied), and copies the rest
-        return deepcopy_sharing(self, memo, ("group", "ulysses_group", "ring_group", "_transports"))
+        # the copy shares the process groups and their transports (neither can be copied), copies the rest, and
+        # is a module of its own on the groups: the next instance number (every rank copies in the same order)
+        new = deepcopy_sharing(self, memo, ("group", "ulysses_group", "ring_group", "_transports"))
+        new.instance = _next_instance(new._group_key())
+        return new
 
     # ---- strategy ---------------------------------------------------------------------------------------------
 
@@ -341,8 +363,8 @@ class ContextParallel:
             dtype=str(problem.dtype), device=problem.device.type,
             batch=None if plan.packed else problem.batch, heads_q=problem.heads_q, heads_kv=problem.heads_kv,
             head_dim=problem.head_dim, head_dim_v=problem.head_dim_v,
-            grad=bool(torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))),
-            cp_invariant=self.cp_invariant,
+            grad=bool(torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks))),
+            cp_invariant=self.cp_invariant, module=self.instance,
         )
         return shared, u
 
@@ -385,9 +407,9 @@ class ContextParallel:
             raise type(error)(f"{LABEL}: {message}") from error
         raise ValueError(f"{LABEL}: {message}")
 
-    def _verify(self, q, k, v, plan, sinks) -> int:
+    def _verify(self, q, k, v, plan, sinks) -> tuple:
         """Checks the local input and that every rank makes the same call (fails alike on every rank, never hangs,
-        on bad or disagreeing input); returns the Ulysses degree."""
+        on bad or disagreeing input); returns the Ulysses degree and the agreed signature."""
         shared, u, error = None, None, None
         try:
             shared, u = self._local_check(q, k, v, plan, sinks)
@@ -398,7 +420,7 @@ class ContextParallel:
         if self.verify:
             self._calls += 1
             self.agree("forward call", self._calls, shared, error)
-        return u
+        return u, shared
 
     # ---- the call ---------------------------------------------------------------------------------------------
 
@@ -412,7 +434,7 @@ class ContextParallel:
                 "context-parallel attention needs the plan the inputs were sharded with (plan=; build one with "
                 "fa4dist.context_parallel.make_plan or FA4ContextParallelAttention.make_plan)"
             )
-        u = self._verify(q, k, v, plan, sinks)
+        u, signature = self._verify(q, k, v, plan, sinks)
         key = (plan.fingerprint, plan.total_len, u)
         sched = self._schedules.get(key)
         if sched is None:
@@ -431,7 +453,7 @@ class ContextParallel:
             uly = UlyssesGroup(ut, upeers, uidx, member, lens, 0 if plan.packed else 1)
         opts = KernelOptions(self.softmax_scale, self.softcap, self.backend, self._deterministic())
         call = _Call(sched, ring, uly, split, opts, heads_q, heads_kv, self._calls,
-                     self.agree if self.verify else None, invariant=self.cp_invariant)
+                     self.agree if self.verify else None, invariant=self.cp_invariant, signature=signature)
         return _ContextParallelFunction.apply(q, k, v, sinks, call)
 
     def _single(self, q, k, v, plan, sinks):
@@ -470,6 +492,11 @@ class ContextParallel:
                                 cp_invariant=self.cp_invariant)
 
 
+_FIELD_HINTS = {"module": " (which attention module was called: each rank numbers its modules on the group in the "
+                          "order it created them, so the ranks called different modules, or created them in "
+                          "different orders)"}
+
+
 def _disagreement(gathered: list, what: str = "the first call") -> Optional[str]:
     """A message if any rank reported an error or the ranks' signatures or call numbers differ, else None."""
     errors = [(g["rank"], g["error"]) for g in gathered if g["error"]]
@@ -488,7 +515,8 @@ def _disagreement(gathered: list, what: str = "the first call") -> Optional[str]
     for field in sigs[0]:
         values = [s.get(field) for s in sigs]
         if any(v != values[0] for v in values):
-            diffs.append(f"{field}: " + ", ".join(f"rank {g['rank']} {s.get(field)!r}" for g, s in zip(gathered, sigs)))
+            diffs.append(f"{field}{_FIELD_HINTS.get(field, '')}: " + ", ".join(
+                f"rank {g['rank']} {s.get(field)!r}" for g, s in zip(gathered, sigs)))
     if diffs:
         return f"ranks disagree on {what}: " + "; ".join(diffs)
     return None

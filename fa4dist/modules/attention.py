@@ -37,8 +37,10 @@ class FA4ContextParallelAttention(nn.Module):
         timeout: seconds any wait on another rank may take before a :class:`~fa4dist.context_parallel.CommError`
             naming what was awaited.
         verify: on every call (forward and backward), all-gather a small fingerprint of the call (shapes, dtypes,
-            plan, options, call number), so that ranks that disagree all fail at once with one message naming
-            the field and the ranks, instead of hanging or computing garbage.
+            plan, options, which module, call number), so that ranks that disagree all fail at once with one
+            message naming the field and the ranks, instead of hanging or computing garbage.  The values of the
+            inputs are not compared (each rank holds its own shard), nor those of ``sinks``: a replicated sinks
+            parameter that drifts between ranks is not detected.
 
         cp_invariant: out, lse and the gradients bitwise identical at every cp size, strategy and balancer, and
             to ``fa4dist.attention(..., cp_invariant=True)`` on one device (default: the environment variable

@@ -139,6 +139,53 @@ def test_backward_of_different_calls_fails_clearly(pool):
         assert "call number" in message and "rank 1" in message, message
 
 
+def two_modules_case(rank, world, swap):
+    """Two modules alike (every multi-layer model has them), each called once: rank 1 calls them (swap="forward")
+    or back-propagates them (swap="backward") in the other order. Each module's first call looks the same to
+    a check without the module's number."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    mods = [FA4ContextParallelAttention(GROUPS[4], strategy="ring", backend="reference", timeout=60)
+            for _ in range(2)]
+    plan = make_plan(48, 4)
+    order = [1, 0] if rank == 1 else [0, 1]
+    if swap == "forward":
+        return _error(lambda: [mods[i](*_inputs(plan, rank), plan=plan) for i in order])
+    outs = [m(*[t.requires_grad_() for t in _inputs(plan, rank)], plan=plan) for m in mods]
+    return _error(lambda: [outs[i].sum().backward() for i in order])
+
+
+@pytest.mark.parametrize("swap, what", [("forward", "forward call 1"),
+                                        ("backward", "the backward of forward call 1")])
+def test_modules_called_in_different_orders_fail_naming_the_module(pool, swap, what):
+    for rank, res in enumerate(pool.run(two_modules_case, swap=swap, timeout=90)):
+        assert res is not None, f"rank {rank} computed instead of failing"
+        name, message, elapsed = res
+        assert name == "ValueError" and f"ranks disagree on {what}: module (which attention module" in message, (
+            rank, message)
+        assert elapsed < 20, elapsed
+
+
+def sinks_grad_case(rank, world):
+    """Only rank 1's sinks take a gradient (q, k, v take none): the ranks disagree on the backward."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    module = FA4ContextParallelAttention(GROUPS[4], strategy="ring", backend="reference", timeout=60)
+    plan = make_plan(48, 4)
+    sinks = torch.zeros(4, dtype=torch.float64).requires_grad_(rank == 1)
+    return _error(lambda: module(*_inputs(plan, rank), plan=plan, sinks=sinks))
+
+
+def test_sinks_that_take_a_gradient_on_one_rank_only_fail_naming_grad(pool):
+    for rank, res in enumerate(pool.run(sinks_grad_case, timeout=90)):
+        assert res is not None, f"rank {rank} computed instead of failing"
+        name, message, elapsed = res
+        assert name == "ValueError" and "ranks disagree on forward call 1: grad: " in message, (rank, message)
+        assert elapsed < 20, elapsed
+
+
 def double_backward_case(rank, world):
     from fa4dist.context_parallel import make_plan
     from fa4dist.modules import FA4ContextParallelAttention
@@ -198,7 +245,8 @@ def test_absent_rank_times_out_with_a_named_wait(pool, verify, pattern):
     (dict(deterministic=1), TypeError, "deterministic must be a bool or None"),
     (dict(backend=3), TypeError, "backend must be a string"),
     (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
-    (dict(timeout=0), ValueError, "timeout must be a positive number of seconds"),
+    (dict(timeout=0), ValueError, "timeout must be a positive, finite number of seconds"),
+    (dict(timeout=float("inf")), ValueError, "timeout must be a positive, finite number of seconds, got inf"),
     (dict(ulysses_degree=0), ValueError, "ulysses_degree must be a positive int"),
     (dict(ulysses_group=object()), ValueError, "ulysses_group and ring_group must be given together"),
     (dict(mesh=object()), TypeError, "mesh must be a torch.distributed.device_mesh.DeviceMesh"),
