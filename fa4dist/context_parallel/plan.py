@@ -32,7 +32,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..kernels.mask import Mask, visible_pairs
-from ..kernels.problem import check_mask
+from ..kernels.problem import check_int, check_mask
 
 BALANCERS = ("contiguous", "zigzag", "lpt")
 
@@ -132,26 +132,18 @@ class BalanceReport:
         return "\n".join(lines)
 
 
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def _documents(seqlen_or_cu_seqlens) -> tuple[int, Optional[tuple[int, ...]]]:
     """(total tokens, document boundaries or None for one dense sequence)."""
     if isinstance(seqlen_or_cu_seqlens, bool):
         raise TypeError("seqlen_or_cu_seqlens must be an int (sequence length) or cu_seqlens, got bool")
     if isinstance(seqlen_or_cu_seqlens, numbers.Integral):  # int, or a NumPy integer
-        return _check_int("seqlen", int(seqlen_or_cu_seqlens), 1), None
+        return check_int("seqlen", int(seqlen_or_cu_seqlens), 1), None
     if isinstance(seqlen_or_cu_seqlens, torch.Tensor):
         t = seqlen_or_cu_seqlens
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise TypeError(f"cu_seqlens must hold integers, got dtype {t.dtype}")
         if t.dim() == 0:
-            return _check_int("seqlen", int(t), 1), None
+            return check_int("seqlen", int(t), 1), None
         if t.dim() != 1:
             raise ValueError(f"cu_seqlens must be 1-D (documents + 1), got shape {tuple(t.shape)}")
         values = tuple(int(x) for x in t.tolist())
@@ -535,17 +527,17 @@ def make_plan(
       stream (the cp_invariant training step's canonical token blocks, :mod:`fa4dist.models.invariant_grads`).
     """
     total, cu = _documents(seqlen_or_cu_seqlens)
-    _check_int("cp_size", cp_size, 1)
+    check_int("cp_size", cp_size, 1)
     if not isinstance(balancer, str) or balancer not in BALANCERS:
         raise ValueError(f"balancer must be one of {BALANCERS}, got {balancer!r}")
     mask = check_mask(causal, window)
-    _check_int("ulysses_degree", ulysses_degree, 1)
-    _check_int("align", align, 1)
+    check_int("ulysses_degree", ulysses_degree, 1)
+    check_int("align", align, 1)
     if cp_size % ulysses_degree:
         raise ValueError(f"ulysses_degree ({ulysses_degree}) must divide cp_size ({cp_size})")
     if num_chunks is None:  # packed documents balance far better with more, smaller chunks
         num_chunks = (8 if cu is not None else 2) * cp_size
-    _check_int("num_chunks", num_chunks, 1)
+    check_int("num_chunks", num_chunks, 1)
     if num_chunks % cp_size:
         raise ValueError(
             f"num_chunks must be a multiple of cp_size ({cp_size}) so every rank holds as many chunks, got {num_chunks}"

@@ -19,6 +19,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from ..kernels.problem import check_int
 from .tokenizer import ByteTokenizer
 
 IGNORE = -100
@@ -98,14 +99,6 @@ def segments_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
     return cu.to(torch.int32)
 
 
-def _check_int(name: str, value, minimum: Optional[int]) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return value
-
-
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Position of every token within its segment."""
     cu = cu_seqlens.long()
@@ -121,8 +114,8 @@ class PackedTokenStream:
                  tokenizer: Optional[ByteTokenizer] = None):
         if packing not in ("documents", "stream"):
             raise ValueError(f"packing must be 'documents' or 'stream', got {packing!r}")
-        _check_int("seqlen", seqlen, 2)
-        _check_int("seed", seed, None)
+        check_int("seqlen", seqlen, 2)
+        check_int("seed", seed)
         if isinstance(documents, (str, bytes)):
             raise TypeError("documents must be a sequence of texts, got one "
                             f"{type(documents).__name__} (wrap it in a list: [text])")
@@ -172,10 +165,10 @@ class PackedTokenStream:
     def batch(self, step: int, sequences_per_step: int, first: int = 0, count: Optional[int] = None) -> list[Sample]:
         """Samples ``first .. first + count`` of the ``sequences_per_step`` that make up global step ``step``
         (a data-parallel rank asks for its slice)."""
-        _check_int("sequences_per_step", sequences_per_step, 1)
-        _check_int("first", first, 0)
+        check_int("sequences_per_step", sequences_per_step, 1)
+        check_int("first", first, 0)
         count = sequences_per_step - first if count is None else count
-        _check_int("count", count, 0)
+        check_int("count", count, 0)
         if first + count > sequences_per_step:
             raise ValueError(f"samples first={first} .. first + count={first + count} exceed the step's "
                              f"sequences_per_step={sequences_per_step}")

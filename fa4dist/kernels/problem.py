@@ -220,6 +220,15 @@ def check_bool(name: str, value) -> bool:
     return value
 
 
+def check_int(name: str, value, minimum: Optional[int] = None) -> int:
+    """A count or an index: a Python int (not a bool) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
 def check_mask(causal, window) -> Mask:
     """The canonical :class:`~fa4dist.kernels.mask.Mask` of ``causal`` and ``window``, or a clear error."""
     check_bool("causal", causal)

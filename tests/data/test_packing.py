@@ -46,7 +46,7 @@ def test_windows_keep_their_document_structure():
     (["ok", None], 4, {}, TypeError, "documents\\[1\\] must be a str, got NoneType"),
     (["abc"], 4.0, {}, TypeError, "seqlen must be an int, got float"),
     (["abc"], "8", {}, TypeError, "seqlen must be an int, got str"),
-    (["abc"], 1, {}, ValueError, "seqlen must be at least 2, got 1"),
+    (["abc"], 1, {}, ValueError, "seqlen must be >= 2, got 1"),
     (["abc"], 4, dict(seed=None), TypeError, "seed must be an int, got NoneType"),
     (["abc"], 4, dict(packing="rows"), ValueError, "packing must be 'documents' or 'stream'"),
 ])
