@@ -226,6 +226,8 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
                       for buf, like in ((dq, q), (dk, k), (dv, v)))
         if sinks is None:
             return grads
+        if dsinks is not None and not accumulate:  # written: the gradient of no row is zero
+            dsinks.zero_()
         return (*grads, dsinks if dsinks is not None else torch.zeros(problem.heads_q, dtype=acc[0],
                                                                       device=sinks.device))
     impl = select_backend(backend, problem, "backward")

@@ -16,11 +16,15 @@ finite |K|, |V| of the head over the whole sequence (a soft-cap's derivative is 
 and so is the sum of |contribution| over the tiles (each tile's share of P is part of the same 1).  With
 bound_i < 2^e_i, s_i = 61 - e_i keeps |sum| below 2^62 (room for the rounding of 16-bit dS and of the tiles'
 fp32 sums) and resolves 2^-61 of the bound: far finer than fp32 for any row whose dq is not ~2^30 times smaller
-than its bound.  s_i is clamped to [-126, 126], so that 2^s_i is a normal fp32.  All inputs of the bound are
-maxima (exact in any order and layout) and the arithmetic is elementwise fp64, so every layout computes the same
-scales.  Non-finite values spread as in fp32 sums: a masked bad key or value contributes nothing (the kernels
-select it away, and the maxima skip it), a row that sees one has a non-finite out, and a row whose bound is not
-finite (a non-finite dO or out row) gets a NaN scale, so its dq comes out NaN.
+than its bound.  fp64 inputs get 53-bit accuracy only where |dq| is within ~2^8 of the bound: the bound takes the
+head's largest |K| and |V| over the whole sequence, so a row that never sees a key or value far larger than its
+own (or whose dq is small against its bound) keeps 2^-61 of the bound, not fp64's relative precision (a V token
+1e9 times the rest costs ~1e-8 absolute in rows of |dq| ~1 that never see it).  s_i is clamped to [-126, 126], so
+that 2^s_i is a normal fp32.  All inputs of the bound are maxima (exact in any order and layout) and the arithmetic
+is elementwise fp64, so every layout computes the same scales.  Non-finite values spread as in fp32 sums: a masked
+bad key or value contributes nothing (the kernels select it away, and the maxima skip it), a row that sees one has a
+non-finite out, and a row whose bound is not finite (a non-finite dO or out row), or is 2^187 or more (past what
+the clamped scale keeps in int64), gets a NaN scale, so its dq comes out NaN.
 
 The caller must pass the forward's own out and lse (the bound relies on P summing to at most 1).
 """
@@ -90,11 +94,14 @@ def dq_scale(dout: torch.Tensor, out: torch.Tensor, k_absmax: torch.Tensor, v_ab
 
 def power_of_two_scale(bound: torch.Tensor) -> torch.Tensor:
     """2^(61 - e) for ``bound < 2^e`` (fp64 bounds of sums of |terms|), clamped to [2^-126, 2^126] so that it is a
-    normal fp32 (fp32 result); NaN where the bound is not finite.  Terms times it then sum below 2^62 in int64."""
+    normal fp32 (fp32 result); NaN where the bound is not finite, or too large for the clamped scale to keep the
+    sums in int64 (2^187 and up, values beyond fp32's range): such a row's dq comes out NaN, never a wrapped
+    integer.  Terms times it then sum below 2^62 in int64."""
     exponent = torch.frexp(bound).exponent  # bound < 2^exponent (0 -> 0)
     shift = (FRACTION_HEADROOM - exponent).clamp(_MIN_EXP, _MAX_EXP)
     scale = torch.ldexp(torch.ones_like(bound), shift.to(bound.dtype)).float()
-    return torch.where(torch.isfinite(bound), scale, torch.full_like(scale, float("nan")))
+    fits = torch.isfinite(bound) & (exponent <= FRACTION_HEADROOM - _MIN_EXP)
+    return torch.where(fits, scale, torch.full_like(scale, float("nan")))
 
 
 def _per_row(scale: torch.Tensor, packed: bool) -> torch.Tensor:

@@ -151,4 +151,5 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: t
     seen = ~torch.isneginf(lse)
     zero = torch.zeros((), dtype=acc, device=lse.device)
     per_row = torch.where(seen, torch.exp(sink - torch.where(seen, lse, zero)) * delta, zero)
-    return -per_row.reshape(-1, *per_row.shape[-2:]).sum(dim=(0, 2))
+    # over every dim but the heads' (reshape(-1, ...) cannot infer its size when there are no rows)
+    return -per_row.sum(dim=[d for d in range(per_row.dim()) if d != per_row.dim() - 2])

@@ -366,7 +366,7 @@ def validate_inputs(
         cu_seqlens_k=ck,
         cu_seqlens_q_tensor=cu_seqlens_q,
         cu_seqlens_k_tensor=cu_seqlens_k,
-        cp_invariant=bool(cp_invariant),
+        cp_invariant=check_bool("cp_invariant", cp_invariant),
         softcap=softcap,
         has_sinks=has_sinks,
     )

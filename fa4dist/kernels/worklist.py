@@ -33,7 +33,7 @@ import torch
 
 from .api import attention_backward, attention_forward
 from .mask import Mask, visible_pairs
-from .problem import AttentionProblem, check_buffer, check_window, validate_inputs
+from .problem import AttentionProblem, check_bool, check_buffer, check_window, validate_inputs
 from .registry import select_backend
 
 
@@ -303,6 +303,7 @@ def attention_forward_items(
     ``fresh=True``: out and lse hold no result yet (any values); rows no item covers are left as they are, rows the
     first time an item covers them are written instead of merged (equal to merging into (0, -inf), one pass less).
     """
+    check_bool("fresh", fresh)
     seq_dim, problem = _layout(q, k, v, cp_invariant, softmax_scale, softcap)
     _check_whole_buffers(problem, "attention_forward_items (the running fp32 result)",
                          {"out": (out, None), "lse": (lse, None)}, {})

@@ -70,6 +70,21 @@ def test_non_finite_rows_come_out_nan():
     assert torch.isfinite(dq[0, :50]).all() and torch.isfinite(dq[0, 51:]).all() and torch.isfinite(dq[0, 50, 0]).all()
 
 
+def test_a_bound_beyond_the_scales_range_gives_nan_not_a_wrapped_integer():
+    """Bounds of 2^187 and up (values past fp32's range, fp64 inputs) would overflow int64 at the smallest fp32
+    scale: such rows get NaN scales and NaN dq, never a finite wrong number."""
+    import fa4dist
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g = (torch.randn(1, 4, 1, 4, dtype=torch.float64, generator=gen) * f for f in (1e-20, 1e20, 1e20, 1e20))
+    assert torch.isnan(fixed_point.power_of_two_scale(torch.tensor([2.0**187, float("inf")], dtype=torch.float64))
+                       ).all()
+    assert fixed_point.power_of_two_scale(torch.tensor([2.0**186], dtype=torch.float64)).item() == 2.0**-126
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    fa4dist.attention(*leaves, cp_invariant=True).backward(g)
+    assert torch.isnan(leaves[0].grad).all()
+
+
 def test_a_masked_bad_key_stays_masked():
     """A NaN key reaches only the rows that see it (as in fp32 sums): causal rows before it keep finite scales and
     finite dq, rows after it come out NaN."""

@@ -228,6 +228,41 @@ def test_cp_invariant_option_errors(monkeypatch):
     assert torch.allclose(out, fa4dist.attention(q, q, q, causal=True), atol=1e-6)
 
 
+def test_contract_and_work_list_flags_refuse_truthy_stand_ins():
+    """cp_invariant="False" would turn the mode on, fresh="no" would overwrite the running result: both are
+    refused by name, as the contract's other flags are."""
+    from fa4dist.kernels import WorkItem, attention_forward_items
+
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="cp_invariant must be a bool, got str"):
+        attention_forward(q, k, v, cp_invariant="False")
+    out, lse = torch.zeros(q.shape), torch.full((1, 2, 8), float("-inf"))
+    with pytest.raises(TypeError, match="fresh must be a bool, got str"):
+        attention_forward_items(q, k, v, [WorkItem(0, 8, 0, 8)], out, lse, fresh="no")
+
+
+def test_sinks_gradients_of_no_query_rows_are_zeros():
+    """Sinks with no query row (a dense call of 0 queries, or packed documents that are all empty): zero gradients,
+    and a given dsinks buffer written with zeros (accumulate=False), also for an empty batch."""
+    import fa4dist
+
+    s = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(1, 0, 2, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 3, 2, 4, dtype=torch.float64)
+    fa4dist.attention(q, k, k, sinks=s).sum().backward()
+    assert torch.equal(s.grad, torch.zeros(2, dtype=torch.float64)) and q.grad.shape == q.shape
+    s.grad = None
+    qp, kp = torch.randn(0, 2, 4, dtype=torch.float64), torch.randn(3, 2, 4, dtype=torch.float64)
+    cu_q, cu_k = torch.tensor([0, 0, 0], dtype=torch.int32), torch.tensor([0, 2, 3], dtype=torch.int32)
+    fa4dist.attention(qp, kp, kp, sinks=s, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k).sum().backward()
+    assert torch.equal(s.grad, torch.zeros(2, dtype=torch.float64))
+    q0 = torch.randn(0, 3, 2, 4)
+    out, lse = attention_forward(q0, q0, q0, sinks=torch.zeros(2))
+    dsinks = attention_backward(torch.zeros_like(out), q0, q0, q0, out, lse, sinks=torch.zeros(2),
+                                dsinks=torch.full((2,), 7.0))[3]
+    assert torch.equal(dsinks, torch.zeros(2))
+
+
 @pytest.mark.parametrize("flag", ["accumulate", "return_lse"])
 def test_flags_refuse_truthy_stand_ins(flag):
     """accumulate="False" would merge: a bool is required, as for causal and deterministic."""
