@@ -24,10 +24,11 @@ problems, a fixed set of structural probes (the diagonal, the window's edge, the
 pairs for large ones -- so a bidirectional mask, chunked attention, a custom 4-D mask or anything else the kernel
 cannot express is an error, never silently dropped.  Flash-attention-style ``cu_seq_lens_q``/``cu_seq_lens_k``
 keyword arguments (from ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``) are honoured as well, and so
-are ``position_ids`` restarts when transformers did not turn them into a document mask itself (it does so only with
-``use_cache=False``, and never for models that do not hand ``position_ids`` to their mask, as GPT-OSS; there its
-stock attentions silently let packed documents see each other, while flash-attention and this function keep them
-apart).
+are ``position_ids`` restarts (back to the row's first position, as flash-attention reads them; a gap is not a
+boundary) when transformers did not turn them into a document mask itself (it does so only with ``use_cache=False``
+and no ``attention_mask``, and never for models that do not hand ``position_ids`` to their mask, as GPT-OSS; there
+its stock attentions silently let packed documents see each other, while flash-attention and this function keep
+them apart).
 
 What the attention call adds to the mask is passed on to the kernels: the softmax ``scaling`` (Gemma's
 ``query_pre_attn_scalar``), logit soft-capping (``softcap``, Gemma 2), and learned per-head attention sinks
@@ -43,6 +44,7 @@ weights (parameter names match).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -253,16 +255,18 @@ def _info_from_segments(segments, batch_size, q_length, kv_length, q_offset, kv_
 
 
 def _split_at_position_restarts(info: FA4MaskInfo, position_ids: torch.Tensor, device) -> FA4MaskInfo:
-    """Splits segments where ``position_ids`` restart (packed documents).  transformers itself finds packed
-    documents from position_ids only without a cache (``use_cache=False``); flash-attention reads them in the
-    attention call whatever the cache, and so do we, for self-attention over a whole row (no cache offset)."""
+    """Splits segments where ``position_ids`` restart, i.e. come back to the row's first (smallest) position, as
+    flash-attention finds packed documents; a gap or any other jump is not a document boundary (the positions
+    only feed the rotary embedding).  transformers' own mask finds packed documents only without a cache and
+    without an ``attention_mask``; flash-attention reads them in the attention call whatever the cache or mask, and
+    so do we, for self-attention over a whole row (no cache offset)."""
     if info.q_length != info.kv_length or info.q_offset or info.kv_offset or position_ids is None:
         return info
     pos = position_ids.expand(info.batch_size, -1) if position_ids.shape[0] != info.batch_size else position_ids
     if pos.shape[-1] != info.q_length:
         return info
-    restart = torch.ones_like(pos, dtype=torch.bool)
-    restart[:, 1:] = torch.diff(pos, dim=-1) != 1
+    restart = pos == pos.min(dim=-1, keepdim=True).values
+    restart[:, 0] = True
     if not bool(restart[:, 1:].any()):
         return info
     starts = [set(torch.nonzero(restart[b]).flatten().tolist()) for b in range(info.batch_size)]
@@ -430,6 +434,9 @@ def fa4dist_attention_forward(module, query: torch.Tensor, key: torch.Tensor, va
                              _SETTINGS.get(NAME, {}))
     if dropout and module.training:
         raise UnsupportedMask("fa4dist attention has no attention dropout; set attention_dropout=0")
+    if kwargs.get("output_attentions", False):
+        warnings.warn("fa4dist attention does not return attention weights (output_attentions=True gives none); "
+                      "use attn_implementation='eager' for them", stacklevel=2)
     if not getattr(module, "is_causal", True):
         raise UnsupportedMask("fa4dist attention is causal only; this module is bidirectional")
     batch, heads_q, q_length, head_dim = query.shape

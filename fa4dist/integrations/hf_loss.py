@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fa4dist.data.packing import IGNORE
+from fa4dist.kernels.problem import check_int
 
 from .hf_context_parallel import LABELS_KEY, PLAN_KEY, ContextParallelHandle
 
@@ -78,9 +79,8 @@ def tiled_cp_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     labels = labels.reshape(-1)
     if hidden.shape[0] != labels.shape[0]:
         raise ValueError(f"hidden holds {hidden.shape[0]} tokens but labels {labels.shape[0]}")
-    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
-    if chunk < 1:
-        raise ValueError(f"chunk_tokens must be positive, got {chunk}")
+    chunk = default_chunk_tokens(weight.shape[0]) if chunk_tokens is None else check_int("chunk_tokens",
+                                                                                          chunk_tokens, 1)
     if logit_softcap is not None and not logit_softcap > 0:
         raise ValueError(f"logit_softcap must be None or positive, got {logit_softcap}")
     total = hidden.new_zeros((), dtype=torch.float32 if hidden.dtype != torch.float64 else torch.float64)
@@ -119,7 +119,8 @@ class TiledCausalLMLoss(nn.Module):
         if not isinstance(head, nn.Linear):
             raise ValueError(f"the model's output embedding must be an nn.Linear, got {type(head).__name__}")
         self.model, self.handle = model, handle
-        self.chunk_tokens = chunk_tokens or default_chunk_tokens(head.out_features)
+        self.chunk_tokens = (default_chunk_tokens(head.out_features) if chunk_tokens is None
+                             else check_int("chunk_tokens", chunk_tokens, 1))
 
     def forward(self, local: dict) -> torch.Tensor:
         labels = local.get(LABELS_KEY)

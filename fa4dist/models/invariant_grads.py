@@ -23,6 +23,8 @@ Slower than autograd's own (one small product per block, int64 sums): a reproduc
 
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 import torch
@@ -82,8 +84,10 @@ class _FixedLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         site, rows, n = ctx.site, ctx.rows, x.shape[0]
-        scale = site.start(n, fixed_point.absmax(dy), fixed_point.absmax(x))
         dx = row_block_products(dy, weight.t(), rows)
+        if not ctx.needs_input_grad[1]:  # a frozen weight (the same on every rank): no gradient, no exchange
+            return dx, None, None, None
+        scale = site.start(n, fixed_point.absmax(dy), fixed_point.absmax(x))
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         for dy_b, x_b in zip(row_blocks(dy, rows), row_blocks(x, rows)):  # one fixed-shape product per canonical block
             site.total += fixed_point.to_fixed(dy_b.t().to(acc) @ x_b.to(acc), scale)
@@ -103,6 +107,8 @@ class _FixedScale(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         site = ctx.site
+        if not ctx.needs_input_grad[1]:  # a frozen gain: no gradient, no exchange
+            return (dy * weight).to(x.dtype), None, None
         flat_dy, flat_x = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         scale = site.start(flat_dy.shape[0], fixed_point.absmax(dy), fixed_point.absmax(x))
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -121,6 +127,8 @@ class _FixedEmbedding(torch.autograd.Function):
     def backward(ctx, dy):
         (tokens,) = ctx.saved_tensors
         site = ctx.site
+        if not ctx.needs_input_grad[1]:  # a frozen embedding: no gradient, no exchange
+            return None, None, None
         flat = dy.reshape(-1, dy.shape[-1])
         scale = site.start(flat.shape[0], fixed_point.absmax(dy))
         acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
@@ -192,6 +200,8 @@ class FixedPointGrads:
 
         Returns the gradients' total 2-norm (before clipping), computed from the whole gradients the same way on
         every rank, hence the same bits at every cp size, unlike a norm over shards."""
+        if isinstance(divide_by, bool) or not isinstance(divide_by, (int, float)) or not 0 < divide_by < math.inf:
+            raise ValueError(f"divide_by must be a positive number (the replicas' count), got {divide_by!r}")
         live = [s for s in self.sites if s.total is not None]
         if live:
             flat = self.sum_over_group([s.total for s in live])

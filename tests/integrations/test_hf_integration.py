@@ -88,6 +88,17 @@ def test_packed_position_ids_match_stock_and_separate_documents(model, stock):
         start += n
 
 
+def test_a_gap_in_position_ids_is_not_a_document_boundary(model):
+    """Positions that jump forward (0..4, 10..14) only move the rotary embedding: one causal sequence, as the
+    stock attentions and flash-attention read it, with a cache or without."""
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(3))
+    pos = torch.cat([torch.arange(5), torch.arange(10, 15)])[None]
+    for use_cache in (False, True):
+        ref = logits_with(model, "eager", input_ids=ids, position_ids=pos, use_cache=use_cache)
+        ours = logits_with(model, NAME, input_ids=ids, position_ids=pos, use_cache=use_cache)
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_flash_style_cu_seq_lens(model):
     ids, pos = _packed([[6, 10, 8]])
     cu = torch.tensor([0, 6, 16, 24], dtype=torch.int32)
@@ -281,3 +292,20 @@ def test_fa4dist_model_converts_to_hf_llama():
         stock = hf(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
     torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mine, stock, rtol=1e-5, atol=1e-5)
+
+
+def test_output_attentions_warns_that_no_weights_come_back(model):
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(4))
+    model.set_attn_implementation(NAME)
+    with pytest.warns(UserWarning, match="fa4dist attention does not return attention weights"):
+        with torch.no_grad():
+            model(input_ids=ids, output_attentions=True)
+
+
+@pytest.mark.parametrize("chunk_tokens, error", [(0, ValueError), (-3, ValueError), (2.5, TypeError)])
+def test_tiled_loss_refuses_a_chunk_size_it_cannot_use(chunk_tokens, error):
+    from fa4dist.integrations.hf_loss import tiled_cp_cross_entropy
+
+    hidden, weight, labels = torch.randn(6, 4), torch.randn(10, 4), torch.randint(0, 10, (6,))
+    with pytest.raises(error, match="chunk_tokens must be"):
+        tiled_cp_cross_entropy(hidden, weight, labels, chunk_tokens=chunk_tokens)

@@ -157,3 +157,36 @@ def test_micro_batches_add_in_backward_order():
         assert torch.equal(g, alone[0][name] + alone[1][name]), name
     whole = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads.values()]).norm()
     assert torch.allclose(norm, whole, rtol=1e-12)
+
+
+def test_frozen_parameters_get_no_gradient():
+    """A frozen Linear weight, norm gain or embedding (requires_grad False) gets no .grad from finish() and adds
+    nothing to its norm, as with autograd; the others' gradients are unchanged; divide_by must be positive."""
+    from fa4dist.models import FA4Llama, get_config
+
+    config = get_config("tiny")
+    ids = torch.randint(0, config.vocab_size, (200,), generator=torch.Generator().manual_seed(7))
+    runs = []
+    for freeze in (False, True):
+        torch.manual_seed(0)
+        model = FA4Llama(config, None, cp_invariant=True, backend="reference")
+        model.set_invariant_grads(True)
+        frozen = [n for n, p in model.named_parameters()
+                  if n.endswith(("q_proj.weight", "input_layernorm.weight", "embed_tokens.weight"))]
+        assert "embed_tokens.weight" in frozen and len(frozen) >= 3, frozen
+        if freeze:
+            for n, p in model.named_parameters():
+                p.requires_grad_(n not in frozen)
+        model(ids, torch.arange(200)).float().logsumexp(-1).sum().backward()
+        norm = model.invariant_grads.finish()
+        runs.append(({n: p.grad for n, p in model.named_parameters()}, norm))
+    (free, free_norm), (held, held_norm) = runs
+    for name, g in held.items():
+        if name in frozen:
+            assert g is None, name
+        else:
+            assert torch.equal(g, free[name]), name
+    others = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for n, g in free.items() if n not in frozen])
+    assert torch.allclose(held_norm, others.norm(), rtol=1e-12) and held_norm < free_norm
+    with pytest.raises(ValueError, match="divide_by must be a positive number"):
+        model.invariant_grads.finish(divide_by=0)
