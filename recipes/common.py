@@ -53,11 +53,20 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def sequence_length(text: str) -> int:
+    """An argparse type: a packed sequence's length, at least 2 tokens (one input and its next-token label)."""
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2 tokens, got {value}")
+    return value
+
+
 def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default="tiny", help="size preset: tiny, small (~100M), base (~380M), 1b")
     g.add_argument("--layers", type=positive_int, default=None, help="override the preset's layer count")
-    g.add_argument("--seqlen", type=int, default=256, help="tokens per packed sequence (the context length)")
+    g.add_argument("--seqlen", type=sequence_length, default=256,
+                   help="tokens per packed sequence (the context length)")
     g.add_argument("--batch-size", type=positive_int, default=2, help="packed sequences per step, over all dp replicas")
     g.add_argument("--packing", choices=["documents", "stream"], default="documents",
                    help="documents: causal within each document (cu_seqlens); stream: one causal sequence")
@@ -80,7 +89,7 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--steps", type=positive_int, default=10,
                    help="training steps: the length of the LR schedule (stored in checkpoints)")
     g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--warmup", type=int, default=2, help="linear warmup steps (then cosine to 10%%)")
+    g.add_argument("--warmup", type=non_negative_int, default=2, help="linear warmup steps (then cosine to 10%%)")
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--grad-clip", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
@@ -90,7 +99,7 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("logging")
     g.add_argument("--log-every", type=positive_int, default=1)
     g.add_argument("--metrics-out", default=None, help="write one JSON line per step (rank 0)")
-    g.add_argument("--timing-warmup", type=int, default=1, help="steps left out of tokens/s and MFU")
+    g.add_argument("--timing-warmup", type=non_negative_int, default=1, help="steps left out of tokens/s and MFU")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense FLOP/s per device for MFU in TFLOP/s (default: 989.4 on CUDA, none on CPU)")
     return p
@@ -113,6 +122,21 @@ def add_checkpoint_args(p: argparse.ArgumentParser, resume_help: str) -> None:
     g.add_argument("--stop-at", type=int, default=None,
                    help="stop after this step, saving a checkpoint there (as a preemption would); a later --resume "
                         "with the same --steps continues exactly as if the run had not stopped")
+
+
+def check_common_args(p: argparse.ArgumentParser, args) -> None:
+    """The common options that only make sense together, refused before any process group or model exists."""
+    u = args.ulysses_degree
+    if u is not None and args.cp % u:
+        p.error(f"--ulysses-degree {u} must divide --cp {args.cp}")
+    if args.strategy == "hybrid" and args.cp > 1 and u is None:
+        p.error("--strategy hybrid needs --ulysses-degree (the Ulysses group size; the ring takes the rest of --cp)")
+    if args.strategy == "ring" and u not in (None, 1):
+        p.error(f"--strategy ring runs no Ulysses group: --ulysses-degree {u} contradicts it")
+    if args.strategy == "ulysses" and u not in (None, args.cp):
+        p.error(f"--strategy ulysses spans the whole cp group: --ulysses-degree must be --cp ({args.cp}), got {u}")
+    if args.metrics_out and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics_out))):
+        p.error(f"--metrics-out {args.metrics_out!r}: its directory does not exist")
 
 
 def check_checkpoint_args(p: argparse.ArgumentParser, args) -> None:

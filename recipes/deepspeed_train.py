@@ -109,6 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--ds-config", default=str(HERE / "ds_config.json"))
     common.add_checkpoint_args(p, "'latest' (newest tag in --ckpt-dir) or a tag")
     args = p.parse_args(argv)
+    common.check_common_args(p, args)
     common.check_checkpoint_args(p, args)
     return args
 

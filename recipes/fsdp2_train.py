@@ -91,6 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_common_args(p)
     common.add_checkpoint_args(p, "a checkpoint directory, or 'latest' (newest in --ckpt-dir)")
     args = p.parse_args(argv)
+    common.check_common_args(p, args)
     common.check_checkpoint_args(p, args)
     return args
 

@@ -80,12 +80,15 @@ def parse_args(argv=None):
                         "device, then each rank initializes its shard; auto: sharded above 2B parameters")
     g.add_argument("--loss", choices=["tiled", "logits"], default="tiled",
                    help="tiled: LM head + cross entropy over --loss-chunk tokens at a time; logits: the model's")
-    g.add_argument("--loss-chunk", type=int, default=None, help="tokens per loss tile (default: 2**29 / vocab)")
-    g.add_argument("--tile-mlp", type=int, default=0, help="run each MLP over this many tokens at a time (0: off)")
+    g.add_argument("--loss-chunk", type=common.positive_int, default=None,
+                   help="tokens per loss tile (default: 2**29 / vocab)")
+    g.add_argument("--tile-mlp", type=common.non_negative_int, default=0,
+                   help="run each MLP over this many tokens at a time (0: off)")
     g.add_argument("--offload-checkpoints", action="store_true",
                    help="keep activation checkpoints in pinned host memory (transformers >= 5.2x)")
     g.add_argument("--memory-report", action="store_true", help="print a MEMORY {...} line after the first step")
     args = p.parse_args(argv)
+    common.check_common_args(p, args)
     if args.strategy == "hybrid" or args.ulysses_degree is not None:
         p.error("--strategy hybrid / --ulysses-degree: enable_context_parallel takes the hybrid strategy from a 2-D "
                 "mesh, which this recipe does not build (auto picks the largest Ulysses degree the heads allow)")

@@ -29,6 +29,7 @@ final hash, is the same at every cp size (``--cp 1`` and ``--cp 2`` print the sa
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -201,9 +202,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_common_args(p)
     g = p.add_argument_group("rl")
     g.add_argument("--sft-steps", type=int, default=150, help="supervised warm-up steps on the task")
-    g.add_argument("--prompts", type=int, default=8, help="prompts per RL step")
-    g.add_argument("--group-size", type=int, default=8, help="completions per prompt (GRPO group)")
-    g.add_argument("--task-len", type=int, default=3)
+    g.add_argument("--prompts", type=common.positive_int, default=8, help="prompts per RL step")
+    g.add_argument("--group-size", type=common.positive_int, default=8,
+                   help="completions per prompt (GRPO group; at least 2: advantages are within-group z-scores)")
+    g.add_argument("--task-len", type=common.positive_int, default=3)
     g.add_argument("--alphabet", default="abcd")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--clip-eps", type=float, default=0.2)
@@ -211,7 +213,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the rollout's log-probs come from one forward over the finished completions (a scoring "
                         "prefill) instead of the sampling steps; the sampling-vs-prefill gap is logged too")
     g.set_defaults(steps=40, lr=1e-2, warmup=10, batch_size=1, grad_clip=1.0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    common.check_common_args(p, args)
+    if args.group_size < 2:
+        p.error(f"--group-size must be at least 2 (GRPO's advantages are z-scores within a group), got "
+                f"{args.group_size}")
+    if not 0 < args.temperature < math.inf:
+        p.error(f"--temperature must be positive and finite, got {args.temperature}")
+    if not 0 <= args.clip_eps < math.inf:
+        p.error(f"--clip-eps must be >= 0, got {args.clip_eps}")
+    if not args.alphabet:
+        p.error("--alphabet must hold at least one letter")
+    return args
 
 
 def main(argv=None):

@@ -117,6 +117,14 @@ def test_stop_at_out_of_range_is_refused():
     (["--balancer", "bogus"], "--balancer: invalid choice"),
     (["--stop-at", "1"], "give --ckpt-dir"),
     (["--save-every", "2"], "give --ckpt-dir"),
+    (["--seqlen", "1"], "--seqlen: must be at least 2 tokens, got 1"),
+    (["--warmup", "-1"], "--warmup: must be >= 0, got -1"),
+    (["--timing-warmup", "-1"], "--timing-warmup: must be >= 0, got -1"),
+    (["--cp", "2", "--strategy", "hybrid"], "--strategy hybrid needs --ulysses-degree"),
+    (["--cp", "2", "--ulysses-degree", "3"], "--ulysses-degree 3 must divide --cp 2"),
+    (["--cp", "2", "--strategy", "ring", "--ulysses-degree", "2"], "--ulysses-degree 2 contradicts it"),
+    (["--cp", "4", "--strategy", "ulysses", "--ulysses-degree", "2"], "--ulysses-degree must be --cp (4), got 2"),
+    (["--metrics-out", "/nonexistent-dir/m.jsonl"], "its directory does not exist"),
 ])
 def test_bad_options_are_refused_by_name(bad, message, capsys):
     import fsdp2_train

@@ -61,7 +61,8 @@ def test_hf_sft_windowed_archs_cp2_match_single_process(tmp_path, corpus, arch):
                                  ["--arch", "gpt_oss", "--tile-mlp", "8"],
                                  ["--arch", "gpt_oss", "--experts", "2", "--experts-per-token", "3"],
                                  ["--strategy", "hybrid"], ["--ulysses-degree", "2"],
-                                 ["--checkpoint", "/nonexistent/checkpoint"]])
+                                 ["--checkpoint", "/nonexistent/checkpoint"], ["--tile-mlp", "-1"],
+                                 ["--loss-chunk", "0"]])
 def test_hf_sft_refuses_options_its_arch_lacks(bad):
     with pytest.raises(SystemExit):
         hf_sft.parse_args(BASE + bad)

@@ -59,3 +59,19 @@ def _args_at(cp):
     args = list(ARGS)
     args[args.index("--cp") + 1] = str(cp)
     return args
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--group-size", "1"], "--group-size must be at least 2"),
+    (["--prompts", "0"], "--prompts: must be a positive integer, got 0"),
+    (["--task-len", "0"], "--task-len: must be a positive integer, got 0"),
+    (["--temperature", "0"], "--temperature must be positive and finite"),
+    (["--clip-eps", "-1"], "--clip-eps must be >= 0"),
+    (["--alphabet", ""], "--alphabet must hold at least one letter"),
+])
+def test_rl_options_it_cannot_run_are_refused_by_name(bad, message, capsys):
+    import rl_deterministic
+
+    with pytest.raises(SystemExit):
+        rl_deterministic.parse_args(bad)
+    assert message in capsys.readouterr().err
