@@ -522,7 +522,13 @@ def _disagreement(gathered: list, what: str = "the first call") -> Optional[str]
     return None
 
 
+# The functional form's ContextParallel objects, by groups and options.  Calls on a group of several ranks are
+# made by every rank alike (the agreement checks see to it), so that cache grows and is emptied alike on every rank,
+# and its objects' call counts and module numbers stay in step; one rank's calls without a group (cp size 1) live
+# apart, so that they never evict a shared one on that rank alone.
 _FUNCTIONAL: dict = {}
+_FUNCTIONAL_LOCAL: dict = {}
+_FUNCTIONAL_MAX = 64
 
 
 @torch.compiler.disable  # torch.compile runs it eagerly, behind one graph break (kernels/torch_ops.py)
@@ -535,16 +541,17 @@ def context_parallel_attention(q, k, v, plan: Optional[ShardPlan] = None, group=
                                verify: bool = True, cp_invariant: Optional[bool] = None) -> torch.Tensor:
     """Functional form of :class:`fa4dist.modules.FA4ContextParallelAttention`: the local output for the local
     shards q, k, v (sharded with `plan`).  Every call checks that all ranks make the same call (``verify``)."""
-    key = (id(group), id(mesh), id(ulysses_group), id(ring_group), strategy, causal, repr(window), softcap,
-           softmax_scale, deterministic, backend, ulysses_degree, float(timeout), verify,
-           invariant_enabled(cp_invariant))
-    entry = _FUNCTIONAL.get(key)
+    options = dict(strategy=strategy, causal=causal, window=window, softcap=softcap, softmax_scale=softmax_scale,
+                   deterministic=deterministic, backend=backend, ulysses_degree=ulysses_degree, timeout=timeout,
+                   verify=verify, cp_invariant=invariant_enabled(cp_invariant))
+    # repr keeps apart values that compare equal (True, 1, 1.0): each is checked by the constructor once, as the
+    # module checks it, and none rides on another's cached object
+    key = (id(group), id(mesh), id(ulysses_group), id(ring_group), repr(sorted(options.items())))
+    entry = _FUNCTIONAL.get(key) or _FUNCTIONAL_LOCAL.get(key)
     if entry is None:
-        cp = ContextParallel(group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group, strategy=strategy,
-                             causal=causal, window=window, softcap=softcap, softmax_scale=softmax_scale,
-                             deterministic=deterministic, backend=backend, ulysses_degree=ulysses_degree,
-                             timeout=timeout, verify=verify, cp_invariant=cp_invariant)
-        if len(_FUNCTIONAL) > 64:
-            _FUNCTIONAL.clear()
-        entry = _FUNCTIONAL[key] = (cp, (group, mesh, ulysses_group, ring_group))
+        cp = ContextParallel(group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group, **options)
+        cache = _FUNCTIONAL if cp.cp_size > 1 else _FUNCTIONAL_LOCAL
+        if len(cache) >= _FUNCTIONAL_MAX:
+            cache.clear()
+        entry = cache[key] = (cp, (group, mesh, ulysses_group, ring_group))
     return entry[0](q, k, v, plan, sinks)

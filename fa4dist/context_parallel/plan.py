@@ -458,9 +458,14 @@ class ShardPlan:
             x_local = list(torch.split(x_local, sizes, dim=seq_dim))
         if not isinstance(x_local, (list, tuple)) or len(x_local) != self.cp_size:
             raise ValueError(f"unshard needs {self.cp_size} local tensors (one per rank) or their concatenation")
-        pieces = {}
+        pieces, others = {}, None
         for r, t in enumerate(x_local):
             d = self._check_seq(t, seq_dim, self.local_len(r), f"the local tensor of rank {r}")
+            rest = (t.dim(), t.shape[:d] + t.shape[d + 1:])
+            if others is not None and rest != others:
+                raise ValueError(f"unshard: the local tensor of rank {r} has shape {tuple(t.shape)}, which differs "
+                                 f"from rank 0's {tuple(x_local[0].shape)} outside seq_dim")
+            others = rest
             offset = 0
             for a, b in self.local_ranges(r):
                 pieces[a] = t.narrow(d, offset, b - a)

@@ -186,6 +186,43 @@ def test_sinks_that_take_a_gradient_on_one_rank_only_fail_naming_grad(pool):
         assert elapsed < 20, elapsed
 
 
+def functional_local_calls_case(rank, world):
+    """The functional form on the group, then rank 0 alone makes more single-process calls (distinct options) than
+    its cache holds, then the group call again: rank 0's own calls must not evict the shared object on rank 0 only
+    (a rebuilt object restarts its call count and takes a new module number: the ranks would disagree)."""
+    from fa4dist.context_parallel import context_parallel_attention, make_plan
+
+    plan = make_plan(48, 4)
+    kw = dict(strategy="ring", backend="reference", timeout=60)
+    first = context_parallel_attention(*_inputs(plan, rank), plan, GROUPS[4], **kw)
+    if rank == 0:
+        x = torch.randn(1, 6, 2, 8, dtype=torch.float64)
+        for i in range(80):
+            context_parallel_attention(x, x, x, None, None, backend="reference", softmax_scale=0.1 + i / 100)
+    again = _error(lambda: context_parallel_attention(*_inputs(plan, rank), plan, GROUPS[4], **kw))
+    return again, bool(torch.equal(first, context_parallel_attention(*_inputs(plan, rank), plan, GROUPS[4], **kw)))
+
+
+def test_one_ranks_own_functional_calls_do_not_break_the_groups(pool):
+    for rank, (error, same) in enumerate(pool.run(functional_local_calls_case, timeout=90)):
+        assert error is None and same, (rank, error)
+
+
+def test_functional_form_checks_its_options_on_every_call():
+    """A value that compares equal to an accepted one (1 == True) is still checked, as the module checks it."""
+    from fa4dist.context_parallel import context_parallel_attention
+
+    q = torch.randn(1, 6, 2, 8, dtype=torch.float64)
+    context_parallel_attention(q, q, q, backend="reference", causal=True)
+    with pytest.raises(TypeError, match="causal must be a bool, got int"):
+        context_parallel_attention(q, q, q, backend="reference", causal=1)
+    context_parallel_attention(q, q, q, backend="reference", deterministic=False)
+    with pytest.raises(TypeError, match="deterministic must be a bool or None, got int"):
+        context_parallel_attention(q, q, q, backend="reference", deterministic=0)
+    with pytest.raises(ValueError, match="timeout must be a positive, finite number of seconds, got None"):
+        context_parallel_attention(q, q, q, backend="reference", timeout=None)
+
+
 def double_backward_case(rank, world):
     from fa4dist.context_parallel import make_plan
     from fa4dist.modules import FA4ContextParallelAttention

@@ -291,3 +291,11 @@ def test_numpy_integers_are_lengths():
     assert make_plan([0, np.int32(4), 9], 2) == make_plan([0, 4, 9], 2)
     with pytest.raises(TypeError, match="bool"):
         make_plan(True, 2)
+
+
+def test_unshard_names_a_local_tensor_shaped_unlike_the_others():
+    plan = make_plan(10, 2)
+    a, b = torch.randn(1, plan.local_len(0), 3), torch.randn(1, plan.local_len(1), 3, 1)
+    with pytest.raises(ValueError, match="the local tensor of rank 1 has shape \\(1, 4, 3, 1\\), which differs from "
+                                         "rank 0's \\(1, 6, 3\\) outside seq_dim"):
+        plan.unshard([a, b])
