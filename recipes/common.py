@@ -38,27 +38,21 @@ H200_PEAK_BF16 = 989.4e12  # dense bf16 FLOP/s of an H100/H200 SXM
 # arguments
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an int >= 1 (a count), refused by name otherwise."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def _int_at_least(minimum: int, wanted: str, name: str):
+    """An argparse type: an int of at least ``minimum``, refused by name ("must be <wanted>") otherwise."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {value}")
+        return value
+
+    parse.__name__ = name  # argparse names the type in "invalid <name> value"
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def sequence_length(text: str) -> int:
-    """An argparse type: a packed sequence's length, at least 2 tokens (one input and its next-token label)."""
-    value = int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"must be at least 2 tokens, got {value}")
-    return value
+positive_int = _int_at_least(1, "a positive integer", "positive_int")  # a count
+non_negative_int = _int_at_least(0, ">= 0", "non_negative_int")
+sequence_length = _int_at_least(2, "at least 2 tokens", "sequence_length")  # one input and its next-token label
 
 
 def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -324,15 +324,7 @@ class ContextParallel:
             )
         if plan.cp_size != self.cp_size:
             raise ValueError(f"the plan is for cp_size={plan.cp_size} but the process group has {self.cp_size} ranks")
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            want = 3 if plan.packed else 4
-            if t.dim() != want:
-                layout = "(local_tokens, heads, head_dim) for this packed-document plan" if plan.packed else (
-                    "(batch, local_seqlen, heads, head_dim) for this single-sequence plan")
-                raise ValueError(f"{name} must be {want}-D {layout}, got shape {tuple(t.shape)}")
-        sd = 0 if plan.packed else 1
+        sd = _check_shard_layout(q, k, v, plan.packed)
         n = plan.local_len(self.cp_rank)
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.shape[sd] != n:
@@ -471,14 +463,8 @@ class ContextParallel:
             else:
                 raise TypeError(f"plan must be a ShardPlan (or fa4dist.data's SingleRankPlan), got "
                                 f"{type(plan).__name__}")
-            sd = 0 if packed else 1
+            sd = _check_shard_layout(q, k, v, packed)
             for name, t in (("q", q), ("k", k), ("v", v)):
-                if not isinstance(t, torch.Tensor):
-                    raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-                if t.dim() != (3 if packed else 4):
-                    layout = "(tokens, heads, head_dim) for a packed-document plan" if packed else (
-                        "(batch, seqlen, heads, head_dim) for a single-sequence plan")
-                    raise ValueError(f"{name} must be {3 if packed else 4}-D {layout}, got shape {tuple(t.shape)}")
                 if t.shape[sd] != total:
                     raise ValueError(f"{name} holds {t.shape[sd]} tokens but the plan covers {total}")
             if packed:
@@ -490,6 +476,19 @@ class ContextParallel:
                                 softcap=self.softcap, sinks=sinks, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                 deterministic=self.deterministic, backend=self.backend,
                                 cp_invariant=self.cp_invariant)
+
+
+def _check_shard_layout(q, k, v, packed: bool) -> int:
+    """q, k, v are tensors laid out as the plan's kind takes them; returns their token dim."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        want = 3 if packed else 4
+        if t.dim() != want:
+            layout = "(local_tokens, heads, head_dim) for this packed-document plan" if packed else (
+                "(batch, local_seqlen, heads, head_dim) for this single-sequence plan")
+            raise ValueError(f"{name} must be {want}-D {layout}, got shape {tuple(t.shape)}")
+    return 0 if packed else 1
 
 
 _FIELD_HINTS = {"module": " (which attention module was called: each rank numbers its modules on the group in the "

@@ -24,7 +24,6 @@ Slower than autograd's own (one small product per block, int64 sums): a reproduc
 from __future__ import annotations
 
 import math
-
 from typing import Optional
 
 import torch

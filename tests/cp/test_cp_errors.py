@@ -310,7 +310,7 @@ def test_single_process_plan_errors():
     longer = torch.randn(1, 9, 2, 4)
     with pytest.raises(ValueError, match="k holds 9 tokens but the plan covers 8"):
         FA4ContextParallelAttention()(q, longer, longer, plan=make_plan(8, 1))
-    with pytest.raises(ValueError, match="q must be 3-D \\(tokens, heads, head_dim\\) for a packed-document plan"):
+    with pytest.raises(ValueError, match="q must be 3-D \\(local_tokens, heads, head_dim\\) for this packed-document"):
         FA4ContextParallelAttention()(q, q, q, plan=make_plan([0, 3, 8], 1))
 
 
