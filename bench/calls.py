@@ -1,6 +1,7 @@
-"""One attention call, ours (fa4dist.attention, backend auto) and flash-attn-4's (when installed), on the same
-inputs through autograd: the problem's command-line arguments and the callables, for the benchmarks that look
-inside one call (bench/kernel_breakdown.py: GPU time per kernel; bench/host_profile.py: host time)."""
+"""One attention call, ours (fa4dist.attention, backend auto), flash-attn-4's (when installed) and, with --cudnn,
+torch SDPA's cuDNN backend, on the same inputs through autograd: the problem's command-line arguments and the
+callables, for the benchmarks that look inside one call (bench/kernel_breakdown.py: GPU time per kernel;
+bench/host_profile.py: host time)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def add_problem_args(p) -> None:
     p.add_argument("--mode", choices=("plain", "deterministic", "cp_invariant"), default="plain",
                    help="our call's numerics: the default, deterministic=True or cp_invariant=True")
     p.add_argument("--no-causal", dest="causal", action="store_false")
+    p.add_argument("--cudnn", action="store_true", help="also torch's SDPA on its cuDNN backend (a peer's kernels)")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
 
 
@@ -60,4 +62,14 @@ def make_calls(args, deterministic: bool = False):
         calls["flash-attn-4"] = fa4
     except ImportError:
         pass
+    if getattr(args, "cudnn", False):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def cudnn():
+            bhsd = [t.transpose(1, 2) for t in leaves]  # SDPA's (batch, heads, seqlen, dim)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    *bhsd, is_causal=args.causal, enable_gqa=kv_heads != args.heads)
+            return out.transpose(1, 2)
+        calls["cudnn"] = cudnn
     return calls, dout

@@ -8,9 +8,10 @@ through the contract's accumulate mode) against the key rows it would receive at
 
 - compute efficiency = T_full / (cp x max_rank T_rank), T_full being one single-device call on the whole sequence
   (1.0 would be a perfect split with no per-block overhead), the median of the rounds' own ratios: every round
-  times the whole-sequence call and every rank's run in turn, so that the device's clock drift over the run
-  (the same point moved by 0.1 between calls when T_full was timed once ahead of the ranks) cancels; the work
-  model's prediction (mean / max visible pairs) beside it;
+  times the whole-sequence call before and after every rank's run, the ranks in a rotated order, so that the
+  device's clock drift over the run and within a round cancels (``interleaved_rounds``); the work model's
+  prediction (mean / max visible pairs) beside it. Each call is timed from an idle device (its host time before
+  the first launch counts), or with ``--queue-ahead-ms`` behind a device-side spin (device time alone);
 - "kernel": the efficiency of the same calls without the merges (each to a fresh output), i.e. what a fused
   accumulate epilogue would approach;
 - the ring steps each rank computes (``steps``: its own keys plus the remote steps it receives at; without a window
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import io
 import json
 import os
 import statistics
@@ -52,13 +54,24 @@ LINK_GBPS = 400.0
 
 
 class Timer:
-    def __init__(self, device: torch.device):
+    """Seconds a call takes: on CUDA between two events around it, from an idle device (so the host's time before
+    the call's first launch counts, as it does for a call nothing precedes), or with ``queue_ahead_ms`` behind a
+    device-side spin of that length queued first, so that the host issues the call's launches while the device is
+    still busy (its launch latency hidden, as when the call follows other queued work in a model's step: device
+    time alone, if the host issues faster than the device runs)."""
+
+    def __init__(self, device: torch.device, queue_ahead_ms: float = 0.0):
         self.cuda = device.type == "cuda"
+        self.spin_cycles = 0
+        if self.cuda and queue_ahead_ms > 0:
+            self.spin_cycles = int(queue_ahead_ms * 1e-3 * _spin_cycles_per_second())
 
     def __call__(self, fn) -> float:
         """Seconds fn takes (device time on CUDA)."""
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if self.spin_cycles:
+                torch.cuda._sleep(self.spin_cycles)
             start.record()
             fn()
             end.record()
@@ -69,13 +82,39 @@ class Timer:
         return time.perf_counter() - t0
 
 
-def interleaved_rounds(timer: Timer, fns: list, reps: int) -> list[list[float]]:
-    """Seconds of each of ``fns`` in ``reps`` rounds, each round timing every fn once in turn (after one warm-up
-    call each: compiles, allocator): a drift of the device's clocks over the run then moves a round's times
-    together, and ratios within a round stay fair. Returns rounds x fns."""
+def _spin_cycles_per_second() -> float:
+    """The rate of torch.cuda._sleep's cycle count on this device, timed."""
+    cycles = 10_000_000
+    torch.cuda._sleep(cycles // 10)  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) / 1e3)
+
+
+def interleaved_rounds(timer: Timer, full, groups: list[list], reps: int) -> list[list[float]]:
+    """Seconds of ``full`` and of every fn of ``groups`` (each a list of per-rank fns) in ``reps`` rounds, after one
+    warm-up call each (compiles, allocator). Each round times ``full`` first and last (their mean is the round's
+    T_full) and every group's fns in between, rotated by the round's index: the device's clocks drift within a
+    round as it heats (ranks timed later ran up to 7% slower, which the slowest rank then picks up), so every
+    rank takes each place in turn and the whole-sequence call brackets them. Returns rounds x (1 + all fns), the
+    fns in their given order."""
+    fns = [full] + [fn for group in groups for fn in group]
     for fn in fns:
         fn()
-    return [[timer(fn) for fn in fns] for _ in range(reps)]
+    rounds = []
+    for i in range(reps):
+        first = timer(full)
+        times = []
+        for group in groups:
+            n = len(group)
+            order = [(i + j) % n for j in range(n)]
+            got = {r: timer(group[r]) for r in order}
+            times += [got[r] for r in range(n)]
+        rounds.append([(first + timer(full)) / 2] + times)
+    return rounds
 
 
 class _Own:
@@ -86,7 +125,7 @@ class _Own:
 
 
 def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdim: int, backend: str):
-    timer = Timer(device)
+    timer = Timer(device, args.queue_ahead_ms)
     gen = torch.Generator(device=device).manual_seed(seqlen)
     shape_q, shape_kv = (1, seqlen, heads, headdim), (1, seqlen, kv_heads, headdim)
     q = torch.randn(shape_q, device=device, dtype=dtype, generator=gen)
@@ -149,14 +188,17 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                                 shared.finish(dq)
                     runners.append(run_rank)
                     if r in args.profile_ranks:
-                        profiles[r] = profile_kernels(run_rank, device)
+                        profiles[r] = profile_kernels(run_rank, device, cprofile=args.cprofile if not profiles else 0)
+                if args.profile_ranks:  # the whole-sequence call's kernels beside the ranks'
+                    profiles["full"] = profile_kernels(full[direction], device)
                 kernels = []
                 if direction == "fwd":  # the same calls without the merges: what a fused epilogue would approach
                     kernels = [lambda r=r, shards=shards, held=held: run_rank_kernels(sched, r, shards[r], held, opts)
                                for r in range(cp)]
-                # per round: the whole-sequence call, every rank's run, every rank's kernels alone; the efficiency
-                # is the median of the rounds' own ratios
-                rounds = interleaved_rounds(timer, [full[direction]] + runners + kernels, args.reps)
+                # per round: the whole-sequence call around every rank's run and every rank's kernels alone; the
+                # efficiency is the median of the rounds' own ratios
+                rounds = interleaved_rounds(timer, full[direction], [runners] + ([kernels] if kernels else []),
+                                            args.reps)
                 t_full = statistics.median(rd[0] for rd in rounds)
                 rank_times = [statistics.median(rd[1 + r] for rd in rounds) for r in range(cp)]
                 efficiency = statistics.median(rd[0] / (cp * max(rd[1:1 + cp])) for rd in rounds)
@@ -184,23 +226,66 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                       f"{row['step_compute_ms']:>8.3f} "
                       f"{'' if kernel_eff is None else format(kernel_eff, '6.3f'):>6}  "
                       f"rounds {' '.join(format(e, '.3f') for e in row['efficiency_rounds'])}", flush=True)
-                for r, kernels in profiles.items():
-                    print(f"    rank {r} {direction}: " + "; ".join(
-                        f"{k['name'][:48]} x{k['calls']} {k['ms']:.3f} ms" for k in kernels[:8]), flush=True)
+                for r, prof in profiles.items():
+                    print(f"    {'whole sequence' if r == 'full' else f'rank {r}'} {direction}: "
+                          f"{prof['busy_ms']:.3f} ms of kernels in a {prof['span_ms']:.3f} ms span, host "
+                          f"{prof['host_ms']:.3f} ms, {len(prof['syncs'])} syncs; " + "; ".join(
+                              f"{k['name'][:48]} x{k['calls']} {k['ms']:.3f} ms" for k in prof["kernels"][:8]),
+                          flush=True)
+                    for sync in prof["syncs"][:4]:
+                        print(f"        sync: {sync}", flush=True)
+                    if prof["python_profile"]:
+                        print(prof["python_profile"], flush=True)
             del shards, held
     return rows
 
 
-def profile_kernels(fn, device: torch.device, top: int = 12) -> list[dict]:
+def profile_kernels(fn, device: torch.device, top: int = 40, cprofile: int = 0) -> dict:
     """One call of fn under torch.profiler: its kernels (CPU ops on the CPU) by total device time, the largest
-    first, as dicts of name, calls and ms."""
+    first, as dicts of name, calls and ms (``kernels``); their sum (``busy_ms``), the device span from the first
+    kernel's start to the last one's end (``span_ms``: span minus busy is the device's idle time inside the call),
+    the host time fn takes to return (``host_ms``: the median of three calls outside the profiler), the
+    synchronizing operations fn runs (``syncs``: torch's sync debug mode, one more call), and with ``cprofile`` N
+    the N functions of one more call with the most own host time (``python_profile``: cProfile's table)."""
+    import warnings
+
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     fn()
+    syncs = []
     if cuda:
         torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message).splitlines()[0][:160] for w in caught if "synchroniz" in str(w.message)]
+        torch.cuda.synchronize()
+    hosts = []
+    for _ in range(3):  # the host time to return, outside the profiler (whose per-launch cost would count)
+        t0 = time.perf_counter()
+        fn()
+        hosts.append(time.perf_counter() - t0)
+        if cuda:
+            torch.cuda.synchronize()
+    host = statistics.median(hosts)
+    stats = io.StringIO()
+    if cprofile:
+        import cProfile
+        import pstats
+
+        prof_py = cProfile.Profile()
+        prof_py.enable()
+        fn()
+        prof_py.disable()
+        if cuda:
+            torch.cuda.synchronize()
+        pstats.Stats(prof_py, stream=stats).sort_stats("tottime").print_stats(cprofile)
     with profile(activities=activities) as prof:
         fn()
         if cuda:
@@ -210,7 +295,14 @@ def profile_kernels(fn, device: torch.device, top: int = 12) -> list[dict]:
         us = e.device_time_total if cuda else e.self_cpu_time_total
         if us > 0:
             rows.append(dict(name=e.key, calls=e.count, ms=us / 1e3))
-    return sorted(rows, key=lambda k: -k["ms"])[:top]
+    span = 0.0
+    if cuda:
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0]
+        if events:
+            span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / 1e3
+    rows.sort(key=lambda k: -k["ms"])
+    return dict(kernels=rows[:top], busy_ms=sum(k["ms"] for k in rows), span_ms=span, host_ms=host * 1e3,
+                syncs=syncs, python_profile=stats.getvalue())
 
 
 def run_rank_kernels(sched, r, shard, held, opts):
@@ -252,10 +344,15 @@ def main(argv=None):
                    help="causal sliding window: each query sees itself and the WINDOW keys before it "
                         "(window=(WINDOW, 0)); default: plain causal")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="with --profile-ranks: cProfile's N functions of most own host time, first profiled rank")
+    p.add_argument("--queue-ahead-ms", type=float, default=0.0,
+                   help="time each call behind a device-side spin of this many ms (its host launch latency hidden: "
+                        "device time, as when the call follows other queued work); default 0: from an idle device")
     p.add_argument("--tag", default="", help="names the JSON cp_sim-TAG.json (several runs in one $OUT)")
     p.add_argument("--profile-ranks", type=int, nargs="*", default=[],
-                   help="also profile one step list of these simulated ranks: their kernels by device time (a rank "
-                        "the work model calls balanced that runs slower shows where)")
+                   help="also profile one step list of these simulated ranks and the whole-sequence call: their "
+                        "kernels by device time (a rank the work model calls balanced that runs slower shows where)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

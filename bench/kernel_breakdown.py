@@ -31,6 +31,9 @@ def parse_args(argv=None):
     add_problem_args(p)
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--calls", type=int, default=20, help="profiled calls per pass (kernel times are their mean)")
+    p.add_argument("--launch-shapes", action="store_true",
+                   help="also print each kernel's full name, grid, block, registers and shared memory (from the "
+                        "profiler's trace): a peer's tile shapes read off its launch")
     return p.parse_args(argv)
 
 
@@ -42,8 +45,29 @@ def _short(name: str) -> str:
     return found.group(1) if found else name[:60]
 
 
-def profile(fn, calls: int) -> dict:
-    """Mean GPU time per call of every kernel `fn` launches, and the mean GPU span of one call."""
+def launch_shapes(prof) -> list[dict]:
+    """Each distinct kernel launch in a profile: full name, grid, block, registers per thread, shared memory."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            trace = json.load(fh)
+    seen = {}
+    for ev in trace.get("traceEvents", []):
+        if ev.get("cat") != "kernel":
+            continue
+        a = ev.get("args", {})
+        row = dict(name=ev.get("name", ""), grid=a.get("grid"), block=a.get("block"),
+                   registers=a.get("registers per thread"), smem=a.get("shared memory"))
+        seen.setdefault(json.dumps(row, sort_keys=True), row)
+    return list(seen.values())
+
+
+def profile(fn, calls: int, shapes: bool = False) -> dict:
+    """Mean GPU time per call of every kernel `fn` launches, and the mean GPU span of one call (with `shapes`, the
+    launches' shapes too)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -59,8 +83,11 @@ def profile(fn, calls: int) -> dict:
     for e in events:
         kernels[_short(e.name)] = kernels.get(_short(e.name), 0.0) + e.device_time / calls
     span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / calls
-    return dict(span_us=span, busy_us=sum(kernels.values()),
-                kernels={k: round(v, 2) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])})
+    result = dict(span_us=span, busy_us=sum(kernels.values()),
+                  kernels={k: round(v, 2) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])})
+    if shapes:
+        result["launches"] = launch_shapes(prof)
+    return result
 
 
 def main(argv=None):
@@ -70,13 +97,16 @@ def main(argv=None):
     result = {}
     for name, fn in libs.items():
         with torch.no_grad():
-            fwd = profile(fn, args.calls)
-        both = profile(lambda fn=fn: fn().backward(dout), args.calls)
+            fwd = profile(fn, args.calls, args.launch_shapes)
+        both = profile(lambda fn=fn: fn().backward(dout), args.calls, args.launch_shapes)
         result[name] = dict(fwd=fwd, fwdbwd=both)
         for label, r in (("forward", fwd), ("forward+backward", both)):
             print(f"{name} {label}: span {r['span_us']:.1f} us, kernels {r['busy_us']:.1f} us", flush=True)
             for kname, us in r["kernels"].items():
                 print(f"    {us:9.2f} us  {kname}", flush=True)
+            for ln in r.get("launches", []):
+                print(f"    launch grid {ln['grid']} block {ln['block']} regs {ln['registers']} smem {ln['smem']}: "
+                      f"{ln['name'][:200]}", flush=True)
     date = datetime.date.today().isoformat()
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, f"{date}-kernel-breakdown.json"), "w") as fh:

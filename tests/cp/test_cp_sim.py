@@ -52,14 +52,41 @@ def test_cp_sim_window_drops_the_steps(tmp_path, monkeypatch):
 
 
 def test_cp_sim_profiles_the_ranks_asked_for(tmp_path, monkeypatch):
-    """--profile-ranks: one step list of those ranks under torch.profiler, its ops by time, in the row's JSON."""
+    """--profile-ranks: one step list of those ranks and the whole-sequence call under torch.profiler, their ops
+    by time, the host time and a cProfile table (--cprofile, the first profiled rank), in the row's JSON."""
     monkeypatch.setenv("OUT", str(tmp_path))
     rows = _load().main(["--device", "cpu", "--tiny", "--cp", "2", "--seqlens", "64", "--reps", "1",
-                         "--balancers", "lpt", "--profile-ranks", "1"])
+                         "--balancers", "lpt", "--profile-ranks", "1", "--cprofile", "5", "--queue-ahead-ms", "1"])
     data = json.loads((tmp_path / "cp_sim.json").read_text())
     for row in data["rows"]:
-        assert list(row["profiles"]) == ["1"]  # JSON keys are strings
-        kernels = row["profiles"]["1"]
-        assert kernels and all(k["ms"] > 0 and k["calls"] >= 1 for k in kernels)
-        assert [k["ms"] for k in kernels] == sorted((k["ms"] for k in kernels), reverse=True)
-    assert all(r["profiles"].keys() == {1} for r in rows)
+        assert list(row["profiles"]) == ["1", "full"]  # JSON keys are strings
+        for who in ("1", "full"):
+            prof = row["profiles"][who]
+            kernels = prof["kernels"]
+            assert kernels and all(k["ms"] > 0 and k["calls"] >= 1 for k in kernels)
+            assert [k["ms"] for k in kernels] == sorted((k["ms"] for k in kernels), reverse=True)
+            assert prof["busy_ms"] >= sum(k["ms"] for k in kernels) - 1e-9 and prof["host_ms"] > 0
+        assert "function calls" in row["profiles"]["1"]["python_profile"]
+        assert row["profiles"]["full"]["python_profile"] == ""
+    assert all(r["profiles"].keys() == {1, "full"} for r in rows)
+
+
+def test_rounds_bracket_the_ranks_and_rotate_them():
+    """Each round times the whole-sequence call first and last (their mean is its T_full) and the ranks in an order
+    rotated by the round, so that clocks drifting within a round favour no rank; the times come back in rank order."""
+    sim = _load()
+    calls = []
+    clock = iter(range(1, 10_000))
+
+    def timer(fn):
+        fn()
+        return float(next(clock))
+
+    full = lambda: calls.append("full")  # noqa: E731
+    ranks = [lambda r=r: calls.append(r) for r in range(3)]
+    rounds = sim.interleaved_rounds(timer, full, [ranks], reps=3)
+    warmup, timed = calls[:4], calls[4:]
+    assert warmup == ["full", 0, 1, 2]
+    assert timed == ["full", 0, 1, 2, "full", "full", 1, 2, 0, "full", "full", 2, 0, 1, "full"]
+    assert rounds[0] == [(1 + 5) / 2, 2.0, 3.0, 4.0]
+    assert rounds[1] == [(6 + 10) / 2, 9.0, 7.0, 8.0]  # rank order, whichever order they ran in
