@@ -318,6 +318,11 @@ class ContextParallel:
 
     def _local_check(self, q, k, v, plan, sinks):
         """(the signature every rank must share, the Ulysses degree); raises on bad local input."""
+        if plan is None:  # checked with the rest, so that the ranks that have a plan fail with this one at once
+            raise ValueError(
+                "context-parallel attention needs the plan the inputs were sharded with (plan=; build one with "
+                "fa4dist.context_parallel.make_plan or FA4ContextParallelAttention.make_plan)"
+            )
         if not isinstance(plan, ShardPlan):
             raise TypeError(
                 f"plan must be a ShardPlan (fa4dist.context_parallel.make_plan), got {type(plan).__name__}"
@@ -421,11 +426,6 @@ class ContextParallel:
                  sinks: Optional[torch.Tensor] = None):
         if self.cp_size == 1:
             return self._single(q, k, v, plan, sinks)
-        if plan is None:
-            raise ValueError(
-                "context-parallel attention needs the plan the inputs were sharded with (plan=; build one with "
-                "fa4dist.context_parallel.make_plan or FA4ContextParallelAttention.make_plan)"
-            )
         u, signature = self._verify(q, k, v, plan, sinks)
         key = (plan.fingerprint, plan.total_len, u)
         sched = self._schedules.get(key)

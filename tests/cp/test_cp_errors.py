@@ -62,6 +62,9 @@ def bad_input_case(rank, world, kind):
     if kind == "no-plan":
         q, k, v = _inputs(plan, rank)
         return _error(lambda: module(q, k, v))
+    if kind == "no-plan-on-one-rank":  # the ranks that pass their plan must not wait for rank 2 until the timeout
+        q, k, v = _inputs(plan, rank)
+        return _error(lambda: module(q, k, v, None if rank == 2 else plan))
     if kind == "packed-dims":
         q, k, v = _inputs(plan, rank)
         return _error(lambda: module(q, k, v, make_plan([0, 10, 40], 4)))
@@ -80,6 +83,8 @@ def bad_input_case(rank, world, kind):
     ("hybrid-no-degree", "ValueError", "strategy='hybrid' on one process group needs ulysses_degree="),
     ("cp-size", "ValueError", "the plan is for cp_size=2 but the process group has 4 ranks"),
     ("no-plan", "ValueError", "needs the plan the inputs were sharded with"),
+    ("no-plan-on-one-rank", "ValueError", "rank 2 rejected its inputs: ValueError: context-parallel attention needs "
+     "the plan the inputs were sharded with"),
     ("packed-dims", "ValueError", "q must be 3-D \\(local_tokens, heads, head_dim\\) for this packed-document plan"),
 ])
 def test_every_rank_gets_the_same_clear_error(pool, kind, error, pattern):
