@@ -237,6 +237,7 @@ class ContextParallel:
         self._transports: dict = {}
         self._schedules: dict = {}
         self._calls = 0  # forward calls made (every rank makes the same ones: checked per call)
+        self._grid_checked = not self.grid  # two groups: checked once, on the first call, that they form a grid
         self.instance = _next_instance(self._group_key())
 
     def _group_key(self) -> tuple:
@@ -404,6 +405,32 @@ class ContextParallel:
             raise type(error)(f"{LABEL}: {message}") from error
         raise ValueError(f"{LABEL}: {message}")
 
+    def _check_grid(self) -> None:
+        """The two groups of the 2-D strategy form its grid: the ranks of a Ulysses group share one ring rank and
+        those of a ring group one Ulysses rank.  Otherwise a ring step would exchange the keys of other heads with
+        a rank of another Ulysses index, and a Ulysses group hold tokens of other ring members: a silently wrong
+        result.  Once per module, on the first call (inputs play no part); a mismatch anywhere is passed on through
+        the stages (Ulysses, ring, Ulysses), so every rank raises instead of waiting for a rank that did."""
+        if self._grid_checked:
+            return
+        uly, ring = self._transport(self.ulysses_group), self._transport(self.ring_group)
+        found, seen = 0, {}
+        for name, t, mine in (("ring", uly, self._ring_rank), ("Ulysses", ring, self._uly_rank),
+                              ("ring", uly, self._ring_rank)):
+            rows = t.host_gather_ints([mine, found], "the check that ulysses_group and ring_group form a grid")
+            seen.setdefault(name, sorted({r[0] for r in rows}))
+            if len({r[0] for r in rows}) > 1 or any(r[1] for r in rows):
+                found = 1
+        if found:
+            raise ValueError(
+                f"{LABEL}: ulysses_group and ring_group do not form a 2-D grid: the ranks of a Ulysses group must "
+                "all have one rank in their ring groups, and the ranks of a ring group one rank in their Ulysses "
+                f"groups (this rank (cp rank {self.cp_rank}): its Ulysses group's ring ranks {seen['ring']}, its "
+                f"ring group's Ulysses ranks {seen['Ulysses']}; some rank's groups differ).  Build them from a 2-D "
+                "DeviceMesh (mesh_dim_names=('ring', 'ulysses')), or pass one group with ulysses_degree="
+            )
+        self._grid_checked = True
+
     def _verify(self, q, k, v, plan, sinks) -> tuple:
         """Checks the local input and that every rank makes the same call (fails alike on every rank, never hangs,
         on bad or disagreeing input); returns the Ulysses degree and the agreed signature."""
@@ -426,6 +453,7 @@ class ContextParallel:
                  sinks: Optional[torch.Tensor] = None):
         if self.cp_size == 1:
             return self._single(q, k, v, plan, sinks)
+        self._check_grid()
         u, signature = self._verify(q, k, v, plan, sinks)
         key = (plan.fingerprint, plan.total_len, u)
         sched = self._schedules.get(key)

@@ -245,6 +245,33 @@ def test_double_backward_across_ranks_is_refused_clearly(pool):
         assert name == "RuntimeError" and "double backward (create_graph=True) is not supported" in message
 
 
+def non_grid_case(rank, world, verify):
+    """Ulysses groups {0, 1}, {2, 3} with ring groups {0, 3}, {1, 2}: every cp rank is distinct, but a ring step
+    would pair ranks of different Ulysses indices (other heads) and a Ulysses group ranks of two ring members."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    ring = None
+    for ranks in ([0, 3], [1, 2]):
+        g = fresh_group(ranks)
+        if rank in ranks:
+            ring = g
+    module = FA4ContextParallelAttention(ulysses_group=GROUPS["ulysses"], ring_group=ring, backend="reference",
+                                         timeout=30, verify=verify)
+    plan = make_plan(40, 4, ulysses_degree=2)
+    return _error(lambda: module(*_inputs(plan, module.cp_rank), plan=plan))
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_groups_that_do_not_form_a_grid_fail_on_every_rank(pool, verify):
+    results = pool.run(non_grid_case, verify=verify, timeout=90)
+    for rank, res in enumerate(results):
+        assert res is not None, f"rank {rank} computed instead of failing"
+        name, message, elapsed = res
+        assert name == "ValueError" and "ulysses_group and ring_group do not form a 2-D grid" in message, message
+        assert elapsed < 20, elapsed
+
+
 def test_pool_still_healthy_after_errors(pool):
     res = pool.run(cp_cases.run_case, cp=4, seqlen=30)
     assert max(r["out"] for r in res) < 1e-10
