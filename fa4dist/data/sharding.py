@@ -37,6 +37,7 @@ class SingleRankPlan:
 
     def shard(self, x: torch.Tensor, seq_dim: int = 1, rank: Optional[int] = None) -> torch.Tensor:
         self._check_rank(rank)
+        self._plan._check_seq(x, seq_dim, self.total, "x")  # a tensor of another sample fails as at cp > 1
         return x
 
     def unshard(self, x_local, seq_dim: int = 1) -> torch.Tensor:
@@ -46,6 +47,7 @@ class SingleRankPlan:
                 raise ValueError(
                     f"unshard needs 1 local tensor (one per rank) or their concatenation, got {len(x_local)}")
             x_local = x_local[0]
+        self._plan._check_seq(x_local, seq_dim, self.total, "the local tensor of rank 0")
         return x_local
 
     def positions(self, rank: Optional[int] = None) -> torch.Tensor:

@@ -235,6 +235,14 @@ def test_single_rank_plan_unshard_matches_the_cp_plan_signature():
         assert torch.equal(plan.unshard(plan.shard(x, seq_dim=0, rank=0), seq_dim=0), x)
     with pytest.raises(ValueError, match="a single-rank plan has only rank 0"):
         single.shard(x, rank=1)
+    # a tensor of another length (another sample) fails at cp = 1 as at cp > 1, never passes through
+    for plan in (single, cp1):
+        with pytest.raises(ValueError, match="x has 12 tokens along seq_dim=0, but the plan expects 10"):
+            plan.shard(torch.randn(12, 2), seq_dim=0, rank=0)
+        with pytest.raises(ValueError, match="has 9 tokens along seq_dim=0, but the plan expects 10"):
+            plan.unshard([torch.randn(9, 2)], seq_dim=0)
+        with pytest.raises(ValueError, match="seq_dim=2 is out of range"):
+            plan.shard(x, seq_dim=2, rank=0)
 
 
 
