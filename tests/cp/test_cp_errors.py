@@ -68,6 +68,9 @@ def bad_input_case(rank, world, kind):
     if kind == "packed-dims":
         q, k, v = _inputs(plan, rank)
         return _error(lambda: module(q, k, v, make_plan([0, 10, 40], 4)))
+    if kind == "plan-type":
+        q, k, v = _inputs(plan, rank)
+        return _error(lambda: module(q, k, v, [0, 40]))
     q, k, v = _inputs(plan, rank, heads, dtype)
     return _error(lambda: module(q, k, v, plan))
 
@@ -86,6 +89,9 @@ def bad_input_case(rank, world, kind):
     ("no-plan-on-one-rank", "ValueError", "rank 2 rejected its inputs: ValueError: context-parallel attention needs "
      "the plan the inputs were sharded with"),
     ("packed-dims", "ValueError", "q must be 3-D \\(local_tokens, heads, head_dim\\) for this packed-document plan"),
+    # every rank's own TypeError keeps its type (the message adds that the other ranks made the same mistake)
+    ("plan-type", "TypeError",
+     "rank 0 rejected its inputs: TypeError: plan must be a ShardPlan .*got list \\(and 3 more rank"),
 ])
 def test_every_rank_gets_the_same_clear_error(pool, kind, error, pattern):
     import re
