@@ -401,9 +401,9 @@ class ContextParallel:
             gathered = [json.loads(b) for b in stage.all_gather_bytes(payload, f"the signatures of {what} {call}")]
             message = message or _disagreement(gathered, f"{what} {call}")
         message = message or f"ranks disagree on {what} {call} (found in another group of the mesh)"
-        if local is not None and local[:2000] in message:  # its own error (other ranks' may follow it)
-            raise type(error)(f"{LABEL}: {message}") from error
-        raise ValueError(f"{LABEL}: {message}")
+        if local is not None and local[:2000] in message and isinstance(error, (TypeError, ValueError)):
+            raise type(error)(f"{LABEL}: {message}") from error  # its own error (other ranks' may follow it)
+        raise ValueError(f"{LABEL}: {message}") from error
 
     def _check_grid(self) -> None:
         """The two groups of the 2-D strategy form its grid: the ranks of a Ulysses group share one ring rank and
@@ -437,7 +437,7 @@ class ContextParallel:
         shared, u, error = None, None, None
         try:
             shared, u = self._local_check(q, k, v, plan, sinks)
-        except (TypeError, ValueError) as err:
+        except Exception as err:  # any error, not only the checks' own: the other ranks must not wait for this one
             if not self.verify:
                 raise
             error = err

@@ -71,6 +71,21 @@ def bad_input_case(rank, world, kind):
     if kind == "plan-type":
         q, k, v = _inputs(plan, rank)
         return _error(lambda: module(q, k, v, [0, 40]))
+    if kind == "unexpected-error":  # not one of the checks' own errors: the other ranks must still not wait for it
+        from fa4dist.context_parallel.core import ContextParallel
+
+        original = ContextParallel._local_check
+
+        def failing(self, *args):
+            if rank == 1:
+                raise RuntimeError("an injected fault in rank 1's input checks")
+            return original(self, *args)
+        ContextParallel._local_check = failing
+        try:
+            q, k, v = _inputs(plan, rank)
+            return _error(lambda: module(q, k, v, plan))
+        finally:
+            ContextParallel._local_check = original
     q, k, v = _inputs(plan, rank, heads, dtype)
     return _error(lambda: module(q, k, v, plan))
 
@@ -92,6 +107,7 @@ def bad_input_case(rank, world, kind):
     # every rank's own TypeError keeps its type (the message adds that the other ranks made the same mistake)
     ("plan-type", "TypeError",
      "rank 0 rejected its inputs: TypeError: plan must be a ShardPlan .*got list \\(and 3 more rank"),
+    ("unexpected-error", "ValueError", "rank 1 rejected its inputs: RuntimeError: an injected fault"),
 ])
 def test_every_rank_gets_the_same_clear_error(pool, kind, error, pattern):
     import re
