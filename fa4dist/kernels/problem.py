@@ -127,10 +127,12 @@ def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> tuple[int, ...]
 
     The check of a device tensor needs one copy to the host; it is remembered per (tensor, version) so a caller
     that reuses the same cu_seqlens tensor every step (a ring, a training loop) pays it once.  The entry holds a
-    weak reference to the tensor: a new tensor that happens to get a freed one's id and address is not it."""
+    weak reference to the tensor: a new tensor that happens to get a freed one's id and address is not it.  A
+    tensor made under ``torch.inference_mode`` has no version counter (its values can change unseen): it is read
+    every time."""
     _check_cu_seqlens_layout(name, cu)
-    key = (name, id(cu), cu.data_ptr(), cu._version, cu.numel(), total)
-    cached = _CU_SEQLENS_CACHE.get(key)
+    key = None if cu.is_inference() else (name, id(cu), cu.data_ptr(), cu._version, cu.numel(), total)
+    cached = _CU_SEQLENS_CACHE.get(key) if key is not None else None
     if cached is not None and cached[0]() is cu:
         return cached[1]
     values = tuple(int(x) for x in cu.tolist())
@@ -140,6 +142,8 @@ def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> tuple[int, ...]
         raise ValueError(f"{name} must be non-decreasing, got {list(values)[:16]}")
     if values[-1] != total:
         raise ValueError(f"{name}[-1] = {values[-1]} disagrees with the token count {total} of the packed tensor")
+    if key is None:
+        return values
     if len(_CU_SEQLENS_CACHE) > 256:
         _CU_SEQLENS_CACHE.clear()
     _CU_SEQLENS_CACHE[key] = (weakref.ref(cu), values)

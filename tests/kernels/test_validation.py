@@ -120,6 +120,32 @@ def test_cu_seqlens_only_one_side_or_different_lengths():
         attention_forward(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=torch.tensor([0, 10], dtype=torch.int32))
 
 
+def test_cu_seqlens_made_under_inference_mode():
+    """A tensor made under torch.inference_mode has no version counter: packed calls (and packed work lists, whose
+    cu_seqlens are made inside the call) must still run, re-reading such cu_seqlens every time (an in-place change
+    is seen, a bad one refused)."""
+    from fa4dist.kernels.worklist import WorkItem, attention_forward_items
+
+    q = torch.randn(10, 2, 8, dtype=torch.float64)
+    with torch.inference_mode():
+        cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+        out, _ = attention_forward(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+        want, _ = attention_forward(q, q, q, cu_seqlens_q=cu.clone(), cu_seqlens_k=cu.clone(), causal=True)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        cu[1] = 6
+        moved, _ = attention_forward(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+        want, _ = attention_forward(q, q, q, cu_seqlens_q=cu.clone(), cu_seqlens_k=cu.clone(), causal=True)
+        torch.testing.assert_close(moved, want, rtol=0, atol=0)
+        assert not torch.equal(moved[4:6], out[4:6])
+        cu[1] = 11
+        with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+            attention_forward(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu)
+        run_out, run_lse = torch.zeros(10, 2, 8, dtype=torch.float64), torch.full((2, 10), -torch.inf,
+                                                                                   dtype=torch.float64)
+        attention_forward_items(q, q, q, [WorkItem(0, 10, 0, 10, causal=True)], run_out, run_lse)
+    torch.testing.assert_close(run_out, attention_forward(q[None], q[None], q[None], causal=True)[0][0])
+
+
 def test_offsets_wrong_count():
     q, k, v = qkv(b=2)
     with pytest.raises(ValueError, match="q_offset must have one entry per sequence/segment"):
