@@ -92,7 +92,8 @@ def merge_partials(
     lses: Sequence[torch.Tensor],
     out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """N-way merge in the fixed order given (so the result is bitwise reproducible for a fixed order).
+    """N-way merge in the fixed order given (so the result is bitwise reproducible for a fixed order). A partial whose
+    lse is -inf contributes nothing, whatever its out holds there.
 
     Returns (out, lse) in fp32 (fp64 for fp64 inputs); writes into ``out`` when given."""
     if len(outs) == 0 or len(outs) != len(lses):
@@ -104,9 +105,11 @@ def merge_partials(
                          f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
     dtype = _accum_dtype(outs[0].dtype)
     weights, merged = _merge_weights([lse.to(dtype) for lse in lses])
-    acc = outs[0].to(dtype) * lse_as_out_layout(weights[0])
-    for o, w in zip(outs[1:], weights[1:]):
-        acc.addcmul_(o, lse_as_out_layout(w))
+    # a side of weight 0 (lse -inf: it saw no key) contributes nothing, whatever its out holds (NaN included)
+    sides = [(o.masked_fill(w == 0, 0.0), w) for o, w in zip(outs, map(lse_as_out_layout, weights))]
+    acc = sides[0][0].to(dtype) * sides[0][1]
+    for o, w in sides[1:]:
+        acc.addcmul_(o, w)
     if out is not None:
         out.copy_(acc)
         acc = out

@@ -50,6 +50,10 @@ class WorkItem:
     causal: bool = False
     window: tuple[int, int] = (-1, -1)  # flash-attn's window_size in global positions (fa4dist.kernels.mask)
 
+    def __post_init__(self):
+        if isinstance(self.window, list):  # as the contract takes it; a tuple keeps the item hashable (launch plans)
+            object.__setattr__(self, "window", tuple(self.window))
+
     def mask_kwargs(self) -> dict:
         return dict(causal=self.causal, window=self.window, q_offset=self.q_offset, k_offset=self.k_offset)
 

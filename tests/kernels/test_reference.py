@@ -166,6 +166,12 @@ def test_merge_all_neg_inf_is_zero_not_nan():
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
     o, merged_lse = merge_partials([blk, blk], [attention_lse, attention_lse])
     assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(merged_lse).all()
+    # a hand-built partial that saw no key (lse -inf) but holds garbage contributes nothing, as in merge_into_
+    seen_lse = torch.randn(1, 2, 3)
+    seen = torch.randn(1, 3, 2, 4)
+    for garbage in (float("nan"), float("inf"), 7.0):
+        o, merged_lse = merge_partials([torch.full_like(seen, garbage), seen], [attention_lse, seen_lse])
+        assert torch.equal(o, seen) and torch.equal(merged_lse, seen_lse), garbage
 
 
 def test_chunking_boundaries(monkeypatch):

@@ -94,6 +94,14 @@ def test_bad_items_are_named(item, error, match):
         attention_forward_items(q, q, q, [item], out, lse, backend="reference")
 
 
+def test_a_window_given_as_a_list_is_kept_as_a_tuple():
+    """The contract takes window=[left, right]; an item keeps it hashable (the cute backend caches launch plans by
+    the items) and equal to the tuple form."""
+    item = WorkItem(0, 5, 0, 3, window=[2, 0], causal=True)
+    assert item.window == (2, 0) and item == WorkItem(0, 5, 0, 3, window=(2, 0), causal=True)
+    assert hash(item) == hash(WorkItem(0, 5, 0, 3, window=(2, 0), causal=True))
+
+
 def test_shared_queries_is_none_without_a_backend_that_shares_and_refuses_cp_invariant():
     """share_queries gives None on the reference (every call keeps its own query side: the lists then equal the
     plain ones); a handle made for one deterministic setting, or passed with cp_invariant, is refused by name."""
