@@ -52,5 +52,8 @@ if [ "$1" = 3 ]; then
       --directions fwd bwd --reps 5 --queue-ahead-ms $ahead --tag "ahead$ahead" \
       $([ $ahead = 0 ] && echo --profile-ranks 6 --cprofile 30)
   done
+  # the session's contract and CP fixes (packed checks under inference mode, the agreement's errors) on the GPU paths
+  TAIL_LINES=6 stage tests_cp 240 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 -m gpu \
+    tests/cp/test_cp_gpu.py tests/kernels/test_worklist_gpu.py
   exit
 fi
