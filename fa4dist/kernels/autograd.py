@@ -19,7 +19,7 @@ def _differentiable_grads(dout, q, k, v, sinks, mask_kwargs):
     and small models."""
     problem = validate_inputs(q, k, v, sinks=sinks, **mask_kwargs)
     inputs = (q, k, v, sinks)
-    with torch.enable_grad():
+    with torch.enable_grad(), reference.no_autocast(q.device):
         out, lse = reference.forward(problem, q, k, v)
         if sinks is not None:
             out, _ = with_sink(out, lse, sinks)

@@ -15,6 +15,9 @@ can see.  A row that sees no key gets out = 0 and lse = -inf; a row that sees ke
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 
 from . import fixed_point
@@ -266,6 +269,28 @@ def _ops(problem: AttentionProblem):
     return _ShapeIndependent if problem.cp_invariant else _Einsum
 
 
+def no_autocast(device: torch.device):
+    """A context with autocast off on ``device``: the reference computes in the inputs' accumulation dtype (fp32 /
+    fp64), and an ambient ``torch.autocast`` would otherwise run its matrix products (einsum -> bmm, and their
+    derivatives) in bf16 / fp16 under an fp32 result."""
+    kind = device.type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return torch.autocast(kind, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _without_autocast(fn):
+    """``fn(problem, ...)`` run under :func:`no_autocast` of the problem's device."""
+
+    @functools.wraps(fn)
+    def wrapper(problem: AttentionProblem, *args, **kwargs):
+        with no_autocast(problem.device):
+            return fn(problem, *args, **kwargs)
+
+    return wrapper
+
+
+@_without_autocast
 def forward(problem: AttentionProblem, q, k, v):
     """Returns (out, lse) in the accumulation dtype with the contract's shapes."""
     p = problem
@@ -284,6 +309,7 @@ def forward(problem: AttentionProblem, q, k, v):
     return out, lse
 
 
+@_without_autocast
 def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq_scale=None):
     """Returns (dq, dk, dv) in the accumulation dtype for the block, given the global out and lse; with
     ``dq_scale`` (lse's layout) dq is int64 fixed point (fa4dist.kernels.fixed_point; cp_invariant problems)."""

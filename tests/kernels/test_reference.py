@@ -247,3 +247,24 @@ def test_double_backward(layout):
     q = torch.randn(*shapes[0], dtype=F64, generator=gen, requires_grad=True)
     k, v = (torch.randn(*shapes[1], dtype=F64, generator=gen, requires_grad=True) for _ in range(2))
     assert torch.autograd.gradgradcheck(lambda a, b, c: fa4dist.attention(a, b, c, **kw), (q, k, v))
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_autocast_does_not_lower_the_reference_precision(create_graph):
+    """Under an ambient torch.autocast (bf16 on the CPU), fp32 inputs are still computed in fp32: the same bits as
+    without autocast (forward, lse and gradients; also the differentiable gradients of create_graph=True), not
+    bf16 matrix products under an fp32 result."""
+    gen = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(1, 48, heads, 32, generator=gen) for heads in (4, 2, 2)]
+
+    def step(autocast):
+        q, k, v = (t.clone().requires_grad_() for t in inputs)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out, lse = fa4dist.attention(q, k, v, causal=True, backend="reference", return_lse=True)
+            grads = torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=create_graph)
+        return out, lse, *grads
+
+    plain, autocast = step(False), step(True)
+    assert plain[0].dtype == torch.float32
+    for a, b in zip(plain, autocast):
+        assert torch.equal(a, b), (a - b).abs().max()
