@@ -27,7 +27,7 @@ from ..kernels.invariant import enabled as invariant_enabled
 from ..kernels.invariant import sum_group
 from ..kernels.merge import merge_sink_, sink_grad
 from ..kernels.problem import (
-    check_mask, check_optional_bool, check_softcap, check_softmax_scale, check_window, validate_inputs,
+    check_bool, check_mask, check_optional_bool, check_softcap, check_softmax_scale, check_window, validate_inputs,
 )
 from .comm import Transport, deepcopy_sharing
 from .gather import gather_backward, gather_forward
@@ -194,6 +194,7 @@ class ContextParallel:
         self.mask = check_mask(causal, window)
         self.softcap = check_softcap(softcap)
         check_optional_bool("deterministic", deterministic)
+        check_bool("verify", verify)  # verify=0 would silently turn the agreement checks off
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a string, got {type(backend).__name__}")
         if softmax_scale is not None:

@@ -342,6 +342,8 @@ def test_absent_rank_times_out_with_a_named_wait(pool, verify, pattern):
     (dict(ulysses_group=object()), ValueError, "ulysses_group and ring_group must be given together"),
     (dict(mesh=object()), TypeError, "mesh must be a torch.distributed.device_mesh.DeviceMesh"),
     (dict(plan=42), TypeError, "plan must be a ShardPlan"),
+    (dict(verify=0), TypeError, "verify must be a bool, got int"),
+    (dict(verify="no"), TypeError, "verify must be a bool, got str"),
 ])
 def test_module_argument_errors(kwargs, error, pattern):
     from fa4dist.modules import FA4ContextParallelAttention
