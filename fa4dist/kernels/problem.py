@@ -85,6 +85,11 @@ class AttentionProblem:
             return (self.heads_q, self.total_q)
         return (self.batch, self.heads_q, self.seqlen_q)
 
+    def device_cu_seqlens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cu_seqlens_q, cu_seqlens_k) as fused kernels read them: contiguous int32 on the inputs' device (the
+        caller's tensors when they already are; a CPU or strided one is copied, never read in place)."""
+        return tuple(t.to(self.device).contiguous() for t in (self.cu_seqlens_q_tensor, self.cu_seqlens_k_tensor))
+
     def segments(self):
         """Yields (index, q_start, q_len, k_start, k_len, q_offset, k_offset) per sequence/segment.
 

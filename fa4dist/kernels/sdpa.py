@@ -185,7 +185,7 @@ class _FusedBackend:
         """A sliding window (flash only): one call per band block, under the guard with the block's band."""
         mask, scale = problem.mask, problem.softmax_scale
         if problem.varlen:  # square aligned segments: the band is the mask's own on every segment
-            cq, ck = problem.cu_seqlens_q_tensor.to(q.device), problem.cu_seqlens_k_tensor.to(q.device)
+            cq, ck = problem.device_cu_seqlens()
             window = (mask.window[0], -1 if mask.hi is None else mask.hi)
             return guarded_forward(lambda *t: _flash_forward(*t, scale, False, cq, ck, problem.seqlen_q,
                                                              problem.seqlen_k, window), q, k, v, mask.lo, mask.hi, cq)
@@ -204,7 +204,7 @@ class _FusedBackend:
     def _windowed_backward(self, problem: AttentionProblem, dout, q, k, v, out, lse):
         mask, scale = problem.mask, problem.softmax_scale
         if problem.varlen:
-            cq, ck = problem.cu_seqlens_q_tensor.to(q.device), problem.cu_seqlens_k_tensor.to(q.device)
+            cq, ck = problem.device_cu_seqlens()
             window = (mask.window[0], -1 if mask.hi is None else mask.hi)
             return guarded_backward(
                 lambda do_, q_, k_, v_, o_, l_: _flash_backward(do_, q_, k_, v_, o_, l_.contiguous(), scale, False, cq,
@@ -231,7 +231,7 @@ class _FusedBackend:
         if problem.mask.windowed:
             return self._windowed_forward(problem, q, k, v)
         if problem.varlen:
-            cq, ck = problem.cu_seqlens_q_tensor.to(q.device), problem.cu_seqlens_k_tensor.to(q.device)
+            cq, ck = problem.device_cu_seqlens()
             fwd = lambda q_, k_, v_, causal: _flash_forward(  # noqa: E731
                 q_, k_, v_, problem.softmax_scale, causal, cq, ck, problem.seqlen_q, problem.seqlen_k)
             if _packed_kind(problem) == "causal":
@@ -256,7 +256,7 @@ class _FusedBackend:
             if problem.mask.windowed:
                 return self._windowed_backward(problem, dout, q, k, v, out, lse)
             if problem.varlen:
-                cq, ck = problem.cu_seqlens_q_tensor.to(q.device), problem.cu_seqlens_k_tensor.to(q.device)
+                cq, ck = problem.device_cu_seqlens()
                 bwd = lambda do_, q_, k_, v_, o_, l_, causal: _flash_backward(  # noqa: E731
                     do_, q_, k_, v_, o_, l_.contiguous(), problem.softmax_scale, causal,
                     cq, ck, problem.seqlen_q, problem.seqlen_k)

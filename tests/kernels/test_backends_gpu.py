@@ -70,10 +70,16 @@ def test_dense(backend, dtype, case):
 
 @pytest.mark.parametrize("backend", ["sdpa_flash", "cute"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_packed(backend, causal):
+@pytest.mark.parametrize("cu_layout", ["cuda", "cpu", "strided"])
+def test_packed(backend, causal, cu_layout):
+    """cu_seqlens on the GPU, on the CPU or a strided view: the kernels read a contiguous copy on q's device."""
     _need(backend)
     lens = [0, 17, 300, 1, 512]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    if cu_layout == "cpu":
+        cu = cu.cpu()
+    elif cu_layout == "strided":  # every second entry of a tensor holding garbage between them
+        cu = torch.stack([cu, torch.full_like(cu, 10**6)], 1).reshape(-1)[::2]
     q, k, v = _tensors((sum(lens), 8, 128), (sum(lens), 2, 128), torch.bfloat16)
     _check(backend, q, k, v, torch.bfloat16, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
 

@@ -341,3 +341,16 @@ def test_work_lists_check_the_whole_buffers():
         attention_backward_items(q, q, k, v, out, lse, item, torch.zeros(20, 4, 7), None, None)
     with pytest.raises(ValueError, match=r"lse must have shape \(4, 20\)"):
         attention_backward_items(q, q, k, v, out, lse[:, :10], item, torch.zeros(20, 4, 8), None, None)
+
+
+def test_fused_kernels_read_cu_seqlens_contiguous_on_the_inputs_device():
+    """A strided (or other-device) cu_seqlens is handed to fused kernels as a contiguous copy on q's device, with
+    the values the checks read."""
+    from fa4dist.kernels.problem import validate_inputs
+
+    q = torch.randn(10, 2, 8)
+    cu = torch.tensor([0, 99, 4, 99, 10, 99], dtype=torch.int32)[::2]
+    problem = validate_inputs(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    for t in problem.device_cu_seqlens():
+        assert t.is_contiguous() and t.device == q.device and t.dtype == torch.int32
+        assert t.tolist() == [0, 4, 10] == list(problem.cu_seqlens_q)

@@ -168,6 +168,14 @@ class CuteSm90Backend:
                                        rows=shared if on_shared else None, deterministic=deterministic)
         return dq, dk, dv
 
+    @staticmethod
+    def _cu_seqlens(problem) -> dict:
+        """The kernels' cu_seqlens arguments: the problem's, on q's device and contiguous (packed calls)."""
+        if not problem.varlen:
+            return dict(cu_seqlens_q=None, cu_seqlens_k=None)
+        cq, ck = problem.device_cu_seqlens()
+        return dict(cu_seqlens_q=cq, cu_seqlens_k=ck)
+
     def _worklist_ready(self, q, k, v, out, lse) -> bool:
         """Tensors a work-list launch takes as they are (the loop copies odd layouts per item instead)."""
         if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16) or out.dtype != torch.float32:
@@ -302,7 +310,7 @@ class CuteSm90Backend:
             q, k, v, out_k, lse_k,
             softmax_scale=problem.softmax_scale, causal=causal, window_left=window_left, q_offset=q_off,
             k_offset=k_off, softcap=problem.softcap,
-            cu_seqlens_q=problem.cu_seqlens_q_tensor, cu_seqlens_k=problem.cu_seqlens_k_tensor,
+            **self._cu_seqlens(problem),
             max_seqlen_q=problem.seqlen_q if problem.varlen else None,
             max_seqlen_k=problem.seqlen_k if problem.varlen else None,
             accumulate=accumulate,
@@ -360,7 +368,7 @@ class CuteSm90Backend:
             dout, q, k, v, out, lse, *work,
             softmax_scale=problem.softmax_scale, causal=causal, window_left=window_left, q_offset=q_off,
             k_offset=k_off, softcap=problem.softcap,
-            cu_seqlens_q=problem.cu_seqlens_q_tensor, cu_seqlens_k=problem.cu_seqlens_k_tensor,
+            **self._cu_seqlens(problem),
             max_seqlen_q=problem.seqlen_q if problem.varlen else None,
             max_seqlen_k=problem.seqlen_k if problem.varlen else None,
             deterministic=deterministic, accumulate=accumulate, rows=rows, q_start=q_start, dq_scale=dq_scale,
