@@ -200,10 +200,11 @@ def test_persistent_grid_default_and_the_sms_variable(monkeypatch):
     monkeypatch.setenv(host.SMS_ENV, "100")
     capped = cute_fwd.make_config(torch.bfloat16, 128, causal=False, varlen=False, accumulate=False)
     assert capped.persistent_ctas == min(100, full.persistent_ctas)
-    monkeypatch.setattr(host, "_SM_COUNT", [])
-    monkeypatch.setenv(host.SMS_ENV, "lots")
-    with pytest.raises(ValueError, match="FA4DIST_CUTE_SMS must be a positive number"):
-        host.sm_count()
+    for bad in ("lots", "0", "\u00b2", "-3"):
+        monkeypatch.setattr(host, "_SM_COUNT", [])
+        monkeypatch.setenv(host.SMS_ENV, bad)
+        with pytest.raises(ValueError, match="FA4DIST_CUTE_SMS must be a positive number"):
+            host.sm_count()
 
 
 def test_an_mps_client_limit_lowers_the_sm_count(monkeypatch):

@@ -80,7 +80,7 @@ def sm_count() -> int:
             n = max(1, int(n * share / 100))
         value = os.environ.get(SMS_ENV, "").strip()
         if value:
-            if not value.isdigit() or int(value) < 1:
+            if not (value.isascii() and value.isdigit()) or int(value) < 1:  # ("²".isdigit(), but int() refuses it)
                 raise ValueError(f"{SMS_ENV} must be a positive number of SMs, got {value!r}")
             n = min(n, int(value))
         _SM_COUNT.append(int(n))
