@@ -291,7 +291,7 @@ class ContextParallel:
             else:
                 u = max(HeadSplit.feasible_degrees(heads_q, heads_kv, cp))
         if u > 1:
-            HeadSplit.check(heads_q, heads_kv, u, cp)
+            HeadSplit.check(heads_q, heads_kv, u, cp, groups=self.grid)
         return u
 
     def strategy_name(self, u: int) -> str:

@@ -55,14 +55,21 @@ class HeadSplit:
         return [d for d in _divisors(cp_size) if HeadSplit.problem(heads_q, heads_kv, d) is None]
 
     @staticmethod
-    def check(heads_q: int, heads_kv: int, degree: int, cp_size: int) -> "HeadSplit":
+    def check(heads_q: int, heads_kv: int, degree: int, cp_size: int, groups: bool = False) -> "HeadSplit":
+        """The split of ``degree`` Ulysses members; raises naming the degrees that work. ``groups``: the degree is
+        the size of a given Ulysses group (a 2-D mesh or ulysses_group + ring_group), so the hint names group sizes
+        rather than the ulysses_degree= option."""
         reason = HeadSplit.problem(heads_q, heads_kv, degree)
         if reason is not None:
             ok = [d for d in HeadSplit.feasible_degrees(heads_q, heads_kv, cp_size) if d > 1]
-            hint = (
-                f"use strategy='hybrid' with ulysses_degree in {ok} (Ulysses inside, ring across)"
-                if ok else "use strategy='ring' (or 'hybrid' once the head counts allow a Ulysses degree)"
-            )
+            if groups:
+                hint = (f"build the 2-D groups with a Ulysses group size in {ok}" if ok else
+                        "use one process group with strategy='ring'") + " (the Ulysses group size is the degree)"
+            else:
+                hint = (
+                    f"use strategy='hybrid' with ulysses_degree in {ok} (Ulysses inside, ring across)"
+                    if ok else "use strategy='ring' (or 'hybrid' once the head counts allow a Ulysses degree)"
+                )
             raise ValueError(f"Ulysses degree {degree} is impossible: {reason}; {hint}")
         return HeadSplit(heads_q, heads_kv, degree)
 

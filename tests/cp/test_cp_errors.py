@@ -294,6 +294,26 @@ def test_groups_that_do_not_form_a_grid_fail_on_every_rank(pool, verify):
         assert elapsed < 20, elapsed
 
 
+def grid_heads_case(rank, world):
+    """The 2-D groups' Ulysses group size (2) cannot split 3 query heads: the hint is about the groups, not the
+    ulysses_degree= option a caller with groups cannot use."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    module = FA4ContextParallelAttention(ulysses_group=GROUPS["ulysses"], ring_group=GROUPS["ring"],
+                                         backend="reference", timeout=30)
+    plan = make_plan(40, 4, ulysses_degree=2)
+    return _error(lambda: module(*_inputs(plan, module.cp_rank, heads=(3, 3)), plan=plan))
+
+
+def test_groups_whose_ulysses_size_the_heads_forbid_get_a_hint_about_groups(pool):
+    for res in pool.run(grid_heads_case, timeout=90):
+        name, message, elapsed = res
+        assert name == "ValueError" and "Ulysses degree 2 is impossible" in message, message
+        assert "(the Ulysses group size is the degree)" in message and "ulysses_degree" not in message
+        assert elapsed < 20, elapsed
+
+
 def test_pool_still_healthy_after_errors(pool):
     res = pool.run(cp_cases.run_case, cp=4, seqlen=30)
     assert max(r["out"] for r in res) < 1e-10
