@@ -54,7 +54,7 @@ if [ "$1" = 3 ]; then
   done
   # the session's contract and CP fixes (cu_seqlens on the CPU or strided, packed checks under inference mode, the
   # agreement's errors) on the GPU paths
-  TAIL_LINES=6 stage tests_cp 240 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 -m gpu \
+  TAIL_LINES=6 stage tests_cp 150 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 -m gpu \
     tests/cp/test_cp_gpu.py tests/kernels/test_worklist_gpu.py "tests/kernels/test_backends_gpu.py::test_packed"
   exit
 fi
