@@ -85,7 +85,8 @@ def parse_args(argv=None):
     g.add_argument("--tile-mlp", type=common.non_negative_int, default=0,
                    help="run each MLP over this many tokens at a time (0: off)")
     g.add_argument("--offload-checkpoints", action="store_true",
-                   help="keep activation checkpoints in pinned host memory (transformers >= 5.2x)")
+                   help="keep activation checkpoints in pinned host memory (transformers >= 5.2x; on CPUs, "
+                        "where they are in host memory already, plain activation checkpointing)")
     g.add_argument("--memory-report", action="store_true", help="print a MEMORY {...} line after the first step")
     args = p.parse_args(argv)
     common.check_common_args(p, args)
@@ -243,10 +244,14 @@ def _tiled_mlp_forward(forward, tokens: int, x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-2)
 
 
-def enable_activation_checkpointing(model, offload: bool):
+def enable_activation_checkpointing(model, offload: bool, device: torch.device):
     """transformers' per-layer checkpointing (``activation_checkpointing_enable`` from 5.2x, before it
-    ``gradient_checkpointing_enable``); ``offload`` keeps the checkpoints in pinned host memory."""
+    ``gradient_checkpointing_enable``); ``offload`` keeps the checkpoints in pinned host memory.  On a CPU device
+    the checkpoints are in host memory already: there is nothing to offload, and transformers' offload would pin
+    memory, which needs an accelerator, so it is plain checkpointing there."""
     import inspect
+
+    offload = offload and torch.device(device).type != "cpu"
 
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
@@ -294,7 +299,7 @@ def prepare(args, layout, device, dtype):
                                      backend=args.backend, deterministic=args.deterministic or None,
                                      cp_invariant=True if args.cp_invariant else None)
     if args.activation_checkpointing or args.offload_checkpoints:
-        enable_activation_checkpointing(model, args.offload_checkpoints)
+        enable_activation_checkpointing(model, args.offload_checkpoints, device)
     if args.tile_mlp:
         tile_mlps(model, args.tile_mlp)
     model.train()

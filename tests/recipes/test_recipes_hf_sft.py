@@ -66,3 +66,24 @@ def test_hf_sft_windowed_archs_cp2_match_single_process(tmp_path, corpus, arch):
 def test_hf_sft_refuses_options_its_arch_lacks(bad):
     with pytest.raises(SystemExit):
         hf_sft.parse_args(BASE + bad)
+
+
+def test_offload_checkpoints_on_a_cpu_device_runs_as_plain_checkpointing():
+    """--offload-checkpoints on a CPU run (the README's recipes run on CPUs too): the checkpoints are in host memory
+    already, and transformers' offload pins memory, which needs an accelerator; the recipe checkpoints plainly, with
+    the gradients of the model without checkpointing."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).train()
+    ids = torch.randint(0, 64, (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    hf_sft.enable_activation_checkpointing(model, offload=True, device=torch.device("cpu"))
+    model(input_ids=ids, labels=ids).loss.backward()
+    for p, w in zip(model.parameters(), want):
+        torch.testing.assert_close(p.grad, w)
