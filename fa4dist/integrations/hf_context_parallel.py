@@ -49,6 +49,7 @@ How it works:
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Optional
 
 import torch
@@ -184,6 +185,12 @@ def _set_attn_implementation(model, name: str):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _launched_world_size() -> int:
+    """WORLD_SIZE as torchrun sets it (1 when not launched by it, or when it is not a number)."""
+    value = os.environ.get("WORLD_SIZE", "1").strip()
+    return int(value) if value.isascii() and value.isdigit() else 1
+
+
 class ContextParallelHandle:
     """The model's context-parallel state: its attention modules, plans for batches, the loss.  Made by
     :func:`enable_context_parallel`; undo with :meth:`disable` or a ``with`` block."""
@@ -199,8 +206,15 @@ class ContextParallelHandle:
             raise ValueError("context parallelism is already enabled on this model; disable() that handle first")
         if group is not None and mesh is not None:
             raise ValueError("pass either group (a process group) or mesh (a DeviceMesh), not both")
-        if group is None and mesh is None and dist.is_available() and dist.is_initialized():
-            group = dist.group.WORLD
+        if group is None and mesh is None:
+            if dist.is_available() and dist.is_initialized():
+                group = dist.group.WORLD
+            elif _launched_world_size() > 1:  # each process would run alone on the whole batch, silently
+                raise RuntimeError(
+                    f"enable_context_parallel(group=None): this process is one of WORLD_SIZE="
+                    f"{_launched_world_size()} (torchrun) but torch.distributed is not initialized, so each process "
+                    "would run alone; call torch.distributed.init_process_group() first (the cp group is then the "
+                    "whole world), or pass group= or mesh=")
         self.model, self.balancer, self.num_chunks, self.check_batch = model, balancer, num_chunks, check_batch
         self._options = dict(group=group, mesh=mesh, strategy=strategy, backend=backend,
                              deterministic=deterministic, timeout=timeout, cp_invariant=cp_invariant)
@@ -393,7 +407,8 @@ def enable_context_parallel(model, group=None, mesh=None, strategy: str = "auto"
     (``shard_batch``, ``loss``, ``disable``; a context manager).
 
     - ``group``: the cp process group (default: the whole world when torch.distributed is initialized, else one
-      process); or ``mesh``: a 1-D DeviceMesh, or 2-D ``("ring", "ulysses")`` for the hybrid strategy.
+      process; one of several processes torchrun started, with no process group yet, is refused); or ``mesh``: a
+      1-D DeviceMesh, or 2-D ``("ring", "ulysses")`` for the hybrid strategy.
     - ``strategy``: ``"auto"``, ``"ring"``, ``"ulysses"``, ``"hybrid"`` (:class:`FA4ContextParallelAttention`).
     - ``balancer``: the plan's balancer, ``"lpt"`` (default), ``"zigzag"`` or ``"contiguous"``; ``num_chunks`` its
       chunk count (default 8 per rank).

@@ -203,6 +203,20 @@ def test_disable_restores_the_models_own_attention():
     handle.disable()  # idempotent
 
 
+def test_group_none_under_torchrun_without_a_process_group_is_refused(monkeypatch):
+    """group=None is the whole world once torch.distributed is initialized; a process that torchrun started as one
+    of several, with no process group yet, would run alone on the whole batch (cp = 1 on every rank, silently)."""
+    assert not torch.distributed.is_initialized()  # the pytest process itself: the cp tests run in spawned workers
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = tiny_model("llama")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        enable_context_parallel(model)
+    assert model.config._attn_implementation == "eager"  # refused before anything was switched
+    monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun with one process: that process is the world
+    with enable_context_parallel(model) as handle:
+        assert handle.cp_size == 1
+
+
 def test_unsupported_models_and_options_are_refused():
     with pytest.raises(UnsupportedMask, match="chunked attention"):
         enable_context_parallel(tiny_model("llama", attention_chunk_size=8))
