@@ -47,7 +47,7 @@ fi
 #    launch latency hidden, device time), with cProfile's table of one rank's call. Prediction: forward 0.87 ->
 #    0.93-0.95, backward 0.90 -> 0.92-0.93 behind the spin; host per rank call 2-4 ms, spread over the launches.
 if [ "$1" = 3 ]; then
-  for ahead in 0 8; do
+  for ahead in 8 0; do
     TAIL_LINES=40 stage "cp_sim_ahead$ahead" 200 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
       --directions fwd bwd --reps 5 --queue-ahead-ms $ahead --tag "ahead$ahead" \
       $([ $ahead = 0 ] && echo --profile-ranks 6 --cprofile 30)
