@@ -58,7 +58,8 @@ if [ "$1" = 3 ]; then
     tests/cp/test_cp_gpu.py tests/kernels/test_worklist_gpu.py "tests/kernels/test_backends_gpu.py::test_packed"
   exit
 fi
-# 4: stage 3's two simulations alone (the device time left after refused calls does not cover its tests).
+# 4: stage 3's two simulations alone (the device time left after refused calls did not cover its tests; stage 3
+#    itself never ran: its calls were refused or the machine was taken back).
 if [ "$1" = 4 ]; then
   for ahead in 8 0; do
     TAIL_LINES=40 stage "cp_sim_ahead$ahead" 120 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
