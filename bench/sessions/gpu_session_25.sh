@@ -46,12 +46,17 @@ fi
 #    ways in one call: from an idle device (as before) and behind an 8 ms device-side spin (`--queue-ahead-ms 8`:
 #    launch latency hidden, device time), with cProfile's table of one rank's call. Prediction: forward 0.87 ->
 #    0.93-0.95, backward 0.90 -> 0.92-0.93 behind the spin; host per rank call 2-4 ms, spread over the launches.
-if [ "$1" = 3 ]; then
+# the cp = 8 simulation timed behind an 8 ms device-side spin, then from an idle device with rank 6 profiled;
+# each stage limited to $1 seconds
+simulations() {
   for ahead in 8 0; do
-    TAIL_LINES=40 stage "cp_sim_ahead$ahead" 200 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
+    TAIL_LINES=40 stage "cp_sim_ahead$ahead" "$1" python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
       --directions fwd bwd --reps 5 --queue-ahead-ms $ahead --tag "ahead$ahead" \
       $([ $ahead = 0 ] && echo --profile-ranks 6 --cprofile 30)
   done
+}
+if [ "$1" = 3 ]; then
+  simulations 200
   # the session's contract and CP fixes (cu_seqlens on the CPU or strided, packed checks under inference mode, the
   # agreement's errors) on the GPU paths
   TAIL_LINES=6 stage tests_cp 150 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 -m gpu \
@@ -61,10 +66,6 @@ fi
 # 4: stage 3's two simulations alone (the device time left after refused calls did not cover its tests; stage 3
 #    itself never ran: its calls were refused or the machine was taken back).
 if [ "$1" = 4 ]; then
-  for ahead in 8 0; do
-    TAIL_LINES=40 stage "cp_sim_ahead$ahead" 120 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
-      --directions fwd bwd --reps 5 --queue-ahead-ms $ahead --tag "ahead$ahead" \
-      $([ $ahead = 0 ] && echo --profile-ranks 6 --cprofile 30)
-  done
+  simulations 120
   exit
 fi
