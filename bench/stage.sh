@@ -32,3 +32,9 @@ ncu_sass_pair() {
   python3 bench/ncu_summary.py compare "$OUT/sass_cute.csv.gz" "$OUT/sass_flash_attn_4.csv.gz" > "$OUT/ncu_compare.txt"
   head -60 "$OUT/ncu_compare.txt"
 }
+
+# `bundle_folders_on_exit`: a call brings back few files, so at the script's exit the stages' folders under $OUT
+# (JSON, reports) are packed into $OUT/results.tgz and removed.
+bundle_folders_on_exit() {
+  trap '(cd "$OUT" && ls -d */ >/dev/null 2>&1 && tar czf results.tgz */ && rm -rf -- */)' EXIT
+}

@@ -9,9 +9,7 @@
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
-# a call brings back few files: the stages' folders (JSON, reports) travel as one archive
-bundle() { (cd "$OUT" && ls -d */ >/dev/null 2>&1 && tar czf results.tgz */ && rm -rf -- */); }
-trap bundle EXIT
+bundle_folders_on_exit
 if [ "${1:-1}" = 1 ]; then
   for mode in cp_invariant plain; do
     for kv in 32 8; do

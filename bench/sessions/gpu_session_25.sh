@@ -11,8 +11,7 @@
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
-bundle() { (cd "$OUT" && ls -d */ >/dev/null 2>&1 && tar czf results.tgz */ && rm -rf -- */); }
-trap bundle EXIT
+bundle_folders_on_exit
 if [ "${1:-1}" = 1 ]; then
   TAIL_LINES=30 stage cp_sim_profile 330 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
     --directions fwd bwd --reps 3 --profile-ranks 0 1 2 3 4 5 6 7 --tag profile
