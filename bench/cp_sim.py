@@ -58,28 +58,47 @@ class Timer:
     the call's first launch counts, as it does for a call nothing precedes), or with ``queue_ahead_ms`` behind a
     device-side spin of that length queued first, so that the host issues the call's launches while the device is
     still busy (its launch latency hidden, as when the call follows other queued work in a model's step: device
-    time alone, if the host issues faster than the device runs)."""
+    time alone, if the host issues faster than the device runs).
+
+    ``last`` describes the latest call: ``host_ms`` (the host's time issuing it), and on CUDA ``spin_ms`` (the
+    spin before it, timed) and ``probe_ms`` (a spin of ``PROBE_MS`` nominal queued right after it). A spin runs a
+    fixed number of SM cycles, so its time reads the SM clock before and after the call: a call that ran slow at a
+    slow clock shows it there, and one whose host time exceeded the spin waited for its launches."""
+
+    PROBE_MS = 0.25
 
     def __init__(self, device: torch.device, queue_ahead_ms: float = 0.0):
         self.cuda = device.type == "cuda"
-        self.spin_cycles = 0
-        if self.cuda and queue_ahead_ms > 0:
-            self.spin_cycles = int(queue_ahead_ms * 1e-3 * _spin_cycles_per_second())
+        self.spin_cycles = self.probe_cycles = 0
+        self.last: dict = {}
+        if self.cuda:
+            rate = _spin_cycles_per_second()
+            self.probe_cycles = int(self.PROBE_MS * 1e-3 * rate)
+            if queue_ahead_ms > 0:
+                self.spin_cycles = int(queue_ahead_ms * 1e-3 * rate)
 
     def __call__(self, fn) -> float:
         """Seconds fn takes (device time on CUDA)."""
         if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            spin, start, end, probe = (torch.cuda.Event(enable_timing=True) for _ in range(4))
+            spin.record()
             if self.spin_cycles:
                 torch.cuda._sleep(self.spin_cycles)
             start.record()
+            t0 = time.perf_counter()
             fn()
+            host = time.perf_counter() - t0
             end.record()
-            end.synchronize()
+            torch.cuda._sleep(self.probe_cycles)
+            probe.record()
+            probe.synchronize()
+            self.last = dict(host_ms=host * 1e3, spin_ms=spin.elapsed_time(start), probe_ms=end.elapsed_time(probe))
             return start.elapsed_time(end) / 1e3
         t0 = time.perf_counter()
         fn()
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.last = dict(host_ms=elapsed * 1e3)
+        return elapsed
 
 
 def _spin_cycles_per_second() -> float:
@@ -94,27 +113,56 @@ def _spin_cycles_per_second() -> float:
     return cycles / (start.elapsed_time(end) / 1e3)
 
 
-def interleaved_rounds(timer: Timer, full, groups: list[list], reps: int) -> list[list[float]]:
+def interleaved_rounds(timer, full, groups: list[list], reps: int, log: list | None = None) -> list[list[float]]:
     """Seconds of ``full`` and of every fn of ``groups`` (each a list of per-rank fns) in ``reps`` rounds, after one
     warm-up call each (compiles, allocator). Each round times ``full`` first and last (their mean is the round's
     T_full) and every group's fns in between, rotated by the round's index: the device's clocks drift within a
     round as it heats (ranks timed later ran up to 7% slower, which the slowest rank then picks up), so every
     rank takes each place in turn and the whole-sequence call brackets them. Returns rounds x (1 + all fns), the
-    fns in their given order."""
+    fns in their given order. With ``log``, every timed call appends a record there: its round, its place in the
+    round, who ran ("full" or (group, rank)), its ms and the timer's ``last`` details (if it has them)."""
     fns = [full] + [fn for group in groups for fn in group]
     for fn in fns:
         fn()
     rounds = []
+
+    def timed(i, who, fn):
+        seconds = timer(fn)
+        if log is not None:
+            place = sum(1 for rec in log if rec["round"] == i)
+            log.append(dict(round=i, place=place, who=who, ms=seconds * 1e3, **getattr(timer, "last", {})))
+        return seconds
+
     for i in range(reps):
-        first = timer(full)
+        first = timed(i, "full", full)
         times = []
-        for group in groups:
+        for g, group in enumerate(groups):
             n = len(group)
             order = [(i + j) % n for j in range(n)]
-            got = {r: timer(group[r]) for r in order}
+            got = {r: timed(i, (g, r), group[r]) for r in order}
             times += [got[r] for r in range(n)]
-        rounds.append([(first + timer(full)) / 2] + times)
+        rounds.append([(first + timed(i, "full", full)) / 2] + times)
     return rounds
+
+
+def slowest_rank_places(log: list[dict], cp: int) -> list[dict]:
+    """Per round, the slowest rank of group 0 (the ranks' runs): which rank, its place in the round, its time
+    against that rank's median over the rounds, and the timer's details of that call beside the round's medians
+    of them (whether it ran at a slower clock, or waited for its host)."""
+    runs = [rec for rec in log if rec["who"] != "full" and rec["who"][0] == 0]
+    median_ms = {r: statistics.median(rec["ms"] for rec in runs if rec["who"][1] == r) for r in range(cp)}
+    out = []
+    for i in sorted({rec["round"] for rec in runs}):
+        here = [rec for rec in runs if rec["round"] == i]
+        slow = max(here, key=lambda rec: rec["ms"])
+        row = dict(round=i, rank=slow["who"][1], place=slow["place"], ms=slow["ms"],
+                   vs_own_median=slow["ms"] / median_ms[slow["who"][1]])
+        for key in ("host_ms", "spin_ms", "probe_ms"):
+            if key in slow:
+                row[key] = slow[key]
+                row[key + "_round_median"] = statistics.median(rec[key] for rec in here)
+        out.append(row)
+    return out
 
 
 class _Own:
@@ -197,8 +245,9 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                                for r in range(cp)]
                 # per round: the whole-sequence call around every rank's run and every rank's kernels alone; the
                 # efficiency is the median of the rounds' own ratios
+                log = []
                 rounds = interleaved_rounds(timer, full[direction], [runners] + ([kernels] if kernels else []),
-                                            args.reps)
+                                            args.reps, log=log)
                 t_full = statistics.median(rd[0] for rd in rounds)
                 rank_times = [statistics.median(rd[1 + r] for rd in rounds) for r in range(cp)]
                 efficiency = statistics.median(rd[0] / (cp * max(rd[1:1 + cp])) for rd in rounds)
@@ -218,6 +267,7 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                     step_compute_ms=slowest / slowest_steps * 1e3, calls=[sched.member_calls(r) for r in range(cp)],
                     kernel_only_efficiency=kernel_eff,
                     profiles=profiles,
+                    calls_log=log, slowest_places=slowest_rank_places(log, cp),
                 )
                 rows.append(row)
                 print(f"{seqlen:>7} {cp:>3} {balancer:>10} {direction:>4} {row['t_full_ms']:>9.2f} "
@@ -226,6 +276,11 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                       f"{row['step_compute_ms']:>8.3f} "
                       f"{'' if kernel_eff is None else format(kernel_eff, '6.3f'):>6}  "
                       f"rounds {' '.join(format(e, '.3f') for e in row['efficiency_rounds'])}", flush=True)
+                for slow in row["slowest_places"]:
+                    print(f"    round {slow['round']}: slowest rank {slow['rank']} at place {slow['place']}, "
+                          f"{slow['ms']:.3f} ms = {slow['vs_own_median']:.3f}x its median; " + ", ".join(
+                              f"{key} {slow[key]:.3f} (round median {slow[key + '_round_median']:.3f})"
+                              for key in ("host_ms", "spin_ms", "probe_ms") if key in slow), flush=True)
                 for r, prof in profiles.items():
                     print(f"    {'whole sequence' if r == 'full' else f'rank {r}'} {direction}: "
                           f"{prof['busy_ms']:.3f} ms of kernels in a {prof['span_ms']:.3f} ms span, host "

@@ -90,3 +90,32 @@ def test_rounds_bracket_the_ranks_and_rotate_them():
     assert timed == ["full", 0, 1, 2, "full", "full", 1, 2, 0, "full", "full", 2, 0, 1, "full"]
     assert rounds[0] == [(1 + 5) / 2, 2.0, 3.0, 4.0]
     assert rounds[1] == [(6 + 10) / 2, 9.0, 7.0, 8.0]  # rank order, whichever order they ran in
+
+
+def test_rounds_log_every_call_and_find_each_rounds_slowest_rank():
+    """With a log, every timed call records its round, its place in the round, who ran and the timer's details;
+    slowest_rank_places then names, per round, the slowest rank, its place and its time against its own median."""
+    sim = _load()
+    times = iter([10.0, 1.0, 1.0, 3.0, 10.0,   # round 0: full, ranks 0 1 2, full
+                  10.0, 1.0, 1.0, 1.1, 10.0])  # round 1: full, ranks 1 2 0, full
+
+    class FakeTimer:
+        last: dict = {}
+
+        def __call__(self, fn):
+            fn()
+            seconds = next(times)
+            self.last = dict(host_ms=seconds * 2, probe_ms=0.25)
+            return seconds
+
+    log = []
+    sim.interleaved_rounds(FakeTimer(), lambda: None, [[lambda: None] * 3], reps=2, log=log)
+    assert [(rec["round"], rec["place"], rec["who"]) for rec in log] == [
+        (0, 0, "full"), (0, 1, (0, 0)), (0, 2, (0, 1)), (0, 3, (0, 2)), (0, 4, "full"),
+        (1, 0, "full"), (1, 1, (0, 1)), (1, 2, (0, 2)), (1, 3, (0, 0)), (1, 4, "full")]
+    assert log[3]["ms"] == 3000.0 and log[3]["host_ms"] == 6.0
+    slow = sim.slowest_rank_places(log, cp=3)
+    assert [(s["round"], s["rank"], s["place"]) for s in slow] == [(0, 2, 3), (1, 0, 3)]
+    # rank 2 ran 3.0 and 1.0 s (median 2.0); rank 0 ran 1.0 and 1.1 (median 1.05)
+    assert slow[0]["vs_own_median"] == 1.5 and abs(slow[1]["vs_own_median"] - 1.1 / 1.05) < 1e-12
+    assert slow[0]["host_ms"] == 6.0 and slow[0]["host_ms_round_median"] == 2.0
