@@ -30,12 +30,15 @@ def kernel_band(mask):
 
 # the kernels hold a window's width and a causal diagonal in int32 arithmetic with headroom
 BAND_LIMIT = 2**30
+# the causal diagonal's range: the backward's launch takes |diag| <= INT32_MAX // 4 (the forward's INT32_MAX // 2),
+# so supports() must not promise more (a call it takes would then fail at launch, or overflow per segment)
+DIAG_LIMIT = host.INT32_MAX // 4
 
 
 def band_diagonal_fits(band, q_offset: int, k_offset: int) -> bool:
     """Whether a call's kernel band (kernel_band) and its diagonal q_offset - k_offset fit the kernels' range."""
     causal, window_left, shift = band
-    return window_left < BAND_LIMIT and (not causal or abs(q_offset + shift - k_offset) <= BAND_LIMIT)
+    return window_left < BAND_LIMIT and (not causal or abs(q_offset + shift - k_offset) <= DIAG_LIMIT)
 
 
 class CuteSm90Backend:
