@@ -31,3 +31,22 @@ def test_supports_takes_no_diagonal_the_launches_refuse(direction):
     item = WorkItem(0, 8, 0, 8, limit + 1, 0, causal=True)
     assert cute_backend.CuteSm90Backend._band(item) is None
     assert cute_backend.CuteSm90Backend._band(replace(item, q_offset=limit)) is not None
+
+
+def test_per_segment_offsets_beyond_int32_reach_the_kernels_as_diagonals():
+    """Packed segments at global positions past 2^31 whose diagonals fit: supports() takes them, so the offsets the
+    kernels get (int32 tensors, only their difference used) must be built without overflow, with the diagonals
+    unchanged."""
+    q = torch.zeros(12, 2, 64, dtype=torch.bfloat16, device="meta")
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+    base = 3 * 2**31
+    q_off, k_off = [base + 10, base + 500], [base, base + 7]
+    for kw in (dict(causal=True), dict(window=(5, 2))):
+        problem = replace(validate_inputs(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, q_offset=q_off,
+                                          k_offset=k_off, **kw), device=torch.device("cuda"))
+        assert cute_backend.CuteSm90Backend().supports(problem, "forward") is None
+        causal, _, kq, kk = cute_backend.CuteSm90Backend._band_and_offsets(problem)
+        assert causal
+        shift = cute_backend.kernel_band(problem.mask)[2]
+        tq, tk = (host.segment_offsets(x, 2, torch.device("cpu")) for x in (kq, kk))
+        assert (tq - tk).tolist() == [qo + shift - ko for qo, ko in zip(q_off, k_off)]

@@ -328,10 +328,13 @@ class CuteSm90Backend:
     @staticmethod
     def _band_and_offsets(problem):
         """(causal, window_left, q_offset, k_offset) for the kernels: offsets per segment only where they differ
-        and a mask needs them; query offsets shifted onto the kernels' diagonal (kernel_band)."""
+        and a mask needs them; query offsets shifted onto the kernels' diagonal (kernel_band).  The kernels read
+        per-segment offsets as int32 and use only their difference, so each segment passes its diagonal (and a key
+        offset of 0): positions beyond int32 whose diagonal fits (band_diagonal_fits) are taken as they are."""
         causal, window_left, shift = kernel_band(problem.mask)
         if causal and not problem.uniform_offsets:
-            return causal, window_left, tuple(o + shift for o in problem.q_offsets), problem.k_offsets
+            diagonals = tuple(qo + shift - ko for qo, ko in zip(problem.q_offsets, problem.k_offsets))
+            return causal, window_left, diagonals, (0,) * len(diagonals)
         return causal, window_left, problem.q_offsets[0] + shift, problem.k_offsets[0]
 
     def shared_rows(self, dout, q, out, lse, *, softmax_scale, deterministic):
