@@ -50,3 +50,19 @@ def test_per_segment_offsets_beyond_int32_reach_the_kernels_as_diagonals():
         shift = cute_backend.kernel_band(problem.mask)[2]
         tq, tk = (host.segment_offsets(x, 2, torch.device("cpu")) for x in (kq, kk))
         assert (tq - tk).tolist() == [qo + shift - ko for qo, ko in zip(q_off, k_off)]
+
+
+def test_a_cached_backward_plan_does_not_hide_the_scratch_limit_of_more_heads():
+    """A work list's backward plan is None where a launch's own dQ scratch would outgrow 32-bit indexing, which
+    depends on the number of query heads: a plan cached for the same list with fewer heads must not be reused."""
+    from fa4dist.kernels.cute.backward import tile_m_for
+
+    be = cute_backend.CuteSm90Backend()
+    items = [WorkItem(0, 256, 0, 256, causal=True)]
+    tm = tile_m_for(64)
+    tiles = -(-256 // tm)
+    many = -(-host.INT32_MAX // (tiles * tm * 64))  # heads whose scratch reaches 2^31 elements
+    few = torch.empty(256, 4, 64, dtype=torch.bfloat16, device="meta")
+    assert be._backward_plan(few, items, None, True) is not None
+    huge = torch.empty(256, many, 64, dtype=torch.bfloat16, device="meta")
+    assert be._backward_plan(huge, items, None, True) is None

@@ -229,8 +229,10 @@ class CuteSm90Backend:
         from ..worklist import backward_launches
         from .backward import tile_m_for
 
-        key = ("bwd", tuple(items), None if shared is None else shared.rows, deterministic, q.dtype, q.shape[-1],
-               str(q.device))
+        # the heads too: the plan is None where a launch's dQ scratch (tiles x heads x tile_m x d) would outgrow
+        # 32-bit indexing, which a plan cached for fewer heads must not hide
+        key = ("bwd", tuple(items), None if shared is None else shared.rows, deterministic, q.dtype, q.shape[-2],
+               q.shape[-1], str(q.device))
         plan = self._PLANS.get(key)
         if plan is not None:
             return plan
