@@ -53,6 +53,11 @@ def check_partial(name: str, out: torch.Tensor, lse: torch.Tensor, like_out: Opt
                          f"{tuple(like_out.shape)}")
 
 
+def _unseen(lse: torch.Tensor) -> torch.Tensor:
+    """Rows of a partial result that saw no key (lse -inf), broadcastable against its out."""
+    return lse_as_out_layout(torch.isneginf(lse))
+
+
 def _merge_weights(lses: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Normalized weights exp(lse_i - lse) and the merged lse, stable and safe for -inf entries."""
     peak = lses[0]
@@ -81,8 +86,9 @@ def merge_into_(
     if out.dtype not in (torch.float32, torch.float64) or lse.dtype != out.dtype:
         raise TypeError(f"the running out/lse must both be float32 (or float64), got {out.dtype} and {lse.dtype}")
     (w_run, w_blk), merged = _merge_weights([lse, block_lse.to(lse.dtype)])
-    w_run = lse_as_out_layout(w_run)
-    out.mul_(w_run).masked_fill_(w_run == 0, 0.0)
+    # rows that saw no key (lse -inf) are cleared; a row that saw keys keeps a NaN it holds even where its weight
+    # underflows to 0 (a row that sees a non-finite value is NaN however its keys are split)
+    out.mul_(lse_as_out_layout(w_run)).masked_fill_(_unseen(lse), 0.0)
     out.addcmul_(block_out, lse_as_out_layout(w_blk))
     lse.copy_(merged)
 
@@ -105,8 +111,9 @@ def merge_partials(
                          f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
     dtype = _accum_dtype(outs[0].dtype)
     weights, merged = _merge_weights([lse.to(dtype) for lse in lses])
-    # a side of weight 0 (lse -inf: it saw no key) contributes nothing, whatever its out holds (NaN included)
-    sides = [(o.masked_fill(w == 0, 0.0), w) for o, w in zip(outs, map(lse_as_out_layout, weights))]
+    # a side whose lse is -inf (it saw no key) contributes nothing, whatever its out holds (NaN included); a side
+    # that saw keys keeps its NaN even where its weight underflows to 0
+    sides = [(o.masked_fill(_unseen(lse), 0.0), lse_as_out_layout(w)) for o, lse, w in zip(outs, lses, weights)]
     acc = sides[0][0].to(dtype) * sides[0][1]
     for o, w in sides[1:]:
         acc.addcmul_(o, w)
@@ -128,8 +135,7 @@ def merge_sink_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> No
     """Merges the sinks' virtual key block into the running fp32 (out, lse), in place (once per row!)."""
     check_partial("the running result", out, lse)
     (w_run, _), merged = _merge_weights([lse, _sink_lse(lse, sinks)])
-    w_run = lse_as_out_layout(w_run)
-    out.mul_(w_run).masked_fill_(w_run == 0, 0.0)
+    out.mul_(lse_as_out_layout(w_run)).masked_fill_(_unseen(lse), 0.0)
     lse.copy_(merged)
 
 
@@ -137,9 +143,8 @@ def with_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tupl
     """Out-of-place (and differentiable) :func:`merge_sink_`: returns the (out, lse) of the keys plus the sink."""
     check_partial("the result", out, lse)
     (w_run, _), merged = _merge_weights([lse, _sink_lse(lse, sinks)])
-    w_run = lse_as_out_layout(w_run)
-    scaled = out * w_run
-    return torch.where(w_run == 0, torch.zeros((), dtype=scaled.dtype, device=scaled.device), scaled), merged
+    scaled = out * lse_as_out_layout(w_run)
+    return torch.where(_unseen(lse), torch.zeros((), dtype=scaled.dtype, device=scaled.device), scaled), merged
 
 
 def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

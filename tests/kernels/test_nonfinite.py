@@ -125,6 +125,33 @@ def _leaky_causal(q, k, v):
     return torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse.unsqueeze(-1)), ve), lse
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_seen_nan_survives_a_merge_whose_weight_underflows(dtype):
+    """A row that sees a NaN value is NaN however its keys are split, and with a sink: the merges clear only rows
+    that saw no key (lse -inf), not a partial whose weight underflows to 0 against a much larger score."""
+    from fa4dist.kernels import merge_partials
+
+    gap = 200.0 if dtype == torch.float32 else 2000.0  # exp(-gap) is 0 in the dtype
+    q = torch.ones(1, 1, 1, 1, dtype=dtype)
+    k = torch.tensor([-gap / 2, gap / 2], dtype=dtype).view(1, 2, 1, 1)
+    v = torch.tensor([float("nan"), 1.0], dtype=dtype).view(1, 2, 1, 1)
+    kw = dict(softmax_scale=1.0)
+    assert torch.isnan(attention_forward(q, k, v, **kw)[0]).all()  # one call: the row sees the NaN value
+    out, lse = torch.zeros(1, 1, 1, 1, dtype=dtype), torch.full((1, 1, 1), float("-inf"), dtype=dtype)
+    for j in range(2):
+        attention_forward(q, k[:, j:j + 1], v[:, j:j + 1], k_offset=j, out=out, lse=lse, accumulate=True, **kw)
+    assert torch.isnan(out).all()
+    parts = [attention_forward(q, k[:, j:j + 1], v[:, j:j + 1], k_offset=j, **kw) for j in range(2)]
+    assert torch.isnan(merge_partials([p[0] for p in parts], [p[1] for p in parts])[0]).all()
+    sinks = torch.tensor([gap], dtype=dtype)  # a sink that outweighs the keys
+    assert torch.isnan(attention_forward(q, k, v, sinks=sinks, **kw)[0]).all()
+    # rows that saw no key still contribute nothing, whatever their out holds
+    garbage = torch.full((1, 1, 1, 1), float("nan"), dtype=dtype)
+    unseen = torch.full((1, 1, 1), float("-inf"), dtype=dtype)
+    merged, _ = merge_partials([garbage, parts[1][0]], [unseen, parts[1][1]])
+    assert torch.equal(merged, parts[1][0].to(merged.dtype))
+
+
 def test_guard_stops_a_leaky_kernel():
     gen = torch.Generator().manual_seed(6)
     q, k, v, _ = _inputs(gen, torch.float64, "cpu")
