@@ -257,6 +257,8 @@ class ContextParallel:
         """The Ulysses degree a plan should balance for, where it is known before the head counts are."""
         if self.grid:
             return self._group_size(self.ulysses_group)
+        if self.cp_size == 1:  # no group: plain attention, whatever ulysses_degree the module would use at cp > 1
+            return 1
         if self.strategy == "ulysses":
             return self.cp_size
         if self.strategy in ("hybrid", "auto") and self.ulysses_degree is not None:

@@ -221,6 +221,25 @@ def test_no_group_is_plain_attention():
         module(qp, kp, vp)
 
 
+@pytest.mark.parametrize("options", [dict(strategy="hybrid", ulysses_degree=2), dict(ulysses_degree=4),
+                                     dict(strategy="ulysses")])
+def test_no_group_makes_plans_whatever_the_ulysses_degree(options):
+    """A module configured for a Ulysses degree (accepted without a group: plain attention) makes its cp-size-1
+    plans, as the models and the HF integration ask it to, instead of refusing the degree for one rank."""
+    from fa4dist.modules import FA4ContextParallelAttention
+    from oracle import naive_attention
+
+    module = FA4ContextParallelAttention(backend="reference", **options)
+    cu = random_docs(2, 4, 10)
+    plan = module.make_plan(cu)
+    assert plan.cp_size == 1 and plan.ulysses_degree == 1
+    q, k, v, _ = cp_cases.global_inputs(0, cu[-1], 4, 2, 8, torch.float64)
+    cut = torch.tensor(cu, dtype=torch.int32)
+    torch.testing.assert_close(module(q, k, v, plan=plan),
+                               naive_attention(q, k, v, causal=True, cu_seqlens_q=cut, cu_seqlens_k=cut)[0],
+                               atol=TOL, rtol=0)
+
+
 def test_no_group_has_a_double_backward():
     from fa4dist.modules import FA4ContextParallelAttention
 
