@@ -60,10 +60,11 @@ class Timer:
     still busy (its launch latency hidden, as when the call follows other queued work in a model's step: device
     time alone, if the host issues faster than the device runs).
 
-    ``last`` describes the latest call: ``host_ms`` (the host's time issuing it), and on CUDA ``spin_ms`` (the
-    spin before it, timed) and ``probe_ms`` (a spin of ``PROBE_MS`` nominal queued right after it). A spin runs a
-    fixed number of SM cycles, so its time reads the SM clock before and after the call: a call that ran slow at a
-    slow clock shows it there, and one whose host time exceeded the spin waited for its launches."""
+    ``last`` describes the latest call: ``host_ms`` (the host's time issuing it), and on CUDA ``before_ms`` (the
+    device time from the previous mark to the call's start: the spin, timed) and ``probe_ms`` (a spin of
+    ``PROBE_MS`` nominal queued right after it). A spin runs a fixed number of SM cycles, so its time reads the SM
+    clock before and after the call: a call that ran slow at a slow clock shows it there, and one whose host time
+    exceeded the spin waited for its launches."""
 
     PROBE_MS = 0.25
 
@@ -79,26 +80,48 @@ class Timer:
 
     def __call__(self, fn) -> float:
         """Seconds fn takes (device time on CUDA)."""
-        if self.cuda:
-            spin, start, end, probe = (torch.cuda.Event(enable_timing=True) for _ in range(4))
-            spin.record()
-            if self.spin_cycles:
-                torch.cuda._sleep(self.spin_cycles)
+        seconds, details = self.back_to_back([fn])
+        self.last = details[0]
+        return seconds[0]
+
+    def back_to_back(self, fns) -> tuple[list[float], list[dict]]:
+        """Seconds each of fns takes, and its details (as ``last``), queued one after another with nothing but
+        the probe spins between them and one synchronization at the end: the device stays busy from the first call
+        to the last, as a ring rank's device is through its steps, so its clocks settle where a continuous load
+        puts them (calls timed one by one from a quiet device run at a higher clock than a long call does, and
+        the call right after a long one at a lower one). The host must issue faster than the device runs; a call
+        whose issue fell behind shows a host time above the device time of the calls queued before it."""
+        if not self.cuda:
+            seconds, details = [], []
+            for fn in fns:
+                t0 = time.perf_counter()
+                fn()
+                seconds.append(time.perf_counter() - t0)
+                details.append(dict(host_ms=seconds[-1] * 1e3))
+            return seconds, details
+        spin = torch.cuda.Event(enable_timing=True)
+        marks = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in fns]  # start, end, probe end
+        spin.record()
+        if self.spin_cycles:
+            torch.cuda._sleep(self.spin_cycles)
+        hosts = []
+        for fn, (start, end, probe) in zip(fns, marks):
             start.record()
             t0 = time.perf_counter()
             fn()
-            host = time.perf_counter() - t0
+            hosts.append((time.perf_counter() - t0) * 1e3)
             end.record()
             torch.cuda._sleep(self.probe_cycles)
             probe.record()
-            probe.synchronize()
-            self.last = dict(host_ms=host * 1e3, spin_ms=spin.elapsed_time(start), probe_ms=end.elapsed_time(probe))
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        fn()
-        elapsed = time.perf_counter() - t0
-        self.last = dict(host_ms=elapsed * 1e3)
-        return elapsed
+        marks[-1][2].synchronize()
+        seconds, details = [], []
+        for i, ((start, end, probe), host) in enumerate(zip(marks, hosts)):
+            seconds.append(start.elapsed_time(end) / 1e3)
+            # before the first call the spin; before the others the device's gap after the previous call's probe
+            # (~0 while the host keeps ahead)
+            before = spin.elapsed_time(start) if i == 0 else marks[i - 1][2].elapsed_time(start)
+            details.append(dict(host_ms=host, before_ms=before, probe_ms=end.elapsed_time(probe)))
+        return seconds, details
 
 
 def _spin_cycles_per_second() -> float:
@@ -113,35 +136,37 @@ def _spin_cycles_per_second() -> float:
     return cycles / (start.elapsed_time(end) / 1e3)
 
 
-def interleaved_rounds(timer, full, groups: list[list], reps: int, log: list | None = None) -> list[list[float]]:
+def interleaved_rounds(timer, full, groups: list[list], reps: int, log: list | None = None,
+                       back_to_back: bool = False) -> list[list[float]]:
     """Seconds of ``full`` and of every fn of ``groups`` (each a list of per-rank fns) in ``reps`` rounds, after one
     warm-up call each (compiles, allocator). Each round times ``full`` first and last (their mean is the round's
     T_full) and every group's fns in between, rotated by the round's index: the device's clocks drift within a
     round as it heats (ranks timed later ran up to 7% slower, which the slowest rank then picks up), so every
-    rank takes each place in turn and the whole-sequence call brackets them. Returns rounds x (1 + all fns), the
+    rank takes each place in turn and the whole-sequence call brackets them. A round's calls are timed one by one,
+    or with ``back_to_back`` queued as one stream (``Timer.back_to_back``). Returns rounds x (1 + all fns), the
     fns in their given order. With ``log``, every timed call appends a record there: its round, its place in the
-    round, who ran ("full" or (group, rank)), its ms and the timer's ``last`` details (if it has them)."""
-    fns = [full] + [fn for group in groups for fn in group]
-    for fn in fns:
+    round, who ran ("full" or (group, rank)), its ms and the timer's details of it (if it gives them)."""
+    for fn in [full] + [fn for group in groups for fn in group]:
         fn()
     rounds = []
-
-    def timed(i, who, fn):
-        seconds = timer(fn)
-        if log is not None:
-            place = sum(1 for rec in log if rec["round"] == i)
-            log.append(dict(round=i, place=place, who=who, ms=seconds * 1e3, **getattr(timer, "last", {})))
-        return seconds
-
     for i in range(reps):
-        first = timed(i, "full", full)
-        times = []
+        sequence = [("full", full)]
         for g, group in enumerate(groups):
-            n = len(group)
-            order = [(i + j) % n for j in range(n)]
-            got = {r: timed(i, (g, r), group[r]) for r in order}
-            times += [got[r] for r in range(n)]
-        rounds.append([(first + timed(i, "full", full)) / 2] + times)
+            sequence += [((g, r), group[r]) for r in ((i + j) % len(group) for j in range(len(group)))]
+        sequence.append(("full", full))
+        if back_to_back:
+            seconds, details = timer.back_to_back([fn for _, fn in sequence])
+        else:
+            seconds, details = [], []
+            for _, fn in sequence:
+                seconds.append(timer(fn))
+                details.append(dict(getattr(timer, "last", {})))
+        if log is not None:
+            log += [dict(round=i, place=place, who=who, ms=sec * 1e3, **det)
+                    for place, ((who, _), sec, det) in enumerate(zip(sequence, seconds, details))]
+        got = dict(zip((who for who, _ in sequence[1:-1]), seconds[1:-1]))
+        rounds.append([(seconds[0] + seconds[-1]) / 2]
+                      + [got[(g, r)] for g, group in enumerate(groups) for r in range(len(group))])
     return rounds
 
 
@@ -157,7 +182,7 @@ def slowest_rank_places(log: list[dict], cp: int) -> list[dict]:
         slow = max(here, key=lambda rec: rec["ms"])
         row = dict(round=i, rank=slow["who"][1], place=slow["place"], ms=slow["ms"],
                    vs_own_median=slow["ms"] / median_ms[slow["who"][1]])
-        for key in ("host_ms", "spin_ms", "probe_ms"):
+        for key in ("host_ms", "before_ms", "probe_ms"):
             if key in slow:
                 row[key] = slow[key]
                 row[key + "_round_median"] = statistics.median(rec[key] for rec in here)
@@ -247,7 +272,7 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                 # efficiency is the median of the rounds' own ratios
                 log = []
                 rounds = interleaved_rounds(timer, full[direction], [runners] + ([kernels] if kernels else []),
-                                            args.reps, log=log)
+                                            args.reps, log=log, back_to_back=args.back_to_back)
                 t_full = statistics.median(rd[0] for rd in rounds)
                 rank_times = [statistics.median(rd[1 + r] for rd in rounds) for r in range(cp)]
                 efficiency = statistics.median(rd[0] / (cp * max(rd[1:1 + cp])) for rd in rounds)
@@ -280,7 +305,7 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                     print(f"    round {slow['round']}: slowest rank {slow['rank']} at place {slow['place']}, "
                           f"{slow['ms']:.3f} ms = {slow['vs_own_median']:.3f}x its median; " + ", ".join(
                               f"{key} {slow[key]:.3f} (round median {slow[key + '_round_median']:.3f})"
-                              for key in ("host_ms", "spin_ms", "probe_ms") if key in slow), flush=True)
+                              for key in ("host_ms", "before_ms", "probe_ms") if key in slow), flush=True)
                 for r, prof in profiles.items():
                     print(f"    {'whole sequence' if r == 'full' else f'rank {r}'} {direction}: "
                           f"{prof['busy_ms']:.3f} ms of kernels in a {prof['span_ms']:.3f} ms span, host "
@@ -406,6 +431,11 @@ def main(argv=None):
     p.add_argument("--queue-ahead-ms", type=float, default=0.0,
                    help="time each call behind a device-side spin of this many ms (its host launch latency hidden: "
                         "device time, as when the call follows other queued work); default 0: from an idle device")
+    p.add_argument("--back-to-back", action="store_true",
+                   help="time each round's calls queued as one stream (behind the --queue-ahead-ms spin), the device "
+                        "busy throughout as a ring rank's is: its clocks settle as under a continuous load (calls "
+                        "timed one by one from a quiet device run faster than a long call, and the call right after "
+                        "a long one slower)")
     p.add_argument("--tag", default="", help="names the JSON cp_sim-TAG.json (several runs in one $OUT)")
     p.add_argument("--profile-ranks", type=int, nargs="*", default=[],
                    help="also profile one step list of these simulated ranks and the whole-sequence call: their "
@@ -441,7 +471,8 @@ def main(argv=None):
         date=datetime.datetime.now().isoformat(timespec="seconds"), device=str(device),
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         torch=torch.__version__, backend=backend, heads=heads, kv_heads=kv_heads, headdim=headdim,
-        dtype=str(dtype), link_GBps=LINK_GBPS, window=args.window,
+        dtype=str(dtype), link_GBps=LINK_GBPS, window=args.window, queue_ahead_ms=args.queue_ahead_ms,
+        back_to_back=args.back_to_back,
     )
     with open(path, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)

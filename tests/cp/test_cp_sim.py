@@ -1,9 +1,11 @@
 """bench/cp_sim.py runs (CPU, tiny sizes) and reports what it promises; the numbers themselves come from the GPU."""
 
 import json
+import time
 
 import bench_scripts
 import pytest
+import torch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,3 +121,40 @@ def test_rounds_log_every_call_and_find_each_rounds_slowest_rank():
     # rank 2 ran 3.0 and 1.0 s (median 2.0); rank 0 ran 1.0 and 1.1 (median 1.05)
     assert slow[0]["vs_own_median"] == 1.5 and abs(slow[1]["vs_own_median"] - 1.1 / 1.05) < 1e-12
     assert slow[0]["host_ms"] == 6.0 and slow[0]["host_ms_round_median"] == 2.0
+
+
+def test_back_to_back_rounds_time_the_same_sequence_as_one_stream():
+    """With back_to_back, each round's calls (the same bracketed, rotated sequence) go to the timer's back_to_back
+    as one list, and its seconds land where the one-by-one timing puts them."""
+    sim = _load()
+    streams = []
+
+    class StreamTimer:
+        def __call__(self, fn):
+            raise AssertionError("back_to_back rounds time the round as one stream")
+
+        def back_to_back(self, fns):
+            streams.append(len(fns))
+            for fn in fns:
+                fn()
+            seconds = [float(len(streams) * 100 + i) for i in range(len(fns))]
+            return seconds, [dict(host_ms=0.0, probe_ms=0.25)] * len(fns)
+
+    calls = []
+    full = lambda: calls.append("full")  # noqa: E731
+    ranks = [lambda r=r: calls.append(r) for r in range(3)]
+    log = []
+    rounds = sim.interleaved_rounds(StreamTimer(), full, [ranks], reps=2, log=log, back_to_back=True)
+    assert streams == [5, 5]
+    assert calls[4:] == ["full", 0, 1, 2, "full", "full", 1, 2, 0, "full"]
+    assert rounds[0] == [(100 + 104) / 2, 101.0, 102.0, 103.0]
+    assert rounds[1] == [(200 + 204) / 2, 203.0, 201.0, 202.0]
+    assert [rec["place"] for rec in log] == [0, 1, 2, 3, 4] * 2 and log[6]["who"] == (0, 1)
+
+
+def test_timer_back_to_back_on_cpu_times_each_call():
+    sim = _load()
+    timer = sim.Timer(torch.device("cpu"))
+    seconds, details = timer.back_to_back([lambda: time.sleep(0.02), lambda: None])
+    assert seconds[0] >= 0.02 and seconds[1] < 0.02 and details[0]["host_ms"] >= 20
+    assert timer(lambda: None) < 0.02 and set(timer.last) == {"host_ms"}
