@@ -396,6 +396,9 @@ def _loss_group(group, mesh):
         return group
     if mesh.ndim == 1:
         return mesh.get_group()
+    if not mesh.mesh_dim_names:  # the loss group is the flattened mesh, and torch flattens named meshes only
+        raise ValueError("enable_context_parallel(mesh=) takes a 2-D mesh with mesh_dim_names=('ring', 'ulysses'), "
+                         "got an unnamed 2-D mesh (init_device_mesh(..., mesh_dim_names=('ring', 'ulysses')))")
     return mesh._flatten("fa4dist_cp").get_group()
 
 

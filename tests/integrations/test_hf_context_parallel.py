@@ -176,6 +176,26 @@ def test_ranks_with_different_batches_fail_alike(pool):
     assert all("different batches" in m for m in messages), messages
 
 
+def _unnamed_2d_mesh(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2))  # unnamed: FA4ContextParallelAttention reads it as (ring, ulysses)
+    model = tiny_model("llama")
+    try:
+        enable_context_parallel(model, mesh=mesh).disable()
+    except Exception as err:  # noqa: BLE001
+        return type(err).__name__, str(err), model.config._attn_implementation
+    return "no error", "", model.config._attn_implementation
+
+
+def test_an_unnamed_2d_mesh_is_refused_naming_the_dims(pool):
+    """The loss sums over the flattened mesh, which torch builds only for named dims: a clear ValueError at
+    enable time (not torch's RuntimeError from inside), and the model keeps its own attention."""
+    for kind, message, attn in pool.run(_unnamed_2d_mesh):
+        assert kind == "ValueError" and "mesh_dim_names=('ring', 'ulysses')" in message, (kind, message)
+        assert attn == "eager"
+
+
 # ---- single process: refusals and undo ------------------------------------------------------------------------
 
 
