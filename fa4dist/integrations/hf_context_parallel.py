@@ -220,6 +220,11 @@ class ContextParallelHandle:
                              deterministic=deterministic, timeout=timeout, cp_invariant=cp_invariant)
         self._cores: dict = {}
         self._planner = self.attention(None)  # every core shares the group: one answers cp size, rank, plans
+        if strategy == "hybrid" and self.cp_size > 1 and not self._planner.cp.grid:
+            # the handle has no ulysses_degree: on one group every call would fail asking for it
+            raise ValueError("enable_context_parallel(strategy='hybrid') takes its Ulysses and ring groups from a "
+                             "2-D mesh (mesh=, mesh_dim_names=('ring', 'ulysses')); with one process group use "
+                             "strategy='auto', 'ring' or 'ulysses'")
         self.loss_group = _loss_group(group, mesh)
         self.plan_window = _plan_window(_text_config(model))
         self.previous = getattr(model.config, "_attn_implementation", None)

@@ -196,6 +196,25 @@ def test_an_unnamed_2d_mesh_is_refused_naming_the_dims(pool):
         assert attn == "eager"
 
 
+def _hybrid_on_one_group(rank, world):
+    if rank >= 2:
+        return None
+    model = tiny_model("llama")
+    try:
+        enable_context_parallel(model, group=GROUPS[2], strategy="hybrid").disable()
+    except Exception as err:  # noqa: BLE001
+        return type(err).__name__, str(err), model.config._attn_implementation
+    return "no error", "", model.config._attn_implementation
+
+
+def test_hybrid_on_one_process_group_is_refused_at_enable_time(pool):
+    """The handle takes no ulysses_degree, so 'hybrid' on one group could only fail later, in every attention call
+    (asking for an option the handle does not have): refused at enable time, pointing to the 2-D mesh."""
+    for kind, message, attn in filter(None, pool.run(_hybrid_on_one_group)):
+        assert kind == "ValueError" and "2-D mesh" in message, (kind, message)
+        assert attn == "eager"
+
+
 # ---- single process: refusals and undo ------------------------------------------------------------------------
 
 
