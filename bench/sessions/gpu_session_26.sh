@@ -21,3 +21,23 @@ if [ "${1:-1}" = 1 ]; then
     tests/cp/test_cp_gpu.py tests/kernels/test_worklist_gpu.py "tests/kernels/test_backends_gpu.py::test_packed"
   exit
 fi
+# 2: call 1 found the round's slow rank always at place 1, right after the whole-sequence call, and the clock probes
+#    say why: the spin before it read the SM clock ~17% low (10.0 ms for 8.3 nominal; the probe after T_full 0.31 ms
+#    for 0.255), and the ranks' clocks recovered to the quiet device's by place 3-4. So calls timed one by one run at
+#    a quiet device's clock, except the one after the 100 ms call, while T_full runs at the clock a continuous load
+#    settles at: the ranks' medians were flattered (0.987) and the place-1 rank penalized (0.898 reported). A ring
+#    rank's device is busy through its steps, so each round's calls are now queued back to back
+#    (`--back-to-back`). Prediction: no place effect, the probes equal across places, efficiency between the two
+#    readings: forward 0.93-0.96, backward 0.94-0.95. Then the same with a 4096-token window (#15's cp target in the
+#    simulation: cp = 2 at >= 0.9, i.e. >= 1.8x one GPU) and the cute fixes' GPU paths (offsets as diagonals).
+if [ "$1" = 2 ]; then
+  TAIL_LINES=45 stage cp_sim_b2b 200 python3 bench/cp_sim.py --seqlens 131072 --cp 8 4 --balancers lpt \
+    --directions fwd bwd --reps 8 --queue-ahead-ms 8 --back-to-back --tag b2b
+  TAIL_LINES=45 stage cp_sim_b2b_window 150 python3 bench/cp_sim.py --seqlens 131072 --cp 2 8 --balancers lpt \
+    --directions fwd bwd --reps 5 --queue-ahead-ms 8 --back-to-back --window 4096 --tag b2b-window
+  TAIL_LINES=8 stage tests_offsets 200 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 -m gpu \
+    tests/kernels/test_backends_gpu.py tests/kernels/test_worklist_gpu.py tests/kernels/test_cute_bwd_gpu.py \
+    tests/kernels/test_cute_fwd_gpu.py tests/kernels/test_window_gpu.py -k "packed or offset or segment or list" \
+    ${EXTRA_TESTS:-}
+  exit
+fi
