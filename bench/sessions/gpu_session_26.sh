@@ -31,11 +31,11 @@ fi
 #    readings: forward 0.93-0.96, backward 0.94-0.95. Then the same with a 4096-token window (#15's cp target in the
 #    simulation: cp = 2 at >= 0.9, i.e. >= 1.8x one GPU) and the cute fixes' GPU paths (offsets as diagonals).
 if [ "$1" = 2 ]; then
-  TAIL_LINES=45 stage cp_sim_b2b 200 python3 bench/cp_sim.py --seqlens 131072 --cp 8 4 --balancers lpt \
+  TAIL_LINES=45 stage cp_sim_b2b 170 python3 bench/cp_sim.py --seqlens 131072 --cp 8 4 --balancers lpt \
     --directions fwd bwd --reps 8 --queue-ahead-ms 8 --back-to-back --tag b2b
-  TAIL_LINES=45 stage cp_sim_b2b_window 150 python3 bench/cp_sim.py --seqlens 131072 --cp 2 8 --balancers lpt \
+  TAIL_LINES=45 stage cp_sim_b2b_window 130 python3 bench/cp_sim.py --seqlens 131072 --cp 2 8 --balancers lpt \
     --directions fwd bwd --reps 5 --queue-ahead-ms 8 --back-to-back --window 4096 --tag b2b-window
-  TAIL_LINES=8 stage tests_offsets 200 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 -m gpu \
+  TAIL_LINES=8 stage tests_offsets 270 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 -m gpu \
     tests/kernels/test_backends_gpu.py tests/kernels/test_worklist_gpu.py tests/kernels/test_cute_bwd_gpu.py \
     tests/kernels/test_cute_fwd_gpu.py tests/kernels/test_window_gpu.py -k "packed or offset or segment or list" \
     ${EXTRA_TESTS:-}
