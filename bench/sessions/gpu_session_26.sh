@@ -41,3 +41,20 @@ if [ "$1" = 2 ]; then
     ${EXTRA_TESTS:-}
   exit
 fi
+# 3: back to back (call 2), the simulation's clocks settle as under a continuous load (every probe ~0.30-0.31 ms
+#    against 0.255 on a quiet device) and the place effect is gone, but the readings are lower than either earlier
+#    one: cp = 8 forward 0.910, backward 0.919 (cp = 4: 0.944 / 0.947), and with a 4096-token window at cp = 2 only
+#    0.898 / 0.821 (1.67x one GPU forward+backward, #15 asks 1.8x). The forward's ranks without their merges
+#    (separate per-item calls) read 0.982, so the ring's steps cost ~7% over their kernels. Where: each rank's
+#    kernels, back to back, for the windowed cp = 2 backward (prediction: zero fills and fp32 passes ~1.5 ms of the
+#    2 ms over T_full / 2) and the cp = 8 forward (prediction: the work-list launches with the merge epilogue
+#    ~5% over the per-item kernels). Then the GPU test of NaN under a dominant sink.
+if [ "$1" = 3 ]; then
+  TAIL_LINES=30 stage cp_sim_window_profile 120 python3 bench/cp_sim.py --seqlens 131072 --cp 2 --balancers lpt \
+    --directions fwd bwd --reps 3 --queue-ahead-ms 8 --back-to-back --window 4096 --profile-ranks 0 1 \
+    --tag window-profile
+  TAIL_LINES=30 stage cp_sim_fwd_profile 120 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
+    --directions fwd --reps 3 --queue-ahead-ms 8 --back-to-back --profile-ranks 0 3 --tag fwd-profile
+  TAIL_LINES=8 stage tests_sink 150 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 -m gpu ${SINK_TESTS:-}
+  exit
+fi
