@@ -38,6 +38,7 @@ from .ulysses import HeadSplit, UlyssesGroup
 
 STRATEGIES = ("auto", "ring", "ulysses", "hybrid")
 LABEL = "fa4dist context parallel"
+_FRAME = 4096  # bytes of one rank's frame in the agreement check's exchange (Transport.all_gather_bytes)
 
 
 def _group_size_rank(group) -> tuple[int, int]:
@@ -397,14 +398,15 @@ class ContextParallel:
         if not found:
             return
         local = None if error is None else f"{type(error).__name__}: {error}"
-        message = None
+        message, sent = None, None
         for stage in self._stages():
-            text = local if message is None else message
-            payload = json.dumps(dict(rank=self.cp_rank, error=text and text[:2000], sig=sig, call=call)).encode()
-            gathered = [json.loads(b) for b in stage.all_gather_bytes(payload, f"the signatures of {what} {call}")]
+            payload, text = _frame(self.cp_rank, local if message is None else message, sig, call)
+            sent = text if sent is None else sent
+            frames = stage.all_gather_bytes(payload, f"the signatures of {what} {call}", _FRAME)
+            gathered = [json.loads(b) for b in frames]
             message = message or _disagreement(gathered, f"{what} {call}")
         message = message or f"ranks disagree on {what} {call} (found in another group of the mesh)"
-        if local is not None and local[:2000] in message and isinstance(error, (TypeError, ValueError)):
+        if local is not None and sent in message and isinstance(error, (TypeError, ValueError)):
             raise type(error)(f"{LABEL}: {message}") from error  # its own error (other ranks' may follow it)
         raise ValueError(f"{LABEL}: {message}") from error
 
@@ -525,6 +527,28 @@ def _check_shard_layout(q, k, v, packed: bool) -> int:
 _FIELD_HINTS = {"module": " (which attention module was called: each rank numbers its modules on the group in the "
                           "order it created them, so the ranks called different modules, or created them in "
                           "different orders)"}
+
+
+def _frame(rank: int, text: Optional[str], sig: Optional[dict], call: int, size: int = _FRAME - 8) -> tuple:
+    """The JSON payload of one rank in an agreement exchange and the error text it carries: the text is cut (to at
+    most 2000 characters, and then as far as needed) so that the encoded payload fits the `size` bytes of a frame
+    whatever its characters (quotes, newlines and non-ASCII grow when encoded).  A rank whose payload did not fit
+    would raise before the exchange, leaving the others to wait for the timeout."""
+    def encode(t):
+        return json.dumps(dict(rank=rank, error=t, sig=sig, call=call)).encode()
+
+    text = text and text[:2000]
+    payload = encode(text)
+    if len(payload) <= size or not text:
+        return payload, text
+    lo, hi = 0, len(text)  # the longest prefix that fits (cut between characters: the JSON stays valid)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(encode(text[:mid])) <= size:
+            lo = mid
+        else:
+            hi = mid - 1
+    return encode(text[:lo]), text[:lo]
 
 
 def _disagreement(gathered: list, what: str = "the first call") -> Optional[str]:

@@ -213,6 +213,52 @@ def test_sinks_that_take_a_gradient_on_one_rank_only_fail_naming_grad(pool):
         assert elapsed < 20, elapsed
 
 
+def long_error_case(rank, world, grid):
+    """Rank 1's input check fails with a message that is far longer once JSON-encoded than as text (quotes,
+    newlines, non-ASCII): its frame of the agreement exchange must still fit, so every rank fails at once with the
+    message instead of the others waiting for a rank that raised before the exchange.  Fresh groups: the old code
+    broke the group it timed out on."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.context_parallel.core import ContextParallel
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    groups = {}
+    for name, sets in (("ulysses", ([0, 1], [2, 3])), ("ring", ([0, 2], [1, 3])), ("all", ([0, 1, 2, 3],))):
+        for ranks in sets:
+            g = fresh_group(ranks)
+            if rank in ranks:
+                groups[name] = g
+    if grid:
+        module = FA4ContextParallelAttention(ulysses_group=groups["ulysses"], ring_group=groups["ring"],
+                                             backend="reference", timeout=8)
+        plan = make_plan(40, 4, ulysses_degree=2)
+    else:
+        module = FA4ContextParallelAttention(groups["all"], strategy="ring", backend="reference", timeout=8)
+        plan = make_plan(40, 4)
+    original = ContextParallel._local_check
+
+    def failing(self, *args):
+        if self.cp_rank == 1:
+            raise RuntimeError("injected: " + 'a "quoted"\n\u00e9\u4e2d\U0001F600 ' * 1000)
+        return original(self, *args)
+    ContextParallel._local_check = failing
+    try:
+        return _error(lambda: module(*_inputs(plan, module.cp_rank), plan=plan))
+    finally:
+        ContextParallel._local_check = original
+
+
+@pytest.mark.parametrize("grid", [False, True])
+def test_an_error_message_too_long_for_the_frame_still_fails_every_rank_at_once(pool, grid):
+    for rank, res in enumerate(pool.run(long_error_case, grid=grid, timeout=90)):
+        assert res is not None, f"rank {rank} computed instead of failing"
+        name, message, elapsed = res
+        assert name == "ValueError", (rank, name, message[:300])
+        assert 'rank 1 rejected its inputs: RuntimeError: injected: a "quoted"\n\u00e9\u4e2d\U0001F600 ' in message, \
+            (rank, message[:300])
+        assert elapsed < 6, (rank, elapsed)  # an error, not the 8 s timeout
+
+
 def functional_local_calls_case(rank, world):
     """The functional form on the group, then rank 0 alone makes more single-process calls (distinct options) than
     its cache holds, then the group call again: rank 0's own calls must not evict the shared object on rank 0 only
