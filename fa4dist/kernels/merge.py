@@ -23,6 +23,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .problem import check_buffer
+
 
 def lse_as_out_layout(lse: torch.Tensor) -> torch.Tensor:
     """View of an lse (..., heads, seqlen) broadcastable against out (..., seqlen, heads, d)."""
@@ -101,7 +103,8 @@ def merge_partials(
     """N-way merge in the fixed order given (so the result is bitwise reproducible for a fixed order). A partial whose
     lse is -inf contributes nothing, whatever its out holds there.
 
-    Returns (out, lse) in fp32 (fp64 for fp64 inputs); writes into ``out`` when given."""
+    Returns (out, lse) in fp32 (fp64 for fp64 inputs); writes into ``out`` when given (of the partials' shape and
+    device, in that dtype)."""
     if len(outs) == 0 or len(outs) != len(lses):
         raise ValueError(f"merge_partials needs as many outs as lses (at least one), got {len(outs)} and {len(lses)}")
     for i, (o, lse) in enumerate(zip(outs, lses)):
@@ -110,6 +113,7 @@ def merge_partials(
         raise ValueError(f"merge_partials: out must be a tensor of shape {tuple(outs[0].shape)}, got "
                          f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
     dtype = _accum_dtype(outs[0].dtype)
+    check_buffer("merge_partials: out", out, tuple(outs[0].shape), outs[0].device, (dtype,))
     weights, merged = _merge_weights([lse.to(dtype) for lse in lses])
     # a side whose lse is -inf (it saw no key) contributes nothing, whatever its out holds (NaN included); a side
     # that saw keys keeps its NaN even where its weight underflows to 0

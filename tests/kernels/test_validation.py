@@ -222,6 +222,24 @@ def test_merge_partials_shape_errors_are_named():
         merge_into_(out.clone(), lse.clone(), out, lse.transpose(1, 2))
 
 
+def test_merge_partials_out_must_be_the_merge_dtype_and_device():
+    """out= receives the fp32 (fp64 for fp64 partials) merge: an out of another dtype or device is refused by name
+    instead of being rounded into (or written to) silently."""
+    from fa4dist.kernels import merge_partials
+
+    f32, f64 = torch.float32, torch.float64
+    for dtype, want in ((torch.float16, f32), (torch.bfloat16, f32), (f64, f64)):
+        out, lse = torch.randn(2, 8, 4, 16, dtype=dtype), torch.randn(2, 4, 8)
+        for wrong in (torch.float16, f32 if want == f64 else f64):
+            with pytest.raises(TypeError, match=f"merge_partials: out must have dtype {want}, got {wrong}"):
+                merge_partials([out, out], [lse, lse], out=torch.empty(2, 8, 4, 16, dtype=wrong))
+        with pytest.raises(ValueError, match="merge_partials: out must be on cpu, got meta"):
+            merge_partials([out, out], [lse, lse], out=torch.empty(2, 8, 4, 16, dtype=want, device="meta"))
+        given = torch.empty(2, 8, 4, 16, dtype=want)
+        merged, _ = merge_partials([out, out], [lse, lse], out=given)
+        assert merged is given and torch.equal(given, out.to(want))
+
+
 def test_deterministic_flag_must_be_a_bool():
     """A truthy stand-in ("yes", 1) for deterministic is refused where it is given, not read as some mode: by
     fa4dist.attention (whose backward runs later) and by attention_backward."""
