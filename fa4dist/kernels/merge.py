@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .problem import check_buffer
+from .problem import FLOAT_DTYPES, check_buffer
 
 
 def lse_as_out_layout(lse: torch.Tensor) -> torch.Tensor:
@@ -156,6 +156,7 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: t
     fp32 (fp64 for fp64 inputs): ``-sum_rows exp(sink - lse) * rowsum(dout * out)``.  A row whose lse is ``-inf``
     (no key, no sink) contributes nothing."""
     check_partial("the result", out, lse)
+    check_buffer("sink_grad: dout", dout, tuple(out.shape), out.device, FLOAT_DTYPES)
     acc = _accum_dtype(out.dtype)
     lse = lse.to(acc)
     delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(-1, -2)  # (..., heads, seqlen) like lse

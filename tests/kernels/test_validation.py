@@ -240,6 +240,21 @@ def test_merge_partials_out_must_be_the_merge_dtype_and_device():
         assert merged is given and torch.equal(given, out.to(want))
 
 
+def test_sink_grad_checks_dout():
+    """A dout that merely broadcasts against out (one row, one head) is refused by name, not summed silently."""
+    from fa4dist.kernels import sink_grad
+
+    out, lse, sinks = torch.randn(2, 8, 4, 16), torch.randn(2, 4, 8), torch.zeros(4)
+    for shape in ((2, 1, 4, 16), (2, 8, 1, 16), (16,), (2, 8, 4, 16, 1)):
+        with pytest.raises(ValueError, match=r"sink_grad: dout must have shape \(2, 8, 4, 16\), got"):
+            sink_grad(torch.randn(shape), out, lse, sinks)
+    with pytest.raises(TypeError, match="sink_grad: dout must be a torch.Tensor, got float"):
+        sink_grad(1.0, out, lse, sinks)
+    with pytest.raises(ValueError, match="sink_grad: dout must be on cpu, got meta"):
+        sink_grad(torch.empty(out.shape, device="meta"), out, lse, sinks)
+    assert sink_grad(torch.ones_like(out, dtype=torch.bfloat16), out, lse, sinks).shape == (4,)
+
+
 def test_deterministic_flag_must_be_a_bool():
     """A truthy stand-in ("yes", 1) for deterministic is refused where it is given, not read as some mode: by
     fa4dist.attention (whose backward runs later) and by attention_backward."""
