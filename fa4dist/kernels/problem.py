@@ -125,6 +125,9 @@ def _check_cu_seqlens_layout(name: str, cu) -> None:
         raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}")
     if cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"{name} must be 1-D with at least 2 entries (batch + 1), got shape {tuple(cu.shape)}")
+    if cu.is_meta:
+        raise ValueError(f"{name} is on the meta device, which holds no values: the sequence boundaries must be read "
+                         "(pass a cpu or cuda tensor)")
 
 
 def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> tuple[int, ...]:
@@ -176,9 +179,14 @@ def _offset_values(name: str, value: Offset, count: int) -> tuple[int, ...]:
     if isinstance(value, torch.Tensor):
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
+        if value.is_meta:
+            raise ValueError(f"{name} is on the meta device, which holds no values (pass a cpu or cuda tensor)")
         if value.dim() == 0:
             return (int(value),) * count
-        values = tuple(int(x) for x in value.reshape(-1).tolist())
+        if value.dim() != 1:
+            raise ValueError(f"{name} must be 0-D or 1-D (one entry per sequence/segment), got shape "
+                             f"{tuple(value.shape)}")
+        values = tuple(int(x) for x in value.tolist())
     elif isinstance(value, (list, tuple)):
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
             raise TypeError(f"{name} must hold Python ints, got {value!r}")

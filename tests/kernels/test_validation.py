@@ -193,6 +193,24 @@ def test_backward_skips_the_gradients_without_a_buffer():
         attention_backward(out, q, k, v, out, None)
 
 
+def test_cu_seqlens_and_offsets_on_meta_or_of_the_wrong_rank_name_the_argument():
+    """A meta cu_seqlens or offset tensor holds no values to read, and a 2-D offset tensor is not one entry per
+    segment: each is refused naming the argument (not "Cannot copy out of meta tensor", not flattened)."""
+    q = torch.randn(10, 2, 8)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    for name in ("cu_seqlens_q", "cu_seqlens_k"):
+        kw = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, name: cu.to("meta")}
+        with pytest.raises(ValueError, match=f"{name} is on the meta device"):
+            attention_forward(q, q, q, **kw)
+    for name in ("q_offset", "k_offset"):
+        with pytest.raises(ValueError, match=rf"{name} must be 0-D or 1-D .*got shape \(2, 1\)"):
+            attention_forward(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, **{name: torch.tensor([[0], [3]])})
+        with pytest.raises(ValueError, match=f"{name} is on the meta device"):
+            attention_forward(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, **{name: torch.tensor([0, 3]).to("meta")})
+    out, _ = attention_forward(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, q_offset=torch.tensor([0, 3]))
+    assert out.shape == q.shape
+
+
 @pytest.mark.parametrize("offset", [2**63, -(2**63) - 1, 2**62, [0, 2**64]])
 def test_offsets_out_of_range_name_the_argument(offset):
     q = torch.randn(2 if isinstance(offset, list) else 1, 4, 2, 8)
