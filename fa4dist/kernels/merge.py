@@ -82,7 +82,8 @@ def merge_into_(
     """Merges a block's (block_out, block_lse) into the running fp32 (out, lse), in place.
 
     Three passes over ``out``: scale, clear the rows that had seen no key (whatever they held, NaN included), add
-    the weighted block.  ``block_out`` must be finite; the contract's backends give 0 for rows that saw no key."""
+    the weighted block.  As in :func:`merge_partials`, the block's rows whose ``block_lse`` is -inf (no key) add
+    nothing, whatever ``block_out`` holds there (NaN included)."""
     check_partial("the running result", out, lse)
     check_partial("the block", block_out, block_lse, like_out=out)
     if out.dtype not in (torch.float32, torch.float64) or lse.dtype != out.dtype:
@@ -91,7 +92,7 @@ def merge_into_(
     # rows that saw no key (lse -inf) are cleared; a row that saw keys keeps a NaN it holds even where its weight
     # underflows to 0 (a row that sees a non-finite value is NaN however its keys are split)
     out.mul_(lse_as_out_layout(w_run)).masked_fill_(_unseen(lse), 0.0)
-    out.addcmul_(block_out, lse_as_out_layout(w_blk))
+    out.addcmul_(block_out.masked_fill(_unseen(block_lse), 0.0), lse_as_out_layout(w_blk))
     lse.copy_(merged)
 
 

@@ -174,6 +174,24 @@ def test_merge_all_neg_inf_is_zero_not_nan():
         assert torch.equal(o, seen) and torch.equal(merged_lse, seen_lse), garbage
 
 
+def test_merge_into_ignores_the_out_of_block_rows_that_saw_no_key():
+    """merge_into_ agrees with merge_partials: a block row whose lse is -inf contributed nothing, so whatever its
+    out holds (NaN, inf, garbage) is ignored; a row that saw keys keeps the running result exactly."""
+    from fa4dist.kernels import merge_into_
+
+    gen = torch.Generator().manual_seed(5)
+    run_out, run_lse = torch.randn(1, 3, 2, 4, generator=gen), torch.randn(1, 2, 3, generator=gen)
+    run_lse[0, 1, 2] = float("-inf")  # a row neither side saw: 0, -inf
+    run_out[0, 2, 1] = 0.0
+    block_lse = torch.full((1, 2, 3), float("-inf"))
+    for garbage in (float("nan"), float("inf"), 7.0):
+        out, lse = run_out.clone(), run_lse.clone()
+        merge_into_(out, lse, torch.full_like(run_out, garbage), block_lse)
+        want_out, want_lse = merge_partials([run_out, torch.full_like(run_out, garbage)], [run_lse, block_lse])
+        assert torch.equal(out, run_out) and torch.equal(out, want_out), garbage
+        assert torch.equal(lse, run_lse) and torch.equal(lse, want_lse), garbage
+
+
 def test_chunking_boundaries(monkeypatch):
     """Tiny tiles force many query and key chunks with partial causal tiles; the result must not change."""
     gen = torch.Generator().manual_seed(3)
