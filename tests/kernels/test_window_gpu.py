@@ -277,3 +277,34 @@ def test_cute_sinks_in_the_forward_epilogue(case):
         unseen = fused_lse[..., :-q_offset]
         assert torch.equal(unseen[:, :-1], sinks[:-1].view(1, -1, 1).expand_as(unseen[:, :-1]))
         assert torch.isneginf(unseen[:, -1]).all() and not fused_out[:, :-q_offset].any()
+
+
+def _seen_nan_under_a_dominant_sink(backend, device):
+    """Rows that see a NaN value in a visible key while their sink's logit (200) outweighs their keys' (near 0):
+    the keys' weight underflows to exactly 0 in fp32, yet a row that saw the NaN must stay NaN (as one call without
+    a sink gives it, and as the reference's merge keeps it), and the rows before it 0 (the sink takes everything),
+    with lse = the sink's.  Through the fused-sink epilogue (one call) and through an accumulating call (the
+    contract merges the sinks afterwards)."""
+    g = torch.Generator(device=device).manual_seed(17)
+    b, s, hq, hkv, d, p = 1, 256, 4, 2, 128, 100
+    q = (torch.randn(b, s, hq, d, device=device, generator=g) * 0.01).to(BF16)  # scores near 0
+    k, v = (torch.randn(b, s, hkv, d, device=device, generator=g).to(BF16) for _ in range(2))
+    v[:, p, :, 0] = float("nan")  # key p: rows p.. see it (causal), in channel 0 of every head
+    sinks = torch.full((hq,), 200.0, device=device, dtype=torch.float32)
+    kw = dict(causal=True, sinks=sinks, backend=backend)
+    fused_out, fused_lse = attention_forward(q, k, v, **kw)
+    acc_out = torch.zeros(b, s, hq, d, device=device, dtype=torch.float32)
+    acc_lse = torch.full((b, hq, s), float("-inf"), device=device, dtype=torch.float32)
+    attention_forward(q, k, v, out=acc_out, lse=acc_lse, accumulate=True, **kw)
+    for name, out, lse in (("fused", fused_out, fused_lse), ("accumulated", acc_out, acc_lse)):
+        seen = out[:, p:].float()
+        assert (~torch.isfinite(seen).flatten(-1)).any(-1).all(), f"{name}: a row that saw the NaN value is finite"
+        assert torch.isnan(seen[..., 0]).all(), f"{name}: NaN lost in the channel that holds it"
+        before = out[:, :p].float()
+        assert torch.isfinite(before).all() and before.abs().max().item() < 1e-30, name  # the sink takes all
+        torch.testing.assert_close(lse, torch.full_like(lse, 200.0), atol=1e-3, rtol=0)
+
+
+def test_cute_keeps_a_seen_nan_when_a_sink_dominates_the_row():
+    _need("cute")
+    _seen_nan_under_a_dominant_sink("cute", "cuda")
