@@ -29,6 +29,7 @@ from ..kernels.merge import merge_sink_, sink_grad
 from ..kernels.problem import (
     check_bool, check_mask, check_optional_bool, check_softcap, check_softmax_scale, check_window, validate_inputs,
 )
+from ..kernels.registry import get_backend
 from .comm import Transport, deepcopy_sharing
 from .gather import gather_backward, gather_forward
 from .plan import ShardPlan
@@ -198,6 +199,8 @@ class ContextParallel:
         check_bool("verify", verify)  # verify=0 would silently turn the agreement checks off
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+        if backend != "auto":
+            get_backend(backend)  # a name the registry does not know fails here, not on the first call
         if softmax_scale is not None:
             check_softmax_scale(softmax_scale, 1)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:

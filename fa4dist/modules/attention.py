@@ -32,7 +32,8 @@ class FA4ContextParallelAttention(nn.Module):
         deterministic: bitwise reproducible backward kernels; default follows
             ``torch.are_deterministic_algorithms_enabled()``.  (Every cross-rank reduction already runs in an
             order fixed by the plan, never by arrival.)
-        backend: kernel backend for every block (``"auto"``, ``"reference"``, ``"sdpa"``, ``"cute"``, ...).
+        backend: kernel backend for every block (``"auto"``, ``"reference"``, ``"sdpa"``, ``"cute"``, ...: a name
+            :func:`fa4dist.kernels.register_backend` registered, checked at construction).
         ulysses_degree: the Ulysses group size for ``hybrid`` on one process group.
         timeout: seconds any wait on another rank may take before a :class:`~fa4dist.context_parallel.CommError`
             naming what was awaited.
@@ -68,6 +69,9 @@ class FA4ContextParallelAttention(nn.Module):
                                   softmax_scale=softmax_scale,
                                   deterministic=deterministic, backend=backend, ulysses_degree=ulysses_degree,
                                   timeout=timeout, verify=verify, cp_invariant=cp_invariant)
+        if plan is not None and plan.cp_size != self.cp.cp_size:  # forward would refuse it on every call
+            raise ValueError(f"plan is for cp_size={plan.cp_size} but the module's group has {self.cp.cp_size} "
+                             "rank(s) (make it with module.make_plan)")
         self.plan = plan
 
     @property

@@ -401,6 +401,7 @@ def test_absent_rank_times_out_with_a_named_wait(pool, verify, pattern):
     (dict(causal="yes"), TypeError, "causal must be a bool"),
     (dict(deterministic=1), TypeError, "deterministic must be a bool or None"),
     (dict(backend=3), TypeError, "backend must be a string"),
+    (dict(backend="nope"), ValueError, r"backend must be 'auto' or one of \[.*'reference'.*\], got 'nope'"),
     (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
     (dict(timeout=0), ValueError, "timeout must be a positive, finite number of seconds"),
     (dict(timeout=float("inf")), ValueError, "timeout must be a positive, finite number of seconds, got inf"),
@@ -416,6 +417,19 @@ def test_module_argument_errors(kwargs, error, pattern):
 
     with pytest.raises(error, match=pattern):
         FA4ContextParallelAttention(**kwargs)
+
+
+def test_module_options_are_checked_at_construction():
+    """What can be checked without inputs fails when the module is built, not on its first call: a backend name the
+    registry does not know (for the functional form too), a plan for another cp size."""
+    from fa4dist.context_parallel import context_parallel_attention, make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    with pytest.raises(ValueError, match="plan is for cp_size=2 but the module's group has 1 rank"):
+        FA4ContextParallelAttention(plan=make_plan(8, 2))
+    FA4ContextParallelAttention(plan=make_plan(8, 1), backend="reference")
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):  # before the inputs are looked at
+        context_parallel_attention(None, None, None, backend="Reference")
 
 
 def test_single_process_plan_errors():
