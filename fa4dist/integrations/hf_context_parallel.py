@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from fa4dist.context_parallel import ShardPlan, make_plan
 from fa4dist.data.packing import IGNORE
+from fa4dist.kernels.problem import check_bool
 from fa4dist.models.loss import cp_cross_entropy
 from fa4dist.modules import FA4ContextParallelAttention
 
@@ -206,6 +207,7 @@ class ContextParallelHandle:
             raise ValueError("context parallelism is already enabled on this model; disable() that handle first")
         if group is not None and mesh is not None:
             raise ValueError("pass either group (a process group) or mesh (a DeviceMesh), not both")
+        check_bool("check_batch", check_batch)  # "no" would be truthy
         if group is None and mesh is None:
             if dist.is_available() and dist.is_initialized():
                 group = dist.group.WORLD
@@ -225,8 +227,9 @@ class ContextParallelHandle:
             raise ValueError("enable_context_parallel(strategy='hybrid') takes its Ulysses and ring groups from a "
                              "2-D mesh (mesh=, mesh_dim_names=('ring', 'ulysses')); with one process group use "
                              "strategy='auto', 'ring' or 'ulysses'")
-        self.loss_group = _loss_group(group, mesh)
         self.plan_window = _plan_window(_text_config(model))
+        self.make_plan([0, 1])  # balancer and num_chunks, checked as every batch's plan checks them: before the switch
+        self.loss_group = _loss_group(group, mesh)
         self.previous = getattr(model.config, "_attn_implementation", None)
         self.name = f"fa4dist_cp_{next(_NAMES)}"
         from transformers import AttentionInterface

@@ -223,6 +223,22 @@ def test_cp_invariant_must_be_a_bool():
         enable_context_parallel(tiny_model("llama"), cp_invariant="yes")
 
 
+@pytest.mark.parametrize("options, error, message", [
+    (dict(balancer="nope"), ValueError, "balancer must be one of"),
+    (dict(num_chunks=0), ValueError, "num_chunks"),
+    (dict(balancer="zigzag", num_chunks=3), ValueError, "zigzag balancer needs num_chunks"),
+    (dict(check_batch="no"), TypeError, "check_batch must be a bool, got str"),
+    (dict(backend="nope"), ValueError, "backend must be 'auto' or one of"),
+])
+def test_plan_and_batch_options_are_checked_at_enable_time(options, error, message):
+    """Refused by enable_context_parallel, before the model's attention is switched (not at the first
+    shard_batch, with the model left on an attention it cannot use)."""
+    model = tiny_model("llama")
+    with pytest.raises(error, match=message):
+        enable_context_parallel(model, **options)
+    assert model.config._attn_implementation == "eager"
+
+
 def test_disable_restores_the_models_own_attention():
     model = tiny_model("llama")
     batch = packed_batch()
