@@ -9,6 +9,7 @@ from torch import nn
 
 from ..context_parallel.core import ContextParallel
 from ..context_parallel.plan import ShardPlan, make_plan
+from ..data.sharding import SingleRankPlan
 
 
 class FA4ContextParallelAttention(nn.Module):
@@ -28,7 +29,8 @@ class FA4ContextParallelAttention(nn.Module):
             no query can see are neither sent nor computed; plans from :meth:`make_plan` are costed with it.
         softcap: scores become ``softcap * tanh(scale * q.k / softcap)`` (None: no capping).
         softmax_scale: default 1/sqrt(head_dim).
-        plan: the :class:`~fa4dist.context_parallel.ShardPlan` the inputs were sharded with (or pass it to forward).
+        plan: the :class:`~fa4dist.context_parallel.ShardPlan` the inputs were sharded with (or pass it to forward;
+            at cp size 1 also :class:`fa4dist.data.SingleRankPlan`, the plan of an unsplit packed sample).
         deterministic: bitwise reproducible backward kernels; default follows
             ``torch.are_deterministic_algorithms_enabled()``.  (Every cross-rank reduction already runs in an
             order fixed by the plan, never by arrival.)
@@ -62,7 +64,7 @@ class FA4ContextParallelAttention(nn.Module):
                  deterministic: Optional[bool] = None, backend: str = "auto", ulysses_degree: Optional[int] = None,
                  timeout: float = 300.0, verify: bool = True, cp_invariant: Optional[bool] = None):
         super().__init__()
-        if plan is not None and not isinstance(plan, ShardPlan):
+        if plan is not None and not isinstance(plan, (ShardPlan, SingleRankPlan)):  # as forward takes it
             raise TypeError(f"plan must be a ShardPlan (fa4dist.context_parallel.make_plan), got {type(plan).__name__}")
         self.cp = ContextParallel(group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
                                   strategy=strategy, causal=causal, window=window, softcap=softcap,
@@ -90,18 +92,23 @@ class FA4ContextParallelAttention(nn.Module):
         return make_plan(seqlen_or_cu_seqlens, self.cp_size, balancer, num_chunks, causal=self.cp.causal,
                          window=self.cp.window, ulysses_degree=self.cp.plan_ulysses_degree(), align=align)
 
-    def _plan(self, plan: Optional[ShardPlan]) -> ShardPlan:
+    def _plan(self, plan: Optional[ShardPlan]):
+        """A ShardPlan, or at cp size 1 fa4dist.data's SingleRankPlan (of packed documents), as forward takes it."""
         plan = plan if plan is not None else self.plan
+        if isinstance(plan, SingleRankPlan) and self.cp_size == 1:
+            return plan
         if not isinstance(plan, ShardPlan):
-            raise TypeError(f"plan must be a ShardPlan (module.make_plan), got {type(plan).__name__}")
+            single = " (fa4dist.data's SingleRankPlan is a plan for cp size 1 only)" if isinstance(
+                plan, SingleRankPlan) else ""
+            raise TypeError(f"plan must be a ShardPlan (module.make_plan), got {type(plan).__name__}{single}")
         return plan
 
     def shard(self, x: torch.Tensor, plan: Optional[ShardPlan] = None, seq_dim: Optional[int] = None) -> torch.Tensor:
         """This rank's tokens of a global tensor under `plan` (default: the module's); ``seq_dim`` defaults to 0
-        for packed-document plans and 1 for one sequence ((batch, seqlen, ...))."""
+        for packed-document plans (and fa4dist.data's SingleRankPlan) and 1 for one sequence ((batch, seqlen, ...))."""
         plan = self._plan(plan)
         if seq_dim is None:
-            seq_dim = 0 if plan.packed else 1
+            seq_dim = 0 if getattr(plan, "packed", True) else 1  # a SingleRankPlan's input is packed, as in forward
         return plan.shard(x, seq_dim=seq_dim, rank=self.cp_rank)
 
     def positions(self, plan: Optional[ShardPlan] = None) -> torch.Tensor:

@@ -463,3 +463,41 @@ def test_single_process_takes_the_data_helpers_single_rank_plan():
     assert torch.equal(got, attn(q, k, v, plan=make_plan([0, 3, 8], 1)))
     with pytest.raises(ValueError, match="q holds 8 tokens but the plan covers 9"):
         attn(q, k, v, plan=SingleRankPlan([0, 3, 9]))
+
+
+def test_single_rank_plan_shards_and_positions_as_forward_takes_it():
+    """Where forward takes a SingleRankPlan (cp size 1), so do the constructor, shard and positions: the identity
+    along the packed token dim and positions within each document, as a cp-size-1 ShardPlan of the boundaries."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.data.sharding import SingleRankPlan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    single, cp1 = SingleRankPlan([0, 3, 8]), make_plan([0, 3, 8], 1)
+    attn = FA4ContextParallelAttention(plan=single)
+    x = torch.randn(8, 2, 4, dtype=torch.float64)
+    assert torch.equal(attn.shard(x), attn.shard(x, cp1))
+    assert torch.equal(attn.positions(), attn.positions(cp1))
+    assert attn.positions().tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+    assert torch.equal(attn(x, x, x), attn(x, x, x, plan=cp1))
+    with pytest.raises(ValueError, match="x has 9 tokens along seq_dim=0, but the plan expects 8"):
+        attn.shard(torch.randn(9, 2, 4))
+
+
+def single_rank_plan_on_a_group_case(rank, world):
+    from fa4dist.data.sharding import SingleRankPlan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    if rank >= 2:
+        return None
+    single = SingleRankPlan([0, 3, 8])
+    attn = FA4ContextParallelAttention(GROUPS[2], backend="reference")
+    return (_error(lambda: FA4ContextParallelAttention(GROUPS[2], plan=single))[:2],
+            _error(lambda: attn.shard(torch.randn(8, 2, 4), single))[:2], _error(lambda: attn.positions(single))[:2])
+
+
+def test_single_rank_plan_is_refused_alike_on_a_group(pool):
+    for result in pool.run(single_rank_plan_on_a_group_case)[:2]:
+        (ctor_kind, ctor), *uses = result
+        assert ctor_kind == "ValueError" and "plan is for cp_size=1 but the module's group has 2" in ctor, ctor
+        for kind, message in uses:
+            assert kind == "TypeError" and "SingleRankPlan is a plan for cp size 1 only" in message, message
