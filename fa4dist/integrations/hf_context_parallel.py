@@ -407,7 +407,17 @@ def _loss_group(group, mesh):
     if not mesh.mesh_dim_names:  # the loss group is the flattened mesh, and torch flattens named meshes only
         raise ValueError("enable_context_parallel(mesh=) takes a 2-D mesh with mesh_dim_names=('ring', 'ulysses'), "
                          "got an unnamed 2-D mesh (init_device_mesh(..., mesh_dim_names=('ring', 'ulysses')))")
-    return mesh._flatten("fa4dist_cp").get_group()
+    # torch keeps flattened meshes by name on the root mesh: a name flattened from another 2-D submesh of the same
+    # root (another handle's mesh, unflattened differently) is refused, one from this layout is given back.  So the
+    # first name that is free or holds this layout (the same on every rank, which holds the same meshes).
+    for i in range(64):
+        try:
+            return mesh._flatten("fa4dist_cp" if i == 0 else f"fa4dist_cp_{i}").get_group()
+        except ValueError as err:
+            if "has been created before" not in str(err):
+                raise
+    raise ValueError("enable_context_parallel(mesh=): 64 other 2-D submeshes of this mesh's root were flattened "
+                     "already; pass the cp group as group= instead")
 
 
 def enable_context_parallel(model, group=None, mesh=None, strategy: str = "auto", balancer: str = "lpt", *,

@@ -196,6 +196,29 @@ def test_an_unnamed_2d_mesh_is_refused_naming_the_dims(pool):
         assert attn == "eager"
 
 
+def _two_submeshes_of_one_root(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    root = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    whole = root._unflatten(0, (2, 2), ("ring", "ulysses"))  # cp = 4
+    pairs = root._unflatten(0, (2, 1, 2), ("dp", "ring", "ulysses"))["ring", "ulysses"]  # dp = 2 x cp = 2
+    groups = []
+    for mesh in (whole, pairs, whole):
+        with enable_context_parallel(tiny_model("llama"), mesh=mesh) as handle:
+            groups.append(handle.loss_group)
+    return [sorted(dist.get_process_group_ranks(g)) for g in groups], groups[2] is groups[0]
+
+
+def test_handles_on_two_submeshes_of_one_root_mesh_get_their_own_loss_groups(pool):
+    """The loss group is the flattened 2-D mesh, which torch keeps by name on the root mesh: a second handle on
+    another submesh of that root gets a group of its own ranks (not torch's "has been created before" error), a
+    handle on the first mesh again gets the first one's group back."""
+    for rank, (groups, reused) in enumerate(pool.run(_two_submeshes_of_one_root)):
+        assert groups == [[0, 1, 2, 3], [0, 1] if rank < 2 else [2, 3], [0, 1, 2, 3]], (rank, groups)
+        assert reused, rank
+
+
 def _hybrid_on_one_group(rank, world):
     if rank >= 2:
         return None
