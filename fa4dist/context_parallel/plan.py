@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import numbers
+import sys
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional, Sequence, Union
@@ -132,6 +133,11 @@ class BalanceReport:
         return "\n".join(lines)
 
 
+def _is_ndarray(x) -> bool:
+    np = sys.modules.get("numpy")  # not imported: x is no NumPy array
+    return np is not None and isinstance(x, np.ndarray)
+
+
 def _documents(seqlen_or_cu_seqlens) -> tuple[int, Optional[tuple[int, ...]]]:
     """(total tokens, document boundaries or None for one dense sequence)."""
     if isinstance(seqlen_or_cu_seqlens, bool):
@@ -147,14 +153,23 @@ def _documents(seqlen_or_cu_seqlens) -> tuple[int, Optional[tuple[int, ...]]]:
         if t.dim() != 1:
             raise ValueError(f"cu_seqlens must be 1-D (documents + 1), got shape {tuple(t.shape)}")
         values = tuple(int(x) for x in t.tolist())
+    elif _is_ndarray(seqlen_or_cu_seqlens):  # as a tensor, as NumPy integers are taken as ints
+        a = seqlen_or_cu_seqlens
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"cu_seqlens must hold integers, got NumPy dtype {a.dtype}")
+        if a.ndim == 0:
+            return check_int("seqlen", int(a), 1), None
+        if a.ndim != 1:
+            raise ValueError(f"cu_seqlens must be 1-D (documents + 1), got shape {tuple(a.shape)}")
+        values = tuple(int(x) for x in a.tolist())
     elif isinstance(seqlen_or_cu_seqlens, (list, tuple)):
         if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in seqlen_or_cu_seqlens):
             raise TypeError(f"cu_seqlens must hold ints, got {list(seqlen_or_cu_seqlens)[:8]!r}")
         values = tuple(int(x) for x in seqlen_or_cu_seqlens)
     else:
         raise TypeError(
-            "seqlen_or_cu_seqlens must be an int (one sequence) or cu_seqlens (a 1-D int tensor or list of document "
-            f"boundaries), got {type(seqlen_or_cu_seqlens).__name__}"
+            "seqlen_or_cu_seqlens must be an int (one sequence) or cu_seqlens (a 1-D int tensor, NumPy array or list "
+            f"of document boundaries), got {type(seqlen_or_cu_seqlens).__name__}"
         )
     if len(values) < 2:
         raise ValueError(f"cu_seqlens needs at least 2 entries (documents + 1), got {list(values)}")
@@ -518,7 +533,8 @@ def make_plan(
     ulysses_degree: int = 1,
     align: int = 1,
 ) -> ShardPlan:
-    """Plans how `cp_size` ranks share one sequence (an int length) or a packed batch of documents (cu_seqlens).
+    """Plans how `cp_size` ranks share one sequence (an int length) or a packed batch of documents (cu_seqlens: a
+    1-D integer tensor, NumPy array, list or tuple).
 
     - ``balancer``: ``"lpt"`` (default), ``"zigzag"`` or ``"contiguous"``.
     - ``num_chunks``: a multiple of ``cp_size`` (every rank holds as many chunks); default ``2 * cp_size`` for one

@@ -301,6 +301,21 @@ def test_numpy_integers_are_lengths():
         make_plan(True, 2)
 
 
+def test_numpy_arrays_are_cu_seqlens_as_tensors_are():
+    np = pytest.importorskip("numpy")
+    for dtype in (np.int32, np.int64, np.uint16):
+        assert make_plan(np.array([0, 4, 9], dtype=dtype), 2) == make_plan(torch.tensor([0, 4, 9]), 2)
+    assert make_plan(np.array(10), 2) == make_plan(10, 2)  # 0-d: a length, as a 0-d tensor
+    with pytest.raises(TypeError, match="cu_seqlens must hold integers, got NumPy dtype float64"):
+        make_plan(np.array([0.0, 4.0]), 2)
+    with pytest.raises(TypeError, match="cu_seqlens must hold integers, got NumPy dtype bool"):
+        make_plan(np.array([False, True]), 2)
+    with pytest.raises(ValueError, match=r"cu_seqlens must be 1-D \(documents \+ 1\), got shape \(2, 2\)"):
+        make_plan(np.zeros((2, 2), dtype=np.int64), 2)
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+        make_plan(np.array([1, 5]), 2)
+
+
 def test_unshard_names_a_local_tensor_shaped_unlike_the_others():
     plan = make_plan(10, 2)
     a, b = torch.randn(1, plan.local_len(0), 3), torch.randn(1, plan.local_len(1), 3, 1)
