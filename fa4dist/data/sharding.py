@@ -2,7 +2,9 @@
 
 ``make_sample_plan`` builds the LPT plan of a sample's document structure (``fa4dist.context_parallel.make_plan``);
 ``shard_sample`` returns the local tokens, labels and positions (global position within the document, for RoPE).
-Padding that the plan adds to make the chunks fit is marked with ``IGNORE`` labels, so it never counts in the loss.
+A plan never pads: when the sample's length is not a multiple of the chunk count the last chunk is short and any
+chunks past the end are empty, so every local token is a real token of the sample, with its own label (``IGNORE``
+only where the sample has it), and the ranks' local lengths add up to the sample's (they may differ by rank).
 """
 
 from __future__ import annotations
@@ -93,11 +95,7 @@ def shard_sample(sample: Sample, plan, rank: int, device=None) -> LocalBatch:
     if isinstance(plan, SingleRankPlan):
         plan._check_rank(rank)
         return LocalBatch(sample.tokens.to(device), sample.labels.to(device), sample.positions.to(device), plan, 0)
-    tokens = plan.shard(sample.tokens, seq_dim=0, rank=rank)
+    tokens = plan.shard(sample.tokens, seq_dim=0, rank=rank)  # real tokens only: a plan never pads
     labels = plan.shard(sample.labels, seq_dim=0, rank=rank)
-    # Padding the plan adds (any value) must not count: shard a validity mask the same way (padding -> False).
-    valid = plan.shard(torch.ones_like(sample.tokens, dtype=torch.bool), seq_dim=0, rank=rank)
-    labels = torch.where(valid, labels, torch.full_like(labels, IGNORE))
-    tokens = torch.where(valid, tokens, torch.zeros_like(tokens))
     positions = torch.as_tensor(plan.positions(rank)).long()
     return LocalBatch(tokens.to(device), labels.to(device), positions.to(device), plan, rank)

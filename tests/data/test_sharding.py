@@ -21,6 +21,20 @@ def test_the_shards_cover_every_label_once(cp):
     assert isinstance(plan, SingleRankPlan) == (cp == 1)
 
 
+@pytest.mark.parametrize("cp, num_chunks", [(2, 6), (3, None), (3, 9)])
+def test_the_shards_are_the_samples_own_tokens_without_padding(cp, num_chunks):
+    """16 tokens in chunks that do not divide them (6 of 3, the last short; 24 of 1, 8 of them empty; 9 of 2, the
+    last empty): the ranks hold the sample's tokens, labels and positions, nothing added, in the plan's order."""
+    sample = _sample()
+    plan = make_sample_plan(sample, cp, num_chunks=num_chunks)
+    assert plan.padded_len > sample.tokens.numel()
+    shards = [shard_sample(sample, plan, r) for r in range(cp)]
+    assert sum(s.tokens.numel() for s in shards) == sample.tokens.numel()
+    for field in ("tokens", "labels", "positions"):
+        got = plan.unshard([getattr(s, field) for s in shards], seq_dim=0)
+        assert torch.equal(got, getattr(sample, field)), field
+
+
 @pytest.mark.parametrize("cp", [1, 2])
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(balancer="nope"), ValueError, "balancer must be one of"),
