@@ -11,7 +11,11 @@ through the contract's accumulate mode) against the key rows it would receive at
   times the whole-sequence call before and after every rank's run, the ranks in a rotated order, so that the
   device's clock drift over the run and within a round cancels (``interleaved_rounds``); the work model's
   prediction (mean / max visible pairs) beside it. Each call is timed from an idle device (its host time before
-  the first launch counts), or with ``--queue-ahead-ms`` behind a device-side spin (device time alone);
+  the first launch counts), or with ``--queue-ahead-ms`` behind a device-side spin (device time alone); with
+  ``--back-to-back`` (the fair reading) a round's calls are queued as one stream, so the device stays busy as a
+  ring rank's does and every call runs at the clock a continuous load settles at (timed one by one, short calls
+  on a quiet device ran at a clock ~18% above the long whole-sequence call's, and the call right after it lower:
+  the clock probes in the JSON's ``calls_log`` show it, and each round's slowest rank is printed with them);
 - "kernel": the efficiency of the same calls without the merges (each to a fresh output), i.e. what a fused
   accumulate epilogue would approach;
 - the ring steps each rank computes (``steps``: its own keys plus the remote steps it receives at; without a window
@@ -21,6 +25,7 @@ through the contract's accumulate mode) against the key rows it would receive at
 
     python bench/cp_sim.py                                 # the full sweep on the GPU, backend auto
     python bench/cp_sim.py --seqlens 131072 --cp 8 --directions fwd bwd
+    python bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt --queue-ahead-ms 8 --back-to-back
     python bench/cp_sim.py --window 4095 --seqlens 131072  # a causal sliding window of 4096 tokens
     python bench/cp_sim.py --device cpu --tiny             # a smoke run on the CPU (reference backend)
     python bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt --profile-ranks 0 6   # kernels of ranks 0, 6
