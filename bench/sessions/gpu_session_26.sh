@@ -58,3 +58,19 @@ if [ "$1" = 3 ]; then
   TAIL_LINES=8 stage tests_sink 150 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 -m gpu ${SINK_TESTS:-}
   exit
 fi
+# 4: call 3 found the windowed cp = 2 backward's ranks at T_full / 2 in their main kernels (9.20 against 18.25 / 2)
+#    but 1.40 ms in the dQ convert, where the whole-sequence call's takes 0.40 ms for twice the rows: the shared
+#    query side's convert adds into the rank's fp32 dq from registers (8-byte pieces of 32-byte row segments, ~1.1
+#    TB/s). It now stages the fragments in smem and adds each row with one bulk reduction. Prediction: the convert
+#    0.3-0.4 ms, the windowed cp = 2 backward 0.82 -> 0.90, cp = 8 causal +1%. First the GPU tests of every
+#    accumulating convert (accumulate, fixed point, shared queries, work lists, cp_invariant).
+if [ "$1" = 4 ]; then
+  TAIL_LINES=20 stage cp_sim_window_convert 60 python3 bench/cp_sim.py --seqlens 131072 --cp 2 --balancers lpt \
+    --directions bwd --reps 5 --queue-ahead-ms 8 --back-to-back --window 4096 --profile-ranks 0 --tag window-convert
+  TAIL_LINES=20 stage cp_sim_b2b_convert 70 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
+    --directions bwd --reps 4 --queue-ahead-ms 8 --back-to-back --tag b2b-convert
+  TAIL_LINES=8 stage tests_convert 160 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 -m gpu \
+    tests/kernels/test_cute_bwd_gpu.py tests/kernels/test_worklist_gpu.py tests/cp/test_cp_gpu.py \
+    -k "accumulate or fixed_point or shared_queries or packed_per_segment or one_gradient or fp32_out or backward_ring or invariant"
+  exit
+fi

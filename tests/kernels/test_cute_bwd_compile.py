@@ -379,6 +379,28 @@ def test_deterministic_gqa_takes_expanded_heads_where_measured_faster():
 
 
 @pytest.mark.cute
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("form", ["fp32", "varlen", "worklist", "fixed", "fixed_to_float"])
+def test_compile_accumulating_convert_adds_rows_in_bulk(d, form, tmp_path, monkeypatch):
+    """An accumulating dQ convert stages its fragments in smem and adds each row with one bulk reduction (f32, or
+    u64 for the fixed point's integers), with no global load or store of dq by the SM; a written one does not."""
+    from fa4dist.kernels.cute.backward import PostConfig
+
+    monkeypatch.chdir(tmp_path)
+    fixed, to_float = form in ("fixed", "fixed_to_float"), form == "fixed_to_float"
+    kw = dict(dtype="bf16", dq_fp32=True, head_dim=d, tile_m=bwd.tile_m_for(d), dq_fixed=fixed,
+              varlen=form in ("varlen", "worklist"), fixed_to_float=to_float, worklist=form == "worklist")
+    ptx = host.compile_config(PostConfig(accumulate=True, **kw), extra_options="--keep-ptx").artifacts.PTX
+    add = "u64" if fixed and not to_float else "f32"
+    assert f"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.{add}" in ptx
+    assert "st.global" not in ptx and "red.global" not in ptx
+    assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)
+    if not fixed:
+        written = host.compile_config(PostConfig(accumulate=False, **kw), extra_options="--keep-ptx").artifacts.PTX
+        assert "cp.reduce.async.bulk" not in written and "st.global" in written
+
+
+@pytest.mark.cute
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("finite_only", [False, True])
 def test_compile_row_absmax(d, finite_only, tmp_path, monkeypatch):
