@@ -62,7 +62,7 @@ fi
 #    but 1.40 ms in the dQ convert, where the whole-sequence call's takes 0.40 ms for twice the rows: the shared
 #    query side's convert adds into the rank's fp32 dq from registers (8-byte pieces of 32-byte row segments, ~1.1
 #    TB/s). It now stages the fragments in smem and adds each row with one bulk reduction. Prediction: the convert
-#    0.3-0.4 ms, the windowed cp = 2 backward 0.82 -> 0.90, cp = 8 causal +1%. First the GPU tests of every
+#    0.3-0.4 ms, the windowed cp = 2 backward 0.82 -> 0.90, cp = 8 causal +1%. Then the GPU tests of every
 #    accumulating convert (accumulate, fixed point, shared queries, work lists, cp_invariant).
 if [ "$1" = 4 ]; then
   TAIL_LINES=20 stage cp_sim_window_convert 60 python3 bench/cp_sim.py --seqlens 131072 --cp 2 --balancers lpt \
