@@ -94,7 +94,8 @@ def shard_sample(sample: Sample, plan, rank: int, device=None) -> LocalBatch:
     device = device or sample.tokens.device
     if isinstance(plan, SingleRankPlan):
         plan._check_rank(rank)
-        return LocalBatch(sample.tokens.to(device), sample.labels.to(device), sample.positions.to(device), plan, 0)
+        tokens = plan.shard(sample.tokens, seq_dim=0)  # a plan of another sample fails as at cp > 1
+        return LocalBatch(tokens.to(device), sample.labels.to(device), sample.positions.to(device), plan, 0)
     tokens = plan.shard(sample.tokens, seq_dim=0, rank=rank)  # real tokens only: a plan never pads
     labels = plan.shard(sample.labels, seq_dim=0, rank=rank)
     positions = torch.as_tensor(plan.positions(rank)).long()

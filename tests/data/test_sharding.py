@@ -57,3 +57,11 @@ def test_a_single_rank_plan_has_rank_0_only_and_checks_its_boundaries():
     with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
         SingleRankPlan([0, 5, 3])
     assert "max/mean compute over ranks = 1.0000" in str(plan.balance_report())
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_plan_of_another_sample_is_refused_at_every_cp_size(cp):
+    sample = _sample()
+    other = PackedTokenStream(["abc", "de"], seqlen=8, seed=0).window(0)
+    with pytest.raises(ValueError, match="has 16 tokens along seq_dim=0, but the plan expects 8"):
+        shard_sample(sample, make_sample_plan(other, cp), 0)
