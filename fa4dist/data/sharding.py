@@ -1,7 +1,8 @@
 """A packed sample cut into this rank's context-parallel shard.
 
 ``make_sample_plan`` builds the LPT plan of a sample's document structure (``fa4dist.context_parallel.make_plan``);
-``shard_sample`` returns the local tokens, labels and positions (global position within the document, for RoPE).
+``shard_sample`` returns the local tokens, labels and positions (the sample's own, for RoPE: a window's global
+position within the document), the same values at every cp size.
 A plan never pads: when the sample's length is not a multiple of the chunk count the last chunk is short and any
 chunks past the end are empty, so every local token is a real token of the sample, with its own label (``IGNORE``
 only where the sample has it), and the ranks' local lengths add up to the sample's (they may differ by rank).
@@ -98,5 +99,7 @@ def shard_sample(sample: Sample, plan, rank: int, device=None) -> LocalBatch:
         return LocalBatch(tokens.to(device), sample.labels.to(device), sample.positions.to(device), plan, 0)
     tokens = plan.shard(sample.tokens, seq_dim=0, rank=rank)  # real tokens only: a plan never pads
     labels = plan.shard(sample.labels, seq_dim=0, rank=rank)
-    positions = torch.as_tensor(plan.positions(rank)).long()
+    # the sample's own positions (as at cp 1), not the plan's document positions: they differ for a sample whose
+    # positions do not restart at every boundary of its cu_seqlens, and the model must see the same ones at every size
+    positions = plan.shard(sample.positions, seq_dim=0, rank=rank)
     return LocalBatch(tokens.to(device), labels.to(device), positions.to(device), plan, rank)

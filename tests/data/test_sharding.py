@@ -65,3 +65,17 @@ def test_a_plan_of_another_sample_is_refused_at_every_cp_size(cp):
     other = PackedTokenStream(["abc", "de"], seqlen=8, seed=0).window(0)
     with pytest.raises(ValueError, match="has 16 tokens along seq_dim=0, but the plan expects 8"):
         shard_sample(sample, make_sample_plan(other, cp), 0)
+
+
+@pytest.mark.parametrize("cp, balancer", [(2, "lpt"), (2, "zigzag"), (3, "contiguous")])
+def test_the_shards_carry_the_samples_own_positions(cp, balancer):
+    """Positions that do not restart at every document (a document continued from the previous window) reach the
+    ranks as they are, as at cp 1: not replaced by positions recomputed from cu_seqlens."""
+    from fa4dist.data.packing import Sample
+
+    s = _sample()
+    sample = Sample(s.tokens, s.labels, s.positions + 5, s.cu_seqlens)
+    single = shard_sample(sample, make_sample_plan(sample, 1), 0).positions
+    plan = make_sample_plan(sample, cp, balancer=balancer)
+    got = plan.unshard([shard_sample(sample, plan, r).positions for r in range(cp)], seq_dim=0)
+    assert torch.equal(got, sample.positions) and torch.equal(single, sample.positions)
