@@ -231,8 +231,10 @@ class FA4Llama(nn.Module):
             # invariant gradients: every rank's tokens are whole ROW_BLOCK blocks of the stream
             align = Linear.ROW_BLOCK if self.invariant_grads is not None else 1
             return core.make_plan(cu_seqlens, balancer=balancer, num_chunks=num_chunks, align=align)
+        from fa4dist.context_parallel import make_plan
         from fa4dist.data.sharding import SingleRankPlan
 
+        make_plan(cu_seqlens, 1, balancer=balancer, num_chunks=num_chunks)  # the arguments checked as at cp > 1
         return SingleRankPlan(cu_seqlens)
 
     def set_row_invariant(self, enabled: bool = True):

@@ -202,3 +202,13 @@ def test_context_parallel_model_equals_single_process():
         assert tokens == ref_tokens
         assert loss == pytest.approx(ref_loss, abs=1e-12), strategy
         assert gerr < 1e-12, (strategy, gerr)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(balancer="nope"), ValueError, "balancer must be one of"),
+    (dict(num_chunks=-3), ValueError, "num_chunks must be >= 1"),
+    (dict(num_chunks="4"), TypeError, "num_chunks must be an int"),
+])
+def test_model_make_plan_checks_its_arguments_at_cp_1(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        _model(dtype=torch.float32).make_plan(torch.tensor([0, 5, 16], dtype=torch.int32), **kwargs)
