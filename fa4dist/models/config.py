@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from fa4dist.data.tokenizer import VOCAB_SIZE
+from fa4dist.kernels.problem import check_int
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,18 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self):
+        for name, minimum in (("vocab_size", 1), ("dim", 1), ("n_layers", 0), ("n_heads", 1), ("n_kv_heads", 1)):
+            check_int(name, getattr(self, name), minimum)
+        for name in ("head_dim", "ffn_dim"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+        for name, minimum in (("rope_theta", None), ("norm_eps", 0.0), ("init_std", 0.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+            if not math.isfinite(value) or (value <= 0 if minimum is None else value < minimum):
+                raise ValueError(f"{name} must be finite and {'> 0' if minimum is None else f'>= {minimum}'}, "
+                                 f"got {value}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}) (GQA)")
         if self.head_dim is None and self.dim % self.n_heads:

@@ -97,6 +97,26 @@ def test_config_checks_and_presets():
     assert sizes["tiny"] < 1e6 and 80e6 < sizes["small"] < 130e6 and 0.9e9 < sizes["1b"] < 1.1e9
 
 
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(n_kv_heads=0), ValueError, "n_kv_heads must be >= 1, got 0"),
+    (dict(n_heads=0), ValueError, "n_heads must be >= 1, got 0"),
+    (dict(n_layers=-1), ValueError, "n_layers must be >= 0, got -1"),
+    (dict(dim=0), ValueError, "dim must be >= 1, got 0"),
+    (dict(head_dim=0), ValueError, "head_dim must be >= 1, got 0"),
+    (dict(vocab_size=0), ValueError, "vocab_size must be >= 1, got 0"),
+    (dict(ffn_dim=0), ValueError, "ffn_dim must be >= 1, got 0"),
+    (dict(n_heads=4.0), TypeError, "n_heads must be an int, got float"),
+    (dict(rope_theta=0.0), ValueError, "rope_theta must be finite and > 0"),
+    (dict(norm_eps=-1e-5), ValueError, "norm_eps must be finite and >= 0"),
+    (dict(init_std=float("nan")), ValueError, "init_std must be finite"),
+])
+def test_config_refuses_bad_sizes_by_name(kwargs, error, message):
+    """A zero, negative or non-int size, or a bad float, names the field (it was a ZeroDivisionError, a torch
+    shape error, or a model silently built with no layers, no head dims or no MLP)."""
+    with pytest.raises(error, match=message):
+        get_config("tiny", **kwargs)
+
+
 def test_training_flops_formula():
     model = _model(dtype=torch.float32)
     cu = torch.tensor([0, 10, 30], dtype=torch.int32)
