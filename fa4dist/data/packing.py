@@ -147,6 +147,7 @@ class PackedTokenStream:
 
     def window(self, index: int) -> Sample:
         """Window ``index`` of the stream (windows in a seeded order; the order repeats every ``num_windows``)."""
+        check_int("index", index, 0)
         w = int(self._perm[index % self.num_windows])
         start = w * self.seqlen
         span = slice(start, start + self.seqlen + 1)  # one extra token: the last label
@@ -165,6 +166,7 @@ class PackedTokenStream:
     def batch(self, step: int, sequences_per_step: int, first: int = 0, count: Optional[int] = None) -> list[Sample]:
         """Samples ``first .. first + count`` of the ``sequences_per_step`` that make up global step ``step``
         (a data-parallel rank asks for its slice)."""
+        check_int("step", step, 0)
         check_int("sequences_per_step", sequences_per_step, 1)
         check_int("first", first, 0)
         count = sequences_per_step - first if count is None else count

@@ -63,3 +63,15 @@ def test_a_step_batch_stays_inside_its_step():
     for first, count in ((2, 4), (-2, None), (0, -1)):
         with pytest.raises(ValueError, match="first|count"):
             stream.batch(0, 4, first=first, count=count)
+
+
+def test_a_bad_step_or_window_index_is_refused_by_name():
+    """A negative step or window index wrapped around to other windows silently; a float one was an IndexError."""
+    stream = PackedTokenStream(["abcdefgh" * 20], seqlen=4)
+    for step, error in ((-1, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="step must be"):
+            stream.batch(step, 2)
+    for index, error in ((-1, ValueError), (2.0, TypeError)):
+        with pytest.raises(error, match="index must be"):
+            stream.window(index)
+    assert torch.equal(stream.window(stream.num_windows + 1).tokens, stream.window(1).tokens)  # the order repeats
