@@ -45,6 +45,9 @@ class LocalPackedAttention(nn.Module):
             return None
         if self._cu_cache[0] is plan:
             return self._cu_cache[1]
+        if getattr(plan, "cp_size", 1) != 1:  # its rank-0 segments would be attended alone: no other rank's keys
+            raise ValueError(f"plan is for cp_size={plan.cp_size}, but this attention runs on one rank (no cp group); "
+                             "make the plan with model.make_plan or make_plan(cu_seqlens, 1)")
         cu = plan.local_cu_seqlens(0).to(device=device, dtype=torch.int32)
         self._cu_cache = (plan, cu)
         return cu

@@ -232,3 +232,15 @@ def test_context_parallel_model_equals_single_process():
 def test_model_make_plan_checks_its_arguments_at_cp_1(kwargs, error, message):
     with pytest.raises(error, match=message):
         _model(dtype=torch.float32).make_plan(torch.tensor([0, 5, 16], dtype=torch.int32), **kwargs)
+
+
+def test_a_cp_1_model_refuses_a_plan_of_more_ranks():
+    """A cp = 2 plan's shard given to a model without a cp group ran its local segments alone (no other rank's
+    keys): a silent wrong answer."""
+    from fa4dist.context_parallel import make_plan
+
+    sample = _docs_sample([20, 30, 14])
+    plan = make_plan(sample.cu_seqlens, 2)
+    local = shard_sample(sample, plan, 0)
+    with pytest.raises(ValueError, match="plan is for cp_size=2, but this attention runs on one rank"):
+        _model()(local.tokens, local.positions, plan)
