@@ -104,7 +104,7 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     cu = cu_seqlens.long()
     lengths = cu[1:] - cu[:-1]
     starts = torch.repeat_interleave(cu[:-1], lengths)
-    return torch.arange(int(cu[-1])) - starts
+    return torch.arange(int(cu[-1]), device=cu.device) - starts  # on cu_seqlens' device (a CUDA one too)
 
 
 class PackedTokenStream:
