@@ -77,6 +77,8 @@ def load_checkpoint(model, optimizer, resume: str, ckpt_dir: str, args) -> int:
         path = Path(ckpt_dir) / marker.read_text().strip()
     else:
         path = Path(resume)
+    if not (path / ".metadata").is_file():  # what dcp.save writes last; without it dcp.load fails deep inside torch
+        raise SystemExit(f"--resume {resume}: {str(path)!r} is not a checkpoint of this recipe (no .metadata in it)")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0), "schedule": _schedule_tensor(args)}
     dcp.load(state, checkpoint_id=str(path))

@@ -141,3 +141,15 @@ def test_the_hybrid_strategy_takes_a_ulysses_degree(tmp_path, corpus, reference)
     launch.torchrun("fsdp2_train.py", BASE + ["--data", corpus, "--cp", "4", "--strategy", "hybrid",
                                               "--ulysses-degree", "2", "--metrics-out", tmp_path / "m.jsonl"], nproc=4)
     assert_steps_close(step_metrics(tmp_path / "m.jsonl"), reference["loss"])
+
+
+@pytest.mark.timeout(120)
+def test_resume_from_a_directory_without_a_checkpoint_is_refused_by_name(tmp_path, corpus):
+    """--resume DIR that holds no checkpoint (a typo, a deleted step): one line naming the flag, not an
+    AssertionError from inside torch.distributed.checkpoint."""
+    (tmp_path / "empty").mkdir()
+    for where in (tmp_path / "empty", tmp_path / "missing"):
+        with pytest.raises(RuntimeError) as err:
+            launch.python("fsdp2_train.py", BASE + ["--data", corpus, "--resume", where], timeout=100)
+        assert f"--resume {where}: {str(where)!r} is not a checkpoint of this recipe" in str(err.value)
+        assert "AssertionError" not in str(err.value)
