@@ -159,12 +159,15 @@ def check_resumed_schedule(saved: dict, args) -> None:
         )
 
 
-def last_step(args) -> int:
-    """One past the last step this invocation runs."""
+def last_step(args, start: int = 0) -> int:
+    """One past the last step this invocation runs (``start``: the step a resumed checkpoint is at)."""
     if args.stop_at is None:
         return args.steps
     if not 0 < args.stop_at <= args.steps:
         raise SystemExit(f"--stop-at must be in [1, --steps={args.steps}], got {args.stop_at}")
+    if args.stop_at <= start:  # the run would train nothing and save nothing
+        raise SystemExit(f"--stop-at {args.stop_at}: the resumed checkpoint is at step {start} already; stop later "
+                         f"(up to --steps {args.steps})")
     return args.stop_at
 
 

@@ -171,7 +171,7 @@ def main(argv=None):
                                                   assign=safe_set_full_grad)]
         engine.step()  # an optimizer step only at the accumulation boundary
 
-    stop = common.last_step(args)
+    stop = common.last_step(args, start)
     for step in range(start, stop):
         for group in optimizer.param_groups:
             group["lr"] = common.lr_at(step, args)

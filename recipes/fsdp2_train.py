@@ -131,7 +131,7 @@ def main(argv=None):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    stop = common.last_step(args)
+    stop = common.last_step(args, start)
     for step in range(start, stop):
         for group in optimizer.param_groups:
             group["lr"] = common.lr_at(step, args)

@@ -153,3 +153,14 @@ def test_resume_from_a_directory_without_a_checkpoint_is_refused_by_name(tmp_pat
             launch.python("fsdp2_train.py", BASE + ["--data", corpus, "--resume", where], timeout=100)
         assert f"--resume {where}: {str(where)!r} is not a checkpoint of this recipe" in str(err.value)
         assert "AssertionError" not in str(err.value)
+
+
+@pytest.mark.timeout(200)
+def test_resume_with_a_stop_at_the_checkpoint_already_passed_is_refused(tmp_path, corpus):
+    """--resume with --stop-at at or before the checkpoint's step would train nothing and save nothing, and used
+    to end with a SUMMARY as if it had run: refused by name."""
+    ckpt = tmp_path / "ckpt"
+    args = BASE + ["--data", corpus, "--ckpt-dir", ckpt]
+    launch.python("fsdp2_train.py", args + ["--stop-at", "2"], timeout=150)
+    with pytest.raises(RuntimeError, match=r"--stop-at 1: the resumed checkpoint is at step 2 already"):
+        launch.python("fsdp2_train.py", args + ["--resume", "latest", "--stop-at", "1"], timeout=150)
