@@ -111,7 +111,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     common.check_common_args(p, args)
     common.check_checkpoint_args(p, args)
+    if args.resume and not args.ckpt_dir:
+        p.error("--resume needs --ckpt-dir (DeepSpeed's checkpoints are tags inside it)")
     return args
+
+
+def resume_tag(args) -> str:
+    """The checkpoint tag ``--resume`` names, checked before DeepSpeed loads it: a tag that is not there, or one
+    saved at the other ZeRO stage, ends in a bare AssertionError inside DeepSpeed."""
+    ckpt = Path(args.ckpt_dir)
+    if args.resume == "latest":
+        marker = ckpt / "latest"
+        if not marker.is_file():
+            raise SystemExit(f"no DeepSpeed checkpoint found in {args.ckpt_dir} (no 'latest' file)")
+        tag = marker.read_text().strip()
+    else:
+        tag = args.resume
+    where = ckpt / tag
+    if not where.is_dir():
+        raise SystemExit(f"--resume {args.resume}: no checkpoint tag {tag!r} in --ckpt-dir {args.ckpt_dir}")
+    saved = (3 if any(where.glob("zero_pp_rank_*_model_states.pt"))
+             else 2 if any(where.glob("mp_rank_*_model_states.pt")) else None)
+    if saved is not None and saved != args.zero_stage:
+        raise SystemExit(f"--resume {args.resume}: the checkpoint was saved with --zero-stage {saved}, this run has "
+                         f"--zero-stage {args.zero_stage}; DeepSpeed loads it only at its own stage")
+    return tag
 
 
 def main(argv=None):
@@ -142,8 +166,7 @@ def main(argv=None):
                                                   config=ds_config(args, layout, dtype))
     start = 0
     if args.resume:
-        tag = None if args.resume == "latest" else args.resume
-        path, client = engine.load_checkpoint(args.ckpt_dir, tag=tag)
+        path, client = engine.load_checkpoint(args.ckpt_dir, tag=resume_tag(args))
         if path is None:
             raise SystemExit(f"no DeepSpeed checkpoint found in {args.ckpt_dir}")
         start = int(client["step"])

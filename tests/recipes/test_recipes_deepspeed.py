@@ -64,3 +64,27 @@ def test_cp_invariant_weights_are_the_same_bytes_at_cp_1_and_2(tmp_path, corpus,
             for step, m in enumerate(metrics):
                 want = reference[key][step]
                 assert abs(m[key] - want) <= 2e-5 * max(1.0, abs(want)), f"{key} at step {step}: {m[key]} vs {want}"
+
+
+def test_resume_without_a_ckpt_dir_is_refused_by_name(capsys):
+    import deepspeed_train
+
+    with pytest.raises(SystemExit):
+        deepspeed_train.parse_args(["--resume", "latest"])
+    assert "--resume needs --ckpt-dir" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_resume_of_a_missing_tag_or_at_another_zero_stage_is_refused_by_name(tmp_path, corpus):
+    """A tag that is not in --ckpt-dir, or a checkpoint saved at the other --zero-stage, used to end in a bare
+    AssertionError inside DeepSpeed's loader; the checkpoint itself still resumes at its own stage."""
+    args = launch.tiny_args(2) + ["--data", corpus, "--ckpt-dir", tmp_path / "ckpt", "--zero-stage", "2"]
+    launch.python("deepspeed_train.py", args + ["--stop-at", "1"])
+    with pytest.raises(RuntimeError) as err:
+        launch.python("deepspeed_train.py", args + ["--resume", "step_000009"])
+    assert "--resume step_000009: no checkpoint tag 'step_000009' in --ckpt-dir" in str(err.value)
+    stage3 = args[:-1] + ["3", "--resume", "latest"]
+    with pytest.raises(RuntimeError) as err:
+        launch.python("deepspeed_train.py", stage3)
+    assert "the checkpoint was saved with --zero-stage 2, this run has --zero-stage 3" in str(err.value)
+    assert "start_step=1" in launch.python("deepspeed_train.py", args + ["--resume", "latest"]).stdout
