@@ -201,7 +201,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_args(p)
     g = p.add_argument_group("rl")
-    g.add_argument("--sft-steps", type=int, default=150, help="supervised warm-up steps on the task")
+    g.add_argument("--sft-steps", type=common.non_negative_int, default=150,
+                   help="supervised warm-up steps on the task")
     g.add_argument("--prompts", type=common.positive_int, default=8, help="prompts per RL step")
     g.add_argument("--group-size", type=common.positive_int, default=8,
                    help="completions per prompt (GRPO group; at least 2: advantages are within-group z-scores)")

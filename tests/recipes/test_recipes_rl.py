@@ -63,6 +63,7 @@ def _args_at(cp):
 
 @pytest.mark.parametrize("bad, message", [
     (["--group-size", "1"], "--group-size must be at least 2"),
+    (["--sft-steps", "-5"], "--sft-steps: must be >= 0, got -5"),
     (["--prompts", "0"], "--prompts: must be a positive integer, got 0"),
     (["--task-len", "0"], "--task-len: must be a positive integer, got 0"),
     (["--temperature", "0"], "--temperature must be positive and finite"),
