@@ -129,6 +129,8 @@ def check_common_args(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--strategy ring runs no Ulysses group: --ulysses-degree {u} contradicts it")
     if args.strategy == "ulysses" and u not in (None, args.cp):
         p.error(f"--strategy ulysses spans the whole cp group: --ulysses-degree must be --cp ({args.cp}), got {u}")
+    if not args.grad_clip >= 0:  # a negative max norm makes clip_grad_norm_ flip the gradients' sign
+        p.error(f"--grad-clip must be >= 0 (0: no clipping), got {args.grad_clip}")
     if args.metrics_out and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics_out))):
         p.error(f"--metrics-out {args.metrics_out!r}: its directory does not exist")
 

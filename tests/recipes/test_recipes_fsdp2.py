@@ -125,6 +125,7 @@ def test_stop_at_out_of_range_is_refused():
     (["--cp", "2", "--strategy", "ring", "--ulysses-degree", "2"], "--ulysses-degree 2 contradicts it"),
     (["--cp", "4", "--strategy", "ulysses", "--ulysses-degree", "2"], "--ulysses-degree must be --cp (4), got 2"),
     (["--metrics-out", "/nonexistent-dir/m.jsonl"], "its directory does not exist"),
+    (["--grad-clip", "-1"], "--grad-clip must be >= 0 (0: no clipping), got -1.0"),
 ])
 def test_bad_options_are_refused_by_name(bad, message, capsys):
     import fsdp2_train
