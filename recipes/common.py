@@ -118,8 +118,14 @@ def add_checkpoint_args(p: argparse.ArgumentParser, resume_help: str) -> None:
                         "with the same --steps continues exactly as if the run had not stopped")
 
 
-def check_common_args(p: argparse.ArgumentParser, args) -> None:
-    """The common options that only make sense together, refused before any process group or model exists."""
+def check_common_args(p: argparse.ArgumentParser, args, models=()) -> None:
+    """The common options that only make sense together, refused before any process group or model exists
+    (``models``: the recipe's own --model names beside fa4dist's presets)."""
+    if args.model not in models:
+        try:
+            get_config(args.model)
+        except ValueError as err:
+            p.error(f"--model: {err}")
     u = args.ulysses_degree
     if u is not None and args.cp % u:
         p.error(f"--ulysses-degree {u} must divide --cp {args.cp}")

@@ -89,14 +89,12 @@ def parse_args(argv=None):
                         "where they are in host memory already, plain activation checkpointing)")
     g.add_argument("--memory-report", action="store_true", help="print a MEMORY {...} line after the first step")
     args = p.parse_args(argv)
-    common.check_common_args(p, args)
+    common.check_common_args(p, args, models=LLAMA3_PRESETS)
     if args.strategy == "hybrid" or args.ulysses_degree is not None:
         p.error("--strategy hybrid / --ulysses-degree: enable_context_parallel takes the hybrid strategy from a 2-D "
                 "mesh, which this recipe does not build (auto picks the largest Ulysses degree the heads allow)")
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         p.error(f"--checkpoint must be a local checkpoint directory, {args.checkpoint!r} is not one")
-    if args.model not in LLAMA3_PRESETS:
-        get_config(args.model)  # a clear error for an unknown preset
     if args.sliding_window is not None and (args.arch not in WINDOWED_ARCHS or args.sliding_window < 1):
         p.error(f"--sliding-window takes a positive number of tokens and --arch {' or '.join(WINDOWED_ARCHS)}")
     if args.arch == "gpt_oss" and args.tile_mlp:

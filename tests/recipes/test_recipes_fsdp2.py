@@ -126,6 +126,7 @@ def test_stop_at_out_of_range_is_refused():
     (["--cp", "4", "--strategy", "ulysses", "--ulysses-degree", "2"], "--ulysses-degree must be --cp (4), got 2"),
     (["--metrics-out", "/nonexistent-dir/m.jsonl"], "its directory does not exist"),
     (["--grad-clip", "-1"], "--grad-clip must be >= 0 (0: no clipping), got -1.0"),
+    (["--model", "bogus"], "--model: model size must be one of ['1b', 'base', 'small', 'tiny'], got 'bogus'"),
 ])
 def test_bad_options_are_refused_by_name(bad, message, capsys):
     import fsdp2_train

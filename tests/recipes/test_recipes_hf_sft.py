@@ -68,6 +68,13 @@ def test_hf_sft_refuses_options_its_arch_lacks(bad):
         hf_sft.parse_args(BASE + bad)
 
 
+def test_an_unknown_model_is_refused_by_name_and_the_llama3_shapes_parse(capsys):
+    with pytest.raises(SystemExit):
+        hf_sft.parse_args(["--model", "bogus"])
+    assert "--model: model size must be one of" in capsys.readouterr().err
+    assert hf_sft.parse_args(["--model", "llama3.2-1b"]).model == "llama3.2-1b"
+
+
 def test_offload_checkpoints_on_a_cpu_device_runs_as_plain_checkpointing():
     """--offload-checkpoints on a CPU run (the README's recipes run on CPUs too): the checkpoints are in host memory
     already, and transformers' offload pins memory, which needs an accelerator; the recipe checkpoints plainly, with
