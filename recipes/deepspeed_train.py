@@ -113,6 +113,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.check_checkpoint_args(p, args)
     if args.resume and not args.ckpt_dir:
         p.error("--resume needs --ckpt-dir (DeepSpeed's checkpoints are tags inside it)")
+    try:  # read again by ds_config(), on every rank, once the process group and the model exist
+        with open(args.ds_config) as f:
+            json.load(f)
+    except (OSError, ValueError) as err:
+        p.error(f"--ds-config {args.ds_config}: not a readable JSON file ({err})")
     return args
 
 

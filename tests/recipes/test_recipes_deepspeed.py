@@ -74,6 +74,16 @@ def test_resume_without_a_ckpt_dir_is_refused_by_name(capsys):
     assert "--resume needs --ckpt-dir" in capsys.readouterr().err
 
 
+def test_a_ds_config_that_is_missing_or_not_json_is_refused_by_name(tmp_path, capsys):
+    import deepspeed_train
+
+    (tmp_path / "bad.json").write_text("{bad")
+    for where in (tmp_path / "missing.json", tmp_path / "bad.json"):
+        with pytest.raises(SystemExit):
+            deepspeed_train.parse_args(["--ds-config", str(where)])
+        assert f"--ds-config {where}: not a readable JSON file" in capsys.readouterr().err
+
+
 @pytest.mark.timeout(300)
 def test_resume_of_a_missing_tag_or_at_another_zero_stage_is_refused_by_name(tmp_path, corpus):
     """A tag that is not in --ckpt-dir, or a checkpoint saved at the other --zero-stage, used to end in a bare
