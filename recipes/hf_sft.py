@@ -416,13 +416,14 @@ def main(argv=None):
     layout = common.make_layout(rank, world, args.cp, args.batch_size, device)
     dtype = common.compute_dtype(args, device)
     step, handle, model, facts = prepare(args, layout, device, dtype)
+    arch = model.config.model_type if args.checkpoint else args.arch  # --arch does not apply to a checkpoint
     optimizer = common.make_optimizer(step, args)
     if args.memory_report:
         preallocate_adam_state(optimizer)
     stream = common.build_stream(args)
     per_rank = layout.sequences_per_rank
     if rank == 0:
-        print(f"hf_sft: world={world} dp={layout.dp} cp={layout.cp} arch={args.arch} model="
+        print(f"hf_sft: world={world} dp={layout.dp} cp={layout.cp} arch={arch} model="
               f"{args.checkpoint or args.model} params={facts['params'] / 1e6:.1f}M seqlen={args.seqlen} "
               f"batch={args.batch_size} dtype={dtype} packing={args.packing} loss={args.loss} device={device} "
               f"attention={handle.name} (cp_size={handle.cp_size})", flush=True)
@@ -466,7 +467,7 @@ def main(argv=None):
         tps = meter.tokens_per_s()
         mfu = meter.mfu(peak, world)
         print(common.summary_line(
-            recipe="hf_sft", arch=args.arch, model=args.checkpoint or args.model, params=facts["params"],
+            recipe="hf_sft", arch=arch, model=args.checkpoint or args.model, params=facts["params"],
             world=world, dp=layout.dp, cp=layout.cp, seqlen=args.seqlen, batch_size=args.batch_size,
             packing=args.packing, dtype=str(dtype).split(".")[-1], loss=args.loss, tile_mlp=args.tile_mlp,
             activation_checkpointing=args.activation_checkpointing, steps_timed=meter.steps,

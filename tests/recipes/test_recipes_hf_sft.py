@@ -75,6 +75,19 @@ def test_an_unknown_model_is_refused_by_name_and_the_llama3_shapes_parse(capsys)
     assert hf_sft.parse_args(["--model", "llama3.2-1b"]).model == "llama3.2-1b"
 
 
+@pytest.mark.timeout(200)
+def test_a_local_checkpoint_trains_and_is_reported_with_its_own_architecture(tmp_path, corpus):
+    """--checkpoint DIR of a Qwen2 model: the header and SUMMARY name qwen2, not the unused --arch default."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "qwen2")
+    out = launch.python("hf_sft.py", launch.tiny_args(1) + ["--data", corpus, "--checkpoint", tmp_path / "qwen2"])
+    assert " arch=qwen2 " in out.stdout
+    assert launch.summary(out.stdout)["arch"] == "qwen2"
+
+
 def test_offload_checkpoints_on_a_cpu_device_runs_as_plain_checkpointing():
     """--offload-checkpoints on a CPU run (the README's recipes run on CPUs too): the checkpoints are in host memory
     already, and transformers' offload pins memory, which needs an accelerator; the recipe checkpoints plainly, with
