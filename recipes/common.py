@@ -179,6 +179,14 @@ def last_step(args, start: int = 0) -> int:
     return args.stop_at
 
 
+def saves_checkpoint(args, done: int, stop: int) -> bool:
+    """Whether the step that brings the run to ``done`` steps ends with a checkpoint: every --save-every steps, and
+    where --stop-at stops the run (also at --steps: its help promises a checkpoint there)."""
+    if not args.ckpt_dir:
+        return False
+    return bool(args.save_every and done % args.save_every == 0) or (args.stop_at is not None and done == stop)
+
+
 def model_config(args):
     return get_config(args.model, n_layers=args.layers)
 

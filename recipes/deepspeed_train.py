@@ -218,7 +218,7 @@ def main(argv=None):
         progress.update(step, loss=loss, lr=common.lr_at(step, args),
                         grad_norm=float(grad_norm) if grad_norm is not None else None,
                         tokens_per_s=tokens / seconds, step_s=seconds, peak_mem_gib=common.peak_memory_gib(device))
-        if args.ckpt_dir and (args.save_every and (step + 1) % args.save_every == 0 or step + 1 == stop < args.steps):
+        if common.saves_checkpoint(args, step + 1, stop):
             engine.save_checkpoint(args.ckpt_dir, tag=f"step_{step + 1:06d}",
                                    client_state={"step": step + 1, "schedule": common.schedule_state(args)})
     progress.close()

@@ -156,7 +156,7 @@ def main(argv=None):
                         grad_norm=float(grad_norm) if grad_norm is not None else None,
                         tokens_per_s=tokens / seconds, step_s=seconds,
                         peak_mem_gib=common.peak_memory_gib(device))
-        if args.ckpt_dir and (args.save_every and (step + 1) % args.save_every == 0 or step + 1 == stop < args.steps):
+        if common.saves_checkpoint(args, step + 1, stop):
             save_checkpoint(model, optimizer, step + 1, args.ckpt_dir, rank, args)
     progress.close()
 

@@ -166,3 +166,6 @@ def test_resume_with_a_stop_at_the_checkpoint_already_passed_is_refused(tmp_path
     launch.python("fsdp2_train.py", args + ["--stop-at", "2"], timeout=150)
     with pytest.raises(RuntimeError, match=r"--stop-at 1: the resumed checkpoint is at step 2 already"):
         launch.python("fsdp2_train.py", args + ["--resume", "latest", "--stop-at", "1"], timeout=150)
+    # --stop-at at --steps saves there too, as its help says (it used to save only before the last step)
+    launch.python("fsdp2_train.py", args + ["--resume", "latest", "--stop-at", str(STEPS)], timeout=150)
+    assert (ckpt / "latest").read_text().strip() == f"step_{STEPS:06d}" and (ckpt / f"step_{STEPS:06d}").is_dir()
