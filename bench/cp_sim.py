@@ -217,8 +217,8 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
     out_full, lse_full = attention_forward(q, k, v, backend=backend, **mask)
     # one call on the whole sequence, timed in every round beside the ranks' runs
     full["fwd"] = lambda: attention_forward(q, k, v, backend=backend, **mask)
-    full["bwd"] = full["bwd_per_call"] = lambda: attention_backward(dout, q, k, v, out_full, lse_full,
-                                                                    backend=backend, **mask)
+    full["bwd"] = lambda: attention_backward(dout, q, k, v, out_full, lse_full, backend=backend, **mask)
+    full["bwd_per_call"] = full["bwd_zero_fill"] = full["bwd"]
     opts = KernelOptions(softmax_scale=None, softcap=None, backend=backend, deterministic=False)
     acc = accum_dtype(dtype)
     elt, acc_elt = torch.finfo(dtype).bits // 8, torch.finfo(acc).bits // 8
@@ -248,20 +248,26 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                         out_r, lse_r = fwd.out.to(dtype), fwd.lse
 
                         def run_rank(r=r, qr=qr, kr=kr, vr=vr, dr=dr, out_r=out_r, lse_r=lse_r,
-                                     share=direction == "bwd", held=held, sched=sched):
+                                     share=direction != "bwd_per_call", held=held, sched=sched,
+                                     fresh=direction != "bwd_zero_fill"):
                             dq = torch.zeros(qr.shape, dtype=acc, device=device)
-                            own = _Own(torch.zeros(kr.shape, dtype=acc, device=device),
-                                       torch.zeros(vr.shape, dtype=acc, device=device))
+                            # as the ring engine: dK / dV written by their first step (bwd_zero_fill: zero-filled
+                            # and added into, as before the twenty-sixth session)
+                            alloc = torch.empty if fresh else torch.zeros
+                            own = _Own(alloc(kr.shape, dtype=acc, device=device),
+                                       alloc(vr.shape, dtype=acc, device=device))
                             # as the ring engine: one shared query side for all steps (bwd_per_call: without)
                             shared = share_queries(dr, qr, out_r, lse_r, backend=opts.backend,
                                                    deterministic=False) if share else None
                             backward_step(sched, r, r, dr, qr, _Own(kr, vr), out_r, lse_r, dq, own, opts,
-                                          shared=shared)
+                                          shared=shared, fresh_dkv=fresh)
                             for t in sched.member_steps(r):
                                 s = sched.source(r, t)
-                                partial = KVBuffer.zeros_like(held[(r, s)], dtype=acc)
+                                partial = KVBuffer.empty_like(held[(r, s)], dtype=acc)
+                                if not fresh:
+                                    partial.flat.zero_()
                                 backward_step(sched, r, s, dr, qr, held[(r, s)], out_r, lse_r, dq, partial, opts,
-                                              shared=shared)
+                                              shared=shared, fresh_dkv=fresh)
                             if shared is not None:
                                 shared.finish(dq)
                     runners.append(run_rank)
@@ -423,9 +429,11 @@ def main(argv=None):
     p.add_argument("--headdim", type=int, default=128)
     p.add_argument("--dtype", default=None, help="default bfloat16 (float32 with --device cpu)")
     p.add_argument("--balancers", nargs="+", default=["contiguous", "zigzag", "lpt"])
-    p.add_argument("--directions", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd", "bwd_per_call"],
+    p.add_argument("--directions", nargs="+", default=["fwd", "bwd"],
+                   choices=["fwd", "bwd", "bwd_per_call", "bwd_zero_fill"],
                    help="bwd_per_call: the backward without the shared query side (one preprocess and dQ convert "
-                        "per call, as before 2026-12-01)")
+                        "per call, as before 2026-12-01); bwd_zero_fill: dK / dV zero-filled and added into (as "
+                        "before 2026-12-03's fresh_dkv)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--window", type=int, default=None,
                    help="causal sliding window: each query sees itself and the WINDOW keys before it "

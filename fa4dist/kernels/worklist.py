@@ -213,7 +213,7 @@ class Launch:
     """Items of a work list that one launch can run (:func:`forward_launches`, :func:`backward_launches`)."""
 
     items: tuple[WorkItem, ...]  # in list order
-    write: bool  # forward: fresh rows (no earlier item touched them), written, not merged
+    write: bool  # fresh rows (no earlier item touched them), written, not merged (forward) or added (backward dK / dV)
     variant: object  # the backend's kernel variant of every item
 
 
@@ -285,6 +285,35 @@ def backward_launches(items: Sequence[WorkItem], variant, queries_shared: bool =
         else:
             groups.append((var, [item]))
     return tuple(Launch(tuple(group), False, var) for var, group in groups)
+
+
+def fresh_key_launches(launches: Sequence[Launch], total_k: int) -> tuple[tuple[tuple[int, int], ...],
+                                                                           tuple[tuple[int, Launch], ...]]:
+    """Backward launches (in the order they run) into dk / dv that hold no gradient yet (``fresh_dkv``): (key rows
+    to set to zero first, and each launch split into the items whose key rows no earlier launch touched, which
+    write their gradients, and the others, which add them: ``(index of the launch it came from, part)``).
+
+    Rows no item touches and the untouched rows of an adding item are the zeros. The parts keep their launch's place
+    and a launch's items have pairwise disjoint key (and, deterministic, query) rows, so every sum keeps the terms
+    and order of the zero-filled run, and a written tile stores ``0 + x`` as the add into zeros would."""
+    state = _Fresh(True)
+    clears: list[tuple[int, int]] = []
+    parts: list[tuple[int, Launch]] = []
+    for index, launch in enumerate(launches):
+        split: dict[bool, list[WorkItem]] = {True: [], False: []}
+        for item in launch.items:
+            write, gaps = state.claim(item.k_start, item.k_start + item.k_len)
+            clears.extend(gaps)
+            split[write].append(item)
+        parts.extend((index, Launch(tuple(split[w]), w, launch.variant)) for w in (True, False) if split[w])
+    at = 0
+    for a, b in sorted(state.touched):
+        if a > at:
+            clears.append((at, a))
+        at = max(at, b)
+    if at < total_k:
+        clears.append((at, total_k))
+    return tuple(sorted(clears)), tuple(parts)
 
 
 @torch.compiler.disable  # torch.compile runs it eagerly, behind one graph break (kernels/torch_ops.py)
@@ -399,10 +428,15 @@ def attention_backward_items(
     backend: str = "auto",
     cp_invariant: bool = False,
     shared: Optional[SharedQueries] = None,
+    fresh_dkv: bool = False,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Adds every item's gradients into the fp32 ``dq, dk, dv``, in list order, given the global out and lse.
     ``dq=None`` or ``dk=dv=None``: those are not computed (the contract's rule for accumulate=True).
-    ``shared``: the items it takes add their dQ into it instead (:func:`share_queries`; not with cp_invariant)."""
+    ``shared``: the items it takes add their dQ into it instead (:func:`share_queries`; not with cp_invariant).
+    ``fresh_dkv=True``: dk and dv hold no gradient yet (any values): they end as the sum of the items' gradients,
+    zero on key rows no item has, the bits of the same call into zeros, without a pass that fills them (dq is
+    still added into)."""
+    check_bool("fresh_dkv", fresh_dkv)
     seq_dim, problem = _layout(q, k, v, cp_invariant, softmax_scale, softcap)
     given = (problem.dtype, torch.float64) if problem.dtype == torch.float64 else (problem.dtype, torch.float32)
     _check_whole_buffers(problem, "attention_backward_items (the global forward result and its gradient)",
@@ -415,12 +449,18 @@ def attention_backward_items(
     if shared is not None and (cp_invariant or shared.deterministic != bool(deterministic) or dk is None):
         raise ValueError("shared= needs cp_invariant=False and the deterministic setting it was made with (and "
                          "dk and dv to add into)")
+    if fresh_dkv and dk is None:
+        raise ValueError("fresh_dkv=True needs dk and dv to write into")
     if getattr(impl, "backward_items", None) is not None and not cp_invariant:
         rows = None if shared is None or shared.finished or shared.impl is not impl else shared.state
         done = impl.backward_items(dout, q, k, v, out, lse, items, dq, dk, dv, softmax_scale=problem.softmax_scale,
-                                   softcap=problem.softcap, deterministic=bool(deterministic), shared=rows)
+                                   softcap=problem.softcap, deterministic=bool(deterministic), shared=rows,
+                                   fresh_dkv=fresh_dkv)
         if done is not None:
             return dq, dk, dv
+    if fresh_dkv:  # the loop adds every item: into zeros
+        dk.zero_()
+        dv.zero_()
     packed = seq_dim == 0
     for item in items:
         if item.q_len == 0 or item.k_len == 0:

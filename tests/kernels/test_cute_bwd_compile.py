@@ -6,6 +6,7 @@ register spills. CI compiles a representative subset (every static option at lea
 FA4DIST_COMPILE_ALL=1 for the full product of dtypes x head dims x causal x varlen x accumulate x deterministic.
 """
 
+import dataclasses
 import itertools
 import os
 import re
@@ -46,6 +47,8 @@ SUBSET = [
     # one launch over a work list's item table (pre, main and convert read the table; deterministic: each
     # item's tickets). bench/cute_ptx_dev.py compiles these subsets; the GPU tests run the other work-list variants
     (BF16, 128, True, True, True, True, {"worklist": True}),
+    # a work list's fresh dK / dV (fresh_dkv: written as 0 + x, dQ still through the scratch and an added convert)
+    (FP16, 64, True, True, True, False, {"worklist": True, "write_dkv": True, "window_left": 300}),
     # deterministic non-causal fresh gradients: the rotated order by default (backward.default_det_resident), and
     # for short sequences on the persistent grid (backward.default_persistent_ctas), every tile claimed
     (BF16, 64, False, True, False, True, {"softcap": 30.0, "persistent_ctas": 132}),
@@ -118,10 +121,14 @@ def _configs(v):
     o_dt = FP32 if extra.pop("o_fp32", False) else dt
     do_dt = FP32 if extra.pop("do_fp32", False) else dt
     seg = extra.pop("seg_offsets", False)
-    return bwd.make_configs(
+    write_dkv = extra.pop("write_dkv", False)
+    pre, main, post = bwd.make_configs(
         dt, d, causal=causal, varlen=varlen, seg_offsets=seg, accumulate=acc, deterministic=det, dq_dtype=grads,
         dkv_dtype=grads, o_dtype=o_dt, do_dtype=do_dt, **extra,
     )
+    if write_dkv:  # as backward_worklist(write_dkv=True) makes it
+        main = dataclasses.replace(main, accumulate=False)
+    return pre, main, post
 
 
 @pytest.mark.cute
@@ -150,8 +157,10 @@ def test_compile_backward_variant(variant, tmp_path, monkeypatch, capfd):
     assert dq_adds == (main.grads != "dkv")
     if main.dq_fixed:
         assert not main.deterministic and "cvt.rzi.s64.f32" in ptx
-    if main.dq_fixed and not main.accumulate:  # written dK / dV plus +0: the accumulating form's bits, -0 included
+    if (main.dq_fixed or main.worklist) and not main.accumulate:
+        # written dK / dV plus +0: the accumulating form's bits, -0 included; no read of the rows they replace
         assert len(re.findall(r"add\.f32\s+%r\d+, %r\d+, 0f00000000;", ptx)) >= 64
+        assert main.dq_fixed or "ld.global.v2.b32" not in ptx
     if post.fixed_to_float:  # each row's integer rounded to fp32, divided exactly by its power of two
         assert "cvt.rn.f32.s64" in post_ptx and ("rcp.rn.f32" in post_ptx or "div.rn.f32" in post_ptx)
     assert len(re.findall(r"setmaxnreg\.(inc|dec)", ptx)) == 2

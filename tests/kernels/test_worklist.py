@@ -229,6 +229,90 @@ def test_backward_launches_compute_the_list(seed, queries_shared):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("queries_shared", [False, True])
+def test_fresh_key_launches_give_the_bytes_of_zero_filled_grads(seed, queries_shared):
+    """Backward launches into dk / dv that hold nothing (fresh_key_launches: the parts whose key rows no earlier
+    launch touched write, the others add, after their untouched rows and the rows no item has are zeroed), run
+    over NaN-poisoned buffers, give the bytes of the same launches into zeros (fp32: each written row is 0 + x), and
+    so does attention_backward_items(fresh_dkv=True)."""
+    from fa4dist.kernels.worklist import backward_launches, fresh_key_launches
+
+    rng = random.Random(70 + seed)
+    gen = torch.Generator().manual_seed(seed)
+    n_rows, n_keys = rng.randint(3, 40), rng.randint(3, 40)
+    q = torch.randn(n_rows, 2, 8, generator=gen)
+    k, v = (torch.randn(n_keys, 1, 8, generator=gen) for _ in range(2))
+    dout = torch.randn(n_rows, 2, 8, generator=gen)
+    items = _random_list(rng, n_rows, n_keys, rng.randint(1, 9))
+    items += [WorkItem(0, 2, 1, 2), WorkItem(0, 3, 1, 4, 0, 0, True)]  # two launches on keys 1-2: write, then add
+    out, lse = torch.zeros(n_rows, 2, 8), torch.full((2, n_rows), float("-inf"))
+    attention_forward_items(q, k, v, items, out, lse, backend="reference")
+    launches = backward_launches(items, lambda it: (it.causal, it.window), queries_shared=queries_shared)
+    want = [torch.zeros_like(t) for t in (q, k, v)]
+    for launch in launches:
+        attention_backward_items(dout, q, k, v, out, lse, list(launch.items), *want, backend="reference")
+    clears, parts = fresh_key_launches(launches, n_keys)
+    assert [index for index, _ in parts] == sorted(index for index, _ in parts)
+    got = [torch.zeros_like(q), torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))]
+    for a, b in clears:
+        got[1][a:b] = 0
+        got[2][a:b] = 0
+    wrote = 0
+    for _, part in parts:
+        if part.write:  # the kernel's written form: its own sums, stored as 0 + x over whatever the rows held
+            mine = [torch.zeros_like(t) for t in (k, v)]
+            attention_backward_items(dout, q, k, v, out, lse, list(part.items), got[0], *mine, backend="reference")
+            for it in part.items:
+                rows = slice(it.k_start, it.k_start + it.k_len)
+                got[1][rows], got[2][rows] = mine[0][rows] + 0.0, mine[1][rows] + 0.0
+                wrote += 1
+        else:
+            attention_backward_items(dout, q, k, v, out, lse, list(part.items), *got, backend="reference")
+    assert wrote >= 1 and any(not part.write for _, part in parts)
+    for g, w in zip(got[1:], want[1:]):
+        assert torch.equal(g, w)
+    if not queries_shared:  # a launch's items then have disjoint query rows too: dq's order is kept
+        assert torch.equal(got[0], want[0])
+    # the entry point, over poisoned buffers (the reference backend loops: it zeroes them and adds)
+    fresh = [torch.zeros_like(q), torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))]
+    attention_backward_items(dout, q, k, v, out, lse, items, *fresh, backend="reference", fresh_dkv=True)
+    looped = [torch.zeros_like(t) for t in (q, k, v)]
+    attention_backward_items(dout, q, k, v, out, lse, items, *looped, backend="reference")
+    for g, w in zip(fresh, looped):
+        assert torch.equal(g, w)
+
+
+def test_fresh_dkv_is_checked():
+    q = torch.randn(4, 1, 8)
+    out, lse = torch.zeros(4, 1, 8), torch.zeros(1, 4)
+    with pytest.raises(ValueError, match="fresh_dkv"):
+        attention_backward_items(q, q, q, q, out, lse, [WorkItem(0, 4, 0, 4)], q.clone(), None, None,
+                                 backend="reference", fresh_dkv=True)
+    with pytest.raises(TypeError, match="fresh_dkv"):
+        attention_backward_items(q, q, q, q, out, lse, [WorkItem(0, 4, 0, 4)], q.clone(), q.clone(), q.clone(),
+                                 backend="reference", fresh_dkv=1)
+
+
+def test_cute_backward_plan_with_fresh_dkv():
+    """The cute backward's plan over fresh dK / dV (host side, no GPU): the first launch on a key row writes, a
+    later one adds; rows no item has are cleared, and so are the untouched rows of an item that adds."""
+    from fa4dist.kernels.cute.backend import CuteSm90Backend
+
+    q = torch.zeros(1, 512, 2, 128, dtype=torch.bfloat16)
+    items = [WorkItem(0, 128, 0, 128, 0, 0, True), WorkItem(128, 128, 0, 192, 128, 0, True),
+             WorkItem(256, 128, 256, 64, 256, 256, True)]
+    clears, plan = CuteSm90Backend()._backward_plan(q, items, None, True, 400)
+    assert clears == ((128, 192), (192, 256), (320, 400))
+    writes = {}
+    for table, tiles, max_q, max_k, causal, window_left, on_shared, write in plan:
+        for qs, ql, ks, kl, diag, base in table.view(-1, 6).tolist():
+            writes[(qs, ks, kl)] = (write, len(writes))
+    assert writes[(0, 0, 128)][0] and writes[(256, 256, 64)][0]
+    assert not writes[(128, 0, 192)][0] and writes[(128, 0, 192)][1] > writes[(0, 0, 128)][1]
+    assert CuteSm90Backend()._backward_plan(q, items, None, True)[0] == ()  # not fresh: nothing cleared
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_cute_backward_plan_splits_shared_and_own_items(deterministic):
     """The cute backward's launch plan (host side, no GPU): items the shared query side takes (rows on its 64-row
@@ -249,9 +333,11 @@ def test_cute_backward_plan_splits_shared_and_own_items(deterministic):
     items = [WorkItem(0, 128, 0, 256, 256, 0), WorkItem(128, 128, 0, 256, 384, 0),  # joined: same keys, unmasked
              WorkItem(0, 256, 256, 128, 0, 0, True), WorkItem(256, 100, 0, 300, 300, 0, True),
              WorkItem(300, 90, 300, 50, 300, 300, True), WorkItem(390, 122, 384, 128, 390, 384, True)]
-    plan = CuteSm90Backend()._backward_plan(q, items, Rows, deterministic)
+    clears, plan = CuteSm90Backend()._backward_plan(q, items, Rows, deterministic)
+    assert clears == ()
     seen = []
-    for table, tiles, max_q, max_k, causal, window_left, on_shared in plan:
+    for table, tiles, max_q, max_k, causal, window_left, on_shared, write in plan:
+        assert not write  # dK / dV added (fresh_dkv not asked)
         rows = table.view(-1, 6).tolist()
         for i, (qs, ql, ks, kl, diag, base) in enumerate(rows):
             assert Rows.takes(qs, ql) == on_shared

@@ -184,7 +184,8 @@ from fa4dist.kernels.cute import backward as cute_bwd  # noqa: E402
 from fa4dist.kernels.worklist import share_queries  # noqa: E402
 
 
-def _run_bwd(args, grads, launches=None, loop=False, monkeypatch=None, shared=False, deterministic=False, **kw):
+def _run_bwd(args, grads, launches=None, loop=False, monkeypatch=None, shared=False, deterministic=False,
+             fresh_dkv=False, **kw):
     """attention_backward_items on cute into ``grads`` (fp32 dq, dk, dv); ``shared``: through a shared query side
     as the ring runs it; ``launches`` receives the one-launch calls' item counts; ``loop``: the per-item loop."""
     dout, q, k, v, out, lse, items = args
@@ -202,7 +203,7 @@ def _run_bwd(args, grads, launches=None, loop=False, monkeypatch=None, shared=Fa
         handle = (share_queries(dout, q, out, lse, deterministic=deterministic, backend="cute", **kw) if shared
                   else None)
         attention_backward_items(dout, q, k, v, out, lse, items, *grads, deterministic=deterministic,
-                                 backend="cute", shared=handle, **kw)
+                                 backend="cute", shared=handle, fresh_dkv=fresh_dkv, **kw)
         if handle is not None:
             handle.finish(grads[0])
     return grads
@@ -290,3 +291,44 @@ def test_backward_ring_lists_equal_the_loop_in_few_launches(monkeypatch, packed,
         for name, a, b in zip(("dq", "dk", "dv"), got, loop):
             assert _rel(a, b) <= 1e-4, f"member {member}: {name} differs from the loop by {_rel(a, b)}"
     assert total_launches < total_items
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_backward_fresh_dkv_gives_the_bytes_of_zero_filled_grads(monkeypatch, seed, deterministic, shared):
+    """fresh_dkv=True over NaN-poisoned dk / dv (written by each key row's first launch as 0 + x, the rest added,
+    rows no item has zeroed) gives the bytes of the same list into zero-filled buffers: dk / dv always (a key
+    tile's sums are in registers, in launch order), dq too when deterministic; in fewer launches than items."""
+    rng = random.Random(2000 + seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    d = (64, 128, 128)[seed]
+    hk, h = 2, 4
+    packed = seed != 1
+    n_rows, n_keys = rng.randint(300, 1200), rng.randint(300, 1200)
+    masks = [dict(causal=True), dict(), dict(causal=True, window=(rng.randint(0, 400), -1))]
+    lead, klead = ((n_rows,), (n_keys,)) if packed else ((1, n_rows), (1, n_keys))
+    q = torch.randn(*lead, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(*klead, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    dout = torch.randn(*lead, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    items = [it for it in _random_items(rng, n_rows, n_keys, rng.randint(3, 10), masks) if it.k_len]
+    items.append(WorkItem(0, 64, 0, 128, 200, 0, True))  # keys 0-128 again: added after their first launch
+    softcap = 30.0 if seed == 2 else None
+    out, lse = _buffers(q, True, packed, gen)
+    attention_forward_items(q, k, v, items, out, lse, fresh=True, backend="cute", softcap=softcap)
+    out = torch.nan_to_num(out).to(torch.bfloat16)
+    lse = torch.nan_to_num(lse, nan=0.0)
+    args = (dout, q, k, v, out, lse, items)
+    kw = dict(monkeypatch=monkeypatch, shared=shared, deterministic=deterministic, softcap=softcap)
+    launches = []
+    poisoned = [torch.zeros(q.shape, device="cuda")] + [torch.full(t.shape, float("nan"), device="cuda")
+                                                        for t in (k, v)]
+    fresh = _run_bwd(args, poisoned, launches, fresh_dkv=True, **kw)
+    zeros = _run_bwd(args, [torch.zeros(t.shape, device="cuda") for t in (q, k, v)], **kw)
+    assert launches and len(launches) <= len(items) + 1
+    for name, a, b in zip(("dk", "dv"), fresh[1:], zeros[1:]):
+        assert torch.equal(a, b), f"{name}: fresh_dkv differs from the zero-filled run"
+    if deterministic:
+        assert torch.equal(fresh[0], zeros[0])
+    else:
+        assert _rel(fresh[0], zeros[0]) <= 1e-5

@@ -12,6 +12,8 @@ not expressible and falls back.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import forward as _fwd
@@ -133,7 +135,7 @@ class CuteSm90Backend:
         return out, lse
 
     def backward_items(self, dout, q, k, v, out, lse, items, dq, dk, dv, *, softmax_scale, softcap, deterministic,
-                       shared=None):
+                       shared=None, fresh_dkv=False):
         """A backward work list in few launches (worklist.backward_launches): one main kernel per group of items
         with disjoint key rows (and query rows, unless the launches share a non-deterministic query side). Items
         whose rows ``shared`` (backward.SharedRows of these queries) takes add their dQ into its scratch; the other
@@ -158,17 +160,23 @@ class CuteSm90Backend:
         if deterministic and shared is None and _bwd.deterministic_gqa_form(
                 q.shape[-2] // k.shape[-2], q.shape[-1], True, max(causal_keys, default=None)) == "expanded":
             return None  # the loop's calls take the expanded heads there, faster than the GQA tickets
-        plan = self._backward_plan(q, items, shared, bool(deterministic))
+        tok = 0 if packed else 1
+        plan = self._backward_plan(q, items, shared, bool(deterministic), k.shape[tok] if fresh_dkv else None)
         if plan is None:
             return None
+        clears, launches = plan
+        for a, b in clears:
+            dk.narrow(tok, a, b - a).zero_()
+            dv.narrow(tok, a, b - a).zero_()
         for bi in ([None] if packed else range(q.shape[0])):
             view = (lambda t: t) if packed else (lambda t: t[bi])  # noqa: E731 - a dense batch element as packed
-            for table, tiles, max_q, max_k, causal, window_left, on_shared in plan:
+            for table, tiles, max_q, max_k, causal, window_left, on_shared, write in launches:
                 _bwd.backward_worklist(view(dout), view(q), view(k), view(v), view(out), view(lse), view(dq),
                                        view(dk), view(dv), table, scratch_tiles=tiles, max_q_len=max_q,
                                        max_k_len=max_k, softmax_scale=softmax_scale, causal=causal,
                                        window_left=window_left, softcap=softcap,
-                                       rows=shared if on_shared else None, deterministic=deterministic)
+                                       rows=shared if on_shared else None, deterministic=deterministic,
+                                       write_dkv=write)
         return dq, dk, dv
 
     @staticmethod
@@ -223,16 +231,19 @@ class CuteSm90Backend:
         diag = item.q_offset + shift - item.k_offset if causal else item.k_len  # unmasked: sees every key
         return [item.q_start, item.q_len, item.k_start, item.k_len, diag, scratch_base]
 
-    def _backward_plan(self, q, items, shared, deterministic: bool):
-        """[(device table, scratch tiles, longest query rows, longest key rows, causal, window_left, whether the
-        launch uses ``shared``)] of a backward list, cached by the list; None if an item does not suit."""
-        from ..worklist import backward_launches
+    def _backward_plan(self, q, items, shared, deterministic: bool, fresh_total_k: Optional[int] = None):
+        """(clears, [(device table, scratch tiles, longest query rows, longest key rows, causal, window_left, whether
+        the launch uses ``shared``, whether it writes dK / dV)]) of a backward list, cached by the list; None if an
+        item does not suit. ``fresh_total_k``: dk / dv hold nothing yet and have this many rows
+        (worklist.fresh_key_launches: the key rows to zero, and launches split into written and added items);
+        None: every launch adds, nothing is cleared."""
+        from ..worklist import backward_launches, fresh_key_launches
         from .backward import tile_m_for
 
         # the heads too: the plan is None where a launch's dQ scratch (tiles x heads x tile_m x d) would outgrow
         # 32-bit indexing, which a plan cached for fewer heads must not hide
-        key = ("bwd", tuple(items), None if shared is None else shared.rows, deterministic, q.dtype, q.shape[-2],
-               q.shape[-1], str(q.device))
+        key = ("bwd", tuple(items), None if shared is None else shared.rows, deterministic, fresh_total_k, q.dtype,
+               q.shape[-2], q.shape[-1], str(q.device))
         plan = self._PLANS.get(key)
         if plan is not None:
             return plan
@@ -244,25 +255,29 @@ class CuteSm90Backend:
         # launch's do (the tickets of one query tile count one item's key tiles)
         taken = [shared is not None and shared.takes(i.q_start, i.q_len) for i in items]
         variant = lambda it: self._band(it)[:2]  # noqa: E731
-        parts = ((True, backward_launches([i for i, t in zip(items, taken) if t], variant,
-                                          queries_shared=not deterministic)),
-                 (False, backward_launches([i for i, t in zip(items, taken) if not t], variant)))
+        ordered = [(True, launch) for launch in backward_launches([i for i, t in zip(items, taken) if t], variant,
+                                                                  queries_shared=not deterministic)]
+        ordered += [(False, launch) for launch in backward_launches([i for i, t in zip(items, taken) if not t],
+                                                                    variant)]
+        clears = ()
+        if fresh_total_k is not None:
+            clears, parts = fresh_key_launches([launch for _, launch in ordered], fresh_total_k)
+            ordered = [(ordered[index][0], part) for index, part in parts]
         out = []
-        for on_shared, launches in parts:
-            for launch in launches:
-                rows, tiles = [], 0
-                for item in self._longest_first(launch.items):
-                    rows += self._row(item, self._band(item), item.q_start // tm if on_shared else tiles)
-                    tiles += -(-item.q_len // tm)
-                if tiles * q.shape[-2] * tm * q.shape[-1] >= host.INT32_MAX:
-                    return None  # the launch's own dQ scratch would outgrow 32-bit indexing
-                causal, window_left = launch.variant
-                table = torch.tensor(rows, dtype=torch.int32, device=q.device)
-                out.append((table, tiles, max(i.q_len for i in launch.items), max(i.k_len for i in launch.items),
-                            causal, window_left, on_shared))
+        for on_shared, launch in ordered:
+            rows, tiles = [], 0
+            for item in self._longest_first(launch.items):
+                rows += self._row(item, self._band(item), item.q_start // tm if on_shared else tiles)
+                tiles += -(-item.q_len // tm)
+            if tiles * q.shape[-2] * tm * q.shape[-1] >= host.INT32_MAX:
+                return None  # the launch's own dQ scratch would outgrow 32-bit indexing
+            causal, window_left = launch.variant
+            table = torch.tensor(rows, dtype=torch.int32, device=q.device)
+            out.append((table, tiles, max(i.q_len for i in launch.items), max(i.k_len for i in launch.items),
+                        causal, window_left, on_shared, launch.write))
         if len(self._PLANS) > 256:
             self._PLANS.clear()
-        plan = self._PLANS[key] = tuple(out)
+        plan = self._PLANS[key] = (clears, tuple(out))
         return plan
 
     def _forward_plan(self, q, items, fresh, softmax_scale, softcap):

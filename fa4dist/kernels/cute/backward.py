@@ -14,7 +14,7 @@ max_seqlen_k for packed input, otherwise the grids are sized by the token counts
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -800,7 +800,7 @@ class SharedRows:
 
 def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_tiles, max_q_len, max_k_len,
                       softmax_scale, causal, window_left=-1, softcap=None, rows: Optional[SharedRows] = None,
-                      deterministic=False):
+                      deterministic=False, write_dkv=False):
     """The gradients of a work list's items in one main-kernel launch, added into fp32 dq, dk, dv. Deterministic:
     the items' scratch tiles are pairwise disjoint too, and each query tile takes its item's key tiles' dQ in the
     tickets' fixed order (as for the segments of a packed call); otherwise dQ goes through unordered atomic adds.
@@ -811,7 +811,8 @@ def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_til
     too. Without ``rows``: the launch's own preprocess and dQ convert run over the items' rows, the items' query
     rows pairwise disjoint and the scratch ``scratch_tiles`` query tiles long. With ``rows`` (a :class:`SharedRows`
     of these queries, ``dq`` unused): every item's rows start on one of its tiles, column 5 is that tile, and only
-    the main kernel runs (its dQ is in the shared scratch until ``rows.finish``)."""
+    the main kernel runs (its dQ is in the shared scratch until ``rows.finish``). ``write_dkv``: the items' key
+    rows of dk / dv hold nothing yet: written (``0 + x``, the bits of the add into zeros), not added into."""
     d, hq = q.shape[-1], q.shape[-2]
     tm = tile_m_for(d)
     scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d))
@@ -823,6 +824,8 @@ def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_til
         q.dtype, d, causal=causal, varlen=True, seg_offsets=False, accumulate=True, deterministic=deterministic,
         dq_dtype=torch.float32, dkv_dtype=torch.float32, o_dtype=out.dtype, do_dtype=dout.dtype,
         window_left=window_left, softcap=softcap, worklist=True)
+    if write_dkv:  # the main kernel's accumulate is its dK / dV store's; dQ still goes through the scratch
+        main_cfg = replace(main_cfg, accumulate=False)
     check_resident(main_cfg)
     main_fn = host.get_compiled(main_cfg)
     scale_log2 = host.score_scale(scale, softcap)

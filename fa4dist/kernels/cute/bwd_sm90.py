@@ -1066,9 +1066,9 @@ class FlashBwdSm90:
                 mdK_cur = cute.domain_offset((offset_k, 0), io.mdK[None, None, tile.head_kv])
                 mdV_cur = cute.domain_offset((offset_k, 0), io.mdV[None, None, tile.head_kv])
             kv_tile = (self.tile_n, self.head_dim)
-            if const_expr(self.dq_fixed and not self.accumulate):
-                # cp_invariant's written form: the accumulating one's bits, which add the tile into zeros (-0 + 0
-                # = +0), so the two routes agree on a signed zero too
+            if const_expr((self.dq_fixed or self.worklist) and not self.accumulate):
+                # the written forms of cp_invariant and of a work list's fresh dK / dV: the accumulating one's
+                # bits, which add the tile into zeros (-0 + 0 = +0), so the two routes agree on a signed zero too
                 for acc in (acc_dK, acc_dV):
                     acc.store(acc.load() + Float32(0.0))
             store_acc_rows(acc_dK, mdK_cur, thr_dkv, kv_tile, n_block, seqlen_k, self.accumulate)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Prepared in the twenty-sixth session (2026-12-03), results in bench/results/2026-12-03-twenty-sixth-*:
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_27.sh 1
+# 1: a ring member's backward zero-filled its fp32 dK / dV buffers before adding into them: its own rows once and
+#    every received step's partial (at cp = 8 and 128k tokens, 16 heads of 128: 7 x 256 MiB + 2 x 128 MiB, ~0.6 ms
+#    of a ~37 ms member backward; at cp = 2 with a 4096-token window ~0.4 ms of ~11 ms). The work-list backward now
+#    takes fresh_dkv: each key row's first launch writes its dK / dV (0 + x, the zero-filled run's bits), later
+#    ones add, only rows no item has are zeroed. Prediction: cp = 8 causal backward +1-1.5% (0.936 -> ~0.95),
+#    windowed cp = 2 +3% (0.898 -> ~0.92), bwd_zero_fill (the old way, same run) where the previous session read.
+#    First the bits: fresh_dkv over NaN-poisoned buffers against the zero-filled run (bytes), then the twenty-fifth
+#    session's accumulating-convert selection, which its stage limit cut short.
+set -u
+source "$(dirname "$0")/../stage.sh"
+export FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
+bundle_folders_on_exit
+if [ "${1:-1}" = 1 ]; then
+  TAIL_LINES=8 stage tests_fresh_dkv 190 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 -m gpu \
+    tests/kernels/test_worklist_gpu.py -k "fresh_dkv"
+  TAIL_LINES=30 stage cp_sim_fresh 130 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
+    --directions bwd bwd_zero_fill --reps 4 --queue-ahead-ms 8 --back-to-back --tag fresh
+  TAIL_LINES=30 stage cp_sim_fresh_window 70 python3 bench/cp_sim.py --seqlens 131072 --cp 2 --balancers lpt \
+    --directions bwd bwd_zero_fill --reps 4 --queue-ahead-ms 8 --back-to-back --window 4096 --tag fresh-window
+  TAIL_LINES=8 stage tests_convert 190 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 -m gpu \
+    tests/kernels/test_cute_bwd_gpu.py tests/kernels/test_worklist_gpu.py tests/cp/test_cp_gpu.py \
+    -k "accumulate or fixed_point or shared_queries or packed_per_segment or one_gradient or fp32_out or backward_ring or invariant"
+  exit
+fi
