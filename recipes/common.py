@@ -55,7 +55,9 @@ non_negative_int = _int_at_least(0, ">= 0", "non_negative_int")
 sequence_length = _int_at_least(2, "at least 2 tokens", "sequence_length")  # one input and its next-token label
 
 
-def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_common_args(p: argparse.ArgumentParser, unused: Optional[dict] = None) -> argparse.ArgumentParser:
+    """The options every recipe shares.  ``unused`` maps the destinations of those a recipe does not use to why
+    (their help says so; :func:`refuse_unused` refuses them when given)."""
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default="tiny", help="size preset: tiny, small (~100M), base (~380M), 1b")
     g.add_argument("--layers", type=positive_int, default=None, help="override the preset's layer count")
@@ -96,7 +98,33 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--timing-warmup", type=non_negative_int, default=1, help="steps left out of tokens/s and MFU")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense FLOP/s per device for MFU in TFLOP/s (default: 989.4 on CUDA, none on CPU)")
+    for action in p._actions:
+        if unused and action.dest in unused:
+            action.help = f"not used by this recipe (refused): {unused[action.dest]}".replace("%", "%%")
     return p
+
+
+def parse_given(p: argparse.ArgumentParser, argv=None) -> tuple[argparse.Namespace, set]:
+    """``p.parse_args(argv)``, and the destinations of the options the command line gives (whatever their values,
+    defaults included): a second parse into a namespace whose every attribute is a marker, which argparse then
+    leaves in place for the options not given."""
+    args = p.parse_args(argv)
+    marker = object()
+    probe = p.parse_args(argv, argparse.Namespace(**{dest: marker for dest in vars(args)}))
+    return args, {dest for dest, value in vars(probe).items() if value is not marker}
+
+
+def option_name(dest: str) -> str:
+    """``seqlen`` -> ``--seqlen``, ``batch_size`` -> ``--batch-size`` (the recipes' options are spelled so)."""
+    return "--" + dest.replace("_", "-")
+
+
+def refuse_unused(p: argparse.ArgumentParser, given: set, unused: dict, where: str) -> None:
+    """Refuses, by name, the first option of ``unused`` (destination -> why) that the command line gives: an
+    option a recipe would silently ignore (``where``: "by rl_deterministic", "with --checkpoint", ...)."""
+    for dest, why in unused.items():
+        if dest in given:
+            p.error(f"{option_name(dest)} is not used {where}: {why}")
 
 
 def lr_at(step: int, args) -> float:

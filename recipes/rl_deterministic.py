@@ -24,6 +24,13 @@ same seed print the same hash.  The SUMMARY line has the mean reward of the firs
 ``--cp-invariant``: cp_invariant attention, row-invariant matrix products and parameter gradients in int64 fixed
 point (:mod:`fa4dist.models.invariant_grads`, in place of the fp32 all-reduce): the whole training step, and so the
 final hash, is the same at every cp size (``--cp 1`` and ``--cp 2`` print the same hash).
+
+Of the options the recipes share, this one always runs deterministic (``--deterministic`` is implied) and refuses,
+by name, those it has no use for: ``--seqlen`` (a completion's sequence is its prompt and answer, 2 x
+``--task-len`` + 3 tokens), ``--batch-size`` (a step trains on ``--prompts`` x ``--group-size`` completions),
+``--packing`` (the completions are always packed as documents), ``--data`` (the prompts are generated, no text is
+read), ``--dtype`` (the policy and the rollout model compute in fp32) and ``--timing-warmup`` / ``--peak-tflops``
+(no tokens/s or MFU is reported).
 """
 
 from __future__ import annotations
@@ -197,9 +204,21 @@ def broadcast(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
     return out
 
 
+# the shared options this recipe has no use for, and why (refused by name when given: they used to be ignored)
+UNUSED = {
+    "seqlen": "a completion's sequence is its prompt and answer, 2 x --task-len + 3 tokens (set --task-len)",
+    "batch_size": "a step trains on --prompts x --group-size completions (set those)",
+    "packing": "the completions are always packed as documents, one per completion",
+    "data": "the prompts are generated (string reversal over --alphabet); no text is read",
+    "dtype": "the policy and the rollout model always compute in fp32",
+    "timing_warmup": "this recipe reports no tokens/s or MFU",
+    "peak_tflops": "this recipe reports no tokens/s or MFU",
+}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(p)
+    common.add_common_args(p, unused=UNUSED)
     g = p.add_argument_group("rl")
     g.add_argument("--sft-steps", type=common.non_negative_int, default=150,
                    help="supervised warm-up steps on the task")
@@ -213,8 +232,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--score-with-prefill", action="store_true",
                    help="the rollout's log-probs come from one forward over the finished completions (a scoring "
                         "prefill) instead of the sampling steps; the sampling-vs-prefill gap is logged too")
-    g.set_defaults(steps=40, lr=1e-2, warmup=10, batch_size=1, grad_clip=1.0)
-    args = p.parse_args(argv)
+    g.set_defaults(steps=40, lr=1e-2, warmup=10, grad_clip=1.0)
+    args, given = common.parse_given(p, argv)
+    common.refuse_unused(p, given, UNUSED, "by rl_deterministic")
     common.check_common_args(p, args)
     if args.group_size < 2:
         p.error(f"--group-size must be at least 2 (GRPO's advantages are z-scores within a group), got "

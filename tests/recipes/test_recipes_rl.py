@@ -76,3 +76,29 @@ def test_rl_options_it_cannot_run_are_refused_by_name(bad, message, capsys):
     with pytest.raises(SystemExit):
         rl_deterministic.parse_args(bad)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [["--seqlen", "64"], ["--batch-size", "4"], ["--packing", "stream"],
+                                  ["--data", "README.md"], ["--data"], ["--dtype", "bf16"],
+                                  ["--timing-warmup", "0"], ["--peak-tflops", "989"]])
+def test_shared_options_the_rl_recipe_does_not_use_are_refused_by_name(flag, capsys):
+    """The shared parser's data, dtype and throughput options have no meaning for the RL recipe (its sequences are
+    the task's prompts and answers, its batch --prompts x --group-size, its models fp32): they were accepted and
+    ignored; now each is refused naming it, even at its default value, and --help says so."""
+    import rl_deterministic
+
+    with pytest.raises(SystemExit):
+        rl_deterministic.parse_args(["--cp", "2"] + flag)
+    assert f"{flag[0]} is not used by rl_deterministic: " in capsys.readouterr().err
+    assert rl_deterministic.parse_args(["--cp", "2"]).cp == 2  # without them it parses
+
+
+def test_rl_help_marks_the_shared_options_it_refuses(capsys):
+    import rl_deterministic
+
+    with pytest.raises(SystemExit):
+        rl_deterministic.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for flag in ("--seqlen SEQLEN", "--batch-size BATCH_SIZE", "--packing {documents,stream}",
+                 "--dtype {auto,bf16,fp32}"):
+        assert f"{flag} not used by this recipe (refused): " in out
