@@ -9,7 +9,10 @@ soft-caps its attention and final logits; GPT-OSS has per-head attention sinks a
 layer, ``--experts-per-token`` of them active; its router aux loss is off): fa4dist's size
 presets (``--model tiny|small|base|1b``, byte vocabulary) or Llama-3 shapes (``llama3.2-1b``, ``llama3-8b``,
 vocabulary 128256), randomly initialized; or a local checkpoint directory (``--checkpoint``, nothing is
-downloaded).  Data are packed windows of documents from :mod:`fa4dist.data` (this repository's text, byte tokens),
+downloaded), whose config defines the model: the options that shape or initialize one (``--arch``, ``--model``,
+``--layers``, ``--sliding-window``, ``--experts``, ``--experts-per-token``, ``--init``) are refused with it, as
+are ``--experts`` / ``--experts-per-token`` with another ``--arch`` than gpt_oss and ``--loss-chunk`` with
+``--loss logits``.  Data are packed windows of documents from :mod:`fa4dist.data` (this repository's text, byte tokens),
 turned into what transformers' ``DataCollatorWithFlattening`` makes.  Each window goes through
 ``enable_context_parallel``'s ``shard_batch`` (LPT plan of its documents, labels shifted globally, global
 positions) and the model's attention layers run ``FA4ContextParallelAttention`` over the cp group.
@@ -62,6 +65,14 @@ LLAMA3_PRESETS = {
                       rms_norm_eps=1e-5, tie_word_embeddings=False),
 }
 SHARDED_INIT_ABOVE = 2e9  # parameters: --init auto builds larger models on the meta device
+# what --checkpoint makes unused (the checkpoint defines the model and holds its weights): refused by name when given
+CHECKPOINT_DEFINES = "the checkpoint's config defines the model (the run reports its model_type as arch)"
+UNUSED_WITH_CHECKPOINT = {
+    "arch": CHECKPOINT_DEFINES, "model": CHECKPOINT_DEFINES, "layers": CHECKPOINT_DEFINES,
+    "sliding_window": CHECKPOINT_DEFINES, "experts": CHECKPOINT_DEFINES, "experts_per_token": CHECKPOINT_DEFINES,
+    "init": "the checkpoint's weights are loaded whole on every rank (from_pretrained), then sharded",
+}
+MOE_ONLY = {"experts": "only gpt_oss has MoE layers", "experts_per_token": "only gpt_oss has MoE layers"}
 
 
 def parse_args(argv=None):
@@ -74,22 +85,34 @@ def parse_args(argv=None):
                         "Mistral none, Gemma the config class's)")
     g.add_argument("--experts", type=int, default=8, help="gpt_oss: experts per MoE layer")
     g.add_argument("--experts-per-token", type=int, default=2, help="gpt_oss: experts each token runs")
-    g.add_argument("--checkpoint", default=None, help="a local checkpoint directory (from_pretrained, offline)")
+    g.add_argument("--checkpoint", default=None,
+                   help="a local checkpoint directory (from_pretrained, offline); it defines the model, so --arch, "
+                        "--model, --layers, --sliding-window, --experts, --experts-per-token and --init are refused "
+                        "with it")
     g.add_argument("--init", choices=["auto", "full", "sharded"], default="auto",
                    help="full: every rank builds the whole model (seeded, transformers' init); sharded: meta "
                         "device, then each rank initializes its shard; auto: sharded above 2B parameters")
     g.add_argument("--loss", choices=["tiled", "logits"], default="tiled",
                    help="tiled: LM head + cross entropy over --loss-chunk tokens at a time; logits: the model's")
     g.add_argument("--loss-chunk", type=common.positive_int, default=None,
-                   help="tokens per loss tile (default: 2**29 / vocab)")
+                   help="tokens per loss tile of --loss tiled (default: 2**29 / vocab)")
     g.add_argument("--tile-mlp", type=common.non_negative_int, default=0,
                    help="run each MLP over this many tokens at a time (0: off)")
     g.add_argument("--offload-checkpoints", action="store_true",
                    help="keep activation checkpoints in pinned host memory (transformers >= 5.2x; on CPUs, "
                         "where they are in host memory already, plain activation checkpointing)")
     g.add_argument("--memory-report", action="store_true", help="print a MEMORY {...} line after the first step")
-    args = p.parse_args(argv)
+    args, given = common.parse_given(p, argv)
+    if args.checkpoint is not None:
+        common.refuse_unused(p, given, UNUSED_WITH_CHECKPOINT, "with --checkpoint")
     common.check_common_args(p, args, models=LLAMA3_PRESETS)
+    if args.checkpoint is None and args.model in LLAMA3_PRESETS and args.arch != "llama":
+        p.error(f"--model {args.model} is a Llama shape; use --arch llama (got --arch {args.arch})")
+    if args.arch != "gpt_oss" and args.checkpoint is None:
+        common.refuse_unused(p, given, MOE_ONLY, f"by --arch {args.arch}")
+    if args.loss == "logits":
+        common.refuse_unused(p, given, {"loss_chunk": "the model's logits are computed whole (--loss tiled tiles "
+                                                      "them)"}, "by --loss logits")
     if args.strategy == "hybrid" or args.ulysses_degree is not None:
         p.error("--strategy hybrid / --ulysses-degree: enable_context_parallel takes the hybrid strategy from a 2-D "
                 "mesh, which this recipe does not build (auto picks the largest Ulysses degree the heads allow)")

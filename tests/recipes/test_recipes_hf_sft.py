@@ -83,9 +83,37 @@ def test_a_local_checkpoint_trains_and_is_reported_with_its_own_architecture(tmp
     config = Qwen2Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "qwen2")
-    out = launch.python("hf_sft.py", launch.tiny_args(1) + ["--data", corpus, "--checkpoint", tmp_path / "qwen2"])
+    run = [a for a in launch.tiny_args(1) if a not in ("--model", "tiny")]  # the checkpoint is the model
+    out = launch.python("hf_sft.py", run + ["--data", corpus, "--checkpoint", tmp_path / "qwen2"])
     assert " arch=qwen2 " in out.stdout
     assert launch.summary(out.stdout)["arch"] == "qwen2"
+
+
+@pytest.mark.parametrize("flag", [["--arch", "qwen2"], ["--arch", "llama"], ["--model", "small"], ["--layers", "2"],
+                                  ["--sliding-window", "32"], ["--experts", "4"], ["--experts-per-token", "1"],
+                                  ["--init", "sharded"]])
+def test_options_a_checkpoint_makes_unused_are_refused_by_name(tmp_path, flag, capsys):
+    """--checkpoint DIR: the checkpoint's config defines the model and from_pretrained loads its weights, so the
+    options that shape or initialize a model were ignored (--arch was even reported); now each is refused naming it,
+    at parse time, even at its default value."""
+    with pytest.raises(SystemExit):
+        hf_sft.parse_args(["--checkpoint", str(tmp_path)] + flag)
+    assert f"{flag[0]} is not used with --checkpoint: " in capsys.readouterr().err
+    assert hf_sft.parse_args(["--checkpoint", str(tmp_path), "--seqlen", "64"]).checkpoint == str(tmp_path)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--arch", "llama", "--experts", "4"], "--experts is not used by --arch llama: only gpt_oss has MoE layers"),
+    (["--arch", "qwen2", "--experts-per-token", "1"], "--experts-per-token is not used by --arch qwen2"),
+    (["--loss", "logits", "--loss-chunk", "40"], "--loss-chunk is not used by --loss logits"),
+    (["--arch", "qwen2", "--model", "llama3.2-1b"], "--model llama3.2-1b is a Llama shape; use --arch llama"),
+])
+def test_options_the_chosen_arch_or_loss_ignores_are_refused_by_name(bad, message, capsys):
+    """--experts / --experts-per-token outside gpt_oss and --loss-chunk with --loss logits were ignored; a Llama-3
+    shape with another --arch failed on every rank after the process group existed."""
+    with pytest.raises(SystemExit):
+        hf_sft.parse_args(bad)
+    assert message in capsys.readouterr().err
 
 
 def test_offload_checkpoints_on_a_cpu_device_runs_as_plain_checkpointing():
