@@ -10,7 +10,11 @@ local summed loss over the sequence's token count) is exactly the single-process
 passed and DeepSpeed does plain data parallelism.
 
 ``recipes/ds_config.json`` is the base config; the recipe fills in what depends on the run (micro batch 1 packed
-sequence, gradient accumulation = sequences per dp rank, train batch, ZeRO stage, bf16, clipping).  The
+sequence, gradient accumulation = sequences per dp rank, train batch, ZeRO stage, bf16, clipping), so a
+``--ds-config`` that sets one of those (or an optimizer, a scheduler, fp16) is refused by name at parse time: it
+used to be overwritten, or left unused beside the client optimizer and the recipe's schedule (a file's ZeRO stage
+is accepted where it is ``--zero-stage``'s).  At stage 3 the recipe's prefetch and persistence settings are
+defaults: a file's own win.  The
 optimizer is torch's AdamW (the same as the FSDP2 recipe and the reference), passed as a client optimizer, so no
 DeepSpeed op has to be compiled.  On CPUs DeepSpeed runs on its CPU accelerator with gloo.
 """
@@ -84,10 +88,11 @@ def ds_config(args, layout, dtype) -> dict:
         # Gather the next layers' parameters on a side stream while this one computes, keep the small ones (norms)
         # resident instead of gathering them one by one, and keep a layer gathered between its recompute and its
         # backward under activation checkpointing (all three were off: every gather sat on the critical path).
-        zero["overlap_comm"] = True
-        zero["stage3_param_persistence_threshold"] = 100_000
-        zero["stage3_prefetch_bucket_size"] = 200_000_000
-        zero["stage3_max_reuse_distance"] = 1_000_000_000
+        # Defaults: a --ds-config's own values win (they used to be overwritten).
+        zero.setdefault("overlap_comm", True)
+        zero.setdefault("stage3_param_persistence_threshold", 100_000)
+        zero.setdefault("stage3_prefetch_bucket_size", 200_000_000)
+        zero.setdefault("stage3_max_reuse_distance", 1_000_000_000)
     cfg["bf16"] = {"enabled": dtype == torch.bfloat16}
     cfg["zero_allow_untested_optimizer"] = True
     return cfg
@@ -99,6 +104,35 @@ def zero3_loss_scale(args, layout) -> float:
     recipe, so the cp shares add up (checked in tests/recipes/test_recipes_deepspeed.py).  (The earlier workaround,
     its all-reduce path, moved twice the gradient bytes and held whole gradients.)"""
     return float(layout.cp) if args.zero_stage == 3 else 1.0
+
+
+# what the recipe sets itself: a --ds-config entry for one of them is refused (it was overwritten or unused)
+SET_BY_THE_RECIPE = {
+    "train_micro_batch_size_per_gpu": "one packed sequence per micro batch",
+    "gradient_accumulation_steps": "--batch-size (the sequences per dp rank)",
+    "train_batch_size": "--batch-size",
+    "gradient_clipping": "--grad-clip",
+    "bf16": "--dtype",
+    "fp16": "--dtype (bf16 or fp32)",
+    "optimizer": "--lr and --weight-decay (torch's AdamW, a client optimizer)",
+    "scheduler": "--lr, --warmup and --steps (the recipe's schedule)",
+}
+
+
+def check_ds_config(p: argparse.ArgumentParser, args, cfg) -> None:
+    """Refuses a --ds-config entry the recipe would overwrite or leave unused, naming it and the option to use."""
+    where = f"--ds-config {args.ds_config}"
+    if not isinstance(cfg, dict):
+        p.error(f"{where}: a DeepSpeed config is a JSON object, got {type(cfg).__name__}")
+    for key, option in SET_BY_THE_RECIPE.items():
+        if key in cfg:
+            p.error(f"{where}: {key!r} is set by the recipe from {option}; remove it from the file")
+    zero = cfg.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        p.error(f"{where}: 'zero_optimization' must be a JSON object, got {type(zero).__name__}")
+    if "stage" in zero and zero["stage"] != args.zero_stage:
+        p.error(f"{where}: zero_optimization.stage is {zero['stage']!r} but --zero-stage is {args.zero_stage} (the "
+                f"recipe runs --zero-stage): pass --zero-stage {zero['stage']}, or remove the stage from the file")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -115,9 +149,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--resume needs --ckpt-dir (DeepSpeed's checkpoints are tags inside it)")
     try:  # read again by ds_config(), on every rank, once the process group and the model exist
         with open(args.ds_config) as f:
-            json.load(f)
+            cfg = json.load(f)
     except (OSError, ValueError) as err:
         p.error(f"--ds-config {args.ds_config}: not a readable JSON file ({err})")
+    check_ds_config(p, args, cfg)
     return args
 
 

@@ -4,8 +4,10 @@ as DeepSpeed's sequence-parallel group give the losses and gradient norms of a s
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
+import torch
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install --no-build-isolation deepspeed)")
 
@@ -82,6 +84,48 @@ def test_a_ds_config_that_is_missing_or_not_json_is_refused_by_name(tmp_path, ca
         with pytest.raises(SystemExit):
             deepspeed_train.parse_args(["--ds-config", str(where)])
         assert f"--ds-config {where}: not a readable JSON file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage is 3 but --zero-stage is 2"),
+    ({"gradient_clipping": 0.5}, "'gradient_clipping' is set by the recipe from --grad-clip"),
+    ({"train_batch_size": 8}, "'train_batch_size' is set by the recipe from --batch-size"),
+    ({"bf16": {"enabled": True}}, "'bf16' is set by the recipe from --dtype"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}, "'optimizer' is set by the recipe from --lr"),
+    ({"scheduler": {"type": "WarmupLR"}}, "'scheduler' is set by the recipe from --lr, --warmup and --steps"),
+    ([], "a DeepSpeed config is a JSON object, got list"),
+])
+def test_ds_config_entries_the_recipe_would_overwrite_or_ignore_are_refused_by_name(tmp_path, capsys, entry,
+                                                                                     message):
+    """The recipe sets the batch shape, clipping, precision and ZeRO stage from its own options and trains with its
+    AdamW and schedule: a --ds-config's own were silently replaced (a file's ZeRO-3 ran at the default
+    --zero-stage 2) or unused.  Now refused at parse time, naming the entry and the option."""
+    import deepspeed_train
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(entry))
+    with pytest.raises(SystemExit):
+        deepspeed_train.parse_args(["--ds-config", str(path)])
+    assert f"--ds-config {path}: {message}" in capsys.readouterr().err
+
+
+def test_the_shipped_ds_config_parses_at_both_stages_and_a_files_stage_3_settings_win(tmp_path):
+    """The shipped config sets nothing the recipe sets, so it parses at --zero-stage 2 and 3; a file whose stage
+    agrees with --zero-stage parses; at stage 3 the recipe's prefetch/persistence values are defaults a file's own
+    override (they used to overwrite them)."""
+    import deepspeed_train
+
+    for stage in ("2", "3"):
+        args = deepspeed_train.parse_args(["--zero-stage", stage])
+        layout = common.Layout(0, 2, 2, 1, 0, 0, None, None, None, args.batch_size)
+        cfg = deepspeed_train.ds_config(args, layout, torch.float32)
+        assert cfg["zero_optimization"]["stage"] == int(stage) and cfg["gradient_accumulation_steps"] == 1
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1234}}))
+    args = deepspeed_train.parse_args(["--ds-config", str(path), "--zero-stage", "3"])
+    zero = deepspeed_train.ds_config(args, layout, torch.float32)["zero_optimization"]
+    assert zero["stage3_prefetch_bucket_size"] == 1234  # the file's
+    assert zero["stage3_param_persistence_threshold"] == 100_000 and zero["overlap_comm"]  # the recipe's defaults
 
 
 @pytest.mark.timeout(300)
