@@ -138,8 +138,11 @@ def lr_at(step: int, args) -> float:
 
 def add_checkpoint_args(p: argparse.ArgumentParser, resume_help: str) -> None:
     g = p.add_argument_group("checkpoints")
-    g.add_argument("--ckpt-dir", default=None)
-    g.add_argument("--save-every", type=non_negative_int, default=0, help="save every N steps (0: never)")
+    g.add_argument("--ckpt-dir", default=None,
+                   help="where --save-every and --stop-at save checkpoints and --resume finds them (refused without "
+                        "one of those: it would be ignored)")
+    g.add_argument("--save-every", type=non_negative_int, default=0,
+                   help="save every N steps (0: never; at most --steps)")
     g.add_argument("--resume", default=None, help=resume_help)
     g.add_argument("--stop-at", type=int, default=None,
                    help="stop after this step, saving a checkpoint there (as a preemption would); a later --resume "
@@ -170,9 +173,15 @@ def check_common_args(p: argparse.ArgumentParser, args, models=()) -> None:
 
 
 def check_checkpoint_args(p: argparse.ArgumentParser, args) -> None:
-    """Options that save a checkpoint need somewhere to save it."""
+    """Options that save a checkpoint need somewhere to save it; a --ckpt-dir that nothing saves to or resumes from,
+    and a --save-every that no step of the run reaches, would be ignored: refused by name."""
     if (args.stop_at is not None or args.save_every) and not args.ckpt_dir:
         p.error("--stop-at and --save-every save checkpoints: give --ckpt-dir")
+    if args.ckpt_dir and not (args.save_every or args.stop_at is not None or args.resume):
+        p.error(f"--ckpt-dir {args.ckpt_dir}: no checkpoint would be saved there or resumed from it; add "
+                f"--save-every N and/or --stop-at N (or --resume)")
+    if args.save_every > args.steps:
+        p.error(f"--save-every {args.save_every} is past --steps {args.steps}: no step would save a checkpoint")
 
 
 SCHEDULE_FIELDS = ("steps", "warmup", "lr")

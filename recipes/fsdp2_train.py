@@ -95,6 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     common.check_common_args(p, args)
     common.check_checkpoint_args(p, args)
+    if args.resume == "latest" and not args.ckpt_dir:  # (was refused on every rank once the model existed)
+        p.error("--resume latest needs --ckpt-dir (the newest checkpoint in it)")
     return args
 
 

@@ -76,7 +76,7 @@ def test_readme_stop_and_resume_repeats_an_uninterrupted_run(tmp_path, corpus):
     launch.torchrun("fsdp2_train.py", _tiny(stop, ckpt, corpus, tmp_path / "stopped.jsonl"))
     launch.torchrun("fsdp2_train.py", _tiny(resume, ckpt, corpus, tmp_path / "resumed.jsonl"))
     whole = [a for a in _tiny(resume, ckpt, corpus, tmp_path / "whole.jsonl") if a not in ("--resume", "latest")]
-    whole[whole.index("--ckpt-dir") + 1] = str(tmp_path / "unused")
+    del whole[whole.index("--ckpt-dir"):whole.index("--ckpt-dir") + 2]  # (it neither saves nor resumes)
     launch.torchrun("fsdp2_train.py", whole)
     stopped, resumed = common.read_metrics(tmp_path / "stopped.jsonl"), common.read_metrics(tmp_path / "resumed.jsonl")
     uninterrupted = common.read_metrics(tmp_path / "whole.jsonl")
@@ -117,6 +117,10 @@ def test_stop_at_out_of_range_is_refused():
     (["--balancer", "bogus"], "--balancer: invalid choice"),
     (["--stop-at", "1"], "give --ckpt-dir"),
     (["--save-every", "2"], "give --ckpt-dir"),
+    # a --ckpt-dir nothing saves to or reads, a --save-every past --steps, --resume latest without --ckpt-dir
+    (["--ckpt-dir", "somewhere"], "--ckpt-dir somewhere: no checkpoint would be saved there or resumed from it"),
+    (["--ckpt-dir", "somewhere", "--save-every", "3"], "--save-every 3 is past --steps 2: no step would save"),
+    (["--resume", "latest"], "--resume latest needs --ckpt-dir"),
     (["--seqlen", "1"], "--seqlen: must be at least 2 tokens, got 1"),
     (["--warmup", "-1"], "--warmup: must be >= 0, got -1"),
     (["--timing-warmup", "-1"], "--timing-warmup: must be >= 0, got -1"),
