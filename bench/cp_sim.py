@@ -217,6 +217,7 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
     out_full, lse_full = attention_forward(q, k, v, backend=backend, **mask)
     # one call on the whole sequence, timed in every round beside the ranks' runs
     full["fwd"] = lambda: attention_forward(q, k, v, backend=backend, **mask)
+    full["fwd_zero_fill"] = full["fwd"]
     full["bwd"] = lambda: attention_backward(dout, q, k, v, out_full, lse_full, backend=backend, **mask)
     full["bwd_per_call"] = full["bwd_zero_fill"] = full["bwd"]
     opts = KernelOptions(softmax_scale=None, softcap=None, backend=backend, deterministic=False)
@@ -240,9 +241,9 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                 runners, profiles = [], {}
                 for r in range(cp):
                     qr, kr, vr, dr = shards[r]
-                    if direction == "fwd":
-                        def run_rank(r=r, qr=qr, kr=kr, vr=vr, held=held):
-                            run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts)
+                    if direction in ("fwd", "fwd_zero_fill"):
+                        def run_rank(r=r, qr=qr, kr=kr, vr=vr, held=held, fill=direction == "fwd_zero_fill"):
+                            run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts, fill)
                     else:
                         fwd = run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts)
                         out_r, lse_r = fwd.out.to(dtype), fwd.lse
@@ -292,7 +293,7 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                     kernel_eff = statistics.median(rd[0] / (cp * max(rd[1 + cp:])) for rd in rounds)
                 slowest = max(rank_times)
                 slowest_steps = steps[rank_times.index(slowest)]
-                nbytes = bytes_fwd if direction == "fwd" else bytes_bwd
+                nbytes = bytes_fwd if direction.startswith("fwd") else bytes_bwd
                 row = dict(
                     seqlen=seqlen, cp=cp, balancer=balancer, direction=direction, window=list(window),
                     t_full_ms=t_full * 1e3, t_rank_ms=[t * 1e3 for t in rank_times],
@@ -409,8 +410,10 @@ def run_rank_kernels(sched, r, shard, held, opts):
                               softmax_scale=opts.softmax_scale, softcap=opts.softcap, **item.mask_kwargs())
 
 
-def run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts):
-    acc = Accumulators.empty(sched.members[r], qr, headdim, False)
+def run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts, fill=False):
+    # as the ring engine: rows the first step covers are not filled first (fill: every row, as before the
+    # twenty-sixth session)
+    acc = Accumulators.empty(sched.members[r], qr, headdim, False, () if fill else sched.items(r, r))
     forward_step(sched, r, r, qr, _Own(kr, vr), acc, opts)
     for t in sched.member_steps(r):
         s = sched.source(r, t)
@@ -430,10 +433,10 @@ def main(argv=None):
     p.add_argument("--dtype", default=None, help="default bfloat16 (float32 with --device cpu)")
     p.add_argument("--balancers", nargs="+", default=["contiguous", "zigzag", "lpt"])
     p.add_argument("--directions", nargs="+", default=["fwd", "bwd"],
-                   choices=["fwd", "bwd", "bwd_per_call", "bwd_zero_fill"],
+                   choices=["fwd", "fwd_zero_fill", "bwd", "bwd_per_call", "bwd_zero_fill"],
                    help="bwd_per_call: the backward without the shared query side (one preprocess and dQ convert "
                         "per call, as before 2026-12-01); bwd_zero_fill: dK / dV zero-filled and added into (as "
-                        "before 2026-12-03's fresh_dkv)")
+                        "before 2026-12-03's fresh_dkv); fwd_zero_fill: every row of out / lse filled first")
     p.add_argument("--backend", default="auto")
     p.add_argument("--window", type=int, default=None,
                    help="causal sliding window: each query sees itself and the WINDOW keys before it "

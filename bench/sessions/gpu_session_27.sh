@@ -25,3 +25,19 @@ if [ "${1:-1}" = 1 ]; then
     -k "accumulate or fixed_point or shared_queries or packed_per_segment or one_gradient or fp32_out or backward_ring or invariant"
   exit
 fi
+# 2: call 1 (fresh dK / dV) read cp = 8 causal backward 0.952 against 0.933 zero-filled in the same run, and the
+#    windowed cp = 2 backward 0.941 against 0.886. A member's forward also filled every row of its fp32 out and lse
+#    before its first step, whose fresh call writes the rows it covers: now only the rows the first step misses
+#    are filled (Accumulators.empty(first_items)). Prediction: windowed cp = 2 forward +3% (0.898 -> ~0.93: the
+#    fills were 0.116 of 3.51 ms), cp = 8 within noise (0.04 of 14 ms). Both directions in one run, to read the
+#    windowed cp = 2 forward+backward against one GPU (#15: >= 1.8x); then the ring's GPU tests on the new buffers.
+if [ "$1" = 2 ]; then
+  TAIL_LINES=40 stage cp_sim_window_all 170 python3 bench/cp_sim.py --seqlens 131072 --cp 2 --balancers lpt \
+    --directions fwd fwd_zero_fill bwd bwd_zero_fill --reps 6 --queue-ahead-ms 8 --back-to-back --window 4096 \
+    --tag window-all
+  TAIL_LINES=40 stage cp_sim_causal_all 200 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
+    --directions fwd fwd_zero_fill bwd --reps 6 --queue-ahead-ms 8 --back-to-back --tag causal-all
+  TAIL_LINES=8 stage tests_cp 200 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 -m gpu \
+    tests/cp/test_cp_gpu.py tests/kernels/test_worklist_gpu.py -k "ring or invariant or shared or fresh"
+  exit
+fi
