@@ -9,7 +9,8 @@ to every batch element.
 - ``attention_forward_items`` merges every item's block into the running fp32 ``(out, lse)`` of its query rows, in
   list order (items that share query rows merge in that order, so the result is a function of the list alone).
 - ``attention_backward_items`` adds every item's dq, dk, dv into fp32 buffers, in list order, given the *global*
-  out and lse.
+  out and lse; with ``fresh_dkv=True`` dk and dv may hold anything: each key row's first launch writes its
+  gradient (:func:`fresh_key_launches`) and rows no item has become zero, the bytes of the same call into zeros.
 
 Several backward work lists on the same queries (a ring's steps against every member's keys) can share their
 query side: :func:`share_queries` gives a handle where the backend has one (cute: one preprocess and one dQ
