@@ -30,7 +30,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..kernels.worklist import WorkItem, attention_backward_items, attention_forward_items, share_queries
+from ..kernels.worklist import (WorkItem, attention_backward_items, attention_forward_items, share_queries,
+                                uncovered_ranges)
 from .comm import Pending, Transport
 from .schedule import MemberLayout, Schedule
 
@@ -133,15 +134,7 @@ class Accumulators:
         else:
             out = torch.empty(q.shape[0], n, q.shape[2], head_dim_v, dtype=acc, device=q.device)
             lse = torch.empty((q.shape[0], q.shape[2], n), dtype=acc, device=q.device)
-        covered = sorted((it.q_start, it.q_start + it.q_len) for it in first_items if it.q_len > 0)
-        at, gaps = 0, []
-        for a, b in covered:
-            if a > at:
-                gaps.append((at, a))
-            at = max(at, b)
-        if at < n:
-            gaps.append((at, n))
-        for a, b in gaps:
+        for a, b in uncovered_ranges([(it.q_start, it.q_start + it.q_len) for it in first_items], 0, n):
             out.narrow(0 if packed else 1, a, b - a).zero_()
             lse.narrow(-1, a, b - a).fill_(float("-inf"))
         return cls(out, lse, fresh=True)

@@ -127,6 +127,18 @@ def lse_token_rows(lse: torch.Tensor, packed: bool, start: int, length: int) -> 
     return view.unsqueeze(0) if packed else view
 
 
+def uncovered_ranges(ranges, start: int, end: int) -> list[tuple[int, int]]:
+    """The sub-ranges of ``[start, end)`` that none of ``ranges`` (half-open ``(a, b)`` pairs) covers, in order."""
+    out, at = [], start
+    for a, b in sorted((max(a, start), min(b, end)) for a, b in ranges if a < end and b > start):
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < end:
+        out.append((at, end))
+    return out
+
+
 class _Fresh:
     """Which query rows no item has written yet, for ``fresh=True``: an item over untouched rows writes instead of
     merging; an item over partly written rows first sets its untouched rows to the empty result (0, -inf)."""
@@ -138,14 +150,8 @@ class _Fresh:
         """(write, untouched sub-ranges to clear before merging)."""
         if not self.enabled:
             return False, []
-        cuts = sorted((max(a, start), min(b, end)) for a, b in self.touched if a < end and b > start)
-        gaps, at = [], start
-        for a, b in cuts:
-            if a > at:
-                gaps.append((at, a))
-            at = max(at, b)
-        if at < end:
-            gaps.append((at, end))
+        cuts = [(a, b) for a, b in self.touched if a < end and b > start]
+        gaps = uncovered_ranges(cuts, start, end)
         # the union: a touched interval reaching past [start, end) keeps its rows outside it
         lo = min([start] + [a for a, b in self.touched if a < end and b > start])
         hi = max([end] + [b for a, b in self.touched if a < end and b > start])
@@ -307,13 +313,7 @@ def fresh_key_launches(launches: Sequence[Launch], total_k: int) -> tuple[tuple[
             clears.extend(gaps)
             split[write].append(item)
         parts.extend((index, Launch(tuple(split[w]), w, launch.variant)) for w in (True, False) if split[w])
-    at = 0
-    for a, b in sorted(state.touched):
-        if a > at:
-            clears.append((at, a))
-        at = max(at, b)
-    if at < total_k:
-        clears.append((at, total_k))
+    clears.extend(uncovered_ranges(state.touched, 0, total_k))
     return tuple(sorted(clears)), tuple(parts)
 
 

@@ -209,6 +209,15 @@ def _run_bwd(args, grads, launches=None, loop=False, monkeypatch=None, shared=Fa
     return grads
 
 
+def _bwd_inputs(gen, packed, n_rows, n_keys, h, hk, d):
+    """Random bf16 (dout, q, k, v), packed (tokens, heads, d) or dense batch 1."""
+    lead, klead = ((n_rows,), (n_keys,)) if packed else ((1, n_rows), (1, n_keys))
+    q = torch.randn(*lead, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(*klead, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    dout = torch.randn(*lead, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return dout, q, k, v
+
+
 def _rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
@@ -227,10 +236,7 @@ def test_backward_random_lists_equal_the_loop(monkeypatch, seed, deterministic):
     packed = seed % 3 != 0
     n_rows, n_keys = rng.randint(100, 1200), rng.randint(100, 1200)
     masks = [dict(causal=True), dict(), dict(causal=True, window=(rng.randint(0, 400), -1))]
-    lead, klead = ((n_rows,), (n_keys,)) if packed else ((1, n_rows), (1, n_keys))
-    q = torch.randn(*lead, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k, v = (torch.randn(*klead, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    dout = torch.randn(*lead, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    dout, q, k, v = _bwd_inputs(gen, packed, n_rows, n_keys, h, hk, d)
     items = [it for it in _random_items(rng, n_rows, n_keys, rng.randint(2, 10), masks) if it.k_len]
     softcap = 30.0 if seed % 4 == 1 else None
     out, lse = _buffers(q, True, packed, gen)
@@ -307,10 +313,7 @@ def test_backward_fresh_dkv_gives_the_bytes_of_zero_filled_grads(monkeypatch, se
     packed = seed != 1
     n_rows, n_keys = rng.randint(300, 1200), rng.randint(300, 1200)
     masks = [dict(causal=True), dict(), dict(causal=True, window=(rng.randint(0, 400), -1))]
-    lead, klead = ((n_rows,), (n_keys,)) if packed else ((1, n_rows), (1, n_keys))
-    q = torch.randn(*lead, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k, v = (torch.randn(*klead, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    dout = torch.randn(*lead, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    dout, q, k, v = _bwd_inputs(gen, packed, n_rows, n_keys, h, hk, d)
     items = [it for it in _random_items(rng, n_rows, n_keys, rng.randint(3, 10), masks) if it.k_len]
     items.append(WorkItem(0, 64, 0, 128, 200, 0, True))  # keys 0-128 again: added after their first launch
     softcap = 30.0 if seed == 2 else None
