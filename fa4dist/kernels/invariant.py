@@ -37,7 +37,7 @@ import torch
 from . import fixed_point
 from .api import attention_backward
 from .problem import check_optional_bool, check_softmax_scale
-from .worklist import WorkItem, attention_forward_items, lse_token_rows, token_rows
+from .worklist import WorkItem, attention_forward_items, lse_token_rows, token_rows, uncovered_ranges
 
 
 ENV = "FA4DIST_CP_INVARIANT"
@@ -85,7 +85,7 @@ def forward(q, k, v, items: list[WorkItem], *, softmax_scale=None, softcap=None,
     acc = accum_dtype(q.dtype)
     lse_shape = (q.shape[-2], q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
     n_rows = q.shape[0 if q.dim() == 3 else 1]
-    if _gaps(_written_rows(items)[0], n_rows):  # rows no call writes hold (0, -inf)
+    if uncovered_ranges(_written_rows(items)[0], 0, n_rows):  # rows no call writes hold (0, -inf)
         out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
         lse = torch.full(lse_shape, float("-inf"), dtype=acc, device=q.device)
     else:  # every row is written (fresh), none merged: no fill needed
@@ -188,9 +188,9 @@ def single_device_backward(dout, q, k, v, out, lse, items: list[WorkItem], *, so
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk, dv = (torch.empty(t.shape, dtype=grad_dtype, device=t.device) for t in (k, v))
     q_rows, k_rows = _written_rows(items)
-    for a, b in _gaps(q_rows, q.shape[seq_dim]):
+    for a, b in uncovered_ranges(q_rows, 0, q.shape[seq_dim]):
         token_rows(dq, seq_dim, a, b - a, packed).zero_()
-    for a, b in _gaps(k_rows, k.shape[seq_dim]):
+    for a, b in uncovered_ranges(k_rows, 0, k.shape[seq_dim]):
         for t in (dk, dv):
             token_rows(t, seq_dim, a, b - a, packed).zero_()
     for it in items:
@@ -213,18 +213,6 @@ def _written_rows(items: list[WorkItem]) -> tuple[list, list]:
     """The query and key row ranges the items' calls write (calls with no rows or no keys are skipped)."""
     live = [it for it in items if it.q_len > 0 and it.k_len > 0]
     return ([(it.q_start, it.q_start + it.q_len) for it in live], [(it.k_start, it.k_start + it.k_len) for it in live])
-
-
-def _gaps(ranges: list, n: int) -> list:
-    """The parts of ``[0, n)`` no range covers (ranges may overlap)."""
-    gaps, at = [], 0
-    for a, b in sorted(ranges):
-        if a > at:
-            gaps.append((at, a))
-        at = max(at, b)
-    if at < n:
-        gaps.append((at, n))
-    return gaps
 
 
 def single_device_items(problem) -> list[WorkItem]:
