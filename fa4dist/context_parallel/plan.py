@@ -15,6 +15,15 @@ Balancers (how chunks go to ranks):
   room, followed by a pairwise-swap refinement of the most loaded rank.  With 2c equal chunks of one causal
   sequence this is exactly zigzag's balance.
 
+Every balancer but zigzag also gives each rank as many *real* chunks (chunks with tokens) as the others, within
+one: chunks past the end are empty, and without that rule they are free slots where the real chunks can pile up
+(contiguous: on the first ranks; LPT: the chunks of short documents, cheap in visible pairs, on a few ranks, with
+all their tokens).  Empty chunks exist when the chunk size rounds the stream up by a whole chunk or more: a stream
+shorter than the chunk count, or ``align`` (chunk sizes a multiple of it, as the cp_invariant training step's
+canonical token blocks need).  An aligned plan holds whole ``align``-token blocks, so a short stream (few blocks per
+rank) or one whose visible pairs sit in few blocks is imbalanced whatever the balancer: ``balance_report()`` gives
+the bounds (:meth:`ShardPlan.aligned_floor`).
+
 For the 2-D (Ulysses x ring) strategy, ``ulysses_degree=u`` balances over the ``cp_size / u`` ring groups (a
 group's ranks share its attention work by heads) and then hands each group's chunks to its u ranks; cp rank
 ``ring_index * u + ulysses_index``.
@@ -66,6 +75,11 @@ class BalanceReport:
     steps_run: tuple[int, ...]  # remote ring steps (1..R-1) that some member needs; the others are skipped
     member_steps: tuple[tuple[int, ...], ...]  # per ring member: the remote steps at which it receives keys
     received: tuple[int, ...]  # per ring member: K/V tokens received over a forward (the backward: again)
+    align: int  # chunk sizes are multiples of it (1: unaligned)
+    # For an aligned plan (else None): the least max/mean compute over ring groups and the least max/mean tokens
+    # over cp ranks that *any* plan whose chunks are multiples of `align` can reach (ShardPlan.aligned_floor).
+    floor: Optional[float]
+    token_floor: Optional[float]
 
     @property
     def ring_size(self) -> int:
@@ -90,6 +104,13 @@ class BalanceReport:
         return self.max_work / self.mean_work if self.mean_work else 1.0
 
     @property
+    def token_imbalance(self) -> float:
+        """max / mean real tokens over the cp ranks: the work of the layers around the attention (projections, MLP,
+        loss) is per token, and for short documents it outweighs the attention's visible pairs by far."""
+        mean = sum(self.tokens) / len(self.tokens)
+        return max(self.tokens) / mean if mean else 1.0
+
+    @property
     def efficiency(self) -> float:
         """mean / max: the fraction of the busiest rank's compute time the average rank is busy."""
         return 1.0 / self.imbalance
@@ -102,7 +123,8 @@ class BalanceReport:
             max_work=self.max_work,
             mean_work=self.mean_work, imbalance=self.imbalance, mask=self.mask, steps_run=list(self.steps_run),
             member_steps=[list(s) for s in self.member_steps], skipped_steps=list(self.skipped_steps),
-            received=list(self.received),
+            received=list(self.received), token_imbalance=self.token_imbalance, align=self.align, floor=self.floor,
+            token_floor=self.token_floor,
         )
 
     @property
@@ -123,6 +145,14 @@ class BalanceReport:
         for r, (c, t) in enumerate(zip(self.compute, self.tokens)):
             share = c / mean if mean else 1.0
             lines.append(f"  rank {r}: {t} tokens, {c:,.0f} visible pairs computed ({share:.3f} x mean)")
+        lines.append(f"tokens: max/mean over ranks = {self.token_imbalance:.4f}")
+        if self.floor is not None:
+            blocks = -(-sum(self.tokens) // self.align)
+            groups = f"{self.ring_size} ring groups" if self.ulysses_degree > 1 else f"{self.cp_size} ranks"
+            lines.append(
+                f"aligned to {self.align}-token blocks ({blocks} blocks for {groups}): a rank holds whole blocks, so "
+                f"no aligned plan does better than max/mean compute {self.floor:.4f} and max/mean tokens "
+                f"{self.token_floor:.4f}")
         if self.ring_size > 1:
             member = "rank" if self.ulysses_degree == 1 else "ring group"
             lines.append(f"ring of {self.ring_size} ({self.mask}): remote steps run {list(self.steps_run)} of "
@@ -183,15 +213,35 @@ def _documents(seqlen_or_cu_seqlens) -> tuple[int, Optional[tuple[int, ...]]]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# balancers: costs per chunk -> group per chunk, every group `capacity` chunks
+# balancers: costs per chunk and which chunks are real (hold tokens; the empty ones are the last) -> group per
+# chunk, every group `capacity` chunks
 
 
-def _contiguous(costs: Sequence[int], groups: int) -> list[int]:
+def _contiguous(costs: Sequence[int], groups: int, real: Sequence[bool]) -> list[int]:
+    """Group g holds one contiguous run of the real chunks (as many as the others, within one: the runs' tokens do
+    not pile on the first groups when the chunks past the end are empty), then empty chunks up to its capacity."""
     capacity = len(costs) // groups
-    return [i // capacity for i in range(len(costs))]
+    if all(real):
+        return [i // capacity for i in range(len(costs))]
+    low, extra = divmod(sum(1 for r in real if r), groups)  # the first `extra` runs hold one more
+    owner, count, g = [0] * len(costs), [0] * groups, 0
+    for i in range(len(costs)):  # the real chunks come first (the stream's prefix)
+        if real[i]:
+            while count[g] == low + (g < extra):
+                g += 1
+            owner[i] = g
+            count[g] += 1
+    g = 0
+    for i in range(len(costs)):
+        if not real[i]:
+            while count[g] == capacity:
+                g += 1
+            owner[i] = g
+            count[g] += 1
+    return owner
 
 
-def _zigzag(costs: Sequence[int], groups: int) -> list[int]:
+def _zigzag(costs: Sequence[int], groups: int, real: Sequence[bool]) -> list[int]:
     if len(costs) % (2 * groups):
         raise ValueError(
             f"the zigzag balancer needs num_chunks to be a multiple of 2 x {groups} (two chunks per rank and round), "
@@ -204,19 +254,38 @@ def _zigzag(costs: Sequence[int], groups: int) -> list[int]:
     return out
 
 
-def _lpt(costs: Sequence[int], groups: int) -> list[int]:
-    """Longest processing time first with equal chunk counts per group, then pairwise-swap refinement."""
-    capacity = len(costs) // groups
-    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
-    load, count, owner = [0] * groups, [0] * groups, [0] * len(costs)
+def _lpt(costs: Sequence[int], groups: int, real: Sequence[bool]) -> list[int]:
+    """Longest processing time first with equal chunk counts per group, then pairwise-swap refinement.
+
+    Every group also holds as many *real* chunks (ones with tokens) as the others, within one.  Without that rule
+    the empty chunks past the end (an aligned chunk size rounds the stream up by whole chunks) are free slots: the
+    cheap chunks (many short documents: few visible pairs, as many tokens as any) pile up in a few groups and the
+    token-proportional work of the layers around the attention (projections, MLP, loss) with them."""
+    n = len(costs)
+    capacity = n // groups
+    low, extra = divmod(sum(1 for r in real if r), groups)  # real chunks: `low` per group, `extra` groups one more
+    order = sorted((i for i in range(n) if real[i]), key=lambda i: (-costs[i], i))
+    load, count, nreal, owner = [0] * groups, [0] * groups, [0] * groups, [0] * n
+    high = 0  # groups holding low + 1 real chunks
     for i in order:
-        g = min((g for g in range(groups) if count[g] < capacity), key=lambda g: (load[g], g))
+        room = [g for g in range(groups) if nreal[g] < low or (nreal[g] == low and high < extra)]
+        g = min(room, key=lambda g: (load[g], g))
         owner[i] = g
         load[g] += costs[i]
         count[g] += 1
-    # Refinement: swap a chunk of the most loaded group with one of another group while that lowers the maximum.
-    members = [[i for i in range(len(costs)) if owner[i] == g] for g in range(groups)]
-    for _ in range(4 * len(costs)):
+        nreal[g] += 1
+        high += nreal[g] == low + 1
+    g = 0
+    for i in range(n):  # the empty chunks fill the groups' remaining slots
+        if not real[i]:
+            while count[g] == capacity:
+                g += 1
+            owner[i] = g
+            count[g] += 1
+    # Refinement: swap a chunk of the most loaded group with one of another group while that lowers the maximum (a
+    # real chunk for an empty one only where it moves a group's one extra real chunk to a group without one).
+    members = [[i for i in range(n) if owner[i] == g] for g in range(groups)]
+    for _ in range(4 * n):
         top = max(range(groups), key=lambda g: (load[g], -g))
         best = None  # (new pair maximum, a, g, b)
         for a in members[top]:
@@ -227,6 +296,8 @@ def _lpt(costs: Sequence[int], groups: int) -> list[int]:
                     delta = costs[a] - costs[b]
                     if delta <= 0:
                         continue
+                    if real[a] != real[b] and not (real[a] and nreal[top] > low and nreal[g] == low):
+                        continue  # (an empty chunk costs 0, so delta > 0 means a is the real one)
                     pair_max = max(load[top] - delta, load[g] + delta)
                     if pair_max < load[top] and (best is None or pair_max < best[0]):
                         best = (pair_max, a, g, b)
@@ -236,10 +307,35 @@ def _lpt(costs: Sequence[int], groups: int) -> list[int]:
         delta = costs[a] - costs[b]
         load[top] -= delta
         load[g] += delta
+        if real[a] != real[b]:
+            nreal[top] -= 1
+            nreal[g] += 1
         members[top][members[top].index(a)] = b
         members[g][members[g].index(b)] = a
         owner[a], owner[b] = g, top
     return owner
+
+
+def _aligned_chunk_count(total: int, cp_size: int, align: int) -> int:
+    """The default chunk count of a packed plan with ``align > 1``.
+
+    The unaligned default cuts the stream into 8 chunks per rank, all real and of one size.  Rounding that size up
+    to a multiple of ``align`` ends the stream early (up to half of the chunks are empty at 65 tokens a chunk and
+    align 64), and the real ones are coarser: LPT has fewer, larger pieces to balance, and as a rank holds whole
+    chunks (as many real ones as the others, within one) its tokens can exceed the mean by up to a chunk.  Here the
+    chunk size is a multiple of ``align`` no larger than the unaligned one (at least ``align``) and giving at most
+    16 real chunks per rank, the one whose busiest rank holds the fewest tokens (the largest on a tie); the count
+    is the real chunks rounded up to a multiple of cp."""
+    target = total // (8 * cp_size)  # the unaligned chunk size, rounded down
+    lo, hi = max(1, -(-total // (16 * cp_size * align))), max(1, target // align)
+    best = None
+    for k in range(hi, lo - 1, -1):
+        size = k * align
+        real = -(-total // size)
+        busiest = -(-real // cp_size) * size
+        if best is None or busiest < best[0]:
+            best = (busiest, real)
+    return -(-best[1] // cp_size) * cp_size
 
 
 _BALANCER_FNS = {"contiguous": _contiguous, "zigzag": _zigzag, "lpt": _lpt}
@@ -415,13 +511,36 @@ class ShardPlan:
         group_work = tuple(sum(work[g * u:(g + 1) * u]) for g in range(self.ring_degree))
         sched = Schedule(self, u, self.mask)
         members = range(sched.ring_size)
+        floor, token_floor = self.aligned_floor() if self.align > 1 else (None, None)
         return BalanceReport(
             balancer=self.balancer, cp_size=self.cp_size, ulysses_degree=u, num_chunks=self.num_chunks,
             chunk_size=self.chunk_size, work=work, group_work=group_work,
             tokens=tuple(self.local_len(r) for r in range(self.cp_size)), mask=str(self.mask),
             steps_run=sched.steps(), member_steps=tuple(sched.member_steps(m) for m in members),
-            received=tuple(sched.member_received(m) for m in members),
+            received=tuple(sched.member_received(m) for m in members), align=self.align, floor=floor,
+            token_floor=token_floor,
         )
+
+    def aligned_floor(self) -> tuple[float, float]:
+        """(compute, tokens): lower bounds on the max/mean visible pairs over ring groups and the max/mean real
+        tokens over cp ranks of *every* plan of this stream whose chunk size is a multiple of ``align``.
+
+        Such a plan's chunks start at multiples of ``align``, so a rank holds whole ``align``-token blocks of the
+        stream (the last one short): whatever the balancer, the busiest group does at least the work of the costliest
+        block, and of the two cheapest among the ``G + 1`` costliest blocks when there are more blocks than its G
+        groups (two of those share a group); the busiest rank holds at least ceil(blocks / cp) blocks.  A sample of
+        few blocks per rank, or one whose visible pairs sit in few blocks (the end of one long document among short
+        ones), is imbalanced in every aligned plan: the alignment, not the balancer, forces it."""
+        a, total, groups = self.align, self.total_len, self.ring_degree
+        costs = sorted((self.range_cost(s, min(s + a, total)) for s in range(0, total, a)), reverse=True)
+        mean = sum(costs) / groups
+        bound = max(mean, costs[0], costs[groups - 1] + costs[groups] if len(costs) > groups else 0)
+        blocks, cp = len(costs), self.cp_size
+        q = -(-blocks // cp)  # blocks of the busiest rank
+        with_q = blocks - (q - 1) * cp  # ranks holding q blocks
+        last = total - (blocks - 1) * a
+        busiest = (q - 1) * a + last if with_q == 1 else q * a  # (one rank with q: it takes the short last block)
+        return (bound / mean if mean else 1.0), busiest / (total / cp)
 
     # ---- sharding -----------------------------------------------------------------------------------------------
 
@@ -539,7 +658,8 @@ def make_plan(
     - ``balancer``: ``"lpt"`` (default), ``"zigzag"`` or ``"contiguous"``.
     - ``num_chunks``: a multiple of ``cp_size`` (every rank holds as many chunks); default ``2 * cp_size`` for one
       sequence (zigzag's count), ``8 * cp_size`` for packed documents (finer chunks let LPT balance a mix
-      dominated by one long document within ~1%).
+      dominated by one long document within ~1%); with ``align > 1``, for packed documents, 8 to 16 real chunks
+      per rank (:func:`_aligned_chunk_count`).
     - ``causal``, ``window``: the mask the cost model assumes (use the attention's own; ``window=(left, right)`` as
       in :func:`fa4dist.kernels.attention_forward`).  With a window, ``balance_report()`` shows the ring steps it
       leaves; a ``contiguous`` plan keeps a member's window inside its neighbour's chunks (fewest transfers).
@@ -558,6 +678,8 @@ def make_plan(
         raise ValueError(f"ulysses_degree ({ulysses_degree}) must divide cp_size ({cp_size})")
     if num_chunks is None:  # packed documents balance far better with more, smaller chunks
         num_chunks = (8 if cu is not None else 2) * cp_size
+        if cu is not None and align > 1:
+            num_chunks = _aligned_chunk_count(total, cp_size, align)
     check_int("num_chunks", num_chunks, 1)
     if num_chunks % cp_size:
         raise ValueError(
@@ -565,12 +687,28 @@ def make_plan(
         )
     groups = cp_size // ulysses_degree
     plan = ShardPlan(total, cu, cp_size, num_chunks, [0] * num_chunks, balancer, mask, ulysses_degree, align)
-    group_of = _BALANCER_FNS[balancer](plan.chunk_costs, groups)
-    # Within a ring group, its u ranks take contiguous runs of the group's chunks (in global order).
+    real = [plan.chunk_len(c) > 0 for c in range(num_chunks)]
+    group_of = _BALANCER_FNS[balancer](plan.chunk_costs, groups, real)
+    # Within a ring group, its u ranks take contiguous runs of the group's real chunks (in global order, as many
+    # each as the others within one), then its empty chunks fill their slots.
     per_rank = num_chunks // cp_size
     owner = [0] * num_chunks
+    u = ulysses_degree
     for g in range(groups):
         chunks = [c for c in range(num_chunks) if group_of[c] == g]
-        for i, c in enumerate(chunks):
-            owner[c] = g * ulysses_degree + i // per_rank
+        full = [c for c in chunks if real[c]]
+        low, extra = divmod(len(full), u)
+        count, j = [0] * u, 0
+        for c in full:
+            while count[j] == low + (j < extra):
+                j += 1
+            owner[c] = g * u + j
+            count[j] += 1
+        j = 0
+        for c in chunks:
+            if not real[c]:
+                while count[j] == per_rank:
+                    j += 1
+                owner[c] = g * u + j
+                count[j] += 1
     return ShardPlan(total, cu, cp_size, num_chunks, owner, balancer, mask, ulysses_degree, align)

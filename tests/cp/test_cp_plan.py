@@ -132,6 +132,77 @@ def test_hybrid_plan_balances_ring_groups():
     assert len({sched.member_work(m) for m in range(4)}) == 1
 
 
+def _short_docs(seed, total, long_share=0.0):
+    """Documents of 10-100 tokens (a `long_share` of them 1000-3000) up to `total` tokens."""
+    rng = random.Random(seed)
+    cu = [0]
+    while cu[-1] < total:
+        n = rng.randint(1000, 3000) if rng.random() < long_share else rng.randint(10, 100)
+        cu.append(min(total, cu[-1] + n))
+    return cu
+
+
+@pytest.mark.parametrize("cp", [4, 8])
+def test_aligned_plans_of_short_documents_keep_tokens_balanced(cp):
+    """align=64 (the cp_invariant step's token blocks) rounds chunk sizes up, so chunks past the end are empty.  They
+    used to be free slots for LPT: the cheap chunks (short documents, few visible pairs) piled up on a few ranks with
+    their tokens (max/mean tokens 1.07-1.13 at ~11k and ~18k tokens, 1.39-1.86 at 4.4k, 2.05 at cp 16; pairs
+    balanced).  Now every rank holds as many real chunks as the others within one, at the default chunk count's
+    granularity, and the visible pairs stay balanced."""
+    for seed, total, long_share, u in itertools.product(range(2), (4403, 11023, 18196), (0.0, 0.02), (1, 2)):
+        cu = _short_docs(seed, total, long_share)
+        plan = make_plan(cu, cp, align=64, ulysses_degree=u)
+        report = plan.balance_report()
+        case = (seed, total, long_share, u, plan.num_chunks, plan.chunk_size, report.tokens)
+        assert plan.chunk_size % 64 == 0, case
+        real = [sum(1 for c in plan.rank_chunks(r) if plan.chunk_len(c)) for r in range(cp)]
+        assert max(real) - min(real) <= 1, case
+        assert max(report.tokens) / (total / cp) < 1.05, case
+        if long_share == 0.0:
+            assert report.imbalance < 1.01, case
+        # the default count: chunks no coarser than unaligned ones (unless one block), at most 16 real per rank
+        assert plan.chunk_size <= max(64, total // (8 * cp)) and sum(real) <= 16 * cp, case
+        for balancer in ("contiguous", "lpt"):  # contiguous: one run per rank, the runs as even
+            other = make_plan(cu, cp, balancer, 8 * cp, align=64)
+            real = [sum(1 for c in other.rank_chunks(r) if other.chunk_len(c)) for r in range(cp)]
+            assert max(real) - min(real) <= 1, (case, balancer)
+            if balancer == "contiguous":
+                assert all(len(other.local_ranges(r)) == 1 for r in range(cp))
+    assert report.token_imbalance == max(report.tokens) / (total / cp)
+
+
+def test_aligned_floor_bounds_every_aligned_plan():
+    """balance_report's floors are lower bounds over *all* plans of whole align-token blocks (checked by trying
+    every assignment of blocks to ranks), LPT reaches the token floor at the block granularity, and a stream of
+    fewer blocks than 2 per rank is reported as imbalanced by the alignment, not the balancer."""
+    a, cp = 16, 3
+    for seed in range(4):
+        rng = random.Random(seed)
+        cu = [0]
+        while cu[-1] < 90:
+            cu.append(min(90, cu[-1] + rng.choice([rng.randint(1, 12), rng.randint(20, 60)])))
+        plan = make_plan(cu, cp, num_chunks=cp * 2, align=a)  # chunks of one block: 6 blocks, the last short
+        assert plan.chunk_size == a
+        report = plan.balance_report()
+        blocks = [(s, min(s + a, 90)) for s in range(0, 90, a)]
+        costs = [plan.range_cost(*b) for b in blocks]
+        best_work = best_tokens = None
+        for owner in itertools.product(range(cp), repeat=len(blocks)):
+            work, tokens = [0] * cp, [0] * cp
+            for (s, e), c, r in zip(blocks, costs, owner):
+                work[r] += c
+                tokens[r] += e - s
+            best_work = max(work) if best_work is None else min(best_work, max(work))
+            best_tokens = max(tokens) if best_tokens is None else min(best_tokens, max(tokens))
+        floor, token_floor = plan.aligned_floor()
+        assert (report.floor, report.token_floor) == (floor, token_floor)
+        assert floor <= best_work / (sum(costs) / cp) + 1e-12 <= report.imbalance + 1e-12, seed
+        assert token_floor == pytest.approx(best_tokens / (90 / cp)), seed  # exact: blocks differ only in the last
+        assert report.token_imbalance == pytest.approx(token_floor), seed
+        assert "no aligned plan does better than" in str(report)
+    assert make_plan(90, cp).balance_report().floor is None  # unaligned: no blocks, no floor
+
+
 def test_report_and_fingerprint():
     a, b = make_plan(1000, 4), make_plan(1000, 4)
     assert a.fingerprint == b.fingerprint and a == b
