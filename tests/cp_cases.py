@@ -60,7 +60,7 @@ def cp_module(rank, cp, strategy, causal, plan_u=1, ulysses_degree=None, topolog
 def run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, docs=None, heads=(4, 2), head_dim=8,
              head_dim_v=None, batch=1, balancer="lpt", num_chunks=None, plan_u=1, ulysses_degree=None,
              topology="group", seed=0, dtype=torch.float64, device="cpu", backend="reference", window=(-1, -1),
-             softcap=None, sinks=False):
+             softcap=None, sinks=False, align=1):
     """Max abs errors of the local out, dq, dk, dv against the fp64 oracle (None on ranks outside the group).
 
     With ``sinks``: also this rank's share of the sinks' gradient ("dsinks", to be summed over the ranks) and the
@@ -76,7 +76,7 @@ def run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, docs
     packed = docs is not None
     total = docs[-1] if packed else seqlen
     plan = make_plan(docs if packed else seqlen, cp, balancer, num_chunks, causal=causal, window=window,
-                     ulysses_degree=module.cp.plan_ulysses_degree() if plan_u is None else plan_u)
+                     ulysses_degree=module.cp.plan_ulysses_degree() if plan_u is None else plan_u, align=align)
     q, k, v, dout = global_inputs(seed, total, heads[0], heads[1], head_dim, torch.float64,
                                   None if packed else batch, head_dim_v)
     sink_logits = torch.randn(heads[0], generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)

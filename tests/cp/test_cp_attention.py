@@ -30,6 +30,8 @@ RING = [
     ("packed-causal", dict(docs=random_docs(1, 8, 24), heads=(4, 2))),
     ("packed-full-zigzag", dict(docs=random_docs(2, 6, 30), causal=False, balancer="zigzag", heads=(2, 1))),
     ("tiny-empty-ranks", dict(seqlen=3, heads=(2, 1))),
+    # short documents, chunks aligned to 8 tokens: empty chunks past the end, real ones spread evenly over the ranks
+    ("packed-short-aligned", dict(docs=random_docs(5, 24, 12), heads=(2, 1), align=8, chunks_per_rank=8)),
 ]
 ULYSSES = [
     ("causal-uneven", dict(seqlen=50, heads=(12, 12))),
@@ -41,6 +43,7 @@ ULYSSES = [
 HYBRID = [
     ("causal-gqa", dict(seqlen=57, heads=(4, 2))),
     ("causal-mqa-packed", dict(docs=random_docs(4, 8, 30), heads=(4, 1))),
+    ("packed-short-aligned", dict(docs=random_docs(6, 24, 12), heads=(4, 2), align=8, num_chunks=48)),
     ("full", dict(seqlen=44, causal=False, heads=(6, 6))),
 ]
 
