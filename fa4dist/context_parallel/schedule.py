@@ -23,7 +23,9 @@ itself is a packed call whose segments are the block's document pieces (aligned:
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Optional, Union
 
 import torch
@@ -78,18 +80,35 @@ class MemberLayout:
         self.chunks = tuple(chunks)
         self.blocks = tuple(Block(*b) for b in blocks)
         self.length = offset
-        # Position in the member layout of every token of the members' concatenated local tensors (rank order):
-        # each local range of a member rank lies inside one block.
+        self._plan = plan
+
+    @cached_property
+    def _order(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(scatter, gather): the position in the member layout of every token of the members' concatenated local
+        tensors (rank order), and its inverse; (None, None) where the two orders agree.  Built on first use (a
+        schedule holds every member's layout, a rank reorders only its own)."""
+        # each local range of a member rank lies inside one block
+        starts = [b.start for b in self.blocks]
         pieces, identity, expect = [], True, 0
-        for r in ranks:
-            for a, e in plan.local_ranges(r):
-                b = next(b for b in self.blocks if b.start <= a < b.start + b.length)
+        for r in self.ranks:
+            for a, e in self._plan.local_ranges(r):
+                b = self.blocks[bisect.bisect_right(starts, a) - 1]
                 start = b.offset + (a - b.start)
                 identity &= start == expect
                 expect += e - a
                 pieces.append(torch.arange(start, start + (e - a)))
-        self._scatter = None if identity else torch.cat(pieces)
-        self._gather = None if identity else torch.argsort(self._scatter)
+        if identity:
+            return None, None
+        scatter = torch.cat(pieces)
+        return scatter, torch.argsort(scatter)
+
+    @property
+    def _scatter(self) -> Optional[torch.Tensor]:
+        return self._order[0]
+
+    @property
+    def _gather(self) -> Optional[torch.Tensor]:
+        return self._order[1]
 
     def to_member_order(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Reorders the concatenation (in rank order) of the members' local tensors into the member layout."""
@@ -154,6 +173,12 @@ class Schedule:
         self._items: dict = {}
         self._needed: dict = {}
         self._steps: Optional[tuple[int, ...]] = None
+        # the visibility index (built per member on first use): which members' keys a member's queries see
+        self._member_of_chunk = tuple(r // u for r in plan.chunk_owner)
+        self._pieces: dict = {}
+        self._spans: dict = {}
+        self._sources: dict = {}
+        self._starts: dict = {}
 
     def source(self, member: int, step: int) -> int:
         """The member whose keys `member` computes against at step `step`."""
@@ -163,18 +188,87 @@ class Schedule:
         """The member that computes against `member`'s keys at step `step` (what `member` sends to)."""
         return (member + step) % self.ring_size
 
+    # ---- visibility index ----------------------------------------------------------------------------------------
+    #
+    # Under a band mask (lo <= s - p <= hi, lo <= 0 <= hi: a query sees its own position) the keys that a run of
+    # consecutive queries p0..p1 of one document sees are one range, [p0 + lo, p1 + hi] within the document, and
+    # a key block holds a visible pair with them exactly when it overlaps that range (block_visibility's test).  So
+    # a member's blocks give a few key ranges (one per document piece), and the members whose keys it needs are the
+    # owners of the chunks those ranges overlap: no pair of blocks is tried for the steps, and only the key blocks
+    # a range overlaps are for the calls and transfers.
+
+    def _block_pieces(self, block: Block) -> list:
+        cached = self._pieces.get(block.start)
+        if cached is None:
+            cached = self._pieces[block.start] = self.plan.pieces(block.start, block.start + block.length)
+        return cached
+
+    def _key_spans(self, member: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per block of `member`: the inclusive ranges (first, last) of global key positions its queries see, one
+        per document piece (one per block for one sequence); every key of a range is seen by some query."""
+        cached = self._spans.get(member)
+        if cached is None:
+            plan, lo, hi = self.plan, self.mask.lo, self.mask.hi
+            out = []
+            for b in self.members[member].blocks:
+                if not plan.packed:
+                    first = 0 if lo is None else max(0, b.start + lo)
+                    last = plan.total_len - 1 if hi is None else min(plan.total_len - 1, b.start + b.length - 1 + hi)
+                    out.append(((first, last),))
+                    continue
+                spans = []
+                for p in self._block_pieces(b):
+                    ds, de = plan.cu_seqlens[p.doc], plan.cu_seqlens[p.doc + 1]
+                    first = ds if lo is None else max(ds, ds + p.position + lo)
+                    last = de - 1 if hi is None else min(de - 1, ds + p.position + p.length - 1 + hi)
+                    spans.append((first, last))
+                out.append(tuple(spans))
+            cached = self._spans[member] = tuple(out)
+        return cached
+
+    def _sources_of(self, member: int) -> frozenset:
+        """The members (`member` itself included) whose keys some query of `member` sees."""
+        cached = self._sources.get(member)
+        if cached is None:
+            size, owners = self.plan.chunk_size, self._member_of_chunk
+            found: set = set()
+            reach = -1  # the chunks up to here are in `found` already
+            for a, b in sorted((f // size, e // size) for spans in self._key_spans(member) for f, e in spans):
+                a = max(a, reach + 1)
+                if a <= b:
+                    found.update(owners[a:b + 1])
+                    reach = b
+            cached = self._sources[member] = frozenset(found)
+        return cached
+
+    def _overlapping(self, source: int, first: int, last: int):
+        """(index, block) of `source`'s blocks that overlap the global token range [first, last]."""
+        starts = self._starts.get(source)
+        if starts is None:
+            starts = self._starts[source] = [b.start for b in self.members[source].blocks]
+        blocks = self.members[source].blocks
+        i = max(0, bisect.bisect_right(starts, first) - 1)
+        while i < len(blocks) and blocks[i].start <= last:
+            if blocks[i].start + blocks[i].length > first:
+                yield i, blocks[i]
+            i += 1
+
     # ---- calls ---------------------------------------------------------------------------------------------------
 
     def _raw_calls(self, member: int, source: int) -> tuple[PairCall, ...]:
-        """The calls of `member`'s queries against `source`'s keys, key rows in `source`'s member layout."""
+        """The calls of `member`'s queries against `source`'s keys, key rows in `source`'s member layout: every pair
+        of a query block and a key block with a visible pair, in (query block, key block) order."""
         cached = self._raw.get((member, source))
         if cached is None:
             out = []
-            for qi, qb in enumerate(self.members[member].blocks):
-                for ki, kb in enumerate(self.members[source].blocks):
-                    call = self._pair(qi, qb, kb, same=(member == source and qi == ki))
-                    if call is not None:
-                        out.append(call)
+            if source in self._sources_of(member):
+                spans, kblocks = self._key_spans(member), self.members[source].blocks
+                for qi, qb in enumerate(self.members[member].blocks):
+                    keys = sorted({ki for f, e in spans[qi] for ki, _ in self._overlapping(source, f, e)})
+                    for ki in keys:  # (the other key blocks hold no key these queries see)
+                        call = self._pair(qi, qb, kblocks[ki], same=(member == source and qi == ki))
+                        if call is not None:
+                            out.append(call)
             cached = self._raw[(member, source)] = tuple(out)
         return cached
 
@@ -183,8 +277,15 @@ class Schedule:
         `source` sends `member` (empty: no transfer and no compute)."""
         cached = self._needed.get((member, source))
         if cached is None:
-            cached = self._needed[(member, source)] = _merge_ranges(
-                (c.k_row, c.k_len) for c in self._raw_calls(member, source))
+            if member == source:  # the own blocks: whole blocks against themselves (one call each)
+                rows = [(c.k_row, c.k_len) for c in self._raw_calls(member, source)]
+            elif source not in self._sources_of(member):
+                rows = []
+            else:  # a call's keys: a key block's part in the range its query piece sees (visible_rect's keys)
+                rows = [(b.offset + max(f, b.start) - b.start, min(e + 1, b.start + b.length) - max(f, b.start))
+                        for spans in self._key_spans(member) for f, e in spans
+                        for _, b in self._overlapping(source, f, e)]
+            cached = self._needed[(member, source)] = _merge_ranges(rows)
         return cached
 
     def calls(self, member: int, source: int) -> tuple[PairCall, ...]:
@@ -267,7 +368,7 @@ class Schedule:
         plan, mask = self.plan, self.mask
         if not plan.packed:
             return self._trimmed(qi, qb.length, kb.offset, kb.length, qb.start, kb.start)
-        q_pieces = plan.pieces(qb.start, qb.start + qb.length)
+        q_pieces = self._block_pieces(qb)
         if same:
             pairs = sum(visible_pairs(p.length, p.length, p.position, p.position, mask) for p in q_pieces)
             if len(q_pieces) == 1:
@@ -278,7 +379,7 @@ class Schedule:
                 cu.append(cu[-1] + p.length)
             offsets = tuple(p.position for p in q_pieces)
             return PairCall(qi, 0, qb.length, kb.offset, kb.length, offsets, offsets, tuple(cu), pairs, mask)
-        k_by_doc = {p.doc: p for p in plan.pieces(kb.start, kb.start + kb.length)}
+        k_by_doc = {p.doc: p for p in self._block_pieces(kb)}
         shared = [(p, k_by_doc[p.doc]) for p in q_pieces if p.doc in k_by_doc]
         if not shared:
             return None
@@ -301,13 +402,18 @@ class Schedule:
         """The remote steps (1..R-1) at which some member receives keys, in order: the same for every member (the
         transfers of a step between two members are posted by both in one global order)."""
         if self._steps is None:
-            self._steps = tuple(t for t in range(1, self.ring_size)
-                                if any(self.recv_len(m, t) for m in range(self.ring_size)))
+            r, found = self.ring_size, set()
+            for m in range(r):  # (the members' sources, until every step is found)
+                found.update((m - s) % r for s in self._sources_of(m))
+                if len(found) == r or (len(found) == r - 1 and 0 not in found):
+                    break
+            self._steps = tuple(t for t in range(1, r) if t in found)
         return self._steps
 
     def member_steps(self, member: int) -> tuple[int, ...]:
         """The remote steps at which `member` receives keys (and computes)."""
-        return tuple(t for t in range(1, self.ring_size) if self.recv_len(member, t))
+        sources = self._sources_of(member)
+        return tuple(t for t in range(1, self.ring_size) if self.source(member, t) in sources)
 
     def member_calls(self, member: int) -> int:
         """Contract calls `member` makes over all steps (one forward call and one backward call each)."""

@@ -239,6 +239,69 @@ def test_schedule_merges_adjacent_chunks_into_blocks():
     assert [len(m.blocks) for m in ring.members] == [2, 2, 2, 1]  # ranks 0-2: chunks r, 7-r; rank 3: chunks 3, 4
 
 
+def _schedule_by_every_pair(sched):
+    """The schedule recomputed the straightforward way (as it was computed before the visibility index): every
+    (query block, key block) pair of every two members tried, its call where it has one; the transfers from the
+    calls' key rows; a step where some member receives anything."""
+    from fa4dist.context_parallel.schedule import _merge_ranges
+
+    r = sched.ring_size
+    raw = {}
+    for m, s in itertools.product(range(r), repeat=2):
+        raw[m, s] = [c for qi, qb in enumerate(sched.members[m].blocks)
+                     for ki, kb in enumerate(sched.members[s].blocks)
+                     if (c := sched._pair(qi, qb, kb, same=(m == s and qi == ki))) is not None]
+    needed = {key: _merge_ranges((c.k_row, c.k_len) for c in calls) for key, calls in raw.items()}
+    member_steps = [tuple(t for t in range(1, r) if needed[m, (m - t) % r]) for m in range(r)]
+    steps = tuple(t for t in range(1, r) if any(t in ms for ms in member_steps))
+    return raw, needed, member_steps, steps
+
+
+def _keys_seen(plan, sched, m, s):
+    """Rows of member s's layout holding a key that some query of member m sees, from the mask token by token."""
+    from fa4dist.kernels.mask import visible
+
+    def tokens(member):
+        return torch.cat([torch.arange(b.start, b.start + b.length) for b in sched.members[member].blocks])
+
+    q, k = tokens(m), tokens(s)
+    doc = plan._doc_of_token if plan.packed else torch.zeros(plan.total_len, dtype=torch.int64)
+    start = torch.tensor(plan.cu_seqlens or (0, plan.total_len))
+    seen = visible(q - start[doc[q]], k - start[doc[k]], sched.mask) & (doc[q][:, None] == doc[k][None, :])
+    return torch.nonzero(seen.any(0)).flatten().tolist(), int(seen.sum())
+
+
+def _schedule_cases():
+    for total, cp, balancer in ((301, 8, "lpt"), (256, 4, "zigzag"), (190, 6, "contiguous")):
+        for mask in (dict(), dict(window=(37, 0)), dict(causal=False), dict(causal=False, window=(20, 9))):
+            yield make_plan(total, cp, balancer, **mask), 1
+    for seed, cp, u in ((0, 8, 1), (1, 8, 2), (2, 6, 3), (3, 4, 1)):
+        cu = random_docs(seed, 14, 40)
+        for mask in (dict(), dict(window=(11, 0)), dict(causal=False), dict(causal=False, window=(5, 7))):
+            yield make_plan(cu, cp, ulysses_degree=u, **mask), u
+        yield make_plan(cu, cp, num_chunks=4 * cp, align=16, ulysses_degree=u), u  # empty chunks past the end
+
+
+def test_schedule_equals_its_straightforward_recomputation():
+    """The schedule finds the members, key blocks and steps through each block's visible key ranges (not by trying
+    every pair of blocks): the same calls, transfers and steps as trying every pair, and the transfers are exactly
+    the keys the mask lets some query of the member see."""
+    for plan, u in _schedule_cases():
+        sched = Schedule(plan, u, plan.mask)
+        raw, needed, member_steps, steps = _schedule_by_every_pair(Schedule(plan, u, plan.mask))
+        r = sched.ring_size
+        assert sched.steps() == steps, plan
+        for m in range(r):
+            assert sched.member_steps(m) == member_steps[m], (plan, m)
+            for s in range(r):
+                assert sched._raw_calls(m, s) == tuple(raw[m, s]), (plan, m, s)
+                assert sched.needed(m, s) == needed[m, s], (plan, m, s)
+                rows, pairs = _keys_seen(plan, sched, m, s)
+                if m != s:
+                    assert [i for a, n in sched.needed(m, s) for i in range(a, a + n)] == rows, (plan, m, s)
+                assert sum(c.pairs for c in sched.calls(m, s)) == pairs, (plan, m, s)
+
+
 # ---- argument errors -------------------------------------------------------------------------------------------
 
 
