@@ -12,12 +12,15 @@ a fresh plan (nothing cached), in milliseconds:
 - ``report``: ``plan.balance_report()`` (every member's steps and received tokens).
 
     python bench/cp_plan_timing.py                     # cp 8, 32, 64
-    python bench/cp_plan_timing.py --cp 64 --repeats 10
+    python bench/cp_plan_timing.py --cp 64 --repeats 10 --json bench/out/cp_plan_timing.json
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
 import random
 import time
 
@@ -64,6 +67,7 @@ def main(argv=None) -> None:
     p.add_argument("--cp", type=int, nargs="+", default=[8, 32, 64])
     p.add_argument("--seqlen", type=int, default=131072)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", default="bench/out/cp_plan_timing.json", help="where the rows go (seconds)")
     args = p.parse_args(argv)
     cases = [
         ("dense causal", args.seqlen, {}),
@@ -71,11 +75,18 @@ def main(argv=None) -> None:
         ("packed causal", packed_documents(0, args.seqlen), {}),
     ]
     print(f"{'case':24s} {'cp':>3s} {'chunks':>6s} {'steps':>5s}   plan ms  steps ms   rank ms  report ms")
+    rows = []
     for name, arg, options in cases:
         for cp in args.cp:
             r = time_case(arg, cp, args.repeats, **options)
+            rows.append(dict(case=name, cp=cp, **r))
             print(f"{name:24s} {cp:3d} {r['chunks']:6d} {r['steps_run']:5d} {r['plan'] * 1e3:9.1f} "
                   f"{r['steps'] * 1e3:9.1f} {r['rank'] * 1e3:9.1f} {r['report'] * 1e3:10.1f}", flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(dict(meta=dict(date=datetime.datetime.now().isoformat(timespec="seconds"), seqlen=args.seqlen,
+                                 repeats=args.repeats), rows=rows), f, indent=1)
+    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
