@@ -146,6 +146,7 @@ class FixedPointGrads:
         # a wrapper that reduces gradients itself from its own hooks and buffers (DeepSpeed) gets a zero gradient
         # for every weight, so those run as usual; finish(assign=...) then hands it the real one
         self.zero_weight_grads = zero_weight_grads
+        self.retired: Optional[str] = None  # why this object no longer gets the model's gradients
 
     def __deepcopy__(self, memo):
         from ..context_parallel.comm import deepcopy_sharing
@@ -168,6 +169,10 @@ class FixedPointGrads:
         s = _Site(param, self)
         self.sites.append(s)
         return s
+
+    def retire(self, why: str) -> None:
+        """The model no longer sends its gradients here (``set_invariant_grads`` again or off): finish() raises."""
+        self.retired = why
 
     def linear(self, x, weight, site, rows):
         return _FixedLinear.apply(x, weight, site, rows)
@@ -201,6 +206,9 @@ class FixedPointGrads:
         every rank, hence the same bits at every cp size, unlike a norm over shards."""
         if isinstance(divide_by, bool) or not isinstance(divide_by, (int, float)) or not 0 < divide_by < math.inf:
             raise ValueError(f"divide_by must be a positive number (the replicas' count), got {divide_by!r}")
+        if self.retired:
+            raise RuntimeError(f"this FixedPointGrads no longer receives the model's gradients: {self.retired} "
+                               "retired it (finish the one model.invariant_grads holds)")
         live = [s for s in self.sites if s.total is not None]
         if live:
             flat = self.sum_over_group([s.total for s in live])

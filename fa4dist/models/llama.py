@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..kernels.problem import check_bool
 from .attention import make_attention
 from .config import ModelConfig
 
@@ -240,34 +241,53 @@ class FA4Llama(nn.Module):
     def set_row_invariant(self, enabled: bool = True):
         """Every matrix product computes each token's row with the same arithmetic whatever the call's token count
         (:class:`Linear`); with cp_invariant attention, a token's logits are then the same bits in a prefill of
-        the whole batch and in any context-parallel shard."""
+        the whole batch and in any context-parallel shard.  Invariant gradients (:meth:`set_invariant_grads`)
+        imply it while they are on, whatever this says."""
+        check_bool("enabled", enabled)
         for m in self.modules():
             if isinstance(m, Linear):
                 m.row_invariant = enabled
 
     def set_invariant_grads(self, enabled: bool = True, group=None, zero_weight_grads: bool = False):
         """Parameter gradients in int64 fixed point (:mod:`fa4dist.models.invariant_grads`): with cp_invariant
-        attention and row-invariant products (turned on here too) a training step's gradients are the same bits at
-        every cp size.  Call ``model.invariant_grads.finish()`` after the step's backward passes: it sums the
-        gradients over ``group`` (default: every rank) and sets ``p.grad`` (a sharded parameter's shard: install it
-        after FSDP2's ``fully_shard``), in place of the gradient all-reduce or reduce-scatter.  Plans come from
-        :meth:`make_plan` (chunks aligned to the canonical token blocks).  ``zero_weight_grads``: autograd still
-        gives each weight a (zero) gradient, for a wrapper whose reduction runs from gradient hooks (DeepSpeed; the
-        real gradients then go in through ``finish(assign=...)``).  Returns the FixedPointGrads, or None."""
+        attention and row-invariant products (implied while on: the fixed-point Linear runs in row blocks) a
+        training step's gradients are the same bits at every cp size.  Call ``model.invariant_grads.finish()`` after
+        the step's backward passes: it sums the gradients over ``group`` (default: every rank) and sets ``p.grad``
+        (a sharded parameter's shard: install it after FSDP2's ``fully_shard``), in place of the gradient all-reduce
+        or reduce-scatter.
+        Plans come from :meth:`make_plan` (chunks aligned to the canonical token blocks).  ``zero_weight_grads``:
+        autograd still gives each weight a (zero) gradient, for a wrapper whose reduction runs from gradient hooks
+        (DeepSpeed; the real gradients then go in through ``finish(assign=...)``).  Returns the FixedPointGrads, or
+        None.
+
+        Enabling again with the same ``group`` and ``zero_weight_grads`` returns the installed object (its pending
+        sums kept); otherwise, and on ``enabled=False``, the installed object is retired (its ``finish`` raises;
+        sums not yet finished are dropped).  Turning it off leaves the products as :meth:`set_row_invariant` set
+        them, so off is the state before it was turned on."""
         from .invariant_grads import FixedPointGrads
 
-        self.invariant_grads = FixedPointGrads(group, zero_weight_grads) if enabled else None
-        self._embed_site = self.invariant_grads.site(self.embed_tokens.weight) if enabled else None
-        for m in self.modules():
+        check_bool("enabled", enabled)
+        check_bool("zero_weight_grads", zero_weight_grads)
+        current = self.invariant_grads
+        if (enabled and current is not None and current.group is group
+                and current.zero_weight_grads == zero_weight_grads):
+            return current  # a handle the caller holds stays the live one
+        if enabled:  # checked before anything changes: a refused call leaves the model as it was
+            biased = [n for n, m in self.named_modules() if isinstance(m, Linear) and m.bias is not None]
+            if biased:
+                raise ValueError(f"invariant gradients cover bias-free Linear layers only; these have a bias: {biased}")
+        if current is not None:
+            current.retire("a later set_invariant_grads(True)" if enabled else "set_invariant_grads(False)")
+        grads = FixedPointGrads(group, zero_weight_grads) if enabled else None
+        self.invariant_grads = grads
+        self._embed_site = grads.site(self.embed_tokens.weight) if enabled else None
+        for name, m in self.named_modules():
             if isinstance(m, (Linear, RMSNorm)):
-                if isinstance(m, Linear) and m.bias is not None:
-                    raise ValueError("invariant gradients cover bias-free Linear layers only")
-                m.fixed_grads = (self.invariant_grads, self.invariant_grads.site(m.weight)) if enabled else None
-        if enabled:
-            self.set_row_invariant(True)
-        return self.invariant_grads
+                m.fixed_grads = (grads, grads.site(m.weight)) if enabled else None
+        return grads
 
     def set_activation_checkpointing(self, enabled: bool = True):
+        check_bool("enabled", enabled)
         for layer in self.layers:
             layer.activation_checkpointing = enabled
 

@@ -190,3 +190,65 @@ def test_frozen_parameters_get_no_gradient():
     assert torch.allclose(held_norm, others.norm(), rtol=1e-12) and held_norm < free_norm
     with pytest.raises(ValueError, match="divide_by must be a positive number"):
         model.invariant_grads.finish(divide_by=0)
+
+
+def _linears(model):
+    from fa4dist.models.llama import Linear
+
+    return [m for m in model.modules() if isinstance(m, Linear)]
+
+
+def test_turning_invariant_grads_off_restores_the_products():
+    """set_invariant_grads(False) leaves the products as set_row_invariant set them (they were left row-invariant),
+    including a change made while it was on; the fixed-point path is gone everywhere."""
+    from fa4dist.models import FA4Llama, get_config
+
+    model = FA4Llama(get_config("tiny"), None, cp_invariant=True, backend="reference")
+    for before in (False, True):
+        model.set_row_invariant(before)
+        model.set_invariant_grads(True)
+        model.set_invariant_grads(False)
+        assert [m.row_invariant for m in _linears(model)] == [before] * len(_linears(model)), before
+    model.set_invariant_grads(True)
+    model.set_row_invariant(False)  # while on: the fixed-point products stay row-blocked, the setting is kept
+    model.set_invariant_grads(False)
+    assert not any(m.row_invariant for m in _linears(model))
+    assert model.invariant_grads is None and all(getattr(m, "fixed_grads", None) is None for m in model.modules())
+    with pytest.raises(TypeError, match="enabled must be a bool, got str"):
+        model.set_row_invariant("False")
+
+
+def test_enabling_again_keeps_the_installed_object():
+    """A second set_invariant_grads(True) with the same options returns the object the caller holds (with the sums
+    of backward passes it already got); other options or off retire it, and its finish() then raises instead of
+    quietly setting no gradient."""
+    from fa4dist.models import FA4Llama, get_config
+
+    config = get_config("tiny")
+    model = FA4Llama(config, None, cp_invariant=True, backend="reference")
+    ids = torch.randint(0, config.vocab_size, (70,), generator=torch.Generator().manual_seed(8))
+    first = model.set_invariant_grads(True)
+    model(ids, torch.arange(70)).float().logsumexp(-1).sum().backward()
+    assert model.set_invariant_grads(True) is first
+    first.finish()
+    assert all(p.grad is not None for p in model.parameters())
+    other = model.set_invariant_grads(True, zero_weight_grads=True)
+    assert other is not first and model.invariant_grads is other
+    with pytest.raises(RuntimeError, match=r"a later set_invariant_grads\(True\) retired it"):
+        first.finish()
+    model.set_invariant_grads(False)
+    with pytest.raises(RuntimeError, match=r"set_invariant_grads\(False\) retired it"):
+        other.finish()
+
+
+def test_a_refused_installation_changes_nothing():
+    """A Linear with a bias is refused by name before any module is switched to fixed-point gradients."""
+    from fa4dist.models import FA4Llama, get_config
+
+    model = FA4Llama(get_config("tiny"), None, cp_invariant=True, backend="reference")
+    down = model.layers[-1].mlp.down_proj
+    down.bias = torch.nn.Parameter(torch.zeros(down.out_features))
+    with pytest.raises(ValueError, match=r"bias-free Linear layers only; these have a bias: \['layers.1.mlp.down_proj"):
+        model.set_invariant_grads(True)
+    assert model.invariant_grads is None and all(getattr(m, "fixed_grads", None) is None for m in model.modules())
+
