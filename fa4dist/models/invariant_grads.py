@@ -39,8 +39,9 @@ class _Site:
     """One parameter's contributions from one module: the int64 sum and its scale (per backward), and the converted
     gradient of the step's earlier backward passes (gradient accumulation)."""
 
-    def __init__(self, param: torch.nn.Parameter, grads: "FixedPointGrads"):
+    def __init__(self, param: torch.nn.Parameter, grads: "FixedPointGrads", module=None, name: str = ""):
         self.param, self.grads = param, grads
+        self.module, self.name = module, name  # where param is registered (as .weight): to notice it replaced
         self.total: Optional[torch.Tensor] = None
         self.scale: Optional[torch.Tensor] = None
         self.earlier: Optional[torch.Tensor] = None
@@ -165,14 +166,41 @@ class FixedPointGrads:
             return torch.zeros_like(weight_or_shape)
         return torch.zeros(weight_or_shape, dtype=dtype, device=device)
 
-    def site(self, param: torch.nn.Parameter) -> _Site:
-        s = _Site(param, self)
+    def site(self, param: torch.nn.Parameter, module=None, name: str = "") -> _Site:
+        """A contribution site of ``param``; ``module`` (named ``name``) holds it as ``.weight``, so that
+        :meth:`check_params` can notice the parameter replaced."""
+        s = _Site(param, self, module, name)
         self.sites.append(s)
         return s
 
     def retire(self, why: str) -> None:
         """The model no longer sends its gradients here (``set_invariant_grads`` again or off): finish() raises."""
         self.retired = why
+
+    def replaced_params(self) -> list[str]:
+        """Names of the sites' parameters that their modules no longer hold (``fully_shard``, a new
+        ``nn.Parameter``, ``load_state_dict(assign=True)`` after installation): their gradients would go to tensors
+        the optimizer no longer sees.  FSDP2's unsharded stand-in of an installed sharded parameter (between its
+        forward and its reshard) is not a replacement."""
+        out = []
+        for s in self.sites:
+            if s.module is None:
+                continue
+            now = s.module._parameters.get("weight")
+            if now is s.param or (isinstance(s.param, DTensor) and now is not None and not isinstance(now, DTensor)):
+                continue
+            out.append(f"{s.name}.weight")
+        return out
+
+    def check_params(self) -> None:
+        """Raises if the model's parameters are not the ones installed (:meth:`replaced_params`): the step would
+        otherwise leave them without gradients, silently."""
+        replaced = self.replaced_params()
+        if replaced:
+            raise ValueError(
+                f"invariant gradients were installed for parameters the model no longer holds ({len(replaced)}, "
+                f"e.g. {replaced[:3]}): they were replaced after set_invariant_grads (fully_shard, a new "
+                "nn.Parameter, load_state_dict(assign=True)); call model.set_invariant_grads(True) again after that")
 
     def linear(self, x, weight, site, rows):
         return _FixedLinear.apply(x, weight, site, rows)
@@ -209,6 +237,7 @@ class FixedPointGrads:
         if self.retired:
             raise RuntimeError(f"this FixedPointGrads no longer receives the model's gradients: {self.retired} "
                                "retired it (finish the one model.invariant_grads holds)")
+        self.check_params()
         live = [s for s in self.sites if s.total is not None]
         if live:
             flat = self.sum_over_group([s.total for s in live])

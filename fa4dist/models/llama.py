@@ -253,8 +253,8 @@ class FA4Llama(nn.Module):
         attention and row-invariant products (implied while on: the fixed-point Linear runs in row blocks) a
         training step's gradients are the same bits at every cp size.  Call ``model.invariant_grads.finish()`` after
         the step's backward passes: it sums the gradients over ``group`` (default: every rank) and sets ``p.grad``
-        (a sharded parameter's shard: install it after FSDP2's ``fully_shard``), in place of the gradient all-reduce
-        or reduce-scatter.
+        (a sharded parameter's shard: install it after FSDP2's ``fully_shard``; parameters replaced after
+        installation are refused at the next forward), in place of the gradient all-reduce or reduce-scatter.
         Plans come from :meth:`make_plan` (chunks aligned to the canonical token blocks).  ``zero_weight_grads``:
         autograd still gives each weight a (zero) gradient, for a wrapper whose reduction runs from gradient hooks
         (DeepSpeed; the real gradients then go in through ``finish(assign=...)``).  Returns the FixedPointGrads, or
@@ -270,7 +270,7 @@ class FA4Llama(nn.Module):
         check_bool("zero_weight_grads", zero_weight_grads)
         current = self.invariant_grads
         if (enabled and current is not None and current.group is group
-                and current.zero_weight_grads == zero_weight_grads):
+                and current.zero_weight_grads == zero_weight_grads and not current.replaced_params()):
             return current  # a handle the caller holds stays the live one
         if enabled:  # checked before anything changes: a refused call leaves the model as it was
             biased = [n for n, m in self.named_modules() if isinstance(m, Linear) and m.bias is not None]
@@ -280,10 +280,10 @@ class FA4Llama(nn.Module):
             current.retire("a later set_invariant_grads(True)" if enabled else "set_invariant_grads(False)")
         grads = FixedPointGrads(group, zero_weight_grads) if enabled else None
         self.invariant_grads = grads
-        self._embed_site = grads.site(self.embed_tokens.weight) if enabled else None
+        self._embed_site = grads.site(self.embed_tokens.weight, self.embed_tokens, "embed_tokens") if enabled else None
         for name, m in self.named_modules():
             if isinstance(m, (Linear, RMSNorm)):
-                m.fixed_grads = (grads, grads.site(m.weight)) if enabled else None
+                m.fixed_grads = (grads, grads.site(m.weight, m, name)) if enabled else None
         return grads
 
     def set_activation_checkpointing(self, enabled: bool = True):
@@ -296,6 +296,7 @@ class FA4Llama(nn.Module):
             raise ValueError(f"tokens and positions must be 1-D of one length (one packed stream), got "
                              f"{tuple(tokens.shape)} and {tuple(positions.shape)}")
         if self.invariant_grads is not None:
+            self.invariant_grads.check_params()
             chunk = getattr(plan, "chunk_size", None)
             if chunk is not None and self.cp_size > 1 and chunk % Linear.ROW_BLOCK:
                 raise ValueError(f"invariant gradients need plans whose chunks are multiples of {Linear.ROW_BLOCK} "

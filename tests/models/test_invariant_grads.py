@@ -252,3 +252,21 @@ def test_a_refused_installation_changes_nothing():
         model.set_invariant_grads(True)
     assert model.invariant_grads is None and all(getattr(m, "fixed_grads", None) is None for m in model.modules())
 
+
+def test_parameters_replaced_after_installation_are_refused():
+    """Parameters replaced after set_invariant_grads (here load_state_dict(assign=True); fully_shard does the same)
+    would get no gradient, silently: the forward refuses them, and installing again fixes it."""
+    from fa4dist.models import FA4Llama, get_config
+
+    config = get_config("tiny")
+    model = FA4Llama(config, None, cp_invariant=True, backend="reference")
+    ids = torch.randint(0, config.vocab_size, (70,), generator=torch.Generator().manual_seed(9))
+    model.set_invariant_grads(True)
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    with pytest.raises(ValueError, match=r"installed for parameters the model no longer holds \(21, e.g. "
+                                         r"\['embed_tokens.weight'.*call model.set_invariant_grads\(True\) again"):
+        model(ids, torch.arange(70))
+    model.set_invariant_grads(True)
+    model(ids, torch.arange(70)).float().logsumexp(-1).sum().backward()
+    model.invariant_grads.finish()
+    assert all(p.grad is not None for p in model.parameters())
