@@ -390,28 +390,15 @@ class ContextParallel:
         flag) exchanged per stage through the group's store (host-side: no GPU sync, no collective).  Only when
         something differs do the ranks exchange their full signatures, so that every rank raises the same message
         naming the fields and ranks (never a hang or garbage)."""
-        digest = 0 if sig is None else int.from_bytes(
-            hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).digest()[:7], "little")
+        digest = signature_digest(sig)
         found = 0
         for stage in self._stages():
             rows = stage.host_gather_ints([digest, call, int(error is not None), found],
                                           f"the agreement check of {what} {call}")
             if any(r[2] or r[3] for r in rows) or len({(r[0], r[1]) for r in rows}) > 1:
                 found = 1
-        if not found:
-            return
-        local = None if error is None else f"{type(error).__name__}: {error}"
-        message, sent = None, None
-        for stage in self._stages():
-            payload, text = _frame(self.cp_rank, local if message is None else message, sig, call)
-            sent = text if sent is None else sent
-            frames = stage.all_gather_bytes(payload, f"the signatures of {what} {call}", _FRAME)
-            gathered = [json.loads(b) for b in frames]
-            message = message or _disagreement(gathered, f"{what} {call}")
-        message = message or f"ranks disagree on {what} {call} (found in another group of the mesh)"
-        if local is not None and sent in message and isinstance(error, (TypeError, ValueError)):
-            raise type(error)(f"{LABEL}: {message}") from error  # its own error (other ranks' may follow it)
-        raise ValueError(f"{LABEL}: {message}") from error
+        if found:
+            raise_disagreement(self._stages(), self.cp_rank, what, call, sig, error)
 
     def _check_grid(self) -> None:
         """The two groups of the 2-D strategy form its grid: the ranks of a Ulysses group share one ring rank and
@@ -554,7 +541,7 @@ def _frame(rank: int, text: Optional[str], sig: Optional[dict], call: int, size:
     return encode(text[:lo]), text[:lo]
 
 
-def _disagreement(gathered: list, what: str = "the first call") -> Optional[str]:
+def _disagreement(gathered: list, what: str = "the first call", calls: str = "attention call") -> Optional[str]:
     """A message if any rank reported an error or the ranks' signatures or call numbers differ, else None."""
     errors = [(g["rank"], g["error"]) for g in gathered if g["error"]]
     if errors:
@@ -563,12 +550,12 @@ def _disagreement(gathered: list, what: str = "the first call") -> Optional[str]
             return first
         return f"rank {errors[0][0]} rejected its inputs: {first}" + (
             f" (and {len(errors) - 1} more rank(s) too)" if len(errors) > 1 else "")
-    calls = [g.get("call") for g in gathered]
+    numbers = [g.get("call") for g in gathered]
     sigs = [g["sig"] or {} for g in gathered]
     diffs = []
-    if any(c != calls[0] for c in calls):
-        diffs.append("call number (a rank made an extra or a missing attention call): " + ", ".join(
-            f"rank {g['rank']} {c}" for g, c in zip(gathered, calls)))
+    if any(c != numbers[0] for c in numbers):
+        diffs.append(f"call number (a rank made an extra or a missing {calls}): " + ", ".join(
+            f"rank {g['rank']} {c}" for g, c in zip(gathered, numbers)))
     for field in sigs[0]:
         values = [s.get(field) for s in sigs]
         if any(v != values[0] for v in values):
@@ -577,6 +564,33 @@ def _disagreement(gathered: list, what: str = "the first call") -> Optional[str]
     if diffs:
         return f"ranks disagree on {what}: " + "; ".join(diffs)
     return None
+
+
+def signature_digest(sig: Optional[dict]) -> int:
+    """56 bits of a call's signature (JSON-able), for a cheap first comparison across ranks (0 for none)."""
+    if sig is None:
+        return 0
+    return int.from_bytes(hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).digest()[:7], "little")
+
+
+def raise_disagreement(stages: list, rank: int, what: str, call: int, sig: Optional[dict],
+                       error: Optional[Exception] = None, label: str = LABEL, calls: str = "attention call") -> None:
+    """Raises the same error on every rank once a cheap check has found that the ranks' calls differ (every rank
+    of ``stages``, Transports in order, must call it): the ranks exchange their full signatures and errors and the
+    message names the fields and ranks that differ, or the rank that rejected its inputs (with that rank's own
+    error type when it was a TypeError or ValueError)."""
+    local = None if error is None else f"{type(error).__name__}: {error}"
+    message, sent = None, None
+    for stage in stages:
+        payload, text = _frame(rank, local if message is None else message, sig, call)
+        sent = text if sent is None else sent
+        frames = stage.all_gather_bytes(payload, f"the signatures of {what} {call}", _FRAME)
+        gathered = [json.loads(b) for b in frames]
+        message = message or _disagreement(gathered, f"{what} {call}", calls)
+    message = message or f"ranks disagree on {what} {call} (found in another group of the mesh)"
+    if local is not None and sent in message and isinstance(error, (TypeError, ValueError)):
+        raise type(error)(f"{label}: {message}") from error  # its own error (other ranks' may follow it)
+    raise ValueError(f"{label}: {message}") from error
 
 
 # The functional form's ContextParallel objects, by groups and options.  Calls on a group of several ranks are
