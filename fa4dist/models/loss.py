@@ -1,14 +1,24 @@
 """Next-token loss over a context-parallel shard, equal to the loss of the unsplit sequence.
 
 Each rank computes the summed cross entropy of its local tokens and divides by the token count of the *whole*
-sequence (all-reduced over the cp group).  The cp ranks' losses then add up to the mean over the sequence, and so
+sequence (gathered over the cp group).  The cp ranks' losses then add up to the mean over the sequence, and so
 do their gradients: summing gradients over the cp group (what FSDP2 with divide factor dp, or DeepSpeed with our
 cp group as its sequence-parallel group, does) gives exactly the single-process gradient.
+
+Every rank of the group must make the same call.  The one exchange that gathers the label counts (int64, whatever
+the logits dtype) also carries each rank's fingerprint of its call (a digest of vocabulary size, logits dtype and
+device type and whether a gradient is needed, the call's number on the group, an error flag), so checking costs
+nothing extra; a rank whose inputs are refused still takes part.  When anything differs, the ranks swap their full
+signatures and all raise the same error naming the ranks and fields
+(``fa4dist.context_parallel.core.raise_disagreement``, as the attention's agreement check does), instead of the
+others waiting in the collective or gloo/NCCL failing on mismatched buffers.  A rank that skips a call cannot be
+seen by the others: they time out after ``timeout`` seconds with a message naming the call.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -16,11 +26,31 @@ import torch.nn.functional as F
 
 from fa4dist.data.packing import IGNORE
 
+_CALLS: dict = {}  # (function, group name) -> this rank's calls on the group so far
+
 
 def _process_group(group):
     if group is not None and hasattr(group, "get_group"):  # DeviceMesh
         return group.get_group()
     return group
+
+
+def _member_group(group, name: str):
+    """(process group, its size) of a group argument (a DeviceMesh resolved; None stays None, the default group
+    where it means that); a group this rank is not a member of is refused (it has size -1: was a silent local
+    result)."""
+    group = _process_group(group)
+    size = dist.get_world_size(group)
+    if size < 1 or dist.get_rank(group) < 0:
+        raise ValueError(f"{name} is a process group that this rank (global rank {dist.get_rank()}) is not a member "
+                         "of; pass the group this rank belongs to")
+    return group, size
+
+
+def _next_call(function: str, group) -> int:
+    key = (function, (group if group is not None else dist.group.WORLD).group_name)
+    _CALLS[key] = _CALLS.get(key, 0) + 1
+    return _CALLS[key]
 
 
 @dataclass
@@ -30,24 +60,118 @@ class CPLoss:
     local_tokens: int
 
 
-def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp_group=None) -> CPLoss:
-    """Token-mean cross entropy of the sequence that ``logits``/``labels`` are this rank's shard of."""
+def _check_inputs(logits, labels) -> None:
+    if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
+        bad = "logits" if not isinstance(logits, torch.Tensor) else "labels"
+        raise TypeError(f"{bad} must be a torch.Tensor, got {type(logits if bad == 'logits' else labels).__name__}")
+    if logits.dim() != 2 or logits.shape[1] < 1:
+        raise ValueError(f"logits must be 2-D (local_tokens, vocab) with vocab >= 1, got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must have a floating-point dtype, got {logits.dtype}")
+    if labels.dim() != 1 or labels.shape[0] != logits.shape[0]:
+        raise ValueError(f"labels must be 1-D with one label per logits row ({logits.shape[0]}), got shape "
+                         f"{tuple(labels.shape)}")
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
+        raise TypeError(f"labels must have an integer dtype (token ids, {IGNORE} for no target), got {labels.dtype}")
+    if labels.device != logits.device:
+        raise ValueError(f"labels are on {labels.device} but logits on {logits.device}")
+
+
+def _label_count(labels: torch.Tensor, vocab: int) -> int:
+    """The labels that are targets (not IGNORE); refuses ids outside [0, vocab) (a CUDA device assert, or an
+    IndexError on one rank only, in the cross entropy).  One host sync, as the count needs anyway."""
+    outside = ((labels < 0) & (labels != IGNORE)) | (labels >= vocab)
+    count, n_out = torch.stack([(labels != IGNORE).sum(), outside.sum()]).tolist()
+    if n_out:
+        example = int(labels[outside][0])
+        raise ValueError(f"labels hold {n_out} id(s) outside the vocabulary [0, {vocab}) that are not IGNORE "
+                         f"({IGNORE}), e.g. {example}")
+    return count
+
+
+def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp_group=None, *,
+                     timeout: float = 300.0) -> CPLoss:
+    """Token-mean cross entropy of the sequence that ``logits`` (local_tokens, vocab) / ``labels`` (local_tokens,),
+    integer ids or IGNORE, are this rank's shard of.  ``cp_group``: the cp group (ProcessGroup or 1-D DeviceMesh;
+    None: this rank's tokens are the whole sequence); every rank of it must call this alike (checked in the one
+    exchange of the label counts, which waits at most ``timeout`` seconds for the other ranks)."""
+    group, size = (None, 1) if cp_group is None else _member_group(cp_group, "cp_group")
+    error, sig, count = None, None, 0
+    try:
+        _check_inputs(logits, labels)
+        sig = dict(vocab=int(logits.shape[1]), dtype=str(logits.dtype), device=logits.device.type,
+                   grad=bool(torch.is_grad_enabled() and logits.requires_grad))
+        count = _label_count(labels, logits.shape[1])
+    except Exception as err:  # any error: the other ranks must not wait for this one
+        if size == 1:
+            raise
+        error = err
+    total = count
+    if size > 1:
+        total = sum(_gather_counts(group, count, sig, error, timeout))
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    local_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
-    count = (labels != IGNORE).sum().to(logits.dtype)
-    local_count = int(count)
-    group = _process_group(cp_group)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(count, group=group)
-    return CPLoss(local_sum / count.clamp(min=1.0), count, local_count)
+    local_sum = F.cross_entropy(logits, labels.long(), ignore_index=IGNORE, reduction="sum")
+    tokens = torch.tensor(total, dtype=logits.dtype, device=logits.device)
+    return CPLoss(local_sum / tokens.clamp(min=1.0), tokens, count)
 
 
-def reduce_value(value: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """A detached copy of ``value`` reduced over ``group`` (identity without one)."""
-    value = value.detach().clone()
-    group = _process_group(group)
-    if dist.is_available() and dist.is_initialized() and (group is None or dist.get_world_size(group) > 1):
-        if group is not None or dist.get_world_size() > 1:
-            dist.all_reduce(value, op=op, group=group)
+def _gather_counts(group, count: int, sig: Optional[dict], error: Optional[Exception], timeout: float) -> list:
+    """Every rank's label count, from one all-gather that also carries the call's fingerprint; raises the same
+    error on every rank if a rank's call differs or was refused."""
+    from fa4dist.context_parallel.comm import Transport
+    from fa4dist.context_parallel.core import raise_disagreement, signature_digest
+
+    label = "fa4dist cp_cross_entropy"
+    transport = Transport(group, timeout, label=label)
+    call = _next_call("cp_cross_entropy", group)
+    rows = transport.all_gather_ints([count, signature_digest(sig), call, int(error is not None)],
+                                     f"the label counts of cp_cross_entropy call {call}")
+    if any(r[3] for r in rows) or len({(r[1], r[2]) for r in rows}) > 1:
+        raise_disagreement([transport], transport.rank, "cp_cross_entropy call", call, sig, error, label=label,
+                           calls="cp_cross_entropy call")
+    return [r[0] for r in rows]
+
+
+def reduce_value(value: torch.Tensor, group=None, op=dist.ReduceOp.SUM, *, timeout: float = 300.0) -> torch.Tensor:
+    """A detached copy of ``value`` reduced over ``group`` (default: every rank; a plain copy when
+    torch.distributed is not initialized or the group has one rank).  Every rank must call it alike (one shape,
+    dtype and ``op``): a fingerprint of the call is compared first through the group's store (host-side, no device
+    sync, as the attention's agreement check), so a rank whose call differs or is refused makes every rank raise,
+    naming it, instead of gloo aborting, NCCL hanging or the ops mixing silently."""
+    def check(value):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"value must be a torch.Tensor, got {type(value).__name__}")
+        return value.detach().clone()
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return check(value)
+    group, size = _member_group(group, "group")
+    if size == 1:
+        return check(value)
+    from fa4dist.context_parallel.comm import Transport
+    from fa4dist.context_parallel.core import raise_disagreement, signature_digest
+
+    label = "fa4dist reduce_value"
+    transport = Transport(group, timeout, label=label)
+    error, sig = None, None
+    try:
+        value = check(value)
+        if not isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+            raise TypeError(f"op must be a torch.distributed.ReduceOp, got {type(op).__name__}")
+        if transport.backend == "nccl" and not value.is_cuda:
+            raise ValueError(f"an NCCL process group needs a CUDA tensor, got one on {value.device}")
+        sig = dict(shape=list(value.shape), dtype=str(value.dtype), device=value.device.type,
+                   op=op.name if isinstance(op, dist.ReduceOp.RedOpType) else type(op).__name__)
+    except Exception as err:  # the other ranks must not wait for this one
+        error = err
+    call = _next_call("reduce_value", group)
+    # the row of ContextParallel.agree's exchanges on the group's store: paired with one of them by a rank that
+    # skipped or added a call, each side sees the other's digest and both raise
+    rows = transport.host_gather_ints([signature_digest(sig), call, int(error is not None), 0],
+                                      f"the agreement check of reduce_value call {call}")
+    if any(r[2] or r[3] for r in rows) or len({(r[0], r[1]) for r in rows}) > 1:
+        raise_disagreement([transport], transport.rank, "reduce_value call", call, sig, error, label=label,
+                           calls="reduce_value call")
+    dist.all_reduce(value, op=op, group=group)
     return value

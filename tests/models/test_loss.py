@@ -1,0 +1,184 @@
+"""cp_cross_entropy and reduce_value (fa4dist/models/loss.py): argument checks, the shares of a cp group adding up
+to the whole sequence's loss, and ranks that call them differently raising the same error on every rank (CPU gloo,
+ranks 0 and 1 of a 4-rank pool) instead of a gloo abort, a hang or a silently local result."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cp_harness import GROUPS, fresh_group, shared_pool
+from fa4dist.data.packing import IGNORE
+from fa4dist.models import cp_cross_entropy
+
+pytestmark = pytest.mark.timeout(300)
+
+VOCAB = 11
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return shared_pool(4)
+
+
+def _inputs(tokens=12, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, VOCAB, (tokens,), generator=gen)
+    labels[::5] = IGNORE
+    return torch.randn(tokens, VOCAB, generator=gen), labels
+
+
+@pytest.mark.parametrize("logits, labels, error, message", [
+    (torch.zeros(1, 4, VOCAB), torch.zeros(4, dtype=torch.long), ValueError,
+     r"logits must be 2-D \(local_tokens, vocab\) with vocab >= 1, got shape \(1, 4, 11\)"),
+    (torch.zeros(4, 0), torch.zeros(4, dtype=torch.long), ValueError, "with vocab >= 1, got shape"),
+    (torch.zeros(4, VOCAB, dtype=torch.long), torch.zeros(4, dtype=torch.long), TypeError,
+     "logits must have a floating-point dtype, got torch.int64"),
+    (torch.zeros(4, VOCAB), torch.zeros(1, 4, dtype=torch.long), ValueError,
+     r"labels must be 1-D with one label per logits row \(4\), got shape \(1, 4\)"),
+    (torch.zeros(4, VOCAB), torch.zeros(5, dtype=torch.long), ValueError, r"got shape \(5,\)"),
+    (torch.zeros(4, VOCAB), torch.zeros(4), TypeError, "labels must have an integer dtype .* got torch.float32"),
+    (torch.zeros(4, VOCAB), torch.zeros(4, dtype=torch.bool), TypeError, "integer dtype"),
+    (torch.zeros(4, VOCAB), [0, 1, 2, 3], TypeError, "labels must be a torch.Tensor, got list"),
+    (torch.zeros(4, VOCAB), torch.tensor([0, 1, VOCAB, 3]), ValueError,
+     r"labels hold 1 id\(s\) outside the vocabulary \[0, 11\) that are not IGNORE \(-100\), e.g. 11"),
+    (torch.zeros(4, VOCAB), torch.tensor([0, -1, -100, 3]), ValueError, r"e.g. -1"),
+])
+def test_bad_arguments_are_refused_by_name(logits, labels, error, message):
+    with pytest.raises(error, match=message):
+        cp_cross_entropy(logits, labels)
+
+
+def test_integer_labels_of_any_width():
+    """int32 labels (F.cross_entropy takes int64 or uint8 only) give the int64 labels' loss."""
+    logits, labels = _inputs()
+    want = cp_cross_entropy(logits, labels)
+    got = cp_cross_entropy(logits, labels.int())
+    assert torch.equal(got.loss, want.loss) and got.local_tokens == want.local_tokens == int((labels != IGNORE).sum())
+
+
+def _shares(rank, world):
+    """cp = 2 over 24 tokens: each rank's share and the whole sequence's mean."""
+    if rank >= 2:
+        return None
+    logits, labels = _inputs(24)
+    part = slice(0, 10) if rank == 0 else slice(10, 24)  # unequal shards
+    res = cp_cross_entropy(logits[part], labels[part], GROUPS[2])
+    return float(res.loss), int(res.tokens), res.local_tokens
+
+
+def test_shares_add_up_to_the_sequence_loss(pool):
+    logits, labels = _inputs(24)
+    (a, total, na), (b, total_b, nb) = pool.run(_shares)[:2]
+    assert total == total_b == na + nb == int((labels != IGNORE).sum())
+    assert abs(a + b - float(F.cross_entropy(logits, labels, ignore_index=IGNORE))) < 1e-6
+
+
+def _disagreeing(rank, world, case):
+    """Ranks 0 and 1 of a cp group call cp_cross_entropy, rank 1 differently: the error each raises."""
+    if rank >= 2:
+        return None
+    logits, labels = _inputs(6, seed=rank)
+    if rank == 1:
+        if case == "dtype":
+            logits = logits.double()  # gloo aborted the process (an all-reduce of fp32 with fp64)
+        elif case == "vocab":
+            logits = torch.cat([logits, logits[:, :1]], 1)
+        elif case == "shape":
+            logits = logits[None]  # rank 1 raised alone, rank 0 waited in the all-reduce
+        elif case == "label":
+            labels[2] = VOCAB
+        elif case == "grad":
+            logits.requires_grad_()
+    try:
+        cp_cross_entropy(logits, labels, GROUPS[2])
+    except (TypeError, ValueError) as err:
+        return type(err).__name__, str(err)
+    return None
+
+
+@pytest.mark.parametrize("case, message", [
+    ("dtype", "ranks disagree on cp_cross_entropy call .*: dtype: rank 0 'torch.float32', rank 1 'torch.float64'"),
+    ("vocab", "ranks disagree on cp_cross_entropy call .*: vocab: rank 0 11, rank 1 12"),
+    ("grad", "grad: rank 0 False, rank 1 True"),
+    ("shape", r"rank 1 rejected its inputs: ValueError: logits must be 2-D .* got shape \(1, 6, 11\)"),
+    ("label", r"rank 1 rejected its inputs: ValueError: labels hold 1 id\(s\) outside the vocabulary"),
+])
+def test_ranks_that_disagree_all_raise(pool, case, message):
+    import re
+
+    results = pool.run(_disagreeing, case=case)
+    assert results[0] == results[1] and results[0] is not None, results
+    kind, text = results[0]
+    assert kind == "ValueError" and text.startswith("fa4dist cp_cross_entropy: ") and re.search(message, text), text
+
+
+def _outsider(rank, world):
+    """Ranks 2 and 3 pass the group of ranks 0 and 1 (new_group gives them a non-member placeholder)."""
+    from fa4dist.models import reduce_value
+
+    if rank < 2:
+        return None
+    errors = []
+    for call in (lambda: cp_cross_entropy(*_inputs(), GROUPS[2]), lambda: reduce_value(torch.ones(()), GROUPS[2])):
+        try:
+            call()
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_a_group_without_this_rank_is_refused(pool):
+    """Was a silently local loss (and an unreduced value): the group's size is -1 on a non-member."""
+    for rank, errors in enumerate(pool.run(_outsider)[2:], start=2):
+        assert len(errors) == 2, errors
+        assert all(f"is a process group that this rank (global rank {rank}) is not a member of" in e for e in errors)
+
+
+def _reduce(rank, world, case):
+    """reduce_value on ranks 0 and 1, rank 1's call as `case` says; the value or the error on each rank."""
+    from fa4dist.context_parallel.comm import CommError
+    from fa4dist.models import reduce_value
+
+    group = fresh_group([0, 1])  # a skipped call leaves the group's store exchanges out of step: throw it away
+    if rank >= 2:
+        return None
+    value, op = torch.tensor([1.0 + rank, 5.0 - rank]), torch.distributed.ReduceOp.SUM
+    if rank == 1:
+        if case == "dtype":
+            value = value.double()
+        elif case == "shape":
+            value = value[:1]
+        elif case == "op":
+            op = torch.distributed.ReduceOp.MAX
+        elif case == "not a tensor":
+            value = 3.0
+    try:
+        if case == "skip" and rank == 1:
+            return None
+        return reduce_value(value, group, op, timeout=1.0 if case == "skip" else 60.0).tolist()
+    except (TypeError, ValueError, CommError) as err:
+        return type(err).__name__, str(err)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("dtype", "dtype: rank 0 'torch.float32', rank 1 'torch.float64'"),
+    ("shape", r"shape: rank 0 \[2\], rank 1 \[1\]"),
+    ("op", "op: rank 0 'SUM', rank 1 'MAX'"),
+])
+def test_reduce_value_calls_that_differ_all_raise(pool, case, message):
+    import re
+
+    results = pool.run(_reduce, case=case)
+    assert results[0] == results[1] and results[0] is not None, results
+    kind, text = results[0]
+    want = f"^fa4dist reduce_value: ranks disagree on reduce_value call 1: {message}"
+    assert kind == "ValueError" and re.search(want, text), text
+
+
+def test_reduce_value_agreement_and_failures(pool):
+    assert pool.run(_reduce, case="same")[:2] == [[3.0, 9.0]] * 2
+    (kind0, text0), (kind1, text1) = pool.run(_reduce, case="not a tensor")[:2]
+    assert text0 == text1 and "rank 1 rejected its inputs: TypeError: value must be a torch.Tensor, got float" in text0
+    assert (kind0, kind1) == ("ValueError", "TypeError")  # rank 0 does not wait for rank 1's refused call
+    kind, text = pool.run(_reduce, case="skip")[0]
+    assert kind == "CommError" and "failed waiting for the agreement check of reduce_value call 1" in text, text
