@@ -35,13 +35,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fa4dist.data.packing import IGNORE
 from fa4dist.kernels.problem import check_int
+from fa4dist.models.loss import label_counts
 
 from .hf_context_parallel import LABELS_KEY, PLAN_KEY, ContextParallelHandle
 
@@ -68,22 +68,46 @@ def _tile_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
 
 def tiled_cp_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, cp_group=None, *,
                            bias: Optional[torch.Tensor] = None, chunk_tokens: Optional[int] = None,
-                           logit_softcap: Optional[float] = None) -> torch.Tensor:
+                           logit_softcap: Optional[float] = None, timeout: float = 300.0) -> torch.Tensor:
     """This rank's share of the mean next-token loss: ``sum_i CE(hidden[i] @ weight.T + bias, labels[i])`` over
     the local tokens, divided by the number of target tokens (labels != -100) of all ranks in ``cp_group``.
     ``logit_softcap`` c: the logits are ``c * tanh(logits / c)`` first (Gemma 2's final soft-capping).
 
-    ``hidden`` (tokens, dim) or (1, tokens, dim); ``labels`` (tokens,) already shifted.  Tiles of
-    ``chunk_tokens`` tokens (default: 2**29 logits per tile) are recomputed in the backward."""
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    labels = labels.reshape(-1)
-    if hidden.shape[0] != labels.shape[0]:
-        raise ValueError(f"hidden holds {hidden.shape[0]} tokens but labels {labels.shape[0]}")
-    chunk = default_chunk_tokens(weight.shape[0]) if chunk_tokens is None else check_int("chunk_tokens",
-                                                                                          chunk_tokens, 1)
-    if logit_softcap is not None and not logit_softcap > 0:
-        raise ValueError(f"logit_softcap must be None or positive, got {logit_softcap}")
+    ``hidden`` (tokens, dim) or (1, tokens, dim); ``labels`` (tokens,) already shifted, integer ids.  Tiles of
+    ``chunk_tokens`` tokens (default: 2**29 logits per tile) are recomputed in the backward.  Every rank of
+    ``cp_group`` must call it alike: checked as :func:`fa4dist.models.cp_cross_entropy` checks, in the one exchange
+    of the label counts (:func:`fa4dist.models.loss.label_counts`)."""
+    chunk = None
+
+    def inputs():
+        nonlocal hidden, labels, chunk
+        for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+            raise ValueError(f"weight must be (vocab, dim) for hidden states (..., dim), got weight "
+                             f"{tuple(weight.shape)} and hidden {tuple(hidden.shape)}")
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        labels = labels.reshape(-1)
+        if hidden.shape[0] != labels.shape[0]:
+            raise ValueError(f"hidden holds {hidden.shape[0]} tokens but labels {labels.shape[0]}")
+        if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
+            raise TypeError(f"labels must have an integer dtype (token ids, {IGNORE} for no target), got "
+                            f"{labels.dtype}")
+        if labels.device != hidden.device:
+            raise ValueError(f"labels are on {labels.device} but hidden on {hidden.device}")
+        chunk = default_chunk_tokens(weight.shape[0]) if chunk_tokens is None else check_int("chunk_tokens",
+                                                                                              chunk_tokens, 1)
+        if logit_softcap is not None and not logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be None or positive, got {logit_softcap}")
+        return labels, weight.shape[0], dict(vocab=int(weight.shape[0]), dtype=str(hidden.dtype),
+                                             device=hidden.device.type,
+                                             softcap=None if logit_softcap is None else float(logit_softcap),
+                                             grad=bool(torch.is_grad_enabled() and hidden.requires_grad))
+
+    _, count = label_counts("tiled_cp_cross_entropy", cp_group, inputs, timeout)
     total = hidden.new_zeros((), dtype=torch.float32 if hidden.dtype != torch.float64 else torch.float64)
+    labels = labels.long()
     for start in range(0, hidden.shape[0], chunk):
         h, y = hidden[start:start + chunk], labels[start:start + chunk]
         if torch.is_grad_enabled():
@@ -91,10 +115,7 @@ def tiled_cp_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
         else:
             part = _tile_loss_sum(h, weight, bias, y, logit_softcap)
         total = total + part.to(total.dtype)
-    count = (labels != IGNORE).sum().to(total.dtype)
-    if cp_group is not None and dist.get_world_size(cp_group) > 1:
-        dist.all_reduce(count, group=cp_group)
-    return total / count.clamp(min=1.0)
+    return total / torch.tensor(count, dtype=total.dtype, device=total.device).clamp(min=1.0)
 
 
 class TiledCausalLMLoss(nn.Module):

@@ -18,7 +18,7 @@ seen by the others: they time out after ``timeout`` seconds with a message namin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -89,48 +89,55 @@ def _label_count(labels: torch.Tensor, vocab: int) -> int:
     return count
 
 
+def label_counts(function: str, cp_group, inputs: Callable[[], tuple], timeout: float = 300.0) -> tuple[int, int]:
+    """(this rank's target labels, the whole sequence's) for a cp loss named ``function``.  ``inputs()`` checks the
+    call's arguments and returns (labels, vocab, signature): labels integer ids or IGNORE, whose ids are checked to
+    lie in [0, vocab), and the signature (a JSON-able dict) that every rank of ``cp_group`` must share.  On a group
+    of several ranks, the counts and the calls' fingerprints go in one all-gather; a refused or differing call
+    raises the same error on every rank.  ``cp_group`` None: this rank's tokens are the whole sequence."""
+    group, size = (None, 1) if cp_group is None else _member_group(cp_group, "cp_group")
+    error, sig, count = None, None, 0
+    try:
+        labels, vocab, sig = inputs()
+        count = _label_count(labels, vocab)
+    except Exception as err:  # any error: the other ranks must not wait for this one
+        if size == 1:
+            raise
+        error = err
+    if size == 1:
+        return count, count
+    from fa4dist.context_parallel.comm import Transport
+    from fa4dist.context_parallel.core import raise_disagreement, signature_digest
+
+    label = f"fa4dist {function}"
+    transport = Transport(group, timeout, label=label)
+    call = _next_call(function, group)
+    rows = transport.all_gather_ints([count, signature_digest(sig), call, int(error is not None)],
+                                     f"the label counts of {function} call {call}")
+    if any(r[3] for r in rows) or len({(r[1], r[2]) for r in rows}) > 1:
+        raise_disagreement([transport], transport.rank, f"{function} call", call, sig, error, label=label,
+                           calls=f"{function} call")
+    return count, sum(r[0] for r in rows)
+
+
 def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp_group=None, *,
                      timeout: float = 300.0) -> CPLoss:
     """Token-mean cross entropy of the sequence that ``logits`` (local_tokens, vocab) / ``labels`` (local_tokens,),
     integer ids or IGNORE, are this rank's shard of.  ``cp_group``: the cp group (ProcessGroup or 1-D DeviceMesh;
     None: this rank's tokens are the whole sequence); every rank of it must call this alike (checked in the one
     exchange of the label counts, which waits at most ``timeout`` seconds for the other ranks)."""
-    group, size = (None, 1) if cp_group is None else _member_group(cp_group, "cp_group")
-    error, sig, count = None, None, 0
-    try:
+    def inputs():
         _check_inputs(logits, labels)
-        sig = dict(vocab=int(logits.shape[1]), dtype=str(logits.dtype), device=logits.device.type,
-                   grad=bool(torch.is_grad_enabled() and logits.requires_grad))
-        count = _label_count(labels, logits.shape[1])
-    except Exception as err:  # any error: the other ranks must not wait for this one
-        if size == 1:
-            raise
-        error = err
-    total = count
-    if size > 1:
-        total = sum(_gather_counts(group, count, sig, error, timeout))
+        return labels, logits.shape[1], dict(vocab=int(logits.shape[1]), dtype=str(logits.dtype),
+                                             device=logits.device.type,
+                                             grad=bool(torch.is_grad_enabled() and logits.requires_grad))
+
+    count, total = label_counts("cp_cross_entropy", cp_group, inputs, timeout)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     local_sum = F.cross_entropy(logits, labels.long(), ignore_index=IGNORE, reduction="sum")
     tokens = torch.tensor(total, dtype=logits.dtype, device=logits.device)
     return CPLoss(local_sum / tokens.clamp(min=1.0), tokens, count)
-
-
-def _gather_counts(group, count: int, sig: Optional[dict], error: Optional[Exception], timeout: float) -> list:
-    """Every rank's label count, from one all-gather that also carries the call's fingerprint; raises the same
-    error on every rank if a rank's call differs or was refused."""
-    from fa4dist.context_parallel.comm import Transport
-    from fa4dist.context_parallel.core import raise_disagreement, signature_digest
-
-    label = "fa4dist cp_cross_entropy"
-    transport = Transport(group, timeout, label=label)
-    call = _next_call("cp_cross_entropy", group)
-    rows = transport.all_gather_ints([count, signature_digest(sig), call, int(error is not None)],
-                                     f"the label counts of cp_cross_entropy call {call}")
-    if any(r[3] for r in rows) or len({(r[1], r[2]) for r in rows}) > 1:
-        raise_disagreement([transport], transport.rank, "cp_cross_entropy call", call, sig, error, label=label,
-                           calls="cp_cross_entropy call")
-    return [r[0] for r in rows]
 
 
 def reduce_value(value: torch.Tensor, group=None, op=dist.ReduceOp.SUM, *, timeout: float = 300.0) -> torch.Tensor:

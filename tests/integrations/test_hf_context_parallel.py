@@ -176,6 +176,28 @@ def test_ranks_with_different_batches_fail_alike(pool):
     assert all("different batches" in m for m in messages), messages
 
 
+def _tiled_loss_calls(rank, world):
+    """tiled_cp_cross_entropy on ranks 0 and 1: rank 1's hidden states in fp32, the others' in fp64 (their counts
+    were all-reduced in the hidden dtype: gloo aborted); ranks 2 and 3 pass the group of ranks 0 and 1."""
+    from fa4dist.integrations.hf_loss import tiled_cp_cross_entropy
+
+    gen = torch.Generator().manual_seed(rank)
+    hidden, weight = torch.randn(6, 4, generator=gen, dtype=torch.float64), torch.randn(10, 4, dtype=torch.float64)
+    labels = torch.randint(0, 10, (6,), generator=gen)
+    try:
+        tiled_cp_cross_entropy(hidden.float() if rank == 1 else hidden, weight, labels, GROUPS[2])
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_tiled_loss_calls_that_differ_fail_alike(pool):
+    messages = pool.run(_tiled_loss_calls)
+    assert messages[0] == messages[1] and "ranks disagree on tiled_cp_cross_entropy call" in messages[0], messages
+    assert "dtype: rank 0 'torch.float64', rank 1 'torch.float32'" in messages[0]
+    assert all("is a process group that this rank" in m and "not a member of" in m for m in messages[2:]), messages
+
+
 def _unnamed_2d_mesh(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 

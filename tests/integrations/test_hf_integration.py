@@ -309,3 +309,15 @@ def test_tiled_loss_refuses_a_chunk_size_it_cannot_use(chunk_tokens, error):
     hidden, weight, labels = torch.randn(6, 4), torch.randn(10, 4), torch.randint(0, 10, (6,))
     with pytest.raises(error, match="chunk_tokens must be"):
         tiled_cp_cross_entropy(hidden, weight, labels, chunk_tokens=chunk_tokens)
+
+
+@pytest.mark.parametrize("labels, error, message", [
+    (torch.zeros(6), TypeError, "labels must have an integer dtype"),
+    (torch.tensor([0, 1, 2, 3, 4, 10]), ValueError, r"labels hold 1 id\(s\) outside the vocabulary \[0, 10\)"),
+    (torch.zeros(5, dtype=torch.long), ValueError, "hidden holds 6 tokens but labels 5"),
+])
+def test_tiled_loss_refuses_labels_it_cannot_use(labels, error, message):
+    from fa4dist.integrations.hf_loss import tiled_cp_cross_entropy
+
+    with pytest.raises(error, match=message):
+        tiled_cp_cross_entropy(torch.randn(6, 4), torch.randn(10, 4), labels)
