@@ -182,6 +182,8 @@ def check_checkpoint_args(p: argparse.ArgumentParser, args) -> None:
                 f"--save-every N and/or --stop-at N (or --resume)")
     if args.save_every > args.steps:
         p.error(f"--save-every {args.save_every} is past --steps {args.steps}: no step would save a checkpoint")
+    if args.stop_at is not None and not 0 < args.stop_at <= args.steps:  # before any process group exists
+        p.error(f"--stop-at must be in [1, --steps={args.steps}], got {args.stop_at}")
 
 
 SCHEDULE_FIELDS = ("steps", "warmup", "lr")

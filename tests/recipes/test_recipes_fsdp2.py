@@ -101,10 +101,16 @@ def test_fsdp2_dp2_with_activation_checkpointing_matches_single_process(tmp_path
     assert_steps_close(step_metrics(tmp_path / "m.jsonl", "grad_norm"), reference["grad_norm"])
 
 
-def test_stop_at_out_of_range_is_refused():
+def test_stop_at_out_of_range_is_refused(capsys):
+    """At parse time, before a process group or model exists; last_step keeps the check for other callers."""
     import fsdp2_train
 
-    args = fsdp2_train.parse_args(["--steps", "10", "--stop-at", "11", "--ckpt-dir", "unused"])
+    for stop in ("11", "0"):
+        with pytest.raises(SystemExit):
+            fsdp2_train.parse_args(["--steps", "10", "--stop-at", stop, "--ckpt-dir", "unused"])
+        assert f"--stop-at must be in [1, --steps=10], got {stop}" in capsys.readouterr().err
+    args = fsdp2_train.parse_args(["--steps", "10", "--stop-at", "10", "--ckpt-dir", "unused"])
+    args.stop_at = 11
     with pytest.raises(SystemExit, match=r"--stop-at must be in \[1, --steps=10\], got 11"):
         common.last_step(args)
 
