@@ -59,3 +59,14 @@ if [ "$1" = 3 ]; then
     tests/cp/test_cp_gpu.py tests/kernels/test_worklist_gpu.py -k "ring or invariant or packed"
   exit
 fi
+# 4: the table's other rows with the fresh buffers: cp = 4 causal (0.944 / 0.947 in the twenty-fifth session) and
+#    cp = 8 with a 4096-token window (0.80 / 0.74 then: each member runs 2 of 8 steps, calls of 1-3 ms).
+#    Prediction: cp = 4 backward ~0.96 (+1.5%), forward unchanged; windowed cp = 8 backward +5-8% (its fills were a
+#    larger share of its short calls).
+if [ "$1" = 4 ]; then
+  TAIL_LINES=4 stage cp_sim_cp4 90 python3 bench/cp_sim.py --seqlens 131072 --cp 4 --balancers lpt \
+    --directions fwd bwd --reps 4 --queue-ahead-ms 8 --back-to-back --tag cp4
+  TAIL_LINES=4 stage cp_sim_window_cp8 70 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
+    --directions fwd bwd bwd_zero_fill --reps 4 --queue-ahead-ms 8 --back-to-back --window 4096 --tag window-cp8
+  exit
+fi
