@@ -450,7 +450,7 @@ def attention_backward_items(
     if shared is not None and (cp_invariant or shared.deterministic != bool(deterministic) or dk is None):
         raise ValueError("shared= needs cp_invariant=False and the deterministic setting it was made with (and "
                          "dk and dv to add into)")
-    if fresh_dkv and dk is None:
+    if fresh_dkv and (dk is None or dv is None):
         raise ValueError("fresh_dkv=True needs dk and dv to write into")
     if getattr(impl, "backward_items", None) is not None and not cp_invariant:
         rows = None if shared is None or shared.finished or shared.impl is not impl else shared.state

@@ -294,6 +294,20 @@ def test_fresh_dkv_is_checked():
                                  backend="reference", fresh_dkv=1)
 
 
+
+def test_fresh_dkv_with_one_of_dk_dv_is_refused_by_name_untouched():
+    """fresh_dkv=True given dk without dv (or dv without dk): refused by name before any buffer is written (was an
+    AttributeError on None after dk had been zeroed)."""
+    q = torch.randn(4, 1, 8)
+    out, lse = torch.zeros(4, 1, 8), torch.zeros(1, 4)
+    for which in (1, 2):
+        grads = [torch.zeros(4, 1, 8), torch.full((4, 1, 8), 7.0), torch.full((4, 1, 8), 7.0)]
+        grads[3 - which] = None
+        with pytest.raises(ValueError, match="fresh_dkv=True needs dk and dv"):
+            attention_backward_items(q, q, q, q, out, lse, [WorkItem(0, 4, 0, 4)], *grads, backend="reference",
+                                     fresh_dkv=True)
+        assert bool((grads[which] == 7.0).all())
+
 def test_cute_backward_plan_with_fresh_dkv():
     """The cute backward's plan over fresh dK / dV (host side, no GPU): the first launch on a key row writes, a
     later one adds; rows no item has are cleared, and so are the untouched rows of an item that adds."""
