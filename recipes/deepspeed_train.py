@@ -10,11 +10,11 @@ local summed loss over the sequence's token count) is exactly the single-process
 passed and DeepSpeed does plain data parallelism.
 
 ``recipes/ds_config.json`` is the base config; the recipe fills in what depends on the run (micro batch 1 packed
-sequence, gradient accumulation = sequences per dp rank, train batch, ZeRO stage, bf16, clipping), so a
-``--ds-config`` that sets one of those (or an optimizer, a scheduler, fp16) is refused by name at parse time: it
-used to be overwritten, or left unused beside the client optimizer and the recipe's schedule (a file's ZeRO stage
-is accepted where it is ``--zero-stage``'s).  At stage 3 the recipe's prefetch and persistence settings are
-defaults: a file's own win.  The
+sequence, gradient accumulation = sequences per dp rank, train batch, ZeRO stage, bf16, clipping).  A
+``--ds-config`` may set those where they agree with the run (or say "auto", as HF-style configs do); one that
+contradicts it is refused by name (it used to be overwritten), and so are an optimizer, a scheduler and an enabled
+fp16, which the recipe would leave unused beside its client optimizer, schedule and --dtype.  At stage 3 the
+recipe's prefetch and persistence settings are defaults: a file's own win.  The
 optimizer is torch's AdamW (the same as the FSDP2 recipe and the reference), passed as a client optimizer, so no
 DeepSpeed op has to be compiled.  On CPUs DeepSpeed runs on its CPU accelerator with gloo.
 """
@@ -75,6 +75,7 @@ class ContextParallelMpu:
 def ds_config(args, layout, dtype) -> dict:
     with open(args.ds_config) as f:
         cfg = json.load(f)
+    file_cfg = dict(cfg)
     per_rank = layout.sequences_per_rank
     cfg["train_micro_batch_size_per_gpu"] = 1
     cfg["gradient_accumulation_steps"] = per_rank
@@ -93,8 +94,11 @@ def ds_config(args, layout, dtype) -> dict:
         zero.setdefault("stage3_param_persistence_threshold", 100_000)
         zero.setdefault("stage3_prefetch_bucket_size", 200_000_000)
         zero.setdefault("stage3_max_reuse_distance", 1_000_000_000)
-    cfg["bf16"] = {"enabled": dtype == torch.bfloat16}
+    bf16 = cfg.pop("bfloat16", None)  # DeepSpeed's older name: one section, the recipe's
+    bf16 = cfg.get("bf16", bf16)
+    cfg["bf16"] = {**(bf16 if isinstance(bf16, dict) else {}), "enabled": dtype == torch.bfloat16}
     cfg["zero_allow_untested_optimizer"] = True
+    check_layout_entries(args, file_cfg, cfg)
     return cfg
 
 
@@ -106,33 +110,72 @@ def zero3_loss_scale(args, layout) -> float:
     return float(layout.cp) if args.zero_stage == 3 else 1.0
 
 
-# what the recipe sets itself: a --ds-config entry for one of them is refused (it was overwritten or unused)
+# what the recipe sets itself: a --ds-config entry for one of them must agree with it (or be "auto", as HF-style
+# configs write it); a conflicting one is refused by name (it used to be overwritten). The batch shape, the clipping
+# and bf16 depend on the run's layout or device: checked when ds_config builds the config, on every rank alike.
 SET_BY_THE_RECIPE = {
     "train_micro_batch_size_per_gpu": "one packed sequence per micro batch",
     "gradient_accumulation_steps": "--batch-size (the sequences per dp rank)",
-    "train_batch_size": "--batch-size",
+    "train_batch_size": "--batch-size (sequences per dp rank x dp)",
     "gradient_clipping": "--grad-clip",
     "bf16": "--dtype",
-    "fp16": "--dtype (bf16 or fp32)",
+    "bfloat16": "--dtype",  # DeepSpeed's older name for the bf16 section
+    "fp16": "--dtype (bf16 or fp32: fp16 is not a recipe dtype)",
+}
+# what the recipe does not use at all: refused at parse time
+UNUSED_BY_THE_RECIPE = {
     "optimizer": "--lr and --weight-decay (torch's AdamW, a client optimizer)",
     "scheduler": "--lr, --warmup and --steps (the recipe's schedule)",
 }
 
 
+def _enabled(entry):
+    """A precision section's "enabled" ("auto" / absent: None), or the entry itself where it is not a section."""
+    return entry.get("enabled") if isinstance(entry, dict) else entry
+
+
 def check_ds_config(p: argparse.ArgumentParser, args, cfg) -> None:
-    """Refuses a --ds-config entry the recipe would overwrite or leave unused, naming it and the option to use."""
+    """Refuses a --ds-config entry the recipe leaves unused, or one that contradicts what it sets and can be
+    checked before the run's layout exists, naming it and the option to use."""
     where = f"--ds-config {args.ds_config}"
     if not isinstance(cfg, dict):
         p.error(f"{where}: a DeepSpeed config is a JSON object, got {type(cfg).__name__}")
-    for key, option in SET_BY_THE_RECIPE.items():
+    for key, option in UNUSED_BY_THE_RECIPE.items():
         if key in cfg:
-            p.error(f"{where}: {key!r} is set by the recipe from {option}; remove it from the file")
+            p.error(f"{where}: {key!r} is not used: the recipe takes {option}; remove it from the file")
+    if _enabled(cfg.get("fp16")) not in (None, False, "auto"):
+        p.error(f"{where}: 'fp16' is enabled, but the recipe computes in --dtype (bf16 or fp32); remove it or set "
+                f"\"enabled\": false")
+    micro = cfg.get("train_micro_batch_size_per_gpu", 1)
+    if micro not in (1, "auto"):
+        p.error(f"{where}: 'train_micro_batch_size_per_gpu' is {micro!r}, but the recipe runs "
+                f"{SET_BY_THE_RECIPE['train_micro_batch_size_per_gpu']} (1, or \"auto\")")
+    clip = cfg.get("gradient_clipping", "auto")
+    if clip != "auto" and (not isinstance(clip, (int, float)) or float(clip) != float(args.grad_clip)):
+        p.error(f"{where}: 'gradient_clipping' is {clip!r} but --grad-clip is {args.grad_clip}: pass --grad-clip "
+                f"{clip}, or remove it from the file")
     zero = cfg.get("zero_optimization", {})
     if not isinstance(zero, dict):
         p.error(f"{where}: 'zero_optimization' must be a JSON object, got {type(zero).__name__}")
     if "stage" in zero and zero["stage"] != args.zero_stage:
         p.error(f"{where}: zero_optimization.stage is {zero['stage']!r} but --zero-stage is {args.zero_stage} (the "
                 f"recipe runs --zero-stage): pass --zero-stage {zero['stage']}, or remove the stage from the file")
+
+
+def check_layout_entries(args, file_cfg: dict, recipe: dict) -> None:
+    """A --ds-config's batch shape and bf16 section against what the recipe sets for this layout and device (the
+    same on every rank: each raises the same error)."""
+    where = f"--ds-config {args.ds_config}"
+    for key in ("gradient_accumulation_steps", "train_batch_size"):
+        if file_cfg.get(key, "auto") not in ("auto", recipe[key]):
+            raise SystemExit(f"{where}: {key!r} is {file_cfg[key]!r} but this run has {recipe[key]} (from "
+                             f"{SET_BY_THE_RECIPE[key]}): remove it from the file or set it to \"auto\"")
+    for key in ("bf16", "bfloat16"):
+        enabled = _enabled(file_cfg.get(key))
+        if enabled not in (None, "auto", recipe["bf16"]["enabled"]):
+            raise SystemExit(f"{where}: {key!r} has enabled {enabled!r} but this run computes in "
+                             f"{'bf16' if recipe['bf16']['enabled'] else 'fp32'} (--dtype {args.dtype}): remove it "
+                             f"or set \"enabled\": \"auto\"")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -88,18 +88,19 @@ def test_a_ds_config_that_is_missing_or_not_json_is_refused_by_name(tmp_path, ca
 
 @pytest.mark.parametrize("entry, message", [
     ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage is 3 but --zero-stage is 2"),
-    ({"gradient_clipping": 0.5}, "'gradient_clipping' is set by the recipe from --grad-clip"),
-    ({"train_batch_size": 8}, "'train_batch_size' is set by the recipe from --batch-size"),
-    ({"bf16": {"enabled": True}}, "'bf16' is set by the recipe from --dtype"),
-    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}, "'optimizer' is set by the recipe from --lr"),
-    ({"scheduler": {"type": "WarmupLR"}}, "'scheduler' is set by the recipe from --lr, --warmup and --steps"),
+    ({"gradient_clipping": 0.5}, "'gradient_clipping' is 0.5 but --grad-clip is 1.0"),
+    ({"train_micro_batch_size_per_gpu": 4}, "'train_micro_batch_size_per_gpu' is 4, but the recipe runs one"),
+    ({"fp16": {"enabled": True}}, "'fp16' is enabled, but the recipe computes in --dtype"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}, "'optimizer' is not used: the recipe takes --lr"),
+    ({"scheduler": {"type": "WarmupLR"}}, "'scheduler' is not used: the recipe takes --lr, --warmup and --steps"),
     ([], "a DeepSpeed config is a JSON object, got list"),
 ])
-def test_ds_config_entries_the_recipe_would_overwrite_or_ignore_are_refused_by_name(tmp_path, capsys, entry,
-                                                                                     message):
+def test_ds_config_entries_that_contradict_the_recipe_or_go_unused_are_refused_by_name(tmp_path, capsys, entry,
+                                                                                         message):
     """The recipe sets the batch shape, clipping, precision and ZeRO stage from its own options and trains with its
-    AdamW and schedule: a --ds-config's own were silently replaced (a file's ZeRO-3 ran at the default
-    --zero-stage 2) or unused.  Now refused at parse time, naming the entry and the option."""
+    AdamW and schedule: a --ds-config's contradicting entries were silently replaced (a file's ZeRO-3 ran at the
+    default --zero-stage 2) or unused.  Refused at parse time where the run's layout is not needed, naming the
+    entry and the option."""
     import deepspeed_train
 
     path = tmp_path / "ds.json"
@@ -107,6 +108,28 @@ def test_ds_config_entries_the_recipe_would_overwrite_or_ignore_are_refused_by_n
     with pytest.raises(SystemExit):
         deepspeed_train.parse_args(["--ds-config", str(path)])
     assert f"--ds-config {path}: {message}" in capsys.readouterr().err
+
+
+def test_ds_config_entries_that_agree_with_the_run_or_say_auto_are_accepted(tmp_path):
+    """HF-style configs repeat the batch shape, clipping and precision, often as "auto": accepted where they agree
+    with the run; a batch shape or bf16 section that contradicts the run's layout or dtype is refused by name when
+    the config is built (every rank alike), and a bf16 section's other settings are kept."""
+    import deepspeed_train
+
+    layout = common.Layout(0, 2, 2, 1, 0, 0, None, None, None, 2)  # dp 2, one sequence per rank
+    agreeing = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1, "train_batch_size": 2,
+                "gradient_clipping": 1.0, "fp16": {"enabled": False}, "bf16": {"enabled": "auto", "x": 3}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(agreeing))
+    args = deepspeed_train.parse_args(["--ds-config", str(path), "--grad-clip", "1.0"])
+    cfg = deepspeed_train.ds_config(args, layout, torch.bfloat16)
+    assert cfg["bf16"] == {"enabled": True, "x": 3} and cfg["train_batch_size"] == 2
+    for bad, message in (({"train_batch_size": 8}, "'train_batch_size' is 8 but this run has 2"),
+                         ({"bfloat16": {"enabled": True}}, "'bfloat16' has enabled True but this run computes in")):
+        path.write_text(json.dumps(bad))
+        args = deepspeed_train.parse_args(["--ds-config", str(path)])
+        with pytest.raises(SystemExit, match=message):
+            deepspeed_train.ds_config(args, layout, torch.float32)
 
 
 def test_the_shipped_ds_config_parses_at_both_stages_and_a_files_stage_3_settings_win(tmp_path):
