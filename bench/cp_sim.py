@@ -43,6 +43,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -52,8 +53,10 @@ from fa4dist.context_parallel import Schedule, make_plan  # noqa: E402
 from fa4dist.context_parallel.ring import (  # noqa: E402
     Accumulators, KernelOptions, KVBuffer, accum_dtype, backward_step, forward_step,
 )
-from fa4dist.kernels import attention_backward, attention_forward, available_backends  # noqa: E402
-from fa4dist.kernels.worklist import share_queries  # noqa: E402
+from fa4dist.kernels import (  # noqa: E402
+    attention_backward, attention_forward, attention_forward_items, available_backends,
+)
+from fa4dist.kernels.worklist import coalesce, share_queries  # noqa: E402
 
 LINK_GBPS = 400.0
 
@@ -217,7 +220,7 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
     out_full, lse_full = attention_forward(q, k, v, backend=backend, **mask)
     # one call on the whole sequence, timed in every round beside the ranks' runs
     full["fwd"] = lambda: attention_forward(q, k, v, backend=backend, **mask)
-    full["fwd_zero_fill"] = full["fwd"]
+    full["fwd_zero_fill"] = full["fwd_pairs"] = full["fwd"]
     full["bwd"] = lambda: attention_backward(dout, q, k, v, out_full, lse_full, backend=backend, **mask)
     full["bwd_per_call"] = full["bwd_zero_fill"] = full["bwd"]
     opts = KernelOptions(softmax_scale=None, softcap=None, backend=backend, deterministic=False)
@@ -244,6 +247,11 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                     if direction in ("fwd", "fwd_zero_fill"):
                         def run_rank(r=r, qr=qr, kr=kr, vr=vr, held=held, fill=direction == "fwd_zero_fill"):
                             run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts, fill)
+                    elif direction == "fwd_pairs":
+                        pairs = paired_steps(sched, r, held)
+
+                        def run_rank(r=r, qr=qr, kr=kr, vr=vr, pairs=pairs):
+                            run_rank_fwd_pairs(sched, r, qr, kr, vr, pairs, headdim, opts)
                     else:
                         fwd = run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts)
                         out_r, lse_r = fwd.out.to(dtype), fwd.lse
@@ -410,6 +418,39 @@ def run_rank_kernels(sched, r, shard, held, opts):
                               softmax_scale=opts.softmax_scale, softcap=opts.softcap, **item.mask_kwargs())
 
 
+def paired_steps(sched, r, held) -> list:
+    """Rank r's remote steps two at a time (a lead for #12's forward, not the ring engine's schedule): the two
+    received key sets back to back in one buffer, their items shifted onto it and coalesced, so that a row's fully
+    visible blocks of both steps join into one item and merge once. [(KVBuffer, items)], built outside the timing
+    as ``held`` is."""
+    sources = [sched.source(r, t) for t in sched.member_steps(r)]
+    out = []
+    for i in range(0, len(sources), 2):
+        group = [s for s in sources[i:i + 2] if (r, s) in held]
+        if not group:
+            continue
+        parts = [held[(r, s)] for s in group]
+        lengths = [p.k.shape[1] for p in parts]
+        buf = KVBuffer.empty(parts[0].k, parts[0].v, sum(lengths), 1)
+        items, at = [], 0
+        for s, part, n in zip(group, parts, lengths):
+            buf.k.narrow(1, at, n).copy_(part.k)
+            buf.v.narrow(1, at, n).copy_(part.v)
+            items += [replace(it, k_start=it.k_start + at) for it in sched.items(r, s)]
+            at += n
+        out.append((buf, coalesce(items)))
+    return out
+
+
+def run_rank_fwd_pairs(sched, r, qr, kr, vr, pairs, headdim, opts):
+    acc = Accumulators.empty(sched.members[r], qr, headdim, False, sched.items(r, r))
+    forward_step(sched, r, r, qr, _Own(kr, vr), acc, opts)
+    for buf, items in pairs:
+        attention_forward_items(qr, buf.k, buf.v, items, acc.out, acc.lse, softmax_scale=opts.softmax_scale,
+                                softcap=opts.softcap, backend=opts.backend)
+    return acc
+
+
 def run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts, fill=False):
     # as the ring engine: rows the first step covers are not filled first (fill: every row, as before the
     # twenty-sixth session)
@@ -433,10 +474,11 @@ def main(argv=None):
     p.add_argument("--dtype", default=None, help="default bfloat16 (float32 with --device cpu)")
     p.add_argument("--balancers", nargs="+", default=["contiguous", "zigzag", "lpt"])
     p.add_argument("--directions", nargs="+", default=["fwd", "bwd"],
-                   choices=["fwd", "fwd_zero_fill", "bwd", "bwd_per_call", "bwd_zero_fill"],
+                   choices=["fwd", "fwd_zero_fill", "fwd_pairs", "bwd", "bwd_per_call", "bwd_zero_fill"],
                    help="bwd_per_call: the backward without the shared query side (one preprocess and dQ convert "
                         "per call, as before 2026-12-01); bwd_zero_fill: dK / dV zero-filled and added into (as "
-                        "before 2026-12-03's fresh_dkv); fwd_zero_fill: every row of out / lse filled first")
+                        "before 2026-12-03's fresh_dkv); fwd_zero_fill: every row of out / lse filled first; "
+                        "fwd_pairs: remote steps two at a time, their items coalesced (a lead, not the ring's)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--window", type=int, default=None,
                    help="causal sliding window: each query sees itself and the WINDOW keys before it "

@@ -158,3 +158,31 @@ def test_timer_back_to_back_on_cpu_times_each_call():
     seconds, details = timer.back_to_back([lambda: time.sleep(0.02), lambda: None])
     assert seconds[0] >= 0.02 and seconds[1] < 0.02 and details[0]["host_ms"] >= 20
     assert timer(lambda: None) < 0.02 and set(timer.last) == {"host_ms"}
+
+
+def test_paired_steps_give_the_members_forward_with_fewer_items():
+    """--directions fwd_pairs (a lead): a member's remote steps two at a time in one key buffer, their fully
+    visible blocks coalesced, give its (out, lse) up to fp32 rounding, in fewer items than the steps' lists."""
+    from fa4dist.context_parallel import Schedule, make_plan
+    from fa4dist.context_parallel.ring import KernelOptions, KVBuffer
+
+    sim = _load()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 512, 2, 16, generator=gen) for _ in range(3))
+    plan = make_plan(512, 8, "lpt", causal=True)
+    sched = Schedule(plan, 1, plan.mask)
+    shards = [[plan.shard(t, rank=r) for t in (q, k, v)] for r in range(8)]
+    held = {(r, s): KVBuffer.gather(shards[s][1], shards[s][2], sched.needed(r, s), 1)
+            for r in range(8) for s in range(8) if s != r and sched.needed(r, s)}
+    opts = KernelOptions(softmax_scale=None, softcap=None, backend="reference", deterministic=False)
+    fewer = 0
+    for r in range(8):
+        pairs = sim.paired_steps(sched, r, held)
+        steps = [sched.items(r, sched.source(r, t)) for t in sched.member_steps(r)]
+        assert len(pairs) == -(-len(steps) // 2)
+        fewer += sum(len(items) for _, items in pairs) < sum(len(x) for x in steps)
+        a = sim.run_rank_fwd_pairs(sched, r, *shards[r], pairs, 16, opts)
+        b = sim.run_rank_fwd(sched, r, *shards[r], held, 16, opts)
+        torch.testing.assert_close(a.out, b.out, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a.lse, b.lse, rtol=1e-5, atol=1e-6)
+    assert fewer >= 4
