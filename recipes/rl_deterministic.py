@@ -245,6 +245,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--clip-eps must be >= 0, got {args.clip_eps}")
     if not args.alphabet:
         p.error("--alphabet must hold at least one letter")
+    wide = [ch for ch in args.alphabet if len(TOK.encode(ch, bos=False, eos=False)) != 1]
+    if wide:  # the prompts' and answers' lengths count one token per letter
+        p.error(f"--alphabet letters must each be one byte (one token of the byte tokenizer), got {wide!r}")
     return args
 
 

@@ -69,6 +69,7 @@ def _args_at(cp):
     (["--temperature", "0"], "--temperature must be positive and finite"),
     (["--clip-eps", "-1"], "--clip-eps must be >= 0"),
     (["--alphabet", ""], "--alphabet must hold at least one letter"),
+    (["--alphabet", "abé"], "--alphabet letters must each be one byte"),  # é: two bytes, the lengths were off
 ])
 def test_rl_options_it_cannot_run_are_refused_by_name(bad, message, capsys):
     import rl_deterministic
