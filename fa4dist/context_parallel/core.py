@@ -593,13 +593,25 @@ def raise_disagreement(stages: list, rank: int, what: str, call: int, sig: Optio
     raise ValueError(f"{label}: {message}") from error
 
 
-# The functional form's ContextParallel objects, by groups and options.  Calls on a group of several ranks are
-# made by every rank alike (the agreement checks see to it), so that cache grows and is emptied alike on every rank,
-# and its objects' call counts and module numbers stay in step; one rank's calls without a group (cp size 1) live
-# apart, so that they never evict a shared one on that rank alone.
+# The functional form's ContextParallel objects, per process groups (or mesh), then per options.  Calls on a group
+# of several ranks are made by every rank of that group alike (the agreement checks see to it), so that group's
+# cache grows and is emptied alike on every one of its ranks, and its objects' call counts and module numbers stay
+# in step.  Each groups' cache is bounded and emptied on its own: calls that only some ranks make (one rank's calls
+# without a group at cp size 1, or a subgroup's) never evict the objects of a group that other ranks share.
 _FUNCTIONAL: dict = {}
-_FUNCTIONAL_LOCAL: dict = {}
-_FUNCTIONAL_MAX = 64
+_FUNCTIONAL_MAX = 64  # objects per groups
+
+
+def _functional_groups(group, mesh, ulysses_group, ring_group) -> tuple:
+    """The process groups a functional call runs on, as its cache knows them: a DeviceMesh by the groups it resolves
+    to (a mesh made anew for every call is still the same groups, and adds no cache of its own)."""
+    if mesh is not None and group is None and ulysses_group is None and ring_group is None:
+        try:
+            group, ulysses_group, ring_group = _resolve_mesh(mesh)
+        except (TypeError, ValueError):  # not a mesh the constructor takes: it raises its own error
+            return (None, mesh, None, None)
+        return (group, None, ulysses_group, ring_group)
+    return (group, mesh, ulysses_group, ring_group)
 
 
 @torch.compiler.disable  # torch.compile runs it eagerly, behind one graph break (kernels/torch_ops.py)
@@ -617,12 +629,14 @@ def context_parallel_attention(q, k, v, plan: Optional[ShardPlan] = None, group=
                    verify=verify, cp_invariant=invariant_enabled(cp_invariant))
     # repr keeps apart values that compare equal (True, 1, 1.0): each is checked by the constructor once, as the
     # module checks it, and none rides on another's cached object
-    key = (id(group), id(mesh), id(ulysses_group), id(ring_group), repr(sorted(options.items())))
-    entry = _FUNCTIONAL.get(key) or _FUNCTIONAL_LOCAL.get(key)
-    if entry is None:
+    groups = _functional_groups(group, mesh, ulysses_group, ring_group)
+    groups_key, key = tuple(id(g) for g in groups), repr(sorted(options.items()))
+    bucket = _FUNCTIONAL.get(groups_key)  # (the groups, kept alive so that their ids stay theirs; the objects)
+    cp = bucket[1].get(key) if bucket is not None else None
+    if cp is None:
         cp = ContextParallel(group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group, **options)
-        cache = _FUNCTIONAL if cp.cp_size > 1 else _FUNCTIONAL_LOCAL
-        if len(cache) >= _FUNCTIONAL_MAX:
-            cache.clear()
-        entry = cache[key] = (cp, (group, mesh, ulysses_group, ring_group))
-    return entry[0](q, k, v, plan, sinks)
+        bucket = _FUNCTIONAL.setdefault(groups_key, (groups, {}))
+        if len(bucket[1]) >= _FUNCTIONAL_MAX:
+            bucket[1].clear()
+        bucket[1][key] = cp
+    return cp(q, k, v, plan, sinks)

@@ -281,6 +281,28 @@ def test_one_ranks_own_functional_calls_do_not_break_the_groups(pool):
         assert error is None and same, (rank, error)
 
 
+def functional_subgroup_calls_case(rank, world):
+    """The functional form on the whole group, then ranks 0 and 1 alone make more calls on their subgroup (distinct
+    options) than a cache holds, then the whole group's call again: the subgroup's calls must not evict the whole
+    group's object on ranks 0 and 1 only (rebuilt there, it restarts its call count and takes a new module number)."""
+    from fa4dist.context_parallel import context_parallel_attention, make_plan
+
+    plan, sub = make_plan(8, 4), make_plan(8, 2)
+    kw = dict(strategy="ring", backend="reference", timeout=20)
+    q = torch.randn(1, 8, 1, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    context_parallel_attention(*[plan.shard(q, rank=rank)] * 3, plan, GROUPS[4], **kw)
+    if rank < 2:
+        for i in range(70):
+            context_parallel_attention(*[sub.shard(q, rank=rank)] * 3, sub, GROUPS[2], softmax_scale=0.1 + i / 100,
+                                       **kw)
+    return _error(lambda: context_parallel_attention(*[plan.shard(q, rank=rank)] * 3, plan, GROUPS[4], **kw))
+
+
+def test_a_subgroups_functional_calls_do_not_break_the_group(pool):
+    for rank, error in enumerate(pool.run(functional_subgroup_calls_case, timeout=60)):
+        assert error is None, (rank, error)
+
+
 def test_functional_form_checks_its_options_on_every_call():
     """A value that compares equal to an accepted one (1 == True) is still checked, as the module checks it."""
     from fa4dist.context_parallel import context_parallel_attention
