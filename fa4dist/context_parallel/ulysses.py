@@ -35,6 +35,8 @@ class HeadSplit:
     @staticmethod
     def problem(heads_q: int, heads_kv: int, degree: int):
         """None if the split works, else the reason it does not."""
+        if heads_kv < 1 or heads_q % heads_kv:  # (more key/value heads than query heads divided by zero below)
+            return f"{heads_q} query heads are not a multiple of {heads_kv} key/value heads"
         if heads_q % degree:
             return f"{heads_q} query heads do not split evenly over {degree} ranks"
         group = heads_q // heads_kv

@@ -456,3 +456,14 @@ def test_unshard_names_a_local_tensor_shaped_unlike_the_others():
     with pytest.raises(ValueError, match="the local tensor of rank 1 has shape \\(1, 4, 3, 1\\), which differs from "
                                          "rank 0's \\(1, 6, 3\\) outside seq_dim"):
         plan.unshard([a, b])
+
+
+def test_head_split_names_heads_that_do_not_group():
+    """More key/value heads than query heads (or counts that do not divide) are a reason, not a ZeroDivisionError,
+    for the exported helpers too."""
+    from fa4dist.context_parallel.ulysses import HeadSplit
+
+    assert "not a multiple of 8 key/value heads" in HeadSplit.problem(4, 8, 2)
+    assert "not a multiple of 4 key/value heads" in HeadSplit.problem(6, 4, 2)
+    assert HeadSplit.feasible_degrees(4, 8, 4) == []
+    assert HeadSplit.problem(8, 2, 4) is None
