@@ -43,7 +43,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import replace
 
 import torch
 
@@ -51,12 +50,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from fa4dist.context_parallel import Schedule, make_plan  # noqa: E402
 from fa4dist.context_parallel.ring import (  # noqa: E402
-    Accumulators, KernelOptions, KVBuffer, accum_dtype, backward_step, forward_step,
+    Accumulators, KernelOptions, KVBuffer, accum_dtype, backward_step, forward_items, forward_step,
 )
-from fa4dist.kernels import (  # noqa: E402
-    attention_backward, attention_forward, attention_forward_items, available_backends,
-)
-from fa4dist.kernels.worklist import coalesce, share_queries  # noqa: E402
+from fa4dist.kernels import attention_backward, attention_forward, available_backends  # noqa: E402
+from fa4dist.kernels.worklist import share_queries  # noqa: E402
 
 LINK_GBPS = 400.0
 
@@ -220,7 +217,7 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
     out_full, lse_full = attention_forward(q, k, v, backend=backend, **mask)
     # one call on the whole sequence, timed in every round beside the ranks' runs
     full["fwd"] = lambda: attention_forward(q, k, v, backend=backend, **mask)
-    full["fwd_zero_fill"] = full["fwd_pairs"] = full["fwd"]
+    full["fwd_zero_fill"] = full["fwd"]
     full["bwd"] = lambda: attention_backward(dout, q, k, v, out_full, lse_full, backend=backend, **mask)
     full["bwd_per_call"] = full["bwd_zero_fill"] = full["bwd"]
     opts = KernelOptions(softmax_scale=None, softcap=None, backend=backend, deterministic=False)
@@ -240,18 +237,20 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
             bytes_bwd = bytes_fwd + largest * row_bytes * acc_elt
             model = plan.balance_report()
             steps = [1 + len(sched.member_steps(r)) for r in range(cp)]
-            for direction in args.directions:
+            runs = [(d, g) for d in args.directions for g in (args.steps_per_launch if d == "fwd" else [1])]
+            for direction, per_launch in runs:
+                label = direction if per_launch == 1 else f"fwd/{per_launch or 'all'}"
                 runners, profiles = [], {}
                 for r in range(cp):
                     qr, kr, vr, dr = shards[r]
-                    if direction in ("fwd", "fwd_zero_fill"):
+                    if direction in ("fwd", "fwd_zero_fill") and per_launch == 1:
                         def run_rank(r=r, qr=qr, kr=kr, vr=vr, held=held, fill=direction == "fwd_zero_fill"):
                             run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts, fill)
-                    elif direction == "fwd_pairs":
-                        pairs = paired_steps(sched, r, held)
+                    elif direction == "fwd":
+                        groups = grouped_held(sched, r, held, per_launch)
 
-                        def run_rank(r=r, qr=qr, kr=kr, vr=vr, pairs=pairs):
-                            run_rank_fwd_pairs(sched, r, qr, kr, vr, pairs, headdim, opts)
+                        def run_rank(r=r, qr=qr, kr=kr, vr=vr, groups=groups):
+                            run_rank_fwd_groups(sched, r, qr, kr, vr, groups, headdim, opts)
                     else:
                         fwd = run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts)
                         out_r, lse_r = fwd.out.to(dtype), fwd.lse
@@ -285,7 +284,8 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                 if args.profile_ranks:  # the whole-sequence call's kernels beside the ranks'
                     profiles["full"] = profile_kernels(full[direction], device)
                 kernels = []
-                if direction == "fwd":  # the same calls without the merges: what a fused epilogue would approach
+                # the same calls without the merges: what a fused epilogue would approach
+                if direction == "fwd" and per_launch == 1:
                     kernels = [lambda r=r, shards=shards, held=held: run_rank_kernels(sched, r, shards[r], held, opts)
                                for r in range(cp)]
                 # per round: the whole-sequence call around every rank's run and every rank's kernels alone; the
@@ -303,7 +303,8 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                 slowest_steps = steps[rank_times.index(slowest)]
                 nbytes = bytes_fwd if direction.startswith("fwd") else bytes_bwd
                 row = dict(
-                    seqlen=seqlen, cp=cp, balancer=balancer, direction=direction, window=list(window),
+                    seqlen=seqlen, cp=cp, balancer=balancer, direction=label, window=list(window),
+                    steps_per_launch=per_launch if direction == "fwd" else 1,
                     t_full_ms=t_full * 1e3, t_rank_ms=[t * 1e3 for t in rank_times],
                     max_rank_ms=slowest * 1e3, efficiency=efficiency,
                     efficiency_rounds=[rd[0] / (cp * max(rd[1:1 + cp])) for rd in rounds],
@@ -315,7 +316,7 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                     calls_log=log, slowest_places=slowest_rank_places(log, cp),
                 )
                 rows.append(row)
-                print(f"{seqlen:>7} {cp:>3} {balancer:>10} {direction:>4} {row['t_full_ms']:>9.2f} "
+                print(f"{seqlen:>7} {cp:>3} {balancer:>10} {label:>4} {row['t_full_ms']:>9.2f} "
                       f"{row['max_rank_ms']:>9.2f} {row['efficiency']:>6.3f} {row['model_efficiency']:>6.3f} "
                       f"{max(steps):>3}/{cp:<3} {nbytes / 2**20:>9.1f} {row['comm_ms_at_400GBps']:>8.3f} "
                       f"{row['step_compute_ms']:>8.3f} "
@@ -418,36 +419,30 @@ def run_rank_kernels(sched, r, shard, held, opts):
                               softmax_scale=opts.softmax_scale, softcap=opts.softcap, **item.mask_kwargs())
 
 
-def paired_steps(sched, r, held) -> list:
-    """Rank r's remote steps two at a time (a lead for #12's forward, not the ring engine's schedule): the two
-    received key sets back to back in one buffer, their items shifted onto it and coalesced, so that a row's fully
-    visible blocks of both steps join into one item and merge once. [(KVBuffer, items)], built outside the timing
-    as ``held`` is."""
-    sources = [sched.source(r, t) for t in sched.member_steps(r)]
+def grouped_held(sched, r, held, steps_per_launch: int) -> list:
+    """Rank r's remote steps in the ring forward's launch groups (``Schedule.launch_groups``), each group's key rows
+    in one buffer as the ring receives them (each step's rows in place, ``Schedule.group_items``) with the group's
+    work list: [(KVBuffer, items)], built outside the timing as ``held`` is."""
     out = []
-    for i in range(0, len(sources), 2):
-        group = [s for s in sources[i:i + 2] if (r, s) in held]
-        if not group:
+    for group in sched.launch_groups(steps_per_launch):
+        places, items = sched.group_items(r, group)
+        parts = [(held[(r, sched.source(r, t))], at, n) for t, at, n in places if n]
+        if not parts:
             continue
-        parts = [held[(r, s)] for s in group]
-        lengths = [p.k.shape[1] for p in parts]
-        buf = KVBuffer.empty(parts[0].k, parts[0].v, sum(lengths), 1)
-        items, at = [], 0
-        for s, part, n in zip(group, parts, lengths):
+        buf = KVBuffer.empty(parts[0][0].k, parts[0][0].v, sum(n for _, _, n in parts), 1)
+        for part, at, n in parts:
             buf.k.narrow(1, at, n).copy_(part.k)
             buf.v.narrow(1, at, n).copy_(part.v)
-            items += [replace(it, k_start=it.k_start + at) for it in sched.items(r, s)]
-            at += n
-        out.append((buf, coalesce(items)))
+        out.append((buf, items))
     return out
 
 
-def run_rank_fwd_pairs(sched, r, qr, kr, vr, pairs, headdim, opts):
+def run_rank_fwd_groups(sched, r, qr, kr, vr, groups, headdim, opts):
+    """As ``ring_forward`` with launch groups: the own step, then one work list per group."""
     acc = Accumulators.empty(sched.members[r], qr, headdim, False, sched.items(r, r))
     forward_step(sched, r, r, qr, _Own(kr, vr), acc, opts)
-    for buf, items in pairs:
-        attention_forward_items(qr, buf.k, buf.v, items, acc.out, acc.lse, softmax_scale=opts.softmax_scale,
-                                softcap=opts.softcap, backend=opts.backend)
+    for buf, items in groups:
+        forward_items(qr, buf, items, acc, opts)
     return acc
 
 
@@ -474,11 +469,13 @@ def main(argv=None):
     p.add_argument("--dtype", default=None, help="default bfloat16 (float32 with --device cpu)")
     p.add_argument("--balancers", nargs="+", default=["contiguous", "zigzag", "lpt"])
     p.add_argument("--directions", nargs="+", default=["fwd", "bwd"],
-                   choices=["fwd", "fwd_zero_fill", "fwd_pairs", "bwd", "bwd_per_call", "bwd_zero_fill"],
+                   choices=["fwd", "fwd_zero_fill", "bwd", "bwd_per_call", "bwd_zero_fill"],
                    help="bwd_per_call: the backward without the shared query side (one preprocess and dQ convert "
                         "per call, as before 2026-12-01); bwd_zero_fill: dK / dV zero-filled and added into (as "
-                        "before 2026-12-03's fresh_dkv); fwd_zero_fill: every row of out / lse filled first; "
-                        "fwd_pairs: remote steps two at a time, their items coalesced (a lead, not the ring's)")
+                        "before 2026-12-03's fresh_dkv); fwd_zero_fill: every row of out / lse filled first")
+    p.add_argument("--steps-per-launch", type=int, nargs="+", default=[1],
+                   help="the forward's remote steps per launch (ring_forward's launch groups; 0: all remote steps "
+                        "in one), one fwd row each (labelled fwd/N)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--window", type=int, default=None,
                    help="causal sliding window: each query sees itself and the WINDOW keys before it "

@@ -5,6 +5,7 @@ the single-process fp64 oracle of the whole sequence (tests/oracle.py, which sha
 
 from __future__ import annotations
 
+import os
 import random
 
 import torch
@@ -60,13 +61,31 @@ def cp_module(rank, cp, strategy, causal, plan_u=1, ulysses_degree=None, topolog
 def run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, docs=None, heads=(4, 2), head_dim=8,
              head_dim_v=None, batch=1, balancer="lpt", num_chunks=None, plan_u=1, ulysses_degree=None,
              topology="group", seed=0, dtype=torch.float64, device="cpu", backend="reference", window=(-1, -1),
-             softcap=None, sinks=False, align=1):
+             softcap=None, sinks=False, align=1, ring_steps_per_launch=None):
     """Max abs errors of the local out, dq, dk, dv against the fp64 oracle (None on ranks outside the group).
+
+    ``ring_steps_per_launch``: the ring forward's launch groups (FA4DIST_RING_STEPS_PER_LAUNCH, for this call).
 
     With ``sinks``: also this rank's share of the sinks' gradient ("dsinks", to be summed over the ranks) and the
     oracle's whole gradient ("dsinks_ref")."""
     if topology == "mesh" and cp != world:
         raise ValueError("mesh cases use the whole pool")
+    if ring_steps_per_launch is not None:
+        from fa4dist.context_parallel.ring import STEPS_PER_LAUNCH_ENV
+
+        before = os.environ.get(STEPS_PER_LAUNCH_ENV)
+        os.environ[STEPS_PER_LAUNCH_ENV] = str(ring_steps_per_launch)
+        try:
+            return run_case(rank, world, cp=cp, strategy=strategy, causal=causal, seqlen=seqlen, docs=docs,
+                            heads=heads, head_dim=head_dim, head_dim_v=head_dim_v, batch=batch, balancer=balancer,
+                            num_chunks=num_chunks, plan_u=plan_u, ulysses_degree=ulysses_degree, topology=topology,
+                            seed=seed, dtype=dtype, device=device, backend=backend, window=window, softcap=softcap,
+                            sinks=sinks, align=align)
+        finally:
+            if before is None:
+                del os.environ[STEPS_PER_LAUNCH_ENV]
+            else:
+                os.environ[STEPS_PER_LAUNCH_ENV] = before
     if device != "cpu":
         torch.cuda.set_device(torch.device(device))
     module, cp_rank = cp_module(rank, cp, strategy, causal, plan_u, ulysses_degree, topology, backend=backend,

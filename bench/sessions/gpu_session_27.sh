@@ -70,12 +70,5 @@ if [ "$1" = 4 ]; then
     --directions fwd bwd bwd_zero_fill --reps 4 --queue-ahead-ms 8 --back-to-back --window 4096 --tag window-cp8
   exit
 fi
-# 5 (prepared for the next session, not run: this session's device time was spent): paired remote steps in the
-#    forward (cp_sim --directions fwd_pairs: two received key sets in one buffer, their items coalesced). Counted
-#    on the CPU: 0.69x the rows merged and 71 -> 50 launches at cp = 8 (NOTES_FWD.md, twenty-sixth session).
-#    Prediction: cp = 8 forward +2% (0.905 -> ~0.925), cp = 4 +1%.
-if [ "$1" = 5 ]; then
-  TAIL_LINES=4 stage cp_sim_pairs 150 python3 bench/cp_sim.py --seqlens 131072 --cp 8 4 --balancers lpt \
-    --directions fwd fwd_pairs --reps 6 --queue-ahead-ms 8 --back-to-back --tag pairs
-  exit
-fi
+# 5 (prepared, never run): paired remote steps (cp_sim --directions fwd_pairs) became the ring forward's launch
+#    groups in the twenty-seventh session; bench/sessions/gpu_session_28.sh 1 measures them.

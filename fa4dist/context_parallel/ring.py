@@ -7,7 +7,10 @@ nothing).  The transfer of the next step is posted before a step computes, so it
 work-list call (:mod:`fa4dist.kernels.worklist`: on cute, one launch per wave of blocks with disjoint query rows,
 with the per-block loop's bits) of the schedule's blocks for the held keys, merged into the member's fp32 (fp64 for
 fp64 inputs) running ``(out, lse)``, so nothing is rounded between steps; the merge order is (step, query block,
-key), a function of the plan alone.
+key), a function of the plan alone.  Optionally (``FA4DIST_RING_STEPS_PER_LAUNCH``, :func:`forward_steps_per_launch`)
+the remote steps run in launch groups: a group's transfers land in place in one buffer and its steps' blocks are one
+coalesced work list, merged once per row (then the order is (group, query block, key)).  Measured on one H200 it
+buys nothing at cp = 8 (bench/RESULTS.md, twenty-seventh session), so one launch per step stays the default.
 
 Backward: the keys go out again the same way; each step's work list (on cute, one main kernel per group of blocks
 with disjoint key rows) recomputes its blocks against the global ``(out, lse)``, adding dQ into the member's shared
@@ -25,6 +28,7 @@ member blocks another, for any ring size.  ``forward_step`` and ``backward_step`
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -143,9 +147,13 @@ class Accumulators:
 def forward_step(sched: Schedule, member: int, source: int, q: torch.Tensor, kv, acc: Accumulators,
                  opts: KernelOptions) -> None:
     """Member `member`'s work list against `source`'s keys (held in `kv`), merged into `acc`: one call."""
-    attention_forward_items(q, kv.k, kv.v, sched.items(member, source), acc.out, acc.lse,
-                            softmax_scale=opts.softmax_scale, softcap=opts.softcap, fresh=acc.fresh,
-                            backend=opts.backend)
+    forward_items(q, kv, sched.items(member, source), acc, opts)
+
+
+def forward_items(q: torch.Tensor, kv, items, acc: Accumulators, opts: KernelOptions) -> None:
+    """A work list on the keys held in `kv` (a step's, or a launch group's), merged into `acc`: one call."""
+    attention_forward_items(q, kv.k, kv.v, items, acc.out, acc.lse, softmax_scale=opts.softmax_scale,
+                            softcap=opts.softcap, fresh=acc.fresh, backend=opts.backend)
     acc.fresh = False
 
 
@@ -207,6 +215,36 @@ class _Exchange:
         tag = 10 if self.direction == "forward" else 20
         return _Incoming(self._post(sends, recvs, f"K/V of {self.direction} ring step {step}", tag), held)
 
+    def post_key_group(self, group: tuple[int, ...]) -> "_Incoming":
+        """Posts the key transfers of the steps of `group` (:meth:`Schedule.launch_groups`) at once; each step's rows
+        land in place in one buffer for the group (K and V as two messages, into the group's K and V views), which
+        the group's one work list reads.  A group of one step is :meth:`post_keys`."""
+        sched, ring, m, sd = self.sched, self.ring, self.ring.index, self.sd
+        if len(group) == 1:
+            incoming = self.post_keys(group[0])
+            incoming.items = sched.items(m, sched.source(m, group[0])) if incoming.held is not None else ()
+            return incoming
+        places, items = sched.group_items(m, group)
+        total = sum(n for _, _, n in places)
+        held = KVBuffer.empty(self.k, self.v, total, sd) if total else None
+        sends, recvs = [], []
+        for t in group:
+            send_ranges = sched.send_ranges(m, t)
+            if send_ranges:
+                buf, peer = self._send_buffer(send_ranges), ring.peer(sched.dest(m, t))
+                sends += [(buf.k, peer, 10), (buf.v, peer, 11)]
+        for t, at, n in places:
+            if n:
+                peer = ring.peer(sched.source(m, t))
+                parts = (held.k.narrow(sd, at, n), held.v.narrow(sd, at, n))
+                if not all(p.is_contiguous() for p in parts):  # grouped_launch_allowed rules this out
+                    raise AssertionError("a grouped ring step's rows must be contiguous in the group buffer")
+                recvs += [(parts[0], peer, 10), (parts[1], peer, 11)]
+        pending = None
+        if sends or recvs:
+            pending = ring.transport.post_tagged(sends, recvs, f"K/V of forward ring steps {list(group)}")
+        return _Incoming(pending, held, items if held is not None else ())
+
     def post_grads(self, step: int, partial: Optional[KVBuffer], acc) -> "_Returning":
         """Posts the return of step `step`'s dK/dV partial to the keys' owner, and the receive of the partial for
         the rows this member sent at that step."""
@@ -228,6 +266,7 @@ class _Exchange:
 class _Incoming:
     pending: Optional[Pending]
     held: Optional[KVBuffer]
+    items: tuple = ()  # the work list on `held` (a launch group's: post_key_group)
 
     def wait(self) -> Optional[KVBuffer]:
         if self.pending is not None:
@@ -249,19 +288,48 @@ class _Returning:
             self.incoming.add_into(dk, dv, self.ranges, seq_dim)
 
 
-def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions) -> Accumulators:
-    """The fp32 (out, lse) of this member's queries over every member's keys."""
+STEPS_PER_LAUNCH_ENV = "FA4DIST_RING_STEPS_PER_LAUNCH"
+
+
+def grouped_launch_allowed(sched: Schedule, k: torch.Tensor) -> bool:
+    """Whether a launch group's steps can land in place in one buffer: each step's rows are contiguous there only in
+    the packed layout or for one sequence (batch 1); dense batches keep one launch per step."""
+    return sched.plan.packed or k.shape[0] == 1
+
+
+def forward_steps_per_launch(sched: Schedule, k: torch.Tensor, requested: Optional[int] = None) -> int:
+    """The ring forward's remote steps per launch (:meth:`Schedule.launch_groups`; 0: all): `requested`, else
+    ``FA4DIST_RING_STEPS_PER_LAUNCH``, else 1; always 1 where :func:`grouped_launch_allowed` says no.  A function of
+    the schedule and the shapes alone, so every member picks the same groups."""
+    if requested is None:
+        env = os.environ.get(STEPS_PER_LAUNCH_ENV)
+        if env is not None:
+            try:
+                requested = int(env)
+            except ValueError:
+                raise ValueError(f"{STEPS_PER_LAUNCH_ENV} must be an int >= 0, got {env!r}") from None
+        else:
+            requested = 1
+    sched.launch_groups(requested)  # checks it
+    return requested if grouped_launch_allowed(sched, k) else 1
+
+
+def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions,
+                 steps_per_launch: Optional[int] = None) -> Accumulators:
+    """The fp32 (out, lse) of this member's queries over every member's keys: its own keys first (while the first
+    remote keys travel), then the remote steps in launch groups (:func:`forward_steps_per_launch`), each group's
+    transfers posted before the previous group computes."""
     m = ring.index
     acc = Accumulators.empty(sched.members[m], q, v.shape[-1], sched.plan.packed, sched.items(m, m))
-    steps = sched.steps()
+    groups = sched.launch_groups(forward_steps_per_launch(sched, k, steps_per_launch))
     exchange = _Exchange(sched, ring, k, v, "forward")
-    incoming = exchange.post_keys(steps[0]) if steps else None
+    incoming = exchange.post_key_group(groups[0]) if groups else None
     forward_step(sched, m, m, q, _Held(k, v), acc, opts)
-    for i, t in enumerate(steps):
-        following = exchange.post_keys(steps[i + 1]) if i + 1 < len(steps) else None
+    for i, group in enumerate(groups):
+        following = exchange.post_key_group(groups[i + 1]) if i + 1 < len(groups) else None
         held = incoming.wait()
         if held is not None:
-            forward_step(sched, m, sched.source(m, t), q, held, acc, opts)
+            forward_items(q, held, incoming.items, acc, opts)
         incoming = following
     return acc
 

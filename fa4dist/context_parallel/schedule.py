@@ -171,6 +171,7 @@ class Schedule:
         self._raw: dict = {}
         self._calls: dict = {}
         self._items: dict = {}
+        self._group_items: dict = {}
         self._needed: dict = {}
         self._steps: Optional[tuple[int, ...]] = None
         # the visibility index (built per member on first use): which members' keys a member's queries see
@@ -409,6 +410,37 @@ class Schedule:
                     break
             self._steps = tuple(t for t in range(1, r) if t in found)
         return self._steps
+
+    def launch_groups(self, steps_per_launch: int) -> tuple[tuple[int, ...], ...]:
+        """:meth:`steps` in consecutive groups of at most `steps_per_launch` steps (0: all in one group), the same
+        for every member: a member receives a group's key rows into one buffer and computes them in one work list
+        (:meth:`group_items`), so a row's blocks from several steps that see all their keys join into one item and
+        merge once."""
+        if isinstance(steps_per_launch, bool) or not isinstance(steps_per_launch, int) or steps_per_launch < 0:
+            raise ValueError(f"steps_per_launch must be an int >= 0 (0: every remote step in one launch), got "
+                             f"{steps_per_launch!r}")
+        steps = self.steps()
+        size = steps_per_launch or max(len(steps), 1)
+        return tuple(steps[i:i + size] for i in range(0, len(steps), size))
+
+    def group_items(self, member: int, group: tuple[int, ...]) -> tuple[tuple[tuple[int, int, int], ...],
+                                                                        tuple[WorkItem, ...]]:
+        """Where `member` holds each step of `group` in the group's key buffer, ((step, first row, rows), ...) in
+        step order, back to back, and the steps' work lists (:meth:`items`) on that buffer, in step order,
+        coalesced: one list for one call."""
+        key = (member, group)
+        cached = self._group_items.get(key)
+        if cached is not None:
+            return cached
+        places, items, at = [], [], 0
+        for t in group:
+            n = self.recv_len(member, t)
+            places.append((t, at, n))
+            if n:
+                items += [replace(it, k_start=it.k_start + at) for it in self.items(member, self.source(member, t))]
+            at += n
+        self._group_items[key] = (tuple(places), coalesce(items))
+        return self._group_items[key]
 
     def member_steps(self, member: int) -> tuple[int, ...]:
         """The remote steps at which `member` receives keys (and computes)."""

@@ -54,6 +54,21 @@ def test_ring(pool, cp, name, case):
     check_results(pool.run(run_case, cp=cp, strategy="ring", **case_kwargs(cp, case)), "ring")
 
 
+# the ring forward's remote steps in launch groups (one buffer, one work list per group); dense batches of more
+# than one sequence keep one launch per step
+GROUPED = [c for c in RING if c[0] in ("causal-uneven-gqa-b2", "full-zigzag", "causal-mqa-contiguous-4c",
+                                       "packed-causal", "tiny-empty-ranks", "packed-short-aligned")]
+GROUPED.append(("window", dict(seqlen=72, heads=(2, 1), window=(9, 0), chunks_per_rank=3)))
+
+
+@pytest.mark.parametrize("per_launch", [2, 0])
+@pytest.mark.parametrize("cp", [3, 4])
+@pytest.mark.parametrize("name, case", GROUPED, ids=[c[0] for c in GROUPED])
+def test_ring_launch_groups(pool, cp, per_launch, name, case):
+    check_results(pool.run(run_case, cp=cp, strategy="ring", ring_steps_per_launch=per_launch,
+                           **case_kwargs(cp, case)), "ring")
+
+
 @pytest.mark.parametrize("cp", [2, 3, 4])
 @pytest.mark.parametrize("name, case", ULYSSES, ids=[c[0] for c in ULYSSES])
 def test_ulysses(pool, cp, name, case):

@@ -160,9 +160,11 @@ def test_timer_back_to_back_on_cpu_times_each_call():
     assert timer(lambda: None) < 0.02 and set(timer.last) == {"host_ms"}
 
 
-def test_paired_steps_give_the_members_forward_with_fewer_items():
-    """--directions fwd_pairs (a lead): a member's remote steps two at a time in one key buffer, their fully
-    visible blocks coalesced, give its (out, lse) up to fp32 rounding, in fewer items than the steps' lists."""
+@pytest.mark.parametrize("per_launch", [2, 3, 0])
+def test_launch_groups_give_the_members_forward_with_fewer_items(per_launch):
+    """--steps-per-launch N: a member's remote steps N at a time (0: all) in one key buffer, as ring_forward
+    receives them, their fully visible blocks coalesced, give its (out, lse) up to fp32 rounding, in fewer items
+    than the steps' lists."""
     from fa4dist.context_parallel import Schedule, make_plan
     from fa4dist.context_parallel.ring import KernelOptions, KVBuffer
 
@@ -177,11 +179,11 @@ def test_paired_steps_give_the_members_forward_with_fewer_items():
     opts = KernelOptions(softmax_scale=None, softcap=None, backend="reference", deterministic=False)
     fewer = 0
     for r in range(8):
-        pairs = sim.paired_steps(sched, r, held)
+        groups = sim.grouped_held(sched, r, held, per_launch)
         steps = [sched.items(r, sched.source(r, t)) for t in sched.member_steps(r)]
-        assert len(pairs) == -(-len(steps) // 2)
-        fewer += sum(len(items) for _, items in pairs) < sum(len(x) for x in steps)
-        a = sim.run_rank_fwd_pairs(sched, r, *shards[r], pairs, 16, opts)
+        assert len(groups) <= -(-len(sched.steps()) // (per_launch or len(sched.steps())))
+        fewer += sum(len(items) for _, items in groups) < sum(len(x) for x in steps)
+        a = sim.run_rank_fwd_groups(sched, r, *shards[r], groups, 16, opts)
         b = sim.run_rank_fwd(sched, r, *shards[r], held, 16, opts)
         torch.testing.assert_close(a.out, b.out, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(a.lse, b.lse, rtol=1e-5, atol=1e-6)
