@@ -74,10 +74,6 @@ class BwdConfig:
     # softcap: the derivative of the cap kept in fp16 registers from the S phase (True) or recovered from P
     # through a log2 (False); default_softcap_grad_regs says which is faster where
     softcap_grad_regs: bool = True
-    # > 0: every k-th column of P^T as exp2 on the FMA pipe (common_sm90.exp2_poly) instead of the MUFU unit, which
-    # a soft-capped step loads twice per score (tanh and exp2). A measurement knob (NOTES_BWD.md, twenty-seventh
-    # session); P differs from the MUFU's by at most 8.6e-5 relative on those columns
-    exp2_poly_every: int = 0
     # "all", or only "dq" / only "dkv" (bwd_sm90.FlashBwdSm90)
     grads: str = "all"
     # dQ in int64 fixed point (fa4dist.kernels.fixed_point; cp_invariant): no tickets, exact order-free sums
@@ -123,8 +119,7 @@ class BwdConfig:
             accumulate=self.accumulate, deterministic=self.deterministic, seg_offsets=self.seg_offsets,
             tile_m=self.tile_m, stmatrix_ds=self.stmatrix_ds, det_chunk=self.det_chunk,
             regs_mma=self.regs_mma, sanitize=self.sanitize, window_left=self.window_left, softcap=self.softcap,
-            masked_last=self.masked_last, softcap_grad_regs=self.softcap_grad_regs,
-            exp2_poly_every=self.exp2_poly_every, grads=self.grads,
+            masked_last=self.masked_last, softcap_grad_regs=self.softcap_grad_regs, grads=self.grads,
             dq_fixed=self.dq_fixed, worklist=self.worklist, persistent_ctas=self.persistent_ctas,
             det_resident=self.det_resident, tma_store_dkv=self.tma_store_dkv, early_vectors=self.early_vectors,
             try_waits=self.try_waits, hoist_descriptors=self.hoist_descriptors,
@@ -239,8 +234,7 @@ class PostConfig:
 
 
 _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "sanitize": host.parse_bool,
-           "masked_last": host.parse_bool, "softcap_grad_regs": host.parse_bool, "exp2_poly_every": int,
-           "persistent_ctas": int,
+           "masked_last": host.parse_bool, "softcap_grad_regs": host.parse_bool, "persistent_ctas": int,
            "tma_store_dkv": host.parse_bool, "early_vectors": host.parse_bool,
            "try_waits": host.parse_bool, "hoist_descriptors": host.parse_bool,
            "interleave_lengths": host.parse_bool, "ticket_sleep_ns": int, "release_fence": host.parse_bool,

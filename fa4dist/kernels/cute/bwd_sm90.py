@@ -66,7 +66,6 @@ from .common_sm90 import (
     acc_to_operand_a,
     bulk_reduce_add_f32,
     bulk_reduce_add_u64,
-    exp2_poly,
     check_smem,
     descriptor_hoister,
     dq_chunk_layout,
@@ -140,7 +139,6 @@ class FlashBwdSm90:
         softcap: float = 0.0,
         masked_last: bool = True,
         softcap_grad_regs: bool = True,
-        exp2_poly_every: int = 0,
         grads: str = "all",
         dq_fixed: bool = False,
         worklist: bool = False,
@@ -214,9 +212,6 @@ class FlashBwdSm90:
         self.softcap = float(softcap)  # > 0: capped scores; the runtime scale_log2 is then tanh's (softmax.py)
         # the cap's derivative 1 - tanh^2 kept from the S phase in fp16 registers, or recovered from P (softmax.py)
         self.softcap_grad_regs = softcap_grad_regs
-        if exp2_poly_every < 0:
-            raise ValueError(f"exp2_poly_every must be >= 0, got {exp2_poly_every}")
-        self.exp2_poly_every = int(exp2_poly_every)  # > 0: every k-th column's exp2 on the FMA pipe (exp2_poly)
         self.block_info = BlockInfo(self.tile_m, self.tile_n, causal, window_left)
         # masked pairs with stored operands exist only with a causal mask or packed sequences (a dense sequence
         # end is zero-filled by TMA)
@@ -1146,14 +1141,10 @@ class FlashBwdSm90:
         exp_scale_log2 = st.scale_log2
         if const_expr(self.softcap > 0):
             exp_scale_log2 = Float32(softcap_scale_log2(self.softcap))
-        every = self.exp2_poly_every
         for c in cutlass.range_constexpr(n_cols):
             lse_c = lse_early[c] if const_expr(self.early_vectors) else st.sLSE[tScS_mn[0, c][1], stage]
             for r in cutlass.range_constexpr(n_rows):
-                if const_expr(every > 0 and c % every == every - 1):
-                    acc_S_mn[r, c] = exp2_poly(acc_S_mn[r, c] * exp_scale_log2 - lse_c)
-                else:
-                    acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * exp_scale_log2 - lse_c, fastmath=True)
+                acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * exp_scale_log2 - lse_c, fastmath=True)
         if const_expr(masked):
             st.mask.apply_transposed(acc_S, m_block, st.n_block, 0.0)
         warpgroup.wait_group(0)  # dP^T done

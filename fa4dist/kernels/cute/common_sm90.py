@@ -105,41 +105,6 @@ def mul_rn(a, b, *, loc=None, ip=None) -> cutlass.Float32:
     return _f32_asm("mul.rn.f32 $0, $1, $2;", [a, b], loc=loc, ip=ip)
 
 
-# 2^f on [0, 1) as 1 + f (a + f (b + f c)): a minimax fit of the relative error with p(0) = 1 exactly (Lawson's
-# iteration, 2026-12-01), at most 8.6e-5 relative in fp32 Horner form: below the 16-bit rounding of P (2^-9 bf16,
-# 2^-11 fp16) that the backward's dV GEMM reads. tests/kernels/test_exp2_poly.py checks a torch mirror of the PTX.
-EXP2_POLY = (0.6951168179512024, 0.22764484584331512, 0.07706717401742935)
-
-
-def _ptx_f32(x: float) -> str:
-    import struct
-
-    return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
-
-
-@dsl_user_op
-def exp2_poly(x, *, loc=None, ip=None) -> cutlass.Float32:
-    """2^x on the FMA and integer pipes, not the MUFU unit (16 ops per clock and SM, which a soft-capped backward
-    fills twice per score: tanh and exp2). Clamp at -127, split x into floor j and fraction f with one round-down
-    add of 1.5 * 2^23, evaluate the cubic in f, add j to the exponent field. -inf and anything at or below -127
-    give exactly +0; NaN stays NaN (max.NaN); valid for x <= 127 (the backward's x is at most ~0: P <= 1)."""
-    a, b, c = (_ptx_f32(v) for v in EXP2_POLY)
-    return _f32_asm(
-        "{\n\t.reg .f32 xc, xr, xi, fr, p;\n\t.reg .b32 ri, pi, ei;\n\t"
-        "max.NaN.f32 xc, $1, 0fC2FE0000;\n\t"  # -127
-        "add.rm.f32 xr, xc, 0f4B400000;\n\t"  # 1.5 * 2^23: floor(xc) lands in the low mantissa bits
-        "sub.rn.f32 xi, xr, 0f4B400000;\n\t"
-        "sub.rn.f32 fr, xc, xi;\n\t"
-        f"fma.rn.f32 p, fr, {c}, {b};\n\t"
-        f"fma.rn.f32 p, p, fr, {a};\n\t"
-        "fma.rn.f32 p, p, fr, 0f3F800000;\n\t"
-        "mov.b32 ri, xr;\n\tmov.b32 pi, p;\n\t"
-        "shl.b32 ei, ri, 23;\n\t"
-        "add.s32 ei, ei, pi;\n\t"
-        "mov.b32 $0, ei;\n\t}",
-        [x], loc=loc, ip=ip)
-
-
 @dsl_user_op
 def cvt_pack_16x2(lo, hi, dtype, *, loc=None, ip=None) -> Int32:
     """Two fp32 values rounded to nearest into one register of 16-bit pairs (cvt.rn.bf16x2.f32 / .f16x2, ``lo`` in
