@@ -33,7 +33,8 @@ from ..kernels.registry import get_backend
 from .comm import Transport, deepcopy_sharing
 from .gather import gather_backward, gather_forward
 from .plan import ShardPlan
-from .ring import KernelOptions, RingPeers, accum_dtype, ring_backward, ring_forward
+from .ring import (KernelOptions, RingPeers, accum_dtype, requested_steps_per_launch, ring_backward,
+                   ring_forward)
 from .schedule import Schedule
 from .ulysses import HeadSplit, UlyssesGroup
 
@@ -104,7 +105,8 @@ class _Call:
         if self.invariant:
             acc = gather_forward(self.sched, self.ring, q, k, v, self.opts, self._head_map(q, k))
         else:
-            acc = ring_forward(self.sched, self.ring, q, k, v, self.opts)
+            acc = ring_forward(self.sched, self.ring, q, k, v, self.opts,
+                               steps_per_launch=self.signature["ring_steps_per_launch"])
         member_sinks = self.member_sinks(sinks)
         if member_sinks is not None:  # the sinks' virtual key block, once per row, after every real key
             merge_sink_(acc.out, acc.lse, member_sinks)
@@ -370,6 +372,7 @@ class ContextParallel:
             head_dim=problem.head_dim, head_dim_v=problem.head_dim_v,
             grad=bool(torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks))),
             cp_invariant=self.cp_invariant, module=self.instance,
+            ring_steps_per_launch=requested_steps_per_launch(),
         )
         return shared, u
 

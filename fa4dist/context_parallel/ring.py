@@ -297,19 +297,28 @@ def grouped_launch_allowed(sched: Schedule, k: torch.Tensor) -> bool:
     return sched.plan.packed or k.shape[0] == 1
 
 
+def requested_steps_per_launch() -> int:
+    """The ring forward's remote steps per launch this process asks for: ``FA4DIST_RING_STEPS_PER_LAUNCH`` (an int
+    >= 0; 0: all remote steps in one launch), else 1.  Part of a call's agreed signature, so that ranks that read
+    different values fail the agreement check together instead of posting different messages."""
+    env = os.environ.get(STEPS_PER_LAUNCH_ENV)
+    if env is None:
+        return 1
+    try:
+        value = int(env)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{STEPS_PER_LAUNCH_ENV} must be an int >= 0 (0: every remote step in one launch), got "
+                         f"{env!r}")
+    return value
+
+
 def forward_steps_per_launch(sched: Schedule, k: torch.Tensor, requested: Optional[int] = None) -> int:
-    """The ring forward's remote steps per launch (:meth:`Schedule.launch_groups`; 0: all): `requested`, else
-    ``FA4DIST_RING_STEPS_PER_LAUNCH``, else 1; always 1 where :func:`grouped_launch_allowed` says no.  A function of
-    the schedule and the shapes alone, so every member picks the same groups."""
-    if requested is None:
-        env = os.environ.get(STEPS_PER_LAUNCH_ENV)
-        if env is not None:
-            try:
-                requested = int(env)
-            except ValueError:
-                raise ValueError(f"{STEPS_PER_LAUNCH_ENV} must be an int >= 0, got {env!r}") from None
-        else:
-            requested = 1
+    """The ring forward's remote steps per launch (:meth:`Schedule.launch_groups`; 0: all): `requested` (default
+    :func:`requested_steps_per_launch`), or 1 where :func:`grouped_launch_allowed` says no.  A function of the
+    schedule, the shapes and the agreed request alone, so every member picks the same groups."""
+    requested = requested_steps_per_launch() if requested is None else requested
     sched.launch_groups(requested)  # checks it
     return requested if grouped_launch_allowed(sched, k) else 1
 

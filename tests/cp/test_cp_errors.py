@@ -71,6 +71,19 @@ def bad_input_case(rank, world, kind):
     if kind == "plan-type":
         q, k, v = _inputs(plan, rank)
         return _error(lambda: module(q, k, v, [0, 40]))
+    if kind in ("steps-per-launch", "steps-per-launch-bad"):  # one rank's environment asks for launch groups
+        import os
+
+        from fa4dist.context_parallel.ring import STEPS_PER_LAUNCH_ENV
+
+        value = "0" if kind == "steps-per-launch" else "two"
+        if rank == 2:
+            os.environ[STEPS_PER_LAUNCH_ENV] = value
+        try:
+            q, k, v = _inputs(plan, rank)
+            return _error(lambda: module(q, k, v, plan))
+        finally:
+            os.environ.pop(STEPS_PER_LAUNCH_ENV, None)
     if kind == "unexpected-error":  # not one of the checks' own errors: the other ranks must still not wait for it
         from fa4dist.context_parallel.core import ContextParallel
 
@@ -108,6 +121,10 @@ def bad_input_case(rank, world, kind):
     ("plan-type", "TypeError",
      "rank 0 rejected its inputs: TypeError: plan must be a ShardPlan .*got list \\(and 3 more rank"),
     ("unexpected-error", "ValueError", "rank 1 rejected its inputs: RuntimeError: an injected fault"),
+    # groups change the messages a rank posts: ranks must agree on them, or fail together
+    ("steps-per-launch", "ValueError", "ranks disagree on forward call 1: ring_steps_per_launch: .*rank 2 0"),
+    ("steps-per-launch-bad", "ValueError", "rank 2 rejected its inputs: ValueError: FA4DIST_RING_STEPS_PER_LAUNCH "
+     "must be an int >= 0"),
 ])
 def test_every_rank_gets_the_same_clear_error(pool, kind, error, pattern):
     import re
