@@ -192,25 +192,49 @@ def _joined(a: WorkItem, b: WorkItem) -> Optional[WorkItem]:
     return None
 
 
+def _joined_to_band(full: WorkItem, band: WorkItem) -> Optional[WorkItem]:
+    """A fully visible item and a causal one on the same query rows, the full item's keys right before the causal
+    one's in the buffer, as one causal item: the full item's keys take the positions just below the causal keys'
+    (virtual positions), which every row sees as long as every row sees every key before the causal item's first
+    (its first query position is at least that key's position - 1). A causal rule sees only relative order, so the
+    joined item masks exactly the pairs the two did; a window measures distances, so windowed items are not
+    joined. None if they do not fit."""
+    if (full.q_start, full.q_len) != (band.q_start, band.q_len) or full.k_start + full.k_len != band.k_start:
+        return None
+    if not band.causal or tuple(band.window) != (-1, -1) or band.q_offset < band.k_offset - 1:
+        return None
+    return WorkItem(band.q_start, band.q_len, full.k_start, full.k_len + band.k_len, band.q_offset,
+                    band.k_offset - full.k_len, causal=True)
+
+
+def _join(a: WorkItem, b: WorkItem) -> Optional[WorkItem]:
+    a_full, b_full = sees_all_keys(a), sees_all_keys(b)
+    if a_full and b_full:
+        return _joined(a, b)
+    if a_full != b_full:
+        return _joined_to_band(a, b) if a_full else _joined_to_band(b, a)
+    return None
+
+
 def coalesce(items: Sequence[WorkItem]) -> tuple[WorkItem, ...]:
-    """The list with items that see all their keys joined where they share one side (the same key rows with
-    adjacent query rows, or the same query rows with adjacent key rows), into the place of the first of them.
+    """The list with items joined where they share one side, into the place of the first of them: items that see
+    all their keys with the same key rows and adjacent query rows, or the same query rows and adjacent key rows;
+    and a causal item with the fully visible item whose keys come right before its own (``_joined_to_band``).
     A ring step's blocks of a zigzag or LPT plan often pair up so (a member's two chunks against one held chunk,
-    or one chunk against the two it holds): one item then does in one pass what two did, with no merge between
-    them (forward) and one dK/dV accumulation instead of two (backward). The sums change only in their rounding;
-    the result is still a function of the list."""
+    or one chunk against the two it holds, or a member's later chunk against both of its own): one item then does
+    in one pass what two did, with no merge between them (forward) and one dK/dV accumulation instead of two
+    (backward), and fewer waves of items with disjoint rows. The sums change only in their rounding; the result
+    is still a function of the list."""
     out: list[WorkItem] = []
     for item in items:
-        place = len(out)
-        if sees_all_keys(item):
-            i = 0
-            while i < len(out):
-                joined = _joined(out[i], item) if sees_all_keys(out[i]) else None
-                if joined is None:
-                    i += 1
-                    continue
-                del out[i]
-                item, place, i = joined, min(place, i), 0  # the joined item may fit another one
+        place, i = len(out), 0
+        while i < len(out):
+            joined = _join(out[i], item)
+            if joined is None:
+                i += 1
+                continue
+            del out[i]
+            item, place, i = joined, min(place, i), 0  # the joined item may fit another one
         out.insert(place, item)
     return tuple(out)
 

@@ -5,6 +5,7 @@ named."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -404,7 +405,9 @@ def test_cute_forward_plan_tables(head_dim):
 @pytest.mark.parametrize("seed", range(8))
 def test_coalesce_joins_blocks_that_see_all_keys_and_keeps_the_result(seed):
     """Blocks that see all their keys and share one side (the same keys and adjacent query rows, or the same query
-    rows and adjacent keys) become one; masked blocks stay; the joined list computes the same attention."""
+    rows and adjacent keys) become one, and so do causal blocks with the full block whose keys precede theirs; the
+    joined list holds the same visible pairs and computes the same attention."""
+    from fa4dist.kernels.mask import Mask, visible_pairs
     from fa4dist.kernels.worklist import coalesce, sees_all_keys
 
     rng = random.Random(seed)
@@ -419,9 +422,11 @@ def test_coalesce_joins_blocks_that_see_all_keys_and_keeps_the_result(seed):
     rng.shuffle(items)
     joined = coalesce(items)
     assert len(joined) < len(items)
-    full = [i for i in items if sees_all_keys(i)]
-    assert sum(i.q_len * i.k_len for i in joined if sees_all_keys(i)) == sum(i.q_len * i.k_len for i in full)
-    assert [i for i in joined if not sees_all_keys(i)] == [i for i in items if not sees_all_keys(i)]
+    def pairs(lst):
+        return sum(visible_pairs(i.q_len, i.k_len, i.q_offset, i.k_offset, Mask(i.causal, i.window)) for i in lst)
+
+    assert pairs(joined) == pairs(items)
+    assert len([i for i in joined if not sees_all_keys(i)]) <= len([i for i in items if not sees_all_keys(i)])
     q, k, v = (torch.randn(n, 2, 8, dtype=F64, generator=gen) for _ in range(3))
     results = []
     for lst in (items, list(joined)):
@@ -439,6 +444,40 @@ def test_coalesce_joins_blocks_that_see_all_keys_and_keeps_the_result(seed):
         grads.append(g)
     for got, want in zip(*grads[::-1]):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_coalesce_joins_a_causal_block_with_the_full_keys_before_it():
+    """A member's later chunk against its two own chunks (LPT / zigzag): the fully visible block and the diagonal
+    one become one causal item whose earlier keys sit at virtual positions just below the diagonal's, with the
+    same visible pairs and the same attention (fp64, reference); windows, rows that miss an earlier key, keys that
+    are not adjacent and full keys after the causal ones stay apart."""
+    from fa4dist.kernels.worklist import coalesce
+
+    full = WorkItem(8, 8, 0, 8, 120, 0)
+    band = WorkItem(8, 8, 8, 8, 120, 120, causal=True)
+    (one,) = coalesce([WorkItem(0, 8, 0, 8, 0, 0, causal=True), full, band])[1:]
+    assert one == WorkItem(8, 8, 0, 16, 120, 112, causal=True)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(16, 2, 8, dtype=F64, generator=gen) for _ in range(4))
+    lists = ([full, band], [one])
+    results = []
+    for lst in lists:
+        out = torch.full((16, 2, 8), float("nan"), dtype=F64)
+        lse = torch.full((2, 16), float("nan"), dtype=F64)
+        attention_forward_items(q, k, v, lst, out, lse, fresh=True, backend="reference")
+        grads = [torch.zeros(16, 2, 8, dtype=F64) for _ in range(3)]
+        attention_backward_items(dout, q, k, v, out.clone(), lse, lst, *grads, backend="reference")
+        results.append([out[8:], lse[:, 8:], *grads])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    apart = [
+        [full, replace(band, window=(100, 0))],  # a window measures distances
+        [full, replace(band, q_offset=118)],  # the first rows would miss the earlier keys
+        [replace(full, k_len=7), band],  # a gap between the keys
+        [replace(full, k_start=16), replace(band, k_start=0)],  # the full keys after the causal ones
+    ]
+    for lst in apart:
+        assert coalesce(lst) == tuple(lst), lst
 
 
 def test_coalesce_joins_both_sides_and_leaves_gaps_apart():
