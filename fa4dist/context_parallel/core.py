@@ -116,9 +116,16 @@ class _Call:
             (out,) = uly.head_to_seq([(out_m, split.q_heads, self.heads_q, "out", False)])
         return out, (q, k, v, out_m, lse_m)
 
-    def backward(self, dout, q, k, v, out_m, lse_m, sinks):
-        if self.agree is not None:  # every rank must be back-propagating the same forward call
-            self.agree("the backward of forward call", self.call_id, dict(direction="backward", **self.signature))
+    def backward(self, dout, q, k, v, out_m, lse_m, sinks, create_graph: bool = False):
+        if self.agree is not None:  # every rank must be back-propagating the same forward call, the same way
+            self.agree("the backward of forward call", self.call_id,
+                       dict(direction="backward", create_graph=create_graph, **self.signature))
+        if create_graph:  # (after the check: a rank that raised alone would leave the others waiting in it)
+            raise RuntimeError(
+                f"{LABEL}: double backward (create_graph=True) is not supported across ranks: the ring and "
+                "Ulysses backward have no derivative of their own.  Differentiate once, or run the second-order "
+                "computation without context parallelism (fa4dist.attention supports it)"
+            )
         uly, split, dtype = self.uly, self.split, q.dtype
         dout = dout.to(dtype).contiguous()
         if uly is not None:
@@ -172,13 +179,7 @@ class _ContextParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                f"{LABEL}: double backward (create_graph=True) is not supported across ranks: the ring and "
-                "Ulysses backward have no derivative of their own.  Differentiate once, or run the second-order "
-                "computation without context parallelism (fa4dist.attention supports it)"
-            )
-        dq, dk, dv, dsinks = ctx.call.backward(dout, *ctx.saved_tensors)
+        dq, dk, dv, dsinks = ctx.call.backward(dout, *ctx.saved_tensors, create_graph=torch.is_grad_enabled())
         return dq, dk, dv, dsinks, None
 
 

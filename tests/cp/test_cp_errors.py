@@ -352,6 +352,27 @@ def test_double_backward_across_ranks_is_refused_clearly(pool):
         assert name == "RuntimeError" and "double backward (create_graph=True) is not supported" in message
 
 
+def double_backward_one_rank_case(rank, world):
+    """Only rank 2 differentiates with create_graph=True: it must not raise alone and leave the others waiting in
+    the backward's agreement check until the timeout."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    module = FA4ContextParallelAttention(GROUPS[4], strategy="ring", backend="reference", timeout=60)
+    plan = make_plan(48, 4)
+    q, k, v = [t.requires_grad_() for t in _inputs(plan, rank)]
+    out = module(q, k, v, plan=plan)
+    return _error(lambda: torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=rank == 2))
+
+
+def test_double_backward_on_one_rank_fails_on_every_rank_at_once(pool):
+    for rank, res in enumerate(pool.run(double_backward_one_rank_case, timeout=90)):
+        assert res is not None, f"rank {rank} computed instead of failing"
+        name, message, elapsed = res
+        assert "ranks disagree on the backward of forward call 1: create_graph: " in message, (rank, message)
+        assert "rank 2 True" in message and elapsed < 20, (rank, elapsed, message)
+
+
 def non_grid_case(rank, world, verify):
     """Ulysses groups {0, 1}, {2, 3} with ring groups {0, 3}, {1, 2}: every cp rank is distinct, but a ring step
     would pair ranks of different Ulysses indices (other heads) and a Ulysses group ranks of two ring members."""
