@@ -67,6 +67,12 @@ if [ "$1" = 4 ]; then
     tests/kernels/test_worklist_gpu.py -k "ring_schedule or backward_ring"
   TAIL_LINES=6 stage tests_cp_ring 70 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu \
     tests/cp/test_cp_gpu.py -k "bf16"
+  # two independent 64-row tiles per SM (FwdConfig.ctas_per_sm = 2, tile_m = 64: 128 registers at launch, 24 / 232
+  # after setmaxnreg, no spills), the shape of cuDNN's short causal forward (twenty-fourth session), against our
+  # 128-row tiles at hdim 64 1k causal (0.91-0.92x cuDNN). Prediction: within +-5%, a first look only.
+  TAIL_LINES=16 stage fwd_two_ctas 110 python3 bench/kernels.py --headdims 64 --seqlens 1024 2048 --causal true \
+    --directions fwd --backends cute cudnn --rounds 5 --cute-variants "fwd:tile_m=64" \
+    "fwd:tile_m=64,ctas_per_sm=2,persistent_ctas=0" "fwd:tile_m=64,ctas_per_sm=2,persistent_ctas=264"
   TAIL_LINES=4 stage cp_sim_joined_cp8 160 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
     --directions fwd bwd --steps-per-launch 1 0 --reps 6 --queue-ahead-ms 8 --back-to-back --tag joined-cp8
   exit

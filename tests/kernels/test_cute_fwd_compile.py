@@ -60,6 +60,9 @@ SUBSET = [
 # measurement knobs: compiled by FA4DIST_COMPILE_ALL=1 and bench/cute_ptx_dev.py, not by CI's subset (CI's time;
 # intra_wg_overlap=False stays in the subset with a window)
 EXTRA = [
+    # two independent 64-row tiles per SM (cuDNN's short causal forward), one CTA per tile and persistent
+    (torch.bfloat16, 64, True, False, False, {"tile_m": 64, "ctas_per_sm": 2, "persistent_ctas": 0}),
+    (torch.bfloat16, 64, True, False, False, {"tile_m": 64, "ctas_per_sm": 2, "persistent_ctas": 264}),
     (torch.bfloat16, 128, True, False, False, {"intra_wg_overlap": False}),
     (torch.bfloat16, 128, True, False, False, {"tma_store_o": False, "rescale_threshold": 8.0}),
     (torch.bfloat16, 128, False, False, True, {"prefetch_running": False}),

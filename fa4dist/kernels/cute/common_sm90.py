@@ -363,12 +363,15 @@ def store_tile_tma(tiled_mma: cute.TiledMma, frag: cute.Tensor, s_tile: cute.Ten
 SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on Hopper (sm_90)
 
 
-def check_smem(storage) -> None:
+def check_smem(storage, ctas_per_sm: int = 1) -> None:
     """At compile time: a kernel's shared-storage struct fits one CTA's shared memory (a struct past it would
-    compile and then fail at every launch)."""
+    compile and then fail at every launch), or its share when ``ctas_per_sm`` CTAs are to be resident per SM (228
+    KiB per SM, 1 KiB of it reserved per CTA)."""
     size = storage.size_in_bytes()
-    if size > SMEM_BYTES:
-        raise ValueError(f"shared memory {size} bytes exceeds the {SMEM_BYTES} a Hopper CTA may use")
+    limit = SMEM_BYTES if ctas_per_sm == 1 else (228 * 1024) // ctas_per_sm - 1024
+    if size > limit:
+        raise ValueError(f"shared memory {size} bytes exceeds the {limit} a Hopper CTA may use with {ctas_per_sm} "
+                         f"CTA(s) per SM")
 
 
 def tma_pipeline(barrier_storage, num_stages: int, consumer_warps: int, tx_count: int):

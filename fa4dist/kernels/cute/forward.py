@@ -84,6 +84,10 @@ class FwdConfig:
     # registers per thread of the producer warpgroup (0: the split of the warpgroup count; fwd_sm90.FlashFwdSm90).
     # Default from default_regs_producer (32 for hdim 96's causal persistent kernel, which spills on 24 / 240)
     regs_producer: int = 0
+    # CTAs the launch asks to keep resident per SM (registers and shared memory split among them): 2 with tile_m =
+    # 64 runs two independent 64-row tiles per SM, as cuDNN's short causal forward does with its two consumers. A
+    # measurement knob (NOTES_FWD.md, twenty-seventh session)
+    ctas_per_sm: int = 1
     # > 0: a persistent grid of at most this many CTAs (the SM count), each walking tiles in launch order, so that a
     # tile's epilogue overlaps the next tile's loads (packed launches only with dynamic_tiles); 0: one CTA per tile.
     # Default from default_persistent_ctas (measured, NOTES_FWD.md)
@@ -118,6 +122,7 @@ class FwdConfig:
             sinks=self.sinks, softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
             prefetch_running=self.prefetch_running, persistent_ctas=self.persistent_ctas if self.persistent else 0,
             dynamic_tiles=self.takes_tile_counter, exact_merge=self.exact_merge, regs_producer=self.regs_producer,
+            ctas_per_sm=self.ctas_per_sm,
             l2_rows=self.l2_rows or None, interleave_lengths=self.interleave_lengths,
         )
 
@@ -276,6 +281,7 @@ _FIELDS = {
     "sanitize": host.parse_bool,
     "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
     "persistent_ctas": int, "dynamic_tiles": host.parse_bool, "exact_merge": host.parse_bool, "regs_producer": int,
+    "ctas_per_sm": int,
     "l2_rows": int, "interleave_lengths": host.parse_bool,
 }
 # the fields a work-list launch must share with the per-item calls it replaces to give their bits (all but these)

@@ -111,6 +111,7 @@ class FlashFwdSm90:
         dynamic_tiles: bool = True,
         exact_merge: bool = False,
         regs_producer: int = 0,
+        ctas_per_sm: int = 1,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
         assert head_dim % 16 == 0 and tile_n % 16 == 0
@@ -171,12 +172,17 @@ class FlashFwdSm90:
         self.exact_merge = exact_merge and accumulate
         self.num_threads = 128 * (self.num_wg + 1)
         self.regs_producer, self.regs_consumer = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_wg]
+        if ctas_per_sm not in (1, 2):
+            raise ValueError(f"ctas_per_sm must be 1 or 2, got {ctas_per_sm}")
+        self.ctas_per_sm = ctas_per_sm
+        if ctas_per_sm > 1 and not regs_producer:
+            regs_producer = 24
         if regs_producer:
             # another split of the registers the CTA launches with (64K over its warpgroups, in multiples of 8 per
             # thread: 168 each for 3 warpgroups): the consumers take what the producer warpgroup leaves
             # (setmaxnreg, multiples of 8). More for the producer moves a persistent walk's spills out of it (hdim
             # 96 causal: 32 / 232, NOTES_FWD.md)
-            per_thread = 65536 // (128 * (self.num_wg + 1)) // 8 * 8
+            per_thread = 65536 // ctas_per_sm // (128 * (self.num_wg + 1)) // 8 * 8
             assert regs_producer % 8 == 0 and 24 <= regs_producer < per_thread, regs_producer
             self.regs_producer = regs_producer
             self.regs_consumer = min((per_thread * (self.num_wg + 1) - regs_producer) // self.num_wg // 8 * 8, 256)
@@ -290,7 +296,7 @@ class FlashFwdSm90:
             fields["mbar_tile"] = cute.struct.MemRange[cutlass.Int64, 2 * TileClaims.STAGES]
             fields["sTile"] = cute.struct.MemRange[Int32, TileClaims.STAGES]  # claimed tile indices in flight
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
-        check_smem(self.shared_storage)
+        check_smem(self.shared_storage, self.ctas_per_sm)
 
         num_heads = cute.size(mQ.shape[2])
         if const_expr(not self.varlen):
@@ -337,7 +343,9 @@ class FlashFwdSm90:
             grid=grid,
             block=[self.num_threads, 1, 1],
             stream=stream,
-            min_blocks_per_mp=1,
+            min_blocks_per_mp=self.ctas_per_sm,
+            # (all of the SM's memory as shared memory; also spares the DSL a device query for two CTAs per SM)
+            preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None,
         )
 
     # ------------------------------------------------------------------------
