@@ -268,7 +268,8 @@ def test_backward_random_lists_equal_the_loop(monkeypatch, seed, deterministic):
 @pytest.mark.parametrize("cp, d", [(2, 128), (4, 128), (2, 64), (4, 64)])
 def test_backward_ring_lists_equal_the_loop_in_few_launches(monkeypatch, packed, cp, d, deterministic):
     """A member's backward over all its ring steps, through the shared query side as the ring runs it: the
-    loop's gradients (up to fp32 order) in fewer launches than items. (hdim 64 has 128-row query tiles, hdim 128
+    loop's gradients (up to fp32 order), packed lists in fewer launches than items (a dense zigzag step's list is
+    already joined by Schedule.items: at most one launch per item). (hdim 64 has 128-row query tiles, hdim 128
     64-row ones: the shared side takes different items.)"""
     gen = torch.Generator(device="cuda").manual_seed(cp)
     total = 4096 * cp
@@ -296,7 +297,7 @@ def test_backward_ring_lists_equal_the_loop_in_few_launches(monkeypatch, packed,
         assert launches
         for name, a, b in zip(("dq", "dk", "dv"), got, loop):
             assert _rel(a, b) <= 1e-4, f"member {member}: {name} differs from the loop by {_rel(a, b)}"
-    assert total_launches < total_items
+    assert total_launches < total_items if packed else total_launches <= total_items
 
 
 @pytest.mark.parametrize("shared", [False, True])
