@@ -198,14 +198,28 @@ def _offset_values(name: str, value: Offset, count: int) -> tuple[int, ...]:
     return values
 
 
+def _as_float(value) -> float:
+    """float(value) of an int or float; +-inf for an int past the float range (float() would raise OverflowError),
+    so that the caller's finiteness check names the argument."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def _shown(value, as_float: float):
+    """The value for an error message: as given, unless an int too large to print usefully."""
+    return value if isinstance(value, float) or math.isfinite(as_float) else f"an int of {len(str(abs(value)))} digits"
+
+
 def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    scale = float(softmax_scale)
+    scale = _as_float(softmax_scale)
     if not math.isfinite(scale) or scale == 0.0:
-        raise ValueError(f"softmax_scale must be finite and non-zero, got {softmax_scale}")
+        raise ValueError(f"softmax_scale must be finite and non-zero, got {_shown(softmax_scale, scale)}")
     return scale
 
 
@@ -258,10 +272,11 @@ def check_softcap(softcap) -> Optional[float]:
         return None
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float > 0 or None, got {type(softcap).__name__}")
-    if not (math.isfinite(softcap) and softcap > 0):
+    cap = _as_float(softcap)
+    if not (math.isfinite(cap) and cap > 0):
         raise ValueError(f"softcap must be finite and > 0, or None for no capping (flash-attn's 0.0 is None here), "
-                         f"got {softcap}")
-    return float(softcap)
+                         f"got {_shown(softcap, cap)}")
+    return cap
 
 
 def check_sinks(sinks, heads_q: int, device: torch.device) -> bool:
