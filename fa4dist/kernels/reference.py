@@ -294,7 +294,7 @@ def _without_autocast(fn):
 def forward(problem: AttentionProblem, q, k, v):
     """Returns (out, lse) in the accumulation dtype with the contract's shapes."""
     p = problem
-    if not p.varlen and p.uniform_offsets:
+    if not p.varlen and p.uniform_offsets and p.batch > 0:  # (an empty batch has no offset: the loop's empties)
         return _forward_dense(p, q, k, v, p.q_offsets[0], p.k_offsets[0])
     acc = accum_dtype(q.dtype)
     out = torch.zeros(p.out_shape(), dtype=acc, device=q.device)
@@ -316,7 +316,7 @@ def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq_scale=None):
     p = problem
     if dq_scale is not None and not p.cp_invariant:
         raise ValueError("the fixed-point dq (dq_scale=) is computed on the canonical key tiles of cp_invariant=True")
-    if not p.varlen and p.uniform_offsets:
+    if not p.varlen and p.uniform_offsets and p.batch > 0:
         return _backward_dense(p, dout, q, k, v, out, lse, p.q_offsets[0], p.k_offsets[0], dq_scale)
     acc = accum_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc if dq_scale is None else torch.int64, device=q.device)
