@@ -9,8 +9,8 @@ import torch
 
 from . import fixed_point
 from .merge import merge_into_, merge_sink_, sink_grad
-from .problem import (AttentionProblem, Offset, check_bool, check_buffer, check_optional_bool, require_values,
-                      validate_inputs)
+from .problem import (AttentionProblem, Offset, check_bool, check_buffer, check_optional_bool, check_written,
+                      require_values, validate_inputs)
 from .registry import select_backend
 
 Window = tuple[int, int]
@@ -95,6 +95,7 @@ def forward_problem(problem: AttentionProblem, q, k, v, *, sinks=None, out=None,
         raise ValueError("accumulate=True needs the running out and lse to merge into (pass out= and lse=)")
     check_buffer("out", out, problem.out_shape(), problem.device, acc if accumulate else (problem.dtype,) + acc)
     check_buffer("lse", lse, problem.lse_shape(), problem.device, acc)
+    check_written({"out": out, "lse": lse}, {"q": q, "k": k, "v": v, "sinks": sinks})
     if problem.batch == 0:  # no sequence: empty results, no backend to run
         return (out if out is not None else torch.empty(problem.out_shape(), dtype=problem.dtype, device=q.device),
                 lse if lse is not None else torch.empty(problem.lse_shape(), dtype=acc[0], device=q.device))
@@ -218,6 +219,8 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
         if sinks is None:
             raise ValueError("dsinks= is the buffer of the sinks' gradient: pass sinks= too")
         check_buffer("dsinks", dsinks, (problem.heads_q,), problem.device, acc)
+    check_written({"dq": dq, "dk": dk, "dv": dv, "dsinks": dsinks},
+                  {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "sinks": sinks, "dq_scale": dq_scale})
     if check_optional_bool("deterministic", deterministic) is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     if problem.batch == 0:  # no sequence: empty gradients (None where accumulate=True asked for none)

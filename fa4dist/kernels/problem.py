@@ -423,3 +423,68 @@ def check_buffer(
         raise TypeError(f"{name} must have dtype {allowed}, got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# memory of the buffers a call writes
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte address of t's elements (torch strides are non-negative)."""
+    first = t.data_ptr()
+    if t.is_contiguous():
+        return first, first + t.nbytes
+    return first, first + t.element_size() * (1 + sum(st * (n - 1) for st, n in zip(t.stride(), t.shape)))
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill its byte span (then two spans that intersect share an element)."""
+    first, end = _byte_span(t)
+    return end - first == t.numel() * t.element_size()
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether some byte of an element of ``a`` is a byte of an element of ``b``: exact (interleaved views of one
+    buffer that share no element do not), and cheap unless they are strided views whose byte ranges intersect
+    (two tensors of one device whose byte ranges intersect share an allocation)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    if _dense(a) and _dense(b):  # each is every byte of its span, and the spans intersect
+        return True
+    # strided views (interleaved slices of one buffer, say): mark a's bytes on a scratch of the spans, look at b's
+    base, end = min(a0, b0), max(a1, b1)
+    marks = torch.zeros(end - base, dtype=torch.uint8, device=a.device)
+
+    def bytes_of(t):
+        size = t.element_size()
+        return marks.as_strided(tuple(t.shape) + (size,), tuple(st * size for st in t.stride()) + (1,),
+                                t.data_ptr() - base)
+
+    bytes_of(a).fill_(1)
+    return bool(bytes_of(b).any())
+
+
+def check_written(written: dict, read: dict) -> None:
+    """The buffers a call writes (``name -> tensor or None``) against themselves, each other and the tensors it
+    reads: a written element must have memory of its own, and nothing the call reads or writes elsewhere may
+    share it (an out over v would overwrite values other rows still read: a fused kernel races on them, a work
+    list's later items read what the earlier ones wrote)."""
+    given = [(n, t) for n, t in written.items() if isinstance(t, torch.Tensor)]
+    for name, t in given:
+        if 0 in t.stride() and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+            raise ValueError(f"{name} is written by the call, but some of its elements share memory (a stride of 0: "
+                             f"an expanded or broadcast tensor, shape {tuple(t.shape)}, stride {t.stride()}); pass "
+                             f"a buffer with memory of its own per element (.clone())")
+    if not given:
+        return
+    # one byte range per tensor: a pair whose ranges are apart (the usual case) costs two comparisons
+    given = [(n, t, _byte_span(t)) for n, t in given]
+    others = [(n, t, _byte_span(t)) for n, t in read.items() if isinstance(t, torch.Tensor)]
+    for i, (name, t, (t0, t1)) in enumerate(given):
+        for other, u, (u0, u1) in given[:i] + others:
+            if t0 < u1 and u0 < t1 and shares_memory(t, u):
+                raise ValueError(f"{name} shares memory with {other}: a buffer the call writes must not overlap "
+                                 f"its inputs or another written buffer (pass {name}= of its own memory)")

@@ -34,7 +34,7 @@ import torch
 
 from .api import attention_backward, attention_forward
 from .mask import Mask, visible_pairs
-from .problem import AttentionProblem, check_bool, check_buffer, check_window, validate_inputs
+from .problem import AttentionProblem, check_bool, check_buffer, check_window, check_written, validate_inputs
 from .registry import select_backend
 
 
@@ -365,6 +365,7 @@ def attention_forward_items(
     seq_dim, problem = _layout(q, k, v, cp_invariant, softmax_scale, softcap)
     _check_whole_buffers(problem, "attention_forward_items (the running fp32 result)",
                          {"out": (out, None), "lse": (lse, None)}, {})
+    check_written({"out": out, "lse": lse}, {"q": q, "k": k, "v": v})
     items = _check_items(items, q.shape[seq_dim], k.shape[seq_dim])
     impl = select_backend(backend, problem, "forward")
     if getattr(impl, "forward_items", None) is not None:
@@ -467,6 +468,7 @@ def attention_backward_items(
     _check_whole_buffers(problem, "attention_backward_items (the global forward result and its gradient)",
                          {"dout": (dout, given), "out": (out, given), "lse": (lse, None)},
                          {"dq": (dq, tuple(q.shape)), "dk": (dk, tuple(k.shape)), "dv": (dv, tuple(v.shape))})
+    check_written({"dq": dq, "dk": dk, "dv": dv}, {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
     items = _check_items(items, q.shape[seq_dim], k.shape[seq_dim])
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()

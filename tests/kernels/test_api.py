@@ -1,0 +1,78 @@
+"""fa4dist.kernels.api: the buffers a call writes (out, lse, dq, dk, dv, dsinks) are refused by name when they cannot
+hold its results: elements that share memory, or memory shared with what the call reads."""
+
+import math
+
+import pytest
+import torch
+
+from fa4dist.kernels import WorkItem, attention_backward, attention_backward_items, attention_forward, \
+    attention_forward_items
+
+
+def _qkv(b=2, s=8, h=2, d=8):
+    torch.manual_seed(0)
+    return tuple(torch.randn(b, s, h, d) for _ in range(3))
+
+
+def test_expanded_forward_buffers_are_refused_by_name():
+    """An expanded (stride 0) out or lse has one memory cell for several results: a ValueError naming it, not
+    torch's in-place error from inside the merge."""
+    q, k, v = _qkv()
+    out, lse = attention_forward(q, k, v)
+    with pytest.raises(ValueError, match="out .*share memory"):
+        attention_forward(q, k, v, out=torch.zeros(1, 8, 2, 8).expand(2, 8, 2, 8))
+    with pytest.raises(ValueError, match="lse .*share memory"):
+        attention_forward(q, k, v, out=out.clone(), lse=lse[:1].clone().expand(2, 2, 8), accumulate=True)
+    with pytest.raises(ValueError, match="dq .*share memory"):
+        attention_backward(out, q, k, v, out, lse, dq=torch.zeros(1, 8, 2, 8).expand(2, 8, 2, 8))
+
+
+def test_written_buffers_that_alias_the_inputs_are_refused_by_name():
+    """out (or a gradient buffer) over q, k or v's memory would overwrite an operand other rows still read (a fused
+    kernel races on it; a work list's later items read the rows earlier items wrote): refused by name."""
+    q, k, v = _qkv()
+    out, lse = attention_forward(q, k, v)
+    with pytest.raises(ValueError, match="out shares memory with v"):
+        attention_forward(q, k, v, out=v)
+    with pytest.raises(ValueError, match="out shares memory with q"):
+        attention_forward(q, k, v, out=q)
+    dout = torch.randn_like(out)
+    with pytest.raises(ValueError, match="dk shares memory with k"):
+        attention_backward(dout, q, k, v, out, lse, dk=k)
+    with pytest.raises(ValueError, match="dv shares memory with dk"):
+        buf = torch.zeros(2, 8, 2, 8)
+        attention_backward(dout, q, k, v, out, lse, dq=torch.zeros_like(q), dk=buf, dv=buf, accumulate=True)
+
+
+def test_a_work_list_whose_out_aliases_v_is_refused_before_it_writes():
+    """The silent wrong answer this guards against: out over v's memory, items run in order, the later items read
+    the values the earlier ones overwrote."""
+    q, k, v = (t[0] for t in _qkv())
+    items = [WorkItem(0, 4, 0, 8), WorkItem(4, 4, 0, 8)]
+    v_before = v.clone()
+    with pytest.raises(ValueError, match="out shares memory with v"):
+        attention_forward_items(q, k, v, items, v, torch.full((2, 8), -math.inf), fresh=True)
+    assert torch.equal(v, v_before)
+    out, lse = attention_forward(q[None], k[None], v[None])
+    with pytest.raises(ValueError, match="dk shares memory with k"):
+        attention_backward_items(out[0], q, k, v, out[0], lse[0], items, None, k, torch.zeros_like(v))
+
+
+def test_interleaved_gradient_views_of_one_buffer_are_accepted():
+    """dq, dk, dv as interleaved views of one (batch, seqlen, 3, heads, dim) buffer (flash-attn's qkv-packed form)
+    share a storage and a byte range but no element: accepted, and equal to separate buffers."""
+    q, k, v = _qkv()
+    out, lse = attention_forward(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    want = attention_backward(dout, q, k, v, out, lse, causal=True)
+    packed = torch.empty(2, 8, 3, 2, 8)
+    got = attention_backward(dout, q, k, v, out, lse, causal=True, dq=packed[:, :, 0], dk=packed[:, :, 1],
+                             dv=packed[:, :, 2])
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    # out and lse in one buffer, side by side: no shared element either
+    flat = torch.empty(2 * 8 * 2 * 8 + 2 * 2 * 8)
+    o, m = flat[:256].view(2, 8, 2, 8), flat[256:].view(2, 2, 8)
+    attention_forward(q, k, v, causal=True, out=o, lse=m)
+    assert torch.equal(o, out) and torch.equal(m, lse)
