@@ -34,7 +34,8 @@ import torch
 
 from .api import attention_backward, attention_forward
 from .mask import Mask, visible_pairs
-from .problem import AttentionProblem, check_bool, check_buffer, check_window, check_written, validate_inputs
+from .problem import (OFFSET_LIMIT, AttentionProblem, check_bool, check_buffer, check_window, check_written,
+                      validate_inputs)
 from .registry import select_backend
 
 
@@ -69,6 +70,8 @@ def _check_items(items: Sequence[WorkItem], total_q: int, total_k: int) -> tuple
             value = getattr(item, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"items[{i}].{name} must be an int, got {type(value).__name__}")
+            if name.endswith("offset") and not -OFFSET_LIMIT <= value < OFFSET_LIMIT:
+                raise ValueError(f"items[{i}].{name} must be a token position in [-2**62, 2**62), got {value}")
         if not isinstance(item.causal, bool):
             raise TypeError(f"items[{i}].causal must be a bool, got {type(item.causal).__name__}")
         try:
@@ -81,7 +84,8 @@ def _check_items(items: Sequence[WorkItem], total_q: int, total_k: int) -> tuple
         if item.k_start < 0 or item.k_len < 0 or item.k_start + item.k_len > total_k:
             raise ValueError(f"items[{i}] key rows [{item.k_start}, {item.k_start + item.k_len}) are outside the "
                              f"{total_k} key tokens")
-    return tuple(items)
+    # window=None is the contract's (-1, -1): the launch planners build a Mask of the item's pair
+    return tuple(item if item.window is not None else replace(item, window=(-1, -1)) for item in items)
 
 
 def _layout(q, k, v, cp_invariant: bool = False, softmax_scale=None, softcap=None):
@@ -463,6 +467,17 @@ def attention_backward_items(
     zero on key rows no item has, the bits of the same call into zeros, without a pass that fills them (dq is
     still added into)."""
     check_bool("fresh_dkv", fresh_dkv)
+    if shared is not None and not isinstance(shared, SharedQueries):
+        raise TypeError(f"shared must be a SharedQueries handle (from share_queries) or None, got "
+                        f"{type(shared).__name__}")
+    if fresh_dkv and (dk is None or dv is None):
+        raise ValueError("fresh_dkv=True needs dk and dv to write into")
+    if (dk is None) != (dv is None):
+        raise ValueError("attention_backward_items adds dk and dv together: give both, or neither (then neither is "
+                         "computed)")
+    if dq is None and dk is None:
+        raise ValueError("attention_backward_items needs dq, or dk and dv, or all three: the fp32 buffers it adds "
+                         "into (a gradient without a buffer is not computed)")
     seq_dim, problem = _layout(q, k, v, cp_invariant, softmax_scale, softcap)
     given = (problem.dtype, torch.float64) if problem.dtype == torch.float64 else (problem.dtype, torch.float32)
     _check_whole_buffers(problem, "attention_backward_items (the global forward result and its gradient)",
@@ -476,8 +491,6 @@ def attention_backward_items(
     if shared is not None and (cp_invariant or shared.deterministic != bool(deterministic) or dk is None):
         raise ValueError("shared= needs cp_invariant=False and the deterministic setting it was made with (and "
                          "dk and dv to add into)")
-    if fresh_dkv and (dk is None or dv is None):
-        raise ValueError("fresh_dkv=True needs dk and dv to write into")
     if getattr(impl, "backward_items", None) is not None and not cp_invariant:
         rows = None if shared is None or shared.finished or shared.impl is not impl else shared.state
         done = impl.backward_items(dout, q, k, v, out, lse, items, dq, dk, dv, softmax_scale=problem.softmax_scale,

@@ -492,3 +492,51 @@ def test_coalesce_joins_both_sides_and_leaves_gaps_apart():
     assert coalesce(gap) == tuple(gap)
     masked = [WorkItem(0, 8, 0, 16, 0, 0, causal=True), WorkItem(8, 8, 0, 16, 8, 0, causal=True)]
     assert coalesce(masked) == tuple(masked)
+
+
+@pytest.mark.parametrize("field", ["q_offset", "k_offset"])
+def test_an_item_offset_out_of_range_is_refused_by_name_before_any_item_runs(field):
+    """An item's offset past the contract's token positions (2**62): refused with the item's index before the list
+    runs (it was the contract's unnamed error from inside the loop, after the earlier items had merged into out)."""
+    q = torch.randn(8, 2, 4)
+    out, lse = torch.zeros(8, 2, 4), torch.full((2, 8), float("-inf"))
+    items = [WorkItem(0, 8, 0, 8), WorkItem(0, 8, 0, 8, **{field: 2**62})]
+    with pytest.raises(ValueError, match=rf"items\[1\].{field} must be a token position in \[-2\*\*62, 2\*\*62\)"):
+        attention_forward_items(q, q, q, items, out, lse, backend="reference")
+    assert not out.any() and bool(torch.isneginf(lse).all())
+    grads = [torch.zeros(8, 2, 4) for _ in range(3)]
+    with pytest.raises(ValueError, match=rf"items\[1\].{field} must be a token position"):
+        attention_backward_items(q, q, q, q, out, lse, items, *grads, backend="reference")
+    assert not any(g.any() for g in grads)
+
+
+def test_backward_gradient_buffers_are_checked_for_every_list():
+    """dq, dk, dv all None (nothing to add into), or dk without dv: refused by name with the work list's own words
+    whatever the list holds (an empty list passed, a non-empty one failed with the contract's accumulate=True
+    message from inside the loop)."""
+    q = torch.randn(4, 1, 8)
+    out, lse = torch.zeros(4, 1, 8), torch.zeros(1, 4)
+    for items in ([], [WorkItem(0, 4, 0, 4)]):
+        with pytest.raises(ValueError, match="attention_backward_items needs dq, or dk and dv"):
+            attention_backward_items(q, q, q, q, out, lse, items, None, None, None, backend="reference")
+        with pytest.raises(ValueError, match="attention_backward_items adds dk and dv together"):
+            attention_backward_items(q, q, q, q, out, lse, items, None, torch.zeros(4, 1, 8), None,
+                                     backend="reference")
+
+
+def test_shared_must_be_a_shared_queries_handle():
+    q = torch.randn(4, 1, 8)
+    out, lse = torch.zeros(4, 1, 8), torch.zeros(1, 4)
+    grads = [torch.zeros(4, 1, 8) for _ in range(3)]
+    with pytest.raises(TypeError, match="shared must be a SharedQueries"):
+        attention_backward_items(q, q, q, q, out, lse, [WorkItem(0, 4, 0, 4)], *grads, backend="reference",
+                                 shared=object())
+
+
+def test_an_item_window_of_none_is_the_unbounded_window():
+    """window=None is the contract's (-1, -1): an item's is read as that, so the launch planners (which build a
+    Mask of it) get a pair."""
+    from fa4dist.kernels.worklist import _check_items
+
+    (item,) = _check_items([WorkItem(0, 4, 0, 4, window=None)], 4, 4)
+    assert item.window == (-1, -1)
