@@ -237,24 +237,31 @@ def check_window(window) -> tuple[int, int]:
     return (int(window[0]), int(window[1]))
 
 
+def type_name(value) -> str:
+    """The name of value's type for an error message, with its module where it is not a builtin (numpy's bool
+    calls itself "bool")."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 def check_optional_bool(name: str, value) -> Optional[bool]:
     """A mode flag: True, False or None (the default that follows a global setting), never a truthy stand-in."""
     if value is not None and not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a bool or None, got {type_name(value)}")
     return value
 
 
 def check_bool(name: str, value) -> bool:
     """A flag: True or False, never a truthy stand-in ("False" is a non-empty string)."""
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a bool, got {type_name(value)}")
     return value
 
 
 def check_int(name: str, value, minimum: Optional[int] = None) -> int:
     """A count or an index: a Python int (not a bool) of at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{name} must be an int, got {type_name(value)}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
