@@ -77,3 +77,14 @@ if [ "$1" = 4 ]; then
     --directions fwd bwd --steps-per-launch 1 0 --reps 6 --queue-ahead-ms 8 --back-to-back --tag joined-cp8
   exit
 fi
+# 5: call 4's first look at two 64-row tiles per SM on the persistent grid (264 CTAs): hdim 64 causal 1k 315 against
+#    298 TFLOP/s (+5.7%; cuDNN 335), 2k 357 against 380 (-6%). Again with 512 / 1k / 1.5k, and the dense forward's
+#    tests at hdim 64 under it (the oracle's tolerances). Prediction: +3-6% at 512 / 1k, a loss from 1.5k.
+if [ "$1" = 5 ]; then
+  FA4DIST_FWD_OVERRIDE=tile_m=64,ctas_per_sm=2,persistent_ctas=264 TAIL_LINES=4 stage tests_two_ctas 80 \
+    python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/kernels/test_cute_fwd_gpu.py -k "test_dense and 64"
+  TAIL_LINES=14 stage fwd_two_ctas_again 80 python3 bench/kernels.py --headdims 64 --seqlens 512 1024 1536 \
+    --causal true --directions fwd --backends cute cudnn --rounds 5 \
+    --cute-variants "fwd:tile_m=64,ctas_per_sm=2,persistent_ctas=264"
+  exit
+fi
