@@ -46,8 +46,10 @@ SUBSET = [
     # with fixed roundings
     (torch.bfloat16, 64, True, True, True, {"worklist": True, "persistent_ctas": 132, "dynamic_tiles": True,
                                             "exact_merge": True}),
-    # hdim 64 causal short sequences: 128-row tiles on the persistent grid (forward.short_queries)
+    # hdim 64 causal short sequences: two 64-row tiles per SM on the persistent grid (forward.short_queries,
+    # short_two_ctas); with a window, 128-row tiles
     (torch.bfloat16, 64, True, False, False, {"short": True}),
+    (torch.bfloat16, 64, True, False, False, {"short": True, "window_left": 300}),
     # hdim 128 causal sequences of at most 2k: long and short tiles interleaved (forward.interleaved_launch)
     (torch.bfloat16, 128, True, False, False, {"interleave": True}),
     # hdim 128 non-causal sequences of 8k+ keys: the row max in chains (forward.chained_max_launch)
@@ -60,9 +62,8 @@ SUBSET = [
 # measurement knobs: compiled by FA4DIST_COMPILE_ALL=1 and bench/cute_ptx_dev.py, not by CI's subset (CI's time;
 # intra_wg_overlap=False stays in the subset with a window)
 EXTRA = [
-    # two independent 64-row tiles per SM (cuDNN's short causal forward), one CTA per tile and persistent
+    # two independent 64-row tiles per SM, one CTA per tile (the default's is persistent: SUBSET)
     (torch.bfloat16, 64, True, False, False, {"tile_m": 64, "ctas_per_sm": 2, "persistent_ctas": 0}),
-    (torch.bfloat16, 64, True, False, False, {"tile_m": 64, "ctas_per_sm": 2, "persistent_ctas": 264}),
     (torch.bfloat16, 128, True, False, False, {"intra_wg_overlap": False}),
     (torch.bfloat16, 128, True, False, False, {"tma_store_o": False, "rescale_threshold": 8.0}),
     (torch.bfloat16, 128, False, False, True, {"prefetch_running": False}),
@@ -232,16 +233,23 @@ def test_an_mps_client_limit_lowers_the_sm_count(monkeypatch):
     assert host.sm_count() == full
 
 
-def test_short_causal_hdim64_sequences_take_128_row_tiles():
-    """hdim 64 causal dense 16-bit launches of at most SHORT_CAUSAL_ROWS query rows: 128-row tiles; longer ones,
-    non-causal ones, packed, merge and fp32 launches and other head dims keep theirs (forward.short_queries)."""
+def test_short_causal_hdim64_sequences_take_short_tiles():
+    """hdim 64 causal dense 16-bit launches of at most SHORT_CAUSAL_ROWS query rows: 64-row tiles two per SM on a
+    grid of twice the SMs (128-row tiles with a window, soft-cap or sinks); longer ones, non-causal ones, packed,
+    merge and fp32 launches and other head dims keep theirs (forward.short_queries, short_two_ctas)."""
     n = cute_fwd.SHORT_CAUSAL_ROWS
     assert cute_fwd.short_queries(64, True, True, n) and cute_fwd.short_queries(64, True, True, 1)
     for args in ((64, True, True, n + 1), (64, False, True, 512), (64, True, False, 512), (128, True, True, 512)):
         assert not cute_fwd.short_queries(*args), args
-    tiles = [cute_fwd.make_config(torch.bfloat16, 64, causal=True, varlen=False, accumulate=False, short=short).tile_m
-             for short in (True, False)]
-    assert tiles == [128, 192]
+    make = functools.partial(cute_fwd.make_config, torch.bfloat16, 64, causal=True, varlen=False, accumulate=False)
+    short, long = make(short=True), make(short=False)
+    assert (short.tile_m, short.ctas_per_sm, short.persistent_ctas) == (64, 2, 2 * host.sm_count())
+    assert (long.tile_m, long.ctas_per_sm) == (192, 1)
+    for options in (dict(window_left=300), dict(softcap=30.0), dict(sinks=True)):
+        cfg = make(short=True, **options)
+        assert (cfg.tile_m, cfg.ctas_per_sm) == (128, 1), options
+    forced = make(short=True, tile_m=128)  # a forced tile keeps one CTA per SM
+    assert (forced.tile_m, forced.ctas_per_sm) == (128, 1)
 
 
 def test_short_dense_causal_launches_interleave_long_and_short_tiles():

@@ -85,8 +85,8 @@ class FwdConfig:
     # Default from default_regs_producer (32 for hdim 96's causal persistent kernel, which spills on 24 / 240)
     regs_producer: int = 0
     # CTAs the launch asks to keep resident per SM (registers and shared memory split among them): 2 with tile_m =
-    # 64 runs two independent 64-row tiles per SM, as cuDNN's short causal forward does with its two consumers. A
-    # measurement knob (NOTES_FWD.md, twenty-seventh session)
+    # 64 runs two independent 64-row tiles per SM, as cuDNN's short causal forward does with its two consumers.
+    # Default from short_two_ctas (NOTES_FWD.md, twenty-seventh session)
     ctas_per_sm: int = 1
     # > 0: a persistent grid of at most this many CTAs (the SM count), each walking tiles in launch order, so that a
     # tile's epilogue overlaps the next tile's loads (packed launches only with dynamic_tiles); 0: one CTA per tile.
@@ -184,10 +184,21 @@ def short_queries(head_dim: int, causal: bool, dense_plain: bool, seqlen_q: int)
 
 
 def default_tiles(head_dim: int, causal: bool, short: bool = False) -> tuple[int, int, int]:
-    """(tile_m, tile_n, num_stages) for a head dim (``short``: see short_queries)."""
+    """(tile_m, tile_n, num_stages) for a head dim (``short``: see short_queries; short_two_ctas may then halve
+    the rows)."""
     if head_dim <= 64 and not short:
         return 192, 128, 2
     return 128, 128, 2
+
+
+def short_two_ctas(head_dim: int, short: bool, window_left: int, softcap: float, sinks: bool) -> bool:
+    """Whether a short_queries launch takes 64-row tiles with two CTAs resident per SM (FwdConfig.ctas_per_sm):
+    two independent tiles per SM, each with its own K / V stream, the shape of cuDNN's short causal forward. hdim
+    64 without window, soft-cap or sinks (the family measured). Measured on the H200 against the 128-row tiles in
+    the same rounds (2026-12-03, twenty-seventh session, bench/sessions/gpu_session_28.sh 4 and 5; 264 CTAs on
+    the persistent grid): +5.5% at 512, +5.7 / +4.8% at 1024, -4.8% at 1536, -6% at 2048 rows (so only
+    short_queries' launches); one 64-row tile per SM lost 20-25%."""
+    return head_dim <= 64 and short and window_left < 0 and not softcap and not sinks
 
 
 def default_sum_from_old(head_dim: int) -> bool:
@@ -236,7 +247,7 @@ def default_persistent_ctas(cfg: FwdConfig) -> int:
         return 0
     if cfg.causal and cfg.head_dim not in PERSISTENT_CAUSAL_HEAD_DIMS:
         return 0
-    return host.sm_count()
+    return host.sm_count() * cfg.ctas_per_sm
 
 
 # dense causal plain launches of at most this many query rows alternate long and short tiles (interleaved_launch)
@@ -319,8 +330,11 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
         window_left=int(window_left),
         softcap=float(softcap or 0.0), sinks=bool(sinks), worklist=bool(worklist),
     )
-    kw.update(_OVERRIDE)
-    kw.update(overrides)
+    forced = {**_OVERRIDE, **overrides}
+    if short_two_ctas(head_dim, short, int(window_left), float(softcap or 0.0), bool(sinks)) \
+            and "tile_m" not in forced and "ctas_per_sm" not in forced:  # (a forced tile keeps one CTA per SM)
+        kw.update(tile_m=64, ctas_per_sm=2)
+    kw.update(forced)
     cfg = FwdConfig(**kw)
     if "persistent_ctas" not in kw:  # the default follows the other fields, overrides included
         cfg = dataclasses.replace(cfg, persistent_ctas=default_persistent_ctas(cfg))
