@@ -9,8 +9,10 @@ with the per-block loop's bits) of the schedule's blocks for the held keys, merg
 fp64 inputs) running ``(out, lse)``, so nothing is rounded between steps; the merge order is (step, query block,
 key), a function of the plan alone.  Optionally (``FA4DIST_RING_STEPS_PER_LAUNCH``, :func:`forward_steps_per_launch`)
 the remote steps run in launch groups: a group's transfers land in place in one buffer and its steps' blocks are one
-coalesced work list, merged once per row (then the order is (group, query block, key)).  Measured on one H200 it
-buys nothing at cp = 8 (bench/RESULTS.md, twenty-seventh session), so one launch per step stays the default.
+coalesced work list, merged once per row (then the order is (group, query block, key)).  In the one-GPU simulation
+at cp = 8 every remote step in one launch read 0.940 against 0.905 per step (bench/RESULTS.md, twenty-seventh
+session), but a group waits for all its transfers before it computes, which the simulation does not model: one
+launch per step stays the default until a multi-GPU run decides.
 
 Backward: the keys go out again the same way; each step's work list (on cute, one main kernel per group of blocks
 with disjoint key rows) recomputes its blocks against the global ``(out, lse)``, adding dQ into the member's shared
