@@ -540,3 +540,40 @@ def test_an_item_window_of_none_is_the_unbounded_window():
 
     (item,) = _check_items([WorkItem(0, 4, 0, 4, window=None)], 4, 4)
     assert item.window == (-1, -1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_coalesce_of_random_lists_keeps_every_visible_pair(seed):
+    """Random small lists (causal or not, windows, q_len != k_len, negative offsets, empty items, items sharing
+    rows or keys): the coalesced list holds exactly the (query row, key row) pairs visible in the list, with their
+    multiplicity (the mask written out by hand)."""
+    from collections import Counter
+
+    from fa4dist.kernels.worklist import coalesce
+
+    def pairs(items):
+        seen = Counter()
+        for it in items:
+            left, right = it.window
+            for i in range(it.q_len):
+                p = it.q_offset + i
+                for j in range(it.k_len):
+                    s = it.k_offset + j
+                    if not ((it.causal and s > p) or (left >= 0 and s < p - left) or (right >= 0 and s > p + right)):
+                        seen[(it.q_start + i, it.k_start + j)] += 1
+        return seen
+
+    rng = random.Random(seed)
+    joined = 0
+    for _ in range(1500):
+        items = []
+        for _ in range(rng.randint(2, 6)):
+            window = rng.choice([(-1, -1)] * 4 + [(rng.randint(0, 5), -1), (rng.randint(0, 5), rng.randint(0, 5)),
+                                                  (-1, 0)])
+            items.append(WorkItem(rng.choice([0, 4, 8]), rng.choice([0, 1, 4, 8]), rng.choice([0, 3, 4, 6, 8, 10]),
+                                  rng.choice([0, 1, 2, 3, 4, 6]), rng.randint(-10, 12), rng.randint(-10, 12),
+                                  causal=rng.random() < 0.6, window=window))
+        got = coalesce(items)
+        assert pairs(got) == pairs(items), (items, got)
+        joined += len(got) < len(items)
+    assert joined
