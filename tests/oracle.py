@@ -105,3 +105,22 @@ def flash_op_keep(q_len: int, k_len: int, window=(-1, -1), causal: bool = False,
     if right >= 0:
         keep &= j <= i + (k_len - q_len) + right
     return keep
+
+
+def visible_item_pairs(items):
+    """Work items' visible (query row, key row) pairs with how many items hold each: the mask written out by hand
+    (key position s = k_offset + j seen by query position p = q_offset + i when s <= p if causal and p - left <= s
+    <= p + right for the window), independent of fa4dist.kernels.mask."""
+    from collections import Counter
+
+    seen = Counter()
+    for it in items:
+        left, right = it.window
+        for i in range(it.q_len):
+            p = it.q_offset + i
+            for j in range(it.k_len):
+                s = it.k_offset + j
+                if (it.causal and s > p) or (left >= 0 and s < p - left) or (right >= 0 and s > p + right):
+                    continue
+                seen[(it.q_start + i, it.k_start + j)] += 1
+    return seen

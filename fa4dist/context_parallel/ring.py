@@ -208,14 +208,16 @@ class _Exchange:
         return buf
 
     def post_keys(self, step: int) -> "_Incoming":
-        """Posts step `step`'s sends and receives of key rows; returns what will hold the received rows."""
+        """Posts step `step`'s sends and receives of key rows; returns what will hold the received rows (with the
+        step's work list on them)."""
         sched, ring, m = self.sched, self.ring, self.ring.index
         send_ranges, recv_len = sched.send_ranges(m, step), sched.recv_len(m, step)
         sends = [(self._send_buffer(send_ranges).flat, ring.peer(sched.dest(m, step)))] if send_ranges else []
         held = KVBuffer.empty(self.k, self.v, recv_len, self.sd) if recv_len else None
         recvs = [(held.flat, ring.peer(sched.source(m, step)))] if held is not None else []
         tag = 10 if self.direction == "forward" else 20
-        return _Incoming(self._post(sends, recvs, f"K/V of {self.direction} ring step {step}", tag), held)
+        items = sched.items(m, sched.source(m, step)) if held is not None else ()
+        return _Incoming(self._post(sends, recvs, f"K/V of {self.direction} ring step {step}", tag), held, items)
 
     def post_key_group(self, group: tuple[int, ...]) -> "_Incoming":
         """Posts the key transfers of the steps of `group` (:meth:`Schedule.launch_groups`) at once; each step's rows
@@ -223,9 +225,7 @@ class _Exchange:
         the group's one work list reads.  A group of one step is :meth:`post_keys`."""
         sched, ring, m, sd = self.sched, self.ring, self.ring.index, self.sd
         if len(group) == 1:
-            incoming = self.post_keys(group[0])
-            incoming.items = sched.items(m, sched.source(m, group[0])) if incoming.held is not None else ()
-            return incoming
+            return self.post_keys(group[0])
         places, items = sched.group_items(m, group)
         total = sum(n for _, _, n in places)
         held = KVBuffer.empty(self.k, self.v, total, sd) if total else None
@@ -268,7 +268,7 @@ class _Exchange:
 class _Incoming:
     pending: Optional[Pending]
     held: Optional[KVBuffer]
-    items: tuple = ()  # the work list on `held` (a launch group's: post_key_group)
+    items: tuple = ()  # the work list on `held` (a step's, or a launch group's)
 
     def wait(self) -> Optional[KVBuffer]:
         if self.pending is not None:

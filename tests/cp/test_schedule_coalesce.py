@@ -16,24 +16,9 @@ import torch
 import fa4dist.context_parallel.schedule as schedule_module
 from fa4dist.context_parallel import Schedule, make_plan
 from fa4dist.kernels import attention_backward_items, attention_forward_items
+from oracle import visible_item_pairs
 
 F64 = torch.float64
-
-
-def _pairs(items) -> Counter:
-    """(query row, key row) -> how many items of the list hold it visible: s <= p (causal) and the window's
-    p - left <= s <= p + right, with p = q_offset + i and s = k_offset + j."""
-    seen = Counter()
-    for it in items:
-        left, right = it.window
-        for i in range(it.q_len):
-            p = it.q_offset + i
-            for j in range(it.k_len):
-                s = it.k_offset + j
-                if (it.causal and s > p) or (left >= 0 and s < p - left) or (right >= 0 and s > p + right):
-                    continue
-                seen[(it.q_start + i, it.k_start + j)] += 1
-    return seen
 
 
 def _random_plan(rng):
@@ -70,21 +55,21 @@ def test_coalesced_lists_hold_the_visible_pairs_of_the_blocks(monkeypatch, seed)
         sched, raw = _schedules(monkeypatch, plan, u)
         for (m, s), items in raw.items():
             got = sched.items(m, s)
-            want = _pairs(items)
-            assert _pairs(got) == want and max(want.values(), default=1) == 1, (plan, m, s)
+            want = visible_item_pairs(items)
+            assert visible_item_pairs(got) == want and max(want.values(), default=1) == 1, (plan, m, s)
             joined += len(got) < len(items)
             if m == s:
                 first, last = sched.own_halves(m)
-                assert _pairs(first) + _pairs(last) == want
+                assert visible_item_pairs(first) + visible_item_pairs(last) == want
         for per_launch in (0, 2):
             for m in range(sched.ring_size):
                 for group in sched.launch_groups(per_launch):
                     places, items = sched.group_items(m, group)
                     want = Counter()
                     for t, at, n in places:
-                        for (qr, kr), c in _pairs(raw[(m, sched.source(m, t))]).items():
+                        for (qr, kr), c in visible_item_pairs(raw[(m, sched.source(m, t))]).items():
                             want[(qr, kr + at)] += c
-                    assert _pairs(items) == want, (plan, m, group)
+                    assert visible_item_pairs(items) == want, (plan, m, group)
     assert joined
 
 

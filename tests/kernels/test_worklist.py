@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fa4dist.kernels import WorkItem, attention_backward_items, attention_forward_items
-from oracle import naive_attention
+from oracle import naive_attention, visible_item_pairs
 
 F64 = torch.float64
 
@@ -547,21 +547,7 @@ def test_coalesce_of_random_lists_keeps_every_visible_pair(seed):
     """Random small lists (causal or not, windows, q_len != k_len, negative offsets, empty items, items sharing
     rows or keys): the coalesced list holds exactly the (query row, key row) pairs visible in the list, with their
     multiplicity (the mask written out by hand)."""
-    from collections import Counter
-
     from fa4dist.kernels.worklist import coalesce
-
-    def pairs(items):
-        seen = Counter()
-        for it in items:
-            left, right = it.window
-            for i in range(it.q_len):
-                p = it.q_offset + i
-                for j in range(it.k_len):
-                    s = it.k_offset + j
-                    if not ((it.causal and s > p) or (left >= 0 and s < p - left) or (right >= 0 and s > p + right)):
-                        seen[(it.q_start + i, it.k_start + j)] += 1
-        return seen
 
     rng = random.Random(seed)
     joined = 0
@@ -574,6 +560,6 @@ def test_coalesce_of_random_lists_keeps_every_visible_pair(seed):
                                   rng.choice([0, 1, 2, 3, 4, 6]), rng.randint(-10, 12), rng.randint(-10, 12),
                                   causal=rng.random() < 0.6, window=window))
         got = coalesce(items)
-        assert pairs(got) == pairs(items), (items, got)
+        assert visible_item_pairs(got) == visible_item_pairs(items), (items, got)
         joined += len(got) < len(items)
     assert joined
