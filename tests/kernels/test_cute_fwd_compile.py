@@ -50,6 +50,7 @@ SUBSET = [
     # short_two_ctas); with a window, 128-row tiles
     (torch.bfloat16, 64, True, False, False, {"short": True}),
     (torch.bfloat16, 64, True, False, False, {"short": True, "window_left": 300}),
+    (torch.bfloat16, 64, True, True, False, {"short": True, "seg_offsets": True}),  # packed short documents
     # hdim 128 causal sequences of at most 2k: long and short tiles interleaved (forward.interleaved_launch)
     (torch.bfloat16, 128, True, False, False, {"interleave": True}),
     # hdim 128 non-causal sequences of 8k+ keys: the row max in chains (forward.chained_max_launch)
@@ -250,6 +251,24 @@ def test_short_causal_hdim64_sequences_take_short_tiles():
         assert (cfg.tile_m, cfg.ctas_per_sm) == (128, 1), options
     forced = make(short=True, tile_m=128)  # a forced tile keeps one CTA per SM
     assert (forced.tile_m, forced.ctas_per_sm) == (128, 1)
+
+
+def test_short_packed_causal_hdim64_documents_take_two_ctas_per_sm():
+    """Packed hdim-64 causal launches writing a 16-bit out whose documents have at most SHORT_CAUSAL_ROWS query
+    rows take short_two_ctas' tiles; longer documents, a window, soft-cap or sinks, fp32 / merge outs, non-causal
+    launches and other head dims keep the 192-row (or their own) tiles (forward.short_documents)."""
+    n = cute_fwd.SHORT_CAUSAL_ROWS
+    assert cute_fwd.short_documents(64, True, True, n, -1, 0.0, False)
+    assert cute_fwd.short_documents(64, True, True, 1, -1, None, False)
+    for args in ((64, True, True, n + 1, -1, 0.0, False), (64, True, False, 512, -1, 0.0, False),
+                 (64, False, True, 512, -1, 0.0, False), (128, True, True, 512, -1, 0.0, False),
+                 (64, True, True, 512, 100, 0.0, False), (64, True, True, 512, -1, 30.0, False),
+                 (64, True, True, 512, -1, 0.0, True)):
+        assert not cute_fwd.short_documents(*args), args
+    cfg = cute_fwd.make_config(torch.bfloat16, 64, causal=True, varlen=True, accumulate=False, seg_offsets=True,
+                               short=True)
+    assert (cfg.tile_m, cfg.ctas_per_sm, cfg.persistent_ctas) == (64, 2, 2 * host.sm_count())
+    assert cfg.dynamic_tiles  # packed launches are persistent only with the dynamic walk
 
 
 def test_short_dense_causal_launches_interleave_long_and_short_tiles():

@@ -177,6 +177,7 @@ VARLEN_CASES = [
     (4, 4, 2000, 2000, 2, 2, 64, True, True),
     (5, 5, 500, 500, 3, 3, 96, False, False),
     (6, 3, 129, 4097, 2, 2, 128, True, True),
+    (7, 9, 1000, 1000, 4, 2, 64, True, False),  # short documents: at most 1024 rows (forward.short_queries)
 ]
 
 

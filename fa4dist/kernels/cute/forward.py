@@ -169,14 +169,15 @@ class FwdConfig:
                 sinks, counter, host.fake_stream())
 
 
-# hdim 64 causal plain dense launches of at most this many query rows take 128-row tiles (short_queries)
+# hdim 64 causal plain launches of at most this many query rows (dense) or rows a document (packed) take short tiles
+# (short_queries, short_documents)
 SHORT_CAUSAL_ROWS = 1024
 
 
 def short_queries(head_dim: int, causal: bool, dense_plain: bool, seqlen_q: int) -> bool:
     """Whether a launch takes the short-sequence tiles of default_tiles: hdim 64, causal, a dense launch writing a
-    16-bit out (the family measured; packed, merge and fp32 launches keep the usual tiles), at most
-    SHORT_CAUSAL_ROWS query rows. 128-row tiles measured 1.13 / 1.10 / 1.00 / 0.95 / 0.96x the 192-row ones at
+    16-bit out (the family measured; merge and fp32 launches keep the usual tiles, packed ones: short_documents),
+    at most SHORT_CAUSAL_ROWS query rows. 128-row tiles measured 1.13 / 1.10 / 1.00 / 0.95 / 0.96x the 192-row ones at
     512 / 1024 / 1280 / 2048 / 2560 rows causal (H200, 2026-12-01, ninth session): a 192-row tile on the diagonal
     computes more masked scores, which a short causal sequence is mostly made of. Non-causal, 192 rows measured
     never slower (1.00-1.12x)."""
@@ -199,6 +200,18 @@ def short_two_ctas(head_dim: int, short: bool, window_left: int, softcap: float,
     the persistent grid): +5.5% at 512, +5.7 / +4.8% at 1024, -4.8% at 1536, -6% at 2048 rows (so only
     short_queries' launches); one 64-row tile per SM lost 20-25%."""
     return head_dim <= 64 and short and window_left < 0 and not softcap and not sinks
+
+
+def short_documents(head_dim: int, causal: bool, packed_plain: bool, max_seqlen_q: int, window_left: int,
+                    softcap: float, sinks: bool) -> bool:
+    """Whether a packed launch writing a 16-bit out takes short_two_ctas' tiles (two 64-row CTAs per SM): hdim 64,
+    causal, documents of at most SHORT_CAUSAL_ROWS query rows (``max_seqlen_q``), without window, soft-cap or sinks
+    (the family measured; such packed launches keep the 192-row tiles otherwise). Measured on the H200 against the
+    192-row tiles in the same rounds (2026-12-03, twenty-eighth session, bench/sessions/gpu_session_29.sh 3,
+    bench/packed_tiles.py over 65536 tokens): +4.7% / +7.9% at 512 / 1024-token documents, +5.8% over 122 documents
+    of 124-1017 tokens, -13% at 2048 (so only short documents); 128-row tiles lost 5-7% there."""
+    return (packed_plain and short_queries(head_dim, causal, True, max_seqlen_q)
+            and short_two_ctas(head_dim, True, window_left, softcap, sinks))
 
 
 def default_sum_from_old(head_dim: int) -> bool:
@@ -481,7 +494,9 @@ def forward(
     softcap = host.check_softcap(softcap)
     has_sinks = sinks is not None
     dense_plain = not (varlen or out_fp32)  # (out_fp32 covers accumulate)
-    short = short_queries(d, causal, dense_plain, 0 if varlen else q.shape[1])
+    short = short_queries(d, causal, dense_plain, 0 if varlen else q.shape[1]) or short_documents(
+        d, causal, varlen and not out_fp32, int(q.shape[0] if max_seqlen_q is None else max_seqlen_q), window_left,
+        softcap, has_sinks)
     interleave = interleaved_launch(d, causal, dense_plain, 0 if varlen else q.shape[1], window_left)
     chained = chained_max_launch(d, causal, dense_plain, 0 if varlen else k.shape[1], window_left, softcap, has_sinks)
     fast_key = (q.dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32, window_left, softcap, has_sinks, short,
