@@ -12,6 +12,7 @@ import hashlib
 import logging
 import math
 import os
+import tempfile
 import threading
 
 import torch
@@ -20,6 +21,8 @@ INT32_MAX = 2**31 - 1
 TORCH_DTYPES = (torch.bfloat16, torch.float16)
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 AOT_ENV = "FA4DIST_CUTE_AOT_DIR"  # optional folder of ahead-of-time compiled variants (see export_aot)
+# the on-disk cache of compiled variants (disk_cache_dir): a folder, or 0 / off / empty to turn it off
+CACHE_ENV = "FA4DIST_CUTE_CACHE_DIR"
 
 
 def cutlass_dtype(name: str):
@@ -303,10 +306,8 @@ def export_aot(cfg, out_dir: str) -> str:
     return path
 
 
-def _load_aot(cfg):
-    folder = os.environ.get(AOT_ENV)
-    if not folder:
-        return None
+def _load_object(folder, cfg, what: str):
+    """The function of ``cfg`` from ``folder``'s object file, or None (no file, or it fails to load: logged)."""
     name = config_key(cfg)
     path = os.path.join(folder, name + ".o")
     if not os.path.exists(path):
@@ -316,25 +317,88 @@ def _load_aot(cfg):
 
         return getattr(cute.runtime.load_module(path, enable_tvm_ffi=True), name)
     except Exception as exc:  # fall back to compiling
-        logging.getLogger("fa4dist.kernels").warning("cute: AOT load of %s failed (%s)", path, exc)
+        logging.getLogger("fa4dist.kernels").warning("cute: %s load of %s failed (%s)", what, path, exc)
         return None
 
 
+def _toolchain_digest() -> str:
+    """What an object file's machine code and calling convention also depend on, beyond config_key: the DSL and
+    TVM-FFI versions, the target architecture and the Python version."""
+    from importlib import metadata
+    import sys
+
+    parts = [os.environ.get("CUTE_DSL_ARCH", ""), sys.version.split()[0]]
+    for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi"):
+        try:
+            parts.append(f"{dist}={metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{dist}=?")
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+def disk_cache_dir():
+    """Where compiled variants are kept between processes: FA4DIST_CUTE_CACHE_DIR (0 / off / empty: no disk
+    cache), by default $XDG_CACHE_HOME/fa4dist/cute or ~/.cache/fa4dist/cute; one sub-folder per toolchain
+    (_toolchain_digest), and file names carry config_key, so an object of other kernel sources, another DSL or
+    another architecture is never loaded. None when turned off."""
+    env = os.environ.get(CACHE_ENV)
+    if env is not None and env.strip().lower() in ("", "0", "off", "false", "no"):
+        return None
+    root = env or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                               "fa4dist", "cute")
+    return os.path.join(root, _toolchain_digest())
+
+
+_DISK_CACHE_WARNED: list = []
+
+
+def _store_on_disk(fn, cfg, folder) -> None:
+    """Write ``fn`` (just compiled) to the disk cache, atomically (a temporary name, then a rename: processes that
+    compile the same variant at once each write a whole file). A failure costs only the next process's compile:
+    logged once per process, never raised."""
+    name = config_key(cfg)
+    tmp = None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".o", dir=folder)  # unique across hosts sharing it
+        os.close(fd)
+        fn.export_to_c(tmp, function_name=name)
+        os.replace(tmp, os.path.join(folder, name + ".o"))
+    except Exception as exc:
+        if not _DISK_CACHE_WARNED:
+            _DISK_CACHE_WARNED.append(True)
+            logging.getLogger("fa4dist.kernels").warning(
+                "cute: could not write the compile cache in %s (%s); set %s to another folder, or to 0 to turn it "
+                "off", folder, exc, CACHE_ENV)
+        if tmp is not None:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+
+
 def get_compiled(cfg):
-    """The compiled kernel of ``cfg``: from the cache, an AOT object, or compiled now (once per process)."""
+    """The compiled kernel of ``cfg``: from this process's cache, an AOT folder (FA4DIST_CUTE_AOT_DIR), the disk
+    cache (disk_cache_dir), or compiled now (3-6 s) and written to the disk cache for the next process."""
     fn = _CACHE.get(cfg)
     if fn is None:
         with _LOCK:
             fn = _CACHE.get(cfg)
             if fn is None:
                 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-                fn = _load_aot(cfg)
+                aot = os.environ.get(AOT_ENV)
+                fn = _load_object(aot, cfg, "AOT") if aot else None
+                disk = disk_cache_dir() if fn is None else None
+                if disk is not None:
+                    fn = _load_object(disk, cfg, "compile cache")
                 if fn is None:
                     fn = compile_config(cfg)
                     log = os.environ.get("FA4DIST_CUTE_COMPILE_LOG")
                     if log:  # development: which variants an AOT folder was missing
                         with open(log, "a") as f:
                             f.write(repr(cfg) + "\n")
+                    if disk is not None:
+                        _store_on_disk(fn, cfg, disk)
                 _CACHE[cfg] = fn
     return fn
 

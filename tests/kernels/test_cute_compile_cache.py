@@ -1,0 +1,105 @@
+"""The compile cache on disk (cute/host.py: disk_cache_dir, get_compiled): a variant compiled once is written as an
+object file and loaded by the next process instead of compiled again (3-6 s a variant); broken, foreign or unwritable
+cache entries cost a compile, never an error. Compiles for sm_90a without a GPU, and loads the object file back (the
+load needs no GPU either)."""
+
+import logging
+import os
+
+import pytest
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+pytest.importorskip("cutlass")
+pytest.importorskip("tvm_ffi")
+
+from fa4dist.kernels.cute import host  # noqa: E402
+from fa4dist.kernels.cute.row_absmax import RowAbsMaxConfig  # noqa: E402
+
+pytestmark = pytest.mark.cute
+
+CFG = RowAbsMaxConfig(16, "fp16", True)  # a small kernel: about a second to compile
+
+
+@pytest.fixture
+def fresh_process(monkeypatch, tmp_path):
+    """This process as a new one (nothing compiled yet) with its disk cache in tmp_path."""
+    monkeypatch.setattr(host, "_CACHE", {})
+    monkeypatch.setattr(host, "_DISK_CACHE_WARNED", [])
+    monkeypatch.delenv(host.AOT_ENV, raising=False)
+    monkeypatch.setenv(host.CACHE_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def compiles_counted(monkeypatch):
+    calls = []
+    real = host.compile_config
+
+    def counted(cfg, **kw):
+        calls.append(cfg)
+        return real(cfg, **kw)
+
+    monkeypatch.setattr(host, "compile_config", counted)
+    return calls
+
+
+def test_a_compiled_variant_is_loaded_from_disk_by_the_next_process(fresh_process, monkeypatch):
+    calls = compiles_counted(monkeypatch)
+    host.get_compiled(CFG)
+    assert calls == [CFG]
+    path = os.path.join(host.disk_cache_dir(), host.config_key(CFG) + ".o")
+    assert os.path.isfile(path) and os.path.dirname(path).startswith(str(fresh_process))
+    assert [n for n in os.listdir(os.path.dirname(path)) if n.startswith(".")] == []  # no temporary file left
+
+    monkeypatch.setattr(host, "_CACHE", {})  # the next process
+    fn = host.get_compiled(CFG)
+    assert calls == [CFG], "compiled again instead of loaded"
+    assert callable(fn) and host.get_compiled(CFG) is fn
+
+
+def test_a_broken_cache_file_is_compiled_again_and_replaced(fresh_process, monkeypatch, caplog):
+    folder = host.disk_cache_dir()
+    os.makedirs(folder)
+    path = os.path.join(folder, host.config_key(CFG) + ".o")
+    with open(path, "wb") as f:
+        f.write(b"not an object file")
+    calls = compiles_counted(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="fa4dist.kernels"):
+        assert callable(host.get_compiled(CFG))
+    assert calls == [CFG] and "compile cache load" in caplog.text
+    monkeypatch.setattr(host, "_CACHE", {})
+    host.get_compiled(CFG)
+    assert calls == [CFG], "the rewritten file did not load"
+
+
+def test_the_cache_is_keyed_by_the_toolchain(fresh_process, monkeypatch):
+    """Objects for another architecture (or DSL / TVM-FFI / Python version) live in another folder."""
+    sm90 = host.disk_cache_dir()
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    assert host.disk_cache_dir() != sm90
+    assert os.path.dirname(host.disk_cache_dir()) == os.path.dirname(sm90)
+
+
+@pytest.mark.parametrize("off", ["0", "off", ""])
+def test_turned_off_nothing_is_written(fresh_process, monkeypatch, off):
+    monkeypatch.setenv(host.CACHE_ENV, off)
+    assert host.disk_cache_dir() is None
+    host.get_compiled(CFG)
+    assert not fresh_process.exists()
+
+
+def test_an_unwritable_cache_costs_a_warning_not_an_error(fresh_process, monkeypatch, caplog, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv(host.CACHE_ENV, str(blocker))  # a file where the folder should be
+    with caplog.at_level(logging.WARNING, logger="fa4dist.kernels"):
+        assert callable(host.get_compiled(CFG))
+        monkeypatch.setattr(host, "_CACHE", {})
+        assert callable(host.get_compiled(CFG))
+    assert caplog.text.count("could not write the compile cache") == 1  # once per process
+    assert host.CACHE_ENV in caplog.text
+
+
+def test_the_default_folder_follows_xdg_cache_home(monkeypatch, tmp_path):
+    monkeypatch.delenv(host.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert host.disk_cache_dir().startswith(os.path.join(str(tmp_path), "fa4dist", "cute") + os.sep)
