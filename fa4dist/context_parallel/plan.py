@@ -178,6 +178,9 @@ def _documents(seqlen_or_cu_seqlens) -> tuple[int, Optional[tuple[int, ...]]]:
         t = seqlen_or_cu_seqlens
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise TypeError(f"cu_seqlens must hold integers, got dtype {t.dtype}")
+        if t.is_meta:
+            raise ValueError("seqlen_or_cu_seqlens is on the meta device, which holds no values: the document "
+                             "boundaries must be read (pass a cpu or cuda tensor, or a list)")
         if t.dim() == 0:
             return check_int("seqlen", int(t), 1), None
         if t.dim() != 1:

@@ -321,6 +321,9 @@ def test_schedule_equals_its_straightforward_recomputation():
         ((100, 2), {"num_chunks": 6, "balancer": "zigzag"}, ValueError, "zigzag balancer needs num_chunks"),
         ((100, 4), {"ulysses_degree": 3}, ValueError, "ulysses_degree .3. must divide cp_size"),
         ((100, 4), {"causal": 1}, TypeError, "causal must be a bool"),
+        # a meta tensor holds no values to read (was torch's NotImplementedError "Cannot copy out of meta tensor")
+        ((torch.tensor([0, 3, 10], device="meta"), 2), {}, ValueError, "meta device"),
+        ((torch.tensor(10, device="meta"), 2), {}, ValueError, "meta device"),
     ],
 )
 def test_make_plan_errors(args, kwargs, error, match):
