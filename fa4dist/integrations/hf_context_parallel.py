@@ -301,6 +301,24 @@ class ContextParallelHandle:
         a dict ``model(**local)`` accepts.  See the module docstring."""
         if not self.enabled:
             raise RuntimeError("this context-parallel handle was disabled")
+        checked = self.check_batch and self.cp_size > 1
+        try:
+            ids, positions, shifted, plan = self._checked_batch(batch)
+        except Exception:
+            if checked:  # the other ranks wait in the checksum exchange: they learn of it there, then this raises
+                self._check_same_batch(None, None, None, rejected=True)
+            raise
+        if checked:
+            self._check_same_batch(ids, positions, shifted)
+        rank = self.cp_rank
+        local = {"input_ids": plan.shard(ids, seq_dim=1, rank=rank),
+                 "position_ids": plan.shard(positions, seq_dim=1, rank=rank), "use_cache": False, PLAN_KEY: plan}
+        if shifted is not None:
+            local[LABELS_KEY] = plan.shard(shifted, seq_dim=1, rank=rank)
+        return local
+
+    def _checked_batch(self, batch) -> tuple:
+        """(input_ids, position_ids, shifted labels or None, plan) of a packed batch, or a clear error."""
         ids = batch.get("input_ids") if hasattr(batch, "get") else None
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
             got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
@@ -332,24 +350,29 @@ class ContextParallelHandle:
         if empty:
             raise ValueError(f"a batch of {total} tokens leaves cp ranks {empty} of {self.cp_size} without tokens; "
                              "pack more tokens per batch (or pass fewer num_chunks)")
-        if self.check_batch and self.cp_size > 1:
-            self._check_same_batch(ids, positions, shifted)
-        rank = self.cp_rank
-        local = {"input_ids": plan.shard(ids, seq_dim=1, rank=rank),
-                 "position_ids": plan.shard(positions, seq_dim=1, rank=rank), "use_cache": False, PLAN_KEY: plan}
-        if shifted is not None:
-            local[LABELS_KEY] = plan.shard(shifted, seq_dim=1, rank=rank)
-        return local
+        return ids, positions, shifted, plan
 
-    def _check_same_batch(self, ids, positions, shifted):
-        """Every cp rank must shard the same batch: compare a checksum over the cp group (fails loudly, no hang)."""
-        mine = torch.tensor([ids.shape[1], _checksum(ids), _checksum(positions),
-                             _checksum(shifted) if shifted is not None else 0], dtype=torch.int64)
+    def _check_same_batch(self, ids, positions, shifted, rejected: bool = False):
+        """Every cp rank must shard the same batch: compare a checksum over the cp group (fails loudly, no hang).
+        A rank that rejected its batch takes part too (``rejected=True``: it returns, to raise its own error), so
+        that every rank fails at once: the others with an error that names it."""
+        if rejected:
+            mine = torch.tensor([1, 0, 0, 0, 0], dtype=torch.int64)
+        else:
+            mine = torch.tensor([0, ids.shape[1], _checksum(ids), _checksum(positions),
+                                 _checksum(shifted) if shifted is not None else 0], dtype=torch.int64)
         group = self.loss_group
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
         gathered = [torch.empty_like(mine, device=device) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, mine.to(device), group=group)
         rows = [g.cpu().tolist() for g in gathered]
+        if rejected:
+            return
+        rejected = [r for r, row in enumerate(rows) if row[0]]
+        if rejected:
+            raise ValueError(f"rank(s) {rejected} of the cp group rejected the batch given to shard_batch (see the "
+                             "error on those ranks); every rank of a cp group must shard the same packed batch")
+        rows = [row[1:] for row in rows]
         if any(r != rows[0] for r in rows):
             raise ValueError("the cp ranks were given different batches (tokens, positions or labels differ; "
                              f"[length, checksums] per cp rank: {rows}); every rank of a cp group must shard the "

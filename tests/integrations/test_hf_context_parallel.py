@@ -176,6 +176,31 @@ def test_ranks_with_different_batches_fail_alike(pool):
     assert all("different batches" in m for m in messages), messages
 
 
+def _one_rank_rejects_its_batch(rank, world):
+    """Rank 1's batch has padding (refused before the checksum exchange); rank 0's is fine."""
+    if rank >= 2:
+        return None
+    handle = enable_context_parallel(tiny_model("llama"), group=GROUPS[2])
+    batch = packed_batch()
+    if rank == 1:
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        batch["attention_mask"][0, -1] = 0
+    try:
+        handle.shard_batch(batch)
+    except ValueError as err:
+        return f"{type(err).__name__}: {err}"
+    finally:
+        handle.disable()
+    return "no error"
+
+
+def test_a_rank_that_rejects_its_batch_does_not_leave_the_others_waiting(pool):
+    """Rank 0 used to wait in the checksum exchange that rank 1 never joined (a hang)."""
+    messages = pool.run(_one_rank_rejects_its_batch, timeout=30)[:2]
+    assert "rank(s) [1] of the cp group rejected the batch" in messages[0], messages
+    assert messages[1].startswith("UnsupportedMask") and "attention_mask has zeros" in messages[1], messages
+
+
 def _tiled_loss_calls(rank, world):
     """tiled_cp_cross_entropy on ranks 0 and 1: rank 1's hidden states in fp32, the others' in fp64 (their counts
     were all-reduced in the hidden dtype: gloo aborted); ranks 2 and 3 pass the group of ranks 0 and 1."""
