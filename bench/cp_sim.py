@@ -47,6 +47,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fa4dist.context_parallel import Schedule, make_plan  # noqa: E402
 from fa4dist.context_parallel.ring import (  # noqa: E402
@@ -54,6 +55,7 @@ from fa4dist.context_parallel.ring import (  # noqa: E402
 )
 from fa4dist.kernels import attention_backward, attention_forward, available_backends  # noqa: E402
 from fa4dist.kernels.worklist import share_queries  # noqa: E402
+from timing import spin_cycles_per_second  # noqa: E402  (bench/, the script's folder)
 
 LINK_GBPS = 400.0
 
@@ -78,7 +80,7 @@ class Timer:
         self.spin_cycles = self.probe_cycles = 0
         self.last: dict = {}
         if self.cuda:
-            rate = _spin_cycles_per_second()
+            rate = spin_cycles_per_second(device)
             self.probe_cycles = int(self.PROBE_MS * 1e-3 * rate)
             if queue_ahead_ms > 0:
                 self.spin_cycles = int(queue_ahead_ms * 1e-3 * rate)
@@ -127,18 +129,6 @@ class Timer:
             before = spin.elapsed_time(start) if i == 0 else marks[i - 1][2].elapsed_time(start)
             details.append(dict(host_ms=host, before_ms=before, probe_ms=end.elapsed_time(probe)))
         return seconds, details
-
-
-def _spin_cycles_per_second() -> float:
-    """The rate of torch.cuda._sleep's cycle count on this device, timed."""
-    cycles = 10_000_000
-    torch.cuda._sleep(cycles // 10)  # warm-up
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return cycles / (start.elapsed_time(end) / 1e3)
 
 
 def interleaved_rounds(timer, full, groups: list[list], reps: int, log: list | None = None,

@@ -147,7 +147,7 @@ def run(args) -> list[dict]:
         times = {name: [] for name in fns}
         for _ in range(args.rounds):
             for name, fn in fns.items():
-                times[name].append(cuda_median_ms(fn, args.reps))
+                times[name].append(cuda_median_ms(fn, args.reps, queue_ahead_ms=args.queue_ahead_ms))
         flop = causal_flops(lens, heads, args.headdim, args.direction)
         for name in fns:
             ms = statistics.median(times[name])
@@ -189,6 +189,9 @@ def main():
                    help="cute overrides of the direction's kernel, e.g. tile_m=128 (fwd), persistent_ctas=132 (bwd)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--queue-ahead-ms", type=float, default=0.0,
+                   help="queue each timed call behind a device spin of this length: device time alone, the host's "
+                        "launch overhead hidden (default 0: timed from an idle device, host time included)")
     args = p.parse_args()
     rows = run(args)
     print()

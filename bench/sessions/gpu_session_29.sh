@@ -64,6 +64,9 @@ fi
 #    dense, -2% at 1k). Prediction: default +5-8% over tile_m=192 at <= 1024, equal at 2048; tile_n=64 +2-5% at
 #    256 / 512.
 if [ "$1" = 4 ]; then
+  # (and the new compile cache on disk: a second process loads what the first compiled; the suites' workers share
+  # one cache folder, so concurrent writes of one variant meet there)
+  TAIL_LINES=4 stage tests_cache 120 $PYTEST tests/kernels/test_cute_compile_cache_gpu.py
   TAIL_LINES=4 stage tests_fwd 200 $PYTEST -n 8 tests/kernels/test_cute_fwd_gpu.py tests/kernels/test_cute_nonfinite_gpu.py
   TAIL_LINES=4 stage tests_packed_other 120 $PYTEST -n 8 tests/kernels/test_worklist_gpu.py tests/kernels/test_window_gpu.py \
     -k "packed or varlen"
@@ -72,5 +75,20 @@ if [ "$1" = 4 ]; then
   TAIL_LINES=8 stage dense_d64_short_n64 80 python3 bench/kernels.py --headdims 64 --seqlens 256 512 768 \
     --causal true --directions fwd --backends cute cudnn --rounds 5 --out-dir "$OUT/dense_n64" \
     --cute-variants "fwd:tile_n=64,num_stages=3"
+  exit
+fi
+# 5: call 4 showed bench/timing.cuda_median_ms timing from an idle device: a call's time includes the host's work
+#    before its launch, so a row run with overrides (make_config on every call) read 6% slower than the same kernel
+#    through the default path at 2048-token documents (365 against 388 TFLOP/s, bytes equal), and flash-attn-4's
+#    rows carry its Python overhead. cuda_median_ms(queue_ahead_ms=) now queues each call behind a device spin:
+#    device time alone. Again with it: packed documents (the two-CTA default against 192-row tiles forced, and
+#    flash-attn-4), the packed backward, and windows / sinks / softcap at 32k. Prediction: the two-CTA gain between
+#    call 3's +5-8% and call 4's +25-32%; ratios against flash-attn-4 lower at short documents than from idle.
+if [ "$1" = 5 ]; then
+  TAIL_LINES=8 stage packed_d64_queued 100 python3 bench/packed_tiles.py --headdim 64 --doclen 256 512 1024 2048 \
+    --rounds 5 --queue-ahead-ms 3 --variants "tile_m=192,ctas_per_sm=1"
+  TAIL_LINES=6 stage packed_d64_bwd_queued 100 python3 bench/packed_tiles.py --headdim 64 --doclen 512 1024 \
+    --direction bwd --rounds 5 --queue-ahead-ms 3
+  TAIL_LINES=8 stage window_queued 150 python3 bench/window.py --rounds 3 --queue-ahead-ms 5 --out-dir "$OUT/window"
   exit
 fi
