@@ -84,9 +84,12 @@ fi
 #    device time alone. Again with it: packed documents (the two-CTA default against 192-row tiles forced, and
 #    flash-attn-4), the packed backward, and windows / sinks / softcap at 32k. Prediction: the two-CTA gain between
 #    call 3's +5-8% and call 4's +25-32%; ratios against flash-attn-4 lower at short documents than from idle.
+#    And 64-key tiles with three stages at <= 512 rows (dense +30% / +5% at 256 / 512 in call 4).
 if [ "$1" = 5 ]; then
   TAIL_LINES=8 stage packed_d64_queued 100 python3 bench/packed_tiles.py --headdim 64 --doclen 256 512 1024 2048 \
-    --rounds 5 --queue-ahead-ms 3 --variants "tile_m=192,ctas_per_sm=1"
+    --rounds 5 --queue-ahead-ms 3 --variants "tile_m=192,ctas_per_sm=1" "tile_n=64,num_stages=3"
+  TAIL_LINES=6 stage dense_d64_tiny 60 python3 bench/kernels.py --headdims 64 --seqlens 256 512 --causal true \
+    --directions fwd --backends cute cudnn --rounds 5 --out-dir "$OUT/dense_tiny" --cute-variants "fwd:tile_n=64,num_stages=3"
   TAIL_LINES=6 stage packed_d64_bwd_queued 100 python3 bench/packed_tiles.py --headdim 64 --doclen 512 1024 \
     --direction bwd --rounds 5 --queue-ahead-ms 3
   TAIL_LINES=8 stage window_queued 150 python3 bench/window.py --rounds 3 --queue-ahead-ms 5 --out-dir "$OUT/window"
