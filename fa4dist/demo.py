@@ -129,6 +129,7 @@ def _cu_seqlens(total: int, docs: int, seed: int) -> list[int]:
 
 def run(args) -> int:
     import fa4dist
+    from fa4dist.context_parallel import make_plan
     from fa4dist.modules import FA4ContextParallelAttention
 
     rank, world, device, comm = _setup()
@@ -144,6 +145,10 @@ def run(args) -> int:
     )
     cu = _cu_seqlens(total, args.docs, args.seed) if packed else None
     plan = module.make_plan(cu if packed else total, balancer=args.balancer, num_chunks=args.num_chunks)
+    u = module.cp.degree(args.heads, args.kv_heads, plan) if world > 1 else 1
+    if u != plan.ulysses_degree:  # auto picked its degree from the heads: balance (and report) the one that runs
+        plan = make_plan(cu if packed else total, world, args.balancer, args.num_chunks, causal=True,
+                         ulysses_degree=u)
     cp_rank = module.cp_rank
 
     gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -156,7 +161,6 @@ def run(args) -> int:
     q, k, v, dout = randn(args.heads), randn(args.kv_heads), randn(args.kv_heads), randn(args.heads)
     local = [plan.shard(t, seq_dim=sd, rank=cp_rank).requires_grad_() for t in (q, k, v)]
     local_dout = plan.shard(dout, seq_dim=sd, rank=cp_rank)
-    u = module.cp.degree(args.heads, args.kv_heads, plan) if world > 1 else 1
     if lead:
         kind = f"{args.docs} packed documents, {total} tokens" if packed else f"batch {args.batch} x {total} tokens"
         print(f"fa4dist demo: {world} ranks ({comm}, {device.type}), {kind}, heads {args.heads}/{args.kv_heads}, "

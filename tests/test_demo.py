@@ -65,3 +65,10 @@ def test_a_rank_that_raises_ends_the_self_launched_demo_with_one_line():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "fa4dist demo: a rank failed: ValueError: Ulysses degree 3 is impossible" in proc.stderr
+
+
+def test_auto_strategy_reports_the_plan_of_the_degree_it_runs():
+    # heads 4/2 on 2 ranks: auto runs Ulysses 2, so the balance report is Ulysses' (no ring steps that never run)
+    out = _run([sys.executable, "-m", "fa4dist.demo", "--nproc", "2", "--strategy", "auto", "--no-check", *SMALL])
+    assert "strategy: ulysses" in out and "ulysses=2: each rank computes 1/2" in out, out
+    assert "ring of" not in out and "receives K/V" not in out, out
