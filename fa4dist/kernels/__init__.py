@@ -4,14 +4,14 @@ Layout follows flash-attn: q, k, v are (batch, seqlen, heads, head_dim); packed 
 (total_tokens, heads, head_dim) with int32 ``cu_seqlens_q`` / ``cu_seqlens_k`` (segment b of q attends to segment b
 of k).  k and v may have fewer heads than q (GQA/MQA: query head h uses kv head h // (heads_q // heads_kv)).
 
-- ``attention_forward(q, k, v, ...) -> (out, lse)``: lse is fp32 natural log, (batch, heads, seqlen_q) or packed
-  (heads, total_q).  A block is placed by global offsets: with ``causal``, key j is visible to query i iff
-  ``k_offset + j <= q_offset + i`` (offsets may be per sequence/segment); ``window=(left, right)`` (flash-attn's
-  window_size, -1 unbounded) keeps the keys within [p - left, p + right] of the query's position p, intersected
-  with causal (:mod:`fa4dist.kernels.mask`, one :class:`Mask` value).  A query that sees no key gets out = 0,
-  lse = -inf.  ``accumulate=True`` merges the block into a running fp32 (out, lse) in place.  ``softcap`` caps the
-  scaled scores (``softcap * tanh(s / softcap)``); ``sinks`` (one logit per query head) join every row's softmax
-  once: split keys pass them to one call per row (:mod:`fa4dist.kernels.merge` holds the rule).
+- ``attention_forward(q, k, v, ...) -> (out, lse)``: lse is fp32 (fp64 for fp64 inputs) natural log, (batch, heads,
+  seqlen_q) or packed (heads, total_q).  A block is placed by global offsets: with ``causal``, key j is visible to
+  query i iff ``k_offset + j <= q_offset + i`` (offsets may be per sequence/segment); ``window=(left, right)``
+  (flash-attn's window_size, -1 unbounded) keeps the keys within [p - left, p + right] of the query's position p,
+  intersected with causal (:mod:`fa4dist.kernels.mask`, one :class:`Mask` value).  A query that sees no key gets
+  out = 0, lse = -inf.  ``accumulate=True`` merges the block into a running fp32 (out, lse) in place.  ``softcap``
+  caps the scaled scores (``softcap * tanh(s / softcap)``); ``sinks`` (one logit per query head) join every row's
+  softmax once: split keys pass them to one call per row (:mod:`fa4dist.kernels.merge` holds the rule).
 - ``attention_backward(dout, q, k, v, out, lse, ...) -> (dq, dk, dv[, dsinks])`` takes the *global* out and lse
   and can add into fp32 gradient buffers (``accumulate=True``).
 - ``attention_forward_items`` / ``attention_backward_items``: a work list of many such blocks in one call, merged

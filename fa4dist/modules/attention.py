@@ -36,7 +36,8 @@ class FA4ContextParallelAttention(nn.Module):
             order fixed by the plan, never by arrival.)
         backend: kernel backend for every block (``"auto"``, ``"reference"``, ``"sdpa"``, ``"cute"``, ...: a name
             :func:`fa4dist.kernels.register_backend` registered, checked at construction).
-        ulysses_degree: the Ulysses group size for ``hybrid`` on one process group.
+        ulysses_degree: the Ulysses group size for ``hybrid`` on one process group (given with ``auto``: the degree
+            auto runs).
         timeout: seconds any wait on another rank may take before a :class:`~fa4dist.context_parallel.CommError`
             naming what was awaited.
         verify: on every call (forward and backward), all-gather a small fingerprint of the call (shapes, dtypes,
