@@ -81,8 +81,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("Hugging Face model")
     g.add_argument("--arch", choices=sorted(ARCHS), default="llama", help="transformers model family")
     g.add_argument("--sliding-window", type=int, default=None,
-                   help="tokens in the sliding window of Mistral's layers and Gemma's local layers (default: "
-                        "Mistral none, Gemma the config class's)")
+                   help="tokens in the sliding window of Mistral's layers and of Gemma's and GPT-OSS's local "
+                        "layers (default: Mistral none, the others the config class's)")
     g.add_argument("--experts", type=int, default=8, help="gpt_oss: experts per MoE layer")
     g.add_argument("--experts-per-token", type=int, default=2, help="gpt_oss: experts each token runs")
     g.add_argument("--checkpoint", default=None,
