@@ -129,7 +129,6 @@ def _cu_seqlens(total: int, docs: int, seed: int) -> list[int]:
 
 def run(args) -> int:
     import fa4dist
-    from fa4dist.context_parallel import make_plan
     from fa4dist.modules import FA4ContextParallelAttention
 
     rank, world, device, comm = _setup()
@@ -144,11 +143,9 @@ def run(args) -> int:
         ulysses_degree=args.ulysses_degree, deterministic=True if args.deterministic else None,
     )
     cu = _cu_seqlens(total, args.docs, args.seed) if packed else None
-    plan = module.make_plan(cu if packed else total, balancer=args.balancer, num_chunks=args.num_chunks)
+    plan = module.make_plan(cu if packed else total, balancer=args.balancer, num_chunks=args.num_chunks,
+                            heads=(args.heads, args.kv_heads))  # (auto: balanced for the degree it will run)
     u = module.cp.degree(args.heads, args.kv_heads, plan) if world > 1 else 1
-    if u != plan.ulysses_degree:  # auto picked its degree from the heads: balance (and report) the one that runs
-        plan = make_plan(cu if packed else total, world, args.balancer, args.num_chunks, causal=True,
-                         ulysses_degree=u)
     cp_rank = module.cp_rank
 
     gen = torch.Generator(device=device).manual_seed(args.seed)

@@ -260,8 +260,9 @@ class ContextParallel:
 
     # ---- strategy ---------------------------------------------------------------------------------------------
 
-    def plan_ulysses_degree(self) -> int:
-        """The Ulysses degree a plan should balance for, where it is known before the head counts are."""
+    def plan_ulysses_degree(self, heads: Optional[tuple[int, int]] = None) -> int:
+        """The Ulysses degree a plan should balance for, where it is known before the head counts are; with
+        ``heads`` = (query heads, key/value heads), also auto's choice from them (what :meth:`degree` then runs)."""
         if self.grid:
             return self._group_size(self.ulysses_group)
         if self.cp_size == 1:  # no group: plain attention, whatever ulysses_degree the module would use at cp > 1
@@ -270,6 +271,8 @@ class ContextParallel:
             return self.cp_size
         if self.strategy in ("hybrid", "auto") and self.ulysses_degree is not None:
             return self.ulysses_degree
+        if self.strategy == "auto" and heads is not None:
+            return max(HeadSplit.feasible_degrees(heads[0], heads[1], self.cp_size))
         return 1
 
     @staticmethod

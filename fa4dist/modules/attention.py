@@ -10,6 +10,7 @@ from torch import nn
 from ..context_parallel.core import ContextParallel
 from ..context_parallel.plan import ShardPlan, make_plan
 from ..data.sharding import SingleRankPlan
+from ..kernels.problem import check_int
 
 
 class FA4ContextParallelAttention(nn.Module):
@@ -87,11 +88,22 @@ class FA4ContextParallelAttention(nn.Module):
         return self.cp.cp_rank
 
     def make_plan(self, seqlen_or_cu_seqlens: Union[int, torch.Tensor, list], balancer: str = "lpt",
-                  num_chunks: Optional[int] = None, align: int = 1) -> ShardPlan:
+                  num_chunks: Optional[int] = None, align: int = 1,
+                  heads: Optional[tuple[int, int]] = None) -> ShardPlan:
         """A plan for this module's group, mask and Ulysses degree; shard inputs with ``module.shard(x, plan)``
-        (``align``: chunk sizes a multiple of it, see :func:`fa4dist.context_parallel.make_plan`)."""
+        (``align``: chunk sizes a multiple of it, see :func:`fa4dist.context_parallel.make_plan`).  ``heads``:
+        the (query, key/value) head counts forward will get; with ``strategy="auto"`` the plan is then balanced for
+        the Ulysses degree auto will run (without it, for a ring: still correct, but a hybrid run's ring part may
+        be less balanced)."""
+        if heads is not None:
+            if not isinstance(heads, (tuple, list)) or len(heads) != 2:
+                raise TypeError(f"heads must be a pair (query heads, key/value heads), got {heads!r}")
+            hq, hkv = (check_int(name, h, 1) for name, h in zip(("heads[0]", "heads[1]"), heads))
+            if hq % hkv:
+                raise ValueError(f"heads: {hq} query heads are not a multiple of {hkv} key/value heads")
+            heads = (hq, hkv)
         return make_plan(seqlen_or_cu_seqlens, self.cp_size, balancer, num_chunks, causal=self.cp.causal,
-                         window=self.cp.window, ulysses_degree=self.cp.plan_ulysses_degree(), align=align)
+                         window=self.cp.window, ulysses_degree=self.cp.plan_ulysses_degree(heads), align=align)
 
     def _plan(self, plan: Optional[ShardPlan]):
         """A ShardPlan, or at cp size 1 fa4dist.data's SingleRankPlan (of packed documents), as forward takes it."""

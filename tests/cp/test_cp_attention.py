@@ -106,6 +106,34 @@ def test_hybrid_with_a_ring_plan_and_auto(pool):
     check_results(run(strategy="auto", plan_u=2, heads=(4, 4)), "hybrid")  # the plan's u
 
 
+def plan_heads_case(rank, world):
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    auto = FA4ContextParallelAttention(GROUPS[4], strategy="auto", backend="reference", timeout=30)
+    ring = FA4ContextParallelAttention(GROUPS[4], strategy="ring", backend="reference", timeout=30)
+    degrees = [auto.make_plan(64, heads=h).ulysses_degree for h in ((4, 4), (6, 6), (6, 3), (8, 2))]
+    degrees.append(ring.make_plan(64, heads=(4, 4)).ulysses_degree)
+    degrees.append(auto.make_plan(64).ulysses_degree)  # without the heads: a ring plan
+    plan = auto.make_plan(64, heads=(6, 6))
+    runs = auto.cp.degree(6, 6, plan)  # what forward then runs: the plan's degree
+    errors = []
+    for bad in ((4,), (4, 0), (6, 4), 4, (4.5, 2)):
+        try:
+            auto.make_plan(64, heads=bad)
+        except (TypeError, ValueError) as exc:
+            errors.append("heads" in str(exc))
+    return degrees, runs, errors
+
+
+def test_make_plan_with_heads_balances_for_autos_degree(pool):
+    """module.make_plan(heads=...) under strategy auto balances the plan for the Ulysses degree auto will run
+    (the largest the head counts allow), and forward runs that degree; bad head counts are named."""
+    for degrees, runs, errors in pool.run(plan_heads_case):
+        assert degrees == [4, 2, 1, 4, 1, 1]  # (8, 2): the key/value heads replicated
+        assert runs == 2
+        assert errors == [True] * 5
+
+
 # ---- precision -------------------------------------------------------------------------------------------------
 
 
