@@ -42,7 +42,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..kernels.mask import Mask, visible_pairs
-from ..kernels.problem import check_int, check_mask
+from ..kernels.problem import check_int, check_integer_dtype, check_mask
 
 BALANCERS = ("contiguous", "zigzag", "lpt")
 
@@ -176,8 +176,7 @@ def _documents(seqlen_or_cu_seqlens) -> tuple[int, Optional[tuple[int, ...]]]:
         return check_int("seqlen", int(seqlen_or_cu_seqlens), 1), None
     if isinstance(seqlen_or_cu_seqlens, torch.Tensor):
         t = seqlen_or_cu_seqlens
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise TypeError(f"cu_seqlens must hold integers, got dtype {t.dtype}")
+        check_integer_dtype("cu_seqlens", t)
         if t.is_meta:
             raise ValueError("seqlen_or_cu_seqlens is on the meta device, which holds no values: the document "
                              "boundaries must be read (pass a cpu or cuda tensor, or a list)")

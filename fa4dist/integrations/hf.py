@@ -52,6 +52,7 @@ import torch
 
 import fa4dist
 from fa4dist.kernels.mask import Mask
+from fa4dist.kernels.problem import int32_cu_seqlens
 
 NAME = "fa4dist"
 _SETTINGS: dict[str, dict] = {}
@@ -369,21 +370,21 @@ def _info_from_kwargs(query, kwargs, q_length, kv_length) -> Optional[FA4MaskInf
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and cu_k is None:
         return None
-    cu_q = cu_q if cu_q is not None else cu_k
-    cu_k = cu_k if cu_k is not None else cu_q
     if query.shape[0] != 1:
         raise UnsupportedMask(f"cu_seq_lens_q/k describe one packed row; got batch {query.shape[0]}")
-    cu_q = cu_q.to(device=query.device, dtype=torch.int32)
-    cu_k = cu_k.to(device=query.device, dtype=torch.int32)
-    if int(cu_q[-1]) != q_length or int(cu_k[-1]) != kv_length:
-        raise UnsupportedMask(f"cu_seq_lens_q/k end at {int(cu_q[-1])}/{int(cu_k[-1])}, but the row holds "
+    # any integer dtype, checked before its narrowing to the kernels' int32: (tensor, host values), one read each
+    got_q = int32_cu_seqlens("cu_seq_lens_q", cu_q, query.device) if cu_q is not None else None
+    got_k = got_q if cu_k is None or cu_k is cu_q else int32_cu_seqlens("cu_seq_lens_k", cu_k, query.device)
+    (cu_q, values_q), (cu_k, values_k) = got_q or got_k, got_k
+    if values_q[-1] != q_length or values_k[-1] != kv_length:
+        raise UnsupportedMask(f"cu_seq_lens_q/k end at {values_q[-1]}/{values_k[-1]}, but the row holds "
                               f"{q_length} queries / {kv_length} keys")
     info = FA4MaskInfo(1, q_length, kv_length, 0, 0, False, cu_q, cu_k,
                        torch.arange(q_length, device=query.device), torch.arange(kv_length, device=query.device),
                        checked="cu_seq_lens")
     # Segment-local causality, bottom-right aligned within each segment when q and k lengths differ.
-    lq = (cu_q[1:] - cu_q[:-1]).tolist()
-    lk = (cu_k[1:] - cu_k[:-1]).tolist()
+    lq = [b - a for a, b in zip(values_q, values_q[1:])]
+    lk = [b - a for a, b in zip(values_k, values_k[1:])]
     info.q_offsets = [k - q for q, k in zip(lq, lk)]
     info.k_offsets = [0] * len(lq)
     return info

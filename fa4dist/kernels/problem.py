@@ -118,16 +118,44 @@ def _check_tensor(name: str, t) -> torch.Tensor:
 _CU_SEQLENS_CACHE: dict = {}
 
 
-def _check_cu_seqlens_layout(name: str, cu) -> None:
+def check_integer_dtype(name: str, t: torch.Tensor) -> None:
+    """Refuses a tensor that does not hold integers (a conversion would truncate floats and read bools as 0/1)."""
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")
+
+
+def _check_cu_seqlens_layout(name: str, cu, narrowing: bool = False) -> None:
+    """cu_seqlens' type and shape (no values read); ``narrowing``: any integer dtype, to be converted to int32."""
     if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
-    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be an {'integer' if narrowing else 'int32'} torch.Tensor, got "
+                        f"{type(cu).__name__}")
+    if narrowing:
+        check_integer_dtype(name, cu)
+    elif cu.dtype != torch.int32:
         raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}")
     if cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"{name} must be 1-D with at least 2 entries (batch + 1), got shape {tuple(cu.shape)}")
     if cu.is_meta:
         raise ValueError(f"{name} is on the meta device, which holds no values: the sequence boundaries must be read "
                          "(pass a cpu or cuda tensor)")
+
+
+INT32_MAX = 2**31 - 1
+
+
+def int32_cu_seqlens(name: str, cu, device=None) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """cu_seqlens given in any integer dtype (transformers' collators make int32 or int64; the kernels read int32)
+    as an int32 tensor on ``device`` (``cu`` itself when it already is one), with its values, read to the host once
+    (one device sync for a device tensor).  A non-integer dtype is refused, and so is a value outside
+    [0, 2**31 - 1], before the narrowing conversion would truncate or wrap it silently.  The other checks of the
+    values (from 0, non-decreasing, the token count) are :func:`validate_inputs`' on the int32 tensor."""
+    _check_cu_seqlens_layout(name, cu, narrowing=True)
+    values = tuple(int(x) for x in cu.tolist())
+    outside = [x for x in values if not 0 <= x <= INT32_MAX]
+    if outside:
+        raise ValueError(f"{name} must hold token counts in [0, 2**31 - 1] (the kernels read int32), got "
+                         f"{outside[0]}")
+    return cu.to(device=cu.device if device is None else device, dtype=torch.int32), values
 
 
 def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> tuple[int, ...]:
@@ -177,8 +205,7 @@ def _offset_values(name: str, value: Offset, count: int) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,) * count
     if isinstance(value, torch.Tensor):
-        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
+        check_integer_dtype(name, value)
         if value.is_meta:
             raise ValueError(f"{name} is on the meta device, which holds no values (pass a cpu or cuda tensor)")
         if value.dim() == 0:

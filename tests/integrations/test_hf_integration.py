@@ -111,6 +111,22 @@ def test_flash_style_cu_seq_lens(model):
         logits_with(model, NAME, input_ids=ids, position_ids=pos, cu_seq_lens_q=bad, cu_seq_lens_k=bad)
 
 
+@pytest.mark.parametrize("name", ["cu_seq_lens_q", "cu_seq_lens_k"])
+def test_cu_seq_lens_of_other_dtypes_are_checked_before_their_narrowing(model, name):
+    """int64 cu_seq_lens (what a collator may make) give the int32 ones' logits; a float tensor (was truncated) and
+    an int64 value past 2**31 - 1 (wrapped: 2**32 + 16 read as 16) are refused naming the argument."""
+    ids, pos = _packed([[6, 10, 8]])
+    cu = torch.tensor([0, 6, 16, 24], dtype=torch.int32)
+    want = logits_with(model, NAME, input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    got = logits_with(model, NAME, input_ids=ids, position_ids=pos, **{"cu_seq_lens_q": cu, name: cu.long()})
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    wrapping = r"must hold token counts in \[0, 2\*\*31 - 1\] \(the kernels read int32\), got 4294967312"
+    for bad, error, message in ((torch.tensor([0.0, 6.5, 16.0, 24.0]), TypeError, "must hold integers, got dtype"),
+                                (torch.tensor([0, 6, 2**32 + 16, 24]), ValueError, wrapping)):
+        with pytest.raises(error, match=f"{name} {message}"):
+            logits_with(model, NAME, input_ids=ids, position_ids=pos, **{"cu_seq_lens_q": cu, name: bad})
+
+
 def test_gradients_match_sdpa():
     ids, pos = _packed([[7, 11, 6]])
     labels = ids.clone()
