@@ -58,7 +58,7 @@ import torch.distributed as dist
 from fa4dist.context_parallel import ShardPlan, make_plan
 from fa4dist.data.packing import IGNORE
 from fa4dist.kernels.problem import check_bool
-from fa4dist.models.loss import cp_cross_entropy
+from fa4dist.models.loss import cp_cross_entropy_of
 from fa4dist.modules import FA4ContextParallelAttention
 
 from .hf import NO_WINDOW, UnsupportedMask, attention_sinks, fa4dist_mask, layer_window, window_of
@@ -381,15 +381,25 @@ class ContextParallelHandle:
     # ---- loss ---------------------------------------------------------------------------------------------------
 
     def loss(self, logits: torch.Tensor, local: dict) -> torch.Tensor:
-        """This rank's share of the batch's mean next-token loss (the shares of the cp ranks add up to it)."""
-        labels = local.get(LABELS_KEY)
-        if labels is None:
-            raise ValueError("the local batch has no labels (shard_batch was given a batch without 'labels')")
-        if logits.dim() == 3:
-            logits = logits[0]
-        if logits.shape[0] != labels.shape[-1]:
-            raise ValueError(f"logits hold {logits.shape[0]} tokens but the local batch {labels.shape[-1]}")
-        return cp_cross_entropy(logits, labels.reshape(-1), self.loss_group if self.cp_size > 1 else None).loss
+        """This rank's share of the batch's mean next-token loss (the shares of the cp ranks add up to it).  Its
+        arguments are checked inside the loss's exchange: a rank that refuses them makes every cp rank raise (the
+        others naming it), within the handle's ``timeout``."""
+        def operands():
+            labels = local.get(LABELS_KEY) if hasattr(local, "get") else None
+            if labels is None:
+                raise ValueError("the local batch has no labels (shard_batch was given a batch without 'labels')")
+            flat = logits
+            if isinstance(flat, torch.Tensor) and flat.dim() == 3:
+                if flat.shape[0] != 1:
+                    raise ValueError(f"logits must be (1, local_tokens, vocab) or (local_tokens, vocab): one packed "
+                                     f"row, got shape {tuple(flat.shape)}")
+                flat = flat[0]
+            if isinstance(flat, torch.Tensor) and flat.dim() >= 1 and flat.shape[0] != labels.shape[-1]:
+                raise ValueError(f"logits hold {flat.shape[0]} tokens but the local batch {labels.shape[-1]}")
+            return flat, labels.reshape(-1)
+
+        group = self.loss_group if self.cp_size > 1 else None
+        return cp_cross_entropy_of(operands, group, timeout=self._options["timeout"]).loss
 
     # ---- undo ---------------------------------------------------------------------------------------------------
 
@@ -458,7 +468,7 @@ def enable_context_parallel(model, group=None, mesh=None, strategy: str = "auto"
       chunk count (default 8 per rank).
     - ``backend``, ``deterministic``, ``timeout``, ``cp_invariant``: passed to the attention
       (:class:`FA4ContextParallelAttention`; ``cp_invariant`` makes the attention's results the same bits at every
-      cp size, not the rest of the transformers model).
+      cp size, not the rest of the transformers model); ``timeout`` bounds ``loss``'s wait for the other ranks too.
     - ``check_batch``: compare a checksum of the batch over the cp ranks in every ``shard_batch``.
 
     Raises :class:`~fa4dist.integrations.hf.UnsupportedMask` naming what the model needs that the attention does

@@ -126,13 +126,25 @@ def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp_group=None, 
     integer ids or IGNORE, are this rank's shard of.  ``cp_group``: the cp group (ProcessGroup or 1-D DeviceMesh;
     None: this rank's tokens are the whole sequence); every rank of it must call this alike (checked in the one
     exchange of the label counts, which waits at most ``timeout`` seconds for the other ranks)."""
+    return cp_cross_entropy_of(lambda: (logits, labels), cp_group, timeout=timeout)
+
+
+def cp_cross_entropy_of(operands: Callable[[], tuple], cp_group=None, *, timeout: float = 300.0) -> CPLoss:
+    """:func:`cp_cross_entropy` of the ``(logits, labels)`` that ``operands()`` returns.  It is called inside the
+    check of the arguments that every rank joins, so a caller's own checks of what it makes them from (a
+    ``ContextParallelHandle.loss``'s) raise on every rank alike too, instead of leaving the others waiting."""
+    got = {}
+
     def inputs():
+        logits, labels = operands()
         _check_inputs(logits, labels)
+        got.update(logits=logits, labels=labels)
         return labels, logits.shape[1], dict(vocab=int(logits.shape[1]), dtype=str(logits.dtype),
                                              device=logits.device.type,
                                              grad=bool(torch.is_grad_enabled() and logits.requires_grad))
 
     count, total = label_counts("cp_cross_entropy", cp_group, inputs, timeout)
+    logits, labels = got["logits"], got["labels"]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     local_sum = F.cross_entropy(logits, labels.long(), ignore_index=IGNORE, reduction="sum")

@@ -201,6 +201,43 @@ def test_a_rank_that_rejects_its_batch_does_not_leave_the_others_waiting(pool):
     assert messages[1].startswith("UnsupportedMask") and "attention_mask has zeros" in messages[1], messages
 
 
+def _one_rank_refuses_its_loss(rank, world, case):
+    """handle.loss on ranks 0 and 1, rank 1's refused before the loss's exchange (rank 0's is fine): the error
+    each raises."""
+    if rank >= 2:
+        return None
+    handle = enable_context_parallel(tiny_model("llama"), group=GROUPS[2], timeout=10.0)
+    try:
+        local = handle.shard_batch(packed_batch())
+        logits = torch.randn(1, local["input_ids"].shape[1], VOCAB, dtype=torch.float64)
+        if rank == 1 and case == "no labels":
+            local.pop("shift_labels")
+        elif rank == 1 and case == "length":
+            logits = logits[:, 1:]
+        elif rank == 1 and case == "batch":
+            logits = logits.expand(2, -1, -1)  # was read as its first row, silently
+        handle.loss(logits, local)
+    except ValueError as err:
+        return f"{type(err).__name__}: {err}"
+    finally:
+        handle.disable()
+    return "no error"
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no labels", r"the local batch has no labels"),
+    ("length", r"logits hold (\d+) tokens but the local batch (?!\1)\d+"),
+    ("batch", r"logits must be \(1, local_tokens, vocab\) or \(local_tokens, vocab\).* got shape \(2, \d+, "),
+])
+def test_a_rank_that_refuses_its_loss_does_not_leave_the_others_waiting(pool, case, message):
+    """Rank 0 used to wait in the loss's exchange that rank 1 never joined, until the loss's timeout (300 s)."""
+    import re
+
+    messages = pool.run(_one_rank_refuses_its_loss, case=case, timeout=30)[:2]
+    assert messages[0] == messages[1], messages
+    assert re.search(rf"^ValueError: .*rank 1 rejected its inputs: ValueError: {message}", messages[0]), messages
+
+
 def _tiled_loss_calls(rank, world):
     """tiled_cp_cross_entropy on ranks 0 and 1: rank 1's hidden states in fp32, the others' in fp64 (their counts
     were all-reduced in the hidden dtype: gloo aborted); ranks 2 and 3 pass the group of ranks 0 and 1."""
