@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from fa4dist.context_parallel import ShardPlan, make_plan
 from fa4dist.data.packing import IGNORE
-from fa4dist.kernels.problem import check_bool
+from fa4dist.kernels.problem import check_bool, check_integer_dtype
 from fa4dist.models.loss import cp_cross_entropy_of
 from fa4dist.modules import FA4ContextParallelAttention
 
@@ -273,11 +273,15 @@ class ContextParallelHandle:
         continue by one (transformers' own rule), else one document."""
         ids = batch["input_ids"]
         total = ids.shape[-1]
+        def integers(key):  # (a float tensor would be truncated by .long(), silently)
+            t = torch.as_tensor(batch[key]).flatten()
+            check_integer_dtype(f"batch[{key!r}]", t)
+            return t.long().cpu()
+
         cu = batch.get("cu_seq_lens_q")
         if cu is not None:
-            cu = torch.as_tensor(cu).flatten().long().cpu()
-            cu_k = batch.get("cu_seq_lens_k")
-            if cu_k is not None and not torch.equal(torch.as_tensor(cu_k).flatten().long().cpu(), cu):
+            cu = integers("cu_seq_lens_q")
+            if batch.get("cu_seq_lens_k") is not None and not torch.equal(integers("cu_seq_lens_k"), cu):
                 raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; a packed batch has one set of documents")
             if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total or bool((cu[1:] < cu[:-1]).any()):
                 raise ValueError(f"cu_seq_lens_q must rise from 0 to the {total} tokens, got {cu.tolist()[:8]}...")

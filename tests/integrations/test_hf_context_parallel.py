@@ -441,3 +441,7 @@ def test_documents_from_flash_kwargs_or_position_ids_agree():
         bad = dict(flash, cu_seq_lens_k=flash["cu_seq_lens_k"].flip(0))
         with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k differ"):
             handle.shard_batch(bad)
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k"):  # a float one was truncated by .long(), silently
+            bad = dict(flash, **{key: flash[key].double() + 0.5})
+            with pytest.raises(TypeError, match=rf"batch\['{key}'\] must hold integers, got dtype torch.float64"):
+                handle.shard_batch(bad)
