@@ -51,6 +51,7 @@ SUBSET = [
     (torch.bfloat16, 64, True, False, False, {"short": True}),
     (torch.bfloat16, 64, True, False, False, {"short": True, "window_left": 300}),
     (torch.bfloat16, 64, True, True, False, {"short": True, "seg_offsets": True}),  # packed short documents
+    (torch.bfloat16, 64, True, False, False, {"short": True, "tiny": True}),  # <= 512 rows: 64-key tiles
     # hdim 128 causal sequences of at most 2k: long and short tiles interleaved (forward.interleaved_launch)
     (torch.bfloat16, 128, True, False, False, {"interleave": True}),
     # hdim 128 non-causal sequences of 8k+ keys: the row max in chains (forward.chained_max_launch)
@@ -251,6 +252,13 @@ def test_short_causal_hdim64_sequences_take_short_tiles():
         assert (cfg.tile_m, cfg.ctas_per_sm) == (128, 1), options
     forced = make(short=True, tile_m=128)  # a forced tile keeps one CTA per SM
     assert (forced.tile_m, forced.ctas_per_sm) == (128, 1)
+    # at most TINY_CAUSAL_ROWS rows: 64-key tiles in three stages, on the two-CTA tiles only
+    assert cute_fwd.tiny_tiles(True, cute_fwd.TINY_CAUSAL_ROWS) and not cute_fwd.tiny_tiles(True, n)
+    assert not cute_fwd.tiny_tiles(False, 256)
+    tiny = make(short=True, tiny=True)
+    assert (tiny.tile_m, tiny.ctas_per_sm, tiny.tile_n, tiny.num_stages) == (64, 2, 64, 3)
+    assert (short.tile_n, short.num_stages) == (128, 2)
+    assert make(short=True, tiny=True, tile_n=128).num_stages == 2  # a forced key tile keeps its stages
 
 
 def test_short_packed_causal_hdim64_documents_take_two_ctas_per_sm():

@@ -137,6 +137,7 @@ DENSE_CASES = [
     (1, 2049, 2049, 2, 1, 96, True, 0, 0),
     (1, 300, 700, 2, 2, 96, False, 0, 0),
     (1, 1000, 1000, 2, 2, 64, True, 0, 123),
+    (2, 300, 300, 4, 2, 64, True, 0, 0),  # at most 512 rows: forward.tiny_tiles
 ]
 
 
@@ -177,7 +178,8 @@ VARLEN_CASES = [
     (4, 4, 2000, 2000, 2, 2, 64, True, True),
     (5, 5, 500, 500, 3, 3, 96, False, False),
     (6, 3, 129, 4097, 2, 2, 128, True, True),
-    (7, 9, 1000, 1000, 4, 2, 64, True, False),  # short documents: at most 1024 rows (forward.short_queries)
+    (7, 9, 1000, 1000, 4, 2, 64, True, False),  # short documents: at most 1024 rows (forward.short_documents)
+    (8, 12, 400, 400, 4, 2, 64, True, True),  # at most 512 rows a document: forward.tiny_tiles
 ]
 
 

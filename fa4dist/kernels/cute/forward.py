@@ -214,6 +214,20 @@ def short_documents(head_dim: int, causal: bool, packed_plain: bool, max_seqlen_
             and short_two_ctas(head_dim, True, window_left, softcap, sinks))
 
 
+# two-CTA short launches of at most this many query rows (a document's, packed) take 64-key tiles in three stages
+TINY_CAUSAL_ROWS = 512
+
+
+def tiny_tiles(short_two: bool, rows: int) -> bool:
+    """Whether a launch on short_two_ctas' 64-row tiles also takes 64-key tiles with three K / V stages (the same
+    shared memory as two 128-key stages): at most TINY_CAUSAL_ROWS query rows (dense) or rows a document (packed,
+    max_seqlen_q). A short causal diagonal wastes less on 64-key tiles. Measured on the H200 against 128-key tiles
+    (2026-12-03, twenty-eighth session, bench/sessions/gpu_session_29.sh 1, 4 and 5; device time): dense +30 / +8%
+    at 256 rows (two runs), +4 / +5 / +4% at 512, -2% at 1024, 0% at 768; packed documents +5% at 256 tokens,
+    +1.5% at 512, -3% at 1024."""
+    return short_two and rows <= TINY_CAUSAL_ROWS
+
+
 def default_sum_from_old(head_dim: int) -> bool:
     """True for hdim <= 64 (3 consumer warpgroups, where the MUFU queue binds). H200, 2026-12-02, fourteenth session,
     against the previous kernels in the same rounds: hdim 64 +2.5 / +3 / 0% non-causal and +3 / +3 / +1.5% causal
@@ -329,11 +343,11 @@ def set_override(**kw) -> None:
 
 
 def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=False, out_fp32=False,
-                window_left=-1, softcap=0.0, sinks=False, worklist=False, short=False, interleave=False,
+                window_left=-1, softcap=0.0, sinks=False, worklist=False, short=False, tiny=False, interleave=False,
                 chained=False, **overrides) -> FwdConfig:
     """The FwdConfig of a call: the defaults for its fields, then FA4DIST_FWD_OVERRIDE, then ``overrides``.
-    ``short`` / ``interleave`` / ``chained``: the launch-size choices the caller made (short_queries,
-    interleaved_launch, chained_max_launch)."""
+    ``short`` / ``tiny`` / ``interleave`` / ``chained``: the launch-size choices the caller made (short_queries or
+    short_documents, tiny_tiles, interleaved_launch, chained_max_launch)."""
     tm, tn, st = default_tiles(head_dim, causal, short)
     kw = dict(
         dtype=host.dtype_name(dtype), head_dim=head_dim, causal=bool(causal), varlen=bool(varlen),
@@ -347,6 +361,8 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
     if short_two_ctas(head_dim, short, int(window_left), float(softcap or 0.0), bool(sinks)) \
             and "tile_m" not in forced and "ctas_per_sm" not in forced:  # (a forced tile keeps one CTA per SM)
         kw.update(tile_m=64, ctas_per_sm=2)
+        if tiny and "tile_n" not in forced and "num_stages" not in forced:
+            kw.update(tile_n=64, num_stages=3)
     kw.update(forced)
     cfg = FwdConfig(**kw)
     if "persistent_ctas" not in kw:  # the default follows the other fields, overrides included
@@ -494,18 +510,20 @@ def forward(
     softcap = host.check_softcap(softcap)
     has_sinks = sinks is not None
     dense_plain = not (varlen or out_fp32)  # (out_fp32 covers accumulate)
-    short = short_queries(d, causal, dense_plain, 0 if varlen else q.shape[1]) or short_documents(
-        d, causal, varlen and not out_fp32, int(q.shape[0] if max_seqlen_q is None else max_seqlen_q), window_left,
-        softcap, has_sinks)
+    rows = int(q.shape[0] if max_seqlen_q is None else max_seqlen_q) if varlen else q.shape[1]
+    short = short_queries(d, causal, dense_plain, 0 if varlen else rows) or short_documents(
+        d, causal, varlen and not out_fp32, rows, window_left, softcap, has_sinks)
+    tiny = tiny_tiles(short_two_ctas(d, short, window_left, softcap, has_sinks), rows)
     interleave = interleaved_launch(d, causal, dense_plain, 0 if varlen else q.shape[1], window_left)
     chained = chained_max_launch(d, causal, dense_plain, 0 if varlen else k.shape[1], window_left, softcap, has_sinks)
     fast_key = (q.dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32, window_left, softcap, has_sinks, short,
-                interleave, chained)
+                tiny, interleave, chained)
     fast = _FAST.get(fast_key) if not overrides and not _OVERRIDE else None
     if fast is None:
         cfg = make_config(q.dtype, d, causal=causal, varlen=varlen, accumulate=accumulate,
                           seg_offsets=seg_offsets, out_fp32=out_fp32, window_left=window_left, softcap=softcap,
-                          sinks=has_sinks, short=short, interleave=interleave, chained=chained, **overrides)
+                          sinks=has_sinks, short=short, tiny=tiny, interleave=interleave, chained=chained,
+                          **overrides)
         fast = (host.get_compiled(cfg), cfg.takes_tile_counter)
         if not overrides and not _OVERRIDE:
             _FAST[fast_key] = fast
