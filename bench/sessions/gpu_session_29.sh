@@ -95,3 +95,11 @@ if [ "$1" = 5 ]; then
   TAIL_LINES=8 stage window_queued 150 python3 bench/window.py --rounds 3 --queue-ahead-ms 5 --out-dir "$OUT/window"
   exit
 fi
+# 6: call 5 (device time): the two-CTA packed default +54 / +12.5 / +14% over 192-row tiles at 256 / 512 / 1024-token
+#    documents, equal at 2048 (410 both: the idle-device bias is gone); 64-key tiles in three stages on top +5 / +1.5 /
+#    -3% packed, +8 / +4% dense at 256 / 512. Now the default at <= 512 rows (forward.tiny_tiles): its GPU tests
+#    (new dense and packed cases of <= 512 rows) against the oracle.
+if [ "$1" = 6 ]; then
+  TAIL_LINES=4 stage tests_tiny 120 $PYTEST -n 8 tests/kernels/test_cute_fwd_gpu.py -k "(test_dense or test_varlen) and 64"
+  exit
+fi

@@ -207,9 +207,10 @@ def short_documents(head_dim: int, causal: bool, packed_plain: bool, max_seqlen_
     """Whether a packed launch writing a 16-bit out takes short_two_ctas' tiles (two 64-row CTAs per SM): hdim 64,
     causal, documents of at most SHORT_CAUSAL_ROWS query rows (``max_seqlen_q``), without window, soft-cap or sinks
     (the family measured; such packed launches keep the 192-row tiles otherwise). Measured on the H200 against the
-    192-row tiles in the same rounds (2026-12-03, twenty-eighth session, bench/sessions/gpu_session_29.sh 3,
-    bench/packed_tiles.py over 65536 tokens): +4.7% / +7.9% at 512 / 1024-token documents, +5.8% over 122 documents
-    of 124-1017 tokens, -13% at 2048 (so only short documents); 128-row tiles lost 5-7% there."""
+    192-row tiles in the same rounds (2026-12-03, twenty-eighth session, bench/sessions/gpu_session_29.sh 3 and 5,
+    bench/packed_tiles.py over 65536 tokens, device time): +54 / +12.5 / +14% at 256 / 512 / 1024-token documents,
+    equal at 2048 with 192-row tiles (the two-CTA tiles there -13%, so only short documents); +5.8% over 122
+    documents of 124-1017 tokens (host-inclusive timing, a lower bound); 128-row tiles lost 5-7%."""
     return (packed_plain and short_queries(head_dim, causal, True, max_seqlen_q)
             and short_two_ctas(head_dim, True, window_left, softcap, sinks))
 
