@@ -240,8 +240,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) -> tuple[int, int, torch.device]:
-    """Joins the job torchrun started (or makes a world of one); returns (rank, world size, device)."""
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0,
+                     args: Optional[argparse.Namespace] = None) -> tuple[int, int, torch.device]:
+    """Joins the job torchrun started (or makes a world of one); returns (rank, world size, device).  ``args``: the
+    recipe's parsed options, checked to be the same on every rank (:func:`check_ranks_agree`)."""
     if "RANK" not in os.environ:  # plain `python recipe.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
@@ -254,7 +256,31 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    if args is not None:
+        check_ranks_agree(args)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def check_ranks_agree(args: argparse.Namespace, group=None) -> None:
+    """Every rank must run with the same options: ranks started with different ones (another --steps, --seed,
+    --batch-size, --lr, ... on one node) would wait for each other's collectives until the timeout, or train a
+    silent mix (FSDP shards of differently seeded models, other data per replica).  One all-gather of the options
+    before anything else; where they differ, every rank raises the same error naming the options and the ranks."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    mine = {k: repr(v) for k, v in sorted(vars(args).items())}
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    diffs = []
+    for dest in sorted(set().union(*everyone)):
+        by_value: dict = {}
+        for r, options in enumerate(everyone):
+            by_value.setdefault(options.get(dest, "(not given)"), []).append(r)
+        if len(by_value) > 1:
+            diffs.append(f"{option_name(dest)} " + ", ".join(f"{v} on ranks {rs}" for v, rs in by_value.items()))
+    if diffs:
+        raise SystemExit("the ranks were started with different options (every rank must run the same command): "
+                         + "; ".join(diffs))
 
 
 def finish_distributed() -> None:

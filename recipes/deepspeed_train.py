@@ -224,7 +224,7 @@ def resume_tag(args) -> str:
 def main(argv=None):
     args = parse_args(argv)
 
-    rank, world, device = common.init_distributed()
+    rank, world, device = common.init_distributed(args=args)
     import deepspeed  # after the process group exists: DeepSpeed adopts it
     from deepspeed.utils import safe_set_full_grad
 

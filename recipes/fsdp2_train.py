@@ -103,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None):
     args = parse_args(argv)
 
-    rank, world, device = common.init_distributed()
+    rank, world, device = common.init_distributed(args=args)
     common.set_determinism(args)
     layout = common.make_layout(rank, world, args.cp, args.batch_size, device)
     dtype = common.compute_dtype(args, device)

@@ -434,7 +434,7 @@ def memory_estimates(facts: dict, local_tokens: int, world: int, args, dtype) ->
 
 def main(argv=None):
     args = parse_args(argv)
-    rank, world, device = common.init_distributed()
+    rank, world, device = common.init_distributed(args=args)
     common.set_determinism(args)
     layout = common.make_layout(rank, world, args.cp, args.batch_size, device)
     dtype = common.compute_dtype(args, device)

@@ -255,7 +255,7 @@ def main(argv=None):
     args = parse_args(argv)
     args.deterministic = True
 
-    rank, world, device = common.init_distributed()
+    rank, world, device = common.init_distributed(args=args)
     common.set_determinism(args)  # torch.use_deterministic_algorithms(True)
     layout = common.make_layout(rank, world, args.cp, 1 if world // args.cp == 1 else world // args.cp, device)
     task = ReversalTask(args.task_len, args.alphabet)
