@@ -291,10 +291,22 @@ class FA4Llama(nn.Module):
         for layer in self.layers:
             layer.activation_checkpointing = enabled
 
+    def _check_token_ids(self, tokens: torch.Tensor) -> None:
+        """Integer ids in [0, vocab_size): an id outside it was an IndexError deep in the embedding (a device-side
+        assert on CUDA, or a silently wrong index_add in the invariant-gradient embedding). One host read."""
+        if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+            raise TypeError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
+        if tokens.numel():
+            lo, hi = (int(v) for v in torch.stack(torch.aminmax(tokens)).tolist())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"tokens must be ids in [0, vocab_size={self.config.vocab_size}), got ids from {lo} "
+                                 f"to {hi}")
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, plan=None) -> torch.Tensor:
         if tokens.dim() != 1 or positions.shape != tokens.shape:
             raise ValueError(f"tokens and positions must be 1-D of one length (one packed stream), got "
                              f"{tuple(tokens.shape)} and {tuple(positions.shape)}")
+        self._check_token_ids(tokens)
         if self.invariant_grads is not None:
             self.invariant_grads.check_params()
             chunk = getattr(plan, "chunk_size", None)

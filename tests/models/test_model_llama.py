@@ -244,3 +244,19 @@ def test_a_cp_1_model_refuses_a_plan_of_more_ranks():
     local = shard_sample(sample, plan, 0)
     with pytest.raises(ValueError, match="plan is for cp_size=2, but this attention runs on one rank"):
         _model()(local.tokens, local.positions, plan)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+@pytest.mark.parametrize("tokens, error, message", [
+    (torch.tensor([1, 2, TINY.vocab_size, 3]), ValueError,
+     r"tokens must be ids in \[0, vocab_size=320\), got ids from 1 to 320"),
+    (torch.tensor([1, -1, 2, 3]), ValueError, r"tokens must be ids in \[0, vocab_size=320\), got ids from -1 to 3"),
+    (torch.tensor([1.0, 2.0, 3.0, 4.0]), TypeError, "tokens must be integer token ids, got dtype torch.float32"),
+])
+def test_token_ids_outside_the_vocabulary_are_refused_by_name(invariant, tokens, error, message):
+    """An id past the vocabulary was an IndexError deep inside the embedding (a device-side assert on CUDA)."""
+    model = _model()
+    if invariant:
+        model.set_invariant_grads(True)
+    with pytest.raises(error, match=message):
+        model(tokens, torch.arange(4), SingleRankPlan([0, 4]))
