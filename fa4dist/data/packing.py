@@ -46,6 +46,10 @@ def collect_documents(
     if isinstance(roots, (str, os.PathLike)):  # one root (a string is not a sequence of roots)
         roots = [roots]
     roots = [Path(r) for r in (roots or [default_text_root()])]
+    missing = [str(r) for r in roots if not r.exists()]
+    if missing:  # was skipped silently beside roots that exist: a typo trained on less text than asked for
+        raise FileNotFoundError(f"roots must be existing files or directories, these do not exist: {missing}")
+    check_int("max_file_bytes", max_file_bytes, 0)
     suffixes = (suffixes,) if isinstance(suffixes, str) else tuple(suffixes)
     if not suffixes or not all(isinstance(x, str) for x in suffixes):
         raise TypeError(f"suffixes must be file name endings (strings), got {suffixes!r}")

@@ -27,6 +27,15 @@ def test_one_root_and_one_suffix_may_be_given_as_strings(tmp_path):
         collect_documents(root, suffixes=[1])
 
 
+def test_a_root_that_does_not_exist_is_refused_by_name(tmp_path):
+    """A missing root beside one that exists (a typo in --data) was skipped silently: less text than asked for."""
+    root = _tree(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"roots must be existing files or directories.*'.*typo'"):
+        collect_documents([root, tmp_path / "typo"])
+    with pytest.raises(ValueError, match="max_file_bytes must be >= 0, got -1"):
+        collect_documents(root, max_file_bytes=-1)
+
+
 def test_windows_keep_their_document_structure():
     stream = PackedTokenStream(["abcdef", "ghijklmnop", "qrs"], seqlen=8, seed=1)
     for i in range(stream.num_windows):
