@@ -206,6 +206,44 @@ def check_resumed_schedule(saved: dict, args) -> None:
         )
 
 
+# what else decides the run a checkpoint continues: the model's shape, the data each step reads (seed, windows, corpus)
+# and the optimizer's settings.  Written beside each checkpoint (RUN_FILE), checked on resume.
+RUN_FIELDS = ("model", "layers", "seqlen", "batch_size", "packing", "data", "seed", "weight_decay", "grad_clip")
+RUN_FILE = "fa4dist_run.json"
+
+
+def run_settings(args) -> dict:
+    """The RUN_FIELDS of ``args`` as JSON values (--data as absolute paths: the same corpus from any directory)."""
+    out = {f: getattr(args, f, None) for f in RUN_FIELDS}
+    if out["data"] is not None:
+        out["data"] = [os.path.abspath(d) for d in out["data"]]
+    return out
+
+
+def save_run_settings(checkpoint: Path, args) -> None:
+    """Writes :func:`run_settings` into the checkpoint directory ``checkpoint`` (call it on one rank)."""
+    checkpoint = Path(checkpoint)
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    (checkpoint / RUN_FILE).write_text(json.dumps(run_settings(args), sort_keys=True))
+
+
+def check_resumed_run(checkpoint: Path, args) -> None:
+    """Refuses a resume whose model, data or optimizer settings differ from those the checkpoint was saved with
+    (another --seed, --batch-size, --seqlen, --packing or --data reads other windows; another --model or --layers
+    failed deep inside the checkpoint loader), naming them.  A checkpoint saved without the record (an older
+    one) is not checked."""
+    path = Path(checkpoint) / RUN_FILE
+    if not path.is_file():
+        return
+    saved, now = json.loads(path.read_text()), run_settings(args)
+    diffs = [f"{option_name(f)} {saved[f]!r} in the checkpoint, {now[f]!r} now" for f in RUN_FIELDS
+             if f in saved and saved[f] != now[f]]
+    if diffs:
+        raise SystemExit(
+            f"resume from {checkpoint}: the run's settings differ from the checkpoint's (" + "; ".join(diffs) + "), "
+            "so the run would not continue the one that was stopped.  Pass the same values.")
+
+
 def last_step(args, start: int = 0) -> int:
     """One past the last step this invocation runs (``start``: the step a resumed checkpoint is at)."""
     if args.stop_at is None:

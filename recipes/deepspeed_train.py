@@ -218,6 +218,7 @@ def resume_tag(args) -> str:
     if saved is not None and saved != args.zero_stage:
         raise SystemExit(f"--resume {args.resume}: the checkpoint was saved with --zero-stage {saved}, this run has "
                          f"--zero-stage {args.zero_stage}; DeepSpeed loads it only at its own stage")
+    common.check_resumed_run(where, args)
     return tag
 
 
@@ -297,7 +298,10 @@ def main(argv=None):
                         grad_norm=float(grad_norm) if grad_norm is not None else None,
                         tokens_per_s=tokens / seconds, step_s=seconds, peak_mem_gib=common.peak_memory_gib(device))
         if common.saves_checkpoint(args, step + 1, stop):
-            engine.save_checkpoint(args.ckpt_dir, tag=f"step_{step + 1:06d}",
+            tag = f"step_{step + 1:06d}"
+            if rank == 0:  # before DeepSpeed's own files (its 'latest' marks a finished checkpoint)
+                common.save_run_settings(Path(args.ckpt_dir) / tag, args)
+            engine.save_checkpoint(args.ckpt_dir, tag=tag,
                                    client_state={"step": step + 1, "schedule": common.schedule_state(args)})
     progress.close()
 

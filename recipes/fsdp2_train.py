@@ -12,7 +12,7 @@ reduction on GPUs (``--dtype``), fp32 on CPUs.  ``--activation-checkpointing`` r
 backward.  ``--ckpt-dir`` + ``--save-every`` write torch.distributed.checkpoint checkpoints (model, optimizer,
 step, LR schedule); ``--stop-at N`` stops early (saving a checkpoint there), and ``--resume latest`` with the
 same ``--steps`` continues from the newest one with the same losses as a run that never stopped (a resume that
-changes the schedule is refused).  Rank 0 prints a progress bar, and
+changes the schedule, the model, the data or the optimizer settings is refused).  Rank 0 prints a progress bar, and
 at the end a ``SUMMARY {...}`` JSON line: tokens/s, MFU (formula in the line) and peak memory.
 """
 
@@ -58,6 +58,8 @@ def save_checkpoint(model, optimizer, step: int, ckpt_dir: str, rank: int, args)
     path = Path(ckpt_dir) / f"step_{step:06d}"
     dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step), "schedule": _schedule_tensor(args)},
              checkpoint_id=str(path))
+    if rank == 0:
+        common.save_run_settings(path, args)
     dist.barrier()
     if rank == 0:
         (Path(ckpt_dir) / "latest").write_text(path.name)
@@ -79,6 +81,7 @@ def load_checkpoint(model, optimizer, resume: str, ckpt_dir: str, args) -> int:
         path = Path(resume)
     if not (path / ".metadata").is_file():  # what dcp.save writes last; without it dcp.load fails deep inside torch
         raise SystemExit(f"--resume {resume}: {str(path)!r} is not a checkpoint of this recipe (no .metadata in it)")
+    common.check_resumed_run(path, args)  # before loading: another --model fails inside dcp.load
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0), "schedule": _schedule_tensor(args)}
     dcp.load(state, checkpoint_id=str(path))

@@ -34,3 +34,27 @@ def test_ranks_started_with_different_options_all_refuse_by_name():
     assert "the ranks were started with different options" in first
     assert "--seed 0 on ranks [0], 5 on ranks [1]" in first and "--batch-size 2 on ranks [0], 4 on ranks [1]" in first
     assert "--steps" not in first and "--lr" not in first
+
+
+def test_a_resume_with_other_model_data_or_optimizer_settings_is_refused_by_name(tmp_path):
+    """The settings a checkpoint was saved with are written beside it and checked on resume, before anything is
+    loaded: another --seed / --batch-size read other windows silently (the run did not continue the stopped one),
+    another --layers failed inside torch.distributed.checkpoint (a missing key)."""
+    import deepspeed_train
+    import fsdp2_train
+
+    base = ["--steps", "4", "--seqlen", "64", "--data", str(tmp_path)]
+    saved = fsdp2_train.parse_args(base + ["--ckpt-dir", str(tmp_path), "--save-every", "2"])
+    ckpt = tmp_path / "step_000002"
+    common.save_run_settings(ckpt, saved)
+    (ckpt / ".metadata").write_bytes(b"")
+    common.check_resumed_run(ckpt, fsdp2_train.parse_args(base + ["--resume", str(ckpt), "--metrics-out",
+                                                                  str(tmp_path / "m.jsonl")]))  # the same run
+    common.check_resumed_run(tmp_path / "older", saved)  # a checkpoint without the record: not checked
+    other = fsdp2_train.parse_args(base + ["--resume", str(ckpt), "--seed", "3", "--batch-size", "4", "--layers", "3"])
+    with pytest.raises(SystemExit, match=r"the run's settings differ from the checkpoint's \(--layers None in the "
+                                         r"checkpoint, 3 now; --batch-size 2 in the checkpoint, 4 now; --seed 0 in"):
+        fsdp2_train.load_checkpoint(None, None, other.resume, other.ckpt_dir, other)  # refused before loading
+    other = deepspeed_train.parse_args(base + ["--ckpt-dir", str(tmp_path), "--resume", ckpt.name, "--seed", "3"])
+    with pytest.raises(SystemExit, match="--seed 0 in the checkpoint, 3 now"):
+        deepspeed_train.resume_tag(other)
