@@ -166,6 +166,11 @@ def check_common_args(p: argparse.ArgumentParser, args, models=()) -> None:
         p.error(f"--strategy ring runs no Ulysses group: --ulysses-degree {u} contradicts it")
     if args.strategy == "ulysses" and u not in (None, args.cp):
         p.error(f"--strategy ulysses spans the whole cp group: --ulysses-degree must be --cp ({args.cp}), got {u}")
+    for dest in ("lr", "weight_decay"):  # AdamW refuses some (without naming the option), trains to NaN on inf
+        if not 0 <= getattr(args, dest) < math.inf:
+            p.error(f"{option_name(dest)} must be finite and >= 0, got {getattr(args, dest)}")
+    if args.peak_tflops is not None and not 0 < args.peak_tflops < math.inf:  # a negative MFU, silently
+        p.error(f"--peak-tflops must be finite and > 0, got {args.peak_tflops}")
     if not args.grad_clip >= 0:  # a negative max norm makes clip_grad_norm_ flip the gradients' sign
         p.error(f"--grad-clip must be >= 0 (0: no clipping), got {args.grad_clip}")
     if args.metrics_out and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics_out))):

@@ -136,6 +136,10 @@ def test_stop_at_out_of_range_is_refused(capsys):
     (["--cp", "4", "--strategy", "ulysses", "--ulysses-degree", "2"], "--ulysses-degree must be --cp (4), got 2"),
     (["--metrics-out", "/nonexistent-dir/m.jsonl"], "its directory does not exist"),
     (["--grad-clip", "-1"], "--grad-clip must be >= 0 (0: no clipping), got -1.0"),
+    (["--lr", "inf"], "--lr must be finite and >= 0, got inf"),
+    (["--lr", "-0.001"], "--lr must be finite and >= 0, got -0.001"),
+    (["--weight-decay", "nan"], "--weight-decay must be finite and >= 0, got nan"),
+    (["--peak-tflops", "-989"], "--peak-tflops must be finite and > 0, got -989.0"),
     (["--model", "bogus"], "--model: model size must be one of ['1b', 'base', 'small', 'tiny'], got 'bogus'"),
 ])
 def test_bad_options_are_refused_by_name(bad, message, capsys):
