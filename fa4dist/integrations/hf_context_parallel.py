@@ -160,9 +160,11 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
         raise RuntimeError(f"the context-parallel attention {name!r} was disabled; set the model's attention back "
                            "(handle.disable() does) or enable_context_parallel again")
     plan = kwargs.get(PLAN_KEY)
-    if not isinstance(plan, ShardPlan):
-        raise ValueError(f"context-parallel attention needs the batch from handle.shard_batch(batch) (its "
-                         f"{PLAN_KEY!r} entry); call model(**handle.shard_batch(batch))")
+    no_plan = None if isinstance(plan, ShardPlan) else ValueError(
+        f"context-parallel attention needs the batch from handle.shard_batch(batch) (its {PLAN_KEY!r} entry); call "
+        "model(**handle.shard_batch(batch))")
+    if no_plan is not None and handle.cp_size == 1:
+        raise no_plan
     if attention_mask is not None and not isinstance(attention_mask, CheckedCausalMask):
         raise UnsupportedMask(f"context-parallel attention got a precomputed {type(attention_mask).__name__} mask; "
                               "it computes causal attention within the batch's documents only")
@@ -172,7 +174,14 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     window = layer_window(attention_mask.window if attention_mask is not None else None, sliding_window)
     sinks = attention_sinks(kwargs, query.shape[1])
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (L, heads, D)
-    out = handle.attention(scaling, window, softcap or None)(q, k, v, plan, sinks=sinks)
+    try:
+        # a missing plan is refused by the attention's own check of its plan argument, inside its agreement check,
+        # so that the other cp ranks fail with this one at once (naming it) instead of waiting for it
+        out = handle.attention(scaling, window, softcap or None)(q, k, v, plan, sinks=sinks)
+    except (TypeError, ValueError) as err:
+        if no_plan is not None:
+            raise no_plan from err
+        raise
     return out.unsqueeze(0), None
 
 
@@ -246,6 +255,11 @@ class ContextParallelHandle:
     @property
     def cp_size(self) -> int:
         return self._planner.cp_size
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a cp rank waits for the others in the attention's and the loss's exchanges."""
+        return self._options["timeout"]
 
     @property
     def cp_rank(self) -> int:
@@ -389,9 +403,7 @@ class ContextParallelHandle:
         arguments are checked inside the loss's exchange: a rank that refuses them makes every cp rank raise (the
         others naming it), within the handle's ``timeout``."""
         def operands():
-            labels = local.get(LABELS_KEY) if hasattr(local, "get") else None
-            if labels is None:
-                raise ValueError("the local batch has no labels (shard_batch was given a batch without 'labels')")
+            labels = local_labels(local)
             flat = logits
             if isinstance(flat, torch.Tensor) and flat.dim() == 3:
                 if flat.shape[0] != 1:
@@ -403,7 +415,7 @@ class ContextParallelHandle:
             return flat, labels.reshape(-1)
 
         group = self.loss_group if self.cp_size > 1 else None
-        return cp_cross_entropy_of(operands, group, timeout=self._options["timeout"]).loss
+        return cp_cross_entropy_of(operands, group, timeout=self.timeout).loss
 
     # ---- undo ---------------------------------------------------------------------------------------------------
 
@@ -426,6 +438,15 @@ class ContextParallelHandle:
     def __repr__(self) -> str:
         return (f"ContextParallelHandle(cp_size={self.cp_size}, cp_rank={self.cp_rank}, balancer={self.balancer!r}, "
                 f"attention={self.name!r}, previous={self.previous!r}, enabled={self.enabled})")
+
+
+def local_labels(local) -> torch.Tensor:
+    """The (shifted) labels of a local batch from :meth:`ContextParallelHandle.shard_batch`; the losses call it
+    inside their exchange, so that a rank whose batch has none makes every cp rank raise."""
+    labels = local.get(LABELS_KEY) if hasattr(local, "get") else None
+    if labels is None:
+        raise ValueError("the local batch has no labels (shard_batch was given a batch without 'labels')")
+    return labels
 
 
 def _checksum(t: torch.Tensor) -> int:
@@ -472,7 +493,8 @@ def enable_context_parallel(model, group=None, mesh=None, strategy: str = "auto"
       chunk count (default 8 per rank).
     - ``backend``, ``deterministic``, ``timeout``, ``cp_invariant``: passed to the attention
       (:class:`FA4ContextParallelAttention`; ``cp_invariant`` makes the attention's results the same bits at every
-      cp size, not the rest of the transformers model); ``timeout`` bounds ``loss``'s wait for the other ranks too.
+      cp size, not the rest of the transformers model); ``timeout`` bounds the wait of ``loss`` (and of
+      ``TiledCausalLMLoss``) for the other ranks too.
     - ``check_batch``: compare a checksum of the batch over the cp ranks in every ``shard_batch``.
 
     Raises :class:`~fa4dist.integrations.hf.UnsupportedMask` naming what the model needs that the attention does

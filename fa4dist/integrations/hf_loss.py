@@ -32,7 +32,7 @@ handle.disable()
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ from fa4dist.data.packing import IGNORE
 from fa4dist.kernels.problem import check_int
 from fa4dist.models.loss import label_counts
 
-from .hf_context_parallel import LABELS_KEY, PLAN_KEY, ContextParallelHandle
+from .hf_context_parallel import LABELS_KEY, ContextParallelHandle, local_labels
 
 # Models whose logits are exactly lm_head(final hidden states) (no soft-capping or logit scale) ...
 PLAIN_LM_HEAD_MODELS = ("llama", "mistral", "qwen2", "qwen3", "gpt_oss")
@@ -76,11 +76,22 @@ def tiled_cp_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     ``hidden`` (tokens, dim) or (1, tokens, dim); ``labels`` (tokens,) already shifted, integer ids.  Tiles of
     ``chunk_tokens`` tokens (default: 2**29 logits per tile) are recomputed in the backward.  Every rank of
     ``cp_group`` must call it alike: checked as :func:`fa4dist.models.cp_cross_entropy` checks, in the one exchange
-    of the label counts (:func:`fa4dist.models.loss.label_counts`)."""
-    chunk = None
+    of the label counts (:func:`fa4dist.models.loss.label_counts`), which waits at most ``timeout`` seconds for the
+    other ranks."""
+    return tiled_cp_cross_entropy_of(lambda: (hidden, weight, labels), cp_group, bias=bias, chunk_tokens=chunk_tokens,
+                                     logit_softcap=logit_softcap, timeout=timeout)
+
+
+def tiled_cp_cross_entropy_of(operands: Callable[[], tuple], cp_group=None, *, bias: Optional[torch.Tensor] = None,
+                              chunk_tokens: Optional[int] = None, logit_softcap: Optional[float] = None,
+                              timeout: float = 300.0) -> torch.Tensor:
+    """:func:`tiled_cp_cross_entropy` of the ``(hidden, weight, labels)`` that ``operands()`` returns.  It is called
+    inside the check of the arguments that every rank joins, so a caller's own checks of what it makes them from
+    (:class:`TiledCausalLMLoss`'s) raise on every rank alike too, instead of leaving the others waiting."""
+    got = {}
 
     def inputs():
-        nonlocal hidden, labels, chunk
+        hidden, weight, labels = operands()
         for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -100,14 +111,15 @@ def tiled_cp_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
                                                                                               chunk_tokens, 1)
         if logit_softcap is not None and not logit_softcap > 0:
             raise ValueError(f"logit_softcap must be None or positive, got {logit_softcap}")
+        got.update(hidden=hidden, weight=weight, labels=labels, chunk=chunk)
         return labels, weight.shape[0], dict(vocab=int(weight.shape[0]), dtype=str(hidden.dtype),
                                              device=hidden.device.type,
                                              softcap=None if logit_softcap is None else float(logit_softcap),
                                              grad=bool(torch.is_grad_enabled() and hidden.requires_grad))
 
     _, count = label_counts("tiled_cp_cross_entropy", cp_group, inputs, timeout)
+    hidden, weight, labels, chunk = got["hidden"], got["weight"], got["labels"].long(), got["chunk"]
     total = hidden.new_zeros((), dtype=torch.float32 if hidden.dtype != torch.float64 else torch.float64)
-    labels = labels.long()
     for start in range(0, hidden.shape[0], chunk):
         h, y = hidden[start:start + chunk], labels[start:start + chunk]
         if torch.is_grad_enabled():
@@ -144,13 +156,14 @@ class TiledCausalLMLoss(nn.Module):
                              else check_int("chunk_tokens", chunk_tokens, 1))
 
     def forward(self, local: dict) -> torch.Tensor:
-        labels = local.get(LABELS_KEY)
-        if labels is None or PLAN_KEY not in local:
-            raise ValueError("TiledCausalLMLoss takes the output of handle.shard_batch(batch) of a batch with labels")
+        """The rank's loss share.  The labels are checked inside the loss's exchange (its timeout: the handle's), so
+        a rank whose batch has none makes every cp rank raise, the others naming it; a rank whose batch has no plan
+        fails in its first attention call, whose agreement check makes the others fail with it."""
         inputs = {k: v for k, v in local.items() if k != LABELS_KEY}
         decoder = getattr(self.model, self.model.base_model_prefix)
         hidden = decoder(**inputs).last_hidden_state
         head = self.model.get_output_embeddings()
         group = self.handle.loss_group if self.handle.cp_size > 1 else None
-        return tiled_cp_cross_entropy(hidden, head.weight, labels, group, bias=head.bias,
-                                      chunk_tokens=self.chunk_tokens, logit_softcap=self.logit_softcap)
+        return tiled_cp_cross_entropy_of(lambda: (hidden, head.weight, local_labels(local)), group, bias=head.bias,
+                                         chunk_tokens=self.chunk_tokens, logit_softcap=self.logit_softcap,
+                                         timeout=self.handle.timeout)

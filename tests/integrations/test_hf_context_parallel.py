@@ -238,6 +238,64 @@ def test_a_rank_that_refuses_its_loss_does_not_leave_the_others_waiting(pool, ca
     assert re.search(rf"^ValueError: .*rank 1 rejected its inputs: ValueError: {message}", messages[0]), messages
 
 
+def _one_rank_refuses_its_tiled_loss(rank, world, case):
+    """TiledCausalLMLoss on ranks 0 and 1 of a throw-away group (a regression leaves its exchanges out of step),
+    rank 1's batch without labels or plan, or rank 1 not calling the loss at all ("skip"): (the error each raises,
+    seconds it took)."""
+    import time
+
+    from cp_harness import fresh_group
+
+    group = fresh_group([0, 1])
+    if rank >= 2:
+        return None
+    model = tiny_model("llama")
+    handle = enable_context_parallel(model, group=group, timeout=2.0 if case == "skip" else 10.0)
+    start = time.monotonic()
+    try:
+        local = handle.shard_batch(packed_batch())
+        if rank == 1 and case == "no labels":
+            local.pop("shift_labels")
+        elif rank == 1 and case == "no plan":
+            local.pop(PLAN_KEY)
+        if rank == 1 and case == "skip":  # its attention calls, not the loss's exchange
+            model.model(**{k: v for k, v in local.items() if k != "shift_labels"})
+        else:
+            TiledCausalLMLoss(model, handle, chunk_tokens=5)(local)
+    except (ValueError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}", time.monotonic() - start
+    finally:
+        handle.disable()
+    return "no error", time.monotonic() - start
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no labels", r"^ValueError: .*rank 1 rejected its inputs: ValueError: the local batch has no labels"),
+    ("no plan", r"^ValueError: .*rank 1 rejected its inputs: ValueError: context-parallel attention needs the plan"),
+])
+def test_a_rank_that_refuses_its_tiled_loss_does_not_leave_the_others_waiting(pool, case, message):
+    """Rank 0 used to wait in the tiled loss's exchange that rank 1 never joined, for 300 s (the handle's timeout
+    was not passed), or in its attention's agreement check for the handle's timeout (10 s)."""
+    import re
+
+    (got, seconds), (theirs, _) = pool.run(_one_rank_refuses_its_tiled_loss, case=case, timeout=30)[:2]
+    assert re.search(message, got), got
+    assert seconds < 5, (seconds, got)
+    if case == "no labels":
+        assert theirs == got
+    else:  # the rank without a plan names what it was missing
+        assert theirs.startswith("ValueError: context-parallel attention needs the batch from handle.shard_batch"), \
+            theirs
+
+
+def test_the_tiled_loss_waits_the_handles_timeout(pool):
+    """A rank that skips the loss: the others raise after the handle's timeout (2 s), not the loss's default 300."""
+    (got, seconds), (theirs, _) = pool.run(_one_rank_refuses_its_tiled_loss, case="skip", timeout=30)[:2]
+    assert got.startswith("CommError: fa4dist tiled_cp_cross_entropy") and "timeout 2s" in got, got
+    assert seconds < 10, seconds
+    assert theirs == "no error"
+
+
 def _tiled_loss_calls(rank, world):
     """tiled_cp_cross_entropy on ranks 0 and 1: rank 1's hidden states in fp32, the others' in fp64 (their counts
     were all-reduced in the hidden dtype: gloo aborted); ranks 2 and 3 pass the group of ranks 0 and 1."""
