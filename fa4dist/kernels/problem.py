@@ -115,7 +115,34 @@ def _check_tensor(name: str, t) -> torch.Tensor:
     return t
 
 
+# Host copies of cu_seqlens tensors: (id, data_ptr, version, numel, dtype) -> (weak reference to the tensor, its
+# values, the token counts they were checked against); see _host_cu_seqlens.
 _CU_SEQLENS_CACHE: dict = {}
+# int32_cu_seqlens' results: the key of the source tensor and the device -> (weak reference to the source, the int32
+# tensor (None: the source itself) and its version, the values).  A few entries: the q and k tensors of a forward
+# pass or two, which every layer converts.
+_INT32_CACHE: dict = {}
+_INT32_CACHE_SIZE = 4
+
+
+def _version_key(cu: torch.Tensor) -> Optional[tuple]:
+    """A tensor's identity and version, or None for one made under ``torch.inference_mode`` (it has no version
+    counter: its values can change unseen).  A key alone can outlive its tensor: a new tensor may get a freed
+    one's id and address, so the caches also keep a weak reference and compare it."""
+    if cu.is_inference():
+        return None
+    return id(cu), cu.data_ptr(), cu._version, cu.numel(), cu.dtype
+
+
+def _remember_values(cu: torch.Tensor, values: tuple[int, ...]) -> tuple:
+    """Caches the host values of ``cu`` (just read, or known from the tensor it was converted from)."""
+    entry = (weakref.ref(cu), values, set())
+    key = _version_key(cu)
+    if key is not None:
+        if len(_CU_SEQLENS_CACHE) > 256:
+            _CU_SEQLENS_CACHE.clear()
+        _CU_SEQLENS_CACHE[key] = entry
+    return entry
 
 
 def check_integer_dtype(name: str, t: torch.Tensor) -> None:
@@ -148,14 +175,32 @@ def int32_cu_seqlens(name: str, cu, device=None) -> tuple[torch.Tensor, tuple[in
     as an int32 tensor on ``device`` (``cu`` itself when it already is one), with its values, read to the host once
     (one device sync for a device tensor).  A non-integer dtype is refused, and so is a value outside
     [0, 2**31 - 1], before the narrowing conversion would truncate or wrap it silently.  The other checks of the
-    values (from 0, non-decreasing, the token count) are :func:`validate_inputs`' on the int32 tensor."""
+    values (from 0, non-decreasing, the token count) are :func:`validate_inputs`' on the int32 tensor.
+
+    The result is remembered per source tensor, version and device, so the layers of a model that all convert the
+    same tensor share one int32 tensor and one read (and :func:`validate_inputs` reads the int32 tensor's values
+    from here, not from the device); an in-place change of the source makes it read again."""
     _check_cu_seqlens_layout(name, cu, narrowing=True)
+    device = cu.device if device is None else torch.device(device)
+    key = _version_key(cu)
+    key = None if key is None else key + (device,)
+    hit = _INT32_CACHE.get(key) if key is not None else None
+    if hit is not None and hit[0]() is cu and (hit[1] is None or hit[1]._version == hit[2]):
+        return (cu if hit[1] is None else hit[1]), hit[3]
     values = tuple(int(x) for x in cu.tolist())
     outside = [x for x in values if not 0 <= x <= INT32_MAX]
     if outside:
         raise ValueError(f"{name} must hold token counts in [0, 2**31 - 1] (the kernels read int32), got "
                          f"{outside[0]}")
-    return cu.to(device=cu.device if device is None else device, dtype=torch.int32), values
+    out = cu.to(device=device, dtype=torch.int32)
+    if key is not None:
+        while len(_INT32_CACHE) >= _INT32_CACHE_SIZE:
+            _INT32_CACHE.pop(next(iter(_INT32_CACHE)))
+        # the entry goes with the source tensor (the int32 copy, perhaps on a GPU, does not outlive it)
+        source = weakref.ref(cu, lambda _, key=key: _INT32_CACHE.pop(key, None))
+        _INT32_CACHE[key] = (source, None if out is cu else out, out._version, values)
+        _remember_values(out, values)  # the kernels' check of the int32 tensor reads no values again
+    return out, values
 
 
 def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> tuple[int, ...]:
@@ -165,24 +210,22 @@ def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> tuple[int, ...]
     that reuses the same cu_seqlens tensor every step (a ring, a training loop) pays it once.  The entry holds a
     weak reference to the tensor: a new tensor that happens to get a freed one's id and address is not it.  A
     tensor made under ``torch.inference_mode`` has no version counter (its values can change unseen): it is read
-    every time."""
+    every time.  The values of an int32 tensor made by :func:`int32_cu_seqlens` are known without a read."""
     _check_cu_seqlens_layout(name, cu)
-    key = None if cu.is_inference() else (name, id(cu), cu.data_ptr(), cu._version, cu.numel(), total)
-    cached = _CU_SEQLENS_CACHE.get(key) if key is not None else None
-    if cached is not None and cached[0]() is cu:
-        return cached[1]
-    values = tuple(int(x) for x in cu.tolist())
+    key = _version_key(cu)
+    entry = _CU_SEQLENS_CACHE.get(key) if key is not None else None
+    if entry is None or entry[0]() is not cu:
+        entry = _remember_values(cu, tuple(int(x) for x in cu.tolist()))
+    values, checked = entry[1], entry[2]
+    if total in checked:
+        return values
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {values[0]}")
     if any(b < a for a, b in zip(values, values[1:])):
         raise ValueError(f"{name} must be non-decreasing, got {list(values)[:16]}")
     if values[-1] != total:
         raise ValueError(f"{name}[-1] = {values[-1]} disagrees with the token count {total} of the packed tensor")
-    if key is None:
-        return values
-    if len(_CU_SEQLENS_CACHE) > 256:
-        _CU_SEQLENS_CACHE.clear()
-    _CU_SEQLENS_CACHE[key] = (weakref.ref(cu), values)
+    checked.add(total)
     return values
 
 

@@ -28,8 +28,9 @@ VOCAB = 96
 
 
 def tiny_llama(seed=0, **overrides) -> LlamaForCausalLM:
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **overrides)
+    options = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    cfg = LlamaConfig(**{**options, **overrides})
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg).eval()
 
@@ -125,6 +126,42 @@ def test_cu_seq_lens_of_other_dtypes_are_checked_before_their_narrowing(model, n
                                 (torch.tensor([0, 6, 2**32 + 16, 24]), ValueError, wrapping)):
         with pytest.raises(error, match=f"{name} {message}"):
             logits_with(model, NAME, input_ids=ids, position_ids=pos, **{"cu_seq_lens_q": cu, name: bad})
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_cu_seq_lens_are_read_once_per_forward_not_per_layer(monkeypatch, dtype):
+    """Every layer got the same cu_seq_lens_q/k and read them to the host again (a device sync per layer), and an
+    int64 tensor was converted to a new int32 one per layer, which the kernels' per-tensor cache could not
+    recognise: one read per tensor now, for the whole forward pass (and the next, while the tensor is unchanged);
+    a tensor changed in place is read again."""
+    model = tiny_llama(num_hidden_layers=4)
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def counting_tolist(t):
+        values = tolist(t)
+        if t.dim() == 1 and not t.is_floating_point() and values[:1] == [0] and len(values) == 4:
+            reads.append(tuple(values))  # a cu_seqlens of three documents
+        return values
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    ids, pos = _packed([[6, 10, 8]])
+    cu = torch.tensor([0, 6, 16, 24], dtype=dtype)
+    first = logits_with(model, NAME, input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert reads == [(0, 6, 16, 24)]
+    again = logits_with(model, NAME, input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    assert reads == [(0, 6, 16, 24)]
+    cu[1] = 10  # documents of 10, 6 and 8 tokens: read again
+    ids2, pos2 = _packed([[10, 6, 8]])
+    moved = logits_with(model, NAME, input_ids=ids2, position_ids=pos2, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert reads == [(0, 6, 16, 24), (0, 10, 16, 24)]
+    fresh = torch.tensor([0, 10, 16, 24], dtype=dtype)
+    torch.testing.assert_close(moved, logits_with(model, NAME, input_ids=ids2, position_ids=pos2,
+                                                  cu_seq_lens_q=fresh, cu_seq_lens_k=fresh), rtol=0, atol=0)
+    assert reads[2:] == [(0, 10, 16, 24)]
+    with pytest.raises(UnsupportedMask, match="disagrees"):  # still checked against the documents, not cached
+        logits_with(model, NAME, input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
 
 
 def test_gradients_match_sdpa():

@@ -146,6 +146,48 @@ def test_cu_seqlens_made_under_inference_mode():
     torch.testing.assert_close(run_out, attention_forward(q[None], q[None], q[None], causal=True)[0][0])
 
 
+def test_int32_cu_seqlens_are_remembered_per_source_tensor_and_version(monkeypatch):
+    """int32_cu_seqlens of one tensor: one int32 tensor and one read, which validate_inputs' check of that int32
+    tensor shares; a change in place of the source or of the int32 copy, or a tensor made under inference mode, is
+    read again; the entry goes with its source."""
+    import gc
+
+    from fa4dist.kernels import problem
+
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def counting_tolist(t):
+        reads.append(t.dtype)
+        return tolist(t)
+
+    src = torch.tensor([0, 4, 10])
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    cu, values = problem.int32_cu_seqlens("cu", src)
+    again, _ = problem.int32_cu_seqlens("cu", src)
+    assert again is cu and cu.dtype == torch.int32 and values == (0, 4, 10) and reads == [torch.int64]
+    q = torch.randn(10, 2, 8)
+    attention_forward(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert reads == [torch.int64]
+    src[1] = 6
+    moved, values = problem.int32_cu_seqlens("cu", src)
+    assert moved is not cu and values == (0, 6, 10) and len(reads) == 2
+    moved[1] = 4  # the int32 copy changed: not given out again
+    fresh, values = problem.int32_cu_seqlens("cu", src)
+    assert fresh is not moved and values == (0, 6, 10) and len(reads) == 3
+    assert torch.equal(fresh, torch.tensor([0, 6, 10], dtype=torch.int32))
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 4, 10])
+        problem.int32_cu_seqlens("cu", frozen)
+        problem.int32_cu_seqlens("cu", frozen)
+    assert len(reads) == 5
+    entries = [key for key, entry in problem._INT32_CACHE.items() if entry[0]() is src]
+    assert entries
+    del src, moved, fresh
+    gc.collect()
+    assert not set(entries) & set(problem._INT32_CACHE)
+
+
 def test_offsets_wrong_count():
     q, k, v = qkv(b=2)
     with pytest.raises(ValueError, match="q_offset must have one entry per sequence/segment"):
