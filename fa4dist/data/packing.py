@@ -112,7 +112,10 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 
 class PackedTokenStream:
-    """Documents concatenated into one token stream, cut into windows of ``seqlen`` tokens."""
+    """Documents concatenated into one token stream, cut into windows of ``seqlen`` tokens.
+
+    ``tokenizer``: a :class:`ByteTokenizer` (the default, ``None``) or any object whose ``encode(text)`` returns the
+    text's token ids."""
 
     def __init__(self, documents: Sequence[str], seqlen: int, *, packing: str = "documents", seed: int = 0,
                  tokenizer: Optional[ByteTokenizer] = None):
@@ -123,7 +126,13 @@ class PackedTokenStream:
         if isinstance(documents, (str, bytes)):
             raise TypeError("documents must be a sequence of texts, got one "
                             f"{type(documents).__name__} (wrap it in a list: [text])")
-        tok = tokenizer or ByteTokenizer()
+        if tokenizer is None:
+            tokenizer = ByteTokenizer()
+        elif isinstance(tokenizer, (str, bytes)) or not callable(getattr(tokenizer, "encode", None)):
+            # a str has an encode method too: str.encode(text) took the text as a codec name (LookupError)
+            raise TypeError("tokenizer must be a ByteTokenizer (or an object with an encode(text) method returning "
+                            f"token ids) or None, got {type(tokenizer).__name__}")
+        tok = tokenizer
         ids, doc_ids = [], []
         for i, text in enumerate(documents):
             if not isinstance(text, str):

@@ -84,3 +84,19 @@ def test_a_bad_step_or_window_index_is_refused_by_name():
         with pytest.raises(error, match="index must be"):
             stream.window(index)
     assert torch.equal(stream.window(stream.num_windows + 1).tokens, stream.window(1).tokens)  # the order repeats
+
+
+@pytest.mark.parametrize("tokenizer", ["abc", b"abc", 3])
+def test_a_tokenizer_that_is_not_one_is_refused_by_name(tokenizer):
+    """A string was taken as the tokenizer: str.encode(text) raised LookupError: unknown encoding."""
+    with pytest.raises(TypeError, match=r"tokenizer must be a ByteTokenizer \(or an object with an encode\(text\) "
+                                        r"method returning token ids\) or None, got "):
+        PackedTokenStream(["abc"], 4, tokenizer=tokenizer)
+
+
+def test_a_tokenizer_object_is_used():
+    class Upper:
+        def encode(self, text):
+            return list(text.upper().encode())
+
+    assert PackedTokenStream(["ab"], 2, tokenizer=Upper()).tokens.tolist() == [65, 66, 65, 66]
