@@ -42,7 +42,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..kernels.mask import Mask, visible_pairs
-from ..kernels.problem import check_int, check_integer_dtype, check_mask
+from ..kernels.problem import check_cu_seqlens_values, check_int, check_integer_dtype, check_mask
 
 BALANCERS = ("contiguous", "zigzag", "lpt")
 
@@ -205,10 +205,7 @@ def _documents(seqlen_or_cu_seqlens) -> tuple[int, Optional[tuple[int, ...]]]:
         )
     if len(values) < 2:
         raise ValueError(f"cu_seqlens needs at least 2 entries (documents + 1), got {list(values)}")
-    if values[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")
-    if any(b < a for a, b in zip(values, values[1:])):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {list(values)[:16]}")
+    check_cu_seqlens_values("cu_seqlens", values)
     if values[-1] < 1:
         raise ValueError("cu_seqlens describes no tokens (cu_seqlens[-1] == 0)")
     return values[-1], values

@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from ..kernels.problem import check_int
+from ..kernels.problem import check_int, cu_seqlens_values
 from .tokenizer import ByteTokenizer
 
 IGNORE = -100
@@ -104,11 +104,13 @@ def segments_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Position of every token within its segment."""
+    """Position of every token within its segment (int64); ``cu_seqlens`` a 1-D integer tensor from 0,
+    non-decreasing.  One host read of ``cu_seqlens`` (a device sync for a CUDA one)."""
+    total = cu_seqlens_values("cu_seqlens", cu_seqlens)[-1]
     cu = cu_seqlens.long()
     lengths = cu[1:] - cu[:-1]
-    starts = torch.repeat_interleave(cu[:-1], lengths)
-    return torch.arange(int(cu[-1]), device=cu.device) - starts  # on cu_seqlens' device (a CUDA one too)
+    starts = torch.repeat_interleave(cu[:-1], lengths, output_size=total)  # the size known: no second sync
+    return torch.arange(total, device=cu.device) - starts  # on cu_seqlens' device (a CUDA one too)
 
 
 class PackedTokenStream:

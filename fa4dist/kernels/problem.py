@@ -203,6 +203,23 @@ def int32_cu_seqlens(name: str, cu, device=None) -> tuple[torch.Tensor, tuple[in
     return out, values
 
 
+def check_cu_seqlens_values(name: str, values: Sequence[int]) -> None:
+    """Document boundaries (host values): from 0, non-decreasing."""
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    if any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{name} must be non-decreasing, got {list(values)[:16]}")
+
+
+def cu_seqlens_values(name: str, cu) -> tuple[int, ...]:
+    """The values of a cu_seqlens tensor of any integer dtype, read to the host (one device sync for a device
+    tensor) and checked: 1-D, at least 2 entries, from 0, non-decreasing."""
+    _check_cu_seqlens_layout(name, cu, narrowing=True)
+    values = tuple(int(x) for x in cu.tolist())
+    check_cu_seqlens_values(name, values)
+    return values
+
+
 def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> tuple[int, ...]:
     """Checks a cu_seqlens tensor and returns its host copy.
 
@@ -219,10 +236,7 @@ def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> tuple[int, ...]
     values, checked = entry[1], entry[2]
     if total in checked:
         return values
-    if values[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {values[0]}")
-    if any(b < a for a, b in zip(values, values[1:])):
-        raise ValueError(f"{name} must be non-decreasing, got {list(values)[:16]}")
+    check_cu_seqlens_values(name, values)
     if values[-1] != total:
         raise ValueError(f"{name}[-1] = {values[-1]} disagrees with the token count {total} of the packed tensor")
     checked.add(total)

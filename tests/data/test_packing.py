@@ -100,3 +100,26 @@ def test_a_tokenizer_object_is_used():
             return list(text.upper().encode())
 
     assert PackedTokenStream(["ab"], 2, tokenizer=Upper()).tokens.tolist() == [65, 66, 65, 66]
+
+
+@pytest.mark.parametrize("cu, message", [
+    (torch.tensor([0, 5, 3], dtype=torch.int32), r"cu_seqlens must be non-decreasing, got \[0, 5, 3\]"),
+    (torch.tensor([2, 5]), "cu_seqlens must start at 0, got 2"),
+    (torch.tensor([0]), r"cu_seqlens must be 1-D with at least 2 entries"),
+])
+def test_positions_from_bad_cu_seqlens_are_refused_by_name(cu, message):
+    """A decreasing cu_seqlens was a repeat_interleave error; one from 2 gave positions of the wrong length."""
+    from fa4dist.data.packing import positions_from_cu_seqlens
+
+    with pytest.raises(ValueError, match=message):
+        positions_from_cu_seqlens(cu)
+
+
+def test_positions_from_cu_seqlens_take_any_integer_dtype_and_refuse_floats():
+    from fa4dist.data.packing import positions_from_cu_seqlens
+
+    for dtype in (torch.int32, torch.int64):
+        got = positions_from_cu_seqlens(torch.tensor([0, 2, 2, 5], dtype=dtype))
+        assert got.tolist() == [0, 1, 0, 1, 2] and got.dtype == torch.int64
+    with pytest.raises(TypeError, match="cu_seqlens must hold integers, got dtype torch.float32"):
+        positions_from_cu_seqlens(torch.tensor([0.0, 2.0]))
