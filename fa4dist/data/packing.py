@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from ..kernels.problem import check_int, cu_seqlens_values
+from ..kernels.problem import check_int, check_integer_dtype, cu_seqlens_values
 from .tokenizer import ByteTokenizer
 
 IGNORE = -100
@@ -80,12 +80,32 @@ def collect_documents(
 
 @dataclass
 class Sample:
-    """One packed window: ``tokens``/``labels``/``positions`` (seqlen,) int64, ``cu_seqlens`` int32 (docs + 1)."""
+    """One packed window: ``tokens``/``labels``/``positions`` (seqlen,) int64, ``cu_seqlens`` int32 (docs + 1).
+
+    Every Sample (made by a stream, by hand, or by :meth:`to`) is checked here: ``tokens``, ``labels`` and
+    ``positions`` integer tensors, 1-D, of one length (no values read: free on any device).  ``cu_seqlens`` is
+    checked by the plan that reads it (:func:`fa4dist.data.make_sample_plan`), and the tokens against it by the
+    plan's ``shard``."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor
     cu_seqlens: torch.Tensor
+
+    def __post_init__(self):
+        # at cp 1 labels or positions of the wrong length went through shard_sample, to fail in the loss or the model
+        for name in ("tokens", "labels", "positions"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"Sample.{name} must be a torch.Tensor, got {type(t).__name__}")
+            check_integer_dtype(f"Sample.{name}", t)
+        if self.tokens.dim() != 1:
+            raise ValueError(f"Sample.tokens must be 1-D (seqlen,), got shape {tuple(self.tokens.shape)}")
+        for name in ("labels", "positions"):
+            t = getattr(self, name)
+            if t.shape != self.tokens.shape:
+                raise ValueError(f"Sample.{name} must have the length of Sample.tokens ({self.tokens.numel()}), got "
+                                 f"shape {tuple(t.shape)}")
 
     @property
     def num_label_tokens(self) -> int:

@@ -4,7 +4,7 @@ name."""
 import pytest
 import torch
 
-from fa4dist.data.packing import IGNORE, PackedTokenStream, collect_documents
+from fa4dist.data.packing import IGNORE, PackedTokenStream, Sample, collect_documents
 
 
 def _tree(tmp_path):
@@ -123,3 +123,33 @@ def test_positions_from_cu_seqlens_take_any_integer_dtype_and_refuse_floats():
         assert got.tolist() == [0, 1, 0, 1, 2] and got.dtype == torch.int64
     with pytest.raises(TypeError, match="cu_seqlens must hold integers, got dtype torch.float32"):
         positions_from_cu_seqlens(torch.tensor([0.0, 2.0]))
+
+
+def _fields(n=8):
+    return dict(tokens=torch.arange(n), labels=torch.arange(1, n + 1), positions=torch.arange(n),
+                cu_seqlens=torch.tensor([0, n], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("field, value, error, message", [
+    ("labels", torch.arange(7), ValueError, r"Sample.labels must have the length of Sample.tokens \(8\), got shape "
+                                            r"\(7,\)"),
+    ("positions", torch.arange(9), ValueError, r"Sample.positions must have the length of Sample.tokens \(8\), got "
+                                               r"shape \(9,\)"),
+    ("tokens", torch.arange(8).view(2, 4), ValueError, r"Sample.tokens must be 1-D \(seqlen,\), got shape \(2, 4\)"),
+    ("labels", torch.arange(8).view(8, 1), ValueError, r"Sample.labels must have the length of Sample.tokens \(8\), "
+                                                       r"got shape \(8, 1\)"),
+    ("tokens", torch.arange(8.0), TypeError, "Sample.tokens must hold integers, got dtype torch.float32"),
+    ("labels", torch.ones(8, dtype=torch.bool), TypeError, "Sample.labels must hold integers, got dtype torch.bool"),
+    ("positions", torch.arange(8.0) / 2, TypeError, "Sample.positions must hold integers, got dtype torch.float32"),
+    ("positions", list(range(8)), TypeError, "Sample.positions must be a torch.Tensor, got list"),
+])
+def test_a_sample_with_bad_fields_is_refused_by_name(field, value, error, message):
+    """At cp 1 labels or positions of the wrong length went through shard_sample, to fail later in the loss or the
+    model (or not at all: float positions); every Sample is checked where it is made."""
+    with pytest.raises(error, match=message):
+        Sample(**{**_fields(), field: value})
+
+
+def test_a_good_sample_is_kept_as_given():
+    s = Sample(**_fields())
+    assert s.tokens.dtype == torch.int64 and s.to("cpu").labels.tolist() == list(range(1, 9))
