@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..kernels.problem import type_name
 from .packing import IGNORE, Sample, positions_from_cu_seqlens
 
 
@@ -66,11 +67,17 @@ class SingleRankPlan:
         return self._plan.balance_report()
 
 
+def _check_sample(sample) -> None:
+    if not isinstance(sample, Sample):
+        raise TypeError(f"sample must be a fa4dist.data.Sample, got {type_name(sample)}")
+
+
 def make_sample_plan(sample: Sample, cp_size: int, balancer: str = "lpt", num_chunks: Optional[int] = None):
     """The sharding plan of one packed sample over ``cp_size`` ranks (a :class:`SingleRankPlan` for one rank; the
     arguments are checked alike for every size)."""
     from fa4dist.context_parallel import make_plan
 
+    _check_sample(sample)
     plan = make_plan(sample.cu_seqlens, cp_size, balancer=balancer, num_chunks=num_chunks)
     return SingleRankPlan(sample.cu_seqlens) if cp_size == 1 else plan
 
@@ -91,7 +98,13 @@ class LocalBatch:
 
 
 def shard_sample(sample: Sample, plan, rank: int, device=None) -> LocalBatch:
-    """Cuts ``sample`` into rank ``rank``'s shard under ``plan``."""
+    """Cuts ``sample`` into rank ``rank``'s shard under ``plan`` (:func:`make_sample_plan`'s)."""
+    from fa4dist.context_parallel import ShardPlan
+
+    _check_sample(sample)
+    if not isinstance(plan, (SingleRankPlan, ShardPlan)):
+        raise TypeError("plan must be a sharding plan (a SingleRankPlan or a fa4dist.context_parallel.ShardPlan, as "
+                        f"make_sample_plan or a model's make_plan make), got {type_name(plan)}")
     device = device or sample.tokens.device
     if isinstance(plan, SingleRankPlan):
         plan._check_rank(rank)

@@ -79,3 +79,16 @@ def test_the_shards_carry_the_samples_own_positions(cp, balancer):
     plan = make_sample_plan(sample, cp, balancer=balancer)
     got = plan.unshard([shard_sample(sample, plan, r).positions for r in range(cp)], seq_dim=0)
     assert torch.equal(got, sample.positions) and torch.equal(single, sample.positions)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_plan_or_sample_of_another_kind_is_refused_by_name(cp):
+    """shard_sample(sample, None, 0) and make_sample_plan(tensor, ...) were AttributeErrors."""
+    sample = _sample()
+    plan = make_sample_plan(sample, cp)
+    with pytest.raises(TypeError, match="plan must be a sharding plan .*got NoneType"):
+        shard_sample(sample, None, 0)
+    with pytest.raises(TypeError, match=r"sample must be a fa4dist.data.Sample, got torch.Tensor"):
+        shard_sample(sample.tokens, plan, 0)
+    with pytest.raises(TypeError, match=r"sample must be a fa4dist.data.Sample, got dict"):
+        make_sample_plan(dict(cu_seqlens=sample.cu_seqlens), cp)
