@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..kernels.problem import check_bool
+from ..kernels.problem import check_bool, check_integer_dtype
 from .attention import make_attention
 from .config import ModelConfig
 
@@ -307,6 +307,8 @@ class FA4Llama(nn.Module):
             raise ValueError(f"tokens and positions must be 1-D of one length (one packed stream), got "
                              f"{tuple(tokens.shape)} and {tuple(positions.shape)}")
         self._check_token_ids(tokens)
+        # rotary embeddings at fractional positions were taken silently (a dtype check: no device sync)
+        check_integer_dtype("positions", positions)
         if self.invariant_grads is not None:
             self.invariant_grads.check_params()
             chunk = getattr(plan, "chunk_size", None)

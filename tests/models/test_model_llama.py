@@ -260,3 +260,11 @@ def test_token_ids_outside_the_vocabulary_are_refused_by_name(invariant, tokens,
         model.set_invariant_grads(True)
     with pytest.raises(error, match=message):
         model(tokens, torch.arange(4), SingleRankPlan([0, 4]))
+
+
+@pytest.mark.parametrize("positions", [torch.arange(4.0), torch.arange(4.0).to(torch.float64) + 0.5,
+                                       torch.tensor([True, False, True, True])])
+def test_non_integer_positions_are_refused_by_name(positions):
+    """Float positions were taken silently: rotary embeddings at fractional positions."""
+    with pytest.raises(TypeError, match=f"positions must hold integers, got dtype {positions.dtype}"):
+        _model()(torch.tensor([1, 2, 3, 4]), positions, SingleRankPlan([0, 4]))
