@@ -433,11 +433,14 @@ class ContextParallel:
             )
         self._grid_checked = True
 
-    def _verify(self, q, k, v, plan, sinks) -> tuple:
+    def _verify(self, q, k, v, plan, sinks, error: Optional[Exception] = None) -> tuple:
         """Checks the local input and that every rank makes the same call (fails alike on every rank, never hangs,
-        on bad or disagreeing input); returns the Ulysses degree and the agreed signature."""
-        shared, u, error = None, None, None
+        on bad or disagreeing input); returns the Ulysses degree and the agreed signature.  ``error``: the caller's
+        own refusal of this call (:meth:`refuse`), which takes the local check's place."""
+        shared, u = None, None
         try:
+            if error is not None:
+                raise error
             shared, u = self._local_check(q, k, v, plan, sinks)
         except Exception as err:  # any error, not only the checks' own: the other ranks must not wait for this one
             if not self.verify:
@@ -477,6 +480,16 @@ class ContextParallel:
         call = _Call(sched, ring, uly, split, opts, heads_q, heads_kv, self._calls,
                      self.agree if self.verify else None, invariant=self.cp_invariant, signature=signature)
         return _ContextParallelFunction.apply(q, k, v, sinks, call)
+
+    def refuse(self, error: Exception):
+        """Raises for a forward call that its caller refused before making it (its own checks of what it passes):
+        on a group of several ranks through this call's agreement check, as a refusal of the local check would, so
+        that every rank raises at once, naming this one, instead of waiting for it; the others make the call."""
+        if self.cp_size == 1 or not self.verify:
+            raise error
+        self._check_grid()
+        self._verify(None, None, None, None, None, error)
+        raise error  # (the agreement check has raised on every rank)
 
     def _single(self, q, k, v, plan, sinks):
         cu = None

@@ -165,19 +165,35 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
         "model(**handle.shard_batch(batch))")
     if no_plan is not None and handle.cp_size == 1:
         raise no_plan
-    if attention_mask is not None and not isinstance(attention_mask, CheckedCausalMask):
-        raise UnsupportedMask(f"context-parallel attention got a precomputed {type(attention_mask).__name__} mask; "
-                              "it computes causal attention within the batch's documents only")
-    _refuse_unsupported(module, dropout)
-    if query.shape[0] != 1:
-        raise UnsupportedMask(f"context parallelism takes one packed row (batch size 1), got {query.shape[0]}")
-    window = layer_window(attention_mask.window if attention_mask is not None else None, sliding_window)
-    sinks = attention_sinks(kwargs, query.shape[1])
+    window, sinks, refused = NO_WINDOW, None, None
+    try:  # this call's own checks: a refusal goes through the attention's agreement check (below)
+        if attention_mask is not None and not isinstance(attention_mask, CheckedCausalMask):
+            raise UnsupportedMask(f"context-parallel attention got a precomputed {type(attention_mask).__name__} "
+                                  "mask; it computes causal attention within the batch's documents only")
+        _refuse_unsupported(module, dropout)
+        if query.shape[0] != 1:
+            raise UnsupportedMask(f"context parallelism takes one packed row (batch size 1), got {query.shape[0]}")
+        window = layer_window(attention_mask.window if attention_mask is not None else None, sliding_window)
+        sinks = attention_sinks(kwargs, query.shape[1])
+    except Exception as err:
+        if handle.cp_size == 1:
+            raise
+        refused = err
+    attention = handle.attention(scaling, window, softcap or None)
+    if refused is not None:
+        # refused inside the attention's agreement check, so that the other cp ranks fail with this one at once
+        # (naming it) instead of waiting for it; its own error comes back on this rank
+        try:
+            attention.cp.refuse(refused)
+        except Exception as err:
+            if err is refused:
+                raise
+            raise refused from err
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (L, heads, D)
     try:
         # a missing plan is refused by the attention's own check of its plan argument, inside its agreement check,
         # so that the other cp ranks fail with this one at once (naming it) instead of waiting for it
-        out = handle.attention(scaling, window, softcap or None)(q, k, v, plan, sinks=sinks)
+        out = attention(q, k, v, plan, sinks=sinks)
     except (TypeError, ValueError) as err:
         if no_plan is not None:
             raise no_plan from err

@@ -288,6 +288,63 @@ def test_a_rank_that_refuses_its_tiled_loss_does_not_leave_the_others_waiting(po
             theirs
 
 
+def _one_rank_refuses_its_attention_call(rank, world, case):
+    """_cp_attention on ranks 0 and 1 of a throw-away group, rank 1's call refused by the call's own checks (before
+    the attention): (the error each raises, seconds it took)."""
+    import time
+
+    from cp_harness import fresh_group
+
+    group = fresh_group([0, 1])
+    if rank >= 2:
+        return None
+    model = tiny_model("gpt_oss")
+    handle = enable_context_parallel(model, group=group, timeout=10.0)
+    start = time.monotonic()
+    try:
+        plan = handle.shard_batch(packed_batch())[PLAN_KEY]
+        n = plan.local_len(handle.cp_rank)
+        module = model.model.layers[0].self_attn
+        q = torch.randn(1, 4, n, 16, dtype=torch.float64)
+        kv = torch.randn(1, 2, n, 16, dtype=torch.float64)
+        mask, options = CheckedCausalMask("exhaustive", (5, 0)), dict(scaling=0.25, s_aux=module.sinks)
+        if rank == 1 and case == "mask":
+            mask = torch.ones(1, 1, n, n, dtype=torch.bool)
+        elif rank == 1 and case == "batch":
+            q, kv = q.expand(2, -1, -1, -1), kv.expand(2, -1, -1, -1)
+        elif rank == 1 and case == "window":
+            options["sliding_window"] = 16
+        elif rank == 1 and case == "sinks":
+            options["s_aux"] = torch.zeros(2, dtype=torch.float64)
+        elif rank == 1 and case == "dropout":
+            model.train()
+            options["dropout"] = 0.1
+        _cp_attention(module, q, kv, kv, mask, **options, **{PLAN_KEY: plan})
+    except ValueError as err:
+        return f"{type(err).__name__}: {err}", time.monotonic() - start
+    finally:
+        handle.disable()
+    return "no error", time.monotonic() - start
+
+
+@pytest.mark.parametrize("case, message", [
+    ("mask", "got a precomputed Tensor mask"),
+    ("batch", r"one packed row \(batch size 1\), got 2"),
+    ("window", "sliding window of 16 tokens but the layer's mask"),
+    ("sinks", r"shape \(4,\)"),
+    ("dropout", "no attention dropout"),
+])
+def test_a_rank_that_refuses_its_attention_call_does_not_leave_the_others_waiting(pool, case, message):
+    """The call's own checks (mask, batch, window, sinks, dropout) ran before the attention's agreement check: rank 0
+    waited in it for the handle's timeout (10 s) while rank 1 raised alone."""
+    import re
+
+    (got, seconds), (theirs, _) = pool.run(_one_rank_refuses_its_attention_call, case=case, timeout=30)[:2]
+    assert re.search(rf"^ValueError: .*rank 1 rejected its inputs: UnsupportedMask: .*{message}", got), got
+    assert seconds < 5, (seconds, got)
+    assert re.search(rf"^UnsupportedMask: .*{message}", theirs), theirs  # its own error, on the refusing rank
+
+
 def test_the_tiled_loss_waits_the_handles_timeout(pool):
     """A rank that skips the loss: the others raise after the handle's timeout (2 s), not the loss's default 300."""
     (got, seconds), (theirs, _) = pool.run(_one_rank_refuses_its_tiled_loss, case="skip", timeout=30)[:2]
