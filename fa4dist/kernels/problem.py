@@ -8,6 +8,7 @@ re-derive sizes or re-check arguments themselves.
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
@@ -282,8 +283,14 @@ def _offset_values(name: str, value: Offset, count: int) -> tuple[int, ...]:
     return values
 
 
+def _is_real(value) -> bool:
+    """A real number scalar that is not a bool: int, float, and numbers.Real types alike (numpy's float32 and ints,
+    fractions), never numpy's bool (not a numbers.Real) nor a tensor."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _as_float(value) -> float:
-    """float(value) of an int or float; +-inf for an int past the float range (float() would raise OverflowError),
+    """float(value) of a real number; +-inf for an int past the float range (float() would raise OverflowError),
     so that the caller's finiteness check names the argument."""
     try:
         return float(value)
@@ -293,13 +300,15 @@ def _as_float(value) -> float:
 
 def _shown(value, as_float: float):
     """The value for an error message: as given, unless an int too large to print usefully."""
-    return value if isinstance(value, float) or math.isfinite(as_float) else f"an int of {len(str(abs(value)))} digits"
+    if isinstance(value, numbers.Integral) and not math.isfinite(as_float):
+        return f"an int of {len(str(abs(int(value))))} digits"
+    return value
 
 
 def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+    if not _is_real(softmax_scale):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
     scale = _as_float(softmax_scale)
     if not math.isfinite(scale) or scale == 0.0:
@@ -361,7 +370,7 @@ def check_softcap(softcap) -> Optional[float]:
     """``softcap``: None (no capping) or a finite float > 0."""
     if softcap is None:
         return None
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+    if not _is_real(softcap):
         raise TypeError(f"softcap must be a float > 0 or None, got {type(softcap).__name__}")
     cap = _as_float(softcap)
     if not (math.isfinite(cap) and cap > 0):
