@@ -644,11 +644,15 @@ def context_parallel_attention(q, k, v, plan: Optional[ShardPlan] = None, group=
                                verify: bool = True, cp_invariant: Optional[bool] = None) -> torch.Tensor:
     """Functional form of :class:`fa4dist.modules.FA4ContextParallelAttention`: the local output for the local
     shards q, k, v (sharded with `plan`).  Every call checks that all ranks make the same call (``verify``)."""
-    options = dict(strategy=strategy, causal=causal, window=window, softcap=softcap, softmax_scale=softmax_scale,
+    # the numeric options in their parsed form (window [3, 0] is (3, 0), softcap 2 is 2.0, numpy scalars floats), so
+    # that spellings of one option share one cached object (a second one would have another module number on the
+    # ranks that spell it otherwise: their agreement check would name the 'module', not the option)
+    options = dict(strategy=strategy, causal=causal, window=check_window(window), softcap=check_softcap(softcap),
+                   softmax_scale=None if softmax_scale is None else check_softmax_scale(softmax_scale, 1),
                    deterministic=deterministic, backend=backend, ulysses_degree=ulysses_degree, timeout=timeout,
                    verify=verify, cp_invariant=invariant_enabled(cp_invariant))
-    # repr keeps apart values that compare equal (True, 1, 1.0): each is checked by the constructor once, as the
-    # module checks it, and none rides on another's cached object
+    # repr keeps apart the other values that compare equal (True, 1, 1.0): each is checked by the constructor once,
+    # as the module checks it, and none rides on another's cached object
     groups = _functional_groups(group, mesh, ulysses_group, ring_group)
     groups_key, key = tuple(id(g) for g in groups), repr(sorted(options.items()))
     bucket = _FUNCTIONAL.get(groups_key)  # (the groups, kept alive so that their ids stay theirs; the objects)

@@ -335,6 +335,27 @@ def test_functional_form_checks_its_options_on_every_call():
         context_parallel_attention(q, q, q, backend="reference", timeout=None)
 
 
+def test_functional_form_caches_one_object_per_parsed_option():
+    """window=[3, 0] and (3, 0), softcap 2 and 2.0 made separate objects, with separate module numbers: ranks that
+    spelled an option otherwise failed their agreement check naming the 'module', not the option."""
+    from fa4dist.context_parallel import context_parallel_attention, core
+
+    q = torch.randn(1, 6, 2, 8, dtype=torch.float64)
+
+    def cached(**options):
+        before = {id(cp) for _, objects in core._FUNCTIONAL.values() for cp in objects.values()}
+        context_parallel_attention(q, q, q, backend="reference", **options)
+        made = [cp for _, objects in core._FUNCTIONAL.values() for cp in objects.values() if id(cp) not in before]
+        return made[0] if made else None
+
+    first = cached(window=(3, 0), softcap=2.0, softmax_scale=0.25)
+    assert first is not None and first.window == (3, 0) and first.softcap == 2.0
+    assert cached(window=[3, 0], softcap=2, softmax_scale=0.25) is None  # the same object again
+    assert cached(window=(3, 0), softcap=2.0, softmax_scale=0.25) is None
+    with pytest.raises(TypeError, match="window left must be an int"):
+        context_parallel_attention(q, q, q, backend="reference", window=[True, 0])
+
+
 def double_backward_case(rank, world):
     from fa4dist.context_parallel import make_plan
     from fa4dist.modules import FA4ContextParallelAttention
