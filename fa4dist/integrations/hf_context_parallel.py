@@ -160,13 +160,11 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
         raise RuntimeError(f"the context-parallel attention {name!r} was disabled; set the model's attention back "
                            "(handle.disable() does) or enable_context_parallel again")
     plan = kwargs.get(PLAN_KEY)
-    no_plan = None if isinstance(plan, ShardPlan) else ValueError(
-        f"context-parallel attention needs the batch from handle.shard_batch(batch) (its {PLAN_KEY!r} entry); call "
-        "model(**handle.shard_batch(batch))")
-    if no_plan is not None and handle.cp_size == 1:
-        raise no_plan
     window, sinks, refused = NO_WINDOW, None, None
     try:  # this call's own checks: a refusal goes through the attention's agreement check (below)
+        if not isinstance(plan, ShardPlan):
+            raise ValueError(f"context-parallel attention needs the batch from handle.shard_batch(batch) (its "
+                             f"{PLAN_KEY!r} entry); call model(**handle.shard_batch(batch))")
         if attention_mask is not None and not isinstance(attention_mask, CheckedCausalMask):
             raise UnsupportedMask(f"context-parallel attention got a precomputed {type(attention_mask).__name__} "
                                   "mask; it computes causal attention within the batch's documents only")
@@ -190,14 +188,7 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
                 raise
             raise refused from err
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (L, heads, D)
-    try:
-        # a missing plan is refused by the attention's own check of its plan argument, inside its agreement check,
-        # so that the other cp ranks fail with this one at once (naming it) instead of waiting for it
-        out = attention(q, k, v, plan, sinks=sinks)
-    except (TypeError, ValueError) as err:
-        if no_plan is not None:
-            raise no_plan from err
-        raise
+    out = attention(q, k, v, plan, sinks=sinks)
     return out.unsqueeze(0), None
 
 

@@ -294,8 +294,7 @@ class FA4Llama(nn.Module):
     def _check_token_ids(self, tokens: torch.Tensor) -> None:
         """Integer ids in [0, vocab_size): an id outside it was an IndexError deep in the embedding (a device-side
         assert on CUDA, or a silently wrong index_add in the invariant-gradient embedding). One host read."""
-        if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
-            raise TypeError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
+        check_integer_dtype("tokens", tokens)
         if tokens.numel():
             lo, hi = (int(v) for v in torch.stack(torch.aminmax(tokens)).tolist())
             if lo < 0 or hi >= self.config.vocab_size:

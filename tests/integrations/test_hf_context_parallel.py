@@ -271,7 +271,8 @@ def _one_rank_refuses_its_tiled_loss(rank, world, case):
 
 @pytest.mark.parametrize("case, message", [
     ("no labels", r"^ValueError: .*rank 1 rejected its inputs: ValueError: the local batch has no labels"),
-    ("no plan", r"^ValueError: .*rank 1 rejected its inputs: ValueError: context-parallel attention needs the plan"),
+    ("no plan", r"^ValueError: .*rank 1 rejected its inputs: ValueError: context-parallel attention needs the batch "
+                r"from handle.shard_batch"),
 ])
 def test_a_rank_that_refuses_its_tiled_loss_does_not_leave_the_others_waiting(pool, case, message):
     """Rank 0 used to wait in the tiled loss's exchange that rank 1 never joined, for 300 s (the handle's timeout

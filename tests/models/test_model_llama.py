@@ -251,7 +251,7 @@ def test_a_cp_1_model_refuses_a_plan_of_more_ranks():
     (torch.tensor([1, 2, TINY.vocab_size, 3]), ValueError,
      r"tokens must be ids in \[0, vocab_size=320\), got ids from 1 to 320"),
     (torch.tensor([1, -1, 2, 3]), ValueError, r"tokens must be ids in \[0, vocab_size=320\), got ids from -1 to 3"),
-    (torch.tensor([1.0, 2.0, 3.0, 4.0]), TypeError, "tokens must be integer token ids, got dtype torch.float32"),
+    (torch.tensor([1.0, 2.0, 3.0, 4.0]), TypeError, "tokens must hold integers, got dtype torch.float32"),
 ])
 def test_token_ids_outside_the_vocabulary_are_refused_by_name(invariant, tokens, error, message):
     """An id past the vocabulary was an IndexError deep inside the embedding (a device-side assert on CUDA)."""
