@@ -18,6 +18,7 @@ import datetime
 import importlib
 import os
 import queue
+import shutil
 import sys
 import tempfile
 import time
@@ -161,3 +162,4 @@ class DistPool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        shutil.rmtree(self._dir, ignore_errors=True)  # the file store's directory, one per pool
