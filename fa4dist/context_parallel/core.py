@@ -30,7 +30,7 @@ from ..kernels.problem import (
     check_bool, check_mask, check_optional_bool, check_softcap, check_softmax_scale, check_window, validate_inputs,
 )
 from ..kernels.registry import get_backend
-from .comm import Transport, deepcopy_sharing
+from .comm import CommError, Transport, deepcopy_sharing
 from .gather import gather_backward, gather_forward
 from .plan import ShardPlan
 from .ring import (KernelOptions, RingPeers, accum_dtype, requested_steps_per_launch, ring_backward,
@@ -69,6 +69,11 @@ def _resolve_mesh(mesh):
 
 
 _INSTANCES: dict = {}  # process groups' key -> modules created on them so far in this process
+# (ulysses_group, ring_group) ids -> the groups (kept alive, so that the ids stay theirs), for each pair checked to
+# form a 2-D grid (ContextParallel._check_grid).  Per pair of groups, not per object: every rank makes the same
+# calls on the groups, so each knows alike whether a check is still due, also a rank that refuses a functional
+# call before it has an object of the call's options (_refuse_functional).
+_GRIDS: dict = {}
 
 
 def _next_instance(key: tuple) -> int:
@@ -245,7 +250,6 @@ class ContextParallel:
         self._transports: dict = {}
         self._schedules: dict = {}
         self._calls = 0  # forward calls made (every rank makes the same ones: checked per call)
-        self._grid_checked = not self.grid  # two groups: checked once, on the first call, that they form a grid
         self.instance = _next_instance(self._group_key())
 
     def _group_key(self) -> tuple:
@@ -411,9 +415,11 @@ class ContextParallel:
         """The two groups of the 2-D strategy form its grid: the ranks of a Ulysses group share one ring rank and
         those of a ring group one Ulysses rank.  Otherwise a ring step would exchange the keys of other heads with
         a rank of another Ulysses index, and a Ulysses group hold tokens of other ring members: a silently wrong
-        result.  Once per module, on the first call (inputs play no part); a mismatch anywhere is passed on through
-        the stages (Ulysses, ring, Ulysses), so every rank raises instead of waiting for a rank that did."""
-        if self._grid_checked:
+        result.  Once per pair of groups, on the first call of any object on them (inputs play no part); a
+        mismatch anywhere is passed on through the stages (Ulysses, ring, Ulysses), so every rank raises instead of
+        waiting for a rank that did."""
+        key = (id(self.ulysses_group), id(self.ring_group))
+        if not self.grid or key in _GRIDS:
             return
         uly, ring = self._transport(self.ulysses_group), self._transport(self.ring_group)
         found, seen = 0, {}
@@ -431,7 +437,7 @@ class ContextParallel:
                 f"ring group's Ulysses ranks {seen['Ulysses']}; some rank's groups differ).  Build them from a 2-D "
                 "DeviceMesh (mesh_dim_names=('ring', 'ulysses')), or pass one group with ulysses_degree="
             )
-        self._grid_checked = True
+        _GRIDS[key] = (self.ulysses_group, self.ring_group)
 
     def _verify(self, q, k, v, plan, sinks, error: Optional[Exception] = None) -> tuple:
         """Checks the local input and that every rank makes the same call (fails alike on every rank, never hangs,
@@ -647,20 +653,56 @@ def context_parallel_attention(q, k, v, plan: Optional[ShardPlan] = None, group=
     # the numeric options in their parsed form (window [3, 0] is (3, 0), softcap 2 is 2.0, numpy scalars floats), so
     # that spellings of one option share one cached object (a second one would have another module number on the
     # ranks that spell it otherwise: their agreement check would name the 'module', not the option)
-    options = dict(strategy=strategy, causal=causal, window=check_window(window), softcap=check_softcap(softcap),
-                   softmax_scale=None if softmax_scale is None else check_softmax_scale(softmax_scale, 1),
-                   deterministic=deterministic, backend=backend, ulysses_degree=ulysses_degree, timeout=timeout,
-                   verify=verify, cp_invariant=invariant_enabled(cp_invariant))
-    # repr keeps apart the other values that compare equal (True, 1, 1.0): each is checked by the constructor once,
-    # as the module checks it, and none rides on another's cached object
     groups = _functional_groups(group, mesh, ulysses_group, ring_group)
-    groups_key, key = tuple(id(g) for g in groups), repr(sorted(options.items()))
-    bucket = _FUNCTIONAL.get(groups_key)  # (the groups, kept alive so that their ids stay theirs; the objects)
-    cp = bucket[1].get(key) if bucket is not None else None
-    if cp is None:
-        cp = ContextParallel(group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group, **options)
-        bucket = _FUNCTIONAL.setdefault(groups_key, (groups, {}))
-        if len(bucket[1]) >= _FUNCTIONAL_MAX:
-            bucket[1].clear()
-        bucket[1][key] = cp
+    try:
+        options = dict(strategy=strategy, causal=causal, window=check_window(window), softcap=check_softcap(softcap),
+                       softmax_scale=None if softmax_scale is None else check_softmax_scale(softmax_scale, 1),
+                       deterministic=deterministic, backend=backend, ulysses_degree=ulysses_degree, timeout=timeout,
+                       verify=verify, cp_invariant=invariant_enabled(cp_invariant))
+        # repr keeps apart the other values that compare equal (True, 1, 1.0): each is checked by the constructor
+        # once, as the module checks it, and none rides on another's cached object
+        groups_key, key = tuple(id(g) for g in groups), repr(sorted(options.items()))
+        bucket = _FUNCTIONAL.get(groups_key)  # (the groups, kept alive so that their ids stay theirs; the objects)
+        cp = bucket[1].get(key) if bucket is not None else None
+        if cp is None:
+            cp = ContextParallel(group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group, **options)
+            bucket = _FUNCTIONAL.setdefault(groups_key, (groups, {}))
+            if len(bucket[1]) >= _FUNCTIONAL_MAX:
+                bucket[1].clear()
+            bucket[1][key] = cp
+    except Exception as err:  # options this rank cannot run with: the other ranks of the call must not wait for it
+        _refuse_functional(groups, timeout, verify, err)
+        raise
     return cp(q, k, v, plan, sinks)
+
+
+def _refuse_functional(groups: tuple, timeout, verify, error: Exception) -> None:
+    """Raises ``error`` of a functional call whose options this rank refused (a bad value, or one the constructor
+    refuses) through the call's agreement check on its groups, as :meth:`ContextParallel.refuse` does: the other
+    ranks, which built their object and made the call, raise at once naming this rank's error, instead of waiting
+    out their timeout.  Returns (the caller raises the error as it is) where the groups themselves are refused
+    (every rank of the call has them alike), at cp size 1, and with ``verify=False`` (no agreement checks).  The
+    object made for the exchange is not kept, nor is its module number (a refused call leaves this rank's
+    functional state as it was)."""
+    group, mesh, ulysses_group, ring_group = groups
+    if mesh is not None or verify is False:  # a mesh the constructor refuses (a resolved one arrives as its groups)
+        return
+    key = (id(group), id(ulysses_group), id(ring_group))
+    number = _INSTANCES.get(key)
+    try:
+        ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf
+        cp = ContextParallel(group, ulysses_group=ulysses_group, ring_group=ring_group, strategy="auto",
+                             timeout=timeout if ok else 300.0, verify=True, cp_invariant=False)
+    except Exception:  # noqa: BLE001  (the groups are refused: every rank refuses them alike)
+        return
+    finally:
+        if number is None:
+            _INSTANCES.pop(key, None)
+        else:
+            _INSTANCES[key] = number
+    if cp.cp_size == 1:
+        return
+    try:
+        cp.refuse(error)
+    except CommError as failed:  # the others never joined the check (verify=False there): this rank's own error
+        raise error from failed

@@ -320,6 +320,48 @@ def test_a_subgroups_functional_calls_do_not_break_the_group(pool):
         assert error is None, (rank, error)
 
 
+def functional_bad_option_case(rank, world, kind):
+    """One rank's functional call has options it cannot run with (a bad value, or one its constructor refuses): the
+    others, which made the call, must fail at once naming that rank's error, not wait out their timeout.  Fresh
+    groups (on the 2-D ones the first call still has their grid check to make): the refused call leaves the ranks'
+    objects on its groups out of step."""
+    from fa4dist.context_parallel import context_parallel_attention, make_plan
+
+    groups = {}
+    for name, sets in (("ulysses", ([0, 1], [2, 3])), ("ring", ([0, 2], [1, 3])), ("all", ([0, 1, 2, 3],))):
+        for ranks in sets:
+            g = fresh_group(ranks)
+            if rank in ranks:
+                groups[name] = g
+    kw = dict(backend="reference", timeout=8)
+    if kind == "grid":
+        kw.update(ulysses_group=groups["ulysses"], ring_group=groups["ring"])
+        plan = make_plan(40, 4, ulysses_degree=2)
+        cp_rank = groups["ring"].rank() * 2 + groups["ulysses"].rank()
+    else:
+        kw.update(group=groups["all"], strategy="ring")
+        plan, cp_rank = make_plan(40, 4), rank
+    if rank == 1:
+        kw.update(dict(window=dict(window=(-2, 0)), ulysses_degree=dict(ulysses_degree=3),
+                       grid=dict(softcap=0.0))[kind])
+    return _error(lambda: context_parallel_attention(*_inputs(plan, cp_rank), plan, **kw))
+
+
+@pytest.mark.parametrize("kind, pattern", [
+    ("window", "rank 1 rejected its inputs: ValueError: window left must be an int >= -1"),
+    ("ulysses_degree", "rank 1 rejected its inputs: ValueError: ulysses_degree \\(3\\) must divide the cp size"),
+    ("grid", "rank 1 rejected its inputs: ValueError: softcap must be finite and > 0"),
+])
+def test_a_functional_call_one_rank_refuses_fails_every_rank_at_once(pool, kind, pattern):
+    import re
+
+    for rank, res in enumerate(pool.run(functional_bad_option_case, kind=kind, timeout=90)):
+        assert res is not None, f"rank {rank} computed instead of failing"
+        name, message, elapsed = res
+        assert name == "ValueError" and re.search(pattern, message), (rank, name, message)
+        assert elapsed < 6, (rank, elapsed, message)  # an error, not the 8 s timeout
+
+
 def test_functional_form_checks_its_options_on_every_call():
     """A value that compares equal to an accepted one (1 == True) is still checked, as the module checks it."""
     from fa4dist.context_parallel import context_parallel_attention
