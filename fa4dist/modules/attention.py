@@ -50,8 +50,9 @@ class FA4ContextParallelAttention(nn.Module):
         cp_invariant: out, lse and the gradients bitwise identical at every cp size, strategy and balancer, and
             to ``fa4dist.attention(..., cp_invariant=True)`` on one device (default: the environment variable
             ``FA4DIST_CP_INVARIANT=1``).  Implies deterministic kernels.  Costs memory and time: every rank
-            gathers the whole sequence's K/V (and, in the backward, Q, dO and out) and the backward does about
-            twice the ring's work (:mod:`fa4dist.context_parallel.gather`).  No sinks in this mode yet.
+            gathers the whole sequence's K/V (and, in the backward, Q, dO and out), and its one-pass backward
+            exchanges the int64 fixed-point dq of the rows its keys touch (8 bytes per element;
+            :mod:`fa4dist.context_parallel.gather`).  No sinks in this mode yet.
 
     ``forward(q, k, v, plan=None, sinks=None)``: dense plans take ``(batch, local_len, heads, head_dim)`` shards,
     packed-document plans ``(local_tokens, heads, head_dim)``; k and v may have fewer heads (GQA).  ``sinks``: a
