@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import numbers
 import sys
 from dataclasses import dataclass
@@ -658,7 +659,7 @@ def make_plan(
     - ``num_chunks``: a multiple of ``cp_size`` (every rank holds as many chunks); default ``2 * cp_size`` for one
       sequence (zigzag's count), ``8 * cp_size`` for packed documents (finer chunks let LPT balance a mix
       dominated by one long document within ~1%); with ``align > 1``, for packed documents, 8 to 16 real chunks
-      per rank (:func:`_aligned_chunk_count`).
+      per rank (:func:`_aligned_chunk_count`; for ``zigzag`` rounded up to two chunks per ring group and round).
     - ``causal``, ``window``: the mask the cost model assumes (use the attention's own; ``window=(left, right)`` as
       in :func:`fa4dist.kernels.attention_forward`).  With a window, ``balance_report()`` shows the ring steps it
       leaves; a ``contiguous`` plan keeps a member's window inside its neighbour's chunks (fewest transfers).
@@ -675,16 +676,19 @@ def make_plan(
     check_int("align", align, 1)
     if cp_size % ulysses_degree:
         raise ValueError(f"ulysses_degree ({ulysses_degree}) must divide cp_size ({cp_size})")
+    groups = cp_size // ulysses_degree
     if num_chunks is None:  # packed documents balance far better with more, smaller chunks
         num_chunks = (8 if cu is not None else 2) * cp_size
         if cu is not None and align > 1:
             num_chunks = _aligned_chunk_count(total, cp_size, align)
+            if balancer == "zigzag":  # (a multiple of cp): zigzag also needs two chunks per ring group and round
+                step = math.lcm(cp_size, 2 * groups)
+                num_chunks = -(-num_chunks // step) * step
     check_int("num_chunks", num_chunks, 1)
     if num_chunks % cp_size:
         raise ValueError(
             f"num_chunks must be a multiple of cp_size ({cp_size}) so every rank holds as many chunks, got {num_chunks}"
         )
-    groups = cp_size // ulysses_degree
     plan = ShardPlan(total, cu, cp_size, num_chunks, [0] * num_chunks, balancer, mask, ulysses_degree, align)
     real = [plan.chunk_len(c) > 0 for c in range(num_chunks)]
     group_of = _BALANCER_FNS[balancer](plan.chunk_costs, groups, real)
