@@ -415,6 +415,35 @@ def test_ticket_forms_give_the_same_bits(causal, seqlen):
         _assert_same_grads(want, launch(**forms), True, forms)
 
 
+@pytest.mark.parametrize("options", [{}, {"window_left": 300}], ids=["causal", "window"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("packed", [False, True])
+def test_clean_tiles_give_the_same_bits(packed, d, options):
+    """Masked steps on query tiles the preprocess found clean skip the sanitizer (clean_tiles, the default): dq, dk
+    and dv bytes equal to the form that sanitizes every masked step (deterministic, so dQ's order is fixed too),
+    with one q row of one head NaN so that its tile (and only it) still takes the sanitizer."""
+    g = _gen()
+    q, k, v, kw, fwd_kw = _causal_case(g, packed, d, heads_kv=2)
+    kw.update(options)
+    if options:
+        fwd_kw.update(window=(options["window_left"], 0))
+    q[..., 37, 1, :] = float("nan")  # row 37 of head 1 (of every batch): its tile is not clean
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = attention_forward(q, k, v, backend="cute", **fwd_kw)
+
+    def launch(**forms):
+        bufs = [torch.full(t.shape, float("nan"), device="cuda", dtype=t.dtype) for t in (q, k, v)]
+        backward(dout, q, k, v, out, lse, *bufs, deterministic=True, **kw, **forms)
+        torch.cuda.synchronize()
+        return bufs
+
+    want = launch(clean_tiles=False)
+    for got in (launch(), launch()):
+        for name, a, c in zip(("dq", "dk", "dv"), want, got):
+            assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), f"{name} differs with clean_tiles"
+    assert torch.isfinite(want[1]).any() and torch.isnan(want[0]).any()  # the NaN row reached its own dq only
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 def test_shared_queries_equal_per_call_backward(deterministic, packed):

@@ -110,6 +110,10 @@ class BwdConfig:
     # fixed-point dQ: the rows' scales loaded at the start of the step (64-row query tiles without a cap; the same
     # bits; -4% on the int64 kernel at 32k causal hdim 128, median of three runs: NOTES_BWD.md twenty-first session)
     fixed_scales_early: bool = True
+    # causal: a masked step's Q / dO skip the sanitizer when the preprocess certified every row of the query tile
+    # (finite lse and dpsum: bwd_preprocess.py); the same bits. False: a measurement knob (every masked step
+    # sanitized, as before the twenty-ninth session)
+    clean_tiles: bool = True
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -125,7 +129,13 @@ class BwdConfig:
             try_waits=self.try_waits, hoist_descriptors=self.hoist_descriptors,
             interleave_lengths=self.interleave_lengths, ticket_sleep_ns=self.ticket_sleep_ns,
             release_fence=self.release_fence, fixed_scales_early=self.fixed_scales_early,
+            clean_tiles=self.clean_tiles,
         )
+
+    @property
+    def takes_clean_flags(self) -> bool:
+        """Whether the launch passes the preprocess's int32 clean flags, one per (query tile, head)."""
+        return self.clean_tiles and self.sanitize and self.causal
 
     @property
     def takes_tile_counter(self) -> bool:
@@ -143,6 +153,7 @@ class BwdConfig:
         gdt, gdiv = (cutlass.Float32, 4) if self.dkv_fp32 else (dt, 8)
         dk, dv = fk(gdt, ks, gdiv), fk(gdt, ks, gdiv)
         lse2, dps = (host.fake_flat(cutlass.Float32) for _ in range(2))
+        clean = host.fake_flat(cutlass.Int32) if self.takes_clean_flags else None
         dqacc = host.fake_flat(cutlass.Int64 if self.dq_fixed else cutlass.Float32)
         sem = host.fake_flat(cutlass.Int32) if self.deterministic else None
         dq_scale = host.fake_flat(cutlass.Float32) if self.dq_fixed else None
@@ -156,13 +167,14 @@ class BwdConfig:
             nb = cute.sym_int()
             off_q, off_k = host.fake_i32(nb), host.fake_i32(nb)
         counter = host.fake_i32(1) if self.takes_tile_counter else None
-        return (q, k, v, do, lse2, dps, dqacc, dk, dv, sem, dq_scale, cutlass.Float32(1.0), cutlass.Float32(1.0),
+        return (q, k, v, do, lse2, dps, clean, dqacc, dk, dv, sem, dq_scale, cutlass.Float32(1.0), cutlass.Float32(1.0),
                 cutlass.Int32(0), cutlass.Int32(1), cu_q, cu_k, off_q, off_k, counter, host.fake_stream())
 
 
 @dataclass(frozen=True)
 class PreConfig:
-    """The preprocess kernel (bwd_preprocess.py): D = rowsum(dO * O) * scale, lse in log2 units, scratch zeroing."""
+    """The preprocess kernel (bwd_preprocess.py): D = rowsum(dO * O) * scale, lse in log2 units, the query tiles'
+    clean flags, scratch zeroing."""
 
     o_dtype: str  # "bf16" | "fp16" | "fp32"
     do_dtype: str
@@ -189,12 +201,13 @@ class PreConfig:
         do = host.fake_tensor(dodt, qs, 16 // (dodt.width // 8))
         lse = host.fake_tensor(cutlass.Float32, ls, 1)
         lse2, dps, dqacc = (host.fake_flat(cutlass.Float32) for _ in range(3))
+        clean = host.fake_flat(cutlass.Int32)
         sem = host.fake_flat(cutlass.Int32) if self.deterministic and self.zero_dq else None
         scale_rows = host.fake_tensor(cutlass.Float32, ls, 1) if self.dq_fixed else None
         scale2 = host.fake_flat(cutlass.Float32) if self.dq_fixed else None
         cu_q = host.fake_i32() if self.varlen else None
-        return (o, do, lse, lse2, dps, dqacc, sem, scale_rows, scale2, cutlass.Float32(1.0), cutlass.Int32(1), cu_q,
-                host.fake_stream())
+        return (o, do, lse, lse2, dps, clean, dqacc, sem, scale_rows, scale2, cutlass.Float32(1.0), cutlass.Int32(1),
+                cu_q, host.fake_stream())
 
 
 @dataclass(frozen=True)
@@ -238,7 +251,7 @@ _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "s
            "tma_store_dkv": host.parse_bool, "early_vectors": host.parse_bool,
            "try_waits": host.parse_bool, "hoist_descriptors": host.parse_bool,
            "interleave_lengths": host.parse_bool, "ticket_sleep_ns": int, "release_fence": host.parse_bool,
-           "fixed_scales_early": host.parse_bool,
+           "fixed_scales_early": host.parse_bool, "clean_tiles": host.parse_bool,
            "det_resident": host.parse_bool}  # True: sequences of up to half the SMs' key tiles
 # development hook: FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_BWD_OVERRIDE", _FIELDS)
@@ -632,10 +645,11 @@ def launch_steps(
         return host.tile_counter(main_cfg.takes_tile_counter, device)
 
     if rows is not None:
-        lse2, dpsum, dq_acc, sem = rows.views(q_start, total_q, deterministic)
+        lse2, dpsum, clean, dq_acc, sem = rows.views(q_start, total_q, deterministic)
+        clean = clean if main_cfg.takes_clean_flags else None
         msk = max(k.shape[1], 1)
-        main = lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, dq_acc, dk, dv, sem, None, scale, scale_log2,  # noqa
-                               diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k, counter())
+        main = lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, clean, dq_acc, dk, dv, sem, None, scale,  # noqa
+                               scale_log2, diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k, counter())
         # deterministic: the dQ tickets count from 0 again for this launch's key tiles
         return ([sem.zero_] if sem is not None else []) + [main]
 
@@ -652,14 +666,16 @@ def launch_steps(
     n_chunks = n_blocks * hq
     lse2 = torch.empty(n_chunks * tm, dtype=torch.float32, device=device)
     dpsum = torch.empty(n_chunks * tm, dtype=torch.float32, device=device)
+    clean = torch.empty(n_chunks, dtype=torch.int32, device=device)  # written by the preprocess
+    main_clean = clean if main_cfg.takes_clean_flags else None
     msk = max(msk, 1)
     if grads == "dkv":  # no dQ: no scratch, no tickets (one chunk and one ticket satisfy the signature)
         dq_acc = torch.empty(tm * d, dtype=torch.float32, device=device)
         sem = torch.empty(1, dtype=torch.int32, device=device) if deterministic else None
         return [
-            lambda: pre_fn(out, dout, lse, lse2, dpsum, dq_acc, None, None, None, scale, m_grid, cu_seqlens_q),
-            lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, dq_acc, dk, dv, sem, None, scale, scale_log2, diag, msk,
-                            cu_seqlens_q, cu_seqlens_k, off_q, off_k, counter()),
+            lambda: pre_fn(out, dout, lse, lse2, dpsum, clean, dq_acc, None, None, None, scale, m_grid, cu_seqlens_q),
+            lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, main_clean, dq_acc, dk, dv, sem, None, scale, scale_log2,
+                            diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k, counter()),
         ]
     if dq_fixed:
         # int64 scratch (zeroed by the preprocess as fp32 words) and the rows' scales in lse2's indexing
@@ -672,9 +688,10 @@ def launch_steps(
         scale2 = None
         sem = torch.empty(n_chunks, dtype=torch.int32, device=device) if main_cfg.deterministic else None
     return [
-        lambda: pre_fn(out, dout, lse, lse2, dpsum, dq_words, sem, dq_scale, scale2, scale, m_grid, cu_seqlens_q),
-        lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, dq_acc, dk, dv, sem, scale2, scale, scale_log2, diag, msk,
-                        cu_seqlens_q, cu_seqlens_k, off_q, off_k, counter()),
+        lambda: pre_fn(out, dout, lse, lse2, dpsum, clean, dq_words, sem, dq_scale, scale2, scale, m_grid,
+                       cu_seqlens_q),
+        lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, main_clean, dq_acc, dk, dv, sem, scale2, scale, scale_log2,
+                        diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k, counter()),
         lambda: post_fn(dq_acc, dq, scale2 if fixed_to_float else None, m_grid, cu_seqlens_q),
     ]
 
@@ -761,6 +778,7 @@ class SharedRows:
         device = q.device
         self.lse2 = torch.empty(n_chunks * tm, dtype=torch.float32, device=device)
         self.dpsum = torch.empty(n_chunks * tm, dtype=torch.float32, device=device)
+        self.clean = torch.empty(n_chunks, dtype=torch.int32, device=device)
         self.dq_acc = torch.empty(n_chunks * tm * d, dtype=torch.float32, device=device)
         self.sem = torch.empty(n_chunks, dtype=torch.int32, device=device) if deterministic else None
         dout, out, lse = (t if t.stride(-1) == 1 else t.contiguous() for t in (dout, out, lse))
@@ -769,8 +787,8 @@ class SharedRows:
         self.post = host.get_compiled(PostConfig(dtype=host.dtype_name(q.dtype), dq_fp32=True, head_dim=d, tile_m=tm,
                                                  varlen=False, accumulate=True))
         if self.rows:
-            host.get_compiled(pre)(out, dout, lse, self.lse2, self.dpsum, self.dq_acc, self.sem, None, None, scale, 1,
-                                   None)
+            host.get_compiled(pre)(out, dout, lse, self.lse2, self.dpsum, self.clean, self.dq_acc, self.sem, None,
+                                   None, scale, 1, None)
 
     def takes(self, q_start: int, q_len: int) -> bool:
         """Whether rows [q_start, q_start + q_len) start on a scratch tile and end on one (or at the last row)."""
@@ -778,7 +796,7 @@ class SharedRows:
         return q_len > 0 and end <= self.rows and q_start % self.tm == 0 and (end % self.tm == 0 or end == self.rows)
 
     def views(self, q_start: int, q_len: int, deterministic: bool):
-        """(lse2, dpsum, dq_acc, sem) of rows [q_start, q_start + q_len), laid out as a launch on those rows sees
+        """(lse2, dpsum, clean, dq_acc, sem) of rows [q_start, q_start + q_len), laid out as a launch on those rows sees
         its own scratch."""
         if not self.takes(q_start, q_len):
             raise ValueError(f"rows [{q_start}, {q_start + q_len}) are not whole scratch tiles of {self.rows} rows")
@@ -786,7 +804,7 @@ class SharedRows:
             raise ValueError("a launch on shared rows must match their deterministic setting")
         first = (q_start // self.tm) * self.heads  # the launch's first chunk
         tm, d = self.tm, self.head_dim
-        return (self.lse2[first * tm:], self.dpsum[first * tm:], self.dq_acc[first * tm * d:],
+        return (self.lse2[first * tm:], self.dpsum[first * tm:], self.clean[first:], self.dq_acc[first * tm * d:],
                 None if self.sem is None else self.sem[first:])
 
     def finish(self, dq: torch.Tensor) -> torch.Tensor:
@@ -836,17 +854,20 @@ def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_til
             raise ValueError("a launch on shared rows must match their deterministic setting")
         if sem is not None:
             sem.zero_()  # the tickets count this launch's key tiles from 0 again
-        main_fn(q, k, v, dout, rows.lse2, rows.dpsum, rows.dq_acc, dk, dv, sem, None, scale, scale_log2, 0, msk,
-                table, None, None, None, host.tile_counter(main_cfg.takes_tile_counter, q.device))
+        clean = rows.clean if main_cfg.takes_clean_flags else None
+        main_fn(q, k, v, dout, rows.lse2, rows.dpsum, clean, rows.dq_acc, dk, dv, sem, None, scale, scale_log2, 0,
+                msk, table, None, None, None, host.tile_counter(main_cfg.takes_tile_counter, q.device))
         return dq, dk, dv
     n_chunks = max(int(scratch_tiles), 1) * hq
     lse2 = torch.empty(n_chunks * tm, dtype=torch.float32, device=q.device)
     dpsum = torch.empty(n_chunks * tm, dtype=torch.float32, device=q.device)
+    clean = torch.empty(n_chunks, dtype=torch.int32, device=q.device)  # written by the preprocess
     dq_acc = torch.empty(n_chunks * tm * d, dtype=torch.float32, device=q.device)
     sem = torch.empty(n_chunks, dtype=torch.int32, device=q.device) if deterministic else None  # pre zeroes it
     m_grid = max(1, -(-int(max_q_len) // tm))
-    host.get_compiled(pre_cfg)(out, dout, lse, lse2, dpsum, dq_acc, sem, None, None, scale, m_grid, table)
-    main_fn(q, k, v, dout, lse2, dpsum, dq_acc, dk, dv, sem, None, scale, scale_log2, 0, msk, table, None, None,
-            None, host.tile_counter(main_cfg.takes_tile_counter, q.device))
+    host.get_compiled(pre_cfg)(out, dout, lse, lse2, dpsum, clean, dq_acc, sem, None, None, scale, m_grid, table)
+    main_fn(q, k, v, dout, lse2, dpsum, clean if main_cfg.takes_clean_flags else None, dq_acc, dk, dv, sem, None,
+            scale, scale_log2, 0, msk, table, None, None, None,
+            host.tile_counter(main_cfg.takes_tile_counter, q.device))
     host.get_compiled(post_cfg)(dq_acc, dq, None, m_grid, table)
     return dq, dk, dv

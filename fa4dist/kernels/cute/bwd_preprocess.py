@@ -5,7 +5,12 @@
 #   lse2[row]  = lse * log2(e)                       (+inf for padding rows and rows with lse = -inf,
 #                                                     so that P = exp2(S * scale_log2 - lse2) = 0 there)
 # written into tile-padded vectors indexed (chunk * heads + head) * tile_m + row, where
-# chunk = (first tile of the sequence) + tile. The same CTA zeroes the tile's fp32 dQ accumulator
+# chunk = (first tile of the sequence) + tile, and one int32 per tile (same index without the row):
+#   clean[tile] = 1 if every row of the tile has a finite lse and a finite dpsum, else 0.
+# A finite lse certifies the row's q (a row with a NaN / inf in q has no finite score, so its lse is NaN or
+# +-inf: the lse of the forward over the same q, as the contract requires), a finite dpsum its dO (and O): the
+# main kernel's masked steps on clean tiles skip the sanitizer (bwd_sm90.py). The same CTA zeroes the tile's fp32
+# dQ accumulator
 # chunk and, in deterministic mode, its semaphore, so the main kernel needs no memsets (zero_dq=False: a
 # launch that computes no dQ has no scratch). Fixed-point dQ (dq_fixed): the accumulator is int64 (zeroed as
 # twice the fp32 words) and the rows' scales (fixed_point.dq_scale, lse's layout) are copied into the same
@@ -22,6 +27,7 @@ from cutlass import Float32, Int32, const_expr
 
 from .block_info import WORKLIST_COLUMNS, SeqlenInfo
 from .common_sm90 import select_modes
+from .sanitize import block_any
 
 LOG2_E = math.log2(math.e)
 
@@ -52,6 +58,7 @@ class BwdPreprocess:
         mLSE: cute.Tensor,  # (b, h, s) | (h, t) fp32
         mLSE2: cute.Tensor,  # flat fp32
         mDpsum: cute.Tensor,  # flat fp32
+        mClean: cute.Tensor,  # flat int32, one per (chunk, h): the tile's rows all have finite lse and dpsum
         mdQacc: cute.Tensor,  # flat fp32
         mSem: Optional[cute.Tensor],  # flat int32
         mScale: Optional[cute.Tensor],  # dq_fixed: (b, h, s) | (h, t) fp32, the rows' fixed-point scales
@@ -78,7 +85,7 @@ class BwdPreprocess:
                 num_batch = cute.size(mCuSeqlensQ.shape[0]) // WORKLIST_COLUMNS
             grid_m = m_blocks
         num_heads = cute.size(mO.shape[2])
-        self.kernel(mO, mdO, mLSE, mLSE2, mDpsum, mdQacc, mSem, mScale, mScale2, scale, mCuSeqlensQ).launch(
+        self.kernel(mO, mdO, mLSE, mLSE2, mDpsum, mClean, mdQacc, mSem, mScale, mScale2, scale, mCuSeqlensQ).launch(
             grid=(grid_m, num_heads, num_batch), block=[self.num_threads, 1, 1], stream=stream
         )
 
@@ -90,6 +97,7 @@ class BwdPreprocess:
         mLSE: cute.Tensor,
         mLSE2: cute.Tensor,
         mDpsum: cute.Tensor,
+        mClean: cute.Tensor,
         mdQacc: cute.Tensor,
         mSem: Optional[cute.Tensor],
         mScale: Optional[cute.Tensor],
@@ -123,6 +131,7 @@ class BwdPreprocess:
             gL2 = cute.make_tensor(mLSE2.iterator, cute.make_layout((tm, n_vec), stride=(1, tm)))[None, chunk]
             gDp = cute.make_tensor(mDpsum.iterator, cute.make_layout((tm, n_vec), stride=(1, tm)))[None, chunk]
             col = tidx % self.tpr
+            unclean = Int32(0)  # this thread's rows: one with a non-finite lse or dpsum
             for p in cutlass.range_constexpr(tm // self.rows_per_pass):
                 r = p * self.rows_per_pass + tidx // self.tpr
                 row = m_block * tm + r
@@ -142,13 +151,22 @@ class BwdPreprocess:
                         if lse != -Float32.inf:
                             lse2 = lse * LOG2_E
                     gL2[r] = lse2
-                    gDp[r] = acc * scale
+                    dpsum = acc * scale
+                    gDp[r] = dpsum
+                    if row < seqlen_q:  # (padding rows: TMA zero-fills a dense sequence's end; a packed
+                        # sequence's cut tile is always sanitized)
+                        finite = (lse2 < Float32(math.inf)) & (lse2 > -Float32(math.inf))
+                        finite = finite & (dpsum < Float32(math.inf)) & (dpsum > -Float32(math.inf))
+                        unclean = unclean | (Int32(0) if finite else Int32(1))  # (NaN fails every comparison)
                     if const_expr(self.dq_fixed):
                         gSc2 = cute.make_tensor(mScale2.iterator, cute.make_layout((tm, n_vec), stride=(1, tm)))
                         row_scale = Float32(0.0)
                         if row < seqlen_q:
                             row_scale = mSc_cur[row]
                         gSc2[r, chunk] = row_scale
+            any_unclean = block_any(unclean, 1, self.num_threads)
+            if tidx == 0:
+                mClean[chunk] = Int32(0) if any_unclean else Int32(1)
             if const_expr(self.zero_dq):
                 # zero this tile's dQ accumulator chunk (16-byte stores of fp32 words)
                 words = tm * D * self.dq_words
