@@ -67,7 +67,7 @@ def _band_any(flags: torch.Tensor, n_out: int, lo: Optional[int], hi: Optional[i
     # the prefix count runs along the last, contiguous dim: torch's scan over an outer dim took 2.9 ms for 16k
     # tokens x 16 heads on the H200 (2026-12-01), the innermost scan is a few microseconds
     tokens_last = flags.transpose(-1, -2).to(torch.int32).contiguous()
-    zero = torch.zeros_like(tokens_last.narrow(-1, 0, 1))
+    zero = tokens_last.new_zeros(*tokens_last.shape[:-1], 1)  # (not a slice of it: there may be no token)
     counts = torch.cat([zero, tokens_last.cumsum(-1, dtype=torch.int32)], -1)  # counts[j] = flags set before j
     idx = torch.arange(n_out, device=device)
     if cu is None:

@@ -277,3 +277,21 @@ def test_band_any_matches_its_definition():
         cu = torch.tensor(cuts) if cuts else None
         got = _band_any(flags if cu is None else flags[0], n_out, lo, hi, cu)
         assert torch.equal(got, want if cu is None else want[0]), (trial, lo, hi, m, n_out, cuts)
+
+
+def test_guard_takes_a_call_without_tokens():
+    """A packed sliding-window call whose documents are all empty (cu_seqlens [0, 0]: sdpa's flash path takes it as
+    square, aligned segments) has no token to flag: the guard passes the kernel's empty results through (it took a
+    slice of the first token and raised)."""
+    from fa4dist.kernels.guard import _band_any, guarded_backward, guarded_forward
+
+    cu = torch.tensor([0, 0], dtype=torch.int32)
+    q, k = torch.zeros(0, 4, 8), torch.zeros(0, 2, 8)
+    lse = torch.zeros(4, 0)
+    out, got_lse = guarded_forward(lambda q_, k_, v_: (torch.zeros_like(q_), lse), q, k, k, -3, 2, cu)
+    assert out.shape == (0, 4, 8) and got_lse.shape == (4, 0)
+    grads = guarded_backward(lambda *t: (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(k)),
+                             q, q, k, k, q, lse, -3, 2, cu)
+    assert [tuple(g.shape) for g in grads] == [(0, 4, 8), (0, 2, 8), (0, 2, 8)]
+    # no key at all: no row sees a flagged one, whatever the band
+    assert not _band_any(torch.zeros(2, 0, 3, dtype=torch.bool), 5, -1, 2, None).any()
