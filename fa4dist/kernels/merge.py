@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .problem import FLOAT_DTYPES, check_buffer
+from .problem import FLOAT_DTYPES, check_buffer, check_sinks
 
 
 def lse_as_out_layout(lse: torch.Tensor) -> torch.Tensor:
@@ -55,6 +55,13 @@ def check_partial(name: str, out: torch.Tensor, lse: torch.Tensor, like_out: Opt
                          f"{tuple(like_out.shape)}")
 
 
+def _check_running(out: torch.Tensor, lse: torch.Tensor) -> None:
+    """A running result merged into in place: a partial result in fp32 (fp64 for fp64 inputs), out and lse alike."""
+    check_partial("the running result", out, lse)
+    if out.dtype not in (torch.float32, torch.float64) or lse.dtype != out.dtype:
+        raise TypeError(f"the running out/lse must both be float32 (or float64), got {out.dtype} and {lse.dtype}")
+
+
 def _unseen(lse: torch.Tensor) -> torch.Tensor:
     """Rows of a partial result that saw no key (lse -inf), broadcastable against its out."""
     return lse_as_out_layout(torch.isneginf(lse))
@@ -84,10 +91,8 @@ def merge_into_(
     Three passes over ``out``: scale, clear the rows that had seen no key (whatever they held, NaN included), add
     the weighted block.  As in :func:`merge_partials`, the block's rows whose ``block_lse`` is -inf (no key) add
     nothing, whatever ``block_out`` holds there (NaN included)."""
-    check_partial("the running result", out, lse)
+    _check_running(out, lse)
     check_partial("the block", block_out, block_lse, like_out=out)
-    if out.dtype not in (torch.float32, torch.float64) or lse.dtype != out.dtype:
-        raise TypeError(f"the running out/lse must both be float32 (or float64), got {out.dtype} and {lse.dtype}")
     (w_run, w_blk), merged = _merge_weights([lse, block_lse.to(lse.dtype)])
     # rows that saw no key (lse -inf) are cleared; a row that saw keys keeps a NaN it holds even where its weight
     # underflows to 0 (a row that sees a non-finite value is NaN however its keys are split)
@@ -130,15 +135,13 @@ def merge_partials(
 
 def _sink_lse(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """The virtual key block's lse, broadcast like ``lse`` (..., heads, seqlen): ``sinks[h]`` on every row."""
-    if sinks.dim() != 1 or sinks.shape[0] != lse.shape[-2]:
-        raise ValueError(f"sinks must have shape ({lse.shape[-2]},) for lse of shape {tuple(lse.shape)}, got "
-                         f"{tuple(sinks.shape)}")
+    check_sinks(sinks, lse.shape[-2], lse.device)
     return sinks.to(lse.dtype).view(-1, 1).expand(lse.shape)
 
 
 def merge_sink_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
     """Merges the sinks' virtual key block into the running fp32 (out, lse), in place (once per row!)."""
-    check_partial("the running result", out, lse)
+    _check_running(out, lse)
     (w_run, _), merged = _merge_weights([lse, _sink_lse(lse, sinks)])
     out.mul_(lse_as_out_layout(w_run)).masked_fill_(_unseen(lse), 0.0)
     lse.copy_(merged)

@@ -315,6 +315,33 @@ def test_sink_grad_checks_dout():
     assert sink_grad(torch.ones_like(out, dtype=torch.bfloat16), out, lse, sinks).shape == (4,)
 
 
+def test_merge_sink_checks_the_running_result_and_the_sinks():
+    """merge_sink_ merges into a running fp32 result in place, as merge_into_: a 16-bit (out, lse) is refused (it
+    rounded the merged lse to fp16), and so are sinks that are not one float logit per head (integer and bool
+    tensors were read as logits, a list failed deep inside)."""
+    from fa4dist.kernels import merge_sink_, sink_grad
+
+    out, lse = torch.randn(2, 8, 4, 16), torch.randn(2, 4, 8)
+    with pytest.raises(TypeError, match="the running out/lse must both be float32 .or float64., got torch.float16"):
+        merge_sink_(out.half(), lse.half(), torch.zeros(4))
+    with pytest.raises(TypeError, match="the running out/lse must both be float32 .or float64., got torch.float32 "
+                                        "and torch.float64"):
+        merge_sink_(out.clone(), lse.double(), torch.zeros(4))
+    for sinks, err, match in ((torch.zeros(4, dtype=torch.int64), TypeError, "sinks must be float16, bfloat16"),
+                              (torch.zeros(4, dtype=torch.bool), TypeError, "sinks must be float16, bfloat16"),
+                              ([0.0] * 4, TypeError, r"sinks must be a torch.Tensor of shape \(4,\)"),
+                              (torch.zeros(3), ValueError, r"sinks must have shape \(4,\): one logit per query head"),
+                              (torch.zeros(4, device="meta"), ValueError, "sinks must be on the inputs' device cpu")):
+        running = out.clone(), lse.clone()
+        with pytest.raises(err, match=match):
+            merge_sink_(*running, sinks)
+        assert torch.equal(running[0], out) and torch.equal(running[1], lse)  # refused before any write
+        with pytest.raises(err, match=match):
+            sink_grad(torch.ones_like(out), out, lse, sinks)
+    merge_sink_(out, lse, torch.zeros(4, dtype=torch.bfloat16))  # any float dtype of logits
+    assert lse.dtype == torch.float32
+
+
 def test_deterministic_flag_must_be_a_bool():
     """A truthy stand-in ("yes", 1) for deterministic is refused where it is given, not read as some mode: by
     fa4dist.attention (whose backward runs later) and by attention_backward."""
