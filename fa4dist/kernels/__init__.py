@@ -9,9 +9,10 @@ of k).  k and v may have fewer heads than q (GQA/MQA: query head h uses kv head 
   query i iff ``k_offset + j <= q_offset + i`` (offsets may be per sequence/segment); ``window=(left, right)``
   (flash-attn's window_size, -1 unbounded) keeps the keys within [p - left, p + right] of the query's position p,
   intersected with causal (:mod:`fa4dist.kernels.mask`, one :class:`Mask` value).  A query that sees no key gets
-  out = 0, lse = -inf.  ``accumulate=True`` merges the block into a running fp32 (out, lse) in place.  ``softcap``
-  caps the scaled scores (``softcap * tanh(s / softcap)``); ``sinks`` (one logit per query head) join every row's
-  softmax once: split keys pass them to one call per row (:mod:`fa4dist.kernels.merge` holds the rule).
+  out = 0, lse = -inf (with sinks: lse = its head's sink).  ``accumulate=True`` merges the block into a running
+  fp32 (out, lse) in place.  ``softcap`` caps the scaled scores (``softcap * tanh(s / softcap)``); ``sinks`` (one
+  logit per query head) join every row's softmax once: split keys pass them to one call per row
+  (:mod:`fa4dist.kernels.merge` holds the rule).
 - ``attention_backward(dout, q, k, v, out, lse, ...) -> (dq, dk, dv[, dsinks])`` takes the *global* out and lse
   and can add into fp32 gradient buffers (``accumulate=True``).
 - ``attention_forward_items`` / ``attention_backward_items``: a work list of many such blocks in one call, merged

@@ -495,3 +495,25 @@ def test_sinks_through_a_fused_epilogue_backend(monkeypatch):
     dq, dk, dv, dsinks = attention_backward(case.dout, case.q, case.k, case.v, out, lse, sinks=case.sinks, **kw)
     for got, want in zip((dq, dk, dv, dsinks), ref_grads):
         torch.testing.assert_close(got, want, **TOL)
+
+
+def test_a_row_without_keys_has_its_sink_as_lse():
+    """As documented: a row that sees no key gets out = 0 and lse = -inf, or with sinks lse = its head's sink (the
+    only term of its softmax), in one call and when the sink is merged into a split row; its sink gradient is 0."""
+    q, k = torch.randn(1, 3, 4, 8, dtype=F64), torch.randn(1, 5, 2, 8, dtype=F64)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=F64)
+    kw = dict(causal=True, q_offset=0, k_offset=2)  # rows 0 and 1 see no key, row 2 sees one
+    out, lse = attention_forward(q, k, k, **kw)
+    assert torch.equal(out[:, :2], torch.zeros_like(out[:, :2])) and torch.isneginf(lse[..., :2]).all()
+    out, lse = attention_forward(q, k, k, sinks=sinks, **kw)
+    assert torch.equal(out[:, :2], torch.zeros_like(out[:, :2]))
+    assert torch.equal(lse[0, :, :2], sinks[:, None].expand(4, 2))
+    run_out, run_lse = attention_forward(q, k[:, :2], k[:, :2], **kw)
+    attention_forward(q, k[:, 2:], k[:, 2:], sinks=sinks, out=run_out, lse=run_lse, accumulate=True,
+                      causal=True, k_offset=4)
+    torch.testing.assert_close(run_lse, lse, **TOL)
+    dout = torch.randn_like(q)
+    dsinks = attention_backward(dout, q, k, k, out, lse, sinks=sinks, **kw)[3]
+    rows2 = attention_backward(dout[:, 2:], q[:, 2:], k, k, out[:, 2:], lse[..., 2:], sinks=sinks, causal=True,
+                               q_offset=2, k_offset=2)[3]
+    torch.testing.assert_close(dsinks, rows2, **TOL)
