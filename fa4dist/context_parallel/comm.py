@@ -49,6 +49,19 @@ class CommError(RuntimeError):
     """A context-parallel transfer failed or timed out; the message names what was being waited for."""
 
 
+def member_size_rank(group, name: str = "group") -> tuple[int, int]:
+    """(size, this process's rank) of a process group (None: the default group).  A group this process is not a
+    member of is refused: ``torch.distributed.new_group`` gives non-members a placeholder whose size and rank are
+    -1, which would otherwise pass for a group until something used it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{name} was given but torch.distributed is not initialized (init_process_group first)")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if size < 1 or rank < 0:
+        raise ValueError(f"{name} is a process group that this rank (global rank {dist.get_rank()}) is not a member "
+                         "of; pass the group this rank belongs to")
+    return size, rank
+
+
 def _global_rank(group, group_rank: int) -> int:
     if group is None or group is dist.group.WORLD:
         return group_rank
@@ -88,13 +101,8 @@ class Transport:
     """Send/recv on one process group; peers are given as ranks *within* the group."""
 
     def __init__(self, group, timeout: float = 300.0, label: str = "fa4dist context parallel"):
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("context parallelism needs torch.distributed initialized (init_process_group)")
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        if self.rank < 0:
-            raise ValueError("this process is not a member of the given process group")
+        self.size, self.rank = member_size_rank(group, "the process group of context parallelism")
         self.backend = str(dist.get_backend(group)).lower()
         self.timeout = float(timeout)
         self.timeout_delta = datetime.timedelta(seconds=self.timeout)

@@ -30,7 +30,7 @@ from ..kernels.problem import (
     check_bool, check_mask, check_optional_bool, check_softcap, check_softmax_scale, check_window, validate_inputs,
 )
 from ..kernels.registry import get_backend
-from .comm import CommError, Transport, deepcopy_sharing
+from .comm import CommError, Transport, deepcopy_sharing, member_size_rank
 from .gather import gather_backward, gather_forward
 from .plan import ShardPlan
 from .ring import (KernelOptions, RingPeers, accum_dtype, requested_steps_per_launch, ring_backward,
@@ -43,12 +43,6 @@ LABEL = "fa4dist context parallel"
 _FRAME = 4096  # bytes of one rank's frame in the agreement check's exchange (Transport.all_gather_bytes)
 
 
-def _group_size_rank(group) -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("a process group was given but torch.distributed is not initialized")
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def _resolve_mesh(mesh):
@@ -231,15 +225,15 @@ class ContextParallel:
         self.group, self.ulysses_group, self.ring_group = group, ulysses_group, ring_group
         self.grid = ulysses_group is not None
         if self.grid:
-            u, self._uly_rank = _group_size_rank(ulysses_group)
-            r, self._ring_rank = _group_size_rank(ring_group)
+            u, self._uly_rank = member_size_rank(ulysses_group, "ulysses_group")
+            r, self._ring_rank = member_size_rank(ring_group, "ring_group")
             self.cp_size, self.cp_rank = u * r, self._ring_rank * u + self._uly_rank
             if strategy not in ("auto", "hybrid"):
                 raise ValueError(f"two process groups (or a 2-D mesh) mean strategy='hybrid', got {strategy!r}")
             if ulysses_degree is not None and ulysses_degree != u:
                 raise ValueError(f"ulysses_degree={ulysses_degree} disagrees with the ulysses group's size {u}")
         elif group is not None:
-            self.cp_size, self.cp_rank = _group_size_rank(group)
+            self.cp_size, self.cp_rank = member_size_rank(group, "group")
         else:
             self.cp_size, self.cp_rank = 1, 0
         if ulysses_degree is not None and not self.grid and self.cp_size > 1:
@@ -281,7 +275,7 @@ class ContextParallel:
 
     @staticmethod
     def _group_size(group) -> int:
-        return _group_size_rank(group)[0]
+        return member_size_rank(group)[0]
 
     def degree(self, heads_q: int, heads_kv: int, plan: ShardPlan) -> int:
         """The Ulysses degree u of this call (1: ring only; cp: Ulysses only); raises if the heads forbid it."""

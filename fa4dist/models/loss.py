@@ -39,12 +39,10 @@ def _member_group(group, name: str):
     """(process group, its size) of a group argument (a DeviceMesh resolved; None stays None, the default group
     where it means that); a group this rank is not a member of is refused (it has size -1: was a silent local
     result)."""
+    from fa4dist.context_parallel.comm import member_size_rank
+
     group = _process_group(group)
-    size = dist.get_world_size(group)
-    if size < 1 or dist.get_rank(group) < 0:
-        raise ValueError(f"{name} is a process group that this rank (global rank {dist.get_rank()}) is not a member "
-                         "of; pass the group this rank belongs to")
-    return group, size
+    return group, member_size_rank(group, name)[0]
 
 
 def _next_call(function: str, group) -> int:

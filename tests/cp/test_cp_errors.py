@@ -624,3 +624,28 @@ def test_single_rank_plan_is_refused_alike_on_a_group(pool):
         assert ctor_kind == "ValueError" and "plan is for cp_size=1 but the module's group has 2" in ctor, ctor
         for kind, message in uses:
             assert kind == "TypeError" and "SingleRankPlan is a plan for cp size 1 only" in message, message
+
+
+def outsider_case(rank, world):
+    """Ranks 2 and 3 build attention on the group of ranks 0 and 1 (new_group gives them a placeholder whose size
+    and rank are -1): the error each construction raises there."""
+    from fa4dist.context_parallel import context_parallel_attention
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    if rank < 2:
+        return None
+    q = torch.randn(1, 4, 2, 8)
+    return [_error(build)[:2] for build in (
+        lambda: FA4ContextParallelAttention(GROUPS[2]),
+        lambda: FA4ContextParallelAttention(ulysses_group=GROUPS[2], ring_group=GROUPS["ring"]),
+        lambda: FA4ContextParallelAttention(ulysses_group=GROUPS["ulysses"], ring_group=GROUPS[2]),
+        lambda: context_parallel_attention(q, q, q, None, GROUPS[2]),
+    )]
+
+
+def test_a_group_without_this_rank_is_refused_at_construction(pool):
+    """Was a module of cp_size -1 and cp_rank -1, whose make_plan, shard and call then failed on other names."""
+    for rank, errors in enumerate(pool.run(outsider_case)[2:], start=2):
+        expected = [("ValueError", f"{name} is a process group that this rank (global rank {rank}) is not a member of")
+                    for name in ("group", "ulysses_group", "ring_group", "group")]
+        assert [(kind, message.split(";")[0]) for kind, message in errors] == expected, errors
