@@ -8,13 +8,15 @@
 
 On GPUs each rank takes its own device with NCCL; with more ranks than GPUs (one H200, N > 1) the ranks share the
 device over gloo and the transport stages tensors through pinned host memory.  Prints the strategy, the balance
-report, tokens/s, peak memory per rank and the max error against the single-process result (rank 0 computes it).
+report, tokens/s, peak memory per rank and the max error against the single-process result (every rank
+computes it, so that every rank exits with the verdict).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import random
 import socket
@@ -67,8 +69,8 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--docs {args.docs} needs at least as many tokens (--seqlen {args.seqlen})")
     if args.heads % args.kv_heads:
         p.error(f"--kv-heads ({args.kv_heads}) must divide --heads ({args.heads})")
-    if not args.timeout > 0:
-        p.error(f"--timeout must be positive seconds, got {args.timeout}")
+    if not 0 < args.timeout < math.inf:  # (the module refuses inf too, but only once every rank has started)
+        p.error(f"--timeout must be a positive, finite number of seconds, got {args.timeout}")
 
 
 class _Progress:

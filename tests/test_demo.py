@@ -48,7 +48,9 @@ def test_demo_self_launched_packed_ulysses():
     (["--docs", "500", "--seqlen", "128"], "--docs 500 needs at least as many tokens"),
     (["--docs", "4", "--batch", "2"], "--batch applies to the one-sequence mode"),
     (["--kv-heads", "3"], "--kv-heads \\(3\\) must divide --heads \\(8\\)"),
-    (["--timeout", "-1"], "--timeout must be positive seconds"),
+    (["--timeout", "-1"], "--timeout must be a positive, finite number of seconds, got -1"),
+    (["--timeout", "inf"], "--timeout must be a positive, finite number of seconds, got inf"),
+    (["--timeout", "nan"], "--timeout must be a positive, finite number of seconds, got nan"),
 ])
 def test_demo_refuses_sizes_it_cannot_run_by_name(bad, message, capsys):
     from fa4dist import demo
