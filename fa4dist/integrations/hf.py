@@ -502,14 +502,18 @@ def hf_llama_config(config, **extra):
 
 
 def to_hf_llama(model, attn_implementation: str = NAME):
-    """A ``LlamaForCausalLM`` with ``model``'s weights (an :class:`fa4dist.models.FA4Llama`)."""
+    """A ``LlamaForCausalLM`` with ``model``'s weights (an :class:`fa4dist.models.FA4Llama`), on the device and in
+    the dtype of its parameters (the weights copied exactly)."""
     from transformers import LlamaForCausalLM
 
     if attn_implementation == NAME and NAME not in _SETTINGS:
         register()
     cfg = hf_llama_config(model.config)
-    hf = LlamaForCausalLM(cfg, attn_implementation=attn_implementation) if _accepts_attn_kwarg() else \
-        LlamaForCausalLM(cfg)
+    first = next(model.parameters())
+    with torch.device(first.device):  # built where the weights are, whatever the default device
+        hf = LlamaForCausalLM(cfg, attn_implementation=attn_implementation) if _accepts_attn_kwarg() else \
+            LlamaForCausalLM(cfg)
+    hf = hf.to(first.dtype)  # before the weights go in: loading fp64 weights into fp32 parameters rounds them
     hf.set_attn_implementation(attn_implementation) if hasattr(hf, "set_attn_implementation") else None
     ours = {k: v for k, v in model.state_dict().items()}
     theirs = hf.state_dict()
@@ -520,7 +524,7 @@ def to_hf_llama(model, attn_implementation: str = NAME):
             raise KeyError(f"no fa4dist parameter for {k}")
         mapped[k] = ours[src]
     hf.load_state_dict(mapped)
-    return hf.to(next(model.parameters()).dtype)
+    return hf
 
 
 def _accepts_attn_kwarg() -> bool:

@@ -347,6 +347,23 @@ def test_fa4dist_model_converts_to_hf_llama():
     torch.testing.assert_close(mine, stock, rtol=1e-5, atol=1e-5)
 
 
+def test_to_hf_llama_copies_the_weights_exactly_where_they_are():
+    """An fp64 model's weights went through the HF model's fp32 parameters (rounded, then cast back), and the HF
+    model was built on the default device, not the source's (a CUDA model gave a CPU one)."""
+    torch.manual_seed(5)
+    ours = FA4Llama(get_config("tiny")).double()
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(torch.randn_like(p) * 1e-9)  # below fp32's resolution at these magnitudes
+    with torch.device("meta"):  # a default device other than the model's
+        hf = to_hf_llama(ours)
+    theirs = dict(hf.named_parameters())
+    assert len(theirs) == len(dict(ours.named_parameters()))
+    for name, p in ours.named_parameters():
+        q = theirs.get(name if name == "lm_head.weight" else f"model.{name}")
+        assert q is not None and q.device == p.device and q.dtype == p.dtype and torch.equal(q, p), name
+
+
 def test_output_attentions_warns_that_no_weights_come_back(model):
     ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(4))
     model.set_attn_implementation(NAME)
