@@ -391,3 +391,14 @@ def test_tiled_loss_refuses_labels_it_cannot_use(labels, error, message):
 
     with pytest.raises(error, match=message):
         tiled_cp_cross_entropy(torch.randn(6, 4), torch.randn(10, 4), labels)
+
+
+@pytest.mark.gpu
+def test_to_hf_llama_keeps_a_cuda_model_on_its_device():
+    """The HF model of a CUDA bf16 FA4Llama is built on that device in that dtype, with the same weights."""
+    ours = FA4Llama(get_config("tiny")).to("cuda", torch.bfloat16)
+    hf = to_hf_llama(ours)
+    theirs = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        q = theirs.get(name if name == "lm_head.weight" else f"model.{name}")
+        assert q is not None and q.device == p.device and q.dtype == p.dtype and torch.equal(q, p), name

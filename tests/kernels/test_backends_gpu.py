@@ -155,3 +155,18 @@ def test_backward_deterministic_bitwise(backend):
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_flash", "cute"])
+def test_packed_window_call_without_tokens(backend):
+    """A packed sliding-window call whose documents are all empty (cu_seqlens [0, 0]): empty out / lse and empty
+    gradients, no error (the sdpa path's non-finite guard sliced a first token that was not there)."""
+    if backend not in available_backends():
+        pytest.skip(f"{backend} not available")
+    cu = torch.tensor([0, 0], dtype=torch.int32, device="cuda")
+    q, k, v = _tensors((0, 4, 64), (0, 2, 64), torch.bfloat16)
+    kw = dict(causal=True, window=(16, 0), cu_seqlens_q=cu, cu_seqlens_k=cu)
+    out, lse = attention_forward(q, k, v, backend=backend, **kw)
+    assert out.shape == (0, 4, 64) and lse.shape == (4, 0)
+    grads = attention_backward(torch.zeros_like(out), q, k, v, out, lse, backend=backend, **kw)
+    assert [tuple(g.shape) for g in grads[:3]] == [(0, 4, 64), (0, 2, 64), (0, 2, 64)]
