@@ -298,6 +298,12 @@ def _as_float(value) -> float:
         return math.inf if value > 0 else -math.inf
 
 
+def _finite(x) -> bool:
+    """math.isfinite(x) written with comparisons, which torch.compile can trace on a symbolic float (it hands a
+    float argument whose value changed between calls over as a SymFloat; math.isfinite breaks its graph)."""
+    return x == x and -math.inf < x < math.inf
+
+
 def _shown(value, as_float: float):
     """The value for an error message: as given, unless an int too large to print usefully."""
     if isinstance(value, numbers.Integral) and not math.isfinite(as_float):
@@ -311,7 +317,7 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     if not _is_real(softmax_scale):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
     scale = _as_float(softmax_scale)
-    if not math.isfinite(scale) or scale == 0.0:
+    if not _finite(scale) or scale == 0.0:
         raise ValueError(f"softmax_scale must be finite and non-zero, got {_shown(softmax_scale, scale)}")
     return scale
 
@@ -373,7 +379,7 @@ def check_softcap(softcap) -> Optional[float]:
     if not _is_real(softcap):
         raise TypeError(f"softcap must be a float > 0 or None, got {type(softcap).__name__}")
     cap = _as_float(softcap)
-    if not (math.isfinite(cap) and cap > 0):
+    if not (_finite(cap) and cap > 0):
         raise ValueError(f"softcap must be finite and > 0, or None for no capping (flash-attn's 0.0 is None here), "
                          f"got {_shown(softcap, cap)}")
     return cap

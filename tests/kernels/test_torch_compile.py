@@ -116,6 +116,29 @@ def test_return_lse_and_bad_input_under_compile():
             torch.compile(lambda *t: fa4dist.attention(*t, backend="reference", **kwargs), backend="aot_eager")(*args)
 
 
+def test_changing_softcap_and_scale_values_under_fullgraph():
+    """One compiled function called with other softcap / softmax_scale values: dynamo hands a float whose value
+    changed over as a SymFloat, which the checks' math.isfinite could not trace (fullgraph=True failed). The bytes
+    are the eager call's at every value; a numpy scalar (traced as an array of unknown value) is refused by name."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 24, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+
+    def f(q, k, v, cap, scale):
+        return fa4dist.attention(q, k, v, causal=True, softcap=cap, softmax_scale=scale)
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    for cap, scale in ((2.0, 0.3), (3.0, 0.3), (3.0, 0.5), (5, 1), (None, 0.25)):
+        assert torch.equal(compiled(q, k, v, cap, scale), f(q, k, v, cap, scale)), (cap, scale)
+    with pytest.raises(Exception, match="softcap: under torch.compile pass a Python float"):
+        compiled(q, k, v, np.float32(4.0), 0.3)
+    lenient = torch.compile(f, backend="aot_eager")  # without fullgraph the call runs eagerly behind a break
+    assert torch.equal(lenient(q, k, v, np.float32(4.0), 0.3), f(q, k, v, 4.0, 0.3))
+    with pytest.raises(Exception, match="softcap must be finite and > 0"):
+        compiled(q, k, v, -1.5, 0.3)
+
+
 def test_the_entry_points_that_are_not_ops_run_eagerly():
     """cp_invariant, the in-place contract and the module: one graph break each, the eager bytes."""
     x, w, _ = _inputs((1, 32))
