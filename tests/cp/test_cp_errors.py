@@ -230,6 +230,18 @@ def test_sinks_that_take_a_gradient_on_one_rank_only_fail_naming_grad(pool):
         assert elapsed < 20, elapsed
 
 
+def fresh_grid_groups(rank) -> dict:
+    """Fresh groups of a 4-rank 2 x 2 grid (every rank makes them all, in the same order): this rank's "ulysses"
+    ({0, 1} or {2, 3}), "ring" ({0, 2} or {1, 3}) and "all" group."""
+    groups = {}
+    for name, sets in (("ulysses", ([0, 1], [2, 3])), ("ring", ([0, 2], [1, 3])), ("all", ([0, 1, 2, 3],))):
+        for ranks in sets:
+            g = fresh_group(ranks)
+            if rank in ranks:
+                groups[name] = g
+    return groups
+
+
 def long_error_case(rank, world, grid):
     """Rank 1's input check fails with a message that is far longer once JSON-encoded than as text (quotes,
     newlines, non-ASCII): its frame of the agreement exchange must still fit, so every rank fails at once with the
@@ -239,12 +251,7 @@ def long_error_case(rank, world, grid):
     from fa4dist.context_parallel.core import ContextParallel
     from fa4dist.modules import FA4ContextParallelAttention
 
-    groups = {}
-    for name, sets in (("ulysses", ([0, 1], [2, 3])), ("ring", ([0, 2], [1, 3])), ("all", ([0, 1, 2, 3],))):
-        for ranks in sets:
-            g = fresh_group(ranks)
-            if rank in ranks:
-                groups[name] = g
+    groups = fresh_grid_groups(rank)
     if grid:
         module = FA4ContextParallelAttention(ulysses_group=groups["ulysses"], ring_group=groups["ring"],
                                              backend="reference", timeout=8)
@@ -327,12 +334,7 @@ def functional_bad_option_case(rank, world, kind):
     objects on its groups out of step."""
     from fa4dist.context_parallel import context_parallel_attention, make_plan
 
-    groups = {}
-    for name, sets in (("ulysses", ([0, 1], [2, 3])), ("ring", ([0, 2], [1, 3])), ("all", ([0, 1, 2, 3],))):
-        for ranks in sets:
-            g = fresh_group(ranks)
-            if rank in ranks:
-                groups[name] = g
+    groups = fresh_grid_groups(rank)
     kw = dict(backend="reference", timeout=8)
     if kind == "grid":
         kw.update(ulysses_group=groups["ulysses"], ring_group=groups["ring"])
