@@ -120,29 +120,6 @@ def test_shared_queries_is_none_without_a_backend_that_shares_and_refuses_cp_inv
             attention_backward_items(dout, q, k, v, out, lse, items, *grads, backend="reference", shared=handle, **kw)
 
 
-def test_share_queries_checks_what_it_shares():
-    """share_queries checks dout, out and lse as the work lists do (it handed them unchecked to the backend's shared
-    query side, and on a backend without one returned None for any of them), and its deterministic flag; a q that
-    is not a tensor is named (it was an AttributeError)."""
-    from fa4dist.kernels.worklist import share_queries
-
-    q = torch.randn(1, 12, 2, 8)
-    dout, out, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(1, 2, 12)
-    for args, err, match in (((None, q, out, lse), ValueError, "share_queries .* needs dout"),
-                             ((dout, q, out[:, :5], lse), ValueError, r"out must have shape \(1, 12, 2, 8\)"),
-                             ((dout, q, out, lse.double()), TypeError, "lse must have dtype torch.float32"),
-                             ((dout.half(), q, out, lse), TypeError, "dout must have dtype torch.float32"),
-                             ((dout[0], q[0], out[0], lse[0].T), ValueError, r"lse must have shape \(2, 12\)"),
-                             ((dout, "q", out, lse), ValueError, "q must be packed .* or dense")):
-        with pytest.raises(err, match=match):
-            share_queries(*args, backend="reference")
-    with pytest.raises(TypeError, match="deterministic must be a bool or None, got str"):
-        share_queries(dout, q, out, lse, deterministic="yes", backend="reference")
-    with pytest.raises(TypeError, match="deterministic must be a bool or None, got int"):  # before any item
-        attention_backward_items(dout, q, q, q, out, lse, [], torch.zeros_like(q), None, None, deterministic=1)
-    assert share_queries(dout, q, out, lse, backend="reference") is None
-
-
 def _random_list(rng, n_rows, n_keys, count):
     """Items over random (often overlapping) query rows, some without keys, causal or windowed or full."""
     items = []
