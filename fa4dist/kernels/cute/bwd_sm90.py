@@ -637,7 +637,7 @@ class FlashBwdSm90:
                         clean = self.tile_clean(io, m, vec_idx, rng)
                         io.pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
                         if self.step_sanitized(m, rng, seqlen, clean):
-                            self.land_q_do(io, tiles, q_state, m, vec_idx, n_sanitized, q_empty_waited=True)
+                            self.land_q_do(io, tiles, q_state, m, vec_idx, n_sanitized)
                             n_sanitized = n_sanitized + 1
                         else:
                             self.load_q_do(io, tiles, q_state, m, vec_idx, q_empty_waited=True)
@@ -668,15 +668,13 @@ class FlashBwdSm90:
             cute.copy(bulk_atom, gDps_all[None, vec_idx], io.sDpsum[None, q_state.index], mbar_ptr=bar_do)
 
     @cute.jit
-    def land_q_do(self, io: Context, tiles, q_state, m: Int32, vec_idx: Int32, n_sanitized: Int32,
-                  q_empty_waited: cutlass.Constexpr[bool] = False):
-        """load_q_do for a sanitized step: the tiles land on the sanitizer's barriers (stage n_sanitized % stages),
-        and the sanitizer completes pipe_q / pipe_do of q_state's stage once it has checked them."""
+    def land_q_do(self, io: Context, tiles, q_state, m: Int32, vec_idx: Int32, n_sanitized: Int32):
+        """load_q_do for a sanitized step (the caller waited for pipe_q's stage to be free): the tiles land on the
+        sanitizer's barriers (stage n_sanitized % stages), and the sanitizer completes pipe_q / pipe_do of q_state's
+        stage once it has checked them."""
         tQgQ, tQsQ, tdOgdO, tdOsdO, gLSE_all, gDps_all, bulk_atom = tiles
         ns = self.num_stages
         land, phase = n_sanitized % ns, 1 - (n_sanitized // ns) % 2
-        if const_expr(not q_empty_waited):
-            io.pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
         io.pipe_qland.sync_object_empty.wait(land, phase)
         io.pipe_qland.sync_object_full.arrive(land, None)  # arms the landing barrier with the bytes
         bar_q = io.pipe_qland.sync_object_full.get_barrier(land)
