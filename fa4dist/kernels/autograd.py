@@ -123,7 +123,6 @@ def attention(
             raise ValueError("cp_invariant=True does not support sinks yet (pass sinks=None)")
         out, lse = _invariant_attention(q, k, v, mask_kwargs, backend)
     elif torch.compiler.is_compiling():  # traced by torch.compile: the same calls as torch custom ops
-        torch_ops.check_traceable_scalars(mask_kwargs)
         out, lse = torch_ops.compiled_attention(q, k, v, sinks, mask_kwargs, backend, deterministic)
     else:
         out, lse = _AttentionFunction.apply(q, k, v, sinks, mask_kwargs, backend, deterministic)

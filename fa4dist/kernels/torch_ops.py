@@ -138,6 +138,7 @@ def check_traceable_scalars(mask_kwargs: dict) -> None:
 def compiled_attention(q, k, v, sinks, mask_kwargs: dict, backend: str, deterministic: Optional[bool]):
     """(out, lse) through the ops: what :func:`fa4dist.attention` runs while torch.compile traces it. The checks
     that read no tensor's values run here, at trace time, as the eager call runs them; the rest when the op runs."""
+    check_traceable_scalars(mask_kwargs)
     cu_q = mask_kwargs["cu_seqlens_q"]
     check_layout(q, k, v, sinks=sinks, cu_seqlens_q=cu_q, cu_seqlens_k=mask_kwargs["cu_seqlens_k"],
                  **{n: mask_kwargs[n] for n in ("causal", "window", "softcap", "softmax_scale")})
