@@ -175,6 +175,8 @@ def check_common_args(p: argparse.ArgumentParser, args, models=()) -> None:
         p.error(f"--grad-clip must be >= 0 (0: no clipping), got {args.grad_clip}")
     if args.metrics_out and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics_out))):
         p.error(f"--metrics-out {args.metrics_out!r}: its directory does not exist")
+    if args.metrics_out and os.path.isdir(args.metrics_out):  # rank 0 failed to open it once the run was set up
+        p.error(f"--metrics-out {args.metrics_out!r} is a directory; give a file to append the JSON lines to")
 
 
 def check_checkpoint_args(p: argparse.ArgumentParser, args) -> None:

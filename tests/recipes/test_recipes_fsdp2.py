@@ -135,6 +135,7 @@ def test_stop_at_out_of_range_is_refused(capsys):
     (["--cp", "2", "--strategy", "ring", "--ulysses-degree", "2"], "--ulysses-degree 2 contradicts it"),
     (["--cp", "4", "--strategy", "ulysses", "--ulysses-degree", "2"], "--ulysses-degree must be --cp (4), got 2"),
     (["--metrics-out", "/nonexistent-dir/m.jsonl"], "its directory does not exist"),
+    (["--metrics-out", "."], "--metrics-out '.' is a directory; give a file"),
     (["--grad-clip", "-1"], "--grad-clip must be >= 0 (0: no clipping), got -1.0"),
     (["--lr", "inf"], "--lr must be finite and >= 0, got inf"),
     (["--lr", "-0.001"], "--lr must be finite and >= 0, got -0.001"),
