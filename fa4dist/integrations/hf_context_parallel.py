@@ -24,11 +24,11 @@ How it works:
   back the model's previous attention.
 - ``shard_batch`` takes what ``DataCollatorWithFlattening`` makes (``input_ids``, ``labels``, ``position_ids`` of
   shape (1, T); documents start where ``position_ids`` do not continue by one, or at ``cu_seq_lens_q`` when the
-  collator gives them), builds the LPT plan of the documents (:func:`fa4dist.context_parallel.make_plan`) and
-  returns this rank's ``input_ids`` and ``position_ids`` (the global positions, for RoPE), ``shift_labels`` (the
-  labels shifted by one token *before* sharding, so no target is lost at a shard edge), ``use_cache=False`` and the
-  plan (under :data:`PLAN_KEY`), which transformers hands to every attention call.  The cp ranks must hold the
-  same batch; a checksum exchange makes a disagreement an error.
+  collator gives them, which must then agree with the positions), builds the LPT plan of the documents
+  (:func:`fa4dist.context_parallel.make_plan`) and returns this rank's ``input_ids`` and ``position_ids`` (the
+  global positions, for RoPE), ``shift_labels`` (the labels shifted by one token *before* sharding, so no target is
+  lost at a shard edge), ``use_cache=False`` and the plan (under :data:`PLAN_KEY`), which transformers hands to
+  every attention call.  The cp ranks must hold the same batch; a checksum exchange makes a disagreement an error.
 - The attention function runs :class:`fa4dist.modules.FA4ContextParallelAttention` on the local query, key and
   value (GQA kept), with the layer's softmax scale, sliding window (Mistral, Gemma 2/3, GPT-OSS: on global
   positions within each document, so windows cross shard edges) and logit soft-capping (Gemma 2), one module per
@@ -291,7 +291,9 @@ class ContextParallelHandle:
 
     def document_boundaries(self, batch) -> torch.Tensor:
         """cu_seqlens (int64) of a packed batch: ``cu_seq_lens_q`` if given, else where ``position_ids`` do not
-        continue by one (transformers' own rule), else one document."""
+        continue by one (transformers' own rule), else one document.  Given both, positions that restart must do so
+        at the same documents (as the single-process attention requires); positions that run on through the row
+        (``torch.arange``) leave the documents to ``cu_seq_lens_q``."""
         ids = batch["input_ids"]
         total = ids.shape[-1]
         def integers(key):  # (a float tensor would be truncated by .long(), silently)
@@ -299,6 +301,11 @@ class ContextParallelHandle:
             check_integer_dtype(f"batch[{key!r}]", t)
             return t.long().cpu()
 
+        from_positions = None
+        if batch.get("position_ids") is not None:
+            pos = torch.as_tensor(batch["position_ids"]).reshape(-1).cpu()
+            starts = torch.nonzero(torch.diff(pos) != 1).flatten() + 1
+            from_positions = torch.cat([torch.zeros(1, dtype=torch.long), starts, torch.tensor([total])])
         cu = batch.get("cu_seq_lens_q")
         if cu is not None:
             cu = integers("cu_seq_lens_q")
@@ -306,13 +313,12 @@ class ContextParallelHandle:
                 raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; a packed batch has one set of documents")
             if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total or bool((cu[1:] < cu[:-1]).any()):
                 raise ValueError(f"cu_seq_lens_q must rise from 0 to the {total} tokens, got {cu.tolist()[:8]}...")
+            if from_positions is not None and from_positions.numel() > 2 and not torch.equal(from_positions, cu):
+                raise ValueError(f"cu_seq_lens_q {cu.tolist()[:8]}... disagrees with the documents of position_ids "
+                                 f"(they start where a position does not continue the one before by one: "
+                                 f"{from_positions.tolist()[:8]}...); a packed batch has one set of documents")
             return cu
-        pos = batch.get("position_ids")
-        if pos is None:
-            return torch.tensor([0, total])
-        pos = torch.as_tensor(pos).reshape(-1).cpu()
-        starts = torch.nonzero(torch.diff(pos) != 1).flatten() + 1
-        return torch.cat([torch.zeros(1, dtype=torch.long), starts, torch.tensor([total])])
+        return from_positions if from_positions is not None else torch.tensor([0, total])
 
     def make_plan(self, cu_seqlens) -> ShardPlan:
         """The plan for a packed stream of documents (cu_seqlens) over this handle's cp group (costed with the

@@ -561,3 +561,12 @@ def test_documents_from_flash_kwargs_or_position_ids_agree():
             bad = dict(flash, **{key: flash[key].double() + 0.5})
             with pytest.raises(TypeError, match=rf"batch\['{key}'\] must hold integers, got dtype torch.float64"):
                 handle.shard_batch(bad)
+        # cu_seq_lens that contradict position_ids (one document where the positions restart twice) ran the
+        # documents as one, silently (the single-process attention refuses them: "disagrees")
+        one = torch.tensor([0, sum(LENGTHS)], dtype=torch.int32)
+        with pytest.raises(ValueError, match=r"cu_seq_lens_q \[0, 81\]\.\.\. disagrees with the documents of "
+                                             r"position_ids .*\[0, 23, 64, 81\]"):
+            handle.shard_batch(dict(flash, cu_seq_lens_q=one, cu_seq_lens_k=one))
+        # positions that run on through the row leave the documents to cu_seq_lens (as in one process)
+        running = dict(flash, position_ids=torch.arange(sum(LENGTHS))[None])
+        assert torch.equal(handle.document_boundaries(running), want)
