@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from fa4dist.data.tokenizer import VOCAB_SIZE
-from fa4dist.kernels.problem import check_int
+from fa4dist.kernels.problem import check_bool, check_int, type_name
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class ModelConfig:
             if not math.isfinite(value) or (value <= 0 if minimum is None else value < minimum):
                 raise ValueError(f"{name} must be finite and {'> 0' if minimum is None else f'>= {minimum}'}, "
                                  f"got {value}")
+        check_bool("tie_embeddings", self.tie_embeddings)  # "no" or 1 tied the LM head to the embedding silently
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}) (GQA)")
         if self.head_dim is None and self.dim % self.n_heads:
@@ -75,6 +76,8 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def get_config(name: str, **overrides) -> ModelConfig:
+    if not isinstance(name, str):  # a list was an unhashable-type TypeError from the dict lookup
+        raise TypeError(f"model size must be a preset name (one of {sorted(PRESETS)}), got {type_name(name)}")
     try:
         cfg = PRESETS[name]
     except KeyError:

@@ -90,6 +90,8 @@ def test_config_checks_and_presets():
         ModelConfig(n_heads=4, n_kv_heads=3)
     with pytest.raises(ValueError, match="model size"):
         get_config("huge")
+    with pytest.raises(TypeError, match=r"model size must be a preset name \(one of .*\), got list"):
+        get_config(["tiny"])
     sizes = {}
     for name, cfg in PRESETS.items():
         with torch.device("meta"):
@@ -109,6 +111,8 @@ def test_config_checks_and_presets():
     (dict(rope_theta=0.0), ValueError, "rope_theta must be finite and > 0"),
     (dict(norm_eps=-1e-5), ValueError, "norm_eps must be finite and >= 0"),
     (dict(init_std=float("nan")), ValueError, "init_std must be finite"),
+    (dict(tie_embeddings="no"), TypeError, "tie_embeddings must be a bool, got str"),
+    (dict(tie_embeddings=1), TypeError, "tie_embeddings must be a bool, got int"),
 ])
 def test_config_refuses_bad_sizes_by_name(kwargs, error, message):
     """A zero, negative or non-int size, or a bad float, names the field (it was a ZeroDivisionError, a torch
