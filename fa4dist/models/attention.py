@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fa4dist
+from fa4dist.kernels.problem import type_name
 
 
 def group_size(group) -> int:
@@ -29,7 +30,7 @@ def group_size(group) -> int:
 class LocalPackedAttention(nn.Module):
     """cp size 1: causal attention within each document of the plan, through the kernel contract.
 
-    The plan is anything with ``local_cu_seqlens(rank)`` (a cp-size-1 ``ShardPlan`` or a ``SingleRankPlan``); its
+    The plan is a cp-size-1 ``ShardPlan`` or a ``SingleRankPlan`` (anything else is refused by name); its
     device copy of cu_seqlens is kept for as long as the same plan comes back (every layer of one forward)."""
 
     def __init__(self, causal: bool = True, softmax_scale: Optional[float] = None,
@@ -45,6 +46,12 @@ class LocalPackedAttention(nn.Module):
             return None
         if self._cu_cache[0] is plan:
             return self._cu_cache[1]
+        from fa4dist.context_parallel import ShardPlan
+        from fa4dist.data.sharding import SingleRankPlan
+
+        if not isinstance(plan, (ShardPlan, SingleRankPlan)):  # cu_seqlens given as the plan: an AttributeError
+            raise TypeError("plan must be a sharding plan (model.make_plan, make_plan(cu_seqlens, 1) or a "
+                            f"SingleRankPlan) or None, got {type_name(plan)}")
         if getattr(plan, "cp_size", 1) != 1:  # its rank-0 segments would be attended alone: no other rank's keys
             raise ValueError(f"plan is for cp_size={plan.cp_size}, but this attention runs on one rank (no cp group); "
                              "make the plan with model.make_plan or make_plan(cu_seqlens, 1)")

@@ -191,6 +191,7 @@ class FA4Llama(nn.Module):
                                       backend=backend, cp_invariant=cp_invariant, **options)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
         core = attention_factory()
+        self.__dict__["_core"] = core  # unregistered (the layers hold it): attention_core of a model with no layers
         self.layers = nn.ModuleList(DecoderLayer(config, core) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = Linear(config.dim, config.vocab_size, bias=False)
@@ -214,7 +215,8 @@ class FA4Llama(nn.Module):
 
     @property
     def attention_core(self) -> nn.Module:
-        return self.layers[0].self_attn.core
+        # a model of n_layers=0 has no layer to ask (cp_size, make_plan were an IndexError)
+        return self.layers[0].self_attn.core if len(self.layers) else self._core
 
     @property
     def cp_size(self) -> int:
@@ -306,6 +308,8 @@ class FA4Llama(nn.Module):
             raise ValueError(f"tokens and positions must be 1-D of one length (one packed stream), got "
                              f"{tuple(tokens.shape)} and {tuple(positions.shape)}")
         self._check_token_ids(tokens)
+        if tokens.dtype not in (torch.int32, torch.int64):  # int8/uint8/int16 ids: the embedding takes int32/int64 only
+            tokens = tokens.long()
         # rotary embeddings at fractional positions were taken silently (a dtype check: no device sync)
         check_integer_dtype("positions", positions)
         if self.invariant_grads is not None:

@@ -272,3 +272,34 @@ def test_non_integer_positions_are_refused_by_name(positions):
     """Float positions were taken silently: rotary embeddings at fractional positions."""
     with pytest.raises(TypeError, match=f"positions must hold integers, got dtype {positions.dtype}"):
         _model()(torch.tensor([1, 2, 3, 4]), positions, SingleRankPlan([0, 4]))
+
+
+def test_narrow_integer_token_ids_are_taken():
+    """int8/uint8/int16 ids passed the id check, then failed deep in the embedding (it takes int32/int64 only)."""
+    model = _model()
+    tokens = torch.tensor([3, 250, 7, 0, 255])
+    want = model(tokens, torch.arange(5), SingleRankPlan([0, 5]))
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        got = model(tokens.to(dtype), torch.arange(5), SingleRankPlan([0, 5]))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    model.set_invariant_grads(True)
+    model(tokens.to(torch.uint8), torch.arange(5), SingleRankPlan([0, 5])).sum().backward()
+    model.invariant_grads.finish()
+    assert model.embed_tokens.weight.grad[tokens].abs().sum() > 0
+
+
+def test_a_model_without_layers_makes_plans():
+    """n_layers=0 is a valid config (embedding, norm, head); its cp_size and make_plan were an IndexError (they asked
+    the first layer for the attention core)."""
+    model = _model(TINY.with_(n_layers=0))
+    assert model.cp_size == 1 and model.cp_rank == 0
+    plan = model.make_plan(torch.tensor([0, 3, 8], dtype=torch.int32))
+    assert model(torch.arange(8), torch.tensor([0, 1, 2, 0, 1, 2, 3, 4]), plan).shape == (8, TINY.vocab_size)
+
+
+@pytest.mark.parametrize("plan", [[0, 5], torch.tensor([0, 5], dtype=torch.int32)])
+def test_a_plan_that_is_not_one_is_refused_by_name(plan):
+    """cu_seqlens given where the plan goes was an AttributeError ('list' object has no attribute
+    'local_cu_seqlens') from inside the attention."""
+    with pytest.raises(TypeError, match="plan must be a sharding plan .* got (list|torch.Tensor)"):
+        _model()(torch.arange(5), torch.arange(5), plan)
