@@ -27,7 +27,8 @@ from ..kernels.invariant import enabled as invariant_enabled
 from ..kernels.invariant import sum_group
 from ..kernels.merge import merge_sink_, sink_grad
 from ..kernels.problem import (
-    check_bool, check_mask, check_optional_bool, check_softcap, check_softmax_scale, check_window, validate_inputs,
+    check_bool, check_mask, check_optional_bool, check_softcap, check_softmax_scale, check_timeout, check_window,
+    validate_inputs,
 )
 from ..kernels.registry import get_backend
 from .comm import CommError, Transport, deepcopy_sharing, member_size_rank
@@ -205,8 +206,7 @@ class ContextParallel:
             get_backend(backend)  # a name the registry does not know fails here, not on the first call
         if softmax_scale is not None:
             check_softmax_scale(softmax_scale, 1)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-            raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+        check_timeout(timeout)
         if ulysses_degree is not None and (isinstance(ulysses_degree, bool) or not isinstance(ulysses_degree, int)
                                            or ulysses_degree < 1):
             raise ValueError(f"ulysses_degree must be a positive int or None, got {ulysses_degree!r}")

@@ -366,6 +366,13 @@ def check_int(name: str, value, minimum: Optional[int] = None) -> int:
     return value
 
 
+def check_timeout(timeout, name: str = "timeout") -> float:
+    """A wait's limit: a positive, finite number of seconds (a bool, NaN, 0 or a negative one is refused)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < math.inf:
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
 def check_mask(causal, window) -> Mask:
     """The canonical :class:`~fa4dist.kernels.mask.Mask` of ``causal`` and ``window``, or a clear error."""
     check_bool("causal", causal)

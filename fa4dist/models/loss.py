@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fa4dist.data.packing import IGNORE
+from fa4dist.kernels.problem import check_timeout
 
 _CALLS: dict = {}  # (function, group name) -> this rank's calls on the group so far
 
@@ -94,8 +95,12 @@ def label_counts(function: str, cp_group, inputs: Callable[[], tuple], timeout: 
     of several ranks, the counts and the calls' fingerprints go in one all-gather; a refused or differing call
     raises the same error on every rank.  ``cp_group`` None: this rank's tokens are the whole sequence."""
     group, size = (None, 1) if cp_group is None else _member_group(cp_group, "cp_group")
-    error, sig, count = None, None, 0
+    error, sig, count, wait = None, None, 0, 300.0
     try:
+        # a bad timeout was taken at cp 1, and at cp > 1 failed the exchange at once (as if a rank had not called:
+        # -1 or 0) or deep in it (float('x'), NaN); refused as any bad input, on every rank, the exchange waiting
+        # the default time
+        wait = check_timeout(timeout)
         labels, vocab, sig = inputs()
         count = _label_count(labels, vocab)
     except Exception as err:  # any error: the other ranks must not wait for this one
@@ -108,7 +113,7 @@ def label_counts(function: str, cp_group, inputs: Callable[[], tuple], timeout: 
     from fa4dist.context_parallel.core import raise_disagreement, signature_digest
 
     label = f"fa4dist {function}"
-    transport = Transport(group, timeout, label=label)
+    transport = Transport(group, wait, label=label)
     call = _next_call(function, group)
     rows = transport.all_gather_ints([count, signature_digest(sig), call, int(error is not None)],
                                      f"the label counts of {function} call {call}")
@@ -162,17 +167,25 @@ def reduce_value(value: torch.Tensor, group=None, op=dist.ReduceOp.SUM, *, timeo
         return value.detach().clone()
 
     if not (dist.is_available() and dist.is_initialized()):
+        check_timeout(timeout)
         return check(value)
     group, size = _member_group(group, "group")
     if size == 1:
+        check_timeout(timeout)
         return check(value)
     from fa4dist.context_parallel.comm import Transport
     from fa4dist.context_parallel.core import raise_disagreement, signature_digest
 
     label = "fa4dist reduce_value"
-    transport = Transport(group, timeout, label=label)
-    error, sig = None, None
+    error, sig, wait = None, None, 300.0
     try:
+        wait = check_timeout(timeout)  # a bad one: refused on every rank, the agreement check waiting the default
+    except ValueError as err:
+        error = err
+    transport = Transport(group, wait, label=label)
+    try:
+        if error is not None:
+            raise error
         value = check(value)
         if not isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
             raise TypeError(f"op must be a torch.distributed.ReduceOp, got {type(op).__name__}")

@@ -48,6 +48,17 @@ def test_bad_arguments_are_refused_by_name(logits, labels, error, message):
         cp_cross_entropy(logits, labels)
 
 
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), "60", True])
+def test_a_bad_timeout_is_refused_without_a_group(timeout):
+    """Taken silently at cp 1 (no wait), refused at cp > 1: checked alike at every size."""
+    from fa4dist.models import reduce_value
+
+    with pytest.raises(ValueError, match="timeout must be a positive, finite number of seconds"):
+        cp_cross_entropy(*_inputs(), timeout=timeout)
+    with pytest.raises(ValueError, match="timeout must be a positive, finite number of seconds"):
+        reduce_value(torch.ones(()), timeout=timeout)
+
+
 def test_integer_labels_of_any_width():
     """int32 labels (F.cross_entropy takes int64 or uint8 only) give the int64 labels' loss."""
     logits, labels = _inputs()
@@ -89,8 +100,9 @@ def _disagreeing(rank, world, case):
             labels[2] = VOCAB
         elif case == "grad":
             logits.requires_grad_()
+    timeout = -1 if case == "timeout" and rank == 1 else 60.0
     try:
-        cp_cross_entropy(logits, labels, GROUPS[2])
+        cp_cross_entropy(logits, labels, GROUPS[2], timeout=timeout)
     except (TypeError, ValueError) as err:
         return type(err).__name__, str(err)
     return None
@@ -102,6 +114,8 @@ def _disagreeing(rank, world, case):
     ("grad", "grad: rank 0 False, rank 1 True"),
     ("shape", r"rank 1 rejected its inputs: ValueError: logits must be 2-D .* got shape \(1, 6, 11\)"),
     ("label", r"rank 1 rejected its inputs: ValueError: labels hold 1 id\(s\) outside the vocabulary"),
+    # was a CommError on both ranks at once ("did every rank call it?"): the exchange itself waited -1 s
+    ("timeout", "rank 1 rejected its inputs: ValueError: timeout must be a positive, finite number of seconds, got -1"),
 ])
 def test_ranks_that_disagree_all_raise(pool, case, message):
     import re
@@ -155,7 +169,8 @@ def _reduce(rank, world, case):
     try:
         if case == "skip" and rank == 1:
             return None
-        return reduce_value(value, group, op, timeout=1.0 if case == "skip" else 60.0).tolist()
+        timeout = 1.0 if case == "skip" else 0 if case == "timeout" and rank == 1 else 60.0
+        return reduce_value(value, group, op, timeout=timeout).tolist()
     except (TypeError, ValueError, CommError) as err:
         return type(err).__name__, str(err)
 
@@ -180,5 +195,9 @@ def test_reduce_value_agreement_and_failures(pool):
     (kind0, text0), (kind1, text1) = pool.run(_reduce, case="not a tensor")[:2]
     assert text0 == text1 and "rank 1 rejected its inputs: TypeError: value must be a torch.Tensor, got float" in text0
     assert (kind0, kind1) == ("ValueError", "TypeError")  # rank 0 does not wait for rank 1's refused call
+    (kind0, text0), (kind1, text1) = pool.run(_reduce, case="timeout")[:2]  # rank 1's own wait was 0 s
+    assert (kind0, kind1) == ("ValueError", "ValueError") and text0 == text1, (text0, text1)
+    assert "rank 1 rejected its inputs: ValueError: timeout must be a positive, finite number of seconds, got 0" \
+        in text0
     kind, text = pool.run(_reduce, case="skip")[0]
     assert kind == "CommError" and "failed waiting for the agreement check of reduce_value call 1" in text, text
