@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from ..kernels.problem import check_int, check_integer_dtype, cu_seqlens_values
+from ..kernels.problem import check_int, check_integer_dtype, cu_seqlens_values, type_name
 from .tokenizer import ByteTokenizer
 
 IGNORE = -100
@@ -133,6 +133,22 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.arange(total, device=cu.device) - starts  # on cu_seqlens' device (a CUDA one too)
 
 
+def _token_ids(ids, index: int) -> torch.Tensor:
+    """A tokenizer's ids of ``documents[index]`` as int64: a flat sequence of integers (float ids were truncated
+    silently, nested lists packed a 2-D stream, a string failed deep in torch)."""
+    name = f"tokenizer.encode(documents[{index}])"
+    try:
+        t = torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(f"{name} must return a sequence of integer token ids, got {type_name(ids)}") from err
+    if t.numel() == 0:  # [] is a float tensor to torch
+        return torch.zeros(0, dtype=torch.long)
+    if t.dim() != 1:
+        raise ValueError(f"{name} must return a flat sequence of token ids, got shape {tuple(t.shape)}")
+    check_integer_dtype(name, t)
+    return t.long()
+
+
 class PackedTokenStream:
     """Documents concatenated into one token stream, cut into windows of ``seqlen`` tokens.
 
@@ -154,18 +170,15 @@ class PackedTokenStream:
             # a str has an encode method too: str.encode(text) took the text as a codec name (LookupError)
             raise TypeError("tokenizer must be a ByteTokenizer (or an object with an encode(text) method returning "
                             f"token ids) or None, got {type(tokenizer).__name__}")
-        tok = tokenizer
-        ids, doc_ids = [], []
+        pieces = []
         for i, text in enumerate(documents):
             if not isinstance(text, str):
                 raise TypeError(f"documents[{i}] must be a str, got {type(text).__name__}")
-            t = tok.encode(text)
-            ids.extend(t)
-            doc_ids.extend([i] * len(t))
-        if not ids:
+            pieces.append(_token_ids(tokenizer.encode(text), i))
+        if not sum(p.numel() for p in pieces):
             raise ValueError("no documents to pack")
-        tokens = torch.tensor(ids, dtype=torch.long)
-        docs = torch.tensor(doc_ids, dtype=torch.long)
+        tokens = torch.cat(pieces)
+        docs = torch.repeat_interleave(torch.arange(len(pieces)), torch.tensor([p.numel() for p in pieces]))
         # A corpus shorter than one window is repeated (each copy a separate document).
         copies = -(-(seqlen + 1) // tokens.numel())
         if copies > 1:

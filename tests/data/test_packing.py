@@ -153,3 +153,33 @@ def test_a_sample_with_bad_fields_is_refused_by_name(field, value, error, messag
 def test_a_good_sample_is_kept_as_given():
     s = Sample(**_fields())
     assert s.tokens.dtype == torch.int64 and s.to("cpu").labels.tolist() == list(range(1, 9))
+
+
+class _Ids:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def encode(self, text):
+        return self.ids
+
+
+@pytest.mark.parametrize("ids, error, message", [
+    ([1.5, 2.0], TypeError, r"tokenizer.encode\(documents\[0\]\) must hold integers, got dtype torch.float32"),
+    ([True, False], TypeError, r"tokenizer.encode\(documents\[0\]\) must hold integers, got dtype torch.bool"),
+    ([[1, 2], [3, 4]], ValueError, r"must return a flat sequence of token ids, got shape \(2, 2\)"),
+    ("xyz", TypeError, r"tokenizer.encode\(documents\[0\]\) must return a sequence of integer token ids, got str"),
+    (None, TypeError, "must return a sequence of integer token ids, got NoneType"),
+])
+def test_a_tokenizers_bad_ids_are_refused_by_name(ids, error, message):
+    """Float ids were truncated silently, nested lists made a 2-D stream (with document ids of another length), a
+    string failed inside torch ("too many dimensions 'str'")."""
+    with pytest.raises(error, match=message):
+        PackedTokenStream(["abc"], 4, tokenizer=_Ids(ids))
+
+
+def test_a_tokenizers_ids_may_be_a_tensor_and_empty():
+    tensor = PackedTokenStream(["a", "b"], 2, tokenizer=_Ids(torch.tensor([5, 6, 7], dtype=torch.int32)))
+    assert tensor.tokens.tolist() == [5, 6, 7, 5, 6, 7] and tensor.doc_ids.tolist() == [0, 0, 0, 1, 1, 1]
+    assert tensor.tokens.dtype == torch.int64
+    with pytest.raises(ValueError, match="no documents to pack"):
+        PackedTokenStream(["a"], 2, tokenizer=_Ids([]))
