@@ -7,7 +7,10 @@ ids above ``PAD`` are never produced.
 
 from __future__ import annotations
 
+import operator
 from typing import Iterable
+
+from ..kernels.problem import check_bool, type_name
 
 BOS = 256
 EOS = 257
@@ -22,6 +25,10 @@ class ByteTokenizer:
     vocab_size = VOCAB_SIZE
 
     def encode(self, text: str, *, bos: bool = True, eos: bool = True) -> list[int]:
+        if not isinstance(text, str):  # bytes or None were an AttributeError ('bytes' object has no 'encode')
+            raise TypeError(f"text must be a str, got {type_name(text)}")
+        check_bool("bos", bos)
+        check_bool("eos", eos)
         ids = list(text.encode("utf-8"))
         if bos:
             ids.insert(0, BOS)
@@ -31,4 +38,10 @@ class ByteTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Bytes back to text; special tokens are dropped, stray bytes decode with replacement characters."""
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+        values = []
+        for i in ids:
+            try:
+                values.append(operator.index(i))  # an int, a numpy or 0-d integer tensor id; 1.7 was read as byte 1
+            except TypeError:
+                raise TypeError(f"ids must be integer token ids, got {type_name(i)} {i!r}") from None
+        return bytes(i for i in values if 0 <= i < 256).decode("utf-8", errors="replace")

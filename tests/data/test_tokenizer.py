@@ -1,0 +1,35 @@
+"""fa4dist.data.tokenizer: the byte tokenizer's round trip and its refusal of what is not text or ids."""
+
+import pytest
+import torch
+
+from fa4dist.data.tokenizer import BOS, EOS, ByteTokenizer
+
+
+def test_special_tokens_and_stray_bytes():
+    tok = ByteTokenizer()
+    assert tok.encode("") == [BOS, EOS] and tok.encode("", bos=False, eos=False) == []
+    assert tok.decode(tok.encode("héllo 😀")) == "héllo 😀"
+    assert tok.decode(torch.tensor([97, 300, -1, 98])) == "ab"  # ids outside the bytes dropped, tensor ids taken
+    assert tok.decode([0xC3]) == "\ufffd"  # a stray byte: a replacement character
+
+
+@pytest.mark.parametrize("text", [b"abc", None, 5])
+def test_encode_refuses_what_is_not_text(text):
+    """bytes or None were an AttributeError ('bytes' object has no attribute 'encode')."""
+    with pytest.raises(TypeError, match=f"text must be a str, got {type(text).__name__}"):
+        ByteTokenizer().encode(text)
+
+
+def test_encode_flags_are_bools():
+    with pytest.raises(TypeError, match="bos must be a bool, got int"):
+        ByteTokenizer().encode("a", bos=0)
+    with pytest.raises(TypeError, match="eos must be a bool, got str"):
+        ByteTokenizer().encode("a", eos="no")
+
+
+@pytest.mark.parametrize("ids, shown", [([97, 1.7], "float 1.7"), (["a"], "str 'a'")])
+def test_decode_refuses_ids_that_are_not_integers(ids, shown):
+    """1.7 was read as byte 1 (int() truncates)."""
+    with pytest.raises(TypeError, match=f"ids must be integer token ids, got {shown}"):
+        ByteTokenizer().decode(ids)
