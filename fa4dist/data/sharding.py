@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..kernels.problem import type_name
+from ..kernels.problem import check_int, type_name
 from .packing import IGNORE, Sample, positions_from_cu_seqlens
 
 
@@ -36,8 +36,12 @@ class SingleRankPlan:
 
     @staticmethod
     def _check_rank(rank) -> None:
-        if rank not in (None, 0):
-            raise ValueError(f"a single-rank plan has only rank 0, got {rank!r}")
+        # None: the one rank (the identity needs no rank); else an int as a ShardPlan takes it (0.0 and False were
+        # taken here, refused at cp > 1)
+        if rank is not None:
+            check_int("rank", rank)
+            if rank != 0:
+                raise ValueError(f"a single-rank plan has only rank 0, got {rank!r}")
 
     def shard(self, x: torch.Tensor, seq_dim: int = 1, rank: Optional[int] = None) -> torch.Tensor:
         self._check_rank(rank)
@@ -107,6 +111,7 @@ def shard_sample(sample: Sample, plan, rank: int, device=None) -> LocalBatch:
                         f"make_sample_plan or a model's make_plan make), got {type_name(plan)}")
     device = device or sample.tokens.device
     if isinstance(plan, SingleRankPlan):
+        check_int("rank", rank)  # required as at cp > 1 (where None is refused: the rank is never guessed)
         plan._check_rank(rank)
         tokens = plan.shard(sample.tokens, seq_dim=0)  # a plan of another sample fails as at cp > 1
         return LocalBatch(tokens.to(device), sample.labels.to(device), sample.positions.to(device), plan, 0)

@@ -52,6 +52,12 @@ def test_a_single_rank_plan_has_rank_0_only_and_checks_its_boundaries():
     for rank in (1, -1):
         with pytest.raises(ValueError, match=f"a single-rank plan has only rank 0, got {rank}"):
             shard_sample(sample, plan, rank)
+    for rank in (0.0, False, None):  # 0.0 and False were taken at cp 1 (refused at cp > 1), None too
+        with pytest.raises(TypeError, match=f"rank must be an int, got {type(rank).__name__}"):
+            shard_sample(sample, plan, rank)
+    with pytest.raises(TypeError, match="rank must be an int, got float"):
+        plan.positions(0.0)
+    assert torch.equal(plan.positions(), plan.positions(0))  # the identity needs no rank
     with pytest.raises(ValueError, match="cu_seqlens needs at least 2 entries"):
         SingleRankPlan([])
     with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
