@@ -234,6 +234,10 @@ class FixedPointGrads:
         every rank, hence the same bits at every cp size, unlike a norm over shards."""
         if isinstance(divide_by, bool) or not isinstance(divide_by, (int, float)) or not 0 < divide_by < math.inf:
             raise ValueError(f"divide_by must be a positive number (the replicas' count), got {divide_by!r}")
+        if max_norm is not None:
+            _check_max_norm(max_norm)
+        if assign is not None and not callable(assign):
+            raise TypeError(f"assign must be a function (param, grad) or None, got {type(assign).__name__}")
         if self.retired:
             raise RuntimeError(f"this FixedPointGrads no longer receives the model's gradients: {self.retired} "
                                "retired it (finish the one model.invariant_grads holds)")
@@ -273,6 +277,13 @@ class FixedPointGrads:
         return norm
 
 
+def _check_max_norm(max_norm) -> None:
+    """A clipping norm: a number > 0 (inf: no clipping).  A negative one flipped every gradient's sign, NaN made
+    them NaN, 0 zeroed them: all silently."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"max_norm must be a number > 0 (None: no clipping), got {max_norm!r}")
+
+
 def clip_coefficient(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
     """min(1, max_norm / (total_norm + 1e-6)), on the device, as ``torch.nn.utils.clip_grad_norm_`` computes it."""
     return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
@@ -283,6 +294,7 @@ def clip_by_norm(params, max_norm: float, total_norm: torch.Tensor) -> None:
     """Scales the gradients by min(1, max_norm / (total_norm + 1e-6)), as ``torch.nn.utils.clip_grad_norm_`` does,
     with a norm given (FixedPointGrads.finish's): elementwise, so the shards of a gradient scale as it would whole.
     The coefficient stays on the device (no host sync); a DTensor gradient is scaled through its local shard."""
+    _check_max_norm(max_norm)
     coef = clip_coefficient(max_norm, total_norm)
     for p in params:
         if p.grad is not None:

@@ -270,3 +270,26 @@ def test_parameters_replaced_after_installation_are_refused():
     model(ids, torch.arange(70)).float().logsumexp(-1).sum().backward()
     model.invariant_grads.finish()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("max_norm", [-1.0, 0.0, float("nan"), True, "1"])
+def test_a_bad_max_norm_is_refused_before_the_sums_are_used(max_norm):
+    """A negative max_norm flipped every gradient's sign, NaN made them NaN, 0 zeroed them (silently); the refusal
+    comes before finish() consumes the step's sums, so a corrected call still gets them."""
+    from fa4dist.models import FA4Llama, get_config
+    from fa4dist.models.invariant_grads import clip_by_norm
+
+    torch.manual_seed(0)
+    model = FA4Llama(get_config("tiny"), None, backend="reference")
+    model.set_invariant_grads(True)
+    model(torch.arange(20), torch.arange(20)).float().logsumexp(-1).sum().backward()
+    with pytest.raises(ValueError, match=r"max_norm must be a number > 0 \(None: no clipping\), got "):
+        model.invariant_grads.finish(max_norm=max_norm)
+    with pytest.raises(TypeError, match="assign must be a function"):
+        model.invariant_grads.finish(assign=3)
+    norm = model.invariant_grads.finish(max_norm=1e-3)
+    assert norm > 1e-3 and all(p.grad is not None for p in model.parameters())
+    clipped = torch.stack([p.grad.double().norm() for p in model.parameters()]).norm()
+    assert abs(float(clipped) - 1e-3) < 1e-7
+    with pytest.raises(ValueError, match="max_norm must be a number > 0"):
+        clip_by_norm(list(model.parameters()), max_norm, norm)
