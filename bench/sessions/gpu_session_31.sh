@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Prepared in the thirtieth session (2026-12-04), results in bench/results/2026-12-04-thirtieth-*:
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_31.sh 1    (flash-attn-4 carried: --with-fa4;
+#   .kwt/base holds the previous commit's fa4dist, the baseline of the bits and timing comparisons)
+# 1: the forward's deferred V marks (defer_v_marks): the overlapped consumer marks a masked block's rows that see a
+#    non-finite V row after the block's PV instead of right after its softmax, where the wait for the V tile's
+#    landing and the sanitizer's scan sat before the next S GEMM. The twenty-ninth session measured the sanitizer's
+#    whole cost at 3-4% at 1k causal (fwd:sanitize=0), nothing at 4k. (a) the same bytes as the previous commit
+#    (bench/bits_vs_baseline.py, clean and poisoned inputs); (b) the non-finite and forward GPU suites; (c) causal
+#    1k / 4k forward, hdim 64 / 128, beside the previous commit (cute@baseline), cuDNN and flash-attn-4, 5 rounds;
+#    prediction: +1-3% at 1k (up to the sanitize=0 figure), 0 at 4k.
+set -u
+source "$(dirname "$0")/../stage.sh"
+export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s31 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
+bundle_folders_on_exit
+PYTEST="python3 -m pytest -q -p no:cacheprovider -rfE -m gpu"
+if [ "${1:-1}" = 1 ]; then
+  TAIL_LINES=45 stage bits 140 python3 bench/bits_vs_baseline.py .kwt/base
+  TAIL_LINES=4 stage tests_nonfinite 120 $PYTEST -n 8 tests/kernels/test_cute_nonfinite_gpu.py
+  TAIL_LINES=14 stage fwd_marks 170 python3 bench/kernels.py --headdims 64 128 --seqlens 1024 4096 --causal true \
+    --directions fwd --backends cute cudnn flash_attn_4 --baseline-dir .kwt/base --rounds 5 --out-dir "$OUT/fwd_marks"
+  TAIL_LINES=4 stage tests_fwd 110 $PYTEST -n 8 tests/kernels/test_cute_fwd_gpu.py
+  exit
+fi
