@@ -34,8 +34,8 @@ import torch
 
 from .api import attention_backward, attention_forward
 from .mask import Mask, visible_pairs
-from .problem import (OFFSET_LIMIT, AttentionProblem, check_bool, check_buffer, check_window, check_written,
-                      validate_inputs)
+from .problem import (OFFSET_LIMIT, AttentionProblem, check_bool, check_buffer, check_optional_bool, check_window,
+                      check_written, validate_inputs)
 from .registry import select_backend
 
 
@@ -115,6 +115,11 @@ def _check_whole_buffers(problem: AttentionProblem, what: str, running: dict, gr
         check_buffer(name, t, shapes[name], problem.device, dtypes or acc)
     for name, (t, shape) in grads.items():
         check_buffer(name, t, shape, problem.device, acc)
+
+
+def _forward_dtypes(problem: AttentionProblem) -> tuple[torch.dtype, ...]:
+    """The dtypes dout and out may come in: the inputs', or fp32 (fp64 for fp64 inputs) as a running result."""
+    return (problem.dtype, torch.float64 if problem.dtype == torch.float64 else torch.float32)
 
 
 def token_rows(t: Optional[torch.Tensor], dim: int, start: int, length: int, unsqueeze: bool) -> Optional[torch.Tensor]:
@@ -419,9 +424,16 @@ class SharedQueries:
 def share_queries(dout, q, out, lse, *, softmax_scale=None, softcap=None, deterministic=None,
                   backend: str = "auto") -> Optional[SharedQueries]:
     """A shared query side for backward work lists on these queries (dout, q, out, lse as the lists get them), or
-    None where the backend has none (every call then keeps its own, with the same result up to fp32 rounding)."""
-    packed = isinstance(q, torch.Tensor) and q.dim() == 3
-    seq_dim = 0 if packed else 1
+    None where the backend has none (every call then keeps its own, with the same result up to fp32 rounding).
+    dout and out have v's head dim (which may differ from q's)."""
+    check_optional_bool("deterministic", deterministic)
+    seq_dim, whole = _layout(q, q, q, softmax_scale=softmax_scale, softcap=softcap)
+    if isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[-1] > 0:  # no v here: out has its head dim
+        whole = replace(whole, head_dim_v=out.shape[-1])
+    given = _forward_dtypes(whole)
+    _check_whole_buffers(whole, "share_queries (the global forward result and its gradient, as the lists get them)",
+                         {"out": (out, given), "dout": (dout, given), "lse": (lse, None)}, {})  # out first: v's dim
+    packed = seq_dim == 0
     n = q.shape[seq_dim]
     if n == 0:
         return None
@@ -479,13 +491,13 @@ def attention_backward_items(
         raise ValueError("attention_backward_items needs dq, or dk and dv, or all three: the fp32 buffers it adds "
                          "into (a gradient without a buffer is not computed)")
     seq_dim, problem = _layout(q, k, v, cp_invariant, softmax_scale, softcap)
-    given = (problem.dtype, torch.float64) if problem.dtype == torch.float64 else (problem.dtype, torch.float32)
+    given = _forward_dtypes(problem)
     _check_whole_buffers(problem, "attention_backward_items (the global forward result and its gradient)",
                          {"dout": (dout, given), "out": (out, given), "lse": (lse, None)},
                          {"dq": (dq, tuple(q.shape)), "dk": (dk, tuple(k.shape)), "dv": (dv, tuple(v.shape))})
     check_written({"dq": dq, "dk": dk, "dv": dv}, {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
     items = _check_items(items, q.shape[seq_dim], k.shape[seq_dim])
-    if deterministic is None:
+    if check_optional_bool("deterministic", deterministic) is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     impl = select_backend(backend, problem, "backward")
     if shared is not None and (cp_invariant or shared.deterministic != bool(deterministic) or dk is None):

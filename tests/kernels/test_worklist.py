@@ -120,6 +120,49 @@ def test_shared_queries_is_none_without_a_backend_that_shares_and_refuses_cp_inv
             attention_backward_items(dout, q, k, v, out, lse, items, *grads, backend="reference", shared=handle, **kw)
 
 
+def test_share_queries_checks_what_it_shares():
+    """share_queries checks dout, out and lse as the work lists do (they went unchecked to the backend's shared query
+    side, and on a backend without one any of them, None included, gave None) without assuming v's head dim, which
+    it does not see: dout and out share q's leading dims and one last dim of their own; its deterministic flag is
+    checked too, and a q that is not a tensor is named (it was an AttributeError)."""
+    from fa4dist.kernels.worklist import share_queries
+
+    q = torch.randn(1, 12, 2, 8)
+    dout, out, lse = torch.randn(1, 12, 2, 12), torch.randn(1, 12, 2, 12), torch.randn(1, 2, 12)
+    for args, err, match in (((None, q, out, lse), ValueError, "share_queries .* needs dout"),
+                             ((dout, q, "out", lse), TypeError, "out must be a torch.Tensor, got str"),
+                             ((dout, q, out, None), ValueError, "share_queries .* needs lse"),
+                             ((dout, q, out[:, :5], lse), ValueError, r"out must have shape \(1, 12, 2, 12\)"),
+                             ((dout[..., :8], q, out, lse), ValueError, r"dout must have shape \(1, 12, 2, 12\)"),
+                             ((dout, q, out[0], lse), ValueError, r"out must have shape \(1, 12, 2, 12\)"),
+                             ((dout, q, out, lse.double()), TypeError, "lse must have dtype torch.float32"),
+                             ((dout.half(), q, out, lse), TypeError, "dout must have dtype torch.float32"),
+                             ((dout, q, out.to("meta"), lse), ValueError, "out must be on cpu"),
+                             ((dout[0], q[0], out[0], lse[0].T), ValueError, r"lse must have shape \(2, 12\)"),
+                             ((dout, "q", out, lse), ValueError, "q must be packed .* or dense")):
+        with pytest.raises(err, match=match):
+            share_queries(*args, backend="reference")
+    with pytest.raises(TypeError, match="deterministic must be a bool or None, got str"):
+        share_queries(dout, q, out, lse, deterministic="yes", backend="reference")
+    # v's head dim (12) differs from q's (8), packed or dense; q in bf16 with dout / out in bf16 or fp32
+    assert share_queries(dout, q, out, lse, backend="reference") is None
+    assert share_queries(dout[0], q[0], out[0], lse[0], backend="reference") is None
+    assert share_queries(dout.bfloat16(), q.bfloat16(), out, lse, deterministic=True, backend="reference") is None
+
+
+def test_backward_items_checks_deterministic_before_any_buffer_is_written():
+    """attention_backward_items' deterministic flag is checked before any item runs: with fresh_dkv the loop zeroed
+    dk and dv before the first item's call refused it, and an empty list took it."""
+    q = torch.randn(1, 12, 2, 8)
+    out, lse = torch.randn_like(q), torch.randn(1, 2, 12)
+    for items in ([], [WorkItem(0, 12, 0, 12)]):
+        grads = [torch.ones_like(q) for _ in range(3)]
+        with pytest.raises(TypeError, match="deterministic must be a bool or None, got int"):
+            attention_backward_items(q, q, q, q, out, lse, items, *grads, deterministic=1, fresh_dkv=True,
+                                     backend="reference")
+        assert all(bool((g == 1).all()) for g in grads)
+
+
 def _random_list(rng, n_rows, n_keys, count):
     """Items over random (often overlapping) query rows, some without keys, causal or windowed or full."""
     items = []
