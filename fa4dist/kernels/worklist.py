@@ -401,15 +401,42 @@ def attention_forward_items(
     return out, lse
 
 
-class SharedQueries:
-    """The shared query side of backward work lists on the same queries (:func:`share_queries`)."""
+def _described(tensors: dict) -> dict:
+    """name -> ((shape, dtype, device), (address, strides)) of each tensor: what a shared query side was made for."""
+    return {name: ((tuple(t.shape), t.dtype, t.device), (t.data_ptr(), t.stride())) for name, t in tensors.items()}
 
-    def __init__(self, impl, state, seq_dim: int, deterministic: bool):
+
+class SharedQueries:
+    """The shared query side of backward work lists on the same queries (:func:`share_queries`). ``given``: the
+    dout, q, out and lse it was made for, described (:meth:`check_call`)."""
+
+    def __init__(self, impl, state, seq_dim: int, deterministic: bool, given: dict):
         self.impl, self.state, self.seq_dim, self.deterministic = impl, state, seq_dim, deterministic
+        self.given = given
         self.finished = False
 
     def takes(self, item: "WorkItem") -> bool:
         return not self.finished and self.state.takes(item.q_start, item.q_len)
+
+    def check_call(self, tensors: dict, head_dim_v: int) -> None:
+        """A work list's q, dout, out and lse (and its v's head dim) against the ones this side was made for: its
+        preprocess read those (lse, rowsum(dout * out)), so with others the list's gradients would be wrong,
+        silently."""
+        made = self.given["out"][0][0][-1]
+        if head_dim_v != made:
+            raise ValueError(f"shared= was made (share_queries) for dout and out of head dim {made}, but this call's "
+                             f"v has head dim {head_dim_v}: a shared query side serves only the dout, q, out and "
+                             "lse it was made for")
+        for name, (got, memory) in _described(tensors).items():
+            want, made_memory = self.given[name]
+            if got != want:
+                raise ValueError(f"shared= was made (share_queries) for {name} of shape {want[0]}, {want[1]} on "
+                                 f"{want[2]}, but this call's {name} is {got[0]}, {got[1]} on {got[2]}: a shared "
+                                 "query side serves only the dout, q, out and lse it was made for")
+            if memory != made_memory:
+                raise ValueError(f"shared= was made (share_queries) for another {name} tensor (other memory) than "
+                                 f"this call's: a shared query side serves only the dout, q, out and lse it was made "
+                                 "for (pass the same tensors to every list)")
 
     def finish(self, dq: torch.Tensor) -> torch.Tensor:
         """Adds the shared dQ of every item it took into the fp32 dq (the work lists' dq); returns dq."""
@@ -425,7 +452,7 @@ def share_queries(dout, q, out, lse, *, softmax_scale=None, softcap=None, determ
                   backend: str = "auto") -> Optional[SharedQueries]:
     """A shared query side for backward work lists on these queries (dout, q, out, lse as the lists get them), or
     None where the backend has none (every call then keeps its own, with the same result up to fp32 rounding).
-    dout and out have v's head dim (which may differ from q's)."""
+    dout and out have v's head dim (which may differ from q's): the lists that use the handle must have it too."""
     check_optional_bool("deterministic", deterministic)
     seq_dim, whole = _layout(q, q, q, softmax_scale=softmax_scale, softcap=softcap)
     if isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[-1] > 0:  # no v here: out has its head dim
@@ -448,7 +475,8 @@ def share_queries(dout, q, out, lse, *, softmax_scale=None, softcap=None, determ
     state = make(token_rows(dout, seq_dim, 0, n, packed), queries, token_rows(out, seq_dim, 0, n, packed),
                  lse_token_rows(lse, packed, 0, n), softmax_scale=problem.softmax_scale,
                  deterministic=bool(deterministic))
-    return None if state is None else SharedQueries(impl, state, seq_dim, bool(deterministic))
+    return None if state is None else SharedQueries(impl, state, seq_dim, bool(deterministic),
+                                                    _described({"q": q, "dout": dout, "out": out, "lse": lse}))
 
 
 @torch.compiler.disable  # torch.compile runs it eagerly, behind one graph break (kernels/torch_ops.py)
@@ -503,6 +531,8 @@ def attention_backward_items(
     if shared is not None and (cp_invariant or shared.deterministic != bool(deterministic) or dk is None):
         raise ValueError("shared= needs cp_invariant=False and the deterministic setting it was made with (and "
                          "dk and dv to add into)")
+    if shared is not None:
+        shared.check_call({"q": q, "dout": dout, "out": out, "lse": lse}, problem.head_dim_v)
     if getattr(impl, "backward_items", None) is not None and not cp_invariant:
         rows = None if shared is None or shared.finished or shared.impl is not impl else shared.state
         done = impl.backward_items(dout, q, k, v, out, lse, items, dq, dk, dv, softmax_scale=problem.softmax_scale,

@@ -103,10 +103,65 @@ def test_a_window_given_as_a_list_is_kept_as_a_tuple():
     assert hash(item) == hash(WorkItem(0, 5, 0, 3, window=(2, 0), causal=True))
 
 
-def test_shared_queries_is_none_without_a_backend_that_shares_and_refuses_cp_invariant():
+class _SharedRows:
+    """A shared query side on the CPU for the tests: the dQ of the items it takes (rows starting on a multiple of 4)
+    goes into one scratch of the queries' shape, added into the lists' dq at finish."""
+
+    def __init__(self, q):
+        self.scratch = torch.zeros(q.shape, dtype=F64)
+
+    def takes(self, q_start, q_len):
+        return q_len > 0 and q_start % 4 == 0
+
+    def finish(self, dq):
+        return dq.add_(self.scratch)
+
+
+def _sharing_backend():
+    """The reference with a shared query side (as cute has one), registered as "test_sharing" by the caller."""
+    from fa4dist.kernels.reference import ReferenceBackend
+
+    class Sharing(ReferenceBackend):
+        name = "test_sharing"
+
+        def shared_rows(self, dout, q, out, lse, *, softmax_scale, deterministic):
+            return _SharedRows(q)
+
+        def backward(self, problem, dout, q, k, v, out, lse, deterministic, dq=None, dk=None, dv=None,
+                     accumulate=False, rows=None, q_start=0, dq_scale=None):
+            if rows is None:
+                return super().backward(problem, dout, q, k, v, out, lse, deterministic, dq_scale)
+            gq, gk, gv = super().backward(problem, dout, q, k, v, out, lse, deterministic)
+            rows.scratch[:, q_start:q_start + q.shape[1]] += gq
+            dk.add_(gk)
+            dv.add_(gv)
+
+    return Sharing()
+
+
+@pytest.fixture
+def sharing(monkeypatch):
+    from fa4dist.kernels import registry
+
+    monkeypatch.setitem(registry._BACKENDS, "test_sharing", _sharing_backend())
+    return "test_sharing"
+
+
+def _shared_inputs(packed, n=16, head_dim=8, head_dim_v=12):
+    """(dout, q, k, v, out, lse) in fp64, GQA, v's head dim apart from q's, packed or dense batch 1."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(1, n, h, d, generator=gen, dtype=F64)
+                     for h, d in ((2, head_dim), (1, head_dim), (1, head_dim_v), (2, head_dim_v)))
+    out, lse = (t.detach() for t in naive_attention(q, k, v, causal=True))
+    if packed:
+        return dout[0], q[0], k[0], v[0], out[0], lse[0]
+    return dout, q, k, v, out, lse
+
+
+def test_shared_queries_is_none_without_a_backend_that_shares_and_refuses_cp_invariant(sharing):
     """share_queries gives None on the reference (every call keeps its own query side: the lists then equal the
     plain ones); a handle made for one deterministic setting, or passed with cp_invariant, is refused by name."""
-    from fa4dist.kernels.worklist import SharedQueries, share_queries
+    from fa4dist.kernels.worklist import share_queries
 
     q, k, v, dout = (torch.randn(1, 64, 2, 16, dtype=torch.float64) for _ in range(4))
     out, lse = torch.zeros_like(q), torch.zeros(1, 2, 64, dtype=torch.float64)
@@ -114,10 +169,60 @@ def test_shared_queries_is_none_without_a_backend_that_shares_and_refuses_cp_inv
     assert share_queries(dout[0], q[0], out[0], lse[0], backend="reference") is None  # packed rows
     grads = [torch.zeros_like(t) for t in (q, k, v)]
     items = [WorkItem(0, 64, 0, 64, causal=True)]
-    handle = SharedQueries(impl=None, state=None, seq_dim=1, deterministic=False)
+    handle = share_queries(dout, q, out, lse, deterministic=False, backend=sharing)
     for kw in (dict(cp_invariant=True, deterministic=False), dict(deterministic=True)):
         with pytest.raises(ValueError, match="shared= needs cp_invariant=False and the deterministic setting"):
             attention_backward_items(dout, q, k, v, out, lse, items, *grads, backend="reference", shared=handle, **kw)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_shared_query_side_gives_the_lists_gradients_with_v_of_another_head_dim(sharing, packed):
+    """Lists through a shared query side (some items taken by it, some not) add the plain lists' gradients, with
+    v's head dim (12) apart from q's (8): share_queries takes dout and out of v's head dim."""
+    from fa4dist.kernels.worklist import share_queries
+
+    dout, q, k, v, out, lse = _shared_inputs(packed)
+    lists = [[WorkItem(0, 8, 0, 8, causal=True), WorkItem(2, 6, 0, 16, causal=True)],
+             [WorkItem(8, 8, 0, 16, causal=True), WorkItem(4, 12, 8, 8, 4, 8, causal=True)]]
+    want = [torch.zeros_like(t) for t in (q, k, v)]
+    got = [torch.zeros_like(t) for t in (q, k, v)]
+    handle = share_queries(dout, q, out, lse, deterministic=False, backend=sharing)
+    for items in lists:
+        attention_backward_items(dout, q, k, v, out, lse, items, *want, deterministic=False, backend="reference")
+        attention_backward_items(dout, q, k, v, out, lse, items, *got, deterministic=False, backend=sharing,
+                                 shared=handle)
+    assert handle.state.scratch.abs().sum() > 0 and not torch.equal(got[0], want[0])  # dQ waits in the scratch
+    handle.finish(got[0])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_a_shared_query_side_refuses_other_tensors_by_name(sharing):
+    """A handle serves the dout, q, out and lse it was made for (its preprocess read them): a list with v (and dout,
+    out) of another head dim, another q, or other tensors of the same shape is refused by name before any item
+    runs (the list took them and got gradients from the handle's rows, silently)."""
+    from fa4dist.kernels.worklist import share_queries
+
+    dout, q, k, v, out, lse = _shared_inputs(False)
+    handle = share_queries(dout, q, out, lse, deterministic=False, backend=sharing)
+    items = [WorkItem(0, 8, 0, 8, causal=True)]
+    d8, q8, k8, v8, o8, l8 = _shared_inputs(False, head_dim_v=8)
+    d12, q12, k12, v12, o12, l12 = _shared_inputs(False, n=12)
+    half = [t.bfloat16() for t in (dout, q, k, v, out)] + [lse.float()]  # out may come in q's dtype or fp32
+    half_handle = share_queries(half[0], half[1], half[4], half[5], deterministic=False, backend=sharing)
+    for args, made, match in (
+            ((d8, q, k, v8, o8, lse), handle, "for dout and out of head dim 12, but this call's v has head dim 8"),
+            ((d12, q12, k12, v12, o12, l12), handle,
+             r"for q of shape \(1, 16, 2, 8\), torch.float64 on cpu, but this call's q is \(1, 12, 2, 8\)"),
+            ((*half[:4], half[4].float(), half[5]), half_handle,
+             r"for out of shape \(1, 16, 2, 12\), torch.bfloat16 on cpu, but this call's out is .* torch.float32"),
+            ((dout, q.clone(), k, v, out, lse), handle, "for another q tensor"),
+            ((dout.clone(), q, k, v, out, lse), handle, "for another dout tensor")):
+        grads = [torch.zeros(t.shape, dtype=torch.float32 if t.dtype == torch.bfloat16 else t.dtype)
+                 for t in args[1:4]]
+        with pytest.raises(ValueError, match=match):
+            attention_backward_items(*args, items, *grads, deterministic=False, backend=sharing, shared=made)
+        assert not any(g.any() for g in grads) and not made.state.scratch.any()
 
 
 def test_share_queries_checks_what_it_shares():
