@@ -36,6 +36,7 @@ from .api import attention_backward, attention_forward
 from .mask import Mask, visible_pairs
 from .problem import (OFFSET_LIMIT, AttentionProblem, check_bool, check_buffer, check_optional_bool, check_window,
                       check_written, validate_inputs)
+from .reference import accum_dtype
 from .registry import select_backend
 
 
@@ -442,6 +443,10 @@ class SharedQueries:
         """Adds the shared dQ of every item it took into the fp32 dq (the work lists' dq); returns dq."""
         if self.finished:
             raise RuntimeError("SharedQueries.finish was already called")
+        if dq is None:
+            raise ValueError("SharedQueries.finish needs dq: the work lists' fp32 dq, which the shared dQ goes into")
+        shape, dtype, device = self.given["q"][0]
+        check_buffer("dq", dq, shape, device, (accum_dtype(dtype),))
         self.finished = True
         self.state.finish(dq.unsqueeze(0) if self.seq_dim == 0 else dq)
         return dq

@@ -225,6 +225,34 @@ def test_a_shared_query_side_refuses_other_tensors_by_name(sharing):
         assert not any(g.any() for g in grads) and not made.state.scratch.any()
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_shared_finish_checks_dq_and_can_be_called_again_after_a_refusal(sharing, packed):
+    """SharedQueries.finish checks dq (the lists' fp32 dq: q's shape, device, fp32 / fp64 for fp64 inputs) before it
+    marks itself finished: None was an AttributeError deep inside, and a refused call left a handle that could not
+    be finished any more ("already called")."""
+    from fa4dist.kernels.worklist import share_queries
+
+    dout, q, k, v, out, lse = _shared_inputs(packed)
+    handle = share_queries(dout, q, out, lse, deterministic=False, backend=sharing)
+    dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+    attention_backward_items(dout, q, k, v, out, lse, [WorkItem(0, 16, 0, 16, causal=True)], dq, dk, dv,
+                             deterministic=False, backend=sharing, shared=handle)
+    for bad, err, match in ((None, ValueError, "SharedQueries.finish needs dq"),
+                            (dq[..., :4], ValueError, r"dq must have shape \(" + ", ".join(map(str, q.shape))),
+                            (dq.float(), TypeError, "dq must have dtype torch.float64, got torch.float32"),
+                            (dq.to("meta"), ValueError, "dq must be on cpu")):
+        with pytest.raises(err, match=match):
+            handle.finish(bad)
+    assert not dq.any()
+    handle.finish(dq)
+    want = [torch.zeros_like(t) for t in (q, k, v)]
+    attention_backward_items(dout, q, k, v, out, lse, [WorkItem(0, 16, 0, 16, causal=True)], *want,
+                             deterministic=False, backend="reference")
+    torch.testing.assert_close(dq, want[0], rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError, match="already called"):
+        handle.finish(dq)
+
+
 def test_share_queries_checks_what_it_shares():
     """share_queries checks dout, out and lse as the work lists do (they went unchecked to the backend's shared query
     side, and on a backend without one any of them, None included, gave None) without assuming v's head dim, which
