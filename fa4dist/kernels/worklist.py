@@ -409,20 +409,23 @@ def _described(tensors: dict) -> dict:
 
 class SharedQueries:
     """The shared query side of backward work lists on the same queries (:func:`share_queries`). ``given``: the
-    dout, q, out and lse it was made for, described (:meth:`check_call`)."""
+    dout, q, out and lse it was made for, described, and ``softmax_scale`` its preprocess used (:meth:`check_call`)."""
 
-    def __init__(self, impl, state, seq_dim: int, deterministic: bool, given: dict):
+    def __init__(self, impl, state, seq_dim: int, deterministic: bool, given: dict, softmax_scale: float):
         self.impl, self.state, self.seq_dim, self.deterministic = impl, state, seq_dim, deterministic
-        self.given = given
+        self.given, self.softmax_scale = given, softmax_scale
         self.finished = False
 
     def takes(self, item: "WorkItem") -> bool:
         return not self.finished and self.state.takes(item.q_start, item.q_len)
 
-    def check_call(self, tensors: dict, head_dim_v: int) -> None:
-        """A work list's q, dout, out and lse (and its v's head dim) against the ones this side was made for: its
-        preprocess read those (lse, rowsum(dout * out)), so with others the list's gradients would be wrong,
-        silently."""
+    def check_call(self, tensors: dict, head_dim_v: int, softmax_scale: float) -> None:
+        """A work list's q, dout, out and lse (and its v's head dim, its softmax_scale) against the ones this side
+        was made for: its preprocess read those (lse, rowsum(dout * out) * softmax_scale), so with others the list's
+        gradients would be wrong, silently."""
+        if softmax_scale != self.softmax_scale:
+            raise ValueError(f"shared= was made (share_queries) with softmax_scale {self.softmax_scale}, but this "
+                             f"call's is {softmax_scale}: its preprocess scaled rowsum(dout * out) by it")
         made = self.given["out"][0][0][-1]
         if head_dim_v != made:
             raise ValueError(f"shared= was made (share_queries) for dout and out of head dim {made}, but this call's "
@@ -481,7 +484,8 @@ def share_queries(dout, q, out, lse, *, softmax_scale=None, softcap=None, determ
                  lse_token_rows(lse, packed, 0, n), softmax_scale=problem.softmax_scale,
                  deterministic=bool(deterministic))
     return None if state is None else SharedQueries(impl, state, seq_dim, bool(deterministic),
-                                                    _described({"q": q, "dout": dout, "out": out, "lse": lse}))
+                                                    _described({"q": q, "dout": dout, "out": out, "lse": lse}),
+                                                    problem.softmax_scale)
 
 
 @torch.compiler.disable  # torch.compile runs it eagerly, behind one graph break (kernels/torch_ops.py)
@@ -537,7 +541,7 @@ def attention_backward_items(
         raise ValueError("shared= needs cp_invariant=False and the deterministic setting it was made with (and "
                          "dk and dv to add into)")
     if shared is not None:
-        shared.check_call({"q": q, "dout": dout, "out": out, "lse": lse}, problem.head_dim_v)
+        shared.check_call({"q": q, "dout": dout, "out": out, "lse": lse}, problem.head_dim_v, problem.softmax_scale)
     if getattr(impl, "backward_items", None) is not None and not cp_invariant:
         rows = None if shared is None or shared.finished or shared.impl is not impl else shared.state
         done = impl.backward_items(dout, q, k, v, out, lse, items, dq, dk, dv, softmax_scale=problem.softmax_scale,

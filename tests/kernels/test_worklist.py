@@ -4,7 +4,9 @@ named."""
 
 from __future__ import annotations
 
+import math
 import random
+import re
 from dataclasses import replace
 
 import pytest
@@ -223,6 +225,33 @@ def test_a_shared_query_side_refuses_other_tensors_by_name(sharing):
         with pytest.raises(ValueError, match=match):
             attention_backward_items(*args, items, *grads, deterministic=False, backend=sharing, shared=made)
         assert not any(g.any() for g in grads) and not made.state.scratch.any()
+
+
+def test_a_shared_query_side_refuses_another_softmax_scale(sharing):
+    """The preprocess of a shared query side scales rowsum(dout * out) by share_queries' softmax_scale: a list with
+    another one is refused by name (it took the handle's, silently); the same scale, given or the default, runs."""
+    from fa4dist.kernels.worklist import share_queries
+
+    dout, q, k, v, out, lse = _shared_inputs(False)
+    items = [WorkItem(0, 16, 0, 16, causal=True)]
+    for made, call in ((None, 0.5), (0.5, None), (0.5, 0.25)):
+        handle = share_queries(dout, q, out, lse, softmax_scale=made, deterministic=False, backend=sharing)
+        grads = [torch.zeros_like(t) for t in (q, k, v)]
+        shown = [re.escape(str(x if x is not None else 1 / math.sqrt(8))) for x in (made, call)]  # q's head dim
+        with pytest.raises(ValueError, match=f"with softmax_scale {shown[0]}, but this call's is {shown[1]}:"):
+            attention_backward_items(dout, q, k, v, out, lse, items, *grads, softmax_scale=call,
+                                     deterministic=False, backend=sharing, shared=handle)
+        assert not any(g.any() for g in grads)
+    for scale in (None, 0.5):
+        handle = share_queries(dout, q, out, lse, softmax_scale=scale, deterministic=False, backend=sharing)
+        got, want = ([torch.zeros_like(t) for t in (q, k, v)] for _ in range(2))
+        attention_backward_items(dout, q, k, v, out, lse, items, *got, softmax_scale=scale, deterministic=False,
+                                 backend=sharing, shared=handle)
+        handle.finish(got[0])
+        attention_backward_items(dout, q, k, v, out, lse, items, *want, softmax_scale=scale, deterministic=False,
+                                 backend="reference")
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("packed", [False, True])
