@@ -379,8 +379,14 @@ def check_mask(causal, window) -> Mask:
     return Mask.canonical(causal, check_window(window))
 
 
-def check_softcap(softcap) -> Optional[float]:
-    """``softcap``: None (no capping) or a finite float > 0."""
+# The scores of float16 / bfloat16 / float32 inputs are computed in float32 (the reference and the kernels alike):
+# a cap outside float32's normal range becomes inf or 0 there, and capped scores inf * 0 or 0 / 0 = NaN.
+_FP32_NORMAL = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
+
+
+def check_softcap(softcap, dtype: Optional[torch.dtype] = None) -> Optional[float]:
+    """``softcap``: None (no capping) or a finite float > 0; with the inputs' ``dtype`` (not float64), also within
+    float32's normal range, in which their scores are computed."""
     if softcap is None:
         return None
     if not _is_real(softcap):
@@ -389,6 +395,9 @@ def check_softcap(softcap) -> Optional[float]:
     if not (_finite(cap) and cap > 0):
         raise ValueError(f"softcap must be finite and > 0, or None for no capping (flash-attn's 0.0 is None here), "
                          f"got {_shown(softcap, cap)}")
+    if dtype is not None and dtype != torch.float64 and not _FP32_NORMAL[0] <= cap <= _FP32_NORMAL[1]:
+        raise ValueError(f"softcap must be within float32's range [{_FP32_NORMAL[0]:.3g}, {_FP32_NORMAL[1]:.3g}] "
+                         f"for {dtype} inputs (their scores are computed in float32), got {_shown(softcap, cap)}")
     return cap
 
 
@@ -413,7 +422,7 @@ def check_layout(q, k, v, *, causal=False, window=(-1, -1), softcap=None, sinks=
     mask options): (mask, softcap, softmax_scale, has_sinks). torch.compile's trace runs them on fake tensors."""
     q, k, v = (_check_tensor(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
     mask = check_mask(causal, window)
-    softcap = check_softcap(softcap)
+    softcap = check_softcap(softcap, q.dtype)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):

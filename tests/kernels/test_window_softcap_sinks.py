@@ -196,6 +196,9 @@ def test_autograd_gives_dsinks_and_a_double_backward():
     (dict(softcap=-1.0), ValueError, "softcap must be finite and > 0"),
     (dict(softcap=float("inf")), ValueError, "softcap must be finite"),
     (dict(softcap="1"), TypeError, "softcap must be a float > 0 or None"),
+    # the fp32 scores of these inputs would hold inf * 0 or 0 / 0: NaN results, silently
+    (dict(softcap=1e39), ValueError, r"softcap must be within float32's range .* for torch.float32 inputs"),
+    (dict(softcap=1e-50), ValueError, r"softcap must be within float32's range .* got 1e-50"),
     (dict(sinks=[0.0] * 4), TypeError, r"sinks must be a torch.Tensor of shape \(4,\)"),
     (dict(sinks=torch.zeros(2)), ValueError, r"sinks must have shape \(4,\): one logit per query head"),
     (dict(sinks=torch.zeros(1, 4)), ValueError, r"sinks must have shape \(4,\)"),
@@ -209,6 +212,18 @@ def test_bad_options_get_clear_errors(kwargs, error, match):
     out, lse = attention_forward(q, k, k, causal=True)
     with pytest.raises(error, match=match):
         attention_backward(torch.randn_like(q), q, k, k, out, lse, causal=True, **kwargs)
+
+
+@pytest.mark.parametrize("cap", [1e-50, 1e39, 1e300])
+def test_softcaps_outside_float32_are_computed_for_float64_inputs(cap):
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, dout = (torch.randn(1, 6, 2, 8, dtype=F64, generator=gen) for _ in range(4))
+    out, lse = attention_forward(q, k, v, causal=True, softcap=cap, backend="reference")
+    ref, ref_lse = naive_attention(q, k, v, causal=True, softcap=cap)
+    torch.testing.assert_close(out, ref, **TOL)
+    torch.testing.assert_close(lse, ref_lse, **TOL)
+    grads = attention_backward(dout, q, k, v, out, lse, causal=True, softcap=cap, backend="reference")
+    assert all(bool(torch.isfinite(g).all()) for g in grads)
 
 
 def test_dsinks_buffer_needs_sinks():
