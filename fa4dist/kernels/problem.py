@@ -332,7 +332,8 @@ def check_window(window) -> tuple[int, int]:
         if isinstance(w, bool) or not isinstance(w, int):
             raise TypeError(f"window {side} must be an int >= -1 (-1: unbounded), got {w!r}")
         if not -1 <= w < OFFSET_LIMIT:
-            raise ValueError(f"window {side} must be an int >= -1 (-1: unbounded), got {w}")
+            raise ValueError(f"window {side} must be an int >= -1 (-1: unbounded) and < 2**62 (the token positions' "
+                             f"limit), got {w}")
     return (int(window[0]), int(window[1]))
 
 

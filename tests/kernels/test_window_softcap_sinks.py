@@ -190,6 +190,7 @@ def test_autograd_gives_dsinks_and_a_double_backward():
     (dict(window=(3,)), TypeError, r"window must be a \(left, right\) pair"),
     (dict(window=5), TypeError, r"window must be a \(left, right\) pair"),
     (dict(window=(-2, 0)), ValueError, "window left must be an int >= -1"),
+    (dict(window=(3, 2**62)), ValueError, r"window right must be an int >= -1 \(-1: unbounded\) and < 2\*\*62"),
     (dict(window=(1, 2.0)), TypeError, "window right must be an int >= -1"),
     (dict(window=(True, 0)), TypeError, "window left must be an int"),
     (dict(softcap=0.0), ValueError, "softcap must be finite and > 0, or None"),
