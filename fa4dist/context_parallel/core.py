@@ -644,18 +644,21 @@ def context_parallel_attention(q, k, v, plan: Optional[ShardPlan] = None, group=
                                verify: bool = True, cp_invariant: Optional[bool] = None) -> torch.Tensor:
     """Functional form of :class:`fa4dist.modules.FA4ContextParallelAttention`: the local output for the local
     shards q, k, v (sharded with `plan`).  Every call checks that all ranks make the same call (``verify``)."""
-    # the numeric options in their parsed form (window [3, 0] is (3, 0), softcap 2 is 2.0, numpy scalars floats), so
-    # that spellings of one option share one cached object (a second one would have another module number on the
-    # ranks that spell it otherwise: their agreement check would name the 'module', not the option)
+    # the numeric options in their parsed form (window [3, 0] is (3, 0), softcap 2 is 2.0, numpy scalars floats), and
+    # the mask by its band (causal with window (3, 0) is causal with (3, -1)), so that spellings of one option share
+    # one cached object (a second one would have another module number on the ranks that spell it otherwise: their
+    # agreement check would name the 'module', not the option)
     groups = _functional_groups(group, mesh, ulysses_group, ring_group)
     try:
+        mask = check_mask(causal, window)
         options = dict(strategy=strategy, causal=causal, window=check_window(window), softcap=check_softcap(softcap),
                        softmax_scale=None if softmax_scale is None else check_softmax_scale(softmax_scale, 1),
                        deterministic=deterministic, backend=backend, ulysses_degree=ulysses_degree, timeout=timeout,
                        verify=verify, cp_invariant=invariant_enabled(cp_invariant))
         # repr keeps apart the other values that compare equal (True, 1, 1.0): each is checked by the constructor
         # once, as the module checks it, and none rides on another's cached object
-        groups_key, key = tuple(id(g) for g in groups), repr(sorted(options.items()))
+        groups_key = tuple(id(g) for g in groups)
+        key = repr(sorted(dict(options, causal=mask.causal, window=mask.window).items()))
         bucket = _FUNCTIONAL.get(groups_key)  # (the groups, kept alive so that their ids stay theirs; the objects)
         cp = bucket[1].get(key) if bucket is not None else None
         if cp is None:

@@ -381,7 +381,8 @@ def test_functional_form_checks_its_options_on_every_call():
 
 def test_functional_form_caches_one_object_per_parsed_option():
     """window=[3, 0] and (3, 0), softcap 2 and 2.0 made separate objects, with separate module numbers: ranks that
-    spelled an option otherwise failed their agreement check naming the 'module', not the option."""
+    spelled an option otherwise failed their agreement check naming the 'module', not the option.  So did spellings
+    of one mask band (causal with window (3, 0) or (3, -1))."""
     from fa4dist.context_parallel import context_parallel_attention, core
 
     q = torch.randn(1, 6, 2, 8, dtype=torch.float64)
@@ -396,6 +397,11 @@ def test_functional_form_caches_one_object_per_parsed_option():
     assert first is not None and first.window == (3, 0) and first.softcap == 2.0
     assert cached(window=[3, 0], softcap=2, softmax_scale=0.25) is None  # the same object again
     assert cached(window=(3, 0), softcap=2.0, softmax_scale=0.25) is None
+    # one band, other spellings: causal + (3, 0), causal + (3, 5), non-causal + (3, 0) are causal + (3, -1)
+    assert cached(window=(3, -1), softcap=2.0, softmax_scale=0.25) is None
+    assert cached(window=(3, 5), softcap=2.0, softmax_scale=0.25) is None
+    assert cached(causal=False, window=(3, 0), softcap=2.0, softmax_scale=0.25) is None
+    assert cached(causal=False, window=(3, -1), softcap=2.0, softmax_scale=0.25) is not None  # another band
     with pytest.raises(TypeError, match="window left must be an int"):
         context_parallel_attention(q, q, q, backend="reference", window=[True, 0])
 
