@@ -44,6 +44,7 @@ weights (parameter names match).
 
 from __future__ import annotations
 
+import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
@@ -67,14 +68,20 @@ class UnsupportedMask(ValueError):
     documents, optionally with a sliding window, soft-capping and per-head sinks)."""
 
 
-def window_of(sliding_window: Optional[int]) -> tuple[int, int]:
+def window_of(sliding_window) -> tuple[int, int]:
     """The kernels' ``window`` for transformers' sliding window of W tokens (the query and the W - 1 keys before it,
-    transformers' ``kv_idx > q_idx - W``): ``(W - 1, 0)``; None: no window."""
+    transformers' ``kv_idx > q_idx - W``): ``(W - 1, 0)``; None: no window.  W is an integer (a Python or NumPy
+    int, or an integer 0-d tensor); a bool or a float is refused, never truncated (``kv_idx > q_idx - 4.5`` is a
+    window of 5 tokens, not 4)."""
     if sliding_window is None:
         return NO_WINDOW
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+    try:
+        tokens = None if isinstance(sliding_window, bool) else operator.index(sliding_window)
+    except TypeError:
+        tokens = None
+    if tokens is None or tokens < 1:
         raise UnsupportedMask(f"a sliding window must be a positive number of tokens, got {sliding_window!r}")
-    return (sliding_window - 1, 0)
+    return (tokens - 1, 0)
 
 
 def describe_window(window: tuple[int, int]) -> str:
@@ -188,7 +195,7 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
             raise UnsupportedMask(f"a prepared fa4dist mask for (batch, queries, keys) = {built} was passed to a call "
                                   f"with {(batch_size, q_length, kv_length)}")
         return attention_mask
-    window = window_of(None if local_size is None else int(local_size))
+    window = window_of(local_size)
     mask_function = mask_function or causal_mask_function
     q_offset, kv_offset = int(q_offset), int(kv_offset)
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
@@ -322,7 +329,7 @@ def _verify(visible, layout: _Layout, batch, q_length, kv_length, device, local_
     if bad.numel():
         n = int(bad[0])
         window = "" if local_size is None else (
-            f"; transformers named local_size={local_size}, read as {describe_window(window_of(int(local_size)))} "
+            f"; transformers named local_size={local_size}, read as {describe_window(window_of(local_size))} "
             "(the query and the ones before it); if this is chunked attention (attention_chunk_size), fa4dist "
             "computes it only where each chunk is a whole document (no cache offset)")
         raise UnsupportedMask(
@@ -340,7 +347,7 @@ def layer_window(mask_window: Optional[tuple], sliding_window: Optional[int]) ->
     """The kernels' window of one attention call: the one its mask was verified to have (None: no mask was built),
     which must agree with the call's ``sliding_window`` argument when it has one (the two describe the same layer:
     the eager attention reads the mask, flash-attention the argument)."""
-    asked = window_of(None if sliding_window is None else int(sliding_window))
+    asked = window_of(sliding_window)
     if mask_window is None:
         return asked
     if sliding_window is not None and asked != tuple(mask_window):

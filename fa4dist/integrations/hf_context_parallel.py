@@ -87,7 +87,7 @@ def _plan_window(config) -> tuple[int, int]:
     layer_types = getattr(config, "layer_types", None)
     if window is None or (layer_types is not None and set(layer_types) != {"sliding_attention"}):
         return NO_WINDOW
-    return window_of(int(window))
+    return window_of(window)
 
 
 def unsupported_features(model) -> list[str]:

@@ -330,6 +330,26 @@ def test_the_attention_call_refuses_what_it_cannot_compute():
         fa4dist_attention_forward(module, q, kv, kv, windowed, dropout=0.1)
 
 
+@pytest.mark.parametrize("sliding_window", [True, 4.5, 6.0, 0, -3, "6"])
+def test_a_sliding_window_that_is_not_a_positive_integer_is_refused(sliding_window):
+    """It was converted with int() first: True became a 1-token window and 4.5 a 4-token one (transformers' own
+    ``kv_idx > q_idx - 4.5`` keeps 5), silently, where no mask was built to check it against."""
+    import numpy as np
+
+    model = hf_tiny.tiny_model("mistral")
+    module = model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 10, 16, dtype=torch.float64)
+    kv = torch.randn(1, 2, 10, 16, dtype=torch.float64)
+    with pytest.raises(UnsupportedMask, match="a sliding window must be a positive number of tokens"):
+        fa4dist_attention_forward(module, q, kv, kv, None, sliding_window=sliding_window)
+    with pytest.raises(UnsupportedMask, match="a sliding window must be a positive number of tokens"):
+        fa4dist_mask(1, 10, 10, mask_function=causal_mask_function, local_size=sliding_window)
+    want, _ = fa4dist_attention_forward(module, q, kv, kv, None, sliding_window=6)
+    for integral in (np.int64(6), torch.tensor(6)):  # integers of other types are the same window
+        got, _ = fa4dist_attention_forward(module, q, kv, kv, None, sliding_window=integral)
+        assert torch.equal(got, want)
+
+
 def test_fa4dist_model_converts_to_hf_llama():
     cfg = get_config("tiny")
     torch.manual_seed(5)
