@@ -22,3 +22,15 @@ if [ "${1:-1}" = 1 ]; then
   TAIL_LINES=4 stage tests_fwd 110 $PYTEST -n 8 tests/kernels/test_cute_fwd_gpu.py
   exit
 fi
+# 2: call 1: the same bytes (28 cases) and the suites passed, but the first form was slower than the previous commit:
+#    hdim 64 causal 299 / 415 TFLOP/s against 313 / 432 at 1k / 4k, hdim 128 415 / 561 against 417 / 568 (cuDNN 331
+#    / 411 / 412 / 521, flash-attn-4 260 / 438 / 401 / 560). Its plain steps each carried a runtime branch (mark the
+#    previous block or not) between the PV wait and the stage release. Now the first plain step runs on its own and
+#    the others carry none; prediction: no loss at 4k, the gain (if any) at 1k.
+if [ "$1" = 2 ]; then
+  TAIL_LINES=3 stage bits 140 python3 bench/bits_vs_baseline.py .kwt/base
+  TAIL_LINES=3 stage tests_nonfinite 120 $PYTEST -n 8 tests/kernels/test_cute_nonfinite_gpu.py
+  TAIL_LINES=8 stage fwd_marks 170 python3 bench/kernels.py --headdims 64 128 --seqlens 1024 4096 --causal true \
+    --directions fwd --backends cute cudnn flash_attn_4 --baseline-dir .kwt/base --rounds 7 --out-dir "$OUT/fwd_marks"
+  exit
+fi
