@@ -199,9 +199,8 @@ class FlashFwdSm90:
         self.sanitize_v = sanitize and (causal or varlen)
         # the overlapped consumer marks a masked block's rows that see a bad V row after the block's PV (which waits
         # for the sanitized V anyway) instead of right after its softmax, where the wait for V's landing and scan
-        # came before the next S GEMM. The same bits. Causal without a window only (the window's wider check spills,
-        # and a non-causal packed tile masks only its first block)
-        self.defer_v_marks = self.sanitize_v and intra_wg_overlap and causal and window_left < 0
+        # came before the next S GEMM. The same bits. Not with a window: the mark's wider check spills there
+        self.defer_v_marks = self.sanitize_v and intra_wg_overlap and window_left < 0
         self.fp16 = dtype == cutlass.Float16
         self.sanitizer_threads = 96  # warps 1..3 of the producer warpgroup
         # smem words per stage telling the consumers which V rows held NaN / inf: the first such row, or with a
@@ -865,22 +864,15 @@ class FlashFwdSm90:
                 tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
                 if const_expr(not self.defer_v_marks):
                     self.mark_rows_seeing_bad_v(ml, kv_state, n_block)
-                # with defer_v_marks each step after a masked block marks that block (mark_prev): the first block
-                # is masked, and so is the one before the first plain step, which runs on its own (at most one
-                # trip), so that the other plain steps carry no branch
+                # with defer_v_marks each step marks the block before it (mark_prev): the first block is masked,
+                # and so is the one before the first plain step
                 for i in cutlass.range(n_masked, unroll=1):
                     kv_state = self.overlap_step(ml, kv_state, n_block_max - 2 - i, True, True)
-                n_plain_rest = n_plain
-                if const_expr(self.defer_v_marks):
-                    for i in cutlass.range(cutlass.min(n_plain, 1), unroll=1):
-                        kv_state = self.overlap_step(ml, kv_state, n_plain_top - 1, False, True)
-                    n_plain_rest = cutlass.max(n_plain - 1, 0)
-                for i in cutlass.range(n_plain_rest, unroll=1):
-                    kv_state = self.overlap_step(ml, kv_state, n_plain_top - 1 - (n_plain - n_plain_rest) - i,
-                                                 False, False)
+                for i in cutlass.range(n_plain, unroll=1):
+                    kv_state = self.overlap_step(ml, kv_state, n_plain_top - 1 - i, False, i == 0)
                 if const_expr(self.block_info.windowed):
                     for i in cutlass.range(n_window, unroll=1):
-                        kv_state = self.overlap_step(ml, kv_state, blk.n_block_min + n_window - 1 - i, True, False)
+                        kv_state = self.overlap_step(ml, kv_state, blk.n_block_min + n_window - 1 - i, True, None)
                 # ---- last P @ V ----
                 io.pipe_v.consumer_wait(kv_state)
                 self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, 0)
@@ -936,12 +928,12 @@ class FlashFwdSm90:
 
     # ------------------------------------------------------------------------
     @cute.jit
-    def overlap_step(self, ml: Context, kv_state, n_block: Int32, causal_mask: cutlass.Constexpr[bool],
-                     mark_prev: cutlass.Constexpr[bool]):
+    def overlap_step(self, ml: Context, kv_state, n_block: Int32, causal_mask: cutlass.Constexpr[bool], mark_prev):
         """S of block n_block issued with the PV of the previous block; softmax of S while PV runs. With
-        defer_v_marks, ``mark_prev`` says the previous block was masked: once its PV is done, before its V stage
-        is released, its rows that see a non-finite V row are marked (mark_rows_seeing_bad_v; the PV already
-        waited for the sanitized V). Otherwise a masked block's rows are marked at the end of its own step."""
+        defer_v_marks, ``mark_prev`` (a constant or a runtime flag) says the previous block was masked: once its PV
+        is done, before its V stage is released, its rows that see a non-finite V row are marked
+        (mark_rows_seeing_bad_v; the PV already waited for the sanitized V). Otherwise a masked block's rows are
+        marked at the end of its own step."""
         v_state = kv_state.clone()
         kv_state.advance()
         stage_wait(ml.pipe_k, kv_state, self.late_pv_wait)
@@ -958,8 +950,9 @@ class FlashFwdSm90:
             ml.mask.apply(acc_S, ml.m_block, n_block, False)
         row_scale = ml.softmax.online(acc_S, False)
         warpgroup.wait_group(0)
-        if const_expr(self.defer_v_marks and mark_prev):
-            self.mark_rows_seeing_bad_v(ml, v_state, n_block + 1)  # blocks are visited in descending order
+        if const_expr(self.defer_v_marks):
+            if mark_prev:
+                self.mark_rows_seeing_bad_v(ml, v_state, n_block + 1)  # blocks are visited in descending order
         ml.pipe_v.consumer_release(v_state)
         to_16bit(acc_to_operand_a(acc_S), ml.tOrP, self.late_pv_wait)
         ml.softmax.rescale_o(ml.acc_O, row_scale)
