@@ -197,10 +197,6 @@ class FlashFwdSm90:
         self.block_info = BlockInfo(tile_m, tile_n, causal, window_left)
         # V tiles of masked blocks go through the sanitizer warps (dense non-causal: TMA zero-fills past the end)
         self.sanitize_v = sanitize and (causal or varlen)
-        # the overlapped consumer marks a masked block's rows that see a bad V row after the block's PV (which waits
-        # for the sanitized V anyway) instead of right after its softmax, where the wait for V's landing and scan
-        # came before the next S GEMM. The same bits. Not with a window: the mark's wider check spills there
-        self.defer_v_marks = self.sanitize_v and intra_wg_overlap and window_left < 0
         self.fp16 = dtype == cutlass.Float16
         self.sanitizer_threads = 96  # warps 1..3 of the producer warpgroup
         # smem words per stage telling the consumers which V rows held NaN / inf: the first such row, or with a
@@ -862,23 +858,17 @@ class FlashFwdSm90:
                 ml.mask.apply(acc_S, m_block, n_block, True)
                 softmax.online(acc_S, True)
                 tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
-                if const_expr(not self.defer_v_marks):
-                    self.mark_rows_seeing_bad_v(ml, kv_state, n_block)
-                # with defer_v_marks each step marks the block before it (mark_prev): the first block is masked,
-                # and so is the one before the first plain step
+                self.mark_rows_seeing_bad_v(ml, kv_state, n_block)
                 for i in cutlass.range(n_masked, unroll=1):
-                    kv_state = self.overlap_step(ml, kv_state, n_block_max - 2 - i, True, True)
+                    kv_state = self.overlap_step(ml, kv_state, n_block_max - 2 - i, True)
                 for i in cutlass.range(n_plain, unroll=1):
-                    kv_state = self.overlap_step(ml, kv_state, n_plain_top - 1 - i, False, i == 0)
+                    kv_state = self.overlap_step(ml, kv_state, n_plain_top - 1 - i, False)
                 if const_expr(self.block_info.windowed):
                     for i in cutlass.range(n_window, unroll=1):
-                        kv_state = self.overlap_step(ml, kv_state, blk.n_block_min + n_window - 1 - i, True, None)
+                        kv_state = self.overlap_step(ml, kv_state, blk.n_block_min + n_window - 1 - i, True)
                 # ---- last P @ V ----
                 io.pipe_v.consumer_wait(kv_state)
                 self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, 0)
-                if const_expr(self.defer_v_marks):
-                    if n_plain == 0:  # the last block was masked
-                        self.mark_rows_seeing_bad_v(ml, kv_state, blk.n_block_min)
                 io.pipe_v.consumer_release(kv_state)
                 kv_state.advance()
             else:
@@ -928,12 +918,8 @@ class FlashFwdSm90:
 
     # ------------------------------------------------------------------------
     @cute.jit
-    def overlap_step(self, ml: Context, kv_state, n_block: Int32, causal_mask: cutlass.Constexpr[bool], mark_prev):
-        """S of block n_block issued with the PV of the previous block; softmax of S while PV runs. With
-        defer_v_marks, ``mark_prev`` (a constant or a runtime flag) says the previous block was masked: once its PV
-        is done, before its V stage is released, its rows that see a non-finite V row are marked
-        (mark_rows_seeing_bad_v; the PV already waited for the sanitized V). Otherwise a masked block's rows are
-        marked at the end of its own step."""
+    def overlap_step(self, ml: Context, kv_state, n_block: Int32, causal_mask: cutlass.Constexpr[bool]):
+        """S of block n_block issued with the PV of the previous block; softmax of S while PV runs."""
         v_state = kv_state.clone()
         kv_state.advance()
         stage_wait(ml.pipe_k, kv_state, self.late_pv_wait)
@@ -950,13 +936,10 @@ class FlashFwdSm90:
             ml.mask.apply(acc_S, ml.m_block, n_block, False)
         row_scale = ml.softmax.online(acc_S, False)
         warpgroup.wait_group(0)
-        if const_expr(self.defer_v_marks):
-            if mark_prev:
-                self.mark_rows_seeing_bad_v(ml, v_state, n_block + 1)  # blocks are visited in descending order
         ml.pipe_v.consumer_release(v_state)
         to_16bit(acc_to_operand_a(acc_S), ml.tOrP, self.late_pv_wait)
         ml.softmax.rescale_o(ml.acc_O, row_scale)
-        if const_expr(causal_mask and not self.defer_v_marks):
+        if const_expr(causal_mask):
             self.mark_rows_seeing_bad_v(ml, kv_state, n_block)
         return kv_state
 
@@ -967,11 +950,10 @@ class FlashFwdSm90:
 
     @cute.jit
     def mark_rows_seeing_bad_v(self, ml: Context, kv_state, n_block: Int32):
-        """For a masked block, while no wgmma writes O (the overlapped step: after the block's PV, before its V
-        stage is released; simple_step: after its softmax): wait for its V tile (sanitized) and make O non-finite
-        for the rows that see a key whose V row held NaN / inf (the first such key decides for a prefix of visible
-        keys; with a window, any marked key of the row's interval). Their lse stays what the scores give, as in the
-        reference (a bad value row does not change the softmax)."""
+        """After the softmax of a masked block (no PV in flight): wait for its V tile (sanitized) and make O
+        non-finite for the rows that see a key whose V row held NaN / inf (the first such key decides for a
+        prefix of visible keys; with a window, any marked key of the row's interval). Their lse stays what the
+        scores give, as in the reference (a bad value row does not change the softmax)."""
         if const_expr(self.sanitize_v):
             ml.pipe_v.consumer_wait(kv_state)
             acc_mn = mn_view(ml.acc_O)
