@@ -27,6 +27,26 @@ from typing import Optional, Union
 import torch
 
 
+# Token positions must leave room for a block's length in int64 arithmetic (the kernels' own, narrower limits are
+# theirs to check).
+OFFSET_LIMIT = 2**62
+
+
+def check_window(window) -> tuple[int, int]:
+    """``window=(left, right)`` in tokens, ``-1`` meaning unbounded (``None``: ``(-1, -1)``)."""
+    if window is None:
+        return (-1, -1)
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a (left, right) pair of ints (-1: unbounded on that side), got {window!r}")
+    for side, w in zip(("left", "right"), window):
+        if isinstance(w, bool) or not isinstance(w, int):
+            raise TypeError(f"window {side} must be an int >= -1 (-1: unbounded), got {w!r}")
+        if not -1 <= w < OFFSET_LIMIT:
+            raise ValueError(f"window {side} must be an int >= -1 (-1: unbounded) and < 2**62 (the token positions' "
+                             f"limit), got {w}")
+    return (int(window[0]), int(window[1]))
+
+
 @dataclass(frozen=True)
 class Mask:
     """Which (query, key) pairs are visible, by global position: ``causal`` and a sliding ``window``.
@@ -37,6 +57,13 @@ class Mask:
 
     causal: bool = False
     window: tuple[int, int] = (-1, -1)
+
+    def __post_init__(self):
+        # checked here, not only by the contract: a Mask built directly with window (-5, 3) would read -5 as
+        # unbounded everywhere below, silently
+        if not isinstance(self.causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(self.causal).__name__}")
+        object.__setattr__(self, "window", check_window(self.window))
 
     @staticmethod
     def canonical(causal: bool, window: tuple[int, int] = (-1, -1)) -> "Mask":

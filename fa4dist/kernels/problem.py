@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .mask import Mask
+from .mask import OFFSET_LIMIT, Mask, check_window  # noqa: F401  (both re-exported: the contract's checks)
 
 Offset = Union[int, Sequence[int], torch.Tensor]
 
@@ -244,11 +244,6 @@ def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> tuple[int, ...]
     return values
 
 
-# Token positions must leave room for a block's length in int64 arithmetic (the kernels' own, narrower limits are
-# theirs to check).
-OFFSET_LIMIT = 2**62
-
-
 def _offsets(name: str, value: Offset, count: int) -> tuple[int, ...]:
     values = _offset_values(name, value, count)
     for x in values:
@@ -320,21 +315,6 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     if not _finite(scale) or scale == 0.0:
         raise ValueError(f"softmax_scale must be finite and non-zero, got {_shown(softmax_scale, scale)}")
     return scale
-
-
-def check_window(window) -> tuple[int, int]:
-    """``window=(left, right)`` in tokens, ``-1`` meaning unbounded (``None``: ``(-1, -1)``)."""
-    if window is None:
-        return (-1, -1)
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise TypeError(f"window must be a (left, right) pair of ints (-1: unbounded on that side), got {window!r}")
-    for side, w in zip(("left", "right"), window):
-        if isinstance(w, bool) or not isinstance(w, int):
-            raise TypeError(f"window {side} must be an int >= -1 (-1: unbounded), got {w!r}")
-        if not -1 <= w < OFFSET_LIMIT:
-            raise ValueError(f"window {side} must be an int >= -1 (-1: unbounded) and < 2**62 (the token positions' "
-                             f"limit), got {w}")
-    return (int(window[0]), int(window[1]))
 
 
 def type_name(value) -> str:

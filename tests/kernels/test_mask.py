@@ -79,6 +79,21 @@ def test_canonical_masks():
     assert (Mask(True, (4, -1)).lo, Mask(True, (4, -1)).hi) == (-4, 0) and Mask().full
 
 
+def test_a_mask_built_directly_checks_its_band():
+    """Mask(...) checks causal and window as the contract does (window (-5, 3) was read as unbounded on the left by
+    every helper here, silently); a list window becomes the tuple the helpers compare."""
+    with pytest.raises(ValueError, match="window left must be an int >= -1"):
+        Mask(False, (-5, 3))
+    with pytest.raises(TypeError, match="window right must be an int"):
+        Mask(False, (3, 2.0))
+    with pytest.raises(TypeError, match="window must be a"):
+        Mask(False, 3)
+    with pytest.raises(TypeError, match="causal must be a bool, got int"):
+        Mask(1, (-1, -1))
+    assert Mask(False, [4, 0]) == Mask(False, (4, 0))
+    assert Mask(False, [4, 0]).window == (4, 0)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", WINDOWS)
 def test_window_helpers_match_brute_force(causal, window):
