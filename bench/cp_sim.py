@@ -256,6 +256,7 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                                        alloc(vr.shape, dtype=acc, device=device))
                             # as the ring engine: one shared query side for all steps (bwd_per_call: without)
                             shared = share_queries(dr, qr, out_r, lse_r, backend=opts.backend,
+                                                   softmax_scale=opts.softmax_scale, softcap=opts.softcap,
                                                    deterministic=False) if share else None
                             backward_step(sched, r, r, dr, qr, _Own(kr, vr), out_r, lse_r, dq, own, opts,
                                           shared=shared, fresh_dkv=fresh)
