@@ -539,15 +539,18 @@ _FIELD_HINTS = {"module": " (which attention module was called: each rank number
                           "different orders)"}
 
 
-def _frame(rank: int, text: Optional[str], sig: Optional[dict], call: int, size: int = _FRAME - 8) -> tuple:
-    """The JSON payload of one rank in an agreement exchange and the error text it carries: the text is cut (to at
-    most 2000 characters, and then as far as needed) so that the encoded payload fits the `size` bytes of a frame
-    whatever its characters (quotes, newlines and non-ASCII grow when encoded).  A rank whose payload did not fit
-    would raise before the exchange, leaving the others to wait for the timeout."""
-    def encode(t):
-        return json.dumps(dict(rank=rank, error=t, sig=sig, call=call)).encode()
+def _frame(rank: int, state: dict, sig: Optional[dict], call: int, size: int = _FRAME - 8) -> tuple:
+    """The JSON payload of one rank in an agreement exchange and the text it carries (``state``: what the rank knows
+    so far, see raise_disagreement; its text is a rejection's error or a disagreement's message, never both): the
+    text is cut (to at most 2000 characters, and then as far as needed) so that the encoded payload fits the `size`
+    bytes of a frame whatever its characters (quotes, newlines and non-ASCII grow when encoded).  A rank whose
+    payload did not fit would raise before the exchange, leaving the others to wait for the timeout."""
+    key = "error" if state["error"] else "message"
 
-    text = text and text[:2000]
+    def encode(t):
+        return json.dumps(dict(state, rank=rank, sig=sig, call=call, **{key: t})).encode()
+
+    text = state[key] and state[key][:2000]
     payload = encode(text)
     if len(payload) <= size or not text:
         return payload, text
@@ -561,15 +564,8 @@ def _frame(rank: int, text: Optional[str], sig: Optional[dict], call: int, size:
     return encode(text[:lo]), text[:lo]
 
 
-def _disagreement(gathered: list, what: str = "the first call", calls: str = "attention call") -> Optional[str]:
-    """A message if any rank reported an error or the ranks' signatures or call numbers differ, else None."""
-    errors = [(g["rank"], g["error"]) for g in gathered if g["error"]]
-    if errors:
-        first = errors[0][1]
-        if first.startswith("ranks disagree") or first.startswith("rank "):
-            return first
-        return f"rank {errors[0][0]} rejected its inputs: {first}" + (
-            f" (and {len(errors) - 1} more rank(s) too)" if len(errors) > 1 else "")
+def _signature_diffs(gathered: list, what: str, calls: str) -> Optional[str]:
+    """A message naming the call numbers or signature fields in which the gathered ranks differ, else None."""
     numbers = [g.get("call") for g in gathered]
     sigs = [g["sig"] or {} for g in gathered]
     diffs = []
@@ -581,9 +577,30 @@ def _disagreement(gathered: list, what: str = "the first call", calls: str = "at
         if any(v != values[0] for v in values):
             diffs.append(f"{field}{_FIELD_HINTS.get(field, '')}: " + ", ".join(
                 f"rank {g['rank']} {s.get(field)!r}" for g, s in zip(gathered, sigs)))
-    if diffs:
-        return f"ranks disagree on {what}: " + "; ".join(diffs)
-    return None
+    return f"ranks disagree on {what}: " + "; ".join(diffs) if diffs else None
+
+
+def _merge_knowledge(gathered: list, what: str, calls: str, total: bool) -> dict:
+    """What a rank knows after one stage of raise_disagreement, from the frames of that stage's ranks (in rank order):
+    the first rejection among them (its rank and text) with the number of ranks that rejected (``total``: the
+    frames' counts add up, each frame speaking for ranks no other frame speaks for), or else the first message
+    found at an earlier stage, or else the signatures' differences seen here."""
+    rejections = [g for g in gathered if g["count"]]
+    if rejections:
+        first = rejections[0]
+        count = sum(g["count"] for g in rejections) if total else first["count"]
+        return dict(who=first["who"], error=first["error"], count=count, message=None)
+    earlier = [g["message"] for g in gathered if g["message"]]
+    message = earlier[0] if earlier else _signature_diffs(gathered, what, calls)
+    return dict(who=None, error=None, count=0, message=message)
+
+
+def _disagreement_text(state: dict) -> Optional[str]:
+    if state["count"]:
+        more = state["count"] - 1
+        return f"rank {state['who']} rejected its inputs: {state['error']}" + (
+            f" (and {more} more rank(s) too)" if more else "")
+    return state["message"]
 
 
 def signature_digest(sig: Optional[dict]) -> int:
@@ -597,17 +614,27 @@ def raise_disagreement(stages: list, rank: int, what: str, call: int, sig: Optio
                        error: Optional[Exception] = None, label: str = LABEL, calls: str = "attention call") -> None:
     """Raises the same error on every rank once a cheap check has found that the ranks' calls differ (every rank
     of ``stages``, Transports in order, must call it): the ranks exchange their full signatures and errors and the
-    message names the fields and ranks that differ, or the rank that rejected its inputs (with that rank's own
-    error type when it was a TypeError or ValueError)."""
+    message names the fields and ranks that differ, or the rank that rejected its inputs and how many did (with that
+    rank's own error type when it was a TypeError or ValueError).
+
+    Over a 2-D grid (the Ulysses then the ring group) what each rank knows is passed on from stage to stage, and a
+    last exchange over the first stage's group hands every rank the message of that group's first member: those
+    members form one group of the second stage, so they agree, and every rank raises the same message."""
     local = None if error is None else f"{type(error).__name__}: {error}"
-    message, sent = None, None
-    for stage in stages:
-        payload, text = _frame(rank, local if message is None else message, sig, call)
+    state = dict(who=rank, error=local, count=int(local is not None), message=None)
+    sent = None
+    rounds = list(stages) + ([stages[0]] if len(stages) > 1 else [])
+    for index, stage in enumerate(rounds):
+        payload, text = _frame(rank, state, sig, call)
         sent = text if sent is None else sent
         frames = stage.all_gather_bytes(payload, f"the signatures of {what} {call}", _FRAME)
         gathered = [json.loads(b) for b in frames]
-        message = message or _disagreement(gathered, f"{what} {call}", calls)
-    message = message or f"ranks disagree on {what} {call} (found in another group of the mesh)"
+        if index == len(stages):  # the last exchange: take what the group's first member knows
+            first = gathered[0]
+            state = {key: first[key] for key in ("who", "error", "count", "message")}
+        else:
+            state = _merge_knowledge(gathered, f"{what} {call}", calls, total=True)
+    message = _disagreement_text(state) or f"ranks disagree on {what} {call} (found in another group of the mesh)"
     if local is not None and sent in message and isinstance(error, (TypeError, ValueError)):
         raise type(error)(f"{label}: {message}") from error  # its own error (other ranks' may follow it)
     raise ValueError(f"{label}: {message}") from error

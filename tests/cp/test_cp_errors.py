@@ -283,6 +283,45 @@ def test_an_error_message_too_long_for_the_frame_still_fails_every_rank_at_once(
         assert elapsed < 6, (rank, elapsed)  # an error, not the 8 s timeout
 
 
+def grid_message_case(rank, world, kind):
+    """A 2 x 2 grid whose ranks refuse or disagree in three patterns: every rank refuses its plan (a list), only
+    rank 3 refuses, or the two Ulysses groups ({0, 1} and {2, 3}) each agree inside but call with different dtypes."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    groups = fresh_grid_groups(rank)
+    module = FA4ContextParallelAttention(ulysses_group=groups["ulysses"], ring_group=groups["ring"],
+                                         backend="reference", timeout=8)
+    plan = make_plan(40, 4, ulysses_degree=2)
+    dtype = torch.float32 if kind == "dtype-by-group" and rank >= 2 else torch.float64
+    q, k, v = _inputs(plan, module.cp_rank, dtype=dtype)
+    given = [1, 2] if kind == "all-refuse" or (kind == "one-refuses" and rank == 3) else plan
+    return _error(lambda: module(q, k, v, plan=given))
+
+
+@pytest.mark.parametrize("kind, pattern", [
+    ("all-refuse", "rank 0 rejected its inputs: TypeError: plan must be a ShardPlan .* "
+     "\\(and 3 more rank\\(s\\) too\\)$"),
+    ("one-refuses", "rank 3 rejected its inputs: TypeError: plan must be a ShardPlan .*got list$"),
+    ("dtype-by-group", "ranks disagree on forward call 1: dtype: "),
+])
+def test_a_grid_raises_one_message_on_every_rank(pool, kind, pattern):
+    """On a 2-D grid the agreement's exchange runs over the Ulysses then the ring group: every rank must still raise
+    the same message, counting every rank that refused (the Ulysses groups' messages differed, and the count was
+    the first group's own)."""
+    import re
+
+    results = pool.run(grid_message_case, kind=kind, timeout=90)
+    messages = set()
+    for rank, res in enumerate(results):
+        assert res is not None, f"rank {rank} computed instead of failing"
+        name, message, elapsed = res
+        assert re.search(pattern, message), (rank, message)
+        assert elapsed < 6, (rank, elapsed)  # an error, not the 8 s timeout
+        messages.add(message)
+    assert len(messages) == 1, messages
+
+
 def functional_local_calls_case(rank, world):
     """The functional form on the group, then rank 0 alone makes more single-process calls (distinct options) than
     its cache holds, then the group call again: rank 0's own calls must not evict the shared object on rank 0 only
