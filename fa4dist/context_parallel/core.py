@@ -27,6 +27,7 @@ from ..kernels.invariant import enabled as invariant_enabled
 from ..kernels.invariant import sum_group
 from ..kernels.merge import merge_sink_, sink_grad
 from ..kernels.problem import (
+    EAGER_ONLY,
     check_bool, check_mask, check_optional_bool, check_softcap, check_softmax_scale, check_timeout, check_window,
     validate_inputs,
 )
@@ -453,7 +454,7 @@ class ContextParallel:
 
     # ---- the call ---------------------------------------------------------------------------------------------
 
-    @torch.compiler.disable  # torch.compile runs it eagerly, behind one graph break (kernels/torch_ops.py)
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Optional[ShardPlan] = None,
                  sinks: Optional[torch.Tensor] = None):
         if self.cp_size == 1:
@@ -661,7 +662,7 @@ def _functional_groups(group, mesh, ulysses_group, ring_group) -> tuple:
     return (group, mesh, ulysses_group, ring_group)
 
 
-@torch.compiler.disable  # torch.compile runs it eagerly, behind one graph break (kernels/torch_ops.py)
+@torch.compiler.disable(reason=EAGER_ONLY)
 def context_parallel_attention(q, k, v, plan: Optional[ShardPlan] = None, group=None, *, mesh=None,
                                ulysses_group=None, ring_group=None, strategy: str = "auto", causal: bool = True,
                                window: tuple[int, int] = (-1, -1), softcap: Optional[float] = None,

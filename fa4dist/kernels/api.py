@@ -9,8 +9,8 @@ import torch
 
 from . import fixed_point
 from .merge import merge_into_, merge_sink_, sink_grad
-from .problem import (AttentionProblem, Offset, check_bool, check_buffer, check_optional_bool, check_written,
-                      require_values, validate_inputs)
+from .problem import (EAGER_ONLY, AttentionProblem, Offset, check_bool, check_buffer, check_optional_bool,
+                      check_written, require_values, validate_inputs)
 from .registry import select_backend
 
 Window = tuple[int, int]
@@ -41,7 +41,7 @@ def _fused_forward_with_sinks(impl, problem, q, k, v, sinks, out, lse, accumulat
     return out, lse32
 
 
-@torch.compiler.disable  # torch.compile runs it eagerly, behind one graph break (kernels/torch_ops.py)
+@torch.compiler.disable(reason=EAGER_ONLY)
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -123,7 +123,7 @@ def forward_problem(problem: AttentionProblem, q, k, v, *, sinks=None, out=None,
     return out, lse
 
 
-@torch.compiler.disable  # torch.compile runs it eagerly, behind one graph break (kernels/torch_ops.py)
+@torch.compiler.disable(reason=EAGER_ONLY)
 def attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,

@@ -9,7 +9,7 @@ import torch
 from . import invariant, reference, torch_ops
 from .api import backward_problem, forward_problem
 from .merge import with_sink
-from .problem import check_bool, check_optional_bool, validate_inputs
+from .problem import EAGER_ONLY, check_bool, check_optional_bool, validate_inputs
 
 
 def _differentiable_grads(dout, q, k, v, sinks, mask_kwargs):
@@ -129,6 +129,6 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-@torch.compiler.disable  # torch.compile runs it eagerly (one graph break): its engine is not an op (torch_ops.py)
+@torch.compiler.disable(reason=EAGER_ONLY)  # its engine is not an op
 def _invariant_attention(q, k, v, mask_kwargs, backend):
     return _InvariantAttentionFunction.apply(q, k, v, mask_kwargs, backend)

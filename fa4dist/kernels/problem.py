@@ -317,6 +317,12 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     return scale
 
 
+# What torch.compile prints where it meets an entry point excluded from tracing (with fullgraph=True it stops there;
+# without, the call runs eagerly behind one graph break). torch_ops.py says which calls trace as ops.
+EAGER_ONLY = ("fa4dist runs this call eagerly, outside the compiled graph (one graph break, so fullgraph=True cannot "
+              "include it); fa4dist/kernels/torch_ops.py lists the calls that trace as ops")
+
+
 def type_name(value) -> str:
     """The name of value's type for an error message, with its module where it is not a builtin (numpy's bool
     calls itself "bool")."""

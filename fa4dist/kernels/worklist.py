@@ -34,8 +34,8 @@ import torch
 
 from .api import attention_backward, attention_forward
 from .mask import Mask, visible_pairs
-from .problem import (OFFSET_LIMIT, AttentionProblem, check_bool, check_buffer, check_optional_bool, check_window,
-                      check_written, validate_inputs)
+from .problem import (EAGER_ONLY, OFFSET_LIMIT, AttentionProblem, check_bool, check_buffer, check_optional_bool,
+                      check_window, check_written, validate_inputs)
 from .reference import accum_dtype
 from .registry import select_backend
 
@@ -351,7 +351,7 @@ def fresh_key_launches(launches: Sequence[Launch], total_k: int) -> tuple[tuple[
     return tuple(sorted(clears)), tuple(parts)
 
 
-@torch.compiler.disable  # torch.compile runs it eagerly, behind one graph break (kernels/torch_ops.py)
+@torch.compiler.disable(reason=EAGER_ONLY)
 def attention_forward_items(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -455,7 +455,7 @@ class SharedQueries:
         return dq
 
 
-@torch.compiler.disable  # torch.compile runs it eagerly, behind one graph break (kernels/torch_ops.py)
+@torch.compiler.disable(reason=EAGER_ONLY)
 def share_queries(dout, q, out, lse, *, softmax_scale=None, softcap=None, deterministic=None,
                   backend: str = "auto") -> Optional[SharedQueries]:
     """A shared query side for backward work lists on these queries (dout, q, out, lse as the lists get them), or
@@ -488,7 +488,7 @@ def share_queries(dout, q, out, lse, *, softmax_scale=None, softcap=None, determ
                                                     problem.softmax_scale)
 
 
-@torch.compiler.disable  # torch.compile runs it eagerly, behind one graph break (kernels/torch_ops.py)
+@torch.compiler.disable(reason=EAGER_ONLY)
 def attention_backward_items(
     dout: torch.Tensor,
     q: torch.Tensor,

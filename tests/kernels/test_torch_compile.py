@@ -169,6 +169,11 @@ def test_the_entry_points_that_are_not_ops_run_eagerly():
 
     xs = torch.randn(1, 16, 32, dtype=torch.float64)
     _assert_same_bytes((torch.compile(module_step, backend="aot_eager")(xs),), (module_step(xs),))
+    # under fullgraph=True each stops the trace, saying why (dynamo printed "reason: None")
+    torch._dynamo.reset()
+    for fn, args in ((contract, (q, k, v)), (module_step, (xs,))):
+        with pytest.raises(Exception, match="fa4dist runs this call eagerly, outside the compiled graph"):
+            torch.compile(fn, backend="aot_eager", fullgraph=True)(*args)
 
 
 @pytest.mark.gpu
