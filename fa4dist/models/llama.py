@@ -49,6 +49,25 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         return _RowBlockLinear.apply(x, self.weight, self.bias, self.ROW_BLOCK)
 
+    @property
+    def rows_invariant(self) -> bool:
+        """Whether this layer's rows are computed independently of the call's row count (``row_invariant``, or
+        the invariant gradients' fixed-block products)."""
+        return self.row_invariant or self.fixed_grads is not None
+
+
+def silu(x: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
+    """``F.silu``; ``row_invariant`` on a CPU: ``x / (1 + exp(-x))`` (in fp32 for 16-bit inputs, rounded once),
+    whose every op (and derivative) rounds an element from its own value alone.  torch's CPU SiLU and its derivative
+    compute the elements of a vector-width tail (the tensor's last ones, and each thread's share's last ones) with
+    a scalar formula that rounds differently from the vector one (~4% of values, 1 ulp, torch 2.13 AVX512), so a
+    token's activation depended on its place in the call and on ``torch.get_num_threads()``.  CUDA's kernel computes
+    every element alike: no change there."""
+    if not row_invariant or x.device.type != "cpu":
+        return F.silu(x)
+    xf = x.to(_compute_dtype(x.dtype))
+    return (xf / (1 + torch.exp(-xf))).to(x.dtype)
+
 
 def row_blocks(t: torch.Tensor, rows: int) -> list[torch.Tensor]:
     """``t``'s rows in blocks of ``rows`` (the last zero-padded): every product then has one shape."""
@@ -146,7 +165,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(ffn, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu(self.gate_proj(x), self.gate_proj.rows_invariant) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
