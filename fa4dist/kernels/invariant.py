@@ -44,11 +44,13 @@ ENV = "FA4DIST_CP_INVARIANT"
 
 
 def enabled(cp_invariant: Optional[bool]) -> bool:
-    """The mode asked for: the argument, or (None) the environment variable FA4DIST_CP_INVARIANT=1."""
+    """The mode asked for: the argument, or (None) the environment variable FA4DIST_CP_INVARIANT: on for 1, true
+    or yes, off for 0, false, no, empty or unset (any case, spaces around ignored); anything else is refused."""
     if cp_invariant is None:
         value = os.environ.get(ENV, "0").strip().lower()
         if value not in ("", "0", "1", "false", "true", "no", "yes"):
-            raise ValueError(f"{ENV} must be 0 or 1, got {os.environ[ENV]!r}")
+            raise ValueError(f"{ENV} must be 1 (or true, yes: on) or 0 (or false, no, empty: off), got "
+                             f"{os.environ[ENV]!r}")
         return value in ("1", "true", "yes")
     return check_optional_bool("cp_invariant", cp_invariant)
 

@@ -364,7 +364,7 @@ def test_cp_invariant_option_errors(monkeypatch):
     with pytest.raises(TypeError, match="cp_invariant must be a bool or None, got str"):
         fa4dist.attention(q, q, q, cp_invariant="yes")
     monkeypatch.setenv("FA4DIST_CP_INVARIANT", "maybe")
-    with pytest.raises(ValueError, match="FA4DIST_CP_INVARIANT must be 0 or 1, got 'maybe'"):
+    with pytest.raises(ValueError, match="FA4DIST_CP_INVARIANT must be 1 .* or 0 .*, got 'maybe'"):
         fa4dist.attention(q, q, q)
     monkeypatch.setenv("FA4DIST_CP_INVARIANT", "1")
     with pytest.raises(ValueError, match="cp_invariant=True does not support sinks yet"):
@@ -372,6 +372,22 @@ def test_cp_invariant_option_errors(monkeypatch):
     out = fa4dist.attention(q, q, q, causal=True)  # the environment variable turns the mode on
     monkeypatch.setenv("FA4DIST_CP_INVARIANT", "0")
     assert torch.allclose(out, fa4dist.attention(q, q, q, causal=True), atol=1e-6)
+
+
+def test_cp_invariant_environment_spellings(monkeypatch):
+    """FA4DIST_CP_INVARIANT: every spelling the parser takes is named in the error for one it does not (the
+    message said '0 or 1' while true/yes/false/no and the empty string were taken too)."""
+    from fa4dist.kernels import invariant
+
+    for value, on in (("1", True), (" TRUE ", True), ("yes", True), ("0", False), ("false", False), ("no", False),
+                      ("", False)):
+        monkeypatch.setenv(invariant.ENV, value)
+        assert invariant.enabled(None) is on, value
+    for bad in ("2", "on", "01", "y"):
+        monkeypatch.setenv(invariant.ENV, bad)
+        with pytest.raises(ValueError) as err:
+            invariant.enabled(None)
+        assert all(word in str(err.value) for word in ("true", "yes", "false", "no", "empty", repr(bad))), err.value
 
 
 def test_contract_and_work_list_flags_refuse_truthy_stand_ins():
