@@ -48,3 +48,18 @@ if [ "$1" = 3 ]; then
     --cute-variants fwd:num_stages=3 fwd:tile_m=128 fwd:sum_from_old=0 fwd:chained_max=1 fwd:late_pv_wait=1
   exit
 fi
+# 4: call 3: the table (bench/RESULTS.md, thirtieth session). Host-side changes of this session that only a GPU runs:
+#    the shared query side's checks against each work list's tensors (the ring's backward on the cute backend), the
+#    contract's new checks (softcap range, Mask, the partial-block buffers), the compile reason. Their GPU suites.
+#    Then (b) the hdim-128 causal backward at 1k / 4k (0.98x flash-attn-4 at both in call 3) under its knobs.
+if [ "$1" = 4 ]; then
+  TAIL_LINES=4 stage tests_worklist 120 $PYTEST -n 8 tests/kernels/test_worklist_gpu.py tests/kernels/test_backends_gpu.py
+  TAIL_LINES=4 stage tests_cp 180 $PYTEST -n 8 tests/cp/test_cp_gpu.py
+  TAIL_LINES=4 stage tests_misc 80 $PYTEST -n 8 tests/kernels/test_torch_compile.py tests/kernels/test_window_gpu.py \
+    -k "compile or softcap or sinks"
+  TAIL_LINES=6 stage bwd_knobs 150 python3 bench/kernels.py --headdims 128 --seqlens 1024 4096 --causal true \
+    --directions bwd --backends cute flash_attn_4 --rounds 5 --out-dir "$OUT/bwd_knobs" --cute-variants \
+    bwd:try_waits=1 bwd:persistent_ctas=0 bwd:interleave_lengths=1 bwd:masked_last=0 bwd:early_vectors=1 \
+    bwd:tma_store_dkv=0
+  exit
+fi
