@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .problem import FLOAT_DTYPES, check_buffer, check_sinks
+from .problem import FLOAT_DTYPES, check_buffer, check_sinks, check_written
 
 
 def lse_as_out_layout(lse: torch.Tensor) -> torch.Tensor:
@@ -41,6 +41,10 @@ def check_partial(name: str, out: torch.Tensor, lse: torch.Tensor, like_out: Opt
     for what, t in ((f"{name} out", out), (f"{name} lse", lse)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{what} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if lse.device != out.device:
+        raise ValueError(f"{name}: lse is on {lse.device} but its out is on {out.device}")
     if out.dim() < 3 or lse.dim() != out.dim() - 1:
         raise ValueError(
             f"{name}: out must be (..., seqlen, heads, head_dim) with lse (..., heads, seqlen), got out "
@@ -53,10 +57,14 @@ def check_partial(name: str, out: torch.Tensor, lse: torch.Tensor, like_out: Opt
     if like_out is not None and out.shape != like_out.shape:
         raise ValueError(f"{name}: out has shape {tuple(out.shape)} but the other partial results have "
                          f"{tuple(like_out.shape)}")
+    if like_out is not None and out.device != like_out.device:
+        raise ValueError(f"{name}: out is on {out.device} but the other partial results are on {like_out.device}")
 
 
 def _check_running(out: torch.Tensor, lse: torch.Tensor) -> None:
-    """A running result merged into in place: a partial result in fp32 (fp64 for fp64 inputs), out and lse alike."""
+    """A running result merged into in place: a partial result in fp32 (fp64 for fp64 inputs), out and lse alike.
+    The in-place merges also check it with :func:`~fa4dist.kernels.problem.check_written` against what they read
+    (the block is read after out has been scaled in place)."""
     check_partial("the running result", out, lse)
     if out.dtype not in (torch.float32, torch.float64) or lse.dtype != out.dtype:
         raise TypeError(f"the running out/lse must both be float32 (or float64), got {out.dtype} and {lse.dtype}")
@@ -93,6 +101,7 @@ def merge_into_(
     nothing, whatever ``block_out`` holds there (NaN included)."""
     _check_running(out, lse)
     check_partial("the block", block_out, block_lse, like_out=out)
+    check_written({"out": out, "lse": lse}, {"block_out": block_out, "block_lse": block_lse})
     (w_run, w_blk), merged = _merge_weights([lse, block_lse.to(lse.dtype)])
     # rows that saw no key (lse -inf) are cleared; a row that saw keys keeps a NaN it holds even where its weight
     # underflows to 0 (a row that sees a non-finite value is NaN however its keys are split)
@@ -142,6 +151,7 @@ def _sink_lse(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
 def merge_sink_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
     """Merges the sinks' virtual key block into the running fp32 (out, lse), in place (once per row!)."""
     _check_running(out, lse)
+    check_written({"out": out, "lse": lse}, {"sinks": sinks})
     (w_run, _), merged = _merge_weights([lse, _sink_lse(lse, sinks)])
     out.mul_(lse_as_out_layout(w_run)).masked_fill_(_unseen(lse), 0.0)
     lse.copy_(merged)

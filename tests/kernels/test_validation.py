@@ -490,3 +490,48 @@ def test_fused_kernels_read_cu_seqlens_contiguous_on_the_inputs_device():
     for t in problem.device_cu_seqlens():
         assert t.is_contiguous() and t.device == q.device and t.dtype == torch.int32
         assert t.tolist() == [0, 4, 10] == list(problem.cu_seqlens_q)
+
+
+def test_merges_in_place_refuse_a_block_or_running_result_sharing_memory():
+    """merge_into_ scales the running out in place before it reads the block: a block that is (a view of) the
+    running result was read after it had been scaled, and the merge was silently wrong (merging a result into
+    itself gave out * 0.5 + out * 0.25 instead of out).  Such calls, an out over its own lse, and a running out
+    with a stride of 0, are refused by name before anything is written; a running out with gaps still merges."""
+    from fa4dist.kernels import merge_into_, merge_sink_
+
+    out, lse = torch.randn(2, 8, 4, 16, dtype=torch.float64), torch.randn(2, 4, 8, dtype=torch.float64)
+    for block_out, block_lse, name in ((out, lse.clone(), "block_out"), (out.clone(), lse, "block_lse"),
+                                       (out[:, :, :, :1].expand(out.shape), lse.clone(), "block_out")):
+        running = out.clone(), lse.clone()
+        with pytest.raises(ValueError, match=f"{'out' if name == 'block_out' else 'lse'} shares memory with {name}"):
+            merge_into_(out, lse, block_out, block_lse)
+        assert torch.equal(out, running[0]) and torch.equal(lse, running[1])  # refused before any write
+    flat = torch.randn(2 * 8 * 4 * 16 + 2 * 4 * 8, dtype=torch.float64)
+    over = flat[: out.numel()].view(out.shape), flat[out.numel() - 64 :][: lse.numel()].view(lse.shape)
+    for merge in (lambda: merge_into_(*over, out, lse), lambda: merge_sink_(*over, torch.zeros(4))):
+        with pytest.raises(ValueError, match="lse shares memory with out"):
+            merge()
+    with pytest.raises(ValueError, match="out is written by the call, but some of its elements share memory"):
+        merge_into_(torch.zeros(1, dtype=torch.float64).expand(out.shape), lse.clone(), out, lse)
+    gapped = torch.zeros(2, 8, 4, 32, dtype=torch.float64)[..., ::2]
+    gapped.copy_(out)
+    running_lse = lse.clone()
+    merge_into_(gapped, running_lse, out, lse)  # the same partial twice: out unchanged, lse + log 2
+    torch.testing.assert_close(gapped, out, rtol=1e-15, atol=1e-15)
+    torch.testing.assert_close(running_lse, lse + torch.log(torch.tensor(2.0, dtype=torch.float64)))
+
+
+def test_merges_name_a_partial_of_another_device_or_a_non_float_dtype():
+    """A partial on another device than the others failed deep inside torch ("Tensor on device meta is not on the
+    expected device cpu"); an integer or bool out / lse was merged as if it were a result."""
+    from fa4dist.kernels import merge_into_, merge_partials
+
+    out, lse = torch.randn(2, 8, 4, 16), torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match="the block: out is on meta but the other partial results are on cpu"):
+        merge_into_(out.clone(), lse.clone(), out.to("meta"), lse.to("meta"))
+    with pytest.raises(ValueError, match="partial 1: lse is on meta but its out is on cpu"):
+        merge_partials([out, out], [lse, lse.to("meta")])
+    with pytest.raises(TypeError, match="partial 0 lse must be float16, bfloat16, float32 or float64, got torch.int64"):
+        merge_partials([out, out], [lse.long(), lse])
+    with pytest.raises(TypeError, match="the block out must be float16, bfloat16, float32 or float64, got torch.bool"):
+        merge_into_(out.clone(), lse.clone(), out > 0, lse)
