@@ -272,7 +272,7 @@ def _offset_values(name: str, value: Offset, count: int) -> tuple[int, ...]:
             raise TypeError(f"{name} must hold Python ints, got {value!r}")
         values = tuple(value)
     else:
-        raise TypeError(f"{name} must be an int or a sequence/tensor of ints, got {type(value).__name__}")
+        raise TypeError(f"{name} must be an int or a sequence/tensor of ints, got {type_name(value)}")
     if len(values) != count:
         raise ValueError(f"{name} must have one entry per sequence/segment ({count}), got {len(values)}")
     return values

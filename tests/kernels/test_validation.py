@@ -194,6 +194,16 @@ def test_offsets_wrong_count():
         attention_forward(q, k, v, causal=True, q_offset=[0, 1, 2])
 
 
+def test_offset_type_errors_say_which_int64():
+    """A numpy integer offset is refused as "got numpy.int64": "got int64" read as torch.int64, whose tensors the
+    argument does take."""
+    np = pytest.importorskip("numpy")
+    q, k, v = qkv(b=2)
+    with pytest.raises(TypeError, match=r"k_offset must be an int or a sequence/tensor of ints, got numpy.int64$"):
+        attention_forward(q, k, v, causal=True, k_offset=np.int64(3))
+    attention_forward(q, k, v, causal=True, k_offset=torch.tensor(3))  # a torch.int64 tensor is taken
+
+
 def test_accumulate_needs_fp32_buffers():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="accumulate=True needs the running out and lse"):
