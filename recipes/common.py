@@ -55,11 +55,14 @@ non_negative_int = _int_at_least(0, ">= 0", "non_negative_int")
 sequence_length = _int_at_least(2, "at least 2 tokens", "sequence_length")  # one input and its next-token label
 
 
-def add_common_args(p: argparse.ArgumentParser, unused: Optional[dict] = None) -> argparse.ArgumentParser:
+def add_common_args(p: argparse.ArgumentParser, unused: Optional[dict] = None,
+                    models=()) -> argparse.ArgumentParser:
     """The options every recipe shares.  ``unused`` maps the destinations of those a recipe does not use to why
-    (their help says so; :func:`refuse_unused` refuses them when given)."""
+    (their help says so; :func:`refuse_unused` refuses them when given); ``models``: the recipe's own --model names
+    beside fa4dist's presets (its help lists them)."""
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default="tiny", help="size preset: tiny, small (~100M), base (~380M), 1b")
+    g.add_argument("--model", default="tiny", help="size preset: tiny, small (~100M), base (~380M), 1b"
+                   + "".join(f", {name}" for name in models))
     g.add_argument("--layers", type=positive_int, default=None, help="override the preset's layer count")
     g.add_argument("--seqlen", type=sequence_length, default=256,
                    help="tokens per packed sequence (the context length)")
@@ -156,7 +159,7 @@ def check_common_args(p: argparse.ArgumentParser, args, models=()) -> None:
         try:
             get_config(args.model)
         except ValueError as err:
-            p.error(f"--model: {err}")
+            p.error(f"--model: {err}" + (f"; this recipe also takes {', '.join(models)}" if models else ""))
     u = args.ulysses_degree
     if u is not None and args.cp % u:
         p.error(f"--ulysses-degree {u} must divide --cp {args.cp}")

@@ -77,7 +77,7 @@ MOE_ONLY = {"experts": "only gpt_oss has MoE layers", "experts_per_token": "only
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(p)
+    common.add_common_args(p, models=LLAMA3_PRESETS)
     g = p.add_argument_group("Hugging Face model")
     g.add_argument("--arch", choices=sorted(ARCHS), default="llama", help="transformers model family")
     g.add_argument("--sliding-window", type=int, default=None,

@@ -4,6 +4,7 @@ and loss (cp = 2 with activation checkpointing, tiled MLP and tiled loss; dp = 2
 
 from __future__ import annotations
 
+import re
 
 import pytest
 
@@ -71,8 +72,14 @@ def test_hf_sft_refuses_options_its_arch_lacks(bad):
 def test_an_unknown_model_is_refused_by_name_and_the_llama3_shapes_parse(capsys):
     with pytest.raises(SystemExit):
         hf_sft.parse_args(["--model", "bogus"])
-    assert "--model: model size must be one of" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # the refusal lists every name the recipe takes: fa4dist's presets and its own Llama-3 shapes (it listed only
+    # the presets), and so does --help
+    assert "--model: model size must be one of" in err and "also takes llama3.2-1b, llama3-8b" in err, err
     assert hf_sft.parse_args(["--model", "llama3.2-1b"]).model == "llama3.2-1b"
+    with pytest.raises(SystemExit):
+        hf_sft.parse_args(["--help"])
+    assert re.search(r"size preset: tiny,.*1b,\s+llama3\.2-1b,\s+llama3-8b", capsys.readouterr().out)
 
 
 @pytest.mark.timeout(200)
