@@ -35,8 +35,9 @@ def _args(argv=None):
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--headdim", type=int, default=64)
-    p.add_argument("--strategy", default="ring", choices=["auto", "ring", "ulysses", "hybrid"])
-    p.add_argument("--ulysses-degree", type=int, default=None)
+    p.add_argument("--strategy", default="ring", choices=["auto", "ring", "ulysses", "hybrid"], help="default ring")
+    p.add_argument("--ulysses-degree", type=int, default=None,
+                   help="the Ulysses group size of --strategy hybrid (ring over the rest)")
     p.add_argument("--balancer", default="lpt", choices=["lpt", "zigzag", "contiguous"])
     p.add_argument("--num-chunks", type=int, default=None)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32", "float64"],
@@ -67,6 +68,9 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--batch applies to the one-sequence mode; packed documents (--docs) are one batch")
     if args.seqlen is not None and args.docs > args.seqlen:
         p.error(f"--docs {args.docs} needs at least as many tokens (--seqlen {args.seqlen})")
+    if args.strategy == "ring" and args.ulysses_degree not in (None, 1):  # (ring is the default: say so)
+        p.error(f"--ulysses-degree {args.ulysses_degree} needs --strategy hybrid (or auto); --strategy ring, the "
+                "default, runs no Ulysses group")
     if args.heads % args.kv_heads:
         p.error(f"--kv-heads ({args.kv_heads}) must divide --heads ({args.heads})")
     if not 0 < args.timeout < math.inf:  # (the module refuses inf too, but only once every rank has started)

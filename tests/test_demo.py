@@ -51,6 +51,9 @@ def test_demo_self_launched_packed_ulysses():
     (["--timeout", "-1"], "--timeout must be a positive, finite number of seconds, got -1"),
     (["--timeout", "inf"], "--timeout must be a positive, finite number of seconds, got inf"),
     (["--timeout", "nan"], "--timeout must be a positive, finite number of seconds, got nan"),
+    # the default strategy is ring: a bare --ulysses-degree failed on every rank with "ulysses_degree=2 contradicts
+    # strategy='ring'", a strategy the command never named
+    (["--ulysses-degree", "2"], "--ulysses-degree 2 needs --strategy hybrid \\(or auto\\); --strategy ring, the"),
 ])
 def test_demo_refuses_sizes_it_cannot_run_by_name(bad, message, capsys):
     from fa4dist import demo
