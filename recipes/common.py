@@ -28,8 +28,24 @@ import torch
 import torch.distributed as dist
 
 from fa4dist.data import PackedTokenStream, collect_documents, make_sample_plan, shard_sample
-from fa4dist.demo import exit_process  # noqa: F401 (the recipes' __main__ end with it)
+from fa4dist.demo import exit_process
 from fa4dist.models import FA4Llama, cp_cross_entropy, get_config
+
+def run_main(main) -> None:
+    """A recipe's ``__main__``: runs ``main()`` and ends the process through ``exit_process``, also when main refuses
+    its options with SystemExit after the process group is up (a resume whose schedule differs, ...). The
+    interpreter's teardown could otherwise abort a rank on a joinable gloo thread ("terminate called without an
+    active exception", SIGABRT) after the refusal's message. The message and exit code are SystemExit's own."""
+    try:
+        main()
+    except SystemExit as stop:
+        code = stop.code
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+        exit_process(code or 0)
+    exit_process()
+
 
 H200_PEAK_BF16 = 989.4e12  # dense bf16 FLOP/s of an H100/H200 SXM
 

@@ -326,5 +326,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    main()
-    common.exit_process()
+    common.run_main(main)

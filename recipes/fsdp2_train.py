@@ -187,5 +187,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
-    common.exit_process()
+    common.run_main(main)

@@ -547,5 +547,4 @@ def reference_run(args, device=torch.device("cpu")) -> dict:
 
 
 if __name__ == "__main__":
-    main()
-    common.exit_process()
+    common.run_main(main)

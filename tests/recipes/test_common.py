@@ -58,3 +58,21 @@ def test_a_resume_with_other_model_data_or_optimizer_settings_is_refused_by_name
     other = deepspeed_train.parse_args(base + ["--ckpt-dir", str(tmp_path), "--resume", ckpt.name, "--seed", "3"])
     with pytest.raises(SystemExit, match="--seed 0 in the checkpoint, 3 now"):
         deepspeed_train.resume_tag(other)
+
+
+def test_run_main_ends_a_refusal_with_its_message_and_code():
+    """A recipe's __main__ (common.run_main): a SystemExit raised inside main (a refusal after the process group is
+    up) keeps its message and exit code but ends through exit_process, not the interpreter's teardown, which could
+    abort a rank on a joinable gloo thread (SIGABRT after the message)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    recipes = Path(common.__file__).resolve().parent
+    cases = (("raise SystemExit('resume: the LR schedule differs')", 1, "resume: the LR schedule differs"),
+             ("raise SystemExit(3)", 3, ""), ("print('done')", 0, "done"))
+    for body, code, text in cases:
+        src = f"import common\ndef main():\n    {body}\ncommon.run_main(main)\nprint('not reached')\n"
+        proc = subprocess.run([sys.executable, "-c", src], cwd=recipes, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == code, (body, proc.returncode, proc.stderr[-2000:])
+        assert text in proc.stdout + proc.stderr and "not reached" not in proc.stdout, (body, proc.stdout, proc.stderr)
