@@ -581,16 +581,15 @@ def _signature_diffs(gathered: list, what: str, calls: str) -> Optional[str]:
     return f"ranks disagree on {what}: " + "; ".join(diffs) if diffs else None
 
 
-def _merge_knowledge(gathered: list, what: str, calls: str, total: bool) -> dict:
+def _merge_knowledge(gathered: list, what: str, calls: str) -> dict:
     """What a rank knows after one stage of raise_disagreement, from the frames of that stage's ranks (in rank order):
-    the first rejection among them (its rank and text) with the number of ranks that rejected (``total``: the
-    frames' counts add up, each frame speaking for ranks no other frame speaks for), or else the first message
+    the first rejection among them (its rank and text) with the number of ranks that rejected (the frames' counts
+    add up: on a grid each frame of the second stage speaks for its own Ulysses group), or else the first message
     found at an earlier stage, or else the signatures' differences seen here."""
     rejections = [g for g in gathered if g["count"]]
     if rejections:
         first = rejections[0]
-        count = sum(g["count"] for g in rejections) if total else first["count"]
-        return dict(who=first["who"], error=first["error"], count=count, message=None)
+        return dict(who=first["who"], error=first["error"], count=sum(g["count"] for g in rejections), message=None)
     earlier = [g["message"] for g in gathered if g["message"]]
     message = earlier[0] if earlier else _signature_diffs(gathered, what, calls)
     return dict(who=None, error=None, count=0, message=message)
@@ -634,7 +633,7 @@ def raise_disagreement(stages: list, rank: int, what: str, call: int, sig: Optio
             first = gathered[0]
             state = {key: first[key] for key in ("who", "error", "count", "message")}
         else:
-            state = _merge_knowledge(gathered, f"{what} {call}", calls, total=True)
+            state = _merge_knowledge(gathered, f"{what} {call}", calls)
     message = _disagreement_text(state) or f"ranks disagree on {what} {call} (found in another group of the mesh)"
     if local is not None and sent in message and isinstance(error, (TypeError, ValueError)):
         raise type(error)(f"{label}: {message}") from error  # its own error (other ranks' may follow it)
