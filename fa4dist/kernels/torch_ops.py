@@ -24,16 +24,25 @@ import torch
 from .api import backward_problem, forward_problem
 from .problem import _offsets, check_layout, validate_inputs
 
-def _offset_arg(name: str, value, count: int):
-    """An offset as the ops take it: (its per-sequence ints, None), checked as the eager call checks it, or
+def _offset_arg(name: str, value, count):
+    """An offset as the ops take it, checked as the eager call checks it: ([the int], None) for one int, which is
+    every sequence's (so the batch size or the number of packed segments is not read: it stays symbolic under
+    ``dynamic=True`` / ``mark_dynamic``, and packed batches with other document counts reuse the graph); (its
+    per-sequence ints, None) for a sequence, checked against ``count()`` (which fixes that count in the graph); or
     ([], the tensor) for a tensor of offsets (its values are read when the op runs)."""
     if isinstance(value, torch.Tensor):
         return [], value
-    return list(_offsets(name, value, count)), None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return list(_offsets(name, value, 1)), None
+    return list(_offsets(name, value, count())), None
 
 
 def _offset_value(values: list[int], tensor: Optional[torch.Tensor]):
-    return tensor if tensor is not None else values
+    """The offset argument of the eager call: the tensor, one int (a one-entry list: every sequence's), or the
+    per-sequence ints."""
+    if tensor is not None:
+        return tensor
+    return values[0] if len(values) == 1 else values
 
 
 def _problem(q, k, v, sinks, causal, window, softcap, softmax_scale, q_offsets, q_offset_t, k_offsets, k_offset_t,
@@ -142,7 +151,10 @@ def compiled_attention(q, k, v, sinks, mask_kwargs: dict, backend: str, determin
     cu_q = mask_kwargs["cu_seqlens_q"]
     check_layout(q, k, v, sinks=sinks, cu_seqlens_q=cu_q, cu_seqlens_k=mask_kwargs["cu_seqlens_k"],
                  **{n: mask_kwargs[n] for n in ("causal", "window", "softcap", "softmax_scale")})
-    count = int(q.shape[0] if cu_q is None else cu_q.shape[0] - 1)  # sequences or packed segments
+
+    def count():  # sequences or packed segments, for offsets given per sequence
+        return int(q.shape[0] if cu_q is None else cu_q.shape[0] - 1)
+
     q_offsets, q_offset_t = _offset_arg("q_offset", mask_kwargs["q_offset"], count)
     k_offsets, k_offset_t = _offset_arg("k_offset", mask_kwargs["k_offset"], count)
     window = mask_kwargs["window"]

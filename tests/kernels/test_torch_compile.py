@@ -85,6 +85,42 @@ def test_packed_documents_compile():
     _assert_same_bytes(eager, compiled)
 
 
+def test_batch_and_document_count_stay_symbolic():
+    """An int offset is every sequence's, so the trace reads neither the batch size nor the number of packed
+    documents: mark_dynamic on the batch dim held (it raised "specialized it to be a constant"), and packed batches
+    with other document counts reuse the graph (each count compiled again; fullgraph=True failed at the ninth)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    g = torch.Generator().manual_seed(5)
+
+    def f(q, k, v, cu=None):
+        return fa4dist.attention(q, k, v, causal=True, q_offset=3, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                 backend="reference")
+
+    def grads(fn, q, k, v, cu=None):
+        out = fn(q, k, v, cu)
+        return (out, *torch.autograd.grad(out.square().sum(), (q, k, v)))
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
+    q, k, v = (torch.randn(30, h, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (2, 1, 1))
+    for cu in ([0, 11, 30], [0, 4, 4, 30], [0, 1, 2, 9, 30]):
+        cu = torch.tensor(cu, dtype=torch.int32)
+        _assert_same_bytes(grads(compiled, q, k, v, cu), grads(f, q, k, v, cu))
+    assert counter.frame_count == 1
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    for batch in (2, 3):
+        q, k, v = (torch.randn(batch, 12, h, 8, generator=g, dtype=torch.float64, requires_grad=True)
+                   for h in (2, 1, 1))
+        for t in (q, k, v):
+            torch._dynamo.mark_dynamic(t, 0)
+        _assert_same_bytes(grads(compiled, q, k, v), grads(f, q, k, v))
+    assert counter.frame_count == 1
+
+
 def test_inductor_compiles_it():
     x, w, _ = _inputs((1, 32))
     step = _model_step(dict(causal=True, backend="reference"))
