@@ -120,6 +120,7 @@ def _setup_context(ctx, inputs, output):
     q, k, v, sinks = inputs[:4]
     out, lse = output
     ctx.save_for_backward(q, k, v, sinks, out, lse)
+    ctx.mark_non_differentiable(lse)  # as the eager call's: lse carries no gradient
     ctx.mask_args, ctx.backend, ctx.deterministic = inputs[_MASK_ARGS], inputs[14], inputs[15]
 
 

@@ -152,6 +152,21 @@ def test_return_lse_and_bad_input_under_compile():
             torch.compile(lambda *t: fa4dist.attention(*t, backend="reference", **kwargs), backend="aot_eager")(*args)
 
 
+def test_lse_carries_no_gradient_under_compile():
+    """lse is not differentiable, compiled as eager: the op's lse required grad, so a loss of it gave zero
+    gradients silently where the eager call refuses it."""
+    q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+
+    def f(q, k, v):
+        return fa4dist.attention(q, k, v, causal=True, return_lse=True, backend="reference")
+
+    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        out, lse = fn(q, k, v)
+        assert out.requires_grad and not lse.requires_grad
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            torch.autograd.grad(lse.sum(), q)
+
+
 def test_changing_softcap_and_scale_values_under_fullgraph():
     """One compiled function called with other softcap / softmax_scale values: dynamo hands a float whose value
     changed over as a SymFloat, which the checks' math.isfinite could not trace (fullgraph=True failed). The bytes
