@@ -246,21 +246,27 @@ def run_settings(args) -> dict:
     return out
 
 
-def save_run_settings(checkpoint: Path, args) -> None:
-    """Writes :func:`run_settings` into the checkpoint directory ``checkpoint`` (call it on one rank)."""
+def save_run_settings(checkpoint: Path, args, step: Optional[int] = None) -> None:
+    """Writes :func:`run_settings`, the LR schedule (:func:`schedule_state`) and ``step`` (the steps the checkpoint
+    has trained) into the checkpoint directory ``checkpoint`` (call it on one rank): what a resume checks before
+    any process group or model exists."""
     checkpoint = Path(checkpoint)
     checkpoint.mkdir(parents=True, exist_ok=True)
-    (checkpoint / RUN_FILE).write_text(json.dumps(run_settings(args), sort_keys=True))
+    record = {**run_settings(args), "schedule": schedule_state(args), "step": step}
+    (checkpoint / RUN_FILE).write_text(json.dumps(record, sort_keys=True))
 
 
-def check_resumed_run(checkpoint: Path, args) -> None:
+def check_resumed_run(checkpoint: Path, args) -> Optional[int]:
     """Refuses a resume whose model, data or optimizer settings differ from those the checkpoint was saved with
     (another --seed, --batch-size, --seqlen, --packing or --data reads other windows; another --model or --layers
-    failed deep inside the checkpoint loader), naming them.  A checkpoint saved without the record (an older
-    one) is not checked."""
+    failed deep inside the checkpoint loader), naming them; then one whose LR schedule differs
+    (:func:`check_resumed_schedule`), and a --stop-at the checkpoint has passed (:func:`last_step`).  Reads only
+    the record :func:`save_run_settings` wrote, so the recipes call it before the process group and the model
+    exist.  Returns the checkpoint's step (None where the record has none).  A checkpoint saved without the
+    record (an older one) is not checked."""
     path = Path(checkpoint) / RUN_FILE
     if not path.is_file():
-        return
+        return None
     saved, now = json.loads(path.read_text()), run_settings(args)
     diffs = [f"{option_name(f)} {saved[f]!r} in the checkpoint, {now[f]!r} now" for f in RUN_FIELDS
              if f in saved and saved[f] != now[f]]
@@ -268,6 +274,12 @@ def check_resumed_run(checkpoint: Path, args) -> None:
         raise SystemExit(
             f"resume from {checkpoint}: the run's settings differ from the checkpoint's (" + "; ".join(diffs) + "), "
             "so the run would not continue the one that was stopped.  Pass the same values.")
+    if saved.get("schedule") is not None:
+        check_resumed_schedule(saved["schedule"], args)
+    step = saved.get("step")
+    if step is not None:
+        last_step(args, step)
+    return step
 
 
 def last_step(args, start: int = 0) -> int:
@@ -375,14 +387,28 @@ class Layout:
         return self.batch_size // self.dp
 
 
-def make_layout(rank: int, world: int, cp: int, batch_size: int, device: torch.device) -> Layout:
-    from torch.distributed.device_mesh import init_device_mesh
+def launched_world() -> int:
+    """The world size the job is launched with, known before any process group exists: torchrun's WORLD_SIZE, or
+    1 for a plain ``python recipe.py`` (:func:`init_distributed` makes a world of one then)."""
+    return int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1
 
+
+def check_layout(world: int, cp: int, batch_size: Optional[int] = None) -> int:
+    """Refuses a --cp that does not divide the world size, or a --batch-size dp does not divide (None: not
+    checked); returns dp.  The recipes call it with :func:`launched_world` before the process group exists (every
+    rank alike), and :func:`make_layout` with the group's size."""
     if world % cp:
         raise SystemExit(f"--cp {cp} must divide the world size {world}")
     dp = world // cp
-    if batch_size % dp:
+    if batch_size is not None and batch_size % dp:
         raise SystemExit(f"--batch-size {batch_size} must be a multiple of dp = {dp}")
+    return dp
+
+
+def make_layout(rank: int, world: int, cp: int, batch_size: int, device: torch.device) -> Layout:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp = check_layout(world, cp, batch_size)
     mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
     return Layout(rank, world, dp, cp, rank // cp, rank % cp, mesh, mesh.get_group("cp"), mesh.get_group("dp"),
                   batch_size)

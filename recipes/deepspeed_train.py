@@ -200,8 +200,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def resume_tag(args) -> str:
-    """The checkpoint tag ``--resume`` names, checked before DeepSpeed loads it: a tag that is not there, or one
-    saved at the other ZeRO stage, ends in a bare AssertionError inside DeepSpeed."""
+    """The checkpoint tag ``--resume`` names, checked before the process group and DeepSpeed's engine exist (every
+    rank alike): a tag that is not there, one saved at the other ZeRO stage or by another number of ranks ended in
+    an AssertionError or a ZeRORuntimeException inside DeepSpeed's loader once the engine was built; the settings,
+    schedule and step recorded beside it (common.check_resumed_run) were refused only after loading."""
     ckpt = Path(args.ckpt_dir)
     if args.resume == "latest":
         marker = ckpt / "latest"
@@ -218,12 +220,27 @@ def resume_tag(args) -> str:
     if saved is not None and saved != args.zero_stage:
         raise SystemExit(f"--resume {args.resume}: the checkpoint was saved with --zero-stage {saved}, this run has "
                          f"--zero-stage {args.zero_stage}; DeepSpeed loads it only at its own stage")
+    # ZeRO partitions the optimizer state over all dp x cp ranks, one file per rank
+    ranks = {f.name.split("zero_pp_rank_")[1].split("_")[0] for f in where.glob("*zero_pp_rank_*_optim_states.pt")}
+    world = common.launched_world()
+    if ranks and len(ranks) != world:
+        raise SystemExit(f"--resume {args.resume}: the checkpoint was saved by {len(ranks)} ranks, this run has "
+                         f"{world}; DeepSpeed loads ZeRO's partitioned optimizer state only at the world size it was "
+                         f"saved with (--cp may differ)")
     common.check_resumed_run(where, args)
     return tag
 
 
 def main(argv=None):
     args = parse_args(argv)
+    # refused before the process group and DeepSpeed's engine exist: a layout the world does not allow, a
+    # checkpoint that is not there, was saved at another ZeRO stage or world size, or does not continue this run
+    world = common.launched_world()
+    dp = common.check_layout(world, args.cp, args.batch_size)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"  # the device common.init_distributed takes
+    config = ds_config(args, common.Layout(0, world, dp, args.cp, 0, 0, None, None, None, args.batch_size),
+                       common.compute_dtype(args, torch.device(device_type)))  # depends on the layout's sizes only
+    resume = resume_tag(args) if args.resume else None
 
     rank, world, device = common.init_distributed(args=args)
     import deepspeed  # after the process group exists: DeepSpeed adopts it
@@ -247,10 +264,10 @@ def main(argv=None):
     if layout.cp > 1:
         mpu = ContextParallelMpu(layout, dist.new_group(list(range(world))))
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, mpu=mpu,
-                                                  config=ds_config(args, layout, dtype))
+                                                  config=config)
     start = 0
-    if args.resume:
-        path, client = engine.load_checkpoint(args.ckpt_dir, tag=resume_tag(args))
+    if resume is not None:
+        path, client = engine.load_checkpoint(args.ckpt_dir, tag=resume)
         if path is None:
             raise SystemExit(f"no DeepSpeed checkpoint found in {args.ckpt_dir}")
         start = int(client["step"])
@@ -300,7 +317,7 @@ def main(argv=None):
         if common.saves_checkpoint(args, step + 1, stop):
             tag = f"step_{step + 1:06d}"
             if rank == 0:  # before DeepSpeed's own files (its 'latest' marks a finished checkpoint)
-                common.save_run_settings(Path(args.ckpt_dir) / tag, args)
+                common.save_run_settings(Path(args.ckpt_dir) / tag, args, step + 1)
             engine.save_checkpoint(args.ckpt_dir, tag=tag,
                                    client_state={"step": step + 1, "schedule": common.schedule_state(args)})
     progress.close()

@@ -59,17 +59,17 @@ def save_checkpoint(model, optimizer, step: int, ckpt_dir: str, rank: int, args)
     dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step), "schedule": _schedule_tensor(args)},
              checkpoint_id=str(path))
     if rank == 0:
-        common.save_run_settings(path, args)
+        common.save_run_settings(path, args, step)
     dist.barrier()
     if rank == 0:
         (Path(ckpt_dir) / "latest").write_text(path.name)
     return path
 
 
-def load_checkpoint(model, optimizer, resume: str, ckpt_dir: str, args) -> int:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
+def find_checkpoint(resume: str, ckpt_dir: str, args) -> Path:
+    """The checkpoint directory ``--resume`` names, checked before any process group or model exists (every rank
+    alike): that it holds a checkpoint, and the settings, schedule and step recorded beside it
+    (common.check_resumed_run): they used to be refused only once the model was built and sharded."""
     if resume == "latest":
         if not ckpt_dir:
             raise SystemExit("--resume latest needs --ckpt-dir")
@@ -82,6 +82,15 @@ def load_checkpoint(model, optimizer, resume: str, ckpt_dir: str, args) -> int:
     if not (path / ".metadata").is_file():  # what dcp.save writes last; without it dcp.load fails deep inside torch
         raise SystemExit(f"--resume {resume}: {str(path)!r} is not a checkpoint of this recipe (no .metadata in it)")
     common.check_resumed_run(path, args)  # before loading: another --model fails inside dcp.load
+    return path
+
+
+def load_checkpoint(model, optimizer, path: Path, args) -> int:
+    """Loads the checkpoint :func:`find_checkpoint` found; returns its step.  The schedule stored in it is checked
+    again (a checkpoint without the record beside it, an older one, is checked only here)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0), "schedule": _schedule_tensor(args)}
     dcp.load(state, checkpoint_id=str(path))
@@ -105,6 +114,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None):
     args = parse_args(argv)
+    # refused before the process group and the model exist: a layout the world does not allow, a checkpoint that
+    # is not there or does not continue this run
+    common.check_layout(common.launched_world(), args.cp, args.batch_size)
+    resume = find_checkpoint(args.resume, args.ckpt_dir, args) if args.resume else None
 
     rank, world, device = common.init_distributed(args=args)
     common.set_determinism(args)
@@ -119,8 +132,8 @@ def main(argv=None):
     optimizer = common.make_optimizer(model, args)
 
     start = 0
-    if args.resume:
-        start = load_checkpoint(model, optimizer, args.resume, args.ckpt_dir, args)
+    if resume is not None:
+        start = load_checkpoint(model, optimizer, resume, args)
     stream = common.build_stream(args)
     per_rank = layout.sequences_per_rank
     if rank == 0:

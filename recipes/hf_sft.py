@@ -191,19 +191,31 @@ def own_attention(model_type: str) -> str:
     return "eager" if model_type.startswith("gemma") or model_type == "gpt_oss" else "sdpa"
 
 
+def checkpoint_config(path: str):
+    """The config of the local checkpoint ``--checkpoint`` names, checked (read alone, before the process group and
+    the weights: the recipe calls it first): a directory without a transformers config, or whose vocabulary is
+    smaller than the byte tokens of fa4dist.data, is refused by name."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--checkpoint {path}: not a transformers checkpoint ({err})") from None
+    vocab = getattr(config.get_text_config(), "vocab_size", None)
+    if vocab is not None and vocab < VOCAB_SIZE:
+        raise SystemExit(f"the checkpoint's vocabulary ({vocab}) is smaller than the byte tokens of fa4dist.data "
+                         f"({VOCAB_SIZE})")
+    return config
+
+
 def build_model(args, device):
     """(model with fp32 weights, sharded_init): on ``device``, or on the meta device for a sharded init."""
     from transformers import AutoModelForCausalLM
 
     if args.checkpoint:
-        from transformers import AutoConfig
-
-        model_type = AutoConfig.from_pretrained(args.checkpoint, local_files_only=True).model_type
+        model_type = checkpoint_config(args.checkpoint).model_type
         model = AutoModelForCausalLM.from_pretrained(args.checkpoint, local_files_only=True, dtype=torch.float32,
                                                      attn_implementation=own_attention(model_type))
-        if model.config.vocab_size < VOCAB_SIZE:
-            raise SystemExit(f"the checkpoint's vocabulary ({model.config.vocab_size}) is smaller than the byte "
-                             f"tokens of fa4dist.data ({VOCAB_SIZE})")
         return model.to(device), False
     config = hf_config(args)
     sharded = args.init == "sharded" or args.init == "auto" and count_parameters(config) > SHARDED_INIT_ABOVE
@@ -434,6 +446,10 @@ def memory_estimates(facts: dict, local_tokens: int, world: int, args, dtype) ->
 
 def main(argv=None):
     args = parse_args(argv)
+    # refused before the process group and the model exist (every rank alike)
+    common.check_layout(common.launched_world(), args.cp, args.batch_size)
+    if args.checkpoint:
+        checkpoint_config(args.checkpoint)
     rank, world, device = common.init_distributed(args=args)
     common.set_determinism(args)
     layout = common.make_layout(rank, world, args.cp, args.batch_size, device)

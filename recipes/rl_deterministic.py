@@ -254,6 +254,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None):
     args = parse_args(argv)
     args.deterministic = True
+    # refused before the process group and the models exist (every rank alike)
+    dp = common.check_layout(common.launched_world(), args.cp)
+    n = args.prompts * args.group_size
+    if n % dp:
+        raise SystemExit(f"prompts x group-size ({n}) must be a multiple of dp ({dp})")
 
     rank, world, device = common.init_distributed(args=args)
     common.set_determinism(args)  # torch.use_deterministic_algorithms(True)
@@ -279,9 +284,6 @@ def main(argv=None):
               f"task=reverse {args.task_len} letters of '{args.alphabet}' sft_steps={args.sft_steps} "
               f"rl_steps={args.steps} prompts={args.prompts}x{args.group_size}", flush=True)
     progress = common.Progress(total_steps, rank, args.metrics_out, args.log_every)
-    n = args.prompts * args.group_size
-    if n % layout.dp:
-        raise SystemExit(f"prompts x group-size ({n}) must be a multiple of dp ({layout.dp})")
     per_dp = n // layout.dp
     rows = slice(layout.dp_rank * per_dp, (layout.dp_rank + 1) * per_dp)
     rewards_log, diffs_log, sampling_gaps = [], [], []

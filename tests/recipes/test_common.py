@@ -54,7 +54,7 @@ def test_a_resume_with_other_model_data_or_optimizer_settings_is_refused_by_name
     other = fsdp2_train.parse_args(base + ["--resume", str(ckpt), "--seed", "3", "--batch-size", "4", "--layers", "3"])
     with pytest.raises(SystemExit, match=r"the run's settings differ from the checkpoint's \(--layers None in the "
                                          r"checkpoint, 3 now; --batch-size 2 in the checkpoint, 4 now; --seed 0 in"):
-        fsdp2_train.load_checkpoint(None, None, other.resume, other.ckpt_dir, other)  # refused before loading
+        fsdp2_train.find_checkpoint(other.resume, other.ckpt_dir, other)  # refused before loading
     other = deepspeed_train.parse_args(base + ["--ckpt-dir", str(tmp_path), "--resume", ckpt.name, "--seed", "3"])
     with pytest.raises(SystemExit, match="--seed 0 in the checkpoint, 3 now"):
         deepspeed_train.resume_tag(other)
@@ -76,3 +76,20 @@ def test_run_main_ends_a_refusal_with_its_message_and_code():
         proc = subprocess.run([sys.executable, "-c", src], cwd=recipes, capture_output=True, text=True, timeout=120)
         assert proc.returncode == code, (body, proc.returncode, proc.stderr[-2000:])
         assert text in proc.stdout + proc.stderr and "not reached" not in proc.stdout, (body, proc.stdout, proc.stderr)
+
+
+@pytest.mark.parametrize("recipe, argv", [
+    ("fsdp2_train", ["--cp", "2"]),
+    ("deepspeed_train", ["--cp", "2"]),
+    ("hf_sft", ["--cp", "2"]),
+    ("rl_deterministic", ["--cp", "2"]),
+])
+def test_a_cp_the_world_size_does_not_allow_is_refused_before_the_process_group(recipe, argv,
+                                                                               launched_without_a_rendezvous):
+    """--cp 2 on 3 ranks: refused by name from torchrun's WORLD_SIZE before any process group or model exists (it
+    was refused once the process group was up)."""
+    import importlib
+
+    launched_without_a_rendezvous(3)
+    with pytest.raises(SystemExit, match="--cp 2 must divide the world size 3"):
+        importlib.import_module(recipe).main(argv)

@@ -165,3 +165,37 @@ def test_resume_of_a_missing_tag_or_at_another_zero_stage_is_refused_by_name(tmp
         launch.python("deepspeed_train.py", stage3)
     assert "the checkpoint was saved with --zero-stage 2, this run has --zero-stage 3" in str(err.value)
     assert "start_step=1" in launch.python("deepspeed_train.py", args + ["--resume", "latest"]).stdout
+
+
+def test_a_resume_or_config_the_run_cannot_take_is_refused_before_the_process_group(tmp_path,
+                                                                                    launched_without_a_rendezvous):
+    """A tag that is not there, one saved at the other ZeRO stage or by another number of ranks (a
+    ZeRORuntimeException inside DeepSpeed's loader), another schedule recorded beside it, and a --ds-config batch
+    shape the run's layout contradicts: refused before the process group and the engine exist (they were refused
+    once the engine was built and, for the schedule, the checkpoint loaded)."""
+    import deepspeed_train
+
+    base = ["--steps", "4", "--seqlen", "64", "--data", str(tmp_path), "--ckpt-dir", str(tmp_path)]
+    tag = tmp_path / "step_000002"
+    common.save_run_settings(tag, deepspeed_train.parse_args(base + ["--save-every", "2"]), 2)
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                 "zero_pp_rank_1_mp_rank_00_optim_states.pt"):  # what ZeRO-2 writes on 2 ranks (not read here)
+        (tag / name).write_bytes(b"")
+    (tmp_path / "latest").write_text(tag.name)
+    launched_without_a_rendezvous(2)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_batch_size": 8}))
+    for extra, message in (
+            (["--resume", "step_000009"], "--resume step_000009: no checkpoint tag 'step_000009' in --ckpt-dir"),
+            (["--resume", "latest", "--zero-stage", "3"], "saved with --zero-stage 2, this run has --zero-stage 3"),
+            (["--resume", "latest", "--steps", "9"], r"LR schedule differs from the checkpoint's \(--steps 4"),
+            (["--resume", "latest", "--stop-at", "2"], "--stop-at 2: the resumed checkpoint is at step 2 already"),
+            (["--save-every", "2", "--ds-config", str(config)], "'train_batch_size' is 8 but this run has 2")):
+        with pytest.raises(SystemExit, match=message):
+            deepspeed_train.main(base + extra)
+    launched_without_a_rendezvous(4)
+    with pytest.raises(SystemExit, match="--resume latest: the checkpoint was saved by 2 ranks, this run has 4"):
+        deepspeed_train.main(base + ["--resume", "latest", "--cp", "2"])
+    launched_without_a_rendezvous(2)
+    with pytest.raises(ValueError, match="MASTER_ADDR"):  # one it can resume goes on to the process group
+        deepspeed_train.main(base + ["--resume", "latest", "--cp", "2"])

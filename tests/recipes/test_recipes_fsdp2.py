@@ -184,3 +184,25 @@ def test_resume_with_a_stop_at_the_checkpoint_already_passed_is_refused(tmp_path
     # --stop-at at --steps saves there too, as its help says (it used to save only before the last step)
     launch.python("fsdp2_train.py", args + ["--resume", "latest", "--stop-at", str(STEPS)], timeout=150)
     assert (ckpt / "latest").read_text().strip() == f"step_{STEPS:06d}" and (ckpt / f"step_{STEPS:06d}").is_dir()
+
+
+def test_a_resume_that_cannot_continue_is_refused_before_the_process_group(tmp_path, launched_without_a_rendezvous):
+    """The schedule and step a checkpoint was saved at are recorded beside it: a resume with another --steps, or
+    with a --stop-at the checkpoint has passed, is refused before the process group and the model exist (they
+    were refused only after the model was built, sharded and loaded), with the messages of the later checks."""
+    import fsdp2_train
+
+    base = ["--steps", "4", "--seqlen", "64", "--data", str(tmp_path), "--ckpt-dir", str(tmp_path)]
+    ckpt = tmp_path / "step_000002"
+    common.save_run_settings(ckpt, fsdp2_train.parse_args(base + ["--save-every", "2"]), 2)
+    (ckpt / ".metadata").write_bytes(b"")
+    (tmp_path / "latest").write_text(ckpt.name)
+    launched_without_a_rendezvous(1)
+    for extra, message in ((["--steps", "9"], r"LR schedule differs from the checkpoint's \(--steps 4 in the "
+                                              r"checkpoint, 9 now\)"),
+                           (["--stop-at", "1"], "--stop-at 1: the resumed checkpoint is at step 2 already"),
+                           (["--stop-at", "2"], "--stop-at 2: the resumed checkpoint is at step 2 already")):
+        with pytest.raises(SystemExit, match=message):
+            fsdp2_train.main(base + ["--resume", "latest"] + extra)
+    with pytest.raises(ValueError, match="MASTER_ADDR"):  # a resume that continues the run goes on to the group
+        fsdp2_train.main(base + ["--resume", "latest", "--stop-at", "3"])

@@ -142,3 +142,20 @@ def test_offload_checkpoints_on_a_cpu_device_runs_as_plain_checkpointing():
     model(input_ids=ids, labels=ids).loss.backward()
     for p, w in zip(model.parameters(), want):
         torch.testing.assert_close(p.grad, w)
+
+
+def test_a_checkpoint_directory_it_cannot_load_is_refused_before_the_process_group(tmp_path,
+                                                                                  launched_without_a_rendezvous):
+    """--checkpoint DIR without a transformers config (a ValueError on every rank once the process group was up),
+    or whose vocabulary is smaller than the byte tokens (refused after from_pretrained loaded the weights): refused
+    by name from the config alone, before the process group and the weights."""
+    import hf_sft
+    from transformers import Qwen2Config
+
+    Qwen2Config(vocab_size=100).save_pretrained(tmp_path / "small")
+    (tmp_path / "empty").mkdir()
+    launched_without_a_rendezvous(1)
+    for where, message in ((tmp_path / "empty", f"--checkpoint {tmp_path / 'empty'}: not a transformers checkpoint"),
+                           (tmp_path / "small", r"the checkpoint's vocabulary \(100\) is smaller than the byte")):
+        with pytest.raises(SystemExit, match=message):
+            hf_sft.main(["--checkpoint", str(where), "--seqlen", "64"])

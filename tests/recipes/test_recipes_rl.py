@@ -103,3 +103,13 @@ def test_rl_help_marks_the_shared_options_it_refuses(capsys):
     for flag in ("--seqlen SEQLEN", "--batch-size BATCH_SIZE", "--packing {documents,stream}",
                  "--dtype {auto,bf16,fp32}"):
         assert f"{flag} not used by this recipe (refused): " in out
+
+
+def test_a_batch_dp_does_not_divide_is_refused_before_the_process_group(launched_without_a_rendezvous):
+    """--prompts x --group-size completions that the dp replicas cannot split evenly: refused from torchrun's
+    WORLD_SIZE before any process group or model exists (it was refused after both models were built)."""
+    import rl_deterministic
+
+    launched_without_a_rendezvous(2)
+    with pytest.raises(SystemExit, match=r"prompts x group-size \(9\) must be a multiple of dp \(2\)"):
+        rl_deterministic.main(["--prompts", "3", "--group-size", "3"])
