@@ -20,6 +20,7 @@ import resource
 import socket
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -33,9 +34,11 @@ from fa4dist.models import FA4Llama, cp_cross_entropy, get_config
 
 def run_main(main) -> None:
     """A recipe's ``__main__``: runs ``main()`` and ends the process through ``exit_process``, also when main refuses
-    its options with SystemExit after the process group is up (a resume whose schedule differs, ...). The
-    interpreter's teardown could otherwise abort a rank on a joinable gloo thread ("terminate called without an
-    active exception", SIGABRT) after the refusal's message. The message and exit code are SystemExit's own."""
+    its options with SystemExit after the process group is up (a resume whose schedule differs, ...) or fails with
+    any other exception (printed with its traceback, exit code 1, as the interpreter would). The interpreter's
+    teardown could otherwise abort a rank on a joinable gloo thread ("terminate called without an active
+    exception", SIGABRT, about one failing run in three on 2 CPU ranks) after the message, and torchrun then
+    reported the SIGABRT as the root cause. The message and exit code are SystemExit's own."""
     try:
         main()
     except SystemExit as stop:
@@ -44,6 +47,9 @@ def run_main(main) -> None:
             print(code, file=sys.stderr)
             code = 1
         exit_process(code or 0)
+    except Exception:
+        traceback.print_exc()
+        exit_process(1)
     exit_process()
 
 
