@@ -101,8 +101,20 @@ class LocalBatch:
         return int((self.labels != IGNORE).sum())
 
 
+def _check_documents(sample: Sample, plan) -> None:
+    """The plan must be this sample's: one of another sample as long as it was taken, and the model attended within
+    the plan's documents while the labels and positions followed the sample's.  One host read of cu_seqlens."""
+    documents = plan.cu_seqlens.tolist() if isinstance(plan, SingleRankPlan) else plan.cu_seqlens_tensor().tolist()
+    own = sample.cu_seqlens.tolist()
+    if documents != own:
+        raise ValueError(f"plan is for the documents cu_seqlens {documents[:8]}{'...' if len(documents) > 8 else ''}, "
+                         f"but the sample's are {own[:8]}{'...' if len(own) > 8 else ''}; make the plan from this "
+                         "sample (make_sample_plan(sample, cp_size) or model.make_plan(sample.cu_seqlens))")
+
+
 def shard_sample(sample: Sample, plan, rank: int, device=None) -> LocalBatch:
-    """Cuts ``sample`` into rank ``rank``'s shard under ``plan`` (:func:`make_sample_plan`'s)."""
+    """Cuts ``sample`` into rank ``rank``'s shard under ``plan`` (:func:`make_sample_plan`'s: a plan of other
+    document boundaries is refused, even one of a sample as long)."""
     from fa4dist.context_parallel import ShardPlan
 
     _check_sample(sample)
@@ -114,8 +126,10 @@ def shard_sample(sample: Sample, plan, rank: int, device=None) -> LocalBatch:
         check_int("rank", rank)  # required as at cp > 1 (where None is refused: the rank is never guessed)
         plan._check_rank(rank)
         tokens = plan.shard(sample.tokens, seq_dim=0)  # a plan of another sample fails as at cp > 1
+        _check_documents(sample, plan)
         return LocalBatch(tokens.to(device), sample.labels.to(device), sample.positions.to(device), plan, 0)
     tokens = plan.shard(sample.tokens, seq_dim=0, rank=rank)  # real tokens only: a plan never pads
+    _check_documents(sample, plan)
     labels = plan.shard(sample.labels, seq_dim=0, rank=rank)
     # the sample's own positions (as at cp 1), not the plan's document positions: they differ for a sample whose
     # positions do not restart at every boundary of its cu_seqlens, and the model must see the same ones at every size

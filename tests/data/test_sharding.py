@@ -73,6 +73,29 @@ def test_a_plan_of_another_sample_is_refused_at_every_cp_size(cp):
         shard_sample(sample, make_sample_plan(other, cp), 0)
 
 
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_a_plan_of_other_documents_of_the_same_length_is_refused_at_every_cp_size(cp):
+    """A plan of another sample as long as this one was taken: the model attended within the plan's documents while
+    the labels and positions followed the sample's (a silent wrong loss)."""
+    from fa4dist.data.packing import Sample, positions_from_cu_seqlens
+
+    def sample(cu):
+        cu = torch.tensor(cu, dtype=torch.int32)
+        tokens = torch.arange(int(cu[-1]))
+        return Sample(tokens, tokens.clone(), positions_from_cu_seqlens(cu), cu)
+
+    this, other = sample([0, 10, 20]), sample([0, 5, 20])
+    with pytest.raises(ValueError, match=r"plan is for the documents cu_seqlens \[0, 5, 20\], but the sample's are "
+                                         r"\[0, 10, 20\]"):
+        shard_sample(this, make_sample_plan(other, cp), 0)
+    if cp > 1:  # a plan of one dense sequence (make_plan(20, cp)) serves a sample of one document only
+        from fa4dist.context_parallel import make_plan
+
+        shard_sample(sample([0, 20]), make_plan(20, cp), 0)
+        with pytest.raises(ValueError, match=r"plan is for the documents cu_seqlens \[0, 20\]"):
+            shard_sample(this, make_plan(20, cp), 0)
+
+
 @pytest.mark.parametrize("cp, balancer", [(2, "lpt"), (2, "zigzag"), (3, "contiguous")])
 def test_the_shards_carry_the_samples_own_positions(cp, balancer):
     """Positions that do not restart at every document (a document continued from the previous window) reach the
