@@ -120,7 +120,9 @@ def tiled_cp_cross_entropy_of(operands: Callable[[], tuple], cp_group=None, *, b
     _, count = label_counts("tiled_cp_cross_entropy", cp_group, inputs, timeout)
     hidden, weight, labels, chunk = got["hidden"], got["weight"], got["labels"].long(), got["chunk"]
     total = hidden.new_zeros((), dtype=torch.float32 if hidden.dtype != torch.float64 else torch.float64)
-    for start in range(0, hidden.shape[0], chunk):
+    # at least one tile: a shard without tokens gets its 0 through the graph (as cp_cross_entropy's), not a constant
+    # whose backward raised on that rank alone
+    for start in range(0, max(hidden.shape[0], 1), chunk):
         h, y = hidden[start:start + chunk], labels[start:start + chunk]
         if torch.is_grad_enabled():
             part = checkpoint(_tile_loss_sum, h, weight, bias, y, logit_softcap, use_reentrant=False)

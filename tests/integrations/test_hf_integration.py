@@ -413,6 +413,25 @@ def test_tiled_loss_refuses_labels_it_cannot_use(labels, error, message):
         tiled_cp_cross_entropy(torch.randn(6, 4), torch.randn(10, 4), labels)
 
 
+def test_tiled_loss_of_a_shard_without_tokens_has_the_gradients_of_the_full_logits_loss():
+    """A rank whose shard holds no tokens (a plan of fewer chunks than ranks): cp_cross_entropy's loss is a 0 in the
+    graph, the tiled loss was a constant (no tile ran), so that rank's backward raised while the others went on."""
+    from fa4dist.integrations.hf_loss import tiled_cp_cross_entropy
+    from fa4dist.models import cp_cross_entropy
+
+    for tiled in (True, False):
+        hidden = torch.zeros(0, 4, dtype=torch.float64, requires_grad=True)
+        weight = torch.randn(10, 4, dtype=torch.float64, requires_grad=True)
+        labels = torch.zeros(0, dtype=torch.long)
+        if tiled:
+            loss = tiled_cp_cross_entropy(hidden, weight, labels, chunk_tokens=3)
+        else:
+            loss = cp_cross_entropy(hidden @ weight.t(), labels).loss
+        loss.backward()
+        assert float(loss) == 0.0 and torch.equal(weight.grad, torch.zeros_like(weight)), tiled
+        assert hidden.grad is not None and hidden.grad.shape == (0, 4), tiled
+
+
 @pytest.mark.gpu
 def test_to_hf_llama_keeps_a_cuda_model_on_its_device():
     """The HF model of a CUDA bf16 FA4Llama is built on that device in that dtype, with the same weights."""
