@@ -84,6 +84,41 @@ def test_shares_add_up_to_the_sequence_loss(pool):
     assert abs(a + b - float(F.cross_entropy(logits, labels, ignore_index=IGNORE))) < 1e-6
 
 
+def _plan_shares(rank, world, cp, balancer):
+    """cp = 2, 3, 4 over a packed fp64 sequence cut by a plan (a rank's chunks not contiguous under zigzag / LPT),
+    rank 1's labels all IGNORE: this rank's share, its logits' gradient, and the global label count."""
+    if rank >= cp:
+        return None
+    logits, labels, plan = _planned_inputs(cp, balancer)
+    local = plan.shard(logits, seq_dim=0, rank=rank).requires_grad_(True)
+    res = cp_cross_entropy(local, plan.shard(labels, seq_dim=0, rank=rank), GROUPS[cp])
+    res.loss.backward()
+    return float(res.loss), local.grad, int(res.tokens)
+
+
+def _planned_inputs(cp, balancer):
+    from fa4dist.context_parallel import make_plan
+
+    logits, labels = _inputs(41, seed=3)
+    logits = logits.double()
+    plan = make_plan([0, 9, 30, 41], cp, balancer=balancer)
+    labels[plan.shard(torch.arange(41), seq_dim=0, rank=1)] = IGNORE  # a rank without targets
+    return logits, labels, plan
+
+
+@pytest.mark.parametrize("cp, balancer", [(2, "zigzag"), (3, "lpt"), (4, "lpt"), (4, "contiguous")])
+def test_shares_and_gradients_equal_the_unsharded_loss_in_fp64(pool, cp, balancer):
+    results = pool.run(_plan_shares, cp=cp, balancer=balancer)[:cp]
+    logits, labels, plan = _planned_inputs(cp, balancer)
+    whole = logits.clone().requires_grad_(True)
+    want = F.cross_entropy(whole, labels, ignore_index=IGNORE)
+    want.backward()
+    assert abs(sum(r[0] for r in results) - float(want)) <= 1e-10
+    assert all(r[2] == int((labels != IGNORE).sum()) for r in results)
+    got = plan.unshard([r[1] for r in results], seq_dim=0)
+    assert float((got - whole.grad).abs().max()) <= 1e-10
+
+
 def _disagreeing(rank, world, case):
     """Ranks 0 and 1 of a cp group call cp_cross_entropy, rank 1 differently: the error each raises."""
     if rank >= 2:
