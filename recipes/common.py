@@ -4,7 +4,7 @@ single-process reference loop (the tests compare the distributed recipes against
 Loss semantics (every recipe and the reference): a step trains on ``--batch-size`` packed sequences; a sequence's
 loss is the mean cross entropy over its label tokens; the step's loss is the mean over its sequences.  A sequence
 is split over the cp ranks of one data-parallel replica (each rank's share is its local summed loss divided by the
-sequence's token count, so the shares add up to the sequence's loss), and the dp replicas split the sequences.
+sequence's label-token count, so the shares add up to the sequence's loss), and the dp replicas split the sequences.
 Gradients are therefore *summed* over cp and *averaged* over dp.
 """
 

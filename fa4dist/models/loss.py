@@ -1,9 +1,10 @@
 """Next-token loss over a context-parallel shard, equal to the loss of the unsplit sequence.
 
-Each rank computes the summed cross entropy of its local tokens and divides by the token count of the *whole*
-sequence (gathered over the cp group).  The cp ranks' losses then add up to the mean over the sequence, and so
-do their gradients: summing gradients over the cp group (what FSDP2 with divide factor dp, or DeepSpeed with our
-cp group as its sequence-parallel group, does) gives exactly the single-process gradient.
+Each rank computes the summed cross entropy of its local tokens and divides by the count of target labels (not
+IGNORE) of the *whole* sequence (gathered over the cp group; a sequence without targets gives 0, not NaN).  The cp
+ranks' losses then add up to the mean over the sequence, and so do their gradients: summing gradients over the cp
+group (what FSDP2 with divide factor dp, or DeepSpeed with our cp group as its sequence-parallel group, does) gives
+exactly the single-process gradient.
 
 Every rank of the group must make the same call.  The one exchange that gathers the label counts (int64, whatever
 the logits dtype) also carries each rank's fingerprint of its call (a digest of vocabulary size, logits dtype and
