@@ -173,3 +173,42 @@ def deepcopy_case(rank, world, *, cp, strategy="ring"):
     grads = FixedPointGrads(module.cp.group)
     shared = twin.cp.group is module.cp.group and copy.deepcopy(grads).group is grads.group
     return shared, all(torch.equal(o, outs[1]) for o in outs)
+
+
+def reinit_reused_name_case(rank, world, *, init_file):
+    """Ranks 0 and 1 call the functional form on their group of two; then the process group is destroyed and made
+    anew, with a group of ranks 1 and 2 that gets the old group's name (names start over with each world): its call
+    must run (the agreement exchanges' numbers start over too), not wait out the timeout for a number that only
+    rank 1 would reach.  Max abs error against fa4dist.attention on ranks 1 and 2 (None elsewhere)."""
+    import torch.distributed as dist
+
+    import fa4dist
+    from cp_harness import reinit
+    from fa4dist.context_parallel import context_parallel_attention
+
+    q, k, v, _ = global_inputs(3, 40, 4, 2, 8, torch.float64, 1)
+    want = fa4dist.attention(q, k, v, causal=True, backend="reference")
+    plan = make_plan(40, 2)
+
+    def call(group, cp_rank):
+        local = [plan.shard(t, seq_dim=1, rank=cp_rank) for t in (q, k, v)]
+        out = context_parallel_attention(*local, plan, group, backend="reference", timeout=5.0)
+        return float((out - plan.shard(want, seq_dim=1, rank=cp_rank)).abs().max())
+
+    if rank < 2:
+        for _ in range(3):
+            assert call(GROUPS[2], rank) == 0.0
+    names = [getattr(GROUPS[2], "group_name", None)]
+    dist.broadcast_object_list(names, src=0)
+    name = names[0]
+
+    def groups():
+        for _ in range(int(name) - 1):  # names are a count of the world's groups: the next one gets the old name
+            dist.new_group(list(range(world)))
+        return dist.new_group([1, 2])
+
+    group = reinit(rank, world, init_file, before_groups=groups)
+    if rank not in (1, 2):
+        return None
+    assert group.group_name == name, (group.group_name, name)
+    return call(group, rank - 1)

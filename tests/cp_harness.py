@@ -35,17 +35,7 @@ def _worker(rank, world, init_file, commands, results, sys_path, threads):
     import torch.distributed as dist
 
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
-        for n in range(1, world):
-            GROUPS[n] = dist.new_group(list(range(n)))
-        GROUPS[world] = dist.group.WORLD
-        if world == 4:
-            for name, sets in (("ulysses", ([0, 1], [2, 3])), ("ring", ([0, 2], [1, 3]))):
-                for ranks in sets:
-                    g = dist.new_group(ranks)
-                    if rank in ranks:
-                        GROUPS[name] = g
+        reinit(rank, world, init_file, destroy=False)
         results.put((rank, "ready", None))
     except BaseException:  # noqa: BLE001
         results.put((rank, "error", traceback.format_exc()))
@@ -65,6 +55,30 @@ def _worker(rank, world, init_file, commands, results, sys_path, threads):
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
+
+
+def reinit(rank, world, init_file, destroy=True, before_groups=None):
+    """(Re)starts this worker's process group (after destroying the current one) from the file store `init_file`
+    and builds :data:`GROUPS` on it; ``before_groups``: a function called first on the new world (a test that needs
+    groups of its own made before the harness's, e.g. for their names)."""
+    import torch.distributed as dist
+
+    if destroy:
+        dist.destroy_process_group()
+    GROUPS.clear()
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    extra = before_groups() if before_groups is not None else None
+    for n in range(1, world):
+        GROUPS[n] = dist.new_group(list(range(n)))
+    GROUPS[world] = dist.group.WORLD
+    if world == 4:
+        for name, sets in (("ulysses", ([0, 1], [2, 3])), ("ring", ([0, 2], [1, 3]))):
+            for ranks in sets:
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    GROUPS[name] = g
+    return extra
 
 
 _SHARED: dict = {}

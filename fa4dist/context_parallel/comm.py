@@ -19,16 +19,23 @@ import torch
 import torch.distributed as dist
 
 
-_STORE_SEQ: dict = {}
+_STORE_SEQ: dict = {}  # key prefix -> exchanges made on it, counted on the store of _SEQ_STORE[0]
+_SEQ_STORE: list = [None]
 
 
 def _store_channel(group) -> tuple:
     """(the default process group's store, the key prefix of `group`: its name, unique per group and the same on
-    every rank, since groups are created collectively in one order)."""
+    every rank, since groups are created collectively in one order).  Names start over with each
+    ``init_process_group``, so the exchanges' numbers do too: a group of the new world that reuses an old group's
+    name (with other ranks, which made other exchanges on it) must not wait for a number only some ranks reach."""
     from torch.distributed import distributed_c10d
 
     name = (group if group is not None else dist.group.WORLD).group_name
-    return distributed_c10d._get_default_store(), f"fa4dist/agree/{name}/"
+    store = distributed_c10d._get_default_store()
+    if _SEQ_STORE[0] is not store:
+        _STORE_SEQ.clear()
+        _SEQ_STORE[0] = store
+    return store, f"fa4dist/agree/{name}/"
 
 
 def deepcopy_sharing(obj, memo: dict, shared: Sequence[str]):

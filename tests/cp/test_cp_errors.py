@@ -696,3 +696,12 @@ def test_a_group_without_this_rank_is_refused_at_construction(pool):
         expected = [("ValueError", f"{name} is a process group that this rank (global rank {rank}) is not a member of")
                     for name in ("group", "ulysses_group", "ring_group", "group")]
         assert [(kind, message.split(";")[0]) for kind, message in errors] == expected, errors
+
+
+def test_a_new_world_s_group_that_reuses_a_name_does_not_wait(pool, tmp_path):
+    """The agreement exchanges were numbered per group name for the life of the process: after
+    destroy_process_group and a new init_process_group, a group that got an old group's name (with other ranks)
+    waited for its timeout on ranks that had used the old group and raised CommError."""
+    results = pool.run(cp_cases.reinit_reused_name_case, timeout=60, init_file=str(tmp_path / "store"))
+    assert results[0] is None and results[3] is None
+    assert results[1] == 0.0 and results[2] == 0.0
