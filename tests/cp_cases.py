@@ -212,3 +212,30 @@ def reinit_reused_name_case(rank, world, *, init_file):
         return None
     assert group.group_name == name, (group.group_name, name)
     return call(group, rank - 1)
+
+
+def destroyed_groups_case(rank, world, *, rounds=3):
+    """The functional form on a fresh group of every rank, destroyed after its call, `rounds` times: (the max abs
+    error against fa4dist.attention, the number of functional objects held on destroyed groups, open file
+    descriptors after each round)."""
+    import torch.distributed as dist
+
+    import fa4dist
+    from fa4dist.context_parallel import context_parallel_attention, core
+    from fa4dist.context_parallel.comm import group_alive
+
+    q, k, v, _ = global_inputs(4, 30, 4, 2, 8, torch.float64, 1)
+    plan = make_plan(30, world)
+    want = plan.shard(fa4dist.attention(q, k, v, causal=True, backend="reference"), seq_dim=1, rank=rank)
+    local = [plan.shard(t, seq_dim=1, rank=rank) for t in (q, k, v)]
+    error, fds = 0.0, []
+    for _ in range(rounds):
+        group = dist.new_group(list(range(world)))
+        out = context_parallel_attention(*local, plan, group, backend="reference", timeout=30.0)
+        error = max(error, float((out - want).abs().max()))
+        dist.destroy_process_group(group)
+        del group
+        fds.append(len(os.listdir("/proc/self/fd")))
+    held = sum(1 for groups, _ in core._FUNCTIONAL.values() if not all(
+        group_alive(g) for g in (groups[0], groups[2], groups[3]) if g is not None))
+    return error, held, fds

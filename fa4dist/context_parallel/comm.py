@@ -19,8 +19,34 @@ import torch
 import torch.distributed as dist
 
 
-_STORE_SEQ: dict = {}  # key prefix -> exchanges made on it, counted on the store of _SEQ_STORE[0]
-_SEQ_STORE: list = [None]
+_STORE_SEQ: dict = {}  # key prefix -> exchanges made on it in the current world
+_WORLD: list = [None, 0]  # the current world's default store, and its number in this process
+
+
+def world_generation() -> int:
+    """The number of the current torch.distributed world in this process (each ``init_process_group`` makes a new
+    one, with a new store).  Group names are unique within a world and the same on every rank, but start over with
+    each world: what is kept per group name (exchange numbers, module numbers) is kept per world."""
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    if _WORLD[0] is not store:
+        _WORLD[0] = store
+        _WORLD[1] += 1
+        _STORE_SEQ.clear()
+    return _WORLD[1]
+
+
+def group_alive(group) -> bool:
+    """Whether `group` (None: the default group) is a process group of the current world, not one destroyed (by
+    ``destroy_process_group``, of it or of the whole world)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        dist.get_rank(group)  # (a destroyed group keeps its size, but is no longer registered)
+    except (ValueError, RuntimeError):
+        return False
+    return True
 
 
 def _store_channel(group) -> tuple:
@@ -31,11 +57,8 @@ def _store_channel(group) -> tuple:
     from torch.distributed import distributed_c10d
 
     name = (group if group is not None else dist.group.WORLD).group_name
-    store = distributed_c10d._get_default_store()
-    if _SEQ_STORE[0] is not store:
-        _STORE_SEQ.clear()
-        _SEQ_STORE[0] = store
-    return store, f"fa4dist/agree/{name}/"
+    world_generation()  # a new world: its exchanges are numbered from 1
+    return distributed_c10d._get_default_store(), f"fa4dist/agree/{name}/"
 
 
 def deepcopy_sharing(obj, memo: dict, shared: Sequence[str]):

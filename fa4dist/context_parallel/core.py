@@ -32,7 +32,7 @@ from ..kernels.problem import (
     validate_inputs,
 )
 from ..kernels.registry import get_backend
-from .comm import CommError, Transport, deepcopy_sharing, member_size_rank
+from .comm import CommError, Transport, deepcopy_sharing, group_alive, member_size_rank, world_generation
 from .gather import gather_backward, gather_forward
 from .plan import ShardPlan
 from .ring import (KernelOptions, RingPeers, accum_dtype, requested_steps_per_launch, ring_backward,
@@ -64,18 +64,30 @@ def _resolve_mesh(mesh):
     return None, mesh.get_group(1), mesh.get_group(0)
 
 
-_INSTANCES: dict = {}  # process groups' key -> modules created on them so far in this process
-# (ulysses_group, ring_group) ids -> the groups (kept alive, so that the ids stay theirs), for each pair checked to
-# form a 2-D grid (ContextParallel._check_grid).  Per pair of groups, not per object: every rank makes the same
-# calls on the groups, so each knows alike whether a check is still due, also a rank that refuses a functional
-# call before it has an object of the call's options (_refuse_functional).
-_GRIDS: dict = {}
+_INSTANCES: dict = {}  # process groups' key (_groups_key) -> modules created on them so far in this process
+# the keys of the (ulysses_group, ring_group) pairs checked to form a 2-D grid (ContextParallel._check_grid).  Per
+# pair of groups, not per object: every rank makes the same calls on the groups, so each knows alike whether a check
+# is still due, also a rank that refuses a functional call before it has an object of the call's options
+# (_refuse_functional).
+_GRIDS: set = set()
+
+
+def _groups_key(*groups) -> tuple:
+    """The key of process groups in this process's per-group records: their names (the same on every rank, unique
+    within a world) and the world's number; not their ids, which a group made after another was freed can reuse on
+    some ranks and not on others (its modules would be numbered on from the dead group's on those ranks only)."""
+    if all(g is None for g in groups):
+        return (0,) + groups
+    return (world_generation(),) + tuple(None if g is None else g.group_name for g in groups)
 
 
 def _next_instance(key: tuple) -> int:
     """The number of a new module on these process groups: modules are numbered in the order a rank creates them
     on the groups, which is the same on every rank that builds the same model.  The agreement checks compare it,
     so two modules called in different orders on different ranks fail instead of pairing the wrong calls."""
+    if key[0]:  # the records of earlier worlds are dropped
+        for old in [k for k in _INSTANCES if k[0] and k[0] != key[0]]:
+            del _INSTANCES[old]
     number = _INSTANCES.get(key, 0)
     _INSTANCES[key] = number + 1
     return number
@@ -248,7 +260,7 @@ class ContextParallel:
         self.instance = _next_instance(self._group_key())
 
     def _group_key(self) -> tuple:
-        return (id(self.group), id(self.ulysses_group), id(self.ring_group))
+        return _groups_key(self.group, self.ulysses_group, self.ring_group)
 
     def __deepcopy__(self, memo):
         # the copy shares the process groups and their transports (neither can be copied), copies the rest, and
@@ -413,8 +425,10 @@ class ContextParallel:
         result.  Once per pair of groups, on the first call of any object on them (inputs play no part); a
         mismatch anywhere is passed on through the stages (Ulysses, ring, Ulysses), so every rank raises instead of
         waiting for a rank that did."""
-        key = (id(self.ulysses_group), id(self.ring_group))
-        if not self.grid or key in _GRIDS:
+        if not self.grid:
+            return
+        key = _groups_key(self.ulysses_group, self.ring_group)
+        if key in _GRIDS:
             return
         uly, ring = self._transport(self.ulysses_group), self._transport(self.ring_group)
         found, seen = 0, {}
@@ -432,7 +446,9 @@ class ContextParallel:
                 f"ring group's Ulysses ranks {seen['Ulysses']}; some rank's groups differ).  Build them from a 2-D "
                 "DeviceMesh (mesh_dim_names=('ring', 'ulysses')), or pass one group with ulysses_degree="
             )
-        _GRIDS[key] = (self.ulysses_group, self.ring_group)
+        for old in [k for k in _GRIDS if k[0] != key[0]]:  # earlier worlds' groups
+            _GRIDS.discard(old)
+        _GRIDS.add(key)
 
     def _verify(self, q, k, v, plan, sinks, error: Optional[Exception] = None) -> tuple:
         """Checks the local input and that every rank makes the same call (fails alike on every rank, never hangs,
@@ -690,6 +706,7 @@ def context_parallel_attention(q, k, v, plan: Optional[ShardPlan] = None, group=
         cp = bucket[1].get(key) if bucket is not None else None
         if cp is None:
             cp = ContextParallel(group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group, **options)
+            _drop_destroyed()
             bucket = _FUNCTIONAL.setdefault(groups_key, (groups, {}))
             if len(bucket[1]) >= _FUNCTIONAL_MAX:
                 bucket[1].clear()
@@ -698,6 +715,16 @@ def context_parallel_attention(q, k, v, plan: Optional[ShardPlan] = None, group=
         _refuse_functional(groups, timeout, verify, err)
         raise
     return cp(q, k, v, plan, sinks)
+
+
+def _drop_destroyed() -> None:
+    """Forgets the functional objects of process groups that were destroyed since (they held the groups, and with
+    them the groups' connections, for the life of the process: a process that makes and destroys groups ran out of
+    file descriptors)."""
+    for key, (groups, _) in list(_FUNCTIONAL.items()):
+        group, _, ulysses_group, ring_group = groups
+        if not all(group_alive(g) for g in (group, ulysses_group, ring_group) if g is not None):
+            del _FUNCTIONAL[key]
 
 
 def _refuse_functional(groups: tuple, timeout, verify, error: Exception) -> None:
@@ -711,19 +738,16 @@ def _refuse_functional(groups: tuple, timeout, verify, error: Exception) -> None
     group, mesh, ulysses_group, ring_group = groups
     if mesh is not None or verify is False:  # a mesh the constructor refuses (a resolved one arrives as its groups)
         return
-    key = (id(group), id(ulysses_group), id(ring_group))
-    number = _INSTANCES.get(key)
     try:
         ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf
         cp = ContextParallel(group, ulysses_group=ulysses_group, ring_group=ring_group, strategy="auto",
                              timeout=timeout if ok else 300.0, verify=True, cp_invariant=False)
     except Exception:  # noqa: BLE001  (the groups are refused: every rank refuses them alike)
         return
-    finally:
-        if number is None:
-            _INSTANCES.pop(key, None)
-        else:
-            _INSTANCES[key] = number
+    key = cp._group_key()  # its module number is given back (the constructor took it last)
+    _INSTANCES[key] -= 1
+    if not _INSTANCES[key]:
+        del _INSTANCES[key]
     if cp.cp_size == 1:
         return
     try:
