@@ -239,3 +239,24 @@ def destroyed_groups_case(rank, world, *, rounds=3):
     held = sum(1 for groups, _ in core._FUNCTIONAL.values() if not all(
         group_alive(g) for g in (groups[0], groups[2], groups[3]) if g is not None))
     return error, held, fds
+
+
+def destroyed_module_group_case(rank, world):
+    """A module on a fresh group of every rank, called, then called again after the group is destroyed: the error
+    of the second call (type name, message) and the seconds it took."""
+    import time
+
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)))
+    module = FA4ContextParallelAttention(group, backend="reference", timeout=30.0)
+    plan = module.make_plan(30)
+    local = [plan.shard(t, seq_dim=1, rank=module.cp_rank) for t in global_inputs(5, 30, 2, 2, 8, torch.float64, 1)[:3]]
+    module(*local, plan=plan)
+    dist.destroy_process_group(group)
+    start = time.monotonic()
+    try:
+        module(*local, plan=plan)
+    except Exception as err:  # noqa: BLE001
+        return type(err).__name__, str(err), time.monotonic() - start
+    return None

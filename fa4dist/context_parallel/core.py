@@ -418,6 +418,17 @@ class ContextParallel:
         if found:
             raise_disagreement(self._stages(), self.cp_rank, what, call, sig, error)
 
+    def _check_alive(self) -> None:
+        """The process groups are those of the current world: a destroyed one (destroy_process_group, of it or of the
+        world before a new init_process_group) fails here, before its name's agreement exchange could mix with
+        those of a live group that has it now, and not deep in the transfers."""
+        for name in ("group", "ulysses_group", "ring_group"):
+            group = getattr(self, name)
+            if group is not None and not group_alive(group):
+                raise RuntimeError(
+                    f"{LABEL}: this module's {name} was destroyed (torch.distributed.destroy_process_group, of the "
+                    "group or of the whole world); build the module on a process group of the current world")
+
     def _check_grid(self) -> None:
         """The two groups of the 2-D strategy form its grid: the ranks of a Ulysses group share one ring rank and
         those of a ring group one Ulysses rank.  Otherwise a ring step would exchange the keys of other heads with
@@ -475,6 +486,7 @@ class ContextParallel:
                  sinks: Optional[torch.Tensor] = None):
         if self.cp_size == 1:
             return self._single(q, k, v, plan, sinks)
+        self._check_alive()
         self._check_grid()
         u, signature = self._verify(q, k, v, plan, sinks)
         key = (plan.fingerprint, plan.total_len, u)
@@ -504,6 +516,7 @@ class ContextParallel:
         that every rank raises at once, naming this one, instead of waiting for it; the others make the call."""
         if self.cp_size == 1 or not self.verify:
             raise error
+        self._check_alive()
         self._check_grid()
         self._verify(None, None, None, None, None, error)
         raise error  # (the agreement check has raised on every rank)

@@ -714,3 +714,11 @@ def test_the_functional_form_lets_destroyed_groups_go(pool):
         assert error < 1e-12
         assert held <= 1, held  # the last round's group, until the next call that makes an object
         assert fds[-1] <= fds[0], fds
+
+
+def test_a_module_on_a_destroyed_group_says_so(pool):
+    """It passed its agreement check (the exchange runs through the world's store, by the group's name) and failed
+    deep in the transfers ('Group ... is not registered' from torch.distributed.P2POp)."""
+    for name, message, seconds in pool.run(cp_cases.destroyed_module_group_case):
+        assert name == "RuntimeError" and "group was destroyed" in message, message
+        assert seconds < 5
