@@ -63,3 +63,9 @@ if [ "$1" = 4 ]; then
     bwd:tma_store_dkv=0
   exit
 fi
+# 5: the last helpers changed how the context-parallel records key process groups (name and world, not id) and the
+#    agreement exchanges' numbering: the staged-rank GPU suite again.
+if [ "$1" = 5 ]; then
+  TAIL_LINES=4 stage tests_cp 180 $PYTEST -n 8 tests/cp/test_cp_gpu.py
+  exit
+fi
