@@ -17,6 +17,7 @@ DENSE = [
     (1, 300, 300, 8, 2, 64, True, 0, 100),  # the first 100 queries see nothing (GQA)
     (2, 128, 384, 8, 1, 128, True, 128, 0),  # MQA, partly visible rectangle
     (1, 64, 64, 4, 4, 64, True, 0, 500),  # nothing visible at all
+    (2, 700, 900, 6, 2, 96, True, 200, 0),  # hdim 96 (Phi-3's), GQA 3
 ]
 
 

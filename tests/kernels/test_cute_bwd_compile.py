@@ -55,6 +55,11 @@ SUBSET = [
     # the default of a short dense causal call at hdim 64: the persistent grid, dK / dV through TMA stores, long
     # and short key tiles interleaved (backward.default_interleave_lengths)
     (BF16, 64, True, False, False, False, {"persistent_ctas": 132, "max_seqlen_k": 1024}),
+    # hdim 96 (the dQ GEMM's 48 head-dim columns per warpgroup: K and the dQ staging tile on 32-byte swizzle
+    # atoms; the preprocess's rows on 8 threads of 12 elements)
+    (BF16, 96, False, False, False, False, {}),
+    (FP16, 96, True, True, True, True, {}),
+    (BF16, 96, True, False, False, True, {"dq_fixed": True, "fixed_to_float": True}),
 ]
 
 
@@ -89,6 +94,14 @@ EXTRA = [
     # dense non-deterministic 4k: the persistent grid without the interleaved order, causal and not
     (BF16, 64, True, False, False, False, {"max_seqlen_k": 4096}),
     (BF16, 128, False, False, False, False, {"max_seqlen_k": 4096}),
+    # hdim 96 beside the product's plain options: a work list, one-gradient passes, softcap and window, the
+    # persistent grid, per-segment offsets
+    (BF16, 96, True, True, True, True, {"worklist": True}),
+    (BF16, 96, True, True, True, False, {"grads": "dq", "seg_offsets": True}),
+    (FP16, 96, True, True, True, True, {"grads": "dkv"}),
+    (BF16, 96, True, False, False, False, {"softcap": 30.0, "window_left": 1000}),
+    (BF16, 96, False, False, False, True, {"persistent_ctas": 132, "max_seqlen_k": 1024}),
+    (BF16, 96, True, True, True, True, {"dq_fixed": True, "softcap": 30.0, "window_left": 4096}),
 ]
 
 
@@ -201,7 +214,10 @@ def _spill_budget(main) -> int:
     (seventeenth session). And the soft-capped hdim-128 backward with the cap's derivative in registers
     (backward.default_softcap_grad_regs): 8 bytes causal, 16 on the persistent grid, 20-32 deterministic causal or
     windowed, none non-causal; measured with them on the H200 (bench/RESULTS.md, twentieth session: +6% causal at 4k
-    and 16k with 8 bytes; 2026-12-01: +3-5% with 20-36)."""
+    and 16k with 8 bytes; 2026-12-01: +3-5% with 20-36). And the deterministic hdim-96 work list: 8 bytes (the item
+    table's reads beside the tickets; thirty-first session, compiled only)."""
+    if main.head_dim == 96 and main.worklist and main.deterministic:
+        return 8
     if main.softcap > 0 and main.head_dim == 64 and main.tile_m == 128:
         return 64
     if main.softcap > 0 and main.head_dim == 128 and main.softcap_grad_regs:

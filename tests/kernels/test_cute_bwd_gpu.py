@@ -111,6 +111,8 @@ DENSE = [
     (2, 128, 384, 8, 8, 64, True, 128, 0),  # partly visible rectangle
     (1, 64, 64, 4, 4, 128, True, 0, 500),  # nothing visible at all
     (1, 200, 900, 2, 2, 128, True, 10_000, 0),  # fully visible (no mask tiles)
+    (2, 1000, 1000, 6, 2, 96, True, 0, 0),  # hdim 96: causal, partial tiles, GQA 3
+    (1, 777, 640, 4, 4, 96, False, 0, 0),  # hdim 96: full
 ]
 
 
@@ -159,7 +161,8 @@ def _packed(lens_q, lens_k, hq, hkv, d, dtype, *, causal, q_offset=0, k_offset=0
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("d,dtype,hq,hkv", [(128, torch.bfloat16, 4, 2), (64, torch.float16, 8, 8)])
+@pytest.mark.parametrize("d,dtype,hq,hkv", [(128, torch.bfloat16, 4, 2), (64, torch.float16, 8, 8),
+                                            (96, torch.bfloat16, 4, 1)])
 def test_packed_random(causal, d, dtype, hq, hkv):
     gen = torch.Generator().manual_seed(torch.seed() % (2**31))
     cu = random_cu_seqlens(6, 400, gen, allow_empty=True)
@@ -175,16 +178,18 @@ def test_packed_per_segment_offsets():
     _packed(lens_q, lens_k, 8, 2, 128, torch.bfloat16, causal=True, q_offset=q_off, k_offset=k_off)
 
 
+@pytest.mark.parametrize("d", [128, 96])
 @pytest.mark.parametrize("causal", [True, False])
-def test_deterministic_matches_reference(causal):
-    _case((1, 700, 4, 128), (1, 900, 2, 128), torch.bfloat16, causal=causal, q_offset=200, deterministic=True)
+def test_deterministic_matches_reference(causal, d):
+    _case((1, 700, 4, d), (1, 900, 2, d), torch.bfloat16, causal=causal, q_offset=200, deterministic=True)
 
 
+@pytest.mark.parametrize("d", [128, 96])
 @pytest.mark.parametrize("causal", [True, False])
-def test_deterministic_bitwise(causal):
+def test_deterministic_bitwise(causal, d):
     """Many CTAs contending for every dQ tile: the fp32 gradients' bytes must match over repeated runs."""
     g = _gen()
-    b, s, h, d = 2, 8192, 16, 128
+    b, s, h = 2, 8192, 16
     q, k, v = _inputs((b, s, h, d), (b, s, h, d), torch.bfloat16, g)
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
     out, lse = attention_forward(q, k, v, causal=causal, backend="sdpa_flash")
@@ -487,7 +492,7 @@ def test_shared_queries_equal_per_call_backward(deterministic, packed):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 def test_one_gradient_variants_equal_the_full_backward(packed, d):
     """accumulate with dq only, or dk and dv only (the cp_invariant engine's passes): the kernel variant without
     the other GEMMs adds the same bytes as the full deterministic backward, and leaves no trace of the others."""
@@ -507,8 +512,10 @@ def test_one_gradient_variants_equal_the_full_backward(packed, d):
 
 
 @pytest.mark.parametrize("packed,d,options", [(False, 64, {}), (False, 128, {}), (True, 64, {}), (True, 128, {}),
+                                               (True, 96, {}),
                                                (False, 128, {"softcap": 30.0, "window_left": 700})],
-                         ids=["dense-d64", "dense-d128", "packed-d64", "packed-d128", "dense-d128-softcap-window"])
+                         ids=["dense-d64", "dense-d128", "packed-d64", "packed-d128", "packed-d96",
+                              "dense-d128-softcap-window"])
 def test_fixed_point_dq(packed, d, options):
     """The int64 fixed-point dQ (dq_scale=, cp_invariant's one pass): its dq is the fp32 dq's value to fp32
     accuracy; keys split over launches on 128-key tile boundaries give the same int64 bytes as one launch, in any
@@ -573,7 +580,7 @@ def test_fixed_point_dq(packed, d, options):
         assert torch.equal(split, dq_int)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("case", ["dense", "dense-full", "packed"])
 def test_fixed_point_dq_forms_give_the_same_bits(case, d):
     """fixed_scales_early (the rows' scales loaded at the start of the step) only moves work: the int64 dq and the
@@ -603,7 +610,7 @@ def test_fixed_point_dq_forms_give_the_same_bits(case, d):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (name, forms)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_deterministic_gqa_backward_on_expanded_heads(packed, d):
     """det_dq="expanded": K / V copied per query head, the ticketed backward, each group's dK / dV summed in head

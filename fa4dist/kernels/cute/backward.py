@@ -21,7 +21,7 @@ import torch
 
 from . import host
 
-BWD_HEAD_DIMS = (64, 128)
+BWD_HEAD_DIMS = (64, 96, 128)
 TILE_N = 128
 
 

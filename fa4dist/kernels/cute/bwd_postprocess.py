@@ -35,6 +35,7 @@ from .common_sm90 import (
     dq_tiled_mma,
     mn_view,
     select_modes,
+    dq_wg_cols,
     smem_layout_kmajor,
     store_acc_rows,
     store_tile_tma,
@@ -85,7 +86,8 @@ class BwdPostprocess:
         self.use_tma = not self.accumulate and not self.varlen and mdQ.element_type == self.dtype
         self.use_tma = self.use_tma and not (self.dq_fixed and not self.fixed_to_float)
         tma_atom, tma_dQ = None, None
-        self.sdQ_layout = smem_layout_kmajor(self.dtype, self.tile_m, self.head_dim)
+        self.sdQ_layout = smem_layout_kmajor(self.dtype, self.tile_m, self.head_dim,
+                                             atom_cols=dq_wg_cols(self.tile_m, self.head_dim))
         if const_expr(self.use_tma):
             tma_atom, tma_dQ = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), mdQ, self.sdQ_layout, (self.tile_m, self.head_dim)

@@ -44,8 +44,10 @@ class BwdPreprocess:
         self.varlen = varlen
         self.deterministic = deterministic
         self.num_threads = num_threads
-        self.vec = 8  # elements per thread per row step
-        self.tpr = head_dim // self.vec  # threads per row
+        # threads per row: a power of two (the row's sum is a shuffle reduction), 8 elements each (hdim 96: 12)
+        self.tpr = 1 << ((head_dim // 8).bit_length() - 1)
+        self.vec = head_dim // self.tpr  # elements per thread per row step
+        assert self.vec * self.tpr == head_dim
         assert self.num_threads % self.tpr == 0 and self.tpr <= 32
         self.rows_per_pass = self.num_threads // self.tpr
         assert tile_m % self.rows_per_pass == 0

@@ -78,6 +78,7 @@ from .common_sm90 import (
     nanosleep,
     red_release_add_gpu,
     select_modes,
+    dq_wg_cols,
     smem_layout_kmajor,
     stage_wait,
     store_acc_rows,
@@ -156,7 +157,7 @@ class FlashBwdSm90:
         fixed_scales_early: bool = True,
         clean_tiles: bool = True,
     ):
-        assert head_dim in (64, 128)
+        assert head_dim in (64, 96, 128)
         # a work list: mCuSeqlensQ is the item table (block_info.WORKLIST_COLUMNS), one "sequence" per item with
         # its own query rows, key rows, diagonal and scratch tiles; items of one launch have disjoint key rows (and,
         # deterministic, disjoint scratch tiles: each query tile's tickets count its own item's key tiles)
@@ -304,7 +305,9 @@ class FlashBwdSm90:
         tm, tn = self.tile_m, self.tile_n
         self.sQ_layout = smem_layout_kmajor(self.dtype, tm, D, self.num_stages)
         self.sdO_layout = smem_layout_kmajor(self.dtype, tm, D, self.num_stages)
-        self.sK_layout = smem_layout_kmajor(self.dtype, tn, D)
+        # K^T is the dQ GEMM's B operand, its head dim split over the two warpgroups on 64-row query tiles
+        # (hdim 96: 48 columns each, which only the 32-byte swizzle atom divides)
+        self.sK_layout = smem_layout_kmajor(self.dtype, tn, D, atom_cols=dq_wg_cols(tm, D))
         self.sV_layout = smem_layout_kmajor(self.dtype, tn, D)
         self.sdS_layout = smem_layout_kmajor(self.dtype, tm, tn, self.num_stages)
 

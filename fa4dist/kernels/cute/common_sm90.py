@@ -5,6 +5,7 @@ This module imports cutlass at import time: import it lazily.
 """
 
 import dataclasses
+import math
 from typing import Optional
 
 import cutlass
@@ -179,10 +180,12 @@ def nanosleep(ns, *, loc=None, ip=None) -> None:
 # ----------------------------------------------------------------------------
 
 
-def smem_layout_kmajor(dtype, rows: int, cols: int, stages: Optional[int] = None):
+def smem_layout_kmajor(dtype, rows: int, cols: int, stages: Optional[int] = None, atom_cols: Optional[int] = None):
     """Swizzled smem layout of a (rows, cols[, stages]) tile with `cols` contiguous. The same bytes
-    serve as a K-major operand (K = cols) and, through transpose_smem, as an MN-major one (MN = cols)."""
-    kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols)
+    serve as a K-major operand (K = cols) and, through transpose_smem, as an MN-major one (MN = cols).
+    ``atom_cols``: the widest swizzle atom must divide it too (an MN-major operand split into pieces of
+    that width, as the backward's dQ GEMM splits K^T's head dim over its two warpgroups: dq_wg_cols)."""
+    kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, math.gcd(cols, atom_cols or cols))
     atom = warpgroup.make_smem_layout_atom(kind, dtype)
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
@@ -229,15 +232,19 @@ def acc_to_operand_a(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
 
 
+def dq_wg_cols(tile_m: int, head_dim: int) -> int:
+    """Head-dim columns of dQ one MMA warpgroup computes (dq_tiled_mma): all of them on 128-row query tiles,
+    half on 64-row ones. A swizzle atom of the tiles staged in that fragment order (K^T, dQ) must divide it."""
+    assert tile_m in (64, 128), tile_m
+    return head_dim if tile_m == 128 else head_dim // 2
+
+
 def dq_tiled_mma(dtype, tile_m: int, head_dim: int):
     """dQ = dS @ K over two MMA warpgroups: split along M when tile_m == 128, along the head dim
     when tile_m == 64. Shared by the main kernel and the dQ convert kernel (which needs the same
     thread -> element map to undo the fragment order of the dQ accumulator scratch)."""
-    if tile_m == 128:
-        atom, tiler = (2, 1, 1), (64, head_dim)
-    else:
-        assert tile_m == 64
-        atom, tiler = (1, 2, 1), (64, head_dim // 2)
+    cols = dq_wg_cols(tile_m, head_dim)
+    atom, tiler = ((2, 1, 1), (64, cols)) if tile_m == 128 else ((1, 2, 1), (64, cols))
     return sm90_utils.make_trivial_tiled_mma(
         dtype,
         dtype,

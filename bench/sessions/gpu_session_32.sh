@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Prepared in the thirty-first session (2026-12-04), results in bench/results/2026-12-04-thirty-first-*:
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_32.sh 1    (flash-attn-4 carried: --with-fa4)
+# 1: does the last partial wave cost the long non-causal forward what the wave count says? The bench shapes (B =
+#    16384/S, H = 2048/D) give hdim 128 2048 query tiles of 128 rows at every S: 15.52 waves of 132 CTAs, so half
+#    the SMs idle for the last half wave (-3% if the clock stayed put). The same forward on shapes of whole waves
+#    (2112 tiles = 16 waves; 1980 = 15 at S = 4224) beside the bench shape, cute and flash-attn-4 and cuDNN in the
+#    same rounds. Prediction: TFLOP/s of the whole-wave shapes 2-3% above the 15.52-wave shape for every backend
+#    that runs 128-row tiles (less if the clock rises when half the SMs idle).
+set -u
+source "$(dirname "$0")/../stage.sh"
+export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s32 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
+bundle_folders_on_exit
+PYTEST="python3 -m pytest -q -p no:cacheprovider -rfE -m gpu"
+BK="python3 bench/kernels.py --headdims 128 --causal false --directions fwd --backends cute cudnn flash_attn_4"
+if [ "${1:-1}" = 1 ]; then
+  TAIL_LINES=6 stage waves_bench 120 $BK --seqlens 4096 16384 --rounds 7 --out-dir "$OUT/waves_bench"
+  TAIL_LINES=6 stage waves_16 120 $BK --seqlens 4096 --total-tokens 8192 --model-dim 4224 --rounds 7 \
+    --out-dir "$OUT/waves_16"
+  TAIL_LINES=6 stage waves_15 120 $BK --seqlens 4224 --total-tokens 4224 --model-dim 7680 --rounds 7 \
+    --out-dir "$OUT/waves_15"
+  TAIL_LINES=6 stage waves_32 120 $BK --seqlens 16384 --total-tokens 16384 --model-dim 4224 --rounds 7 \
+    --out-dir "$OUT/waves_32"
+  exit
+fi
+# 2: call 1 (bench/RESULTS.md, thirty-first session): whole waves ran 1.2-2.6% faster per tile for every backend,
+#    so a split tail could buy ~1.5%, not built. Now the backward at hdim 96 (Phi-3's head dim; the forward had it,
+#    the backward fell back to SDPA): K and the dQ staging tile on 32-byte swizzle atoms (the dQ GEMM's 48 columns
+#    per warpgroup), the preprocess's rows on 8 threads of 12 elements. (a) its GPU tests against the fp64 oracle
+#    (dense, packed, GQA, accumulate, deterministic bytes, one-gradient variants, the fixed-point forms); (b) the
+#    bench at Phi-3-mini's width (32 heads of 96) beside cuDNN and flash-attn-4. Prediction: correct; between the
+#    hdim-64 and hdim-128 kernels' TFLOP/s, ~1.0-1.1x cuDNN.
+if [ "$1" = 2 ]; then
+  TAIL_LINES=6 stage tests_bwd96 240 $PYTEST -n 8 tests/kernels/test_cute_bwd_gpu.py tests/kernels/test_backends_gpu.py \
+    -k "96 or case7 or case8 or (test_dense and case6)"
+  TAIL_LINES=14 stage bench_d96 200 python3 bench/kernels.py --headdims 96 --model-dim 3072 --seqlens 1024 4096 16384 \
+    --causal false true --directions fwd bwd --deterministic --backends cute cudnn flash_attn_4 --rounds 3 \
+    --out-dir "$OUT/bench_d96"
+  exit
+fi
