@@ -306,9 +306,10 @@ class FlashBwdSm90:
         self.sQ_layout = smem_layout_kmajor(self.dtype, tm, D, self.num_stages)
         self.sdO_layout = smem_layout_kmajor(self.dtype, tm, D, self.num_stages)
         # K^T is the dQ GEMM's B operand, its head dim split over the two warpgroups on 64-row query tiles
-        # (hdim 96: 48 columns each, which only the 32-byte swizzle atom divides)
+        # (hdim 96: 48 columns each, which only the 32-byte swizzle atom divides). V takes the same layout: the
+        # dK / dV TMA stores share one staging tile (sdKV)
         self.sK_layout = smem_layout_kmajor(self.dtype, tn, D, atom_cols=dq_wg_cols(tm, D))
-        self.sV_layout = smem_layout_kmajor(self.dtype, tn, D)
+        self.sV_layout = self.sK_layout
         self.sdS_layout = smem_layout_kmajor(self.dtype, tm, tn, self.num_stages)
 
         K_, MN_ = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
