@@ -34,14 +34,15 @@ def test_cuda_fp64_exact(pool, strategy, kw):
     ("ring", dict(docs=random_docs(3, 10, 800, allow_empty=False), heads=(8, 8), d=64)),
     ("ulysses", dict(total=4096, heads=(8, 8), d=128)),
     ("hybrid", dict(total=4096, heads=(8, 2), d=64)),
+    ("ring", dict(total=3000, heads=(6, 2), d=96)),  # hdim 96: the work lists' forward and backward
 ])
 def test_cuda_bf16_fused_backend_precision(pool, strategy, kw):
     report = check_precision(pool.run(precision_case, strategy=strategy, device="cuda:0", backend="auto", **kw))
     print(strategy, {k: f"{a:.2e} (cp=1 {b:.2e})" for k, (a, b) in report.items()})
 
 
-@pytest.mark.parametrize("packed, heads", [(False, (4, 2)), (True, (4, 1))])
-def test_cuda_cp_invariant_bitwise_across_layouts(pool, packed, heads):
+@pytest.mark.parametrize("packed, heads, head_dim", [(False, (4, 2), 128), (True, (4, 1), 128), (True, (6, 2), 96)])
+def test_cuda_cp_invariant_bitwise_across_layouts(pool, packed, heads, head_dim):
     """cp_invariant with the fastest backend that guarantees it, bf16, several ranks on one GPU: the same bytes at
     cp 1-4, ring, Ulysses and hybrid as one device."""
     import torch
@@ -50,9 +51,11 @@ def test_cuda_cp_invariant_bitwise_across_layouts(pool, packed, heads):
                (4, "ulysses", "lpt", None), (4, "hybrid", "lpt", 2)]
     docs = [0, 700, 701, 1900, 3000]
     for per_rank in pool.run(invariant_case, layouts=layouts, dtype=torch.bfloat16, packed=packed, heads=heads,
-                             device="cuda:0", backend="auto", head_dim=128, docs=docs, total=2048, timeout=280):
+                             device="cuda:0", backend="auto", head_dim=head_dim, docs=docs, total=2048, timeout=280):
         for cp, strategy, balancer, u, same in per_rank:
             assert all(same), f"cp={cp} {strategy} {balancer} u={u}: out/dq/dk/dv bytes equal: {same}"
+
+
 @pytest.mark.parametrize("strategy, kw", [
     ("ring", dict(cp=4, seqlen=301, heads=(4, 2), window=(40, -1), sinks=True, balancer="contiguous")),
     ("hybrid", dict(cp=4, docs=random_docs(5, 9, 60), heads=(4, 1), window=(9, 3), causal=False, sinks=True,
