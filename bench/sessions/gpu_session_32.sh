@@ -47,3 +47,12 @@ if [ "$1" = 3 ]; then
     -k "96 or case7 or case8 or (test_dense and case6)"
   exit
 fi
+# 4: call 3 passed the 28 hdim-96 tests. Now (a) the context-parallel GPU tests at hdim 96 (the ring's work lists,
+#    and cp_invariant's bytes across layouts, which also run the int64 dQ at hdim 96) and the staged-rank suite;
+#    (b) the hdim-96 bench again after the fix (V on K's 32-byte atoms now; call 2 ran V on 64-byte ones).
+if [ "$1" = 4 ]; then
+  TAIL_LINES=6 stage tests_cp 240 $PYTEST -n 8 tests/cp/test_cp_gpu.py
+  TAIL_LINES=14 stage bench_d96 150 python3 bench/kernels.py --headdims 96 --model-dim 3072 --seqlens 4096 16384 \
+    --causal false true --directions bwd --backends cute cudnn flash_attn_4 --rounds 5 --out-dir "$OUT/bench_d96"
+  exit
+fi
