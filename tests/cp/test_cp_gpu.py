@@ -41,7 +41,7 @@ def test_cuda_bf16_fused_backend_precision(pool, strategy, kw):
     print(strategy, {k: f"{a:.2e} (cp=1 {b:.2e})" for k, (a, b) in report.items()})
 
 
-@pytest.mark.parametrize("packed, heads, head_dim", [(False, (4, 2), 128), (True, (4, 1), 128), (True, (6, 2), 96)])
+@pytest.mark.parametrize("packed, heads, head_dim", [(False, (4, 2), 128), (True, (4, 1), 128), (True, (4, 2), 96)])
 def test_cuda_cp_invariant_bitwise_across_layouts(pool, packed, heads, head_dim):
     """cp_invariant with the fastest backend that guarantees it, bf16, several ranks on one GPU: the same bytes at
     cp 1-4, ring, Ulysses and hybrid as one device."""
