@@ -56,3 +56,19 @@ if [ "$1" = 4 ]; then
     --causal false true --directions bwd --backends cute cudnn flash_attn_4 --rounds 5 --out-dir "$OUT/bench_d96"
   exit
 fi
+# 5: the forward at hdim 256 (Gemma 2 / 3; before, SDPA, or the reference when soft-capped): 128 x 64 tiles, two
+#    K / V stages, O through Q's buffer (one CTA per tile: the persistent grid's own O tile does not fit), the merge
+#    epilogue reading the running rows one at a time (all of them beside acc_O spilled). (a) its GPU tests (dense,
+#    packed, merging, Gemma 2's window and cap, sinks, "auto" taking the backward elsewhere) and the hdim-96
+#    cp_invariant case with its corrected heads; (b) the bench at Gemma-2-9B's width (16 heads of 256) beside
+#    cuDNN and flash-attn-4, and the persistent grid with direct O stores as a variant. Prediction: correct;
+#    500-600 TFLOP/s at 4k-16k (more GEMM per exponential than hdim 128), 0.9-1.0x flash-attn-4 (its own tiles).
+if [ "$1" = 5 ]; then
+  TAIL_LINES=6 stage tests_256 200 $PYTEST -n 8 tests/kernels/test_cute_fwd_gpu.py tests/kernels/test_window_gpu.py \
+    -k "256"
+  TAIL_LINES=4 stage tests_inv96 150 $PYTEST tests/cp/test_cp_gpu.py -k "invariant and 96"
+  TAIL_LINES=14 stage bench_d256 200 python3 bench/kernels.py --headdims 256 --model-dim 4096 \
+    --seqlens 1024 4096 16384 --causal false true --directions fwd --backends cute cudnn flash_attn_4 --rounds 3 \
+    --out-dir "$OUT/bench_d256" --cute-variants "fwd:persistent_ctas=132,tma_store_o=0"
+  exit
+fi

@@ -58,6 +58,11 @@ SUBSET = [
     (torch.bfloat16, 128, False, False, False, {"chained": True}),
     # hdim 96 causal on the persistent grid: its producer takes 32 registers (forward.default_regs_producer)
     (torch.bfloat16, 96, True, False, False, {}),
+    # hdim 256 (Gemma 2 / 3) on 128 x 64 tiles: dense, packed merging, Gemma 2's soft-cap with its window, sinks
+    (torch.bfloat16, 256, False, False, False, {}),
+    (torch.float16, 256, True, True, True, {}),
+    (torch.bfloat16, 256, True, False, False, {"softcap": 50.0, "window_left": 4095}),
+    (torch.bfloat16, 256, True, True, False, {"sinks": True, "seg_offsets": True}),
 ]
 
 
@@ -86,6 +91,9 @@ EXTRA = [
     # long and short causal tiles interleaved in the launch order: dense with head groups (a merge), packed
     (torch.bfloat16, 128, True, False, True, {"interleave_lengths": True}),
     (torch.bfloat16, 64, True, True, False, {"interleave_lengths": True}),
+    # hdim 256 on the persistent grid (O stored directly: no room for its staging tile), and a work list
+    (torch.bfloat16, 256, False, False, False, {"tma_store_o": False, "persistent_ctas": 132}),
+    (torch.bfloat16, 256, True, True, True, {"worklist": True}),
 ]
 
 

@@ -138,6 +138,8 @@ DENSE_CASES = [
     (1, 300, 700, 2, 2, 96, False, 0, 0),
     (1, 1000, 1000, 2, 2, 64, True, 0, 123),
     (2, 300, 300, 4, 2, 64, True, 0, 0),  # at most 512 rows: forward.tiny_tiles
+    (2, 1000, 1000, 4, 2, 256, True, 0, 0),  # hdim 256 (Gemma 2 / 3): 128 x 64 tiles
+    (1, 700, 1300, 2, 2, 256, False, 0, 0),
 ]
 
 
@@ -180,6 +182,7 @@ VARLEN_CASES = [
     (6, 3, 129, 4097, 2, 2, 128, True, True),
     (7, 9, 1000, 1000, 4, 2, 64, True, False),  # short documents: at most 1024 rows (forward.short_documents)
     (8, 12, 400, 400, 4, 2, 64, True, True),  # at most 512 rows a document: forward.tiny_tiles
+    (9, 5, 900, 900, 4, 1, 256, True, True),  # hdim 256
 ]
 
 
@@ -229,6 +232,8 @@ ACC_CASES = [
     (False, True, 0, 5000, 128),  # block fully masked: running result unchanged
     (True, True, 100, 0, 128),
     (True, False, 0, 0, 96),
+    (False, True, 0, 300, 256),  # hdim 256: the running rows merged one at a time
+    (True, True, 100, 0, 256),
 ]
 
 

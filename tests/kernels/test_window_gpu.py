@@ -220,6 +220,26 @@ def test_cute_softcap_kernels(case):
 
 
 @pytest.mark.parametrize("case", [
+    # (batch, sq, sk, hq, hkv, causal, window, softcap, sinks)
+    (1, 1500, 1500, 8, 4, True, (511, -1), 50.0, False),  # Gemma 2: a window and the cap
+    (2, 700, 900, 4, 1, False, (-1, -1), None, True),  # sinks, MQA
+])
+def test_cute_forward_at_hdim_256(case):
+    """hdim 256 (Gemma 2 / 3): the cute forward with a window, the cap or sinks against the fp64 oracle; "auto"
+    takes the backward elsewhere (the cute backward has no hdim 256), from the cute forward's out and lse."""
+    _need("cute")
+    b, sq, sk, hq, hkv, causal, window, softcap, with_sinks = case
+    q, k, v = _tensors((b, sq, hq, 256), (b, sk, hkv, 256), seed=5)
+    kw = dict(causal=causal, window=window, softcap=softcap)
+    if with_sinks:
+        kw["sinks"] = torch.randn(hq, device="cuda", dtype=torch.float32)
+    problem = validate_inputs(q, k, v, **{n: x for n, x in kw.items() if n != "sinks"})
+    assert select_backend("auto", problem, "forward").name == "cute"
+    assert select_backend("auto", problem, "backward").name != "cute"
+    _check("auto", q, k, v, **kw)
+
+
+@pytest.mark.parametrize("case", [
     # (batch, sq, sk, hq, hkv, d, causal, window, softcap, q_scale, q_offset, sinks)
     (1, 1024, 1024, 8, 2, 128, True, (-1, -1), 50.0, 8.0, 0, False),  # saturated: P spans e^-80 .. e^20
     (1, 1000, 1200, 4, 4, 64, False, (-1, -1), 51.0, 8.0, 0, False),  # past the range: the running max

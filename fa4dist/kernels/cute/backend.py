@@ -2,7 +2,7 @@
 
 The backend has fused epilogues: the forward writes, or in accumulate mode merges, straight into the caller's
 (out, lse); the backward writes dq/dk/dv or adds into the caller's fp32 buffers.  Head dims the backward lacks
-(96) are reported by supports(), so "auto" picks the next backend for them.
+(256) are reported by supports(), so "auto" picks the next backend for them.
 
 Masks: the kernels know a causal diagonal and a sliding window's lower edge below it (``window_left``).
 ``kernel_band`` maps a call's band ``lo <= s - p <= hi`` onto that: causal on the diagonal shifted by ``hi`` (the

@@ -17,7 +17,7 @@ import torch
 
 from . import host
 
-SUPPORTED_HEAD_DIMS = (64, 96, 128)
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -189,6 +189,10 @@ def default_tiles(head_dim: int, causal: bool, short: bool = False) -> tuple[int
     the rows)."""
     if head_dim <= 64 and not short:
         return 192, 128, 2
+    if head_dim > 128:
+        # hdim 256 (Gemma 2 / 3): Q 64 KB and two stages of 64-key K / V tiles (32 KB each) fill the shared memory;
+        # 128 x 128 K / V tiles would need 256 KB for two stages
+        return 128, 64, 2
     return 128, 128, 2
 
 
@@ -270,10 +274,13 @@ def default_persistent_ctas(cfg: FwdConfig) -> int:
     families spill there (ptxas): causal hdim 96 unless its producer takes 32 registers (default_regs_producer),
     the non-overlapped consumer
     (intra_wg_overlap False, a measurement knob), and packed windows (fp16 hdim 64 with softcap and sinks spills 8
-    bytes; the producer's claim hand-off in both)."""
+    bytes; the producer's claim hand-off in both). hdim 256 has no room for the persistent grid's own O staging
+    tile beside Q and its K / V stages (its O goes through Q's buffer), and its causal grid is not measured."""
     if cfg.accumulate or cfg.out_fp32 or not cfg.intra_wg_overlap or (cfg.varlen and cfg.window_left >= 0):
         return 0
     if cfg.causal and cfg.head_dim not in PERSISTENT_CAUSAL_HEAD_DIMS:
+        return 0
+    if cfg.head_dim > 128 and cfg.tma_store_o:  # (the persistent grid's own O staging tile does not fit at hdim 256)
         return 0
     return host.sm_count() * cfg.ctas_per_sm
 

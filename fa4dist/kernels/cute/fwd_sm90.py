@@ -1073,6 +1073,10 @@ class FlashFwdSm90:
         acc_mn = mn_view(ml.acc_O)
         row_sum = ml.softmax.row_sum
         n_rows = cute.size(row_sum)
+        if const_expr(self.head_dim > 128):
+            # hdim 256: the running rows are read one at a time (all of them beside acc_O would spill it)
+            self.merge_running_by_row(ml, tOgO_mn, tOcO_mn, mL_cur, row_stride, m_block, seqlen_q, is_col0)
+            return
         lse_old = cute.make_rmem_tensor_like(row_sum, Float32)
         o_old = cute.make_rmem_tensor_like(ml.acc_O, Float32)
         o_old_mn = mn_view(o_old)
@@ -1111,5 +1115,43 @@ class FlashFwdSm90:
                     o_new.store(o_old_mn[r, None].load() * w_old + o_blk)
             if row < seqlen_q:
                 cute.autovec_copy(o_new, tOgO_mn[r, None])
+                if is_col0:
+                    mL_cur[row] = lse_out
+
+    @cute.jit
+    def merge_running_by_row(self, ml: Context, tOgO_mn, tOcO_mn, mL_cur, row_stride, m_block: Int32,
+                             seqlen_q: Int32, is_col0):
+        """merge_running for wide rows (hdim 256): each of the thread's rows is read, merged and written before the
+        next one is read, so that one row of the running O is live beside acc_O instead of all of them. The same
+        arithmetic as merge_running."""
+        acc_mn = mn_view(ml.acc_O)
+        lane = cute.arch.lane_idx()
+        for r in cutlass.range_constexpr(cute.size(ml.softmax.row_sum)):
+            row = m_block * self.tile_m + tOcO_mn[r, 0][0]
+            row_in = cutlass.min(row, seqlen_q - 1)
+            lse_r = Float32(-math.inf)
+            if is_col0:
+                lse_r = mL_cur[row_in]
+            o_old = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
+            src = tOgO_mn[r, None]
+            cute.autovec_copy(cute.make_tensor(src.iterator + (row_in - row) * row_stride, src.layout), o_old)
+            lse_old = cute.arch.shuffle_sync(lse_r, offset=lane & ~3)
+            inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row), None)
+            w_old, w_new, lse_out = merge_lse(lse_old, lse)
+            s_new = inv * w_new
+            # merged in place (no second row of temporaries)
+            if const_expr(self.exact_merge):
+                if w_old == Float32(0.0):  # an empty running row may hold anything: 0 * NaN must not leak
+                    for i in cutlass.range_constexpr(cute.size(o_old)):
+                        o_old[i] = mul_rn(acc_mn[r, i], s_new)
+                else:
+                    for i in cutlass.range_constexpr(cute.size(o_old)):
+                        o_old[i] = fma_rn(o_old[i], w_old, mul_rn(acc_mn[r, i], s_new))
+            elif w_old == Float32(0.0):
+                o_old.store(acc_mn[r, None].load() * s_new)
+            else:
+                o_old.store(o_old.load() * w_old + acc_mn[r, None].load() * s_new)
+            if row < seqlen_q:
+                cute.autovec_copy(o_old, tOgO_mn[r, None])
                 if is_col0:
                     mL_cur[row] = lse_out
