@@ -117,6 +117,10 @@ class Sample:
 
 def segments_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
     """cu_seqlens (int32) of the runs of equal ids in a 1-D tensor."""
+    if not isinstance(doc_ids, torch.Tensor):
+        raise TypeError(f"doc_ids must be a torch.Tensor, got {type_name(doc_ids)}")
+    if doc_ids.dim() != 1:  # nonzero() of a (1, T) tensor gives coordinate pairs: boundaries silently wrong
+        raise ValueError(f"doc_ids must be 1-D (tokens,), got shape {tuple(doc_ids.shape)}")
     n = doc_ids.numel()
     starts = torch.nonzero(torch.diff(doc_ids) != 0).flatten() + 1
     cu = torch.cat([torch.zeros(1, dtype=torch.long), starts, torch.tensor([n])])

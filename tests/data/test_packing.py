@@ -183,3 +183,16 @@ def test_a_tokenizers_ids_may_be_a_tensor_and_empty():
     assert tensor.tokens.dtype == torch.int64
     with pytest.raises(ValueError, match="no documents to pack"):
         PackedTokenStream(["a"], 2, tokenizer=_Ids([]))
+
+
+def test_segments_from_doc_ids_refuses_what_is_not_one_1d_tensor():
+    """A (1, T) tensor of document ids (the batch shape transformers' collators make) gave the boundaries of its
+    flattened nonzero() coordinates, silently wrong ([0, 1, 2, 3] for [[0, 0, 1]], which has [0, 2, 3]); a list
+    failed with AttributeError: 'list' object has no attribute 'numel'."""
+    from fa4dist.data.packing import segments_from_doc_ids
+
+    assert segments_from_doc_ids(torch.tensor([0, 0, 1, 1, 1, 4])).tolist() == [0, 2, 5, 6]
+    with pytest.raises(ValueError, match=r"doc_ids must be 1-D \(tokens,\), got shape \(1, 3\)"):
+        segments_from_doc_ids(torch.tensor([[0, 0, 1]]))
+    with pytest.raises(TypeError, match="doc_ids must be a torch.Tensor, got list"):
+        segments_from_doc_ids([0, 0, 1])
