@@ -260,3 +260,26 @@ def destroyed_module_group_case(rank, world):
     except Exception as err:  # noqa: BLE001
         return type(err).__name__, str(err), time.monotonic() - start
     return None
+
+
+def pickle_case(rank, world, *, cp):
+    """pickle.dumps and torch.save of a module on a process group (alone and inside a model): the error's (type,
+    message) for each, on the group's ranks; and that a deep copy still works."""
+    import copy
+    import io
+    import pickle
+
+    module, _ = cp_module(rank, cp, "ring", True)
+    if module is None:
+        return None
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), module)
+    errors = []
+    for save in (lambda: pickle.dumps(module), lambda: torch.save(model, io.BytesIO())):
+        try:
+            save()
+            errors.append(None)
+        except Exception as err:  # noqa: BLE001
+            errors.append((type(err).__name__, str(err)))
+    twin = copy.deepcopy(model)
+    torch.save(model.state_dict(), io.BytesIO())  # what the message says to save
+    return errors, twin[1].cp.group is module.cp.group

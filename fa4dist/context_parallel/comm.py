@@ -67,11 +67,10 @@ def deepcopy_sharing(obj, memo: dict, shared: Sequence[str]):
     over the same groups.  For use in a class's ``__deepcopy__``."""
     import copy
 
-    new = copy.copy(obj)
+    new = type(obj).__new__(type(obj))  # (not copy.copy: it goes through __getstate__, which may refuse groups)
     memo[id(obj)] = new
     for name, value in vars(obj).items():
-        if name not in shared:
-            setattr(new, name, copy.deepcopy(value, memo))
+        setattr(new, name, value if name in shared else copy.deepcopy(value, memo))
     return new
 
 

@@ -269,6 +269,19 @@ class ContextParallel:
         new.instance = _next_instance(new._group_key())
         return new
 
+    def __getstate__(self):
+        # pickle, torch.save(model), multiprocessing: a process group is this process's live connection to its
+        # world, which another process (or a later world) cannot take over; pickle's own error named neither the
+        # module nor the remedy.  Without groups (cp size 1) there is nothing to refuse.
+        groups = [name for name in ("group", "ulysses_group", "ring_group") if getattr(self, name) is not None]
+        if groups:
+            raise TypeError(
+                f"{LABEL}: a context-parallel attention module on a process group cannot be pickled (pickle, "
+                f"torch.save(model), multiprocessing): its {' and '.join(groups)} belong to this process's "
+                "torch.distributed world.  Save the weights instead (torch.save(model.state_dict())) and build the "
+                "model on its process group where you load them (copy.deepcopy works: the copy shares the groups)")
+        return self.__dict__
+
     # ---- strategy ---------------------------------------------------------------------------------------------
 
     def plan_ulysses_degree(self, heads: Optional[tuple[int, int]] = None) -> int:

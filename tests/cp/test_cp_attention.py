@@ -339,6 +339,28 @@ def test_masked_garbage_does_not_depend_on_the_split(pool, cp, strategy, packed)
     assert sum(r[3] for r in results) and sum(r[4] for r in results), "both clean and poisoned rows must occur"
 
 
+def test_pickling_a_module_on_a_process_group_says_what_to_save(pool):
+    """pickle.dumps(module) and torch.save(model) failed with pickle's own "cannot pickle
+    'torch._C._distributed_c10d.ProcessGroup' object", naming neither the module nor what to do."""
+    for result in pool.run(cp_cases.pickle_case, cp=2)[:2]:
+        errors, shared = result
+        for error in errors:
+            assert error is not None and error[0] == "TypeError", error
+            assert "cannot be pickled" in error[1] and "state_dict()" in error[1], error
+        assert shared
+
+
+def test_a_module_without_a_group_pickles_and_still_computes():
+    import pickle
+
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    module = FA4ContextParallelAttention(None, backend="reference", window=(3, 0))
+    copy = pickle.loads(pickle.dumps(module))
+    q, k, v, _ = cp_cases.global_inputs(0, 9, 2, 1, 8, torch.float64, batch=1)
+    assert torch.equal(copy(q, k, v), module(q, k, v)) and copy.cp.window == (3, 0)
+
+
 @pytest.mark.parametrize("strategy", ["ring", "ulysses"])
 def test_a_deep_copy_shares_the_group(pool, strategy):
     for result in pool.run(cp_cases.deepcopy_case, cp=2, strategy=strategy):
