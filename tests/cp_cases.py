@@ -283,3 +283,63 @@ def pickle_case(rank, world, *, cp):
     twin = copy.deepcopy(model)
     torch.save(model.state_dict(), io.BytesIO())  # what the message says to save
     return errors, twin[1].cp.group is module.cp.group
+
+
+def concurrent_threads_case(rank, world, *, key):
+    """Ranks 0 and 1: rank 0 calls one module from two threads at once (rank 1 calls once, after rank 0's second
+    call was refused, or after 8 s without it).  Then both ranks call it serially, and take a forward's gradients on
+    another thread than the forward's.  Rank 0: the two threads' (error type, message, seconds); both ranks: the
+    serial and the other-thread errors against the oracle."""
+    import threading
+    import time
+
+    from torch.distributed import distributed_c10d
+
+    if rank >= 2:
+        return None
+    store = distributed_c10d._get_default_store()
+    module, cp_rank = cp_module(rank, 2, "ring", True, timeout=10.0)
+    plan = make_plan(40, 2)
+    q, k, v, dout = global_inputs(0, 40, 2, 2, 8, torch.float64, batch=1)
+    want, _ = naive_attention(q, k, v, causal=True)
+    local = [plan.shard(t, seq_dim=1, rank=cp_rank) for t in (q, k, v)]
+    threads = None
+    if rank == 0:
+        results, start, barrier = {}, {}, threading.Barrier(2)
+
+        def call(name):
+            barrier.wait()
+            start[name] = time.monotonic()
+            try:
+                module(*local, plan=plan)
+                results[name] = None
+            except Exception as err:  # noqa: BLE001
+                results[name] = (type(err).__name__, str(err), time.monotonic() - start[name])
+                store.set(f"{key}/refused", "1")
+        workers = [threading.Thread(target=call, args=(name,)) for name in ("a", "b")]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        threads = [results[name] for name in ("a", "b")]
+    else:
+        try:
+            store.wait([f"{key}/refused"], __import__("datetime").timedelta(seconds=8))
+        except Exception:  # noqa: BLE001  (without a refusal rank 0's threads time out alike)
+            return None, None, None
+        module(*local, plan=plan)
+    # serially, in step again; and the backward on a thread of its own
+    local = [t.requires_grad_() for t in local]
+    out = module(*local, plan=plan)
+    serial = float((out.detach() - plan.shard(want, seq_dim=1, rank=cp_rank)).abs().max())
+    grads = {}
+    worker = threading.Thread(target=lambda: grads.update(
+        g=torch.autograd.grad(out, local, plan.shard(dout, seq_dim=1, rank=cp_rank))))
+    worker.start()
+    worker.join()
+    glob = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref, _ = naive_attention(*glob, causal=True)
+    want_grads = torch.autograd.grad(ref, glob, dout)
+    other_thread = max(float((g - plan.shard(w, seq_dim=1, rank=cp_rank)).abs().max())
+                       for g, w in zip(grads["g"], want_grads))
+    return threads, serial, other_thread

@@ -12,7 +12,9 @@ own timeout applies); a failure raises :class:`CommError` naming the operation, 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import threading
 from typing import Optional, Sequence
 
 import torch
@@ -59,6 +61,62 @@ def _store_channel(group) -> tuple:
     name = (group if group is not None else dist.group.WORLD).group_name
     world_generation()  # a new world: its exchanges are numbered from 1
     return distributed_c10d._get_default_store(), f"fa4dist/agree/{name}/"
+
+
+class _Use:
+    """The thread running a call on a process group, how deeply, and the first other thread refused meanwhile."""
+
+    def __init__(self, thread: str):
+        self.thread, self.depth, self.intruder = thread, 0, None
+
+
+_USE_LOCK = threading.Lock()
+_IN_USE: dict = {}  # (world number, group name) -> _Use
+
+
+@contextlib.contextmanager
+def exclusive(groups: Sequence, what: str, label: str):
+    """Runs one call's exchanges on ``groups`` as the only thread of this process using them.
+
+    The ranks pair their calls on a group by order (agreement checks by number, transfers by tag): two threads'
+    calls at once pair up differently on different ranks, which computes a wrong result from another call's keys
+    or waits out the timeout.  A second thread is refused at once; the running call raises when it ends (the
+    other ranks may have paired it with the refused thread's call), unless it raised already.  Per call, not from
+    a forward to its backward: autograd may run the backward on a thread of its own."""
+    me = threading.current_thread().name
+    keys = [(world_generation(), g.group_name) for g in groups]
+    with _USE_LOCK:
+        busy = [(key, _IN_USE[key]) for key in keys if key in _IN_USE and _IN_USE[key].thread != me]
+        for _, use in busy:
+            use.intruder = use.intruder or me
+        if not busy:
+            for key in keys:
+                _IN_USE.setdefault(key, _Use(me)).depth += 1
+    if busy:
+        (_, name), use = busy[0]
+        raise RuntimeError(
+            f"{label}: {what} on process group {name!r} was called from thread {me!r} while thread {use.thread!r} "
+            "is running a context-parallel call on that group; calls on a group must come from one thread at a "
+            "time, in the same order on every rank (two threads' calls pair up differently on different ranks: a "
+            "wrong result or a hang).  Make them from one thread, or give each thread a process group of its own")
+    intruders = []
+    try:
+        yield
+    finally:
+        with _USE_LOCK:
+            for key in keys:
+                use = _IN_USE[key]
+                use.depth -= 1
+                if use.intruder:
+                    intruders.append((key[1], use.intruder))
+                if not use.depth:
+                    del _IN_USE[key]
+    if intruders:  # (only after a call that returned: its own error, if any, went up instead)
+        name, other = intruders[0]
+        raise RuntimeError(
+            f"{label}: thread {other!r} called context-parallel attention on process group {name!r} while {what} "
+            f"ran on thread {me!r}; the other ranks may have paired this call with that thread's, so its result is "
+            "not trusted (make the calls on a group from one thread at a time)")
 
 
 def deepcopy_sharing(obj, memo: dict, shared: Sequence[str]):

@@ -32,7 +32,8 @@ from ..kernels.problem import (
     validate_inputs,
 )
 from ..kernels.registry import get_backend
-from .comm import CommError, Transport, deepcopy_sharing, group_alive, member_size_rank, world_generation
+from .comm import (CommError, Transport, deepcopy_sharing, exclusive, group_alive, member_size_rank,
+                   world_generation)
 from .gather import gather_backward, gather_forward
 from .plan import ShardPlan
 from .ring import (KernelOptions, RingPeers, accum_dtype, requested_steps_per_launch, ring_backward,
@@ -97,8 +98,9 @@ class _Call:
     """Everything one forward/backward needs; kept by the autograd graph."""
 
     def __init__(self, sched, ring, uly, split, opts, heads_q, heads_kv, call_id=0, agree=None, invariant=False,
-                 signature=None):
+                 signature=None, groups=()):
         self.sched, self.ring, self.uly, self.split, self.opts = sched, ring, uly, split, opts
+        self.groups = groups  # the process groups the backward exchanges on (one thread at a time: comm.exclusive)
         self.heads_q, self.heads_kv = heads_q, heads_kv
         self.invariant = invariant  # cp_invariant: the gather engine (fa4dist.context_parallel.gather)
         self.call_id, self.agree = call_id, agree  # agree: ContextParallel.agree, or None without verification
@@ -192,7 +194,9 @@ class _ContextParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        dq, dk, dv, dsinks = ctx.call.backward(dout, *ctx.saved_tensors, create_graph=torch.is_grad_enabled())
+        call = ctx.call
+        with exclusive(call.groups, f"the backward of forward call {call.call_id}", LABEL):
+            dq, dk, dv, dsinks = call.backward(dout, *ctx.saved_tensors, create_graph=torch.is_grad_enabled())
         return dq, dk, dv, dsinks, None
 
 
@@ -261,6 +265,10 @@ class ContextParallel:
 
     def _group_key(self) -> tuple:
         return _groups_key(self.group, self.ulysses_group, self.ring_group)
+
+    def _groups(self) -> tuple:
+        """The process groups this object exchanges on."""
+        return tuple(g for g in (self.group, self.ulysses_group, self.ring_group) if g is not None)
 
     def __deepcopy__(self, memo):
         # the copy shares the process groups and their transports (neither can be copied), copies the rest, and
@@ -500,6 +508,10 @@ class ContextParallel:
         if self.cp_size == 1:
             return self._single(q, k, v, plan, sinks)
         self._check_alive()
+        with exclusive(self._groups(), f"forward call {self._calls + 1}", LABEL):
+            return self._call(q, k, v, plan, sinks)
+
+    def _call(self, q, k, v, plan, sinks):
         self._check_grid()
         u, signature = self._verify(q, k, v, plan, sinks)
         key = (plan.fingerprint, plan.total_len, u)
@@ -520,7 +532,8 @@ class ContextParallel:
             uly = UlyssesGroup(ut, upeers, uidx, member, lens, 0 if plan.packed else 1)
         opts = KernelOptions(self.softmax_scale, self.softcap, self.backend, self._deterministic())
         call = _Call(sched, ring, uly, split, opts, heads_q, heads_kv, self._calls,
-                     self.agree if self.verify else None, invariant=self.cp_invariant, signature=signature)
+                     self.agree if self.verify else None, invariant=self.cp_invariant, signature=signature,
+                     groups=self._groups())
         return _ContextParallelFunction.apply(q, k, v, sinks, call)
 
     def refuse(self, error: Exception):
@@ -530,8 +543,9 @@ class ContextParallel:
         if self.cp_size == 1 or not self.verify:
             raise error
         self._check_alive()
-        self._check_grid()
-        self._verify(None, None, None, None, None, error)
+        with exclusive(self._groups(), f"forward call {self._calls + 1}", LABEL):
+            self._check_grid()
+            self._verify(None, None, None, None, None, error)
         raise error  # (the agreement check has raised on every rank)
 
     def _single(self, q, k, v, plan, sinks):

@@ -12,6 +12,8 @@ from cp_harness import GROUPS, fresh_group, shared_pool
 
 pytestmark = pytest.mark.timeout(240)
 
+TOL = 1e-10  # fp64 against the fp64 oracle
+
 
 @pytest.fixture(scope="module")
 def pool():
@@ -722,3 +724,24 @@ def test_a_module_on_a_destroyed_group_says_so(pool):
     for name, message, seconds in pool.run(cp_cases.destroyed_module_group_case):
         assert name == "RuntimeError" and "group was destroyed" in message, message
         assert seconds < 5
+
+
+def test_two_threads_calling_one_group_fail_at_once(pool):
+    """Two threads calling a module at once (each rank's calls on a group pair up by number): the ranks paired one
+    thread's call with another's, a silently wrong result, or waited out the timeout.  Now the second thread raises
+    at once, naming the threads, and the first one (whose partner on another rank may have been the wrong call)
+    raises when it ends; the module is in step again after, and a backward on another thread than its forward
+    still runs."""
+    import uuid
+
+    results = pool.run(cp_cases.concurrent_threads_case, key=f"threads-{uuid.uuid4().hex}", timeout=60)
+    threads = results[0][0]
+    assert threads is not None and all(t is not None for t in threads), threads
+    refused = [t for t in threads if "while thread" in t[1]]
+    assert len(refused) == 1, threads
+    kind, message, seconds = refused[0]
+    assert kind == "RuntimeError" and "from one thread at a time" in message and seconds < 2, refused
+    (kind, message, _), = [t for t in threads if t is not refused[0]]
+    assert kind == "RuntimeError" and "its result is not trusted" in message, message
+    for _, serial, other_thread in results[:2]:
+        assert serial < TOL and other_thread < TOL, (serial, other_thread)
