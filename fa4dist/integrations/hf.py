@@ -433,6 +433,14 @@ def _layout_of_call(attention_mask, kwargs, query, batch, q_length, kv_length) -
     return info
 
 
+def warn_no_attention_weights(kwargs: dict, what: str) -> None:
+    """transformers passes ``output_attentions`` to the attention function: fa4dist's never makes the weights (as its
+    own fused attentions, it warns; the model then returns no attentions)."""
+    if kwargs.get("output_attentions", False):
+        warnings.warn(f"{what} does not return attention weights (output_attentions=True gives none); use "
+                      "attn_implementation='eager' for them", stacklevel=3)
+
+
 def fa4dist_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               attention_mask, scaling: Optional[float] = None, dropout: float = 0.0,
                               sliding_window: Optional[int] = None, softcap: Optional[float] = None, **kwargs):
@@ -442,9 +450,7 @@ def fa4dist_attention_forward(module, query: torch.Tensor, key: torch.Tensor, va
                              _SETTINGS.get(NAME, {}))
     if dropout and module.training:
         raise UnsupportedMask("fa4dist attention has no attention dropout; set attention_dropout=0")
-    if kwargs.get("output_attentions", False):
-        warnings.warn("fa4dist attention does not return attention weights (output_attentions=True gives none); "
-                      "use attn_implementation='eager' for them", stacklevel=2)
+    warn_no_attention_weights(kwargs, "fa4dist attention")
     if not getattr(module, "is_causal", True):
         raise UnsupportedMask("fa4dist attention is causal only; this module is bidirectional")
     batch, heads_q, q_length, head_dim = query.shape

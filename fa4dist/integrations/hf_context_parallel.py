@@ -61,7 +61,8 @@ from fa4dist.kernels.problem import check_bool, check_integer_dtype
 from fa4dist.models.loss import cp_cross_entropy_of
 from fa4dist.modules import FA4ContextParallelAttention
 
-from .hf import NO_WINDOW, UnsupportedMask, attention_sinks, fa4dist_mask, layer_window, window_of
+from .hf import (NO_WINDOW, UnsupportedMask, attention_sinks, fa4dist_mask, layer_window,
+                 warn_no_attention_weights, window_of)
 
 PLAN_KEY = "fa4dist_cp_plan"  # the local batch's key holding the ShardPlan (transformers passes it to attention)
 LABELS_KEY = "shift_labels"  # transformers' own name for labels that are already shifted
@@ -160,6 +161,7 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
         raise RuntimeError(f"the context-parallel attention {name!r} was disabled; set the model's attention back "
                            "(handle.disable() does) or enable_context_parallel again")
     plan = kwargs.get(PLAN_KEY)
+    warn_no_attention_weights(kwargs, "fa4dist context-parallel attention")
     window, sinks, refused = NO_WINDOW, None, None
     try:  # this call's own checks: a refusal goes through the attention's agreement check (below)
         if not isinstance(plan, ShardPlan):

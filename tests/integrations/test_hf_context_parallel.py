@@ -516,6 +516,23 @@ def test_unsupported_models_and_options_are_refused():
             handle.shard_batch(padded)
 
 
+def test_output_attentions_warns_that_no_weights_come_back():
+    """model(..., output_attentions=True) returned attentions=() without a word (the single-device integration and
+    transformers' own fused attentions warn): the attention never makes the weights, nor could a rank, holding a
+    shard of the queries and keys."""
+    import warnings
+
+    model = tiny_model("llama")
+    with enable_context_parallel(model) as handle:
+        local = handle.shard_batch(packed_batch())
+        with pytest.warns(UserWarning, match=r"context-parallel attention does not return attention weights "
+                                             r"\(output_attentions=True gives none\)"):
+            model(**local, output_attentions=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(**local, output_attentions=False)
+
+
 def test_the_attention_call_takes_windows_softcap_and_sinks_and_refuses_the_rest():
     model = tiny_model("gpt_oss")
     with enable_context_parallel(model) as handle:
