@@ -64,10 +64,11 @@ def _store_channel(group) -> tuple:
 
 
 class _Use:
-    """The thread running a call on a process group, how deeply, and the first other thread refused meanwhile."""
+    """The thread running a call on a process group (its id and name), how deeply (a backward may recompute a
+    checkpointed forward inside itself), and the name of the first other thread refused meanwhile."""
 
-    def __init__(self, thread: str):
-        self.thread, self.depth, self.intruder = thread, 0, None
+    def __init__(self, ident: int, thread: str):
+        self.ident, self.thread, self.depth, self.intruder = ident, thread, 0, None
 
 
 _USE_LOCK = threading.Lock()
@@ -83,15 +84,15 @@ def exclusive(groups: Sequence, what: str, label: str):
     or waits out the timeout.  A second thread is refused at once; the running call raises when it ends (the
     other ranks may have paired it with the refused thread's call), unless it raised already.  Per call, not from
     a forward to its backward: autograd may run the backward on a thread of its own."""
-    me = threading.current_thread().name
+    ident, me = threading.get_ident(), threading.current_thread().name  # (names need not be unique)
     keys = [(world_generation(), g.group_name) for g in groups]
     with _USE_LOCK:
-        busy = [(key, _IN_USE[key]) for key in keys if key in _IN_USE and _IN_USE[key].thread != me]
+        busy = [(key, _IN_USE[key]) for key in keys if key in _IN_USE and _IN_USE[key].ident != ident]
         for _, use in busy:
             use.intruder = use.intruder or me
         if not busy:
             for key in keys:
-                _IN_USE.setdefault(key, _Use(me)).depth += 1
+                _IN_USE.setdefault(key, _Use(ident, me)).depth += 1
     if busy:
         (_, name), use = busy[0]
         raise RuntimeError(
