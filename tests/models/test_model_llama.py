@@ -187,8 +187,11 @@ def _cp_worker(rank, world, port, queue):
                                    sample.labels)
         ref_res.loss.backward()
         results = {}
-        for strategy in ("ring", "ulysses"):
+        # checkpointed: the backward recomputes the attention's forward on its own thread, inside its own call
+        # (context parallelism refuses a second thread's call on the group, not that nesting)
+        for strategy, checkpointed in (("ring", False), ("ulysses", False), ("ring", True)):
             model = _model(cp_group=dist.group.WORLD, strategy=strategy)
+            model.set_activation_checkpointing(checkpointed)
             plan = model.make_plan(sample.cu_seqlens)
             local = shard_sample(sample, plan, model.cp_rank)
             assert torch.equal(local.positions, plan.positions(model.cp_rank))
@@ -201,7 +204,7 @@ def _cp_worker(rank, world, port, queue):
                 g = p.grad.clone()
                 dist.all_reduce(g)
                 gerr = max(gerr, float((g - q.grad).abs().max()))
-            results[strategy] = (float(total), gerr, int(res.tokens))
+            results[strategy + " checkpointed" * checkpointed] = (float(total), gerr, int(res.tokens))
         if rank == 0:
             queue.put((float(ref_res.loss), int(ref_res.tokens), results))
     except Exception as err:  # pragma: no cover - reported to the test
