@@ -59,6 +59,10 @@ class FA4ContextParallelAttention(nn.Module):
     (heads_q,) tensor of learnable logits (the same on every rank) that join every row's softmax once; its
     gradient on each rank is that rank's rows' share (sum over the cp group, as a dp x cp gradient reduction does).
     Returns the local output.
+
+    The calls on a process group pair up across ranks by order: make them from one thread at a time (a second
+    thread's call raises at once).  A module on a process group is not picklable (``torch.save(model)``): save the
+    ``state_dict()``; ``copy.deepcopy`` shares the group.
     """
 
     def __init__(self, group=None, *, mesh=None, ulysses_group=None, ring_group=None, strategy: str = "auto",
