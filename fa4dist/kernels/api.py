@@ -11,7 +11,7 @@ from . import fixed_point
 from .merge import merge_into_, merge_sink_, sink_grad
 from .problem import (EAGER_ONLY, AttentionProblem, Offset, check_bool, check_buffer, check_optional_bool,
                       check_written, require_values, validate_inputs)
-from .registry import select_backend
+from .registry import check_backend, select_backend
 
 Window = tuple[int, int]
 
@@ -97,7 +97,8 @@ def forward_problem(problem: AttentionProblem, q, k, v, *, sinks=None, out=None,
     check_buffer("out", out, problem.out_shape(), problem.device, acc if accumulate else (problem.dtype,) + acc)
     check_buffer("lse", lse, problem.lse_shape(), problem.device, acc)
     check_written({"out": out, "lse": lse}, {"q": q, "k": k, "v": v, "sinks": sinks})
-    if problem.batch == 0:  # no sequence: empty results, no backend to run
+    if problem.batch == 0:  # no sequence: empty results, no backend to run (but a wrong name is still an error)
+        check_backend(backend, problem.device)
         return (out if out is not None else torch.empty(problem.out_shape(), dtype=problem.dtype, device=q.device),
                 lse if lse is not None else torch.empty(problem.lse_shape(), dtype=acc[0], device=q.device))
     impl = select_backend(backend, problem, "forward")
@@ -225,6 +226,7 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
     if check_optional_bool("deterministic", deterministic) is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     if problem.batch == 0:  # no sequence: empty gradients (None where accumulate=True asked for none)
+        check_backend(backend, problem.device)
         grads = tuple(buf if buf is not None or accumulate else torch.empty(like.shape, dtype=problem.dtype,
                                                                             device=like.device)
                       for buf, like in ((dq, q), (dk, k), (dv, v)))

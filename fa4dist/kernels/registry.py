@@ -69,6 +69,20 @@ def _supports(backend, problem: AttentionProblem, direction: str):
     return backend.supports(problem, direction)
 
 
+def check_backend(name, device):
+    """The backend a call names, if it can run on ``device`` at all ("auto": None); else the error.  A call that has
+    nothing to compute (an empty batch) still checks it, so a misspelt name fails at once, not on the first batch
+    that holds a sequence."""
+    if isinstance(name, str) and name == "auto":
+        return None
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a string, got {type(name).__name__}")
+    backend = get_backend(name)
+    if not backend.available(device):
+        raise ValueError(f"backend {name!r} is not available on device {device}")
+    return backend
+
+
 def select_backend(name: str, problem: AttentionProblem, direction: str):
     """Returns the backend that computes `problem`.
 
@@ -80,11 +94,7 @@ def select_backend(name: str, problem: AttentionProblem, direction: str):
             if backend.available(problem.device) and _supports(backend, problem, direction) is None:
                 return backend
         raise ValueError(f"no attention backend supports this call: {problem}")
-    if not isinstance(name, str):
-        raise TypeError(f"backend must be a string, got {type(name).__name__}")
-    backend = get_backend(name)
-    if not backend.available(problem.device):
-        raise ValueError(f"backend {name!r} is not available on device {problem.device}")
+    backend = check_backend(name, problem.device)
     unsupported = _supports(backend, problem, direction)
     if unsupported is None:
         return backend

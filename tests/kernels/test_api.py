@@ -76,3 +76,20 @@ def test_interleaved_gradient_views_of_one_buffer_are_accepted():
     o, m = flat[:256].view(2, 8, 2, 8), flat[256:].view(2, 2, 8)
     attention_forward(q, k, v, causal=True, out=o, lse=m)
     assert torch.equal(o, out) and torch.equal(m, lse)
+
+
+def test_an_empty_batch_still_checks_the_backend_name():
+    """batch = 0 runs no backend, but a misspelt or unavailable one is still the error it is for any other batch
+    (before: an empty result, and the typo surfaced only once a batch held a sequence)."""
+    q, k, v = (t[:0] for t in _qkv())
+    lse = torch.zeros(0, 2, 8)
+    forward, backward = (lambda **kw: attention_forward(q, k, v, **kw),
+                         lambda **kw: attention_backward(q, q, k, v, q, lse, **kw))
+    for call in (forward, backward):
+        with pytest.raises(ValueError, match="backend must be 'auto' or one of .*got 'nope'"):
+            call(backend="nope")
+        with pytest.raises(TypeError, match="backend must be a string, got int"):
+            call(backend=3)
+        with pytest.raises(ValueError, match="backend 'sdpa' is not available on device cpu"):
+            call(backend="sdpa")
+        assert call(backend="reference")[0].shape == (0, 8, 2, 8)
