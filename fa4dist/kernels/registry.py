@@ -45,8 +45,36 @@ _BACKENDS: dict = {}
 _FALLBACK_REPORTED: set = set()
 
 
+_METHODS = ("available", "supports", "forward", "backward")
+
+
 def register_backend(backend) -> None:
-    _BACKENDS[backend.name] = backend
+    """Adds ``backend`` (the interface in the module docstring) under its name, replacing one of that name.  It is
+    checked here, once: a malformed one would otherwise fail inside every later "auto" call of every user."""
+    if isinstance(backend, (str, type)) or backend is None:
+        raise TypeError(f"register_backend takes a backend object (an instance with name, priority, "
+                        f"fused_epilogue, {', '.join(_METHODS)}), got {type(backend).__name__}")
+    name = getattr(backend, "name", None)
+    if not isinstance(name, str):
+        raise TypeError(f"backend name must be a string, got {type(name).__name__}")
+    if not name or name == "auto":
+        raise ValueError(f"backend name must be a non-empty string other than 'auto' (which picks among them), got "
+                         f"{name!r}")
+    priority = getattr(backend, "priority", None)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError(f"backend {name!r}: priority must be an int (higher wins under 'auto'), got "
+                        f"{type(priority).__name__}")
+    if not isinstance(getattr(backend, "fused_epilogue", None), bool):
+        raise TypeError(f"backend {name!r}: fused_epilogue must be a bool, got "
+                        f"{type(getattr(backend, 'fused_epilogue', None)).__name__}")
+    for method in _METHODS:
+        if not callable(getattr(backend, method, None)):
+            raise TypeError(f"backend {name!r}: {method} must be a method (see fa4dist.kernels.registry)")
+    current = _BACKENDS.get("reference")
+    if name == "reference" and current is not None and type(backend) is not type(current):
+        raise ValueError("'reference' is the registry's fallback (and the tests' oracle): register your backend "
+                         "under a name of its own")
+    _BACKENDS[name] = backend
 
 
 def get_backend(name: str):
@@ -66,7 +94,11 @@ def _supports(backend, problem: AttentionProblem, direction: str):
     if problem.cp_invariant and not getattr(backend, "cp_invariant", False):
         return Unsupported("cp_invariant needs a backend whose arithmetic per row and per key does not depend on the "
                            "rest of the call", fallback=True)
-    return backend.supports(problem, direction)
+    answer = backend.supports(problem, direction)
+    if answer is not None and not isinstance(answer, Unsupported):  # False or a reason string would read as "no"
+        raise TypeError(f"backend {backend.name!r}: supports() must return None or Unsupported, got "
+                        f"{type(answer).__name__}")
+    return answer
 
 
 def check_backend(name, device):
