@@ -110,6 +110,15 @@ def merge_into_(
     lse.copy_(merged)
 
 
+def _listed(name: str, partials) -> list:
+    """The partials of merge_partials as a list: a list, a tuple, a generator, a tensor stacked along dim 0."""
+    try:
+        return list(partials)
+    except TypeError:
+        raise TypeError(f"merge_partials: {name} must be an iterable of tensors, got {type(partials).__name__}") \
+            from None
+
+
 def merge_partials(
     outs: Sequence[torch.Tensor],
     lses: Sequence[torch.Tensor],
@@ -120,6 +129,7 @@ def merge_partials(
 
     Returns (out, lse) in fp32 (fp64 for fp64 inputs); writes into ``out`` when given (of the partials' shape and
     device, in that dtype)."""
+    outs, lses = _listed("outs", outs), _listed("lses", lses)
     if len(outs) == 0 or len(outs) != len(lses):
         raise ValueError(f"merge_partials needs as many outs as lses (at least one), got {len(outs)} and {len(lses)}")
     for i, (o, lse) in enumerate(zip(outs, lses)):
@@ -129,6 +139,8 @@ def merge_partials(
                          f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
     dtype = _accum_dtype(outs[0].dtype)
     check_buffer("merge_partials: out", out, tuple(outs[0].shape), outs[0].device, (dtype,))
+    # out may be one of the partials (it is written once, after every read), not a broadcast view
+    check_written({"merge_partials: out": out}, {})
     weights, merged = _merge_weights([lse.to(dtype) for lse in lses])
     # a side whose lse is -inf (it saw no key) contributes nothing, whatever its out holds (NaN included); a side
     # that saw keys keeps its NaN even where its weight underflows to 0
