@@ -96,7 +96,8 @@ def _layout(q, k, v, cp_invariant: bool = False, softmax_scale=None, softcap=Non
         raise ValueError("q must be packed (tokens, heads, dim) or dense (batch, tokens, heads, dim) for a work list, "
                          f"got {tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
     if q.dim() == 3:
-        n_q, n_k = q.shape[0], k.shape[0] if isinstance(k, torch.Tensor) else 0
+        # (k's rank is validate_inputs' to check and name: a 0-d k has no token count)
+        n_q, n_k = q.shape[0], k.shape[0] if isinstance(k, torch.Tensor) and k.dim() > 0 else 0
         cu_q = torch.tensor([0, n_q], dtype=torch.int32)
         cu_k = torch.tensor([0, n_k], dtype=torch.int32)
         return 0, validate_inputs(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, cp_invariant=cp_invariant,

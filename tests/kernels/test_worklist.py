@@ -768,3 +768,14 @@ def test_coalesce_of_random_lists_keeps_every_visible_pair(seed):
         assert visible_item_pairs(got) == visible_item_pairs(items), (items, got)
         joined += len(got) < len(items)
     assert joined
+
+
+def test_a_zero_dim_k_or_v_is_refused_by_name():
+    """A 0-d k (or v) beside a packed q: before, an IndexError ("tuple index out of range") while the work list
+    read k's token count; now the contract's error naming k's rank."""
+    q = torch.randn(6, 2, 8)
+    out, lse = torch.zeros(6, 2, 8), torch.full((2, 6), float("-inf"))
+    with pytest.raises(ValueError, match=r"k must be 3-D \(total_tokens, heads, head_dim\), got shape \(\)"):
+        attention_forward_items(q, torch.tensor(1.0), q, [WorkItem(0, 3, 0, 3)], out, lse)
+    with pytest.raises(ValueError, match=r"v must be 3-D \(total_tokens, heads, head_dim\), got shape \(\)"):
+        attention_forward_items(q, q, torch.tensor(1.0), [WorkItem(0, 3, 0, 3)], out, lse)
