@@ -78,6 +78,10 @@ def _cudnn_forward(q, k, v, scale, causal):
 
 def _cudnn_backward(dout, q, k, v, out, lse, scale, causal):
     batch, seqlen_q, heads, _ = q.shape
+    # dout and out always compact (batch, seqlen, heads, dim) (no copy for the usual compact ones): on torch 2.11
+    # (H200) the cuDNN backward read them with the strides of the first call's (a cached graph), so (batch, heads,
+    # seqlen, dim) views after compact ones (a forward's out over a head-major q, say) gave wrong gradients silently.
+    dout, out = dout.contiguous(), out.contiguous()
     seed = torch.zeros((), dtype=torch.int64, device=q.device)
     offset = torch.zeros((), dtype=torch.int64, device=q.device)
     t = lambda x: x.transpose(1, 2)  # noqa: E731  (B, S, H, D) -> (B, H, S, D) views
@@ -102,6 +106,12 @@ def _deterministic_algorithms(enabled: bool):
     finally:
         if switch:
             torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
+def _head_dim_compact(*tensors):
+    """The tensors with a strided head dim copied compact: torch's fused ops refuse one deep inside (flash: "Input
+    tensor must have contiguous last dimension", cuDNN's frontend likewise); any other layout is passed as is."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -228,6 +238,7 @@ class _FusedBackend:
         return dq, dk, dv
 
     def forward(self, problem: AttentionProblem, q, k, v):
+        q, k, v = _head_dim_compact(q, k, v)
         if problem.mask.windowed:
             return self._windowed_forward(problem, q, k, v)
         if problem.varlen:
@@ -250,8 +261,7 @@ class _FusedBackend:
         return out, lse
 
     def backward(self, problem: AttentionProblem, dout, q, k, v, out, lse, deterministic):
-        out = out.to(q.dtype)
-        dout = dout.to(q.dtype)
+        dout, q, k, v, out = _head_dim_compact(dout.to(q.dtype), q, k, v, out.to(q.dtype))
         with _deterministic_algorithms(deterministic):
             if problem.mask.windowed:
                 return self._windowed_backward(problem, dout, q, k, v, out, lse)

@@ -171,3 +171,25 @@ def test_packed_window_call_without_tokens(backend):
     assert out.shape == (0, 4, 64) and lse.shape == (4, 0)
     grads = attention_backward(torch.zeros_like(out), q, k, v, out, lse, backend=backend, **kw)
     assert [tuple(g.shape) for g in grads[:3]] == [(0, 4, 64), (0, 2, 64), (0, 2, 64)]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_flash", "sdpa_cudnn"])
+def test_any_layout_of_the_operands(backend):
+    """A strided head dim (torch's ops refused it deep inside: "Input tensor must have contiguous last dimension",
+    cuDNN's frontend likewise), and dout / out as (batch, heads, seqlen, dim) views after a compact call (the cuDNN
+    backward then gave wrong gradients silently, seen on torch 2.11: a graph cached for the compact ones).  Each
+    layout against the compact one on the same values."""
+    _need(backend)
+    q, k, v = _tensors((2, 64, 4, 64), (2, 64, 4, 64), torch.bfloat16)
+    out, lse = attention_forward(q, k, v, causal=True, backend=backend)
+    dout = torch.randn_like(out)
+    want = attention_backward(dout, q, k, v, out, lse, causal=True, backend=backend)  # compact first
+    heads_first = lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731
+    dim_strided = lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2)  # noqa: E731
+    for layout in (heads_first, dim_strided):
+        got_out, got_lse = attention_forward(layout(q), layout(k), layout(v), causal=True, backend=backend)
+        assert rel_error(got_out.cpu(), out.cpu()) < REL_TOL[torch.bfloat16]
+        got = attention_backward(layout(dout), layout(q), layout(k), layout(v), layout(out), lse, causal=True,
+                                 backend=backend)
+        for g, w in zip(got, want):
+            assert rel_error(g.cpu(), w.cpu()) < REL_TOL[torch.bfloat16]
