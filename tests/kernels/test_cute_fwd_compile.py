@@ -178,7 +178,7 @@ def test_config_is_hashable_cache_key():
 
 
 def test_supports_reports_reasons():
-    q = torch.empty(1, 4, 2, 256, dtype=torch.bfloat16)
+    q = torch.empty(1, 4, 2, 160, dtype=torch.bfloat16)
     ok, reason = cute_fwd.supports(q, q, q)
     assert not ok and "head dim" in reason
     q32 = torch.empty(1, 4, 2, 128, dtype=torch.float32)
