@@ -127,8 +127,8 @@ def merge_partials(
     """N-way merge in the fixed order given (so the result is bitwise reproducible for a fixed order). A partial whose
     lse is -inf contributes nothing, whatever its out holds there.
 
-    Returns (out, lse) in fp32 (fp64 for fp64 inputs); writes into ``out`` when given (of the partials' shape and
-    device, in that dtype)."""
+    Returns (out, lse) in fp32 (fp64 when any partial is fp64: the order of the partials does not change the
+    precision); writes into ``out`` when given (of the partials' shape and device, in that dtype)."""
     outs, lses = _listed("outs", outs), _listed("lses", lses)
     if len(outs) == 0 or len(outs) != len(lses):
         raise ValueError(f"merge_partials needs as many outs as lses (at least one), got {len(outs)} and {len(lses)}")
@@ -137,7 +137,7 @@ def merge_partials(
     if out is not None and (not isinstance(out, torch.Tensor) or out.shape != outs[0].shape):
         raise ValueError(f"merge_partials: out must be a tensor of shape {tuple(outs[0].shape)}, got "
                          f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
-    dtype = _accum_dtype(outs[0].dtype)
+    dtype = torch.float64 if any(_accum_dtype(o.dtype) == torch.float64 for o in outs) else torch.float32
     check_buffer("merge_partials: out", out, tuple(outs[0].shape), outs[0].device, (dtype,))
     # out may be one of the partials (it is written once, after every read), not a broadcast view
     check_written({"merge_partials: out": out}, {})

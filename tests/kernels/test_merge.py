@@ -30,3 +30,17 @@ def test_merge_partials_takes_any_iterable_of_partials():
         merge_partials(3, lses)
     with pytest.raises(TypeError, match="merge_partials: lses must be an iterable of tensors, got NoneType"):
         merge_partials(outs, None)
+
+
+def test_merge_partials_precision_does_not_depend_on_the_order():
+    """Partials of mixed precision merge in fp64 when any of them is fp64, whichever comes first (before: the first
+    partial's, so [bf16, fp64] merged in fp32 and [fp64, bf16] in fp64); the upcasts are exact, so the result equals
+    the merge of the partials upcast by hand."""
+    outs, lses = _partials()
+    low = (outs[0].bfloat16(), lses[0])
+    high = (outs[1].double(), lses[1].double())
+    for pair in ((low, high), (high, low)):
+        got_out, got_lse = merge_partials([p[0] for p in pair], [p[1] for p in pair])
+        want_out, want_lse = merge_partials([p[0].double() for p in pair], [p[1].double() for p in pair])
+        assert got_out.dtype == got_lse.dtype == torch.float64
+        assert torch.equal(got_out, want_out) and torch.equal(got_lse, want_lse)
