@@ -545,8 +545,7 @@ class ShardPlan:
     # ---- sharding -----------------------------------------------------------------------------------------------
 
     def _check_rank(self, rank) -> int:
-        if isinstance(rank, bool) or not isinstance(rank, int):
-            raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+        rank = check_int("rank", rank)
         if not 0 <= rank < self.cp_size:
             raise ValueError(f"rank must be in [0, {self.cp_size}) for this plan (cp_size={self.cp_size}), got {rank}")
         return rank

@@ -345,9 +345,11 @@ def check_bool(name: str, value) -> bool:
 
 
 def check_int(name: str, value, minimum: Optional[int] = None) -> int:
-    """A count or an index: a Python int (not a bool) of at least ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """A count or an index: an integer (a Python int, or NumPy's; not a bool, a float or a tensor) of at least
+    ``minimum``, returned as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # (NumPy's bool_ is not Integral)
         raise TypeError(f"{name} must be an int, got {type_name(value)}")
+    value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value

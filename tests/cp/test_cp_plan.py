@@ -85,6 +85,20 @@ def test_tiny_and_empty_ranks():
     assert torch.equal(plan.unshard([plan.shard(x, rank=r) for r in range(4)]), x)
 
 
+def test_numpy_integer_ranks_are_taken_as_ints():
+    """A rank from NumPy (np.int64 out of np.arange, say) shards as the int does (before: TypeError "rank must be an
+    int", though make_plan takes NumPy integers); a NumPy float or bool is still refused."""
+    np = pytest.importorskip("numpy")
+    plan = make_plan(64, 2)
+    x = torch.randn(1, 64, 2, 4)
+    for r in np.arange(2):
+        assert torch.equal(plan.shard(x, rank=r), plan.shard(x, rank=int(r)))
+        assert torch.equal(plan.positions(r), plan.positions(int(r)))
+    for bad in (np.float64(1.0), np.bool_(True), True, 1.0):
+        with pytest.raises(TypeError, match="rank must be an int"):
+            plan.shard(x, rank=bad)
+
+
 # ---- balance (work model: visible (query, key) pairs per rank) ---------------------------------------------------
 
 
