@@ -80,3 +80,8 @@ if [ "$1" = 6 ]; then
   TAIL_LINES=4 stage tests_cp 180 $PYTEST -n 8 tests/cp/test_cp_gpu.py
   exit
 fi
+# 7: the ring's work lists at hdim 256 (the work-list forward's merges, by row at hdim 256) against the per-item loop.
+if [ "$1" = 7 ]; then
+  TAIL_LINES=6 stage tests_worklist256 150 $PYTEST -n 4 tests/kernels/test_worklist_gpu.py -k "ring_schedule and 256"
+  exit
+fi

@@ -125,7 +125,7 @@ def test_random_lists_equal_the_loop(monkeypatch, seed):
 
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_ring_schedule_lists_equal_the_loop_in_few_launches(monkeypatch, packed, cp, d):
     """Every (member, source) list of a causal ring schedule: the loop's bytes, in at most as many launches as
     the list has waves and variants (one per step for zigzag's remote steps)."""
