@@ -1122,8 +1122,10 @@ class FlashFwdSm90:
     def merge_running_by_row(self, ml: Context, tOgO_mn, tOcO_mn, mL_cur, row_stride, m_block: Int32,
                              seqlen_q: Int32, is_col0):
         """merge_running for wide rows (hdim 256): each of the thread's rows is read, merged and written before the
-        next one is read, so that one row of the running O is live beside acc_O instead of all of them. The same
-        arithmetic as merge_running."""
+        next one is read, so that one row of the running O is live beside acc_O instead of all of them, and merged in
+        place (a second row of temporaries spilled too). The same merge as merge_running; kept apart because folding
+        both into one loop over row groups with the in-place form changed the narrower head dims' PTX (measured
+        code, not re-measured)."""
         acc_mn = mn_view(ml.acc_O)
         lane = cute.arch.lane_idx()
         for r in cutlass.range_constexpr(cute.size(ml.softmax.row_sum)):
