@@ -75,7 +75,8 @@ def attention_forward(
       Within float32's range for float16 / bfloat16 / float32 inputs (their scores are float32).
     - ``sinks``: (heads_q,) float logits, one per query head, that join every row's softmax denominator (GPT-OSS):
       the result includes them.  A sink must enter each row once: when a row's keys are split over several calls,
-      pass ``sinks`` to exactly one of them (see :mod:`fa4dist.kernels.merge`).
+      pass ``sinks`` to exactly one of them (see :mod:`fa4dist.kernels.merge`).  A ``-inf`` sink is no sink; a
+      ``+inf`` or NaN one is a non-finite score: its head's rows get out = lse = NaN (as for a non-finite key).
     """
     problem = validate_inputs(
         q, k, v, causal=causal, window=window, softcap=softcap, sinks=sinks, softmax_scale=softmax_scale,

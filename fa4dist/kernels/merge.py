@@ -12,9 +12,12 @@ Attention sinks (one learnable logit ``sink_h`` per query head, GPT-OSS style) j
 denominator once: the softmax runs over the row's visible keys plus a virtual key of score ``sink_h`` whose value is
 zero.  That virtual key is one more partial result, ``(out = 0, lse = sink_h)`` for every row, and it must be
 merged exactly once per row however the real keys are split (:func:`merge_sink_` / :func:`with_sink`); merged
-twice it would count twice.  The backward needs nothing new for dq, dk, dv (the global lse already holds the sink);
-the sink's own gradient is ``dsink_h = -sum_rows exp(sink_h - lse) * rowsum(dout * out)`` over every row of head
-``h``, again once per row (:func:`sink_grad`).
+twice it would count twice.  A sink of ``-inf`` weighs nothing (no sink); a ``+inf`` or NaN sink is a non-finite
+score every row of its head sees, so those rows' softmax is undefined and their out and lse are NaN, rows that see
+no real key included (what :func:`merge_partials` makes of the partial ``(0, sink_h)``).  The backward needs nothing
+new for dq, dk, dv (the global lse already holds the sink); the sink's own gradient is
+``dsink_h = -sum_rows exp(sink_h - lse) * rowsum(dout * out)`` over every row of head ``h``, again once per row
+(:func:`sink_grad`).
 """
 
 from __future__ import annotations
@@ -160,21 +163,31 @@ def _sink_lse(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     return sinks.to(lse.dtype).view(-1, 1).expand(lse.shape)
 
 
+def _sink_weights(lse: torch.Tensor, sinks: torch.Tensor):
+    """(the running result's weight, rows whose sink term is undefined (broadcastable against out), merged lse).
+    The sink's value is 0, so its term ``w_sink * 0`` is not added, but a NaN weight (a +inf or NaN sink, or a NaN
+    lse) must still make the row NaN, as it does in :func:`merge_partials`."""
+    (w_run, w_sink), merged = _merge_weights([lse, _sink_lse(lse, sinks)])
+    return w_run, lse_as_out_layout(torch.isnan(w_sink)), merged
+
+
 def merge_sink_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
     """Merges the sinks' virtual key block into the running fp32 (out, lse), in place (once per row!)."""
     _check_running(out, lse)
     check_written({"out": out, "lse": lse}, {"sinks": sinks})
-    (w_run, _), merged = _merge_weights([lse, _sink_lse(lse, sinks)])
-    out.mul_(lse_as_out_layout(w_run)).masked_fill_(_unseen(lse), 0.0)
+    w_run, undefined, merged = _sink_weights(lse, sinks)
+    out.mul_(lse_as_out_layout(w_run)).masked_fill_(_unseen(lse), 0.0).masked_fill_(undefined, float("nan"))
     lse.copy_(merged)
 
 
 def with_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Out-of-place (and differentiable) :func:`merge_sink_`: returns the (out, lse) of the keys plus the sink."""
     check_partial("the result", out, lse)
-    (w_run, _), merged = _merge_weights([lse, _sink_lse(lse, sinks)])
+    w_run, undefined, merged = _sink_weights(lse, sinks)
     scaled = out * lse_as_out_layout(w_run)
-    return torch.where(_unseen(lse), torch.zeros((), dtype=scaled.dtype, device=scaled.device), scaled), merged
+    scaled = torch.where(_unseen(lse), torch.zeros((), dtype=scaled.dtype, device=scaled.device), scaled)
+    return torch.where(undefined, torch.full((), float("nan"), dtype=scaled.dtype, device=scaled.device),
+                       scaled), merged
 
 
 def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+import fa4dist
 from fa4dist.kernels import attention_backward, attention_forward, available_backends
 from fa4dist.kernels.guard import guarded_causal_backward, guarded_causal_forward
 from oracle import REL_TOL, naive_attention
@@ -295,3 +296,71 @@ def test_guard_takes_a_call_without_tokens():
     assert [tuple(g.shape) for g in grads] == [(0, 4, 8), (0, 2, 8), (0, 2, 8)]
     # no key at all: no row sees a flagged one, whatever the band
     assert not _band_any(torch.zeros(2, 0, 3, dtype=torch.bool), 5, -1, 2, None).any()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# non-finite sinks: the sink is one more key (score sink_h, value 0), merged as the partial (out = 0, lse = sink_h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("sink", [float("inf"), float("nan")])
+def test_a_non_finite_sink_makes_its_heads_rows_nan(dtype, sink):
+    """A +inf or NaN sink is a non-finite score every row of its head sees: those rows' softmax is undefined, so
+    out and lse are NaN (as for a row that sees a non-finite key), rows that see no real key included, and so is
+    the sink's gradient; the other heads are untouched.  Before: a +inf sink gave out = 0 with lse = NaN (the merge
+    dropped the sink's NaN weight), and a row that saw no key gave out = 0 with a NaN lse for either sink."""
+    from fa4dist.kernels import merge_partials
+    from fa4dist.kernels.merge import with_sink
+
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, dout = _inputs(gen, dtype, "cpu", batch=1, seqlen=12, heads=4, heads_kv=2, d=8)
+    kw = dict(causal=True, k_offset=3)  # rows 0..2 see no key
+    finite = torch.randn(4, dtype=dtype, generator=gen)
+    sinks = finite.clone()
+    sinks[1] = sink
+    want_out, want_lse = attention_forward(q, k, v, sinks=finite, **kw)
+    out, lse = attention_forward(q, k, v, sinks=sinks, **kw)
+    assert torch.isnan(out[:, :, 1]).all() and torch.isnan(lse[:, 1]).all()
+    others = [0, 2, 3]
+    assert torch.equal(out[:, :, others], want_out[:, :, others]) and torch.equal(lse[:, others], want_lse[:, others])
+    # the same keys split over two accumulate calls, the sinks in the second
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    run_out = torch.zeros(out.shape, dtype=acc)
+    run_lse = torch.full(lse.shape, float("-inf"), dtype=acc)
+    for a, b, s in ((0, 5, None), (5, 12, sinks)):
+        attention_forward(q, k[:, a:b], v[:, a:b], causal=True, k_offset=3 + a, sinks=s, out=run_out, lse=run_lse,
+                          accumulate=True)
+    assert torch.equal(torch.isnan(run_out), torch.isnan(out.to(acc))) and torch.isnan(run_lse[:, 1]).all()
+    # the out-of-place, differentiable merge and merge_partials of the virtual partial (0, sink) agree
+    keys_out, keys_lse = attention_forward(q, k, v, **kw)
+    merged = with_sink(keys_out.to(acc), keys_lse, sinks)
+    partial = merge_partials([keys_out, torch.zeros_like(keys_out)], [keys_lse, sinks.to(acc).view(-1, 1).expand(
+        keys_lse.shape[1:]).unsqueeze(0)])
+    for got_out, got_lse in (merged, partial):
+        assert torch.isnan(got_out[:, :, 1]).all() and torch.isnan(got_lse[:, 1]).all()
+    # backward: the head's sink gradient is NaN, the others' finite
+    dsinks = attention_backward(dout, q, k, v, out, lse, sinks=sinks, **kw)[3]
+    assert torch.isnan(dsinks[1]) and torch.isfinite(dsinks[others]).all()
+    leaf = sinks.clone().requires_grad_()
+    got = fa4dist.attention(q, k, v, sinks=leaf, **kw)
+    assert torch.equal(torch.isnan(got), torch.isnan(out))
+    got.backward(dout)
+    assert torch.isnan(leaf.grad[1]) and torch.isfinite(leaf.grad[others]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_minus_inf_sink_is_no_sink(dtype):
+    """A -inf sink weighs exp(-inf) = 0: its head's rows are those without sinks (a row that sees no key keeps
+    out = 0, lse = -inf), and its gradient is 0."""
+    gen = torch.Generator().manual_seed(10)
+    q, k, v, dout = _inputs(gen, dtype, "cpu", batch=1, seqlen=12, heads=4, heads_kv=2, d=8)
+    kw = dict(causal=True, k_offset=3)
+    sinks = torch.randn(4, dtype=dtype, generator=gen)
+    sinks[2] = float("-inf")
+    out, lse = attention_forward(q, k, v, sinks=sinks, **kw)
+    plain_out, plain_lse = attention_forward(q, k, v, **kw)
+    torch.testing.assert_close(out[:, :, 2], plain_out[:, :, 2], rtol=0, atol=0)
+    torch.testing.assert_close(lse[:, 2], plain_lse[:, 2], rtol=0, atol=0)
+    assert torch.isneginf(lse[:, 2, :3]).all() and (out[:, :3, 2] == 0).all()
+    dsinks = attention_backward(dout, q, k, v, out, lse, sinks=sinks, **kw)[3]
+    assert dsinks[2] == 0 and torch.isfinite(dsinks).all()

@@ -168,7 +168,8 @@ class OnlineSoftmax:
         """(the O scale, natural-log lse) of this thread's row r; ``sees_key``: the mask shows the row a key.
         Without a sink the O scale is 1 / row sum. ``sink`` (a learned logit, natural-log units, GPT-OSS): one more
         virtual key of that score and value 0 joins the row's denominator: the result is exactly the merge of the
-        row with the sink (fa4dist.kernels.merge.merge_sink_), which a row that sees no key leaves at (0, sink)."""
+        row with the sink (fa4dist.kernels.merge.merge_sink_), which a row that sees no key leaves at (0, sink).
+        (Not for a +inf or NaN sink on a row that sees no key: merge_sink_ makes it NaN, this leaves (0, sink).)"""
         s = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
         inv = Float32(0.0)
         lse = -Float32.inf
