@@ -117,11 +117,11 @@ def _check_tensor(name: str, t) -> torch.Tensor:
 
 
 # Host copies of cu_seqlens tensors: (id, data_ptr, version, numel, dtype) -> (weak reference to the tensor, its
-# values, the token counts they were checked against); see _host_cu_seqlens.
+# values, the token counts they were checked against, a CPU tensor's copy); see _host_cu_seqlens.
 _CU_SEQLENS_CACHE: dict = {}
 # int32_cu_seqlens' results: the key of the source tensor and the device -> (weak reference to the source, the int32
-# tensor (None: the source itself) and its version, the values).  A few entries: the q and k tensors of a forward
-# pass or two, which every layer converts.
+# tensor (None: the source itself) and its version, the values, a CPU source's copy).  A few entries: the q and k
+# tensors of a forward pass or two, which every layer converts.
 _INT32_CACHE: dict = {}
 _INT32_CACHE_SIZE = 4
 
@@ -135,9 +135,22 @@ def _version_key(cu: torch.Tensor) -> Optional[tuple]:
     return id(cu), cu.data_ptr(), cu._version, cu.numel(), cu.dtype
 
 
+def _snapshot(cu: torch.Tensor) -> Optional[torch.Tensor]:
+    """A copy of a CPU tensor's values, to compare it with later; None for a device tensor.  The version counter
+    misses some writes (through a NumPy array sharing the memory, ``.data``, collectives such as
+    ``dist.broadcast``): a CPU buffer refilled so would keep its old documents.  Comparing a CPU tensor costs about
+    a microsecond; a device tensor's comparison would be a device sync, which the cache is there to avoid (so a
+    device buffer must be refilled where torch counts it, or be a new tensor)."""
+    return cu.clone() if cu.device.type == "cpu" else None
+
+
+def _unchanged(cu: torch.Tensor, snapshot: Optional[torch.Tensor]) -> bool:
+    return snapshot is None or torch.equal(cu, snapshot)
+
+
 def _remember_values(cu: torch.Tensor, values: tuple[int, ...]) -> tuple:
     """Caches the host values of ``cu`` (just read, or known from the tensor it was converted from)."""
-    entry = (weakref.ref(cu), values, set())
+    entry = (weakref.ref(cu), values, set(), _snapshot(cu))
     key = _version_key(cu)
     if key is not None:
         if len(_CU_SEQLENS_CACHE) > 256:
@@ -186,7 +199,8 @@ def int32_cu_seqlens(name: str, cu, device=None) -> tuple[torch.Tensor, tuple[in
     key = _version_key(cu)
     key = None if key is None else key + (device,)
     hit = _INT32_CACHE.get(key) if key is not None else None
-    if hit is not None and hit[0]() is cu and (hit[1] is None or hit[1]._version == hit[2]):
+    if hit is not None and hit[0]() is cu and (hit[1] is None or hit[1]._version == hit[2]) and \
+            _unchanged(cu, hit[4]):
         return (cu if hit[1] is None else hit[1]), hit[3]
     values = tuple(int(x) for x in cu.tolist())
     outside = [x for x in values if not 0 <= x <= INT32_MAX]
@@ -199,7 +213,7 @@ def int32_cu_seqlens(name: str, cu, device=None) -> tuple[torch.Tensor, tuple[in
             _INT32_CACHE.pop(next(iter(_INT32_CACHE)))
         # the entry goes with the source tensor (the int32 copy, perhaps on a GPU, does not outlive it)
         source = weakref.ref(cu, lambda _, key=key: _INT32_CACHE.pop(key, None))
-        _INT32_CACHE[key] = (source, None if out is cu else out, out._version, values)
+        _INT32_CACHE[key] = (source, None if out is cu else out, out._version, values, _snapshot(cu))
         _remember_values(out, values)  # the kernels' check of the int32 tensor reads no values again
     return out, values
 
@@ -228,11 +242,12 @@ def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> tuple[int, ...]
     that reuses the same cu_seqlens tensor every step (a ring, a training loop) pays it once.  The entry holds a
     weak reference to the tensor: a new tensor that happens to get a freed one's id and address is not it.  A
     tensor made under ``torch.inference_mode`` has no version counter (its values can change unseen): it is read
-    every time.  The values of an int32 tensor made by :func:`int32_cu_seqlens` are known without a read."""
+    every time; a CPU tensor is compared with the remembered copy (:func:`_snapshot`: some writes bump no version).
+    The values of an int32 tensor made by :func:`int32_cu_seqlens` are known without a read."""
     _check_cu_seqlens_layout(name, cu)
     key = _version_key(cu)
     entry = _CU_SEQLENS_CACHE.get(key) if key is not None else None
-    if entry is None or entry[0]() is not cu:
+    if entry is None or entry[0]() is not cu or not _unchanged(cu, entry[3]):
         entry = _remember_values(cu, tuple(int(x) for x in cu.tolist()))
     values, checked = entry[1], entry[2]
     if total in checked:

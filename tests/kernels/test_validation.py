@@ -146,6 +146,37 @@ def test_cu_seqlens_made_under_inference_mode():
     torch.testing.assert_close(run_out, attention_forward(q[None], q[None], q[None], causal=True)[0][0])
 
 
+def test_cpu_cu_seqlens_changed_where_torch_does_not_count_it_are_read_again():
+    """A CPU cu_seqlens buffer refilled in place without a version bump (through the NumPy array it shares memory
+    with, .data, or a collective such as dist.broadcast / scatter into it) gave the old documents (the host copy
+    was remembered per tensor and version): silently wrong attention whenever the token count stayed the same.
+    A CPU tensor's remembered values are now compared with it (no device sync), in validate_inputs and in
+    int32_cu_seqlens alike."""
+    import numpy as np
+
+    from fa4dist.kernels import problem
+
+    q = torch.randn(10, 2, 8, dtype=torch.float64)
+    buffer = np.array([0, 4, 10], dtype=np.int32)
+    for cu, refill in ((torch.from_numpy(buffer), lambda: buffer.__setitem__(1, 7)),
+                       (torch.tensor([0, 4, 10], dtype=torch.int32), None)):
+        refill = refill or (lambda: cu.data.__setitem__(1, 7))
+        first, _ = attention_forward(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+        version = cu._version
+        refill()
+        assert cu._version == version, "the refill must be one torch does not count, or this proves nothing"
+        got, _ = attention_forward(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+        want, _ = attention_forward(q, q, q, cu_seqlens_q=cu.clone(), cu_seqlens_k=cu.clone(), causal=True)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert not torch.equal(got[4:7], first[4:7])
+    source = np.array([0, 4, 10], dtype=np.int64)
+    src = torch.from_numpy(source)
+    assert problem.int32_cu_seqlens("cu", src)[1] == (0, 4, 10)
+    source[1] = 7
+    cu, values = problem.int32_cu_seqlens("cu", src)
+    assert values == (0, 7, 10) and cu.tolist() == [0, 7, 10]
+
+
 def test_int32_cu_seqlens_are_remembered_per_source_tensor_and_version(monkeypatch):
     """int32_cu_seqlens of one tensor: one int32 tensor and one read, which validate_inputs' check of that int32
     tensor shares; a change in place of the source or of the int32 copy, or a tensor made under inference mode, is
