@@ -299,6 +299,34 @@ def test_cute_sinks_in_the_forward_epilogue(case):
         assert torch.isneginf(unseen[:, -1]).all() and not fused_out[:, :-q_offset].any()
 
 
+@pytest.mark.parametrize("case", [
+    # (batch, sq, sk, hq, hkv, d, causal, window, q_offset)
+    (2, 1024, 1024, 8, 2, 128, True, (-1, -1), 0),  # the TMA-store epilogue
+    (1, 700, 900, 4, 4, 64, False, (-1, -1), 0),
+    (1, 1024, 1536, 4, 4, 128, True, (255, -1), -300),  # rows 0..299 see no key
+])
+def test_cute_non_finite_sinks_make_their_heads_rows_nan(case):
+    """A +inf or NaN sink is a non-finite score every row of its head sees: the cute epilogue gives those rows
+    out = lse = NaN, rows that see no key included, as the contract's merge does (kernels/merge.merge_sink_, what
+    the reference backend runs); a -inf sink is no sink; the other heads keep their values."""
+    _need("cute")
+    b, sq, sk, hq, hkv, d, causal, window, q_offset = case
+    q, k, v = _tensors((b, sq, hq, d), (b, sk, hkv, d), seed=13)
+    sinks = torch.randn(hq, device="cuda", dtype=torch.float32)
+    sinks[0], sinks[1], sinks[2] = float("inf"), float("nan"), float("-inf")
+    kw = dict(causal=causal, window=window, q_offset=q_offset, sinks=sinks)
+    out = torch.full(q.shape, 7.0, device="cuda", dtype=q.dtype)  # poisoned: every row must be written
+    lse = torch.full((b, hq, sq), 7.0, device="cuda", dtype=torch.float32)
+    attention_forward(q, k, v, out=out, lse=lse, backend="cute", **kw)
+    ref_out, ref_lse = attention_forward(q, k, v, backend="reference", **kw)
+    for h in (0, 1):
+        assert torch.isnan(out[:, :, h]).all() and torch.isnan(lse[:, h]).all(), f"head {h} (sink {sinks[h]})"
+        assert torch.isnan(ref_out[:, :, h]).all() and torch.isnan(ref_lse[:, h]).all()
+    finite = slice(2, None)
+    assert rel_error(out[:, :, finite].float(), ref_out[:, :, finite].float()) < REL_TOL[BF16]
+    torch.testing.assert_close(lse[:, finite], ref_lse[:, finite], atol=1e-4, rtol=1e-5)
+
+
 def _seen_nan_under_a_dominant_sink(backend, device):
     """Rows that see a NaN value in a visible key while their sink's logit (200) outweighs their keys' (near 0):
     the keys' weight underflows to exactly 0 in fp32, yet a row that saw the NaN must stay NaN (as one call without

@@ -168,13 +168,17 @@ class OnlineSoftmax:
         """(the O scale, natural-log lse) of this thread's row r; ``sees_key``: the mask shows the row a key.
         Without a sink the O scale is 1 / row sum. ``sink`` (a learned logit, natural-log units, GPT-OSS): one more
         virtual key of that score and value 0 joins the row's denominator: the result is exactly the merge of the
-        row with the sink (fa4dist.kernels.merge.merge_sink_), which a row that sees no key leaves at (0, sink).
-        (Not for a +inf or NaN sink on a row that sees no key: merge_sink_ makes it NaN, this leaves (0, sink).)"""
+        row with the sink (fa4dist.kernels.merge.merge_sink_), which a row that sees no key leaves at (0, sink);
+        a +inf or NaN sink is a non-finite score every row sees, so every row gets (NaN, NaN) (merge_sink_'s rule;
+        rows that see keys get it from the arithmetic below, a row that sees none from the O scale 0 * NaN)."""
         s = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
         inv = Float32(0.0)
         lse = -Float32.inf
         if const_expr(sink is not None):
             lse = sink
+            if not sink < Float32.inf:  # +inf or NaN (NaN compares false)
+                inv = Float32.nan
+                lse = Float32.nan
         if sees_key:
             inv = cute.arch.rcp_approx(s)  # 1/0 = inf and NaN stay non-finite: 0 * inf = NaN out
             lse = Float32.nan
