@@ -343,3 +343,77 @@ def concurrent_threads_case(rank, world, *, key):
     other_thread = max(float((g - plan.shard(w, seq_dim=1, rank=cp_rank)).abs().max())
                        for g, w in zip(grads["g"], want_grads))
     return threads, serial, other_thread
+
+
+def intrusion(rank, key, group, holder, intruder, wait: float = 20.0):
+    """Ranks 0 and 1 of `group`: rank 0 makes ``holder()`` on one thread (it waits for rank 1, which is held back)
+    and, once that call holds the group (or after 1 s), ``intruder()`` on another; then rank 1 makes the holder
+    call.  Rank 0: the intruder's (error type, message, seconds) or None, and the holder's (type, message) or None;
+    rank 1: its holder call's error or None."""
+    import datetime
+    import threading
+    import time
+
+    from torch.distributed import distributed_c10d
+
+    from fa4dist.context_parallel import comm
+
+    store = distributed_c10d._get_default_store()
+
+    def attempt(fn):
+        start = time.monotonic()
+        try:
+            fn()
+            return None
+        except Exception as err:  # noqa: BLE001
+            return type(err).__name__, str(err), time.monotonic() - start
+
+    if rank == 1:
+        store.wait([f"{key}/go"], datetime.timedelta(seconds=wait))
+        return attempt(holder)
+    held = {}
+    worker = threading.Thread(target=lambda: held.update(result=attempt(holder)))
+    worker.start()
+    deadline = time.monotonic() + 1.0
+    while not any(name == group.group_name for _, name in comm._IN_USE) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    refused = attempt(intruder)
+    store.set(f"{key}/go", "1")
+    worker.join()
+    result = held["result"]
+    return refused, None if result is None else result[:2]
+
+
+def intruding_call(name, group, rank, timeout):
+    """A call on `group` named `name` (ranks 0 and 1, the same on both), for :func:`intrusion`."""
+    from fa4dist.models import cp_cross_entropy, reduce_value
+    from fa4dist.integrations.hf_loss import tiled_cp_cross_entropy
+
+    gen = torch.Generator().manual_seed(rank)
+    if name == "attention":
+        module = FA4ContextParallelAttention(group, strategy="ring", backend="reference", timeout=timeout)
+        plan = make_plan(8, 2)
+        q, k, v, _ = global_inputs(0, 8, 1, 1, 8, torch.float64, batch=1)
+        local = [plan.shard(t, seq_dim=1, rank=rank) for t in (q, k, v)]
+        return lambda: module(*local, plan=plan)
+    logits, labels = torch.randn(4, 5, generator=gen), torch.randint(0, 5, (4,), generator=gen)
+    if name == "cp_cross_entropy":
+        return lambda: cp_cross_entropy(logits, labels, group, timeout=timeout)
+    if name == "tiled_cp_cross_entropy":
+        weight = torch.randn(5, 3, generator=gen)
+        return lambda: tiled_cp_cross_entropy(logits[:, :3], weight, labels, group, timeout=timeout)
+    if name == "reduce_value":
+        return lambda: reduce_value(torch.ones(2), group, timeout=timeout)
+    raise ValueError(name)
+
+
+def intruding_thread_case(rank, world, *, key, holder, intruder):
+    """:func:`intrusion` of two named calls (:func:`intruding_call`) on a fresh group of ranks 0 and 1; the
+    intruder waits 3 s at most for the other rank (which never makes it)."""
+    from cp_harness import fresh_group
+
+    group = fresh_group([0, 1])
+    if rank >= 2:
+        return None
+    return intrusion(rank, key, group, intruding_call(holder, group, rank, 20.0),
+                     intruding_call(intruder, group, rank, 3.0) if rank == 0 else None)

@@ -64,11 +64,12 @@ def _store_channel(group) -> tuple:
 
 
 class _Use:
-    """The thread running a call on a process group (its id and name), how deeply (a backward may recompute a
-    checkpointed forward inside itself), and the name of the first other thread refused meanwhile."""
+    """The thread running a call on a process group (its id and name, and the call), how deeply (a backward may
+    recompute a checkpointed forward inside itself), and the first other thread refused meanwhile (its name, and
+    the call it tried: the label and what)."""
 
-    def __init__(self, ident: int, thread: str):
-        self.ident, self.thread, self.depth, self.intruder = ident, thread, 0, None
+    def __init__(self, ident: int, thread: str, call: str):
+        self.ident, self.thread, self.call, self.depth, self.intruder = ident, thread, call, 0, None
 
 
 _USE_LOCK = threading.Lock()
@@ -79,25 +80,27 @@ _IN_USE: dict = {}  # (world number, group name) -> _Use
 def exclusive(groups: Sequence, what: str, label: str):
     """Runs one call's exchanges on ``groups`` as the only thread of this process using them.
 
-    The ranks pair their calls on a group by order (agreement checks by number, transfers by tag): two threads'
-    calls at once pair up differently on different ranks, which computes a wrong result from another call's keys
-    or waits out the timeout.  A second thread is refused at once; the running call raises when it ends (the
-    other ranks may have paired it with the refused thread's call), unless it raised already.  Per call, not from
-    a forward to its backward: autograd may run the backward on a thread of its own."""
+    The ranks pair their calls on a group by order (agreement checks by number, transfers by tag, collectives by
+    their sequence): two threads' calls at once pair up differently on different ranks, which computes a wrong
+    result from another call's data or waits out the timeout.  Every fa4dist call that exchanges on a group takes
+    it (the attention, the losses' label counts, ``reduce_value``, the Hugging Face handle's batch check), so one
+    thread's attention and another's loss exclude each other too.  A second thread is refused at once; the running
+    call raises when it ends (the other ranks may have paired it with the refused thread's call), unless it raised
+    already.  Per call, not from a forward to its backward: autograd may run the backward on a thread of its own."""
     ident, me = threading.get_ident(), threading.current_thread().name  # (names need not be unique)
     keys = [(world_generation(), g.group_name) for g in groups]
     with _USE_LOCK:
         busy = [(key, _IN_USE[key]) for key in keys if key in _IN_USE and _IN_USE[key].ident != ident]
         for _, use in busy:
-            use.intruder = use.intruder or me
+            use.intruder = use.intruder or (me, f"{label}: {what}")
         if not busy:
             for key in keys:
-                _IN_USE.setdefault(key, _Use(ident, me)).depth += 1
+                _IN_USE.setdefault(key, _Use(ident, me, f"{label}: {what}")).depth += 1
     if busy:
         (_, name), use = busy[0]
         raise RuntimeError(
             f"{label}: {what} on process group {name!r} was called from thread {me!r} while thread {use.thread!r} "
-            "is running a context-parallel call on that group; calls on a group must come from one thread at a "
+            f"is running another call on that group ({use.call}); calls on a group must come from one thread at a "
             "time, in the same order on every rank (two threads' calls pair up differently on different ranks: a "
             "wrong result or a hang).  Make them from one thread, or give each thread a process group of its own")
     intruders = []
@@ -113,11 +116,11 @@ def exclusive(groups: Sequence, what: str, label: str):
                 if not use.depth:
                     del _IN_USE[key]
     if intruders:  # (only after a call that returned: its own error, if any, went up instead)
-        name, other = intruders[0]
+        name, (other, call) = intruders[0]
         raise RuntimeError(
-            f"{label}: thread {other!r} called context-parallel attention on process group {name!r} while {what} "
-            f"ran on thread {me!r}; the other ranks may have paired this call with that thread's, so its result is "
-            "not trusted (make the calls on a group from one thread at a time)")
+            f"{label}: thread {other!r} made a call on process group {name!r} ({call}) while {what} ran on thread "
+            f"{me!r}; the other ranks may have paired this call with that thread's, so its result is not trusted "
+            "(make the calls on a group from one thread at a time)")
 
 
 def deepcopy_sharing(obj, memo: dict, shared: Sequence[str]):

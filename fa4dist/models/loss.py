@@ -53,6 +53,16 @@ def _next_call(function: str, group) -> int:
     return _CALLS[key]
 
 
+def _one_thread(function: str, group, label: str):
+    """The group's thread guard (:func:`fa4dist.context_parallel.comm.exclusive`, as the attention takes it) for
+    ``function``'s next call: its exchange pairs up with the other ranks' by order, so a call on the group from a
+    second thread at once (another loss, the attention, reduce_value) is refused instead of mispairing."""
+    from fa4dist.context_parallel.comm import exclusive
+
+    group = group if group is not None else dist.group.WORLD
+    return exclusive([group], f"{function} call {_CALLS.get((function, group.group_name), 0) + 1}", label)
+
+
 @dataclass
 class CPLoss:
     loss: torch.Tensor  # this rank's share: backward through it; the shares add up to the sequence's mean
@@ -115,12 +125,13 @@ def label_counts(function: str, cp_group, inputs: Callable[[], tuple], timeout: 
 
     label = f"fa4dist {function}"
     transport = Transport(group, wait, label=label)
-    call = _next_call(function, group)
-    rows = transport.all_gather_ints([count, signature_digest(sig), call, int(error is not None)],
-                                     f"the label counts of {function} call {call}")
-    if any(r[3] for r in rows) or len({(r[1], r[2]) for r in rows}) > 1:
-        raise_disagreement([transport], transport.rank, f"{function} call", call, sig, error, label=label,
-                           calls=f"{function} call")
+    with _one_thread(function, group, label):
+        call = _next_call(function, group)
+        rows = transport.all_gather_ints([count, signature_digest(sig), call, int(error is not None)],
+                                         f"the label counts of {function} call {call}")
+        if any(r[3] for r in rows) or len({(r[1], r[2]) for r in rows}) > 1:
+            raise_disagreement([transport], transport.rank, f"{function} call", call, sig, error, label=label,
+                               calls=f"{function} call")
     return count, sum(r[0] for r in rows)
 
 
@@ -196,13 +207,14 @@ def reduce_value(value: torch.Tensor, group=None, op=dist.ReduceOp.SUM, *, timeo
                    op=op.name if isinstance(op, dist.ReduceOp.RedOpType) else type(op).__name__)
     except Exception as err:  # the other ranks must not wait for this one
         error = err
-    call = _next_call("reduce_value", group)
-    # the row of ContextParallel.agree's exchanges on the group's store: paired with one of them by a rank that
-    # skipped or added a call, each side sees the other's digest and both raise
-    rows = transport.host_gather_ints([signature_digest(sig), call, int(error is not None), 0],
-                                      f"the agreement check of reduce_value call {call}")
-    if any(r[2] or r[3] for r in rows) or len({(r[0], r[1]) for r in rows}) > 1:
-        raise_disagreement([transport], transport.rank, "reduce_value call", call, sig, error, label=label,
-                           calls="reduce_value call")
-    dist.all_reduce(value, op=op, group=group)
+    with _one_thread("reduce_value", group, label):
+        call = _next_call("reduce_value", group)
+        # the row of ContextParallel.agree's exchanges on the group's store: paired with one of them by a rank that
+        # skipped or added a call, each side sees the other's digest and both raise
+        rows = transport.host_gather_ints([signature_digest(sig), call, int(error is not None), 0],
+                                          f"the agreement check of reduce_value call {call}")
+        if any(r[2] or r[3] for r in rows) or len({(r[0], r[1]) for r in rows}) > 1:
+            raise_disagreement([transport], transport.rank, "reduce_value call", call, sig, error, label=label,
+                               calls="reduce_value call")
+        dist.all_reduce(value, op=op, group=group)
     return value

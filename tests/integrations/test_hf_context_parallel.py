@@ -587,3 +587,45 @@ def test_documents_from_flash_kwargs_or_position_ids_agree():
         # positions that run on through the row leave the documents to cu_seq_lens (as in one process)
         running = dict(flash, position_ids=torch.arange(sum(LENGTHS))[None])
         assert torch.equal(handle.document_boundaries(running), want)
+
+
+def _a_second_thread_on_the_handles_group(rank, world, key, holder, intruder):
+    """cp_cases.intrusion on a fresh group of ranks 0 and 1: the handle's shard_batch, its attention module or
+    tiled_cp_cross_entropy, one of them holding the group on one thread and another made from a second thread."""
+    import cp_cases
+    from cp_harness import fresh_group
+
+    from fa4dist.context_parallel import make_plan
+
+    group = fresh_group([0, 1])
+    if rank >= 2:
+        return None
+    handle = enable_context_parallel(tiny_model("llama"), group=group, backend="reference", timeout=20.0)
+    plan = make_plan(8, 2)
+    local = [plan.shard(t, seq_dim=1, rank=rank) for t in cp_cases.global_inputs(0, 8, 1, 1, 8, torch.float64,
+                                                                                  batch=1)[:3]]
+    calls = {"shard_batch": lambda: handle.shard_batch(packed_batch()),
+             "attention": lambda: handle.attention(None)(*local, plan=plan)}
+    if "tiled_cp_cross_entropy" in (holder, intruder):
+        calls["tiled_cp_cross_entropy"] = cp_cases.intruding_call("tiled_cp_cross_entropy", group, rank, 20.0)
+    try:
+        return cp_cases.intrusion(rank, key, group, calls[holder], calls[intruder])
+    finally:
+        handle.disable()
+
+
+@pytest.mark.parametrize("holder, intruder", [("attention", "shard_batch"), ("shard_batch", "attention"),
+                                              ("attention", "tiled_cp_cross_entropy")])
+def test_a_batch_or_a_tiled_loss_from_a_second_thread_is_refused_at_once(pool, holder, intruder):
+    """shard_batch's checksum exchange (an all-gather on the cp group) did not take the group's thread guard that
+    the attention's calls take: a batch sharded on a data thread while the model ran on the group went ahead and
+    paired with another call on some ranks (here: waited for a call the other rank never makes).  Now the second
+    thread is refused at once, and the call holding the group raises when it ends, naming it."""
+    import uuid
+
+    (refused, held), theirs = pool.run(_a_second_thread_on_the_handles_group, key=f"hf-threads-{uuid.uuid4().hex}",
+                                       holder=holder, intruder=intruder, timeout=90)[:2]
+    kind, message, seconds = refused
+    assert kind == "RuntimeError" and "one thread at a time" in message and seconds < 2, refused
+    assert held is not None and held[0] == "RuntimeError" and "not trusted" in held[1], held
+    assert theirs is None

@@ -236,3 +236,23 @@ def test_reduce_value_agreement_and_failures(pool):
         in text0
     kind, text = pool.run(_reduce, case="skip")[0]
     assert kind == "CommError" and "failed waiting for the agreement check of reduce_value call 1" in text, text
+
+
+@pytest.mark.parametrize("holder, intruder", [("attention", "cp_cross_entropy"), ("attention", "reduce_value"),
+                                              ("cp_cross_entropy", "attention"), ("reduce_value", "cp_cross_entropy")])
+def test_a_second_thread_on_the_group_is_refused_at_once(pool, holder, intruder):
+    """The losses' and reduce_value's exchanges did not take the group's thread guard (comm.exclusive) that the
+    attention takes: a call from a second thread while another call ran on the group went ahead, pairing up
+    differently on different ranks (here: waiting out its timeout for a call the other rank never makes).  Now it is
+    refused at once, and the call that held the group raises when it ends (its partners may have been mismatched)."""
+    import uuid
+
+    import cp_cases
+
+    (refused, held), theirs = pool.run(cp_cases.intruding_thread_case, key=f"intrude-{uuid.uuid4().hex}",
+                                       holder=holder, intruder=intruder, timeout=60)[:2]
+    kind, message, seconds = refused
+    assert kind == "RuntimeError" and "one thread at a time" in message and seconds < 2, refused
+    assert held is not None and held[0] == "RuntimeError" and "not trusted" in held[1], held
+    assert (intruder if intruder != "attention" else "forward call") in held[1], held  # names the intruding call
+    assert theirs is None
