@@ -136,6 +136,22 @@ def deepcopy_sharing(obj, memo: dict, shared: Sequence[str]):
     return new
 
 
+def refuse_pickling(obj, what: str, names: Sequence[str], remedy: str) -> dict:
+    """``__getstate__`` of ``obj``, whose attributes named in ``names`` may hold process groups: pickle,
+    ``torch.save(model)`` and multiprocessing are refused with a TypeError naming ``what`` and the remedy (save the
+    ``state_dict()``; ``remedy``: how to set the object up again where it is loaded), where pickle's own error named
+    neither.  A process group is this process's live connection to its world, which another process (or a later
+    world) cannot take over.  Without groups (None) the state is ``obj.__dict__``."""
+    held = [name for name in names if getattr(obj, name, None) is not None]
+    if held:
+        raise TypeError(
+            f"{what} on a process group cannot be pickled (pickle, torch.save(model), multiprocessing): its "
+            f"{' and '.join(held)} belong to this process's torch.distributed world.  Save the weights instead "
+            f"(torch.save(model.state_dict())) and {remedy} where you load them (copy.deepcopy works: the copy "
+            "shares the groups)")
+    return obj.__dict__
+
+
 class CommError(RuntimeError):
     """A context-parallel transfer failed or timed out; the message names what was being waited for."""
 

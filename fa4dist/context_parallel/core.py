@@ -33,7 +33,7 @@ from ..kernels.problem import (
 )
 from ..kernels.registry import get_backend
 from .comm import (CommError, Transport, deepcopy_sharing, exclusive, group_alive, member_size_rank,
-                   world_generation)
+                   refuse_pickling, world_generation)
 from .gather import gather_backward, gather_forward
 from .plan import ShardPlan
 from .ring import (KernelOptions, RingPeers, accum_dtype, requested_steps_per_launch, ring_backward,
@@ -278,17 +278,10 @@ class ContextParallel:
         return new
 
     def __getstate__(self):
-        # pickle, torch.save(model), multiprocessing: a process group is this process's live connection to its
-        # world, which another process (or a later world) cannot take over; pickle's own error named neither the
-        # module nor the remedy.  Without groups (cp size 1) there is nothing to refuse.
-        groups = [name for name in ("group", "ulysses_group", "ring_group") if getattr(self, name) is not None]
-        if groups:
-            raise TypeError(
-                f"{LABEL}: a context-parallel attention module on a process group cannot be pickled (pickle, "
-                f"torch.save(model), multiprocessing): its {' and '.join(groups)} belong to this process's "
-                "torch.distributed world.  Save the weights instead (torch.save(model.state_dict())) and build the "
-                "model on its process group where you load them (copy.deepcopy works: the copy shares the groups)")
-        return self.__dict__
+        # pickle, torch.save(model), multiprocessing: refused naming the module and the remedy (without groups,
+        # cp size 1, there is nothing to refuse)
+        return refuse_pickling(self, f"{LABEL}: a context-parallel attention module",
+                               ("group", "ulysses_group", "ring_group"), "build the model on its process group")
 
     # ---- strategy ---------------------------------------------------------------------------------------------
 

@@ -154,6 +154,14 @@ class FixedPointGrads:
 
         return deepcopy_sharing(self, memo, ("group",))  # the copy reduces over the same process group
 
+    def __getstate__(self):
+        # torch.save(model) pickles it (the model and its layers hold it): on a group, refused naming the remedy,
+        # as the attention module on a group is, not with pickle's own error about a ProcessGroup
+        from ..context_parallel.comm import refuse_pickling
+
+        return refuse_pickling(self, "fa4dist invariant gradients (FixedPointGrads, model.invariant_grads)",
+                               ("group",), "call model.set_invariant_grads(True, group)")
+
     @property
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1

@@ -293,3 +293,44 @@ def test_a_bad_max_norm_is_refused_before_the_sums_are_used(max_norm):
     assert abs(float(clipped) - 1e-3) < 1e-7
     with pytest.raises(ValueError, match="max_norm must be a number > 0"):
         clip_by_norm(list(model.parameters()), max_norm, norm)
+
+
+def _pickling(rank, world):
+    """A cp-size-1 model whose invariant gradients sum over a process group (data parallelism): the (type, message)
+    of pickle.dumps of its FixedPointGrads and of torch.save(model); whether a deep copy's shares the group; whether
+    the model saves once the gradients have no group."""
+    import copy
+    import io
+    import pickle
+
+    from fa4dist.models import FA4Llama, get_config
+
+    if rank >= 2:
+        return None
+    model = FA4Llama(get_config("tiny"), None, backend="reference")
+    grads = model.set_invariant_grads(True, GROUPS[2])
+    errors = []
+    for save in (lambda: pickle.dumps(grads), lambda: torch.save(model, io.BytesIO())):
+        try:
+            save()
+            errors.append(None)
+        except Exception as err:  # noqa: BLE001
+            errors.append((type(err).__name__, str(err)))
+    twin = copy.deepcopy(model)
+    torch.save(model.state_dict(), io.BytesIO())  # what the message says to save
+    model.set_invariant_grads(True, None)
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    return errors, twin.invariant_grads.group is grads.group and twin.invariant_grads is not grads, saved.tell() > 0
+
+
+def test_pickling_invariant_gradients_on_a_group_says_what_to_save(pool):
+    """torch.save(model) of a model whose FixedPointGrads sums over a process group failed with pickle's own
+    "cannot pickle 'torch._C._distributed_c10d.ProcessGroup' object", naming neither the object nor the remedy (the
+    attention module on a group already said it)."""
+    for errors, shared, saved in pool.run(_pickling)[:2]:
+        for error in errors:
+            assert error is not None and error[0] == "TypeError", error
+            assert "FixedPointGrads" in error[1] and "cannot be pickled" in error[1], error
+            assert "state_dict()" in error[1] and "set_invariant_grads" in error[1], error
+        assert shared and saved
