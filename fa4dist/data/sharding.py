@@ -63,8 +63,10 @@ class SingleRankPlan:
         return positions_from_cu_seqlens(self.cu_seqlens.cpu())
 
     def local_cu_seqlens(self, rank: Optional[int] = None) -> torch.Tensor:
+        """As :meth:`ShardPlan.local_cu_seqlens`: the local segments, zero-length documents dropped (``cu_seqlens``
+        keeps them: the sample's own boundaries)."""
         self._check_rank(rank)
-        return self.cu_seqlens
+        return self._plan.local_cu_seqlens(0)
 
     def balance_report(self):
         """As :meth:`ShardPlan.balance_report` (one rank: balanced by definition)."""

@@ -121,3 +121,24 @@ def test_a_plan_or_sample_of_another_kind_is_refused_by_name(cp):
         shard_sample(sample.tokens, plan, 0)
     with pytest.raises(TypeError, match=r"sample must be a fa4dist.data.Sample, got dict"):
         make_sample_plan(dict(cu_seqlens=sample.cu_seqlens), cp)
+
+
+@pytest.mark.parametrize("cu", [[0, 0, 3, 3, 3, 8, 8], [0, 5, 5, 9], [0, 0, 4], [0, 4, 4], [0, 2, 6]])
+def test_a_single_rank_plans_local_segments_are_the_sharded_plans(cu):
+    """SingleRankPlan.local_cu_seqlens returned the sample's cu_seqlens as they were, zero-length documents included,
+    while a ShardPlan's local segments (what every consumer of a plan reads, the cp=1 ShardPlan's too) drop them: a
+    model saw other segment boundaries (and counts) for one sample at cp 1 through make_sample_plan than through
+    make_plan(cu, 1)."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.models.attention import LocalPackedAttention
+
+    single, sharded = SingleRankPlan(cu), make_plan(cu, 1)
+    got, want = single.local_cu_seqlens(), sharded.local_cu_seqlens(0)
+    assert got.dtype == want.dtype == torch.int32 and got.tolist() == want.tolist(), (got, want)
+    assert all(b > a for a, b in zip(got.tolist(), got.tolist()[1:]))  # no zero-length segment
+    assert torch.equal(single.local_cu_seqlens(0), got)
+    for plan in (make_plan(cu, 2, num_chunks=4), make_plan(cu, 3, num_chunks=3)):  # the same rule at cp > 1
+        segments = [plan.local_cu_seqlens(r).tolist() for r in range(plan.cp_size)]
+        assert all(b > a for s in segments for a, b in zip(s, s[1:])), segments
+    attention = LocalPackedAttention()
+    assert torch.equal(attention._cu_seqlens(single, "cpu"), attention._cu_seqlens(sharded, "cpu"))
