@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from fa4dist.context_parallel import ShardPlan, make_plan
-from fa4dist.context_parallel.comm import exclusive
+from fa4dist.context_parallel.comm import Transport, exclusive
 from fa4dist.data.packing import IGNORE
 from fa4dist.kernels.problem import check_bool, check_integer_dtype
 from fa4dist.models.loss import cp_cross_entropy_of
@@ -395,14 +395,13 @@ class ContextParallelHandle:
         else:
             mine = torch.tensor([0, ids.shape[1], _checksum(ids), _checksum(positions),
                                  _checksum(shifted) if shifted is not None else 0], dtype=torch.int64)
-        group = self.loss_group
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-        gathered = [torch.empty_like(mine, device=device) for _ in range(dist.get_world_size(group))]
-        # one thread at a time on the group, as the attention and the loss take it: a batch prepared on another
-        # thread while this one runs the model would pair its exchange with another call's on some ranks
-        with exclusive([group], "the check that every cp rank has the same batch", "fa4dist shard_batch"):
-            dist.all_gather(gathered, mine.to(device), group=group)
-        rows = [g.cpu().tolist() for g in gathered]
+        # within the handle's timeout (a rank whose data ran out never joins: CommError, not the group's own
+        # timeout), and one thread at a time on the group, as the attention and the loss take it: a batch prepared
+        # on another thread while this one runs the model would pair its exchange with another call's on some ranks
+        what = "the check that every cp rank has the same batch"
+        transport = Transport(self.loss_group, self.timeout, "fa4dist shard_batch")
+        with exclusive([self.loss_group], what, "fa4dist shard_batch"):
+            rows = transport.all_gather_ints(mine.tolist(), what)
         if rejected:
             return
         rejected = [r for r, row in enumerate(rows) if row[0]]

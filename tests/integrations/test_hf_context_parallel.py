@@ -629,3 +629,34 @@ def test_a_batch_or_a_tiled_loss_from_a_second_thread_is_refused_at_once(pool, h
     assert kind == "RuntimeError" and "one thread at a time" in message and seconds < 2, refused
     assert held is not None and held[0] == "RuntimeError" and "not trusted" in held[1], held
     assert theirs is None
+
+
+def _one_rank_skips_shard_batch(rank, world):
+    """Ranks 0 and 1 of a throw-away group: rank 0 shards a batch, rank 1 never does (its data ran out): rank 0's
+    (error, seconds)."""
+    import time
+
+    from cp_harness import fresh_group
+
+    group = fresh_group([0, 1])
+    if rank >= 2:
+        return None
+    handle = enable_context_parallel(tiny_model("llama"), group=group, timeout=2.0)
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            handle.shard_batch(packed_batch())
+    except RuntimeError as err:
+        return f"{type(err).__name__}: {err}", time.monotonic() - start
+    finally:
+        handle.disable()
+    return "no error", time.monotonic() - start
+
+
+def test_shard_batch_waits_the_handles_timeout(pool):
+    """shard_batch's checksum exchange was a plain all-gather: a rank whose peer never sharded its batch waited for
+    the process group's own timeout (30 min by default; 2 min in this pool), not the handle's, and then failed with
+    gloo's error naming nothing of fa4dist.  Now it raises CommError after the handle's timeout, naming the check."""
+    got, seconds = pool.run(_one_rank_skips_shard_batch, timeout=30)[0]
+    assert got.startswith("CommError: fa4dist shard_batch") and "timeout 2s" in got and "same batch" in got, got
+    assert seconds < 10, seconds
