@@ -82,9 +82,9 @@ def exclusive(groups: Sequence, what: str, label: str):
 
     The ranks pair their calls on a group by order (agreement checks by number, transfers by tag, collectives by
     their sequence): two threads' calls at once pair up differently on different ranks, which computes a wrong
-    result from another call's data or waits out the timeout.  Every fa4dist call that exchanges on a group takes
-    it (the attention, the losses' label counts, ``reduce_value``, the Hugging Face handle's batch check), so one
-    thread's attention and another's loss exclude each other too.  A second thread is refused at once; the running
+    result from another call's data or waits out the timeout.  The attention, the losses' label counts,
+    ``reduce_value`` and the Hugging Face handle's batch check take it, so one thread's attention and another's
+    loss exclude each other too.  A second thread is refused at once; the running
     call raises when it ends (the other ranks may have paired it with the refused thread's call), unless it raised
     already.  Per call, not from a forward to its backward: autograd may run the backward on a thread of its own."""
     ident, me = threading.get_ident(), threading.current_thread().name  # (names need not be unique)
