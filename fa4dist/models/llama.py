@@ -322,7 +322,11 @@ class FA4Llama(nn.Module):
                 raise ValueError(f"tokens must be ids in [0, vocab_size={self.config.vocab_size}), got ids from {lo} "
                                  f"to {hi}")
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, plan=None) -> torch.Tensor:
+    def _check_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, plan) -> torch.Tensor:
+        """The token ids (as the embedding takes them), or an error naming what is wrong with the arguments."""
+        for name, t in (("tokens", tokens), ("positions", positions)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if tokens.dim() != 1 or positions.shape != tokens.shape:
             raise ValueError(f"tokens and positions must be 1-D of one length (one packed stream), got "
                              f"{tuple(tokens.shape)} and {tuple(positions.shape)}")
@@ -337,6 +341,31 @@ class FA4Llama(nn.Module):
             if chunk is not None and self.cp_size > 1 and chunk % Linear.ROW_BLOCK:
                 raise ValueError(f"invariant gradients need plans whose chunks are multiples of {Linear.ROW_BLOCK} "
                                  f"tokens (model.make_plan makes them), got chunk_size={chunk}")
+        return tokens
+
+    def _refuse(self, error: Exception) -> None:
+        """At cp > 1, raises ``error`` (this rank's refusal of its arguments) through the attention's agreement
+        check, as a refused attention call would: the other cp ranks, already in their first layer's attention call,
+        raise at once naming this rank instead of waiting out their timeout.  Returns otherwise (the caller raises)."""
+        from fa4dist.context_parallel.core import ContextParallel
+
+        cp = getattr(self.attention_core, "cp", None)
+        if not isinstance(cp, ContextParallel) or cp.cp_size == 1:
+            return
+        try:
+            cp.refuse(error)
+        except Exception as raised:  # the agreement's error on this rank: this rank's own goes up, from it
+            if raised is error:
+                raise
+            raise error from raised
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, plan=None) -> torch.Tensor:
+        try:
+            tokens = self._check_inputs(tokens, positions, plan)
+        except Exception as err:
+            self._refuse(err)
+            raise
+        if self.invariant_grads is not None:
             x = self.invariant_grads.embedding(tokens, self.embed_tokens.weight, self._embed_site)
         else:
             x = self.embed_tokens(tokens)

@@ -343,3 +343,58 @@ def test_row_invariant_mlp_rows_do_not_depend_on_their_place_in_the_call_or_the_
     for n, (out, grad) in enumerate(prefixes, start=1):
         assert torch.equal(out.view(torch.int32), whole[:n].view(torch.int32)), n
         assert torch.equal(grad.view(torch.int32), dx[:n].view(torch.int32)), n
+
+
+def _one_rank_refuses_its_model_inputs(rank, world, case):
+    """FA4Llama over a throw-away group of ranks 0 and 1 (attention timeout 20 s), rank 1's arguments refused by the
+    model's own checks: (error type, message, seconds) per rank."""
+    import time
+
+    from cp_harness import fresh_group
+
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    group = fresh_group([0, 1])
+    if rank >= 2:
+        return None
+    model = _model(TINY, cp_group=group, attention_factory=lambda: FA4ContextParallelAttention(
+        group, backend="reference", timeout=20.0))
+    sample = _docs_sample([10, 30], seed=2)
+    plan = model.make_plan(sample.cu_seqlens)
+    local = shard_sample(sample, plan, model.cp_rank)
+    tokens, positions = local.tokens, local.positions
+    if rank == 1 and case == "token id":
+        tokens = tokens.clone()
+        tokens[0] = TINY.vocab_size
+    elif rank == 1 and case == "float positions":
+        positions = positions.double()
+    elif rank == 1 and case == "lengths":
+        positions = positions[:-1]
+    start = time.monotonic()
+    try:
+        model(tokens, positions, plan)
+    except Exception as err:  # noqa: BLE001
+        return type(err).__name__, str(err), time.monotonic() - start
+    return None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case, error, message", [
+    ("token id", "ValueError", f"tokens must be ids in \\[0, vocab_size={TINY.vocab_size}\\)"),
+    ("float positions", "TypeError", "positions must hold integers, got dtype torch.float64"),
+    ("lengths", "ValueError", "tokens and positions must be 1-D of one length"),
+])
+def test_a_rank_whose_model_inputs_are_refused_does_not_leave_the_others_waiting(case, error, message):
+    """FA4Llama refused its arguments on the rank that had them wrong, before its first attention call: the other cp
+    ranks waited in that call's agreement check for the attention's timeout (300 s by default; FA4Llama takes no
+    timeout) and raised a CommError naming nothing.  Now the refusal goes through the agreement check: every rank
+    raises at once, the others naming rank 1 and its error, rank 1 its own."""
+    import re
+
+    from cp_harness import shared_pool
+
+    (kind0, text0, seconds0), (kind1, text1, seconds1) = shared_pool(4).run(
+        _one_rank_refuses_its_model_inputs, case=case, timeout=60)[:2]
+    assert kind1 == error and re.match(message, text1), (kind1, text1)
+    assert kind0 == "ValueError" and f"rank 1 rejected its inputs: {error}: " in text0, (kind0, text0)
+    assert re.search(message, text0) and max(seconds0, seconds1) < 5, (text0, seconds0, seconds1)
