@@ -142,6 +142,10 @@ class FixedPointGrads:
     summed over ``group``, the default group when distributed: no other gradient reduction for these parameters)."""
 
     def __init__(self, group=None, zero_weight_grads: bool = False):
+        if group is not None:  # a group without this rank has size -1: taken as 'not distributed', its sums local
+            from ..context_parallel.comm import member_size_rank
+
+            member_size_rank(group, "group")
         self.group = group
         self.sites: list[_Site] = []
         # a wrapper that reduces gradients itself from its own hooks and buffers (DeepSpeed) gets a zero gradient

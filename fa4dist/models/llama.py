@@ -297,9 +297,9 @@ class FA4Llama(nn.Module):
             biased = [n for n, m in self.named_modules() if isinstance(m, Linear) and m.bias is not None]
             if biased:
                 raise ValueError(f"invariant gradients cover bias-free Linear layers only; these have a bias: {biased}")
+        grads = FixedPointGrads(group, zero_weight_grads) if enabled else None  # (refuses a group first)
         if current is not None:
             current.retire("a later set_invariant_grads(True)" if enabled else "set_invariant_grads(False)")
-        grads = FixedPointGrads(group, zero_weight_grads) if enabled else None
         self.invariant_grads = grads
         self._embed_site = grads.site(self.embed_tokens.weight, self.embed_tokens, "embed_tokens") if enabled else None
         for name, m in self.named_modules():

@@ -334,3 +334,29 @@ def test_pickling_invariant_gradients_on_a_group_says_what_to_save(pool):
             assert "FixedPointGrads" in error[1] and "cannot be pickled" in error[1], error
             assert "state_dict()" in error[1] and "set_invariant_grads" in error[1], error
         assert shared and saved
+
+
+def _outsider(rank, world):
+    """Ranks 2 and 3 install invariant gradients summed over the group of ranks 0 and 1, which they are not in:
+    (error type, message) and whether the model kept the FixedPointGrads it had, still live."""
+    from fa4dist.models import FA4Llama, get_config
+
+    if rank < 2:
+        return None
+    model = FA4Llama(get_config("tiny"), None, backend="reference")
+    before = model.set_invariant_grads(True)
+    try:
+        model.set_invariant_grads(True, GROUPS[2])
+        error = None
+    except Exception as err:  # noqa: BLE001
+        error = type(err).__name__, str(err)
+    return error, model.invariant_grads is before and before.retired is None
+
+
+def test_invariant_gradients_over_a_group_without_this_rank_are_refused(pool):
+    """new_group gives a rank outside the group a placeholder of size -1: FixedPointGrads took it as 'not
+    distributed' and finish() left that rank's gradients its own tokens' share, silently.  Now it is refused by
+    name, and the model keeps the invariant gradients it had."""
+    for error, kept in pool.run(_outsider)[2:]:
+        assert error is not None and error[0] == "ValueError" and "not a member" in error[1], error
+        assert kept
