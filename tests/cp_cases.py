@@ -417,3 +417,27 @@ def intruding_thread_case(rank, world, *, key, holder, intruder):
         return None
     return intrusion(rank, key, group, intruding_call(holder, group, rank, 20.0),
                      intruding_call(intruder, group, rank, 3.0) if rank == 0 else None)
+
+
+def not_a_group_case(rank, world):
+    """Every rank passes what is not a process group where one is taken (a DeviceMesh positionally, a string): the
+    (error type, message) of each call."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fa4dist.models import FA4Llama, cp_cross_entropy, get_config, reduce_value
+    from fa4dist.models.invariant_grads import FixedPointGrads
+
+    mesh = init_device_mesh("cpu", (world,))
+    logits, labels = torch.randn(3, 5), torch.zeros(3, dtype=torch.long)
+    calls = (lambda: FA4ContextParallelAttention(mesh), lambda: FA4ContextParallelAttention("cp"),
+             lambda: FA4ContextParallelAttention(ulysses_group="u", ring_group=GROUPS[world]),
+             lambda: FA4Llama(get_config("tiny"), "cp"), lambda: FixedPointGrads(mesh),
+             lambda: reduce_value(torch.ones(1), "cp"), lambda: cp_cross_entropy(logits, labels, "cp"))
+    out = []
+    for call in calls:
+        try:
+            call()
+            out.append(None)
+        except Exception as err:  # noqa: BLE001
+            out.append((type(err).__name__, str(err)))
+    return out

@@ -162,6 +162,12 @@ def member_size_rank(group, name: str = "group") -> tuple[int, int]:
     -1, which would otherwise pass for a group until something used it."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"{name} was given but torch.distributed is not initialized (init_process_group first)")
+    if not (group is None or isinstance(group, dist.ProcessGroup) or group is dist.GroupMember.NON_GROUP_MEMBER):
+        # (a DeviceMesh failed deep in torch.distributed as 'not registered', other objects on a missing attribute)
+        mesh = " (a DeviceMesh: pass mesh.get_group(), or mesh= where the call takes a mesh)" if hasattr(
+            group, "get_group") else ""
+        raise TypeError(f"{name} must be a torch.distributed ProcessGroup (or None), got {type(group).__name__}"
+                        f"{mesh}")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if size < 1 or rank < 0:
         raise ValueError(f"{name} is a process group that this rank (global rank {dist.get_rank()}) is not a member "

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import fa4dist
@@ -24,7 +23,9 @@ def group_size(group) -> int:
         return 1
     if hasattr(group, "size") and hasattr(group, "get_group"):  # DeviceMesh
         return group.size()
-    return dist.get_world_size(group)
+    from fa4dist.context_parallel.comm import member_size_rank
+
+    return member_size_rank(group, "cp_group")[0]  # (refuses what is not a process group, or one without this rank)
 
 
 class LocalPackedAttention(nn.Module):

@@ -745,3 +745,16 @@ def test_two_threads_calling_one_group_fail_at_once(pool):
     assert kind == "RuntimeError" and "its result is not trusted" in message, message
     for _, serial, other_thread in results[:2]:
         assert serial < TOL and other_thread < TOL, (serial, other_thread)
+
+
+def test_what_is_not_a_process_group_is_refused_by_name(pool):
+    """A DeviceMesh passed as a module's group (FA4Llama takes one as cp_group, the module as mesh=) or as
+    FixedPointGrads' group failed with "Group DeviceMesh(...) is not registered", and a string with "'str' object has
+    no attribute 'size'", from deep in torch.distributed.  Now the argument is named, with what to pass."""
+    names = ["group", "group", "ulysses_group", "cp_group", "group", "group", "cp_group"]
+    for errors in pool.run(cp_cases.not_a_group_case):
+        for name, error in zip(names, errors):
+            assert error is not None and error[0] == "TypeError", (name, error)
+            assert error[1].startswith(f"{name} must be a torch.distributed ProcessGroup"), (name, error)
+        for error in (errors[0], errors[4]):  # a DeviceMesh: what to pass instead
+            assert "mesh.get_group()" in error[1], error
