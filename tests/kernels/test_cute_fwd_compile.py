@@ -320,6 +320,45 @@ def test_long_dense_non_causal_hdim128_launches_chain_the_row_max():
     assert not make(chained=True, chained_max=False).chained_max
 
 
+def test_split_plan_splits_a_partial_last_wave_where_the_model_says_it_pays():
+    """forward.split_plan: no split without a tail, or when the tail is nearly a whole wave, or when the tiles are
+    too short for parts of SPLIT_MIN_PART_BLOCKS; otherwise the tail's tiles, after every whole wave, in the parts
+    count of least modelled time, never more than SPLIT_MAX_PARTS."""
+    plan = cute_fwd.split_plan
+    assert plan(264, 132, 32) == (264, 1)  # whole waves
+    assert plan(2048, 132, 32) == (2048 - 68, 3)  # 15 waves and 68 tiles of 32 blocks: 2 rounds of thirds
+    assert plan(2048, 132, 128) == (2048 - 68, 5)  # 16k keys: 3 rounds of fifths
+    assert plan(160, 132, 32) == (132, 4)  # 28 tiles: one round of quarters
+    assert plan(2752, 132, 128) == (2752, 1)  # a tail of 112 tiles: nearly a whole wave
+    assert plan(160, 132, 7) == (160, 1)  # tiles of 7 blocks: too short to split
+    assert plan(64, 132, 8) == (0, 2)  # one partial wave: halves of 4 blocks
+    for tiles in range(1, 600, 7):
+        for n_blocks in (1, 4, 9, 32, 100):
+            start, parts = plan(tiles, 132, n_blocks)
+            assert 1 <= parts <= cute_fwd.SPLIT_MAX_PARTS and (parts == 1) == (start == tiles)
+            assert parts == 1 or (n_blocks >= parts * cute_fwd.SPLIT_MIN_PART_BLOCKS and start % 132 == 0)
+
+
+def test_split_tail_default_scope():
+    """The last wave's split (FwdConfig.split_tail) by default on dense non-causal launches writing a fresh 16-bit
+    out on the dynamic persistent grid, hdim <= 128, no window or sinks (forward.split_tail_fits); not on causal,
+    packed, merging, fp32-out, windowed, sink or hdim-256 launches, nor on one CTA per tile. Forcing it where it
+    does not fit is an error naming the field."""
+    make = functools.partial(cute_fwd.make_config, torch.bfloat16)
+    for d in (64, 96, 128):
+        assert make(d, causal=False, varlen=False, accumulate=False).split_tail, d
+        assert make(d, causal=False, varlen=False, accumulate=False, softcap=30.0).split_tail, d
+    for kw in (dict(causal=True, varlen=False, accumulate=False), dict(causal=False, varlen=True, accumulate=False),
+               dict(causal=False, varlen=False, accumulate=True), dict(causal=False, varlen=False, accumulate=False,
+                                                                       out_fp32=True),
+               dict(causal=False, varlen=False, accumulate=False, sinks=True),
+               dict(causal=False, varlen=False, accumulate=False, persistent_ctas=0)):
+        assert not make(128, **kw).split_tail, kw
+    assert not make(256, causal=False, varlen=False, accumulate=False).split_tail
+    with pytest.raises(ValueError, match="split_tail needs"):
+        make(128, causal=True, varlen=False, accumulate=False, split_tail=True)
+
+
 def test_sum_from_old_follows_the_head_dim_only():
     """The row sum's order (FwdConfig.sum_from_old) is a function of the head dim alone, so that every variant of
     one head dim sums alike: persistent or not, short tiles or not, merge, packed, work list (their bits are

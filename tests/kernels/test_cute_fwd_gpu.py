@@ -402,7 +402,8 @@ def test_persistent_grid_gives_the_bits_of_one_cta_per_tile(case, ctas, dynamic,
 
     merge_kw = dict(exact_merge=True) if exact else {}
     want = launch(persistent_ctas=0, **merge_kw)
-    got = launch(persistent_ctas=ctas, dynamic_tiles=dynamic, **merge_kw)
+    # (the last wave's split over keys, on by default for dense non-causal launches, is test_split_tail_tiles')
+    got = launch(persistent_ctas=ctas, dynamic_tiles=dynamic, split_tail=False, **merge_kw)
     for name, a, g in zip(("out", "lse", "packed out", "packed lse"), want[:2] + want[4:], got[:2] + got[4:]):
         assert torch.equal(a.view(torch.uint8), g.view(torch.uint8)), f"{name} differs with {ctas} persistent CTAs"
     # the merge epilogue compiled into the persistent kernel rounds o_old * w_old + o_blk apart from the other kernel
@@ -416,6 +417,61 @@ def test_persistent_grid_gives_the_bits_of_one_cta_per_tile(case, ctas, dynamic,
         err = (a - g).abs().nan_to_num(0.0).max().item()
         print(f"{name}: max abs difference {err:.2e}")
         assert err <= 16 * 2.0 ** -23, f"{name} differs by {err:.2e} with {ctas} persistent CTAs"
+
+
+SPLIT_TAIL_CASES = [
+    # (b, sq, sk, h, hk, d): dense non-causal launches with a partial last wave on 132 SMs
+    (1, 4000, 4050, 5, 1, 128),  # 160 tiles, 28 split in 4: padding rows, the last key block cut, MQA
+    (1, 3000, 2048, 9, 3, 64),  # 192-row tiles: 144, 12 split in 4
+    (2, 1500, 1500, 6, 2, 96),  # 144, 12 split in 3
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_TAIL_CASES, ids=[str(c) for c in SPLIT_TAIL_CASES])
+def test_split_tail_tiles(case):
+    """The tiles of a launch's last partial wave run as parts over their key blocks (FwdConfig.split_tail,
+    forward.split_plan), merged by the part that finishes last, in part order: against the fp64 oracle with every
+    element written (out / lse poisoned), the tiles before the split with the bytes of the unsplit launch, the same
+    bytes from run to run, and a NaN in a V row NaN in every row that sees it, as unsplit."""
+    b, sq, sk, h, hk, d = case
+    cfg = fa4cute.make_config(torch.bfloat16, d, causal=False, varlen=False, accumulate=False)
+    assert cfg.split_tail
+    num_m = -(-sq // cfg.tile_m)
+    start, parts = fa4cute.split_plan(b * h * num_m, cfg.persistent_ctas, -(-sk // cfg.tile_n))
+    if parts == 1:
+        pytest.skip(f"no split on {cfg.persistent_ctas} SMs")
+    torch.manual_seed(sq + d)
+    q, k, v = rand(b, sq, h, d, dtype=torch.bfloat16), rand(b, sk, hk, d, dtype=torch.bfloat16), \
+        rand(b, sk, hk, d, dtype=torch.bfloat16)
+
+    def launch(**kw):
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+        lse = torch.full((b, h, sq), float("nan"), dtype=torch.float32, device="cuda")
+        fa4cute.forward(q, k, v, out, lse, **kw)
+        torch.cuda.synchronize()
+        return out, lse
+
+    out, lse = launch()
+    ref_o, ref_l = ref_dense(q, k, v, d**-0.5, False, [0] * b, [0] * b)
+    check(out, lse, ref_o, ref_l, torch.bfloat16, True)
+    again = launch()
+    for a, g in zip((out, lse), again):
+        assert torch.equal(a.view(torch.uint8), g.view(torch.uint8)), "split tiles differ from run to run"
+    plain_o, plain_l = launch(split_tail=False)
+    # the rows of the split tiles: launch-order tile t is query tile t % num_m of (batch, head) t // num_m
+    split_rows = torch.zeros(b, h, num_m, dtype=torch.bool)
+    split_rows.view(-1)[start:] = True
+    split_rows = split_rows.repeat_interleave(cfg.tile_m, dim=2)[..., :sq].cuda()  # (b, h, sq)
+    assert torch.equal(lse.view(torch.int32)[~split_rows], plain_l.view(torch.int32)[~split_rows])
+    keep = ~split_rows.transpose(1, 2)  # (b, sq, h)
+    assert torch.equal(out.view(torch.int16)[keep], plain_o.view(torch.int16)[keep])
+    assert (lse - plain_l)[split_rows].abs().max().item() < 1e-5
+    assert (out.float() - plain_o.float())[~keep].abs().max().item() < TOL[torch.bfloat16][0]
+    v[:, 17, 0] = float("nan")  # every query head of kv head 0 sees it (non-causal): NaN rows, split or not
+    nan_o, _ = launch()
+    plain_nan_o, _ = launch(split_tail=False)
+    assert torch.equal(torch.isnan(nan_o), torch.isnan(plain_nan_o))
+    assert torch.isnan(nan_o[:, :, : h // hk]).all() and not torch.isnan(nan_o[:, :, h // hk:]).any()
 
 
 SCHEDULE_FIELD_CASES = [

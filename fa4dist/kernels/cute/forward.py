@@ -107,6 +107,11 @@ class FwdConfig:
     # first (tile_scheduler.causal_m_block). Only the order of tiles changes, never a sum's. Default from
     # interleaved_launch (short dense sequences)
     interleave_lengths: bool = False
+    # dense non-causal launches on the dynamic persistent grid writing a fresh 16-bit out: the tiles of the last,
+    # partial wave are split over their key blocks (split_plan), each part's (out, lse) written to an fp32 scratch
+    # and merged by the part that finishes last, in part order. A split tile's bits differ from an unsplit one's
+    # (a merge of partial softmaxes), the same from run to run. Default from default_split_tail
+    split_tail: bool = False
 
     def build(self):
         from .fwd_sm90 import FlashFwdSm90
@@ -123,7 +128,7 @@ class FwdConfig:
             prefetch_running=self.prefetch_running, persistent_ctas=self.persistent_ctas if self.persistent else 0,
             dynamic_tiles=self.takes_tile_counter, exact_merge=self.exact_merge, regs_producer=self.regs_producer,
             ctas_per_sm=self.ctas_per_sm,
-            l2_rows=self.l2_rows or None, interleave_lengths=self.interleave_lengths,
+            l2_rows=self.l2_rows or None, interleave_lengths=self.interleave_lengths, split_tail=self.split_tail,
         )
 
     @property
@@ -165,8 +170,13 @@ class FwdConfig:
         if self.sinks:
             sinks = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
         counter = host.fake_i32(1) if self.takes_tile_counter else None
+        split = (None, None, None, None)
+        if self.split_tail:  # the parts' fp32 (out, lse) scratch, the first split tile and the parts per tile
+            counter = host.fake_i32()  # (and one arrival counter per split tile after the tile counter)
+            split = (host.fake_tensor(cutlass.Float32, (cute.sym_int(), self.head_dim), 4),
+                     host.fake_flat(cutlass.Float32), cutlass.Int32(0), cutlass.Int32(1))
         return (q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(1), cu_q, cu_k, off_q, off_k,
-                sinks, counter, host.fake_stream())
+                sinks, counter, *split, host.fake_stream())
 
 
 # hdim 64 causal plain launches of at most this many query rows (dense) or rows a document (packed) take short tiles
@@ -318,6 +328,52 @@ def chained_max_launch(head_dim: int, causal: bool, dense_plain: bool, seqlen_k:
             and not softcap and not sinks)
 
 
+def split_tail_fits(cfg: FwdConfig) -> bool:
+    """Whether a variant can split its last wave's tiles (FwdConfig.split_tail): dense, non-causal, writing a fresh
+    16-bit out on the dynamic persistent grid, one CTA per SM, no window or sinks (a sink joins a row once, in the
+    merge; not built), hdim <= 128 (hdim 256 runs one CTA per tile)."""
+    return (cfg.persistent and cfg.takes_tile_counter and not cfg.causal and not cfg.varlen and not cfg.accumulate
+            and not cfg.out_fp32 and not cfg.worklist and not cfg.sinks and cfg.window_left < 0
+            and cfg.ctas_per_sm == 1 and cfg.intra_wg_overlap and cfg.head_dim <= 128)
+
+
+def default_split_tail(cfg: FwdConfig) -> bool:
+    """Every variant that can (split_tail_fits); the launch's split_plan decides whether a call splits."""
+    return split_tail_fits(cfg)
+
+
+# split_plan's cost model, in key blocks of one CTA's time: a part's fixed cost (its Q load and pipeline fill, its
+# partial (out, lse) write) and the last part's merge read per part; parts of fewer than SPLIT_MIN_PART_BLOCKS
+# blocks are not made, nor more than SPLIT_MAX_PARTS parts, and a split must bring the tail's modelled time below
+# SPLIT_MAX_TAIL of an unsplit tile's
+SPLIT_PART_OVERHEAD_BLOCKS = 2.0
+SPLIT_MERGE_BLOCKS_PER_PART = 0.25
+SPLIT_MIN_PART_BLOCKS = 4
+SPLIT_MAX_PARTS = 8
+SPLIT_MAX_TAIL = 0.9
+
+
+def split_plan(num_tiles: int, num_ctas: int, n_blocks: int) -> tuple[int, int]:
+    """(split_start, parts): tiles [split_start, num_tiles), the last partial wave of ``num_tiles`` equal tiles of
+    ``n_blocks`` key blocks on a grid of ``num_ctas`` CTAs, each run as ``parts`` parts over consecutive key
+    blocks, claimed after every whole tile. The tail then takes ceil(tail * parts / num_ctas) rounds of parts
+    instead of one round of whole tiles; parts = 1 (no split) unless that is cheaper by the cost model above.
+    Integer inputs only, so that a call's plan follows its shapes and the SM count alone: the same bits run to run."""
+    tail = num_tiles % num_ctas
+    best_parts, best_cost = 1, SPLIT_MAX_TAIL * n_blocks
+    if tail == 0:
+        return num_tiles, 1
+    for parts in range(2, SPLIT_MAX_PARTS + 1):
+        if n_blocks < SPLIT_MIN_PART_BLOCKS * parts:
+            break
+        rounds = -(-tail * parts // num_ctas)
+        cost = (rounds * (-(-n_blocks // parts) + SPLIT_PART_OVERHEAD_BLOCKS)
+                + SPLIT_MERGE_BLOCKS_PER_PART * parts)
+        if cost < best_cost:
+            best_parts, best_cost = parts, cost
+    return (num_tiles - tail, best_parts) if best_parts > 1 else (num_tiles, 1)
+
+
 _FIELDS = {
     "tile_m": int, "tile_n": int, "num_stages": int, "intra_wg_overlap": host.parse_bool,
     "sched_barrier": host.parse_bool, "rescale_threshold": float, "sum_from_old": host.parse_bool,
@@ -328,7 +384,7 @@ _FIELDS = {
     "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
     "persistent_ctas": int, "dynamic_tiles": host.parse_bool, "exact_merge": host.parse_bool, "regs_producer": int,
     "ctas_per_sm": int,
-    "l2_rows": int, "interleave_lengths": host.parse_bool,
+    "l2_rows": int, "interleave_lengths": host.parse_bool, "split_tail": host.parse_bool,
 }
 # the fields a work-list launch must share with the per-item calls it replaces to give their bits (all but these)
 _LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o", "persistent_ctas", "dynamic_tiles")
@@ -385,6 +441,11 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
         cfg = dataclasses.replace(cfg, hoist_q_slices=False)
     if cfg.interleave_lengths and not cfg.causal:  # tiles of one length: the same kernel, one cache entry
         cfg = dataclasses.replace(cfg, interleave_lengths=False)
+    if "split_tail" not in kw:
+        cfg = dataclasses.replace(cfg, split_tail=default_split_tail(cfg))
+    elif cfg.split_tail and not split_tail_fits(cfg):
+        raise ValueError(f"split_tail needs a dense non-causal fresh 16-bit launch on the dynamic persistent grid "
+                         f"without window or sinks: {cfg}")
     return cfg
 
 
@@ -532,19 +593,36 @@ def forward(
                           seg_offsets=seg_offsets, out_fp32=out_fp32, window_left=window_left, softcap=softcap,
                           sinks=has_sinks, short=short, tiny=tiny, interleave=interleave, chained=chained,
                           **overrides)
-        fast = (host.get_compiled(cfg), cfg.takes_tile_counter)
+        fast = (host.get_compiled(cfg), cfg.takes_tile_counter, cfg if cfg.split_tail else None)
         if not overrides and not _OVERRIDE:
             _FAST[fast_key] = fast
-    fn, takes_counter = fast
+    fn, takes_counter, split = fast
     if varlen:
         msq = int(max_seqlen_q) if max_seqlen_q is not None else int(q.shape[0])
         msq = max(msq, 1)
     else:
         msq = 1
     scale_log2 = host.score_scale(softmax_scale, softcap)
-    fn(q, k, v, out, lse, scale_log2, diag, msq, cu_seqlens_q, cu_seqlens_k, off_q, off_k, sinks,
-       host.tile_counter(takes_counter, q.device))
+    counter = host.tile_counter(takes_counter, q.device)
+    split_args = (None, None, None, None)
+    if split is not None:
+        split_args, counter = _split_launch(split, q, k)
+    fn(q, k, v, out, lse, scale_log2, diag, msq, cu_seqlens_q, cu_seqlens_k, off_q, off_k, sinks, counter,
+       *split_args)
     return out, lse
+
+
+def _split_launch(cfg: FwdConfig, q, k):
+    """(the split_tail kernel's scratch and plan arguments, its counter) for a dense call: the tile counter and one
+    arrival counter per split tile, zeroed, and the parts' fp32 (out, lse) scratch (split_plan)."""
+    b, sq, h, d = q.shape
+    num_tiles = b * h * -(-sq // cfg.tile_m)
+    start, parts = split_plan(num_tiles, cfg.persistent_ctas, -(-k.shape[1] // cfg.tile_n))
+    slots = max((num_tiles - start) * parts, 1)
+    scratch_o = torch.empty(slots * cfg.tile_m, d, dtype=torch.float32, device=q.device)
+    scratch_lse = torch.empty(slots * cfg.tile_m, dtype=torch.float32, device=q.device)
+    counter = torch.zeros(1 + num_tiles - start, dtype=torch.int32, device=q.device)
+    return (scratch_o, scratch_lse, start, parts), counter
 
 
 def forward_worklist(q, k, v, out, lse, table, max_q_len, *, softmax_scale, causal, window_left=-1, softcap=None,
@@ -579,7 +657,7 @@ def forward_worklist(q, k, v, out, lse, table, max_q_len, *, softmax_scale, caus
             _FAST[fast_key] = fast
     fn, takes_counter = fast
     fn(q, k, v, out, lse, host.score_scale(softmax_scale, softcap), 0, max(int(max_q_len), 1), table, None, None,
-       None, None, host.tile_counter(takes_counter, q.device))
+       None, None, host.tile_counter(takes_counter, q.device), None, None, None, None)
     return out, lse
 
 

@@ -65,7 +65,16 @@ from .common_sm90 import (
 )
 from .mask import AttentionMask
 from .sanitize import NONE, block_any, clear_nonfinite_rows, clear_nonfinite_rows_marking, tile_maybe_nonfinite
-from .softmax import OnlineSoftmax, merge_lse, softcap_fixed_row_max, softcap_scale_log2, softcap_scores
+from .softmax import (
+    LN_2,
+    LOG2_E,
+    OnlineSoftmax,
+    merge_lse,
+    nan_max,
+    softcap_fixed_row_max,
+    softcap_scale_log2,
+    softcap_scores,
+)
 from .tile_scheduler import TileClaims, fwd_work_tile, persistent_turn
 
 
@@ -112,6 +121,7 @@ class FlashFwdSm90:
         exact_merge: bool = False,
         regs_producer: int = 0,
         ctas_per_sm: int = 1,
+        split_tail: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
         assert head_dim % 16 == 0 and tile_n % 16 == 0
@@ -166,6 +176,11 @@ class FlashFwdSm90:
         # a persistent CTA's next tile comes from a global counter (tile_scheduler.TileClaims) instead of the
         # static walk
         self.dynamic_tiles = dynamic_tiles and self.persistent
+        # the last partial wave's tiles run as parts over their key blocks, merged by the last part to finish
+        # (forward.split_plan; epilogue_split): dense non-causal fresh launches on the dynamic grid
+        self.split_tail = split_tail
+        assert not split_tail or (self.dynamic_tiles and not varlen and not causal and not accumulate and not sinks
+                                  and not worklist and window_left < 0 and intra_wg_overlap)
         # accumulate: the merge's o_old * w_old + o_blk with fixed roundings (an fma of a separately rounded
         # product), so that every compiled variant merges to the same bits; otherwise ptxas picks which product to
         # fuse, and persistent and one-CTA-per-tile kernels were measured 1-2 ulp apart
@@ -222,7 +237,11 @@ class FlashFwdSm90:
         mSegOffQ: Optional[cute.Tensor],
         mSegOffK: Optional[cute.Tensor],
         mSinks: Optional[cute.Tensor],  # (h,) fp32 sink logits when self.sinks
-        mTileCounter: Optional[cute.Tensor],  # dynamic_tiles: (1,) int32, zero at launch
+        mTileCounter: Optional[cute.Tensor],  # dynamic_tiles: (1,) int32, zero at launch (split_tail: 1 + split tiles)
+        mSplitO: Optional[cute.Tensor],  # split_tail: (parts' slots * tile_m, d) fp32 scratch of the parts' out
+        mSplitLSE: Optional[cute.Tensor],  # split_tail: (parts' slots * tile_m,) fp32, their lse
+        split_start: Optional[Int32],  # split_tail: the first split tile (num_tiles: none)
+        split_parts: Optional[Int32],  # split_tail: parts per split tile
         stream,
     ):
         if const_expr(not self.varlen):
@@ -295,6 +314,8 @@ class FlashFwdSm90:
         if const_expr(self.dynamic_tiles):
             fields["mbar_tile"] = cute.struct.MemRange[cutlass.Int64, 2 * TileClaims.STAGES]
             fields["sTile"] = cute.struct.MemRange[Int32, TileClaims.STAGES]  # claimed tile indices in flight
+        if const_expr(self.split_tail):
+            fields["sSplit"] = cute.struct.MemRange[Int32, 1]  # a part's arrival count, for the consumer threads
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
         check_smem(self.shared_storage, self.ctas_per_sm)
 
@@ -309,6 +330,8 @@ class FlashFwdSm90:
             num_batch = cute.size(mCuSeqlensQ.shape[0]) - 1
             num_m_blocks = cute.ceil_div(max_seqlen_q, self.tile_m)
         num_tiles = num_m_blocks * num_heads * num_batch
+        if const_expr(self.split_tail):
+            num_tiles = split_start + (num_tiles - split_start) * split_parts
         grid = (num_tiles, 1, 1)
         if const_expr(self.persistent):
             grid = (cutlass.min(num_tiles, Int32(self.persistent_ctas)), 1, 1)
@@ -336,6 +359,10 @@ class FlashFwdSm90:
             mSegOffK,
             mSinks,
             mTileCounter,
+            mSplitO,
+            mSplitLSE,
+            split_start,
+            split_parts,
             self.sQ_layout,
             self.sK_layout,
             self.sV_layout,
@@ -376,6 +403,10 @@ class FlashFwdSm90:
         mSegOffK: Optional[cute.Tensor],
         mSinks: Optional[cute.Tensor],
         mTileCounter: Optional[cute.Tensor],
+        mSplitO: Optional[cute.Tensor],
+        mSplitLSE: Optional[cute.Tensor],
+        split_start: Optional[Int32],
+        split_parts: Optional[Int32],
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -419,9 +450,12 @@ class FlashFwdSm90:
             sO=(storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if const_expr(self.separate_o)
                 else None),
             claims=claims,
+            mTileCounter=mTileCounter, mSplitO=mSplitO, mSplitLSE=mSplitLSE,
+            sSplit=storage.sSplit.get_tensor(cute.make_layout(1)) if const_expr(self.split_tail) else None,
         )
         launch = Context(diag=diag, num_m_blocks=num_m_blocks, num_batch=num_batch, mCuSeqlensQ=mCuSeqlensQ,
-                         mCuSeqlensK=mCuSeqlensK, mSegOffQ=mSegOffQ, mSegOffK=mSegOffK)
+                         mCuSeqlensK=mCuSeqlensK, mSegOffQ=mSegOffQ, mSegOffK=mSegOffK, split_start=split_start,
+                         split_parts=split_parts)
 
         # the one work tile of a non-persistent CTA (identical in every warp); a persistent CTA finds its tiles in
         # each role's tile loop (the roles walk the same tiles, so their pipeline states stay in step)
@@ -449,27 +483,50 @@ class FlashFwdSm90:
     @cute.jit
     def work_at(self, io: Context, launch: Context, tile_idx):
         """(tile, seqlen, tile_valid, blk) of launch-order tile ``tile_idx`` (None: this CTA's blockIdx.x): the
-        work tile, its sequence and its key-block range in processing phases."""
+        work tile, its sequence and its key-block range in processing phases. With split_tail, indices from
+        split_start on are parts: index split_start + i * parts + p is part p of tile split_start + i, the p-th of
+        ``parts`` consecutive runs of its key blocks (blk.split_slot = i * parts + p, blk.split_part = p)."""
+        base_idx = tile_idx
+        split_rel = Int32(-1)
+        split_part = Int32(0)
+        if const_expr(self.split_tail):
+            split_rel = tile_idx - launch.split_start
+            if split_rel >= 0:
+                split_tile = split_rel // launch.split_parts
+                split_part = split_rel - split_tile * launch.split_parts
+                base_idx = launch.split_start + split_tile
         tile = fwd_work_tile(io.mQ, io.mK, launch.num_m_blocks, launch.num_batch, causal=self.causal,
                              varlen=self.varlen, l2_rows=self.l2_rows,
-                             interleave=self.interleave_lengths, tile_idx=tile_idx)
+                             interleave=self.interleave_lengths, tile_idx=base_idx)
         seqlen = SeqlenInfo.create(tile.batch, io.mQ, io.mK, launch.diag, launch.mCuSeqlensQ, launch.mCuSeqlensK,
                                    launch.mSegOffQ, launch.mSegOffK, varlen=self.varlen,
                                    seg_offsets=self.seg_offsets, worklist=self.worklist)
         tile_valid, n_block_min, n_block_max, n_block_causal, n_block_window_end = self.block_info.key_blocks(
             seqlen, tile.block)
+        if const_expr(self.split_tail):
+            if split_rel >= 0:  # (non-causal: every block plain but the first, whose mask is the sequence end's)
+                n_all = n_block_max - n_block_min
+                n_lo = n_block_min + split_part * n_all // launch.split_parts
+                n_block_max = n_block_min + (split_part + 1) * n_all // launch.split_parts
+                n_block_min = n_lo
         n_masked, n_plain, n_window = self.block_info.phases(n_block_min, n_block_max, n_block_causal,
                                                              n_block_window_end)
+        split_tile = None
+        if const_expr(self.split_tail):
+            split_tile = base_idx - launch.split_start
         blk = Context(n_block_min=n_block_min, n_block_max=n_block_max, n_blocks=n_block_max - n_block_min,
-                      n_masked=n_masked, n_plain=n_plain, n_window=n_window)
+                      n_masked=n_masked, n_plain=n_plain, n_window=n_window, split_slot=split_rel,
+                      split_part=split_part, split_tile=split_tile, split_parts=launch.split_parts)
         return tile, seqlen, tile_valid, blk
 
     @cute.jit
     def persistent_grid(self, io: Context, launch: Context):
         """(num_ctas, num_tiles, turns) of a persistent CTA: every CTA takes the same number of turns (a turn past
-        the last tile is skipped)."""
+        the last tile is skipped). With split_tail a split tile counts once per part."""
         num_ctas = cute.arch.grid_dim()[0]
         num_tiles = launch.num_m_blocks * cute.size(io.mQ.shape[2]) * launch.num_batch
+        if const_expr(self.split_tail):
+            num_tiles = launch.split_start + (num_tiles - launch.split_start) * launch.split_parts
         return num_ctas, num_tiles, cute.ceil_div(num_tiles, num_ctas)
 
     @cute.jit
@@ -885,7 +942,13 @@ class FlashFwdSm90:
                 io.pipe_q.consumer_release(q_state)
                 q_state.advance()
 
-        self.epilogue(io, ml, tidx, tile, seqlen)
+        if const_expr(self.split_tail):
+            if blk.split_slot >= 0:
+                self.epilogue_split(io, ml, tidx, tile, seqlen, blk)
+            else:
+                self.epilogue(io, ml, tidx, tile, seqlen)
+        else:
+            self.epilogue(io, ml, tidx, tile, seqlen)
         return kv_state, q_state
 
     # ------------------------------------------------------------------------
@@ -1063,6 +1126,83 @@ class FlashFwdSm90:
                     cute.autovec_copy(o, tOgO_mn[r, None])
                     if is_col0:
                         mL_cur[row] = lse
+
+    @cute.jit
+    def epilogue_split(self, io: Context, ml: Context, tidx: Int32, tile, seqlen: SeqlenInfo, blk: Context):
+        """A part of a split tile (split_tail): its normalised (out, lse) go to the fp32 scratch slot
+        ``blk.split_slot``, then it arrives on the tile's counter (after the tile counter); the part that arrives
+        last merges every part's (out, lse) in part order, its own from registers (the values it wrote), and
+        writes the tile's out and lse, so that the bits do not depend on which part finishes last."""
+        D = self.head_dim
+        acc_mn = mn_view(ml.acc_O)
+        n_rows = cute.size(ml.softmax.row_sum)
+        m_block = tile.block
+        thr_mma_pv = ml.tiled_mma_pv.get_slice(tidx)
+        tOcO_mn = mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, D))))
+        is_col0 = tOcO_mn[0, 0][1] == 0
+        sync = int(FwdBarrier.EPILOGUE)
+        part_rows = self.tile_m  # scratch rows per slot
+        lse_own = cute.make_rmem_tensor_like(ml.softmax.row_sum, Float32)
+        tSgS_mn = mn_view(thr_mma_pv.partition_C(cute.local_tile(io.mSplitO, (part_rows, D), (blk.split_slot, 0))))
+        for r in cutlass.range_constexpr(n_rows):
+            row = m_block * self.tile_m + tOcO_mn[r, 0][0]
+            inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row), None)
+            lse_own[r] = lse
+            acc_mn[r, None].store(acc_mn[r, None].load() * inv)
+            o = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
+            o.store(acc_mn[r, None].load())
+            cute.autovec_copy(o, tSgS_mn[r, None])
+            if is_col0:
+                io.mSplitLSE[blk.split_slot * part_rows + tOcO_mn[r, 0][0]] = lse
+        # every consumer thread's part is written: one thread publishes it (release) and learns how many parts
+        # arrived before it (acquire: their parts are visible to every thread after the barrier)
+        cute.arch.barrier(barrier_id=sync, number_of_threads=self.num_wg * 128)
+        if tidx == 0:
+            cute.arch.fence_acq_rel_gpu()
+            io.sSplit[0] = cute.arch.atomic_add(io.mTileCounter.iterator + 1 + blk.split_tile, Int32(1))
+            cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=sync, number_of_threads=self.num_wg * 128)
+        if io.sSplit[0] == blk.split_parts - 1:
+            mO_cur, mL_cur = self.running_views(io, tile, seqlen)
+            tOgO_mn = mn_view(thr_mma_pv.partition_C(cute.local_tile(mO_cur, (self.tile_m, D), (m_block, 0))))
+            first_slot = blk.split_slot - blk.split_part
+            for r in cutlass.range_constexpr(n_rows):
+                r_in = tOcO_mn[r, 0][0]
+                m = -Float32.inf
+                for p in cutlass.range(blk.split_parts, unroll=1):
+                    lse_p = lse_own[r]
+                    if p != blk.split_part:
+                        lse_p = io.mSplitLSE[(first_slot + p) * part_rows + r_in]
+                    m = nan_max(m, lse_p)
+                shift = m
+                if m == -Float32.inf:  # (no part saw a key: weights 0, out 0, lse -inf)
+                    shift = Float32(0.0)
+                total = Float32(0.0)
+                o = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
+                o.fill(0.0)
+                part = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)
+                for p in cutlass.range(blk.split_parts, unroll=1):
+                    lse_p = lse_own[r]
+                    if p == blk.split_part:
+                        part.store(acc_mn[r, None].load())
+                    else:
+                        lse_p = io.mSplitLSE[(first_slot + p) * part_rows + r_in]
+                        src = mn_view(thr_mma_pv.partition_C(
+                            cute.local_tile(io.mSplitO, (part_rows, D), (first_slot + p, 0))))
+                        cute.autovec_copy(src[r, None], part)
+                    w = cute.math.exp2((lse_p - shift) * LOG2_E, fastmath=True)
+                    total = total + w
+                    o.store(o.load() + part.load() * w)
+                inv = Float32(0.0)
+                if total > Float32(0.0):
+                    inv = cute.arch.rcp_approx(total)
+                row = m_block * self.tile_m + r_in
+                if row < seqlen.seqlen_q:
+                    out = cute.make_rmem_tensor_like(acc_mn[r, None], io.mO.element_type)
+                    out.store((o.load() * inv).to(io.mO.element_type))
+                    cute.autovec_copy(out, tOgO_mn[r, None])
+                    if is_col0:
+                        mL_cur[row] = shift + cute.math.log2(total, fastmath=True) * LN_2
 
     @cute.jit
     def merge_running(self, ml: Context, tOgO_mn, tOcO_mn, mL_cur, row_stride, m_block: Int32, seqlen_q: Int32,

@@ -198,6 +198,15 @@ class OnlineSoftmax:
 
 
 @cute.jit
+def nan_max(a: Float32, b: Float32) -> Float32:
+    """max(a, b) that is NaN when either is (a split tile's parts merge so: a NaN lse makes the row NaN)."""
+    m = a if a > b else b  # NaN b: b; NaN a: b, so a is checked again
+    if a != a:
+        m = a
+    return m
+
+
+@cute.jit
 def merge_lse(lse_old: Float32, lse_new: Float32):
     """(w_old, w_new, lse) of merging a normalised partial result with lse_new into one with lse_old:
     out = w_old * out_old + w_new * out_new. A -inf side weighs 0 (both -inf: keep the old, w = (1, 0)); a NaN
