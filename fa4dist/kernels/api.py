@@ -73,6 +73,8 @@ def attention_forward(
       and the documents (so causal + ``(W - 1, 0)`` is a sliding window of W tokens, the query included).
     - ``softcap``: the scores are ``softcap * tanh(softmax_scale * q.k / softcap)`` (Gemma 2); None: no capping.
       Within float32's range for float16 / bfloat16 / float32 inputs (their scores are float32).
+    - ``softmax_scale``: None is ``1 / sqrt(head_dim)``; else finite and non-zero, and within float32's range in
+      magnitude for float16 / bfloat16 / float32 inputs.
     - ``sinks``: (heads_q,) float logits, one per query head, that join every row's softmax denominator (GPT-OSS):
       the result includes them.  A sink must enter each row once: when a row's keys are split over several calls,
       pass ``sinks`` to exactly one of them (see :mod:`fa4dist.kernels.merge`).  A ``-inf`` sink is no sink; a

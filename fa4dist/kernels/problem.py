@@ -321,7 +321,25 @@ def _shown(value, as_float: float):
     return value
 
 
-def check_softmax_scale(softmax_scale, head_dim: int) -> float:
+# The scores of float16 / bfloat16 / float32 inputs are computed in float32 (the reference and the kernels alike):
+# a scale or a cap outside float32's normal range becomes inf or 0 (or a denormal, flushed on the GPU) there, and
+# scores inf * 0, inf - inf or 0 / 0 = NaN.
+_FP32_NORMAL = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
+
+
+def _check_fp32_range(name: str, value, as_float: float, dtype: Optional[torch.dtype], signed: bool) -> None:
+    """``value`` (a finite, non-zero float ``as_float``) within float32's normal range, in magnitude where it may be
+    ``signed``, for inputs of ``dtype`` (None: not known yet; float64 inputs are computed in float64)."""
+    if dtype is None or dtype == torch.float64 or _FP32_NORMAL[0] <= abs(as_float) <= _FP32_NORMAL[1]:
+        return
+    raise ValueError(f"{name} must be within float32's range{' in magnitude' if signed else ''} "
+                     f"[{_FP32_NORMAL[0]:.3g}, {_FP32_NORMAL[1]:.3g}] for {dtype} inputs (their scores are computed "
+                     f"in float32), got {_shown(value, as_float)}")
+
+
+def check_softmax_scale(softmax_scale, head_dim: int, dtype: Optional[torch.dtype] = None) -> float:
+    """``softmax_scale``: None (1 / sqrt(head_dim)) or a finite, non-zero float; with the inputs' ``dtype`` (not
+    float64), also within float32's normal range in magnitude, in which their scores are computed."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if not _is_real(softmax_scale):
@@ -329,6 +347,7 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     scale = _as_float(softmax_scale)
     if not _finite(scale) or scale == 0.0:
         raise ValueError(f"softmax_scale must be finite and non-zero, got {_shown(softmax_scale, scale)}")
+    _check_fp32_range("softmax_scale", softmax_scale, scale, dtype, signed=True)
     return scale
 
 
@@ -383,11 +402,6 @@ def check_mask(causal, window) -> Mask:
     return Mask.canonical(causal, check_window(window))
 
 
-# The scores of float16 / bfloat16 / float32 inputs are computed in float32 (the reference and the kernels alike):
-# a cap outside float32's normal range becomes inf or 0 there, and capped scores inf * 0 or 0 / 0 = NaN.
-_FP32_NORMAL = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
-
-
 def check_softcap(softcap, dtype: Optional[torch.dtype] = None) -> Optional[float]:
     """``softcap``: None (no capping) or a finite float > 0; with the inputs' ``dtype`` (not float64), also within
     float32's normal range, in which their scores are computed."""
@@ -399,9 +413,7 @@ def check_softcap(softcap, dtype: Optional[torch.dtype] = None) -> Optional[floa
     if not (_finite(cap) and cap > 0):
         raise ValueError(f"softcap must be finite and > 0, or None for no capping (flash-attn's 0.0 is None here), "
                          f"got {_shown(softcap, cap)}")
-    if dtype is not None and dtype != torch.float64 and not _FP32_NORMAL[0] <= cap <= _FP32_NORMAL[1]:
-        raise ValueError(f"softcap must be within float32's range [{_FP32_NORMAL[0]:.3g}, {_FP32_NORMAL[1]:.3g}] "
-                         f"for {dtype} inputs (their scores are computed in float32), got {_shown(softcap, cap)}")
+    _check_fp32_range("softcap", softcap, cap, dtype, signed=False)
     return cap
 
 
@@ -450,7 +462,7 @@ def check_layout(q, k, v, *, causal=False, window=(-1, -1), softcap=None, sinks=
         raise ValueError(
             f"the number of query heads ({heads_q}) must be a multiple of the number of key/value heads ({heads_kv})"
         )
-    scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    scale = check_softmax_scale(softmax_scale, q.shape[-1], q.dtype)
     has_sinks = check_sinks(sinks, heads_q, q.device)
     if varlen:
         _check_cu_seqlens_layout("cu_seqlens_q", cu_seqlens_q)

@@ -200,6 +200,11 @@ def test_autograd_gives_dsinks_and_a_double_backward():
     # the fp32 scores of these inputs would hold inf * 0 or 0 / 0: NaN results, silently
     (dict(softcap=1e39), ValueError, r"softcap must be within float32's range .* for torch.float32 inputs"),
     (dict(softcap=1e-50), ValueError, r"softcap must be within float32's range .* got 1e-50"),
+    # a scale past float32's range is inf there (NaN scores); one below it is 0 or a denormal (the zero refused above)
+    (dict(softmax_scale=1e39), ValueError,
+     r"softmax_scale must be within float32's range in magnitude \[.*\] for torch.float32 inputs"),
+    (dict(softmax_scale=-1e39), ValueError, r"softmax_scale must be within float32's range in magnitude .* -1e\+39"),
+    (dict(softmax_scale=1e-50), ValueError, r"softmax_scale must be within float32's range in magnitude .* got 1e-50"),
     (dict(sinks=[0.0] * 4), TypeError, r"sinks must be a torch.Tensor of shape \(4,\)"),
     (dict(sinks=torch.zeros(2)), ValueError, r"sinks must have shape \(4,\): one logit per query head"),
     (dict(sinks=torch.zeros(1, 4)), ValueError, r"sinks must have shape \(4,\)"),
@@ -225,6 +230,16 @@ def test_softcaps_outside_float32_are_computed_for_float64_inputs(cap):
     torch.testing.assert_close(lse, ref_lse, **TOL)
     grads = attention_backward(dout, q, k, v, out, lse, causal=True, softcap=cap, backend="reference")
     assert all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+@pytest.mark.parametrize("scale", [1e-50, -1e39])
+def test_softmax_scales_outside_float32_are_computed_for_float64_inputs(scale):
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 6, 2, 8, dtype=F64, generator=gen) for _ in range(3))
+    out, lse = attention_forward(q, k, v, causal=True, softmax_scale=scale, backend="reference")
+    ref, ref_lse = naive_attention(q, k, v, causal=True, softmax_scale=scale)
+    torch.testing.assert_close(out, ref, **TOL)
+    torch.testing.assert_close(lse, ref_lse, **TOL)
 
 
 def test_dsinks_buffer_needs_sinks():
