@@ -21,6 +21,7 @@ causal rule and a window's lower edge on the device (cute/backend.kernel_band ma
 from __future__ import annotations
 
 import enum
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -38,13 +39,22 @@ def check_window(window) -> tuple[int, int]:
         return (-1, -1)
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window must be a (left, right) pair of ints (-1: unbounded on that side), got {window!r}")
+    sides = []
     for side, w in zip(("left", "right"), window):
-        if isinstance(w, bool) or not isinstance(w, int):
+        if not is_int(w):
             raise TypeError(f"window {side} must be an int >= -1 (-1: unbounded), got {w!r}")
+        w = int(w)
         if not -1 <= w < OFFSET_LIMIT:
             raise ValueError(f"window {side} must be an int >= -1 (-1: unbounded) and < 2**62 (the token positions' "
                              f"limit), got {w}")
-    return (int(window[0]), int(window[1]))
+        sides.append(w)
+    return (sides[0], sides[1])
+
+
+def is_int(value) -> bool:
+    """An integer scalar: a Python int or NumPy's (numbers.Integral), never a bool (NumPy's bool_ is not Integral)
+    nor a tensor. The one test of the window's sides, the offsets and the other integer arguments."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)

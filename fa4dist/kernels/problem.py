@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .mask import OFFSET_LIMIT, Mask, check_window  # noqa: F401  (both re-exported: the contract's checks)
+from .mask import OFFSET_LIMIT, Mask, check_window, is_int  # noqa: F401  (re-exported: the contract's checks)
 
 Offset = Union[int, Sequence[int], torch.Tensor]
 
@@ -268,10 +268,8 @@ def _offsets(name: str, value: Offset, count: int) -> tuple[int, ...]:
 
 
 def _offset_values(name: str, value: Offset, count: int) -> tuple[int, ...]:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int or a sequence/tensor of ints, got bool")
-    if isinstance(value, int):
-        return (value,) * count
+    if is_int(value):
+        return (int(value),) * count
     if isinstance(value, torch.Tensor):
         check_integer_dtype(name, value)
         if value.is_meta:
@@ -283,9 +281,9 @@ def _offset_values(name: str, value: Offset, count: int) -> tuple[int, ...]:
                              f"{tuple(value.shape)}")
         values = tuple(int(x) for x in value.tolist())
     elif isinstance(value, (list, tuple)):
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-            raise TypeError(f"{name} must hold Python ints, got {value!r}")
-        values = tuple(value)
+        if not all(is_int(x) for x in value):
+            raise TypeError(f"{name} must hold ints, got {value!r}")
+        values = tuple(int(x) for x in value)
     else:
         raise TypeError(f"{name} must be an int or a sequence/tensor of ints, got {type_name(value)}")
     if len(values) != count:
@@ -381,7 +379,7 @@ def check_bool(name: str, value) -> bool:
 def check_int(name: str, value, minimum: Optional[int] = None) -> int:
     """A count or an index: an integer (a Python int, or NumPy's; not a bool, a float or a tensor) of at least
     ``minimum``, returned as a Python int."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # (NumPy's bool_ is not Integral)
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type_name(value)}")
     value = int(value)
     if minimum is not None and value < minimum:

@@ -135,14 +135,20 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def check_traceable_scalars(mask_kwargs: dict) -> None:
-    """``softcap`` and ``softmax_scale`` at trace time: dynamo traces a numpy scalar as a 0-d array whose value it
-    does not know, so the checks cannot read it (eager calls take numpy's scalars; under torch.compile without
-    ``fullgraph=True`` the call breaks the graph and runs eagerly). A Python float whose value changed between calls
-    arrives as a SymFloat, which the checks and the ops take as it is."""
+    """``softcap``, ``softmax_scale``, the ``window``'s sides and the offsets at trace time: dynamo traces a numpy
+    scalar as a 0-d array whose value it does not know, so the checks cannot read it (eager calls take numpy's
+    scalars; under torch.compile without ``fullgraph=True`` the call breaks the graph and runs eagerly). A Python
+    float whose value changed between calls arrives as a SymFloat, which the checks and the ops take as it is."""
     for name in ("softcap", "softmax_scale"):
         if isinstance(mask_kwargs[name], (np.generic, np.ndarray)):
             raise TypeError(f"{name}: under torch.compile pass a Python float (dynamo traces a numpy scalar as an "
                             f"array whose value it does not know), e.g. float({name})")
+    for name in ("window", "q_offset", "k_offset"):
+        value = mask_kwargs[name]
+        entries = value if isinstance(value, (list, tuple)) else (value,)
+        if any(isinstance(x, (np.generic, np.ndarray)) for x in entries):
+            raise TypeError(f"{name}: under torch.compile pass Python ints (dynamo traces a numpy scalar as an "
+                            f"array whose value it does not know), e.g. int(x) for each")
 
 
 def compiled_attention(q, k, v, sinks, mask_kwargs: dict, backend: str, deterministic: Optional[bool]):

@@ -190,6 +190,25 @@ def test_changing_softcap_and_scale_values_under_fullgraph():
         compiled(q, k, v, -1.5, 0.3)
 
 
+def test_numpy_integer_windows_and_offsets_under_compile():
+    """Eager calls take NumPy integer window sides and offsets; traced, dynamo holds them as arrays of unknown value:
+    fullgraph=True refuses them by name (not with a repr() of a traced tensor), without it the call runs eagerly."""
+    import numpy as np
+
+    q, k, v = (torch.randn(2, 8, 2, 16, dtype=torch.float64) for _ in range(3))
+
+    def f(q, k, v, left, offset):
+        return fa4dist.attention(q, k, v, causal=True, window=(left, 0), q_offset=offset, backend="reference")
+
+    for name, left, offset in (("window", np.int64(3), 5), ("q_offset", 3, [5, np.int32(5)])):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=f"{name}: under torch.compile pass Python ints"):
+            torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v, left, offset)
+    torch._dynamo.reset()
+    lenient = torch.compile(f, backend="aot_eager")
+    assert torch.equal(lenient(q, k, v, np.int64(3), np.int64(5)), f(q, k, v, 3, 5))
+
+
 def test_the_entry_points_that_are_not_ops_run_eagerly():
     """cp_invariant, the in-place contract and the module: one graph break each, the eager bytes."""
     x, w, _ = _inputs((1, 32))

@@ -225,14 +225,34 @@ def test_offsets_wrong_count():
         attention_forward(q, k, v, causal=True, q_offset=[0, 1, 2])
 
 
-def test_offset_type_errors_say_which_int64():
-    """A numpy integer offset is refused as "got numpy.int64": "got int64" read as torch.int64, whose tensors the
-    argument does take."""
+def test_numpy_integer_windows_and_offsets_are_taken_as_ints():
+    """A NumPy integer window side or offset (one for all, or one per sequence) was refused with a TypeError while
+    the other integer arguments (check_int) take them: now each is the Python int's, bit for bit."""
     np = pytest.importorskip("numpy")
-    q, k, v = qkv(b=2)
-    with pytest.raises(TypeError, match=r"k_offset must be an int or a sequence/tensor of ints, got numpy.int64$"):
-        attention_forward(q, k, v, causal=True, k_offset=np.int64(3))
-    attention_forward(q, k, v, causal=True, k_offset=torch.tensor(3))  # a torch.int64 tensor is taken
+    import fa4dist
+
+    q, k, v = qkv(b=2, dtype=torch.float64)
+    dout = torch.randn_like(q)
+    as_ints = dict(causal=True, window=(3, 0), q_offset=5, k_offset=[2, 0])
+    as_numpy = dict(causal=True, window=(np.int64(3), np.int32(0)), q_offset=np.int64(5),
+                    k_offset=[np.int16(2), np.uint8(0)])
+    want = attention_forward(q, k, v, **as_ints)
+    got = attention_forward(q, k, v, **as_numpy)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for a, b in zip(attention_backward(dout, q, k, v, *want, **as_numpy),
+                    attention_backward(dout, q, k, v, *want, **as_ints)):
+        assert torch.equal(a, b)
+    assert torch.equal(fa4dist.attention(q, k, v, **as_numpy), want[0])
+    # still refused: NumPy's bool (not an integer), a float, and an array (a tensor of offsets is the array form)
+    with pytest.raises(TypeError, match=r"window left must be an int >= -1 .*got np.True_"):
+        attention_forward(q, k, v, window=(np.bool_(True), 0))
+    with pytest.raises(TypeError, match=r"k_offset must be an int or a sequence/tensor of ints, got numpy.float64$"):
+        attention_forward(q, k, v, causal=True, k_offset=np.float64(3))
+    with pytest.raises(TypeError, match=r"q_offset must be an int or a sequence/tensor of ints, got numpy.ndarray$"):
+        attention_forward(q, k, v, causal=True, q_offset=np.array([1, 2]))
+    with pytest.raises(TypeError, match=r"q_offset must hold ints, got \[np.True_, 0\]"):
+        attention_forward(q, k, v, causal=True, q_offset=[np.bool_(True), 0])
 
 
 def test_accumulate_needs_fp32_buffers():
