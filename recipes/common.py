@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from fa4dist.data import PackedTokenStream, collect_documents, make_sample_plan, shard_sample
 from fa4dist.demo import exit_process
+from fa4dist.kernels.registry import check_backend
 from fa4dist.models import FA4Llama, cp_cross_entropy, get_config
 
 def run_main(main) -> None:
@@ -194,6 +195,10 @@ def check_common_args(p: argparse.ArgumentParser, args, models=()) -> None:
     for dest in ("lr", "weight_decay"):  # AdamW refuses some (without naming the option), trains to NaN on inf
         if not 0 <= getattr(args, dest) < math.inf:
             p.error(f"{option_name(dest)} must be finite and >= 0, got {getattr(args, dest)}")
+    try:  # (a misspelt or unavailable one failed in the first attention call, the model built and sharded)
+        check_backend(args.backend, local_device())
+    except (TypeError, ValueError) as err:
+        p.error(f"--backend: {err}")
     if args.peak_tflops is not None and not 0 < args.peak_tflops < math.inf:  # a negative MFU, silently
         p.error(f"--peak-tflops must be finite and > 0, got {args.peak_tflops}")
     if not args.grad_clip >= 0:  # a negative max norm makes clip_grad_norm_ flip the gradients' sign
@@ -322,6 +327,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_device() -> torch.device:
+    """The device this rank computes on: its LOCAL_RANK's GPU where there are GPUs, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0,
                      args: Optional[argparse.Namespace] = None) -> tuple[int, int, torch.device]:
     """Joins the job torchrun started (or makes a world of one); returns (rank, world size, device).  ``args``: the
@@ -329,12 +341,9 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0,
     if "RANK" not in os.environ:  # plain `python recipe.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+    device = local_device()
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))

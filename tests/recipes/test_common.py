@@ -100,3 +100,24 @@ def test_a_cp_the_world_size_does_not_allow_is_refused_before_the_process_group(
     launched_without_a_rendezvous(3)
     with pytest.raises(SystemExit, match="--cp 2 must divide the world size 3"):
         importlib.import_module(recipe).main(argv)
+
+
+@pytest.mark.parametrize("recipe", ["fsdp2_train", "deepspeed_train", "hf_sft", "rl_deterministic"])
+def test_a_backend_the_run_cannot_use_is_refused_when_parsed(recipe, capsys):
+    """A misspelt --backend, or one the run's device lacks (sdpa on a CPU run), failed with a traceback from the
+    first attention call, once the process group, the model and its shards existed: refused by name at parse
+    time, with the registry's own message."""
+    import importlib
+
+    import torch
+
+    parse_args = importlib.import_module(recipe).parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--backend", "bogus"])
+    err = capsys.readouterr().err
+    assert "--backend: backend must be 'auto' or one of [" in err and "got 'bogus'" in err, err
+    if not torch.cuda.is_available():  # (the recipes take a GPU where there is one)
+        with pytest.raises(SystemExit):
+            parse_args(["--backend", "sdpa"])
+        assert "--backend: backend 'sdpa' is not available on device cpu" in capsys.readouterr().err
+    assert parse_args(["--backend", "reference"]).backend == "reference"
