@@ -92,7 +92,7 @@ def add_common_args(p: argparse.ArgumentParser, unused: Optional[dict] = None,
     g.add_argument("--batch-size", type=positive_int, default=2, help="packed sequences per step, over all dp replicas")
     g.add_argument("--packing", choices=["documents", "stream"], default="documents",
                    help="documents: causal within each document (cu_seqlens); stream: one causal sequence")
-    g.add_argument("--data", nargs="*", default=None, help="files/directories of text (default: this repository)")
+    g.add_argument("--data", nargs="+", default=None, help="files/directories of text (default: this repository)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--cp", type=positive_int, default=1, help="context-parallel size (dp = world size / cp)")
     g.add_argument("--strategy", choices=["auto", "ring", "ulysses", "hybrid"], default="auto",
@@ -203,6 +203,9 @@ def check_common_args(p: argparse.ArgumentParser, args, models=()) -> None:
         p.error(f"--peak-tflops must be finite and > 0, got {args.peak_tflops}")
     if not args.grad_clip >= 0:  # a negative max norm makes clip_grad_norm_ flip the gradients' sign
         p.error(f"--grad-clip must be >= 0 (0: no clipping), got {args.grad_clip}")
+    missing = [d for d in args.data or () if not os.path.exists(d)]
+    if missing:  # (failed once the process group and the model existed)
+        p.error(f"--data: these paths do not exist: {missing}")
     if args.metrics_out and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics_out))):
         p.error(f"--metrics-out {args.metrics_out!r}: its directory does not exist")
     if args.metrics_out and os.path.isdir(args.metrics_out):  # rank 0 failed to open it once the run was set up
@@ -489,7 +492,11 @@ def weights_hash(model) -> str:
 
 
 def build_stream(args) -> PackedTokenStream:
-    return PackedTokenStream(collect_documents(args.data), args.seqlen, packing=args.packing, seed=args.seed)
+    try:
+        documents = collect_documents(args.data)
+    except (OSError, ValueError) as err:  # a --data without text files: the same on every rank
+        raise SystemExit(f"--data: {err}") from None
+    return PackedTokenStream(documents, args.seqlen, packing=args.packing, seed=args.seed)
 
 
 # ---------------------------------------------------------------------------------------------------------------

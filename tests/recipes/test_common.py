@@ -121,3 +121,22 @@ def test_a_backend_the_run_cannot_use_is_refused_when_parsed(recipe, capsys):
             parse_args(["--backend", "sdpa"])
         assert "--backend: backend 'sdpa' is not available on device cpu" in capsys.readouterr().err
     assert parse_args(["--backend", "reference"]).backend == "reference"
+
+
+def test_data_that_is_missing_empty_or_not_given_is_refused_by_name(tmp_path, capsys):
+    """--data of a path that does not exist failed with a FileNotFoundError traceback once the process group and
+    the model existed; a directory without text files likewise (a ValueError); and a bare --data (an empty
+    variable in a launch script) trained on this repository's text, silently. Each is refused naming --data."""
+    import fsdp2_train
+
+    with pytest.raises(SystemExit):
+        fsdp2_train.parse_args(["--data", str(tmp_path), str(tmp_path / "missing.txt")])
+    assert f"--data: these paths do not exist: [{str(tmp_path / 'missing.txt')!r}]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        fsdp2_train.parse_args(["--data"])
+    assert "--data: expected at least one argument" in capsys.readouterr().err
+    args = fsdp2_train.parse_args(["--data", str(tmp_path)])  # exists, but holds no text
+    with pytest.raises(SystemExit, match=r"--data: no text files \(.*\) found under "):
+        common.build_stream(args)
+    (tmp_path / "a.txt").write_text("some text to train on")
+    assert common.build_stream(fsdp2_train.parse_args(["--data", str(tmp_path)])).num_tokens > 0
