@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from fa4dist.context_parallel.ulysses import HeadSplit
 from fa4dist.data import PackedTokenStream, collect_documents, make_sample_plan, shard_sample
 from fa4dist.demo import exit_process
 from fa4dist.kernels.registry import check_backend
@@ -192,6 +193,8 @@ def check_common_args(p: argparse.ArgumentParser, args, models=()) -> None:
         p.error(f"--strategy ring runs no Ulysses group: --ulysses-degree {u} contradicts it")
     if args.strategy == "ulysses" and u not in (None, args.cp):
         p.error(f"--strategy ulysses spans the whole cp group: --ulysses-degree must be --cp ({args.cp}), got {u}")
+    if args.model not in models and getattr(args, "checkpoint", None) is None:  # (hf_sft's checkpoint: its heads)
+        check_ulysses_heads(p, args, model_config(args))
     for dest in ("lr", "weight_decay"):  # AdamW refuses some (without naming the option), trains to NaN on inf
         if not 0 <= getattr(args, dest) < math.inf:
             p.error(f"{option_name(dest)} must be finite and >= 0, got {getattr(args, dest)}")
@@ -210,6 +213,20 @@ def check_common_args(p: argparse.ArgumentParser, args, models=()) -> None:
         p.error(f"--metrics-out {args.metrics_out!r}: its directory does not exist")
     if args.metrics_out and os.path.isdir(args.metrics_out):  # rank 0 failed to open it once the run was set up
         p.error(f"--metrics-out {args.metrics_out!r} is a directory; give a file to append the JSON lines to")
+
+
+def check_ulysses_heads(p: argparse.ArgumentParser, args, config) -> None:
+    """The Ulysses degree --strategy runs (--cp for ulysses, else a given --ulysses-degree; auto without one picks
+    a degree the heads allow) must split the model's query and key/value heads over its ranks: refused by name here,
+    where it failed in the first attention call, the process group and the sharded model built."""
+    degree = args.cp if args.strategy == "ulysses" else args.ulysses_degree
+    if args.cp == 1 or degree in (None, 1):
+        return
+    try:
+        HeadSplit.check(config.n_heads, config.n_kv_heads, degree, args.cp)
+    except ValueError as err:
+        p.error(f"--strategy {args.strategy} runs a Ulysses degree of {degree} over --model {args.model}'s "
+                f"{config.n_heads} query heads / {config.n_kv_heads} key/value heads: {err}")
 
 
 def check_checkpoint_args(p: argparse.ArgumentParser, args) -> None:

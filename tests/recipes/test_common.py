@@ -140,3 +140,25 @@ def test_data_that_is_missing_empty_or_not_given_is_refused_by_name(tmp_path, ca
         common.build_stream(args)
     (tmp_path / "a.txt").write_text("some text to train on")
     assert common.build_stream(fsdp2_train.parse_args(["--data", str(tmp_path)])).num_tokens > 0
+
+
+@pytest.mark.parametrize("recipe", ["fsdp2_train", "deepspeed_train", "hf_sft", "rl_deterministic"])
+def test_a_ulysses_degree_the_models_heads_cannot_split_over_is_refused_when_parsed(recipe, capsys):
+    """--strategy ulysses over --cp 3 with the tiny model's 4 query heads (or a --ulysses-degree the heads do not
+    split over) failed in the first attention call on every rank, once the process group and the sharded model
+    existed: refused by name at parse time, with the library's reason."""
+    import importlib
+
+    parse_args = importlib.import_module(recipe).parse_args
+    cases = [(["--cp", "3", "--strategy", "ulysses"], "--strategy ulysses runs a Ulysses degree of 3 over --model "
+              "tiny's 4 query heads / 2 key/value heads: Ulysses degree 3 is impossible: 4 query heads do not split "
+              "evenly over 3 ranks")]
+    if recipe != "hf_sft":  # (it takes no --ulysses-degree)
+        cases.append((["--model", "small", "--cp", "4", "--strategy", "auto", "--ulysses-degree", "4"],
+                      "--strategy auto runs a Ulysses degree of 4 over --model small's 6 query heads"))
+    for argv, message in cases:
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert message in capsys.readouterr().err
+    for argv in (["--cp", "3"], ["--cp", "3", "--strategy", "ring"], ["--cp", "4", "--strategy", "ulysses"]):
+        parse_args(argv)  # auto picks a degree the heads allow; ring runs none; 4 heads split over 4
