@@ -195,6 +195,8 @@ def check_common_args(p: argparse.ArgumentParser, args, models=()) -> None:
         p.error(f"--strategy ulysses spans the whole cp group: --ulysses-degree must be --cp ({args.cp}), got {u}")
     if args.model not in models and getattr(args, "checkpoint", None) is None:  # (hf_sft's checkpoint: its heads)
         check_ulysses_heads(p, args, model_config(args))
+    if not -2**63 <= args.seed < 2**64:  # (torch.manual_seed's range: an OverflowError once the group was up)
+        p.error(f"--seed must be in [-2**63, 2**64) (torch's seeds), got {args.seed}")
     for dest in ("lr", "weight_decay"):  # AdamW refuses some (without naming the option), trains to NaN on inf
         if not 0 <= getattr(args, dest) < math.inf:
             p.error(f"{option_name(dest)} must be finite and >= 0, got {getattr(args, dest)}")

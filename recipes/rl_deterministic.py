@@ -82,6 +82,12 @@ class ReversalTask:
         return 1.0 if completion[: len(target)] == target else 0.0
 
 
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The generator of one step's prompts and samples: seeded with seed * 1_000_003 + step, wrapped to 64 bits
+    (torch takes seeds in [-2**63, 2**64), a negative one as its 64-bit two's complement: the same generator)."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**64)
+
+
 def completion_mask(tokens: torch.Tensor) -> torch.Tensor:
     """(N, T) completions -> mask of the tokens up to and including the first EOS."""
     is_eos = tokens == EOS
@@ -291,7 +297,7 @@ def main(argv=None):
     for step in range(total_steps):
         for group in optimizer.param_groups:
             group["lr"] = common.lr_at(step, args_sched)
-        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+        gen = step_generator(args.seed, step)
         prompts_s = task.sample_prompts(args.prompts, gen)
         prompt_ids = torch.tensor([task.prompt_ids(s) for s in prompts_s]).repeat_interleave(args.group_size, 0)
         sft = step < args.sft_steps

@@ -162,3 +162,18 @@ def test_a_ulysses_degree_the_models_heads_cannot_split_over_is_refused_when_par
         assert message in capsys.readouterr().err
     for argv in (["--cp", "3"], ["--cp", "3", "--strategy", "ring"], ["--cp", "4", "--strategy", "ulysses"]):
         parse_args(argv)  # auto picks a degree the heads allow; ring runs none; 4 heads split over 4
+
+
+@pytest.mark.parametrize("recipe", ["fsdp2_train", "deepspeed_train", "hf_sft", "rl_deterministic"])
+def test_a_seed_outside_torchs_range_is_refused_when_parsed(recipe, capsys):
+    """--seed 2**64 failed in torch.manual_seed ("Overflow when unpacking long long"), after the process group was
+    up: refused by name at parse time. torch's whole range is taken."""
+    import importlib
+
+    parse_args = importlib.import_module(recipe).parse_args
+    for seed in (2**64, -(2**63) - 1):
+        with pytest.raises(SystemExit):
+            parse_args(["--seed", str(seed)])
+        assert f"--seed must be in [-2**63, 2**64) (torch's seeds), got {seed}" in capsys.readouterr().err
+    for seed in (2**64 - 1, -(2**63), 0):
+        assert parse_args(["--seed", str(seed)]).seed == seed

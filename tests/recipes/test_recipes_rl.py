@@ -117,3 +117,22 @@ def test_a_batch_dp_does_not_divide_is_refused_before_the_process_group(launched
     launched_without_a_rendezvous(2)
     with pytest.raises(SystemExit, match=r"prompts x group-size \(9\) must be a multiple of dp \(2\)"):
         rl_deterministic.main(["--prompts", "3", "--group-size", "3"])
+
+
+def test_every_seed_torch_takes_seeds_the_steps_generators():
+    """The per-step generator's seed (seed * 1_000_003 + step) overflowed torch's seed range for a --seed above
+    ~1.8e13 (a nanosecond timestamp): a ValueError at the first step, the models built. It wraps to 64 bits now,
+    the same generator as before for every seed that worked."""
+    import torch
+
+    import rl_deterministic
+
+    def draws(gen):
+        return torch.randint(0, 2**30, (4,), generator=gen)
+
+    for seed, step in ((0, 0), (3, 7), (-1, 2), (9_000_000_000_000, 1)):
+        old = torch.Generator().manual_seed(seed * 1_000_003 + step)  # in torch's range: taken as it was
+        assert torch.equal(draws(rl_deterministic.step_generator(seed, step)), draws(old))
+    big = rl_deterministic.step_generator(1_700_000_000_000_000_000, 5)
+    assert torch.equal(draws(big), draws(rl_deterministic.step_generator(1_700_000_000_000_000_000, 5)))
+    assert not torch.equal(draws(big), draws(rl_deterministic.step_generator(1_700_000_000_000_000_000, 6)))
