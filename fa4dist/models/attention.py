@@ -78,11 +78,15 @@ def make_attention(group=None, *, strategy: str = "auto", causal: bool = True,
                    cp_invariant: Optional[bool] = None, **options) -> nn.Module:
     """The attention module for a cp group (a ProcessGroup, a DeviceMesh, or None for no context parallelism);
     ``window``/``softcap`` as in :func:`fa4dist.attention` (a sliding-window layer passes its window)."""
+    from fa4dist.modules import FA4ContextParallelAttention
+
     common = dict(causal=causal, softmax_scale=softmax_scale, deterministic=deterministic, backend=backend,
                   window=window, softcap=softcap, cp_invariant=cp_invariant)
     if group_size(group) == 1:
+        # the options checked as a cp group's module checks them (a group of its own, of one rank): a misspelt
+        # strategy or option was taken here silently, and failed only once the same code ran on a cp group
+        FA4ContextParallelAttention(strategy=strategy, **common, **options)
         return LocalPackedAttention(**common)
-    from fa4dist.modules import FA4ContextParallelAttention
 
     if hasattr(group, "get_group") and hasattr(group, "ndim"):  # a DeviceMesh
         return FA4ContextParallelAttention(mesh=group, strategy=strategy, **common, **options)

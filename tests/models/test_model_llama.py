@@ -253,6 +253,26 @@ def test_a_cp_1_model_refuses_a_plan_of_more_ranks():
         _model()(local.tokens, local.positions, plan)
 
 
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(strategy="rnig"), ValueError, "strategy must be one of"),
+    (dict(ulysses_degree=0), ValueError, "ulysses_degree must be a positive int or None, got 0"),
+    (dict(backend="bogus"), ValueError, "backend must be 'auto' or one of"),
+    (dict(backend="reference", ulysess_degree=2), TypeError, "unexpected keyword argument 'ulysess_degree'"),
+])
+def test_a_cp_1_attention_checks_the_options_a_cp_group_takes(kwargs, error, message):
+    """Without a cp group (or on one of one rank) the model's attention took a misspelt strategy, a ulysses_degree
+    of 0 or a misspelt option silently, and a bad backend name only in the first forward: the same code failed
+    once given a cp group. They are checked as a cp group's attention checks them, at construction."""
+    from fa4dist.models.attention import make_attention
+
+    with pytest.raises(error, match=message):
+        make_attention(None, **kwargs)
+    if "ulysess_degree" not in kwargs:
+        with pytest.raises(error, match=message):
+            FA4Llama(TINY, None, **kwargs)
+    make_attention(None, strategy="ulysses", ulysses_degree=1, backend="reference", timeout=5.0)
+
+
 @pytest.mark.parametrize("invariant", [False, True])
 @pytest.mark.parametrize("tokens, error, message", [
     (torch.tensor([1, 2, TINY.vocab_size, 3]), ValueError,
