@@ -193,8 +193,11 @@ def check_common_args(p: argparse.ArgumentParser, args, models=()) -> None:
         p.error(f"--strategy ring runs no Ulysses group: --ulysses-degree {u} contradicts it")
     if args.strategy == "ulysses" and u not in (None, args.cp):
         p.error(f"--strategy ulysses spans the whole cp group: --ulysses-degree must be --cp ({args.cp}), got {u}")
-    if args.model not in models and getattr(args, "checkpoint", None) is None:  # (hf_sft's checkpoint: its heads)
-        check_ulysses_heads(p, args, model_config(args))
+    if args.model not in models and getattr(args, "checkpoint", None) is None:  # (hf_sft checks its own shapes)
+        config = model_config(args)
+        problem = ulysses_heads_problem(args, config.n_heads, config.n_kv_heads, f"--model {args.model}")
+        if problem:
+            p.error(problem)
     if not -2**63 <= args.seed < 2**64:  # (torch.manual_seed's range: an OverflowError once the group was up)
         p.error(f"--seed must be in [-2**63, 2**64) (torch's seeds), got {args.seed}")
     for dest in ("lr", "weight_decay"):  # AdamW refuses some (without naming the option), trains to NaN on inf
@@ -217,18 +220,19 @@ def check_common_args(p: argparse.ArgumentParser, args, models=()) -> None:
         p.error(f"--metrics-out {args.metrics_out!r} is a directory; give a file to append the JSON lines to")
 
 
-def check_ulysses_heads(p: argparse.ArgumentParser, args, config) -> None:
-    """The Ulysses degree --strategy runs (--cp for ulysses, else a given --ulysses-degree; auto without one picks
-    a degree the heads allow) must split the model's query and key/value heads over its ranks: refused by name here,
-    where it failed in the first attention call, the process group and the sharded model built."""
+def ulysses_heads_problem(args, heads_q: int, heads_kv: int, model: str) -> Optional[str]:
+    """Why the Ulysses degree --strategy runs (--cp for ulysses, else a given --ulysses-degree; auto without one
+    picks a degree the heads allow) cannot split ``model``'s query and key/value heads over its ranks, or None.
+    Checked before the process group: it failed in the first attention call, the sharded model built."""
     degree = args.cp if args.strategy == "ulysses" else args.ulysses_degree
     if args.cp == 1 or degree in (None, 1):
-        return
+        return None
     try:
-        HeadSplit.check(config.n_heads, config.n_kv_heads, degree, args.cp)
+        HeadSplit.check(heads_q, heads_kv, degree, args.cp)
     except ValueError as err:
-        p.error(f"--strategy {args.strategy} runs a Ulysses degree of {degree} over --model {args.model}'s "
-                f"{config.n_heads} query heads / {config.n_kv_heads} key/value heads: {err}")
+        return (f"--strategy {args.strategy} runs a Ulysses degree of {degree} over {model}'s {heads_q} query heads "
+                f"/ {heads_kv} key/value heads: {err}")
+    return None
 
 
 def check_checkpoint_args(p: argparse.ArgumentParser, args) -> None:

@@ -122,6 +122,12 @@ def parse_args(argv=None):
         p.error(f"--sliding-window takes a positive number of tokens and --arch {' or '.join(WINDOWED_ARCHS)}")
     if args.arch == "gpt_oss" and args.tile_mlp:
         p.error("--tile-mlp runs dense MLPs; GPT-OSS's MoE layer returns router scores too (not tiled)")
+    if args.checkpoint is None and args.model in LLAMA3_PRESETS:  # (a checkpoint's heads: checked in main)
+        shape = LLAMA3_PRESETS[args.model]
+        problem = common.ulysses_heads_problem(args, shape["num_attention_heads"], shape["num_key_value_heads"],
+                                               f"--model {args.model}")
+        if problem:
+            p.error(problem)
     if not 1 <= args.experts_per_token <= args.experts:
         p.error(f"--experts-per-token must be in [1, --experts], got {args.experts_per_token} of {args.experts}")
     return args
@@ -449,7 +455,12 @@ def main(argv=None):
     # refused before the process group and the model exist (every rank alike)
     common.check_layout(common.launched_world(), args.cp, args.batch_size)
     if args.checkpoint:
-        checkpoint_config(args.checkpoint)
+        text = checkpoint_config(args.checkpoint).get_text_config()
+        heads = getattr(text, "num_attention_heads", None)
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads  # (None or absent: as many as the queries)
+        problem = heads and common.ulysses_heads_problem(args, heads, kv_heads, f"--checkpoint {args.checkpoint}")
+        if problem:
+            raise SystemExit(problem)
     rank, world, device = common.init_distributed(args=args)
     common.set_determinism(args)
     layout = common.make_layout(rank, world, args.cp, args.batch_size, device)

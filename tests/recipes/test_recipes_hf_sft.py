@@ -159,3 +159,24 @@ def test_a_checkpoint_directory_it_cannot_load_is_refused_before_the_process_gro
                            (tmp_path / "small", r"the checkpoint's vocabulary \(100\) is smaller than the byte")):
         with pytest.raises(SystemExit, match=message):
             hf_sft.main(["--checkpoint", str(where), "--seqlen", "64"])
+
+
+def test_a_ulysses_degree_a_llama3_shape_or_checkpoint_cannot_split_is_refused_before_the_process_group(
+        tmp_path, capsys, launched_without_a_rendezvous):
+    """--strategy ulysses over --cp 3 with a Llama-3 shape's 32 query heads, or a --checkpoint's 4: the preset's
+    heads are checked at parse time (as fa4dist's presets' are), the checkpoint's from its config before the
+    process group; both failed in the first attention call, the sharded model built."""
+    from transformers import Qwen2Config
+
+    with pytest.raises(SystemExit):
+        hf_sft.parse_args(["--model", "llama3.2-1b", "--cp", "3", "--strategy", "ulysses"])
+    assert ("--strategy ulysses runs a Ulysses degree of 3 over --model llama3.2-1b's 32 query heads / 8 key/value "
+            "heads: Ulysses degree 3 is impossible") in capsys.readouterr().err
+    hf_sft.parse_args(["--model", "llama3.2-1b", "--cp", "4", "--strategy", "ulysses"])  # 32 / 8 split over 4
+    Qwen2Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(tmp_path / "qwen2")
+    launched_without_a_rendezvous(3)
+    with pytest.raises(SystemExit, match=rf"--strategy ulysses runs a Ulysses degree of 3 over --checkpoint "
+                                         rf"{tmp_path / 'qwen2'}'s 4 query heads / 2 key/value heads"):
+        hf_sft.main(["--checkpoint", str(tmp_path / "qwen2"), "--seqlen", "64", "--cp", "3", "--strategy", "ulysses",
+                     "--batch-size", "3"])
