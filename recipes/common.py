@@ -243,6 +243,12 @@ def check_checkpoint_args(p: argparse.ArgumentParser, args) -> None:
     if args.ckpt_dir and not (args.save_every or args.stop_at is not None or args.resume):
         p.error(f"--ckpt-dir {args.ckpt_dir}: no checkpoint would be saved there or resumed from it; add "
                 f"--save-every N and/or --stop-at N (or --resume)")
+    if args.ckpt_dir:  # a file on the path failed in mkdir at the first save, the steps before it lost
+        existing = Path(os.path.abspath(args.ckpt_dir))
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            p.error(f"--ckpt-dir {args.ckpt_dir}: {str(existing)!r} is not a directory")
     if args.save_every > args.steps:
         p.error(f"--save-every {args.save_every} is past --steps {args.steps}: no step would save a checkpoint")
     if args.stop_at is not None and not 0 < args.stop_at <= args.steps:  # before any process group exists

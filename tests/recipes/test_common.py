@@ -177,3 +177,19 @@ def test_a_seed_outside_torchs_range_is_refused_when_parsed(recipe, capsys):
         assert f"--seed must be in [-2**63, 2**64) (torch's seeds), got {seed}" in capsys.readouterr().err
     for seed in (2**64 - 1, -(2**63), 0):
         assert parse_args(["--seed", str(seed)]).seed == seed
+
+
+@pytest.mark.parametrize("recipe", ["fsdp2_train", "deepspeed_train"])
+def test_a_ckpt_dir_that_cannot_be_a_directory_is_refused_when_parsed(recipe, tmp_path, capsys):
+    """--ckpt-dir naming a file (or a path under one) trained every step up to the first --save-every and then
+    failed in mkdir (NotADirectoryError), the steps lost: refused by name at parse time."""
+    import importlib
+
+    parse_args = importlib.import_module(recipe).parse_args
+    (tmp_path / "file").write_text("")
+    for where in (tmp_path / "file", tmp_path / "file" / "ckpts"):
+        with pytest.raises(SystemExit):
+            parse_args(["--steps", "2", "--save-every", "2", "--ckpt-dir", str(where)])
+        assert f"--ckpt-dir {where}: {str(tmp_path / 'file')!r} is not a directory" in capsys.readouterr().err
+    for where in (tmp_path, tmp_path / "new" / "ckpts"):  # an existing directory, or one to be made
+        assert parse_args(["--steps", "2", "--save-every", "2", "--ckpt-dir", str(where)]).ckpt_dir == str(where)
