@@ -46,3 +46,44 @@ if [ "$1" = 3 ]; then
   TAIL_LINES=6 stage tests_window_rest 150 $PYTEST -n 8 tests/kernels/test_window_gpu.py -k "not sink and not softcap"
   exit
 fi
+# 4: call 2: the split measured -0.9 / -0.6% at hdim 128 4k / 16k (the bench's 0.52-wave tails), +1.2% at hdim 64
+#    4k, against the same kernel unsplit in the same rounds (prediction +1-2%: wrong at hdim 128). Whether the
+#    mechanism pays where the tail is most of the launch: shapes of 1.2-1.5 waves (one head group per GPU, as under
+#    tensor parallelism), hdim 128 at 4k and 8k (160 and 192 tiles: the plan splits 28 tiles in 4, 60 in 2) and
+#    hdim 64 at 4k (198 tiles of 192 rows, 66 in 2). Prediction: +20-30% there if the parts and merge cost what the
+#    model says; near 0 if a partial wave is cheap on this GPU (the idle SMs' power raising the others' clock).
+if [ "$1" = 4 ]; then
+  K="python3 bench/kernels.py --causal false --directions fwd --backends cute flash_attn_4 --cute-variants fwd:split_tail=0 --rounds 7"
+  TAIL_LINES=6 stage few_waves_128 100 $K --headdims 128 --seqlens 4096 --total-tokens 4096 --model-dim 640 \
+    --out-dir "$OUT/few_waves_128"
+  TAIL_LINES=6 stage few_waves_128_8k 100 $K --headdims 128 --seqlens 8192 --total-tokens 8192 --model-dim 384 \
+    --out-dir "$OUT/few_waves_128_8k"
+  TAIL_LINES=6 stage few_waves_64 100 $K --headdims 64 --seqlens 4096 --total-tokens 4096 --model-dim 576 \
+    --out-dir "$OUT/few_waves_64"
+  exit
+fi
+# 5: call 3: on 1.2-1.5-wave shapes the split read +17% (hdim 128, 8k, 192 tiles, 60 split in 2) and +12% (hdim 64,
+#    4k, 198 tiles, 66 in 2), but -40% at hdim 128 4k with 5 heads (160 tiles, 28 in 4: 223 against 368
+#    TFLOP/s), where every row is host-bound (flash-attn-4 277). Device time against time from an idle device
+#    (bench/split_tail.py), hdim 128 and 64, the bench shapes and the few-wave ones. Prediction: in device time
+#    the 160-tile case gains as the model says (~+30%) and its loss is the host's (the scratch allocations and the
+#    zeroed counters: ~20 us on a ~120 us call).
+if [ "$1" = 5 ]; then
+  TAIL_LINES=8 stage split_128 150 python3 bench/split_tail.py --headdim 128 --shapes 1x4096x5 1x8192x3 4x4096x16 \
+    1x16384x16 --rounds 3 --out-dir "$OUT/split_128"
+  TAIL_LINES=8 stage split_64 120 python3 bench/split_tail.py --headdim 64 --shapes 1x4096x9 4x4096x32 1x16384x32 \
+    --rounds 3 --out-dir "$OUT/split_64"
+  exit
+fi
+# 6: call 5 (device time): +29% / +20% / +20% on 1.2-1.5-wave shapes (hdim 128 160 and 192 tiles, hdim 64 198),
+#    as predicted, but -1.2 / -0.4% on the bench's 15.5-wave hdim-128 shapes (predicted +1-2%) and +2.1% on hdim
+#    64's 21.3 waves. So the gain fades with the whole waves before the tail (dynamic claims spread the CTAs'
+#    finish times, so a late tail is already partly covered). Between: 3.4, 6.3 and 9.5 waves at hdim 128 4k
+#    (448, 832, 1248 tiles; splits of 52 in 2, 40 in 3, 60 in 2), to choose how many whole waves the split may
+#    follow. Then stage 3's suites on this session's host changes.
+if [ "$1" = 6 ]; then
+  TAIL_LINES=7 stage split_waves 120 python3 bench/split_tail.py --headdim 128 --shapes 1x4096x14 2x4096x13 3x4096x13 \
+    --rounds 3 --out-dir "$OUT/split_waves"
+  bash "$0" 3
+  exit
+fi
