@@ -321,15 +321,17 @@ def test_long_dense_non_causal_hdim128_launches_chain_the_row_max():
 
 
 def test_split_plan_splits_a_partial_last_wave_where_the_model_says_it_pays():
-    """forward.split_plan: no split without a tail, or when the tail is nearly a whole wave, or when the tiles are
-    too short for parts of SPLIT_MIN_PART_BLOCKS; otherwise the tail's tiles, after every whole wave, in the parts
-    count of least modelled time, never more than SPLIT_MAX_PARTS."""
+    """forward.split_plan: no split without a tail, after SPLIT_MAX_WHOLE_WAVES whole waves, when the tail is
+    nearly a whole wave, or when the tiles are too short for parts of SPLIT_MIN_PART_BLOCKS; otherwise the tail's
+    tiles, after every whole wave, in the parts count of least modelled time, never more than SPLIT_MAX_PARTS."""
     plan = cute_fwd.split_plan
     assert plan(264, 132, 32) == (264, 1)  # whole waves
-    assert plan(2048, 132, 32) == (2048 - 68, 3)  # 15 waves and 68 tiles of 32 blocks: 2 rounds of thirds
-    assert plan(2048, 132, 128) == (2048 - 68, 5)  # 16k keys: 3 rounds of fifths
+    assert plan(1248, 132, 32) == (1248 - 60, 2)  # 9 waves and 60 tiles of 32 blocks: one round of halves
+    assert plan(832, 132, 32) == (832 - 40, 3)  # 6 waves and 40 tiles: one round of thirds
+    assert plan(2048, 132, 32) == (2048, 1)  # 15 whole waves: measured no faster split
     assert plan(160, 132, 32) == (132, 4)  # 28 tiles: one round of quarters
-    assert plan(2752, 132, 128) == (2752, 1)  # a tail of 112 tiles: nearly a whole wave
+    assert plan(192, 132, 64) == (132, 2)
+    assert plan(7 * 132 + 112, 132, 128) == (7 * 132 + 112, 1)  # a tail of 112 tiles: nearly a whole wave
     assert plan(160, 132, 7) == (160, 1)  # tiles of 7 blocks: too short to split
     assert plan(64, 132, 8) == (0, 2)  # one partial wave: halves of 4 blocks
     for tiles in range(1, 600, 7):
