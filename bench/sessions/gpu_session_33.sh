@@ -87,3 +87,18 @@ if [ "$1" = 6 ]; then
   bash "$0" 3
   exit
 fi
+# 7: a non-deterministic GQA backward's CTAs are (key tile, kv head) pairs, each walking its group of query heads:
+#    with one kv head (tensor parallelism: 4 query heads and 1 kv head per GPU) a 4k-16k call has 32-128 CTAs on
+#    132 SMs. backward.nondeterministic_gqa_form expands K / V per query head where the rounds of one-head CTAs
+#    (plus the copies and the group sum) come to at most 0.8 of the GQA launch's. (a) its GPU test (auto against
+#    the explicit forms, dense / packed, causal or not, fresh and accumulating); (b) fwd+bwd with each form forced,
+#    through the kernel entry points, beside flash-attn-4, batch 1. Prediction: the backward expanded 1.5-2.5x the
+#    GQA form at 4k / 8k (32 / 64 CTAs: 1 / 2 rounds of one head against 4; the rule expands), the same at 16k
+#    (128 CTAs: 4 rounds either way; the rule keeps the GQA kernel).
+if [ "$1" = 7 ]; then
+  TAIL_LINES=6 stage tests_gqa 150 $PYTEST -n 4 tests/kernels/test_cute_bwd_gpu.py -k "few_kv_tiles or expanded_heads"
+  TAIL_LINES=12 stage bench_gqa 180 python3 bench/kernels.py --headdims 128 --seqlens 4096 8192 16384 \
+    --total-tokens 4096 --model-dim 512 --kv-group 4 --causal false true --directions bwd --backends cute flash_attn_4 \
+    --cute-variants bwd:gqa_form=gqa bwd:gqa_form=expanded --rounds 5 --out-dir "$OUT/bench_gqa"
+  exit
+fi

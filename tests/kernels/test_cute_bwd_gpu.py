@@ -639,6 +639,42 @@ def test_deterministic_gqa_backward_on_expanded_heads(packed, d):
             assert rel_error(a.double(), b.double()) < (1e-2 if not accumulate else 1e-5), name
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_nondeterministic_gqa_backward_of_few_kv_tiles_on_expanded_heads(packed, causal):
+    """A non-deterministic GQA backward whose (key tile, kv head) CTAs would leave most SMs idle runs on K / V
+    expanded per query head (backward.nondeterministic_gqa_form, gqa_form="auto"): every gradient written, dk / dv
+    the explicit expanded form's bytes (per-head sums in registers, then the group's in head order), and all three
+    the GQA kernel's values to fp32 rounding, fresh and accumulating."""
+    g = _gen()
+    total = 2048 + 100
+    if packed:
+        cu = torch.tensor([0, 700, total], dtype=torch.int32, device="cuda")
+        q, k, v = _inputs((total, 8, 128), (total, 1, 128), torch.bfloat16, g)
+        kw = dict(causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=total - 700,
+                  max_seqlen_k=total - 700)
+        fwd_kw = dict(causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    else:
+        q, k, v = _inputs((1, total, 8, 128), (1, total, 1, 128), torch.bfloat16, g)
+        kw = fwd_kw = dict(causal=causal)
+    from fa4dist.kernels.cute import backward as cbwd
+    from fa4dist.kernels.cute import host as chost
+
+    tiles = cbwd._kv_tiles(k, kw.get("cu_seqlens_k"))
+    assert cbwd.nondeterministic_gqa_form(8, tiles, chost.sm_count()) == "expanded"
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = attention_forward(q, k, v, backend="cute", **fwd_kw)
+    init = [torch.randn(t.shape, device="cuda", dtype=torch.float32, generator=g) for t in (q, k, v)]
+    for accumulate in (False, True):
+        extra = dict(accumulate=True, init=init) if accumulate else {}
+        auto = _run(q, k, v, dout, out, lse, **extra, **kw)
+        expanded = _run(q, k, v, dout, out, lse, gqa_form="expanded", **extra, **kw)
+        gqa = _run(q, k, v, dout, out, lse, gqa_form="gqa", **extra, **kw)
+        _assert_same_grads(expanded, auto, False, f"gqa_form auto against expanded, accumulate={accumulate}")
+        for name, a, b in zip(("dq", "dk", "dv"), auto, gqa):
+            assert rel_error(a.double(), b.double()) < (1e-2 if not accumulate else 1e-5), name
+
+
 def test_long_causal_deterministic_gqa_backward_takes_expanded_heads():
     """deterministic=True alone (det_dq="auto") on a causal GQA call of 16k keys at hdim 128 is the expanded form's
     bytes (backward.deterministic_gqa_form; test_cute_bwd_compile.py has the rule)."""

@@ -367,6 +367,27 @@ def default_persistent_ctas(accumulate: bool, grads: str, worklist: bool, dq_fix
 EXPANDED_GQA_MIN_SEQLEN_K = {128: 16384, 64: 32768}
 
 
+# A non-deterministic GQA backward runs on K / V expanded per query head when its CTAs (one per key tile and key /
+# value head, each walking its group of query heads) leave most SMs idle: few key / value heads on the GPU (tensor
+# parallelism) and short sequences. Expanded, the launch has group times the CTAs, each one head long, for K / V
+# copies and a group sum of fp32 dK / dV (counted as GQA_EXPAND_COST_ROUNDS rounds of one-head CTAs); taken where
+# that is at most GQA_EXPAND_MAX_RATIO of the GQA launch's rounds.
+GQA_EXPAND_COST_ROUNDS = 0.25
+GQA_EXPAND_MAX_RATIO = 0.8
+
+
+def nondeterministic_gqa_form(group: int, kv_tiles: int, num_sms: int) -> str:
+    """"expanded" or "gqa" (the GQA kernel as it is) for a non-deterministic backward with ``group`` query heads per
+    key / value head and ``kv_tiles`` (key tile, key / value head) CTAs: rounds of CTAs one head long, the GQA
+    launch's ceil(kv_tiles / SMs) rounds of group heads against ceil(kv_tiles * group / SMs) and the expansion's
+    cost."""
+    if group <= 1 or kv_tiles <= 0:
+        return "gqa"
+    gqa_rounds = group * -(-kv_tiles // num_sms)
+    expanded_rounds = -(-kv_tiles * group // num_sms) + GQA_EXPAND_COST_ROUNDS
+    return "expanded" if expanded_rounds <= GQA_EXPAND_MAX_RATIO * gqa_rounds else "gqa"
+
+
 def deterministic_gqa_form(group: int, head_dim: int, causal: bool, max_seqlen_k) -> str:
     """How a deterministic backward with `group` query heads per key / value head adds dQ: "expanded" (K / V copied
     per query head, so that no CTA walks a group of heads: the causal launch ends with its longest CTAs, group times
@@ -535,7 +556,8 @@ def launch_steps(
     With an fp32 dq, the launch's integer sums are converted once (fixed_point.from_fixed's rounding) and added;
     with accumulate=False, converted to fp32 and written (into an fp32 or q-dtype dq), and dK / dV written as
     the accumulating kernel adds them into zeros (a signed zero comes out +0).
-    overrides: BwdConfig fields (measurement knobs; det_dq="auto" | "tickets" | "fixed" | "expanded").
+    overrides: BwdConfig fields (measurement knobs; det_dq="auto" | "tickets" | "fixed" | "expanded": the
+    deterministic dQ's form; gqa_form="auto" | "gqa" | "expanded": a non-deterministic GQA call's).
 
     rows: the query side is shared (:class:`SharedRows`): q, dout, out, lse are rows [q_start, q_start + len) of
     its queries, the preprocess and the dQ convert are its own (dq is ignored), and the steps are the main kernel
@@ -543,16 +565,25 @@ def launch_steps(
     det_dq = overrides.pop("det_dq", "auto")
     if det_dq not in ("auto", "tickets", "fixed", "expanded"):
         raise ValueError(f"det_dq must be 'auto', 'tickets', 'fixed' or 'expanded', got {det_dq!r}")
+    gqa_form = overrides.pop("gqa_form", "auto")
+    if gqa_form not in ("auto", "gqa", "expanded"):
+        raise ValueError(f"gqa_form must be 'auto', 'gqa' or 'expanded', got {gqa_form!r}")
     group = q.shape[-2] // max(k.shape[-2], 1)
-    if det_dq == "auto" and deterministic:
-        det_dq = deterministic_gqa_form(group, q.shape[-1], causal,
-                                        k.shape[1] if cu_seqlens_k is None else max_seqlen_k)
-    if (det_dq == "expanded" and deterministic and group > 1 and rows is None and dq_scale is None
+    if deterministic:
+        if det_dq == "auto":
+            det_dq = deterministic_gqa_form(group, q.shape[-1], causal,
+                                            k.shape[1] if cu_seqlens_k is None else max_seqlen_k)
+        form = "expanded" if det_dq == "expanded" else "gqa"
+    else:
+        form = gqa_form
+        if form == "auto":
+            form = nondeterministic_gqa_form(group, _kv_tiles(k, cu_seqlens_k), host.sm_count())
+    if (form == "expanded" and group > 1 and rows is None and dq_scale is None
             and dq is not None and dk is not None and dv is not None):
         inner = dict(softmax_scale=softmax_scale, causal=causal, q_offset=q_offset, k_offset=k_offset,
                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                      max_seqlen_k=max_seqlen_k, window_left=window_left, softcap=softcap, **overrides)
-        return _expanded_kv_steps(dout, q, k, v, out, lse, dq, dk, dv, group, accumulate, inner)
+        return _expanded_kv_steps(dout, q, k, v, out, lse, dq, dk, dv, group, accumulate, deterministic, inner)
     varlen = cu_seqlens_q is not None
     d = q.shape[-1]
     hq = q.shape[-2]
@@ -722,13 +753,22 @@ def _compiled_configs(args: tuple, kw: dict, overrides: dict, *, shared: bool, d
     return found
 
 
-def _expanded_kv_steps(dout, q, k, v, out, lse, dq, dk, dv, group, accumulate, options):
-    """A deterministic GQA backward as the kernel runs it without GQA: K and V copied to one head per query head,
-    the ticketed backward into dq and fp32 dK / dV per query head, then each key / value head's group of query heads
-    summed in ascending head order (invariant.sum_group) into the caller's dk / dv (written, or added when
-    accumulating). A GQA CTA walks its whole group of heads, so the launch's longest CTAs are group times longer
-    and its tail with them (NOTES_BWD.md, twentieth session); expanded, every CTA is one head long. Costs
-    2 x group x |K| of K / V copies and 2 x group x |K| fp32 of dK / dV per query head in memory."""
+def _kv_tiles(k, cu_seqlens_k) -> int:
+    """The (key tile, key / value head) CTAs of a GQA launch: dense exactly, packed at most (each segment adds at
+    most one partial tile)."""
+    if cu_seqlens_k is None:
+        return k.shape[0] * k.shape[2] * -(-k.shape[1] // TILE_N)
+    return k.shape[1] * (k.shape[0] // TILE_N + cu_seqlens_k.shape[0] - 1)
+
+
+def _expanded_kv_steps(dout, q, k, v, out, lse, dq, dk, dv, group, accumulate, deterministic, options):
+    """A GQA backward as the kernel runs it without GQA: K and V copied to one head per query head, the backward
+    (ticketed when deterministic) into dq and fp32 dK / dV per query head, then each key / value head's group of
+    query heads summed in ascending head order (invariant.sum_group) into the caller's dk / dv (written, or added
+    when accumulating). A GQA CTA walks its whole group of heads, so the launch's longest CTAs are group times
+    longer and its tail with them (NOTES_BWD.md, twentieth session), and a launch of few key / value heads has few
+    CTAs; expanded, every CTA is one head long. Costs 2 x group x |K| of K / V copies and 2 x group x |K| fp32 of
+    dK / dV per query head in memory."""
     from ..invariant import sum_group
 
     heads = k.shape[-2] * group
@@ -747,8 +787,9 @@ def _expanded_kv_steps(dout, q, k, v, out, lse, dq, dk, dv, group, accumulate, o
             total = sum_group(per_head, group)
             dst.add_(total) if accumulate else dst.copy_(total)
 
-    steps = launch_steps(dout, q, k_e, v_e, out, lse, dq, dk_e, dv_e, deterministic=True, accumulate=accumulate,
-                         det_dq="tickets", **options)
+    det = dict(det_dq="tickets") if deterministic else {}
+    steps = launch_steps(dout, q, k_e, v_e, out, lse, dq, dk_e, dv_e, deterministic=deterministic,
+                         accumulate=accumulate, **det, **options)
     return [expand] + steps + [reduce]
 
 
