@@ -368,24 +368,31 @@ EXPANDED_GQA_MIN_SEQLEN_K = {128: 16384, 64: 32768}
 
 
 # A non-deterministic GQA backward runs on K / V expanded per query head when its CTAs (one per key tile and key /
-# value head, each walking its group of query heads) leave most SMs idle: few key / value heads on the GPU (tensor
-# parallelism) and short sequences. Expanded, the launch has group times the CTAs, each one head long, for K / V
-# copies and a group sum of fp32 dK / dV (counted as GQA_EXPAND_COST_ROUNDS rounds of one-head CTAs); taken where
-# that is at most GQA_EXPAND_MAX_RATIO of the GQA launch's rounds.
-GQA_EXPAND_COST_ROUNDS = 0.25
+# value head, each walking its group of query heads) leave most SMs idle or end with the group's longest CTAs: few
+# key / value heads on the GPU (tensor parallelism). Expanded, the launch has group times the CTAs, each one head
+# long, for K / V copies and a group sum of fp32 dK / dV (GQA_EXPAND_COST, in units of the longest CTA's one-head
+# work); taken where that comes to at most GQA_EXPAND_MAX_RATIO of the GQA launch's time. Measured on the H200
+# (thirty-second session, bench/sessions/gpu_session_33.sh 7: one kv head, 4 query heads of 128, batch 1, fwd+bwd
+# through the entry points, expanded against GQA): 2.4x / 1.5x / 0.96x non-causal at 4k / 8k / 16k, 2.6x / 2.05x /
+# 1.58x causal.
+GQA_EXPAND_COST = 0.5
 GQA_EXPAND_MAX_RATIO = 0.8
 
 
-def nondeterministic_gqa_form(group: int, kv_tiles: int, num_sms: int) -> str:
+def nondeterministic_gqa_form(group: int, kv_tiles: int, num_sms: int, causal: bool = False,
+                              longest_tiles: int = 0) -> str:
     """"expanded" or "gqa" (the GQA kernel as it is) for a non-deterministic backward with ``group`` query heads per
-    key / value head and ``kv_tiles`` (key tile, key / value head) CTAs: rounds of CTAs one head long, the GQA
-    launch's ceil(kv_tiles / SMs) rounds of group heads against ceil(kv_tiles * group / SMs) and the expansion's
-    cost."""
+    key / value head and ``kv_tiles`` (key tile, key / value head) CTAs, the longest sequence ``longest_tiles`` key
+    tiles long. Each launch's time in units of its longest CTA's one-head work: the GQA launch max(1, work / SMs)
+    times the group, the expanded one max(1, group x work / SMs) and the expansion's cost, where work is the CTAs'
+    summed one-head work (a causal key tile's is its share of the queries: (n + 1) / 2n on average)."""
     if group <= 1 or kv_tiles <= 0:
         return "gqa"
-    gqa_rounds = group * -(-kv_tiles // num_sms)
-    expanded_rounds = -(-kv_tiles * group // num_sms) + GQA_EXPAND_COST_ROUNDS
-    return "expanded" if expanded_rounds <= GQA_EXPAND_MAX_RATIO * gqa_rounds else "gqa"
+    share = (longest_tiles + 1) / (2 * longest_tiles) if causal and longest_tiles > 0 else (0.5 if causal else 1.0)
+    work = kv_tiles * share
+    gqa = group * max(1.0, work / num_sms)
+    expanded = max(1.0, group * work / num_sms) + GQA_EXPAND_COST
+    return "expanded" if expanded <= GQA_EXPAND_MAX_RATIO * gqa else "gqa"
 
 
 def deterministic_gqa_form(group: int, head_dim: int, causal: bool, max_seqlen_k) -> str:
@@ -577,7 +584,9 @@ def launch_steps(
     else:
         form = gqa_form
         if form == "auto":
-            form = nondeterministic_gqa_form(group, _kv_tiles(k, cu_seqlens_k), host.sm_count())
+            longest = k.shape[1] if cu_seqlens_k is None else (max_seqlen_k or k.shape[0])
+            form = nondeterministic_gqa_form(group, _kv_tiles(k, cu_seqlens_k), host.sm_count(), causal,
+                                             -(-longest // TILE_N))
     if (form == "expanded" and group > 1 and rows is None and dq_scale is None
             and dq is not None and dk is not None and dv is not None):
         inner = dict(softmax_scale=softmax_scale, causal=causal, q_offset=q_offset, k_offset=k_offset,
