@@ -262,6 +262,18 @@ def destroyed_module_group_case(rank, world):
     return None
 
 
+def saving_errors(*saves):
+    """(exception type name, message) of each save callable that raises, None for each that does not."""
+    errors = []
+    for save in saves:
+        try:
+            save()
+            errors.append(None)
+        except Exception as err:  # noqa: BLE001
+            errors.append((type(err).__name__, str(err)))
+    return errors
+
+
 def pickle_case(rank, world, *, cp):
     """pickle.dumps and torch.save of a module on a process group (alone and inside a model): the error's (type,
     message) for each, on the group's ranks; and that a deep copy still works."""
@@ -273,13 +285,7 @@ def pickle_case(rank, world, *, cp):
     if module is None:
         return None
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), module)
-    errors = []
-    for save in (lambda: pickle.dumps(module), lambda: torch.save(model, io.BytesIO())):
-        try:
-            save()
-            errors.append(None)
-        except Exception as err:  # noqa: BLE001
-            errors.append((type(err).__name__, str(err)))
+    errors = saving_errors(lambda: pickle.dumps(module), lambda: torch.save(model, io.BytesIO()))
     twin = copy.deepcopy(model)
     torch.save(model.state_dict(), io.BytesIO())  # what the message says to save
     return errors, twin[1].cp.group is module.cp.group

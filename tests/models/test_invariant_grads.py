@@ -5,6 +5,7 @@ packed sample, cp = 1, 2, 4 (ring and Ulysses) on CPU gloo in fp32."""
 import pytest
 import torch
 
+from cp_cases import saving_errors
 from cp_harness import GROUPS, shared_pool
 
 pytestmark = pytest.mark.timeout(300)
@@ -309,13 +310,7 @@ def _pickling(rank, world):
         return None
     model = FA4Llama(get_config("tiny"), None, backend="reference")
     grads = model.set_invariant_grads(True, GROUPS[2])
-    errors = []
-    for save in (lambda: pickle.dumps(grads), lambda: torch.save(model, io.BytesIO())):
-        try:
-            save()
-            errors.append(None)
-        except Exception as err:  # noqa: BLE001
-            errors.append((type(err).__name__, str(err)))
+    errors = saving_errors(lambda: pickle.dumps(grads), lambda: torch.save(model, io.BytesIO()))
     twin = copy.deepcopy(model)
     torch.save(model.state_dict(), io.BytesIO())  # what the message says to save
     model.set_invariant_grads(True, None)
