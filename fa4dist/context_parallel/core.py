@@ -29,7 +29,7 @@ from ..kernels.merge import merge_sink_, sink_grad
 from ..kernels.problem import (
     EAGER_ONLY,
     check_bool, check_mask, check_optional_bool, check_softcap, check_softmax_scale, check_timeout, check_window,
-    validate_inputs,
+    type_name, validate_inputs,
 )
 from ..kernels.registry import get_backend
 from .comm import (CommError, Transport, deepcopy_sharing, exclusive, group_alive, member_size_rank,
@@ -544,23 +544,7 @@ class ContextParallel:
     def _single(self, q, k, v, plan, sinks):
         cu = None
         if plan is not None:
-            from fa4dist.data.sharding import SingleRankPlan
-
-            if isinstance(plan, SingleRankPlan):  # fa4dist.data's plan of an unsplit packed sample
-                packed, total = True, plan.total
-            elif isinstance(plan, ShardPlan):
-                if plan.cp_size != 1:
-                    raise ValueError(
-                        f"the plan is for cp_size={plan.cp_size} but there is no process group (cp size 1)")
-                packed, total = plan.packed, plan.total_len
-            else:
-                raise TypeError(f"plan must be a ShardPlan (or fa4dist.data's SingleRankPlan), got "
-                                f"{type(plan).__name__}")
-            sd = _check_shard_layout(q, k, v, packed)
-            for name, t in (("q", q), ("k", k), ("v", v)):
-                if t.shape[sd] != total:
-                    raise ValueError(f"{name} holds {t.shape[sd]} tokens but the plan covers {total}")
-            if packed:
+            if check_single_rank_plan(q, k, v, plan):
                 cu = plan.cu_seqlens_tensor(q.device) if isinstance(plan, ShardPlan) else plan.cu_seqlens.to(q.device)
         elif isinstance(q, torch.Tensor) and q.dim() == 3:
             raise ValueError("packed (3-D) input needs a packed-document plan (make_plan(cu_seqlens, 1)) for its "
@@ -569,6 +553,29 @@ class ContextParallel:
                                 softcap=self.softcap, sinks=sinks, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                 deterministic=self.deterministic, backend=self.backend,
                                 cp_invariant=self.cp_invariant)
+
+
+def check_single_rank_plan(q, k, v, plan) -> bool:
+    """The checks of a plan and its inputs without a cp group (this module's cp size 1, and the model's attention
+    without one): `plan` is a cp-size-1 ShardPlan or fa4dist.data's SingleRankPlan, and q, k, v are laid out as it
+    takes them and hold all its tokens.  Returns whether the plan is packed (its inputs 3-D, with documents)."""
+    from fa4dist.data.sharding import SingleRankPlan
+
+    if isinstance(plan, SingleRankPlan):  # fa4dist.data's plan of an unsplit packed sample
+        packed, total = True, plan.total
+    elif isinstance(plan, ShardPlan):
+        if plan.cp_size != 1:  # its rank-0 segments would be attended alone: no other rank's keys
+            raise ValueError(f"the plan is for cp_size={plan.cp_size} but there is no process group (cp size 1); "
+                             "make it with make_plan(seqlen_or_cu_seqlens, 1) (or the model's make_plan)")
+        packed, total = plan.packed, plan.total_len
+    else:  # (cu_seqlens given as the plan was an AttributeError in the model)
+        raise TypeError("plan must be a sharding plan (a ShardPlan of cp size 1: make_plan(seqlen_or_cu_seqlens, 1) "
+                        f"or the model's make_plan; or fa4dist.data's SingleRankPlan), got {type_name(plan)}")
+    sd = _check_shard_layout(q, k, v, packed)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[sd] != total:
+            raise ValueError(f"{name} holds {t.shape[sd]} tokens but the plan covers {total}")
+    return packed
 
 
 def _check_shard_layout(q, k, v, packed: bool) -> int:

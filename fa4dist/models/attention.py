@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import fa4dist
-from fa4dist.kernels.problem import type_name
+from fa4dist.context_parallel.core import check_single_rank_plan
 
 
 def group_size(group) -> int:
@@ -31,8 +31,9 @@ def group_size(group) -> int:
 class LocalPackedAttention(nn.Module):
     """cp size 1: causal attention within each document of the plan, through the kernel contract.
 
-    The plan is a cp-size-1 ``ShardPlan`` or a ``SingleRankPlan`` (anything else is refused by name); its
-    device copy of cu_seqlens is kept for as long as the same plan comes back (every layer of one forward)."""
+    The plan is a cp-size-1 ``ShardPlan`` or a ``SingleRankPlan``, checked with its inputs as a cp group's attention
+    checks them at cp size 1 (``check_single_rank_plan``); a packed plan's device copy of cu_seqlens is kept for as
+    long as the same plan comes back (every layer of one forward)."""
 
     def __init__(self, causal: bool = True, softmax_scale: Optional[float] = None,
                  deterministic: Optional[bool] = None, backend: str = "auto", window: tuple[int, int] = (-1, -1),
@@ -42,29 +43,25 @@ class LocalPackedAttention(nn.Module):
         self.deterministic, self.backend, self.cp_invariant = deterministic, backend, cp_invariant
         self._cu_cache: tuple = (None, None)
 
-    def _cu_seqlens(self, plan, device) -> Optional[torch.Tensor]:
-        if plan is None:
-            return None
+    def _cu_seqlens(self, plan, device) -> torch.Tensor:
+        """The packed plan's local segments on `device` (the plan already checked)."""
         if self._cu_cache[0] is plan:
             return self._cu_cache[1]
-        from fa4dist.context_parallel import ShardPlan
-        from fa4dist.data.sharding import SingleRankPlan
-
-        if not isinstance(plan, (ShardPlan, SingleRankPlan)):  # cu_seqlens given as the plan: an AttributeError
-            raise TypeError("plan must be a sharding plan (model.make_plan, make_plan(cu_seqlens, 1) or a "
-                            f"SingleRankPlan) or None, got {type_name(plan)}")
-        if getattr(plan, "cp_size", 1) != 1:  # its rank-0 segments would be attended alone: no other rank's keys
-            raise ValueError(f"plan is for cp_size={plan.cp_size}, but this attention runs on one rank (no cp group); "
-                             "make the plan with model.make_plan or make_plan(cu_seqlens, 1)")
         cu = plan.local_cu_seqlens(0).to(device=device, dtype=torch.int32)
         self._cu_cache = (plan, cu)
         return cu
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan=None,
                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        cu = self._cu_seqlens(plan, q.device)
-        if cu is None and q.dim() == 3:  # one packed sequence without a plan
+        if plan is not None:
+            # checked as a cp group's attention checks it at cp size 1: a one-sequence plan's 3-D input was run here
+            # as one document
+            packed = check_single_rank_plan(q, k, v, plan)
+            cu = self._cu_seqlens(plan, q.device) if packed else None
+        elif q.dim() == 3:  # one packed sequence without a plan
             cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+        else:
+            cu = None
         return fa4dist.attention(
             q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, window=self.window, softcap=self.softcap,
             sinks=sinks, cu_seqlens_q=cu, cu_seqlens_k=cu, deterministic=self.deterministic, backend=self.backend,
