@@ -33,7 +33,7 @@ class LocalPackedAttention(nn.Module):
 
     The plan is a cp-size-1 ``ShardPlan`` or a ``SingleRankPlan``, checked with its inputs as a cp group's attention
     checks them at cp size 1 (``check_single_rank_plan``); a packed plan's device copy of cu_seqlens is kept for as
-    long as the same plan comes back (every layer of one forward)."""
+    long as the same plan comes back on the same device (every layer of one forward)."""
 
     def __init__(self, causal: bool = True, softmax_scale: Optional[float] = None,
                  deterministic: Optional[bool] = None, backend: str = "auto", window: tuple[int, int] = (-1, -1),
@@ -45,8 +45,11 @@ class LocalPackedAttention(nn.Module):
 
     def _cu_seqlens(self, plan, device) -> torch.Tensor:
         """The packed plan's local segments on `device` (the plan already checked)."""
-        if self._cu_cache[0] is plan:
-            return self._cu_cache[1]
+        # keyed by the device too: the same plan after the model or its inputs moved gave the old device's copy
+        device = torch.device(device)
+        cached_plan, cached = self._cu_cache
+        if cached_plan is plan and cached.device == device:
+            return cached
         cu = plan.local_cu_seqlens(0).to(device=device, dtype=torch.int32)
         self._cu_cache = (plan, cu)
         return cu

@@ -49,3 +49,16 @@ def test_the_model_attention_takes_and_refuses_what_the_module_does_at_cp_1(plan
         torch.testing.assert_close(local, module, rtol=0, atol=0)
     if isinstance(plan, ShardPlan) and plan.cp_size == 1 and not plan.packed and len(shape) == 1:
         assert isinstance(local, ValueError) and "q must be 4-D" in str(local), local
+
+
+def test_the_device_copy_of_cu_seqlens_follows_the_inputs_device():
+    """The copy was kept per plan only: the same plan after the model (or its inputs) moved to another device gave
+    the copy on the old device (a device-mismatch error in the kernel call). 'meta' stands in for a second device."""
+    attention, plan = LocalPackedAttention(), make_plan([0, 6, 16], 1)
+    cpu = attention._cu_seqlens(plan, torch.device("cpu"))
+    moved = attention._cu_seqlens(plan, torch.device("meta"))
+    assert cpu.device.type == "cpu" and moved.device.type == "meta", (cpu.device, moved.device)
+    assert moved.shape == cpu.shape and moved.dtype == cpu.dtype == torch.int32
+    again = attention._cu_seqlens(plan, torch.device("cpu"))
+    assert again.device.type == "cpu" and again.tolist() == [0, 6, 16]
+    assert attention._cu_seqlens(plan, torch.device("cpu")) is again  # kept while plan and device stay
