@@ -31,6 +31,7 @@ import torch.distributed as dist
 from fa4dist.context_parallel.ulysses import HeadSplit
 from fa4dist.data import PackedTokenStream, collect_documents, make_sample_plan, shard_sample
 from fa4dist.demo import exit_process
+from fa4dist.kernels.problem import check_seed
 from fa4dist.kernels.registry import check_backend
 from fa4dist.models import FA4Llama, cp_cross_entropy, get_config
 
@@ -198,8 +199,10 @@ def check_common_args(p: argparse.ArgumentParser, args, models=()) -> None:
         problem = ulysses_heads_problem(args, config.n_heads, config.n_kv_heads, f"--model {args.model}")
         if problem:
             p.error(problem)
-    if not -2**63 <= args.seed < 2**64:  # (torch.manual_seed's range: an OverflowError once the group was up)
-        p.error(f"--seed must be in [-2**63, 2**64) (torch's seeds), got {args.seed}")
+    try:  # (past torch's range: an OverflowError in manual_seed once the group was up)
+        check_seed("--seed", args.seed)
+    except ValueError as err:
+        p.error(str(err))
     for dest in ("lr", "weight_decay"):  # AdamW refuses some (without naming the option), trains to NaN on inf
         if not 0 <= getattr(args, dest) < math.inf:
             p.error(f"{option_name(dest)} must be finite and >= 0, got {getattr(args, dest)}")

@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from ..kernels.problem import check_int, check_integer_dtype, cu_seqlens_values, type_name
+from ..kernels.problem import check_int, check_integer_dtype, check_seed, cu_seqlens_values, type_name
 from .tokenizer import ByteTokenizer
 
 IGNORE = -100
@@ -164,7 +164,7 @@ class PackedTokenStream:
         if packing not in ("documents", "stream"):
             raise ValueError(f"packing must be 'documents' or 'stream', got {packing!r}")
         check_int("seqlen", seqlen, 2)
-        check_int("seed", seed)
+        check_seed("seed", seed)
         if isinstance(documents, (str, bytes)):
             raise TypeError("documents must be a sequence of texts, got one "
                             f"{type(documents).__name__} (wrap it in a list: [text])")

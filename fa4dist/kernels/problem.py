@@ -387,6 +387,18 @@ def check_int(name: str, value, minimum: Optional[int] = None) -> int:
     return value
 
 
+
+SEED_RANGE = (-2**63, 2**64)  # what torch.manual_seed and a Generator's manual_seed take
+
+
+def check_seed(name: str, value) -> int:
+    """A random seed: an int in torch's range, returned as a Python int (past it manual_seed raised "Overflow when
+    unpacking long long", naming nothing)."""
+    value = check_int(name, value)
+    if not SEED_RANGE[0] <= value < SEED_RANGE[1]:
+        raise ValueError(f"{name} must be in [-2**63, 2**64) (torch's seeds), got {value}")
+    return value
+
 def check_timeout(timeout, name: str = "timeout") -> float:
     """A wait's limit: a positive, finite number of seconds (a bool, NaN, 0 or a negative one is refused)."""
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < math.inf:

@@ -64,6 +64,17 @@ def test_bad_stream_arguments_are_refused_by_name(documents, seqlen, kwargs, err
         PackedTokenStream(documents, seqlen, **kwargs)
 
 
+
+def test_a_seed_outside_torchs_range_is_refused_by_name():
+    """seed=2**64 (or below -2**63) failed in the generator's manual_seed with "Overflow when unpacking long long",
+    naming nothing; it is refused by name, in the range the recipes' --seed is checked against (one check)."""
+    for seed in (2**64, -(2**63) - 1):
+        with pytest.raises(ValueError, match=rf"seed must be in \[-2\*\*63, 2\*\*64\) \(torch's seeds\), got {seed}"):
+            PackedTokenStream(["abcdefgh"], 4, seed=seed)
+    for seed in (2**64 - 1, -(2**63)):  # the range's ends are torch's own: taken, and each a fixed order
+        first, again = (PackedTokenStream(["abcdefgh" * 4], 4, seed=seed) for _ in range(2))
+        assert first.seed == seed and torch.equal(first._perm, again._perm)
+
 def test_a_step_batch_stays_inside_its_step():
     stream = PackedTokenStream(["abcdefgh" * 20], seqlen=4)
     whole = stream.batch(3, 4)
