@@ -47,7 +47,8 @@ def _args(argv=None):
     p.add_argument("--no-check", action="store_true", help="skip the single-process comparison")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--timeout", type=float, default=300.0)
-    p.add_argument("--nproc", type=int, default=2, help="processes to spawn when not started by torchrun")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes to spawn when not started by torchrun (default 2; under torchrun, its world size)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     _check_args(p, args)
@@ -57,8 +58,9 @@ def _args(argv=None):
 def _check_args(p: argparse.ArgumentParser, args) -> None:
     """Sizes the demo cannot run refused by name, before any process starts (the library checks the rest, e.g.
     heads the Ulysses degree must divide, on every rank)."""
-    positive = ["batch", "heads", "kv_heads", "headdim", "iters", "nproc"]
-    positive += [name for name in ("seqlen", "num_chunks", "ulysses_degree") if getattr(args, name) is not None]
+    positive = ["batch", "heads", "kv_heads", "headdim", "iters"]
+    optional = ("seqlen", "num_chunks", "ulysses_degree", "nproc")
+    positive += [name for name in optional if getattr(args, name) is not None]
     for name in positive:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
@@ -75,6 +77,21 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--kv-heads ({args.kv_heads}) must divide --heads ({args.heads})")
     if not 0 < args.timeout < math.inf:  # (the module refuses inf too, but only once every rank has started)
         p.error(f"--timeout must be a positive, finite number of seconds, got {args.timeout}")
+    world = _launched_world()
+    if world is None:
+        args.nproc = 2 if args.nproc is None else args.nproc
+    elif args.nproc not in (None, world):  # the launcher started the ranks: --nproc was ignored silently
+        p.error(f"--nproc {args.nproc} contradicts the launcher's world size {world} (WORLD_SIZE): --nproc is the "
+                "number of processes to spawn without torchrun; leave it out under torchrun (--nproc-per-node sets it)")
+    else:
+        args.nproc = world
+
+
+def _launched_world():
+    """The world size when a launcher (torchrun, or this demo's own spawn) started this process, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
 
 
 class _Progress:
@@ -275,7 +292,7 @@ def _spawned(local_rank: int, nproc: int, port: int, argv):
 
 def main(argv=None) -> int:
     args = _args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if _launched_world() is not None:
         return run(args)
     import torch.multiprocessing as mp
 

@@ -77,3 +77,22 @@ def test_auto_strategy_reports_the_plan_of_the_degree_it_runs():
     out = _run([sys.executable, "-m", "fa4dist.demo", "--nproc", "2", "--strategy", "auto", "--no-check", *SMALL])
     assert "strategy: ulysses" in out and "ulysses=2: each rank computes 1/2" in out, out
     assert "ring of" not in out and "receives K/V" not in out, out
+
+
+def test_nproc_that_contradicts_torchruns_world_size_is_refused(monkeypatch, capsys):
+    """Started by a launcher (RANK and WORLD_SIZE set) the demo ignored --nproc silently: `RANK=0 WORLD_SIZE=1 python
+    -m fa4dist.demo --nproc 4` ran and passed on 1 rank (torchrun itself refuses --nproc as an ambiguous prefix of
+    its --nproc-per-node; other launchers pass it on). A --nproc other than the launcher's world size is refused by
+    name; the same number, or none, runs."""
+    from fa4dist import demo
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exit_info:
+        demo._args(["--nproc", "4"])
+    assert exit_info.value.code == 2
+    assert "--nproc 4 contradicts the launcher's world size 2 (WORLD_SIZE)" in capsys.readouterr().err
+    assert demo._args(["--nproc", "2"]).nproc == 2 and demo._args([]).nproc == 2
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert demo._args(["--nproc", "4"]).nproc == 4 and demo._args([]).nproc == 2  # spawned: the default is 2
