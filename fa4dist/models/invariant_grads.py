@@ -23,6 +23,7 @@ Slower than autograd's own (one small product per block, int64 sums): a reproduc
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -243,22 +244,23 @@ class FixedPointGrads:
         instead of setting ``param.grad``.
 
         Returns the gradients' total 2-norm (before clipping), computed from the whole gradients the same way on
-        every rank, hence the same bits at every cp size, unlike a norm over shards."""
-        if isinstance(divide_by, bool) or not isinstance(divide_by, (int, float)) or not 0 < divide_by < math.inf:
-            raise ValueError(f"divide_by must be a positive number (the replicas' count), got {divide_by!r}")
-        if max_norm is not None:
-            _check_max_norm(max_norm)
-        if assign is not None and not callable(assign):
-            raise TypeError(f"assign must be a function (param, grad) or None, got {type(assign).__name__}")
-        if self.retired:
-            raise RuntimeError(f"this FixedPointGrads no longer receives the model's gradients: {self.retired} "
-                               "retired it (finish the one model.invariant_grads holds)")
-        self.check_params()
+        every rank, hence the same bits at every cp size, unlike a norm over shards.
+
+        On a group, a call that one rank's checks refuse raises on every rank (naming that rank) before the sums
+        are exchanged: the others waited in the all-reduce for it until the group's timeout."""
         live = [s for s in self.sites if s.total is not None]
-        if live:
-            flat = self.sum_over_group([s.total for s in live])
-            for s, part in zip(live, torch.split(flat, [s.total.numel() for s in live])):
-                s.settle(part.view(s.total.shape))
+        error = None
+        try:
+            self._check_finish(divide_by, max_norm, assign)
+        except Exception as err:  # on a group: the other ranks must not wait for this one
+            if not self.distributed:
+                raise
+            error = err
+        with self._agreed(error, live):
+            if live:
+                flat = self.sum_over_group([s.total for s in live])
+                for s, part in zip(live, torch.split(flat, [s.total.numel() for s in live])):
+                    s.settle(part.view(s.total.shape))
         grads: dict[int, torch.Tensor] = {}
         for s in self.sites:
             if s.earlier is not None:
@@ -287,6 +289,31 @@ class FixedPointGrads:
                 g = distribute_tensor(g, param.device_mesh, param.placements, src_data_rank=None)
             param.grad = g if param.grad is None else param.grad + g
         return norm
+
+    def _check_finish(self, divide_by, max_norm, assign) -> None:
+        """finish()'s arguments and this object's state (every rank checks its own)."""
+        if isinstance(divide_by, bool) or not isinstance(divide_by, (int, float)) or not 0 < divide_by < math.inf:
+            raise ValueError(f"divide_by must be a positive number (the replicas' count), got {divide_by!r}")
+        if max_norm is not None:
+            _check_max_norm(max_norm)
+        if assign is not None and not callable(assign):
+            raise TypeError(f"assign must be a function (param, grad) or None, got {type(assign).__name__}")
+        if self.retired:
+            raise RuntimeError(f"this FixedPointGrads no longer receives the model's gradients: {self.retired} "
+                               "retired it (finish the one model.invariant_grads holds)")
+        self.check_params()
+
+    def _agreed(self, error: Optional[Exception], live: list):
+        """Where finish() exchanges its sums: on a group, after the agreement check of the call (every rank's checks
+        passed, and the sums to exchange have one size), which raises on every rank otherwise."""
+        if not self.distributed:
+            return contextlib.nullcontext()
+        from ..context_parallel.comm import Transport
+        from .loss import agreed_call
+
+        sig = dict(sites=len(live), elements=sum(s.total.numel() for s in live))
+        transport = Transport(self.group, label="fa4dist invariant gradients")
+        return agreed_call("FixedPointGrads.finish", self.group, transport, sig, error)
 
 
 def _check_max_norm(max_norm) -> None:

@@ -18,6 +18,7 @@ seen by the others: they time out after ``timeout`` seconds with a message namin
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -186,7 +187,6 @@ def reduce_value(value: torch.Tensor, group=None, op=dist.ReduceOp.SUM, *, timeo
         check_timeout(timeout)
         return check(value)
     from fa4dist.context_parallel.comm import Transport
-    from fa4dist.context_parallel.core import raise_disagreement, signature_digest
 
     label = "fa4dist reduce_value"
     error, sig, wait = None, None, 300.0
@@ -207,14 +207,27 @@ def reduce_value(value: torch.Tensor, group=None, op=dist.ReduceOp.SUM, *, timeo
                    op=op.name if isinstance(op, dist.ReduceOp.RedOpType) else type(op).__name__)
     except Exception as err:  # the other ranks must not wait for this one
         error = err
-    with _one_thread("reduce_value", group, label):
-        call = _next_call("reduce_value", group)
+    with agreed_call("reduce_value", group, transport, sig, error):
+        dist.all_reduce(value, op=op, group=group)
+    return value
+
+
+@contextmanager
+def agreed_call(function: str, group, transport, sig, error):
+    """One call of ``function`` on ``group`` (several ranks, ``transport`` on it) that every rank makes alike, its
+    body (the call's collectives) under the group's thread guard: first a fingerprint of the call (the digest of
+    ``sig``, the call's number, whether this rank's own checks refused it: ``error``) goes through the group's
+    store, as the attention's agreement check (``ContextParallel.agree``) does, and when a rank's call differs or
+    was refused every rank raises the same error naming it, instead of the others waiting in the collective."""
+    from fa4dist.context_parallel.core import raise_disagreement, signature_digest
+
+    with _one_thread(function, group, transport.label):
+        call = _next_call(function, group)
         # the row of ContextParallel.agree's exchanges on the group's store: paired with one of them by a rank that
         # skipped or added a call, each side sees the other's digest and both raise
         rows = transport.host_gather_ints([signature_digest(sig), call, int(error is not None), 0],
-                                          f"the agreement check of reduce_value call {call}")
+                                          f"the agreement check of {function} call {call}")
         if any(r[2] or r[3] for r in rows) or len({(r[0], r[1]) for r in rows}) > 1:
-            raise_disagreement([transport], transport.rank, "reduce_value call", call, sig, error, label=label,
-                               calls="reduce_value call")
-        dist.all_reduce(value, op=op, group=group)
-    return value
+            raise_disagreement([transport], transport.rank, f"{function} call", call, sig, error,
+                               label=transport.label, calls=f"{function} call")
+        yield

@@ -355,3 +355,49 @@ def test_invariant_gradients_over_a_group_without_this_rank_are_refused(pool):
     for error, kept in pool.run(_outsider)[2:]:
         assert error is not None and error[0] == "ValueError" and "not a member" in error[1], error
         assert kept
+
+
+def _one_rank_refuses_finish(rank, world):
+    """Ranks 0 and 1 sum their invariant gradients over their group; after the backward rank 1 replaces its
+    parameters (load_state_dict(assign=True)), which its finish() refuses: each rank's (error type, message) and
+    the seconds its finish() took, and whether a second, agreed finish() then completes on both."""
+    import time
+
+    from fa4dist.models import FA4Llama, get_config
+
+    if rank >= 2:
+        return None
+    torch.manual_seed(0)
+    model = FA4Llama(get_config("tiny"), None, backend="reference")
+    grads = model.set_invariant_grads(True, GROUPS[2])
+    model(torch.arange(20), torch.arange(20)).float().logsumexp(-1).sum().backward()
+    held = {k: v.clone() for k, v in model.state_dict().items()}
+    if rank == 1:
+        model.load_state_dict(held, assign=True)
+    start = time.monotonic()
+    try:
+        grads.finish()
+        error = None
+    except Exception as err:  # noqa: BLE001
+        error = type(err).__name__, str(err)
+    seconds = time.monotonic() - start
+    if rank == 1:  # back to the installed parameters: the step's sums are still there
+        for site in grads.sites:
+            site.module._parameters["weight"] = site.param
+    grads.finish()
+    return error, seconds, all(p.grad is not None for p in model.parameters())
+
+
+def test_a_finish_that_one_rank_refuses_fails_on_every_rank(pool):
+    """finish()'s own checks (replaced parameters here) raised on the one rank whose check failed, while the other
+    ranks went on into the all-reduce of the sums: they waited there until the group's timeout, or (here) it paired
+    with the refusing rank's next finish() and they finished silently with mixed steps. Every rank now raises at
+    once, the others naming the refusing rank and its error; a later agreed finish() still works."""
+    results = pool.run(_one_rank_refuses_finish, timeout=60.0)[:2]
+    (error0, seconds0, done0), (error1, seconds1, done1) = results
+    assert error0 is not None and error0[0] == "ValueError", error0
+    assert "rank 1" in error0[1] and "installed for parameters the model no longer holds" in error0[1], error0
+    assert error1 is not None and error1[0] == "ValueError", error1
+    assert "installed for parameters the model no longer holds" in error1[1], error1
+    assert seconds0 < 20 and seconds1 < 20, (seconds0, seconds1)
+    assert done0 and done1
