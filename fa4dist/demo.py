@@ -58,6 +58,8 @@ def _args(argv=None):
 def _check_args(p: argparse.ArgumentParser, args) -> None:
     """Sizes the demo cannot run refused by name, before any process starts (the library checks the rest, e.g.
     heads the Ulysses degree must divide, on every rank)."""
+    from fa4dist.kernels.problem import check_seed
+
     positive = ["batch", "heads", "kv_heads", "headdim", "iters"]
     optional = ("seqlen", "num_chunks", "ulysses_degree", "nproc")
     positive += [name for name in optional if getattr(args, name) is not None]
@@ -77,6 +79,10 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--kv-heads ({args.kv_heads}) must divide --heads ({args.heads})")
     if not 0 < args.timeout < math.inf:  # (the module refuses inf too, but only once every rank has started)
         p.error(f"--timeout must be a positive, finite number of seconds, got {args.timeout}")
+    try:  # (past torch's range: "Overflow when unpacking long long" on every rank, their group up)
+        check_seed("--seed", args.seed)
+    except ValueError as err:
+        p.error(str(err))
     world = _launched_world()
     if world is None:
         args.nproc = 2 if args.nproc is None else args.nproc

@@ -51,6 +51,7 @@ def test_demo_self_launched_packed_ulysses():
     (["--timeout", "-1"], "--timeout must be a positive, finite number of seconds, got -1"),
     (["--timeout", "inf"], "--timeout must be a positive, finite number of seconds, got inf"),
     (["--timeout", "nan"], "--timeout must be a positive, finite number of seconds, got nan"),
+    (["--seed", str(2**64)], r"--seed must be in \[-2\*\*63, 2\*\*64\) \(torch's seeds\), got 18446744073709551616"),
     # the default strategy is ring: a bare --ulysses-degree failed on every rank with "ulysses_degree=2 contradicts
     # strategy='ring'", a strategy the command never named
     (["--ulysses-degree", "2"], "--ulysses-degree 2 needs --strategy hybrid \\(or auto\\); --strategy ring, the"),
