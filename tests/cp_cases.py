@@ -262,12 +262,12 @@ def destroyed_module_group_case(rank, world):
     return None
 
 
-def saving_errors(*saves):
-    """(exception type name, message) of each save callable that raises, None for each that does not."""
+def call_errors(*calls):
+    """(exception type name, message) of each callable that raises, None for each that does not."""
     errors = []
-    for save in saves:
+    for call in calls:
         try:
-            save()
+            call()
             errors.append(None)
         except Exception as err:  # noqa: BLE001
             errors.append((type(err).__name__, str(err)))
@@ -285,7 +285,7 @@ def pickle_case(rank, world, *, cp):
     if module is None:
         return None
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), module)
-    errors = saving_errors(lambda: pickle.dumps(module), lambda: torch.save(model, io.BytesIO()))
+    errors = call_errors(lambda: pickle.dumps(module), lambda: torch.save(model, io.BytesIO()))
     twin = copy.deepcopy(model)
     torch.save(model.state_dict(), io.BytesIO())  # what the message says to save
     return errors, twin[1].cp.group is module.cp.group
@@ -439,11 +439,4 @@ def not_a_group_case(rank, world):
              lambda: FA4ContextParallelAttention(ulysses_group="u", ring_group=GROUPS[world]),
              lambda: FA4Llama(get_config("tiny"), "cp"), lambda: FixedPointGrads(mesh),
              lambda: reduce_value(torch.ones(1), "cp"), lambda: cp_cross_entropy(logits, labels, "cp"))
-    out = []
-    for call in calls:
-        try:
-            call()
-            out.append(None)
-        except Exception as err:  # noqa: BLE001
-            out.append((type(err).__name__, str(err)))
-    return out
+    return call_errors(*calls)

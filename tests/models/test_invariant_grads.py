@@ -5,7 +5,7 @@ packed sample, cp = 1, 2, 4 (ring and Ulysses) on CPU gloo in fp32."""
 import pytest
 import torch
 
-from cp_cases import saving_errors
+from cp_cases import call_errors
 from cp_harness import GROUPS, shared_pool
 
 pytestmark = pytest.mark.timeout(300)
@@ -310,7 +310,7 @@ def _pickling(rank, world):
         return None
     model = FA4Llama(get_config("tiny"), None, backend="reference")
     grads = model.set_invariant_grads(True, GROUPS[2])
-    errors = saving_errors(lambda: pickle.dumps(grads), lambda: torch.save(model, io.BytesIO()))
+    errors = call_errors(lambda: pickle.dumps(grads), lambda: torch.save(model, io.BytesIO()))
     twin = copy.deepcopy(model)
     torch.save(model.state_dict(), io.BytesIO())  # what the message says to save
     model.set_invariant_grads(True, None)
