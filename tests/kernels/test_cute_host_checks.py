@@ -33,6 +33,19 @@ def test_supports_takes_no_diagonal_the_launches_refuse(direction):
     assert cute_backend.CuteSm90Backend._band(replace(item, q_offset=limit)) is not None
 
 
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_supports_declines_a_score_scale_beyond_one_float32(direction):
+    """The kernels take softmax_scale / softcap (or softmax_scale * log2(e)) as one float32: in range each, the
+    ratio can still overflow or underflow it (a kernel would compute inf * 0 = NaN for a zero score). supports()
+    declines such calls, naming both, so that "auto" takes another backend and a named "cute" says why."""
+    assert _supports(direction, softcap=30.0) is None
+    assert _supports(direction, softmax_scale=1e30, softcap=30.0) is None
+    for kw in (dict(softmax_scale=1e30, softcap=1e-30), dict(softmax_scale=1e-30, softcap=1e30),
+               dict(softmax_scale=3e38)):
+        refusal = _supports(direction, **kw)
+        assert refusal is not None and "float32" in refusal.reason and "softmax_scale" in refusal.reason, kw
+
+
 def test_per_segment_offsets_beyond_int32_reach_the_kernels_as_diagonals():
     """Packed segments at global positions past 2^31 whose diagonals fit: supports() takes them, so the offsets the
     kernels get (int32 tensors, only their difference used) must be built without overflow, with the diagonals

@@ -83,6 +83,9 @@ class CuteSm90Backend:
             )
         if problem.softmax_scale <= 0:  # both kernels mask with -inf scores, which a negative scale would flip
             return Unsupported(f"cute needs a positive softmax_scale, got {problem.softmax_scale}")
+        if not host.score_scale_fits(problem.softmax_scale, problem.softcap or 0.0):
+            return Unsupported(f"softmax_scale {problem.softmax_scale:g} over softcap {problem.softcap or 0.0:g}: "
+                               f"the cute kernels take their score scale as one normal float32 number")
         from . import backward as _bwd
 
         if direction == "backward" and problem.head_dim not in _bwd.BWD_HEAD_DIMS:

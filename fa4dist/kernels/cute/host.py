@@ -195,6 +195,18 @@ def score_scale(softmax_scale: float, softcap: float) -> float:
     return float(softmax_scale) * math.log2(math.e)
 
 
+def score_scale_fits(softmax_scale: float, softcap: float) -> bool:
+    """Whether score_scale is a normal float32 number: with soft-capping the ratio softmax_scale / softcap can
+    leave float32's range though both are inside it (a kernel would then compute inf * 0 = NaN for a zero score
+    where the scores, scaled then capped, are 0), and softmax_scale * log2(e) can pass float32's largest."""
+    value = abs(score_scale(softmax_scale, softcap))
+    return FLOAT32_TINY <= value <= FLOAT32_MAX
+
+
+FLOAT32_TINY = 2.0 ** -126
+FLOAT32_MAX = (2.0 - 2.0 ** -23) * 2.0 ** 127
+
+
 def is_uniform_offset(x) -> bool:
     return not isinstance(x, (torch.Tensor, list, tuple))
 
