@@ -35,10 +35,11 @@ How it works:
   distinct (scale, window, softcap); learned per-head attention sinks (GPT-OSS's ``s_aux``) go with each call, and
   each rank's sinks gradient is its rows' share (summed over the cp ranks it is the whole gradient, as a dp x cp
   gradient reduction does).  What it cannot compute exactly is refused with :class:`UnsupportedMask` naming it:
-  chunked or bidirectional attention, per-token sinks, attention dropout in training, padding masks, KV caches, a
-  batch of more than one row.  The mask transformers builds for the local shard is checked to be causal (with the
-  layer's sliding window) within the local runs of positions, what plain causal LM masking gives, so a model that
-  overlays its own mask pattern fails instead of being silently wrong.
+  chunked or bidirectional attention, per-token sinks, attention dropout in training, padding masks, KV caches (a
+  call with the plan that asks for one: each rank's cache would hold its shard alone), a batch of more than one row.
+  The mask transformers builds for the local shard is checked to be causal (with the layer's sliding window) within
+  the local runs of positions, what plain causal LM masking gives, so a model that overlays its own mask pattern
+  fails instead of being silently wrong.
 - ``loss(logits, local)``: :func:`fa4dist.models.cp_cross_entropy` of the local logits and shifted labels: the
   rank's summed token losses over the global count of target tokens.  Gradients summed over the cp ranks are the
   single-process gradients (a wrapper that averages over dp x cp ranks needs the loss multiplied by cp).
@@ -67,6 +68,7 @@ from .hf import (NO_WINDOW, UnsupportedMask, attention_sinks, fa4dist_mask, laye
 
 PLAN_KEY = "fa4dist_cp_plan"  # the local batch's key holding the ShardPlan (transformers passes it to attention)
 LABELS_KEY = "shift_labels"  # transformers' own name for labels that are already shifted
+CACHE_KEY = "fa4dist_cp_cache"  # set by the handle's model hook when a forward with a plan asks for a KV cache
 _HANDLES: dict[str, "ContextParallelHandle"] = {}
 _NAMES = itertools.count()
 _CHECKSUM_SEED = 0x9E3779B1
@@ -172,6 +174,9 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
             raise UnsupportedMask(f"context-parallel attention got a precomputed {type(attention_mask).__name__} "
                                   "mask; it computes causal attention within the batch's documents only")
         _refuse_unsupported(module, dropout)
+        if kwargs.get(CACHE_KEY):
+            raise UnsupportedMask("context parallelism does not run with a KV cache: each rank's cache would hold "
+                                  "its shard's keys alone (pass use_cache=False and no past_key_values / cache)")
         if query.shape[0] != 1:
             raise UnsupportedMask(f"context parallelism takes one packed row (batch size 1), got {query.shape[0]}")
         window = layer_window(attention_mask.window if attention_mask is not None else None, sliding_window)
@@ -193,6 +198,20 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (L, heads, D)
     out = attention(q, k, v, plan, sinks=sinks)
     return out.unsqueeze(0), None
+
+
+def _cache_hook(module, args, kwargs):
+    """The base model's forward pre-hook: a call with a plan that asks for a KV cache (use_cache=True, or a cache
+    passed) is marked for the attention to refuse (through its agreement check, so every cp rank raises at once);
+    use_cache left out (the config's default, often True) becomes False, as no cache of a shard is ever right."""
+    if PLAN_KEY not in kwargs:
+        return None
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if kwargs.get("use_cache") is None and cache is None:
+        kwargs["use_cache"] = False
+    elif kwargs.get("use_cache") or cache is not None:
+        kwargs[CACHE_KEY] = True
+    return args, kwargs
 
 
 def _set_attn_implementation(model, name: str):
@@ -258,6 +277,9 @@ class ContextParallelHandle:
         AttentionMaskInterface.register(self.name, _cp_mask)
         _HANDLES[self.name] = self
         _set_attn_implementation(model, self.name)
+        # on the base model, which the task heads call with the batch's kwargs (the plan among them)
+        self._cache_hook = getattr(model, "base_model", model).register_forward_pre_hook(_cache_hook,
+                                                                                         with_kwargs=True)
         self.enabled = True
 
     # ---- groups -------------------------------------------------------------------------------------------------
@@ -442,6 +464,7 @@ class ContextParallelHandle:
         if not self.enabled:
             return
         _HANDLES.pop(self.name, None)
+        self._cache_hook.remove()
         if self.previous is not None:
             _set_attn_implementation(self.model, self.previous)
         self.enabled = False

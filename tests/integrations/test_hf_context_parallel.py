@@ -660,3 +660,57 @@ def test_shard_batch_waits_the_handles_timeout(pool):
     got, seconds = pool.run(_one_rank_skips_shard_batch, timeout=30)[0]
     assert got.startswith("CommError: fa4dist shard_batch") and "timeout 2s" in got and "same batch" in got, got
     assert seconds < 10, seconds
+
+
+def _forward_with_a_cache(rank, world, case):
+    """model(**local) on ranks 0 and 1 of a throw-away group with a KV cache asked for (both ranks, or rank 1 only),
+    or with use_cache left out: (error or the gathered logits, whether a cache came back, seconds it took)."""
+    import time
+
+    import torch.distributed as dist
+    from cp_harness import fresh_group
+
+    group = fresh_group([0, 1])
+    if rank >= 2:
+        return None
+    model = tiny_model("llama")
+    model.eval()
+    handle = enable_context_parallel(model, group=group, timeout=10.0)
+    local = handle.shard_batch(packed_batch())
+    if case == "left_out":
+        del local["use_cache"]  # the model's config says use_cache=True
+    elif case == "both" or rank == 1:
+        local["use_cache"] = True
+    start = time.monotonic()
+    try:
+        with torch.no_grad():
+            out = model(**local)
+    except ValueError as err:
+        return f"{type(err).__name__}: {err}", None, time.monotonic() - start
+    finally:
+        handle.disable()
+    parts = [None, None]
+    dist.all_gather_object(parts, out.logits, group=group)
+    return local[PLAN_KEY].unshard(parts, seq_dim=1), out.past_key_values is not None, time.monotonic() - start
+
+
+@pytest.mark.parametrize("case", ["both", "one_rank"])
+def test_a_kv_cache_under_context_parallelism_is_refused_on_every_rank(pool, case):
+    """use_cache=True used to fill each rank's cache with its shard's keys and values alone (a later decode step
+    after disable() read them as the whole prompt's, silently); now every rank refuses it, at once."""
+    import re
+
+    results = pool.run(_forward_with_a_cache, case=case, timeout=30)[:2]
+    for rank, (got, _, seconds) in enumerate(results):
+        assert isinstance(got, str) and re.search(r"KV cache", got), (rank, got)
+        assert seconds < 5, (rank, seconds, got)
+
+
+def test_use_cache_left_out_runs_without_a_cache(pool):
+    """A local batch without use_cache (the model's config defaults it to True) runs with no cache: the logits are
+    the per-document oracle's and no cache comes back."""
+    (logits, cached, _), _ = pool.run(_forward_with_a_cache, case="left_out", timeout=30)[:2]
+    with torch.no_grad():
+        want = per_document_logits(tiny_model("llama"), packed_batch())
+    assert not cached
+    hf_tiny.assert_close_rel(logits, want, REL, "logits")
