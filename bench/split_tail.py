@@ -41,7 +41,7 @@ def main(argv=None):
         lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
         cfg = fwd.make_config(q.dtype, d, causal=False, varlen=False, accumulate=False)
         tiles = b * h * -(-s // cfg.tile_m)
-        plan = fwd.split_plan(tiles, cfg.persistent_ctas, -(-s // cfg.tile_n))
+        plan = fwd.dense_split_plan(cfg, q.shape, s)
         calls = {"split": lambda: fwd.forward(q, k, v, out, lse),
                  "unsplit": lambda: fwd.forward(q, k, v, out, lse, split_tail=False)}
         times = {(name, mode): [] for name in calls for mode in ("device", "host")}

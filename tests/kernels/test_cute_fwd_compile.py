@@ -333,6 +333,9 @@ def test_split_plan_splits_a_partial_last_wave_where_the_model_says_it_pays():
     assert plan(192, 132, 64) == (132, 2)
     assert plan(7 * 132 + 112, 132, 128) == (7 * 132 + 112, 1)  # a tail of 112 tiles: nearly a whole wave
     assert plan(160, 132, 7) == (160, 1)  # tiles of 7 blocks: too short to split
+    cfg = cute_fwd.make_config(torch.bfloat16, 128, causal=False, varlen=False, accumulate=False,
+                               persistent_ctas=132)
+    assert cute_fwd.dense_split_plan(cfg, (1, 4000, 5, 128), 4050) == (132, 4)  # 5 x 32 query tiles of 32 blocks
     assert plan(64, 132, 8) == (0, 2)  # one partial wave: halves of 4 blocks
     for tiles in range(1, 600, 7):
         for n_blocks in (1, 4, 9, 32, 100):

@@ -437,7 +437,7 @@ def test_split_tail_tiles(case):
     cfg = fa4cute.make_config(torch.bfloat16, d, causal=False, varlen=False, accumulate=False)
     assert cfg.split_tail
     num_m = -(-sq // cfg.tile_m)
-    start, parts = fa4cute.split_plan(b * h * num_m, cfg.persistent_ctas, -(-sk // cfg.tile_n))
+    start, parts = fa4cute.dense_split_plan(cfg, (b, sq, h, d), sk)
     if parts == 1:
         pytest.skip(f"no split on {cfg.persistent_ctas} SMs")
     torch.manual_seed(sq + d)

@@ -110,7 +110,8 @@ class FwdConfig:
     # dense non-causal launches on the dynamic persistent grid writing a fresh 16-bit out: the tiles of the last,
     # partial wave are split over their key blocks (split_plan), each part's (out, lse) written to an fp32 scratch
     # and merged by the part that finishes last, in part order. A split tile's bits differ from an unsplit one's
-    # (a merge of partial softmaxes), the same from run to run. Default from default_split_tail
+    # (a merge of partial softmaxes), the same from run to run. Default from default_split_tail; a launch that its
+    # plan does not split runs the variant without it (forward.forward)
     split_tail: bool = False
 
     def build(self):
@@ -598,7 +599,10 @@ def forward(
                           seg_offsets=seg_offsets, out_fp32=out_fp32, window_left=window_left, softcap=softcap,
                           sinks=has_sinks, short=short, tiny=tiny, interleave=interleave, chained=chained,
                           **overrides)
-        fast = (host.get_compiled(cfg), cfg.takes_tile_counter, cfg if cfg.split_tail else None)
+        # a split_tail variant splits only the launches its plan splits (few whole waves); every other launch runs
+        # the same variant without it, whose kernel is the unsplit one
+        plain = dataclasses.replace(cfg, split_tail=False) if cfg.split_tail else cfg
+        fast = (host.get_compiled(plain), cfg.takes_tile_counter, cfg if cfg.split_tail else None)
         if not overrides and not _OVERRIDE:
             _FAST[fast_key] = fast
     fn, takes_counter, split = fast
@@ -608,25 +612,33 @@ def forward(
     else:
         msq = 1
     scale_log2 = host.score_scale(softmax_scale, softcap)
-    counter = host.tile_counter(takes_counter, q.device)
     split_args = (None, None, None, None)
-    if split is not None:
-        split_args, counter = _split_launch(split, q, k)
+    plan = dense_split_plan(split, q.shape, k.shape[1]) if split is not None else None
+    if plan is not None and plan[1] > 1:
+        fn = host.get_compiled(split)
+        split_args, counter = _split_buffers(split, q, plan)
+    else:
+        counter = host.tile_counter(takes_counter, q.device)
     fn(q, k, v, out, lse, scale_log2, diag, msq, cu_seqlens_q, cu_seqlens_k, off_q, off_k, sinks, counter,
        *split_args)
     return out, lse
 
 
-def _split_launch(cfg: FwdConfig, q, k):
-    """(the split_tail kernel's scratch and plan arguments, its counter) for a dense call: the tile counter and one
-    arrival counter per split tile, zeroed, and the parts' fp32 (out, lse) scratch (split_plan)."""
+def dense_split_plan(cfg: FwdConfig, q_shape, seqlen_k: int) -> tuple[int, int]:
+    """split_plan of a dense call (q (b, s_q, h, d)) on ``cfg``'s tiles and persistent grid."""
+    b, sq, h, _ = q_shape
+    return split_plan(b * h * -(-sq // cfg.tile_m), cfg.persistent_ctas, -(-seqlen_k // cfg.tile_n))
+
+
+def _split_buffers(cfg: FwdConfig, q, plan):
+    """(the split_tail kernel's scratch and plan arguments, its counter) for a dense call that splits: the tile
+    counter and one arrival counter per split tile, zeroed, and the parts' fp32 (out, lse) scratch."""
     b, sq, h, d = q.shape
-    num_tiles = b * h * -(-sq // cfg.tile_m)
-    start, parts = split_plan(num_tiles, cfg.persistent_ctas, -(-k.shape[1] // cfg.tile_n))
-    slots = max((num_tiles - start) * parts, 1)
-    scratch_o = torch.empty(slots * cfg.tile_m, d, dtype=torch.float32, device=q.device)
-    scratch_lse = torch.empty(slots * cfg.tile_m, dtype=torch.float32, device=q.device)
-    counter = torch.zeros(1 + num_tiles - start, dtype=torch.int32, device=q.device)
+    start, parts = plan
+    split_tiles = b * h * -(-sq // cfg.tile_m) - start
+    scratch_o = torch.empty(split_tiles * parts * cfg.tile_m, d, dtype=torch.float32, device=q.device)
+    scratch_lse = torch.empty(split_tiles * parts * cfg.tile_m, dtype=torch.float32, device=q.device)
+    counter = torch.zeros(1 + split_tiles, dtype=torch.int32, device=q.device)
     return (scratch_o, scratch_lse, start, parts), counter
 
 
