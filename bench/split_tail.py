@@ -1,10 +1,14 @@
-"""The forward's split of the last partial wave (FwdConfig.split_tail) against the same kernel unsplit, in device
-time (each call queued behind a device spin, so the host's launch cost is hidden) and from an idle device (host
-included), on shapes given as B x S x H at one head dim, non-causal, bf16.
+"""The forward's split of a few-wave launch's tail (FwdConfig.split_tail: non-causal the last partial wave,
+causal the longest tiles) against the same kernel unsplit, in device time (each call queued behind a device spin,
+so the host's launch cost is hidden) and from an idle device (host included), on shapes given as B x S x H at one
+head dim, bf16.
 
     python bench/split_tail.py --headdim 128 --shapes 1x4096x5 1x8192x3 4x4096x16 --rounds 5
+    python bench/split_tail.py --causal --headdim 128 --shapes 1x4096x4 1x16384x1 1x4096x8 --rounds 5
 
-Prints a table (with each shape's tiles and split_plan) and writes $OUT/<date>-split-tail.json (or bench/results/).
+The baselines run in the same rounds, timed the same way: torch's cuDNN SDPA op and flash-attn-4 when carried
+(bench/kernels.py's callables). Prints a table (with each shape's tiles and plan) and writes
+$OUT/<date>-split-tail.json (or bench/results/).
 """
 
 from __future__ import annotations
@@ -21,49 +25,61 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from fa4dist.kernels.cute import forward as fwd  # noqa: E402
-from timing import cuda_median_ms  # noqa: E402  (bench/, the script's folder)
+from kernels import _cudnn_raw, _fa4  # noqa: E402  (bench/, the script's folder: the baselines' callables)
+from timing import cuda_median_ms  # noqa: E402
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--causal", action="store_true")
     p.add_argument("--shapes", nargs="+", default=["1x4096x5", "1x8192x3", "4x4096x16"])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args(argv)
     d = args.headdim
+    fa4 = _fa4()
     rows = []
     for shape in args.shapes:
         b, s, h = (int(x) for x in shape.split("x"))
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out = torch.empty_like(q)
         lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
-        cfg = fwd.make_config(q.dtype, d, causal=False, varlen=False, accumulate=False)
+        causal = args.causal
+        cfg = fwd.make_config(q.dtype, d, causal=causal, varlen=False, accumulate=False)
         tiles = b * h * -(-s // cfg.tile_m)
         plan = fwd.dense_split_plan(cfg, q.shape, s)
-        calls = {"split": lambda: fwd.forward(q, k, v, out, lse),
-                 "unsplit": lambda: fwd.forward(q, k, v, out, lse, split_tail=False)}
+        split_tiles = fwd.split_tile_count(cfg, q.shape, plan) if plan[1] > 1 else 0
+        calls = {"split": lambda: fwd.forward(q, k, v, out, lse, causal=causal),
+                 "unsplit": lambda: fwd.forward(q, k, v, out, lse, causal=causal, split_tail=False),
+                 "cudnn": lambda: _cudnn_raw(q, k, v, causal)}
+        if fa4 is not None:
+            calls["flash_attn_4"] = lambda: fa4(q, k, v, causal=causal)
         times = {(name, mode): [] for name in calls for mode in ("device", "host")}
         for _ in range(args.rounds):  # interleaved rounds
             for name, fn in calls.items():
                 times[(name, "device")].append(cuda_median_ms(fn, args.reps, queue_ahead_ms=5.0))
                 times[(name, "host")].append(cuda_median_ms(fn, args.reps))
-        flops = 4 * b * h * s * s * d
-        row = dict(shape=shape, headdim=d, tiles=tiles, ctas=cfg.persistent_ctas, split_start=plan[0], parts=plan[1])
+        flops = 4 * b * h * s * s * d // (2 if causal else 1)
+        row = dict(shape=shape, headdim=d, causal=causal, tiles=tiles, ctas=cfg.persistent_ctas,
+                   split_tiles=split_tiles, parts=plan[1])
         for (name, mode), t in times.items():
             row[f"{name}_{mode}_ms"] = statistics.median(t)
             row[f"{name}_{mode}_tflops"] = flops / statistics.median(t) / 1e9
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("| shape (B x S x H) | tiles | plan | device: split / unsplit TFLOP/s | gain | from idle: split / unsplit "
-          "| gain |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape (B x S x H) | tiles | plan | device: split / unsplit TFLOP/s | gain | cuDNN | flash-attn-4 "
+          "| split / FA4 | from idle: split / unsplit | gain |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         dev = r["unsplit_device_ms"] / r["split_device_ms"] - 1
         host = r["unsplit_host_ms"] / r["split_host_ms"] - 1
-        print(f"| {r['shape']} | {r['tiles']} | {r['split_start']} + {r['tiles'] - r['split_start']} x {r['parts']} | "
+        fa4_tf = r.get("flash_attn_4_device_tflops")
+        fa4_cols = f"{fa4_tf:.0f} | {r['split_device_tflops'] / fa4_tf:.2f}" if fa4_tf else "- | -"
+        print(f"| {r['shape']} | {r['tiles']} | {r['split_tiles']} in {r['parts']} | "
               f"{r['split_device_tflops']:.0f} / {r['unsplit_device_tflops']:.0f} | {dev:+.1%} | "
+              f"{r['cudnn_device_tflops']:.0f} | {fa4_cols} | "
               f"{r['split_host_tflops']:.0f} / {r['unsplit_host_tflops']:.0f} | {host:+.1%} |")
     date = datetime.date.today().isoformat()
     os.makedirs(args.out_dir, exist_ok=True)

@@ -345,23 +345,54 @@ def test_split_plan_splits_a_partial_last_wave_where_the_model_says_it_pays():
 
 
 def test_split_tail_default_scope():
-    """The last wave's split (FwdConfig.split_tail) by default on dense non-causal launches writing a fresh 16-bit
-    out on the dynamic persistent grid, hdim <= 128, no window or sinks (forward.split_tail_fits); not on causal,
-    packed, merging, fp32-out, windowed, sink or hdim-256 launches, nor on one CTA per tile. Forcing it where it
-    does not fit is an error naming the field."""
+    """The split of a few-wave launch's tail (FwdConfig.split_tail) by default on dense launches, causal or not,
+    writing a fresh 16-bit out on the dynamic persistent grid, one CTA per SM, hdim <= 128, no window or sinks
+    (forward.split_tail_fits); not on packed, merging, fp32-out, windowed, sink or hdim-256 launches, nor on one
+    CTA per tile or two per SM. Forcing it where it does not fit is an error naming the field."""
     make = functools.partial(cute_fwd.make_config, torch.bfloat16)
     for d in (64, 96, 128):
-        assert make(d, causal=False, varlen=False, accumulate=False).split_tail, d
-        assert make(d, causal=False, varlen=False, accumulate=False, softcap=30.0).split_tail, d
-    for kw in (dict(causal=True, varlen=False, accumulate=False), dict(causal=False, varlen=True, accumulate=False),
+        for causal in (False, True):
+            assert make(d, causal=causal, varlen=False, accumulate=False).split_tail, d
+            assert make(d, causal=causal, varlen=False, accumulate=False, softcap=30.0).split_tail, d
+    for kw in (dict(causal=False, varlen=True, accumulate=False), dict(causal=True, varlen=True, accumulate=False),
                dict(causal=False, varlen=False, accumulate=True), dict(causal=False, varlen=False, accumulate=False,
                                                                        out_fp32=True),
                dict(causal=False, varlen=False, accumulate=False, sinks=True),
-               dict(causal=False, varlen=False, accumulate=False, persistent_ctas=0)):
+               dict(causal=True, varlen=False, accumulate=False, window_left=100),
+               dict(causal=True, varlen=False, accumulate=False, persistent_ctas=0)):
         assert not make(128, **kw).split_tail, kw
     assert not make(256, causal=False, varlen=False, accumulate=False).split_tail
+    assert not make(64, causal=True, varlen=False, accumulate=False, short=True).split_tail  # two CTAs per SM
     with pytest.raises(ValueError, match="split_tail needs"):
-        make(128, causal=True, varlen=False, accumulate=False, split_tail=True)
+        make(128, causal=True, varlen=False, accumulate=False, window_left=100, split_tail=True)
+
+
+def test_causal_split_plan_splits_the_longest_tiles_of_a_launch_of_few_waves():
+    """forward.causal_split_plan: a causal launch of one wave or less ends with its longest tiles, so every head's
+    longest rows of tiles run in parts (claimed first) where the simulated claims say it pays; no split from
+    SPLIT_CAUSAL_MAX_WAVES waves on, nor where parts would be shorter than SPLIT_MIN_PART_BLOCKS blocks."""
+    plan = cute_fwd.causal_split_plan
+    assert plan(4, 4096, 4096, 0, 128, 128, 132) == (36, 2)  # 4 heads of 32 tiles: the 9 longest rows in halves
+    assert plan(1, 16384, 16384, 0, 128, 128, 132) == (118, 2)
+    assert plan(1, 4096, 4096, 0, 128, 128, 132) == (17, 4)
+    assert plan(8, 4096, 4096, 0, 128, 128, 132) == (0, 1)  # two waves: longest first balances them
+    assert plan(6, 4096, 4096, 0, 128, 128, 132) == (0, 1)  # 1.45 waves: the model gains < 10%
+    assert plan(64, 512, 512, 0, 128, 128, 132) == (0, 1)  # tiles of 1-4 blocks: too short to split
+    assert plan(4, 4096, 4096, -5000, 128, 128, 132) == (0, 1)  # no query sees a key
+    for heads in (1, 2, 3, 5, 8):
+        for s in (1000, 2048, 4000, 8192):
+            for diag in (0, -300, 1000):
+                edge, parts = plan(heads, s, s, diag, 128, 128, 132)
+                assert 1 <= parts <= cute_fwd.SPLIT_MAX_PARTS and (parts == 1) == (edge == 0)
+                assert edge % heads == 0 and edge <= heads * -(-s // 128)
+                if parts > 1:  # the shortest split tile still gives parts of the minimum length
+                    m = -(-s // 128) - edge // heads
+                    blocks = -(-min(s, (m + 1) * 128 + diag) // 128)
+                    assert blocks >= parts * cute_fwd.SPLIT_MIN_PART_BLOCKS
+    cfg = cute_fwd.make_config(torch.bfloat16, 128, causal=True, varlen=False, accumulate=False,
+                               persistent_ctas=132)
+    assert cute_fwd.dense_split_plan(cfg, (1, 4096, 4, 128), 4096) == (36, 2)
+    assert cute_fwd.split_tile_count(cfg, (1, 4096, 4, 128), (36, 2)) == 36
 
 
 def test_sum_from_old_follows_the_head_dim_only():

@@ -474,6 +474,71 @@ def test_split_tail_tiles(case):
     assert torch.isnan(nan_o[:, :, : h // hk]).all() and not torch.isnan(nan_o[:, :, h // hk:]).any()
 
 
+CAUSAL_SPLIT_CASES = [
+    # (b, sq, sk, h, hk, d, q_offset): dense causal launches of one wave or less on 132 SMs
+    (1, 4096, 4096, 4, 1, 128, 0),  # 128 tiles: the 9 longest of every head in halves
+    (1, 4096, 4096, 1, 1, 128, 0),  # 32 tiles: the 17 longest in quarters
+    (1, 4000, 4050, 3, 1, 128, 0),  # padding rows, the last key block cut, the keys past the queries' reach
+    (1, 2048, 4096, 6, 2, 128, 2048),  # bottom-right diagonal (q_offset: every tile long)
+    (2, 3000, 3000, 2, 2, 64, -200),  # 192-row tiles; the first 200 rows see no key
+    (1, 5000, 5000, 2, 1, 96, 0),
+]
+
+
+@pytest.mark.parametrize("case", CAUSAL_SPLIT_CASES, ids=[str(c) for c in CAUSAL_SPLIT_CASES])
+def test_causal_split_tiles(case):
+    """A causal launch of few waves runs its longest tiles as parts over their key blocks, claimed first
+    (forward.causal_split_plan, FwdConfig.split_tail), merged by the part that finishes last, in part order:
+    against the fp64 oracle with every element written (out / lse poisoned), the other tiles with the bytes of the
+    unsplit launch, the same bytes from run to run, and NaN in a V row NaN in exactly the rows that see it (also a
+    row that only a split tile's last part sees), as unsplit."""
+    b, sq, sk, h, hk, d, q_off = case
+    cfg = fa4cute.make_config(torch.bfloat16, d, causal=True, varlen=False, accumulate=False)
+    assert cfg.split_tail
+    num_m = -(-sq // cfg.tile_m)
+    edge, parts = fa4cute.dense_split_plan(cfg, (b, sq, h, d), sk, q_off)
+    if parts == 1:
+        pytest.skip(f"no split on {cfg.persistent_ctas} SMs")
+    assert edge % (b * h) == 0
+    torch.manual_seed(sq + d)
+    q, k, v = rand(b, sq, h, d, dtype=torch.bfloat16), rand(b, sk, hk, d, dtype=torch.bfloat16), \
+        rand(b, sk, hk, d, dtype=torch.bfloat16)
+
+    def launch(values=v, **kw):
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+        lse = torch.full((b, h, sq), float("nan"), dtype=torch.float32, device="cuda")
+        fa4cute.forward(q, k, values, out, lse, causal=True, q_offset=q_off, **kw)
+        torch.cuda.synchronize()
+        return out, lse
+
+    out, lse = launch()
+    ref_o, ref_l = ref_dense(q, k, v, d**-0.5, True, [q_off] * b, [0] * b)
+    check(out, lse, ref_o, ref_l, torch.bfloat16, True)
+    again = launch()
+    for a, g in zip((out, lse), again):
+        assert torch.equal(a.view(torch.uint8), g.view(torch.uint8)), "split tiles differ from run to run"
+    plain_o, plain_l = launch(split_tail=False)
+    # the split tiles: the longest edge / (b * h) query tiles of every (batch, head)
+    split_rows = torch.zeros(b, h, num_m * cfg.tile_m, dtype=torch.bool)
+    split_rows[..., (num_m - edge // (b * h)) * cfg.tile_m:] = True
+    split_rows = split_rows[..., :sq].cuda()
+    assert torch.equal(lse.view(torch.int32)[~split_rows], plain_l.view(torch.int32)[~split_rows])
+    keep = ~split_rows.transpose(1, 2)  # (b, sq, h)
+    assert torch.equal(out.view(torch.int16)[keep], plain_o.view(torch.int16)[keep])
+    assert (lse - plain_l)[split_rows].abs().max().item() < 1e-5
+    assert (out.float() - plain_o.float())[~keep].abs().max().item() < TOL[torch.bfloat16][0]
+    for bad in (17, sk - 5):  # seen by most rows / only by the last rows (a split tile's last part)
+        v_bad = v.clone()
+        v_bad[:, bad, 0] = float("nan")
+        nan_o, _ = launch(v_bad)
+        plain_nan_o, _ = launch(v_bad, split_tail=False)
+        sees = torch.arange(sq, device="cuda") + q_off >= bad  # (sq,): rows whose diagonal reaches the bad key
+        want = torch.zeros(b, sq, h, dtype=torch.bool, device="cuda")
+        want[:, :, : h // hk] = sees[None, :, None]
+        assert torch.equal(torch.isnan(nan_o).any(-1), want), f"V row {bad}"
+        assert torch.equal(torch.isnan(nan_o), torch.isnan(plain_nan_o)), f"V row {bad}"
+
+
 SCHEDULE_FIELD_CASES = [
     # (b, s, h, hk, d, causal, extra)
     (2, 1500, 4, 2, 128, False, {}),

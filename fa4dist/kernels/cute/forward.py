@@ -10,6 +10,8 @@ Everything that touches cutlass is imported lazily, so ``import fa4dist`` works 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -107,11 +109,12 @@ class FwdConfig:
     # first (tile_scheduler.causal_m_block). Only the order of tiles changes, never a sum's. Default from
     # interleaved_launch (short dense sequences)
     interleave_lengths: bool = False
-    # dense non-causal launches on the dynamic persistent grid writing a fresh 16-bit out: the tiles of the last,
-    # partial wave are split over their key blocks (split_plan), each part's (out, lse) written to an fp32 scratch
-    # and merged by the part that finishes last, in part order. A split tile's bits differ from an unsplit one's
-    # (a merge of partial softmaxes), the same from run to run. Default from default_split_tail; a launch that its
-    # plan does not split runs the variant without it (forward.forward)
+    # dense launches on the dynamic persistent grid writing a fresh 16-bit out: the tiles that make a few-wave
+    # launch's tail are split over their key blocks, non-causal the last partial wave's (split_plan), causal the
+    # longest (causal_split_plan); each part's (out, lse) goes to an fp32 scratch and the part that finishes last
+    # merges them, in part order. A split tile's bits differ from an unsplit one's (a merge of partial softmaxes),
+    # the same from run to run. Default from default_split_tail; a launch that its plan does not split runs the
+    # variant without it (forward.forward)
     split_tail: bool = False
 
     def build(self):
@@ -330,10 +333,11 @@ def chained_max_launch(head_dim: int, causal: bool, dense_plain: bool, seqlen_k:
 
 
 def split_tail_fits(cfg: FwdConfig) -> bool:
-    """Whether a variant can split its last wave's tiles (FwdConfig.split_tail): dense, non-causal, writing a fresh
-    16-bit out on the dynamic persistent grid, one CTA per SM, no window or sinks (a sink joins a row once, in the
-    merge; not built), hdim <= 128 (hdim 256 runs one CTA per tile)."""
-    return (cfg.persistent and cfg.takes_tile_counter and not cfg.causal and not cfg.varlen and not cfg.accumulate
+    """Whether a variant can split the tiles of a few-wave launch's tail (FwdConfig.split_tail): dense, causal or
+    not, writing a fresh 16-bit out on the dynamic persistent grid, one CTA per SM, no window (a part's rows then
+    see a prefix of its keys) or sinks (a sink joins a row once, in the merge; not built), hdim <= 128 (hdim 256
+    runs one CTA per tile)."""
+    return (cfg.persistent and cfg.takes_tile_counter and not cfg.varlen and not cfg.accumulate
             and not cfg.out_fp32 and not cfg.worklist and not cfg.sinks and cfg.window_left < 0
             and cfg.ctas_per_sm == 1 and cfg.intra_wg_overlap and cfg.head_dim <= 128)
 
@@ -378,6 +382,70 @@ def split_plan(num_tiles: int, num_ctas: int, n_blocks: int) -> tuple[int, int]:
         if cost < best_cost:
             best_parts, best_cost = parts, cost
     return (num_tiles - tail, best_parts) if best_parts > 1 else (num_tiles, 1)
+
+
+# causal_split_plan: only launches of fewer than this many waves of tiles (longest first, the dynamic claims
+# balance a causal launch of two waves or more already: its longest tile is at most one CTA's share). Its costs, in
+# key blocks: every tile or part SPLIT_CAUSAL_ITEM_BLOCKS blocks of 128 rows more (its launch share, Q load and
+# pipeline fill: a time, so fewer of a taller tile's blocks), a part
+# SPLIT_PART_OVERHEAD_BLOCKS more again, the last part SPLIT_CAUSAL_MERGE_BLOCKS_PER_PART per part: fitted to the
+# first measurement (H200, thirty-third session, bench/split_tail.py --causal, device time, hdim 128, halves of the
+# longest rows: +18 / +1 / +62 / +44 / +43 / +7% at 4 x 4k / 8 x 2k / 1 x 16k / 2 x 8k / 3 x 4k / 5 x 4k heads x
+# tokens; the fit gives +19 / +5 / +66 / +41 / +48 / +6%, the first model without the fixed cost +52 / +45 / +88 /
+# +73 / +73 / +23%). The refitted plans then measured +29 / +14 / +62 / +39 / +42 / +12% (predicted +32 / +17 / +66
+# / +41 / +48 / +12%), 1 x 4k in quarters +78% (+85%), 2 x 4k in thirds +67% (+76%); hdim 64's 192-row tiles +37 /
+# +58% at 4 x 4k / 2 x 8k in halves, +70% at 2 x 8k in thirds (call 1), which the fixed cost in 128-row blocks picks
+SPLIT_CAUSAL_MAX_WAVES = 2
+SPLIT_CAUSAL_ITEM_BLOCKS = 5.0
+SPLIT_CAUSAL_MERGE_BLOCKS_PER_PART = 1.0
+
+
+@functools.lru_cache(maxsize=256)
+def causal_split_plan(num_heads_batch: int, seqlen_q: int, seqlen_k: int, diag: int, tile_m: int, tile_n: int,
+                      num_ctas: int) -> tuple[int, int]:
+    """(split_tiles, parts) of a dense causal launch: its first ``split_tiles`` tiles in the split launch's order
+    (every head's longest tile, then every head's second longest, ...: tile_scheduler.fwd_work_tile's
+    longest_first_over_heads) run as ``parts`` parts over consecutive key blocks, claimed before the other tiles,
+    which follow whole; (0, 1): no split. A launch of one wave or less ends with its longest tile, twice the
+    average at equal sequences, which the parts spread over the SMs.
+
+    The choice simulates the dynamic claims (each CTA takes the next item in launch order when it finishes one) in
+    split_plan's units, with the costs above (SPLIT_CAUSAL_*); whole rows of tiles (every head's m-th tile) are
+    split, into parts of at least SPLIT_MIN_PART_BLOCKS blocks, and a split must bring the modelled time below
+    SPLIT_MAX_TAIL of the unsplit launch's. A function of the shapes and the SM count alone, so that a call's bits
+    repeat run to run (cached: a launch pays for the simulation once per shape)."""
+    num_m = -(-seqlen_q // tile_m)
+    if num_m * num_heads_batch >= SPLIT_CAUSAL_MAX_WAVES * num_ctas:
+        return 0, 1
+    n_k = -(-seqlen_k // tile_n)
+    # key blocks of query tile m (block_info.n_block_max: the keys its last row sees)
+    blocks = [min(n_k, -(-max(min(seqlen_q, (m + 1) * tile_m) + diag, 0) // tile_n)) for m in range(num_m)]
+    longest_first = blocks[::-1]
+
+    def makespan(costs) -> float:
+        free = [0.0] * num_ctas  # a heap of the CTAs' finish times
+        for c in costs:
+            heapq.heapreplace(free, free[0] + c)
+        return max(free)
+
+    fixed = SPLIT_CAUSAL_ITEM_BLOCKS * 128 / tile_m
+    part_fixed = fixed + SPLIT_PART_OVERHEAD_BLOCKS
+    whole = [n + fixed for n in longest_first for _ in range(num_heads_batch)]
+    best_cost = SPLIT_MAX_TAIL * makespan(whole)
+    best = (0, 1)
+    for parts in range(2, SPLIT_MAX_PARTS + 1):
+        for rows in range(1, num_m + 1):  # the longest ``rows`` tiles of every head split
+            if longest_first[rows - 1] < parts * SPLIT_MIN_PART_BLOCKS:
+                break
+            part_costs = []
+            for n in longest_first[:rows]:
+                one = [(p + 1) * n // parts - p * n // parts + part_fixed for p in range(parts)]
+                one[-1] += SPLIT_CAUSAL_MERGE_BLOCKS_PER_PART * parts
+                part_costs += one * num_heads_batch
+            cost = makespan(part_costs + whole[rows * num_heads_batch:])
+            if cost < best_cost:
+                best_cost, best = cost, (rows * num_heads_batch, parts)
+    return best
 
 
 _FIELDS = {
@@ -450,8 +518,8 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
     if "split_tail" not in kw:
         cfg = dataclasses.replace(cfg, split_tail=default_split_tail(cfg))
     elif cfg.split_tail and not split_tail_fits(cfg):
-        raise ValueError(f"split_tail needs a dense non-causal fresh 16-bit launch on the dynamic persistent grid "
-                         f"without window or sinks: {cfg}")
+        raise ValueError(f"split_tail needs a dense fresh 16-bit launch on the dynamic persistent grid, one CTA "
+                         f"per SM, without window or sinks: {cfg}")
     return cfg
 
 
@@ -613,7 +681,7 @@ def forward(
         msq = 1
     scale_log2 = host.score_scale(softmax_scale, softcap)
     split_args = (None, None, None, None)
-    plan = dense_split_plan(split, q.shape, k.shape[1]) if split is not None else None
+    plan = dense_split_plan(split, q.shape, k.shape[1], diag) if split is not None else None
     if plan is not None and plan[1] > 1:
         fn = host.get_compiled(split)
         split_args, counter = _split_buffers(split, q, plan)
@@ -624,22 +692,33 @@ def forward(
     return out, lse
 
 
-def dense_split_plan(cfg: FwdConfig, q_shape, seqlen_k: int) -> tuple[int, int]:
-    """split_plan of a dense call (q (b, s_q, h, d)) on ``cfg``'s tiles and persistent grid."""
+def dense_split_plan(cfg: FwdConfig, q_shape, seqlen_k: int, diag: int = 0) -> tuple[int, int]:
+    """(split_edge, parts) of a dense call (q (b, s_q, h, d), ``diag`` = q_offset - k_offset) on ``cfg``'s tiles
+    and persistent grid: split_plan's (first split tile, parts) non-causal, causal_split_plan's (split tiles,
+    parts) causal; parts = 1: no split."""
     b, sq, h, _ = q_shape
+    if cfg.causal:
+        return causal_split_plan(b * h, sq, seqlen_k, int(diag), cfg.tile_m, cfg.tile_n, cfg.persistent_ctas)
     return split_plan(b * h * -(-sq // cfg.tile_m), cfg.persistent_ctas, -(-seqlen_k // cfg.tile_n))
+
+
+def split_tile_count(cfg: FwdConfig, q_shape, plan) -> int:
+    """How many tiles a dense call's split plan splits (the kernel's FlashFwdSm90.split_tiles)."""
+    b, sq, h, _ = q_shape
+    edge, _ = plan
+    return edge if cfg.causal else b * h * -(-sq // cfg.tile_m) - edge
 
 
 def _split_buffers(cfg: FwdConfig, q, plan):
     """(the split_tail kernel's scratch and plan arguments, its counter) for a dense call that splits: the tile
     counter and one arrival counter per split tile, zeroed, and the parts' fp32 (out, lse) scratch."""
-    b, sq, h, d = q.shape
-    start, parts = plan
-    split_tiles = b * h * -(-sq // cfg.tile_m) - start
+    d = q.shape[-1]
+    edge, parts = plan
+    split_tiles = split_tile_count(cfg, q.shape, plan)
     scratch_o = torch.empty(split_tiles * parts * cfg.tile_m, d, dtype=torch.float32, device=q.device)
     scratch_lse = torch.empty(split_tiles * parts * cfg.tile_m, dtype=torch.float32, device=q.device)
     counter = torch.zeros(1 + split_tiles, dtype=torch.int32, device=q.device)
-    return (scratch_o, scratch_lse, start, parts), counter
+    return (scratch_o, scratch_lse, edge, parts), counter
 
 
 def forward_worklist(q, k, v, out, lse, table, max_q_len, *, softmax_scale, causal, window_left=-1, softcap=None,

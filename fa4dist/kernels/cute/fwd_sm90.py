@@ -176,10 +176,11 @@ class FlashFwdSm90:
         # a persistent CTA's next tile comes from a global counter (tile_scheduler.TileClaims) instead of the
         # static walk
         self.dynamic_tiles = dynamic_tiles and self.persistent
-        # the last partial wave's tiles run as parts over their key blocks, merged by the last part to finish
-        # (forward.split_plan; epilogue_split): dense non-causal fresh launches on the dynamic grid
+        # the tiles that make a few-wave launch's tail run as parts over their key blocks, merged by the last part
+        # to finish (epilogue_split): non-causal the last partial wave's tiles, claimed last (forward.split_plan),
+        # causal the longest tiles, claimed first (forward.causal_split_plan); dense fresh launches, dynamic grid
         self.split_tail = split_tail
-        assert not split_tail or (self.dynamic_tiles and not varlen and not causal and not accumulate and not sinks
+        assert not split_tail or (self.dynamic_tiles and not varlen and not accumulate and not sinks
                                   and not worklist and window_left < 0 and intra_wg_overlap)
         # accumulate: the merge's o_old * w_old + o_blk with fixed roundings (an fma of a separately rounded
         # product), so that every compiled variant merges to the same bits; otherwise ptxas picks which product to
@@ -240,7 +241,7 @@ class FlashFwdSm90:
         mTileCounter: Optional[cute.Tensor],  # dynamic_tiles: (1,) int32, zero at launch (split_tail: 1 + split tiles)
         mSplitO: Optional[cute.Tensor],  # split_tail: (parts' slots * tile_m, d) fp32 scratch of the parts' out
         mSplitLSE: Optional[cute.Tensor],  # split_tail: (parts' slots * tile_m,) fp32, their lse
-        split_start: Optional[Int32],  # split_tail: the first split tile (num_tiles: none)
+        split_edge: Optional[Int32],  # split_tail: non-causal the first split tile, causal how many (split_tiles)
         split_parts: Optional[Int32],  # split_tail: parts per split tile
         stream,
     ):
@@ -331,7 +332,7 @@ class FlashFwdSm90:
             num_m_blocks = cute.ceil_div(max_seqlen_q, self.tile_m)
         num_tiles = num_m_blocks * num_heads * num_batch
         if const_expr(self.split_tail):
-            num_tiles = split_start + (num_tiles - split_start) * split_parts
+            num_tiles = num_tiles + self.split_tiles(num_tiles, split_edge) * (split_parts - 1)
         grid = (num_tiles, 1, 1)
         if const_expr(self.persistent):
             grid = (cutlass.min(num_tiles, Int32(self.persistent_ctas)), 1, 1)
@@ -361,7 +362,7 @@ class FlashFwdSm90:
             mTileCounter,
             mSplitO,
             mSplitLSE,
-            split_start,
+            split_edge,
             split_parts,
             self.sQ_layout,
             self.sK_layout,
@@ -405,7 +406,7 @@ class FlashFwdSm90:
         mTileCounter: Optional[cute.Tensor],
         mSplitO: Optional[cute.Tensor],
         mSplitLSE: Optional[cute.Tensor],
-        split_start: Optional[Int32],
+        split_edge: Optional[Int32],
         split_parts: Optional[Int32],
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
@@ -454,7 +455,7 @@ class FlashFwdSm90:
             sSplit=storage.sSplit.get_tensor(cute.make_layout(1)) if const_expr(self.split_tail) else None,
         )
         launch = Context(diag=diag, num_m_blocks=num_m_blocks, num_batch=num_batch, mCuSeqlensQ=mCuSeqlensQ,
-                         mCuSeqlensK=mCuSeqlensK, mSegOffQ=mSegOffQ, mSegOffK=mSegOffK, split_start=split_start,
+                         mCuSeqlensK=mCuSeqlensK, mSegOffQ=mSegOffQ, mSegOffK=mSegOffK, split_edge=split_edge,
                          split_parts=split_parts)
 
         # the one work tile of a non-persistent CTA (identical in every warp); a persistent CTA finds its tiles in
@@ -483,41 +484,58 @@ class FlashFwdSm90:
     @cute.jit
     def work_at(self, io: Context, launch: Context, tile_idx):
         """(tile, seqlen, tile_valid, blk) of launch-order tile ``tile_idx`` (None: this CTA's blockIdx.x): the
-        work tile, its sequence and its key-block range in processing phases. With split_tail, indices from
-        split_start on are parts: index split_start + i * parts + p is part p of tile split_start + i, the p-th of
-        ``parts`` consecutive runs of its key blocks (blk.split_slot = i * parts + p, blk.split_part = p)."""
+        work tile, its sequence and its key-block range in processing phases. With split_tail some indices are
+        parts, the p-th of ``parts`` consecutive runs of a split tile's key blocks (blk.split_tile: the tile's
+        index among the split ones; blk.split_slot = split_tile * parts + p, blk.split_part = p): non-causal,
+        index split_edge + i * parts + p is part p of tile split_edge + i (the last partial wave, after every whole
+        tile); causal, index i * parts + p is part p of tile i < split_edge (the longest tiles, claimed first), and
+        the other tiles follow whole."""
         base_idx = tile_idx
         split_rel = Int32(-1)
         split_part = Int32(0)
+        split_tile = Int32(0)
         if const_expr(self.split_tail):
-            split_rel = tile_idx - launch.split_start
-            if split_rel >= 0:
-                split_tile = split_rel // launch.split_parts
-                split_part = split_rel - split_tile * launch.split_parts
-                base_idx = launch.split_start + split_tile
+            if const_expr(self.causal):
+                if tile_idx < launch.split_edge * launch.split_parts:
+                    split_rel = tile_idx
+                    split_tile = tile_idx // launch.split_parts
+                    base_idx = split_tile
+                else:
+                    base_idx = tile_idx - launch.split_edge * (launch.split_parts - 1)
+            else:
+                if tile_idx >= launch.split_edge:
+                    split_rel = tile_idx - launch.split_edge
+                    split_tile = split_rel // launch.split_parts
+                    base_idx = launch.split_edge + split_tile
+            split_part = split_rel - split_tile * launch.split_parts
+        # (a causal split launch orders its tiles longest first over every head: all of them are in flight at once,
+        # so the L2 head groups do not matter, and the split tiles must be the longest)
         tile = fwd_work_tile(io.mQ, io.mK, launch.num_m_blocks, launch.num_batch, causal=self.causal,
                              varlen=self.varlen, l2_rows=self.l2_rows,
-                             interleave=self.interleave_lengths, tile_idx=base_idx)
+                             interleave=self.interleave_lengths and not self.split_tail, tile_idx=base_idx,
+                             longest_first_over_heads=self.causal and self.split_tail)
         seqlen = SeqlenInfo.create(tile.batch, io.mQ, io.mK, launch.diag, launch.mCuSeqlensQ, launch.mCuSeqlensK,
                                    launch.mSegOffQ, launch.mSegOffK, varlen=self.varlen,
                                    seg_offsets=self.seg_offsets, worklist=self.worklist)
         tile_valid, n_block_min, n_block_max, n_block_causal, n_block_window_end = self.block_info.key_blocks(
             seqlen, tile.block)
         if const_expr(self.split_tail):
-            if split_rel >= 0:  # (non-causal: every block plain but the first, whose mask is the sequence end's)
+            if split_rel >= 0:  # (phases below give each part its own masked blocks)
                 n_all = n_block_max - n_block_min
                 n_lo = n_block_min + split_part * n_all // launch.split_parts
                 n_block_max = n_block_min + (split_part + 1) * n_all // launch.split_parts
                 n_block_min = n_lo
         n_masked, n_plain, n_window = self.block_info.phases(n_block_min, n_block_max, n_block_causal,
                                                              n_block_window_end)
-        split_tile = None
-        if const_expr(self.split_tail):
-            split_tile = base_idx - launch.split_start
         blk = Context(n_block_min=n_block_min, n_block_max=n_block_max, n_blocks=n_block_max - n_block_min,
                       n_masked=n_masked, n_plain=n_plain, n_window=n_window, split_slot=split_rel,
                       split_part=split_part, split_tile=split_tile, split_parts=launch.split_parts)
         return tile, seqlen, tile_valid, blk
+
+    def split_tiles(self, num_tiles, split_edge):
+        """How many tiles a split_tail launch splits: causal the first ``split_edge`` (the longest), non-causal
+        those from ``split_edge`` on (the last partial wave)."""
+        return split_edge if const_expr(self.causal) else num_tiles - split_edge
 
     @cute.jit
     def persistent_grid(self, io: Context, launch: Context):
@@ -526,7 +544,7 @@ class FlashFwdSm90:
         num_ctas = cute.arch.grid_dim()[0]
         num_tiles = launch.num_m_blocks * cute.size(io.mQ.shape[2]) * launch.num_batch
         if const_expr(self.split_tail):
-            num_tiles = launch.split_start + (num_tiles - launch.split_start) * launch.split_parts
+            num_tiles = num_tiles + self.split_tiles(num_tiles, launch.split_edge) * (launch.split_parts - 1)
         return num_ctas, num_tiles, cute.ceil_div(num_tiles, num_ctas)
 
     @cute.jit
@@ -1144,9 +1162,13 @@ class FlashFwdSm90:
         part_rows = self.tile_m  # scratch rows per slot
         lse_own = cute.make_rmem_tensor_like(ml.softmax.row_sum, Float32)
         tSgS_mn = mn_view(thr_mma_pv.partition_C(cute.local_tile(io.mSplitO, (part_rows, D), (blk.split_slot, 0))))
+        first_key = blk.n_block_min * self.tile_n
         for r in cutlass.range_constexpr(n_rows):
             row = m_block * self.tile_m + tOcO_mn[r, 0][0]
-            inv, lse = ml.softmax.finalize(r, ml.mask.row_sees_any_key(row), None)
+            # a causal part may lie wholly above a row's diagonal: (0, -inf) then, which the merge weighs 0 (no
+            # window, so a row's keys are a prefix: it sees one of the part's keys iff it sees the first)
+            sees = ml.mask.visible(row, first_key) & (blk.n_blocks > 0)
+            inv, lse = ml.softmax.finalize(r, sees, None)
             lse_own[r] = lse
             acc_mn[r, None].store(acc_mn[r, None].load() * inv)
             o = cute.make_rmem_tensor_like(acc_mn[r, None], Float32)

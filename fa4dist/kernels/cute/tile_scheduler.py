@@ -158,11 +158,13 @@ def causal_m_block(position, num_m_blocks, interleave: bool):
 
 
 def fwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, num_m_blocks: Int32, num_batch: Int32, *, causal: bool,
-                  varlen: bool, l2_rows: int, interleave: bool = False, tile_idx=None) -> WorkTile:
+                  varlen: bool, l2_rows: int, interleave: bool = False, tile_idx=None,
+                  longest_first_over_heads: bool = False) -> WorkTile:
     """Forward: query tile ``block`` of (head, batch) for the launch-order index ``tile_idx`` (default: this CTA's
     blockIdx.x). Causal grids run the longest tiles (highest m) first, or alternate long and short ones
     (``interleave``, causal_m_block); the dense causal grid also groups heads so that the K/V rows of a group
-    (``l2_rows``) stay resident in L2."""
+    (``l2_rows``) stay resident in L2, unless ``longest_first_over_heads`` (a split launch of few waves:
+    forward.causal_split_plan), which takes every head's longest tile first, then every head's second longest, ..."""
     num_heads = cute.size(mQ.shape[2])
     num_heads_kv = cute.size(mK.shape[2])
     qhead_per_kv = num_heads // num_heads_kv
@@ -172,7 +174,10 @@ def fwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, num_m_blocks: Int32, num_bat
     num_hb = num_heads * num_batch
     m_block = Int32(0)
     hb = Int32(0)
-    if const_expr(causal and not varlen):
+    if const_expr(causal and not varlen and longest_first_over_heads):
+        m_block = num_m_blocks - 1 - bid // num_hb
+        hb = bid % num_hb
+    elif const_expr(causal and not varlen):
         seqlen_k_static = cute.size(mK.shape[0])
         group = cutlass.max(l2_rows // cutlass.max(seqlen_k_static, 1), 1) * qhead_per_kv
         group = cutlass.min(group, num_hb)
