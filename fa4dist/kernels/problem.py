@@ -615,6 +615,28 @@ def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(bytes_of(b).any())
 
 
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (an expanded view's stride of 0, or non-zero strides that map
+    several indices to one address, as ``as_strided`` can make).  O(dims) for every layout whose strides nest (each
+    larger than the span of the smaller ones: contiguous tensors, slices, transposes, permutations); an exact count
+    of the distinct offsets only for the others."""
+    if t.is_contiguous() or t.numel() <= 1:
+        return False
+    reach = 0  # the largest offset the smaller strides reach
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride <= reach or stride == 0:
+            break
+        reach += stride * (size - 1)
+    else:
+        return False
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        return True
+    offsets = torch.zeros((), dtype=torch.int64)
+    for stride, size in zip(t.stride(), t.shape):
+        offsets = (offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride).flatten()
+    return offsets.unique().numel() != t.numel()
+
+
 def check_written(written: dict, read: dict) -> None:
     """The buffers a call writes (``name -> tensor or None``) against themselves, each other and the tensors it
     reads: a written element must have memory of its own, and nothing the call reads or writes elsewhere may
@@ -622,10 +644,12 @@ def check_written(written: dict, read: dict) -> None:
     list's later items read what the earlier ones wrote)."""
     given = [(n, t) for n, t in written.items() if isinstance(t, torch.Tensor)]
     for name, t in given:
-        if 0 in t.stride() and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
-            raise ValueError(f"{name} is written by the call, but some of its elements share memory (a stride of 0: "
-                             f"an expanded or broadcast tensor, shape {tuple(t.shape)}, stride {t.stride()}); pass "
-                             f"a buffer with memory of its own per element (.clone())")
+        if overlaps_itself(t):
+            how = "a stride of 0: an expanded or broadcast tensor" if any(
+                st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)) else "strides that overlap"
+            raise ValueError(f"{name} is written by the call, but some of its elements share memory ({how}, shape "
+                             f"{tuple(t.shape)}, stride {t.stride()}); pass a buffer with memory of its own per "
+                             f"element (.clone())")
     if not given:
         return
     # one byte range per tensor: a pair whose ranges are apart (the usual case) costs two comparisons

@@ -93,3 +93,33 @@ def test_an_empty_batch_still_checks_the_backend_name():
         with pytest.raises(ValueError, match="backend 'sdpa' is not available on device cpu"):
             call(backend="sdpa")
         assert call(backend="reference")[0].shape == (0, 8, 2, 8)
+
+
+def test_buffers_whose_strides_overlap_their_own_elements_are_refused_by_name():
+    """A written buffer whose strides are all non-zero but still map several elements to one address (an
+    ``as_strided`` view with a row stride shorter than a row) cannot hold the results either: the call used to
+    return it filled with whichever element was written last, silently."""
+    q, k, v = _qkv()
+    out, lse = attention_forward(q, k, v)
+    overlapping_out = torch.zeros(2 * 8 * 2 * 8).as_strided((2, 8, 2, 8), (128, 16, 4, 1))  # heads overlap
+    with pytest.raises(ValueError, match="out is written by the call, but some of its elements share memory"):
+        attention_forward(q, k, v, out=overlapping_out)
+    with pytest.raises(ValueError, match="lse is written by the call, but some of its elements share memory"):
+        attention_forward(q, k, v, lse=torch.zeros(64).as_strided((2, 2, 8), (16, 1, 1)))
+    with pytest.raises(ValueError, match="dq is written by the call, but some of its elements share memory"):
+        attention_backward(out, q, k, v, out, lse, dq=torch.zeros(512).as_strided((2, 8, 2, 8), (128, 8, 8, 1)))
+    items = [WorkItem(0, 8, 0, 8)]
+    with pytest.raises(ValueError, match="out is written by the call, but some of its elements share memory"):
+        attention_forward_items(q[0], k[0], v[0], items, torch.zeros(128).as_strided((8, 2, 8), (8, 4, 1)),
+                                torch.full((2, 8), -math.inf))
+
+
+def test_strided_but_non_overlapping_buffers_are_accepted():
+    """Layouts whose elements each have their own address, found exactly also where the strides do not nest
+    (shape (3, 2) with strides (2, 3): offsets 0, 3, 2, 5, 4, 7), are written as a compact buffer is."""
+    q, k, v = _qkv(b=1, s=2, h=3, d=8)
+    want, want_lse = attention_forward(q, k, v, causal=True)
+    out = torch.zeros(64).as_strided((1, 2, 3, 8), (0, 3 * 8, 2 * 8, 1))  # (seq, heads) strides (3, 2) x 8
+    lse = torch.zeros(8).as_strided((1, 3, 2), (0, 2, 3))  # (heads, seq) strides (2, 3)
+    attention_forward(q, k, v, causal=True, out=out, lse=lse)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
