@@ -410,6 +410,15 @@ def intruding_call(name, group, rank, timeout):
         return lambda: tiled_cp_cross_entropy(logits[:, :3], weight, labels, group, timeout=timeout)
     if name == "reduce_value":
         return lambda: reduce_value(torch.ones(2), group, timeout=timeout)
+    if name == "invariant_grads":  # a backward with one trainable weight, its gradient summed over the group
+        from fa4dist.models import FA4Llama, get_config
+
+        torch.manual_seed(0)
+        model = FA4Llama(get_config("tiny"), None, backend="reference").requires_grad_(False)
+        model.norm.weight.requires_grad_(True)
+        model.set_invariant_grads(True, group)
+        loss = model(torch.arange(8), torch.arange(8)).float().logsumexp(-1).sum()
+        return loss.backward
     raise ValueError(name)
 
 

@@ -18,7 +18,10 @@ backward passes before ``finish`` (micro-batches) are converted one by one and a
 parameter (FSDP2's DTensor) gets its shard of the sum; ``finish`` returns the whole gradients' norm for clipping
 (:func:`clip_by_norm`), since a norm over shards depends on the world size.
 
-Slower than autograd's own (one small product per block, int64 sums): a reproducibility mode.
+On a group, each site's exchanges in a backward are agreed first (the call's signature through the group's store,
+under the group's thread guard, as every collective call of fa4dist is): ranks whose backward passes differ raise
+on every rank instead of pairing up wrong exchanges.  Slower than autograd's own (one small product per block,
+int64 sums, one store round trip per site and backward): a reproducibility mode.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class _Site:
 
     def __init__(self, param: torch.nn.Parameter, grads: "FixedPointGrads", module=None, name: str = ""):
         self.param, self.grads = param, grads
+        self.index = len(grads.sites)  # its place in installation order: the same site on every rank
         self.module, self.name = module, name  # where param is registered (as .weight): to notice it replaced
         self.total: Optional[torch.Tensor] = None
         self.scale: Optional[torch.Tensor] = None
@@ -50,16 +54,25 @@ class _Site:
     def start(self, tokens: int, *maxima: torch.Tensor) -> torch.Tensor:
         """The power of two for this backward's contributions (all-reducing the token count and the maxima). A
         second backward before FixedPointGrads.finish() (micro-batches) first settles the previous one's sum: each
-        backward pass has its own scale, so their int64 sums cannot be added."""
-        if self.total is not None:
-            self.settle(self.grads.sum_over_group([self.total]))
+        backward pass has its own scale, so their int64 sums cannot be added.
+
+        On a group these exchanges are agreed first (:meth:`FixedPointGrads.agreed`): a rank whose backward
+        reaches another site (a parameter frozen on one rank only), another parameter shape or dtype, or a
+        micro-batch more than the others makes every rank raise, instead of pairing its all-reduces with other
+        sites' (scales mixed silently) or leaving the others waiting in one."""
         device = self.param.device
         peak = torch.stack([m.reshape(()) for m in maxima]).to(device)
         count = torch.tensor([tokens], dtype=torch.int64, device=device)
         group = self.grads.group
-        if self.grads.distributed:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-            dist.all_reduce(count, group=group)
+        sig = dict(site=self.index, name=self.name, shape=list(self.param.shape), dtype=str(self.param.dtype),
+                   device=device.type, maxima=len(maxima),
+                   settles=0 if self.total is None else self.total.numel())
+        with self.grads.agreed("FixedPointGrads backward", sig):
+            if self.total is not None:
+                self.settle(self.grads.sum_over_group([self.total]))
+            if self.grads.distributed:
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+                dist.all_reduce(count, group=group)
         bound = count.double().reshape(()) * torch.prod(peak)  # on the device: no host sync
         self.scale = fixed_point.power_of_two_scale(bound)
         self.total = torch.zeros(self.param.shape, dtype=torch.int64, device=device)
@@ -256,7 +269,8 @@ class FixedPointGrads:
             if not self.distributed:
                 raise
             error = err
-        with self._agreed(error, live):
+        sig = dict(sites=len(live), elements=sum(s.total.numel() for s in live))
+        with self.agreed("FixedPointGrads.finish", sig, error):
             if live:
                 flat = self.sum_over_group([s.total for s in live])
                 for s, part in zip(live, torch.split(flat, [s.total.numel() for s in live])):
@@ -303,17 +317,17 @@ class FixedPointGrads:
                                "retired it (finish the one model.invariant_grads holds)")
         self.check_params()
 
-    def _agreed(self, error: Optional[Exception], live: list):
-        """Where finish() exchanges its sums: on a group, after the agreement check of the call (every rank's checks
-        passed, and the sums to exchange have one size), which raises on every rank otherwise."""
+    def agreed(self, function: str, sig: dict, error: Optional[Exception] = None):
+        """Where a call (``function``) exchanges on the group: under the group's thread guard, after the agreement
+        check of the call (every rank's ``sig`` the same, no rank's own checks refused it: ``error``), which raises
+        on every rank otherwise (:func:`fa4dist.models.loss.agreed_call`).  Nothing when not distributed."""
         if not self.distributed:
             return contextlib.nullcontext()
         from ..context_parallel.comm import Transport
         from .loss import agreed_call
 
-        sig = dict(sites=len(live), elements=sum(s.total.numel() for s in live))
         transport = Transport(self.group, label="fa4dist invariant gradients")
-        return agreed_call("FixedPointGrads.finish", self.group, transport, sig, error)
+        return agreed_call(function, self.group, transport, sig, error)
 
 
 def _check_max_norm(max_norm) -> None:

@@ -176,29 +176,38 @@ def test_ranks_with_different_batches_fail_alike(pool):
     assert all("different batches" in m for m in messages), messages
 
 
-def _one_rank_rejects_its_batch(rank, world):
-    """Rank 1's batch has padding (refused before the checksum exchange); rank 0's is fine."""
+def _one_rank_rejects_its_batch(rank, world, case="padding"):
+    """Rank 1's batch has padding, or labels as a Python list (refused before the checksum exchange); rank 0's is
+    fine."""
     if rank >= 2:
         return None
     handle = enable_context_parallel(tiny_model("llama"), group=GROUPS[2])
     batch = packed_batch()
-    if rank == 1:
+    if rank == 1 and case == "padding":
         batch["attention_mask"] = torch.ones_like(batch["input_ids"])
         batch["attention_mask"][0, -1] = 0
+    elif rank == 1 and case == "list labels":
+        batch["labels"] = batch["labels"].tolist()
     try:
         handle.shard_batch(batch)
-    except ValueError as err:
+    except (TypeError, ValueError) as err:
         return f"{type(err).__name__}: {err}"
     finally:
         handle.disable()
     return "no error"
 
 
-def test_a_rank_that_rejects_its_batch_does_not_leave_the_others_waiting(pool):
+@pytest.mark.parametrize("case, message", [
+    ("padding", "UnsupportedMask: context parallelism takes packed documents without padding (attention_mask has "
+                "zeros)"),
+    # was an AttributeError ('list' object has no attribute 'shape') on rank 1
+    ("list labels", "TypeError: batch['labels'] must be a torch.Tensor (1, 81) like input_ids, got list"),
+])
+def test_a_rank_that_rejects_its_batch_does_not_leave_the_others_waiting(pool, case, message):
     """Rank 0 used to wait in the checksum exchange that rank 1 never joined (a hang)."""
-    messages = pool.run(_one_rank_rejects_its_batch, timeout=30)[:2]
+    messages = pool.run(_one_rank_rejects_its_batch, case=case, timeout=30)[:2]
     assert "rank(s) [1] of the cp group rejected the batch" in messages[0], messages
-    assert messages[1].startswith("UnsupportedMask") and "attention_mask has zeros" in messages[1], messages
+    assert messages[1].startswith(message), messages
 
 
 def _one_rank_refuses_its_loss(rank, world, case):
@@ -514,6 +523,36 @@ def test_unsupported_models_and_options_are_refused():
         padded["attention_mask"][0, -3:] = 0
         with pytest.raises(UnsupportedMask, match="padding"):
             handle.shard_batch(padded)
+
+
+@pytest.mark.parametrize("change, error, message", [
+    # each was an AttributeError deep in shard_batch ('list' object has no attribute 'shape' / 'new_full')
+    (lambda b: dict(b, labels=b["labels"].tolist()), TypeError,
+     r"batch\['labels'\] must be a torch.Tensor \(1, 81\) like input_ids, got list"),
+    (lambda b: dict(b, labels=b["labels"].numpy()), TypeError, r"batch\['labels'\] .* got ndarray"),
+    (lambda b: dict(b, position_ids=b["position_ids"].tolist()), TypeError, r"batch\['position_ids'\] .* got list"),
+    (lambda b: dict(b, attention_mask=[[1] * 81]), TypeError, r"batch\['attention_mask'\] .* got list"),
+    (lambda b: dict(b, input_ids=b["input_ids"].tolist()), TypeError,
+     r"batch\['input_ids'\] must be a \(1, T\) torch.Tensor: one packed row, as DataCollatorWithFlattening makes "
+     r"\(return_tensors='pt'\); got list"),
+    # no mapping at all: was "batch['input_ids'] must be a (1, T) tensor ...; got NoneType"
+    (lambda b: [b], TypeError, r"batch must be a mapping .* got list"),
+    # float ids went through (truncated by the checksum) to fail deep in the embedding; float positions went into
+    # RoPE silently (a position 3.5); bool labels had their IGNORE tail turned into True (the loss refused them)
+    (lambda b: dict(b, input_ids=b["input_ids"].double()), TypeError,
+     r"batch\['input_ids'\] must hold integers, got dtype torch.float64"),
+    (lambda b: dict(b, position_ids=b["position_ids"] + 0.5), TypeError,
+     r"batch\['position_ids'\] must hold integers, got dtype torch.float32"),
+    (lambda b: dict(b, labels=b["labels"] > 0), TypeError, r"batch\['labels'\] must hold integers, got dtype torch.bool"),
+    # on another device than input_ids: went on to fail deep in the model or the loss
+    (lambda b: dict(b, labels=b["labels"].to("meta")), ValueError,
+     r"batch\['labels'\] is on meta but batch\['input_ids'\] on cpu"),
+])
+def test_batch_entries_that_are_not_integer_tensors_are_refused_by_name(change, error, message):
+    """What shard_batch takes in place of a (1, T) integer tensor is refused naming the key and what it expected."""
+    with enable_context_parallel(tiny_model("llama")) as handle:
+        with pytest.raises(error, match=message):
+            handle.shard_batch(change(packed_batch()))
 
 
 def test_output_attentions_warns_that_no_weights_come_back():

@@ -401,3 +401,74 @@ def test_a_finish_that_one_rank_refuses_fails_on_every_rank(pool):
     assert "installed for parameters the model no longer holds" in error1[1], error1
     assert seconds0 < 20 and seconds1 < 20, (seconds0, seconds1)
     assert done0 and done1
+
+
+def _disagreeing_backward(rank, world, case):
+    """Ranks 0 and 1 sum their invariant gradients over a fresh group (a refused exchange leaves its call numbers out
+    of step), rank 1's step differing as ``case`` says: each rank's (error type, message, seconds) from its backward
+    and finish(), or None where both completed."""
+    import time
+
+    from cp_harness import fresh_group
+    from fa4dist.models import FA4Llama, get_config
+
+    group = fresh_group([0, 1])
+    if rank >= 2:
+        return None
+    torch.manual_seed(0)
+    model = FA4Llama(get_config("tiny"), None, backend="reference")
+    if case == "dtype" and rank == 1:
+        model.double()
+    grads = model.set_invariant_grads(True, group)
+    if case == "frozen" and rank == 1:
+        model.layers[1].mlp.up_proj.weight.requires_grad_(False)
+    backwards = 2 if case == "micro-batches" and rank == 1 else 1
+    start = time.monotonic()
+    try:
+        for _ in range(backwards):
+            model(torch.arange(20), torch.arange(20)).float().logsumexp(-1).sum().backward()
+        grads.finish()
+    except Exception as err:  # noqa: BLE001
+        return type(err).__name__, str(err), time.monotonic() - start
+    return None
+
+
+@pytest.mark.parametrize("case, message", [
+    # rank 1's site skipped: the next sites' all-reduces paired with other sites' (scales mixed), then rank 0 waited
+    # in an all-reduce that rank 1 never made
+    ("frozen", "ranks disagree on FixedPointGrads backward call"),
+    # the scales' maxima are fp64 on every rank: a model in another dtype went through silently
+    ("dtype", r"dtype: rank 0 'torch.float32', rank 1 'torch.float64'"),
+    # rank 1's second backward settled its first one's sum in an all-reduce that rank 0 (in finish) never made
+    ("micro-batches", "ranks disagree on FixedPointGrads"),
+])
+def test_a_backward_that_differs_between_ranks_fails_on_every_rank(pool, case, message):
+    """The per-site exchanges of the backward (the scale's maxima and token count, a previous micro-batch's sum) are
+    agreed first, as finish()'s sums are: every rank raises at once, naming the difference."""
+    import re
+
+    results = pool.run(_disagreeing_backward, case=case, timeout=60.0)[:2]
+    for rank, result in enumerate(results):
+        assert result is not None, (rank, results)
+        kind, text, seconds = result
+        assert kind == "ValueError" and text.startswith("fa4dist invariant gradients: "), (rank, result)
+        assert seconds < 20, (rank, result)
+    assert any(re.search(message, r[1]) for r in results), results
+
+
+@pytest.mark.parametrize("holder, intruder", [("invariant_grads", "reduce_value"), ("reduce_value", "invariant_grads")])
+def test_a_second_thread_on_the_group_is_refused_at_once(pool, holder, intruder):
+    """The backward's per-site all-reduces did not take the group's thread guard (comm.exclusive) that every other
+    call on a group takes: a call from another thread meanwhile paired up differently on different ranks (here: the
+    refused call waited out its timeout, or the two threads waited for each other's partners).  Now the second
+    thread is refused at once and the call that held the group raises when it ends."""
+    import uuid
+
+    import cp_cases
+
+    (refused, held), theirs = pool.run(cp_cases.intruding_thread_case, key=f"intrude-{uuid.uuid4().hex}",
+                                       holder=holder, intruder=intruder, timeout=60)[:2]
+    assert refused is not None and refused[0] == "RuntimeError" and "one thread at a time" in refused[1], refused
+    assert refused[2] < 2, refused
+    assert held is not None and held[0] == "RuntimeError" and "not trusted" in held[1], held
+    assert theirs is None
