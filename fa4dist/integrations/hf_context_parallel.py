@@ -375,16 +375,30 @@ class ContextParallelHandle:
 
     def _checked_batch(self, batch) -> tuple:
         """(input_ids, position_ids, shifted labels or None, plan) of a packed batch, or a clear error."""
-        ids = batch.get("input_ids") if hasattr(batch, "get") else None
+        if not hasattr(batch, "get"):
+            raise TypeError(f"batch must be a mapping (a dict or BatchEncoding, as DataCollatorWithFlattening makes) "
+                            f"holding 'input_ids', got {type(batch).__name__}")
+        ids = batch.get("input_ids")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
+            kind = ValueError if isinstance(ids, torch.Tensor) else TypeError
             got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise ValueError(f"batch['input_ids'] must be a (1, T) tensor: one packed row, as "
-                             f"DataCollatorWithFlattening makes; got {got}")
+            raise kind(f"batch['input_ids'] must be a (1, T) torch.Tensor: one packed row, as "
+                       f"DataCollatorWithFlattening makes (return_tensors='pt'); got {got}")
+        check_integer_dtype("batch['input_ids']", ids)  # (float ids failed deep in the embedding)
         total = ids.shape[1]
         for key in ("labels", "position_ids", "attention_mask"):
             t = batch.get(key)
-            if t is not None and tuple(t.shape) != (1, total):
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor):  # (a list or an array failed on a missing attribute)
+                raise TypeError(f"batch[{key!r}] must be a torch.Tensor (1, {total}) like input_ids, got "
+                                f"{type(t).__name__}")
+            if tuple(t.shape) != (1, total):
                 raise ValueError(f"batch[{key!r}] must have the shape of input_ids (1, {total}), got {tuple(t.shape)}")
+            if t.device != ids.device:
+                raise ValueError(f"batch[{key!r}] is on {t.device} but batch['input_ids'] on {ids.device}")
+            if key != "attention_mask":  # float positions went into RoPE as they were, bool labels lost IGNORE
+                check_integer_dtype(f"batch[{key!r}]", t)
         mask = batch.get("attention_mask")
         if mask is not None and not bool(mask.bool().all()):
             raise UnsupportedMask("context parallelism takes packed documents without padding (attention_mask has "

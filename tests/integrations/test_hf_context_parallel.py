@@ -543,7 +543,8 @@ def test_unsupported_models_and_options_are_refused():
      r"batch\['input_ids'\] must hold integers, got dtype torch.float64"),
     (lambda b: dict(b, position_ids=b["position_ids"] + 0.5), TypeError,
      r"batch\['position_ids'\] must hold integers, got dtype torch.float32"),
-    (lambda b: dict(b, labels=b["labels"] > 0), TypeError, r"batch\['labels'\] must hold integers, got dtype torch.bool"),
+    (lambda b: dict(b, labels=b["labels"] > 0), TypeError,
+     r"batch\['labels'\] must hold integers, got dtype torch.bool"),
     # on another device than input_ids: went on to fail deep in the model or the loss
     (lambda b: dict(b, labels=b["labels"].to("meta")), ValueError,
      r"batch\['labels'\] is on meta but batch\['input_ids'\] on cpu"),
