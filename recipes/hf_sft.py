@@ -547,7 +547,8 @@ def per_document_loss(model, sample) -> torch.Tensor:
     """The packed sample's mean next-token loss computed one document at a time (each a batch of its own, positions
     from 0), with the model's own loss: what the packed call means, without trusting the model's packed-sequence
     masks (transformers 5.24's eager GPT-OSS sliding-window layers let a document's first tokens see the previous
-    document in a packed row: a document run alone and the same document packed differ by ~4e-2 there)."""
+    document in a packed row: a document run alone and the same document packed differ by ~4e-2 there).  A window
+    without targets gives 0, as the cp loss does."""
     cu = sample.cu_seqlens.tolist()
     total, count = None, 0
     for a, b in zip(cu, cu[1:]):
@@ -558,6 +559,10 @@ def per_document_loss(model, sample) -> torch.Tensor:
         term = out.loss * (b - a - 1)  # the model's mean over its b - a - 1 labels, back to a sum
         total = term if total is None else total + term
         count += b - a - 1
+    if not count:  # no next-token target in the window (one-token documents): 0 with zero gradients, as the cp
+        # loss gives (cp_cross_entropy says why, not the model's NaN mean over no labels), through the graph
+        logits = model(input_ids=sample.tokens[None], use_cache=False).logits[0]
+        return torch.nn.functional.cross_entropy(logits, torch.full_like(sample.tokens, -100), reduction="sum")
     return total / count
 
 

@@ -180,3 +180,28 @@ def test_a_ulysses_degree_a_llama3_shape_or_checkpoint_cannot_split_is_refused_b
                                          rf"{tmp_path / 'qwen2'}'s 4 query heads / 2 key/value heads"):
         hf_sft.main(["--checkpoint", str(tmp_path / "qwen2"), "--seqlen", "64", "--cp", "3", "--strategy", "ulysses",
                      "--batch-size", "3"])
+
+
+def test_the_reference_loss_of_a_window_without_targets_is_the_cp_loss_zero():
+    """A packed window whose documents are all one token long has no next-token target.  The recipe's loss
+    (handle.loss, cp_cross_entropy: documented) gives 0 with zero gradients there at every cp size; its
+    single-process reference (per_document_loss, the model's own loss per document) raised a TypeError (None / 0)
+    instead.  Now it gives the same 0, with zero gradients."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from fa4dist.data.packing import IGNORE, Sample, positions_from_cu_seqlens
+    from fa4dist.integrations.hf import enable_context_parallel
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    cu = torch.arange(0, 9, dtype=torch.int32)
+    sample = Sample(torch.randint(0, 64, (8,)), torch.full((8,), IGNORE), positions_from_cu_seqlens(cu), cu)
+    want = hf_sft.per_document_loss(model, sample)
+    want.backward()
+    assert want.item() == 0.0 and all(p.grad is None or not p.grad.any() for p in model.parameters())
+    with enable_context_parallel(model) as handle:
+        local = handle.shard_batch(hf_sft.hf_batch(sample))
+        assert handle.loss(model(**local).logits, local).item() == want.item()
