@@ -453,7 +453,8 @@ class ContextParallelHandle:
     # ---- loss ---------------------------------------------------------------------------------------------------
 
     def loss(self, logits: torch.Tensor, local: dict) -> torch.Tensor:
-        """This rank's share of the batch's mean next-token loss (the shares of the cp ranks add up to it).  Its
+        """This rank's share of the batch's mean next-token loss (the shares of the cp ranks add up to it; a batch
+        without targets gives 0, not the model's own NaN: :func:`fa4dist.models.cp_cross_entropy`).  Its
         arguments are checked inside the loss's exchange: a rank that refuses them makes every cp rank raise (the
         others naming it), within the handle's ``timeout``."""
         def operands():

@@ -70,7 +70,9 @@ def tiled_cp_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
                            bias: Optional[torch.Tensor] = None, chunk_tokens: Optional[int] = None,
                            logit_softcap: Optional[float] = None, timeout: float = 300.0) -> torch.Tensor:
     """This rank's share of the mean next-token loss: ``sum_i CE(hidden[i] @ weight.T + bias, labels[i])`` over
-    the local tokens, divided by the number of target tokens (labels != -100) of all ranks in ``cp_group``.
+    the local tokens, divided by the number of target tokens (labels != -100) of all ranks in ``cp_group`` (at
+    least 1: a sequence without targets gives 0 with zero gradients, not torch's NaN, at every cp size, as
+    :func:`fa4dist.models.cp_cross_entropy` does and says why).
     ``logit_softcap`` c: the logits are ``c * tanh(logits / c)`` first (Gemma 2's final soft-capping).
 
     ``hidden`` (tokens, dim) or (1, tokens, dim); ``labels`` (tokens,) already shifted, integer ids.  Tiles of

@@ -1,10 +1,10 @@
 """Next-token loss over a context-parallel shard, equal to the loss of the unsplit sequence.
 
 Each rank computes the summed cross entropy of its local tokens and divides by the count of target labels (not
-IGNORE) of the *whole* sequence (gathered over the cp group; a sequence without targets gives 0, not NaN).  The cp
-ranks' losses then add up to the mean over the sequence, and so do their gradients: summing gradients over the cp
-group (what FSDP2 with divide factor dp, or DeepSpeed with our cp group as its sequence-parallel group, does) gives
-exactly the single-process gradient.
+IGNORE) of the *whole* sequence (gathered over the cp group; a sequence without targets gives 0, not NaN:
+:func:`cp_cross_entropy` says why).  The cp ranks' losses then add up to the mean over the sequence, and so do
+their gradients: summing gradients over the cp group (what FSDP2 with divide factor dp, or DeepSpeed with our cp
+group as its sequence-parallel group, does) gives exactly the single-process gradient.
 
 Every rank of the group must make the same call.  The one exchange that gathers the label counts (int64, whatever
 the logits dtype) also carries each rank's fingerprint of its call (a digest of vocabulary size, logits dtype and
@@ -141,7 +141,16 @@ def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp_group=None, 
     """Token-mean cross entropy of the sequence that ``logits`` (local_tokens, vocab) / ``labels`` (local_tokens,),
     integer ids or IGNORE, are this rank's shard of.  ``cp_group``: the cp group (ProcessGroup or 1-D DeviceMesh;
     None: this rank's tokens are the whole sequence); every rank of it must call this alike (checked in the one
-    exchange of the label counts, which waits at most ``timeout`` seconds for the other ranks)."""
+    exchange of the label counts, which waits at most ``timeout`` seconds for the other ranks).
+
+    The share is this rank's summed token losses over ``max(1, the sequence's target count)``.  A rank without
+    targets (while other ranks have some) gives 0, and the shares still add up to the mean over the sequence's
+    targets.  A sequence without any target (every label IGNORE, on every rank) gives **0 with zero gradients**, at
+    every cp size and on every rank, where torch's mean ``F.cross_entropy`` and the transformers models' own loss
+    give NaN (0 / 0): chosen so that such a sequence adds nothing to a step's sums of losses and gradients, where a
+    NaN would reach every replica's weights through the gradient reduction and an error would stop a run on a
+    legitimate window (a prompt-only stretch of SFT data, one-token documents).  ``CPLoss.tokens`` is 0 then, for
+    a caller that wants to tell."""
     return cp_cross_entropy_of(lambda: (logits, labels), cp_group, timeout=timeout)
 
 

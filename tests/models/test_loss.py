@@ -256,3 +256,61 @@ def test_a_second_thread_on_the_group_is_refused_at_once(pool, holder, intruder)
     assert held is not None and held[0] == "RuntimeError" and "not trusted" in held[1], held
     assert (intruder if intruder != "attention" else "forward call") in held[1], held  # names the intruding call
     assert theirs is None
+
+
+def _without_targets(rank, world, where):
+    """One fp64 sequence of 10 tokens, without a target anywhere (``where="all"``) or in its first 5 tokens only
+    (``"rank 0"``: cp rank 0's whole shard): cp_cross_entropy and tiled_cp_cross_entropy at cp 1 (no group, and
+    a one-rank gloo group) on rank 0 and at cp 2 (two contiguous shards) on ranks 0 and 1.  Per layout: this
+    rank's (loss, label tokens, logits' gradient, tiled loss, hidden states' gradient)."""
+    from fa4dist.integrations.hf_loss import tiled_cp_cross_entropy
+
+    gen = torch.Generator().manual_seed(7)
+    hidden, weight = torch.randn(10, 5, generator=gen, dtype=torch.float64), torch.randn(VOCAB, 5, generator=gen,
+                                                                                         dtype=torch.float64)
+    labels = torch.randint(0, VOCAB, (10,), generator=gen)
+    labels[:10 if where == "all" else 5] = IGNORE
+    results = {}
+    for name, cp, group in (("none", 1, None), ("gloo 1", 1, GROUPS[1]), ("gloo 2", 2, GROUPS[2])):
+        if rank >= cp:
+            continue
+        part = slice(0, 10) if cp == 1 else slice(5 * rank, 5 * rank + 5)
+        h = hidden[part].clone().requires_grad_(True)
+        logits = (h @ weight.t()).detach().requires_grad_(True)
+        res = cp_cross_entropy(logits, labels[part], group)
+        res.loss.backward()
+        tiled = tiled_cp_cross_entropy(h, weight, labels[part], group, chunk_tokens=2)
+        tiled.backward()
+        results[name] = (res.loss.item(), res.tokens.item(), logits.grad, tiled.item(), h.grad)
+    return results
+
+
+def test_a_sequence_without_targets_gives_zero_at_every_cp_size(pool):
+    """No target in the whole sequence (every label IGNORE, on every rank): the loss is 0 with zero gradients at
+    cp 1 and cp 2, on every rank, for both losses (documented in cp_cross_entropy: torch's mean cross entropy and
+    the transformers models' loss are NaN there, which would poison every replica's gradients)."""
+    logits = torch.zeros(3, VOCAB, dtype=torch.float64)
+    assert torch.isnan(F.cross_entropy(logits, torch.full((3,), IGNORE), ignore_index=IGNORE))  # what we differ from
+    per_rank = pool.run(_without_targets, where="all")[:2]
+    calls = [(rank, name, got) for rank, results in enumerate(per_rank) for name, got in results.items()]
+    assert len(calls) == 4, calls  # cp 1 twice on rank 0, cp 2 on ranks 0 and 1
+    for rank, name, (loss, tokens, grad, tiled, hidden_grad) in calls:
+        assert (loss, tokens, tiled) == (0.0, 0.0, 0.0), (rank, name)
+        assert not grad.any() and not hidden_grad.any(), (rank, name)
+
+
+def test_a_rank_without_targets_still_gives_the_global_mean(pool):
+    """cp rank 0's shard has no target, rank 1's has: rank 0's share is 0 and the shares add up to the mean over
+    the whole sequence's targets, as at cp 1, for both losses and their gradients."""
+    (first, second) = pool.run(_without_targets, where="rank 0")[:2]
+    tol = 64 * torch.finfo(torch.float64).eps
+    for name in ("none", "gloo 1"):
+        loss, tokens, grad, tiled, hidden_grad = first[name]
+        shares = [first["gloo 2"], second["gloo 2"]]
+        assert shares[0][0] == 0.0 and shares[0][3] == 0.0 and tokens == shares[0][1] == shares[1][1] == 5.0
+        assert abs(shares[0][0] + shares[1][0] - loss) <= tol * abs(loss), (name, shares, loss)
+        assert abs(shares[0][3] + shares[1][3] - tiled) <= tol * abs(tiled), (name, shares, tiled)
+        assert abs(loss - tiled) <= tol * abs(loss)
+        assert float((torch.cat([shares[0][2], shares[1][2]]) - grad).abs().max()) <= tol * float(grad.abs().max())
+        assert float((torch.cat([shares[0][4], shares[1][4]]) - hidden_grad).abs().max()) <= \
+            tol * float(hidden_grad.abs().max())
