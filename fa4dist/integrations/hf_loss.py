@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fa4dist.data.packing import IGNORE
-from fa4dist.kernels.problem import check_int
+from fa4dist.kernels.problem import check_int, check_softcap
 from fa4dist.models.loss import label_counts
 
 from .hf_context_parallel import LABELS_KEY, ContextParallelHandle, local_labels
@@ -54,6 +54,25 @@ LOGITS_BUDGET_ELEMENTS = 1 << 29  # default tile: this many logits (2 GiB in fp3
 
 def default_chunk_tokens(vocab_size: int) -> int:
     return max(256, LOGITS_BUDGET_ELEMENTS // max(1, vocab_size))
+
+
+def _check_head(hidden: torch.Tensor, weight: torch.Tensor, bias) -> None:
+    """The LM head's operands as the tiles' product takes them (checked with the arguments, on every rank: in the
+    first tile a rank's error came after the label counts' exchange, the other ranks going on without it)."""
+    if not hidden.is_floating_point():
+        raise TypeError(f"hidden must have a floating-point dtype, got {hidden.dtype}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if t.dtype != hidden.dtype:
+            raise TypeError(f"{name} must have the dtype of hidden, {hidden.dtype}, got {t.dtype}")
+        if t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden on {hidden.device}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must have shape ({weight.shape[0]},): one per vocabulary entry, got "
+                         f"{tuple(bias.shape)}")
 
 
 def _tile_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -100,6 +119,7 @@ def tiled_cp_cross_entropy_of(operands: Callable[[], tuple], cp_group=None, *, b
         if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
             raise ValueError(f"weight must be (vocab, dim) for hidden states (..., dim), got weight "
                              f"{tuple(weight.shape)} and hidden {tuple(hidden.shape)}")
+        _check_head(hidden, weight, bias)
         hidden = hidden.reshape(-1, hidden.shape[-1])
         labels = labels.reshape(-1)
         if hidden.shape[0] != labels.shape[0]:
@@ -111,25 +131,24 @@ def tiled_cp_cross_entropy_of(operands: Callable[[], tuple], cp_group=None, *, b
             raise ValueError(f"labels are on {labels.device} but hidden on {hidden.device}")
         chunk = default_chunk_tokens(weight.shape[0]) if chunk_tokens is None else check_int("chunk_tokens",
                                                                                               chunk_tokens, 1)
-        if logit_softcap is not None and not logit_softcap > 0:
-            raise ValueError(f"logit_softcap must be None or positive, got {logit_softcap}")
-        got.update(hidden=hidden, weight=weight, labels=labels, chunk=chunk)
+        # (an infinite cap made every logit inf * tanh(0) = NaN, silently; True capped them at 1)
+        cap = check_softcap(logit_softcap, hidden.dtype, name="logit_softcap")
+        got.update(hidden=hidden, weight=weight, labels=labels, chunk=chunk, cap=cap)
         return labels, weight.shape[0], dict(vocab=int(weight.shape[0]), dtype=str(hidden.dtype),
-                                             device=hidden.device.type,
-                                             softcap=None if logit_softcap is None else float(logit_softcap),
+                                             device=hidden.device.type, softcap=cap,
                                              grad=bool(torch.is_grad_enabled() and hidden.requires_grad))
 
     _, count = label_counts("tiled_cp_cross_entropy", cp_group, inputs, timeout)
-    hidden, weight, labels, chunk = got["hidden"], got["weight"], got["labels"].long(), got["chunk"]
+    hidden, weight, labels, chunk, cap = got["hidden"], got["weight"], got["labels"].long(), got["chunk"], got["cap"]
     total = hidden.new_zeros((), dtype=torch.float32 if hidden.dtype != torch.float64 else torch.float64)
     # at least one tile: a shard without tokens gets its 0 through the graph (as cp_cross_entropy's), not a constant
     # whose backward raised on that rank alone
     for start in range(0, max(hidden.shape[0], 1), chunk):
         h, y = hidden[start:start + chunk], labels[start:start + chunk]
         if torch.is_grad_enabled():
-            part = checkpoint(_tile_loss_sum, h, weight, bias, y, logit_softcap, use_reentrant=False)
+            part = checkpoint(_tile_loss_sum, h, weight, bias, y, cap, use_reentrant=False)
         else:
-            part = _tile_loss_sum(h, weight, bias, y, logit_softcap)
+            part = _tile_loss_sum(h, weight, bias, y, cap)
         total = total + part.to(total.dtype)
     return total / torch.tensor(count, dtype=total.dtype, device=total.device).clamp(min=1.0)
 

@@ -412,18 +412,18 @@ def check_mask(causal, window) -> Mask:
     return Mask.canonical(causal, check_window(window))
 
 
-def check_softcap(softcap, dtype: Optional[torch.dtype] = None) -> Optional[float]:
-    """``softcap``: None (no capping) or a finite float > 0; with the inputs' ``dtype`` (not float64), also within
-    float32's normal range, in which their scores are computed."""
+def check_softcap(softcap, dtype: Optional[torch.dtype] = None, name: str = "softcap") -> Optional[float]:
+    """``softcap`` (the argument ``name``): None (no capping) or a finite float > 0; with the inputs' ``dtype`` (not
+    float64), also within float32's normal range, in which their scores are computed."""
     if softcap is None:
         return None
     if not _is_real(softcap):
-        raise TypeError(f"softcap must be a float > 0 or None, got {type(softcap).__name__}")
+        raise TypeError(f"{name} must be a float > 0 or None, got {type(softcap).__name__}")
     cap = _as_float(softcap)
     if not (_finite(cap) and cap > 0):
-        raise ValueError(f"softcap must be finite and > 0, or None for no capping (flash-attn's 0.0 is None here), "
+        raise ValueError(f"{name} must be finite and > 0, or None for no capping (flash-attn's 0.0 is None here), "
                          f"got {_shown(softcap, cap)}")
-    _check_fp32_range("softcap", softcap, cap, dtype, signed=False)
+    _check_fp32_range(name, softcap, cap, dtype, signed=False)
     return cap
 
 

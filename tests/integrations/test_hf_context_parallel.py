@@ -298,6 +298,34 @@ def test_a_rank_that_refuses_its_tiled_loss_does_not_leave_the_others_waiting(po
             theirs
 
 
+def _one_rank_with_another_head(rank, world):
+    """tiled_cp_cross_entropy on ranks 0 and 1, rank 1's LM head weight in bfloat16 (hidden states in float32):
+    each rank's (error type, message) or None."""
+    from fa4dist.integrations.hf_loss import tiled_cp_cross_entropy
+
+    if rank >= 2:
+        return None
+    gen = torch.Generator().manual_seed(rank)
+    hidden, weight = torch.randn(6, 4, generator=gen), torch.randn(10, 4, generator=gen)
+    if rank == 1:
+        weight = weight.bfloat16()
+    try:
+        tiled_cp_cross_entropy(hidden, weight, torch.randint(0, 10, (6,), generator=gen), GROUPS[2], timeout=10.0)
+    except (TypeError, ValueError, RuntimeError) as err:
+        return type(err).__name__, str(err)
+    return None
+
+
+def test_a_rank_whose_tiled_loss_head_differs_makes_every_rank_raise(pool):
+    """The head's dtype was first used in the tiles, after the label counts' exchange: rank 1 raised a RuntimeError
+    from the matrix product alone, rank 0 returned its share as if nothing had happened (to wait at its next
+    exchange).  It is checked with the arguments now, so every rank raises, naming rank 1."""
+    got, theirs = pool.run(_one_rank_with_another_head, timeout=30)[:2]
+    assert got is not None and got[0] == "ValueError", got
+    assert "rank 1 rejected its inputs: TypeError: weight must have the dtype of hidden" in got[1], got
+    assert theirs is not None and theirs[0] == "TypeError" and theirs[1] == got[1], theirs
+
+
 def _one_rank_refuses_its_attention_call(rank, world, case):
     """_cp_attention on ranks 0 and 1 of a throw-away group, rank 1's call refused by the call's own checks (before
     the attention): (the error each raises, seconds it took)."""
@@ -364,15 +392,17 @@ def test_the_tiled_loss_waits_the_handles_timeout(pool):
 
 
 def _tiled_loss_calls(rank, world):
-    """tiled_cp_cross_entropy on ranks 0 and 1: rank 1's hidden states in fp32, the others' in fp64 (their counts
-    were all-reduced in the hidden dtype: gloo aborted); ranks 2 and 3 pass the group of ranks 0 and 1."""
+    """tiled_cp_cross_entropy on ranks 0 and 1: rank 1's hidden states and head in fp32, the others' in fp64 (their
+    counts were all-reduced in the hidden dtype: gloo aborted); ranks 2 and 3 pass the group of ranks 0 and 1."""
     from fa4dist.integrations.hf_loss import tiled_cp_cross_entropy
 
     gen = torch.Generator().manual_seed(rank)
     hidden, weight = torch.randn(6, 4, generator=gen, dtype=torch.float64), torch.randn(10, 4, dtype=torch.float64)
     labels = torch.randint(0, 10, (6,), generator=gen)
     try:
-        tiled_cp_cross_entropy(hidden.float() if rank == 1 else hidden, weight, labels, GROUPS[2])
+        if rank == 1:
+            hidden, weight = hidden.float(), weight.float()
+        tiled_cp_cross_entropy(hidden, weight, labels, GROUPS[2])
     except ValueError as err:
         return str(err)
     return "no error"

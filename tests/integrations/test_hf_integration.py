@@ -413,6 +413,32 @@ def test_tiled_loss_refuses_labels_it_cannot_use(labels, error, message):
         tiled_cp_cross_entropy(torch.randn(6, 4), torch.randn(10, 4), labels)
 
 
+@pytest.mark.parametrize("change, error, message", [
+    # the LM head's operands: each failed in the first tile, after the label counts' exchange (on a cp group the
+    # other ranks went on without this one)
+    (dict(weight=torch.randn(10, 4, dtype=torch.bfloat16)), TypeError,
+     "weight must have the dtype of hidden, torch.float32, got torch.bfloat16"),
+    (dict(hidden=torch.randn(6, 4, dtype=torch.float64)), TypeError,
+     "weight must have the dtype of hidden, torch.float64, got torch.float32"),
+    (dict(hidden=torch.zeros(6, 4, dtype=torch.long), weight=torch.zeros(10, 4, dtype=torch.long)), TypeError,
+     "hidden must have a floating-point dtype, got torch.int64"),
+    (dict(bias=torch.zeros(5)), ValueError, r"bias must have shape \(10,\): one per vocabulary entry, got \(5,\)"),
+    (dict(bias=[0.0] * 10), TypeError, "bias must be a torch.Tensor or None, got list"),
+    (dict(bias=torch.zeros(10, dtype=torch.float64)), TypeError,
+     "bias must have the dtype of hidden, torch.float32, got torch.float64"),
+    # an infinite cap made every logit inf * tanh(0) = NaN, silently; True capped them at 1
+    (dict(logit_softcap=float("inf")), ValueError, "logit_softcap must be finite and > 0, or None"),
+    (dict(logit_softcap=True), TypeError, "logit_softcap must be a float > 0 or None, got bool"),
+    (dict(logit_softcap="30"), TypeError, "logit_softcap must be a float > 0 or None, got str"),
+])
+def test_tiled_loss_refuses_a_head_it_cannot_use(change, error, message):
+    from fa4dist.integrations.hf_loss import tiled_cp_cross_entropy
+
+    args = {**dict(hidden=torch.randn(6, 4), weight=torch.randn(10, 4), labels=torch.randint(0, 10, (6,))), **change}
+    with pytest.raises(error, match=message):
+        tiled_cp_cross_entropy(**args)
+
+
 def test_tiled_loss_of_a_shard_without_tokens_has_the_gradients_of_the_full_logits_loss():
     """A rank whose shard holds no tokens (a plan of fewer chunks than ranks): cp_cross_entropy's loss is a 0 in the
     graph, the tiled loss was a constant (no tile ran), so that rank's backward raised while the others went on."""
