@@ -60,6 +60,7 @@ from fa4dist.context_parallel import ShardPlan, make_plan
 from fa4dist.context_parallel.comm import Transport, exclusive
 from fa4dist.data.packing import IGNORE
 from fa4dist.kernels.problem import check_bool, check_integer_dtype
+from fa4dist.models.llama import check_token_ids
 from fa4dist.models.loss import cp_cross_entropy_of
 from fa4dist.modules import FA4ContextParallelAttention
 
@@ -384,7 +385,13 @@ class ContextParallelHandle:
             got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
             raise kind(f"batch['input_ids'] must be a (1, T) torch.Tensor: one packed row, as "
                        f"DataCollatorWithFlattening makes (return_tensors='pt'); got {got}")
-        check_integer_dtype("batch['input_ids']", ids)  # (float ids failed deep in the embedding)
+        # (float ids or ids outside the embedding failed deep in it: a device-side assert on CUDA, on that rank alone)
+        embedding = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        vocab = getattr(embedding, "num_embeddings", None)
+        if vocab is None:
+            check_integer_dtype("batch['input_ids']", ids)
+        else:
+            check_token_ids("batch['input_ids']", ids, vocab)
         total = ids.shape[1]
         for key in ("labels", "position_ids", "attention_mask"):
             t = batch.get(key)

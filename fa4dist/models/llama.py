@@ -56,6 +56,16 @@ class Linear(nn.Linear):
         return self.row_invariant or self.fixed_grads is not None
 
 
+def check_token_ids(name: str, tokens: torch.Tensor, vocab_size: int) -> None:
+    """Integer ids in [0, vocab_size): an id outside it was an IndexError deep in the embedding (a device-side
+    assert on CUDA, or a silently wrong index_add in the invariant-gradient embedding). One host read."""
+    check_integer_dtype(name, tokens)
+    if tokens.numel():
+        lo, hi = (int(v) for v in torch.stack(torch.aminmax(tokens)).tolist())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"{name} must be ids in [0, vocab_size={vocab_size}), got ids from {lo} to {hi}")
+
+
 def silu(x: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
     """``F.silu``; ``row_invariant`` on a CPU: ``x / (1 + exp(-x))`` (in fp32 for 16-bit inputs, rounded once),
     whose every op (and derivative) rounds an element from its own value alone.  torch's CPU SiLU and its derivative
@@ -313,14 +323,7 @@ class FA4Llama(nn.Module):
             layer.activation_checkpointing = enabled
 
     def _check_token_ids(self, tokens: torch.Tensor) -> None:
-        """Integer ids in [0, vocab_size): an id outside it was an IndexError deep in the embedding (a device-side
-        assert on CUDA, or a silently wrong index_add in the invariant-gradient embedding). One host read."""
-        check_integer_dtype("tokens", tokens)
-        if tokens.numel():
-            lo, hi = (int(v) for v in torch.stack(torch.aminmax(tokens)).tolist())
-            if lo < 0 or hi >= self.config.vocab_size:
-                raise ValueError(f"tokens must be ids in [0, vocab_size={self.config.vocab_size}), got ids from {lo} "
-                                 f"to {hi}")
+        check_token_ids("tokens", tokens, self.config.vocab_size)
 
     def _check_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, plan) -> torch.Tensor:
         """The token ids (as the embedding takes them), or an error naming what is wrong with the arguments."""

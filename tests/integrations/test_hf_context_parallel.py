@@ -575,6 +575,11 @@ def test_unsupported_models_and_options_are_refused():
      r"batch\['position_ids'\] must hold integers, got dtype torch.float32"),
     (lambda b: dict(b, labels=b["labels"] > 0), TypeError,
      r"batch\['labels'\] must hold integers, got dtype torch.bool"),
+    # ids outside the model's embedding: an IndexError deep in the embedding (a device-side assert on CUDA, which
+    # takes down that rank alone)
+    (lambda b: dict(b, input_ids=b["input_ids"] + VOCAB), ValueError,
+     rf"batch\['input_ids'\] must be ids in \[0, vocab_size={VOCAB}\), got ids from \d+ to \d+"),
+    (lambda b: dict(b, input_ids=b["input_ids"] - VOCAB), ValueError, r"got ids from -\d+ to"),
     # on another device than input_ids: went on to fail deep in the model or the loss
     (lambda b: dict(b, labels=b["labels"].to("meta")), ValueError,
      r"batch\['labels'\] is on meta but batch\['input_ids'\] on cpu"),
