@@ -259,8 +259,9 @@ class FixedPointGrads:
         Returns the gradients' total 2-norm (before clipping), computed from the whole gradients the same way on
         every rank, hence the same bits at every cp size, unlike a norm over shards.
 
-        On a group, a call that one rank's checks refuse raises on every rank (naming that rank) before the sums
-        are exchanged: the others waited in the all-reduce for it until the group's timeout."""
+        On a group, a call that one rank's checks refuse, or whose sums, ``divide_by`` or ``max_norm`` differ
+        between ranks, raises on every rank (naming that rank) before the sums are exchanged: the others waited in
+        the all-reduce for it until the group's timeout, or scaled their copies of the sum differently."""
         live = [s for s in self.sites if s.total is not None]
         error = None
         try:
@@ -269,7 +270,11 @@ class FixedPointGrads:
             if not self.distributed:
                 raise
             error = err
-        sig = dict(sites=len(live), elements=sum(s.total.numel() for s in live))
+        # (a divide_by or max_norm that differs by rank scaled each rank's copy of the sum differently: replicas
+        # drifting apart silently)
+        sig = None if error else dict(sites=len(live), elements=sum(s.total.numel() for s in live),
+                                      divide_by=float(divide_by),
+                                      max_norm=None if max_norm is None else float(max_norm))
         with self.agreed("FixedPointGrads.finish", sig, error):
             if live:
                 flat = self.sum_over_group([s.total for s in live])

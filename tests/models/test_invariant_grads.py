@@ -472,3 +472,36 @@ def test_a_second_thread_on_the_group_is_refused_at_once(pool, holder, intruder)
     assert refused[2] < 2, refused
     assert held is not None and held[0] == "RuntimeError" and "not trusted" in held[1], held
     assert theirs is None
+
+
+def _finish_differently(rank, world, case):
+    """Ranks 0 and 1 sum their invariant gradients over a fresh group, rank 1's finish() given another divide_by or
+    max_norm: each rank's (error type, message) or, where finish() completed, its gradients' sum."""
+    from cp_harness import fresh_group
+    from fa4dist.models import FA4Llama, get_config
+
+    group = fresh_group([0, 1])
+    if rank >= 2:
+        return None
+    torch.manual_seed(0)
+    model = FA4Llama(get_config("tiny"), None, backend="reference")
+    grads = model.set_invariant_grads(True, group)
+    model(torch.arange(20), torch.arange(20)).float().logsumexp(-1).sum().backward()
+    options = dict(divide_by=1 + rank) if case == "divide_by" else dict(max_norm=1.0 + rank)
+    try:
+        grads.finish(**options)
+    except ValueError as err:
+        return type(err).__name__, str(err)
+    return float(sum(p.grad.double().sum() for p in model.parameters()))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("divide_by", "divide_by: rank 0 1.0, rank 1 2.0"),
+    ("max_norm", "max_norm: rank 0 1.0, rank 1 2.0"),
+])
+def test_a_finish_whose_options_differ_between_ranks_fails_on_every_rank(pool, case, message):
+    """finish(divide_by=...) or max_norm that differs between ranks scaled or clipped each rank's copy of the summed
+    gradients differently: the replicas' weights drifted apart silently.  Now every rank raises, naming it."""
+    results = pool.run(_finish_differently, case=case, timeout=60.0)[:2]
+    assert results[0] == results[1] and isinstance(results[0], tuple), results
+    assert message in results[0][1] and "ranks disagree on FixedPointGrads.finish call" in results[0][1], results
