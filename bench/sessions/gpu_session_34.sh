@@ -40,3 +40,45 @@ if [ "$1" = 2 ]; then
     1x8192x2 1x4096x6 1x8192x4 --rounds 3 --out-dir "$OUT/causal_split_64"
   exit
 fi
+# 3: call 2: the refitted forward model held (+29 / +14 / +62 / +39 / +42 / +12% against +32 / +17 / +66 / +41 /
+#    +48 / +12% predicted). The causal backward has the same imbalance on few waves (key tile 0 sees every query
+#    tile): its longest key tiles now run as parts over their query tiles, claimed first, each part's fp32 dK / dV
+#    to a scratch and the last part's sum of them in part order (backward.split_keys_variant, on the persistent
+#    grid; split_plans.split_keys_plan with the forward's fitted costs converted to backward steps: not measured).
+#    (a) the backward GPU tests of it (oracle, run-to-run dK / dV bytes, the unsplit bytes outside the split key
+#    tiles, NaN patterns), and the dense / persistent / GQA suites it dispatches through; (b) split / unsplit beside
+#    cuDNN and flash-attn-4 backward, device time. Prediction (the model): +35-60% at 4 x 4k / 1 x 16k / 2 x 8k.
+if [ "$1" = 3 ]; then
+  TAIL_LINES=8 stage tests_bwd 240 $PYTEST -n 8 tests/kernels/test_cute_bwd_gpu.py \
+    -k "split or dense or persistent or few_kv or accumulate"
+  TAIL_LINES=12 stage bwd_split_128 150 python3 bench/split_tail.py --direction bwd --causal --headdim 128 \
+    --shapes 1x4096x4 1x16384x1 1x8192x2 1x4096x3 1x2048x8 1x4096x8 --rounds 3 --out-dir "$OUT/bwd_split_128"
+  TAIL_LINES=8 stage bwd_split_64 90 python3 bench/split_tail.py --direction bwd --causal --headdim 64 \
+    --shapes 1x4096x4 1x8192x2 1x4096x8 --rounds 3 --out-dir "$OUT/bwd_split_64"
+  exit
+fi
+# 4: call 3: the backward split passed its tests (69 with the dense / persistent / GQA / accumulate suites) and
+#    gained +28 / +72 / +53 / +49 / +14% at hdim 128 (4 x 4k / 1 x 16k / 2 x 8k / 3 x 4k / 8 x 2k), +29 / +43% at
+#    hdim 64, in device time (1.01-1.65x flash-attn-4's backward). The rest of the kernel suites on this session's
+#    dispatch (both splits are on by default for causal dense fresh calls), every backend through the contract and
+#    the non-finite suites; then forward and forward+backward through the contract (host included) on 4 heads of
+#    128 at 4k / 8k / 16k, beside cuDNN and flash-attn-4. Prediction: +20-60% where the launches are one wave
+#    (8k / 16k); 4k host-bound (~0.1 ms of kernels per direction).
+if [ "$1" = 4 ]; then
+  TAIL_LINES=6 stage tests_kernels_rest 240 $PYTEST -n 8 tests/kernels/test_cute_fwd_gpu.py \
+    tests/kernels/test_cute_bwd_gpu.py -k "not split and not dense and not persistent and not schedule and not few_kv and not accumulate"
+  TAIL_LINES=6 stage tests_backends 200 $PYTEST -n 8 tests/kernels/test_backends_gpu.py tests/kernels/test_nonfinite.py \
+    tests/kernels/test_cute_nonfinite_gpu.py
+  TAIL_LINES=14 stage few_heads 150 python3 bench/kernels.py --headdims 128 --seqlens 4096 8192 16384 \
+    --total-tokens 4096 --model-dim 512 --causal true --directions fwd bwd --backends cute cudnn flash_attn_4 \
+    --rounds 5 --out-dir "$OUT/few_heads"
+  exit
+fi
+# 5: call 4: the rest of the kernel suites 87 passed, every backend through the contract and the non-finite suites
+#    102 passed. Ulysses runs each rank's heads over the whole sequence: few heads, few waves, where both splits
+#    now apply; the staged-rank CP suite (ring, Ulysses, hybrid, cp_invariant) and the HF integration on them.
+if [ "$1" = 5 ]; then
+  TAIL_LINES=6 stage tests_cp 200 $PYTEST -n 8 tests/cp/test_cp_gpu.py
+  TAIL_LINES=6 stage tests_hf 150 $PYTEST -n 8 tests/integrations/test_hf_integration.py tests/kernels/test_torch_compile.py
+  exit
+fi

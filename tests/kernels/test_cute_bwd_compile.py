@@ -60,6 +60,9 @@ SUBSET = [
     (BF16, 96, False, False, False, False, {}),
     (FP16, 96, True, True, True, True, {}),
     (BF16, 96, True, False, False, True, {"dq_fixed": True, "fixed_to_float": True}),
+    # a causal launch of few waves with its longest key tiles in parts (backward.split_keys_variant): the parts'
+    # fp32 dK / dV scratch, the arrival counters, the last part's sum in part order
+    (BF16, 128, True, False, False, False, {"split_keys": True, "persistent_ctas": 132}),
 ]
 
 
@@ -102,6 +105,8 @@ EXTRA = [
     (BF16, 96, True, False, False, False, {"softcap": 30.0, "window_left": 1000}),
     (BF16, 96, False, False, False, True, {"persistent_ctas": 132, "max_seqlen_k": 1024}),
     (BF16, 96, True, True, True, True, {"dq_fixed": True, "softcap": 30.0, "window_left": 4096}),
+    (FP16, 64, True, False, False, False, {"split_keys": True, "persistent_ctas": 132, "softcap": 30.0}),
+    (BF16, 96, True, False, False, False, {"split_keys": True, "persistent_ctas": 132}),
 ]
 
 
@@ -163,7 +168,8 @@ def test_compile_backward_variant(variant, tmp_path, monkeypatch, capfd):
     tma_dkv = not main.accumulate and not main.varlen and not main.dkv_fp32 and main.grads != "dq" \
         and not main.dq_fixed
     assert ("cp.async.bulk.tensor.4d.global.shared::cta" in ptx) == tma_dkv, main
-    assert ("st.global" in ptx) == (not tma_dkv and main.grads != "dq"), main
+    # (a split_keys part writes its fp32 dK / dV to the scratch)
+    assert ("st.global" in ptx) == ((not tma_dkv or main.split_keys) and main.grads != "dq"), main
     # dQ accumulation (and its tickets), unless the variant computes no dQ
     add = "u64" if main.dq_fixed else "f32"
     dq_adds = f"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.{add}" in ptx
@@ -488,3 +494,41 @@ def test_nondeterministic_gqa_form_expands_launches_of_few_kv_tiles():
     k = torch.empty(2, 1000, 3, 64)
     assert bwd._kv_tiles(k, None) == 2 * 3 * 8
     assert bwd._kv_tiles(torch.empty(1000, 3, 64), torch.tensor([0, 300, 1000])) == 3 * (1000 // 128 + 2)
+
+
+def test_split_keys_scope_and_plan():
+    """backward.split_keys_variant: the causal non-deterministic dense calls writing fresh 16-bit dK / dV through
+    TMA stores with every gradient, on the persistent grid; none for deterministic, packed, merging, windowed,
+    fp32-gradient, one-gradient or fixed-point calls. split_plans.split_keys_plan splits the longest key tiles of
+    launches under two waves where the simulated claims say it pays, in whole rows (every (batch, kv head)'s
+    n-th key tile), never for two waves or more."""
+    from fa4dist.kernels.cute import split_plans
+
+    def main(**kw):
+        kw = dict(dict(causal=True, varlen=False, seg_offsets=False, accumulate=False, deterministic=False,
+                       dq_dtype=BF16, dkv_dtype=BF16, o_dtype=BF16, do_dtype=BF16), **kw)
+        return bwd.make_configs(BF16, 128, **kw)[1]
+
+    split = bwd.split_keys_variant(main(max_seqlen_k=16384))
+    assert split.split_keys and split.persistent_ctas == host.sm_count() and not split.interleave_lengths
+    assert bwd.split_keys_variant(main(softcap=30.0)) is not None
+    for kw in (dict(deterministic=True), dict(causal=False), dict(varlen=True), dict(window_left=100),
+               dict(accumulate=True, dq_dtype=FP32, dkv_dtype=FP32), dict(dkv_dtype=FP32),
+               dict(accumulate=True, dq_dtype=FP32, dkv_dtype=FP32, grads="dq"), dict(dq_fixed=True)):
+        assert bwd.split_keys_variant(main(**kw)) is None, kw
+    plan = split_plans.split_keys_plan
+    assert plan(4, 1, 4096, 4096, 0, 64, 128, 132) == (112, 2)  # 4 heads of 32 key tiles: 28 rows in halves
+    assert plan(1, 1, 16384, 16384, 0, 64, 128, 132) == (124, 2)
+    assert plan(8, 1, 4096, 4096, 0, 64, 128, 132) == (0, 1)  # two waves
+    assert plan(4, 1, 4096, 4096, -5000, 64, 128, 132) == (0, 1)  # no key tile has work
+    for heads in (1, 2, 3, 5):
+        for group in (1, 4):
+            for s in (1000, 4000, 8192):
+                edge, parts = plan(heads, group, s, s, 0, 64, 128, 132)
+                assert 1 <= parts <= split_plans.SPLIT_MAX_PARTS and (parts == 1) == (edge == 0)
+                assert edge % heads == 0 and edge <= heads * -(-s // 128)
+                if parts > 1:  # the shortest split key tile still gives parts of the minimum length
+                    n = edge // heads - 1
+                    assert group * (-(-s // 64) - n * 128 // 64) >= parts * split_plans.SPLIT_MIN_PART_BLOCKS
+    cfg = main(max_seqlen_k=4096)
+    assert bwd.dense_split_keys_plan(cfg, (1, 4096, 4, 128), (1, 4096, 4, 128), 0) == (112, 2)

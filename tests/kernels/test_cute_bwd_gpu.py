@@ -675,6 +675,62 @@ def test_nondeterministic_gqa_backward_of_few_kv_tiles_on_expanded_heads(packed,
             assert rel_error(a.double(), b.double()) < (1e-2 if not accumulate else 1e-5), name
 
 
+CAUSAL_SPLIT_KEYS_CASES = [
+    # (b, sq, sk, h, hk, d, q_offset): dense causal backwards of one wave or less on 132 SMs
+    (1, 4096, 4096, 4, 4, 128, 0),  # 128 key tiles: the longest of every head in parts
+    (1, 4000, 4050, 2, 2, 128, 0),  # padding rows, the last key tile cut, keys past the queries' reach
+    (1, 4096, 4096, 3, 3, 64, 0),  # 128-row query tiles
+    (1, 3072, 4096, 3, 3, 128, 1024),  # bottom-right diagonal
+    (2, 3000, 3000, 2, 2, 96, -200),  # the first 200 queries see no key
+    (1, 4096, 4096, 4, 1, 128, 0),  # MQA (on the expanded heads or the GQA kernel, as the call takes it)
+]
+
+
+@pytest.mark.parametrize("case", CAUSAL_SPLIT_KEYS_CASES, ids=[str(c) for c in CAUSAL_SPLIT_KEYS_CASES])
+def test_causal_split_key_tiles(case):
+    """A causal backward of few waves runs its longest key tiles as parts over their query tiles, claimed first
+    (backward.split_keys_variant, split_plans.split_keys_plan), the last part to arrive summing their dK / dV in
+    part order: every gradient against the fp64 oracle (buffers poisoned), dK / dV the same bytes run to run and
+    the unsplit launch's bytes outside the split key tiles, dQ the unsplit one's to fp32 rounding, and NaN in a V
+    row NaN in the same gradients' elements as unsplit."""
+    from fa4dist.kernels.cute import backward as cbwd
+
+    b, sq, sk, h, hk, d, q_off = case
+    g = _gen()
+    q, k, v = _inputs((b, sq, h, d), (b, sk, hk, d), torch.bfloat16, g)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    mask = dict(causal=True, q_offset=q_off)
+    out64, lse64, ref = _reference(q, k, v, dout, **mask)
+    out, lse = out64.to(torch.bfloat16), lse64.float()
+    _, main_cfg, _ = cbwd.make_configs(torch.bfloat16, d, causal=True, varlen=False, seg_offsets=False,
+                                       accumulate=False, deterministic=False, dq_dtype=torch.bfloat16,
+                                       dkv_dtype=torch.bfloat16, o_dtype=torch.bfloat16, do_dtype=torch.bfloat16,
+                                       max_seqlen_k=sk)
+    edge, parts = cbwd.dense_split_keys_plan(cbwd.split_keys_variant(main_cfg), q.shape, k.shape, q_off)
+    if parts == 1 and hk == h:
+        pytest.skip("no split on this GPU's SMs")
+    got = _run(q, k, v, dout, out, lse, **mask)
+    for name, a, r in zip(("dq", "dk", "dv"), got, ref):
+        _check(a, r, torch.bfloat16, name)
+    again = _run(q, k, v, dout, out, lse, **mask)
+    plain = _run(q, k, v, dout, out, lse, split_keys=False, **mask)
+    split_keys = torch.zeros(sk, dtype=torch.bool, device="cuda")
+    split_keys[: edge // (b * hk) * 128] = True
+    for name, a, r, p in zip(("dk", "dv"), got[1:], again[1:], plain[1:]):
+        assert torch.equal(a.view(torch.int16), r.view(torch.int16)), f"{name} differs run to run"
+        if hk == h:  # (MQA may run on expanded heads, with their own plan, and sum them)
+            assert torch.equal(a[:, ~split_keys].view(torch.int16), p[:, ~split_keys].view(torch.int16)), \
+                f"{name} outside the split key tiles differs from the unsplit launch"
+        assert rel_error(a.double(), p.double()) < 1e-2, name
+    assert rel_error(got[0].double(), plain[0].double()) < 1e-2
+    v_bad = v.clone()
+    v_bad[:, sk // 2, 0] = float("nan")  # seen by the queries from sk // 2 - q_off on
+    nan_got = _run(q, k, v_bad, dout, out, lse, **mask)
+    nan_plain = _run(q, k, v_bad, dout, out, lse, split_keys=False, **mask)
+    for name, a, p in zip(("dq", "dk", "dv"), nan_got, nan_plain):
+        assert torch.equal(torch.isnan(a), torch.isnan(p)), f"{name}: NaN pattern differs from the unsplit launch"
+
+
 def test_long_causal_deterministic_gqa_backward_takes_expanded_heads():
     """deterministic=True alone (det_dq="auto") on a causal GQA call of 16k keys at hdim 128 is the expanded form's
     bytes (backward.deterministic_gqa_form; test_cute_bwd_compile.py has the rule)."""

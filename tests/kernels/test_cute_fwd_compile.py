@@ -19,7 +19,7 @@ pytest.importorskip("tvm_ffi")
 torch = pytest.importorskip("torch")
 
 from fa4dist.kernels.cute import forward as cute_fwd  # noqa: E402
-from fa4dist.kernels.cute import host  # noqa: E402
+from fa4dist.kernels.cute import host, split_plans  # noqa: E402
 from ptxas_log import assert_ptxas_clean  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -324,7 +324,7 @@ def test_split_plan_splits_a_partial_last_wave_where_the_model_says_it_pays():
     """forward.split_plan: no split without a tail, after SPLIT_MAX_WHOLE_WAVES whole waves, when the tail is
     nearly a whole wave, or when the tiles are too short for parts of SPLIT_MIN_PART_BLOCKS; otherwise the tail's
     tiles, after every whole wave, in the parts count of least modelled time, never more than SPLIT_MAX_PARTS."""
-    plan = cute_fwd.split_plan
+    plan = split_plans.split_plan
     assert plan(264, 132, 32) == (264, 1)  # whole waves
     assert plan(1248, 132, 32) == (1248 - 60, 2)  # 9 waves and 60 tiles of 32 blocks: one round of halves
     assert plan(832, 132, 32) == (832 - 40, 3)  # 6 waves and 40 tiles: one round of thirds
@@ -340,8 +340,8 @@ def test_split_plan_splits_a_partial_last_wave_where_the_model_says_it_pays():
     for tiles in range(1, 600, 7):
         for n_blocks in (1, 4, 9, 32, 100):
             start, parts = plan(tiles, 132, n_blocks)
-            assert 1 <= parts <= cute_fwd.SPLIT_MAX_PARTS and (parts == 1) == (start == tiles)
-            assert parts == 1 or (n_blocks >= parts * cute_fwd.SPLIT_MIN_PART_BLOCKS and start % 132 == 0)
+            assert 1 <= parts <= split_plans.SPLIT_MAX_PARTS and (parts == 1) == (start == tiles)
+            assert parts == 1 or (n_blocks >= parts * split_plans.SPLIT_MIN_PART_BLOCKS and start % 132 == 0)
 
 
 def test_split_tail_default_scope():
@@ -371,7 +371,7 @@ def test_causal_split_plan_splits_the_longest_tiles_of_a_launch_of_few_waves():
     """forward.causal_split_plan: a causal launch of one wave or less ends with its longest tiles, so every head's
     longest rows of tiles run in parts (claimed first) where the simulated claims say it pays; no split from
     SPLIT_CAUSAL_MAX_WAVES waves on, nor where parts would be shorter than SPLIT_MIN_PART_BLOCKS blocks."""
-    plan = cute_fwd.causal_split_plan
+    plan = split_plans.causal_split_plan
     assert plan(4, 4096, 4096, 0, 128, 128, 132) == (36, 2)  # 4 heads of 32 tiles: the 9 longest rows in halves
     assert plan(1, 16384, 16384, 0, 128, 128, 132) == (118, 2)
     assert plan(1, 4096, 4096, 0, 128, 128, 132) == (17, 4)
@@ -383,12 +383,12 @@ def test_causal_split_plan_splits_the_longest_tiles_of_a_launch_of_few_waves():
         for s in (1000, 2048, 4000, 8192):
             for diag in (0, -300, 1000):
                 edge, parts = plan(heads, s, s, diag, 128, 128, 132)
-                assert 1 <= parts <= cute_fwd.SPLIT_MAX_PARTS and (parts == 1) == (edge == 0)
+                assert 1 <= parts <= split_plans.SPLIT_MAX_PARTS and (parts == 1) == (edge == 0)
                 assert edge % heads == 0 and edge <= heads * -(-s // 128)
                 if parts > 1:  # the shortest split tile still gives parts of the minimum length
                     m = -(-s // 128) - edge // heads
                     blocks = -(-min(s, (m + 1) * 128 + diag) // 128)
-                    assert blocks >= parts * cute_fwd.SPLIT_MIN_PART_BLOCKS
+                    assert blocks >= parts * split_plans.SPLIT_MIN_PART_BLOCKS
     cfg = cute_fwd.make_config(torch.bfloat16, 128, causal=True, varlen=False, accumulate=False,
                                persistent_ctas=132)
     assert cute_fwd.dense_split_plan(cfg, (1, 4096, 4, 128), 4096) == (36, 2)

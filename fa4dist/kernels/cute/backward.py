@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from . import host
+from .split_plans import split_keys_plan
 
 BWD_HEAD_DIMS = (64, 96, 128)
 TILE_N = 128
@@ -114,6 +115,10 @@ class BwdConfig:
     # (finite lse and dpsum: bwd_preprocess.py); the same bits. False: a measurement knob (every masked step
     # sanitized, as before the twenty-ninth session)
     clean_tiles: bool = True
+    # a causal launch of few waves: its longest key tiles run as parts over their query tiles, claimed first, and
+    # the part that arrives last sums their dK / dV in part order (split_plans.split_keys_plan). Not a default of
+    # any config: launch_steps runs split_keys_variant(cfg) for the launches whose plan splits
+    split_keys: bool = False
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -129,7 +134,7 @@ class BwdConfig:
             try_waits=self.try_waits, hoist_descriptors=self.hoist_descriptors,
             interleave_lengths=self.interleave_lengths, ticket_sleep_ns=self.ticket_sleep_ns,
             release_fence=self.release_fence, fixed_scales_early=self.fixed_scales_early,
-            clean_tiles=self.clean_tiles,
+            clean_tiles=self.clean_tiles, split_keys=self.split_keys,
         )
 
     @property
@@ -167,8 +172,13 @@ class BwdConfig:
             nb = cute.sym_int()
             off_q, off_k = host.fake_i32(nb), host.fake_i32(nb)
         counter = host.fake_i32(1) if self.takes_tile_counter else None
+        split = (None, None, None)
+        if self.split_keys:  # the parts' fp32 dK / dV scratch, the split key tiles and the parts per tile
+            counter = host.fake_i32()  # (and one arrival counter per split key tile after the tile counter)
+            split = (host.fake_tensor(cutlass.Float32, (cute.sym_int(), self.head_dim), 4), cutlass.Int32(0),
+                     cutlass.Int32(1))
         return (q, k, v, do, lse2, dps, clean, dqacc, dk, dv, sem, dq_scale, cutlass.Float32(1.0), cutlass.Float32(1.0),
-                cutlass.Int32(0), cutlass.Int32(1), cu_q, cu_k, off_q, off_k, counter, host.fake_stream())
+                cutlass.Int32(0), cutlass.Int32(1), cu_q, cu_k, off_q, off_k, counter, *split, host.fake_stream())
 
 
 @dataclass(frozen=True)
@@ -466,6 +476,18 @@ def check_resident(cfg: BwdConfig) -> None:
                          "deterministic persistent backward takes at most one CTA per SM")
 
 
+def split_keys_variant(cfg: BwdConfig) -> Optional[BwdConfig]:
+    """The split_keys form of a call's main-kernel variant (on the persistent grid, whose claims and counters it
+    needs), or None where it does not apply: causal non-deterministic dense calls writing fresh 16-bit dK / dV
+    through the TMA stores, every gradient, no window (a part's rows see a prefix of its keys), no fixed-point dQ
+    or work list."""
+    if not (cfg.causal and not cfg.deterministic and not cfg.varlen and not cfg.accumulate and cfg.grads == "all"
+            and not cfg.dq_fixed and not cfg.worklist and cfg.window_left < 0 and cfg.tma_store_dkv
+            and not cfg.dkv_fp32):
+        return None
+    return replace(cfg, split_keys=True, persistent_ctas=host.sm_count(), interleave_lengths=False)
+
+
 # ----------------------------------------------------------------------------
 # support check
 # ----------------------------------------------------------------------------
@@ -564,7 +586,8 @@ def launch_steps(
     with accumulate=False, converted to fp32 and written (into an fp32 or q-dtype dq), and dK / dV written as
     the accumulating kernel adds them into zeros (a signed zero comes out +0).
     overrides: BwdConfig fields (measurement knobs; det_dq="auto" | "tickets" | "fixed" | "expanded": the
-    deterministic dQ's form; gqa_form="auto" | "gqa" | "expanded": a non-deterministic GQA call's).
+    deterministic dQ's form; gqa_form="auto" | "gqa" | "expanded": a non-deterministic GQA call's; split_keys=False:
+    no split of a few-wave causal launch's longest key tiles, split_keys_variant).
 
     rows: the query side is shared (:class:`SharedRows`): q, dout, out, lse are rows [q_start, q_start + len) of
     its queries, the preprocess and the dQ convert are its own (dq is ignored), and the steps are the main kernel
@@ -573,6 +596,9 @@ def launch_steps(
     if det_dq not in ("auto", "tickets", "fixed", "expanded"):
         raise ValueError(f"det_dq must be 'auto', 'tickets', 'fixed' or 'expanded', got {det_dq!r}")
     gqa_form = overrides.pop("gqa_form", "auto")
+    split_keys = overrides.pop("split_keys", "auto")  # "auto": as split_keys_plan says; False: never
+    if split_keys not in ("auto", False):
+        raise ValueError(f"split_keys must be 'auto' or False, got {split_keys!r}")
     if gqa_form not in ("auto", "gqa", "expanded"):
         raise ValueError(f"gqa_form must be 'auto', 'gqa' or 'expanded', got {gqa_form!r}")
     group = q.shape[-2] // max(k.shape[-2], 1)
@@ -591,7 +617,8 @@ def launch_steps(
             and dq is not None and dk is not None and dv is not None):
         inner = dict(softmax_scale=softmax_scale, causal=causal, q_offset=q_offset, k_offset=k_offset,
                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                     max_seqlen_k=max_seqlen_k, window_left=window_left, softcap=softcap, **overrides)
+                     max_seqlen_k=max_seqlen_k, window_left=window_left, softcap=softcap, split_keys=split_keys,
+                     **overrides)
         return _expanded_kv_steps(dout, q, k, v, out, lse, dq, dk, dv, group, accumulate, deterministic, inner)
     varlen = cu_seqlens_q is not None
     d = q.shape[-1]
@@ -689,7 +716,7 @@ def launch_steps(
         clean = clean if main_cfg.takes_clean_flags else None
         msk = max(k.shape[1], 1)
         main = lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, clean, dq_acc, dk, dv, sem, None, scale,  # noqa
-                               scale_log2, diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k, counter())
+                               scale_log2, diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k, counter(), *NO_SPLIT)
         # deterministic: the dQ tickets count from 0 again for this launch's key tiles
         return ([sem.zero_] if sem is not None else []) + [main]
 
@@ -715,7 +742,7 @@ def launch_steps(
         return [
             lambda: pre_fn(out, dout, lse, lse2, dpsum, clean, dq_acc, None, None, None, scale, m_grid, cu_seqlens_q),
             lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, main_clean, dq_acc, dk, dv, sem, None, scale, scale_log2,
-                            diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k, counter()),
+                            diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k, counter(), *NO_SPLIT),
         ]
     if dq_fixed:
         # int64 scratch (zeroed by the preprocess as fp32 words) and the rows' scales in lse2's indexing
@@ -727,13 +754,45 @@ def launch_steps(
         dq_acc = dq_words = torch.empty(n_chunks * tm * d, dtype=torch.float32, device=device)
         scale2 = None
         sem = torch.empty(n_chunks, dtype=torch.int32, device=device) if main_cfg.deterministic else None
+    main_args = lambda: (counter(), *NO_SPLIT)  # noqa: E731
+    split_cfg = _split_variant(main_cfg) if split_keys == "auto" else None
+    plan = dense_split_keys_plan(split_cfg, q.shape, k.shape, diag) if split_cfg is not None else (0, 1)
+    if plan[1] > 1:  # the longest key tiles in parts: the split variant, its scratch and arrival counters
+        main_fn = host.get_compiled(split_cfg)
+        edge, parts = plan
+        split_dkv = torch.empty(2 * edge * parts * TILE_N, d, dtype=torch.float32, device=device)
+        main_args = lambda: (torch.zeros(1 + edge, dtype=torch.int32, device=device),  # noqa: E731
+                             split_dkv, edge, parts)
     return [
         lambda: pre_fn(out, dout, lse, lse2, dpsum, clean, dq_words, sem, dq_scale, scale2, scale, m_grid,
                        cu_seqlens_q),
         lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, main_clean, dq_acc, dk, dv, sem, scale2, scale, scale_log2,
-                        diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k, counter()),
+                        diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k, *main_args()),
         lambda: post_fn(dq_acc, dq, scale2 if fixed_to_float else None, m_grid, cu_seqlens_q),
     ]
+
+
+# the main kernel's split_keys arguments (scratch, split key tiles, parts) of a launch that does not split
+NO_SPLIT = (None, None, None)
+
+
+_SPLIT_VARIANTS: dict = {}  # a call's main-kernel variant -> its split_keys_variant (None: none), per process
+
+
+def _split_variant(cfg: BwdConfig) -> Optional[BwdConfig]:
+    """split_keys_variant, remembered per variant (the backward's host time counts at the few-wave sizes it is
+    for)."""
+    try:
+        return _SPLIT_VARIANTS[cfg]
+    except KeyError:
+        return _SPLIT_VARIANTS.setdefault(cfg, split_keys_variant(cfg))
+
+
+def dense_split_keys_plan(cfg: BwdConfig, q_shape, k_shape, diag: int) -> tuple[int, int]:
+    """split_plans.split_keys_plan of a dense call (q (b, s_q, h, d), k (b, s_k, h_kv, d)) on ``cfg``'s tiles."""
+    b, sq, h, _ = q_shape
+    _, sk, hk, _ = k_shape
+    return split_keys_plan(b * hk, h // hk, sq, sk, int(diag), cfg.tile_m, TILE_N, host.sm_count())
 
 
 _FAST: dict = {}  # (make_configs' arguments, shared, device) -> (its three configs, their compiled kernels)
@@ -906,7 +965,7 @@ def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_til
             sem.zero_()  # the tickets count this launch's key tiles from 0 again
         clean = rows.clean if main_cfg.takes_clean_flags else None
         main_fn(q, k, v, dout, rows.lse2, rows.dpsum, clean, rows.dq_acc, dk, dv, sem, None, scale, scale_log2, 0,
-                msk, table, None, None, None, host.tile_counter(main_cfg.takes_tile_counter, q.device))
+                msk, table, None, None, None, host.tile_counter(main_cfg.takes_tile_counter, q.device), *NO_SPLIT)
         return dq, dk, dv
     n_chunks = max(int(scratch_tiles), 1) * hq
     lse2 = torch.empty(n_chunks * tm, dtype=torch.float32, device=q.device)
@@ -918,6 +977,6 @@ def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_til
     host.get_compiled(pre_cfg)(out, dout, lse, lse2, dpsum, clean, dq_acc, sem, None, None, scale, m_grid, table)
     main_fn(q, k, v, dout, lse2, dpsum, clean if main_cfg.takes_clean_flags else None, dq_acc, dk, dv, sem, None,
             scale, scale_log2, 0, msk, table, None, None, None,
-            host.tile_counter(main_cfg.takes_tile_counter, q.device))
+            host.tile_counter(main_cfg.takes_tile_counter, q.device), *NO_SPLIT)
     host.get_compiled(post_cfg)(dq_acc, dq, None, m_grid, table)
     return dq, dk, dv

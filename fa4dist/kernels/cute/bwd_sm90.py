@@ -156,6 +156,7 @@ class FlashBwdSm90:
         release_fence: bool = False,
         fixed_scales_early: bool = True,
         clean_tiles: bool = True,
+        split_keys: bool = False,
     ):
         assert head_dim in (64, 96, 128)
         # a work list: mCuSeqlensQ is the item table (block_info.WORKLIST_COLUMNS), one "sequence" per item with
@@ -266,6 +267,14 @@ class FlashBwdSm90:
         # (NOTES_BWD.md, twenty-first session, which also measured converting the tile before its buffer's empty
         # barrier: +8% beside this)
         self.fixed_scales_early = fixed_scales_early and dq_fixed and tile_m == 64 and not softcap
+        # a causal launch of few waves: the longest key tiles run as parts over their query tiles, claimed first
+        # (backward.split_keys_plan); each part writes its fp32 dK / dV to a scratch slot and the part that arrives
+        # last sums them in part order and stores the tile (store_dkv_split). Non-deterministic dense fresh calls
+        # with every gradient on the persistent grid
+        self.split_keys = split_keys
+        assert not split_keys or (self.persistent and causal and not deterministic and not varlen and not accumulate
+                                  and grads == "all" and not dq_fixed and not worklist and window_left < 0
+                                  and self.tma_store_dkv)
 
     # ------------------------------------------------------------------------
     # host side
@@ -293,7 +302,10 @@ class FlashBwdSm90:
         mCuSeqlensK: Optional[cute.Tensor],
         mSegOffQ: Optional[cute.Tensor],
         mSegOffK: Optional[cute.Tensor],
-        mTileCounter: Optional[cute.Tensor],  # persistent: (1,) int32, zero at launch
+        mTileCounter: Optional[cute.Tensor],  # persistent: (1,) int32, zero at launch (split_keys: 1 + split tiles)
+        mSplitDKV: Optional[cute.Tensor],  # split_keys: (2 * parts' slots * tile_n, d) fp32, the parts' dK / dV
+        split_edge: Optional[Int32],  # split_keys: how many key tiles (the first in launch order) are split
+        split_parts: Optional[Int32],  # split_keys: parts per split key tile
         stream,
     ):
         if const_expr(not self.varlen):
@@ -361,6 +373,8 @@ class FlashBwdSm90:
             # takes all 227 KB of the SM's shared memory, so these 40 bytes must not come after its tiles
             fields["mbar_tile"] = cute.struct.MemRange[cutlass.Int64, 2 * TileClaims.STAGES]
             fields["sTile"] = cute.struct.MemRange[Int32, TileClaims.STAGES]  # claimed tile indices in flight
+        if const_expr(self.split_keys):
+            fields["sSplit"] = cute.struct.MemRange[Int32, 1]  # a part's arrival count, for the MMA threads
         fields.update(
             sLSE=cute.struct.Align[cute.struct.MemRange[Float32, tm * self.num_stages], 128],
             sDpsum=cute.struct.Align[cute.struct.MemRange[Float32, tm * self.num_stages], 128],
@@ -389,6 +403,8 @@ class FlashBwdSm90:
             num_tiles = cute.ceil_div(n_blocks_grid, self.det_chunk) * self.det_chunk * num_heads_kv * num_batch
         else:
             num_tiles = n_blocks_grid * num_heads_kv * num_batch
+        if const_expr(self.split_keys):
+            num_tiles = num_tiles + split_edge * (split_parts - 1)
         grid = (num_tiles, 1, 1)
         if const_expr(self.persistent):
             grid = (cutlass.min(num_tiles, Int32(self.persistent_ctas)), 1, 1)
@@ -398,7 +414,7 @@ class FlashBwdSm90:
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_dK, tma_dV, tma_atom_dK, tma_atom_dV,
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
             scale, scale_log2, diag, n_blocks_grid, num_batch, num_tiles,
-            mCuSeqlensQ, mCuSeqlensK, mSegOffQ, mSegOffK, mTileCounter,
+            mCuSeqlensQ, mCuSeqlensK, mSegOffQ, mSegOffK, mTileCounter, mSplitDKV, split_edge, split_parts,
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -442,6 +458,9 @@ class FlashBwdSm90:
         mSegOffQ: Optional[cute.Tensor],
         mSegOffK: Optional[cute.Tensor],
         mTileCounter: Optional[cute.Tensor],
+        mSplitDKV: Optional[cute.Tensor],
+        split_edge: Optional[Int32],
+        split_parts: Optional[Int32],
         sQ_layout: cute.ComposedLayout,
         sdO_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
@@ -505,8 +524,11 @@ class FlashBwdSm90:
             diag=diag, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, mSegOffQ=mSegOffQ, mSegOffK=mSegOffK,
             claims=claims, tma_dK=tma_dK, tma_dV=tma_dV, tma_atom_dK=tma_atom_dK, tma_atom_dV=tma_atom_dV,
             sdKV=storage.sdKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner) if self.use_tma_dkv else None,
+            mTileCounter=mTileCounter, mSplitDKV=mSplitDKV,
+            sSplit=storage.sSplit.get_tensor(cute.make_layout(1)) if const_expr(self.split_keys) else None,
         )
-        launch = Context(n_blocks_grid=n_blocks_grid, num_batch=num_batch, num_tiles=num_tiles)
+        launch = Context(n_blocks_grid=n_blocks_grid, num_batch=num_batch, num_tiles=num_tiles,
+                         split_edge=split_edge, split_parts=split_parts)
 
         # the one work tile of a non-persistent CTA (identical in every warp); a persistent CTA finds its tiles in
         # each role's tile walk (the roles walk the same tiles, so their pipeline states stay in step)
@@ -535,12 +557,27 @@ class FlashBwdSm90:
     @cute.jit
     def work_at(self, io: Context, launch: Context, tile_idx):
         """(tile, seqlen, rng) of launch-order tile ``tile_idx`` (None: this CTA's blockIdx.x): the work tile, its
-        sequence and the range of query tiles it visits (block_info.BlockInfo.query_tiles)."""
+        sequence and the range of query tiles it visits (block_info.BlockInfo.query_tiles). With split_keys,
+        index i * parts + p (i < split_edge) is part p of launch-order key tile i, the p-th of ``parts`` runs of
+        its query tiles (rng.split_slot = i * parts + p, rng.split_part = p, rng.split_tile = i), claimed first;
+        the other key tiles follow whole, and the order is longest first over every head (key tile 0 of every
+        (batch, kv head), then key tile 1, ...: all of them are in flight at once)."""
         spt = self.spt
         if const_expr(self.det_lpt):
             spt = launch.n_blocks_grid > self.det_lpt  # every sequence's key tiles fit: longest first
+        base_idx = tile_idx
+        split_slot = Int32(-1)
+        split_tile = Int32(0)
+        if const_expr(self.split_keys):
+            if tile_idx < launch.split_edge * launch.split_parts:
+                split_slot = tile_idx
+                split_tile = tile_idx // launch.split_parts
+                base_idx = split_tile
+            else:
+                base_idx = tile_idx - launch.split_edge * (launch.split_parts - 1)
         tile = bwd_work_tile(io.mQ, io.mK, launch.n_blocks_grid, launch.num_batch, shortest_first=spt,
-                             det_chunk=self.det_chunk, interleave=self.interleave_lengths, tile_idx=tile_idx)
+                             det_chunk=self.det_chunk, interleave=self.interleave_lengths and not self.split_keys,
+                             tile_idx=base_idx, longest_first_over_heads=self.split_keys)
         seqlen = SeqlenInfo.create(tile.batch, io.mQ, io.mK, io.diag, io.mCuSeqlensQ, io.mCuSeqlensK, io.mSegOffQ,
                                    io.mSegOffK, varlen=self.varlen, seg_offsets=self.seg_offsets,
                                    scratch_tile_m=self.tile_m, worklist=self.worklist)
@@ -549,6 +586,18 @@ class FlashBwdSm90:
         extra = {}
         if const_expr(self.det_rotate):
             extra["rot"] = rotation_step(self.tile_m, self.tile_n, seqlen, self.det_rotate) * tile.block
+        if const_expr(self.split_keys):
+            split_part = split_slot - split_tile * launch.split_parts
+            if split_slot >= 0:  # the part's run of query tiles, its bands clipped to it (no window)
+                n_all = m_max - m_min
+                lo = m_min + split_part * n_all // launch.split_parts
+                hi = m_min + (split_part + 1) * n_all // launch.split_parts
+                m_mask_end = cutlass.min(cutlass.max(m_mask_end, lo), hi)
+                m_window_start = hi
+                m_min, m_max = lo, hi
+                has_work = has_work and lo < hi
+            extra.update(split_slot=split_slot, split_tile=split_tile, split_part=split_part,
+                         split_parts=launch.split_parts)
         rng = Context(has_work=has_work, m_min=m_min, m_mask_end=m_mask_end, m_window_start=m_window_start,
                       m_max=m_max, **extra)
         return tile, seqlen, rng
@@ -1093,6 +1142,10 @@ class FlashBwdSm90:
             write = n_block * tn < seqlen_k  # fresh outputs: key tiles without work get zeros
             if const_expr(self.det_chunk > 0):
                 write = write and tile.valid
+        if const_expr(self.split_keys):
+            if rng.split_slot >= 0:  # a part: the last to arrive stores the tile, its parts' sum
+                self.store_split_dkv(io, st, thr_dkv, tile, rng)
+                write = False
         if const_expr(self.use_tma_dkv):
             if write:
                 self.store_dkv_tile(io, st.tiled_mma_dkv, acc_dV, io.tma_atom_dV, io.tma_dV, tile)
@@ -1119,12 +1172,58 @@ class FlashBwdSm90:
             store_acc_rows(acc_dV, mdV_cur, thr_dkv, kv_tile, n_block, seqlen_k, self.accumulate)
 
     @cute.jit
-    def store_dkv_tile(self, io: Context, tiled_mma_dkv, acc: cute.Tensor, tma_atom, mdst: cute.Tensor, tile):
-        """One fresh dK or dV tile through the staging tile and a TMA store, once the previous store has read it."""
+    def store_split_dkv(self, io: Context, st: Context, thr_dkv, tile, rng: Context):
+        """A part of a split key tile (split_keys): its fp32 dK / dV go to scratch slot ``rng.split_slot`` (rows
+        2 * slot * tile_n on: dK, then dV), then it arrives on the tile's counter (after the tile counter); the part
+        that arrives last sums every part's from the scratch in part order (the bits do not depend on which part
+        finishes last) and stores the tile. (The accumulators are only read here: a register tensor written under
+        the run-time branches would be carried through them whole, which spilled.)"""
+        tn, D = self.tile_n, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - 128
+        sync = int(BwdBarrier.DKV_EPILOGUE)
+        accs = (st.acc_dK, st.acc_dV)
+        for i in cutlass.range_constexpr(2):
+            store_acc_rows(accs[i], io.mSplitDKV, thr_dkv, (tn, D), 2 * rng.split_slot + i,
+                           (2 * rng.split_slot + i + 1) * tn, False)
+        # every MMA thread's part is written: one thread publishes it (release) and learns how many parts arrived
+        # before it (acquire: their parts are visible to every thread after the barrier)
+        cute.arch.barrier(barrier_id=sync, number_of_threads=256)
+        if tidx == 0:
+            cute.arch.fence_acq_rel_gpu()
+            io.sSplit[0] = cute.arch.atomic_add(io.mTileCounter.iterator + 1 + rng.split_tile, Int32(1))
+            cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=sync, number_of_threads=256)
+        if io.sSplit[0] == rng.split_parts - 1:
+            first_slot = rng.split_slot - rng.split_part
+            # dV first, then dK, as store_dkv stores them
+            for i, tma_atom, mdst in ((1, io.tma_atom_dV, io.tma_dV), (0, io.tma_atom_dK, io.tma_dK)):
+                out = cute.make_rmem_tensor_like(accs[i], self.dtype)
+                out_mn = mn_view(out)
+                for r in cutlass.range_constexpr(cute.size(out_mn, mode=[0])):
+                    total = cute.make_rmem_tensor_like(out_mn[r, None], Float32)
+                    total.fill(0.0)
+                    part = cute.make_rmem_tensor_like(out_mn[r, None], Float32)
+                    for p in cutlass.range(rng.split_parts, unroll=1):
+                        src = mn_view(thr_dkv.partition_C(cute.local_tile(
+                            io.mSplitDKV, (tn, D), (2 * (first_slot + p) + i, 0))))
+                        cute.autovec_copy(src[r, None], part)
+                        total.store(total.load() + part.load())
+                    out_mn[r, None].store(total.load().to(self.dtype))
+                self.store_dkv_converted(io, st.tiled_mma_dkv, out, tma_atom, mdst, tile)
+
+    @cute.jit
+    def store_dkv_tile(self, io: Context, tiled_mma_dkv, acc: cute.Tensor, tma_atom, mdst: cute.Tensor, tile):
+        """One fresh dK or dV tile through the staging tile and a TMA store, once the previous store has read it."""
         r = cute.make_rmem_tensor_like(acc, self.dtype)
         r.store(acc.load().to(self.dtype))
+        self.store_dkv_converted(io, tiled_mma_dkv, r, tma_atom, mdst, tile)
+
+    @cute.jit
+    def store_dkv_converted(self, io: Context, tiled_mma_dkv, r: cute.Tensor, tma_atom, mdst: cute.Tensor, tile):
+        """store_dkv_tile of a tile already in the output dtype (this thread's accumulator fragment)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        tidx = tidx - 128
         if tidx < 32:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=int(BwdBarrier.DKV_EPILOGUE), number_of_threads=256)

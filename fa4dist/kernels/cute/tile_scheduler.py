@@ -201,13 +201,15 @@ def fwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, num_m_blocks: Int32, num_bat
 
 
 def bwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, n_blocks_grid: Int32, num_batch: Int32, *,
-                  shortest_first: bool, det_chunk: int, interleave: bool = False, tile_idx=None) -> WorkTile:
+                  shortest_first: bool, det_chunk: int, interleave: bool = False, tile_idx=None,
+                  longest_first_over_heads: bool = False) -> WorkTile:
     """Backward: key tile ``block`` of (kv head, batch), key tiles fastest, for the launch-order index ``tile_idx``
     (default: this CTA's blockIdx.x). ``shortest_first`` (causal deterministic; a bool, or a Boolean decided at run
     time) launches the highest key tile first, so that a CTA only ever waits on CTAs launched (or tiles claimed)
     before it; ``det_chunk`` > 0 interleaves chunks of that many key tiles of all heads (padding tiles are not
     ``valid``). ``interleave`` (causal, neither of those): long and short key tiles alternate (causal_m_block's
-    order, mirrored: key tile 0 sees the most query tiles)."""
+    order, mirrored: key tile 0 sees the most query tiles). ``longest_first_over_heads`` (a causal split launch
+    of few waves: backward.split_keys_plan): key tile 0 of every (batch, kv head) first, then key tile 1, ..."""
     num_heads = cute.size(mQ.shape[2])
     num_heads_kv = cute.size(mK.shape[2])
     group = num_heads // num_heads_kv
@@ -215,7 +217,11 @@ def bwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, n_blocks_grid: Int32, num_ba
     if const_expr(tile_idx is None):
         bid, _, _ = cute.arch.block_idx()
     j_valid = True
-    if const_expr(det_chunk > 0):
+    if const_expr(longest_first_over_heads):
+        num_hb = num_heads_kv * num_batch
+        j = bid // num_hb
+        hb = bid - j * num_hb
+    elif const_expr(det_chunk > 0):
         num_hb = num_heads_kv * num_batch
         rest = bid // det_chunk
         c = rest // num_hb
