@@ -92,7 +92,7 @@ from .common_sm90 import (
 from .mask import AttentionMask
 from .sanitize import block_any, clear_nonfinite_rows, row_is_nonfinite, tile_maybe_nonfinite, zero_row
 from .softmax import softcap_grad_fp16, softcap_grad_from_p, softcap_scale_log2, softcap_scores
-from .tile_scheduler import TileClaims, bwd_work_tile
+from .tile_scheduler import TileClaims, bwd_work_tile, parts_first
 
 
 @cute.jit
@@ -566,15 +566,9 @@ class FlashBwdSm90:
         if const_expr(self.det_lpt):
             spt = launch.n_blocks_grid > self.det_lpt  # every sequence's key tiles fit: longest first
         base_idx = tile_idx
-        split_slot = Int32(-1)
-        split_tile = Int32(0)
+        split_slot = split_tile = None
         if const_expr(self.split_keys):
-            if tile_idx < launch.split_edge * launch.split_parts:
-                split_slot = tile_idx
-                split_tile = tile_idx // launch.split_parts
-                base_idx = split_tile
-            else:
-                base_idx = tile_idx - launch.split_edge * (launch.split_parts - 1)
+            base_idx, split_slot, split_tile = parts_first(tile_idx, launch.split_edge, launch.split_parts)
         tile = bwd_work_tile(io.mQ, io.mK, launch.n_blocks_grid, launch.num_batch, shortest_first=spt,
                              det_chunk=self.det_chunk, interleave=self.interleave_lengths and not self.split_keys,
                              tile_idx=base_idx, longest_first_over_heads=self.split_keys)

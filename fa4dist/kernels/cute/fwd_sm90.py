@@ -75,7 +75,7 @@ from .softmax import (
     softcap_scale_log2,
     softcap_scores,
 )
-from .tile_scheduler import TileClaims, fwd_work_tile, persistent_turn
+from .tile_scheduler import TileClaims, fwd_work_tile, parts_first, persistent_turn
 
 
 # a tile of at most this many key blocks prefetches its running (out, lse) at its start: ~1.7 us per block at
@@ -496,12 +496,7 @@ class FlashFwdSm90:
         split_tile = Int32(0)
         if const_expr(self.split_tail):
             if const_expr(self.causal):
-                if tile_idx < launch.split_edge * launch.split_parts:
-                    split_rel = tile_idx
-                    split_tile = tile_idx // launch.split_parts
-                    base_idx = split_tile
-                else:
-                    base_idx = tile_idx - launch.split_edge * (launch.split_parts - 1)
+                base_idx, split_rel, split_tile = parts_first(tile_idx, launch.split_edge, launch.split_parts)
             else:
                 if tile_idx >= launch.split_edge:
                     split_rel = tile_idx - launch.split_edge

@@ -145,6 +145,22 @@ class TileClaims:
         return t, state
 
 
+@cute.jit
+def parts_first(tile_idx: Int32, split_edge: Int32, split_parts: Int32):
+    """(tile, slot, split tile) of launch index ``tile_idx`` in a causal split launch (split_plans): the first
+    ``split_edge`` tiles run as ``split_parts`` parts each, claimed before the other tiles. Index i * parts + p
+    (i < split_edge) is part p of tile i (slot i * parts + p, split tile i); the other tiles follow whole (slot -1,
+    split tile 0)."""
+    tile = tile_idx - split_edge * (split_parts - 1)
+    slot = Int32(-1)
+    split_tile = Int32(0)
+    if tile_idx < split_edge * split_parts:
+        slot = tile_idx
+        split_tile = tile_idx // split_parts
+        tile = split_tile
+    return tile, slot, split_tile
+
+
 def causal_m_block(position, num_m_blocks, interleave: bool):
     """The query tile at ``position`` of a causal (head, sequence)'s launch order: longest first (highest m), or
     with ``interleave`` longest, shortest, second longest, second shortest, ... (m = n-1, 0, n-2, 1, ...): the
