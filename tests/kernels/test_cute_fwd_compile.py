@@ -321,7 +321,7 @@ def test_long_dense_non_causal_hdim128_launches_chain_the_row_max():
 
 
 def test_split_plan_splits_a_partial_last_wave_where_the_model_says_it_pays():
-    """forward.split_plan: no split without a tail, after SPLIT_MAX_WHOLE_WAVES whole waves, when the tail is
+    """split_plans.split_plan: no split without a tail, after SPLIT_MAX_WHOLE_WAVES whole waves, when the tail is
     nearly a whole wave, or when the tiles are too short for parts of SPLIT_MIN_PART_BLOCKS; otherwise the tail's
     tiles, after every whole wave, in the parts count of least modelled time, never more than SPLIT_MAX_PARTS."""
     plan = split_plans.split_plan
@@ -368,7 +368,7 @@ def test_split_tail_default_scope():
 
 
 def test_causal_split_plan_splits_the_longest_tiles_of_a_launch_of_few_waves():
-    """forward.causal_split_plan: a causal launch of one wave or less ends with its longest tiles, so every head's
+    """split_plans.causal_split_plan: a causal launch of one wave or less ends with its longest tiles, so every head's
     longest rows of tiles run in parts (claimed first) where the simulated claims say it pays; no split from
     SPLIT_CAUSAL_MAX_WAVES waves on, nor where parts would be shorter than SPLIT_MIN_PART_BLOCKS blocks."""
     plan = split_plans.causal_split_plan

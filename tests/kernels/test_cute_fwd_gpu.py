@@ -430,7 +430,7 @@ SPLIT_TAIL_CASES = [
 @pytest.mark.parametrize("case", SPLIT_TAIL_CASES, ids=[str(c) for c in SPLIT_TAIL_CASES])
 def test_split_tail_tiles(case):
     """The tiles of a launch's last partial wave run as parts over their key blocks (FwdConfig.split_tail,
-    forward.split_plan), merged by the part that finishes last, in part order: against the fp64 oracle with every
+    split_plans.split_plan), merged by the part that finishes last, in part order: against the fp64 oracle with every
     element written (out / lse poisoned), the tiles before the split with the bytes of the unsplit launch, the same
     bytes from run to run, and a NaN in a V row NaN in every row that sees it, as unsplit."""
     b, sq, sk, h, hk, d = case
@@ -488,7 +488,7 @@ CAUSAL_SPLIT_CASES = [
 @pytest.mark.parametrize("case", CAUSAL_SPLIT_CASES, ids=[str(c) for c in CAUSAL_SPLIT_CASES])
 def test_causal_split_tiles(case):
     """A causal launch of few waves runs its longest tiles as parts over their key blocks, claimed first
-    (forward.causal_split_plan, FwdConfig.split_tail), merged by the part that finishes last, in part order:
+    (split_plans.causal_split_plan, FwdConfig.split_tail), merged by the part that finishes last, in part order:
     against the fp64 oracle with every element written (out / lse poisoned), the other tiles with the bytes of the
     unsplit launch, the same bytes from run to run, and NaN in a V row NaN in exactly the rows that see it (also a
     row that only a split tile's last part sees), as unsplit."""

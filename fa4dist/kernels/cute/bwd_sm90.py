@@ -268,8 +268,8 @@ class FlashBwdSm90:
         # barrier: +8% beside this)
         self.fixed_scales_early = fixed_scales_early and dq_fixed and tile_m == 64 and not softcap
         # a causal launch of few waves: the longest key tiles run as parts over their query tiles, claimed first
-        # (backward.split_keys_plan); each part writes its fp32 dK / dV to a scratch slot and the part that arrives
-        # last sums them in part order and stores the tile (store_dkv_split). Non-deterministic dense fresh calls
+        # (split_plans.split_keys_plan); each part writes its fp32 dK / dV to a scratch slot and the part that arrives
+        # last sums them in part order and stores the tile (store_split_dkv). Non-deterministic dense fresh calls
         # with every gradient on the persistent grid
         self.split_keys = split_keys
         assert not split_keys or (self.persistent and causal and not deterministic and not varlen and not accumulate

@@ -177,8 +177,8 @@ class FlashFwdSm90:
         # static walk
         self.dynamic_tiles = dynamic_tiles and self.persistent
         # the tiles that make a few-wave launch's tail run as parts over their key blocks, merged by the last part
-        # to finish (epilogue_split): non-causal the last partial wave's tiles, claimed last (forward.split_plan),
-        # causal the longest tiles, claimed first (forward.causal_split_plan); dense fresh launches, dynamic grid
+        # to finish (epilogue_split): non-causal the last partial wave's tiles, claimed last (split_plans.split_plan),
+        # causal the longest tiles, claimed first (split_plans.causal_split_plan); dense fresh launches, dynamic grid
         self.split_tail = split_tail
         assert not split_tail or (self.dynamic_tiles and not varlen and not accumulate and not sinks
                                   and not worklist and window_left < 0 and intra_wg_overlap)

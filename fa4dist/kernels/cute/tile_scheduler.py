@@ -180,7 +180,8 @@ def fwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, num_m_blocks: Int32, num_bat
     blockIdx.x). Causal grids run the longest tiles (highest m) first, or alternate long and short ones
     (``interleave``, causal_m_block); the dense causal grid also groups heads so that the K/V rows of a group
     (``l2_rows``) stay resident in L2, unless ``longest_first_over_heads`` (a split launch of few waves:
-    forward.causal_split_plan), which takes every head's longest tile first, then every head's second longest, ..."""
+    split_plans.causal_split_plan), which takes every head's longest tile first, then every head's second
+    longest, ..."""
     num_heads = cute.size(mQ.shape[2])
     num_heads_kv = cute.size(mK.shape[2])
     qhead_per_kv = num_heads // num_heads_kv
@@ -225,7 +226,7 @@ def bwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, n_blocks_grid: Int32, num_ba
     before it; ``det_chunk`` > 0 interleaves chunks of that many key tiles of all heads (padding tiles are not
     ``valid``). ``interleave`` (causal, neither of those): long and short key tiles alternate (causal_m_block's
     order, mirrored: key tile 0 sees the most query tiles). ``longest_first_over_heads`` (a causal split launch
-    of few waves: backward.split_keys_plan): key tile 0 of every (batch, kv head) first, then key tile 1, ..."""
+    of few waves: split_plans.split_keys_plan): key tile 0 of every (batch, kv head) first, then key tile 1, ..."""
     num_heads = cute.size(mQ.shape[2])
     num_heads_kv = cute.size(mK.shape[2])
     group = num_heads // num_heads_kv
