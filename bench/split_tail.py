@@ -117,7 +117,8 @@ def _backward_calls(q, k, v, out, lse, causal, fa4):
         r = fa4(qg, kg, vg, causal=causal)
         fa4_out = r[0] if isinstance(r, tuple) else r
         calls["flash_attn_4"] = lambda: torch.autograd.grad(fa4_out, (qg, kg, vg), dout, retain_graph=True)
-    return calls, b * k.shape[2] * -(-s // 128), plan[0] if plan[1] > 1 else 0, plan
+    split_tiles = bwd.split_key_tile_count(split_cfg, k.shape, plan) if plan[1] > 1 else 0
+    return calls, b * k.shape[2] * -(-s // 128), split_tiles, plan
 
 
 if __name__ == "__main__":

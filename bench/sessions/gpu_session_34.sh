@@ -82,3 +82,17 @@ if [ "$1" = 5 ]; then
   TAIL_LINES=6 stage tests_hf 150 $PYTEST -n 8 tests/integrations/test_hf_integration.py tests/kernels/test_torch_compile.py
   exit
 fi
+# 6: calls 4-5: every suite passed on both splits (CP 15, HF and torch.compile 2). Now the non-causal backward's
+#    last partial wave split too (split_keys_variant without the causal requirement, split_plans.split_plan over the
+#    key tiles' query tiles, parts claimed last: tile_scheduler.parts_last, which the forward's non-causal split
+#    now shares). (a) the forward's and the backward's split tests (both decodes moved into tile_scheduler); (b)
+#    the non-causal backward split / unsplit beside cuDNN and flash-attn-4 in device time. Prediction (the
+#    forward's non-causal split on the same tile counts: +20-29% at 1.2-1.5 waves): +15-30% at 5 x 4k (160 key
+#    tiles, 28 in quarters) and 3 x 8k (192, 60 in halves); nothing at 16 x 4k (no split).
+if [ "$1" = 6 ]; then
+  TAIL_LINES=6 stage tests_split 200 $PYTEST -n 8 tests/kernels/test_cute_bwd_gpu.py tests/kernels/test_cute_fwd_gpu.py \
+    -k "split"
+  TAIL_LINES=10 stage bwd_split_full 120 python3 bench/split_tail.py --direction bwd --headdim 128 \
+    --shapes 1x4096x5 1x8192x3 1x4096x16 --rounds 3 --out-dir "$OUT/bwd_split_full"
+  exit
+fi

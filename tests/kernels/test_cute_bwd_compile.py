@@ -107,6 +107,7 @@ EXTRA = [
     (BF16, 96, True, True, True, True, {"dq_fixed": True, "softcap": 30.0, "window_left": 4096}),
     (FP16, 64, True, False, False, False, {"split_keys": True, "persistent_ctas": 132, "softcap": 30.0}),
     (BF16, 96, True, False, False, False, {"split_keys": True, "persistent_ctas": 132}),
+    (BF16, 128, False, False, False, False, {"split_keys": True, "persistent_ctas": 132}),  # the last wave's
 ]
 
 
@@ -497,11 +498,12 @@ def test_nondeterministic_gqa_form_expands_launches_of_few_kv_tiles():
 
 
 def test_split_keys_scope_and_plan():
-    """backward.split_keys_variant: the causal non-deterministic dense calls writing fresh 16-bit dK / dV through
-    TMA stores with every gradient, on the persistent grid; none for deterministic, packed, merging, windowed,
+    """backward.split_keys_variant: the non-deterministic dense calls writing fresh 16-bit dK / dV through TMA
+    stores with every gradient, on the persistent grid; none for deterministic, packed, merging, windowed,
     fp32-gradient, one-gradient or fixed-point calls. split_plans.split_keys_plan splits the longest key tiles of
-    launches under two waves where the simulated claims say it pays, in whole rows (every (batch, kv head)'s
-    n-th key tile), never for two waves or more."""
+    causal launches under two waves where the simulated claims say it pays, in whole rows (every (batch, kv
+    head)'s n-th key tile), never for two waves or more; a non-causal launch splits its last partial wave
+    (split_plans.split_plan)."""
     from fa4dist.kernels.cute import split_plans
 
     def main(**kw):
@@ -512,7 +514,8 @@ def test_split_keys_scope_and_plan():
     split = bwd.split_keys_variant(main(max_seqlen_k=16384))
     assert split.split_keys and split.persistent_ctas == host.sm_count() and not split.interleave_lengths
     assert bwd.split_keys_variant(main(softcap=30.0)) is not None
-    for kw in (dict(deterministic=True), dict(causal=False), dict(varlen=True), dict(window_left=100),
+    assert bwd.split_keys_variant(main(causal=False)) is not None
+    for kw in (dict(deterministic=True), dict(varlen=True), dict(window_left=100),
                dict(accumulate=True, dq_dtype=FP32, dkv_dtype=FP32), dict(dkv_dtype=FP32),
                dict(accumulate=True, dq_dtype=FP32, dkv_dtype=FP32, grads="dq"), dict(dq_fixed=True)):
         assert bwd.split_keys_variant(main(**kw)) is None, kw
@@ -532,3 +535,8 @@ def test_split_keys_scope_and_plan():
                     assert group * (-(-s // 64) - n * 128 // 64) >= parts * split_plans.SPLIT_MIN_PART_BLOCKS
     cfg = main(max_seqlen_k=4096)
     assert bwd.dense_split_keys_plan(cfg, (1, 4096, 4, 128), (1, 4096, 4, 128), 0) == (112, 2)
+    assert bwd.split_key_tile_count(cfg, (1, 4096, 4, 128), (112, 2)) == 112
+    full = main(causal=False, max_seqlen_k=4096)  # 5 heads of 32 key tiles: the 28 past the first wave in quarters
+    assert bwd.dense_split_keys_plan(full, (1, 4096, 5, 128), (1, 4096, 5, 128), 0) == (132, 4)
+    assert bwd.split_key_tile_count(full, (1, 4096, 5, 128), (132, 4)) == 28
+    assert bwd.dense_split_keys_plan(full, (1, 4096, 16, 128), (1, 4096, 16, 128), 0)[1] == 1  # 512: 3.9 waves

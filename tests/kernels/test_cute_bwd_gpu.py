@@ -675,8 +675,12 @@ def test_nondeterministic_gqa_backward_of_few_kv_tiles_on_expanded_heads(packed,
             assert rel_error(a.double(), b.double()) < (1e-2 if not accumulate else 1e-5), name
 
 
-CAUSAL_SPLIT_KEYS_CASES = [
-    # (b, sq, sk, h, hk, d, q_offset): dense causal backwards of one wave or less on 132 SMs
+SPLIT_KEYS_CASES = [
+    # (b, sq, sk, h, hk, d, q_offset): dense causal backwards of one wave or less on 132 SMs (q_offset None:
+    # non-causal, with a partial last wave)
+    (1, 4096, 4096, 5, 5, 128, None),  # 160 key tiles: the 28 after the first wave in quarters
+    (2, 1500, 1600, 6, 6, 96, None),  # padding rows, a cut last key tile
+    (1, 3000, 3100, 9, 3, 64, None),  # GQA (on the expanded heads or the GQA kernel, as the call takes it)
     (1, 4096, 4096, 4, 4, 128, 0),  # 128 key tiles: the longest of every head in parts
     (1, 4000, 4050, 2, 2, 128, 0),  # padding rows, the last key tile cut, keys past the queries' reach
     (1, 4096, 4096, 3, 3, 64, 0),  # 128-row query tiles
@@ -686,27 +690,30 @@ CAUSAL_SPLIT_KEYS_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CAUSAL_SPLIT_KEYS_CASES, ids=[str(c) for c in CAUSAL_SPLIT_KEYS_CASES])
-def test_causal_split_key_tiles(case):
-    """A causal backward of few waves runs its longest key tiles as parts over their query tiles, claimed first
-    (backward.split_keys_variant, split_plans.split_keys_plan), the last part to arrive summing their dK / dV in
-    part order: every gradient against the fp64 oracle (buffers poisoned), dK / dV the same bytes run to run and
-    the unsplit launch's bytes outside the split key tiles, dQ the unsplit one's to fp32 rounding, and NaN in a V
-    row NaN in the same gradients' elements as unsplit."""
+@pytest.mark.parametrize("case", SPLIT_KEYS_CASES, ids=[str(c) for c in SPLIT_KEYS_CASES])
+def test_split_key_tiles(case):
+    """A backward of few waves runs the key tiles that make its tail as parts over their query tiles (causal the
+    longest, claimed first; non-causal the last partial wave's, claimed last: backward.split_keys_variant,
+    dense_split_keys_plan), the last part to arrive summing their dK / dV in part order: every gradient against
+    the fp64 oracle (buffers poisoned), dK / dV the same bytes run to run and the unsplit launch's bytes outside
+    the split key tiles, dQ the unsplit one's to fp32 rounding, and NaN in a V row NaN in the same gradients'
+    elements as unsplit."""
     from fa4dist.kernels.cute import backward as cbwd
 
     b, sq, sk, h, hk, d, q_off = case
+    causal = q_off is not None
     g = _gen()
     q, k, v = _inputs((b, sq, h, d), (b, sk, hk, d), torch.bfloat16, g)
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
-    mask = dict(causal=True, q_offset=q_off)
+    mask = dict(causal=causal, q_offset=q_off or 0)
     out64, lse64, ref = _reference(q, k, v, dout, **mask)
     out, lse = out64.to(torch.bfloat16), lse64.float()
-    _, main_cfg, _ = cbwd.make_configs(torch.bfloat16, d, causal=True, varlen=False, seg_offsets=False,
+    _, main_cfg, _ = cbwd.make_configs(torch.bfloat16, d, causal=causal, varlen=False, seg_offsets=False,
                                        accumulate=False, deterministic=False, dq_dtype=torch.bfloat16,
                                        dkv_dtype=torch.bfloat16, o_dtype=torch.bfloat16, do_dtype=torch.bfloat16,
                                        max_seqlen_k=sk)
-    edge, parts = cbwd.dense_split_keys_plan(cbwd.split_keys_variant(main_cfg), q.shape, k.shape, q_off)
+    split_cfg = cbwd.split_keys_variant(main_cfg)
+    edge, parts = cbwd.dense_split_keys_plan(split_cfg, q.shape, k.shape, q_off or 0)
     if parts == 1 and hk == h:
         pytest.skip("no split on this GPU's SMs")
     got = _run(q, k, v, dout, out, lse, **mask)
@@ -714,17 +721,24 @@ def test_causal_split_key_tiles(case):
         _check(a, r, torch.bfloat16, name)
     again = _run(q, k, v, dout, out, lse, **mask)
     plain = _run(q, k, v, dout, out, lse, split_keys=False, **mask)
-    split_keys = torch.zeros(sk, dtype=torch.bool, device="cuda")
-    split_keys[: edge // (b * hk) * 128] = True
+    n_k = -(-sk // 128)
+    split_keys = torch.zeros(b, n_k * 128, hk, dtype=torch.bool)  # the split key tiles' rows
+    if causal:  # the first edge tiles, key tile 0 of every (batch, kv head) first
+        split_keys[:, : edge // (b * hk) * 128] = True
+    else:  # the tiles from edge on, key tiles fastest within a (batch, kv head)
+        for t in range(edge, b * hk * n_k):
+            hb, n = divmod(t, n_k)
+            split_keys[hb // hk, n * 128:(n + 1) * 128, hb % hk] = True
+    split_keys = split_keys[:, :sk].cuda()
     for name, a, r, p in zip(("dk", "dv"), got[1:], again[1:], plain[1:]):
         assert torch.equal(a.view(torch.int16), r.view(torch.int16)), f"{name} differs run to run"
-        if hk == h:  # (MQA may run on expanded heads, with their own plan, and sum them)
-            assert torch.equal(a[:, ~split_keys].view(torch.int16), p[:, ~split_keys].view(torch.int16)), \
+        if hk == h:  # (GQA may run on expanded heads, with their own plan, and sum them)
+            assert torch.equal(a[~split_keys].view(torch.int16), p[~split_keys].view(torch.int16)), \
                 f"{name} outside the split key tiles differs from the unsplit launch"
         assert rel_error(a.double(), p.double()) < 1e-2, name
     assert rel_error(got[0].double(), plain[0].double()) < 1e-2
     v_bad = v.clone()
-    v_bad[:, sk // 2, 0] = float("nan")  # seen by the queries from sk // 2 - q_off on
+    v_bad[:, sk // 2, 0] = float("nan")  # seen by the queries from sk // 2 - q_off on (non-causal: by all)
     nan_got = _run(q, k, v_bad, dout, out, lse, **mask)
     nan_plain = _run(q, k, v_bad, dout, out, lse, split_keys=False, **mask)
     for name, a, p in zip(("dq", "dk", "dv"), nan_got, nan_plain):

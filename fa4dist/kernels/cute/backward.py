@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from . import host
-from .split_plans import split_keys_plan
+from .split_plans import split_keys_plan, split_plan
 
 BWD_HEAD_DIMS = (64, 96, 128)
 TILE_N = 128
@@ -115,9 +115,10 @@ class BwdConfig:
     # (finite lse and dpsum: bwd_preprocess.py); the same bits. False: a measurement knob (every masked step
     # sanitized, as before the twenty-ninth session)
     clean_tiles: bool = True
-    # a causal launch of few waves: its longest key tiles run as parts over their query tiles, claimed first, and
-    # the part that arrives last sums their dK / dV in part order (split_plans.split_keys_plan). Not a default of
-    # any config: launch_steps runs split_keys_variant(cfg) for the launches whose plan splits
+    # a launch of few waves: the key tiles that make its tail (causal the longest, non-causal the last partial
+    # wave's) run as parts over their query tiles, and the part that arrives last sums their dK / dV in part order
+    # (dense_split_keys_plan). Not a default of any config: launch_steps runs split_keys_variant(cfg) for the
+    # launches whose plan splits
     split_keys: bool = False
 
     def build(self):
@@ -478,10 +479,10 @@ def check_resident(cfg: BwdConfig) -> None:
 
 def split_keys_variant(cfg: BwdConfig) -> Optional[BwdConfig]:
     """The split_keys form of a call's main-kernel variant (on the persistent grid, whose claims and counters it
-    needs), or None where it does not apply: causal non-deterministic dense calls writing fresh 16-bit dK / dV
-    through the TMA stores, every gradient, no window (a part's rows see a prefix of its keys), no fixed-point dQ
-    or work list."""
-    if not (cfg.causal and not cfg.deterministic and not cfg.varlen and not cfg.accumulate and cfg.grads == "all"
+    needs), or None where it does not apply: non-deterministic dense calls writing fresh 16-bit dK / dV through
+    the TMA stores, every gradient, no window (a causal part's queries are then a run of the key tile's), no
+    fixed-point dQ or work list."""
+    if not (not cfg.deterministic and not cfg.varlen and not cfg.accumulate and cfg.grads == "all"
             and not cfg.dq_fixed and not cfg.worklist and cfg.window_left < 0 and cfg.tma_store_dkv
             and not cfg.dkv_fp32):
         return None
@@ -596,7 +597,7 @@ def launch_steps(
     if det_dq not in ("auto", "tickets", "fixed", "expanded"):
         raise ValueError(f"det_dq must be 'auto', 'tickets', 'fixed' or 'expanded', got {det_dq!r}")
     gqa_form = overrides.pop("gqa_form", "auto")
-    split_keys = overrides.pop("split_keys", "auto")  # "auto": as split_keys_plan says; False: never
+    split_keys = overrides.pop("split_keys", "auto")  # "auto": as dense_split_keys_plan says; False: never
     if split_keys not in ("auto", False):
         raise ValueError(f"split_keys must be 'auto' or False, got {split_keys!r}")
     if gqa_form not in ("auto", "gqa", "expanded"):
@@ -760,8 +761,9 @@ def launch_steps(
     if plan[1] > 1:  # the longest key tiles in parts: the split variant, its scratch and arrival counters
         main_fn = host.get_compiled(split_cfg)
         edge, parts = plan
-        split_dkv = torch.empty(2 * edge * parts * TILE_N, d, dtype=torch.float32, device=device)
-        main_args = lambda: (torch.zeros(1 + edge, dtype=torch.int32, device=device),  # noqa: E731
+        split_tiles = split_key_tile_count(split_cfg, k.shape, plan)
+        split_dkv = torch.empty(2 * split_tiles * parts * TILE_N, d, dtype=torch.float32, device=device)
+        main_args = lambda: (torch.zeros(1 + split_tiles, dtype=torch.int32, device=device),  # noqa: E731
                              split_dkv, edge, parts)
     return [
         lambda: pre_fn(out, dout, lse, lse2, dpsum, clean, dq_words, sem, dq_scale, scale2, scale, m_grid,
@@ -789,10 +791,21 @@ def _split_variant(cfg: BwdConfig) -> Optional[BwdConfig]:
 
 
 def dense_split_keys_plan(cfg: BwdConfig, q_shape, k_shape, diag: int) -> tuple[int, int]:
-    """split_plans.split_keys_plan of a dense call (q (b, s_q, h, d), k (b, s_k, h_kv, d)) on ``cfg``'s tiles."""
+    """(split_edge, parts) of a dense call (q (b, s_q, h, d), k (b, s_k, h_kv, d)) on ``cfg``'s tiles:
+    split_plans.split_keys_plan's (split key tiles, parts) causal, split_plan's (first split key tile, parts) over
+    the key tiles' equal runs of query tiles non-causal; parts = 1: no split."""
     b, sq, h, _ = q_shape
     _, sk, hk, _ = k_shape
-    return split_keys_plan(b * hk, h // hk, sq, sk, int(diag), cfg.tile_m, TILE_N, host.sm_count())
+    if cfg.causal:
+        return split_keys_plan(b * hk, h // hk, sq, sk, int(diag), cfg.tile_m, TILE_N, host.sm_count())
+    return split_plan(b * hk * -(-sk // TILE_N), host.sm_count(), h // hk * -(-sq // cfg.tile_m))
+
+
+def split_key_tile_count(cfg: BwdConfig, k_shape, plan) -> int:
+    """How many key tiles a dense call's split plan splits (the kernel's count)."""
+    b, sk, hk, _ = k_shape
+    edge, _ = plan
+    return edge if cfg.causal else b * hk * -(-sk // TILE_N) - edge
 
 
 _FAST: dict = {}  # (make_configs' arguments, shared, device) -> (its three configs, their compiled kernels)

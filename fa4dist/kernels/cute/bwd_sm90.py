@@ -92,7 +92,7 @@ from .common_sm90 import (
 from .mask import AttentionMask
 from .sanitize import block_any, clear_nonfinite_rows, row_is_nonfinite, tile_maybe_nonfinite, zero_row
 from .softmax import softcap_grad_fp16, softcap_grad_from_p, softcap_scale_log2, softcap_scores
-from .tile_scheduler import TileClaims, bwd_work_tile, parts_first
+from .tile_scheduler import TileClaims, bwd_work_tile, parts_first, parts_last
 
 
 @cute.jit
@@ -267,12 +267,13 @@ class FlashBwdSm90:
         # (NOTES_BWD.md, twenty-first session, which also measured converting the tile before its buffer's empty
         # barrier: +8% beside this)
         self.fixed_scales_early = fixed_scales_early and dq_fixed and tile_m == 64 and not softcap
-        # a causal launch of few waves: the longest key tiles run as parts over their query tiles, claimed first
-        # (split_plans.split_keys_plan); each part writes its fp32 dK / dV to a scratch slot and the part that arrives
+        # a launch of few waves: the key tiles that make its tail run as parts over their query tiles, causal the
+        # longest, claimed first (split_plans.split_keys_plan), non-causal the last partial wave's, claimed last
+        # (split_plans.split_plan); each part writes its fp32 dK / dV to a scratch slot and the part that arrives
         # last sums them in part order and stores the tile (store_split_dkv). Non-deterministic dense fresh calls
         # with every gradient on the persistent grid
         self.split_keys = split_keys
-        assert not split_keys or (self.persistent and causal and not deterministic and not varlen and not accumulate
+        assert not split_keys or (self.persistent and not deterministic and not varlen and not accumulate
                                   and grads == "all" and not dq_fixed and not worklist and window_left < 0
                                   and self.tma_store_dkv)
 
@@ -304,7 +305,7 @@ class FlashBwdSm90:
         mSegOffK: Optional[cute.Tensor],
         mTileCounter: Optional[cute.Tensor],  # persistent: (1,) int32, zero at launch (split_keys: 1 + split tiles)
         mSplitDKV: Optional[cute.Tensor],  # split_keys: (2 * parts' slots * tile_n, d) fp32, the parts' dK / dV
-        split_edge: Optional[Int32],  # split_keys: how many key tiles (the first in launch order) are split
+        split_edge: Optional[Int32],  # split_keys: causal how many key tiles (the first) are split, else the first
         split_parts: Optional[Int32],  # split_keys: parts per split key tile
         stream,
     ):
@@ -404,7 +405,8 @@ class FlashBwdSm90:
         else:
             num_tiles = n_blocks_grid * num_heads_kv * num_batch
         if const_expr(self.split_keys):
-            num_tiles = num_tiles + split_edge * (split_parts - 1)
+            split_tiles = split_edge if const_expr(self.causal) else num_tiles - split_edge
+            num_tiles = num_tiles + split_tiles * (split_parts - 1)
         grid = (num_tiles, 1, 1)
         if const_expr(self.persistent):
             grid = (cutlass.min(num_tiles, Int32(self.persistent_ctas)), 1, 1)
@@ -558,20 +560,23 @@ class FlashBwdSm90:
     def work_at(self, io: Context, launch: Context, tile_idx):
         """(tile, seqlen, rng) of launch-order tile ``tile_idx`` (None: this CTA's blockIdx.x): the work tile, its
         sequence and the range of query tiles it visits (block_info.BlockInfo.query_tiles). With split_keys,
-        index i * parts + p (i < split_edge) is part p of launch-order key tile i, the p-th of ``parts`` runs of
-        its query tiles (rng.split_slot = i * parts + p, rng.split_part = p, rng.split_tile = i), claimed first;
-        the other key tiles follow whole, and the order is longest first over every head (key tile 0 of every
-        (batch, kv head), then key tile 1, ...: all of them are in flight at once)."""
+        some indices are parts, the p-th of ``parts`` runs of a split key tile's query tiles (rng.split_tile: its
+        index among the split ones, rng.split_slot = split_tile * parts + p, rng.split_part = p): causal, index
+        i * parts + p (i < split_edge) is part p of key tile i in the order longest first over every head (key
+        tile 0 of every (batch, kv head), then key tile 1, ...: all of them are in flight at once), claimed first,
+        the other key tiles following whole (tile_scheduler.parts_first); non-causal, the key tiles from
+        split_edge on (the last partial wave) in parts claimed after every whole one (parts_last)."""
         spt = self.spt
         if const_expr(self.det_lpt):
             spt = launch.n_blocks_grid > self.det_lpt  # every sequence's key tiles fit: longest first
         base_idx = tile_idx
         split_slot = split_tile = None
         if const_expr(self.split_keys):
-            base_idx, split_slot, split_tile = parts_first(tile_idx, launch.split_edge, launch.split_parts)
+            decode = parts_first if const_expr(self.causal) else parts_last
+            base_idx, split_slot, split_tile = decode(tile_idx, launch.split_edge, launch.split_parts)
         tile = bwd_work_tile(io.mQ, io.mK, launch.n_blocks_grid, launch.num_batch, shortest_first=spt,
                              det_chunk=self.det_chunk, interleave=self.interleave_lengths and not self.split_keys,
-                             tile_idx=base_idx, longest_first_over_heads=self.split_keys)
+                             tile_idx=base_idx, longest_first_over_heads=self.split_keys and self.causal)
         seqlen = SeqlenInfo.create(tile.batch, io.mQ, io.mK, io.diag, io.mCuSeqlensQ, io.mCuSeqlensK, io.mSegOffQ,
                                    io.mSegOffK, varlen=self.varlen, seg_offsets=self.seg_offsets,
                                    scratch_tile_m=self.tile_m, worklist=self.worklist)
@@ -582,7 +587,7 @@ class FlashBwdSm90:
             extra["rot"] = rotation_step(self.tile_m, self.tile_n, seqlen, self.det_rotate) * tile.block
         if const_expr(self.split_keys):
             split_part = split_slot - split_tile * launch.split_parts
-            if split_slot >= 0:  # the part's run of query tiles, its bands clipped to it (no window)
+            if split_slot >= 0:  # the part's run of query tiles, its causal band clipped to it (no window)
                 n_all = m_max - m_min
                 lo = m_min + split_part * n_all // launch.split_parts
                 hi = m_min + (split_part + 1) * n_all // launch.split_parts

@@ -75,7 +75,7 @@ from .softmax import (
     softcap_scale_log2,
     softcap_scores,
 )
-from .tile_scheduler import TileClaims, fwd_work_tile, parts_first, persistent_turn
+from .tile_scheduler import TileClaims, fwd_work_tile, parts_first, parts_last, persistent_turn
 
 
 # a tile of at most this many key blocks prefetches its running (out, lse) at its start: ~1.7 us per block at
@@ -491,17 +491,10 @@ class FlashFwdSm90:
         tile); causal, index i * parts + p is part p of tile i < split_edge (the longest tiles, claimed first), and
         the other tiles follow whole."""
         base_idx = tile_idx
-        split_rel = Int32(-1)
-        split_part = Int32(0)
-        split_tile = Int32(0)
+        split_rel = split_tile = split_part = None
         if const_expr(self.split_tail):
-            if const_expr(self.causal):
-                base_idx, split_rel, split_tile = parts_first(tile_idx, launch.split_edge, launch.split_parts)
-            else:
-                if tile_idx >= launch.split_edge:
-                    split_rel = tile_idx - launch.split_edge
-                    split_tile = split_rel // launch.split_parts
-                    base_idx = launch.split_edge + split_tile
+            decode = parts_first if const_expr(self.causal) else parts_last
+            base_idx, split_rel, split_tile = decode(tile_idx, launch.split_edge, launch.split_parts)
             split_part = split_rel - split_tile * launch.split_parts
         # (a causal split launch orders its tiles longest first over every head: all of them are in flight at once,
         # so the L2 head groups do not matter, and the split tiles must be the longest)

@@ -161,6 +161,22 @@ def parts_first(tile_idx: Int32, split_edge: Int32, split_parts: Int32):
     return tile, slot, split_tile
 
 
+@cute.jit
+def parts_last(tile_idx: Int32, split_edge: Int32, split_parts: Int32):
+    """(tile, slot, split tile) of launch index ``tile_idx`` in a split launch of equal tiles (split_plans.split_plan):
+    the tiles from ``split_edge`` on (the last partial wave) run as ``split_parts`` parts each, claimed after every
+    whole tile. Index split_edge + i * parts + p is part p of tile split_edge + i (slot i * parts + p, split tile
+    i); the tiles before split_edge are whole (slot -1, split tile 0)."""
+    tile = tile_idx
+    slot = Int32(-1)
+    split_tile = Int32(0)
+    if tile_idx >= split_edge:
+        slot = tile_idx - split_edge
+        split_tile = slot // split_parts
+        tile = split_edge + split_tile
+    return tile, slot, split_tile
+
+
 def causal_m_block(position, num_m_blocks, interleave: bool):
     """The query tile at ``position`` of a causal (head, sequence)'s launch order: longest first (highest m), or
     with ``interleave`` longest, shortest, second longest, second shortest, ... (m = n-1, 0, n-2, 1, ...): the
