@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from .api import attention_backward, attention_forward
-from .mask import Mask, visible_pairs
+from .mask import Mask, is_int, visible_pairs
 from .problem import (EAGER_ONLY, OFFSET_LIMIT, AttentionProblem, check_bool, check_buffer, check_optional_bool,
                       check_window, check_written, validate_inputs)
 from .reference import accum_dtype
@@ -56,9 +56,16 @@ class WorkItem:
     def __post_init__(self):
         if isinstance(self.window, list):  # as the contract takes it; a tuple keeps the item hashable (launch plans)
             object.__setattr__(self, "window", tuple(self.window))
+        for name in _INT_FIELDS:  # NumPy integers as the contract takes them (Python ints: one hash, one repr)
+            value = getattr(self, name)
+            if is_int(value) and type(value) is not int:
+                object.__setattr__(self, name, int(value))
 
     def mask_kwargs(self) -> dict:
         return dict(causal=self.causal, window=self.window, q_offset=self.q_offset, k_offset=self.k_offset)
+
+
+_INT_FIELDS = ("q_start", "q_len", "k_start", "k_len", "q_offset", "k_offset")
 
 
 def _check_items(items: Sequence[WorkItem], total_q: int, total_k: int) -> tuple[WorkItem, ...]:
@@ -67,7 +74,7 @@ def _check_items(items: Sequence[WorkItem], total_q: int, total_k: int) -> tuple
     for i, item in enumerate(items):
         if not isinstance(item, WorkItem):
             raise TypeError(f"items[{i}] must be a WorkItem, got {type(item).__name__}")
-        for name in ("q_start", "q_len", "k_start", "k_len", "q_offset", "k_offset"):
+        for name in _INT_FIELDS:
             value = getattr(item, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"items[{i}].{name} must be an int, got {type(value).__name__}")

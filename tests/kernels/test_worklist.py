@@ -105,6 +105,20 @@ def test_a_window_given_as_a_list_is_kept_as_a_tuple():
     assert hash(item) == hash(WorkItem(0, 5, 0, 3, window=(2, 0), causal=True))
 
 
+def test_numpy_integers_in_an_item_are_taken_as_ints():
+    """An item built from NumPy integers (np.int64 positions from a plan's arrays) is the item of Python ints, as
+    the contract takes NumPy integers for its offsets and window (was refused: "must be an int")."""
+    np = pytest.importorskip("numpy")
+    item = WorkItem(np.int64(0), np.int32(5), np.int64(0), np.int64(3), q_offset=np.int64(7), causal=True)
+    assert item == WorkItem(0, 5, 0, 3, q_offset=7, causal=True) and type(item.q_len) is int
+    q = torch.randn(20, 2, 8, dtype=F64)
+    got = [torch.zeros(20, 2, 8, dtype=F64), torch.full((2, 20), float("-inf"), dtype=F64)]
+    want = [t.clone() for t in got]
+    attention_forward_items(q, q, q, [item], *got, backend="reference")
+    attention_forward_items(q, q, q, [WorkItem(0, 5, 0, 3, q_offset=7, causal=True)], *want, backend="reference")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 class _SharedRows:
     """A shared query side on the CPU for the tests: the dQ of the items it takes (rows starting on a multiple of 4)
     goes into one scratch of the queries' shape, added into the lists' dq at finish."""
