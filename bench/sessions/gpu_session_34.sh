@@ -96,3 +96,16 @@ if [ "$1" = 6 ]; then
     --shapes 1x4096x5 1x8192x3 1x4096x16 --rounds 3 --out-dir "$OUT/bwd_split_full"
   exit
 fi
+# 7: call 6: the non-causal backward split +34 / +26% (predicted +15-30%). The causal backward's plan refitted to
+#    call 3 (a fixed cost of 10 64-row steps per key tile or part, was 4: it over-predicted every gain, +45% at 4 x
+#    4k against +28% measured): 4 x 4k now splits 9 rows of key tiles (was 28), 8 x 2k 3 (was 4), hdim 64 2 x 8k
+#    20 (was 54). Prediction: +32 / +17% at hdim 128 4 x 4k / 8 x 2k, +32 / +41% at hdim 64 4 x 4k / 2 x 8k; the
+#    split tests on the new plans.
+if [ "$1" = 7 ]; then
+  TAIL_LINES=4 stage tests_split 150 $PYTEST -n 8 tests/kernels/test_cute_bwd_gpu.py -k "split"
+  TAIL_LINES=8 stage bwd_refit_128 90 python3 bench/split_tail.py --direction bwd --causal --headdim 128 \
+    --shapes 1x4096x4 1x2048x8 --rounds 3 --out-dir "$OUT/bwd_refit_128"
+  TAIL_LINES=8 stage bwd_refit_64 90 python3 bench/split_tail.py --direction bwd --causal --headdim 64 \
+    --shapes 1x4096x4 1x8192x2 --rounds 3 --out-dir "$OUT/bwd_refit_64"
+  exit
+fi

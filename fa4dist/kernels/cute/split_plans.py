@@ -123,9 +123,15 @@ def longest_first_split(lengths: tuple, num_heads_batch: int, num_ctas: int, fix
     return best
 
 
-# split_keys_plan: a backward step (tile_m query rows against 128 keys, five GEMMs) is about tile_m / 64 * 1.25 of
-# the forward's 128 x 128 blocks (two GEMMs), so the forward's fixed cost per tile or part reads as
-# SPLIT_CAUSAL_ITEM_BLOCKS * 256 / (5 * tile_m) steps (a first estimate: not yet measured on the backward)
+# split_keys_plan: every key tile or part SPLIT_KEYS_ITEM_STEPS 64-row query steps more (a time: fewer of a taller
+# step), the part and merge costs the forward's. 4 steps is the forward's fixed cost converted (a backward step of
+# 64 rows is ~1.25 of the forward's 128 x 128 blocks). Measured on the H200 (thirty-third session,
+# bench/split_tail.py --direction bwd --causal, device time): +28 / +72 / +53 / +49 / +14% at hdim 128 4 x 4k / 1 x
+# 16k / 2 x 8k / 3 x 4k / 8 x 2k heads x tokens, +29 / +43% at hdim 64 4 x 4k / 2 x 8k, against +45 / +86 / +69 /
+# +70 / +29% and +42 / +54% modelled. A refit to those gains (10 steps) modelled them within 3-12 points but chose
+# fewer split rows, which measured worse everywhere: +24 / +11% at hdim 128 4 x 4k / 8 x 2k, +26 / +34% at hdim 64
+# (bench/RESULTS.md); so 4 stays
+SPLIT_KEYS_ITEM_STEPS = 4.0
 @functools.lru_cache(maxsize=256)
 def split_keys_plan(num_kv_heads_batch: int, group: int, seqlen_q: int, seqlen_k: int, diag: int, tile_m: int,
                     tile_n: int, num_ctas: int) -> tuple[int, int]:
@@ -144,4 +150,4 @@ def split_keys_plan(num_kv_heads_batch: int, group: int, seqlen_q: int, seqlen_k
         return group * (num_m - q0 // tile_m) if q0 < seqlen_q else 0
 
     return longest_first_split(tuple(steps(n) for n in range(n_k)), num_kv_heads_batch, num_ctas,
-                               SPLIT_CAUSAL_ITEM_BLOCKS * 256 / (5 * tile_m))
+                               SPLIT_KEYS_ITEM_STEPS * 64 / tile_m)
