@@ -18,23 +18,29 @@ backward passes before ``finish`` (micro-batches) are converted one by one and a
 parameter (FSDP2's DTensor) gets its shard of the sum; ``finish`` returns the whole gradients' norm for clipping
 (:func:`clip_by_norm`), since a norm over shards depends on the world size.
 
-On a group, each site's exchanges in a backward are agreed first (the call's signature through the group's store,
-under the group's thread guard, as every collective call of fa4dist is): ranks whose backward passes differ raise
-on every rank instead of pairing up wrong exchanges.  Slower than autograd's own (one small product per block,
-int64 sums, one store round trip per site and backward): a reproducibility mode.
+On a group, each site's exchanges in a backward are agreed first, under the group's thread guard (as every
+collective call of fa4dist is).  The site's one all-reduce (MAX) of its maxima also carries a key of the exchange
+(the kind of call, a digest of the site, its parameter's name, shape and dtype, the sum pending from a previous
+micro-batch) and its negation, and each rank's token count in a slot of its own: every rank reads the key's maximum
+and minimum and, where they differ, every rank raises (the full signatures then exchanged to name the difference)
+before any exchange whose size could differ; :meth:`FixedPointGrads.finish` opens with the same check, so a rank
+still in a backward pairs with it too.  No store round trip and one collective per site, but the check is read
+back: one wait for the device per site.
+Slower than autograd's own (one small product per block, int64 sums): a reproducibility mode.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..context_parallel.core import raise_disagreement, signature_digest
 from ..kernels import fixed_point
 from .llama import row_block_products, row_blocks
 
@@ -50,33 +56,45 @@ class _Site:
         self.total: Optional[torch.Tensor] = None
         self.scale: Optional[torch.Tensor] = None
         self.earlier: Optional[torch.Tensor] = None
+        self._digest: Optional[tuple] = None  # ((shape, dtype, device type), digest): see digest()
 
     def start(self, tokens: int, *maxima: torch.Tensor) -> torch.Tensor:
-        """The power of two for this backward's contributions (all-reducing the token count and the maxima). A
-        second backward before FixedPointGrads.finish() (micro-batches) first settles the previous one's sum: each
-        backward pass has its own scale, so their int64 sums cannot be added.
+        """The power of two for this backward's contributions (the maxima and the token count reduced over the
+        group). A second backward before FixedPointGrads.finish() (micro-batches) first settles the previous one's
+        sum: each backward pass has its own scale, so their int64 sums cannot be added.
 
-        On a group these exchanges are agreed first (:meth:`FixedPointGrads.agreed`): a rank whose backward
-        reaches another site (a parameter frozen on one rank only), another parameter shape or dtype, or a
-        micro-batch more than the others makes every rank raise, instead of pairing its all-reduces with other
-        sites' (scales mixed silently) or leaving the others waiting in one."""
+        On a group the maxima and token counts are reduced by the agreement check of this exchange
+        (:meth:`FixedPointGrads.agreed`): a rank whose backward reaches another site (a parameter frozen on one rank
+        only), another parameter shape or dtype, or a micro-batch more than the others makes every rank raise,
+        instead of pairing its all-reduces with other sites' (scales mixed silently) or leaving the others waiting
+        in one."""
         device = self.param.device
         peak = torch.stack([m.reshape(()) for m in maxima]).to(device)
-        count = torch.tensor([tokens], dtype=torch.int64, device=device)
-        group = self.grads.group
-        sig = dict(site=self.index, name=self.name, shape=list(self.param.shape), dtype=str(self.param.dtype),
-                   device=device.type, maxima=len(maxima),
-                   settles=0 if self.total is None else self.total.numel())
-        with self.grads.agreed("FixedPointGrads backward", sig):
+        grads = self.grads
+        settles = 0 if self.total is None else self.total.numel()
+        numbers = (self.index, self.param.numel(), len(maxima), settles, self.digest())
+
+        def signature():  # (only for the message, once the check found a difference)
+            return dict(site=self.index, name=self.name,
+                        shape=list(self.param.shape), dtype=str(self.param.dtype), device=device.type,
+                        maxima=len(maxima), settles=settles)
+
+        with grads.agreed("FixedPointGrads backward", numbers, signature, peak, tokens) as (peak, count):
             if self.total is not None:
-                self.settle(self.grads.sum_over_group([self.total]))
-            if self.grads.distributed:
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-                dist.all_reduce(count, group=group)
-        bound = count.double().reshape(()) * torch.prod(peak)  # on the device: no host sync
+                self.settle(grads.sum_over_group([self.total]))
+        bound = count * torch.prod(peak)  # on the device: no host sync
         self.scale = fixed_point.power_of_two_scale(bound)
         self.total = torch.zeros(self.param.shape, dtype=torch.int64, device=device)
         return self.scale
+
+    def digest(self) -> int:
+        """A digest of the parameter's name, shape, dtype and device type, for the agreement check; kept while those
+        stay the same (model.double() changes the dtype of the installed parameter)."""
+        key = (tuple(self.param.shape), self.param.dtype, self.param.device.type)
+        if self._digest is None or self._digest[0] != key:
+            sig = dict(name=self.name, shape=list(key[0]), dtype=str(key[1]), device=key[2])
+            self._digest = key, signature_digest(sig)
+        return self._digest[1]
 
     def settle(self, total: torch.Tensor) -> None:
         """This backward's int64 sum over the group, converted once (its scale is a power of two: exact) and added
@@ -166,19 +184,23 @@ class FixedPointGrads:
         # for every weight, so those run as usual; finish(assign=...) then hands it the real one
         self.zero_weight_grads = zero_weight_grads
         self.retired: Optional[str] = None  # why this object no longer gets the model's gradients
+        self.calls: dict[str, int] = {}  # this object's agreed calls on the group so far, by kind (agreed())
+        self.exchanges = 0  # and of every kind: its agreement all-reduces, the same count on every rank
+        self._transports: Optional[tuple] = None  # (world generation, Transport on group): _transport()
 
     def __deepcopy__(self, memo):
         from ..context_parallel.comm import deepcopy_sharing
 
-        return deepcopy_sharing(self, memo, ("group",))  # the copy reduces over the same process group
+        return deepcopy_sharing(self, memo, ("group", "_transports"))  # the copy reduces over the same process group
 
     def __getstate__(self):
         # torch.save(model) pickles it (the model and its layers hold it): on a group, refused naming the remedy,
         # as the attention module on a group is, not with pickle's own error about a ProcessGroup
         from ..context_parallel.comm import refuse_pickling
 
-        return refuse_pickling(self, "fa4dist invariant gradients (FixedPointGrads, model.invariant_grads)",
-                               ("group",), "call model.set_invariant_grads(True, group)")
+        state = refuse_pickling(self, "fa4dist invariant gradients (FixedPointGrads, model.invariant_grads)",
+                                ("group",), "call model.set_invariant_grads(True, group)")
+        return dict(state, _transports=None)  # (the default group's Transport: this process's world only)
 
     @property
     def distributed(self) -> bool:
@@ -272,10 +294,11 @@ class FixedPointGrads:
             error = err
         # (a divide_by or max_norm that differs by rank scaled each rank's copy of the sum differently: replicas
         # drifting apart silently)
-        sig = None if error else dict(sites=len(live), elements=sum(s.total.numel() for s in live),
-                                      divide_by=float(divide_by),
+        sig = None if error else dict(sites=len(live),
+                                      elements=sum(s.total.numel() for s in live), divide_by=float(divide_by),
                                       max_norm=None if max_norm is None else float(max_norm))
-        with self.agreed("FixedPointGrads.finish", sig, error):
+        numbers = () if sig is None else (signature_digest(sig),)
+        with self.agreed("FixedPointGrads.finish", numbers, lambda: sig, error=error):
             if live:
                 flat = self.sum_over_group([s.total for s in live])
                 for s, part in zip(live, torch.split(flat, [s.total.numel() for s in live])):
@@ -322,17 +345,88 @@ class FixedPointGrads:
                                "retired it (finish the one model.invariant_grads holds)")
         self.check_params()
 
-    def agreed(self, function: str, sig: dict, error: Optional[Exception] = None):
+    @contextlib.contextmanager
+    def agreed(self, function: str, numbers: tuple, signature: Callable[[], Optional[dict]],
+               peak: Optional[torch.Tensor] = None, tokens: int = 0, error: Optional[Exception] = None):
         """Where a call (``function``) exchanges on the group: under the group's thread guard, after the agreement
-        check of the call (every rank's ``sig`` the same, no rank's own checks refused it: ``error``), which raises
-        on every rank otherwise (:func:`fa4dist.models.loss.agreed_call`).  Nothing when not distributed."""
-        if not self.distributed:
-            return contextlib.nullcontext()
-        from ..context_parallel.comm import Transport
-        from .loss import agreed_call
+        check of the call, which yields (``peak``, a site's maxima, reduced under MAX over the group; the sum of the
+        ranks' ``tokens``, fp64: exact), on ``peak``'s device.
 
-        transport = Transport(self.group, label="fa4dist invariant gradients")
-        return agreed_call(function, self.group, transport, sig, error)
+        The check is one all-reduce (MAX) of a vector: ``PEAKS`` maxima (padded with zeros), a key ``k`` of the call
+        and ``-k``, then one slot per rank for its ``tokens`` (0 in the others' slots: each rank reads every count;
+        8 bytes per rank, 8 KiB at 1024 ranks, where a separate sum would cost a second collective per site).
+        Every rank reads the key's maximum and minimum over the group.  ``k`` (:func:`_agreement_key`) holds the
+        call's kind, a digest of this object's count of agreed calls and ``numbers`` (ints: the site and its size,
+        or finish()'s sums and options), and a flag where this rank's own checks refused the call (``error``).  One
+        size for every call on the group: a rank in another site's exchange, or in finish() while another is in a
+        backward, pairs with it and sees the difference.  Where the keys differ, or a rank was refused, every rank
+        raises the same error (``signature()``, the full signature, exchanged to name the fields and ranks:
+        :func:`fa4dist.context_parallel.core.raise_disagreement`) before the call's own exchanges, whose sizes may
+        differ.  Not distributed: ``error`` raised, the values as they are."""
+        if peak is not None and peak.numel() > PEAKS:  # (the vector has one size)
+            raise ValueError(f"an agreement reduces at most {PEAKS} maxima, got {peak.numel()}")
+        if not self.distributed:
+            if error is not None:
+                raise error
+            yield peak, None if peak is None else torch.tensor(float(tokens), dtype=torch.float64, device=peak.device)
+            return
+        from ..context_parallel.comm import exclusive
+
+        transport = self._transport()
+        group = self.group if self.group is not None else dist.group.WORLD
+        with exclusive([group], f"{function} call {self.calls.get(function, 0) + 1}", transport.label):
+            call = self.calls[function] = self.calls.get(function, 0) + 1
+            self.exchanges += 1
+            key = float(_agreement_key(_KINDS[function], self.exchanges, numbers, error is not None))
+            device = transport.comm_device()
+            peaks = torch.zeros(PEAKS, dtype=torch.float64, device=device)
+            if peak is not None:
+                peaks[:peak.numel()] = peak.to(device, torch.float64)
+            host = torch.zeros(2 + transport.size, dtype=torch.float64)
+            host[0], host[1], host[2 + transport.rank] = key, -key, float(tokens)
+            vector = torch.cat([peaks, host.to(device)])
+            what = f"the agreement check of {function} call {call}"
+            transport._collective(dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
+                                  what)
+            top, bottom = vector[PEAKS:PEAKS + 2].tolist()  # (waits for the device: the check is read at once)
+            top, bottom = int(top), -int(bottom)
+            if top != bottom or top >= _REFUSED:
+                sig = None if error is not None else dict(call=f"{function} call {call}", **signature())
+                if top >= _REFUSED or top >> _KIND_SHIFT == bottom >> _KIND_SHIFT:  # one kind of call
+                    where = dict(what=f"{function} call", call=call)
+                else:  # a backward's and finish(): what every rank knows is the exchange's number
+                    where = dict(what="FixedPointGrads exchange", call=self.exchanges)
+                raise_disagreement([transport], transport.rank, where["what"], where["call"], sig, error,
+                                   label=transport.label, calls=where["what"])
+            if peak is None:
+                yield None, None
+            else:
+                yield (vector[:peak.numel()].to(peak.device, peak.dtype),
+                       vector[PEAKS + 2:].sum().to(peak.device))  # (whole numbers below 2^53: exact in any order)
+
+    def _transport(self):
+        """The group's Transport (its waits time out, naming the exchange), made once per world."""
+        from ..context_parallel.comm import Transport, world_generation
+
+        generation = world_generation()
+        if self._transports is None or self._transports[0] != generation:
+            self._transports = generation, Transport(self.group, label="fa4dist invariant gradients")
+        return self._transports[1]
+
+
+# FixedPointGrads.agreed's vector: PEAKS maxima, a key and its negation, the ranks' token counts.  A key (below
+# 2^53: exact in fp64) is _REFUSED where the rank's own checks refused the call, plus the kind of call (_KINDS) above
+# _KIND_SHIFT bits of digest: the maximum over the ranks tells every rank that one was refused, and the maximum and
+# minimum, whether the ranks made the same kind of call.
+_KINDS = {"FixedPointGrads backward": 1, "FixedPointGrads.finish": 2}
+PEAKS, _KIND_SHIFT, _REFUSED = 2, 50, 1 << 52
+
+
+def _agreement_key(kind: int, exchange: int, numbers: tuple, refused: bool) -> int:
+    """The key of one agreed call (see above): equal on two ranks when their kind, exchange number and numbers are
+    (a digest of _KIND_SHIFT bits: two different calls share one with probability 2^-50)."""
+    digest = signature_digest(dict(exchange=exchange, numbers=list(numbers))) & ((1 << _KIND_SHIFT) - 1)
+    return (_REFUSED if refused else 0) + (kind << _KIND_SHIFT) + digest
 
 
 def _check_max_norm(max_norm) -> None:

@@ -474,6 +474,53 @@ def test_a_second_thread_on_the_group_is_refused_at_once(pool, holder, intruder)
     assert theirs is None
 
 
+def _micro_batches_over_a_group(rank, world):
+    """Ranks 0 and 1 (another token count on each), two micro-batches each, finish() over GROUPS[2]: the invariant
+    gradients, autograd's summed over the ranks and micro-batches, how many exchanges fa4dist's store channel of
+    the group carried meanwhile, and (sites, agreement all-reduces)."""
+    import torch.distributed as dist
+
+    from fa4dist.context_parallel import comm
+    from fa4dist.models import FA4Llama, get_config
+
+    if rank >= 2:
+        return None
+    config = get_config("tiny")
+    gen = torch.Generator().manual_seed(10 + rank)
+    batches = [torch.randint(0, config.vocab_size, (n + 7 * rank,), generator=gen) for n in (40, 25)]
+    runs = []
+    for invariant in (False, True):
+        torch.manual_seed(0)
+        model = FA4Llama(config, None, backend="reference")
+        grads = model.set_invariant_grads(True, GROUPS[2]) if invariant else None
+        _, prefix = comm._store_channel(GROUPS[2])
+        before = comm._STORE_SEQ.get(prefix, 0)
+        for ids in batches:
+            model(ids, torch.arange(ids.numel())).float().logsumexp(-1).sum().backward()
+        if invariant:
+            grads.finish()
+        else:
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=GROUPS[2])
+        runs.append({n: p.grad for n, p in model.named_parameters()})
+    return runs, comm._STORE_SEQ.get(prefix, 0) - before, (len(grads.sites), grads.exchanges)
+
+
+def test_micro_batches_over_a_group_agree_without_the_store(pool):
+    """Each site's exchanges in a backward (and finish()'s) were agreed through the group's store: a round trip per
+    site and backward, hundreds per step.  The check now rides on the site's all-reduce of its maxima and token
+    counts (one per site and backward, one more in finish), and two micro-batches of other sizes on each rank still
+    give autograd's gradients summed over the group, the same bytes on both ranks."""
+    (runs0, stored0, counts0), (runs1, stored1, counts1) = pool.run(_micro_batches_over_a_group, timeout=60.0)[:2]
+    sites, exchanges = counts0
+    assert stored0 == stored1 == 0 and counts1 == counts0 and exchanges == 2 * sites + 1, (stored0, counts0)
+    (autograd, invariant), (_, invariant1) = runs0, runs1
+    tol = 100 * torch.finfo(torch.float32).eps
+    for name, want in autograd.items():
+        assert torch.equal(invariant[name], invariant1[name]), name
+        assert (invariant[name] - want).abs().max() <= tol * want.abs().max(), name
+
+
 def _finish_differently(rank, world, case):
     """Ranks 0 and 1 sum their invariant gradients over a fresh group, rank 1's finish() given another divide_by or
     max_norm: each rank's (error type, message) or, where finish() completed, its gradients' sum."""
