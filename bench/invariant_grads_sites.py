@@ -4,18 +4,20 @@
         [--src DIR ...] [--store tcp|file]
 
 Each process builds the same model (the "tiny" config with ``--layers`` layers: 9 weights per layer, plus the
-embedding, the final norm and the LM head: 21 and 147 sites by default), installs ``set_invariant_grads(True, WORLD)`` and times ``loss.backward()`` (the
-forward and ``finish()`` are outside the timed part): the median over ``--reps`` backward passes, after warm-up.
+embedding, the final norm and the LM head: 21 and 147 sites by default), installs
+``set_invariant_grads(True, WORLD)`` and times ``loss.backward()`` (the forward and ``finish()`` are outside the timed
+part): the median over ``--reps`` backward passes, after warm-up.
 The same backward without a group (no exchange at all) gives the compute part.  ``--src``: checkouts whose
 fa4dist is imported instead (to compare commits with one script): each round runs a fresh pair of processes per
 checkout, in turn, so that a busy machine's slow spells fall on all of them alike; the table has the median over
-the ``--rounds``.
+the ``--rounds``. Writes the table's rows to $OUT/<date>-invariant-grads-sites.json (or bench/results/).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import statistics
 import sys
@@ -33,6 +35,7 @@ def parse_args(argv=None):
     p.add_argument("--store", choices=["tcp", "file"], default="tcp",
                    help="the rendezvous store: a TCPStore (torchrun's) or a FileStore (the test harness's)")
     p.add_argument("--src", nargs="+", default=[None], help="checkouts to import fa4dist from (default: as is)")
+    p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     return p.parse_args(argv)
 
 
@@ -116,6 +119,7 @@ def main(argv=None):
         for src in args.src:
             where, rows = _pair(args, src)
             runs.setdefault(where, []).append(rows)
+    table = []
     print(f"store: {args.store}, {args.tokens} tokens, median of {args.reps} backward passes per round, median over "
           f"{args.rounds} round(s)")
     for where, rounds in runs.items():
@@ -127,6 +131,12 @@ def main(argv=None):
             group = statistics.median(r[i][3] for r in rounds)
             print(f"{layers:>6} {sites:>5} {local:>9.2f} {group:>10.2f} {group - local:>11.2f} "
                   f"{(group - local) / sites * 1e3:>11.1f}")
+            table.append(dict(fa4dist=str(where), layers=layers, sites=sites, local_ms=local, group_ms=group,
+                              exchange_ms=group - local))
+    date = datetime.date.today().isoformat()
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, f"{date}-invariant-grads-sites.json"), "w") as fh:
+        json.dump(dict(date=date, store=args.store, tokens=args.tokens, rows=table), fh, indent=1)
 
 
 if __name__ == "__main__":
