@@ -687,6 +687,7 @@ SPLIT_KEYS_CASES = [
     (1, 3072, 4096, 3, 3, 128, 1024),  # bottom-right diagonal
     (2, 3000, 3000, 2, 2, 96, -200),  # the first 200 queries see no key
     (1, 4096, 4096, 4, 1, 128, 0),  # MQA (on the expanded heads or the GQA kernel, as the call takes it)
+    (2, 3000, 3000, 2, 2, 128, (0, -700)),  # one offset per sequence (the plan takes diagonal 0)
 ]
 
 
@@ -702,10 +703,13 @@ def test_split_key_tiles(case):
 
     b, sq, sk, h, hk, d, q_off = case
     causal = q_off is not None
+    plan_diag = q_off if isinstance(q_off, int) else 0
+    if isinstance(q_off, tuple):  # per sequence: a tensor for the kernel
+        q_off = torch.tensor(q_off, dtype=torch.int32, device="cuda")
     g = _gen()
     q, k, v = _inputs((b, sq, h, d), (b, sk, hk, d), torch.bfloat16, g)
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
-    mask = dict(causal=causal, q_offset=q_off or 0)
+    mask = dict(causal=causal, q_offset=0 if q_off is None else q_off)
     out64, lse64, ref = _reference(q, k, v, dout, **mask)
     out, lse = out64.to(torch.bfloat16), lse64.float()
     _, main_cfg, _ = cbwd.make_configs(torch.bfloat16, d, causal=causal, varlen=False, seg_offsets=False,
@@ -713,7 +717,7 @@ def test_split_key_tiles(case):
                                        dkv_dtype=torch.bfloat16, o_dtype=torch.bfloat16, do_dtype=torch.bfloat16,
                                        max_seqlen_k=sk)
     split_cfg = cbwd.split_keys_variant(main_cfg)
-    edge, parts = cbwd.dense_split_keys_plan(split_cfg, q.shape, k.shape, q_off or 0)
+    edge, parts = cbwd.dense_split_keys_plan(split_cfg, q.shape, k.shape, plan_diag)
     if parts == 1 and hk == h:
         pytest.skip("no split on this GPU's SMs")
     got = _run(q, k, v, dout, out, lse, **mask)

@@ -482,6 +482,7 @@ CAUSAL_SPLIT_CASES = [
     (1, 2048, 4096, 6, 2, 128, 2048),  # bottom-right diagonal (q_offset: every tile long)
     (2, 3000, 3000, 2, 2, 64, -200),  # 192-row tiles; the first 200 rows see no key
     (1, 5000, 5000, 2, 1, 96, 0),
+    (2, 3000, 3000, 2, 2, 128, (0, -700)),  # one offset per sequence (the plan takes the first's diagonal)
 ]
 
 
@@ -493,10 +494,14 @@ def test_causal_split_tiles(case):
     unsplit launch, the same bytes from run to run, and NaN in a V row NaN in exactly the rows that see it (also a
     row that only a split tile's last part sees), as unsplit."""
     b, sq, sk, h, hk, d, q_off = case
-    cfg = fa4cute.make_config(torch.bfloat16, d, causal=True, varlen=False, accumulate=False)
+    offsets = list(q_off) if isinstance(q_off, tuple) else [q_off] * b
+    if isinstance(q_off, tuple):  # per sequence: a tensor for the kernel
+        q_off = torch.tensor(q_off, dtype=torch.int32, device="cuda")
+    cfg = fa4cute.make_config(torch.bfloat16, d, causal=True, varlen=False, accumulate=False,
+                              seg_offsets=isinstance(q_off, torch.Tensor))
     assert cfg.split_tail
     num_m = -(-sq // cfg.tile_m)
-    edge, parts = fa4cute.dense_split_plan(cfg, (b, sq, h, d), sk, q_off)
+    edge, parts = fa4cute.dense_split_plan(cfg, (b, sq, h, d), sk, 0 if isinstance(q_off, torch.Tensor) else q_off)
     if parts == 1:
         pytest.skip(f"no split on {cfg.persistent_ctas} SMs")
     assert edge % (b * h) == 0
@@ -512,7 +517,7 @@ def test_causal_split_tiles(case):
         return out, lse
 
     out, lse = launch()
-    ref_o, ref_l = ref_dense(q, k, v, d**-0.5, True, [q_off] * b, [0] * b)
+    ref_o, ref_l = ref_dense(q, k, v, d**-0.5, True, offsets, [0] * b)
     check(out, lse, ref_o, ref_l, torch.bfloat16, True)
     again = launch()
     for a, g in zip((out, lse), again):
@@ -532,9 +537,9 @@ def test_causal_split_tiles(case):
         v_bad[:, bad, 0] = float("nan")
         nan_o, _ = launch(v_bad)
         plain_nan_o, _ = launch(v_bad, split_tail=False)
-        sees = torch.arange(sq, device="cuda") + q_off >= bad  # (sq,): rows whose diagonal reaches the bad key
         want = torch.zeros(b, sq, h, dtype=torch.bool, device="cuda")
-        want[:, :, : h // hk] = sees[None, :, None]
+        for i in range(b):  # rows whose diagonal reaches the bad key
+            want[i, :, : h // hk] = (torch.arange(sq, device="cuda") + offsets[i] >= bad)[:, None]
         assert torch.equal(torch.isnan(nan_o).any(-1), want), f"V row {bad}"
         assert torch.equal(torch.isnan(nan_o), torch.isnan(plain_nan_o)), f"V row {bad}"
 
