@@ -306,10 +306,10 @@ def check_resumed_run(checkpoint: Path, args) -> Optional[int]:
     """Refuses a resume whose model, data or optimizer settings differ from those the checkpoint was saved with
     (another --seed, --batch-size, --seqlen, --packing or --data reads other windows; another --model or --layers
     failed deep inside the checkpoint loader), naming them; then one whose LR schedule differs
-    (:func:`check_resumed_schedule`), and a --stop-at the checkpoint has passed (:func:`last_step`).  Reads only
-    the record :func:`save_run_settings` wrote, so the recipes call it before the process group and the model
-    exist.  Returns the checkpoint's step (None where the record has none).  A checkpoint saved without the
-    record (an older one) is not checked."""
+    (:func:`check_resumed_schedule`), a checkpoint at the end of --steps and a --stop-at it has passed
+    (:func:`last_step`).  Reads only the record :func:`save_run_settings` wrote, so the recipes call it before the
+    process group and the model exist.  Returns the checkpoint's step (None where the record has none).  A
+    checkpoint saved without the record (an older one) is not checked."""
     path = Path(checkpoint) / RUN_FILE
     if not path.is_file():
         return None
@@ -330,6 +330,10 @@ def check_resumed_run(checkpoint: Path, args) -> Optional[int]:
 
 def last_step(args, start: int = 0) -> int:
     """One past the last step this invocation runs (``start``: the step a resumed checkpoint is at)."""
+    if start >= args.steps:  # a finished run: it would train nothing and print a SUMMARY as if it had
+        raise SystemExit(f"--resume: the checkpoint is at step {start}, the end of --steps {args.steps}: the run "
+                         f"is finished, nothing is left to train (a longer run is another LR schedule: start it "
+                         f"afresh)")
     if args.stop_at is None:
         return args.steps
     if not 0 < args.stop_at <= args.steps:

@@ -206,3 +206,22 @@ def test_a_resume_that_cannot_continue_is_refused_before_the_process_group(tmp_p
             fsdp2_train.main(base + ["--resume", "latest"] + extra)
     with pytest.raises(ValueError, match="MASTER_ADDR"):  # a resume that continues the run goes on to the group
         fsdp2_train.main(base + ["--resume", "latest", "--stop-at", "3"])
+
+
+def test_a_resume_of_a_finished_run_is_refused_before_the_process_group(tmp_path, launched_without_a_rendezvous):
+    """A checkpoint at --steps (a --stop-at at --steps, or --save-every reaching it) has nothing left to train: a
+    --resume of it ran no step and printed a SUMMARY as if it had trained (steps_timed 0), exit code 0."""
+    import fsdp2_train
+
+    base = ["--steps", "4", "--seqlen", "64", "--data", str(tmp_path), "--ckpt-dir", str(tmp_path)]
+    ckpt = tmp_path / "step_000004"
+    common.save_run_settings(ckpt, fsdp2_train.parse_args(base + ["--save-every", "2"]), 4)
+    (ckpt / ".metadata").write_bytes(b"")
+    (tmp_path / "latest").write_text(ckpt.name)
+    launched_without_a_rendezvous(1)
+    with pytest.raises(SystemExit, match="--resume: the checkpoint is at step 4, the end of --steps 4"):
+        fsdp2_train.main(base + ["--resume", "latest"])
+    args = fsdp2_train.parse_args(base + ["--save-every", "2"])  # checked again after loading (an older checkpoint)
+    with pytest.raises(SystemExit, match="--resume: the checkpoint is at step 4, the end of --steps 4"):
+        common.last_step(args, 4)
+    assert common.last_step(args, 3) == 4
