@@ -25,7 +25,8 @@ shard never exist) or from the model's logits (``--loss logits``).  ``--activati
 transformers' own per-layer checkpointing; ``--tile-mlp N`` also runs each MLP over N tokens at a time under
 checkpointing (the MLP intermediates of a long shard are the largest activations).  ``--init sharded`` (default
 for models over 2B parameters) builds the model on the meta device and initializes each rank's shard on its
-device: normal(0, initializer_range) matrices, ones for norms -- not bitwise transformers' init.
+device: normal(0, initializer_range) matrices, zero biases -- not bitwise transformers' init --, and the model's own
+init for its norms (ones, zeros for Gemma's 1 + weight) and buffers (rotary frequencies, Gemma's embedding scale).
 
 Rank 0 prints a progress bar and a ``SUMMARY {...}`` JSON line (tokens/s, MFU, peak memory) like the other
 recipes; ``--memory-report`` adds a ``MEMORY {...}`` line (measured phases and estimated components).
@@ -234,11 +235,18 @@ def build_model(args, device):
 
 @torch.no_grad()
 def init_shards(model, seed: int, rank: int, device):
-    """After ``to_empty``: normal(0, initializer_range) matrices, ones for 1-D weights, zero biases, each rank its
-    own shard; the rotary buffers (lost on the meta device) rebuilt from the config."""
+    """After ``to_empty``: normal(0, initializer_range) matrices, zero biases and ones for the other 1-D weights
+    (GPT-OSS's sinks), each rank its own shard; then the model's own init (transformers' ``_init_weights``) for
+    the rest: the norms' identity (ones, or zeros for Gemma's ``x * (1 + weight)``) and the buffers lost on the
+    meta device (rotary frequencies, Gemma's embedding scale).  The parameters set here carry transformers'
+    ``_is_hf_initialized`` flag, which its init functions skip."""
     std = getattr(model.config, "initializer_range", 0.02)
     gen = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
+    norms = {id(p) for m in model.modules() if "Norm" in type(m).__name__ for p in m.parameters(recurse=False)}
+    ours = []
     for name, p in model.named_parameters():
+        if id(p) in norms:  # the model's own init: its norms' identity
+            continue
         local = p.to_local() if hasattr(p, "to_local") else p
         if name.endswith("bias"):
             local.zero_()
@@ -246,11 +254,15 @@ def init_shards(model, seed: int, rank: int, device):
             local.fill_(1.0)
         else:
             local.normal_(0.0, std, generator=gen)
-    for module in model.modules():
-        if type(module).__name__.endswith("RotaryEmbedding"):
-            fresh = type(module)(module.config)
-            for buf_name, buf in fresh.named_buffers(recurse=False):
-                setattr(module, buf_name, buf.to(device))
+        ours.append(p)
+    for p in ours:
+        p._is_hf_initialized = True
+    try:
+        for module in model.modules():
+            model._init_weights(module)
+    finally:
+        for p in ours:
+            del p._is_hf_initialized
 
 
 def active_expert_params(model) -> float:

@@ -205,3 +205,33 @@ def test_the_reference_loss_of_a_window_without_targets_is_the_cp_loss_zero():
     with enable_context_parallel(model) as handle:
         local = handle.shard_batch(hf_sft.hf_batch(sample))
         assert handle.loss(model(**local).logits, local).item() == want.item()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3", "gpt_oss"])
+def test_a_sharded_init_gives_the_buffers_and_norms_of_the_models_own_init(arch):
+    """--init sharded builds on the meta device, so after to_empty every buffer and weight is uninitialized memory
+    (NaN here, to be sure): init_shards must leave none of it. Gemma's embedding scale (sqrt(hidden), a buffer) was
+    left so (a Gemma 3 run trained with gradient norms of 1e-13), and its norms, x * (1 + weight), were set to
+    ones: twice the identity. The buffers and the norms must be what the model's own (full) init gives."""
+    import torch
+
+    cpu = torch.device("cpu")
+    full, _ = hf_sft.build_model(hf_sft.parse_args(["--arch", arch, "--seqlen", "64", "--init", "full"]), cpu)
+    model, sharded = hf_sft.build_model(hf_sft.parse_args(["--arch", arch, "--seqlen", "64", "--init", "sharded"]),
+                                        cpu)
+    assert sharded
+    model.to_empty(device=cpu)
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.fill_(float("nan"))
+    hf_sft.init_shards(model, 0, 0, cpu)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        assert torch.isfinite(t).all(), f"{name} left uninitialized"
+    want = dict(full.named_buffers())
+    for name, buf in model.named_buffers():
+        torch.testing.assert_close(buf, want[name], rtol=0, atol=0, msg=f"buffer {name}")
+    norms = [(n, p) for n, p in full.named_parameters() if "norm" in n]
+    assert norms
+    got = dict(model.named_parameters())
+    for name, p in norms:
+        torch.testing.assert_close(got[name], p, rtol=0, atol=0, msg=f"norm weight {name}")
