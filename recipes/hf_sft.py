@@ -117,6 +117,9 @@ def parse_args(argv=None):
     if args.strategy == "hybrid" or args.ulysses_degree is not None:
         p.error("--strategy hybrid / --ulysses-degree: enable_context_parallel takes the hybrid strategy from a 2-D "
                 "mesh, which this recipe does not build (auto picks the largest Ulysses degree the heads allow)")
+    if args.seqlen < args.cp:  # (shard_batch refused it on every rank in the first step, the model built)
+        p.error(f"--seqlen {args.seqlen} is shorter than --cp {args.cp}: enable_context_parallel gives every cp rank "
+                f"at least one token of each sequence")
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         p.error(f"--checkpoint must be a local checkpoint directory, {args.checkpoint!r} is not one")
     if args.sliding_window is not None and (args.arch not in WINDOWED_ARCHS or args.sliding_window < 1):

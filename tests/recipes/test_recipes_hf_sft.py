@@ -235,3 +235,13 @@ def test_a_sharded_init_gives_the_buffers_and_norms_of_the_models_own_init(arch)
     got = dict(model.named_parameters())
     for name, p in norms:
         torch.testing.assert_close(got[name], p, rtol=0, atol=0, msg=f"norm weight {name}")
+
+
+def test_a_seqlen_shorter_than_cp_is_refused_by_name(capsys):
+    """enable_context_parallel's shard_batch needs a token of each sequence on every cp rank: --seqlen 3 --cp 4
+    failed on every rank with a ValueError traceback from the first step, the model built and sharded. Every
+    --seqlen of at least --cp tokens gives each rank some (the plans' rule)."""
+    with pytest.raises(SystemExit):
+        hf_sft.parse_args(["--seqlen", "3", "--cp", "4"])
+    assert "--seqlen 3 is shorter than --cp 4" in capsys.readouterr().err
+    assert hf_sft.parse_args(["--seqlen", "4", "--cp", "4"]).seqlen == 4
