@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -231,6 +232,17 @@ def resume_tag(args) -> str:
     return tag
 
 
+def clear_tag(where: Path, rank: int) -> None:
+    """Removes what an earlier save left at the tag about to be saved (rank 0; every rank then meets at a barrier
+    before writing): its files stayed beside the new ones, and resume_tag's checks and DeepSpeed's loader read
+    every rank's file (another run's ranks or ZeRO stage refused the resume, or failed inside the loader)."""
+    if rank == 0 and where.is_dir():
+        shutil.rmtree(where)
+    elif rank == 0 and where.exists():
+        where.unlink()
+    dist.barrier()
+
+
 def main(argv=None):
     args = parse_args(argv)
     # refused before the process group and DeepSpeed's engine exist: a layout the world does not allow, a
@@ -316,6 +328,7 @@ def main(argv=None):
                         tokens_per_s=tokens / seconds, step_s=seconds, peak_mem_gib=common.peak_memory_gib(device))
         if common.saves_checkpoint(args, step + 1, stop):
             tag = f"step_{step + 1:06d}"
+            clear_tag(Path(args.ckpt_dir) / tag, rank)
             if rank == 0:  # before DeepSpeed's own files (its 'latest' marks a finished checkpoint)
                 common.save_run_settings(Path(args.ckpt_dir) / tag, args, step + 1)
             engine.save_checkpoint(args.ckpt_dir, tag=tag,

@@ -199,3 +199,20 @@ def test_a_resume_or_config_the_run_cannot_take_is_refused_before_the_process_gr
     launched_without_a_rendezvous(2)
     with pytest.raises(ValueError, match="MASTER_ADDR"):  # one it can resume goes on to the process group
         deepspeed_train.main(base + ["--resume", "latest", "--cp", "2"])
+
+
+@pytest.mark.timeout(300)
+def test_a_save_over_an_earlier_runs_tag_leaves_only_its_own_files(tmp_path, corpus):
+    """A --ckpt-dir that holds an earlier run's checkpoint at the same tag (here: saved by 2 ranks at ZeRO-3): the
+    new save wrote its files beside the old ones, and the resume was refused for the old ones ("saved with
+    --zero-stage 3"; "saved by 2 ranks, this run has 1"), or, at the old world size, DeepSpeed's loader failed
+    with a ZeRORuntimeException on the mix. The tag now holds the new save alone and resumes."""
+    ckpt = tmp_path / "ckpt"
+    stale = ["zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    (ckpt / "step_000001").mkdir(parents=True)
+    for name in stale:
+        (ckpt / "step_000001" / name).write_bytes(b"")
+    args = launch.tiny_args(2) + ["--seqlen", "64", "--data", corpus, "--ckpt-dir", ckpt]
+    launch.python("deepspeed_train.py", args + ["--stop-at", "1"])
+    assert not any((ckpt / "step_000001" / name).exists() for name in stale)
+    assert "start_step=1" in launch.python("deepspeed_train.py", args + ["--resume", "latest"]).stdout
