@@ -106,9 +106,9 @@ def add_common_args(p: argparse.ArgumentParser, unused: Optional[dict] = None,
                    help="sharding plan balancer")
     g.add_argument("--backend", default="auto", help="attention backend (fa4dist.kernels): auto, sdpa, cute, ...")
     g.add_argument("--deterministic", action="store_true", help="deterministic attention and torch algorithms")
-    g.add_argument("--cp-invariant", action="store_true",
-                   help="attention whose bits do not depend on the cp size (fa4dist.kernels.invariant); also "
-                        "FA4DIST_CP_INVARIANT=1")
+    g.add_argument("--cp-invariant", action="store_true", default=env_cp_invariant(p),
+                   help="attention, gradients and weights whose bits do not depend on the cp size "
+                        "(fa4dist.kernels.invariant); FA4DIST_CP_INVARIANT=1 turns the same mode on")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=positive_int, default=10,
                    help="training steps: the length of the LR schedule (stored in checkpoints)")
@@ -130,6 +130,18 @@ def add_common_args(p: argparse.ArgumentParser, unused: Optional[dict] = None,
         if unused and action.dest in unused:
             action.help = f"not used by this recipe (refused): {unused[action.dest]}".replace("%", "%%")
     return p
+
+
+def env_cp_invariant(p: argparse.ArgumentParser) -> bool:
+    """--cp-invariant's default: FA4DIST_CP_INVARIANT, read as the kernels read it (fa4dist.kernels.invariant), so
+    that the variable turns on the recipe's whole mode (invariant gradients, the weights hash), not the attention
+    alone; a value it does not take is a usage error naming it."""
+    from fa4dist.kernels import invariant
+
+    try:
+        return invariant.enabled(None)
+    except ValueError as err:
+        p.error(str(err))
 
 
 def parse_given(p: argparse.ArgumentParser, argv=None) -> tuple[argparse.Namespace, set]:

@@ -193,3 +193,23 @@ def test_a_ckpt_dir_that_cannot_be_a_directory_is_refused_when_parsed(recipe, tm
         assert f"--ckpt-dir {where}: {str(tmp_path / 'file')!r} is not a directory" in capsys.readouterr().err
     for where in (tmp_path, tmp_path / "new" / "ckpts"):  # an existing directory, or one to be made
         assert parse_args(["--steps", "2", "--save-every", "2", "--ckpt-dir", str(where)]).ckpt_dir == str(where)
+
+
+@pytest.mark.parametrize("recipe", ["fsdp2_train", "deepspeed_train", "hf_sft", "rl_deterministic"])
+def test_the_environment_variable_turns_the_whole_cp_invariant_mode_on(recipe, monkeypatch, capsys):
+    """FA4DIST_CP_INVARIANT=1 is --cp-invariant, as the help says: the recipe's whole mode (invariant gradients,
+    the weights hash, the SUMMARY's cp_invariant), not the attention alone (which it used to be: the kernels read
+    the variable, the recipes did not); a value the kernels refuse is a usage error naming the variable."""
+    import importlib
+
+    parse_args = importlib.import_module(recipe).parse_args
+    monkeypatch.delenv("FA4DIST_CP_INVARIANT", raising=False)
+    assert not parse_args([]).cp_invariant and parse_args(["--cp-invariant"]).cp_invariant
+    monkeypatch.setenv("FA4DIST_CP_INVARIANT", "1")
+    assert parse_args([]).cp_invariant
+    monkeypatch.setenv("FA4DIST_CP_INVARIANT", "0")
+    assert not parse_args([]).cp_invariant
+    monkeypatch.setenv("FA4DIST_CP_INVARIANT", "maybe")
+    with pytest.raises(SystemExit):
+        parse_args([])
+    assert "FA4DIST_CP_INVARIANT must be 1" in capsys.readouterr().err
