@@ -9,6 +9,8 @@ gradients are added to fp32 buffers (never rounded in between). Compile cache, A
 offsets come from host.py, shared with the forward. Everything that touches cutlass is imported lazily, so
 `import fa4dist` works without it. Steady-state calls do no host synchronisation (pass max_seqlen_q /
 max_seqlen_k for packed input, otherwise the grids are sized by the token counts).
+``FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8"`` (development hook, read at import) forces BwdConfig fields
+for every call; a bad field or value raises naming it (host.py lists the environment variables).
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ q_offset=0, k_offset=0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
 accumulate=False)`` writes out / lse in place (or, with accumulate=True, merges this block into a running fp32
 (out, lse)).  Compile cache, AOT objects, fake arguments and offsets come from host.py, shared with the backward.
 Everything that touches cutlass is imported lazily, so ``import fa4dist`` works without it.
+``FA4DIST_FWD_OVERRIDE="tile_m=128,persistent_ctas=0"`` (development hook, read at import) forces FwdConfig fields
+for every call; a bad field or value raises naming it (host.py lists the environment variables).
 """
 
 from __future__ import annotations

@@ -4,6 +4,23 @@ offset tensors and the kernels' own input checks.
 A compiled variant is keyed by a frozen config dataclass (plain Python values only) that knows how to build its
 kernel object (``cfg.build()``) and the fake arguments that describe its runtime signature (``cfg.fake_args()``).
 Everything that touches cutlass is imported lazily, so ``import fa4dist`` works without it.
+
+Environment variables read here (README, "Our Hopper kernels"):
+
+- ``FA4DIST_CUTE_CACHE_DIR``: the folder of the on-disk compile cache (default ``$XDG_CACHE_HOME/fa4dist/cute`` or
+  ``~/.cache/fa4dist/cute``); ``0``, ``off``, ``false``, ``no`` or empty turn it off.  An unwritable folder is
+  logged once, naming the variable (:func:`disk_cache_dir`).
+- ``FA4DIST_CUTE_AOT_DIR``: a folder of ahead-of-time objects (:func:`export_aot`) loaded before the cache; a
+  variant missing from it compiles on first use, and a path that is not a folder is logged once (:func:`aot_dir`).
+- ``FA4DIST_CUTE_SMS``: a positive int, at most that many CTAs in the persistent grids (:func:`sm_count`; read once
+  per process); anything else raises naming it.  ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (MPS's own) scales the SM
+  count the same way.
+- ``FA4DIST_CUTE_COMPILE_LOG``: development: a file each compile appends its config's repr to (what an AOT folder
+  was missing); a file that cannot be appended to raises naming it.
+- ``FA4DIST_FWD_OVERRIDE`` / ``FA4DIST_BWD_OVERRIDE`` (read by forward.py / backward.py at import): development
+  hooks, ``field=value,...`` of FwdConfig / BwdConfig fields (ints, floats, booleans as 1/true/yes/on or
+  0/false/no/off), :func:`parse_overrides`; an unknown field or a value its field does not take raises naming the
+  variable and the field.
 """
 
 from __future__ import annotations
@@ -23,6 +40,7 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp
 AOT_ENV = "FA4DIST_CUTE_AOT_DIR"  # optional folder of ahead-of-time compiled variants (see export_aot)
 # the on-disk cache of compiled variants (disk_cache_dir): a folder, or 0 / off / empty to turn it off
 CACHE_ENV = "FA4DIST_CUTE_CACHE_DIR"
+LOG_ENV = "FA4DIST_CUTE_COMPILE_LOG"  # development: a file that each compile appends its config's repr to
 
 
 def cutlass_dtype(name: str):
@@ -125,16 +143,23 @@ def check_qkv(q, k, v, head_dims, *, cu_seqlens_q=None, cu_seqlens_k=None, what=
     return True, ""
 
 
+_EXPECTED = {int: "an int", float: "a float"}
+
+
 def parse_overrides(text: str, fields: dict, source: str) -> dict:
-    """``"stmatrix_ds=1,tile_m=128"`` -> {field: value}, each value parsed by ``fields[field]``; unknown names are
-    an error naming ``source``."""
+    """``"stmatrix_ds=1,tile_m=128"`` -> {field: value}, each value parsed by ``fields[field]``; an unknown name or
+    a value its field does not take is an error naming ``source``, the field and the value."""
     out = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, _, val = item.partition("=")
-        key = key.strip()
+        key, val = key.strip(), val.strip()
         if key not in fields:
             raise ValueError(f"{source}: unknown field {key!r} (known: {sorted(fields)})")
-        out[key] = fields[key](val.strip())
+        try:
+            out[key] = fields[key](val)
+        except ValueError:  # int("abc") named neither the variable nor the field
+            expected = _EXPECTED.get(fields[key], "a boolean (1, true, yes, on / 0, false, no, off)")
+            raise ValueError(f"{source}: field {key!r} must be {expected}, got {val!r}") from None
     return out
 
 
@@ -143,8 +168,15 @@ def env_overrides(var: str, fields: dict) -> dict:
     return parse_overrides(os.environ.get(var, ""), fields, var)
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def parse_bool(s: str) -> bool:
-    return s.lower() in ("1", "true", "yes")
+    """A boolean override value; anything else raises (``maybe`` was read as False, silently)."""
+    value = s.strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ValueError(f"not a boolean: {s!r}")
+    return value in _TRUE
 
 
 # ----------------------------------------------------------------------------
@@ -389,6 +421,40 @@ def _store_on_disk(fn, cfg, folder) -> None:
                 pass
 
 
+_AOT_WARNED: list = []
+
+
+def aot_dir():
+    """The folder of ahead-of-time objects (FA4DIST_CUTE_AOT_DIR), or None when unset, empty or not a folder.  A
+    path that is not a folder is logged once per process, naming the variable (a mistyped one was ignored
+    silently, every variant then compiled on first use), not raised: the GPU session scripts set it before their
+    AOT stage fills it, and a variant missing from it compiles anyway."""
+    folder = os.environ.get(AOT_ENV, "")
+    if not folder:
+        return None
+    if not os.path.isdir(folder):
+        if not _AOT_WARNED:
+            _AOT_WARNED.append(True)
+            logging.getLogger("fa4dist.kernels").warning(
+                "cute: %s=%r is not a folder: no ahead-of-time objects are loaded, every variant compiles on first "
+                "use (3-6 s each)", AOT_ENV, folder)
+        return None
+    return folder
+
+
+def _log_compile(cfg) -> None:
+    """Appends ``cfg`` to the FA4DIST_CUTE_COMPILE_LOG file, if set (development: which variants an AOT folder was
+    missing)."""
+    log = os.environ.get(LOG_ENV)
+    if not log:
+        return
+    try:
+        with open(log, "a") as f:
+            f.write(repr(cfg) + "\n")
+    except OSError as exc:
+        raise OSError(f"{LOG_ENV}={log!r}: cannot append to it ({exc})") from exc
+
+
 def get_compiled(cfg):
     """The compiled kernel of ``cfg``: from this process's cache, an AOT folder (FA4DIST_CUTE_AOT_DIR), the disk
     cache (disk_cache_dir), or compiled now (3-6 s) and written to the disk cache for the next process."""
@@ -398,17 +464,14 @@ def get_compiled(cfg):
             fn = _CACHE.get(cfg)
             if fn is None:
                 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-                aot = os.environ.get(AOT_ENV)
+                aot = aot_dir()
                 fn = _load_object(aot, cfg, "AOT") if aot else None
                 disk = disk_cache_dir() if fn is None else None
                 if disk is not None:
                     fn = _load_object(disk, cfg, "compile cache")
                 if fn is None:
                     fn = compile_config(cfg)
-                    log = os.environ.get("FA4DIST_CUTE_COMPILE_LOG")
-                    if log:  # development: which variants an AOT folder was missing
-                        with open(log, "a") as f:
-                            f.write(repr(cfg) + "\n")
+                    _log_compile(cfg)
                     if disk is not None:
                         _store_on_disk(fn, cfg, disk)
                 _CACHE[cfg] = fn

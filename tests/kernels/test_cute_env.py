@@ -1,0 +1,74 @@
+"""The cute backend's environment variables (kernels/cute/host.py lists them): every value the code cannot use is an
+error (or, for the AOT folder, a log line) naming the variable. No GPU and no cutlass needed."""
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fa4dist.kernels.cute import backward, forward, host
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("var, fields, text, expected", [
+    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "tile_m=abc", "field 'tile_m' must be an int, got 'abc'"),
+    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "rescale_threshold=x", "field 'rescale_threshold' must be a float"),
+    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "sanitize=maybe", "field 'sanitize' must be a boolean"),
+    ("FA4DIST_BWD_OVERRIDE", backward._FIELDS, "det_chunk", "field 'det_chunk' must be an int, got ''"),
+    ("FA4DIST_BWD_OVERRIDE", backward._FIELDS, "stmatrix_ds=2", "field 'stmatrix_ds' must be a boolean"),
+])
+def test_a_bad_override_value_names_the_variable_and_the_field(monkeypatch, var, fields, text, expected):
+    """int('abc') was a ValueError naming neither (raised at `import fa4dist.kernels`), and a boolean field took
+    anything but 1 / true / yes as False."""
+    monkeypatch.setenv(var, text)
+    with pytest.raises(ValueError, match=f"^{var}: {expected}"):
+        host.env_overrides(var, fields)
+
+
+def test_override_booleans_take_the_usual_spellings_and_nothing_else():
+    for text in ("1", "true", "YES", " on "):
+        assert host.parse_bool(text) is True, text
+    for text in ("0", "False", "no", "off"):
+        assert host.parse_bool(text) is False, text
+    for text in ("", "2", "maybe", "tru"):
+        with pytest.raises(ValueError, match="not a boolean"):
+            host.parse_bool(text)
+    assert forward.parse_overrides("dynamic_tiles=off,tile_m=128") == dict(dynamic_tiles=False, tile_m=128)
+
+
+def test_a_bad_override_fails_the_import_naming_the_variable():
+    """The overrides are read when the cute modules are imported (by `import fa4dist.kernels`): the error a user sees
+    is the first thing they run."""
+    env = dict(os.environ, FA4DIST_FWD_OVERRIDE="tile_m=abc", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", "import fa4dist.kernels"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode != 0
+    assert "FA4DIST_FWD_OVERRIDE: field 'tile_m' must be an int, got 'abc'" in proc.stderr
+
+
+def test_the_aot_folder_must_be_a_folder_or_it_is_logged_once(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(host, "_AOT_WARNED", [])
+    monkeypatch.delenv(host.AOT_ENV, raising=False)
+    assert host.aot_dir() is None
+    monkeypatch.setenv(host.AOT_ENV, str(tmp_path))
+    assert host.aot_dir() == str(tmp_path)
+    monkeypatch.setenv(host.AOT_ENV, str(tmp_path / "missing"))
+    with caplog.at_level(logging.WARNING, logger="fa4dist.kernels"):
+        assert host.aot_dir() is None
+        assert host.aot_dir() is None
+    assert caplog.text.count(f"{host.AOT_ENV}={str(tmp_path / 'missing')!r} is not a folder") == 1
+
+
+def test_a_compile_log_that_cannot_be_written_names_the_variable(monkeypatch, tmp_path):
+    log = tmp_path / "compiled.txt"
+    monkeypatch.setenv(host.LOG_ENV, str(log))
+    host._log_compile("cfg A")
+    host._log_compile("cfg B")
+    assert log.read_text() == "'cfg A'\n'cfg B'\n"
+    monkeypatch.setenv(host.LOG_ENV, str(tmp_path / "no_such_folder" / "compiled.txt"))
+    with pytest.raises(OSError, match=f"^{host.LOG_ENV}=.*no_such_folder.*: cannot append to it"):
+        host._log_compile("cfg C")
