@@ -132,3 +132,26 @@ def test_readme_commands_use_flags_that_exist():
             _parse(program, args)
         except SystemExit as exit_:
             pytest.fail(f"README: `{program} {' '.join(args)}` does not parse ({exit_})")
+
+
+def _environment_variables() -> list[tuple[str, str]]:
+    """(file, name) of every FA4DIST_* name fa4dist's code reads (as a string constant: os.environ keys are)."""
+    found = []
+    for path in sorted((REPO / "fa4dist").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                 and isinstance(node.value, str) and re.fullmatch(r"FA4DIST_[A-Z0-9_]+", node.value)}
+        found += [(str(path.relative_to(REPO)), name) for name in sorted(names)]
+    return found
+
+
+def test_every_environment_variable_is_documented_where_a_user_looks():
+    """In the README or in the module docstring of the file that reads it (with its values and what a bad one does:
+    the tests of each variable check those)."""
+    variables = _environment_variables()
+    assert {"FA4DIST_CP_INVARIANT", "FA4DIST_RING_STEPS_PER_LAUNCH", "FA4DIST_CUTE_SMS"} <= {n for _, n in variables}
+    readme = (REPO / "README.md").read_text()
+    missing = [f"{name} ({where})" for where, name in variables
+               if name not in readme and name not in (ast.get_docstring(ast.parse((REPO / where).read_text())) or "")]
+    assert not missing, f"environment variables documented neither in README.md nor in their module's docstring: " \
+                        f"{missing}"
