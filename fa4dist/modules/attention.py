@@ -41,11 +41,11 @@ class FA4ContextParallelAttention(nn.Module):
             auto runs).
         timeout: seconds any wait on another rank may take before a :class:`~fa4dist.context_parallel.CommError`
             naming what was awaited.
-        verify: on every call (forward and backward), all-gather a small fingerprint of the call (shapes, dtypes,
-            plan, options, which module, call number), so that ranks that disagree all fail at once with one
-            message naming the field and the ranks, instead of hanging or computing garbage.  The values of the
-            inputs are not compared (each rank holds its own shard), nor those of ``sinks``: a replicated sinks
-            parameter that drifts between ranks is not detected.
+        verify: on every call (forward and backward), exchange a small fingerprint of the call (shapes, dtypes,
+            plan, options, which module, call number) through the group's store (host side, no collective), so
+            that ranks that disagree all fail at once with one message naming the field and the ranks, instead
+            of hanging or computing garbage.  The values of the inputs are not compared (each rank holds its own
+            shard), nor those of ``sinks``: a replicated sinks parameter that drifts between ranks is not detected.
 
         cp_invariant: out, lse and the gradients bitwise identical at every cp size, strategy and balancer, and
             to ``fa4dist.attention(..., cp_invariant=True)`` on one device (default: the environment variable
