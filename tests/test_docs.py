@@ -5,7 +5,10 @@
   and run exactly so.
 - ```bash blocks: every command line that starts one of our programs (a recipe, ``fa4dist.demo``, a bench script)
   must parse with that program's own argument parser; the README's first command runs in CI itself (.ci/run) and
-  its recipes in tests/recipes at test size.
+  its recipes in tests/recipes at test size.  So must the command lines in the module docstrings of fa4dist and the
+  recipes.
+- Every FA4DIST_* environment variable the package reads is named in the README or in the docstring of the module
+  that reads it.
 """
 
 from __future__ import annotations
@@ -132,6 +135,23 @@ def test_readme_commands_use_flags_that_exist():
             _parse(program, args)
         except SystemExit as exit_:
             pytest.fail(f"README: `{program} {' '.join(args)}` does not parse ({exit_})")
+
+
+def test_docstring_commands_use_flags_that_exist():
+    """The command lines in the module docstrings of fa4dist and the recipes (``torchrun ... -m fa4dist.demo
+    --docs 12``) parse too (a placeholder path, ``/path/to/...``, left out: the parsers check that it exists)."""
+    commands = []
+    for path in sorted([*(REPO / "fa4dist").rglob("*.py"), *(REPO / "recipes").glob("*.py")]):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        lines = [line for line in doc.splitlines()
+                 if re.match(r"\s*(torchrun|python3?)\s", line) and "/path/to/" not in line]
+        commands += [(path.name, *c) for c in _our_commands("\n".join(lines))]
+    assert any(p == "fa4dist.demo" for _, p, _ in commands) and any(p.startswith("recipes/") for _, p, _ in commands)
+    for where, program, args in commands:
+        try:
+            _parse(program, args)
+        except SystemExit as exit_:
+            pytest.fail(f"{where}: `{program} {' '.join(args)}` does not parse ({exit_})")
 
 
 def _environment_variables() -> list[tuple[str, str]]:
