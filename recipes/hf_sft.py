@@ -106,6 +106,10 @@ def parse_args(argv=None):
     args, given = common.parse_given(p, argv)
     if args.checkpoint is not None:
         common.refuse_unused(p, given, UNUSED_WITH_CHECKPOINT, "with --checkpoint")
+    # before the shared checks, whose hint for a bare --strategy hybrid (add --ulysses-degree) this recipe refuses too
+    if args.strategy == "hybrid" or args.ulysses_degree is not None:
+        p.error("--strategy hybrid / --ulysses-degree: enable_context_parallel takes the hybrid strategy from a 2-D "
+                "mesh, which this recipe does not build (auto picks the largest Ulysses degree the heads allow)")
     common.check_common_args(p, args, models=LLAMA3_PRESETS)
     if args.checkpoint is None and args.model in LLAMA3_PRESETS and args.arch != "llama":
         p.error(f"--model {args.model} is a Llama shape; use --arch llama (got --arch {args.arch})")
@@ -114,9 +118,6 @@ def parse_args(argv=None):
     if args.loss == "logits":
         common.refuse_unused(p, given, {"loss_chunk": "the model's logits are computed whole (--loss tiled tiles "
                                                       "them)"}, "by --loss logits")
-    if args.strategy == "hybrid" or args.ulysses_degree is not None:
-        p.error("--strategy hybrid / --ulysses-degree: enable_context_parallel takes the hybrid strategy from a 2-D "
-                "mesh, which this recipe does not build (auto picks the largest Ulysses degree the heads allow)")
     if args.seqlen < args.cp:  # (shard_batch refused it on every rank in the first step, the model built)
         p.error(f"--seqlen {args.seqlen} is shorter than --cp {args.cp}: enable_context_parallel gives every cp rank "
                 f"at least one token of each sequence")

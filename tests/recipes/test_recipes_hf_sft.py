@@ -114,6 +114,9 @@ def test_options_a_checkpoint_makes_unused_are_refused_by_name(tmp_path, flag, c
     (["--arch", "qwen2", "--experts-per-token", "1"], "--experts-per-token is not used by --arch qwen2"),
     (["--loss", "logits", "--loss-chunk", "40"], "--loss-chunk is not used by --loss logits"),
     (["--arch", "qwen2", "--model", "llama3.2-1b"], "--model llama3.2-1b is a Llama shape; use --arch llama"),
+    # was "--strategy hybrid needs --ulysses-degree", and with one: refused for the hybrid strategy itself
+    (["--cp", "2", "--strategy", "hybrid"], "enable_context_parallel takes the hybrid strategy from a 2-D mesh"),
+    (["--cp", "2", "--ulysses-degree", "2"], "enable_context_parallel takes the hybrid strategy from a 2-D mesh"),
 ])
 def test_options_the_chosen_arch_or_loss_ignores_are_refused_by_name(bad, message, capsys):
     """--experts / --experts-per-token outside gpt_oss and --loss-chunk with --loss logits were ignored; a Llama-3
