@@ -13,6 +13,7 @@ Which windows a step trains on is a pure function of (seed, step, dp rank): a re
 from __future__ import annotations
 
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -25,6 +26,26 @@ from .tokenizer import ByteTokenizer
 IGNORE = -100
 DEFAULT_SUFFIXES = (".py", ".md", ".toml", ".txt", ".json", ".sh", ".cfg", ".yaml", ".yml")
 _SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", "node_modules", ".venv", "venv", "build", "dist"}
+
+
+def _skipped(part: str) -> bool:
+    """A directory name collect_documents does not enter (hidden, a cache, a build output, egg-info)."""
+    return part.startswith(".") or part in _SKIP_DIRS or part.endswith(".egg-info")
+
+
+def _tracked_files(root: Path) -> Optional[list[Path]]:
+    """The files git tracks under ``root``, outside the skipped directories, in walk order (sorted by path parts);
+    None where ``root`` is not a git checkout or git is not there."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, check=True,
+                             timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rel = [Path(p) for p in out.decode("utf-8", "surrogateescape").split("\0") if p]
+    rel = [p for p in rel if not any(_skipped(part) for part in p.parts[:-1])]
+    # os.walk's order: a directory's files before its subdirectories, each level sorted
+    rel.sort(key=lambda p: [(1, part) for part in p.parts[:-1]] + [(0, p.name)])
+    return [root / p for p in rel]
 
 
 def default_text_root() -> Path:
@@ -42,9 +63,12 @@ def collect_documents(
     """Texts of the files under ``roots`` (default: this repository's source and docs), in a fixed order.
 
     Hidden directories, caches, egg-info and build outputs are skipped; files larger than ``max_file_bytes`` or not
-    valid UTF-8 are skipped too."""
+    valid UTF-8 are skipped too.  The default root, when it is a git checkout, gives the files git tracks only, so
+    that the default data is a function of the commit: a bench's or a test's outputs (git-ignored or not yet added)
+    would otherwise change the text between two runs of one recipe."""
     if isinstance(roots, (str, os.PathLike)):  # one root (a string is not a sequence of roots)
         roots = [roots]
+    tracked = None if roots else _tracked_files(default_text_root())
     roots = [Path(r) for r in (roots or [default_text_root()])]
     missing = [str(r) for r in roots if not r.exists()]
     if missing:  # was skipped silently beside roots that exist: a typo trained on less text than asked for
@@ -57,12 +81,12 @@ def collect_documents(
     for root in roots:
         if root.is_file():
             files = [root]
+        elif tracked is not None:
+            files = [f for f in tracked if f.name.endswith(suffixes)]
         else:
             files = []
             for dirpath, dirnames, filenames in os.walk(root):
-                dirnames[:] = sorted(
-                    d for d in dirnames if not d.startswith(".") and d not in _SKIP_DIRS and not d.endswith(".egg-info")
-                )
+                dirnames[:] = sorted(d for d in dirnames if not _skipped(d))
                 files.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(suffixes))
         for path in files:
             try:

@@ -207,3 +207,30 @@ def test_segments_from_doc_ids_refuses_what_is_not_one_1d_tensor():
         segments_from_doc_ids(torch.tensor([[0, 0, 1]]))
     with pytest.raises(TypeError, match="doc_ids must be a torch.Tensor, got list"):
         segments_from_doc_ids([0, 0, 1])
+
+
+def test_the_default_data_of_a_git_checkout_is_what_git_tracks(tmp_path, monkeypatch):
+    """The default root (this repository) gives the files git tracks, in the walk's order, so that a bench's or a
+    test's outputs there (git-ignored, or not yet added) do not change the default data between two runs of a
+    recipe; a root that is not a checkout is walked as before."""
+    import shutil
+    import subprocess
+
+    from fa4dist.data import packing
+
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    root = _tree(tmp_path)
+    (root / ".gitignore").write_text("out/\n")
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "a.txt", "b.py", "sub/d.txt", ".gitignore"], check=True)
+    subprocess.run(git + ["commit", "-qm", "docs"], check=True)
+    (root / "out").mkdir()
+    (root / "out" / "bench.json").write_text('{"a bench": "output"}')  # ignored
+    (root / "sub" / "e.txt").write_text("not added yet")  # untracked
+    monkeypatch.setattr(packing, "default_text_root", lambda: root)
+    assert collect_documents() == ["alpha document", "print('beta')", "delta"]
+    # an explicit root: every file, walked (a directory's files, then its subdirectories in order)
+    assert collect_documents([root]) == ["alpha document", "print('beta')", '{"a bench": "output"}', "delta",
+                                         "not added yet"]
