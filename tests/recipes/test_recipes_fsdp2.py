@@ -186,17 +186,26 @@ def test_resume_with_a_stop_at_the_checkpoint_already_passed_is_refused(tmp_path
     assert (ckpt / "latest").read_text().strip() == f"step_{STEPS:06d}" and (ckpt / f"step_{STEPS:06d}").is_dir()
 
 
+
+def _checkpoint_at(tmp_path, step: int) -> list:
+    """The arguments of a 4-step run (--steps 4, --ckpt-dir tmp_path) and, as `latest`, the settings record of
+    a checkpoint it saved at ``step`` (no weights: the checks before the process group read the record only)."""
+    import fsdp2_train
+
+    base = ["--steps", "4", "--seqlen", "64", "--data", str(tmp_path), "--ckpt-dir", str(tmp_path)]
+    ckpt = tmp_path / f"step_{step:06d}"
+    common.save_run_settings(ckpt, fsdp2_train.parse_args(base + ["--save-every", "2"]), step)
+    (ckpt / ".metadata").write_bytes(b"")
+    (tmp_path / "latest").write_text(ckpt.name)
+    return base
+
 def test_a_resume_that_cannot_continue_is_refused_before_the_process_group(tmp_path, launched_without_a_rendezvous):
     """The schedule and step a checkpoint was saved at are recorded beside it: a resume with another --steps, or
     with a --stop-at the checkpoint has passed, is refused before the process group and the model exist (they
     were refused only after the model was built, sharded and loaded), with the messages of the later checks."""
     import fsdp2_train
 
-    base = ["--steps", "4", "--seqlen", "64", "--data", str(tmp_path), "--ckpt-dir", str(tmp_path)]
-    ckpt = tmp_path / "step_000002"
-    common.save_run_settings(ckpt, fsdp2_train.parse_args(base + ["--save-every", "2"]), 2)
-    (ckpt / ".metadata").write_bytes(b"")
-    (tmp_path / "latest").write_text(ckpt.name)
+    base = _checkpoint_at(tmp_path, 2)
     launched_without_a_rendezvous(1)
     for extra, message in ((["--steps", "9"], r"LR schedule differs from the checkpoint's \(--steps 4 in the "
                                               r"checkpoint, 9 now\)"),
@@ -213,11 +222,7 @@ def test_a_resume_of_a_finished_run_is_refused_before_the_process_group(tmp_path
     --resume of it ran no step and printed a SUMMARY as if it had trained (steps_timed 0), exit code 0."""
     import fsdp2_train
 
-    base = ["--steps", "4", "--seqlen", "64", "--data", str(tmp_path), "--ckpt-dir", str(tmp_path)]
-    ckpt = tmp_path / "step_000004"
-    common.save_run_settings(ckpt, fsdp2_train.parse_args(base + ["--save-every", "2"]), 4)
-    (ckpt / ".metadata").write_bytes(b"")
-    (tmp_path / "latest").write_text(ckpt.name)
+    base = _checkpoint_at(tmp_path, 4)
     launched_without_a_rendezvous(1)
     with pytest.raises(SystemExit, match="--resume: the checkpoint is at step 4, the end of --steps 4"):
         fsdp2_train.main(base + ["--resume", "latest"])
