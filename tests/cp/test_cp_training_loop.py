@@ -1,0 +1,111 @@
+"""Context-parallel attention as training loops use it, on 4 CPU processes (gloo), in fp64 against the single-process
+fp64 oracle: activation checkpointing (reentrant, non-reentrant and selective: its recompute calls the attention
+again), gradient accumulation with an evaluation forward and an unused forward in between, a backward run twice
+(retain_graph)."""
+
+import functools
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import cp_cases
+from cp_harness import GROUPS, fresh_group, shared_pool
+from oracle import naive_attention
+
+pytestmark = pytest.mark.timeout(240)
+
+TOL = 1e-10  # fp64 against the fp64 oracle
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return shared_pool(4)
+
+
+def _problem(module, seed=0):
+    """(plan, shard function, global q, k, v, dout) of a packed sample for `module`."""
+    plan = module.make_plan(cp_cases.random_docs(2, 6, 20))
+    q, k, v, dout = cp_cases.global_inputs(seed, plan.total_len, 4, 2, 8, torch.float64)
+    return plan, functools.partial(plan.shard, seq_dim=0, rank=module.cp_rank), (q, k, v, dout)
+
+
+def _oracle(plan, q, k, v, dout):
+    """out, dq, dk, dv of the whole sequence."""
+    cu = torch.tensor(plan.cu_seqlens, dtype=torch.int32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = naive_attention(*leaves, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)[0]
+    out.backward(dout)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def _errors(got, want, shard):
+    return max(float((a.detach() - shard(b)).abs().max()) for a, b in zip(got, want))
+
+
+# ---- checkpointing, accumulation, evaluation, retain_graph ------------------------------------------------------
+
+
+def loop_case(rank, world, strategy, ulysses_degree, reentrant):
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    module = FA4ContextParallelAttention(GROUPS[4], strategy=strategy, ulysses_degree=ulysses_degree,
+                                         backend="reference", timeout=30)
+    plan, shard, (q, k, v, dout) = _problem(module)
+    want = _oracle(plan, q, k, v, dout)
+    leaves = [shard(t).requires_grad_() for t in (q, k, v)]
+    errors = []
+    for _ in range(2):  # two micro-batches: the gradients add up
+        out = checkpoint(lambda a, b, c: module(a, b, c, plan=plan), *leaves, use_reentrant=reentrant)
+        with torch.no_grad():  # an evaluation forward between the forward and its backward
+            errors.append(_errors([module(*(shard(t) for t in (q, k, v)), plan=plan)], want[:1], shard))
+        module(*(x * 1 for x in leaves), plan=plan)  # a forward nothing back-propagates through
+        (out * shard(dout)).sum().backward()
+        errors.append(_errors([out], want[:1], shard))
+    errors.append(_errors([x.grad / 2 for x in leaves], want[1:], shard))
+    for x in leaves:
+        x.grad = None
+    out = checkpoint(lambda a, b, c: module(a, b, c, plan=plan), *leaves, use_reentrant=reentrant)
+    loss = (out * shard(dout)).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    errors.append(_errors([x.grad / 2 for x in leaves], want[1:], shard))
+    return max(errors)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("strategy, degree", [("ring", None), ("hybrid", 2)])
+def test_checkpointing_accumulation_evaluation_and_retain_graph(pool, strategy, degree, reentrant):
+    assert max(pool.run(loop_case, strategy=strategy, ulysses_degree=degree, reentrant=reentrant)) < TOL
+
+
+# ---- selective activation checkpointing -------------------------------------------------------------------------
+
+
+def _policy(saved, ctx, op, *args, **kwargs):
+    """Saves the ops named in `saved` (by their name's start), recomputes the rest."""
+    return CheckpointPolicy.MUST_SAVE if str(op).startswith(saved) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_case(rank, world, strategy, ulysses_degree, saved):
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    group = fresh_group(range(world))  # (a failed exchange must not leave messages on the pool's groups)
+    module = FA4ContextParallelAttention(group, strategy=strategy, ulysses_degree=ulysses_degree,
+                                         backend="reference", timeout=8)
+    plan, shard, (q, k, v, dout) = _problem(module)
+    want = _oracle(plan, q, k, v, dout)
+    leaves = [shard(t).requires_grad_() for t in (q, k, v)]
+    context = functools.partial(create_selective_checkpoint_contexts, functools.partial(_policy, saved))
+    out = checkpoint(lambda a, b, c: module(a, b, c, plan=plan), *leaves, use_reentrant=False, context_fn=context)
+    (out * shard(dout)).sum().backward()
+    return _errors([out] + [x.grad for x in leaves], want, shard)
+
+
+@pytest.mark.parametrize("saved", [("c10d.",), ("aten.bmm", "aten.mm")], ids=["communication", "matmuls"])
+@pytest.mark.parametrize("strategy, degree", [("ring", None), ("hybrid", 2)])
+def test_selective_checkpointing_policies_do_not_reach_inside_the_attention(pool, strategy, degree, saved):
+    """A policy that saves the communication ops (not to repeat them in the recompute) had the recompute skip the
+    sends and receives (the other ranks waited out the timeout); one that saves the matmuls raised torch's 'cached
+    tensor has been mutated' from inside a kernel.  The attention's own ops all run again in the recompute."""
+    assert max(pool.run(selective_case, strategy=strategy, ulysses_degree=degree, saved=saved, timeout=90)) < TOL
