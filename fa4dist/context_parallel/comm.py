@@ -72,57 +72,6 @@ class _Use:
         self.ident, self.thread, self.call, self.depth, self.intruder = ident, thread, call, 0, None
 
 
-_USE_LOCK = threading.Lock()
-_IN_USE: dict = {}  # (world number, group name) -> _Use
-
-
-@contextlib.contextmanager
-def exclusive(groups: Sequence, what: str, label: str):
-    """Runs one call's exchanges on ``groups`` as the only thread of this process using them.
-
-    The ranks pair their calls on a group by order (agreement checks by number, transfers by tag, collectives by
-    their sequence): two threads' calls at once pair up differently on different ranks, which computes a wrong
-    result from another call's data or waits out the timeout.  The attention, the losses' label counts,
-    ``reduce_value`` and the Hugging Face handle's batch check take it, so one thread's attention and another's
-    loss exclude each other too.  A second thread is refused at once; the running
-    call raises when it ends (the other ranks may have paired it with the refused thread's call), unless it raised
-    already.  Per call, not from a forward to its backward: autograd may run the backward on a thread of its own."""
-    ident, me = threading.get_ident(), threading.current_thread().name  # (names need not be unique)
-    keys = [(world_generation(), g.group_name) for g in groups]
-    with _USE_LOCK:
-        busy = [(key, _IN_USE[key]) for key in keys if key in _IN_USE and _IN_USE[key].ident != ident]
-        for _, use in busy:
-            use.intruder = use.intruder or (me, f"{label}: {what}")
-        if not busy:
-            for key in keys:
-                _IN_USE.setdefault(key, _Use(ident, me, f"{label}: {what}")).depth += 1
-    if busy:
-        (_, name), use = busy[0]
-        raise RuntimeError(
-            f"{label}: {what} on process group {name!r} was called from thread {me!r} while thread {use.thread!r} "
-            f"is running another call on that group ({use.call}); calls on a group must come from one thread at a "
-            "time, in the same order on every rank (two threads' calls pair up differently on different ranks: a "
-            "wrong result or a hang).  Make them from one thread, or give each thread a process group of its own")
-    intruders = []
-    try:
-        yield
-    finally:
-        with _USE_LOCK:
-            for key in keys:
-                use = _IN_USE[key]
-                use.depth -= 1
-                if use.intruder:
-                    intruders.append((key[1], use.intruder))
-                if not use.depth:
-                    del _IN_USE[key]
-    if intruders:  # (only after a call that returned: its own error, if any, went up instead)
-        name, (other, call) = intruders[0]
-        raise RuntimeError(
-            f"{label}: thread {other!r} made a call on process group {name!r} ({call}) while {what} ran on thread "
-            f"{me!r}; the other ranks may have paired this call with that thread's, so its result is not trusted "
-            "(make the calls on a group from one thread at a time)")
-
-
 def _selective_checkpoint_modes() -> tuple:
     """The dispatch mode classes of torch's selective activation checkpointing (private to torch.utils.checkpoint:
     none where this torch has other names)."""
@@ -165,6 +114,61 @@ def outside_selective_checkpoint():
             _pop_mode()
         for m in above:
             _push_mode(m)
+
+
+_USE_LOCK = threading.Lock()
+_IN_USE: dict = {}  # (world number, group name) -> _Use
+
+
+@contextlib.contextmanager
+def exclusive(groups: Sequence, what: str, label: str):
+    """Runs one call's exchanges on ``groups`` as the only thread of this process using them.
+
+    The ranks pair their calls on a group by order (agreement checks by number, transfers by tag, collectives by
+    their sequence): two threads' calls at once pair up differently on different ranks, which computes a wrong
+    result from another call's data or waits out the timeout.  The attention, the losses' label counts,
+    ``reduce_value`` and the Hugging Face handle's batch check take it, so one thread's attention and another's
+    loss exclude each other too.  A second thread is refused at once; the running
+    call raises when it ends (the other ranks may have paired it with the refused thread's call), unless it raised
+    already.  Per call, not from a forward to its backward: autograd may run the backward on a thread of its own.
+
+    The call runs outside selective activation checkpointing's policy (:func:`outside_selective_checkpoint`): its
+    exchanges run again, all of them, in a checkpoint's recompute."""
+    ident, me = threading.get_ident(), threading.current_thread().name  # (names need not be unique)
+    keys = [(world_generation(), g.group_name) for g in groups]
+    with _USE_LOCK:
+        busy = [(key, _IN_USE[key]) for key in keys if key in _IN_USE and _IN_USE[key].ident != ident]
+        for _, use in busy:
+            use.intruder = use.intruder or (me, f"{label}: {what}")
+        if not busy:
+            for key in keys:
+                _IN_USE.setdefault(key, _Use(ident, me, f"{label}: {what}")).depth += 1
+    if busy:
+        (_, name), use = busy[0]
+        raise RuntimeError(
+            f"{label}: {what} on process group {name!r} was called from thread {me!r} while thread {use.thread!r} "
+            f"is running another call on that group ({use.call}); calls on a group must come from one thread at a "
+            "time, in the same order on every rank (two threads' calls pair up differently on different ranks: a "
+            "wrong result or a hang).  Make them from one thread, or give each thread a process group of its own")
+    intruders = []
+    try:
+        with outside_selective_checkpoint():
+            yield
+    finally:
+        with _USE_LOCK:
+            for key in keys:
+                use = _IN_USE[key]
+                use.depth -= 1
+                if use.intruder:
+                    intruders.append((key[1], use.intruder))
+                if not use.depth:
+                    del _IN_USE[key]
+    if intruders:  # (only after a call that returned: its own error, if any, went up instead)
+        name, (other, call) = intruders[0]
+        raise RuntimeError(
+            f"{label}: thread {other!r} made a call on process group {name!r} ({call}) while {what} ran on thread "
+            f"{me!r}; the other ranks may have paired this call with that thread's, so its result is not trusted "
+            "(make the calls on a group from one thread at a time)")
 
 
 def deepcopy_sharing(obj, memo: dict, shared: Sequence[str]):

@@ -33,7 +33,7 @@ from ..kernels.problem import (
 )
 from ..kernels.registry import get_backend
 from .comm import (CommError, Transport, deepcopy_sharing, exclusive, group_alive, member_size_rank,
-                   outside_selective_checkpoint, refuse_pickling, world_generation)
+                   refuse_pickling, world_generation)
 from .gather import gather_backward, gather_forward
 from .plan import ShardPlan
 from .ring import (KernelOptions, RingPeers, accum_dtype, requested_steps_per_launch, ring_backward,
@@ -501,8 +501,7 @@ class ContextParallel:
         if self.cp_size == 1:
             return self._single(q, k, v, plan, sinks)
         self._check_alive()
-        # (a selective checkpoint's policy must not save or replay single ops of the call: its exchanges pair up)
-        with exclusive(self._groups(), f"forward call {self._calls + 1}", LABEL), outside_selective_checkpoint():
+        with exclusive(self._groups(), f"forward call {self._calls + 1}", LABEL):
             return self._call(q, k, v, plan, sinks)
 
     def _call(self, q, k, v, plan, sinks):

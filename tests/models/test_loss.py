@@ -119,6 +119,42 @@ def test_shares_and_gradients_equal_the_unsharded_loss_in_fp64(pool, cp, balance
     assert float((got - whole.grad).abs().max()) <= 1e-10
 
 
+
+def _checkpointed_shares(rank, world, selective):
+    """_plan_shares at cp 4 with the loss inside an activation checkpoint (its recompute exchanges the label counts
+    again); ``selective``: under a policy that saves the communication ops (torch.utils.checkpoint's context_fn)."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if str(op).startswith("c10d.") else CheckpointPolicy.PREFER_RECOMPUTE
+
+    group = fresh_group(range(world))  # (a failed exchange must not leave messages on the pool's groups)
+    logits, labels, plan = _planned_inputs(world, "lpt")
+    local = plan.shard(logits, seq_dim=0, rank=rank).requires_grad_(True)
+    local_labels = plan.shard(labels, seq_dim=0, rank=rank)
+    context = dict(context_fn=functools.partial(create_selective_checkpoint_contexts, policy)) if selective else {}
+    loss = checkpoint(lambda x: cp_cross_entropy(x, local_labels, group, timeout=8).loss, local, use_reentrant=False,
+                      **context)
+    loss.backward()
+    return float(loss), local.grad
+
+
+@pytest.mark.parametrize("selective", [False, True], ids=["checkpoint", "selective-checkpoint"])
+def test_a_checkpointed_loss_gives_the_unsharded_gradient(pool, selective):
+    """A selective checkpoint's policy that saved the label counts' all-gather replayed it in the recompute: its
+    buffers stayed unfilled, and the agreement check found garbage (torch's 'aten.zeros.default encountered during
+    backward but not found in storage' from the disagreement's exchange).  The exchange now runs again."""
+    results = pool.run(_checkpointed_shares, selective=selective, timeout=90)
+    logits, labels, plan = _planned_inputs(4, "lpt")
+    whole = logits.clone().requires_grad_(True)
+    want = F.cross_entropy(whole, labels, ignore_index=IGNORE)
+    want.backward()
+    assert abs(sum(r[0] for r in results) - float(want)) <= 1e-10
+    got = plan.unshard([r[1] for r in results], seq_dim=0)
+    assert float((got - whole.grad).abs().max()) <= 1e-10
+
 def _disagreeing(rank, world, case):
     """Ranks 0 and 1 of a cp group call cp_cross_entropy, rank 1 differently: the error each raises."""
     if rank >= 2:
