@@ -20,6 +20,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..kernels.checkpointing import outside_selective_checkpoint
+
 
 _STORE_SEQ: dict = {}  # key prefix -> exchanges made on it in the current world
 _WORLD: list = [None, 0]  # the current world's default store, and its number in this process
@@ -72,50 +74,6 @@ class _Use:
         self.ident, self.thread, self.call, self.depth, self.intruder = ident, thread, call, 0, None
 
 
-def _selective_checkpoint_modes() -> tuple:
-    """The dispatch mode classes of torch's selective activation checkpointing (private to torch.utils.checkpoint:
-    none where this torch has other names)."""
-    from torch.utils import checkpoint
-
-    return tuple(c for c in (getattr(checkpoint, name, None) for name in ("_CachingTorchDispatchMode",
-                                                                            "_CachedTorchDispatchMode"))
-                 if isinstance(c, type))
-
-
-@contextlib.contextmanager
-def outside_selective_checkpoint():
-    """Runs one call's exchanges and kernels with selective activation checkpointing's modes set aside (a
-    ``checkpoint(..., context_fn=create_selective_checkpoint_contexts(policy))`` around the call).
-
-    The policy is asked about every op inside, and the recompute replays the ops it saved instead of running them:
-    saved sends and receives were skipped in the recompute (the receive buffers left unfilled, and the other ranks
-    waiting out their timeout for them), and a saved matmul whose output the kernel then updates in place raised
-    torch's 'cached tensor has been mutated'.  The call is one unit whose exchanges pair up across ranks: all of it
-    runs again in the recompute, as in a checkpoint without a policy.  Other dispatch modes stay (a FlopCounterMode
-    still counts the kernels' ops); infra modes (tracing) leave the stack as it is."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
-
-    kinds = _selective_checkpoint_modes()
-    stack = _get_current_dispatch_mode_stack() if kinds else []
-    first = next((i for i, m in enumerate(stack) if isinstance(m, kinds)), None)
-    if first is None or any(m.is_infra_mode() for m in stack):
-        yield
-        return
-    above = stack[first:]  # bottom to top
-    for _ in above:
-        _pop_mode()
-    kept = [m for m in above if not isinstance(m, kinds)]
-    for m in kept:
-        _push_mode(m)
-    try:
-        yield
-    finally:
-        for _ in kept:
-            _pop_mode()
-        for m in above:
-            _push_mode(m)
-
-
 _USE_LOCK = threading.Lock()
 _IN_USE: dict = {}  # (world number, group name) -> _Use
 
@@ -132,8 +90,9 @@ def exclusive(groups: Sequence, what: str, label: str):
     call raises when it ends (the other ranks may have paired it with the refused thread's call), unless it raised
     already.  Per call, not from a forward to its backward: autograd may run the backward on a thread of its own.
 
-    The call runs outside selective activation checkpointing's policy (:func:`outside_selective_checkpoint`): its
-    exchanges run again, all of them, in a checkpoint's recompute."""
+    The call runs outside selective activation checkpointing's policy
+    (:func:`fa4dist.kernels.checkpointing.outside_selective_checkpoint`): its exchanges run again, all of them, in a
+    checkpoint's recompute."""
     ident, me = threading.get_ident(), threading.current_thread().name  # (names need not be unique)
     keys = [(world_generation(), g.group_name) for g in groups]
     with _USE_LOCK:

@@ -8,6 +8,7 @@ import torch
 
 from . import invariant, reference, torch_ops
 from .api import backward_problem, forward_problem
+from .checkpointing import outside_selective_checkpoint
 from .merge import with_sink
 from .problem import EAGER_ONLY, check_bool, check_optional_bool, validate_inputs
 
@@ -68,7 +69,8 @@ class _AttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, mask_kwargs, backend, deterministic):
         # validated once for both passes (the per-call host time shows at short sequences)
         problem = validate_inputs(q, k, v, sinks=sinks, **mask_kwargs)
-        out, lse = forward_problem(problem, q, k, v, sinks=sinks, backend=backend)
+        with outside_selective_checkpoint():  # one op to a checkpoint's policy, as a fused kernel is
+            out, lse = forward_problem(problem, q, k, v, sinks=sinks, backend=backend)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.problem, ctx.mask_kwargs, ctx.backend, ctx.deterministic = problem, mask_kwargs, backend, deterministic
         ctx.mark_non_differentiable(lse)
@@ -79,8 +81,9 @@ class _AttentionFunction(torch.autograd.Function):
         q, k, v, sinks, out, lse = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: gradients that are themselves differentiable
             return (*_differentiable_grads(dout, q, k, v, sinks, ctx.mask_kwargs), None, None, None)
-        grads = backward_problem(ctx.problem, dout.contiguous(), q, k, v, out, lse, sinks=sinks, backend=ctx.backend,
-                                 deterministic=ctx.deterministic)
+        with outside_selective_checkpoint():
+            grads = backward_problem(ctx.problem, dout.contiguous(), q, k, v, out, lse, sinks=sinks,
+                                     backend=ctx.backend, deterministic=ctx.deterministic)
         dsinks = grads[3].to(sinks.dtype) if sinks is not None else None
         return grads[0], grads[1], grads[2], dsinks, None, None, None
 

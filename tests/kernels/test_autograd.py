@@ -17,3 +17,40 @@ def test_create_graph_gradients_of_an_empty_batch_are_empty(sinks):
     grads = torch.autograd.grad(out.sum(), wrt, create_graph=True, allow_unused=True)
     for g, t in zip(grads, wrt):
         assert g is None or (g.shape == t.shape and not g.any())
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa_math"])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_selective_checkpointing_policy_does_not_reach_inside_the_attention(backend, sinks):
+    """fa4dist.attention under checkpoint(..., context_fn=create_selective_checkpoint_contexts(policy)) with a policy
+    that saves the matmuls: the reference kernel updates its matmul outputs in place, which raised torch's 'cached
+    tensor has been mutated'. The call is one op to the policy (as a fused kernel is): the same gradients as
+    without the checkpoint (fp64)."""
+    import functools
+
+    from fa4dist.kernels import available_backends
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    if backend not in available_backends(torch.device("cpu")):
+        pytest.skip(f"{backend} not available on CPU")
+
+    def policy(ctx, op, *args, **kwargs):
+        saved = (torch.ops.aten.bmm.default, torch.ops.aten.mm.default, torch.ops.aten.matmul.default)
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 48, 4, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    s = torch.randn(4, dtype=torch.float64, requires_grad=True) if sinks else None
+    leaves = [q, k, v] + ([s] if sinks else [])
+
+    def f(q, k, v):
+        return fa4dist.attention(q, k, v, causal=True, sinks=s, backend=backend)
+
+    context = functools.partial(create_selective_checkpoint_contexts, policy)
+    (checkpoint(f, q, k, v, use_reentrant=False, context_fn=context) * 2).sum().backward()
+    got = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    (f(q, k, v) * 2).sum().backward()
+    for a, t in zip(got, leaves):
+        torch.testing.assert_close(a, t.grad, rtol=1e-12, atol=1e-12)
