@@ -13,11 +13,13 @@ policy.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 
+@functools.lru_cache(maxsize=1)
 def _selective_checkpoint_modes() -> tuple:
     """The dispatch mode classes of torch's selective activation checkpointing (private to torch.utils.checkpoint:
-    none where this torch has other names)."""
+    none where this torch has other names); looked up once (every exchanging call asks)."""
     from torch.utils import checkpoint
 
     return tuple(c for c in (getattr(checkpoint, name, None) for name in ("_CachingTorchDispatchMode",

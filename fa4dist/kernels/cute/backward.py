@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from . import host
-from .split_plans import split_keys_plan, split_plan
+from .split_plans import split_keys_plan, split_plan, split_tile_count
 
 BWD_HEAD_DIMS = (64, 96, 128)
 TILE_N = 128
@@ -804,10 +804,9 @@ def dense_split_keys_plan(cfg: BwdConfig, q_shape, k_shape, diag: int) -> tuple[
 
 
 def split_key_tile_count(cfg: BwdConfig, k_shape, plan) -> int:
-    """How many key tiles a dense call's split plan splits (the kernel's count)."""
+    """How many key tiles a dense call's split plan splits (split_plans.split_tile_count on its key tiles)."""
     b, sk, hk, _ = k_shape
-    edge, _ = plan
-    return edge if cfg.causal else b * hk * -(-sk // TILE_N) - edge
+    return split_tile_count(cfg.causal, b * hk * -(-sk // TILE_N), plan[0])
 
 
 _FAST: dict = {}  # (make_configs' arguments, shared, device) -> (its three configs, their compiled kernels)

@@ -92,6 +92,7 @@ from .common_sm90 import (
 from .mask import AttentionMask
 from .sanitize import block_any, clear_nonfinite_rows, row_is_nonfinite, tile_maybe_nonfinite, zero_row
 from .softmax import softcap_grad_fp16, softcap_grad_from_p, softcap_scale_log2, softcap_scores
+from .split_plans import launch_items
 from .tile_scheduler import TileClaims, bwd_work_tile, parts_first, parts_last
 
 
@@ -405,8 +406,7 @@ class FlashBwdSm90:
         else:
             num_tiles = n_blocks_grid * num_heads_kv * num_batch
         if const_expr(self.split_keys):
-            split_tiles = split_edge if const_expr(self.causal) else num_tiles - split_edge
-            num_tiles = num_tiles + split_tiles * (split_parts - 1)
+            num_tiles = launch_items(self.causal, num_tiles, split_edge, split_parts)
         grid = (num_tiles, 1, 1)
         if const_expr(self.persistent):
             grid = (cutlass.min(num_tiles, Int32(self.persistent_ctas)), 1, 1)

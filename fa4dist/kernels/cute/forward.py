@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import host
+from . import host, split_plans
 from .split_plans import causal_split_plan, split_plan
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
@@ -603,10 +603,9 @@ def dense_split_plan(cfg: FwdConfig, q_shape, seqlen_k: int, diag: int = 0) -> t
 
 
 def split_tile_count(cfg: FwdConfig, q_shape, plan) -> int:
-    """How many tiles a dense call's split plan splits (the kernel's FlashFwdSm90.split_tiles)."""
+    """How many tiles a dense call's split plan splits (split_plans.split_tile_count on its tiles)."""
     b, sq, h, _ = q_shape
-    edge, _ = plan
-    return edge if cfg.causal else b * h * -(-sq // cfg.tile_m) - edge
+    return split_plans.split_tile_count(cfg.causal, b * h * -(-sq // cfg.tile_m), plan[0])
 
 
 def _split_buffers(cfg: FwdConfig, q, plan):

@@ -75,6 +75,7 @@ from .softmax import (
     softcap_scale_log2,
     softcap_scores,
 )
+from .split_plans import launch_items
 from .tile_scheduler import TileClaims, fwd_work_tile, parts_first, parts_last, persistent_turn
 
 
@@ -241,7 +242,7 @@ class FlashFwdSm90:
         mTileCounter: Optional[cute.Tensor],  # dynamic_tiles: (1,) int32, zero at launch (split_tail: 1 + split tiles)
         mSplitO: Optional[cute.Tensor],  # split_tail: (parts' slots * tile_m, d) fp32 scratch of the parts' out
         mSplitLSE: Optional[cute.Tensor],  # split_tail: (parts' slots * tile_m,) fp32, their lse
-        split_edge: Optional[Int32],  # split_tail: non-causal the first split tile, causal how many (split_tiles)
+        split_edge: Optional[Int32],  # split_tail: non-causal the first split tile, causal how many (split_plans)
         split_parts: Optional[Int32],  # split_tail: parts per split tile
         stream,
     ):
@@ -332,7 +333,7 @@ class FlashFwdSm90:
             num_m_blocks = cute.ceil_div(max_seqlen_q, self.tile_m)
         num_tiles = num_m_blocks * num_heads * num_batch
         if const_expr(self.split_tail):
-            num_tiles = num_tiles + self.split_tiles(num_tiles, split_edge) * (split_parts - 1)
+            num_tiles = launch_items(self.causal, num_tiles, split_edge, split_parts)
         grid = (num_tiles, 1, 1)
         if const_expr(self.persistent):
             grid = (cutlass.min(num_tiles, Int32(self.persistent_ctas)), 1, 1)
@@ -520,11 +521,6 @@ class FlashFwdSm90:
                       split_part=split_part, split_tile=split_tile, split_parts=launch.split_parts)
         return tile, seqlen, tile_valid, blk
 
-    def split_tiles(self, num_tiles, split_edge):
-        """How many tiles a split_tail launch splits: causal the first ``split_edge`` (the longest), non-causal
-        those from ``split_edge`` on (the last partial wave)."""
-        return split_edge if const_expr(self.causal) else num_tiles - split_edge
-
     @cute.jit
     def persistent_grid(self, io: Context, launch: Context):
         """(num_ctas, num_tiles, turns) of a persistent CTA: every CTA takes the same number of turns (a turn past
@@ -532,7 +528,7 @@ class FlashFwdSm90:
         num_ctas = cute.arch.grid_dim()[0]
         num_tiles = launch.num_m_blocks * cute.size(io.mQ.shape[2]) * launch.num_batch
         if const_expr(self.split_tail):
-            num_tiles = num_tiles + self.split_tiles(num_tiles, launch.split_edge) * (launch.split_parts - 1)
+            num_tiles = launch_items(self.causal, num_tiles, launch.split_edge, launch.split_parts)
         return num_ctas, num_tiles, cute.ceil_div(num_tiles, num_ctas)
 
     @cute.jit
