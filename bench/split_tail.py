@@ -1,6 +1,6 @@
 """The split of a few-wave launch's tail against the same kernel unsplit: the forward's (FwdConfig.split_tail:
-non-causal the last partial wave, causal the longest tiles) or the causal backward's (--direction bwd:
-backward.split_keys_variant, the longest key tiles), in device time (each call queued behind a device spin, so
+non-causal the last partial wave, causal the longest tiles) or the backward's (--direction bwd:
+backward.split_keys_variant, the key tiles of the same tail), in device time (each call queued behind a device spin, so
 the host's launch cost is hidden) and from an idle device (host included), on shapes given as B x S x H at one
 head dim, bf16. The backward rows time our backward's kernels (preprocess, main, dQ convert) and the baselines'
 backward through autograd.

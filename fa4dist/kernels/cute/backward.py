@@ -590,7 +590,7 @@ def launch_steps(
     the accumulating kernel adds them into zeros (a signed zero comes out +0).
     overrides: BwdConfig fields (measurement knobs; det_dq="auto" | "tickets" | "fixed" | "expanded": the
     deterministic dQ's form; gqa_form="auto" | "gqa" | "expanded": a non-deterministic GQA call's; split_keys=False:
-    no split of a few-wave causal launch's longest key tiles, split_keys_variant).
+    no split of a few-wave launch's tail key tiles, split_keys_variant).
 
     rows: the query side is shared (:class:`SharedRows`): q, dout, out, lse are rows [q_start, q_start + len) of
     its queries, the preprocess and the dQ convert are its own (dq is ignored), and the steps are the main kernel
