@@ -481,11 +481,10 @@ def check_resident(cfg: BwdConfig) -> None:
 
 def split_keys_variant(cfg: BwdConfig) -> Optional[BwdConfig]:
     """The split_keys form of a call's main-kernel variant (on the persistent grid, whose claims and counters it
-    needs), or None where it does not apply: dense calls writing fresh 16-bit dK / dV through the TMA stores,
-    every gradient, no window (a causal part's queries are then a run of the key tile's), no fixed-point dQ or
-    work list; deterministic ones causal, in the shortest-first order (not det_chunk's or det_resident's)."""
-    deterministic_ok = not cfg.deterministic or (cfg.causal and not cfg.det_chunk and not cfg.det_resident)
-    if not (deterministic_ok and not cfg.varlen and not cfg.accumulate and cfg.grads == "all"
+    needs), or None where it does not apply: non-deterministic dense calls writing fresh 16-bit dK / dV through
+    the TMA stores, every gradient, no window (a causal part's queries are then a run of the key tile's), no
+    fixed-point dQ or work list."""
+    if not (not cfg.deterministic and not cfg.varlen and not cfg.accumulate and cfg.grads == "all"
             and not cfg.dq_fixed and not cfg.worklist and cfg.window_left < 0 and cfg.tma_store_dkv
             and not cfg.dkv_fp32):
         return None
@@ -795,22 +794,19 @@ def _split_variant(cfg: BwdConfig) -> Optional[BwdConfig]:
 
 def dense_split_keys_plan(cfg: BwdConfig, q_shape, k_shape, diag: int) -> tuple[int, int]:
     """(split_edge, parts) of a dense call (q (b, s_q, h, d), k (b, s_k, h_kv, d)) on ``cfg``'s tiles:
-    split_plans.split_keys_plan's (split key tiles, parts) causal (deterministic: the same key tiles, which its
-    shortest-first order puts last, so split_edge is the first of them), split_plan's (first split key tile,
-    parts) over the key tiles' equal runs of query tiles non-causal; parts = 1: no split."""
+    split_plans.split_keys_plan's (split key tiles, parts) causal, split_plan's (first split key tile, parts) over
+    the key tiles' equal runs of query tiles non-causal; parts = 1: no split."""
     b, sq, h, _ = q_shape
     _, sk, hk, _ = k_shape
-    num_tiles = b * hk * -(-sk // TILE_N)
     if cfg.causal:
-        split, parts = split_keys_plan(b * hk, h // hk, sq, sk, int(diag), cfg.tile_m, TILE_N, host.sm_count())
-        return (num_tiles - split, parts) if cfg.deterministic and parts > 1 else (split, parts)
-    return split_plan(num_tiles, host.sm_count(), h // hk * -(-sq // cfg.tile_m))
+        return split_keys_plan(b * hk, h // hk, sq, sk, int(diag), cfg.tile_m, TILE_N, host.sm_count())
+    return split_plan(b * hk * -(-sk // TILE_N), host.sm_count(), h // hk * -(-sq // cfg.tile_m))
 
 
 def split_key_tile_count(cfg: BwdConfig, k_shape, plan) -> int:
     """How many key tiles a dense call's split plan splits (split_plans.split_tile_count on its key tiles)."""
     b, sk, hk, _ = k_shape
-    return split_tile_count(cfg.causal and not cfg.deterministic, b * hk * -(-sk // TILE_N), plan[0])
+    return split_tile_count(cfg.causal, b * hk * -(-sk // TILE_N), plan[0])
 
 
 _FAST: dict = {}  # (make_configs' arguments, shared, device) -> (its three configs, their compiled kernels)

@@ -271,17 +271,12 @@ class FlashBwdSm90:
         # a launch of few waves: the key tiles that make its tail run as parts over their query tiles, causal the
         # longest, claimed first (split_plans.split_keys_plan), non-causal the last partial wave's, claimed last
         # (split_plans.split_plan); each part writes its fp32 dK / dV to a scratch slot and the part that arrives
-        # last sums them in part order and stores the tile (store_split_dkv). Dense fresh calls with every gradient
-        # on the persistent grid. Deterministic causal calls keep their shortest-first claims, so the longest key
-        # tiles' parts are claimed last (parts_last): a part's dQ ticket waits only on the higher key tiles of its
-        # query tile, claimed before it (no deadlock), and each (key tile, query tile) pair is still one part's,
-        # so the dQ tickets and their order are the unsplit launch's (the same dQ bits)
+        # last sums them in part order and stores the tile (store_split_dkv). Non-deterministic dense fresh calls
+        # with every gradient on the persistent grid
         self.split_keys = split_keys
-        self.split_parts_first = causal and not deterministic
-        assert not split_keys or (self.persistent and not varlen and not accumulate
+        assert not split_keys or (self.persistent and not deterministic and not varlen and not accumulate
                                   and grads == "all" and not dq_fixed and not worklist and window_left < 0
-                                  and self.tma_store_dkv and (not deterministic or (causal and not self.det_chunk
-                                                                                    and not self.det_lpt)))
+                                  and self.tma_store_dkv)
 
     # ------------------------------------------------------------------------
     # host side
@@ -411,7 +406,7 @@ class FlashBwdSm90:
         else:
             num_tiles = n_blocks_grid * num_heads_kv * num_batch
         if const_expr(self.split_keys):
-            num_tiles = launch_items(self.split_parts_first, num_tiles, split_edge, split_parts)
+            num_tiles = launch_items(self.causal, num_tiles, split_edge, split_parts)
         grid = (num_tiles, 1, 1)
         if const_expr(self.persistent):
             grid = (cutlass.min(num_tiles, Int32(self.persistent_ctas)), 1, 1)
@@ -569,17 +564,15 @@ class FlashBwdSm90:
         index among the split ones, rng.split_slot = split_tile * parts + p, rng.split_part = p): causal, index
         i * parts + p (i < split_edge) is part p of key tile i in the order longest first over every head (key
         tile 0 of every (batch, kv head), then key tile 1, ...: all of them are in flight at once), claimed first,
-        the other key tiles following whole (tile_scheduler.parts_first); deterministic causal, the same order
-        shortest first (the highest key tile of every head first), its last key tiles from split_edge on in parts
-        claimed after every whole one (parts_last); non-causal, the key tiles from split_edge on (the last partial
-        wave) in parts claimed after every whole one (parts_last)."""
+        the other key tiles following whole (tile_scheduler.parts_first); non-causal, the key tiles from
+        split_edge on (the last partial wave) in parts claimed after every whole one (parts_last)."""
         spt = self.spt
         if const_expr(self.det_lpt):
             spt = launch.n_blocks_grid > self.det_lpt  # every sequence's key tiles fit: longest first
         base_idx = tile_idx
         split_slot = split_tile = None
         if const_expr(self.split_keys):
-            decode = parts_first if const_expr(self.split_parts_first) else parts_last
+            decode = parts_first if const_expr(self.causal) else parts_last
             base_idx, split_slot, split_tile = decode(tile_idx, launch.split_edge, launch.split_parts)
         tile = bwd_work_tile(io.mQ, io.mK, launch.n_blocks_grid, launch.num_batch, shortest_first=spt,
                              det_chunk=self.det_chunk, interleave=self.interleave_lengths and not self.split_keys,

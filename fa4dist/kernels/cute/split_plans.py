@@ -13,18 +13,17 @@ from __future__ import annotations
 import functools
 import heapq
 
-def split_tile_count(parts_first: bool, num_tiles, split_edge):
-    """How many of a launch's ``num_tiles`` tiles its plan's ``split_edge`` splits: with ``parts_first`` (a causal
-    launch's longest tiles, claimed first: tile_scheduler.parts_first) the first ``split_edge``, else those from
-    ``split_edge`` on (claimed last, parts_last: a non-causal launch's last partial wave, or the deterministic
-    causal backward's longest key tiles, which its shortest-first order claims last). Plain arithmetic, so that the
-    host's scratch and counters and the kernels' launch-order counts take it alike."""
-    return split_edge if parts_first else num_tiles - split_edge
+def split_tile_count(causal: bool, num_tiles, split_edge):
+    """How many of a launch's ``num_tiles`` tiles its plan's ``split_edge`` splits: causal the first
+    ``split_edge`` (the longest, their parts claimed first: tile_scheduler.parts_first), non-causal those from
+    ``split_edge`` on (the last partial wave, claimed last: parts_last). Plain arithmetic, so that the host's
+    scratch and counters and the kernels' launch-order counts take it alike."""
+    return split_edge if causal else num_tiles - split_edge
 
 
-def launch_items(parts_first: bool, num_tiles, split_edge, split_parts):
+def launch_items(causal: bool, num_tiles, split_edge, split_parts):
     """The launch-order indices of a split launch: every tile once, a split one once per part."""
-    return num_tiles + split_tile_count(parts_first, num_tiles, split_edge) * (split_parts - 1)
+    return num_tiles + split_tile_count(causal, num_tiles, split_edge) * (split_parts - 1)
 
 
 # split_plan's cost model, in key blocks of one CTA's time: a part's fixed cost (its Q load and pipeline fill, its
