@@ -24,11 +24,17 @@ problems, a fixed set of structural probes (the diagonal, the window's edge, the
 pairs for large ones -- so a bidirectional mask, chunked attention, a custom 4-D mask or anything else the kernel
 cannot express is an error, never silently dropped.  Flash-attention-style ``cu_seq_lens_q``/``cu_seq_lens_k``
 keyword arguments (from ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``) are honoured as well, and so
-are ``position_ids`` restarts (back to the row's first position, as flash-attention reads them; a gap is not a
-boundary) when transformers did not turn them into a document mask itself (it does so only with ``use_cache=False``
-and no ``attention_mask``, and never for models that do not hand ``position_ids`` to their mask, as GPT-OSS; there
-its stock attentions silently let packed documents see each other, while flash-attention and this function keep
-them apart).
+are the documents of ``position_ids`` when transformers did not turn them into a document mask itself (it does so
+only with ``use_cache=False`` and no ``attention_mask``, and never for models that do not hand ``position_ids`` to
+their mask, as GPT-OSS; there its stock attentions silently let packed documents see each other, while
+flash-attention and this function keep them apart).
+
+Which tokens start a document is one rule, transformers' own (:func:`document_starts`): the first, and every one
+whose position does not continue the one before by one -- a return to 0, but also a gap (0, 1, 2, 5, 6: two
+documents), a repeat or a drop.  So a row gives the same documents with a cache or without, and under context
+parallelism (:mod:`fa4dist.integrations.hf_context_parallel` uses the same function).  transformers' flash-attention
+path starts documents only where positions return to the row's smallest one (a gap is no boundary there); on what
+``DataCollatorWithFlattening`` makes the two rules agree.
 
 What the attention call adds to the mask is passed on to the kernels: the softmax ``scaling`` (Gemma's
 ``query_pre_attn_scalar``), logit soft-capping (``softcap``, Gemma 2), and learned per-head attention sinks
@@ -262,19 +268,34 @@ def _info_from_segments(segments, batch_size, q_length, kv_length, q_offset, kv_
     return info
 
 
-def _split_at_position_restarts(info: FA4MaskInfo, position_ids: torch.Tensor, device) -> FA4MaskInfo:
-    """Splits segments where ``position_ids`` restart, i.e. come back to the row's first (smallest) position, as
-    flash-attention finds packed documents; a gap or any other jump is not a document boundary (the positions
-    only feed the rotary embedding).  transformers' own mask finds packed documents only without a cache and
-    without an ``attention_mask``; flash-attention reads them in the attention call whatever the cache or mask, and
-    so do we, for self-attention over a whole row (no cache offset)."""
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """Where packed documents start in rows of ``position_ids`` (..., L), as a bool tensor of their shape: at the
+    first token and wherever a position does not continue the one before by one.
+
+    This is transformers' own rule (``masking_utils.find_packed_sequence_indices``, which builds the document mask of
+    its eager, sdpa and flex attentions), the one fa4dist follows everywhere: in one process (:func:`fa4dist_mask`
+    gets it from transformers' mask; with a cache or an ``attention_mask``, where transformers builds no document
+    mask, from here) and under context parallelism (``ContextParallelHandle.document_boundaries``).  transformers'
+    flash-attention path reads only returns to the row's smallest position as starts
+    (``prepare_fa_kwargs_from_position_ids``); the two agree on the positions ``DataCollatorWithFlattening`` makes
+    (0, 1, ... in every document) and differ on a gap (0, 1, 2, 5, 6), a repeat or a drop that is not to the
+    smallest position, where every rule of fa4dist starts a document."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[..., 1:] = position_ids[..., 1:] != position_ids[..., :-1] + 1
+    return starts
+
+
+def _split_at_position_breaks(info: FA4MaskInfo, position_ids: torch.Tensor, device) -> FA4MaskInfo:
+    """Splits segments where :func:`document_starts` says ``position_ids`` start a document.  transformers' own mask
+    finds packed documents only without a cache and without an ``attention_mask`` (and not at all for models that do
+    not hand it ``position_ids``, as GPT-OSS); flash-attention reads them in the attention call whatever the cache or
+    mask, and so do we, by transformers' rule, for self-attention over a whole row (no cache offset)."""
     if info.q_length != info.kv_length or info.q_offset or info.kv_offset or position_ids is None:
         return info
     pos = position_ids.expand(info.batch_size, -1) if position_ids.shape[0] != info.batch_size else position_ids
     if pos.shape[-1] != info.q_length:
         return info
-    restart = pos == pos.min(dim=-1, keepdim=True).values
-    restart[:, 0] = True
+    restart = document_starts(pos)
     if not bool(restart[:, 1:].any()):
         return info
     starts = [set(torch.nonzero(restart[b]).flatten().tolist()) for b in range(info.batch_size)]
@@ -398,7 +419,8 @@ def _info_from_kwargs(query, kwargs, q_length, kv_length) -> Optional[FA4MaskInf
 
 
 def _layout_of_call(attention_mask, kwargs, query, batch, q_length, kv_length) -> FA4MaskInfo:
-    """The segments of one call: the mask function's, split at ``position_ids`` restarts, or ``cu_seq_lens``."""
+    """The segments of one call: the mask function's, split where ``position_ids`` start documents, or
+    ``cu_seq_lens``."""
     from_kwargs = _info_from_kwargs(query, kwargs, q_length, kv_length)
     if isinstance(attention_mask, FA4MaskInfo):
         info = attention_mask
@@ -420,7 +442,7 @@ def _layout_of_call(attention_mask, kwargs, query, batch, q_length, kv_length) -
         cache_key = ("split", id(position_ids))
         if cache_key not in info.derived:
             info.derived.clear()
-            info.derived[cache_key] = (position_ids, _split_at_position_restarts(info, position_ids, query.device))
+            info.derived[cache_key] = (position_ids, _split_at_position_breaks(info, position_ids, query.device))
         info = info.derived[cache_key][1]
     if from_kwargs is not None:
         # cu_seq_lens may refine a mask of one document per row; documents found from the mask or from

@@ -23,12 +23,14 @@ How it works:
   and switches the model to it (``model.set_attn_implementation``); ``disable()`` (or leaving the ``with``) puts
   back the model's previous attention.
 - ``shard_batch`` takes what ``DataCollatorWithFlattening`` makes (``input_ids``, ``labels``, ``position_ids`` of
-  shape (1, T); documents start where ``position_ids`` do not continue by one, or at ``cu_seq_lens_q`` when the
-  collator gives them, which must then agree with the positions), builds the LPT plan of the documents
-  (:func:`fa4dist.context_parallel.make_plan`) and returns this rank's ``input_ids`` and ``position_ids`` (the
-  global positions, for RoPE), ``shift_labels`` (the labels shifted by one token *before* sharding, so no target is
-  lost at a shard edge), ``use_cache=False`` and the plan (under :data:`PLAN_KEY`), which transformers hands to
-  every attention call.  The cp ranks must hold the same batch; a checksum exchange makes a disagreement an error.
+  shape (1, T); documents start where ``position_ids`` do not continue the one before by one, a gap included:
+  transformers' own rule, and the single-process attention's, :func:`fa4dist.integrations.hf.document_starts`; or at
+  ``cu_seq_lens_q`` when the collator gives them, which must then agree with the positions), builds the LPT plan
+  of the documents (:func:`fa4dist.context_parallel.make_plan`) and returns this rank's ``input_ids`` and
+  ``position_ids`` (the global positions, for RoPE), ``shift_labels`` (the labels shifted by one token *before*
+  sharding, so no target is lost at a shard edge), ``use_cache=False`` and the plan (under :data:`PLAN_KEY`), which
+  transformers hands to every attention call.  The cp ranks must hold the same batch; a checksum exchange makes a
+  disagreement an error.
 - The attention function runs :class:`fa4dist.modules.FA4ContextParallelAttention` on the local query, key and
   value (GQA kept), with the layer's softmax scale, sliding window (Mistral, Gemma 2/3, GPT-OSS: on global
   positions within each document, so windows cross shard edges) and logit soft-capping (Gemma 2), one module per
@@ -64,7 +66,7 @@ from fa4dist.models.llama import check_token_ids
 from fa4dist.models.loss import cp_cross_entropy_of
 from fa4dist.modules import FA4ContextParallelAttention
 
-from .hf import (NO_WINDOW, UnsupportedMask, attention_sinks, fa4dist_mask, layer_window,
+from .hf import (NO_WINDOW, UnsupportedMask, attention_sinks, document_starts, fa4dist_mask, layer_window,
                  warn_no_attention_weights, window_of)
 
 PLAN_KEY = "fa4dist_cp_plan"  # the local batch's key holding the ShardPlan (transformers passes it to attention)
@@ -317,7 +319,8 @@ class ContextParallelHandle:
 
     def document_boundaries(self, batch) -> torch.Tensor:
         """cu_seqlens (int64) of a packed batch: ``cu_seq_lens_q`` if given, else where ``position_ids`` do not
-        continue by one (transformers' own rule), else one document.  Given both, positions that restart must do so
+        continue by one (transformers' own rule, as in one process: :func:`~fa4dist.integrations.hf.document_starts`),
+        else one document.  Given both, positions that restart must do so
         at the same documents (as the single-process attention requires); positions that run on through the row
         (``torch.arange``) leave the documents to ``cu_seq_lens_q``."""
         ids = batch["input_ids"]
@@ -330,8 +333,8 @@ class ContextParallelHandle:
         from_positions = None
         if batch.get("position_ids") is not None:
             pos = torch.as_tensor(batch["position_ids"]).reshape(-1).cpu()
-            starts = torch.nonzero(torch.diff(pos) != 1).flatten() + 1
-            from_positions = torch.cat([torch.zeros(1, dtype=torch.long), starts, torch.tensor([total])])
+            starts = torch.nonzero(document_starts(pos)).flatten()
+            from_positions = torch.cat([starts, torch.tensor([total])])
         cu = batch.get("cu_seq_lens_q")
         if cu is not None:
             cu = integers("cu_seq_lens_q")

@@ -789,3 +789,61 @@ def test_use_cache_left_out_runs_without_a_cache(pool):
         want = per_document_logits(tiny_model("llama"), packed_batch())
     assert not cached
     hf_tiny.assert_close_rel(logits, want, REL, "logits")
+
+
+def gapped_batch() -> dict:
+    """packed_batch() whose second document's positions go on from the first's after a gap (0..22, 30..70, 0..16),
+    as hand-made position_ids may: transformers' own mask reads three documents (a position that does not continue
+    the one before by one starts one), flash-attention's rule (a return to the row's first position) two."""
+    batch = packed_batch()
+    a, b, c = LENGTHS
+    batch["position_ids"] = torch.cat([torch.arange(a), torch.arange(30, 30 + b), torch.arange(c)])[None]
+    return batch
+
+
+def _gapped_cp_loss(rank, world, cp):
+    """On ranks < cp: the summed loss shares and all-reduced gradients of gapped_batch() (rank 0 returns them)."""
+    import torch.distributed as dist
+
+    if rank >= cp:
+        return None
+    model = tiny_model("llama")
+    with enable_context_parallel(model, group=GROUPS[cp]) as handle:
+        local = handle.shard_batch(gapped_batch())
+        loss = handle.loss(model(**local).logits, local)
+        loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=GROUPS[cp])
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g, group=GROUPS[cp])
+    return (float(total), grads) if rank == 0 else None
+
+
+def test_a_gap_in_position_ids_gives_the_same_documents_at_cp_1_and_cp_2(pool):
+    """position_ids with a gap were two documents under context parallelism (document_boundaries: transformers'
+    rule) but one at cp = 1 wherever transformers built no document mask (use_cache=True; GPT-OSS always), where
+    fa4dist's attention split rows only at returns to the first position: another loss at each cp size.  One rule
+    now, transformers' own: the same loss and gradients at cp = 1 (with a cache or without) and cp = 2."""
+    from fa4dist.integrations.hf import register
+
+    name = register()
+    batch = gapped_batch()
+    model = tiny_model("llama")
+    model.set_attn_implementation(name)
+    targets = torch.cat([batch["labels"][0, 1:], torch.tensor([-100])])
+    want = None
+    for use_cache in (False, True):
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=use_cache).logits
+        loss = torch.nn.functional.cross_entropy(logits[0], targets, ignore_index=-100)
+        loss.backward()
+        got = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        if want is None:
+            want = got
+        else:
+            assert_rel_close(got[0], want[0], "cp = 1 with a cache")
+    cp2_loss, cp2_grads = pool.run(_gapped_cp_loss, cp=2)[0]
+    assert_rel_close(cp2_loss, want[0], "cp = 2")
+    for n, g in want[1].items():
+        hf_tiny.assert_close_rel(cp2_grads[n], g, REL, n)

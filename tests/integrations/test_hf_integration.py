@@ -89,15 +89,25 @@ def test_packed_position_ids_match_stock_and_separate_documents(model, stock):
         start += n
 
 
-def test_a_gap_in_position_ids_is_not_a_document_boundary(model):
-    """Positions that jump forward (0..4, 10..14) only move the rotary embedding: one causal sequence, as the
-    stock attentions and flash-attention read it, with a cache or without."""
+@pytest.mark.parametrize("positions", [
+    [0, 1, 2, 3, 4, 10, 11, 12, 13, 14],  # a gap
+    [0, 1, 2, 3, 4, 2, 3, 4, 5, 6],  # back to a position above the row's first
+    [0, 1, 2, 3, 4, 4, 5, 6, 7, 8],  # a repeat
+], ids=["gap", "drop", "repeat"])
+def test_every_break_in_position_ids_starts_a_document_with_a_cache_or_without(model, positions):
+    """transformers' own mask starts a packed document wherever a position does not continue the one before by one
+    (use_cache=False, no attention_mask); with a cache it builds no document mask and fa4dist split the row only where
+    positions came back to its first one (flash-attention's rule), so these rows were one causal sequence with
+    use_cache=True and two documents with use_cache=False (and under context parallelism).  Now both: the second
+    document's logits are its own, as alone."""
     ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(3))
-    pos = torch.cat([torch.arange(5), torch.arange(10, 15)])[None]
+    pos = torch.tensor(positions)[None]
+    alone = logits_with(model, "eager", input_ids=ids[:, 5:], position_ids=pos[:, 5:], use_cache=False)
+    stock = logits_with(model, "eager", input_ids=ids, position_ids=pos, use_cache=False)
+    torch.testing.assert_close(stock[:, 5:], alone, rtol=1e-5, atol=1e-5)  # transformers' own rule
     for use_cache in (False, True):
-        ref = logits_with(model, "eager", input_ids=ids, position_ids=pos, use_cache=use_cache)
         ours = logits_with(model, NAME, input_ids=ids, position_ids=pos, use_cache=use_cache)
-        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5, msg=f"use_cache={use_cache}")
 
 
 def test_flash_style_cu_seq_lens(model):
