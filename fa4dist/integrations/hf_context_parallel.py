@@ -271,6 +271,7 @@ class ContextParallelHandle:
         self.plan_window = _plan_window(_text_config(model))
         self.make_plan([0, 1])  # balancer and num_chunks, checked as every batch's plan checks them: before the switch
         self.loss_group = _loss_group(group, mesh)
+        self._agree_on_options()
         self.previous = getattr(model.config, "_attn_implementation", None)
         self.name = f"fa4dist_cp_{next(_NAMES)}"
         from transformers import AttentionInterface
@@ -284,6 +285,26 @@ class ContextParallelHandle:
         self._cache_hook = getattr(model, "base_model", model).register_forward_pre_hook(_cache_hook,
                                                                                          with_kwargs=True)
         self.enabled = True
+
+    def _agree_on_options(self) -> None:
+        """One exchange over the cp group when the handle is made: every rank must enable context parallelism
+        alike (options, the model's class and attention shape). A rank that differs makes every rank raise now,
+        naming the fields and ranks, where it would otherwise surface later: a ``check_batch`` that only some ranks
+        run, or another layer count, leaves the others waiting until the handle's ``timeout``."""
+        if self.cp_size == 1:
+            return
+        from fa4dist.models.loss import agreed_call
+
+        text = _text_config(self.model)
+        sig = {key: repr(value) for key, value in self._options.items() if key not in ("group", "mesh")}
+        sig.update(model=type(self.model).__name__, balancer=repr(self.balancer), num_chunks=repr(self.num_chunks),
+                   check_batch=self.check_batch, plan_window=list(self.plan_window), cp_size=self.cp_size,
+                   **{key: repr(getattr(text, key, None)) for key in (
+                       "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                       "hidden_size", "sliding_window", "layer_types")})
+        transport = Transport(self.loss_group, self.timeout, "fa4dist enable_context_parallel")
+        with agreed_call("enable_context_parallel", self.loss_group, transport, sig, None):
+            pass
 
     # ---- groups -------------------------------------------------------------------------------------------------
 

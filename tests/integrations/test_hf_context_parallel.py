@@ -176,6 +176,38 @@ def test_ranks_with_different_batches_fail_alike(pool):
     assert all("different batches" in m for m in messages), messages
 
 
+def _enable_unlike(rank, world, case):
+    """Ranks 0 and 1 enable context parallelism with one difference on rank 1: the error each raises (and how long
+    it took), or "no error"."""
+    import time
+
+    if rank >= 2:
+        return None
+    kw, overrides = {}, {}
+    if rank == 1 and case == "check_batch":
+        kw["check_batch"] = False
+    elif rank == 1 and case == "layers":
+        overrides["num_hidden_layers"] = 3
+    model = tiny_model("llama", **overrides)
+    t0 = time.monotonic()
+    try:
+        handle = enable_context_parallel(model, group=GROUPS[2], timeout=60.0, **kw)
+    except ValueError as err:
+        return f"{time.monotonic() - t0:.1f}s {err}"
+    handle.disable()
+    return "no error"
+
+
+@pytest.mark.parametrize("case, field", [("check_batch", "check_batch"), ("layers", "num_hidden_layers")])
+def test_ranks_that_enable_unlike_fail_at_once(pool, case, field):
+    """A rank whose check_batch or layer count differs: every rank raises when the handle is made, naming the
+    field (it used to surface only as the others' wait in the first batch's exchange, until the timeout)."""
+    messages = pool.run(_enable_unlike, case=case, timeout=30)[:2]
+    for m in messages:
+        assert "ranks disagree" in m and field in m, messages
+        assert float(m.split("s ", 1)[0]) < 10, messages
+
+
 def _one_rank_rejects_its_batch(rank, world, case="padding"):
     """Rank 1's batch has padding, or labels as a Python list (refused before the checksum exchange); rank 0's is
     fine."""
