@@ -134,7 +134,10 @@ class _ShapeIndependent:
 
     @staticmethod
     def scores(qc, kc):  # (b, q, h, g, d) x (b, k, h, d) -> (b, h, g, q, k)
-        return (qc.permute(0, 2, 3, 1, 4).unsqueeze(-2) * kc.permute(0, 2, 1, 3)[:, :, None, None]).sum(-1)
+        product = qc.permute(0, 2, 3, 1, 4).unsqueeze(-2) * kc.permute(0, 2, 1, 3)[:, :, None, None]
+        # the product takes its operands' layout: inputs whose head_dim is not their innermost axis (a transposed
+        # view) would put the summed axis off the contiguous end, and torch sums a strided axis in another order
+        return (product if product.stride(-1) == 1 else product.contiguous()).sum(-1)
 
     @classmethod
     def rows_from_keys(cls, weights, values, keep):  # (b,h,g,q,k) x (b,k,h,d) -> (b,h,g,q,d), summed over k

@@ -286,3 +286,32 @@ def test_autocast_does_not_lower_the_reference_precision(create_graph):
     assert plain[0].dtype == torch.float32
     for a, b in zip(plain, autocast):
         assert torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_cp_invariant_bits_do_not_depend_on_the_inputs_strides(packed):
+    """cp_invariant's arithmetic sums one contiguous axis per element, so its bits are a function of the values: a
+    q/k/v whose head_dim is not the innermost axis (a transposed view) gave other scores, hence another out, lse and
+    gradients, than the same values laid out contiguously (in fp32 at head_dim 32) -- and a context-parallel run
+    with such views another result at every cp size and strategy."""
+    gen = torch.Generator().manual_seed(3)
+    lead = (40,) if packed else (2, 40)
+    q = torch.randn(*lead, 4, 32, generator=gen)
+    k, v = (torch.randn(*lead, 2, 32, generator=gen) for _ in range(2))
+    dout = torch.randn(*lead, 4, 32, generator=gen)
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32) if packed else None
+
+    def run(q, k, v):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, lse = fa4dist.attention(*leaves, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, backend="reference",
+                                     cp_invariant=True, return_lse=True)
+        out.backward(dout)
+        return [out.detach(), lse.detach()] + [t.grad for t in leaves]
+
+    def head_dim_outer(x):  # the same values, head_dim's stride the head count's (not 1)
+        return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+    want = run(q, k, v)
+    got = run(*(head_dim_outer(t) for t in (q, k, v)))
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert torch.equal(g, w), name
