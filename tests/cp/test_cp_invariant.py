@@ -23,9 +23,10 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def invariant_case(rank, world, layouts, dtype, packed, heads, device="cpu", backend="reference", head_dim=16,
-                   docs=DOCS, total=200, window=(-1, -1), softcap=None, chunks_per_rank=None):
+                   docs=DOCS, total=200, window=(-1, -1), softcap=None, chunks_per_rank=None, head_dim_outer=False):
     """For each (cp, strategy, balancer, ulysses degree): whether the global out/dq/dk/dv bytes equal the single
-    device's (every rank computes the single-device result itself)."""
+    device's (every rank computes the single-device result itself).  ``head_dim_outer``: the local shards are
+    views whose head_dim is not the innermost axis (the reference's inputs stay contiguous: same values)."""
     import fa4dist
     from fa4dist.context_parallel import make_plan
 
@@ -48,7 +49,10 @@ def invariant_case(rank, world, layouts, dtype, packed, heads, device="cpu", bac
         if module is not None:
             num_chunks = cp * chunks_per_rank if chunks_per_rank else None
             plan = make_plan(docs if packed else total, cp, balancer, num_chunks, causal=True, ulysses_degree=u or 1)
-            local = [module.shard(t, plan).requires_grad_() for t in (q, k, v)]
+            local = [module.shard(t, plan) for t in (q, k, v)]
+            if head_dim_outer:
+                local = [t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in local]
+            local = [t.requires_grad_() for t in local]
             out = module(*local, plan=plan)
             out.backward(module.shard(dout, plan))
             mine = [out] + [t.grad for t in local]
@@ -143,3 +147,17 @@ def test_bitwise_identical_with_chunks_smaller_than_a_key_tile(pool):
         for per_rank in results:
             for cp, strategy, balancer, u, same in per_rank:
                 assert all(same), f"packed={packed} cp={cp} {strategy} {balancer} u={u}: bytes equal: {same}"
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_bitwise_identical_with_head_dim_outer_views(pool, packed):
+    """Local shards whose head_dim is not their innermost axis (transposed views) give the contiguous single
+    device's bytes at every cp size and strategy (they gave other scores in the reference's invariant arithmetic,
+    which Ulysses' copies hid and the ring did not)."""
+    layouts = [(1, "ring", "lpt", None), (3, "ring", "lpt", None), (4, "ulysses", "lpt", None),
+               (4, "hybrid", "lpt", 2)]
+    results = pool.run(invariant_case, layouts=layouts, dtype=torch.float32, packed=packed, heads=(4, 2),
+                       head_dim=32, head_dim_outer=True)
+    for per_rank in results:
+        for cp, strategy, balancer, u, same in per_rank:
+            assert all(same), f"cp={cp} {strategy} {balancer} u={u}: out/dq/dk/dv bytes equal: {same}"
