@@ -157,7 +157,7 @@ def test_bitwise_identical_with_head_dim_outer_views(pool, packed):
     layouts = [(1, "ring", "lpt", None), (3, "ring", "lpt", None), (4, "ulysses", "lpt", None),
                (4, "hybrid", "lpt", 2)]
     results = pool.run(invariant_case, layouts=layouts, dtype=torch.float32, packed=packed, heads=(4, 2),
-                       head_dim=32, head_dim_outer=True)
+                       head_dim=32, total=90, head_dim_outer=True)
     for per_rank in results:
         for cp, strategy, balancer, u, same in per_rank:
             assert all(same), f"cp={cp} {strategy} {balancer} u={u}: out/dq/dk/dv bytes equal: {same}"
