@@ -8,12 +8,10 @@ backward through autograd.
     python bench/split_tail.py --headdim 128 --shapes 1x4096x5 1x8192x3 4x4096x16 --rounds 5
     python bench/split_tail.py --causal --headdim 128 --shapes 1x4096x4 1x16384x1 1x4096x8 --rounds 5
     python bench/split_tail.py --direction bwd --causal --headdim 128 --shapes 1x4096x4 1x16384x1 --rounds 5
-    python bench/split_tail.py --direction bwd --causal --deterministic --shapes 1x4096x4 --rounds 5
 
 The baselines run in the same rounds, timed the same way: torch's cuDNN SDPA op and flash-attn-4 when carried
-(bench/kernels.py's callables); ``--deterministic`` (causal backward): our deterministic backward split and not,
-flash-attn-4's deterministic backward (cuDNN has no deterministic mode: its row is its plain backward). Prints a
-table (with each shape's tiles and plan) and writes $OUT/<date>-split-tail-<direction>[-det].json (or bench/results/).
+(bench/kernels.py's callables). Prints a table (with each shape's tiles and plan) and writes
+$OUT/<date>-split-tail.json (or bench/results/).
 """
 
 from __future__ import annotations
@@ -41,14 +39,11 @@ def main(argv=None):
     p.add_argument("--headdim", type=int, default=128)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--direction", choices=("fwd", "bwd"), default="fwd")
-    p.add_argument("--deterministic", action="store_true", help="the deterministic backward (causal, bwd)")
     p.add_argument("--shapes", nargs="+", default=["1x4096x5", "1x8192x3", "4x4096x16"])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args(argv)
-    if args.deterministic and not (args.causal and args.direction == "bwd"):
-        p.error("--deterministic measures the causal backward: add --causal --direction bwd")
     d = args.headdim
     fa4 = _fa4()
     rows = []
@@ -69,15 +64,14 @@ def main(argv=None):
             if fa4 is not None:
                 calls["flash_attn_4"] = lambda: fa4(q, k, v, causal=causal)
         else:
-            calls, tiles, split_tiles, plan = _backward_calls(q, k, v, out, lse, causal, fa4, args.deterministic)
+            calls, tiles, split_tiles, plan = _backward_calls(q, k, v, out, lse, causal, fa4)
         times = {(name, mode): [] for name in calls for mode in ("device", "host")}
         for _ in range(args.rounds):  # interleaved rounds
             for name, fn in calls.items():
                 times[(name, "device")].append(cuda_median_ms(fn, args.reps, queue_ahead_ms=5.0))
                 times[(name, "host")].append(cuda_median_ms(fn, args.reps))
         flops = 4 * b * h * s * s * d // (2 if causal else 1) * (2.5 if args.direction == "bwd" else 1)
-        row = dict(shape=shape, headdim=d, causal=causal, direction=args.direction,
-                   deterministic=args.deterministic, tiles=tiles,
+        row = dict(shape=shape, headdim=d, causal=causal, direction=args.direction, tiles=tiles,
                    ctas=host.sm_count(), split_tiles=split_tiles, parts=plan[1])
         for (name, mode), t in times.items():
             row[f"{name}_{mode}_ms"] = statistics.median(t)
@@ -98,32 +92,29 @@ def main(argv=None):
               f"{r['split_host_tflops']:.0f} / {r['unsplit_host_tflops']:.0f} | {idle:+.1%} |")
     date = datetime.date.today().isoformat()
     os.makedirs(args.out_dir, exist_ok=True)
-    name = f"{date}-split-tail-{args.direction}{'-det' if args.deterministic else ''}.json"
-    with open(os.path.join(args.out_dir, name), "w") as fh:
+    with open(os.path.join(args.out_dir, f"{date}-split-tail-{args.direction}.json"), "w") as fh:
         json.dump(dict(date=date, device=torch.cuda.get_device_name(), rows=rows), fh, indent=1)
 
 
-def _backward_calls(q, k, v, out, lse, causal, fa4, deterministic=False):
+def _backward_calls(q, k, v, out, lse, causal, fa4):
     """(calls, key tiles, split key tiles, plan) of the backward rows: ours split (as the default plans) and not,
-    the baselines' backward through autograd on their own forward's graph (flash-attn-4's deterministic one with
-    ``deterministic``)."""
+    the baselines' backward through autograd on their own forward's graph."""
     fwd.forward(q, k, v, out, lse, causal=causal)
     dout = torch.randn_like(q)
     grads = [torch.empty_like(t) for t in (q, k, v)]
     b, s, h, d = q.shape
     _, main_cfg, _ = bwd.make_configs(q.dtype, d, causal=causal, varlen=False, seg_offsets=False, accumulate=False,
-                                      deterministic=deterministic, dq_dtype=q.dtype, dkv_dtype=q.dtype, o_dtype=q.dtype,
+                                      deterministic=False, dq_dtype=q.dtype, dkv_dtype=q.dtype, o_dtype=q.dtype,
                                       do_dtype=q.dtype, max_seqlen_k=s)
     split_cfg = bwd.split_keys_variant(main_cfg)
     plan = bwd.dense_split_keys_plan(split_cfg, q.shape, k.shape, 0) if split_cfg is not None else (0, 1)
-    det = dict(deterministic=deterministic)
-    calls = {"split": lambda: bwd.backward(dout, q, k, v, out, lse, *grads, causal=causal, **det),
-             "unsplit": lambda: bwd.backward(dout, q, k, v, out, lse, *grads, causal=causal, split_keys=False, **det)}
+    calls = {"split": lambda: bwd.backward(dout, q, k, v, out, lse, *grads, causal=causal),
+             "unsplit": lambda: bwd.backward(dout, q, k, v, out, lse, *grads, causal=causal, split_keys=False)}
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     ref = _cudnn_raw(qg, kg, vg, causal)
     calls["cudnn"] = lambda: torch.autograd.grad(ref, (qg, kg, vg), dout, retain_graph=True)
     if fa4 is not None:
-        r = fa4(qg, kg, vg, causal=causal, **det)
+        r = fa4(qg, kg, vg, causal=causal)
         fa4_out = r[0] if isinstance(r, tuple) else r
         calls["flash_attn_4"] = lambda: torch.autograd.grad(fa4_out, (qg, kg, vg), dout, retain_graph=True)
     split_tiles = bwd.split_key_tile_count(split_cfg, k.shape, plan) if plan[1] > 1 else 0

@@ -63,8 +63,6 @@ SUBSET = [
     # a causal launch of few waves with its longest key tiles in parts (backward.split_keys_variant): the parts'
     # fp32 dK / dV scratch, the arrival counters, the last part's sum in part order
     (BF16, 128, True, False, False, False, {"split_keys": True, "persistent_ctas": 132}),
-    # the same, deterministic: shortest-first claims, the longest key tiles' parts last, the dQ tickets as unsplit
-    (BF16, 128, True, False, False, True, {"split_keys": True, "persistent_ctas": 132}),
 ]
 
 
@@ -110,7 +108,6 @@ EXTRA = [
     (FP16, 64, True, False, False, False, {"split_keys": True, "persistent_ctas": 132, "softcap": 30.0}),
     (BF16, 96, True, False, False, False, {"split_keys": True, "persistent_ctas": 132}),
     (BF16, 128, False, False, False, False, {"split_keys": True, "persistent_ctas": 132}),  # the last wave's
-    (BF16, 64, True, False, False, True, {"split_keys": True, "persistent_ctas": 132}),
 ]
 
 
@@ -225,13 +222,9 @@ def _spill_budget(main) -> int:
     (backward.default_softcap_grad_regs): 8 bytes causal, 16 on the persistent grid, 20-32 deterministic causal or
     windowed, none non-causal; measured with them on the H200 (bench/RESULTS.md, twentieth session: +6% causal at 4k
     and 16k with 8 bytes; 2026-12-01: +3-5% with 20-36). And the deterministic hdim-96 work list: 8 bytes (the item
-    table's reads beside the tickets; thirty-first session, compiled only). And the deterministic causal split
-    (split_keys): 12 bytes at hdim 128, 8 at hdim 64, three / two smem addresses stored once before the tile loop
-    and reloaded in each tile's dK / dV epilogue, none in the step loop (SASS, thirty-fourth session)."""
+    table's reads beside the tickets; thirty-first session, compiled only)."""
     if main.head_dim == 96 and main.worklist and main.deterministic:
         return 8
-    if main.split_keys and main.deterministic:
-        return 12
     if main.softcap > 0 and main.head_dim == 64 and main.tile_m == 128:
         return 64
     if main.softcap > 0 and main.head_dim == 128 and main.softcap_grad_regs:
@@ -505,12 +498,12 @@ def test_nondeterministic_gqa_form_expands_launches_of_few_kv_tiles():
 
 
 def test_split_keys_scope_and_plan():
-    """backward.split_keys_variant: the dense calls writing fresh 16-bit dK / dV through TMA stores with every
-    gradient, on the persistent grid (deterministic ones causal, in their shortest-first order); none for
-    deterministic non-causal, packed, merging, windowed, fp32-gradient, one-gradient or fixed-point calls.
-    split_plans.split_keys_plan splits the longest key tiles of causal launches under two waves where the
-    simulated claims say it pays, in whole rows (every (batch, kv head)'s n-th key tile), never for two waves or
-    more; a non-causal launch splits its last partial wave (split_plans.split_plan)."""
+    """backward.split_keys_variant: the non-deterministic dense calls writing fresh 16-bit dK / dV through TMA
+    stores with every gradient, on the persistent grid; none for deterministic, packed, merging, windowed,
+    fp32-gradient, one-gradient or fixed-point calls. split_plans.split_keys_plan splits the longest key tiles of
+    causal launches under two waves where the simulated claims say it pays, in whole rows (every (batch, kv
+    head)'s n-th key tile), never for two waves or more; a non-causal launch splits its last partial wave
+    (split_plans.split_plan)."""
     from fa4dist.kernels.cute import split_plans
 
     def main(**kw):
@@ -522,22 +515,7 @@ def test_split_keys_scope_and_plan():
     assert split.split_keys and split.persistent_ctas == host.sm_count() and not split.interleave_lengths
     assert bwd.split_keys_variant(main(softcap=30.0)) is not None
     assert bwd.split_keys_variant(main(causal=False)) is not None
-    det = bwd.split_keys_variant(main(deterministic=True, max_seqlen_k=4096))
-    assert det.split_keys and det.deterministic and det.persistent_ctas == host.sm_count()
-    assert bwd.split_keys_variant(main(deterministic=True, det_chunk=8)) is None  # (its chunked order)
-    assert bwd.split_keys_variant(main(deterministic=True, seg_offsets=True)) is None  # (one turn table)
-    # the deterministic split's dQ turns: on every query tile, each chain's adds numbered from the highest key tile
-    # down; 4 x 4k: 28 rows of key tiles in halves, the other 4 whole (chain 0)
-    ranks = split_plans.dq_chain_ranks(4096, 4096, 0, 64, 128, 28, 2)
-    num_m = 64
-    assert ranks[31 * num_m + 62] == 0 and ranks[31 * num_m + 61] == -1  # key tile 31: query tiles 62, 63
-    assert ranks[30 * num_m + 63] == 1  # after key tile 31 on query tile 63 (chain 0: both whole)
-    assert ranks[27 * num_m + 54] == 0  # key tile 27's part 0 covers 54..58: the first add of chain 0 there
-    assert ranks[28 * num_m + 63] == 3  # whole, after key tiles 31, 30, 29
-    assert ranks[27 * num_m + 63] == 0 and ranks[26 * num_m + 63] == 1  # the parts 1 (chain 1): 27, then 26
-    for m in range(num_m):  # every key tile that sees query tile m adds once (the diagonal's and those below)
-        assert [ranks[n * num_m + m] >= 0 for n in range(32)] == [n <= m // 2 for n in range(32)], m
-    for kw in (dict(deterministic=True, causal=False), dict(varlen=True), dict(window_left=100),
+    for kw in (dict(deterministic=True), dict(varlen=True), dict(window_left=100),
                dict(accumulate=True, dq_dtype=FP32, dkv_dtype=FP32), dict(dkv_dtype=FP32),
                dict(accumulate=True, dq_dtype=FP32, dkv_dtype=FP32, grads="dq"), dict(dq_fixed=True)):
         assert bwd.split_keys_variant(main(**kw)) is None, kw
@@ -558,9 +536,6 @@ def test_split_keys_scope_and_plan():
     cfg = main(max_seqlen_k=4096)
     assert bwd.dense_split_keys_plan(cfg, (1, 4096, 4, 128), (1, 4096, 4, 128), 0) == (112, 2)
     assert bwd.split_key_tile_count(cfg, (1, 4096, 4, 128), (112, 2)) == 112
-    # deterministic: the same 112 key tiles, the last of its shortest-first order (from index 128 - 112 on)
-    assert bwd.dense_split_keys_plan(det, (1, 4096, 4, 128), (1, 4096, 4, 128), 0) == (16, 2)
-    assert bwd.split_key_tile_count(det, (1, 4096, 4, 128), (16, 2)) == 112
     full = main(causal=False, max_seqlen_k=4096)  # 5 heads of 32 key tiles: the 28 past the first wave in quarters
     assert bwd.dense_split_keys_plan(full, (1, 4096, 5, 128), (1, 4096, 5, 128), 0) == (132, 4)
     assert bwd.split_key_tile_count(full, (1, 4096, 5, 128), (132, 4)) == 28

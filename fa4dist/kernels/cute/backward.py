@@ -15,7 +15,6 @@ for every call; a bad field or value raises naming it (host.py lists the environ
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -23,7 +22,7 @@ from typing import Optional
 import torch
 
 from . import host
-from .split_plans import dq_chain_ranks, split_keys_plan, split_plan, split_tile_count
+from .split_plans import split_keys_plan, split_plan, split_tile_count
 
 BWD_HEAD_DIMS = (64, 96, 128)
 TILE_N = 128
@@ -176,12 +175,11 @@ class BwdConfig:
             nb = cute.sym_int()
             off_q, off_k = host.fake_i32(nb), host.fake_i32(nb)
         counter = host.fake_i32(1) if self.takes_tile_counter else None
-        split = NO_SPLIT
-        if self.split_keys:  # the parts' fp32 dK / dV scratch, (deterministic) the dQ chains' turns, the split key
-            counter = host.fake_i32()  # tiles and the parts per tile (and one arrival counter per split key tile
-            # after the tile counter)
-            split = (host.fake_tensor(cutlass.Float32, (cute.sym_int(), self.head_dim), 4),
-                     host.fake_i32() if self.deterministic else None, cutlass.Int32(0), cutlass.Int32(1))
+        split = (None, None, None)
+        if self.split_keys:  # the parts' fp32 dK / dV scratch, the split key tiles and the parts per tile
+            counter = host.fake_i32()  # (and one arrival counter per split key tile after the tile counter)
+            split = (host.fake_tensor(cutlass.Float32, (cute.sym_int(), self.head_dim), 4), cutlass.Int32(0),
+                     cutlass.Int32(1))
         return (q, k, v, do, lse2, dps, clean, dqacc, dk, dv, sem, dq_scale, cutlass.Float32(1.0), cutlass.Float32(1.0),
                 cutlass.Int32(0), cutlass.Int32(1), cu_q, cu_k, off_q, off_k, counter, *split, host.fake_stream())
 
@@ -483,13 +481,10 @@ def check_resident(cfg: BwdConfig) -> None:
 
 def split_keys_variant(cfg: BwdConfig) -> Optional[BwdConfig]:
     """The split_keys form of a call's main-kernel variant (on the persistent grid, whose claims and counters it
-    needs), or None where it does not apply: dense calls writing fresh 16-bit dK / dV through the TMA stores,
-    every gradient, no window (a causal part's queries are then a run of the key tile's), no fixed-point dQ or
-    work list; deterministic ones causal, in the shortest-first order (not det_chunk's or det_resident's), with one
-    diagonal for every sequence (the dQ chains' turns are one table: split_plans.dq_chain_ranks)."""
-    deterministic_ok = not cfg.deterministic or (cfg.causal and not cfg.det_chunk and not cfg.det_resident
-                                                 and not cfg.seg_offsets)
-    if not (deterministic_ok and not cfg.varlen and not cfg.accumulate and cfg.grads == "all"
+    needs), or None where it does not apply: non-deterministic dense calls writing fresh 16-bit dK / dV through
+    the TMA stores, every gradient, no window (a causal part's queries are then a run of the key tile's), no
+    fixed-point dQ or work list."""
+    if not (not cfg.deterministic and not cfg.varlen and not cfg.accumulate and cfg.grads == "all"
             and not cfg.dq_fixed and not cfg.worklist and cfg.window_left < 0 and cfg.tma_store_dkv
             and not cfg.dkv_fp32):
         return None
@@ -765,38 +760,24 @@ def launch_steps(
     main_args = lambda: (counter(), *NO_SPLIT)  # noqa: E731
     split_cfg = _split_variant(main_cfg) if split_keys == "auto" else None
     plan = dense_split_keys_plan(split_cfg, q.shape, k.shape, diag) if split_cfg is not None else (0, 1)
-    chains = []  # deterministic split: the dQ chains after the first, each its own scratch and tickets
-    main_acc, main_sem = dq_acc, sem
     if plan[1] > 1:  # the longest key tiles in parts: the split variant, its scratch and arrival counters
         main_fn = host.get_compiled(split_cfg)
         edge, parts = plan
         split_tiles = split_key_tile_count(split_cfg, k.shape, plan)
         split_dkv = torch.empty(2 * split_tiles * parts * TILE_N, d, dtype=torch.float32, device=device)
-        ranks = None
-        if split_cfg.deterministic:  # part p's dQ in chain p (bwd_sm90's dq_chains), summed in chain order below
-            main_acc = torch.empty(parts * dq_acc.numel(), dtype=torch.float32, device=device)
-            main_sem = torch.empty(parts * sem.numel(), dtype=torch.int32, device=device)
-            dq_acc = dq_words = main_acc[:dq_acc.numel()]  # chain 0: zeroed by the preprocess, then the sum
-            sem = main_sem[:sem.numel()]
-            chains = [main_acc[p * dq_acc.numel():(p + 1) * dq_acc.numel()] for p in range(1, parts)]
-            rows = split_tiles // (k.shape[0] * k.shape[2])
-            ranks = _dq_chain_ranks(q.shape[1], k.shape[1], int(diag), tm, rows, parts, device)
         main_args = lambda: (torch.zeros(1 + split_tiles, dtype=torch.int32, device=device),  # noqa: E731
-                             split_dkv, ranks, edge, parts)
-    steps = [lambda: pre_fn(out, dout, lse, lse2, dpsum, clean, dq_words, sem, dq_scale, scale2, scale, m_grid,
-                            cu_seqlens_q)]
-    if chains:  # the other chains' scratch and tickets start at 0 too
-        steps += [main_acc[dq_acc.numel():].zero_, main_sem[sem.numel():].zero_]
-    steps.append(lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, main_clean, main_acc, dk, dv, main_sem, scale2,
-                                 scale, scale_log2, diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k, *main_args()))
-    steps += [functools.partial(dq_acc.add_, chain) for chain in chains]  # in chain order: the same bits every run
-    steps.append(lambda: post_fn(dq_acc, dq, scale2 if fixed_to_float else None, m_grid, cu_seqlens_q))
-    return steps
+                             split_dkv, edge, parts)
+    return [
+        lambda: pre_fn(out, dout, lse, lse2, dpsum, clean, dq_words, sem, dq_scale, scale2, scale, m_grid,
+                       cu_seqlens_q),
+        lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, main_clean, dq_acc, dk, dv, sem, scale2, scale, scale_log2,
+                        diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k, *main_args()),
+        lambda: post_fn(dq_acc, dq, scale2 if fixed_to_float else None, m_grid, cu_seqlens_q),
+    ]
 
 
-# the main kernel's split_keys arguments (scratch, dQ chain turns, split key tiles, parts) of a launch that does not
-# split
-NO_SPLIT = (None, None, None, None)
+# the main kernel's split_keys arguments (scratch, split key tiles, parts) of a launch that does not split
+NO_SPLIT = (None, None, None)
 
 
 _SPLIT_VARIANTS: dict = {}  # a call's main-kernel variant -> its split_keys_variant (None: none), per process
@@ -811,37 +792,21 @@ def _split_variant(cfg: BwdConfig) -> Optional[BwdConfig]:
         return _SPLIT_VARIANTS.setdefault(cfg, split_keys_variant(cfg))
 
 
-_RANK_TABLES: dict = {}  # (dq_chain_ranks' arguments, device) -> its int32 table on the device
-
-
-def _dq_chain_ranks(seqlen_q: int, seqlen_k: int, diag: int, tile_m: int, rows: int, parts: int, device):
-    """split_plans.dq_chain_ranks as a device tensor, made once per shape and plan."""
-    key = (seqlen_q, seqlen_k, diag, tile_m, rows, parts, device)
-    table = _RANK_TABLES.get(key)
-    if table is None:
-        ranks = dq_chain_ranks(seqlen_q, seqlen_k, diag, tile_m, TILE_N, rows, parts)
-        table = _RANK_TABLES.setdefault(key, torch.tensor(ranks, dtype=torch.int32, device=device))
-    return table
-
-
 def dense_split_keys_plan(cfg: BwdConfig, q_shape, k_shape, diag: int) -> tuple[int, int]:
     """(split_edge, parts) of a dense call (q (b, s_q, h, d), k (b, s_k, h_kv, d)) on ``cfg``'s tiles:
-    split_plans.split_keys_plan's (split key tiles, parts) causal (deterministic: the same key tiles, which its
-    shortest-first order puts last, so split_edge is the first of them), split_plan's (first split key tile,
-    parts) over the key tiles' equal runs of query tiles non-causal; parts = 1: no split."""
+    split_plans.split_keys_plan's (split key tiles, parts) causal, split_plan's (first split key tile, parts) over
+    the key tiles' equal runs of query tiles non-causal; parts = 1: no split."""
     b, sq, h, _ = q_shape
     _, sk, hk, _ = k_shape
-    num_tiles = b * hk * -(-sk // TILE_N)
     if cfg.causal:
-        split, parts = split_keys_plan(b * hk, h // hk, sq, sk, int(diag), cfg.tile_m, TILE_N, host.sm_count())
-        return (num_tiles - split, parts) if cfg.deterministic and parts > 1 else (split, parts)
-    return split_plan(num_tiles, host.sm_count(), h // hk * -(-sq // cfg.tile_m))
+        return split_keys_plan(b * hk, h // hk, sq, sk, int(diag), cfg.tile_m, TILE_N, host.sm_count())
+    return split_plan(b * hk * -(-sk // TILE_N), host.sm_count(), h // hk * -(-sq // cfg.tile_m))
 
 
 def split_key_tile_count(cfg: BwdConfig, k_shape, plan) -> int:
     """How many key tiles a dense call's split plan splits (split_plans.split_tile_count on its key tiles)."""
     b, sk, hk, _ = k_shape
-    return split_tile_count(cfg.causal and not cfg.deterministic, b * hk * -(-sk // TILE_N), plan[0])
+    return split_tile_count(cfg.causal, b * hk * -(-sk // TILE_N), plan[0])
 
 
 _FAST: dict = {}  # (make_configs' arguments, shared, device) -> (its three configs, their compiled kernels)

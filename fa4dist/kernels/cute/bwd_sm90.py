@@ -271,22 +271,12 @@ class FlashBwdSm90:
         # a launch of few waves: the key tiles that make its tail run as parts over their query tiles, causal the
         # longest, claimed first (split_plans.split_keys_plan), non-causal the last partial wave's, claimed last
         # (split_plans.split_plan); each part writes its fp32 dK / dV to a scratch slot and the part that arrives
-        # last sums them in part order and stores the tile (store_split_dkv). Dense fresh calls with every gradient
-        # on the persistent grid. Deterministic causal calls keep their shortest-first claims, so the longest key
-        # tiles' parts are claimed last (parts_last): a part's dQ ticket waits only on the higher key tiles of its
-        # query tile, claimed before it (no deadlock), and each (key tile, query tile) pair is still one part's,
-        # so each (key tile, query tile) pair adds its dQ once. Deterministic, the parts' dQ go to one scratch per part
-        # index (dq_chains: part p of every split key tile to chain p, the unsplit key tiles to chain 0), each chain
-        # ticketed in its own diagonal-down order (mDqRank: a contribution waits only on the higher key tiles of its
-        # chain, which reach the query tile earlier, as in the unsplit launch), and the host sums the chains in
-        # order: one chain through every key tile made a split part wait for the unsplit neighbour's pace
+        # last sums them in part order and stores the tile (store_split_dkv). Non-deterministic dense fresh calls
+        # with every gradient on the persistent grid
         self.split_keys = split_keys
-        self.split_parts_first = causal and not deterministic
-        self.dq_chains = split_keys and deterministic
-        assert not split_keys or (self.persistent and not varlen and not accumulate
+        assert not split_keys or (self.persistent and not deterministic and not varlen and not accumulate
                                   and grads == "all" and not dq_fixed and not worklist and window_left < 0
-                                  and self.tma_store_dkv and (not deterministic or (causal and not self.det_chunk
-                                                                                    and not self.det_lpt)))
+                                  and self.tma_store_dkv)
 
     # ------------------------------------------------------------------------
     # host side
@@ -316,7 +306,6 @@ class FlashBwdSm90:
         mSegOffK: Optional[cute.Tensor],
         mTileCounter: Optional[cute.Tensor],  # persistent: (1,) int32, zero at launch (split_keys: 1 + split tiles)
         mSplitDKV: Optional[cute.Tensor],  # split_keys: (2 * parts' slots * tile_n, d) fp32, the parts' dK / dV
-        mDqRank: Optional[cute.Tensor],  # dq_chains: flat int32 (key tile, query tile): a dQ add's turn in its chain
         split_edge: Optional[Int32],  # split_keys: causal how many key tiles (the first) are split, else the first
         split_parts: Optional[Int32],  # split_keys: parts per split key tile
         stream,
@@ -417,7 +406,7 @@ class FlashBwdSm90:
         else:
             num_tiles = n_blocks_grid * num_heads_kv * num_batch
         if const_expr(self.split_keys):
-            num_tiles = launch_items(self.split_parts_first, num_tiles, split_edge, split_parts)
+            num_tiles = launch_items(self.causal, num_tiles, split_edge, split_parts)
         grid = (num_tiles, 1, 1)
         if const_expr(self.persistent):
             grid = (cutlass.min(num_tiles, Int32(self.persistent_ctas)), 1, 1)
@@ -427,7 +416,7 @@ class FlashBwdSm90:
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_dK, tma_dV, tma_atom_dK, tma_atom_dV,
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
             scale, scale_log2, diag, n_blocks_grid, num_batch, num_tiles,
-            mCuSeqlensQ, mCuSeqlensK, mSegOffQ, mSegOffK, mTileCounter, mSplitDKV, mDqRank, split_edge, split_parts,
+            mCuSeqlensQ, mCuSeqlensK, mSegOffQ, mSegOffK, mTileCounter, mSplitDKV, split_edge, split_parts,
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -472,7 +461,6 @@ class FlashBwdSm90:
         mSegOffK: Optional[cute.Tensor],
         mTileCounter: Optional[cute.Tensor],
         mSplitDKV: Optional[cute.Tensor],
-        mDqRank: Optional[cute.Tensor],
         split_edge: Optional[Int32],
         split_parts: Optional[Int32],
         sQ_layout: cute.ComposedLayout,
@@ -538,7 +526,7 @@ class FlashBwdSm90:
             diag=diag, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, mSegOffQ=mSegOffQ, mSegOffK=mSegOffK,
             claims=claims, tma_dK=tma_dK, tma_dV=tma_dV, tma_atom_dK=tma_atom_dK, tma_atom_dV=tma_atom_dV,
             sdKV=storage.sdKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner) if self.use_tma_dkv else None,
-            mTileCounter=mTileCounter, mSplitDKV=mSplitDKV, mDqRank=mDqRank,
+            mTileCounter=mTileCounter, mSplitDKV=mSplitDKV,
             sSplit=storage.sSplit.get_tensor(cute.make_layout(1)) if const_expr(self.split_keys) else None,
         )
         launch = Context(n_blocks_grid=n_blocks_grid, num_batch=num_batch, num_tiles=num_tiles,
@@ -576,17 +564,15 @@ class FlashBwdSm90:
         index among the split ones, rng.split_slot = split_tile * parts + p, rng.split_part = p): causal, index
         i * parts + p (i < split_edge) is part p of key tile i in the order longest first over every head (key
         tile 0 of every (batch, kv head), then key tile 1, ...: all of them are in flight at once), claimed first,
-        the other key tiles following whole (tile_scheduler.parts_first); deterministic causal, the same order
-        shortest first (the highest key tile of every head first), its last key tiles from split_edge on in parts
-        claimed after every whole one (parts_last); non-causal, the key tiles from split_edge on (the last partial
-        wave) in parts claimed after every whole one (parts_last)."""
+        the other key tiles following whole (tile_scheduler.parts_first); non-causal, the key tiles from
+        split_edge on (the last partial wave) in parts claimed after every whole one (parts_last)."""
         spt = self.spt
         if const_expr(self.det_lpt):
             spt = launch.n_blocks_grid > self.det_lpt  # every sequence's key tiles fit: longest first
         base_idx = tile_idx
         split_slot = split_tile = None
         if const_expr(self.split_keys):
-            decode = parts_first if const_expr(self.split_parts_first) else parts_last
+            decode = parts_first if const_expr(self.causal) else parts_last
             base_idx, split_slot, split_tile = decode(tile_idx, launch.split_edge, launch.split_parts)
         tile = bwd_work_tile(io.mQ, io.mK, launch.n_blocks_grid, launch.num_batch, shortest_first=spt,
                              det_chunk=self.det_chunk, interleave=self.interleave_lengths and not self.split_keys,
@@ -926,17 +912,12 @@ class FlashBwdSm90:
         chunk_bytes = self.dq_chunk_elems * (8 if self.dq_fixed else 4)
         n_blocks_k = cute.ceil_div(seqlen.seqlen_k, tn)
         wr = Context(gdQ=gdQ, chunk_bytes=chunk_bytes, n_blocks_k=n_blocks_k, lane=lane)
-        chain_base = Int32(0)  # dq_chains: the first chunk of this part's chain (part p: chain p; whole tiles: 0)
-        if const_expr(self.dq_chains):
-            if rng.split_slot >= 0:
-                chain_base = rng.split_part * (n_chunks // rng.split_parts)
         for first, end, _ in self.phases(rng):
             for hi in cutlass.range(group, unroll=1):
                 head = head_kv * group + hi
                 for i in cutlass.range(first, end, unroll=1):
                     m = self.phase_m(i, first, end, rng)
-                    self.add_dq_tile(io, wr, seqlen, n_block, m,
-                                     chain_base + (seqlen.scratch_base + m) * num_heads + head)
+                    self.add_dq_tile(io, wr, seqlen, n_block, m, (seqlen.scratch_base + m) * num_heads + head)
 
     @cute.jit
     def add_dq_tile(self, io: Context, wr: Context, seqlen: SeqlenInfo, n_block: Int32, m: Int32, chunk: Int32):
@@ -959,8 +940,6 @@ class FlashBwdSm90:
             if const_expr(self.det_rotate):
                 c = rotation_step(self.tile_m, self.tile_n, seqlen, self.det_rotate)
                 rank = rank_rotated(n_block, m, wr.n_blocks_k, c)
-            if const_expr(self.dq_chains):  # the turn within its chain (the host's table: split_plans.dq_chain_ranks)
-                rank = io.mDqRank[n_block * cute.ceil_div(seqlen.seqlen_q, self.tile_m) + m]
             if lane == 0:
                 sem_ptr = mSem.iterator + chunk
                 cur = ld_acquire_gpu(sem_ptr)

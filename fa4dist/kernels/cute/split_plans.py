@@ -13,18 +13,17 @@ from __future__ import annotations
 import functools
 import heapq
 
-def split_tile_count(parts_first: bool, num_tiles, split_edge):
-    """How many of a launch's ``num_tiles`` tiles its plan's ``split_edge`` splits: with ``parts_first`` (a causal
-    launch's longest tiles, claimed first: tile_scheduler.parts_first) the first ``split_edge``, else those from
-    ``split_edge`` on (claimed last, parts_last: a non-causal launch's last partial wave, or the deterministic
-    causal backward's longest key tiles, which its shortest-first order claims last). Plain arithmetic, so that the
-    host's scratch and counters and the kernels' launch-order counts take it alike."""
-    return split_edge if parts_first else num_tiles - split_edge
+def split_tile_count(causal: bool, num_tiles, split_edge):
+    """How many of a launch's ``num_tiles`` tiles its plan's ``split_edge`` splits: causal the first
+    ``split_edge`` (the longest, their parts claimed first: tile_scheduler.parts_first), non-causal those from
+    ``split_edge`` on (the last partial wave, claimed last: parts_last). Plain arithmetic, so that the host's
+    scratch and counters and the kernels' launch-order counts take it alike."""
+    return split_edge if causal else num_tiles - split_edge
 
 
-def launch_items(parts_first: bool, num_tiles, split_edge, split_parts):
+def launch_items(causal: bool, num_tiles, split_edge, split_parts):
     """The launch-order indices of a split launch: every tile once, a split one once per part."""
-    return num_tiles + split_tile_count(parts_first, num_tiles, split_edge) * (split_parts - 1)
+    return num_tiles + split_tile_count(causal, num_tiles, split_edge) * (split_parts - 1)
 
 
 # split_plan's cost model, in key blocks of one CTA's time: a part's fixed cost (its Q load and pipeline fill, its
@@ -165,39 +164,3 @@ def split_keys_plan(num_kv_heads_batch: int, group: int, seqlen_q: int, seqlen_k
 
     return longest_first_split(tuple(steps(n) for n in range(n_k)), num_kv_heads_batch, num_ctas,
                                SPLIT_KEYS_ITEM_STEPS * 64 / tile_m)
-
-
-@functools.lru_cache(maxsize=64)
-def dq_chain_ranks(seqlen_q: int, seqlen_k: int, diag: int, tile_m: int, tile_n: int, split_rows: int,
-                   parts: int) -> tuple:
-    """The deterministic split backward's dQ turns (BwdConfig.split_keys, deterministic: bwd_sm90's dq_chains), a
-    flat tuple indexed n * num_m + m for key tile n and query tile m of a dense causal sequence: the key tiles
-    n < ``split_rows`` run as ``parts`` parts over their query tiles [m_min, num_m) (part p the run m_min + p *
-    n_all // parts up to the next), the others whole; on query tile m, part p's dQ goes to chain p, a whole key
-    tile's to chain 0, and within a chain the key tiles add from the highest down (the diagonal first: the order in
-    which they reach m). The entry is the number of adds before it in its chain (-1: no add). The ranges are
-    block_info.BlockInfo.query_tiles' and the kernel's part split, which must agree with them exactly: a turn that
-    never comes would leave the add waiting."""
-    num_m = -(-seqlen_q // tile_m)
-    n_k = -(-seqlen_k // tile_n)
-    chain_of = [[-1] * num_m for _ in range(n_k)]
-    for n in range(n_k):
-        q0 = max(n * tile_n - diag, 0)
-        if q0 >= seqlen_q:
-            continue
-        m_min = q0 // tile_m
-        n_all = num_m - m_min
-        for m in range(m_min, num_m):
-            chain = 0
-            if n < split_rows:
-                chain = next(p for p in range(parts) if m < m_min + (p + 1) * n_all // parts)
-            chain_of[n][m] = chain
-    ranks = [-1] * (n_k * num_m)
-    for m in range(num_m):
-        seen = [0] * parts
-        for n in range(n_k - 1, -1, -1):
-            c = chain_of[n][m]
-            if c >= 0:
-                ranks[n * num_m + m] = seen[c]
-                seen[c] += 1
-    return tuple(ranks)
