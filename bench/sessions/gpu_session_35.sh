@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Prepared in the thirty-fourth session (2026-12-04), results in bench/results/2026-12-04-thirty-fourth-*:
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_35.sh 1    (flash-attn-4 carried: --with-fa4)
-# Stage 1 ran on commit b951661 (the deterministic split and split_tail.py --deterministic), reverted after it: the
-# split measured 9-29% slower (bench/RESULTS.md, thirty-fourth session).
+# Stage 1 ran on commit b951661 (the deterministic split and split_tail.py --deterministic), stage 2 on 99b5d05 (the
+# split with one dQ chain per part index); both were reverted after their measurements (bench/RESULTS.md,
+# thirty-fourth session), so stages 1-2 need those commits checked out.
 # 1: the deterministic causal backward of few waves splits its longest key tiles too (split_keys_variant, no
 #    longer non-deterministic only). Its shortest-first claims stay (a dQ ticket waits only on higher key tiles,
 #    claimed before it: no deadlock), so the longest key tiles' parts are claimed last (tile_scheduler.parts_last),
@@ -26,5 +27,31 @@ if [ "${1:-1}" = 1 ]; then
     --out-dir "$OUT/det_split_128"
   TAIL_LINES=8 stage det_split_64 90 python3 bench/split_tail.py --direction bwd --causal --deterministic \
     --headdim 64 --shapes 1x4096x4 1x8192x2 1x4096x8 --rounds 3 --out-dir "$OUT/det_split_64"
+  exit
+fi
+# 2: call 1 measured the deterministic split 9-29% slower: in one diagonal-down ticket chain per query tile a part
+#    of key tile n waits for key tile n + 1 to reach its first query tile at that tile's own pace. Now each part
+#    index has its own dQ scratch and tickets (bwd_sm90's dq_chains: part p of every split key tile in chain p, the
+#    whole key tiles in chain 0, each chain diagonal-down by the host's turn table split_plans.dq_chain_ranks), and
+#    the host sums the chains in order before the convert: within a chain every add's predecessor reaches the query
+#    tile earlier, as in the unsplit launch. (a) the split tests (deterministic: the oracle, all three gradients'
+#    bytes run to run, dK / dV outside the split tiles the unsplit bytes, NaN patterns) and the deterministic and
+#    persistent suites; (b) split_tail.py --deterministic. Prediction: +15-50% on the one-wave shapes (the
+#    non-deterministic split's +28-72%, less the later start of the longest tiles' parts under shortest-first
+#    claims and the chain sums' passes).
+if [ "$1" = 2 ]; then
+  TAIL_LINES=8 stage tests_det_split 240 $PYTEST -n 8 tests/kernels/test_cute_bwd_gpu.py \
+    -k "split or determin or persistent"
+  TAIL_LINES=12 stage det_split_128 150 python3 bench/split_tail.py --direction bwd --causal --deterministic \
+    --headdim 128 --shapes 1x4096x4 1x16384x1 1x8192x2 1x4096x3 1x2048x8 1x4096x8 --rounds 3 \
+    --out-dir "$OUT/det_split_128"
+  TAIL_LINES=8 stage det_split_64 90 python3 bench/split_tail.py --direction bwd --causal --deterministic \
+    --headdim 64 --shapes 1x4096x4 1x8192x2 1x4096x8 --rounds 3 --out-dir "$OUT/det_split_64"
+  exit
+fi
+# 3: the session's helper changes on the GPU paths: HF packed documents by transformers' rule in one process and
+#    under CP (the HF GPU test), and the staged-rank CP suite.
+if [ "$1" = 3 ]; then
+  TAIL_LINES=6 stage tests_hf_cp 200 $PYTEST -n 8 tests/integrations/test_hf_integration.py tests/cp/test_cp_gpu.py
   exit
 fi
