@@ -255,8 +255,9 @@ class BandBlock:
     """A rectangle of a block whose rows all see a key, with its band in local indices: row ``i`` sees keys ``j``
     with ``lo <= j - i <= hi`` (None: unbounded) inside the rectangle.  The band passes through the bottom-right
     corner (``lo <= k_len - q_len <= hi``), so a kernel that aligns its window on that corner (flash-attn's
-    ``window_size``) expresses it with non-negative windows, and ``hi`` is None wherever the right edge is
-    never the binding bound (such kernels read a window past the keys as unbounded)."""
+    ``window_size``) expresses it with non-negative windows, and ``lo`` / ``hi`` are None wherever that edge
+    never binds inside the rectangle (such kernels read a window past the keys as unbounded; and a window wider
+    than the block, up to 2**62, would not fit the C int they take it in)."""
 
     q_start: int
     q_len: int
@@ -280,12 +281,18 @@ def band_decomposition(q_len: int, k_len: int, q_offset: int, k_offset: int, mas
     hi = None if mask.hi is None else mask.hi - e
     split = 0 if hi is None else max(0, min(n, m - 1 - hi))  # rows [0, split) end before the last key
     if split == 0:
-        return [BandBlock(rect.q_start, n, rect.k_start, m, lo, None)]
+        return [BandBlock(rect.q_start, n, rect.k_start, m, _binding_lo(lo, n), None)]
     # rows [0, split): their last visible key is m - 2 at most, the last row's exactly (the band's right edge);
     # rows [split, n): see up to the last key, from their own first visible key on
     first_b = 0 if lo is None else max(0, split + lo)
     return [
-        BandBlock(rect.q_start, split, rect.k_start, split - 1 + hi + 1, lo, hi),
+        BandBlock(rect.q_start, split, rect.k_start, split - 1 + hi + 1, _binding_lo(lo, split), hi),
         BandBlock(rect.q_start + split, n - split, rect.k_start + first_b, m - first_b,
-                  None if lo is None else lo + split - first_b, None),
+                  _binding_lo(None if lo is None else lo + split - first_b, n - split), None),
     ]
+
+
+def _binding_lo(lo: Optional[int], rows: int) -> Optional[int]:
+    """A band block's lower edge, or None where it never binds: every one of its ``rows`` rows (row i sees keys
+    from ``i + lo`` on) then sees from the block's first key."""
+    return None if lo is None or lo + rows - 1 <= 0 else lo

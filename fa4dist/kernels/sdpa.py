@@ -59,6 +59,15 @@ def _flash_backward(dout, q, k, v, out, lse, scale, causal, cu_q=None, cu_k=None
     )
 
 
+def packed_flash_window(problem: AttentionProblem) -> tuple[int, int]:
+    """flash-attn's window of a packed batch of square, aligned segments: the mask's own sides, one of at least
+    the longest key segment (the op's max_seqlen_k) as -1.  The op reads such a side as unbounded itself, but only
+    after narrowing it to a C int: a side of 2**32 + 1 (legal, below 2**62) would reach it as 1."""
+    mask = problem.mask
+    sides = (mask.window[0], -1 if mask.hi is None else mask.hi)
+    return tuple(-1 if side >= problem.seqlen_k else side for side in sides)
+
+
 def flash_window(blk: BandBlock) -> tuple[int, int]:
     """flash-attn's (window_size_left, window_size_right) for a band block: its windows count from the diagonal
     through the bottom-right corner (key ``i + k_len - q_len``); -1 is unbounded."""
@@ -196,7 +205,7 @@ class _FusedBackend:
         mask, scale = problem.mask, problem.softmax_scale
         if problem.varlen:  # square aligned segments: the band is the mask's own on every segment
             cq, ck = problem.device_cu_seqlens()
-            window = (mask.window[0], -1 if mask.hi is None else mask.hi)
+            window = packed_flash_window(problem)
             return guarded_forward(lambda *t: _flash_forward(*t, scale, False, cq, ck, problem.seqlen_q,
                                                              problem.seqlen_k, window), q, k, v, mask.lo, mask.hi, cq)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # (fp64: the CPU emulation in the tests)
@@ -215,7 +224,7 @@ class _FusedBackend:
         mask, scale = problem.mask, problem.softmax_scale
         if problem.varlen:
             cq, ck = problem.device_cu_seqlens()
-            window = (mask.window[0], -1 if mask.hi is None else mask.hi)
+            window = packed_flash_window(problem)
             return guarded_backward(
                 lambda do_, q_, k_, v_, o_, l_: _flash_backward(do_, q_, k_, v_, o_, l_.contiguous(), scale, False, cq,
                                                                 ck, problem.seqlen_q, problem.seqlen_k, window),

@@ -9,6 +9,8 @@ backend's window path run on the CPU against a leaky emulation of torch's flash 
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import itertools
 import random
 
@@ -548,3 +550,58 @@ def test_a_row_without_keys_has_its_sink_as_lse():
     rows2 = attention_backward(dout[:, 2:], q[:, 2:], k, k, out[:, 2:], lse[..., 2:], sinks=sinks, causal=True,
                                q_offset=2, k_offset=2)[3]
     torch.testing.assert_close(dsinks, rows2, **TOL)
+
+
+def _c_int(w: int) -> int:
+    """A window side as torch's flash op reads it: its C++ entry narrows the int64 argument to a 32-bit int."""
+    return (w + 2**31) % 2**32 - 2**31
+
+
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+@pytest.mark.parametrize("window, causal", [((2**32 + 1, -1), True), ((2**32 + 2, 2**33), False),
+                                            ((1, 2**32 + 1), False)])
+def test_sdpa_window_sides_past_int32_reach_the_flash_op_as_unbounded(emulated_flash, monkeypatch, layout, window,
+                                                                      causal):
+    """A window side of 2**32 + 1 is legal (below 2**62) and here wider than every sequence: the op must read it as
+    unbounded.  Before: the dense path handed the op left = 2**32 + 1 (band_decomposition kept a lower edge that
+    never binds) and the packed path the window as given, which the op narrows to a C int: left 1, a two-key
+    window, silently.  Modelled with the op's narrowing; the values must be the reference's."""
+    from fa4dist.kernels import sdpa
+    from fa4dist.kernels.problem import validate_inputs
+
+    seen = []
+
+    def narrowing(op):
+        def call(*args, **kwargs):
+            bound = inspect.signature(op).bind(*args, **kwargs)  # the packed path passes the window by position
+            bound.apply_defaults()
+            seen.append(bound.arguments["window"])
+            bound.arguments["window"] = tuple(_c_int(w) for w in bound.arguments["window"])
+            return op(*bound.args, **bound.kwargs)
+        return call
+
+    monkeypatch.setattr(sdpa, "_flash_forward", narrowing(_leaky_flash_forward))
+    monkeypatch.setattr(sdpa, "_flash_backward", narrowing(_leaky_flash_backward))
+    gen = torch.Generator().manual_seed(3)
+    if layout == "dense":
+        q = torch.randn(2, 9, 4, 8, dtype=F64, generator=gen)
+        k, v = (torch.randn(2, 9, 2, 8, dtype=F64, generator=gen) for _ in range(2))
+        kw = dict(q_offset=5, k_offset=5)
+    else:
+        cu = torch.tensor([0, 6, 6, 15], dtype=torch.int32)
+        q = torch.randn(15, 4, 8, dtype=F64, generator=gen)
+        k, v = (torch.randn(15, 2, 8, dtype=F64, generator=gen) for _ in range(2))
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, q_offset=[0, 3, 7], k_offset=[0, 3, 7])
+    kw.update(causal=causal, window=window)
+    problem = validate_inputs(q, k, v, **kw)
+    fake_gpu = dataclasses.replace(problem, device=torch.device("cuda"), dtype=torch.bfloat16)
+    assert emulated_flash.supports(fake_gpu, "forward") is None  # the flash path takes it (no fallback)
+    out, lse = emulated_flash.forward(problem, q, k, v)
+    want_out, want_lse = attention_forward(q, k, v, backend="reference", **kw)
+    torch.testing.assert_close(out, want_out, **TOL)
+    torch.testing.assert_close(lse, want_lse, **TOL)
+    dout = torch.randn(q.shape, dtype=F64, generator=gen)
+    got = emulated_flash.backward(problem, dout, q, k, v, want_out, want_lse, False)
+    for g, w in zip(got, attention_backward(dout, q, k, v, want_out, want_lse, backend="reference", **kw)):
+        torch.testing.assert_close(g, w, **TOL)
+    assert all(-1 <= side < 2**31 for w in seen for side in w), seen
