@@ -17,7 +17,8 @@ call).  A dense block of one alignment is cut by :func:`fa4dist.kernels.mask.ban
 row ranges, each one windowed call over just the keys its rows see (rows that see nothing are never launched); a
 packed batch goes in one call when every segment is square and aligned (q and k offsets equal), else to the
 reference.  Softcap is not compiled into torch's flash build: calls with ``softcap`` go to the reference.  Sinks
-need nothing from the ops (the contract merges them).
+need nothing from the ops (the contract merges them).  A negative ``softmax_scale`` is refused (the ops mask raw
+scores with -inf before scaling them: "auto" takes the reference).
 """
 
 from __future__ import annotations
@@ -171,6 +172,10 @@ class _FusedBackend:
                 f"{self.name} needs equal q/k/v head dims that are multiples of 8 up to {self.max_head_dim}, "
                 f"got {d} and {problem.head_dim_v}"
             )
+        if problem.softmax_scale <= 0:
+            # the ops mask raw scores with -inf and scale them in their exp2: a negative scale makes a masked pair
+            # +inf (and a row's max its smallest scaled score), as in cute
+            return Unsupported(f"{self.name} needs a positive softmax_scale, got {problem.softmax_scale}")
         if problem.softcap is not None:
             return Unsupported(f"{self.name} has no softcap (torch builds flash without it)", fallback=True)
         if problem.mask.windowed and not self.windows:

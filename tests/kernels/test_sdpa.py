@@ -1,6 +1,8 @@
 """fa4dist.kernels.sdpa on the CPU: the tensors its backends hand torch's fused ops (the ops themselves run on the
 GPU: tests/kernels/test_backends_gpu.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -57,3 +59,21 @@ def test_the_ops_get_compact_head_dims_and_a_compact_dout_and_out(monkeypatch, b
     assert got_out.shape == (2, 16, 4, 8) and got_lse.shape == (2, 4, 16)
     grads = impl.backward(problem, dout, q, k, v, out, torch.zeros(2, 4, 16), False)
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_negative_softmax_scale_is_refused_by_the_fused_ops(causal):
+    """The contract takes any finite non-zero scale (the reference computes a negative one exactly), but torch's
+    flash op masks the raw scores with -inf and scales them inside its exp2: -inf x a negative scale is +inf, so a
+    masked pair weighs inf (and an unmasked row's max is its smallest scaled score).  Before: every sdpa backend
+    said it supports such a call (NaN on the GPU); now each refuses it by name, as cute does, and "auto" moves on
+    to the reference."""
+    q, k, v = (torch.randn(2, 16, 4, 8, dtype=torch.bfloat16) for _ in range(3))
+    problem = validate_inputs(q, k, v, causal=causal, softmax_scale=-0.125)
+    on_gpu = dataclasses.replace(problem, device=torch.device("cuda"))
+    flash, cudnn = sdpa.SdpaFlashBackend(), sdpa.SdpaCudnnBackend()
+    for impl in (flash, cudnn, sdpa.SdpaBackend(cudnn, flash)):
+        for direction in ("forward", "backward"):
+            answer = impl.supports(on_gpu, direction)
+            assert answer is not None and "softmax_scale" in answer.reason, (impl.name, direction, answer)
+    assert flash.supports(dataclasses.replace(on_gpu, softmax_scale=0.125), "forward") is None
