@@ -55,3 +55,24 @@ if [ "$1" = 3 ]; then
   TAIL_LINES=6 stage tests_hf_cp 200 $PYTEST -n 8 tests/integrations/test_hf_integration.py tests/cp/test_cp_gpu.py
   exit
 fi
+# 4: two-wave causal backwards (8 heads x 4k, batch 1: 256 key tiles on 132 SMs) are our weakest non-split shapes,
+#    0.94x flash-attn-4's backward (thirty-third session). Their persistent grid claims one head's key tiles after
+#    another's, longest first within a head, so the last heads' longest key tiles start after the first wave's
+#    short ones: BwdConfig.lpt_over_heads (a knob, the same bits) claims every head's longest key tile first.
+#    Prediction: +3-8% at 8 x 4k / 16 x 2k / 4 x 8k, ~0 at 12 x 4k; one CTA per tile (persistent_ctas=0) beside it.
+#    Tests: the step-form bits test with the knob; the backends and windowed suites (this session's sdpa changes:
+#    huge window sides, negative scales refused).
+if [ "$1" = 4 ]; then
+  TAIL_LINES=6 stage tests_bits_sdpa 200 $PYTEST -n 8 tests/kernels/test_cute_bwd_gpu.py -k "step_forms" \
+    tests/kernels/test_backends_gpu.py tests/kernels/test_window_gpu.py
+  for v in default lpt_over_heads=1 persistent_ctas=0; do
+    o=$v; [ "$v" = default ] && o=
+    TAIL_LINES=8 FA4DIST_BWD_OVERRIDE=$o stage "two_waves_${v%%=*}" 120 python3 bench/split_tail.py --direction bwd \
+      --causal --headdim 128 --shapes 1x4096x8 1x2048x16 1x8192x4 1x4096x12 --rounds 3 --out-dir "$OUT/tw_${v%%=*}"
+  done
+  TAIL_LINES=6 FA4DIST_BWD_OVERRIDE=lpt_over_heads=1 stage two_waves_64_lpt 60 python3 bench/split_tail.py \
+    --direction bwd --causal --headdim 64 --shapes 1x4096x8 --rounds 3 --out-dir "$OUT/tw64_lpt"
+  TAIL_LINES=6 stage two_waves_64 60 python3 bench/split_tail.py --direction bwd --causal --headdim 64 \
+    --shapes 1x4096x8 --rounds 3 --out-dir "$OUT/tw64"
+  exit
+fi

@@ -108,6 +108,7 @@ EXTRA = [
     (FP16, 64, True, False, False, False, {"split_keys": True, "persistent_ctas": 132, "softcap": 30.0}),
     (BF16, 96, True, False, False, False, {"split_keys": True, "persistent_ctas": 132}),
     (BF16, 128, False, False, False, False, {"split_keys": True, "persistent_ctas": 132}),  # the last wave's
+    (BF16, 128, True, False, False, False, {"lpt_over_heads": True, "persistent_ctas": 132}),
 ]
 
 

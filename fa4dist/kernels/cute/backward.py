@@ -103,6 +103,10 @@ class BwdConfig:
     # causal, not deterministic: long and short key tiles alternate in the launch order (tile_scheduler.
     # bwd_work_tile). Default from default_interleave_lengths (short dense sequences)
     interleave_lengths: bool = False
+    # causal, not deterministic: the longest key tiles of every (batch, kv head) first, then every one's second
+    # longest, ... (tile_scheduler.bwd_work_tile's longest_first_over_heads, the split launches' order) instead of
+    # one head's key tiles after another's; the same bits. A measurement knob (few-wave launches)
+    lpt_over_heads: bool = False
     # deterministic: the dQ writer's ticket poll sleeps this many ns between reads (0: it spins, as flash-attn-4's
     # does; measured neutral), and fences before it releases the ticket (True: an explicit fence.acq_rel.gpu before
     # red.release, two MEMBAR.ALL.GPU per step in the SASS; False, the default: red.release alone, itself a
@@ -135,7 +139,8 @@ class BwdConfig:
             dq_fixed=self.dq_fixed, worklist=self.worklist, persistent_ctas=self.persistent_ctas,
             det_resident=self.det_resident, tma_store_dkv=self.tma_store_dkv, early_vectors=self.early_vectors,
             try_waits=self.try_waits, hoist_descriptors=self.hoist_descriptors,
-            interleave_lengths=self.interleave_lengths, ticket_sleep_ns=self.ticket_sleep_ns,
+            interleave_lengths=self.interleave_lengths, lpt_over_heads=self.lpt_over_heads,
+            ticket_sleep_ns=self.ticket_sleep_ns,
             release_fence=self.release_fence, fixed_scales_early=self.fixed_scales_early,
             clean_tiles=self.clean_tiles, split_keys=self.split_keys,
         )
@@ -263,7 +268,8 @@ _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "s
            "masked_last": host.parse_bool, "softcap_grad_regs": host.parse_bool, "persistent_ctas": int,
            "tma_store_dkv": host.parse_bool, "early_vectors": host.parse_bool,
            "try_waits": host.parse_bool, "hoist_descriptors": host.parse_bool,
-           "interleave_lengths": host.parse_bool, "ticket_sleep_ns": int, "release_fence": host.parse_bool,
+           "interleave_lengths": host.parse_bool, "lpt_over_heads": host.parse_bool, "ticket_sleep_ns": int,
+           "release_fence": host.parse_bool,
            "fixed_scales_early": host.parse_bool, "clean_tiles": host.parse_bool,
            "det_resident": host.parse_bool}  # True: sequences of up to half the SMs' key tiles
 # development hook: FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8" (tests and benches run a variant)
@@ -460,6 +466,8 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
             kw["worklist"], kw["window_left"], max_seqlen_k)
     if kw.get("interleave_lengths") and not (kw["causal"] and not kw["deterministic"]):
         kw["interleave_lengths"] = False  # the kernel's rule (bwd_sm90): one cache entry per kernel
+    if kw.get("lpt_over_heads") and not (kw["causal"] and not kw["deterministic"] and not kw["varlen"]):
+        kw["lpt_over_heads"] = False
     main = BwdConfig(**kw)
     pre = PreConfig(o_dtype=host.dtype_name(o_dtype), do_dtype=host.dtype_name(do_dtype), head_dim=head_dim,
                     tile_m=tm, varlen=bool(varlen), deterministic=bool(deterministic), zero_dq=grads != "dkv",

@@ -153,6 +153,7 @@ class FlashBwdSm90:
         try_waits: bool = False,
         hoist_descriptors: bool = True,
         interleave_lengths: bool = False,
+        lpt_over_heads: bool = False,
         ticket_sleep_ns: int = 32,
         release_fence: bool = False,
         fixed_scales_early: bool = True,
@@ -257,6 +258,9 @@ class FlashBwdSm90:
         # causal, no deterministic order: long and short key tiles alternate in the launch order
         # (tile_scheduler.bwd_work_tile)
         self.interleave_lengths = interleave_lengths and causal and not deterministic
+        # causal, no deterministic order, dense: every head's longest key tile first, then every head's second
+        # longest, ... (the split launches' order, BwdConfig.lpt_over_heads)
+        self.lpt_over_heads = lpt_over_heads and causal and not deterministic and not varlen
         # deterministic dQ tickets: the poll's sleep between reads (0: spin) and the explicit fence before the
         # release (red.release alone already releases); the same order of adds either way
         assert ticket_sleep_ns >= 0, ticket_sleep_ns
@@ -576,7 +580,8 @@ class FlashBwdSm90:
             base_idx, split_slot, split_tile = decode(tile_idx, launch.split_edge, launch.split_parts)
         tile = bwd_work_tile(io.mQ, io.mK, launch.n_blocks_grid, launch.num_batch, shortest_first=spt,
                              det_chunk=self.det_chunk, interleave=self.interleave_lengths and not self.split_keys,
-                             tile_idx=base_idx, longest_first_over_heads=self.split_keys and self.causal)
+                             tile_idx=base_idx,
+                             longest_first_over_heads=(self.split_keys and self.causal) or self.lpt_over_heads)
         seqlen = SeqlenInfo.create(tile.batch, io.mQ, io.mK, io.diag, io.mCuSeqlensQ, io.mCuSeqlensK, io.mSegOffQ,
                                    io.mSegOffK, varlen=self.varlen, seg_offsets=self.seg_offsets,
                                    scratch_tile_m=self.tile_m, worklist=self.worklist)
