@@ -76,3 +76,19 @@ if [ "$1" = 4 ]; then
     --shapes 1x4096x8 --rounds 3 --out-dir "$OUT/tw64"
   exit
 fi
+# 5: call 4: lpt_over_heads gained +40 / +35 / +39 / +19% at hdim 128 8 x 4k / 16 x 2k / 4 x 8k / 12 x 4k and +40% at
+#    hdim 64 8 x 4k (1.14-1.33x flash-attn-4's backward), far above the +3-8% predicted: under head-major claims
+#    the last heads' longest key tiles start only after ~90 earlier claims have finished. Where does it stop
+#    paying? Many-wave launches (the #11 bench shapes among them), where all heads' Q / dO / dQ scratch streamed at
+#    once no longer fit the 50 MB L2 (a head-major order keeps one head's hot). Knob on and off, same rounds.
+if [ "$1" = 5 ]; then
+  for v in off on; do
+    o=; [ "$v" = on ] && o=lpt_over_heads=1
+    TAIL_LINES=12 FA4DIST_BWD_OVERRIDE=$o stage "waves_128_$v" 150 python3 bench/split_tail.py --direction bwd \
+      --causal --headdim 128 --shapes 1x4096x16 1x4096x32 1x8192x16 1x16384x8 2x8192x16 1x16384x16 4x4096x16 \
+      --rounds 3 --out-dir "$OUT/waves_128_$v"
+    TAIL_LINES=6 FA4DIST_BWD_OVERRIDE=$o stage "waves_64_$v" 90 python3 bench/split_tail.py --direction bwd \
+      --causal --headdim 64 --shapes 1x4096x16 1x8192x16 4x4096x32 --rounds 3 --out-dir "$OUT/waves_64_$v"
+  done
+  exit
+fi
