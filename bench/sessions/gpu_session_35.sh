@@ -92,3 +92,18 @@ if [ "$1" = 5 ]; then
   done
   exit
 fi
+# 6: call 5: lpt_over_heads +18.5% / +5% / +6.5% at 16 x 4k / 32 x 4k / 16 x 8k (hdim 128), +17 / +8.5% at hdim 64,
+#    neutral at 8 x 16k, -12% / -32% at the #11 bench's 4 x 4k x 16 / 4 x 4k x 32 (16-32 waves, 256 MB of query
+#    streams: L2). Now the default where it paid (backward.use_lpt_over_heads: at most 8 waves and 128 MB). The
+#    backward GPU suite under it; the default against the head-major order on three shapes (predicted: +35-40% at
+#    8 x 4k, +18% at 16 x 4k, unchanged at 4 x 4k x 16); forward+backward through the contract on 8 heads of 128.
+if [ "$1" = 6 ]; then
+  TAIL_LINES=6 stage tests_bwd 230 $PYTEST -n 8 tests/kernels/test_cute_bwd_gpu.py
+  TAIL_LINES=8 stage lpt_default 60 python3 bench/split_tail.py --direction bwd --causal --headdim 128 \
+    --shapes 1x4096x8 1x4096x16 4x4096x16 --rounds 2 --out-dir "$OUT/lpt_default"
+  TAIL_LINES=8 FA4DIST_BWD_OVERRIDE=lpt_over_heads=0 stage lpt_off 60 python3 bench/split_tail.py --direction bwd \
+    --causal --headdim 128 --shapes 1x4096x8 1x4096x16 4x4096x16 --rounds 2 --out-dir "$OUT/lpt_off"
+  TAIL_LINES=12 stage few_heads 80 python3 bench/kernels.py --headdims 128 --seqlens 4096 8192 --total-tokens 8192 \
+    --model-dim 1024 --causal true --directions bwd --backends cute flash_attn_4 --rounds 3 --out-dir "$OUT/few_heads"
+  exit
+fi

@@ -541,3 +541,28 @@ def test_split_keys_scope_and_plan():
     assert bwd.dense_split_keys_plan(full, (1, 4096, 5, 128), (1, 4096, 5, 128), 0) == (132, 4)
     assert bwd.split_key_tile_count(full, (1, 4096, 5, 128), (132, 4)) == 28
     assert bwd.dense_split_keys_plan(full, (1, 4096, 16, 128), (1, 4096, 16, 128), 0)[1] == 1  # 512: 3.9 waves
+
+
+def test_lpt_over_heads_scope():
+    """backward.use_lpt_over_heads: dense causal non-deterministic launches of at most 8 waves of key tiles whose
+    query-side streams fit 128 MB take every head's longest key tile first (lpt_over_heads_variant); many-wave or
+    larger launches, deterministic, non-causal and packed calls keep the head-major order."""
+    def main(**kw):
+        kw = dict(dict(causal=True, varlen=False, seg_offsets=False, accumulate=False, deterministic=False,
+                       dq_dtype=BF16, dkv_dtype=BF16, o_dtype=BF16, do_dtype=BF16), **kw)
+        return bwd.make_configs(BF16, kw.pop("d", 128), **kw)[1]
+
+    def shapes(b, s, h, hk=None, d=128):
+        return (b, s, h, d), (b, s, hk or h, d)
+
+    cfg = main(max_seqlen_k=4096)
+    assert not cfg.lpt_over_heads and bwd.lpt_over_heads_variant(cfg).lpt_over_heads
+    assert bwd.use_lpt_over_heads(cfg, *shapes(1, 4096, 8))  # 256 key tiles, 32 MB
+    assert bwd.use_lpt_over_heads(cfg, *shapes(1, 4096, 32))  # 1024 key tiles, 128 MB
+    assert not bwd.use_lpt_over_heads(cfg, *shapes(4, 4096, 16))  # 2048 key tiles, 256 MB
+    assert not bwd.use_lpt_over_heads(cfg, *shapes(1, 16384, 16))
+    assert not bwd.use_lpt_over_heads(main(d=64, max_seqlen_k=4096), *shapes(4, 4096, 32, d=64))
+    assert not bwd.use_lpt_over_heads(cfg, *shapes(1, 8192, 32, hk=8))  # GQA: 512 key tiles, 256 MB of queries
+    assert bwd.use_lpt_over_heads(cfg, *shapes(1, 8192, 16, hk=4))  # 256 key tiles, 128 MB
+    for kw in (dict(deterministic=True), dict(causal=False), dict(varlen=True)):
+        assert not bwd.use_lpt_over_heads(main(max_seqlen_k=4096, **kw), *shapes(1, 4096, 8)), kw

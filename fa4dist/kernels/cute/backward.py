@@ -105,7 +105,8 @@ class BwdConfig:
     interleave_lengths: bool = False
     # causal, not deterministic: the longest key tiles of every (batch, kv head) first, then every one's second
     # longest, ... (tile_scheduler.bwd_work_tile's longest_first_over_heads, the split launches' order) instead of
-    # one head's key tiles after another's; the same bits. A measurement knob (few-wave launches)
+    # one head's key tiles after another's; the same bits. Not a default of any config: launch_steps runs
+    # lpt_over_heads_variant(cfg) for the dense launches whose shapes take it (use_lpt_over_heads)
     lpt_over_heads: bool = False
     # deterministic: the dQ writer's ticket poll sleeps this many ns between reads (0: it spins, as flash-attn-4's
     # does; measured neutral), and fences before it releases the ticket (True: an explicit fence.acq_rel.gpu before
@@ -775,6 +776,8 @@ def launch_steps(
         split_dkv = torch.empty(2 * split_tiles * parts * TILE_N, d, dtype=torch.float32, device=device)
         main_args = lambda: (torch.zeros(1 + split_tiles, dtype=torch.int32, device=device),  # noqa: E731
                              split_dkv, edge, parts)
+    elif "lpt_over_heads" not in {**_OVERRIDE, **overrides} and use_lpt_over_heads(main_cfg, q.shape, k.shape):
+        main_fn = host.get_compiled(lpt_over_heads_variant(main_cfg))  # (the split variant has this order too)
     return [
         lambda: pre_fn(out, dout, lse, lse2, dpsum, clean, dq_words, sem, dq_scale, scale2, scale, m_grid,
                        cu_seqlens_q),
@@ -786,6 +789,38 @@ def launch_steps(
 
 # the main kernel's split_keys arguments (scratch, split key tiles, parts) of a launch that does not split
 NO_SPLIT = (None, None, None)
+
+
+# lpt_over_heads for dense causal non-deterministic launches of at most LPT_OVER_HEADS_MAX_WAVES waves of key tiles
+# whose query-side streams (q and dO in 16 bits, the fp32 dQ scratch: 8 bytes per query element) take at most
+# LPT_OVER_HEADS_MAX_BYTES. Measured on the H200 (bench/RESULTS.md, thirty-fourth session, bench/split_tail.py
+# --direction bwd --causal, device time, against one head's key tiles after another's): hdim 128 +40 / +35 / +39
+# / +19 / +18% at 8 x 4k / 16 x 2k / 4 x 8k / 12 x 4k / 16 x 4k heads x tokens (2-4 waves), +5 / +6.5 / -0.4% at
+# 32 x 4k / 16 x 8k / 8 x 16k (8 waves, 128 MB); -0.6 / -1.9 / -12% at 2 x 8k x 16 / 16k x 16 / 4 x 4k x 16 (16
+# waves, 256 MB); hdim 64 +40 / +17 / +8.5% at 8 x 4k / 16 x 4k / 16 x 8k, -32% at 4 x 4k x 32 (32 waves, 256 MB):
+# every head's streams at once then no longer fit the 50 MB L2, where a head-major order keeps one head's hot
+LPT_OVER_HEADS_MAX_WAVES = 8
+LPT_OVER_HEADS_MAX_BYTES = 128 * 2**20
+
+
+def use_lpt_over_heads(cfg: BwdConfig, q_shape, k_shape) -> bool:
+    """Whether a dense call (q (b, s_q, h, d), k (b, s_k, h_kv, d)) on ``cfg`` takes lpt_over_heads_variant."""
+    if not (cfg.causal and not cfg.deterministic and not cfg.varlen):
+        return False
+    b, sq, h, d = q_shape
+    _, sk, hk, _ = k_shape
+    key_tiles = b * hk * -(-sk // TILE_N)
+    return key_tiles <= LPT_OVER_HEADS_MAX_WAVES * host.sm_count() and b * h * sq * d * 8 <= LPT_OVER_HEADS_MAX_BYTES
+
+
+_LPT_VARIANTS: dict = {}  # a call's main-kernel variant -> the same with lpt_over_heads, per process
+
+
+def lpt_over_heads_variant(cfg: BwdConfig) -> BwdConfig:
+    try:
+        return _LPT_VARIANTS[cfg]
+    except KeyError:
+        return _LPT_VARIANTS.setdefault(cfg, replace(cfg, lpt_over_heads=True))
 
 
 _SPLIT_VARIANTS: dict = {}  # a call's main-kernel variant -> its split_keys_variant (None: none), per process
