@@ -19,7 +19,8 @@ source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s35 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
 bundle_folders_on_exit
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rfE -m gpu"
-if [ "${1:-1}" = 1 ]; then
+# stages 1 and 2: the deterministic split's tests and its split / unsplit rows (the same commands on two commits)
+det_split_stages() {
   TAIL_LINES=8 stage tests_det_split 240 $PYTEST -n 8 tests/kernels/test_cute_bwd_gpu.py \
     -k "split or determin or persistent"
   TAIL_LINES=12 stage det_split_128 150 python3 bench/split_tail.py --direction bwd --causal --deterministic \
@@ -27,6 +28,9 @@ if [ "${1:-1}" = 1 ]; then
     --out-dir "$OUT/det_split_128"
   TAIL_LINES=8 stage det_split_64 90 python3 bench/split_tail.py --direction bwd --causal --deterministic \
     --headdim 64 --shapes 1x4096x4 1x8192x2 1x4096x8 --rounds 3 --out-dir "$OUT/det_split_64"
+}
+if [ "${1:-1}" = 1 ]; then
+  det_split_stages
   exit
 fi
 # 2: call 1 measured the deterministic split 9-29% slower: in one diagonal-down ticket chain per query tile a part
@@ -40,13 +44,7 @@ fi
 #    non-deterministic split's +28-72%, less the later start of the longest tiles' parts under shortest-first
 #    claims and the chain sums' passes).
 if [ "$1" = 2 ]; then
-  TAIL_LINES=8 stage tests_det_split 240 $PYTEST -n 8 tests/kernels/test_cute_bwd_gpu.py \
-    -k "split or determin or persistent"
-  TAIL_LINES=12 stage det_split_128 150 python3 bench/split_tail.py --direction bwd --causal --deterministic \
-    --headdim 128 --shapes 1x4096x4 1x16384x1 1x8192x2 1x4096x3 1x2048x8 1x4096x8 --rounds 3 \
-    --out-dir "$OUT/det_split_128"
-  TAIL_LINES=8 stage det_split_64 90 python3 bench/split_tail.py --direction bwd --causal --deterministic \
-    --headdim 64 --shapes 1x4096x4 1x8192x2 1x4096x8 --rounds 3 --out-dir "$OUT/det_split_64"
+  det_split_stages
   exit
 fi
 # 3: the session's helper changes on the GPU paths: HF packed documents by transformers' rule in one process and
