@@ -546,7 +546,8 @@ def test_split_keys_scope_and_plan():
 def test_lpt_over_heads_scope():
     """backward.use_lpt_over_heads: dense causal non-deterministic launches of at most 8 waves of key tiles whose
     query-side streams fit 128 MB take every head's longest key tile first (lpt_over_heads_variant); many-wave or
-    larger launches, deterministic, non-causal and packed calls keep the head-major order."""
+    larger launches, deterministic, non-causal and packed calls keep the head-major order, short sequences their
+    interleaved one."""
     def main(**kw):
         kw = dict(dict(causal=True, varlen=False, seg_offsets=False, accumulate=False, deterministic=False,
                        dq_dtype=BF16, dkv_dtype=BF16, o_dtype=BF16, do_dtype=BF16), **kw)
@@ -566,3 +567,5 @@ def test_lpt_over_heads_scope():
     assert bwd.use_lpt_over_heads(cfg, *shapes(1, 8192, 16, hk=4))  # 256 key tiles, 128 MB
     for kw in (dict(deterministic=True), dict(causal=False), dict(varlen=True)):
         assert not bwd.use_lpt_over_heads(main(max_seqlen_k=4096, **kw), *shapes(1, 4096, 8)), kw
+    short = main(max_seqlen_k=1024)  # (the interleaved order of short sequences stays)
+    assert short.interleave_lengths and not bwd.use_lpt_over_heads(short, *shapes(1, 1024, 8))

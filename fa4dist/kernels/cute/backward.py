@@ -804,8 +804,9 @@ LPT_OVER_HEADS_MAX_BYTES = 128 * 2**20
 
 
 def use_lpt_over_heads(cfg: BwdConfig, q_shape, k_shape) -> bool:
-    """Whether a dense call (q (b, s_q, h, d), k (b, s_k, h_kv, d)) on ``cfg`` takes lpt_over_heads_variant."""
-    if not (cfg.causal and not cfg.deterministic and not cfg.varlen):
+    """Whether a dense call (q (b, s_q, h, d), k (b, s_k, h_kv, d)) on ``cfg`` takes lpt_over_heads_variant (not
+    where the short sequences' interleaved order is on: measured against the head-major order only)."""
+    if not (cfg.causal and not cfg.deterministic and not cfg.varlen and not cfg.interleave_lengths):
         return False
     b, sq, h, d = q_shape
     _, sk, hk, _ = k_shape
@@ -817,6 +818,7 @@ _LPT_VARIANTS: dict = {}  # a call's main-kernel variant -> the same with lpt_ov
 
 
 def lpt_over_heads_variant(cfg: BwdConfig) -> BwdConfig:
+    """``cfg`` with lpt_over_heads, remembered per variant (a dict lookup per call)."""
     try:
         return _LPT_VARIANTS[cfg]
     except KeyError:
