@@ -109,6 +109,7 @@ EXTRA = [
     (BF16, 96, True, False, False, False, {"split_keys": True, "persistent_ctas": 132}),
     (BF16, 128, False, False, False, False, {"split_keys": True, "persistent_ctas": 132}),  # the last wave's
     (BF16, 128, True, False, False, False, {"lpt_over_heads": True, "persistent_ctas": 132}),
+    (BF16, 128, True, False, False, True, {"lpt_over_heads": True}),  # deterministic: shortest first over heads
 ]
 
 

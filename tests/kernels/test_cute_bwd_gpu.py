@@ -387,8 +387,8 @@ def test_step_forms_give_the_same_bits(causal, deterministic, knob):
     """Forms of the step that only move work (early_vectors: a step's lse2 / dPsum read while its first GEMMs run;
     try_waits: the Q / dO waits tried before they block, P^T / dS^T converted with inline cvts; hoist_descriptors:
     the smem descriptor bases computed once per CTA, not per step; interleave_lengths: long and short causal key
-    tiles alternating in the launch order, and lpt_over_heads: every head's longest key tile first, both
-    non-deterministic only): dK / dV bytes equal to the kernel without them,
+    tiles alternating in the launch order, non-deterministic only, and lpt_over_heads: every head's longest key
+    tile first, deterministic its shortest): dK / dV bytes equal to the kernel without them,
     and dQ too when deterministic. A sequence long enough for the 132-CTA grid to hold many key tiles, 1000 tokens
     (the persistent grid), GQA 2."""
     g = _gen()

@@ -103,10 +103,12 @@ class BwdConfig:
     # causal, not deterministic: long and short key tiles alternate in the launch order (tile_scheduler.
     # bwd_work_tile). Default from default_interleave_lengths (short dense sequences)
     interleave_lengths: bool = False
-    # causal, not deterministic: the longest key tiles of every (batch, kv head) first, then every one's second
-    # longest, ... (tile_scheduler.bwd_work_tile's longest_first_over_heads, the split launches' order) instead of
-    # one head's key tiles after another's; the same bits. Not a default of any config: launch_steps runs
-    # lpt_over_heads_variant(cfg) for the dense launches whose shapes take it (use_lpt_over_heads)
+    # causal, dense: the longest key tiles of every (batch, kv head) first, then every one's second longest, ...
+    # (tile_scheduler.bwd_work_tile's longest_first_over_heads, the split launches' order) instead of one head's key
+    # tiles after another's; deterministic, the shortest first over every head (the tickets' waits stay on tiles
+    # launched before); the same bits. Not a default of any config: launch_steps runs lpt_over_heads_variant(cfg)
+    # for the non-deterministic launches whose shapes take it (use_lpt_over_heads); deterministic, a measurement
+    # knob (not measured yet: flash-attn-4's deterministic scheduler orders its L2 groups of heads so)
     lpt_over_heads: bool = False
     # deterministic: the dQ writer's ticket poll sleeps this many ns between reads (0: it spins, as flash-attn-4's
     # does; measured neutral), and fences before it releases the ticket (True: an explicit fence.acq_rel.gpu before
@@ -467,8 +469,9 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
             kw["worklist"], kw["window_left"], max_seqlen_k)
     if kw.get("interleave_lengths") and not (kw["causal"] and not kw["deterministic"]):
         kw["interleave_lengths"] = False  # the kernel's rule (bwd_sm90): one cache entry per kernel
-    if kw.get("lpt_over_heads") and not (kw["causal"] and not kw["deterministic"] and not kw["varlen"]):
-        kw["lpt_over_heads"] = False
+    if kw.get("lpt_over_heads") and not (kw["causal"] and not kw["varlen"] and not (
+            kw["deterministic"] and (kw.get("det_chunk") or kw["det_resident"]))):
+        kw["lpt_over_heads"] = False  # the kernel's rule (bwd_sm90)
     main = BwdConfig(**kw)
     pre = PreConfig(o_dtype=host.dtype_name(o_dtype), do_dtype=host.dtype_name(do_dtype), head_dim=head_dim,
                     tile_m=tm, varlen=bool(varlen), deterministic=bool(deterministic), zero_dq=grads != "dkv",

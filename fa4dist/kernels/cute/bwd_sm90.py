@@ -258,9 +258,11 @@ class FlashBwdSm90:
         # causal, no deterministic order: long and short key tiles alternate in the launch order
         # (tile_scheduler.bwd_work_tile)
         self.interleave_lengths = interleave_lengths and causal and not deterministic
-        # causal, no deterministic order, dense: every head's longest key tile first, then every head's second
-        # longest, ... (the split launches' order, BwdConfig.lpt_over_heads)
-        self.lpt_over_heads = lpt_over_heads and causal and not deterministic and not varlen
+        # causal, dense: every head's longest key tile first, then every head's second longest, ... (the split
+        # launches' order, BwdConfig.lpt_over_heads); deterministic (shortest first, not det_chunk's or det_lpt's
+        # orders), every head's shortest key tile first: a ticket still waits only on tiles launched before it
+        self.lpt_over_heads = lpt_over_heads and causal and not varlen and not (
+            deterministic and (self.det_chunk or self.det_lpt))
         # deterministic dQ tickets: the poll's sleep between reads (0: spin) and the explicit fence before the
         # release (red.release alone already releases); the same order of adds either way
         assert ticket_sleep_ns >= 0, ticket_sleep_ns
