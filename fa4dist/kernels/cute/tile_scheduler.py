@@ -242,7 +242,9 @@ def bwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, n_blocks_grid: Int32, num_ba
     before it; ``det_chunk`` > 0 interleaves chunks of that many key tiles of all heads (padding tiles are not
     ``valid``). ``interleave`` (causal, neither of those): long and short key tiles alternate (causal_m_block's
     order, mirrored: key tile 0 sees the most query tiles). ``longest_first_over_heads`` (a causal split launch
-    of few waves: split_plans.split_keys_plan): key tile 0 of every (batch, kv head) first, then key tile 1, ..."""
+    of few waves, split_plans.split_keys_plan, or a causal launch of at most a few waves, backward.lpt_over_heads):
+    key tile 0 of every (batch, kv head) first, then key tile 1, ...; with ``shortest_first`` mirrored (every
+    head's last key tile first)."""
     num_heads = cute.size(mQ.shape[2])
     num_heads_kv = cute.size(mK.shape[2])
     group = num_heads // num_heads_kv
