@@ -110,6 +110,7 @@ EXTRA = [
     (BF16, 128, False, False, False, False, {"split_keys": True, "persistent_ctas": 132}),  # the last wave's
     (BF16, 128, True, False, False, False, {"lpt_over_heads": True, "persistent_ctas": 132}),
     (BF16, 128, True, False, False, True, {"lpt_over_heads": True}),  # deterministic: shortest first over heads
+    (BF16, 128, True, False, False, False, {"lpt_over_heads": True, "lpt_group": 8}),  # ... in groups of 8 heads
 ]
 
 
@@ -570,3 +571,38 @@ def test_lpt_over_heads_scope():
         assert not bwd.use_lpt_over_heads(main(max_seqlen_k=4096, **kw), *shapes(1, 4096, 8)), kw
     short = main(max_seqlen_k=1024)  # (the interleaved order of short sequences stays)
     assert short.interleave_lengths and not bwd.use_lpt_over_heads(short, *shapes(1, 1024, 8))
+
+
+@pytest.mark.parametrize("heads_per_group", [0, 1, 2, 4, 5])
+@pytest.mark.parametrize("shortest_first", [False, True], ids=["longest", "shortest"])
+def test_over_heads_launch_orders(monkeypatch, heads_per_group, shortest_first):
+    """tile_scheduler.bwd_work_tile's order over heads (BwdConfig.lpt_over_heads, lpt_group): a permutation of the
+    (key tile, kv head, batch) tiles; within each group of heads every head's key tile j before any head's j + 1
+    (longest first: key tile j; mirrored: key tile n - 1 - j), the groups one after another; mirrored, every key
+    tile after the higher key tiles of its head (the deterministic tickets' waits stay on earlier launches). The
+    decode's arithmetic in plain Python (cute.size and cutlass.min stand-ins)."""
+    from types import SimpleNamespace
+
+    import cutlass
+    import cutlass.cute as cute
+
+    from fa4dist.kernels.cute import tile_scheduler
+
+    monkeypatch.setattr(cute, "size", lambda x: x)
+    monkeypatch.setattr(cutlass, "min", min)
+    n_blocks, heads_kv, batch = 5, 3, 2
+    m_q, m_k = SimpleNamespace(shape=(640, 64, 6, batch)), SimpleNamespace(shape=(640, 64, heads_kv, batch))
+    order = []
+    for bid in range(n_blocks * heads_kv * batch):
+        t = tile_scheduler.bwd_work_tile(m_q, m_k, n_blocks, batch, shortest_first=shortest_first, det_chunk=0,
+                                         tile_idx=bid, longest_first_over_heads=True, heads_per_group=heads_per_group)
+        order.append((t.block, t.batch * heads_kv + t.head_kv))
+    assert sorted(order) == sorted((n, hb) for n in range(n_blocks) for hb in range(heads_kv * batch))
+    group = heads_per_group or heads_kv * batch
+    for i, (n, hb) in enumerate(order):
+        assert hb // group == order[i - 1][1] // group or hb // group == order[i - 1][1] // group + 1 or i == 0
+        j = n_blocks - 1 - n if shortest_first else n
+        earlier = [(n2, hb2) for n2, hb2 in order[:i] if hb2 // group == hb // group]
+        assert all((n_blocks - 1 - n2 if shortest_first else n2) <= j for n2, _ in earlier)
+        if shortest_first:
+            assert all((n2, hb) in order[:i] for n2 in range(n + 1, n_blocks))

@@ -110,6 +110,10 @@ class BwdConfig:
     # for the non-deterministic launches whose shapes take it (use_lpt_over_heads); deterministic, a measurement
     # knob (not measured yet: flash-attn-4's deterministic scheduler orders its L2 groups of heads so)
     lpt_over_heads: bool = False
+    # lpt_over_heads within groups of this many (batch, kv head) pairs, one group after another (0: every pair at
+    # once), so that a group's query-side streams stay in L2 on many-wave launches (the forward's l2_rows); the
+    # same bits. A measurement knob, not measured yet (over every head, 16-32-wave launches lost 12-32%)
+    lpt_group: int = 0
     # deterministic: the dQ writer's ticket poll sleeps this many ns between reads (0: it spins, as flash-attn-4's
     # does; measured neutral), and fences before it releases the ticket (True: an explicit fence.acq_rel.gpu before
     # red.release, two MEMBAR.ALL.GPU per step in the SASS; False, the default: red.release alone, itself a
@@ -142,7 +146,7 @@ class BwdConfig:
             dq_fixed=self.dq_fixed, worklist=self.worklist, persistent_ctas=self.persistent_ctas,
             det_resident=self.det_resident, tma_store_dkv=self.tma_store_dkv, early_vectors=self.early_vectors,
             try_waits=self.try_waits, hoist_descriptors=self.hoist_descriptors,
-            interleave_lengths=self.interleave_lengths, lpt_over_heads=self.lpt_over_heads,
+            interleave_lengths=self.interleave_lengths, lpt_over_heads=self.lpt_over_heads, lpt_group=self.lpt_group,
             ticket_sleep_ns=self.ticket_sleep_ns,
             release_fence=self.release_fence, fixed_scales_early=self.fixed_scales_early,
             clean_tiles=self.clean_tiles, split_keys=self.split_keys,
@@ -271,7 +275,8 @@ _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "s
            "masked_last": host.parse_bool, "softcap_grad_regs": host.parse_bool, "persistent_ctas": int,
            "tma_store_dkv": host.parse_bool, "early_vectors": host.parse_bool,
            "try_waits": host.parse_bool, "hoist_descriptors": host.parse_bool,
-           "interleave_lengths": host.parse_bool, "lpt_over_heads": host.parse_bool, "ticket_sleep_ns": int,
+           "interleave_lengths": host.parse_bool, "lpt_over_heads": host.parse_bool, "lpt_group": int,
+           "ticket_sleep_ns": int,
            "release_fence": host.parse_bool,
            "fixed_scales_early": host.parse_bool, "clean_tiles": host.parse_bool,
            "det_resident": host.parse_bool}  # True: sequences of up to half the SMs' key tiles
@@ -472,6 +477,8 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
     if kw.get("lpt_over_heads") and not (kw["causal"] and not kw["varlen"] and not (
             kw["deterministic"] and (kw.get("det_chunk") or kw["det_resident"]))):
         kw["lpt_over_heads"] = False  # the kernel's rule (bwd_sm90)
+    if not kw.get("lpt_over_heads"):
+        kw["lpt_group"] = 0
     main = BwdConfig(**kw)
     pre = PreConfig(o_dtype=host.dtype_name(o_dtype), do_dtype=host.dtype_name(do_dtype), head_dim=head_dim,
                     tile_m=tm, varlen=bool(varlen), deterministic=bool(deterministic), zero_dq=grads != "dkv",

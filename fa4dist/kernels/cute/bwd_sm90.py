@@ -154,6 +154,7 @@ class FlashBwdSm90:
         hoist_descriptors: bool = True,
         interleave_lengths: bool = False,
         lpt_over_heads: bool = False,
+        lpt_group: int = 0,
         ticket_sleep_ns: int = 32,
         release_fence: bool = False,
         fixed_scales_early: bool = True,
@@ -263,6 +264,9 @@ class FlashBwdSm90:
         # orders), every head's shortest key tile first: a ticket still waits only on tiles launched before it
         self.lpt_over_heads = lpt_over_heads and causal and not varlen and not (
             deterministic and (self.det_chunk or self.det_lpt))
+        # ... within groups of lpt_group (batch, kv head) pairs, one group after another (0: all at once)
+        assert lpt_group >= 0, lpt_group
+        self.lpt_group = lpt_group if self.lpt_over_heads else 0
         # deterministic dQ tickets: the poll's sleep between reads (0: spin) and the explicit fence before the
         # release (red.release alone already releases); the same order of adds either way
         assert ticket_sleep_ns >= 0, ticket_sleep_ns
@@ -583,7 +587,8 @@ class FlashBwdSm90:
         tile = bwd_work_tile(io.mQ, io.mK, launch.n_blocks_grid, launch.num_batch, shortest_first=spt,
                              det_chunk=self.det_chunk, interleave=self.interleave_lengths and not self.split_keys,
                              tile_idx=base_idx,
-                             longest_first_over_heads=(self.split_keys and self.causal) or self.lpt_over_heads)
+                             longest_first_over_heads=(self.split_keys and self.causal) or self.lpt_over_heads,
+                             heads_per_group=0 if self.split_keys else self.lpt_group)
         seqlen = SeqlenInfo.create(tile.batch, io.mQ, io.mK, io.diag, io.mCuSeqlensQ, io.mCuSeqlensK, io.mSegOffQ,
                                    io.mSegOffK, varlen=self.varlen, seg_offsets=self.seg_offsets,
                                    scratch_tile_m=self.tile_m, worklist=self.worklist)

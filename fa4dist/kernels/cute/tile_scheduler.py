@@ -235,7 +235,7 @@ def fwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, num_m_blocks: Int32, num_bat
 
 def bwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, n_blocks_grid: Int32, num_batch: Int32, *,
                   shortest_first: bool, det_chunk: int, interleave: bool = False, tile_idx=None,
-                  longest_first_over_heads: bool = False) -> WorkTile:
+                  longest_first_over_heads: bool = False, heads_per_group: int = 0) -> WorkTile:
     """Backward: key tile ``block`` of (kv head, batch), key tiles fastest, for the launch-order index ``tile_idx``
     (default: this CTA's blockIdx.x). ``shortest_first`` (causal deterministic; a bool, or a Boolean decided at run
     time) launches the highest key tile first, so that a CTA only ever waits on CTAs launched (or tiles claimed)
@@ -244,7 +244,8 @@ def bwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, n_blocks_grid: Int32, num_ba
     order, mirrored: key tile 0 sees the most query tiles). ``longest_first_over_heads`` (a causal split launch
     of few waves, split_plans.split_keys_plan, or a causal launch of at most a few waves, backward.lpt_over_heads):
     key tile 0 of every (batch, kv head) first, then key tile 1, ...; with ``shortest_first`` mirrored (every
-    head's last key tile first)."""
+    head's last key tile first); ``heads_per_group`` > 0: that order within groups of so many (batch, kv head)
+    pairs, one group after another (so that a group's streams stay in L2)."""
     num_heads = cute.size(mQ.shape[2])
     num_heads_kv = cute.size(mK.shape[2])
     group = num_heads // num_heads_kv
@@ -252,7 +253,16 @@ def bwd_work_tile(mQ: cute.Tensor, mK: cute.Tensor, n_blocks_grid: Int32, num_ba
     if const_expr(tile_idx is None):
         bid, _, _ = cute.arch.block_idx()
     j_valid = True
-    if const_expr(longest_first_over_heads):
+    if const_expr(longest_first_over_heads and heads_per_group > 0):
+        num_hb = num_heads_kv * num_batch
+        per_group = heads_per_group * n_blocks_grid
+        gidx = bid // per_group
+        r = bid - gidx * per_group
+        hb_start = gidx * heads_per_group
+        g_eff = cutlass.min(heads_per_group, num_hb - hb_start)  # (the last group may be smaller)
+        j = r // g_eff
+        hb = hb_start + r - j * g_eff
+    elif const_expr(longest_first_over_heads):
         num_hb = num_heads_kv * num_batch
         j = bid // num_hb
         hb = bid - j * num_hb
