@@ -75,8 +75,26 @@ def silu(x: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
     every element alike: no change there."""
     if not row_invariant or x.device.type != "cpu":
         return F.silu(x)
-    xf = x.to(_compute_dtype(x.dtype))
-    return (xf / (1 + torch.exp(-xf))).to(x.dtype)
+    return _ElementwiseSiLU.apply(x)
+
+
+class _ElementwiseSiLU(torch.autograd.Function):
+    """:func:`silu`'s row-invariant form with its derivative written out: autograd through ``x / (1 + exp(-x))``
+    gave ``inf / inf`` = NaN where ``exp(-x)`` overflows (x below about -88 in fp32 and bf16, -709 in fp64), where
+    F.silu's derivative is ~0; ``s (1 + x (1 - s))``, s = 1 / (1 + exp(-x)), stays finite there, elementwise too."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        xf = x.to(_compute_dtype(x.dtype))
+        return (xf / (1 + torch.exp(-xf))).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        xf = x.to(_compute_dtype(x.dtype))
+        s = 1 / (1 + torch.exp(-xf))
+        return (dy.to(xf.dtype) * (s * (1 + xf * (1 - s)))).to(x.dtype)
 
 
 def row_blocks(t: torch.Tensor, rows: int) -> list[torch.Tensor]:

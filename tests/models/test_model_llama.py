@@ -365,6 +365,25 @@ def test_row_invariant_mlp_rows_do_not_depend_on_their_place_in_the_call_or_the_
         assert torch.equal(grad.view(torch.int32), dx[:n].view(torch.int32)), n
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_row_invariant_silu_has_silus_derivative_where_exp_overflows(dtype):
+    """The row-invariant SiLU was x / (1 + exp(-x)) under autograd: where exp(-x) overflows (x below about -88 in
+    fp32/bf16, -709 in fp64) its derivative was inf / inf = NaN, which NaN'd every weight gradient of a row-invariant
+    or invariant-gradient step with one such gate activation. Value and derivative must be F.silu's (fp64), finite."""
+    from fa4dist.models.llama import silu
+
+    x = torch.tensor([-1e4, -1000.0, -750.0, -100.0, -89.0, -80.0, -3.0, 0.0, 2.5, 90.0, 1e4], dtype=dtype)
+    leaf = x.clone().requires_grad_()
+    silu(leaf, row_invariant=True).backward(torch.ones_like(x))
+    want = x.double().requires_grad_()
+    y = torch.nn.functional.silu(want)
+    y.backward(torch.ones_like(y))
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    assert torch.isfinite(leaf.grad).all(), leaf.grad
+    torch.testing.assert_close(silu(x, row_invariant=True).double(), y.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(leaf.grad.double(), want.grad, rtol=tol, atol=tol)
+
+
 def _one_rank_refuses_its_model_inputs(rank, world, case):
     """FA4Llama over a throw-away group of ranks 0 and 1 (attention timeout 20 s), rank 1's arguments refused by the
     model's own checks: (error type, message, seconds) per rank."""
