@@ -123,7 +123,9 @@ def shard_sample(sample: Sample, plan, rank: int, device=None) -> LocalBatch:
     if not isinstance(plan, (SingleRankPlan, ShardPlan)):
         raise TypeError("plan must be a sharding plan (a SingleRankPlan or a fa4dist.context_parallel.ShardPlan, as "
                         f"make_sample_plan or a model's make_plan make), got {type_name(plan)}")
-    device = device or sample.tokens.device
+    # (`device or ...` dropped device=0, torch's cuda:0 and a local rank's usual spelling: rank 0's shard stayed on
+    # the sample's device while the others moved)
+    device = sample.tokens.device if device is None else torch.device(device)
     if isinstance(plan, SingleRankPlan):
         check_int("rank", rank)  # required as at cp > 1 (where None is refused: the rank is never guessed)
         plan._check_rank(rank)

@@ -142,3 +142,18 @@ def test_a_single_rank_plans_local_segments_are_the_sharded_plans(cu):
         assert all(b > a for s in segments for a, b in zip(s, s[1:])), segments
     attention = LocalPackedAttention()
     assert torch.equal(attention._cu_seqlens(single, "cpu"), attention._cu_seqlens(sharded, "cpu"))
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_device_0_is_cuda_0_not_the_samples_device(cp):
+    """device=0 (torch's cuda:0, as a local rank is often given) was falsy and ignored: the shard stayed on the
+    sample's device (the CPU) silently while ranks 1.. moved to theirs. Without CUDA, moving there must fail."""
+    sample = _sample()
+    plan = make_sample_plan(sample, cp)
+    if torch.cuda.is_available():
+        local = shard_sample(sample, plan, 0, device=0)
+        assert {t.device for t in (local.tokens, local.labels, local.positions)} == {torch.device("cuda", 0)}
+    else:
+        with pytest.raises((RuntimeError, AssertionError), match="CUDA|cuda|accelerator"):
+            shard_sample(sample, plan, 0, device=0)
+    assert shard_sample(sample, plan, 0, device="cpu").tokens.device == torch.device("cpu")
