@@ -11,7 +11,7 @@ every attention layer, which knows from it which keys each local query may see.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -409,12 +409,25 @@ class FA4Llama(nn.Module):
         ``6 * N * T + 12 * L * H * D * P``: N the matmul parameters (every Linear, LM head included, embedding
         lookup excluded), T the tokens, L layers, H query heads, D head dim, P the (query, key) pairs the causal
         mask within documents leaves visible (sum of l(l+1)/2 over documents of length l).  The backward counts
-        twice the forward; activation-checkpoint recompute is not counted (MFU, not HFU)."""
+        twice the forward; activation-checkpoint recompute is not counted (MFU, not HFU).  ``cu_seqlens_list``: one
+        cu_seqlens per sample, each as :meth:`make_plan` takes it (a tensor or a list of boundaries) and checked as
+        it checks them; a list of ints alone is one sample's boundaries, refused (wrap it: ``[cu_seqlens]``)."""
+        from fa4dist.context_parallel.plan import _documents
+
+        # a list of boundaries was a TypeError from list subtraction, one sample's tensor an IndexError from its
+        # 0-d elements, and decreasing boundaries counted negative tokens silently
+        if isinstance(cu_seqlens_list, (torch.Tensor, str)) or not isinstance(cu_seqlens_list, Iterable) or (
+                isinstance(cu_seqlens_list, (list, tuple)) and cu_seqlens_list
+                and all(isinstance(x, int) for x in cu_seqlens_list)):
+            raise TypeError("cu_seqlens_list must be a list of samples' cu_seqlens (wrap one sample's in a list: "
+                            f"[cu_seqlens]), got {type(cu_seqlens_list).__name__}"
+                            + (f" {list(cu_seqlens_list)[:8]}" if isinstance(cu_seqlens_list, (list, tuple)) else ""))
         n_mm = self.num_parameters(matmul_only=True)
         tokens, pairs = 0, 0
         for cu in cu_seqlens_list:
-            lengths = (cu[1:] - cu[:-1]).double()
-            tokens += int(cu[-1])
+            total, bounds = _documents(cu)  # (bounds None: an int, one sequence)
+            lengths = torch.tensor(bounds or (0, total), dtype=torch.float64).diff()
+            tokens += total
             pairs += float((lengths * (lengths + 1) / 2).sum())
         c = self.config
         return 6.0 * n_mm * tokens + 12.0 * c.n_layers * c.n_heads * c.resolved_head_dim * pairs

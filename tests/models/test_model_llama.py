@@ -131,6 +131,21 @@ def test_training_flops_formula():
     assert model.training_flops([cu]) == pytest.approx(want)
 
 
+
+def test_training_flops_takes_cu_seqlens_as_make_plan_does():
+    """A list of boundaries (as make_plan takes them) was a TypeError from list subtraction; one sample's tensor
+    instead of a list of them an IndexError from its 0-d elements; decreasing boundaries counted negative tokens."""
+    model = _model(dtype=torch.float32)
+    want = model.training_flops([torch.tensor([0, 10, 30], dtype=torch.int32), torch.tensor([0, 7])])
+    assert model.training_flops([[0, 10, 30], (0, 7)]) == want
+    assert model.training_flops([torch.tensor([0, 10, 30]), [0, 7]]) == want
+    for bad in (torch.tensor([0, 10, 30]), [0, 10, 30]):
+        with pytest.raises(TypeError, match=r"cu_seqlens_list must be a list of samples' cu_seqlens .*\[cu_seqlens\]"):
+            model.training_flops(bad)
+    with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
+        model.training_flops([[0, 30, 10]])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # data
 
