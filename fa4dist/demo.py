@@ -83,6 +83,12 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         check_seed("--seed", args.seed)
     except ValueError as err:
         p.error(str(err))
+    from fa4dist.kernels.registry import check_backend
+
+    try:  # (a misspelt or unavailable backend failed on every rank once the group was up)
+        check_backend(args.backend, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    except ValueError as err:
+        p.error(f"--backend: {err}")
     world = _launched_world()
     if world is None:
         args.nproc = 2 if args.nproc is None else args.nproc
@@ -91,6 +97,15 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
                 "number of processes to spawn without torchrun; leave it out under torchrun (--nproc-per-node sets it)")
     else:
         args.nproc = world
+    # the strategy's Ulysses degree against the ranks, by the demo's option names (the module's own refusals, on
+    # every rank once the group is up, name its ulysses_degree= argument)
+    if args.nproc > 1 and args.strategy == "hybrid" and args.ulysses_degree is None:
+        p.error("--strategy hybrid needs --ulysses-degree U (Ulysses over U ranks, ring over the rest)")
+    if args.nproc > 1 and args.ulysses_degree is not None and args.nproc % args.ulysses_degree:
+        p.error(f"--ulysses-degree {args.ulysses_degree} must divide the number of ranks ({args.nproc})")
+    if args.nproc > 1 and args.strategy == "ulysses" and args.ulysses_degree not in (None, args.nproc):
+        p.error(f"--ulysses-degree {args.ulysses_degree} contradicts --strategy ulysses, which runs Ulysses over all "
+                f"{args.nproc} ranks (--strategy hybrid runs it over fewer)")
 
 
 def _launched_world():
@@ -299,7 +314,14 @@ def _spawned(local_rank: int, nproc: int, port: int, argv):
 def main(argv=None) -> int:
     args = _args(argv)
     if _launched_world() is not None:
-        return run(args)
+        try:
+            return run(args)
+        except (ValueError, TypeError) as err:
+            # the library's refusal of a size or option (every rank raises it): one line per rank, as the
+            # self-launched demo prints, instead of a traceback per rank from deep inside the module
+            print(f"fa4dist demo: rank {os.environ['RANK']} failed: {type(err).__name__}: {err}", file=sys.stderr,
+                  flush=True)
+            return 1
     import torch.multiprocessing as mp
 
     port = _free_port()

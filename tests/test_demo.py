@@ -55,6 +55,14 @@ def test_demo_self_launched_packed_ulysses():
     # the default strategy is ring: a bare --ulysses-degree failed on every rank with "ulysses_degree=2 contradicts
     # strategy='ring'", a strategy the command never named
     (["--ulysses-degree", "2"], "--ulysses-degree 2 needs --strategy hybrid \\(or auto\\); --strategy ring, the"),
+    # these failed on every rank once started, naming the module's ulysses_degree= (hybrid without one: a traceback
+    # per rank under torchrun)
+    (["--strategy", "hybrid"], "--strategy hybrid needs --ulysses-degree U"),
+    (["--backend", "bogus"], "--backend: backend must be 'auto' or one of \\[.*'reference'.*\\], got 'bogus'"),
+    (["--strategy", "hybrid", "--ulysses-degree", "3", "--nproc", "4"],
+     "--ulysses-degree 3 must divide the number of ranks \\(4\\)"),
+    (["--strategy", "ulysses", "--ulysses-degree", "2", "--nproc", "4"],
+     "--ulysses-degree 2 contradicts --strategy ulysses, which runs Ulysses over all 4 ranks"),
 ])
 def test_demo_refuses_sizes_it_cannot_run_by_name(bad, message, capsys):
     from fa4dist import demo
@@ -97,3 +105,27 @@ def test_nproc_that_contradicts_torchruns_world_size_is_refused(monkeypatch, cap
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")
     assert demo._args(["--nproc", "4"]).nproc == 4 and demo._args([]).nproc == 2  # spawned: the default is 2
+
+
+def test_a_rank_whose_run_is_refused_under_a_launcher_prints_one_line(monkeypatch, capsys):
+    """Under torchrun a size the library refuses (e.g. --strategy ulysses with heads that do not split over the
+    ranks) ended every rank with a traceback from inside the module; as in the self-launched demo, each rank now
+    prints one line naming the error and exits 1. Other errors (a bug, a broken transport) keep their traceback."""
+    from fa4dist import demo
+
+    def refused(args):
+        raise ValueError("Ulysses degree 2 is impossible: 3 query heads do not split evenly over 2 ranks")
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(demo, "run", refused)
+    assert demo.main(["--seqlen", "8"]) == 1
+    assert capsys.readouterr().err == ("fa4dist demo: rank 1 failed: ValueError: Ulysses degree 2 is impossible: 3 "
+                                       "query heads do not split evenly over 2 ranks\n")
+
+    def broken(args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(demo, "run", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        demo.main(["--seqlen", "8"])
