@@ -68,8 +68,12 @@ def collect_documents(
     would otherwise change the text between two runs of one recipe."""
     if isinstance(roots, (str, os.PathLike)):  # one root (a string is not a sequence of roots)
         roots = [roots]
-    tracked = None if roots else _tracked_files(default_text_root())
-    roots = [Path(r) for r in (roots or [default_text_root()])]
+    if roots is not None:
+        given, roots = roots, list(roots)
+        if not roots:  # (was taken as None: this repository's text, silently)
+            raise ValueError(f"roots must name at least one file or directory (None: this repository), got {given!r}")
+    tracked = None if roots is not None else _tracked_files(default_text_root())
+    roots = [Path(r) for r in (roots if roots is not None else [default_text_root()])]
     missing = [str(r) for r in roots if not r.exists()]
     if missing:  # was skipped silently beside roots that exist: a typo trained on less text than asked for
         raise FileNotFoundError(f"roots must be existing files or directories, these do not exist: {missing}")

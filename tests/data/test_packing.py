@@ -36,6 +36,16 @@ def test_a_root_that_does_not_exist_is_refused_by_name(tmp_path):
         collect_documents(root, max_file_bytes=-1)
 
 
+def test_an_empty_list_of_roots_is_refused_not_read_as_the_default(tmp_path):
+    """roots=[] (a --data list or glob that matched nothing) was taken as None: this repository's own text, read
+    silently in place of the caller's empty corpus."""
+    with pytest.raises(ValueError, match=r"roots must name at least one file or directory \(None: this repository\), "
+                                         r"got \[\]"):
+        collect_documents([])
+    with pytest.raises(ValueError, match=r"got \(\)"):
+        collect_documents(())
+
+
 def test_windows_keep_their_document_structure():
     stream = PackedTokenStream(["abcdef", "ghijklmnop", "qrs"], seqlen=8, seed=1)
     for i in range(stream.num_windows):
