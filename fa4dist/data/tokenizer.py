@@ -38,6 +38,10 @@ class ByteTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Bytes back to text; special tokens are dropped, stray bytes decode with replacement characters."""
+        try:
+            ids = iter(ids)
+        except TypeError:  # (None, 5 or a 0-d tensor: "'int' object is not iterable", not naming ids)
+            raise TypeError(f"ids must be a sequence of integer token ids, got {type_name(ids)}") from None
         values = []
         for i in ids:
             try:

@@ -33,3 +33,11 @@ def test_decode_refuses_ids_that_are_not_integers(ids, shown):
     """1.7 was read as byte 1 (int() truncates)."""
     with pytest.raises(TypeError, match=f"ids must be integer token ids, got {shown}"):
         ByteTokenizer().decode(ids)
+
+
+@pytest.mark.parametrize("ids", [None, 5, torch.tensor(97)])
+def test_decode_refuses_what_is_not_a_sequence_of_ids_by_name(ids):
+    """None, an int or a 0-d tensor was torch's or Python's own TypeError ("'int' object is not iterable",
+    "iteration over a 0-d tensor"), naming nothing of decode's."""
+    with pytest.raises(TypeError, match="ids must be a sequence of integer token ids, got "):
+        ByteTokenizer().decode(ids)
