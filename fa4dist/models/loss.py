@@ -183,9 +183,11 @@ def reduce_value(value: torch.Tensor, group=None, op=dist.ReduceOp.SUM, *, timeo
     dtype and ``op``): a fingerprint of the call is compared first through the group's store (host-side, no device
     sync, as the attention's agreement check), so a rank whose call differs or is refused makes every rank raise,
     naming it, instead of gloo aborting, NCCL hanging or the ops mixing silently."""
-    def check(value):
+    def check(value):  # (op too at every size: a bad one was taken without a group or at size 1, refused above)
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"value must be a torch.Tensor, got {type(value).__name__}")
+        if not isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+            raise TypeError(f"op must be a torch.distributed.ReduceOp, got {type(op).__name__}")
         return value.detach().clone()
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -208,8 +210,6 @@ def reduce_value(value: torch.Tensor, group=None, op=dist.ReduceOp.SUM, *, timeo
         if error is not None:
             raise error
         value = check(value)
-        if not isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
-            raise TypeError(f"op must be a torch.distributed.ReduceOp, got {type(op).__name__}")
         if transport.backend == "nccl" and not value.is_cuda:
             raise ValueError(f"an NCCL process group needs a CUDA tensor, got one on {value.device}")
         sig = dict(shape=list(value.shape), dtype=str(value.dtype), device=value.device.type,

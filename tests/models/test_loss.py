@@ -59,6 +59,17 @@ def test_a_bad_timeout_is_refused_without_a_group(timeout):
         reduce_value(torch.ones(()), timeout=timeout)
 
 
+
+@pytest.mark.parametrize("op", ["max", 3, None])
+def test_a_bad_reduce_op_is_refused_without_a_group(op):
+    """Taken silently without a group (a plain copy), refused on a group of several ranks: checked alike."""
+    from fa4dist.models import reduce_value
+
+    with pytest.raises(TypeError, match=f"op must be a torch.distributed.ReduceOp, got {type(op).__name__}"):
+        reduce_value(torch.ones(()), op=op)
+    assert reduce_value(torch.ones(2), op=torch.distributed.ReduceOp.MAX).tolist() == [1.0, 1.0]
+
+
 def test_integer_labels_of_any_width():
     """int32 labels (F.cross_entropy takes int64 or uint8 only) give the int64 labels' loss."""
     logits, labels = _inputs()
