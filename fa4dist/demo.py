@@ -83,10 +83,12 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         check_seed("--seed", args.seed)
     except ValueError as err:
         p.error(str(err))
-    from fa4dist.kernels.registry import check_backend
+    from fa4dist.kernels.registry import get_backend
 
-    try:  # (a misspelt or unavailable backend failed on every rank once the group was up)
-        check_backend(args.backend, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    try:  # (a misspelt backend failed on every rank once the group was up; the name only: whether it runs on the
+        # rank's device is asked there, without touching CUDA before each rank has picked its GPU)
+        if args.backend != "auto":
+            get_backend(args.backend)
     except ValueError as err:
         p.error(f"--backend: {err}")
     world = _launched_world()
