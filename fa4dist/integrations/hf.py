@@ -548,7 +548,12 @@ def to_hf_llama(model, attn_implementation: str = NAME):
     with torch.device(first.device):  # built where the weights are, whatever the default device
         hf = LlamaForCausalLM(cfg, attn_implementation=attn_implementation) if _accepts_attn_kwarg() else \
             LlamaForCausalLM(cfg)
-    hf = hf.to(first.dtype)  # before the weights go in: loading fp64 weights into fp32 parameters rounds them
+    # the parameters in the model's dtype before the weights go in (loading fp64 weights into fp32 parameters
+    # rounds them); only the parameters: hf.to(dtype) cast the rotary inv_freq buffers too, so a bf16 model's copy
+    # turned positions with bf16-rounded frequencies (whole radians off at a few thousand tokens), where ours and
+    # from_pretrained(torch_dtype=torch.bfloat16) keep them fp32
+    for p in hf.parameters():
+        p.data = p.data.to(first.dtype)
     hf.set_attn_implementation(attn_implementation) if hasattr(hf, "set_attn_implementation") else None
     ours = {k: v for k, v in model.state_dict().items()}
     theirs = hf.state_dict()

@@ -394,6 +394,27 @@ def test_to_hf_llama_copies_the_weights_exactly_where_they_are():
         assert q is not None and q.device == p.device and q.dtype == p.dtype and torch.equal(q, p), name
 
 
+
+def test_to_hf_llama_keeps_the_rotary_frequencies_of_a_bf16_model_in_fp32():
+    """hf.to(bfloat16) cast the rotary inv_freq buffers with the weights: the bf16 model's HF copy turned positions
+    with bf16-rounded frequencies (cos/sin off by up to 2 at a few thousand positions; its logits over 4k tokens
+    ~30% off the fp64 model's where ours are ~2%), unlike from_pretrained(torch_dtype=torch.bfloat16), which keeps
+    them fp32. The copy's rotary tables must be ours."""
+    from fa4dist.models import rotary_tables
+
+    cfg = get_config("tiny", rope_theta=500000.0)
+    torch.manual_seed(5)
+    hf = to_hf_llama(FA4Llama(cfg).to(torch.bfloat16))
+    assert hf.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert all(b.dtype == torch.float32 for b in hf.buffers() if b.is_floating_point())
+    pos = torch.arange(0, 8192, 7)
+    cos, sin = hf.model.rotary_emb(torch.zeros(1, dtype=torch.float32), pos[None])
+    want_cos, want_sin = rotary_tables(pos, cfg.resolved_head_dim, cfg.rope_theta)
+    tol = 4 * torch.finfo(torch.float32).eps * 8192  # a few ulps of the largest angle (~1e4)
+    torch.testing.assert_close(cos[0], want_cos, rtol=0, atol=tol)
+    torch.testing.assert_close(sin[0], want_sin, rtol=0, atol=tol)
+
+
 def test_output_attentions_warns_that_no_weights_come_back(model):
     ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(4))
     model.set_attn_implementation(NAME)
