@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 from fa4dist.data.tokenizer import VOCAB_SIZE  # noqa: E402
-from fa4dist.models import get_config  # noqa: E402
+from fa4dist.models import causal_training_flops, get_config  # noqa: E402
 
 ARCHS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig",
          "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "gpt_oss": "GptOssConfig"}
@@ -393,13 +393,9 @@ def to_device(local: dict, device) -> dict:
 
 
 def training_flops(facts: dict, cu_seqlens_list) -> float:
-    """6·N·T + 12·L·H·D·P (the recipes' MFU formula, common.FLOP_FORMULA)."""
-    tokens, pairs = 0, 0.0
-    for cu in cu_seqlens_list:
-        lengths = (cu[1:] - cu[:-1]).double()
-        tokens += int(cu[-1])
-        pairs += float((lengths * (lengths + 1) / 2).sum())
-    return 6.0 * facts["matmul_params"] * tokens + 12.0 * facts["layers"] * facts["heads"] * facts["head_dim"] * pairs
+    """6·N·T + 12·L·H·D·P (the recipes' MFU formula, common.FLOP_FORMULA: fa4dist.models.causal_training_flops)."""
+    return causal_training_flops(facts["matmul_params"], facts["layers"], facts["heads"], facts["head_dim"],
+                                 cu_seqlens_list)
 
 
 def forward_backward(step, handle, samples, layout, device, phases: Optional[dict] = None):

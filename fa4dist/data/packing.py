@@ -72,6 +72,9 @@ def collect_documents(
         given, roots = roots, list(roots)
         if not roots:  # (was taken as None: this repository's text, silently)
             raise ValueError(f"roots must name at least one file or directory (None: this repository), got {given!r}")
+        empty = [r for r in roots if not os.fspath(r)]
+        if empty:  # Path("") is ".": the current directory, read silently
+            raise ValueError(f"roots must name files or directories, got an empty path in {given!r}")
     tracked = None if roots is not None else _tracked_files(default_text_root())
     roots = [Path(r) for r in (roots if roots is not None else [default_text_root()])]
     missing = [str(r) for r in roots if not r.exists()]
@@ -151,8 +154,9 @@ def segments_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"doc_ids must be 1-D (tokens,), got shape {tuple(doc_ids.shape)}")
     n = doc_ids.numel()
     starts = torch.nonzero(torch.diff(doc_ids) != 0).flatten() + 1
-    cu = torch.cat([torch.zeros(1, dtype=torch.long), starts, torch.tensor([n])])
-    return cu.to(torch.int32)
+    # (on doc_ids' device: a CPU zero beside CUDA starts made torch.cat fail)
+    ends = torch.tensor([0, n], dtype=torch.long, device=doc_ids.device)
+    return torch.cat([ends[:1], starts, ends[1:]]).to(torch.int32)
 
 
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -217,6 +217,35 @@ class DecoderLayer(nn.Module):
         return self._forward(x, cos, sin, plan)
 
 
+def causal_training_flops(matmul_params: int, layers: int, heads: int, head_dim: int, cu_seqlens_list) -> float:
+    """Model FLOPs of one training step (forward + backward, no recompute) of a causal decoder over packed samples.
+
+    ``6 * N * T + 12 * L * H * D * P``: N the matmul parameters (every Linear, LM head included, embedding lookup
+    excluded), T the tokens, L layers, H query heads, D head dim, P the (query, key) pairs the causal mask within
+    documents leaves visible (sum of l(l+1)/2 over documents of length l).  The backward counts twice the forward;
+    activation-checkpoint recompute is not counted (MFU, not HFU).  ``cu_seqlens_list``: one cu_seqlens per sample,
+    each as :func:`fa4dist.context_parallel.make_plan` takes it (a tensor or a list of boundaries) and checked as it
+    checks them; a list of ints alone is one sample's boundaries, refused (wrap it: ``[cu_seqlens]``).  The one
+    formula of :meth:`FA4Llama.training_flops` and the recipes' MFU (recipes/common.FLOP_FORMULA)."""
+    from fa4dist.context_parallel.plan import _documents
+
+    # a list of boundaries was a TypeError from list subtraction, one sample's tensor an IndexError from its 0-d
+    # elements, and decreasing boundaries counted negative tokens silently
+    if isinstance(cu_seqlens_list, (torch.Tensor, str)) or not isinstance(cu_seqlens_list, Iterable) or (
+            isinstance(cu_seqlens_list, (list, tuple)) and cu_seqlens_list
+            and all(isinstance(x, int) for x in cu_seqlens_list)):
+        raise TypeError("cu_seqlens_list must be a list of samples' cu_seqlens (wrap one sample's in a list: "
+                        f"[cu_seqlens]), got {type(cu_seqlens_list).__name__}"
+                        + (f" {list(cu_seqlens_list)[:8]}" if isinstance(cu_seqlens_list, (list, tuple)) else ""))
+    tokens, pairs = 0, 0
+    for cu in cu_seqlens_list:
+        total, bounds = _documents(cu)  # (bounds None: an int, one sequence)
+        lengths = torch.tensor(bounds or (0, total), dtype=torch.float64).diff()
+        tokens += total
+        pairs += float((lengths * (lengths + 1) / 2).sum())
+    return 6.0 * matmul_params * tokens + 12.0 * layers * heads * head_dim * pairs
+
+
 class FA4Llama(nn.Module):
     """Llama-style causal LM.  ``forward(tokens, positions, plan) -> logits (local_tokens, vocab)``.
 
@@ -404,30 +433,8 @@ class FA4Llama(nn.Module):
         return sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
 
     def training_flops(self, cu_seqlens_list) -> float:
-        """Model FLOPs of one training step (forward + backward, no recompute) over packed samples.
-
-        ``6 * N * T + 12 * L * H * D * P``: N the matmul parameters (every Linear, LM head included, embedding
-        lookup excluded), T the tokens, L layers, H query heads, D head dim, P the (query, key) pairs the causal
-        mask within documents leaves visible (sum of l(l+1)/2 over documents of length l).  The backward counts
-        twice the forward; activation-checkpoint recompute is not counted (MFU, not HFU).  ``cu_seqlens_list``: one
-        cu_seqlens per sample, each as :meth:`make_plan` takes it (a tensor or a list of boundaries) and checked as
-        it checks them; a list of ints alone is one sample's boundaries, refused (wrap it: ``[cu_seqlens]``)."""
-        from fa4dist.context_parallel.plan import _documents
-
-        # a list of boundaries was a TypeError from list subtraction, one sample's tensor an IndexError from its
-        # 0-d elements, and decreasing boundaries counted negative tokens silently
-        if isinstance(cu_seqlens_list, (torch.Tensor, str)) or not isinstance(cu_seqlens_list, Iterable) or (
-                isinstance(cu_seqlens_list, (list, tuple)) and cu_seqlens_list
-                and all(isinstance(x, int) for x in cu_seqlens_list)):
-            raise TypeError("cu_seqlens_list must be a list of samples' cu_seqlens (wrap one sample's in a list: "
-                            f"[cu_seqlens]), got {type(cu_seqlens_list).__name__}"
-                            + (f" {list(cu_seqlens_list)[:8]}" if isinstance(cu_seqlens_list, (list, tuple)) else ""))
-        n_mm = self.num_parameters(matmul_only=True)
-        tokens, pairs = 0, 0
-        for cu in cu_seqlens_list:
-            total, bounds = _documents(cu)  # (bounds None: an int, one sequence)
-            lengths = torch.tensor(bounds or (0, total), dtype=torch.float64).diff()
-            tokens += total
-            pairs += float((lengths * (lengths + 1) / 2).sum())
+        """Model FLOPs of one training step (forward + backward, no recompute) over packed samples:
+        :func:`causal_training_flops` with this model's matmul parameters and attention shape."""
         c = self.config
-        return 6.0 * n_mm * tokens + 12.0 * c.n_layers * c.n_heads * c.resolved_head_dim * pairs
+        return causal_training_flops(self.num_parameters(matmul_only=True), c.n_layers, c.n_heads,
+                                     c.resolved_head_dim, cu_seqlens_list)

@@ -44,6 +44,12 @@ def test_an_empty_list_of_roots_is_refused_not_read_as_the_default(tmp_path):
         collect_documents([])
     with pytest.raises(ValueError, match=r"got \(\)"):
         collect_documents(())
+    # an empty path is Path(""), the current directory: read silently in place of the caller's root
+    (tmp_path / "a.txt").write_text("text")
+    with pytest.raises(ValueError, match=r"an empty path in \[.*''\]"):
+        collect_documents([tmp_path, ""])
+    with pytest.raises(ValueError, match=r"an empty path"):
+        collect_documents("")
 
 
 def test_windows_keep_their_document_structure():
@@ -244,3 +250,12 @@ def test_the_default_data_of_a_git_checkout_is_what_git_tracks(tmp_path, monkeyp
     # an explicit root: every file, walked (a directory's files, then its subdirectories in order)
     assert collect_documents([root]) == ["alpha document", "print('beta')", '{"a bench": "output"}', "delta",
                                          "not added yet"]
+
+
+@pytest.mark.gpu
+def test_segments_from_doc_ids_of_a_cuda_tensor():
+    """The boundaries are built on doc_ids' device (a CPU zero beside CUDA starts failed in torch.cat)."""
+    from fa4dist.data.packing import segments_from_doc_ids
+
+    cu = segments_from_doc_ids(torch.tensor([0, 0, 1, 1, 1, 4], device="cuda"))
+    assert cu.device.type == "cuda" and cu.dtype == torch.int32 and cu.tolist() == [0, 2, 5, 6]

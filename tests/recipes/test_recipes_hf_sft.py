@@ -248,3 +248,20 @@ def test_a_seqlen_shorter_than_cp_is_refused_by_name(capsys):
         hf_sft.parse_args(["--seqlen", "3", "--cp", "4"])
     assert "--seqlen 3 is shorter than --cp 4" in capsys.readouterr().err
     assert hf_sft.parse_args(["--seqlen", "4", "--cp", "4"]).seqlen == 4
+
+
+def test_training_flops_is_the_models_formula():
+    """hf_sft's MFU counts with fa4dist.models.causal_training_flops (it kept its own copy of the formula, which
+    raised on a list of boundaries and counted decreasing ones as negative tokens)."""
+    import torch
+
+    from fa4dist.models import FA4Llama, get_config
+
+    model = FA4Llama(get_config("tiny"))
+    c = model.config
+    facts = dict(matmul_params=model.num_parameters(matmul_only=True), layers=c.n_layers, heads=c.n_heads,
+                 head_dim=c.resolved_head_dim)
+    samples = [torch.tensor([0, 10, 30], dtype=torch.int32), [0, 7]]
+    assert hf_sft.training_flops(facts, samples) == model.training_flops(samples)
+    with pytest.raises(ValueError):
+        hf_sft.training_flops(facts, [[0, 30, 10]])
