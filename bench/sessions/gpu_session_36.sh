@@ -9,6 +9,9 @@
 #    (b) lpt_group: the non-deterministic over-heads order within groups of 4 / 8 (batch, kv head) pairs on the
 #    many-wave shapes where over every head lost (4 x 4k x 16: -12%, the #11 bench's 4k). Prediction: +0-3% against
 #    head-major (its tail is a small share of 16 waves), so 1.00x flash-attn-4 there at best.
+#    (c) lpt_over_heads on packed causal documents (key tile j of every sequence and head, then j + 1), mixed
+#    lengths, beside the default and flash-attn-4 (bench/packed_tiles.py checks the gradients against the default
+#    row). Prediction: +0-10% at few heads (the packed launch is head-major over sequences x heads today).
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s36 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
@@ -24,5 +27,7 @@ if [ "${1:-1}" = 1 ]; then
     TAIL_LINES=8 FA4DIST_BWD_OVERRIDE=$o stage "groups_$v" 120 python3 bench/split_tail.py --direction bwd --causal \
       --headdim 128 --shapes 4x4096x16 2x8192x16 1x16384x16 --rounds 3 --out-dir "$OUT/groups_$v"
   done
+  TAIL_LINES=10 stage packed_over_heads 150 python3 bench/packed_tiles.py --direction bwd --headdim 128 \
+    --doclen 1024 2048 4096 --mixed --total-tokens 16384 --model-dim 1024 --variants lpt_over_heads=1
   exit
 fi

@@ -111,6 +111,7 @@ EXTRA = [
     (BF16, 128, True, False, False, False, {"lpt_over_heads": True, "persistent_ctas": 132}),
     (BF16, 128, True, False, False, True, {"lpt_over_heads": True}),  # deterministic: shortest first over heads
     (BF16, 128, True, False, False, False, {"lpt_over_heads": True, "lpt_group": 8}),  # ... in groups of 8 heads
+    (BF16, 128, True, True, False, False, {"lpt_over_heads": True, "max_seqlen_k": 4096}),  # ... packed sequences
 ]
 
 
@@ -569,6 +570,11 @@ def test_lpt_over_heads_scope():
     assert bwd.use_lpt_over_heads(cfg, *shapes(1, 8192, 16, hk=4))  # 256 key tiles, 128 MB
     for kw in (dict(deterministic=True), dict(causal=False), dict(varlen=True)):
         assert not bwd.use_lpt_over_heads(main(max_seqlen_k=4096, **kw), *shapes(1, 4096, 8)), kw
+    # the knob itself: packed and deterministic configs take it, work lists and non-causal calls do not
+    assert main(varlen=True, max_seqlen_k=4096, lpt_over_heads=True).lpt_over_heads
+    assert main(deterministic=True, max_seqlen_k=4096, lpt_over_heads=True).lpt_over_heads
+    assert not main(causal=False, max_seqlen_k=4096, lpt_over_heads=True).lpt_over_heads
+    assert not main(varlen=True, worklist=True, max_seqlen_k=4096, lpt_over_heads=True).lpt_over_heads
     short = main(max_seqlen_k=1024)  # (the interleaved order of short sequences stays)
     assert short.interleave_lengths and not bwd.use_lpt_over_heads(short, *shapes(1, 1024, 8))
 

@@ -103,12 +103,13 @@ class BwdConfig:
     # causal, not deterministic: long and short key tiles alternate in the launch order (tile_scheduler.
     # bwd_work_tile). Default from default_interleave_lengths (short dense sequences)
     interleave_lengths: bool = False
-    # causal, dense: the longest key tiles of every (batch, kv head) first, then every one's second longest, ...
-    # (tile_scheduler.bwd_work_tile's longest_first_over_heads, the split launches' order) instead of one head's key
-    # tiles after another's; deterministic, the shortest first over every head (the tickets' waits stay on tiles
-    # launched before); the same bits. Not a default of any config: launch_steps runs lpt_over_heads_variant(cfg)
-    # for the non-deterministic launches whose shapes take it (use_lpt_over_heads); deterministic, a measurement
-    # knob (not measured yet: flash-attn-4's deterministic scheduler orders its L2 groups of heads so)
+    # causal, not a work list: the longest key tiles of every (batch or packed sequence, kv head) first, then every
+    # one's second longest, ... (tile_scheduler.bwd_work_tile's longest_first_over_heads, the split launches' order)
+    # instead of one head's key tiles after another's; deterministic, the shortest first over every head (the
+    # tickets' waits stay on tiles launched before); the same bits. Not a default of any config: launch_steps runs
+    # lpt_over_heads_variant(cfg) for the dense non-deterministic launches whose shapes take it
+    # (use_lpt_over_heads); deterministic or packed, a measurement knob not measured yet (flash-attn-4's
+    # deterministic scheduler orders its L2 groups of heads so; a packed launch's key tile j of every sequence)
     lpt_over_heads: bool = False
     # lpt_over_heads within groups of this many (batch, kv head) pairs, one group after another (0: every pair at
     # once), so that a group's query-side streams stay in L2 on many-wave launches (the forward's l2_rows); the
@@ -474,7 +475,7 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
             kw["worklist"], kw["window_left"], max_seqlen_k)
     if kw.get("interleave_lengths") and not (kw["causal"] and not kw["deterministic"]):
         kw["interleave_lengths"] = False  # the kernel's rule (bwd_sm90): one cache entry per kernel
-    if kw.get("lpt_over_heads") and not (kw["causal"] and not kw["varlen"] and not (
+    if kw.get("lpt_over_heads") and not (kw["causal"] and not kw["worklist"] and not (
             kw["deterministic"] and (kw.get("det_chunk") or kw["det_resident"]))):
         kw["lpt_over_heads"] = False  # the kernel's rule (bwd_sm90)
     if not kw.get("lpt_over_heads"):

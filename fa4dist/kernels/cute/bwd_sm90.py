@@ -259,10 +259,11 @@ class FlashBwdSm90:
         # causal, no deterministic order: long and short key tiles alternate in the launch order
         # (tile_scheduler.bwd_work_tile)
         self.interleave_lengths = interleave_lengths and causal and not deterministic
-        # causal, dense: every head's longest key tile first, then every head's second longest, ... (the split
-        # launches' order, BwdConfig.lpt_over_heads); deterministic (shortest first, not det_chunk's or det_lpt's
-        # orders), every head's shortest key tile first: a ticket still waits only on tiles launched before it
-        self.lpt_over_heads = lpt_over_heads and causal and not varlen and not (
+        # causal, not a work list: every (sequence, head)'s longest key tile first, then every one's second
+        # longest, ... (the split launches' order, BwdConfig.lpt_over_heads); deterministic (shortest first, not
+        # det_chunk's or det_lpt's orders), every head's shortest key tile first: a ticket still waits only on tiles
+        # launched before it
+        self.lpt_over_heads = lpt_over_heads and causal and not worklist and not (
             deterministic and (self.det_chunk or self.det_lpt))
         # ... within groups of lpt_group (batch, kv head) pairs, one group after another (0: all at once)
         assert lpt_group >= 0, lpt_group
