@@ -15,6 +15,7 @@ for every call; a bad field or value raises naming it (host.py lists the environ
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -825,27 +826,17 @@ def use_lpt_over_heads(cfg: BwdConfig, q_shape, k_shape) -> bool:
     return key_tiles <= LPT_OVER_HEADS_MAX_WAVES * host.sm_count() and b * h * sq * d * 8 <= LPT_OVER_HEADS_MAX_BYTES
 
 
-_LPT_VARIANTS: dict = {}  # a call's main-kernel variant -> the same with lpt_over_heads, per process
-
-
+@functools.lru_cache(maxsize=256)
 def lpt_over_heads_variant(cfg: BwdConfig) -> BwdConfig:
-    """``cfg`` with lpt_over_heads, remembered per variant (a dict lookup per call)."""
-    try:
-        return _LPT_VARIANTS[cfg]
-    except KeyError:
-        return _LPT_VARIANTS.setdefault(cfg, replace(cfg, lpt_over_heads=True))
+    """``cfg`` with lpt_over_heads, remembered per variant (a cache lookup per call)."""
+    return replace(cfg, lpt_over_heads=True)
 
 
-_SPLIT_VARIANTS: dict = {}  # a call's main-kernel variant -> its split_keys_variant (None: none), per process
-
-
+@functools.lru_cache(maxsize=256)
 def _split_variant(cfg: BwdConfig) -> Optional[BwdConfig]:
     """split_keys_variant, remembered per variant (the backward's host time counts at the few-wave sizes it is
     for)."""
-    try:
-        return _SPLIT_VARIANTS[cfg]
-    except KeyError:
-        return _SPLIT_VARIANTS.setdefault(cfg, split_keys_variant(cfg))
+    return split_keys_variant(cfg)
 
 
 def dense_split_keys_plan(cfg: BwdConfig, q_shape, k_shape, diag: int) -> tuple[int, int]:
