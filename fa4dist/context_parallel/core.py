@@ -10,7 +10,9 @@ The mask (causal, sliding window), softcap and sinks go through every strategy: 
 hides, the kernels get the mask and softcap per call, and the sinks (per query head; Ulysses members take their
 heads' share) are merged into each row's result once, after the ring (:func:`fa4dist.kernels.merge.merge_sink_`).
 The sinks' gradient on each rank is its rows' share: summed over the cp group (as data-parallel gradient reduction
-over a dp x cp mesh does for every replicated weight) it is the gradient of the whole sequence.
+over a dp x cp mesh does for every replicated weight) it is the gradient of the whole sequence.  With
+``cp_invariant`` the share is the whole sequence's gradient (one exact sum) on one rank per head and zeros on the
+others, so that the sum over the group has the same bits at every cp size.
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ class _Call:
         if uly is not None:
             (dout,) = uly.seq_to_head([(dout, split.q_heads, "dout")])
         if self.invariant:
-            return self._invariant_backward(dout, q, k, v, out_m, lse_m)
+            return self._invariant_backward(dout, q, k, v, out_m, lse_m, sinks)
         dq, dk, dv = ring_backward(self.sched, self.ring, dout, q, k, v, out_m, lse_m, self.opts)
         dsinks = None
         if sinks is not None:  # this rank's rows' share of the sinks' gradient (in its Ulysses heads)
@@ -170,18 +172,26 @@ class _Call:
                                                       self.split.kv_heads(self.uly.index)[0])
         return torch.tensor([(lo + i) // group - kv_lo for i in range(q.shape[-2])], dtype=torch.int64)
 
-    def _invariant_backward(self, dout, q, k, v, out_m, lse_m):
+    def _invariant_backward(self, dout, q, k, v, out_m, lse_m, sinks):
         """dk/dv come per query head; each key/value head sums its query heads in ascending order, after the
-        Ulysses exchange has brought every query head of the member's tokens together."""
+        Ulysses exchange has brought every query head of the member's tokens together.  The sinks' gradient of a
+        Ulysses member's heads is the whole sequence's on the ring's first member (zeros elsewhere): the sum
+        over the cp group is then one exact sum's bits at every cp size."""
         uly, split, dtype = self.uly, self.split, q.dtype
-        dq, dk, dv = gather_backward(self.sched, self.ring, dout, q, k, v, out_m, lse_m, self.opts,
-                                     self._head_map(q, k))
+        dq, dk, dv, member_dsinks = gather_backward(self.sched, self.ring, dout, q, k, v, out_m, lse_m, self.opts,
+                                                    self._head_map(q, k), self.member_sinks(sinks))
+        dsinks = None
+        if sinks is not None:
+            dsinks = torch.zeros(sinks.shape, dtype=sinks.dtype, device=sinks.device)
+            if member_dsinks is not None:
+                lo, hi = split.q_heads(uly.index) if uly is not None else (0, sinks.shape[0])
+                dsinks[lo:hi] = member_dsinks.to(sinks.dtype)
         if uly is not None:
             dq, dk, dv = uly.head_to_seq([(dq, split.q_heads, self.heads_q, "dq", False),
                                           (dk, split.q_heads, self.heads_q, "dk per query head", False),
                                           (dv, split.q_heads, self.heads_q, "dv per query head", False)])
         group = self.heads_q // self.heads_kv
-        return dq.to(dtype), sum_group(dk, group, dtype), sum_group(dv, group, dtype), None
+        return dq.to(dtype), sum_group(dk, group, dtype), sum_group(dv, group, dtype), dsinks
 
 
 class _ContextParallelFunction(torch.autograd.Function):
@@ -376,8 +386,6 @@ class ContextParallel:
                     f"{name} holds {t.shape[sd]} tokens but the plan gives cp rank {self.cp_rank} {n} (shard the "
                     f"global tensors with plan.shard(x, seq_dim={sd}, rank={self.cp_rank}))"
                 )
-        if self.cp_invariant and sinks is not None:
-            raise ValueError("cp_invariant=True does not support sinks yet (pass sinks=None)")
         options = dict(causal=self.causal, window=self.window, softcap=self.softcap, sinks=sinks,
                        softmax_scale=self.softmax_scale)
         if plan.packed:

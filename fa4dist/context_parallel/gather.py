@@ -132,9 +132,13 @@ def gather_forward(sched: Schedule, ring: RingPeers, q, k, v, opts, head_map: to
     return Accumulators(out, lse)
 
 
-def gather_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opts, head_map: torch.Tensor):
+def gather_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opts, head_map: torch.Tensor,
+                    sinks=None):
     """fp32 (dq, dk, dv) of the member's tokens, dk/dv per local *query* head (sum them over each key/value
-    head's query heads in ascending order with :func:`fa4dist.kernels.invariant.sum_group`)."""
+    head's query heads in ascending order with :func:`fa4dist.kernels.invariant.sum_group`), and the gradient of
+    ``sinks`` (the local query heads' sinks, or None): the whole sequence's, from the gathered rows
+    (:func:`fa4dist.kernels.invariant.sink_grad`), on the ring's first member, None on the others (so that the
+    sum over members is that gradient, exactly)."""
     packed = sched.plan.packed
     sd = 0 if packed else 1
     lse_sd = _lse_seq_dim(packed)
@@ -154,7 +158,8 @@ def gather_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, o
     dv = torch.zeros(*v.shape[:-2], full_v.shape[-2], v.shape[-1], dtype=acc, device=v.device)
     invariant.backward(full_do, full_q, full_k, full_v, full_out, full_lse, key_calls(sched, m), dq_fixed, scale, dk,
                        dv, softmax_scale=opts.softmax_scale, softcap=opts.softcap, backend=opts.backend)
+    dsinks = invariant.sink_grad(full_do, full_out, full_lse, sinks) if sinks is not None and m == 0 else None
     del full_k, full_v, full_q, full_do, full_out, full_lse
     mine = sum_members(sched, ring, dq_fixed, sd, "the invariant backward's fixed-point dq")
     dq = fixed_point.from_fixed(mine, member_rows(sched, m, scale, lse_sd), acc)
-    return dq, dk, dv
+    return dq, dk, dv, dsinks

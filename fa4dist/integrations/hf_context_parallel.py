@@ -36,8 +36,9 @@ How it works:
   positions within each document, so windows cross shard edges) and logit soft-capping (Gemma 2), one module per
   distinct (scale, window, softcap); learned per-head attention sinks (GPT-OSS's ``s_aux``) go with each call, and
   each rank's sinks gradient is its rows' share (summed over the cp ranks it is the whole gradient, as a dp x cp
-  gradient reduction does).  What it cannot compute exactly is refused with :class:`UnsupportedMask` naming it:
-  chunked or bidirectional attention, per-token sinks, attention dropout in training, padding masks, KV caches (a
+  gradient reduction does; with ``cp_invariant`` one rank per head holds the whole gradient, the others zeros).
+  What it cannot compute exactly is refused with :class:`UnsupportedMask` naming it: chunked or bidirectional
+  attention, per-token sinks, attention dropout in training, padding masks, KV caches (a
   call with the plan that asks for one: each rank's cache would hold its shard alone), a batch of more than one row.
   The mask transformers builds for the local shard is checked to be causal (with the layer's sliding window) within
   the local runs of positions, what plain causal LM masking gives, so a model that overlays its own mask pattern

@@ -9,7 +9,7 @@ import torch
 from . import invariant, reference, torch_ops
 from .api import backward_problem, forward_problem
 from .checkpointing import outside_selective_checkpoint
-from .merge import with_sink
+from .merge import merge_sink_, with_sink
 from .problem import EAGER_ONLY, check_bool, check_optional_bool, validate_inputs
 
 
@@ -37,16 +37,18 @@ class _InvariantAttentionFunction(torch.autograd.Function):
     parallel layout reproduces."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask_kwargs, backend):
-        problem = validate_inputs(q, k, v, **mask_kwargs)
+    def forward(ctx, q, k, v, sinks, mask_kwargs, backend):
+        problem = validate_inputs(q, k, v, sinks=sinks, **mask_kwargs)
         if not problem.varlen and not problem.uniform_offsets:
             raise ValueError("cp_invariant=True needs one q_offset and one k_offset for a dense batch")
         items = invariant.single_device_items(problem)
         # no K/V expansion: a query head's row reads its key/value head either way (the same bits)
         out, lse = invariant.forward(q, k, v, items, softmax_scale=problem.softmax_scale,
                                      softcap=problem.softcap, backend=backend)
+        if sinks is not None:  # once per row, in fp32, before out is rounded (as the context-parallel engine)
+            merge_sink_(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.items, ctx.backend = items, backend
         ctx.scale, ctx.softcap = problem.softmax_scale, problem.softcap
         ctx.mark_non_differentiable(lse)
@@ -54,14 +56,18 @@ class _InvariantAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, sinks, out, lse = ctx.saved_tensors
         if torch.is_grad_enabled():
             raise RuntimeError("cp_invariant=True attention is differentiable once (create_graph=True is not "
                                "supported in this mode)")
-        dq, dk, dv = invariant.single_device_backward(dout.contiguous(), q, k, v, out, lse, ctx.items,
+        dout = dout.contiguous()
+        dq, dk, dv = invariant.single_device_backward(dout, q, k, v, out, lse, ctx.items,
                                                       softmax_scale=ctx.scale, softcap=ctx.softcap,
                                                       backend=ctx.backend)
-        return dq, dk, dv, None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            dsinks = invariant.sink_grad(dout, out, lse, sinks).to(sinks.dtype)
+        return dq, dk, dv, dsinks, None, None
 
 
 class _AttentionFunction(torch.autograd.Function):
@@ -122,9 +128,7 @@ def attention(
     check_optional_bool("deterministic", deterministic)  # checked now: the backward runs later
     check_bool("return_lse", return_lse)
     if invariant.enabled(cp_invariant):
-        if sinks is not None:
-            raise ValueError("cp_invariant=True does not support sinks yet (pass sinks=None)")
-        out, lse = _invariant_attention(q, k, v, mask_kwargs, backend)
+        out, lse = _invariant_attention(q, k, v, sinks, mask_kwargs, backend)
     elif torch.compiler.is_compiling():  # traced by torch.compile: the same calls as torch custom ops
         out, lse = torch_ops.compiled_attention(q, k, v, sinks, mask_kwargs, backend, deterministic)
     else:
@@ -133,5 +137,5 @@ def attention(
 
 
 @torch.compiler.disable(reason=EAGER_ONLY)  # its engine is not an op
-def _invariant_attention(q, k, v, mask_kwargs, backend):
-    return _InvariantAttentionFunction.apply(q, k, v, mask_kwargs, backend)
+def _invariant_attention(q, k, v, sinks, mask_kwargs, backend):
+    return _InvariantAttentionFunction.apply(q, k, v, sinks, mask_kwargs, backend)

@@ -16,7 +16,11 @@ The rule (for any backend, compared with itself):
 - out, dk and dv are computed into fp32 buffers (``accumulate`` into zeros) and rounded to the input dtype once;
 - GQA: keys and values are expanded to one head per query head, so ``dk``/``dv`` exist per query head, and a
   key/value head's gradient is the sum over its query heads in ascending head order (never a sum over a subset
-  first, which is what a Ulysses head split would otherwise do).
+  first, which is what a Ulysses head split would otherwise do);
+- sinks join each row's fp32 (out, lse) once, after its keys and before the rounding of out
+  (:func:`fa4dist.kernels.merge.merge_sink_`: elementwise per row); their gradient is each row's term
+  (:func:`fa4dist.kernels.merge.sink_grad_terms`) summed over *every* row of the sequence in int64 fixed point
+  (:func:`sink_grad`), so the caller needs all rows of a head (the gather engine has them).
 
 One device computes it with one forward call per document and one backward call per document (all its key tiles:
 dq, dk and dv at once; each row's integer dq sums, all in that one call, converted straight into a float dq);
@@ -36,6 +40,7 @@ import torch
 
 from . import fixed_point
 from .api import attention_backward
+from .merge import sink_grad_terms
 from .problem import check_optional_bool, check_softmax_scale
 from .worklist import WorkItem, attention_forward_items, lse_token_rows, token_rows, uncovered_ranges
 
@@ -96,6 +101,22 @@ def forward(q, k, v, items: list[WorkItem], *, softmax_scale=None, softcap=None,
     attention_forward_items(q, k, v, items, out, lse, softmax_scale=softmax_scale, softcap=softcap, fresh=True,
                             backend=backend, cp_invariant=True)
     return out, lse
+
+
+def sink_grad(dout, out, lse, sinks) -> torch.Tensor:
+    """The sinks' gradient (heads,) over *all* rows of the sequence: ``-sum_rows`` of
+    :func:`~fa4dist.kernels.merge.sink_grad_terms`, summed per head in int64 fixed point (each term times one power
+    of two per head, 2^(61 - e) with ``rows * max|term| < 2^e``, truncated; :mod:`fa4dist.kernels.fixed_point`),
+    negated and converted once, in fp32 (fp64 for fp64 inputs).  Integer sums do not depend on their order, so the
+    bits depend only on the terms, never on the tensors' shapes (a Ulysses member's subset of heads) or the threads
+    that add them.  A head with a non-finite term gets NaN."""
+    terms = sink_grad_terms(dout, out, lse, sinks)  # (..., heads, seqlen)
+    heads = terms.shape[-2]
+    per_head = terms.movedim(-2, 0).reshape(heads, -1)
+    bound = fixed_point.absmax(per_head, -1) * per_head.shape[1]
+    scale = fixed_point.power_of_two_scale(bound).unsqueeze(-1)  # (heads, 1), NaN where the bound is not finite
+    total = -fixed_point.to_fixed(per_head, scale).sum(-1)  # (negated as an integer: a zero sum is +0)
+    return total * (1.0 / scale.squeeze(-1).double()).to(terms.dtype)  # the integer rounded once to the dtype
 
 
 @dataclass(frozen=True)

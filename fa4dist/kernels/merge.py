@@ -190,18 +190,29 @@ def with_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tupl
                        scaled), merged
 
 
-def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """The gradient of the sinks (heads,) from these rows, given their *global* out and lse (sink included), in
-    fp32 (fp64 for fp64 inputs): ``-sum_rows exp(sink - lse) * rowsum(dout * out)``.  A row whose lse is ``-inf``
-    (no key, no sink) contributes nothing."""
+def sink_grad_terms(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Each row's term of the sinks' gradient, ``exp(sink - lse) * rowsum(dout * out)`` (..., heads, seqlen) like
+    ``lse``, in fp32 (fp64 for fp64 inputs), given the rows' *global* out and lse (sink included); 0 for a row whose
+    lse is ``-inf`` (no key, no sink).  The gradient is minus their sum over the rows (:func:`sink_grad`).  Each
+    term is a function of its own row: the row sum runs over one contiguous last axis."""
     check_partial("the result", out, lse)
     check_buffer("sink_grad: dout", dout, tuple(out.shape), out.device, FLOAT_DTYPES)
     acc = _accum_dtype(out.dtype)
     lse = lse.to(acc)
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(-1, -2)  # (..., heads, seqlen) like lse
+    product = dout.to(acc) * out.to(acc)
+    if product.stride(-1) != 1:  # (a strided axis is summed in another order)
+        product = product.contiguous()
+    delta = product.sum(-1).transpose(-1, -2)  # (..., heads, seqlen) like lse
     sink = _sink_lse(lse, sinks)
     seen = ~torch.isneginf(lse)
     zero = torch.zeros((), dtype=acc, device=lse.device)
-    per_row = torch.where(seen, torch.exp(sink - torch.where(seen, lse, zero)) * delta, zero)
+    return torch.where(seen, torch.exp(sink - torch.where(seen, lse, zero)) * delta, zero)
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The gradient of the sinks (heads,) from these rows, given their *global* out and lse (sink included), in
+    fp32 (fp64 for fp64 inputs): ``-sum_rows exp(sink - lse) * rowsum(dout * out)``.  A row whose lse is ``-inf``
+    (no key, no sink) contributes nothing."""
+    per_row = sink_grad_terms(dout, out, lse, sinks)
     # over every dim but the heads' (reshape(-1, ...) cannot infer its size when there are no rows)
     return -per_row.sum(dim=[d for d in range(per_row.dim()) if d != per_row.dim() - 2])

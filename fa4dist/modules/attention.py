@@ -52,7 +52,8 @@ class FA4ContextParallelAttention(nn.Module):
             ``FA4DIST_CP_INVARIANT=1``).  Implies deterministic kernels.  Costs memory and time: every rank
             gathers the whole sequence's K/V (and, in the backward, Q, dO and out), and its one-pass backward
             exchanges the int64 fixed-point dq of the rows its keys touch (8 bytes per element;
-            :mod:`fa4dist.context_parallel.gather`).  No sinks in this mode yet.
+            :mod:`fa4dist.context_parallel.gather`).  With ``sinks``, their gradient summed over the cp group
+            is the same bits too (one rank per head holds the whole sequence's, the others zeros).
 
     ``forward(q, k, v, plan=None, sinks=None)``: dense plans take ``(batch, local_len, heads, head_dim)`` shards,
     packed-document plans ``(local_tokens, heads, head_dim)``; k and v may have fewer heads (GQA).  ``sinks``: a

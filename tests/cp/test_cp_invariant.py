@@ -1,6 +1,7 @@
 """cp_invariant=True: out, dq, dk and dv are the same bytes at every cp size (1 to 4), strategy (ring, Ulysses,
 hybrid) and balancer, for one sequence and packed documents, fp32 and bf16, with GQA (replicated key/value heads
-under Ulysses included), and equal to single-device ``fa4dist.attention(..., cp_invariant=True)``."""
+under Ulysses included), and equal to single-device ``fa4dist.attention(..., cp_invariant=True)``; with sinks, so
+is the sum of the ranks' sink gradients."""
 
 import pytest
 import torch
@@ -23,10 +24,13 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def invariant_case(rank, world, layouts, dtype, packed, heads, device="cpu", backend="reference", head_dim=16,
-                   docs=DOCS, total=200, window=(-1, -1), softcap=None, chunks_per_rank=None, head_dim_outer=False):
+                   docs=DOCS, total=200, window=(-1, -1), softcap=None, chunks_per_rank=None, head_dim_outer=False,
+                   sinks=False):
     """For each (cp, strategy, balancer, ulysses degree): whether the global out/dq/dk/dv bytes equal the single
     device's (every rank computes the single-device result itself).  ``head_dim_outer``: the local shards are
-    views whose head_dim is not the innermost axis (the reference's inputs stay contiguous: same values)."""
+    views whose head_dim is not the innermost axis (the reference's inputs stay contiguous: same values).
+    ``sinks``: learnable sinks too, and (a fifth entry) whether the sum of the ranks' sink gradients has the single
+    device's bytes."""
     import fa4dist
     from fa4dist.context_parallel import make_plan
 
@@ -37,11 +41,13 @@ def invariant_case(rank, world, layouts, dtype, packed, heads, device="cpu", bac
                                                                    None if packed else 2))
     sd = 0 if packed else 1
     cu = torch.tensor(docs, dtype=torch.int32, device=device) if packed else None
+    sink_logits = torch.randn(heads[0], generator=torch.Generator().manual_seed(3)).to(device) if sinks else None
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    extra = [sink_logits.clone().requires_grad_()] if sinks else []
     ref = fa4dist.attention(*leaves, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, backend=backend,
-                            cp_invariant=True, window=window, softcap=softcap)
+                            cp_invariant=True, window=window, softcap=softcap, sinks=extra[0] if sinks else None)
     ref.backward(dout)
-    want = [ref] + [t.grad for t in leaves]
+    want = [ref] + [t.grad for t in leaves + extra]
     results = []
     for cp, strategy, balancer, u in layouts:
         module, _ = cp_cases.cp_module(rank, cp, strategy, True, ulysses_degree=u, backend=backend,
@@ -53,11 +59,14 @@ def invariant_case(rank, world, layouts, dtype, packed, heads, device="cpu", bac
             if head_dim_outer:
                 local = [t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in local]
             local = [t.requires_grad_() for t in local]
-            out = module(*local, plan=plan)
+            mine_sinks = sink_logits.clone().requires_grad_() if sinks else None
+            out = module(*local, plan=plan, sinks=mine_sinks)
             out.backward(module.shard(dout, plan))
             mine = [out] + [t.grad for t in local]
             gathered = [_gather(t, cp, sd) for t in mine]
             got = [plan.unshard(parts, seq_dim=sd) for parts in gathered]
+            if sinks:  # each rank's share, summed over the group (as a gradient reduction would)
+                got.append(sum(_gather(mine_sinks.grad[None], cp, 0))[0])
             want = [w.detach().cpu() for w in want]
             same = [torch.equal(_bytes(g), _bytes(w)) for g, w in zip(got, want)]
             results.append((cp, strategy, balancer, u, same))
@@ -161,3 +170,19 @@ def test_bitwise_identical_with_head_dim_outer_views(pool, packed):
     for per_rank in results:
         for cp, strategy, balancer, u, same in per_rank:
             assert all(same), f"cp={cp} {strategy} {balancer} u={u}: out/dq/dk/dv bytes equal: {same}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bitwise_identical_with_sinks(pool, dtype):
+    """Learnable sinks: out, dq, dk, dv and the summed sink gradient have the single device's bytes at every cp
+    size and strategy (the sinks join each row once; their gradient is one exact sum over every row, held by one
+    rank per head), with a window and soft-capping, dense and packed."""
+    layouts = [(1, "ring", "lpt", None), (2, "ring", "lpt", None), (3, "ring", "zigzag", None),
+               (4, "ulysses", "lpt", None), (4, "hybrid", "lpt", 2)]
+    for packed in (True, False):
+        results = pool.run(invariant_case, layouts=layouts, dtype=dtype, packed=packed, heads=(4, 2), head_dim=8,
+                           window=(30, -1), softcap=5.0, sinks=True)
+        for per_rank in results:
+            for cp, strategy, balancer, u, same in per_rank:
+                assert len(same) == 5 and all(same), \
+                    f"packed={packed} cp={cp} {strategy} {balancer} u={u}: out/dq/dk/dv/dsinks bytes equal: {same}"

@@ -133,11 +133,12 @@ def test_cp_loss_and_gradients_equal_per_document_oracle(pool, oracles, family, 
     check_against_oracle(pool.run(_cp_run, family=family, cp=cp, tiled=tiled)[0], oracles[family])
 
 
-def test_cp_invariant_attention_through_the_handle_equals_the_oracle(pool, oracles):
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_cp_invariant_attention_through_the_handle_equals_the_oracle(pool, oracles, family):
     """enable_context_parallel(cp_invariant=True) runs every attention core in that mode (the gather engine), with
-    the model's loss and gradients."""
-    check_against_oracle(pool.run(_cp_run, family="llama", cp=2, tiled=False, cp_invariant=True)[0],
-                         oracles["llama"])
+    the model's loss and gradients (GPT-OSS: with its sinks and their gradient)."""
+    check_against_oracle(pool.run(_cp_run, family=family, cp=2, tiled=False, cp_invariant=True)[0],
+                         oracles[family])
 
 
 @pytest.mark.parametrize("strategy", ["ring", "ulysses"])

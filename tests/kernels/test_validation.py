@@ -428,11 +428,9 @@ def test_cp_invariant_option_errors(monkeypatch):
     with pytest.raises(ValueError, match="FA4DIST_CP_INVARIANT must be 1 .* or 0 .*, got 'maybe'"):
         fa4dist.attention(q, q, q)
     monkeypatch.setenv("FA4DIST_CP_INVARIANT", "1")
-    with pytest.raises(ValueError, match="cp_invariant=True does not support sinks yet"):
-        fa4dist.attention(q, q, q, sinks=torch.zeros(2))
-    out = fa4dist.attention(q, q, q, causal=True)  # the environment variable turns the mode on
+    out = fa4dist.attention(q, q, q, causal=True, sinks=torch.zeros(2))  # the environment variable turns it on
     monkeypatch.setenv("FA4DIST_CP_INVARIANT", "0")
-    assert torch.allclose(out, fa4dist.attention(q, q, q, causal=True), atol=1e-6)
+    assert torch.allclose(out, fa4dist.attention(q, q, q, causal=True, sinks=torch.zeros(2)), atol=1e-6)
 
 
 def test_cp_invariant_environment_spellings(monkeypatch):

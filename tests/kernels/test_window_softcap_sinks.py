@@ -185,6 +185,60 @@ def test_autograd_gives_dsinks_and_a_double_backward():
     assert torch.autograd.gradgradcheck(fn, (q, k, v, sinks), eps=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype, tol", [(F64, TOL), (torch.float32, dict(atol=2e-5, rtol=2e-5))], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_cp_invariant_attention_with_sinks_matches_the_oracle(dtype, tol, packed):
+    """cp_invariant=True takes sinks: out and every gradient (the sinks' from one fixed-point sum over the rows)
+    as the fp64 oracle's, within the dtype's tolerance; a row without keys keeps its sink's share."""
+    gen = torch.Generator().manual_seed(11)
+    lead = (37,) if packed else (2, 37)
+    q = torch.randn(*lead, 4, 8, dtype=F64, generator=gen)
+    k = torch.randn(*lead, 2, 8, dtype=F64, generator=gen)
+    v = torch.randn(*lead, 2, 8, dtype=F64, generator=gen)
+    dout = torch.randn(*lead, 4, 8, dtype=F64, generator=gen)
+    sinks = torch.randn(4, dtype=F64, generator=gen)
+    cu = torch.tensor([0, 5, 5, 30, 37], dtype=torch.int32) if packed else None
+    # q_offset below k's: the first rows of a dense sequence see no key (their out is 0, their sink's share 1)
+    kw = dict(causal=True, window=(6, -1), softcap=2.5, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    if not packed:
+        kw.update(q_offset=0, k_offset=3)
+    leaves = [t.to(dtype).clone().requires_grad_() for t in (q, k, v, sinks)]
+    out = fa4dist.attention(*leaves[:3], sinks=leaves[3], backend="reference", cp_invariant=True, **kw)
+    out.backward(dout.to(dtype))
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    ref, _ = naive_attention(*ref_leaves[:3], sinks=ref_leaves[3], **kw)
+    ref.backward(dout)
+    torch.testing.assert_close(out.double(), ref, **tol)
+    for got, want in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad.double(), want.grad, **tol)
+
+
+def test_the_invariant_sink_gradient_is_one_exact_sum_whatever_the_shapes():
+    """invariant.sink_grad: a subset of the heads, or the rows in another batch layout, give the same bytes per
+    head (integer sums); close to merge.sink_grad's float sum; a zero sum is +0; a non-finite term makes its head
+    NaN and no other."""
+    from fa4dist.kernels import invariant
+    from fa4dist.kernels.merge import sink_grad
+
+    gen = torch.Generator().manual_seed(5)
+    dout, out = (torch.randn(3, 50, 4, 8, generator=gen) for _ in range(2))
+    lse = torch.randn(3, 4, 50, generator=gen).abs() + 2.0
+    sinks = torch.randn(4, generator=gen)
+    whole = invariant.sink_grad(dout, out, lse, sinks)
+    torch.testing.assert_close(whole, sink_grad(dout, out, lse, sinks), atol=1e-5, rtol=1e-5)
+    part = invariant.sink_grad(dout[:, :, 1:3], out[:, :, 1:3], lse[:, 1:3], sinks[1:3])
+    assert torch.equal(part.view(torch.int32), whole[1:3].view(torch.int32))
+    # the same rows as one packed sequence (t, h, d)
+    packed = invariant.sink_grad(dout.flatten(0, 1), out.flatten(0, 1), lse.transpose(0, 1).flatten(1), sinks)
+    assert torch.equal(packed.view(torch.int32), whole.view(torch.int32))
+    zero = invariant.sink_grad(torch.zeros_like(dout), out, lse, sinks)
+    assert torch.equal(zero.view(torch.int32), torch.zeros(4, dtype=torch.int32))  # +0, not -0
+    bad = dout.clone()
+    bad[1, 7, 2, 3] = float("inf")
+    got = invariant.sink_grad(bad, out, lse, sinks)
+    assert torch.isnan(got[2]) and torch.equal(got[[0, 1, 3]], whole[[0, 1, 3]])
+
+
 # ---- bad values ---------------------------------------------------------------------------------------------------
 
 
