@@ -8,7 +8,9 @@ Writes dq/dk/dv in place: fresh buffers (q dtype or fp32) are overwritten; with 
 gradients are added to fp32 buffers (never rounded in between). Compile cache, AOT objects, fake arguments and
 offsets come from host.py, shared with the forward. Everything that touches cutlass is imported lazily, so
 `import fa4dist` works without it. Steady-state calls do no host synchronisation (pass max_seqlen_q /
-max_seqlen_k for packed input, otherwise the grids are sized by the token counts).
+max_seqlen_k for packed input, otherwise the grids are sized by the token counts; each at least the longest
+segment: a smaller value leaves rows or keys past it without gradients. The kernel contract passes the exact
+values, from its checked cu_seqlens).
 ``FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8"`` (development hook, read at import) forces BwdConfig fields
 for every call; a bad field or value raises naming it (host.py lists the environment variables).
 """

@@ -3,7 +3,9 @@
 ``supports(q, k, v, causal=...)`` returns ``(ok, reason)``; ``forward(q, k, v, out, lse, *, softmax_scale, causal,
 q_offset=0, k_offset=0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
 accumulate=False)`` writes out / lse in place (or, with accumulate=True, merges this block into a running fp32
-(out, lse)).  Compile cache, AOT objects, fake arguments and offsets come from host.py, shared with the backward.
+(out, lse)).  Packed input's ``max_seqlen_q`` / ``max_seqlen_k`` size the grid without a host synchronisation: at
+least the longest segment (a smaller value leaves the rows past it unwritten; the kernel contract passes the
+exact values, from its checked cu_seqlens).  Compile cache, AOT objects, fake arguments and offsets come from host.py, shared with the backward.
 Everything that touches cutlass is imported lazily, so ``import fa4dist`` works without it.
 ``FA4DIST_FWD_OVERRIDE="tile_m=128,persistent_ctas=0"`` (development hook, read at import) forces FwdConfig fields
 for every call; a bad field or value raises naming it (host.py lists the environment variables).
