@@ -108,9 +108,19 @@ class AttentionProblem:
 # argument checks
 
 
+def check_strided(name: str, t: torch.Tensor) -> None:
+    """A tensor with strided memory: a sparse, nested or MKL-DNN one has none for the kernels (or the memory checks)
+    to read, and failed deep inside, naming nothing."""
+    if t.layout != torch.strided or t.is_nested:
+        kind = "nested" if t.is_nested else str(t.layout)
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a {kind} one (packed variable-length "
+                        "sequences are a (total_tokens, heads, head_dim) tensor with cu_seqlens_q / cu_seqlens_k)")
+
+
 def _check_tensor(name: str, t) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_strided(name, t)
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
     return t
@@ -170,6 +180,7 @@ def _check_cu_seqlens_layout(name: str, cu, narrowing: bool = False) -> None:
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be an {'integer' if narrowing else 'int32'} torch.Tensor, got "
                         f"{type(cu).__name__}")
+    check_strided(name, cu)
     if narrowing:
         check_integer_dtype(name, cu)
     elif cu.dtype != torch.int32:
@@ -433,6 +444,7 @@ def check_sinks(sinks, heads_q: int, device: torch.device) -> bool:
         return False
     if not isinstance(sinks, torch.Tensor):
         raise TypeError(f"sinks must be a torch.Tensor of shape ({heads_q},) or None, got {type(sinks).__name__}")
+    check_strided("sinks", sinks)
     if sinks.dtype not in FLOAT_DTYPES:
         raise TypeError(f"sinks must be float16, bfloat16, float32 or float64, got {sinks.dtype}")
     if tuple(sinks.shape) != (heads_q,):
@@ -564,6 +576,7 @@ def check_buffer(
         return
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_strided(name, t)
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if t.dtype not in dtypes:

@@ -43,6 +43,28 @@ def test_meta_tensors_are_refused_by_name():
         attention_forward(q, k, v)
 
 
+@pytest.mark.parametrize("layout", ["sparse", "nested", "jagged"])
+def test_tensors_without_a_strided_layout_are_refused_by_name(layout):
+    """A sparse or nested tensor has no strided memory for the kernels to read: refused naming the argument (it
+    failed deep inside, in the reference's slicing or a data_ptr() of the memory checks, naming nothing)."""
+    q, k, v = qkv()
+    if layout == "sparse":
+        bad = {"q": q.to_sparse(), "sinks": torch.zeros(2).to_sparse()}
+    else:
+        nested = torch.nested.nested_tensor([q[0], q[0, :3]], layout=torch.jagged if layout == "jagged" else None)
+        bad = {"q": nested}
+    for name, t in bad.items():
+        args = {**dict(q=q, k=k, v=v, sinks=None), name: t}
+        with pytest.raises(TypeError, match=f"{name} must be a dense .strided. tensor"):
+            attention_forward(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+    out, lse = attention_forward(q, k, v)
+    with pytest.raises(TypeError, match="dout must be a dense .strided. tensor"):
+        attention_backward(out.to_sparse(), q, k, v, out, lse)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be a dense .strided. tensor"):
+        cu = torch.tensor([0, 8], dtype=torch.int32)
+        attention_forward(q[0], k[0], v[0], cu_seqlens_q=cu.to_sparse(), cu_seqlens_k=cu)
+
+
 def test_wrong_rank():
     q, k, v = qkv()
     with pytest.raises(ValueError, match=r"q must be 4-D \(batch, seqlen, heads, head_dim\)"):
