@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from ..kernels.autograd import attention as _plain_attention
+from ..kernels.autograd import refuse_torch_func
 from ..kernels.invariant import enabled as invariant_enabled
 from ..kernels.invariant import sum_group
 from ..kernels.merge import merge_sink_, sink_grad
@@ -379,6 +380,7 @@ class ContextParallel:
         if plan.cp_size != self.cp_size:
             raise ValueError(f"the plan is for cp_size={plan.cp_size} but the process group has {self.cp_size} ranks")
         sd = _check_shard_layout(q, k, v, plan.packed)
+        refuse_torch_func(LABEL, q, k, v, sinks)
         n = plan.local_len(self.cp_rank)
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.shape[sd] != n:

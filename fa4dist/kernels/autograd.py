@@ -32,6 +32,29 @@ def _differentiable_grads(dout, q, k, v, sinks, mask_kwargs):
     return tuple(next(grads) if t is not None and t.requires_grad else None for t in inputs)
 
 
+_NO_TRANSFORMS = ("{call} does not support {what}: its kernels have a backward only (no batching rule, no forward-mode "
+                  "derivative, and a backward that reads its saved tensors outside the transform). Differentiate with "
+                  "torch.autograd (loss.backward() or torch.autograd.grad), and fold a vmapped dimension into the "
+                  "batch")
+
+
+def refuse_torch_func(call: str, *tensors) -> None:
+    """Raises for inputs that a torch.func transform (grad, vjp, jacrev, vmap, jvp, ...) wraps, naming ``call``:
+    torch's own error ('it must override the setup_context staticmethod') named neither the call nor the way out.
+    The context-parallel module asks too, in its local checks (so that a rank alone under a transform fails every
+    rank at once)."""
+    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    if wrapped is not None and any(t is not None and wrapped(t) for t in tensors):
+        raise RuntimeError(_NO_TRANSFORMS.format(call=call, what="torch.func transforms (grad, vjp, jacrev, vmap, "
+                                                                 "jvp, ...)"))
+
+
+def _refuse_jvp(ctx, *tangents):
+    """Forward-mode AD (torch.autograd.forward_ad) of either function: refused by name (torch asked for a jvp)."""
+    raise RuntimeError(_NO_TRANSFORMS.format(call="fa4dist.attention", what="forward-mode AD (torch.autograd."
+                                                                            "forward_ad)"))
+
+
 class _InvariantAttentionFunction(torch.autograd.Function):
     """The single-device form of the cp_invariant numerics (fa4dist.kernels.invariant): the bits every context-
     parallel layout reproduces."""
@@ -69,6 +92,8 @@ class _InvariantAttentionFunction(torch.autograd.Function):
             dsinks = invariant.sink_grad(dout, out, lse, sinks).to(sinks.dtype)
         return dq, dk, dv, dsinks, None, None
 
+    jvp = staticmethod(_refuse_jvp)
+
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
@@ -92,6 +117,8 @@ class _AttentionFunction(torch.autograd.Function):
                                      backend=ctx.backend, deterministic=ctx.deterministic)
         dsinks = grads[3].to(sinks.dtype) if sinks is not None else None
         return grads[0], grads[1], grads[2], dsinks, None, None, None
+
+    jvp = staticmethod(_refuse_jvp)
 
 
 def attention(
@@ -127,6 +154,8 @@ def attention(
     )
     check_optional_bool("deterministic", deterministic)  # checked now: the backward runs later
     check_bool("return_lse", return_lse)
+    if not torch.compiler.is_compiling():
+        refuse_torch_func("fa4dist.attention", q, k, v, sinks)
     if invariant.enabled(cp_invariant):
         out, lse = _invariant_attention(q, k, v, sinks, mask_kwargs, backend)
     elif torch.compiler.is_compiling():  # traced by torch.compile: the same calls as torch custom ops

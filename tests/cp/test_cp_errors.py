@@ -485,6 +485,30 @@ def test_double_backward_on_one_rank_fails_on_every_rank_at_once(pool):
         assert "rank 2 True" in message and elapsed < 20, (rank, elapsed, message)
 
 
+def torch_func_case(rank, world, everywhere):
+    """The module's inputs wrapped by a torch.func transform (grad) on every rank, or on rank 2 alone (the others
+    call it plainly)."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    module = FA4ContextParallelAttention(GROUPS[4], strategy="ring", backend="reference", timeout=60)
+    plan = make_plan(48, 4)
+    q, k, v = _inputs(plan, rank)
+    if everywhere or rank == 2:
+        return _error(lambda: torch.func.grad(lambda a: module(a, k, v, plan=plan).sum())(q))
+    return _error(lambda: module(q, k, v, plan=plan))
+
+
+@pytest.mark.parametrize("everywhere", [True, False])
+def test_torch_func_transforms_fail_on_every_rank_by_name(pool, everywhere):
+    """A torch.func transform has no rule for the ring's kernels: refused naming it (torch's message was 'it must
+    override the setup_context staticmethod'), on every rank at once when one rank alone transforms."""
+    for rank, res in enumerate(pool.run(torch_func_case, everywhere=everywhere, timeout=90)):
+        assert res is not None, f"rank {rank} computed instead of failing"
+        name, message, elapsed = res
+        assert "does not support torch.func transforms" in message and elapsed < 20, (rank, name, message)
+
+
 def non_grid_case(rank, world, verify):
     """Ulysses groups {0, 1}, {2, 3} with ring groups {0, 3}, {1, 2}: every cp rank is distinct, but a ring step
     would pair ranks of different Ulysses indices (other heads) and a Ulysses group ranks of two ring members."""

@@ -54,3 +54,38 @@ def test_a_selective_checkpointing_policy_does_not_reach_inside_the_attention(ba
     (f(q, k, v) * 2).sum().backward()
     for a, t in zip(got, leaves):
         torch.testing.assert_close(a, t.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cp_invariant", [False, True])
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "vmap", "jvp", "forward_ad"])
+def test_torch_func_transforms_are_refused_by_name(transform, cp_invariant):
+    """torch.func's transforms and forward-mode AD have no rule for the attention's kernels (no batching rule, no
+    forward derivative, a backward that reads its saved tensors outside the transform's levels): refused naming
+    fa4dist.attention and the way out. They failed with torch's 'it must override the setup_context staticmethod'
+    (or 'You must implement the jvp function'), which names neither the call nor what to do instead."""
+    import torch.autograd.forward_ad as fwad
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 3, 2, 4, dtype=torch.float64) for _ in range(3))
+
+    def f(a):
+        return fa4dist.attention(a, k, v, causal=True, cp_invariant=cp_invariant)
+
+    def call():
+        if transform == "grad":
+            torch.func.grad(lambda a: f(a).sum())(q)
+        elif transform == "vjp":
+            out, fn = torch.func.vjp(f, q)
+            fn(torch.ones_like(out))
+        elif transform == "jacrev":
+            torch.func.jacrev(f)(q)
+        elif transform == "vmap":
+            torch.func.vmap(f)(q[None].repeat(2, 1, 1, 1, 1))
+        elif transform == "jvp":
+            torch.func.jvp(f, (q,), (torch.ones_like(q),))
+        else:
+            with fwad.dual_level():
+                f(fwad.make_dual(q, torch.ones_like(q)))
+
+    with pytest.raises(RuntimeError, match=r"fa4dist.attention does not support (torch.func|forward-mode)"):
+        call()
