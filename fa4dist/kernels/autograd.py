@@ -38,6 +38,7 @@ _NO_TRANSFORMS = ("{call} does not support {what}: its kernels have a backward o
                   "batch")
 
 
+@torch.compiler.disable(reason=EAGER_ONLY)  # eager calls only; nor is it a frame to compile after a graph break
 def refuse_torch_func(call: str, *tensors) -> None:
     """Raises for inputs that a torch.func transform (grad, vjp, jacrev, vmap, jvp, ...) wraps, naming ``call``:
     torch's own error ('it must override the setup_context staticmethod') named neither the call nor the way out.
