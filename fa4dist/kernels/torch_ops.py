@@ -134,6 +134,17 @@ def _backward(ctx, dout, _dlse):
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _no_second_derivative(ctx, *grads):
+    """attention_bwd's derivative: none. Reached where the ops run eagerly under a create_graph=True backward (the
+    "eager" backend; aot_autograd's refuse double backward themselves); torch's own message named no fa4dist call."""
+    raise RuntimeError("fa4dist.attention under torch.compile is differentiable once (its backward op has no "
+                       "derivative): compute second derivatives with the eager call, outside torch.compile, which "
+                       "supports create_graph=True")
+
+
+attention_bwd.register_autograd(_no_second_derivative, setup_context=lambda ctx, inputs, output: None)
+
+
 def check_traceable_scalars(mask_kwargs: dict) -> None:
     """``softcap``, ``softmax_scale``, the ``window``'s sides and the offsets at trace time: dynamo traces a numpy
     scalar as a 0-d array whose value it does not know, so the checks cannot read it (eager calls take numpy's

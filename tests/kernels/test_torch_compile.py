@@ -167,6 +167,21 @@ def test_lse_carries_no_gradient_under_compile():
             torch.autograd.grad(lse.sum(), q)
 
 
+def test_a_second_derivative_through_the_compiled_ops_is_refused_by_name():
+    """Under backend="eager" the ops run eagerly with the op's autograd formula, whose backward (attention_bwd) had
+    none: a second derivative through it failed with torch's 'no autograd formula was registered', naming neither
+    fa4dist nor the way out. create_graph=True alone (no second derivative through the attention) still works."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 6, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    f = torch.compile(lambda a, b, c: fa4dist.attention(a, b, c, causal=True, backend="reference"), backend="eager",
+                      fullgraph=True)
+    (dq,) = torch.autograd.grad(f(q, k, v).square().sum(), q, create_graph=True)
+    (want,) = torch.autograd.grad(fa4dist.attention(q, k, v, causal=True, backend="reference").square().sum(), q)
+    assert torch.equal(dq.detach(), want)
+    with pytest.raises(RuntimeError, match="fa4dist.attention under torch.compile is differentiable once"):
+        torch.autograd.grad(dq.square().sum(), k)
+
+
 def test_changing_softcap_and_scale_values_under_fullgraph():
     """One compiled function called with other softcap / softmax_scale values: dynamo hands a float whose value
     changed over as a SymFloat, which the checks' math.isfinite could not trace (fullgraph=True failed). The bytes
