@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from ..kernels.autograd import attention as _plain_attention
-from ..kernels.autograd import refuse_torch_func
+from ..kernels.autograd import forward_ad_refusal, refuse_torch_func
 from ..kernels.invariant import enabled as invariant_enabled
 from ..kernels.invariant import sum_group
 from ..kernels.merge import merge_sink_, sink_grad
@@ -209,6 +209,8 @@ class _ContextParallelFunction(torch.autograd.Function):
         with exclusive(call.groups, f"the backward of forward call {call.call_id}", LABEL):
             dq, dk, dv, dsinks = call.backward(dout, *ctx.saved_tensors, create_graph=torch.is_grad_enabled())
         return dq, dk, dv, dsinks, None
+
+    jvp = forward_ad_refusal(LABEL)
 
 
 class ContextParallel:

@@ -50,10 +50,14 @@ def refuse_torch_func(call: str, *tensors) -> None:
                                                                  "jvp, ...)"))
 
 
-def _refuse_jvp(ctx, *tangents):
-    """Forward-mode AD (torch.autograd.forward_ad) of either function: refused by name (torch asked for a jvp)."""
-    raise RuntimeError(_NO_TRANSFORMS.format(call="fa4dist.attention", what="forward-mode AD (torch.autograd."
-                                                                            "forward_ad)"))
+def forward_ad_refusal(call: str):
+    """A custom Function's ``jvp``: forward-mode AD (torch.autograd.forward_ad) of ``call`` refused by name (torch
+    asked for a jvp function, naming neither the call nor the way out)."""
+
+    def jvp(ctx, *tangents):
+        raise RuntimeError(_NO_TRANSFORMS.format(call=call, what="forward-mode AD (torch.autograd.forward_ad)"))
+
+    return staticmethod(jvp)
 
 
 class _InvariantAttentionFunction(torch.autograd.Function):
@@ -93,7 +97,7 @@ class _InvariantAttentionFunction(torch.autograd.Function):
             dsinks = invariant.sink_grad(dout, out, lse, sinks).to(sinks.dtype)
         return dq, dk, dv, dsinks, None, None
 
-    jvp = staticmethod(_refuse_jvp)
+    jvp = forward_ad_refusal("fa4dist.attention")
 
 
 class _AttentionFunction(torch.autograd.Function):
@@ -119,7 +123,7 @@ class _AttentionFunction(torch.autograd.Function):
         dsinks = grads[3].to(sinks.dtype) if sinks is not None else None
         return grads[0], grads[1], grads[2], dsinks, None, None, None
 
-    jvp = staticmethod(_refuse_jvp)
+    jvp = forward_ad_refusal("fa4dist.attention")
 
 
 def attention(

@@ -485,7 +485,7 @@ def test_double_backward_on_one_rank_fails_on_every_rank_at_once(pool):
         assert "rank 2 True" in message and elapsed < 20, (rank, elapsed, message)
 
 
-def torch_func_case(rank, world, everywhere):
+def torch_func_case(rank, world, everywhere, transform="grad"):
     """The module's inputs wrapped by a torch.func transform (grad) on every rank, or on rank 2 alone (the others
     call it plainly)."""
     from fa4dist.context_parallel import make_plan
@@ -494,6 +494,11 @@ def torch_func_case(rank, world, everywhere):
     module = FA4ContextParallelAttention(GROUPS[4], strategy="ring", backend="reference", timeout=60)
     plan = make_plan(48, 4)
     q, k, v = _inputs(plan, rank)
+    if transform == "forward_ad":
+        import torch.autograd.forward_ad as fwad
+
+        with fwad.dual_level():
+            return _error(lambda: module(fwad.make_dual(q, torch.ones_like(q)), k, v, plan=plan))
     if everywhere or rank == 2:
         return _error(lambda: torch.func.grad(lambda a: module(a, k, v, plan=plan).sum())(q))
     return _error(lambda: module(q, k, v, plan=plan))
@@ -507,6 +512,15 @@ def test_torch_func_transforms_fail_on_every_rank_by_name(pool, everywhere):
         assert res is not None, f"rank {rank} computed instead of failing"
         name, message, elapsed = res
         assert "does not support torch.func transforms" in message and elapsed < 20, (rank, name, message)
+
+
+def test_forward_mode_ad_is_refused_by_name(pool):
+    """Forward-mode AD (torch.autograd.forward_ad) through the module: refused naming it (torch's message was 'You
+    must implement the jvp function for custom autograd.Function')."""
+    for rank, res in enumerate(pool.run(torch_func_case, everywhere=True, transform="forward_ad", timeout=90)):
+        assert res is not None, f"rank {rank} computed instead of failing"
+        name, message, elapsed = res
+        assert "fa4dist context parallel does not support forward-mode AD" in message, (rank, name, message)
 
 
 def non_grid_case(rank, world, verify):
