@@ -13,18 +13,15 @@ policy.
 from __future__ import annotations
 
 import contextlib
-import functools
 
+from torch.utils import checkpoint as _checkpoint
 
-@functools.lru_cache(maxsize=1)
-def _selective_checkpoint_modes() -> tuple:
-    """The dispatch mode classes of torch's selective activation checkpointing (private to torch.utils.checkpoint:
-    none where this torch has other names); looked up once (every exchanging call asks)."""
-    from torch.utils import checkpoint
-
-    return tuple(c for c in (getattr(checkpoint, name, None) for name in ("_CachingTorchDispatchMode",
-                                                                            "_CachedTorchDispatchMode"))
-                 if isinstance(c, type))
+# The dispatch mode classes of torch's selective activation checkpointing (private to torch.utils.checkpoint: none
+# where this torch has other names), looked up once at import: every exchanging call asks, and a functools cache
+# here made torch.compile warn about tracing through a cached function.
+SELECTIVE_CHECKPOINT_MODES = tuple(
+    c for c in (getattr(_checkpoint, name, None) for name in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode"))
+    if isinstance(c, type))
 
 
 @contextlib.contextmanager
@@ -40,7 +37,7 @@ def outside_selective_checkpoint():
     still counts the kernels' ops); infra modes (tracing) leave the stack as it is."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
-    kinds = _selective_checkpoint_modes()
+    kinds = SELECTIVE_CHECKPOINT_MODES
     stack = _get_current_dispatch_mode_stack() if kinds else []
     first = next((i for i, m in enumerate(stack) if isinstance(m, kinds)), None)
     if first is None or any(m.is_infra_mode() for m in stack):

@@ -261,6 +261,38 @@ def test_the_entry_points_that_are_not_ops_run_eagerly():
             torch.compile(fn, backend="aot_eager", fullgraph=True)(*args)
 
 
+def test_compiling_it_warns_about_nothing_of_ours():
+    """Tracing fa4dist's code raises no warning that names it (a functools cache in the selective-checkpointing
+    guard made dynamo warn of 'potential silent incorrectness' in every compiled model)."""
+    import warnings
+
+    import numpy as np
+
+    x, w, s = _inputs((1, 32), sinks=True)
+    attn = FA4ContextParallelAttention(causal=True, backend="reference")  # no group: one rank
+    q = torch.randn(1, 16, 2, 16, dtype=torch.float64)
+
+    def contract(q):
+        out = torch.zeros(1, 16, 2, 16, dtype=torch.float64)
+        lse = torch.full((1, 2, 16), float("-inf"), dtype=torch.float64)
+        attention_forward(q, q, q, causal=True, out=out, lse=lse, accumulate=True, backend="reference")
+        return out * 2
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for kwargs in (dict(causal=True, backend="reference"), dict(causal=True, cp_invariant=True,
+                                                                      backend="reference")):
+            torch.compile(_model_step(kwargs), backend="aot_eager")(x, w, s).backward()
+        torch.compile(contract, backend="aot_eager")(q)
+        torch.compile(lambda q: attn(q, q, q).sum(), backend="aot_eager")(q)
+        # a NumPy window side: the call runs eagerly behind a graph break, and dynamo traces the frames after it
+        torch.compile(lambda q, left: fa4dist.attention(q, q, q, causal=True, window=(left, 0), backend="reference"),
+                      backend="aot_eager")(q, np.int64(3))
+    ours = [str(c.message) for c in caught if "fa4dist" in str(c.filename) or "fa4dist" in str(c.message)
+            or "lru_cache" in str(c.message)]
+    assert not ours, ours
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [True])
 def test_cute_kernels_under_torch_compile(deterministic):
