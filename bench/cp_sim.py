@@ -50,6 +50,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fa4dist.context_parallel import Schedule, make_plan  # noqa: E402
+from fa4dist.context_parallel.plan import BALANCERS  # noqa: E402
 from fa4dist.context_parallel.ring import (  # noqa: E402
     Accumulators, KernelOptions, KVBuffer, accum_dtype, backward_step, forward_items, forward_step,
 )
@@ -448,17 +449,35 @@ def run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts, fill=False):
     return acc
 
 
+def _check_args(p: argparse.ArgumentParser, args) -> None:
+    """Sizes the simulation cannot run, refused by option name before any work (they failed deep inside make_plan
+    or the kernels, or --reps 0 in statistics.median after the whole sweep)."""
+    for name in ("cp", "seqlens", "steps_per_launch", "profile_ranks"):
+        minimum = 0 if name in ("steps_per_launch", "profile_ranks") else 1
+        bad = [x for x in getattr(args, name) or () if x < minimum]
+        if bad:
+            p.error(f"--{name.replace('_', '-')} takes integers >= {minimum}, got {bad}")
+    for name in ("heads", "kv_heads", "headdim", "reps"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.window is not None and args.window < 0:
+        p.error(f"--window is the keys before each query (>= 0; leave it out for plain causal), got {args.window}")
+    never = [r for r in args.profile_ranks if r >= max(args.cp)]
+    if never:  # (no simulated cp size has them: nothing would be profiled)
+        p.error(f"--profile-ranks {never}: no simulated --cp {args.cp} has those ranks")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="small sizes (a CPU smoke run)")
     p.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--seqlens", type=int, nargs="+", default=None, help="default 16384 32768 65536 131072")
-    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--heads", type=int, default=None, help="default 16 (2 with --tiny)")
     p.add_argument("--kv-heads", type=int, default=None, help="default = heads")
-    p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--headdim", type=int, default=None, help="default 128 (16 with --tiny)")
     p.add_argument("--dtype", default=None, help="default bfloat16 (float32 with --device cpu)")
-    p.add_argument("--balancers", nargs="+", default=["contiguous", "zigzag", "lpt"])
+    p.add_argument("--balancers", nargs="+", default=list(BALANCERS), choices=BALANCERS)
     p.add_argument("--directions", nargs="+", default=["fwd", "bwd"],
                    choices=["fwd", "fwd_zero_fill", "bwd", "bwd_per_call", "bwd_zero_fill"],
                    help="bwd_per_call: the backward without the shared query side (one preprocess and dQ convert "
@@ -487,17 +506,23 @@ def main(argv=None):
                    help="also profile one step list of these simulated ranks and the whole-sequence call: their "
                         "kernels by device time (a rank the work model calls balanced that runs slower shows where)")
     args = p.parse_args(argv)
+    _check_args(p, args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device: use --device cpu --tiny")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     if device.type == "cpu":
         torch.set_num_threads(1)  # steadier CPU timings (tiny sizes are overhead-bound anyway)
-    if args.tiny:
-        seqlens, heads, headdim = args.seqlens or [256, 512], min(args.heads, 2), min(args.headdim, 16)
-    else:
-        seqlens, heads, headdim = args.seqlens or [16384, 32768, 65536, 131072], args.heads, args.headdim
+    # --tiny shrinks the defaults only: sizes given on the command line are the ones run (it clamped --heads to 2
+    # and --headdim to 16, keeping --kv-heads: --heads 8 --kv-heads 4 failed with "query heads (2)")
+    default_seqlens, default_heads, default_headdim = ([256, 512], 2, 16) if args.tiny else \
+        ([16384, 32768, 65536, 131072], 16, 128)
+    seqlens = args.seqlens or default_seqlens
+    heads = args.heads or default_heads
+    headdim = args.headdim or default_headdim
     kv_heads = args.kv_heads or heads
+    if heads % kv_heads:
+        p.error(f"--kv-heads ({kv_heads}) must divide --heads ({heads})")
     backend = args.backend
     print(f"cp_sim: device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
           f"torch {torch.__version__}, backend {backend} (available: {available_backends(device)}), "

@@ -188,3 +188,31 @@ def test_launch_groups_give_the_members_forward_with_fewer_items(per_launch):
         torch.testing.assert_close(a.out, b.out, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(a.lse, b.lse, rtol=1e-5, atol=1e-6)
     assert fewer >= 4
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--cp", "0"], "--cp takes integers >= 1, got [0]"),
+    (["--seqlens", "0"], "--seqlens takes integers >= 1, got [0]"),
+    (["--reps", "0"], "--reps must be a positive integer, got 0"),  # was statistics.median's error after the sweep
+    (["--balancers", "foo"], "argument --balancers: invalid choice: 'foo'"),
+    (["--window", "-5"], "--window is the keys before each query (>= 0"),
+    (["--heads", "4", "--kv-heads", "3"], "--kv-heads (3) must divide --heads (4)"),
+    (["--cp", "2", "--profile-ranks", "5"], "--profile-ranks [5]: no simulated --cp [2] has those ranks"),
+])
+def test_cp_sim_refuses_bad_options_by_name(bad, message, tmp_path, monkeypatch, capsys):
+    """Each failed with a traceback from inside make_plan, the kernels or statistics (--reps 0 after the sweep)."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        _load().main(["--device", "cpu", "--tiny", *bad])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cp_sim_tiny_keeps_the_head_counts_given(tmp_path, monkeypatch):
+    """--tiny shrinks the defaults only: it clamped --heads to 2 and --headdim to 16 but kept --kv-heads, so --heads
+    8 --kv-heads 4 failed ("query heads (2) must be a multiple of ... (4)") and other sizes ran silently smaller."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    _load().main(["--device", "cpu", "--tiny", "--heads", "8", "--kv-heads", "4", "--headdim", "32", "--cp", "2",
+                  "--seqlens", "32", "--reps", "1", "--balancers", "lpt", "--directions", "fwd"])
+    meta = json.loads((tmp_path / "cp_sim.json").read_text())["meta"]
+    assert (meta["heads"], meta["kv_heads"], meta["headdim"]) == (8, 4, 32)
