@@ -84,8 +84,8 @@ def parse_args(argv=None):
     g.add_argument("--sliding-window", type=int, default=None,
                    help="tokens in the sliding window of Mistral's layers and of Gemma's and GPT-OSS's local "
                         "layers (default: Mistral none, the others the config class's)")
-    g.add_argument("--experts", type=int, default=8, help="gpt_oss: experts per MoE layer")
-    g.add_argument("--experts-per-token", type=int, default=2, help="gpt_oss: experts each token runs")
+    g.add_argument("--experts", type=common.positive_int, default=8, help="gpt_oss: experts per MoE layer")
+    g.add_argument("--experts-per-token", type=common.positive_int, default=2, help="gpt_oss: experts each token runs")
     g.add_argument("--checkpoint", default=None,
                    help="a local checkpoint directory (from_pretrained, offline); it defines the model, so --arch, "
                         "--model, --layers, --sliding-window, --experts, --experts-per-token and --init are refused "

@@ -113,6 +113,9 @@ def test_options_a_checkpoint_makes_unused_are_refused_by_name(tmp_path, flag, c
     (["--arch", "llama", "--experts", "4"], "--experts is not used by --arch llama: only gpt_oss has MoE layers"),
     (["--arch", "qwen2", "--experts-per-token", "1"], "--experts-per-token is not used by --arch qwen2"),
     (["--loss", "logits", "--loss-chunk", "40"], "--loss-chunk is not used by --loss logits"),
+    # were refused as "--experts-per-token must be in [1, --experts], got 2 of 0", naming the other option
+    (["--arch", "gpt_oss", "--experts", "0"], "argument --experts: must be a positive integer, got 0"),
+    (["--arch", "gpt_oss", "--experts-per-token", "-1"], "argument --experts-per-token: must be a positive integer"),
     (["--arch", "qwen2", "--model", "llama3.2-1b"], "--model llama3.2-1b is a Llama shape; use --arch llama"),
     # was "--strategy hybrid needs --ulysses-degree", and with one: refused for the hybrid strategy itself
     (["--cp", "2", "--strategy", "hybrid"], "enable_context_parallel takes the hybrid strategy from a 2-D mesh"),
@@ -120,7 +123,8 @@ def test_options_a_checkpoint_makes_unused_are_refused_by_name(tmp_path, flag, c
 ])
 def test_options_the_chosen_arch_or_loss_ignores_are_refused_by_name(bad, message, capsys):
     """--experts / --experts-per-token outside gpt_oss and --loss-chunk with --loss logits were ignored; a Llama-3
-    shape with another --arch failed on every rank after the process group existed."""
+    shape with another --arch failed on every rank after the process group existed; --experts 0 was refused as a
+    problem of --experts-per-token."""
     with pytest.raises(SystemExit):
         hf_sft.parse_args(bad)
     assert message in capsys.readouterr().err
