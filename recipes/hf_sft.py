@@ -100,8 +100,8 @@ def parse_args(argv=None):
     g.add_argument("--tile-mlp", type=common.non_negative_int, default=0,
                    help="run each MLP over this many tokens at a time (0: off)")
     g.add_argument("--offload-checkpoints", action="store_true",
-                   help="keep activation checkpoints in pinned host memory (transformers >= 5.2x; on CPUs, "
-                        "where they are in host memory already, plain activation checkpointing)")
+                   help="activation checkpointing with the checkpoints in pinned host memory (transformers >= 5.2x; "
+                        "on CPUs, where they are in host memory already, plain activation checkpointing)")
     g.add_argument("--memory-report", action="store_true", help="print a MEMORY {...} line after the first step")
     args, given = common.parse_given(p, argv)
     if args.checkpoint is not None:
@@ -133,6 +133,8 @@ def parse_args(argv=None):
                                                f"--model {args.model}")
         if problem:
             p.error(problem)
+    if args.offload_checkpoints:  # (it checkpoints: the SUMMARY said activation_checkpointing false)
+        args.activation_checkpointing = True
     if not 1 <= args.experts_per_token <= args.experts:
         p.error(f"--experts-per-token must be in [1, --experts], got {args.experts_per_token} of {args.experts}")
     return args
@@ -353,7 +355,7 @@ def prepare(args, layout, device, dtype):
     handle = enable_context_parallel(model, mesh=layout.mesh["cp"], strategy=args.strategy, balancer=args.balancer,
                                      backend=args.backend, deterministic=args.deterministic or None,
                                      cp_invariant=True if args.cp_invariant else None)
-    if args.activation_checkpointing or args.offload_checkpoints:
+    if args.activation_checkpointing:  # (--offload-checkpoints sets it)
         enable_activation_checkpointing(model, args.offload_checkpoints, device)
     if args.tile_mlp:
         tile_mlps(model, args.tile_mlp)
@@ -450,7 +452,7 @@ def memory_estimates(facts: dict, local_tokens: int, world: int, args, dtype) ->
         weights_fp32=params * 4 / world / gib, grads_fp32=params * 4 / world / gib,
         adam_states_fp32=2 * params * 4 / world / gib,
         checkpoints=facts["layers"] * local_tokens * facts["hidden"] * act / gib
-        if args.activation_checkpointing else None,
+        if args.activation_checkpointing and not args.offload_checkpoints else None,  # (offloaded: host memory)
         layer_recompute_forward=(local_tokens * (6 * facts["hidden"] + (h + 2 * kv) * hd) * act
                                  + mlp_tokens * 4 * ffn * act) / gib,
         logits_tile=chunk * facts["vocab"] * (act + 4 + 4) / gib if args.loss == "tiled"
@@ -532,7 +534,8 @@ def main(argv=None):
             recipe="hf_sft", arch=arch, model=args.checkpoint or args.model, params=facts["params"],
             world=world, dp=layout.dp, cp=layout.cp, seqlen=args.seqlen, batch_size=args.batch_size,
             packing=args.packing, dtype=str(dtype).split(".")[-1], loss=args.loss, tile_mlp=args.tile_mlp,
-            activation_checkpointing=args.activation_checkpointing, steps_timed=meter.steps,
+            activation_checkpointing=args.activation_checkpointing, offload_checkpoints=args.offload_checkpoints,
+            steps_timed=meter.steps,
             tokens_per_s=round(tps, 1) if tps else None,
             tokens_per_s_per_device=round(tps / world, 1) if tps else None,
             mfu=round(mfu, 4) if mfu is not None else None,

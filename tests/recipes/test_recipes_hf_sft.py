@@ -269,3 +269,18 @@ def test_training_flops_is_the_models_formula():
     assert hf_sft.training_flops(facts, samples) == model.training_flops(samples)
     with pytest.raises(ValueError):
         hf_sft.training_flops(facts, [[0, 30, 10]])
+
+
+def test_offload_checkpoints_is_reported_as_checkpointing():
+    """--offload-checkpoints alone checkpoints every layer (its checkpoints in host memory), but the SUMMARY said
+    activation_checkpointing false and the MEMORY line's estimate left the checkpoints out for the wrong reason;
+    now the option implies --activation-checkpointing, and only offloaded checkpoints leave the device estimate."""
+    import torch
+
+    facts = dict(params=1000, head_dim=16, heads=4, kv_heads=2, ffn=128, layers=2, hidden=64, vocab=320)
+    offloaded = hf_sft.parse_args(["--offload-checkpoints"])
+    assert offloaded.activation_checkpointing and offloaded.offload_checkpoints
+    assert hf_sft.memory_estimates(facts, 64, 2, offloaded, torch.bfloat16)["checkpoints"] is None
+    plain = hf_sft.parse_args(["--activation-checkpointing"])
+    assert hf_sft.memory_estimates(facts, 64, 2, plain, torch.bfloat16)["checkpoints"] == 2 * 64 * 64 * 2 / 2**30
+    assert not hf_sft.parse_args([]).activation_checkpointing
