@@ -307,6 +307,14 @@ def exit_process(code: int = 0):
     os._exit(code)
 
 
+def error_line(text: str) -> None:
+    """Writes ``text`` and its line end to stderr in one write, as a rank's one-line failure: the ranks share
+    torchrun's pipe, and print() writes the text and the line end separately there (stderr on a pipe is
+    write-through), so two ranks' lines ran together ("... got 3fa4dist demo: rank 3 failed: ...")."""
+    sys.stderr.write(f"{text}\n")
+    sys.stderr.flush()
+
+
 def _spawned(local_rank: int, nproc: int, port: int, argv):
     os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(local_rank),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -321,8 +329,7 @@ def main(argv=None) -> int:
         except (ValueError, TypeError) as err:
             # the library's refusal of a size or option (every rank raises it): one line per rank, as the
             # self-launched demo prints, instead of a traceback per rank from deep inside the module
-            print(f"fa4dist demo: rank {os.environ['RANK']} failed: {type(err).__name__}: {err}", file=sys.stderr,
-                  flush=True)
+            error_line(f"fa4dist demo: rank {os.environ['RANK']} failed: {type(err).__name__}: {err}")
             return 1
     import torch.multiprocessing as mp
 

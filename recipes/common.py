@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from fa4dist.context_parallel.ulysses import HeadSplit
 from fa4dist.data import PackedTokenStream, collect_documents, make_sample_plan, shard_sample
-from fa4dist.demo import exit_process
+from fa4dist.demo import error_line, exit_process
 from fa4dist.kernels.problem import check_seed
 from fa4dist.kernels.registry import check_backend
 from fa4dist.models import FA4Llama, cp_cross_entropy, get_config
@@ -47,7 +47,7 @@ def run_main(main) -> None:
     except SystemExit as stop:
         code = stop.code
         if code is not None and not isinstance(code, int):
-            print(code, file=sys.stderr)
+            error_line(str(code))  # (one write: the ranks' lines do not run together)
             code = 1
         exit_process(code or 0)
     except Exception:

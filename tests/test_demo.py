@@ -129,3 +129,34 @@ def test_a_rank_whose_run_is_refused_under_a_launcher_prints_one_line(monkeypatc
     monkeypatch.setattr(demo, "run", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         demo.main(["--seqlen", "8"])
+
+
+class _Writes:
+    """A stderr that records each write call (a pipe's stderr is write-through: each call is a write of its own)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def write(self, text):
+        self.calls.append(text)
+
+    def flush(self):
+        pass
+
+
+def test_a_ranks_failure_line_is_one_write(monkeypatch):
+    """Under torchrun the ranks share one stderr pipe, and print() wrote each rank's failure line and its line end
+    separately: two ranks' lines ran together ("... got 3fa4dist demo: rank 3 failed: ..."). Each is one write."""
+    from fa4dist import demo
+
+    def refused(args):
+        raise ValueError("num_chunks must be a multiple of cp_size (4) so every rank holds as many chunks, got 3")
+
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(demo, "run", refused)
+    writes = _Writes()
+    monkeypatch.setattr(sys, "stderr", writes)
+    assert demo.main(["--seqlen", "8"]) == 1
+    assert writes.calls == ["fa4dist demo: rank 2 failed: ValueError: num_chunks must be a multiple of cp_size (4) so "
+                            "every rank holds as many chunks, got 3\n"]
