@@ -103,7 +103,7 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
     # every rank once the group is up, name its ulysses_degree= argument)
     if args.nproc > 1 and args.strategy == "hybrid" and args.ulysses_degree is None:
         p.error("--strategy hybrid needs --ulysses-degree U (Ulysses over U ranks, ring over the rest)")
-    if args.nproc > 1 and args.ulysses_degree is not None and args.nproc % args.ulysses_degree:
+    if args.ulysses_degree is not None and args.nproc % args.ulysses_degree:  # (1 rank too: it was ignored)
         p.error(f"--ulysses-degree {args.ulysses_degree} must divide the number of ranks ({args.nproc})")
     if args.nproc > 1 and args.strategy == "ulysses" and args.ulysses_degree not in (None, args.nproc):
         p.error(f"--ulysses-degree {args.ulysses_degree} contradicts --strategy ulysses, which runs Ulysses over all "

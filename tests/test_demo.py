@@ -61,6 +61,9 @@ def test_demo_self_launched_packed_ulysses():
     (["--backend", "bogus"], "--backend: backend must be 'auto' or one of \\[.*'reference'.*\\], got 'bogus'"),
     (["--strategy", "hybrid", "--ulysses-degree", "3", "--nproc", "4"],
      "--ulysses-degree 3 must divide the number of ranks \\(4\\)"),
+    # one rank runs plain attention: a Ulysses degree there was ignored silently
+    (["--strategy", "hybrid", "--ulysses-degree", "4", "--nproc", "1"],
+     "--ulysses-degree 4 must divide the number of ranks \\(1\\)"),
     (["--strategy", "ulysses", "--ulysses-degree", "2", "--nproc", "4"],
      "--ulysses-degree 2 contradicts --strategy ulysses, which runs Ulysses over all 4 ranks"),
 ])
