@@ -175,6 +175,16 @@ def check_integer_dtype(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")
 
 
+_WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
+
+
+def comparable_integers(t: torch.Tensor) -> torch.Tensor:
+    """An integer tensor as torch's comparisons and reductions take it: uint16/uint32/uint64 (uint16 is the usual
+    on-disk token format; torch's CPU kernels of <, aminmax, ... lack these dtypes) as int64, others as they are.
+    uint64 values of 2^63 and up come out negative: a range check still refuses them."""
+    return t.long() if t.dtype in _WIDE_UNSIGNED else t
+
+
 def _check_cu_seqlens_layout(name: str, cu, narrowing: bool = False) -> None:
     """cu_seqlens' type and shape (no values read); ``narrowing``: any integer dtype, to be converted to int32."""
     if not isinstance(cu, torch.Tensor):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..kernels.problem import check_bool, check_integer_dtype
+from ..kernels.problem import check_bool, check_integer_dtype, comparable_integers
 from .attention import make_attention
 from .config import ModelConfig
 
@@ -61,7 +61,7 @@ def check_token_ids(name: str, tokens: torch.Tensor, vocab_size: int) -> None:
     assert on CUDA, or a silently wrong index_add in the invariant-gradient embedding). One host read."""
     check_integer_dtype(name, tokens)
     if tokens.numel():
-        lo, hi = (int(v) for v in torch.stack(torch.aminmax(tokens)).tolist())
+        lo, hi = (int(v) for v in torch.stack(torch.aminmax(comparable_integers(tokens))).tolist())
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"{name} must be ids in [0, vocab_size={vocab_size}), got ids from {lo} to {hi}")
 

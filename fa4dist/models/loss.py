@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fa4dist.data.packing import IGNORE
-from fa4dist.kernels.problem import check_timeout
+from fa4dist.kernels.problem import check_timeout, comparable_integers
 
 _CALLS: dict = {}  # (function, group name) -> this rank's calls on the group so far
 
@@ -91,6 +91,7 @@ def _check_inputs(logits, labels) -> None:
 def _label_count(labels: torch.Tensor, vocab: int) -> int:
     """The labels that are targets (not IGNORE); refuses ids outside [0, vocab) (a CUDA device assert, or an
     IndexError on one rank only, in the cross entropy).  One host sync, as the count needs anyway."""
+    labels = comparable_integers(labels)
     outside = ((labels < 0) & (labels != IGNORE)) | (labels >= vocab)
     count, n_out = torch.stack([(labels != IGNORE).sum(), outside.sum()]).tolist()
     if n_out:

@@ -313,11 +313,13 @@ def test_non_integer_positions_are_refused_by_name(positions):
 
 
 def test_narrow_integer_token_ids_are_taken():
-    """int8/uint8/int16 ids passed the id check, then failed deep in the embedding (it takes int32/int64 only)."""
+    """int8/uint8/int16 ids passed the id check, then failed deep in the embedding (it takes int32/int64 only);
+    uint16/uint32/uint64 ids (uint16: the usual on-disk token format) failed inside the id check itself, with torch's
+    NotImplementedError '"aminmax_cpu" not implemented for 'UInt16''."""
     model = _model()
     tokens = torch.tensor([3, 250, 7, 0, 255])
     want = model(tokens, torch.arange(5), SingleRankPlan([0, 5]))
-    for dtype in (torch.uint8, torch.int16, torch.int32):
+    for dtype in (torch.uint8, torch.int16, torch.int32, torch.uint16, torch.uint32, torch.uint64):
         got = model(tokens.to(dtype), torch.arange(5), SingleRankPlan([0, 5]))
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     model.set_invariant_grads(True)
