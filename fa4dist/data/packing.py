@@ -114,9 +114,9 @@ class Sample:
     """One packed window: ``tokens``/``labels``/``positions`` (seqlen,) int64, ``cu_seqlens`` int32 (docs + 1).
 
     Every Sample (made by a stream, by hand, or by :meth:`to`) is checked here: ``tokens``, ``labels`` and
-    ``positions`` integer tensors, 1-D, of one length (no values read: free on any device).  ``cu_seqlens`` is
-    checked by the plan that reads it (:func:`fa4dist.data.make_sample_plan`), and the tokens against it by the
-    plan's ``shard``."""
+    ``positions`` integer tensors, 1-D, of one length, and ``cu_seqlens`` a tensor (no values read: free on any
+    device).  Its values are checked by the plan that reads them (:func:`fa4dist.data.make_sample_plan`), and the
+    tokens against them by the plan's ``shard``."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
@@ -125,11 +125,14 @@ class Sample:
 
     def __post_init__(self):
         # at cp 1 labels or positions of the wrong length went through shard_sample, to fail in the loss or the model
-        for name in ("tokens", "labels", "positions"):
+        # (a list of boundaries made plans, then failed in shard_sample and Sample.to: "'list' object has no
+        # attribute 'tolist'")
+        for name in ("tokens", "labels", "positions", "cu_seqlens"):
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"Sample.{name} must be a torch.Tensor, got {type(t).__name__}")
-            check_integer_dtype(f"Sample.{name}", t)
+        for name in ("tokens", "labels", "positions"):
+            check_integer_dtype(f"Sample.{name}", getattr(self, name))
         if self.tokens.dim() != 1:
             raise ValueError(f"Sample.tokens must be 1-D (seqlen,), got shape {tuple(self.tokens.shape)}")
         for name in ("labels", "positions"):
