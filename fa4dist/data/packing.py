@@ -114,7 +114,7 @@ class Sample:
     """One packed window: ``tokens``/``labels``/``positions`` (seqlen,) int64, ``cu_seqlens`` int32 (docs + 1).
 
     Every Sample (made by a stream, by hand, or by :meth:`to`) is checked here: ``tokens``, ``labels`` and
-    ``positions`` integer tensors, 1-D, of one length, and ``cu_seqlens`` a tensor (no values read: free on any
+    ``positions`` integer tensors, 1-D, of one length, and ``cu_seqlens`` a 1-D tensor (no values read: free on any
     device).  Its values are checked by the plan that reads them (:func:`fa4dist.data.make_sample_plan`), and the
     tokens against them by the plan's ``shard``."""
 
@@ -140,6 +140,9 @@ class Sample:
             if t.shape != self.tokens.shape:
                 raise ValueError(f"Sample.{name} must have the length of Sample.tokens ({self.tokens.numel()}), got "
                                  f"shape {tuple(t.shape)}")
+        if self.cu_seqlens.dim() != 1:  # a 0-d one failed in shard_sample: "'int' object is not subscriptable"
+            raise ValueError(f"Sample.cu_seqlens must be 1-D (documents + 1,), got shape "
+                             f"{tuple(self.cu_seqlens.shape)}")
 
     @property
     def num_label_tokens(self) -> int:

@@ -171,12 +171,13 @@ def _fields(n=8):
     ("positions", list(range(8)), TypeError, "Sample.positions must be a torch.Tensor, got list"),
     ("cu_seqlens", [0, 8], TypeError, "Sample.cu_seqlens must be a torch.Tensor, got list"),
     ("cu_seqlens", (0, 3, 8), TypeError, "Sample.cu_seqlens must be a torch.Tensor, got tuple"),
+    ("cu_seqlens", torch.tensor(8), ValueError, r"Sample.cu_seqlens must be 1-D \(documents \+ 1,\), got shape \(\)"),
 ])
 def test_a_sample_with_bad_fields_is_refused_by_name(field, value, error, message):
     """At cp 1 labels or positions of the wrong length went through shard_sample, to fail later in the loss or the
     model (or not at all: float positions); every Sample is checked where it is made.  cu_seqlens given as a list was
     taken, and shard_sample then failed at every cp size with "'list' object has no attribute 'tolist'" (Sample.to:
-    "has no attribute 'to'")."""
+    "has no attribute 'to'"), and a 0-d one with "'int' object is not subscriptable"."""
     with pytest.raises(error, match=message):
         Sample(**{**_fields(), field: value})
 
