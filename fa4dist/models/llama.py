@@ -11,6 +11,7 @@ every attention layer, which knows from it which keys each local query may see.
 
 from __future__ import annotations
 
+import numbers
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -303,8 +304,15 @@ class FA4Llama(nn.Module):
         return getattr(self.attention_core, "cp_rank", 0)
 
     def make_plan(self, cu_seqlens: torch.Tensor, balancer: str = "lpt", num_chunks: Optional[int] = None):
-        """The sharding plan of one packed stream (its document boundaries) for this model's cp group: the
-        attention module's own ``make_plan`` (right cp size and Ulysses degree), or the identity at cp size 1."""
+        """The sharding plan of one packed stream (its document boundaries, or a token count: one document) for this
+        model's cp group: the attention module's own ``make_plan`` (right cp size and Ulysses degree), or the
+        identity at cp size 1."""
+        from fa4dist.context_parallel.plan import _documents
+
+        if isinstance(cu_seqlens, numbers.Integral) or getattr(cu_seqlens, "ndim", None) == 0:
+            # a token count: one document, as at cp 1 (the context-parallel make_plan's single-sequence plan is for a
+            # (batch, seqlen, ...) layout, which the model's packed stream is not: its attention refused it)
+            cu_seqlens = [0, _documents(cu_seqlens)[0]]  # (checked as make_plan checks it: a bool refused)
         core = self.attention_core
         if getattr(core, "cp_size", 1) > 1:
             # invariant gradients: every rank's tokens are whole ROW_BLOCK blocks of the stream

@@ -454,3 +454,35 @@ def test_a_rank_whose_model_inputs_are_refused_does_not_leave_the_others_waiting
     assert kind1 == error and re.match(message, text1), (kind1, text1)
     assert kind0 == "ValueError" and f"rank 1 rejected its inputs: {error}: " in text0, (kind0, text0)
     assert re.search(message, text0) and max(seconds0, seconds1) < 5, (text0, seconds0, seconds1)
+
+
+def _token_count_plans(rank, world):
+    """On ranks 0 and 1 (cp = 2): the cp = 2 model's logits from model.make_plan(16), a token count, against the
+    single-process model's of one 16-token document (this rank's shard), or the error."""
+    from cp_harness import GROUPS
+
+    if rank >= 2:
+        return None
+    tokens = torch.randint(0, 256, (16,), generator=torch.Generator().manual_seed(5))
+    whole = _model()(tokens, torch.arange(16), SingleRankPlan([0, 16]))
+    model = _model(cp_group=GROUPS[2], backend="reference")
+    plan = model.make_plan(16)
+    try:
+        local = model(plan.shard(tokens, 0, rank), plan.positions(rank), plan)
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {err}"
+    return float((local - plan.shard(whole, 0, rank)).abs().max())
+
+
+@pytest.mark.timeout(120)
+def test_a_token_count_is_one_document_at_every_cp_size():
+    """model.make_plan(n) (a token count, as make_plan takes one) was one n-token document at cp 1 and a
+    single-sequence plan at cp > 1, whose (batch, seqlen, ...) layout the model's packed stream is not: the forward
+    failed in the attention with 'q must be 4-D (batch, local_seqlen, heads, head_dim) for this single-sequence plan'.
+    It is one document at every cp size."""
+    from cp_harness import shared_pool
+
+    model = _model()
+    assert model.make_plan(16).cu_seqlens.tolist() == [0, 16]
+    for err in shared_pool(4).run(_token_count_plans)[:2]:
+        assert isinstance(err, float) and err < 1e-12, err
