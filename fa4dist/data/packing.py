@@ -197,7 +197,7 @@ class PackedTokenStream:
     ``tokenizer``: a :class:`ByteTokenizer` (the default, ``None``) or any object whose ``encode(text)`` returns the
     text's token ids."""
 
-    def __init__(self, documents: Sequence[str], seqlen: int, *, packing: str = "documents", seed: int = 0,
+    def __init__(self, documents: Iterable[str], seqlen: int, *, packing: str = "documents", seed: int = 0,
                  tokenizer: Optional[ByteTokenizer] = None):
         if packing not in ("documents", "stream"):
             raise ValueError(f"packing must be 'documents' or 'stream', got {packing!r}")
@@ -225,7 +225,7 @@ class PackedTokenStream:
         copies = -(-(seqlen + 1) // tokens.numel())
         if copies > 1:
             tokens = tokens.repeat(copies)
-            docs = torch.cat([docs + c * len(documents) for c in range(copies)])
+            docs = torch.cat([docs + c * len(pieces) for c in range(copies)])  # (documents may be a generator)
         self.tokens, self.doc_ids = tokens, docs
         self.seqlen, self.packing, self.seed = seqlen, packing, seed
         self.num_windows = (tokens.numel() - 1) // seqlen

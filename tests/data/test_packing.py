@@ -129,6 +129,16 @@ def test_a_tokenizer_object_is_used():
     assert PackedTokenStream(["ab"], 2, tokenizer=Upper()).tokens.tolist() == [65, 66, 65, 66]
 
 
+def test_documents_may_be_any_iterable_of_texts():
+    """A generator of texts was tokenized, then a corpus shorter than a window (repeated) failed with "object of type
+    'generator' has no len()"; each copy is still a document of its own."""
+    texts = ["hello", "world!"]
+    want = PackedTokenStream(texts, 40)
+    got = PackedTokenStream((t for t in texts), 40)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.doc_ids, want.doc_ids)
+    assert got.doc_ids.unique().tolist() == list(range(6))  # 3 copies of 7 + 8 tokens for 41: 6 documents
+
+
 @pytest.mark.parametrize("cu, message", [
     (torch.tensor([0, 5, 3], dtype=torch.int32), r"cu_seqlens must be non-decreasing, got \[0, 5, 3\]"),
     (torch.tensor([2, 5]), "cu_seqlens must start at 0, got 2"),
