@@ -10,6 +10,8 @@ from __future__ import annotations
 import operator
 from typing import Iterable
 
+import torch
+
 from ..kernels.problem import check_bool, type_name
 
 BOS = 256
@@ -45,7 +47,10 @@ class ByteTokenizer:
         values = []
         for i in ids:
             try:
-                values.append(operator.index(i))  # an int, a numpy or 0-d integer tensor id; 1.7 was read as byte 1
+                # an int, a numpy or 0-d integer tensor id; 1.7 was read as byte 1, True (a mask's element) as byte 1
+                if isinstance(i, bool) or getattr(i, "dtype", None) == torch.bool:
+                    raise TypeError
+                values.append(operator.index(i))
             except TypeError:
                 raise TypeError(f"ids must be integer token ids, got {type_name(i)} {i!r}") from None
         return bytes(i for i in values if 0 <= i < 256).decode("utf-8", errors="replace")

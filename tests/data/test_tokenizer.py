@@ -28,9 +28,11 @@ def test_encode_flags_are_bools():
         ByteTokenizer().encode("a", eos="no")
 
 
-@pytest.mark.parametrize("ids, shown", [([97, 1.7], "float 1.7"), (["a"], "str 'a'")])
+@pytest.mark.parametrize("ids, shown", [([97, 1.7], "float 1.7"), (["a"], "str 'a'"), ([97, True], "bool True"),
+                                       (torch.tensor([True, False]), r"torch.Tensor tensor\(True\)")])
 def test_decode_refuses_ids_that_are_not_integers(ids, shown):
-    """1.7 was read as byte 1 (int() truncates)."""
+    """1.7 was read as byte 1 (int() truncates); a bool, or a bool tensor's element (a mask given for the ids), as
+    byte 1 or 0."""
     with pytest.raises(TypeError, match=f"ids must be integer token ids, got {shown}"):
         ByteTokenizer().decode(ids)
 
