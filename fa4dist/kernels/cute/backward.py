@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -29,6 +29,36 @@ from .split_plans import split_keys_plan, split_plan, split_tile_count
 
 BWD_HEAD_DIMS = (64, 96, 128)
 TILE_N = 128
+
+
+class BwdKernelArgs(NamedTuple):
+    """The main kernel's runtime arguments by name, in the order of ``bwd_sm90.FlashBwdSm90.__call__`` (before the
+    stream): every launch and the compile's fake arguments build one instead of counting 24 positions."""
+
+    q: Any
+    k: Any
+    v: Any
+    dout: Any  # in q's dtype
+    lse2: Any  # flat fp32, (chunk, h) blocks of tile_m: lse in log2 units (the preprocess writes it)
+    dpsum: Any  # same indexing: rowsum(dO * O) * scale
+    clean: Any  # flat int32 (chunk, h): the preprocess's clean query tiles, or None (clean_tiles off)
+    dq_acc: Any  # the dQ scratch: flat fp32, or int64 (dq_fixed), (chunk, h) blocks of tile_m * d
+    dk: Any
+    dv: Any
+    sem: Any  # flat int32 (chunk, h): the dQ tickets (deterministic), or None
+    dq_scale: Any  # flat fp32 like lse2: the rows' fixed-point scales (dq_fixed), or None
+    scale: Any  # softmax scale
+    scale_log2: Any  # the scores' scale in log2 units (host.score_scale)
+    diag: Any  # q_offset - k_offset (per-segment offsets in seg_off_q / seg_off_k)
+    max_seqlen_k: Any  # packed: the longest key segment (sizes the grid); dense: the key length
+    cu_seqlens_q: Any = None  # packed; a work list: its item table
+    cu_seqlens_k: Any = None
+    seg_off_q: Any = None
+    seg_off_k: Any = None
+    tile_counter: Any = None  # persistent grid: (1,) int32, zero at launch (split_keys: 1 + split key tiles)
+    split_dkv: Any = None  # split_keys: the parts' fp32 dK / dV scratch
+    split_edge: Any = None  # split_keys: how many key tiles (the first) are split
+    split_parts: Any = None  # split_keys: parts per split key tile
 
 
 def dq_scratch_elements(total_q: int, num_seqs: int, heads_q: int, head_dim: int) -> int:
@@ -191,13 +221,16 @@ class BwdConfig:
             nb = cute.sym_int()
             off_q, off_k = host.fake_i32(nb), host.fake_i32(nb)
         counter = host.fake_i32(1) if self.takes_tile_counter else None
-        split = (None, None, None)
+        split = {}
         if self.split_keys:  # the parts' fp32 dK / dV scratch, the split key tiles and the parts per tile
             counter = host.fake_i32()  # (and one arrival counter per split key tile after the tile counter)
-            split = (host.fake_tensor(cutlass.Float32, (cute.sym_int(), self.head_dim), 4), cutlass.Int32(0),
-                     cutlass.Int32(1))
-        return (q, k, v, do, lse2, dps, clean, dqacc, dk, dv, sem, dq_scale, cutlass.Float32(1.0), cutlass.Float32(1.0),
-                cutlass.Int32(0), cutlass.Int32(1), cu_q, cu_k, off_q, off_k, counter, *split, host.fake_stream())
+            split = dict(split_dkv=host.fake_tensor(cutlass.Float32, (cute.sym_int(), self.head_dim), 4),
+                         split_edge=cutlass.Int32(0), split_parts=cutlass.Int32(1))
+        args = BwdKernelArgs(q=q, k=k, v=v, dout=do, lse2=lse2, dpsum=dps, clean=clean, dq_acc=dqacc, dk=dk, dv=dv,
+                             sem=sem, dq_scale=dq_scale, scale=cutlass.Float32(1.0), scale_log2=cutlass.Float32(1.0),
+                             diag=cutlass.Int32(0), max_seqlen_k=cutlass.Int32(1), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                             seg_off_q=off_q, seg_off_k=off_k, tile_counter=counter, **split)
+        return (*args, host.fake_stream())
 
 
 @dataclass(frozen=True)
@@ -737,12 +770,16 @@ def launch_steps(
     def counter():  # a fresh zeroed tile counter per main-kernel launch (a persistent grid's)
         return host.tile_counter(main_cfg.takes_tile_counter, device)
 
+    def main_args(**scratch) -> BwdKernelArgs:  # this call's inputs and options, with its scratch
+        return BwdKernelArgs(q=q, k=k, v=v, dout=dout_mma, dk=dk, dv=dv, scale=scale, scale_log2=scale_log2,
+                             diag=diag, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seg_off_q=off_q,
+                             seg_off_k=off_k, **scratch)
+
     if rows is not None:
         lse2, dpsum, clean, dq_acc, sem = rows.views(q_start, total_q, deterministic)
-        clean = clean if main_cfg.takes_clean_flags else None
-        msk = max(k.shape[1], 1)
-        main = lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, clean, dq_acc, dk, dv, sem, None, scale,  # noqa
-                               scale_log2, diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k, counter(), *NO_SPLIT)
+        args = main_args(lse2=lse2, dpsum=dpsum, clean=clean if main_cfg.takes_clean_flags else None, dq_acc=dq_acc,
+                         sem=sem, dq_scale=None, max_seqlen_k=max(k.shape[1], 1))
+        main = lambda: main_fn(*args._replace(tile_counter=counter()))  # noqa: E731
         # deterministic: the dQ tickets count from 0 again for this launch's key tiles
         return ([sem.zero_] if sem is not None else []) + [main]
 
@@ -765,10 +802,11 @@ def launch_steps(
     if grads == "dkv":  # no dQ: no scratch, no tickets (one chunk and one ticket satisfy the signature)
         dq_acc = torch.empty(tm * d, dtype=torch.float32, device=device)
         sem = torch.empty(1, dtype=torch.int32, device=device) if deterministic else None
+        args = main_args(lse2=lse2, dpsum=dpsum, clean=main_clean, dq_acc=dq_acc, sem=sem, dq_scale=None,
+                         max_seqlen_k=msk)
         return [
             lambda: pre_fn(out, dout, lse, lse2, dpsum, clean, dq_acc, None, None, None, scale, m_grid, cu_seqlens_q),
-            lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, main_clean, dq_acc, dk, dv, sem, None, scale, scale_log2,
-                            diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k, counter(), *NO_SPLIT),
+            lambda: main_fn(*args._replace(tile_counter=counter())),
         ]
     if dq_fixed:
         # int64 scratch (zeroed by the preprocess as fp32 words) and the rows' scales in lse2's indexing
@@ -780,7 +818,9 @@ def launch_steps(
         dq_acc = dq_words = torch.empty(n_chunks * tm * d, dtype=torch.float32, device=device)
         scale2 = None
         sem = torch.empty(n_chunks, dtype=torch.int32, device=device) if main_cfg.deterministic else None
-    main_args = lambda: (counter(), *NO_SPLIT)  # noqa: E731
+    args = main_args(lse2=lse2, dpsum=dpsum, clean=main_clean, dq_acc=dq_acc, sem=sem, dq_scale=scale2,
+                     max_seqlen_k=msk)
+    launch = lambda: dict(tile_counter=counter())  # noqa: E731  (what each launch makes fresh)
     split_cfg = _split_variant(main_cfg) if split_keys == "auto" else None
     plan = dense_split_keys_plan(split_cfg, q.shape, k.shape, diag) if split_cfg is not None else (0, 1)
     if plan[1] > 1:  # the longest key tiles in parts: the split variant, its scratch and arrival counters
@@ -788,21 +828,16 @@ def launch_steps(
         edge, parts = plan
         split_tiles = split_key_tile_count(split_cfg, k.shape, plan)
         split_dkv = torch.empty(2 * split_tiles * parts * TILE_N, d, dtype=torch.float32, device=device)
-        main_args = lambda: (torch.zeros(1 + split_tiles, dtype=torch.int32, device=device),  # noqa: E731
-                             split_dkv, edge, parts)
+        launch = lambda: dict(tile_counter=torch.zeros(1 + split_tiles, dtype=torch.int32, device=device),  # noqa
+                              split_dkv=split_dkv, split_edge=edge, split_parts=parts)
     elif "lpt_over_heads" not in {**_OVERRIDE, **overrides} and use_lpt_over_heads(main_cfg, q.shape, k.shape):
         main_fn = host.get_compiled(lpt_over_heads_variant(main_cfg))  # (the split variant has this order too)
     return [
         lambda: pre_fn(out, dout, lse, lse2, dpsum, clean, dq_words, sem, dq_scale, scale2, scale, m_grid,
                        cu_seqlens_q),
-        lambda: main_fn(q, k, v, dout_mma, lse2, dpsum, main_clean, dq_acc, dk, dv, sem, scale2, scale, scale_log2,
-                        diag, msk, cu_seqlens_q, cu_seqlens_k, off_q, off_k, *main_args()),
+        lambda: main_fn(*args._replace(**launch())),
         lambda: post_fn(dq_acc, dq, scale2 if fixed_to_float else None, m_grid, cu_seqlens_q),
     ]
-
-
-# the main kernel's split_keys arguments (scratch, split key tiles, parts) of a launch that does not split
-NO_SPLIT = (None, None, None)
 
 
 # lpt_over_heads for dense causal non-deterministic launches of at most LPT_OVER_HEADS_MAX_WAVES waves of key tiles
@@ -1027,8 +1062,10 @@ def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_til
         if sem is not None:
             sem.zero_()  # the tickets count this launch's key tiles from 0 again
         clean = rows.clean if main_cfg.takes_clean_flags else None
-        main_fn(q, k, v, dout, rows.lse2, rows.dpsum, clean, rows.dq_acc, dk, dv, sem, None, scale, scale_log2, 0,
-                msk, table, None, None, None, host.tile_counter(main_cfg.takes_tile_counter, q.device), *NO_SPLIT)
+        main_fn(*BwdKernelArgs(q=q, k=k, v=v, dout=dout, lse2=rows.lse2, dpsum=rows.dpsum, clean=clean,
+                               dq_acc=rows.dq_acc, dk=dk, dv=dv, sem=sem, dq_scale=None, scale=scale,
+                               scale_log2=scale_log2, diag=0, max_seqlen_k=msk, cu_seqlens_q=table,
+                               tile_counter=host.tile_counter(main_cfg.takes_tile_counter, q.device)))
         return dq, dk, dv
     n_chunks = max(int(scratch_tiles), 1) * hq
     lse2 = torch.empty(n_chunks * tm, dtype=torch.float32, device=q.device)
@@ -1038,8 +1075,9 @@ def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_til
     sem = torch.empty(n_chunks, dtype=torch.int32, device=q.device) if deterministic else None  # pre zeroes it
     m_grid = max(1, -(-int(max_q_len) // tm))
     host.get_compiled(pre_cfg)(out, dout, lse, lse2, dpsum, clean, dq_acc, sem, None, None, scale, m_grid, table)
-    main_fn(q, k, v, dout, lse2, dpsum, clean if main_cfg.takes_clean_flags else None, dq_acc, dk, dv, sem, None,
-            scale, scale_log2, 0, msk, table, None, None, None,
-            host.tile_counter(main_cfg.takes_tile_counter, q.device), *NO_SPLIT)
+    main_fn(*BwdKernelArgs(q=q, k=k, v=v, dout=dout, lse2=lse2, dpsum=dpsum,
+                           clean=clean if main_cfg.takes_clean_flags else None, dq_acc=dq_acc, dk=dk, dv=dv, sem=sem,
+                           dq_scale=None, scale=scale, scale_log2=scale_log2, diag=0, max_seqlen_k=msk,
+                           cu_seqlens_q=table, tile_counter=host.tile_counter(main_cfg.takes_tile_counter, q.device)))
     host.get_compiled(post_cfg)(dq_acc, dq, None, m_grid, table)
     return dq, dk, dv

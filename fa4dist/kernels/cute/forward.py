@@ -5,8 +5,9 @@ q_offset=0, k_offset=0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
 accumulate=False)`` writes out / lse in place (or, with accumulate=True, merges this block into a running fp32
 (out, lse)).  Packed input's ``max_seqlen_q`` / ``max_seqlen_k`` size the grid without a host synchronisation: at
 least the longest segment (a smaller value leaves the rows past it unwritten; the kernel contract passes the
-exact values, from its checked cu_seqlens).  Compile cache, AOT objects, fake arguments and offsets come from host.py, shared with the backward.
-Everything that touches cutlass is imported lazily, so ``import fa4dist`` works without it.
+exact values, from its checked cu_seqlens).  Compile cache, AOT objects, fake arguments and offsets come from
+host.py, shared with the backward.  Everything that touches cutlass is imported lazily, so ``import fa4dist`` works
+without it.
 ``FA4DIST_FWD_OVERRIDE="tile_m=128,persistent_ctas=0"`` (development hook, read at import) forces FwdConfig fields
 for every call; a bad field or value raises naming it (host.py lists the environment variables).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,6 +25,30 @@ from . import host, split_plans
 from .split_plans import causal_split_plan, split_plan
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
+
+
+class FwdKernelArgs(NamedTuple):
+    """The forward kernel's runtime arguments by name, in the order of ``fwd_sm90.FlashFwdSm90.__call__`` (before
+    the stream): every launch and the compile's fake arguments build one (the backward's: BwdKernelArgs)."""
+
+    q: Any
+    k: Any
+    v: Any
+    out: Any  # q's dtype, or the fp32 running output (accumulate / out_fp32)
+    lse: Any  # fp32
+    scale_log2: Any  # the scores' scale in log2 units (host.score_scale)
+    diag: Any  # q_offset - k_offset (per-segment offsets in seg_off_q / seg_off_k)
+    max_seqlen_q: Any  # packed: the longest query segment (sizes the grid); dense: ignored
+    cu_seqlens_q: Any = None  # packed; a work list: its item table
+    cu_seqlens_k: Any = None
+    seg_off_q: Any = None
+    seg_off_k: Any = None
+    sinks: Any = None  # (h,) fp32 sink logits
+    tile_counter: Any = None  # dynamic tiles: (1,) int32, zero at launch (split_tail: 1 + split tiles)
+    split_o: Any = None  # split_tail: the parts' fp32 out scratch
+    split_lse: Any = None  # split_tail: their lse
+    split_edge: Any = None  # split_tail: non-causal the first split tile, causal how many (split_plans)
+    split_parts: Any = None  # split_tail: parts per split tile
 
 
 @dataclass(frozen=True)
@@ -177,13 +203,16 @@ class FwdConfig:
         if self.sinks:
             sinks = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
         counter = host.fake_i32(1) if self.takes_tile_counter else None
-        split = (None, None, None, None)
+        split = {}
         if self.split_tail:  # the parts' fp32 (out, lse) scratch, the first split tile and the parts per tile
             counter = host.fake_i32()  # (and one arrival counter per split tile after the tile counter)
-            split = (host.fake_tensor(cutlass.Float32, (cute.sym_int(), self.head_dim), 4),
-                     host.fake_flat(cutlass.Float32), cutlass.Int32(0), cutlass.Int32(1))
-        return (q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(1), cu_q, cu_k, off_q, off_k,
-                sinks, counter, *split, host.fake_stream())
+            split = dict(split_o=host.fake_tensor(cutlass.Float32, (cute.sym_int(), self.head_dim), 4),
+                         split_lse=host.fake_flat(cutlass.Float32), split_edge=cutlass.Int32(0),
+                         split_parts=cutlass.Int32(1))
+        args = FwdKernelArgs(q=q, k=k, v=v, out=o, lse=lse, scale_log2=cutlass.Float32(1.0), diag=cutlass.Int32(0),
+                             max_seqlen_q=cutlass.Int32(1), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seg_off_q=off_q,
+                             seg_off_k=off_k, sinks=sinks, tile_counter=counter, **split)
+        return (*args, host.fake_stream())
 
 
 # hdim 64 causal plain launches of at most this many query rows (dense) or rows a document (packed) take short tiles
@@ -581,16 +610,16 @@ def forward(
         msq = max(msq, 1)
     else:
         msq = 1
-    scale_log2 = host.score_scale(softmax_scale, softcap)
-    split_args = (None, None, None, None)
+    args = FwdKernelArgs(q=q, k=k, v=v, out=out, lse=lse, scale_log2=host.score_scale(softmax_scale, softcap),
+                         diag=diag, max_seqlen_q=msq, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                         seg_off_q=off_q, seg_off_k=off_k, sinks=sinks)
     plan = dense_split_plan(split, q.shape, k.shape[1], diag) if split is not None else None
     if plan is not None and plan[1] > 1:
         fn = host.get_compiled(split)
-        split_args, counter = _split_buffers(split, q, plan)
+        args = args._replace(**_split_buffers(split, q, plan))
     else:
-        counter = host.tile_counter(takes_counter, q.device)
-    fn(q, k, v, out, lse, scale_log2, diag, msq, cu_seqlens_q, cu_seqlens_k, off_q, off_k, sinks, counter,
-       *split_args)
+        args = args._replace(tile_counter=host.tile_counter(takes_counter, q.device))
+    fn(*args)
     return out, lse
 
 
@@ -610,16 +639,16 @@ def split_tile_count(cfg: FwdConfig, q_shape, plan) -> int:
     return split_plans.split_tile_count(cfg.causal, b * h * -(-sq // cfg.tile_m), plan[0])
 
 
-def _split_buffers(cfg: FwdConfig, q, plan):
-    """(the split_tail kernel's scratch and plan arguments, its counter) for a dense call that splits: the tile
-    counter and one arrival counter per split tile, zeroed, and the parts' fp32 (out, lse) scratch."""
+def _split_buffers(cfg: FwdConfig, q, plan) -> dict:
+    """The split_tail kernel's arguments (FwdKernelArgs fields) for a dense call that splits: the tile counter and
+    one arrival counter per split tile, zeroed, the parts' fp32 (out, lse) scratch and the plan."""
     d = q.shape[-1]
     edge, parts = plan
     split_tiles = split_tile_count(cfg, q.shape, plan)
-    scratch_o = torch.empty(split_tiles * parts * cfg.tile_m, d, dtype=torch.float32, device=q.device)
-    scratch_lse = torch.empty(split_tiles * parts * cfg.tile_m, dtype=torch.float32, device=q.device)
-    counter = torch.zeros(1 + split_tiles, dtype=torch.int32, device=q.device)
-    return (scratch_o, scratch_lse, edge, parts), counter
+    return dict(split_o=torch.empty(split_tiles * parts * cfg.tile_m, d, dtype=torch.float32, device=q.device),
+                split_lse=torch.empty(split_tiles * parts * cfg.tile_m, dtype=torch.float32, device=q.device),
+                split_edge=edge, split_parts=parts,
+                tile_counter=torch.zeros(1 + split_tiles, dtype=torch.int32, device=q.device))
 
 
 def forward_worklist(q, k, v, out, lse, table, max_q_len, *, softmax_scale, causal, window_left=-1, softcap=None,
@@ -653,8 +682,9 @@ def forward_worklist(q, k, v, out, lse, table, max_q_len, *, softmax_scale, caus
         if not _OVERRIDE:
             _FAST[fast_key] = fast
     fn, takes_counter = fast
-    fn(q, k, v, out, lse, host.score_scale(softmax_scale, softcap), 0, max(int(max_q_len), 1), table, None, None,
-       None, None, host.tile_counter(takes_counter, q.device), None, None, None, None)
+    fn(*FwdKernelArgs(q=q, k=k, v=v, out=out, lse=lse, scale_log2=host.score_scale(softmax_scale, softcap), diag=0,
+                      max_seqlen_q=max(int(max_q_len), 1), cu_seqlens_q=table,
+                      tile_counter=host.tile_counter(takes_counter, q.device)))
     return out, lse
 
 
