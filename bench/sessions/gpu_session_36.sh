@@ -12,11 +12,22 @@
 #    (c) lpt_over_heads on packed causal documents (key tile j of every sequence and head, then j + 1), mixed
 #    lengths, beside the default and flash-attn-4 (bench/packed_tiles.py checks the gradients against the default
 #    row). Prediction: +0-10% at few heads (the packed launch is head-major over sequences x heads today).
+# 0: the thirty-fifth session's changes on the GPU (it had no device): the kernels' arguments by name
+#    (FwdKernelArgs / BwdKernelArgs: every launch form once, the same launches recorded on the CPU), cp_invariant with
+#    sinks on staged ranks, the work lists. Expect every test to pass.
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s36 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
 bundle_folders_on_exit
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rfE -m gpu"
+if [ "${1:-1}" = 0 ]; then
+  TAIL_LINES=10 stage tests_launch_forms 240 $PYTEST -n 8 tests/kernels/test_cute_fwd_gpu.py \
+    tests/kernels/test_cute_bwd_gpu.py -k "split or persistent or shared_queries or one_gradient or fixed_point or \
+    accumulate or varlen or packed_random or expanded"
+  TAIL_LINES=10 stage tests_worklists_invariant 240 $PYTEST tests/kernels/test_worklist_gpu.py \
+    tests/cp/test_cp_gpu.py -k "worklist or invariant"
+  exit
+fi
 if [ "${1:-1}" = 1 ]; then
   TAIL_LINES=6 stage tests_bits 150 $PYTEST -n 8 tests/kernels/test_cute_bwd_gpu.py -k "step_forms"
   TAIL_LINES=14 stage det_over_heads 120 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 8192 \
