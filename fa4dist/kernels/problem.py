@@ -667,6 +667,15 @@ def check_written(written: dict, read: dict) -> None:
     list's later items read what the earlier ones wrote)."""
     given = [(n, t) for n, t in written.items() if isinstance(t, torch.Tensor)]
     for name, t in given:
+        # torch refuses these writes only when they happen, after the call wrote the buffers before them; and a
+        # fused kernel's writes are invisible to autograd where the reference's in-place ops are recorded
+        if t.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{name} requires grad, but the call writes it in place, outside autograd: pass a "
+                             f"buffer that does not (.detach()), or call under torch.no_grad() (fa4dist.attention "
+                             "is the differentiable form)")
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            raise ValueError(f"{name} is an inference tensor (made under torch.inference_mode()), which torch "
+                             "writes in place only inside inference mode: pass a normal tensor, or call inside it")
         if overlaps_itself(t):
             how = "a stride of 0: an expanded or broadcast tensor" if any(
                 st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)) else "strides that overlap"

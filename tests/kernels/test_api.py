@@ -123,3 +123,53 @@ def test_strided_but_non_overlapping_buffers_are_accepted():
     lse = torch.zeros(8).as_strided((1, 3, 2), (0, 2, 3))  # (heads, seq) strides (2, 3)
     attention_forward(q, k, v, causal=True, out=out, lse=lse)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+def _writers(q, k, v):
+    """Each entry point that writes caller buffers, as (buffers it writes, call): the last buffer is the one made
+    unwritable, so a call that failed there would have written the others first."""
+    from fa4dist.kernels import merge_partials
+    from fa4dist.kernels.merge import merge_into_
+
+    out, lse = attention_forward(q, k, v)
+    dout = torch.randn_like(out)
+    items = [WorkItem(0, 8, 0, 8)]
+    unseen = (torch.zeros_like(out), torch.full_like(lse, -math.inf))
+    grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
+    return [
+        (unseen, lambda o, m: attention_forward(q, k, v, out=o, lse=m, accumulate=True)),
+        (unseen, lambda o, m: merge_into_(o, m, out, lse)),
+        ((unseen[0][0], unseen[1][0]), lambda o, m: attention_forward_items(q[0], k[0], v[0], items, o, m)),
+        (grads, lambda *g: attention_backward(dout, q, k, v, out, lse, dq=g[0], dk=g[1], dv=g[2], accumulate=True)),
+        (tuple(g[0] for g in grads),
+         lambda *g: attention_backward_items(dout[0], q[0], k[0], v[0], out[0], lse[0], items, *g)),
+        ((unseen[0],), lambda o: merge_partials([out], [lse], out=o)),
+    ]
+
+
+@pytest.mark.parametrize("how", ["leaf", "non-leaf", "inference"])
+def test_a_buffer_autograd_or_inference_mode_forbids_writing_is_refused_before_any_is_written(how):
+    """A buffer that requires grad (under grad mode) or an inference tensor (outside inference mode) cannot be
+    written in place: torch raised inside the call ('a leaf Variable that requires grad is being used in an
+    in-place operation', naming no argument) after the call had written the buffers before it (an accumulate
+    merge left the running out merged and its lse not; a backward added dq and dk but not dv), or, for a non-leaf,
+    recorded the reference's in-place writes in its graph where a fused kernel's are invisible. Now refused by
+    name, nothing written; under torch.no_grad() / inference mode the same buffers are written."""
+    q, k, v = _qkv()
+    for buffers, call in _writers(q, k, v):
+        buffers = [b.clone() for b in buffers]
+        before = [b.clone() for b in buffers]
+        if how == "inference":
+            with torch.inference_mode():
+                last = buffers[-1].clone()
+            match = "is an inference tensor"
+        else:
+            last = buffers[-1].clone().requires_grad_()
+            last = last if how == "leaf" else last * 1
+            match = "requires grad"
+        with pytest.raises(ValueError, match=match):
+            call(*buffers[:-1], last)
+        for b, w in zip(buffers, before):
+            assert torch.equal(b, w)
+        with torch.no_grad() if how != "inference" else torch.inference_mode():
+            call(*buffers[:-1], last)
