@@ -11,7 +11,7 @@ from . import fixed_point
 from .merge import merge_into_, merge_sink_, sink_grad
 from .problem import (EAGER_ONLY, AttentionProblem, Offset, check_bool, check_buffer, check_optional_bool,
                       check_written, require_values, validate_inputs)
-from .registry import check_backend, select_backend
+from .registry import check_backend, check_results, select_backend
 
 Window = tuple[int, int]
 
@@ -26,7 +26,9 @@ def _fused_forward_with_sinks(impl, problem, q, k, v, sinks, out, lse, accumulat
     into the running result (then the sinks join it once), or writes the block in fp32, the sinks are merged and
     the result is rounded once."""
     if not accumulate and getattr(impl, "fused_sinks", False):
-        return impl.forward(problem, q, k, v, out=out, lse=lse, accumulate=False, sinks=sinks)
+        return check_results(impl, "forward", impl.forward(problem, q, k, v, out=out, lse=lse, accumulate=False,
+                                                           sinks=sinks),
+                             dict(out=problem.out_shape(), lse=problem.lse_shape()), problem.device)
     if accumulate:
         impl.forward(problem, q, k, v, out=out, lse=lse, accumulate=True)
         merge_sink_(out, lse, sinks)
@@ -105,11 +107,13 @@ def forward_problem(problem: AttentionProblem, q, k, v, *, sinks=None, out=None,
         return (out if out is not None else torch.empty(problem.out_shape(), dtype=problem.dtype, device=q.device),
                 lse if lse is not None else torch.empty(problem.lse_shape(), dtype=acc[0], device=q.device))
     impl = select_backend(backend, problem, "forward")
+    results = dict(out=problem.out_shape(), lse=problem.lse_shape())
     if impl.fused_epilogue:
         if sinks is not None:
             return _fused_forward_with_sinks(impl, problem, q, k, v, sinks, out, lse, accumulate, acc[0])
-        return impl.forward(problem, q, k, v, out=out, lse=lse, accumulate=accumulate)
-    block_out, block_lse = impl.forward(problem, q, k, v)
+        return check_results(impl, "forward", impl.forward(problem, q, k, v, out=out, lse=lse, accumulate=accumulate),
+                             results, problem.device)
+    block_out, block_lse = check_results(impl, "forward", impl.forward(problem, q, k, v), results, problem.device)
     if sinks is not None:  # the sinks' virtual key block, merged once, in the accumulation dtype
         block_out, block_lse = block_out.to(acc[0]), block_lse.to(acc[0])
         merge_sink_(block_out, block_lse, sinks)
@@ -245,12 +249,15 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
         if not getattr(impl, "fixed_point_dq", False):
             raise ValueError(f"backend {impl.name!r} has no fixed-point dq (dq_scale=); the reference and cute do")
         fixed = dict(dq_scale=dq_scale)
-    if impl.fused_epilogue:
-        result = tuple(impl.backward(
+    grads = dict(dq=tuple(q.shape), dk=tuple(k.shape), dv=tuple(v.shape))
+    if impl.fused_epilogue:  # (a gradient without a buffer under accumulate=True is not computed: None)
+        skipped = tuple(n for n, buf in zip(grads, (dq, dk, dv)) if buf is None) if accumulate else ()
+        result = check_results(impl, "backward", impl.backward(
             problem, dout, q, k, v, out, lse, deterministic, dq=dq, dk=dk, dv=dv, accumulate=accumulate, **fixed
-        ))
+        ), grads, problem.device, skipped)
     else:
-        block = list(impl.backward(problem, dout, q, k, v, out, lse, deterministic, **fixed))
+        block = list(check_results(impl, "backward", impl.backward(problem, dout, q, k, v, out, lse, deterministic,
+                                                                   **fixed), grads, problem.device))
         if dq_scale is not None and (dq is None or dq.dtype != torch.int64):  # the integer sums, converted once
             block[0] = fixed_point.from_fixed(block[0], dq_scale, acc[0])
         if dq_scale is not None and not accumulate:

@@ -19,13 +19,17 @@ Backends without a fused epilogue return fresh results; `fa4dist.kernels.api` wr
 caller's buffers, and merges the attention sinks into them (a backend sees the sinks tensor only through
 ``fused_sinks``, else only ``problem.has_sinks``; a fused-epilogue backend's block is merged into the running fp32
 result, or written in fp32, before the contract merges the sinks).  Masks (``problem.mask``: causal,
-sliding window) and ``problem.softcap`` are the backend's to compute or refuse.
+sliding window) and ``problem.softcap`` are the backend's to compute or refuse.  The contract checks what a
+backend answers: ``supports`` (None or Unsupported) and the count, shapes and device of its results
+(:func:`check_results`).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+
+import torch
 
 from .problem import AttentionProblem
 
@@ -75,6 +79,31 @@ def register_backend(backend) -> None:
         raise ValueError("'reference' is the registry's fallback (and the tests' oracle): register your backend "
                          "under a name of its own")
     _BACKENDS[name] = backend
+
+
+def check_results(backend, direction: str, results, expected: dict, device, skipped: tuple = ()) -> tuple:
+    """A backend's ``forward`` / ``backward`` results as a tuple, checked against ``expected`` (name -> shape, in
+    order; names in ``skipped`` may be None: gradients not asked for).  The contract copies, adds or merges them
+    into the caller's buffers, where a wrong shape that broadcasts (an lse of one column, a dk of one head) was
+    taken silently, and a missing result was dropped by the zip."""
+    names = ", ".join(expected)
+    try:
+        results = tuple(results)
+    except TypeError:
+        raise TypeError(f"backend {backend.name!r}: {direction} must return ({names}), got "
+                        f"{type(results).__name__}") from None
+    if len(results) != len(expected):
+        raise TypeError(f"backend {backend.name!r}: {direction} must return ({names}), got {len(results)} results")
+    for (name, shape), t in zip(expected.items(), results):
+        if t is None and name in skipped:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"backend {backend.name!r}: {direction} returned {name} as {type(t).__name__}, expected "
+                            "a tensor")
+        if tuple(t.shape) != tuple(shape) or t.device != device:
+            raise ValueError(f"backend {backend.name!r}: {direction} returned {name} of shape {tuple(t.shape)} on "
+                             f"{t.device}, expected {tuple(shape)} on {device}")
+    return results
 
 
 def get_backend(name: str):

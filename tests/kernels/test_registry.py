@@ -4,7 +4,7 @@ a call picks it, so a malformed one is an error that names it instead of an Attr
 import pytest
 import torch
 
-from fa4dist.kernels import attention_forward, register_backend, registry
+from fa4dist.kernels import attention_backward, attention_forward, register_backend, registry
 from fa4dist.kernels.reference import ReferenceBackend
 
 
@@ -82,3 +82,45 @@ def test_a_supports_answer_that_is_not_none_or_unsupported_is_named(backends, an
     for name in ("test_copy", "auto"):
         with pytest.raises(TypeError, match="backend 'test_copy': supports.. must return None or Unsupported"):
             attention_forward(q, q, q, backend=name)
+
+
+class _Returns(_Copy):
+    """The reference with its forward / backward results changed by ``change(direction, results)``."""
+
+    def __init__(self, change):
+        super().__init__()
+        self.change = change
+
+    def forward(self, problem, q, k, v):
+        return self.change("forward", super().forward(problem, q, k, v))
+
+    def backward(self, problem, dout, q, k, v, out, lse, deterministic, dq_scale=None):
+        return self.change("backward", super().backward(problem, dout, q, k, v, out, lse, deterministic, dq_scale))
+
+
+@pytest.mark.parametrize("direction, change, error, match", [
+    # one column of lse broadcast into every row of the lse= buffer, silently
+    ("forward", lambda r: (r[0], r[1][..., :1]), ValueError, r"forward returned lse of shape \(1, 4, 1\) on cpu, "
+                                                             r"expected \(1, 4, 8\)"),
+    ("forward", lambda r: None, TypeError, r"forward must return \(out, lse\), got NoneType"),  # was: cannot unpack
+    # one key/value head's gradient added into both heads of the dk, dv buffers, silently
+    ("backward", lambda r: (r[0], r[1][:, :, :1], r[2][:, :, :1]), ValueError,
+     r"backward returned dk of shape \(1, 8, 1, 8\) on cpu, expected \(1, 8, 2, 8\)"),
+    ("backward", lambda r: r[:2], TypeError, r"backward must return \(dq, dk, dv\), got 2 results"),  # dv dropped
+])
+def test_a_backends_results_of_the_wrong_shape_or_count_are_named(backends, direction, change, error, match):
+    """The contract copies, adds or merges a backend's fresh results into the caller's buffers: a result of a shape
+    that broadcasts into them was taken silently (lse= and dk= / dv= above: wrong values, no error), a missing one
+    was dropped by the zip of (dq, dk, dv), and None failed with 'cannot unpack non-iterable NoneType object'.
+    Now each is an error naming the backend, the result and the shape expected, before any buffer is written."""
+    register_backend(_Returns(lambda d, r: change(r) if d == direction else r))
+    q, k = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8)
+    out, lse = attention_forward(q, k, k, backend="reference")
+    buffers = [torch.zeros_like(out), torch.zeros_like(lse), torch.zeros_like(k), torch.zeros_like(k)]
+    with pytest.raises(error, match=f"backend 'test_copy': {match}"):
+        if direction == "forward":
+            attention_forward(q, k, k, out=buffers[0], lse=buffers[1], backend="test_copy")
+        else:
+            attention_backward(out, q, k, k, out, lse, dq=buffers[0], dk=buffers[2], dv=buffers[3], accumulate=True,
+                               backend="test_copy")
+    assert not any(b.any() for b in buffers)
