@@ -13,7 +13,7 @@ its segment.  An aligned causal block (``lo = None, hi = 0``) is one; a sliding-
   so the kernel's masked products are ``0 x 0``;
 - *poison*: every result that depends on a non-finite input through a visible pair is set to NaN afterwards: an
   output row (and its lse when a key or the query itself was bad) that sees a bad key or value, a key's dk/dv when a
-  bad query row sees it.
+  bad query row sees it (dv: a row whose query, lse or output gradient is bad; it does not read out or v).
 
 On finite input the cleaned tensors equal the originals, so results are bitwise unchanged; the cost is one pass
 over the inputs.  Layouts: dense ``(batch, seqlen, heads, d)`` with lse ``(batch, heads, seqlen)`` (any q and k
@@ -124,18 +124,23 @@ def guarded_backward(kernel, dout, q, k, v, out, lse, lo: Optional[int] = None, 
     with the clean/poison rule (a row is bad if its query, output, output gradient or lse is not finite)."""
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
     n, m = q.shape[-3], k.shape[-3]
-    bad_row = _bad_rows(q, dout, out) | ~torch.isfinite(_lse_layout(lse))
-    bad_key = _bad_rows(k, v)
+    # dv_j = sum_i P_ij dout_i reads neither v_j nor out_i (only dq and dk go through dP = dout v^T and
+    # rowsum(dout * out)): those leave dv finite, as in the reference
+    bad_p_row = _bad_rows(q, dout) | ~torch.isfinite(_lse_layout(lse))  # rows whose P or dout is not finite
+    bad_row = bad_p_row | _bad_rows(out)
+    bad_k = _bad_rows(k)
+    bad_key = bad_k | _bad_rows(v)
     zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
     dq, dk, dv = kernel(_clean(dout), _clean(q), _clean(k), _clean(v), _clean(out),
                         torch.where(_lse_layout(bad_row), zero, lse))
     row_poisoned = bad_row | _to_query_heads(_band_any(bad_key, n, lo, hi, cu_seqlens), heads_q)
-    key_poisoned = bad_key | _to_kv_heads(_band_any(bad_row, m, *_seen_by(lo, hi), cu_seqlens), heads_kv)
+    seen_by_bad, seen_by_bad_p = _to_kv_heads(
+        _band_any(torch.stack((bad_row, bad_p_row)), m, *_seen_by(lo, hi), cu_seqlens), heads_kv).unbind(0)
 
     def poison(g, flags):
         return g.masked_fill(flags.unsqueeze(-1), NAN)
 
-    return poison(dq, row_poisoned), poison(dk, key_poisoned), poison(dv, key_poisoned)
+    return poison(dq, row_poisoned), poison(dk, bad_key | seen_by_bad), poison(dv, bad_k | seen_by_bad_p)
 
 
 def guarded_causal_forward(kernel, q, k, v, cu_seqlens=None):

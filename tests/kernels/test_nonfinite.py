@@ -209,6 +209,33 @@ def test_guard_backward_matches_reference_on_clean_positions():
         torch.testing.assert_close(g[fin], w[fin], rtol=1e-9, atol=1e-9)
 
 
+
+@pytest.mark.parametrize("where", ["v", "out", "k", "q", "dout", "lse"])
+def test_guarded_backward_poisons_the_gradients_the_reference_makes_nan(where):
+    """dv_j = sum_i P_ij dout_i reads neither v_j nor out_i: a non-finite value vector (or output row) makes dk and
+    the rows' dq NaN but leaves dv finite in the reference (and in the fused kernel on the cleaned inputs).  The
+    guard poisoned dv too (every bad key, every key a bad row sees), so sdpa's dv was NaN where the reference's is
+    finite; now both give the same non-finite pattern for every input a row or key can hold garbage in."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, dout = _inputs(gen, torch.float64, "cpu", batch=1, seqlen=24)
+    out, lse = attention_forward(q, k, v, causal=True, backend="reference")
+    inputs = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    if where == "lse":
+        inputs[where][0, 1, 9] = float("nan")
+    else:
+        inputs[where][0, 9, 1] = float("nan")  # one token's head vector (a kv head for k and v)
+    args = [inputs[n] for n in ("dout", "q", "k", "v", "out", "lse")]
+    want = attention_backward(*args, causal=True, backend="reference")
+
+    def kernel(*t):
+        return attention_backward(*t, causal=True, backend="reference")
+
+    got = guarded_causal_backward(kernel, *args)
+    assert any(not torch.isfinite(w).all() for w in want)
+    for g, w in zip(got, want):
+        assert torch.equal(torch.isfinite(g), torch.isfinite(w))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU backends
 
