@@ -14,7 +14,7 @@
 #    row). Prediction: +0-10% at few heads (the packed launch is head-major over sequences x heads today).
 # 0: the thirty-fifth session's changes on the GPU (it had no device): the kernels' arguments by name
 #    (FwdKernelArgs / BwdKernelArgs: every launch form once, the same launches recorded on the CPU), cp_invariant with
-#    sinks on staged ranks, the work lists. Expect every test to pass.
+#    sinks on staged ranks, the work lists, the sdpa guard's dv rule. Expect every test to pass.
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s36 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
@@ -26,6 +26,8 @@ if [ "${1:-1}" = 0 ]; then
     accumulate or varlen or packed_random or expanded"
   TAIL_LINES=10 stage tests_worklists_invariant 240 $PYTEST tests/kernels/test_worklist_gpu.py \
     tests/cp/test_cp_gpu.py -k "worklist or invariant"
+  # the guard's dv poisoning (sdpa backends) and the contract's result checks, on the fused ops
+  TAIL_LINES=10 stage tests_guard_contract 150 $PYTEST tests/kernels/test_nonfinite.py tests/kernels/test_backends_gpu.py
   exit
 fi
 if [ "${1:-1}" = 1 ]; then
