@@ -236,7 +236,7 @@ def destroyed_groups_case(rank, world, *, rounds=3):
         dist.destroy_process_group(group)
         del group
         fds.append(len(os.listdir("/proc/self/fd")))
-    held = sum(1 for groups, _ in core._FUNCTIONAL.values() if not all(
+    held = sum(1 for groups, _, _ in core._FUNCTIONAL.values() if not all(
         group_alive(g) for g in (groups[0], groups[2], groups[3]) if g is not None))
     return error, held, fds
 

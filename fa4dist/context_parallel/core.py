@@ -273,7 +273,9 @@ class ContextParallel:
                 raise ValueError(f"ulysses_degree={ulysses_degree} contradicts strategy={strategy!r}")
         self._transports: dict = {}
         self._schedules: dict = {}
-        self._calls = 0  # forward calls made (every rank makes the same ones: checked per call)
+        # forward calls made (every rank makes the same ones: checked per call), in a list that the functional
+        # form's objects on one process group share (_functional_bucket)
+        self._calls = [0]
         self.instance = _next_instance(self._group_key())
 
     def _group_key(self) -> tuple:
@@ -501,8 +503,8 @@ class ContextParallel:
                 raise
             error = err
         if self.verify:
-            self._calls += 1
-            self.agree("forward call", self._calls, shared, error)
+            self._calls[0] += 1
+            self.agree("forward call", self._calls[0], shared, error)
         return u, shared
 
     # ---- the call ---------------------------------------------------------------------------------------------
@@ -513,7 +515,7 @@ class ContextParallel:
         if self.cp_size == 1:
             return self._single(q, k, v, plan, sinks)
         self._check_alive()
-        with exclusive(self._groups(), f"forward call {self._calls + 1}", LABEL):
+        with exclusive(self._groups(), f"forward call {self._calls[0] + 1}", LABEL):
             return self._call(q, k, v, plan, sinks)
 
     def _call(self, q, k, v, plan, sinks):
@@ -536,7 +538,7 @@ class ContextParallel:
             lens = [plan.local_len(r) for r in member.ranks]
             uly = UlyssesGroup(ut, upeers, uidx, member, lens, 0 if plan.packed else 1)
         opts = KernelOptions(self.softmax_scale, self.softcap, self.backend, self._deterministic())
-        call = _Call(sched, ring, uly, split, opts, heads_q, heads_kv, self._calls,
+        call = _Call(sched, ring, uly, split, opts, heads_q, heads_kv, self._calls[0],
                      self.agree if self.verify else None, invariant=self.cp_invariant, signature=signature,
                      groups=self._groups())
         return _ContextParallelFunction.apply(q, k, v, sinks, call)
@@ -548,7 +550,7 @@ class ContextParallel:
         if self.cp_size == 1 or not self.verify:
             raise error
         self._check_alive()
-        with exclusive(self._groups(), f"forward call {self._calls + 1}", LABEL):
+        with exclusive(self._groups(), f"forward call {self._calls[0] + 1}", LABEL):
             self._check_grid()
             self._verify(None, None, None, None, None, error)
         raise error  # (the agreement check has raised on every rank)
@@ -708,12 +710,17 @@ def raise_disagreement(stages: list, rank: int, what: str, call: int, sig: Optio
     raise ValueError(f"{label}: {message}") from error
 
 
-# The functional form's ContextParallel objects, per process groups (or mesh), then per options.  Calls on a group
-# of several ranks are made by every rank of that group alike (the agreement checks see to it), so that group's
-# cache grows and is emptied alike on every one of its ranks, and its objects' call counts and module numbers stay
-# in step.  Each groups' cache is bounded and emptied on its own: calls that only some ranks make (one rank's calls
-# without a group at cp size 1, or a subgroup's) never evict the objects of a group that other ranks share.
+# The functional form's ContextParallel objects, per process groups (or mesh), then per options: groups key ->
+# (the groups, kept alive so that their ids stay theirs; the objects per options; their shared call count).  The
+# functional calls on one groups are one attention "module" (FUNCTIONAL) with one call count, whichever object
+# runs them: a rank that spells an option otherwise (its timeout, or deterministic=False where the others' None
+# resolves to False) gets an object of its own, and a rank whose call was refused none (_refuse_functional), yet
+# the ranks' calls stay paired, and the agreement check names the options that differ, never a 'module' or 'call
+# number' that only the cache made differ.  Each groups' cache is bounded and emptied on its own (the call count
+# stays): calls that only some ranks make (one rank's calls without a group at cp size 1, or a subgroup's) never
+# evict the objects of a group that other ranks share.
 _FUNCTIONAL: dict = {}
+FUNCTIONAL = "functional"  # the 'module' of the functional form's calls in the agreement checks
 _FUNCTIONAL_MAX = 64  # objects per groups
 
 
@@ -741,8 +748,7 @@ def context_parallel_attention(q, k, v, plan: Optional[ShardPlan] = None, group=
     shards q, k, v (sharded with `plan`).  Every call checks that all ranks make the same call (``verify``)."""
     # the numeric options in their parsed form (window [3, 0] is (3, 0), softcap 2 is 2.0, numpy scalars floats), and
     # the mask by its band (causal with window (3, 0) is causal with (3, -1)), so that spellings of one option share
-    # one cached object (a second one would have another module number on the ranks that spell it otherwise: their
-    # agreement check would name the 'module', not the option)
+    # one cached object
     groups = _functional_groups(group, mesh, ulysses_group, ring_group)
     try:
         mask = check_mask(causal, window)
@@ -752,28 +758,41 @@ def context_parallel_attention(q, k, v, plan: Optional[ShardPlan] = None, group=
                        verify=verify, cp_invariant=invariant_enabled(cp_invariant))
         # repr keeps apart the other values that compare equal (True, 1, 1.0): each is checked by the constructor
         # once, as the module checks it, and none rides on another's cached object
-        groups_key = tuple(id(g) for g in groups)
         key = repr(sorted(dict(options, causal=mask.causal, window=mask.window).items()))
-        bucket = _FUNCTIONAL.get(groups_key)  # (the groups, kept alive so that their ids stay theirs; the objects)
+        bucket = _FUNCTIONAL.get(tuple(id(g) for g in groups))
         cp = bucket[1].get(key) if bucket is not None else None
         if cp is None:
             cp = ContextParallel(group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group, **options)
-            _drop_destroyed()
-            bucket = _FUNCTIONAL.setdefault(groups_key, (groups, {}))
-            if len(bucket[1]) >= _FUNCTIONAL_MAX:
-                bucket[1].clear()
-            bucket[1][key] = cp
+            objects = _functional_bucket(groups, cp)[1]
+            if len(objects) >= _FUNCTIONAL_MAX:
+                objects.clear()
+            objects[key] = cp
     except Exception as err:  # options this rank cannot run with: the other ranks of the call must not wait for it
         _refuse_functional(groups, timeout, verify, err)
         raise
     return cp(q, k, v, plan, sinks)
 
 
+def _functional_bucket(groups: tuple, cp: ContextParallel) -> tuple:
+    """The functional cache's entry of `groups` (made if new), with `cp` (just made on them) joined to it: cp gives
+    its module number back (the functional calls on a group are one module, FUNCTIONAL, whatever objects this
+    rank's spellings of the options made, so that the modules built after them have the same numbers on every
+    rank) and counts its calls with the others'."""
+    key = cp._group_key()  # its number was the last the constructor took
+    _INSTANCES[key] -= 1
+    if not _INSTANCES[key]:
+        del _INSTANCES[key]
+    _drop_destroyed()
+    bucket = _FUNCTIONAL.setdefault(tuple(id(g) for g in groups), (groups, {}, [0]))
+    cp.instance, cp._calls = FUNCTIONAL, bucket[2]
+    return bucket
+
+
 def _drop_destroyed() -> None:
     """Forgets the functional objects of process groups that were destroyed since (they held the groups, and with
     them the groups' connections, for the life of the process: a process that makes and destroys groups ran out of
     file descriptors)."""
-    for key, (groups, _) in list(_FUNCTIONAL.items()):
+    for key, (groups, _, _) in list(_FUNCTIONAL.items()):
         group, _, ulysses_group, ring_group = groups
         if not all(group_alive(g) for g in (group, ulysses_group, ring_group) if g is not None):
             del _FUNCTIONAL[key]
@@ -785,8 +804,8 @@ def _refuse_functional(groups: tuple, timeout, verify, error: Exception) -> None
     ranks, which built their object and made the call, raise at once naming this rank's error, instead of waiting
     out their timeout.  Returns (the caller raises the error as it is) where the groups themselves are refused
     (every rank of the call has them alike), at cp size 1, and with ``verify=False`` (no agreement checks).  The
-    object made for the exchange is not kept, nor is its module number (a refused call leaves this rank's
-    functional state as it was)."""
+    object made for the exchange is not kept; as the objects of the groups' functional calls, it is module
+    FUNCTIONAL and counts its call with theirs (the refused call is one of the groups' calls on every rank)."""
     group, mesh, ulysses_group, ring_group = groups
     if mesh is not None or verify is False:  # a mesh the constructor refuses (a resolved one arrives as its groups)
         return
@@ -796,10 +815,7 @@ def _refuse_functional(groups: tuple, timeout, verify, error: Exception) -> None
                              timeout=timeout if ok else 300.0, verify=True, cp_invariant=False)
     except Exception:  # noqa: BLE001  (the groups are refused: every rank refuses them alike)
         return
-    key = cp._group_key()  # its module number is given back (the constructor took it last)
-    _INSTANCES[key] -= 1
-    if not _INSTANCES[key]:
-        del _INSTANCES[key]
+    _functional_bucket(groups, cp)
     if cp.cp_size == 1:
         return
     try:

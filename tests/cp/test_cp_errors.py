@@ -405,6 +405,37 @@ def test_a_functional_call_one_rank_refuses_fails_every_rank_at_once(pool, kind,
         assert elapsed < 6, (rank, elapsed, message)  # an error, not the 8 s timeout
 
 
+def functional_later_call_case(rank, world, kind):
+    """Three functional calls on a fresh group; on the second, rank 1 alone refuses an option ("refused"), or spells
+    one that computes the same otherwise ("timeout": its own wait limit, "deterministic": False for None, which
+    resolves to False): what the second and third calls raise on each rank (None: it computed)."""
+    from fa4dist.context_parallel import context_parallel_attention, make_plan
+
+    group = fresh_group(range(world))
+    plan = make_plan(16, world)
+    kw = dict(group=group, strategy="ring", backend="reference", timeout=8)
+    x = _inputs(plan, rank)
+    context_parallel_attention(*x, plan, **kw)
+    odd = dict(refused=dict(window=(-2, 0)), timeout=dict(timeout=9), deterministic=dict(deterministic=False))[kind]
+    second = _error(lambda: context_parallel_attention(*x, plan, **dict(kw, **(odd if rank == 1 else {}))))
+    return second, _error(lambda: context_parallel_attention(*x, plan, **kw))
+
+
+@pytest.mark.parametrize("kind", ["refused", "timeout", "deterministic"])
+def test_a_functional_call_that_differs_on_one_rank_leaves_the_group_in_step(pool, kind):
+    """Each option set of the functional form had its own object, with its own call count and module number: a
+    rank whose call was refused (an object made for the refusal alone) fell one call behind, and every later call
+    on the group failed naming the 'call number'; a rank that spelled an option that changes nothing (its timeout,
+    deterministic=False where the others' None resolves to False) got a new object and the ranks failed naming the
+    'module' and 'call number', not the option.  The functional calls on a group now share one call count."""
+    for rank, (second, third) in enumerate(pool.run(functional_later_call_case, kind=kind, timeout=90)):
+        if kind == "refused":
+            assert second is not None and "rank 1 rejected its inputs: ValueError: window left" in second[1], second
+        else:
+            assert second is None, (rank, second)
+        assert third is None, (rank, third)
+
+
 def test_functional_form_checks_its_options_on_every_call():
     """A value that compares equal to an accepted one (1 == True) is still checked, as the module checks it."""
     from fa4dist.context_parallel import context_parallel_attention
@@ -429,9 +460,9 @@ def test_functional_form_caches_one_object_per_parsed_option():
     q = torch.randn(1, 6, 2, 8, dtype=torch.float64)
 
     def cached(**options):
-        before = {id(cp) for _, objects in core._FUNCTIONAL.values() for cp in objects.values()}
+        before = {id(cp) for _, objects, _ in core._FUNCTIONAL.values() for cp in objects.values()}
         context_parallel_attention(q, q, q, backend="reference", **options)
-        made = [cp for _, objects in core._FUNCTIONAL.values() for cp in objects.values() if id(cp) not in before]
+        made = [cp for _, objects, _ in core._FUNCTIONAL.values() for cp in objects.values() if id(cp) not in before]
         return made[0] if made else None
 
     first = cached(window=(3, 0), softcap=2.0, softmax_scale=0.25)
