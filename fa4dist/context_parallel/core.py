@@ -471,11 +471,13 @@ class ContextParallel:
             return
         uly, ring = self._transport(self.ulysses_group), self._transport(self.ring_group)
         found, seen = 0, {}
-        for name, t, mine in (("ring", uly, self._ring_rank), ("Ulysses", ring, self._uly_rank),
-                              ("ring", uly, self._ring_rank)):
-            rows = t.host_gather_ints([mine, found], "the check that ulysses_group and ring_group form a grid")
-            seen.setdefault(name, sorted({r[0] for r in rows}))
-            if len({r[0] for r in rows}) > 1 or any(r[1] for r in rows):
+        # each round carries its number: a rank that passed its groups the other way round (or others) makes its
+        # rounds on a group in another order, and its partners' values alone could still agree
+        for index, (name, t, mine) in enumerate((("ring", uly, self._ring_rank), ("Ulysses", ring, self._uly_rank),
+                                                 ("ring", uly, self._ring_rank))):
+            rows = t.host_gather_ints([index, mine, found], "the check that ulysses_group and ring_group form a grid")
+            seen.setdefault(name, sorted({r[1] for r in rows}))
+            if len({(r[0], r[1]) for r in rows}) > 1 or any(r[2] for r in rows):
                 found = 1
         if found:
             raise ValueError(

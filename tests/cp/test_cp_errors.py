@@ -581,6 +581,34 @@ def test_groups_that_do_not_form_a_grid_fail_on_every_rank(pool, verify):
         assert elapsed < 20, elapsed
 
 
+def swapped_grid_case(rank, world):
+    """Rank 0 alone passes its two groups the other way round (its ring group as ulysses_group): its exchanges on
+    each group pair with another round of the grid check on the other ranks, whose values could still agree."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    groups = fresh_grid_groups(rank)
+    uly, ring = (groups["ring"], groups["ulysses"]) if rank == 0 else (groups["ulysses"], groups["ring"])
+    module = FA4ContextParallelAttention(ulysses_group=uly, ring_group=ring, backend="reference", timeout=2)
+    plan = make_plan(16, 4, ulysses_degree=2)
+    return _error(lambda: module(*_inputs(plan, module.cp_rank), plan=plan))
+
+
+def test_groups_swapped_on_one_rank_fail_the_grid_check(pool):
+    """Rank 2 passed the grid check (its rounds paired with rank 0's other rounds and saw the same ring and Ulysses
+    ranks) and failed in the agreement check with "IndexError: list index out of range" (a grid-check row of two
+    values read as an agreement row of four).  Each round now carries its number: rank 2 and the ranks it checks
+    with find the grid broken; ranks 0 and 1, whose last round has no partner left, time out naming the check."""
+    results = pool.run(swapped_grid_case, timeout=60)
+    for rank, res in enumerate(results):
+        assert res is not None, f"rank {rank} computed instead of failing"
+        name, message, elapsed = res
+        assert (name == "ValueError" and "ulysses_group and ring_group do not form a 2-D grid" in message or name
+                == "CommError" and "the check that ulysses_group and ring_group form a grid" in message), (rank, res)
+        assert elapsed < 4, (rank, elapsed)
+    assert results[2][0] == results[3][0] == "ValueError", results
+
+
 def grid_heads_case(rank, world):
     """The 2-D groups' Ulysses group size (2) cannot split 3 query heads: the hint is about the groups, not the
     ulysses_degree= option a caller with groups cannot use."""
