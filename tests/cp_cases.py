@@ -175,11 +175,13 @@ def deepcopy_case(rank, world, *, cp, strategy="ring"):
     return shared, all(torch.equal(o, outs[1]) for o in outs)
 
 
-def reinit_reused_name_case(rank, world, *, init_file):
+def reinit_reused_name_case(rank, world, *, init_file, broken=False):
     """Ranks 0 and 1 call the functional form on their group of two; then the process group is destroyed and made
     anew, with a group of ranks 1 and 2 that gets the old group's name (names start over with each world): its call
     must run (the agreement exchanges' numbers start over too), not wait out the timeout for a number that only
-    rank 1 would reach.  Max abs error against fa4dist.attention on ranks 1 and 2 (None elsewhere)."""
+    rank 1 would reach.  ``broken``: ranks 0 and 1 also break the old group first (an exchange whose ranks sent
+    different counts), which must not follow its name into the new world.  Max abs error against
+    fa4dist.attention on ranks 1 and 2 (None elsewhere)."""
     import torch.distributed as dist
 
     import fa4dist
@@ -198,6 +200,16 @@ def reinit_reused_name_case(rank, world, *, init_file):
     if rank < 2:
         for _ in range(3):
             assert call(GROUPS[2], rank) == 0.0
+        if broken:
+            import pytest
+
+            from fa4dist.context_parallel.comm import CommError, GroupBroken, Transport
+
+            transport = Transport(GROUPS[2], timeout=5.0)
+            with pytest.raises(CommError, match="out of step"):
+                transport.host_gather_ints([0] * (2 + rank), "a broken exchange")
+            with pytest.raises(GroupBroken):
+                call(GROUPS[2], rank)
     names = [getattr(GROUPS[2], "group_name", None)]
     dist.broadcast_object_list(names, src=0)
     name = names[0]

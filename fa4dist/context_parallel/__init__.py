@@ -11,7 +11,7 @@
 Everything runs on the kernel contract (:mod:`fa4dist.kernels`), so every backend works unchanged.
 """
 
-from .comm import CommError, Transport
+from .comm import CommError, GroupBroken, Transport
 from .core import STRATEGIES, ContextParallel, context_parallel_attention
 from .plan import BALANCERS, BalanceReport, ShardPlan, make_plan
 from .schedule import Schedule
@@ -26,6 +26,7 @@ __all__ = [
     "ContextParallel",
     "context_parallel_attention",
     "CommError",
+    "GroupBroken",
     "Transport",
     "Schedule",
     "HeadSplit",

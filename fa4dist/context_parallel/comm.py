@@ -7,7 +7,9 @@ for, and CPU staging where the process group cannot move the tensors itself.
   memory and copied back on the consumer's stream when the wait completes.
 
 Every wait is bounded by the transport's timeout (on NCCL the wait is a stream dependency and the process group's
-own timeout applies); a failure raises :class:`CommError` naming the operation, the peer and the timeout.
+own timeout applies); a failure raises :class:`CommError` naming the operation, the peer and the timeout.  After
+one, the group is out of step for fa4dist on this rank, which refuses its later calls on it at once
+(:class:`GroupBroken`) until a new group is made.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from ..kernels.checkpointing import outside_selective_checkpoint
 
 _STORE_SEQ: dict = {}  # key prefix -> exchanges made on it in the current world
 _WORLD: list = [None, 0]  # the current world's default store, and its number in this process
+# (world number, group name) -> the message of the first fa4dist exchange that failed on the group in this process
+# (a CommError: a timeout, a transport error, ranks out of step); the group is refused from then on (GroupBroken)
+_BROKEN: dict = {}
 
 
 def world_generation() -> int:
@@ -38,7 +43,14 @@ def world_generation() -> int:
         _WORLD[0] = store
         _WORLD[1] += 1
         _STORE_SEQ.clear()
+        _BROKEN.clear()
     return _WORLD[1]
+
+
+def group_key(group) -> tuple:
+    """The key of `group` (None: the default group) in this module's per-group records: the world's number and the
+    group's name (the same on every rank, unique within a world; a new group, or a new world, starts clean)."""
+    return world_generation(), (group if group is not None else dist.group.WORLD).group_name
 
 
 def group_alive(group) -> bool:
@@ -88,13 +100,15 @@ def exclusive(groups: Sequence, what: str, label: str):
     ``reduce_value`` and the Hugging Face handle's batch check take it, so one thread's attention and another's
     loss exclude each other too.  A second thread is refused at once; the running
     call raises when it ends (the other ranks may have paired it with the refused thread's call), unless it raised
-    already.  Per call, not from a forward to its backward: autograd may run the backward on a thread of its own.
+    already.  A group on which an exchange failed earlier is refused first (:func:`check_usable`).  Per call, not
+    from a forward to its backward: autograd may run the backward on a thread of its own.
 
     The call runs outside selective activation checkpointing's policy
     (:func:`fa4dist.kernels.checkpointing.outside_selective_checkpoint`): its exchanges run again, all of them, in a
     checkpoint's recompute."""
     ident, me = threading.get_ident(), threading.current_thread().name  # (names need not be unique)
-    keys = [(world_generation(), g.group_name) for g in groups]
+    keys = [group_key(g) for g in groups]
+    check_usable(keys, what, label)
     with _USE_LOCK:
         busy = [(key, _IN_USE[key]) for key in keys if key in _IN_USE and _IN_USE[key].ident != ident]
         for _, use in busy:
@@ -163,6 +177,36 @@ class CommError(RuntimeError):
     """A context-parallel transfer failed or timed out; the message names what was being waited for."""
 
 
+class GroupBroken(CommError):
+    """A call on a process group on which an earlier fa4dist exchange failed on this rank (a CommError): refused at
+    once, naming that failure."""
+
+
+def mark_broken(key: tuple, message: str) -> None:
+    """Records the failure of an exchange on the group of `key` (:func:`group_key`); the first one is kept."""
+    _BROKEN.setdefault(key, message)
+
+
+def check_usable(keys: Sequence[tuple], what: str, label: str) -> None:
+    """Raises :class:`GroupBroken` if an earlier fa4dist exchange failed on one of the groups of `keys` in this
+    process.  After a failed exchange the ranks are out of step on the group: the ranks that timed out stopped in
+    one call while the others went on (or never came), their exchanges' numbers differ and gloo may have closed the
+    connections, so a later call waits out another timeout, or pairs with another rank's earlier unanswered exchange
+    (its messages read as this call's).  Only a new group starts over."""
+    for key in keys:
+        first = _BROKEN.get(key)
+        if first is not None:
+            if len(first) > 1500:
+                first = first[:1500] + " [...]"
+            raise GroupBroken(
+                f"{label}: {what} on process group {key[1]!r} refused: an earlier fa4dist exchange on this group "
+                "failed on this rank, so its ranks are out of step (a later exchange would wait out another timeout "
+                "or pair with another call's messages).  Destroy the group "
+                "(torch.distributed.destroy_process_group(group)) and make a new one on every rank "
+                "(torch.distributed.new_group; for the default group, init_process_group again), or restart the "
+                f"job.  The earlier failure: {first}")
+
+
 def member_size_rank(group, name: str = "group") -> tuple[int, int]:
     """(size, this process's rank) of a process group (None: the default group).  A group this process is not a
     member of is refused: ``torch.distributed.new_group`` gives non-members a placeholder whose size and rank are
@@ -207,7 +251,7 @@ class Pending:
                 else:
                     work.wait()
             except RuntimeError as err:
-                raise CommError(
+                raise t.failed(
                     f"{t.label}: rank {t.rank} of {t.size} failed waiting for {self.what} ({self.peers}; timeout "
                     f"{t.timeout:g}s): {err}"
                 ) from err
@@ -228,9 +272,19 @@ class Transport:
         self.timeout_delta = datetime.timedelta(seconds=self.timeout)
         self.label = label
         self.host_wait = self.backend != "nccl"  # NCCL waits are stream dependencies; its watchdog times out
+        self.key = group_key(group)  # the group's records (a failed exchange: check_usable)
         self._global = [_global_rank(group, r) for r in range(self.size)]
         self._side_stream = None
         self._ready = False
+
+    def failed(self, message: str) -> CommError:
+        """The CommError of a failed exchange (`message`), the group recorded as out of step (check_usable)."""
+        mark_broken(self.key, message)
+        return CommError(message)
+
+    def usable(self, what: str) -> None:
+        """Refuses an exchange on a group on which an earlier one failed (for callers outside ``exclusive``)."""
+        check_usable([self.key], what, self.label)
 
     # -------------------------------------------------------------------------------------------------------------
 
@@ -273,6 +327,7 @@ class Transport:
     def post_tagged(self, sends, recvs, what: str) -> Pending:
         """:meth:`post` with a tag per message: (tensor, group peer, tag).  Messages between two ranks match by tag
         (gloo) or by posting order (NCCL); both sides post in the same order."""
+        self.usable(what)
         ops, staged, keep = [], [], []
         local_sends = {(p, tag): t for t, p, tag in sends if p == self.rank}
         send_list = [(t, p, tag) for t, p, tag in sends if p != self.rank]
@@ -297,7 +352,7 @@ class Transport:
         try:
             works = dist.batch_isend_irecv(ops) if ops else []
         except RuntimeError as err:
-            raise CommError(f"{self.label}: rank {self.rank} could not post {what} ({peers}): {err}") from err
+            raise self.failed(f"{self.label}: rank {self.rank} could not post {what} ({peers}): {err}") from err
         return Pending(self, works, staged, keep, what, peers or "local")
 
     def ready(self) -> None:
@@ -306,6 +361,7 @@ class Transport:
         once; nothing on gloo)."""
         if self._ready:
             return
+        self.usable("the first use of the group")
         if self.backend == "nccl":
             self._collective(dist.all_reduce(torch.zeros(1, device=self.comm_device()), group=self.group,
                                              async_op=True), "the first use of the group")
@@ -317,6 +373,7 @@ class Transport:
         """Every rank's payload (at most `size` bytes), in rank order: one all-gather of fixed-size buffers."""
         if len(payload) > size - 8:
             raise ValueError(f"all_gather_bytes: payload of {len(payload)} bytes exceeds {size - 8}")
+        self.usable(what)
         device = self.comm_device()
         framed = len(payload).to_bytes(8, "little") + payload
         data = torch.zeros(size, dtype=torch.uint8)
@@ -335,7 +392,9 @@ class Transport:
         """Every rank's ints (the same count on every rank), in rank order, through the process group's store
         (the rendezvous TCPStore): host-side only, so it neither waits for the GPU nor stalls its stream, unlike a
         collective whose result is read back.  Exchanges on one group are numbered, and a rank deletes its key of
-        exchange n - 1 once every rank has posted exchange n (so each has read n - 1)."""
+        exchange n - 1 once every rank has posted exchange n (so each has read n - 1).  Rows of different lengths
+        (ranks whose exchange n is another kind of exchange: out of step) raise CommError naming the exchange."""
+        self.usable(what)
         store, prefix = _store_channel(self.group)
         seq = _STORE_SEQ[prefix] = _STORE_SEQ.get(prefix, 0) + 1
         keys = [f"{prefix}{seq}/{r}" for r in range(self.size)]
@@ -343,17 +402,25 @@ class Transport:
         try:
             store.wait(keys, self.timeout_delta)
         except Exception as err:  # the store raises its own timeout types, by version
-            raise CommError(
+            raise self.failed(
                 f"{self.label}: rank {self.rank} of {self.size} failed waiting for {what} from all ranks of its "
                 f"group (timeout {self.timeout:g}s; did every rank call it?): {err}"
             ) from err
-        rows = [[int(x) for x in bytes(v).decode().split(",")] for v in store.multi_get(keys)]
+        texts = [bytes(v).decode() for v in store.multi_get(keys)]
+        rows = [[int(x) for x in t.split(",")] if t else [] for t in texts]
+        if any(len(r) != len(values) for r in rows):  # (read as this exchange's, a short row was an IndexError)
+            counts = ", ".join(f"rank {r} {len(row)}" for r, row in enumerate(rows))
+            raise self.failed(
+                f"{self.label}: rank {self.rank} of {self.size}: the ranks are out of step in {what}: it takes "
+                f"{len(values)} values from every rank, got {counts} (their exchange number {seq} on the group is "
+                "another exchange, of an earlier call that failed or another kind of call)")
         if seq > 1:
             store.delete_key(f"{prefix}{seq - 1}/{self.rank}")
         return rows
 
     def all_gather_ints(self, values: Sequence[int], what: str) -> list[list[int]]:
         """Every rank's int64 values (the same count on every rank), in rank order: one small all-gather."""
+        self.usable(what)
         device = self.comm_device()
         mine = torch.tensor(list(values), dtype=torch.int64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(self.size)]
@@ -364,7 +431,7 @@ class Transport:
         try:
             work.wait(self.timeout_delta)
         except RuntimeError as err:
-            raise CommError(
+            raise self.failed(
                 f"{self.label}: rank {self.rank} of {self.size} failed waiting for {what} from all ranks of its "
                 f"group (timeout {self.timeout:g}s; did every rank call it?): {err}"
             ) from err

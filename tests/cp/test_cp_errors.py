@@ -662,6 +662,97 @@ def test_absent_rank_times_out_with_a_named_wait(pool, verify, pattern):
     assert elapsed < 10
 
 
+def skipped_call_case(rank, world, skip):
+    """Ranks 0 and 1 of a throw-away group (timeout 3 s) make forward call 1 and its backward; then rank 1 skips call
+    2's forward ("forward") or its backward ("backward").  Rank 0: (the error of the call it waited in, the errors
+    of its later calls on the group: the module, the functional form, a new module, reduce_value, FixedPointGrads);
+    ranks 0 and 1: the max abs difference between call 1's output and a call's on a group made after the failure."""
+    from fa4dist.context_parallel import context_parallel_attention, make_plan
+    from fa4dist.models import reduce_value
+    from fa4dist.models.invariant_grads import FixedPointGrads
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    group = fresh_group([0, 1])  # broken by this test on purpose; nothing else uses it
+    plan = make_plan(20, 2)
+    kw = dict(strategy="ring", backend="reference", timeout=3)
+    if rank >= 2:
+        fresh_group([0, 1])
+        return None
+    x = [t.requires_grad_() for t in _inputs(plan, rank)]
+    module = FA4ContextParallelAttention(group, **kw)
+    first = module(*x, plan=plan)
+    first.sum().backward()
+    result = None
+    if skip == "forward":
+        failed = _error(lambda: module(*x, plan=plan)) if rank == 0 else None
+    else:
+        out = module(*x, plan=plan)
+        failed = _error(lambda: out.sum().backward()) if rank == 0 else None
+    if rank == 0:
+        later = [_error(lambda: module(*x, plan=plan)),
+                 _error(lambda: context_parallel_attention(*x, plan, group, **kw)),
+                 _error(lambda: FA4ContextParallelAttention(group, **kw)(*x, plan=plan)),
+                 _error(lambda: reduce_value(torch.ones(1), group, timeout=3)),
+                 _error(lambda: FixedPointGrads(group).finish())]
+        result = failed, later
+    new = fresh_group([0, 1])  # (every world rank, once rank 0 has failed)
+    again = FA4ContextParallelAttention(new, **kw)(*x, plan=plan)
+    return result, float((again - first).abs().max())
+
+
+@pytest.mark.parametrize("skip, waited", [
+    ("forward", "the agreement check of forward call 2 "),
+    ("backward", "the agreement check of the backward of forward call 2 "),
+])
+def test_a_group_whose_exchange_failed_is_refused_at_once(pool, skip, waited):
+    """After a rank that never made its call, the others' CommError left the group out of step: each later fa4dist
+    call on it waited out another timeout (or paired with the absent rank's next call, which now met an exchange
+    left unanswered).  Now every later call there (the module, the functional form, a new module, reduce_value,
+    FixedPointGrads) is refused at once, naming the group, the earlier failure and the remedy; a new group works."""
+    results = pool.run(skipped_call_case, skip=skip, timeout=60)
+    (failed, later), diff0 = results[0]
+    name, message, elapsed = failed
+    assert name == "CommError" and f"failed waiting for {waited}" in message, message
+    assert elapsed < 10, elapsed
+    for res in later:
+        assert res is not None, "a call on the broken group ran"
+        name, message, elapsed = res
+        assert name == "GroupBroken", (name, message)
+        assert "refused: an earlier fa4dist exchange on this group failed on this rank" in message, message
+        assert f"The earlier failure: fa4dist context parallel: rank 0 of 2 failed waiting for {waited}" in message
+        assert "destroy_process_group" in message and "restart the job" in message, message
+        assert elapsed < 0.5, (elapsed, message)  # at once, not after the 3 s timeout
+    assert diff0 < TOL and results[1][1] < TOL, results  # the group made after the failure computes
+
+
+def out_of_step_case(rank, world):
+    """Ranks 0 and 1 of a throw-away group: one store exchange with 4 values from rank 0 and 3 from rank 1 (as a
+    rank one call behind pairs an agreement check with the grid check), then a second exchange: the errors."""
+    from fa4dist.context_parallel.comm import Transport
+
+    group = fresh_group([0, 1])
+    if rank >= 2:
+        return None
+    t = Transport(group, timeout=3)
+    return (_error(lambda: t.host_gather_ints([7] * (4 - rank), f"the exchange of rank {rank}")),
+            _error(lambda: t.host_gather_ints([7] * 4, "the next exchange")))
+
+
+def test_an_exchange_whose_ranks_sent_different_counts_says_out_of_step(pool):
+    """The rows were returned as they came: a caller that read the fourth value of a three-value row failed with
+    'IndexError: list index out of range'.  Now each rank raises CommError naming the exchange and the counts, and
+    the group is refused from then on."""
+    for rank, (first, second) in enumerate(pool.run(out_of_step_case, timeout=60)[:2]):
+        assert first is not None, f"rank {rank} read rows of different lengths"
+        name, message, _ = first
+        assert name == "CommError", (name, message)
+        assert f"the ranks are out of step in the exchange of rank {rank}: it takes {4 - rank} values from every " \
+               "rank, got rank 0 4, rank 1 3" in message, message
+        name, message, elapsed = second
+        assert name == "GroupBroken" and "the next exchange on process group" in message, message
+        assert elapsed < 0.5, elapsed
+
+
 # ---- constructor and argument errors (single process) ------------------------------------------------------------
 
 
@@ -802,6 +893,14 @@ def test_a_new_world_s_group_that_reuses_a_name_does_not_wait(pool, tmp_path):
     destroy_process_group and a new init_process_group, a group that got an old group's name (with other ranks)
     waited for its timeout on ranks that had used the old group and raised CommError."""
     results = pool.run(cp_cases.reinit_reused_name_case, timeout=60, init_file=str(tmp_path / "store"))
+    assert results[0] is None and results[3] is None
+    assert results[1] == 0.0 and results[2] == 0.0
+
+
+def test_a_new_world_s_group_that_reuses_a_broken_group_s_name_starts_clean(pool, tmp_path):
+    """The same, the old group broken on ranks 0 and 1 (an exchange of theirs failed on it): the new world's group
+    of that name is not refused (the record of broken groups is per world)."""
+    results = pool.run(cp_cases.reinit_reused_name_case, timeout=60, init_file=str(tmp_path / "store"), broken=True)
     assert results[0] is None and results[3] is None
     assert results[1] == 0.0 and results[2] == 0.0
 
