@@ -8,8 +8,8 @@ for, and CPU staging where the process group cannot move the tensors itself.
 
 Every wait is bounded by the transport's timeout (on NCCL the wait is a stream dependency and the process group's
 own timeout applies); a failure raises :class:`CommError` naming the operation, the peer and the timeout.  After
-one, the group is out of step for fa4dist on this rank, which refuses its later calls on it at once
-(:class:`GroupBroken`) until a new group is made.
+one, the group is out of step for fa4dist: this rank refuses its later calls on it at once (:class:`GroupBroken`),
+and so do the other ranks from their next agreement check on it (the failure is posted as this rank's row there).
 """
 
 from __future__ import annotations
@@ -182,9 +182,10 @@ class GroupBroken(CommError):
     once, naming that failure."""
 
 
-def mark_broken(key: tuple, message: str) -> None:
-    """Records the failure of an exchange on the group of `key` (:func:`group_key`); the first one is kept."""
-    _BROKEN.setdefault(key, message)
+def mark_broken(key: tuple, message: str, where: str = "this rank") -> None:
+    """Records the failure of an exchange on the group of `key` (:func:`group_key`), on `where`; the first one is
+    kept."""
+    _BROKEN.setdefault(key, (where, message))
 
 
 def check_usable(keys: Sequence[tuple], what: str, label: str) -> None:
@@ -194,17 +195,23 @@ def check_usable(keys: Sequence[tuple], what: str, label: str) -> None:
     connections, so a later call waits out another timeout, or pairs with another rank's earlier unanswered exchange
     (its messages read as this call's).  Only a new group starts over."""
     for key in keys:
-        first = _BROKEN.get(key)
-        if first is not None:
-            if len(first) > 1500:
-                first = first[:1500] + " [...]"
-            raise GroupBroken(
-                f"{label}: {what} on process group {key[1]!r} refused: an earlier fa4dist exchange on this group "
-                "failed on this rank, so its ranks are out of step (a later exchange would wait out another timeout "
-                "or pair with another call's messages).  Destroy the group "
-                "(torch.distributed.destroy_process_group(group)) and make a new one on every rank "
-                "(torch.distributed.new_group; for the default group, init_process_group again), or restart the "
-                f"job.  The earlier failure: {first}")
+        if key in _BROKEN:
+            raise GroupBroken(_refusal(label, what, key[1], *_BROKEN[key]))
+
+
+def _refusal(label: str, what: str, name: str, where: str, first: str) -> str:
+    if len(first) > 1500:
+        first = first[:1500] + " [...]"
+    return (f"{label}: {what} on process group {name!r} refused: an earlier fa4dist exchange on this group failed on "
+            f"{where}, so its ranks are out of step (a later exchange would wait out another timeout or pair with "
+            "another call's messages).  Destroy the group (torch.distributed.destroy_process_group(group)) and make "
+            "a new one on every rank (torch.distributed.new_group; for the default group, init_process_group "
+            f"again), or restart the job.  The earlier failure: {first}")
+
+
+# the value a rank whose exchange on a group failed posts as its rows of the group's store exchanges that another
+# rank may still be waiting for or make next (Transport.failed), followed by the failure's message
+_POISON = "out of step:"
 
 
 def member_size_rank(group, name: str = "group") -> tuple[int, int]:
@@ -277,9 +284,21 @@ class Transport:
         self._side_stream = None
         self._ready = False
 
-    def failed(self, message: str) -> CommError:
-        """The CommError of a failed exchange (`message`), the group recorded as out of step (check_usable)."""
-        mark_broken(self.key, message)
+    def failed(self, message: str, where: str = "this rank", waiting: bool = False) -> CommError:
+        """The CommError of a failed exchange (`message`, the failure seen on `where`), the group recorded as out
+        of step (check_usable).  The failure is also posted (best effort) as this rank's row of the group's next
+        store exchange, and of the one it was ``waiting`` for: a rank that never came to that call, or stopped
+        after its agreement check, reads it in its next agreement check and is refused at once, instead of
+        pairing with this rank's unanswered row and waiting out its timeout in the transfers.  (Not over a
+        completed exchange's row: another rank may still be reading it.)"""
+        mark_broken(self.key, message, where)
+        try:
+            store, prefix = _store_channel(self.group)
+            seq = _STORE_SEQ.get(prefix, 0)
+            for n in (seq, seq + 1) if waiting and seq else (seq + 1,):
+                store.set(f"{prefix}{n}/{self.rank}", _POISON + message)
+        except Exception:  # noqa: BLE001  (the store may be gone too: the failure itself is what to raise)
+            pass
         return CommError(message)
 
     def usable(self, what: str) -> None:
@@ -404,9 +423,13 @@ class Transport:
         except Exception as err:  # the store raises its own timeout types, by version
             raise self.failed(
                 f"{self.label}: rank {self.rank} of {self.size} failed waiting for {what} from all ranks of its "
-                f"group (timeout {self.timeout:g}s; did every rank call it?): {err}"
+                f"group (timeout {self.timeout:g}s; did every rank call it?): {err}", waiting=True
             ) from err
         texts = [bytes(v).decode() for v in store.multi_get(keys)]
+        for r, text in enumerate(texts):
+            if text.startswith(_POISON):  # rank r's exchange on the group failed (Transport.failed)
+                self.failed(text[len(_POISON):], f"rank {r} of the group")  # (recorded, and passed on)
+                self.usable(what)  # (raises GroupBroken naming it)
         rows = [[int(x) for x in t.split(",")] if t else [] for t in texts]
         if any(len(r) != len(values) for r in rows):  # (read as this exchange's, a short row was an IndexError)
             counts = ", ".join(f"rank {r} {len(row)}" for r, row in enumerate(rows))

@@ -666,7 +666,10 @@ def skipped_call_case(rank, world, skip):
     """Ranks 0 and 1 of a throw-away group (timeout 3 s) make forward call 1 and its backward; then rank 1 skips call
     2's forward ("forward") or its backward ("backward").  Rank 0: (the error of the call it waited in, the errors
     of its later calls on the group: the module, the functional form, a new module, reduce_value, FixedPointGrads);
-    ranks 0 and 1: the max abs difference between call 1's output and a call's on a group made after the failure."""
+    rank 1: the error of its next call on the group, made once rank 0 has failed; ranks 0 and 1: the max abs
+    difference between call 1's output and a call's on a group made after the failure."""
+    import torch.distributed as dist
+
     from fa4dist.context_parallel import context_parallel_attention, make_plan
     from fa4dist.models import reduce_value
     from fa4dist.models.invariant_grads import FixedPointGrads
@@ -695,6 +698,9 @@ def skipped_call_case(rank, world, skip):
                  _error(lambda: reduce_value(torch.ones(1), group, timeout=3)),
                  _error(lambda: FixedPointGrads(group).finish())]
         result = failed, later
+    dist.barrier(GROUPS[2])  # (rank 0 has failed)
+    if rank == 1:
+        result = _error(lambda: module(*x, plan=plan))
     new = fresh_group([0, 1])  # (every world rank, once rank 0 has failed)
     again = FA4ContextParallelAttention(new, **kw)(*x, plan=plan)
     return result, float((again - first).abs().max())
@@ -708,9 +714,11 @@ def test_a_group_whose_exchange_failed_is_refused_at_once(pool, skip, waited):
     """After a rank that never made its call, the others' CommError left the group out of step: each later fa4dist
     call on it waited out another timeout (or paired with the absent rank's next call, which now met an exchange
     left unanswered).  Now every later call there (the module, the functional form, a new module, reduce_value,
-    FixedPointGrads) is refused at once, naming the group, the earlier failure and the remedy; a new group works."""
+    FixedPointGrads) is refused at once, naming the group, the earlier failure and the remedy; so is the absent
+    rank's next call, which reads rank 0's failure in its agreement check; a new group works."""
     results = pool.run(skipped_call_case, skip=skip, timeout=60)
     (failed, later), diff0 = results[0]
+    theirs = results[1][0]
     name, message, elapsed = failed
     assert name == "CommError" and f"failed waiting for {waited}" in message, message
     assert elapsed < 10, elapsed
@@ -722,6 +730,11 @@ def test_a_group_whose_exchange_failed_is_refused_at_once(pool, skip, waited):
         assert f"The earlier failure: fa4dist context parallel: rank 0 of 2 failed waiting for {waited}" in message
         assert "destroy_process_group" in message and "restart the job" in message, message
         assert elapsed < 0.5, (elapsed, message)  # at once, not after the 3 s timeout
+    assert theirs is not None, "rank 1's call on the broken group ran"
+    name, message, elapsed = theirs
+    assert name == "GroupBroken" and "failed on rank 0 of the group, so its ranks are out of step" in message, message
+    assert f"The earlier failure: fa4dist context parallel: rank 0 of 2 failed waiting for {waited}" in message
+    assert elapsed < 0.5, (elapsed, message)
     assert diff0 < TOL and results[1][1] < TOL, results  # the group made after the failure computes
 
 
