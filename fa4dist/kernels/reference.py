@@ -165,7 +165,7 @@ def _forward_dense(p: AttentionProblem, q, k, v, q_offset: int, k_offset: int):
     q_chunk, k_chunk = ops.chunks(seqlen_q, seqlen_k)
     for qs in range(0, seqlen_q, q_chunk):
         ql = min(q_chunk, seqlen_q - qs)
-        qc = q[:, qs : qs + ql].to(acc).view(batch, ql, heads_kv, group, -1) * scale
+        qc = q[:, qs : qs + ql].to(acc).view(batch, ql, heads_kv, group, -1)
         row_max = torch.full((batch, heads_kv, group, ql), float("-inf"), dtype=acc, device=q.device)
         row_sum = torch.zeros_like(row_max)
         acc_out = torch.zeros(batch, heads_kv, group, ql, head_dim_v, dtype=acc, device=q.device)
@@ -177,7 +177,9 @@ def _forward_dense(p: AttentionProblem, q, k, v, q_offset: int, k_offset: int):
                 continue
             sees_a_key |= True if mask is None else mask.any(-1)
             kc, vc = k[:, ks : ks + kl].to(acc), v[:, ks : ks + kl].to(acc)
-            scores = _capped(ops.scores(qc, kc), p.softcap)
+            # the products scaled, not q: q * scale can overflow where every score is finite (16-bit inputs,
+            # a large scale), and the backward recomputes the same scores this way
+            scores = _capped(ops.scores(qc, kc).mul_(scale), p.softcap)
             if mask is not None:
                 scores.masked_fill_(~mask, float("-inf"))
             new_max = torch.maximum(row_max, scores.amax(-1))

@@ -315,3 +315,29 @@ def test_cp_invariant_bits_do_not_depend_on_the_inputs_strides(packed):
     got = run(*(head_dim_outer(t) for t in (q, k, v)))
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         assert torch.equal(g, w), name
+
+
+@pytest.mark.parametrize("cp_invariant", [False, True], ids=["einsum", "cp-invariant"])
+def test_a_large_scale_scales_the_scores_not_the_queries(cp_invariant):
+    """scale * (q . k) is the score: with float16 inputs and a scale near float32's top (allowed: it is within
+    float32's normal range), q * scale overflows float32 although every score is finite.  The forward scaled q first,
+    so every row's scores were inf and out, lse NaN; the backward, which scales the products, had finite
+    probabilities from the same inputs."""
+    gen = torch.Generator().manual_seed(0)
+    q = (torch.randn(1, 24, 2, 16, generator=gen) * 1000).half()
+    k = (torch.randn(1, 24, 2, 16, generator=gen) * 2e-7).half()  # float16 subnormals: scores ~1e30
+    v, dout = (torch.randn(1, 24, 2, 16, generator=gen).half() for _ in range(2))
+    scale = 1e36  # q * scale > 3.4e38 for |q| > 340
+    assert torch.isinf(q.float() * scale).any()
+    kw = dict(causal=True, softmax_scale=scale, backend="reference", cp_invariant=cp_invariant)
+    out, lse = attention_forward(q, k, v, **kw)
+    ref_out, ref_lse = naive_attention(q, k, v, causal=True, softmax_scale=scale)
+    assert torch.isfinite(lse).all()
+    torch.testing.assert_close(out, ref_out.half(), atol=0, rtol=1e-3)  # rounded once: within an fp16 ulp
+    torch.testing.assert_close(lse.double(), ref_lse, atol=0, rtol=1e-6)
+    _, _, dv = attention_backward(dout, q, k, v, out, lse, **kw)
+    # (dq and dk are scale x the rounding of rowsum(dout * out) - dout . v here: not compared)
+    v64 = v.double().requires_grad_()
+    ref_dv, = torch.autograd.grad(naive_attention(q, k, v64, causal=True, softmax_scale=scale)[0], v64,
+                                  dout.double())
+    torch.testing.assert_close(dv, ref_dv.half(), atol=0, rtol=1e-3)
