@@ -31,6 +31,13 @@ from .problem import AttentionProblem
 _KEY_CHUNK = 1024
 _QUERY_CHUNK = 128
 
+# P @ V adds up to seqlen_k values times weights of at most 1, so values near the top of the accumulation dtype's
+# range overflow that sum (bfloat16 values of 3e38: out = inf) although out, a convex combination of them, does not.
+# The weights enter P @ V times 2^-32 (more than any call's key count), and the row sums are scaled alike before the
+# division: exact (the same bits) for every weight above 2^-94; smaller ones, subnormal after the scaling, lose bits
+# of terms far below out's own rounding.
+_PV_WEIGHT = 2.0**-32
+
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -187,7 +194,7 @@ def _forward_dense(p: AttentionProblem, q, k, v, q_offset: int, k_offset: int):
             probs = torch.exp(scores - shift.unsqueeze(-1))
             rescale = torch.exp(row_max - shift)
             row_sum = row_sum * rescale + probs.sum(-1)
-            acc_out = acc_out * rescale.unsqueeze(-1) + ops.rows_from_keys(probs, vc, mask)
+            acc_out = acc_out * rescale.unsqueeze(-1) + ops.rows_from_keys(probs * _PV_WEIGHT, vc, mask)
             row_max = new_max
         # Rows that see keys: lse from the running max and sum, NaN where the softmax is undefined (a sum of 0 from
         # -inf scores, or NaN); -inf only for rows that see no key at all.
@@ -199,7 +206,8 @@ def _forward_dense(p: AttentionProblem, q, k, v, q_offset: int, k_offset: int):
         safe_sum = torch.where(defined, row_sum, torch.ones_like(row_sum))
         row_lse = torch.where(defined, shift + torch.log(safe_sum), nan)
         lse[..., qs : qs + ql] = torch.where(sees_a_key, row_lse, torch.full_like(row_sum, -torch.inf))
-        denominator = torch.where(defined | ~sees_a_key, safe_sum, nan)  # keyless rows: 0 / 1, then 0 below
+        # (keyless rows: 0 / 2^-32, then 0 below)
+        denominator = torch.where(defined | ~sees_a_key, safe_sum * _PV_WEIGHT, nan)
         normalized = acc_out / denominator.unsqueeze(-1)
         normalized = torch.where(sees_a_key.unsqueeze(-1), normalized, torch.zeros((), dtype=acc))
         out[:, qs : qs + ql] = normalized.permute(0, 3, 1, 2, 4)
