@@ -40,7 +40,8 @@ What the attention call adds to the mask is passed on to the kernels: the softma
 ``query_pre_attn_scalar``), logit soft-capping (``softcap``, Gemma 2), and learned per-head attention sinks
 (``s_aux``, GPT-OSS; they get their gradient).  A ``sliding_window`` argument must agree with the window of the
 layer's mask (a window of W tokens, the query included: the kernels' ``window=(W - 1, 0)``).  Attention dropout in
-training and per-token sinks are refused.
+training and per-token sinks are refused.  Under ``torch.autocast`` the attention runs in the autocast dtype, as
+eager, sdpa and flash-attention do (:func:`autocast_operands`).
 
 Query rows that are padding get a zero output (the stock attention computes something meaningless there).
 
@@ -455,6 +456,19 @@ def _layout_of_call(attention_mask, kwargs, query, batch, q_length, kv_length) -
     return info
 
 
+def autocast_operands(query, key, value) -> tuple:
+    """query, key and value in the dtype of an ambient ``torch.autocast`` on their device: under autocast the
+    projections give bf16/fp16 tensors, and the rotary embedding (fp32 cos/sin) makes query and key fp32 again, so
+    the call gets fp32 q/k with a lower-precision v.  Eager, sdpa and flash-attention all run the attention in the
+    autocast dtype (flash-attention casts fp32 operands to it); so do we.  Without autocast, or for fp64 (which
+    autocast never lowers), the operands are returned as they came."""
+    kind = query.device.type
+    if not (torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(kind)
+    return tuple(t.to(dtype) if t.dtype == torch.float32 else t for t in (query, key, value))
+
+
 def warn_no_attention_weights(kwargs: dict, what: str) -> None:
     """transformers passes ``output_attentions`` to the attention function: fa4dist's never makes the weights (as its
     own fused attentions, it warns; the model then returns no attentions)."""
@@ -481,6 +495,7 @@ def fa4dist_attention_forward(module, query: torch.Tensor, key: torch.Tensor, va
     window = layer_window(attention_mask.window if isinstance(attention_mask, FA4MaskInfo) else None,
                           sliding_window)
     info = _layout_of_call(attention_mask, kwargs, query, batch, q_length, kv_length)
+    query, key, value = autocast_operands(query, key, value)
 
     q = query.transpose(1, 2)  # (B, Lq, H, D)
     k = key.transpose(1, 2)

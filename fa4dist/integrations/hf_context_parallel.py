@@ -67,8 +67,8 @@ from fa4dist.models.llama import check_token_ids
 from fa4dist.models.loss import cp_cross_entropy_of
 from fa4dist.modules import FA4ContextParallelAttention
 
-from .hf import (NO_WINDOW, UnsupportedMask, attention_sinks, document_starts, fa4dist_mask, layer_window,
-                 warn_no_attention_weights, window_of)
+from .hf import (NO_WINDOW, UnsupportedMask, attention_sinks, autocast_operands, document_starts, fa4dist_mask,
+                 layer_window, warn_no_attention_weights, window_of)
 
 PLAN_KEY = "fa4dist_cp_plan"  # the local batch's key holding the ShardPlan (transformers passes it to attention)
 LABELS_KEY = "shift_labels"  # transformers' own name for labels that are already shifted
@@ -199,6 +199,7 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
             if err is refused:
                 raise
             raise refused from err
+    query, key, value = autocast_operands(query, key, value)
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (L, heads, D)
     out = attention(q, k, v, plan, sinks=sinks)
     return out.unsqueeze(0), None

@@ -641,6 +641,37 @@ def test_output_attentions_warns_that_no_weights_come_back():
             model(**local, output_attentions=False)
 
 
+def test_autocast_bf16_runs_the_attention_in_the_autocast_dtype():
+    """Under torch.autocast(bf16) the call gets fp32 query/key (the rotary embedding's fp32 cos/sin) with a bf16
+    value: fa4dist refused them ('q, k and v must share a dtype').  Now they run in bf16, as the model's own eager
+    attention under the same autocast does (each document alone): the same loss and gradients to a few bf16 ulps,
+    the sinks' included."""
+    batch = packed_batch()
+    results = []
+    for cp in (False, True):
+        model = tiny_model("gpt_oss").float()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if cp:
+                handle = enable_context_parallel(model)
+                local = handle.shard_batch(batch)
+                loss = handle.loss(model(**local).logits, local)
+            else:
+                ids, bounds = batch["input_ids"][0], torch.tensor((0,) + LENGTHS).cumsum(0).tolist()
+                logits = torch.cat([model(input_ids=ids[None, a:b], use_cache=False).logits[0].float()
+                                    for a, b in zip(bounds, bounds[1:])])
+                loss = torch.nn.functional.cross_entropy(logits[:-1], batch["labels"][0, 1:], ignore_index=-100)
+        loss.backward()
+        if cp:
+            handle.disable()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (want, want_grads), (got, got_grads) = results
+    rel = 8 * torch.finfo(torch.bfloat16).eps
+    hf_tiny.assert_close_rel(got, want, rel, "loss")
+    assert {f"model.layers.{i}.self_attn.sinks" for i in range(2)} <= got_grads.keys()
+    for name, g in want_grads.items():
+        hf_tiny.assert_close_rel(got_grads[name], g, rel, name)
+
+
 def test_the_attention_call_takes_windows_softcap_and_sinks_and_refuses_the_rest():
     model = tiny_model("gpt_oss")
     with enable_context_parallel(model) as handle:

@@ -498,3 +498,31 @@ def test_to_hf_llama_keeps_a_cuda_model_on_its_device():
     for name, p in ours.named_parameters():
         q = theirs.get(name if name == "lm_head.weight" else f"model.{name}")
         assert q is not None and q.device == p.device and q.dtype == p.dtype and torch.equal(q, p), name
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_autocast_bf16_runs_the_attention_in_the_autocast_dtype(family):
+    """Under torch.autocast(bf16) the projections give bf16 query, key and value, and the rotary embedding (fp32
+    cos/sin) turns query and key back to fp32: the call got fp32 q/k with a bf16 v and fa4dist.attention refused
+    them ('q, k and v must share a dtype'), where eager, sdpa and flash-attention run it in the autocast dtype.  Now
+    the fp32 operands are cast to it too: logits and gradients as the eager attention's under the same autocast."""
+    model = hf_tiny.tiny_model(family, seed=12).float()
+    ids = torch.randint(0, hf_tiny.VOCAB, (2, 12), generator=torch.Generator().manual_seed(13))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0  # right padding: no padding row predicts a real token (their outputs differ: ours are zeros)
+    labels = ids.masked_fill(mask == 0, -100)
+    results = {}
+    for impl in ("eager", NAME):
+        model.set_attn_implementation(impl)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+        out.loss.backward()
+        results[impl] = out.logits.float()[mask.bool()], {n: p.grad for n, p in model.named_parameters()}
+    (got, got_grads), (want, want_grads) = results[NAME], results["eager"]
+    # both compute in bf16 (scores and probabilities rounded differently): a few bf16 ulps of the largest value
+    rel = 8 * torch.finfo(torch.bfloat16).eps
+    hf_tiny.assert_close_rel(got, want, rel, "logits")
+    for name, g in want_grads.items():
+        if g is not None:
+            hf_tiny.assert_close_rel(got_grads[name], g, rel, name)
