@@ -201,6 +201,9 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         if built != (batch_size, q_length, kv_length):
             raise UnsupportedMask(f"a prepared fa4dist mask for (batch, queries, keys) = {built} was passed to a call "
                                   f"with {(batch_size, q_length, kv_length)}")
+        if attention_mask.window != window_of(local_size):  # (a full-attention mask kept no window, silently)
+            raise UnsupportedMask(f"a prepared fa4dist mask with window {attention_mask.window} was passed to a layer "
+                                  f"whose mask has window {window_of(local_size)} (local_size={local_size})")
         return attention_mask
     window = window_of(local_size)
     mask_function = mask_function or causal_mask_function

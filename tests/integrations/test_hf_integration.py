@@ -234,6 +234,14 @@ def test_masks_we_cannot_express_are_errors(model):
     # ... but after a cache offset they are not: refused, naming it
     with pytest.raises(UnsupportedMask, match="chunked attention"):
         fa4dist_mask(batch_size=1, q_length=1, kv_length=10, q_offset=9, mask_function=chunked, local_size=4)
+    # a prepared mask passed back in (generate() with a static cache) must be the layer's: a full-attention one
+    # handed to a sliding-window layer kept no window, silently
+    full = fa4dist_mask(**kw, mask_function=causal_mask_function)
+    assert fa4dist_mask(**kw, attention_mask=full) is full
+    assert fa4dist_mask(**kw, attention_mask=window, local_size=4) is window
+    for prepared, local_size in ((full, 4), (window, None), (window, 6)):
+        with pytest.raises(UnsupportedMask, match="prepared fa4dist mask with window"):
+            fa4dist_mask(**kw, attention_mask=prepared, local_size=local_size)
 
 
 def test_large_masks_are_checked_by_probes():
