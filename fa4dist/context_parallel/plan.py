@@ -667,12 +667,13 @@ def make_plan(
       stream (the cp_invariant training step's canonical token blocks, :mod:`fa4dist.models.invariant_grads`).
     """
     total, cu = _documents(seqlen_or_cu_seqlens)
-    check_int("cp_size", cp_size, 1)
+    # (the checked Python ints: NumPy integers kept in the plan would break its JSON fingerprint)
+    cp_size = check_int("cp_size", cp_size, 1)
     if not isinstance(balancer, str) or balancer not in BALANCERS:
         raise ValueError(f"balancer must be one of {BALANCERS}, got {balancer!r}")
     mask = check_mask(causal, window)
-    check_int("ulysses_degree", ulysses_degree, 1)
-    check_int("align", align, 1)
+    ulysses_degree = check_int("ulysses_degree", ulysses_degree, 1)
+    align = check_int("align", align, 1)
     if cp_size % ulysses_degree:
         raise ValueError(f"ulysses_degree ({ulysses_degree}) must divide cp_size ({cp_size})")
     groups = cp_size // ulysses_degree
@@ -683,7 +684,7 @@ def make_plan(
             if balancer == "zigzag":  # (a multiple of cp): zigzag also needs two chunks per ring group and round
                 step = math.lcm(cp_size, 2 * groups)
                 num_chunks = -(-num_chunks // step) * step
-    check_int("num_chunks", num_chunks, 1)
+    num_chunks = check_int("num_chunks", num_chunks, 1)
     if num_chunks % cp_size:
         raise ValueError(
             f"num_chunks must be a multiple of cp_size ({cp_size}) so every rank holds as many chunks, got {num_chunks}"

@@ -497,3 +497,14 @@ def test_head_split_names_heads_that_do_not_group():
     assert "not a multiple of 4 key/value heads" in HeadSplit.problem(6, 4, 2)
     assert HeadSplit.feasible_degrees(4, 8, 4) == []
     assert HeadSplit.problem(8, 2, 4) is None
+
+
+def test_numpy_integer_counts_make_the_same_plan():
+    """cp_size, num_chunks, ulysses_degree and align given as NumPy integers (a config read with NumPy, say) make the
+    plan their ints make (before: the plan kept the NumPy values and its fingerprint, which every cp call exchanges,
+    failed with "Object of type int64 is not JSON serializable")."""
+    np = pytest.importorskip("numpy")
+    want = make_plan([0, 40, 100], 4, num_chunks=8, ulysses_degree=2, align=4)
+    got = make_plan([0, 40, 100], np.int64(4), num_chunks=np.int32(8), ulysses_degree=np.int64(2), align=np.int16(4))
+    assert got.fingerprint == want.fingerprint
+    assert all(type(v) is int for v in (got.cp_size, got.num_chunks, got.ulysses_degree, got.align, got.chunk_size))
