@@ -31,6 +31,7 @@ from typing import Optional, Union
 import torch
 
 from ..kernels.mask import NO_MASK, Mask, MaskLike, Visibility, as_mask, block_visibility, visible_pairs, visible_rect
+from ..kernels.problem import check_int
 from ..kernels.worklist import WorkItem, coalesce
 from .plan import ShardPlan
 
@@ -158,6 +159,9 @@ class Schedule:
     (a :class:`~fa4dist.kernels.mask.Mask`, or a bool for causal or not)."""
 
     def __init__(self, plan: ShardPlan, ulysses_degree: int, mask: MaskLike):
+        if not isinstance(plan, ShardPlan):
+            raise TypeError(f"plan must be a ShardPlan (make_plan), got {type(plan).__name__}")
+        ulysses_degree = check_int("ulysses_degree", ulysses_degree, 1)
         if plan.cp_size % ulysses_degree:
             raise ValueError(f"ulysses_degree ({ulysses_degree}) must divide the plan's cp_size ({plan.cp_size})")
         self.plan = plan

@@ -508,3 +508,16 @@ def test_numpy_integer_counts_make_the_same_plan():
     got = make_plan([0, 40, 100], np.int64(4), num_chunks=np.int32(8), ulysses_degree=np.int64(2), align=np.int16(4))
     assert got.fingerprint == want.fingerprint
     assert all(type(v) is int for v in (got.cp_size, got.num_chunks, got.ulysses_degree, got.align, got.chunk_size))
+
+
+@pytest.mark.parametrize("u, error, match", [
+    (0, ValueError, "ulysses_degree must be >= 1, got 0"),  # was ZeroDivisionError
+    (-2, ValueError, "ulysses_degree must be >= 1, got -2"),  # was a schedule of ring_size -2
+    (True, TypeError, "ulysses_degree must be an int, got bool"),  # was taken as 1
+    (3, ValueError, r"ulysses_degree \(3\) must divide the plan's cp_size \(4\)"),
+])
+def test_schedule_refuses_a_bad_ulysses_degree_by_name(u, error, match):
+    with pytest.raises(error, match=match):
+        Schedule(make_plan(100, 4), u, True)
+    with pytest.raises(TypeError, match="plan must be a ShardPlan"):
+        Schedule(100, 1, True)
