@@ -562,8 +562,7 @@ class ShardPlan:
     def _check_seq(self, x, seq_dim: int, expected: int, what: str) -> int:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
-        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
-            raise TypeError(f"seq_dim must be an int, got {type(seq_dim).__name__}")
+        seq_dim = check_int("seq_dim", seq_dim)  # (a NumPy integer as an int, like rank)
         if not -x.dim() <= seq_dim < x.dim():
             raise ValueError(f"seq_dim={seq_dim} is out of range for a {x.dim()}-D tensor")
         seq_dim %= x.dim()

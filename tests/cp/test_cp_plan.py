@@ -86,17 +86,23 @@ def test_tiny_and_empty_ranks():
 
 
 def test_numpy_integer_ranks_are_taken_as_ints():
-    """A rank from NumPy (np.int64 out of np.arange, say) shards as the int does (before: TypeError "rank must be an
-    int", though make_plan takes NumPy integers); a NumPy float or bool is still refused."""
+    """A rank or seq_dim from NumPy (np.int64 out of np.arange, say) shards as the int does (before: TypeError "rank
+    must be an int", though make_plan takes NumPy integers); a NumPy float or bool is still refused."""
     np = pytest.importorskip("numpy")
     plan = make_plan(64, 2)
     x = torch.randn(1, 64, 2, 4)
     for r in np.arange(2):
         assert torch.equal(plan.shard(x, rank=r), plan.shard(x, rank=int(r)))
+        # seq_dim too (was TypeError "seq_dim must be an int, got int64")
+        assert torch.equal(plan.shard(x, seq_dim=np.int64(1), rank=r), plan.shard(x, rank=int(r)))
         assert torch.equal(plan.positions(r), plan.positions(int(r)))
+    parts = [plan.shard(x, rank=r) for r in range(2)]
+    assert torch.equal(plan.unshard(parts, seq_dim=np.int32(-3)), x)
     for bad in (np.float64(1.0), np.bool_(True), True, 1.0):
         with pytest.raises(TypeError, match="rank must be an int"):
             plan.shard(x, rank=bad)
+        with pytest.raises(TypeError, match="seq_dim must be an int"):
+            plan.shard(x, seq_dim=bad, rank=0)
 
 
 # ---- balance (work model: visible (query, key) pairs per rank) ---------------------------------------------------
