@@ -427,10 +427,16 @@ class ShardPlan:
         cu = torch.tensor(self.cu_seqlens, dtype=torch.int64)
         return torch.searchsorted(cu, torch.arange(self.total_len), right=True) - 1
 
+    def _check_span(self, start: int, end: int) -> None:
+        if not 0 <= start <= end <= self.total_len:
+            raise ValueError(f"[{start}, {end}) must be a range of the plan's {self.total_len} tokens "
+                             f"(0 <= start <= end <= {self.total_len})")
+
     def pieces(self, start: int, end: int) -> list[Piece]:
         """The documents inside the global token range [start, end), in order (empty documents skipped).  For a
         dense plan the whole range is one piece of document 0."""
-        if end <= start:
+        self._check_span(start, end)
+        if end == start:
             return []
         if self.cu_seqlens is None:
             return [Piece(0, 0, end - start, start)]
@@ -487,6 +493,7 @@ class ShardPlan:
         """Visible (query, key) pairs of the queries in [start, end) against every key they may see."""
         mask = self.mask if mask is None else mask
         if self.cu_seqlens is None:
+            self._check_span(start, end)
             return visible_pairs(end - start, self.total_len, start, 0, mask)
         cost = 0
         for p in self.pieces(start, end):

@@ -527,3 +527,16 @@ def test_schedule_refuses_a_bad_ulysses_degree_by_name(u, error, match):
         Schedule(make_plan(100, 4), u, True)
     with pytest.raises(TypeError, match="plan must be a ShardPlan"):
         Schedule(100, 1, True)
+
+
+def test_token_ranges_outside_the_stream_are_refused():
+    """pieces and range_cost take a range of the plan's tokens; one reaching outside it was answered as if the
+    stream went on (range_cost(-5, 3) of a 100-token causal sequence: 6 pairs for 3 real queries; pieces(90, 200):
+    one 110-token piece of a 100-token stream)."""
+    for plan in (make_plan(100, 4), make_plan([0, 40, 100], 4)):
+        for start, end in ((-5, 3), (90, 200), (7, 3)):
+            for call in (plan.pieces, plan.range_cost):
+                with pytest.raises(ValueError, match=rf"\[{start}, {end}\) must be a range of the plan's 100 tokens"):
+                    call(start, end)
+        assert plan.pieces(100, 100) == [] and plan.range_cost(0, 0) == 0
+        assert plan.range_cost(0, 100) == visible_pairs(100, 100, 0, 0, True) - (40 * 60 if plan.packed else 0)
