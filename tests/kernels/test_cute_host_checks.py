@@ -79,3 +79,41 @@ def test_a_cached_backward_plan_does_not_hide_the_scratch_limit_of_more_heads():
     assert be._backward_plan(few, items, None, True) is not None
     huge = torch.empty(256, many, 64, dtype=torch.bfloat16, device="meta")
     assert be._backward_plan(huge, items, None, True) is None
+
+
+def test_backward_split_parts_hold_the_minimum_steps_under_gqa():
+    """The backward's split plans divide a key tile's query tiles among its parts (bwd_sm90.work_at: part p takes
+    query tiles [m_min + p * n // parts, m_min + (p + 1) * n // parts)), each walked by the ``group`` query heads:
+    every part must hold at least SPLIT_MIN_PART_BLOCKS steps (group x its query tiles). The plans counted steps as
+    if they divided group x query tiles, so a GQA group of 8 over 2 query tiles took 4 parts, two of them empty."""
+    from fa4dist.kernels.cute import backward as bwd
+    from fa4dist.kernels.cute import split_plans
+
+    tm = bwd.tile_m_for(128)
+
+    def smallest_part(group, n_query_tiles, parts):
+        return group * min((p + 1) * n_query_tiles // parts - p * n_query_tiles // parts for p in range(parts))
+
+    split_any = 0
+    for group in (1, 2, 4, 8, 16):
+        for sq in (64, 128, 192, 256, 1000, 4096):
+            for sk in (1024, 4096):
+                for diag in (0, sk - sq):
+                    for causal in (True, False):
+                        cfg = bwd.make_configs(torch.bfloat16, 128, causal=causal, varlen=False, seg_offsets=False,
+                                               accumulate=False, deterministic=False, dq_dtype=torch.bfloat16,
+                                               dkv_dtype=torch.bfloat16, o_dtype=torch.bfloat16,
+                                               do_dtype=torch.bfloat16, max_seqlen_k=sk)[1]
+                        q_shape, k_shape = (1, sq, group, 128), (1, sk, 1, 128)
+                        edge, parts = bwd.dense_split_keys_plan(cfg, q_shape, k_shape, diag if causal else 0)
+                        if parts == 1:
+                            continue
+                        split_any += 1
+                        n_tiles = bwd.split_key_tile_count(cfg, k_shape, (edge, parts))
+                        # the shortest split key tile: causal the last split one (longest first), else all equal
+                        n = n_tiles - 1 if causal else 0
+                        q0 = max(n * bwd.TILE_N - (diag if causal else 0), 0)
+                        n_query = -(-sq // tm) - q0 // tm
+                        assert smallest_part(group, n_query, parts) >= split_plans.SPLIT_MIN_PART_BLOCKS, \
+                            (group, sq, sk, diag, causal, edge, parts)
+    assert split_any

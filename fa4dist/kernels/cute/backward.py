@@ -879,12 +879,13 @@ def _split_variant(cfg: BwdConfig) -> Optional[BwdConfig]:
 def dense_split_keys_plan(cfg: BwdConfig, q_shape, k_shape, diag: int) -> tuple[int, int]:
     """(split_edge, parts) of a dense call (q (b, s_q, h, d), k (b, s_k, h_kv, d)) on ``cfg``'s tiles:
     split_plans.split_keys_plan's (split key tiles, parts) causal, split_plan's (first split key tile, parts) over
-    the key tiles' equal runs of query tiles non-causal; parts = 1: no split."""
+    the key tiles' equal runs of query tiles (each walked by the GQA group's heads) non-causal; parts = 1: no
+    split."""
     b, sq, h, _ = q_shape
     _, sk, hk, _ = k_shape
     if cfg.causal:
         return split_keys_plan(b * hk, h // hk, sq, sk, int(diag), cfg.tile_m, TILE_N, host.sm_count())
-    return split_plan(b * hk * -(-sk // TILE_N), host.sm_count(), h // hk * -(-sq // cfg.tile_m))
+    return split_plan(b * hk * -(-sk // TILE_N), host.sm_count(), -(-sq // cfg.tile_m), unit_steps=h // hk)
 
 
 def split_key_tile_count(cfg: BwdConfig, k_shape, plan) -> int:

@@ -41,22 +41,24 @@ SPLIT_MAX_TAIL = 0.9
 SPLIT_MAX_WHOLE_WAVES = 10
 
 
-def split_plan(num_tiles: int, num_ctas: int, n_blocks: int) -> tuple[int, int]:
+def split_plan(num_tiles: int, num_ctas: int, n_blocks: int, unit_steps: int = 1) -> tuple[int, int]:
     """(split_start, parts): tiles [split_start, num_tiles), the last partial wave of ``num_tiles`` equal tiles of
-    ``n_blocks`` key blocks on a grid of ``num_ctas`` CTAs, each run as ``parts`` parts over consecutive key
-    blocks, claimed after every whole tile. The tail then takes ceil(tail * parts / num_ctas) rounds of parts
-    instead of one round of whole tiles; parts = 1 (no split) unless that is cheaper by the cost model above and
-    fewer than SPLIT_MAX_WHOLE_WAVES whole waves come before it.
+    ``n_blocks`` units (what the kernel divides among a tile's parts: the forward's key blocks, the backward's
+    query tiles) of ``unit_steps`` steps each (the backward: its GQA group's query heads walk each query tile) on a
+    grid of ``num_ctas`` CTAs, each run as ``parts`` parts over consecutive units, claimed after every whole tile.
+    The tail then takes ceil(tail * parts / num_ctas) rounds of parts instead of one round of whole tiles; parts =
+    1 (no split) unless that is cheaper by the cost model above and fewer than SPLIT_MAX_WHOLE_WAVES whole waves
+    come before it.
     Integer inputs only, so that a call's plan follows its shapes and the SM count alone: the same bits run to run."""
     tail = num_tiles % num_ctas
-    best_parts, best_cost = 1, SPLIT_MAX_TAIL * n_blocks
+    best_parts, best_cost = 1, SPLIT_MAX_TAIL * n_blocks * unit_steps
     if tail == 0 or num_tiles // num_ctas >= SPLIT_MAX_WHOLE_WAVES:
         return num_tiles, 1
     for parts in range(2, SPLIT_MAX_PARTS + 1):
-        if n_blocks < SPLIT_MIN_PART_BLOCKS * parts:
+        if n_blocks // parts * unit_steps < SPLIT_MIN_PART_BLOCKS:  # the smallest part (a kernel's n * p // parts)
             break
         rounds = -(-tail * parts // num_ctas)
-        cost = (rounds * (-(-n_blocks // parts) + SPLIT_PART_OVERHEAD_BLOCKS)
+        cost = (rounds * (-(-n_blocks // parts) * unit_steps + SPLIT_PART_OVERHEAD_BLOCKS)
                 + SPLIT_MERGE_BLOCKS_PER_PART * parts)
         if cost < best_cost:
             best_parts, best_cost = parts, cost
@@ -103,9 +105,11 @@ def causal_split_plan(num_heads_batch: int, seqlen_q: int, seqlen_k: int, diag: 
                                SPLIT_CAUSAL_ITEM_BLOCKS * 128 / tile_m)
 
 
-def longest_first_split(lengths: tuple, num_heads_batch: int, num_ctas: int, fixed: float) -> tuple[int, int]:
+def longest_first_split(lengths: tuple, num_heads_batch: int, num_ctas: int, fixed: float,
+                        unit_steps: int = 1) -> tuple[int, int]:
     """(split tiles, parts) of a launch of ``num_heads_batch`` equal heads (or (batch, head) pairs) whose tiles,
-    in units of one step, are ``lengths`` longest first (the same in every head), claimed in the order every
+    in the units the kernel divides among a tile's parts (the forward's key blocks, the backward's query tiles) of
+    ``unit_steps`` steps each, are ``lengths`` longest first (the same in every head), claimed in the order every
     head's longest, every head's second longest, ...: the longest rows of tiles that the simulated dynamic claims
     (each CTA takes the next item when it finishes one) say to run as parts, claimed first; (0, 1): no split.
     Costs: every tile or part ``fixed`` steps more, a part SPLIT_PART_OVERHEAD_BLOCKS more again, the last part
@@ -118,16 +122,16 @@ def longest_first_split(lengths: tuple, num_heads_batch: int, num_ctas: int, fix
         return max(free)
 
     part_fixed = fixed + SPLIT_PART_OVERHEAD_BLOCKS
-    whole = [n + fixed for n in lengths for _ in range(num_heads_batch)]
+    whole = [n * unit_steps + fixed for n in lengths for _ in range(num_heads_batch)]
     best_cost = SPLIT_MAX_TAIL * makespan(whole)
     best = (0, 1)
     for parts in range(2, SPLIT_MAX_PARTS + 1):
         for rows in range(1, len(lengths) + 1):  # the longest ``rows`` tiles of every head split
-            if lengths[rows - 1] < parts * SPLIT_MIN_PART_BLOCKS:
+            if lengths[rows - 1] // parts * unit_steps < SPLIT_MIN_PART_BLOCKS:  # its smallest part
                 break
             part_costs = []
             for n in lengths[:rows]:
-                one = [(p + 1) * n // parts - p * n // parts + part_fixed for p in range(parts)]
+                one = [((p + 1) * n // parts - p * n // parts) * unit_steps + part_fixed for p in range(parts)]
                 one[-1] += SPLIT_CAUSAL_MERGE_BLOCKS_PER_PART * parts
                 part_costs += one * num_heads_batch
             cost = makespan(part_costs + whole[rows * num_heads_batch:])
@@ -151,16 +155,17 @@ def split_keys_plan(num_kv_heads_batch: int, group: int, seqlen_q: int, seqlen_k
     """(split key tiles, parts) of a dense causal backward launch (BwdConfig.split_keys): its first key tiles in
     the split launch's order (key tile 0 of every (batch, kv head), then key tile 1, ...:
     tile_scheduler.bwd_work_tile's longest_first_over_heads) run as ``parts`` parts over their query tiles,
-    claimed first; (0, 1): no split. A key tile walks ``group`` query heads' query tiles (GQA). The same
-    simulation and rules as causal_split_plan (longest_first_split)."""
+    claimed first; (0, 1): no split. A key tile walks ``group`` query heads' query tiles (GQA); its parts divide
+    the query tiles (bwd_sm90.work_at), each walked by every head of the group. The same simulation and rules as
+    causal_split_plan (longest_first_split)."""
     n_k = -(-seqlen_k // tile_n)
     if n_k * num_kv_heads_batch >= SPLIT_CAUSAL_MAX_WAVES * num_ctas:
         return 0, 1
     num_m = -(-seqlen_q // tile_m)
 
-    def steps(n: int) -> int:  # query tiles key tile n visits (block_info.query_tiles), times the group
+    def query_tiles(n: int) -> int:  # query tiles key tile n visits (block_info.query_tiles), per query head
         q0 = max(n * tile_n - diag, 0)  # the first query that sees a key of the tile
-        return group * (num_m - q0 // tile_m) if q0 < seqlen_q else 0
+        return num_m - q0 // tile_m if q0 < seqlen_q else 0
 
-    return longest_first_split(tuple(steps(n) for n in range(n_k)), num_kv_heads_batch, num_ctas,
-                               SPLIT_KEYS_ITEM_STEPS * 64 / tile_m)
+    return longest_first_split(tuple(query_tiles(n) for n in range(n_k)), num_kv_heads_batch, num_ctas,
+                               SPLIT_KEYS_ITEM_STEPS * 64 / tile_m, unit_steps=group)
