@@ -56,6 +56,8 @@ class WorkItem:
     def __post_init__(self):
         if isinstance(self.window, list):  # as the contract takes it; a tuple keeps the item hashable (launch plans)
             object.__setattr__(self, "window", tuple(self.window))
+        elif self.window is None:  # the contract's (-1, -1): one item, and a pair for coalesce and the planners
+            object.__setattr__(self, "window", (-1, -1))
         for name in _INT_FIELDS:  # NumPy integers as the contract takes them (Python ints: one hash, one repr)
             value = getattr(self, name)
             if is_int(value) and type(value) is not int:
@@ -92,8 +94,7 @@ def _check_items(items: Sequence[WorkItem], total_q: int, total_k: int) -> tuple
         if item.k_start < 0 or item.k_len < 0 or item.k_start + item.k_len > total_k:
             raise ValueError(f"items[{i}] key rows [{item.k_start}, {item.k_start + item.k_len}) are outside the "
                              f"{total_k} key tokens")
-    # window=None is the contract's (-1, -1): the launch planners build a Mask of the item's pair
-    return tuple(item if item.window is not None else replace(item, window=(-1, -1)) for item in items)
+    return tuple(items)
 
 
 def _layout(q, k, v, cp_invariant: bool = False, softmax_scale=None, softcap=None):

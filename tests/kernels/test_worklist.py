@@ -761,6 +761,21 @@ def test_an_item_window_of_none_is_the_unbounded_window():
     assert item.window == (-1, -1)
 
 
+def test_an_item_made_with_window_none_is_the_unbounded_item_everywhere():
+    """WorkItem(window=None) is the item of window (-1, -1) itself (equal, one hash), so coalesce and the launch
+    planners, which take items without _check_items, get a pair: coalesce raised "'NoneType' object is not
+    iterable" on a causal item beside a full one, backward_launches "cannot unpack non-iterable NoneType" on two
+    neighbours."""
+    from fa4dist.kernels.worklist import backward_launches, coalesce
+
+    assert WorkItem(0, 4, 0, 4, window=None) == WorkItem(0, 4, 0, 4)
+    assert hash(WorkItem(0, 4, 0, 4, window=None)) == hash(WorkItem(0, 4, 0, 4))
+    full, band = WorkItem(0, 4, 0, 4, 10, 0), WorkItem(0, 4, 4, 4, 4, 4, causal=True, window=None)
+    assert coalesce([full, band]) == coalesce([full, replace(band, window=(-1, -1))])
+    pair = [WorkItem(0, 4, 0, 4, window=None), WorkItem(4, 4, 0, 4, window=None)]
+    assert backward_launches(pair, lambda it: it.window)[0].items == (WorkItem(0, 8, 0, 4),)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_coalesce_of_random_lists_keeps_every_visible_pair(seed):
     """Random small lists (causal or not, windows, q_len != k_len, negative offsets, empty items, items sharing
