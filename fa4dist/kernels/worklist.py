@@ -520,7 +520,8 @@ def attention_backward_items(
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Adds every item's gradients into the fp32 ``dq, dk, dv``, in list order, given the global out and lse.
     ``dq=None`` or ``dk=dv=None``: those are not computed (the contract's rule for accumulate=True).
-    ``shared``: the items it takes add their dQ into it instead (:func:`share_queries`; not with cp_invariant).
+    ``shared``: the items it takes add their dQ into it instead (:func:`share_queries`; not with cp_invariant, and
+    not with dq=None).
     ``fresh_dkv=True``: dk and dv hold no gradient yet (any values): they end as the sum of the items' gradients,
     zero on key rows no item has, the bits of the same call into zeros, without a pass that fills them (dq is
     still added into)."""
@@ -546,9 +547,12 @@ def attention_backward_items(
     if check_optional_bool("deterministic", deterministic) is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     impl = select_backend(backend, problem, "backward")
-    if shared is not None and (cp_invariant or shared.deterministic != bool(deterministic) or dk is None):
+    if shared is not None and (cp_invariant or shared.deterministic != bool(deterministic) or dk is None
+                               or dq is None):
+        # (dq=None means dQ is not computed, but the items a shared side takes add theirs into it, and its finish()
+        # into the caller's dq: it would hold the dQ of lists that asked for none)
         raise ValueError("shared= needs cp_invariant=False and the deterministic setting it was made with (and "
-                         "dk and dv to add into)")
+                         "dq, dk and dv to add into)")
     if shared is not None:
         shared.check_call({"q": q, "dout": dout, "out": out, "lse": lse}, problem.head_dim_v, problem.softmax_scale)
     if getattr(impl, "backward_items", None) is not None and not cp_invariant:

@@ -189,6 +189,10 @@ def test_shared_queries_is_none_without_a_backend_that_shares_and_refuses_cp_inv
     for kw in (dict(cp_invariant=True, deterministic=False), dict(deterministic=True)):
         with pytest.raises(ValueError, match="shared= needs cp_invariant=False and the deterministic setting"):
             attention_backward_items(dout, q, k, v, out, lse, items, *grads, backend="reference", shared=handle, **kw)
+    # dq=None (dQ not computed) with a shared side: its items would add their dQ into it, and its finish() into dq
+    with pytest.raises(ValueError, match=r"shared= needs .*\(and dq, dk and dv to add into\)"):
+        attention_backward_items(dout, q, k, v, out, lse, items, None, *grads[1:], backend="reference",
+                                 shared=handle, deterministic=False)
 
 
 @pytest.mark.parametrize("packed", [False, True])
