@@ -119,6 +119,7 @@ class FA4MaskInfo:
     segments: list = field(default_factory=list)  # (row, q_start, q_end, k_start, k_end)
     window: tuple = NO_WINDOW  # verified against the predicate, like the segments
     derived: dict = field(default_factory=dict, repr=False)  # per-forward cache (every layer shares the mask)
+    chunk: Optional[int] = None  # chunked attention read from local_size after a cache offset (_chunk_segments)
 
     @property
     def shape(self):  # for code that only looks at the mask's shape
@@ -191,7 +192,10 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     """transformers' mask interface entry: returns an :class:`FA4MaskInfo` or raises :class:`UnsupportedMask`.
 
     ``local_size`` (transformers passes it for sliding-window layers, and for chunked attention) is read as a
-    sliding window of that many tokens; the predicate check then tells whether it was one."""
+    sliding window of that many tokens; the predicate check then tells whether it was one.  Chunked attention
+    (Llama 4's ``attention_chunk_size``) passes that check over a whole sequence, where its chunks are documents;
+    with a cache offset (generation) the chunks are read from ``local_size`` instead (:func:`_chunk_segments`) and
+    checked the same way."""
     from transformers.masking_utils import causal_mask_function, prepare_padding_mask
 
     if isinstance(attention_mask, FA4MaskInfo):
@@ -201,7 +205,11 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         if built != (batch_size, q_length, kv_length):
             raise UnsupportedMask(f"a prepared fa4dist mask for (batch, queries, keys) = {built} was passed to a call "
                                   f"with {(batch_size, q_length, kv_length)}")
-        if attention_mask.window != window_of(local_size):  # (a full-attention mask kept no window, silently)
+        if attention_mask.chunk is not None:
+            if attention_mask.chunk != local_size:
+                raise UnsupportedMask(f"a prepared fa4dist mask of chunks of {attention_mask.chunk} tokens was passed "
+                                      f"to a layer whose mask has local_size={local_size}")
+        elif attention_mask.window != window_of(local_size):  # (a full-attention mask kept no window, silently)
             raise UnsupportedMask(f"a prepared fa4dist mask with window {attention_mask.window} was passed to a layer "
                                   f"whose mask has window {window_of(local_size)} (local_size={local_size})")
         return attention_mask
@@ -236,16 +244,57 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
                                       "attention supports left or right padding only")
             if runs:
                 segments.append((b, 0, q_length, runs[0][0], runs[0][1]))
+    chunk = None
+    try:
+        _verify(visible, _layout_of(segments, seg_q, seg_k, q_offset, kv_offset, window), batch_size, q_length,
+                kv_length, device, local_size)
+    except UnsupportedMask as not_a_window:
+        if self_attn or local_size is None:
+            raise
+        # with a cache offset, chunked attention is not a window: one segment per chunk that the queries touch
+        chunked = _chunk_segments(segments, padding, operator.index(local_size), q_offset, kv_offset)
+        try:
+            _verify(visible, _layout_of(chunked, seg_q.fill_(-1), seg_k.fill_(-1), q_offset, kv_offset, NO_WINDOW),
+                    batch_size, q_length, kv_length, device)
+        except UnsupportedMask:
+            raise not_a_window from None
+        segments, window, chunk = chunked, NO_WINDOW, operator.index(local_size)
+    checked = "exhaustive" if batch_size * q_length * kv_length <= EXHAUSTIVE_CHECK_PAIRS else "probes"
+
+    info = _info_from_segments(segments, batch_size, q_length, kv_length, q_offset, kv_offset, device, checked,
+                               window)
+    info.chunk = chunk
+    return info
+
+
+def _layout_of(segments, seg_q, seg_k, q_offset, kv_offset, window) -> _Layout:
+    """Our description of ``segments`` (b, q_start, q_end, k_start, k_end), written into the -1 filled segment id
+    tensors ``seg_q`` / ``seg_k``, causal within ``window``."""
     for n, (b, qs, qe, ks, ke) in enumerate(segments):
         seg_q[b, qs:qe] = n
         seg_k[b, ks:ke] = n
+    return _Layout(seg_q, seg_k, q_offset, kv_offset, Mask.canonical(True, window))
 
-    layout = _Layout(seg_q, seg_k, q_offset, kv_offset, Mask.canonical(True, window))
-    _verify(visible, layout, batch_size, q_length, kv_length, device, local_size)
-    checked = "exhaustive" if batch_size * q_length * kv_length <= EXHAUSTIVE_CHECK_PAIRS else "probes"
 
-    return _info_from_segments(segments, batch_size, q_length, kv_length, q_offset, kv_offset, device, checked,
-                               window)
+def _chunk_segments(row_segments, padding, chunk: int, q_offset: int, kv_offset: int) -> list:
+    """Chunked attention (Llama 4) after a cache offset, as segments: transformers' chunks are ``chunk`` tokens of
+    cache positions counted from each row's first real token (``masking_utils.chunked_overlay``: positions minus
+    the row's left padding), and a query sees the keys of its own chunk, causally.  ``row_segments`` are the rows'
+    one segment each (b, 0, q_length, first real key, end of the real keys); each becomes one segment per chunk its
+    queries fall in, with that chunk's real keys (none for a query before the row's first real token)."""
+    segments = []
+    for b, qs, qe, ks, ke in row_segments:
+        real = padding[b] if padding is not None else None
+        origin = int(real.to(torch.int8).argmax()) if real is not None and bool(real.any()) else 0
+        i = qs
+        while i < qe:
+            c = (q_offset + i - origin) // chunk  # the chunk of query i (negative: left padding)
+            end = min(qe, origin + (c + 1) * chunk - q_offset)  # the first query of the next chunk
+            k_lo = min(max(ks, origin + c * chunk - kv_offset), ke)
+            k_hi = max(min(ke, origin + (c + 1) * chunk - kv_offset), k_lo)
+            segments.append((b, i, end, k_lo, k_hi) if c >= 0 else (b, i, end, k_lo, k_lo))
+            i = end
+    return segments
 
 
 def _info_from_segments(segments, batch_size, q_length, kv_length, q_offset, kv_offset, device, checked,
@@ -355,8 +404,8 @@ def _verify(visible, layout: _Layout, batch, q_length, kv_length, device, local_
         n = int(bad[0])
         window = "" if local_size is None else (
             f"; transformers named local_size={local_size}, read as {describe_window(window_of(local_size))} "
-            "(the query and the ones before it); if this is chunked attention (attention_chunk_size), fa4dist "
-            "computes it only where each chunk is a whole document (no cache offset)")
+            "(the query and the ones before it), and after a cache offset also as chunked attention "
+            "(attention_chunk_size) of that many tokens from each row's first real token")
         raise UnsupportedMask(
             f"the model's mask differs from what fa4dist attention computes (causal within documents, padding, "
             f"cache offsets, sliding windows) at batch {int(b[n])}, query {int(i[n])}, key {int(j[n])}: the model "

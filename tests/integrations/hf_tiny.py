@@ -3,7 +3,8 @@ compare against.
 
 Families: ``llama``, ``qwen2`` (plain causal), ``mistral`` (a sliding window on every layer), ``gemma2`` (sliding
 and global layers interleaved, logit soft-capping, ``query_pre_attn_scalar``), ``gemma3`` (sliding and global
-layers, ``query_pre_attn_scalar``), ``gpt_oss`` (sliding and global layers, learned attention sinks).  Windows are
+layers, ``query_pre_attn_scalar``), ``gpt_oss`` (sliding and global layers, learned attention sinks), ``llama4``
+(chunked attention layers and a global one without RoPE, mixture-of-experts).  Windows and chunks are
 :data:`WINDOW` tokens, shorter than the test documents, so they bind.
 
 :data:`EAGER_FP64` is the models' own eager attention with its softmax in the inputs' dtype: transformers builds its
@@ -22,8 +23,8 @@ import types
 
 import torch
 from transformers import (
-    AttentionInterface, AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GptOssConfig, LlamaConfig,
-    MistralConfig, Qwen2Config,
+    AttentionInterface, AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GptOssConfig, Llama4TextConfig,
+    LlamaConfig, MistralConfig, Qwen2Config,
 )
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
@@ -44,6 +45,10 @@ CONFIGS = {
                                        layer_types=INTERLEAVED),
     "gpt_oss": lambda: GptOssConfig(**{**SIZE, "intermediate_size": 32}, head_dim=16, sliding_window=WINDOW,
                                     layer_types=INTERLEAVED, num_local_experts=4, num_experts_per_tok=2),
+    # three chunked layers and a global one without RoPE (Llama 4's pattern), experts on every second layer
+    "llama4": lambda: Llama4TextConfig(**{**SIZE, "num_hidden_layers": 4}, head_dim=16, intermediate_size_mlp=96,
+                                       attention_chunk_size=WINDOW, no_rope_layers=[1, 1, 1, 0],
+                                       num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2),
 }
 EAGER_FP64 = "eager_fp64"
 

@@ -231,9 +231,19 @@ def test_masks_we_cannot_express_are_errors(model):
     # over a whole sequence its chunks are separate documents, which the kernels compute exactly ...
     info = fa4dist_mask(**kw, mask_function=chunked, local_size=4)
     assert [seg[1:3] for seg in info.segments] == [(0, 4), (4, 8), (8, 12)]
-    # ... but after a cache offset they are not: refused, naming it
-    with pytest.raises(UnsupportedMask, match="chunked attention"):
-        fa4dist_mask(batch_size=1, q_length=1, kv_length=10, q_offset=9, mask_function=chunked, local_size=4)
+    # ... and after a cache offset they are read from local_size: one segment per chunk the queries touch
+    info = fa4dist_mask(batch_size=1, q_length=3, kv_length=10, q_offset=7, mask_function=chunked, local_size=4)
+    assert info.segments == [(0, 0, 1, 4, 8), (0, 1, 3, 8, 10)] and info.chunk == 4 and info.window == (-1, -1)
+    # chunks of another size than local_size names, or a window that is neither, are still refused
+    for local_size in (3, 5):
+        with pytest.raises(UnsupportedMask, match="chunked attention"):
+            fa4dist_mask(batch_size=1, q_length=3, kv_length=10, q_offset=7, mask_function=chunked,
+                         local_size=local_size)
+    with pytest.raises(UnsupportedMask, match="differs"):
+        fa4dist_mask(batch_size=1, q_length=3, kv_length=10, q_offset=7, local_size=4,
+                     mask_function=lambda b, h, q, kv: (kv <= q) & (kv // 4 == q // 4) & (kv % 4 != 1))
+    with pytest.raises(UnsupportedMask, match="prepared fa4dist mask of chunks of 4"):
+        fa4dist_mask(batch_size=1, q_length=3, kv_length=10, attention_mask=info, local_size=6)
     # a prepared mask passed back in (generate() with a static cache) must be the layer's: a full-attention one
     # handed to a sliding-window layer kept no window, silently
     full = fa4dist_mask(**kw, mask_function=causal_mask_function)
@@ -326,6 +336,33 @@ def test_cached_generation_past_the_window_matches_eager_fp64(family):
     assert torch.equal(outs[NAME].sequences, outs[hf_tiny.EAGER_FP64].sequences)
     for step, (got, want) in enumerate(zip(outs[NAME].logits, outs[hf_tiny.EAGER_FP64].logits)):
         hf_tiny.assert_close_rel(got, want, REL, f"logits of generated token {step}")
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_cached_generation_of_chunked_attention_matches_eager_fp64(cache):
+    """Llama 4's chunked layers: generation past several chunks from a cache offset (their cache keeps the last
+    chunk's keys), with left padding (transformers counts chunks from each row's first real token); then the padded
+    batch without a cache, whose chunks the kernels see as documents."""
+    model = hf_tiny.tiny_model("llama4", seed=12).eval()
+    ids = torch.randint(1, hf_tiny.VOCAB, (2, 8), generator=torch.Generator().manual_seed(13))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    outs = {}
+    for impl in (hf_tiny.EAGER_FP64, NAME):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            outs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3 * hf_tiny.WINDOW,
+                                        do_sample=False, pad_token_id=0, output_logits=True,
+                                        return_dict_in_generate=True, cache_implementation=cache)
+    assert torch.equal(outs[NAME].sequences, outs[hf_tiny.EAGER_FP64].sequences)
+    for step, (got, want) in enumerate(zip(outs[NAME].logits, outs[hf_tiny.EAGER_FP64].logits)):
+        hf_tiny.assert_close_rel(got, want, REL, f"logits of generated token {step}")
+    padded = torch.ones(2, 20, dtype=torch.long)
+    padded[1, :5] = 0
+    batch = dict(input_ids=torch.randint(0, hf_tiny.VOCAB, (2, 20), generator=torch.Generator().manual_seed(14)),
+                 attention_mask=padded, use_cache=False)
+    got, want = logits_with(model, NAME, **batch), logits_with(model, hf_tiny.EAGER_FP64, **batch)
+    hf_tiny.assert_close_rel(got[padded.bool()], want[padded.bool()], REL, "padded logits")
 
 
 def test_the_attention_call_refuses_what_it_cannot_compute():
