@@ -1,8 +1,9 @@
 """fa4dist attention inside transformers models (built offline from configs): logits and gradients equal the stock
 attention ("sdpa" and "eager") for padded batches, packed documents (position_ids restarts and flash-style
-cu_seq_lens), cached generation; Gemma 2 (sliding and global layers, soft-capping), Gemma 3, Mistral (sliding window)
-and GPT-OSS (sliding window, sinks) equal their own eager attention in fp64 (``hf_tiny.EAGER_FP64``) with windows
-shorter than the documents; masks the kernel cannot express are errors, never dropped."""
+cu_seq_lens), cached generation; Gemma 2 (sliding and global layers, soft-capping), Gemma 3, Mistral (sliding
+window), GPT-OSS (sliding window, sinks) and Llama 4 (chunked attention) equal their own eager attention in fp64
+(``hf_tiny.EAGER_FP64``) with windows and chunks shorter than the documents; masks the kernel cannot express are
+errors, never dropped."""
 
 from __future__ import annotations
 
@@ -268,7 +269,7 @@ def test_large_masks_are_checked_by_probes():
 
 # ---- windows, soft-capping, sinks: Gemma 2/3, Mistral, GPT-OSS against their own eager attention in fp64 --------
 
-WINDOWED = ["gemma2", "gemma3", "mistral", "gpt_oss"]
+WINDOWED = ["gemma2", "gemma3", "mistral", "gpt_oss", "llama4"]
 REL = 1e-9
 
 
