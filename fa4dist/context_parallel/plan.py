@@ -478,6 +478,28 @@ class ShardPlan:
                 bounds.append(offset)
         return torch.tensor(bounds, dtype=torch.int32)
 
+    def split_documents(self, starts) -> "ShardPlan":
+        """This plan with its documents also cut at the global token indices ``starts`` (a 1-D integer tensor or
+        sequence, each in [0, total_len]): the same chunks on the same ranks, so one sharding of the inputs serves
+        layers whose masks differ only in where documents end (chunked attention: Llama 4's chunked layers see
+        their own chunk of each document; :mod:`fa4dist.integrations.hf_context_parallel`).  The balancer's choice
+        is kept (it was costed with the original documents); a dense plan becomes a packed one."""
+        cuts = torch.as_tensor(starts).flatten()
+        if cuts.numel() == 0:
+            return self
+        check_integer_dtype("starts", cuts)
+        cuts = [int(c) for c in cuts.tolist()]
+        bad = [c for c in cuts if not 0 <= c <= self.total_len]
+        if bad:
+            raise ValueError(f"starts must be token indices in [0, {self.total_len}] (the plan's tokens), got "
+                             f"{bad[:4]}")
+        old = self.cu_seqlens if self.cu_seqlens is not None else (0, self.total_len)
+        cu = tuple(sorted(set(old) | set(cuts)))
+        if cu == self.cu_seqlens:
+            return self
+        return ShardPlan(self.total_len, cu, self.cp_size, self.num_chunks, self.chunk_owner, self.balancer,
+                         self.mask, self.ulysses_degree, self.align)
+
     def cu_seqlens_tensor(self, device=None) -> torch.Tensor:
         """The global document boundaries as an int32 tensor ([0, total_len] for one sequence)."""
         values = self.cu_seqlens if self.cu_seqlens is not None else (0, self.total_len)

@@ -540,3 +540,24 @@ def test_token_ranges_outside_the_stream_are_refused():
                     call(start, end)
         assert plan.pieces(100, 100) == [] and plan.range_cost(0, 0) == 0
         assert plan.range_cost(0, 100) == visible_pairs(100, 100, 0, 0, True) - (40 * 60 if plan.packed else 0)
+
+
+def test_split_documents_keeps_the_shards_and_cuts_the_documents():
+    """One sharding for layers whose documents differ (chunked attention): the same chunks on the same ranks, the
+    documents also cut at the given starts, and the ring steps of the finer documents only."""
+    for plan in (make_plan(4096, 4), make_plan([0, 1000, 4096], 4), make_plan(4096, 4, "zigzag", ulysses_degree=2)):
+        split = plan.split_documents(torch.arange(0, 4096, 256))
+        assert split.packed and split.cu_seqlens == tuple(sorted(set(range(0, 4097, 256)) | {0, 1000, 4096}) if
+                                                          plan.packed else range(0, 4097, 256))
+        assert split.chunk_owner == plan.chunk_owner and split.ulysses_degree == plan.ulysses_degree
+        for r in range(plan.cp_size):
+            assert split.local_ranges(r) == plan.local_ranges(r)
+        # causal chunks of 256 tokens: a member receives only the keys of its own chunks' documents
+        fine, coarse = split.balance_report(), plan.balance_report()
+        assert sum(fine.received) < sum(coarse.received) / 3 and sum(fine.work) < sum(coarse.work) / 5
+    plan = make_plan(100, 2)
+    assert plan.split_documents([]) is plan and plan.split_documents([0, 100]).cu_seqlens == (0, 100)
+    with pytest.raises(ValueError, match=r"starts must be token indices in \[0, 100\]"):
+        plan.split_documents([50, 101])
+    with pytest.raises(TypeError, match="starts must hold integers"):
+        plan.split_documents(torch.tensor([50.0]))
