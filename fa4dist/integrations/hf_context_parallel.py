@@ -37,7 +37,12 @@ How it works:
   distinct (scale, window, softcap); learned per-head attention sinks (GPT-OSS's ``s_aux``) go with each call, and
   each rank's sinks gradient is its rows' share (summed over the cp ranks it is the whole gradient, as a dp x cp
   gradient reduction does; with ``cp_invariant`` one rank per head holds the whole gradient, the others zeros).
-  What it cannot compute exactly is refused with :class:`UnsupportedMask` naming it: chunked or bidirectional
+  Chunked attention (Llama 4's ``attention_chunk_size``) runs on a second plan with the same shards, whose
+  documents are also cut where transformers starts a chunk (:func:`chunk_starts`; ``ShardPlan.split_documents``,
+  under :data:`CHUNK_PLAN_KEY`), so most of its ring steps are skipped; Llama 4's temperature tuning of its NoPE
+  layers' queries (a scale from each token's index in the row) is applied here, from the token's index in the
+  whole row, which the model itself would take from its index in the shard.
+  What it cannot compute exactly is refused with :class:`UnsupportedMask` naming it: bidirectional
   attention, per-token sinks, attention dropout in training, padding masks, KV caches (a
   call with the plan that asks for one: each rank's cache would hold its shard alone), a batch of more than one row.
   The mask transformers builds for the local shard is checked to be causal (with the layer's sliding window) within
@@ -71,6 +76,7 @@ from .hf import (NO_WINDOW, UnsupportedMask, attention_sinks, autocast_operands,
                  layer_window, warn_no_attention_weights, window_of)
 
 PLAN_KEY = "fa4dist_cp_plan"  # the local batch's key holding the ShardPlan (transformers passes it to attention)
+CHUNK_PLAN_KEY = "fa4dist_cp_chunk_plan"  # the plan of chunked attention layers (the same shards, finer documents)
 LABELS_KEY = "shift_labels"  # transformers' own name for labels that are already shifted
 CACHE_KEY = "fa4dist_cp_cache"  # set by the handle's model hook when a forward with a plan asks for a KV cache
 _HANDLES: dict[str, "ContextParallelHandle"] = {}
@@ -83,7 +89,10 @@ _CHECKSUM_SEED = 0x9E3779B1
 
 
 def _text_config(model):
-    config = model.config
+    return _text_config_of(model.config)
+
+
+def _text_config_of(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
@@ -98,6 +107,44 @@ def _plan_window(config) -> tuple[int, int]:
     return window_of(window)
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def chunk_starts(position_ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Where the chunked attention of a packed row of ``position_ids`` (T,) starts a chunk, as transformers computes
+    it in one process (``masking_utils.chunked_overlay``, without a cache or padding): on the positions when the row
+    holds several documents (it remaps its indices to ``position_ids`` for packed sequences: a chunk starts where a
+    position is a multiple of ``chunk``), else on the row's token index (every ``chunk`` tokens).  Document starts
+    are not included (the plan has them)."""
+    pos = position_ids.reshape(-1).long()
+    if bool(document_starts(pos)[1:].any()):
+        return torch.nonzero(pos % chunk == 0).flatten()
+    return torch.arange(0, pos.numel(), chunk)
+
+
+def _layer_chunk(config, local_size) -> Optional[int]:
+    """The chunk size of a chunked attention layer's mask (transformers names it in ``local_size``), else None."""
+    chunk = getattr(_text_config_of(config), "attention_chunk_size", None) if config is not None else None
+    return int(chunk) if chunk and local_size is not None and int(local_size) == int(chunk) else None
+
+
+def _temperature_tuned(model) -> list:
+    """Llama 4's NoPE attention modules that scale their queries by a function of each token's index in the row
+    (``attn_temperature_tuning``): under context parallelism that index is the token's in the shard, so the handle
+    turns it off there and applies the scale itself (:func:`_tune_temperature`)."""
+    return [m for m in model.modules()
+            if getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True)
+            and hasattr(m, "floor_scale") and hasattr(m, "attn_scale")]  # (use_rope is the config's 0 or 1)
+
+
+def _tune_temperature(module, query: torch.Tensor, plan: ShardPlan, rank: int) -> torch.Tensor:
+    """Llama 4's query temperature (``Llama4TextAttention``'s own formula and dtypes) from each local token's index
+    in the whole packed row, which is what the model computes without context parallelism."""
+    index = plan.global_indices(rank).to(query.device)
+    scales = torch.log1p(torch.floor((index.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+    return (query * scales.view(1, 1, -1, 1)).to(query.dtype)  # query (1, heads, L, D)
+
+
 def unsupported_features(model) -> list[str]:
     """What in ``model`` (its config) context-parallel attention cannot compute exactly."""
     config = _text_config(model)
@@ -105,14 +152,15 @@ def unsupported_features(model) -> list[str]:
     if not getattr(model, "_supports_attention_backend", False):
         problems.append(f"{type(model).__name__} does not call transformers' AttentionInterface (it would run its "
                         "own attention on the local shard)")
-    if getattr(config, "attention_chunk_size", None):
-        problems.append(f"chunked attention (attention_chunk_size={config.attention_chunk_size})")
+    if getattr(config, "attention_chunk_size", None) and getattr(config, "sliding_window", None):
+        problems.append(f"chunked attention (attention_chunk_size={config.attention_chunk_size}) and a sliding "
+                        f"window (sliding_window={config.sliding_window}) in one model (transformers names both in "
+                        "local_size)")
     if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
         problems.append("bidirectional attention")
-    other = sorted({t for t in getattr(config, "layer_types", None) or () if t not in ("full_attention",
-                                                                                       "sliding_attention")})
+    other = sorted({t for t in getattr(config, "layer_types", None) or () if t not in LAYER_TYPES})
     if other:
-        problems.append(f"layer types {other} (only full and sliding attention layers)")
+        problems.append(f"layer types {other} (only {', '.join(LAYER_TYPES)} layers)")
     return problems
 
 
@@ -134,8 +182,8 @@ class CheckedCausalMask:
     local shard, with ``window`` (the kernels' ``(left, right)``) on a sliding-window layer (the plan decides which
     documents each query really sees)."""
 
-    def __init__(self, checked: str, window: tuple[int, int] = NO_WINDOW):
-        self.checked, self.window = checked, window
+    def __init__(self, checked: str, window: tuple[int, int] = NO_WINDOW, chunk: Optional[int] = None):
+        self.checked, self.window, self.chunk = checked, window, chunk
 
 
 def _cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
@@ -147,14 +195,22 @@ def _cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
     if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
         raise UnsupportedMask("context parallelism takes packed documents without padding (no attention_mask zeros)")
     # The predicate must be causal (with the layer's window, which transformers names in local_size) within the
-    # local runs of positions; the plan holds the documents, which the attention call follows.
+    # local runs of positions; the plan holds the documents, which the attention call follows.  A chunked layer's
+    # (local_size its chunk size) must be causal within runs of at most that many tokens: transformers counts the
+    # chunks of a shard from the shard's own indices or positions, the chunk plan from the whole row's.
+    chunk = _layer_chunk(kwargs.get("config"), local_size)
     try:
         info = fa4dist_mask(batch_size, q_length, kv_length, 0, 0, mask_function=mask_function, attention_mask=None,
-                            local_size=local_size, device=device)
+                            local_size=None if chunk else local_size, device=device)
+        longest = max((qe - qs for _, qs, qe, _, _ in info.segments), default=0)
+        if chunk and longest > chunk:
+            raise UnsupportedMask(f"a chunked layer's mask (chunks of {chunk} tokens) lets a run of {longest} tokens "
+                                  "see each other")
     except UnsupportedMask as err:
         raise UnsupportedMask(f"the mask the model asks for on its local shard is not causal masking (with a "
-                              f"sliding window); fa4dist context parallelism computes nothing else: {err}") from err
-    return CheckedCausalMask(info.checked, info.window)
+                              f"sliding window, or in chunks); fa4dist context parallelism computes nothing else: "
+                              f"{err}") from err
+    return CheckedCausalMask(info.checked, info.window, chunk)
 
 
 def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -185,6 +241,11 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
             raise UnsupportedMask(f"context parallelism takes one packed row (batch size 1), got {query.shape[0]}")
         window = layer_window(attention_mask.window if attention_mask is not None else None, sliding_window)
         sinks = attention_sinks(kwargs, query.shape[1])
+        if attention_mask is not None and attention_mask.chunk:
+            plan = kwargs.get(CHUNK_PLAN_KEY)
+            if not isinstance(plan, ShardPlan):
+                raise ValueError(f"a chunked attention layer needs the batch from handle.shard_batch(batch) (its "
+                                 f"{CHUNK_PLAN_KEY!r} entry); call model(**handle.shard_batch(batch))")
     except Exception as err:
         if handle.cp_size == 1:
             raise
@@ -199,6 +260,8 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
             if err is refused:
                 raise
             raise refused from err
+    if module in handle.temperature_tuned:
+        query = _tune_temperature(module, query, plan, handle.cp_rank)
     query, key, value = autocast_operands(query, key, value)
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (L, heads, D)
     out = attention(q, k, v, plan, sinks=sinks)
@@ -271,6 +334,7 @@ class ContextParallelHandle:
                              "2-D mesh (mesh=, mesh_dim_names=('ring', 'ulysses')); with one process group use "
                              "strategy='auto', 'ring' or 'ulysses'")
         self.plan_window = _plan_window(_text_config(model))
+        self.chunk = getattr(_text_config(model), "attention_chunk_size", None) or None
         self.make_plan([0, 1])  # balancer and num_chunks, checked as every batch's plan checks them: before the switch
         self.loss_group = _loss_group(group, mesh)
         self._agree_on_options()
@@ -286,6 +350,10 @@ class ContextParallelHandle:
         # on the base model, which the task heads call with the batch's kwargs (the plan among them)
         self._cache_hook = getattr(model, "base_model", model).register_forward_pre_hook(_cache_hook,
                                                                                          with_kwargs=True)
+        self.temperature_tuned = tuple(_temperature_tuned(model))  # applied by the attention (global indices)
+        self._tuning = [module.attn_temperature_tuning for module in self.temperature_tuned]
+        for module in self.temperature_tuned:
+            module.attn_temperature_tuning = False
         self.enabled = True
 
     def _agree_on_options(self) -> None:
@@ -303,7 +371,7 @@ class ContextParallelHandle:
                    check_batch=self.check_batch, plan_window=list(self.plan_window), cp_size=self.cp_size,
                    **{key: repr(getattr(text, key, None)) for key in (
                        "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                       "hidden_size", "sliding_window", "layer_types")})
+                       "hidden_size", "sliding_window", "layer_types", "attention_chunk_size")})
         transport = Transport(self.loss_group, self.timeout, "fa4dist enable_context_parallel")
         with agreed_call("enable_context_parallel", self.loss_group, transport, sig, None):
             pass
@@ -398,6 +466,8 @@ class ContextParallelHandle:
                  "position_ids": plan.shard(positions, seq_dim=1, rank=rank), "use_cache": False, PLAN_KEY: plan}
         if shifted is not None:
             local[LABELS_KEY] = plan.shard(shifted, seq_dim=1, rank=rank)
+        if self.chunk:
+            local[CHUNK_PLAN_KEY] = plan.split_documents(chunk_starts(positions, self.chunk))
         return local
 
     def _checked_batch(self, batch) -> tuple:
@@ -513,6 +583,8 @@ class ContextParallelHandle:
             return
         _HANDLES.pop(self.name, None)
         self._cache_hook.remove()
+        for module, tuning in zip(self.temperature_tuned, self._tuning):
+            module.attn_temperature_tuning = tuning
         if self.previous is not None:
             _set_attn_implementation(self.model, self.previous)
         self.enabled = False

@@ -1,5 +1,6 @@
 """enable_context_parallel on transformers models (gloo, CPU, fp64): tiny Llama, Qwen2, Mistral (a sliding window),
-Gemma 2 (sliding and global layers, soft-capping), Gemma 3 and GPT-OSS (sliding window, learned sinks), a packed
+Gemma 2 (sliding and global layers, soft-capping), Gemma 3, GPT-OSS (sliding window, learned sinks) and Llama 4
+(chunked attention, temperature-tuned NoPE queries, against the packed row through its own attention), a packed
 batch of 3 documents from DataCollatorWithFlattening, all longer than the window, cp = 2 and 3, ring and Ulysses.
 The ranks' loss shares add up to, and their all-reduced gradients (the sinks' included) equal, those of a
 single-process oracle that runs each document alone with the model's eager attention in fp64 (1e-9 relative), with
@@ -22,7 +23,9 @@ from hf_tiny import EAGER_FP64, VOCAB  # noqa: E402
 from transformers import DataCollatorWithFlattening  # noqa: E402
 
 from fa4dist.integrations.hf import UnsupportedMask, enable_context_parallel  # noqa: E402
-from fa4dist.integrations.hf_context_parallel import PLAN_KEY, CheckedCausalMask, _cp_attention  # noqa: E402
+from fa4dist.integrations.hf_context_parallel import (  # noqa: E402
+    PLAN_KEY, CheckedCausalMask, _cp_attention, chunk_starts,
+)
 from fa4dist.integrations.hf_loss import TiledCausalLMLoss  # noqa: E402
 
 LENGTHS = (23, 41, 17)
@@ -68,14 +71,27 @@ def oracle(family: str, lengths=LENGTHS):
     return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def _cp_run(rank, world, family, cp, tiled, strategy="auto", cp_invariant=None):
+def packed_oracle(family: str, **overrides):
+    """The packed row through the model's own eager attention in fp64 (transformers' packed-sequence mask):
+    (mean loss, {name: grad}).  The reference where a model treats a packed row otherwise than its documents alone
+    (Llama 4's temperature tuning scales a query by its token's index in the row)."""
+    model = tiny_model(family, **overrides)
+    model.set_attn_implementation(EAGER_FP64)
+    batch = packed_batch()
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
+    loss = torch.nn.functional.cross_entropy(logits[:-1], batch["labels"][0, 1:], ignore_index=-100)
+    loss.backward()
+    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _cp_run(rank, world, family, cp, tiled, strategy="auto", cp_invariant=None, overrides=None):
     """On ranks < cp: the loss share and gradients, summed over the cp group (rank 0 returns them)."""
     import torch.distributed as dist
 
     if rank >= cp:
         return None
     group = GROUPS[cp]
-    model = tiny_model(family)
+    model = tiny_model(family, **(overrides or {}))
     handle = enable_context_parallel(model, group=group, strategy=strategy, cp_invariant=cp_invariant)
     assert handle.cp_size == cp and handle.cp_rank == rank
     local = handle.shard_batch(packed_batch())
@@ -158,6 +174,23 @@ def test_cp_windows_softcap_and_sinks_equal_per_document_oracle(pool, oracles, f
                          oracles[family], strategy)
     if family == "gpt_oss":
         assert {f"model.layers.{i}.self_attn.sinks" for i in range(2)} <= oracles[family][1].keys()
+
+
+LLAMA4_TUNED = dict(floor_scale=8)  # temperature tuning binds from the 8th token of the row on (default 8192)
+
+
+@pytest.mark.parametrize("cp, strategy, cp_invariant", [(2, "ring", None), (2, "ulysses", None), (3, "ring", None),
+                                                        (2, "ring", True)])
+def test_cp_chunked_attention_and_temperature_tuning_equal_the_packed_model(pool, cp, strategy, cp_invariant):
+    """Llama 4: three chunked layers (chunks of 6 tokens within documents of 17-41, on their own plan, the shards'
+    documents cut at the chunks) and a NoPE layer whose queries are scaled by their token's index in the packed
+    row (which each rank's model would take from its index in the shard)."""
+    want = packed_oracle("llama4", **LLAMA4_TUNED)
+    got = pool.run(_cp_run, family="llama4", cp=cp, tiled=False, strategy=strategy, cp_invariant=cp_invariant,
+                   overrides=LLAMA4_TUNED)[0]
+    check_against_oracle(got, want)
+    # the tuning binds: without it (scales of 1) the oracle differs
+    assert abs(packed_oracle("llama4")[0] - want[0]) > 1e-6
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3", "gpt_oss"])
@@ -575,9 +608,29 @@ def test_group_none_under_torchrun_without_a_process_group_is_refused(monkeypatc
         assert handle.cp_size == 1
 
 
+def test_chunk_starts_follow_transformers_rule():
+    """Chunks are counted on the positions of a packed row (transformers remaps indices to positions there) and on
+    the token index of a row of one document (whatever its first position)."""
+    packed = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7])
+    assert chunk_starts(packed, 3).tolist() == [0, 3, 5, 8, 11]
+    assert chunk_starts(torch.arange(5, 13), 3).tolist() == [0, 3, 6]
+
+
+def test_disable_gives_back_the_models_temperature_tuning():
+    model = tiny_model("llama4", **LLAMA4_TUNED)
+    tuned = [m for m in model.modules() if getattr(m, "attn_temperature_tuning", None) is not None]
+    before = [m.attn_temperature_tuning for m in tuned]
+    with enable_context_parallel(model) as handle:
+        assert len(handle.temperature_tuned) == 1  # the NoPE layer (the last of four)
+        assert not handle.temperature_tuned[0].attn_temperature_tuning
+    assert [m.attn_temperature_tuning for m in tuned] == before
+
+
 def test_unsupported_models_and_options_are_refused():
-    with pytest.raises(UnsupportedMask, match="chunked attention"):
-        enable_context_parallel(tiny_model("llama", attention_chunk_size=8))
+    with pytest.raises(UnsupportedMask, match="chunked attention .* and a sliding window"):
+        enable_context_parallel(tiny_model("mistral", attention_chunk_size=8))
+    with pytest.raises(UnsupportedMask, match=r"layer types \['linear_attention'\]"):
+        enable_context_parallel(tiny_model("llama", layer_types=["linear_attention", "full_attention"]))
     dropout = tiny_model("llama", attention_dropout=0.1).train()
     with enable_context_parallel(dropout) as handle, pytest.raises(UnsupportedMask, match="dropout"):
         dropout(**handle.shard_batch(packed_batch()))
