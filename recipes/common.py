@@ -684,7 +684,8 @@ def sync(device):
 
 FLOP_FORMULA = ("MFU = (6*N*T + 12*L*H*D*P) / (seconds * peak * devices); N = matmul parameters (all Linear "
                 "weights incl. LM head), T = tokens, L = layers, H = query heads, D = head dim, P = (query, key) "
-                "pairs visible under the causal mask within documents (sum l(l+1)/2); backward = 2x forward; "
+                "pairs visible under the causal mask within documents (sum l(l+1)/2; for sliding-window or chunked "
+                "layers under their window or chunks, L*P summed per layer); backward = 2x forward; "
                 "activation-checkpoint recompute not counted")
 
 

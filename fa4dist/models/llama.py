@@ -12,7 +12,7 @@ every attention layer, which knows from it which keys each local query may see.
 from __future__ import annotations
 
 import numbers
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -218,16 +218,21 @@ class DecoderLayer(nn.Module):
         return self._forward(x, cos, sin, plan)
 
 
-def causal_training_flops(matmul_params: int, layers: int, heads: int, head_dim: int, cu_seqlens_list) -> float:
+def causal_training_flops(matmul_params: int, layers: int, heads: int, head_dim: int, cu_seqlens_list, *,
+                          layer_masks: Optional[Sequence[tuple]] = None) -> float:
     """Model FLOPs of one training step (forward + backward, no recompute) of a causal decoder over packed samples.
 
-    ``6 * N * T + 12 * L * H * D * P``: N the matmul parameters (every Linear, LM head included, embedding lookup
-    excluded), T the tokens, L layers, H query heads, D head dim, P the (query, key) pairs the causal mask within
-    documents leaves visible (sum of l(l+1)/2 over documents of length l).  The backward counts twice the forward;
-    activation-checkpoint recompute is not counted (MFU, not HFU).  ``cu_seqlens_list``: one cu_seqlens per sample,
-    each as :func:`fa4dist.context_parallel.make_plan` takes it (a tensor or a list of boundaries) and checked as it
-    checks them; a list of ints alone is one sample's boundaries, refused (wrap it: ``[cu_seqlens]``).  The one
-    formula of :meth:`FA4Llama.training_flops` and the recipes' MFU (recipes/common.FLOP_FORMULA)."""
+    ``6 * N * T + 12 * H * D * sum over layers of P``: N the matmul parameters (every Linear, LM head included,
+    embedding lookup excluded), T the tokens, H query heads, D head dim, P the (query, key) pairs a layer's mask
+    leaves visible: causal within documents, l(l+1)/2 for a document of length l (``12 * L * H * D * P`` when
+    every layer is such).  ``layer_masks``: one ``(window, chunk)`` per layer for models whose layers see less
+    (None: every layer full causal): ``window`` W tokens (the query and the W - 1 before it; None: unbounded),
+    ``chunk`` C tokens (a query sees the keys of its own C-token chunk of its document, counted from the document's
+    first token; None: none).  The backward counts twice the forward; activation-checkpoint recompute is not
+    counted (MFU, not HFU).  ``cu_seqlens_list``: one cu_seqlens per sample, each as
+    :func:`fa4dist.context_parallel.make_plan` takes it (a tensor or a list of boundaries) and checked as it checks
+    them; a list of ints alone is one sample's boundaries, refused (wrap it: ``[cu_seqlens]``).  The one formula of
+    :meth:`FA4Llama.training_flops` and the recipes' MFU (recipes/common.FLOP_FORMULA)."""
     from fa4dist.context_parallel.plan import _documents
 
     # a list of boundaries was a TypeError from list subtraction, one sample's tensor an IndexError from its 0-d
@@ -238,13 +243,37 @@ def causal_training_flops(matmul_params: int, layers: int, heads: int, head_dim:
         raise TypeError("cu_seqlens_list must be a list of samples' cu_seqlens (wrap one sample's in a list: "
                         f"[cu_seqlens]), got {type(cu_seqlens_list).__name__}"
                         + (f" {list(cu_seqlens_list)[:8]}" if isinstance(cu_seqlens_list, (list, tuple)) else ""))
-    tokens, pairs = 0, 0
+    masks = [(None, None)] * layers if layer_masks is None else [tuple(m) for m in layer_masks]
+    if len(masks) != layers or any(len(m) != 2 for m in masks):
+        raise ValueError(f"layer_masks must hold one (window, chunk) per layer ({layers}), got {layer_masks!r}")
+    for window, chunk in masks:
+        for name, value in (("window", window), ("chunk", chunk)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                                      or value < 1):
+                raise ValueError(f"layer_masks: a {name} must be a positive number of tokens or None, got {value!r}")
+    lengths = []
     for cu in cu_seqlens_list:
         total, bounds = _documents(cu)  # (bounds None: an int, one sequence)
-        lengths = torch.tensor(bounds or (0, total), dtype=torch.float64).diff()
-        tokens += total
-        pairs += float((lengths * (lengths + 1) / 2).sum())
-    return 6.0 * matmul_params * tokens + 12.0 * layers * heads * head_dim * pairs
+        lengths.append(torch.tensor(bounds or (0, total), dtype=torch.float64).diff())
+    lengths = torch.cat(lengths) if lengths else torch.zeros(0, dtype=torch.float64)
+    pairs = sum(_visible_pairs_per_layer(lengths, window, chunk) for window, chunk in masks)
+    return 6.0 * matmul_params * float(lengths.sum()) + 12.0 * heads * head_dim * pairs
+
+
+def _visible_pairs_per_layer(lengths: torch.Tensor, window: Optional[int], chunk: Optional[int]) -> float:
+    """Visible (query, key) pairs of documents of ``lengths`` under causal masking, a window of ``window`` tokens
+    and chunks of ``chunk`` tokens (either None: none)."""
+    def windowed(n):  # pairs of a causal run of n tokens: sum over i < n of min(i + 1, window)
+        full = n * (n + 1) / 2
+        if window is None:
+            return full
+        return torch.where(n <= window, full, window * (window + 1) / 2 + (n - window) * window)
+
+    if chunk is None:
+        return float(windowed(lengths).sum())
+    whole, rest = torch.div(lengths, chunk, rounding_mode="floor"), torch.remainder(lengths, chunk)
+    one = windowed(torch.tensor(float(chunk), dtype=torch.float64))
+    return float((whole * one + windowed(rest)).sum())
 
 
 class FA4Llama(nn.Module):
