@@ -3,15 +3,17 @@
     torchrun --nproc-per-node 2 recipes/hf_sft.py --arch llama --model tiny --cp 2 --steps 10
     torchrun --nproc-per-node 2 recipes/hf_sft.py --checkpoint /path/to/local/hf/model --cp 2 --seqlen 65536
 
-The model is a transformers class (``--arch llama|qwen2|qwen3|mistral|gemma2|gemma3|gpt_oss``) built from a config
-(``--sliding-window N``: the window of Mistral's layers and of Gemma's and GPT-OSS's local layers; Gemma 2 also
-soft-caps its attention and final logits; GPT-OSS has per-head attention sinks and ``--experts`` experts per MoE
-layer, ``--experts-per-token`` of them active; its router aux loss is off): fa4dist's size
+The model is a transformers class (``--arch llama|qwen2|qwen3|mistral|gemma2|gemma3|gpt_oss|llama4``) built from a
+config (``--sliding-window N``: the window of Mistral's layers and of Gemma's and GPT-OSS's local layers; Gemma 2
+also soft-caps its attention and final logits; GPT-OSS has per-head attention sinks; GPT-OSS and Llama 4 have
+``--experts`` experts per MoE layer, ``--experts-per-token`` of them active, their router aux loss off; Llama 4's
+chunked layers see chunks of ``--attention-chunk`` tokens, and every fourth layer is a global one without RoPE):
+fa4dist's size
 presets (``--model tiny|small|base|1b``, byte vocabulary) or Llama-3 shapes (``llama3.2-1b``, ``llama3-8b``,
 vocabulary 128256), randomly initialized; or a local checkpoint directory (``--checkpoint``, nothing is
 downloaded), whose config defines the model: the options that shape or initialize one (``--arch``, ``--model``,
 ``--layers``, ``--sliding-window``, ``--experts``, ``--experts-per-token``, ``--init``) are refused with it, as
-are ``--experts`` / ``--experts-per-token`` with another ``--arch`` than gpt_oss and ``--loss-chunk`` with
+are ``--experts`` / ``--experts-per-token`` with an ``--arch`` without MoE layers and ``--loss-chunk`` with
 ``--loss logits``.  Data are packed windows of documents from :mod:`fa4dist.data` (this repository's text, byte tokens),
 turned into what transformers' ``DataCollatorWithFlattening`` makes.  Each window goes through
 ``enable_context_parallel``'s ``shard_batch`` (LPT plan of its documents, labels shifted globally, global
@@ -55,8 +57,10 @@ from fa4dist.data.tokenizer import VOCAB_SIZE  # noqa: E402
 from fa4dist.models import causal_training_flops, get_config  # noqa: E402
 
 ARCHS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig",
-         "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "gpt_oss": "GptOssConfig"}
+         "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "gpt_oss": "GptOssConfig",
+         "llama4": "Llama4TextConfig"}
 WINDOWED_ARCHS = ("mistral", "gemma2", "gemma3", "gpt_oss")
+MOE_ARCHS = ("gpt_oss", "llama4")
 LLAMA3_PRESETS = {
     "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
@@ -73,7 +77,8 @@ UNUSED_WITH_CHECKPOINT = {
     "sliding_window": CHECKPOINT_DEFINES, "experts": CHECKPOINT_DEFINES, "experts_per_token": CHECKPOINT_DEFINES,
     "init": "the checkpoint's weights are loaded whole on every rank (from_pretrained), then sharded",
 }
-MOE_ONLY = {"experts": "only gpt_oss has MoE layers", "experts_per_token": "only gpt_oss has MoE layers"}
+MOE_ONLY = {"experts": "only gpt_oss and llama4 have MoE layers",
+            "experts_per_token": "only gpt_oss and llama4 have MoE layers"}
 
 
 def parse_args(argv=None):
@@ -84,8 +89,12 @@ def parse_args(argv=None):
     g.add_argument("--sliding-window", type=int, default=None,
                    help="tokens in the sliding window of Mistral's layers and of Gemma's and GPT-OSS's local "
                         "layers (default: Mistral none, the others the config class's)")
-    g.add_argument("--experts", type=common.positive_int, default=8, help="gpt_oss: experts per MoE layer")
-    g.add_argument("--experts-per-token", type=common.positive_int, default=2, help="gpt_oss: experts each token runs")
+    g.add_argument("--experts", type=common.positive_int, default=8,
+                   help="gpt_oss, llama4: experts per MoE layer")
+    g.add_argument("--experts-per-token", type=common.positive_int, default=2,
+                   help="gpt_oss, llama4: experts each token runs")
+    g.add_argument("--attention-chunk", type=common.positive_int, default=None,
+                   help="llama4: tokens per chunk of its chunked attention layers (default: the config class's)")
     g.add_argument("--checkpoint", default=None,
                    help="a local checkpoint directory (from_pretrained, offline); it defines the model, so --arch, "
                         "--model, --layers, --sliding-window, --experts, --experts-per-token and --init are refused "
@@ -113,8 +122,11 @@ def parse_args(argv=None):
     common.check_common_args(p, args, models=LLAMA3_PRESETS)
     if args.checkpoint is None and args.model in LLAMA3_PRESETS and args.arch != "llama":
         p.error(f"--model {args.model} is a Llama shape; use --arch llama (got --arch {args.arch})")
-    if args.arch != "gpt_oss" and args.checkpoint is None:
+    if args.arch not in MOE_ARCHS and args.checkpoint is None:
         common.refuse_unused(p, given, MOE_ONLY, f"by --arch {args.arch}")
+    if args.arch != "llama4" and args.checkpoint is None:
+        common.refuse_unused(p, given, {"attention_chunk": "only llama4 has chunked attention layers"},
+                             f"by --arch {args.arch}")
     if args.loss == "logits":
         common.refuse_unused(p, given, {"loss_chunk": "the model's logits are computed whole (--loss tiled tiles "
                                                       "them)"}, "by --loss logits")
@@ -125,8 +137,9 @@ def parse_args(argv=None):
         p.error(f"--checkpoint must be a local checkpoint directory, {args.checkpoint!r} is not one")
     if args.sliding_window is not None and (args.arch not in WINDOWED_ARCHS or args.sliding_window < 1):
         p.error(f"--sliding-window takes a positive number of tokens and --arch {' or '.join(WINDOWED_ARCHS)}")
-    if args.arch == "gpt_oss" and args.tile_mlp:
-        p.error("--tile-mlp runs dense MLPs; GPT-OSS's MoE layer returns router scores too (not tiled)")
+    if args.arch in MOE_ARCHS and args.tile_mlp:
+        p.error(f"--tile-mlp runs dense MLPs; the MoE layers of --arch {args.arch} return router scores too (not "
+                "tiled)")
     if args.checkpoint is None and args.model in LLAMA3_PRESETS:  # (a checkpoint's heads: checked in main)
         shape = LLAMA3_PRESETS[args.model]
         problem = common.ulysses_heads_problem(args, shape["num_attention_heads"], shape["num_key_value_heads"],
@@ -174,6 +187,11 @@ def hf_config(args):
                      max_position_embeddings=max(args.seqlen, 131072))
         if args.sliding_window is not None:
             extra["sliding_window"] = args.sliding_window
+    if args.arch == "llama4":  # every layer MoE, dense MLPs (none then) of the preset's width
+        extra.update(num_local_experts=args.experts, num_experts_per_tok=args.experts_per_token,
+                     output_router_logits=False, intermediate_size_mlp=size["intermediate_size"])
+        if args.attention_chunk is not None:
+            extra["attention_chunk_size"] = args.attention_chunk
     rope_theta = size.pop("rope_theta")
     config = getattr(transformers, ARCHS[args.arch])(**size, **extra)
     if args.arch != "gemma3":  # Gemma 3 keeps its two thetas (local and global layers)
@@ -287,7 +305,9 @@ def active_expert_params(model) -> float:
 def tile_mlps(model, tokens: int):
     """Runs every decoder layer's MLP over ``tokens`` tokens at a time, each tile under checkpointing: the MLP's
     intermediates (the widest activations) exist for one tile at a time.  Same result, more recompute."""
-    decoder = getattr(model, model.base_model_prefix)
+    from fa4dist.integrations.hf import decoder_of
+
+    decoder = decoder_of(model)
     for layer in decoder.layers:
         mlp = layer.mlp
         mlp.forward = functools.partial(_tiled_mlp_forward, type(mlp).forward.__get__(mlp), tokens)
@@ -339,7 +359,7 @@ def prepare(args, layout, device, dtype):
     """The model under CP and FSDP2: (loss module (the FSDP root), handle, model, facts for the FLOP count)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from fa4dist.integrations.hf import enable_context_parallel
+    from fa4dist.integrations.hf import decoder_of, enable_context_parallel
     from fa4dist.integrations.hf_loss import TiledCausalLMLoss
 
     model, sharded = build_model(args, device)
@@ -351,6 +371,7 @@ def prepare(args, layout, device, dtype):
         layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         hidden=cfg.hidden_size, ffn=cfg.intermediate_size, vocab=cfg.vocab_size, kv_heads=cfg.num_key_value_heads,
+        layer_masks=layer_masks(cfg),
     )
     handle = enable_context_parallel(model, mesh=layout.mesh["cp"], strategy=args.strategy, balancer=args.balancer,
                                      backend=args.backend, deterministic=args.deterministic or None,
@@ -367,7 +388,7 @@ def prepare(args, layout, device, dtype):
     mesh = layout.mesh
     fsdp_mesh = mesh._flatten("dp_cp") if mesh.ndim > 1 else mesh
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for layer in getattr(model, model.base_model_prefix).layers:
+    for layer in decoder_of(model).layers:
         fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp)
     fully_shard(step, mesh=fsdp_mesh, mp_policy=mp)
     if sharded:
@@ -394,10 +415,21 @@ def to_device(local: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in local.items()}
 
 
+def layer_masks(config) -> list[tuple]:
+    """Each layer's (window, chunk) in tokens (None: none), for the FLOP count: sliding layers see their window,
+    Llama 4's chunked layers their chunk, full layers every earlier token of their document."""
+    window, chunk = getattr(config, "sliding_window", None), getattr(config, "attention_chunk_size", None)
+    kinds = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * (
+        config.num_hidden_layers)
+    return [(window if kind == "sliding_attention" else None, chunk if kind == "chunked_attention" else None)
+            for kind in kinds]
+
+
 def training_flops(facts: dict, cu_seqlens_list) -> float:
-    """6·N·T + 12·L·H·D·P (the recipes' MFU formula, common.FLOP_FORMULA: fa4dist.models.causal_training_flops)."""
+    """6·N·T + 12·H·D·(P summed over layers, each under its mask) (the recipes' MFU formula, common.FLOP_FORMULA:
+    fa4dist.models.causal_training_flops)."""
     return causal_training_flops(facts["matmul_params"], facts["layers"], facts["heads"], facts["head_dim"],
-                                 cu_seqlens_list)
+                                 cu_seqlens_list, layer_masks=facts["layer_masks"])
 
 
 def forward_backward(step, handle, samples, layout, device, phases: Optional[dict] = None):

@@ -572,6 +572,18 @@ def fa4dist_attention_forward(module, query: torch.Tensor, key: torch.Tensor, va
     return out.view(batch, q_length, heads_q, v.shape[-1]), None
 
 
+def decoder_of(model):
+    """The decoder stack (``.layers``, ``.norm``) of a transformers causal LM.  ``base_model_prefix`` names it for
+    most classes, but not for all (Llama 4's text model keeps it as ``model`` under the prefix ``language_model``;
+    ``get_decoder()`` then returns the LM itself)."""
+    for name in (model.base_model_prefix, "model"):
+        decoder = getattr(model, name, None)
+        if decoder is not None and hasattr(decoder, "layers"):
+            return decoder
+    raise TypeError(f"{type(model).__name__} has no decoder stack with .layers under {model.base_model_prefix!r} "
+                    "or 'model'")
+
+
 def register(name: str = NAME, *, backend: str = "auto", deterministic: Optional[bool] = None) -> str:
     """Registers fa4dist attention (and its mask function) with transformers under ``name``; returns ``name``.
 

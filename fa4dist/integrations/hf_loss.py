@@ -43,10 +43,11 @@ from fa4dist.data.packing import IGNORE
 from fa4dist.kernels.problem import check_int, check_softcap
 from fa4dist.models.loss import label_counts
 
+from .hf import decoder_of
 from .hf_context_parallel import LABELS_KEY, ContextParallelHandle, local_labels
 
 # Models whose logits are exactly lm_head(final hidden states) (no soft-capping or logit scale) ...
-PLAIN_LM_HEAD_MODELS = ("llama", "mistral", "qwen2", "qwen3", "gpt_oss")
+PLAIN_LM_HEAD_MODELS = ("llama", "mistral", "qwen2", "qwen3", "gpt_oss", "llama4_text")
 # ... and those whose logits are that, soft-capped by config.final_logit_softcapping when it is set.
 CAPPED_LM_HEAD_MODELS = ("gemma2", "gemma3_text")
 LOGITS_BUDGET_ELEMENTS = 1 << 29  # default tile: this many logits (2 GiB in fp32)
@@ -183,8 +184,7 @@ class TiledCausalLMLoss(nn.Module):
         a rank whose batch has none makes every cp rank raise, the others naming it; a rank whose batch has no plan
         fails in its first attention call, whose agreement check makes the others fail with it."""
         inputs = {k: v for k, v in local.items() if k != LABELS_KEY}
-        decoder = getattr(self.model, self.model.base_model_prefix)
-        hidden = decoder(**inputs).last_hidden_state
+        hidden = decoder_of(self.model)(**inputs).last_hidden_state
         head = self.model.get_output_embeddings()
         group = self.handle.loss_group if self.handle.cp_size > 1 else None
         return tiled_cp_cross_entropy_of(lambda: (hidden, head.weight, local_labels(local)), group, bias=head.bias,

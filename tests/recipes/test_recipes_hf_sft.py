@@ -58,8 +58,22 @@ def test_hf_sft_windowed_archs_cp2_match_single_process(tmp_path, corpus, arch):
     assert_steps_close(step_metrics(tmp_path / "m.jsonl", "grad_norm"), want["grad_norm"])
 
 
+@pytest.mark.timeout(300)
+def test_hf_sft_llama4_cp2_matches_single_process(tmp_path, corpus):
+    """Llama 4 (chunks of 24 tokens in its chunked layers, a global NoPE layer, MoE) at cp = 2 with the tiled loss,
+    against the model's own sdpa attention and loss one document at a time."""
+    extra = ["--arch", "llama4", "--attention-chunk", "24", "--experts", "2", "--experts-per-token", "1"]
+    launch.torchrun("hf_sft.py", BASE + [
+        "--data", corpus, "--cp", "2", "--loss-chunk", "40", "--metrics-out", tmp_path / "m.jsonl", *extra])
+    want = reference(corpus, *extra)
+    assert_steps_close(step_metrics(tmp_path / "m.jsonl", "loss"), want["loss"])
+    assert_steps_close(step_metrics(tmp_path / "m.jsonl", "grad_norm"), want["grad_norm"])
+
+
 @pytest.mark.parametrize("bad", [["--arch", "llama", "--sliding-window", "32"],
                                  ["--arch", "gpt_oss", "--tile-mlp", "8"],
+                                 ["--arch", "llama4", "--tile-mlp", "8"],
+                                 ["--arch", "llama4", "--attention-chunk", "0"],
                                  ["--arch", "gpt_oss", "--experts", "2", "--experts-per-token", "3"],
                                  ["--strategy", "hybrid"], ["--ulysses-degree", "2"],
                                  ["--checkpoint", "/nonexistent/checkpoint"], ["--tile-mlp", "-1"],
@@ -110,7 +124,10 @@ def test_options_a_checkpoint_makes_unused_are_refused_by_name(tmp_path, flag, c
 
 
 @pytest.mark.parametrize("bad, message", [
-    (["--arch", "llama", "--experts", "4"], "--experts is not used by --arch llama: only gpt_oss has MoE layers"),
+    (["--arch", "llama", "--experts", "4"],
+     "--experts is not used by --arch llama: only gpt_oss and llama4 have MoE layers"),
+    (["--arch", "gemma2", "--attention-chunk", "64"],
+     "--attention-chunk is not used by --arch gemma2: only llama4 has chunked attention layers"),
     (["--arch", "qwen2", "--experts-per-token", "1"], "--experts-per-token is not used by --arch qwen2"),
     (["--loss", "logits", "--loss-chunk", "40"], "--loss-chunk is not used by --loss logits"),
     # were refused as "--experts-per-token must be in [1, --experts], got 2 of 0", naming the other option
@@ -266,9 +283,22 @@ def test_training_flops_is_the_models_formula():
     facts = dict(matmul_params=model.num_parameters(matmul_only=True), layers=c.n_layers, heads=c.n_heads,
                  head_dim=c.resolved_head_dim)
     samples = [torch.tensor([0, 10, 30], dtype=torch.int32), [0, 7]]
+    facts["layer_masks"] = [(None, None)] * c.n_layers
     assert hf_sft.training_flops(facts, samples) == model.training_flops(samples)
     with pytest.raises(ValueError):
         hf_sft.training_flops(facts, [[0, 30, 10]])
+
+
+@pytest.mark.parametrize("arch, masks", [("llama", [(None, None)] * 2), ("mistral", [(32, None)] * 2),
+                                         ("gemma2", [(32, None), (None, None)]),
+                                         ("llama4", [(None, 24), (None, 24), (None, 24), (None, None)])])
+def test_the_flop_count_sees_each_layers_window_or_chunks(arch, masks):
+    """Sliding-window and chunked layers attend to fewer pairs: the MFU counts each layer's (the formula counted
+    every layer as full causal, overstating windowed models' MFU)."""
+    extra = {"mistral": ["--sliding-window", "32"], "gemma2": ["--sliding-window", "32"],
+             "llama4": ["--attention-chunk", "24", "--layers", "4"]}.get(arch, [])
+    config = hf_sft.hf_config(hf_sft.parse_args(BASE + ["--arch", arch, *extra]))
+    assert hf_sft.layer_masks(config) == masks
 
 
 def test_offload_checkpoints_is_reported_as_checkpointing():
