@@ -86,6 +86,19 @@ def bad_input_case(rank, world, kind):
             return _error(lambda: module(q, k, v, plan))
         finally:
             os.environ.pop(STEPS_PER_LAUNCH_ENV, None)
+    if kind == "cp-invariant-env":  # one rank's environment turns the invariant numerics on
+        import os
+
+        from fa4dist.kernels.invariant import ENV
+
+        if rank == 2:
+            os.environ[ENV] = "1"
+        try:
+            module = FA4ContextParallelAttention(GROUPS[4], **opts)
+        finally:
+            os.environ.pop(ENV, None)
+        q, k, v = _inputs(plan, rank)
+        return _error(lambda: module(q, k, v, plan))
     if kind == "unexpected-error":  # not one of the checks' own errors: the other ranks must still not wait for it
         from fa4dist.context_parallel.core import ContextParallel
 
@@ -125,6 +138,8 @@ def bad_input_case(rank, world, kind):
     ("unexpected-error", "ValueError", "rank 1 rejected its inputs: RuntimeError: an injected fault"),
     # groups change the messages a rank posts: ranks must agree on them, or fail together
     ("steps-per-launch", "ValueError", "ranks disagree on forward call 1: ring_steps_per_launch: .*rank 2 0"),
+    # the invariant mode computes other numerics: a rank whose environment alone turns it on must not go along
+    ("cp-invariant-env", "ValueError", "ranks disagree on forward call 1: .*cp_invariant: rank 0 False, .*rank 2 True"),
     ("steps-per-launch-bad", "ValueError", "rank 2 rejected its inputs: ValueError: FA4DIST_RING_STEPS_PER_LAUNCH "
      "must be an int >= 0"),
 ])
