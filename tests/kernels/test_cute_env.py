@@ -72,3 +72,35 @@ def test_a_compile_log_that_cannot_be_written_names_the_variable(monkeypatch, tm
     monkeypatch.setenv(host.LOG_ENV, str(tmp_path / "no_such_folder" / "compiled.txt"))
     with pytest.raises(OSError, match=f"^{host.LOG_ENV}=.*no_such_folder.*: cannot append to it"):
         host._log_compile("cfg C")
+
+
+@pytest.fixture
+def default_cache(monkeypatch, tmp_path):
+    """The default cache folder's parent under tmp_path, and a working directory of its own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(host.CACHE_ENV, raising=False)
+    default = host.disk_cache_dir()
+    assert default.startswith(str(tmp_path / "xdg" / "fa4dist" / "cute") + os.sep)
+    return default
+
+
+@pytest.mark.parametrize("on", ["1", "on", "TRUE", " yes "])
+def test_the_cache_turned_on_by_name_is_the_default_folder(monkeypatch, default_cache, on):
+    """FA4DIST_CUTE_CACHE_DIR=1 (the mirror of =0, off) made a folder named '1' in the working directory."""
+    monkeypatch.setenv(host.CACHE_ENV, on)
+    assert host.disk_cache_dir() == default_cache
+
+
+@pytest.mark.parametrize("given, expected", [
+    (" {tmp}/c ", "{tmp}/c"),  # spaces around a path (as around the off spellings) are not part of it
+    ("~/c", "{home}/c"),  # a tilde the shell did not expand (quoted, an env file, a launcher's env=)
+    ("rel/c", "{tmp}/rel/c"),  # a relative path is the working directory's when it is read
+])
+def test_the_cache_folder_is_the_path_given(monkeypatch, tmp_path, default_cache, given, expected):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    fill = dict(tmp=str(tmp_path), home=str(tmp_path / "home"))
+    monkeypatch.setenv(host.CACHE_ENV, given.format(**fill))
+    folder = host.disk_cache_dir()
+    assert os.path.dirname(folder) == expected.format(**fill), folder
+    assert os.path.basename(folder) == os.path.basename(default_cache)  # the toolchain's sub-folder

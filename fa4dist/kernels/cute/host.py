@@ -8,8 +8,8 @@ Everything that touches cutlass is imported lazily, so ``import fa4dist`` works 
 Environment variables read here (README, "Our Hopper kernels"):
 
 - ``FA4DIST_CUTE_CACHE_DIR``: the folder of the on-disk compile cache (default ``$XDG_CACHE_HOME/fa4dist/cute`` or
-  ``~/.cache/fa4dist/cute``); ``0``, ``off``, ``false``, ``no`` or empty turn it off.  An unwritable folder is
-  logged once, naming the variable (:func:`disk_cache_dir`).
+  ``~/.cache/fa4dist/cute``); ``0``, ``off``, ``false``, ``no`` or empty turn it off, ``1``, ``on``, ``true`` or
+  ``yes`` name the default.  An unwritable folder is logged once, naming the variable (:func:`disk_cache_dir`).
 - ``FA4DIST_CUTE_AOT_DIR``: a folder of ahead-of-time objects (:func:`export_aot`) loaded before the cache; a
   variant missing from it compiles on first use, and a path that is not a folder is logged once (:func:`aot_dir`).
 - ``FA4DIST_CUTE_SMS``: a positive int, at most that many CTAs in the persistent grids (:func:`sm_count`; read once
@@ -381,15 +381,20 @@ def _toolchain_digest() -> str:
 
 
 def disk_cache_dir():
-    """Where compiled variants are kept between processes: FA4DIST_CUTE_CACHE_DIR (0 / off / empty: no disk
-    cache), by default $XDG_CACHE_HOME/fa4dist/cute or ~/.cache/fa4dist/cute; one sub-folder per toolchain
+    """Where compiled variants are kept between processes: FA4DIST_CUTE_CACHE_DIR (0 / off / false / no / empty:
+    no disk cache; 1 / on / true / yes: the default folder; else a path, ``~`` expanded, relative to the working
+    directory), by default $XDG_CACHE_HOME/fa4dist/cute or ~/.cache/fa4dist/cute; one sub-folder per toolchain
     (_toolchain_digest), and file names carry config_key, so an object of other kernel sources, another DSL or
     another architecture is never loaded. None when turned off."""
     env = os.environ.get(CACHE_ENV)
-    if env is not None and env.strip().lower() in ("", "0", "off", "false", "no"):
+    value = (env or "").strip()
+    if env is not None and value.lower() in _FALSE + ("",):
         return None
-    root = env or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-                               "fa4dist", "cute")
+    if env is None or value.lower() in _TRUE:  # (=1 made a folder named "1" in the working directory)
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                            "fa4dist", "cute")
+    else:  # a tilde no shell expanded (an env file, a launcher's env=) was a folder named "~"
+        root = os.path.abspath(os.path.expanduser(value))
     return os.path.join(root, _toolchain_digest())
 
 
