@@ -341,13 +341,31 @@ def config_key(cfg) -> str:
     return "fa4cute_" + hashlib.sha1((repr(cfg) + _source_digest()).encode()).hexdigest()[:20]
 
 
+def _write_object(fn, cfg, folder) -> str:
+    """Writes the compiled ``fn`` as ``cfg``'s object file in ``folder`` and returns its path: under a temporary
+    name, then renamed (a reader never sees part of a file, and an interrupted write leaves none under the final
+    name; processes writing the same variant at once each rename a whole file)."""
+    name = config_key(cfg)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".o", dir=folder)  # unique across hosts sharing it
+    os.close(fd)
+    try:
+        fn.export_to_c(tmp, function_name=name)
+        os.chmod(tmp, 0o644)  # (mkstemp's 0600 kept a shared cache's entries from its other users)
+        path = os.path.join(folder, name + ".o")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
 def export_aot(cfg, out_dir: str) -> str:
     """Compile ``cfg`` (no GPU needed) and write it as a TVM-FFI object file that get_compiled can load."""
-    os.makedirs(out_dir, exist_ok=True)
-    name = config_key(cfg)
-    path = os.path.join(out_dir, name + ".o")
-    compile_config(cfg).export_to_c(path, function_name=name)
-    return path
+    return _write_object(compile_config(cfg), cfg, out_dir)
 
 
 def _load_object(folder, cfg, what: str):
@@ -402,28 +420,16 @@ _DISK_CACHE_WARNED: list = []
 
 
 def _store_on_disk(fn, cfg, folder) -> None:
-    """Write ``fn`` (just compiled) to the disk cache, atomically (a temporary name, then a rename: processes that
-    compile the same variant at once each write a whole file). A failure costs only the next process's compile:
-    logged once per process, never raised."""
-    name = config_key(cfg)
-    tmp = None
+    """Write ``fn`` (just compiled) to the disk cache (_write_object: atomic). A failure costs only the next
+    process's compile: logged once per process, never raised."""
     try:
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".o", dir=folder)  # unique across hosts sharing it
-        os.close(fd)
-        fn.export_to_c(tmp, function_name=name)
-        os.replace(tmp, os.path.join(folder, name + ".o"))
+        _write_object(fn, cfg, folder)
     except Exception as exc:
         if not _DISK_CACHE_WARNED:
             _DISK_CACHE_WARNED.append(True)
             logging.getLogger("fa4dist.kernels").warning(
                 "cute: could not write the compile cache in %s (%s); set %s to another folder, or to 0 to turn it "
                 "off", folder, exc, CACHE_ENV)
-        if tmp is not None:
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
 
 
 _AOT_WARNED: list = []
