@@ -138,10 +138,41 @@ def test_an_interrupted_export_leaves_no_object_under_its_name(fresh_process, mo
 
 
 def test_an_aot_object_is_loaded_by_a_process_of_the_same_target(fresh_process, monkeypatch, tmp_path):
+    """Exported and loaded where CUTE_DSL_ARCH is unset (a GPU machine): both name the default architecture."""
     monkeypatch.setenv(host.CACHE_ENV, "0")
+    monkeypatch.delenv("CUTE_DSL_ARCH")
     path = host.export_aot(CFG, str(tmp_path / "aot"))
     assert stored_files(str(tmp_path / "aot")) == [path]
     assert os.stat(path).st_mode & 0o777 == 0o644  # readable by the machine's other users (mkstemp makes 0600)
+    monkeypatch.delenv("CUTE_DSL_ARCH")  # the loading process
     monkeypatch.setenv(host.AOT_ENV, str(tmp_path / "aot"))
     calls = compiles_counted(monkeypatch)
     assert callable(host.get_compiled(CFG)) and calls == []
+
+
+class CompileAsked(Exception):
+    pass
+
+
+@pytest.mark.parametrize("change", ["arch", "dsl"])
+def test_an_aot_object_of_another_target_is_not_loaded(fresh_process, monkeypatch, tmp_path, change):
+    """An AOT folder was keyed by the config and the kernel sources alone (the disk cache by the toolchain too): one
+    exported for another architecture or by another CuTe DSL was loaded, its machine code or calling convention
+    not this process's."""
+    monkeypatch.setenv(host.CACHE_ENV, "0")
+    host.export_aot(CFG, str(tmp_path / "aot"))
+    monkeypatch.setenv(host.AOT_ENV, str(tmp_path / "aot"))
+    if change == "arch":
+        monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    else:
+        from importlib import metadata
+
+        real = metadata.version
+        monkeypatch.setattr(metadata, "version", lambda d: "0.0.1" if d == "nvidia-cutlass-dsl" else real(d))
+
+    def compile_asked(cfg, **kw):
+        raise CompileAsked
+
+    monkeypatch.setattr(host, "compile_config", compile_asked)
+    with pytest.raises(CompileAsked):
+        host.get_compiled(CFG)

@@ -336,9 +336,35 @@ def _source_digest() -> str:
     return _SOURCE_DIGEST
 
 
+DEFAULT_ARCH = "sm_90a"  # what the kernels are compiled for unless CUTE_DSL_ARCH says otherwise
+
+
+def _set_default_arch() -> None:
+    """CUTE_DSL_ARCH, set to DEFAULT_ARCH when unset: before a compile (which needs it without a GPU) and before a
+    config_key, so that an export and the process that loads it name the same target."""
+    os.environ.setdefault("CUTE_DSL_ARCH", DEFAULT_ARCH)
+
+
+def _target_parts() -> list:
+    """What an object file's machine code and calling convention depend on beyond the config and the kernel sources:
+    the target architecture and the DSL and TVM-FFI versions."""
+    from importlib import metadata
+
+    parts = [os.environ.get("CUTE_DSL_ARCH", "")]
+    for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi"):
+        try:
+            parts.append(f"{dist}={metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{dist}=?")
+    return parts
+
+
 def config_key(cfg) -> str:
-    """Stable file/symbol name of a config: its repr (every static parameter) and the kernel sources."""
-    return "fa4cute_" + hashlib.sha1((repr(cfg) + _source_digest()).encode()).hexdigest()[:20]
+    """Stable file/symbol name of a config: its repr (every static parameter), the kernel sources and the target
+    (_target_parts), so that an object built from other code, for another architecture or by another DSL is never
+    loaded (an AOT folder made on another machine included)."""
+    text = "|".join([repr(cfg), _source_digest()] + _target_parts())
+    return "fa4cute_" + hashlib.sha1(text.encode()).hexdigest()[:20]
 
 
 def _write_object(fn, cfg, folder) -> str:
@@ -365,6 +391,7 @@ def _write_object(fn, cfg, folder) -> str:
 
 def export_aot(cfg, out_dir: str) -> str:
     """Compile ``cfg`` (no GPU needed) and write it as a TVM-FFI object file that get_compiled can load."""
+    _set_default_arch()
     return _write_object(compile_config(cfg), cfg, out_dir)
 
 
@@ -384,18 +411,11 @@ def _load_object(folder, cfg, what: str):
 
 
 def _toolchain_digest() -> str:
-    """What an object file's machine code and calling convention also depend on, beyond config_key: the DSL and
-    TVM-FFI versions, the target architecture and the Python version."""
-    from importlib import metadata
+    """The disk cache's sub-folder: the target (_target_parts, in config_key too) and the Python version, so that
+    one toolchain's entries can be removed together."""
     import sys
 
-    parts = [os.environ.get("CUTE_DSL_ARCH", ""), sys.version.split()[0]]
-    for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi"):
-        try:
-            parts.append(f"{dist}={metadata.version(dist)}")
-        except metadata.PackageNotFoundError:
-            parts.append(f"{dist}=?")
-    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+    return hashlib.sha1("|".join(_target_parts() + [sys.version.split()[0]]).encode()).hexdigest()[:16]
 
 
 def disk_cache_dir():
@@ -474,7 +494,7 @@ def get_compiled(cfg):
         with _LOCK:
             fn = _CACHE.get(cfg)
             if fn is None:
-                os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+                _set_default_arch()
                 aot = aot_dir()
                 fn = _load_object(aot, cfg, "AOT") if aot else None
                 disk = disk_cache_dir() if fn is None else None
