@@ -6,9 +6,11 @@
     python bench/cute_session_dev.py gpu AOT_TAR -- STAGE... # GPU: unpack, warm FA4, run the stages, logs to $OUT
     python bench/cute_session_dev.py smoke                  # GPU: small forward / backward cases vs the oracle
 
-AOT objects are keyed by each config and a digest of the kernel sources (host.config_key), so a stale object is
-never loaded; a variant missing from DIR is compiled on first use (3-5 s). With FA4DIST_CUTE_COMPILE_LOG set,
-host.get_compiled appends every config it had to compile to that file: the list of what to add next time.
+AOT objects are keyed by each config, a digest of the kernel sources and the target (architecture, DSL and TVM-FFI
+versions; host.config_key), so a stale object is never loaded, and named with a digest of their bytes, so a
+corrupted one is refused; a variant missing from DIR is compiled on first use (3-5 s). With
+FA4DIST_CUTE_COMPILE_LOG set, host.get_compiled appends every config it had to compile to that file: the list of
+what to add next time.
 Stages ("name:limit_s:command") run one after another, each under its own time limit, output to $OUT/name.log;
 a failing stage whose name starts with "smoke" ends the session (a hang would eat the rest of it).
 flash-attn-4 compiles its kernels on first call (5-7 s each): `gpu` first warms its disk cache for the bench's
@@ -581,7 +583,7 @@ def _export_shard(args):
 
     cfgs = _config_set(which)[shard::jobs]
     for cfg in cfgs:
-        if not os.path.exists(os.path.join(folder, host.config_key(cfg) + ".o")):  # kept from an earlier export
+        if host.stored_object(folder, cfg) is None:  # else kept from an earlier export
             host.export_aot(cfg, folder)
     return len(cfgs)
 

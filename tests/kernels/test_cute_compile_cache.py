@@ -3,6 +3,7 @@ object file and loaded by the next process instead of compiled again (3-6 s a va
 cache entries cost a compile, never an error. Compiles for sm_90a without a GPU, and loads the object file back (the
 load needs no GPU either)."""
 
+import hashlib
 import logging
 import os
 
@@ -46,8 +47,8 @@ def test_a_compiled_variant_is_loaded_from_disk_by_the_next_process(fresh_proces
     calls = compiles_counted(monkeypatch)
     host.get_compiled(CFG)
     assert calls == [CFG]
-    path = os.path.join(host.disk_cache_dir(), host.config_key(CFG) + ".o")
-    assert os.path.isfile(path) and os.path.dirname(path).startswith(str(fresh_process))
+    path = host.stored_object(host.disk_cache_dir(), CFG)
+    assert path is not None and os.path.dirname(path).startswith(str(fresh_process))
     assert os.stat(path).st_mode & 0o777 == 0o644  # a cache shared by a machine's users: mkstemp made it 0600
     assert [n for n in os.listdir(os.path.dirname(path)) if n.startswith(".")] == []  # no temporary file left
 
@@ -57,19 +58,19 @@ def test_a_compiled_variant_is_loaded_from_disk_by_the_next_process(fresh_proces
     assert callable(fn) and host.get_compiled(CFG) is fn
 
 
-def test_a_broken_cache_file_is_compiled_again_and_replaced(fresh_process, monkeypatch, caplog):
+def test_a_cache_file_that_fails_to_load_is_compiled_again(fresh_process, monkeypatch, caplog):
     folder = host.disk_cache_dir()
     os.makedirs(folder)
-    path = os.path.join(folder, host.config_key(CFG) + ".o")
-    with open(path, "wb") as f:
-        f.write(b"not an object file")
+    data = b"not an object file"  # (whole: its digest is its name's)
+    with open(os.path.join(folder, f"{host.config_key(CFG)}.{hashlib.sha256(data).hexdigest()[:16]}.o"), "wb") as f:
+        f.write(data)
     calls = compiles_counted(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="fa4dist.kernels"):
         assert callable(host.get_compiled(CFG))
     assert calls == [CFG] and "compile cache load" in caplog.text
     monkeypatch.setattr(host, "_CACHE", {})
     host.get_compiled(CFG)
-    assert calls == [CFG], "the rewritten file did not load"
+    assert calls == [CFG], "the file written after the compile did not load"
 
 
 def test_the_cache_is_keyed_by_the_toolchain(fresh_process, monkeypatch):
@@ -176,3 +177,24 @@ def test_an_aot_object_of_another_target_is_not_loaded(fresh_process, monkeypatc
     monkeypatch.setattr(host, "compile_config", compile_asked)
     with pytest.raises(CompileAsked):
         host.get_compiled(CFG)
+
+
+def test_a_corrupted_cache_entry_is_refused_by_name_and_compiled_again(fresh_process, monkeypatch, caplog):
+    """Bytes changed inside an object file (a bad disk, a copy cut short or half-synced) left a file the loader
+    took: only a truncated one failed to load."""
+    calls = compiles_counted(monkeypatch)
+    host.get_compiled(CFG)
+    [path] = stored_files(host.disk_cache_dir())
+    data = bytearray(open(path, "rb").read())
+    for i in range(len(data) // 3, len(data) // 3 + 256):
+        data[i] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(data)
+    monkeypatch.setattr(host, "_CACHE", {})  # the next process
+    with caplog.at_level(logging.WARNING, logger="fa4dist.kernels"):
+        assert callable(host.get_compiled(CFG))
+    assert calls == [CFG, CFG], "the corrupted object was loaded"
+    assert os.path.basename(path) in caplog.text
+    monkeypatch.setattr(host, "_CACHE", {})
+    host.get_compiled(CFG)
+    assert calls == [CFG, CFG], "the corrupted object was not replaced"

@@ -25,6 +25,7 @@ Environment variables read here (README, "Our Hopper kernels"):
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import logging
 import math
@@ -367,10 +368,16 @@ def config_key(cfg) -> str:
     return "fa4cute_" + hashlib.sha1(text.encode()).hexdigest()[:20]
 
 
+def _object_digest(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
 def _write_object(fn, cfg, folder) -> str:
     """Writes the compiled ``fn`` as ``cfg``'s object file in ``folder`` and returns its path: under a temporary
     name, then renamed (a reader never sees part of a file, and an interrupted write leaves none under the final
-    name; processes writing the same variant at once each rename a whole file)."""
+    name; processes writing the same variant at once each rename a whole file) to ``config_key.<digest of its
+    bytes>.o``, which :func:`stored_object` checks before a load."""
     name = config_key(cfg)
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".o", dir=folder)  # unique across hosts sharing it
@@ -378,7 +385,7 @@ def _write_object(fn, cfg, folder) -> str:
     try:
         fn.export_to_c(tmp, function_name=name)
         os.chmod(tmp, 0o644)  # (mkstemp's 0600 kept a shared cache's entries from its other users)
-        path = os.path.join(folder, name + ".o")
+        path = os.path.join(folder, f"{name}.{_object_digest(tmp)}.o")
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -395,19 +402,38 @@ def export_aot(cfg, out_dir: str) -> str:
     return _write_object(compile_config(cfg), cfg, out_dir)
 
 
-def _load_object(folder, cfg, what: str):
-    """The function of ``cfg`` from ``folder``'s object file, or None (no file, or it fails to load: logged)."""
+def _sound_objects(folder, cfg):
+    """The paths of ``cfg``'s object files in ``folder`` (written by :func:`_write_object`) whose bytes match the
+    digest in their names.  A file whose bytes do not (changed after it was written: a bad disk, a copy cut short)
+    is logged by name and never loaded: the loader takes such a file as long as its ELF headers hold."""
     name = config_key(cfg)
-    path = os.path.join(folder, name + ".o")
-    if not os.path.exists(path):
-        return None
-    try:
-        import cutlass.cute as cute
+    for path in sorted(glob.glob(os.path.join(glob.escape(folder), name + ".*.o"))):
+        try:
+            if _object_digest(path) == path[:-len(".o")].rsplit(".", 1)[1]:
+                yield path
+                continue
+            problem = "its bytes do not match the digest in its name (corrupted)"
+        except OSError as exc:
+            problem = str(exc)
+        logging.getLogger("fa4dist.kernels").warning("cute: refused %s: %s", path, problem)
 
-        return getattr(cute.runtime.load_module(path, enable_tvm_ffi=True), name)
-    except Exception as exc:  # fall back to compiling
-        logging.getLogger("fa4dist.kernels").warning("cute: %s load of %s failed (%s)", what, path, exc)
-        return None
+
+def stored_object(folder, cfg):
+    """The path of a sound object file of ``cfg`` in ``folder`` (:func:`_sound_objects`), or None."""
+    return next(_sound_objects(folder, cfg), None)
+
+
+def _load_object(folder, cfg, what: str):
+    """The function of ``cfg`` from a sound object file in ``folder``, or None (none there, or none loads: logged).
+    (A file is read twice, checked then loaded: a rename in between puts another whole, sound file there.)"""
+    for path in _sound_objects(folder, cfg):
+        try:
+            import cutlass.cute as cute
+
+            return getattr(cute.runtime.load_module(path, enable_tvm_ffi=True), config_key(cfg))
+        except Exception as exc:  # the next one, or compile
+            logging.getLogger("fa4dist.kernels").warning("cute: %s load of %s failed (%s)", what, path, exc)
+    return None
 
 
 def _toolchain_digest() -> str:
