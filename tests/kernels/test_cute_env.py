@@ -15,15 +15,25 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("var, fields, text, expected", [
-    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "tile_m=abc", "field 'tile_m' must be an int, got 'abc'"),
-    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "rescale_threshold=x", "field 'rescale_threshold' must be a float"),
+    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "tile_m=abc", "field 'tile_m' must be an int >= 0, got 'abc'"),
+    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "rescale_threshold=x",
+     "field 'rescale_threshold' must be a finite float >= 0"),
     ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "sanitize=maybe", "field 'sanitize' must be a boolean"),
-    ("FA4DIST_BWD_OVERRIDE", backward._FIELDS, "det_chunk", "field 'det_chunk' must be an int, got ''"),
+    ("FA4DIST_BWD_OVERRIDE", backward._FIELDS, "det_chunk", "field 'det_chunk' must be an int >= 0, got ''"),
     ("FA4DIST_BWD_OVERRIDE", backward._FIELDS, "stmatrix_ds=2", "field 'stmatrix_ds' must be a boolean"),
+    # sizes and counts below zero, and thresholds that compare false with everything, were taken as given
+    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "tile_m=-128", "field 'tile_m' must be an int >= 0, got '-128'"),
+    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "persistent_ctas=-5", "field 'persistent_ctas' must be an int >= 0"),
+    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "num_stages=\u00b2", "field 'num_stages' must be an int >= 0"),
+    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "rescale_threshold=nan",
+     "field 'rescale_threshold' must be a finite float >= 0, got 'nan'"),
+    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "rescale_threshold=-1", "field 'rescale_threshold' must be a finite"),
+    ("FA4DIST_BWD_OVERRIDE", backward._FIELDS, "det_chunk=-8", "field 'det_chunk' must be an int >= 0, got '-8'"),
+    ("FA4DIST_BWD_OVERRIDE", backward._FIELDS, "regs_mma=1.5", "field 'regs_mma' must be an int >= 0, got '1.5'"),
 ])
 def test_a_bad_override_value_names_the_variable_and_the_field(monkeypatch, var, fields, text, expected):
-    """int('abc') was a ValueError naming neither (raised at `import fa4dist.kernels`), and a boolean field took
-    anything but 1 / true / yes as False."""
+    """int('abc') was a ValueError naming neither (raised at `import fa4dist.kernels`), a boolean field took
+    anything but 1 / true / yes as False, and tile_m=-128 or rescale_threshold=nan reached the kernel build."""
     monkeypatch.setenv(var, text)
     with pytest.raises(ValueError, match=f"^{var}: {expected}"):
         host.env_overrides(var, fields)
@@ -38,6 +48,8 @@ def test_override_booleans_take_the_usual_spellings_and_nothing_else():
         with pytest.raises(ValueError, match="not a boolean"):
             host.parse_bool(text)
     assert forward.parse_overrides("dynamic_tiles=off,tile_m=128") == dict(dynamic_tiles=False, tile_m=128)
+    assert forward.parse_overrides("persistent_ctas=0, rescale_threshold= 8") == dict(persistent_ctas=0,
+                                                                                      rescale_threshold=8.0)
 
 
 def test_a_bad_override_fails_the_import_naming_the_variable():
@@ -47,7 +59,7 @@ def test_a_bad_override_fails_the_import_naming_the_variable():
     proc = subprocess.run([sys.executable, "-c", "import fa4dist.kernels"], capture_output=True, text=True, env=env,
                           timeout=120)
     assert proc.returncode != 0
-    assert "FA4DIST_FWD_OVERRIDE: field 'tile_m' must be an int, got 'abc'" in proc.stderr
+    assert "FA4DIST_FWD_OVERRIDE: field 'tile_m' must be an int >= 0, got 'abc'" in proc.stderr
 
 
 def test_the_aot_folder_must_be_a_folder_or_it_is_logged_once(monkeypatch, tmp_path, caplog):

@@ -308,12 +308,13 @@ class PostConfig:
         return (dqacc, dq, scale2, cutlass.Int32(1), cu_q, host.fake_stream())
 
 
-_FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": int, "det_chunk": int, "sanitize": host.parse_bool,
-           "masked_last": host.parse_bool, "softcap_grad_regs": host.parse_bool, "persistent_ctas": int,
+_FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": host.parse_count, "det_chunk": host.parse_count,
+           "sanitize": host.parse_bool,
+           "masked_last": host.parse_bool, "softcap_grad_regs": host.parse_bool, "persistent_ctas": host.parse_count,
            "tma_store_dkv": host.parse_bool, "early_vectors": host.parse_bool,
            "try_waits": host.parse_bool, "hoist_descriptors": host.parse_bool,
-           "interleave_lengths": host.parse_bool, "lpt_over_heads": host.parse_bool, "lpt_group": int,
-           "ticket_sleep_ns": int,
+           "interleave_lengths": host.parse_bool, "lpt_over_heads": host.parse_bool, "lpt_group": host.parse_count,
+           "ticket_sleep_ns": host.parse_count,
            "release_fence": host.parse_bool,
            "fixed_scales_early": host.parse_bool, "clean_tiles": host.parse_bool,
            "det_resident": host.parse_bool}  # True: sequences of up to half the SMs' key tiles

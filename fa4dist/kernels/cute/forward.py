@@ -380,16 +380,17 @@ def default_split_tail(cfg: FwdConfig) -> bool:
 
 
 _FIELDS = {
-    "tile_m": int, "tile_n": int, "num_stages": int, "intra_wg_overlap": host.parse_bool,
-    "sched_barrier": host.parse_bool, "rescale_threshold": float, "sum_from_old": host.parse_bool,
+    "tile_m": host.parse_count, "tile_n": host.parse_count, "num_stages": host.parse_count,
+    "intra_wg_overlap": host.parse_bool,
+    "sched_barrier": host.parse_bool, "rescale_threshold": host.parse_threshold, "sum_from_old": host.parse_bool,
     "chained_max": host.parse_bool,
     "late_pv_wait": host.parse_bool, "hoist_descriptors": host.parse_bool,
     "hoist_q_slices": host.parse_bool, "tma_store_o": host.parse_bool,
     "sanitize": host.parse_bool,
     "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
-    "persistent_ctas": int, "dynamic_tiles": host.parse_bool, "exact_merge": host.parse_bool, "regs_producer": int,
-    "ctas_per_sm": int,
-    "l2_rows": int, "interleave_lengths": host.parse_bool, "split_tail": host.parse_bool,
+    "persistent_ctas": host.parse_count, "dynamic_tiles": host.parse_bool, "exact_merge": host.parse_bool,
+    "regs_producer": host.parse_count, "ctas_per_sm": host.parse_count,
+    "l2_rows": host.parse_count, "interleave_lengths": host.parse_bool, "split_tail": host.parse_bool,
 }
 # the fields a work-list launch must share with the per-item calls it replaces to give their bits (all but these)
 _LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o", "persistent_ctas", "dynamic_tiles")

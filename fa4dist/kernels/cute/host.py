@@ -18,9 +18,9 @@ Environment variables read here (README, "Our Hopper kernels"):
 - ``FA4DIST_CUTE_COMPILE_LOG``: development: a file each compile appends its config's repr to (what an AOT folder
   was missing); a file that cannot be appended to raises naming it.
 - ``FA4DIST_FWD_OVERRIDE`` / ``FA4DIST_BWD_OVERRIDE`` (read by forward.py / backward.py at import): development
-  hooks, ``field=value,...`` of FwdConfig / BwdConfig fields (ints, floats, booleans as 1/true/yes/on or
-  0/false/no/off), :func:`parse_overrides`; an unknown field or a value its field does not take raises naming the
-  variable and the field.
+  hooks, ``field=value,...`` of FwdConfig / BwdConfig fields (ints >= 0, finite floats >= 0, booleans as
+  1/true/yes/on or 0/false/no/off), :func:`parse_overrides`; an unknown field or a value its field does not take
+  raises naming the variable and the field.
 """
 
 from __future__ import annotations
@@ -144,7 +144,23 @@ def check_qkv(q, k, v, head_dims, *, cu_seqlens_q=None, cu_seqlens_k=None, what=
     return True, ""
 
 
-_EXPECTED = {int: "an int", float: "a float"}
+def parse_count(s: str) -> int:
+    """A size or count override value: an int >= 0 (0: the field's off or default); int() took -128 and "1_0"."""
+    value = s.strip()
+    if not (value.isascii() and value.isdigit()):
+        raise ValueError(f"not an int >= 0: {s!r}")
+    return int(value)
+
+
+def parse_threshold(s: str) -> float:
+    """A threshold override value: a finite float >= 0 (nan compares false with every value: no threshold at all)."""
+    value = float(s)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"not a finite float >= 0: {s!r}")
+    return value
+
+
+_EXPECTED = {parse_count: "an int >= 0", parse_threshold: "a finite float >= 0"}
 
 
 def parse_overrides(text: str, fields: dict, source: str) -> dict:
