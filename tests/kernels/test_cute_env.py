@@ -116,3 +116,13 @@ def test_the_cache_folder_is_the_path_given(monkeypatch, tmp_path, default_cache
     folder = host.disk_cache_dir()
     assert os.path.dirname(folder) == expected.format(**fill), folder
     assert os.path.basename(folder) == os.path.basename(default_cache)  # the toolchain's sub-folder
+
+
+def test_the_aot_folder_is_read_as_the_cache_folder_is(monkeypatch, tmp_path):
+    """A tilde no shell expanded and spaces around the path: the folder was 'not a folder' (logged), every variant
+    compiled on first use."""
+    (tmp_path / "aot").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for given in ("~/aot", f" {tmp_path / 'aot'} "):
+        monkeypatch.setenv(host.AOT_ENV, given)
+        assert host.aot_dir() == str(tmp_path / "aot"), given

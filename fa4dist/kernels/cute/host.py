@@ -10,8 +10,9 @@ Environment variables read here (README, "Our Hopper kernels"):
 - ``FA4DIST_CUTE_CACHE_DIR``: the folder of the on-disk compile cache (default ``$XDG_CACHE_HOME/fa4dist/cute`` or
   ``~/.cache/fa4dist/cute``); ``0``, ``off``, ``false``, ``no`` or empty turn it off, ``1``, ``on``, ``true`` or
   ``yes`` name the default.  An unwritable folder is logged once, naming the variable (:func:`disk_cache_dir`).
-- ``FA4DIST_CUTE_AOT_DIR``: a folder of ahead-of-time objects (:func:`export_aot`) loaded before the cache; a
-  variant missing from it compiles on first use, and a path that is not a folder is logged once (:func:`aot_dir`).
+- ``FA4DIST_CUTE_AOT_DIR``: a folder (``~`` expanded, as the cache's) of ahead-of-time objects (:func:`export_aot`)
+  loaded before the cache; a variant missing from it compiles on first use, and a path that is not a folder is
+  logged once (:func:`aot_dir`).
 - ``FA4DIST_CUTE_SMS``: a positive int, at most that many CTAs in the persistent grids (:func:`sm_count`; read once
   per process); anything else raises naming it.  ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (MPS's own) scales the SM
   count the same way.
@@ -473,9 +474,15 @@ def disk_cache_dir():
     if env is None or value.lower() in _TRUE:  # (=1 made a folder named "1" in the working directory)
         root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
                             "fa4dist", "cute")
-    else:  # a tilde no shell expanded (an env file, a launcher's env=) was a folder named "~"
-        root = os.path.abspath(os.path.expanduser(value))
+    else:
+        root = _env_path(value)
     return os.path.join(root, _toolchain_digest())
+
+
+def _env_path(value: str) -> str:
+    """A folder named by an environment variable: spaces around it dropped, ``~`` expanded (no shell expands one
+    that is quoted, or set in an env file or a launcher's env=: it was a folder named "~"), absolute."""
+    return os.path.abspath(os.path.expanduser(value.strip()))
 
 
 _DISK_CACHE_WARNED: list = []
@@ -503,8 +510,9 @@ def aot_dir():
     silently, every variant then compiled on first use), not raised: the GPU session scripts set it before their
     AOT stage fills it, and a variant missing from it compiles anyway."""
     folder = os.environ.get(AOT_ENV, "")
-    if not folder:
+    if not folder.strip():
         return None
+    folder = _env_path(folder)
     if not os.path.isdir(folder):
         if not _AOT_WARNED:
             _AOT_WARNED.append(True)
