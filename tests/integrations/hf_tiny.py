@@ -23,8 +23,9 @@ import types
 
 import torch
 from transformers import (
-    AttentionInterface, AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GptOssConfig, Llama4TextConfig,
-    LlamaConfig, MistralConfig, Qwen2Config,
+    AttentionInterface, AutoModelForCausalLM, Cohere2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig,
+    GptOssConfig, Llama4TextConfig, LlamaConfig, MistralConfig, Olmo3Config, Phi3Config, Qwen2Config, Qwen3Config,
+    SmolLM3Config,
 )
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
@@ -34,6 +35,7 @@ SOFTCAP = 0.5
 SIZE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
 INTERLEAVED = ["sliding_attention", "full_attention"]
+NO_SPECIAL_TOKENS = dict(pad_token_id=0, bos_token_id=None, eos_token_id=None)  # (their defaults lie past VOCAB)
 CONFIGS = {
     "llama": lambda: LlamaConfig(**SIZE),
     "qwen2": lambda: Qwen2Config(**SIZE),
@@ -45,6 +47,19 @@ CONFIGS = {
                                        layer_types=INTERLEAVED),
     "gpt_oss": lambda: GptOssConfig(**{**SIZE, "intermediate_size": 32}, head_dim=16, sliding_window=WINDOW,
                                     layer_types=INTERLEAVED, num_local_experts=4, num_experts_per_tok=2),
+    # more families whose attention is plain causal or windowed, with what else they bring to the attention call:
+    # q/k norms (Qwen 3, OLMo 3), layers without RoPE (SmolLM 3, Cohere 2's global layers), a sliding window on
+    # every layer (Phi-3) or interleaved (Cohere 2, OLMo 3), multi-head latent attention (DeepSeek-V3: value heads
+    # narrower than query / key heads, MoE)
+    "qwen3": lambda: Qwen3Config(**SIZE, head_dim=16),
+    "phi3": lambda: Phi3Config(**SIZE, sliding_window=WINDOW, **NO_SPECIAL_TOKENS),
+    "cohere2": lambda: Cohere2Config(**SIZE, sliding_window=WINDOW, layer_types=INTERLEAVED),
+    "olmo3": lambda: Olmo3Config(**SIZE, sliding_window=WINDOW, layer_types=INTERLEAVED, **NO_SPECIAL_TOKENS),
+    "smollm3": lambda: SmolLM3Config(**SIZE, no_rope_layers=[1, 0], **NO_SPECIAL_TOKENS),
+    "deepseek_v3": lambda: DeepseekV3Config(**SIZE, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                                            qk_nope_head_dim=16, v_head_dim=8, n_routed_experts=4,
+                                            num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                                            n_group=1, topk_group=1),
     # three chunked layers and a global one without RoPE (Llama 4's pattern), experts on every second layer
     "llama4": lambda: Llama4TextConfig(**{**SIZE, "num_hidden_layers": 4}, head_dim=16, intermediate_size_mlp=96,
                                        attention_chunk_size=WINDOW, no_rope_layers=[1, 1, 1, 0],
