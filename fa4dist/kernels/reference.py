@@ -31,12 +31,22 @@ from .problem import AttentionProblem
 _KEY_CHUNK = 1024
 _QUERY_CHUNK = 128
 
-# P @ V adds up to seqlen_k values times weights of at most 1, so values near the top of the accumulation dtype's
-# range overflow that sum (bfloat16 values of 3e38: out = inf) although out, a convex combination of them, does not.
-# The weights enter P @ V times 2^-32 (more than any call's key count), and the row sums are scaled alike before the
-# division: exact (the same bits) for every weight above 2^-94; smaller ones, subnormal after the scaling, lose bits
-# of terms far below out's own rounding.
-_PV_WEIGHT = 2.0**-32
+
+def _pv_weight(v: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """The factor (batch, heads_kv, 1, 1, 1) that P @ V's weights enter with.  P @ V adds up to seqlen_k values times
+    weights of at most 1, so values near the top of the accumulation dtype's range overflow that sum (bfloat16
+    values of 3e38: out = inf) although out, a convex combination of them, does not.  A head whose finite values
+    can overflow it (max |v| x seqlen_k) takes 2^-n, n above log2(seqlen_k), and its row sums are scaled alike
+    before the division; every other head takes 1: a fixed small factor would push the products of small values
+    below the normal range (values of 1e-36 gave out = 0).  Exact (the same bits) wherever the weighted products
+    stay normal.  Per head of one call's keys: a row's factor depends on nothing else in the call (cp_invariant)."""
+    batch, seqlen_k, heads_kv, _ = v.shape
+    finite = torch.where(torch.isfinite(v), v.abs(), torch.zeros((), dtype=v.dtype, device=v.device))
+    finite_max = finite.amax(dim=(1, 3)) if v.numel() else v.new_zeros(batch, heads_kv)
+    # twice the bound (the partial sums' rounding stays in range too), inf where the product itself overflows
+    overflows = finite_max.to(acc) * (2 * seqlen_k) >= torch.finfo(acc).max
+    weight = torch.where(overflows, 2.0 ** -(seqlen_k.bit_length() + 1), 1.0)
+    return weight.to(acc).view(batch, heads_kv, 1, 1, 1)
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -170,6 +180,7 @@ def _forward_dense(p: AttentionProblem, q, k, v, q_offset: int, k_offset: int):
     out = torch.zeros(batch, seqlen_q, heads_kv, group, head_dim_v, dtype=acc, device=q.device)
     lse = torch.full((batch, heads_kv, group, seqlen_q), float("-inf"), dtype=acc, device=q.device)
     q_chunk, k_chunk = ops.chunks(seqlen_q, seqlen_k)
+    pv_weight = _pv_weight(v, acc)
     for qs in range(0, seqlen_q, q_chunk):
         ql = min(q_chunk, seqlen_q - qs)
         qc = q[:, qs : qs + ql].to(acc).view(batch, ql, heads_kv, group, -1)
@@ -194,7 +205,7 @@ def _forward_dense(p: AttentionProblem, q, k, v, q_offset: int, k_offset: int):
             probs = torch.exp(scores - shift.unsqueeze(-1))
             rescale = torch.exp(row_max - shift)
             row_sum = row_sum * rescale + probs.sum(-1)
-            acc_out = acc_out * rescale.unsqueeze(-1) + ops.rows_from_keys(probs * _PV_WEIGHT, vc, mask)
+            acc_out = acc_out * rescale.unsqueeze(-1) + ops.rows_from_keys(probs * pv_weight, vc, mask)
             row_max = new_max
         # Rows that see keys: lse from the running max and sum, NaN where the softmax is undefined (a sum of 0 from
         # -inf scores, or NaN); -inf only for rows that see no key at all.
@@ -206,8 +217,8 @@ def _forward_dense(p: AttentionProblem, q, k, v, q_offset: int, k_offset: int):
         safe_sum = torch.where(defined, row_sum, torch.ones_like(row_sum))
         row_lse = torch.where(defined, shift + torch.log(safe_sum), nan)
         lse[..., qs : qs + ql] = torch.where(sees_a_key, row_lse, torch.full_like(row_sum, -torch.inf))
-        # (keyless rows: 0 / 2^-32, then 0 below)
-        denominator = torch.where(defined | ~sees_a_key, safe_sum * _PV_WEIGHT, nan)
+        # (keyless rows: 0 / weight, then 0 below)
+        denominator = torch.where(defined | ~sees_a_key, safe_sum * pv_weight.squeeze(-1), nan)
         normalized = acc_out / denominator.unsqueeze(-1)
         normalized = torch.where(sees_a_key.unsqueeze(-1), normalized, torch.zeros((), dtype=acc))
         out[:, qs : qs + ql] = normalized.permute(0, 3, 1, 2, 4)

@@ -357,3 +357,29 @@ def test_values_near_the_top_of_the_range_give_a_finite_out(dtype, cp_invariant)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref_out.to(dtype), atol=0, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cp_invariant", [False, True], ids=["einsum", "cp-invariant"])
+def test_values_near_the_bottom_of_the_range_keep_their_precision(dtype, cp_invariant):
+    """The weights entered P @ V times 2^-32 in every call (so that values near the top of the range do not
+    overflow the sum), which pushed the products of small values below float32's normal range: values of ~1e-33
+    lost 8 of out's bits and values of ~1e-36 (or subnormal) gave out = 0 where the oracle is not.  Only a head
+    whose values can overflow the sum is weighted now: here kv head 0 holds ~1e-36, kv head 1 ~2e38 (each head's
+    weight is its own)."""
+    gen = torch.Generator().manual_seed(2)
+    q, k = torch.randn(2, 40, 4, 16, generator=gen).to(dtype), torch.randn(2, 40, 2, 16, generator=gen).to(dtype)
+    v = torch.rand(2, 40, 2, 16, generator=gen) + 1  # one sign: no cancellation in out
+    v[..., 0, :] *= 1e-36
+    v[..., 1, :] = v[..., 1, :] * 1e38
+    v = v.to(dtype)
+    out, lse = attention_forward(q, k, v, causal=True, backend="reference", cp_invariant=cp_invariant)
+    ref_out, _ = naive_attention(q, k, v, causal=True)
+    tol = dict(atol=0, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    torch.testing.assert_close(out[..., :2, :], ref_out[..., :2, :].to(dtype), **tol)  # kv head 0: small values
+    torch.testing.assert_close(out[..., 2:, :], ref_out[..., 2:, :].to(dtype), **tol)  # kv head 1: near the top
+    sub = (v[..., :1, :].float() * 1e-3).to(dtype)  # float32 / bfloat16 subnormals
+    out, _ = attention_forward(q[..., :2, :], k[..., :1, :], sub, causal=True, backend="reference",
+                               cp_invariant=cp_invariant)
+    ref_out, _ = naive_attention(q[..., :2, :], k[..., :1, :], sub, causal=True)
+    torch.testing.assert_close(out, ref_out.to(dtype), atol=0, rtol=1e-2 if dtype == torch.bfloat16 else 1e-4)
