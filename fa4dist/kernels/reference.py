@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import torch
 
@@ -32,6 +33,14 @@ _KEY_CHUNK = 1024
 _QUERY_CHUNK = 128
 
 
+def _finite_absmax(t: torch.Tensor, dims) -> torch.Tensor:
+    """max |t| over ``dims`` of its finite entries (0 where none, and for an empty t), in t's dtype."""
+    finite = torch.where(torch.isfinite(t), t.abs(), torch.zeros((), dtype=t.dtype, device=t.device))
+    if t.numel():
+        return finite.amax(dim=dims)
+    return finite.sum(dim=dims)  # (the zeros of the kept dims: amax refuses an empty reduction)
+
+
 def _pv_weight(v: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """The factor (batch, heads_kv, 1, 1, 1) that P @ V's weights enter with.  P @ V adds up to seqlen_k values times
     weights of at most 1, so values near the top of the accumulation dtype's range overflow that sum (bfloat16
@@ -41,10 +50,8 @@ def _pv_weight(v: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     below the normal range (values of 1e-36 gave out = 0).  Exact (the same bits) wherever the weighted products
     stay normal.  Per head of one call's keys: a row's factor depends on nothing else in the call (cp_invariant)."""
     batch, seqlen_k, heads_kv, _ = v.shape
-    finite = torch.where(torch.isfinite(v), v.abs(), torch.zeros((), dtype=v.dtype, device=v.device))
-    finite_max = finite.amax(dim=(1, 3)) if v.numel() else v.new_zeros(batch, heads_kv)
     # twice the bound (the partial sums' rounding stays in range too), inf where the product itself overflows
-    overflows = finite_max.to(acc) * (2 * seqlen_k) >= torch.finfo(acc).max
+    overflows = _finite_absmax(v, (1, 3)).to(acc) * (2 * seqlen_k) >= torch.finfo(acc).max
     weight = torch.where(overflows, 2.0 ** -(seqlen_k.bit_length() + 1), 1.0)
     return weight.to(acc).view(batch, heads_kv, 1, 1, 1)
 
@@ -225,6 +232,49 @@ def _forward_dense(p: AttentionProblem, q, k, v, q_offset: int, k_offset: int):
     return out.view(batch, seqlen_q, heads_q, head_dim_v), lse.view(batch, heads_q, seqlen_q)
 
 
+def _power_of_two_below(x: torch.Tensor) -> torch.Tensor:
+    """2^-e with x = m 2^e, m in [0.5, 1) (x >= 0, finite): x times it is in [0.5, 1); the exponent clamped so that
+    the factor stays a normal number (1 for x = 0)."""
+    exponent = torch.frexp(x).exponent
+    low = int(math.log2(torch.finfo(x.dtype).tiny))  # -126 for float32
+    return torch.ldexp(torch.ones_like(x), -exponent.clamp(low + 1, -low))
+
+
+def _rescaled_dprobs_minus_delta(ops, doc, vc, out_c, acc):
+    """(u (dP - delta), 1 / u): dS = P * (dout . v - rowsum(dout * out)) where both dot products can overflow
+    although their difference need not (1e37 x 64 terms), and dS, and its sums over keys and queries, can overflow
+    too where the gradients (times the scores' scale) do not.  The unit u = sigma tau is a power of two per
+    key/value head (b, h_kv): tau from this tile's values and the chunk's out, sigma from the chunk's output
+    gradients, which it brings below 1; the dot products are computed with each row of dout scaled to below 1
+    (sigma_q), then brought to the unit (sigma / sigma_q).  The bits of the unscaled form times u wherever the
+    scaled products stay normal.  1 / u comes as two factors (1 / tau, 1 / sigma), each a normal number, to be
+    applied one after the other."""
+    do_max = _finite_absmax(doc, -1).to(acc)  # (b, q, h, g)
+    tau = _power_of_two_below(torch.maximum(_finite_absmax(vc, (1, 3)).to(acc),
+                                            _finite_absmax(out_c, (1, 3, 4)).to(acc)))  # (b, h)
+    sigma = _power_of_two_below(do_max.amax(dim=(1, 3)))  # (b, h)
+    sigma_row = _power_of_two_below(do_max).unsqueeze(-1)  # (b, q, h, g, 1)
+    doc = doc * sigma_row
+    delta = (doc * (out_c * tau[:, None, :, None, None])).sum(-1)  # sigma_q tau delta (b, q, h, g)
+    to_unit = (sigma[:, None, :, None, None] / sigma_row).squeeze(-1)  # sigma / sigma_q <= 1
+    to_unit, delta = (t.permute(0, 2, 3, 1).unsqueeze(-1) for t in (to_unit, delta))  # (b, h, g, q, 1)
+    return (ops.scores(doc, vc * tau[:, None, :, None]) - delta) * to_unit, (1 / tau, 1 / sigma)
+
+
+def _score_grads(p, ops, probs, dprobs_minus_delta, scores, keep, qc, kc, from_unit=()):
+    """(dq, dk) of one tile, (b, q, h, g, d) and (b, k, h, d), from dS = P * (dP - delta) (masked pairs: nothing),
+    ``dprobs_minus_delta`` given in a unit whose inverse is the factors ``from_unit`` ((b, h_kv) each)."""
+    zero = torch.zeros((), dtype=probs.dtype, device=probs.device)
+    dscores = torch.where(keep, probs * dprobs_minus_delta, zero)
+    if p.softcap is not None:  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2 (masked pairs stay 0)
+        dscores = torch.where(keep, dscores * (1 - (scores / p.softcap) ** 2), zero)
+    dq_tile = ops.rows_from_keys(dscores, kc, keep).permute(0, 3, 1, 2, 4) * p.softmax_scale
+    dk_tile = ops.keys_from_rows(dscores, qc, keep) * p.softmax_scale
+    for factor in from_unit:  # one after the other: each is a normal number, their product need not be
+        dq_tile, dk_tile = dq_tile * factor[:, None, :, None, None], dk_tile * factor[:, None, :, None]
+    return dq_tile, dk_tile
+
+
 def _backward_dense(p: AttentionProblem, dout, q, k, v, out, lse, q_offset: int, k_offset: int, dq_scale=None):
     """Gradients of one dense block given the *global* out and lse: returns dq, dk, dv in the accumulation dtype
     (dq in int64 fixed point with ``dq_scale``, (b, h, s): one term per key tile, fa4dist.kernels.fixed_point)."""
@@ -245,6 +295,7 @@ def _backward_dense(p: AttentionProblem, dout, q, k, v, out, lse, q_offset: int,
         ql = min(q_chunk, seqlen_q - qs)
         qc = q[:, qs : qs + ql].to(acc).view(batch, ql, heads_kv, group, -1)
         doc = dout[:, qs : qs + ql].to(acc).view(batch, ql, heads_kv, group, -1)
+        out_c = out[:, qs : qs + ql].to(acc).view(batch, ql, heads_kv, group, -1)
         lse_c = lse[..., qs : qs + ql]
         # lse = -inf: the row saw no key and has no gradient; a NaN lse (undefined softmax) propagates.
         lse_seen = ~torch.isneginf(lse_c).unsqueeze(-1)
@@ -263,16 +314,20 @@ def _backward_dense(p: AttentionProblem, dout, q, k, v, out, lse, q_offset: int,
             keep = lse_seen if mask is None else (lse_seen & mask)
             probs = torch.where(keep, torch.exp(scores - lse_shift), zero)
             dv[:, ks : ks + kl] += ops.keys_from_rows(probs, doc, keep)
-            dprobs = ops.scores(doc, vc)
-            dscores = torch.where(keep, probs * (dprobs - delta_c), zero)
-            if p.softcap is not None:  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2 (masked pairs stay 0)
-                dscores = torch.where(keep, dscores * (1 - (scores / p.softcap) ** 2), zero)
-            dq_tile = ops.rows_from_keys(dscores, kc, keep).permute(0, 3, 1, 2, 4) * scale  # (b, q, h, g, d)
+            dq_tile, dk_tile = _score_grads(p, ops, probs, ops.scores(doc, vc) - delta_c, scores, keep, qc, kc)
+            # Overflow (values near the top of the range) gives inf or NaN, never a finite number: the rows and keys
+            # it reached (through pairs they see, or their sums) take the rescaled form, the others keep their bits.
+            # (Rows that see a NaN or inf are non-finite in both forms.)
+            if not (bool(torch.isfinite(dq_tile).all()) and bool(torch.isfinite(dk_tile).all())):
+                rescaled, from_unit = _rescaled_dprobs_minus_delta(ops, doc, vc, out_c, acc)
+                dq_re, dk_re = _score_grads(p, ops, probs, rescaled, scores, keep, qc, kc, from_unit)
+                dq_tile = torch.where(torch.isfinite(dq_tile), dq_tile, dq_re)
+                dk_tile = torch.where(torch.isfinite(dk_tile), dk_tile, dk_re)
             if dq_scale is None:
                 dq[:, qs : qs + ql] += dq_tile
             else:
                 dq[:, qs : qs + ql] += fixed_point.to_fixed(dq_tile, row_scale)
-            dk[:, ks : ks + kl] += ops.keys_from_rows(dscores, qc, keep) * scale
+            dk[:, ks : ks + kl] += dk_tile
     return dq.view(batch, seqlen_q, heads_q, head_dim), dk, dv
 
 

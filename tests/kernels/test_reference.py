@@ -383,3 +383,62 @@ def test_values_near_the_bottom_of_the_range_keep_their_precision(dtype, cp_inva
                                cp_invariant=cp_invariant)
     ref_out, _ = naive_attention(q[..., :2, :], k[..., :1, :], sub, causal=True)
     torch.testing.assert_close(out, ref_out.to(dtype), atol=0, rtol=1e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+def _oracle_grads(dout, q, k, v, **kw):
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    return torch.autograd.grad(naive_attention(q64, k64, v64, **kw)[0], (q64, k64, v64), dout.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cp_invariant", [False, True], ids=["einsum", "cp-invariant"])
+@pytest.mark.parametrize("large", ["v", "dout"])
+def test_backward_of_values_near_the_top_of_the_range(dtype, cp_invariant, large):
+    """dS = P * (dout . v - dout . out): with values (or output gradients) near the top of the range both dot
+    products overflow float32 (64 x 1e37) although their difference, and every gradient, is finite: the backward
+    gave inf - inf = NaN for dq and dk of every row.  The gradients are linear in v - out and in dout, so they must
+    be, bit for bit, 2^100 times those of the same inputs scaled by 2^-100 (where nothing overflows), and near the
+    fp64 oracle (out is given in float32: in bfloat16 its rounding alone moves dout . (v - out) by 40% here; with
+    v's spread of 1%, dP - delta cancels to 1% of its terms, so float32's rounding shows 100 times larger)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 40, 4, 64, generator=gen).to(dtype), torch.randn(1, 40, 2, 64, generator=gen).to(dtype)
+    v = torch.randn(1, 40, 2, 64, generator=gen)
+    dout = torch.rand(1, 40, 4, 64, generator=gen) + 0.5  # one sign: dout . v adds up
+    if large == "v":
+        v = 1e37 * (1 + 0.01 * v)  # one sign too, spread 1%
+    else:
+        dout = dout * 1e37
+    q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
+    kw = dict(causal=True, backend="reference", cp_invariant=cp_invariant)
+    out, lse = attention_forward(q, k, v, out=torch.empty(q.shape), **kw)
+
+    def grads(dout, v, out):
+        return attention_backward(dout, q, k, v, out, lse, dq=torch.empty(q.shape), dk=torch.empty(k.shape),
+                                  dv=torch.empty(v.shape), **kw)
+
+    got = grads(dout, v, out)
+    small = 2.0**-100
+    if large == "v":  # dq, dk linear in (v, out); dv does not read them
+        want = [g * 2.0**100 for g in grads(dout, v * small, out * small)[:2]] + [grads(dout, v, out)[2]]
+    else:
+        want = [g * 2.0**100 for g in grads(dout * small, v, out)]
+    for name, g, w, oracle in zip(("dq", "dk", "dv"), got, want, _oracle_grads(dout, q, k, v, causal=True)):
+        assert torch.isfinite(oracle).all() and torch.isfinite(g).all(), name
+        assert torch.equal(g, w), name
+        assert ((g.double() - oracle).norm() / oracle.norm()).item() < (1e-3 if large == "v" else 1e-5), name
+
+
+@pytest.mark.parametrize("cp_invariant", [False, True], ids=["einsum", "cp-invariant"])
+def test_huge_values_at_masked_keys_leave_the_backward_of_other_rows_alone(cp_invariant):
+    """The backward's guard against overflowing dot products looks at the call's values, masked keys included; a
+    huge finite value there (padding of float32's max) must still leave the rows that cannot see it bit for bit as
+    on clean input (a rescaled tile would round them differently)."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, dout = (torch.randn(1, 40, 2, 16, generator=gen) for _ in range(4))
+    p = 30  # rows < p cannot see key p
+    kw = dict(causal=True, backend="reference", cp_invariant=cp_invariant)
+    clean = attention_backward(dout, q, k, v, *attention_forward(q, k, v, **kw), **kw)
+    v[:, p] = torch.finfo(torch.float32).max
+    got = attention_backward(dout, q, k, v, *attention_forward(q, k, v, **kw), **kw)
+    assert torch.equal(got[0][:, :p], clean[0][:, :p])  # dq of the rows that cannot see key p
+    assert torch.equal(got[2], clean[2])  # dv = P^T dout reads no value
