@@ -199,14 +199,25 @@ def sink_grad_terms(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, si
     check_buffer("sink_grad: dout", dout, tuple(out.shape), out.device, FLOAT_DTYPES)
     acc = _accum_dtype(out.dtype)
     lse = lse.to(acc)
-    product = dout.to(acc) * out.to(acc)
-    if product.stride(-1) != 1:  # (a strided axis is summed in another order)
-        product = product.contiguous()
-    delta = product.sum(-1).transpose(-1, -2)  # (..., heads, seqlen) like lse
     sink = _sink_lse(lse, sinks)
     seen = ~torch.isneginf(lse)
     zero = torch.zeros((), dtype=acc, device=lse.device)
-    return torch.where(seen, torch.exp(sink - torch.where(seen, lse, zero)) * delta, zero)
+    share = torch.exp(sink - torch.where(seen, lse, zero))  # the sink's share of the row's softmax
+
+    def terms(dtype):
+        product = dout.to(dtype) * out.to(dtype)
+        if product.stride(-1) != 1:  # (a strided axis is summed in another order)
+            product = product.contiguous()
+        delta = product.sum(-1).transpose(-1, -2)  # (..., heads, seqlen) like lse
+        return torch.where(seen, share.to(dtype) * delta, zero.to(dtype))
+
+    result = terms(acc)
+    if acc == torch.float32 and not bool(torch.isfinite(result).all()):
+        # rowsum(dout * out) overflows float32 near the top of the range (64 x 1e37) where the term, times the
+        # sink's share, need not: those rows (only: the others keep their bits) take it from float64, rounded once.
+        # (A row with a non-finite dout or out is non-finite either way.)
+        result = torch.where(torch.isfinite(result), result, terms(torch.float64).to(acc))
+    return result
 
 
 def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

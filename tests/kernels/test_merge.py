@@ -1,9 +1,12 @@
-"""fa4dist.kernels.merge: the arguments of merge_partials are refused by name when they cannot be merged."""
+"""fa4dist.kernels.merge: the arguments of merge_partials are refused by name when they cannot be merged; the
+sinks' gradient at the edges of the range."""
 
 import pytest
 import torch
 
+import fa4dist
 from fa4dist.kernels import merge_partials
+from oracle import naive_attention
 
 
 def _partials(n=2):
@@ -44,3 +47,21 @@ def test_merge_partials_precision_does_not_depend_on_the_order():
         want_out, want_lse = merge_partials([p[0].double() for p in pair], [p[1].double() for p in pair])
         assert got_out.dtype == got_lse.dtype == torch.float64
         assert torch.equal(got_out, want_out) and torch.equal(got_lse, want_lse)
+
+
+@pytest.mark.parametrize("cp_invariant", [False, True], ids=["plain", "cp-invariant"])
+def test_sink_gradient_of_outputs_near_the_top_of_the_range(cp_invariant):
+    """dsink = -sum_rows exp(sink - lse) * rowsum(dout * out): with out ~ 1e37 (values of 1e37) and head_dim 64
+    rowsum(dout * out) overflows float32 although each row's term, weighed by its sink's small share, and their
+    sum are finite: dsinks came out -inf (NaN under cp_invariant) where the fp64 oracle is ~-7e37."""
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 8, 2, 64, generator=gen), torch.randn(1, 8, 1, 64, generator=gen)
+    v = 1e37 * (1 + 0.01 * torch.randn(1, 8, 1, 64, generator=gen))
+    dout = torch.rand(1, 8, 2, 64, generator=gen) + 0.5
+    sinks = torch.tensor([-3.0, -4.0], requires_grad=True)
+    fa4dist.attention(q, k, v, causal=True, sinks=sinks, cp_invariant=cp_invariant, backend="reference").backward(
+        dout)
+    sinks64 = sinks.detach().double().requires_grad_()
+    want, = torch.autograd.grad(naive_attention(q, k, v, causal=True, sinks=sinks64)[0], sinks64, dout.double())
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(sinks.grad.double(), want, atol=0, rtol=1e-5)
