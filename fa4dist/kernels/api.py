@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from . import fixed_point
-from .merge import merge_into_, merge_sink_, sink_grad
+from .merge import lse_as_out_layout, merge_into_, merge_sink_, sink_grad
 from .problem import (EAGER_ONLY, AttentionProblem, Offset, check_bool, check_buffer, check_optional_bool,
                       check_written, require_values, validate_inputs)
 from .registry import check_backend, check_results, select_backend
@@ -283,3 +283,20 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
     else:
         dsinks.copy_(ds)
     return (*result, dsinks)
+
+
+def lse_backward_operands(dlse: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dout', out') that make the contract's backward compute the lse's gradient ``dlse``.
+
+    d lse_i / d s_ij = P_ij, so ``dlse`` joins the backward's dS = P (dP - D), D = rowsum(dout * out), as D - dlse:
+    with v = 0 (dP = 0) and rowsum(dout' * out') = -dlse the backward's dq, dk (and with sinks dsinks, whose term
+    is exp(sink - lse) * -D) are the lse's.  out' carries -dlse over up to three columns of out's dtype (its value
+    and the rounding errors left: a 16-bit out holds it to ~fp32 precision), each against a 1 in dout'."""
+    remainder = -lse_as_out_layout(dlse.to(torch.float64 if out.dtype == torch.float64 else torch.float32))[..., 0]
+    out_p, dout_p = torch.zeros_like(out), torch.zeros_like(out)
+    for column in range(min(3, out.shape[-1])):
+        part = remainder.to(out.dtype)
+        out_p[..., column] = part
+        dout_p[..., column] = 1
+        remainder = remainder - part.to(remainder.dtype)
+    return dout_p, out_p

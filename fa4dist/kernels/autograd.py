@@ -7,27 +7,28 @@ from typing import Optional
 import torch
 
 from . import invariant, reference, torch_ops
-from .api import backward_problem, forward_problem
+from .api import backward_problem, forward_problem, lse_backward_operands
 from .checkpointing import outside_selective_checkpoint
 from .merge import merge_sink_, with_sink
 from .problem import EAGER_ONLY, check_bool, check_optional_bool, validate_inputs
 
 
-def _differentiable_grads(dout, q, k, v, sinks, mask_kwargs):
+def _differentiable_grads(dout, q, k, v, sinks, mask_kwargs, dlse=None):
     """dq, dk, dv (and dsinks) as differentiable functions of (dout, q, k, v, sinks): the reference forward
     recomputed under autograd and differentiated with ``create_graph=True`` (the fast backward treats the saved
-    out/lse as constants, which is right for one derivative and wrong for two).  Reference speed: meant for checks
-    and small models."""
+    out/lse as constants, which is right for one derivative and wrong for two).  ``dout`` None and ``dlse`` given:
+    the gradients of the lse alone (:class:`_LseFunction`).  Reference speed: meant for checks and small models."""
     problem = validate_inputs(q, k, v, sinks=sinks, **mask_kwargs)
     inputs = (q, k, v, sinks)
     with torch.enable_grad(), reference.no_autocast(q.device):
         out, lse = reference.forward(problem, q, k, v)
         if sinks is not None:
-            out, _ = with_sink(out, lse, sinks)
+            out, lse = with_sink(out, lse, sinks)
         wanted = [t for t in inputs if t is not None and t.requires_grad]
-        if not out.requires_grad:  # no row sees a key (and no sinks): out is constant zeros
+        result, seed = (out, dout) if dlse is None else (lse, dlse)
+        if not result.requires_grad:  # no row sees a key (and no sinks): out is constant zeros, lse -inf
             return tuple(torch.zeros_like(t) if t is not None and t.requires_grad else None for t in inputs)
-        grads = torch.autograd.grad(out, wanted, dout.to(out.dtype), create_graph=True, allow_unused=True)
+        grads = torch.autograd.grad(result, wanted, seed.to(result.dtype), create_graph=True, allow_unused=True)
         grads = iter(torch.zeros_like(t) if g is None else g for t, g in zip(wanted, grads))
     return tuple(next(grads) if t is not None and t.requires_grad else None for t in inputs)
 
@@ -126,6 +127,33 @@ class _AttentionFunction(torch.autograd.Function):
     jvp = forward_ad_refusal("fa4dist.attention")
 
 
+class _LseFunction(torch.autograd.Function):
+    """The lse of :func:`attention` (``return_lse=True``) as a differentiable output: its gradient is one more
+    backward through the contract (:func:`lse_backward_operands`), added by autograd to the output's.  Only a loss
+    that uses the lse runs it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, out, lse, mask_kwargs, backend, deterministic):
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.mask_kwargs, ctx.backend, ctx.deterministic = mask_kwargs, backend, deterministic
+        return lse.clone()
+
+    @staticmethod
+    def backward(ctx, dlse):
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True
+            return (*_differentiable_grads(None, q, k, v, sinks, ctx.mask_kwargs, dlse=dlse),) + (None,) * 5
+        problem = validate_inputs(q, k, v, sinks=sinks, **ctx.mask_kwargs)
+        dout_p, out_p = lse_backward_operands(dlse, out)
+        with outside_selective_checkpoint():
+            grads = backward_problem(problem, dout_p, q, k, torch.zeros_like(v), out_p, lse, sinks=sinks,
+                                     backend=ctx.backend, deterministic=ctx.deterministic)
+        dsinks = grads[3].to(sinks.dtype) if sinks is not None else None
+        return grads[0], grads[1], None, dsinks, None, None, None, None, None
+
+    jvp = forward_ad_refusal("fa4dist.attention")
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -149,7 +177,9 @@ def attention(
 
     ``window=(left, right)`` (flash-attn's window_size, -1 unbounded), ``softcap`` and ``sinks`` (a (heads_q,)
     tensor of learnable logits, which gets a gradient) as in :func:`fa4dist.kernels.attention_forward`.
-    Returns out, or (out, lse) with ``return_lse=True`` (lse carries no gradient).  ``cp_invariant=True`` (default:
+    Returns out, or (out, lse) with ``return_lse=True``; the lse is differentiable (a loss that uses it runs one
+    more backward pass through the contract: :func:`fa4dist.kernels.api.lse_backward_operands`).
+    ``cp_invariant=True`` (default:
     the environment variable ``FA4DIST_CP_INVARIANT=1``) computes the numerics that context-parallel attention
     reproduces bit for bit at any cp size (:mod:`fa4dist.kernels.invariant`; deterministic, GQA gradients per query
     head summed in order)."""
@@ -162,14 +192,27 @@ def attention(
     if not torch.compiler.is_compiling():
         refuse_torch_func("fa4dist.attention", q, k, v, sinks)
     if invariant.enabled(cp_invariant):
-        out, lse = _invariant_attention(q, k, v, sinks, mask_kwargs, backend)
+        out, lse = _invariant_attention(q, k, v, sinks, mask_kwargs, backend, return_lse)
     elif torch.compiler.is_compiling():  # traced by torch.compile: the same calls as torch custom ops
-        out, lse = torch_ops.compiled_attention(q, k, v, sinks, mask_kwargs, backend, deterministic)
+        out, lse = torch_ops.compiled_attention(q, k, v, sinks, mask_kwargs, backend, deterministic,
+                                                lse_grad=return_lse)
     else:
         out, lse = _AttentionFunction.apply(q, k, v, sinks, mask_kwargs, backend, deterministic)
+        if return_lse:
+            lse = _differentiable_lse(q, k, v, sinks, out, lse, mask_kwargs, backend, deterministic)
     return (out, lse) if return_lse else out
 
 
+def _differentiable_lse(q, k, v, sinks, out, lse, mask_kwargs, backend, deterministic):
+    """lse as a differentiable output of (q, k, sinks) when autograd records and one of them wants a gradient."""
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (q, k, sinks)):
+        return lse
+    return _LseFunction.apply(q, k, v, sinks, out.detach(), lse, mask_kwargs, backend, deterministic)
+
+
 @torch.compiler.disable(reason=EAGER_ONLY)  # its engine is not an op
-def _invariant_attention(q, k, v, sinks, mask_kwargs, backend):
-    return _InvariantAttentionFunction.apply(q, k, v, sinks, mask_kwargs, backend)
+def _invariant_attention(q, k, v, sinks, mask_kwargs, backend, return_lse):
+    out, lse = _InvariantAttentionFunction.apply(q, k, v, sinks, mask_kwargs, backend)
+    if return_lse:  # (its gradient: the contract's deterministic backward, not the invariant numerics)
+        lse = _differentiable_lse(q, k, v, sinks, out, lse, mask_kwargs, backend, True)
+    return out, lse

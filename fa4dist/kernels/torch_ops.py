@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .api import backward_problem, forward_problem
+from .api import backward_problem, forward_problem, lse_backward_operands
 from .problem import _offsets, check_layout, validate_inputs
 
 def _offset_arg(name: str, value, count):
@@ -64,9 +64,10 @@ def attention_fwd(
     window: list[int], softcap: Optional[float], softmax_scale: Optional[float], q_offsets: list[int],
     q_offset_t: Optional[torch.Tensor], k_offsets: list[int], k_offset_t: Optional[torch.Tensor],
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor], backend: str,
-    deterministic: Optional[bool],
+    deterministic: Optional[bool], lse_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse); ``deterministic`` is the backward's option, carried to it."""
+    """(out, lse); ``deterministic`` is the backward's option, carried to it; ``lse_grad``: lse is a
+    differentiable output (``return_lse=True``)."""
     problem = _problem(q, k, v, sinks, causal, window, softcap, softmax_scale, q_offsets, q_offset_t, k_offsets,
                        k_offset_t, cu_seqlens_q, cu_seqlens_k)
     out, lse = forward_problem(problem, q, k, v, sinks=sinks, backend=backend)
@@ -75,7 +76,7 @@ def attention_fwd(
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, sinks, causal, window, softcap, softmax_scale, q_offsets, q_offset_t, k_offsets,
-                        k_offset_t, cu_seqlens_q, cu_seqlens_k, backend, deterministic):
+                        k_offset_t, cu_seqlens_q, cu_seqlens_k, backend, deterministic, lse_grad):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     if cu_seqlens_q is not None:  # packed: (heads, total_q)
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
@@ -111,8 +112,8 @@ def _attention_bwd_fake(dout, q, k, v, sinks, out, lse, causal, window, softcap,
             torch.empty_like(v, memory_format=torch.contiguous_format), dsinks)
 
 
-# attention_fwd's arguments: q, k, v, sinks, then the mask's ten (which attention_bwd takes again), backend and
-# deterministic
+# attention_fwd's arguments: q, k, v, sinks, then the mask's ten (which attention_bwd takes again), backend,
+# deterministic and lse_grad
 _MASK_ARGS = slice(4, 14)
 
 
@@ -120,15 +121,21 @@ def _setup_context(ctx, inputs, output):
     q, k, v, sinks = inputs[:4]
     out, lse = output
     ctx.save_for_backward(q, k, v, sinks, out, lse)
-    ctx.mark_non_differentiable(lse)  # as the eager call's: lse carries no gradient
-    ctx.mask_args, ctx.backend, ctx.deterministic = inputs[_MASK_ARGS], inputs[14], inputs[15]
+    ctx.mask_args, ctx.backend, ctx.deterministic, ctx.lse_grad = inputs[_MASK_ARGS], *inputs[14:17]
+    if not ctx.lse_grad:  # (return_lse=False: no tangent of it to trace, no second backward pass)
+        ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout, _dlse):
+def _backward(ctx, dout, dlse):
     q, k, v, sinks, out, lse = ctx.saved_tensors
     dq, dk, dv, dsinks = attention_bwd(dout, q, k, v, sinks, out, lse, *ctx.mask_args, ctx.backend,
                                        ctx.deterministic)
-    return (dq, dk, dv, dsinks if sinks is not None else None) + (None,) * 12
+    if ctx.lse_grad and dlse is not None:  # the lse's gradient: one more backward (api.lse_backward_operands)
+        dout_p, out_p = lse_backward_operands(dlse, out)
+        lq, lk, _, lsinks = attention_bwd(dout_p, q, k, torch.zeros_like(v), sinks, out_p, lse, *ctx.mask_args,
+                                          ctx.backend, ctx.deterministic)
+        dq, dk, dsinks = dq + lq, dk + lk, dsinks + lsinks
+    return (dq, dk, dv, dsinks if sinks is not None else None) + (None,) * 13
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -162,7 +169,8 @@ def check_traceable_scalars(mask_kwargs: dict) -> None:
                             f"array whose value it does not know), e.g. int(x) for each")
 
 
-def compiled_attention(q, k, v, sinks, mask_kwargs: dict, backend: str, deterministic: Optional[bool]):
+def compiled_attention(q, k, v, sinks, mask_kwargs: dict, backend: str, deterministic: Optional[bool],
+                       lse_grad: bool = False):
     """(out, lse) through the ops: what :func:`fa4dist.attention` runs while torch.compile traces it. The checks
     that read no tensor's values run here, at trace time, as the eager call runs them; the rest when the op runs."""
     check_traceable_scalars(mask_kwargs)
@@ -180,4 +188,4 @@ def compiled_attention(q, k, v, sinks, mask_kwargs: dict, backend: str, determin
     return attention_fwd(
         q, k, v, sinks, mask_kwargs["causal"], window, mask_kwargs["softcap"], mask_kwargs["softmax_scale"],
         q_offsets, q_offset_t, k_offsets, k_offset_t, mask_kwargs["cu_seqlens_q"], mask_kwargs["cu_seqlens_k"],
-        backend, deterministic)
+        backend, deterministic, lse_grad)

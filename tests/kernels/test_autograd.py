@@ -89,3 +89,48 @@ def test_torch_func_transforms_are_refused_by_name(transform, cp_invariant):
 
     with pytest.raises(RuntimeError, match=r"fa4dist.attention does not support (torch.func|forward-mode)"):
         call()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("case", ["dense-causal-gqa", "packed-window-softcap-sinks", "cp_invariant"])
+def test_the_lse_is_differentiable(case, dtype):
+    """return_lse=True gives an lse whose gradient reaches q, k and the sinks (it was marked non-differentiable:
+    a loss of out and lse lost the lse's part silently): against the fp64 oracle's autograd, with a loss of both
+    outputs and of the lse alone; a second derivative through it in fp64."""
+    from oracle import naive_attention
+
+    gen = torch.Generator().manual_seed(7)
+    kw, sinks = dict(causal=True), None
+    if case.startswith("packed"):
+        q, k, v = (torch.randn(40, 4, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+        cu = torch.tensor([0, 9, 40], dtype=torch.int32)
+        kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, window=(5, 0), softcap=2.0)
+        sinks = torch.randn(4, generator=gen, dtype=torch.float64)
+    else:
+        q = torch.randn(2, 24, 4, 16, generator=gen, dtype=torch.float64)
+        k, v = (torch.randn(2, 24, 2, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + (
+        [sinks.requires_grad_()] if sinks is not None else [])
+    extra = dict(cp_invariant=True) if case == "cp_invariant" else {}
+    out, lse = fa4dist.attention(*leaves[:3], sinks=sinks, return_lse=True, **kw, **extra)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref_out, ref_lse = naive_attention(*ref_leaves[:3], sinks=ref_leaves[3] if sinks is not None else None, **kw)
+    w_out = torch.randn(ref_out.shape, generator=gen, dtype=torch.float64)
+    w_lse = torch.randn(ref_lse.shape, generator=gen, dtype=torch.float64)
+    tol = 1e-10 if dtype == torch.float64 else 3e-2  # bf16: the inputs' and gradients' rounding
+    for use_out in (True, False):
+        loss = (lse.double() * w_lse).sum() + ((out.double() * w_out).sum() if use_out else 0)
+        ref_loss = (ref_lse * w_lse).sum() + ((ref_out * w_out).sum() if use_out else 0)
+        got = torch.autograd.grad(loss, leaves, retain_graph=True, allow_unused=True)
+        want = torch.autograd.grad(ref_loss, ref_leaves, retain_graph=True, allow_unused=True)
+        for name, g, r, leaf in zip("qkvs", got, want, ref_leaves):
+            r = torch.zeros_like(leaf) if r is None else r  # (v: the lse does not depend on it)
+            g = torch.zeros_like(r) if g is None else g.double()
+            scale = max(float(r.abs().max()), 1e-30)
+            assert float((g - r).abs().max()) <= tol * scale, (name, use_out)
+    if dtype == torch.float64 and case != "cp_invariant":  # a second derivative through the lse
+        g_q = torch.autograd.grad((lse * w_lse).sum(), leaves[0], create_graph=True)[0]
+        ref_g_q = torch.autograd.grad((ref_lse * w_lse).sum(), ref_leaves[0], create_graph=True)[0]
+        got2 = torch.autograd.grad(g_q.square().sum(), leaves[1])[0]
+        want2 = torch.autograd.grad(ref_g_q.square().sum(), ref_leaves[1])[0]
+        torch.testing.assert_close(got2, want2, rtol=1e-9, atol=1e-12)

@@ -152,19 +152,21 @@ def test_return_lse_and_bad_input_under_compile():
             torch.compile(lambda *t: fa4dist.attention(*t, backend="reference", **kwargs), backend="aot_eager")(*args)
 
 
-def test_lse_carries_no_gradient_under_compile():
-    """lse is not differentiable, compiled as eager: the op's lse required grad, so a loss of it gave zero
-    gradients silently where the eager call refuses it."""
+def test_the_lse_is_differentiable_under_compile_as_in_eager():
+    """return_lse=True: a loss of out and lse has the eager call's gradients, compiled with fullgraph=True (the op's
+    lse is differentiable when asked for, through a second backward op); the same bytes."""
     q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    w = torch.randn(1, 2, 8, dtype=torch.float64)
 
     def f(q, k, v):
-        return fa4dist.attention(q, k, v, causal=True, return_lse=True, backend="reference")
+        out, lse = fa4dist.attention(q, k, v, causal=True, return_lse=True, backend="reference")
+        return out.square().sum() + (lse * w).sum()
 
-    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
-        out, lse = fn(q, k, v)
-        assert out.requires_grad and not lse.requires_grad
-        with pytest.raises(RuntimeError, match="does not require grad"):
-            torch.autograd.grad(lse.sum(), q)
+    grads = [torch.autograd.grad(fn(q, k, v), (q, k, v))
+             for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True))]
+    _assert_same_bytes(grads[1], grads[0])
+    lse_only = torch.autograd.grad((fa4dist.attention(q, k, v, causal=True, return_lse=True)[1] * w).sum(), q)[0]
+    assert lse_only.abs().sum() > 0
 
 
 def test_a_second_derivative_through_the_compiled_ops_is_refused_by_name():
