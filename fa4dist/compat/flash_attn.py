@@ -1,0 +1,74 @@
+"""flash-attn 2's Python API on fa4dist: ``flash_attn_func``, ``flash_attn_varlen_func``,
+``flash_attn_qkvpacked_func``, ``flash_attn_kvpacked_func``, ``flash_attn_varlen_qkvpacked_func`` and
+``flash_attn_varlen_kvpacked_func``, with flash-attn 2's signatures and results (``return_attn_probs=True``:
+``(out, softmax_lse, None)``; fa4dist never forms the attention probabilities, and the lse is differentiable).
+Dropout, ALiBi and paged KV caches are refused by name.  Conventions: :mod:`fa4dist.compat.conventions`."""
+
+from __future__ import annotations
+
+from . import conventions
+
+
+def _result(out, lse, return_attn_probs: bool):
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, kv_heads, head_dim) -> out like q."""
+    call = "flash_attn_func"
+    conventions.refuse(call, dropout_p=dropout_p, alibi_slopes=alibi_slopes)
+    out, lse = conventions.attention(call, q, k, v, causal=causal, window_size=window_size, softcap=softcap,
+                                     softmax_scale=softmax_scale, deterministic=deterministic,
+                                     return_lse=return_attn_probs)
+    return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """q (total_q, heads, head_dim), k and v (total_k, kv_heads, head_dim), sequence b of q against sequence b of
+    k (int32 ``cu_seqlens_*``) -> out like q; the lse is (heads, total_q)."""
+    call = "flash_attn_varlen_func"
+    conventions.refuse(call, dropout_p=dropout_p, alibi_slopes=alibi_slopes, block_table=block_table)
+    out, lse = conventions.attention(call, q, k, v, causal=causal, window_size=window_size, softcap=softcap,
+                                     softmax_scale=softmax_scale, deterministic=deterministic,
+                                     return_lse=return_attn_probs, cu_seqlens_q=cu_seqlens_q,
+                                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """qkv (batch, seqlen, 3, heads, head_dim)."""
+    q, k, v = qkv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """q (batch, seqlen_q, heads, head_dim), kv (batch, seqlen_k, 2, kv_heads, head_dim)."""
+    k, v = kv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """qkv (total, 3, heads, head_dim)."""
+    q, k, v = qkv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """q (total_q, heads, head_dim), kv (total_k, 2, kv_heads, head_dim)."""
+    k, v = kv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)

@@ -1,0 +1,155 @@
+"""fa4dist.compat: flash-attn 2's and 4's entry points against an oracle of flash-attn's own documented mask
+(bottom-right aligned causal masks and windows: query i of seqlen_q sees key j of seqlen_k iff
+i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right), in fp64, with gradients; what fa4dist does
+not compute is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fa4dist.compat import flash_attn as fa2
+from fa4dist.compat import flash_attn_cute as fa4
+
+TOL = 1e-10
+
+
+def oracle(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None, sinks=None):
+    """(out, lse) of one (batch, seqlen, heads, dim) call, flash-attn's mask written out, fp64."""
+    q, k, v = q.double(), k.double(), v.double()
+    sq, sk, group = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    scores = torch.einsum("bihd,bjhd->bhij", q, k) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    i = torch.arange(sq)[:, None] + sk - sq
+    j = torch.arange(sk)[None, :]
+    left, right = window[0], 0 if causal else window[1]
+    visible = torch.ones(sq, sk, dtype=torch.bool)
+    if causal or right >= 0:
+        visible &= j <= i + max(right, 0)
+    if left >= 0:
+        visible &= j >= i - left
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.double().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)], dim=-1)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.einsum("bhij,bjhd->bihd", probs, v), lse
+
+
+def leaves(*shapes, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen, dtype=torch.float64).requires_grad_() for s in shapes]
+
+
+def grads_of(outputs, inputs, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    loss = sum((o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum() for o in outputs)
+    return torch.autograd.grad(loss, inputs)
+
+
+def close(got, want, what):
+    got, want = got.detach(), want.detach()
+    scale = max(float(want.abs().max()), 1e-30)
+    err = float((got - want).abs().max())
+    assert err <= TOL * scale, f"{what}: {err:.2e} vs max {scale:.2e}"
+
+
+@pytest.mark.parametrize("sq, sk", [(12, 12), (5, 12), (12, 5)])
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "causal-window", "softcap"])
+def test_flash_attn_2_func_equals_its_documented_mask(sq, sk, mask):
+    q, k, v = leaves((2, sq, 4, 8), (2, sk, 2, 8), (2, sk, 2, 8))
+    kw = dict(causal=mask.startswith("causal"), window_size=(3, 2) if "window" in mask else (-1, -1),
+              softcap=1.5 if mask == "softcap" else 0.0)
+    out, lse, probs = fa2.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+    want_out, want_lse = oracle(q, k, v, kw["causal"], kw["window_size"], kw["softcap"])
+    assert probs is None
+    close(out, want_out, "out")
+    seen = ~torch.isneginf(want_lse)  # (rows that see no key: out 0, lse -inf)
+    close(lse[seen], want_lse[seen], "lse")
+    for name, g, w in zip("qkv", grads_of([out, lse.masked_fill(~seen, 0)], (q, k, v)),
+                          grads_of([want_out, want_lse.masked_fill(~seen, 0)], (q, k, v))):
+        close(g, w, f"d{name}")
+
+
+def test_flash_attn_2_packed_forms_equal_the_plain_call():
+    q, k, v = leaves((2, 9, 4, 8), (2, 9, 4, 8), (2, 9, 4, 8), seed=2)
+    want = fa2.flash_attn_func(q, k, v, causal=True, softmax_scale=0.3)
+    assert torch.equal(fa2.flash_attn_qkvpacked_func(torch.stack([q, k, v], 2), causal=True, softmax_scale=0.3),
+                       want)
+    assert torch.equal(fa2.flash_attn_kvpacked_func(q, torch.stack([k, v], 2), causal=True, softmax_scale=0.3),
+                       want)
+
+
+def test_flash_attn_2_varlen_aligns_each_sequence_bottom_right():
+    """Sequences of different query and key lengths (a chunked prefill against its keys), causal with a window."""
+    lens_q, lens_k = [3, 7, 1], [8, 7, 4]
+    q, k, v = leaves((sum(lens_q), 4, 8), (sum(lens_k), 2, 8), (sum(lens_k), 2, 8), seed=3)
+    cu_q = torch.tensor([0, 3, 10, 11], dtype=torch.int32)
+    cu_k = torch.tensor([0, 8, 15, 19], dtype=torch.int32)
+    out, lse, _ = fa2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 8, causal=True, window_size=(4, -1),
+                                             return_attn_probs=True)
+    outs, lses = [], []
+    for a, b, c, d in zip(cu_q.tolist(), cu_q.tolist()[1:], cu_k.tolist(), cu_k.tolist()[1:]):
+        o, s = oracle(q[None, a:b], k[None, c:d], v[None, c:d], causal=True, window=(4, -1))
+        outs.append(o[0])
+        lses.append(s[0])
+    want_out, want_lse = torch.cat(outs), torch.cat(lses, dim=-1)
+    close(out, want_out, "out")
+    close(lse, want_lse, "lse")
+    for name, g, w in zip("qkv", grads_of([out], (q, k, v)), grads_of([want_out], (q, k, v))):
+        close(g, w, f"d{name}")
+    packed = fa2.flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], 1), cu_q, cu_k, 7, 8, causal=True,
+                                                 window_size=(4, -1))
+    assert torch.equal(packed, out)
+
+
+def test_flash_attn_4_funcs_return_out_and_lse_with_sinks():
+    q, k, v = leaves((2, 10, 4, 8), (2, 10, 2, 8), (2, 10, 2, 8), seed=4)
+    sinks = torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(5)).requires_grad_()
+    out, lse = fa4.flash_attn_func(q, k, v, causal=True, window_size=(3, None), learnable_sink=sinks,
+                                   return_lse=True)
+    want_out, want_lse = oracle(q, k, v, causal=True, window=(3, -1), sinks=sinks)
+    close(out, want_out, "out")
+    close(lse, want_lse, "lse")
+    for name, g, w in zip(["q", "k", "v", "sinks"], grads_of([out, lse], (q, k, v, sinks)),
+                          grads_of([want_out, want_lse], (q, k, v, sinks))):
+        close(g, w, f"d{name}")
+    _, detached = fa4.flash_attn_func(q, k, v, causal=True)  # return_lse=False: an lse without a gradient
+    assert not detached.requires_grad
+    cu = torch.tensor([0, 10, 20], dtype=torch.int32)
+    varlen, _ = fa4.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens_q=cu,
+                                           cu_seqlens_k=cu, causal=True, window_size=(3, None), learnable_sink=sinks,
+                                           num_splits=4, pack_gqa=True)
+    close(varlen, want_out.flatten(0, 1), "varlen out")
+
+
+@pytest.mark.parametrize("call, kwargs, error, match", [
+    (fa2.flash_attn_func, dict(dropout_p=0.1), NotImplementedError, "dropout_p=0.1 is not supported"),
+    (fa2.flash_attn_func, dict(alibi_slopes=torch.ones(4)), NotImplementedError, "alibi_slopes=a Tensor"),
+    (fa2.flash_attn_func, dict(window_size=(2,)), TypeError, r"window_size must be a pair"),
+    (fa2.flash_attn_func, dict(window_size=(-2, 0)), ValueError, "window_size's left side must be >= -1"),
+    (fa4.flash_attn_func, dict(mask_mod=lambda *a: True), NotImplementedError, "mask_mod=a function"),
+    (fa4.flash_attn_func, dict(qv=torch.ones(1)), NotImplementedError, "qv=a Tensor"),
+])
+def test_what_fa4dist_does_not_compute_is_refused_by_name(call, kwargs, error, match):
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    with pytest.raises(error, match=match):
+        call(q, q, q, **kwargs)
+
+
+def test_varlen_refusals():
+    q = torch.randn(6, 2, 8, dtype=torch.float64)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_seqlen_q=3 is shorter than the longest sequence \\(4 tokens\\)"):
+        fa2.flash_attn_varlen_func(q, q, q, cu, cu, 3, 4)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        fa2.flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, block_table=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match="seqused_k"):
+        fa4.flash_attn_varlen_func(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                   seqused_k=torch.tensor([2, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="give both cu_seqlens_q and cu_seqlens_k"):
+        fa4.flash_attn_varlen_func(q, q, q, cu_seqlens_q=cu)
