@@ -14,7 +14,8 @@
 #    row). Prediction: +0-10% at few heads (the packed launch is head-major over sequences x heads today).
 # 0: the thirty-fifth session's changes on the GPU (it had no device): the kernels' arguments by name
 #    (FwdKernelArgs / BwdKernelArgs: every launch form once, the same launches recorded on the CPU), cp_invariant with
-#    sinks on staged ranks, the work lists, the sdpa guard's dv rule. Expect every test to pass.
+#    sinks on staged ranks, the work lists, the sdpa guard's dv rule; and the thirty-sixth's (no device either):
+#    the differentiable lse through sdpa and cute (test_backends_gpu.py). Expect every test to pass.
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s36 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt

@@ -193,3 +193,21 @@ def test_any_layout_of_the_operands(backend):
                                  backend=backend)
         for g, w in zip(got, want):
             assert rel_error(g.cpu(), w.cpu()) < REL_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "cute"])
+def test_the_lse_gradient_through_each_backend(backend):
+    """fa4dist.attention(return_lse=True): a loss of out and lse through the backend's backward (the lse's part is
+    a second backward with v = 0 and out', dout' carrying -dlse) against the fp64 oracle's autograd."""
+    import fa4dist
+
+    _need(backend)
+    q, k, v = (t.requires_grad_() for t in _tensors((2, 512, 8, 128), (2, 512, 2, 128), torch.bfloat16))
+    out, lse = fa4dist.attention(q, k, v, causal=True, return_lse=True, backend=backend)
+    ref = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = naive_attention(*ref, causal=True)
+    w_out, w_lse = torch.randn_like(ref_out), torch.randn_like(ref_lse)
+    got = torch.autograd.grad((out.double() * w_out.cuda()).sum() + (lse.double() * w_lse.cuda()).sum(), (q, k, v))
+    want = torch.autograd.grad((ref_out * w_out).sum() + (ref_lse * w_lse).sum(), ref)
+    for g, r in zip(got, want):
+        assert rel_error(g.cpu(), r) < 2 * REL_TOL[torch.bfloat16]
