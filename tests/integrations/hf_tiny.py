@@ -115,3 +115,18 @@ def assert_close_rel(got: torch.Tensor, want: torch.Tensor, rel: float, what: st
     err = float((got - want).detach().abs().max())
     scale = float(want.detach().abs().max())
     assert err <= rel * scale, f"{what}: max error {err:.3e}, max |value| {scale:.3e}"
+
+
+def assert_generation_matches(model, impl: str, ids, mask, max_new_tokens: int, rel: float, **generate_kwargs):
+    """Greedy generation through attention ``impl`` gives the tokens of :data:`EAGER_FP64`'s, and the logits of
+    every step within ``rel``."""
+    outs = {}
+    for name in (EAGER_FP64, impl):
+        model.set_attn_implementation(name)
+        with torch.no_grad():
+            outs[name] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                        do_sample=False, pad_token_id=0, output_logits=True,
+                                        return_dict_in_generate=True, **generate_kwargs)
+    assert torch.equal(outs[impl].sequences, outs[EAGER_FP64].sequences)
+    for step, (got, want) in enumerate(zip(outs[impl].logits, outs[EAGER_FP64].logits)):
+        assert_close_rel(got, want, rel, f"logits of generated token {step}")

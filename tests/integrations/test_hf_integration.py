@@ -320,50 +320,17 @@ def test_windowed_models_match_their_eager_attention_in_fp64(family):
     hf_tiny.assert_close_rel(got[mask.bool()], want[mask.bool()], REL, "padded logits")
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
-def test_cached_generation_past_the_window_matches_eager_fp64(family):
-    """The sliding layers' cache keeps the last window of keys (a key offset); left padding in the prompt."""
+@pytest.mark.parametrize("family, cache", [("gemma2", "dynamic"), ("gpt_oss", "dynamic"), ("llama4", "dynamic"),
+                                           ("llama4", "static")])
+def test_cached_generation_past_the_window_matches_eager_fp64(family, cache):
+    """The sliding layers' cache keeps the last window of keys (a key offset); left padding in the prompt.  Llama
+    4's chunked layers: generation past several chunks (transformers counts them from each row's first real
+    token), with a dynamic cache and a static one (whose mask is prepared up front and passed back in)."""
     model = hf_tiny.tiny_model(family, seed=10).eval()
     ids = torch.randint(1, hf_tiny.VOCAB, (2, 8), generator=torch.Generator().manual_seed(11))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
-    outs = {}
-    for impl in (hf_tiny.EAGER_FP64, NAME):
-        model.set_attn_implementation(impl)
-        with torch.no_grad():
-            outs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3 * hf_tiny.WINDOW,
-                                        do_sample=False, pad_token_id=0, output_logits=True,
-                                        return_dict_in_generate=True)
-    assert torch.equal(outs[NAME].sequences, outs[hf_tiny.EAGER_FP64].sequences)
-    for step, (got, want) in enumerate(zip(outs[NAME].logits, outs[hf_tiny.EAGER_FP64].logits)):
-        hf_tiny.assert_close_rel(got, want, REL, f"logits of generated token {step}")
-
-
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_cached_generation_of_chunked_attention_matches_eager_fp64(cache):
-    """Llama 4's chunked layers: generation past several chunks from a cache offset (their cache keeps the last
-    chunk's keys), with left padding (transformers counts chunks from each row's first real token); then the padded
-    batch without a cache, whose chunks the kernels see as documents."""
-    model = hf_tiny.tiny_model("llama4", seed=12).eval()
-    ids = torch.randint(1, hf_tiny.VOCAB, (2, 8), generator=torch.Generator().manual_seed(13))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    outs = {}
-    for impl in (hf_tiny.EAGER_FP64, NAME):
-        model.set_attn_implementation(impl)
-        with torch.no_grad():
-            outs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3 * hf_tiny.WINDOW,
-                                        do_sample=False, pad_token_id=0, output_logits=True,
-                                        return_dict_in_generate=True, cache_implementation=cache)
-    assert torch.equal(outs[NAME].sequences, outs[hf_tiny.EAGER_FP64].sequences)
-    for step, (got, want) in enumerate(zip(outs[NAME].logits, outs[hf_tiny.EAGER_FP64].logits)):
-        hf_tiny.assert_close_rel(got, want, REL, f"logits of generated token {step}")
-    padded = torch.ones(2, 20, dtype=torch.long)
-    padded[1, :5] = 0
-    batch = dict(input_ids=torch.randint(0, hf_tiny.VOCAB, (2, 20), generator=torch.Generator().manual_seed(14)),
-                 attention_mask=padded, use_cache=False)
-    got, want = logits_with(model, NAME, **batch), logits_with(model, hf_tiny.EAGER_FP64, **batch)
-    hf_tiny.assert_close_rel(got[padded.bool()], want[padded.bool()], REL, "padded logits")
+    hf_tiny.assert_generation_matches(model, NAME, ids, mask, 3 * hf_tiny.WINDOW, REL, cache_implementation=cache)
 
 
 def test_the_attention_call_refuses_what_it_cannot_compute():
