@@ -539,12 +539,13 @@ def weights_hash(model) -> str:
     return h.hexdigest()
 
 
-def build_stream(args) -> PackedTokenStream:
+def build_stream(args, tokenizer=None) -> PackedTokenStream:
+    """The packed windows of ``--data``, tokenized by ``tokenizer`` (None: fa4dist.data's byte tokens)."""
     try:
         documents = collect_documents(args.data)
     except (OSError, ValueError) as err:  # a --data without text files: the same on every rank
         raise SystemExit(f"--data: {err}") from None
-    return PackedTokenStream(documents, args.seqlen, packing=args.packing, seed=args.seed)
+    return PackedTokenStream(documents, args.seqlen, packing=args.packing, seed=args.seed, tokenizer=tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -719,13 +720,13 @@ def reference_run(args, device=torch.device("cpu")) -> dict:
     return reference_loop(model, sample_loss, args)
 
 
-def reference_loop(model, sample_loss, args) -> dict:
+def reference_loop(model, sample_loss, args, tokenizer=None) -> dict:
     """The plain single-process training loop every recipe must reproduce: AdamW, the same schedule and clipping,
-    ``sample_loss(sample)`` (a scalar) averaged over each step's samples.  Returns ``{"loss": [...], "grad_norm":
-    [...]}``; the gradient norm (before clipping) checks the gradient's scale, which the losses alone cannot
-    (AdamW is invariant to it)."""
+    ``sample_loss(sample)`` (a scalar) averaged over each step's samples (the data tokenized by ``tokenizer``, as
+    :func:`build_stream` takes it).  Returns ``{"loss": [...], "grad_norm": [...]}``; the gradient norm (before
+    clipping) checks the gradient's scale, which the losses alone cannot (AdamW is invariant to it)."""
     optimizer = make_optimizer(model, args)
-    stream = build_stream(args)
+    stream = build_stream(args, tokenizer)
     losses, norms = [], []
     for step in range(args.steps):
         for g in optimizer.param_groups:

@@ -75,6 +75,7 @@ CHECKPOINT_DEFINES = "the checkpoint's config defines the model (the run reports
 UNUSED_WITH_CHECKPOINT = {
     "arch": CHECKPOINT_DEFINES, "model": CHECKPOINT_DEFINES, "layers": CHECKPOINT_DEFINES,
     "sliding_window": CHECKPOINT_DEFINES, "experts": CHECKPOINT_DEFINES, "experts_per_token": CHECKPOINT_DEFINES,
+    "attention_chunk": CHECKPOINT_DEFINES,
     "init": "the checkpoint's weights are loaded whole on every rank (from_pretrained), then sharded",
 }
 MOE_ONLY = {"experts": "only gpt_oss and llama4 have MoE layers",
@@ -99,6 +100,9 @@ def parse_args(argv=None):
                    help="a local checkpoint directory (from_pretrained, offline); it defines the model, so --arch, "
                         "--model, --layers, --sliding-window, --experts, --experts-per-token and --init are refused "
                         "with it")
+    g.add_argument("--tokenizer", default=None,
+                   help="a local transformers tokenizer directory (a checkpoint's own) to tokenize --data with "
+                        "(default: fa4dist.data's byte tokens); without --checkpoint the model's vocabulary is its")
     g.add_argument("--init", choices=["auto", "full", "sharded"], default="auto",
                    help="full: every rank builds the whole model (seeded, transformers' init); sharded: meta "
                         "device, then each rank initializes its shard; auto: sharded above 2B parameters")
@@ -135,6 +139,8 @@ def parse_args(argv=None):
                 f"at least one token of each sequence")
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         p.error(f"--checkpoint must be a local checkpoint directory, {args.checkpoint!r} is not one")
+    if args.tokenizer is not None and not os.path.isdir(args.tokenizer):
+        p.error(f"--tokenizer must be a local tokenizer directory, {args.tokenizer!r} is not one")
     if args.sliding_window is not None and (args.arch not in WINDOWED_ARCHS or args.sliding_window < 1):
         p.error(f"--sliding-window takes a positive number of tokens and --arch {' or '.join(WINDOWED_ARCHS)}")
     if args.arch in MOE_ARCHS and args.tile_mlp:
@@ -173,6 +179,8 @@ def hf_config(args):
                     tie_word_embeddings=c.tie_embeddings)
     if args.layers:
         size["num_hidden_layers"] = args.layers
+    if args.tokenizer and args.model not in LLAMA3_PRESETS:  # the tokenizer's vocabulary, a multiple of 64
+        size["vocab_size"] = -(-data_vocab(args) // 64) * 64
     extra = dict(attention_dropout=0.0, max_position_embeddings=max(args.seqlen, 8192))
     if args.arch == "mistral":
         extra["sliding_window"] = args.sliding_window  # None: full attention
@@ -222,20 +230,45 @@ def own_attention(model_type: str) -> str:
     return "eager" if model_type.startswith("gemma") or model_type == "gpt_oss" else "sdpa"
 
 
-def checkpoint_config(path: str):
+@functools.lru_cache(maxsize=None)
+def _tokenizer(path: str):
+    from fa4dist.data import PretrainedTokenizer
+
+    try:
+        return PretrainedTokenizer(path)
+    except ValueError as err:
+        raise SystemExit(f"--tokenizer: {err}") from None
+
+
+def data_tokenizer(args):
+    """The tokenizer of the data: ``--tokenizer``'s, or None (fa4dist.data's byte tokens)."""
+    return _tokenizer(args.tokenizer) if args.tokenizer else None
+
+
+def data_vocab(args) -> int:
+    """Every token id of the data is below it."""
+    return data_tokenizer(args).vocab_size if args.tokenizer else VOCAB_SIZE
+
+
+def check_vocab(vocab: Optional[int], args, what: str) -> None:
+    """Refuses a model whose vocabulary (``vocab``) the data's token ids can pass, by name."""
+    if vocab is not None and vocab < data_vocab(args):
+        source = f"--tokenizer {args.tokenizer}'s" if args.tokenizer else "the byte tokens of fa4dist.data"
+        raise SystemExit(f"{what} vocabulary ({vocab}) is smaller than {source} ({data_vocab(args)})")
+
+
+def checkpoint_config(path: str, args=None):
     """The config of the local checkpoint ``--checkpoint`` names, checked (read alone, before the process group and
     the weights: the recipe calls it first): a directory without a transformers config, or whose vocabulary is
-    smaller than the byte tokens of fa4dist.data, is refused by name."""
+    smaller than the data's token ids (byte tokens, or ``--tokenizer``'s), is refused by name."""
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as err:
         raise SystemExit(f"--checkpoint {path}: not a transformers checkpoint ({err})") from None
-    vocab = getattr(config.get_text_config(), "vocab_size", None)
-    if vocab is not None and vocab < VOCAB_SIZE:
-        raise SystemExit(f"the checkpoint's vocabulary ({vocab}) is smaller than the byte tokens of fa4dist.data "
-                         f"({VOCAB_SIZE})")
+    check_vocab(getattr(config.get_text_config(), "vocab_size", None),
+                args if args is not None else argparse.Namespace(tokenizer=None), "the checkpoint's")
     return config
 
 
@@ -244,11 +277,12 @@ def build_model(args, device):
     from transformers import AutoModelForCausalLM
 
     if args.checkpoint:
-        model_type = checkpoint_config(args.checkpoint).model_type
+        model_type = checkpoint_config(args.checkpoint, args).model_type
         model = AutoModelForCausalLM.from_pretrained(args.checkpoint, local_files_only=True, dtype=torch.float32,
                                                      attn_implementation=own_attention(model_type))
         return model.to(device), False
     config = hf_config(args)
+    check_vocab(config.get_text_config().vocab_size, args, f"--model {args.model}'s")
     sharded = args.init == "sharded" or args.init == "auto" and count_parameters(config) > SHARDED_INIT_ABOVE
     torch.manual_seed(args.seed)
     with torch.device("meta" if sharded else device):
@@ -501,7 +535,7 @@ def main(argv=None):
     # refused before the process group and the model exist (every rank alike)
     common.check_layout(common.launched_world(), args.cp, args.batch_size)
     if args.checkpoint:
-        text = checkpoint_config(args.checkpoint).get_text_config()
+        text = checkpoint_config(args.checkpoint, args).get_text_config()
         heads = getattr(text, "num_attention_heads", None)
         kv_heads = getattr(text, "num_key_value_heads", None) or heads  # (None or absent: as many as the queries)
         problem = heads and common.ulysses_heads_problem(args, heads, kv_heads, f"--checkpoint {args.checkpoint}")
@@ -516,7 +550,7 @@ def main(argv=None):
     optimizer = common.make_optimizer(step, args)
     if args.memory_report:
         preallocate_adam_state(optimizer)
-    stream = common.build_stream(args)
+    stream = common.build_stream(args, data_tokenizer(args))
     per_rank = layout.sequences_per_rank
     if rank == 0:
         print(f"hf_sft: world={world} dp={layout.dp} cp={layout.cp} arch={arch} model="
@@ -622,7 +656,7 @@ def reference_run(args, device=torch.device("cpu")) -> dict:
     if sharded:
         raise SystemExit("the reference needs --init full")
     model.train()
-    return common.reference_loop(model, lambda sample: per_document_loss(model, sample), args)
+    return common.reference_loop(model, lambda sample: per_document_loss(model, sample), args, data_tokenizer(args))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Training data for the recipes: byte-level tokens of local text, packed into windows of documents, and cut into
-context-parallel shards by the LPT plan.
+"""Training data for the recipes: byte-level tokens (or a local Hugging Face tokenizer's) of local text, packed
+into windows of documents, and cut into context-parallel shards by the LPT plan.
 
 ```python
 from fa4dist.data import PackedTokenStream, collect_documents, make_sample_plan, shard_sample
@@ -23,10 +23,11 @@ from .packing import (
     segments_from_doc_ids,
 )
 from .sharding import LocalBatch, SingleRankPlan, make_sample_plan, shard_sample
-from .tokenizer import BOS, EOS, PAD, VOCAB_SIZE, ByteTokenizer
+from .tokenizer import BOS, EOS, PAD, VOCAB_SIZE, ByteTokenizer, PretrainedTokenizer
 
 __all__ = [
-    "BOS", "EOS", "PAD", "VOCAB_SIZE", "ByteTokenizer", "IGNORE", "DEFAULT_SUFFIXES", "PackedTokenStream", "Sample",
+    "BOS", "EOS", "PAD", "VOCAB_SIZE", "ByteTokenizer", "PretrainedTokenizer", "IGNORE", "DEFAULT_SUFFIXES",
+    "PackedTokenStream", "Sample",
     "collect_documents", "default_text_root", "positions_from_cu_seqlens", "segments_from_doc_ids",
     "LocalBatch", "SingleRankPlan", "make_sample_plan", "shard_sample",
 ]

@@ -194,8 +194,8 @@ def _token_ids(ids, index: int) -> torch.Tensor:
 class PackedTokenStream:
     """Documents concatenated into one token stream, cut into windows of ``seqlen`` tokens.
 
-    ``tokenizer``: a :class:`ByteTokenizer` (the default, ``None``) or any object whose ``encode(text)`` returns the
-    text's token ids."""
+    ``tokenizer``: a :class:`ByteTokenizer` (the default, ``None``), a :class:`PretrainedTokenizer` or any object
+    whose ``encode(text)`` returns the text's token ids."""
 
     def __init__(self, documents: Iterable[str], seqlen: int, *, packing: str = "documents", seed: int = 0,
                  tokenizer: Optional[ByteTokenizer] = None):

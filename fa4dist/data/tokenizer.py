@@ -1,8 +1,11 @@
-"""Byte-level tokenizer: every UTF-8 byte is a token, plus BOS, EOS and PAD.
+"""Tokenizers for packed training data.
 
-No vocabulary file, nothing to download or train: the same text gives the same ids on every machine.  The
-vocabulary is rounded up to a multiple of 64 (``VOCAB_SIZE``) so embedding and LM-head matmuls stay aligned; the
-ids above ``PAD`` are never produced.
+:class:`ByteTokenizer`: every UTF-8 byte is a token, plus BOS, EOS and PAD.  No vocabulary file, nothing to
+download or train: the same text gives the same ids on every machine.  The vocabulary is rounded up to a multiple
+of 64 (``VOCAB_SIZE``) so embedding and LM-head matmuls stay aligned; the ids above ``PAD`` are never produced.
+
+:class:`PretrainedTokenizer`: a Hugging Face tokenizer from a local directory (a checkpoint's own), each document
+framed as ByteTokenizer frames it (the tokenizer's BOS where it adds one, its EOS at the end).
 """
 
 from __future__ import annotations
@@ -54,3 +57,29 @@ class ByteTokenizer:
             except TypeError:
                 raise TypeError(f"ids must be integer token ids, got {type_name(i)} {i!r}") from None
         return bytes(i for i in values if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class PretrainedTokenizer:
+    """``transformers.AutoTokenizer`` from the local directory ``path`` (nothing is downloaded) with
+    :class:`ByteTokenizer`'s ``encode(text)``: the text's ids with the tokenizer's special tokens, then its EOS
+    (when it has one and did not add it), so that a packed stream's documents end as the byte tokenizer's do.
+    ``vocab_size``: every id it can produce is below it (``len(tokenizer)``, added tokens included)."""
+
+    def __init__(self, path):
+        from transformers import AutoTokenizer
+
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError, TypeError) as err:
+            raise ValueError(f"{str(path)!r} is not a local transformers tokenizer directory ({err})") from None
+        self.vocab_size = len(self.tokenizer)
+        self.eos_id = self.tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type_name(text)}")
+        # (verbose=False: a document longer than the model's context is expected here, the stream cuts windows)
+        ids = list(self.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
+        if self.eos_id is not None and (not ids or ids[-1] != self.eos_id):
+            ids.append(self.eos_id)
+        return ids

@@ -43,3 +43,21 @@ def test_decode_refuses_what_is_not_a_sequence_of_ids_by_name(ids):
     "iteration over a 0-d tensor"), naming nothing of decode's."""
     with pytest.raises(TypeError, match="ids must be a sequence of integer token ids, got "):
         ByteTokenizer().decode(ids)
+
+
+def test_a_pretrained_tokenizer_frames_documents_like_the_byte_tokenizer(tmp_path):
+    pytest.importorskip("transformers")
+    from fa4dist.data import PackedTokenStream, PretrainedTokenizer
+    from tiny_tokenizer import make_hf_tokenizer
+
+    texts = ["the quick brown fox jumps over the lazy dog " * 20, "packed documents for context parallelism " * 20]
+    tok = PretrainedTokenizer(make_hf_tokenizer(tmp_path / "tok", texts))
+    ids = tok.encode(texts[0])
+    assert ids[-1] == tok.eos_id and tok.tokenizer.decode(ids[:-1]) == texts[0]
+    assert len(ids) < len(texts[0]) // 2  # merges: fewer ids than bytes
+    stream = PackedTokenStream(texts, 64, tokenizer=tok)
+    assert int(stream.tokens.max()) < tok.vocab_size
+    with pytest.raises(ValueError, match="is not a local transformers tokenizer directory"):
+        PretrainedTokenizer(tmp_path / "missing")
+    with pytest.raises(TypeError, match="text must be a str"):
+        tok.encode(b"bytes")

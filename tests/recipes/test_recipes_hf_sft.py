@@ -70,6 +70,27 @@ def test_hf_sft_llama4_cp2_matches_single_process(tmp_path, corpus):
     assert_steps_close(step_metrics(tmp_path / "m.jsonl", "grad_norm"), want["grad_norm"])
 
 
+@pytest.mark.timeout(300)
+def test_hf_sft_with_a_local_tokenizer_matches_single_process(tmp_path, corpus):
+    """--tokenizer: the data tokenized by a local transformers tokenizer (a small BPE trained here), the model's
+    vocabulary its own (rounded up to 64); cp = 2 against the single-process reference on the same tokens."""
+    from tiny_tokenizer import make_hf_tokenizer
+
+    from fa4dist.data import collect_documents
+
+    texts = collect_documents([corpus])[:40]
+    extra = ["--tokenizer", make_hf_tokenizer(tmp_path / "tok", texts, vocab_size=400)]
+    args = hf_sft.parse_args(BASE + ["--data", str(corpus), *extra])
+    assert hf_sft.data_vocab(args) == 400 and hf_sft.hf_config(args).vocab_size == 448
+    launch.torchrun("hf_sft.py", BASE + [
+        "--data", corpus, "--cp", "2", "--loss-chunk", "40", "--metrics-out", tmp_path / "m.jsonl", *extra])
+    want = reference(corpus, *extra)
+    assert_steps_close(step_metrics(tmp_path / "m.jsonl", "loss"), want["loss"])
+    assert_steps_close(step_metrics(tmp_path / "m.jsonl", "grad_norm"), want["grad_norm"])
+    with pytest.raises(SystemExit, match=r"checkpoint's vocabulary \(300\) is smaller than --tokenizer .*'s \(400\)"):
+        hf_sft.check_vocab(300, args, "the checkpoint's")
+
+
 @pytest.mark.parametrize("bad", [["--arch", "llama", "--sliding-window", "32"],
                                  ["--arch", "gpt_oss", "--tile-mlp", "8"],
                                  ["--arch", "llama4", "--tile-mlp", "8"],
