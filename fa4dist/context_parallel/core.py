@@ -137,7 +137,7 @@ class _Call:
     def backward(self, dout, q, k, v, out_m, lse_m, sinks, create_graph: bool = False):
         if self.agree is not None:  # every rank must be back-propagating the same forward call, the same way
             self.agree("the backward of forward call", self.call_id,
-                       dict(direction="backward", create_graph=create_graph, **self.signature))
+                       dict(self.signature, direction="backward", create_graph=create_graph))
         if create_graph:  # (after the check: a rank that raised alone would leave the others waiting in it)
             raise RuntimeError(
                 f"{LABEL}: double backward (create_graph=True) is not supported across ranks: the ring and "
@@ -405,6 +405,7 @@ class ContextParallel:
             raise ValueError("an NCCL process group needs CUDA tensors (use a gloo group for CPU tensors)")
         docs = f" in {len(plan.cu_seqlens) - 1} documents" if plan.packed else ""
         shared = dict(
+            direction="forward",  # a backward's check against another rank's forward call names both
             strategy=self.strategy_name(u), ulysses_degree=u, cp_size=self.cp_size, mask=str(self.mask),
             softcap=self.softcap, sinks=str(sinks.dtype) if sinks is not None else None,
             softmax_scale=problem.softmax_scale, deterministic=self._deterministic(), backend=self.backend,
@@ -609,7 +610,9 @@ def _check_shard_layout(q, k, v, packed: bool) -> int:
 
 _FIELD_HINTS = {"module": " (which attention module was called: each rank numbers its modules on the group in the "
                           "order it created them, so the ranks called different modules, or created them in "
-                          "different orders)"}
+                          "different orders)",
+                "direction": " (a rank made a new forward call while others ran a backward: its loss did not "
+                             "depend on every attention output the others' did, or it skipped a backward)"}
 
 
 def _frame(rank: int, state: dict, sig: Optional[dict], call: int, size: int = _FRAME - 8) -> tuple:

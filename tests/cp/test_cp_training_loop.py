@@ -109,3 +109,37 @@ def test_selective_checkpointing_policies_do_not_reach_inside_the_attention(pool
     sends and receives (the other ranks waited out the timeout); one that saves the matmuls raised torch's 'cached
     tensor has been mutated' from inside a kernel.  The attention's own ops all run again in the recompute."""
     assert max(pool.run(selective_case, strategy=strategy, ulysses_degree=degree, saved=saved, timeout=90)) < TOL
+
+
+# ---- a rank whose loss skips the attention ------------------------------------------------------------------------
+
+
+def skipped_backward_case(rank, world):
+    """Step 2's loss on cp rank 1 does not depend on the attention output (a data-dependent loss that skipped it):
+    that rank makes its next forward call while the others run the backward of step 2's call."""
+    import time
+
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    group = fresh_group(range(world))  # (the failed exchange must not leave messages on the pool's groups)
+    module = FA4ContextParallelAttention(group, strategy="ring", backend="reference", timeout=20)
+    plan, shard, (q, k, v, dout) = _problem(module)
+    start = time.monotonic()
+    try:
+        for step in range(3):
+            leaves = [shard(t).requires_grad_() for t in (q, k, v)]
+            out = module(*leaves, plan=plan)
+            used = out if not (step == 1 and module.cp_rank == 1) else leaves[0]
+            (used * shard(dout)).sum().backward()
+    except ValueError as err:
+        return str(err), time.monotonic() - start
+    return None
+
+
+def test_a_rank_that_skips_a_backward_fails_every_rank_at_once_naming_forward_and_backward(pool):
+    """The backward's check named the skipping rank's direction None (forward signatures had no direction)."""
+    for rank, res in enumerate(pool.run(skipped_backward_case, timeout=90)):
+        assert res is not None, f"rank {rank} trained on instead of failing"
+        message, elapsed = res
+        assert "direction (" in message and "rank 1 'forward'" in message and "rank 0 'backward'" in message, message
+        assert elapsed < 10, (rank, elapsed, message)
