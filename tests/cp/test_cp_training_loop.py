@@ -1,7 +1,8 @@
 """Context-parallel attention as training loops use it, on 4 CPU processes (gloo), in fp64 against the single-process
 fp64 oracle: activation checkpointing (reentrant, non-reentrant and selective: its recompute calls the attention
 again), gradient accumulation with an evaluation forward and an unused forward in between, a backward run twice
-(retain_graph)."""
+(retain_graph), a rank whose loss skips the attention, and DDP / FSDP2 over a dp group around cp layers of
+different windows."""
 
 import functools
 
@@ -143,3 +144,83 @@ def test_a_rank_that_skips_a_backward_fails_every_rank_at_once_naming_forward_an
         message, elapsed = res
         assert "direction (" in message and "rank 1 'forward'" in message and "rank 0 'backward'" in message, message
         assert elapsed < 10, (rank, elapsed, message)
+
+
+# ---- data parallel around context parallel -----------------------------------------------------------------------
+
+
+class _Layers(torch.nn.Module):
+    """Projections around attention layers of different windows, each layer its own module on one cp group."""
+
+    def __init__(self, attns, width=16, heads=(4, 2), head_dim=4):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.attns, self.heads, self.head_dim = attns, heads, head_dim
+        qkv = (heads[0] + 2 * heads[1]) * head_dim
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(width, qkv, dtype=torch.float64) for _ in attns)
+        self.o = torch.nn.ModuleList(torch.nn.Linear(heads[0] * head_dim, width, dtype=torch.float64) for _ in attns)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+
+    def layer(self, i, x, plan):
+        hq, hkv = self.heads
+        q, k, v = self.qkv[i](x).split([hq * self.head_dim, hkv * self.head_dim, hkv * self.head_dim], -1)
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
+        return x + self.o[i](self.attns[i](q, k, v, plan=plan).flatten(-2))
+
+    def forward(self, x, plan, ckpt=False):
+        for i in range(len(self.attns)):  # per-layer checkpoints: the recompute runs the layers last to first
+            x = checkpoint(self.layer, i, x, plan, use_reentrant=False) if ckpt else self.layer(i, x, plan)
+        return x
+
+
+def data_parallel_case(rank, world, wrap):
+    """dp 2 x cp 2 (cp groups {0, 1}, {2, 3}): each dp replica trains two steps on its own sample, checkpointed per
+    layer; the parameters' gradients (summed over cp, averaged over dp) against one process's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    cp, dp = GROUPS["ulysses"], GROUPS["ring"]
+    windows = [(3, 0), (-1, -1)]
+    model = _Layers([FA4ContextParallelAttention(cp, window=w, backend="reference", timeout=30) for w in windows])
+    ref = _Layers([FA4ContextParallelAttention(None, window=w, backend="reference") for w in windows])
+    if wrap == "ddp":
+        trained = torch.nn.parallel.DistributedDataParallel(model, process_group=dp)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(dp, "cpu")
+        for part in list(model.qkv) + list(model.o):
+            fully_shard(part, mesh=mesh)
+        trained = fully_shard(model, mesh=mesh)
+    samples = []
+    for seed in range(2):
+        cu = cp_cases.random_docs(seed, 5, 14)
+        plan = model.attns[0].make_plan(cu)
+        gen = torch.Generator().manual_seed(seed)
+        x, dout = (torch.randn(plan.total_len, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+        samples.append((plan, make_plan(cu, 1), x, dout))
+    plan, _, x, dout = samples[rank // 2]
+    shard = functools.partial(plan.shard, seq_dim=0, rank=model.attns[0].cp_rank)
+    for _ in range(2):
+        local = shard(x).requires_grad_()
+        out = trained(local, plan, ckpt=True)
+        (out * shard(dout)).sum().backward()
+    for plan1, full, want_dout in [s[1:] for s in samples]:
+        for _ in range(2):
+            (ref(full, plan1) * want_dout).sum().backward()
+    errors = [float((out.detach() - shard(ref(x, samples[rank // 2][1]))).abs().max())]
+    for p, want in zip(model.parameters(), ref.parameters()):
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+        dist.all_reduce(grad, group=cp)
+        errors.append(float((grad - want.grad / 2).abs().max()))
+    return max(errors)
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_data_parallel_wrappers_around_context_parallel_layers(pool, wrap):
+    assert max(pool.run(data_parallel_case, wrap=wrap, timeout=90)) < TOL
