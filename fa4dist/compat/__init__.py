@@ -4,6 +4,8 @@
   ``qkvpacked`` / ``kvpacked`` forms (``from fa4dist.compat.flash_attn import flash_attn_func``).
 - :mod:`fa4dist.compat.flash_attn_cute`: flash-attn 4's ``flash_attn_func`` / ``flash_attn_varlen_func``
   (``flash_attn.cute``), which return ``(out, lse)`` and take ``learnable_sink``.
+- :mod:`fa4dist.compat.sdpa`: torch's ``scaled_dot_product_attention`` (its layout, top-left ``is_causal``,
+  ``enable_gqa``).
 
 flash-attn's conventions are translated in one place (:mod:`fa4dist.compat.conventions`): causal masks and windows
 aligned to the bottom-right corner when the query and key lengths differ, ``window_size`` with -1 (flash-attn 2)

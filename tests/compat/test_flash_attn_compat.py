@@ -153,3 +153,22 @@ def test_varlen_refusals():
                                    seqused_k=torch.tensor([2, 4], dtype=torch.int32))
     with pytest.raises(ValueError, match="give both cu_seqlens_q and cu_seqlens_k"):
         fa4.flash_attn_varlen_func(q, q, q, cu_seqlens_q=cu)
+
+
+@pytest.mark.parametrize("sq, sk, causal", [(9, 9, True), (5, 11, True), (11, 5, False), (7, 7, False)])
+def test_sdpa_drop_in_equals_torchs_own(sq, sk, causal):
+    """fa4dist.compat.sdpa against torch's scaled_dot_product_attention (top-left is_causal), GQA, a scale, with
+    gradients."""
+    from fa4dist.compat.sdpa import scaled_dot_product_attention
+
+    q, k, v = leaves((2, 4, sq, 8), (2, 2, sk, 8), (2, 2, sk, 8), seed=6)
+    kw = dict(is_causal=causal, scale=0.4, enable_gqa=True)
+    got = scaled_dot_product_attention(q, k, v, **kw)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
+    close(got, want, "out")
+    for name, g, w in zip("qkv", grads_of([got], (q, k, v)), grads_of([want], (q, k, v))):
+        close(g, w, f"d{name}")
+    with pytest.raises(ValueError, match="pass enable_gqa=True"):
+        scaled_dot_product_attention(q, k, v)
+    with pytest.raises(NotImplementedError, match="attn_mask=a Tensor is not supported"):
+        scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(sq, sk, dtype=torch.bool), enable_gqa=True)

@@ -1,0 +1,32 @@
+"""torch's ``scaled_dot_product_attention`` on fa4dist: the same signature and layout ((batch, heads, seqlen,
+head_dim)), computed by :func:`fa4dist.attention`.  ``is_causal`` is torch's: aligned to the top-left corner
+(query i sees keys 0..i, also when the query and key lengths differ), unlike flash-attn's bottom-right.
+``enable_gqa`` as torch takes it (fewer key/value heads only with it).  A mask tensor, dropout and nested tensors
+are refused by name: fa4dist computes causal, windowed and packed masks, which it takes from its own arguments
+(:func:`fa4dist.attention`)."""
+
+from __future__ import annotations
+
+import torch
+
+import fa4dist
+
+from . import conventions
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """query (batch, heads, seqlen_q, head_dim), key and value (batch, kv_heads, seqlen_k, head_dim[_v]) -> out
+    (batch, heads, seqlen_q, head_dim_v)."""
+    call = "scaled_dot_product_attention"
+    conventions.refuse(call, attn_mask=attn_mask, dropout_p=dropout_p)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{call}: {name} must be a (batch, heads, seqlen, head_dim) tensor, got {shape}")
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(f"{call}: query has {query.shape[1]} heads but key {key.shape[1]}; pass enable_gqa=True "
+                         "for grouped-query attention (as torch requires)")
+    out = fa4dist.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                            causal=bool(is_causal), softmax_scale=scale)
+    return out.transpose(1, 2)
