@@ -629,8 +629,17 @@ def per_document_loss(model, sample) -> torch.Tensor:
     from 0), with the model's own loss: what the packed call means, without trusting the model's packed-sequence
     masks (transformers 5.24's eager GPT-OSS sliding-window layers let a document's first tokens see the previous
     document in a packed row: a document run alone and the same document packed differ by ~4e-2 there).  A window
-    without targets gives 0, as the cp loss does."""
+    without targets gives 0, as the cp loss does.  A model that scales its queries by their token's index in the row
+    (Llama 4's temperature-tuned NoPE layers, from floor_scale tokens on) computes something else for a document
+    alone (from index 0) than packed: it runs the packed row (positions restarting per document, no cache:
+    transformers' packed-sequence mask), as the recipe's run computes it."""
+    from fa4dist.integrations.hf_context_parallel import temperature_tuned
+
     cu = sample.cu_seqlens.tolist()
+    if temperature_tuned(model) and any(b - a >= 2 for a, b in zip(cu, cu[1:])):
+        batch = hf_batch(sample)
+        return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                     use_cache=False).loss
     total, count = None, 0
     for a, b in zip(cu, cu[1:]):
         if b - a < 2:  # no next-token label in a one-token document

@@ -128,7 +128,7 @@ def _layer_chunk(config, local_size) -> Optional[int]:
     return int(chunk) if chunk and local_size is not None and int(local_size) == int(chunk) else None
 
 
-def _temperature_tuned(model) -> list:
+def temperature_tuned(model) -> list:
     """Llama 4's NoPE attention modules that scale their queries by a function of each token's index in the row
     (``attn_temperature_tuning``): under context parallelism that index is the token's in the shard, so the handle
     turns it off there and applies the scale itself (:func:`_tune_temperature`)."""
@@ -350,7 +350,7 @@ class ContextParallelHandle:
         # on the base model, which the task heads call with the batch's kwargs (the plan among them)
         self._cache_hook = getattr(model, "base_model", model).register_forward_pre_hook(_cache_hook,
                                                                                          with_kwargs=True)
-        self.temperature_tuned = tuple(_temperature_tuned(model))  # applied by the attention (global indices)
+        self.temperature_tuned = tuple(temperature_tuned(model))  # applied by the attention (global indices)
         self._tuning = [module.attn_temperature_tuning for module in self.temperature_tuned]
         for module in self.temperature_tuned:
             module.attn_temperature_tuning = False

@@ -335,3 +335,33 @@ def test_offload_checkpoints_is_reported_as_checkpointing():
     plain = hf_sft.parse_args(["--activation-checkpointing"])
     assert hf_sft.memory_estimates(facts, 64, 2, plain, torch.bfloat16)["checkpoints"] == 2 * 64 * 64 * 2 / 2**30
     assert not hf_sft.parse_args([]).activation_checkpointing
+
+
+def test_the_llama4_reference_scales_its_queries_by_the_index_in_the_packed_row():
+    """Llama 4's NoPE layers scale each query by a function of its token's index in the row (temperature tuning,
+    from floor_scale tokens on: 8192 by default, within --seqlen 65536).  The recipe's run (enable_context_parallel,
+    as the model on the packed row) takes the index in the packed window; the single-process reference ran each
+    document alone, from index 0, so from the second document on it computed another model (here a loss ~1e-3
+    apart).  It now runs such a model on the packed row.  fp64, no MoE layers (their fp32 router rounds apart with
+    the token count)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Llama4TextConfig
+
+    from fa4dist.data.packing import Sample, positions_from_cu_seqlens
+    from fa4dist.integrations.hf import enable_context_parallel
+
+    config = Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=48, intermediate_size_mlp=48,
+                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                              attention_chunk_size=6, moe_layers=[], floor_scale=4, attn_scale=2.0,
+                              initializer_range=0.5)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double()
+    cu = torch.tensor([0, 9, 23, 30], dtype=torch.int32)
+    sample = Sample(torch.randint(0, 64, (30,)), torch.zeros(30, dtype=torch.long), positions_from_cu_seqlens(cu),
+                    cu)
+    want = hf_sft.per_document_loss(model, sample)
+    with enable_context_parallel(model) as handle:
+        local = handle.shard_batch(hf_sft.hf_batch(sample))
+        got = handle.loss(model(**local).logits, local)
+    # (the model's own loss is computed in fp32)
+    assert abs(got.item() - want.item()) <= 1e-6 * abs(want.item()), (got.item(), want.item())
