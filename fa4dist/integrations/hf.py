@@ -471,6 +471,22 @@ def _info_from_kwargs(query, kwargs, q_length, kv_length) -> Optional[FA4MaskInf
     return info
 
 
+def _chunks_within(info: FA4MaskInfo, documents: FA4MaskInfo) -> bool:
+    """Whether the mask's segments ``info`` are the ``cu_seq_lens`` documents cut further into runs no longer than
+    the layer's ``local_size`` (its verified window plus one): a chunked layer's mask (Llama 4) over a packed row,
+    whose chunks transformers finds from ``position_ids`` (the attention call does not get them).  Every boundary
+    of the documents must be one of the segments'; the segments, verified against the model's mask, are then what
+    it computes."""
+    if info.window == NO_WINDOW or info.dense or info.batch_size != 1 or info.q_length != info.kv_length or \
+            info.q_offset or info.kv_offset or not torch.equal(documents.cu_seqlens_q, documents.cu_seqlens_k):
+        return False
+    local_size = info.window[0] + 1
+    if any((qs, qe) != (ks, ke) or qe - qs > local_size for _, qs, qe, ks, ke in info.segments):
+        return False
+    bounds = {qs for _, qs, _, _, _ in info.segments} | {qe for _, _, qe, _, _ in info.segments}
+    return set(documents.cu_seqlens_q.tolist()) <= bounds
+
+
 def _layout_of_call(attention_mask, kwargs, query, batch, q_length, kv_length) -> FA4MaskInfo:
     """The segments of one call: the mask function's, split where ``position_ids`` start documents, or
     ``cu_seq_lens``."""
@@ -499,7 +515,9 @@ def _layout_of_call(attention_mask, kwargs, query, batch, q_length, kv_length) -
         info = info.derived[cache_key][1]
     if from_kwargs is not None:
         # cu_seq_lens may refine a mask of one document per row; documents found from the mask or from
-        # position_ids must agree with them
+        # position_ids must agree with them, or be cut further by the mask at a chunked layer's chunks
+        if _chunks_within(info, from_kwargs):
+            return info
         if not info.dense and not (len(info.segments) == len(from_kwargs.cu_seqlens_q) - 1 and torch.equal(
                 info.cu_seqlens_q.cpu(), from_kwargs.cu_seqlens_q.cpu())):
             raise UnsupportedMask("cu_seq_lens_q disagrees with the documents found from position_ids / "

@@ -320,6 +320,24 @@ def test_windowed_models_match_their_eager_attention_in_fp64(family):
     hf_tiny.assert_close_rel(got[mask.bool()], want[mask.bool()], REL, "padded logits")
 
 
+def test_chunked_attention_with_flash_style_cu_seq_lens_matches_eager_fp64():
+    """DataCollatorWithFlattening(return_flash_attn_kwargs=True) on Llama 4: its chunked layers' mask has the
+    documents of cu_seq_lens cut further at the chunks (transformers refuses flash-attention there).  The mask's
+    finer segments were refused as 'cu_seq_lens_q disagrees with the documents found from position_ids'; they are
+    what the model computes.  cu_seq_lens that do disagree with the documents are still refused."""
+    model = hf_tiny.tiny_model("llama4", seed=7)
+    ids, pos = _packed([[9, 14, 5]], seed=8)
+    cu = torch.tensor([0, 9, 23, 28], dtype=torch.int32)
+    want = logits_with(model, hf_tiny.EAGER_FP64, input_ids=ids, position_ids=pos, use_cache=False)
+    got = logits_with(model, NAME, input_ids=ids, position_ids=pos, use_cache=False, cu_seq_lens_q=cu,
+                      cu_seq_lens_k=cu, max_length_q=14, max_length_k=14)
+    hf_tiny.assert_close_rel(got, want, REL, "logits")
+    bad = torch.tensor([0, 9, 20, 28], dtype=torch.int32)
+    with pytest.raises(UnsupportedMask, match="cu_seq_lens_q disagrees"):
+        logits_with(model, NAME, input_ids=ids, position_ids=pos, use_cache=False, cu_seq_lens_q=bad,
+                    cu_seq_lens_k=bad)
+
+
 @pytest.mark.parametrize("family, cache", [("gemma2", "dynamic"), ("gpt_oss", "dynamic"), ("llama4", "dynamic"),
                                            ("llama4", "static")])
 def test_cached_generation_past_the_window_matches_eager_fp64(family, cache):
