@@ -252,7 +252,7 @@ def test_the_reference_loss_of_a_window_without_targets_is_the_cp_loss_zero():
         assert handle.loss(model(**local).logits, local).item() == want.item()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3", "gpt_oss", "llama4"])
 def test_a_sharded_init_gives_the_buffers_and_norms_of_the_models_own_init(arch):
     """--init sharded builds on the meta device, so after to_empty every buffer and weight is uninitialized memory
     (NaN here, to be sure): init_shards must leave none of it. Gemma's embedding scale (sqrt(hidden), a buffer) was
