@@ -14,7 +14,8 @@ softmax in fp32 (Gemma 2/3, Mistral, Llama; GPT-OSS keeps the dtype), which alon
 
 Gemma's RMSNorm computes in fp32 whatever the dtype (its weight gradient is summed in fp32, so the same batch run
 packed or one document at a time differs by ~1e-7); :func:`tiny_model` runs those norms in the model's dtype, the
-same formula, so that fp64 comparisons see only the attention.
+same formula, so that fp64 comparisons see only the attention.  Llama 4's MoE router rounds its sigmoid to fp32
+too, an ulp apart with the number of tokens in the call; it runs in the model's dtype here as well.
 """
 
 from __future__ import annotations
@@ -95,6 +96,16 @@ def _gemma_rms_norm_in_dtype(self, x):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.to(x.dtype))
 
 
+def _llama4_router_in_dtype(self, hidden_states):
+    """Llama 4's router (top-k of the logits, then their sigmoid) with the sigmoid in the logits' dtype (the stock
+    one rounds it in fp32, whose vectorized and scalar loops differ by an ulp: the same token's score then depends
+    on how many tokens the call holds, ~1e-8 in fp64 logits between a packed row and its shards)."""
+    logits = torch.nn.functional.linear(hidden_states, self.weight)
+    top, index = torch.topk(logits, self.top_k, dim=1)
+    scores = torch.full_like(logits, float("-inf")).scatter_(1, index, top)
+    return torch.sigmoid(scores), logits
+
+
 def tiny_model(family: str, seed: int = 0, attn_implementation: str = EAGER_FP64, **overrides):
     """A tiny fp64 model of ``family`` with the config's overrides, weights from ``seed``."""
     config = CONFIGS[family]()
@@ -107,6 +118,8 @@ def tiny_model(family: str, seed: int = 0, attn_implementation: str = EAGER_FP64
     for module in model.modules():
         if type(module).__name__ in ("Gemma2RMSNorm", "Gemma3RMSNorm"):
             module.forward = types.MethodType(_gemma_rms_norm_in_dtype, module)
+        if type(module).__name__ == "Llama4Router":
+            module.forward = types.MethodType(_llama4_router_in_dtype, module)
     return model
 
 
