@@ -659,7 +659,8 @@ def per_document_loss(model, sample) -> torch.Tensor:
 def reference_run(args, device=torch.device("cpu")) -> dict:
     """``{"loss": [...], "grad_norm": [...]}`` of common.reference_loop over the same data with the model's own
     attention (``own_attention``: sdpa, or eager for Gemma and GPT-OSS) and its own loss (``labels``, shifted
-    inside), one document at a time (:func:`per_document_loss`).  What the distributed recipe must reproduce."""
+    inside), one document at a time (the packed row for Llama 4: :func:`per_document_loss`).  What the distributed
+    recipe must reproduce."""
     common.set_determinism(args)
     model, sharded = build_model(args, device)
     if sharded:
