@@ -531,7 +531,7 @@ def test_to_hf_llama_keeps_a_cuda_model_on_its_device():
         assert q is not None and q.device == p.device and q.dtype == p.dtype and torch.equal(q, p), name
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "gpt_oss", "llama4"])
 def test_autocast_bf16_runs_the_attention_in_the_autocast_dtype(family):
     """Under torch.autocast(bf16) the projections give bf16 query, key and value, and the rotary embedding (fp32
     cos/sin) turns query and key back to fp32: the call got fp32 q/k with a bf16 v and fa4dist.attention refused
