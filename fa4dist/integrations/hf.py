@@ -27,7 +27,9 @@ keyword arguments (from ``DataCollatorWithFlattening(return_flash_attn_kwargs=Tr
 are the documents of ``position_ids`` when transformers did not turn them into a document mask itself (it does so
 only with ``use_cache=False`` and no ``attention_mask``, and never for models that do not hand ``position_ids`` to
 their mask, as GPT-OSS; there its stock attentions silently let packed documents see each other, while
-flash-attention and this function keep them apart).
+flash-attention and this function keep them apart).  A model whose attention call is not handed ``position_ids``
+either (Llama 4) keeps transformers' documents only: with a cache or an ``attention_mask`` its packed documents
+see each other, as in its own attention.
 
 Which tokens start a document is one rule, transformers' own (:func:`document_starts`): the first, and every one
 whose position does not continue the one before by one -- a return to 0, but also a gap (0, 1, 2, 5, 6: two
