@@ -66,7 +66,11 @@ def _check_max(call: str, name: str, given, lengths: list[int]) -> None:
     if given is None:
         return
     longest = max(lengths, default=0)
-    if operator.index(given) < longest:
+    try:
+        given = operator.index(given)
+    except TypeError:
+        raise TypeError(f"{call}: {name} must be an int or None, got {_show(given)}") from None
+    if given < longest:
         raise ValueError(f"{call}: {name}={given} is shorter than the longest sequence ({longest} tokens)")
 
 

@@ -3,7 +3,8 @@ with its signatures, returning ``(out, lse)`` (the lse differentiable with ``ret
 otherwise) and taking ``learnable_sink`` (per-head sinks, with their gradient).  Performance hints (``num_splits``,
 ``pack_gqa``, ``min_seqlen_k``, ``scheduler_metadata``, ...) are accepted and left to fa4dist's own dispatch;
 what changes the result and fa4dist does not compute (``qv``, score / mask modifications, block sparsity, paged or
-gathered KV, ``seqused_*``) is refused by name.  Conventions: :mod:`fa4dist.compat.conventions`."""
+gathered KV, ``seqused_*``, and sparse MLA's backward options ``gather_bwd_*``, which flash-attn 4 itself refuses
+without ``gather_kv_indices``) is refused by name.  Conventions: :mod:`fa4dist.compat.conventions`."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     conventions.refuse(call, qv=qv, gather_kv_indices=gather_kv_indices, score_mod=score_mod,
                        score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors,
                        aux_scalars=aux_scalars, block_sparse_tensors=block_sparse_tensors,
-                       block_sparse_tensors_bwd=block_sparse_tensors_bwd)
+                       block_sparse_tensors_bwd=block_sparse_tensors_bwd, gather_bwd_recompute_p=gather_bwd_recompute_p,
+                       gather_bwd_token_chunk=gather_bwd_token_chunk)
     return conventions.attention(call, q, k, v, causal=causal, window_size=window_size, softcap=softcap,
                                  softmax_scale=softmax_scale, deterministic=deterministic, return_lse=return_lse,
                                  sinks=learnable_sink)
@@ -40,7 +42,8 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
     call = "flash_attn_varlen_func"
     conventions.refuse(call, qv=qv, seqused_q=seqused_q, seqused_k=seqused_k, gather_kv_indices=gather_kv_indices,
                        page_table=page_table, score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod,
-                       block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors, aux_scalars=aux_scalars)
+                       block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors, aux_scalars=aux_scalars,
+                       gather_bwd_recompute_p=gather_bwd_recompute_p, gather_bwd_token_chunk=gather_bwd_token_chunk)
     return conventions.attention(call, q, k, v, causal=causal, window_size=window_size, softcap=softcap,
                                  softmax_scale=softmax_scale, deterministic=deterministic, return_lse=return_lse,
                                  sinks=learnable_sink, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

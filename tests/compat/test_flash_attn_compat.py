@@ -134,6 +134,12 @@ def test_flash_attn_4_funcs_return_out_and_lse_with_sinks():
     (fa2.flash_attn_func, dict(window_size=(-2, 0)), ValueError, "window_size's left side must be >= -1"),
     (fa4.flash_attn_func, dict(mask_mod=lambda *a: True), NotImplementedError, "mask_mod=a function"),
     (fa4.flash_attn_func, dict(qv=torch.ones(1)), NotImplementedError, "qv=a Tensor"),
+    # sparse MLA's backward options: flash-attn 4 raises for them without gather_kv_indices (they were ignored)
+    (fa4.flash_attn_func, dict(gather_bwd_recompute_p=True), NotImplementedError, "gather_bwd_recompute_p=True"),
+    (fa4.flash_attn_func, dict(gather_bwd_token_chunk=64), NotImplementedError, "gather_bwd_token_chunk=64"),
+    (fa4.flash_attn_varlen_func, dict(gather_bwd_recompute_p=True), NotImplementedError,
+     "gather_bwd_recompute_p=True"),
+    (fa4.flash_attn_varlen_func, dict(gather_bwd_token_chunk=64), NotImplementedError, "gather_bwd_token_chunk=64"),
 ])
 def test_what_fa4dist_does_not_compute_is_refused_by_name(call, kwargs, error, match):
     q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
@@ -146,6 +152,8 @@ def test_varlen_refusals():
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
     with pytest.raises(ValueError, match="max_seqlen_q=3 is shorter than the longest sequence \\(4 tokens\\)"):
         fa2.flash_attn_varlen_func(q, q, q, cu, cu, 3, 4)
+    with pytest.raises(TypeError, match="max_seqlen_k must be an int or None, got 4.0"):  # (was int()'s own error)
+        fa2.flash_attn_varlen_func(q, q, q, cu, cu, 4, 4.0)
     with pytest.raises(NotImplementedError, match="block_table"):
         fa2.flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, block_table=torch.zeros(2, 1, dtype=torch.int32))
     with pytest.raises(NotImplementedError, match="seqused_k"):
