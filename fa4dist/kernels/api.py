@@ -3,6 +3,7 @@ calls.  See the package docstring of :mod:`fa4dist.kernels` for the semantics.""
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -291,12 +292,22 @@ def lse_backward_operands(dlse: torch.Tensor, out: torch.Tensor) -> tuple[torch.
     d lse_i / d s_ij = P_ij, so ``dlse`` joins the backward's dS = P (dP - D), D = rowsum(dout * out), as D - dlse:
     with v = 0 (dP = 0) and rowsum(dout' * out') = -dlse the backward's dq, dk (and with sinks dsinks, whose term
     is exp(sink - lse) * -D) are the lse's.  out' carries -dlse over up to three columns of out's dtype (its value
-    and the rounding errors left: a 16-bit out holds it to ~fp32 precision), each against a 1 in dout'."""
-    remainder = -lse_as_out_layout(dlse.to(torch.float64 if out.dtype == torch.float64 else torch.float32))[..., 0]
+    and the rounding errors left: a 16-bit out holds it to ~fp32 precision), each against the same power of two
+    2^e of the row in dout' (the backward forms D in fp32, where these products are exact).  dlse is fp32 (the
+    lse's dtype) and float16 spans far less: 2^e brings out' near 2^9, so every column is a normal number of out's
+    dtype, from |dlse| ~ 4e-9 to ~6e9 for float16 (over all of fp32's range for bfloat16; 1e5 came out NaN and
+    1e-6 a float16 subnormal that lost 2%).  2^e stays a normal number of out's dtype."""
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    target = -lse_as_out_layout(dlse.to(acc))[..., 0]
+    finfo = torch.finfo(out.dtype)
+    exponent = (torch.frexp(target).exponent - 9).clamp(round(math.log2(finfo.tiny)), math.floor(math.log2(finfo.max)))
+    unit = torch.ldexp(torch.ones_like(target), exponent)  # (exact: a power of two of the dtype's normal range)
+    remainder = target / unit
     out_p, dout_p = torch.zeros_like(out), torch.zeros_like(out)
     for column in range(min(3, out.shape[-1])):
         part = remainder.to(out.dtype)
         out_p[..., column] = part
-        dout_p[..., column] = 1
-        remainder = remainder - part.to(remainder.dtype)
+        dout_p[..., column] = unit.to(out.dtype)
+        # (an infinite dlse is its first column alone: inf - inf would make the row NaN)
+        remainder = torch.where(torch.isfinite(part), remainder - part.to(remainder.dtype), 0)
     return dout_p, out_p

@@ -134,3 +134,36 @@ def test_the_lse_is_differentiable(case, dtype):
         got2 = torch.autograd.grad(g_q.square().sum(), leaves[1])[0]
         want2 = torch.autograd.grad(ref_g_q.square().sum(), ref_leaves[1])[0]
         torch.testing.assert_close(got2, want2, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ["dlse past float16's range", "dlse in float16's subnormals", "dlse of one"])
+def test_the_lse_gradient_keeps_its_precision_over_float32s_range(case, dtype):
+    """The lse is float32, so its gradient dlse can take any float32 value, while the backward carries it in out's
+    dtype. It was rounded to float16 as it came: |dlse| = 1e5 (past 65504) gave NaN gradients and 1e-6 (a float16
+    subnormal) lost 2% of dq and of dsinks, where the gradients themselves are normal float16 numbers. Now within a
+    few of the dtype's roundings of the fp64 oracle's gradients (q, k rounded to the dtype, sinks fp64)."""
+    from oracle import naive_attention
+
+    gen = torch.Generator().manual_seed(3)
+    magnitude, q_scale, k_scale, softmax_scale = {"dlse past float16's range": (1e5, 1.0, 1.0, 0.01),
+                                                  "dlse in float16's subnormals": (1e-6, 0.01, 100.0, 1.0),
+                                                  "dlse of one": (1.0, 1.0, 1.0, None)}[case]
+    q = (torch.randn(2, 16, 4, 16, generator=gen, dtype=torch.float64) * q_scale).to(dtype)
+    k = (torch.randn(2, 16, 2, 16, generator=gen, dtype=torch.float64) * k_scale).to(dtype)
+    v = torch.randn(2, 16, 2, 16, generator=gen, dtype=torch.float64).to(dtype)
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64)
+    w = magnitude * (0.5 + torch.rand(2, 4, 16, generator=gen, dtype=torch.float64))
+    w = w * torch.randn(w.shape, generator=gen).sign()
+    leaves = [t.requires_grad_() for t in (q, k, v, sinks)]
+    _, lse = fa4dist.attention(*leaves[:3], sinks=leaves[3], causal=True, softmax_scale=softmax_scale,
+                               return_lse=True)
+    got = torch.autograd.grad((lse.double() * w).sum(), (leaves[0], leaves[1], leaves[3]))
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    _, ref_lse = naive_attention(*ref[:3], sinks=ref[3], causal=True, softmax_scale=softmax_scale)
+    want = torch.autograd.grad((ref_lse * w).sum(), (ref[0], ref[1], ref[3]))
+    tol = 4 * torch.finfo(dtype).eps
+    for name, g, r in zip(("dq", "dk", "dsinks"), got, want):
+        # (an absolute step too: a dk below float16's smallest step rounds to 0 or that step)
+        assert float((g.double() - r).abs().max()) <= tol * float(r.abs().max()) + torch.finfo(g.dtype).tiny * \
+            torch.finfo(g.dtype).eps, name
