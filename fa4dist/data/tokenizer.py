@@ -63,7 +63,8 @@ class PretrainedTokenizer:
     """``transformers.AutoTokenizer`` from the local directory ``path`` (nothing is downloaded) with
     :class:`ByteTokenizer`'s ``encode(text)``: the text's ids with the tokenizer's special tokens, then its EOS
     (when it has one and did not add it), so that a packed stream's documents end as the byte tokenizer's do.
-    ``vocab_size``: every id it can produce is below it (``len(tokenizer)``, added tokens included)."""
+    ``vocab_size``: every id it can produce is below it (its largest id + 1, added tokens included; at least
+    ``len(tokenizer)``)."""
 
     def __init__(self, path):
         from transformers import AutoTokenizer
@@ -72,7 +73,8 @@ class PretrainedTokenizer:
             self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError, TypeError) as err:
             raise ValueError(f"{str(path)!r} is not a local transformers tokenizer directory ({err})") from None
-        self.vocab_size = len(self.tokenizer)
+        # len() counts the tokens, not the ids: a vocabulary with a gap in its ids has ids at or past it
+        self.vocab_size = max(len(self.tokenizer), max(self.tokenizer.get_vocab().values(), default=-1) + 1)
         self.eos_id = self.tokenizer.eos_token_id
 
     def encode(self, text: str) -> list[int]:

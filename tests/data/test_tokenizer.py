@@ -61,3 +61,24 @@ def test_a_pretrained_tokenizer_frames_documents_like_the_byte_tokenizer(tmp_pat
         PretrainedTokenizer(tmp_path / "missing")
     with pytest.raises(TypeError, match="text must be a str"):
         tok.encode(b"bytes")
+
+
+def test_a_pretrained_tokenizers_vocab_size_is_above_every_id_it_produces(tmp_path):
+    """len(tokenizer) counts the tokens, not the ids: a vocabulary whose ids have a gap (here 0..3 and 500) had
+    vocab_size 5, so the model was built with 5 embeddings (the recipe's vocabulary check passed it) and id 500
+    indexed past them. vocab_size is now the largest id + 1 (or len, when larger)."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from fa4dist.data import PackedTokenStream, PretrainedTokenizer
+
+    words = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "<s>": 1, "</s>": 2, "the": 3, "fox": 500},
+                                       unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(tmp_path / "tok")
+    tok = PretrainedTokenizer(tmp_path / "tok")
+    assert tok.encode("the fox") == [3, 500, 2]
+    assert tok.vocab_size == 501
+    assert int(PackedTokenStream(["the fox the"], 4, tokenizer=tok).tokens.max()) < tok.vocab_size
