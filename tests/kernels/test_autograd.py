@@ -167,3 +167,25 @@ def test_the_lse_gradient_keeps_its_precision_over_float32s_range(case, dtype):
         # (an absolute step too: a dk below float16's smallest step rounds to 0 or that step)
         assert float((g.double() - r).abs().max()) <= tol * float(r.abs().max()) + torch.finfo(g.dtype).tiny * \
             torch.finfo(g.dtype).eps, name
+
+
+def test_an_infinite_dlse_gives_the_oracles_infinities():
+    """A row whose dlse is +inf: its three-column split made the row NaN (inf - inf), so dk and dsinks were NaN
+    where the fp64 oracle's are +-inf; now the same non-finite values, and the same finite ones elsewhere."""
+    from oracle import naive_attention
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 6, 2, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(3))
+    sinks = torch.randn(2, generator=gen, dtype=torch.float64).requires_grad_()
+    w = torch.randn(1, 2, 6, generator=gen, dtype=torch.float64)
+    w[0, 1, 3] = float("inf")
+    _, lse = fa4dist.attention(q, k, v, sinks=sinks, causal=True, return_lse=True)
+    got = torch.autograd.grad((lse * w).sum(), (q, k, sinks))
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    _, ref_lse = naive_attention(*ref[:3], sinks=ref[3], causal=True)
+    want = torch.autograd.grad((ref_lse * w).sum(), (ref[0], ref[1], ref[3]))
+    for name, g, r in zip(("dq", "dk", "dsinks"), got, want):
+        assert torch.equal(torch.isnan(g), torch.isnan(r)) and torch.equal(torch.isinf(g), torch.isinf(r)), name
+        assert torch.equal(g[torch.isinf(r)], r[torch.isinf(r)]), name
+        finite = torch.isfinite(r)
+        assert float((g[finite] - r[finite]).abs().max()) <= 1e-10 * float(r[finite].abs().max()), name
