@@ -2,7 +2,9 @@
 ``flash_attn_qkvpacked_func``, ``flash_attn_kvpacked_func``, ``flash_attn_varlen_qkvpacked_func`` and
 ``flash_attn_varlen_kvpacked_func``, with flash-attn 2's signatures and results (``return_attn_probs=True``:
 ``(out, softmax_lse, None)``; fa4dist never forms the attention probabilities, and the lse is differentiable).
-Dropout, ALiBi and paged KV caches are refused by name.  Conventions: :mod:`fa4dist.compat.conventions`."""
+Dropout, ALiBi and paged KV caches are refused by name.  Conventions: :mod:`fa4dist.compat.conventions`.  One
+difference: a query row that sees no key (a causal call with more queries than keys) has out 0 and lse -inf, the
+log of its empty sum, as in flash-attn 4; flash-attn 2's kernels write +inf there."""
 
 from __future__ import annotations
 
