@@ -484,7 +484,12 @@ class ShardPlan:
         layers whose masks differ only in where documents end (chunked attention: Llama 4's chunked layers see
         their own chunk of each document; :mod:`fa4dist.integrations.hf_context_parallel`).  The balancer's choice
         is kept (it was costed with the original documents); a dense plan becomes a packed one."""
-        cuts = torch.as_tensor(starts).flatten()
+        if isinstance(starts, (str, bytes)) or starts is None:
+            raise TypeError(f"starts must be a 1-D tensor or sequence of token indices, got {type(starts).__name__}")
+        try:
+            cuts = torch.as_tensor(starts).flatten()
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"starts must be a 1-D tensor or sequence of token indices, got {starts!r}") from None
         if cuts.numel() == 0:
             return self
         check_integer_dtype("starts", cuts)

@@ -561,3 +561,6 @@ def test_split_documents_keeps_the_shards_and_cuts_the_documents():
         plan.split_documents([50, 101])
     with pytest.raises(TypeError, match="starts must hold integers"):
         plan.split_documents(torch.tensor([50.0]))
+    for bad in (None, "50", [[1, 2], [3]]):  # (torch's own errors named no argument)
+        with pytest.raises(TypeError, match="starts must be a 1-D tensor or sequence of token indices"):
+            plan.split_documents(bad)
