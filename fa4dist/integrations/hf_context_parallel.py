@@ -137,6 +137,22 @@ def temperature_tuned(model) -> list:
             and hasattr(m, "floor_scale") and hasattr(m, "attn_scale")]  # (use_rope is the config's 0 or 1)
 
 
+def _global_temperature(module) -> bool:
+    """Whether this call applies Llama 4's temperature tuning itself (a NoPE layer of a model whose config tunes):
+    the handle turned the module's own off.  A module that still tunes (a copy of the model made before
+    enable_context_parallel, or its flag set back) has scaled its queries by their index in the shard: refused."""
+    config = getattr(module, "config", None)
+    if getattr(module, "use_rope", True) or not getattr(config, "attn_temperature_tuning", False) or not hasattr(
+            module, "floor_scale"):
+        return False
+    if module.attn_temperature_tuning:
+        raise UnsupportedMask("this Llama 4 NoPE layer tuned its queries' temperature itself, by their index in the "
+                              "shard, not in the row (attn_temperature_tuning is on: a copy of the model made "
+                              "before enable_context_parallel, or the flag set back); run the model the handle "
+                              "was enabled on")
+    return True
+
+
 def _tune_temperature(module, query: torch.Tensor, plan: ShardPlan, rank: int) -> torch.Tensor:
     """Llama 4's query temperature (``Llama4TextAttention``'s own formula and dtypes) from each local token's index
     in the whole packed row, which is what the model computes without context parallelism."""
@@ -225,7 +241,7 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
                            "(handle.disable() does) or enable_context_parallel again")
     plan = kwargs.get(PLAN_KEY)
     warn_no_attention_weights(kwargs, "fa4dist context-parallel attention")
-    window, sinks, refused = NO_WINDOW, None, None
+    window, sinks, refused, tune = NO_WINDOW, None, None, False
     try:  # this call's own checks: a refusal goes through the attention's agreement check (below)
         if not isinstance(plan, ShardPlan):
             raise ValueError(f"context-parallel attention needs the batch from handle.shard_batch(batch) (its "
@@ -241,6 +257,7 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
             raise UnsupportedMask(f"context parallelism takes one packed row (batch size 1), got {query.shape[0]}")
         window = layer_window(attention_mask.window if attention_mask is not None else None, sliding_window)
         sinks = attention_sinks(kwargs, query.shape[1])
+        tune = _global_temperature(module)
         if attention_mask is not None and attention_mask.chunk:
             plan = kwargs.get(CHUNK_PLAN_KEY)
             if not isinstance(plan, ShardPlan):
@@ -260,7 +277,7 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
             if err is refused:
                 raise
             raise refused from err
-    if module in handle.temperature_tuned:
+    if tune:
         query = _tune_temperature(module, query, plan, handle.cp_rank)
     query, key, value = autocast_operands(query, key, value)
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (L, heads, D)

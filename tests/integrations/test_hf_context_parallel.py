@@ -977,3 +977,21 @@ def test_a_gap_in_position_ids_gives_the_same_documents_at_cp_1_and_cp_2(pool):
     assert_rel_close(cp2_loss, want[0], "cp = 2")
     for n, g in want[1].items():
         hf_tiny.assert_close_rel(cp2_grads[n], g, REL, n)
+
+
+def test_a_copy_of_the_model_keeps_its_temperature_tuning_under_context_parallelism():
+    """A copy made while context parallelism is on (an EMA model, say) has the tuning flag off as the handle set it:
+    its NoPE layers still get the tuning, from the global index (it was in the handle's list of modules only); a
+    module whose own tuning is on again would scale by the shard's index, and is refused."""
+    import copy
+
+    model = tiny_model("llama4", **LLAMA4_TUNED)
+    batch = packed_batch()
+    with enable_context_parallel(model) as handle:
+        local = handle.shard_batch(batch)
+        want = model(**local).logits
+        twin = copy.deepcopy(model)
+        torch.testing.assert_close(twin(**local).logits, want, rtol=0, atol=0)
+        next(m for m in twin.modules() if getattr(m, "use_rope", True) == 0).attn_temperature_tuning = True
+        with pytest.raises(UnsupportedMask, match="tuned its queries' temperature itself"):
+            twin(**local)
