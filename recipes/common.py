@@ -587,13 +587,6 @@ def step_loss(loss_sum: torch.Tensor, layout: Layout) -> float:
     return float(loss_sum) / layout.batch_size
 
 
-def global_tokens(tokens: int, device) -> int:
-    t = torch.tensor([tokens], dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return int(t.item())
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # logging
 
@@ -696,12 +689,6 @@ def summary_line(**fields) -> str:
 
 # ---------------------------------------------------------------------------------------------------------------
 # the single-process reference
-
-
-def reference_losses(args, device=torch.device("cpu")) -> list[float]:
-    """The step losses of a plain single-process run (no process group, no wrapper) of the same model and data:
-    AdamW, the same schedule and clipping; what the distributed recipes must reproduce."""
-    return reference_run(args, device)["loss"]
 
 
 def reference_run(args, device=torch.device("cpu")) -> dict:

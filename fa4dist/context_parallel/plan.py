@@ -384,10 +384,6 @@ class ShardPlan:
         start, end = self.chunk_bounds(chunk)
         return end - start
 
-    @property
-    def chunk_boundaries(self) -> tuple[tuple[int, int], ...]:
-        return tuple(self.chunk_bounds(c) for c in range(self.num_chunks))
-
     def rank_chunks(self, rank: int) -> tuple[int, ...]:
         """The chunks rank `rank` holds, in global order (its local tokens are theirs, in this order)."""
         return self._rank_chunks[self._check_rank(rank)]

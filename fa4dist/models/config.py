@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from fa4dist.data.tokenizer import VOCAB_SIZE
@@ -54,9 +54,6 @@ class ModelConfig:
         if self.ffn_dim is not None:
             return self.ffn_dim
         return -(-int(8 * self.dim / 3) // 64) * 64
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     def with_(self, **changes) -> "ModelConfig":
         return replace(self, **changes)
