@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import threading
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -310,7 +310,7 @@ class Transport:
     def staged(self, t: torch.Tensor) -> bool:
         return t.is_cuda and self.backend == "gloo"
 
-    def comm_device(self, like: Optional[torch.Tensor] = None) -> torch.device:
+    def comm_device(self) -> torch.device:
         if self.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")

@@ -615,13 +615,14 @@ _FIELD_HINTS = {"module": " (which attention module was called: each rank number
                              "depend on every attention output the others' did, or it skipped a backward)"}
 
 
-def _frame(rank: int, state: dict, sig: Optional[dict], call: int, size: int = _FRAME - 8) -> tuple:
+def _frame(rank: int, state: dict, sig: Optional[dict], call: int) -> tuple:
     """The JSON payload of one rank in an agreement exchange and the text it carries (``state``: what the rank knows
     so far, see raise_disagreement; its text is a rejection's error or a disagreement's message, never both): the
-    text is cut (to at most 2000 characters, and then as far as needed) so that the encoded payload fits the `size`
-    bytes of a frame whatever its characters (quotes, newlines and non-ASCII grow when encoded).  A rank whose
+    text is cut (to at most 2000 characters, and then as far as needed) so that the encoded payload fits the
+    payload bytes of a frame whatever its characters (quotes, newlines and non-ASCII grow when encoded).  A rank whose
     payload did not fit would raise before the exchange, leaving the others to wait for the timeout."""
     key = "error" if state["error"] else "message"
+    size = _FRAME - 8  # a frame less its 8-byte length header (Transport.all_gather_bytes)
 
     def encode(t):
         return json.dumps(dict(state, rank=rank, sig=sig, call=call, **{key: t})).encode()
