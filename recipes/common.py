@@ -385,7 +385,7 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0,
+def init_distributed(timeout_s: float = 300.0,
                      args: Optional[argparse.Namespace] = None) -> tuple[int, int, torch.device]:
     """Joins the job torchrun started (or makes a world of one); returns (rank, world size, device).  ``args``: the
     recipe's parsed options, checked to be the same on every rank (:func:`check_ranks_agree`)."""
@@ -395,24 +395,24 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0,
     device = local_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     if args is not None:
         check_ranks_agree(args)
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def check_ranks_agree(args: argparse.Namespace, group=None) -> None:
+def check_ranks_agree(args: argparse.Namespace) -> None:
     """Every rank must run with the same options: ranks started with different ones (another --steps, --seed,
     --batch-size, --lr, ... on one node) would wait for each other's collectives until the timeout, or train a
     silent mix (FSDP shards of differently seeded models, other data per replica).  One all-gather of the options
     before anything else; where they differ, every rank raises the same error naming the options and the ranks."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     mine = {k: repr(v) for k, v in sorted(vars(args).items())}
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
     diffs = []
     for dest in sorted(set().union(*everyone)):
         by_value: dict = {}

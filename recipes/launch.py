@@ -18,23 +18,22 @@ def tiny_args(steps: int) -> list[str]:
     return ["--model", "tiny", "--seqlen", "256", "--batch-size", "2", "--steps", str(steps), "--lr", "1e-3"]
 
 
-def torchrun(script: str, args: list[str], nproc: int = 2, timeout: float = 240.0,
-             env: dict | None = None) -> subprocess.CompletedProcess:
+def torchrun(script: str, args: list[str], nproc: int = 2, timeout: float = 240.0) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node nproc recipes/<script> args``; raises with the output on failure
     or timeout (the whole process group is killed)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(RECIPES / script), *map(str, args)]
-    return run(cmd, timeout, env)
+    return run(cmd, timeout)
 
 
-def python(script: str, args: list[str], timeout: float = 240.0, env: dict | None = None):
+def python(script: str, args: list[str], timeout: float = 240.0):
     """The recipe as a plain single process (a world of one)."""
-    return run([sys.executable, str(RECIPES / script), *map(str, args)], timeout, env)
+    return run([sys.executable, str(RECIPES / script), *map(str, args)], timeout)
 
 
-def run(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=str(REPO), start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
