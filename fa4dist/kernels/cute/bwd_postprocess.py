@@ -1,23 +1,23 @@
-# Backward dQ convert kernel (Hopper; SIMT, memory bound).
-#
-# The main kernel leaves dQ (already scaled) in an fp32 scratch, one (tile_m x d) chunk per
-# (query tile, head), each chunk in the register-fragment order of common_sm90.dq_tiled_mma (so that
-# the main kernel can add whole chunks with one bulk reduction). One CTA of 256 threads per chunk
-# reloads the fragments exactly as the MMA threads held them, recovers each element's (row, col)
-# from the same tiled MMA, and writes dq: cast to the output dtype, or added (+=) into the
-# caller's fp32 buffer when accumulating. A dense 16-bit dq goes through shared memory (stmatrix) and
-# one TMA store per chunk: the fragment order's direct stores cover half of each 32-byte sector.
-# Fixed-point dQ (dq_fixed): the scratch is int64; it is added (+=) into the caller's int64 dq, exactly, or
-# (fixed_to_float) converted, each row's integer rounded to fp32 and divided by its power-of-two scale (read
-# from the preprocess's tile-padded copy), then written or added as an fp32 scratch would be.
-# Adding (accumulate) goes through shared memory too: the fragments land row-major in a padded tile, and each
-# in-range row is added into dq by one bulk reduction (cp.reduce.async.bulk add, f32 or u64: the memory system
-# adds, no load by the SM). Added from registers, every thread's 8-byte pieces of 32-byte row segments ran at a
-# quarter of the convert's bandwidth (a ring rank's shared dQ: 1.4 ms against 0.4 for twice the rows written).
-# One CTA per chunk and one add per element: the register form's bits, except where the memory system's f32 add
-# treats subnormals differently (the main kernel's dQ scratch adds already go through it).
-#
-# This module imports cutlass at import time: import it lazily.
+"""Backward dQ convert kernel (Hopper; SIMT, memory bound).
+
+The main kernel leaves dQ (already scaled) in an fp32 scratch, one (tile_m x d) chunk per
+(query tile, head), each chunk in the register-fragment order of common_sm90.dq_tiled_mma (so that
+the main kernel can add whole chunks with one bulk reduction). One CTA of 256 threads per chunk
+reloads the fragments exactly as the MMA threads held them, recovers each element's (row, col)
+from the same tiled MMA, and writes dq: cast to the output dtype, or added (+=) into the
+caller's fp32 buffer when accumulating. A dense 16-bit dq goes through shared memory (stmatrix) and
+one TMA store per chunk: the fragment order's direct stores cover half of each 32-byte sector.
+Fixed-point dQ (dq_fixed): the scratch is int64; it is added (+=) into the caller's int64 dq, exactly, or
+(fixed_to_float) converted, each row's integer rounded to fp32 and divided by its power-of-two scale (read
+from the preprocess's tile-padded copy), then written or added as an fp32 scratch would be.
+Adding (accumulate) goes through shared memory too: the fragments land row-major in a padded tile, and each
+in-range row is added into dq by one bulk reduction (cp.reduce.async.bulk add, f32 or u64: the memory system
+adds, no load by the SM). Added from registers, every thread's 8-byte pieces of 32-byte row segments ran at a
+quarter of the convert's bandwidth (a ring rank's shared dQ: 1.4 ms against 0.4 for twice the rows written).
+One CTA per chunk and one add per element: the register form's bits, except where the memory system's f32 add
+treats subnormals differently (the main kernel's dQ scratch adds already go through it).
+
+This module imports cutlass at import time: import it lazily."""
 
 from typing import Optional
 

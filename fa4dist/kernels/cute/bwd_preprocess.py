@@ -1,22 +1,21 @@
-# Backward preprocess kernel (Hopper; plain SIMT, memory bound).
-#
-# One CTA per (query tile, head, sequence): for each of the tile's rows
-#   dpsum[row] = softmax_scale * rowsum(dO * O)      (0 for padding rows)
-#   lse2[row]  = lse * log2(e)                       (+inf for padding rows and rows with lse = -inf,
-#                                                     so that P = exp2(S * scale_log2 - lse2) = 0 there)
-# written into tile-padded vectors indexed (chunk * heads + head) * tile_m + row, where
-# chunk = (first tile of the sequence) + tile, and one int32 per tile (same index without the row):
-#   clean[tile] = 1 if every row of the tile has a finite lse and a finite dpsum, else 0.
-# A finite lse certifies the row's q (a row with a NaN / inf in q has no finite score, so its lse is NaN or
-# +-inf: the lse of the forward over the same q, as the contract requires), a finite dpsum its dO (and O): the
-# main kernel's masked steps on clean tiles skip the sanitizer (bwd_sm90.py). The same CTA zeroes the tile's fp32
-# dQ accumulator
-# chunk and, in deterministic mode, its semaphore, so the main kernel needs no memsets (zero_dq=False: a
-# launch that computes no dQ has no scratch). Fixed-point dQ (dq_fixed): the accumulator is int64 (zeroed as
-# twice the fp32 words) and the rows' scales (fixed_point.dq_scale, lse's layout) are copied into the same
-# tile-padded indexing as lse2 (0 for padding rows), where the main kernel reads them.
-#
-# This module imports cutlass at import time: import it lazily.
+"""Backward preprocess kernel (Hopper; plain SIMT, memory bound).
+
+One CTA per (query tile, head, sequence): for each of the tile's rows
+  dpsum[row] = softmax_scale * rowsum(dO * O)      (0 for padding rows)
+  lse2[row]  = lse * log2(e)                       (+inf for padding rows and rows with lse = -inf,
+                                                    so that P = exp2(S * scale_log2 - lse2) = 0 there)
+written into tile-padded vectors indexed (chunk * heads + head) * tile_m + row, where
+chunk = (first tile of the sequence) + tile, and one int32 per tile (same index without the row):
+  clean[tile] = 1 if every row of the tile has a finite lse and a finite dpsum, else 0.
+A finite lse certifies the row's q (a row with a NaN / inf in q has no finite score, so its lse is NaN or
++-inf: the lse of the forward over the same q, as the contract requires), a finite dpsum its dO (and O): the
+main kernel's masked steps on clean tiles skip the sanitizer (bwd_sm90.py). The same CTA zeroes the tile's fp32
+dQ accumulator chunk and, in deterministic mode, its semaphore, so the main kernel needs no memsets (zero_dq=False: a
+launch that computes no dQ has no scratch). Fixed-point dQ (dq_fixed): the accumulator is int64 (zeroed as
+twice the fp32 words) and the rows' scales (fixed_point.dq_scale, lse's layout) are copied into the same
+tile-padded indexing as lse2 (0 for padding rows), where the main kernel reads them.
+
+This module imports cutlass at import time: import it lazily."""
 
 import math
 from typing import Optional

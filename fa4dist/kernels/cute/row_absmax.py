@@ -1,13 +1,13 @@
-# Row maxima of |x| (Hopper; SIMT, memory bound): max |x| over the last dim of every row of a 16-bit tensor,
-# for the fixed-point dq's scales (fixed_point.absmax / head_absmax). torch's reductions read such rows at ~0.9
-# TB/s on the H200 (bench/scale_maxima.py); this reads them in 16-byte vectors, head_dim / 8 threads per row.
-#
-# The maximum is taken on the bits: for non-negative floats the integer order of (bits & 0x7fff) is the value
-# order, so the result is exact in any order, a NaN in the row wins (its bits exceed inf's: NaN propagates, as
-# in torch), then an inf. finite_only: entries at or above inf's bits (inf, NaN) count as 0. The result is written
-# in the input's dtype (as 16-bit patterns): converting it to fp64 is exact.
-#
-# This module imports cutlass at import time: import it lazily (fixed_point.absmax checks that cutlass imports).
+"""Row maxima of |x| (Hopper; SIMT, memory bound): max |x| over the last dim of every row of a 16-bit tensor,
+for the fixed-point dq's scales (fixed_point.absmax / head_absmax). torch's reductions read such rows at ~0.9
+TB/s on the H200 (bench/scale_maxima.py); this reads them in 16-byte vectors, head_dim / 8 threads per row.
+
+The maximum is taken on the bits: for non-negative floats the integer order of (bits & 0x7fff) is the value
+order, so the result is exact in any order, a NaN in the row wins (its bits exceed inf's: NaN propagates, as
+in torch), then an inf. finite_only: entries at or above inf's bits (inf, NaN) count as 0. The result is written
+in the input's dtype (as 16-bit patterns): converting it to fp64 is exact.
+
+This module imports cutlass at import time: import it lazily (fixed_point.absmax checks that cutlass imports)."""
 
 from dataclasses import dataclass
 from typing import Optional
