@@ -97,9 +97,8 @@ def parse_args(argv=None):
     g.add_argument("--attention-chunk", type=common.positive_int, default=None,
                    help="llama4: tokens per chunk of its chunked attention layers (default: the config class's)")
     g.add_argument("--checkpoint", default=None,
-                   help="a local checkpoint directory (from_pretrained, offline); it defines the model, so --arch, "
-                        "--model, --layers, --sliding-window, --experts, --experts-per-token and --init are refused "
-                        "with it")
+                   help="a local checkpoint directory (from_pretrained, offline); it defines the model, so "
+                        + ", ".join(map(common.option_name, UNUSED_WITH_CHECKPOINT)) + " are refused with it")
     g.add_argument("--tokenizer", default=None,
                    help="a local transformers tokenizer directory (a checkpoint's own) to tokenize --data with "
                         "(default: fa4dist.data's byte tokens); without --checkpoint the model's vocabulary is its")

@@ -133,7 +133,7 @@ def test_a_local_checkpoint_trains_and_is_reported_with_its_own_architecture(tmp
 
 @pytest.mark.parametrize("flag", [["--arch", "qwen2"], ["--arch", "llama"], ["--model", "small"], ["--layers", "2"],
                                   ["--sliding-window", "32"], ["--experts", "4"], ["--experts-per-token", "1"],
-                                  ["--init", "sharded"]])
+                                  ["--attention-chunk", "64"], ["--init", "sharded"]])
 def test_options_a_checkpoint_makes_unused_are_refused_by_name(tmp_path, flag, capsys):
     """--checkpoint DIR: the checkpoint's config defines the model and from_pretrained loads its weights, so the
     options that shape or initialize a model were ignored (--arch was even reported); now each is refused naming it,
@@ -142,6 +142,18 @@ def test_options_a_checkpoint_makes_unused_are_refused_by_name(tmp_path, flag, c
         hf_sft.parse_args(["--checkpoint", str(tmp_path)] + flag)
     assert f"{flag[0]} is not used with --checkpoint: " in capsys.readouterr().err
     assert hf_sft.parse_args(["--checkpoint", str(tmp_path), "--seqlen", "64"]).checkpoint == str(tmp_path)
+
+
+def test_the_checkpoint_help_names_every_option_it_refuses(capsys):
+    """--checkpoint's help listed the refused options by hand and missed --attention-chunk; it now lists them from
+    the table the refusal reads."""
+    with pytest.raises(SystemExit):
+        hf_sft.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help, hyphenated names included
+    start = text.index("--checkpoint CHECKPOINT a local")  # its help, not the usage line
+    listed = text[start:text.index("are refused with it", start)].replace("- ", "-")
+    for dest in hf_sft.UNUSED_WITH_CHECKPOINT:
+        assert f"--{dest.replace('_', '-')}" in listed, (dest, listed)
 
 
 @pytest.mark.parametrize("bad, message", [
