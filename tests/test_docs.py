@@ -175,3 +175,20 @@ def test_every_environment_variable_is_documented_where_a_user_looks():
                if name not in readme and name not in (ast.get_docstring(ast.parse((REPO / where).read_text())) or "")]
     assert not missing, f"environment variables documented neither in README.md nor in their module's docstring: " \
                         f"{missing}"
+
+
+def test_the_layout_section_names_the_modules_and_test_folders_that_exist():
+    """README's "Layout" lists the files of the contract, the cp package and the integrations, and the test folders;
+    it had missed kernels/torch_ops.py, kernels/checkpointing.py and tests/data/.  Every module there is named, and
+    every .py / folder it names exists."""
+    readme = (REPO / "README.md").read_text()
+    layout = readme[readme.index("\n## Layout\n"):]
+    named = set(re.findall(r"`([\w./]+)`", layout))
+    missing = [f"{d}/{p.name}" for d in ("fa4dist/kernels", "fa4dist/context_parallel", "fa4dist/integrations")
+               for p in sorted((REPO / d).glob("*.py")) if p.name != "__init__.py" and p.name not in named]
+    missing += [f"tests/{p.name}/" for p in sorted((REPO / "tests").iterdir())
+                if p.is_dir() and any(p.glob("test_*.py")) and f"{p.name}/" not in named]
+    assert not missing, f"README's Layout does not name: {missing}"
+    files = {p.name for d in ("fa4dist", "bench", "recipes", "tests") for p in (REPO / d).rglob("*")}
+    stale = [n for n in named if n.endswith((".py", ".md", ".sh")) and n.split("/")[-1] not in files]
+    assert not stale, f"README's Layout names files that do not exist: {stale}"
