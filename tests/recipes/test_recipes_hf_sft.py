@@ -45,24 +45,17 @@ def test_hf_sft_qwen2_dp2_logits_loss_matches_single_process(tmp_path, corpus):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "gpt_oss"])
-def test_hf_sft_windowed_archs_cp2_match_single_process(tmp_path, corpus, arch):
-    """Gemma 2 (attention and final-logit soft-capping, every other layer a 32-token window), Gemma 3 (local and
-    global layers) and GPT-OSS (sinks, MoE) at cp = 2 with the tiled loss, against the model's own eager attention
-    and loss."""
-    extra = ["--arch", arch, "--sliding-window", "32"]
-    launch.torchrun("hf_sft.py", BASE + [
-        "--data", corpus, "--cp", "2", "--loss-chunk", "40", "--metrics-out", tmp_path / "m.jsonl", *extra])
-    want = reference(corpus, *extra)
-    assert_steps_close(step_metrics(tmp_path / "m.jsonl", "loss"), want["loss"])
-    assert_steps_close(step_metrics(tmp_path / "m.jsonl", "grad_norm"), want["grad_norm"])
-
-
-@pytest.mark.timeout(300)
-def test_hf_sft_llama4_cp2_matches_single_process(tmp_path, corpus):
-    """Llama 4 (chunks of 24 tokens in its chunked layers, a global NoPE layer, MoE) at cp = 2 with the tiled loss,
-    against the model's own sdpa attention and loss one document at a time."""
-    extra = ["--arch", "llama4", "--attention-chunk", "24", "--experts", "2", "--experts-per-token", "1"]
+@pytest.mark.parametrize("extra", [
+    ["--arch", "gemma2", "--sliding-window", "32"],
+    ["--arch", "gemma3", "--sliding-window", "32"],
+    ["--arch", "gpt_oss", "--sliding-window", "32"],
+    ["--arch", "llama4", "--attention-chunk", "24", "--experts", "2", "--experts-per-token", "1"],
+], ids=["gemma2", "gemma3", "gpt_oss", "llama4"])
+def test_hf_sft_windowed_and_chunked_archs_cp2_match_single_process(tmp_path, corpus, extra):
+    """At cp = 2 with the tiled loss, against the model's own attention and loss: Gemma 2 (attention and
+    final-logit soft-capping, every other layer a 32-token window), Gemma 3 (local and global layers), GPT-OSS
+    (sinks, MoE), and Llama 4 (chunks of 24 tokens in its chunked layers, a global NoPE layer, MoE; its reference
+    runs sdpa one document at a time)."""
     launch.torchrun("hf_sft.py", BASE + [
         "--data", corpus, "--cp", "2", "--loss-chunk", "40", "--metrics-out", tmp_path / "m.jsonl", *extra])
     want = reference(corpus, *extra)
