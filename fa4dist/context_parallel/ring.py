@@ -36,14 +36,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..kernels.problem import accum_dtype
 from ..kernels.worklist import (WorkItem, attention_backward_items, attention_forward_items, share_queries,
                                 uncovered_ranges)
 from .comm import Pending, Transport
 from .schedule import MemberLayout, Schedule
-
-
-def accum_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass(frozen=True)

@@ -10,15 +10,15 @@ import torch
 
 from . import fixed_point
 from .merge import lse_as_out_layout, merge_into_, merge_sink_, sink_grad
-from .problem import (EAGER_ONLY, AttentionProblem, Offset, check_bool, check_buffer, check_optional_bool,
-                      check_written, require_values, validate_inputs)
+from .problem import (EAGER_ONLY, AttentionProblem, Offset, accum_dtype, check_bool, check_buffer,
+                      check_optional_bool, check_written, require_values, validate_inputs)
 from .registry import check_backend, check_results, select_backend
 
 Window = tuple[int, int]
 
 
 def _accum_dtypes(problem: AttentionProblem) -> tuple[torch.dtype, ...]:
-    return (torch.float64,) if problem.dtype == torch.float64 else (torch.float32,)
+    return (accum_dtype(problem.dtype),)
 
 
 def _fused_forward_with_sinks(impl, problem, q, k, v, sinks, out, lse, accumulate, acc_dtype):
@@ -297,7 +297,7 @@ def lse_backward_operands(dlse: torch.Tensor, out: torch.Tensor) -> tuple[torch.
     lse's dtype) and float16 spans far less: 2^e brings out' near 2^9, so every column is a normal number of out's
     dtype, from |dlse| ~ 4e-9 to ~6e9 for float16 (over all of fp32's range for bfloat16; 1e5 came out NaN and
     1e-6 a float16 subnormal that lost 2%).  2^e stays a normal number of out's dtype."""
-    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    acc = accum_dtype(out.dtype)
     target = -lse_as_out_layout(dlse.to(acc))[..., 0]
     finfo = torch.finfo(out.dtype)
     exponent = (torch.frexp(target).exponent - 9).clamp(round(math.log2(finfo.tiny)), math.floor(math.log2(finfo.max)))

@@ -41,7 +41,7 @@ import torch
 from . import fixed_point
 from .api import attention_backward
 from .merge import sink_grad_terms
-from .problem import check_optional_bool, check_softmax_scale
+from .problem import accum_dtype, check_optional_bool, check_softmax_scale
 from .worklist import WorkItem, attention_forward_items, lse_token_rows, token_rows, uncovered_ranges
 
 
@@ -80,10 +80,6 @@ def sum_group(grad: torch.Tensor, group: int, dtype: Optional[torch.dtype] = Non
         total += parts[..., g, :]
     # computed in grad's dtype, written in dtype: the rounding of the finished sum
     return torch.add(total, parts[..., group - 1, :], out=torch.empty_like(total, dtype=dtype))
-
-
-def accum_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def forward(q, k, v, items: list[WorkItem], *, softmax_scale=None, softcap=None, backend="auto"):

@@ -26,16 +26,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from .problem import FLOAT_DTYPES, check_buffer, check_sinks, check_written
+from .problem import FLOAT_DTYPES, accum_dtype, check_buffer, check_sinks, check_written
 
 
 def lse_as_out_layout(lse: torch.Tensor) -> torch.Tensor:
     """View of an lse (..., heads, seqlen) broadcastable against out (..., seqlen, heads, d)."""
     return lse.transpose(-1, -2).unsqueeze(-1)
-
-
-def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def check_partial(name: str, out: torch.Tensor, lse: torch.Tensor, like_out: Optional[torch.Tensor] = None) -> None:
@@ -140,7 +136,7 @@ def merge_partials(
     if out is not None and (not isinstance(out, torch.Tensor) or out.shape != outs[0].shape):
         raise ValueError(f"merge_partials: out must be a tensor of shape {tuple(outs[0].shape)}, got "
                          f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
-    dtype = torch.float64 if any(_accum_dtype(o.dtype) == torch.float64 for o in outs) else torch.float32
+    dtype = torch.float64 if any(accum_dtype(o.dtype) == torch.float64 for o in outs) else torch.float32
     check_buffer("merge_partials: out", out, tuple(outs[0].shape), outs[0].device, (dtype,))
     # out may be one of the partials (it is written once, after every read), not a broadcast view
     check_written({"merge_partials: out": out}, {})
@@ -197,7 +193,7 @@ def sink_grad_terms(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, si
     term is a function of its own row: the row sum runs over one contiguous last axis."""
     check_partial("the result", out, lse)
     check_buffer("sink_grad: dout", dout, tuple(out.shape), out.device, FLOAT_DTYPES)
-    acc = _accum_dtype(out.dtype)
+    acc = accum_dtype(out.dtype)
     lse = lse.to(acc)
     sink = _sink_lse(lse, sinks)
     seen = ~torch.isneginf(lse)

@@ -22,6 +22,12 @@ Offset = Union[int, Sequence[int], torch.Tensor]
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The contract's accumulation dtype for inputs of ``dtype``: fp64 for fp64, else fp32 (lse, a running out,
+    fp32 gradient buffers, and the sums the reference and the cp engines form)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 @dataclass(frozen=True)
 class AttentionProblem:
     """Sizes and mask description of one attention call (forward or backward).

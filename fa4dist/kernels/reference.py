@@ -23,7 +23,7 @@ import torch
 
 from . import fixed_point
 from .mask import Mask, Visibility, block_visibility, visible, visible_rect
-from .problem import AttentionProblem
+from .problem import AttentionProblem, accum_dtype
 
 # Tiles are (128 queries x 1024 keys), the same for every call: a query row's result then sums the same key tiles,
 # and a key's gradient the same query tiles, whatever else is in the call (how many heads, which other rows) --
@@ -54,10 +54,6 @@ def _pv_weight(v: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     overflows = _finite_absmax(v, (1, 3)).to(acc) * (2 * seqlen_k) >= torch.finfo(acc).max
     weight = torch.where(overflows, 2.0 ** -(seqlen_k.bit_length() + 1), 1.0)
     return weight.to(acc).view(batch, heads_kv, 1, 1, 1)
-
-
-def accum_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _chunks(seqlen_q: int, seqlen_k: int) -> tuple[int, int]:

@@ -30,7 +30,7 @@ import torch
 from .guard import guarded_backward, guarded_causal_backward, guarded_causal_forward, guarded_forward
 from .mask import BandBlock, SubBlock, band_decomposition, causal_decomposition
 from .merge import merge_into_
-from .problem import AttentionProblem
+from .problem import AttentionProblem, accum_dtype
 from .registry import Unsupported
 
 aten = torch.ops.aten
@@ -213,7 +213,7 @@ class _FusedBackend:
             window = packed_flash_window(problem)
             return guarded_forward(lambda *t: _flash_forward(*t, scale, False, cq, ck, problem.seqlen_q,
                                                              problem.seqlen_k, window), q, k, v, mask.lo, mask.hi, cq)
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # (fp64: the CPU emulation in the tests)
+        acc = accum_dtype(q.dtype)  # (fp64: the CPU emulation in the tests)
         out = torch.zeros(problem.out_shape(), dtype=acc, device=q.device)
         lse = torch.full(problem.lse_shape(), float("-inf"), dtype=acc, device=q.device)
         for blk in band_decomposition(problem.seqlen_q, problem.seqlen_k, problem.q_offsets[0], problem.k_offsets[0],
@@ -234,7 +234,7 @@ class _FusedBackend:
                 lambda do_, q_, k_, v_, o_, l_: _flash_backward(do_, q_, k_, v_, o_, l_.contiguous(), scale, False, cq,
                                                                 ck, problem.seqlen_q, problem.seqlen_k, window),
                 dout, q, k, v, out, lse, mask.lo, mask.hi, cq)
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = accum_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)

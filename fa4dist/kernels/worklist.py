@@ -34,9 +34,8 @@ import torch
 
 from .api import attention_backward, attention_forward
 from .mask import Mask, is_int, visible_pairs
-from .problem import (EAGER_ONLY, OFFSET_LIMIT, AttentionProblem, check_bool, check_buffer, check_optional_bool,
-                      check_window, check_written, validate_inputs)
-from .reference import accum_dtype
+from .problem import (EAGER_ONLY, OFFSET_LIMIT, AttentionProblem, accum_dtype, check_bool, check_buffer,
+                      check_optional_bool, check_window, check_written, validate_inputs)
 from .registry import select_backend
 
 
@@ -129,7 +128,7 @@ def _check_whole_buffers(problem: AttentionProblem, what: str, running: dict, gr
 
 def _forward_dtypes(problem: AttentionProblem) -> tuple[torch.dtype, ...]:
     """The dtypes dout and out may come in: the inputs', or fp32 (fp64 for fp64 inputs) as a running result."""
-    return (problem.dtype, torch.float64 if problem.dtype == torch.float64 else torch.float32)
+    return (problem.dtype, accum_dtype(problem.dtype))
 
 
 def token_rows(t: Optional[torch.Tensor], dim: int, start: int, length: int, unsqueeze: bool) -> Optional[torch.Tensor]:

@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..context_parallel.core import raise_disagreement, signature_digest
 from ..kernels import fixed_point
+from ..kernels.problem import accum_dtype
 from .llama import row_block_products, row_blocks
 
 
@@ -99,7 +100,7 @@ class _Site:
     def settle(self, total: torch.Tensor) -> None:
         """This backward's int64 sum over the group, converted once (its scale is a power of two: exact) and added
         after the earlier backward passes' (in backward order, the same at every cp size)."""
-        acc = torch.float64 if self.param.dtype == torch.float64 else torch.float32
+        acc = accum_dtype(self.param.dtype)
         value = total.to(acc) * (1.0 / self.scale.double()).to(acc)
         self.earlier = value if self.earlier is None else self.earlier + value
         self.total = self.scale = None
@@ -120,7 +121,7 @@ class _FixedLinear(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:  # a frozen weight (the same on every rank): no gradient, no exchange
             return dx, None, None, None
         scale = site.start(n, fixed_point.absmax(dy), fixed_point.absmax(x))
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        acc = accum_dtype(x.dtype)
         for dy_b, x_b in zip(row_blocks(dy, rows), row_blocks(x, rows)):  # one fixed-shape product per canonical block
             site.total += fixed_point.to_fixed(dy_b.t().to(acc) @ x_b.to(acc), scale)
         return dx, site.grads.placeholder(weight), None, None
@@ -143,7 +144,7 @@ class _FixedScale(torch.autograd.Function):
             return (dy * weight).to(x.dtype), None, None
         flat_dy, flat_x = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         scale = site.start(flat_dy.shape[0], fixed_point.absmax(dy), fixed_point.absmax(x))
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        acc = accum_dtype(x.dtype)
         site.total += fixed_point.to_fixed(flat_dy.to(acc) * flat_x.to(acc), scale).sum(0)
         return (dy * weight).to(x.dtype), site.grads.placeholder(weight), None
 
@@ -163,7 +164,7 @@ class _FixedEmbedding(torch.autograd.Function):
             return None, None, None
         flat = dy.reshape(-1, dy.shape[-1])
         scale = site.start(flat.shape[0], fixed_point.absmax(dy))
-        acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
+        acc = accum_dtype(dy.dtype)
         site.total.index_add_(0, tokens.reshape(-1), fixed_point.to_fixed(flat.to(acc), scale))
         return None, site.grads.placeholder(*ctx.weight_meta), None
 
