@@ -117,3 +117,16 @@ def test_backward_split_parts_hold_the_minimum_steps_under_gqa():
                         assert smallest_part(group, n_query, parts) >= split_plans.SPLIT_MIN_PART_BLOCKS, \
                             (group, sq, sk, diag, causal, edge, parts)
     assert split_any
+
+
+def test_the_kernels_softcap_check_is_the_contracts():
+    """The entry points (forward.forward, backward.backward, called directly by benches and tests) checked softcap
+    with a copy of the contract's rule that took True as a cap of 1.0 and failed on a string with float()'s bare
+    message; they now run the contract's check (kernels/problem.py) and keep their 0.0-for-off form."""
+    assert host.check_softcap(None) == 0.0 and host.check_softcap(30) == 30.0
+    for bad in (True, "30"):
+        with pytest.raises(TypeError, match="^softcap must be a float > 0 or None"):
+            host.check_softcap(bad)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="^softcap must be finite and > 0"):
+            host.check_softcap(bad)

@@ -36,6 +36,8 @@ import threading
 
 import torch
 
+from ..problem import check_softcap as contract_softcap
+
 INT32_MAX = 2**31 - 1
 TORCH_DTYPES = (torch.bfloat16, torch.float16)
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -228,13 +230,9 @@ def check_window_left(window_left, causal: bool) -> int:
 
 
 def check_softcap(softcap) -> float:
-    """0.0 (off) or the positive cap of soft-capped scores."""
-    if softcap is None:
-        return 0.0
-    softcap = float(softcap)
-    if not softcap > 0 or math.isinf(softcap):
-        raise ValueError(f"softcap must be None or a positive finite number, got {softcap}")
-    return softcap
+    """0.0 (off) or the positive cap of soft-capped scores: the contract's check (kernels/problem.py), in the
+    kernels' form."""
+    return contract_softcap(softcap) or 0.0
 
 
 def score_scale(softmax_scale: float, softcap: float) -> float:
