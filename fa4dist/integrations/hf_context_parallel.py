@@ -88,11 +88,8 @@ _CHECKSUM_SEED = 0x9E3779B1
 # what a model asks of its attention
 
 
-def _text_config(model):
-    return _text_config_of(model.config)
-
-
-def _text_config_of(config):
+def _text_config(config):
+    """The config of the language model (a multimodal config's text part, or the config itself)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
@@ -124,7 +121,7 @@ def chunk_starts(position_ids: torch.Tensor, chunk: int) -> torch.Tensor:
 
 def _layer_chunk(config, local_size) -> Optional[int]:
     """The chunk size of a chunked attention layer's mask (transformers names it in ``local_size``), else None."""
-    chunk = getattr(_text_config_of(config), "attention_chunk_size", None) if config is not None else None
+    chunk = getattr(_text_config(config), "attention_chunk_size", None) if config is not None else None
     return int(chunk) if chunk and local_size is not None and int(local_size) == int(chunk) else None
 
 
@@ -163,7 +160,7 @@ def _tune_temperature(module, query: torch.Tensor, plan: ShardPlan, rank: int) -
 
 def unsupported_features(model) -> list[str]:
     """What in ``model`` (its config) context-parallel attention cannot compute exactly."""
-    config = _text_config(model)
+    config = _text_config(model.config)
     problems = []
     if not getattr(model, "_supports_attention_backend", False):
         problems.append(f"{type(model).__name__} does not call transformers' AttentionInterface (it would run its "
@@ -350,8 +347,8 @@ class ContextParallelHandle:
             raise ValueError("enable_context_parallel(strategy='hybrid') takes its Ulysses and ring groups from a "
                              "2-D mesh (mesh=, mesh_dim_names=('ring', 'ulysses')); with one process group use "
                              "strategy='auto', 'ring' or 'ulysses'")
-        self.plan_window = _plan_window(_text_config(model))
-        self.chunk = getattr(_text_config(model), "attention_chunk_size", None) or None
+        self.plan_window = _plan_window(_text_config(model.config))
+        self.chunk = getattr(_text_config(model.config), "attention_chunk_size", None) or None
         self.make_plan([0, 1])  # balancer and num_chunks, checked as every batch's plan checks them: before the switch
         self.loss_group = _loss_group(group, mesh)
         self._agree_on_options()
@@ -382,7 +379,7 @@ class ContextParallelHandle:
             return
         from fa4dist.models.loss import agreed_call
 
-        text = _text_config(self.model)
+        text = _text_config(self.model.config)
         sig = {key: repr(value) for key, value in self._options.items() if key not in ("group", "mesh")}
         sig.update(model=type(self.model).__name__, balancer=repr(self.balancer), num_chunks=repr(self.num_chunks),
                    check_batch=self.check_batch, plan_window=list(self.plan_window), cp_size=self.cp_size,
