@@ -664,6 +664,25 @@ class Throughput:
             return None
         return self.flops / self.seconds / (peak_flops * world)
 
+    def summary(self, peak_flops: Optional[float], world: int) -> dict:
+        """The SUMMARY line's throughput fields (None where nothing was timed or no peak is known)."""
+        tps, mfu = self.tokens_per_s(), self.mfu(peak_flops, world)
+        return dict(
+            steps_timed=self.steps,
+            tokens_per_s=round(tps, 1) if tps else None,
+            tokens_per_s_per_device=round(tps / world, 1) if tps else None,
+            mfu=round(mfu, 4) if mfu is not None else None,
+            peak_tflops_per_device=peak_flops / 1e12 if peak_flops else None,
+            achieved_tflops_per_device=round(self.flops / self.seconds / world / 1e12, 2) if self.seconds else None,
+        )
+
+
+def max_peak_memory_gib(device) -> float:
+    """The largest peak memory of any rank, in GiB (one all-reduce: every rank must call it)."""
+    mem = torch.tensor([peak_memory_gib(device)], device=device)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    return round(float(mem), 3)
+
 
 def peak_flops(args, device) -> Optional[float]:
     if args.peak_tflops is not None:

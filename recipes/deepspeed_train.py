@@ -335,21 +335,17 @@ def main(argv=None):
                                    client_state={"step": step + 1, "schedule": common.schedule_state(args)})
     progress.close()
 
-    mem = torch.tensor([common.peak_memory_gib(device)], device=device)
-    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    mem = common.max_peak_memory_gib(device)
     digest = None
     if args.cp_invariant:  # the whole weights (ZeRO-3 gathers its partitions; every rank takes part)
         with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
             digest = common.weights_hash(model)
     if rank == 0:
-        tps, mfu = meter.tokens_per_s(), meter.mfu(peak, world)
         print(common.summary_line(
             recipe="deepspeed", zero_stage=args.zero_stage, model=args.model, params=n_params, world=world,
             dp=layout.dp, cp=layout.cp, seqlen=args.seqlen, batch_size=args.batch_size,
-            dtype=str(dtype).split(".")[-1], steps_timed=meter.steps,
-            tokens_per_s=round(tps, 1) if tps else None, mfu=round(mfu, 4) if mfu is not None else None,
-            peak_mem_gib=round(float(mem), 3), flop_formula=common.FLOP_FORMULA,
-            cp_invariant=args.cp_invariant, weights_sha256=digest,
+            dtype=str(dtype).split(".")[-1], **meter.summary(peak, world), peak_mem_gib=mem,
+            flop_formula=common.FLOP_FORMULA, cp_invariant=args.cp_invariant, weights_sha256=digest,
         ), flush=True)
     common.finish_distributed()
 

@@ -178,22 +178,14 @@ def main(argv=None):
             save_checkpoint(model, optimizer, step + 1, args.ckpt_dir, rank, args)
     progress.close()
 
-    mem = torch.tensor([common.peak_memory_gib(device)], device=device)
-    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    mem = common.max_peak_memory_gib(device)
     digest = common.weights_hash(model) if args.cp_invariant else None  # whole weights: every rank takes part
     if rank == 0:
-        tps = meter.tokens_per_s()
-        mfu = meter.mfu(peak, world)
         print(common.summary_line(
             recipe="fsdp2", model=args.model, params=n_params, world=world, dp=layout.dp, cp=layout.cp,
             seqlen=args.seqlen, batch_size=args.batch_size, packing=args.packing, dtype=str(dtype).split(".")[-1],
-            activation_checkpointing=args.activation_checkpointing, steps_timed=meter.steps,
-            tokens_per_s=round(tps, 1) if tps else None,
-            tokens_per_s_per_device=round(tps / world, 1) if tps else None,
-            mfu=round(mfu, 4) if mfu is not None else None,
-            peak_tflops_per_device=peak / 1e12 if peak else None,
-            achieved_tflops_per_device=round(meter.flops / meter.seconds / world / 1e12, 2) if meter.seconds else None,
-            peak_mem_gib=round(float(mem), 3), flop_formula=common.FLOP_FORMULA,
+            activation_checkpointing=args.activation_checkpointing, **meter.summary(peak, world),
+            peak_mem_gib=mem, flop_formula=common.FLOP_FORMULA,
             attention_backend=args.backend, cp_invariant=args.cp_invariant, weights_sha256=digest,
         ), flush=True)
     common.finish_distributed()

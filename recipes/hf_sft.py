@@ -590,23 +590,15 @@ def main(argv=None):
                         tokens_per_s=tokens / seconds, step_s=seconds, peak_mem_gib=common.peak_memory_gib(device))
     progress.close()
 
-    mem = torch.tensor([common.peak_memory_gib(device)], device=device)
-    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    mem = common.max_peak_memory_gib(device)
     if rank == 0:
-        tps = meter.tokens_per_s()
-        mfu = meter.mfu(peak, world)
         print(common.summary_line(
             recipe="hf_sft", arch=arch, model=args.checkpoint or args.model, params=facts["params"],
             world=world, dp=layout.dp, cp=layout.cp, seqlen=args.seqlen, batch_size=args.batch_size,
             packing=args.packing, dtype=str(dtype).split(".")[-1], loss=args.loss, tile_mlp=args.tile_mlp,
             activation_checkpointing=args.activation_checkpointing, offload_checkpoints=args.offload_checkpoints,
-            steps_timed=meter.steps,
-            tokens_per_s=round(tps, 1) if tps else None,
-            tokens_per_s_per_device=round(tps / world, 1) if tps else None,
-            mfu=round(mfu, 4) if mfu is not None else None,
-            peak_tflops_per_device=peak / 1e12 if peak else None,
-            achieved_tflops_per_device=round(meter.flops / meter.seconds / world / 1e12, 2) if meter.seconds else None,
-            peak_mem_gib=round(float(mem), 3), flop_formula=common.FLOP_FORMULA, attention_backend=args.backend,
+            **meter.summary(peak, world), peak_mem_gib=mem, flop_formula=common.FLOP_FORMULA,
+            attention_backend=args.backend,
         ), flush=True)
         if args.memory_report:
             local = -(-args.seqlen // layout.cp)

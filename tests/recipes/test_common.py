@@ -1,10 +1,12 @@
-"""What the recipes share (recipes/common.py), at unit level: the checks that run before any training."""
+"""What the recipes share (recipes/common.py), at unit level: the checks that run before any training, and the
+SUMMARY line's throughput fields."""
 
 from __future__ import annotations
 
 import argparse
 
 import pytest
+import torch
 
 import common  # noqa: E402
 from cp_harness import shared_pool
@@ -213,3 +215,18 @@ def test_the_environment_variable_turns_the_whole_cp_invariant_mode_on(recipe, m
     with pytest.raises(SystemExit):
         parse_args([])
     assert "FA4DIST_CP_INVARIANT must be 1" in capsys.readouterr().err
+
+
+def test_throughput_summary_counts_only_the_steps_after_the_warmup():
+    """The SUMMARY fields every recipe prints, from one place (fsdp2 and hf_sft each spelled them out, deepspeed a
+    subset): two timed steps of 1000 tokens and 6e12 FLOPs in 2 s on 2 devices, after one warm-up step."""
+    meter = common.Throughput(1, torch.device("cpu"))
+    meter.add(0, 100.0, 10**6, 1e18)  # the warm-up: left out
+    meter.add(1, 0.5, 1000, 2e12)
+    meter.add(2, 1.5, 1000, 4e12)
+    got = meter.summary(1e12, 2)
+    assert got == dict(steps_timed=2, tokens_per_s=1000.0, tokens_per_s_per_device=500.0, mfu=1.5,
+                       peak_tflops_per_device=1.0, achieved_tflops_per_device=1.5), got
+    assert common.Throughput(5, torch.device("cpu")).summary(None, 2) == dict(
+        steps_timed=0, tokens_per_s=None, tokens_per_s_per_device=None, mfu=None, peak_tflops_per_device=None,
+        achieved_tflops_per_device=None)
