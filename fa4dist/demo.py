@@ -289,7 +289,9 @@ def _all_gather(t: torch.Tensor, world: int, device) -> list:
     return [p.narrow(dim, 0, int(n)) if p.dim() else p for p, n in zip(parts, sizes)]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no socket holds now (a local rendezvous: the demo's spawned ranks, the
+    recipes' world of one)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -333,7 +335,7 @@ def main(argv=None) -> int:
             return 1
     import torch.multiprocessing as mp
 
-    port = _free_port()
+    port = free_port()
     try:
         mp.spawn(_spawned, args=(args.nproc, port, argv if argv is not None else sys.argv[1:]), nprocs=args.nproc)
     except mp.ProcessExitedException as err:

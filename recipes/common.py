@@ -17,7 +17,6 @@ import json
 import math
 import os
 import resource
-import socket
 import sys
 import time
 import traceback
@@ -30,7 +29,7 @@ import torch.distributed as dist
 
 from fa4dist.context_parallel.ulysses import HeadSplit
 from fa4dist.data import PackedTokenStream, collect_documents, make_sample_plan, shard_sample
-from fa4dist.demo import error_line, exit_process
+from fa4dist.demo import error_line, exit_process, free_port
 from fa4dist.kernels.problem import check_seed
 from fa4dist.kernels.registry import check_backend
 from fa4dist.models import FA4Llama, cp_cross_entropy, get_config
@@ -372,12 +371,6 @@ def model_config(args):
 # processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def local_device() -> torch.device:
     """The device this rank computes on: its LOCAL_RANK's GPU where there are GPUs, else the CPU."""
     if torch.cuda.is_available():
@@ -391,7 +384,7 @@ def init_distributed(timeout_s: float = 300.0,
     recipe's parsed options, checked to be the same on every rank (:func:`check_ranks_agree`)."""
     if "RANK" not in os.environ:  # plain `python recipe.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     device = local_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
