@@ -42,18 +42,10 @@ def bench_ms(fn, warmup_ms=25, rep_ms=100) -> float:
         from triton.testing import do_bench
 
         return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-    except ImportError:  # CUDA events by hand
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(20):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
+    except ImportError:  # CUDA events (bench/timing.py, this script's folder)
+        from timing import cuda_median_ms
+
+        return cuda_median_ms(fn, 20)
 
 
 _BASELINE = None  # the fa4dist.kernels module of --baseline-dir, imported as fa4dist_baseline
