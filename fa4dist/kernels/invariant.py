@@ -41,7 +41,7 @@ import torch
 from . import fixed_point
 from .api import attention_backward
 from .merge import sink_grad_terms
-from .problem import accum_dtype, check_optional_bool, check_softmax_scale
+from .problem import accum_dtype, check_optional_bool, check_softmax_scale, lse_shape_of
 from .worklist import WorkItem, attention_forward_items, lse_token_rows, token_rows, uncovered_ranges
 
 
@@ -86,14 +86,13 @@ def forward(q, k, v, items: list[WorkItem], *, softmax_scale=None, softcap=None,
     """(out fp32, lse) of the rows the items cover (every row by exactly one item); K/V per key/value head (GQA) or
     expanded per query head: a row reads the same values either way, and the backends give the same bits."""
     acc = accum_dtype(q.dtype)
-    lse_shape = (q.shape[-2], q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
     n_rows = q.shape[0 if q.dim() == 3 else 1]
     if uncovered_ranges(_written_rows(items)[0], 0, n_rows):  # rows no call writes hold (0, -inf)
         out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
-        lse = torch.full(lse_shape, float("-inf"), dtype=acc, device=q.device)
+        lse = torch.full(lse_shape_of(q.shape), float("-inf"), dtype=acc, device=q.device)
     else:  # every row is written (fresh), none merged: no fill needed
         out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
-        lse = torch.empty(lse_shape, dtype=acc, device=q.device)
+        lse = torch.empty(lse_shape_of(q.shape), dtype=acc, device=q.device)
     attention_forward_items(q, k, v, items, out, lse, softmax_scale=softmax_scale, softcap=softcap, fresh=True,
                             backend=backend, cp_invariant=True)
     return out, lse

@@ -22,6 +22,14 @@ Offset = Union[int, Sequence[int], torch.Tensor]
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def lse_shape_of(q_shape: Sequence[int]) -> tuple[int, ...]:
+    """The lse's shape for queries (or an out) of ``q_shape``: packed ``(total_q, heads, d)`` -> ``(heads, total_q)``,
+    else ``(batch, seqlen_q, heads, d)`` -> ``(batch, heads, seqlen_q)``."""
+    if len(q_shape) == 3:
+        return (q_shape[1], q_shape[0])
+    return (q_shape[0], q_shape[2], q_shape[1])
+
+
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     """The contract's accumulation dtype for inputs of ``dtype``: fp64 for fp64, else fp32 (lse, a running out,
     fp32 gradient buffers, and the sums the reference and the cp engines form)."""
@@ -88,9 +96,7 @@ class AttentionProblem:
         return (self.batch, self.seqlen_q, self.heads_q, self.head_dim_v)
 
     def lse_shape(self) -> tuple[int, ...]:
-        if self.varlen:
-            return (self.heads_q, self.total_q)
-        return (self.batch, self.heads_q, self.seqlen_q)
+        return lse_shape_of(self.out_shape())
 
     def device_cu_seqlens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(cu_seqlens_q, cu_seqlens_k) as fused kernels read them: contiguous int32 on the inputs' device (the

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .api import backward_problem, forward_problem, lse_backward_operands
-from .problem import _offsets, accum_dtype, check_layout, validate_inputs
+from .problem import _offsets, accum_dtype, check_layout, lse_shape_of, validate_inputs
 
 def _offset_arg(name: str, value, count):
     """An offset as the ops take it, checked as the eager call checks it: ([the int], None) for one int, which is
@@ -74,11 +74,7 @@ def attention_fwd(
 def _attention_fwd_fake(q, k, v, sinks, causal, window, softcap, softmax_scale, q_offsets, q_offset_t, k_offsets,
                         k_offset_t, cu_seqlens_q, cu_seqlens_k, backend, deterministic, lse_grad):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    if cu_seqlens_q is not None:  # packed: (heads, total_q)
-        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype))
-    else:  # (batch, heads, seqlen_q)
-        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=accum_dtype(q.dtype))
-    return out, lse
+    return out, q.new_empty(lse_shape_of(q.shape), dtype=accum_dtype(q.dtype))
 
 
 @torch.library.custom_op("fa4dist::attention_bwd", mutates_args=())
