@@ -18,7 +18,8 @@ of k).  k and v may have fewer heads than q (GQA/MQA: query head h uses kv head 
 - ``attention_forward_items`` / ``attention_backward_items``: a work list of many such blocks in one call, merged
   (or added) in list order (:mod:`fa4dist.kernels.worklist`).
 - Backends: ``reference`` (pure PyTorch, anywhere, the test oracle), ``sdpa`` (torch's fused flash / cuDNN ops,
-  GPU), ``cute`` (our CuTe DSL kernels, Hopper) when installed; ``auto`` takes the fastest that supports the call.
+  GPU; ``sdpa_flash`` and ``sdpa_cudnn`` name one), ``cute`` (our CuTe DSL kernels, Hopper) when installed;
+  ``auto`` takes the fastest that supports the call.
 """
 
 import logging as _logging
