@@ -12,6 +12,7 @@ every attention layer, which knows from it which keys each local query may see.
 from __future__ import annotations
 
 import numbers
+from collections import Counter
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..kernels.mask import Mask, visible_pairs
 from ..kernels.problem import check_bool, check_integer_dtype, comparable_integers
 from .attention import make_attention
 from .config import ModelConfig
@@ -251,29 +253,28 @@ def causal_training_flops(matmul_params: int, layers: int, heads: int, head_dim:
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
                                       or value < 1):
                 raise ValueError(f"layer_masks: a {name} must be a positive number of tokens or None, got {value!r}")
-    lengths = []
+    lengths: Counter = Counter()  # document length -> how many (a step's documents repeat few lengths)
     for cu in cu_seqlens_list:
         total, bounds = _documents(cu)  # (bounds None: an int, one sequence)
-        lengths.append(torch.tensor(bounds or (0, total), dtype=torch.float64).diff())
-    lengths = torch.cat(lengths) if lengths else torch.zeros(0, dtype=torch.float64)
-    pairs = sum(_visible_pairs_per_layer(lengths, window, chunk) for window, chunk in masks)
-    return 6.0 * matmul_params * float(lengths.sum()) + 12.0 * heads * head_dim * pairs
+        bounds = bounds or (0, total)
+        lengths.update(b - a for a, b in zip(bounds, bounds[1:]))
+    tokens = sum(n * count for n, count in lengths.items())
+    pairs = sum(layers * _visible_pairs_per_layer(lengths, *mask) for mask, layers in Counter(masks).items())
+    return 6.0 * matmul_params * tokens + 12.0 * heads * head_dim * pairs
 
 
-def _visible_pairs_per_layer(lengths: torch.Tensor, window: Optional[int], chunk: Optional[int]) -> float:
-    """Visible (query, key) pairs of documents of ``lengths`` under causal masking, a window of ``window`` tokens
-    and chunks of ``chunk`` tokens (either None: none)."""
-    def windowed(n):  # pairs of a causal run of n tokens: sum over i < n of min(i + 1, window)
-        full = n * (n + 1) / 2
-        if window is None:
-            return full
-        return torch.where(n <= window, full, window * (window + 1) / 2 + (n - window) * window)
+def _visible_pairs_per_layer(lengths: Counter, window: Optional[int], chunk: Optional[int]) -> int:
+    """Visible (query, key) pairs of documents (``lengths``: length -> count) under causal masking, a window of
+    ``window`` tokens and chunks of ``chunk`` tokens (either None: none), counted by the contract's mask
+    (:func:`fa4dist.kernels.mask.visible_pairs`)."""
+    mask = Mask.canonical(True, (-1, -1) if window is None else (window - 1, 0))
+
+    def run(n):  # the pairs of a causal run of n tokens
+        return visible_pairs(n, n, 0, 0, mask)
 
     if chunk is None:
-        return float(windowed(lengths).sum())
-    whole, rest = torch.div(lengths, chunk, rounding_mode="floor"), torch.remainder(lengths, chunk)
-    one = windowed(torch.tensor(float(chunk), dtype=torch.float64))
-    return float((whole * one + windowed(rest)).sum())
+        return sum(count * run(n) for n, count in lengths.items())
+    return sum(count * ((n // chunk) * run(chunk) + run(n % chunk)) for n, count in lengths.items())
 
 
 class FA4Llama(nn.Module):

@@ -132,6 +132,27 @@ def test_training_flops_formula():
 
 
 
+
+@pytest.mark.parametrize("window, chunk", [(None, None), (4, None), (None, 6), (4, 6), (7, 6), (1, None)])
+def test_training_flops_count_the_pairs_each_layer_mask_leaves_visible(window, chunk):
+    """P, the visible pairs of a windowed or chunked layer, is the count of the contract's mask (fa4dist.kernels.mask:
+    causal and a window of W tokens, within each document's chunks of C tokens), brute-forced here."""
+    from fa4dist.kernels.mask import Mask, visible
+    from fa4dist.models import causal_training_flops
+
+    samples = [[0, 1, 5, 17, 30], [0, 6, 12, 13]]
+    mask = Mask.canonical(True, (-1, -1) if window is None else (window - 1, 0))
+    pairs = 0
+    for cu in samples:
+        for a, b in zip(cu, cu[1:]):
+            for start in range(a, b, chunk or max(b - a, 1)):
+                pos = torch.arange(start, min(start + (chunk or b - a), b))
+                pairs += int(visible(pos, pos, mask).sum())
+    got = causal_training_flops(0, 2, 1, 1, samples, layer_masks=[(window, chunk), (None, None)])
+    full = sum((b - a) * (b - a + 1) // 2 for cu in samples for a, b in zip(cu, cu[1:]))
+    assert got == 12 * (pairs + full), (got, pairs, full)
+
+
 def test_training_flops_takes_cu_seqlens_as_make_plan_does():
     """A list of boundaries (as make_plan takes them) was a TypeError from list subtraction; one sample's tensor
     instead of a list of them an IndexError from its 0-d elements; decreasing boundaries counted negative tokens."""
