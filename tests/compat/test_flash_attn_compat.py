@@ -82,6 +82,13 @@ def test_flash_attn_2_packed_forms_equal_the_plain_call():
                        want)
     assert torch.equal(fa2.flash_attn_kvpacked_func(q, torch.stack([k, v], 2), causal=True, softmax_scale=0.3),
                        want)
+    # the varlen qkv-packed form (README: "the qkvpacked / kvpacked forms too") was called by no test
+    cu = torch.tensor([0, 9, 18], dtype=torch.int32)
+    flat = [t.flatten(0, 1) for t in (q, k, v)]
+    want_varlen = fa2.flash_attn_varlen_func(*flat, cu, cu, 9, 9, causal=True, softmax_scale=0.3)
+    close(want_varlen.view_as(want), want, "varlen out")  # another layout: the same values, not the same bits
+    assert torch.equal(fa2.flash_attn_varlen_qkvpacked_func(torch.stack(flat, 1), cu, 9, causal=True,
+                                                            softmax_scale=0.3), want_varlen)
 
 
 def test_flash_attn_2_varlen_aligns_each_sequence_bottom_right():
