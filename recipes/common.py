@@ -175,6 +175,14 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def set_lr(optimizer, step: int, args) -> float:
+    """Puts the schedule's learning rate of ``step`` (:func:`lr_at`) into every group of ``optimizer``; returns it."""
+    lr = lr_at(step, args)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
 def add_checkpoint_args(p: argparse.ArgumentParser, resume_help: str) -> None:
     g = p.add_argument_group("checkpoints")
     g.add_argument("--ckpt-dir", default=None,
@@ -728,8 +736,7 @@ def reference_loop(model, sample_loss, args, tokenizer=None) -> dict:
     stream = build_stream(args, tokenizer)
     losses, norms = [], []
     for step in range(args.steps):
-        for g in optimizer.param_groups:
-            g["lr"] = lr_at(step, args)
+        set_lr(optimizer, step, args)
         samples = stream.batch(step, args.batch_size)
         total = 0.0
         for sample in samples:

@@ -309,8 +309,7 @@ def main(argv=None):
 
     stop = common.last_step(args, start)
     for step in range(start, stop):
-        for group in optimizer.param_groups:
-            group["lr"] = common.lr_at(step, args)
+        lr = common.set_lr(optimizer, step, args)
         samples = stream.batch(step, args.batch_size, first=layout.dp_rank * per_rank, count=per_rank)
         common.sync(device)
         t0 = common.now()
@@ -323,7 +322,7 @@ def main(argv=None):
         flops = model.training_flops([s.cu_seqlens for s in stream.batch(step, args.batch_size)])
         meter.add(step, seconds, tokens, flops)
         grad_norm = invariant_norm[0] if invariant is not None else engine.get_global_grad_norm()
-        progress.update(step, loss=loss, lr=common.lr_at(step, args),
+        progress.update(step, loss=loss, lr=lr,
                         grad_norm=float(grad_norm) if grad_norm is not None else None,
                         tokens_per_s=tokens / seconds, step_s=seconds, peak_mem_gib=common.peak_memory_gib(device))
         if common.saves_checkpoint(args, step + 1, stop):

@@ -570,8 +570,7 @@ def main(argv=None):
         phases["static"] = _mem(device)
 
     for i in range(args.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = common.lr_at(i, args)
+        lr = common.set_lr(optimizer, i, args)
         samples = stream.batch(i, args.batch_size, first=layout.dp_rank * per_rank, count=per_rank)
         common.sync(device)
         t0 = common.now()
@@ -585,7 +584,7 @@ def main(argv=None):
         tokens = args.batch_size * args.seqlen
         meter.add(i, seconds, tokens, training_flops(facts, [s.cu_seqlens for s in
                                                              stream.batch(i, args.batch_size)]))
-        progress.update(i, loss=loss, lr=common.lr_at(i, args),
+        progress.update(i, loss=loss, lr=lr,
                         grad_norm=float(grad_norm) if grad_norm is not None else None,
                         tokens_per_s=tokens / seconds, step_s=seconds, peak_mem_gib=common.peak_memory_gib(device))
     progress.close()

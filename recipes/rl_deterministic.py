@@ -295,8 +295,7 @@ def main(argv=None):
     rewards_log, diffs_log, sampling_gaps = [], [], []
 
     for step in range(total_steps):
-        for group in optimizer.param_groups:
-            group["lr"] = common.lr_at(step, args_sched)
+        common.set_lr(optimizer, step, args_sched)
         gen = step_generator(args.seed, step)
         prompts_s = task.sample_prompts(args.prompts, gen)
         prompt_ids = torch.tensor([task.prompt_ids(s) for s in prompts_s]).repeat_interleave(args.group_size, 0)
