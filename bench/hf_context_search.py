@@ -29,6 +29,9 @@ import torch
 import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
+# The script's own folder (Python puts it first on the path) holds bench/kernels.py, which shadows Hugging Face's
+# `kernels` package: transformers imports that package when it is installed, and got our benchmark instead.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
 sys.path.insert(0, str(REPO / "recipes"))
 
 import common  # noqa: E402
