@@ -29,6 +29,8 @@ import warnings
 
 import torch
 
+import timing  # noqa: E402  (bench/, the script's folder)
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from calls import add_problem_args, make_calls  # noqa: E402  (bench/, the script's folder)
@@ -94,6 +96,7 @@ def synchronizing_calls(call) -> list[str]:
 
 def main(argv=None):
     args = parse_args(argv)
+    timing.require_cuda('host_profile.py')
     libs, dout = make_calls(args)
     report = io.StringIO()
 

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from timing import cuda_median_ms  # noqa: E402
+from timing import cuda_median_ms, require_cuda  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -47,6 +47,7 @@ MODES = {"plain": dict(deterministic=False), "deterministic": dict(deterministic
 
 def main(argv=None):
     args = parse_args(argv)
+    require_cuda('invariant.py')
     import fa4dist
 
     device = torch.device("cuda")

@@ -21,6 +21,8 @@ import sys
 
 import torch
 
+import timing  # noqa: E402  (bench/, the script's folder)
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from calls import add_problem_args, make_calls  # noqa: E402  (bench/, the script's folder)
@@ -92,6 +94,7 @@ def profile(fn, calls: int, shapes: bool = False) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
+    timing.require_cuda('kernel_breakdown.py')
     torch.use_deterministic_algorithms(args.deterministic)
     libs, dout = make_calls(args, args.deterministic)
     result = {}

@@ -26,6 +26,8 @@ import sys
 import time
 
 import torch
+
+import timing  # noqa: E402  (bench/, the script's folder)
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -265,6 +267,7 @@ def _print(row):
 
 def main(argv=None):
     args = parse_args(argv)
+    timing.require_torchrun('multigpu.py')
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))

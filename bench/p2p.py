@@ -17,7 +17,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from timing import cuda_median_ms  # bench/, the script's folder
+from timing import cuda_median_ms, require_cuda, require_torchrun  # bench/, the script's folder
 
 
 def parse_args(argv=None):
@@ -69,6 +69,8 @@ def _time(fn, reps, device) -> float:
 
 def main(argv=None):
     args = parse_args(argv)
+    require_torchrun('p2p.py')
+    require_cuda('p2p.py')
     rank = int(os.environ["RANK"])
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from timing import cuda_median_ms  # noqa: E402
+from timing import cuda_median_ms, require_cuda  # noqa: E402
 
 
 def doc_lengths(total: int, doclen: int, mixed: bool) -> list[int]:
@@ -193,6 +193,7 @@ def main():
                    help="queue each timed call behind a device spin of this length: device time alone, the host's "
                         "launch overhead hidden (default 0: timed from an idle device, host time included)")
     args = p.parse_args()
+    require_cuda('packed_tiles.py')
     rows = run(args)
     print()
     print(summary_table(rows))

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from timing import cuda_median_ms  # noqa: E402
+from timing import cuda_median_ms, require_cuda  # noqa: E402
 
 INF = float("inf")
 
@@ -48,6 +48,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args(argv)
+    require_cuda('scale_maxima.py')
     from fa4dist.kernels import fixed_point
 
     t = torch.randn(1, args.tokens, args.heads, args.headdim, device="cuda", dtype=torch.bfloat16)

@@ -31,7 +31,7 @@ from fa4dist.kernels.cute import backward as bwd  # noqa: E402
 from fa4dist.kernels.cute import forward as fwd  # noqa: E402
 from fa4dist.kernels.cute import host  # noqa: E402
 from kernels import _cudnn_raw, _fa4  # noqa: E402  (bench/, the script's folder: the baselines' callables)
-from timing import cuda_median_ms  # noqa: E402
+from timing import cuda_median_ms, require_cuda  # noqa: E402
 
 
 def main(argv=None):
@@ -44,6 +44,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args(argv)
+    require_cuda('split_tail.py')
     d = args.headdim
     fa4 = _fa4()
     rows = []

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 
 import torch
 
 
 _SPIN_RATES: dict = {}
+
+
+def require_cuda(script: str) -> None:
+    """Exits naming ``script`` when this machine has no CUDA GPU (a GPU benchmark failed deep inside torch)."""
+    if not torch.cuda.is_available():
+        sys.exit(f"bench/{script} needs a CUDA GPU")
+
+
+def require_torchrun(script: str) -> None:
+    """Exits naming ``script`` unless torchrun started this process (a KeyError on RANK otherwise)."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        sys.exit(f"bench/{script} runs one process per GPU under torchrun: torchrun --nproc-per-node N "
+                 f"bench/{script} ...")
 
 
 def spin_cycles_per_second(device=None) -> float:

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import fa4dist  # noqa: E402
 from fa4dist.kernels.mask import Mask, visible_pairs  # noqa: E402
-from timing import cuda_median_ms  # noqa: E402  (bench/, the script's folder)
+from timing import cuda_median_ms, require_cuda  # noqa: E402  (bench/, the script's folder)
 
 
 def parse_args(argv=None):
@@ -45,6 +45,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    require_cuda('window.py')
     torch.manual_seed(0)
     s, h, d, w = args.seqlen, args.heads, args.headdim, args.window
     q, k, v, dout = (torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from fa4dist.context_parallel import Schedule, make_plan  # noqa: E402
-from timing import cuda_median_ms  # noqa: E402
+from timing import cuda_median_ms, require_cuda  # noqa: E402
 from fa4dist.kernels import attention_backward_items, attention_forward_items  # noqa: E402
 from fa4dist.kernels.cute import backward as cute_bwd  # noqa: E402
 from fa4dist.kernels.worklist import share_queries  # noqa: E402
@@ -161,6 +161,7 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--directions", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd", "bwd-det"])
     args = p.parse_args()
+    require_cuda('worklist.py')
     h, hk = (int(x) for x in args.heads.split(":"))
     d = args.headdim
     rows = []
