@@ -31,6 +31,8 @@ The caller must pass the forward's own out and lse (the bound relies on P summin
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 KEY_TILE = 128  # canonical key tile: every backend's dq contribution covers one such tile (cute: TILE_N)
@@ -90,6 +92,15 @@ def dq_scale(dout: torch.Tensor, out: torch.Tensor, k_absmax: torch.Tensor, v_ab
     bound = (float(softmax_scale) * head_dim) * k_absmax.to(m.device) * m * (v_absmax.to(m.device) + o_max)
     scale = power_of_two_scale(bound)
     return (scale.movedim(-1, 0) if dout.dim() == 3 else scale.movedim(-1, 1)).contiguous()
+
+
+def power_of_two_below(x: torch.Tensor) -> torch.Tensor:
+    """2^-e with x = m 2^e, m in [0.5, 1) (x >= 0): x times it is in [0.5, 1); the exponent clamped so that the
+    factor stays a normal number of x's dtype (1 for x = 0).  Scaling by it is exact wherever the scaled values
+    stay normal, so sums formed on the scaled values have the bits of the unscaled ones, times it."""
+    exponent = torch.frexp(x).exponent
+    low = int(math.log2(torch.finfo(x.dtype).tiny))  # -126 for float32
+    return torch.ldexp(torch.ones_like(x), -exponent.clamp(low + 1, -low))
 
 
 def power_of_two_scale(bound: torch.Tensor) -> torch.Tensor:

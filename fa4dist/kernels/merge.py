@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .fixed_point import power_of_two_below
 from .problem import FLOAT_DTYPES, accum_dtype, check_buffer, check_sinks, check_written
 
 
@@ -199,21 +200,26 @@ def sink_grad_terms(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, si
     seen = ~torch.isneginf(lse)
     zero = torch.zeros((), dtype=acc, device=lse.device)
     share = torch.exp(sink - torch.where(seen, lse, zero))  # the sink's share of the row's softmax
+    # rowsum(dout * out) overflows near the top of the range (64 x 1e37) where the term, times the sink's small share,
+    # need not: each row of dout and of out is brought below 1 by a power of two first and the sum brought back after
+    # the share, which is exact (the same bits) wherever the scaled values stay normal, with no data-dependent branch
+    # (no host sync on the backward's path).  A row with a non-finite dout or out stays non-finite.
+    dout_s, out_s = (_power_of_two_below_rows(t.to(acc)) for t in (dout, out))
+    product = dout_s[0] * out_s[0]
+    if product.stride(-1) != 1:  # (a strided axis is summed in another order)
+        product = product.contiguous()
+    delta = product.sum(-1).transpose(-1, -2)  # (..., heads, seqlen) like lse, times both rows' factors
+    # one factor after the other (each a normal number, their product need not be), the larger first: the value
+    # shrinks before it grows
+    terms = share * delta / torch.maximum(dout_s[1], out_s[1]) / torch.minimum(dout_s[1], out_s[1])
+    return torch.where(seen, terms, zero)
 
-    def terms(dtype):
-        product = dout.to(dtype) * out.to(dtype)
-        if product.stride(-1) != 1:  # (a strided axis is summed in another order)
-            product = product.contiguous()
-        delta = product.sum(-1).transpose(-1, -2)  # (..., heads, seqlen) like lse
-        return torch.where(seen, share.to(dtype) * delta, zero.to(dtype))
 
-    result = terms(acc)
-    if acc == torch.float32 and not bool(torch.isfinite(result).all()):
-        # rowsum(dout * out) overflows float32 near the top of the range (64 x 1e37) where the term, times the
-        # sink's share, need not: those rows (only: the others keep their bits) take it from float64, rounded once.
-        # (A row with a non-finite dout or out is non-finite either way.)
-        result = torch.where(torch.isfinite(result), result, terms(torch.float64).to(acc))
-    return result
+def _power_of_two_below_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t with each row (last axis) times a power of two that brings its largest |entry| below 1, the factors in
+    lse's layout (..., heads, seqlen))."""
+    factor = power_of_two_below(t.abs().amax(-1, keepdim=True))
+    return t * factor, factor.squeeze(-1).transpose(-1, -2)
 
 
 def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

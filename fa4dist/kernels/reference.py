@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 
 import torch
 
@@ -228,14 +227,6 @@ def _forward_dense(p: AttentionProblem, q, k, v, q_offset: int, k_offset: int):
     return out.view(batch, seqlen_q, heads_q, head_dim_v), lse.view(batch, heads_q, seqlen_q)
 
 
-def _power_of_two_below(x: torch.Tensor) -> torch.Tensor:
-    """2^-e with x = m 2^e, m in [0.5, 1) (x >= 0, finite): x times it is in [0.5, 1); the exponent clamped so that
-    the factor stays a normal number (1 for x = 0)."""
-    exponent = torch.frexp(x).exponent
-    low = int(math.log2(torch.finfo(x.dtype).tiny))  # -126 for float32
-    return torch.ldexp(torch.ones_like(x), -exponent.clamp(low + 1, -low))
-
-
 def _rescaled_dprobs_minus_delta(ops, doc, vc, out_c, acc):
     """(u (dP - delta), 1 / u): dS = P * (dout . v - rowsum(dout * out)) where both dot products can overflow
     although their difference need not (1e37 x 64 terms), and dS, and its sums over keys and queries, can overflow
@@ -246,10 +237,10 @@ def _rescaled_dprobs_minus_delta(ops, doc, vc, out_c, acc):
     scaled products stay normal.  1 / u comes as two factors (1 / tau, 1 / sigma), each a normal number, to be
     applied one after the other."""
     do_max = _finite_absmax(doc, -1).to(acc)  # (b, q, h, g)
-    tau = _power_of_two_below(torch.maximum(_finite_absmax(vc, (1, 3)).to(acc),
+    tau = fixed_point.power_of_two_below(torch.maximum(_finite_absmax(vc, (1, 3)).to(acc),
                                             _finite_absmax(out_c, (1, 3, 4)).to(acc)))  # (b, h)
-    sigma = _power_of_two_below(do_max.amax(dim=(1, 3)))  # (b, h)
-    sigma_row = _power_of_two_below(do_max).unsqueeze(-1)  # (b, q, h, g, 1)
+    sigma = fixed_point.power_of_two_below(do_max.amax(dim=(1, 3)))  # (b, h)
+    sigma_row = fixed_point.power_of_two_below(do_max).unsqueeze(-1)  # (b, q, h, g, 1)
     doc = doc * sigma_row
     delta = (doc * (out_c * tau[:, None, :, None, None])).sum(-1)  # sigma_q tau delta (b, q, h, g)
     to_unit = (sigma[:, None, :, None, None] / sigma_row).squeeze(-1)  # sigma / sigma_q <= 1
