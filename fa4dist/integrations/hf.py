@@ -93,6 +93,19 @@ def window_of(sliding_window) -> tuple[int, int]:
     return (tokens - 1, 0)
 
 
+def text_config(config):
+    """The config of the language model (a multimodal config's text part, or the config itself)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def layer_chunk(config, local_size) -> Optional[int]:
+    """The chunk size of a chunked attention layer's mask (Llama 4: transformers names ``attention_chunk_size`` in
+    ``local_size``, as it names a sliding window), else None.  ``config``: the one transformers hands the mask
+    functions (None: not handed, no chunks)."""
+    chunk = getattr(text_config(config), "attention_chunk_size", None) if config is not None else None
+    return int(chunk) if chunk and local_size is not None and int(local_size) == int(chunk) else None
+
+
 def describe_window(window: tuple[int, int]) -> str:
     return "no sliding window" if window[0] < 0 else f"a sliding window of {window[0] + 1} tokens"
 
@@ -195,8 +208,8 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
 
     ``local_size`` (transformers passes it for sliding-window layers, and for chunked attention) is read as a
     sliding window of that many tokens; the predicate check then tells whether it was one.  Chunked attention
-    (Llama 4's ``attention_chunk_size``) passes that check over a whole sequence, where its chunks are documents;
-    with a cache offset (generation) the chunks are read from ``local_size`` instead (:func:`_chunk_segments`) and
+    (Llama 4's ``attention_chunk_size``, :func:`layer_chunk`) passes that check over a whole sequence, where its
+    chunks are documents; with a cache offset (generation) its segments are the chunks (:func:`_chunk_segments`),
     checked the same way."""
     from transformers.masking_utils import causal_mask_function, prepare_padding_mask
 
@@ -246,21 +259,11 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
                                       "attention supports left or right padding only")
             if runs:
                 segments.append((b, 0, q_length, runs[0][0], runs[0][1]))
-    chunk = None
-    try:
-        _verify(visible, _layout_of(segments, seg_q, seg_k, q_offset, kv_offset, window), batch_size, q_length,
-                kv_length, device, local_size)
-    except UnsupportedMask as not_a_window:
-        if self_attn or local_size is None:
-            raise
-        # with a cache offset, chunked attention is not a window: one segment per chunk that the queries touch
-        chunked = _chunk_segments(segments, padding, operator.index(local_size), q_offset, kv_offset)
-        try:
-            _verify(visible, _layout_of(chunked, seg_q.fill_(-1), seg_k.fill_(-1), q_offset, kv_offset, NO_WINDOW),
-                    batch_size, q_length, kv_length, device)
-        except UnsupportedMask:
-            raise not_a_window from None
-        segments, window, chunk = chunked, NO_WINDOW, operator.index(local_size)
+    chunk = None if self_attn else layer_chunk(kwargs.get("config"), local_size)
+    if chunk is not None:  # with a cache offset a chunked layer is not a window: one segment per chunk
+        segments, window = _chunk_segments(segments, padding, chunk, q_offset, kv_offset), NO_WINDOW
+    _verify(visible, _layout_of(segments, seg_q, seg_k, q_offset, kv_offset, window), batch_size, q_length,
+            kv_length, device, local_size, chunk)
     checked = "exhaustive" if batch_size * q_length * kv_length <= EXHAUSTIVE_CHECK_PAIRS else "probes"
 
     info = _info_from_segments(segments, batch_size, q_length, kv_length, q_offset, kv_offset, device, checked,
@@ -390,7 +393,7 @@ def _probe_pairs(layout: _Layout, batch, q_length, kv_length, device):
     return bi.repeat(len(probes_j)).to(device), ii.repeat(len(probes_j)).to(device), j
 
 
-def _verify(visible, layout: _Layout, batch, q_length, kv_length, device, local_size=None):
+def _verify(visible, layout: _Layout, batch, q_length, kv_length, device, local_size=None, chunk=None):
     """Raises UnsupportedMask unless transformers' predicate equals ours on every real query row checked."""
     if batch * q_length * kv_length <= EXHAUSTIVE_CHECK_PAIRS:
         b, i, j = torch.meshgrid(torch.arange(batch, device=device), torch.arange(q_length, device=device),
@@ -404,10 +407,14 @@ def _verify(visible, layout: _Layout, batch, q_length, kv_length, device, local_
     bad = torch.nonzero(real_query & (theirs != ours)).flatten()
     if bad.numel():
         n = int(bad[0])
-        window = "" if local_size is None else (
-            f"; transformers named local_size={local_size}, read as {describe_window(window_of(local_size))} "
-            "(the query and the ones before it), and after a cache offset also as chunked attention "
-            "(attention_chunk_size) of that many tokens from each row's first real token")
+        if chunk is not None:
+            window = (f"; transformers named local_size={local_size}, the config's attention_chunk_size, read as "
+                      "chunks of that many tokens from each row's first real token")
+        elif local_size is not None:
+            window = (f"; transformers named local_size={local_size}, read as "
+                      f"{describe_window(window_of(local_size))} (the query and the ones before it)")
+        else:
+            window = ""
         raise UnsupportedMask(
             f"the model's mask differs from what fa4dist attention computes (causal within documents, padding, "
             f"cache offsets, sliding windows) at batch {int(b[n])}, query {int(i[n])}, key {int(j[n])}: the model "

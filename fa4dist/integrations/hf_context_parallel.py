@@ -73,7 +73,7 @@ from fa4dist.models.loss import cp_cross_entropy_of
 from fa4dist.modules import FA4ContextParallelAttention
 
 from .hf import (NO_WINDOW, UnsupportedMask, attention_sinks, autocast_operands, document_starts, fa4dist_mask,
-                 layer_window, warn_no_attention_weights, window_of)
+                 layer_chunk, layer_window, text_config, warn_no_attention_weights, window_of)
 
 PLAN_KEY = "fa4dist_cp_plan"  # the local batch's key holding the ShardPlan (transformers passes it to attention)
 CHUNK_PLAN_KEY = "fa4dist_cp_chunk_plan"  # the plan of chunked attention layers (the same shards, finer documents)
@@ -86,11 +86,6 @@ _CHECKSUM_SEED = 0x9E3779B1
 
 # ---------------------------------------------------------------------------------------------------------------
 # what a model asks of its attention
-
-
-def _text_config(config):
-    """The config of the language model (a multimodal config's text part, or the config itself)."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _plan_window(config) -> tuple[int, int]:
@@ -117,12 +112,6 @@ def chunk_starts(position_ids: torch.Tensor, chunk: int) -> torch.Tensor:
     if bool(document_starts(pos)[1:].any()):
         return torch.nonzero(pos % chunk == 0).flatten()
     return torch.arange(0, pos.numel(), chunk)
-
-
-def _layer_chunk(config, local_size) -> Optional[int]:
-    """The chunk size of a chunked attention layer's mask (transformers names it in ``local_size``), else None."""
-    chunk = getattr(_text_config(config), "attention_chunk_size", None) if config is not None else None
-    return int(chunk) if chunk and local_size is not None and int(local_size) == int(chunk) else None
 
 
 def temperature_tuned(model) -> list:
@@ -160,7 +149,7 @@ def _tune_temperature(module, query: torch.Tensor, plan: ShardPlan, rank: int) -
 
 def unsupported_features(model) -> list[str]:
     """What in ``model`` (its config) context-parallel attention cannot compute exactly."""
-    config = _text_config(model.config)
+    config = text_config(model.config)
     problems = []
     if not getattr(model, "_supports_attention_backend", False):
         problems.append(f"{type(model).__name__} does not call transformers' AttentionInterface (it would run its "
@@ -211,7 +200,7 @@ def _cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
     # local runs of positions; the plan holds the documents, which the attention call follows.  A chunked layer's
     # (local_size its chunk size) must be causal within runs of at most that many tokens: transformers counts the
     # chunks of a shard from the shard's own indices or positions, the chunk plan from the whole row's.
-    chunk = _layer_chunk(kwargs.get("config"), local_size)
+    chunk = layer_chunk(kwargs.get("config"), local_size)
     try:
         info = fa4dist_mask(batch_size, q_length, kv_length, 0, 0, mask_function=mask_function, attention_mask=None,
                             local_size=None if chunk else local_size, device=device)
@@ -347,8 +336,8 @@ class ContextParallelHandle:
             raise ValueError("enable_context_parallel(strategy='hybrid') takes its Ulysses and ring groups from a "
                              "2-D mesh (mesh=, mesh_dim_names=('ring', 'ulysses')); with one process group use "
                              "strategy='auto', 'ring' or 'ulysses'")
-        self.plan_window = _plan_window(_text_config(model.config))
-        self.chunk = getattr(_text_config(model.config), "attention_chunk_size", None) or None
+        self.plan_window = _plan_window(text_config(model.config))
+        self.chunk = getattr(text_config(model.config), "attention_chunk_size", None) or None
         self.make_plan([0, 1])  # balancer and num_chunks, checked as every batch's plan checks them: before the switch
         self.loss_group = _loss_group(group, mesh)
         self._agree_on_options()
@@ -379,7 +368,7 @@ class ContextParallelHandle:
             return
         from fa4dist.models.loss import agreed_call
 
-        text = _text_config(self.model.config)
+        text = text_config(self.model.config)
         sig = {key: repr(value) for key, value in self._options.items() if key not in ("group", "mesh")}
         sig.update(model=type(self.model).__name__, balancer=repr(self.balancer), num_chunks=repr(self.num_chunks),
                    check_batch=self.check_batch, plan_window=list(self.plan_window), cp_size=self.cp_size,

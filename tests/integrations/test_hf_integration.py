@@ -7,6 +7,8 @@ errors, never dropped."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -232,16 +234,19 @@ def test_masks_we_cannot_express_are_errors(model):
     # over a whole sequence its chunks are separate documents, which the kernels compute exactly ...
     info = fa4dist_mask(**kw, mask_function=chunked, local_size=4)
     assert [seg[1:3] for seg in info.segments] == [(0, 4), (4, 8), (8, 12)]
-    # ... and after a cache offset they are read from local_size: one segment per chunk the queries touch
-    info = fa4dist_mask(batch_size=1, q_length=3, kv_length=10, q_offset=7, mask_function=chunked, local_size=4)
+    # ... and after a cache offset, on a layer whose local_size is the config's attention_chunk_size (transformers
+    # hands the mask functions the config), one segment per chunk the queries touch
+    chunked_config = types.SimpleNamespace(attention_chunk_size=4)
+    cached = dict(batch_size=1, q_length=3, kv_length=10, q_offset=7, config=chunked_config)
+    info = fa4dist_mask(**cached, mask_function=chunked, local_size=4)
     assert info.segments == [(0, 0, 1, 4, 8), (0, 1, 3, 8, 10)] and info.chunk == 4 and info.window == (-1, -1)
-    # chunks of another size than local_size names, or a window that is neither, are still refused
-    for local_size in (3, 5):
-        with pytest.raises(UnsupportedMask, match="chunked attention"):
-            fa4dist_mask(batch_size=1, q_length=3, kv_length=10, q_offset=7, mask_function=chunked,
-                         local_size=local_size)
-    with pytest.raises(UnsupportedMask, match="differs"):
-        fa4dist_mask(batch_size=1, q_length=3, kv_length=10, q_offset=7, local_size=4,
+    # chunks of another size than local_size names (read as a window), without the config (a window too), or a
+    # mask that is not whole chunks, are still refused
+    for local_size, config in ((3, chunked_config), (5, chunked_config), (4, None)):
+        with pytest.raises(UnsupportedMask, match="read as a sliding window"):
+            fa4dist_mask(**dict(cached, config=config), mask_function=chunked, local_size=local_size)
+    with pytest.raises(UnsupportedMask, match="read as chunks of that many tokens"):
+        fa4dist_mask(**cached, local_size=4,
                      mask_function=lambda b, h, q, kv: (kv <= q) & (kv // 4 == q // 4) & (kv % 4 != 1))
     with pytest.raises(UnsupportedMask, match="prepared fa4dist mask of chunks of 4"):
         fa4dist_mask(batch_size=1, q_length=3, kv_length=10, attention_mask=info, local_size=6)
