@@ -409,10 +409,11 @@ class ShardPlan:
                 ranges.append([start, end])
         return [(a, b) for a, b in ranges]
 
-    def global_indices(self, rank: Optional[int] = None) -> torch.Tensor:
-        """int64 indices into the global token stream of the rank's local tokens."""
-        parts = [torch.arange(a, b) for a, b in self.local_ranges(self._resolve_rank(rank, "global_indices"))]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    def global_indices(self, rank: Optional[int] = None, device=None) -> torch.Tensor:
+        """int64 indices into the global token stream of the rank's local tokens (made on ``device``: no copy)."""
+        parts = [torch.arange(a, b, device=device)
+                 for a, b in self.local_ranges(self._resolve_rank(rank, "global_indices"))]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
 
     # ---- documents ----------------------------------------------------------------------------------------------
 

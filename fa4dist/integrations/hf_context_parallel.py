@@ -142,7 +142,7 @@ def _global_temperature(module) -> bool:
 def _tune_temperature(module, query: torch.Tensor, plan: ShardPlan, rank: int) -> torch.Tensor:
     """Llama 4's query temperature (``Llama4TextAttention``'s own formula and dtypes) from each local token's index
     in the whole packed row, which is what the model computes without context parallelism."""
-    index = plan.global_indices(rank).to(query.device)
+    index = plan.global_indices(rank, device=query.device)  # (made there: no host-to-device copy per call)
     scales = torch.log1p(torch.floor((index.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
     return (query * scales.view(1, 1, -1, 1)).to(query.dtype)  # query (1, heads, L, D)
 
