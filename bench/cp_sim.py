@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fa4dist.context_parallel import Schedule, make_plan  # noqa: E402
 from fa4dist.context_parallel.plan import BALANCERS  # noqa: E402
 from fa4dist.context_parallel.ring import (  # noqa: E402
-    Accumulators, KernelOptions, KVBuffer, accum_dtype, backward_step, forward_items, forward_step,
+    Accumulators, HeldKV, KernelOptions, KVBuffer, accum_dtype, backward_step, forward_items, forward_step,
 )
 from fa4dist.kernels import attention_backward, attention_forward, available_backends  # noqa: E402
 from fa4dist.kernels.worklist import share_queries  # noqa: E402
@@ -186,13 +186,6 @@ def slowest_rank_places(log: list[dict], cp: int) -> list[dict]:
     return out
 
 
-class _Own:
-    """A rank's own K and V (or dK and dV), used in place at step 0."""
-
-    def __init__(self, k, v):
-        self.k, self.v = k, v
-
-
 def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdim: int, backend: str):
     timer = Timer(device, args.queue_ahead_ms)
     gen = torch.Generator(device=device).manual_seed(seqlen)
@@ -253,13 +246,13 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                             # as the ring engine: dK / dV written by their first step (bwd_zero_fill: zero-filled
                             # and added into, as before the twenty-sixth session)
                             alloc = torch.empty if fresh else torch.zeros
-                            own = _Own(alloc(kr.shape, dtype=acc, device=device),
+                            own = HeldKV(alloc(kr.shape, dtype=acc, device=device),
                                        alloc(vr.shape, dtype=acc, device=device))
                             # as the ring engine: one shared query side for all steps (bwd_per_call: without)
                             shared = share_queries(dr, qr, out_r, lse_r, backend=opts.backend,
                                                    softmax_scale=opts.softmax_scale, softcap=opts.softcap,
                                                    deterministic=False) if share else None
-                            backward_step(sched, r, r, dr, qr, _Own(kr, vr), out_r, lse_r, dq, own, opts,
+                            backward_step(sched, r, r, dr, qr, HeldKV(kr, vr), out_r, lse_r, dq, own, opts,
                                           shared=shared, fresh_dkv=fresh)
                             for t in sched.member_steps(r):
                                 s = sched.source(r, t)
@@ -404,7 +397,7 @@ def run_rank_kernels(sched, r, shard, held, opts):
     """Rank r's forward blocks, each to a fresh output (no merge): kernel time alone."""
     qr, kr, vr, _ = shard
     for s in [r] + [sched.source(r, t) for t in sched.member_steps(r)]:
-        keys = _Own(kr, vr) if s == r else held[(r, s)]
+        keys = HeldKV(kr, vr) if s == r else held[(r, s)]
         for item in sched.items(r, s):
             attention_forward(qr.narrow(1, item.q_start, item.q_len), keys.k.narrow(1, item.k_start, item.k_len),
                               keys.v.narrow(1, item.k_start, item.k_len), backend=opts.backend,
@@ -432,7 +425,7 @@ def grouped_held(sched, r, held, steps_per_launch: int) -> list:
 def run_rank_fwd_groups(sched, r, qr, kr, vr, groups, headdim, opts):
     """As ``ring_forward`` with launch groups: the own step, then one work list per group."""
     acc = Accumulators.empty(sched.members[r], qr, headdim, False, sched.items(r, r))
-    forward_step(sched, r, r, qr, _Own(kr, vr), acc, opts)
+    forward_step(sched, r, r, qr, HeldKV(kr, vr), acc, opts)
     for buf, items in groups:
         forward_items(qr, buf, items, acc, opts)
     return acc
@@ -442,7 +435,7 @@ def run_rank_fwd(sched, r, qr, kr, vr, held, headdim, opts, fill=False):
     # as the ring engine: rows the first step covers are not filled first (fill: every row, as before the
     # twenty-sixth session)
     acc = Accumulators.empty(sched.members[r], qr, headdim, False, () if fill else sched.items(r, r))
-    forward_step(sched, r, r, qr, _Own(kr, vr), acc, opts)
+    forward_step(sched, r, r, qr, HeldKV(kr, vr), acc, opts)
     for t in sched.member_steps(r):
         s = sched.source(r, t)
         forward_step(sched, r, s, qr, held[(r, s)], acc, opts)

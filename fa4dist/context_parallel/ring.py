@@ -53,7 +53,7 @@ class KernelOptions:
     deterministic: bool
 
 
-class _Held:
+class HeldKV:
     """K and V (or dK and dV) used in place: a member's own rows."""
 
     def __init__(self, k, v):
@@ -332,7 +332,7 @@ def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions,
     groups = sched.launch_groups(forward_steps_per_launch(sched, k, steps_per_launch))
     exchange = _Exchange(sched, ring, k, v, "forward")
     incoming = exchange.post_key_group(groups[0]) if groups else None
-    forward_step(sched, m, m, q, _Held(k, v), acc, opts)
+    forward_step(sched, m, m, q, HeldKV(k, v), acc, opts)
     for i, group in enumerate(groups):
         following = exchange.post_key_group(groups[i + 1]) if i + 1 < len(groups) else None
         held = incoming.wait()
@@ -358,7 +358,7 @@ def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opt
                            deterministic=opts.deterministic, backend=opts.backend) if steps else None
     # The own keys' work, half while the first remote keys travel, half while the last dK/dV travel back.
     own_first, own_last = sched.own_halves(m) if steps else (sched.items(m, m), ())
-    backward_step(sched, m, m, dout, q, _Held(k, v), out, lse, dq, _Held(dk, dv), opts, own_first, shared,
+    backward_step(sched, m, m, dout, q, HeldKV(k, v), out, lse, dq, HeldKV(dk, dv), opts, own_first, shared,
                   fresh_dkv=True)
     returning = None
     for i, t in enumerate(steps):
@@ -373,7 +373,7 @@ def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opt
         if returning is not None:  # the previous step's returns, added in step order
             returning.finish(dk, dv, sd)
         returning, incoming = posted, following
-    backward_step(sched, m, m, dout, q, _Held(k, v), out, lse, dq, _Held(dk, dv), opts, own_last, shared)
+    backward_step(sched, m, m, dout, q, HeldKV(k, v), out, lse, dq, HeldKV(dk, dv), opts, own_last, shared)
     if shared is not None:
         shared.finish(dq)
     if returning is not None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fa4dist.context_parallel import Schedule, make_plan
-from fa4dist.context_parallel.ring import Accumulators, KernelOptions, KVBuffer, _Held, backward_step, forward_step
+from fa4dist.context_parallel.ring import Accumulators, HeldKV, KernelOptions, KVBuffer, backward_step, forward_step
 from fa4dist.kernels import WorkItem
 
 
@@ -47,21 +47,21 @@ def test_a_members_first_step_writes_its_rows_unfilled(packed):
         acc.lse[..., covered] = float("nan")
         filled = Accumulators.empty(sched.members[m], q, 8, packed)
         for a in (acc, filled):
-            forward_step(sched, m, m, q, _Held(k, v), a, opts)
+            forward_step(sched, m, m, q, HeldKV(k, v), a, opts)
         assert torch.equal(acc.out, filled.out) and torch.equal(acc.lse, filled.lse)
         # the backward's own step over garbage dK / dV with fresh_dkv against zeros
         out, lse = filled.out.to(q.dtype), filled.lse
         grads = []
         for fresh in (True, False):
             fill = torch.full if fresh else (lambda s, _: torch.zeros(s))
-            dkv = _Held(fill(k.shape, float("nan")), fill(v.shape, float("nan")))
+            dkv = HeldKV(fill(k.shape, float("nan")), fill(v.shape, float("nan")))
             dq = torch.zeros(q.shape)
-            backward_step(sched, m, m, dout, q, _Held(k, v), out, lse, dq, dkv, opts, first, fresh_dkv=fresh)
+            backward_step(sched, m, m, dout, q, HeldKV(k, v), out, lse, dq, dkv, opts, first, fresh_dkv=fresh)
             grads.append((dq, dkv.k, dkv.v))
         for a, b in zip(*grads):
             assert torch.equal(a, b)
         empty = KVBuffer.empty_like(KVBuffer.empty(k, v, 5, tok))  # a received step without items: zeros
         empty.flat.fill_(float("nan"))
-        backward_step(sched, m, m, dout, q, _Held(k, v), out, lse, torch.zeros(q.shape), empty, opts, (),
+        backward_step(sched, m, m, dout, q, HeldKV(k, v), out, lse, torch.zeros(q.shape), empty, opts, (),
                       fresh_dkv=True)
         assert not empty.flat.any()
