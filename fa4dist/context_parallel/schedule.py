@@ -30,7 +30,9 @@ from typing import Optional, Union
 
 import torch
 
-from ..kernels.mask import NO_MASK, Mask, MaskLike, Visibility, as_mask, block_visibility, visible_pairs, visible_rect
+from ..kernels.mask import (
+    NO_MASK, Mask, MaskLike, Visibility, as_mask, block_visibility, is_int, visible_pairs, visible_rect,
+)
 from ..kernels.problem import check_int
 from ..kernels.worklist import WorkItem, coalesce
 from .plan import ShardPlan
@@ -185,13 +187,20 @@ class Schedule:
         self._sources: dict = {}
         self._starts: dict = {}
 
+    def _index(self, name: str, value, what: str = "a ring member") -> int:
+        """`value` checked as an index in [0, ring_size): a member, or a step (a negative member would read another
+        member's blocks silently, Python indexing from the end)."""
+        if not is_int(value) or not 0 <= value < self.ring_size:
+            raise ValueError(f"{name} must be {what} index in [0, {self.ring_size}), got {value!r}")
+        return int(value)
+
     def source(self, member: int, step: int) -> int:
         """The member whose keys `member` computes against at step `step`."""
-        return (member - step) % self.ring_size
+        return (self._index("member", member) - self._index("step", step, "a ring step")) % self.ring_size
 
     def dest(self, member: int, step: int) -> int:
         """The member that computes against `member`'s keys at step `step` (what `member` sends to)."""
-        return (member + step) % self.ring_size
+        return (self._index("member", member) + self._index("step", step, "a ring step")) % self.ring_size
 
     # ---- visibility index ----------------------------------------------------------------------------------------
     #
@@ -235,6 +244,7 @@ class Schedule:
         """The members (`member` itself included) whose keys some query of `member` sees."""
         cached = self._sources.get(member)
         if cached is None:
+            self._index("member", member)
             size, owners = self.plan.chunk_size, self._member_of_chunk
             found: set = set()
             reach = -1  # the chunks up to here are in `found` already
@@ -265,6 +275,7 @@ class Schedule:
         of a query block and a key block with a visible pair, in (query block, key block) order."""
         cached = self._raw.get((member, source))
         if cached is None:
+            self._index("member", member), self._index("source", source)
             out = []
             if source in self._sources_of(member):
                 spans, kblocks = self._key_spans(member), self.members[source].blocks
@@ -282,6 +293,7 @@ class Schedule:
         `source` sends `member` (empty: no transfer and no compute)."""
         cached = self._needed.get((member, source))
         if cached is None:
+            self._index("member", member), self._index("source", source)
             if member == source:  # the own blocks: whole blocks against themselves (one call each)
                 rows = [(c.k_row, c.k_len) for c in self._raw_calls(member, source)]
             elif source not in self._sources_of(member):
@@ -436,6 +448,9 @@ class Schedule:
         cached = self._group_items.get(key)
         if cached is not None:
             return cached
+        for t in group:
+            if t not in self.steps():
+                raise ValueError(f"group must hold remote steps of this schedule ({self.steps()}), got {group!r}")
         places, items, at = [], [], 0
         for t in group:
             n = self.recv_len(member, t)

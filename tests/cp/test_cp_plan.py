@@ -529,6 +529,24 @@ def test_schedule_refuses_a_bad_ulysses_degree_by_name(u, error, match):
         Schedule(100, 1, True)
 
 
+def test_schedule_refuses_member_and_step_indices_out_of_range():
+    """A negative member read another member's blocks (Python indexing from the end); a step past the ring wrapped."""
+    sched = Schedule(make_plan(400, 4), 1, True)
+    want = sched.calls(3, 2)
+    for bad in (-1, 4, True, 1.0):
+        with pytest.raises(ValueError, match=r"member must be a ring member index in \[0, 4\)"):
+            sched.calls(bad, 2)
+        with pytest.raises(ValueError, match=r"source must be a ring member index in \[0, 4\)"):
+            sched.needed(1, bad)
+        with pytest.raises(ValueError, match=r"member must be a ring member index"):
+            sched.member_work(bad)
+        with pytest.raises(ValueError, match=r"step must be a ring step index in \[0, 4\)"):
+            sched.source(1, bad)
+    with pytest.raises(ValueError, match="group must hold remote steps"):
+        sched.group_items(0, (0,))
+    assert sched.calls(3, 2) == want and sched.source(1, 3) == 2 and sched.dest(1, 3) == 0
+
+
 def test_token_ranges_outside_the_stream_are_refused():
     """pieces and range_cost take a range of the plan's tokens; one reaching outside it was answered as if the
     stream went on (range_cost(-5, 3) of a 100-token causal sequence: 6 pairs for 3 real queries; pieces(90, 200):
