@@ -547,10 +547,10 @@ def test_split_keys_scope_and_plan():
 
 
 def test_lpt_over_heads_scope():
-    """backward.use_lpt_over_heads: dense causal non-deterministic launches of at most 8 waves of key tiles whose
-    query-side streams fit 128 MB take every head's longest key tile first (lpt_over_heads_variant); many-wave or
-    larger launches, deterministic, non-causal and packed calls keep the head-major order, short sequences their
-    interleaved one."""
+    """backward.over_heads_group: dense causal non-deterministic launches of at most 8 waves of key tiles whose
+    query-side streams fit 128 MB take every head's longest key tile first (group 0), larger launches so within
+    groups of 4 (batch, kv head) pairs (lpt_over_heads_variant); deterministic, non-causal and packed calls keep the
+    head-major order (None), short sequences their interleaved one."""
     def main(**kw):
         kw = dict(dict(causal=True, varlen=False, seg_offsets=False, accumulate=False, deterministic=False,
                        dq_dtype=BF16, dkv_dtype=BF16, o_dtype=BF16, do_dtype=BF16), **kw)
@@ -560,23 +560,26 @@ def test_lpt_over_heads_scope():
         return (b, s, h, d), (b, s, hk or h, d)
 
     cfg = main(max_seqlen_k=4096)
-    assert not cfg.lpt_over_heads and bwd.lpt_over_heads_variant(cfg).lpt_over_heads
-    assert bwd.use_lpt_over_heads(cfg, *shapes(1, 4096, 8))  # 256 key tiles, 32 MB
-    assert bwd.use_lpt_over_heads(cfg, *shapes(1, 4096, 32))  # 1024 key tiles, 128 MB
-    assert not bwd.use_lpt_over_heads(cfg, *shapes(4, 4096, 16))  # 2048 key tiles, 256 MB
-    assert not bwd.use_lpt_over_heads(cfg, *shapes(1, 16384, 16))
-    assert not bwd.use_lpt_over_heads(main(d=64, max_seqlen_k=4096), *shapes(4, 4096, 32, d=64))
-    assert not bwd.use_lpt_over_heads(cfg, *shapes(1, 8192, 32, hk=8))  # GQA: 512 key tiles, 256 MB of queries
-    assert bwd.use_lpt_over_heads(cfg, *shapes(1, 8192, 16, hk=4))  # 256 key tiles, 128 MB
+    assert not cfg.lpt_over_heads and bwd.lpt_over_heads_variant(cfg, 0).lpt_over_heads
+    grouped = bwd.lpt_over_heads_variant(cfg, 4)
+    assert grouped.lpt_over_heads and grouped.lpt_group == 4
+    assert bwd.over_heads_group(cfg, *shapes(1, 4096, 8)) == 0  # 256 key tiles, 32 MB
+    assert bwd.over_heads_group(cfg, *shapes(1, 4096, 32)) == 0  # 1024 key tiles, 128 MB
+    assert bwd.over_heads_group(cfg, *shapes(4, 4096, 16)) == 4  # 2048 key tiles, 256 MB
+    assert bwd.over_heads_group(cfg, *shapes(1, 16384, 16)) == 4
+    assert bwd.over_heads_group(cfg, *shapes(1, 65536, 4)) is None  # one group of every pair: head-major kept
+    assert bwd.over_heads_group(main(d=64, max_seqlen_k=4096), *shapes(4, 4096, 32, d=64)) == 4
+    assert bwd.over_heads_group(cfg, *shapes(1, 8192, 32, hk=8)) == 4  # GQA: 512 key tiles, 256 MB of queries
+    assert bwd.over_heads_group(cfg, *shapes(1, 8192, 16, hk=4)) == 0  # 256 key tiles, 128 MB
     for kw in (dict(deterministic=True), dict(causal=False), dict(varlen=True)):
-        assert not bwd.use_lpt_over_heads(main(max_seqlen_k=4096, **kw), *shapes(1, 4096, 8)), kw
+        assert bwd.over_heads_group(main(max_seqlen_k=4096, **kw), *shapes(1, 4096, 8)) is None, kw
     # the knob itself: packed and deterministic configs take it, work lists and non-causal calls do not
     assert main(varlen=True, max_seqlen_k=4096, lpt_over_heads=True).lpt_over_heads
     assert main(deterministic=True, max_seqlen_k=4096, lpt_over_heads=True).lpt_over_heads
     assert not main(causal=False, max_seqlen_k=4096, lpt_over_heads=True).lpt_over_heads
     assert not main(varlen=True, worklist=True, max_seqlen_k=4096, lpt_over_heads=True).lpt_over_heads
     short = main(max_seqlen_k=1024)  # (the interleaved order of short sequences stays)
-    assert short.interleave_lengths and not bwd.use_lpt_over_heads(short, *shapes(1, 1024, 8))
+    assert short.interleave_lengths and bwd.over_heads_group(short, *shapes(1, 1024, 8)) is None
 
 
 @pytest.mark.parametrize("heads_per_group", [0, 1, 2, 4, 5])

@@ -403,6 +403,22 @@ def test_step_forms_give_the_same_bits(causal, deterministic, knob):
     _assert_same_grads(launch(False), launch(True), deterministic, knob)
 
 
+@pytest.mark.parametrize("group", [0, 3])
+def test_grouped_over_heads_order_gives_the_same_bits(group):
+    """lpt_over_heads within groups of (batch, kv head) pairs (lpt_group; 3 of 4 pairs: a smaller last group), the
+    default of many-wave causal launches: dK / dV bytes equal to the head-major order's, dQ rounding apart."""
+    g = _gen()
+    q, k, v = _inputs((2, 1000, 4, 128), (2, 1000, 2, 128), torch.bfloat16, g)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = attention_forward(q, k, v, causal=True, backend="sdpa_flash")
+
+    def launch(**order):
+        return _run(q, k, v, dout, out, lse, softmax_scale=128**-0.5, causal=True, interleave_lengths=False, **order)
+
+    _assert_same_grads(launch(lpt_over_heads=False), launch(lpt_over_heads=True, lpt_group=group), False,
+                       f"lpt_group={group}")
+
+
 @pytest.mark.parametrize("seqlen", [1000, 4096], ids=["persistent", "per-tile"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_ticket_forms_give_the_same_bits(causal, seqlen):

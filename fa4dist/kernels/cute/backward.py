@@ -140,13 +140,13 @@ class BwdConfig:
     # one's second longest, ... (tile_scheduler.bwd_work_tile's longest_first_over_heads, the split launches' order)
     # instead of one head's key tiles after another's; deterministic, the shortest first over every head (the
     # tickets' waits stay on tiles launched before); the same bits. Not a default of any config: launch_steps runs
-    # lpt_over_heads_variant(cfg) for the dense non-deterministic launches whose shapes take it
-    # (use_lpt_over_heads); deterministic or packed, a measurement knob not measured yet (flash-attn-4's
-    # deterministic scheduler orders its L2 groups of heads so; a packed launch's key tile j of every sequence)
+    # lpt_over_heads_variant(cfg, group) for the dense non-deterministic launches whose shapes take it
+    # (over_heads_group); deterministic or packed, a measurement knob measured slower (-9 to -14% deterministic,
+    # -2 to -13% packed: NOTES_BWD.md, thirty-seventh session)
     lpt_over_heads: bool = False
     # lpt_over_heads within groups of this many (batch, kv head) pairs, one group after another (0: every pair at
     # once), so that a group's query-side streams stay in L2 on many-wave launches (the forward's l2_rows); the
-    # same bits. A measurement knob, not measured yet (over every head, 16-32-wave launches lost 12-32%)
+    # same bits. Not a default of any config: over_heads_group picks it for the many-wave launches
     lpt_group: int = 0
     # deterministic: the dQ writer's ticket poll sleeps this many ns between reads (0: it spins, as flash-attn-4's
     # does; measured neutral), and fences before it releases the ticket (True: an explicit fence.acq_rel.gpu before
@@ -831,8 +831,10 @@ def launch_steps(
         split_dkv = torch.empty(2 * split_tiles * parts * TILE_N, d, dtype=torch.float32, device=device)
         launch = lambda: dict(tile_counter=torch.zeros(1 + split_tiles, dtype=torch.int32, device=device),  # noqa
                               split_dkv=split_dkv, split_edge=edge, split_parts=parts)
-    elif "lpt_over_heads" not in {**_OVERRIDE, **overrides} and use_lpt_over_heads(main_cfg, q.shape, k.shape):
-        main_fn = host.get_compiled(lpt_over_heads_variant(main_cfg))  # (the split variant has this order too)
+    elif "lpt_over_heads" not in {**_OVERRIDE, **overrides}:
+        group = over_heads_group(main_cfg, q.shape, k.shape)
+        if group is not None:  # (the split variant has this order too)
+            main_fn = host.get_compiled(lpt_over_heads_variant(main_cfg, group))
     return [
         lambda: pre_fn(out, dout, lse, lse2, dpsum, clean, dq_words, sem, dq_scale, scale2, scale, m_grid,
                        cu_seqlens_q),
@@ -848,26 +850,35 @@ def launch_steps(
 # / +19 / +18% at 8 x 4k / 16 x 2k / 4 x 8k / 12 x 4k / 16 x 4k heads x tokens (2-4 waves), +5 / +6.5 / -0.4% at
 # 32 x 4k / 16 x 8k / 8 x 16k (8 waves, 128 MB); -0.6 / -1.9 / -12% at 2 x 8k x 16 / 16k x 16 / 4 x 4k x 16 (16
 # waves, 256 MB); hdim 64 +40 / +17 / +8.5% at 8 x 4k / 16 x 4k / 16 x 8k, -32% at 4 x 4k x 32 (32 waves, 256 MB):
-# every head's streams at once then no longer fit the 50 MB L2, where a head-major order keeps one head's hot
+# every head's streams at once then no longer fit the 50 MB L2, where a head-major order keeps one head's hot.
+# Past those bounds the same order within groups of LPT_GROUP_MANY_WAVES (batch, kv head) pairs, one group after
+# another (thirty-seventh session, bench/sessions/gpu_session_37.sh, device time against head-major, hdim 128: +4.5
+# / +4.6 / -0.1% at 4 x 4k x 16 / 2 x 8k x 16 / 16k x 16, 1.02 / 1.02 / 0.98x flash-attn-4; groups of 8: +4.5 /
+# +3.4 / -0.9%).
 LPT_OVER_HEADS_MAX_WAVES = 8
 LPT_OVER_HEADS_MAX_BYTES = 128 * 2**20
+LPT_GROUP_MANY_WAVES = 4
 
 
-def use_lpt_over_heads(cfg: BwdConfig, q_shape, k_shape) -> bool:
-    """Whether a dense call (q (b, s_q, h, d), k (b, s_k, h_kv, d)) on ``cfg`` takes lpt_over_heads_variant (not
-    where the short sequences' interleaved order is on: measured against the head-major order only)."""
+def over_heads_group(cfg: BwdConfig, q_shape, k_shape) -> Optional[int]:
+    """The launch order of a dense call (q (b, s_q, h, d), k (b, s_k, h_kv, d)) on ``cfg``: None head-major (cfg as
+    it is), 0 every head's longest key tile first (lpt_over_heads_variant), G > 0 so within groups of G (batch, kv
+    head) pairs. Head-major where the short sequences' interleaved order is on (measured against head-major only)."""
     if not (cfg.causal and not cfg.deterministic and not cfg.varlen and not cfg.interleave_lengths):
-        return False
+        return None
     b, sq, h, d = q_shape
     _, sk, hk, _ = k_shape
     key_tiles = b * hk * -(-sk // TILE_N)
-    return key_tiles <= LPT_OVER_HEADS_MAX_WAVES * host.sm_count() and b * h * sq * d * 8 <= LPT_OVER_HEADS_MAX_BYTES
+    if key_tiles <= LPT_OVER_HEADS_MAX_WAVES * host.sm_count() and b * h * sq * d * 8 <= LPT_OVER_HEADS_MAX_BYTES:
+        return 0
+    return LPT_GROUP_MANY_WAVES if b * hk > LPT_GROUP_MANY_WAVES else None
 
 
 @functools.lru_cache(maxsize=256)
-def lpt_over_heads_variant(cfg: BwdConfig) -> BwdConfig:
-    """``cfg`` with lpt_over_heads, remembered per variant (a cache lookup per call)."""
-    return replace(cfg, lpt_over_heads=True)
+def lpt_over_heads_variant(cfg: BwdConfig, group: int = 0) -> BwdConfig:
+    """``cfg`` with lpt_over_heads in groups of ``group`` (batch, kv head) pairs (0: every pair at once),
+    remembered per variant (a cache lookup per call)."""
+    return replace(cfg, lpt_over_heads=True, lpt_group=group)
 
 
 @functools.lru_cache(maxsize=256)
