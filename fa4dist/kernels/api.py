@@ -159,6 +159,7 @@ def attention_backward(
     backend: str = "auto",
     cp_invariant: bool = False,
     dq_scale: Optional[torch.Tensor] = None,
+    dlse: Optional[torch.Tensor] = None,
 ):
     """Gradients of one block given the *global* out and lse (those of the whole key range, as a ring has them).
 
@@ -182,6 +183,12 @@ def attention_backward(
     written as the accumulating form adds them into zeros (a signed zero comes out +0).  So when one call covers
     every key its rows see and every query its keys see, its results are the int64 route's, bit for bit, with no
     int64 or fp32 buffers (one device's form).
+
+    ``dlse`` (lse's shape, fp32; fp64 for fp64 inputs): the gradient of the global lse too, for a loss of out and
+    lse.  d lse / d s = P, so it joins the row sums D = rowsum(dout * out) as D - dlse (dS = P (dP - D + dlse)),
+    and the sinks' term likewise; dv does not depend on it.  Backends with ``lse_gradient`` (the reference, cute)
+    take it in the same pass; for the others the contract runs one more backward (:func:`lse_backward_operands`).
+    As the global out and lse, it is the whole row's: pass it to every block of the row.
     """
     problem = validate_inputs(
         q, k, v, causal=causal, window=window, softcap=softcap, sinks=sinks, softmax_scale=softmax_scale,
@@ -189,12 +196,13 @@ def attention_backward(
         cp_invariant=cp_invariant,
     )
     return backward_problem(problem, dout, q, k, v, out, lse, sinks=sinks, deterministic=deterministic, dq=dq, dk=dk,
-                            dv=dv, dsinks=dsinks, accumulate=accumulate, backend=backend, dq_scale=dq_scale)
+                            dv=dv, dsinks=dsinks, accumulate=accumulate, backend=backend, dq_scale=dq_scale,
+                            dlse=dlse)
 
 
 def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sinks=None, deterministic=None,
                      dq=None, dk=None, dv=None, dsinks=None, accumulate=False, backend: str = "auto",
-                     dq_scale=None):
+                     dq_scale=None, dlse=None):
     """:func:`attention_backward` of a problem already validated from these tensors and options (as
     :func:`forward_problem`)."""
     require_values(problem)
@@ -220,6 +228,10 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
         if sinks is not None:
             raise ValueError("the fixed-point dq does not support sinks (pass sinks=None)")
         check_buffer("dq_scale", dq_scale, problem.lse_shape(), problem.device, (torch.float32,))
+    if dlse is not None:
+        if dq_scale is not None:
+            raise ValueError("dlse= (the lse's gradient) is not supported with the fixed-point dq (dq_scale=)")
+        check_buffer("dlse", dlse, problem.lse_shape(), problem.device, acc)
     for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         want = acc if accumulate else (problem.dtype,) + acc
         if name == "dq" and dq_scale is not None and accumulate:
@@ -230,7 +242,8 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
             raise ValueError("dsinks= is the buffer of the sinks' gradient: pass sinks= too")
         check_buffer("dsinks", dsinks, (problem.heads_q,), problem.device, acc)
     check_written({"dq": dq, "dk": dk, "dv": dv, "dsinks": dsinks},
-                  {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "sinks": sinks, "dq_scale": dq_scale})
+                  {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "sinks": sinks, "dq_scale": dq_scale,
+                   "dlse": dlse})
     if check_optional_bool("deterministic", deterministic) is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     if problem.batch == 0:  # no sequence: empty gradients (None where accumulate=True asked for none)
@@ -250,6 +263,12 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
         if not getattr(impl, "fixed_point_dq", False):
             raise ValueError(f"backend {impl.name!r} has no fixed-point dq (dq_scale=); the reference and cute do")
         fixed = dict(dq_scale=dq_scale)
+    lse_in_pass = dlse is not None and getattr(impl, "lse_gradient", False)
+    if lse_in_pass:
+        fixed = dict(dlse=dlse)
+    elif dlse is not None and impl.fused_epilogue:
+        raise ValueError(f"backend {impl.name!r} writes its gradients itself and takes no dlse= (lse_gradient); "
+                         "the reference and cute do")
     grads = dict(dq=tuple(q.shape), dk=tuple(k.shape), dv=tuple(v.shape))
     if impl.fused_epilogue:  # (a gradient without a buffer under accumulate=True is not computed: None)
         skipped = tuple(n for n, buf in zip(grads, (dq, dk, dv)) if buf is None) if accumulate else ()
@@ -259,6 +278,12 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
     else:
         block = list(check_results(impl, "backward", impl.backward(problem, dout, q, k, v, out, lse, deterministic,
                                                                    **fixed), grads, problem.device))
+        if dlse is not None and not lse_in_pass:  # the lse's share: one more backward, with v = 0 (dv: none)
+            dout_p, out_p = lse_backward_operands(dlse, out)
+            lse_block = check_results(impl, "backward", impl.backward(problem, dout_p, q, k, torch.zeros_like(v),
+                                                                      out_p, lse, deterministic), grads,
+                                      problem.device)
+            block[0], block[1] = block[0] + lse_block[0], block[1] + lse_block[1]
         if dq_scale is not None and (dq is None or dq.dtype != torch.int64):  # the integer sums, converted once
             block[0] = fixed_point.from_fixed(block[0], dq_scale, acc[0])
         if dq_scale is not None and not accumulate:
@@ -276,7 +301,7 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
                 result.append(buf.copy_(g))
     if sinks is None:
         return tuple(result)
-    ds = sink_grad(dout, out, lse, sinks)
+    ds = sink_grad(dout, out, lse, sinks, dlse)
     if dsinks is None:
         dsinks = ds
     elif accumulate:

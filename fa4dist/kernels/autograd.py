@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from . import invariant, reference, torch_ops
-from .api import backward_problem, forward_problem, lse_backward_operands
+from .api import backward_problem, forward_problem
 from .checkpointing import outside_selective_checkpoint
 from .merge import merge_sink_, with_sink
 from .problem import EAGER_ONLY, check_bool, check_optional_bool, validate_inputs
@@ -16,8 +16,9 @@ from .problem import EAGER_ONLY, check_bool, check_optional_bool, validate_input
 def _differentiable_grads(dout, q, k, v, sinks, mask_kwargs, dlse=None):
     """dq, dk, dv (and dsinks) as differentiable functions of (dout, q, k, v, sinks): the reference forward
     recomputed under autograd and differentiated with ``create_graph=True`` (the fast backward treats the saved
-    out/lse as constants, which is right for one derivative and wrong for two).  ``dout`` None and ``dlse`` given:
-    the gradients of the lse alone (:class:`_LseFunction`).  Reference speed: meant for checks and small models."""
+    out/lse as constants, which is right for one derivative and wrong for two), of a loss whose gradients are
+    ``dout`` for out and ``dlse`` for lse (either None: that output unused).  Reference speed: meant for checks and
+    small models."""
     problem = validate_inputs(q, k, v, sinks=sinks, **mask_kwargs)
     inputs = (q, k, v, sinks)
     with torch.enable_grad(), reference.no_autocast(q.device):
@@ -25,10 +26,11 @@ def _differentiable_grads(dout, q, k, v, sinks, mask_kwargs, dlse=None):
         if sinks is not None:
             out, lse = with_sink(out, lse, sinks)
         wanted = [t for t in inputs if t is not None and t.requires_grad]
-        result, seed = (out, dout) if dlse is None else (lse, dlse)
-        if not result.requires_grad:  # no row sees a key (and no sinks): out is constant zeros, lse -inf
+        seeded = [(t, g.to(t.dtype)) for t, g in ((out, dout), (lse, dlse)) if g is not None]
+        if not out.requires_grad or not seeded:  # no row sees a key (and no sinks): out is constant zeros, lse -inf
             return tuple(torch.zeros_like(t) if t is not None and t.requires_grad else None for t in inputs)
-        grads = torch.autograd.grad(result, wanted, seed.to(result.dtype), create_graph=True, allow_unused=True)
+        results, seeds = zip(*seeded)
+        grads = torch.autograd.grad(results, wanted, seeds, create_graph=True, allow_unused=True)
         grads = iter(torch.zeros_like(t) if g is None else g for t, g in zip(wanted, grads))
     return tuple(next(grads) if t is not None and t.requires_grad else None for t in inputs)
 
@@ -102,35 +104,41 @@ class _InvariantAttentionFunction(torch.autograd.Function):
 
 
 class _AttentionFunction(torch.autograd.Function):
+    """out, and with ``lse_grad`` the lse, differentiable: a loss of both takes one backward pass (the lse's
+    gradient joins the row sums: ``attention_backward(dlse=)``)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, sinks, mask_kwargs, backend, deterministic):
+    def forward(ctx, q, k, v, sinks, mask_kwargs, backend, deterministic, lse_grad):
         # validated once for both passes (the per-call host time shows at short sequences)
         problem = validate_inputs(q, k, v, sinks=sinks, **mask_kwargs)
         with outside_selective_checkpoint():  # one op to a checkpoint's policy, as a fused kernel is
             out, lse = forward_problem(problem, q, k, v, sinks=sinks, backend=backend)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.problem, ctx.mask_kwargs, ctx.backend, ctx.deterministic = problem, mask_kwargs, backend, deterministic
-        ctx.mark_non_differentiable(lse)
+        if not lse_grad:
+            ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not zeros to read
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, sinks, out, lse = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: gradients that are themselves differentiable
-            return (*_differentiable_grads(dout, q, k, v, sinks, ctx.mask_kwargs), None, None, None)
+            return (*_differentiable_grads(dout, q, k, v, sinks, ctx.mask_kwargs, dlse=dlse), None, None, None, None)
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()  # (a loss of the lse alone)
         with outside_selective_checkpoint():
-            grads = backward_problem(ctx.problem, dout.contiguous(), q, k, v, out, lse, sinks=sinks,
-                                     backend=ctx.backend, deterministic=ctx.deterministic)
+            grads = backward_problem(ctx.problem, dout, q, k, v, out, lse, sinks=sinks, backend=ctx.backend,
+                                     deterministic=ctx.deterministic, dlse=dlse)
         dsinks = grads[3].to(sinks.dtype) if sinks is not None else None
-        return grads[0], grads[1], grads[2], dsinks, None, None, None
+        return grads[0], grads[1], grads[2], dsinks, None, None, None, None
 
     jvp = forward_ad_refusal("fa4dist.attention")
 
 
 class _LseFunction(torch.autograd.Function):
-    """The lse of :func:`attention` (``return_lse=True``) as a differentiable output: its gradient is one more
-    backward through the contract (:func:`lse_backward_operands`), added by autograd to the output's.  Only a loss
-    that uses the lse runs it."""
+    """The lse of the cp_invariant :func:`attention` (``return_lse=True``) as a differentiable output: its gradient
+    is one more backward through the contract (dout = 0, ``dlse=``: the contract's deterministic numerics, not the
+    invariant ones), added by autograd to the output's.  Only a loss that uses the lse runs it."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, out, lse, mask_kwargs, backend, deterministic):
@@ -144,10 +152,9 @@ class _LseFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True
             return (*_differentiable_grads(None, q, k, v, sinks, ctx.mask_kwargs, dlse=dlse),) + (None,) * 5
         problem = validate_inputs(q, k, v, sinks=sinks, **ctx.mask_kwargs)
-        dout_p, out_p = lse_backward_operands(dlse, out)
         with outside_selective_checkpoint():
-            grads = backward_problem(problem, dout_p, q, k, torch.zeros_like(v), out_p, lse, sinks=sinks,
-                                     backend=ctx.backend, deterministic=ctx.deterministic)
+            grads = backward_problem(problem, torch.zeros_like(out), q, k, v, out, lse, sinks=sinks,
+                                     backend=ctx.backend, deterministic=ctx.deterministic, dlse=dlse.contiguous())
         dsinks = grads[3].to(sinks.dtype) if sinks is not None else None
         return grads[0], grads[1], None, dsinks, None, None, None, None, None
 
@@ -177,8 +184,9 @@ def attention(
 
     ``window=(left, right)`` (flash-attn's window_size, -1 unbounded), ``softcap`` and ``sinks`` (a (heads_q,)
     tensor of learnable logits, which gets a gradient) as in :func:`fa4dist.kernels.attention_forward`.
-    Returns out, or (out, lse) with ``return_lse=True``; the lse is differentiable (a loss that uses it runs one
-    more backward pass through the contract: :func:`fa4dist.kernels.api.lse_backward_operands`).
+    Returns out, or (out, lse) with ``return_lse=True``; the lse is differentiable (its gradient joins the same
+    backward pass where the backend takes it, the reference and cute; one more pass through the contract on the
+    others: ``attention_backward(dlse=)``).
     ``cp_invariant=True`` (default:
     the environment variable ``FA4DIST_CP_INVARIANT=1``) computes the numerics that context-parallel attention
     reproduces bit for bit at any cp size (:mod:`fa4dist.kernels.invariant`; deterministic, GQA gradients per query
@@ -197,14 +205,13 @@ def attention(
         out, lse = torch_ops.compiled_attention(q, k, v, sinks, mask_kwargs, backend, deterministic,
                                                 lse_grad=return_lse)
     else:
-        out, lse = _AttentionFunction.apply(q, k, v, sinks, mask_kwargs, backend, deterministic)
-        if return_lse:
-            lse = _differentiable_lse(q, k, v, sinks, out, lse, mask_kwargs, backend, deterministic)
+        out, lse = _AttentionFunction.apply(q, k, v, sinks, mask_kwargs, backend, deterministic, return_lse)
     return (out, lse) if return_lse else out
 
 
 def _differentiable_lse(q, k, v, sinks, out, lse, mask_kwargs, backend, deterministic):
-    """lse as a differentiable output of (q, k, sinks) when autograd records and one of them wants a gradient."""
+    """The cp_invariant lse as a differentiable output of (q, k, sinks) when autograd records and one of them wants
+    a gradient."""
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (q, k, sinks)):
         return lse
     return _LseFunction.apply(q, k, v, sinks, out.detach(), lse, mask_kwargs, backend, deterministic)

@@ -187,11 +187,13 @@ def with_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tupl
                        scaled), merged
 
 
-def sink_grad_terms(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+def sink_grad_terms(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
+                    dlse: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Each row's term of the sinks' gradient, ``exp(sink - lse) * rowsum(dout * out)`` (..., heads, seqlen) like
     ``lse``, in fp32 (fp64 for fp64 inputs), given the rows' *global* out and lse (sink included); 0 for a row whose
     lse is ``-inf`` (no key, no sink).  The gradient is minus their sum over the rows (:func:`sink_grad`).  Each
-    term is a function of its own row: the row sum runs over one contiguous last axis."""
+    term is a function of its own row: the row sum runs over one contiguous last axis.  ``dlse`` (lse's layout):
+    the lse's gradient, whose share ``exp(sink - lse) * dlse`` (d lse / d sink) each term loses."""
     check_partial("the result", out, lse)
     check_buffer("sink_grad: dout", dout, tuple(out.shape), out.device, FLOAT_DTYPES)
     acc = accum_dtype(out.dtype)
@@ -212,6 +214,8 @@ def sink_grad_terms(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, si
     # one factor after the other (each a normal number, their product need not be), the larger first: the value
     # shrinks before it grows
     terms = share * delta / torch.maximum(dout_s[1], out_s[1]) / torch.minimum(dout_s[1], out_s[1])
+    if dlse is not None:
+        terms = terms - share * dlse.to(acc)
     return torch.where(seen, terms, zero)
 
 
@@ -222,10 +226,11 @@ def _power_of_two_below_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return t * factor, factor.squeeze(-1).transpose(-1, -2)
 
 
-def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
+              dlse: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The gradient of the sinks (heads,) from these rows, given their *global* out and lse (sink included), in
-    fp32 (fp64 for fp64 inputs): ``-sum_rows exp(sink - lse) * rowsum(dout * out)``.  A row whose lse is ``-inf``
-    (no key, no sink) contributes nothing."""
-    per_row = sink_grad_terms(dout, out, lse, sinks)
+    fp32 (fp64 for fp64 inputs): ``-sum_rows exp(sink - lse) * (rowsum(dout * out) - dlse)`` (``dlse``: the lse's
+    gradient, if any).  A row whose lse is ``-inf`` (no key, no sink) contributes nothing."""
+    per_row = sink_grad_terms(dout, out, lse, sinks, dlse)
     # over every dim but the heads' (reshape(-1, ...) cannot infer its size when there are no rows)
     return -per_row.sum(dim=[d for d in range(per_row.dim()) if d != per_row.dim() - 2])

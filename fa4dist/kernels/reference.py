@@ -227,7 +227,7 @@ def _forward_dense(p: AttentionProblem, q, k, v, q_offset: int, k_offset: int):
     return out.view(batch, seqlen_q, heads_q, head_dim_v), lse.view(batch, heads_q, seqlen_q)
 
 
-def _rescaled_dprobs_minus_delta(ops, doc, vc, out_c, acc):
+def _rescaled_dprobs_minus_delta(ops, doc, vc, out_c, acc, dlse_c=None):
     """(u (dP - delta), 1 / u): dS = P * (dout . v - rowsum(dout * out)) where both dot products can overflow
     although their difference need not (1e37 x 64 terms), and dS, and its sums over keys and queries, can overflow
     too where the gradients (times the scores' scale) do not.  The unit u = sigma tau is a power of two per
@@ -235,7 +235,7 @@ def _rescaled_dprobs_minus_delta(ops, doc, vc, out_c, acc):
     gradients, which it brings below 1; the dot products are computed with each row of dout scaled to below 1
     (sigma_q), then brought to the unit (sigma / sigma_q).  The bits of the unscaled form times u wherever the
     scaled products stay normal.  1 / u comes as two factors (1 / tau, 1 / sigma), each a normal number, to be
-    applied one after the other."""
+    applied one after the other.  ``dlse_c`` (b, q, h, g): the lse's gradient, taken from delta (in the same unit)."""
     do_max = _finite_absmax(doc, -1).to(acc)  # (b, q, h, g)
     tau = fixed_point.power_of_two_below(torch.maximum(_finite_absmax(vc, (1, 3)).to(acc),
                                             _finite_absmax(out_c, (1, 3, 4)).to(acc)))  # (b, h)
@@ -243,6 +243,8 @@ def _rescaled_dprobs_minus_delta(ops, doc, vc, out_c, acc):
     sigma_row = fixed_point.power_of_two_below(do_max).unsqueeze(-1)  # (b, q, h, g, 1)
     doc = doc * sigma_row
     delta = (doc * (out_c * tau[:, None, :, None, None])).sum(-1)  # sigma_q tau delta (b, q, h, g)
+    if dlse_c is not None:
+        delta = delta - dlse_c * sigma_row.squeeze(-1) * tau[:, None, :, None]
     to_unit = (sigma[:, None, :, None, None] / sigma_row).squeeze(-1)  # sigma / sigma_q <= 1
     to_unit, delta = (t.permute(0, 2, 3, 1).unsqueeze(-1) for t in (to_unit, delta))  # (b, h, g, q, 1)
     return (ops.scores(doc, vc * tau[:, None, :, None]) - delta) * to_unit, (1 / tau, 1 / sigma)
@@ -262,9 +264,11 @@ def _score_grads(p, ops, probs, dprobs_minus_delta, scores, keep, qc, kc, from_u
     return dq_tile, dk_tile
 
 
-def _backward_dense(p: AttentionProblem, dout, q, k, v, out, lse, q_offset: int, k_offset: int, dq_scale=None):
+def _backward_dense(p: AttentionProblem, dout, q, k, v, out, lse, q_offset: int, k_offset: int, dq_scale=None,
+                    dlse=None):
     """Gradients of one dense block given the *global* out and lse: returns dq, dk, dv in the accumulation dtype
-    (dq in int64 fixed point with ``dq_scale``, (b, h, s): one term per key tile, fa4dist.kernels.fixed_point)."""
+    (dq in int64 fixed point with ``dq_scale``, (b, h, s): one term per key tile, fa4dist.kernels.fixed_point).
+    ``dlse`` (lse's layout): the lse's gradient, which joins delta (d lse / d s = P: dS = P (dP - (delta - dlse)))."""
     acc = accum_dtype(q.dtype)
     scale, ops = p.softmax_scale, _ops(p)
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -276,6 +280,9 @@ def _backward_dense(p: AttentionProblem, dout, q, k, v, out, lse, q_offset: int,
     dv = torch.zeros(batch, seqlen_k, heads_kv, v.shape[-1], dtype=acc, device=q.device)
     # delta_i = sum_d dout_i * out_i (rowsum of dP * P), from the global output.
     delta = (dout.to(acc) * out.to(acc)).sum(-1).view(batch, seqlen_q, heads_kv, group).permute(0, 2, 3, 1)
+    if dlse is not None:
+        dlse = dlse.to(acc).view(batch, heads_kv, group, seqlen_q)
+        delta = delta - dlse
     lse = lse.to(acc).view(batch, heads_kv, group, seqlen_q)
     q_chunk, k_chunk = ops.chunks(seqlen_q, seqlen_k)
     for qs in range(0, seqlen_q, q_chunk):
@@ -306,7 +313,8 @@ def _backward_dense(p: AttentionProblem, dout, q, k, v, out, lse, q_offset: int,
             # it reached (through pairs they see, or their sums) take the rescaled form, the others keep their bits.
             # (Rows that see a NaN or inf are non-finite in both forms.)
             if not (bool(torch.isfinite(dq_tile).all()) and bool(torch.isfinite(dk_tile).all())):
-                rescaled, from_unit = _rescaled_dprobs_minus_delta(ops, doc, vc, out_c, acc)
+                dlse_c = None if dlse is None else dlse[..., qs : qs + ql].permute(0, 3, 1, 2)
+                rescaled, from_unit = _rescaled_dprobs_minus_delta(ops, doc, vc, out_c, acc, dlse_c)
                 dq_re, dk_re = _score_grads(p, ops, probs, rescaled, scores, keep, qc, kc, from_unit)
                 dq_tile = torch.where(torch.isfinite(dq_tile), dq_tile, dq_re)
                 dk_tile = torch.where(torch.isfinite(dk_tile), dk_tile, dk_re)
@@ -376,27 +384,27 @@ def forward(problem: AttentionProblem, q, k, v):
 
 
 @_without_autocast
-def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq_scale=None):
+def backward(problem: AttentionProblem, dout, q, k, v, out, lse, dq_scale=None, dlse=None):
     """Returns (dq, dk, dv) in the accumulation dtype for the block, given the global out and lse; with
-    ``dq_scale`` (lse's layout) dq is int64 fixed point (fa4dist.kernels.fixed_point; cp_invariant problems)."""
+    ``dq_scale`` (lse's layout) dq is int64 fixed point (fa4dist.kernels.fixed_point; cp_invariant problems);
+    ``dlse`` (lse's layout): the lse's gradient, added."""
     p = problem
     if dq_scale is not None and not p.cp_invariant:
         raise ValueError("the fixed-point dq (dq_scale=) is computed on the canonical key tiles of cp_invariant=True")
     if not p.varlen and p.uniform_offsets and p.batch > 0:
-        return _backward_dense(p, dout, q, k, v, out, lse, p.q_offsets[0], p.k_offsets[0], dq_scale)
+        return _backward_dense(p, dout, q, k, v, out, lse, p.q_offsets[0], p.k_offsets[0], dq_scale, dlse)
     acc = accum_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc if dq_scale is None else torch.int64, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     lse_t = lse.transpose(0, 1) if p.varlen else lse  # packed lse is (heads, total): slice along tokens
     tensors = [(dout, "q"), (q, "q"), (k, "k"), (v, "k"), (out, "q"), (lse_t, "q")]
-    if dq_scale is not None:
-        tensors.append((dq_scale.transpose(0, 1) if p.varlen else dq_scale, "q"))
-    for (b, qs, ql, ks, kl, qo, ko), (dob, qb, kb, vb, ob, lb, *scale_b) in _per_sequence(p, tensors):
-        if p.varlen:
-            lb = lb.transpose(1, 2)  # (1, ql, heads) -> (1, heads, ql)
-            scale_b = [t.transpose(1, 2) for t in scale_b]
-        dqb, dkb, dvb = _backward_dense(p, dob, qb, kb, vb, ob, lb, qo, ko, *scale_b)
+    row_vectors = {name: t for name, t in (("dq_scale", dq_scale), ("dlse", dlse)) if t is not None}
+    tensors += [(t.transpose(0, 1) if p.varlen else t, "q") for t in row_vectors.values()]
+    for (b, qs, ql, ks, kl, qo, ko), (dob, qb, kb, vb, ob, lb, *rows_b) in _per_sequence(p, tensors):
+        if p.varlen:  # (1, ql, heads) -> (1, heads, ql)
+            lb, rows_b = lb.transpose(1, 2), [t.transpose(1, 2) for t in rows_b]
+        dqb, dkb, dvb = _backward_dense(p, dob, qb, kb, vb, ob, lb, qo, ko, **dict(zip(row_vectors, rows_b)))
         if p.varlen:
             dq[qs : qs + ql], dk[ks : ks + kl], dv[ks : ks + kl] = dqb[0], dkb[0], dvb[0]
         else:
@@ -413,6 +421,7 @@ class ReferenceBackend:
     fused_epilogue = False
     cp_invariant = True  # row- and key-independent arithmetic on request (problem.cp_invariant)
     fixed_point_dq = True  # dq in int64 fixed point on request (dq_scale=; fa4dist.kernels.fixed_point)
+    lse_gradient = True  # the lse's gradient joins the backward (dlse=)
 
     def available(self, device) -> bool:
         return True
@@ -423,5 +432,5 @@ class ReferenceBackend:
     def forward(self, problem, q, k, v):
         return forward(problem, q, k, v)
 
-    def backward(self, problem, dout, q, k, v, out, lse, deterministic, dq_scale=None):
-        return backward(problem, dout, q, k, v, out, lse, dq_scale)
+    def backward(self, problem, dout, q, k, v, out, lse, deterministic, dq_scale=None, dlse=None):
+        return backward(problem, dout, q, k, v, out, lse, dq_scale, dlse)

@@ -14,6 +14,10 @@ A backend is an object with:
                                                   or the input is simply out of its range (a head dim, a dtype)
   forward(problem, q, k, v[, out, lse, accumulate]) -> (out, lse)
   backward(problem, dout, q, k, v, out, lse, deterministic[, dq, dk, dv, accumulate]) -> (dq, dk, dv)
+  lse_gradient: bool (optional)                   its backward takes dlse= (the lse's gradient, joined to the
+                                                  row sums of dout * out); without it the contract runs one more
+                                                  backward for it (api.lse_backward_operands; a fused-epilogue
+                                                  backend must take it)
 
 Backends without a fused epilogue return fresh results; `fa4dist.kernels.api` writes or merges them into the
 caller's buffers, and merges the attention sinks into them (a backend sees the sinks tensor only through

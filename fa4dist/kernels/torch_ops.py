@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .api import backward_problem, forward_problem, lse_backward_operands
+from .api import backward_problem, forward_problem
 from .problem import _offsets, accum_dtype, check_layout, lse_shape_of, validate_inputs
 
 def _offset_arg(name: str, value, count):
@@ -83,20 +83,22 @@ def attention_bwd(
     out: torch.Tensor, lse: torch.Tensor, causal: bool, window: list[int], softcap: Optional[float],
     softmax_scale: Optional[float], q_offsets: list[int], q_offset_t: Optional[torch.Tensor], k_offsets: list[int],
     k_offset_t: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
-    backend: str, deterministic: Optional[bool],
+    backend: str, deterministic: Optional[bool], dlse: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dsinks); dsinks is an empty tensor when there are no sinks (an op returns tensors only)."""
+    """(dq, dk, dv, dsinks); dsinks is an empty tensor when there are no sinks (an op returns tensors only);
+    ``dlse``: the lse's gradient (``attention_backward(dlse=)``), or None."""
     problem = _problem(q, k, v, sinks, causal, window, softcap, softmax_scale, q_offsets, q_offset_t, k_offsets,
                        k_offset_t, cu_seqlens_q, cu_seqlens_k)
     grads = backward_problem(problem, dout.contiguous(), q, k, v, out, lse, sinks=sinks, backend=backend,
-                             deterministic=deterministic)
+                             deterministic=deterministic, dlse=None if dlse is None else dlse.contiguous())
     dsinks = grads[3].to(sinks.dtype) if sinks is not None else q.new_empty((0,))
     return grads[0].contiguous(), grads[1].contiguous(), grads[2].contiguous(), dsinks
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(dout, q, k, v, sinks, out, lse, causal, window, softcap, softmax_scale, q_offsets,
-                        q_offset_t, k_offsets, k_offset_t, cu_seqlens_q, cu_seqlens_k, backend, deterministic):
+                        q_offset_t, k_offsets, k_offset_t, cu_seqlens_q, cu_seqlens_k, backend, deterministic,
+                        dlse=None):
     dsinks = torch.empty_like(sinks, memory_format=torch.contiguous_format) if sinks is not None \
         else q.new_empty((0,))
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -120,13 +122,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, sinks, out, lse = ctx.saved_tensors
+    dlse = dlse if ctx.lse_grad else None  # (the lse's gradient joins the same pass: attention_backward(dlse=))
+    dout = torch.zeros_like(out) if dout is None else dout
     dq, dk, dv, dsinks = attention_bwd(dout, q, k, v, sinks, out, lse, *ctx.mask_args, ctx.backend,
-                                       ctx.deterministic)
-    if ctx.lse_grad and dlse is not None:  # the lse's gradient: one more backward (api.lse_backward_operands)
-        dout_p, out_p = lse_backward_operands(dlse, out)
-        lq, lk, _, lsinks = attention_bwd(dout_p, q, k, torch.zeros_like(v), sinks, out_p, lse, *ctx.mask_args,
-                                          ctx.backend, ctx.deterministic)
-        dq, dk, dsinks = dq + lq, dk + lk, dsinks + lsinks
+                                       ctx.deterministic, dlse)
     return (dq, dk, dv, dsinks if sinks is not None else None) + (None,) * 13
 
 

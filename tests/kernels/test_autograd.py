@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fa4dist
+from fa4dist.kernels import reference, registry
 
 
 @pytest.mark.parametrize("sinks", [False, True])
@@ -91,6 +92,98 @@ def test_torch_func_transforms_are_refused_by_name(transform, cp_invariant):
         call()
 
 
+class _TwoPassReference:
+    """The reference's numerics behind a backend without ``lse_gradient``: the contract then gives the lse's
+    gradient one more backward (api.lse_backward_operands), the route of the sdpa backends. Counts its backwards."""
+
+    name, priority, fused_epilogue = "reference-two-pass", 0, False
+
+    def __init__(self):
+        self.backwards = 0
+
+    def available(self, device):
+        return True
+
+    def supports(self, problem, direction):
+        return None
+
+    def forward(self, problem, q, k, v):
+        return reference.forward(problem, q, k, v)
+
+    def backward(self, problem, dout, q, k, v, out, lse, deterministic):
+        self.backwards += 1
+        return reference.backward(problem, dout, q, k, v, out, lse)
+
+
+@pytest.fixture
+def two_pass(monkeypatch):
+    monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
+    backend = _TwoPassReference()
+    registry.register_backend(backend)
+    return backend
+
+
+def test_the_lse_gradient_joins_the_backward_pass(two_pass, monkeypatch):
+    """A loss of out and lse: one backward pass where the backend takes dlse (the reference; cute), two where it
+    does not (the lse's share through api.lse_backward_operands), and the same gradients (fp64)."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 20, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    sinks = torch.randn(2, generator=gen, dtype=torch.float64)
+    w_out, w_lse = torch.randn(2, 20, 2, 8, generator=gen, dtype=torch.float64), torch.randn(2, 2, 20, generator=gen,
+                                                                                            dtype=torch.float64)
+    calls = []
+    monkeypatch.setattr(type(registry.get_backend("reference")), "backward", lambda self, *a, **kw: calls.append(
+        kw.get("dlse")) or reference.backward(*a[:7], kw.get("dq_scale"), kw.get("dlse")))
+    grads = {}
+    for backend in ("reference", two_pass.name):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        out, lse = fa4dist.attention(*leaves[:3], sinks=leaves[3], causal=True, return_lse=True, backend=backend)
+        ((out * w_out).sum() + (lse * w_lse).sum()).backward()
+        grads[backend] = [t.grad for t in leaves]
+    assert len(calls) == 1 and calls[0] is not None and two_pass.backwards == 2
+    for name, a, b in zip("qkvs", grads["reference"], grads[two_pass.name]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    out, lse = fa4dist.attention(*leaves[:3], sinks=leaves[3], causal=True, return_lse=True, backend="reference")
+    (out * w_out).sum().backward()  # the lse unused: no dlse reaches the backend
+    assert len(calls) == 2 and calls[1] is None
+
+
+def test_attention_backward_takes_the_lse_gradient_per_block(two_pass):
+    """attention_backward(dlse=) with the global out, lse and dlse on every block of the keys (as a ring calls it):
+    the blocks' sums are the whole call's gradients, on both routes, and the fp64 oracle's."""
+    from oracle import naive_attention
+
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(1, 24, 4, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, 24, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    dout, dlse = torch.randn(q.shape, generator=gen, dtype=torch.float64), torch.randn(1, 4, 24, generator=gen,
+                                                                                       dtype=torch.float64)
+    out, lse = fa4dist.kernels.attention_forward(q, k, v, causal=True, backend="reference")
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = naive_attention(*ref, causal=True)
+    want = torch.autograd.grad((ref_out * dout).sum() + (ref_lse * dlse).sum(), ref)
+    for backend in ("reference", two_pass.name):
+        dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+        for ks in (0, 10):
+            kl = 10 if ks == 0 else 14
+            fa4dist.kernels.attention_backward(
+                dout, q, k[:, ks:ks + kl], v[:, ks:ks + kl], out, lse, causal=True, k_offset=ks, dq=dq,
+                dk=dk[:, ks:ks + kl], dv=dv[:, ks:ks + kl], accumulate=True, backend=backend, dlse=dlse)
+        for name, g, r in zip("qkv", (dq, dk, dv), want):
+            torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12, msg=f"{backend} d{name}")
+
+
+def test_dlse_is_checked_by_name():
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(1, 8, 2, 8, generator=gen) for _ in range(3))
+    out, lse = fa4dist.kernels.attention_forward(q, k, v)
+    with pytest.raises(ValueError, match="dlse"):
+        fa4dist.kernels.attention_backward(out, q, k, v, out, lse, dlse=torch.zeros(1, 2, 9))
+    with pytest.raises((TypeError, ValueError), match="dlse"):
+        fa4dist.kernels.attention_backward(out, q, k, v, out, lse, dlse=torch.zeros(1, 2, 8, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("case", ["dense-causal-gqa", "packed-window-softcap-sinks", "cp_invariant"])
 def test_the_lse_is_differentiable(case, dtype):
@@ -136,9 +229,10 @@ def test_the_lse_is_differentiable(case, dtype):
         torch.testing.assert_close(got2, want2, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("route", ["one pass", "two passes"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", ["dlse past float16's range", "dlse in float16's subnormals", "dlse of one"])
-def test_the_lse_gradient_keeps_its_precision_over_float32s_range(case, dtype):
+def test_the_lse_gradient_keeps_its_precision_over_float32s_range(case, dtype, route, two_pass):
     """The lse is float32, so its gradient dlse can take any float32 value, while the backward carries it in out's
     dtype. It was rounded to float16 as it came: |dlse| = 1e5 (past 65504) gave NaN gradients and 1e-6 (a float16
     subnormal) lost 2% of dq and of dsinks, where the gradients themselves are normal float16 numbers. Now within a
@@ -157,7 +251,7 @@ def test_the_lse_gradient_keeps_its_precision_over_float32s_range(case, dtype):
     w = w * torch.randn(w.shape, generator=gen).sign()
     leaves = [t.requires_grad_() for t in (q, k, v, sinks)]
     _, lse = fa4dist.attention(*leaves[:3], sinks=leaves[3], causal=True, softmax_scale=softmax_scale,
-                               return_lse=True)
+                               return_lse=True, backend="reference" if route == "one pass" else two_pass.name)
     got = torch.autograd.grad((lse.double() * w).sum(), (leaves[0], leaves[1], leaves[3]))
     ref = [t.detach().double().requires_grad_() for t in leaves]
     _, ref_lse = naive_attention(*ref[:3], sinks=ref[3], causal=True, softmax_scale=softmax_scale)

@@ -195,19 +195,30 @@ def test_any_layout_of_the_operands(backend):
             assert rel_error(g.cpu(), w.cpu()) < REL_TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("case", ["dense", "packed-sinks-window"])
 @pytest.mark.parametrize("backend", ["sdpa", "cute"])
-def test_the_lse_gradient_through_each_backend(backend):
-    """fa4dist.attention(return_lse=True): a loss of out and lse through the backend's backward (the lse's part is
-    a second backward with v = 0 and out', dout' carrying -dlse) against the fp64 oracle's autograd."""
+def test_the_lse_gradient_through_each_backend(backend, case):
+    """fa4dist.attention(return_lse=True): a loss of out and lse through the backend's backward (sdpa: the lse's
+    part a second backward with v = 0 and out', dout' carrying -dlse; cute: dlse joins the preprocess's row sums in
+    the same pass) against the fp64 oracle's autograd; packed documents with sinks and a window too."""
     import fa4dist
 
     _need(backend)
-    q, k, v = (t.requires_grad_() for t in _tensors((2, 512, 8, 128), (2, 512, 2, 128), torch.bfloat16))
-    out, lse = fa4dist.attention(q, k, v, causal=True, return_lse=True, backend=backend)
-    ref = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = naive_attention(*ref, causal=True)
+    kw, sinks = dict(causal=True), None
+    if case == "dense":
+        q, k, v = (t.requires_grad_() for t in _tensors((2, 512, 8, 128), (2, 512, 2, 128), torch.bfloat16))
+    else:
+        q, k, v = (t.requires_grad_() for t in _tensors((700, 8, 128), (700, 2, 128), torch.bfloat16))
+        cu = torch.tensor([0, 300, 700], device="cuda", dtype=torch.int32)
+        kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, window=(128, 0))
+        sinks = torch.randn(8, device="cuda", dtype=torch.float32).requires_grad_()
+    leaves = (q, k, v) + ((sinks,) if sinks is not None else ())
+    out, lse = fa4dist.attention(q, k, v, sinks=sinks, return_lse=True, backend=backend, **kw)
+    ref = [t.detach().cpu().double().requires_grad_() for t in leaves]
+    ref_kw = {n: (t.cpu() if torch.is_tensor(t) else t) for n, t in kw.items()}
+    ref_out, ref_lse = naive_attention(*ref[:3], sinks=ref[3] if sinks is not None else None, **ref_kw)
     w_out, w_lse = torch.randn_like(ref_out), torch.randn_like(ref_lse)
-    got = torch.autograd.grad((out.double() * w_out.cuda()).sum() + (lse.double() * w_lse.cuda()).sum(), (q, k, v))
+    got = torch.autograd.grad((out.double() * w_out.cuda()).sum() + (lse.double() * w_lse.cuda()).sum(), leaves)
     want = torch.autograd.grad((ref_out * w_out).sum() + (ref_lse * w_lse).sum(), ref)
     for g, r in zip(got, want):
         assert rel_error(g.cpu(), r) < 2 * REL_TOL[torch.bfloat16]

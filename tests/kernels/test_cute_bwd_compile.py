@@ -242,6 +242,23 @@ def _spill_budget(main) -> int:
 
 
 @pytest.mark.cute
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_compile_preprocess_with_the_lse_gradient(varlen, tmp_path, monkeypatch):
+    """dlse= (the lse's gradient) joins the preprocess's row sums: a variant of its own that reads one more fp32
+    vector in lse's layout (more scalar loads than the plain one); the main kernel and convert unchanged."""
+    monkeypatch.chdir(tmp_path)
+    kw = dict(causal=True, varlen=varlen, seg_offsets=False, accumulate=False, deterministic=False, dq_dtype=BF16,
+              dkv_dtype=BF16, o_dtype=BF16, do_dtype=BF16)
+    plain, with_dlse = (bwd.make_configs(BF16, 128, **kw, dlse=flag) for flag in (False, True))
+    assert with_dlse[0].dlse and not plain[0].dlse and with_dlse[1:] == plain[1:]
+    ptx = {cfg.dlse: host.compile_config(cfg, extra_options="--keep-ptx").artifacts.PTX
+           for cfg in (plain[0], with_dlse[0])}
+    assert ".target sm_90a" in ptx[True]
+    loads = {flag: len(re.findall(r"ld\.global\.b32", text)) for flag, text in ptx.items()}  # (scalar loads)
+    assert loads[True] > loads[False], loads
+
+
+@pytest.mark.cute
 def test_persistent_grid_takes_a_counter(monkeypatch):
     """Off for a call whose key length is not given; asked for, the launch passes a tile counter; a deterministic
     grid larger than the SM count is refused (its tickets need every CTA resident), before any kernel runs."""

@@ -385,25 +385,29 @@ def test_values_near_the_bottom_of_the_range_keep_their_precision(dtype, cp_inva
     torch.testing.assert_close(out, ref_out.to(dtype), atol=0, rtol=1e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
-def _oracle_grads(dout, q, k, v, **kw):
+def _oracle_grads(dout, q, k, v, dlse=None, **kw):
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    return torch.autograd.grad(naive_attention(q64, k64, v64, **kw)[0], (q64, k64, v64), dout.double())
+    out, lse = naive_attention(q64, k64, v64, **kw)
+    loss = (out * dout.double()).sum() + ((lse * dlse.double()).sum() if dlse is not None else 0)
+    return torch.autograd.grad(loss, (q64, k64, v64), allow_unused=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("cp_invariant", [False, True], ids=["einsum", "cp-invariant"])
-@pytest.mark.parametrize("large", ["v", "dout"])
+@pytest.mark.parametrize("large", ["v", "dout", "dout and dlse"])
 def test_backward_of_values_near_the_top_of_the_range(dtype, cp_invariant, large):
     """dS = P * (dout . v - dout . out): with values (or output gradients) near the top of the range both dot
     products overflow float32 (64 x 1e37) although their difference, and every gradient, is finite: the backward
     gave inf - inf = NaN for dq and dk of every row.  The gradients are linear in v - out and in dout, so they must
     be, bit for bit, 2^100 times those of the same inputs scaled by 2^-100 (where nothing overflows), and near the
     fp64 oracle (out is given in float32: in bfloat16 its rounding alone moves dout . (v - out) by 40% here; with
-    v's spread of 1%, dP - delta cancels to 1% of its terms, so float32's rounding shows 100 times larger)."""
+    v's spread of 1%, dP - delta cancels to 1% of its terms, so float32's rounding shows 100 times larger).  With
+    the lse's gradient (dlse=, ~1e37 too) the gradients are linear in (dout, dlse) together."""
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(1, 40, 4, 64, generator=gen).to(dtype), torch.randn(1, 40, 2, 64, generator=gen).to(dtype)
     v = torch.randn(1, 40, 2, 64, generator=gen)
     dout = torch.rand(1, 40, 4, 64, generator=gen) + 0.5  # one sign: dout . v adds up
+    dlse = torch.randn(1, 4, 40, generator=gen) * 1e37 if large == "dout and dlse" else None
     if large == "v":
         v = 1e37 * (1 + 0.01 * v)  # one sign too, spread 1%
     else:
@@ -412,17 +416,17 @@ def test_backward_of_values_near_the_top_of_the_range(dtype, cp_invariant, large
     kw = dict(causal=True, backend="reference", cp_invariant=cp_invariant)
     out, lse = attention_forward(q, k, v, out=torch.empty(q.shape), **kw)
 
-    def grads(dout, v, out):
+    def grads(dout, v, out, dlse=dlse):
         return attention_backward(dout, q, k, v, out, lse, dq=torch.empty(q.shape), dk=torch.empty(k.shape),
-                                  dv=torch.empty(v.shape), **kw)
+                                  dv=torch.empty(v.shape), dlse=dlse, **kw)
 
     got = grads(dout, v, out)
     small = 2.0**-100
     if large == "v":  # dq, dk linear in (v, out); dv does not read them
         want = [g * 2.0**100 for g in grads(dout, v * small, out * small)[:2]] + [grads(dout, v, out)[2]]
     else:
-        want = [g * 2.0**100 for g in grads(dout * small, v, out)]
-    for name, g, w, oracle in zip(("dq", "dk", "dv"), got, want, _oracle_grads(dout, q, k, v, causal=True)):
+        want = [g * 2.0**100 for g in grads(dout * small, v, out, None if dlse is None else dlse * small)]
+    for name, g, w, oracle in zip(("dq", "dk", "dv"), got, want, _oracle_grads(dout, q, k, v, dlse, causal=True)):
         assert torch.isfinite(oracle).all() and torch.isfinite(g).all(), name
         assert torch.equal(g, w), name
         assert ((g.double() - oracle).norm() / oracle.norm()).item() < (1e-3 if large == "v" else 1e-5), name

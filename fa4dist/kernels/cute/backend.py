@@ -55,6 +55,7 @@ class CuteSm90Backend:
     # the fixed-point dq (dq_scale=; fa4dist.kernels.fixed_point): the kernel's 128-key tiles from the call's first
     # key are the canonical tiles, each added as int64 (bwd_sm90.FlashBwdSm90.dq_fixed)
     fixed_point_dq = True
+    lse_gradient = True  # dlse= joins the preprocess's row sums (bwd_preprocess.py): no second pass
 
     def available(self, device) -> bool:
         device = torch.device(device)
@@ -368,9 +369,10 @@ class CuteSm90Backend:
         return _bwd.SharedRows(dout, q, out, lse, softmax_scale=softmax_scale, deterministic=deterministic)
 
     def backward(self, problem, dout, q, k, v, out, lse, deterministic, dq=None, dk=None, dv=None,
-                 accumulate=False, rows=None, q_start=0, dq_scale=None):
+                 accumulate=False, rows=None, q_start=0, dq_scale=None, dlse=None):
         """rows / q_start: these queries are rows [q_start, ...) of a shared_rows(): dQ goes into its scratch (dq
-        is then not touched), dK and dV are added into dk and dv. dq_scale: dq is int64 fixed point."""
+        is then not touched), dK and dV are added into dk and dv. dq_scale: dq is int64 fixed point. dlse: the
+        lse's gradient (api.attention_backward)."""
         from . import backward as _bwd
 
         dout, q, k, v, out = (t if self._kernel_ready(t, 16 // t.element_size()) else t.contiguous()
@@ -398,6 +400,7 @@ class CuteSm90Backend:
             max_seqlen_q=problem.seqlen_q if problem.varlen else None,
             max_seqlen_k=problem.seqlen_k if problem.varlen else None,
             deterministic=deterministic, accumulate=accumulate, rows=rows, q_start=q_start, dq_scale=dq_scale,
+            dlse=None if dlse is None else dlse.to(torch.float32),
         )
         for buf, w in zip(given, work):
             if buf is not None and w is not buf:

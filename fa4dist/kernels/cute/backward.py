@@ -247,12 +247,13 @@ class PreConfig:
     zero_dq: bool = True  # False: the main kernel computes no dQ, so there is no scratch to zero
     dq_fixed: bool = False  # int64 scratch, and the rows' fixed-point scales copied next to lse2
     worklist: bool = False  # cu_seqlens is a work list's item table (its query rows and scratch tiles)
+    dlse: bool = False  # the lse's gradient is given (lse's layout) and joins the row sums: D - dlse
 
     def build(self):
         from .bwd_preprocess import BwdPreprocess
 
         return BwdPreprocess(self.head_dim, self.tile_m, varlen=self.varlen, deterministic=self.deterministic,
-                             zero_dq=self.zero_dq, dq_fixed=self.dq_fixed, worklist=self.worklist)
+                             zero_dq=self.zero_dq, dq_fixed=self.dq_fixed, worklist=self.worklist, dlse=self.dlse)
 
     def fake_args(self):
         import cutlass
@@ -262,14 +263,15 @@ class PreConfig:
         o = host.fake_tensor(odt, qs, 16 // (odt.width // 8))
         do = host.fake_tensor(dodt, qs, 16 // (dodt.width // 8))
         lse = host.fake_tensor(cutlass.Float32, ls, 1)
+        dlse = host.fake_tensor(cutlass.Float32, ls, 1) if self.dlse else None
         lse2, dps, dqacc = (host.fake_flat(cutlass.Float32) for _ in range(3))
         clean = host.fake_flat(cutlass.Int32)
         sem = host.fake_flat(cutlass.Int32) if self.deterministic and self.zero_dq else None
         scale_rows = host.fake_tensor(cutlass.Float32, ls, 1) if self.dq_fixed else None
         scale2 = host.fake_flat(cutlass.Float32) if self.dq_fixed else None
         cu_q = host.fake_i32() if self.varlen else None
-        return (o, do, lse, lse2, dps, clean, dqacc, sem, scale_rows, scale2, cutlass.Float32(1.0), cutlass.Int32(1),
-                cu_q, host.fake_stream())
+        return (o, do, lse, dlse, lse2, dps, clean, dqacc, sem, scale_rows, scale2, cutlass.Float32(1.0),
+                cutlass.Int32(1), cu_q, host.fake_stream())
 
 
 @dataclass(frozen=True)
@@ -471,9 +473,10 @@ def deterministic_gqa_form(group: int, head_dim: int, causal: bool, max_seqlen_k
 
 def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, deterministic, dq_dtype, dkv_dtype,
                  o_dtype, do_dtype, window_left=-1, softcap=0.0, grads="all", dq_fixed=False, fixed_to_float=False,
-                 worklist=False, max_seqlen_k=None, **overrides):
+                 worklist=False, max_seqlen_k=None, dlse=False, **overrides):
     """(PreConfig, BwdConfig, PostConfig) of one backward call. max_seqlen_k: its longest key sequence, if known
-    (default_persistent_ctas); overrides: BwdConfig fields, which win over the defaults."""
+    (default_persistent_ctas); dlse: the lse's gradient is given (the preprocess's); overrides: BwdConfig fields,
+    which win over the defaults."""
     tm = overrides.get("tile_m") or tile_m_for(head_dim)  # the three kernels share the query tile
     if dq_fixed:
         # exact integer sums: deterministic without tickets; the query tiles of a key tile in ascending order
@@ -520,7 +523,7 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
     main = BwdConfig(**kw)
     pre = PreConfig(o_dtype=host.dtype_name(o_dtype), do_dtype=host.dtype_name(do_dtype), head_dim=head_dim,
                     tile_m=tm, varlen=bool(varlen), deterministic=bool(deterministic), zero_dq=grads != "dkv",
-                    dq_fixed=bool(dq_fixed), worklist=bool(worklist))
+                    dq_fixed=bool(dq_fixed), worklist=bool(worklist), dlse=bool(dlse))
     post = PostConfig(dtype=name, dq_fp32=dq_dtype == torch.float32, head_dim=head_dim, tile_m=tm,
                       varlen=bool(varlen), accumulate=bool(accumulate), dq_fixed=bool(dq_fixed),
                       fixed_to_float=bool(fixed_to_float), worklist=bool(worklist))
@@ -630,6 +633,7 @@ def launch_steps(
     rows: Optional["SharedRows"] = None,
     q_start: int = 0,
     dq_scale: Optional[torch.Tensor] = None,
+    dlse: Optional[torch.Tensor] = None,
     **overrides,
 ):
     """The backward as a list of callables (preprocess, main kernel, dQ convert), each launching one kernel on the
@@ -645,6 +649,8 @@ def launch_steps(
     With an fp32 dq, the launch's integer sums are converted once (fixed_point.from_fixed's rounding) and added;
     with accumulate=False, converted to fp32 and written (into an fp32 or q-dtype dq), and dK / dV written as
     the accumulating kernel adds them into zeros (a signed zero comes out +0).
+    dlse: the lse's gradient (fp32, lse's shape), which joins the preprocess's row sums (D - dlse: d lse / d s = P);
+    not with shared rows or the fixed-point dQ.
     overrides: BwdConfig fields (measurement knobs; det_dq="auto" | "tickets" | "fixed" | "expanded": the
     deterministic dQ's form; gqa_form="auto" | "gqa" | "expanded": a non-deterministic GQA call's; split_keys=False:
     no split of a few-wave launch's tail key tiles, split_keys_variant).
@@ -678,7 +684,7 @@ def launch_steps(
         inner = dict(softmax_scale=softmax_scale, causal=causal, q_offset=q_offset, k_offset=k_offset,
                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                      max_seqlen_k=max_seqlen_k, window_left=window_left, softcap=softcap, split_keys=split_keys,
-                     **overrides)
+                     dlse=dlse, **overrides)
         return _expanded_kv_steps(dout, q, k, v, out, lse, dq, dk, dv, group, accumulate, deterministic, inner)
     varlen = cu_seqlens_q is not None
     d = q.shape[-1]
@@ -717,6 +723,14 @@ def launch_steps(
         lse = lse.contiguous()
     if out.stride(-1) != 1:
         out = out.contiguous()
+    if dlse is not None:
+        if dlse.dtype != torch.float32 or tuple(dlse.shape) != tuple(lse.shape):
+            raise ValueError(f"dlse must be fp32 shaped like lse {tuple(lse.shape)}, got {dlse.dtype} "
+                             f"{tuple(dlse.shape)}")
+        if rows is not None or dq_scale is not None:
+            raise ValueError("dlse= (the lse's gradient) is not taken with shared rows or the fixed-point dQ")
+        if dlse.stride(-1) != 1:
+            dlse = dlse.contiguous()
 
     dq_fixed = dq_scale is not None
     # the fixed-point dQ into a float dq: the launch's integer sums converted once by the convert kernel and added
@@ -737,6 +751,8 @@ def launch_steps(
     # det_dq="fixed": the int64 fixed-point dQ instead of the ticketed fp32 one (exact sums, no tickets), converted
     # to the caller's dq by the convert kernel (measured slower than the other two forms, twentieth session)
     if deterministic and not dq_fixed and rows is None and dq is not None and (dk is not None or not accumulate):
+        if det_dq == "fixed" and dlse is not None:
+            raise ValueError("det_dq='fixed' bounds dQ from dout and out alone: not with dlse=")
         if det_dq == "fixed":
             from .. import fixed_point
 
@@ -757,7 +773,7 @@ def launch_steps(
         dq_dtype=torch.float32 if dq is None else dq.dtype, dkv_dtype=torch.float32 if dk is None else dk.dtype,
         o_dtype=out.dtype, do_dtype=dout.dtype, window_left=window_left, softcap=softcap, grads=grads,
         dq_fixed=dq_fixed, fixed_to_float=fixed_to_float,
-        max_seqlen_k=None if rows is not None else max_seqlen_k if varlen else k.shape[1],
+        max_seqlen_k=None if rows is not None else max_seqlen_k if varlen else k.shape[1], dlse=dlse is not None,
     )
     pre_cfg, main_cfg, post_cfg, pre_fn, main_fn, post_fn = _compiled_configs(
         config_args, config_kw, overrides, shared=rows is not None, device=device)
@@ -806,7 +822,8 @@ def launch_steps(
         args = main_args(lse2=lse2, dpsum=dpsum, clean=main_clean, dq_acc=dq_acc, sem=sem, dq_scale=None,
                          max_seqlen_k=msk)
         return [
-            lambda: pre_fn(out, dout, lse, lse2, dpsum, clean, dq_acc, None, None, None, scale, m_grid, cu_seqlens_q),
+            lambda: pre_fn(out, dout, lse, dlse, lse2, dpsum, clean, dq_acc, None, None, None, scale, m_grid,
+                           cu_seqlens_q),
             lambda: main_fn(*args._replace(tile_counter=counter())),
         ]
     if dq_fixed:
@@ -836,7 +853,7 @@ def launch_steps(
         if group is not None:  # (the split variant has this order too)
             main_fn = host.get_compiled(lpt_over_heads_variant(main_cfg, group))
     return [
-        lambda: pre_fn(out, dout, lse, lse2, dpsum, clean, dq_words, sem, dq_scale, scale2, scale, m_grid,
+        lambda: pre_fn(out, dout, lse, dlse, lse2, dpsum, clean, dq_words, sem, dq_scale, scale2, scale, m_grid,
                        cu_seqlens_q),
         lambda: main_fn(*args._replace(**launch())),
         lambda: post_fn(dq_acc, dq, scale2 if fixed_to_float else None, m_grid, cu_seqlens_q),
@@ -1007,7 +1024,7 @@ class SharedRows:
         self.post = host.get_compiled(PostConfig(dtype=host.dtype_name(q.dtype), dq_fp32=True, head_dim=d, tile_m=tm,
                                                  varlen=False, accumulate=True))
         if self.rows:
-            host.get_compiled(pre)(out, dout, lse, self.lse2, self.dpsum, self.clean, self.dq_acc, self.sem, None,
+            host.get_compiled(pre)(out, dout, lse, None, self.lse2, self.dpsum, self.clean, self.dq_acc, self.sem, None,
                                    None, scale, 1, None)
 
     def takes(self, q_start: int, q_len: int) -> bool:
@@ -1087,7 +1104,8 @@ def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_til
     dq_acc = torch.empty(n_chunks * tm * d, dtype=torch.float32, device=q.device)
     sem = torch.empty(n_chunks, dtype=torch.int32, device=q.device) if deterministic else None  # pre zeroes it
     m_grid = max(1, -(-int(max_q_len) // tm))
-    host.get_compiled(pre_cfg)(out, dout, lse, lse2, dpsum, clean, dq_acc, sem, None, None, scale, m_grid, table)
+    host.get_compiled(pre_cfg)(out, dout, lse, None, lse2, dpsum, clean, dq_acc, sem, None, None, scale, m_grid,
+                               table)
     main_fn(*BwdKernelArgs(q=q, k=k, v=v, dout=dout, lse2=lse2, dpsum=dpsum,
                            clean=clean if main_cfg.takes_clean_flags else None, dq_acc=dq_acc, dk=dk, dv=dv, sem=sem,
                            dq_scale=None, scale=scale, scale_log2=scale_log2, diag=0, max_seqlen_k=msk,

@@ -1,7 +1,8 @@
 """Backward preprocess kernel (Hopper; plain SIMT, memory bound).
 
 One CTA per (query tile, head, sequence): for each of the tile's rows
-  dpsum[row] = softmax_scale * rowsum(dO * O)      (0 for padding rows)
+  dpsum[row] = softmax_scale * (rowsum(dO * O) - dlse[row])      (0 for padding rows; dlse: the lse's gradient,
+                                                                  when given: d lse / d s = P)
   lse2[row]  = lse * log2(e)                       (+inf for padding rows and rows with lse = -inf,
                                                     so that P = exp2(S * scale_log2 - lse2) = 0 there)
 written into tile-padded vectors indexed (chunk * heads + head) * tile_m + row, where
@@ -33,7 +34,8 @@ LOG2_E = math.log2(math.e)
 
 class BwdPreprocess:
     def __init__(self, head_dim: int, tile_m: int, *, varlen: bool, deterministic: bool, num_threads: int = 128,
-                 zero_dq: bool = True, dq_fixed: bool = False, worklist: bool = False):
+                 zero_dq: bool = True, dq_fixed: bool = False, worklist: bool = False, dlse: bool = False):
+        self.dlse = dlse  # mDlse (lse's layout) is given: the lse's gradient joins the row sums
         self.worklist = worklist  # mCuSeqlensQ is a work list's item table (block_info.WORKLIST_COLUMNS)
         self.zero_dq = zero_dq
         self.dq_fixed = dq_fixed
@@ -57,6 +59,7 @@ class BwdPreprocess:
         mO: cute.Tensor,  # (b, s, h, d) | (t, h, d), q dtype or fp32
         mdO: cute.Tensor,  # like q
         mLSE: cute.Tensor,  # (b, h, s) | (h, t) fp32
+        mDlse: Optional[cute.Tensor],  # dlse: like mLSE, the lse's gradient
         mLSE2: cute.Tensor,  # flat fp32
         mDpsum: cute.Tensor,  # flat fp32
         mClean: cute.Tensor,  # flat int32, one per (chunk, h): the tile's rows all have finite lse and dpsum
@@ -72,6 +75,8 @@ class BwdPreprocess:
         if const_expr(not self.varlen):
             mO, mdO = [select_modes(t, (1, 3, 2, 0)) for t in (mO, mdO)]  # (s, d, h, b)
             mLSE = select_modes(mLSE, (2, 1, 0))  # (s, h, b)
+            if const_expr(self.dlse):
+                mDlse = select_modes(mDlse, (2, 1, 0))
             if const_expr(self.dq_fixed):
                 mScale = select_modes(mScale, (2, 1, 0))
             num_batch = cute.size(mO.shape[3])
@@ -79,6 +84,8 @@ class BwdPreprocess:
         else:
             mO, mdO = [select_modes(t, (0, 2, 1)) for t in (mO, mdO)]  # (t, d, h)
             mLSE = select_modes(mLSE, (1, 0))  # (t, h)
+            if const_expr(self.dlse):
+                mDlse = select_modes(mDlse, (1, 0))
             if const_expr(self.dq_fixed):
                 mScale = select_modes(mScale, (1, 0))
             num_batch = cute.size(mCuSeqlensQ.shape[0]) - 1
@@ -86,7 +93,8 @@ class BwdPreprocess:
                 num_batch = cute.size(mCuSeqlensQ.shape[0]) // WORKLIST_COLUMNS
             grid_m = m_blocks
         num_heads = cute.size(mO.shape[2])
-        self.kernel(mO, mdO, mLSE, mLSE2, mDpsum, mClean, mdQacc, mSem, mScale, mScale2, scale, mCuSeqlensQ).launch(
+        self.kernel(mO, mdO, mLSE, mDlse, mLSE2, mDpsum, mClean, mdQacc, mSem, mScale, mScale2, scale,
+                    mCuSeqlensQ).launch(
             grid=(grid_m, num_heads, num_batch), block=[self.num_threads, 1, 1], stream=stream
         )
 
@@ -96,6 +104,7 @@ class BwdPreprocess:
         mO: cute.Tensor,
         mdO: cute.Tensor,
         mLSE: cute.Tensor,
+        mDlse: Optional[cute.Tensor],
         mLSE2: cute.Tensor,
         mDpsum: cute.Tensor,
         mClean: cute.Tensor,
@@ -117,12 +126,16 @@ class BwdPreprocess:
             mO_cur = cute.domain_offset((seqlen.offset_q, 0), mO[None, None, head])
             mdO_cur = cute.domain_offset((seqlen.offset_q, 0), mdO[None, None, head])
             mL_cur = cute.domain_offset((seqlen.offset_q,), mLSE[None, head])
+            if const_expr(self.dlse):
+                mG_cur = cute.domain_offset((seqlen.offset_q,), mDlse[None, head])
             if const_expr(self.dq_fixed):
                 mSc_cur = cute.domain_offset((seqlen.offset_q,), mScale[None, head])
         else:
             mO_cur = mO[None, None, head, batch]
             mdO_cur = mdO[None, None, head, batch]
             mL_cur = mLSE[None, head, batch]
+            if const_expr(self.dlse):
+                mG_cur = mDlse[None, head, batch]
             if const_expr(self.dq_fixed):
                 mSc_cur = mScale[None, head, batch]
 
@@ -152,6 +165,9 @@ class BwdPreprocess:
                         if lse != -Float32.inf:
                             lse2 = lse * LOG2_E
                     gL2[r] = lse2
+                    if const_expr(self.dlse):
+                        if row < seqlen_q:
+                            acc = acc - mG_cur[row]
                     dpsum = acc * scale
                     gDp[r] = dpsum
                     if row < seqlen_q:  # (padding rows: TMA zero-fills a dense sequence's end; a packed
