@@ -6,7 +6,8 @@
 # default past the over-every-head bounds (backward.over_heads_group). Here: its bits against head-major (GPU test),
 # the default against head-major at hdim 128 again and at hdim 64 (4 x 4k x 32 lost 32% over every head; prediction
 # +0-5% in groups of 4), the #11 table's backward rows beside flash-attn-4, and the work-list / cp_invariant tests
-# that ran past their stage limit single-process in gpu_session_36.sh 0.
+# that ran past their stage limit single-process in gpu_session_36.sh 0; and the lse's gradient joined to the
+# backward pass (attention_backward(dlse=), the cute preprocess), against the fp64 oracle.
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s37 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
@@ -23,5 +24,7 @@ for d in 128 64; do
 done
 TAIL_LINES=14 stage table_bwd 150 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 8192 16384 \
   --causal true --directions bwd --backends cute sdpa_cudnn flash_attn_4 --rounds 3 --out-dir "$OUT/table_bwd"
+# the lse's gradient in the same pass (cute: the preprocess reads dlse), dense and packed with sinks and a window
+TAIL_LINES=6 stage tests_lse_gradient 150 $PYTEST -n 4 tests/kernels/test_backends_gpu.py -k "lse_gradient"
 TAIL_LINES=10 stage tests_worklists_invariant 120 $PYTEST -n 8 tests/kernels/test_worklist_gpu.py \
   tests/cp/test_cp_gpu.py -k "worklist or invariant"
