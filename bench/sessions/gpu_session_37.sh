@@ -13,18 +13,18 @@ source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s37 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
 bundle_folders_on_exit
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rfE -m gpu"
+# in order of need (a call may be cut short by the session's device time)
+TAIL_LINES=6 stage tests_lse_gradient 150 $PYTEST -n 4 tests/kernels/test_backends_gpu.py -k "lse_gradient"
 TAIL_LINES=6 stage tests_order_bits 150 $PYTEST -n 4 tests/kernels/test_cute_bwd_gpu.py -k "grouped_over_heads"
-for d in 128 64; do
+for d in 64 128; do
   [ "$d" = 128 ] && shapes="4x4096x16 2x8192x16 1x16384x16 8x2048x16" || shapes="4x4096x32 2x8192x32 1x16384x32"
   for v in default headmajor; do
     o=; [ "$v" = headmajor ] && o=lpt_over_heads=0
     TAIL_LINES=6 FA4DIST_BWD_OVERRIDE=$o stage "order_d${d}_$v" 100 python3 bench/split_tail.py --direction bwd \
       --causal --headdim "$d" --shapes $shapes --rounds 3 --out-dir "$OUT/order_d${d}_$v"
   done
+  [ "$d" = 64 ] && TAIL_LINES=14 stage table_bwd 150 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 8192 \
+    16384 --causal true --directions bwd --backends cute sdpa_cudnn flash_attn_4 --rounds 3 --out-dir "$OUT/table_bwd"
 done
-TAIL_LINES=14 stage table_bwd 150 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 8192 16384 \
-  --causal true --directions bwd --backends cute sdpa_cudnn flash_attn_4 --rounds 3 --out-dir "$OUT/table_bwd"
-# the lse's gradient in the same pass (cute: the preprocess reads dlse), dense and packed with sinks and a window
-TAIL_LINES=6 stage tests_lse_gradient 150 $PYTEST -n 4 tests/kernels/test_backends_gpu.py -k "lse_gradient"
 TAIL_LINES=10 stage tests_worklists_invariant 120 $PYTEST -n 8 tests/kernels/test_worklist_gpu.py \
   tests/cp/test_cp_gpu.py -k "worklist or invariant"
