@@ -14,8 +14,8 @@ export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s37 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled
 bundle_folders_on_exit
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rfE -m gpu"
 # in order of need (a call may be cut short by the session's device time)
-TAIL_LINES=6 stage tests_lse_gradient 150 $PYTEST -n 4 tests/kernels/test_backends_gpu.py -k "lse_gradient"
-TAIL_LINES=6 stage tests_order_bits 150 $PYTEST -n 4 tests/kernels/test_cute_bwd_gpu.py -k "grouped_over_heads"
+TAIL_LINES=8 stage tests_lse_order 180 $PYTEST -n 6 tests/kernels/test_backends_gpu.py tests/kernels/test_cute_bwd_gpu.py \
+  -k "lse_gradient or grouped_over_heads"
 for d in 64 128; do
   [ "$d" = 128 ] && shapes="4x4096x16 2x8192x16 1x16384x16 8x2048x16" || shapes="4x4096x32 2x8192x32 1x16384x32"
   for v in default headmajor; do
