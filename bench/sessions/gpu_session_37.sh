@@ -7,7 +7,8 @@
 # the default against head-major at hdim 128 again and at hdim 64 (4 x 4k x 32 lost 32% over every head; prediction
 # +0-5% in groups of 4), the #11 table's backward rows beside flash-attn-4, and the work-list / cp_invariant tests
 # that ran past their stage limit single-process in gpu_session_36.sh 0; and the lse's gradient joined to the
-# backward pass (attention_backward(dlse=), the cute preprocess), against the fp64 oracle.
+# backward pass (attention_backward(dlse=), the cute preprocess), against the fp64 oracle, and its cost
+# (bench/lse_grad.py: predicted within 1-2% of the out-only backward on cute, ~1.8-2x on sdpa's two passes).
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s37 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
@@ -16,6 +17,7 @@ PYTEST="python3 -m pytest -q -p no:cacheprovider -rfE -m gpu"
 # in order of need (a call may be cut short by the session's device time)
 TAIL_LINES=8 stage tests_lse_order 180 $PYTEST -n 6 tests/kernels/test_backends_gpu.py tests/kernels/test_cute_bwd_gpu.py \
   -k "lse_gradient or grouped_over_heads"
+TAIL_LINES=8 stage lse_grad 120 python3 bench/lse_grad.py --seqlens 4096 16384 --rounds 2 --out-dir "$OUT/lse_grad"
 for d in 64 128; do
   [ "$d" = 128 ] && shapes="4x4096x16 2x8192x16 1x16384x16 8x2048x16" || shapes="4x4096x32 2x8192x32 1x16384x32"
   for v in default headmajor; do
