@@ -152,9 +152,17 @@ def test_return_lse_and_bad_input_under_compile():
             torch.compile(lambda *t: fa4dist.attention(*t, backend="reference", **kwargs), backend="aot_eager")(*args)
 
 
-def test_the_lse_is_differentiable_under_compile_as_in_eager():
+def test_the_lse_is_differentiable_under_compile_as_in_eager(monkeypatch):
     """return_lse=True: a loss of out and lse has the eager call's gradients, compiled with fullgraph=True (the op's
-    lse is differentiable when asked for, through a second backward op); the same bytes."""
+    lse is differentiable when asked for, its gradient the backward op's dlse: one backward pass on the reference,
+    as eager); the same bytes."""
+    from fa4dist.kernels import registry
+
+    passes = []
+    backend = type(registry.get_backend("reference"))
+    original = backend.backward
+    monkeypatch.setattr(backend, "backward", lambda *a, **kw: passes.append(kw.get("dlse") is not None) or
+                        original(*a, **kw))
     q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
     w = torch.randn(1, 2, 8, dtype=torch.float64)
 
@@ -165,6 +173,7 @@ def test_the_lse_is_differentiable_under_compile_as_in_eager():
     grads = [torch.autograd.grad(fn(q, k, v), (q, k, v))
              for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True))]
     _assert_same_bytes(grads[1], grads[0])
+    assert passes == [True, True], passes  # one pass each, the lse's gradient in it
     lse_only = torch.autograd.grad((fa4dist.attention(q, k, v, causal=True, return_lse=True)[1] * w).sum(), q)[0]
     assert lse_only.abs().sum() > 0
 
