@@ -4,8 +4,8 @@
 # gpu_session_36.sh 1 measured lpt_over_heads within groups of 4 (batch, kv head) pairs against head-major at hdim
 # 128 (split_tail.py, device time): +4.5 / +4.6 / -0.1% at 4 x 4k x 16 / 2 x 8k x 16 / 16k x 16, so it became the
 # default past the over-every-head bounds (backward.over_heads_group). Here: its bits against head-major (GPU test),
-# the default against head-major at hdim 128 again and at hdim 64 (4 x 4k x 32 lost 32% over every head; prediction
-# +0-5% in groups of 4), the #11 table's backward rows beside flash-attn-4, and the work-list / cp_invariant tests
+# the default against head-major at hdim 128 again, and groups of 4 against head-major at hdim 64 (4 x 4k x 32 lost
+# 32% over every head; prediction +0-5% in groups of 4; head-major stays its default until measured), the #11 table's backward rows beside flash-attn-4, and the work-list / cp_invariant tests
 # that ran past their stage limit single-process in gpu_session_36.sh 0; and the lse's gradient joined to the
 # backward pass (attention_backward(dlse=), the cute preprocess), against the fp64 oracle, and its cost
 # (bench/lse_grad.py: predicted within 1-2% of the out-only backward on cute, ~1.8-2x on sdpa's two passes).
@@ -20,8 +20,9 @@ TAIL_LINES=8 stage tests_lse_order 180 $PYTEST -n 6 tests/kernels/test_backends_
 TAIL_LINES=8 stage lse_grad 120 python3 bench/lse_grad.py --seqlens 4096 16384 --rounds 2 --out-dir "$OUT/lse_grad"
 for d in 64 128; do
   [ "$d" = 128 ] && shapes="4x4096x16 2x8192x16 1x16384x16 8x2048x16" || shapes="4x4096x32 2x8192x32 1x16384x32"
-  for v in default headmajor; do
-    o=; [ "$v" = headmajor ] && o=lpt_over_heads=0
+  # hdim 128: the default (groups of 4) against head-major; hdim 64 (head-major by default, unmeasured): groups of 4
+  for v in default alt; do
+    o=; [ "$v" = alt ] && { [ "$d" = 128 ] && o=lpt_over_heads=0 || o=lpt_over_heads=1,lpt_group=4; }
     TAIL_LINES=6 FA4DIST_BWD_OVERRIDE=$o stage "order_d${d}_$v" 100 python3 bench/split_tail.py --direction bwd \
       --causal --headdim "$d" --shapes $shapes --rounds 3 --out-dir "$OUT/order_d${d}_$v"
   done

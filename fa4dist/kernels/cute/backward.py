@@ -871,10 +871,12 @@ def launch_steps(
 # Past those bounds the same order within groups of LPT_GROUP_MANY_WAVES (batch, kv head) pairs, one group after
 # another (thirty-seventh session, bench/sessions/gpu_session_37.sh, device time against head-major, hdim 128: +4.5
 # / +4.6 / -0.1% at 4 x 4k x 16 / 2 x 8k x 16 / 16k x 16, 1.02 / 1.02 / 0.98x flash-attn-4; groups of 8: +4.5 /
-# +3.4 / -0.9%).
+# +3.4 / -0.9%). Only at the head dims measured so (LPT_GROUP_HEAD_DIMS): hdim 64's many-wave launches keep
+# head-major until gpu_session_37.sh measures them.
 LPT_OVER_HEADS_MAX_WAVES = 8
 LPT_OVER_HEADS_MAX_BYTES = 128 * 2**20
 LPT_GROUP_MANY_WAVES = 4
+LPT_GROUP_HEAD_DIMS = (128,)
 
 
 def over_heads_group(cfg: BwdConfig, q_shape, k_shape) -> Optional[int]:
@@ -888,7 +890,9 @@ def over_heads_group(cfg: BwdConfig, q_shape, k_shape) -> Optional[int]:
     key_tiles = b * hk * -(-sk // TILE_N)
     if key_tiles <= LPT_OVER_HEADS_MAX_WAVES * host.sm_count() and b * h * sq * d * 8 <= LPT_OVER_HEADS_MAX_BYTES:
         return 0
-    return LPT_GROUP_MANY_WAVES if b * hk > LPT_GROUP_MANY_WAVES else None
+    if d not in LPT_GROUP_HEAD_DIMS or b * hk <= LPT_GROUP_MANY_WAVES:
+        return None
+    return LPT_GROUP_MANY_WAVES
 
 
 @functools.lru_cache(maxsize=256)
