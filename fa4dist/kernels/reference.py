@@ -235,12 +235,16 @@ def _rescaled_dprobs_minus_delta(ops, doc, vc, out_c, acc, dlse_c=None):
     gradients, which it brings below 1; the dot products are computed with each row of dout scaled to below 1
     (sigma_q), then brought to the unit (sigma / sigma_q).  The bits of the unscaled form times u wherever the
     scaled products stay normal.  1 / u comes as two factors (1 / tau, 1 / sigma), each a normal number, to be
-    applied one after the other.  ``dlse_c`` (b, q, h, g): the lse's gradient, taken from delta (in the same unit)."""
-    do_max = _finite_absmax(doc, -1).to(acc)  # (b, q, h, g)
+    applied one after the other.  ``dlse_c`` (b, q, h, g): the lse's gradient, taken from delta (in the same unit;
+    sigma_q and sigma bring |dlse| tau below 1 too: small values and outputs make tau large)."""
+    row_max = _finite_absmax(doc, -1).to(acc)  # (b, q, h, g)
     tau = fixed_point.power_of_two_below(torch.maximum(_finite_absmax(vc, (1, 3)).to(acc),
                                             _finite_absmax(out_c, (1, 3, 4)).to(acc)))  # (b, h)
-    sigma = fixed_point.power_of_two_below(do_max.amax(dim=(1, 3)))  # (b, h)
-    sigma_row = fixed_point.power_of_two_below(do_max).unsqueeze(-1)  # (b, q, h, g, 1)
+    if dlse_c is not None:  # it enters delta times sigma_q tau: the row's factor brings |dlse| tau below 1 too
+        finite = torch.where(torch.isfinite(dlse_c), dlse_c.abs(), torch.zeros((), dtype=acc, device=doc.device))
+        row_max = torch.maximum(row_max, (finite * tau[:, None, :, None]).clamp(max=torch.finfo(acc).max))
+    sigma = fixed_point.power_of_two_below(row_max.amax(dim=(1, 3)))  # (b, h)
+    sigma_row = fixed_point.power_of_two_below(row_max).unsqueeze(-1)  # (b, q, h, g, 1)
     doc = doc * sigma_row
     delta = (doc * (out_c * tau[:, None, :, None, None])).sum(-1)  # sigma_q tau delta (b, q, h, g)
     if dlse_c is not None:

@@ -433,6 +433,32 @@ def test_backward_of_values_near_the_top_of_the_range(dtype, cp_invariant, large
 
 
 @pytest.mark.parametrize("cp_invariant", [False, True], ids=["einsum", "cp-invariant"])
+def test_backward_of_an_lse_gradient_near_the_top_of_the_range(cp_invariant):
+    """A loss of the lse alone (dout = 0) with |dlse| ~ 3e38 and small values (1e-3): dq and dk (~1e36) are finite,
+    but P dlse summed over the keys overflows float32, and the rescaled form took its unit from dout and v alone
+    (tau ~ 2^10 for these v): dlse times it overflowed again, and dq came out inf, dk NaN (the two-pass route,
+    which carries dlse in dout', had them right).  Now the row's factor bounds |dlse| tau too: the gradients are
+    2^100 times those of dlse * 2^-100 (where nothing overflows), bit for bit, and near the fp64 oracle."""
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 16, 2, 64, generator=gen), 3 + 0.1 * torch.randn(1, 16, 2, 64, generator=gen)
+    v = 1e-3 * torch.randn(1, 16, 2, 64, generator=gen)
+    dout, dlse = torch.zeros(q.shape), torch.full((1, 2, 16), 3e38)
+    kw = dict(causal=True, softmax_scale=1e-3, backend="reference", cp_invariant=cp_invariant)
+    out, lse = attention_forward(q, k, v, **kw)
+
+    def grads(dlse):
+        return attention_backward(dout, q, k, v, out, lse, dlse=dlse, dq=torch.empty(q.shape),
+                                  dk=torch.empty(k.shape), **kw)[:2]
+
+    want = [g * 2.0**100 for g in grads(dlse * 2.0**-100)]
+    for name, g, w, oracle in zip(("dq", "dk"), grads(dlse), want, _oracle_grads(dout, q, k, v, dlse, causal=True,
+                                                                                 softmax_scale=1e-3)):
+        assert torch.isfinite(oracle.float()).all() and torch.isfinite(g).all(), name
+        assert torch.equal(g, w), name
+        assert ((g.double() - oracle).norm() / oracle.norm()).item() < 1e-5, name
+
+
+@pytest.mark.parametrize("cp_invariant", [False, True], ids=["einsum", "cp-invariant"])
 def test_huge_values_at_masked_keys_leave_the_backward_of_other_rows_alone(cp_invariant):
     """The backward's guard against overflowing dot products looks at the call's values, masked keys included; a
     huge finite value there (padding of float32's max) must still leave the rows that cannot see it bit for bit as
