@@ -118,6 +118,8 @@ def _setup_context(ctx, inputs, output):
     ctx.mask_args, ctx.backend, ctx.deterministic, ctx.lse_grad = inputs[_MASK_ARGS], *inputs[14:17]
     if not ctx.lse_grad:  # (return_lse=False: no tangent of it to trace, no second backward pass)
         ctx.mark_non_differentiable(lse)
+    # an output the loss does not use: None, not zeros (a zero dlse cost the sdpa backends a second backward pass)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):

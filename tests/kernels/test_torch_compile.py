@@ -178,6 +178,31 @@ def test_the_lse_is_differentiable_under_compile_as_in_eager(monkeypatch):
     assert lse_only.abs().sum() > 0
 
 
+@pytest.mark.parametrize("used", ["out", "lse"])
+def test_an_unused_output_takes_no_gradient_under_compile_as_in_eager(monkeypatch, used):
+    """return_lse=True where the compiled loss uses only one of out and lse: the op's autograd materialized the
+    other's gradient as zeros, so a loss of out alone ran the backward with a zero dlse (on the sdpa backends, a
+    second backward pass for nothing; eager passes None).  Now the unused gradient is None, as in eager: no dlse
+    reaches the backend, and the gradients are the eager ones' bytes."""
+    from fa4dist.kernels import registry
+
+    passes = []
+    backend = type(registry.get_backend("reference"))
+    original = backend.backward
+    monkeypatch.setattr(backend, "backward", lambda *a, **kw: passes.append(kw.get("dlse") is not None) or
+                        original(*a, **kw))
+    q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+
+    def f(q, k, v):
+        out, lse = fa4dist.attention(q, k, v, causal=True, return_lse=True, backend="reference")
+        return out.square().sum() if used == "out" else lse.square().sum()
+
+    grads = [torch.autograd.grad(fn(q, k, v), (q, k, v))
+             for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True))]
+    _assert_same_bytes(grads[1], grads[0])
+    assert passes == [used == "lse"] * 2, passes
+
+
 def test_a_second_derivative_through_the_compiled_ops_is_refused_by_name():
     """Under backend="eager" the ops run eagerly with the op's autograd formula, whose backward (attention_bwd) had
     none: a second derivative through it failed with torch's 'no autograd formula was registered', naming neither
