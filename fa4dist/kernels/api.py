@@ -279,7 +279,8 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
         block = list(check_results(impl, "backward", impl.backward(problem, dout, q, k, v, out, lse, deterministic,
                                                                    **fixed), grads, problem.device))
         if dlse is not None and not lse_in_pass:  # the lse's share: one more backward, with v = 0 (dv: none)
-            dout_p, out_p = lse_backward_operands(dlse, out)
+            # (in q's dtype, not out's: a fused op takes dout and out in it, and the sdpa backends cast an fp32 out)
+            dout_p, out_p = lse_backward_operands(dlse, out, problem.dtype)
             lse_block = check_results(impl, "backward", impl.backward(problem, dout_p, q, k, torch.zeros_like(v),
                                                                       out_p, lse, deterministic), grads,
                                       problem.device)
@@ -311,28 +312,33 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
     return (*result, dsinks)
 
 
-def lse_backward_operands(dlse: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dout', out') that make the contract's backward compute the lse's gradient ``dlse``.
+def lse_backward_operands(dlse: torch.Tensor, out: torch.Tensor,
+                          dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dout', out'), out's shape in ``dtype`` (default out's), that make the contract's backward compute the lse's
+    gradient ``dlse``.
 
     d lse_i / d s_ij = P_ij, so ``dlse`` joins the backward's dS = P (dP - D), D = rowsum(dout * out), as D - dlse:
     with v = 0 (dP = 0) and rowsum(dout' * out') = -dlse the backward's dq, dk (and with sinks dsinks, whose term
-    is exp(sink - lse) * -D) are the lse's.  out' carries -dlse over up to three columns of out's dtype (its value
+    is exp(sink - lse) * -D) are the lse's.  out' carries -dlse over up to three columns of ``dtype`` (its value
     and the rounding errors left: a 16-bit out holds it to ~fp32 precision), each against the same power of two
     2^e of the row in dout' (the backward forms D in fp32, where these products are exact).  dlse is fp32 (the
-    lse's dtype) and float16 spans far less: 2^e brings out' near 2^9, so every column is a normal number of out's
-    dtype, from |dlse| ~ 4e-9 to ~6e9 for float16 (over all of fp32's range for bfloat16; 1e5 came out NaN and
-    1e-6 a float16 subnormal that lost 2%).  2^e stays a normal number of out's dtype."""
-    acc = accum_dtype(out.dtype)
+    lse's dtype) and float16 spans far less: 2^e brings out' near 2^9, so its first column is a normal number of
+    ``dtype``, from |dlse| ~ 4e-9 to ~2e9 (65504 x 2^15) for float16 (over all of fp32's range for bfloat16; 1e5
+    came out NaN and 1e-6 a float16 subnormal that lost 2%).  2^e stays a normal number of ``dtype``.  The
+    contract passes q's dtype: a backend may cast dout and out to it (the sdpa ones do), which took an fp32 out's
+    operands out of float16's range (an fp32 2^-32 became 0) and rounded their one fp32 column to 16 bits."""
+    dtype = out.dtype if dtype is None else dtype
+    acc = accum_dtype(dtype)
     target = -lse_as_out_layout(dlse.to(acc))[..., 0]
-    finfo = torch.finfo(out.dtype)
+    finfo = torch.finfo(dtype)
     exponent = (torch.frexp(target).exponent - 9).clamp(round(math.log2(finfo.tiny)), math.floor(math.log2(finfo.max)))
     unit = torch.ldexp(torch.ones_like(target), exponent)  # (exact: a power of two of the dtype's normal range)
     remainder = target / unit
-    out_p, dout_p = torch.zeros_like(out), torch.zeros_like(out)
+    out_p, dout_p = (torch.zeros(out.shape, dtype=dtype, device=out.device) for _ in range(2))
     for column in range(min(3, out.shape[-1])):
-        part = remainder.to(out.dtype)
+        part = remainder.to(dtype)
         out_p[..., column] = part
-        dout_p[..., column] = unit.to(out.dtype)
+        dout_p[..., column] = unit.to(dtype)
         # (an infinite dlse is its first column alone: inf - inf would make the row NaN)
         remainder = torch.where(torch.isfinite(part), remainder - part.to(remainder.dtype), 0)
     return dout_p, out_p

@@ -94,7 +94,8 @@ def test_torch_func_transforms_are_refused_by_name(transform, cp_invariant):
 
 class _TwoPassReference:
     """The reference's numerics behind a backend without ``lse_gradient``: the contract then gives the lse's
-    gradient one more backward (api.lse_backward_operands), the route of the sdpa backends. Counts its backwards."""
+    gradient one more backward (api.lse_backward_operands), the route of the sdpa backends, which also take dout
+    and out in q's dtype (sdpa._FusedBackend.backward casts them). Counts its backwards."""
 
     name, priority, fused_epilogue = "reference-two-pass", 0, False
 
@@ -112,7 +113,7 @@ class _TwoPassReference:
 
     def backward(self, problem, dout, q, k, v, out, lse, deterministic):
         self.backwards += 1
-        return reference.backward(problem, dout, q, k, v, out, lse)
+        return reference.backward(problem, dout.to(q.dtype), q, k, v, out.to(q.dtype), lse)
 
 
 @pytest.fixture
@@ -172,6 +173,26 @@ def test_attention_backward_takes_the_lse_gradient_per_block(two_pass):
                 dk=dk[:, ks:ks + kl], dv=dv[:, ks:ks + kl], accumulate=True, backend=backend, dlse=dlse)
         for name, g, r in zip("qkv", (dq, dk, dv), want):
             torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12, msg=f"{backend} d{name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_two_pass_route_keeps_the_lse_gradient_with_an_fp32_out(two_pass, dtype):
+    """attention_backward(dlse=) given the global out in fp32 (as the contract allows for 16-bit q, a ring's merged
+    result): the two-pass route built its operands in out's dtype, fp32, and a backend that takes dout and out in
+    q's dtype (the sdpa ones) rounded them: the lse's share of dq and dk was lost for |dlse| ~ 1e-7 in float16 (its
+    fp32 power of two became 0) and off by 1e-3 elsewhere (one fp32 column rounded to 16 bits).  Now they are
+    built in q's dtype: the one-pass route's gradients, to fp32's rounding."""
+    gen = torch.Generator().manual_seed(14)
+    q, k, v = (torch.randn(1, 16, 2, 64, generator=gen).to(dtype) for _ in range(3))
+    out, lse = fa4dist.kernels.attention_forward(q, k, v, causal=True, out=torch.empty(q.shape), backend="reference")
+    for magnitude in (1e-7, 1e-3, 1.0, 1e5):
+        dlse = torch.randn(1, 2, 16, generator=gen) * magnitude
+        grads = [fa4dist.kernels.attention_backward(torch.zeros_like(out), q, k, v, out, lse, causal=True, dlse=dlse,
+                                                    dq=torch.empty(q.shape), dk=torch.empty(k.shape),
+                                                    dv=torch.empty(v.shape), backend=backend)
+                 for backend in ("reference", two_pass.name)]
+        for name, one, two in zip(("dq", "dk"), *grads):
+            assert ((two - one).norm() / one.norm()).item() < 1e-5, (magnitude, name)
 
 
 def test_dlse_is_checked_by_name():
