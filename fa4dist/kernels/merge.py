@@ -196,6 +196,7 @@ def sink_grad_terms(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, si
     the lse's gradient, whose share ``exp(sink - lse) * dlse`` (d lse / d sink) each term loses."""
     check_partial("the result", out, lse)
     check_buffer("sink_grad: dout", dout, tuple(out.shape), out.device, FLOAT_DTYPES)
+    check_buffer("sink_grad: dlse", dlse, tuple(lse.shape), lse.device, FLOAT_DTYPES)  # (None: passes)
     acc = accum_dtype(out.dtype)
     lse = lse.to(acc)
     sink = _sink_lse(lse, sinks)

@@ -398,6 +398,27 @@ def test_sink_grad_checks_dout():
     assert sink_grad(torch.ones_like(out, dtype=torch.bfloat16), out, lse, sinks).shape == (4,)
 
 
+def test_sink_grad_checks_dlse():
+    """The lse's gradient (dlse=) is checked as dout is: one that broadcasts against lse (a column, one value) was
+    taken silently, an integer one too, and a float was an AttributeError naming nothing."""
+    from fa4dist.kernels import sink_grad
+
+    out, lse, sinks = torch.randn(2, 8, 4, 16), torch.randn(2, 4, 8), torch.zeros(4)
+    dout = torch.randn(out.shape)
+    for shape in ((4, 1), (1,), (1, 4, 8), (2, 8, 4)):
+        with pytest.raises(ValueError, match=r"sink_grad: dlse must have shape \(2, 4, 8\), got"):
+            sink_grad(dout, out, lse, sinks, torch.ones(shape))
+    with pytest.raises(TypeError, match="sink_grad: dlse must have dtype"):
+        sink_grad(dout, out, lse, sinks, torch.ones(lse.shape, dtype=torch.int32))
+    with pytest.raises(TypeError, match="sink_grad: dlse must be a torch.Tensor, got float"):
+        sink_grad(dout, out, lse, sinks, 1.0)
+    with pytest.raises(ValueError, match="sink_grad: dlse must be on cpu, got meta"):
+        sink_grad(dout, out, lse, sinks, torch.empty(lse.shape, device="meta"))
+    dlse = torch.randn(lse.shape)  # (a row's term loses exp(sink - lse) dlse)
+    want = sink_grad(dout, out, lse, sinks) + (torch.exp(sinks[:, None] - lse) * dlse).sum(dim=(0, 2))
+    torch.testing.assert_close(sink_grad(dout, out, lse, sinks, dlse), want)
+
+
 def test_merge_sink_checks_the_running_result_and_the_sinks():
     """merge_sink_ merges into a running fp32 result in place, as merge_into_: a 16-bit (out, lse) is refused (it
     rounded the merged lse to fp16), and so are sinks that are not one float logit per head (integer and bool
