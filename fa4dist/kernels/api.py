@@ -188,7 +188,8 @@ def attention_backward(
     lse.  d lse / d s = P, so it joins the row sums D = rowsum(dout * out) as D - dlse (dS = P (dP - D + dlse)),
     and the sinks' term likewise; dv does not depend on it.  Backends with ``lse_gradient`` (the reference, cute)
     take it in the same pass; for the others the contract runs one more backward (:func:`lse_backward_operands`).
-    As the global out and lse, it is the whole row's: pass it to every block of the row.
+    As the global out and lse, it is the whole row's: pass it to every block of the row.  ``dout=None`` with
+    ``dlse``: a loss of the lse alone (dv is zero; the two-pass backends run the lse's pass only).
     """
     problem = validate_inputs(
         q, k, v, causal=causal, window=window, softcap=softcap, sinks=sinks, softmax_scale=softmax_scale,
@@ -209,8 +210,9 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
     acc = _accum_dtypes(problem)
     check_bool("accumulate", accumulate)
     for name, t in (("dout", dout), ("out", out), ("lse", lse)):
-        if t is None:
-            raise ValueError(f"attention_backward needs {name} (the global forward result and its gradient)")
+        if t is None and not (name == "dout" and dlse is not None):  # (dout None, dlse: a loss of the lse alone)
+            raise ValueError(f"attention_backward needs {name} (the global forward result and its gradient; dout "
+                             "may be None with dlse=, for a loss of the lse alone)")
     check_buffer("dout", dout, problem.out_shape(), problem.device, (problem.dtype,) + acc)
     check_buffer("out", out, problem.out_shape(), problem.device, (problem.dtype,) + acc)
     check_buffer("lse", lse, problem.lse_shape(), problem.device, acc)
@@ -264,6 +266,9 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
             raise ValueError(f"backend {impl.name!r} has no fixed-point dq (dq_scale=); the reference and cute do")
         fixed = dict(dq_scale=dq_scale)
     lse_in_pass = dlse is not None and getattr(impl, "lse_gradient", False)
+    out_pass = dout is not None or lse_in_pass  # (no pass of a zero dout where the lse's has its own)
+    if dout is None:  # out unused: its gradient is zero (the one pass's, and the sinks')
+        dout = torch.zeros(problem.out_shape(), dtype=problem.dtype, device=problem.device)
     if lse_in_pass:
         fixed = dict(dlse=dlse)
     elif dlse is not None and impl.fused_epilogue:
@@ -276,15 +281,19 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
             problem, dout, q, k, v, out, lse, deterministic, dq=dq, dk=dk, dv=dv, accumulate=accumulate, **fixed
         ), grads, problem.device, skipped)
     else:
-        block = list(check_results(impl, "backward", impl.backward(problem, dout, q, k, v, out, lse, deterministic,
-                                                                   **fixed), grads, problem.device))
+        if out_pass:
+            block = list(check_results(impl, "backward", impl.backward(problem, dout, q, k, v, out, lse,
+                                                                       deterministic, **fixed), grads, problem.device))
         if dlse is not None and not lse_in_pass:  # the lse's share: one more backward, with v = 0 (dv: none)
             # (in q's dtype, not out's: a fused op takes dout and out in it, and the sdpa backends cast an fp32 out)
             dout_p, out_p = lse_backward_operands(dlse, out, problem.dtype)
             lse_block = check_results(impl, "backward", impl.backward(problem, dout_p, q, k, torch.zeros_like(v),
                                                                       out_p, lse, deterministic), grads,
                                       problem.device)
-            block[0], block[1] = block[0] + lse_block[0], block[1] + lse_block[1]
+            if out_pass:
+                block[0], block[1] = block[0] + lse_block[0], block[1] + lse_block[1]
+            else:  # (this pass's dv is P^T dout', not the loss's: zero)
+                block = [lse_block[0], lse_block[1], torch.zeros_like(lse_block[2])]
         if dq_scale is not None and (dq is None or dq.dtype != torch.int64):  # the integer sums, converted once
             block[0] = fixed_point.from_fixed(block[0], dq_scale, acc[0])
         if dq_scale is not None and not accumulate:

@@ -122,10 +122,12 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if dout is None and dlse is None:  # both gradients undefined (gradcheck asks): none
+            return (None,) * 8
         q, k, v, sinks, out, lse = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: gradients that are themselves differentiable
             return (*_differentiable_grads(dout, q, k, v, sinks, ctx.mask_kwargs, dlse=dlse), None, None, None, None)
-        dout = torch.zeros_like(out) if dout is None else dout.contiguous()  # (a loss of the lse alone)
+        dout = None if dout is None else dout.contiguous()  # (None: a loss of the lse alone)
         with outside_selective_checkpoint():
             grads = backward_problem(ctx.problem, dout, q, k, v, out, lse, sinks=sinks, backend=ctx.backend,
                                      deterministic=ctx.deterministic, dlse=dlse)
@@ -137,7 +139,7 @@ class _AttentionFunction(torch.autograd.Function):
 
 class _LseFunction(torch.autograd.Function):
     """The lse of the cp_invariant :func:`attention` (``return_lse=True``) as a differentiable output: its gradient
-    is one more backward through the contract (dout = 0, ``dlse=``: the contract's deterministic numerics, not the
+    is one more backward through the contract (dout None, ``dlse=``: the contract's deterministic numerics, not the
     invariant ones), added by autograd to the output's.  Only a loss that uses the lse runs it."""
 
     @staticmethod
@@ -153,8 +155,8 @@ class _LseFunction(torch.autograd.Function):
             return (*_differentiable_grads(None, q, k, v, sinks, ctx.mask_kwargs, dlse=dlse),) + (None,) * 5
         problem = validate_inputs(q, k, v, sinks=sinks, **ctx.mask_kwargs)
         with outside_selective_checkpoint():
-            grads = backward_problem(problem, torch.zeros_like(out), q, k, v, out, lse, sinks=sinks,
-                                     backend=ctx.backend, deterministic=ctx.deterministic, dlse=dlse.contiguous())
+            grads = backward_problem(problem, None, q, k, v, out, lse, sinks=sinks, backend=ctx.backend,
+                                     deterministic=ctx.deterministic, dlse=dlse.contiguous())
         dsinks = grads[3].to(sinks.dtype) if sinks is not None else None
         return grads[0], grads[1], None, dsinks, None, None, None, None, None
 

@@ -79,18 +79,20 @@ def _attention_fwd_fake(q, k, v, sinks, causal, window, softcap, softmax_scale, 
 
 @torch.library.custom_op("fa4dist::attention_bwd", mutates_args=())
 def attention_bwd(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
+    dout: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
     out: torch.Tensor, lse: torch.Tensor, causal: bool, window: list[int], softcap: Optional[float],
     softmax_scale: Optional[float], q_offsets: list[int], q_offset_t: Optional[torch.Tensor], k_offsets: list[int],
     k_offset_t: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     backend: str, deterministic: Optional[bool], dlse: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsinks); dsinks is an empty tensor when there are no sinks (an op returns tensors only);
-    ``dlse``: the lse's gradient (``attention_backward(dlse=)``), or None."""
+    ``dlse``: the lse's gradient (``attention_backward(dlse=)``), or None; ``dout`` None with it: a loss of the lse
+    alone."""
     problem = _problem(q, k, v, sinks, causal, window, softcap, softmax_scale, q_offsets, q_offset_t, k_offsets,
                        k_offset_t, cu_seqlens_q, cu_seqlens_k)
-    grads = backward_problem(problem, dout.contiguous(), q, k, v, out, lse, sinks=sinks, backend=backend,
-                             deterministic=deterministic, dlse=None if dlse is None else dlse.contiguous())
+    dout, dlse = (None if t is None else t.contiguous() for t in (dout, dlse))
+    grads = backward_problem(problem, dout, q, k, v, out, lse, sinks=sinks, backend=backend,
+                             deterministic=deterministic, dlse=dlse)
     dsinks = grads[3].to(sinks.dtype) if sinks is not None else q.new_empty((0,))
     return grads[0].contiguous(), grads[1].contiguous(), grads[2].contiguous(), dsinks
 
@@ -125,7 +127,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, dlse):
     q, k, v, sinks, out, lse = ctx.saved_tensors
     dlse = dlse if ctx.lse_grad else None  # (the lse's gradient joins the same pass: attention_backward(dlse=))
-    dout = torch.zeros_like(out) if dout is None else dout
+    if dout is None and dlse is None:  # both gradients undefined: none
+        return (None,) * 17
     dq, dk, dv, dsinks = attention_bwd(dout, q, k, v, sinks, out, lse, *ctx.mask_args, ctx.backend,
                                        ctx.deterministic, dlse)
     return (dq, dk, dv, dsinks if sinks is not None else None) + (None,) * 13

@@ -195,6 +195,53 @@ def test_the_two_pass_route_keeps_the_lse_gradient_with_an_fp32_out(two_pass, dt
             assert ((two - one).norm() / one.norm()).item() < 1e-5, (magnitude, name)
 
 
+@pytest.mark.parametrize("mode", ["eager", "cp_invariant", "compiled"])
+def test_a_loss_of_the_lse_alone_takes_one_pass_on_the_two_pass_route(two_pass, mode):
+    """A loss of the lse alone (out unused) on a backend without lse_gradient: the contract ran a backward of a zero
+    dout and then the lse's pass, two where the lse's own suffices (eager and cp_invariant took one before dlse=).
+    Now attention_backward takes dout=None with dlse= (a loss of the lse alone): one pass, dv zero, the fp64
+    oracle's gradients."""
+    from oracle import naive_attention
+
+    gen = torch.Generator().manual_seed(15)
+    q = torch.randn(1, 12, 4, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, 12, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    sinks, w = torch.randn(4, generator=gen, dtype=torch.float64), torch.randn(1, 4, 12, generator=gen,
+                                                                             dtype=torch.float64)
+
+    def loss(q, k, v, sinks):
+        kw = dict(cp_invariant=True) if mode == "cp_invariant" else {}
+        return (fa4dist.attention(q, k, v, causal=True, sinks=sinks, return_lse=True, backend=two_pass.name,
+                                  **kw)[1] * w).sum()
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    got = torch.autograd.grad((torch.compile(loss, backend="aot_eager", fullgraph=True) if mode == "compiled"
+                               else loss)(*leaves), leaves, allow_unused=True)
+    assert two_pass.backwards == 1
+    ref = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    want = torch.autograd.grad((naive_attention(*ref[:3], causal=True, sinks=ref[3])[1] * w).sum(), ref,
+                               allow_unused=True)
+    for name, g, r in zip("qkvs", got, want):
+        if r is None:  # dv: none, or zero
+            assert g is None or not g.any(), name
+        else:
+            torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_dout_may_be_none_with_dlse_only():
+    """attention_backward(None, ..., dlse=): the gradients of a loss of the lse alone, as with a zero dout; without
+    dlse, dout is still required by name."""
+    gen = torch.Generator().manual_seed(16)
+    q, k, v = (torch.randn(1, 8, 2, 8, generator=gen) for _ in range(3))
+    out, lse = fa4dist.kernels.attention_forward(q, k, v)
+    dlse = torch.randn(lse.shape, generator=gen)
+    got = fa4dist.kernels.attention_backward(None, q, k, v, out, lse, dlse=dlse)
+    want = fa4dist.kernels.attention_backward(torch.zeros_like(out), q, k, v, out, lse, dlse=dlse)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="needs dout"):
+        fa4dist.kernels.attention_backward(None, q, k, v, out, lse)
+
+
 def test_dlse_is_checked_by_name():
     gen = torch.Generator().manual_seed(13)
     q, k, v = (torch.randn(1, 8, 2, 8, generator=gen) for _ in range(3))

@@ -203,6 +203,23 @@ def test_an_unused_output_takes_no_gradient_under_compile_as_in_eager(monkeypatc
     assert passes == [used == "lse"] * 2, passes
 
 
+@pytest.mark.parametrize("lse_grad", [False, True])
+def test_the_ops_autograd_passes_gradcheck(lse_grad):
+    """The op's autograd called eagerly (torch_ops.compiled_attention outside a trace) under gradcheck, which also
+    runs the backward with every gradient undefined: with unused gradients None and dout=None meaning a loss of the
+    lse alone, both None must give no gradients (not attention_backward's 'needs dout')."""
+    from fa4dist.kernels import torch_ops
+
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 5, 4, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 4, 2, 6, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
+    mask = dict(causal=True, window=(-1, -1), softcap=None, softmax_scale=None, q_offset=0, k_offset=0,
+                cu_seqlens_q=None, cu_seqlens_k=None)
+    fn = lambda q, k, v: torch_ops.compiled_attention(q, k, v, None, mask, "reference", None,  # noqa: E731
+                                                      lse_grad=lse_grad)[0]
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-7)
+
+
 def test_a_second_derivative_through_the_compiled_ops_is_refused_by_name():
     """Under backend="eager" the ops run eagerly with the op's autograd formula, whose backward (attention_bwd) had
     none: a second derivative through it failed with torch's 'no autograd formula was registered', naming neither
