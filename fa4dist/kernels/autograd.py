@@ -73,12 +73,13 @@ class _InvariantAttentionFunction(torch.autograd.Function):
         if not problem.varlen and not problem.uniform_offsets:
             raise ValueError("cp_invariant=True needs one q_offset and one k_offset for a dense batch")
         items = invariant.single_device_items(problem)
-        # no K/V expansion: a query head's row reads its key/value head either way (the same bits)
-        out, lse = invariant.forward(q, k, v, items, softmax_scale=problem.softmax_scale,
-                                     softcap=problem.softcap, backend=backend)
-        if sinks is not None:  # once per row, in fp32, before out is rounded (as the context-parallel engine)
-            merge_sink_(out, lse, sinks)
-        out = out.to(q.dtype)
+        with outside_selective_checkpoint():  # one op to a checkpoint's policy (its kernels update in place)
+            # no K/V expansion: a query head's row reads its key/value head either way (the same bits)
+            out, lse = invariant.forward(q, k, v, items, softmax_scale=problem.softmax_scale,
+                                         softcap=problem.softcap, backend=backend)
+            if sinks is not None:  # once per row, in fp32, before out is rounded (as the context-parallel engine)
+                merge_sink_(out, lse, sinks)
+            out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.items, ctx.backend = items, backend
         ctx.scale, ctx.softcap = problem.softmax_scale, problem.softcap
@@ -92,12 +93,13 @@ class _InvariantAttentionFunction(torch.autograd.Function):
             raise RuntimeError("cp_invariant=True attention is differentiable once (create_graph=True is not "
                                "supported in this mode)")
         dout = dout.contiguous()
-        dq, dk, dv = invariant.single_device_backward(dout, q, k, v, out, lse, ctx.items,
-                                                      softmax_scale=ctx.scale, softcap=ctx.softcap,
-                                                      backend=ctx.backend)
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[3]:
-            dsinks = invariant.sink_grad(dout, out, lse, sinks).to(sinks.dtype)
+        with outside_selective_checkpoint():
+            dq, dk, dv = invariant.single_device_backward(dout, q, k, v, out, lse, ctx.items,
+                                                          softmax_scale=ctx.scale, softcap=ctx.softcap,
+                                                          backend=ctx.backend)
+            dsinks = None
+            if sinks is not None and ctx.needs_input_grad[3]:
+                dsinks = invariant.sink_grad(dout, out, lse, sinks).to(sinks.dtype)
         return dq, dk, dv, dsinks, None, None
 
     jvp = forward_ad_refusal("fa4dist.attention")

@@ -58,6 +58,33 @@ def test_a_selective_checkpointing_policy_does_not_reach_inside_the_attention(ba
 
 
 @pytest.mark.parametrize("cp_invariant", [False, True])
+def test_a_policy_that_saves_every_op_does_not_reach_inside_the_attention(cp_invariant):
+    """As above with a policy that saves every op, and a loss of out and of the (differentiable) lse: the
+    cp_invariant call's forward ran its kernels under the policy, whose recompute raised torch's 'cached tensor has
+    been mutated' (the reference's in-place updates). Now it is one op to the policy too: the gradients without
+    the checkpoint (fp64)."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 12, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    s = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(1, 2, 12, dtype=torch.float64)
+
+    def f(q, k, v, s):
+        out, lse = fa4dist.attention(q, k, v, causal=True, sinks=s, return_lse=True, cp_invariant=cp_invariant,
+                                     backend="reference")
+        return out.square().sum() + (lse * w).sum()
+
+    context = functools.partial(create_selective_checkpoint_contexts, lambda *a, **kw: CheckpointPolicy.MUST_SAVE)
+    got = torch.autograd.grad(checkpoint(f, q, k, v, s, use_reentrant=False, context_fn=context), (q, k, v, s))
+    want = torch.autograd.grad(f(q, k, v, s), (q, k, v, s))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cp_invariant", [False, True])
 @pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "vmap", "jvp", "forward_ad"])
 def test_torch_func_transforms_are_refused_by_name(transform, cp_invariant):
     """torch.func's transforms and forward-mode AD have no rule for the attention's kernels (no batching rule, no
