@@ -119,6 +119,8 @@ class _AttentionFunction(torch.autograd.Function):
         ctx.problem, ctx.mask_kwargs, ctx.backend, ctx.deterministic = problem, mask_kwargs, backend, deterministic
         if not lse_grad:
             ctx.mark_non_differentiable(lse)
+        else:  # the caller's lse, theirs to update in place (masked_fill_ of the -inf rows): the saved one stays
+            lse = lse.clone()
         ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not zeros to read
         return out, lse
 

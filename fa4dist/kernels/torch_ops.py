@@ -181,7 +181,9 @@ def compiled_attention(q, k, v, sinks, mask_kwargs: dict, backend: str, determin
     k_offsets, k_offset_t = _offset_arg("k_offset", mask_kwargs["k_offset"], count)
     window = mask_kwargs["window"]
     window = [-1, -1] if window is None else list(window)
-    return attention_fwd(
+    out, lse = attention_fwd(
         q, k, v, sinks, mask_kwargs["causal"], window, mask_kwargs["softcap"], mask_kwargs["softmax_scale"],
         q_offsets, q_offset_t, k_offsets, k_offset_t, mask_kwargs["cu_seqlens_q"], mask_kwargs["cu_seqlens_k"],
         backend, deterministic, lse_grad)
+    # a differentiable lse is the caller's to update in place (as the eager call's): the op saved its own
+    return out, lse.clone() if lse_grad else lse

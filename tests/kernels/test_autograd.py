@@ -269,6 +269,30 @@ def test_dout_may_be_none_with_dlse_only():
         fa4dist.kernels.attention_backward(None, q, k, v, out, lse)
 
 
+@pytest.mark.parametrize("cp_invariant", [False, True])
+def test_the_returned_lse_may_be_updated_in_place(cp_invariant):
+    """return_lse=True, the caller zeroing the lse's -inf rows in place (masked_fill_): the lse, now an output of
+    the one autograd function that also saved it, raised 'Output 1 of _AttentionFunction is a view and is being
+    modified inplace' (before dlse=, a separate function returned a copy, which the caller could update).  Now the
+    caller gets its own copy again: the fp64 oracle's gradients of the updated lse."""
+    from oracle import naive_attention
+
+    gen = torch.Generator().manual_seed(17)
+    q, k, v = (torch.randn(1, 8, 2, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    w = torch.randn(1, 2, 8, generator=gen, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = fa4dist.attention(*leaves, causal=True, k_offset=2, return_lse=True, backend="reference",
+                                 cp_invariant=cp_invariant)  # rows 0 and 1 see no key: lse -inf
+    lse.masked_fill_(torch.isneginf(lse), 0.0)
+    got = torch.autograd.grad(out.square().sum() + (lse * w).sum(), leaves)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = naive_attention(*ref, causal=True, k_offset=2)
+    ref_lse = torch.where(torch.isneginf(ref_lse), 0.0, ref_lse)
+    want = torch.autograd.grad(ref_out.square().sum() + (ref_lse * w).sum(), ref)
+    for name, g, r in zip("qkv", got, want):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12, msg=name)
+
+
 def test_dlse_is_checked_by_name():
     gen = torch.Generator().manual_seed(13)
     q, k, v = (torch.randn(1, 8, 2, 8, generator=gen) for _ in range(3))

@@ -220,6 +220,23 @@ def test_the_ops_autograd_passes_gradcheck(lse_grad):
     assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-7)
 
 
+def test_the_returned_lse_may_be_updated_in_place_under_compile():
+    """return_lse=True and the lse's -inf rows zeroed in place inside the compiled function: the op's lse was also
+    saved for its backward, and tracing failed with 'one of the variables needed for gradient computation has been
+    modified by an inplace operation'.  Now the caller gets a copy (as eager): the eager call's bytes."""
+    q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    w = torch.randn(1, 2, 8, dtype=torch.float64)
+
+    def f(q, k, v):
+        out, lse = fa4dist.attention(q, k, v, causal=True, k_offset=2, return_lse=True, backend="reference")
+        lse.masked_fill_(torch.isneginf(lse), 0.0)
+        return out.square().sum() + (lse * w).sum()
+
+    grads = [torch.autograd.grad(fn(q, k, v), (q, k, v))
+             for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True))]
+    _assert_same_bytes(grads[1], grads[0])
+
+
 def test_a_second_derivative_through_the_compiled_ops_is_refused_by_name():
     """Under backend="eager" the ops run eagerly with the op's autograd formula, whose backward (attention_bwd) had
     none: a second derivative through it failed with torch's 'no autograd formula was registered', naming neither
