@@ -152,17 +152,23 @@ def test_return_lse_and_bad_input_under_compile():
             torch.compile(lambda *t: fa4dist.attention(*t, backend="reference", **kwargs), backend="aot_eager")(*args)
 
 
-def test_the_lse_is_differentiable_under_compile_as_in_eager(monkeypatch):
+@pytest.fixture
+def passes(monkeypatch):
+    """The reference backend's backward passes, each recorded as whether it took a dlse."""
+    from fa4dist.kernels import registry
+
+    taken = []
+    backend = type(registry.get_backend("reference"))
+    original = backend.backward
+    monkeypatch.setattr(backend, "backward", lambda *a, **kw: taken.append(kw.get("dlse") is not None) or
+                        original(*a, **kw))
+    return taken
+
+
+def test_the_lse_is_differentiable_under_compile_as_in_eager(passes):
     """return_lse=True: a loss of out and lse has the eager call's gradients, compiled with fullgraph=True (the op's
     lse is differentiable when asked for, its gradient the backward op's dlse: one backward pass on the reference,
     as eager); the same bytes."""
-    from fa4dist.kernels import registry
-
-    passes = []
-    backend = type(registry.get_backend("reference"))
-    original = backend.backward
-    monkeypatch.setattr(backend, "backward", lambda *a, **kw: passes.append(kw.get("dlse") is not None) or
-                        original(*a, **kw))
     q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
     w = torch.randn(1, 2, 8, dtype=torch.float64)
 
@@ -179,18 +185,11 @@ def test_the_lse_is_differentiable_under_compile_as_in_eager(monkeypatch):
 
 
 @pytest.mark.parametrize("used", ["out", "lse"])
-def test_an_unused_output_takes_no_gradient_under_compile_as_in_eager(monkeypatch, used):
+def test_an_unused_output_takes_no_gradient_under_compile_as_in_eager(passes, used):
     """return_lse=True where the compiled loss uses only one of out and lse: the op's autograd materialized the
     other's gradient as zeros, so a loss of out alone ran the backward with a zero dlse (on the sdpa backends, a
     second backward pass for nothing; eager passes None).  Now the unused gradient is None, as in eager: no dlse
     reaches the backend, and the gradients are the eager ones' bytes."""
-    from fa4dist.kernels import registry
-
-    passes = []
-    backend = type(registry.get_backend("reference"))
-    original = backend.backward
-    monkeypatch.setattr(backend, "backward", lambda *a, **kw: passes.append(kw.get("dlse") is not None) or
-                        original(*a, **kw))
     q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
 
     def f(q, k, v):
