@@ -275,7 +275,8 @@ class Schedule:
         of a query block and a key block with a visible pair, in (query block, key block) order."""
         cached = self._raw.get((member, source))
         if cached is None:
-            self._index("member", member), self._index("source", source)
+            self._index("member", member)
+            self._index("source", source)
             out = []
             if source in self._sources_of(member):
                 spans, kblocks = self._key_spans(member), self.members[source].blocks
@@ -293,7 +294,8 @@ class Schedule:
         `source` sends `member` (empty: no transfer and no compute)."""
         cached = self._needed.get((member, source))
         if cached is None:
-            self._index("member", member), self._index("source", source)
+            self._index("member", member)
+            self._index("source", source)
             if member == source:  # the own blocks: whole blocks against themselves (one call each)
                 rows = [(c.k_row, c.k_len) for c in self._raw_calls(member, source)]
             elif source not in self._sources_of(member):
