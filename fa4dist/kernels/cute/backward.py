@@ -871,8 +871,9 @@ def launch_steps(
 # Past those bounds the same order within groups of LPT_GROUP_MANY_WAVES (batch, kv head) pairs, one group after
 # another (thirty-seventh session, bench/sessions/gpu_session_37.sh, device time against head-major, hdim 128: +4.5
 # / +4.6 / -0.1% at 4 x 4k x 16 / 2 x 8k x 16 / 16k x 16, 1.02 / 1.02 / 0.98x flash-attn-4; groups of 8: +4.5 /
-# +3.4 / -0.9%). Only at the head dims measured so (LPT_GROUP_HEAD_DIMS): hdim 64's many-wave launches keep
-# head-major until gpu_session_37.sh measures them.
+# +3.4 / -0.9%; confirmed in the thirty-eighth session: 575 / 636 / 669 against 550 / 609 / 670). Only at hdim 128
+# (LPT_GROUP_HEAD_DIMS): at hdim 64 groups of 4 measured -0.4 to -1.8% against head-major (4 x 4k x 32, 2 x 8k x 32,
+# 16k x 32; thirty-eighth session, gpu_session_37.sh), whose head-major rows are already 1.01 / 1.01 / 0.97x FA4.
 LPT_OVER_HEADS_MAX_WAVES = 8
 LPT_OVER_HEADS_MAX_BYTES = 128 * 2**20
 LPT_GROUP_MANY_WAVES = 4
