@@ -61,8 +61,11 @@ def cp_module(rank, cp, strategy, causal, plan_u=1, ulysses_degree=None, topolog
 def run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, docs=None, heads=(4, 2), head_dim=8,
              head_dim_v=None, batch=1, balancer="lpt", num_chunks=None, plan_u=1, ulysses_degree=None,
              topology="group", seed=0, dtype=torch.float64, device="cpu", backend="reference", window=(-1, -1),
-             softcap=None, sinks=False, align=1, ring_steps_per_launch=None):
+             softcap=None, sinks=False, align=1, ring_steps_per_launch=None, lse_loss=None):
     """Max abs errors of the local out, dq, dk, dv against the fp64 oracle (None on ranks outside the group).
+
+    ``lse_loss``: the module returns the lse too (``return_lse=True``) and the loss has a term of it, a random
+    gradient: "and" (out's and lse's) or "only" (the lse's alone); also its error ("lse").
 
     ``ring_steps_per_launch``: the ring forward's launch groups (FA4DIST_RING_STEPS_PER_LAUNCH, for this call).
 
@@ -80,7 +83,7 @@ def run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, docs
                             heads=heads, head_dim=head_dim, head_dim_v=head_dim_v, batch=batch, balancer=balancer,
                             num_chunks=num_chunks, plan_u=plan_u, ulysses_degree=ulysses_degree, topology=topology,
                             seed=seed, dtype=dtype, device=device, backend=backend, window=window, softcap=softcap,
-                            sinks=sinks, align=align)
+                            sinks=sinks, align=align, lse_loss=lse_loss)
         finally:
             if before is None:
                 del os.environ[STEPS_PER_LAUNCH_ENV]
@@ -102,24 +105,44 @@ def run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, docs
     sd = 0 if packed else 1
     leaves = [plan.shard(t, seq_dim=sd, rank=cp_rank).to(device, dtype).requires_grad_() for t in (q, k, v)]
     sinks_leaf = sink_logits.to(device, dtype, copy=True).requires_grad_() if sinks else None
-    out = module(*leaves, plan=plan, sinks=sinks_leaf)
-    out.backward(plan.shard(dout, seq_dim=sd, rank=cp_rank).to(device, dtype))
+    lse_sd = out_sd = sd
+    if lse_loss is None:
+        out = module(*leaves, plan=plan, sinks=sinks_leaf)
+        out.backward(plan.shard(dout, seq_dim=sd, rank=cp_rank).to(device, dtype))
+    else:  # lse (batch, heads, tokens), packed (heads, tokens)
+        lse_sd = 1 if packed else 2
+        dlse = torch.randn(*(() if packed else (batch,)), heads[0], total, dtype=torch.float64,
+                           generator=torch.Generator().manual_seed(seed + 2))
+        out, lse = module(*leaves, plan=plan, sinks=sinks_leaf, return_lse=True)
+        assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32), lse.dtype
+        results = [lse] if lse_loss == "only" else [out, lse]
+        seeds = [plan.shard(dlse, seq_dim=lse_sd, rank=cp_rank).to(device, lse.dtype)]
+        if lse_loss != "only":
+            seeds.insert(0, plan.shard(dout, seq_dim=sd, rank=cp_rank).to(device, dtype))
+        torch.autograd.backward(results, seeds)
+        lse = lse.detach().cpu()
     assert out.device.type == torch.device(device).type
     out, grads = out.cpu(), [leaf.grad.cpu() for leaf in leaves]
 
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref_sinks = sink_logits.clone().requires_grad_() if sinks else None
     cu = torch.tensor(docs, dtype=torch.int32) if packed else None
-    ref, _ = naive_attention(*ref_leaves, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, window=window,
-                             softcap=softcap, sinks=ref_sinks)
-    ref.backward(dout)
+    ref, ref_lse = naive_attention(*ref_leaves, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, window=window,
+                                   softcap=softcap, sinks=ref_sinks)
+    if lse_loss is None:
+        ref.backward(dout)
+    else:
+        torch.autograd.backward(*(([ref_lse], [dlse]) if lse_loss == "only" else ([ref, ref_lse], [dout, dlse])))
     errors = {}
-    for name, got, want in [("out", out, ref)] + [
-        (n, g, r.grad) for n, g, r in zip(("dq", "dk", "dv"), grads, ref_leaves)
-    ]:
-        want = plan.shard(want.detach(), seq_dim=sd, rank=cp_rank)
+    compared = [("out", out, ref, out_sd)] + [
+        (n, g, r.grad if r.grad is not None else torch.zeros_like(r), sd)
+        for n, g, r in zip(("dq", "dk", "dv"), grads, ref_leaves)]
+    if lse_loss is not None:
+        compared.append(("lse", lse, ref_lse, lse_sd))
+    for name, got, want, dim in compared:
+        want = plan.shard(want.detach(), seq_dim=dim, rank=cp_rank)
         assert got.shape == want.shape, (name, got.shape, want.shape)
-        assert got.dtype == dtype, (name, got.dtype)
+        assert got.dtype == dtype or name == "lse", (name, got.dtype)
         errors[name] = float((got.detach().double() - want).abs().max()) if want.numel() else 0.0
     errors["strategy"] = module.cp.strategy_name(module.cp.degree(heads[0], heads[1], plan))
     if sinks:
@@ -143,8 +166,8 @@ def check_results(results, strategy=None, tol=1e-10) -> list:
     seen = [r for r in results if r is not None]
     assert seen
     for r in seen:
-        for name in ("out", "dq", "dk", "dv"):
-            assert r[name] < tol, (name, r)
+        for name in ("out", "dq", "dk", "dv", "lse"):
+            assert r.get(name, 0.0) < tol, (name, r)
         if strategy is not None:
             assert r["strategy"] == strategy
     if "dsinks" in seen[0]:  # every rank holds its rows' share: the sum is the whole gradient
@@ -461,3 +484,43 @@ def not_a_group_case(rank, world):
              lambda: FA4Llama(get_config("tiny"), "cp"), lambda: FixedPointGrads(mesh),
              lambda: reduce_value(torch.ones(1), "cp"), lambda: cp_cross_entropy(logits, labels, "cp"))
     return call_errors(*calls)
+
+
+def lse_on_some_ranks_case(rank, world, *, cp, strategy, lse_ranks, out_ranks):
+    """``return_lse=True`` where only ``lse_ranks``' losses use the lse and only ``out_ranks``' use out (the others'
+    gradients of that output are None): max abs errors of the gradients against the fp64 oracle with those rows'
+    gradients zero (the backward's passes run on every rank when any rank's loss used their output)."""
+    module, cp_rank = cp_module(rank, cp, strategy, True, ulysses_degree=2 if strategy == "hybrid" else None)
+    if module is None:
+        return None
+    total, heads = 45, (4, 2)
+    plan = module.make_plan(total, heads=heads)
+    q, k, v, dout = global_inputs(3, total, *heads, 8, torch.float64, 1)
+    dlse = torch.randn(1, heads[0], total, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    leaves = [plan.shard(t, seq_dim=1, rank=cp_rank).requires_grad_() for t in (q, k, v)]
+    out, lse = module(*leaves, plan=plan, return_lse=True)
+    terms = []
+    if cp_rank in out_ranks:
+        terms.append((out * plan.shard(dout, seq_dim=1, rank=cp_rank)).sum())
+    if cp_rank in lse_ranks:
+        terms.append((lse * plan.shard(dlse, seq_dim=2, rank=cp_rank)).sum())
+    sum(terms).backward()
+    # the oracle's loss: each output's gradient on the rows of the ranks that used it, zero elsewhere
+    keep_out, keep_lse = torch.zeros(total, dtype=torch.bool), torch.zeros(total, dtype=torch.bool)
+    for r in range(cp):
+        rows = plan.shard(torch.arange(total), seq_dim=0, rank=r)
+        keep_out[rows] |= r in out_ranks
+        keep_lse[rows] |= r in lse_ranks
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = naive_attention(*ref_leaves, causal=True)
+    ((ref * dout * keep_out[None, :, None, None]).sum() + (ref_lse * dlse * keep_lse).sum()).backward()
+    return {name: float((leaf.grad - plan.shard(r.grad, seq_dim=1, rank=cp_rank)).abs().max())
+            for name, leaf, r in zip(("dq", "dk", "dv"), leaves, ref_leaves)}
+
+
+def return_lse_disagreement_case(rank, world):
+    """Rank 1 alone asks for the lse: (type name, message) of the error on every rank."""
+    module, cp_rank = cp_module(rank, world, "ring", True)
+    plan = module.make_plan(30)
+    local = [plan.shard(t, seq_dim=1, rank=cp_rank) for t in global_inputs(5, 30, 2, 2, 8, torch.float64, 1)[:3]]
+    return call_errors(lambda: module(*local, plan=plan, return_lse=rank == 1))[0]

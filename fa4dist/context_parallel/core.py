@@ -25,10 +25,11 @@ from typing import Optional
 import torch
 
 from ..kernels.autograd import attention as _plain_attention
-from ..kernels.autograd import forward_ad_refusal, refuse_torch_func
+from ..kernels.autograd import add_in_order, forward_ad_refusal, refuse_torch_func
 from ..kernels.invariant import enabled as invariant_enabled
 from ..kernels.invariant import sum_group
-from ..kernels.merge import merge_sink_, sink_grad
+from ..kernels.api import lse_backward_operands
+from ..kernels.merge import lse_as_out_layout, merge_sink_, sink_grad
 from ..kernels.problem import (
     EAGER_ONLY,
     check_bool, check_mask, check_optional_bool, check_softcap, check_softmax_scale, check_timeout, check_window,
@@ -97,17 +98,26 @@ def _next_instance(key: tuple) -> int:
     return number
 
 
+def _lse_layout(rows: torch.Tensor) -> torch.Tensor:
+    """An lse (..., heads, seqlen) from its one-column out layout (:func:`~fa4dist.kernels.merge.lse_as_out_layout`,
+    the form the Ulysses exchange moves)."""
+    return rows.squeeze(-1).transpose(-1, -2).contiguous()
+
+
 class _Call:
     """Everything one forward/backward needs; kept by the autograd graph."""
 
     def __init__(self, sched, ring, uly, split, opts, heads_q, heads_kv, call_id=0, agree=None, invariant=False,
-                 signature=None, groups=()):
+                 signature=None, groups=(), any_rank=None, return_lse=False):
         self.sched, self.ring, self.uly, self.split, self.opts = sched, ring, uly, split, opts
         self.groups = groups  # the process groups the backward exchanges on (one thread at a time: comm.exclusive)
         self.heads_q, self.heads_kv = heads_q, heads_kv
         self.invariant = invariant  # cp_invariant: the gather engine (fa4dist.context_parallel.gather)
         self.call_id, self.agree = call_id, agree  # agree: ContextParallel.agree, or None without verification
         self.signature = signature  # the forward call's agreed signature (its backward's check names it)
+        # return_lse: the lse is an output with a gradient; any_rank(flags) -> each flag or'ed over the cp group
+        self.return_lse, self.any_rank = return_lse, any_rank
+        self.local_shapes = None  # (out, lse, v) of this rank's tokens, set by forward
 
     def member_sinks(self, sinks):
         """The sinks of the query heads this rank computes (its Ulysses share), or None."""
@@ -118,6 +128,7 @@ class _Call:
 
     def forward(self, q, k, v, sinks):
         uly, split = self.uly, self.split
+        v_shape = v.shape
         if uly is not None:
             q, k, v = uly.seq_to_head([(q, split.q_heads, "q"), (k, split.kv_heads, "k"), (v, split.kv_heads, "v")])
         if self.invariant:
@@ -129,12 +140,22 @@ class _Call:
         if member_sinks is not None:  # the sinks' virtual key block, once per row, after every real key
             merge_sink_(acc.out, acc.lse, member_sinks)
         out_m, lse_m = acc.out.to(q.dtype), acc.lse
-        out = out_m
+        # (the caller's lse is its own copy, theirs to update in place: the saved one stays)
+        out, lse = out_m, lse_m.clone() if self.return_lse else None
         if uly is not None:
-            (out,) = uly.head_to_seq([(out_m, split.q_heads, self.heads_q, "out", False)])
-        return out, (q, k, v, out_m, lse_m)
+            items = [(out_m, split.q_heads, self.heads_q, "out", False)]
+            if self.return_lse:  # (the rows' lse travels as a one-column out)
+                items.append((lse_as_out_layout(lse_m), split.q_heads, self.heads_q, "lse", False))
+            got = uly.head_to_seq(items)
+            out, lse = got[0], _lse_layout(got[1]) if self.return_lse else None
+        self.local_shapes = (out.shape, None if lse is None else lse.shape, v_shape)
+        return out, lse, (q, k, v, out_m, lse_m)
 
-    def backward(self, dout, q, k, v, out_m, lse_m, sinks, create_graph: bool = False):
+    def backward(self, dout, dlse, q, k, v, out_m, lse_m, sinks, create_graph: bool = False):
+        """The gradients of (q, k, v, sinks) given out's gradient ``dout`` and the lse's ``dlse`` (either None: that
+        output unused on this rank).  The lse's gradient is a second pass of the same engine (every backend and
+        strategy alike): with v = 0 and the operands of :func:`fa4dist.kernels.api.lse_backward_operands` the
+        backward computes exactly the lse's share of dq, dk (and the sinks'); v has none."""
         if self.agree is not None:  # every rank must be back-propagating the same forward call, the same way
             self.agree("the backward of forward call", self.call_id,
                        dict(self.signature, direction="backward", create_graph=create_graph))
@@ -145,19 +166,45 @@ class _Call:
                 "computation without context parallelism (fa4dist.attention supports it)"
             )
         uly, split, dtype = self.uly, self.split, q.dtype
-        dout = dout.to(dtype).contiguous()
+        with_out, with_lse = dout is not None, dlse is not None
+        if self.return_lse:  # each pass is collective: it runs where any rank's loss used that output
+            with_out, with_lse = self.any_rank([with_out, with_lse], f"the backward of forward call {self.call_id}")
+        out_shape, lse_shape, v_shape = self.local_shapes
+        if with_out:
+            dout = torch.zeros(out_shape, dtype=dtype, device=q.device) if dout is None else dout
+            dout = dout.to(dtype).contiguous()
+        if with_lse:
+            dlse = torch.zeros(lse_shape, dtype=lse_m.dtype, device=q.device) if dlse is None else dlse
+            dlse = dlse.to(lse_m.dtype)
         if uly is not None:
-            (dout,) = uly.seq_to_head([(dout, split.q_heads, "dout")])
-        if self.invariant:
-            return self._invariant_backward(dout, q, k, v, out_m, lse_m, sinks)
-        dq, dk, dv = ring_backward(self.sched, self.ring, dout, q, k, v, out_m, lse_m, self.opts)
-        dsinks = None
-        if sinks is not None:  # this rank's rows' share of the sinks' gradient (in its Ulysses heads)
-            dsinks = torch.zeros(sinks.shape, dtype=accum_dtype(dtype), device=sinks.device)
-            lo, hi = split.q_heads(uly.index) if uly is not None else (0, sinks.shape[0])
-            if out_m.numel():
-                dsinks[lo:hi] = sink_grad(dout, out_m, lse_m, self.member_sinks(sinks))
-            dsinks = dsinks.to(sinks.dtype)
+            items = [(dout, split.q_heads, "dout")] if with_out else []
+            items += [(lse_as_out_layout(dlse), split.q_heads, "dlse")] if with_lse else []
+            got = uly.seq_to_head(items)
+            dout = got.pop(0) if with_out else None
+            dlse = _lse_layout(got.pop(0)) if with_lse else None
+        passes = [(dout, v, out_m)] if with_out else []
+        if with_lse:
+            dout_l, out_l = lse_backward_operands(dlse, out_m, dtype=dtype)
+            passes.append((dout_l, torch.zeros_like(v), out_l))
+        if self.invariant:  # each pass's results in the inputs' dtypes, added as autograd adds two uses' gradients
+            grads = [self._invariant_backward(d, q, k, vv, o, lse_m, sinks) for d, vv, o in passes]
+            dv = grads[0][2] if with_out else torch.zeros(v_shape, dtype=dtype, device=v.device)
+            return (*(add_in_order(g[i] for g in grads) for i in (0, 1)), dv, add_in_order(g[3] for g in grads))
+        acc = accum_dtype(dtype)
+        dq = dk = dv = dsinks = None
+        for i, (d, vv, o) in enumerate(passes):
+            grads = ring_backward(self.sched, self.ring, d, q, k, vv, o, lse_m, self.opts)
+            dq, dk = (g if s is None else s + g for s, g in ((dq, grads[0]), (dk, grads[1])))
+            if with_out and i == 0:
+                dv = grads[2]
+            if sinks is not None:  # this rank's rows' share of the sinks' gradient (in its Ulysses heads)
+                part = torch.zeros(sinks.shape, dtype=acc, device=sinks.device)
+                lo, hi = split.q_heads(uly.index) if uly is not None else (0, sinks.shape[0])
+                if o.numel():
+                    part[lo:hi] = sink_grad(d, o, lse_m, self.member_sinks(sinks))
+                dsinks = part if dsinks is None else dsinks + part
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device) if dv is None else dv
+        dsinks = None if dsinks is None else dsinks.to(sinks.dtype)
         if uly is not None:
             rep = split.kv_replicated  # replicated KV heads: send fp32 and sum in member order
             dk, dv = (g if rep else g.to(dtype) for g in (dk, dv))
@@ -196,18 +243,21 @@ class _Call:
 
 
 class _ContextParallelFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, call: _Call):
-        out, saved = call.forward(q, k, v, sinks)
-        ctx.call = call
-        ctx.save_for_backward(*saved, sinks)
-        return out
+    """(out, lse) of the local shards; the lse differentiable with the call's ``return_lse`` (else None)."""
 
     @staticmethod
-    def backward(ctx, dout):
+    def forward(ctx, q, k, v, sinks, call: _Call):
+        out, lse, saved = call.forward(q, k, v, sinks)
+        ctx.call = call
+        ctx.save_for_backward(*saved, sinks)
+        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None (its pass may be skipped)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
         call = ctx.call
         with exclusive(call.groups, f"the backward of forward call {call.call_id}", LABEL):
-            dq, dk, dv, dsinks = call.backward(dout, *ctx.saved_tensors, create_graph=torch.is_grad_enabled())
+            dq, dk, dv, dsinks = call.backward(dout, dlse, *ctx.saved_tensors, create_graph=torch.is_grad_enabled())
         return dq, dk, dv, dsinks, None
 
     jvp = forward_ad_refusal(LABEL)
@@ -492,7 +542,16 @@ class ContextParallel:
             _GRIDS.discard(old)
         _GRIDS.add(key)
 
-    def _verify(self, q, k, v, plan, sinks, error: Optional[Exception] = None) -> tuple:
+    def any_rank(self, flags: list, what: str) -> list:
+        """Each of ``flags`` (bools) or'ed over every rank of the cp group (host side, through the stages as the
+        agreement checks go: the Ulysses group, then the ring group of those results)."""
+        flags = [bool(f) for f in flags]
+        for stage in self._stages():
+            rows = stage.host_gather_ints([int(f) for f in flags], what)
+            flags = [any(r[i] for r in rows) for i in range(len(flags))]
+        return flags
+
+    def _verify(self, q, k, v, plan, sinks, error: Optional[Exception] = None, return_lse: bool = False) -> tuple:
         """Checks the local input and that every rank makes the same call (fails alike on every rank, never hangs,
         on bad or disagreeing input); returns the Ulysses degree and the agreed signature.  ``error``: the caller's
         own refusal of this call (:meth:`refuse`), which takes the local check's place."""
@@ -501,6 +560,7 @@ class ContextParallel:
             if error is not None:
                 raise error
             shared, u = self._local_check(q, k, v, plan, sinks)
+            shared["return_lse"] = return_lse  # (the Ulysses exchange and the backward's passes depend on it)
         except Exception as err:  # any error, not only the checks' own: the other ranks must not wait for this one
             if not self.verify:
                 raise
@@ -514,16 +574,23 @@ class ContextParallel:
 
     @torch.compiler.disable(reason=EAGER_ONLY)
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Optional[ShardPlan] = None,
-                 sinks: Optional[torch.Tensor] = None):
+                 sinks: Optional[torch.Tensor] = None, return_lse: bool = False):
+        """The local out, or (out, lse) with ``return_lse=True`` (see FA4ContextParallelAttention.forward)."""
         if self.cp_size == 1:
-            return self._single(q, k, v, plan, sinks)
+            check_bool("return_lse", return_lse)
+            return self._single(q, k, v, plan, sinks, return_lse)
         self._check_alive()
         with exclusive(self._groups(), f"forward call {self._calls[0] + 1}", LABEL):
-            return self._call(q, k, v, plan, sinks)
+            return self._call(q, k, v, plan, sinks, return_lse)
 
-    def _call(self, q, k, v, plan, sinks):
+    def _call(self, q, k, v, plan, sinks, return_lse):
         self._check_grid()
-        u, signature = self._verify(q, k, v, plan, sinks)
+        try:
+            check_bool("return_lse", return_lse)
+        except TypeError as err:  # refused through the agreement check: the other ranks must not wait for this one
+            self._verify(q, k, v, plan, sinks, err)  # (raises on every rank)
+            raise
+        u, signature = self._verify(q, k, v, plan, sinks, return_lse=return_lse)
         key = (plan.fingerprint, plan.total_len, u)
         sched = self._schedules.get(key)
         if sched is None:
@@ -543,8 +610,9 @@ class ContextParallel:
         opts = KernelOptions(self.softmax_scale, self.softcap, self.backend, self._deterministic())
         call = _Call(sched, ring, uly, split, opts, heads_q, heads_kv, self._calls[0],
                      self.agree if self.verify else None, invariant=self.cp_invariant, signature=signature,
-                     groups=self._groups())
-        return _ContextParallelFunction.apply(q, k, v, sinks, call)
+                     groups=self._groups(), any_rank=self.any_rank, return_lse=return_lse)
+        out, lse = _ContextParallelFunction.apply(q, k, v, sinks, call)
+        return (out, lse) if return_lse else out
 
     def refuse(self, error: Exception):
         """Raises for a forward call that its caller refused before making it (its own checks of what it passes):
@@ -558,7 +626,7 @@ class ContextParallel:
             self._verify(None, None, None, None, None, error)
         raise error  # (the agreement check has raised on every rank)
 
-    def _single(self, q, k, v, plan, sinks):
+    def _single(self, q, k, v, plan, sinks, return_lse=False):
         cu = None
         if plan is not None:
             if check_single_rank_plan(q, k, v, plan):
@@ -569,7 +637,7 @@ class ContextParallel:
         return _plain_attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, window=self.window,
                                 softcap=self.softcap, sinks=sinks, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                 deterministic=self.deterministic, backend=self.backend,
-                                cp_invariant=self.cp_invariant)
+                                cp_invariant=self.cp_invariant, return_lse=return_lse)
 
 
 def check_single_rank_plan(q, k, v, plan) -> bool:
@@ -749,9 +817,10 @@ def context_parallel_attention(q, k, v, plan: Optional[ShardPlan] = None, group=
                                sinks: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
                                deterministic: Optional[bool] = None, backend: str = "auto",
                                ulysses_degree: Optional[int] = None, timeout: float = 300.0,
-                               verify: bool = True, cp_invariant: Optional[bool] = None) -> torch.Tensor:
+                               verify: bool = True, cp_invariant: Optional[bool] = None, return_lse: bool = False):
     """Functional form of :class:`fa4dist.modules.FA4ContextParallelAttention`: the local output for the local
-    shards q, k, v (sharded with `plan`).  Every call checks that all ranks make the same call (``verify``)."""
+    shards q, k, v (sharded with `plan`), or (out, lse) with ``return_lse=True``.  Every call checks that all ranks
+    make the same call (``verify``)."""
     # the numeric options in their parsed form (window [3, 0] is (3, 0), softcap 2 is 2.0, numpy scalars floats), and
     # the mask by its band (causal with window (3, 0) is causal with (3, -1)), so that spellings of one option share
     # one cached object
@@ -776,7 +845,7 @@ def context_parallel_attention(q, k, v, plan: Optional[ShardPlan] = None, group=
     except Exception as err:  # options this rank cannot run with: the other ranks of the call must not wait for it
         _refuse_functional(groups, timeout, verify, err)
         raise
-    return cp(q, k, v, plan, sinks)
+    return cp(q, k, v, plan, sinks, return_lse)
 
 
 def _functional_bucket(groups: tuple, cp: ContextParallel) -> tuple:

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from . import invariant, reference, torch_ops
-from .api import backward_problem, forward_problem
+from .api import backward_problem, forward_problem, lse_backward_operands
 from .checkpointing import outside_selective_checkpoint
 from .merge import merge_sink_, with_sink
 from .problem import EAGER_ONLY, check_bool, check_optional_bool, validate_inputs
@@ -65,10 +65,12 @@ def forward_ad_refusal(call: str):
 
 class _InvariantAttentionFunction(torch.autograd.Function):
     """The single-device form of the cp_invariant numerics (fa4dist.kernels.invariant): the bits every context-
-    parallel layout reproduces."""
+    parallel layout reproduces.  With ``lse_grad`` the lse is differentiable: its gradient is a second invariant
+    backward (v = 0, :func:`fa4dist.kernels.api.lse_backward_operands`), whose results are added to the first's in
+    the inputs' dtypes, as the context-parallel engine adds them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, mask_kwargs, backend):
+    def forward(ctx, q, k, v, sinks, mask_kwargs, backend, lse_grad):
         problem = validate_inputs(q, k, v, sinks=sinks, **mask_kwargs)
         if not problem.varlen and not problem.uniform_offsets:
             raise ValueError("cp_invariant=True needs one q_offset and one k_offset for a dense batch")
@@ -83,24 +85,37 @@ class _InvariantAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.items, ctx.backend = items, backend
         ctx.scale, ctx.softcap = problem.softmax_scale, problem.softcap
-        ctx.mark_non_differentiable(lse)
+        if not lse_grad:
+            ctx.mark_non_differentiable(lse)
+        else:  # the caller's copy (theirs to update in place): the saved one stays
+            lse = lse.clone()
+        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None: its pass is skipped
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
+        if dout is None and dlse is None:
+            return (None,) * 7
         q, k, v, sinks, out, lse = ctx.saved_tensors
         if torch.is_grad_enabled():
             raise RuntimeError("cp_invariant=True attention is differentiable once (create_graph=True is not "
                                "supported in this mode)")
-        dout = dout.contiguous()
+        passes = [] if dout is None else [(dout.contiguous(), v, out)]
+        if dlse is not None:
+            dout_l, out_l = lse_backward_operands(dlse.to(lse.dtype), out, dtype=q.dtype)
+            passes.append((dout_l, torch.zeros_like(v), out_l))
+        grads = []
         with outside_selective_checkpoint():
-            dq, dk, dv = invariant.single_device_backward(dout, q, k, v, out, lse, ctx.items,
-                                                          softmax_scale=ctx.scale, softcap=ctx.softcap,
-                                                          backend=ctx.backend)
-            dsinks = None
-            if sinks is not None and ctx.needs_input_grad[3]:
-                dsinks = invariant.sink_grad(dout, out, lse, sinks).to(sinks.dtype)
-        return dq, dk, dv, dsinks, None, None
+            for d, vv, o in passes:
+                dq, dk, dv = invariant.single_device_backward(d, q, k, vv, o, lse, ctx.items, softmax_scale=ctx.scale,
+                                                              softcap=ctx.softcap, backend=ctx.backend)
+                dsinks = None
+                if sinks is not None and ctx.needs_input_grad[3]:
+                    dsinks = invariant.sink_grad(d, o, lse, sinks).to(sinks.dtype)
+                grads.append((dq, dk, dv, dsinks))
+        dq, dk, dsinks = (add_in_order(g[i] for g in grads) for i in (0, 1, 3))
+        dv = grads[0][2] if dout is not None else torch.zeros_like(v)  # (the lse does not depend on v)
+        return dq, dk, dv, dsinks, None, None, None
 
     jvp = forward_ad_refusal("fa4dist.attention")
 
@@ -137,32 +152,6 @@ class _AttentionFunction(torch.autograd.Function):
                                      deterministic=ctx.deterministic, dlse=dlse)
         dsinks = grads[3].to(sinks.dtype) if sinks is not None else None
         return grads[0], grads[1], grads[2], dsinks, None, None, None, None
-
-    jvp = forward_ad_refusal("fa4dist.attention")
-
-
-class _LseFunction(torch.autograd.Function):
-    """The lse of the cp_invariant :func:`attention` (``return_lse=True``) as a differentiable output: its gradient
-    is one more backward through the contract (dout None, ``dlse=``: the contract's deterministic numerics, not the
-    invariant ones), added by autograd to the output's.  Only a loss that uses the lse runs it."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, out, lse, mask_kwargs, backend, deterministic):
-        ctx.save_for_backward(q, k, v, sinks, out, lse)
-        ctx.mask_kwargs, ctx.backend, ctx.deterministic = mask_kwargs, backend, deterministic
-        return lse.clone()
-
-    @staticmethod
-    def backward(ctx, dlse):
-        q, k, v, sinks, out, lse = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True
-            return (*_differentiable_grads(None, q, k, v, sinks, ctx.mask_kwargs, dlse=dlse),) + (None,) * 5
-        problem = validate_inputs(q, k, v, sinks=sinks, **ctx.mask_kwargs)
-        with outside_selective_checkpoint():
-            grads = backward_problem(problem, None, q, k, v, out, lse, sinks=sinks, backend=ctx.backend,
-                                     deterministic=ctx.deterministic, dlse=dlse.contiguous())
-        dsinks = grads[3].to(sinks.dtype) if sinks is not None else None
-        return grads[0], grads[1], None, dsinks, None, None, None, None, None
 
     jvp = forward_ad_refusal("fa4dist.attention")
 
@@ -215,17 +204,16 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-def _differentiable_lse(q, k, v, sinks, out, lse, mask_kwargs, backend, deterministic):
-    """The cp_invariant lse as a differentiable output of (q, k, sinks) when autograd records and one of them wants
-    a gradient."""
-    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (q, k, sinks)):
-        return lse
-    return _LseFunction.apply(q, k, v, sinks, out.detach(), lse, mask_kwargs, backend, deterministic)
-
-
 @torch.compiler.disable(reason=EAGER_ONLY)  # its engine is not an op
 def _invariant_attention(q, k, v, sinks, mask_kwargs, backend, return_lse):
-    out, lse = _InvariantAttentionFunction.apply(q, k, v, sinks, mask_kwargs, backend)
-    if return_lse:  # (its gradient: the contract's deterministic backward, not the invariant numerics)
-        lse = _differentiable_lse(q, k, v, sinks, out, lse, mask_kwargs, backend, True)
-    return out, lse
+    return _InvariantAttentionFunction.apply(q, k, v, sinks, mask_kwargs, backend, return_lse)
+
+
+def add_in_order(grads):
+    """One input's gradients from the backward's passes added in pass order, in their dtype, as autograd adds the
+    gradients of two uses (None where there are none)."""
+    total = None
+    for g in grads:
+        if g is not None:
+            total = g if total is None else total + g
+    return total

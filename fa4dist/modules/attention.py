@@ -59,7 +59,11 @@ class FA4ContextParallelAttention(nn.Module):
     packed-document plans ``(local_tokens, heads, head_dim)``; k and v may have fewer heads (GQA).  ``sinks``: a
     (heads_q,) tensor of learnable logits (the same on every rank) that join every row's softmax once; its
     gradient on each rank is that rank's rows' share (sum over the cp group, as a dp x cp gradient reduction does).
-    Returns the local output.
+    Returns the local output; with ``return_lse=True`` ``(out, lse)``, lse the fp32 natural-log log-sum-exp of this
+    rank's rows (``(batch, heads, local_len)``, packed ``(heads, local_tokens)``; the sinks included) and
+    differentiable: a loss of it (a z-loss, a merge with other attention) adds its gradient in one more backward
+    pass of the same ring / Ulysses engine (v = 0; the pass runs where any rank's loss used the lse).  With
+    ``cp_invariant`` its gradient is the same bits at every cp size too.
 
     The calls on a process group pair up across ranks by order: make them from one thread at a time (a second
     thread's call raises at once).  A module on a process group is not picklable (``torch.save(model)``): save the
@@ -135,8 +139,8 @@ class FA4ContextParallelAttention(nn.Module):
         return self._plan(plan).positions(self.cp_rank)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Optional[ShardPlan] = None,
-                sinks: Optional[torch.Tensor] = None):
-        return self.cp(q, k, v, plan if plan is not None else self.plan, sinks)
+                sinks: Optional[torch.Tensor] = None, return_lse: bool = False):
+        return self.cp(q, k, v, plan if plan is not None else self.plan, sinks, return_lse)
 
     def extra_repr(self) -> str:
         cp = self.cp

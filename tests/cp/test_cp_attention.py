@@ -365,3 +365,60 @@ def test_a_module_without_a_group_pickles_and_still_computes():
 def test_a_deep_copy_shares_the_group(pool, strategy):
     for result in pool.run(cp_cases.deepcopy_case, cp=2, strategy=strategy):
         assert result is None or result == (True, True)
+
+
+# return_lse=True with a loss of out and lse, or of the lse alone: (strategy, cp, ulysses degree, case)
+LSE_LOSS = [
+    ("ring", 2, None, ("causal-uneven-gqa-b2", dict(seqlen=61, batch=2, heads=(4, 2)))),
+    ("ring", 3, None, ("packed-causal", dict(docs=random_docs(1, 8, 24), heads=(4, 2)))),
+    ("ring", 3, None, ("window-softcap-sinks", dict(seqlen=50, heads=(4, 2), window=(9, 0), softcap=3.0,
+                                                    sinks=True))),
+    ("ulysses", 4, None, ("full-mqa-replicated", dict(seqlen=29, causal=False, heads=(12, 1)))),
+    ("ulysses", 2, None, ("packed-sinks", dict(docs=random_docs(3, 9, 20), heads=(4, 2), sinks=True))),
+    ("hybrid", 4, 2, ("causal-gqa", dict(seqlen=57, heads=(4, 2)))),
+]
+
+
+@pytest.mark.parametrize("loss", ["and", "only"])
+@pytest.mark.parametrize("strategy, cp, u, case", LSE_LOSS, ids=[f"{c[0]}{c[1]}-{c[3][0]}" for c in LSE_LOSS])
+def test_a_loss_of_the_lse(pool, strategy, cp, u, case, loss):
+    """return_lse=True: the local lse (fp64 here) and, with a loss of it, the gradients of q, k, v and the sinks
+    against the fp64 oracle's autograd (the lse's share a second pass of the engine with v = 0)."""
+    kw = case_kwargs(cp, case[1])
+    check_results(pool.run(run_case, cp=cp, strategy=strategy, lse_loss=loss, ulysses_degree=u, **kw), strategy)
+
+
+@pytest.mark.parametrize("strategy, lse_ranks, out_ranks", [
+    ("ring", (0,), (0, 1, 2)), ("ring", (1,), (0, 2)), ("ulysses", (0, 1), ()), ("hybrid", (3,), (0, 1, 2))],
+    ids=["ring-lse-on-one", "ring-disjoint", "ulysses-lse-only", "hybrid-lse-on-one"])
+def test_outputs_used_on_some_ranks_only(pool, strategy, lse_ranks, out_ranks):
+    """Each backward pass is collective: it runs where any rank's loss used its output, the other ranks' rows then
+    take a zero gradient (they had None); the gradients are the fp64 oracle's of that loss."""
+    cp = 2 if strategy == "ulysses" else 4 if strategy == "hybrid" else 3
+    results = pool.run(cp_cases.lse_on_some_ranks_case, cp=cp, strategy=strategy, lse_ranks=lse_ranks,
+                       out_ranks=out_ranks)
+    for rank, errors in enumerate(results[:cp]):
+        assert all(e < TOL for e in errors.values()), (rank, errors)
+
+
+def test_return_lse_on_one_rank_only_fails_every_rank(pool):
+    for rank, err in enumerate(pool.run(cp_cases.return_lse_disagreement_case)):
+        assert err is not None, f"rank {rank} computed instead of failing"
+        name, message = err
+        assert name == "ValueError" and "return_lse: " in message and "rank 1 True" in message, message
+
+
+def test_return_lse_without_a_group_and_in_the_functional_form(pool):
+    """cp size 1 (plain attention) and the functional form return (out, lse) as the module does."""
+    from fa4dist.context_parallel import context_parallel_attention, make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    q, k, v, _ = cp_cases.global_inputs(1, 20, 2, 1, 8, torch.float64, 1)
+    out, lse = FA4ContextParallelAttention(None, backend="reference")(q, k, v, plan=make_plan(20, 1), return_lse=True)
+    ref, ref_lse = cp_cases.naive_attention(q, k, v, causal=True)
+    torch.testing.assert_close(out, ref, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(lse, ref_lse, rtol=TOL, atol=TOL)
+    got = context_parallel_attention(q, k, v, make_plan(20, 1), backend="reference", return_lse=True)
+    assert isinstance(got, tuple) and torch.equal(got[1], lse)
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        context_parallel_attention(q, k, v, make_plan(20, 1), backend="reference", return_lse=1)

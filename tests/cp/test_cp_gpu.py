@@ -73,3 +73,37 @@ def test_cuda_fp64_exact_with_a_window_and_sinks(pool, strategy, kw):
     total = torch.tensor([r["dsinks"] for r in results], dtype=torch.float64).sum(0)
     torch.testing.assert_close(total, torch.tensor(results[0]["dsinks_ref"], dtype=torch.float64), atol=1e-10,
                                rtol=1e-10)
+
+
+@pytest.mark.parametrize("strategy, kw", [
+    ("ring", dict(cp=4, seqlen=1500, heads=(4, 2))),
+    ("hybrid", dict(cp=4, docs=random_docs(9, 6, 500, allow_empty=False), heads=(4, 1), ulysses_degree=2,
+                    plan_u=2, sinks=True)),
+])
+def test_cuda_bf16_a_loss_of_the_lse(pool, strategy, kw):
+    """return_lse=True and a loss of out and lse on the fastest backend, bf16, hdim 128: the context-parallel
+    gradients (the lse's share a second pass of the engine) within 2x the single device's error (whose backward
+    takes the lse's gradient inside its one pass) against the fp64 oracle, plus bf16's unit."""
+    import torch
+
+    common = dict(device="cuda:0", backend="auto", dtype=torch.bfloat16, head_dim=128, lse_loss="and")
+    single = [r for r in pool.run(run_case, strategy="ring", **dict(kw, cp=1), **common) if r is not None]
+    spread = [r for r in pool.run(run_case, strategy=strategy, **kw, **common) if r is not None]
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        worst = max(r[name] for r in spread)
+        assert worst <= 2 * single[0][name] + 2 ** -8, (name, worst, single[0][name])
+
+
+def test_cuda_cp_invariant_a_loss_of_the_lse(pool):
+    """cp_invariant with return_lse=True and a loss of out and lse, the fastest backend, bf16: out, lse, dq, dk,
+    dv and the summed sink gradient the single device's bytes at cp 1-4, ring, Ulysses and hybrid."""
+    import torch
+
+    layouts = [(1, "ring", "lpt", None), (2, "ring", "lpt", None), (4, "ulysses", "lpt", None),
+               (4, "hybrid", "lpt", 2)]
+    for per_rank in pool.run(invariant_case, layouts=layouts, dtype=torch.bfloat16, packed=True, heads=(4, 2),
+                             device="cuda:0", backend="auto", head_dim=128, docs=[0, 700, 701, 1900, 3000],
+                             timeout=280, sinks=True, lse_loss=True):
+        for cp, strategy, balancer, u, same in per_rank:
+            assert len(same) == 6 and all(same), \
+                f"cp={cp} {strategy} {balancer} u={u}: out/lse/dq/dk/dv/dsinks bytes equal: {same}"

@@ -25,12 +25,13 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def invariant_case(rank, world, layouts, dtype, packed, heads, device="cpu", backend="reference", head_dim=16,
                    docs=DOCS, total=200, window=(-1, -1), softcap=None, chunks_per_rank=None, head_dim_outer=False,
-                   sinks=False):
+                   sinks=False, lse_loss=False):
     """For each (cp, strategy, balancer, ulysses degree): whether the global out/dq/dk/dv bytes equal the single
     device's (every rank computes the single-device result itself).  ``head_dim_outer``: the local shards are
     views whose head_dim is not the innermost axis (the reference's inputs stay contiguous: same values).
     ``sinks``: learnable sinks too, and (a fifth entry) whether the sum of the ranks' sink gradients has the single
-    device's bytes."""
+    device's bytes.  ``lse_loss``: the lse returned too (``return_lse=True``, its bytes compared after out's) and
+    a loss of out and lse."""
     import fa4dist
     from fa4dist.context_parallel import make_plan
 
@@ -45,9 +46,16 @@ def invariant_case(rank, world, layouts, dtype, packed, heads, device="cpu", bac
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     extra = [sink_logits.clone().requires_grad_()] if sinks else []
     ref = fa4dist.attention(*leaves, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, backend=backend,
-                            cp_invariant=True, window=window, softcap=softcap, sinks=extra[0] if sinks else None)
-    ref.backward(dout)
-    want = [ref] + [t.grad for t in leaves + extra]
+                            cp_invariant=True, window=window, softcap=softcap, sinks=extra[0] if sinks else None,
+                            return_lse=lse_loss)
+    lse_sd = (1 if packed else 2) if lse_loss else None
+    if lse_loss:
+        ref, ref_lse = ref
+        dlse = torch.randn(ref_lse.shape, generator=torch.Generator().manual_seed(5)).to(device)
+        torch.autograd.backward([ref, ref_lse], [dout, dlse])
+    else:
+        ref.backward(dout)
+    want = [ref] + ([ref_lse] if lse_loss else []) + [t.grad for t in leaves + extra]
     results = []
     for cp, strategy, balancer, u in layouts:
         module, _ = cp_cases.cp_module(rank, cp, strategy, True, ulysses_degree=u, backend=backend,
@@ -60,11 +68,14 @@ def invariant_case(rank, world, layouts, dtype, packed, heads, device="cpu", bac
                 local = [t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in local]
             local = [t.requires_grad_() for t in local]
             mine_sinks = sink_logits.clone().requires_grad_() if sinks else None
-            out = module(*local, plan=plan, sinks=mine_sinks)
-            out.backward(module.shard(dout, plan))
-            mine = [out] + [t.grad for t in local]
-            gathered = [_gather(t, cp, sd) for t in mine]
-            got = [plan.unshard(parts, seq_dim=sd) for parts in gathered]
+            if lse_loss:
+                out, lse = module(*local, plan=plan, sinks=mine_sinks, return_lse=True)
+                torch.autograd.backward([out, lse], [module.shard(dout, plan), module.shard(dlse, plan, lse_sd)])
+            else:
+                out, lse = module(*local, plan=plan, sinks=mine_sinks), None
+                out.backward(module.shard(dout, plan))
+            mine = [(out, sd)] + ([(lse, lse_sd)] if lse_loss else []) + [(t.grad, sd) for t in local]
+            got = [plan.unshard(_gather(t, cp, dim), seq_dim=dim) for t, dim in mine]
             if sinks:  # each rank's share, summed over the group (as a gradient reduction would)
                 got.append(sum(_gather(mine_sinks.grad[None], cp, 0))[0])
             want = [w.detach().cpu() for w in want]
@@ -186,3 +197,19 @@ def test_bitwise_identical_with_sinks(pool, dtype):
             for cp, strategy, balancer, u, same in per_rank:
                 assert len(same) == 5 and all(same), \
                     f"packed={packed} cp={cp} {strategy} {balancer} u={u}: out/dq/dk/dv/dsinks bytes equal: {same}"
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_bitwise_identical_with_a_loss_of_the_lse(pool, packed):
+    """``return_lse=True`` and a loss of out and lse (its gradient a second invariant pass with v = 0): out, lse,
+    dq, dk, dv and the summed sink gradient have the single device's bytes at every cp size and strategy, fp32 and
+    bf16, with GQA, a window and soft-capping."""
+    layouts = [(1, "ring", "lpt", None), (2, "ring", "lpt", None), (3, "ring", "zigzag", None),
+               (4, "ulysses", "lpt", None), (4, "hybrid", "lpt", 2)]
+    for dtype in (torch.float32, torch.bfloat16):
+        results = pool.run(invariant_case, layouts=layouts, dtype=dtype, packed=packed, heads=(4, 2), head_dim=8,
+                           window=(30, -1), softcap=5.0, sinks=True, lse_loss=True)
+        for per_rank in results:
+            for cp, strategy, balancer, u, same in per_rank:
+                assert len(same) == 6 and all(same), \
+                    f"{dtype} cp={cp} {strategy} {balancer} u={u}: out/lse/dq/dk/dv/dsinks bytes equal: {same}"

@@ -227,7 +227,8 @@ def test_a_loss_of_the_lse_alone_takes_one_pass_on_the_two_pass_route(two_pass, 
     """A loss of the lse alone (out unused) on a backend without lse_gradient: the contract ran a backward of a zero
     dout and then the lse's pass, two where the lse's own suffices (eager and cp_invariant took one before dlse=).
     Now attention_backward takes dout=None with dlse= (a loss of the lse alone): one pass, dv zero, the fp64
-    oracle's gradients."""
+    oracle's gradients.  (cp_invariant: one pass of the invariant engine, whose fixed-point backward this backend
+    does not have: the reference's, by the registry's fallback.)"""
     from oracle import naive_attention
 
     gen = torch.Generator().manual_seed(15)
@@ -244,7 +245,7 @@ def test_a_loss_of_the_lse_alone_takes_one_pass_on_the_two_pass_route(two_pass, 
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
     got = torch.autograd.grad((torch.compile(loss, backend="aot_eager", fullgraph=True) if mode == "compiled"
                                else loss)(*leaves), leaves, allow_unused=True)
-    assert two_pass.backwards == 1
+    assert two_pass.backwards == (0 if mode == "cp_invariant" else 1)
     ref = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
     want = torch.autograd.grad((naive_attention(*ref[:3], causal=True, sinks=ref[3])[1] * w).sum(), ref,
                                allow_unused=True)
