@@ -13,6 +13,11 @@ The sinks' gradient on each rank is its rows' share: summed over the cp group (a
 over a dp x cp mesh does for every replicated weight) it is the gradient of the whole sequence.  With
 ``cp_invariant`` the share is the whole sequence's gradient (one exact sum) on one rank per head and zeros on the
 others, so that the sum over the group has the same bits at every cp size.
+
+``return_lse=True`` also returns the local rows' lse, differentiable: its gradient is a second backward pass of the
+same engine with v = 0 (:func:`fa4dist.kernels.api.lse_backward_operands`), run on every rank when any rank's loss
+used the lse (a pass is collective).  Not yet in the first pass's row sums (as the single-device call does on the
+reference and cute backends): the work lists and the shared query side take no lse gradient.
 """
 
 from __future__ import annotations
