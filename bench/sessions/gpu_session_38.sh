@@ -14,7 +14,7 @@ stages=${*:-tests table window persistent}
 for s in $stages; do
   case $s in
     tests)
-      TAIL_LINES=25 stage tests_all 380 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu -n 14 tests ;;
+      TAIL_LINES=25 stage tests_all 330 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu -n 14 tests ;;
     table)
       TAIL_LINES=20 stage table 200 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 4096 16384 \
         --causal false true --directions fwd bwd --deterministic --backends cute cudnn flash_attn_4 --rounds 3 \
