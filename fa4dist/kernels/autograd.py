@@ -48,7 +48,8 @@ def refuse_torch_func(call: str, *tensors) -> None:
     The context-parallel module asks too, in its local checks (so that a rank alone under a transform fails every
     rank at once)."""
     wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    if wrapped is not None and any(t is not None and wrapped(t) for t in tensors):
+    # (a non-tensor is left to the argument checks, which name it: torch's test raised on it, naming nothing)
+    if wrapped is not None and any(isinstance(t, torch.Tensor) and wrapped(t) for t in tensors):
         raise RuntimeError(_NO_TRANSFORMS.format(call=call, what="torch.func transforms (grad, vjp, jacrev, vmap, "
                                                                  "jvp, ...)"))
 

@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+import fa4dist
 from fa4dist.kernels import attention_backward, attention_forward
 
 
@@ -17,6 +18,16 @@ def test_not_a_tensor():
     q, k, v = qkv()
     with pytest.raises(TypeError, match="k must be a torch.Tensor"):
         attention_forward(q, k.numpy(), v)
+
+
+def test_not_a_tensor_is_named_by_fa4dist_attention():
+    """Its torch.func check ran first and raised torch's "is_functorch_wrapped_tensor(): incompatible function
+    arguments" for a list, naming no argument."""
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="q must be a torch.Tensor, got list"):
+        fa4dist.attention(q.tolist(), k, v)
+    with pytest.raises(TypeError, match=r"sinks must be a torch.Tensor of shape \(2,\) or None, got list"):
+        fa4dist.attention(q, k, v, sinks=[0.0, 0.0])
 
 
 def test_mismatched_dtypes():
