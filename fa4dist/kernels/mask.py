@@ -80,7 +80,8 @@ class Mask:
         """The mask of this band in its one spelling: ``causal`` iff the band ends at the query itself, and a
         right window only where it is not causal (``(-1, 0)`` -> causal; causal + ``(L, R)`` -> causal +
         ``(L, -1)``)."""
-        left, right = window
+        given = Mask(causal, window)  # checked as given: below, a right side of -7 would read as unbounded
+        left, right = given.window
         hi = 0 if causal else (right if right >= 0 else None)
         return Mask(hi == 0, (left, hi if hi not in (None, 0) else -1))
 

@@ -94,6 +94,22 @@ def test_a_mask_built_directly_checks_its_band():
     assert Mask(False, [4, 0]).window == (4, 0)
 
 
+def test_canonical_checks_its_arguments_as_a_mask_built_directly():
+    """Mask.canonical read a right side of -7 as unbounded, and any truthy causal ("no", 1) as causal, silently;
+    a window that is not a pair failed unpacking it, naming nothing."""
+    with pytest.raises(ValueError, match="window right must be an int >= -1"):
+        Mask.canonical(False, (2, -7))
+    with pytest.raises(ValueError, match="window right must be an int >= -1"):
+        Mask.canonical(True, (2, -7))
+    with pytest.raises(TypeError, match="causal must be a bool, got str"):
+        Mask.canonical("no")
+    with pytest.raises(TypeError, match="window must be a"):
+        Mask.canonical(False, 5)
+    with pytest.raises(TypeError, match="window must be a"):
+        Mask.canonical(False, (1, 2, 3))
+    assert Mask.canonical(True, [3, 5]) == Mask(True, (3, -1))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", WINDOWS)
 def test_window_helpers_match_brute_force(causal, window):
