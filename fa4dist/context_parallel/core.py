@@ -40,7 +40,7 @@ from ..kernels.problem import (
     check_bool, check_mask, check_optional_bool, check_softcap, check_softmax_scale, check_timeout, check_window,
     type_name, validate_inputs,
 )
-from ..kernels.registry import get_backend
+from ..kernels.registry import check_backend, get_backend
 from .comm import (CommError, Transport, deepcopy_sharing, exclusive, group_alive, member_size_rank,
                    refuse_pickling, world_generation)
 from .gather import gather_backward, gather_forward
@@ -454,6 +454,9 @@ class ContextParallel:
             problem = validate_inputs(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, **options)
         else:
             problem = validate_inputs(q, k, v, **options)
+        # a backend that cannot run on this device fails here, through the agreement check; in the ring it failed
+        # at the first kernel call, with the first step's transfers posted: the group was left out of step
+        check_backend(self.backend, problem.device)
         u = self.degree(problem.heads_q, problem.heads_kv, plan)
         t = self._transport(self.ulysses_group if self.grid else self.group)
         if t.backend == "nccl" and not q.is_cuda:

@@ -982,3 +982,39 @@ def test_what_is_not_a_process_group_is_refused_by_name(pool):
             assert error[1].startswith(f"{name} must be a torch.distributed ProcessGroup"), (name, error)
         for error in (errors[0], errors[4]):  # a DeviceMesh: what to pass instead
             assert "mesh.get_group()" in error[1], error
+
+
+def unavailable_backend_case(rank, world, strategy):
+    """A module whose backend cannot run on the inputs' device (sdpa on CPU tensors), then one on the reference on
+    the same throw-away group: the first call's (error type, message, seconds) and the second's max abs error
+    against the oracle (or its error)."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+    from oracle import naive_attention
+
+    group = fresh_group(range(world))  # a regression breaks it; nothing else uses it
+    plan = make_plan(40, world)
+    q, k, v, _ = cp_cases.global_inputs(0, 40, 4, 2, 8, torch.float64, batch=1)
+    local = [plan.shard(t, rank=rank) for t in (q, k, v)]
+    refused = _error(lambda: FA4ContextParallelAttention(group, strategy=strategy, backend="sdpa", timeout=10)(
+        *local, plan=plan))
+    module = FA4ContextParallelAttention(group, strategy=strategy, backend="reference", timeout=10)
+    try:
+        out = module(*local, plan=plan)
+    except Exception as err:  # noqa: BLE001
+        return refused, (type(err).__name__, str(err))
+    return refused, float((out - plan.shard(naive_attention(q, k, v, causal=True)[0], rank=rank)).abs().max())
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
+def test_a_backend_unavailable_on_the_device_fails_every_rank_and_leaves_the_group_in_step(pool, strategy):
+    """The ring's first kernel call raised "backend 'sdpa' is not available on device cpu" on every rank with the
+    first step's transfers posted and never answered: the next call on the group waited out its timeout and raised
+    a CommError about K/V of ring step 1.  Now the input check refuses the backend, through the agreement check,
+    before any transfer."""
+    for refused, after in pool.run(unavailable_backend_case, strategy=strategy, timeout=90):
+        name, message, seconds = refused
+        assert name == "ValueError" and "backend 'sdpa' is not available on device cpu" in message, refused
+        assert message.startswith("fa4dist context parallel: rank 0 rejected its inputs"), message
+        assert seconds < 5, seconds
+        assert isinstance(after, float) and after < TOL, after
