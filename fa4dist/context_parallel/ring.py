@@ -30,6 +30,7 @@ member blocks another, for any ring size.  ``forward_step`` and ``backward_step`
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -39,7 +40,7 @@ import torch
 from ..kernels.problem import accum_dtype
 from ..kernels.worklist import (WorkItem, attention_backward_items, attention_forward_items, share_queries,
                                 uncovered_ranges)
-from .comm import Pending, Transport
+from .comm import CommError, Pending, Transport
 from .schedule import MemberLayout, Schedule
 
 
@@ -197,6 +198,27 @@ class _Exchange:
         self.sched, self.ring, self.k, self.v, self.direction = sched, ring, k, v, direction
         self.sd = 0 if sched.plan.packed else 1
         self._packed: dict = {}  # gathered send buffers by ranges (a full send is packed once)
+        self._posted: list = []  # this call's transfers (Pending), to tell whether any is still in flight
+
+    @contextlib.contextmanager
+    def abandoned_on_failure(self):
+        """Runs a member's ring steps; an error that stops them (a kernel's refusal, out of memory, an interrupt)
+        while transfers of this call are still in flight records the group as out of step, naming that error: the
+        peers' messages of those transfers stay unanswered, and a later call's transfers would pair with them (on
+        every rank alike when the error is, as a backend's refusal of a shape: no rank times out, and the next call
+        waited out its timeout, then blamed ring step 1).  Later calls on the group are refused at once
+        (:class:`~fa4dist.context_parallel.comm.GroupBroken`), on the other ranks from their next agreement check.
+        A failed transfer (CommError) has recorded itself."""
+        try:
+            yield
+        except CommError:
+            raise
+        except BaseException as err:
+            if any(not p.done for p in self._posted):
+                t = self.ring.transport
+                t.failed(f"{t.label}: rank {t.rank} of {t.size} stopped its {self.direction} ring steps with "
+                         f"transfers in flight: {type(err).__name__}: {err}")
+            raise
 
     def _send_buffer(self, ranges) -> KVBuffer:
         buf = self._packed.get(ranges)
@@ -242,6 +264,7 @@ class _Exchange:
         pending = None
         if sends or recvs:
             pending = ring.transport.post_tagged(sends, recvs, f"K/V of forward ring steps {list(group)}")
+            self._posted.append(pending)
         return _Incoming(pending, held, items if held is not None else ())
 
     def post_grads(self, step: int, partial: Optional[KVBuffer], acc) -> "_Returning":
@@ -258,7 +281,9 @@ class _Exchange:
     def _post(self, sends, recvs, what: str, tag: int) -> Optional[Pending]:
         if not sends and not recvs:
             return None
-        return self.ring.transport.post(sends, recvs, what, tag=tag)
+        pending = self.ring.transport.post(sends, recvs, what, tag=tag)
+        self._posted.append(pending)
+        return pending
 
 
 @dataclass
@@ -331,19 +356,29 @@ def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions,
     acc = Accumulators.empty(sched.members[m], q, v.shape[-1], sched.plan.packed, sched.items(m, m))
     groups = sched.launch_groups(forward_steps_per_launch(sched, k, steps_per_launch))
     exchange = _Exchange(sched, ring, k, v, "forward")
-    incoming = exchange.post_key_group(groups[0]) if groups else None
-    forward_step(sched, m, m, q, HeldKV(k, v), acc, opts)
-    for i, group in enumerate(groups):
-        following = exchange.post_key_group(groups[i + 1]) if i + 1 < len(groups) else None
-        held = incoming.wait()
-        if held is not None:
-            forward_items(q, held, incoming.items, acc, opts)
-        incoming = following
+    with exchange.abandoned_on_failure():
+        incoming = exchange.post_key_group(groups[0]) if groups else None
+        forward_step(sched, m, m, q, HeldKV(k, v), acc, opts)
+        for i, group in enumerate(groups):
+            following = exchange.post_key_group(groups[i + 1]) if i + 1 < len(groups) else None
+            held = incoming.wait()
+            if held is not None:
+                forward_items(q, held, incoming.items, acc, opts)
+            incoming = following
     return acc
 
 
 def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opts: KernelOptions):
     """Returns (dq, dk, dv) of this member's tokens in the accumulation dtype."""
+    steps = sched.steps()
+    exchange = _Exchange(sched, ring, k, v, "backward")
+    with exchange.abandoned_on_failure():
+        return _ring_backward_steps(sched, ring, exchange, steps, dout, q, k, v, out, lse, opts)
+
+
+def _ring_backward_steps(sched: Schedule, ring: RingPeers, exchange: _Exchange, steps, dout, q, k, v, out, lse,
+                         opts: KernelOptions):
+    """:func:`ring_backward`'s steps, inside its exchange's failure guard."""
     sd = 0 if sched.plan.packed else 1
     m = ring.index
     acc = accum_dtype(q.dtype)
@@ -351,8 +386,6 @@ def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opt
     # dK / dV buffers are written by their first step's kernels (fresh_dkv), not zero-filled first: at cp = 8 the
     # fills were ~1.5% of a member's backward
     dk, dv = torch.empty(k.shape, dtype=acc, device=k.device), torch.empty(v.shape, dtype=acc, device=v.device)
-    steps = sched.steps()
-    exchange = _Exchange(sched, ring, k, v, "backward")
     incoming = exchange.post_keys(steps[0]) if steps else None
     shared = share_queries(dout, q, out, lse, softmax_scale=opts.softmax_scale, softcap=opts.softcap,
                            deterministic=opts.deterministic, backend=opts.backend) if steps else None

@@ -1018,3 +1018,52 @@ def test_a_backend_unavailable_on_the_device_fails_every_rank_and_leaves_the_gro
         assert message.startswith("fa4dist context parallel: rank 0 rejected its inputs"), message
         assert seconds < 5, seconds
         assert isinstance(after, float) and after < TOL, after
+
+
+def refusing_backend_case(rank, world, direction):
+    """A backend whose kernels cover head dims up to 8 only (as cute's cover some): a ring call at head dim 16 is
+    refused by its first kernel call on every rank (forward, or ``direction="backward"`` its backward), with ring
+    transfers posted.  Then a call on the reference on the same throw-away group.  (error type, message, seconds)
+    of both calls."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.kernels import Unsupported, registry
+    from fa4dist.kernels.reference import ReferenceBackend
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    class Narrow(ReferenceBackend):
+        name = "test_head_dim_8"
+
+        def supports(self, problem, direction_):
+            if problem.head_dim > 8 and direction_ == direction:
+                return Unsupported(f"head dim {problem.head_dim} (its kernels take up to 8)")
+            return None
+
+    saved = dict(registry._BACKENDS)
+    registry.register_backend(Narrow())
+    try:
+        group = fresh_group(range(world))  # broken by this test on purpose; nothing else uses it
+        plan = make_plan(40, world)
+        q, k, v, _ = cp_cases.global_inputs(0, 40, 2, 2, 16, torch.float64, batch=1)
+        local = [plan.shard(t, rank=rank).requires_grad_() for t in (q, k, v)]
+        module = FA4ContextParallelAttention(group, strategy="ring", backend=Narrow.name, timeout=20)
+        refused = _error(lambda: module(*local, plan=plan).sum().backward())
+        after = FA4ContextParallelAttention(group, strategy="ring", backend="reference", timeout=20)
+        return refused, _error(lambda: after(*local, plan=plan))
+    finally:
+        registry._BACKENDS.clear()
+        registry._BACKENDS.update(saved)
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_a_kernel_error_with_ring_transfers_in_flight_breaks_the_group_at_once(pool, direction):
+    """Every rank's kernel call raised with the ring's next transfers posted: no rank timed out, so the group was
+    not recorded as out of step, and the next call on it paired its transfers with the unanswered ones, waited out
+    its timeout and raised a CommError about K/V of ring step 1, which named neither the cause nor the remedy.
+    Now the failure that stopped the ring marks the group: the next call raises GroupBroken at once, naming it."""
+    for refused, after in pool.run(refusing_backend_case, direction=direction, timeout=120):
+        name, message, _ = refused
+        assert name == "ValueError" and "cannot compute this call: head dim 16" in message, refused
+        name, message, seconds = after
+        assert name == "GroupBroken", after
+        assert f"stopped its {direction} ring steps with transfers in flight: ValueError: backend " in message, message
+        assert seconds < 5, seconds
