@@ -108,6 +108,16 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
     if args.nproc > 1 and args.strategy == "ulysses" and args.ulysses_degree not in (None, args.nproc):
         p.error(f"--ulysses-degree {args.ulysses_degree} contradicts --strategy ulysses, which runs Ulysses over all "
                 f"{args.nproc} ranks (--strategy hybrid runs it over fewer)")
+    # the plan's chunk counts by the demo's option names (make_plan refuses them on every rank once the group is up,
+    # naming its num_chunks= argument); auto's Ulysses degree depends on the heads: its ring is left to make_plan
+    if args.num_chunks is not None:
+        if args.num_chunks % args.nproc:
+            p.error(f"--num-chunks {args.num_chunks} must be a multiple of the number of ranks ({args.nproc}): every "
+                    "rank holds as many chunks")
+        u = {"ring": 1, "ulysses": args.nproc, "hybrid": args.ulysses_degree}.get(args.strategy)
+        if args.balancer == "zigzag" and u and args.num_chunks % (2 * (args.nproc // u)):
+            p.error(f"--balancer zigzag needs --num-chunks to be a multiple of {2 * (args.nproc // u)} (two chunks per "
+                    f"ring member and round; {args.nproc // u} ring member(s)), got {args.num_chunks}")
 
 
 def _launched_world():

@@ -66,6 +66,12 @@ def test_demo_self_launched_packed_ulysses():
      "--ulysses-degree 4 must divide the number of ranks \\(1\\)"),
     (["--strategy", "ulysses", "--ulysses-degree", "2", "--nproc", "4"],
      "--ulysses-degree 2 contradicts --strategy ulysses, which runs Ulysses over all 4 ranks"),
+    # these failed once every rank had started, naming make_plan's num_chunks=
+    (["--num-chunks", "5", "--nproc", "2"], "--num-chunks 5 must be a multiple of the number of ranks \\(2\\)"),
+    (["--balancer", "zigzag", "--num-chunks", "2", "--nproc", "2"],
+     "--balancer zigzag needs --num-chunks to be a multiple of 4 \\(two chunks per ring member and round; 2 ring"),
+    (["--strategy", "hybrid", "--ulysses-degree", "3", "--balancer", "zigzag", "--num-chunks", "6", "--nproc", "6"],
+     "--balancer zigzag needs --num-chunks to be a multiple of 4 \\(two chunks per ring member and round; 2 ring"),
 ])
 def test_demo_refuses_sizes_it_cannot_run_by_name(bad, message, capsys):
     from fa4dist import demo
