@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..context_parallel.core import raise_disagreement, signature_digest
+from ..context_parallel.agreement import raise_disagreement, signature_digest
 from ..kernels import fixed_point
 from ..kernels.problem import accum_dtype
 from .llama import row_block_products, row_blocks

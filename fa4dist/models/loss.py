@@ -11,7 +11,7 @@ the logits dtype) also carries each rank's fingerprint of its call (a digest of 
 device type and whether a gradient is needed, the call's number on the group, an error flag), so checking costs
 nothing extra; a rank whose inputs are refused still takes part.  When anything differs, the ranks swap their full
 signatures and all raise the same error naming the ranks and fields
-(``fa4dist.context_parallel.core.raise_disagreement``, as the attention's agreement check does), instead of the
+(``fa4dist.context_parallel.agreement.raise_disagreement``, as the attention's agreement check does), instead of the
 others waiting in the collective or gloo/NCCL failing on mismatched buffers.  A rank that skips a call cannot be
 seen by the others: they time out after ``timeout`` seconds with a message naming the call.
 """
@@ -123,7 +123,7 @@ def label_counts(function: str, cp_group, inputs: Callable[[], tuple], timeout: 
     if size == 1:
         return count, count
     from fa4dist.context_parallel.comm import Transport
-    from fa4dist.context_parallel.core import raise_disagreement, signature_digest
+    from fa4dist.context_parallel.agreement import raise_disagreement, signature_digest
 
     label = f"fa4dist {function}"
     transport = Transport(group, wait, label=label)
@@ -229,7 +229,7 @@ def agreed_call(function: str, group, transport, sig, error):
     ``sig``, the call's number, whether this rank's own checks refused it: ``error``) goes through the group's
     store, as the attention's agreement check (``ContextParallel.agree``) does, and when a rank's call differs or
     was refused every rank raises the same error naming it, instead of the others waiting in the collective."""
-    from fa4dist.context_parallel.core import raise_disagreement, signature_digest
+    from fa4dist.context_parallel.agreement import raise_disagreement, signature_digest
 
     with _one_thread(function, group, transport.label):
         call = _next_call(function, group)
