@@ -72,8 +72,8 @@ from fa4dist.models.llama import check_token_ids
 from fa4dist.models.loss import cp_cross_entropy_of
 from fa4dist.modules import FA4ContextParallelAttention
 
-from .hf import (NO_WINDOW, UnsupportedMask, attention_sinks, autocast_operands, document_starts, fa4dist_mask,
-                 layer_chunk, layer_window, text_config, warn_no_attention_weights, window_of)
+from .hf import (NO_WINDOW, UnsupportedMask, attention_sinks, autocast_operands, decoder_of, document_starts,
+                 fa4dist_mask, layer_chunk, layer_window, text_config, warn_no_attention_weights, window_of)
 
 PLAN_KEY = "fa4dist_cp_plan"  # the local batch's key holding the ShardPlan (transformers passes it to attention)
 CHUNK_PLAN_KEY = "fa4dist_cp_chunk_plan"  # the plan of chunked attention layers (the same shards, finer documents)
@@ -272,7 +272,7 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 
 def _cache_hook(module, args, kwargs):
-    """The base model's forward pre-hook: a call with a plan that asks for a KV cache (use_cache=True, or a cache
+    """The decoder stack's forward pre-hook: a call with a plan that asks for a KV cache (use_cache=True, or a cache
     passed) is marked for the attention to refuse (through its agreement check, so every cp rank raises at once);
     use_cache left out (the config's default, often True) becomes False, as no cache of a shard is ever right."""
     if PLAN_KEY not in kwargs:
@@ -283,6 +283,16 @@ def _cache_hook(module, args, kwargs):
     elif kwargs.get("use_cache") or cache is not None:
         kwargs[CACHE_KEY] = True
     return args, kwargs
+
+
+def _cache_hook_owner(model):
+    """The module whose forward every call of ``model`` with a local batch goes through: the decoder stack
+    (:func:`~fa4dist.integrations.hf.decoder_of`, also what :class:`~fa4dist.integrations.hf_loss.TiledCausalLMLoss`
+    calls), else the base model."""
+    try:
+        return decoder_of(model)
+    except TypeError:
+        return getattr(model, "base_model", model)
 
 
 def _set_attn_implementation(model, name: str):
@@ -350,9 +360,9 @@ class ContextParallelHandle:
         AttentionMaskInterface.register(self.name, _cp_mask)
         _HANDLES[self.name] = self
         _set_attn_implementation(model, self.name)
-        # on the base model, which the task heads call with the batch's kwargs (the plan among them)
-        self._cache_hook = getattr(model, "base_model", model).register_forward_pre_hook(_cache_hook,
-                                                                                         with_kwargs=True)
+        # on the decoder stack, which the task heads call with the batch's kwargs (the plan among them), and which
+        # TiledCausalLMLoss calls itself; for Llama 4 it is not the base model (that is the task head itself)
+        self._cache_hook = _cache_hook_owner(model).register_forward_pre_hook(_cache_hook, with_kwargs=True)
         self.temperature_tuned = tuple(temperature_tuned(model))  # applied by the attention (global indices)
         self._tuning = [module.attn_temperature_tuning for module in self.temperature_tuned]
         for module in self.temperature_tuned:

@@ -22,7 +22,7 @@ from cp_harness import GROUPS, shared_pool  # noqa: E402
 from hf_tiny import EAGER_FP64, VOCAB  # noqa: E402
 from transformers import DataCollatorWithFlattening  # noqa: E402
 
-from fa4dist.integrations.hf import UnsupportedMask, enable_context_parallel  # noqa: E402
+from fa4dist.integrations.hf import UnsupportedMask, decoder_of, enable_context_parallel  # noqa: E402
 from fa4dist.integrations.hf_context_parallel import (  # noqa: E402
     PLAN_KEY, CheckedCausalMask, _cp_attention, chunk_starts,
 )
@@ -995,3 +995,24 @@ def test_a_copy_of_the_model_keeps_its_temperature_tuning_under_context_parallel
         next(m for m in twin.modules() if getattr(m, "use_rope", True) == 0).attn_temperature_tuning = True
         with pytest.raises(UnsupportedMask, match="tuned its queries' temperature itself"):
             twin(**local)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama4"])
+def test_the_tiled_loss_runs_without_a_cache_and_refuses_one(family):
+    """The cache hook sat on the base model, which for Llama 4 is the task head itself: TiledCausalLMLoss calls the
+    decoder stack directly, so there use_cache=True filled a cache with the shard's keys alone and use_cache left
+    out (the config's True) built one, silently.  The hook is on the decoder stack now: refused, and left out runs
+    without one, as through the model."""
+    model = tiny_model(family)
+    caches = []
+    watch = decoder_of(model).register_forward_hook(lambda m, args, out: caches.append(out.past_key_values))
+    with enable_context_parallel(model) as handle:
+        local = handle.shard_batch(packed_batch())
+        loss = TiledCausalLMLoss(model, handle, chunk_tokens=16)
+        del local["use_cache"]
+        loss(local)
+        assert caches == [None]
+        local["use_cache"] = True
+        with pytest.raises(UnsupportedMask, match="KV cache"):
+            loss(local)
+    watch.remove()
