@@ -534,12 +534,20 @@ def main(argv=None):
     # refused before the process group and the model exist (every rank alike)
     common.check_layout(common.launched_world(), args.cp, args.batch_size)
     if args.checkpoint:
-        text = checkpoint_config(args.checkpoint, args).get_text_config()
+        config = checkpoint_config(args.checkpoint, args)
+        text = config.get_text_config()
         heads = getattr(text, "num_attention_heads", None)
         kv_heads = getattr(text, "num_key_value_heads", None) or heads  # (None or absent: as many as the queries)
         problem = heads and common.ulysses_heads_problem(args, heads, kv_heads, f"--checkpoint {args.checkpoint}")
         if problem:
             raise SystemExit(problem)
+        if args.loss == "tiled":  # (TiledCausalLMLoss refused it once the group was up and the model loaded)
+            from fa4dist.integrations.hf_loss import tiled_loss_problem
+
+            problem = tiled_loss_problem(config)
+            if problem:
+                raise SystemExit(f"--loss tiled (the default) with --checkpoint {args.checkpoint}: {problem}; pass "
+                                 "--loss logits")
     rank, world, device = common.init_distributed(args=args)
     common.set_determinism(args)
     layout = common.make_layout(rank, world, args.cp, args.batch_size, device)

@@ -154,21 +154,31 @@ def tiled_cp_cross_entropy_of(operands: Callable[[], tuple], cp_group=None, *, b
     return total / torch.tensor(count, dtype=total.dtype, device=total.device).clamp(min=1.0)
 
 
+def tiled_loss_problem(config) -> Optional[str]:
+    """Why :class:`TiledCausalLMLoss` cannot compute the loss of a model with this transformers ``config`` (the
+    model's own ``config``, as ``from_pretrained`` / ``AutoConfig`` give it), or None.  It only needs the config, so
+    a recipe can ask before it builds the model."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in PLAIN_LM_HEAD_MODELS + CAPPED_LM_HEAD_MODELS:
+        return (f"TiledCausalLMLoss computes logits as lm_head(hidden states) (soft-capped for "
+                f"{CAPPED_LM_HEAD_MODELS}), which is known to be the model's own computation for "
+                f"{PLAIN_LM_HEAD_MODELS + CAPPED_LM_HEAD_MODELS}, not {model_type!r}")
+    if getattr(config, "output_router_logits", False):
+        return ("the model adds a router aux loss (config.output_router_logits); TiledCausalLMLoss computes the "
+                "next-token loss only")
+    return None
+
+
 class TiledCausalLMLoss(nn.Module):
     """``forward(local)`` -> this rank's loss share of a local batch from ``handle.shard_batch``, with the LM head
     and cross entropy in tiles (:func:`tiled_cp_cross_entropy`); the full logits never exist."""
 
     def __init__(self, model: nn.Module, handle: ContextParallelHandle, chunk_tokens: Optional[int] = None):
         super().__init__()
-        model_type = getattr(model.config, "model_type", None)
-        if model_type not in PLAIN_LM_HEAD_MODELS + CAPPED_LM_HEAD_MODELS:
-            raise ValueError(f"TiledCausalLMLoss computes logits as lm_head(hidden states) (soft-capped for "
-                             f"{CAPPED_LM_HEAD_MODELS}), which is known to be the model's own computation for "
-                             f"{PLAIN_LM_HEAD_MODELS + CAPPED_LM_HEAD_MODELS}, not {model_type!r}; use "
-                             "handle.loss(model(**local).logits, local)")
-        if getattr(model.config, "output_router_logits", False):
-            raise ValueError("the model adds a router aux loss (config.output_router_logits); TiledCausalLMLoss "
-                             "computes the next-token loss only")
+        problem = tiled_loss_problem(model.config)
+        if problem:
+            raise ValueError(f"{problem}; use handle.loss(model(**local).logits, local)")
+        model_type = model.config.model_type
         self.logit_softcap = None
         if model_type in CAPPED_LM_HEAD_MODELS:
             self.logit_softcap = getattr(model.config, "final_logit_softcapping", None)

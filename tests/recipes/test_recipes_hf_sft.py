@@ -232,6 +232,26 @@ def test_a_ulysses_degree_a_llama3_shape_or_checkpoint_cannot_split_is_refused_b
                      "--batch-size", "3"])
 
 
+def test_a_checkpoint_the_tiled_loss_cannot_take_is_refused_before_the_process_group(tmp_path,
+                                                                                     launched_without_a_rendezvous):
+    """--checkpoint DIR of a Phi-3 model (or one whose config adds a router aux loss) with the default --loss tiled:
+    TiledCausalLMLoss refused it with a traceback on every rank once the process group was up and the weights
+    loaded, naming an API call instead of the option.  Now refused from the config alone, naming --loss logits."""
+    from transformers import GptOssConfig, Phi3Config
+
+    Phi3Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+               num_key_value_heads=2, pad_token_id=0, bos_token_id=None, eos_token_id=None
+               ).save_pretrained(tmp_path / "phi3")
+    GptOssConfig(vocab_size=320, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, num_local_experts=2, output_router_logits=True
+                 ).save_pretrained(tmp_path / "router")
+    launched_without_a_rendezvous(1)
+    for where, why in (("phi3", "not 'phi3'"), ("router", "router aux loss")):
+        with pytest.raises(SystemExit, match=rf"--loss tiled \(the default\) with --checkpoint {tmp_path / where}: "
+                                             rf".*{why}.*; pass --loss logits"):
+            hf_sft.main(["--checkpoint", str(tmp_path / where), "--seqlen", "64"])
+
+
 def test_the_reference_loss_of_a_window_without_targets_is_the_cp_loss_zero():
     """A packed window whose documents are all one token long has no next-token target.  The recipe's loss
     (handle.loss, cp_cross_entropy: documented) gives 0 with zero gradients there at every cp size; its
