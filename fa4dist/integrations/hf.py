@@ -240,6 +240,7 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     seg_q = torch.full((batch_size, q_length), -1, dtype=torch.long, device=device)
     seg_k = torch.full((batch_size, kv_length), -1, dtype=torch.long, device=device)
     segments = []  # (b, qs, qe, ks, ke)
+    holes = []  # rows whose real tokens are not contiguous (padding in the middle): named if the check fails
     for b in range(batch_size):
         key_valid = padding[b, kv_offset:kv_offset + kv_length] if padding is not None else \
             torch.ones(kv_length, dtype=torch.bool, device=device)
@@ -249,6 +250,8 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
             bb = torch.full_like(i, b)
             sees_prev = visible(bb, i, i - 1) if q_length > 1 else torch.zeros(0, dtype=torch.bool, device=device)
             boundary = torch.cat([torch.ones(1, dtype=torch.bool, device=device), ~sees_prev])
+            if int(key_valid[0]) + int((key_valid[1:] & ~key_valid[:-1]).sum()) > 1:  # runs of real tokens
+                holes.append((b, _runs(key_valid, torch.zeros_like(key_valid))))
             for s, e in _runs(key_valid, boundary):
                 segments.append((b, s, e, s, e))
         else:
@@ -263,7 +266,7 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     if chunk is not None:  # with a cache offset a chunked layer is not a window: one segment per chunk
         segments, window = _chunk_segments(segments, padding, chunk, q_offset, kv_offset), NO_WINDOW
     _verify(visible, _layout_of(segments, seg_q, seg_k, q_offset, kv_offset, window), batch_size, q_length,
-            kv_length, device, local_size, chunk)
+            kv_length, device, local_size, chunk, holes)
     checked = "exhaustive" if batch_size * q_length * kv_length <= EXHAUSTIVE_CHECK_PAIRS else "probes"
 
     info = _info_from_segments(segments, batch_size, q_length, kv_length, q_offset, kv_offset, device, checked,
@@ -393,8 +396,10 @@ def _probe_pairs(layout: _Layout, batch, q_length, kv_length, device):
     return bi.repeat(len(probes_j)).to(device), ii.repeat(len(probes_j)).to(device), j
 
 
-def _verify(visible, layout: _Layout, batch, q_length, kv_length, device, local_size=None, chunk=None):
-    """Raises UnsupportedMask unless transformers' predicate equals ours on every real query row checked."""
+def _verify(visible, layout: _Layout, batch, q_length, kv_length, device, local_size=None, chunk=None, holes=()):
+    """Raises UnsupportedMask unless transformers' predicate equals ours on every real query row checked.
+    ``holes``: (row, runs of real tokens) of rows padded in the middle, named in the error (a document across such
+    padding is what the kernels' segments cannot hold)."""
     if batch * q_length * kv_length <= EXHAUSTIVE_CHECK_PAIRS:
         b, i, j = torch.meshgrid(torch.arange(batch, device=device), torch.arange(q_length, device=device),
                                  torch.arange(kv_length, device=device), indexing="ij")
@@ -408,17 +413,21 @@ def _verify(visible, layout: _Layout, batch, q_length, kv_length, device, local_
     if bad.numel():
         n = int(bad[0])
         if chunk is not None:
-            window = (f"; transformers named local_size={local_size}, the config's attention_chunk_size, read as "
-                      "chunks of that many tokens from each row's first real token")
+            hint = (f"; transformers named local_size={local_size}, the config's attention_chunk_size, read as "
+                    "chunks of that many tokens from each row's first real token")
         elif local_size is not None:
-            window = (f"; transformers named local_size={local_size}, read as "
-                      f"{describe_window(window_of(local_size))} (the query and the ones before it)")
+            hint = (f"; transformers named local_size={local_size}, read as "
+                    f"{describe_window(window_of(local_size))} (the query and the ones before it)")
         else:
-            window = ""
+            hint = ""
+        if holes:
+            row, runs = holes[0]
+            hint += (f"; the attention_mask pads row {row} in the middle (its real tokens are {runs[:4]}...): "
+                     "fa4dist attention supports left or right padding only")
         raise UnsupportedMask(
             f"the model's mask differs from what fa4dist attention computes (causal within documents, padding, "
             f"cache offsets, sliding windows) at batch {int(b[n])}, query {int(i[n])}, key {int(j[n])}: the model "
-            f"says {'visible' if bool(theirs[n]) else 'masked'} ({bad.numel()} pairs differ){window}; use "
+            f"says {'visible' if bool(theirs[n]) else 'masked'} ({bad.numel()} pairs differ){hint}; use "
             f"attn_implementation='sdpa' or 'eager' for this model or mask")
 
 

@@ -260,6 +260,30 @@ def test_masks_we_cannot_express_are_errors(model):
             fa4dist_mask(**kw, attention_mask=prepared, local_size=local_size)
 
 
+def test_padding_in_the_middle_of_a_row_is_named_in_the_error(model):
+    """A row padded in the middle was refused in a prefill only as 'the model's mask differs ... at batch 1, query 6,
+    key 0' (a decode step against a cache named the row's non-contiguous real keys); the error names the row and its
+    runs of real tokens now.  Padding that separates packed documents the mask keeps apart still runs."""
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, 4:6] = 0
+    model.set_attn_implementation(NAME)
+    message = (r"the attention_mask pads row 1 in the middle \(its real tokens are \[\(0, 4\), \(6, 12\)\]\.\.\.\): "
+               "fa4dist attention supports left or right padding only")
+    for use_cache in (False, True):
+        with pytest.raises(UnsupportedMask, match=message):
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask, use_cache=use_cache)
+
+    def documents(b, h, q, kv):  # two documents, 0..3 and 6..11, the padding between them
+        return (kv <= q) & ((q < 4) == (kv < 4))
+
+    padding = torch.ones(1, 12, dtype=torch.bool)
+    padding[0, 4:6] = False
+    info = fa4dist_mask(1, 12, 12, mask_function=documents, attention_mask=padding)
+    assert [seg[1:3] for seg in info.segments] == [(0, 4), (6, 12)]
+
+
 def test_large_masks_are_checked_by_probes():
     kw = dict(batch_size=1, q_length=4096, kv_length=4096)
     info = fa4dist_mask(**kw, mask_function=causal_mask_function)
