@@ -252,6 +252,21 @@ def test_a_checkpoint_the_tiled_loss_cannot_take_is_refused_before_the_process_g
             hf_sft.main(["--checkpoint", str(tmp_path / where), "--seqlen", "64"])
 
 
+def test_a_checkpoint_with_attention_dropout_is_refused_before_the_process_group(tmp_path,
+                                                                               launched_without_a_rendezvous):
+    """--checkpoint DIR whose config has attention_dropout > 0: every rank raised the integration's UnsupportedMask
+    with a traceback once the group was up and the weights loaded.  Now refused from the config alone, naming the
+    value and what to change."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, attention_dropout=0.1).save_pretrained(tmp_path / "dropout")
+    launched_without_a_rendezvous(1)
+    with pytest.raises(SystemExit, match=rf"--checkpoint {tmp_path / 'dropout'}: its config has attention_dropout = "
+                                         r"0.1, which fa4dist's attention does not compute; set it to 0"):
+        hf_sft.main(["--checkpoint", str(tmp_path / "dropout"), "--seqlen", "64"])
+
+
 def test_the_reference_loss_of_a_window_without_targets_is_the_cp_loss_zero():
     """A packed window whose documents are all one token long has no next-token target.  The recipe's loss
     (handle.loss, cp_cross_entropy: documented) gives 0 with zero gradients there at every cp size; its
