@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels.mask import Mask, visible_pairs
-from ..kernels.problem import check_bool, check_integer_dtype, comparable_integers
+from ..kernels.problem import check_bool, check_integer_dtype, comparable_integers, type_name
 from .attention import make_attention
 from .config import ModelConfig
 
@@ -289,6 +289,9 @@ class FA4Llama(nn.Module):
                  deterministic: Optional[bool] = None, backend: str = "auto", cp_invariant: Optional[bool] = None,
                  ulysses_degree: Optional[int] = None, attention_factory: Optional[Callable[[], nn.Module]] = None):
         super().__init__()
+        if not isinstance(config, ModelConfig):  # a preset name or a dict was an AttributeError ('vocab_size')
+            raise TypeError("config must be a fa4dist.models.ModelConfig (get_config('tiny') for a preset), got "
+                            f"{type_name(config)}")
         self.config = config
         if attention_factory is None:
             options = {} if ulysses_degree is None else dict(ulysses_degree=ulysses_degree)

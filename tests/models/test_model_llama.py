@@ -358,6 +358,15 @@ def test_a_model_without_layers_makes_plans():
     assert model(torch.arange(8), torch.tensor([0, 1, 2, 0, 1, 2, 3, 4]), plan).shape == (8, TINY.vocab_size)
 
 
+@pytest.mark.parametrize("config", [None, "tiny", {"dim": 64}])
+def test_a_config_that_is_not_one_is_refused_by_name(config):
+    """A preset name or a dict given as the config was an AttributeError ('str' object has no attribute
+    'vocab_size')."""
+    with pytest.raises(TypeError, match=r"config must be a fa4dist.models.ModelConfig \(get_config\('tiny'\) for a "
+                                        r"preset\), got (NoneType|str|dict)"):
+        FA4Llama(config)
+
+
 @pytest.mark.parametrize("plan", [[0, 5], torch.tensor([0, 5], dtype=torch.int32)])
 def test_a_plan_that_is_not_one_is_refused_by_name(plan):
     """cu_seqlens given where the plan goes was an AttributeError ('list' object has no attribute
