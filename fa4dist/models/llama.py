@@ -426,6 +426,11 @@ class FA4Llama(nn.Module):
             tokens = tokens.long()
         # rotary embeddings at fractional positions were taken silently (a dtype check: no device sync)
         check_integer_dtype("positions", positions)
+        if getattr(plan, "packed", True) is False:  # (a ShardPlan of one (batch, seqlen) sequence)
+            # the attention refused it naming q's shape ("q must be 4-D"), an argument the caller never gave
+            raise ValueError("plan must be a packed-document plan (the model runs one packed stream), got a "
+                             f"single-sequence plan of {plan.total_len} tokens (make_plan(int, ...)); make it with "
+                             "model.make_plan(cu_seqlens), or model.make_plan(num_tokens) for one document")
         if self.invariant_grads is not None:
             self.invariant_grads.check_params()
             chunk = getattr(plan, "chunk_size", None)

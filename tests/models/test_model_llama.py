@@ -367,6 +367,15 @@ def test_a_config_that_is_not_one_is_refused_by_name(config):
         FA4Llama(config)
 
 
+def test_a_single_sequence_plan_is_refused_by_name():
+    """make_plan(10, 1) (one (batch, seqlen) sequence) given to the model, whose stream is packed, was refused by the
+    attention as "q must be 4-D", naming an argument the caller never gave."""
+    from fa4dist.context_parallel import make_plan
+
+    with pytest.raises(ValueError, match=r"plan must be a packed-document plan .* single-sequence plan of 10 tokens"):
+        _model()(torch.arange(10), torch.arange(10), make_plan(10, 1))
+
+
 @pytest.mark.parametrize("plan", [[0, 5], torch.tensor([0, 5], dtype=torch.int32)])
 def test_a_plan_that_is_not_one_is_refused_by_name(plan):
     """cu_seqlens given where the plan goes was an AttributeError ('list' object has no attribute
