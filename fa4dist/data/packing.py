@@ -85,6 +85,7 @@ def collect_documents(
     if not suffixes or not all(isinstance(x, str) for x in suffixes):
         raise TypeError(f"suffixes must be file name endings (strings), got {suffixes!r}")
     docs: list[str] = []
+    too_large, not_utf8 = [], []  # skipped files, named when nothing is left (else "no text files" misled)
     for root in roots:
         if root.is_file():
             files = [root]
@@ -98,14 +99,21 @@ def collect_documents(
         for path in files:
             try:
                 if path.stat().st_size > max_file_bytes:
+                    too_large.append(str(path))
                     continue
                 text = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError):
+            except UnicodeDecodeError:
+                not_utf8.append(str(path))
+                continue
+            except OSError:
                 continue
             if text.strip():
                 docs.append(text)
     if not docs:
-        raise ValueError(f"no text files ({', '.join(suffixes)}) found under {[str(r) for r in roots]}")
+        skipped = ([f"{len(too_large)} larger than max_file_bytes={max_file_bytes} (e.g. {too_large[0]!r})"]
+                   if too_large else []) + ([f"{len(not_utf8)} not UTF-8 (e.g. {not_utf8[0]!r})"] if not_utf8 else [])
+        raise ValueError(f"no text files ({', '.join(suffixes)}) found under {[str(r) for r in roots]}"
+                         + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
     return docs
 
 

@@ -52,6 +52,18 @@ def test_an_empty_list_of_roots_is_refused_not_read_as_the_default(tmp_path):
         collect_documents("")
 
 
+def test_a_root_whose_files_are_all_skipped_says_why(tmp_path):
+    """A folder of files over max_file_bytes or not UTF-8 said only "no text files (.py, .md, ...) found", as if
+    there were none with those endings."""
+    (tmp_path / "big.txt").write_text("x" * 100)
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    with pytest.raises(ValueError, match=r"no text files .* skipped: 1 larger than max_file_bytes=10 \(e.g. "
+                                         r"'.*big.txt'\), 1 not UTF-8 \(e.g. '.*latin1.txt'\)"):
+        collect_documents(tmp_path, max_file_bytes=10)
+    (tmp_path / "ok.txt").write_text("short")
+    assert collect_documents(tmp_path, max_file_bytes=10) == ["short"]
+
+
 def test_windows_keep_their_document_structure():
     stream = PackedTokenStream(["abcdef", "ghijklmnop", "qrs"], seqlen=8, seed=1)
     for i in range(stream.num_windows):
