@@ -85,6 +85,9 @@ def make_sample_plan(sample: Sample, cp_size: int, balancer: str = "lpt", num_ch
 
     _check_sample(sample)
     plan = make_plan(sample.cu_seqlens, cp_size, balancer=balancer, num_chunks=num_chunks)
+    if plan.total_len != sample.tokens.numel():  # (shard_sample then blamed "x" against the sample's own plan)
+        raise ValueError(f"sample.cu_seqlens ends at {plan.total_len} but sample.tokens holds "
+                         f"{sample.tokens.numel()} tokens: its documents must cover its tokens")
     return SingleRankPlan(sample.cu_seqlens) if cp_size == 1 else plan
 
 

@@ -73,6 +73,19 @@ def test_a_plan_of_another_sample_is_refused_at_every_cp_size(cp):
         shard_sample(sample, make_sample_plan(other, cp), 0)
 
 
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("end", [10, 12])
+def test_a_sample_whose_documents_do_not_cover_its_tokens_is_refused_by_name(cp, end):
+    """cu_seqlens ending before or past the tokens made a plan, and shard_sample then said "x has 11 tokens along
+    seq_dim=0, but the plan expects 10": an argument the caller never gave, against the sample's own plan."""
+    from fa4dist.data.packing import Sample
+
+    tokens = torch.arange(11)
+    bad = Sample(tokens, tokens.clone(), tokens.clone(), torch.tensor([0, 5, end], dtype=torch.int32))
+    with pytest.raises(ValueError, match=f"sample.cu_seqlens ends at {end} but sample.tokens holds 11 tokens"):
+        make_sample_plan(bad, cp)
+
+
 @pytest.mark.parametrize("cp", [1, 2, 3])
 def test_a_plan_of_other_documents_of_the_same_length_is_refused_at_every_cp_size(cp):
     """A plan of another sample as long as this one was taken: the model attended within the plan's documents while
