@@ -270,8 +270,9 @@ def checkpoint_config(path: str, args=None):
                 args if args is not None else argparse.Namespace(tokenizer=None), "the checkpoint's")
     dropout = getattr(config.get_text_config(), "attention_dropout", 0.0) or 0.0
     if dropout > 0:  # (the integration refused it on every rank once the group was up and the weights loaded)
-        raise SystemExit(f"--checkpoint {path}: its config has attention_dropout = {dropout}, which fa4dist's attention "
-                         "does not compute; set it to 0 in the checkpoint's config.json to fine-tune without it")
+        raise SystemExit(f"--checkpoint {path}: its config has attention_dropout = {dropout}, which fa4dist's "
+                         "attention does not compute; set it to 0 in the checkpoint's config.json to fine-tune "
+                         "without it")
     return config
 
 
