@@ -1048,7 +1048,13 @@ def refusing_backend_case(rank, world, direction):
         module = FA4ContextParallelAttention(group, strategy="ring", backend=Narrow.name, timeout=20)
         refused = _error(lambda: module(*local, plan=plan).sum().backward())
         after = FA4ContextParallelAttention(group, strategy="ring", backend="reference", timeout=20)
-        return refused, _error(lambda: after(*local, plan=plan))
+        result = refused, _error(lambda: after(*local, plan=plan))
+        # as the error says: destroy the group (its unanswered transfers kept gloo's loop threads spinning, taking
+        # the CPU from every later test of the pool), once every rank is done with it
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group(group)
+        torch.distributed.barrier()
+        return result
     finally:
         registry._BACKENDS.clear()
         registry._BACKENDS.update(saved)
