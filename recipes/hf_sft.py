@@ -276,6 +276,19 @@ def checkpoint_config(path: str, args=None):
     return config
 
 
+# the weight files from_pretrained reads (one file, or an index of shards)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def check_checkpoint_weights(path: str) -> None:
+    """A checkpoint directory with a config but no weights is refused by name before the process group (every rank
+    raised from_pretrained's OSError once the group was up)."""
+    if not any((Path(path) / name).is_file() for name in WEIGHT_FILES):
+        raise SystemExit(f"--checkpoint {path}: a config but no weights (none of {', '.join(WEIGHT_FILES)}); save the "
+                         "model with save_pretrained, or train from a config with --arch")
+
+
 def build_model(args, device):
     """(model with fp32 weights, sharded_init): on ``device``, or on the meta device for a sharded init."""
     from transformers import AutoModelForCausalLM
@@ -553,6 +566,7 @@ def main(argv=None):
             if problem:
                 raise SystemExit(f"--loss tiled (the default) with --checkpoint {args.checkpoint}: {problem}; pass "
                                  "--loss logits")
+        check_checkpoint_weights(args.checkpoint)
     rank, world, device = common.init_distributed(args=args)
     common.set_determinism(args)
     layout = common.make_layout(rank, world, args.cp, args.batch_size, device)

@@ -267,6 +267,19 @@ def test_a_checkpoint_with_attention_dropout_is_refused_before_the_process_group
         hf_sft.main(["--checkpoint", str(tmp_path / "dropout"), "--seqlen", "64"])
 
 
+def test_a_checkpoint_without_weights_is_refused_before_the_process_group(tmp_path, launched_without_a_rendezvous):
+    """--checkpoint DIR holding a config but no weight files: every rank raised from_pretrained's OSError once the
+    group was up.  Now refused before it, naming the files looked for."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(tmp_path / "config_only")
+    launched_without_a_rendezvous(1)
+    with pytest.raises(SystemExit, match=rf"--checkpoint {tmp_path / 'config_only'}: a config but no weights \(none "
+                                         r"of model.safetensors, "):
+        hf_sft.main(["--checkpoint", str(tmp_path / "config_only"), "--seqlen", "64"])
+
+
 def test_the_reference_loss_of_a_window_without_targets_is_the_cp_loss_zero():
     """A packed window whose documents are all one token long has no next-token target.  The recipe's loss
     (handle.loss, cp_cross_entropy: documented) gives 0 with zero gradients there at every cp size; its
