@@ -15,7 +15,7 @@ over a dp x cp mesh does for every replicated weight) it is the gradient of the 
 others, so that the sum over the group has the same bits at every cp size.
 
 ``return_lse=True`` also returns the local rows' lse, differentiable: its gradient is a second backward pass of the
-same engine with v = 0 (:func:`fa4dist.kernels.api.lse_backward_operands`), run on every rank when any rank's loss
+same engine with v = 0 (:func:`fa4dist.kernels.api.lse_pass`), run on every rank when any rank's loss
 used the lse (a pass is collective).  Not yet in the first pass's row sums (as the single-device call does on the
 reference and cute backends): the work lists and the shared query side take no lse gradient.
 """
@@ -31,7 +31,7 @@ from ..kernels.autograd import attention as _plain_attention
 from ..kernels.autograd import add_in_order, forward_ad_refusal, refuse_torch_func
 from ..kernels.invariant import enabled as invariant_enabled
 from ..kernels.invariant import sum_group
-from ..kernels.api import lse_backward_operands
+from ..kernels.api import lse_pass
 from ..kernels.merge import lse_as_out_layout, merge_sink_, sink_grad
 from ..kernels.problem import (
     EAGER_ONLY,
@@ -156,7 +156,7 @@ class _Call:
     def backward(self, dout, dlse, q, k, v, out_m, lse_m, sinks, create_graph: bool = False):
         """The gradients of (q, k, v, sinks) given out's gradient ``dout`` and the lse's ``dlse`` (either None: that
         output unused on this rank).  The lse's gradient is a second pass of the same engine (every backend and
-        strategy alike): with v = 0 and the operands of :func:`fa4dist.kernels.api.lse_backward_operands` the
+        strategy alike): with the operands of :func:`fa4dist.kernels.api.lse_pass` (v = 0) the
         backward computes exactly the lse's share of dq, dk (and the sinks'); v has none."""
         if self.agree is not None:  # every rank must be back-propagating the same forward call, the same way
             self.agree("the backward of forward call", self.call_id,
@@ -186,8 +186,7 @@ class _Call:
             dlse = _lse_layout(got.pop(0)) if with_lse else None
         passes = [(dout, v, out_m)] if with_out else []
         if with_lse:
-            dout_l, out_l = lse_backward_operands(dlse, out_m, dtype=dtype)
-            passes.append((dout_l, torch.zeros_like(v), out_l))
+            passes.append(lse_pass(dlse, out_m, v, dtype))
         if self.invariant:  # each pass's results in the inputs' dtypes, added as autograd adds two uses' gradients
             grads = [self._invariant_backward(d, q, k, vv, o, lse_m, sinks) for d, vv, o in passes]
             dv = grads[0][2] if with_out else torch.zeros(v_shape, dtype=dtype, device=v.device)

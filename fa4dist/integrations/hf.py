@@ -183,6 +183,12 @@ class _Layout:
         return keep
 
 
+def _padding_holes(padding: torch.Tensor) -> list:
+    """(row, its runs of real tokens) of the rows of a (batch, keys) padding mask that are padded in the middle."""
+    runs = [_runs(row, torch.zeros_like(row)) for row in padding]
+    return [(b, r) for b, r in enumerate(runs) if len(r) > 1]
+
+
 def _runs(valid: torch.Tensor, boundary: torch.Tensor) -> list[tuple[int, int]]:
     """[start, end) of the maximal runs of valid positions with no boundary inside (boundary[i]: i starts a run)."""
     runs, start = [], None
@@ -240,7 +246,6 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     seg_q = torch.full((batch_size, q_length), -1, dtype=torch.long, device=device)
     seg_k = torch.full((batch_size, kv_length), -1, dtype=torch.long, device=device)
     segments = []  # (b, qs, qe, ks, ke)
-    holes = []  # rows whose real tokens are not contiguous (padding in the middle): named if the check fails
     for b in range(batch_size):
         key_valid = padding[b, kv_offset:kv_offset + kv_length] if padding is not None else \
             torch.ones(kv_length, dtype=torch.bool, device=device)
@@ -250,8 +255,6 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
             bb = torch.full_like(i, b)
             sees_prev = visible(bb, i, i - 1) if q_length > 1 else torch.zeros(0, dtype=torch.bool, device=device)
             boundary = torch.cat([torch.ones(1, dtype=torch.bool, device=device), ~sees_prev])
-            if int(key_valid[0]) + int((key_valid[1:] & ~key_valid[:-1]).sum()) > 1:  # runs of real tokens
-                holes.append((b, _runs(key_valid, torch.zeros_like(key_valid))))
             for s, e in _runs(key_valid, boundary):
                 segments.append((b, s, e, s, e))
         else:
@@ -265,6 +268,9 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     chunk = None if self_attn else layer_chunk(kwargs.get("config"), local_size)
     if chunk is not None:  # with a cache offset a chunked layer is not a window: one segment per chunk
         segments, window = _chunk_segments(segments, padding, chunk, q_offset, kv_offset), NO_WINDOW
+    # (rows padded in the middle are named if the check fails: looked for only then, no host reads otherwise)
+    holes = (lambda: _padding_holes(padding[:, kv_offset:kv_offset + kv_length])) if self_attn and padding is not \
+        None else (lambda: [])
     _verify(visible, _layout_of(segments, seg_q, seg_k, q_offset, kv_offset, window), batch_size, q_length,
             kv_length, device, local_size, chunk, holes)
     checked = "exhaustive" if batch_size * q_length * kv_length <= EXHAUSTIVE_CHECK_PAIRS else "probes"
@@ -396,9 +402,10 @@ def _probe_pairs(layout: _Layout, batch, q_length, kv_length, device):
     return bi.repeat(len(probes_j)).to(device), ii.repeat(len(probes_j)).to(device), j
 
 
-def _verify(visible, layout: _Layout, batch, q_length, kv_length, device, local_size=None, chunk=None, holes=()):
+def _verify(visible, layout: _Layout, batch, q_length, kv_length, device, local_size=None, chunk=None,
+            holes=lambda: []):
     """Raises UnsupportedMask unless transformers' predicate equals ours on every real query row checked.
-    ``holes``: (row, runs of real tokens) of rows padded in the middle, named in the error (a document across such
+    ``holes()``: (row, runs of real tokens) of rows padded in the middle, named in the error (a document across such
     padding is what the kernels' segments cannot hold)."""
     if batch * q_length * kv_length <= EXHAUSTIVE_CHECK_PAIRS:
         b, i, j = torch.meshgrid(torch.arange(batch, device=device), torch.arange(q_length, device=device),
@@ -420,8 +427,9 @@ def _verify(visible, layout: _Layout, batch, q_length, kv_length, device, local_
                     f"{describe_window(window_of(local_size))} (the query and the ones before it)")
         else:
             hint = ""
-        if holes:
-            row, runs = holes[0]
+        padded = holes()
+        if padded:
+            row, runs = padded[0]
             hint += (f"; the attention_mask pads row {row} in the middle (its real tokens are {runs[:4]}...): "
                      "fa4dist attention supports left or right padding only")
         raise UnsupportedMask(

@@ -286,10 +286,9 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
                                                                        deterministic, **fixed), grads, problem.device))
         if dlse is not None and not lse_in_pass:  # the lse's share: one more backward, with v = 0 (dv: none)
             # (in q's dtype, not out's: a fused op takes dout and out in it, and the sdpa backends cast an fp32 out)
-            dout_p, out_p = lse_backward_operands(dlse, out, problem.dtype)
-            lse_block = check_results(impl, "backward", impl.backward(problem, dout_p, q, k, torch.zeros_like(v),
-                                                                      out_p, lse, deterministic), grads,
-                                      problem.device)
+            dout_p, v_p, out_p = lse_pass(dlse, out, v, problem.dtype)
+            lse_block = check_results(impl, "backward", impl.backward(problem, dout_p, q, k, v_p, out_p, lse,
+                                                                      deterministic), grads, problem.device)
             if out_pass:
                 block[0], block[1] = block[0] + lse_block[0], block[1] + lse_block[1]
             else:  # (this pass's dv is P^T dout', not the loss's: zero)
@@ -319,6 +318,14 @@ def backward_problem(problem: AttentionProblem, dout, q, k, v, out, lse, *, sink
     else:
         dsinks.copy_(ds)
     return (*result, dsinks)
+
+
+def lse_pass(dlse: torch.Tensor, out: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """(dout', v', out'): the operands of a backward pass (of any engine: one call, a ring, the invariant one) whose
+    dq, dk (and dsinks) are the lse's gradient ``dlse`` alone: v' = 0, so dP = 0 and dv' is not a gradient of
+    anything (:func:`lse_backward_operands` for dout' and out')."""
+    dout_p, out_p = lse_backward_operands(dlse, out, dtype)
+    return dout_p, torch.zeros_like(v), out_p
 
 
 def lse_backward_operands(dlse: torch.Tensor, out: torch.Tensor,

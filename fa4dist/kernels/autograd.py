@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from . import invariant, reference, torch_ops
-from .api import backward_problem, forward_problem, lse_backward_operands
+from .api import backward_problem, forward_problem, lse_pass
 from .checkpointing import outside_selective_checkpoint
 from .merge import merge_sink_, with_sink
 from .problem import EAGER_ONLY, check_bool, check_optional_bool, validate_inputs
@@ -67,7 +67,7 @@ def forward_ad_refusal(call: str):
 class _InvariantAttentionFunction(torch.autograd.Function):
     """The single-device form of the cp_invariant numerics (fa4dist.kernels.invariant): the bits every context-
     parallel layout reproduces.  With ``lse_grad`` the lse is differentiable: its gradient is a second invariant
-    backward (v = 0, :func:`fa4dist.kernels.api.lse_backward_operands`), whose results are added to the first's in
+    backward (v = 0, :func:`fa4dist.kernels.api.lse_pass`), whose results are added to the first's in
     the inputs' dtypes, as the context-parallel engine adds them."""
 
     @staticmethod
@@ -103,8 +103,7 @@ class _InvariantAttentionFunction(torch.autograd.Function):
                                "supported in this mode)")
         passes = [] if dout is None else [(dout.contiguous(), v, out)]
         if dlse is not None:
-            dout_l, out_l = lse_backward_operands(dlse.to(lse.dtype), out, dtype=q.dtype)
-            passes.append((dout_l, torch.zeros_like(v), out_l))
+            passes.append(lse_pass(dlse.to(lse.dtype), out, v, q.dtype))
         grads = []
         with outside_selective_checkpoint():
             for d, vv, o in passes:
