@@ -489,7 +489,12 @@ def not_a_group_case(rank, world):
 def lse_on_some_ranks_case(rank, world, *, cp, strategy, lse_ranks, out_ranks):
     """``return_lse=True`` where only ``lse_ranks``' losses use the lse and only ``out_ranks``' use out (the others'
     gradients of that output are None): max abs errors of the gradients against the fp64 oracle with those rows'
-    gradients zero (the backward's passes run on every rank when any rank's loss used their output)."""
+    gradients zero (the backward runs on every rank when any rank's loss used an output), and how many ring
+    backward passes ran (the lse's gradient joins out's: one)."""
+    from unittest import mock
+
+    from fa4dist.context_parallel import core
+
     module, cp_rank = cp_module(rank, cp, strategy, True, ulysses_degree=2 if strategy == "hybrid" else None)
     if module is None:
         return None
@@ -504,7 +509,8 @@ def lse_on_some_ranks_case(rank, world, *, cp, strategy, lse_ranks, out_ranks):
         terms.append((out * plan.shard(dout, seq_dim=1, rank=cp_rank)).sum())
     if cp_rank in lse_ranks:
         terms.append((lse * plan.shard(dlse, seq_dim=2, rank=cp_rank)).sum())
-    sum(terms).backward()
+    with mock.patch.object(core, "ring_backward", wraps=core.ring_backward) as ring_backward:
+        sum(terms).backward()
     # the oracle's loss: each output's gradient on the rows of the ranks that used it, zero elsewhere
     keep_out, keep_lse = torch.zeros(total, dtype=torch.bool), torch.zeros(total, dtype=torch.bool)
     for r in range(cp):
@@ -514,8 +520,9 @@ def lse_on_some_ranks_case(rank, world, *, cp, strategy, lse_ranks, out_ranks):
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref, ref_lse = naive_attention(*ref_leaves, causal=True)
     ((ref * dout * keep_out[None, :, None, None]).sum() + (ref_lse * dlse * keep_lse).sum()).backward()
-    return {name: float((leaf.grad - plan.shard(r.grad, seq_dim=1, rank=cp_rank)).abs().max())
-            for name, leaf, r in zip(("dq", "dk", "dv"), leaves, ref_leaves)}
+    errors = {name: float((leaf.grad - plan.shard(r.grad, seq_dim=1, rank=cp_rank)).abs().max())
+              for name, leaf, r in zip(("dq", "dk", "dv"), leaves, ref_leaves)}
+    return errors, ring_backward.call_count
 
 
 def return_lse_disagreement_case(rank, world):

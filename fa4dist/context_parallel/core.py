@@ -14,10 +14,11 @@ over a dp x cp mesh does for every replicated weight) it is the gradient of the 
 ``cp_invariant`` the share is the whole sequence's gradient (one exact sum) on one rank per head and zeros on the
 others, so that the sum over the group has the same bits at every cp size.
 
-``return_lse=True`` also returns the local rows' lse, differentiable: its gradient is a second backward pass of the
-same engine with v = 0 (:func:`fa4dist.kernels.api.lse_pass`), run on every rank when any rank's loss
-used the lse (a pass is collective).  Not yet in the first pass's row sums (as the single-device call does on the
-reference and cute backends): the work lists and the shared query side take no lse gradient.
+``return_lse=True`` also returns the local rows' lse, differentiable: its gradient joins the ring's backward
+steps (the row sums D - dlse of every work list and of the shared query side, as the contract's ``dlse=``), where
+any rank's loss used the lse (the backward is collective: a rank whose loss did not use an output takes zeros for
+its gradient).  With ``cp_invariant`` it is a second pass of the invariant engine with v = 0
+(:func:`fa4dist.kernels.api.lse_pass`), as the single-device call computes it.
 """
 
 from __future__ import annotations
@@ -155,9 +156,10 @@ class _Call:
 
     def backward(self, dout, dlse, q, k, v, out_m, lse_m, sinks, create_graph: bool = False):
         """The gradients of (q, k, v, sinks) given out's gradient ``dout`` and the lse's ``dlse`` (either None: that
-        output unused on this rank).  The lse's gradient is a second pass of the same engine (every backend and
-        strategy alike): with the operands of :func:`fa4dist.kernels.api.lse_pass` (v = 0) the
-        backward computes exactly the lse's share of dq, dk (and the sinks'); v has none."""
+        output unused on this rank).  The ring's steps take the lse's gradient with out's (joined to the row sums,
+        as the contract's ``dlse=``).  With cp_invariant it is a second pass of the invariant engine, as on one
+        device: with the operands of :func:`fa4dist.kernels.api.lse_pass` (v = 0) the backward computes exactly
+        the lse's share of dq, dk (and the sinks'); v has none."""
         if self.agree is not None:  # every rank must be back-propagating the same forward call, the same way
             self.agree("the backward of forward call", self.call_id,
                        dict(self.signature, direction="backward", create_graph=create_graph))
@@ -184,28 +186,25 @@ class _Call:
             got = uly.seq_to_head(items)
             dout = got.pop(0) if with_out else None
             dlse = _lse_layout(got.pop(0)) if with_lse else None
-        passes = [(dout, v, out_m)] if with_out else []
-        if with_lse:
-            passes.append(lse_pass(dlse, out_m, v, dtype))
         if self.invariant:  # each pass's results in the inputs' dtypes, added as autograd adds two uses' gradients
+            passes = [(dout, v, out_m)] if with_out else []
+            if with_lse:
+                passes.append(lse_pass(dlse, out_m, v, dtype))
             grads = [self._invariant_backward(d, q, k, vv, o, lse_m, sinks) for d, vv, o in passes]
             dv = grads[0][2] if with_out else torch.zeros(v_shape, dtype=dtype, device=v.device)
             return (*(add_in_order(g[i] for g in grads) for i in (0, 1)), dv, add_in_order(g[3] for g in grads))
         acc = accum_dtype(dtype)
-        dq = dk = dv = dsinks = None
-        for i, (d, vv, o) in enumerate(passes):
-            grads = ring_backward(self.sched, self.ring, d, q, k, vv, o, lse_m, self.opts)
-            dq, dk = (g if s is None else s + g for s, g in ((dq, grads[0]), (dk, grads[1])))
-            if with_out and i == 0:
-                dv = grads[2]
-            if sinks is not None:  # this rank's rows' share of the sinks' gradient (in its Ulysses heads)
-                part = torch.zeros(sinks.shape, dtype=acc, device=sinks.device)
-                lo, hi = split.q_heads(uly.index) if uly is not None else (0, sinks.shape[0])
-                if o.numel():
-                    part[lo:hi] = sink_grad(d, o, lse_m, self.member_sinks(sinks))
-                dsinks = part if dsinks is None else dsinks + part
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device) if dv is None else dv
-        dsinks = None if dsinks is None else dsinks.to(sinks.dtype)
+        # one ring pass: the lse's gradient joins the row sums (D - dlse); a loss of the lse alone has dout = 0
+        dout = torch.zeros(out_m.shape, dtype=dtype, device=q.device) if dout is None else dout
+        dlse = None if dlse is None else dlse.to(acc).contiguous()
+        dq, dk, dv = ring_backward(self.sched, self.ring, dout, q, k, v, out_m, lse_m, self.opts, dlse=dlse)
+        dsinks = None
+        if sinks is not None:  # this rank's rows' share of the sinks' gradient (in its Ulysses heads)
+            dsinks = torch.zeros(sinks.shape, dtype=acc, device=sinks.device)
+            lo, hi = split.q_heads(uly.index) if uly is not None else (0, sinks.shape[0])
+            if out_m.numel():
+                dsinks[lo:hi] = sink_grad(dout, out_m, lse_m, self.member_sinks(sinks), dlse)
+            dsinks = dsinks.to(sinks.dtype)
         if uly is not None:
             rep = split.kv_replicated  # replicated KV heads: send fp32 and sum in member order
             dk, dv = (g if rep else g.to(dtype) for g in (dk, dv))

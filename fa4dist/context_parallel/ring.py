@@ -20,7 +20,8 @@ query side (one preprocess and one dQ convert for all steps, :func:`~fa4dist.ker
 the backend has one; else its fp32 buffer) and dK/dV into
 a fresh fp32 buffer for the rows it received, which goes straight back to their owner (posted after the step,
 awaited one step later so it overlaps).
-The owner adds its own dK/dV first, then the returns in step order: fixed by the plan, never by arrival.
+The owner adds its own dK/dV first, then the returns in step order: fixed by the plan, never by arrival.  A loss
+of the returned lse adds its gradient in the same steps (``dlse``, joined to the row sums of dout * out).
 
 Every member walks the same list of steps (those any member needs) and posts each step's sends and receives
 together (``batch_isend_irecv``), so two members always post the messages between them in the same order and no
@@ -159,16 +160,17 @@ def forward_items(q: torch.Tensor, kv, items, acc: Accumulators, opts: KernelOpt
 
 def backward_step(sched: Schedule, member: int, source: int, dout: torch.Tensor, q: torch.Tensor, kv,
                   out: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor, dkv, opts: KernelOptions,
-                  items=None, shared=None, fresh_dkv: bool = False) -> None:
+                  items=None, shared=None, fresh_dkv: bool = False, dlse=None) -> None:
     """Member `member`'s backward work list against `source`'s keys (or the given part of it): adds into the fp32
     `dq` (member layout; or into `shared`, the member's shared query side, until its finish) and the dK/dV buffer
-    `dkv` (laid out like `kv`): one call. `fresh_dkv`: `dkv` holds nothing yet (written, zeros where no item is)."""
+    `dkv` (laid out like `kv`): one call. `fresh_dkv`: `dkv` holds nothing yet (written, zeros where no item is).
+    `dlse`: the member's rows' lse gradient (lse's layout), which joins every step's gradients."""
     items = sched.items(member, source) if items is None else items
     if items:
         attention_backward_items(dout, q, kv.k, kv.v, out, lse, items, dq, dkv.k, dkv.v,
                                  softmax_scale=opts.softmax_scale, softcap=opts.softcap,
                                  deterministic=opts.deterministic, backend=opts.backend, shared=shared,
-                                 fresh_dkv=fresh_dkv)
+                                 fresh_dkv=fresh_dkv, dlse=dlse)
     elif fresh_dkv:
         dkv.k.zero_()
         dkv.v.zero_()
@@ -368,16 +370,17 @@ def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions,
     return acc
 
 
-def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opts: KernelOptions):
-    """Returns (dq, dk, dv) of this member's tokens in the accumulation dtype."""
+def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opts: KernelOptions, dlse=None):
+    """Returns (dq, dk, dv) of this member's tokens in the accumulation dtype; ``dlse``: its rows' lse gradient
+    (lse's layout, the accumulation dtype), joined to out's in the same steps."""
     steps = sched.steps()
     exchange = _Exchange(sched, ring, k, v, "backward")
     with exchange.abandoned_on_failure():
-        return _ring_backward_steps(sched, ring, exchange, steps, dout, q, k, v, out, lse, opts)
+        return _ring_backward_steps(sched, ring, exchange, steps, dout, q, k, v, out, lse, opts, dlse)
 
 
 def _ring_backward_steps(sched: Schedule, ring: RingPeers, exchange: _Exchange, steps, dout, q, k, v, out, lse,
-                         opts: KernelOptions):
+                         opts: KernelOptions, dlse):
     """:func:`ring_backward`'s steps, inside its exchange's failure guard."""
     sd = 0 if sched.plan.packed else 1
     m = ring.index
@@ -388,11 +391,11 @@ def _ring_backward_steps(sched: Schedule, ring: RingPeers, exchange: _Exchange, 
     dk, dv = torch.empty(k.shape, dtype=acc, device=k.device), torch.empty(v.shape, dtype=acc, device=v.device)
     incoming = exchange.post_keys(steps[0]) if steps else None
     shared = share_queries(dout, q, out, lse, softmax_scale=opts.softmax_scale, softcap=opts.softcap,
-                           deterministic=opts.deterministic, backend=opts.backend) if steps else None
+                           deterministic=opts.deterministic, backend=opts.backend, dlse=dlse) if steps else None
     # The own keys' work, half while the first remote keys travel, half while the last dK/dV travel back.
     own_first, own_last = sched.own_halves(m) if steps else (sched.items(m, m), ())
     backward_step(sched, m, m, dout, q, HeldKV(k, v), out, lse, dq, HeldKV(dk, dv), opts, own_first, shared,
-                  fresh_dkv=True)
+                  fresh_dkv=True, dlse=dlse)
     returning = None
     for i, t in enumerate(steps):
         following = exchange.post_keys(steps[i + 1]) if i + 1 < len(steps) else None
@@ -401,12 +404,13 @@ def _ring_backward_steps(sched: Schedule, ring: RingPeers, exchange: _Exchange, 
         if held is not None:
             partial = KVBuffer.empty_like(held, dtype=acc)
             backward_step(sched, m, sched.source(m, t), dout, q, held, out, lse, dq, partial, opts, shared=shared,
-                          fresh_dkv=True)
+                          fresh_dkv=True, dlse=dlse)
         posted = exchange.post_grads(t, partial, acc)
         if returning is not None:  # the previous step's returns, added in step order
             returning.finish(dk, dv, sd)
         returning, incoming = posted, following
-    backward_step(sched, m, m, dout, q, HeldKV(k, v), out, lse, dq, HeldKV(dk, dv), opts, own_last, shared)
+    backward_step(sched, m, m, dout, q, HeldKV(k, v), out, lse, dq, HeldKV(dk, dv), opts, own_last, shared,
+                  dlse=dlse)
     if shared is not None:
         shared.finish(dq)
     if returning is not None:

@@ -18,6 +18,11 @@ A backend is an object with:
                                                   row sums of dout * out); without it the contract runs one more
                                                   backward for it (api.lse_backward_operands; a fused-epilogue
                                                   backend must take it)
+  forward_items / backward_items / shared_rows (optional)
+                                                  a work list in few launches, and the query side many backward
+                                                  lists share (fa4dist.kernels.worklist; None: the list loops
+                                                  over the contract's calls).  backward_items and shared_rows
+                                                  take dlse= where the backend has lse_gradient
 
 Backends without a fused epilogue return fresh results; `fa4dist.kernels.api` writes or merges them into the
 caller's buffers, and merges the attention sinks into them (a backend sees the sinks tensor only through

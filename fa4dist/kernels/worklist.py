@@ -11,6 +11,8 @@ to every batch element.
 - ``attention_backward_items`` adds every item's dq, dk, dv into fp32 buffers, in list order, given the *global*
   out and lse; with ``fresh_dkv=True`` dk and dv may hold anything: each key row's first launch writes its
   gradient (:func:`fresh_key_launches`) and rows no item has become zero, the bytes of the same call into zeros.
+  ``dlse=``: the global lse's gradient too (a loss of out and lse), in the same launches where the backend takes
+  it (``lse_gradient``), else through each call's second pass (:func:`~fa4dist.kernels.attention_backward`).
 
 Several backward work lists on the same queries (a ring's steps against every member's keys) can share their
 query side: :func:`share_queries` gives a handle where the backend has one (cute: one preprocess and one dQ
@@ -117,7 +119,8 @@ def _check_whole_buffers(problem: AttentionProblem, what: str, running: dict, gr
     the running out and lse, or dout / out / lse given as the forward left them) and ``grads`` (fp32 / fp64 buffers
     shaped like q, k, v, or None)."""
     acc = (torch.float64,) if problem.dtype == torch.float64 else (torch.float32,)
-    shapes = {"out": problem.out_shape(), "dout": problem.out_shape(), "lse": problem.lse_shape()}
+    shapes = {"out": problem.out_shape(), "dout": problem.out_shape(), "lse": problem.lse_shape(),
+              "dlse": problem.lse_shape()}
     for name, (t, dtypes) in running.items():
         if t is None:
             raise ValueError(f"{what} needs {name}")
@@ -412,7 +415,8 @@ def attention_forward_items(
 
 def _described(tensors: dict) -> dict:
     """name -> ((shape, dtype, device), (address, strides)) of each tensor: what a shared query side was made for."""
-    return {name: ((tuple(t.shape), t.dtype, t.device), (t.data_ptr(), t.stride())) for name, t in tensors.items()}
+    return {name: None if t is None else ((tuple(t.shape), t.dtype, t.device), (t.data_ptr(), t.stride()))
+            for name, t in tensors.items()}
 
 
 class SharedQueries:
@@ -439,8 +443,14 @@ class SharedQueries:
             raise ValueError(f"shared= was made (share_queries) for dout and out of head dim {made}, but this call's "
                              f"v has head dim {head_dim_v}: a shared query side serves only the dout, q, out and "
                              "lse it was made for")
-        for name, (got, memory) in _described(tensors).items():
-            want, made_memory = self.given[name]
+        for name, described in _described(tensors).items():
+            if (described is None) != (self.given[name] is None):
+                raise ValueError(f"shared= was made (share_queries) {'with' if described is None else 'without'} "
+                                 f"{name}, but this call has {'none' if described is None else 'one'}: its "
+                                 "preprocess's row sums took what it was made with")
+            if described is None:
+                continue
+            (got, memory), (want, made_memory) = described, self.given[name]
             if got != want:
                 raise ValueError(f"shared= was made (share_queries) for {name} of shape {want[0]}, {want[1]} on "
                                  f"{want[2]}, but this call's {name} is {got[0]}, {got[1]} on {got[2]}: a shared "
@@ -465,17 +475,20 @@ class SharedQueries:
 
 @torch.compiler.disable(reason=EAGER_ONLY)
 def share_queries(dout, q, out, lse, *, softmax_scale=None, softcap=None, deterministic=None,
-                  backend: str = "auto") -> Optional[SharedQueries]:
+                  backend: str = "auto", dlse: Optional[torch.Tensor] = None) -> Optional[SharedQueries]:
     """A shared query side for backward work lists on these queries (dout, q, out, lse as the lists get them), or
     None where the backend has none (every call then keeps its own, with the same result up to fp32 rounding).
-    dout and out have v's head dim (which may differ from q's): the lists that use the handle must have it too."""
+    dout and out have v's head dim (which may differ from q's): the lists that use the handle must have it too.
+    ``dlse``: the lse's gradient, which the lists get too (the side's row sums take it, where the backend takes
+    it at all: ``lse_gradient``)."""
     check_optional_bool("deterministic", deterministic)
     seq_dim, whole = _layout(q, q, q, softmax_scale=softmax_scale, softcap=softcap)
     if isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[-1] > 0:  # no v here: out has its head dim
         whole = replace(whole, head_dim_v=out.shape[-1])
     given = _forward_dtypes(whole)
     _check_whole_buffers(whole, "share_queries (the global forward result and its gradient, as the lists get them)",
-                         {"out": (out, given), "dout": (dout, given), "lse": (lse, None)}, {})  # out first: v's dim
+                         {"out": (out, given), "dout": (dout, given), "lse": (lse, None),
+                          **({} if dlse is None else {"dlse": (dlse, None)})}, {})  # out first: v's dim
     packed = seq_dim == 0
     n = q.shape[seq_dim]
     if n == 0:
@@ -484,16 +497,17 @@ def share_queries(dout, q, out, lse, *, softmax_scale=None, softcap=None, determ
     problem = validate_inputs(queries, queries, queries, softcap=softcap, softmax_scale=softmax_scale)
     impl = select_backend(backend, problem, "backward")
     make = getattr(impl, "shared_rows", None)
-    if make is None:
+    if make is None or (dlse is not None and not getattr(impl, "lse_gradient", False)):
         return None
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
+    rows = dict(dlse=lse_token_rows(dlse, packed, 0, n)) if dlse is not None else {}
     state = make(token_rows(dout, seq_dim, 0, n, packed), queries, token_rows(out, seq_dim, 0, n, packed),
                  lse_token_rows(lse, packed, 0, n), softmax_scale=problem.softmax_scale,
-                 deterministic=bool(deterministic))
-    return None if state is None else SharedQueries(impl, state, seq_dim, bool(deterministic),
-                                                    _described({"q": q, "dout": dout, "out": out, "lse": lse}),
-                                                    problem.softmax_scale)
+                 deterministic=bool(deterministic), **rows)
+    return None if state is None else SharedQueries(
+        impl, state, seq_dim, bool(deterministic),
+        _described({"q": q, "dout": dout, "out": out, "lse": lse, "dlse": dlse}), problem.softmax_scale)
 
 
 @torch.compiler.disable(reason=EAGER_ONLY)
@@ -516,6 +530,7 @@ def attention_backward_items(
     cp_invariant: bool = False,
     shared: Optional[SharedQueries] = None,
     fresh_dkv: bool = False,
+    dlse: Optional[torch.Tensor] = None,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Adds every item's gradients into the fp32 ``dq, dk, dv``, in list order, given the global out and lse.
     ``dq=None`` or ``dk=dv=None``: those are not computed (the contract's rule for accumulate=True).
@@ -523,7 +538,9 @@ def attention_backward_items(
     not with dq=None).
     ``fresh_dkv=True``: dk and dv hold no gradient yet (any values): they end as the sum of the items' gradients,
     zero on key rows no item has, the bits of the same call into zeros, without a pass that fills them (dq is
-    still added into)."""
+    still added into).
+    ``dlse`` (lse's shape, fp32; fp64 for fp64 inputs): the global lse's gradient, added to the items' gradients
+    as :func:`~fa4dist.kernels.attention_backward` adds it (``shared`` must have been made with the same)."""
     check_bool("fresh_dkv", fresh_dkv)
     if shared is not None and not isinstance(shared, SharedQueries):
         raise TypeError(f"shared must be a SharedQueries handle (from share_queries) or None, got "
@@ -539,9 +556,11 @@ def attention_backward_items(
     seq_dim, problem = _layout(q, k, v, cp_invariant, softmax_scale, softcap)
     given = _forward_dtypes(problem)
     _check_whole_buffers(problem, "attention_backward_items (the global forward result and its gradient)",
-                         {"dout": (dout, given), "out": (out, given), "lse": (lse, None)},
+                         {"dout": (dout, given), "out": (out, given), "lse": (lse, None),
+                          **({} if dlse is None else {"dlse": (dlse, None)})},
                          {"dq": (dq, tuple(q.shape)), "dk": (dk, tuple(k.shape)), "dv": (dv, tuple(v.shape))})
-    check_written({"dq": dq, "dk": dk, "dv": dv}, {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
+    check_written({"dq": dq, "dk": dk, "dv": dv}, {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse,
+                                                  "dlse": dlse})
     items = _check_items(items, q.shape[seq_dim], k.shape[seq_dim])
     if check_optional_bool("deterministic", deterministic) is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
@@ -553,12 +572,14 @@ def attention_backward_items(
         raise ValueError("shared= needs cp_invariant=False and the deterministic setting it was made with (and "
                          "dq, dk and dv to add into)")
     if shared is not None:
-        shared.check_call({"q": q, "dout": dout, "out": out, "lse": lse}, problem.head_dim_v, problem.softmax_scale)
-    if getattr(impl, "backward_items", None) is not None and not cp_invariant:
+        shared.check_call({"q": q, "dout": dout, "out": out, "lse": lse, "dlse": dlse}, problem.head_dim_v,
+                          problem.softmax_scale)
+    if getattr(impl, "backward_items", None) is not None and not cp_invariant and (
+            dlse is None or getattr(impl, "lse_gradient", False)):
         rows = None if shared is None or shared.finished or shared.impl is not impl else shared.state
         done = impl.backward_items(dout, q, k, v, out, lse, items, dq, dk, dv, softmax_scale=problem.softmax_scale,
                                    softcap=problem.softcap, deterministic=bool(deterministic), shared=rows,
-                                   fresh_dkv=fresh_dkv)
+                                   fresh_dkv=fresh_dkv, **({} if dlse is None else {"dlse": dlse}))
         if done is not None:
             return dq, dk, dv
     if fresh_dkv:  # the loop adds every item: into zeros
@@ -588,5 +609,6 @@ def attention_backward_items(
             dq=token_rows(dq, seq_dim, *qs, packed),
             dk=token_rows(dk, seq_dim, *ks, packed), dv=token_rows(dv, seq_dim, *ks, packed), accumulate=True,
             backend=backend, cp_invariant=cp_invariant, **item.mask_kwargs(),
+            dlse=None if dlse is None else lse_token_rows(dlse, packed, *qs),
         )
     return dq, dk, dv

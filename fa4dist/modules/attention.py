@@ -61,9 +61,10 @@ class FA4ContextParallelAttention(nn.Module):
     gradient on each rank is that rank's rows' share (sum over the cp group, as a dp x cp gradient reduction does).
     Returns the local output; with ``return_lse=True`` ``(out, lse)``, lse the fp32 natural-log log-sum-exp of this
     rank's rows (``(batch, heads, local_len)``, packed ``(heads, local_tokens)``; the sinks included) and
-    differentiable: a loss of it (a z-loss, a merge with other attention) adds its gradient in one more backward
-    pass of the same ring / Ulysses engine (v = 0; the pass runs where any rank's loss used the lse).  With
-    ``cp_invariant`` its gradient is the same bits at every cp size too.
+    differentiable: a loss of it (a z-loss, a merge with other attention) adds its gradient inside the same ring /
+    Ulysses backward (joined to its row sums; the backward runs on every rank when any rank's loss used an
+    output).  With ``cp_invariant`` its gradient is the same bits at every cp size too (there one more invariant
+    backward pass, with v = 0).
 
     The calls on a process group pair up across ranks by order: make them from one thread at a time (a second
     thread's call raises at once).  A module on a process group is not picklable (``torch.save(model)``): save the

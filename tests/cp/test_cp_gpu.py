@@ -82,8 +82,9 @@ def test_cuda_fp64_exact_with_a_window_and_sinks(pool, strategy, kw):
 ])
 def test_cuda_bf16_a_loss_of_the_lse(pool, strategy, kw):
     """return_lse=True and a loss of out and lse on the fastest backend, bf16, hdim 128: the context-parallel
-    gradients (the lse's share a second pass of the engine) within 2x the single device's error (whose backward
-    takes the lse's gradient inside its one pass) against the fp64 oracle, plus bf16's unit."""
+    gradients (the lse's joined to the ring steps' row sums: the work lists' and the shared query side's
+    preprocesses take dlse) within 2x the single device's error (whose backward takes it inside its one pass too)
+    against the fp64 oracle, plus bf16's unit."""
     import torch
 
     common = dict(device="cuda:0", backend="auto", dtype=torch.bfloat16, head_dim=128, lse_loss="and")

@@ -242,13 +242,16 @@ def _spill_budget(main) -> int:
 
 
 @pytest.mark.cute
-@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-def test_compile_preprocess_with_the_lse_gradient(varlen, tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["dense", "varlen", "worklist"])
+def test_compile_preprocess_with_the_lse_gradient(layout, tmp_path, monkeypatch):
     """dlse= (the lse's gradient) joins the preprocess's row sums: a variant of its own that reads one more fp32
-    vector in lse's layout (more scalar loads than the plain one); the main kernel and convert unchanged."""
+    vector in lse's layout (more scalar loads than the plain one); the main kernel and convert unchanged.  The
+    work-list backward's own preprocess (its rows from the item table) takes it too."""
     monkeypatch.chdir(tmp_path)
-    kw = dict(causal=True, varlen=varlen, seg_offsets=False, accumulate=False, deterministic=False, dq_dtype=BF16,
-              dkv_dtype=BF16, o_dtype=BF16, do_dtype=BF16)
+    kw = dict(causal=True, varlen=layout != "dense", seg_offsets=False, accumulate=layout == "worklist",
+              deterministic=False, dq_dtype=torch.float32 if layout == "worklist" else BF16,
+              dkv_dtype=torch.float32 if layout == "worklist" else BF16, o_dtype=BF16, do_dtype=BF16,
+              worklist=layout == "worklist")
     plain, with_dlse = (bwd.make_configs(BF16, 128, **kw, dlse=flag) for flag in (False, True))
     assert with_dlse[0].dlse and not plain[0].dlse and with_dlse[1:] == plain[1:]
     ptx = {cfg.dlse: host.compile_config(cfg, extra_options="--keep-ptx").artifacts.PTX

@@ -35,7 +35,9 @@ def _grid_items(rng, segments, causal):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_random_grid_equals_one_call(seed):
+@pytest.mark.parametrize("lse_loss", [False, True])
+def test_random_grid_equals_one_call(seed, lse_loss):
+    """lse_loss: the loss has a term of the lse too, whose gradient the backward list takes (dlse=)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     causal, packed = rng.random() < 0.7, seed % 2 == 1
@@ -56,7 +58,8 @@ def test_random_grid_equals_one_call(seed):
     dout = torch.randn(*lead, heads, 8, dtype=F64, generator=gen)
     cut = torch.tensor([s for s, _, _ in segments] + [lead[0]], dtype=torch.int32) if packed else None
     ref, ref_lse = naive_attention(q, k, v, causal=causal, cu_seqlens_q=cut, cu_seqlens_k=cut)
-    ref.backward(dout)
+    dlse = torch.randn(ref_lse.shape, dtype=F64, generator=gen) if lse_loss else None
+    ((ref * dout).sum() + ((ref_lse * dlse).sum() if lse_loss else 0)).backward()
     items = _grid_items(rng, segments, causal)
     out = torch.full(ref.shape, float("nan"), dtype=F64)  # poisoned: fresh=True must write every row
     lse = torch.full(ref_lse.shape, float("nan"), dtype=F64)
@@ -64,7 +67,8 @@ def test_random_grid_equals_one_call(seed):
     torch.testing.assert_close(out, ref.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, ref_lse.detach(), rtol=1e-12, atol=1e-12)
     grads = [torch.zeros(t.shape, dtype=F64) for t in (q, k, v)]
-    attention_backward_items(dout, q.detach(), k.detach(), v.detach(), out, lse, items, *grads, backend="reference")
+    attention_backward_items(dout, q.detach(), k.detach(), v.detach(), out, lse, items, *grads, backend="reference",
+                             dlse=dlse)
     for got, leaf in zip(grads, (q, k, v)):
         torch.testing.assert_close(got, leaf.grad, rtol=1e-10, atol=1e-10)
 
@@ -121,10 +125,12 @@ def test_numpy_integers_in_an_item_are_taken_as_ints():
 
 class _SharedRows:
     """A shared query side on the CPU for the tests: the dQ of the items it takes (rows starting on a multiple of 4)
-    goes into one scratch of the queries' shape, added into the lists' dq at finish."""
+    goes into one scratch of the queries' shape, added into the lists' dq at finish; ``dlse``: the lse's gradient
+    its rows' calls take (as cute's preprocess takes it once for all launches)."""
 
-    def __init__(self, q):
+    def __init__(self, q, dlse=None):
         self.scratch = torch.zeros(q.shape, dtype=F64)
+        self.dlse = dlse
 
     def takes(self, q_start, q_len):
         return q_len > 0 and q_start % 4 == 0
@@ -140,14 +146,16 @@ def _sharing_backend():
     class Sharing(ReferenceBackend):
         name = "test_sharing"
 
-        def shared_rows(self, dout, q, out, lse, *, softmax_scale, deterministic):
-            return _SharedRows(q)
+        def shared_rows(self, dout, q, out, lse, *, softmax_scale, deterministic, dlse=None):
+            return _SharedRows(q, dlse)
 
         def backward(self, problem, dout, q, k, v, out, lse, deterministic, dq=None, dk=None, dv=None,
-                     accumulate=False, rows=None, q_start=0, dq_scale=None):
+                     accumulate=False, rows=None, q_start=0, dq_scale=None, dlse=None):
             if rows is None:
-                return super().backward(problem, dout, q, k, v, out, lse, deterministic, dq_scale)
-            gq, gk, gv = super().backward(problem, dout, q, k, v, out, lse, deterministic)
+                return super().backward(problem, dout, q, k, v, out, lse, deterministic, dq_scale, dlse)
+            assert dlse is None  # (the shared side has it)
+            rows_dlse = None if rows.dlse is None else rows.dlse[..., q_start:q_start + q.shape[1]]
+            gq, gk, gv = super().backward(problem, dout, q, k, v, out, lse, deterministic, dlse=rows_dlse)
             rows.scratch[:, q_start:q_start + q.shape[1]] += gq
             dk.add_(gk)
             dv.add_(gv)
@@ -215,6 +223,67 @@ def test_a_shared_query_side_gives_the_lists_gradients_with_v_of_another_head_di
     handle.finish(got[0])
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_shared_query_side_made_with_the_lse_gradient(sharing, packed):
+    """share_queries(..., dlse=) gives lists that take the same dlse the plain lists' gradients of a loss of out and
+    lse; a list without dlse on a side made with one (or the other way round), or with another dlse tensor, is
+    refused by name before any item runs (the side's row sums took what it was made with)."""
+    from fa4dist.kernels.worklist import share_queries
+
+    dout, q, k, v, out, lse = _shared_inputs(packed)
+    dlse = torch.randn(lse.shape, dtype=F64, generator=torch.Generator().manual_seed(9))
+    lists = [[WorkItem(0, 8, 0, 8, causal=True), WorkItem(2, 6, 0, 16, causal=True)],
+             [WorkItem(8, 8, 0, 16, causal=True), WorkItem(4, 12, 8, 8, 4, 8, causal=True)]]
+    want, got = ([torch.zeros_like(t) for t in (q, k, v)] for _ in range(2))
+    handle = share_queries(dout, q, out, lse, deterministic=False, backend=sharing, dlse=dlse)
+    for items in lists:
+        attention_backward_items(dout, q, k, v, out, lse, items, *want, deterministic=False, backend="reference",
+                                 dlse=dlse)
+        attention_backward_items(dout, q, k, v, out, lse, items, *got, deterministic=False, backend=sharing,
+                                 shared=handle, dlse=dlse)
+    handle.finish(got[0])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    plain = share_queries(dout, q, out, lse, deterministic=False, backend=sharing)
+    items = lists[0]
+    for made, given, match in ((handle, None, "made \\(share_queries\\) with dlse, but this call has none"),
+                               (plain, dlse, "made \\(share_queries\\) without dlse, but this call has one"),
+                               (handle, dlse.clone(), "for another dlse tensor")):
+        grads = [torch.zeros_like(t) for t in (q, k, v)]
+        with pytest.raises(ValueError, match=match):
+            attention_backward_items(dout, q, k, v, out, lse, items, *grads, deterministic=False, backend=sharing,
+                                     shared=made, dlse=given)
+        assert not any(g.any() for g in grads)
+
+
+def test_the_lse_gradient_of_a_list_is_checked_by_name():
+    """dlse= of a work list (and of share_queries) has the lse's shape, dtype and device, checked before any item
+    runs; a loss of the lse alone (dout = 0) gives its gradient and a zero dv."""
+    from fa4dist.kernels.worklist import share_queries
+
+    dout, q, k, v, out, lse = _shared_inputs(True)
+    items = [WorkItem(0, 16, 0, 16, causal=True)]
+    for bad, err, match in ((lse[:, :4], ValueError, r"dlse must have shape \(2, 16\)"),
+                            (lse.float(), TypeError, "dlse must have dtype torch.float64"),
+                            (lse.to("meta"), ValueError, "dlse must be on cpu")):
+        grads = [torch.zeros_like(t) for t in (q, k, v)]
+        with pytest.raises(err, match=match):
+            attention_backward_items(dout, q, k, v, out, lse, items, *grads, backend="reference", dlse=bad)
+        assert not any(g.any() for g in grads)
+        with pytest.raises(err, match=match):
+            share_queries(dout, q, out, lse, backend="reference", dlse=bad)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    _, ref_lse = naive_attention(*(t.unsqueeze(0) for t in leaves), causal=True)
+    dlse = torch.randn(lse.shape, dtype=F64)
+    (ref_lse[0] * dlse).sum().backward()
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    attention_backward_items(torch.zeros_like(dout), q, k, v, out, lse, items, *grads, backend="reference",
+                             dlse=dlse)
+    for g, leaf in zip(grads[:2], leaves):
+        torch.testing.assert_close(g, leaf.grad, rtol=1e-10, atol=1e-10)
+    assert leaves[2].grad is None and not grads[2].any()  # (the lse does not depend on v)
 
 
 def test_a_shared_query_side_refuses_other_tensors_by_name(sharing):

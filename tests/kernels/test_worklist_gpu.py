@@ -263,6 +263,45 @@ def test_backward_random_lists_equal_the_loop(monkeypatch, seed, deterministic):
         assert _rel(a, b) <= 2e-2, f"{name} error {_rel(a, b)} against the fp64 reference"
 
 
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_backward_lists_with_the_lse_gradient(monkeypatch, seed, deterministic, shared):
+    """dlse= (a loss of out and lse) through the one-launch path, with the launches' own preprocesses or a shared
+    query side's (made with the same dlse): the per-item loop's gradients (each call's dlse rows) up to fp32 order,
+    and the fp64 reference's at bf16 tolerance; a loss of the lse alone (dout = 0) too."""
+    rng = random.Random(3000 + seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    d = (64, 128, 128)[seed]
+    hk, h = 2, 4
+    packed = seed != 1
+    n_rows, n_keys = rng.randint(300, 1200), rng.randint(300, 1200)
+    masks = [dict(causal=True), dict(), dict(causal=True, window=(rng.randint(0, 400), -1))]
+    dout, q, k, v = _bwd_inputs(gen, packed, n_rows, n_keys, h, hk, d)
+    items = [it for it in _random_items(rng, n_rows, n_keys, rng.randint(3, 10), masks) if it.k_len]
+    softcap = 30.0 if seed == 2 else None
+    out, lse = _buffers(q, True, packed, gen)
+    attention_forward_items(q, k, v, items, out, lse, fresh=True, backend="cute", softcap=softcap)
+    out = torch.nan_to_num(out).to(torch.bfloat16)
+    lse = torch.nan_to_num(lse, nan=0.0)
+    dlse = torch.randn(lse.shape, device="cuda", generator=gen)
+    for d_out in (dout, torch.zeros_like(dout)):
+        args = (d_out, q, k, v, out, lse, items)
+        kw = dict(monkeypatch=monkeypatch, shared=shared, deterministic=deterministic, softcap=softcap, dlse=dlse)
+        launches = []
+        got = _run_bwd(args, [torch.zeros(t.shape, device="cuda") for t in (q, k, v)], launches, **kw)
+        loop = _run_bwd(args, [torch.zeros(t.shape, device="cuda") for t in (q, k, v)], loop=True, **kw)
+        assert launches
+        for name, a, b in zip(("dq", "dk", "dv"), got, loop):
+            assert _rel(a, b) <= 1e-4, f"{name} differs from the loop by {_rel(a, b)}"
+        ref = [torch.zeros(t.shape, device="cuda", dtype=torch.float64) for t in (q, k, v)]
+        attention_backward_items(d_out.double(), q.double(), k.double(), v.double(), out.double(), lse.double(),
+                                 items, *ref, backend="reference", softcap=softcap, dlse=dlse.double())
+        for name, a, b in zip(("dq", "dk"), got, ref):
+            assert _rel(a, b) <= 2e-2, f"{name} error {_rel(a, b)} against the fp64 reference"
+        assert _rel(got[2], ref[2]) <= 2e-2 if d_out is dout else not got[2].any()
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("cp, d", [(2, 128), (4, 128), (2, 64), (4, 64)])

@@ -139,13 +139,14 @@ class CuteSm90Backend:
         return out, lse
 
     def backward_items(self, dout, q, k, v, out, lse, items, dq, dk, dv, *, softmax_scale, softcap, deterministic,
-                       shared=None, fresh_dkv=False):
+                       shared=None, fresh_dkv=False, dlse=None):
         """A backward work list in few launches (worklist.backward_launches): one main kernel per group of items
         with disjoint key rows (and query rows, unless the launches share a non-deterministic query side). Items
         whose rows ``shared`` (backward.SharedRows of these queries) takes add their dQ into its scratch; the other
         groups run their own preprocess and dQ convert. Deterministic: the same sums in an order fixed by the list
-        (the tickets of each query tile within a launch, the launches in order), not the loop's order. Returns None
-        (the caller loops) where the tensors or an item do not suit it."""
+        (the tickets of each query tile within a launch, the launches in order), not the loop's order. ``dlse``
+        (fp32, lse's layout): the lse's gradient, joined to the row sums of the launches' own preprocesses (``shared``
+        was made with the same). Returns None (the caller loops) where the tensors or an item do not suit it."""
         from . import backward as _bwd
 
         if dq is None or dk is None or dv is None or q.shape[-1] not in _bwd.BWD_HEAD_DIMS:
@@ -160,6 +161,8 @@ class CuteSm90Backend:
             shared = None
         if shared is not None and shared.deterministic != bool(deterministic):
             shared = None
+        if dlse is not None and (dlse.dtype != torch.float32 or dlse.stride(-1) != 1):
+            return None
         causal_keys = [it.k_len for it in items if it.causal]
         if deterministic and shared is None and _bwd.deterministic_gqa_form(
                 q.shape[-2] // k.shape[-2], q.shape[-1], True, max(causal_keys, default=None)) == "expanded":
@@ -180,7 +183,7 @@ class CuteSm90Backend:
                                        max_k_len=max_k, softmax_scale=softmax_scale, causal=causal,
                                        window_left=window_left, softcap=softcap,
                                        rows=shared if on_shared else None, deterministic=deterministic,
-                                       write_dkv=write)
+                                       write_dkv=write, dlse=None if dlse is None or on_shared else view(dlse))
         return dq, dk, dv
 
     @staticmethod
@@ -358,15 +361,17 @@ class CuteSm90Backend:
             return causal, window_left, diagonals, (0,) * len(diagonals)
         return causal, window_left, problem.q_offsets[0] + shift, problem.k_offsets[0]
 
-    def shared_rows(self, dout, q, out, lse, *, softmax_scale, deterministic):
+    def shared_rows(self, dout, q, out, lse, *, softmax_scale, deterministic, dlse=None):
         """The query side of many backward launches on row ranges of these queries (backward.SharedRows), or None
-        where it cannot be shared (a dense batch above 1, odd layouts): then every launch keeps its own."""
+        where it cannot be shared (a dense batch above 1, odd layouts): then every launch keeps its own.  ``dlse``:
+        the lse's gradient, in its preprocess's row sums."""
         from . import backward as _bwd
 
         if q.dim() != 4 or q.shape[0] != 1 or not all(
                 self._kernel_ready(t, 16 // t.element_size()) for t in (dout, q, out)):
             return None
-        return _bwd.SharedRows(dout, q, out, lse, softmax_scale=softmax_scale, deterministic=deterministic)
+        return _bwd.SharedRows(dout, q, out, lse, softmax_scale=softmax_scale, deterministic=deterministic,
+                               dlse=None if dlse is None else dlse.to(torch.float32))
 
     def backward(self, problem, dout, q, k, v, out, lse, deterministic, dq=None, dk=None, dv=None,
                  accumulate=False, rows=None, q_start=0, dq_scale=None, dlse=None):

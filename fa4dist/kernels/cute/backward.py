@@ -1006,9 +1006,12 @@ class SharedRows:
     padding rows are another launch's rows (:meth:`takes`). dQ differs from per-launch converts by the rounding of
     one fp32 sum instead of several; its order is the launch order, which the caller fixes."""
 
-    def __init__(self, dout, q, out, lse, *, softmax_scale=None, deterministic=False):
+    def __init__(self, dout, q, out, lse, *, softmax_scale=None, deterministic=False, dlse=None):
         if q.dim() != 4 or q.shape[0] != 1:
             raise ValueError(f"SharedRows takes one dense sequence (1, s, h, d), got q {tuple(q.shape)}")
+        if dlse is not None and (dlse.dtype != torch.float32 or tuple(dlse.shape) != tuple(lse.shape)):
+            raise ValueError(f"dlse must be fp32 shaped like lse {tuple(lse.shape)}, got {dlse.dtype} "
+                             f"{tuple(dlse.shape)}")
         d = q.shape[-1]
         self.q, self.heads, self.head_dim = q, q.shape[2], d
         self.tm = tm = tile_m_for(d)
@@ -1024,12 +1027,13 @@ class SharedRows:
         self.dq_acc = torch.empty(n_chunks * tm * d, dtype=torch.float32, device=device)
         self.sem = torch.empty(n_chunks, dtype=torch.int32, device=device) if deterministic else None
         dout, out, lse = (t if t.stride(-1) == 1 else t.contiguous() for t in (dout, out, lse))
+        dlse = None if dlse is None or dlse.stride(-1) == 1 else dlse.contiguous()
         pre = PreConfig(o_dtype=host.dtype_name(out.dtype), do_dtype=host.dtype_name(dout.dtype), head_dim=d,
-                        tile_m=tm, varlen=False, deterministic=self.deterministic)
+                        tile_m=tm, varlen=False, deterministic=self.deterministic, dlse=dlse is not None)
         self.post = host.get_compiled(PostConfig(dtype=host.dtype_name(q.dtype), dq_fp32=True, head_dim=d, tile_m=tm,
                                                  varlen=False, accumulate=True))
         if self.rows:
-            host.get_compiled(pre)(out, dout, lse, None, self.lse2, self.dpsum, self.clean, self.dq_acc, self.sem, None,
+            host.get_compiled(pre)(out, dout, lse, dlse, self.lse2, self.dpsum, self.clean, self.dq_acc, self.sem, None,
                                    None, scale, 1, None)
 
     def takes(self, q_start: int, q_len: int) -> bool:
@@ -1060,7 +1064,7 @@ class SharedRows:
 
 def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_tiles, max_q_len, max_k_len,
                       softmax_scale, causal, window_left=-1, softcap=None, rows: Optional[SharedRows] = None,
-                      deterministic=False, write_dkv=False):
+                      deterministic=False, write_dkv=False, dlse=None):
     """The gradients of a work list's items in one main-kernel launch, added into fp32 dq, dk, dv. Deterministic:
     the items' scratch tiles are pairwise disjoint too, and each query tile takes its item's key tiles' dQ in the
     tickets' fixed order (as for the segments of a packed call); otherwise dQ goes through unordered atomic adds.
@@ -1072,7 +1076,9 @@ def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_til
     rows pairwise disjoint and the scratch ``scratch_tiles`` query tiles long. With ``rows`` (a :class:`SharedRows`
     of these queries, ``dq`` unused): every item's rows start on one of its tiles, column 5 is that tile, and only
     the main kernel runs (its dQ is in the shared scratch until ``rows.finish``). ``write_dkv``: the items' key
-    rows of dk / dv hold nothing yet: written (``0 + x``, the bits of the add into zeros), not added into."""
+    rows of dk / dv hold nothing yet: written (``0 + x``, the bits of the add into zeros), not added into.
+    ``dlse`` (fp32, lse's layout): the lse's gradient, which joins the launch's own preprocess's row sums (with
+    ``rows``, the shared side's preprocess has it: not given here)."""
     d, hq = q.shape[-1], q.shape[-2]
     tm = tile_m_for(d)
     scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d))
@@ -1083,7 +1089,10 @@ def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_til
     pre_cfg, main_cfg, post_cfg = make_configs(
         q.dtype, d, causal=causal, varlen=True, seg_offsets=False, accumulate=True, deterministic=deterministic,
         dq_dtype=torch.float32, dkv_dtype=torch.float32, o_dtype=out.dtype, do_dtype=dout.dtype,
-        window_left=window_left, softcap=softcap, worklist=True)
+        window_left=window_left, softcap=softcap, worklist=True, dlse=dlse is not None)
+    if dlse is not None and (rows is not None or dlse.dtype != torch.float32 or dlse.shape != lse.shape):
+        raise ValueError(f"dlse must be fp32 shaped like lse {tuple(lse.shape)} (and not with shared rows, whose "
+                         f"preprocess takes it), got {dlse.dtype} {tuple(dlse.shape)}")
     if write_dkv:  # the main kernel's accumulate is its dK / dV store's; dQ still goes through the scratch
         main_cfg = replace(main_cfg, accumulate=False)
     check_resident(main_cfg)
@@ -1109,7 +1118,7 @@ def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_til
     dq_acc = torch.empty(n_chunks * tm * d, dtype=torch.float32, device=q.device)
     sem = torch.empty(n_chunks, dtype=torch.int32, device=q.device) if deterministic else None  # pre zeroes it
     m_grid = max(1, -(-int(max_q_len) // tm))
-    host.get_compiled(pre_cfg)(out, dout, lse, None, lse2, dpsum, clean, dq_acc, sem, None, None, scale, m_grid,
+    host.get_compiled(pre_cfg)(out, dout, lse, dlse, lse2, dpsum, clean, dq_acc, sem, None, None, scale, m_grid,
                                table)
     main_fn(*BwdKernelArgs(q=q, k=k, v=v, dout=dout, lse2=lse2, dpsum=dpsum,
                            clean=clean if main_cfg.takes_clean_flags else None, dq_acc=dq_acc, dk=dk, dv=dv, sem=sem,
