@@ -480,7 +480,9 @@ class ShardPlan:
         sequence, each in [0, total_len]): the same chunks on the same ranks, so one sharding of the inputs serves
         layers whose masks differ only in where documents end (chunked attention: Llama 4's chunked layers see
         their own chunk of each document; :mod:`fa4dist.integrations.hf_context_parallel`).  The balancer's choice
-        is kept (it was costed with the original documents); a dense plan becomes a packed one."""
+        is kept (it was costed with the original documents); a dense plan becomes a packed one.  Its documents are
+        the pieces: its :meth:`positions` restart at every cut, so take RoPE's positions from this plan, not from
+        the split one."""
         if isinstance(starts, (str, bytes)) or starts is None:
             raise TypeError(f"starts must be a 1-D tensor or sequence of token indices, got {type(starts).__name__}")
         try:
