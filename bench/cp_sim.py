@@ -204,6 +204,10 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
     full["fwd_zero_fill"] = full["fwd"]
     full["bwd"] = lambda: attention_backward(dout, q, k, v, out_full, lse_full, backend=backend, **mask)
     full["bwd_per_call"] = full["bwd_zero_fill"] = full["bwd"]
+    # bwd_lse: a loss of out and lse (return_lse=True): the lse's gradient joins the row sums, on one device and in
+    # every ring step alike
+    dlse = torch.randn(lse_full.shape, device=device, dtype=lse_full.dtype, generator=gen)
+    full["bwd_lse"] = lambda: attention_backward(dout, q, k, v, out_full, lse_full, backend=backend, dlse=dlse, **mask)
     opts = KernelOptions(softmax_scale=None, softcap=None, backend=backend, deterministic=False)
     acc = accum_dtype(dtype)
     elt, acc_elt = torch.finfo(dtype).bits // 8, torch.finfo(acc).bits // 8
@@ -212,6 +216,7 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
             plan = make_plan(seqlen, cp, balancer, **mask)
             sched = Schedule(plan, 1, plan.mask)
             shards = [[plan.shard(t, rank=r) for t in (q, k, v, dout)] for r in range(cp)]
+            dlse_shards = [plan.shard(dlse, seq_dim=2, rank=r).contiguous() for r in range(cp)]
             # the key rows rank r receives from rank s (what the ring engine sends it), packed as it would be
             held = {(r, s): KVBuffer.gather(shards[s][1], shards[s][2], sched.needed(r, s), 1)
                     for r in range(cp) for s in range(cp) if s != r and sched.needed(r, s)}
@@ -241,7 +246,8 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
 
                         def run_rank(r=r, qr=qr, kr=kr, vr=vr, dr=dr, out_r=out_r, lse_r=lse_r,
                                      share=direction != "bwd_per_call", held=held, sched=sched,
-                                     fresh=direction != "bwd_zero_fill"):
+                                     fresh=direction != "bwd_zero_fill",
+                                     dlse_r=dlse_shards[r] if direction == "bwd_lse" else None):
                             dq = torch.zeros(qr.shape, dtype=acc, device=device)
                             # as the ring engine: dK / dV written by their first step (bwd_zero_fill: zero-filled
                             # and added into, as before the twenty-sixth session)
@@ -251,16 +257,16 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                             # as the ring engine: one shared query side for all steps (bwd_per_call: without)
                             shared = share_queries(dr, qr, out_r, lse_r, backend=opts.backend,
                                                    softmax_scale=opts.softmax_scale, softcap=opts.softcap,
-                                                   deterministic=False) if share else None
+                                                   deterministic=False, dlse=dlse_r) if share else None
                             backward_step(sched, r, r, dr, qr, HeldKV(kr, vr), out_r, lse_r, dq, own, opts,
-                                          shared=shared, fresh_dkv=fresh)
+                                          shared=shared, fresh_dkv=fresh, dlse=dlse_r)
                             for t in sched.member_steps(r):
                                 s = sched.source(r, t)
                                 partial = KVBuffer.empty_like(held[(r, s)], dtype=acc)
                                 if not fresh:
                                     partial.flat.zero_()
                                 backward_step(sched, r, s, dr, qr, held[(r, s)], out_r, lse_r, dq, partial, opts,
-                                              shared=shared, fresh_dkv=fresh)
+                                              shared=shared, fresh_dkv=fresh, dlse=dlse_r)
                             if shared is not None:
                                 shared.finish(dq)
                     runners.append(run_rank)
@@ -472,10 +478,11 @@ def main(argv=None):
     p.add_argument("--dtype", default=None, help="default bfloat16 (float32 with --device cpu)")
     p.add_argument("--balancers", nargs="+", default=list(BALANCERS), choices=BALANCERS)
     p.add_argument("--directions", nargs="+", default=["fwd", "bwd"],
-                   choices=["fwd", "fwd_zero_fill", "bwd", "bwd_per_call", "bwd_zero_fill"],
+                   choices=["fwd", "fwd_zero_fill", "bwd", "bwd_per_call", "bwd_zero_fill", "bwd_lse"],
                    help="bwd_per_call: the backward without the shared query side (one preprocess and dQ convert "
                         "per call, as before 2026-12-01); bwd_zero_fill: dK / dV zero-filled and added into (as "
-                        "before 2026-12-03's fresh_dkv); fwd_zero_fill: every row of out / lse filled first")
+                        "before 2026-12-03's fresh_dkv); fwd_zero_fill: every row of out / lse filled first; "
+                        "bwd_lse: the backward of a loss of out and lse (dlse in every step's row sums)")
     p.add_argument("--steps-per-launch", type=int, nargs="+", default=[1],
                    help="the forward's remote steps per launch (ring_forward's launch groups; 0: all remote steps "
                         "in one), one fwd row each (labelled fwd/N)")

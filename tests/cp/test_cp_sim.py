@@ -216,3 +216,13 @@ def test_cp_sim_tiny_keeps_the_head_counts_given(tmp_path, monkeypatch):
                   "--seqlens", "32", "--reps", "1", "--balancers", "lpt", "--directions", "fwd"])
     meta = json.loads((tmp_path / "cp_sim.json").read_text())["meta"]
     assert (meta["heads"], meta["kv_heads"], meta["headdim"]) == (8, 4, 32)
+
+
+def test_cp_sim_times_the_backward_of_a_loss_of_the_lse(tmp_path, monkeypatch):
+    """--directions bwd_lse: every rank's steps take the lse's gradient (dlse in the row sums), beside one device's
+    backward with dlse; its bytes per step are the backward's."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    rows = _load().main(["--device", "cpu", "--tiny", "--cp", "2", "--seqlens", "96", "--reps", "1",
+                         "--balancers", "lpt", "--directions", "bwd", "bwd_lse"])
+    assert [r["direction"] for r in rows] == ["bwd", "bwd_lse"]
+    assert rows[1]["efficiency"] > 0 and rows[1]["bytes_per_step"] == rows[0]["bytes_per_step"]
