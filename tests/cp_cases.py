@@ -5,6 +5,7 @@ the single-process fp64 oracle of the whole sequence (tests/oracle.py, which sha
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
@@ -58,37 +59,46 @@ def cp_module(rank, cp, strategy, causal, plan_u=1, ulysses_degree=None, topolog
     return module, module.cp_rank
 
 
-def run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, docs=None, heads=(4, 2), head_dim=8,
-             head_dim_v=None, batch=1, balancer="lpt", num_chunks=None, plan_u=1, ulysses_degree=None,
-             topology="group", seed=0, dtype=torch.float64, device="cpu", backend="reference", window=(-1, -1),
-             softcap=None, sinks=False, align=1, ring_steps_per_launch=None, lse_loss=None):
-    """Max abs errors of the local out, dq, dk, dv against the fp64 oracle (None on ranks outside the group).
+@contextlib.contextmanager
+def environment(values: dict):
+    """The environment variables ``values`` (name -> value; None: left as it is) set for the block, then restored."""
+    before = {name: os.environ.get(name) for name, value in values.items() if value is not None}
+    os.environ.update({name: str(value) for name, value in values.items() if value is not None})
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
+def run_case(rank, world, *, ring_steps_per_launch=None, ulysses_chunks=None, **case):
+    """Max abs errors of the local out, dq, dk, dv against the fp64 oracle (None on ranks outside the group):
+    :func:`_run_case`'s, with ``ring_steps_per_launch`` (the ring forward's launch groups,
+    FA4DIST_RING_STEPS_PER_LAUNCH) and ``ulysses_chunks`` (the Ulysses head chunks, FA4DIST_ULYSSES_CHUNKS) set for
+    this call."""
+    from fa4dist.context_parallel.ring import STEPS_PER_LAUNCH_ENV
+    from fa4dist.context_parallel.ulysses import CHUNKS_ENV
+
+    with environment({STEPS_PER_LAUNCH_ENV: ring_steps_per_launch, CHUNKS_ENV: ulysses_chunks}):
+        return _run_case(rank, world, **case)
+
+
+def _run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, docs=None, heads=(4, 2), head_dim=8,
+              head_dim_v=None, batch=1, balancer="lpt", num_chunks=None, plan_u=1, ulysses_degree=None,
+              topology="group", seed=0, dtype=torch.float64, device="cpu", backend="reference", window=(-1, -1),
+              softcap=None, sinks=False, align=1, lse_loss=None):
+    """:func:`run_case`'s case.
 
     ``lse_loss``: the module returns the lse too (``return_lse=True``) and the loss has a term of it, a random
     gradient: "and" (out's and lse's) or "only" (the lse's alone); also its error ("lse").
-
-    ``ring_steps_per_launch``: the ring forward's launch groups (FA4DIST_RING_STEPS_PER_LAUNCH, for this call).
 
     With ``sinks``: also this rank's share of the sinks' gradient ("dsinks", to be summed over the ranks) and the
     oracle's whole gradient ("dsinks_ref")."""
     if topology == "mesh" and cp != world:
         raise ValueError("mesh cases use the whole pool")
-    if ring_steps_per_launch is not None:
-        from fa4dist.context_parallel.ring import STEPS_PER_LAUNCH_ENV
-
-        before = os.environ.get(STEPS_PER_LAUNCH_ENV)
-        os.environ[STEPS_PER_LAUNCH_ENV] = str(ring_steps_per_launch)
-        try:
-            return run_case(rank, world, cp=cp, strategy=strategy, causal=causal, seqlen=seqlen, docs=docs,
-                            heads=heads, head_dim=head_dim, head_dim_v=head_dim_v, batch=batch, balancer=balancer,
-                            num_chunks=num_chunks, plan_u=plan_u, ulysses_degree=ulysses_degree, topology=topology,
-                            seed=seed, dtype=dtype, device=device, backend=backend, window=window, softcap=softcap,
-                            sinks=sinks, align=align, lse_loss=lse_loss)
-        finally:
-            if before is None:
-                del os.environ[STEPS_PER_LAUNCH_ENV]
-            else:
-                os.environ[STEPS_PER_LAUNCH_ENV] = before
     if device != "cpu":
         torch.cuda.set_device(torch.device(device))
     module, cp_rank = cp_module(rank, cp, strategy, causal, plan_u, ulysses_degree, topology, backend=backend,
@@ -531,3 +541,44 @@ def return_lse_disagreement_case(rank, world):
     plan = module.make_plan(30)
     local = [plan.shard(t, seq_dim=1, rank=cp_rank) for t in global_inputs(5, 30, 2, 2, 8, torch.float64, 1)[:3]]
     return call_errors(lambda: module(*local, plan=plan, return_lse=rank == 1))[0]
+
+
+def ulysses_chunks_case(rank, world, *, cp, strategy, chunks, ulysses_degree=None, packed=False, lse_loss=True):
+    """With ``chunks`` Ulysses head chunks (FA4DIST_ULYSSES_CHUNKS) against one: the largest difference of out,
+    the lse (with ``lse_loss``, and a loss of it) and the gradients of q, k, v and the sinks relative to the
+    largest value (every head is computed alone in either: the backend's rounding may differ with the heads a call
+    takes), and how many exchanges to heads each run posted (forward and backward)."""
+    from unittest import mock
+
+    from fa4dist.context_parallel.ulysses import CHUNKS_ENV, UlyssesGroup
+
+    module, cp_rank = cp_module(rank, cp, strategy, True, ulysses_degree=ulysses_degree, window=(20, -1),
+                                softcap=5.0)
+    if module is None:
+        return None
+    heads, total = (8, 4), 90
+    docs = [0, 17, 18, 60, 90] if packed else None
+    plan = module.make_plan(torch.tensor(docs) if packed else total, heads=heads)
+    q, k, v, dout = global_inputs(11, total, *heads, 8, torch.float64, None if packed else 2)
+    sd = 0 if packed else 1
+    dlse = torch.randn(*(() if packed else (2,)), heads[0], total, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(12))
+    sink_logits = torch.randn(heads[0], generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+    runs = []
+    for n in (1, chunks):
+        leaves = [plan.shard(t, seq_dim=sd, rank=cp_rank).requires_grad_() for t in (q, k, v)]
+        sinks = sink_logits.clone().requires_grad_()
+        with environment({CHUNKS_ENV: n}), mock.patch.object(
+                UlyssesGroup, "post_seq_to_head", autospec=True, side_effect=UlyssesGroup.post_seq_to_head) as posts:
+            if lse_loss:
+                out, lse = module(*leaves, plan=plan, sinks=sinks, return_lse=True)
+                torch.autograd.backward([out, lse], [plan.shard(dout, seq_dim=sd, rank=cp_rank),
+                                                     plan.shard(dlse, seq_dim=1 if packed else 2, rank=cp_rank)])
+                results = [out, lse]
+            else:
+                out = module(*leaves, plan=plan, sinks=sinks)
+                out.backward(plan.shard(dout, seq_dim=sd, rank=cp_rank))
+                results = [out]
+        runs.append(([t.detach() for t in results] + [t.grad for t in leaves] + [sinks.grad], posts.call_count))
+    differences = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(runs[1][0], runs[0][0])]
+    return differences, runs[0][1], runs[1][1]

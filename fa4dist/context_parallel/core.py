@@ -48,7 +48,7 @@ from .plan import ShardPlan
 from .ring import (KernelOptions, RingPeers, accum_dtype, requested_steps_per_launch, ring_backward,
                    ring_forward)
 from .schedule import Schedule
-from .ulysses import HeadSplit, UlyssesGroup
+from .ulysses import HeadSplit, UlyssesGroup, requested_chunks
 
 STRATEGIES = ("auto", "ring", "ulysses", "hybrid")
 
@@ -108,10 +108,15 @@ def _lse_layout(rows: torch.Tensor) -> torch.Tensor:
 
 
 class _Call:
-    """Everything one forward/backward needs; kept by the autograd graph."""
+    """Everything one forward/backward needs; kept by the autograd graph.
+
+    With Ulysses the member's heads run in head chunks (:class:`~fa4dist.context_parallel.ulysses.HeadChunk`; one
+    chunk of all its heads unless ``FA4DIST_ULYSSES_CHUNKS`` asks for more): chunk c + 1's exchange is posted before
+    chunk c is computed, and chunk c's result is posted back before c + 1 is.  Each chunk keeps its own tensors for
+    the backward, which runs the chunks the same way."""
 
     def __init__(self, sched, ring, uly, split, opts, heads_q, heads_kv, call_id=0, agree=None, invariant=False,
-                 signature=None, groups=(), any_rank=None, return_lse=False):
+                 signature=None, groups=(), any_rank=None, return_lse=False, chunks=1):
         self.sched, self.ring, self.uly, self.split, self.opts = sched, ring, uly, split, opts
         self.groups = groups  # the process groups the backward exchanges on (one thread at a time: comm.exclusive)
         self.heads_q, self.heads_kv = heads_q, heads_kv
@@ -120,46 +125,86 @@ class _Call:
         self.signature = signature  # the forward call's agreed signature (its backward's check names it)
         # return_lse: the lse is an output with a gradient; any_rank(flags) -> each flag or'ed over the cp group
         self.return_lse, self.any_rank = return_lse, any_rank
-        self.local_shapes = None  # (out, lse, v) of this rank's tokens, set by forward
+        self.chunks = [None] if uly is None else split.chunks(chunks)  # None: every head, no exchange
+        self.local_shapes = None  # (out, lse, q, k, v) of this rank's tokens, set by forward
 
-    def member_sinks(self, sinks):
-        """The sinks of the query heads this rank computes (its Ulysses share), or None."""
-        if sinks is None or self.uly is None:
+    def member_sinks(self, sinks, chunk):
+        """The sinks of the query heads this rank computes in ``chunk`` (its Ulysses share), or None."""
+        if sinks is None or chunk is None:
             return sinks
-        lo, hi = self.split.q_heads(self.uly.index)
+        lo, hi = chunk.q_heads(self.uly.index)
         return sinks[lo:hi]
 
+    @staticmethod
+    def _to_heads(chunk, **tensors) -> list:
+        """The Ulysses exchange items of ``chunk``: k and v by its key/value heads, the rest (q, dout, the lse's
+        gradient) by its query heads."""
+        return [(t, chunk.kv_heads if name in ("k", "v") else chunk.q_heads, name) for name, t in tensors.items()]
+
+    # ---- forward ----------------------------------------------------------------------------------------------
+
     def forward(self, q, k, v, sinks):
-        uly, split = self.uly, self.split
-        v_shape = v.shape
-        if uly is not None:
-            q, k, v = uly.seq_to_head([(q, split.q_heads, "q"), (k, split.kv_heads, "k"), (v, split.kv_heads, "v")])
+        """(out, lse or None, what the backward keeps: per chunk its q, k, v, out and lse in head layout)."""
+        uly, heads_q = self.uly, self.heads_q
+        if uly is None:
+            out_m, lse_m = self._attend(q, k, v, sinks, None)
+            # (the caller's lse is its own copy, theirs to update in place: the saved one stays)
+            lse = lse_m.clone() if self.return_lse else None
+            self.local_shapes = (out_m.shape, None if lse is None else lse.shape, q.shape, k.shape, v.shape)
+            return out_m, lse, [q, k, v, out_m, lse_m]
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        # the rows' lse travels as a one-column out (lse_as_out_layout)
+        lse_rows = q.new_empty((*q.shape[:-1], 1), dtype=accum_dtype(q.dtype)) if self.return_lse else None
+        chunks, saved, returns = self.chunks, [], []
+        with uly.abandoned_on_failure("forward"):
+            incoming = uly.post_seq_to_head(self._to_heads(chunks[0], q=q, k=k, v=v), 0)
+            for c, chunk in enumerate(chunks):
+                following = (uly.post_seq_to_head(self._to_heads(chunks[c + 1], q=q, k=k, v=v), c + 1)
+                             if c + 1 < len(chunks) else None)
+                qc, kc, vc = incoming.wait()
+                out_m, lse_m = self._attend(qc, kc, vc, sinks, chunk)
+                items, into = [(out_m, chunk.q_heads, heads_q, "out", False)], [out]
+                if self.return_lse:
+                    items.append((lse_as_out_layout(lse_m), chunk.q_heads, heads_q, "lse", False))
+                    into.append(lse_rows)
+                returns.append(uly.post_head_to_seq(items, into, c))
+                saved += [qc, kc, vc, out_m, lse_m]
+                incoming = following
+            for back in returns:
+                back.wait()
+        lse = _lse_layout(lse_rows) if self.return_lse else None
+        self.local_shapes = (out.shape, None if lse is None else lse.shape, q.shape, k.shape, v.shape)
+        return out, lse, saved
+
+    def _attend(self, q, k, v, sinks, chunk):
+        """(out in q's dtype, fp32 lse) of this member's rows in these heads over every key, the sinks merged."""
         if self.invariant:
-            acc = gather_forward(self.sched, self.ring, q, k, v, self.opts, self._head_map(q, k))
+            acc = gather_forward(self.sched, self.ring, q, k, v, self.opts, self._head_map(q, chunk))
         else:
             acc = ring_forward(self.sched, self.ring, q, k, v, self.opts,
                                steps_per_launch=self.signature["ring_steps_per_launch"])
-        member_sinks = self.member_sinks(sinks)
+        member_sinks = self.member_sinks(sinks, chunk)
         if member_sinks is not None:  # the sinks' virtual key block, once per row, after every real key
             merge_sink_(acc.out, acc.lse, member_sinks)
-        out_m, lse_m = acc.out.to(q.dtype), acc.lse
-        # (the caller's lse is its own copy, theirs to update in place: the saved one stays)
-        out, lse = out_m, lse_m.clone() if self.return_lse else None
-        if uly is not None:
-            items = [(out_m, split.q_heads, self.heads_q, "out", False)]
-            if self.return_lse:  # (the rows' lse travels as a one-column out)
-                items.append((lse_as_out_layout(lse_m), split.q_heads, self.heads_q, "lse", False))
-            got = uly.head_to_seq(items)
-            out, lse = got[0], _lse_layout(got[1]) if self.return_lse else None
-        self.local_shapes = (out.shape, None if lse is None else lse.shape, v_shape)
-        return out, lse, (q, k, v, out_m, lse_m)
+        return acc.out.to(q.dtype), acc.lse
 
-    def backward(self, dout, dlse, q, k, v, out_m, lse_m, sinks, create_graph: bool = False):
+    def _head_map(self, q, chunk) -> torch.Tensor:
+        """For each query head of ``chunk`` here, the key/value head of the chunk it reads (cp_invariant expands
+        K/V to them)."""
+        group = self.heads_q // self.heads_kv
+        lo, kv_lo = (0, 0) if chunk is None else (chunk.q_heads(self.uly.index)[0],
+                                                  chunk.kv_heads(self.uly.index)[0])
+        return torch.tensor([(lo + i) // group - kv_lo for i in range(q.shape[-2])], dtype=torch.int64)
+
+    # ---- backward ---------------------------------------------------------------------------------------------
+
+    def backward(self, dout, dlse, saved, sinks, create_graph: bool = False):
         """The gradients of (q, k, v, sinks) given out's gradient ``dout`` and the lse's ``dlse`` (either None: that
-        output unused on this rank).  The ring's steps take the lse's gradient with out's (joined to the row sums,
-        as the contract's ``dlse=``).  With cp_invariant it is a second pass of the invariant engine, as on one
-        device: with the operands of :func:`fa4dist.kernels.api.lse_pass` (v = 0) the backward computes exactly
-        the lse's share of dq, dk (and the sinks'); v has none."""
+        output unused on this rank); ``saved``: what :meth:`forward` kept.  The ring's steps take the lse's
+        gradient with out's (joined to the row sums, as the contract's ``dlse=``).  With cp_invariant it is a
+        second pass of the invariant engine, as on one device: with the operands of
+        :func:`fa4dist.kernels.api.lse_pass` (v = 0) the backward computes exactly the lse's share of dq, dk (and
+        the sinks'); v has none."""
         if self.agree is not None:  # every rank must be back-propagating the same forward call, the same way
             self.agree("the backward of forward call", self.call_id,
                        dict(self.signature, direction="backward", create_graph=create_graph))
@@ -169,77 +214,119 @@ class _Call:
                 "Ulysses backward have no derivative of their own.  Differentiate once, or run the second-order "
                 "computation without context parallelism (fa4dist.attention supports it)"
             )
-        uly, split, dtype = self.uly, self.split, q.dtype
+        dtype, device = saved[0].dtype, saved[0].device
         with_out, with_lse = dout is not None, dlse is not None
-        if self.return_lse:  # each pass is collective: it runs where any rank's loss used that output
+        if self.return_lse:  # the backward is collective: it runs where any rank's loss used an output
             with_out, with_lse = self.any_rank([with_out, with_lse], f"the backward of forward call {self.call_id}")
-        out_shape, lse_shape, v_shape = self.local_shapes
+        with_out = with_out or not with_lse  # (neither output used anywhere: out's backward of a zero gradient)
+        out_shape, lse_shape = self.local_shapes[:2]
         if with_out:
-            dout = torch.zeros(out_shape, dtype=dtype, device=q.device) if dout is None else dout
+            dout = torch.zeros(out_shape, dtype=dtype, device=device) if dout is None else dout
             dout = dout.to(dtype).contiguous()
         if with_lse:
-            dlse = torch.zeros(lse_shape, dtype=lse_m.dtype, device=q.device) if dlse is None else dlse
-            dlse = dlse.to(lse_m.dtype)
-        if uly is not None:
-            items = [(dout, split.q_heads, "dout")] if with_out else []
-            items += [(lse_as_out_layout(dlse), split.q_heads, "dlse")] if with_lse else []
-            got = uly.seq_to_head(items)
-            dout = got.pop(0) if with_out else None
-            dlse = _lse_layout(got.pop(0)) if with_lse else None
+            dlse = torch.zeros(lse_shape, dtype=accum_dtype(dtype), device=device) if dlse is None else dlse
+            dlse = dlse.to(accum_dtype(dtype))
+        if self.uly is None:
+            grads = self._chunk_grads(None, dout, dlse, saved, sinks, dtype)
+            dsinks = None if sinks is None else [grads["dsinks"]]
+            return self._finish(grads["dq"], grads["dk"], grads["dv"], dsinks, sinks, dtype)
+        return self._ulysses_backward(dout, dlse, saved, sinks, dtype)
+
+    def _chunk_grads(self, chunk, dout, dlse, saved, sinks, dtype) -> dict:
+        """The gradients of one chunk's heads (``saved``: its q, k, v, out and lse) in head layout: dq in ``dtype``;
+        dk a list, one per pass (the ring's one pass; cp_invariant's out and lse passes, per query head); dv (per
+        query head with cp_invariant; None there without a loss of out) in fp32; dsinks (heads lo, hi, the sinks'
+        gradient there in their dtype) or None."""
+        q, k, v, out_m, lse_m = saved
+        lo, hi = (0, self.heads_q) if chunk is None else chunk.q_heads(self.uly.index)
+        zeros = None if sinks is None else torch.zeros(hi - lo, dtype=sinks.dtype, device=sinks.device)
         if self.invariant:  # each pass's results in the inputs' dtypes, added as autograd adds two uses' gradients
-            passes = [(dout, v, out_m)] if with_out else []
-            if with_lse:
+            passes = [(dout, v, out_m)] if dout is not None else []
+            if dlse is not None:
                 passes.append(lse_pass(dlse, out_m, v, dtype))
-            grads = [self._invariant_backward(d, q, k, vv, o, lse_m, sinks) for d, vv, o in passes]
-            dv = grads[0][2] if with_out else torch.zeros(v_shape, dtype=dtype, device=v.device)
-            return (*(add_in_order(g[i] for g in grads) for i in (0, 1)), dv, add_in_order(g[3] for g in grads))
-        acc = accum_dtype(dtype)
+            grads = [gather_backward(self.sched, self.ring, d, q, k, vv, o, lse_m, self.opts,
+                                     self._head_map(q, chunk), self.member_sinks(sinks, chunk))
+                     for d, vv, o in passes]
+            dsinks = None
+            if sinks is not None:  # (the sinks' whole-sequence gradient is the ring's first member's; zeros elsewhere)
+                dsinks = (lo, hi, add_in_order([zeros if g[3] is None else g[3].to(sinks.dtype) for g in grads]))
+            return dict(dq=add_in_order(g[0].to(dtype) for g in grads), dk=[g[1] for g in grads],
+                        dv=grads[0][2] if dout is not None else None, dsinks=dsinks)
         # one ring pass: the lse's gradient joins the row sums (D - dlse); a loss of the lse alone has dout = 0
         dout = torch.zeros(out_m.shape, dtype=dtype, device=q.device) if dout is None else dout
-        dlse = None if dlse is None else dlse.to(acc).contiguous()
+        dlse = None if dlse is None else dlse.to(accum_dtype(dtype)).contiguous()
         dq, dk, dv = ring_backward(self.sched, self.ring, dout, q, k, v, out_m, lse_m, self.opts, dlse=dlse)
         dsinks = None
-        if sinks is not None:  # this rank's rows' share of the sinks' gradient (in its Ulysses heads)
-            dsinks = torch.zeros(sinks.shape, dtype=acc, device=sinks.device)
-            lo, hi = split.q_heads(uly.index) if uly is not None else (0, sinks.shape[0])
-            if out_m.numel():
-                dsinks[lo:hi] = sink_grad(dout, out_m, lse_m, self.member_sinks(sinks), dlse)
-            dsinks = dsinks.to(sinks.dtype)
-        if uly is not None:
-            rep = split.kv_replicated  # replicated KV heads: send fp32 and sum in member order
-            dk, dv = (g if rep else g.to(dtype) for g in (dk, dv))
-            dq, dk, dv = uly.head_to_seq([(dq.to(dtype), split.q_heads, self.heads_q, "dq", False),
-                                          (dk, split.kv_heads, self.heads_kv, "dk", rep),
-                                          (dv, split.kv_heads, self.heads_kv, "dv", rep)])
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dsinks
+        if sinks is not None:  # this rank's rows' share of the sinks' gradient (in its heads)
+            dsinks = (lo, hi, sink_grad(dout, out_m, lse_m, self.member_sinks(sinks, chunk), dlse).to(sinks.dtype)
+                      if out_m.numel() else zeros)
+        return dict(dq=dq.to(dtype), dk=[dk], dv=dv, dsinks=dsinks)
 
-    def _head_map(self, q, k) -> torch.Tensor:
-        """For each local query head, the local key/value head it reads (cp_invariant expands K/V to them)."""
-        group = self.heads_q // self.heads_kv
-        lo, kv_lo = (0, 0) if self.uly is None else (self.split.q_heads(self.uly.index)[0],
-                                                      self.split.kv_heads(self.uly.index)[0])
-        return torch.tensor([(lo + i) // group - kv_lo for i in range(q.shape[-2])], dtype=torch.int64)
+    def _ulysses_backward(self, dout, dlse, saved, sinks, dtype):
+        """:meth:`backward` over the head chunks: chunk c + 1's dout (and dlse) travel while chunk c's gradients
+        are computed, and chunk c's gradients travel back to the tokens' ranks while c + 1's are computed."""
+        uly, chunks, heads_q = self.uly, self.chunks, self.heads_q
+        _, _, q_shape, k_shape, v_shape = self.local_shapes
+        acc, device = accum_dtype(dtype), saved[0].device
+        rep = self.split.kv_replicated  # replicated KV heads: sent in fp32, summed over members in member order
+        if self.invariant:  # per query head, in fp32: each pass's summed over its group at the end (_finish)
+            kv_total, reduce, grad_dtype = heads_q, False, acc
+            kv_shapes = [(*shape[:-2], heads_q, shape[-1]) for shape in (k_shape, v_shape)]
+        else:
+            kv_total, reduce, grad_dtype = self.heads_kv, rep, acc if rep else dtype
+            kv_shapes = [k_shape, v_shape]
+        make = torch.zeros if reduce else torch.empty
+        n_dk = 1 if not self.invariant else int(dout is not None) + int(dlse is not None)
+        dq = torch.empty(q_shape, dtype=dtype, device=device)
+        dk = [make(kv_shapes[0], dtype=grad_dtype, device=device) for _ in range(n_dk)]
+        dv = make(kv_shapes[1], dtype=grad_dtype, device=device) if dout is not None or not self.invariant else None
+        dsinks = [] if sinks is not None else None  # each chunk's (lo, hi, values)
+        inputs = dict(dout=dout) if dout is not None else {}
+        if dlse is not None:  # (the lse's gradient travels as a one-column out)
+            inputs["dlse"] = lse_as_out_layout(dlse)
+        returns = []
+        with uly.abandoned_on_failure("backward"):
+            incoming = uly.post_seq_to_head(self._to_heads(chunks[0], **inputs), 0)
+            for c, chunk in enumerate(chunks):
+                following = (uly.post_seq_to_head(self._to_heads(chunks[c + 1], **inputs), c + 1)
+                             if c + 1 < len(chunks) else None)
+                got = incoming.wait()
+                dout_c = got.pop(0) if dout is not None else None
+                dlse_c = _lse_layout(got.pop(0)) if dlse is not None else None
+                grads = self._chunk_grads(chunk, dout_c, dlse_c, saved[5 * c:5 * c + 5], sinks, dtype)
+                kv_heads = chunk.q_heads if self.invariant else chunk.kv_heads
+                items, into = [(grads["dq"], chunk.q_heads, heads_q, "dq", False)], [dq]
+                for i, g in enumerate(grads["dk"]):
+                    items.append((g.to(grad_dtype), kv_heads, kv_total, "dk" if i == 0 else "the lse's dk", reduce))
+                    into.append(dk[i])
+                if dv is not None:
+                    items.append((grads["dv"].to(grad_dtype), kv_heads, kv_total, "dv", reduce))
+                    into.append(dv)
+                if dsinks is not None:
+                    dsinks.append(grads["dsinks"])
+                returns.append(uly.post_head_to_seq(items, into, c))
+                incoming = following
+            for back in returns:
+                back.wait()
+        return self._finish(dq, dk, dv, dsinks, sinks, dtype)
 
-    def _invariant_backward(self, dout, q, k, v, out_m, lse_m, sinks):
-        """dk/dv come per query head; each key/value head sums its query heads in ascending order, after the
-        Ulysses exchange has brought every query head of the member's tokens together.  The sinks' gradient of a
-        Ulysses member's heads is the whole sequence's on the ring's first member (zeros elsewhere): the sum
-        over the cp group is then one exact sum's bits at every cp size."""
-        uly, split, dtype = self.uly, self.split, q.dtype
-        dq, dk, dv, member_dsinks = gather_backward(self.sched, self.ring, dout, q, k, v, out_m, lse_m, self.opts,
-                                                    self._head_map(q, k), self.member_sinks(sinks))
-        dsinks = None
-        if sinks is not None:
-            dsinks = torch.zeros(sinks.shape, dtype=sinks.dtype, device=sinks.device)
-            if member_dsinks is not None:
-                lo, hi = split.q_heads(uly.index) if uly is not None else (0, sinks.shape[0])
-                dsinks[lo:hi] = member_dsinks.to(sinks.dtype)
-        if uly is not None:
-            dq, dk, dv = uly.head_to_seq([(dq, split.q_heads, self.heads_q, "dq", False),
-                                          (dk, split.q_heads, self.heads_q, "dk per query head", False),
-                                          (dv, split.q_heads, self.heads_q, "dv per query head", False)])
-        group = self.heads_q // self.heads_kv
-        return dq.to(dtype), sum_group(dk, group, dtype), sum_group(dv, group, dtype), dsinks
+    def _finish(self, dq, dk, dv, dsinks, sinks, dtype):
+        """(dq, dk, dv, dsinks) of the local tokens in the inputs' dtypes from the passes' dk (and dv): summed over
+        each key/value head's query heads first with cp_invariant (ascending order; each pass's own sum, then the
+        passes added in order).  ``dsinks``: the chunks' (lo, hi, values) of the sinks' gradient, or None."""
+        if dsinks is not None:
+            parts, dsinks = dsinks, torch.zeros(sinks.shape, dtype=sinks.dtype, device=sinks.device)
+            for lo, hi, values in parts:
+                dsinks[lo:hi] = values
+        if self.invariant:
+            group = self.heads_q // self.heads_kv
+            dk = add_in_order(sum_group(g, group, dtype) for g in dk)
+            v_shape = self.local_shapes[4]
+            dv = sum_group(dv, group, dtype) if dv is not None else torch.zeros(v_shape, dtype=dtype,
+                                                                                    device=dq.device)
+        else:
+            dk = dk[0]
+        return dq, dk.to(dtype), dv.to(dtype), dsinks
 
 
 class _ContextParallelFunction(torch.autograd.Function):
@@ -250,14 +337,15 @@ class _ContextParallelFunction(torch.autograd.Function):
         out, lse, saved = call.forward(q, k, v, sinks)
         ctx.call = call
         ctx.save_for_backward(*saved, sinks)
-        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None (its pass may be skipped)
+        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None (its backward may be skipped)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         call = ctx.call
+        *saved, sinks = ctx.saved_tensors
         with exclusive(call.groups, f"the backward of forward call {call.call_id}", LABEL):
-            dq, dk, dv, dsinks = call.backward(dout, dlse, *ctx.saved_tensors, create_graph=torch.is_grad_enabled())
+            dq, dk, dv, dsinks = call.backward(dout, dlse, saved, sinks, create_graph=torch.is_grad_enabled())
         return dq, dk, dv, dsinks, None
 
     jvp = forward_ad_refusal(LABEL)
@@ -469,7 +557,7 @@ class ContextParallel:
             head_dim=problem.head_dim, head_dim_v=problem.head_dim_v,
             grad=bool(torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks))),
             cp_invariant=self.cp_invariant, module=self.instance,
-            ring_steps_per_launch=requested_steps_per_launch(),
+            ring_steps_per_launch=requested_steps_per_launch(), ulysses_chunks=requested_chunks(),
         )
         return shared, u
 
@@ -613,7 +701,8 @@ class ContextParallel:
         opts = KernelOptions(self.softmax_scale, self.softcap, self.backend, self._deterministic())
         call = _Call(sched, ring, uly, split, opts, heads_q, heads_kv, self._calls[0],
                      self.agree if self.verify else None, invariant=self.cp_invariant, signature=signature,
-                     groups=self._groups(), any_rank=self.any_rank, return_lse=return_lse)
+                     groups=self._groups(), any_rank=self.any_rank, return_lse=return_lse,
+                     chunks=split.chunk_count(signature["ulysses_chunks"]) if split is not None else 1)
         out, lse = _ContextParallelFunction.apply(q, k, v, sinks, call)
         return (out, lse) if return_lse else out
 

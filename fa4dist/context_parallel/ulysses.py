@@ -8,16 +8,27 @@ GQA: query heads split evenly; key/value heads go to every member whose query he
 heads than members a KV head is replicated only to the members that need it (and its gradients are summed back in
 member order, deterministically).  A split where some member's query heads would need a fraction of a KV-head
 group is impossible and is refused with a message that names the 2-D (hybrid) strategy.
+
+Head chunks (``FA4DIST_ULYSSES_CHUNKS``, :func:`requested_chunks`): each member's heads are cut into runs of whole
+key/value head groups (:class:`HeadChunk`), exchanged and computed one after the other, so that chunk c + 1's
+all-to-all travels while chunk c is computed and chunk c's result travels back while c + 1 is: only the first
+chunk's exchange and the last chunk's return stay exposed.  A head's result does not depend on the chunks (every
+head is computed alone), so chunking changes when heads travel, not what they get.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
-from .comm import Transport
+from .comm import CommError, Pending, Transport
 from .schedule import MemberLayout
+
+CHUNKS_ENV = "FA4DIST_ULYSSES_CHUNKS"
 
 
 def _divisors(n: int) -> list[int]:
@@ -89,6 +100,73 @@ class HeadSplit:
         spans = [self.kv_heads(j) for j in range(self.degree)]
         return any(a[1] > b[0] for a, b in zip(spans, spans[1:]))
 
+    def chunk_count(self, requested: int) -> int:
+        """The head chunks a call runs with when ``requested`` are asked for: the largest count up to it that cuts
+        every member's key/value heads evenly (a chunk holds whole groups of query heads), 1 where members share
+        replicated key/value heads (their gradients are summed over members)."""
+        if self.kv_replicated:
+            return 1
+        lo, hi = self.kv_heads(0)
+        return max(n for n in range(1, min(requested, hi - lo) + 1) if (hi - lo) % n == 0)
+
+    def chunks(self, count: int) -> list["HeadChunk"]:
+        return [HeadChunk(self, c, count) for c in range(count)]
+
+
+@dataclass(frozen=True)
+class HeadChunk:
+    """Chunk ``index`` of ``count`` of a split: each member's query heads and their key/value heads cut into
+    ``count`` equal runs (:meth:`HeadSplit.chunk_count`); it has :class:`HeadSplit`'s head ranges."""
+
+    split: HeadSplit
+    index: int
+    count: int
+
+    def _part(self, lo: int, hi: int) -> tuple[int, int]:
+        per = (hi - lo) // self.count
+        return lo + self.index * per, lo + (self.index + 1) * per
+
+    def q_heads(self, j: int) -> tuple[int, int]:
+        return self._part(*self.split.q_heads(j))
+
+    def kv_heads(self, j: int) -> tuple[int, int]:
+        return self._part(*self.split.kv_heads(j))
+
+
+def requested_chunks() -> int:
+    """The Ulysses head chunks this process asks for: ``FA4DIST_ULYSSES_CHUNKS`` (an int >= 1), else 1.  Part of a
+    call's agreed signature, so that ranks that read different values fail the agreement check together instead of
+    posting different messages."""
+    env = os.environ.get(CHUNKS_ENV)
+    if env is None:
+        return 1
+    try:
+        value = int(env)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_CHUNKS:
+        raise ValueError(f"{CHUNKS_ENV} must be an int in [1, {MAX_CHUNKS}] (the Ulysses exchange's head chunks), "
+                         f"got {env!r}")
+    return value
+
+
+MAX_CHUNKS = 64  # (each chunk's messages have tags of their own)
+
+
+class Exchange:
+    """An all-to-all in flight: :meth:`wait` completes it and returns its tensors."""
+
+    def __init__(self, pending: Pending, finish: Callable[[], list]):
+        self.pending, self._finish = pending, finish
+
+    @property
+    def done(self) -> bool:
+        return self.pending.done
+
+    def wait(self) -> list:
+        self.pending.wait()
+        return self._finish()
+
 
 class UlyssesGroup:
     """The exchange among the `degree` members of one Ulysses group (group ranks `peers` of `transport`)."""
@@ -98,10 +176,16 @@ class UlyssesGroup:
         self.transport, self.peers, self.index = transport, peers, index
         self.layout, self.local_lens, self.seq_dim = layout, list(local_lens), seq_dim
         self.degree = len(peers)
+        self._posted: Optional[list] = None  # the exchanges posted inside abandoned_on_failure
 
     def seq_to_head(self, items) -> list[torch.Tensor]:
         """Local tokens, all heads -> the member's tokens (global order), this rank's heads, for every (tensor,
         heads, name) in `items` in one exchange; `heads(j)` gives the [lo, hi) head range of member j."""
+        return self.post_seq_to_head(items).wait()
+
+    def post_seq_to_head(self, items, chunk: int = 0) -> Exchange:
+        """:meth:`seq_to_head`, posted: its result comes from the returned exchange's ``wait()``.  ``chunk``: the
+        head chunk it moves (its messages' tags; several chunks may be in flight)."""
         sends, recvs, all_pieces = [], [], []
         for i, (x, heads, _) in enumerate(items):
             hd = x.dim() - 2
@@ -112,20 +196,26 @@ class UlyssesGroup:
                     pieces.append(x.narrow(hd, lo, hi - lo))
                     continue
                 a, b = heads(j)
-                sends.append((x.narrow(hd, a, b - a).contiguous(), peer, 100 + i))
+                sends.append((x.narrow(hd, a, b - a).contiguous(), peer, _tag(1, chunk, i)))
                 shape = list(x.shape)
                 shape[self.seq_dim], shape[hd] = self.local_lens[j], hi - lo
                 buf = x.new_empty(shape)
-                recvs.append((buf, peer, 100 + i))
+                recvs.append((buf, peer, _tag(1, chunk, i)))
                 pieces.append(buf)
             all_pieces.append(pieces)
-        self._exchange(sends, recvs, [item[2] for item in items])
-        return [self.layout.to_member_order(torch.cat(p, dim=self.seq_dim), self.seq_dim) for p in all_pieces]
+        pending = self._post(sends, recvs, [item[2] for item in items], chunk)
+        return Exchange(pending, lambda: [self.layout.to_member_order(torch.cat(p, dim=self.seq_dim), self.seq_dim)
+                                          for p in all_pieces])
 
     def head_to_seq(self, items) -> list[torch.Tensor]:
         """Inverse of :meth:`seq_to_head` for every (tensor, heads, num_heads, name, reduce) in `items`: the
         member's tokens, this rank's heads -> local tokens, all `num_heads` heads.  With `reduce`, heads that
         several members hold (replicated KV heads) are summed in member order."""
+        return self.post_head_to_seq(items).wait()
+
+    def post_head_to_seq(self, items, into: Optional[list] = None, chunk: int = 0) -> Exchange:
+        """:meth:`head_to_seq`, posted.  ``into``: per item, the local tensor (all heads) whose heads of this
+        exchange its ``wait()`` writes (with ``reduce``: adds into), instead of a new one holding only them."""
         sends, recvs, plans = [], [], []
         for i, (y, heads, num_heads, _, reduce) in enumerate(items):
             hd = y.dim() - 2
@@ -137,26 +227,64 @@ class UlyssesGroup:
             for j, peer in enumerate(self.peers):
                 if j == self.index:
                     continue
-                sends.append((parts[j].contiguous(), peer, 200 + i))
+                sends.append((parts[j].contiguous(), peer, _tag(2, chunk, i)))
                 a, b = heads(j)
                 rshape = list(shape)
                 rshape[hd] = b - a
                 received[j] = y.new_empty(rshape)
-                recvs.append((received[j], peer, 200 + i))
-            plans.append((y, shape, hd, heads, reduce, received))
-        self._exchange(sends, recvs, [item[3] for item in items])
-        outs = []
-        for y, shape, hd, heads, reduce, received in plans:
-            out = y.new_zeros(shape) if reduce else y.new_empty(shape)
-            for j in range(self.degree):
-                a, b = heads(j)
-                target = out.narrow(hd, a, b - a)
-                if reduce:
-                    target.add_(received[j])
-                else:
-                    target.copy_(received[j])
-            outs.append(out)
-        return outs
+                recvs.append((received[j], peer, _tag(2, chunk, i)))
+            target = None if into is None else into[i]
+            if target is not None and (tuple(target.shape) != tuple(shape) or target.dtype != y.dtype):
+                raise ValueError(f"the Ulysses return of {items[i][3]} goes into a {target.dtype} tensor of shape "
+                                 f"{tuple(target.shape)}, but its heads come as {y.dtype} of shape {tuple(shape)}")
+            plans.append((y, shape, hd, heads, reduce, received, target))
+        pending = self._post(sends, recvs, [item[3] for item in items], chunk)
 
-    def _exchange(self, sends, recvs, names) -> None:
-        self.transport.post_tagged(sends, recvs, f"the Ulysses all-to-all of {', '.join(names)}").wait()
+        def finish() -> list:
+            outs = []
+            for y, shape, hd, heads, reduce, received, out in plans:
+                if out is None:
+                    out = y.new_zeros(shape) if reduce else y.new_empty(shape)
+                for j in range(self.degree):
+                    a, b = heads(j)
+                    target = out.narrow(hd, a, b - a)
+                    if reduce:
+                        target.add_(received[j])
+                    else:
+                        target.copy_(received[j])
+                outs.append(out)
+            return outs
+
+        return Exchange(pending, finish)
+
+    def _post(self, sends, recvs, names, chunk: int) -> Pending:
+        what = f"the Ulysses all-to-all of {', '.join(names)}" + (f" (head chunk {chunk})" if chunk else "")
+        pending = self.transport.post_tagged(sends, recvs, what)
+        if self._posted is not None:
+            self._posted.append(pending)
+        return pending
+
+    @contextlib.contextmanager
+    def abandoned_on_failure(self, direction: str):
+        """Runs a call's chunked exchanges; an error that stops them (a kernel's refusal, out of memory, an
+        interrupt) while exchanges of the call are in flight records the group as out of step, naming that error
+        (as the ring's steps do: the peers' messages stay unanswered, and a later call's would pair with them)."""
+        self._posted = []
+        try:
+            yield
+        except CommError:
+            raise
+        except BaseException as err:
+            if any(not p.done for p in self._posted):
+                t = self.transport
+                t.failed(f"{t.label}: rank {t.rank} of {t.size} stopped its {direction} Ulysses head chunks with "
+                         f"exchanges in flight: {type(err).__name__}: {err}")
+            raise
+        finally:
+            self._posted = None
+
+
+def _tag(kind: int, chunk: int, item: int) -> int:
+    """The message tag of item ``item`` of head chunk ``chunk``'s exchange (kind 1: to heads, 2: back to tokens):
+    every exchange that may be in flight at once has its own (gloo matches messages by tag)."""
+    return 100 * kind + 1000 * chunk + item

@@ -68,6 +68,38 @@ def test_ring_launch_groups(pool, cp, per_launch, name, case):
                            **case_kwargs(cp, case)), "ring")
 
 
+# (strategy, cp, Ulysses degree, head chunks asked for, the chunks a member's key/value heads allow: 8 / 4 heads,
+# each member has 2 of the 4 at Ulysses degree 2, 1 at degree 4)
+CHUNKED = [("ulysses", 2, None, 2, 2), ("ulysses", 2, None, 3, 2), ("ulysses", 2, None, 64, 2),
+           ("ulysses", 4, None, 2, 1), ("hybrid", 4, 2, 4, 2)]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("strategy, cp, u, asked, chunks", CHUNKED, ids=[f"{c[0]}{c[1]}-{c[3]}" for c in CHUNKED])
+def test_ulysses_head_chunks_give_the_same_result(pool, strategy, cp, u, asked, chunks, packed):
+    """FA4DIST_ULYSSES_CHUNKS: the member's heads exchanged and computed in chunks of whole key/value head groups
+    (the largest count up to the one asked for that divides them), each chunk's exchange in flight while the
+    previous one computes: out, lse and the gradients of q, k, v and the sinks are one chunk's up to fp64 rounding
+    (with a window, softcap, sinks and a loss of out and lse; the reference's batched products may round another
+    way for fewer heads); one exchange to heads per chunk in each direction."""
+    results = pool.run(cp_cases.ulysses_chunks_case, cp=cp, strategy=strategy, chunks=asked, ulysses_degree=u,
+                       packed=packed)
+    for rank, result in enumerate(results[:cp]):
+        differences, posts_one, posts_chunked = result
+        assert max(differences) < 1e-14, (rank, differences)
+        assert (posts_one, posts_chunked) == (2, 2 * chunks), (rank, posts_one, posts_chunked)
+
+
+@pytest.mark.parametrize("strategy, cp, u", [("ulysses", 2, None), ("hybrid", 4, 2)])
+def test_ulysses_head_chunks_against_the_oracle(pool, strategy, cp, u):
+    """Head chunks against the fp64 oracle: packed documents, GQA, a window, softcap, sinks, a loss of out and lse
+    (and of the lse alone)."""
+    case = dict(docs=random_docs(4, 7, 20), heads=(8, 4), window=(9, 0), softcap=3.0, sinks=True)
+    for loss in ("and", "only"):
+        check_results(pool.run(run_case, cp=cp, strategy=strategy, ulysses_degree=u, ulysses_chunks=2,
+                               lse_loss=loss, **case), strategy)
+
+
 @pytest.mark.parametrize("cp", [2, 3, 4])
 @pytest.mark.parametrize("name, case", ULYSSES, ids=[c[0] for c in ULYSSES])
 def test_ulysses(pool, cp, name, case):

@@ -73,19 +73,19 @@ def bad_input_case(rank, world, kind):
     if kind == "plan-type":
         q, k, v = _inputs(plan, rank)
         return _error(lambda: module(q, k, v, [0, 40]))
-    if kind in ("steps-per-launch", "steps-per-launch-bad"):  # one rank's environment asks for launch groups
-        import os
-
+    if kind.startswith(("steps-per-launch", "ulysses-chunks")):  # one rank's environment asks for launch groups,
+        # or for head chunks of the Ulysses exchange
         from fa4dist.context_parallel.ring import STEPS_PER_LAUNCH_ENV
+        from fa4dist.context_parallel.ulysses import CHUNKS_ENV
 
-        value = "0" if kind == "steps-per-launch" else "two"
-        if rank == 2:
-            os.environ[STEPS_PER_LAUNCH_ENV] = value
-        try:
-            q, k, v = _inputs(plan, rank)
+        name = STEPS_PER_LAUNCH_ENV if kind.startswith("steps") else CHUNKS_ENV
+        value = "two" if kind.endswith("-bad") else "0" if name == STEPS_PER_LAUNCH_ENV else "2"
+        if name == CHUNKS_ENV:
+            module = FA4ContextParallelAttention(GROUPS[4], **dict(opts, strategy="ulysses"))
+            heads = (8, 4)
+        with cp_cases.environment({name: value if rank == 2 else "1"}):  # (the others: the default, explicitly)
+            q, k, v = _inputs(plan, rank, heads)
             return _error(lambda: module(q, k, v, plan))
-        finally:
-            os.environ.pop(STEPS_PER_LAUNCH_ENV, None)
     if kind == "cp-invariant-env":  # one rank's environment turns the invariant numerics on
         import os
 
@@ -142,6 +142,9 @@ def bad_input_case(rank, world, kind):
     ("cp-invariant-env", "ValueError", "ranks disagree on forward call 1: .*cp_invariant: rank 0 False, .*rank 2 True"),
     ("steps-per-launch-bad", "ValueError", "rank 2 rejected its inputs: ValueError: FA4DIST_RING_STEPS_PER_LAUNCH "
      "must be an int >= 0"),
+    ("ulysses-chunks", "ValueError", "ranks disagree on forward call 1: ulysses_chunks: .*rank 2 2"),
+    ("ulysses-chunks-bad", "ValueError", "rank 2 rejected its inputs: ValueError: FA4DIST_ULYSSES_CHUNKS must be an "
+     "int in \\[1, 64\\]"),
 ])
 def test_every_rank_gets_the_same_clear_error(pool, kind, error, pattern):
     import re

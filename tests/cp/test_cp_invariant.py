@@ -8,6 +8,7 @@ import torch
 
 import cp_cases
 from cp_harness import shared_pool
+from fa4dist.context_parallel.ulysses import CHUNKS_ENV
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,13 +26,13 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def invariant_case(rank, world, layouts, dtype, packed, heads, device="cpu", backend="reference", head_dim=16,
                    docs=DOCS, total=200, window=(-1, -1), softcap=None, chunks_per_rank=None, head_dim_outer=False,
-                   sinks=False, lse_loss=False):
+                   sinks=False, lse_loss=False, ulysses_chunks=None):
     """For each (cp, strategy, balancer, ulysses degree): whether the global out/dq/dk/dv bytes equal the single
     device's (every rank computes the single-device result itself).  ``head_dim_outer``: the local shards are
     views whose head_dim is not the innermost axis (the reference's inputs stay contiguous: same values).
     ``sinks``: learnable sinks too, and (a fifth entry) whether the sum of the ranks' sink gradients has the single
     device's bytes.  ``lse_loss``: the lse returned too (``return_lse=True``, its bytes compared after out's) and
-    a loss of out and lse."""
+    a loss of out and lse.  ``ulysses_chunks``: the Ulysses head chunks asked for (FA4DIST_ULYSSES_CHUNKS)."""
     import fa4dist
     from fa4dist.context_parallel import make_plan
 
@@ -68,12 +69,13 @@ def invariant_case(rank, world, layouts, dtype, packed, heads, device="cpu", bac
                 local = [t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in local]
             local = [t.requires_grad_() for t in local]
             mine_sinks = sink_logits.clone().requires_grad_() if sinks else None
-            if lse_loss:
-                out, lse = module(*local, plan=plan, sinks=mine_sinks, return_lse=True)
-                torch.autograd.backward([out, lse], [module.shard(dout, plan), module.shard(dlse, plan, lse_sd)])
-            else:
-                out, lse = module(*local, plan=plan, sinks=mine_sinks), None
-                out.backward(module.shard(dout, plan))
+            with cp_cases.environment({CHUNKS_ENV: ulysses_chunks}):
+                if lse_loss:
+                    out, lse = module(*local, plan=plan, sinks=mine_sinks, return_lse=True)
+                    torch.autograd.backward([out, lse], [module.shard(dout, plan), module.shard(dlse, plan, lse_sd)])
+                else:
+                    out, lse = module(*local, plan=plan, sinks=mine_sinks), None
+                    out.backward(module.shard(dout, plan))
             mine = [(out, sd)] + ([(lse, lse_sd)] if lse_loss else []) + [(t.grad, sd) for t in local]
             got = [plan.unshard(_gather(t, cp, dim), seq_dim=dim) for t, dim in mine]
             if sinks:  # each rank's share, summed over the group (as a gradient reduction would)
@@ -209,6 +211,21 @@ def test_bitwise_identical_with_a_loss_of_the_lse(pool, packed):
     for dtype in (torch.float32, torch.bfloat16):
         results = pool.run(invariant_case, layouts=layouts, dtype=dtype, packed=packed, heads=(4, 2), head_dim=8,
                            window=(30, -1), softcap=5.0, sinks=True, lse_loss=True)
+        for per_rank in results:
+            for cp, strategy, balancer, u, same in per_rank:
+                assert len(same) == 6 and all(same), \
+                    f"{dtype} cp={cp} {strategy} {balancer} u={u}: out/lse/dq/dk/dv/dsinks bytes equal: {same}"
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_bitwise_identical_with_ulysses_head_chunks(pool, packed):
+    """FA4DIST_ULYSSES_CHUNKS=2 (each member's two key/value heads exchanged and computed one after the other):
+    out, lse, dq, dk, dv and the summed sink gradient still have the single device's bytes, with sinks, a window,
+    softcap and a loss of out and lse, in fp32 and bf16."""
+    layouts = [(1, "ring", "lpt", None), (2, "ulysses", "lpt", None), (4, "hybrid", "lpt", 2)]
+    for dtype in (torch.float32, torch.bfloat16):
+        results = pool.run(invariant_case, layouts=layouts, dtype=dtype, packed=packed, heads=(8, 4), head_dim=8,
+                           window=(30, -1), softcap=5.0, sinks=True, lse_loss=True, ulysses_chunks=2)
         for per_rank in results:
             for cp, strategy, balancer, u, same in per_rank:
                 assert len(same) == 6 and all(same), \
