@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -257,6 +258,11 @@ def main(argv=None):
     rank, world, device = common.init_distributed(args=args)
     import deepspeed  # after the process group exists: DeepSpeed adopts it
     from deepspeed.utils import safe_set_full_grad
+
+    # DeepSpeed's ZeRO calls torch.distributed's all_gather_into_tensor / reduce_scatter_tensor, which torch 2.13
+    # deprecates: a FutureWarning at every step (126 lines in a 20-step run) about code the user cannot change
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\."
+                            r"(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
     if device.type == "cpu":
         # DeepSpeed's CPU accelerator JIT-compiles a shared-memory collective op (about a minute, needs a C++
