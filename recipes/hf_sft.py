@@ -12,7 +12,8 @@ fa4dist's size
 presets (``--model tiny|small|base|1b``, byte vocabulary) or Llama-3 shapes (``llama3.2-1b``, ``llama3-8b``,
 vocabulary 128256), randomly initialized; or a local checkpoint directory (``--checkpoint``, nothing is
 downloaded), whose config defines the model: the options that shape or initialize one (``--arch``, ``--model``,
-``--layers``, ``--sliding-window``, ``--experts``, ``--experts-per-token``, ``--init``) are refused with it, as
+``--layers``, ``--sliding-window``, ``--experts``, ``--experts-per-token``, ``--attention-chunk``, ``--init``) are
+refused with it, as
 are ``--experts`` / ``--experts-per-token`` with an ``--arch`` without MoE layers and ``--loss-chunk`` with
 ``--loss logits``.  Data are packed windows of documents from :mod:`fa4dist.data` (this repository's text, byte tokens),
 turned into what transformers' ``DataCollatorWithFlattening`` makes.  Each window goes through
@@ -78,13 +79,20 @@ UNUSED_WITH_CHECKPOINT = {
     "attention_chunk": CHECKPOINT_DEFINES,
     "init": "the checkpoint's weights are loaded whole on every rank (from_pretrained), then sharded",
 }
+# the shared --strategy / --ulysses-degree offer the hybrid strategy, which this recipe refuses (its help says so)
+NO_HYBRID = ("enable_context_parallel takes the hybrid strategy from a 2-D mesh, which this recipe does not build "
+             "(auto picks the largest Ulysses degree the heads allow)")
 MOE_ONLY = {"experts": "only gpt_oss and llama4 have MoE layers",
             "experts_per_token": "only gpt_oss and llama4 have MoE layers"}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(p, models=LLAMA3_PRESETS)
+    common.add_common_args(p, unused={"ulysses_degree": NO_HYBRID}, models=LLAMA3_PRESETS)
+    strategy = next(a for a in p._actions if a.dest == "strategy")
+    strategy.help = ("context-parallel strategy: auto (the largest Ulysses degree the heads allow, ring over the "
+                     "rest), ring or ulysses; hybrid is refused (enable_context_parallel takes it from a 2-D mesh, "
+                     "which this recipe does not build)")
     g = p.add_argument_group("Hugging Face model")
     g.add_argument("--arch", choices=sorted(ARCHS), default="llama", help="transformers model family")
     g.add_argument("--sliding-window", type=int, default=None,
@@ -120,8 +128,7 @@ def parse_args(argv=None):
         common.refuse_unused(p, given, UNUSED_WITH_CHECKPOINT, "with --checkpoint")
     # before the shared checks, whose hint for a bare --strategy hybrid (add --ulysses-degree) this recipe refuses too
     if args.strategy == "hybrid" or args.ulysses_degree is not None:
-        p.error("--strategy hybrid / --ulysses-degree: enable_context_parallel takes the hybrid strategy from a 2-D "
-                "mesh, which this recipe does not build (auto picks the largest Ulysses degree the heads allow)")
+        p.error(f"--strategy hybrid / --ulysses-degree: {NO_HYBRID}")
     common.check_common_args(p, args, models=LLAMA3_PRESETS)
     if args.checkpoint is None and args.model in LLAMA3_PRESETS and args.arch != "llama":
         p.error(f"--model {args.model} is a Llama shape; use --arch llama (got --arch {args.arch})")
@@ -624,7 +631,7 @@ def main(argv=None):
             packing=args.packing, dtype=str(dtype).split(".")[-1], loss=args.loss, tile_mlp=args.tile_mlp,
             activation_checkpointing=args.activation_checkpointing, offload_checkpoints=args.offload_checkpoints,
             **meter.summary(peak, world), peak_mem_gib=mem, flop_formula=common.FLOP_FORMULA,
-            attention_backend=args.backend,
+            attention_backend=args.backend, cp_invariant=args.cp_invariant,
         ), flush=True)
         if args.memory_report:
             local = -(-args.seqlen // layout.cp)

@@ -36,6 +36,30 @@ def test_hf_sft_cp2_matches_single_process(tmp_path, corpus):
 
 
 @pytest.mark.timeout(300)
+def test_hf_sft_cp_invariant_trains_as_the_single_process_loop_and_says_so(tmp_path, corpus):
+    """--cp-invariant ran in no test, and its SUMMARY line left the mode out (the other recipes' record it)."""
+    out = launch.torchrun("hf_sft.py", BASE + ["--data", corpus, "--cp", "2", "--cp-invariant",
+                                               "--metrics-out", tmp_path / "m.jsonl"])
+    assert "cp_invariant: the attention's outputs and gradients have the same bits" in out.stdout
+    s = launch.summary(out.stdout)
+    assert (s["cp"], s["cp_invariant"]) == (2, True)
+    want = reference(corpus)
+    assert_steps_close(step_metrics(tmp_path / "m.jsonl", "loss"), want["loss"])
+    assert_steps_close(step_metrics(tmp_path / "m.jsonl", "grad_norm"), want["grad_norm"])
+
+
+def test_the_help_says_the_hybrid_strategy_is_refused(capsys):
+    """The shared --strategy help offered hybrid "with --ulysses-degree", both of which this recipe refuses."""
+    with pytest.raises(SystemExit):
+        hf_sft.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    text = text[text.index("parallelism:"):]  # the options' help, not the usage line
+    strategy = text[text.index("--strategy {auto,ring,ulysses,hybrid} "):text.index("--ulysses-degree ULYSSES")]
+    assert "hybrid is refused" in strategy and "with --ulysses-degree" not in strategy, strategy
+    assert "--ulysses-degree ULYSSES_DEGREE not used by this recipe (refused)" in text
+
+
+@pytest.mark.timeout(300)
 def test_hf_sft_qwen2_dp2_logits_loss_matches_single_process(tmp_path, corpus):
     launch.torchrun("hf_sft.py", BASE + [
         "--data", corpus, "--arch", "qwen2", "--cp", "1", "--loss", "logits", "--metrics-out", tmp_path / "m.jsonl"])
