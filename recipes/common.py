@@ -465,7 +465,10 @@ def check_layout(world: int, cp: int, batch_size: Optional[int] = None) -> int:
     checked); returns dp.  The recipes call it with :func:`launched_world` before the process group exists (every
     rank alike), and :func:`make_layout` with the group's size."""
     if world % cp:
-        raise SystemExit(f"--cp {cp} must divide the world size {world}")
+        # (a plain `python recipe.py --cp 2` is a world of one: say where the ranks come from)
+        launcher = " (a plain python run is one process: start the ranks with torchrun --nproc-per-node N)" \
+            if world == 1 else ""
+        raise SystemExit(f"--cp {cp} must divide the world size {world}{launcher}")
     dp = world // cp
     if batch_size is not None and batch_size % dp:
         raise SystemExit(f"--batch-size {batch_size} must be a multiple of dp = {dp}")
@@ -666,16 +669,21 @@ class Throughput:
         return self.flops / self.seconds / (peak_flops * world)
 
     def summary(self, peak_flops: Optional[float], world: int) -> dict:
-        """The SUMMARY line's throughput fields (None where nothing was timed or no peak is known)."""
+        """The SUMMARY line's throughput fields (None where nothing was timed or no peak is known).  MFU and
+        TFLOP/s keep 3 significant digits: rounded to decimal places, a CPU run's 4e-4 TFLOP/s read 0.0."""
         tps, mfu = self.tokens_per_s(), self.mfu(peak_flops, world)
         return dict(
             steps_timed=self.steps,
             tokens_per_s=round(tps, 1) if tps else None,
             tokens_per_s_per_device=round(tps / world, 1) if tps else None,
-            mfu=round(mfu, 4) if mfu is not None else None,
+            mfu=_significant(mfu) if mfu is not None else None,
             peak_tflops_per_device=peak_flops / 1e12 if peak_flops else None,
-            achieved_tflops_per_device=round(self.flops / self.seconds / world / 1e12, 2) if self.seconds else None,
+            achieved_tflops_per_device=_significant(self.flops / self.seconds / world / 1e12) if self.seconds else None,
         )
+
+
+def _significant(x: float, digits: int = 3) -> float:
+    return float(f"{x:.{digits}g}")
 
 
 def max_peak_memory_gib(device) -> float:

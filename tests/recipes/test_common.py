@@ -100,8 +100,15 @@ def test_a_cp_the_world_size_does_not_allow_is_refused_before_the_process_group(
     import importlib
 
     launched_without_a_rendezvous(3)
-    with pytest.raises(SystemExit, match="--cp 2 must divide the world size 3"):
+    with pytest.raises(SystemExit, match="--cp 2 must divide the world size 3$"):
         importlib.import_module(recipe).main(argv)
+
+
+def test_a_cp_above_one_without_a_launcher_says_to_start_the_ranks_with_torchrun():
+    """`python recipes/fsdp2_train.py --cp 2` said only "--cp 2 must divide the world size 1"."""
+    with pytest.raises(SystemExit, match=r"world size 1 \(a plain python run is one process: start the ranks with "
+                                         r"torchrun --nproc-per-node N\)"):
+        common.check_layout(1, 2)
 
 
 @pytest.mark.parametrize("recipe", ["fsdp2_train", "deepspeed_train", "hf_sft", "rl_deterministic"])
@@ -230,3 +237,8 @@ def test_throughput_summary_counts_only_the_steps_after_the_warmup():
     assert common.Throughput(5, torch.device("cpu")).summary(None, 2) == dict(
         steps_timed=0, tokens_per_s=None, tokens_per_s_per_device=None, mfu=None, peak_tflops_per_device=None,
         achieved_tflops_per_device=None)
+    # a CPU run's rates: 3 significant digits, not 0.0 (rounded to 2 and 4 decimals they were)
+    small = common.Throughput(0, torch.device("cpu"))
+    small.add(0, 3.0, 1000, 2.5e9)
+    got = small.summary(1e12, 2)
+    assert (got["achieved_tflops_per_device"], got["mfu"]) == (0.000417, 0.000417), got
