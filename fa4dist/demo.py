@@ -185,6 +185,7 @@ def _cu_seqlens(total: int, docs: int, seed: int) -> list[int]:
 
 def run(args) -> int:
     import fa4dist
+    from fa4dist.kernels import invariant
     from fa4dist.modules import FA4ContextParallelAttention
 
     rank, world, device, comm = _setup()
@@ -216,11 +217,18 @@ def run(args) -> int:
     local_dout = plan.shard(dout, seq_dim=sd, rank=cp_rank)
     if lead:
         kind = f"{args.docs} packed documents, {total} tokens" if packed else f"batch {args.batch} x {total} tokens"
+        # the modes that change the numerics and the time; cp_invariant comes from the environment alone (a
+        # FA4DIST_CP_INVARIANT=1 left exported from a recipe's run made the demo ~3x slower without a word)
+        modes = (", deterministic" if args.deterministic else "") + (
+            f", cp_invariant ({invariant.ENV}={os.environ.get(invariant.ENV)!r})" if module.cp.cp_invariant else "")
         print(f"fa4dist demo: {world} ranks ({comm}, {device.type}), {kind}, heads {args.heads}/{args.kv_heads}, "
-              f"head dim {args.headdim}, {str(dtype).replace('torch.', '')}, causal, backend {args.backend}")
+              f"head dim {args.headdim}, {str(dtype).replace('torch.', '')}, causal, backend {args.backend}{modes}")
         print(f"strategy: {module.cp.strategy_name(u) if world > 1 else 'single process'}"
               + (f" (ulysses {u} x ring {world // u})" if 1 < u < world else ""))
         print(plan.balance_report())
+        if module.cp.cp_invariant and world // u > 1:  # (the report's ring steps are the plan's, not this mode's)
+            print("cp_invariant: every ring member gathers the whole sequence's K/V (and in the backward its Q, dO, "
+                  "out) instead of running the ring steps above (fa4dist/context_parallel/gather.py)")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 

@@ -90,6 +90,21 @@ def test_a_rank_that_raises_ends_the_self_launched_demo_with_one_line():
     assert "fa4dist demo: a rank failed: ValueError: Ulysses degree 3 is impossible" in proc.stderr
 
 
+def test_the_cp_invariant_mode_from_the_environment_is_named_and_matches_one_process_bit_for_bit():
+    """FA4DIST_CP_INVARIANT=1 (left exported from a recipe's run, say) switched the demo's module and its
+    single-process reference to the invariant mode without a word in the output, which still listed the ring steps
+    the mode does not run.  The header names it, a line says what runs instead, and out, dq, dk, dv are the
+    single-process bytes."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FA4DIST_CP_INVARIANT="1")
+    proc = subprocess.run([sys.executable, "-m", "fa4dist.demo", "--nproc", "2", *SMALL], capture_output=True,
+                          text=True, timeout=170, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "backend auto, cp_invariant (FA4DIST_CP_INVARIANT='1')" in out.splitlines()[0], out
+    assert "cp_invariant: every ring member gathers the whole sequence's K/V" in out, out
+    assert out.count("max abs error 0.00e+00, rel. error 0.00e+00") == 4, out
+
+
 def test_auto_strategy_reports_the_plan_of_the_degree_it_runs():
     # heads 4/2 on 2 ranks: auto runs Ulysses 2, so the balance report is Ulysses' (no ring steps that never run)
     out = _run([sys.executable, "-m", "fa4dist.demo", "--nproc", "2", "--strategy", "auto", "--no-check", *SMALL])
