@@ -154,6 +154,24 @@ def test_docstring_commands_use_flags_that_exist():
             pytest.fail(f"{where}: `{program} {' '.join(args)}` does not parse ({exit_})")
 
 
+# the options of the tools the README's commands start besides ours (pip, pytest with xdist, torchrun)
+OTHER_TOOLS_OPTIONS = {"--index-url", "--maxprocesses", "--dist", "--nproc-per-node", "--standalone"}
+
+
+def test_every_option_the_readme_names_is_an_option_of_ours():
+    """The README names options in prose too (`--docs 12`, `--window 4095`, `--cp-invariant` in the recipes), where
+    test_readme_commands_use_flags_that_exist does not parse them: each must be an option that the demo, a recipe
+    or a bench script defines (a string literal there), or one of the third-party tools its commands run."""
+    readme = (REPO / "README.md").read_text()
+    spans = re.findall(r"`([^`\n]+)`", readme) + _readme_blocks("bash")
+    named = {flag for span in spans for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", span)}
+    sources = [REPO / "fa4dist" / "demo.py", *(REPO / "recipes").glob("*.py"), *(REPO / "bench").glob("*.py")]
+    text = "".join(path.read_text() for path in sources)
+    missing = sorted(flag for flag in named - OTHER_TOOLS_OPTIONS
+                     if f'"{flag}"' not in text and f"'{flag}'" not in text)
+    assert not missing, f"README names options no program of ours defines: {missing}"
+
+
 def _environment_variables() -> list[tuple[str, str]]:
     """(file, name) of every FA4DIST_* name fa4dist's code reads (as a string constant: os.environ keys are)."""
     found = []
