@@ -32,24 +32,28 @@ def _args(argv=None):
     p.add_argument("--seqlen", type=int, default=None, help="total tokens (default 2048 on CPU, 32768 on GPU)")
     p.add_argument("--docs", type=int, default=0, help="packed documents of random lengths (0: one sequence)")
     p.add_argument("--batch", type=int, default=1, help="sequences per batch (one-sequence mode)")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (a divisor of --heads: GQA)")
     p.add_argument("--headdim", type=int, default=64)
     p.add_argument("--strategy", default="ring", choices=["auto", "ring", "ulysses", "hybrid"], help="default ring")
     p.add_argument("--ulysses-degree", type=int, default=None,
                    help="the Ulysses group size of --strategy hybrid (ring over the rest)")
-    p.add_argument("--balancer", default="lpt", choices=["lpt", "zigzag", "contiguous"])
-    p.add_argument("--num-chunks", type=int, default=None)
+    p.add_argument("--balancer", default="lpt", choices=["lpt", "zigzag", "contiguous"],
+                   help="the plan's balancer (default lpt)")
+    p.add_argument("--num-chunks", type=int, default=None,
+                   help="chunks the tokens are cut into, a multiple of the ranks (default: 2 per rank for one "
+                        "sequence, 8 per rank for --docs)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32", "float64"],
                    help="default bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--backend", default="auto")
+    p.add_argument("--backend", default="auto", help="kernel backend: auto, reference, sdpa, cute, ...")
     p.add_argument("--iters", type=int, default=2, help="timed forward+backward iterations (after one warm-up)")
     p.add_argument("--no-check", action="store_true", help="skip the single-process comparison")
-    p.add_argument("--deterministic", action="store_true")
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--deterministic", action="store_true", help="deterministic backward kernels")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds any wait on another rank may take before it fails naming what it waited for")
     p.add_argument("--nproc", type=int, default=None,
                    help="processes to spawn when not started by torchrun (default 2; under torchrun, its world size)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs and of --docs' document lengths")
     args = p.parse_args(argv)
     _check_args(p, args)
     return args
