@@ -582,3 +582,23 @@ def ulysses_chunks_case(rank, world, *, cp, strategy, chunks, ulysses_degree=Non
         runs.append(([t.detach() for t in results] + [t.grad for t in leaves] + [sinks.grad], posts.call_count))
     differences = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(runs[1][0], runs[0][0])]
     return differences, runs[0][1], runs[1][1]
+
+
+def lse_loss_on_test_backend_case(rank, world, *, backend, **case):
+    """run_case with a loss of out and lse (and ``case``) on a backend of :mod:`worklist_backends`, registered in
+    this worker for the call: its errors, and for ``Sharing`` how many item calls the shared query sides took with
+    the lse's gradient (the ring makes one per backward with it)."""
+    from fa4dist.kernels import registry
+
+    import worklist_backends
+
+    impl = getattr(worklist_backends, backend)()
+    saved = dict(registry._BACKENDS)
+    registry.register_backend(impl)
+    try:
+        errors = run_case(rank, world, backend=impl.name, lse_loss="and", **case)
+    finally:
+        registry._BACKENDS.clear()
+        registry._BACKENDS.update(saved)
+    made = getattr(impl, "made", ())
+    return errors, sum(side.taken for side in made if side.dlse is not None)

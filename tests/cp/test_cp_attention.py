@@ -435,6 +435,20 @@ def test_outputs_used_on_some_ranks_only(pool, strategy, lse_ranks, out_ranks):
         assert passes == 1, (rank, passes)
 
 
+@pytest.mark.parametrize("backend", ["Sharing", "TwoPass"])
+@pytest.mark.parametrize("name, case", [("dense-sinks", dict(seqlen=50, heads=(4, 2), sinks=True)),
+                                        ("packed", dict(docs=random_docs(1, 8, 24), heads=(4, 2)))],
+                         ids=["dense-sinks", "packed"])
+def test_a_loss_of_the_lse_on_a_shared_query_side_and_on_a_two_pass_backend(pool, backend, name, case):
+    """The ring's lse gradient where the backend has a shared query side (as cute: the ring makes it with dlse, and
+    its preprocess's row sums serve every step's items it takes) or no lse_gradient (as sdpa: each call's contract
+    adds the lse's second pass): the fp64 oracle's gradients of a loss of out and lse."""
+    results = pool.run(cp_cases.lse_loss_on_test_backend_case, cp=3, strategy="ring", backend=backend, **case)
+    check_results([errors for errors, _ in results[:3]], "ring")
+    if backend == "Sharing":
+        assert all(taken for _, taken in results[:3]), results
+
+
 def test_return_lse_on_one_rank_only_fails_every_rank(pool):
     for rank, err in enumerate(pool.run(cp_cases.return_lse_disagreement_case)):
         assert err is not None, f"rank {rank} computed instead of failing"

@@ -14,6 +14,7 @@ import torch
 
 from fa4dist.kernels import WorkItem, attention_backward_items, attention_forward_items
 from oracle import naive_attention, visible_item_pairs
+from worklist_backends import Sharing
 
 F64 = torch.float64
 
@@ -123,52 +124,12 @@ def test_numpy_integers_in_an_item_are_taken_as_ints():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-class _SharedRows:
-    """A shared query side on the CPU for the tests: the dQ of the items it takes (rows starting on a multiple of 4)
-    goes into one scratch of the queries' shape, added into the lists' dq at finish; ``dlse``: the lse's gradient
-    its rows' calls take (as cute's preprocess takes it once for all launches)."""
-
-    def __init__(self, q, dlse=None):
-        self.scratch = torch.zeros(q.shape, dtype=F64)
-        self.dlse = dlse
-
-    def takes(self, q_start, q_len):
-        return q_len > 0 and q_start % 4 == 0
-
-    def finish(self, dq):
-        return dq.add_(self.scratch)
-
-
-def _sharing_backend():
-    """The reference with a shared query side (as cute has one), registered as "test_sharing" by the caller."""
-    from fa4dist.kernels.reference import ReferenceBackend
-
-    class Sharing(ReferenceBackend):
-        name = "test_sharing"
-
-        def shared_rows(self, dout, q, out, lse, *, softmax_scale, deterministic, dlse=None):
-            return _SharedRows(q, dlse)
-
-        def backward(self, problem, dout, q, k, v, out, lse, deterministic, dq=None, dk=None, dv=None,
-                     accumulate=False, rows=None, q_start=0, dq_scale=None, dlse=None):
-            if rows is None:
-                return super().backward(problem, dout, q, k, v, out, lse, deterministic, dq_scale, dlse)
-            assert dlse is None  # (the shared side has it)
-            rows_dlse = None if rows.dlse is None else rows.dlse[..., q_start:q_start + q.shape[1]]
-            gq, gk, gv = super().backward(problem, dout, q, k, v, out, lse, deterministic, dlse=rows_dlse)
-            rows.scratch[:, q_start:q_start + q.shape[1]] += gq
-            dk.add_(gk)
-            dv.add_(gv)
-
-    return Sharing()
-
-
 @pytest.fixture
 def sharing(monkeypatch):
     from fa4dist.kernels import registry
 
-    monkeypatch.setitem(registry._BACKENDS, "test_sharing", _sharing_backend())
-    return "test_sharing"
+    monkeypatch.setitem(registry._BACKENDS, Sharing.name, Sharing())
+    return Sharing.name
 
 
 def _shared_inputs(packed, n=16, head_dim=8, head_dim_v=12):
