@@ -47,6 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, default=0,
                    help="causal sliding window of W tokens, the query included (window=(W - 1, 0)); 0: none")
     p.add_argument("--invariant", action="store_true", help="also time cp_invariant=True (first size)")
+    p.add_argument("--ulysses-chunks", type=int, nargs="+", default=[1],
+                   help="Ulysses head chunks to time (FA4DIST_ULYSSES_CHUNKS, every rank alike; ulysses and hybrid "
+                        "rows, one row each): each chunk's exchange overlaps the previous chunk's attention")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     return p.parse_args(argv)
 
@@ -98,6 +101,7 @@ def _window(args) -> tuple[int, int]:
 
 def ours(args, world, device, tokens, heads, kv_heads, rows, t_full_cache):
     import fa4dist
+    from fa4dist.context_parallel.ulysses import CHUNKS_ENV
     from fa4dist.modules import FA4ContextParallelAttention
 
     total = tokens * world
@@ -118,13 +122,17 @@ def ours(args, world, device, tokens, heads, kv_heads, rows, t_full_cache):
     first = tokens == args.tokens_per_gpu[0]
     for strategy in args.strategies:
         variants = [dict(verify=True, cp_invariant=False)]
+        if strategy != "ring":  # one row per head-chunk count of the Ulysses exchange
+            variants = [dict(variant, ulysses_chunks=n) for variant in variants for n in args.ulysses_chunks]
         if strategy == "ring" and first:
             variants.append(dict(verify=False, cp_invariant=False))  # the per-call agreement check's cost
         if args.invariant and first:
             variants.append(dict(verify=True, cp_invariant=True))  # cp_invariant's cost
         for variant in variants:
+            options = {name: value for name, value in variant.items() if name != "ulysses_chunks"}
+            os.environ[CHUNKS_ENV] = str(variant.get("ulysses_chunks", 1))  # (read per call, every rank alike)
             module = FA4ContextParallelAttention(dist.group.WORLD, strategy=strategy, causal=True,
-                                                 window=_window(args), deterministic=args.deterministic, **variant)
+                                                 window=_window(args), deterministic=args.deterministic, **options)
             try:
                 plan = module.make_plan(total, balancer=args.balancer)
                 local = [module.shard(t, plan).requires_grad_() for t in (q, k, v)]
@@ -262,6 +270,7 @@ def _print(row):
               f"efficiency {row['efficiency']:.3f}"
               + (f"  window {row['window']}: {row['speedup']:.2f}x one GPU" if row.get("window") else "")
               + (f"  verify={row['verify']} cp_invariant={row['cp_invariant']}" if 'verify' in row else "")
+              + (f"  chunks {row['ulysses_chunks']}" if row.get("ulysses_chunks", 1) > 1 else "")
               + (f"  [{row['peer']}]" if row["peer"] else ""), flush=True)
 
 

@@ -4,6 +4,11 @@
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh cp      # CP tests + multi-GPU bench + p2p
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh recipes # HF SFT, FSDP2 at 2 GPUs, cp_sim
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh window  # CP with a sliding window in the kernels
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh ulysses # Ulysses head chunks (thirty-ninth
+#     session): FA4DIST_ULYSSES_CHUNKS 1 / 2 / 4, the exchange of chunk c + 1 under chunk c's attention. Predicted from
+#     the one-GPU numbers (32/32 heads, 64k tokens: 0.89 efficiency, ~0.1 of the step in the exposed all-to-alls):
+#     +4-8% at 4 chunks, the first exchange and last return (a quarter each) still exposed; less at 32/8, whose K/V
+#     are a quarter of Q's bytes. If it pays, make the default follow the measurement.
 set -u
 PART=${1:-cp}
 source "$(dirname "$0")/../stage.sh"
@@ -27,6 +32,12 @@ case "$PART" in
       --heads 32:8 --window 4096 --reps 3 --balancer contiguous --strategies ring --profile --out-dir "$OUT/profile"
     TAIL_LINES=10 stage window_tests 150 python3 -m pytest -x -q -p no:cacheprovider tests/kernels/test_window_gpu.py \
       -k cute
+    ;;
+  ulysses)
+    TAIL_LINES=18 stage multigpu_ulysses_chunks 240 "${TORCHRUN[@]}" bench/multigpu.py --tokens-per-gpu 32768 131072 \
+      --heads 32:8 32:32 --strategies ulysses --ulysses-chunks 1 2 4 --reps 3 --out-dir "$OUT"
+    TAIL_LINES=10 stage ulysses_chunks_check 150 env FA4DIST_ULYSSES_CHUNKS=4 "${TORCHRUN[@]}" \
+      tests/cp/multigpu_check.py
     ;;
   recipes)
     # DeepSpeed is not on the GPU image: its wheels (and pydantic's) travel in .dswhl when this part runs.
