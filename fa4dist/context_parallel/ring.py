@@ -32,7 +32,6 @@ member blocks another, for any ring size.  ``forward_step`` and ``backward_step`
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -42,6 +41,7 @@ from ..kernels.problem import accum_dtype
 from ..kernels.worklist import (WorkItem, attention_backward_items, attention_forward_items, share_queries,
                                 uncovered_ranges)
 from .comm import CommError, Pending, Transport
+from .knobs import env_int
 from .schedule import MemberLayout, Schedule
 
 
@@ -325,19 +325,9 @@ def grouped_launch_allowed(sched: Schedule, k: torch.Tensor) -> bool:
 
 def requested_steps_per_launch() -> int:
     """The ring forward's remote steps per launch this process asks for: ``FA4DIST_RING_STEPS_PER_LAUNCH`` (an int
-    >= 0; 0: all remote steps in one launch), else 1.  Part of a call's agreed signature, so that ranks that read
-    different values fail the agreement check together instead of posting different messages."""
-    env = os.environ.get(STEPS_PER_LAUNCH_ENV)
-    if env is None:
-        return 1
-    try:
-        value = int(env)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{STEPS_PER_LAUNCH_ENV} must be an int >= 0 (0: every remote step in one launch), got "
-                         f"{env!r}")
-    return value
+    >= 0; 0: all remote steps in one launch), else 1 (part of a call's agreed signature:
+    :mod:`~fa4dist.context_parallel.knobs`)."""
+    return env_int(STEPS_PER_LAUNCH_ENV, 1, 0, None, "0: every remote step in one launch")
 
 
 def forward_steps_per_launch(sched: Schedule, k: torch.Tensor, requested: Optional[int] = None) -> int:

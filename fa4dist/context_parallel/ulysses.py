@@ -19,13 +19,13 @@ head is computed alone), so chunking changes when heads travel, not what they ge
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from .comm import CommError, Pending, Transport
+from .knobs import env_int
 from .schedule import MemberLayout
 
 CHUNKS_ENV = "FA4DIST_ULYSSES_CHUNKS"
@@ -134,20 +134,9 @@ class HeadChunk:
 
 
 def requested_chunks() -> int:
-    """The Ulysses head chunks this process asks for: ``FA4DIST_ULYSSES_CHUNKS`` (an int >= 1), else 1.  Part of a
-    call's agreed signature, so that ranks that read different values fail the agreement check together instead of
-    posting different messages."""
-    env = os.environ.get(CHUNKS_ENV)
-    if env is None:
-        return 1
-    try:
-        value = int(env)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= MAX_CHUNKS:
-        raise ValueError(f"{CHUNKS_ENV} must be an int in [1, {MAX_CHUNKS}] (the Ulysses exchange's head chunks), "
-                         f"got {env!r}")
-    return value
+    """The Ulysses head chunks this process asks for: ``FA4DIST_ULYSSES_CHUNKS`` (an int >= 1), else 1 (part of a
+    call's agreed signature: :mod:`~fa4dist.context_parallel.knobs`)."""
+    return env_int(CHUNKS_ENV, 1, 1, MAX_CHUNKS, "the Ulysses exchange's head chunks")
 
 
 MAX_CHUNKS = 64  # (each chunk's messages have tags of their own)
