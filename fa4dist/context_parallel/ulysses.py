@@ -148,10 +148,6 @@ class Exchange:
     def __init__(self, pending: Pending, finish: Callable[[], list]):
         self.pending, self._finish = pending, finish
 
-    @property
-    def done(self) -> bool:
-        return self.pending.done
-
     def wait(self) -> list:
         self.pending.wait()
         return self._finish()
