@@ -187,15 +187,16 @@ def with_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tupl
                        scaled), merged
 
 
-def sink_grad_terms(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
+def sink_grad_terms(dout: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
                     dlse: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Each row's term of the sinks' gradient, ``exp(sink - lse) * rowsum(dout * out)`` (..., heads, seqlen) like
     ``lse``, in fp32 (fp64 for fp64 inputs), given the rows' *global* out and lse (sink included); 0 for a row whose
     lse is ``-inf`` (no key, no sink).  The gradient is minus their sum over the rows (:func:`sink_grad`).  Each
     term is a function of its own row: the row sum runs over one contiguous last axis.  ``dlse`` (lse's layout):
-    the lse's gradient, whose share ``exp(sink - lse) * dlse`` (d lse / d sink) each term loses."""
+    the lse's gradient, whose share ``exp(sink - lse) * dlse`` (d lse / d sink) each term loses.  ``dout=None``:
+    out unused (a loss of the lse alone), its terms zero."""
     check_partial("the result", out, lse)
-    check_buffer("sink_grad: dout", dout, tuple(out.shape), out.device, FLOAT_DTYPES)
+    check_buffer("sink_grad: dout", dout, tuple(out.shape), out.device, FLOAT_DTYPES)  # (None: passes)
     check_buffer("sink_grad: dlse", dlse, tuple(lse.shape), lse.device, FLOAT_DTYPES)  # (None: passes)
     acc = accum_dtype(out.dtype)
     lse = lse.to(acc)
@@ -203,6 +204,15 @@ def sink_grad_terms(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, si
     seen = ~torch.isneginf(lse)
     zero = torch.zeros((), dtype=acc, device=lse.device)
     share = torch.exp(sink - torch.where(seen, lse, zero))  # the sink's share of the row's softmax
+    terms = torch.zeros_like(share) if dout is None else _out_terms(dout, out, share)
+    if dlse is not None:
+        terms = terms - share * dlse.to(acc)
+    return torch.where(seen, terms, zero)
+
+
+def _out_terms(dout: torch.Tensor, out: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
+    """:func:`sink_grad_terms`' out terms, ``share * rowsum(dout * out)`` in share's layout and dtype."""
+    acc = share.dtype
     # rowsum(dout * out) overflows near the top of the range (64 x 1e37) where the term, times the sink's small share,
     # need not: each row of dout and of out is brought below 1 by a power of two first and the sum brought back after
     # the share, which is exact (the same bits) wherever the scaled values stay normal, with no data-dependent branch
@@ -214,10 +224,7 @@ def sink_grad_terms(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, si
     delta = product.sum(-1).transpose(-1, -2)  # (..., heads, seqlen) like lse, times both rows' factors
     # one factor after the other (each a normal number, their product need not be), the larger first: the value
     # shrinks before it grows
-    terms = share * delta / torch.maximum(dout_s[1], out_s[1]) / torch.minimum(dout_s[1], out_s[1])
-    if dlse is not None:
-        terms = terms - share * dlse.to(acc)
-    return torch.where(seen, terms, zero)
+    return share * delta / torch.maximum(dout_s[1], out_s[1]) / torch.minimum(dout_s[1], out_s[1])
 
 
 def _power_of_two_below_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,11 +234,12 @@ def _power_of_two_below_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return t * factor, factor.squeeze(-1).transpose(-1, -2)
 
 
-def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
+def sink_grad(dout: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
               dlse: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The gradient of the sinks (heads,) from these rows, given their *global* out and lse (sink included), in
     fp32 (fp64 for fp64 inputs): ``-sum_rows exp(sink - lse) * (rowsum(dout * out) - dlse)`` (``dlse``: the lse's
-    gradient, if any).  A row whose lse is ``-inf`` (no key, no sink) contributes nothing."""
+    gradient, if any; ``dout=None``: out unused).  A row whose lse is ``-inf`` (no key, no sink) contributes
+    nothing."""
     per_row = sink_grad_terms(dout, out, lse, sinks, dlse)
     # over every dim but the heads' (reshape(-1, ...) cannot infer its size when there are no rows)
     return -per_row.sum(dim=[d for d in range(per_row.dim()) if d != per_row.dim() - 2])

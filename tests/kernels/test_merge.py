@@ -65,3 +65,20 @@ def test_sink_gradient_of_outputs_near_the_top_of_the_range(cp_invariant):
     want, = torch.autograd.grad(naive_attention(q, k, v, causal=True, sinks=sinks64)[0], sinks64, dout.double())
     assert torch.isfinite(want).all()
     torch.testing.assert_close(sinks.grad.double(), want, atol=0, rtol=1e-5)
+
+
+def test_sink_gradient_of_a_loss_of_the_lse_alone_takes_dout_none():
+    """sink_grad(None, out, lse, sinks, dlse): out unused (the ring passes no dout for a loss of the lse alone), the
+    fp64 oracle's sinks' gradient of that loss; zero without dlse either."""
+    from fa4dist.kernels import attention_forward, sink_grad
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 8, h, 16, generator=gen) for h in (2, 1, 1))
+    sinks = torch.tensor([-1.0, 0.5])
+    out, lse = attention_forward(q, k, v, causal=True, sinks=sinks, backend="reference")
+    dlse = torch.randn(lse.shape, generator=gen)
+    sinks64 = sinks.double().requires_grad_()
+    want, = torch.autograd.grad(naive_attention(q, k, v, causal=True, sinks=sinks64)[1], sinks64, dlse.double())
+    tol = 64 * torch.finfo(torch.float32).eps
+    torch.testing.assert_close(sink_grad(None, out, lse, sinks, dlse).double(), want, rtol=tol, atol=tol)
+    assert torch.equal(sink_grad(None, out, lse, sinks), torch.zeros(2))
