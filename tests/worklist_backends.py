@@ -1,12 +1,14 @@
 """Backends for the work-list and ring tests on the CPU, each the reference with one trait of a GPU backend: a shared
-query side (as cute's, :class:`Sharing`) or no ``lse_gradient`` (as sdpa's, :class:`TwoPass`: the
-contract adds the lse's gradient through a second backward of each call).  The caller registers them."""
+query side (as cute's, :class:`Sharing`), no ``lse_gradient`` (as sdpa's, :class:`TwoPass`: the
+contract adds the lse's gradient through a second backward of each call) or a ``backward_items`` of its own (as
+cute's launches, :class:`Listing`).  The caller registers them."""
 
 from __future__ import annotations
 
 import torch
 
 from fa4dist.kernels.problem import accum_dtype
+from fa4dist.kernels.worklist import attention_backward_items
 from fa4dist.kernels.reference import ReferenceBackend
 
 
@@ -53,11 +55,33 @@ class Sharing(ReferenceBackend):
 
 
 class TwoPass(ReferenceBackend):
-    """The reference without ``lse_gradient``: its backward takes no dlse."""
+    """The reference without ``lse_gradient``: its backward takes no dlse; ``calls``: how many backward passes ran."""
 
     name = "test_two_pass"
     lse_gradient = False
 
+    def __init__(self):
+        self.calls = 0
+
     def backward(self, problem, dout, q, k, v, out, lse, deterministic, dq_scale=None):
+        self.calls += 1
         return super().backward(problem, dout, q, k, v, out, lse, deterministic, dq_scale)
+
+
+class Listing(ReferenceBackend):
+    """The reference with a ``backward_items`` of its own, which runs the list on the reference (as cute runs it in
+    launches); ``douts``: the dout each list it ran got."""
+
+    name = "test_listing"
+
+    def __init__(self):
+        self.douts = []
+
+    def backward_items(self, dout, q, k, v, out, lse, items, dq, dk, dv, *, softmax_scale, softcap, deterministic,
+                       shared=None, fresh_dkv=False, dlse=None):
+        assert shared is None  # (it has no shared query side)
+        self.douts.append(dout)
+        return attention_backward_items(dout, q, k, v, out, lse, items, dq, dk, dv, softmax_scale=softmax_scale,
+                                        softcap=softcap, deterministic=deterministic, backend="reference",
+                                        fresh_dkv=fresh_dkv, dlse=dlse)
 

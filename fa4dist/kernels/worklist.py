@@ -12,7 +12,8 @@ to every batch element.
   out and lse; with ``fresh_dkv=True`` dk and dv may hold anything: each key row's first launch writes its
   gradient (:func:`fresh_key_launches`) and rows no item has become zero, the bytes of the same call into zeros.
   ``dlse=``: the global lse's gradient too (a loss of out and lse), in the same launches where the backend takes
-  it (``lse_gradient``), else through each call's second pass (:func:`~fa4dist.kernels.attention_backward`).
+  it (``lse_gradient``), else through each call's second pass (:func:`~fa4dist.kernels.attention_backward`);
+  ``dout=None`` with it: a loss of the lse alone (then the two-pass backends run that second pass only).
 
 Several backward work lists on the same queries (a ring's steps against every member's keys) can share their
 query side: :func:`share_queries` gives a handle where the backend has one (cute: one preprocess and one dQ
@@ -127,6 +128,14 @@ def _check_whole_buffers(problem: AttentionProblem, what: str, running: dict, gr
         check_buffer(name, t, shapes[name], problem.device, dtypes or acc)
     for name, (t, shape) in grads.items():
         check_buffer(name, t, shape, problem.device, acc)
+
+
+def _out_gradients(what: str, dout, dlse, given: tuple[torch.dtype, ...]) -> dict:
+    """The ``running`` entries of :func:`_check_whole_buffers` for the loss's gradients: dout (in ``given``) and
+    dlse where given; dout may be None with dlse (a loss of the lse alone), not without."""
+    if dout is None and dlse is None:
+        raise ValueError(f"{what} needs dout (out's gradient), or dlse= with dout=None for a loss of the lse alone")
+    return {**({} if dout is None else {"dout": (dout, given)}), **({} if dlse is None else {"dlse": (dlse, None)})}
 
 
 def _forward_dtypes(problem: AttentionProblem) -> tuple[torch.dtype, ...]:
@@ -421,11 +430,14 @@ def _described(tensors: dict) -> dict:
 
 class SharedQueries:
     """The shared query side of backward work lists on the same queries (:func:`share_queries`). ``given``: the
-    dout, q, out and lse it was made for, described, and ``softmax_scale`` its preprocess used (:meth:`check_call`)."""
+    dout, q, out and lse it was made for, described, and ``softmax_scale`` its preprocess used (:meth:`check_call`).
+    ``zero_dout``: made for dout=None (a loss of the lse alone), the zeros its preprocess took as dout, which the
+    lists' kernels on it take too (one for every list)."""
 
-    def __init__(self, impl, state, seq_dim: int, deterministic: bool, given: dict, softmax_scale: float):
+    def __init__(self, impl, state, seq_dim: int, deterministic: bool, given: dict, softmax_scale: float,
+                 zero_dout: Optional[torch.Tensor] = None):
         self.impl, self.state, self.seq_dim, self.deterministic = impl, state, seq_dim, deterministic
-        self.given, self.softmax_scale = given, softmax_scale
+        self.given, self.softmax_scale, self.zero_dout = given, softmax_scale, zero_dout
         self.finished = False
 
     def takes(self, item: "WorkItem") -> bool:
@@ -480,15 +492,15 @@ def share_queries(dout, q, out, lse, *, softmax_scale=None, softcap=None, determ
     None where the backend has none (every call then keeps its own, with the same result up to fp32 rounding).
     dout and out have v's head dim (which may differ from q's): the lists that use the handle must have it too.
     ``dlse``: the lse's gradient, which the lists get too (the side's row sums take it, where the backend takes
-    it at all: ``lse_gradient``)."""
+    it at all: ``lse_gradient``); ``dout=None`` with it: a loss of the lse alone (the side takes zeros for dout)."""
     check_optional_bool("deterministic", deterministic)
     seq_dim, whole = _layout(q, q, q, softmax_scale=softmax_scale, softcap=softcap)
     if isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[-1] > 0:  # no v here: out has its head dim
         whole = replace(whole, head_dim_v=out.shape[-1])
     given = _forward_dtypes(whole)
-    _check_whole_buffers(whole, "share_queries (the global forward result and its gradient, as the lists get them)",
-                         {"out": (out, given), "dout": (dout, given), "lse": (lse, None),
-                          **({} if dlse is None else {"dlse": (dlse, None)})}, {})  # out first: v's dim
+    what = "share_queries (the global forward result and its gradient, as the lists get them)"
+    _check_whole_buffers(whole, what, {"out": (out, given), "lse": (lse, None),  # out first: v's dim
+                                       **_out_gradients(what, dout, dlse, given)}, {})
     packed = seq_dim == 0
     n = q.shape[seq_dim]
     if n == 0:
@@ -502,17 +514,19 @@ def share_queries(dout, q, out, lse, *, softmax_scale=None, softcap=None, determ
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     rows = dict(dlse=lse_token_rows(dlse, packed, 0, n)) if dlse is not None else {}
-    state = make(token_rows(dout, seq_dim, 0, n, packed), queries, token_rows(out, seq_dim, 0, n, packed),
-                 lse_token_rows(lse, packed, 0, n), softmax_scale=problem.softmax_scale,
-                 deterministic=bool(deterministic), **rows)
+    # (a loss of the lse alone: the preprocess's row sums rowsum(dout * out) - dlse take a zero dout)
+    zero_dout = None if dout is not None else torch.zeros(out.shape, dtype=q.dtype, device=q.device)
+    state = make(token_rows(dout if dout is not None else zero_dout, seq_dim, 0, n, packed), queries,
+                 token_rows(out, seq_dim, 0, n, packed), lse_token_rows(lse, packed, 0, n),
+                 softmax_scale=problem.softmax_scale, deterministic=bool(deterministic), **rows)
     return None if state is None else SharedQueries(
         impl, state, seq_dim, bool(deterministic),
-        _described({"q": q, "dout": dout, "out": out, "lse": lse, "dlse": dlse}), problem.softmax_scale)
+        _described({"q": q, "dout": dout, "out": out, "lse": lse, "dlse": dlse}), problem.softmax_scale, zero_dout)
 
 
 @torch.compiler.disable(reason=EAGER_ONLY)
 def attention_backward_items(
-    dout: torch.Tensor,
+    dout: Optional[torch.Tensor],
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -540,7 +554,10 @@ def attention_backward_items(
     zero on key rows no item has, the bits of the same call into zeros, without a pass that fills them (dq is
     still added into).
     ``dlse`` (lse's shape, fp32; fp64 for fp64 inputs): the global lse's gradient, added to the items' gradients
-    as :func:`~fa4dist.kernels.attention_backward` adds it (``shared`` must have been made with the same)."""
+    as :func:`~fa4dist.kernels.attention_backward` adds it (``shared`` must have been made with the same).
+    ``dout=None`` with ``dlse``: a loss of the lse alone (dv gets zeros): each item's call runs the lse's pass
+    alone where the backend has no ``lse_gradient``; a backend's list launches and a shared query side take one
+    dout of zeros for the whole call (``shared`` must have been made with dout=None too)."""
     check_bool("fresh_dkv", fresh_dkv)
     if shared is not None and not isinstance(shared, SharedQueries):
         raise TypeError(f"shared must be a SharedQueries handle (from share_queries) or None, got "
@@ -555,9 +572,9 @@ def attention_backward_items(
                          "into (a gradient without a buffer is not computed)")
     seq_dim, problem = _layout(q, k, v, cp_invariant, softmax_scale, softcap)
     given = _forward_dtypes(problem)
-    _check_whole_buffers(problem, "attention_backward_items (the global forward result and its gradient)",
-                         {"dout": (dout, given), "out": (out, given), "lse": (lse, None),
-                          **({} if dlse is None else {"dlse": (dlse, None)})},
+    what = "attention_backward_items (the global forward result and its gradient)"
+    _check_whole_buffers(problem, what, {**_out_gradients(what, dout, dlse, given), "out": (out, given),
+                                         "lse": (lse, None)},
                          {"dq": (dq, tuple(q.shape)), "dk": (dk, tuple(k.shape)), "dv": (dv, tuple(v.shape))})
     check_written({"dq": dq, "dk": dk, "dv": dv}, {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse,
                                                   "dlse": dlse})
@@ -574,12 +591,18 @@ def attention_backward_items(
     if shared is not None:
         shared.check_call({"q": q, "dout": dout, "out": out, "lse": lse, "dlse": dlse}, problem.head_dim_v,
                           problem.softmax_scale)
+    # what the list's launches and a shared side's calls take as dout: for dout=None (a loss of the lse alone) zeros,
+    # the shared side's (made with dout=None too: one for every list) or made once for the launches
+    kernel_dout = dout if dout is not None or shared is None else shared.zero_dout
     if getattr(impl, "backward_items", None) is not None and not cp_invariant and (
             dlse is None or getattr(impl, "lse_gradient", False)):
         rows = None if shared is None or shared.finished or shared.impl is not impl else shared.state
-        done = impl.backward_items(dout, q, k, v, out, lse, items, dq, dk, dv, softmax_scale=problem.softmax_scale,
-                                   softcap=problem.softcap, deterministic=bool(deterministic), shared=rows,
-                                   fresh_dkv=fresh_dkv, **({} if dlse is None else {"dlse": dlse}))
+        if kernel_dout is None:
+            kernel_dout = torch.zeros(problem.out_shape(), dtype=problem.dtype, device=problem.device)
+        done = impl.backward_items(kernel_dout, q, k, v, out, lse, items, dq, dk, dv,
+                                   softmax_scale=problem.softmax_scale, softcap=problem.softcap,
+                                   deterministic=bool(deterministic), shared=rows, fresh_dkv=fresh_dkv,
+                                   **({} if dlse is None else {"dlse": dlse}))
         if done is not None:
             return dq, dk, dv
     if fresh_dkv:  # the loop adds every item: into zeros
@@ -592,7 +615,7 @@ def attention_backward_items(
         qs = (item.q_start, item.q_len)
         ks = (item.k_start, item.k_len)
         if shared is not None and shared.takes(item):
-            views = [token_rows(t, seq_dim, *qs, packed) for t in (dout, q, out)]
+            views = [token_rows(t, seq_dim, *qs, packed) for t in (kernel_dout, q, out)]
             kv = [token_rows(t, seq_dim, *ks, packed) for t in (k, v, dk, dv)]
             item_problem = validate_inputs(views[1], kv[0], kv[1], softcap=softcap, softmax_scale=softmax_scale,
                                            **item.mask_kwargs())

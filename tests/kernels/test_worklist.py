@@ -14,7 +14,7 @@ import torch
 
 from fa4dist.kernels import WorkItem, attention_backward_items, attention_forward_items
 from oracle import naive_attention, visible_item_pairs
-from worklist_backends import Sharing
+from worklist_backends import Listing, Sharing, TwoPass
 
 F64 = torch.float64
 
@@ -245,6 +245,78 @@ def test_the_lse_gradient_of_a_list_is_checked_by_name():
     for g, leaf in zip(grads[:2], leaves):
         torch.testing.assert_close(g, leaf.grad, rtol=1e-10, atol=1e-10)
     assert leaves[2].grad is None and not grads[2].any()  # (the lse does not depend on v)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("backend", ["reference", "TwoPass", "Listing", "Sharing"])
+def test_a_loss_of_the_lse_alone_takes_dout_none(monkeypatch, packed, backend):
+    """attention_backward_items(dout=None, dlse=g): the fp64 oracle's gradients of a loss of the lse alone (dv zero),
+    on the reference, on a backend without lse_gradient (one pass per item, the lse's: a zero dout cost two), on
+    one with its own backward_items (given one dout of zeros for the list) and through a shared query side made
+    with dout=None too (its zeros serve the lists' calls it takes)."""
+    from fa4dist.kernels import registry
+    from fa4dist.kernels.worklist import share_queries
+
+    impl = {"TwoPass": TwoPass, "Listing": Listing, "Sharing": Sharing}.get(backend, lambda: None)()
+    if impl is not None:
+        monkeypatch.setitem(registry._BACKENDS, impl.name, impl)
+    name = backend if impl is None else impl.name
+    _, q, k, v, out, lse = _shared_inputs(packed)
+    dlse = torch.randn(lse.shape, dtype=F64, generator=torch.Generator().manual_seed(11))
+    leaves = [(t if not packed else t.unsqueeze(0)).clone().requires_grad_() for t in (q, k, v)]
+    _, ref_lse = naive_attention(*leaves, causal=True)
+    (ref_lse * (dlse if not packed else dlse.unsqueeze(0))).sum().backward()
+    # two lists (as two ring steps), rows starting on multiples of 4 (taken by Sharing's side) and not
+    cuts = [0, 4, 10, 16]
+    lists = [[WorkItem(a, b - a, 0, 8, a, 0, True) for a, b in zip(cuts, cuts[1:])],
+             [WorkItem(a, b - a, 8, 8, a, 8, True) for a, b in zip(cuts, cuts[1:])]]
+    shared = share_queries(None, q, out, lse, deterministic=False, backend=name, dlse=dlse)
+    assert (shared is not None) == (backend == "Sharing")
+    got = [torch.zeros_like(t) for t in (q, k, v)]
+    for items in lists:
+        attention_backward_items(None, q, k, v, out, lse, items, *got, deterministic=False, backend=name,
+                                 shared=shared, dlse=dlse)
+    if shared is not None:
+        assert shared.state.taken == 4  # (rows 0-4 and 4-10 of each list)
+        shared.finish(got[0])
+    for g, leaf in zip(got[:2], leaves):
+        torch.testing.assert_close(g, leaf.grad[0] if packed else leaf.grad, rtol=1e-10, atol=1e-10)
+    assert leaves[2].grad is None and not got[2].any()  # (the lse does not depend on v)
+    if backend == "TwoPass":
+        assert impl.calls == 6  # one pass per item
+        attention_backward_items(torch.zeros(out.shape, dtype=F64), q, k, v, out, lse, lists[0], *got,
+                                 backend=name, dlse=dlse)
+        assert impl.calls == 6 + 2 * 3  # (a dout of zeros: its pass and the lse's)
+    if backend == "Listing":
+        assert len(impl.douts) == 2 and all(d.shape == out.shape and d.dtype == q.dtype and not d.any()
+                                            for d in impl.douts)
+
+
+def test_dout_none_needs_dlse_and_a_shared_side_made_with_dout_none(sharing):
+    """dout=None without dlse (no loss at all) is refused by name before any buffer is written, by the work list and
+    by share_queries; a list with dout=None on a side made with a dout, or the other way round, likewise (the
+    side's row sums took what it was made with)."""
+    from fa4dist.kernels.worklist import share_queries
+
+    dout, q, k, v, out, lse = _shared_inputs(True)
+    dlse = torch.randn(lse.shape, dtype=F64)
+    items = [WorkItem(0, 16, 0, 16, causal=True)]
+    grads = [torch.full_like(t, 7.0) for t in (q, k, v)]
+    need = r"needs dout \(out's gradient\), or dlse= with dout=None for a loss of the lse alone"
+    with pytest.raises(ValueError, match="attention_backward_items .*" + need):
+        attention_backward_items(None, q, k, v, out, lse, items, *grads, backend="reference", fresh_dkv=True)
+    assert all((g == 7).all() for g in grads)
+    with pytest.raises(ValueError, match="share_queries .*" + need):
+        share_queries(None, q, out, lse, backend=sharing)
+    with_dout = share_queries(dout, q, out, lse, deterministic=False, backend=sharing, dlse=dlse)
+    without = share_queries(None, q, out, lse, deterministic=False, backend=sharing, dlse=dlse)
+    assert with_dout.zero_dout is None and not without.zero_dout.any()
+    for made, given, match in ((with_dout, None, "made \\(share_queries\\) with dout, but this call has none"),
+                               (without, dout, "made \\(share_queries\\) without dout, but this call has one")):
+        with pytest.raises(ValueError, match=match):
+            attention_backward_items(given, q, k, v, out, lse, items, *grads, deterministic=False, backend=sharing,
+                                     shared=made, dlse=dlse)
+        assert all((g == 7).all() for g in grads)
 
 
 def test_a_shared_query_side_refuses_other_tensors_by_name(sharing):
