@@ -584,10 +584,11 @@ def ulysses_chunks_case(rank, world, *, cp, strategy, chunks, ulysses_degree=Non
     return differences, runs[0][1], runs[1][1]
 
 
-def lse_loss_on_test_backend_case(rank, world, *, backend, **case):
-    """run_case with a loss of out and lse (and ``case``) on a backend of :mod:`worklist_backends`, registered in
-    this worker for the call: its errors, and for ``Sharing`` how many item calls the shared query sides took with
-    the lse's gradient (the ring makes one per backward with it)."""
+def lse_loss_on_test_backend_case(rank, world, *, backend, lse_loss="and", **case):
+    """run_case with a loss of the lse (``lse_loss``: "and" out's, or "only") and ``case`` on a backend of
+    :mod:`worklist_backends`, registered in this worker for the call: its errors, for ``Sharing`` how many item calls
+    the shared query sides took with the lse's gradient (the ring makes one per backward with it), and for
+    ``TwoPass`` how many backward passes it ran."""
     from fa4dist.kernels import registry
 
     import worklist_backends
@@ -596,9 +597,9 @@ def lse_loss_on_test_backend_case(rank, world, *, backend, **case):
     saved = dict(registry._BACKENDS)
     registry.register_backend(impl)
     try:
-        errors = run_case(rank, world, backend=impl.name, lse_loss="and", **case)
+        errors = run_case(rank, world, backend=impl.name, lse_loss=lse_loss, **case)
     finally:
         registry._BACKENDS.clear()
         registry._BACKENDS.update(saved)
     made = getattr(impl, "made", ())
-    return errors, sum(side.taken for side in made if side.dlse is not None)
+    return errors, sum(side.taken for side in made if side.dlse is not None), getattr(impl, "calls", None)

@@ -252,8 +252,9 @@ class _Call:
                 dsinks = (lo, hi, add_in_order([zeros if g[3] is None else g[3].to(sinks.dtype) for g in grads]))
             return dict(dq=add_in_order(g[0].to(dtype) for g in grads), dk=[g[1] for g in grads],
                         dv=grads[0][2] if dout is not None else None, dsinks=dsinks)
-        # one ring pass: the lse's gradient joins the row sums (D - dlse); a loss of the lse alone has dout = 0
-        dout = torch.zeros(out_m.shape, dtype=dtype, device=q.device) if dout is None else dout
+        # one ring pass: the lse's gradient joins the row sums (D - dlse); a loss of the lse alone passes dout None
+        # (the work lists give zeros to the kernels that take a dout; a backend without lse_gradient runs the lse's
+        # pass alone)
         dlse = None if dlse is None else dlse.to(accum_dtype(dtype)).contiguous()
         dq, dk, dv = ring_backward(self.sched, self.ring, dout, q, k, v, out_m, lse_m, self.opts, dlse=dlse)
         dsinks = None

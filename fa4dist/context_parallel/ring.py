@@ -21,7 +21,8 @@ the backend has one; else its fp32 buffer) and dK/dV into
 a fresh fp32 buffer for the rows it received, which goes straight back to their owner (posted after the step,
 awaited one step later so it overlaps).
 The owner adds its own dK/dV first, then the returns in step order: fixed by the plan, never by arrival.  A loss
-of the returned lse adds its gradient in the same steps (``dlse``, joined to the row sums of dout * out).
+of the returned lse adds its gradient in the same steps (``dlse``, joined to the row sums of dout * out; a loss of
+the lse alone passes no dout).
 
 Every member walks the same list of steps (those any member needs) and posts each step's sends and receives
 together (``batch_isend_irecv``), so two members always post the messages between them in the same order and no
@@ -158,13 +159,14 @@ def forward_items(q: torch.Tensor, kv, items, acc: Accumulators, opts: KernelOpt
     acc.fresh = False
 
 
-def backward_step(sched: Schedule, member: int, source: int, dout: torch.Tensor, q: torch.Tensor, kv,
+def backward_step(sched: Schedule, member: int, source: int, dout: Optional[torch.Tensor], q: torch.Tensor, kv,
                   out: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor, dkv, opts: KernelOptions,
                   items=None, shared=None, fresh_dkv: bool = False, dlse=None) -> None:
     """Member `member`'s backward work list against `source`'s keys (or the given part of it): adds into the fp32
     `dq` (member layout; or into `shared`, the member's shared query side, until its finish) and the dK/dV buffer
     `dkv` (laid out like `kv`): one call. `fresh_dkv`: `dkv` holds nothing yet (written, zeros where no item is).
-    `dlse`: the member's rows' lse gradient (lse's layout), which joins every step's gradients."""
+    `dlse`: the member's rows' lse gradient (lse's layout), which joins every step's gradients; `dout` None with it:
+    a loss of the lse alone (as the work list takes it)."""
     items = sched.items(member, source) if items is None else items
     if items:
         attention_backward_items(dout, q, kv.k, kv.v, out, lse, items, dq, dkv.k, dkv.v,
@@ -362,7 +364,9 @@ def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions,
 
 def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opts: KernelOptions, dlse=None):
     """Returns (dq, dk, dv) of this member's tokens in the accumulation dtype; ``dlse``: its rows' lse gradient
-    (lse's layout, the accumulation dtype), joined to out's in the same steps."""
+    (lse's layout, the accumulation dtype), joined to out's in the same steps; ``dout=None`` with it: a loss of the
+    lse alone (dv is zero; a backend without ``lse_gradient`` runs each step's lse pass only, with no pass of a zero
+    dout)."""
     steps = sched.steps()
     exchange = _Exchange(sched, ring, k, v, "backward")
     with exchange.abandoned_on_failure():

@@ -435,18 +435,25 @@ def test_outputs_used_on_some_ranks_only(pool, strategy, lse_ranks, out_ranks):
         assert passes == 1, (rank, passes)
 
 
+@pytest.mark.parametrize("loss", ["and", "only"])
 @pytest.mark.parametrize("backend", ["Sharing", "TwoPass"])
 @pytest.mark.parametrize("name, case", [("dense-sinks", dict(seqlen=50, heads=(4, 2), sinks=True)),
                                         ("packed", dict(docs=random_docs(1, 8, 24), heads=(4, 2)))],
                          ids=["dense-sinks", "packed"])
-def test_a_loss_of_the_lse_on_a_shared_query_side_and_on_a_two_pass_backend(pool, backend, name, case):
+def test_a_loss_of_the_lse_on_a_shared_query_side_and_on_a_two_pass_backend(pool, backend, name, case, loss):
     """The ring's lse gradient where the backend has a shared query side (as cute: the ring makes it with dlse, and
     its preprocess's row sums serve every step's items it takes) or no lse_gradient (as sdpa: each call's contract
-    adds the lse's second pass): the fp64 oracle's gradients of a loss of out and lse."""
-    results = pool.run(cp_cases.lse_loss_on_test_backend_case, cp=3, strategy="ring", backend=backend, **case)
-    check_results([errors for errors, _ in results[:3]], "ring")
+    adds the lse's second pass): the fp64 oracle's gradients of a loss of out and lse, or of the lse alone ("only":
+    no dout goes down the ring, so the two-pass backend runs the lse's pass alone, half the passes of "and")."""
+    results = pool.run(cp_cases.lse_loss_on_test_backend_case, cp=3, strategy="ring", backend=backend,
+                       lse_loss=loss, **case)
+    check_results([errors for errors, _, _ in results[:3]], "ring")
     if backend == "Sharing":
-        assert all(taken for _, taken in results[:3]), results
+        assert all(taken for _, taken, _ in results[:3]), results
+    if backend == "TwoPass" and loss == "only":
+        both = pool.run(cp_cases.lse_loss_on_test_backend_case, cp=3, strategy="ring", backend=backend,
+                        lse_loss="and", **case)
+        assert [2 * calls for _, _, calls in results[:3]] == [calls for _, _, calls in both[:3]], (results, both)
 
 
 def test_return_lse_on_one_rank_only_fails_every_rank(pool):
