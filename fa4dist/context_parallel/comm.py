@@ -188,6 +188,11 @@ def mark_broken(key: tuple, message: str, where: str = "this rank") -> None:
     _BROKEN.setdefault(key, (where, message))
 
 
+def is_broken(key: tuple) -> bool:
+    """Whether an fa4dist exchange on the group of `key` (:func:`group_key`) failed in this process."""
+    return key in _BROKEN
+
+
 def check_usable(keys: Sequence[tuple], what: str, label: str) -> None:
     """Raises :class:`GroupBroken` if an earlier fa4dist exchange failed on one of the groups of `keys` in this
     process.  After a failed exchange the ranks are out of step on the group: the ranks that timed out stopped in

@@ -2,6 +2,7 @@
 and on any later one (every call is checked), and a rank that never shows up costs the others one timeout whose
 message names what they waited for."""
 
+import contextlib
 import time
 
 import pytest
@@ -1023,44 +1024,60 @@ def test_a_backend_unavailable_on_the_device_fails_every_rank_and_leaves_the_gro
         assert isinstance(after, float) and after < TOL, after
 
 
-def refusing_backend_case(rank, world, direction):
-    """A backend whose kernels cover head dims up to 8 only (as cute's cover some): a ring call at head dim 16 is
-    refused by its first kernel call on every rank (forward, or ``direction="backward"`` its backward), with ring
-    transfers posted.  Then a call on the reference on the same throw-away group.  (error type, message, seconds)
-    of both calls."""
-    from fa4dist.context_parallel import make_plan
+@contextlib.contextmanager
+def _narrow_backend(direction, ranks=None):
+    """A backend whose kernels cover head dims up to 8 only (as cute's cover some), registered in this worker for
+    the block (its name): a call at head dim 16 is refused by its first kernel call in ``direction`` ("forward" or
+    "backward"), on the ranks ``ranks`` (None: every rank)."""
+    import torch.distributed as dist
+
     from fa4dist.kernels import Unsupported, registry
     from fa4dist.kernels.reference import ReferenceBackend
-    from fa4dist.modules import FA4ContextParallelAttention
 
     class Narrow(ReferenceBackend):
         name = "test_head_dim_8"
 
         def supports(self, problem, direction_):
-            if problem.head_dim > 8 and direction_ == direction:
+            if problem.head_dim > 8 and direction_ == direction and (ranks is None or dist.get_rank() in ranks):
                 return Unsupported(f"head dim {problem.head_dim} (its kernels take up to 8)")
             return None
 
     saved = dict(registry._BACKENDS)
     registry.register_backend(Narrow())
     try:
+        yield Narrow.name
+    finally:
+        registry._BACKENDS.clear()
+        registry._BACKENDS.update(saved)
+
+
+def _destroy(groups):
+    """Destroys throw-away groups that a test broke on purpose, once every rank is done with them (their unanswered
+    transfers kept gloo's loop threads spinning, taking the CPU from every later test of the pool)."""
+    torch.distributed.barrier()
+    for group in groups:
+        torch.distributed.destroy_process_group(group)
+    torch.distributed.barrier()
+
+
+def refusing_backend_case(rank, world, direction):
+    """A ring call at head dim 16 on :func:`_narrow_backend`, refused by its first kernel call on every rank
+    (forward, or ``direction="backward"`` its backward), with ring transfers posted.  Then a call on the reference
+    on the same throw-away group.  (error type, message, seconds) of both calls."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    with _narrow_backend(direction) as backend:
         group = fresh_group(range(world))  # broken by this test on purpose; nothing else uses it
         plan = make_plan(40, world)
         q, k, v, _ = cp_cases.global_inputs(0, 40, 2, 2, 16, torch.float64, batch=1)
         local = [plan.shard(t, rank=rank).requires_grad_() for t in (q, k, v)]
-        module = FA4ContextParallelAttention(group, strategy="ring", backend=Narrow.name, timeout=20)
+        module = FA4ContextParallelAttention(group, strategy="ring", backend=backend, timeout=20)
         refused = _error(lambda: module(*local, plan=plan).sum().backward())
         after = FA4ContextParallelAttention(group, strategy="ring", backend="reference", timeout=20)
         result = refused, _error(lambda: after(*local, plan=plan))
-        # as the error says: destroy the group (its unanswered transfers kept gloo's loop threads spinning, taking
-        # the CPU from every later test of the pool), once every rank is done with it
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group(group)
-        torch.distributed.barrier()
+        _destroy([group])  # as the error says
         return result
-    finally:
-        registry._BACKENDS.clear()
-        registry._BACKENDS.update(saved)
 
 
 @pytest.mark.parametrize("direction", ["forward", "backward"])
@@ -1076,3 +1093,59 @@ def test_a_kernel_error_with_ring_transfers_in_flight_breaks_the_group_at_once(p
         assert name == "GroupBroken", after
         assert f"stopped its {direction} ring steps with transfers in flight: ValueError: backend " in message, message
         assert seconds < 5, seconds
+
+
+def refusing_ulysses_chunk_case(rank, world, direction, refusing):
+    """Two Ulysses head chunks on a throw-away 2-D grid (Ulysses groups {0, 1} and {2, 3}, ring groups {0, 2} and
+    {1, 3}, timeout 2 s) whose backend (:func:`_narrow_backend`) refuses ``direction`` on the ranks ``refusing``
+    (None: all), in the first chunk, with the second chunk's exchange posted.  (error type, message, seconds) of
+    that call, of the module's next call and of a call of a new module on this rank's Ulysses group alone."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.context_parallel.ulysses import CHUNKS_ENV
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    groups, mine = [], {}  # broken by this test on purpose; nothing else uses them
+    for name, sets in (("ulysses", ([0, 1], [2, 3])), ("ring", ([0, 2], [1, 3]))):
+        for ranks in sets:
+            groups.append(fresh_group(ranks))
+            if rank in ranks:
+                mine[name] = groups[-1]
+    q, k, v, _ = cp_cases.global_inputs(0, 40, 4, 4, 16, torch.float64, batch=1)  # 2 heads a member: 2 chunks
+    with _narrow_backend(direction, refusing) as backend, cp_cases.environment({CHUNKS_ENV: 2}):
+        module = FA4ContextParallelAttention(ulysses_group=mine["ulysses"], ring_group=mine["ring"],
+                                             backend=backend, timeout=2)
+        plan = module.make_plan(40)
+        local = [plan.shard(t, rank=module.cp_rank).requires_grad_() for t in (q, k, v)]
+        failed = _error(lambda: module(*local, plan=plan).sum().backward())
+        again = _error(lambda: module(*local, plan=plan))
+    torch.distributed.barrier()  # (every rank has failed: the failures it did not see are posted to it)
+    alone = FA4ContextParallelAttention(mine["ulysses"], strategy="ulysses", backend="reference", timeout=2)
+    plan = make_plan(40, 2)
+    refused = _error(lambda: alone(*[plan.shard(t, rank=rank % 2) for t in (q, k, v)], plan=plan))
+    _destroy(groups)
+    return failed, again, refused
+
+
+@pytest.mark.parametrize("direction, refusing", [("forward", None), ("backward", (1,))], ids=["all", "one"])
+def test_a_failure_with_ulysses_head_chunks_in_flight_breaks_the_groups_at_once(pool, direction, refusing):
+    """FA4DIST_ULYSSES_CHUNKS: a kernel's refusal in the first head chunk, with the second chunk's exchange posted,
+    records the Ulysses group as out of step (the next call on it would pair with the unanswered messages): the
+    next call raises GroupBroken at once, naming the refusal.  Where one rank alone refused, the others fail within
+    their timeout, and a rank whose ring exchange timed out with its Ulysses chunks in flight (a 2-D grid) records
+    its Ulysses group too (it recorded only the ring group: its Ulysses group was refused only through its
+    partner's timeout)."""
+    for rank, (failed, again, refused) in enumerate(pool.run(refusing_ulysses_chunk_case, direction=direction,
+                                                             refusing=refusing, timeout=60)):
+        name, message, seconds = failed
+        if refusing is None or rank in refusing:
+            assert name == "ValueError" and "cannot compute this call: head dim 16" in message, (rank, failed)
+            assert seconds < 2, (rank, failed)  # (not after a timeout)
+        else:
+            assert name == "CommError" and "timeout 2s" in message, (rank, failed)
+            assert seconds < 5, (rank, failed)
+        for name, message, seconds in (again, refused):
+            assert name == "GroupBroken" and seconds < 0.5, (rank, name, message, seconds)
+        assert "failed on this rank" in refused[1], (rank, refused)
+        if refusing is None or rank in refusing:
+            assert f"stopped its {direction} Ulysses head chunks with exchanges in flight: ValueError: backend " \
+                   in again[1], (rank, again)
