@@ -218,6 +218,25 @@ def _bwd_inputs(gen, packed, n_rows, n_keys, h, hk, d):
     return dout, q, k, v
 
 
+def _small_backward_case(base: int, seed: int, *extra_items):
+    """(generator, dout, q, k, v, out, lse, items, softcap) of a small random backward list (seed 0: hdim 64, 1:
+    dense, 2: soft-capped; GQA 4 / 2 heads; masks causal, full or windowed), ``extra_items`` appended; out and lse
+    from the list's forward (rows no item covers: any finite values)."""
+    rng = random.Random(base + seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    d = (64, 128, 128)[seed]
+    packed = seed != 1
+    n_rows, n_keys = rng.randint(300, 1200), rng.randint(300, 1200)
+    masks = [dict(causal=True), dict(), dict(causal=True, window=(rng.randint(0, 400), -1))]
+    dout, q, k, v = _bwd_inputs(gen, packed, n_rows, n_keys, 4, 2, d)
+    items = [it for it in _random_items(rng, n_rows, n_keys, rng.randint(3, 10), masks) if it.k_len]
+    items += extra_items
+    softcap = 30.0 if seed == 2 else None
+    out, lse = _buffers(q, True, packed, gen)
+    attention_forward_items(q, k, v, items, out, lse, fresh=True, backend="cute", softcap=softcap)
+    return gen, dout, q, k, v, torch.nan_to_num(out).to(torch.bfloat16), torch.nan_to_num(lse, nan=0.0), items, softcap
+
+
 def _rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
@@ -269,23 +288,11 @@ def test_backward_random_lists_equal_the_loop(monkeypatch, seed, deterministic):
 def test_backward_lists_with_the_lse_gradient(monkeypatch, seed, deterministic, shared):
     """dlse= (a loss of out and lse) through the one-launch path, with the launches' own preprocesses or a shared
     query side's (made with the same dlse): the per-item loop's gradients (each call's dlse rows) up to fp32 order,
-    and the fp64 reference's at bf16 tolerance; a loss of the lse alone (dout = 0) too."""
-    rng = random.Random(3000 + seed)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    d = (64, 128, 128)[seed]
-    hk, h = 2, 4
-    packed = seed != 1
-    n_rows, n_keys = rng.randint(300, 1200), rng.randint(300, 1200)
-    masks = [dict(causal=True), dict(), dict(causal=True, window=(rng.randint(0, 400), -1))]
-    dout, q, k, v = _bwd_inputs(gen, packed, n_rows, n_keys, h, hk, d)
-    items = [it for it in _random_items(rng, n_rows, n_keys, rng.randint(3, 10), masks) if it.k_len]
-    softcap = 30.0 if seed == 2 else None
-    out, lse = _buffers(q, True, packed, gen)
-    attention_forward_items(q, k, v, items, out, lse, fresh=True, backend="cute", softcap=softcap)
-    out = torch.nan_to_num(out).to(torch.bfloat16)
-    lse = torch.nan_to_num(lse, nan=0.0)
+    and the fp64 reference's at bf16 tolerance; a loss of the lse alone too (dout = 0, and dout=None: the launches
+    and the shared side take zeros made once)."""
+    gen, dout, q, k, v, out, lse, items, softcap = _small_backward_case(3000, seed)
     dlse = torch.randn(lse.shape, device="cuda", generator=gen)
-    for d_out in (dout, torch.zeros_like(dout)):
+    for d_out in (dout, torch.zeros_like(dout), None):
         args = (d_out, q, k, v, out, lse, items)
         kw = dict(monkeypatch=monkeypatch, shared=shared, deterministic=deterministic, softcap=softcap, dlse=dlse)
         launches = []
@@ -295,7 +302,8 @@ def test_backward_lists_with_the_lse_gradient(monkeypatch, seed, deterministic, 
         for name, a, b in zip(("dq", "dk", "dv"), got, loop):
             assert _rel(a, b) <= 1e-4, f"{name} differs from the loop by {_rel(a, b)}"
         ref = [torch.zeros(t.shape, device="cuda", dtype=torch.float64) for t in (q, k, v)]
-        attention_backward_items(d_out.double(), q.double(), k.double(), v.double(), out.double(), lse.double(),
+        ref_dout = (d_out if d_out is not None else torch.zeros_like(dout)).double()
+        attention_backward_items(ref_dout, q.double(), k.double(), v.double(), out.double(), lse.double(),
                                  items, *ref, backend="reference", softcap=softcap, dlse=dlse.double())
         for name, a, b in zip(("dq", "dk"), got, ref):
             assert _rel(a, b) <= 2e-2, f"{name} error {_rel(a, b)} against the fp64 reference"
@@ -346,21 +354,8 @@ def test_backward_fresh_dkv_gives_the_bytes_of_zero_filled_grads(monkeypatch, se
     """fresh_dkv=True over NaN-poisoned dk / dv (written by each key row's first launch as 0 + x, the rest added,
     rows no item has zeroed) gives the bytes of the same list into zero-filled buffers: dk / dv always (a key
     tile's sums are in registers, in launch order), dq too when deterministic; in fewer launches than items."""
-    rng = random.Random(2000 + seed)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    d = (64, 128, 128)[seed]
-    hk, h = 2, 4
-    packed = seed != 1
-    n_rows, n_keys = rng.randint(300, 1200), rng.randint(300, 1200)
-    masks = [dict(causal=True), dict(), dict(causal=True, window=(rng.randint(0, 400), -1))]
-    dout, q, k, v = _bwd_inputs(gen, packed, n_rows, n_keys, h, hk, d)
-    items = [it for it in _random_items(rng, n_rows, n_keys, rng.randint(3, 10), masks) if it.k_len]
-    items.append(WorkItem(0, 64, 0, 128, 200, 0, True))  # keys 0-128 again: added after their first launch
-    softcap = 30.0 if seed == 2 else None
-    out, lse = _buffers(q, True, packed, gen)
-    attention_forward_items(q, k, v, items, out, lse, fresh=True, backend="cute", softcap=softcap)
-    out = torch.nan_to_num(out).to(torch.bfloat16)
-    lse = torch.nan_to_num(lse, nan=0.0)
+    again = WorkItem(0, 64, 0, 128, 200, 0, True)  # keys 0-128 again: added after their first launch
+    _, dout, q, k, v, out, lse, items, softcap = _small_backward_case(2000, seed, again)
     args = (dout, q, k, v, out, lse, items)
     kw = dict(monkeypatch=monkeypatch, shared=shared, deterministic=deterministic, softcap=softcap)
     launches = []
