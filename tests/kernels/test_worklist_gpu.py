@@ -286,10 +286,10 @@ def test_backward_random_lists_equal_the_loop(monkeypatch, seed, deterministic):
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("seed", range(3))
 def test_backward_lists_with_the_lse_gradient(monkeypatch, seed, deterministic, shared):
-    """dlse= (a loss of out and lse) through the one-launch path, with the launches' own preprocesses or a shared
-    query side's (made with the same dlse): the per-item loop's gradients (each call's dlse rows) up to fp32 order,
-    and the fp64 reference's at bf16 tolerance; a loss of the lse alone too (dout = 0, and dout=None: the launches
-    and the shared side take zeros made once)."""
+    """dlse= (a loss of out and lse) through a list on cute, with or without a shared query side: its one-launch
+    path and its shared side decline dlse for now (through the ring they gave a wrong dq on the GPU, thirty-ninth
+    session, while the single call's dlse is right), so the list runs the per-item loop: its gradients against the
+    fp64 reference's at bf16 tolerance; a loss of the lse alone too (dout = 0, and dout=None)."""
     gen, dout, q, k, v, out, lse, items, softcap = _small_backward_case(3000, seed)
     dlse = torch.randn(lse.shape, device="cuda", generator=gen)
     for d_out in (dout, torch.zeros_like(dout), None):
@@ -297,10 +297,7 @@ def test_backward_lists_with_the_lse_gradient(monkeypatch, seed, deterministic, 
         kw = dict(monkeypatch=monkeypatch, shared=shared, deterministic=deterministic, softcap=softcap, dlse=dlse)
         launches = []
         got = _run_bwd(args, [torch.zeros(t.shape, device="cuda") for t in (q, k, v)], launches, **kw)
-        loop = _run_bwd(args, [torch.zeros(t.shape, device="cuda") for t in (q, k, v)], loop=True, **kw)
-        assert launches
-        for name, a, b in zip(("dq", "dk", "dv"), got, loop):
-            assert _rel(a, b) <= 1e-4, f"{name} differs from the loop by {_rel(a, b)}"
+        assert not launches  # (declined: the loop)
         ref = [torch.zeros(t.shape, device="cuda", dtype=torch.float64) for t in (q, k, v)]
         ref_dout = (d_out if d_out is not None else torch.zeros_like(dout)).double()
         attention_backward_items(ref_dout, q.double(), k.double(), v.double(), out.double(), lse.double(),
