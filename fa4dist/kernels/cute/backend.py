@@ -56,6 +56,10 @@ class CuteSm90Backend:
     # key are the canonical tiles, each added as int64 (bwd_sm90.FlashBwdSm90.dq_fixed)
     fixed_point_dq = True
     lse_gradient = True  # dlse= joins the preprocess's row sums (bwd_preprocess.py): no second pass
+    # the work-list launches and the shared query side with dlse=: off (their lists run the per-item calls, whose
+    # dlse is right) since the ring's dq with a loss of the lse came out wrong through them on the GPU (thirty-ninth
+    # session, bench/RESULTS.md); test_worklist_gpu.py's ring-list probe turns it on to find why
+    worklist_dlse = False
 
     def available(self, device) -> bool:
         device = torch.device(device)
@@ -161,9 +165,7 @@ class CuteSm90Backend:
             shared = None
         if shared is not None and shared.deterministic != bool(deterministic):
             shared = None
-        if dlse is not None:
-            # (the work-list launches with dlse gave a wrong dq through the ring on the GPU, thirty-ninth session,
-            # while the single call's dlse is right: the contract's per-item calls take it until that is found)
+        if dlse is not None and not self.worklist_dlse:
             return None
         causal_keys = [it.k_len for it in items if it.causal]
         if deterministic and shared is None and _bwd.deterministic_gqa_form(
@@ -369,9 +371,11 @@ class CuteSm90Backend:
         the lse's gradient, in its preprocess's row sums."""
         from . import backward as _bwd
 
-        if dlse is not None or q.dim() != 4 or q.shape[0] != 1 or not all(
+        if dlse is not None and not self.worklist_dlse:
+            return None
+        if q.dim() != 4 or q.shape[0] != 1 or not all(
                 self._kernel_ready(t, 16 // t.element_size()) for t in (dout, q, out)):
-            return None  # (with dlse: see backward_items)
+            return None
         return _bwd.SharedRows(dout, q, out, lse, softmax_scale=softmax_scale, deterministic=deterministic,
                                dlse=None if dlse is None else dlse.to(torch.float32))
 
