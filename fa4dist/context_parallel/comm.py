@@ -193,6 +193,24 @@ def is_broken(key: tuple) -> bool:
     return key in _BROKEN
 
 
+@contextlib.contextmanager
+def abandoned_on_failure(transport: "Transport", posted: list, what: str):
+    """Runs work that posts transfers on ``transport`` into ``posted`` (Pending); an error that stops it (a kernel's
+    refusal, out of memory, an interrupt, a failed exchange of another group) while any of them is in flight
+    records the group as out of step, naming that error and ``what`` stopped: the peers' messages stay unanswered,
+    and a later call's would pair with them (on every rank alike when the error is, as a backend's refusal of a
+    shape: no rank times out).  Later calls on the group are refused at once (:class:`GroupBroken`), on the other
+    ranks from their next agreement check.  A failed exchange of this group has recorded itself (the first
+    message stays)."""
+    try:
+        yield
+    except BaseException as err:
+        if any(not p.done for p in posted) and not is_broken(transport.key):
+            t = transport
+            t.failed(f"{t.label}: rank {t.rank} of {t.size} stopped {what} in flight: {type(err).__name__}: {err}")
+        raise
+
+
 def check_usable(keys: Sequence[tuple], what: str, label: str) -> None:
     """Raises :class:`GroupBroken` if an earlier fa4dist exchange failed on one of the groups of `keys` in this
     process.  After a failed exchange the ranks are out of step on the group: the ranks that timed out stopped in

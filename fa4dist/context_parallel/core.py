@@ -255,7 +255,7 @@ class _Call:
         # one ring pass: the lse's gradient joins the row sums (D - dlse); a loss of the lse alone passes dout None
         # (the work lists give zeros to the kernels that take a dout; a backend without lse_gradient runs the lse's
         # pass alone)
-        dlse = None if dlse is None else dlse.to(accum_dtype(dtype)).contiguous()
+        dlse = None if dlse is None else dlse.contiguous()  # (backward made it the accumulation dtype)
         dq, dk, dv = ring_backward(self.sched, self.ring, dout, q, k, v, out_m, lse_m, self.opts, dlse=dlse)
         dsinks = None
         if sinks is not None:  # this rank's rows' share of the sinks' gradient (in its heads)

@@ -32,7 +32,6 @@ member blocks another, for any ring size.  ``forward_step`` and ``backward_step`
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -41,7 +40,7 @@ import torch
 from ..kernels.problem import accum_dtype
 from ..kernels.worklist import (WorkItem, attention_backward_items, attention_forward_items, share_queries,
                                 uncovered_ranges)
-from .comm import CommError, Pending, Transport
+from .comm import Pending, Transport, abandoned_on_failure
 from .knobs import env_int
 from .schedule import MemberLayout, Schedule
 
@@ -204,25 +203,11 @@ class _Exchange:
         self._packed: dict = {}  # gathered send buffers by ranges (a full send is packed once)
         self._posted: list = []  # this call's transfers (Pending), to tell whether any is still in flight
 
-    @contextlib.contextmanager
     def abandoned_on_failure(self):
-        """Runs a member's ring steps; an error that stops them (a kernel's refusal, out of memory, an interrupt)
-        while transfers of this call are still in flight records the group as out of step, naming that error: the
-        peers' messages of those transfers stay unanswered, and a later call's transfers would pair with them (on
-        every rank alike when the error is, as a backend's refusal of a shape: no rank times out, and the next call
-        waited out its timeout, then blamed ring step 1).  Later calls on the group are refused at once
-        (:class:`~fa4dist.context_parallel.comm.GroupBroken`), on the other ranks from their next agreement check.
-        A failed transfer (CommError) has recorded itself."""
-        try:
-            yield
-        except CommError:
-            raise
-        except BaseException as err:
-            if any(not p.done for p in self._posted):
-                t = self.ring.transport
-                t.failed(f"{t.label}: rank {t.rank} of {t.size} stopped its {self.direction} ring steps with "
-                         f"transfers in flight: {type(err).__name__}: {err}")
-            raise
+        """Runs a member's ring steps (:func:`~fa4dist.context_parallel.comm.abandoned_on_failure`: an error with
+        transfers of this call in flight records the group as out of step)."""
+        return abandoned_on_failure(self.ring.transport, self._posted,
+                                    f"its {self.direction} ring steps with transfers")
 
     def _send_buffer(self, ranges) -> KVBuffer:
         buf = self._packed.get(ranges)

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .comm import Pending, Transport, is_broken
+from .comm import Pending, Transport, abandoned_on_failure
 from .knobs import env_int
 from .schedule import MemberLayout
 
@@ -251,19 +251,14 @@ class UlyssesGroup:
 
     @contextlib.contextmanager
     def abandoned_on_failure(self, direction: str):
-        """Runs a call's chunked exchanges; an error that stops them (a kernel's refusal, out of memory, an
-        interrupt, a failed exchange of the ring group of a 2-D grid) while exchanges of the call are in flight
-        records the group as out of step, naming that error (as the ring's steps do: the peers' messages stay
-        unanswered, and a later call's would pair with them).  A failed exchange of this group recorded itself."""
+        """Runs a call's chunked exchanges (:func:`~fa4dist.context_parallel.comm.abandoned_on_failure`: an error
+        with exchanges of the call in flight, a failed ring exchange of a 2-D grid included, records the group as
+        out of step)."""
         self._posted = []
-        t = self.transport
         try:
-            yield
-        except BaseException as err:
-            if any(not p.done for p in self._posted) and not is_broken(t.key):
-                t.failed(f"{t.label}: rank {t.rank} of {t.size} stopped its {direction} Ulysses head chunks with "
-                         f"exchanges in flight: {type(err).__name__}: {err}")
-            raise
+            with abandoned_on_failure(self.transport, self._posted,
+                                      f"its {direction} Ulysses head chunks with exchanges"):
+                yield
         finally:
             self._posted = None
 
