@@ -282,14 +282,16 @@ def test_backward_random_lists_equal_the_loop(monkeypatch, seed, deterministic):
         assert _rel(a, b) <= 2e-2, f"{name} error {_rel(a, b)} against the fp64 reference"
 
 
+@pytest.mark.parametrize("launches_take_dlse", [True, False])
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("seed", range(3))
-def test_backward_lists_with_the_lse_gradient(monkeypatch, seed, deterministic, shared):
-    """dlse= (a loss of out and lse) through a list on cute, with or without a shared query side: its one-launch
-    path and its shared side decline dlse for now (through the ring they gave a wrong dq on the GPU, thirty-ninth
-    session, while the single call's dlse is right), so the list runs the per-item loop: its gradients against the
-    fp64 reference's at bf16 tolerance; a loss of the lse alone too (dout = 0, and dout=None)."""
+def test_backward_lists_with_the_lse_gradient(monkeypatch, seed, deterministic, shared, launches_take_dlse):
+    """dlse= (a loss of out and lse) through a list on cute, with or without a shared query side, through the
+    one-launch path (its preprocesses take dlse) or, with CuteSm90Backend.worklist_dlse off, the per-item loop:
+    the gradients against the fp64 reference's at bf16 tolerance; a loss of the lse alone too (dout = 0, and
+    dout=None)."""
+    monkeypatch.setattr(CuteSm90Backend, "worklist_dlse", launches_take_dlse)
     gen, dout, q, k, v, out, lse, items, softcap = _small_backward_case(3000, seed)
     dlse = torch.randn(lse.shape, device="cuda", generator=gen)
     for d_out in (dout, torch.zeros_like(dout), None):
@@ -297,7 +299,10 @@ def test_backward_lists_with_the_lse_gradient(monkeypatch, seed, deterministic, 
         kw = dict(monkeypatch=monkeypatch, shared=shared, deterministic=deterministic, softcap=softcap, dlse=dlse)
         launches = []
         got = _run_bwd(args, [torch.zeros(t.shape, device="cuda") for t in (q, k, v)], launches, **kw)
-        assert not launches  # (declined: the loop)
+        if not launches_take_dlse:
+            assert not launches
+        elif not deterministic:
+            assert launches
         ref = [torch.zeros(t.shape, device="cuda", dtype=torch.float64) for t in (q, k, v)]
         ref_dout = (d_out if d_out is not None else torch.zeros_like(dout)).double()
         attention_backward_items(ref_dout, q.double(), k.double(), v.double(), out.double(), lse.double(),
@@ -344,14 +349,11 @@ def test_backward_ring_lists_equal_the_loop_in_few_launches(monkeypatch, packed,
     assert total_launches < total_items if packed else total_launches <= total_items
 
 
-@pytest.mark.xfail(reason="the ring's dq with dlse through cute's work lists was wrong (thirty-ninth session): this "
-                          "probe localizes it; CuteSm90Backend.worklist_dlse stays off until it passes", strict=False)
 @pytest.mark.parametrize("shared", [False, True])
-def test_probe_ring_lists_with_the_lse_gradient_in_few_launches(monkeypatch, shared):
-    """With worklist_dlse on: a member's ring-step lists (dense zigzag at cp 4, 1500 tokens as the failing CP test,
-    fresh dK / dV as the ring writes them) with dlse through the launches (and the shared side) against the
-    per-item loop."""
-    monkeypatch.setattr(CuteSm90Backend, "worklist_dlse", True)
+def test_ring_lists_with_the_lse_gradient_equal_the_loop(monkeypatch, shared):
+    """A member's ring-step lists (dense zigzag at cp 4, 1500 tokens) with dlse through the launches and the shared
+    query side against the per-item loop (the thirty-ninth session's ring dq was wrong here: the shared side
+    dropped a unit-stride dlse)."""
     gen = torch.Generator(device="cuda").manual_seed(4)
     plan = make_plan(1500, 4, "zigzag")
     sched = Schedule(plan, 1, True)

@@ -56,10 +56,10 @@ class CuteSm90Backend:
     # key are the canonical tiles, each added as int64 (bwd_sm90.FlashBwdSm90.dq_fixed)
     fixed_point_dq = True
     lse_gradient = True  # dlse= joins the preprocess's row sums (bwd_preprocess.py): no second pass
-    # the work-list launches and the shared query side with dlse=: off (their lists run the per-item calls, whose
-    # dlse is right) since the ring's dq with a loss of the lse came out wrong through them on the GPU (thirty-ninth
-    # session, bench/RESULTS.md); test_worklist_gpu.py's ring-list probe turns it on to find why
-    worklist_dlse = False
+    # the work-list launches and the shared query side take dlse= in their preprocesses (False: their lists run the
+    # per-item calls). (Off in the thirty-ninth session: the shared side dropped a unit-stride dlse, so the ring's
+    # dq with a loss of the lse came out wrong; fixed in the fortieth.)
+    worklist_dlse = True
 
     def available(self, device) -> bool:
         device = torch.device(device)
@@ -167,6 +167,9 @@ class CuteSm90Backend:
             shared = None
         if dlse is not None and not self.worklist_dlse:
             return None
+        if dlse is not None:
+            dlse = dlse.to(torch.float32)
+            dlse = dlse if dlse.stride(-1) == 1 else dlse.contiguous()  # (the preprocess takes lse's unit stride)
         causal_keys = [it.k_len for it in items if it.causal]
         if deterministic and shared is None and _bwd.deterministic_gqa_form(
                 q.shape[-2] // k.shape[-2], q.shape[-1], True, max(causal_keys, default=None)) == "expanded":

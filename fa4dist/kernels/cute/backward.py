@@ -1027,7 +1027,8 @@ class SharedRows:
         self.dq_acc = torch.empty(n_chunks * tm * d, dtype=torch.float32, device=device)
         self.sem = torch.empty(n_chunks, dtype=torch.int32, device=device) if deterministic else None
         dout, out, lse = (t if t.stride(-1) == 1 else t.contiguous() for t in (dout, out, lse))
-        dlse = None if dlse is None or dlse.stride(-1) == 1 else dlse.contiguous()
+        if dlse is not None and dlse.stride(-1) != 1:  # (the preprocess takes a unit last stride, as lse's)
+            dlse = dlse.contiguous()
         pre = PreConfig(o_dtype=host.dtype_name(out.dtype), do_dtype=host.dtype_name(dout.dtype), head_dim=d,
                         tile_m=tm, varlen=False, deterministic=self.deterministic, dlse=dlse is not None)
         self.post = host.get_compiled(PostConfig(dtype=host.dtype_name(q.dtype), dq_fp32=True, head_dim=d, tile_m=tm,
@@ -1093,6 +1094,8 @@ def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_til
     if dlse is not None and (rows is not None or dlse.dtype != torch.float32 or dlse.shape != lse.shape):
         raise ValueError(f"dlse must be fp32 shaped like lse {tuple(lse.shape)} (and not with shared rows, whose "
                          f"preprocess takes it), got {dlse.dtype} {tuple(dlse.shape)}")
+    if dlse is not None and dlse.stride(-1) != 1:
+        dlse = dlse.contiguous()
     if write_dkv:  # the main kernel's accumulate is its dK / dV store's; dQ still goes through the scratch
         main_cfg = replace(main_cfg, accumulate=False)
     check_resident(main_cfg)
