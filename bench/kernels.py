@@ -6,6 +6,7 @@
     python bench/kernels.py --softcap 30 --backends cute flash_attn_4      # soft-capped scores (Gemma 2)
     python bench/kernels.py --kv-group 4 --deterministic --cute-variants bwd-det:det_dq=expanded   # GQA
     python bench/kernels.py --deterministic --cute-variants bwd-det:grads=all bwd-det:grads=dq bwd-det:grads=dkv
+    python bench/kernels.py --seqlens 1024 --queue-ahead-ms 2   # device time, not do_bench's (host time shows)
     python bench/kernels.py --baseline-dir OLD   # also "cute@baseline": OLD/fa4dist (another checkout) interleaved
 
 Baselines: flash-attn-4 when installed, and ``cudnn``, torch's cuDNN SDPA op called directly (the cute/cuDNN
@@ -37,7 +38,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fa4dist.kernels import attention_backward, attention_forward, available_backends  # noqa: E402
 
 
-def bench_ms(fn, warmup_ms=25, rep_ms=100) -> float:
+def bench_ms(fn, warmup_ms=25, rep_ms=100, queue_ahead_ms=0.0) -> float:
+    """Median ms of ``fn``: triton's do_bench (L2 flushed before each call; a call whose host work outlasts the
+    flush is timed with its host time), or with ``queue_ahead_ms`` > 0 device time alone (each call queued behind
+    a device spin, bench/timing.py; L2 not flushed)."""
+    if queue_ahead_ms > 0:
+        from timing import cuda_median_ms
+
+        return cuda_median_ms(fn, 30, queue_ahead_ms=queue_ahead_ms)
     try:
         from triton.testing import do_bench
 
@@ -251,7 +259,7 @@ def run(args):
                 times = {id(row): [] for row, _ in items}
                 for _ in range(args.rounds):
                     for row, fn in items:
-                        times[id(row)].append(bench_ms(fn, args.warmup_ms, args.rep_ms))
+                        times[id(row)].append(bench_ms(fn, args.warmup_ms, args.rep_ms, args.queue_ahead_ms))
                 for row, _ in items:
                     ms = statistics.median(times[id(row)])
                     row["ms"] = ms
@@ -300,7 +308,7 @@ def _accumulate_cost(args):
                     fn()
                 for _ in range(args.rounds):
                     for name, fn in fns.items():
-                        times[name].append(bench_ms(fn, args.warmup_ms, args.rep_ms))
+                        times[name].append(bench_ms(fn, args.warmup_ms, args.rep_ms, args.queue_ahead_ms))
                 med = {name: statistics.median(t) for name, t in times.items()}
                 p, a = med["plain"], med["accumulate"]
                 row = dict(backend="cute", seqlen=seqlen, headdim=headdim, causal=causal, plain_ms=p,
@@ -407,6 +415,9 @@ def main():
                    help="a checkout whose fa4dist kernels run as backend cute@baseline in the same rounds")
     p.add_argument("--warmup-ms", type=int, default=25)
     p.add_argument("--rep-ms", type=int, default=100)
+    p.add_argument("--queue-ahead-ms", type=float, default=0.0,
+                   help="> 0: device time (each call queued behind a device spin of this length) instead of "
+                        "do_bench, whose short calls carry their host time past its L2 flush")
     p.add_argument("--out-dir", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results")))
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -419,8 +430,8 @@ def main():
     os.makedirs(args.out_dir, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     result = dict(date=now.isoformat(), command=" ".join(sys.argv), device=torch.cuda.get_device_name(),
-                  torch=torch.__version__, rounds=args.rounds, rows=rows, accumulate=accumulate_rows,
-                  seconds=time.time() - started)
+                  torch=torch.__version__, rounds=args.rounds, queue_ahead_ms=args.queue_ahead_ms, rows=rows,
+                  accumulate=accumulate_rows, seconds=time.time() - started)
     stem = os.path.join(args.out_dir, f"{now.date().isoformat()}-kernels")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)

@@ -17,8 +17,21 @@ for s in $stages; do
     lse_tests)
       TAIL_LINES=15 stage lse_tests 200 python3 -m pytest -q -p no:cacheprovider -rfExX --tb=short -m gpu -n 14 \
         tests/kernels/test_worklist_gpu.py tests/cp/test_cp_gpu.py tests/kernels/test_backends_gpu.py -k "the_lse" ;;
+    short)  # causal 1k / 2k: device time (queued behind a spin) against do_bench's, and the host time per call;
+      # the #11 table's causal-1k cute/cuDNN forward is 0.85-0.86 in do_bench while the twenty-fourth session's
+      # kernel times had hdim 128 at 1.03x cuDNN: predicted, host time (past do_bench's L2 flush) is most of it
+      for t in device do_bench; do
+        q=0; [ $t = device ] && q=3
+        TAIL_LINES=14 stage "short_$t" 120 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 2048 \
+          --causal true --directions fwd bwd --backends cute cudnn flash_attn_4 --rounds 3 --queue-ahead-ms $q \
+          --out-dir "$OUT/short_$t"
+      done
+      for d in 128 64; do
+        TAIL_LINES=30 stage "host_$d" 90 python3 bench/host_profile.py --headdim $d --heads $((2048 / d)) --calls 50 --cudnn \
+          --top 12 --out-dir "$OUT/host_$d"
+      done ;;
     tests_kernels|tests_rest|table|window|lse|persistent)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_39.sh" "$s" ;;
-    *) echo "unknown stage $s (lse_tests | tests_kernels | tests_rest | table | window | lse | persistent)"; exit 2 ;;
+    *) echo "unknown stage $s (lse_tests | short | tests_kernels | tests_rest | table | window | lse | persistent)"; exit 2 ;;
   esac
 done
