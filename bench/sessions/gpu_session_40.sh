@@ -17,6 +17,13 @@ for s in $stages; do
     lse_tests)
       TAIL_LINES=15 stage lse_tests 200 python3 -m pytest -q -p no:cacheprovider -rfExX --tb=short -m gpu -n 14 \
         tests/kernels/test_worklist_gpu.py tests/cp/test_cp_gpu.py tests/kernels/test_backends_gpu.py -k "the_lse" ;;
+    sinks)  # the sinks' gradient's row sums in one kernel (cute/row_dot.py; the torch form's ~14 fp32 passes cost
+      # +5% of a forward+backward at 32k): its tests, the sinks tests, then window.py's sinks row; predicted: the
+      # sinks' forward+backward cost against causal from +6% to +1-2%
+      TAIL_LINES=15 stage sinks_tests 200 python3 -m pytest -q -p no:cacheprovider -rfExX --tb=short -m gpu -n 14 \
+        tests/kernels/test_row_dot_gpu.py tests/kernels/test_window_gpu.py tests/cp/test_cp_gpu.py \
+        tests/kernels/test_backends_gpu.py -k "row_dot or sink or invariant_bitwise or the_lse"
+      NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_39.sh" window ;;
     short)  # causal 1k / 2k: device time (queued behind a spin) against do_bench's, and the host time per call;
       # the #11 table's causal-1k cute/cuDNN forward is 0.85-0.86 in do_bench while the twenty-fourth session's
       # kernel times had hdim 128 at 1.03x cuDNN: predicted, host time (past do_bench's L2 flush) is most of it
@@ -32,6 +39,6 @@ for s in $stages; do
       done ;;
     tests_kernels|tests_rest|table|window|lse|persistent)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_39.sh" "$s" ;;
-    *) echo "unknown stage $s (lse_tests | short | tests_kernels | tests_rest | table | window | lse | persistent)"; exit 2 ;;
+    *) echo "unknown stage $s (lse_tests | sinks | short | tests_kernels | tests_rest | table | window | lse | persistent)"; exit 2 ;;
   esac
 done

@@ -471,6 +471,18 @@ def test_compile_row_absmax(d, finite_only, tmp_path, monkeypatch):
     assert ("32640" in ptx) == finite_only  # bf16 inf's bits, 0x7f80
 
 
+@pytest.mark.cute
+def test_compile_row_dot(tmp_path, monkeypatch):
+    """The sinks' gradient's row dot kernel (cute/row_dot.py): two 16-byte loads per thread, shuffle reductions over
+    the row's threads (two maxima, one sum), the power-of-two factors from the maxima's exponent bits."""
+    from fa4dist.kernels.cute.row_dot import RowDotConfig
+
+    monkeypatch.chdir(tmp_path)
+    ptx = host.compile_config(RowDotConfig(128), extra_options="--keep-ptx").artifacts.PTX
+    assert ".target sm_90a" in ptx and ptx.count("ld.global.v4") == 2
+    assert ptx.count("shfl.sync.bfly") == 3 * 4  # 16 threads per row: 4 steps, three reductions
+
+
 def test_a_repeated_call_reuses_its_configs_and_kernels(monkeypatch):
     """launch_steps' configs and compiled kernels are remembered per distinct call (no make_configs or compile
     cache lookups on a repeat), never under a measurement knob, and forgotten when a knob is set."""
