@@ -70,7 +70,7 @@ def _tiny(args, ckpt, corpus, metrics):
 
 
 @pytest.mark.timeout(420)
-def test_readme_stop_and_resume_repeats_an_uninterrupted_run(tmp_path, corpus):
+def test_readme_stop_and_resume_repeats_an_uninterrupted_run(tmp_path, corpus, launched_without_a_rendezvous):
     stop, resume = readme_resume_pair()
     ckpt = tmp_path / "ckpt"
     launch.torchrun("fsdp2_train.py", _tiny(stop, ckpt, corpus, tmp_path / "stopped.jsonl"))
@@ -86,11 +86,15 @@ def test_readme_stop_and_resume_repeats_an_uninterrupted_run(tmp_path, corpus):
     want = [m["loss"] for m in uninterrupted]
     assert got == want, "a stopped and resumed run must repeat the uninterrupted one bit for bit"
 
-    # a resume that changes the schedule is refused, naming the flag
-    changed = _tiny(resume, ckpt, corpus, tmp_path / "x.jsonl")
+    # a resume of the checkpoint this run wrote that changes the schedule is refused, naming the flag (before the
+    # process group: in this process, as a rank of two that torchrun launched)
+    import fsdp2_train
+
+    changed = [str(a) for a in _tiny(resume, ckpt, corpus, tmp_path / "x.jsonl")]
     changed[changed.index("--steps") + 1] = str(steps + 5)
-    with pytest.raises(RuntimeError, match="LR schedule differs from the checkpoint's \\(--steps"):
-        launch.torchrun("fsdp2_train.py", changed)
+    launched_without_a_rendezvous(2)
+    with pytest.raises(SystemExit, match="LR schedule differs from the checkpoint's \\(--steps"):
+        fsdp2_train.main(changed)
 
 
 @pytest.mark.timeout(300)
