@@ -46,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--torch-profile", action="store_true",
                    help="also torch.profiler's CPU-side table of the calls (aten ops, launches, autograd nodes)")
     p.add_argument("--sync-debug", action="store_true", help="report the stack of every synchronizing operation")
+    p.add_argument("--sort", default="tottime", choices=("tottime", "cumulative"),
+                   help="the cProfile table's order: own time, or time with the callees")
     return p.parse_args(argv)
 
 
@@ -131,7 +133,7 @@ def main(argv=None):
                 prof.disable()
                 torch.cuda.synchronize()
             s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
+            pstats.Stats(prof, stream=s).sort_stats(args.sort).print_stats(args.top)
             say(s.getvalue())
             if args.torch_profile:
                 from torch.profiler import ProfilerActivity, profile
