@@ -10,7 +10,7 @@
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s40 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
-bundle_folders_on_exit
+[ -n "${NO_BUNDLE:-}" ] || bundle_folders_on_exit
 stages=${*:-lse_tests tests_kernels}
 for s in $stages; do
   case $s in

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Prepared in the fortieth session (2026-12-05) for the next one:
+# - host: where our host time goes at short sequences. The fortieth session's bench/host_profile.py (1k, 16 heads
+#   of 128, causal, B 16) read 998 us per forward+backward queued back to back with 1125 us of host time: host
+#   bound (the kernels take ~640 us), where flash-attn-4 read 780 / 616 and cuDNN 843 / 338 (the third session's
+#   run: ours 925 / 578, flash-attn-4 785 / 466: ours has grown). The forward alone 199 / 202 (flash-attn-4 164 /
+#   152). A no-op backend through the contract and autograd costs ~120 us per forward+backward on the CPU here (a
+#   bare autograd Function 38), so most of the gap is in the cute backend's host path (launch_steps, allocations,
+#   the launches themselves). This stage lists it by cumulative time and by torch op.
+# - short: as gpu_session_40.sh short, again after whatever the host stage leads to.
+# One call: source .devwheels/install.sh && bash bench/sessions/gpu_session_41.sh [host] [short]
+set -u
+source "$(dirname "$0")/../stage.sh"
+export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s41 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
+bundle_folders_on_exit
+stages=${*:-host}
+for s in $stages; do
+  case $s in
+    host)
+      for d in 128 64; do
+        TAIL_LINES=4 stage "host_cum_$d" 120 python3 bench/host_profile.py --headdim $d --heads $((2048 / d)) \
+          --calls 30 --top 45 --sort cumulative --torch-profile --out-dir "$OUT/host_cum_$d"
+      done ;;
+    short)
+      NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_40.sh" short ;;
+    *) echo "unknown stage $s (host | short)"; exit 2 ;;
+  esac
+done
