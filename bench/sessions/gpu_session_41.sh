@@ -5,8 +5,10 @@
 #   bound (the kernels take ~640 us), where flash-attn-4 read 780 / 616 and cuDNN 843 / 338 (the third session's
 #   run: ours 925 / 578, flash-attn-4 785 / 466: ours has grown). The forward alone 199 / 202 (flash-attn-4 164 /
 #   152). A no-op backend through the contract and autograd costs ~120 us per forward+backward on the CPU here (a
-#   bare autograd Function 38), so most of the gap is in the cute backend's host path (launch_steps, allocations,
-#   the launches themselves). This stage lists it by cumulative time and by torch op.
+#   bare autograd Function 38), and the cute backend's own Python with its launches replaced by no-ops (CPU tensors,
+#   host.get_compiled patched) 36 us forward, 103 us backward: ~260 us of Python in all. The rest of the 1125 us is
+#   the launches (tvm-ffi calls of the compiled kernels, their argument conversion), the CUDA allocations and
+#   memsets, and the autograd engine's CUDA work. This stage lists it by cumulative time and by torch op.
 # - short: as gpu_session_40.sh short, again after whatever the host stage leads to.
 # One call: source .devwheels/install.sh && bash bench/sessions/gpu_session_41.sh [host] [short]
 set -u
