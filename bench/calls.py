@@ -30,9 +30,10 @@ def add_problem_args(p) -> None:
     p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
 
 
-def make_calls(args, deterministic: bool = False):
+def make_calls(args, deterministic: bool = False, with_leaves: bool = False):
     """({library: call returning the output}, dout): bf16 CUDA inputs of the arguments' shape, seed 0; the outputs
-    are differentiable (call(...).backward(dout) runs the backward)."""
+    are differentiable (call(...).backward(dout) runs the backward). ``with_leaves``: (calls, dout, [q, k, v]),
+    the leaves whose gradients the backward writes."""
     torch.manual_seed(0)
     kv_heads = getattr(args, "kv_heads", None) or args.heads
     q, k, v, dout = (torch.randn(args.batch, args.seqlen, h, args.headdim, device="cuda", dtype=torch.bfloat16)
@@ -72,4 +73,4 @@ def make_calls(args, deterministic: bool = False):
                     *bhsd, is_causal=args.causal, enable_gqa=kv_heads != args.heads)
             return out.transpose(1, 2)
         calls["cudnn"] = cudnn
-    return calls, dout
+    return (calls, dout, leaves) if with_leaves else (calls, dout)

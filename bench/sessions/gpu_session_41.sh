@@ -9,13 +9,16 @@
 #   host.get_compiled patched) 36 us forward, 103 us backward: ~260 us of Python in all. The rest of the 1125 us is
 #   the launches (tvm-ffi calls of the compiled kernels, their argument conversion), the CUDA allocations and
 #   memsets, and the autograd engine's CUDA work. This stage lists it by cumulative time and by torch op.
+# - graphs: the attention step captured in a CUDA graph (tests/kernels/test_cuda_graphs_gpu.py: replays give the
+#   eager call's bytes, dense and packed; never run yet), then bench/cuda_graphs.py: per step eager against replayed,
+#   ours / flash-attn-4 / cuDNN. Predicted: ours replays at ~0.65 ms at 16 x 1k hdim 128 (the kernels), eager ~1.0 ms.
 # - short: as gpu_session_40.sh short, again after whatever the host stage leads to.
-# One call: source .devwheels/install.sh && bash bench/sessions/gpu_session_41.sh [host] [short]
+# One call: source .devwheels/install.sh && bash bench/sessions/gpu_session_41.sh [host] [graphs] [short]
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s41 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
 bundle_folders_on_exit
-stages=${*:-host}
+stages=${*:-host graphs}
 for s in $stages; do
   case $s in
     host)
@@ -23,8 +26,13 @@ for s in $stages; do
         TAIL_LINES=4 stage "host_cum_$d" 120 python3 bench/host_profile.py --headdim $d --heads $((2048 / d)) \
           --calls 30 --top 45 --sort cumulative --torch-profile --out-dir "$OUT/host_cum_$d"
       done ;;
+    graphs)
+      TAIL_LINES=15 stage graphs_tests 200 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu -n 4 \
+        tests/kernels/test_cuda_graphs_gpu.py
+      TAIL_LINES=16 stage graphs 200 python3 bench/cuda_graphs.py --seqlens 1024 2048 4096 --headdims 128 64 \
+        --rounds 3 --out-dir "$OUT/graphs" ;;
     short)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_40.sh" short ;;
-    *) echo "unknown stage $s (host | short)"; exit 2 ;;
+    *) echo "unknown stage $s (host | graphs | short)"; exit 2 ;;
   esac
 done

@@ -1,0 +1,118 @@
+"""A training step's attention (forward+backward through autograd) eager against replayed from a CUDA graph: ours,
+flash-attn-4 (when installed) and torch SDPA's cuDNN backend, per step queued back to back. Short sequences are
+host bound (bench/RESULTS.md, fortieth session: ours ~1.1 ms of host per forward+backward at 16 x 1k, the kernels
+~0.64 ms); a replay issues the captured launches without the host work, so eager / graph is what the host costs.
+
+    python bench/cuda_graphs.py                                  # S 1k / 2k / 4k, hdim 128 / 64, causal
+    python bench/cuda_graphs.py --seqlens 1024 --headdims 128 --deterministic
+
+Sizes as bench/kernels.py: batch = total_tokens / S, heads = model_dim / hdim, bf16. A backend whose step cannot be
+captured is reported as such (its error), not timed. Writes <out-dir>/<date>-cuda-graphs.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from calls import make_calls  # noqa: E402  (bench/, the script's folder)
+
+
+def queued_us(fn, calls: int) -> float:
+    """Microseconds per call of ``calls`` calls queued back to back (one synchronize at the end): the larger of
+    the host's and the device's time per call."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def capture(step, leaves):
+    """A CUDA graph of ``step()`` (torch's recipe: warm-up on a side stream, the leaves' gradients cleared, then
+    one captured call); its replays write the same static gradients."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            for t in leaves:
+                t.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in leaves:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096])
+    p.add_argument("--headdims", type=int, nargs="+", default=[128, 64])
+    p.add_argument("--no-causal", dest="causal", action="store_false")
+    p.add_argument("--deterministic", action="store_true", help="deterministic backwards (ours and flash-attn-4)")
+    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point (median reported)")
+    p.add_argument("--total-tokens", type=int, default=16384)
+    p.add_argument("--model-dim", type=int, default=2048)
+    p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench/cuda_graphs.py needs a CUDA GPU")
+    rows = []
+    print(f"{'S':>6} {'d':>4} {'backend':>14} {'eager us':>10} {'graph us':>10} {'eager/graph':>12}")
+    for seqlen in args.seqlens:
+        for d in args.headdims:
+            problem = SimpleNamespace(seqlen=seqlen, batch=max(args.total_tokens // seqlen, 1),
+                                      heads=args.model_dim // d, kv_heads=None, headdim=d, causal=args.causal,
+                                      mode="deterministic" if args.deterministic else "plain", cudnn=True)
+            calls, dout, leaves = make_calls(problem, deterministic=args.deterministic, with_leaves=True)
+            timed = {}
+            for name, fn in calls.items():
+                def step(fn=fn):  # (fresh gradients each step, as the captured one makes: no accumulating add)
+                    for t in leaves:
+                        t.grad = None
+                    fn().backward(dout)
+
+                row = dict(seqlen=seqlen, headdim=d, batch=problem.batch, heads=problem.heads, causal=args.causal,
+                           deterministic=args.deterministic, backend=name)
+                try:
+                    graph = capture(step, leaves)
+                    timed[name] = (row, step, graph.replay)
+                except Exception as exc:  # one backend that cannot be captured must not hide the others
+                    row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                    torch.cuda.synchronize()
+                    timed[name] = (row, step, None)
+            samples = {name: ([], []) for name in timed}
+            for _ in range(args.rounds):
+                for name, (row, step, replay) in timed.items():
+                    samples[name][0].append(queued_us(step, args.calls))
+                    if replay is not None:
+                        samples[name][1].append(queued_us(replay, args.calls))
+            for name, (row, _, _) in timed.items():
+                eager, graph = (sorted(x)[len(x) // 2] if x else None for x in samples[name])
+                row.update(eager_us=eager, graph_us=graph, eager_over_graph=eager / graph if graph else None)
+                rows.append(row)
+                shown = f"{graph:10.1f} {eager / graph:12.2f}" if graph else f"{'-':>10} {'(not captured)':>12}"
+                print(f"{seqlen:>6} {d:>4} {name:>14} {eager:10.1f} {shown}")
+    os.makedirs(args.out_dir, exist_ok=True)
+    path = os.path.join(args.out_dir, f"{datetime.date.today().isoformat()}-cuda-graphs.json")
+    with open(path, "w") as fh:
+        json.dump(dict(command=" ".join(sys.argv), device=torch.cuda.get_device_name(), rows=rows), fh, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

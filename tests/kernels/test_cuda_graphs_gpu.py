@@ -1,0 +1,107 @@
+"""fa4dist.attention captured in a CUDA graph (forward and backward under torch.cuda.graph, torch's whole-step
+capture recipe) on the GPU: each replay, on new values copied into the static inputs, gives the bytes of an eager
+call on those values (deterministic backward). Short sequences are host bound (bench/RESULTS.md, fortieth
+session: ~1.1 ms of host per forward+backward at 16 x 1k): a graph replays the launches without it.
+
+Dense calls read no tensor values on the host, so they capture as they are. A packed call reads its cu_seqlens'
+values once per tensor (problem.py remembers them): a graph captured after one eager call on the same cu_seqlens
+tensor replays that layout, and document boundaries written into it later are not seen by the replay (the grid
+and the tiles were chosen for the old ones), as with any host decision frozen in a graph."""
+
+import pytest
+import torch
+from cute_gpu import hang_watchdog, skip_module_without_cute  # noqa: F401 (an autouse fixture)
+
+pytestmark = pytest.mark.gpu
+skip_module_without_cute()
+
+import fa4dist  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+def _capture(step, leaves):
+    """(graph, the step's static result): warm-up calls on a side stream (compiles, allocator pools), the leaves'
+    gradients cleared, then one captured call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for t in leaves:
+                t.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in leaves:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    return graph, result
+
+
+def _replays_equal_eager(step_of, leaves, fresh_values, rounds=2):
+    """Captures ``step_of(*leaves)``; each round copies new values into the static leaves (and dout), replays, and
+    compares the result and the leaves' gradients with an eager call on copies of the same values, byte for
+    byte."""
+    graph, static_out = _capture(lambda: step_of(*leaves), leaves)
+    for r in range(rounds):
+        with torch.no_grad():
+            for t, new in zip(leaves, fresh_values(r)):
+                t.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [static_out.clone()] + [t.grad.clone() for t in leaves]
+        copies = [t.detach().clone().requires_grad_(t.requires_grad) for t in leaves]
+        want = [step_of(*copies).detach()] + [t.grad for t in copies]
+        for name, a, b in zip(["out"] + [f"grad {i}" for i in range(len(leaves))], got, want):
+            assert a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype == BF16 else a,
+                                                      b.view(torch.uint8) if b.dtype == BF16 else b), \
+                f"round {r}: the replay's {name} differs from the eager call's bytes"
+
+
+def _rand(gen, *shape, dtype=BF16):
+    return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+
+@pytest.mark.parametrize("d, heads_kv, causal, sinks", [(128, 16, True, False), (64, 8, False, False),
+                                                        (128, 4, True, True)])
+def test_a_captured_dense_step_replays_the_eager_bytes(d, heads_kv, causal, sinks):
+    gen = torch.Generator(device="cuda").manual_seed(d + heads_kv)
+    shapes = [(2, 1024, 16, d), (2, 1024, heads_kv, d), (2, 1024, heads_kv, d)]
+    leaves = [_rand(gen, *s).requires_grad_() for s in shapes]
+    if sinks:
+        leaves.append(_rand(gen, 16, dtype=torch.float32).requires_grad_())
+    dout = _rand(gen, *shapes[0])
+
+    def step(q, k, v, s=None):
+        out = fa4dist.attention(q, k, v, causal=causal, sinks=s, deterministic=True)
+        out.backward(dout)
+        return out
+
+    def fresh(r):
+        with torch.no_grad():
+            dout.copy_(_rand(gen, *shapes[0]))
+        return [_rand(gen, *t.shape, dtype=t.dtype) for t in leaves]
+
+    _replays_equal_eager(step, leaves, fresh)
+
+
+def test_a_captured_packed_step_replays_its_layout():
+    """A packed call on one cu_seqlens tensor (documents of 300, 1000 and 748 tokens), captured after eager calls
+    on it: the replays give the eager bytes."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    cu = torch.tensor([0, 300, 1300, 2048], device="cuda", dtype=torch.int32)
+    leaves = [_rand(gen, 2048, h, 128).requires_grad_() for h in (8, 2, 2)]
+    dout = _rand(gen, 2048, 8, 128)
+
+    def step(q, k, v):
+        out = fa4dist.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, deterministic=True)
+        out.backward(dout)
+        return out
+
+    def fresh(r):
+        with torch.no_grad():
+            dout.copy_(_rand(gen, 2048, 8, 128))
+        return [_rand(gen, *t.shape) for t in leaves]
+
+    _replays_equal_eager(step, leaves, fresh)
