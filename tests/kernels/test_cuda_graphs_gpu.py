@@ -5,8 +5,9 @@ session: ~1.1 ms of host per forward+backward at 16 x 1k): a graph replays the l
 
 Dense calls read no tensor values on the host, so they capture as they are. A packed call reads its cu_seqlens'
 values once per tensor (problem.py remembers them): a graph captured after one eager call on the same cu_seqlens
-tensor replays that layout, and document boundaries written into it later are not seen by the replay (the grid
-and the tiles were chosen for the old ones), as with any host decision frozen in a graph."""
+tensor replays that layout. Boundaries written into the tensor later would reach the replayed kernels with the grid
+and tiles chosen on the host for the old ones (wrong results): capture again after changing them, as for any host
+decision frozen in a graph."""
 
 import pytest
 import torch
