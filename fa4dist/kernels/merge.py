@@ -217,8 +217,8 @@ def _out_terms(dout: torch.Tensor, out: torch.Tensor, share: torch.Tensor) -> to
     # need not: each row of dout and of out is brought below 1 by a power of two first and the sum brought back after
     # the share, which is exact (the same bits) wherever the scaled values stay normal, with no data-dependent branch
     # (no host sync on the backward's path).  A row with a non-finite dout or out stays non-finite.
-    on_device = _row_dot_kernel(dout, out) if acc == torch.float32 else None
-    if on_device is not None:  # the same sums in one read of the 16-bit rows (cute/row_dot.py)
+    on_device = _row_dot_kernel(dout, out)
+    if on_device is not None:  # the same sums in one read of the bf16 rows (cute/row_dot.py; bf16 out: fp32 sums)
         delta, f_dout, f_out = (t.transpose(-1, -2) for t in on_device)
     else:
         dout_s, out_s = (_power_of_two_below_rows(t.to(acc)) for t in (dout, out))
