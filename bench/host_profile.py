@@ -46,6 +46,9 @@ def parse_args(argv=None):
     p.add_argument("--torch-profile", action="store_true",
                    help="also torch.profiler's CPU-side table of the calls (aten ops, launches, autograd nodes)")
     p.add_argument("--sync-debug", action="store_true", help="report the stack of every synchronizing operation")
+    p.add_argument("--launch-times", action="store_true",
+                   help="time each compiled kernel's host-side call (tvm-ffi argument conversion and launch) by "
+                        "config, and torch's CUDA allocations beside them")
     p.add_argument("--sort", default="tottime", choices=("tottime", "cumulative"),
                    help="the cProfile table's order: own time, or time with the callees")
     return p.parse_args(argv)
@@ -96,9 +99,61 @@ def synchronizing_calls(call) -> list[str]:
     return found
 
 
+class LaunchTimes:
+    """Wraps fa4dist's compile cache so that every compiled kernel's call is timed on the host (its launch is
+    asynchronous, so this is the call's own cost: argument conversion and the driver's launch), per config."""
+
+    def __init__(self):
+        from fa4dist.kernels.cute import host
+
+        self.totals: dict = {}
+        real = host.get_compiled
+
+        def timed_compiled(cfg):
+            fn = real(cfg)
+            name = f"{type(cfg).__name__}(tile_m={getattr(cfg, 'tile_m', '-')}, d={getattr(cfg, 'head_dim', '-')})"
+
+            def call(*a):
+                t0 = time.perf_counter()
+                result = fn(*a)
+                spent = time.perf_counter() - t0
+                n, total = self.totals.get(name, (0, 0.0))
+                self.totals[name] = (n + 1, total + spent)
+                return result
+
+            return call
+
+        host.get_compiled = timed_compiled
+
+    def report(self) -> list[str]:
+        return [f"  {name}: {n} calls, {total / n * 1e6:.1f} us per call" for name, (n, total) in
+                sorted(self.totals.items(), key=lambda kv: -kv[1][1])]
+
+    def reset(self):
+        self.totals.clear()
+
+
+def allocation_us(device="cuda", reps=200) -> dict:
+    """Host time of torch's small CUDA allocations and fills, as the kernels' wrappers make them per call."""
+    found = {}
+    for name, make in (("torch.empty (1 MiB, fp32)", lambda: torch.empty(2**18, device=device)),
+                       ("torch.zeros (1,) int32", lambda: torch.zeros(1, dtype=torch.int32, device=device)),
+                       ("torch.empty (1,) int32", lambda: torch.empty(1, dtype=torch.int32, device=device))):
+        for _ in range(10):
+            make()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            make()
+        found[name] = (time.perf_counter() - t0) / reps * 1e6
+        torch.cuda.synchronize()
+    return found
+
+
 def main(argv=None):
     args = parse_args(argv)
     timing.require_cuda('host_profile.py')
+    launches = LaunchTimes() if args.launch_times else None  # before any kernel is looked up
     libs, dout = make_calls(args)
     report = io.StringIO()
 
@@ -117,9 +172,15 @@ def main(argv=None):
                     call()
                 queued = per_call_us(call, args.calls, False)
                 synced = per_call_us(call, args.calls, True)
+                if launches is not None:
+                    launches.reset()
                 host = host_only_us(call, args.calls)
                 say(f"{name} {label}: {queued:.1f} us/call queued back to back, {synced:.1f} us/call with a sync "
                     f"after each, {host:.1f} us/call of host time before the GPU drains")
+                if launches is not None and name.startswith("ours"):
+                    say(f"{name} {label}: compiled kernels' calls during the host-time loop ({args.calls} calls):")
+                    for line in launches.report():
+                        say(line)
                 if args.sync_debug:
                     syncs = synchronizing_calls(call)
                     say(f"{name} {label}: {len(syncs)} synchronizing operations")
@@ -138,12 +199,16 @@ def main(argv=None):
             if args.torch_profile:
                 from torch.profiler import ProfilerActivity, profile
 
-                with ctx, profile(activities=[ProfilerActivity.CPU]) as tprof:
+                # CUDA activity too: the runtime / driver API calls (launches, allocations, memsets) show as CPU rows
+                with ctx, profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tprof:
                     for _ in range(args.calls):
                         call()
                     torch.cuda.synchronize()
                 say(f"{name} {label}: torch.profiler, CPU time of {args.calls} calls")
                 say(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    if launches is not None:
+        for what, us in allocation_us().items():
+            say(f"{what}: {us:.1f} us of host per call")
     date = datetime.date.today().isoformat()
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, f"{date}-host-profile.txt"), "w") as fh:

@@ -24,7 +24,7 @@ for s in $stages; do
     host)
       for d in 128 64; do
         TAIL_LINES=4 stage "host_cum_$d" 120 python3 bench/host_profile.py --headdim $d --heads $((2048 / d)) \
-          --calls 30 --top 45 --sort cumulative --torch-profile --out-dir "$OUT/host_cum_$d"
+          --calls 30 --top 45 --sort cumulative --torch-profile --sync-debug --launch-times --out-dir "$OUT/host_cum_$d"
       done ;;
     graphs)
       TAIL_LINES=15 stage graphs_tests 200 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu -n 4 \
