@@ -30,7 +30,7 @@ for s in $stages; do
       TAIL_LINES=15 stage graphs_tests 200 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu -n 4 \
         tests/kernels/test_cuda_graphs_gpu.py
       TAIL_LINES=16 stage graphs 200 python3 bench/cuda_graphs.py --seqlens 1024 2048 4096 --headdims 128 64 \
-        --rounds 3 --out-dir "$OUT/graphs" ;;
+        --rounds 3 --compiled --out-dir "$OUT/graphs" ;;
     short)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_40.sh" short ;;
     *) echo "unknown stage $s (host | graphs | short)"; exit 2 ;;

@@ -106,3 +106,30 @@ def test_a_captured_packed_step_replays_its_layout():
         return [_rand(gen, *t.shape) for t in leaves]
 
     _replays_equal_eager(step, leaves, fresh)
+
+
+def test_torch_compile_reduce_overhead_replays_the_eager_bytes():
+    """torch.compile(mode="reduce-overhead") records the traced attention (forward and backward, fa4dist's torch
+    custom ops) in CUDA graphs and replays them on later calls: no graph is skipped, and every call's out and
+    gradients are an eager call's bytes."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    compiled = torch.compile(lambda q, k, v: fa4dist.attention(q, k, v, causal=True, deterministic=True),
+                             mode="reduce-overhead", fullgraph=True)
+    for r in range(4):  # the cudagraph trees warm up, record, then replay
+        q, k, v = (_rand(gen, 2, 1024, h, 128).requires_grad_() for h in (16, 4, 4))
+        dout = _rand(gen, 2, 1024, 16, 128)
+        out = compiled(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        got = [out.detach().clone()] + [g.clone() for g in grads]  # (a replay reuses the graph's outputs)
+        copies = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        eager = fa4dist.attention(*copies, causal=True, deterministic=True)
+        want = [eager.detach()] + list(torch.autograd.grad(eager, copies, dout))
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), \
+                f"call {r}: the compiled call's {name} differs from the eager call's bytes"
+    skips = dict(counters["inductor"]).get("cudagraph_skips", 0)
+    assert skips == 0, f"torch.compile skipped CUDA graphs {skips} time(s) for fa4dist.attention"
