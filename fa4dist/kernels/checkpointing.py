@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch.utils import checkpoint as _checkpoint
 
 # The dispatch mode classes of torch's selective activation checkpointing (private to torch.utils.checkpoint: none
@@ -22,6 +23,11 @@ from torch.utils import checkpoint as _checkpoint
 SELECTIVE_CHECKPOINT_MODES = tuple(
     c for c in (getattr(_checkpoint, name, None) for name in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode"))
     if isinstance(c, type))
+
+
+def _dispatch_modes_active() -> bool:
+    length = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    return True if length is None else length() > 0
 
 
 @contextlib.contextmanager
@@ -35,6 +41,9 @@ def outside_selective_checkpoint():
     torch's 'cached tensor has been mutated'.  The call is one unit whose exchanges pair up across ranks: all of it
     runs again in the recompute, as in a checkpoint without a policy.  Other dispatch modes stay (a FlopCounterMode
     still counts the kernels' ops); infra modes (tracing) leave the stack as it is."""
+    if not _dispatch_modes_active():  # (the usual case: no mode at all, nothing to look through)
+        yield
+        return
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
     kinds = SELECTIVE_CHECKPOINT_MODES

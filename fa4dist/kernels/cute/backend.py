@@ -111,8 +111,11 @@ class CuteSm90Backend:
         """TMA needs a contiguous head dim and 16-byte aligned base and strides; 32-bit indexing needs the
         view's extent below 2^31 elements."""
         strides = t.stride()
-        if strides[-1] != 1 or t.data_ptr() % 16 or any(s % elems for s in strides[:-1]):
+        if strides[-1] != 1 or t.data_ptr() % 16:
             return False
+        for s in strides[:-1]:  # (a loop: a generator cost more host time than the check, at short sequences)
+            if s % elems:
+                return False
         # a contiguous view spans numel elements (host time counts at short sequences: no per-dim walk then)
         extent = t.numel() - 1 if t.is_contiguous() else sum((n - 1) * s for n, s in zip(t.shape, strides))
         return extent < host.INT32_MAX
