@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from . import counters, host
+from . import host
 from .split_plans import split_keys_plan, split_plan, split_tile_count
 
 BWD_HEAD_DIMS = (64, 96, 128)
@@ -785,7 +785,7 @@ def launch_steps(
     scale_log2 = host.score_scale(scale, softcap)
 
     def counter():  # a fresh zeroed tile counter per main-kernel launch (a persistent grid's)
-        return counters.tile_counter(main_cfg.takes_tile_counter, device)
+        return host.tile_counter(main_cfg.takes_tile_counter, device)
 
     def main_args(**scratch) -> BwdKernelArgs:  # this call's inputs and options, with its scratch
         return BwdKernelArgs(q=q, k=k, v=v, dout=dout_mma, dk=dk, dv=dv, scale=scale, scale_log2=scale_log2,
@@ -846,7 +846,7 @@ def launch_steps(
         edge, parts = plan
         split_tiles = split_key_tile_count(split_cfg, k.shape, plan)
         split_dkv = torch.empty(2 * split_tiles * parts * TILE_N, d, dtype=torch.float32, device=device)
-        launch = lambda: dict(tile_counter=counters.zeroed(1 + split_tiles, device),  # noqa: E731
+        launch = lambda: dict(tile_counter=torch.zeros(1 + split_tiles, dtype=torch.int32, device=device),  # noqa
                               split_dkv=split_dkv, split_edge=edge, split_parts=parts)
     elif "lpt_over_heads" not in {**_OVERRIDE, **overrides}:
         group = over_heads_group(main_cfg, q.shape, k.shape)
@@ -1112,7 +1112,7 @@ def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_til
         main_fn(*BwdKernelArgs(q=q, k=k, v=v, dout=dout, lse2=rows.lse2, dpsum=rows.dpsum, clean=clean,
                                dq_acc=rows.dq_acc, dk=dk, dv=dv, sem=sem, dq_scale=None, scale=scale,
                                scale_log2=scale_log2, diag=0, max_seqlen_k=msk, cu_seqlens_q=table,
-                               tile_counter=counters.tile_counter(main_cfg.takes_tile_counter, q.device)))
+                               tile_counter=host.tile_counter(main_cfg.takes_tile_counter, q.device)))
         return dq, dk, dv
     n_chunks = max(int(scratch_tiles), 1) * hq
     lse2 = torch.empty(n_chunks * tm, dtype=torch.float32, device=q.device)
@@ -1123,10 +1123,9 @@ def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_til
     m_grid = max(1, -(-int(max_q_len) // tm))
     host.get_compiled(pre_cfg)(out, dout, lse, dlse, lse2, dpsum, clean, dq_acc, sem, None, None, scale, m_grid,
                                table)
-    counter = counters.tile_counter(main_cfg.takes_tile_counter, q.device)
     main_fn(*BwdKernelArgs(q=q, k=k, v=v, dout=dout, lse2=lse2, dpsum=dpsum,
                            clean=clean if main_cfg.takes_clean_flags else None, dq_acc=dq_acc, dk=dk, dv=dv, sem=sem,
                            dq_scale=None, scale=scale, scale_log2=scale_log2, diag=0, max_seqlen_k=msk,
-                           cu_seqlens_q=table, tile_counter=counter))
+                           cu_seqlens_q=table, tile_counter=host.tile_counter(main_cfg.takes_tile_counter, q.device)))
     host.get_compiled(post_cfg)(dq_acc, dq, None, m_grid, table)
     return dq, dk, dv

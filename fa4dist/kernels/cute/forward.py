@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import counters, host, split_plans
+from . import host, split_plans
 from .split_plans import causal_split_plan, split_plan
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
@@ -619,7 +619,7 @@ def forward(
         fn = host.get_compiled(split)
         args = args._replace(**_split_buffers(split, q, plan))
     else:
-        args = args._replace(tile_counter=counters.tile_counter(takes_counter, q.device))
+        args = args._replace(tile_counter=host.tile_counter(takes_counter, q.device))
     fn(*args)
     return out, lse
 
@@ -649,7 +649,7 @@ def _split_buffers(cfg: FwdConfig, q, plan) -> dict:
     return dict(split_o=torch.empty(split_tiles * parts * cfg.tile_m, d, dtype=torch.float32, device=q.device),
                 split_lse=torch.empty(split_tiles * parts * cfg.tile_m, dtype=torch.float32, device=q.device),
                 split_edge=edge, split_parts=parts,
-                tile_counter=counters.zeroed(1 + split_tiles, q.device))
+                tile_counter=torch.zeros(1 + split_tiles, dtype=torch.int32, device=q.device))
 
 
 def forward_worklist(q, k, v, out, lse, table, max_q_len, *, softmax_scale, causal, window_left=-1, softcap=None,
@@ -685,7 +685,7 @@ def forward_worklist(q, k, v, out, lse, table, max_q_len, *, softmax_scale, caus
     fn, takes_counter = fast
     fn(*FwdKernelArgs(q=q, k=k, v=v, out=out, lse=lse, scale_log2=host.score_scale(softmax_scale, softcap), diag=0,
                       max_seqlen_q=max(int(max_q_len), 1), cu_seqlens_q=table,
-                      tile_counter=counters.tile_counter(takes_counter, q.device)))
+                      tile_counter=host.tile_counter(takes_counter, q.device)))
     return out, lse
 
 

@@ -112,6 +112,12 @@ def sm_count() -> int:
     return _SM_COUNT[0]
 
 
+def tile_counter(needed: bool, device):
+    """A zeroed (1,) int32 tile counter for a persistent launch that claims its tiles (tile_scheduler.TileClaims):
+    fresh per launch, so that launches on several streams, or in a CUDA graph, never share one; else None."""
+    return torch.zeros(1, dtype=torch.int32, device=device) if needed else None
+
+
 def check_qkv(q, k, v, head_dims, *, cu_seqlens_q=None, cu_seqlens_k=None, what="kernel"):
     """(ok, reason) for the q/k/v properties every CuTe kernel needs (shared by forward and backward).
 
