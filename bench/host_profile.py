@@ -49,9 +49,6 @@ def parse_args(argv=None):
     p.add_argument("--launch-times", action="store_true",
                    help="time each compiled kernel's host-side call (tvm-ffi argument conversion and launch) by "
                         "config, and torch's CUDA allocations beside them")
-    p.add_argument("--counters", choices=("pool", "zeros"), default="pool",
-                   help="the kernels' zeroed counter words: from the per-stream pool (fa4dist's), or a torch.zeros "
-                        "per launch (as before the forty-first session), for an A/B of their host cost")
     p.add_argument("--sort", default="tottime", choices=("tottime", "cumulative"),
                    help="the cProfile table's order: own time, or time with the callees")
     return p.parse_args(argv)
@@ -157,10 +154,6 @@ def main(argv=None):
     args = parse_args(argv)
     timing.require_cuda('host_profile.py')
     launches = LaunchTimes() if args.launch_times else None  # before any kernel is looked up
-    if args.counters == "zeros":
-        from fa4dist.kernels.cute import counters
-
-        counters.zeroed = lambda n, device: torch.zeros(n, dtype=torch.int32, device=device)
     libs, dout = make_calls(args)
     report = io.StringIO()
 

@@ -26,27 +26,16 @@ for s in $stages; do
         TAIL_LINES=4 stage "host_cum_$d" 120 python3 bench/host_profile.py --headdim $d --heads $((2048 / d)) \
           --calls 30 --top 45 --sort cumulative --torch-profile --sync-debug --launch-times --out-dir "$OUT/host_cum_$d"
       done ;;
-    host_ab)  # the counter pool against a torch.zeros per launch, interleaved, in separate processes
-      for round in 1 2; do
-        for d in 128 64; do
-          for c in zeros pool; do
-            TAIL_LINES=0 stage "host_ab_${d}_${c}_$round" 100 python3 bench/host_profile.py --headdim $d \
-              --heads $((2048 / d)) --calls 50 --top 3 --counters $c --out-dir "$OUT/host_ab_${d}_${c}_$round"
-            grep "us/call" "$OUT/host_ab_${d}_${c}_$round.log" | sed "s/^/[$c] /"
-          done
-        done
-      done ;;
     graphs)
       TAIL_LINES=15 stage graphs_tests 200 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu -n 4 \
         tests/kernels/test_cuda_graphs_gpu.py
       TAIL_LINES=16 stage graphs 200 python3 bench/cuda_graphs.py --seqlens 1024 2048 4096 --headdims 128 64 \
         --rounds 3 --compiled --out-dir "$OUT/graphs" ;;
-    counters_tests)
-      TAIL_LINES=8 stage counters_tests 300 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu -n 12 \
-        tests/kernels/test_cute_counters_gpu.py tests/kernels/test_cute_fwd_gpu.py tests/kernels/test_cute_bwd_gpu.py \
-        tests/kernels/test_worklist_gpu.py ;;
+    graphs_tests)
+      TAIL_LINES=15 stage graphs_tests 120 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu -n 4 \
+        tests/kernels/test_cuda_graphs_gpu.py ;;
     short)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_40.sh" short ;;
-    *) echo "unknown stage $s (host | host_ab | graphs | short | counters_tests)"; exit 2 ;;
+    *) echo "unknown stage $s (host | graphs | graphs_tests | short)"; exit 2 ;;
   esac
 done
