@@ -54,7 +54,12 @@ def check_window(window) -> tuple[int, int]:
 def is_int(value) -> bool:
     """An integer scalar: a Python int or NumPy's (numbers.Integral), never a bool (NumPy's bool_ is not Integral)
     nor a tensor. The one test of the window's sides, the offsets and the other integer arguments."""
+    if type(value) is int:  # (the usual argument: no ABC check, which costs host time at short sequences)
+        return True
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+_CANONICAL: dict = {}  # (causal, window) -> Mask.canonical's mask, for plain bool / int arguments
 
 
 @dataclass(frozen=True)
@@ -80,10 +85,21 @@ class Mask:
         """The mask of this band in its one spelling: ``causal`` iff the band ends at the query itself, and a
         right window only where it is not causal (``(-1, 0)`` -> causal; causal + ``(L, R)`` -> causal +
         ``(L, -1)``)."""
+        # remembered for plain (bool, (int, int)) arguments: built twice and checked each time, it cost several us of
+        # host per call (a float or NumPy side is not a key: 1.0 == 1 would find the int's mask unchecked)
+        key = None
+        if type(causal) is bool and type(window) is tuple and len(window) == 2 and all(type(w) is int for w in window):
+            key = (causal, window)
+            found = _CANONICAL.get(key)
+            if found is not None:
+                return found
         given = Mask(causal, window)  # checked as given: below, a right side of -7 would read as unbounded
         left, right = given.window
         hi = 0 if causal else (right if right >= 0 else None)
-        return Mask(hi == 0, (left, hi if hi not in (None, 0) else -1))
+        mask = Mask(hi == 0, (left, hi if hi not in (None, 0) else -1))
+        if key is not None and len(_CANONICAL) < 4096:
+            _CANONICAL[key] = mask
+        return mask
 
     @property
     def lo(self) -> Optional[int]:

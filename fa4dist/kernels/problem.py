@@ -293,11 +293,12 @@ def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> tuple[int, ...]
 
 
 def _offsets(name: str, value: Offset, count: int) -> tuple[int, ...]:
-    values = _offset_values(name, value, count)
+    one = is_int(value)  # one offset for the batch (the usual call): checked once, not once per sequence
+    values = _offset_values(name, value, 1 if one else count)
     for x in values:
         if not -OFFSET_LIMIT <= x < OFFSET_LIMIT:
             raise ValueError(f"{name} must be a token position in [-2**62, 2**62), got {x}")
-    return values
+    return values * count if one else values
 
 
 def _offset_values(name: str, value: Offset, count: int) -> tuple[int, ...]:
@@ -442,7 +443,8 @@ def check_timeout(timeout, name: str = "timeout") -> float:
 def check_mask(causal, window) -> Mask:
     """The canonical :class:`~fa4dist.kernels.mask.Mask` of ``causal`` and ``window``, or a clear error."""
     check_bool("causal", causal)
-    return Mask.canonical(causal, check_window(window))
+    # (Mask checks the window as given: no separate check_window pass, which cost host time on every call)
+    return Mask.canonical(causal, (-1, -1) if window is None else window)
 
 
 def check_softcap(softcap, dtype: Optional[torch.dtype] = None, name: str = "softcap") -> Optional[float]:

@@ -938,7 +938,7 @@ def _compiled_configs(args: tuple, kw: dict, overrides: dict, *, shared: bool, d
     launch on shared rows runs the main kernel alone (no preprocess or convert compiled for it)."""
     key = None
     if not overrides and not _OVERRIDE:
-        key = (args, tuple(sorted(kw.items())), shared, device)
+        key = (args, tuple(kw.items()), shared, device)  # (launch_steps builds kw in one order)
         found = _FAST.get(key)
         if found is not None:
             return found
