@@ -1,0 +1,96 @@
+"""The Python host cost of ``fa4dist.attention(backend="cute")`` without a GPU: the compiled kernels' launches are
+replaced by no-ops and the backend takes CPU tensors, so what is timed is the contract, autograd and the cute
+backend's own Python (validation, configs, scratch allocations, launch setup), the part of a short step's host time
+that flash-attn-4 and cuDNN spend less of (bench/RESULTS.md, forty-first session: 758 Python calls per
+forward+backward of ours against flash-attn-4's 407 on the GPU machine, whose Python ran ~4x slower than a
+development CPU's). Prints the best of several timed loops and the Python calls per call (cProfile's count).
+
+    python bench/host_python.py                      # 1 x 1k x 2 heads of 128, causal (the sizes do not matter)
+    python bench/host_python.py --profile tottime    # and cProfile's table of the forward+backward
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+import fa4dist  # noqa: E402
+from fa4dist.kernels.cute import backend as cute_backend  # noqa: E402
+from fa4dist.kernels.cute import host  # noqa: E402
+
+
+def no_op_launches() -> None:
+    """Every compiled kernel becomes a no-op and the cute backend runs on CPU tensors (a 132-SM GPU assumed)."""
+    host.get_compiled = lambda cfg: (lambda *args: None)
+    host.sm_count = lambda *args, **kwargs: 132
+    cute_backend.CuteSm90Backend.available = lambda self, device: True
+    cute_backend.CuteSm90Backend.supports = lambda self, problem, direction: None
+
+
+def best_us(fn, calls: int, loops: int) -> float:
+    for _ in range(50):
+        fn()
+    times = []
+    for _ in range(loops):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return min(times)
+
+
+def python_calls(fn, calls: int) -> tuple[float, str]:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    return stats.total_calls / calls, stats
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlen", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--no-causal", dest="causal", action="store_false")
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--calls", type=int, default=1500)
+    p.add_argument("--loops", type=int, default=7)
+    p.add_argument("--profile", choices=("tottime", "cumulative", "ncalls"), help="print cProfile's table too")
+    args = p.parse_args(argv)
+    no_op_launches()
+    shape = (1, args.seqlen, args.heads, args.headdim)
+    q, k, v = (torch.randn(shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.ones(shape, dtype=torch.bfloat16)
+    opts = dict(causal=args.causal, backend="cute", deterministic=args.deterministic)
+
+    def forward():
+        with torch.no_grad():
+            return fa4dist.attention(q, k, v, **opts)
+
+    def forward_backward():
+        torch.autograd.grad(fa4dist.attention(q, k, v, **opts), (q, k, v), dout)
+
+    for name, fn in (("forward", forward), ("forward+backward", forward_backward)):
+        us = best_us(fn, args.calls, args.loops)
+        count, stats = python_calls(fn, 500)
+        print(f"{name}: {us:.1f} us per call (best of {args.loops} x {args.calls}), {count:.0f} Python calls")
+        if args.profile and name == "forward+backward":
+            stats.stream = sys.stdout
+            stats.sort_stats(args.profile).print_stats(40)
+
+
+if __name__ == "__main__":
+    main()
