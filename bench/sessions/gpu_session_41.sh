@@ -12,8 +12,12 @@
 # - graphs: the attention step captured in a CUDA graph (tests/kernels/test_cuda_graphs_gpu.py: replays give the
 #   eager call's bytes, dense and packed; never run yet), then bench/cuda_graphs.py: per step eager against replayed,
 #   ours / flash-attn-4 / cuDNN. Predicted: ours replays at ~0.65 ms at 16 x 1k hdim 128 (the kernels), eager ~1.0 ms.
+# - graphs_tests: the graph tests alone.
 # - short: as gpu_session_40.sh short, again after whatever the host stage leads to.
-# One call: source .devwheels/install.sh && bash bench/sessions/gpu_session_41.sh [host] [graphs] [short]
+# One call: source .devwheels/install.sh && bash bench/sessions/gpu_session_41.sh [host] [graphs] [graphs_tests] [short]
+# Run in the forty-first session on one H100 (bench/RESULTS.md): the graphs pass (our capture, and torch.compile's
+# reduce-overhead once a counter pool was reverted); the host stage's folders did not come back (a call returns few
+# files: run host alone, or with graphs_tests).
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s41 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
