@@ -59,6 +59,50 @@ def capture(step, leaves):
     return graph
 
 
+def attention_layer(batch: int, seqlen: int, heads: int, d: int, causal: bool, deterministic: bool, device="cuda"):
+    """(layer(x) -> scalar loss, x, params): a QKV projection, fa4dist.attention and a squared-mean loss, bf16. Under
+    torch.compile every input of the attention is made inside the compiled function (torch's graphs copy only x),
+    where ``--compiled``'s attention-alone form had q, k, v and dout copied in on every replay."""
+    torch.manual_seed(0)
+    dim = heads * d
+    proj = torch.nn.Linear(dim, 3 * dim, bias=False, device=device, dtype=torch.bfloat16)
+    x = torch.randn(batch, seqlen, dim, device=device, dtype=torch.bfloat16)
+    det = {"deterministic": True} if deterministic else {}
+
+    def layer(x):
+        q, k, v = proj(x).view(batch, seqlen, 3, heads, d).unbind(2)
+        return fa4dist.attention(q, k, v, causal=causal, **det).float().square().mean()
+
+    return layer, x, list(proj.parameters())
+
+
+def layer_rows(args, seqlen: int, d: int) -> list[dict]:
+    """Ours in attention_layer, a training step eager against torch.compile(mode="reduce-overhead") (its own CUDA
+    graphs), in interleaved rounds."""
+    batch, heads = max(args.total_tokens // seqlen, 1), args.model_dim // d
+    layer, x, params = attention_layer(batch, seqlen, heads, d, args.causal, args.deterministic)
+    compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+    steps = {}
+    for name, fn in (("eager", layer), ("reduce-overhead", compiled)):
+        def step(fn=fn):
+            for t in params:
+                t.grad = None
+            fn(x).backward()
+
+        for _ in range(3):  # (the compiled one: warm-up, record, replay)
+            step()
+        steps[name] = step
+    samples = {name: [] for name in steps}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            samples[name].append(queued_us(step, args.calls))
+    eager, graphed = (sorted(samples[n])[len(samples[n]) // 2] for n in ("eager", "reduce-overhead"))
+    print(f"{seqlen:>6} {d:>4} {'ours, layer':>14} {eager:10.1f} {graphed:10.1f} {eager / graphed:12.2f}")
+    return [dict(seqlen=seqlen, headdim=d, batch=batch, heads=heads, causal=args.causal,
+                 deterministic=args.deterministic, backend="ours, QKV projection + attention + loss",
+                 eager_us=eager, graph_us=graphed, eager_over_graph=eager / graphed, graph="torch.compile")]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096])
@@ -67,6 +111,9 @@ def main(argv=None):
     p.add_argument("--deterministic", action="store_true", help="deterministic backwards (ours and flash-attn-4)")
     p.add_argument("--compiled", action="store_true",
                    help="also ours under torch.compile(mode='reduce-overhead'), whose own CUDA graphs replay it")
+    p.add_argument("--layer", action="store_true",
+                   help="also ours in a layer (QKV projection, attention, loss): eager against "
+                        "torch.compile(mode='reduce-overhead')")
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point (median reported)")
     p.add_argument("--total-tokens", type=int, default=16384)
@@ -82,6 +129,8 @@ def main(argv=None):
             problem = SimpleNamespace(seqlen=seqlen, batch=max(args.total_tokens // seqlen, 1),
                                       heads=args.model_dim // d, kv_heads=None, headdim=d, causal=args.causal,
                                       mode="deterministic" if args.deterministic else "plain", cudnn=True)
+            if args.layer:
+                rows += layer_rows(args, seqlen, d)
             calls, dout, leaves = make_calls(problem, deterministic=args.deterministic, with_leaves=True)
             if args.compiled:  # ours under torch.compile's CUDA graphs (cudagraph trees): no capture of our own
                 det = {"deterministic": True} if args.deterministic else {}

@@ -21,7 +21,7 @@
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s41 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
-bundle_folders_on_exit
+[ -n "${NO_BUNDLE:-}" ] || bundle_folders_on_exit
 stages=${*:-host graphs}
 for s in $stages; do
   case $s in
