@@ -5,9 +5,10 @@
 #   rows, launch times per compiled kernel. The forty-first session trimmed our Python (~600 -> 485 calls per
 #   forward+backward on the CPU, bench/host_python.py); on the H100 the step's host time was 1030 / 1280 us against
 #   flash-attn-4's 505 / 432 with 758 calls against its 407. Predicted after the trims: -15-20% host time.
-# - layer: bench/cuda_graphs.py --layer --compiled at 1k / 2k: ours in a QKV projection + attention + loss, eager
-#   against torch.compile(mode="reduce-overhead"), where torch's graphs copy only x (the attention-alone form copied
-#   q, k, v and dout, 256 MB a replay, and gained nothing: 1023 against 1042 us). Predicted at 1k hdim 128: ~1.3x.
+# - layer: bench/cuda_graphs.py --layer --compiled at 1k (each point compiles four graphs): ours in a QKV
+#   projection + attention + loss, eager against torch.compile(mode="reduce-overhead"), where torch's graphs copy
+#   only x (the attention-alone form copied q, k, v and dout, 256 MB a replay, and gained nothing: 1023 against
+#   1042 us). Predicted at 1k hdim 128: ~1.3x.
 # - short: gpu_session_40.sh short (causal 1k / 2k, device time and do_bench, with the host profile).
 # - table: gpu_session_40.sh table (the #11 table on the H200).
 # One call: source .devwheels/install.sh && bash bench/sessions/gpu_session_42.sh [host] [layer] [short] [table]
@@ -20,7 +21,7 @@ for s in ${*:-host layer}; do
     host)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_41.sh" host ;;
     layer)
-      TAIL_LINES=20 stage layer 300 python3 bench/cuda_graphs.py --seqlens 1024 2048 --headdims 128 64 --rounds 3 \
+      TAIL_LINES=20 stage layer 300 python3 bench/cuda_graphs.py --seqlens 1024 --headdims 128 64 --rounds 3 \
         --layer --compiled --out-dir "$OUT/layer" ;;
     short|table)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_40.sh" "$s" ;;
