@@ -41,8 +41,9 @@ def queued_us(fn, calls: int) -> float:
 
 
 def capture(step, leaves):
-    """A CUDA graph of ``step()`` (torch's recipe: warm-up on a side stream, the leaves' gradients cleared, then
-    one captured call); its replays write the same static gradients."""
+    """(graph, the step's static result): a CUDA graph of ``step()`` (torch's recipe: warm-up calls on a side
+    stream for the compiles and allocator pools, the leaves' gradients cleared, then one captured call); its replays
+    write the same static gradients. tests/kernels/test_cuda_graphs_gpu.py captures with it too."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -55,8 +56,8 @@ def capture(step, leaves):
         t.grad = None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step()
-    return graph
+        result = step()
+    return graph, result
 
 
 def attention_layer(batch: int, seqlen: int, heads: int, d: int, causal: bool, deterministic: bool, device="cuda"):
@@ -152,7 +153,7 @@ def main(argv=None):
                     timed[name] = (row, step, None)
                     continue
                 try:
-                    graph = capture(step, leaves)
+                    graph, _ = capture(step, leaves)
                     timed[name] = (row, step, graph.replay)
                 except Exception as exc:  # one backend that cannot be captured must not hide the others
                     row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]

@@ -9,6 +9,7 @@ tensor replays that layout. Boundaries written into the tensor later would reach
 and tiles chosen on the host for the old ones (wrong results): capture again after changing them, as for any host
 decision frozen in a graph."""
 
+import bench_scripts
 import pytest
 import torch
 from cute_gpu import hang_watchdog, skip_module_without_cute  # noqa: F401 (an autouse fixture)
@@ -21,30 +22,11 @@ import fa4dist  # noqa: E402
 BF16 = torch.bfloat16
 
 
-def _capture(step, leaves):
-    """(graph, the step's static result): warm-up calls on a side stream (compiles, allocator pools), the leaves'
-    gradients cleared, then one captured call."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for t in leaves:
-                t.grad = None
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    for t in leaves:
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        result = step()
-    return graph, result
-
-
 def _replays_equal_eager(step_of, leaves, fresh_values, rounds=2):
     """Captures ``step_of(*leaves)``; each round copies new values into the static leaves (and dout), replays, and
     compares the result and the leaves' gradients with an eager call on copies of the same values, byte for
     byte."""
-    graph, static_out = _capture(lambda: step_of(*leaves), leaves)
+    graph, static_out = bench_scripts.load("cuda_graphs").capture(lambda: step_of(*leaves), leaves)
     for r in range(rounds):
         with torch.no_grad():
             for t, new in zip(leaves, fresh_values(r)):
