@@ -77,6 +77,24 @@ def attention_layer(batch: int, seqlen: int, heads: int, d: int, causal: bool, d
     return layer, x, list(proj.parameters())
 
 
+def profile_steps(label: str, step, steps: int = 5) -> None:
+    """torch.profiler over ``steps`` calls of ``step``: the kernels by GPU time, the CUDA graph launches and
+    torch.compile's cudagraph skips (why a compiled step might replay no graph)."""
+    from torch._dynamo.utils import counters
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key == "cudaGraphLaunch")
+    skips = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
+    print(f"--- {label}: {steps} steps, {launches} cudaGraphLaunch, inductor's cudagraph counters {skips}")
+    print(events.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
+
+
 def layer_rows(args, seqlen: int, d: int) -> list[dict]:
     """Ours in attention_layer, a training step eager against torch.compile(mode="reduce-overhead") (its own CUDA
     graphs), in interleaved rounds."""
@@ -99,6 +117,9 @@ def layer_rows(args, seqlen: int, d: int) -> list[dict]:
             samples[name].append(queued_us(step, args.calls))
     eager, graphed = (sorted(samples[n])[len(samples[n]) // 2] for n in ("eager", "reduce-overhead"))
     print(f"{seqlen:>6} {d:>4} {'ours, layer':>14} {eager:10.1f} {graphed:10.1f} {eager / graphed:12.2f}")
+    if args.profile:
+        for name, step in steps.items():
+            profile_steps(f"layer S={seqlen} d={d} {name}", step)
     return [dict(seqlen=seqlen, headdim=d, batch=batch, heads=heads, causal=args.causal,
                  deterministic=args.deterministic, backend="ours, QKV projection + attention + loss",
                  eager_us=eager, graph_us=graphed, eager_over_graph=eager / graphed, graph="torch.compile")]
@@ -115,6 +136,8 @@ def main(argv=None):
     p.add_argument("--layer", action="store_true",
                    help="also ours in a layer (QKV projection, attention, loss): eager against "
                         "torch.compile(mode='reduce-overhead')")
+    p.add_argument("--profile", action="store_true",
+                   help="with --layer: torch.profiler tables of 5 eager and 5 compiled steps (kernels, graph launches)")
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point (median reported)")
     p.add_argument("--total-tokens", type=int, default=16384)

@@ -3,7 +3,9 @@ replaced by no-ops and the backend takes CPU tensors, so what is timed is the co
 backend's own Python (validation, configs, scratch allocations, launch setup), the part of a short step's host time
 that flash-attn-4 and cuDNN spend less of (bench/RESULTS.md, forty-first session: 758 Python calls per
 forward+backward of ours against flash-attn-4's 407 on the GPU machine, whose Python ran ~4x slower than a
-development CPU's). Prints the best of several timed loops and the Python calls per call (cProfile's count).
+development CPU's). Prints the best of several timed loops and the Python calls per call (cProfile's count), and
+first what the cute backend's ``supports`` and ``available`` cost per call, remembered and computed (not no-op'd
+there).
 
     python bench/host_python.py                      # 1 x 1k x 2 heads of 128, causal (the sizes do not matter)
     python bench/host_python.py --profile tottime    # and cProfile's table of the forward+backward
@@ -59,6 +61,29 @@ def python_calls(fn, calls: int) -> tuple[float, str]:
     return stats.total_calls / calls, stats
 
 
+def backend_choice(args) -> None:
+    """What the cute backend's two questions cost per call (the contract asks both on every forward and backward):
+    ``supports`` remembered against computed, on a problem placed on "cuda" (a fresh but equal problem each call,
+    as the contract makes), and ``available`` remembered against asked of torch (on a GPU machine: its device
+    queries)."""
+    from dataclasses import replace
+
+    from fa4dist.kernels.problem import validate_inputs
+
+    be = cute_backend.CuteSm90Backend()
+    q = torch.zeros(1, args.seqlen, args.heads, args.headdim, dtype=torch.bfloat16, device="meta")
+    device = torch.device("cuda", 0)
+    problem = replace(validate_inputs(q, q, q, causal=args.causal), device=device)
+    rows = {
+        "an equal problem made (in both supports rows)": lambda: replace(problem),
+        "supports, remembered": lambda: be.supports(replace(problem), "backward"),
+        "supports, computed": lambda: be._supports(replace(problem), "backward"),
+        "available, remembered": lambda: be.available(device),
+        "available, asked of torch": lambda: be._device_available(device),
+    }
+    print("; ".join(f"{name} {best_us(fn, args.calls, args.loops):.1f} us" for name, fn in rows.items()))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlen", type=int, default=1024)
@@ -70,6 +95,7 @@ def main(argv=None):
     p.add_argument("--loops", type=int, default=7)
     p.add_argument("--profile", choices=("tottime", "cumulative", "ncalls"), help="print cProfile's table too")
     args = p.parse_args(argv)
+    backend_choice(args)
     no_op_launches()
     shape = (1, args.seqlen, args.heads, args.headdim)
     q, k, v = (torch.randn(shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))

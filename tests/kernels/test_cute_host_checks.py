@@ -46,6 +46,25 @@ def test_supports_declines_a_score_scale_beyond_one_float32(direction):
         assert refusal is not None and "float32" in refusal.reason and "softmax_scale" in refusal.reason, kw
 
 
+def test_remembered_verdicts_follow_the_problem_and_the_direction():
+    """supports() remembers its verdict per (problem, direction): asked in turn about calls that differ in one field
+    (a diagonal past the kernels' range, a score scale past float32, a head dim they lack, a dtype), one backend
+    instance answers each as a fresh one does."""
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16, device="meta")
+    base = replace(validate_inputs(q, q, q, causal=True), device=torch.device("cuda"))
+    far = host.INT32_MAX // 4 + 1
+    problems = [base, replace(base, q_offsets=(far,)), replace(base, softmax_scale=3e38),
+                replace(base, head_dim=72, head_dim_v=72), replace(base, dtype=torch.float32)]
+    be = cute_backend.CuteSm90Backend()
+    for _ in range(2):
+        for problem in problems:
+            for direction in ("forward", "backward"):
+                fresh = cute_backend.CuteSm90Backend().supports(problem, direction)
+                assert be.supports(replace(problem), direction) == fresh, (problem, direction)
+    assert be.supports(base, "backward") is None and be.supports(problems[1], "backward") is not None
+    assert be.available(torch.device("cpu")) is False and be.available("cpu") is False
+
+
 def test_per_segment_offsets_beyond_int32_reach_the_kernels_as_diagonals():
     """Packed segments at global positions past 2^31 whose diagonals fit: supports() takes them, so the offsets the
     kernels get (int32 tensors, only their difference used) must be built without overflow, with the diagonals

@@ -61,14 +61,50 @@ class CuteSm90Backend:
     # dq with a loss of the lse came out wrong; fixed in the fortieth.)
     worklist_dlse = True
 
+    def __init__(self):
+        # Both answers depend on their arguments alone, and the contract asks them on every call (twice per
+        # forward+backward): at short sequences, where the host time is the step's, they cost ~15% of it.
+        self._available_on: dict = {}
+        self._verdicts: dict = {}
+
     def available(self, device) -> bool:
+        try:
+            return self._available_on[device]
+        except (KeyError, TypeError):  # (TypeError: an unhashable device argument is answered uncached)
+            pass
+        answer = self._device_available(device)
+        if isinstance(device, (torch.device, str)):
+            self._available_on[device] = answer
+        return answer
+
+    @staticmethod
+    def _device_available(device) -> bool:
         device = torch.device(device)
         if device.type != "cuda" or not torch.cuda.is_available():
             return False
         major, _ = torch.cuda.get_device_capability(device)
         return major == 9 and host.cutlass_importable()
 
+    # a bound on the remembered verdicts (packed calls of many document layouts are distinct problems)
+    _VERDICTS_KEPT = 4096
+
     def supports(self, problem, direction: str):
+        """None where the kernels compute ``problem`` (a function of the problem and the direction alone, so the
+        verdict is remembered), else Unsupported with the reason."""
+        key = (problem, direction)
+        try:
+            return self._verdicts[key]
+        except KeyError:
+            pass
+        except TypeError:  # a field that does not hash (a symbolic size): answered uncached
+            return self._supports(problem, direction)
+        verdict = self._supports(problem, direction)
+        if len(self._verdicts) >= self._VERDICTS_KEPT:
+            self._verdicts.clear()
+        self._verdicts[key] = verdict
+        return verdict
+
+    def _supports(self, problem, direction: str):
         from ..registry import Unsupported
 
         if problem.device.type != "cuda":
