@@ -11,7 +11,14 @@
 #   1042 us). Predicted at 1k hdim 128: ~1.3x.
 # - short: gpu_session_40.sh short (causal 1k / 2k, device time and do_bench, with the host profile).
 # - table: gpu_session_40.sh table (the #11 table on the H200).
+# - layer_profile (added in the forty-second session, after call 3 found the hdim-64 layer slower under
+#   torch.compile's reduce-overhead than eager, 3150 against 2755 us, and the attention alone too, 1089 against 868):
+#   torch.profiler tables of 5 eager and 5 compiled steps at hdim 64 and 128 (kernels by GPU time, graph launches,
+#   inductor's cudagraph counters).
+# - choice: bench/host_python.py on the GPU machine (the cute backend's remembered supports / available against
+#   computed, then the Python host cost with launches no-op'd).
 # One call: source .devwheels/install.sh && bash bench/sessions/gpu_session_42.sh [host] [layer] [short] [table]
+#   [layer_profile] [choice]
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s42 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
@@ -23,8 +30,13 @@ for s in ${*:-host layer}; do
     layer)
       TAIL_LINES=20 stage layer 300 python3 bench/cuda_graphs.py --seqlens 1024 --headdims 128 64 --rounds 3 \
         --layer --compiled --out-dir "$OUT/layer" ;;
+    layer_profile)
+      TAIL_LINES=8 stage layer_profile 300 python3 bench/cuda_graphs.py --seqlens 1024 --headdims 64 128 --rounds 2 \
+        --layer --profile --out-dir "$OUT/layer_profile" ;;
+    choice)
+      TAIL_LINES=4 stage choice 120 python3 bench/host_python.py ;;
     short|table)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_40.sh" "$s" ;;
-    *) echo "unknown stage $s (host | layer | short | table)"; exit 2 ;;
+    *) echo "unknown stage $s (host | layer | short | table | layer_profile | choice)"; exit 2 ;;
   esac
 done
