@@ -95,12 +95,14 @@ def profile_steps(label: str, step, steps: int = 5) -> None:
     print(events.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
 
 
-def layer_rows(args, seqlen: int, d: int) -> list[dict]:
+def layer_rows(args, seqlen: int, d: int, to_profile: list) -> list[dict]:
     """Ours in attention_layer, a training step eager against torch.compile(mode="reduce-overhead") (its own CUDA
     graphs), in interleaved rounds."""
     batch, heads = max(args.total_tokens // seqlen, 1), args.model_dim // d
     layer, x, params = attention_layer(batch, seqlen, heads, d, args.causal, args.deterministic)
-    compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+    # dynamic=False: each point compiles for its own shapes (a second point's shapes otherwise recompile the same
+    # code with dynamic sizes, whose generated kernels ran 4-5x slower: a benchmark artifact, not the attention's)
+    compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True, dynamic=False)
     steps = {}
     for name, fn in (("eager", layer), ("reduce-overhead", compiled)):
         def step(fn=fn):
@@ -117,9 +119,8 @@ def layer_rows(args, seqlen: int, d: int) -> list[dict]:
             samples[name].append(queued_us(step, args.calls))
     eager, graphed = (sorted(samples[n])[len(samples[n]) // 2] for n in ("eager", "reduce-overhead"))
     print(f"{seqlen:>6} {d:>4} {'ours, layer':>14} {eager:10.1f} {graphed:10.1f} {eager / graphed:12.2f}")
-    if args.profile:
-        for name, step in steps.items():
-            profile_steps(f"layer S={seqlen} d={d} {name}", step)
+    if args.profile:  # (profiled after every timing: the profiler's CUPTI hooks slowed later eager launches)
+        to_profile.extend((f"layer S={seqlen} d={d} {name}", step) for name, step in steps.items())
     return [dict(seqlen=seqlen, headdim=d, batch=batch, heads=heads, causal=args.causal,
                  deterministic=args.deterministic, backend="ours, QKV projection + attention + loss",
                  eager_us=eager, graph_us=graphed, eager_over_graph=eager / graphed, graph="torch.compile")]
@@ -146,7 +147,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/cuda_graphs.py needs a CUDA GPU")
-    rows = []
+    rows, to_profile = [], []
     print(f"{'S':>6} {'d':>4} {'backend':>14} {'eager us':>10} {'graph us':>10} {'eager/graph':>12}")
     for seqlen in args.seqlens:
         for d in args.headdims:
@@ -154,12 +155,12 @@ def main(argv=None):
                                       heads=args.model_dim // d, kv_heads=None, headdim=d, causal=args.causal,
                                       mode="deterministic" if args.deterministic else "plain", cudnn=True)
             if args.layer:
-                rows += layer_rows(args, seqlen, d)
+                rows += layer_rows(args, seqlen, d, to_profile)
             calls, dout, leaves = make_calls(problem, deterministic=args.deterministic, with_leaves=True)
             if args.compiled:  # ours under torch.compile's CUDA graphs (cudagraph trees): no capture of our own
                 det = {"deterministic": True} if args.deterministic else {}
                 traced = torch.compile(lambda q, k, v: fa4dist.attention(q, k, v, causal=args.causal, **det),
-                                       mode="reduce-overhead", fullgraph=True)
+                                       mode="reduce-overhead", fullgraph=True, dynamic=False)
                 calls["ours, reduce-overhead"] = lambda: traced(*leaves)
             timed = {}
             for name, fn in calls.items():
@@ -195,6 +196,8 @@ def main(argv=None):
                 shown = (f"{graph:10.1f} {eager / graph:12.2f}" if graph else
                          f"{'-':>10} {'(torch graphs)' if name.endswith('overhead') else '(not captured)':>12}")
                 print(f"{seqlen:>6} {d:>4} {name:>14} {eager:10.1f} {shown}")
+    for label, step in to_profile:
+        profile_steps(label, step)
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, f"{datetime.date.today().isoformat()}-cuda-graphs.json")
     with open(path, "w") as fh:

@@ -15,6 +15,9 @@
 #   torch.compile's reduce-overhead than eager, 3150 against 2755 us, and the attention alone too, 1089 against 868):
 #   torch.profiler tables of 5 eager and 5 compiled steps at hdim 64 and 128 (kernels by GPU time, graph launches,
 #   inductor's cudagraph counters).
+# - host_cuda: bench/host_python.py on CUDA tensors (torch's allocations, fills and gradient adds real, our kernels'
+#   launches no-op'd), cProfile by own time: with the choice stage's CPU-tensor row and the host stage's real one,
+#   where the ~840 us between the no-op'd Python (~250 us) and the real step's host time (~1090 us) goes.
 # - choice: bench/host_python.py on the GPU machine (the cute backend's remembered supports / available against
 #   computed, then the Python host cost with launches no-op'd).
 # One call: source .devwheels/install.sh && bash bench/sessions/gpu_session_42.sh [host] [layer] [short] [table]
@@ -28,15 +31,18 @@ for s in ${*:-host layer}; do
     host)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_41.sh" host ;;
     layer)
-      TAIL_LINES=20 stage layer 300 python3 bench/cuda_graphs.py --seqlens 1024 --headdims 128 64 --rounds 3 \
-        --layer --compiled --out-dir "$OUT/layer" ;;
+      TAIL_LINES=20 stage layer 300 python3 bench/cuda_graphs.py --seqlens ${LAYER_SEQLENS:-1024} --headdims 128 64 \
+        --rounds 3 --layer --compiled --out-dir "$OUT/layer" ;;
     layer_profile)
       TAIL_LINES=8 stage layer_profile 300 python3 bench/cuda_graphs.py --seqlens 1024 --headdims 64 128 --rounds 2 \
         --layer --profile --out-dir "$OUT/layer_profile" ;;
     choice)
       TAIL_LINES=4 stage choice 120 python3 bench/host_python.py ;;
+    host_cuda)
+      TAIL_LINES=70 stage host_cuda 120 python3 bench/host_python.py --device cuda --calls 500 --loops 5 \
+        --profile tottime ;;
     short|table)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_40.sh" "$s" ;;
-    *) echo "unknown stage $s (host | layer | short | table | layer_profile | choice)"; exit 2 ;;
+    *) echo "unknown stage $s (host | layer | short | table | layer_profile | choice | host_cuda)"; exit 2 ;;
   esac
 done
