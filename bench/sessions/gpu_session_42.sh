@@ -18,6 +18,8 @@
 # - host_cuda: bench/host_python.py on CUDA tensors (torch's allocations, fills and gradient adds real, our kernels'
 #   launches no-op'd), cProfile by own time: with the choice stage's CPU-tensor row and the host stage's real one,
 #   where the ~840 us between the no-op'd Python (~250 us) and the real step's host time (~1090 us) goes.
+# - stacks: py-spy --native samples of 2000 forward+backward calls at 16 x 1k (bench/host_stacks.py), ours and
+#   cuDNN's, summarized per thread: which of torch's C++ frames hold the ~560 us of host_cuda's torch part.
 # - choice: bench/host_python.py on the GPU machine (the cute backend's remembered supports / available against
 #   computed, then the Python host cost with launches no-op'd).
 # One call: source .devwheels/install.sh && bash bench/sessions/gpu_session_42.sh [host] [layer] [short] [table]
@@ -41,8 +43,17 @@ for s in ${*:-host layer}; do
     host_cuda)
       TAIL_LINES=70 stage host_cuda 120 python3 bench/host_python.py --device cuda --calls 500 --loops 5 \
         --profile tottime ;;
+    stacks)  # (needs py-spy in .devwheels/extra; the call carried it in place of flash-attn-4's wheels)
+      pyspy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+      for b in cute cudnn; do
+        TAIL_LINES=3 stage "stacks_$b" 180 "$pyspy" record --native --threads --idle --format raw --rate 1000 \
+          -o "$OUT/stacks_$b.txt" -- python3 bench/host_stacks.py --calls 2000 --backend $b
+        python3 bench/host_stacks.py --summarize "$OUT/stacks_$b.txt" --top 45 > "$OUT/stacks_${b}_summary.txt" 2>&1
+        gzip -f "$OUT/stacks_$b.txt"
+        head -60 "$OUT/stacks_${b}_summary.txt"
+      done ;;
     short|table)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_40.sh" "$s" ;;
-    *) echo "unknown stage $s (host | layer | short | table | layer_profile | choice | host_cuda)"; exit 2 ;;
+    *) echo "unknown stage $s (host | layer | short | table | layer_profile | choice | host_cuda | stacks)"; exit 2 ;;
   esac
 done
