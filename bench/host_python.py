@@ -1,14 +1,15 @@
-"""The Python host cost of ``fa4dist.attention(backend="cute")`` without a GPU: the compiled kernels' launches are
-replaced by no-ops and the backend takes CPU tensors, so what is timed is the contract, autograd and the cute
-backend's own Python (validation, configs, scratch allocations, launch setup), the part of a short step's host time
-that flash-attn-4 and cuDNN spend less of (bench/RESULTS.md, forty-first session: 758 Python calls per
-forward+backward of ours against flash-attn-4's 407 on the GPU machine, whose Python ran ~4x slower than a
-development CPU's). Prints the best of several timed loops and the Python calls per call (cProfile's count), and
-first what the cute backend's ``supports`` and ``available`` cost per call, remembered and computed (not no-op'd
-there).
+"""The Python host cost of ``fa4dist.attention(backend="cute")`` with the compiled kernels' launches replaced by
+no-ops: on CPU tensors (the default, no GPU needed) what is timed is the contract, autograd and the cute backend's
+own Python (validation, configs, launch setup); with ``--device cuda`` on a GPU machine also what torch's work
+costs on CUDA tensors (allocations, fills, autograd's device thread). bench/RESULTS.md, forty-second session, on
+the H100 machine at 1k: ~250 us per forward+backward on CPU tensors, ~810 on CUDA tensors, ~1090 with the launches
+(bench/host_profile.py); flash-attn-4's whole host time ~430. Prints the best of several timed loops and the Python
+calls per call (cProfile's count), and first what the cute backend's ``supports`` and ``available`` cost per call,
+remembered and computed (not no-op'd there).
 
     python bench/host_python.py                      # 1 x 1k x 2 heads of 128, causal (the sizes do not matter)
     python bench/host_python.py --profile tottime    # and cProfile's table of the forward+backward
+    python bench/host_python.py --device cuda        # on a GPU machine: torch's own work on CUDA tensors too
 """
 
 from __future__ import annotations
