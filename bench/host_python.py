@@ -10,6 +10,7 @@ remembered and computed (not no-op'd there).
     python bench/host_python.py                      # 1 x 1k x 2 heads of 128, causal (the sizes do not matter)
     python bench/host_python.py --profile tottime    # and cProfile's table of the forward+backward
     python bench/host_python.py --device cuda        # on a GPU machine: torch's own work on CUDA tensors too
+    python bench/host_python.py --device cuda --launches real   # and the launches: the whole host time
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ from fa4dist.kernels.cute import backend as cute_backend  # noqa: E402
 from fa4dist.kernels.cute import host  # noqa: E402
 
 
-def no_op_launches() -> None:
-    """Every compiled kernel becomes a no-op and the cute backend runs on CPU tensors (a 132-SM GPU assumed)."""
+def no_op_launches(cpu_tensors: bool) -> None:
+    """Every compiled kernel becomes a no-op (a 132-SM GPU assumed); on CPU tensors the cute backend also takes the
+    call (its device checks answer yes)."""
     host.get_compiled = lambda cfg: (lambda *args: None)
     host.sm_count = lambda *args, **kwargs: 132
-    cute_backend.CuteSm90Backend.available = lambda self, device: True
-    cute_backend.CuteSm90Backend.supports = lambda self, problem, direction: None
+    if cpu_tensors:
+        cute_backend.CuteSm90Backend.available = lambda self, device: True
+        cute_backend.CuteSm90Backend.supports = lambda self, problem, direction: None
 
 
 def best_us(fn, calls: int, loops: int) -> float:
@@ -95,13 +98,19 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=1500)
     p.add_argument("--loops", type=int, default=7)
     p.add_argument("--profile", choices=("tottime", "cumulative", "ncalls"), help="print cProfile's table too")
+    p.add_argument("--launches", choices=("no-op", "real"), default="no-op",
+                   help="real (with --device cuda): the kernels run, so the step's whole host time is timed (at the "
+                        "default sizes the GPU keeps up with the host)")
     p.add_argument("--device", default="cpu",
                    help="where the tensors live: 'cuda' on a GPU machine keeps torch's own work on CUDA tensors "
                         "(allocations, fills, autograd's gradient adds) and no-ops only our kernels' launches, "
                         "which separates their cost from the rest of the host time")
     args = p.parse_args(argv)
     backend_choice(args)
-    no_op_launches()
+    if args.launches == "real" and args.device == "cpu":
+        p.error("--launches real needs --device cuda")
+    if args.launches == "no-op":
+        no_op_launches(cpu_tensors=args.device == "cpu")
     shape = (1, args.seqlen, args.heads, args.headdim)
     q, k, v = (torch.randn(shape, dtype=torch.bfloat16, device=args.device, requires_grad=True) for _ in range(3))
     dout = torch.ones(shape, dtype=torch.bfloat16, device=args.device)

@@ -3,10 +3,14 @@ py-spy to sample (``--native``: Python and C/C++ frames together), and a summary
 
 bench/host_python.py separates the parts (RESULTS.md, forty-second session: at 16 x 1k, hdim 128, causal, our
 Python ~250 us per forward+backward, torch's work on CUDA tensors ~560 us, the launches ~280 us); this names the
-frames inside torch's part. On the GPU machine (py-spy from .devwheels/extra):
+frames inside torch's part. On the GPU machine (py-spy from .devwheels/extra), attached once the loop is warm
+(sampled from the start with ``--native``, the forty-second session's run spent its time limit in imports and
+compiles: py-spy stops the process for every native unwind):
 
-    py-spy record --native --threads --idle --format raw --rate 2000 -o stacks.txt -- \\
-        python3 bench/host_stacks.py --calls 3000 [--backend flash_attn_4]
+    python3 bench/host_stacks.py --seconds 40 --ready-file /tmp/ready [--backend flash_attn_4] &
+    while [ ! -s /tmp/ready ]; do sleep 1; done
+    py-spy record --pid $(cat /tmp/ready) --native --threads --idle --format raw --rate 200 --duration 20 \\
+        -o stacks.txt
     python3 bench/host_stacks.py --summarize stacks.txt [--top 40]
 
 The summary lists, per thread, the functions with the most samples in total (the function or anything it called)
@@ -21,6 +25,7 @@ import collections
 import os
 import re
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,9 +49,15 @@ def loop(args) -> None:
     for _ in range(20):  # compiles and warm caches before the sampled part
         step()
     torch.cuda.synchronize()
-    for i in range(args.calls):
+    if args.ready_file:  # a sampler attached by pid starts now (the compiles and imports stay out of its samples)
+        with open(args.ready_file, "w") as fh:
+            fh.write(str(os.getpid()))
+    end = time.perf_counter() + args.seconds
+    i = 0
+    while i < args.calls or time.perf_counter() < end:
         step()
-        if i % 200 == 199:  # (bounded queue: the host's time, not a full launch queue's waits, is sampled)
+        i += 1
+        if i % 200 == 0:  # (bounded queue: the host's time, not a full launch queue's waits, is sampled)
             torch.cuda.synchronize()
     torch.cuda.synchronize()
 
@@ -93,6 +104,8 @@ def summarize(path: str, top: int) -> None:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=3000)
+    p.add_argument("--seconds", type=float, default=0.0, help="loop at least this long after the warm-up")
+    p.add_argument("--ready-file", help="write the pid here once warm (for py-spy record --pid)")
     p.add_argument("--seqlen", type=int, default=1024)
     p.add_argument("--headdim", type=int, default=128)
     p.add_argument("--backend", default="cute", help="cute | flash_attn_4 | cudnn (bench/calls.py's names)")
