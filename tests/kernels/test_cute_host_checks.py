@@ -63,6 +63,9 @@ def test_remembered_verdicts_follow_the_problem_and_the_direction():
                 assert be.supports(replace(problem), direction) == fresh, (problem, direction)
     assert be.supports(base, "backward") is None and be.supports(problems[1], "backward") is not None
     assert be.available(torch.device("cpu")) is False and be.available("cpu") is False
+    assert be.available(torch.device("cuda", 0)) is be._device_available("cuda:0")
+    be.available("cuda")
+    assert "cuda" not in be._available_on  # the current device's answer is not remembered: it may change
 
 
 def test_per_segment_offsets_beyond_int32_reach_the_kernels_as_diagonals():

@@ -62,8 +62,9 @@ class CuteSm90Backend:
     worklist_dlse = True
 
     def __init__(self):
-        # Both answers depend on their arguments alone, and the contract asks them on every call (twice per
-        # forward+backward): at short sequences, where the host time is the step's, they cost ~15% of it.
+        # Both answers depend on their arguments alone, and the contract asks both on every forward and backward:
+        # remembered, they cost ~2 us instead of ~16 on the GPU machine, ~30 us of a short forward+backward's host
+        # time (bench/host_python.py's first row; bench/RESULTS.md, forty-second session).
         self._available_on: dict = {}
         self._verdicts: dict = {}
 
@@ -73,7 +74,8 @@ class CuteSm90Backend:
         except (KeyError, TypeError):  # (TypeError: an unhashable device argument is answered uncached)
             pass
         answer = self._device_available(device)
-        if isinstance(device, (torch.device, str)):
+        # remembered for a device named with its index ("cuda" alone means whichever device is current)
+        if isinstance(device, (torch.device, str)) and torch.device(device).index is not None:
             self._available_on[device] = answer
         return answer
 
