@@ -5,6 +5,11 @@ host bound (bench/RESULTS.md, fortieth session: ours ~1.1 ms of host per forward
 
     python bench/cuda_graphs.py                                  # S 1k / 2k / 4k, hdim 128 / 64, causal
     python bench/cuda_graphs.py --seqlens 1024 --headdims 128 --deterministic
+    python bench/cuda_graphs.py --seqlens 1024 2048 --layer --compiled [--profile]   # torch.compile's graphs too
+
+``--compiled`` times the attention alone under ``torch.compile(mode="reduce-overhead")``; ``--layer`` a QKV
+projection + attention + loss step eager against compiled (each point compiled for its static shapes);
+``--profile`` prints torch.profiler tables of the layer's eager and compiled steps after all timings.
 
 Sizes as bench/kernels.py: batch = total_tokens / S, heads = model_dim / hdim, bf16. A backend whose step cannot be
 captured is reported as such (its error), not timed. Writes <out-dir>/<date>-cuda-graphs.json.
