@@ -49,7 +49,8 @@ def test_supports_declines_a_score_scale_beyond_one_float32(direction):
 def test_remembered_verdicts_follow_the_problem_and_the_direction():
     """supports() remembers its verdict per (problem, direction): asked in turn about calls that differ in one field
     (a diagonal past the kernels' range, a score scale past float32, a head dim they lack, a dtype), one backend
-    instance answers each as a fresh one does."""
+    instance answers each as a fresh one does. A packed call's verdict is not remembered (its key would hold the
+    caller's cu_seqlens tensors)."""
     q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16, device="meta")
     base = replace(validate_inputs(q, q, q, causal=True), device=torch.device("cuda"))
     far = host.INT32_MAX // 4 + 1
@@ -62,6 +63,12 @@ def test_remembered_verdicts_follow_the_problem_and_the_direction():
                 fresh = cute_backend.CuteSm90Backend().supports(problem, direction)
                 assert be.supports(replace(problem), direction) == fresh, (problem, direction)
     assert be.supports(base, "backward") is None and be.supports(problems[1], "backward") is not None
+    packed_q = torch.zeros(8, 2, 64, dtype=torch.bfloat16, device="meta")
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    packed = replace(validate_inputs(packed_q, packed_q, packed_q, cu_seqlens_q=cu, cu_seqlens_k=cu),
+                     device=torch.device("cuda"))
+    kept = len(be._verdicts)
+    assert be.supports(packed, "forward") is None and len(be._verdicts) == kept  # (no key holding cu's tensor)
     assert be.available(torch.device("cpu")) is False and be.available("cpu") is False
     assert be.available(torch.device("cuda", 0)) is be._device_available("cuda:0")
     be.available("cuda")

@@ -87,12 +87,16 @@ class CuteSm90Backend:
         major, _ = torch.cuda.get_device_capability(device)
         return major == 9 and host.cutlass_importable()
 
-    # a bound on the remembered verdicts (packed calls of many document layouts are distinct problems)
+    # a bound on the remembered verdicts (calls of many shapes are distinct problems)
     _VERDICTS_KEPT = 4096
 
     def supports(self, problem, direction: str):
         """None where the kernels compute ``problem`` (a function of the problem and the direction alone, so the
-        verdict is remembered), else Unsupported with the reason."""
+        verdict is remembered for dense calls), else Unsupported with the reason."""
+        if problem.cu_seqlens_q_tensor is not None or problem.cu_seqlens_k_tensor is not None:
+            # packed: not remembered, as the key would keep the caller's cu_seqlens tensors alive (inside a CUDA
+            # graph's memory pool, torch.compile's cudagraph trees refuse such a tensor)
+            return self._supports(problem, direction)
         key = (problem, direction)
         try:
             return self._verdicts[key]
