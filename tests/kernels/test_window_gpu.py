@@ -28,6 +28,10 @@ DENSE = [
     (1, 4096, 4096, 4, 4, 128, True, (1000, -1), 0, 0),  # plain blocks between the two masked bands
     (1, 3000, 3100, 4, 2, 64, True, (700, -1), 100, 0),  # same at hdim 64, GQA, shifted diagonal
     (1, 1024, 1024, 4, 4, 128, True, (0, -1), 0, 0),  # each query sees only itself
+    # windows wide enough that each masked band compares one edge (BlockInfo.edges_apart), the key tile at the
+    # sequence end cut by both: hdim 128 and 64, shifted diagonals
+    (1, 1500, 1700, 4, 4, 128, True, (300, -1), 200, 0),
+    (1, 1300, 1237, 4, 2, 64, True, (318, -1), 0, 57),
 ]
 
 
@@ -89,7 +93,7 @@ def test_dense_windows(backend, case, caplog):
 
 
 @pytest.mark.parametrize("backend", ["cute", "sdpa_flash"])
-@pytest.mark.parametrize("causal, window", [(True, (63, -1)), (False, (20, 20)), (True, (200, -1))])
+@pytest.mark.parametrize("causal, window", [(True, (63, -1)), (False, (20, 20)), (True, (200, -1)), (True, (333, -1))])
 def test_packed_windows(backend, causal, window):
     _need(backend)
     cu = torch.tensor([0, 300, 301, 700, 1000], dtype=torch.int32, device="cuda")
