@@ -11,8 +11,8 @@ HGMMA) prints how many exp2 precede the PV wait, the first and last O-rescale FM
 FakeTensorMode, its PTX kept with CUTE_DSL_KEEP), so the two schedules compare without a GPU; the local ptxas
 reproduced the placements the GPU machine's SASS showed (hdim 64: its PV wait after exp2 #11-12, FMULs #13-19).
 
-    python bench/sass_softmax.py --headdim 64 [--causal] [--set sum_from_old=false] [--fa4] [--ops] \\
-        [--ptxas /usr/local/cuda/bin/ptxas] [--nvdisasm nvdisasm]
+    python bench/sass_softmax.py --headdim 64 [--causal [--window-left 4095]] [--set sum_from_old=false] [--fa4] \\
+        [--ops] [--ptxas /usr/local/cuda/bin/ptxas] [--nvdisasm nvdisasm]
     python bench/sass_softmax.py --backward --headdim 64 --ops [--deterministic] [--set try_waits=true] [--fa4]
 
 ``--ops`` counts the instructions of the main loop's step by opcode (the innermost loop with 32+ exp2): what every
@@ -146,6 +146,7 @@ def main():
     p.add_argument("--headdim", type=int, default=64)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--short", action="store_true", help="the short-sequence tiles (forward.short_queries)")
+    p.add_argument("--window-left", type=int, default=-1, help="with --causal: a sliding window's lower edge")
     p.add_argument("--set", default="", help="FwdConfig overrides, e.g. sum_from_old=false,rescale_threshold=8 "
                    "(BwdConfig's with --backward)")
     p.add_argument("--backward", action="store_true",
@@ -179,7 +180,7 @@ def main():
             ptx = ours_ptx(cfg, tmp)
         else:
             cfg = F.make_config(torch.bfloat16, args.headdim, causal=args.causal, varlen=False, accumulate=False,
-                                short=args.short, **F.parse_overrides(args.set))
+                                short=args.short, window_left=args.window_left, **F.parse_overrides(args.set))
             print(cfg)
             ptx = ours_ptx(cfg, tmp)
         lines = sass_of(ptx, *tools, labels=True)
