@@ -11,6 +11,16 @@ remembered and computed (not no-op'd there).
     python bench/host_python.py --profile tottime    # and cProfile's table of the forward+backward
     python bench/host_python.py --device cuda        # on a GPU machine: torch's own work on CUDA tensors too
     python bench/host_python.py --device cuda --launches real   # and the launches: the whole host time
+    python bench/host_python.py --device cuda --direct --profile tottime   # the contract's calls without autograd
+
+``--autograd-thread off`` runs autograd's backward on the calling thread (torch.autograd.set_multithreading_enabled),
+which takes the hand-off to its device thread out of the time and puts the backward into cProfile's view. A bare
+autograd.Function (identity forward, identity backward) on the same tensors is timed first, in the same mode: the
+floor any Python autograd.Function pays.
+
+``--direct`` times ``attention_forward`` and ``attention_backward`` called as functions: no autograd, so the
+backward runs on the calling thread (autograd runs a CUDA backward on its device thread, which cProfile does not
+see), and its profile shows what the backward's own host path costs on CUDA tensors.
 """
 
 from __future__ import annotations
@@ -101,6 +111,10 @@ def main(argv=None):
     p.add_argument("--launches", choices=("no-op", "real"), default="no-op",
                    help="real (with --device cuda): the kernels run, so the step's whole host time is timed (at the "
                         "default sizes the GPU keeps up with the host)")
+    p.add_argument("--autograd-thread", choices=("on", "off"), default="on",
+                   help="off: autograd's backward on the calling thread, not its device thread")
+    p.add_argument("--direct", action="store_true",
+                   help="call the contract's attention_forward / attention_backward directly (no autograd)")
     p.add_argument("--device", default="cpu",
                    help="where the tensors live: 'cuda' on a GPU machine keeps torch's own work on CUDA tensors "
                         "(allocations, fills, autograd's gradient adds) and no-ops only our kernels' launches, "
@@ -123,13 +137,51 @@ def main(argv=None):
     def forward_backward():
         torch.autograd.grad(fa4dist.attention(q, k, v, **opts), (q, k, v), dout)
 
-    for name, fn in (("forward", forward), ("forward+backward", forward_backward)):
+    calls = (("forward", forward), ("forward+backward", forward_backward))
+    if args.direct:
+        from fa4dist.kernels import attention_backward, attention_forward
+
+        leaves = [t.detach() for t in (q, k, v)]
+        fwd_opts = {n: x for n, x in opts.items() if n != "deterministic"}
+        out, lse = attention_forward(*leaves, **fwd_opts)
+        calls = (("attention_forward", lambda: attention_forward(*leaves, **fwd_opts)),
+                 ("attention_backward", lambda: attention_backward(dout, *leaves, out, lse, **opts)))
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    calls = (("bare autograd.Function, forward+backward",
+              lambda: torch.autograd.grad(Identity.apply(q), (q,), dout)),) + calls
+    torch.autograd.set_multithreading_enabled(args.autograd_thread == "on")
+    from fa4dist.kernels import autograd as fa4_autograd
+
+    body = fa4_autograd._AttentionFunction.backward
+    spent = [0.0, 0]
+
+    def timed_backward(ctx, *grads):  # the Python backward's own time, on whichever thread autograd runs it
+        t0 = time.perf_counter()
+        try:
+            return body(ctx, *grads)
+        finally:
+            spent[0] += time.perf_counter() - t0
+            spent[1] += 1
+
+    fa4_autograd._AttentionFunction.backward = staticmethod(timed_backward)
+    for name, fn in calls:
+        spent[:] = [0.0, 0]
         us = best_us(fn, args.calls, args.loops)
         if args.device != "cpu":
             torch.cuda.synchronize()  # (the fills and adds torch launched are queued: time the host's part only)
+        body_us = f", the autograd backward's body {spent[0] / spent[1] * 1e6:.1f} us a call" if spent[1] else ""
         count, stats = python_calls(fn, 500)
-        print(f"{name}: {us:.1f} us per call (best of {args.loops} x {args.calls}), {count:.0f} Python calls")
-        if args.profile and name == "forward+backward":
+        print(f"{name}: {us:.1f} us per call (best of {args.loops} x {args.calls}), {count:.0f} Python calls"
+              f"{body_us}")
+        if args.profile and name in ("forward+backward", "attention_backward"):
             stats.stream = sys.stdout
             stats.sort_stats(args.profile).print_stats(40)
 
