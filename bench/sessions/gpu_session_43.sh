@@ -15,7 +15,7 @@
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s43 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
-bundle_folders_on_exit
+[ -n "${NO_BUNDLE:-}" ] || bundle_folders_on_exit
 for s in ${*:-parts}; do
   case $s in
     parts)
