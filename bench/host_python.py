@@ -12,6 +12,7 @@ remembered and computed (not no-op'd there).
     python bench/host_python.py --device cuda        # on a GPU machine: torch's own work on CUDA tensors too
     python bench/host_python.py --device cuda --launches real   # and the launches: the whole host time
     python bench/host_python.py --device cuda --direct --profile tottime   # the contract's calls without autograd
+    python bench/host_python.py --device cuda --layers 8   # 8 chained calls, one backward: the per-layer cost
 
 ``--autograd-thread off`` runs autograd's backward on the calling thread (torch.autograd.set_multithreading_enabled),
 which takes the hand-off to its device thread out of the time and puts the backward into cProfile's view. A bare
@@ -102,6 +103,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlen", type=int, default=1024)
     p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--layers", type=int, default=1,
+                   help="forward+backward through this many chained calls (one backward pass): what a model pays "
+                        "per layer, against the one-call step's once-per-backward costs (times are per call chain)")
     p.add_argument("--headdim", type=int, default=128)
     p.add_argument("--no-causal", dest="causal", action="store_false")
     p.add_argument("--deterministic", action="store_true")
@@ -134,18 +138,26 @@ def main(argv=None):
         with torch.no_grad():
             return fa4dist.attention(q, k, v, **opts)
 
-    def forward_backward():
-        torch.autograd.grad(fa4dist.attention(q, k, v, **opts), (q, k, v), dout)
+    # each chained call has its own k and v, as a model's layers do (shared ones would add their gradients)
+    layer_kv = [(k, v)] + [tuple(t.detach().clone().requires_grad_() for t in (k, v)) for _ in range(args.layers - 1)]
+    leaves = (q, *(t for kv in layer_kv for t in kv))
 
-    calls = (("forward", forward), ("forward+backward", forward_backward))
+    def forward_backward():
+        x = q
+        for lk, lv in layer_kv:  # (each call's out is the next one's q: one backward through all of them)
+            x = fa4dist.attention(x, lk, lv, **opts)
+        torch.autograd.grad(x, leaves, dout)
+
+    per_layers = f" of {args.layers} chained calls" if args.layers > 1 else ""
+    calls = (("forward", forward), (f"forward+backward{per_layers}", forward_backward))
     if args.direct:
         from fa4dist.kernels import attention_backward, attention_forward
 
-        leaves = [t.detach() for t in (q, k, v)]
+        plain = [t.detach() for t in (q, k, v)]
         fwd_opts = {n: x for n, x in opts.items() if n != "deterministic"}
-        out, lse = attention_forward(*leaves, **fwd_opts)
-        calls = (("attention_forward", lambda: attention_forward(*leaves, **fwd_opts)),
-                 ("attention_backward", lambda: attention_backward(dout, *leaves, out, lse, **opts)))
+        out, lse = attention_forward(*plain, **fwd_opts)
+        calls = (("attention_forward", lambda: attention_forward(*plain, **fwd_opts)),
+                 ("attention_backward", lambda: attention_backward(dout, *plain, out, lse, **opts)))
     class Identity(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
@@ -181,7 +193,7 @@ def main(argv=None):
         count, stats = python_calls(fn, 500)
         print(f"{name}: {us:.1f} us per call (best of {args.loops} x {args.calls}), {count:.0f} Python calls"
               f"{body_us}")
-        if args.profile and name in ("forward+backward", "attention_backward"):
+        if args.profile and name.startswith(("forward+backward", "attention_backward")):
             stats.stream = sys.stdout
             stats.sort_stats(args.profile).print_stats(40)
 
