@@ -76,6 +76,38 @@ def python_calls(fn, calls: int) -> tuple[float, str]:
     return stats.total_calls / calls, stats
 
 
+class Identity(torch.autograd.Function):
+    """A bare autograd.Function: what any Python Function's forward+backward costs around its own work."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def time_autograd_backward() -> list:
+    """Wraps fa4dist.attention's autograd backward so that its body's own time adds up in the returned [seconds,
+    calls], on whichever thread autograd runs it (its device thread for CUDA tensors)."""
+    from fa4dist.kernels import autograd as fa4_autograd
+
+    body = fa4_autograd._AttentionFunction.backward
+    spent = [0.0, 0]
+
+    def timed_backward(ctx, *grads):
+        t0 = time.perf_counter()
+        try:
+            return body(ctx, *grads)
+        finally:
+            spent[0] += time.perf_counter() - t0
+            spent[1] += 1
+
+    fa4_autograd._AttentionFunction.backward = staticmethod(timed_backward)
+    return spent
+
+
 def backend_choice(args) -> None:
     """What the cute backend's two questions cost per call (the contract asks both on every forward and backward):
     ``supports`` remembered against computed, on a problem placed on "cuda" (a fresh but equal problem each call,
@@ -158,32 +190,10 @@ def main(argv=None):
         out, lse = attention_forward(*plain, **fwd_opts)
         calls = (("attention_forward", lambda: attention_forward(*plain, **fwd_opts)),
                  ("attention_backward", lambda: attention_backward(dout, *plain, out, lse, **opts)))
-    class Identity(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad
-
     calls = (("bare autograd.Function, forward+backward",
               lambda: torch.autograd.grad(Identity.apply(q), (q,), dout)),) + calls
     torch.autograd.set_multithreading_enabled(args.autograd_thread == "on")
-    from fa4dist.kernels import autograd as fa4_autograd
-
-    body = fa4_autograd._AttentionFunction.backward
-    spent = [0.0, 0]
-
-    def timed_backward(ctx, *grads):  # the Python backward's own time, on whichever thread autograd runs it
-        t0 = time.perf_counter()
-        try:
-            return body(ctx, *grads)
-        finally:
-            spent[0] += time.perf_counter() - t0
-            spent[1] += 1
-
-    fa4_autograd._AttentionFunction.backward = staticmethod(timed_backward)
+    spent = time_autograd_backward()
     for name, fn in calls:
         spent[:] = [0.0, 0]
         us = best_us(fn, args.calls, args.loops)
