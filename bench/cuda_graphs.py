@@ -10,6 +10,10 @@ host bound (bench/RESULTS.md, fortieth session: ours ~1.1 ms of host per forward
 ``--compiled`` times the attention alone under ``torch.compile(mode="reduce-overhead")``; ``--layer`` a QKV
 projection + attention + loss step eager against compiled (each point compiled for its static shapes);
 ``--profile`` prints torch.profiler tables of the layer's eager and compiled steps after all timings.
+``--calling-thread`` also times each eager step with autograd's backward on the calling thread
+(``torch.autograd.set_multithreading_enabled(False)``) in the same rounds: a CUDA backward otherwise runs on autograd's
+device thread, and on a host-bound step that hand-off and the two threads' alternation cost host time
+(bench/RESULTS.md, forty-fourth session).
 
 Sizes as bench/kernels.py: batch = total_tokens / S, heads = model_dim / hdim, bf16. A backend whose step cannot be
 captured is reported as such (its error), not timed. Writes <out-dir>/<date>-cuda-graphs.json.
@@ -118,17 +122,22 @@ def layer_rows(args, seqlen: int, d: int, to_profile: list) -> list[dict]:
         for _ in range(3):  # (the compiled one: warm-up, record, replay)
             step()
         steps[name] = step
-    samples = {name: [] for name in steps}
+    samples = {name: [] for name in (*steps, "calling thread")}
     for _ in range(args.rounds):
         for name, step in steps.items():
             samples[name].append(queued_us(step, args.calls))
-    eager, graphed = (sorted(samples[n])[len(samples[n]) // 2] for n in ("eager", "reduce-overhead"))
-    print(f"{seqlen:>6} {d:>4} {'ours, layer':>14} {eager:10.1f} {graphed:10.1f} {eager / graphed:12.2f}")
+        if args.calling_thread:
+            with torch.autograd.set_multithreading_enabled(False):
+                samples["calling thread"].append(queued_us(steps["eager"], args.calls))
+    eager, graphed, calling = (sorted(x)[len(x) // 2] if x else None for x in samples.values())
+    shown = f" {calling:15.1f}" if calling is not None else ""
+    print(f"{seqlen:>6} {d:>4} {'ours, layer':>14} {eager:10.1f} {graphed:10.1f} {eager / graphed:12.2f}{shown}")
     if args.profile:  # (profiled after every timing: the profiler's CUPTI hooks slowed later eager launches)
         to_profile.extend((f"layer S={seqlen} d={d} {name}", step) for name, step in steps.items())
     return [dict(seqlen=seqlen, headdim=d, batch=batch, heads=heads, causal=args.causal,
                  deterministic=args.deterministic, backend="ours, QKV projection + attention + loss",
-                 eager_us=eager, graph_us=graphed, eager_over_graph=eager / graphed, graph="torch.compile")]
+                 eager_us=eager, graph_us=graphed, eager_over_graph=eager / graphed, graph="torch.compile",
+                 **({"eager_calling_thread_us": calling} if calling is not None else {}))]
 
 
 def main(argv=None):
@@ -144,6 +153,8 @@ def main(argv=None):
                         "torch.compile(mode='reduce-overhead')")
     p.add_argument("--profile", action="store_true",
                    help="with --layer: torch.profiler tables of 5 eager and 5 compiled steps (kernels, graph launches)")
+    p.add_argument("--calling-thread", action="store_true",
+                   help="also time each eager step with autograd's backward on the calling thread")
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point (median reported)")
     p.add_argument("--total-tokens", type=int, default=16384)
@@ -153,7 +164,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench/cuda_graphs.py needs a CUDA GPU")
     rows, to_profile = [], []
-    print(f"{'S':>6} {'d':>4} {'backend':>14} {'eager us':>10} {'graph us':>10} {'eager/graph':>12}")
+    thread_col = f" {'calling thread':>15}" if args.calling_thread else ""
+    print(f"{'S':>6} {'d':>4} {'backend':>14} {'eager us':>10} {'graph us':>10} {'eager/graph':>12}{thread_col}")
     for seqlen in args.seqlens:
         for d in args.headdims:
             problem = SimpleNamespace(seqlen=seqlen, batch=max(args.total_tokens // seqlen, 1),
@@ -188,18 +200,24 @@ def main(argv=None):
                     row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
                     torch.cuda.synchronize()
                     timed[name] = (row, step, None)
-            samples = {name: ([], []) for name in timed}
+            samples = {name: ([], [], []) for name in timed}
             for _ in range(args.rounds):
                 for name, (row, step, replay) in timed.items():
                     samples[name][0].append(queued_us(step, args.calls))
                     if replay is not None:
                         samples[name][1].append(queued_us(replay, args.calls))
+                    if args.calling_thread and replay is not None:
+                        with torch.autograd.set_multithreading_enabled(False):
+                            samples[name][2].append(queued_us(step, args.calls))
             for name, (row, _, _) in timed.items():
-                eager, graph = (sorted(x)[len(x) // 2] if x else None for x in samples[name])
+                eager, graph, calling = (sorted(x)[len(x) // 2] if x else None for x in samples[name])
                 row.update(eager_us=eager, graph_us=graph, eager_over_graph=eager / graph if graph else None)
+                if calling is not None:
+                    row["eager_calling_thread_us"] = calling
                 rows.append(row)
                 shown = (f"{graph:10.1f} {eager / graph:12.2f}" if graph else
                          f"{'-':>10} {'(torch graphs)' if name.endswith('overhead') else '(not captured)':>12}")
+                shown += f" {calling:15.1f}" if calling is not None else ""
                 print(f"{seqlen:>6} {d:>4} {name:>14} {eager:10.1f} {shown}")
     for label, step in to_profile:
         profile_steps(label, step)

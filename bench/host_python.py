@@ -13,6 +13,7 @@ remembered and computed (not no-op'd there).
     python bench/host_python.py --device cuda --launches real   # and the launches: the whole host time
     python bench/host_python.py --device cuda --direct --profile tottime   # the contract's calls without autograd
     python bench/host_python.py --device cuda --layers 8   # 8 chained calls, one backward: the per-layer cost
+    python bench/host_python.py --device cuda --layers 8 --timeline   # and where in the backward the time sits
 
 ``--autograd-thread off`` runs autograd's backward on the calling thread (torch.autograd.set_multithreading_enabled),
 which takes the hand-off to its device thread out of the time and puts the backward into cProfile's view. A bare
@@ -88,24 +89,55 @@ class Identity(torch.autograd.Function):
         return grad
 
 
-def time_autograd_backward() -> list:
-    """Wraps fa4dist.attention's autograd backward so that its body's own time adds up in the returned [seconds,
-    calls], on whichever thread autograd runs it (its device thread for CUDA tensors)."""
-    from fa4dist.kernels import autograd as fa4_autograd
+class BackwardRecorder:
+    """Wraps fa4dist.attention's autograd backward so that its body's own time adds up (``seconds``, ``calls``) on
+    whichever thread autograd runs it (its device thread for CUDA tensors), and, while ``events`` is a list, appends
+    each body's (start, end) perf_counter pair to it: the timeline of one backward pass."""
 
-    body = fa4_autograd._AttentionFunction.backward
-    spent = [0.0, 0]
+    def __init__(self):
+        from fa4dist.kernels import autograd as fa4_autograd
 
-    def timed_backward(ctx, *grads):
+        body = fa4_autograd._AttentionFunction.backward
+        self.seconds, self.calls, self.events = 0.0, 0, None
+
+        def timed_backward(ctx, *grads):
+            t0 = time.perf_counter()
+            try:
+                return body(ctx, *grads)
+            finally:
+                t1 = time.perf_counter()
+                self.seconds += t1 - t0
+                self.calls += 1
+                if self.events is not None:
+                    self.events.append((t0, t1))
+
+        fa4_autograd._AttentionFunction.backward = staticmethod(timed_backward)
+
+    def reset(self):
+        self.seconds, self.calls = 0.0, 0
+
+
+def backward_timeline(forward, grad, recorder: BackwardRecorder, steps: int) -> str:
+    """Medians over ``steps`` chained forward+backward passes of when each layer's backward body starts and ends,
+    in us from the moment ``torch.autograd.grad`` is called, and when it returns: where a pass's time sits (in the
+    bodies, between them, or before the first and after the last)."""
+    rows = []
+    for _ in range(steps):
+        x = forward()
+        recorder.events = []
         t0 = time.perf_counter()
-        try:
-            return body(ctx, *grads)
-        finally:
-            spent[0] += time.perf_counter() - t0
-            spent[1] += 1
+        grad(x)
+        t_end = time.perf_counter()
+        rows.append([(a - t0, b - t0) for a, b in recorder.events] + [(t_end - t0, t_end - t0)])
+    recorder.events = None
 
-    fa4_autograd._AttentionFunction.backward = staticmethod(timed_backward)
-    return spent
+    def median_us(values):
+        return sorted(values)[len(values) // 2] * 1e6
+
+    cols = list(zip(*rows))
+    parts = [f"body {i + 1} {median_us([a for a, _ in c]):.0f}-{median_us([b for _, b in c]):.0f}"
+             for i, c in enumerate(cols[:-1])]
+    return ", ".join(parts + [f"returns {median_us([a for a, _ in cols[-1]]):.0f}"])
 
 
 def backend_choice(args) -> None:
@@ -149,6 +181,8 @@ def main(argv=None):
                         "default sizes the GPU keeps up with the host)")
     p.add_argument("--autograd-thread", choices=("on", "off"), default="on",
                    help="off: autograd's backward on the calling thread, not its device thread")
+    p.add_argument("--timeline", action="store_true",
+                   help="and when each chained call's backward body starts and ends within the backward pass")
     p.add_argument("--direct", action="store_true",
                    help="call the contract's attention_forward / attention_backward directly (no autograd)")
     p.add_argument("--device", default="cpu",
@@ -174,11 +208,23 @@ def main(argv=None):
     layer_kv = [(k, v)] + [tuple(t.detach().clone().requires_grad_() for t in (k, v)) for _ in range(args.layers - 1)]
     leaves = (q, *(t for kv in layer_kv for t in kv))
 
-    def forward_backward():
+    def chained_forward():
         x = q
         for lk, lv in layer_kv:  # (each call's out is the next one's q: one backward through all of them)
             x = fa4dist.attention(x, lk, lv, **opts)
+        return x
+
+    def chained_grad(x):
         torch.autograd.grad(x, leaves, dout)
+
+    def forward_backward():
+        chained_grad(chained_forward())
+
+    def bare_forward_backward():
+        x = q
+        for _ in range(args.layers):
+            x = Identity.apply(x)
+        torch.autograd.grad(x, (q,), dout)
 
     per_layers = f" of {args.layers} chained calls" if args.layers > 1 else ""
     calls = (("forward", forward), (f"forward+backward{per_layers}", forward_backward))
@@ -190,22 +236,25 @@ def main(argv=None):
         out, lse = attention_forward(*plain, **fwd_opts)
         calls = (("attention_forward", lambda: attention_forward(*plain, **fwd_opts)),
                  ("attention_backward", lambda: attention_backward(dout, *plain, out, lse, **opts)))
-    calls = (("bare autograd.Function, forward+backward",
-              lambda: torch.autograd.grad(Identity.apply(q), (q,), dout)),) + calls
+    calls = ((f"bare autograd.Function, forward+backward{per_layers}", bare_forward_backward),) + calls
     torch.autograd.set_multithreading_enabled(args.autograd_thread == "on")
-    spent = time_autograd_backward()
+    recorder = BackwardRecorder()
     for name, fn in calls:
-        spent[:] = [0.0, 0]
+        recorder.reset()
         us = best_us(fn, args.calls, args.loops)
         if args.device != "cpu":
             torch.cuda.synchronize()  # (the fills and adds torch launched are queued: time the host's part only)
-        body_us = f", the autograd backward's body {spent[0] / spent[1] * 1e6:.1f} us a call" if spent[1] else ""
+        body_us = (f", the autograd backward's body {recorder.seconds / recorder.calls * 1e6:.1f} us a call"
+                   if recorder.calls else "")
         count, stats = python_calls(fn, 500)
         print(f"{name}: {us:.1f} us per call (best of {args.loops} x {args.calls}), {count:.0f} Python calls"
               f"{body_us}")
         if args.profile and name.startswith(("forward+backward", "attention_backward")):
             stats.stream = sys.stdout
             stats.sort_stats(args.profile).print_stats(40)
+    if args.timeline and not args.direct:
+        print(f"backward timeline (us from torch.autograd.grad's call, medians of {args.calls}): "
+              + backward_timeline(chained_forward, chained_grad, recorder, args.calls))
 
 
 if __name__ == "__main__":
