@@ -159,3 +159,90 @@ def test_the_kernels_softcap_check_is_the_contracts():
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="^softcap must be finite and > 0"):
             host.check_softcap(bad)
+
+
+def test_carve_gives_exact_disjoint_aligned_views_of_one_allocation():
+    """host.carve: one view per part with its numel and dtype (None for None), all in one storage, pairwise
+    disjoint, each starting on a 16-byte boundary; odd-sized parts are padded, never overlapped."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        parts = []
+        for _ in range(int(torch.randint(1, 8, (1,), generator=g))):
+            kind = int(torch.randint(0, 4, (1,), generator=g))
+            numel = int(torch.randint(1, 300, (1,), generator=g))
+            parts.append(None if kind == 3 else (numel, (torch.float32, torch.int32, torch.int64)[kind]))
+        views = host.carve(torch.device("cpu"), tuple(parts))
+        assert len(views) == len(parts)
+        spans = []
+        for part, view in zip(parts, views):
+            if part is None:
+                assert view is None
+                continue
+            assert (view.numel(), view.dtype, view.dim()) == (part[0], part[1], 1)
+            start = view.storage_offset() * view.element_size()
+            assert start % 16 == 0
+            spans.append((start, start + view.numel() * view.element_size()))
+        assert len({v.untyped_storage().data_ptr() for v in views if v is not None}) == min(len(spans), 1)
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    with pytest.raises(ValueError, match="whole 4-byte words"):
+        host.carve(torch.device("cpu"), ((3, torch.bfloat16),))
+
+
+@pytest.mark.parametrize("case", ["dense_causal", "deterministic", "packed", "dkv_only"])
+def test_backward_scratch_is_one_carved_allocation_and_each_launch_zeroes_its_counter(monkeypatch, case):
+    """launch_steps on CPU tensors with recording stand-ins for the compiled kernels: the preprocess and the main
+    kernel get scratch views of one allocation (lse2 / dpsum tile_m words per chunk, the dQ accumulator tile_m x d
+    per chunk, a flag per chunk), and every main launch, run again after its tile counter was overwritten, sees it
+    zeroed: the counter is carved once per call and zeroed by each launch, as the fresh one it replaced was."""
+    from fa4dist.kernels.cute import backward as bwd
+
+    calls = []
+
+    def compiled(cfg):
+        def run(*args):
+            calls.append((cfg, [a.clone() if isinstance(a, torch.Tensor) else a for a in args], args))
+        return run
+
+    monkeypatch.setattr(host, "get_compiled", compiled)
+    monkeypatch.setattr(host, "sm_count", lambda *a, **k: 132)
+    monkeypatch.setattr(bwd, "_FAST", {})
+    d, h, bf = 128, 4, torch.bfloat16
+    opts = dict(causal=case != "deterministic", deterministic=case == "deterministic")
+    if case == "packed":
+        cu = torch.tensor([0, 300, 700], dtype=torch.int32)
+        q = torch.randn(700, h, d, dtype=bf)
+        opts.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=400, max_seqlen_k=400)
+        lse = torch.randn(h, 700)
+        n_chunks = (700 // bwd.tile_m_for(d) + 2) * h
+    else:
+        q = torch.randn(2, 1000, h, d, dtype=bf)
+        lse = torch.randn(2, h, 1000)
+        n_chunks = 2 * -(-1000 // bwd.tile_m_for(d)) * h
+    out, dout = torch.randn_like(q), torch.randn_like(q)
+    if case == "dkv_only":
+        grads = (None, torch.zeros(q.shape), torch.zeros(q.shape))
+        opts["accumulate"] = True
+    else:
+        grads = (torch.empty_like(q), torch.empty_like(q), torch.empty_like(q))
+    steps = bwd.launch_steps(dout, q, q, q, out, lse, *grads, **opts)
+    for step in steps:
+        step()
+    pre, main = calls[0], calls[1]
+    tm = bwd.tile_m_for(d)
+    lse2, dpsum, clean, dq_words = pre[2][4:8]
+    assert lse2.numel() == dpsum.numel() == n_chunks * tm and clean.numel() >= n_chunks
+    if case != "dkv_only":
+        assert dq_words.numel() == n_chunks * tm * d
+    args = bwd.BwdKernelArgs(*main[2])
+    scratch = [t for t in (args.lse2, args.dpsum, args.clean, args.dq_acc, args.sem, args.tile_counter,
+                           args.split_dkv) if isinstance(t, torch.Tensor)]
+    assert len({t.untyped_storage().data_ptr() for t in scratch}) == 1
+    spans = sorted((t.storage_offset() * t.element_size(), (t.storage_offset() + t.numel()) * t.element_size())
+                   for t in scratch)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and all(a % 16 == 0 for a, _ in spans)
+    if args.tile_counter is not None:
+        assert not bwd.BwdKernelArgs(*main[1]).tile_counter.any()
+        args.tile_counter.fill_(7)  # a launch leaves its counter claimed: the next launch zeroes it first
+        steps[1]()
+        assert not bwd.BwdKernelArgs(*calls[-1][1]).tile_counter.any()

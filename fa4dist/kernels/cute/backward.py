@@ -784,9 +784,6 @@ def launch_steps(
     scale = float(softmax_scale)
     scale_log2 = host.score_scale(scale, softcap)
 
-    def counter():  # a fresh zeroed tile counter per main-kernel launch (a persistent grid's)
-        return host.tile_counter(main_cfg.takes_tile_counter, device)
-
     def main_args(**scratch) -> BwdKernelArgs:  # this call's inputs and options, with its scratch
         return BwdKernelArgs(q=q, k=k, v=v, dout=dout_mma, dk=dk, dv=dv, scale=scale, scale_log2=scale_log2,
                              diag=diag, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seg_off_q=off_q,
@@ -796,7 +793,9 @@ def launch_steps(
         lse2, dpsum, clean, dq_acc, sem = rows.views(q_start, total_q, deterministic)
         args = main_args(lse2=lse2, dpsum=dpsum, clean=clean if main_cfg.takes_clean_flags else None, dq_acc=dq_acc,
                          sem=sem, dq_scale=None, max_seqlen_k=max(k.shape[1], 1))
-        main = lambda: main_fn(*args._replace(tile_counter=counter()))  # noqa: E731
+        # (a fresh zeroed tile counter per launch: the shared rows' launches may run on several streams)
+        main = lambda: main_fn(*args._replace(  # noqa: E731
+            tile_counter=host.tile_counter(main_cfg.takes_tile_counter, device)))
         # deterministic: the dQ tickets count from 0 again for this launch's key tiles
         return ([sem.zero_] if sem is not None else []) + [main]
 
@@ -811,43 +810,39 @@ def launch_steps(
         msk = k.shape[1]
         m_grid = 1
     n_chunks = n_blocks * hq
-    lse2 = torch.empty(n_chunks * tm, dtype=torch.float32, device=device)
-    dpsum = torch.empty(n_chunks * tm, dtype=torch.float32, device=device)
-    clean = torch.empty(n_chunks, dtype=torch.int32, device=device)  # written by the preprocess
-    main_clean = clean if main_cfg.takes_clean_flags else None
     msk = max(msk, 1)
+    split_cfg = _split_variant(main_cfg) if split_keys == "auto" and grads != "dkv" else None
+    plan = dense_split_keys_plan(split_cfg, q.shape, k.shape, diag) if split_cfg is not None else (0, 1)
+    split_tiles = split_key_tile_count(split_cfg, k.shape, plan) if plan[1] > 1 else 0
     if grads == "dkv":  # no dQ: no scratch, no tickets (one chunk and one ticket satisfy the signature)
-        dq_acc = torch.empty(tm * d, dtype=torch.float32, device=device)
-        sem = torch.empty(1, dtype=torch.int32, device=device) if deterministic else None
-        args = main_args(lse2=lse2, dpsum=dpsum, clean=main_clean, dq_acc=dq_acc, sem=sem, dq_scale=None,
-                         max_seqlen_k=msk)
+        dq_part, sem_count = (tm * d, torch.float32), 1 if deterministic else None
+    elif dq_fixed:  # int64 scratch (zeroed by the preprocess as fp32 words), the rows' scales in lse2's indexing
+        dq_part, sem_count = (n_chunks * tm * d, torch.int64), None
+    else:
+        dq_part, sem_count = (n_chunks * tm * d, torch.float32), n_chunks if main_cfg.deterministic else None
+    # the split variant's arrival counters follow its tile counter
+    counter_count = 1 + split_tiles if split_tiles else 1 if main_cfg.takes_tile_counter else None
+    scratch = make_scratch(device, n_chunks, tm, dq_part, sem=sem_count, row_scales=dq_fixed and grads != "dkv",
+                           counter=counter_count, split_dkv=2 * split_tiles * plan[1] * TILE_N * d or None)
+    lse2, dpsum, clean, dq_acc, sem, scale2, counter, _ = scratch
+    dq_words = dq_acc.view(torch.float32) if dq_fixed else dq_acc  # (the preprocess zeroes int64 as fp32 words)
+    main_clean = clean if main_cfg.takes_clean_flags else None
+    args = main_args(lse2=lse2, dpsum=dpsum, clean=main_clean, dq_acc=dq_acc, sem=sem, dq_scale=scale2,
+                     max_seqlen_k=msk)
+
+    def launch():  # what each main launch makes fresh: its zeroed tile counter (a persistent grid's)
+        return dict(tile_counter=None if counter is None else counter.zero_())
+
+    if grads == "dkv":
         return [
             lambda: pre_fn(out, dout, lse, dlse, lse2, dpsum, clean, dq_acc, None, None, None, scale, m_grid,
                            cu_seqlens_q),
-            lambda: main_fn(*args._replace(tile_counter=counter())),
+            lambda: main_fn(*args._replace(**launch())),
         ]
-    if dq_fixed:
-        # int64 scratch (zeroed by the preprocess as fp32 words) and the rows' scales in lse2's indexing
-        dq_acc = torch.empty(n_chunks * tm * d, dtype=torch.int64, device=device)
-        dq_words = dq_acc.view(torch.float32)
-        scale2 = torch.empty(n_chunks * tm, dtype=torch.float32, device=device)
-        sem = None
-    else:
-        dq_acc = dq_words = torch.empty(n_chunks * tm * d, dtype=torch.float32, device=device)
-        scale2 = None
-        sem = torch.empty(n_chunks, dtype=torch.int32, device=device) if main_cfg.deterministic else None
-    args = main_args(lse2=lse2, dpsum=dpsum, clean=main_clean, dq_acc=dq_acc, sem=sem, dq_scale=scale2,
-                     max_seqlen_k=msk)
-    launch = lambda: dict(tile_counter=counter())  # noqa: E731  (what each launch makes fresh)
-    split_cfg = _split_variant(main_cfg) if split_keys == "auto" else None
-    plan = dense_split_keys_plan(split_cfg, q.shape, k.shape, diag) if split_cfg is not None else (0, 1)
-    if plan[1] > 1:  # the longest key tiles in parts: the split variant, its scratch and arrival counters
+    if split_tiles:  # the longest key tiles in parts: the split variant, its scratch and arrival counters
         main_fn = host.get_compiled(split_cfg)
-        edge, parts = plan
-        split_tiles = split_key_tile_count(split_cfg, k.shape, plan)
-        split_dkv = torch.empty(2 * split_tiles * parts * TILE_N, d, dtype=torch.float32, device=device)
-        launch = lambda: dict(tile_counter=torch.zeros(1 + split_tiles, dtype=torch.int32, device=device),  # noqa
-                              split_dkv=split_dkv, split_edge=edge, split_parts=parts)
+        split_dkv = scratch.split_dkv.view(-1, d)
+        args = args._replace(split_dkv=split_dkv, split_edge=plan[0], split_parts=plan[1])
     elif "lpt_over_heads" not in {**_OVERRIDE, **overrides}:
         group = over_heads_group(main_cfg, q.shape, k.shape)
         if group is not None:  # (the split variant has this order too)
@@ -994,6 +989,34 @@ def _expanded_kv_steps(dout, q, k, v, out, lse, dq, dk, dv, group, accumulate, d
     return [expand] + steps + [reduce]
 
 
+class BwdScratch(NamedTuple):
+    """A backward's scratch (the preprocess's and the main kernel's vectors, bwd_preprocess.py), indexed by chunk =
+    query tile x head: lse2 / dpsum tile_m fp32 words per chunk, clean one int32 per chunk, the dQ accumulator, and
+    where the call has them the tickets (int32), the fixed-point rows' scales (lse2's indexing), the tile counter
+    (zeroed by each main launch's own step) and the split variant's dK / dV parts."""
+    lse2: torch.Tensor
+    dpsum: torch.Tensor
+    clean: torch.Tensor
+    dq_acc: torch.Tensor
+    sem: Optional[torch.Tensor]
+    scale2: Optional[torch.Tensor]
+    counter: Optional[torch.Tensor]
+    split_dkv: Optional[torch.Tensor]
+
+
+def make_scratch(device, n_chunks: int, tm: int, dq_acc: tuple, *, sem: Optional[int] = None,
+                 row_scales: bool = False, counter: Optional[int] = None, split_dkv: Optional[int] = None):
+    """One call's :class:`BwdScratch` in one allocation (host.carve): ``dq_acc`` is (numel, dtype), ``sem`` /
+    ``counter`` int32 counts and ``split_dkv`` an fp32 count, None where the call has none."""
+    rows = (n_chunks * tm, torch.float32)
+    flags = -(-n_chunks // 4) * 4  # (whole 16-byte words: the tickets after them need no padding between)
+    lse2, dpsum, dq, scale2, split, clean, sem, counter = host.carve(device, (
+        rows, rows, dq_acc, rows if row_scales else None, None if split_dkv is None else (split_dkv, torch.float32),
+        (flags, torch.int32), None if sem is None else (-(-sem // 4) * 4, torch.int32),
+        None if counter is None else (counter, torch.int32)))
+    return BwdScratch(lse2, dpsum, clean, dq, sem, scale2, counter, split)
+
+
 class SharedRows:
     """The query side of one backward spread over many main-kernel launches on row ranges of the same queries (a
     ring's steps against the keys of every member): the preprocess (lse in log2 units, rowsum(dO * O), scratch
@@ -1021,11 +1044,8 @@ class SharedRows:
         # scratch of one sequence: query tile m of head h is chunk m * heads + h (SeqlenInfo.scratch_base = 0)
         n_chunks = max(-(-self.rows // tm), 1) * self.heads
         device = q.device
-        self.lse2 = torch.empty(n_chunks * tm, dtype=torch.float32, device=device)
-        self.dpsum = torch.empty(n_chunks * tm, dtype=torch.float32, device=device)
-        self.clean = torch.empty(n_chunks, dtype=torch.int32, device=device)
-        self.dq_acc = torch.empty(n_chunks * tm * d, dtype=torch.float32, device=device)
-        self.sem = torch.empty(n_chunks, dtype=torch.int32, device=device) if deterministic else None
+        self.lse2, self.dpsum, self.clean, self.dq_acc, self.sem, _, _, _ = make_scratch(
+            device, n_chunks, tm, (n_chunks * tm * d, torch.float32), sem=n_chunks if deterministic else None)
         dout, out, lse = (t if t.stride(-1) == 1 else t.contiguous() for t in (dout, out, lse))
         if dlse is not None and dlse.stride(-1) != 1:  # (the preprocess takes a unit last stride, as lse's)
             dlse = dlse.contiguous()
@@ -1115,17 +1135,16 @@ def backward_worklist(dout, q, k, v, out, lse, dq, dk, dv, table, *, scratch_til
                                tile_counter=host.tile_counter(main_cfg.takes_tile_counter, q.device)))
         return dq, dk, dv
     n_chunks = max(int(scratch_tiles), 1) * hq
-    lse2 = torch.empty(n_chunks * tm, dtype=torch.float32, device=q.device)
-    dpsum = torch.empty(n_chunks * tm, dtype=torch.float32, device=q.device)
-    clean = torch.empty(n_chunks, dtype=torch.int32, device=q.device)  # written by the preprocess
-    dq_acc = torch.empty(n_chunks * tm * d, dtype=torch.float32, device=q.device)
-    sem = torch.empty(n_chunks, dtype=torch.int32, device=q.device) if deterministic else None  # pre zeroes it
+    # (clean is written by the preprocess, which zeroes dq_acc and the tickets)
+    lse2, dpsum, clean, dq_acc, sem, _, counter, _ = make_scratch(
+        q.device, n_chunks, tm, (n_chunks * tm * d, torch.float32), sem=n_chunks if deterministic else None,
+        counter=1 if main_cfg.takes_tile_counter else None)
     m_grid = max(1, -(-int(max_q_len) // tm))
     host.get_compiled(pre_cfg)(out, dout, lse, dlse, lse2, dpsum, clean, dq_acc, sem, None, None, scale, m_grid,
                                table)
     main_fn(*BwdKernelArgs(q=q, k=k, v=v, dout=dout, lse2=lse2, dpsum=dpsum,
                            clean=clean if main_cfg.takes_clean_flags else None, dq_acc=dq_acc, dk=dk, dv=dv, sem=sem,
                            dq_scale=None, scale=scale, scale_log2=scale_log2, diag=0, max_seqlen_k=msk,
-                           cu_seqlens_q=table, tile_counter=host.tile_counter(main_cfg.takes_tile_counter, q.device)))
+                           cu_seqlens_q=table, tile_counter=None if counter is None else counter.zero_()))
     host.get_compiled(post_cfg)(dq_acc, dq, None, m_grid, table)
     return dq, dk, dv
