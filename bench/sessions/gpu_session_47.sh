@@ -8,6 +8,10 @@
 #   the forms the carve touched most (split key tiles, fixed-point dQ, deterministic tickets, packed, shared rows).
 # - scratch_host: as gpu_session_46.sh (the host A/B of the carve: .kwt/base holds 13dd93a's fa4dist, the last
 #   one before the carve, with this session's host_python.py and cuda_graphs.py), on a fresh machine.
+# - handoff: is the device thread's per-layer cost the two threads' alternation across cores? bench/thread_handoff.py
+#   unpinned and pinned to one core (on the 2-core CPU machine: hand-offs 34 -> 10 us, the work 5% slower -> not),
+#   then bench/host_python.py's 8-call chain with autograd's device thread, with and without `taskset -c 2` (the
+#   whole process, its device thread included, on one core) and with the calling thread.
 # - fwd_long (on the H200 if lent; as gpu_session_43.sh): #11's canonical numbers.
 # One call: source .devwheels/install.sh && bash bench/sessions/gpu_session_47.sh [scratch_rest] [fwd_long] ...
 set -u
@@ -23,10 +27,19 @@ for s in ${*:-scratch_rest}; do
       TAIL_LINES=6 stage scratch_bwd_tail 240 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider \
         tests/kernels/test_cute_bwd_gpu.py -k "fixed_point or split or deterministic or packed or shared or one_gradient"
       pkill -f "pytest|xdist" 2>/dev/null ;;
+    handoff)
+      TAIL_LINES=4 stage handoff_free 60 python3 bench/thread_handoff.py
+      TAIL_LINES=4 stage handoff_pinned 60 python3 bench/thread_handoff.py --pin
+      for how in "device" "pinned taskset -c 2" "calling"; do
+        name=${how%% *} pre=${how#"$name"}
+        thread=on; [ "$name" = calling ] && thread=off
+        TAIL_LINES=2 stage "chain_$name" 120 $pre python3 bench/host_python.py --device cuda --layers 8 \
+          --autograd-thread $thread --calls 300 --loops 5 --timeline
+      done ;;
     scratch_host)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_46.sh" scratch_host ;;
     fwd_long)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_43.sh" fwd_long ;;
-    *) echo "unknown stage $s (scratch_rest | scratch_host | fwd_long)"; exit 2 ;;
+    *) echo "unknown stage $s (scratch_rest | handoff | scratch_host | fwd_long)"; exit 2 ;;
   esac
 done
