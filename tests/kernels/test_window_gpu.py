@@ -28,8 +28,8 @@ DENSE = [
     (1, 4096, 4096, 4, 4, 128, True, (1000, -1), 0, 0),  # plain blocks between the two masked bands
     (1, 3000, 3100, 4, 2, 64, True, (700, -1), 100, 0),  # same at hdim 64, GQA, shifted diagonal
     (1, 1024, 1024, 4, 4, 128, True, (0, -1), 0, 0),  # each query sees only itself
-    # windows wide enough that each masked band compares one edge (BlockInfo.edges_apart), the key tile at the
-    # sequence end cut by both: hdim 128 and 64, shifted diagonals
+    # windows wide enough (left >= tile_m + tile_n - 2) that the causal band and the window's band never share a
+    # block, the key tile at the sequence end cut by both: hdim 128 and 64, shifted diagonals
     (1, 1500, 1700, 4, 4, 128, True, (300, -1), 200, 0),
     (1, 1300, 1237, 4, 2, 64, True, (318, -1), 0, 57),
 ]

@@ -822,7 +822,7 @@ def launch_steps(
         dq_part, sem_count = (n_chunks * tm * d, torch.float32), n_chunks if main_cfg.deterministic else None
     # the split variant's arrival counters follow its tile counter
     counter_count = 1 + split_tiles if split_tiles else 1 if main_cfg.takes_tile_counter else None
-    scratch = make_scratch(device, n_chunks, tm, dq_part, sem=sem_count, row_scales=dq_fixed and grads != "dkv",
+    scratch = make_scratch(device, n_chunks, tm, dq_part, sem=sem_count, row_scales=dq_fixed,
                            counter=counter_count, split_dkv=2 * split_tiles * plan[1] * TILE_N * d or None)
     lse2, dpsum, clean, dq_acc, sem, scale2, counter, _ = scratch
     dq_words = dq_acc.view(torch.float32) if dq_fixed else dq_acc  # (the preprocess zeroes int64 as fp32 words)
