@@ -91,6 +91,10 @@ EXTRA = [
     # long and short causal tiles interleaved in the launch order: dense with head groups (a merge), packed
     (torch.bfloat16, 128, True, False, True, {"interleave_lengths": True}),
     (torch.bfloat16, 64, True, True, False, {"interleave_lengths": True}),
+    # a masked block's bad-V marks right after its softmax (the knob's off position: the consumer waits for the
+    # sanitizer before the next S GEMM), with a window's bottom blocks
+    (torch.bfloat16, 128, True, False, False, {"defer_v_marks": False, "window_left": 300}),
+    (torch.bfloat16, 64, True, False, False, {"defer_v_marks": True}),  # ... and deferred on 192-row tiles
     # hdim 256 on the persistent grid (O stored directly: no room for its staging tile), and a work list
     (torch.bfloat16, 256, False, False, False, {"tma_store_o": False, "persistent_ctas": 132}),
     (torch.bfloat16, 256, True, True, True, {"worklist": True}),
@@ -406,6 +410,18 @@ def test_sum_from_old_follows_the_head_dim_only():
             for causal in (False, True):
                 cfg = cute_fwd.make_config(torch.bfloat16, d, causal=causal, **kw)
                 assert cfg.sum_from_old is want and cfg.rescale_threshold == 0.0, (d, causal, kw)
+
+
+def test_defer_v_marks_default_scope():
+    """A masked block's bad-V marks are deferred (FwdConfig.defer_v_marks) on kernels of one or two consumer
+    warpgroups (hdim 128, hdim 64's short two-CTA launches), not on hdim 64's 192-row tiles (measured slower, and
+    spilling with softcap: forward.default_defer_v_marks); an override wins."""
+    def cfg(d, **kw):
+        return cute_fwd.make_config(torch.bfloat16, d, causal=True, varlen=False, accumulate=False, **kw)
+    assert cfg(128).defer_v_marks and cfg(128, softcap=30.0).defer_v_marks
+    assert cfg(64, short=True).tile_m == 64 and cfg(64, short=True).defer_v_marks
+    assert cfg(64).tile_m == 192 and not cfg(64).defer_v_marks and not cfg(64, softcap=30.0).defer_v_marks
+    assert cfg(64, defer_v_marks=True).defer_v_marks and not cfg(128, defer_v_marks=False).defer_v_marks
 
 
 def test_late_pv_wait_default_scope():

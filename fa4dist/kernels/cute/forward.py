@@ -96,6 +96,10 @@ class FwdConfig:
     # masked V tiles through the sanitizer warps (masked keys contribute nothing even if non-finite). False is a
     # measurement knob only (the cost of the guarantee): NaN / inf at masked positions then leak.
     sanitize: bool = True
+    # with the sanitizer and intra_wg_overlap: a masked block's rows that see a NaN / inf V row are marked at the end
+    # of the step that issues its PV instead of right after its softmax, where the consumer waited for the sanitized
+    # V before the next block's S GEMM could issue. The same bits. Default from default_defer_v_marks
+    defer_v_marks: bool = True
     # >= 0 (causal only): a sliding window's lower edge, keys more than this far below the diagonal are masked
     # and their blocks never loaded (backend.py folds a window's right edge into the diagonal)
     window_left: int = -1
@@ -156,7 +160,8 @@ class FwdConfig:
             rescale_threshold=self.rescale_threshold, sum_from_old=self.sum_from_old, late_pv_wait=self.late_pv_wait,
             chained_max=self.chained_max,
             hoist_descriptors=self.hoist_descriptors, hoist_q_slices=self.hoist_q_slices,
-            tma_store_o=self.tma_store_o, sanitize=self.sanitize, window_left=self.window_left, softcap=self.softcap,
+            tma_store_o=self.tma_store_o, sanitize=self.sanitize, defer_v_marks=self.defer_v_marks,
+            window_left=self.window_left, softcap=self.softcap,
             sinks=self.sinks, softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
             prefetch_running=self.prefetch_running, persistent_ctas=self.persistent_ctas if self.persistent else 0,
             dynamic_tiles=self.takes_tile_counter, exact_merge=self.exact_merge, regs_producer=self.regs_producer,
@@ -310,6 +315,15 @@ def default_regs_producer(cfg: FwdConfig) -> int:
     return 32 if cfg.persistent and cfg.causal and cfg.head_dim == 96 else 0
 
 
+def default_defer_v_marks(cfg: FwdConfig) -> bool:
+    """defer_v_marks for kernels of one or two consumer warpgroups. Measured on an H100 (forty-fifth session, two
+    calls, device time): causal 1k +1% / +2% (hdim 64's two 64-row CTAs per SM / hdim 128), packed 512 / 1024-token
+    documents at hdim 64 +2% / +1.6%, hdim 128 at 4k / 16k +0.7% / +0.2%. Three consumer warpgroups (hdim <= 64's
+    192-row tiles, 160 registers a thread) lost 1.2% at 4k and 16k in both calls, and spill 24-84 bytes with
+    softcap (ptxas): they keep the mark right after the softmax."""
+    return cfg.tile_m // 64 < 3
+
+
 def default_persistent_ctas(cfg: FwdConfig) -> int:
     """For a variant's other fields: the SM count for launches that write a 16-bit out, dense or packed, causal or
     not, on the dynamic walk. Measured on the H200 (2026-12-01, ninth session): dense 1.01-1.15x the one-CTA-per-
@@ -387,6 +401,7 @@ _FIELDS = {
     "late_pv_wait": host.parse_bool, "hoist_descriptors": host.parse_bool,
     "hoist_q_slices": host.parse_bool, "tma_store_o": host.parse_bool,
     "sanitize": host.parse_bool,
+    "defer_v_marks": host.parse_bool,
     "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
     "persistent_ctas": host.parse_count, "dynamic_tiles": host.parse_bool, "exact_merge": host.parse_bool,
     "regs_producer": host.parse_count, "ctas_per_sm": host.parse_count,
@@ -395,7 +410,8 @@ _FIELDS = {
 # the fields a work-list launch must share with the per-item calls it replaces to give their bits (all but these)
 _LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o", "persistent_ctas", "dynamic_tiles")
 # fields that move instructions or tiles, not results (each one's bits test compares the bytes both ways)
-_SCHEDULE_FIELDS = ("late_pv_wait", "hoist_descriptors", "hoist_q_slices", "interleave_lengths", "chained_max")
+_SCHEDULE_FIELDS = ("late_pv_wait", "hoist_descriptors", "hoist_q_slices", "interleave_lengths", "chained_max",
+                    "defer_v_marks")
 # development hook: FA4DIST_FWD_OVERRIDE="rescale_threshold=0,tile_m=128" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_FWD_OVERRIDE", _FIELDS)
 
@@ -441,6 +457,8 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
         cfg = dataclasses.replace(cfg, regs_producer=default_regs_producer(cfg))
     if "interleave_lengths" not in kw:
         cfg = dataclasses.replace(cfg, interleave_lengths=bool(interleave))
+    if "defer_v_marks" not in kw:
+        cfg = dataclasses.replace(cfg, defer_v_marks=default_defer_v_marks(cfg))
     if "chained_max" not in kw:
         cfg = dataclasses.replace(cfg, chained_max=bool(chained))
     if cfg.hoist_q_slices and not cfg.hoist_descriptors:  # (the slices are hoisted with the bases only)

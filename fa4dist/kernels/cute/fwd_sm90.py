@@ -109,6 +109,7 @@ class FlashFwdSm90:
         hoist_q_slices: bool = True,
         tma_store_o: bool = True,
         sanitize: bool = True,
+        defer_v_marks: bool = True,
         l2_rows: Optional[int] = None,
         interleave_lengths: bool = False,
         window_left: int = -1,
@@ -214,6 +215,9 @@ class FlashFwdSm90:
         self.block_info = BlockInfo(tile_m, tile_n, causal, window_left)
         # V tiles of masked blocks go through the sanitizer warps (dense non-causal: TMA zero-fills past the end)
         self.sanitize_v = sanitize and (causal or varlen)
+        # a masked block's bad-V rows marked at the end of the step that issues its PV (overlap_phases_deferred),
+        # so that the consumer does not wait for the sanitizer before the next S GEMM
+        self.defer_v_marks = defer_v_marks and self.sanitize_v and intra_wg_overlap
         self.fp16 = dtype == cutlass.Float16
         self.sanitizer_threads = 96  # warps 1..3 of the producer warpgroup
         # smem words per stage telling the consumers which V rows held NaN / inf: the first such row, or with a
@@ -917,16 +921,22 @@ class FlashFwdSm90:
                 ml.mask.apply(acc_S, m_block, n_block, True)
                 softmax.online(acc_S, True)
                 tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
-                self.mark_rows_seeing_bad_v(ml, kv_state, n_block)
-                for i in cutlass.range(n_masked, unroll=1):
-                    kv_state = self.overlap_step(ml, kv_state, n_block_max - 2 - i, True)
-                for i in cutlass.range(n_plain, unroll=1):
-                    kv_state = self.overlap_step(ml, kv_state, n_plain_top - 1 - i, False)
-                if const_expr(self.block_info.windowed):
-                    for i in cutlass.range(n_window, unroll=1):
-                        kv_state = self.overlap_step(ml, kv_state, blk.n_block_min + n_window - 1 - i, True)
+                if const_expr(self.defer_v_marks):
+                    kv_state, pending = self.overlap_phases_deferred(ml, kv_state, blk, n_block_max)
+                    io.pipe_v.consumer_wait(kv_state)
+                    if pending >= 0:  # the last block was masked: its rows' marks before its PV
+                        self.mark_bad_v_rows(ml, kv_state, pending)
+                else:
+                    self.mark_rows_seeing_bad_v(ml, kv_state, n_block)
+                    for i in cutlass.range(n_masked, unroll=1):
+                        kv_state = self.overlap_step(ml, kv_state, n_block_max - 2 - i, True)
+                    for i in cutlass.range(n_plain, unroll=1):
+                        kv_state = self.overlap_step(ml, kv_state, n_plain_top - 1 - i, False)
+                    if const_expr(self.block_info.windowed):
+                        for i in cutlass.range(n_window, unroll=1):
+                            kv_state = self.overlap_step(ml, kv_state, blk.n_block_min + n_window - 1 - i, True)
+                    io.pipe_v.consumer_wait(kv_state)
                 # ---- last P @ V ----
-                io.pipe_v.consumer_wait(kv_state)
                 self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, 0)
                 io.pipe_v.consumer_release(kv_state)
                 kv_state.advance()
@@ -983,8 +993,37 @@ class FlashFwdSm90:
 
     # ------------------------------------------------------------------------
     @cute.jit
-    def overlap_step(self, ml: Context, kv_state, n_block: Int32, causal_mask: cutlass.Constexpr[bool]):
-        """S of block n_block issued with the PV of the previous block; softmax of S while PV runs."""
+    def overlap_phases_deferred(self, ml: Context, kv_state, blk: Context, n_block_max: Int32):
+        """The overlapped steps after the first block (masked, plain, window: block_info.phases) with defer_v_marks:
+        each step marks the previous block's bad-V rows at its end when that block was masked. Returns
+        (kv_state, pending): the last block when it was masked (its mark belongs to the last PV), else -1."""
+        n_masked, n_plain, n_window = blk.n_masked, blk.n_plain, blk.n_window
+        for i in cutlass.range(n_masked, unroll=1):  # the previous block is masked: the first one or this loop's
+            kv_state = self.overlap_step(ml, kv_state, n_block_max - 2 - i, True, n_block_max - 1 - i)
+        pending = n_block_max - 1 - n_masked
+        if n_plain > 0:
+            n_plain_top = blk.n_block_min + n_window + n_plain  # one past the highest plain block
+            kv_state = self.overlap_step(ml, kv_state, n_plain_top - 1, False, pending)
+            for i in cutlass.range(1, n_plain, unroll=1):
+                kv_state = self.overlap_step(ml, kv_state, n_plain_top - 1 - i, False)
+            pending = Int32(-1)
+        if const_expr(self.block_info.windowed):
+            if n_window > 0:
+                top = blk.n_block_min + n_window - 1
+                kv_state = self.overlap_step(ml, kv_state, top, True, pending, mark_if_masked=True)
+                for i in cutlass.range(1, n_window, unroll=1):
+                    kv_state = self.overlap_step(ml, kv_state, top - i, True, top - i + 1)
+                pending = blk.n_block_min
+        return kv_state, pending
+
+    @cute.jit
+    def overlap_step(self, ml: Context, kv_state, n_block: Int32, causal_mask: cutlass.Constexpr[bool],
+                     mark_prev=None, mark_if_masked: cutlass.Constexpr[bool] = False):
+        """S of block n_block issued with the PV of the previous block; softmax of S while PV runs. ``mark_prev``
+        (defer_v_marks): the previous block's index, whose bad-V rows are marked at the end of this step, once S is
+        in 16 bits (as few registers live as where the mark was before), its V stage released after it (with
+        ``mark_if_masked``, only when it is >= 0: -1 says the previous block was not masked). NaN set after that
+        block's PV instead of before it: the row's O is NaN either way."""
         v_state = kv_state.clone()
         kv_state.advance()
         stage_wait(ml.pipe_k, kv_state, self.late_pv_wait)
@@ -1001,10 +1040,18 @@ class FlashFwdSm90:
             ml.mask.apply(acc_S, ml.m_block, n_block, False)
         row_scale = ml.softmax.online(acc_S, False)
         warpgroup.wait_group(0)
-        ml.pipe_v.consumer_release(v_state)
+        if const_expr(mark_prev is None):
+            ml.pipe_v.consumer_release(v_state)
         to_16bit(acc_to_operand_a(acc_S), ml.tOrP, self.late_pv_wait)
         ml.softmax.rescale_o(ml.acc_O, row_scale)
-        if const_expr(causal_mask):
+        if const_expr(mark_prev is not None):
+            if const_expr(mark_if_masked):
+                if mark_prev >= 0:
+                    self.mark_bad_v_rows(ml, v_state, mark_prev)
+            else:
+                self.mark_bad_v_rows(ml, v_state, mark_prev)
+            ml.pipe_v.consumer_release(v_state)
+        if const_expr(causal_mask and not self.defer_v_marks):
             self.mark_rows_seeing_bad_v(ml, kv_state, n_block)
         return kv_state
 
@@ -1021,13 +1068,20 @@ class FlashFwdSm90:
         scores give, as in the reference (a bad value row does not change the softmax)."""
         if const_expr(self.sanitize_v):
             ml.pipe_v.consumer_wait(kv_state)
+            self.mark_bad_v_rows(ml, kv_state, n_block)
+
+    @cute.jit
+    def mark_bad_v_rows(self, ml: Context, v_state, n_block: Int32):
+        """mark_rows_seeing_bad_v's marking, once the sanitized V tile of block ``n_block`` (stage of ``v_state``)
+        has landed and before its PV is issued."""
+        if const_expr(self.sanitize_v):
             acc_mn = mn_view(ml.acc_O)
             for r in cutlass.range_constexpr(cute.size(ml.softmax.row_sum)):
                 row = ml.m_block * self.tile_m + ml.mask.tScS_mn[r, 0][0]
                 if const_expr(self.block_info.windowed):
-                    seen = ml.mask.row_sees_marked_key(row, n_block, ml.sVbad[None, kv_state.index])
+                    seen = ml.mask.row_sees_marked_key(row, n_block, ml.sVbad[None, v_state.index])
                 else:
-                    seen = ml.mask.visible(row, n_block * self.tile_n + ml.sVbad[0, kv_state.index])
+                    seen = ml.mask.visible(row, n_block * self.tile_n + ml.sVbad[0, v_state.index])
                 acc_mn[r, 0] = Float32.nan if seen else acc_mn[r, 0]  # each of the row's 4 threads: one column
 
     @cute.jit
