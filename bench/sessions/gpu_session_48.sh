@@ -27,8 +27,19 @@ for s in ${*:-marks_tests}; do
     marks_packed)
       TAIL_LINES=12 stage marks_packed 150 python3 bench/packed_tiles.py --doclen 512 1024 --rounds 5 \
         --queue-ahead-ms 3 --variants defer_v_marks=0 ;;
+    order)
+      # FwdConfig.sanitized_v_first (the sanitizer's V tile loaded before the next block's K): its same-bits test,
+      # the non-finite suite, then the short causal forward and packed documents against the knob off
+      TAIL_LINES=4 stage order_tests 200 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider \
+        tests/kernels/test_cute_fwd_gpu.py -k "schedule_fields and (sanitized or defer)" tests/kernels/test_cute_nonfinite_gpu.py
+      pkill -f "pytest|xdist" 2>/dev/null
+      TAIL_LINES=12 stage order_bench 200 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 2048 4096 \
+        --causal true --directions fwd --backends cute cudnn --cute-variants fwd:sanitized_v_first=0 \
+        fwd:sanitized_v_first=0,defer_v_marks=0 fwd:sanitize=0 --rounds 5 --queue-ahead-ms 3 --out-dir "$OUT/order_bench"
+      TAIL_LINES=6 stage order_packed 100 python3 bench/packed_tiles.py --doclen 512 1024 --rounds 5 \
+        --queue-ahead-ms 3 --variants sanitized_v_first=0 ;;
     scratch_rest|handoff|scratch_host|fwd_long)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_47.sh" "$s" ;;
-    *) echo "unknown stage $s (marks_tests | marks_bench | marks_packed | scratch_rest | handoff | scratch_host | fwd_long)"; exit 2 ;;
+    *) echo "unknown stage $s (marks_tests | marks_bench | marks_packed | order | scratch_rest | handoff | scratch_host | fwd_long)"; exit 2 ;;
   esac
 done
