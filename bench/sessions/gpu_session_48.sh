@@ -28,8 +28,9 @@ for s in ${*:-marks_tests}; do
       TAIL_LINES=12 stage marks_packed 150 python3 bench/packed_tiles.py --doclen 512 1024 --rounds 5 \
         --queue-ahead-ms 3 --variants defer_v_marks=0 ;;
     order)
-      # FwdConfig.sanitized_v_first (the sanitizer's V tile loaded before the next block's K): its same-bits test,
-      # the non-finite suite, then the short causal forward and packed documents against the knob off
+      # FwdConfig.sanitized_v_first (the sanitizer's V tile loaded before the next block's K; commit fada1f0, removed
+      # after this stage measured no gain): its same-bits test, then the short causal forward and packed documents
+      # against the knob off
       TAIL_LINES=4 stage order_tests 200 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider \
         tests/kernels/test_cute_fwd_gpu.py -k "schedule_fields and (sanitized or defer)" tests/kernels/test_cute_nonfinite_gpu.py
       pkill -f "pytest|xdist" 2>/dev/null

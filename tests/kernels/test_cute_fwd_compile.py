@@ -95,8 +95,6 @@ EXTRA = [
     # sanitizer before the next S GEMM), with a window's bottom blocks
     (torch.bfloat16, 128, True, False, False, {"defer_v_marks": False, "window_left": 300}),
     (torch.bfloat16, 64, True, False, False, {"defer_v_marks": True}),  # ... and deferred on 192-row tiles
-    # the sanitizer's V tiles loaded after the next block's K (the knob's off position), packed
-    (torch.bfloat16, 128, True, True, False, {"sanitized_v_first": False}),
     # hdim 256 on the persistent grid (O stored directly: no room for its staging tile), and a work list
     (torch.bfloat16, 256, False, False, False, {"tma_store_o": False, "persistent_ctas": 132}),
     (torch.bfloat16, 256, True, True, True, {"worklist": True}),

@@ -100,10 +100,6 @@ class FwdConfig:
     # of the step that issues its PV instead of right after its softmax, where the consumer waited for the sanitized
     # V before the next block's S GEMM could issue. The same bits. Default from default_defer_v_marks
     defer_v_marks: bool = True
-    # with the sanitizer and intra_wg_overlap: the V tile of a masked block (the sanitizer's) is loaded before the
-    # next block's K instead of after it, so that the scan starts a transfer earlier. The same bits; False is a
-    # measurement knob
-    sanitized_v_first: bool = True
     # >= 0 (causal only): a sliding window's lower edge, keys more than this far below the diagonal are masked
     # and their blocks never loaded (backend.py folds a window's right edge into the diagonal)
     window_left: int = -1
@@ -165,7 +161,7 @@ class FwdConfig:
             chained_max=self.chained_max,
             hoist_descriptors=self.hoist_descriptors, hoist_q_slices=self.hoist_q_slices,
             tma_store_o=self.tma_store_o, sanitize=self.sanitize, defer_v_marks=self.defer_v_marks,
-            sanitized_v_first=self.sanitized_v_first, window_left=self.window_left, softcap=self.softcap,
+            window_left=self.window_left, softcap=self.softcap,
             sinks=self.sinks, softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
             prefetch_running=self.prefetch_running, persistent_ctas=self.persistent_ctas if self.persistent else 0,
             dynamic_tiles=self.takes_tile_counter, exact_merge=self.exact_merge, regs_producer=self.regs_producer,
@@ -406,7 +402,6 @@ _FIELDS = {
     "hoist_q_slices": host.parse_bool, "tma_store_o": host.parse_bool,
     "sanitize": host.parse_bool,
     "defer_v_marks": host.parse_bool,
-    "sanitized_v_first": host.parse_bool,
     "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
     "persistent_ctas": host.parse_count, "dynamic_tiles": host.parse_bool, "exact_merge": host.parse_bool,
     "regs_producer": host.parse_count, "ctas_per_sm": host.parse_count,
@@ -416,7 +411,7 @@ _FIELDS = {
 _LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o", "persistent_ctas", "dynamic_tiles")
 # fields that move instructions or tiles, not results (each one's bits test compares the bytes both ways)
 _SCHEDULE_FIELDS = ("late_pv_wait", "hoist_descriptors", "hoist_q_slices", "interleave_lengths", "chained_max",
-                    "defer_v_marks", "sanitized_v_first")
+                    "defer_v_marks")
 # development hook: FA4DIST_FWD_OVERRIDE="rescale_threshold=0,tile_m=128" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_FWD_OVERRIDE", _FIELDS)
 

@@ -110,7 +110,6 @@ class FlashFwdSm90:
         tma_store_o: bool = True,
         sanitize: bool = True,
         defer_v_marks: bool = True,
-        sanitized_v_first: bool = True,
         l2_rows: Optional[int] = None,
         interleave_lengths: bool = False,
         window_left: int = -1,
@@ -219,9 +218,6 @@ class FlashFwdSm90:
         # a masked block's bad-V rows marked at the end of the step that issues its PV (overlap_phases_deferred),
         # so that the consumer does not wait for the sanitizer before the next S GEMM
         self.defer_v_marks = defer_v_marks and self.sanitize_v and intra_wg_overlap
-        # a masked block's V tile (to sanitize) loaded before the next block's K instead of after it, so that the
-        # sanitizer's scan overlaps that K's transfer (the same bits)
-        self.sanitized_v_first = sanitized_v_first and self.sanitize_v
         self.fp16 = dtype == cutlass.Float16
         self.sanitizer_threads = 96  # warps 1..3 of the producer warpgroup
         # smem words per stage telling the consumers which V rows held NaN / inf: the first such row, or with a
@@ -682,12 +678,8 @@ class FlashFwdSm90:
                     n_prev = n_block_max - 1 - i
                     prev_state = kv_state.clone()
                     kv_state.advance()
-                    if const_expr(self.sanitized_v_first):  # the sanitizer's scan starts one transfer earlier
-                        self.load_v_sanitized(ld, prev_state, land_state, n_prev)
-                        self.load_k(ld, tKgK, tKsK, kv_state, n_prev - 1)
-                    else:
-                        self.load_k(ld, tKgK, tKsK, kv_state, n_prev - 1)
-                        self.load_v_sanitized(ld, prev_state, land_state, n_prev)
+                    self.load_k(ld, tKgK, tKsK, kv_state, n_prev - 1)
+                    self.load_v_sanitized(ld, prev_state, land_state, n_prev)
                     land_state.advance()
             n_pairs_plain_end = n_pairs
             if const_expr(san and self.block_info.windowed):
