@@ -1073,7 +1073,8 @@ class FlashFwdSm90:
     @cute.jit
     def mark_bad_v_rows(self, ml: Context, v_state, n_block: Int32):
         """mark_rows_seeing_bad_v's marking, once the sanitized V tile of block ``n_block`` (stage of ``v_state``)
-        has landed and before its PV is issued."""
+        has landed and while the stage is held (its sVbad words): before the block's PV, or with defer_v_marks after
+        it (the row's O is NaN either way)."""
         if const_expr(self.sanitize_v):
             acc_mn = mn_view(ml.acc_O)
             for r in cutlass.range_constexpr(cute.size(ml.softmax.row_sum)):
