@@ -8,7 +8,7 @@ calls per call (cProfile's count), and first what the cute backend's ``supports`
 remembered and computed (not no-op'd there).
 
     python bench/host_python.py                      # 1 x 1k x 2 heads of 128, causal (the sizes do not matter)
-    python bench/host_python.py --profile tottime    # and cProfile's table of the forward+backward
+    python bench/host_python.py --profile tottime    # and cProfile's table of the forward, then of forward+backward
     python bench/host_python.py --device cuda        # on a GPU machine: torch's own work on CUDA tensors too
     python bench/host_python.py --device cuda --launches real   # and the launches: the whole host time
     python bench/host_python.py --device cuda --direct --profile tottime   # the contract's calls without autograd
@@ -249,7 +249,7 @@ def main(argv=None):
         count, stats = python_calls(fn, 500)
         print(f"{name}: {us:.1f} us per call (best of {args.loops} x {args.calls}), {count:.0f} Python calls"
               f"{body_us}")
-        if args.profile and name.startswith(("forward+backward", "attention_backward")):
+        if args.profile and name.startswith(("forward", "attention_")):
             stats.stream = sys.stdout
             stats.sort_stats(args.profile).print_stats(40)
     if args.timeline and not args.direct:
