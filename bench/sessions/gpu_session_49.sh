@@ -5,8 +5,15 @@
 #   -1.2% at 4k and 16k in two H100 calls) on the H200 if lent, and the short kernels against the knob off again
 #   (+1-2% on both cards): device time, beside cuDNN and flash-attn-4.
 # - marks_packed_h200: packed 512 / 1024-token documents against the knob off (+2.0 / +1.6% on the H100).
+# - reset_counter: FwdConfig.reset_counter (prepared in the forty-fifth session without a GPU: the forward's last
+#   tile claim writes the counter back to 0 and the host reuses the stream's counter, no torch.zeros per call). Its
+#   GPU tests (the stream counter reused and left at 0, another stream's own, a CUDA graph's capture; the schedule
+#   fields' same-bits cases), then a copy of the package with it on by default (/tmp/reset_pkg) against this one:
+#   do_bench at 1k-4k (host time shows there: our do_bench forward at 1k read 13-16 us per call further from device
+#   time than cuDNN's, forty-fifth session) and bench/host_python.py with real launches. Predicted: ~15-20 us less
+#   host per forward, do_bench's causal 1k forward +4-7%. If it holds and the tests pass, make it the default.
 # - scratch_host, handoff, fwd_long: as gpu_session_47.sh (scratch_host needs .kwt carried, a fresh machine).
-# One call: source .devwheels/install.sh && bash bench/sessions/gpu_session_49.sh [marks_192] [marks_packed_h200] ...
+# One call: source .devwheels/install.sh && bash bench/sessions/gpu_session_49.sh [reset_counter] [marks_192] ...
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s49 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
@@ -23,8 +30,23 @@ for s in ${*:-marks_192}; do
     marks_packed_h200)
       TAIL_LINES=8 stage marks_packed 150 python3 bench/packed_tiles.py --doclen 512 1024 --rounds 5 \
         --queue-ahead-ms 3 --variants defer_v_marks=0 ;;
+    reset_counter)
+      TAIL_LINES=6 stage reset_tests 240 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider \
+        tests/kernels/test_cute_fwd_gpu.py -k "reset_counter"
+      pkill -f "pytest|xdist" 2>/dev/null
+      rm -rf /tmp/reset_pkg && mkdir -p /tmp/reset_pkg && cp -r fa4dist bench /tmp/reset_pkg/
+      sed -i 's/^    reset_counter: bool = False$/    reset_counter: bool = True/' /tmp/reset_pkg/fa4dist/kernels/cute/forward.py
+      grep -q "^    reset_counter: bool = True$" /tmp/reset_pkg/fa4dist/kernels/cute/forward.py || echo "reset_pkg: NOT FLIPPED"
+      TAIL_LINES=16 stage reset_bench 240 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 2048 4096 \
+        --causal false true --directions fwd --backends cute cudnn --baseline-dir /tmp/reset_pkg --rounds 5 \
+        --out-dir "$OUT/reset_bench"
+      for who in base reset; do
+        root=$PWD; [ $who = reset ] && root=/tmp/reset_pkg
+        TAIL_LINES=2 stage "reset_host_$who" 120 bash -c "cd $root && python3 bench/host_python.py --device cuda \
+          --launches real --calls 500 --loops 5"
+      done ;;
     scratch_host|handoff|fwd_long)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_47.sh" "$s" ;;
-    *) echo "unknown stage $s (marks_192 | marks_packed_h200 | scratch_host | handoff | fwd_long)"; exit 2 ;;
+    *) echo "unknown stage $s (marks_192 | marks_packed_h200 | reset_counter | scratch_host | handoff | fwd_long)"; exit 2 ;;
   esac
 done

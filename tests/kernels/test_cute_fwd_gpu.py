@@ -562,7 +562,8 @@ def test_schedule_fields_give_the_same_bits(case, field):
     inline cvts; hoist_descriptors / hoist_q_slices: the smem descriptor bases, and Q's slices, computed once per
     tile; interleave_lengths: long and short causal tiles alternating in the launch order; chained_max: the row
     max as four max.f32 chains, the same max for rows without a NaN score; defer_v_marks: a masked block's rows
-    that see a bad V row marked one step later) changes where ptxas schedules or which CTA computes what, not what
+    that see a bad V row marked one step later; reset_counter: the stream's tile counter, reset by the last
+    claim) changes where ptxas schedules or which CTA computes what, not what
     is computed: out / lse bytes equal either way, fresh and merged into a running result, with NaN in masked V
     rows (one in the last key block, masked for all rows but the last few; one mid-sequence, in a masked step of
     its tile's own blocks and a plain block of later tiles)."""
@@ -591,3 +592,54 @@ def test_schedule_fields_give_the_same_bits(case, field):
     if not causal:  # (causal cases hold a NaN V row: their oracle rows are NaN too)
         ref_o, ref_l = ref_dense(q, k, v, d**-0.5, False, [0] * b, [0] * b)
         check(got[0], got[1], ref_o, ref_l, torch.bfloat16, True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reset_counter_hands_the_stream_counter_on_at_zero(causal):
+    """FwdConfig.reset_counter: the launch's last tile claim writes the counter back to 0, so launches in one
+    stream's order share that stream's counter (host.tile_counter) with no fill: three launches in a row give the
+    bytes of fresh-counter launches (a counter left non-zero would skip tiles, and the poisoned out would show it),
+    the counter reads 0 after them, another stream gets a counter of its own, and a CUDA graph's capture takes a
+    fresh one whose replays give the same bytes."""
+    from fa4dist.kernels.cute import host
+
+    torch.manual_seed(7 + causal)
+    b, s, h, d = 2, 3000, 8, 128  # ~400 tiles on the persistent grid, several waves
+    q, k, v = (rand(b, s, h, d, dtype=torch.bfloat16) for _ in range(3))
+    knobs = dict(reset_counter=True, split_tail=False)  # (a split launch takes fresh counters of its own)
+
+    def launch(**kw):
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+        lse = torch.full((b, h, s), float("nan"), dtype=torch.float32, device="cuda")
+        fa4cute.forward(q, k, v, out, lse, causal=causal, **kw)
+        return out, lse
+
+    want = launch(reset_counter=False, split_tail=False)
+    got = [launch(**knobs) for _ in range(3)]
+    torch.cuda.synchronize()
+    stream = torch.cuda.current_stream()
+    counter = host._STREAM_COUNTERS[(stream.device.index, stream.cuda_stream)]
+    assert counter.item() == 0
+    for out, lse in got:
+        assert torch.equal(out.view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(lse.view(torch.uint8), want[1].view(torch.uint8))
+    side = torch.cuda.Stream()
+    side.wait_stream(stream)
+    with torch.cuda.stream(side):
+        side_out, _ = launch(**knobs)
+    stream.wait_stream(side)
+    assert host._STREAM_COUNTERS[(side.device.index, side.cuda_stream)] is not counter
+    assert torch.equal(side_out.view(torch.uint8), want[0].view(torch.uint8))
+
+    static_out = torch.empty_like(q)
+    static_lse = torch.empty((b, h, s), dtype=torch.float32, device="cuda")
+    launch(**knobs)  # (compiled and warm before the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fa4cute.forward(q, k, v, static_out, static_lse, causal=causal, **knobs)
+    for _ in range(2):
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out.view(torch.uint8), want[0].view(torch.uint8))
+    assert counter.item() == 0

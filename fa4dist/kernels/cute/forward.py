@@ -131,6 +131,11 @@ class FwdConfig:
     # balances tiles of different lengths, and a CTA delayed by another kernel on its SM claims fewer) instead of
     # the static walk (False: a measurement knob); the launch passes a zeroed int32 counter
     dynamic_tiles: bool = True
+    # dynamic_tiles: the launch's last claim sets the tile counter back to 0 (tile_scheduler.TileClaims.resets), and
+    # the host passes the stream's own counter instead of a fresh zeroed one (host.tile_counter: no allocation and
+    # no fill launch per call, ~15-20 us of host time on CUDA by the forty-second session's profile). The same bits.
+    # Off: prepared in the forty-fifth session without a GPU, not yet run there
+    reset_counter: bool = False
     # accumulate: the merge with fixed roundings (fwd_sm90.merge_running), the same bits in every compiled variant
     # (persistent or not; without it they may differ by 1-2 ulp); off while merges are not persistent by default
     exact_merge: bool = False
@@ -164,7 +169,8 @@ class FwdConfig:
             window_left=self.window_left, softcap=self.softcap,
             sinks=self.sinks, softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
             prefetch_running=self.prefetch_running, persistent_ctas=self.persistent_ctas if self.persistent else 0,
-            dynamic_tiles=self.takes_tile_counter, exact_merge=self.exact_merge, regs_producer=self.regs_producer,
+            dynamic_tiles=self.takes_tile_counter, reset_counter=self.reset_counter and self.takes_tile_counter,
+            exact_merge=self.exact_merge, regs_producer=self.regs_producer,
             ctas_per_sm=self.ctas_per_sm,
             l2_rows=self.l2_rows or None, interleave_lengths=self.interleave_lengths, split_tail=self.split_tail,
         )
@@ -404,6 +410,7 @@ _FIELDS = {
     "defer_v_marks": host.parse_bool,
     "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
     "persistent_ctas": host.parse_count, "dynamic_tiles": host.parse_bool, "exact_merge": host.parse_bool,
+    "reset_counter": host.parse_bool,
     "regs_producer": host.parse_count, "ctas_per_sm": host.parse_count,
     "l2_rows": host.parse_count, "interleave_lengths": host.parse_bool, "split_tail": host.parse_bool,
 }
@@ -411,7 +418,7 @@ _FIELDS = {
 _LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o", "persistent_ctas", "dynamic_tiles")
 # fields that move instructions or tiles, not results (each one's bits test compares the bytes both ways)
 _SCHEDULE_FIELDS = ("late_pv_wait", "hoist_descriptors", "hoist_q_slices", "interleave_lengths", "chained_max",
-                    "defer_v_marks")
+                    "defer_v_marks", "reset_counter")
 # development hook: FA4DIST_FWD_OVERRIDE="rescale_threshold=0,tile_m=128" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_FWD_OVERRIDE", _FIELDS)
 
@@ -620,10 +627,10 @@ def forward(
         # a split_tail variant splits only the launches its plan splits (few whole waves); every other launch runs
         # the same variant without it, whose kernel is the unsplit one
         plain = dataclasses.replace(cfg, split_tail=False) if cfg.split_tail else cfg
-        fast = (host.get_compiled(plain), cfg.takes_tile_counter, cfg if cfg.split_tail else None)
+        fast = (host.get_compiled(plain), cfg.takes_tile_counter, cfg.reset_counter, cfg if cfg.split_tail else None)
         if not overrides and not _OVERRIDE:
             _FAST[fast_key] = fast
-    fn, takes_counter, split = fast
+    fn, takes_counter, reusable_counter, split = fast
     if varlen:
         msq = int(max_seqlen_q) if max_seqlen_q is not None else int(q.shape[0])
         msq = max(msq, 1)
@@ -637,7 +644,7 @@ def forward(
         fn = host.get_compiled(split)
         args = args._replace(**_split_buffers(split, q, plan))
     else:
-        args = args._replace(tile_counter=host.tile_counter(takes_counter, q.device))
+        args = args._replace(tile_counter=host.tile_counter(takes_counter, q.device, reusable_counter))
     fn(*args)
     return out, lse
 
@@ -697,13 +704,13 @@ def forward_worklist(q, k, v, out, lse, table, max_q_len, *, softmax_scale, caus
     if fast is None:
         cfg = make_config(q.dtype, d, causal=causal, varlen=True, accumulate=accumulate, out_fp32=out_fp32,
                           window_left=window_left, softcap=softcap, worklist=True)
-        fast = (host.get_compiled(cfg), cfg.takes_tile_counter)
+        fast = (host.get_compiled(cfg), cfg.takes_tile_counter, cfg.reset_counter)
         if not _OVERRIDE:
             _FAST[fast_key] = fast
-    fn, takes_counter = fast
+    fn, takes_counter, reusable_counter = fast
     fn(*FwdKernelArgs(q=q, k=k, v=v, out=out, lse=lse, scale_log2=host.score_scale(softmax_scale, softcap), diag=0,
                       max_seqlen_q=max(int(max_q_len), 1), cu_seqlens_q=table,
-                      tile_counter=host.tile_counter(takes_counter, q.device)))
+                      tile_counter=host.tile_counter(takes_counter, q.device, reusable_counter)))
     return out, lse
 
 

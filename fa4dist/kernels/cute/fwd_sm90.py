@@ -120,6 +120,7 @@ class FlashFwdSm90:
         prefetch_running: bool = True,
         persistent_ctas: int = 0,
         dynamic_tiles: bool = True,
+        reset_counter: bool = False,
         exact_merge: bool = False,
         regs_producer: int = 0,
         ctas_per_sm: int = 1,
@@ -178,6 +179,8 @@ class FlashFwdSm90:
         # a persistent CTA's next tile comes from a global counter (tile_scheduler.TileClaims) instead of the
         # static walk
         self.dynamic_tiles = dynamic_tiles and self.persistent
+        # the launch's last claim sets the counter back to 0 (TileClaims.resets): the host may pass a reused one
+        self.reset_counter = reset_counter and self.dynamic_tiles
         # the tiles that make a few-wave launch's tail run as parts over their key blocks, merged by the last part
         # to finish (epilogue_split): non-causal the last partial wave's tiles, claimed last (split_plans.split_plan),
         # causal the longest tiles, claimed first (split_plans.causal_split_plan); dense fresh launches, dynamic grid
@@ -544,7 +547,7 @@ class FlashFwdSm90:
         num_ctas, num_tiles, turns = self.persistent_grid(io, launch)
         if const_expr(self.dynamic_tiles):
             # the producer claims a next tile about two key blocks before the CTA runs dry
-            state = io.claims.walk(body, state, num_tiles, num_ctas, claimer)
+            state = io.claims.walk(body, state, num_tiles, num_ctas, claimer, resets=self.reset_counter)
         else:
             for turn in cutlass.range(turns, unroll=1):
                 t = persistent_turn(turn, num_ctas)

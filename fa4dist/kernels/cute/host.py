@@ -146,10 +146,37 @@ def _carve_layout(parts) -> tuple:
     return sum(sizes), sizes, tuple(where)
 
 
-def tile_counter(needed: bool, device):
-    """A zeroed (1,) int32 tile counter for a persistent launch that claims its tiles (tile_scheduler.TileClaims):
-    fresh per launch, so that launches on several streams, or in a CUDA graph, never share one; else None."""
-    return torch.zeros(1, dtype=torch.int32, device=device) if needed else None
+def tile_counter(needed: bool, device, reusable: bool = False):
+    """A zeroed (1,) int32 tile counter for a persistent launch that claims its tiles (tile_scheduler.TileClaims),
+    else None: fresh per launch (an allocation and a fill: launches on several streams, or in a CUDA graph, never
+    share one), or with ``reusable`` (a kernel whose last claim sets the counter back to 0: TileClaims.resets) the
+    current stream's own counter, which launches in that stream's order hand on at zero; a stream being captured
+    gets a fresh one (a graph replays on any stream)."""
+    if not needed:
+        return None
+    if reusable and not torch.cuda.is_current_stream_capturing():
+        stream = torch.cuda.current_stream(device)
+        key = (stream.device.index, stream.cuda_stream)
+        counter = _STREAM_COUNTERS.get(key)
+        if counter is None:
+            counter = _STREAM_COUNTERS[key] = _stream_counter(stream)
+        return counter
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+# (device index, stream handle) -> that stream's reusable tile counter (tile_counter), never freed
+_STREAM_COUNTERS: dict = {}
+
+
+def _stream_counter(stream):
+    """A zeroed (1,) int32 counter for ``stream``, allocated and filled on a side stream: an allocation on the
+    current stream could land in a memory pool that routes it (torch.compile's CUDA graphs warm up in theirs, and
+    refuse a block of the pool that outlives the warm-up); ``stream`` waits for the fill."""
+    side = torch.cuda.Stream(stream.device)
+    with torch.cuda.stream(side):
+        counter = torch.zeros(1, dtype=torch.int32, device=stream.device)
+    stream.wait_stream(side)
+    return counter
 
 
 def check_qkv(q, k, v, head_dims, *, cu_seqlens_q=None, cu_seqlens_k=None, what="kernel"):

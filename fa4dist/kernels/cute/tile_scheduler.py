@@ -96,6 +96,18 @@ class TileClaims:
         return cute.arch.shuffle_sync(t, 0)
 
     @cute.jit
+    def reset_after_last(self, t: Int32, last_index: Int32):
+        """Producer warp, right after a claim that returned ``t``: the launch's last claim (every CTA's final claim
+        past the last tile included) returns ``last_index`` = num_tiles + num_ctas - 1 either way (one claim follows
+        every tile a CTA runs, plus with claim_first one first claim per CTA, against blockIdx.x's num_ctas tiles
+        without), and no claim follows it: its thread (lane 0, which made the atomic) writes the counter back to 0,
+        a plain store after its own atomic on that word, so after every claim in the word's order. The next launch
+        in the stream's order may then take the same counter without a fill (host.tile_counter's reusable one)."""
+        if cute.arch.lane_idx() == 0:
+            if t == last_index:
+                self.counter[0] = Int32(0)
+
+    @cute.jit
     def publish(self, state, t: Int32):
         """Producer warp: hands tile index ``t`` to the readers; returns the advanced state."""
         self.pipe.producer_acquire(state)
@@ -106,23 +118,29 @@ class TileClaims:
         return state
 
     @cute.jit
-    def walk(self, body, state, num_tiles: Int32, num_ctas: Int32, claimer: bool, claim_first: bool = False):
+    def walk(self, body, state, num_tiles: Int32, num_ctas: Int32, claimer: bool, claim_first: bool = False,
+             resets: bool = False):
         """One role's walk over the CTA's tiles: ``state = body(t, state)`` for each tile index t, from this CTA's
         blockIdx.x on (``claim_first``: from its first claim on), as claimed; returns the final state. ``claimer``
         (the producer warp) claims each next tile once ``body`` has issued the current one's loads and publishes it;
-        every other role receives it."""
+        every other role receives it. ``resets``: the launch's last claim sets the counter back to 0
+        (reset_after_last)."""
         if const_expr(claimer):
             tile_state = TileClaims.producer_state()
             claimed_before = num_ctas  # the counter counts claims after the grid's blockIdx.x tiles
             if const_expr(claim_first):
                 claimed_before = Int32(0)
                 t = self.claim(claimed_before)
+                if const_expr(resets):
+                    self.reset_after_last(t, num_tiles + num_ctas - 1)
             else:
                 t, _, _ = cute.arch.block_idx()
             tile_state = self.publish(tile_state, t)
             while t < num_tiles:
                 state = body(t, state)
                 t = self.claim(claimed_before)
+                if const_expr(resets):
+                    self.reset_after_last(t, num_tiles + num_ctas - 1)
                 tile_state = self.publish(tile_state, t)
         else:
             tile_state = TileClaims.reader_state()
