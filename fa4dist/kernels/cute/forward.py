@@ -131,10 +131,11 @@ class FwdConfig:
     # balances tiles of different lengths, and a CTA delayed by another kernel on its SM claims fewer) instead of
     # the static walk (False: a measurement knob); the launch passes a zeroed int32 counter
     dynamic_tiles: bool = True
-    # dynamic_tiles: the launch's last claim sets the tile counter back to 0 (tile_scheduler.TileClaims.resets), and
-    # the host passes the stream's own counter instead of a fresh zeroed one (host.tile_counter: no allocation and
-    # no fill launch per call, ~15-20 us of host time on CUDA by the forty-second session's profile). The same bits.
-    # Off: prepared in the forty-fifth session without a GPU, not yet run there
+    # dynamic_tiles: the launch's last claim sets the tile counter back to 0 (tile_scheduler.TileClaims.
+    # reset_after_last), and the host passes the stream's own counter instead of a fresh zeroed one
+    # (host.tile_counter: no allocation and no fill launch per call, ~15-20 us of host time on CUDA by the
+    # forty-second session's profile). The same bits. Off: prepared in the forty-fifth session without a GPU, not
+    # yet run there
     reset_counter: bool = False
     # accumulate: the merge with fixed roundings (fwd_sm90.merge_running), the same bits in every compiled variant
     # (persistent or not; without it they may differ by 1-2 ulp); off while merges are not persistent by default

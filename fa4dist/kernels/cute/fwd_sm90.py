@@ -179,7 +179,8 @@ class FlashFwdSm90:
         # a persistent CTA's next tile comes from a global counter (tile_scheduler.TileClaims) instead of the
         # static walk
         self.dynamic_tiles = dynamic_tiles and self.persistent
-        # the launch's last claim sets the counter back to 0 (TileClaims.resets): the host may pass a reused one
+        # the launch's last claim sets the counter back to 0 (TileClaims.reset_after_last): the host may pass a
+        # reused one
         self.reset_counter = reset_counter and self.dynamic_tiles
         # the tiles that make a few-wave launch's tail run as parts over their key blocks, merged by the last part
         # to finish (epilogue_split): non-causal the last partial wave's tiles, claimed last (split_plans.split_plan),

@@ -149,9 +149,9 @@ def _carve_layout(parts) -> tuple:
 def tile_counter(needed: bool, device, reusable: bool = False):
     """A zeroed (1,) int32 tile counter for a persistent launch that claims its tiles (tile_scheduler.TileClaims),
     else None: fresh per launch (an allocation and a fill: launches on several streams, or in a CUDA graph, never
-    share one), or with ``reusable`` (a kernel whose last claim sets the counter back to 0: TileClaims.resets) the
-    current stream's own counter, which launches in that stream's order hand on at zero; a stream being captured
-    gets a fresh one (a graph replays on any stream)."""
+    share one), or with ``reusable`` (a kernel whose last claim sets the counter back to 0:
+    TileClaims.reset_after_last) the current stream's own counter, which launches in that stream's order hand on at
+    zero; a stream being captured gets a fresh one (a graph replays on any stream)."""
     if not needed:
         return None
     if reusable and not torch.cuda.is_current_stream_capturing():
