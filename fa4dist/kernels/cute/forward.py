@@ -170,7 +170,7 @@ class FwdConfig:
             window_left=self.window_left, softcap=self.softcap,
             sinks=self.sinks, softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
             prefetch_running=self.prefetch_running, persistent_ctas=self.persistent_ctas if self.persistent else 0,
-            dynamic_tiles=self.takes_tile_counter, reset_counter=self.reset_counter and self.takes_tile_counter,
+            dynamic_tiles=self.takes_tile_counter, reset_counter=self.reset_counter,
             exact_merge=self.exact_merge, regs_producer=self.regs_producer,
             ctas_per_sm=self.ctas_per_sm,
             l2_rows=self.l2_rows or None, interleave_lengths=self.interleave_lengths, split_tail=self.split_tail,
