@@ -9,7 +9,9 @@ sequence (cp x tokens per GPU), T = one context-parallel step (forward+backward 
 efficiency = T_full / (cp x T).  ``--peer`` runs torch.distributed.tensor.experimental.context_parallel with the
 cuDNN SDPA backend on the same sizes (its own T_full: cuDNN SDPA on one GPU).  ``--profile`` traces one ring step on
 rank 0 and reports compute-busy time, communication time and the communication not hidden under compute.  Also
-measured: the per-call agreement check (verify=True against verify=False).
+measured: the per-call agreement check (verify=True against verify=False).  ``--forward-only`` times the forward
+alone (no autograd) on one GPU and across the ranks; ``--ring-forward-lanes 1 2`` one ring row per lane count
+(FA4DIST_RING_FORWARD_LANES).
 
 Prints a table and writes $OUT/<date>-multigpu.json (or bench/results/) with rows
 ``strategy, balancer, cp, tokens_per_gpu, heads, kv_heads, step_ms, t_full_ms, efficiency, peer``.
@@ -50,6 +52,11 @@ def parse_args(argv=None):
     p.add_argument("--ulysses-chunks", type=int, nargs="+", default=[1],
                    help="Ulysses head chunks to time (FA4DIST_ULYSSES_CHUNKS, every rank alike; ulysses and hybrid "
                         "rows, one row each): each chunk's exchange overlaps the previous chunk's attention")
+    p.add_argument("--ring-forward-lanes", type=int, nargs="+", default=[1], choices=[1, 2],
+                   help="the ring forward's running results to time (FA4DIST_RING_FORWARD_LANES, every rank alike; "
+                        "ring rows, one row each): 2 overlaps one launch's tail with the next launch")
+    p.add_argument("--forward-only", action="store_true",
+                   help="time the forward alone (no autograd), on one GPU and across the ranks alike")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     return p.parse_args(argv)
 
@@ -101,6 +108,7 @@ def _window(args) -> tuple[int, int]:
 
 def ours(args, world, device, tokens, heads, kv_heads, rows, t_full_cache):
     import fa4dist
+    from fa4dist.context_parallel.ring import LANES_ENV
     from fa4dist.context_parallel.ulysses import CHUNKS_ENV
     from fa4dist.modules import FA4ContextParallelAttention
 
@@ -113,6 +121,10 @@ def ours(args, world, device, tokens, heads, kv_heads, rows, t_full_cache):
         def full():
             for t in leaves:
                 t.grad = None
+            if args.forward_only:
+                with torch.no_grad():
+                    fa4dist.attention(*leaves, causal=True, window=_window(args), deterministic=args.deterministic)
+                return
             fa4dist.attention(*leaves, causal=True, window=_window(args),
                               deterministic=args.deterministic).backward(dout)
 
@@ -124,13 +136,17 @@ def ours(args, world, device, tokens, heads, kv_heads, rows, t_full_cache):
         variants = [dict(verify=True, cp_invariant=False)]
         if strategy != "ring":  # one row per head-chunk count of the Ulysses exchange
             variants = [dict(variant, ulysses_chunks=n) for variant in variants for n in args.ulysses_chunks]
+        else:  # one row per lane count of the ring forward
+            variants = [dict(variant, ring_forward_lanes=n) for variant in variants for n in args.ring_forward_lanes]
         if strategy == "ring" and first:
             variants.append(dict(verify=False, cp_invariant=False))  # the per-call agreement check's cost
         if args.invariant and first:
             variants.append(dict(verify=True, cp_invariant=True))  # cp_invariant's cost
         for variant in variants:
-            options = {name: value for name, value in variant.items() if name != "ulysses_chunks"}
+            options = {name: value for name, value in variant.items()
+                       if name not in ("ulysses_chunks", "ring_forward_lanes")}
             os.environ[CHUNKS_ENV] = str(variant.get("ulysses_chunks", 1))  # (read per call, every rank alike)
+            os.environ[LANES_ENV] = str(variant.get("ring_forward_lanes", 1))
             module = FA4ContextParallelAttention(dist.group.WORLD, strategy=strategy, causal=True,
                                                  window=_window(args), deterministic=args.deterministic, **options)
             try:
@@ -145,13 +161,18 @@ def ours(args, world, device, tokens, heads, kv_heads, rows, t_full_cache):
             def step():
                 for t in local:
                     t.grad = None
+                if args.forward_only:
+                    with torch.no_grad():
+                        module(*local, plan=plan)
+                    return
                 module(*local, plan=plan).backward(local_dout)
 
             t = _timed(step, args.reps, device)
             row = dict(strategy=strategy, balancer=args.balancer, cp=world, tokens_per_gpu=tokens, heads=heads,
                        kv_heads=kv_heads, step_ms=t * 1e3, t_full_ms=t_full * 1e3,
                        efficiency=t_full / (world * t), peer=None, deterministic=args.deterministic,
-                       window=args.window or None, speedup=t_full / t, **variant)
+                       window=args.window or None, speedup=t_full / t,
+                       direction="fwd" if args.forward_only else "fwd+bwd", **variant)
             rows.append(row)
             _print(row)
             local = None
@@ -271,11 +292,16 @@ def _print(row):
               + (f"  window {row['window']}: {row['speedup']:.2f}x one GPU" if row.get("window") else "")
               + (f"  verify={row['verify']} cp_invariant={row['cp_invariant']}" if 'verify' in row else "")
               + (f"  chunks {row['ulysses_chunks']}" if row.get("ulysses_chunks", 1) > 1 else "")
+              + (f"  lanes {row['ring_forward_lanes']}" if row.get("ring_forward_lanes", 1) > 1 else "")
+              + ("  (forward)" if row.get("direction") == "fwd" else "")
               + (f"  [{row['peer']}]" if row["peer"] else ""), flush=True)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.forward_only and (args.peer or args.profile or args.invariant):
+        raise SystemExit("multigpu.py: --forward-only times our forward alone; --peer, --profile and --invariant time "
+                         "forward+backward steps: run them without it")
     timing.require_torchrun('multigpu.py')
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():

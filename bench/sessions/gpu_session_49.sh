@@ -12,6 +12,11 @@
 #   do_bench at 1k-4k (host time shows there: our do_bench forward at 1k read 13-16 us per call further from device
 #   time than cuDNN's, forty-fifth session) and bench/host_python.py with real launches. Predicted: ~15-20 us less
 #   host per forward, do_bench's causal 1k forward +4-7%. If it holds and the tests pass, make it the default.
+# - lanes: FA4DIST_RING_FORWARD_LANES (prepared in the forty-sixth session without a GPU: the ring forward's
+#   consecutive launches merge into two running results on two streams, so one launch's last partial wave overlaps
+#   the next). Its GPU tests (two streams against one stream's bytes, three runs; the staged-rank ring against the
+#   oracle), then the cp = 8 / 4 / 2 simulation with and without it, one launch per step and all in one. Predicted:
+#   cp = 8 one launch per step 0.905 -> 0.93 (the per-launch tails cost ~3.5%: item_forms, twenty-seventh session).
 # - scratch_host, handoff, fwd_long: as gpu_session_47.sh (scratch_host needs .kwt carried, a fresh machine).
 # One call: source .devwheels/install.sh && bash bench/sessions/gpu_session_49.sh [reset_counter] [marks_192] ...
 set -u
@@ -45,8 +50,16 @@ for s in ${*:-marks_192}; do
         TAIL_LINES=2 stage "reset_host_$who" 120 bash -c "cd $root && python3 bench/host_python.py --device cuda \
           --launches real --calls 500 --loops 5"
       done ;;
+    lanes)
+      TAIL_LINES=6 stage lanes_tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/cp/test_cp_gpu.py \
+        -k "lanes"
+      pkill -f "pytest" 2>/dev/null
+      TAIL_LINES=24 stage lanes_sim 330 python3 bench/cp_sim.py --seqlens 131072 --cp 8 4 2 --balancers lpt \
+        --directions fwd --steps-per-launch 1 0 --forward-lanes 1 2 --reps 6 --queue-ahead-ms 8 --back-to-back \
+        --tag lanes ;;
     scratch_host|handoff|fwd_long)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_47.sh" "$s" ;;
-    *) echo "unknown stage $s (marks_192 | marks_packed_h200 | reset_counter | scratch_host | handoff | fwd_long)"; exit 2 ;;
+    *) echo "unknown stage $s (marks_192 | marks_packed_h200 | reset_counter | lanes | scratch_host | handoff |" \
+         "fwd_long)"; exit 2 ;;
   esac
 done

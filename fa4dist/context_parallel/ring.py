@@ -12,7 +12,10 @@ the remote steps run in launch groups: a group's transfers land in place in one 
 coalesced work list, merged once per row (then the order is (group, query block, key)).  In the one-GPU simulation
 at cp = 8 every remote step in one launch read 0.940 against 0.905 per step (bench/RESULTS.md, twenty-seventh
 session), but a group waits for all its transfers before it computes, which the simulation does not model: one
-launch per step stays the default until a multi-GPU run decides.
+launch per step stays the default until a multi-GPU run decides.  Optionally too (``FA4DIST_RING_FORWARD_LANES=2``,
+:class:`ForwardLanes`) consecutive launches merge into two running results on two CUDA streams, so that one
+launch's last partial wave of tiles overlaps the next launch; the two merge once at the end (order: lane, then
+launch within the lane).
 
 Backward: the keys go out again the same way; each step's work list (on cute, one main kernel per group of blocks
 with disjoint key rows) recomputes its blocks against the global ``(out, lse)``, adding dQ into the member's shared
@@ -26,17 +29,19 @@ the lse alone passes no dout).
 
 Every member walks the same list of steps (those any member needs) and posts each step's sends and receives
 together (``batch_isend_irecv``), so two members always post the messages between them in the same order and no
-member blocks another, for any ring size.  ``forward_step`` and ``backward_step`` are also what
+member blocks another, for any ring size.  :class:`ForwardLanes` and ``backward_step`` are also what
 ``bench/cp_sim.py`` times.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
+from ..kernels.merge import merge_into_
 from ..kernels.problem import accum_dtype
 from ..kernels.worklist import (WorkItem, attention_backward_items, attention_forward_items, share_queries,
                                 uncovered_ranges)
@@ -145,10 +150,67 @@ class Accumulators:
         return cls(out, lse, fresh=True)
 
 
-def forward_step(sched: Schedule, member: int, source: int, q: torch.Tensor, kv, acc: Accumulators,
-                 opts: KernelOptions) -> None:
-    """Member `member`'s work list against `source`'s keys (held in `kv`), merged into `acc`: one call."""
-    forward_items(q, kv, sched.items(member, source), acc, opts)
+_SIDE_STREAMS: dict = {}  # (device index, caller's stream) -> the side streams of ForwardLanes, made once
+
+
+def _side_streams(device: torch.device, count: int) -> list:
+    """`count` CUDA streams for the current stream's forward lanes, made once per (device, current stream) and
+    reused, so that repeated calls neither make streams nor interleave with another caller stream's lanes."""
+    main = torch.cuda.current_stream(device)
+    key = (main.device.index, main.cuda_stream)
+    streams = _SIDE_STREAMS.setdefault(key, [])
+    while len(streams) < count:
+        streams.append(torch.cuda.Stream(main.device))
+    return streams[:count]
+
+
+class ForwardLanes:
+    """The ring forward's launches spread over ``lanes`` running results (:func:`forward_lanes`).
+
+    Launch ``i`` (the own step first, then each launch group) merges into lane ``i % lanes``.  On CUDA lane 0 runs on
+    the caller's stream and lane ``j > 0`` on a side stream of its own: consecutive launches then write different
+    results, so nothing orders them, and the next launch's first tiles take the SMs that the current launch's last
+    partial wave leaves idle (at cp = 8 a remote step is ~7.8 waves of tiles: one launch per step lost ~3.5% to
+    those tails, bench/RESULTS.md twenty-seventh session).  :meth:`result` waits for every lane and merges lanes
+    1.. into lane 0 in lane order with the contract's merge: a fixed order, so deterministic at a fixed layout,
+    with other bits than one lane."""
+
+    def __init__(self, layout: MemberLayout, q: torch.Tensor, head_dim_v: int, packed: bool,
+                 first_items: Sequence[WorkItem], launches: int, lanes: int = 1):
+        count = max(1, min(lanes, launches))
+        # lane 0's first launch (the own step) writes its rows instead of merging; the other lanes' first launches
+        # may receive nothing, so their results start as (0, -inf) everywhere (one fill each)
+        self.accs = [Accumulators.empty(layout, q, head_dim_v, packed, first_items if j == 0 else ())
+                     for j in range(count)]
+        self.streams = [None] * count
+        if q.is_cuda and count > 1:
+            self.streams = [torch.cuda.current_stream(q.device)] + _side_streams(q.device, count - 1)
+            for side in self.streams[1:]:  # the inputs and the fills above come first
+                side.wait_stream(self.streams[0])
+        self.launches = 0
+
+    def launch(self, q: torch.Tensor, incoming: "IncomingKeys", opts: KernelOptions) -> None:
+        """The next launch: `incoming`'s keys awaited on its lane's stream (a transfer then orders that stream
+        alone), then its work list on them, merged into its lane."""
+        lane = self.launches % len(self.accs)
+        self.launches += 1
+        stream = self.streams[lane]
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            held = incoming.wait()
+            if held is None:
+                return
+            if lane and stream is not None and isinstance(held, KVBuffer):  # dropped before this lane reads it
+                held.flat.record_stream(stream)
+            forward_items(q, held, incoming.items, self.accs[lane], opts)
+
+    def result(self) -> Accumulators:
+        """Lane 0's result with every other lane merged into it, in lane order, on the caller's stream."""
+        first, main = self.accs[0], self.streams[0]
+        for side in self.streams[1:] if main is not None else ():
+            main.wait_stream(side)
+        for acc in self.accs[1:]:
+            merge_into_(first.out, first.lse, acc.out, acc.lse)
+        return first
 
 
 def forward_items(q: torch.Tensor, kv, items, acc: Accumulators, opts: KernelOptions) -> None:
@@ -215,7 +277,7 @@ class _Exchange:
             buf = self._packed[ranges] = KVBuffer.gather(self.k, self.v, ranges, self.sd)
         return buf
 
-    def post_keys(self, step: int) -> "_Incoming":
+    def post_keys(self, step: int) -> "IncomingKeys":
         """Posts step `step`'s sends and receives of key rows; returns what will hold the received rows (with the
         step's work list on them)."""
         sched, ring, m = self.sched, self.ring, self.ring.index
@@ -225,9 +287,9 @@ class _Exchange:
         recvs = [(held.flat, ring.peer(sched.source(m, step)))] if held is not None else []
         tag = 10 if self.direction == "forward" else 20
         items = sched.items(m, sched.source(m, step)) if held is not None else ()
-        return _Incoming(self._post(sends, recvs, f"K/V of {self.direction} ring step {step}", tag), held, items)
+        return IncomingKeys(self._post(sends, recvs, f"K/V of {self.direction} ring step {step}", tag), held, items)
 
-    def post_key_group(self, group: tuple[int, ...]) -> "_Incoming":
+    def post_key_group(self, group: tuple[int, ...]) -> "IncomingKeys":
         """Posts the key transfers of the steps of `group` (:meth:`Schedule.launch_groups`) at once; each step's rows
         land in place in one buffer for the group (K and V as two messages, into the group's K and V views), which
         the group's one work list reads.  A group of one step is :meth:`post_keys`."""
@@ -254,7 +316,7 @@ class _Exchange:
         if sends or recvs:
             pending = ring.transport.post_tagged(sends, recvs, f"K/V of forward ring steps {list(group)}")
             self._posted.append(pending)
-        return _Incoming(pending, held, items if held is not None else ())
+        return IncomingKeys(pending, held, items if held is not None else ())
 
     def post_grads(self, step: int, partial: Optional[KVBuffer], acc) -> "_Returning":
         """Posts the return of step `step`'s dK/dV partial to the keys' owner, and the receive of the partial for
@@ -276,7 +338,7 @@ class _Exchange:
 
 
 @dataclass
-class _Incoming:
+class IncomingKeys:
     pending: Optional[Pending]
     held: Optional[KVBuffer]
     items: tuple = ()  # the work list on `held` (a step's, or a launch group's)
@@ -317,6 +379,15 @@ def requested_steps_per_launch() -> int:
     return env_int(STEPS_PER_LAUNCH_ENV, 1, 0, None, "0: every remote step in one launch")
 
 
+LANES_ENV = "FA4DIST_RING_FORWARD_LANES"
+
+
+def requested_forward_lanes() -> int:
+    """The ring forward's running results this process asks for: ``FA4DIST_RING_FORWARD_LANES`` (1 or 2), else 1
+    (part of a call's agreed signature: :mod:`~fa4dist.context_parallel.knobs`)."""
+    return env_int(LANES_ENV, 1, 1, 2, "2: consecutive launches merge into two running results, on two CUDA streams")
+
+
 def forward_steps_per_launch(sched: Schedule, k: torch.Tensor, requested: Optional[int] = None) -> int:
     """The ring forward's remote steps per launch (:meth:`Schedule.launch_groups`; 0: all): `requested` (default
     :func:`requested_steps_per_launch`), or 1 where :func:`grouped_launch_allowed` says no.  A function of the
@@ -327,24 +398,24 @@ def forward_steps_per_launch(sched: Schedule, k: torch.Tensor, requested: Option
 
 
 def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions,
-                 steps_per_launch: Optional[int] = None) -> Accumulators:
+                 steps_per_launch: Optional[int] = None, lanes: Optional[int] = None) -> Accumulators:
     """The fp32 (out, lse) of this member's queries over every member's keys: its own keys first (while the first
     remote keys travel), then the remote steps in launch groups (:func:`forward_steps_per_launch`), each group's
-    transfers posted before the previous group computes."""
+    transfers posted before the previous group computes; the launches spread over `lanes` running results
+    (:class:`ForwardLanes`; default :func:`requested_forward_lanes`)."""
     m = ring.index
-    acc = Accumulators.empty(sched.members[m], q, v.shape[-1], sched.plan.packed, sched.items(m, m))
     groups = sched.launch_groups(forward_steps_per_launch(sched, k, steps_per_launch))
+    lanes = ForwardLanes(sched.members[m], q, v.shape[-1], sched.plan.packed, sched.items(m, m), 1 + len(groups),
+                         requested_forward_lanes() if lanes is None else lanes)
     exchange = _Exchange(sched, ring, k, v, "forward")
     with exchange.abandoned_on_failure():
         incoming = exchange.post_key_group(groups[0]) if groups else None
-        forward_step(sched, m, m, q, HeldKV(k, v), acc, opts)
+        lanes.launch(q, IncomingKeys(None, HeldKV(k, v), sched.items(m, m)), opts)
         for i, group in enumerate(groups):
             following = exchange.post_key_group(groups[i + 1]) if i + 1 < len(groups) else None
-            held = incoming.wait()
-            if held is not None:
-                forward_items(q, held, incoming.items, acc, opts)
+            lanes.launch(q, incoming, opts)
             incoming = following
-    return acc
+    return lanes.result()
 
 
 def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opts: KernelOptions, dlse=None):

@@ -68,6 +68,15 @@ def test_ring_launch_groups(pool, cp, per_launch, name, case):
                            **case_kwargs(cp, case)), "ring")
 
 
+@pytest.mark.parametrize("cp, per_launch", [(2, 1), (3, 1), (4, 1), (4, 2)])
+@pytest.mark.parametrize("name, case", GROUPED, ids=[c[0] for c in GROUPED])
+def test_ring_forward_lanes(pool, cp, per_launch, name, case):
+    """FA4DIST_RING_FORWARD_LANES=2: the ring forward's launches alternate between two running results, merged at
+    the end; against the fp64 oracle (with launch groups too)."""
+    check_results(pool.run(run_case, cp=cp, strategy="ring", ring_steps_per_launch=per_launch,
+                           ring_forward_lanes=2, **case_kwargs(cp, case)), "ring")
+
+
 # (strategy, cp, Ulysses degree, head chunks asked for, the chunks a member's key/value heads allow: 8 / 4 heads,
 # each member has 2 of the 4 at Ulysses degree 2, 1 at degree 4)
 CHUNKED = [("ulysses", 2, None, 2, 2), ("ulysses", 2, None, 3, 2), ("ulysses", 2, None, 64, 2),

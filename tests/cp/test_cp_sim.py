@@ -179,15 +179,27 @@ def test_launch_groups_give_the_members_forward_with_fewer_items(per_launch):
     opts = KernelOptions(softmax_scale=None, softcap=None, backend="reference", deterministic=False)
     fewer = 0
     for r in range(8):
-        groups = sim.grouped_held(sched, r, held, per_launch)
+        groups = sim.rank_launches(sched, r, held, per_launch)
         steps = [sched.items(r, sched.source(r, t)) for t in sched.member_steps(r)]
         assert len(groups) <= -(-len(sched.steps()) // (per_launch or len(sched.steps())))
         fewer += sum(len(items) for _, items in groups) < sum(len(x) for x in steps)
-        a = sim.run_rank_fwd_groups(sched, r, *shards[r], groups, 16, opts)
-        b = sim.run_rank_fwd(sched, r, *shards[r], held, 16, opts)
+        a = sim.run_rank_fwd(sched, r, *shards[r], groups, 16, opts)
+        b = sim.run_rank_fwd(sched, r, *shards[r], sim.rank_launches(sched, r, held, 1), 16, opts)
         torch.testing.assert_close(a.out, b.out, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(a.lse, b.lse, rtol=1e-5, atol=1e-6)
     assert fewer >= 4
+
+
+def test_cp_sim_forward_lanes_rows(tmp_path, monkeypatch):
+    """--forward-lanes 1 2 --steps-per-launch 1 2: one fwd row per (launch groups, lanes), labelled and recorded;
+    the kernels-alone ratio only on the plain row."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    rows = _load().main(["--device", "cpu", "--tiny", "--cp", "4", "--seqlens", "128", "--reps", "1",
+                         "--balancers", "lpt", "--directions", "fwd", "--steps-per-launch", "1", "2",
+                         "--forward-lanes", "1", "2"])
+    assert [(r["direction"], r["steps_per_launch"], r["forward_lanes"]) for r in rows] == \
+        [("fwd", 1, 1), ("fwd~2", 1, 2), ("fwd/2", 2, 1), ("fwd/2~2", 2, 2)]
+    assert [r["kernel_only_efficiency"] is not None for r in rows] == [True, False, False, False]
 
 
 @pytest.mark.parametrize("bad, message", [

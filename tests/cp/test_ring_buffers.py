@@ -1,11 +1,12 @@
 """The ring's buffers (context_parallel/ring.py): a member's running (out, lse) and its dK / dV start unfilled
-where the first step's fresh calls write them, with the bytes of the filled start."""
+where the first step's fresh calls write them, with the bytes of the filled start; the forward's lanes."""
 
 import pytest
 import torch
 
 from fa4dist.context_parallel import Schedule, make_plan
-from fa4dist.context_parallel.ring import Accumulators, HeldKV, KernelOptions, KVBuffer, backward_step, forward_step
+from fa4dist.context_parallel.ring import (Accumulators, ForwardLanes, HeldKV, IncomingKeys, KernelOptions, KVBuffer,
+                                          backward_step, forward_items)
 from fa4dist.kernels import WorkItem
 
 
@@ -47,7 +48,7 @@ def test_a_members_first_step_writes_its_rows_unfilled(packed):
         acc.lse[..., covered] = float("nan")
         filled = Accumulators.empty(sched.members[m], q, 8, packed)
         for a in (acc, filled):
-            forward_step(sched, m, m, q, HeldKV(k, v), a, opts)
+            forward_items(q, HeldKV(k, v), first, a, opts)
         assert torch.equal(acc.out, filled.out) and torch.equal(acc.lse, filled.lse)
         # the backward's own step over garbage dK / dV with fresh_dkv against zeros
         out, lse = filled.out.to(q.dtype), filled.lse
@@ -65,3 +66,48 @@ def test_a_members_first_step_writes_its_rows_unfilled(packed):
         backward_step(sched, m, m, dout, q, HeldKV(k, v), out, lse, torch.zeros(q.shape), empty, opts, (),
                       fresh_dkv=True)
         assert not empty.flat.any()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_forward_lanes_merge_their_launches_in_lane_order(packed):
+    """ForwardLanes with two lanes: launch i merges into lane i % 2 (each lane's first launch writes fresh, lane 1
+    over (0, -inf) everywhere, whatever its first launch covers) and the result is lane 0 with lane 1 merged into
+    it: the bytes of that computation done by hand, the one-lane result up to fp64 rounding, and one lane's bytes
+    when there is a single launch (reference backend)."""
+    from fa4dist.kernels.merge import merge_into_
+
+    docs = torch.tensor([0, 37, 40, 130, 131, 200])
+    plan = make_plan(docs if packed else 200, 4, "lpt", causal=True)
+    sched = Schedule(plan, 1, plan.mask)
+    opts = KernelOptions(softmax_scale=None, softcap=None, backend="reference", deterministic=False)
+    gen = torch.Generator().manual_seed(5)
+    tok = 0 if packed else 1
+    shape = (lambda n: (n, 2, 8)) if packed else (lambda n: (1, n, 2, 8))
+    shards = [[torch.randn(shape(sched.members[m].length), dtype=torch.float64, generator=gen) for _ in range(3)]
+              for m in range(4)]
+    for m in range(4):
+        q, k, v = shards[m]
+        launches = [(HeldKV(k, v), sched.items(m, m))]
+        for t in sched.member_steps(m):
+            s = sched.source(m, t)
+            launches.append((KVBuffer.gather(shards[s][1], shards[s][2], sched.needed(m, s), tok), sched.items(m, s)))
+        layout = sched.members[m]
+        results = {}
+        for lanes in (1, 2):
+            fwd = ForwardLanes(layout, q, 8, packed, sched.items(m, m), len(launches), lanes)
+            for kv, items in launches:
+                fwd.launch(q, IncomingKeys(None, kv, items), opts)
+            results[lanes] = fwd.result()
+        by_hand = [Accumulators.empty(layout, q, 8, packed) for _ in range(2)]
+        for i, (kv, items) in enumerate(launches):
+            forward_items(q, kv, items, by_hand[i % 2], opts)
+        merge_into_(by_hand[0].out, by_hand[0].lse, by_hand[1].out, by_hand[1].lse)
+        assert torch.equal(results[2].out, by_hand[0].out) and torch.equal(results[2].lse, by_hand[0].lse)
+        torch.testing.assert_close(results[2].out, results[1].out, rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(results[2].lse, results[1].lse, rtol=1e-12, atol=1e-13)
+        single = ForwardLanes(layout, q, 8, packed, sched.items(m, m), 1, 2)
+        single.launch(q, IncomingKeys(None, HeldKV(k, v), sched.items(m, m)), opts)
+        alone = Accumulators.empty(layout, q, 8, packed, sched.items(m, m))
+        forward_items(q, HeldKV(k, v), sched.items(m, m), alone, opts)
+        got = single.result()
+        assert len(single.accs) == 1 and torch.equal(got.out, alone.out) and torch.equal(got.lse, alone.lse)
