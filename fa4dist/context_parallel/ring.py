@@ -165,50 +165,57 @@ def _side_streams(device: torch.device, count: int) -> list:
 
 
 class ForwardLanes:
-    """The ring forward's launches spread over ``lanes`` running results (:func:`forward_lanes`).
+    """The ring forward's launches spread over ``lanes`` running results (:func:`requested_forward_lanes`).
 
-    Launch ``i`` (the own step first, then each launch group) merges into lane ``i % lanes``.  On CUDA lane 0 runs on
-    the caller's stream and lane ``j > 0`` on a side stream of its own: consecutive launches then write different
-    results, so nothing orders them, and the next launch's first tiles take the SMs that the current launch's last
-    partial wave leaves idle (at cp = 8 a remote step is ~7.8 waves of tiles: one launch per step lost ~3.5% to
-    those tails, bench/RESULTS.md twenty-seventh session).  :meth:`result` waits for every lane and merges lanes
-    1.. into lane 0 in lane order with the contract's merge: a fixed order, so deterministic at a fixed layout,
-    with other bits than one lane."""
+    The launches that compute (the own step first, then each launch group that received keys) merge into lanes 0,
+    1, 0, 1, ...  On CUDA lane 0 runs on the caller's stream and lane ``j > 0`` on a side stream of its own:
+    consecutive launches then write different results, so nothing orders them, and the next launch's first tiles
+    take the SMs that the current launch's last partial wave leaves idle (at cp = 8 a remote step is ~7.8 waves of
+    tiles: one launch per step lost ~3.5% to those tails, bench/RESULTS.md twenty-seventh session).  A lane's result
+    is made when it first computes, rows its first launch writes left unfilled as in :class:`Accumulators`.
+    :meth:`result` waits for every lane and merges lanes 1.. into lane 0 in lane order with the contract's merge: a
+    fixed order given the plan, so deterministic at a fixed layout, with other bits than one lane (the same bits
+    where only one launch computes)."""
 
     def __init__(self, layout: MemberLayout, q: torch.Tensor, head_dim_v: int, packed: bool,
                  first_items: Sequence[WorkItem], launches: int, lanes: int = 1):
         count = max(1, min(lanes, launches))
-        # lane 0's first launch (the own step) writes its rows instead of merging; the other lanes' first launches
-        # may receive nothing, so their results start as (0, -inf) everywhere (one fill each)
-        self.accs = [Accumulators.empty(layout, q, head_dim_v, packed, first_items if j == 0 else ())
-                     for j in range(count)]
+        self.layout, self.head_dim_v, self.packed = layout, head_dim_v, packed
+        self.accs: list = [Accumulators.empty(layout, q, head_dim_v, packed, first_items)] + [None] * (count - 1)
         self.streams = [None] * count
         if q.is_cuda and count > 1:
             self.streams = [torch.cuda.current_stream(q.device)] + _side_streams(q.device, count - 1)
-            for side in self.streams[1:]:  # the inputs and the fills above come first
+            for side in self.streams[1:]:  # the inputs and lane 0's fills come first
                 side.wait_stream(self.streams[0])
-        self.launches = 0
+        self.computed = 0  # launches that computed so far
 
     def launch(self, q: torch.Tensor, incoming: "IncomingKeys", opts: KernelOptions) -> None:
         """The next launch: `incoming`'s keys awaited on its lane's stream (a transfer then orders that stream
-        alone), then its work list on them, merged into its lane."""
-        lane = self.launches % len(self.accs)
-        self.launches += 1
+        alone), then its work list on them, merged into its lane; nothing more where it received no keys."""
+        lane = self.computed % len(self.accs)
         stream = self.streams[lane]
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             held = incoming.wait()
             if held is None:
                 return
+            self.computed += 1
+            if self.accs[lane] is None:  # on its lane's stream, which is where it is written
+                self.accs[lane] = Accumulators.empty(self.layout, q, self.head_dim_v, self.packed, incoming.items)
             if lane and stream is not None and isinstance(held, KVBuffer):  # dropped before this lane reads it
                 held.flat.record_stream(stream)
             forward_items(q, held, incoming.items, self.accs[lane], opts)
 
     def result(self) -> Accumulators:
-        """Lane 0's result with every other lane merged into it, in lane order, on the caller's stream."""
+        """Lane 0's result with every other lane that computed merged into it, in lane order, on the caller's
+        stream."""
         first, main = self.accs[0], self.streams[0]
-        for side in self.streams[1:] if main is not None else ():
-            main.wait_stream(side)
-        for acc in self.accs[1:]:
+        for side, acc in zip(self.streams[1:], self.accs[1:]):
+            if acc is None:
+                continue
+            if main is not None:
+                main.wait_stream(side)
+                acc.out.record_stream(main)  # made on the side stream, read here: not reused before the merge
+                acc.lse.record_stream(main)
             merge_into_(first.out, first.lse, acc.out, acc.lse)
         return first
 

@@ -70,10 +70,10 @@ def test_a_members_first_step_writes_its_rows_unfilled(packed):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_forward_lanes_merge_their_launches_in_lane_order(packed):
-    """ForwardLanes with two lanes: launch i merges into lane i % 2 (each lane's first launch writes fresh, lane 1
-    over (0, -inf) everywhere, whatever its first launch covers) and the result is lane 0 with lane 1 merged into
+    """ForwardLanes with two lanes: the launches that compute merge into lanes 0, 1, 0, ... (a launch that received
+    nothing takes no lane; each lane's first launch writes fresh) and the result is lane 0 with lane 1 merged into
     it: the bytes of that computation done by hand, the one-lane result up to fp64 rounding, and one lane's bytes
-    when there is a single launch (reference backend)."""
+    when a single launch computes (reference backend)."""
     from fa4dist.kernels.merge import merge_into_
 
     docs = torch.tensor([0, 37, 40, 130, 131, 200])
@@ -85,29 +85,33 @@ def test_forward_lanes_merge_their_launches_in_lane_order(packed):
     shape = (lambda n: (n, 2, 8)) if packed else (lambda n: (1, n, 2, 8))
     shards = [[torch.randn(shape(sched.members[m].length), dtype=torch.float64, generator=gen) for _ in range(3)]
               for m in range(4)]
+    nothing = IncomingKeys(None, None, ())  # a step whose keys this member does not read
+
+    def run(lanes, q, launches):
+        fwd = ForwardLanes(sched.members[m], q, 8, packed, sched.items(m, m), len(launches), lanes)
+        for incoming in launches:
+            fwd.launch(q, incoming, opts)
+        return fwd, fwd.result()
+
     for m in range(4):
         q, k, v = shards[m]
-        launches = [(HeldKV(k, v), sched.items(m, m))]
+        computing = [(HeldKV(k, v), sched.items(m, m))]
         for t in sched.member_steps(m):
             s = sched.source(m, t)
-            launches.append((KVBuffer.gather(shards[s][1], shards[s][2], sched.needed(m, s), tok), sched.items(m, s)))
-        layout = sched.members[m]
-        results = {}
-        for lanes in (1, 2):
-            fwd = ForwardLanes(layout, q, 8, packed, sched.items(m, m), len(launches), lanes)
-            for kv, items in launches:
-                fwd.launch(q, IncomingKeys(None, kv, items), opts)
-            results[lanes] = fwd.result()
-        by_hand = [Accumulators.empty(layout, q, 8, packed) for _ in range(2)]
-        for i, (kv, items) in enumerate(launches):
+            computing.append((KVBuffer.gather(shards[s][1], shards[s][2], sched.needed(m, s), tok),
+                              sched.items(m, s)))
+        launches = [IncomingKeys(None, kv, items) for kv, items in computing]
+        launches.insert(2, nothing)
+        _, two = run(2, q, launches)
+        _, one = run(1, q, launches)
+        by_hand = [Accumulators.empty(sched.members[m], q, 8, packed) for _ in range(2)]
+        for i, (kv, items) in enumerate(computing):
             forward_items(q, kv, items, by_hand[i % 2], opts)
         merge_into_(by_hand[0].out, by_hand[0].lse, by_hand[1].out, by_hand[1].lse)
-        assert torch.equal(results[2].out, by_hand[0].out) and torch.equal(results[2].lse, by_hand[0].lse)
-        torch.testing.assert_close(results[2].out, results[1].out, rtol=1e-12, atol=1e-13)
-        torch.testing.assert_close(results[2].lse, results[1].lse, rtol=1e-12, atol=1e-13)
-        single = ForwardLanes(layout, q, 8, packed, sched.items(m, m), 1, 2)
-        single.launch(q, IncomingKeys(None, HeldKV(k, v), sched.items(m, m)), opts)
-        alone = Accumulators.empty(layout, q, 8, packed, sched.items(m, m))
-        forward_items(q, HeldKV(k, v), sched.items(m, m), alone, opts)
-        got = single.result()
-        assert len(single.accs) == 1 and torch.equal(got.out, alone.out) and torch.equal(got.lse, alone.lse)
+        assert torch.equal(two.out, by_hand[0].out) and torch.equal(two.lse, by_hand[0].lse)
+        torch.testing.assert_close(two.out, one.out, rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(two.lse, one.lse, rtol=1e-12, atol=1e-13)
+        own = [launches[0], nothing, nothing]  # only the own step computes: no second lane is made or merged
+        lanes, alone = run(2, q, own)
+        _, want = run(1, q, own)
+        assert lanes.accs[1] is None and torch.equal(alone.out, want.out) and torch.equal(alone.lse, want.lse)
