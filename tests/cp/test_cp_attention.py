@@ -77,6 +77,14 @@ def test_ring_forward_lanes(pool, cp, per_launch, name, case):
                            ring_forward_lanes=2, **case_kwargs(cp, case)), "ring")
 
 
+def test_hybrid_forward_lanes(pool):
+    """The hybrid's ring stage takes the lanes too (packed documents, GQA, a window, softcap, sinks, a loss of out
+    and lse), against the fp64 oracle."""
+    case = dict(docs=random_docs(5, 7, 40), heads=(8, 4), window=(12, 0), softcap=3.0, sinks=True, lse_loss="and")
+    check_results(pool.run(run_case, cp=4, strategy="hybrid", ulysses_degree=2, plan_u=2, ring_forward_lanes=2,
+                           **case), "hybrid")
+
+
 # (strategy, cp, Ulysses degree, head chunks asked for, the chunks a member's key/value heads allow: 8 / 4 heads,
 # each member has 2 of the 4 at Ulysses degree 2, 1 at degree 4)
 CHUNKED = [("ulysses", 2, None, 2, 2), ("ulysses", 2, None, 3, 2), ("ulysses", 2, None, 64, 2),
