@@ -346,6 +346,9 @@ class _Exchange:
 
 @dataclass
 class IncomingKeys:
+    """Key rows on their way (``pending``: the transfer, None for rows already here) into ``held``, with the work
+    list to run on them."""
+
     pending: Optional[Pending]
     held: Optional[KVBuffer]
     items: tuple = ()  # the work list on `held` (a step's, or a launch group's)
@@ -412,17 +415,17 @@ def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions,
     (:class:`ForwardLanes`; default :func:`requested_forward_lanes`)."""
     m = ring.index
     groups = sched.launch_groups(forward_steps_per_launch(sched, k, steps_per_launch))
-    lanes = ForwardLanes(sched.members[m], q, v.shape[-1], sched.plan.packed, sched.items(m, m), 1 + len(groups),
-                         requested_forward_lanes() if lanes is None else lanes)
+    running = ForwardLanes(sched.members[m], q, v.shape[-1], sched.plan.packed, sched.items(m, m),
+                           1 + len(groups), requested_forward_lanes() if lanes is None else lanes)
     exchange = _Exchange(sched, ring, k, v, "forward")
     with exchange.abandoned_on_failure():
         incoming = exchange.post_key_group(groups[0]) if groups else None
-        lanes.launch(q, IncomingKeys(None, HeldKV(k, v), sched.items(m, m)), opts)
+        running.launch(q, IncomingKeys(None, HeldKV(k, v), sched.items(m, m)), opts)
         for i, group in enumerate(groups):
             following = exchange.post_key_group(groups[i + 1]) if i + 1 < len(groups) else None
-            lanes.launch(q, incoming, opts)
+            running.launch(q, incoming, opts)
             incoming = following
-    return lanes.result()
+    return running.result()
 
 
 def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opts: KernelOptions, dlse=None):
