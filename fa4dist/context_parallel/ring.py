@@ -205,16 +205,23 @@ class ForwardLanes:
                 held.flat.record_stream(stream)
             forward_items(q, held, incoming.items, self.accs[lane], opts)
 
+    def join(self) -> None:
+        """The caller's stream waits for every lane's work (also on a failure: the inputs the lanes read must not be
+        reused while their kernels run)."""
+        main = self.streams[0]
+        for side in self.streams[1:] if main is not None else ():
+            main.wait_stream(side)
+
     def result(self) -> Accumulators:
         """Lane 0's result with every other lane that computed merged into it, in lane order, on the caller's
         stream."""
+        self.join()
         first, main = self.accs[0], self.streams[0]
-        for side, acc in zip(self.streams[1:], self.accs[1:]):
+        for acc in self.accs[1:]:
             if acc is None:
                 continue
             if main is not None:
-                main.wait_stream(side)
-                acc.out.record_stream(main)  # made on the side stream, read here: not reused before the merge
+                acc.out.record_stream(main)  # made on a side stream, read here: not reused before the merge
                 acc.lse.record_stream(main)
             merge_into_(first.out, first.lse, acc.out, acc.lse)
         return first
@@ -419,12 +426,16 @@ def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions,
                            1 + len(groups), requested_forward_lanes() if lanes is None else lanes)
     exchange = _Exchange(sched, ring, k, v, "forward")
     with exchange.abandoned_on_failure():
-        incoming = exchange.post_key_group(groups[0]) if groups else None
-        running.launch(q, IncomingKeys(None, HeldKV(k, v), sched.items(m, m)), opts)
-        for i, group in enumerate(groups):
-            following = exchange.post_key_group(groups[i + 1]) if i + 1 < len(groups) else None
-            running.launch(q, incoming, opts)
-            incoming = following
+        try:
+            incoming = exchange.post_key_group(groups[0]) if groups else None
+            running.launch(q, IncomingKeys(None, HeldKV(k, v), sched.items(m, m)), opts)
+            for i, group in enumerate(groups):
+                following = exchange.post_key_group(groups[i + 1]) if i + 1 < len(groups) else None
+                running.launch(q, incoming, opts)
+                incoming = following
+        except BaseException:
+            running.join()
+            raise
     return running.result()
 
 
