@@ -2,7 +2,7 @@
 
 For cp in {2, 4, 8} and causal sequences up to 128k tokens (H=16, D=128, bf16), each simulated rank runs exactly
 the contract calls the ring engine makes at each of its steps (``fa4dist.context_parallel.ring.ForwardLanes`` /
-``backward_step``: real partial blocks with global offsets, trimmed to what the mask lets through, real fp32 merges
+``MemberBackward``: real partial blocks with global offsets, trimmed to what the mask lets through, real fp32 merges
 through the contract's accumulate mode) against the key rows it would receive at that step.  Reported per balancer
 (contiguous, zigzag, LPT):
 
@@ -52,10 +52,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fa4dist.context_parallel import Schedule, make_plan  # noqa: E402
 from fa4dist.context_parallel.plan import BALANCERS  # noqa: E402
 from fa4dist.context_parallel.ring import (  # noqa: E402
-    ForwardLanes, HeldKV, IncomingKeys, KernelOptions, KVBuffer, accum_dtype, backward_step,
+    ForwardLanes, HeldKV, IncomingKeys, KernelOptions, KVBuffer, MemberBackward, accum_dtype,
 )
 from fa4dist.kernels import attention_backward, attention_forward, available_backends  # noqa: E402
-from fa4dist.kernels.worklist import share_queries  # noqa: E402
 from timing import spin_cycles_per_second  # noqa: E402  (bench/, the script's folder)
 
 LINK_GBPS = 400.0
@@ -244,31 +243,21 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                         fwd = run_rank_fwd(sched, r, qr, kr, vr, rank_launches(sched, r, held, 1), headdim, opts)
                         out_r, lse_r = fwd.out.to(dtype), fwd.lse
 
-                        def run_rank(r=r, qr=qr, kr=kr, vr=vr, dr=dr, out_r=out_r, lse_r=lse_r,
-                                     share=direction != "bwd_per_call", held=held, sched=sched,
+                        def run_rank(r=r, qr=qr, kr=kr, vr=vr, dr=dr, out_r=out_r, lse_r=lse_r, held=held,
+                                     sched=sched, share=direction != "bwd_per_call",
                                      fresh=direction != "bwd_zero_fill",
                                      dlse_r=dlse_shards[r] if direction == "bwd_lse" else None):
-                            dq = torch.zeros(qr.shape, dtype=acc, device=device)
-                            # as the ring engine: dK / dV written by their first step (bwd_zero_fill: zero-filled
-                            # and added into, as before the twenty-sixth session)
-                            alloc = torch.empty if fresh else torch.zeros
-                            own = HeldKV(alloc(kr.shape, dtype=acc, device=device),
-                                       alloc(vr.shape, dtype=acc, device=device))
-                            # as the ring engine: one shared query side for all steps (bwd_per_call: without)
-                            shared = share_queries(dr, qr, out_r, lse_r, backend=opts.backend,
-                                                   softmax_scale=opts.softmax_scale, softcap=opts.softcap,
-                                                   deterministic=False, dlse=dlse_r) if share else None
-                            backward_step(sched, r, r, dr, qr, HeldKV(kr, vr), out_r, lse_r, dq, own, opts,
-                                          shared=shared, fresh_dkv=fresh, dlse=dlse_r)
+                            # as the ring engine (MemberBackward): the own keys' work in two halves around the remote
+                            # steps, one shared query side (bwd_per_call: a query side per call), dK / dV written by
+                            # their first step (bwd_zero_fill: zero-filled and added into)
+                            member = MemberBackward(sched, r, dr, qr, kr, vr, out_r, lse_r, opts, dlse_r,
+                                                    remote=bool(sched.steps()), share=share, fresh=fresh)
+                            member.own_start()
                             for t in sched.member_steps(r):
                                 s = sched.source(r, t)
-                                partial = KVBuffer.empty_like(held[(r, s)], dtype=acc)
-                                if not fresh:
-                                    partial.flat.zero_()
-                                backward_step(sched, r, s, dr, qr, held[(r, s)], out_r, lse_r, dq, partial, opts,
-                                              shared=shared, fresh_dkv=fresh, dlse=dlse_r)
-                            if shared is not None:
-                                shared.finish(dq)
+                                member.remote(s, held[(r, s)])
+                            member.own_end()
+                            member.finish()
                     runners.append(run_rank)
                     if r in args.profile_ranks:
                         profiles[r] = profile_kernels(run_rank, device, cprofile=args.cprofile if not profiles else 0)

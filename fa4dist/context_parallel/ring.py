@@ -29,8 +29,8 @@ the lse alone passes no dout).
 
 Every member walks the same list of steps (those any member needs) and posts each step's sends and receives
 together (``batch_isend_irecv``), so two members always post the messages between them in the same order and no
-member blocks another, for any ring size.  :class:`ForwardLanes` and ``backward_step`` are also what
-``bench/cp_sim.py`` times.
+member blocks another, for any ring size.  :class:`ForwardLanes` and :class:`MemberBackward` (a member's steps
+without the transfers) are also what ``bench/cp_sim.py`` times.
 """
 
 from __future__ import annotations
@@ -450,40 +450,82 @@ def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opt
         return _ring_backward_steps(sched, ring, exchange, steps, dout, q, k, v, out, lse, opts, dlse)
 
 
+class MemberBackward:
+    """A member's backward in the ring's order: the first half of its own keys' work (:meth:`Schedule.own_halves`,
+    while the first remote keys travel), each remote step's keys (dQ into the member's rows, dK/dV into a fresh
+    fp32 partial for their owner), the second half of its own keys (while the last partial travels back), then
+    the shared query side's dQ.  :func:`ring_backward` runs it between its transfers; ``bench/cp_sim.py`` times it.
+
+    ``remote``: the ring has remote steps (else the own keys' work is one call, with no shared query side).
+    Measurement knobs of the simulation, the forms before 2026-12-01 / 2026-12-03: ``share=False`` gives every
+    launch its own query side (a preprocess and a dQ convert per call), ``fresh=False`` zero-fills dK/dV and the
+    partials and adds into them."""
+
+    def __init__(self, sched: Schedule, member: int, dout, q, k, v, out, lse, opts: KernelOptions, dlse=None,
+                 remote: bool = True, share: bool = True, fresh: bool = True):
+        self.sched, self.member, self.opts, self.fresh = sched, member, opts, fresh
+        self.dout, self.q, self.k, self.v, self.out, self.lse, self.dlse = dout, q, k, v, out, lse, dlse
+        self.acc = accum_dtype(q.dtype)
+        self.dq = torch.zeros(q.shape, dtype=self.acc, device=q.device)
+        # dK / dV buffers are written by their first step's kernels (fresh_dkv), not zero-filled first: at cp = 8
+        # the fills were ~1.5% of a member's backward
+        alloc = torch.empty if fresh else torch.zeros
+        self.dk = alloc(k.shape, dtype=self.acc, device=k.device)
+        self.dv = alloc(v.shape, dtype=self.acc, device=v.device)
+        self.shared = share_queries(dout, q, out, lse, softmax_scale=opts.softmax_scale, softcap=opts.softcap,
+                                    deterministic=opts.deterministic, backend=opts.backend,
+                                    dlse=dlse) if remote and share else None
+        self.own_first, self.own_last = sched.own_halves(member) if remote else (sched.items(member, member), ())
+
+    def own_start(self) -> None:
+        """The first half of the own keys' work (writes dK/dV)."""
+        self._own(self.own_first, fresh_dkv=self.fresh)
+
+    def own_end(self) -> None:
+        """The second half of the own keys' work (adds into dK/dV)."""
+        self._own(self.own_last, fresh_dkv=False)
+
+    def _own(self, items, fresh_dkv: bool) -> None:
+        m = self.member
+        backward_step(self.sched, m, m, self.dout, self.q, HeldKV(self.k, self.v), self.out, self.lse, self.dq,
+                      HeldKV(self.dk, self.dv), self.opts, items, self.shared, fresh_dkv=fresh_dkv, dlse=self.dlse)
+
+    def remote(self, source: int, held: Optional[KVBuffer]) -> Optional[KVBuffer]:
+        """Member `source`'s keys (held in `held`; None: nothing received): their fp32 dK/dV partial, to return."""
+        if held is None:
+            return None
+        partial = KVBuffer.empty_like(held, dtype=self.acc)
+        if not self.fresh:
+            partial.flat.zero_()
+        backward_step(self.sched, self.member, source, self.dout, self.q, held, self.out, self.lse, self.dq,
+                      partial, self.opts, shared=self.shared, fresh_dkv=self.fresh, dlse=self.dlse)
+        return partial
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dq, dk, dv): the shared query side's dQ added into dq (dk / dv take the returned partials after)."""
+        if self.shared is not None:
+            self.shared.finish(self.dq)
+        return self.dq, self.dk, self.dv
+
+
 def _ring_backward_steps(sched: Schedule, ring: RingPeers, exchange: _Exchange, steps, dout, q, k, v, out, lse,
                          opts: KernelOptions, dlse):
     """:func:`ring_backward`'s steps, inside its exchange's failure guard."""
     sd = 0 if sched.plan.packed else 1
     m = ring.index
-    acc = accum_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    # dK / dV buffers are written by their first step's kernels (fresh_dkv), not zero-filled first: at cp = 8 the
-    # fills were ~1.5% of a member's backward
-    dk, dv = torch.empty(k.shape, dtype=acc, device=k.device), torch.empty(v.shape, dtype=acc, device=v.device)
     incoming = exchange.post_keys(steps[0]) if steps else None
-    shared = share_queries(dout, q, out, lse, softmax_scale=opts.softmax_scale, softcap=opts.softcap,
-                           deterministic=opts.deterministic, backend=opts.backend, dlse=dlse) if steps else None
-    # The own keys' work, half while the first remote keys travel, half while the last dK/dV travel back.
-    own_first, own_last = sched.own_halves(m) if steps else (sched.items(m, m), ())
-    backward_step(sched, m, m, dout, q, HeldKV(k, v), out, lse, dq, HeldKV(dk, dv), opts, own_first, shared,
-                  fresh_dkv=True, dlse=dlse)
+    member = MemberBackward(sched, m, dout, q, k, v, out, lse, opts, dlse, remote=bool(steps))
+    member.own_start()
     returning = None
     for i, t in enumerate(steps):
         following = exchange.post_keys(steps[i + 1]) if i + 1 < len(steps) else None
-        held = incoming.wait()
-        partial = None
-        if held is not None:
-            partial = KVBuffer.empty_like(held, dtype=acc)
-            backward_step(sched, m, sched.source(m, t), dout, q, held, out, lse, dq, partial, opts, shared=shared,
-                          fresh_dkv=True, dlse=dlse)
-        posted = exchange.post_grads(t, partial, acc)
+        partial = member.remote(sched.source(m, t), incoming.wait())
+        posted = exchange.post_grads(t, partial, member.acc)
         if returning is not None:  # the previous step's returns, added in step order
-            returning.finish(dk, dv, sd)
+            returning.finish(member.dk, member.dv, sd)
         returning, incoming = posted, following
-    backward_step(sched, m, m, dout, q, HeldKV(k, v), out, lse, dq, HeldKV(dk, dv), opts, own_last, shared,
-                  dlse=dlse)
-    if shared is not None:
-        shared.finish(dq)
+    member.own_end()
+    dq, dk, dv = member.finish()
     if returning is not None:
         returning.finish(dk, dv, sd)
     return dq, dk, dv

@@ -115,3 +115,45 @@ def test_forward_lanes_merge_their_launches_in_lane_order(packed):
         lanes, alone = run(2, q, own)
         _, want = run(1, q, own)
         assert lanes.accs[1] is None and torch.equal(alone.out, want.out) and torch.equal(alone.lse, want.lse)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_member_backward_written_fresh_equals_zero_filled(packed):
+    """MemberBackward (the ring's backward order: own half, remote steps, own half): its dK / dV and partials
+    written by their first step equal the zero-filled-and-added form byte for byte, and the own halves together
+    equal one call on all the own keys (fp64, reference backend)."""
+    from fa4dist.context_parallel.ring import MemberBackward
+
+    docs = torch.tensor([0, 37, 40, 130, 131, 200])
+    plan = make_plan(docs if packed else 200, 3, "lpt", causal=True)
+    sched = Schedule(plan, 1, plan.mask)
+    opts = KernelOptions(softmax_scale=None, softcap=None, backend="reference", deterministic=False)
+    gen = torch.Generator().manual_seed(11)
+    tok = 0 if packed else 1
+    shape = (lambda n: (n, 2, 8)) if packed else (lambda n: (1, n, 2, 8))
+    shards = [[torch.randn(shape(sched.members[m].length), dtype=torch.float64, generator=gen) for _ in range(5)]
+              for m in range(3)]
+    for m in range(3):
+        dout, q, k, v, out = shards[m]
+        n = sched.members[m].length
+        lse = 3 + torch.randn((2, n) if packed else (1, 2, n), dtype=torch.float64, generator=gen)  # (heads, rows)
+        results = []
+        for fresh in (True, False):
+            member = MemberBackward(sched, m, dout, q, k, v, out, lse, opts, remote=True, fresh=fresh)
+            member.own_start()
+            partials = []
+            for t in sched.member_steps(m):
+                s = sched.source(m, t)
+                held = KVBuffer.gather(shards[s][2], shards[s][3], sched.needed(m, s), tok)
+                partials.append(member.remote(s, held).flat)
+            member.own_end()
+            results.append([*member.finish(), *partials])
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+        whole = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
+        backward_step(sched, m, m, dout, q, HeldKV(k, v), out, lse, whole[0], HeldKV(whole[1], whole[2]), opts)
+        own_only = MemberBackward(sched, m, dout, q, k, v, out, lse, opts, remote=True)
+        own_only.own_start()
+        own_only.own_end()
+        for a, b in zip(own_only.finish(), whole):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
