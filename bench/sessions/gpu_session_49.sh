@@ -17,6 +17,7 @@
 #   the next). Its GPU tests (two streams against one stream's bytes, three runs; the staged-rank ring against the
 #   oracle), then the cp = 8 / 4 / 2 simulation with and without it, one launch per step and all in one. Predicted:
 #   cp = 8 one launch per step 0.905 -> 0.93 (the per-launch tails cost ~3.5%: item_forms, twenty-seventh session).
+#   Then the simulated backward with the ring's own halves (MemberBackward).
 # - scratch_host, handoff, fwd_long: as gpu_session_47.sh (scratch_host needs .kwt carried, a fresh machine).
 # One call: source .devwheels/install.sh && bash bench/sessions/gpu_session_49.sh [reset_counter] [marks_192] ...
 set -u
@@ -56,7 +57,11 @@ for s in ${*:-marks_192}; do
       pkill -f "pytest" 2>/dev/null
       TAIL_LINES=24 stage lanes_sim 330 python3 bench/cp_sim.py --seqlens 131072 --cp 8 4 2 --balancers lpt \
         --directions fwd --steps-per-launch 1 0 --forward-lanes 1 2 --reps 6 --queue-ahead-ms 8 --back-to-back \
-        --tag lanes ;;
+        --tag lanes
+      # the simulated backward now splits the own keys' work in two halves as the ring does (MemberBackward,
+      # forty-sixth session): one launch more per rank than the 0.950 recorded in the twenty-seventh session
+      TAIL_LINES=8 stage sim_bwd_halves 200 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
+        --directions bwd --reps 4 --queue-ahead-ms 8 --back-to-back --tag bwd_halves ;;
     scratch_host|handoff|fwd_long)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_47.sh" "$s" ;;
     *) echo "unknown stage $s (marks_192 | marks_packed_h200 | reset_counter | lanes | scratch_host | handoff |" \
