@@ -1,7 +1,8 @@
 """Ring attention over the members of a :class:`~fa4dist.context_parallel.schedule.Schedule`.
 
-Forward: at step ``t`` member ``m`` sends the key rows that member ``m + t`` reads (K and V at the KV head count,
-packed into one flat buffer) straight to it, and receives from ``m - t`` the rows it reads itself; rows nobody
+Forward: at step ``t`` member ``m`` sends the key rows that member ``m + t`` reads (K and V at the KV head count, two
+messages: views of its own rows where they are one contiguous range, else packed once) straight to it, and
+receives from ``m - t`` the rows it reads itself (into one flat buffer); rows nobody
 reads are never sent, and a step with nothing to receive is not computed (with a sliding window most steps carry
 nothing).  The transfer of the next step is posted before a step computes, so it overlaps.  Every step is one
 work-list call (:mod:`fa4dist.kernels.worklist`: on cute, one launch per wave of blocks with disjoint query rows,
@@ -269,6 +270,11 @@ class RingPeers:
         return self.ranks[member % self.size]
 
 
+# message tags: K and V of a ring step (gloo matches by tag, NCCL by posting order; both sides post alike)
+_KEY_TAGS = {"forward": (10, 11), "backward": (20, 22)}
+_GRADS_TAG = 21  # a backward step's dK / dV partial, back to the keys' owner
+
+
 class _Exchange:
     """The point-to-point transfers of this member's ring steps: key rows out and in, and (backward) their fp32
     gradients back to the owner."""
@@ -276,7 +282,7 @@ class _Exchange:
     def __init__(self, sched: Schedule, ring: RingPeers, k: torch.Tensor, v: torch.Tensor, direction: str):
         self.sched, self.ring, self.k, self.v, self.direction = sched, ring, k, v, direction
         self.sd = 0 if sched.plan.packed else 1
-        self._packed: dict = {}  # gathered send buffers by ranges (a full send is packed once)
+        self._packed: dict = {}  # gathered send buffers by ranges (a scattered send is packed once)
         self._posted: list = []  # this call's transfers (Pending), to tell whether any is still in flight
 
     def abandoned_on_failure(self):
@@ -285,23 +291,37 @@ class _Exchange:
         return abandoned_on_failure(self.ring.transport, self._posted,
                                     f"its {self.direction} ring steps with transfers")
 
-    def _send_buffer(self, ranges) -> KVBuffer:
+    def _send_parts(self, ranges) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of this member's rows `ranges` (merged, sorted), to send: views of its own rows where they are
+        one contiguous range (no copy: at cp = 2 the pack was a copy of all of a member's K / V per direction),
+        else packed once per call."""
+        if len(ranges) == 1:
+            start, n = ranges[0]
+            parts = (self.k.narrow(self.sd, start, n), self.v.narrow(self.sd, start, n))
+            if all(p.is_contiguous() for p in parts):
+                return parts
         buf = self._packed.get(ranges)
         if buf is None:
             buf = self._packed[ranges] = KVBuffer.gather(self.k, self.v, ranges, self.sd)
-        return buf
+        return buf.k, buf.v
 
     def post_keys(self, step: int) -> "IncomingKeys":
         """Posts step `step`'s sends and receives of key rows; returns what will hold the received rows (with the
         step's work list on them)."""
         sched, ring, m = self.sched, self.ring, self.ring.index
         send_ranges, recv_len = sched.send_ranges(m, step), sched.recv_len(m, step)
-        sends = [(self._send_buffer(send_ranges).flat, ring.peer(sched.dest(m, step)))] if send_ranges else []
+        k_tag, v_tag = _KEY_TAGS[self.direction]
+        sends, recvs = [], []
+        if send_ranges:
+            k_part, v_part = self._send_parts(send_ranges)
+            peer = ring.peer(sched.dest(m, step))
+            sends = [(k_part, peer, k_tag), (v_part, peer, v_tag)]
         held = KVBuffer.empty(self.k, self.v, recv_len, self.sd) if recv_len else None
-        recvs = [(held.flat, ring.peer(sched.source(m, step)))] if held is not None else []
-        tag = 10 if self.direction == "forward" else 20
+        if held is not None:
+            peer = ring.peer(sched.source(m, step))
+            recvs = [(held.k, peer, k_tag), (held.v, peer, v_tag)]
         items = sched.items(m, sched.source(m, step)) if held is not None else ()
-        return IncomingKeys(self._post(sends, recvs, f"K/V of {self.direction} ring step {step}", tag), held, items)
+        return IncomingKeys(self._post(sends, recvs, f"K/V of {self.direction} ring step {step}"), held, items)
 
     def post_key_group(self, group: tuple[int, ...]) -> "IncomingKeys":
         """Posts the key transfers of the steps of `group` (:meth:`Schedule.launch_groups`) at once; each step's rows
@@ -313,23 +333,21 @@ class _Exchange:
         places, items = sched.group_items(m, group)
         total = sum(n for _, _, n in places)
         held = KVBuffer.empty(self.k, self.v, total, sd) if total else None
+        k_tag, v_tag = _KEY_TAGS[self.direction]
         sends, recvs = [], []
         for t in group:
             send_ranges = sched.send_ranges(m, t)
             if send_ranges:
-                buf, peer = self._send_buffer(send_ranges), ring.peer(sched.dest(m, t))
-                sends += [(buf.k, peer, 10), (buf.v, peer, 11)]
+                (k_part, v_part), peer = self._send_parts(send_ranges), ring.peer(sched.dest(m, t))
+                sends += [(k_part, peer, k_tag), (v_part, peer, v_tag)]
         for t, at, n in places:
             if n:
                 peer = ring.peer(sched.source(m, t))
                 parts = (held.k.narrow(sd, at, n), held.v.narrow(sd, at, n))
                 if not all(p.is_contiguous() for p in parts):  # grouped_launch_allowed rules this out
                     raise AssertionError("a grouped ring step's rows must be contiguous in the group buffer")
-                recvs += [(parts[0], peer, 10), (parts[1], peer, 11)]
-        pending = None
-        if sends or recvs:
-            pending = ring.transport.post_tagged(sends, recvs, f"K/V of forward ring steps {list(group)}")
-            self._posted.append(pending)
+                recvs += [(parts[0], peer, k_tag), (parts[1], peer, v_tag)]
+        pending = self._post(sends, recvs, f"K/V of forward ring steps {list(group)}")
         return IncomingKeys(pending, held, items if held is not None else ())
 
     def post_grads(self, step: int, partial: Optional[KVBuffer], acc) -> "_Returning":
@@ -337,16 +355,17 @@ class _Exchange:
         the rows this member sent at that step."""
         sched, ring, m = self.sched, self.ring, self.ring.index
         sent = sched.send_ranges(m, step)
-        sends = [(partial.flat, ring.peer(sched.source(m, step)))] if partial is not None else []
+        sends = [(partial.flat, ring.peer(sched.source(m, step)), _GRADS_TAG)] if partial is not None else []
         incoming = KVBuffer.empty(self.k, self.v, sum(n for _, n in sent), self.sd, dtype=acc) if sent else None
-        recvs = [(incoming.flat, ring.peer(sched.dest(m, step)))] if incoming is not None else []
-        pending = self._post(sends, recvs, f"dK/dV of backward ring step {step}", 21)
+        recvs = [(incoming.flat, ring.peer(sched.dest(m, step)), _GRADS_TAG)] if incoming is not None else []
+        pending = self._post(sends, recvs, f"dK/dV of backward ring step {step}")
         return _Returning(pending, incoming, sent, partial)
 
-    def _post(self, sends, recvs, what: str, tag: int) -> Optional[Pending]:
+    def _post(self, sends, recvs, what: str) -> Optional[Pending]:
+        """Posts tagged messages, (tensor, group peer, tag) each; None where there are none."""
         if not sends and not recvs:
             return None
-        pending = self.ring.transport.post(sends, recvs, what, tag=tag)
+        pending = self.ring.transport.post_tagged(sends, recvs, what)
         self._posted.append(pending)
         return pending
 

@@ -157,3 +157,23 @@ def test_member_backward_written_fresh_equals_zero_filled(packed):
         own_only.own_end()
         for a, b in zip(own_only.finish(), whole):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_send_of_one_contiguous_range_is_a_view_of_the_keys():
+    """The ring sends a member's K / V rows as views of its own tensors where they are one contiguous range (no pack
+    copy), and packs them (once per call and ranges) where they are scattered or strided (a dense batch of two)."""
+    from fa4dist.context_parallel.ring import RingPeers, _Exchange
+
+    plan = make_plan(64, 2, "contiguous", causal=True)
+    sched = Schedule(plan, 1, plan.mask)
+    for batch in (1, 2):
+        k, v = torch.randn(batch, 32, 2, 8), torch.randn(batch, 32, 2, 8)
+        exchange = _Exchange(sched, RingPeers(None, [0, 1], 0), k, v, "forward")
+        one = exchange._send_parts(((4, 20),))
+        scattered = exchange._send_parts(((0, 4), (10, 6)))
+        assert torch.equal(one[0], k[:, 4:24]) and torch.equal(one[1], v[:, 4:24])
+        assert torch.equal(scattered[0], torch.cat([k[:, 0:4], k[:, 10:16]], 1))
+        assert (one[0].data_ptr() == k[:, 4:].data_ptr()) == (batch == 1)  # a view: the same memory
+        assert scattered[0].data_ptr() != k.data_ptr()
+        again = exchange._send_parts(((0, 4), (10, 6)))
+        assert again[0].data_ptr() == scattered[0].data_ptr()  # packed once
