@@ -1,7 +1,7 @@
 """Ring attention over the members of a :class:`~fa4dist.context_parallel.schedule.Schedule`.
 
-Forward: at step ``t`` member ``m`` sends the key rows that member ``m + t`` reads (K and V at the KV head count, two
-messages: views of its own rows where they are one contiguous range, else packed once) straight to it, and
+Forward: at step ``t`` member ``m`` sends the key rows that member ``m + t`` reads (K and V at the KV head count, a
+message pair per row range, views of its own rows; a dense batch's packed into one pair once) straight to it, and
 receives from ``m - t`` the rows it reads itself (into one flat buffer); rows nobody
 reads are never sent, and a step with nothing to receive is not computed (with a sliding window most steps carry
 nothing).  The transfer of the next step is posted before a step computes, so it overlaps.  Every step is one
@@ -282,7 +282,10 @@ class _Exchange:
     def __init__(self, sched: Schedule, ring: RingPeers, k: torch.Tensor, v: torch.Tensor, direction: str):
         self.sched, self.ring, self.k, self.v, self.direction = sched, ring, k, v, direction
         self.sd = 0 if sched.plan.packed else 1
-        self._packed: dict = {}  # gathered send buffers by ranges (a scattered send is packed once)
+        self._packed: dict = {}  # gathered send buffers by ranges (a dense batch's send is packed once)
+        # one message pair per row range, each a view of the rows it moves (no pack copy), where every member's
+        # ranges are contiguous rows: one sequence or packed documents (the batch is agreed by every rank)
+        self._per_range = grouped_launch_allowed(sched, k)
         self._posted: list = []  # this call's transfers (Pending), to tell whether any is still in flight
 
     def abandoned_on_failure(self):
@@ -291,19 +294,32 @@ class _Exchange:
         return abandoned_on_failure(self.ring.transport, self._posted,
                                     f"its {self.direction} ring steps with transfers")
 
-    def _send_parts(self, ranges) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of this member's rows `ranges` (merged, sorted), to send: views of its own rows where they are
-        one contiguous range (no copy: at cp = 2 the pack was a copy of all of a member's K / V per direction),
-        else packed once per call."""
-        if len(ranges) == 1:
-            start, n = ranges[0]
-            parts = (self.k.narrow(self.sd, start, n), self.v.narrow(self.sd, start, n))
-            if all(p.is_contiguous() for p in parts):
-                return parts
+    def _send_parts(self, ranges) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (K, V) messages that carry this member's rows `ranges` (merged, sorted): one pair per range, views of
+        its own rows (copied only where the caller's tensors are strided), or for a dense batch one pair packed once
+        per call.  (The pack was a copy of all of a member's K / V per direction at cp = 2.)"""
+        if self._per_range:
+            parts = []
+            for start, n in ranges:
+                pair = (self.k.narrow(self.sd, start, n), self.v.narrow(self.sd, start, n))
+                parts.append(tuple(t if t.is_contiguous() else t.contiguous() for t in pair))
+            return parts
         buf = self._packed.get(ranges)
         if buf is None:
             buf = self._packed[ranges] = KVBuffer.gather(self.k, self.v, ranges, self.sd)
-        return buf.k, buf.v
+        return [(buf.k, buf.v)]
+
+    def _recv_parts(self, held: KVBuffer, at: int, ranges) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Where the sender's :meth:`_send_parts` messages of rows `ranges` land in `held`, from its row `at` on."""
+        sd = self.sd
+        if not self._per_range:
+            total = sum(n for _, n in ranges)
+            return [(held.k.narrow(sd, at, total), held.v.narrow(sd, at, total))]
+        parts = []
+        for _, n in ranges:
+            parts.append((held.k.narrow(sd, at, n), held.v.narrow(sd, at, n)))
+            at += n
+        return parts
 
     def post_keys(self, step: int) -> "IncomingKeys":
         """Posts step `step`'s sends and receives of key rows; returns what will hold the received rows (with the
@@ -313,13 +329,14 @@ class _Exchange:
         k_tag, v_tag = _KEY_TAGS[self.direction]
         sends, recvs = [], []
         if send_ranges:
-            k_part, v_part = self._send_parts(send_ranges)
             peer = ring.peer(sched.dest(m, step))
-            sends = [(k_part, peer, k_tag), (v_part, peer, v_tag)]
+            sends = [msg for kp, vp in self._send_parts(send_ranges) for msg in ((kp, peer, k_tag), (vp, peer, v_tag))]
         held = KVBuffer.empty(self.k, self.v, recv_len, self.sd) if recv_len else None
         if held is not None:
-            peer = ring.peer(sched.source(m, step))
-            recvs = [(held.k, peer, k_tag), (held.v, peer, v_tag)]
+            source = sched.source(m, step)
+            peer = ring.peer(source)
+            recvs = [msg for kp, vp in self._recv_parts(held, 0, sched.needed(m, source))
+                     for msg in ((kp, peer, k_tag), (vp, peer, v_tag))]
         items = sched.items(m, sched.source(m, step)) if held is not None else ()
         return IncomingKeys(self._post(sends, recvs, f"K/V of {self.direction} ring step {step}"), held, items)
 
@@ -338,15 +355,17 @@ class _Exchange:
         for t in group:
             send_ranges = sched.send_ranges(m, t)
             if send_ranges:
-                (k_part, v_part), peer = self._send_parts(send_ranges), ring.peer(sched.dest(m, t))
-                sends += [(k_part, peer, k_tag), (v_part, peer, v_tag)]
+                peer = ring.peer(sched.dest(m, t))
+                sends += [msg for kp, vp in self._send_parts(send_ranges)
+                          for msg in ((kp, peer, k_tag), (vp, peer, v_tag))]
         for t, at, n in places:
             if n:
-                peer = ring.peer(sched.source(m, t))
-                parts = (held.k.narrow(sd, at, n), held.v.narrow(sd, at, n))
-                if not all(p.is_contiguous() for p in parts):  # grouped_launch_allowed rules this out
+                source = sched.source(m, t)
+                parts = self._recv_parts(held, at, sched.needed(m, source))
+                if not all(p.is_contiguous() for pair in parts for p in pair):  # grouped_launch_allowed rules it out
                     raise AssertionError("a grouped ring step's rows must be contiguous in the group buffer")
-                recvs += [(parts[0], peer, k_tag), (parts[1], peer, v_tag)]
+                recvs += [msg for kp, vp in parts for msg in ((kp, ring.peer(source), k_tag),
+                                                               (vp, ring.peer(source), v_tag))]
         pending = self._post(sends, recvs, f"K/V of forward ring steps {list(group)}")
         return IncomingKeys(pending, held, items if held is not None else ())
 

@@ -159,21 +159,33 @@ def test_member_backward_written_fresh_equals_zero_filled(packed):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_a_send_of_one_contiguous_range_is_a_view_of_the_keys():
-    """The ring sends a member's K / V rows as views of its own tensors where they are one contiguous range (no pack
-    copy), and packs them (once per call and ranges) where they are scattered or strided (a dense batch of two)."""
+def test_ring_sends_are_views_of_the_keys_one_message_pair_per_range():
+    """The ring sends a member's K / V rows as one message pair per row range, views of its own tensors (no pack
+    copy; a strided caller's range copied alone), where rows are contiguous per range (one sequence, packed
+    documents); a dense batch of two packs its ranges into one pair, once per call and ranges.  The receiver's
+    places match the sender's messages one for one."""
     from fa4dist.context_parallel.ring import RingPeers, _Exchange
 
     plan = make_plan(64, 2, "contiguous", causal=True)
     sched = Schedule(plan, 1, plan.mask)
+    ranges = ((0, 4), (10, 6))
     for batch in (1, 2):
         k, v = torch.randn(batch, 32, 2, 8), torch.randn(batch, 32, 2, 8)
         exchange = _Exchange(sched, RingPeers(None, [0, 1], 0), k, v, "forward")
-        one = exchange._send_parts(((4, 20),))
-        scattered = exchange._send_parts(((0, 4), (10, 6)))
-        assert torch.equal(one[0], k[:, 4:24]) and torch.equal(one[1], v[:, 4:24])
-        assert torch.equal(scattered[0], torch.cat([k[:, 0:4], k[:, 10:16]], 1))
-        assert (one[0].data_ptr() == k[:, 4:].data_ptr()) == (batch == 1)  # a view: the same memory
-        assert scattered[0].data_ptr() != k.data_ptr()
-        again = exchange._send_parts(((0, 4), (10, 6)))
-        assert again[0].data_ptr() == scattered[0].data_ptr()  # packed once
+        parts = exchange._send_parts(ranges)
+        held = KVBuffer.empty(k, v, 10, 1)
+        places = exchange._recv_parts(held, 0, ranges)
+        assert [tuple(p.shape) for pair in parts for p in pair] == [tuple(p.shape) for pair in places for p in pair]
+        for (kp, vp), (kh, vh) in zip(parts, places):  # what the transport does with each message
+            kh.copy_(kp)
+            vh.copy_(vp)
+        assert torch.equal(held.k, torch.cat([k[:, 0:4], k[:, 10:16]], 1))
+        assert torch.equal(held.v, torch.cat([v[:, 0:4], v[:, 10:16]], 1))
+        if batch == 1:
+            assert len(parts) == 2 and parts[1][0].data_ptr() == k[:, 10:].data_ptr()  # views: the same memory
+        else:
+            assert len(parts) == 1 and exchange._send_parts(ranges)[0][0].data_ptr() == parts[0][0].data_ptr()
+    strided = torch.randn(1, 2, 32, 8).transpose(1, 2)  # (1, 32, 2, 8) with a strided sequence dim
+    exchange = _Exchange(sched, RingPeers(None, [0, 1], 0), strided, strided, "forward")
+    kp, _ = exchange._send_parts(((3, 5),))[0]
+    assert kp.is_contiguous() and torch.equal(kp, strided[:, 3:8])
