@@ -270,6 +270,7 @@ class RingPeers:
         return self.ranks[member % self.size]
 
 
+MAX_RANGE_MESSAGES = 8  # more row ranges than this in one step's send are packed (each message has its latency)
 # message tags: K and V of a ring step (gloo matches by tag, NCCL by posting order; both sides post alike)
 _KEY_TAGS = {"forward": (10, 11), "backward": (20, 22)}
 _GRADS_TAG = 21  # a backward step's dK / dV partial, back to the keys' owner
@@ -294,11 +295,16 @@ class _Exchange:
         return abandoned_on_failure(self.ring.transport, self._posted,
                                     f"its {self.direction} ring steps with transfers")
 
+    def _by_range(self, ranges) -> bool:
+        """Whether rows `ranges` travel as one message pair per range (else packed into one pair): a function of
+        the agreed batch and the schedule, so the sender and the receiver pick alike."""
+        return self._per_range and len(ranges) <= MAX_RANGE_MESSAGES
+
     def _send_parts(self, ranges) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The (K, V) messages that carry this member's rows `ranges` (merged, sorted): one pair per range, views of
-        its own rows (copied only where the caller's tensors are strided), or for a dense batch one pair packed once
-        per call.  (The pack was a copy of all of a member's K / V per direction at cp = 2.)"""
-        if self._per_range:
+        its own rows (copied only where the caller's tensors are strided), or (a dense batch, or many ranges) one
+        pair packed once per call.  (The pack was a copy of all of a member's K / V per direction at cp = 2.)"""
+        if self._by_range(ranges):
             parts = []
             for start, n in ranges:
                 pair = (self.k.narrow(self.sd, start, n), self.v.narrow(self.sd, start, n))
@@ -312,7 +318,7 @@ class _Exchange:
     def _recv_parts(self, held: KVBuffer, at: int, ranges) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Where the sender's :meth:`_send_parts` messages of rows `ranges` land in `held`, from its row `at` on."""
         sd = self.sd
-        if not self._per_range:
+        if not self._by_range(ranges):
             total = sum(n for _, n in ranges)
             return [(held.k.narrow(sd, at, total), held.v.narrow(sd, at, total))]
         parts = []

@@ -185,6 +185,10 @@ def test_ring_sends_are_views_of_the_keys_one_message_pair_per_range():
             assert len(parts) == 2 and parts[1][0].data_ptr() == k[:, 10:].data_ptr()  # views: the same memory
         else:
             assert len(parts) == 1 and exchange._send_parts(ranges)[0][0].data_ptr() == parts[0][0].data_ptr()
+    many = tuple((3 * i, 2) for i in range(10))  # more ranges than MAX_RANGE_MESSAGES: packed into one pair
+    k1, v1 = k[:1].contiguous(), v[:1].contiguous()
+    exchange = _Exchange(sched, RingPeers(None, [0, 1], 0), k1, v1, "forward")
+    assert len(exchange._send_parts(many)) == len(exchange._recv_parts(KVBuffer.empty(k1, v1, 20, 1), 0, many)) == 1
     strided = torch.randn(1, 2, 32, 8).transpose(1, 2)  # (1, 32, 2, 8) with a strided sequence dim
     exchange = _Exchange(sched, RingPeers(None, [0, 1], 0), strided, strided, "forward")
     kp, _ = exchange._send_parts(((3, 5),))[0]
