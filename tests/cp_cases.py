@@ -74,17 +74,25 @@ def environment(values: dict):
                 os.environ[name] = value
 
 
-def run_case(rank, world, *, ring_steps_per_launch=None, ring_forward_lanes=None, ulysses_chunks=None, **case):
+def run_case(rank, world, *, ring_steps_per_launch=None, ring_forward_lanes=None, ulysses_chunks=None,
+             ring_max_range_messages=None, **case):
     """Max abs errors of the local out, dq, dk, dv against the fp64 oracle (None on ranks outside the group):
     :func:`_run_case`'s, with ``ring_steps_per_launch`` (the ring forward's launch groups,
-    FA4DIST_RING_STEPS_PER_LAUNCH), ``ring_forward_lanes`` (its running results, FA4DIST_RING_FORWARD_LANES) and
-    ``ulysses_chunks`` (the Ulysses head chunks, FA4DIST_ULYSSES_CHUNKS) set for this call."""
-    from fa4dist.context_parallel.ring import LANES_ENV, STEPS_PER_LAUNCH_ENV
+    FA4DIST_RING_STEPS_PER_LAUNCH), ``ring_forward_lanes`` (its running results, FA4DIST_RING_FORWARD_LANES),
+    ``ulysses_chunks`` (the Ulysses head chunks, FA4DIST_ULYSSES_CHUNKS) and ``ring_max_range_messages`` (the ring's
+    ranges per step sent as one message pair each, ring.MAX_RANGE_MESSAGES) set for this call."""
+    from fa4dist.context_parallel import ring
     from fa4dist.context_parallel.ulysses import CHUNKS_ENV
 
-    with environment({STEPS_PER_LAUNCH_ENV: ring_steps_per_launch, LANES_ENV: ring_forward_lanes,
-                      CHUNKS_ENV: ulysses_chunks}):
-        return _run_case(rank, world, **case)
+    default_ranges = ring.MAX_RANGE_MESSAGES
+    if ring_max_range_messages is not None:
+        ring.MAX_RANGE_MESSAGES = ring_max_range_messages
+    try:
+        with environment({ring.STEPS_PER_LAUNCH_ENV: ring_steps_per_launch, ring.LANES_ENV: ring_forward_lanes,
+                          CHUNKS_ENV: ulysses_chunks}):
+            return _run_case(rank, world, **case)
+    finally:
+        ring.MAX_RANGE_MESSAGES = default_ranges
 
 
 def _run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, docs=None, heads=(4, 2), head_dim=8,

@@ -77,6 +77,19 @@ def test_ring_forward_lanes(pool, cp, per_launch, name, case):
                            ring_forward_lanes=2, **case_kwargs(cp, case)), "ring")
 
 
+PACKED_RING = [c for c in RING if "docs" in c[1]]
+
+
+@pytest.mark.parametrize("cp, per_launch", [(3, 1), (4, 0)])
+@pytest.mark.parametrize("name, case", PACKED_RING, ids=[c[0] for c in PACKED_RING])
+def test_ring_sends_of_several_ranges_packed_or_one_pair_each(pool, cp, per_launch, name, case):
+    """Packed documents, whose steps send one or several row ranges: with at most one range per message pair, the
+    sends of several ranges are packed into one pair while single ranges go as views (both ways in one run, with
+    and without launch groups), against the fp64 oracle."""
+    check_results(pool.run(run_case, cp=cp, strategy="ring", ring_steps_per_launch=per_launch,
+                           ring_max_range_messages=1, **case_kwargs(cp, case)), "ring")
+
+
 def test_hybrid_forward_lanes(pool):
     """The hybrid's ring stage takes the lanes too (packed documents, GQA, a window, softcap, sinks, a loss of out
     and lse), against the fp64 oracle."""
