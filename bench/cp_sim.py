@@ -39,6 +39,7 @@ import argparse
 import datetime
 import io
 import json
+import math
 import os
 import statistics
 import sys
@@ -243,21 +244,35 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                         fwd = run_rank_fwd(sched, r, qr, kr, vr, rank_launches(sched, r, held, 1), headdim, opts)
                         out_r, lse_r = fwd.out.to(dtype), fwd.lse
 
+                        # the dK / dV partials rank r gets back for the rows it sent at each step: views of one
+                        # zero buffer (their values do not matter here: the owner's adds are what is timed)
+                        returned = {t: (returned_partial(kr, vr, sched.send_ranges(r, t), acc),
+                                        sched.send_ranges(r, t))
+                                    for t in sched.steps() if sched.send_ranges(r, t)}
+
                         def run_rank(r=r, qr=qr, kr=kr, vr=vr, dr=dr, out_r=out_r, lse_r=lse_r, held=held,
-                                     sched=sched, share=direction != "bwd_per_call",
+                                     sched=sched, returned=returned, share=direction != "bwd_per_call",
                                      fresh=direction != "bwd_zero_fill",
                                      dlse_r=dlse_shards[r] if direction == "bwd_lse" else None):
                             # as the ring engine (MemberBackward): the own keys' work in two halves around the remote
                             # steps, one shared query side (bwd_per_call: a query side per call), dK / dV written by
-                            # their first step (bwd_zero_fill: zero-filled and added into)
+                            # their first step (bwd_zero_fill: zero-filled and added into), and each step's returned
+                            # partial added into dK / dV one step later, the last one's at the end
                             member = MemberBackward(sched, r, dr, qr, kr, vr, out_r, lse_r, opts, dlse_r,
                                                     remote=bool(sched.steps()), share=share, fresh=fresh)
                             member.own_start()
-                            for t in sched.member_steps(r):
+                            previous = None
+                            for t in sched.steps():
                                 s = sched.source(r, t)
-                                member.remote(s, held[(r, s)])
+                                if (r, s) in held:
+                                    member.remote(s, held[(r, s)])
+                                if previous is not None:
+                                    previous[0].add_into(member.dk, member.dv, previous[1], 1)
+                                previous = returned.get(t)
                             member.own_end()
                             member.finish()
+                            if previous is not None:
+                                previous[0].add_into(member.dk, member.dv, previous[1], 1)
                     runners.append(run_rank)
                     if r in args.profile_ranks:
                         profiles[r] = profile_kernels(run_rank, device, cprofile=args.cprofile if not profiles else 0)
@@ -386,6 +401,21 @@ def profile_kernels(fn, device: torch.device, top: int = 40, cprofile: int = 0) 
     rows.sort(key=lambda k: -k["ms"])
     return dict(kernels=rows[:top], busy_ms=sum(k["ms"] for k in rows), span_ms=span, host_ms=host * 1e3,
                 syncs=syncs, python_profile=stats.getvalue())
+
+
+_ZEROS: dict = {}  # (dtype, device) -> the largest zero buffer returned_partial has handed out views of
+
+
+def returned_partial(k, v, ranges, dtype) -> KVBuffer:
+    """A dK / dV partial for the rows `ranges` of k / v (fp32 zeros): a view of one shared zero buffer, grown as
+    needed, so that the simulation holds no partial per rank and step."""
+    ks, vs = KVBuffer.shapes(k, v, sum(n for _, n in ranges), 1)
+    numel = math.prod(ks) + math.prod(vs)
+    key = (dtype, k.device)
+    zeros = _ZEROS.get(key)
+    if zeros is None or zeros.numel() < numel:
+        zeros = _ZEROS[key] = torch.zeros(numel, dtype=dtype, device=k.device)
+    return KVBuffer(zeros[:numel], ks, vs)
 
 
 def run_rank_kernels(sched, r, shard, held, opts):
