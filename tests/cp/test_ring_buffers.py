@@ -68,6 +68,19 @@ def test_a_members_first_step_writes_its_rows_unfilled(packed):
         assert not empty.flat.any()
 
 
+def _members(packed: bool, cp: int, tensors: int, seed: int):
+    """A causal LPT schedule of five documents (or 200 dense tokens) over `cp` members, the reference backend's
+    options, the token dim, `tensors` random fp64 tensors per member (its rows, 2 heads of 8) and the generator."""
+    plan = make_plan(torch.tensor([0, 37, 40, 130, 131, 200]) if packed else 200, cp, "lpt", causal=True)
+    sched = Schedule(plan, 1, plan.mask)
+    opts = KernelOptions(softmax_scale=None, softcap=None, backend="reference", deterministic=False)
+    gen = torch.Generator().manual_seed(seed)
+    shape = (lambda n: (n, 2, 8)) if packed else (lambda n: (1, n, 2, 8))
+    shards = [[torch.randn(shape(sched.members[m].length), dtype=torch.float64, generator=gen)
+               for _ in range(tensors)] for m in range(cp)]
+    return sched, opts, 0 if packed else 1, shards, gen
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_forward_lanes_merge_their_launches_in_lane_order(packed):
     """ForwardLanes with two lanes: the launches that compute merge into lanes 0, 1, 0, ... (a launch that received
@@ -76,15 +89,7 @@ def test_forward_lanes_merge_their_launches_in_lane_order(packed):
     when a single launch computes (reference backend)."""
     from fa4dist.kernels.merge import merge_into_
 
-    docs = torch.tensor([0, 37, 40, 130, 131, 200])
-    plan = make_plan(docs if packed else 200, 4, "lpt", causal=True)
-    sched = Schedule(plan, 1, plan.mask)
-    opts = KernelOptions(softmax_scale=None, softcap=None, backend="reference", deterministic=False)
-    gen = torch.Generator().manual_seed(5)
-    tok = 0 if packed else 1
-    shape = (lambda n: (n, 2, 8)) if packed else (lambda n: (1, n, 2, 8))
-    shards = [[torch.randn(shape(sched.members[m].length), dtype=torch.float64, generator=gen) for _ in range(3)]
-              for m in range(4)]
+    sched, opts, tok, shards, _ = _members(packed, 4, 3, seed=5)
     nothing = IncomingKeys(None, None, ())  # a step whose keys this member does not read
 
     def run(lanes, q, launches):
@@ -124,15 +129,7 @@ def test_member_backward_written_fresh_equals_zero_filled(packed):
     equal one call on all the own keys (fp64, reference backend)."""
     from fa4dist.context_parallel.ring import MemberBackward
 
-    docs = torch.tensor([0, 37, 40, 130, 131, 200])
-    plan = make_plan(docs if packed else 200, 3, "lpt", causal=True)
-    sched = Schedule(plan, 1, plan.mask)
-    opts = KernelOptions(softmax_scale=None, softcap=None, backend="reference", deterministic=False)
-    gen = torch.Generator().manual_seed(11)
-    tok = 0 if packed else 1
-    shape = (lambda n: (n, 2, 8)) if packed else (lambda n: (1, n, 2, 8))
-    shards = [[torch.randn(shape(sched.members[m].length), dtype=torch.float64, generator=gen) for _ in range(5)]
-              for m in range(3)]
+    sched, opts, tok, shards, gen = _members(packed, 3, 5, seed=11)
     for m in range(3):
         dout, q, k, v, out = shards[m]
         n = sched.members[m].length
