@@ -15,8 +15,9 @@
 # - lanes: FA4DIST_RING_FORWARD_LANES (prepared in the forty-sixth session without a GPU: the ring forward's
 #   consecutive launches merge into two running results on two streams, so one launch's last partial wave overlaps
 #   the next). Its GPU tests (two streams against one stream's bytes, three runs; the staged-rank ring against the
-#   oracle), then the cp = 8 / 4 / 2 simulation with and without it, one launch per step and all in one. Predicted:
-#   cp = 8 one launch per step 0.905 -> 0.93 (the per-launch tails cost ~3.5%: item_forms, twenty-seventh session).
+#   oracle; the whole file, for the ring's new per-range sends), then the cp = 8 / 4 / 2 simulation with and
+#   without it, one launch per step and all in one. Predicted: cp = 8 one launch per step 0.905 -> 0.93 (the
+#   per-launch tails cost ~3.5%: item_forms, twenty-seventh session).
 #   Then the simulated backward with the ring's own halves (MemberBackward).
 # - scratch_host, handoff, fwd_long: as gpu_session_47.sh (scratch_host needs .kwt carried, a fresh machine).
 # One call: source .devwheels/install.sh && bash bench/sessions/gpu_session_49.sh [reset_counter] [marks_192] ...
@@ -52,8 +53,9 @@ for s in ${*:-marks_192}; do
           --launches real --calls 500 --loops 5"
       done ;;
     lanes)
-      TAIL_LINES=6 stage lanes_tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/cp/test_cp_gpu.py \
-        -k "lanes"
+      # the whole file: the ring's sends (one message pair per row range since the forty-sixth session, the default
+      # path) through the staged transport on CUDA tensors, and the lanes' tests
+      TAIL_LINES=8 stage lanes_tests 320 python3 -m pytest -m gpu -q -p no:cacheprovider tests/cp/test_cp_gpu.py
       pkill -f "pytest" 2>/dev/null
       TAIL_LINES=24 stage lanes_sim 330 python3 bench/cp_sim.py --seqlens 131072 --cp 8 4 2 --balancers lpt \
         --directions fwd --steps-per-launch 1 0 --forward-lanes 1 2 --reps 6 --queue-ahead-ms 8 --back-to-back \
