@@ -25,7 +25,10 @@ set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s49 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
 [ -n "${NO_BUNDLE:-}" ] || bundle_folders_on_exit
-for s in ${*:-marks_192}; do
+# the compound stages expand into their parts, which can also be named alone (a call has at most 600 s)
+stages=$(echo " ${*:-marks_192} " | sed -e 's/ reset_counter / reset_tests reset_bench /g' \
+  -e 's/ lanes / lanes_tests lanes_sim sim_bwd_halves /g')
+for s in $stages; do
   case $s in
     marks_192)
       TAIL_LINES=20 stage marks_192 270 python3 bench/kernels.py --headdims 64 --seqlens 4096 16384 \
@@ -37,10 +40,11 @@ for s in ${*:-marks_192}; do
     marks_packed_h200)
       TAIL_LINES=8 stage marks_packed 150 python3 bench/packed_tiles.py --doclen 512 1024 --rounds 5 \
         --queue-ahead-ms 3 --variants defer_v_marks=0 ;;
-    reset_counter)
+    reset_tests)
       TAIL_LINES=6 stage reset_tests 240 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider \
         tests/kernels/test_cute_fwd_gpu.py -k "reset_counter"
-      pkill -f "pytest|xdist" 2>/dev/null
+      pkill -f "pytest|xdist" 2>/dev/null ;;
+    reset_bench)
       rm -rf /tmp/reset_pkg && mkdir -p /tmp/reset_pkg && cp -r fa4dist bench /tmp/reset_pkg/
       sed -i 's/^    reset_counter: bool = False$/    reset_counter: bool = True/' /tmp/reset_pkg/fa4dist/kernels/cute/forward.py
       grep -q "^    reset_counter: bool = True$" /tmp/reset_pkg/fa4dist/kernels/cute/forward.py || echo "reset_pkg: NOT FLIPPED"
@@ -52,21 +56,23 @@ for s in ${*:-marks_192}; do
         TAIL_LINES=2 stage "reset_host_$who" 120 bash -c "cd $root && python3 bench/host_python.py --device cuda \
           --launches real --calls 500 --loops 5"
       done ;;
-    lanes)
+    lanes_tests)
       # the whole file: the ring's sends (one message pair per row range since the forty-sixth session, the default
       # path) through the staged transport on CUDA tensors, and the lanes' tests
       TAIL_LINES=8 stage lanes_tests 320 python3 -m pytest -m gpu -q -p no:cacheprovider tests/cp/test_cp_gpu.py
-      pkill -f "pytest" 2>/dev/null
-      TAIL_LINES=24 stage lanes_sim 330 python3 bench/cp_sim.py --seqlens 131072 --cp 8 4 2 --balancers lpt \
+      pkill -f "pytest" 2>/dev/null ;;
+    lanes_sim)
+      TAIL_LINES=24 stage lanes_sim 330 python3 bench/cp_sim.py --seqlens 131072 --cp 8 4 --balancers lpt \
         --directions fwd --steps-per-launch 1 0 --forward-lanes 1 2 --reps 6 --queue-ahead-ms 8 --back-to-back \
-        --tag lanes
+        --tag lanes ;;
+    sim_bwd_halves)
       # the simulated backward now splits the own keys' work in two halves as the ring does (MemberBackward,
       # forty-sixth session): one launch more per rank than the 0.950 recorded in the twenty-seventh session
       TAIL_LINES=8 stage sim_bwd_halves 200 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
         --directions bwd --reps 4 --queue-ahead-ms 8 --back-to-back --tag bwd_halves ;;
     scratch_host|handoff|fwd_long)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_47.sh" "$s" ;;
-    *) echo "unknown stage $s (marks_192 | marks_packed_h200 | reset_counter | lanes | scratch_host | handoff |" \
-         "fwd_long)"; exit 2 ;;
+    *) echo "unknown stage $s (marks_192 | marks_packed_h200 | reset_counter = reset_tests reset_bench | lanes =" \
+         "lanes_tests lanes_sim sim_bwd_halves | scratch_host | handoff | fwd_long)"; exit 2 ;;
   esac
 done
