@@ -95,8 +95,9 @@ EXTRA = [
     # sanitizer before the next S GEMM), with a window's bottom blocks
     (torch.bfloat16, 128, True, False, False, {"defer_v_marks": False, "window_left": 300}),
     (torch.bfloat16, 64, True, False, False, {"defer_v_marks": True}),  # ... and deferred on 192-row tiles
-    # the tile counter set back to 0 by the launch's last claim (the host then reuses the stream's counter)
-    (torch.bfloat16, 128, True, False, False, {"reset_counter": True}),
+    # a fresh zeroed tile counter per launch (the knob's off position: by default the launch's last claim sets the
+    # counter back to 0 and the host reuses the stream's counter)
+    (torch.bfloat16, 128, True, False, False, {"reset_counter": False}),
     # hdim 256 on the persistent grid (O stored directly: no room for its staging tile), and a work list
     (torch.bfloat16, 256, False, False, False, {"tma_store_o": False, "persistent_ctas": 132}),
     (torch.bfloat16, 256, True, True, True, {"worklist": True}),

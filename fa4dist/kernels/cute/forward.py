@@ -134,9 +134,9 @@ class FwdConfig:
     # dynamic_tiles: the launch's last claim sets the tile counter back to 0 (tile_scheduler.TileClaims.
     # reset_after_last), and the host passes the stream's own counter instead of a fresh zeroed one
     # (host.tile_counter: no allocation and no fill launch per call, ~15-20 us of host time on CUDA by the
-    # forty-second session's profile). The same bits. Off: prepared in the forty-fifth session without a GPU, not
-    # yet run there
-    reset_counter: bool = False
+    # forty-second session's profile). The same bits. Default since the forty-seventh session: its GPU suites
+    # pass with it on, do_bench's short forwards +0-1%, 3 us less host per forward call (bench/RESULTS.md)
+    reset_counter: bool = True
     # accumulate: the merge with fixed roundings (fwd_sm90.merge_running), the same bits in every compiled variant
     # (persistent or not; without it they may differ by 1-2 ulp); off while merges are not persistent by default
     exact_merge: bool = False

@@ -169,14 +169,25 @@ _STREAM_COUNTERS: dict = {}
 
 
 def _stream_counter(stream):
-    """A zeroed (1,) int32 counter for ``stream``, allocated and filled on a side stream: an allocation on the
-    current stream could land in a memory pool that routes it (torch.compile's CUDA graphs warm up in theirs, and
-    refuse a block of the pool that outlives the warm-up); ``stream`` waits for the fill."""
-    side = torch.cuda.Stream(stream.device)
-    with torch.cuda.stream(side):
-        counter = torch.zeros(1, dtype=torch.int32, device=stream.device)
-    stream.wait_stream(side)
-    return counter
+    """A zeroed (1,) int32 counter for ``stream``, allocated and filled by a helper thread on its own stream:
+    torch.compile's CUDA graphs warm up with the calling thread's allocations routed into their pool, and refuse a
+    block of the pool that outlives the warm-up (the routing is per thread, so a side stream alone is not enough);
+    ``stream`` waits for the fill."""
+    made = {}
+
+    def allocate():
+        side = torch.cuda.Stream(stream.device)
+        with torch.cuda.stream(side):
+            made["counter"] = torch.zeros(1, dtype=torch.int32, device=stream.device)
+        made["side"] = side
+
+    helper = threading.Thread(target=allocate, name="fa4dist-tile-counter")
+    helper.start()
+    helper.join()
+    if "counter" not in made:
+        raise RuntimeError(f"could not allocate the tile counter of stream {stream} (see the helper thread's error)")
+    stream.wait_stream(made["side"])
+    return made["counter"]
 
 
 def check_qkv(q, k, v, head_dims, *, cu_seqlens_q=None, cu_seqlens_k=None, what="kernel"):
