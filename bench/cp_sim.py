@@ -1,7 +1,7 @@
 """Ring context parallelism simulated on one device: every simulated rank's real ring-step kernel calls.
 
 For cp in {2, 4, 8} and causal sequences up to 128k tokens (H=16, D=128, bf16), each simulated rank runs exactly
-the contract calls the ring engine makes at each of its steps (``fa4dist.context_parallel.ring.ForwardLanes`` /
+the contract calls the ring engine makes at each of its steps (``fa4dist.context_parallel.ring.MemberForward`` /
 ``MemberBackward``: real partial blocks with global offsets, trimmed to what the mask lets through, real fp32 merges
 through the contract's accumulate mode) against the key rows it would receive at that step.  Reported per balancer
 (contiguous, zigzag, LPT):
@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fa4dist.context_parallel import Schedule, make_plan  # noqa: E402
 from fa4dist.context_parallel.plan import BALANCERS  # noqa: E402
 from fa4dist.context_parallel.ring import (  # noqa: E402
-    ForwardLanes, HeldKV, IncomingKeys, KernelOptions, KVBuffer, MemberBackward, accum_dtype,
+    HeldKV, IncomingKeys, KernelOptions, KVBuffer, MemberBackward, MemberForward, accum_dtype,
 )
 from fa4dist.kernels import attention_backward, attention_forward, available_backends  # noqa: E402
 from timing import spin_cycles_per_second  # noqa: E402  (bench/, the script's folder)
@@ -226,20 +226,17 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
             bytes_bwd = bytes_fwd + largest * row_bytes * acc_elt
             model = plan.balance_report()
             steps = [1 + len(sched.member_steps(r)) for r in range(cp)]
-            runs = [(d, g, lanes) for d in args.directions for g in (args.steps_per_launch if d == "fwd" else [1])
-                    for lanes in (args.forward_lanes if d == "fwd" else [1])]
-            for direction, per_launch, lanes in runs:
+            runs = [(d, g) for d in args.directions for g in (args.steps_per_launch if d == "fwd" else [1])]
+            for direction, per_launch in runs:
                 label = direction if per_launch == 1 else f"fwd/{per_launch or 'all'}"
-                label += f"~{lanes}" if lanes > 1 else ""
                 runners, profiles = [], {}
                 for r in range(cp):
                     qr, kr, vr, dr = shards[r]
                     if direction in ("fwd", "fwd_zero_fill"):
                         launches = rank_launches(sched, r, held, per_launch)
 
-                        def run_rank(r=r, qr=qr, kr=kr, vr=vr, launches=launches, lanes=lanes,
-                                     fill=direction == "fwd_zero_fill"):
-                            run_rank_fwd(sched, r, qr, kr, vr, launches, headdim, opts, lanes, fill)
+                        def run_rank(r=r, qr=qr, kr=kr, vr=vr, launches=launches, fill=direction == "fwd_zero_fill"):
+                            run_rank_fwd(sched, r, qr, kr, vr, launches, headdim, opts, fill)
                     else:
                         fwd = run_rank_fwd(sched, r, qr, kr, vr, rank_launches(sched, r, held, 1), headdim, opts)
                         out_r, lse_r = fwd.out.to(dtype), fwd.lse
@@ -280,7 +277,7 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                     profiles["full"] = profile_kernels(full[direction], device)
                 kernels = []
                 # the same calls without the merges: what a fused epilogue would approach
-                if direction == "fwd" and per_launch == 1 and lanes == 1:
+                if direction == "fwd" and per_launch == 1:
                     kernels = [lambda r=r, shards=shards, held=held: run_rank_kernels(sched, r, shards[r], held, opts)
                                for r in range(cp)]
                 # per round: the whole-sequence call around every rank's run and every rank's kernels alone; the
@@ -299,7 +296,7 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                 nbytes = bytes_fwd if direction.startswith("fwd") else bytes_bwd
                 row = dict(
                     seqlen=seqlen, cp=cp, balancer=balancer, direction=label, window=list(window),
-                    steps_per_launch=per_launch if direction == "fwd" else 1, forward_lanes=lanes,
+                    steps_per_launch=per_launch if direction == "fwd" else 1,
                     t_full_ms=t_full * 1e3, t_rank_ms=[t * 1e3 for t in rank_times],
                     max_rank_ms=slowest * 1e3, efficiency=efficiency,
                     efficiency_rounds=[rd[0] / (cp * max(rd[1:1 + cp])) for rd in rounds],
@@ -450,12 +447,11 @@ def rank_launches(sched, r, held, steps_per_launch: int) -> list:
     return out
 
 
-def run_rank_fwd(sched, r, qr, kr, vr, launches, headdim, opts, lanes: int = 1, fill: bool = False):
-    """As ``ring_forward``: the own step, then each of `launches` (:func:`rank_launches`), over `lanes` running
-    results (``ForwardLanes``). Rows the own step covers are not filled first (fill: every row, as before the
+def run_rank_fwd(sched, r, qr, kr, vr, launches, headdim, opts, fill: bool = False):
+    """As ``ring_forward``: the own step, then each of `launches` (:func:`rank_launches`), merged into one running
+    result (``MemberForward``). Rows the own step covers are not filled first (fill: every row, as before the
     twenty-sixth session)."""
-    fwd = ForwardLanes(sched.members[r], qr, headdim, False, () if fill else sched.items(r, r), 1 + len(launches),
-                       lanes)
+    fwd = MemberForward(sched.members[r], qr, headdim, False, () if fill else sched.items(r, r))
     for kv, items in [(HeldKV(kr, vr), sched.items(r, r))] + launches:
         fwd.launch(qr, IncomingKeys(None, kv, items), opts)
     return fwd.result()
@@ -499,10 +495,6 @@ def main(argv=None):
     p.add_argument("--steps-per-launch", type=int, nargs="+", default=[1],
                    help="the forward's remote steps per launch (ring_forward's launch groups; 0: all remote steps "
                         "in one), one fwd row each (labelled fwd/N)")
-    p.add_argument("--forward-lanes", type=int, nargs="+", default=[1], choices=[1, 2],
-                   help="the forward's running results (ring_forward's lanes, FA4DIST_RING_FORWARD_LANES): 2 merges "
-                        "consecutive launches into two results on two CUDA streams, so one launch's last partial wave "
-                        "overlaps the next launch; one fwd row each (labelled fwd~2)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--window", type=int, default=None,
                    help="causal sliding window: each query sees itself and the WINDOW keys before it "

@@ -10,8 +10,7 @@ efficiency = T_full / (cp x T).  ``--peer`` runs torch.distributed.tensor.experi
 cuDNN SDPA backend on the same sizes (its own T_full: cuDNN SDPA on one GPU).  ``--profile`` traces one ring step on
 rank 0 and reports compute-busy time, communication time and the communication not hidden under compute.  Also
 measured: the per-call agreement check (verify=True against verify=False).  ``--forward-only`` times the forward
-alone (no autograd) on one GPU and across the ranks; ``--ring-forward-lanes 1 2`` one ring row per lane count
-(FA4DIST_RING_FORWARD_LANES).
+alone (no autograd) on one GPU and across the ranks.
 
 Prints a table and writes $OUT/<date>-multigpu.json (or bench/results/) with rows
 ``strategy, balancer, cp, tokens_per_gpu, heads, kv_heads, step_ms, t_full_ms, efficiency, peer``.
@@ -52,9 +51,6 @@ def parse_args(argv=None):
     p.add_argument("--ulysses-chunks", type=int, nargs="+", default=[1],
                    help="Ulysses head chunks to time (FA4DIST_ULYSSES_CHUNKS, every rank alike; ulysses and hybrid "
                         "rows, one row each): each chunk's exchange overlaps the previous chunk's attention")
-    p.add_argument("--ring-forward-lanes", type=int, nargs="+", default=[1], choices=[1, 2],
-                   help="the ring forward's running results to time (FA4DIST_RING_FORWARD_LANES, every rank alike; "
-                        "ring rows, one row each): 2 overlaps one launch's tail with the next launch")
     p.add_argument("--forward-only", action="store_true",
                    help="time the forward alone (no autograd), on one GPU and across the ranks alike")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
@@ -108,7 +104,6 @@ def _window(args) -> tuple[int, int]:
 
 def ours(args, world, device, tokens, heads, kv_heads, rows, t_full_cache):
     import fa4dist
-    from fa4dist.context_parallel.ring import LANES_ENV
     from fa4dist.context_parallel.ulysses import CHUNKS_ENV
     from fa4dist.modules import FA4ContextParallelAttention
 
@@ -136,17 +131,13 @@ def ours(args, world, device, tokens, heads, kv_heads, rows, t_full_cache):
         variants = [dict(verify=True, cp_invariant=False)]
         if strategy != "ring":  # one row per head-chunk count of the Ulysses exchange
             variants = [dict(variant, ulysses_chunks=n) for variant in variants for n in args.ulysses_chunks]
-        else:  # one row per lane count of the ring forward
-            variants = [dict(variant, ring_forward_lanes=n) for variant in variants for n in args.ring_forward_lanes]
         if strategy == "ring" and first:
             variants.append(dict(verify=False, cp_invariant=False))  # the per-call agreement check's cost
         if args.invariant and first:
             variants.append(dict(verify=True, cp_invariant=True))  # cp_invariant's cost
         for variant in variants:
-            options = {name: value for name, value in variant.items()
-                       if name not in ("ulysses_chunks", "ring_forward_lanes")}
+            options = {name: value for name, value in variant.items() if name != "ulysses_chunks"}
             os.environ[CHUNKS_ENV] = str(variant.get("ulysses_chunks", 1))  # (read per call, every rank alike)
-            os.environ[LANES_ENV] = str(variant.get("ring_forward_lanes", 1))
             module = FA4ContextParallelAttention(dist.group.WORLD, strategy=strategy, causal=True,
                                                  window=_window(args), deterministic=args.deterministic, **options)
             try:
@@ -292,7 +283,6 @@ def _print(row):
               + (f"  window {row['window']}: {row['speedup']:.2f}x one GPU" if row.get("window") else "")
               + (f"  verify={row['verify']} cp_invariant={row['cp_invariant']}" if 'verify' in row else "")
               + (f"  chunks {row['ulysses_chunks']}" if row.get("ulysses_chunks", 1) > 1 else "")
-              + (f"  lanes {row['ring_forward_lanes']}" if row.get("ring_forward_lanes", 1) > 1 else "")
               + ("  (forward)" if row.get("direction") == "fwd" else "")
               + (f"  [{row['peer']}]" if row["peer"] else ""), flush=True)
 

@@ -74,13 +74,13 @@ def environment(values: dict):
                 os.environ[name] = value
 
 
-def run_case(rank, world, *, ring_steps_per_launch=None, ring_forward_lanes=None, ulysses_chunks=None,
-             ring_max_range_messages=None, **case):
+def run_case(rank, world, *, ring_steps_per_launch=None, ulysses_chunks=None, ring_max_range_messages=None,
+             **case):
     """Max abs errors of the local out, dq, dk, dv against the fp64 oracle (None on ranks outside the group):
     :func:`_run_case`'s, with ``ring_steps_per_launch`` (the ring forward's launch groups,
-    FA4DIST_RING_STEPS_PER_LAUNCH), ``ring_forward_lanes`` (its running results, FA4DIST_RING_FORWARD_LANES),
-    ``ulysses_chunks`` (the Ulysses head chunks, FA4DIST_ULYSSES_CHUNKS) and ``ring_max_range_messages`` (the ring's
-    ranges per step sent as one message pair each, ring.MAX_RANGE_MESSAGES) set for this call."""
+    FA4DIST_RING_STEPS_PER_LAUNCH), ``ulysses_chunks`` (the Ulysses head chunks, FA4DIST_ULYSSES_CHUNKS) and
+    ``ring_max_range_messages`` (the ring's ranges per step sent as one message pair each, ring.MAX_RANGE_MESSAGES)
+    set for this call."""
     from fa4dist.context_parallel import ring
     from fa4dist.context_parallel.ulysses import CHUNKS_ENV
 
@@ -88,8 +88,7 @@ def run_case(rank, world, *, ring_steps_per_launch=None, ring_forward_lanes=None
     if ring_max_range_messages is not None:
         ring.MAX_RANGE_MESSAGES = ring_max_range_messages
     try:
-        with environment({ring.STEPS_PER_LAUNCH_ENV: ring_steps_per_launch, ring.LANES_ENV: ring_forward_lanes,
-                          CHUNKS_ENV: ulysses_chunks}):
+        with environment({ring.STEPS_PER_LAUNCH_ENV: ring_steps_per_launch, CHUNKS_ENV: ulysses_chunks}):
             return _run_case(rank, world, **case)
     finally:
         ring.MAX_RANGE_MESSAGES = default_ranges

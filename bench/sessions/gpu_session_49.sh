@@ -45,6 +45,7 @@ for s in $stages; do
         tests/kernels/test_cute_fwd_gpu.py -k "reset_counter"
       pkill -f "pytest|xdist" 2>/dev/null ;;
     reset_bench)
+      # (reset_counter is the default since the forty-seventh session: this A/B now compares the same package)
       rm -rf /tmp/reset_pkg && mkdir -p /tmp/reset_pkg && cp -r fa4dist bench /tmp/reset_pkg/
       sed -i 's/^    reset_counter: bool = False$/    reset_counter: bool = True/' /tmp/reset_pkg/fa4dist/kernels/cute/forward.py
       grep -q "^    reset_counter: bool = True$" /tmp/reset_pkg/fa4dist/kernels/cute/forward.py || echo "reset_pkg: NOT FLIPPED"
@@ -62,9 +63,9 @@ for s in $stages; do
       TAIL_LINES=8 stage lanes_tests 320 python3 -m pytest -m gpu -q -p no:cacheprovider tests/cp/test_cp_gpu.py
       pkill -f "pytest" 2>/dev/null ;;
     lanes_sim)
+      # (run in the forty-seventh session with --forward-lanes 1 2: the lanes read 3-5% lower and were removed)
       TAIL_LINES=24 stage lanes_sim 330 python3 bench/cp_sim.py --seqlens 131072 --cp 8 4 --balancers lpt \
-        --directions fwd --steps-per-launch 1 0 --forward-lanes 1 2 --reps 6 --queue-ahead-ms 8 --back-to-back \
-        --tag lanes ;;
+        --directions fwd --steps-per-launch 1 0 --reps 6 --queue-ahead-ms 8 --back-to-back --tag lanes ;;
     sim_bwd_halves)
       # the simulated backward now splits the own keys' work in two halves as the ring does (MemberBackward,
       # forty-sixth session): one launch more per rank than the 0.950 recorded in the twenty-seventh session

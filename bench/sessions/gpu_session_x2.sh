@@ -9,10 +9,8 @@
 #     the one-GPU numbers (32/32 heads, 64k tokens: 0.89 efficiency, ~0.1 of the step in the exposed all-to-alls):
 #     +4-8% at 4 chunks, the first exchange and last return (a quarter each) still exposed; less at 32/8, whose K/V
 #     are a quarter of Q's bytes. If it pays, make the default follow the measurement.
-#   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh lanes   # FA4DIST_RING_FORWARD_LANES 1 / 2
-#     (forty-sixth session): the ring forward's launches alternating between two running results on two streams, so
-#     one launch's tail overlaps the next; at cp = 2 the own step's tail and the remote step's start. Predicted: the
-#     forward +1-2% at cp = 2 (two launches), more at larger cp.
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh forward # the forward alone (no autograd):
+#     ring and Ulysses against one GPU, where the ring's per-range sends (forty-sixth session: no pack copy) act.
 set -u
 PART=${1:-cp}
 source "$(dirname "$0")/../stage.sh"
@@ -43,12 +41,10 @@ case "$PART" in
     TAIL_LINES=10 stage ulysses_chunks_check 150 env FA4DIST_ULYSSES_CHUNKS=4 "${TORCHRUN[@]}" \
       tests/cp/multigpu_check.py
     ;;
-  lanes)
-    TAIL_LINES=10 stage lanes_check 150 env FA4DIST_RING_FORWARD_LANES=2 "${TORCHRUN[@]}" tests/cp/multigpu_check.py
-    TAIL_LINES=10 stage multigpu_lanes_fwd 200 "${TORCHRUN[@]}" bench/multigpu.py --tokens-per-gpu 32768 131072 \
-      --heads 32:8 32:32 --strategies ring --ring-forward-lanes 1 2 --forward-only --reps 5 --out-dir "$OUT/fwd"
-    TAIL_LINES=10 stage multigpu_lanes 200 "${TORCHRUN[@]}" bench/multigpu.py --tokens-per-gpu 32768 131072 \
-      --heads 32:8 --strategies ring --ring-forward-lanes 1 2 --reps 3 --out-dir "$OUT/fwd_bwd"
+  forward)
+    TAIL_LINES=10 stage multigpu_check 150 "${TORCHRUN[@]}" tests/cp/multigpu_check.py
+    TAIL_LINES=10 stage multigpu_fwd 200 "${TORCHRUN[@]}" bench/multigpu.py --tokens-per-gpu 32768 131072 \
+      --heads 32:8 32:32 --strategies ring ulysses --forward-only --reps 5 --out-dir "$OUT/fwd"
     ;;
   recipes)
     # DeepSpeed is not on the GPU image: its wheels (and pydantic's) travel in .dswhl when this part runs.

@@ -45,8 +45,7 @@ from .comm import (CommError, Transport, deepcopy_sharing, exclusive, group_aliv
                    refuse_pickling, world_generation)
 from .gather import gather_backward, gather_forward
 from .plan import ShardPlan
-from .ring import (KernelOptions, RingPeers, accum_dtype, requested_forward_lanes, requested_steps_per_launch,
-                   ring_backward, ring_forward)
+from .ring import KernelOptions, RingPeers, accum_dtype, requested_steps_per_launch, ring_backward, ring_forward
 from .schedule import Schedule
 from .ulysses import HeadSplit, UlyssesGroup, requested_chunks
 
@@ -182,8 +181,7 @@ class _Call:
             acc = gather_forward(self.sched, self.ring, q, k, v, self.opts, self._head_map(q, chunk))
         else:
             acc = ring_forward(self.sched, self.ring, q, k, v, self.opts,
-                               steps_per_launch=self.signature["ring_steps_per_launch"],
-                               lanes=self.signature["ring_forward_lanes"])
+                               steps_per_launch=self.signature["ring_steps_per_launch"])
         member_sinks = self.member_sinks(sinks, chunk)
         if member_sinks is not None:  # the sinks' virtual key block, once per row, after every real key
             merge_sink_(acc.out, acc.lse, member_sinks)
@@ -559,7 +557,7 @@ class ContextParallel:
             head_dim=problem.head_dim, head_dim_v=problem.head_dim_v,
             grad=bool(torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks))),
             cp_invariant=self.cp_invariant, module=self.instance,
-            ring_steps_per_launch=requested_steps_per_launch(), ring_forward_lanes=requested_forward_lanes(),
+            ring_steps_per_launch=requested_steps_per_launch(),
             ulysses_chunks=requested_chunks(),
         )
         return shared, u

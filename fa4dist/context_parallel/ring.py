@@ -13,10 +13,7 @@ the remote steps run in launch groups: a group's transfers land in place in one 
 coalesced work list, merged once per row (then the order is (group, query block, key)).  In the one-GPU simulation
 at cp = 8 every remote step in one launch read 0.940 against 0.905 per step (bench/RESULTS.md, twenty-seventh
 session), but a group waits for all its transfers before it computes, which the simulation does not model: one
-launch per step stays the default until a multi-GPU run decides.  Optionally too (``FA4DIST_RING_FORWARD_LANES=2``,
-:class:`ForwardLanes`) consecutive launches merge into two running results on two CUDA streams, so that one
-launch's last partial wave of tiles overlaps the next launch; the two merge once at the end (order: lane, then
-launch within the lane).
+launch per step stays the default until a multi-GPU run decides.
 
 Backward: the keys go out again the same way; each step's work list (on cute, one main kernel per group of blocks
 with disjoint key rows) recomputes its blocks against the global ``(out, lse)``, adding dQ into the member's shared
@@ -30,19 +27,17 @@ the lse alone passes no dout).
 
 Every member walks the same list of steps (those any member needs) and posts each step's sends and receives
 together (``batch_isend_irecv``), so two members always post the messages between them in the same order and no
-member blocks another, for any ring size.  :class:`ForwardLanes` and :class:`MemberBackward` (a member's steps
+member blocks another, for any ring size.  :class:`MemberForward` and :class:`MemberBackward` (a member's steps
 without the transfers) are also what ``bench/cp_sim.py`` times.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-from ..kernels.merge import merge_into_
 from ..kernels.problem import accum_dtype
 from ..kernels.worklist import (WorkItem, attention_backward_items, attention_forward_items, share_queries,
                                 uncovered_ranges)
@@ -151,81 +146,28 @@ class Accumulators:
         return cls(out, lse, fresh=True)
 
 
-_SIDE_STREAMS: dict = {}  # (device index, caller's stream) -> the side streams of ForwardLanes, made once
+class MemberForward:
+    """A member's forward running result: the launches that compute (the own step first, then each launch group
+    that received keys) merge into one fp32 ``(out, lse)`` in turn, rows the first launch writes left unfilled as in
+    :class:`Accumulators`.  :func:`ring_forward` runs it between its transfers; ``bench/cp_sim.py`` times it.
 
-
-def _side_streams(device: torch.device, count: int) -> list:
-    """`count` CUDA streams for the current stream's forward lanes, made once per (device, current stream) and
-    reused, so that repeated calls neither make streams nor interleave with another caller stream's lanes."""
-    main = torch.cuda.current_stream(device)
-    key = (main.device.index, main.cuda_stream)
-    streams = _SIDE_STREAMS.setdefault(key, [])
-    while len(streams) < count:
-        streams.append(torch.cuda.Stream(main.device))
-    return streams[:count]
-
-
-class ForwardLanes:
-    """The ring forward's launches spread over ``lanes`` running results (:func:`requested_forward_lanes`).
-
-    The launches that compute (the own step first, then each launch group that received keys) merge into lanes 0,
-    1, 0, 1, ...  On CUDA lane 0 runs on the caller's stream and lane ``j > 0`` on a side stream of its own:
-    consecutive launches then write different results, so nothing orders them, and the next launch's first tiles
-    take the SMs that the current launch's last partial wave leaves idle (at cp = 8 a remote step is ~7.8 waves of
-    tiles: one launch per step lost ~3.5% to those tails, bench/RESULTS.md twenty-seventh session).  A lane's result
-    is made when it first computes, rows its first launch writes left unfilled as in :class:`Accumulators`.
-    :meth:`result` waits for every lane and merges lanes 1.. into lane 0 in lane order with the contract's merge: a
-    fixed order given the plan, so deterministic at a fixed layout, with other bits than one lane (the same bits
-    where only one launch computes)."""
+    (Two running results on two CUDA streams, so that a launch's last partial wave overlaps the next launch, were
+    tried in the forty-sixth / forty-seventh sessions and removed: the simulation read 3-5% lower with them at
+    cp = 4 and 8, even with only two launches, bench/RESULTS.md.)"""
 
     def __init__(self, layout: MemberLayout, q: torch.Tensor, head_dim_v: int, packed: bool,
-                 first_items: Sequence[WorkItem], launches: int, lanes: int = 1):
-        count = max(1, min(lanes, launches))
-        self.layout, self.head_dim_v, self.packed = layout, head_dim_v, packed
-        self.accs: list = [Accumulators.empty(layout, q, head_dim_v, packed, first_items)] + [None] * (count - 1)
-        self.streams = [None] * count
-        if q.is_cuda and count > 1:
-            self.streams = [torch.cuda.current_stream(q.device)] + _side_streams(q.device, count - 1)
-            for side in self.streams[1:]:  # the inputs and lane 0's fills come first
-                side.wait_stream(self.streams[0])
-        self.computed = 0  # launches that computed so far
+                 first_items: Sequence[WorkItem]):
+        self.acc = Accumulators.empty(layout, q, head_dim_v, packed, first_items)
 
     def launch(self, q: torch.Tensor, incoming: "IncomingKeys", opts: KernelOptions) -> None:
-        """The next launch: `incoming`'s keys awaited on its lane's stream (a transfer then orders that stream
-        alone), then its work list on them, merged into its lane; nothing more where it received no keys."""
-        lane = self.computed % len(self.accs)
-        stream = self.streams[lane]
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            held = incoming.wait()
-            if held is None:
-                return
-            self.computed += 1
-            if self.accs[lane] is None:  # on its lane's stream, which is where it is written
-                self.accs[lane] = Accumulators.empty(self.layout, q, self.head_dim_v, self.packed, incoming.items)
-            if lane and stream is not None and isinstance(held, KVBuffer):  # dropped before this lane reads it
-                held.flat.record_stream(stream)
-            forward_items(q, held, incoming.items, self.accs[lane], opts)
-
-    def join(self) -> None:
-        """The caller's stream waits for every lane's work (also on a failure: the inputs the lanes read must not be
-        reused while their kernels run)."""
-        main = self.streams[0]
-        for side in self.streams[1:] if main is not None else ():
-            main.wait_stream(side)
+        """The next launch: `incoming`'s keys awaited, then its work list on them merged into the running result;
+        nothing more where it received no keys."""
+        held = incoming.wait()
+        if held is not None:
+            forward_items(q, held, incoming.items, self.acc, opts)
 
     def result(self) -> Accumulators:
-        """Lane 0's result with every other lane that computed merged into it, in lane order, on the caller's
-        stream."""
-        self.join()
-        first, main = self.accs[0], self.streams[0]
-        for acc in self.accs[1:]:
-            if acc is None:
-                continue
-            if main is not None:
-                acc.out.record_stream(main)  # made on a side stream, read here: not reused before the merge
-                acc.lse.record_stream(main)
-            merge_into_(first.out, first.lse, acc.out, acc.lse)
-        return first
+        return self.acc
 
 
 def forward_items(q: torch.Tensor, kv, items, acc: Accumulators, opts: KernelOptions) -> None:
@@ -440,15 +382,6 @@ def requested_steps_per_launch() -> int:
     return env_int(STEPS_PER_LAUNCH_ENV, 1, 0, None, "0: every remote step in one launch")
 
 
-LANES_ENV = "FA4DIST_RING_FORWARD_LANES"
-
-
-def requested_forward_lanes() -> int:
-    """The ring forward's running results this process asks for: ``FA4DIST_RING_FORWARD_LANES`` (1 or 2), else 1
-    (part of a call's agreed signature: :mod:`~fa4dist.context_parallel.knobs`)."""
-    return env_int(LANES_ENV, 1, 1, 2, "2: consecutive launches merge into two running results, on two CUDA streams")
-
-
 def forward_steps_per_launch(sched: Schedule, k: torch.Tensor, requested: Optional[int] = None) -> int:
     """The ring forward's remote steps per launch (:meth:`Schedule.launch_groups`; 0: all): `requested` (default
     :func:`requested_steps_per_launch`), or 1 where :func:`grouped_launch_allowed` says no.  A function of the
@@ -459,27 +392,22 @@ def forward_steps_per_launch(sched: Schedule, k: torch.Tensor, requested: Option
 
 
 def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions,
-                 steps_per_launch: Optional[int] = None, lanes: Optional[int] = None) -> Accumulators:
+                 steps_per_launch: Optional[int] = None) -> Accumulators:
     """The fp32 (out, lse) of this member's queries over every member's keys: its own keys first (while the first
     remote keys travel), then the remote steps in launch groups (:func:`forward_steps_per_launch`), each group's
-    transfers posted before the previous group computes; the launches spread over `lanes` running results
-    (:class:`ForwardLanes`; default :func:`requested_forward_lanes`)."""
+    transfers posted before the previous group computes, all merged into one running result
+    (:class:`MemberForward`)."""
     m = ring.index
     groups = sched.launch_groups(forward_steps_per_launch(sched, k, steps_per_launch))
-    running = ForwardLanes(sched.members[m], q, v.shape[-1], sched.plan.packed, sched.items(m, m),
-                           1 + len(groups), requested_forward_lanes() if lanes is None else lanes)
+    running = MemberForward(sched.members[m], q, v.shape[-1], sched.plan.packed, sched.items(m, m))
     exchange = _Exchange(sched, ring, k, v, "forward")
     with exchange.abandoned_on_failure():
-        try:
-            incoming = exchange.post_key_group(groups[0]) if groups else None
-            running.launch(q, IncomingKeys(None, HeldKV(k, v), sched.items(m, m)), opts)
-            for i, group in enumerate(groups):
-                following = exchange.post_key_group(groups[i + 1]) if i + 1 < len(groups) else None
-                running.launch(q, incoming, opts)
-                incoming = following
-        except BaseException:
-            running.join()
-            raise
+        incoming = exchange.post_key_group(groups[0]) if groups else None
+        running.launch(q, IncomingKeys(None, HeldKV(k, v), sched.items(m, m)), opts)
+        for i, group in enumerate(groups):
+            following = exchange.post_key_group(groups[i + 1]) if i + 1 < len(groups) else None
+            running.launch(q, incoming, opts)
+            incoming = following
     return running.result()
 
 

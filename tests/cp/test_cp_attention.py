@@ -68,15 +68,6 @@ def test_ring_launch_groups(pool, cp, per_launch, name, case):
                            **case_kwargs(cp, case)), "ring")
 
 
-@pytest.mark.parametrize("cp, per_launch", [(2, 1), (3, 1), (4, 1), (4, 2)])
-@pytest.mark.parametrize("name, case", GROUPED, ids=[c[0] for c in GROUPED])
-def test_ring_forward_lanes(pool, cp, per_launch, name, case):
-    """FA4DIST_RING_FORWARD_LANES=2: the ring forward's launches alternate between two running results, merged at
-    the end; against the fp64 oracle (with launch groups too)."""
-    check_results(pool.run(run_case, cp=cp, strategy="ring", ring_steps_per_launch=per_launch,
-                           ring_forward_lanes=2, **case_kwargs(cp, case)), "ring")
-
-
 PACKED_RING = [c for c in RING if "docs" in c[1]]
 
 
@@ -88,14 +79,6 @@ def test_ring_sends_of_several_ranges_packed_or_one_pair_each(pool, cp, per_laun
     and without launch groups), against the fp64 oracle."""
     check_results(pool.run(run_case, cp=cp, strategy="ring", ring_steps_per_launch=per_launch,
                            ring_max_range_messages=1, **case_kwargs(cp, case)), "ring")
-
-
-def test_hybrid_forward_lanes(pool):
-    """The hybrid's ring stage takes the lanes too (packed documents, GQA, a window, softcap, sinks, a loss of out
-    and lse), against the fp64 oracle."""
-    case = dict(docs=random_docs(5, 7, 40), heads=(8, 4), window=(12, 0), softcap=3.0, sinks=True, lse_loss="and")
-    check_results(pool.run(run_case, cp=4, strategy="hybrid", ulysses_degree=2, plan_u=2, ring_forward_lanes=2,
-                           **case), "hybrid")
 
 
 # (strategy, cp, Ulysses degree, head chunks asked for, the chunks a member's key/value heads allow: 8 / 4 heads,

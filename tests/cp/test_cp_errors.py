@@ -74,13 +74,12 @@ def bad_input_case(rank, world, kind):
     if kind == "plan-type":
         q, k, v = _inputs(plan, rank)
         return _error(lambda: module(q, k, v, [0, 40]))
-    if kind.startswith(("steps-per-launch", "forward-lanes", "ulysses-chunks")):  # one rank's environment asks
-        # for launch groups, for two forward lanes, or for head chunks of the Ulysses exchange
-        from fa4dist.context_parallel.ring import LANES_ENV, STEPS_PER_LAUNCH_ENV
+    if kind.startswith(("steps-per-launch", "ulysses-chunks")):  # one rank's environment asks for launch groups
+        # or for head chunks of the Ulysses exchange
+        from fa4dist.context_parallel.ring import STEPS_PER_LAUNCH_ENV
         from fa4dist.context_parallel.ulysses import CHUNKS_ENV
 
-        name = (STEPS_PER_LAUNCH_ENV if kind.startswith("steps") else LANES_ENV if kind.startswith("forward")
-                else CHUNKS_ENV)
+        name = STEPS_PER_LAUNCH_ENV if kind.startswith("steps") else CHUNKS_ENV
         value = "two" if kind.endswith("-bad") else "0" if name == STEPS_PER_LAUNCH_ENV else "2"
         if name == CHUNKS_ENV:
             module = FA4ContextParallelAttention(GROUPS[4], **dict(opts, strategy="ulysses"))
@@ -144,9 +143,6 @@ def bad_input_case(rank, world, kind):
     ("cp-invariant-env", "ValueError", "ranks disagree on forward call 1: .*cp_invariant: rank 0 False, .*rank 2 True"),
     ("steps-per-launch-bad", "ValueError", "rank 2 rejected its inputs: ValueError: FA4DIST_RING_STEPS_PER_LAUNCH "
      "must be an int >= 0"),
-    ("forward-lanes", "ValueError", "ranks disagree on forward call 1: ring_forward_lanes: .*rank 2 2"),
-    ("forward-lanes-bad", "ValueError", "rank 2 rejected its inputs: ValueError: FA4DIST_RING_FORWARD_LANES must be "
-     "an int in \\[1, 2\\]"),
     ("ulysses-chunks", "ValueError", "ranks disagree on forward call 1: ulysses_chunks: .*rank 2 2"),
     ("ulysses-chunks-bad", "ValueError", "rank 2 rejected its inputs: ValueError: FA4DIST_ULYSSES_CHUNKS must be an "
      "int in \\[1, 64\\]"),

@@ -112,71 +112,22 @@ def test_cuda_cp_invariant_a_loss_of_the_lse(pool):
 
 
 @pytest.mark.parametrize("per_launch", [1, 0])
-def test_cuda_ring_forward_lanes(pool, per_launch):
-    """FA4DIST_RING_FORWARD_LANES=2 on the fastest backend, bf16, hdim 128, several ranks on one GPU (the lanes' side
-    streams take the staged receives' copies): within 2x the single device's error against the fp64 oracle, plus
-    bf16's unit; and fp64-exact on the reference backend."""
+def test_cuda_ring_launch_groups(pool, per_launch):
+    """The ring forward one launch per remote step and all remote steps in one (FA4DIST_RING_STEPS_PER_LAUNCH=0: the
+    group's staged receives land in place in one buffer), several ranks on one GPU: on the fastest backend, bf16,
+    hdim 128, within 2x the single device's error against the fp64 oracle plus bf16's unit; and fp64-exact on the
+    reference backend with packed documents."""
     import torch
 
     kw = dict(cp=4, seqlen=1500, heads=(4, 2))
     common = dict(device="cuda:0", backend="auto", dtype=torch.bfloat16, head_dim=128)
     single = [r for r in pool.run(run_case, strategy="ring", **dict(kw, cp=1), **common) if r is not None]
-    spread = [r for r in pool.run(run_case, strategy="ring", ring_forward_lanes=2, ring_steps_per_launch=per_launch,
-                                  **kw, **common) if r is not None]
+    spread = [r for r in pool.run(run_case, strategy="ring", ring_steps_per_launch=per_launch, **kw, **common)
+              if r is not None]
     for name in ("out", "dq", "dk", "dv"):
         worst = max(r[name] for r in spread)
         assert worst <= 2 * single[0][name] + 2 ** -8, (name, worst, single[0][name])
-    for r in pool.run(run_case, strategy="ring", ring_forward_lanes=2, ring_steps_per_launch=per_launch,
-                      device="cuda:0", cp=3, docs=random_docs(7, 9, 60), heads=(4, 1)):
+    for r in pool.run(run_case, strategy="ring", ring_steps_per_launch=per_launch, device="cuda:0", cp=3,
+                      docs=random_docs(7, 9, 60), heads=(4, 1)):
         if r is not None:
             assert max(r[n] for n in ("out", "dq", "dk", "dv")) < 1e-10, r
-
-
-def test_forward_lanes_on_two_streams_give_the_bytes_of_one_stream():
-    """A cp = 8 member's forward (16k tokens, LPT, bf16, cute) with two lanes, run three times: every run the bytes
-    of the same launches merged into two results one after another on one stream, then merged.  q is made on the
-    caller's stream right before each run (the side stream must wait for it), the received key buffers are dropped
-    as they are launched and their memory asked for again at once, filled with NaN (a buffer freed to the caller's
-    stream while the side stream still reads it would be reused)."""
-    import torch
-
-    from fa4dist.context_parallel import Schedule, make_plan
-    from fa4dist.context_parallel.ring import (Accumulators, ForwardLanes, HeldKV, IncomingKeys, KernelOptions,
-                                               KVBuffer, forward_items)
-    from fa4dist.kernels.merge import merge_into_
-
-    dev, cp, m = torch.device("cuda:0"), 8, 3
-    gen = torch.Generator(device=dev).manual_seed(0)
-    plan = make_plan(16384, cp, "lpt", causal=True)
-    sched = Schedule(plan, 1, plan.mask)
-    shards = [[plan.shard(torch.randn(1, 16384, 8, 128, device=dev, dtype=torch.bfloat16, generator=gen), rank=r)
-               .contiguous() for _ in range(2)] for r in range(cp)]
-    opts = KernelOptions(softmax_scale=None, softcap=None, backend="auto", deterministic=False)
-    layout, k, v = sched.members[m], *shards[m]
-    sources = [sched.source(m, t) for t in sched.member_steps(m)]
-
-    def received():
-        return [KVBuffer.gather(*shards[s], sched.needed(m, s), 1) for s in sources]
-
-    def one_stream(q):
-        accs = [Accumulators.empty(layout, q, 128, False, sched.items(m, m)), Accumulators.empty(layout, q, 128, False)]
-        for i, (kv, s) in enumerate([(HeldKV(k, v), m)] + list(zip(received(), sources))):
-            forward_items(q, kv, sched.items(m, s), accs[i % 2], opts)
-        merge_into_(accs[0].out, accs[0].lse, accs[1].out, accs[1].lse)
-        return accs[0]
-
-    q_gen = torch.Generator(device=dev)
-    want = one_stream(torch.randn(k.shape, device=dev, dtype=torch.bfloat16, generator=q_gen.manual_seed(7)))
-    for _ in range(3):
-        buffers = received()
-        q = torch.randn(k.shape, device=dev, dtype=torch.bfloat16, generator=q_gen.manual_seed(7))
-        lanes = ForwardLanes(layout, q, 128, False, sched.items(m, m), 1 + len(sources), 2)
-        lanes.launch(q, IncomingKeys(None, HeldKV(k, v), sched.items(m, m)), opts)
-        for s in sources:
-            buf = buffers.pop(0)
-            lanes.launch(q, IncomingKeys(None, buf, sched.items(m, s)), opts)
-            size = buf.flat.numel()
-            del buf
-            torch.full((size,), float("nan"), device=dev, dtype=torch.bfloat16)
-        got = lanes.result()
-        assert torch.equal(got.out, want.out) and torch.equal(got.lse, want.lse)

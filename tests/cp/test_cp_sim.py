@@ -190,16 +190,14 @@ def test_launch_groups_give_the_members_forward_with_fewer_items(per_launch):
     assert fewer >= 4
 
 
-def test_cp_sim_forward_lanes_rows(tmp_path, monkeypatch):
-    """--forward-lanes 1 2 --steps-per-launch 1 2: one fwd row per (launch groups, lanes), labelled and recorded;
-    the kernels-alone ratio only on the plain row."""
+def test_cp_sim_launch_group_rows(tmp_path, monkeypatch):
+    """--steps-per-launch 1 2 0: one fwd row per launch-group size, labelled and recorded; the kernels-alone ratio
+    only on the plain row."""
     monkeypatch.setenv("OUT", str(tmp_path))
     rows = _load().main(["--device", "cpu", "--tiny", "--cp", "4", "--seqlens", "128", "--reps", "1",
-                         "--balancers", "lpt", "--directions", "fwd", "--steps-per-launch", "1", "2",
-                         "--forward-lanes", "1", "2"])
-    assert [(r["direction"], r["steps_per_launch"], r["forward_lanes"]) for r in rows] == \
-        [("fwd", 1, 1), ("fwd~2", 1, 2), ("fwd/2", 2, 1), ("fwd/2~2", 2, 2)]
-    assert [r["kernel_only_efficiency"] is not None for r in rows] == [True, False, False, False]
+                         "--balancers", "lpt", "--directions", "fwd", "--steps-per-launch", "1", "2", "0"])
+    assert [(r["direction"], r["steps_per_launch"]) for r in rows] == [("fwd", 1), ("fwd/2", 2), ("fwd/all", 0)]
+    assert [r["kernel_only_efficiency"] is not None for r in rows] == [True, False, False]
 
 
 @pytest.mark.parametrize("bad, message", [

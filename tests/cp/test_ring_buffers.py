@@ -1,12 +1,13 @@
 """The ring's buffers (context_parallel/ring.py): a member's running (out, lse) and its dK / dV start unfilled
-where the first step's fresh calls write them, with the bytes of the filled start; the forward's lanes."""
+where the first step's fresh calls write them, with the bytes of the filled start; a member's backward in the
+ring's order."""
 
 import pytest
 import torch
 
 from fa4dist.context_parallel import Schedule, make_plan
-from fa4dist.context_parallel.ring import (Accumulators, ForwardLanes, HeldKV, IncomingKeys, KernelOptions, KVBuffer,
-                                          backward_step, forward_items)
+from fa4dist.context_parallel.ring import (Accumulators, HeldKV, KernelOptions, KVBuffer, backward_step,
+                                          forward_items)
 from fa4dist.kernels import WorkItem
 
 
@@ -79,47 +80,6 @@ def _members(packed: bool, cp: int, tensors: int, seed: int):
     shards = [[torch.randn(shape(sched.members[m].length), dtype=torch.float64, generator=gen)
                for _ in range(tensors)] for m in range(cp)]
     return sched, opts, 0 if packed else 1, shards, gen
-
-
-@pytest.mark.parametrize("packed", [False, True])
-def test_forward_lanes_merge_their_launches_in_lane_order(packed):
-    """ForwardLanes with two lanes: the launches that compute merge into lanes 0, 1, 0, ... (a launch that received
-    nothing takes no lane; each lane's first launch writes fresh) and the result is lane 0 with lane 1 merged into
-    it: the bytes of that computation done by hand, the one-lane result up to fp64 rounding, and one lane's bytes
-    when a single launch computes (reference backend)."""
-    from fa4dist.kernels.merge import merge_into_
-
-    sched, opts, tok, shards, _ = _members(packed, 4, 3, seed=5)
-    nothing = IncomingKeys(None, None, ())  # a step whose keys this member does not read
-
-    def run(lanes, q, launches):
-        fwd = ForwardLanes(sched.members[m], q, 8, packed, sched.items(m, m), len(launches), lanes)
-        for incoming in launches:
-            fwd.launch(q, incoming, opts)
-        return fwd, fwd.result()
-
-    for m in range(4):
-        q, k, v = shards[m]
-        computing = [(HeldKV(k, v), sched.items(m, m))]
-        for t in sched.member_steps(m):
-            s = sched.source(m, t)
-            computing.append((KVBuffer.gather(shards[s][1], shards[s][2], sched.needed(m, s), tok),
-                              sched.items(m, s)))
-        launches = [IncomingKeys(None, kv, items) for kv, items in computing]
-        launches.insert(2, nothing)
-        _, two = run(2, q, launches)
-        _, one = run(1, q, launches)
-        by_hand = [Accumulators.empty(sched.members[m], q, 8, packed) for _ in range(2)]
-        for i, (kv, items) in enumerate(computing):
-            forward_items(q, kv, items, by_hand[i % 2], opts)
-        merge_into_(by_hand[0].out, by_hand[0].lse, by_hand[1].out, by_hand[1].lse)
-        assert torch.equal(two.out, by_hand[0].out) and torch.equal(two.lse, by_hand[0].lse)
-        torch.testing.assert_close(two.out, one.out, rtol=1e-12, atol=1e-13)
-        torch.testing.assert_close(two.lse, one.lse, rtol=1e-12, atol=1e-13)
-        own = [launches[0], nothing, nothing]  # only the own step computes: no second lane is made or merged
-        lanes, alone = run(2, q, own)
-        _, want = run(1, q, own)
-        assert lanes.accs[1] is None and torch.equal(alone.out, want.out) and torch.equal(alone.lse, want.lse)
 
 
 @pytest.mark.parametrize("packed", [False, True])
