@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Prepared in the forty-seventh session (2026-12-05) for the next one. A call returns few files and has at most 600 s:
+# run stages alone or in pairs.
+# - groups (#12, the simulated forward at cp = 8 / 4): launch groups of half the remote steps. One launch for all
+#   remote steps read 0.928 against 0.908 one launch per step (H100, forty-seventh session; H200 0.940 / 0.905), but a
+#   group waits for all of its transfers. With two groups (--steps-per-launch 4 at cp = 8, 2 at cp = 4) the first
+#   group's transfers (4 x 128 MiB at cp = 8, ~1.2 ms over the 450 GB/s a GPU's NVLinks carry together) still land
+#   under the own step's ~1.8 ms, and the second's under the first group's compute. Predicted: cp = 8 fwd/4 within
+#   0.005 of fwd/all. If so, a default of ceil((cp - 1) / 2) steps per launch is worth a two-GPU check.
+# - bwd_spread (#12): the cp = 8 simulated backward with the ring's own order (MemberBackward) three times in a row,
+#   on the H200 if lent: the H100 read 0.921 and 0.878 five minutes apart (forty-seventh session).
+# - marks_192, marks_packed_h200, scratch_host, handoff, fwd_long: as gpu_session_49.sh.
+# One call: source .devwheels/install.sh && bash bench/sessions/gpu_session_50.sh [groups] [bwd_spread] ...
+set -u
+source "$(dirname "$0")/../stage.sh"
+export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s50 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
+for s in ${*:-groups}; do
+  case $s in
+    groups)
+      TAIL_LINES=14 stage groups_cp8 200 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
+        --directions fwd --steps-per-launch 1 4 0 --reps 6 --queue-ahead-ms 8 --back-to-back --tag groups_cp8
+      TAIL_LINES=14 stage groups_cp4 200 python3 bench/cp_sim.py --seqlens 131072 --cp 4 --balancers lpt \
+        --directions fwd --steps-per-launch 1 2 0 --reps 6 --queue-ahead-ms 8 --back-to-back --tag groups_cp4 ;;
+    bwd_spread)
+      for i in 1 2 3; do
+        TAIL_LINES=3 stage "bwd_spread_$i" 120 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
+          --directions bwd --reps 4 --queue-ahead-ms 8 --back-to-back --tag "bwd_spread_$i"
+      done ;;
+    marks_192|marks_packed_h200|scratch_host|handoff|fwd_long)
+      NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_49.sh" "$s" ;;
+    *) echo "unknown stage $s (groups | bwd_spread | marks_192 | marks_packed_h200 | scratch_host | handoff |" \
+         "fwd_long)"; exit 2 ;;
+  esac
+done
