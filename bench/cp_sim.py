@@ -21,7 +21,10 @@ through the contract's accumulate mode) against the key rows it would receive at
 - the ring steps each rank computes (``steps``: its own keys plus the remote steps it receives at; without a window
   every rank runs cp steps, with ``--window W`` only the steps whose keys fall inside some query's window);
 - the largest transfer a rank receives in one step (K+V forward; K+V plus fp32 dK+dV backward), its time at
-  400 GB/s, and the slowest rank's mean compute time per step it runs (the transfer hides if it is shorter).
+  400 GB/s, and the slowest rank's mean compute time per step it runs (the transfer hides if it is shorter);
+- "+xfer": the forward's efficiency with the transfers its launch groups would leave exposed in a real ring, by a
+  model (:func:`exposed_transfer_ms`: a group's transfers, each the largest step's at 400 GB/s, travel while the
+  launch before it computes); launch groups save merges and launch tails but wait for all their transfers.
 
     python bench/cp_sim.py                                 # the full sweep on the GPU, backend auto
     python bench/cp_sim.py --seqlens 131072 --cp 8 --directions fwd bwd
@@ -294,6 +297,10 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                 slowest = max(rank_times)
                 slowest_steps = steps[rank_times.index(slowest)]
                 nbytes = bytes_fwd if direction.startswith("fwd") else bytes_bwd
+                comm_ms, step_ms = nbytes / (LINK_GBPS * 1e9) * 1e3, slowest / slowest_steps * 1e3
+                exposed = None
+                if direction.startswith("fwd"):
+                    exposed = exposed_transfer_ms([len(g) for g in sched.launch_groups(per_launch)], comm_ms, step_ms)
                 row = dict(
                     seqlen=seqlen, cp=cp, balancer=balancer, direction=label, window=list(window),
                     steps_per_launch=per_launch if direction == "fwd" else 1,
@@ -301,9 +308,11 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                     max_rank_ms=slowest * 1e3, efficiency=efficiency,
                     efficiency_rounds=[rd[0] / (cp * max(rd[1:1 + cp])) for rd in rounds],
                     model_efficiency=model.efficiency, steps=steps, steps_run=[0, *sched.steps()],
-                    bytes_per_step=nbytes, comm_ms_at_400GBps=nbytes / (LINK_GBPS * 1e9) * 1e3,
-                    step_compute_ms=slowest / slowest_steps * 1e3, calls=[sched.member_calls(r) for r in range(cp)],
-                    kernel_only_efficiency=kernel_eff,
+                    bytes_per_step=nbytes, comm_ms_at_400GBps=comm_ms, step_compute_ms=step_ms,
+                    calls=[sched.member_calls(r) for r in range(cp)], kernel_only_efficiency=kernel_eff,
+                    exposed_transfer_ms_modeled=exposed,
+                    efficiency_with_transfers_modeled=None if exposed is None else
+                    t_full * 1e3 / (cp * (slowest * 1e3 + exposed)),
                     profiles=profiles,
                     calls_log=log, slowest_places=slowest_rank_places(log, cp),
                 )
@@ -312,7 +321,8 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                       f"{row['max_rank_ms']:>9.2f} {row['efficiency']:>6.3f} {row['model_efficiency']:>6.3f} "
                       f"{max(steps):>3}/{cp:<3} {nbytes / 2**20:>9.1f} {row['comm_ms_at_400GBps']:>8.3f} "
                       f"{row['step_compute_ms']:>8.3f} "
-                      f"{'' if kernel_eff is None else format(kernel_eff, '6.3f'):>6}  "
+                      f"{'' if kernel_eff is None else format(kernel_eff, '6.3f'):>6} "
+                      f"{'' if exposed is None else format(row['efficiency_with_transfers_modeled'], '6.3f'):>6}  "
                       f"rounds {' '.join(format(e, '.3f') for e in row['efficiency_rounds'])}", flush=True)
                 for slow in row["slowest_places"]:
                     print(f"    round {slow['round']}: slowest rank {slow['rank']} at place {slow['place']}, "
@@ -447,6 +457,18 @@ def rank_launches(sched, r, held, steps_per_launch: int) -> list:
     return out
 
 
+def exposed_transfer_ms(group_sizes, comm_ms: float, step_ms: float) -> float:
+    """The transfer time a ring forward with launch groups of `group_sizes` remote steps leaves exposed, by a model:
+    the own step (`step_ms`) computes while the first group's transfers travel, each group's while the group before
+    it computes (its steps x `step_ms`), and a group's transfers arrive one after another (`comm_ms` each: they
+    share the member's links) before it starts."""
+    exposed, covering = 0.0, step_ms
+    for size in group_sizes:
+        exposed += max(0.0, size * comm_ms - covering)
+        covering = size * step_ms
+    return exposed
+
+
 def run_rank_fwd(sched, r, qr, kr, vr, launches, headdim, opts, fill: bool = False):
     """As ``ring_forward``: the own step, then each of `launches` (:func:`rank_launches`), merged into one running
     result (``MemberForward``). Rows the own step covers are not filled first (fill: every row, as before the
@@ -538,7 +560,7 @@ def main(argv=None):
           f"heads {heads}/{kv_heads}, head dim {headdim}, {dtype}, causal"
           + (f", window ({args.window}, 0)" if args.window is not None else ""))
     print(f"{'seqlen':>7} {'cp':>3} {'balancer':>10} {'dir':>4} {'T_full ms':>9} {'max rank':>9} {'eff':>6} "
-          f"{'model':>6} {'steps':>7} {'MiB/step':>9} {'comm ms':>8} {'step ms':>8} {'kernel':>6}")
+          f"{'model':>6} {'steps':>7} {'MiB/step':>9} {'comm ms':>8} {'step ms':>8} {'kernel':>6} {'+xfer':>6}")
     rows = []
     for s in seqlens:
         rows += simulate(args, device, dtype, s, heads, kv_heads, headdim, backend)

@@ -6,7 +6,9 @@
 #   group waits for all of its transfers. With two groups (--steps-per-launch 4 at cp = 8, 2 at cp = 4) the first
 #   group's transfers (4 x 128 MiB at cp = 8, ~1.2 ms over the 450 GB/s a GPU's NVLinks carry together) still land
 #   under the own step's ~1.8 ms, and the second's under the first group's compute. Predicted: cp = 8 fwd/4 within
-#   0.005 of fwd/all. If so, a default of ceil((cp - 1) / 2) steps per launch is worth a two-GPU check.
+#   0.005 of fwd/all. If so, a default of ceil((cp - 1) / 2) steps per launch is worth a two-GPU check. The table's
+#   "+xfer" column models the transfers each row's groups would leave exposed (cp_sim.exposed_transfer_ms; from the
+#   H100 numbers: fwd/all at cp = 8 ~0.58 ms exposed, 0.928 -> ~0.89; fwd/4 none).
 # - bwd_spread (#12): the cp = 8 simulated backward with the ring's own order (MemberBackward) three times in a row,
 #   on the H200 if lent: the H100 read 0.921 and 0.878 five minutes apart (forty-seventh session).
 # - marks_192, marks_packed_h200, scratch_host, handoff, fwd_long: as gpu_session_49.sh.

@@ -200,6 +200,18 @@ def test_cp_sim_launch_group_rows(tmp_path, monkeypatch):
     assert [r["kernel_only_efficiency"] is not None for r in rows] == [True, False, False]
 
 
+def test_exposed_transfers_of_launch_groups():
+    """The model behind the "+xfer" column: one step per launch hides a transfer shorter than a step; a group's
+    transfers arrive one after another under the launch before it (the own step for the first group)."""
+    exposed = _load().exposed_transfer_ms
+    assert exposed([1] * 7, 0.3, 1.8) == 0.0
+    assert exposed([7], 0.3, 1.8) == pytest.approx(7 * 0.3 - 1.8)
+    assert exposed([4, 3], 0.3, 1.8) == 0.0
+    assert exposed([4, 3], 0.5, 1.8) == pytest.approx(4 * 0.5 - 1.8)  # the second group's 1.5 ms hide under 7.2
+    assert exposed([1, 1], 2.0, 1.0) == pytest.approx(2 * (2.0 - 1.0))
+    assert exposed([], 1.0, 1.0) == 0.0
+
+
 @pytest.mark.parametrize("bad, message", [
     (["--cp", "0"], "--cp takes integers >= 1, got [0]"),
     (["--seqlens", "0"], "--seqlens takes integers >= 1, got [0]"),
