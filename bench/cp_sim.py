@@ -56,7 +56,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fa4dist.context_parallel import Schedule, make_plan  # noqa: E402
 from fa4dist.context_parallel.plan import BALANCERS  # noqa: E402
 from fa4dist.context_parallel.ring import (  # noqa: E402
-    HeldKV, IncomingKeys, KernelOptions, KVBuffer, MemberBackward, MemberForward, accum_dtype,
+    HeldKV, IncomingKeys, KernelOptions, KVBuffer, MemberBackward, MemberForward, ReturningGrads, accum_dtype,
+    member_backward_steps,
 )
 from fa4dist.kernels import attention_backward, attention_forward, available_backends  # noqa: E402
 from timing import spin_cycles_per_second  # noqa: E402  (bench/, the script's folder)
@@ -246,33 +247,22 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
 
                         # the dK / dV partials rank r gets back for the rows it sent at each step: views of one
                         # zero buffer (their values do not matter here: the owner's adds are what is timed)
-                        returned = {t: (returned_partial(kr, vr, sched.send_ranges(r, t), acc),
-                                        sched.send_ranges(r, t))
+                        returned = {t: ReturningGrads(None, returned_partial(kr, vr, sched.send_ranges(r, t), acc),
+                                                      sched.send_ranges(r, t), 1)
                                     for t in sched.steps() if sched.send_ranges(r, t)}
 
                         def run_rank(r=r, qr=qr, kr=kr, vr=vr, dr=dr, out_r=out_r, lse_r=lse_r, held=held,
                                      sched=sched, returned=returned, share=direction != "bwd_per_call",
                                      fresh=direction != "bwd_zero_fill",
                                      dlse_r=dlse_shards[r] if direction == "bwd_lse" else None):
-                            # as the ring engine (MemberBackward): the own keys' work in two halves around the remote
-                            # steps, one shared query side (bwd_per_call: a query side per call), dK / dV written by
-                            # their first step (bwd_zero_fill: zero-filled and added into), and each step's returned
-                            # partial added into dK / dV one step later, the last one's at the end
+                            # the ring engine's own order (member_backward_steps) with keys and returns at hand; one
+                            # shared query side (bwd_per_call: a query side per call), dK / dV written by their
+                            # first step (bwd_zero_fill: zero-filled and added into)
                             member = MemberBackward(sched, r, dr, qr, kr, vr, out_r, lse_r, opts, dlse_r,
                                                     remote=bool(sched.steps()), share=share, fresh=fresh)
-                            member.own_start()
-                            previous = None
-                            for t in sched.steps():
-                                s = sched.source(r, t)
-                                if (r, s) in held:
-                                    member.remote(s, held[(r, s)])
-                                if previous is not None:
-                                    previous[0].add_into(member.dk, member.dv, previous[1], 1)
-                                previous = returned.get(t)
-                            member.own_end()
-                            member.finish()
-                            if previous is not None:
-                                previous[0].add_into(member.dk, member.dv, previous[1], 1)
+                            member_backward_steps(member, sched.steps(),
+                                                  lambda i, t: held.get((r, sched.source(r, t))),
+                                                  lambda t, partial: returned.get(t))
                     runners.append(run_rank)
                     if r in args.profile_ranks:
                         profiles[r] = profile_kernels(run_rank, device, cprofile=args.cprofile if not profiles else 0)

@@ -45,7 +45,8 @@ from .comm import (CommError, Transport, deepcopy_sharing, exclusive, group_aliv
                    refuse_pickling, world_generation)
 from .gather import gather_backward, gather_forward
 from .plan import ShardPlan
-from .ring import KernelOptions, RingPeers, accum_dtype, requested_steps_per_launch, ring_backward, ring_forward
+from .ring import (KernelOptions, RingPeers, accum_dtype, requested_steps_per_launch, ring_backward,
+                   ring_forward)
 from .schedule import Schedule
 from .ulysses import HeadSplit, UlyssesGroup, requested_chunks
 
@@ -557,8 +558,7 @@ class ContextParallel:
             head_dim=problem.head_dim, head_dim_v=problem.head_dim_v,
             grad=bool(torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks))),
             cp_invariant=self.cp_invariant, module=self.instance,
-            ring_steps_per_launch=requested_steps_per_launch(),
-            ulysses_chunks=requested_chunks(),
+            ring_steps_per_launch=requested_steps_per_launch(), ulysses_chunks=requested_chunks(),
         )
         return shared, u
 

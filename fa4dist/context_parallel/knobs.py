@@ -1,6 +1,6 @@
-"""The context-parallel engine's environment knobs (``FA4DIST_RING_STEPS_PER_LAUNCH``, ``FA4DIST_ULYSSES_CHUNKS``):
-read and checked here; each is part of a call's agreed signature, so that ranks that read different values fail the
-agreement check together instead of posting different messages."""
+"""The context-parallel engine's environment knobs (``FA4DIST_RING_STEPS_PER_LAUNCH``,
+``FA4DIST_ULYSSES_CHUNKS``): read and checked here; each is part of a call's agreed signature, so that ranks that
+read different values fail the agreement check together instead of posting different messages."""
 
 from __future__ import annotations
 

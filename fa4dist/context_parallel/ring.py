@@ -317,7 +317,7 @@ class _Exchange:
         pending = self._post(sends, recvs, f"K/V of forward ring steps {list(group)}")
         return IncomingKeys(pending, held, items if held is not None else ())
 
-    def post_grads(self, step: int, partial: Optional[KVBuffer], acc) -> "_Returning":
+    def post_grads(self, step: int, partial: Optional[KVBuffer], acc) -> "ReturningGrads":
         """Posts the return of step `step`'s dK/dV partial to the keys' owner, and the receive of the partial for
         the rows this member sent at that step."""
         sched, ring, m = self.sched, self.ring, self.ring.index
@@ -326,7 +326,7 @@ class _Exchange:
         incoming = KVBuffer.empty(self.k, self.v, sum(n for _, n in sent), self.sd, dtype=acc) if sent else None
         recvs = [(incoming.flat, ring.peer(sched.dest(m, step)), _GRADS_TAG)] if incoming is not None else []
         pending = self._post(sends, recvs, f"dK/dV of backward ring step {step}")
-        return _Returning(pending, incoming, sent, partial)
+        return ReturningGrads(pending, incoming, sent, self.sd, partial)
 
     def _post(self, sends, recvs, what: str) -> Optional[Pending]:
         """Posts tagged messages, (tensor, group peer, tag) each; None where there are none."""
@@ -353,17 +353,21 @@ class IncomingKeys:
 
 
 @dataclass
-class _Returning:
+class ReturningGrads:
+    """A backward step's dK/dV partial on its way back (``pending``: the transfer, None for one already here) into
+    ``incoming``, for this member's rows ``ranges``; :meth:`finish` adds it into the member's dK/dV."""
+
     pending: Optional[Pending]
     incoming: Optional[KVBuffer]
     ranges: tuple
-    partial: Optional[KVBuffer]  # kept alive until its send completes
+    seq_dim: int
+    partial: Optional[KVBuffer] = None  # this member's partial for the step, kept alive until its send completes
 
-    def finish(self, dk: torch.Tensor, dv: torch.Tensor, seq_dim: int) -> None:
+    def finish(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
         if self.pending is not None:
             self.pending.wait()
         if self.incoming is not None:
-            self.incoming.add_into(dk, dv, self.ranges, seq_dim)
+            self.incoming.add_into(dk, dv, self.ranges, self.seq_dim)
 
 
 STEPS_PER_LAUNCH_ENV = "FA4DIST_RING_STEPS_PER_LAUNCH"
@@ -480,24 +484,40 @@ class MemberBackward:
         return self.dq, self.dk, self.dv
 
 
-def _ring_backward_steps(sched: Schedule, ring: RingPeers, exchange: _Exchange, steps, dout, q, k, v, out, lse,
-                         opts: KernelOptions, dlse):
-    """:func:`ring_backward`'s steps, inside its exchange's failure guard."""
-    sd = 0 if sched.plan.packed else 1
-    m = ring.index
-    incoming = exchange.post_keys(steps[0]) if steps else None
-    member = MemberBackward(sched, m, dout, q, k, v, out, lse, opts, dlse, remote=bool(steps))
+def member_backward_steps(member: MemberBackward, steps, receive, give_back):
+    """(dq, dk, dv) of `member` in the ring's order: the first half of its own keys' work, then for each remote step
+    ``t`` of `steps` its keys' backward (``receive(i, t)``: the keys of the i-th step awaited, None where nothing
+    came) with the partial handed to ``give_back(t, partial)``, which returns the :class:`ReturningGrads` for the
+    rows this member sent at ``t`` (added one step later, in step order), then the second half of its own keys, the
+    shared query side's dQ, and the last step's returns.  :func:`ring_backward` runs it with its transfers,
+    ``bench/cp_sim.py`` with keys and returns already at hand."""
+    m = member.member
     member.own_start()
     returning = None
     for i, t in enumerate(steps):
-        following = exchange.post_keys(steps[i + 1]) if i + 1 < len(steps) else None
-        partial = member.remote(sched.source(m, t), incoming.wait())
-        posted = exchange.post_grads(t, partial, member.acc)
+        partial = member.remote(member.sched.source(m, t), receive(i, t))
+        posted = give_back(t, partial)
         if returning is not None:  # the previous step's returns, added in step order
-            returning.finish(member.dk, member.dv, sd)
-        returning, incoming = posted, following
+            returning.finish(member.dk, member.dv)
+        returning = posted
     member.own_end()
     dq, dk, dv = member.finish()
     if returning is not None:
-        returning.finish(dk, dv, sd)
+        returning.finish(dk, dv)
     return dq, dk, dv
+
+
+def _ring_backward_steps(sched: Schedule, ring: RingPeers, exchange: _Exchange, steps, dout, q, k, v, out, lse,
+                         opts: KernelOptions, dlse):
+    """:func:`ring_backward`'s steps, inside its exchange's failure guard: each step's keys posted one step ahead
+    (the first before the own keys' work), each partial posted back as soon as it is computed."""
+    posted = [exchange.post_keys(steps[0])] if steps else []
+    member = MemberBackward(sched, ring.index, dout, q, k, v, out, lse, opts, dlse, remote=bool(steps))
+
+    def receive(i, t):
+        incoming = posted.pop()
+        if i + 1 < len(steps):  # the next step's transfer travels while this one computes
+            posted.append(exchange.post_keys(steps[i + 1]))
+        return incoming.wait()
+
+    return member_backward_steps(member, steps, receive, lambda t, partial: exchange.post_grads(t, partial, member.acc))

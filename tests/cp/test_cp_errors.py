@@ -74,7 +74,7 @@ def bad_input_case(rank, world, kind):
     if kind == "plan-type":
         q, k, v = _inputs(plan, rank)
         return _error(lambda: module(q, k, v, [0, 40]))
-    if kind.startswith(("steps-per-launch", "ulysses-chunks")):  # one rank's environment asks for launch groups
+    if kind.startswith(("steps-per-launch", "ulysses-chunks")):  # one rank's environment asks for launch groups,
         # or for head chunks of the Ulysses exchange
         from fa4dist.context_parallel.ring import STEPS_PER_LAUNCH_ENV
         from fa4dist.context_parallel.ulysses import CHUNKS_ENV
