@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepared in the forty-seventh session (2026-12-05) for the next one. A call returns few files and has at most 600 s:
 # run stages alone or in pairs.
+# - cp_tests: tests/cp/test_cp_gpu.py (the forty-seventh session's member_backward_steps, CPU-tested only).
 # - groups (#12, the simulated forward at cp = 8 / 4): launch groups of half the remote steps. One launch for all
 #   remote steps read 0.928 against 0.908 one launch per step (H100, forty-seventh session; H200 0.940 / 0.905), but a
 #   group waits for all of its transfers. With two groups (--steps-per-launch 4 at cp = 8, 2 at cp = 4) the first
@@ -18,9 +19,13 @@ source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s50 FA4DIST_CUTE_COMPILE_LOG=$OUT/compiled.txt
 for s in ${*:-groups}; do
   case $s in
-    groups)
+    cp_tests)
+      TAIL_LINES=3 stage cp_tests 280 python3 -m pytest -m gpu -q -p no:cacheprovider tests/cp/test_cp_gpu.py ;;
+    groups|groups_cp8)
       TAIL_LINES=14 stage groups_cp8 200 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
         --directions fwd --steps-per-launch 1 4 0 --reps 6 --queue-ahead-ms 8 --back-to-back --tag groups_cp8
+      [ "$s" = groups ] || continue ;&
+    groups_cp4)
       TAIL_LINES=14 stage groups_cp4 200 python3 bench/cp_sim.py --seqlens 131072 --cp 4 --balancers lpt \
         --directions fwd --steps-per-launch 1 2 0 --reps 6 --queue-ahead-ms 8 --back-to-back --tag groups_cp4 ;;
     bwd_spread)
@@ -30,7 +35,7 @@ for s in ${*:-groups}; do
       done ;;
     marks_192|marks_packed_h200|scratch_host|handoff|fwd_long)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_49.sh" "$s" ;;
-    *) echo "unknown stage $s (groups | bwd_spread | marks_192 | marks_packed_h200 | scratch_host | handoff |" \
+    *) echo "unknown stage $s (cp_tests | groups | groups_cp8 | groups_cp4 | bwd_spread | marks_192 | marks_packed_h200 | scratch_host | handoff |" \
          "fwd_long)"; exit 2 ;;
   esac
 done
