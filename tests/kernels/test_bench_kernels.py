@@ -111,3 +111,15 @@ def test_compile_logs_replay_as_an_aot_set(tmp_path):
     log.write_text("__import__('os').system('true')\n")
     with pytest.raises(SystemExit, match="not a config repr"):
         dev.logged_configs(str(log))
+
+
+def test_host_python_runs_on_cpu_tensors():
+    """bench/host_python.py's default (CPU tensors, no-op launches) runs the contract end to end: the forward's
+    reusable tile counter is a CUDA stream's, so off CUDA the host must hand a fresh one instead of asking CUDA."""
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "host_python.py")
+    run = subprocess.run([sys.executable, script, "--calls", "5", "--loops", "1"], capture_output=True, text=True,
+                         timeout=240)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "forward+backward:" in run.stdout, run.stdout

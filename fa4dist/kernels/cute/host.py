@@ -151,10 +151,11 @@ def tile_counter(needed: bool, device, reusable: bool = False):
     else None: fresh per launch (an allocation and a fill: launches on several streams, or in a CUDA graph, never
     share one), or with ``reusable`` (a kernel whose last claim sets the counter back to 0:
     TileClaims.reset_after_last) the current stream's own counter, which launches in that stream's order hand on at
-    zero; a stream being captured gets a fresh one (a graph replays on any stream)."""
+    zero; a stream being captured gets a fresh one (a graph replays on any stream).  Off CUDA (bench/host_python.py's
+    no-op launches on CPU tensors) always a fresh one."""
     if not needed:
         return None
-    if reusable and not torch.cuda.is_current_stream_capturing():
+    if reusable and device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
         stream = torch.cuda.current_stream(device)
         key = (stream.device.index, stream.cuda_stream)
         counter = _STREAM_COUNTERS.get(key)
