@@ -10,6 +10,10 @@
 #   0.005 of fwd/all. If so, a default of ceil((cp - 1) / 2) steps per launch is worth a two-GPU check. The table's
 #   "+xfer" column models the transfers each row's groups would leave exposed (cp_sim.exposed_transfer_ms; from the
 #   H100 numbers: fwd/all at cp = 8 ~0.58 ms exposed, 0.928 -> ~0.89; fwd/4 none).
+# - pdl (#12): the ring forward's remote launches each started while the one before it finishes (programmatic
+#   dependent launch, MemberForward's overlap_launches; cp_sim direction fwd_pdl): its GPU test (the bytes of calls in
+#   turn), then cp = 8 and 4 beside one launch per step. Predicted (NOTES_FWD.md, forty-eighth session): fwd_pdl within
+#   0.01 of fwd/all (0.928-0.940 at cp = 8), i.e. +2-3% over fwd (0.905-0.908).
 # - bwd_spread (#12): the cp = 8 simulated backward with the ring's own order (MemberBackward) three times in a row,
 #   on the H200 if lent: the H100 read 0.921 and 0.878 five minutes apart (forty-seventh session).
 # - marks_192, marks_packed_h200, scratch_host, handoff, fwd_long: as gpu_session_49.sh.
@@ -28,6 +32,11 @@ for s in ${*:-groups}; do
     groups_cp4)
       TAIL_LINES=14 stage groups_cp4 200 python3 bench/cp_sim.py --seqlens 131072 --cp 4 --balancers lpt \
         --directions fwd --steps-per-launch 1 2 0 --reps 6 --queue-ahead-ms 8 --back-to-back --tag groups_cp4 ;;
+    pdl)
+      TAIL_LINES=3 stage pdl_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_worklist_gpu.py \
+        -k "overlapped or random_lists_equal_the_loop"
+      TAIL_LINES=10 stage pdl_cp8 200 python3 bench/cp_sim.py --seqlens 131072 --cp 8 4 --balancers lpt \
+        --directions fwd fwd_pdl --reps 6 --queue-ahead-ms 8 --back-to-back --tag pdl ;;
     bwd_spread)
       for i in 1 2 3; do
         TAIL_LINES=3 stage "bwd_spread_$i" 120 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
@@ -35,7 +44,7 @@ for s in ${*:-groups}; do
       done ;;
     marks_192|marks_packed_h200|scratch_host|handoff|fwd_long)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_49.sh" "$s" ;;
-    *) echo "unknown stage $s (cp_tests | groups | groups_cp8 | groups_cp4 | bwd_spread | marks_192 | marks_packed_h200 | scratch_host | handoff |" \
+    *) echo "unknown stage $s (cp_tests | groups | groups_cp8 | groups_cp4 | pdl | bwd_spread | marks_192 | marks_packed_h200 | scratch_host | handoff |" \
          "fwd_long)"; exit 2 ;;
   esac
 done

@@ -153,27 +153,37 @@ class MemberForward:
 
     (Two running results on two CUDA streams, so that a launch's last partial wave overlaps the next launch, were
     tried in the forty-sixth / forty-seventh sessions and removed: the simulation read 3-5% lower with them at
-    cp = 4 and 8, even with only two launches, bench/RESULTS.md.)"""
+    cp = 4 and 8, even with only two launches, bench/RESULTS.md.)
+
+    ``overlap_launches``: every launch after the first may start while the one before it finishes (the contract's
+    ``overlap_previous``, programmatic dependent launch on the cute backend), for a caller whose stream holds
+    nothing between them that writes q or the keys: ``bench/cp_sim.py --pdl``, keys resident."""
 
     def __init__(self, layout: MemberLayout, q: torch.Tensor, head_dim_v: int, packed: bool,
-                 first_items: Sequence[WorkItem]):
+                 first_items: Sequence[WorkItem], overlap_launches: bool = False):
         self.acc = Accumulators.empty(layout, q, head_dim_v, packed, first_items)
+        self.overlap_launches, self.launched = overlap_launches, False
 
     def launch(self, q: torch.Tensor, incoming: "IncomingKeys", opts: KernelOptions) -> None:
         """The next launch: `incoming`'s keys awaited, then its work list on them merged into the running result;
         nothing more where it received no keys."""
         held = incoming.wait()
         if held is not None:
-            forward_items(q, held, incoming.items, self.acc, opts)
+            forward_items(q, held, incoming.items, self.acc, opts,
+                          overlap_previous=self.overlap_launches and self.launched)
+            self.launched = True
 
     def result(self) -> Accumulators:
         return self.acc
 
 
-def forward_items(q: torch.Tensor, kv, items, acc: Accumulators, opts: KernelOptions) -> None:
-    """A work list on the keys held in `kv` (a step's, or a launch group's), merged into `acc`: one call."""
+def forward_items(q: torch.Tensor, kv, items, acc: Accumulators, opts: KernelOptions,
+                  overlap_previous: bool = False) -> None:
+    """A work list on the keys held in `kv` (a step's, or a launch group's), merged into `acc`: one call
+    (``overlap_previous``: the contract's promise, :class:`MemberForward`)."""
     attention_forward_items(q, kv.k, kv.v, items, acc.out, acc.lse, softmax_scale=opts.softmax_scale,
-                            softcap=opts.softcap, fresh=acc.fresh, backend=opts.backend)
+                            softcap=opts.softcap, fresh=acc.fresh, backend=opts.backend,
+                            overlap_previous=overlap_previous)
     acc.fresh = False
 
 

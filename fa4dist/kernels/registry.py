@@ -23,6 +23,9 @@ A backend is an object with:
                                                   lists share (fa4dist.kernels.worklist; None: the list loops
                                                   over the contract's calls).  backward_items and shared_rows
                                                   take dlse= where the backend has lse_gradient
+  overlaps_previous: bool (optional)              its forward_items takes overlap_previous= (the caller's promise
+                                                  that the work just before wrote none of q, k, v: its launches
+                                                  may start while that work finishes)
 
 Backends without a fused epilogue return fresh results; `fa4dist.kernels.api` writes or merges them into the
 caller's buffers, and merges the attention sinks into them (a backend sees the sinks tensor only through

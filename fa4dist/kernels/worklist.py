@@ -385,13 +385,20 @@ def attention_forward_items(
     fresh: bool = False,
     backend: str = "auto",
     cp_invariant: bool = False,
+    overlap_previous: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merges every item's block into the running fp32 ``(out, lse)``, in list order; returns them.
 
     ``fresh=True``: out and lse hold no result yet (any values); rows no item covers are left as they are, rows the
     first time an item covers them are written instead of merged (equal to merging into (0, -inf), one pass less).
+
+    ``overlap_previous=True``: a promise that the GPU work queued just before this call in the current stream wrote
+    none of q, k, v (a previous call's merges into out / lse, say, as a ring's steps are): a backend may then start
+    this call's kernels while that work finishes, ordering only their reads and writes of out and lse after it (the
+    cute backend: programmatic dependent launch). The same bits; backends without it ignore it.
     """
     check_bool("fresh", fresh)
+    check_bool("overlap_previous", overlap_previous)
     seq_dim, problem = _layout(q, k, v, cp_invariant, softmax_scale, softcap)
     _check_whole_buffers(problem, "attention_forward_items (the running fp32 result)",
                          {"out": (out, None), "lse": (lse, None)}, {})
@@ -399,8 +406,10 @@ def attention_forward_items(
     items = _check_items(items, q.shape[seq_dim], k.shape[seq_dim])
     impl = select_backend(backend, problem, "forward")
     if getattr(impl, "forward_items", None) is not None:
+        # (only a backend that says it takes the promise gets it: forward_items' signature is the registry's)
+        extra = {"overlap_previous": True} if overlap_previous and getattr(impl, "overlaps_previous", False) else {}
         done = impl.forward_items(q, k, v, items, out, lse, softmax_scale=problem.softmax_scale,
-                                  softcap=problem.softcap, fresh=fresh)
+                                  softcap=problem.softcap, fresh=fresh, **extra)
         if done is not None:
             return out, lse
     packed = seq_dim == 0

@@ -42,6 +42,8 @@ SUBSET = [
     (torch.bfloat16, 128, True, False, False, {"sinks": True}),  # TMA-store epilogue
     (torch.float16, 64, True, True, False, {"sinks": True, "window_left": 127, "softcap": 20.0}),  # direct
     (torch.bfloat16, 128, True, True, True, {"worklist": True}),  # one launch over a work list's item table
+    # ... started while the launch before it finishes (programmatic dependent launch: a ring's merges in turn)
+    (torch.bfloat16, 128, True, True, True, {"worklist": True, "pdl": True}),
     # ... on a persistent grid, tiles claimed from a counter (packed launches are persistent only this way), merging
     # with fixed roundings
     (torch.bfloat16, 64, True, True, True, {"worklist": True, "persistent_ctas": 132, "dynamic_tiles": True,
@@ -152,6 +154,8 @@ def test_compile_variant(variant, tmp_path, monkeypatch, capfd):
     assert ("%nctaid.x" in ptx) == cfg.persistent
     assert ("atom.global.add.u32" in ptx) == cfg.takes_tile_counter  # the dynamic walk's claims
     assert ("mul.rn.f32" in ptx) == cfg.exact_merge  # the merge's separately rounded product
+    # pdl: the CTAs let the next launch start, and the epilogue waits for the previous grid
+    assert ("griddepcontrol.launch_dependents" in ptx) == ("griddepcontrol.wait" in ptx) == cfg.pdl
     # the descriptor bases computed once per tile (common_sm90.loop_invariant_descriptors: Q, K, V)
     assert ("%dynamic_smem_size" in ptx) == cfg.hoist_descriptors
     if causal or varlen:  # masked V tiles go through the sanitizer warps (packed fp16/bf16 FMA check)
@@ -212,6 +216,13 @@ def test_persistent_grid_default_and_the_sms_variable(monkeypatch):
                dict(causal=True, varlen=True, accumulate=False, window_left=100)):
         cfg = cute_fwd.make_config(torch.bfloat16, 128, **kw)
         assert cfg.persistent_ctas == 0 and not cfg.persistent and not cfg.takes_tile_counter, kw
+    # programmatic dependent launch takes one CTA per tile (a persistent grid's counter would be shared with the
+    # launch it overlaps): a write that would be persistent is not, and a forced persistent grid is refused
+    pdl = cute_fwd.make_config(torch.bfloat16, 64, causal=False, varlen=True, accumulate=False, worklist=True, pdl=True)
+    assert pdl.pdl and not pdl.persistent and not pdl.takes_tile_counter
+    with pytest.raises(ValueError, match="pdl needs one CTA per tile"):
+        cute_fwd.make_config(torch.bfloat16, 64, causal=False, varlen=True, accumulate=True, worklist=True, pdl=True,
+                             persistent_ctas=132)
     # hdim 96's causal kernel is persistent with 32 producer registers (24 spill there); elsewhere the usual split
     d96 = cute_fwd.make_config(torch.float16, 96, causal=True, varlen=False, accumulate=False)
     assert d96.persistent and d96.regs_producer == 32

@@ -914,3 +914,41 @@ def test_a_zero_dim_k_or_v_is_refused_by_name():
         attention_forward_items(q, torch.tensor(1.0), q, [WorkItem(0, 3, 0, 3)], out, lse)
     with pytest.raises(ValueError, match=r"v must be 3-D \(total_tokens, heads, head_dim\), got shape \(\)"):
         attention_forward_items(q, q, torch.tensor(1.0), [WorkItem(0, 3, 0, 3)], out, lse)
+
+
+def test_overlap_previous_is_checked_and_reaches_only_a_backend_that_takes_it(monkeypatch):
+    """overlap_previous is a bool (named when not), changes no bit on a backend without it, and reaches
+    forward_items only where the backend declares ``overlaps_previous`` (the registry's forward_items signature
+    has no such argument)."""
+    from fa4dist.kernels import registry
+    from fa4dist.kernels.reference import ReferenceBackend
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 48, 2, 16, dtype=F64, generator=gen) for _ in range(3))
+    items = [WorkItem(0, 48, 0, 24, 48, 0, True), WorkItem(0, 48, 24, 24, 48, 24, True)]
+
+    def run(backend, **kw):
+        out, lse = torch.full((1, 48, 2, 16), float("nan"), dtype=F64), torch.full((1, 2, 48), float("nan"), dtype=F64)
+        return attention_forward_items(q, k, v, items, out, lse, fresh=True, backend=backend, **kw)
+
+    with pytest.raises(TypeError, match="overlap_previous must be a bool"):
+        run("reference", overlap_previous=1)
+    plain = run("reference")
+    assert all(torch.equal(a, b) for a, b in zip(plain, run("reference", overlap_previous=True)))
+
+    class Lister(ReferenceBackend):
+        name, seen = "test_lister", []
+
+        def forward_items(self, q, k, v, items, out, lse, *, softmax_scale, softcap, fresh, **kw):
+            self.seen.append(kw)
+            return None  # (the contract then loops over the items)
+
+    class Overlapping(Lister):
+        name, seen, overlaps_previous = "test_overlapping", [], True
+
+    for backend in (Lister(), Overlapping()):
+        monkeypatch.setitem(registry._BACKENDS, backend.name, backend)
+        for overlap in (False, True):
+            assert all(torch.equal(a, b) for a, b in zip(plain, run(backend.name, overlap_previous=overlap)))
+    assert Lister.seen == [{}, {}]
+    assert Overlapping.seen == [{}, {"overlap_previous": True}]

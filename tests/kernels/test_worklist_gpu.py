@@ -162,6 +162,47 @@ def test_ring_schedule_lists_equal_the_loop_in_few_launches(monkeypatch, packed,
         assert fewer > 0, "no list ran in fewer launches than items"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_overlapped_calls_give_the_bytes_of_calls_in_turn(causal):
+    """A ring member's forward: a list's calls merged in turn into one running result, each call after the first
+    with overlap_previous=True (programmatic dependent launch: it may start while the call before it finishes, and
+    must read the running rows only after that call's writes). Every call reads what the one before it wrote (the
+    same rows each time), the first calls are long (their tails overlap), and NaN fills the fresh buffers: the
+    bytes must be those of the calls without overlap, and the launches must have taken it."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    rows, keys, h, d = 4096, 16384, 8, 128
+    q = torch.randn(1, rows, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(1, keys, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    mask = dict(causal=True) if causal else {}
+    calls = [[WorkItem(0, rows, 0, keys // 2, 4 * keys, 0, **mask)],  # (a diagonal past every key: all visible)
+             [WorkItem(0, rows, keys // 2, keys // 2, keys, keys // 2, **mask)],
+             [WorkItem(0, rows // 2, 0, 1024, 0, 0, **mask), WorkItem(rows // 2, rows // 2, 1024, 2048, 0, 0, **mask)],
+             [WorkItem(0, rows, 3072, 5000, rows, 0, **mask)]]
+    results, taken = [], []
+    real = cute_fwd.forward_worklist
+
+    def recording(*a, **kw):
+        taken.append(kw.get("overlap_previous", False))
+        return real(*a, **kw)
+
+    for overlap in (False, True, False, True):
+        out, lse = _buffers(q, True, False, gen)
+        cute_fwd.forward_worklist = recording
+        taken.clear()
+        try:
+            for i, items in enumerate(calls):
+                attention_forward_items(q, k, v, items, out, lse, fresh=i == 0, backend="cute",
+                                        overlap_previous=overlap and i > 0)
+        finally:
+            cute_fwd.forward_worklist = real
+        torch.cuda.synchronize()
+        assert taken and any(taken) == overlap and not taken[0], taken
+        results.append((out, lse))
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+    assert not results[0][0].isnan().any()
+
+
 def test_declines_odd_layouts_and_falls_back(monkeypatch):
     """A list on tensors a launch cannot take as they are (a non-contiguous head dim) runs through the loop."""
     gen = torch.Generator(device="cuda").manual_seed(5)

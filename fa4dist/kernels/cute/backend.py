@@ -163,11 +163,14 @@ class CuteSm90Backend:
         return extent < host.INT32_MAX
 
     fused_sinks = True  # the forward epilogue takes the sinks (non-accumulate); the contract merges them otherwise
+    overlaps_previous = True  # forward_items takes overlap_previous (programmatic dependent launch)
 
-    def forward_items(self, q, k, v, items, out, lse, *, softmax_scale, softcap, fresh):
+    def forward_items(self, q, k, v, items, out, lse, *, softmax_scale, softcap, fresh, overlap_previous=False):
         """A forward work list (fa4dist.kernels.worklist) in few launches: one per wave of items with disjoint query
         rows and kernel variant (worklist.forward_launches; per batch element for a dense batch). Each row gets the
-        bits of the per-item loop. Returns None (the caller loops) where the tensors or an item do not suit it."""
+        bits of the per-item loop. Returns None (the caller loops) where the tensors or an item do not suit it.
+        ``overlap_previous``: every launch may start while the kernel before it finishes (programmatic dependent
+        launch, forward.forward_worklist); the caller promises that the work before this call wrote none of q, k, v."""
         if not self._worklist_ready(q, k, v, out, lse):
             return None
         plan = self._forward_plan(q, items, fresh, softmax_scale, softcap)
@@ -184,7 +187,7 @@ class CuteSm90Backend:
             for table, max_q, causal, window_left, write in launches:
                 _fwd.forward_worklist(view(q), view(k), view(v), view(out), view(lse), table, max_q,
                                       softmax_scale=softmax_scale, causal=causal, window_left=window_left,
-                                      softcap=softcap, accumulate=not write)
+                                      softcap=softcap, accumulate=not write, overlap_previous=overlap_previous)
         return out, lse
 
     def backward_items(self, dout, q, k, v, out, lse, items, dq, dk, dv, *, softmax_scale, softcap, deterministic,

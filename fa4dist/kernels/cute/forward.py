@@ -155,6 +155,10 @@ class FwdConfig:
     # the same from run to run. Default from default_split_tail; a launch that its plan does not split runs the
     # variant without it (forward.forward)
     split_tail: bool = False
+    # programmatic dependent launch (one CTA per tile only): the launch may start while the kernel before it in the
+    # stream finishes, and its epilogue waits for that kernel before it touches out / lse (fwd_sm90). The same bits.
+    # For a caller whose previous kernel wrote none of q, k, v and the table (forward_worklist's overlap_previous)
+    pdl: bool = False
 
     def build(self):
         from .fwd_sm90 import FlashFwdSm90
@@ -174,6 +178,7 @@ class FwdConfig:
             exact_merge=self.exact_merge, regs_producer=self.regs_producer,
             ctas_per_sm=self.ctas_per_sm,
             l2_rows=self.l2_rows or None, interleave_lengths=self.interleave_lengths, split_tail=self.split_tail,
+            pdl=self.pdl,
         )
 
     @property
@@ -459,8 +464,8 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
             kw.update(tile_n=64, num_stages=3)
     kw.update(forced)
     cfg = FwdConfig(**kw)
-    if "persistent_ctas" not in kw:  # the default follows the other fields, overrides included
-        cfg = dataclasses.replace(cfg, persistent_ctas=default_persistent_ctas(cfg))
+    if "persistent_ctas" not in kw:  # the default follows the other fields, overrides included (pdl: none)
+        cfg = dataclasses.replace(cfg, persistent_ctas=0 if cfg.pdl else default_persistent_ctas(cfg))
     if "regs_producer" not in kw:
         cfg = dataclasses.replace(cfg, regs_producer=default_regs_producer(cfg))
     if "interleave_lengths" not in kw:
@@ -478,6 +483,9 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
     elif cfg.split_tail and not split_tail_fits(cfg):
         raise ValueError(f"split_tail needs a dense fresh 16-bit launch on the dynamic persistent grid, one CTA "
                          f"per SM, without window or sinks: {cfg}")
+    if cfg.pdl and cfg.persistent:
+        raise ValueError(f"pdl needs one CTA per tile (a persistent grid's tile counter would be shared with the "
+                         f"launch it overlaps): {cfg}")
     return cfg
 
 
@@ -679,7 +687,7 @@ def _split_buffers(cfg: FwdConfig, q, plan) -> dict:
 
 
 def forward_worklist(q, k, v, out, lse, table, max_q_len, *, softmax_scale, causal, window_left=-1, softcap=None,
-                     accumulate):
+                     accumulate, overlap_previous=False):
     """One launch over the items of a work list, writing (or with accumulate=True merging into) out / lse in place.
 
     Packed q (t_q, h, d), k / v (t_k, h_kv, d), out (t_q, h, d) fp32 (or q's dtype when not accumulating), lse
@@ -687,7 +695,9 @@ def forward_worklist(q, k, v, out, lse, table, max_q_len, *, softmax_scale, caus
     the rows and the diagonal); the items' query rows must be pairwise disjoint (a row is written by one CTA).
     ``max_q_len``: the longest item's query rows (sizes the grid). A causal launch reads each
     item's diagonal (an item with a diagonal >= its key rows sees every key); a non-causal one ignores it.
-    Each item's rows get the bits of a call of :func:`forward` on that item alone with the same options."""
+    Each item's rows get the bits of a call of :func:`forward` on that item alone with the same options.
+    ``overlap_previous``: the kernel before this launch in the stream wrote none of q, k, v and the table, so the
+    launch may start while it finishes (FwdConfig.pdl); out and lse are touched only after it."""
     if table.dtype != torch.int32 or table.dim() != 1 or table.numel() == 0:
         raise ValueError("table must be a non-empty flat int32 tensor")
     d = q.shape[-1]
@@ -700,11 +710,12 @@ def forward_worklist(q, k, v, out, lse, table, max_q_len, *, softmax_scale, caus
         raise ValueError("accumulate=True needs an fp32 out")
     if q.shape[0] == 0 or k.shape[0] == 0:
         raise ValueError("a work-list launch needs query and key rows")
-    fast_key = ("worklist", q.dtype, d, causal, accumulate, out_fp32, window_left, softcap)
+    pdl = bool(overlap_previous)
+    fast_key = ("worklist", q.dtype, d, causal, accumulate, out_fp32, window_left, softcap, pdl)
     fast = _FAST.get(fast_key) if not _OVERRIDE else None
     if fast is None:
         cfg = make_config(q.dtype, d, causal=causal, varlen=True, accumulate=accumulate, out_fp32=out_fp32,
-                          window_left=window_left, softcap=softcap, worklist=True)
+                          window_left=window_left, softcap=softcap, worklist=True, **({"pdl": True} if pdl else {}))
         fast = (host.get_compiled(cfg), cfg.takes_tile_counter, cfg.reset_counter)
         if not _OVERRIDE:
             _FAST[fast_key] = fast

@@ -125,6 +125,7 @@ class FlashFwdSm90:
         regs_producer: int = 0,
         ctas_per_sm: int = 1,
         split_tail: bool = False,
+        pdl: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
         assert head_dim % 16 == 0 and tile_n % 16 == 0
@@ -192,6 +193,13 @@ class FlashFwdSm90:
         # product), so that every compiled variant merges to the same bits; otherwise ptxas picks which product to
         # fuse, and persistent and one-CTA-per-tile kernels were measured 1-2 ulp apart
         self.exact_merge = exact_merge and accumulate
+        # programmatic dependent launch: the launch may start while the kernel before it in the stream finishes.
+        # Each CTA lets its own dependents launch at its start, and the epilogue waits for the previous grid (its
+        # writes then visible) before it reads or writes out / lse; Q, K, V and the table are read before that wait,
+        # so the caller promises that the previous kernel did not write them. One CTA per tile only: a persistent
+        # grid's tile counter would be shared with the launch it overlaps
+        assert not pdl or not self.persistent, "pdl: one CTA per tile"
+        self.pdl = pdl
         self.num_threads = 128 * (self.num_wg + 1)
         self.regs_producer, self.regs_consumer = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_wg]
         if ctas_per_sm not in (1, 2):
@@ -383,6 +391,7 @@ class FlashFwdSm90:
             min_blocks_per_mp=self.ctas_per_sm,
             # (all of the SM's memory as shared memory; also spares the DSL a device query for two CTAs per SM)
             preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None,
+            use_pdl=self.pdl,
         )
 
     # ------------------------------------------------------------------------
@@ -423,6 +432,8 @@ class FlashFwdSm90:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()  # (the next launch may take SMs this grid's tail leaves)
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_Q)
             cpasync.prefetch_descriptor(tma_atom_K)
@@ -1113,10 +1124,18 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------
     @cute.jit
     def epilogue(self, io: Context, ml: Context, tidx: Int32, tile, seqlen: SeqlenInfo):
+        self.await_previous_grid()
         if const_expr(io.tma_atom_O is not None):
             self.epilogue_tma(io, ml, tidx, tile, seqlen)
         else:
             self.epilogue_direct(io, ml, tidx, tile, seqlen)
+
+    @cute.jit
+    def await_previous_grid(self):
+        """pdl: wait until the grid launched before this one has finished and its writes are visible (a no-op
+        otherwise): every read and write of out / lse comes after it."""
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
 
     @cute.jit
     def epilogue_tma(self, io: Context, ml: Context, tidx: Int32, tile, seqlen: SeqlenInfo):
