@@ -206,7 +206,7 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
     out_full, lse_full = attention_forward(q, k, v, backend=backend, **mask)
     # one call on the whole sequence, timed in every round beside the ranks' runs
     full["fwd"] = lambda: attention_forward(q, k, v, backend=backend, **mask)
-    full["fwd_zero_fill"] = full["fwd_pdl"] = full["fwd"]
+    full["fwd_zero_fill"] = full["fwd_pdl"] = full["fwd_pdl_events"] = full["fwd"]
     full["bwd"] = lambda: attention_backward(dout, q, k, v, out_full, lse_full, backend=backend, **mask)
     full["bwd_per_call"] = full["bwd_zero_fill"] = full["bwd"]
     # bwd_lse: a loss of out and lse (return_lse=True): the lse's gradient joins the row sums, on one device and in
@@ -237,12 +237,12 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                 runners, profiles = [], {}
                 for r in range(cp):
                     qr, kr, vr, dr = shards[r]
-                    if direction in ("fwd", "fwd_zero_fill", "fwd_pdl"):
+                    if direction in ("fwd", "fwd_zero_fill", "fwd_pdl", "fwd_pdl_events"):
                         launches = rank_launches(sched, r, held, per_launch)
 
                         def run_rank(r=r, qr=qr, kr=kr, vr=vr, launches=launches, fill=direction == "fwd_zero_fill",
-                                     overlap=direction == "fwd_pdl"):
-                            run_rank_fwd(sched, r, qr, kr, vr, launches, headdim, opts, fill, overlap)
+                                     overlap=direction.startswith("fwd_pdl"), events=direction == "fwd_pdl_events"):
+                            run_rank_fwd(sched, r, qr, kr, vr, launches, headdim, opts, fill, overlap, events)
                     else:
                         fwd = run_rank_fwd(sched, r, qr, kr, vr, rank_launches(sched, r, held, 1), headdim, opts)
                         out_r, lse_r = fwd.out.to(dtype), fwd.lse
@@ -461,14 +461,24 @@ def exposed_transfer_ms(group_sizes, comm_ms: float, step_ms: float) -> float:
     return exposed
 
 
-def run_rank_fwd(sched, r, qr, kr, vr, launches, headdim, opts, fill: bool = False, overlap: bool = False):
+def run_rank_fwd(sched, r, qr, kr, vr, launches, headdim, opts, fill: bool = False, overlap: bool = False,
+                 event_waits: bool = False):
     """As ``ring_forward``: the own step, then each of `launches` (:func:`rank_launches`), merged into one running
     result (``MemberForward``). Rows the own step covers are not filled first (fill: every row, as before the
     twenty-sixth session). ``overlap``: each launch after the first may start while the one before it finishes
-    (``MemberForward``'s overlap_launches: programmatic dependent launch on the cute backend)."""
+    (``MemberForward``'s overlap_launches: programmatic dependent launch on the cute backend). ``event_waits``:
+    before each remote launch the stream waits on an event of another stream, already complete (as the ring's
+    transfer wait puts one between two launches), to see whether the overlap survives it."""
     fwd = MemberForward(sched.members[r], qr, headdim, False, () if fill else sched.items(r, r),
                         overlap_launches=overlap)
-    for kv, items in [(HeldKV(kr, vr), sched.items(r, r))] + launches:
+    landed = None
+    if event_waits and qr.is_cuda:
+        side = torch.cuda.Stream(qr.device)
+        side.wait_stream(torch.cuda.current_stream(qr.device))
+        landed = side.record_event()
+    for i, (kv, items) in enumerate([(HeldKV(kr, vr), sched.items(r, r))] + launches):
+        if i and landed is not None:
+            torch.cuda.current_stream(qr.device).wait_event(landed)
         fwd.launch(qr, IncomingKeys(None, kv, items), opts)
     return fwd.result()
 
@@ -503,13 +513,15 @@ def main(argv=None):
     p.add_argument("--dtype", default=None, help="default bfloat16 (float32 with --device cpu)")
     p.add_argument("--balancers", nargs="+", default=list(BALANCERS), choices=BALANCERS)
     p.add_argument("--directions", nargs="+", default=["fwd", "bwd"],
-                   choices=["fwd", "fwd_zero_fill", "fwd_pdl", "bwd", "bwd_per_call", "bwd_zero_fill", "bwd_lse"],
+                   choices=["fwd", "fwd_zero_fill", "fwd_pdl", "fwd_pdl_events", "bwd", "bwd_per_call",
+                            "bwd_zero_fill", "bwd_lse"],
                    help="bwd_per_call: the backward without the shared query side (one preprocess and dQ convert "
                         "per call, as before 2026-12-01); bwd_zero_fill: dK / dV zero-filled and added into (as "
                         "before 2026-12-03's fresh_dkv); fwd_zero_fill: every row of out / lse filled first; "
                         "bwd_lse: the backward of a loss of out and lse (dlse in every step's row sums); fwd_pdl: "
                         "each remote launch may start while the one before it finishes (programmatic dependent "
-                        "launch), one launch per step")
+                        "launch), one launch per step; fwd_pdl_events: the same with a wait on another stream's "
+                        "(complete) event before each remote launch, as the ring's transfer waits")
     p.add_argument("--steps-per-launch", type=int, nargs="+", default=[1],
                    help="the forward's remote steps per launch (ring_forward's launch groups; 0: all remote steps "
                         "in one), one fwd row each (labelled fwd/N)")
