@@ -157,7 +157,7 @@ class MemberForward:
 
     ``overlap_launches``: every launch after the first may start while the one before it finishes (the contract's
     ``overlap_previous``, programmatic dependent launch on the cute backend), for a caller whose stream holds
-    nothing between them that writes q or the keys: ``bench/cp_sim.py --pdl``, keys resident."""
+    nothing between them that writes q or the keys: ``bench/cp_sim.py --directions fwd_pdl``, keys resident."""
 
     def __init__(self, layout: MemberLayout, q: torch.Tensor, head_dim_v: int, packed: bool,
                  first_items: Sequence[WorkItem], overlap_launches: bool = False):
