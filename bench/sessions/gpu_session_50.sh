@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Prepared in the forty-seventh session (2026-12-05) for the next one. A call returns few files and has at most 600 s:
-# run stages alone or in pairs.
+# Prepared in the forty-seventh session (2026-12-05) for the next one; the forty-eighth (2026-12-06) got no device
+# time (every start refused) and added pdl. A call returns few files and has at most 600 s: run stages alone or in
+# pairs. Order: `pdl` (its GPU test first: the pdl kernels never ran), then `cp_tests`, `groups_cp8`, `bwd_spread`.
+# If fwd_pdl wins and fwd_pdl_events keeps the gain, the real ring's remote launches can take overlap_previous (a
+# two-GPU check); if fwd_pdl_events loses it, the transfer waits must move ahead of the previous launch first.
 # - cp_tests: tests/cp/test_cp_gpu.py (the forty-seventh session's member_backward_steps, CPU-tested only).
 # - groups (#12, the simulated forward at cp = 8 / 4): launch groups of half the remote steps. One launch for all
 #   remote steps read 0.928 against 0.908 one launch per step (H100, forty-seventh session; H200 0.940 / 0.905), but a
@@ -12,7 +15,8 @@
 #   H100 numbers: fwd/all at cp = 8 ~0.58 ms exposed, 0.928 -> ~0.89; fwd/4 none).
 # - pdl (#12): the ring forward's remote launches each started while the one before it finishes (programmatic
 #   dependent launch, MemberForward's overlap_launches; cp_sim direction fwd_pdl): its GPU test (the bytes of calls in
-#   turn), then cp = 8 and 4 beside one launch per step. Predicted (NOTES_FWD.md, forty-eighth session): fwd_pdl within
+#   turn), then cp = 8 beside one launch per step, and with a complete event's wait before each remote launch
+#   (fwd_pdl_events, as the ring's transfer waits). Predicted (NOTES_FWD.md, forty-eighth session): fwd_pdl within
 #   0.01 of fwd/all (0.928-0.940 at cp = 8), i.e. +2-3% over fwd (0.905-0.908).
 # - bwd_spread (#12): the cp = 8 simulated backward with the ring's own order (MemberBackward) three times in a row,
 #   on the H200 if lent: the H100 read 0.921 and 0.878 five minutes apart (forty-seventh session).
