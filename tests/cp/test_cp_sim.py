@@ -248,3 +248,43 @@ def test_cp_sim_times_the_backward_of_a_loss_of_the_lse(tmp_path, monkeypatch):
                          "--balancers", "lpt", "--directions", "bwd", "bwd_lse"])
     assert [r["direction"] for r in rows] == ["bwd", "bwd_lse"]
     assert rows[1]["efficiency"] > 0 and rows[1]["bytes_per_step"] == rows[0]["bytes_per_step"]
+
+
+def test_overlapped_forward_promises_overlap_after_the_first_launch_and_keeps_the_bytes(monkeypatch, tmp_path):
+    """--directions fwd_pdl / fwd_pdl_events: a member's launches after its first promise the contract
+    overlap_previous (MemberForward's overlap_launches; the first follows unknown work), which changes no byte
+    (the reference ignores it); both rows are timed and recorded beside fwd."""
+    from fa4dist.context_parallel import Schedule, make_plan, ring
+    from fa4dist.context_parallel.ring import KernelOptions, KVBuffer
+
+    sim = _load()
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 256, 2, 16, generator=gen) for _ in range(3))
+    plan = make_plan(256, 4, "lpt", causal=True)
+    sched = Schedule(plan, 1, plan.mask)
+    shards = [[plan.shard(t, rank=r) for t in (q, k, v)] for r in range(4)]
+    held = {(r, s): KVBuffer.gather(shards[s][1], shards[s][2], sched.needed(r, s), 1)
+            for r in range(4) for s in range(4) if s != r and sched.needed(r, s)}
+    opts = KernelOptions(softmax_scale=None, softcap=None, backend="reference", deterministic=False)
+    promised = []
+    real = ring.attention_forward_items
+
+    def recording(*a, **kw):
+        promised.append(kw["overlap_previous"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ring, "attention_forward_items", recording)
+    for r in range(4):
+        launches = sim.rank_launches(sched, r, held, 1)
+        plain = sim.run_rank_fwd(sched, r, *shards[r], launches, 16, opts)
+        assert not any(promised)
+        promised.clear()
+        overlapped = sim.run_rank_fwd(sched, r, *shards[r], launches, 16, opts, overlap=True, event_waits=True)
+        assert promised == [False] + [True] * (len(promised) - 1) and len(promised) == 1 + len(launches)
+        promised.clear()
+        assert torch.equal(plain.out, overlapped.out) and torch.equal(plain.lse, overlapped.lse)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    rows = sim.main(["--device", "cpu", "--tiny", "--cp", "4", "--seqlens", "128", "--reps", "1",
+                     "--balancers", "lpt", "--directions", "fwd", "fwd_pdl", "fwd_pdl_events"])
+    assert [r["direction"] for r in rows] == ["fwd", "fwd_pdl", "fwd_pdl_events"]
+    assert all(r["efficiency"] > 0 for r in rows)
