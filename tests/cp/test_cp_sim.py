@@ -14,6 +14,23 @@ def _load():
     return bench_scripts.load("cp_sim")
 
 
+def _members(tokens: int, cp: int, seed: int):
+    """A causal LPT ring of `cp` members on `tokens` random tokens (1 x tokens x 2 heads of 16): its schedule, each
+    member's (q, k, v) shards, the key rows each member receives from each other one, and reference-backend options."""
+    from fa4dist.context_parallel import Schedule, make_plan
+    from fa4dist.context_parallel.ring import KernelOptions, KVBuffer
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, tokens, 2, 16, generator=gen) for _ in range(3))
+    plan = make_plan(tokens, cp, "lpt", causal=True)
+    sched = Schedule(plan, 1, plan.mask)
+    shards = [[plan.shard(t, rank=r) for t in (q, k, v)] for r in range(cp)]
+    held = {(r, s): KVBuffer.gather(shards[s][1], shards[s][2], sched.needed(r, s), 1)
+            for r in range(cp) for s in range(cp) if s != r and sched.needed(r, s)}
+    opts = KernelOptions(softmax_scale=None, softcap=None, backend="reference", deterministic=False)
+    return sched, shards, held, opts
+
+
 def test_cp_sim_tiny_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     rows = _load().main(["--device", "cpu", "--tiny", "--cp", "2", "4", "--seqlens", "96", "--reps", "3"])
@@ -165,18 +182,8 @@ def test_launch_groups_give_the_members_forward_with_fewer_items(per_launch):
     """--steps-per-launch N: a member's remote steps N at a time (0: all) in one key buffer, as ring_forward
     receives them, their fully visible blocks coalesced, give its (out, lse) up to fp32 rounding, in fewer items
     than the steps' lists."""
-    from fa4dist.context_parallel import Schedule, make_plan
-    from fa4dist.context_parallel.ring import KernelOptions, KVBuffer
-
     sim = _load()
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 512, 2, 16, generator=gen) for _ in range(3))
-    plan = make_plan(512, 8, "lpt", causal=True)
-    sched = Schedule(plan, 1, plan.mask)
-    shards = [[plan.shard(t, rank=r) for t in (q, k, v)] for r in range(8)]
-    held = {(r, s): KVBuffer.gather(shards[s][1], shards[s][2], sched.needed(r, s), 1)
-            for r in range(8) for s in range(8) if s != r and sched.needed(r, s)}
-    opts = KernelOptions(softmax_scale=None, softcap=None, backend="reference", deterministic=False)
+    sched, shards, held, opts = _members(512, 8, seed=0)
     fewer = 0
     for r in range(8):
         groups = sim.rank_launches(sched, r, held, per_launch)
@@ -254,18 +261,10 @@ def test_overlapped_forward_promises_overlap_after_the_first_launch_and_keeps_th
     """--directions fwd_pdl / fwd_pdl_events: a member's launches after its first promise the contract
     overlap_previous (MemberForward's overlap_launches; the first follows unknown work), which changes no byte
     (the reference ignores it); both rows are timed and recorded beside fwd."""
-    from fa4dist.context_parallel import Schedule, make_plan, ring
-    from fa4dist.context_parallel.ring import KernelOptions, KVBuffer
+    from fa4dist.context_parallel import ring
 
     sim = _load()
-    gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(1, 256, 2, 16, generator=gen) for _ in range(3))
-    plan = make_plan(256, 4, "lpt", causal=True)
-    sched = Schedule(plan, 1, plan.mask)
-    shards = [[plan.shard(t, rank=r) for t in (q, k, v)] for r in range(4)]
-    held = {(r, s): KVBuffer.gather(shards[s][1], shards[s][2], sched.needed(r, s), 1)
-            for r in range(4) for s in range(4) if s != r and sched.needed(r, s)}
-    opts = KernelOptions(softmax_scale=None, softcap=None, backend="reference", deterministic=False)
+    sched, shards, held, opts = _members(256, 4, seed=1)
     promised = []
     real = ring.attention_forward_items
 
