@@ -241,8 +241,9 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                         launches = rank_launches(sched, r, held, per_launch)
 
                         def run_rank(r=r, qr=qr, kr=kr, vr=vr, launches=launches, fill=direction == "fwd_zero_fill",
-                                     overlap=direction.startswith("fwd_pdl"), events=direction == "fwd_pdl_events"):
-                            run_rank_fwd(sched, r, qr, kr, vr, launches, headdim, opts, fill, overlap, events)
+                                     overlap=direction.startswith("fwd_pdl"),
+                                     landed=landed_event(device) if direction == "fwd_pdl_events" else None):
+                            run_rank_fwd(sched, r, qr, kr, vr, launches, headdim, opts, fill, overlap, landed)
                     else:
                         fwd = run_rank_fwd(sched, r, qr, kr, vr, rank_launches(sched, r, held, 1), headdim, opts)
                         out_r, lse_r = fwd.out.to(dtype), fwd.lse
@@ -461,21 +462,27 @@ def exposed_transfer_ms(group_sizes, comm_ms: float, step_ms: float) -> float:
     return exposed
 
 
+def landed_event(device):
+    """On CUDA an event of another stream that completes once the work queued so far has (None off CUDA): what a
+    ring member's stream waits on before each remote launch, as for a transfer that already landed; made once,
+    outside the timed calls."""
+    if torch.device(device).type != "cuda":
+        return None
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side.record_event()
+
+
 def run_rank_fwd(sched, r, qr, kr, vr, launches, headdim, opts, fill: bool = False, overlap: bool = False,
-                 event_waits: bool = False):
+                 landed=None):
     """As ``ring_forward``: the own step, then each of `launches` (:func:`rank_launches`), merged into one running
     result (``MemberForward``). Rows the own step covers are not filled first (fill: every row, as before the
     twenty-sixth session). ``overlap``: each launch after the first may start while the one before it finishes
-    (``MemberForward``'s overlap_launches: programmatic dependent launch on the cute backend). ``event_waits``:
-    before each remote launch the stream waits on an event of another stream, already complete (as the ring's
-    transfer wait puts one between two launches), to see whether the overlap survives it."""
+    (``MemberForward``'s overlap_launches: programmatic dependent launch on the cute backend). ``landed``
+    (:func:`landed_event`): before each remote launch the stream waits on it, as the ring's transfer wait puts an
+    event wait between two launches, to see whether the overlap survives it."""
     fwd = MemberForward(sched.members[r], qr, headdim, False, () if fill else sched.items(r, r),
                         overlap_launches=overlap)
-    landed = None
-    if event_waits and qr.is_cuda:
-        side = torch.cuda.Stream(qr.device)
-        side.wait_stream(torch.cuda.current_stream(qr.device))
-        landed = side.record_event()
     for i, (kv, items) in enumerate([(HeldKV(kr, vr), sched.items(r, r))] + launches):
         if i and landed is not None:
             torch.cuda.current_stream(qr.device).wait_event(landed)

@@ -162,16 +162,16 @@ class MemberForward:
     def __init__(self, layout: MemberLayout, q: torch.Tensor, head_dim_v: int, packed: bool,
                  first_items: Sequence[WorkItem], overlap_launches: bool = False):
         self.acc = Accumulators.empty(layout, q, head_dim_v, packed, first_items)
-        self.overlap_launches, self.launched = overlap_launches, False
+        self.overlap_launches = overlap_launches
 
     def launch(self, q: torch.Tensor, incoming: "IncomingKeys", opts: KernelOptions) -> None:
         """The next launch: `incoming`'s keys awaited, then its work list on them merged into the running result;
         nothing more where it received no keys."""
         held = incoming.wait()
         if held is not None:
+            # (the running result is fresh until the first launch: that one follows unknown work)
             forward_items(q, held, incoming.items, self.acc, opts,
-                          overlap_previous=self.overlap_launches and self.launched)
-            self.launched = True
+                          overlap_previous=self.overlap_launches and not self.acc.fresh)
 
     def result(self) -> Accumulators:
         return self.acc

@@ -278,7 +278,8 @@ def test_overlapped_forward_promises_overlap_after_the_first_launch_and_keeps_th
         plain = sim.run_rank_fwd(sched, r, *shards[r], launches, 16, opts)
         assert not any(promised)
         promised.clear()
-        overlapped = sim.run_rank_fwd(sched, r, *shards[r], launches, 16, opts, overlap=True, event_waits=True)
+        overlapped = sim.run_rank_fwd(sched, r, *shards[r], launches, 16, opts, overlap=True,
+                                      landed=sim.landed_event("cpu"))
         assert promised == [False] + [True] * (len(promised) - 1) and len(promised) == 1 + len(launches)
         promised.clear()
         assert torch.equal(plain.out, overlapped.out) and torch.equal(plain.lse, overlapped.lse)

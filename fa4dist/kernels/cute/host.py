@@ -177,16 +177,19 @@ def _stream_counter(stream):
     made = {}
 
     def allocate():
-        side = torch.cuda.Stream(stream.device)
-        with torch.cuda.stream(side):
-            made["counter"] = torch.zeros(1, dtype=torch.int32, device=stream.device)
-        made["side"] = side
+        try:
+            side = torch.cuda.Stream(stream.device)
+            with torch.cuda.stream(side):
+                made["counter"] = torch.zeros(1, dtype=torch.int32, device=stream.device)
+            made["side"] = side
+        except BaseException as err:  # (re-raised on the calling thread, as its cause)
+            made["error"] = err
 
     helper = threading.Thread(target=allocate, name="fa4dist-tile-counter")
     helper.start()
     helper.join()
     if "counter" not in made:
-        raise RuntimeError(f"could not allocate the tile counter of stream {stream} (see the helper thread's error)")
+        raise RuntimeError(f"could not allocate the tile counter of stream {stream}") from made.get("error")
     stream.wait_stream(made["side"])
     return made["counter"]
 
