@@ -1,0 +1,179 @@
+"""Random context-parallel cases against the fp64 oracle, on a pool of four gloo ranks (CPU, reference backend).
+
+Each case draws every option the public API takes (strategy and topology, cp size, GQA heads, head dims, dense or
+packed documents, causal, window, softcap, sinks, balancer, chunk count, alignment, a loss of the lse, the ring's
+launch groups and range messages, Ulysses head chunks). A case either matches the oracle within 1e-10 on every
+rank, or is refused on every rank with a ValueError / TypeError that says what was wrong; anything else (another
+exception, a refusal on some ranks only, a hang) is a failure.
+
+    python tests/cp/fuzz_cp.py --cases 300 --seed 0     # prints each failure with the case that reproduces it
+
+``test_cp_fuzz.py`` runs a fixed handful of these cases in the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]
+
+from cp_cases import random_docs, run_case  # noqa: E402
+
+CLEAR_REFUSALS = (ValueError, TypeError)
+
+
+def draw_case(seed: int) -> dict:
+    """One random case for run_case on a pool of four ranks."""
+    rng = random.Random(seed)
+    cp = rng.choice([1, 2, 2, 3, 4, 4])
+    topology = "group"
+    if cp == 4 and rng.random() < 0.25:
+        topology = rng.choice(["mesh", "groups"])
+    if topology == "group":
+        strategy = rng.choice(["auto", "ring", "ring", "ulysses", "hybrid"])
+    else:
+        strategy = rng.choice(["auto", "hybrid"])
+    ulysses_degree = None
+    if topology == "group" and strategy in ("auto", "hybrid") and rng.random() < 0.6:
+        ulysses_degree = rng.choice([d for d in range(1, cp + 1) if cp % d == 0])
+    heads_kv = rng.choice([1, 2, 3, 4])
+    heads_q = heads_kv * rng.choice([1, 1, 2, 3])
+    if strategy != "ring" and rng.random() < 0.7:  # mostly head counts a Ulysses degree can split
+        heads_kv = rng.choice([1, 2, 4])
+        heads_q = heads_kv * rng.choice([1, 2, 4]) * (3 if cp == 3 else 1)
+    case = dict(cp=cp, strategy=strategy, topology=topology, ulysses_degree=ulysses_degree,
+                heads=(heads_q, heads_kv), head_dim=rng.choice([4, 8, 16]), seed=seed,
+                causal=rng.random() < 0.7, balancer=rng.choice(["lpt", "lpt", "zigzag", "contiguous"]),
+                plan_u=rng.choice([1, None, None]))
+    if rng.random() < 0.2:
+        case["head_dim_v"] = rng.choice([4, 8, 12])
+    if rng.random() < 0.45:
+        case["docs"] = random_docs(seed, rng.randint(1, 7), rng.choice([5, 20, 60]))
+    else:
+        case["seqlen"] = rng.randint(1, 160)
+        case["batch"] = rng.choice([1, 1, 2])
+    if rng.random() < 0.35:
+        case["window"] = (rng.choice([-1, 0, 1, 3, 17, 50]), rng.choice([-1, 0, 2, 9, 40]))
+    if rng.random() < 0.25:
+        case["softcap"] = rng.choice([0.5, 3.0, 30.0])
+    case["sinks"] = rng.random() < 0.25
+    if rng.random() < 0.2:
+        case["num_chunks"] = cp * rng.choice([1, 2, 3, 5])
+    if rng.random() < 0.15:
+        case["align"] = rng.choice([2, 4, 8])
+    if rng.random() < 0.3:
+        case["lse_loss"] = rng.choice(["and", "only"])
+    if rng.random() < 0.25:
+        case["ring_steps_per_launch"] = rng.choice([0, 1, 2])
+    if rng.random() < 0.2:
+        case["ulysses_chunks"] = rng.choice([1, 2, 3])
+    if rng.random() < 0.15:
+        case["ring_max_range_messages"] = rng.choice([1, 2])
+    if rng.random() < 0.25:  # the reference in fp32 (its accumulation dtype paths) against the fp64 oracle
+        case["dtype"] = torch.float32
+    return case
+
+
+def tolerance(case: dict) -> float:
+    """The largest error allowed against the fp64 oracle: fp64 rounding, or fp32's for fp32 inputs (values and
+    gradients here are O(1) to O(10), sums over at most a few hundred terms)."""
+    return 1e-4 if case.get("dtype") == torch.float32 else 1e-10
+
+
+_MODULES: dict = {}  # (cp_module's arguments) -> (module, cp rank), with reuse_modules
+
+
+def _reused_module(make):
+    """cp_module, but one module per set of arguments, kept for later cases: a module called with other shapes,
+    plans and dtypes than before must not reuse anything of an earlier call's."""
+    def cached(*args, **kwargs):
+        key = repr((args, sorted(kwargs.items())))
+        if key not in _MODULES:
+            _MODULES[key] = make(*args, **kwargs)
+        return _MODULES[key]
+    return cached
+
+
+def fuzz_case(rank, world, *, case, reuse_modules=False):
+    """run_case on this rank, with a refusal caught: ("ok", errors) or ("refused", exception type, message)."""
+    import cp_cases
+
+    make = cp_cases.cp_module
+    if reuse_modules:
+        cp_cases.cp_module = _reused_module(make)
+    try:
+        return ("ok", run_case(rank, world, **case))
+    except CLEAR_REFUSALS as err:
+        return ("refused", type(err).__name__, str(err))
+    finally:
+        cp_cases.cp_module = make
+
+
+def judge(results, tol: float = 1e-10) -> str | None:
+    """None when the case passed (exact on every rank, or refused alike on every rank), else what went wrong."""
+    kinds = {r[0] for r in results if r is not None and not (r[0] == "ok" and r[1] is None)}
+    if kinds == {"refused"} or not kinds:
+        return None
+    if kinds != {"ok"}:
+        return f"refused on some ranks only: {results}"
+    for r in results:
+        errors = r[1]
+        if errors is None:
+            continue
+        bad = {n: errors[n] for n in ("out", "dq", "dk", "dv", "lse") if errors.get(n, 0.0) >= tol}
+        if bad:
+            return f"errors past {tol:g}: {bad}"
+    seen = [r[1] for r in results if r[1] is not None]
+    if "dsinks" in seen[0]:
+        total = torch.tensor([r["dsinks"] for r in seen], dtype=torch.float64).sum(0)
+        want = torch.tensor(seen[0]["dsinks_ref"], dtype=torch.float64)
+        if not torch.allclose(total, want, atol=tol, rtol=tol):
+            return f"sinks' gradient summed over the ranks {total.tolist()} against {want.tolist()}"
+    return None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0, help="the first case's seed; case i uses seed + i")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds one case may take")
+    parser.add_argument("--reuse-modules", action="store_true",
+                        help="one module per set of module options, called by every later case that has them")
+    parser.add_argument("--verbose", action="store_true", help="print every case's outcome")
+    args = parser.parse_args(argv)
+    from cp_harness import DistPool
+
+    pool = DistPool(4)
+    failures, refused, start = [], 0, time.monotonic()
+    for i in range(args.cases):
+        case = draw_case(args.seed + i)
+        try:
+            results = pool.run(fuzz_case, timeout=args.timeout, case=case, reuse_modules=args.reuse_modules)
+            problem = judge(results, tolerance(case))
+            refused += any(r[0] == "refused" for r in results) and problem is None
+        except AssertionError as err:  # a rank raised something other than a clear refusal, or the pool broke
+            problem = str(err)
+            if pool.broken:
+                pool = DistPool(4)
+        if args.verbose and not problem:
+            shown = [r if r[0] == "refused" else r[1] and {n: r[1].get(n) for n in ("out", "dq", "strategy")}
+                     for r in results]
+            print(f"seed={case['seed']} {shown}")
+        if problem:
+            failures.append((case, problem))
+            print(f"FAIL seed={case['seed']} case={case}\n  {problem[:3000]}", flush=True)
+    print(f"{args.cases} cases, {len(failures)} failures, {refused} refused alike, "
+          f"{time.monotonic() - start:.0f} s")
+    pool.close()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
