@@ -87,6 +87,58 @@ def tolerance(case: dict) -> float:
     return 1e-4 if case.get("dtype") == torch.float32 else 1e-10
 
 
+def draw_invariant_case(seed: int) -> dict:
+    """One random layout for ``cp_invariant=True`` (test_cp_invariant.invariant_case's arguments): its out, lse,
+    dq, dk, dv and summed sink gradient must be the single device's bytes."""
+    rng = random.Random(seed)
+    cp = rng.choice([1, 2, 3, 4])
+    strategy = rng.choice(["ring", "ring", "ulysses", "hybrid"]) if cp > 1 else "ring"
+    u = None
+    if strategy == "hybrid":
+        u = rng.choice([d for d in range(1, cp + 1) if cp % d == 0])
+    heads_kv = rng.choice([1, 2, 4])
+    case = dict(layouts=[(cp, strategy, rng.choice(["lpt", "zigzag", "contiguous"]), u)],
+                dtype=rng.choice([torch.float32, torch.bfloat16]), packed=rng.random() < 0.5,
+                heads=(heads_kv * rng.choice([1, 2]) * (3 if cp == 3 and rng.random() < 0.7 else 1), heads_kv),
+                head_dim=rng.choice([8, 16]), sinks=rng.random() < 0.3, lse_loss=rng.random() < 0.3)
+    if case["packed"]:
+        case["docs"] = random_docs(seed, rng.randint(1, 7), rng.choice([10, 40, 90]))
+    else:
+        case["total"] = rng.randint(1, 300)
+    if rng.random() < 0.3:
+        case["window"] = (rng.choice([-1, 0, 5, 33, 130]), rng.choice([-1, 0, 7]))
+    if rng.random() < 0.25:
+        case["softcap"] = rng.choice([0.7, 5.0])
+    if rng.random() < 0.3:
+        case["chunks_per_rank"] = rng.choice([1, 2, 3, 4])
+    if rng.random() < 0.2:
+        case["ulysses_chunks"] = rng.choice([1, 2])
+    return case
+
+
+def fuzz_invariant_case(rank, world, *, case):
+    """test_cp_invariant.invariant_case on this rank, a refusal caught: ("ok", [(cp, strategy, balancer, u, [bytes
+    equal per tensor])]) or ("refused", exception type, message)."""
+    from test_cp_invariant import _sync_world, invariant_case
+
+    try:
+        return ("ok", invariant_case(rank, world, **case))
+    except CLEAR_REFUSALS as err:
+        _sync_world()  # (the ranks outside the layout wait there for the refusing ones)
+        return ("refused", type(err).__name__, str(err))
+
+
+def judge_invariant(results) -> str | None:
+    """None when every rank that ran the layout got the single device's bytes (or every rank refused alike)."""
+    kinds = {r[0] for r in results if r[0] == "refused" or r[1]}
+    if kinds <= {"refused"}:
+        return None
+    if kinds != {"ok"}:
+        return f"refused on some ranks only: {results}"
+    differ = [(rank, layout) for rank, r in enumerate(results) for *layout, same in r[1] if not all(same)]
+    return f"bytes differ from the single device's: {differ} ({results})" if differ else None
+
+
 _MODULES: dict = {}  # (cp_module's arguments) -> (module, cp rank), with reuse_modules
 
 
@@ -146,6 +198,8 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one case may take")
     parser.add_argument("--reuse-modules", action="store_true",
                         help="one module per set of module options, called by every later case that has them")
+    parser.add_argument("--invariant", action="store_true",
+                        help="cp_invariant=True layouts against the single device's bytes (fp32 and bf16)")
     parser.add_argument("--verbose", action="store_true", help="print every case's outcome")
     args = parser.parse_args(argv)
     from cp_harness import DistPool
@@ -153,22 +207,28 @@ def main(argv=None) -> int:
     pool = DistPool(4)
     failures, refused, start = [], 0, time.monotonic()
     for i in range(args.cases):
-        case = draw_case(args.seed + i)
         try:
-            results = pool.run(fuzz_case, timeout=args.timeout, case=case, reuse_modules=args.reuse_modules)
-            problem = judge(results, tolerance(case))
+            if args.invariant:
+                case = draw_invariant_case(args.seed + i)
+                results = pool.run(fuzz_invariant_case, timeout=args.timeout, case=case)
+                problem = judge_invariant(results)
+            else:
+                case = draw_case(args.seed + i)
+                results = pool.run(fuzz_case, timeout=args.timeout, case=case, reuse_modules=args.reuse_modules)
+                problem = judge(results, tolerance(case))
             refused += any(r[0] == "refused" for r in results) and problem is None
         except AssertionError as err:  # a rank raised something other than a clear refusal, or the pool broke
             problem = str(err)
             if pool.broken:
                 pool = DistPool(4)
         if args.verbose and not problem:
-            shown = [r if r[0] == "refused" else r[1] and {n: r[1].get(n) for n in ("out", "dq", "strategy")}
-                     for r in results]
-            print(f"seed={case['seed']} {shown}")
+            shown = results if args.invariant else [
+                r if r[0] == "refused" else r[1] and {n: r[1].get(n) for n in ("out", "dq", "strategy")}
+                for r in results]
+            print(f"seed={args.seed + i} {shown}")
         if problem:
             failures.append((case, problem))
-            print(f"FAIL seed={case['seed']} case={case}\n  {problem[:3000]}", flush=True)
+            print(f"FAIL seed={args.seed + i} case={case}\n  {problem[:3000]}", flush=True)
     print(f"{args.cases} cases, {len(failures)} failures, {refused} refused alike, "
           f"{time.monotonic() - start:.0f} s")
     pool.close()
