@@ -6,6 +6,10 @@ launch groups and range messages, Ulysses head chunks). A case either matches th
 rank, or is refused on every rank with a ValueError / TypeError that says what was wrong; anything else (another
 exception, a refusal on some ranks only, a hang) is a failure.
 
+``--invariant``: random ``cp_invariant=True`` layouts, whose out, lse, dq, dk, dv and summed sink gradient must be
+the single device's bytes.  ``--disagree``: one rank's call differs from the others' in one option, shape or plan,
+and every rank must stop with an error (none may hang or return).
+
     python tests/cp/fuzz_cp.py --cases 300 --seed 0     # prints each failure with the case that reproduces it
 
 ``test_cp_fuzz.py`` runs a fixed handful of these cases in the suite.
@@ -139,6 +143,93 @@ def judge_invariant(results) -> str | None:
     return f"bytes differ from the single device's: {differ} ({results})" if differ else None
 
 
+# one rank's call differs from the others' in one of these (the call's options, its inputs' shapes, its plan)
+PERTURBATIONS = ("causal", "window", "softcap", "sinks", "heads", "head_dim", "dtype", "seqlen", "docs", "balancer",
+                 "num_chunks", "strategy", "lse_loss", "ulysses_chunks", "ring_steps_per_launch")
+
+
+def perturbed(case: dict, what: str, rng: random.Random) -> dict:
+    """`case` with `what` changed (to a value that changes the call)."""
+    case = dict(case)
+    if what == "causal":
+        case["causal"] = not case.get("causal", True)
+    elif what == "window":
+        case["window"] = (7, -1) if case.get("window", (-1, -1)) != (7, -1) else (-1, -1)
+    elif what == "softcap":
+        case["softcap"] = 2.0 if case.get("softcap") is None else None
+    elif what == "sinks":
+        case["sinks"] = not case.get("sinks", False)
+    elif what == "heads":
+        hq, hkv = case["heads"]
+        case["heads"] = (hq * 2, hkv * 2)
+    elif what == "head_dim":
+        case["head_dim"] = 2 * case["head_dim"]
+    elif what == "dtype":
+        case["dtype"] = torch.float32 if case.get("dtype", torch.float64) == torch.float64 else torch.float64
+    elif what == "seqlen":
+        if "seqlen" in case:
+            case["seqlen"] += rng.randint(1, 9)
+        else:
+            case["docs"] = case["docs"][:-1] + [case["docs"][-1] + rng.randint(1, 9)]
+    elif what == "docs":  # the same total, cut differently (or a dense batch of one more sequence)
+        if "docs" in case:
+            total = case["docs"][-1]
+            case["docs"] = [0, total // 2, total] if case["docs"] != [0, total // 2, total] else [0, total]
+        else:
+            case["batch"] = case.get("batch", 1) + 1
+    elif what == "balancer":
+        case["balancer"] = "contiguous" if case.get("balancer", "lpt") != "contiguous" else "lpt"
+    elif what == "num_chunks":
+        case["num_chunks"] = case["cp"] * (4 if case.get("num_chunks") != case["cp"] * 4 else 6)
+    elif what == "strategy":  # (no ulysses_degree, which would refuse the other strategy as the module is made)
+        case["strategy"] = "ring" if case.get("strategy") != "ring" else "ulysses"
+        case["ulysses_degree"] = None
+    elif what == "lse_loss":
+        case["lse_loss"] = None if case.get("lse_loss") else "and"
+    elif what == "ulysses_chunks":
+        case["ulysses_chunks"] = 2 if case.get("ulysses_chunks") != 2 else 1
+    elif what == "ring_steps_per_launch":
+        case["ring_steps_per_launch"] = 2 if case.get("ring_steps_per_launch") != 2 else 1
+    return case
+
+
+def draw_disagreement(seed: int) -> tuple[dict, int, str]:
+    """(case, the rank whose call differs, what differs): a case of :func:`draw_case` on two or more ranks."""
+    rng = random.Random(10**6 + seed)
+    case = draw_case(seed)
+    case.update(cp=max(2, case["cp"]), topology="group")
+    return case, rng.randrange(case["cp"]), rng.choice(PERTURBATIONS)
+
+
+def fuzz_disagreeing_case(rank, world, *, case, odd_rank, what):
+    """run_case with rank `odd_rank`'s call changed in `what`: ("ok", errors), ("refused", type, message) or
+    ("error", type, message) for any other exception (all are results here: the judge wants every rank of the
+    group to stop with an error, none to hang)."""
+    mine = perturbed(case, what, random.Random(case["seed"])) if rank == odd_rank else case
+    try:
+        return ("ok", run_case(rank, world, **mine))
+    except Exception as err:  # noqa: BLE001
+        return ("refused" if isinstance(err, CLEAR_REFUSALS) else "error", type(err).__name__, str(err)[:2000])
+
+
+def judge_disagreement(results, case: dict, what: str) -> str | None:
+    """None when every rank of the group raised a clear error, or every rank finished with the oracle's results:
+    an option that may differ per rank (the lse asked for by some ranks, the ring's launch groups, Ulysses chunks),
+    or a change that left the call the same (causal with a window (w, 0), plans that cut alike, "auto" that is
+    "ring")."""
+    group = results[:case["cp"]]
+    if all(r[0] == "ok" for r in group):
+        return judge(results, tolerance(case))
+    if all(r[0] == "refused" for r in group):
+        return None
+    # a rank refused before its call reached the library (its own make_plan or module), and the others timed out
+    # waiting for it with an error that names the missed call: bounded and loud, all a library can do
+    if all(r[0] == "refused" or (r[0] == "error" and r[1] == "CommError" and "did every rank call it?" in r[2])
+           for r in group) and any(r[0] == "refused" for r in group):
+        return None
+    return f"the ranks did not all refuse (differing in {what}): {group}"
+
+
 _MODULES: dict = {}  # (cp_module's arguments) -> (module, cp rank), with reuse_modules
 
 
@@ -200,6 +291,8 @@ def main(argv=None) -> int:
                         help="one module per set of module options, called by every later case that has them")
     parser.add_argument("--invariant", action="store_true",
                         help="cp_invariant=True layouts against the single device's bytes (fp32 and bf16)")
+    parser.add_argument("--disagree", action="store_true",
+                        help="one rank's call differs from the others' in one option, shape or plan")
     parser.add_argument("--verbose", action="store_true", help="print every case's outcome")
     args = parser.parse_args(argv)
     from cp_harness import DistPool
@@ -208,7 +301,12 @@ def main(argv=None) -> int:
     failures, refused, start = [], 0, time.monotonic()
     for i in range(args.cases):
         try:
-            if args.invariant:
+            if args.disagree:
+                case, odd, what = draw_disagreement(args.seed + i)
+                results = pool.run(fuzz_disagreeing_case, timeout=args.timeout, case=case, odd_rank=odd, what=what)
+                problem = judge_disagreement(results, case, what)
+                case = dict(case, odd_rank=odd, what=what)
+            elif args.invariant:
                 case = draw_invariant_case(args.seed + i)
                 results = pool.run(fuzz_invariant_case, timeout=args.timeout, case=case)
                 problem = judge_invariant(results)
@@ -219,8 +317,9 @@ def main(argv=None) -> int:
             refused += any(r[0] == "refused" for r in results) and problem is None
         except AssertionError as err:  # a rank raised something other than a clear refusal, or the pool broke
             problem = str(err)
-            if pool.broken:
-                pool = DistPool(4)
+        if pool.broken or problem:  # (a failed exchange leaves the groups out of step: fresh ones for the next)
+            pool.close()
+            pool = DistPool(4)
         if args.verbose and not problem:
             shown = results if args.invariant else [
                 r if r[0] == "refused" else r[1] and {n: r[1].get(n) for n in ("out", "dq", "strategy")}
