@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepared in the forty-seventh session (2026-12-05) for the next one; the forty-eighth (2026-12-06) got no device
-# time (every start refused) and added pdl. A call returns few files and has at most 600 s: run stages alone or in
-# pairs. Order: `pdl` (its GPU test first: the pdl kernels never ran), then `cp_tests`, `groups_cp8`, `bwd_spread`.
+# time (every start refused) and added pdl; the forty-ninth ran pdl, cp_tests and groups_cp8 (bench/RESULTS.md) and
+# added bwd_ab. A call returns few files and has at most 600 s: run stages alone or in pairs. Next: `bwd_ab` (is
+# the simulated backward's 0.83-0.86 this session a regression of 2b0418d or the spread?), `groups_cp4`.
 # If fwd_pdl wins and fwd_pdl_events keeps the gain, the real ring's remote launches can take overlap_previous (a
 # two-GPU check); if fwd_pdl_events loses it, the transfer waits must move ahead of the previous launch first.
 # - cp_tests: tests/cp/test_cp_gpu.py (the forty-seventh session's member_backward_steps, CPU-tested only).
@@ -41,6 +42,14 @@ for s in ${*:-groups}; do
         -k overlapped
       TAIL_LINES=10 stage pdl_cp8 240 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
         --directions fwd fwd_pdl fwd_pdl_events --reps 6 --queue-ahead-ms 8 --back-to-back --tag pdl ;;
+    bwd_ab)  # the member backward before 2b0418d (member_backward_steps) beside today's, interleaved; needs
+      # `git archive 2b0418d^ fa4dist bench/cp_sim.py bench/timing.py | tar -x -C .kwt/old` here and .kwt/old carried
+      for r in 1 2; do
+        TAIL_LINES=1 stage "bwd_old_$r" 100 python3 .kwt/old/bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
+          --directions bwd --reps 4 --queue-ahead-ms 8 --back-to-back --tag "bwd_old_$r"
+        TAIL_LINES=1 stage "bwd_new_$r" 100 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
+          --directions bwd --reps 4 --queue-ahead-ms 8 --back-to-back --tag "bwd_new_$r"
+      done ;;
     bwd_spread)
       for i in 1 2 3; do
         TAIL_LINES=3 stage "bwd_spread_$i" 120 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
@@ -48,7 +57,7 @@ for s in ${*:-groups}; do
       done ;;
     marks_192|marks_packed_h200|scratch_host|handoff|fwd_long)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_49.sh" "$s" ;;
-    *) echo "unknown stage $s (cp_tests | groups | groups_cp8 | groups_cp4 | pdl | bwd_spread | marks_192 | marks_packed_h200 | scratch_host | handoff |" \
+    *) echo "unknown stage $s (cp_tests | groups | groups_cp8 | groups_cp4 | pdl | bwd_ab | bwd_spread | marks_192 | marks_packed_h200 | scratch_host | handoff |" \
          "fwd_long)"; exit 2 ;;
   esac
 done
