@@ -16,6 +16,11 @@ through the contract's accumulate mode) against the key rows it would receive at
   ring rank's does and every call runs at the clock a continuous load settles at (timed one by one, short calls
   on a quiet device ran at a clock ~18% above the long whole-sequence call's, and the call right after it lower:
   the clock probes in the JSON's ``calls_log`` show it, and each round's slowest rank is printed with them);
+- "eff~": T_full / (cp x the slowest rank's median over the rounds), each rank's noise averaged before the max
+  (a round's max picks up whichever rank ran at a low clock); with ``--steady P`` every round times P + 1
+  whole-sequence calls in a row and then P + 1 passes over the ranks, dropping each block's first pass, so that the
+  whole-sequence call and the ranks are each timed at the clock their own continuous load settles at on a
+  power-capped device, as on a single GPU and on a ring's GPUs (``steady_rounds``);
 - "kernel": the efficiency of the same calls without the merges (each to a fresh output), i.e. what a fused
   accumulate epilogue would approach;
 - the ring steps each rank computes (``steps``: its own keys plus the remote steps it receives at; without a window
@@ -29,6 +34,7 @@ through the contract's accumulate mode) against the key rows it would receive at
     python bench/cp_sim.py                                 # the full sweep on the GPU, backend auto
     python bench/cp_sim.py --seqlens 131072 --cp 8 --directions fwd bwd
     python bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt --queue-ahead-ms 8 --back-to-back
+    python bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt --queue-ahead-ms 8 --steady 2
     python bench/cp_sim.py --window 4095 --seqlens 131072  # a causal sliding window of 4096 tokens
     python bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt --directions fwd fwd_pdl --back-to-back
     python bench/cp_sim.py --device cpu --tiny             # a smoke run on the CPU (reference backend)
@@ -171,11 +177,42 @@ def interleaved_rounds(timer, full, groups: list[list], reps: int, log: list | N
     return rounds
 
 
+def steady_rounds(timer, full, groups: list[list], reps: int, passes: int, log: list | None = None
+                  ) -> list[list[float]]:
+    """``interleaved_rounds`` in steady state: each round queues ``passes`` + 1 whole-sequence calls back to back,
+    then ``passes`` + 1 passes over every group's fns (rotated by the pass), all as one stream, and keeps the median
+    of each fn's calls after its block's first pass. Each block is then a continuous load of one kind, as a real
+    ring keeps every GPU busy with rank work while a single GPU would run the whole-sequence call: on a power-capped
+    device the clock settles at a different level for each (the dense whole-sequence kernel draws more), and the
+    calls timed right after a switch ran at the other load's clock (the forty-ninth session's logs: the first ranks
+    after the whole-sequence call up to 12% slower than the last ones of the same round). Returns rounds x (1 + all
+    fns) as ``interleaved_rounds`` does; ``log`` records every call, kept or not (``kept``)."""
+    fns = [fn for group in groups for fn in group]
+    for fn in [full] + fns:
+        fn()
+    rounds = []
+    for i in range(reps):
+        sequence = [("full", p, full) for p in range(passes + 1)]
+        for p in range(passes + 1):
+            for g, group in enumerate(groups):
+                sequence += [((g, r), p, group[r]) for r in ((i + p + j) % len(group) for j in range(len(group)))]
+        seconds, details = timer.back_to_back([fn for _, _, fn in sequence])
+        kept: dict = {}
+        for place, ((who, p, _), sec, det) in enumerate(zip(sequence, seconds, details)):
+            if p > 0:
+                kept.setdefault(who, []).append(sec)
+            if log is not None:
+                log.append(dict(round=i, place=place, who=who, ms=sec * 1e3, kept=p > 0, **det))
+        rounds.append([statistics.median(kept["full"])]
+                      + [statistics.median(kept[(g, r)]) for g, group in enumerate(groups) for r in range(len(group))])
+    return rounds
+
+
 def slowest_rank_places(log: list[dict], cp: int) -> list[dict]:
     """Per round, the slowest rank of group 0 (the ranks' runs): which rank, its place in the round, its time
     against that rank's median over the rounds, and the timer's details of that call beside the round's medians
     of them (whether it ran at a slower clock, or waited for its host)."""
-    runs = [rec for rec in log if rec["who"] != "full" and rec["who"][0] == 0]
+    runs = [rec for rec in log if rec["who"] != "full" and rec["who"][0] == 0 and rec.get("kept", True)]
     median_ms = {r: statistics.median(rec["ms"] for rec in runs if rec["who"][1] == r) for r in range(cp)}
     out = []
     for i in sorted({rec["round"] for rec in runs}):
@@ -279,8 +316,12 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                 # per round: the whole-sequence call around every rank's run and every rank's kernels alone; the
                 # efficiency is the median of the rounds' own ratios
                 log = []
-                rounds = interleaved_rounds(timer, full[direction], [runners] + ([kernels] if kernels else []),
-                                            args.reps, log=log, back_to_back=args.back_to_back)
+                groups = [runners] + ([kernels] if kernels else [])
+                if args.steady:
+                    rounds = steady_rounds(timer, full[direction], groups, args.reps, args.steady, log=log)
+                else:
+                    rounds = interleaved_rounds(timer, full[direction], groups, args.reps, log=log,
+                                                back_to_back=args.back_to_back)
                 t_full = statistics.median(rd[0] for rd in rounds)
                 rank_times = [statistics.median(rd[1 + r] for rd in rounds) for r in range(cp)]
                 efficiency = statistics.median(rd[0] / (cp * max(rd[1:1 + cp])) for rd in rounds)
@@ -299,6 +340,10 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                     steps_per_launch=per_launch if direction == "fwd" else 1,
                     t_full_ms=t_full * 1e3, t_rank_ms=[t * 1e3 for t in rank_times],
                     max_rank_ms=slowest * 1e3, efficiency=efficiency,
+                    # the slowest rank's median against the whole-sequence call's: per-rank noise averaged out
+                    # before the max (a round's max picks up whichever rank ran at a low clock)
+                    efficiency_of_medians=t_full / (cp * slowest),
+                    timing="steady" if args.steady else "back_to_back" if args.back_to_back else "one_by_one",
                     efficiency_rounds=[rd[0] / (cp * max(rd[1:1 + cp])) for rd in rounds],
                     model_efficiency=model.efficiency, steps=steps, steps_run=[0, *sched.steps()],
                     bytes_per_step=nbytes, comm_ms_at_400GBps=comm_ms, step_compute_ms=step_ms,
@@ -311,7 +356,8 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                 )
                 rows.append(row)
                 print(f"{seqlen:>7} {cp:>3} {balancer:>10} {label:>4} {row['t_full_ms']:>9.2f} "
-                      f"{row['max_rank_ms']:>9.2f} {row['efficiency']:>6.3f} {row['model_efficiency']:>6.3f} "
+                      f"{row['max_rank_ms']:>9.2f} {row['efficiency']:>6.3f} {row['efficiency_of_medians']:>6.3f} "
+                      f"{row['model_efficiency']:>6.3f} "
                       f"{max(steps):>3}/{cp:<3} {nbytes / 2**20:>9.1f} {row['comm_ms_at_400GBps']:>8.3f} "
                       f"{row['step_compute_ms']:>8.3f} "
                       f"{'' if kernel_eff is None else format(kernel_eff, '6.3f'):>6} "
@@ -498,6 +544,8 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         bad = [x for x in getattr(args, name) or () if x < minimum]
         if bad:
             p.error(f"--{name.replace('_', '-')} takes integers >= {minimum}, got {bad}")
+    if args.steady < 0:
+        p.error(f"--steady takes the passes kept per round (>= 1; 0 is off), got {args.steady}")
     for name in ("heads", "kv_heads", "headdim", "reps"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
@@ -547,6 +595,10 @@ def main(argv=None):
                         "busy throughout as a ring rank's is: its clocks settle as under a continuous load (calls "
                         "timed one by one from a quiet device run faster than a long call, and the call right after "
                         "a long one slower)")
+    p.add_argument("--steady", type=int, default=0, metavar="PASSES",
+                   help="steady-state rounds (implies --back-to-back): PASSES + 1 whole-sequence calls in a row, then "
+                        "PASSES + 1 passes over the ranks, one stream, each block's first pass dropped, so that each "
+                        "is timed at the clock its own continuous load settles at (steady_rounds)")
     p.add_argument("--tag", default="", help="names the JSON cp_sim-TAG.json (several runs in one $OUT)")
     p.add_argument("--profile-ranks", type=int, nargs="*", default=[],
                    help="also profile one step list of these simulated ranks and the whole-sequence call: their "
@@ -575,7 +627,8 @@ def main(argv=None):
           f"heads {heads}/{kv_heads}, head dim {headdim}, {dtype}, causal"
           + (f", window ({args.window}, 0)" if args.window is not None else ""))
     print(f"{'seqlen':>7} {'cp':>3} {'balancer':>10} {'dir':>4} {'T_full ms':>9} {'max rank':>9} {'eff':>6} "
-          f"{'model':>6} {'steps':>7} {'MiB/step':>9} {'comm ms':>8} {'step ms':>8} {'kernel':>6} {'+xfer':>6}")
+          f"{'eff~':>6} {'model':>6} {'steps':>7} {'MiB/step':>9} {'comm ms':>8} {'step ms':>8} {'kernel':>6} "
+          f"{'+xfer':>6}")
     rows = []
     for s in seqlens:
         rows += simulate(args, device, dtype, s, heads, kv_heads, headdim, backend)
@@ -589,7 +642,7 @@ def main(argv=None):
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         torch=torch.__version__, backend=backend, heads=heads, kv_heads=kv_heads, headdim=headdim,
         dtype=str(dtype), link_GBps=LINK_GBPS, window=args.window, queue_ahead_ms=args.queue_ahead_ms,
-        back_to_back=args.back_to_back,
+        back_to_back=args.back_to_back, steady=args.steady,
     )
     with open(path, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)

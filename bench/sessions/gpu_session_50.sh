@@ -19,6 +19,10 @@
 #   turn), then cp = 8 beside one launch per step, and with a complete event's wait before each remote launch
 #   (fwd_pdl_events, as the ring's transfer waits). Predicted (NOTES_FWD.md, forty-eighth session): fwd_pdl within
 #   0.01 of fwd/all (0.928-0.940 at cp = 8), i.e. +2-3% over fwd (0.905-0.908).
+# - steady (#12, fiftieth session): the forty-ninth session's logs showed the whole-sequence call and the ranks timed
+#   at different clocks (the first ranks after the whole-sequence call up to 12% slower than the round's last ones,
+#   the first whole-sequence call 5-9% slower than the last): cp_sim --steady times each in a block of its own
+#   continuous load. Predicted: eff~ (slowest rank's median) 0.93-0.95 forward, 0.91-0.93 backward at cp = 8.
 # - bwd_spread (#12): the cp = 8 simulated backward with the ring's own order (MemberBackward) three times in a row,
 #   on the H200 if lent: the H100 read 0.921 and 0.878 five minutes apart (forty-seventh session).
 # - marks_192, marks_packed_h200, scratch_host, handoff, fwd_long: as gpu_session_49.sh.
@@ -50,6 +54,9 @@ for s in ${*:-groups}; do
         TAIL_LINES=1 stage "bwd_new_$r" 100 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
           --directions bwd --reps 4 --queue-ahead-ms 8 --back-to-back --tag "bwd_new_$r"
       done ;;
+    steady)  # the fiftieth session: whole-sequence call and ranks each timed in a block of its own load
+      TAIL_LINES=16 stage steady_cp8 240 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
+        --directions fwd bwd --steps-per-launch 1 4 0 --reps 3 --queue-ahead-ms 8 --steady 2 --tag steady_cp8 ;;
     bwd_spread)
       for i in 1 2 3; do
         TAIL_LINES=3 stage "bwd_spread_$i" 120 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
@@ -57,7 +64,7 @@ for s in ${*:-groups}; do
       done ;;
     marks_192|marks_packed_h200|scratch_host|handoff|fwd_long)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_49.sh" "$s" ;;
-    *) echo "unknown stage $s (cp_tests | groups | groups_cp8 | groups_cp4 | pdl | bwd_ab | bwd_spread | marks_192 | marks_packed_h200 | scratch_host | handoff |" \
+    *) echo "unknown stage $s (cp_tests | groups | groups_cp8 | groups_cp4 | pdl | bwd_ab | steady | bwd_spread | marks_192 | marks_packed_h200 | scratch_host | handoff |" \
          "fwd_long)"; exit 2 ;;
   esac
 done

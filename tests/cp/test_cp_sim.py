@@ -169,6 +169,39 @@ def test_back_to_back_rounds_time_the_same_sequence_as_one_stream():
     assert [rec["place"] for rec in log] == [0, 1, 2, 3, 4] * 2 and log[6]["who"] == (0, 1)
 
 
+def test_steady_rounds_time_each_load_in_a_block_and_drop_its_first_pass():
+    """steady_rounds queues, per round, passes + 1 whole-sequence calls and then passes + 1 passes over the ranks
+    (rotated by round and pass) as one stream; each fn's result is the median of its calls after its block's first
+    pass, and the log marks which calls were kept."""
+    sim = _load()
+    streams, calls = [], []
+
+    class StreamTimer:
+        def back_to_back(self, fns):
+            streams.append(len(fns))
+            for fn in fns:
+                fn()
+            # the first call of each block slow (the other load's clock), the rest by their place
+            seconds = [1000.0 if i in (0, 3) else float(i) for i in range(len(fns))]
+            return seconds, [dict(host_ms=0.0, probe_ms=0.25)] * len(fns)
+
+    full = lambda: calls.append("full")  # noqa: E731
+    ranks = [lambda r=r: calls.append(r) for r in range(2)]
+    log = []
+    rounds = sim.steady_rounds(StreamTimer(), full, [ranks], reps=2, passes=2, log=log)
+    assert streams == [3 + 3 * 2] * 2
+    assert calls[:3] == ["full", 0, 1]  # warm-up
+    assert calls[3:12] == ["full"] * 3 + [0, 1, 1, 0, 0, 1]
+    assert calls[12:] == ["full"] * 3 + [1, 0, 0, 1, 1, 0]
+    # round 0: full at places 0 (dropped), 1, 2; rank 0 at 3 (dropped), 6, 7; rank 1 at 4 (dropped), 5, 8
+    assert rounds[0] == [1.5, 6.5, 6.5]
+    # round 1: rank 1 first (dropped at 3, kept 6, 7), rank 0 dropped at 4, kept 5, 8
+    assert rounds[1] == [1.5, 6.5, 6.5]
+    assert [rec["kept"] for rec in log[:9]] == [False, True, True, False, False, True, True, True, True]
+    slow = sim.slowest_rank_places(log, cp=2)
+    assert all(s["ms"] < 1000.0 * 1e3 for s in slow)  # a dropped call is never the round's slowest
+
+
 def test_timer_back_to_back_on_cpu_times_each_call():
     sim = _load()
     timer = sim.Timer(torch.device("cpu"))
