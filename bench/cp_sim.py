@@ -27,9 +27,10 @@ through the contract's accumulate mode) against the key rows it would receive at
   every rank runs cp steps, with ``--window W`` only the steps whose keys fall inside some query's window);
 - the largest transfer a rank receives in one step (K+V forward; K+V plus fp32 dK+dV backward), its time at
   400 GB/s, and the slowest rank's mean compute time per step it runs (the transfer hides if it is shorter);
-- "+xfer": the forward's efficiency with the transfers its launch groups would leave exposed in a real ring, by a
-  model (:func:`exposed_transfer_ms`: a group's transfers, each the largest step's at 400 GB/s, travel while the
-  launch before it computes); launch groups save merges and launch tails but wait for all their transfers.
+- "+xfer": the efficiency with the transfers the launch groups would leave exposed in a real ring, by a model
+  (:func:`exposed_transfer_ms`: a group's transfers, each the largest step's at 400 GB/s, travel while the launch
+  before it computes; :func:`exposed_backward_transfer_ms` adds the returned fp32 dK / dV); launch groups save
+  merges and launch tails but wait for all their transfers.
 
     python bench/cp_sim.py                                 # the full sweep on the GPU, backend auto
     python bench/cp_sim.py --seqlens 131072 --cp 8 --directions fwd bwd
@@ -70,6 +71,7 @@ from fa4dist.kernels import attention_backward, attention_forward, available_bac
 from timing import spin_cycles_per_second  # noqa: E402  (bench/, the script's folder)
 
 LINK_GBPS = 400.0
+GROUPED = ("fwd", "bwd")  # the directions --steps-per-launch applies to (the ring's launch groups)
 
 
 class Timer:
@@ -268,9 +270,9 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
             bytes_bwd = bytes_fwd + largest * row_bytes * acc_elt
             model = plan.balance_report()
             steps = [1 + len(sched.member_steps(r)) for r in range(cp)]
-            runs = [(d, g) for d in args.directions for g in (args.steps_per_launch if d == "fwd" else [1])]
+            runs = [(d, g) for d in args.directions for g in (args.steps_per_launch if d in GROUPED else [1])]
             for direction, per_launch in runs:
-                label = direction if per_launch == 1 else f"fwd/{per_launch or 'all'}"
+                label = direction if per_launch == 1 else f"{direction}/{per_launch or 'all'}"
                 runners, profiles = [], {}
                 for r in range(cp):
                     qr, kr, vr, dr = shards[r]
@@ -291,7 +293,9 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                                                       sched.send_ranges(r, t), 1)
                                     for t in sched.steps() if sched.send_ranges(r, t)}
 
-                        def run_rank(r=r, qr=qr, kr=kr, vr=vr, dr=dr, out_r=out_r, lse_r=lse_r, held=held,
+                        def run_rank(r=r, qr=qr, kr=kr, vr=vr, dr=dr, out_r=out_r, lse_r=lse_r,
+                                     incoming=rank_incoming(sched, r, held, per_launch),
+                                     groups=sched.launch_groups(per_launch),
                                      sched=sched, returned=returned, share=direction != "bwd_per_call",
                                      fresh=direction != "bwd_zero_fill",
                                      dlse_r=dlse_shards[r] if direction == "bwd_lse" else None):
@@ -300,8 +304,7 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                             # first step (bwd_zero_fill: zero-filled and added into)
                             member = MemberBackward(sched, r, dr, qr, kr, vr, out_r, lse_r, opts, dlse_r,
                                                     remote=bool(sched.steps()), share=share, fresh=fresh)
-                            member_backward_steps(member, sched.steps(),
-                                                  lambda i, t: held.get((r, sched.source(r, t))),
+                            member_backward_steps(member, groups, lambda i, group: incoming[i],
                                                   lambda t, partial: returned.get(t))
                     runners.append(run_rank)
                     if r in args.profile_ranks:
@@ -332,12 +335,15 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                 slowest_steps = steps[rank_times.index(slowest)]
                 nbytes = bytes_fwd if direction.startswith("fwd") else bytes_bwd
                 comm_ms, step_ms = nbytes / (LINK_GBPS * 1e9) * 1e3, slowest / slowest_steps * 1e3
-                exposed = None
+                sizes = [len(g) for g in sched.launch_groups(per_launch)]
                 if direction.startswith("fwd"):
-                    exposed = exposed_transfer_ms([len(g) for g in sched.launch_groups(per_launch)], comm_ms, step_ms)
+                    exposed = exposed_transfer_ms(sizes, comm_ms, step_ms)
+                else:  # keys out, fp32 dK / dV back
+                    keys_ms = bytes_fwd / (LINK_GBPS * 1e9) * 1e3
+                    exposed = exposed_backward_transfer_ms(sizes, keys_ms, comm_ms - keys_ms, step_ms)
                 row = dict(
                     seqlen=seqlen, cp=cp, balancer=balancer, direction=label, window=list(window),
-                    steps_per_launch=per_launch if direction == "fwd" else 1,
+                    steps_per_launch=per_launch if direction in GROUPED else 1,
                     t_full_ms=t_full * 1e3, t_rank_ms=[t * 1e3 for t in rank_times],
                     max_rank_ms=slowest * 1e3, efficiency=efficiency,
                     # the slowest rank's median against the whole-sequence call's: per-rank noise averaged out
@@ -475,25 +481,52 @@ def run_rank_kernels(sched, r, shard, held, opts):
                               softmax_scale=opts.softmax_scale, softcap=opts.softcap, **item.mask_kwargs())
 
 
-def rank_launches(sched, r, held, steps_per_launch: int) -> list:
-    """Rank r's remote launches as ``ring_forward`` makes them, [(key rows, work list)]: one per step, or with
-    ``steps_per_launch`` != 1 one per launch group (``Schedule.launch_groups``), the group's key rows in one buffer
-    as the ring receives them (each step's rows in place, ``Schedule.group_items``); built outside the timing as
-    ``held`` is."""
-    if steps_per_launch == 1:
-        return [(held[(r, s)], sched.items(r, s)) for s in (sched.source(r, t) for t in sched.member_steps(r))]
+def rank_incoming(sched, r, held, steps_per_launch: int) -> list:
+    """Rank r's remote launch groups (``Schedule.launch_groups``) as the ring receives them, one ``IncomingKeys``
+    each (nothing pending): a step's own key rows for a group of one, else the group's rows in one buffer, each
+    step's in place (``Schedule.group_items``), with the work list and the steps' places (``held`` None where the
+    group brings nothing); built outside the timing as ``held`` is."""
     out = []
     for group in sched.launch_groups(steps_per_launch):
+        if len(group) == 1:
+            t = group[0]
+            buf = held.get((r, sched.source(r, t)))
+            items = sched.items(r, sched.source(r, t)) if buf is not None else ()
+            out.append(IncomingKeys(None, buf, items, ((t, 0, sched.recv_len(r, t)),)))
+            continue
         places, items = sched.group_items(r, group)
         parts = [(held[(r, sched.source(r, t))], at, n) for t, at, n in places if n]
-        if not parts:
-            continue
-        buf = KVBuffer.empty(parts[0][0].k, parts[0][0].v, sum(n for _, _, n in parts), 1)
-        for part, at, n in parts:
-            buf.k.narrow(1, at, n).copy_(part.k)
-            buf.v.narrow(1, at, n).copy_(part.v)
-        out.append((buf, items))
+        buf = None
+        if parts:
+            buf = KVBuffer.empty(parts[0][0].k, parts[0][0].v, sum(n for _, _, n in parts), 1)
+            for part, at, n in parts:
+                buf.k.narrow(1, at, n).copy_(part.k)
+                buf.v.narrow(1, at, n).copy_(part.v)
+        out.append(IncomingKeys(None, buf, items if buf is not None else (), places))
     return out
+
+
+def rank_launches(sched, r, held, steps_per_launch: int) -> list:
+    """Rank r's remote launches as ``ring_forward`` makes them, [(key rows, work list)]: one per step, or with
+    ``steps_per_launch`` != 1 one per launch group (:func:`rank_incoming`), groups that bring nothing left out."""
+    return [(inc.held, inc.items) for inc in rank_incoming(sched, r, held, steps_per_launch) if inc.held is not None]
+
+
+def exposed_backward_transfer_ms(group_sizes, keys_ms: float, grads_ms: float, step_ms: float) -> float:
+    """The transfer time a ring backward with launch groups of `group_sizes` remote steps leaves exposed, by a
+    model: the first group's keys travel while the first half of the own step computes (`step_ms` / 2); while group
+    i computes (its steps x `step_ms`) the keys of group i + 1 and the returned dK / dV of group i - 1 travel; the
+    last group's returns travel while the own step's second half computes. A step's keys take `keys_ms`, its
+    returns `grads_ms`, one after another on the member's links."""
+    sizes = list(group_sizes)
+    if not sizes:
+        return 0.0
+    windows = [(step_ms / 2, sizes[0] * keys_ms)]
+    for i, size in enumerate(sizes):
+        traffic = (sizes[i + 1] * keys_ms if i + 1 < len(sizes) else 0.0) + (sizes[i - 1] * grads_ms if i else 0.0)
+        windows.append((size * step_ms, traffic))
+    windows.append((step_ms / 2, sizes[-1] * grads_ms))
+    return sum(max(0.0, traffic - cover) for cover, traffic in windows)
 
 
 def exposed_transfer_ms(group_sizes, comm_ms: float, step_ms: float) -> float:
@@ -578,8 +611,8 @@ def main(argv=None):
                         "launch), one launch per step; fwd_pdl_events: the same with a wait on another stream's "
                         "(complete) event before each remote launch, as the ring's transfer waits")
     p.add_argument("--steps-per-launch", type=int, nargs="+", default=[1],
-                   help="the forward's remote steps per launch (ring_forward's launch groups; 0: all remote steps "
-                        "in one), one fwd row each (labelled fwd/N)")
+                   help="the ring's remote steps per launch (its launch groups, forward and backward; 0: all remote "
+                        "steps in one), one fwd and one bwd row each (labelled fwd/N, bwd/N)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--window", type=int, default=None,
                    help="causal sliding window: each query sees itself and the WINDOW keys before it "

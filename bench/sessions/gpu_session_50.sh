@@ -23,6 +23,9 @@
 #   at different clocks (the first ranks after the whole-sequence call up to 12% slower than the round's last ones,
 #   the first whole-sequence call 5-9% slower than the last): cp_sim --steady times each in a block of its own
 #   continuous load. Predicted: eff~ (slowest rank's median) 0.93-0.95 forward, 0.91-0.93 backward at cp = 8.
+# - bwd_groups (#12, fiftieth session): the ring backward's remote steps in launch groups (one key buffer and one
+#   call per group, each step's rows of the partial returned to their owner). Predicted at cp = 8: bwd/4 0.95 +-
+#   0.01 against bwd 0.92 (steady timing), the modeled transfers hidden.
 # - bwd_spread (#12): the cp = 8 simulated backward with the ring's own order (MemberBackward) three times in a row,
 #   on the H200 if lent: the H100 read 0.921 and 0.878 five minutes apart (forty-seventh session).
 # - marks_192, marks_packed_h200, scratch_host, handoff, fwd_long: as gpu_session_49.sh.
@@ -57,6 +60,9 @@ for s in ${*:-groups}; do
     steady)  # the fiftieth session: whole-sequence call and ranks each timed in a block of its own load
       TAIL_LINES=16 stage steady_cp8 240 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
         --directions fwd bwd --steps-per-launch 1 4 0 --reps 3 --queue-ahead-ms 8 --steady 2 --tag steady_cp8 ;;
+    bwd_groups)  # the fiftieth session: the ring backward in launch groups (as the forward's), steady timing
+      TAIL_LINES=12 stage bwd_groups 240 python3 bench/cp_sim.py --seqlens 131072 --cp 8 4 --balancers lpt \
+        --directions bwd --steps-per-launch 1 2 4 0 --reps 3 --queue-ahead-ms 8 --steady 2 --tag bwd_groups ;;
     bwd_spread)
       for i in 1 2 3; do
         TAIL_LINES=3 stage "bwd_spread_$i" 120 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
@@ -64,7 +70,7 @@ for s in ${*:-groups}; do
       done ;;
     marks_192|marks_packed_h200|scratch_host|handoff|fwd_long)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_49.sh" "$s" ;;
-    *) echo "unknown stage $s (cp_tests | groups | groups_cp8 | groups_cp4 | pdl | bwd_ab | steady | bwd_spread | marks_192 | marks_packed_h200 | scratch_host | handoff |" \
+    *) echo "unknown stage $s (cp_tests | groups | groups_cp8 | groups_cp4 | pdl | bwd_ab | steady | bwd_groups | bwd_spread | marks_192 | marks_packed_h200 | scratch_host | handoff |" \
          "fwd_long)"; exit 2 ;;
   esac
 done

@@ -256,7 +256,8 @@ class _Call:
         # (the work lists give zeros to the kernels that take a dout; a backend without lse_gradient runs the lse's
         # pass alone)
         dlse = None if dlse is None else dlse.contiguous()  # (backward made it the accumulation dtype)
-        dq, dk, dv = ring_backward(self.sched, self.ring, dout, q, k, v, out_m, lse_m, self.opts, dlse=dlse)
+        dq, dk, dv = ring_backward(self.sched, self.ring, dout, q, k, v, out_m, lse_m, self.opts, dlse=dlse,
+                                   steps_per_launch=self.signature["ring_steps_per_launch"])
         dsinks = None
         if sinks is not None:  # this rank's rows' share of the sinks' gradient (in its heads)
             dsinks = (lo, hi, sink_grad(dout, out_m, lse_m, self.member_sinks(sinks, chunk), dlse).to(sinks.dtype)

@@ -8,19 +8,20 @@ nothing).  The transfer of the next step is posted before a step computes, so it
 work-list call (:mod:`fa4dist.kernels.worklist`: on cute, one launch per wave of blocks with disjoint query rows,
 with the per-block loop's bits) of the schedule's blocks for the held keys, merged into the member's fp32 (fp64 for
 fp64 inputs) running ``(out, lse)``, so nothing is rounded between steps; the merge order is (step, query block,
-key), a function of the plan alone.  Optionally (``FA4DIST_RING_STEPS_PER_LAUNCH``, :func:`forward_steps_per_launch`)
-the remote steps run in launch groups: a group's transfers land in place in one buffer and its steps' blocks are one
-coalesced work list, merged once per row (then the order is (group, query block, key)).  In the one-GPU simulation
-at cp = 8 every remote step in one launch read 0.940 against 0.905 per step (bench/RESULTS.md, twenty-seventh
-session), but a group waits for all its transfers before it computes, which the simulation does not model: one
-launch per step stays the default until a multi-GPU run decides.
+key), a function of the plan alone.  Optionally (``FA4DIST_RING_STEPS_PER_LAUNCH``, :func:`ring_steps_per_launch`)
+the remote steps run in launch groups, forward and backward: a group's transfers land in place in one buffer and its
+steps' blocks are one coalesced work list, merged once per row (then the order is (group, query block, key)).  In the
+one-GPU simulation at cp = 8 with steady timing, groups of four read 0.98-0.99 forward against 0.87-0.90 one launch
+per step, 0.925 backward against 0.91-0.92 (bench/RESULTS.md, fiftieth session), but a group waits for all its
+transfers before it computes, which the simulation only models: one launch per step stays the default until a
+multi-GPU run decides.
 
-Backward: the keys go out again the same way; each step's work list (on cute, one main kernel per group of blocks
-with disjoint key rows) recomputes its blocks against the global ``(out, lse)``, adding dQ into the member's shared
-query side (one preprocess and one dQ convert for all steps, :func:`~fa4dist.kernels.worklist.share_queries`, where
-the backend has one; else its fp32 buffer) and dK/dV into
-a fresh fp32 buffer for the rows it received, which goes straight back to their owner (posted after the step,
-awaited one step later so it overlaps).
+Backward: the keys go out again the same way (in the forward's launch groups); each step's (or group's) work list
+(on cute, one main kernel per group of blocks with disjoint key rows) recomputes its blocks against the global
+``(out, lse)``, adding dQ into the member's shared query side (one preprocess and one dQ convert for all steps,
+:func:`~fa4dist.kernels.worklist.share_queries`, where the backend has one; else its fp32 buffer) and dK/dV into
+a fresh fp32 buffer for the rows it received, whose rows of each step go straight back to their owner (K and V as
+two messages, posted after the launch, awaited one launch later so they overlap).
 The owner adds its own dK/dV first, then the returns in step order: fixed by the plan, never by arrival.  A loss
 of the returned lse adds its gradient in the same steps (``dlse``, joined to the row sums of dout * out; a loss of
 the lse alone passes no dout).
@@ -100,6 +101,11 @@ class KVBuffer:
             buf.v.narrow(seq_dim, at, n).copy_(v.narrow(seq_dim, start, n))
             at += n
         return buf
+
+    def rows(self, start: int, length: int, seq_dim: int) -> "HeldKV":
+        """K and V of rows [start, start + length): views (contiguous where the buffer holds one sequence or packed
+        rows, as a launch group's buffer does)."""
+        return HeldKV(self.k.narrow(seq_dim, start, length), self.v.narrow(seq_dim, start, length))
 
     def add_into(self, dk: torch.Tensor, dv: torch.Tensor, ranges, seq_dim: int) -> None:
         """Adds this buffer's rows (back to back) into the rows `ranges` of dk and dv: the inverse of gather."""
@@ -225,7 +231,7 @@ class RingPeers:
 MAX_RANGE_MESSAGES = 8  # more row ranges than this in one step's send are packed (each message has its latency)
 # message tags: K and V of a ring step (gloo matches by tag, NCCL by posting order; both sides post alike)
 _KEY_TAGS = {"forward": (10, 11), "backward": (20, 22)}
-_GRADS_TAG = 21  # a backward step's dK / dV partial, back to the keys' owner
+_GRADS_TAGS = (21, 23)  # a backward step's dK / dV partial, back to the keys' owner
 
 
 class _Exchange:
@@ -296,7 +302,8 @@ class _Exchange:
             recvs = [msg for kp, vp in self._recv_parts(held, 0, sched.needed(m, source))
                      for msg in ((kp, peer, k_tag), (vp, peer, v_tag))]
         items = sched.items(m, sched.source(m, step)) if held is not None else ()
-        return IncomingKeys(self._post(sends, recvs, f"K/V of {self.direction} ring step {step}"), held, items)
+        return IncomingKeys(self._post(sends, recvs, f"K/V of {self.direction} ring step {step}"), held, items,
+                            ((step, 0, recv_len),))
 
     def post_key_group(self, group: tuple[int, ...]) -> "IncomingKeys":
         """Posts the key transfers of the steps of `group` (:meth:`Schedule.launch_groups`) at once; each step's rows
@@ -324,17 +331,23 @@ class _Exchange:
                     raise AssertionError("a grouped ring step's rows must be contiguous in the group buffer")
                 recvs += [msg for kp, vp in parts for msg in ((kp, ring.peer(source), k_tag),
                                                                (vp, ring.peer(source), v_tag))]
-        pending = self._post(sends, recvs, f"K/V of forward ring steps {list(group)}")
-        return IncomingKeys(pending, held, items if held is not None else ())
+        pending = self._post(sends, recvs, f"K/V of {self.direction} ring steps {list(group)}")
+        return IncomingKeys(pending, held, items if held is not None else (), places)
 
-    def post_grads(self, step: int, partial: Optional[KVBuffer], acc) -> "ReturningGrads":
-        """Posts the return of step `step`'s dK/dV partial to the keys' owner, and the receive of the partial for
-        the rows this member sent at that step."""
+    def post_grads(self, step: int, partial, acc) -> "ReturningGrads":
+        """Posts the return of step `step`'s dK/dV partial (a :class:`KVBuffer`, or a launch group's rows of one,
+        :meth:`KVBuffer.rows`: K and V each contiguous) to the keys' owner, and the receive of the partial for the
+        rows this member sent at that step."""
         sched, ring, m = self.sched, self.ring, self.ring.index
         sent = sched.send_ranges(m, step)
-        sends = [(partial.flat, ring.peer(sched.source(m, step)), _GRADS_TAG)] if partial is not None else []
+        sends, recvs = [], []
+        if partial is not None:
+            peer = ring.peer(sched.source(m, step))
+            sends = [(partial.k, peer, _GRADS_TAGS[0]), (partial.v, peer, _GRADS_TAGS[1])]
         incoming = KVBuffer.empty(self.k, self.v, sum(n for _, n in sent), self.sd, dtype=acc) if sent else None
-        recvs = [(incoming.flat, ring.peer(sched.dest(m, step)), _GRADS_TAG)] if incoming is not None else []
+        if incoming is not None:
+            peer = ring.peer(sched.dest(m, step))
+            recvs = [(incoming.k, peer, _GRADS_TAGS[0]), (incoming.v, peer, _GRADS_TAGS[1])]
         pending = self._post(sends, recvs, f"dK/dV of backward ring step {step}")
         return ReturningGrads(pending, incoming, sent, self.sd, partial)
 
@@ -355,6 +368,7 @@ class IncomingKeys:
     pending: Optional[Pending]
     held: Optional[KVBuffer]
     items: tuple = ()  # the work list on `held` (a step's, or a launch group's)
+    places: tuple = ()  # ((step, first row in `held`, rows), ...): where each step's rows are
 
     def wait(self) -> Optional[KVBuffer]:
         if self.pending is not None:
@@ -371,7 +385,7 @@ class ReturningGrads:
     incoming: Optional[KVBuffer]
     ranges: tuple
     seq_dim: int
-    partial: Optional[KVBuffer] = None  # this member's partial for the step, kept alive until its send completes
+    partial: object = None  # this member's partial for the step (or its rows of a group's), alive until sent
 
     def finish(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
         if self.pending is not None:
@@ -390,16 +404,16 @@ def grouped_launch_allowed(sched: Schedule, k: torch.Tensor) -> bool:
 
 
 def requested_steps_per_launch() -> int:
-    """The ring forward's remote steps per launch this process asks for: ``FA4DIST_RING_STEPS_PER_LAUNCH`` (an int
-    >= 0; 0: all remote steps in one launch), else 1 (part of a call's agreed signature:
+    """The ring's remote steps per launch this process asks for: ``FA4DIST_RING_STEPS_PER_LAUNCH`` (an int >= 0;
+    0: all remote steps in one launch), else 1 (part of a call's agreed signature:
     :mod:`~fa4dist.context_parallel.knobs`)."""
     return env_int(STEPS_PER_LAUNCH_ENV, 1, 0, None, "0: every remote step in one launch")
 
 
-def forward_steps_per_launch(sched: Schedule, k: torch.Tensor, requested: Optional[int] = None) -> int:
-    """The ring forward's remote steps per launch (:meth:`Schedule.launch_groups`; 0: all): `requested` (default
-    :func:`requested_steps_per_launch`), or 1 where :func:`grouped_launch_allowed` says no.  A function of the
-    schedule, the shapes and the agreed request alone, so every member picks the same groups."""
+def ring_steps_per_launch(sched: Schedule, k: torch.Tensor, requested: Optional[int] = None) -> int:
+    """The ring's remote steps per launch, forward and backward alike (:meth:`Schedule.launch_groups`; 0: all):
+    `requested` (default :func:`requested_steps_per_launch`), or 1 where :func:`grouped_launch_allowed` says no.  A
+    function of the schedule, the shapes and the agreed request alone, so every member picks the same groups."""
     requested = requested_steps_per_launch() if requested is None else requested
     sched.launch_groups(requested)  # checks it
     return requested if grouped_launch_allowed(sched, k) else 1
@@ -408,11 +422,11 @@ def forward_steps_per_launch(sched: Schedule, k: torch.Tensor, requested: Option
 def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions,
                  steps_per_launch: Optional[int] = None) -> Accumulators:
     """The fp32 (out, lse) of this member's queries over every member's keys: its own keys first (while the first
-    remote keys travel), then the remote steps in launch groups (:func:`forward_steps_per_launch`), each group's
+    remote keys travel), then the remote steps in launch groups (:func:`ring_steps_per_launch`), each group's
     transfers posted before the previous group computes, all merged into one running result
     (:class:`MemberForward`)."""
     m = ring.index
-    groups = sched.launch_groups(forward_steps_per_launch(sched, k, steps_per_launch))
+    groups = sched.launch_groups(ring_steps_per_launch(sched, k, steps_per_launch))
     running = MemberForward(sched.members[m], q, v.shape[-1], sched.plan.packed, sched.items(m, m))
     exchange = _Exchange(sched, ring, k, v, "forward")
     with exchange.abandoned_on_failure():
@@ -425,15 +439,16 @@ def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions,
     return running.result()
 
 
-def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opts: KernelOptions, dlse=None):
+def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opts: KernelOptions, dlse=None,
+                  steps_per_launch: Optional[int] = None):
     """Returns (dq, dk, dv) of this member's tokens in the accumulation dtype; ``dlse``: its rows' lse gradient
     (lse's layout, the accumulation dtype), joined to out's in the same steps; ``dout=None`` with it: a loss of the
     lse alone (dv is zero; a backend without ``lse_gradient`` runs each step's lse pass only, with no pass of a zero
-    dout)."""
-    steps = sched.steps()
+    dout).  The remote steps run in the forward's launch groups (:func:`ring_steps_per_launch`)."""
+    groups = sched.launch_groups(ring_steps_per_launch(sched, k, steps_per_launch))
     exchange = _Exchange(sched, ring, k, v, "backward")
     with exchange.abandoned_on_failure():
-        return _ring_backward_steps(sched, ring, exchange, steps, dout, q, k, v, out, lse, opts, dlse)
+        return _ring_backward_steps(sched, ring, exchange, groups, dout, q, k, v, out, lse, opts, dlse)
 
 
 class MemberBackward:
@@ -452,6 +467,7 @@ class MemberBackward:
         self.sched, self.member, self.opts, self.fresh = sched, member, opts, fresh
         self.dout, self.q, self.k, self.v, self.out, self.lse, self.dlse = dout, q, k, v, out, lse, dlse
         self.acc = accum_dtype(q.dtype)
+        self.seq_dim = 0 if sched.plan.packed else 1
         self.dq = torch.zeros(q.shape, dtype=self.acc, device=q.device)
         # dK / dV buffers are written by their first step's kernels (fresh_dkv), not zero-filled first: at cp = 8
         # the fills were ~1.5% of a member's backward
@@ -476,15 +492,17 @@ class MemberBackward:
         backward_step(self.sched, m, m, self.dout, self.q, HeldKV(self.k, self.v), self.out, self.lse, self.dq,
                       HeldKV(self.dk, self.dv), self.opts, items, self.shared, fresh_dkv=fresh_dkv, dlse=self.dlse)
 
-    def remote(self, source: int, held: Optional[KVBuffer]) -> Optional[KVBuffer]:
-        """Member `source`'s keys (held in `held`; None: nothing received): their fp32 dK/dV partial, to return."""
+    def remote(self, incoming: IncomingKeys) -> Optional[KVBuffer]:
+        """The keys `incoming` holds (awaited; a step's or a launch group's, with its work list; None: nothing
+        received): their fp32 dK/dV partial, laid out as the keys, to return to their owners."""
+        held = incoming.wait()
         if held is None:
             return None
         partial = KVBuffer.empty_like(held, dtype=self.acc)
         if not self.fresh:
             partial.flat.zero_()
-        backward_step(self.sched, self.member, source, self.dout, self.q, held, self.out, self.lse, self.dq,
-                      partial, self.opts, shared=self.shared, fresh_dkv=self.fresh, dlse=self.dlse)
+        backward_step(self.sched, self.member, None, self.dout, self.q, held, self.out, self.lse, self.dq, partial,
+                      self.opts, incoming.items, shared=self.shared, fresh_dkv=self.fresh, dlse=self.dlse)
         return partial
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -494,40 +512,47 @@ class MemberBackward:
         return self.dq, self.dk, self.dv
 
 
-def member_backward_steps(member: MemberBackward, steps, receive, give_back):
-    """(dq, dk, dv) of `member` in the ring's order: the first half of its own keys' work, then for each remote step
-    ``t`` of `steps` its keys' backward (``receive(i, t)``: the keys of the i-th step awaited, None where nothing
-    came) with the partial handed to ``give_back(t, partial)``, which returns the :class:`ReturningGrads` for the
-    rows this member sent at ``t`` (added one step later, in step order), then the second half of its own keys, the
-    shared query side's dQ, and the last step's returns.  :func:`ring_backward` runs it with its transfers,
+def member_backward_steps(member: MemberBackward, groups, receive, give_back):
+    """(dq, dk, dv) of `member` in the ring's order: the first half of its own keys' work, then for each launch
+    group of remote steps (:meth:`Schedule.launch_groups`; one step each by default) its keys' backward in one call
+    (``receive(i, group)``: the :class:`IncomingKeys` of the i-th group), each step's rows of the partial handed to
+    ``give_back(t, rows)`` (None where nothing came), which returns the :class:`ReturningGrads` for the rows this
+    member sent at ``t`` (None: it sent none; added one group later, in step order), then the second half of its own keys, the shared
+    query side's dQ, and the last group's returns.  :func:`ring_backward` runs it with its transfers,
     ``bench/cp_sim.py`` with keys and returns already at hand."""
-    m = member.member
     member.own_start()
-    returning = None
-    for i, t in enumerate(steps):
-        partial = member.remote(member.sched.source(m, t), receive(i, t))
-        posted = give_back(t, partial)
-        if returning is not None:  # the previous step's returns, added in step order
-            returning.finish(member.dk, member.dv)
+    returning = ()
+    for i, group in enumerate(groups):
+        incoming = receive(i, group)
+        partial = member.remote(incoming)
+        posted = [give_back(t, None if partial is None or not n else partial.rows(at, n, member.seq_dim))
+                  for t, at, n in incoming.places]
+        for grads in returning:  # the previous group's returns, added in step order
+            if grads is not None:
+                grads.finish(member.dk, member.dv)
         returning = posted
     member.own_end()
     dq, dk, dv = member.finish()
-    if returning is not None:
-        returning.finish(dk, dv)
+    for grads in returning:
+        if grads is not None:
+            grads.finish(dk, dv)
     return dq, dk, dv
 
 
-def _ring_backward_steps(sched: Schedule, ring: RingPeers, exchange: _Exchange, steps, dout, q, k, v, out, lse,
+def _ring_backward_steps(sched: Schedule, ring: RingPeers, exchange: _Exchange, groups, dout, q, k, v, out, lse,
                          opts: KernelOptions, dlse):
-    """:func:`ring_backward`'s steps, inside its exchange's failure guard: each step's keys posted one step ahead
-    (the first before the own keys' work), each partial posted back as soon as it is computed."""
-    posted = [exchange.post_keys(steps[0])] if steps else []
-    member = MemberBackward(sched, ring.index, dout, q, k, v, out, lse, opts, dlse, remote=bool(steps))
+    """:func:`ring_backward`'s steps, inside its exchange's failure guard: each launch group's keys posted one group
+    ahead (the first before the own keys' work), each partial posted back as soon as it is computed."""
+    posted = [exchange.post_key_group(groups[0])] if groups else []
+    member = MemberBackward(sched, ring.index, dout, q, k, v, out, lse, opts, dlse, remote=bool(groups))
 
-    def receive(i, t):
+    def receive(i, group):
         incoming = posted.pop()
-        if i + 1 < len(steps):  # the next step's transfer travels while this one computes
-            posted.append(exchange.post_keys(steps[i + 1]))
-        return incoming.wait()
+        if i + 1 < len(groups):  # the next group's transfers travel while this one computes
+            posted.append(exchange.post_key_group(groups[i + 1]))
+        return incoming
 
-    return member_backward_steps(member, steps, receive, lambda t, partial: exchange.post_grads(t, partial, member.acc))
+    def give_back(t, partial):
+        return exchange.post_grads(t, partial, member.acc)
+
+    return member_backward_steps(member, groups, receive, give_back)

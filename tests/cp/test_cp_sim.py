@@ -231,13 +231,16 @@ def test_launch_groups_give_the_members_forward_with_fewer_items(per_launch):
 
 
 def test_cp_sim_launch_group_rows(tmp_path, monkeypatch):
-    """--steps-per-launch 1 2 0: one fwd row per launch-group size, labelled and recorded; the kernels-alone ratio
-    only on the plain row."""
+    """--steps-per-launch 1 2 0: one fwd and one bwd row per launch-group size, labelled and recorded (bwd_lse keeps
+    one launch per step); the kernels-alone ratio only on the plain forward row; every row's modeled transfers."""
     monkeypatch.setenv("OUT", str(tmp_path))
     rows = _load().main(["--device", "cpu", "--tiny", "--cp", "4", "--seqlens", "128", "--reps", "1",
-                         "--balancers", "lpt", "--directions", "fwd", "--steps-per-launch", "1", "2", "0"])
-    assert [(r["direction"], r["steps_per_launch"]) for r in rows] == [("fwd", 1), ("fwd/2", 2), ("fwd/all", 0)]
-    assert [r["kernel_only_efficiency"] is not None for r in rows] == [True, False, False]
+                         "--balancers", "lpt", "--directions", "fwd", "bwd", "bwd_lse",
+                         "--steps-per-launch", "1", "2", "0"])
+    assert [(r["direction"], r["steps_per_launch"]) for r in rows] == [
+        ("fwd", 1), ("fwd/2", 2), ("fwd/all", 0), ("bwd", 1), ("bwd/2", 2), ("bwd/all", 0), ("bwd_lse", 1)]
+    assert [r["kernel_only_efficiency"] is not None for r in rows] == [True] + [False] * 6
+    assert all(r["exposed_transfer_ms_modeled"] is not None for r in rows)
 
 
 def test_exposed_transfers_of_launch_groups():
@@ -250,6 +253,20 @@ def test_exposed_transfers_of_launch_groups():
     assert exposed([4, 3], 0.5, 1.8) == pytest.approx(4 * 0.5 - 1.8)  # the second group's 1.5 ms hide under 7.2
     assert exposed([1, 1], 2.0, 1.0) == pytest.approx(2 * (2.0 - 1.0))
     assert exposed([], 1.0, 1.0) == 0.0
+
+
+def test_exposed_backward_transfers_of_launch_groups():
+    """The backward's model: the first group's keys under half the own step, each group's compute covering the
+    next group's keys and the previous group's returns, the last returns under the own step's second half."""
+    exposed = _load().exposed_backward_transfer_ms
+    assert exposed([1] * 7, 0.3, 0.6, 4.0) == 0.0
+    # one group of 7: its keys (2.1) under 2.0, its returns (4.2) under 2.0
+    assert exposed([7], 0.3, 0.6, 4.0) == pytest.approx((2.1 - 2.0) + (4.2 - 2.0))
+    # [4, 3]: keys 1.2 under 2.0; group 0 covers 0.9 of keys; group 1 covers group 0's 2.4 of returns; 1.8 under 2.0
+    assert exposed([4, 3], 0.3, 0.6, 4.0) == 0.0
+    # slow returns: group 1 (3.0) covers group 0's returns (4.0); the last returns (3.0) under 0.5
+    assert exposed([4, 3], 0.3, 1.0, 1.0) == pytest.approx((1.2 - 0.5) + (4.0 - 3.0) + (3.0 - 0.5))
+    assert exposed([], 1.0, 1.0, 1.0) == 0.0
 
 
 @pytest.mark.parametrize("bad, message", [

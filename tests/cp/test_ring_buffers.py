@@ -87,7 +87,7 @@ def test_member_backward_written_fresh_equals_zero_filled(packed):
     """MemberBackward (the ring's backward order: own half, remote steps, own half): its dK / dV and partials
     written by their first step equal the zero-filled-and-added form byte for byte, and the own halves together
     equal one call on all the own keys (fp64, reference backend)."""
-    from fa4dist.context_parallel.ring import MemberBackward
+    from fa4dist.context_parallel.ring import IncomingKeys, MemberBackward
 
     sched, opts, tok, shards, gen = _members(packed, 3, 5, seed=11)
     for m in range(3):
@@ -102,7 +102,7 @@ def test_member_backward_written_fresh_equals_zero_filled(packed):
             for t in sched.member_steps(m):
                 s = sched.source(m, t)
                 held = KVBuffer.gather(shards[s][2], shards[s][3], sched.needed(m, s), tok)
-                partials.append(member.remote(s, held).flat)
+                partials.append(member.remote(IncomingKeys(None, held, sched.items(m, s))).flat)
             member.own_end()
             results.append([*member.finish(), *partials])
         for a, b in zip(*results):
@@ -114,6 +114,62 @@ def test_member_backward_written_fresh_equals_zero_filled(packed):
         own_only.own_end()
         for a, b in zip(own_only.finish(), whole):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("per_launch", [2, 0])
+def test_member_backward_in_launch_groups_equals_one_launch_per_step(packed, per_launch):
+    """member_backward_steps over launch groups (one buffer and one call per group, Schedule.group_items): dq, dk,
+    dv and every step's returned rows (the group partial's rows, K and V contiguous) equal the one-launch-per-step
+    order's (fp64, reference backend), and every step of every group is handed back once, in step order."""
+    from fa4dist.context_parallel.ring import IncomingKeys, MemberBackward, member_backward_steps
+
+    cp = 4
+    sched, opts, tok, shards, gen = _members(packed, cp, 5, seed=12)
+    for m in range(cp):
+        dout, q, k, v, out = shards[m]
+        n = sched.members[m].length
+        lse = 3 + torch.randn((2, n) if packed else (1, 2, n), dtype=torch.float64, generator=gen)
+        received = {t: KVBuffer.gather(shards[sched.source(m, t)][2], shards[sched.source(m, t)][3],
+                                       sched.needed(m, sched.source(m, t)), tok)
+                    for t in sched.steps() if sched.recv_len(m, t)}
+        results = []
+        for size in (1, per_launch):
+            incoming = []
+            for group in sched.launch_groups(size):
+                places, items = sched.group_items(m, group)
+                if len(group) == 1:  # as the ring posts a single step
+                    t = group[0]
+                    items = sched.items(m, sched.source(m, t)) if t in received else ()
+                total = sum(n for _, _, n in places)
+                buf = KVBuffer.empty(k, v, total, tok) if total else None
+                for t, at, n in places:
+                    if n:
+                        buf.rows(at, n, tok).k.copy_(received[t].k)
+                        buf.rows(at, n, tok).v.copy_(received[t].v)
+                incoming.append(IncomingKeys(None, buf, items, places))
+            handed = []
+
+            def give_back(t, rows, handed=handed):
+                if rows is not None:
+                    assert rows.k.is_contiguous() and rows.v.is_contiguous()
+                    handed.append((t, rows.k.clone(), rows.v.clone()))
+                else:
+                    handed.append((t, None, None))
+                return None
+
+            member = MemberBackward(sched, m, dout, q, k, v, out, lse, opts, remote=True)
+            grads = member_backward_steps(member, sched.launch_groups(size), lambda i, g: incoming[i], give_back)
+            assert [t for t, _, _ in handed] == list(sched.steps())
+            results.append((grads, handed))
+        (per_step, handed_1), (grouped, handed_g) = results
+        for a, b in zip(per_step, grouped):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        for (t, k1, v1), (_, kg, vg) in zip(handed_1, handed_g):
+            assert (k1 is None) == (kg is None) == (t not in received)
+            if k1 is not None:
+                torch.testing.assert_close(k1, kg, rtol=1e-12, atol=1e-12)
+                torch.testing.assert_close(v1, vg, rtol=1e-12, atol=1e-12)
 
 
 def test_ring_sends_are_views_of_the_keys_one_message_pair_per_range():
