@@ -179,8 +179,37 @@ def interleaved_rounds(timer, full, groups: list[list], reps: int, log: list | N
     return rounds
 
 
-def steady_rounds(timer, full, groups: list[list], reps: int, passes: int, log: list | None = None
-                  ) -> list[list[float]]:
+def call_kernels(events, calls: int, spin_first: bool) -> list[dict]:
+    """Device kernels of a ``Timer.back_to_back`` stream run under torch.profiler, split per call by the probe
+    spins between calls (``torch.cuda._sleep``'s kernel; a queue-ahead spin first where ``spin_first``): per call its
+    kernels' busy ms, its span from the first kernel's start to the last one's end, and its kernels' ms by name."""
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0),
+                     key=lambda e: e.time_range.start)
+    out, current, skip = [], [], spin_first
+    for e in kernels:
+        if "spin_kernel" in e.name:
+            if skip:
+                skip = False
+                continue
+            out.append(current)
+            current = []
+        else:
+            current.append(e)
+    if len(out) != calls:
+        raise RuntimeError(f"profiled stream split into {len(out)} calls, expected {calls}")
+    result = []
+    for ks in out:
+        by_name: dict = {}
+        for e in ks:
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time / 1e3
+        span = (max(e.time_range.end for e in ks) - min(e.time_range.start for e in ks)) / 1e3 if ks else 0.0
+        result.append(dict(busy_ms=sum(by_name.values()), span_ms=span,
+                           kernels=sorted(by_name.items(), key=lambda kv: -kv[1])))
+    return result
+
+
+def steady_rounds(timer, full, groups: list[list], reps: int, passes: int, log: list | None = None,
+                  profile_last: bool = False) -> list[list[float]]:
     """``interleaved_rounds`` in steady state: each round queues ``passes`` + 1 whole-sequence calls back to back,
     then ``passes`` + 1 passes over every group's fns (rotated by the pass), all as one stream, and keeps the median
     of each fn's calls after its block's first pass. Each block is then a continuous load of one kind, as a real
@@ -198,7 +227,20 @@ def steady_rounds(timer, full, groups: list[list], reps: int, passes: int, log: 
         for p in range(passes + 1):
             for g, group in enumerate(groups):
                 sequence += [((g, r), p, group[r]) for r in ((i + p + j) % len(group) for j in range(len(group)))]
-        seconds, details = timer.back_to_back([fn for _, _, fn in sequence])
+        if profile_last and i == reps - 1:  # the last round under the profiler: each call's kernels
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                seconds, details = timer.back_to_back([fn for _, _, fn in sequence])
+            try:
+                split = call_kernels(prof.events(), len(sequence), bool(timer.spin_cycles))
+            except RuntimeError as err:  # (a profile that lost a probe: the timings stand, the breakdown goes)
+                print(f"    profiled round not split: {err}", flush=True)
+                split = [{}] * len(sequence)
+            for det, ks in zip(details, split):
+                det.update(ks)
+        else:
+            seconds, details = timer.back_to_back([fn for _, _, fn in sequence])
         kept: dict = {}
         for place, ((who, p, _), sec, det) in enumerate(zip(sequence, seconds, details)):
             if p > 0:
@@ -208,6 +250,28 @@ def steady_rounds(timer, full, groups: list[list], reps: int, passes: int, log: 
         rounds.append([statistics.median(kept["full"])]
                       + [statistics.median(kept[(g, r)]) for g, group in enumerate(groups) for r in range(len(group))])
     return rounds
+
+
+def steady_profile(log: list[dict], cp: int) -> dict | None:
+    """The profiled steady round's kept calls (``steady_rounds(profile_last=True)``): the whole-sequence call's and
+    a rank's (group 0) median elapsed ms, kernels' busy ms and span, the busy efficiency (whole-sequence busy / (cp x
+    a rank's)) and a rank's kernels by name (ms per call, averaged over the kept rank calls)."""
+    profiled = [rec for rec in log if rec.get("kept") and "busy_ms" in rec]
+    full = [rec for rec in profiled if rec["who"] == "full"]
+    ranks = [rec for rec in profiled if rec["who"] != "full" and rec["who"][0] == 0]
+    if not full or not ranks:
+        return None
+
+    def medians(recs):
+        return {key: statistics.median(rec[key] for rec in recs) for key in ("ms", "busy_ms", "span_ms")}
+
+    by_name: dict = {}
+    for rec in ranks:
+        for name, ms in rec["kernels"]:
+            by_name[name] = by_name.get(name, 0.0) + ms / len(ranks)
+    f, r = medians(full), medians(ranks)
+    return dict(full=f, rank=r, busy_efficiency=f["busy_ms"] / (cp * r["busy_ms"]),
+                rank_kernels=sorted(by_name.items(), key=lambda kv: -kv[1]))
 
 
 def slowest_rank_places(log: list[dict], cp: int) -> list[dict]:
@@ -321,7 +385,8 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                 log = []
                 groups = [runners] + ([kernels] if kernels else [])
                 if args.steady:
-                    rounds = steady_rounds(timer, full[direction], groups, args.reps, args.steady, log=log)
+                    rounds = steady_rounds(timer, full[direction], groups, args.reps, args.steady, log=log,
+                                           profile_last=args.profile_steady)
                 else:
                     rounds = interleaved_rounds(timer, full[direction], groups, args.reps, log=log,
                                                 back_to_back=args.back_to_back)
@@ -360,6 +425,7 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                     profiles=profiles,
                     calls_log=log, slowest_places=slowest_rank_places(log, cp),
                 )
+                row["steady_profile"] = steady_profile(log, cp) if args.profile_steady else None
                 rows.append(row)
                 print(f"{seqlen:>7} {cp:>3} {balancer:>10} {label:>4} {row['t_full_ms']:>9.2f} "
                       f"{row['max_rank_ms']:>9.2f} {row['efficiency']:>6.3f} {row['efficiency_of_medians']:>6.3f} "
@@ -374,6 +440,13 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                           f"{slow['ms']:.3f} ms = {slow['vs_own_median']:.3f}x its median; " + ", ".join(
                               f"{key} {slow[key]:.3f} (round median {slow[key + '_round_median']:.3f})"
                               for key in ("host_ms", "before_ms", "probe_ms") if key in slow), flush=True)
+                if row["steady_profile"]:
+                    sp = row["steady_profile"]
+                    print(f"    profiled steady round: whole sequence {sp['full']['ms']:.2f} ms, kernels busy "
+                          f"{sp['full']['busy_ms']:.2f}; a rank {sp['rank']['ms']:.2f} ms, busy "
+                          f"{sp['rank']['busy_ms']:.2f}, span {sp['rank']['span_ms']:.2f} (medians); busy "
+                          f"efficiency {sp['busy_efficiency']:.3f}; a rank's kernels: " + "; ".join(
+                              f"{name[:48]} {ms:.3f}" for name, ms in sp["rank_kernels"][:6]), flush=True)
                 for r, prof in profiles.items():
                     print(f"    {'whole sequence' if r == 'full' else f'rank {r}'} {direction}: "
                           f"{prof['busy_ms']:.3f} ms of kernels in a {prof['span_ms']:.3f} ms span, host "
@@ -577,6 +650,10 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         bad = [x for x in getattr(args, name) or () if x < minimum]
         if bad:
             p.error(f"--{name.replace('_', '-')} takes integers >= {minimum}, got {bad}")
+    if args.profile_steady and not args.steady:
+        p.error("--profile-steady profiles a steady round: give --steady PASSES too")
+    if args.profile_steady and args.device == "cpu":
+        p.error("--profile-steady splits a CUDA stream's kernels by its probe spins: it needs --device cuda")
     if args.steady < 0:
         p.error(f"--steady takes the passes kept per round (>= 1; 0 is off), got {args.steady}")
     for name in ("heads", "kv_heads", "headdim", "reps"):
@@ -632,6 +709,9 @@ def main(argv=None):
                    help="steady-state rounds (implies --back-to-back): PASSES + 1 whole-sequence calls in a row, then "
                         "PASSES + 1 passes over the ranks, one stream, each block's first pass dropped, so that each "
                         "is timed at the clock its own continuous load settles at (steady_rounds)")
+    p.add_argument("--profile-steady", action="store_true",
+                   help="with --steady, run each row's last round under torch.profiler: every call's kernels, split "
+                        "by the probe spins, and a summary of the whole-sequence call's and a rank's busy time")
     p.add_argument("--tag", default="", help="names the JSON cp_sim-TAG.json (several runs in one $OUT)")
     p.add_argument("--profile-ranks", type=int, nargs="*", default=[],
                    help="also profile one step list of these simulated ranks and the whole-sequence call: their "

@@ -26,6 +26,10 @@
 # - bwd_groups (#12, fiftieth session): the ring backward's remote steps in launch groups (one key buffer and one
 #   call per group, each step's rows of the partial returned to their owner). Predicted at cp = 8: bwd/4 0.95 +-
 #   0.01 against bwd 0.92 (steady timing), the modeled transfers hidden.
+# - steady_profile (#12, fiftieth session): the last steady round under torch.profiler, each call's kernels split by
+#   the probe spins: is a rank's steady-state excess (~3 ms of 39 at cp = 8 backward) in its kernels (busy) or
+#   between them (span - busy, elapsed - span)? Predicted: busy, the main backward kernel slower per tile than the
+#   whole-sequence call's.
 # - bwd_spread (#12): the cp = 8 simulated backward with the ring's own order (MemberBackward) three times in a row,
 #   on the H200 if lent: the H100 read 0.921 and 0.878 five minutes apart (forty-seventh session).
 # - marks_192, marks_packed_h200, scratch_host, handoff, fwd_long: as gpu_session_49.sh.
@@ -63,6 +67,10 @@ for s in ${*:-groups}; do
     bwd_groups)  # the fiftieth session: the ring backward in launch groups (as the forward's), steady timing
       TAIL_LINES=12 stage bwd_groups 240 python3 bench/cp_sim.py --seqlens 131072 --cp 8 4 --balancers lpt \
         --directions bwd --steps-per-launch 1 2 4 0 --reps 3 --queue-ahead-ms 8 --steady 2 --tag bwd_groups ;;
+    steady_profile)  # the fiftieth session: where a rank's time goes in the steady stream (kernels, gaps)
+      TAIL_LINES=24 stage steady_profile 240 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
+        --directions fwd bwd --steps-per-launch 1 4 --reps 2 --queue-ahead-ms 8 --steady 2 --profile-steady \
+        --tag steady_profile ;;
     bwd_spread)
       for i in 1 2 3; do
         TAIL_LINES=3 stage "bwd_spread_$i" 120 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
@@ -70,7 +78,7 @@ for s in ${*:-groups}; do
       done ;;
     marks_192|marks_packed_h200|scratch_host|handoff|fwd_long)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_49.sh" "$s" ;;
-    *) echo "unknown stage $s (cp_tests | groups | groups_cp8 | groups_cp4 | pdl | bwd_ab | steady | bwd_groups | bwd_spread | marks_192 | marks_packed_h200 | scratch_host | handoff |" \
+    *) echo "unknown stage $s (cp_tests | groups | groups_cp8 | groups_cp4 | pdl | bwd_ab | steady | bwd_groups | steady_profile | bwd_spread | marks_192 | marks_packed_h200 | scratch_host | handoff |" \
          "fwd_long)"; exit 2 ;;
   esac
 done

@@ -202,6 +202,35 @@ def test_steady_rounds_time_each_load_in_a_block_and_drop_its_first_pass():
     assert all(s["ms"] < 1000.0 * 1e3 for s in slow)  # a dropped call is never the round's slowest
 
 
+def test_call_kernels_split_a_profiled_stream_by_its_probe_spins():
+    """call_kernels assigns a back-to-back stream's kernels to its calls by the probe spin after each call (the
+    queue-ahead spin first skipped), and steady_profile summarizes the kept calls of the profiled round."""
+    from types import SimpleNamespace
+
+    sim = _load()
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def kernel(name, start, ms):
+        return SimpleNamespace(name=name, device_type=cuda, device_time=ms * 1e3,
+                               time_range=SimpleNamespace(start=start * 1e3, end=(start + ms) * 1e3))
+
+    events = [kernel("spin_kernel", 0, 8), kernel("bwd", 8, 10), kernel("add", 18, 1), kernel("spin_kernel", 19, 0.25),
+              kernel("bwd", 20, 4), kernel("spin_kernel", 25, 0.25), kernel("spin_kernel", 26, 0.25)]
+    calls = sim.call_kernels(events, 3, spin_first=True)
+    assert [c["busy_ms"] for c in calls] == [11.0, 4.0, 0.0]
+    assert calls[0]["span_ms"] == 11.0 and calls[0]["kernels"] == [("bwd", 10.0), ("add", 1.0)]
+    with pytest.raises(RuntimeError, match="split into 3 calls, expected 2"):
+        sim.call_kernels(events, 2, spin_first=True)
+    log = [dict(who="full", kept=True, ms=20.0, busy_ms=19.0, span_ms=19.5, kernels=[("bwd_full", 19.0)]),
+           dict(who="full", kept=False, ms=30.0, busy_ms=29.0, span_ms=29.0, kernels=[]),
+           dict(who=(0, 0), kept=True, ms=11.0, busy_ms=10.0, span_ms=10.5, kernels=[("bwd", 9.0), ("add", 1.0)]),
+           dict(who=(0, 1), kept=True, ms=11.0, busy_ms=10.0, span_ms=10.5, kernels=[("bwd", 9.0), ("add", 1.0)])]
+    summary = sim.steady_profile(log, cp=2)
+    assert summary["full"]["busy_ms"] == 19.0 and summary["rank"]["ms"] == 11.0
+    assert summary["busy_efficiency"] == pytest.approx(19.0 / 20.0)
+    assert summary["rank_kernels"] == [("bwd", 9.0), ("add", 1.0)]
+
+
 def test_timer_back_to_back_on_cpu_times_each_call():
     sim = _load()
     timer = sim.Timer(torch.device("cpu"))
@@ -277,6 +306,8 @@ def test_exposed_backward_transfers_of_launch_groups():
     (["--window", "-5"], "--window is the keys before each query (>= 0"),
     (["--heads", "4", "--kv-heads", "3"], "--kv-heads (3) must divide --heads (4)"),
     (["--cp", "2", "--profile-ranks", "5"], "--profile-ranks [5]: no simulated --cp [2] has those ranks"),
+    (["--profile-steady"], "--profile-steady profiles a steady round: give --steady PASSES too"),
+    (["--steady", "1", "--profile-steady"], "--profile-steady splits a CUDA stream's kernels"),
 ])
 def test_cp_sim_refuses_bad_options_by_name(bad, message, tmp_path, monkeypatch, capsys):
     """Each failed with a traceback from inside make_plan, the kernels or statistics (--reps 0 after the sweep)."""
