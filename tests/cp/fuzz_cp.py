@@ -300,6 +300,7 @@ def main(argv=None) -> int:
     pool = DistPool(4)
     failures, refused, start = [], 0, time.monotonic()
     for i in range(args.cases):
+        results = []
         try:
             if args.disagree:
                 case, odd, what = draw_disagreement(args.seed + i)
@@ -317,12 +318,14 @@ def main(argv=None) -> int:
             refused += any(r[0] == "refused" for r in results) and problem is None
         except AssertionError as err:  # a rank raised something other than a clear refusal, or the pool broke
             problem = str(err)
-        if pool.broken or problem:  # (a failed exchange leaves the groups out of step: fresh ones for the next)
+        # a failed exchange (a problem, or an accepted timeout beside a rank that refused) leaves the groups out of
+        # step, and later calls on them refuse as GroupBroken: fresh ones for the next case
+        if pool.broken or problem or any(r[0] == "error" for r in results):
             pool.close()
             pool = DistPool(4)
         if args.verbose and not problem:
             shown = results if args.invariant else [
-                r if r[0] == "refused" else r[1] and {n: r[1].get(n) for n in ("out", "dq", "strategy")}
+                r[:2] if r[0] != "ok" else r[1] and {n: r[1].get(n) for n in ("out", "dq", "strategy")}
                 for r in results]
             print(f"seed={args.seed + i} {shown}")
         if problem:
