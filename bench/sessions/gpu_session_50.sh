@@ -30,6 +30,9 @@
 #   the probe spins: is a rank's steady-state excess (~3 ms of 39 at cp = 8 backward) in its kernels (busy) or
 #   between them (span - busy, elapsed - span)? Predicted: busy, the main backward kernel slower per tile than the
 #   whole-sequence call's.
+# - fused_returns (#12, fiftieth session): the returned partials of a launch group added in one pass per stretch of
+#   rows (kernels/cute/sum_into.py): its GPU tests, then the steady profile. Predicted at cp = 8: the adds 1.39 ->
+#   ~0.75 ms with groups of four (two fused sums of 4 and 3 returns), bwd/4 +1.5 points.
 # - bwd_spread (#12): the cp = 8 simulated backward with the ring's own order (MemberBackward) three times in a row,
 #   on the H200 if lent: the H100 read 0.921 and 0.878 five minutes apart (forty-seventh session).
 # - marks_192, marks_packed_h200, scratch_host, handoff, fwd_long: as gpu_session_49.sh.
@@ -71,6 +74,12 @@ for s in ${*:-groups}; do
       TAIL_LINES=24 stage steady_profile 240 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
         --directions fwd bwd --steps-per-launch 1 4 --reps 2 --queue-ahead-ms 8 --steady 2 --profile-steady \
         --tag steady_profile ;;
+    fused_returns)  # the fiftieth session: a launch group's returned partials summed in one pass (sum_into)
+      TAIL_LINES=3 stage fused_tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_sum_into_gpu.py \
+        tests/cp/test_cp_gpu.py -k "sum or returns or launch_groups"
+      TAIL_LINES=12 stage fused_sim 150 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
+        --directions bwd --steps-per-launch 1 4 0 --reps 2 --queue-ahead-ms 8 --steady 2 --profile-steady \
+        --tag fused_returns ;;
     bwd_spread)
       for i in 1 2 3; do
         TAIL_LINES=3 stage "bwd_spread_$i" 120 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
@@ -78,7 +87,7 @@ for s in ${*:-groups}; do
       done ;;
     marks_192|marks_packed_h200|scratch_host|handoff|fwd_long)
       NO_BUNDLE=1 bash "$(dirname "$0")/gpu_session_49.sh" "$s" ;;
-    *) echo "unknown stage $s (cp_tests | groups | groups_cp8 | groups_cp4 | pdl | bwd_ab | steady | bwd_groups | steady_profile | bwd_spread | marks_192 | marks_packed_h200 | scratch_host | handoff |" \
+    *) echo "unknown stage $s (cp_tests | groups | groups_cp8 | groups_cp4 | pdl | bwd_ab | steady | bwd_groups | steady_profile | fused_returns | bwd_spread | marks_192 | marks_packed_h200 | scratch_host | handoff |" \
          "fwd_long)"; exit 2 ;;
   esac
 done

@@ -107,14 +107,6 @@ class KVBuffer:
         rows, as a launch group's buffer does)."""
         return HeldKV(self.k.narrow(seq_dim, start, length), self.v.narrow(seq_dim, start, length))
 
-    def add_into(self, dk: torch.Tensor, dv: torch.Tensor, ranges, seq_dim: int) -> None:
-        """Adds this buffer's rows (back to back) into the rows `ranges` of dk and dv: the inverse of gather."""
-        at = 0
-        for start, n in ranges:
-            dk.narrow(seq_dim, start, n).add_(self.k.narrow(seq_dim, at, n))
-            dv.narrow(seq_dim, start, n).add_(self.v.narrow(seq_dim, at, n))
-            at += n
-
 
 def _numel(shape) -> int:
     n = 1
@@ -379,7 +371,8 @@ class IncomingKeys:
 @dataclass
 class ReturningGrads:
     """A backward step's dK/dV partial on its way back (``pending``: the transfer, None for one already here) into
-    ``incoming``, for this member's rows ``ranges``; :meth:`finish` adds it into the member's dK/dV."""
+    ``incoming``, for this member's rows ``ranges`` (back to back there); :func:`add_returns` adds it into the
+    member's dK/dV."""
 
     pending: Optional[Pending]
     incoming: Optional[KVBuffer]
@@ -387,11 +380,59 @@ class ReturningGrads:
     seq_dim: int
     partial: object = None  # this member's partial for the step (or its rows of a group's), alive until sent
 
-    def finish(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    def wait(self) -> Optional[KVBuffer]:
         if self.pending is not None:
             self.pending.wait()
-        if self.incoming is not None:
-            self.incoming.add_into(dk, dv, self.ranges, self.seq_dim)
+        return self.incoming
+
+
+def add_returns(returns, dk: torch.Tensor, dv: torch.Tensor, seq_dim: int) -> None:
+    """Adds the returned partials ``returns`` (:class:`ReturningGrads` in step order; None: nothing came) into dk /
+    dv.  Every row gets its returns' rows in step order, the bits of adding the returns one after another; each
+    stretch of rows that two or more returns cover is summed in one pass where the CuTe DSL is at hand
+    (``kernels/cute/sum_into.py``: each partial read once, dK / dV read and written once, against once per return),
+    else with torch's adds in the same order."""
+    pieces = []  # (first row, end row, return index, row in the return's buffer)
+    held = []
+    for g in returns:
+        incoming = None if g is None else g.wait()
+        if incoming is None:
+            continue
+        at = 0
+        for start, n in g.ranges:
+            pieces.append((start, start + n, len(held), at))
+            at += n
+        held.append(incoming)
+    if not pieces:
+        return
+    fused = None
+    cuts = sorted({p[0] for p in pieces} | {p[1] for p in pieces})
+    for a, b in zip(cuts, cuts[1:]):
+        covering = sorted((i, at + a - start) for start, end, i, at in pieces if start <= a and b <= end)
+        for dst, part in ((dk, "k"), (dv, "v")):
+            rows = dst.narrow(seq_dim, a, b - a)
+            sources = [getattr(held[i], part).narrow(seq_dim, at, b - a) for i, at in covering]
+            if len(sources) > 1:
+                if fused is None:
+                    fused = _fused_sum(dst)
+                if fused is not None and fused(rows, sources):
+                    continue
+            for src in sources:
+                rows.add_(src)
+
+
+def _fused_sum(t: torch.Tensor):
+    """kernels/cute/sum_into.sum_into where it can run for tensors like `t` (CUDA, the CuTe DSL importable), else
+    None."""
+    if not t.is_cuda:
+        return None
+    from ..kernels.cute import host
+
+    if not host.cutlass_importable():
+        return None
+    from ..kernels.cute.sum_into import sum_into
+
+    return sum_into
 
 
 STEPS_PER_LAUNCH_ENV = "FA4DIST_RING_STEPS_PER_LAUNCH"
@@ -517,8 +558,9 @@ def member_backward_steps(member: MemberBackward, groups, receive, give_back):
     group of remote steps (:meth:`Schedule.launch_groups`; one step each by default) its keys' backward in one call
     (``receive(i, group)``: the :class:`IncomingKeys` of the i-th group), each step's rows of the partial handed to
     ``give_back(t, rows)`` (None where nothing came), which returns the :class:`ReturningGrads` for the rows this
-    member sent at ``t`` (None: it sent none; added one group later, in step order), then the second half of its own keys, the shared
-    query side's dQ, and the last group's returns.  :func:`ring_backward` runs it with its transfers,
+    member sent at ``t`` (None: it sent none; a group's returns are added one group later, in step order,
+    :func:`add_returns`), then the second half of its own keys, the shared query side's dQ, and the last group's
+    returns.  :func:`ring_backward` runs it with its transfers,
     ``bench/cp_sim.py`` with keys and returns already at hand."""
     member.own_start()
     returning = ()
@@ -527,15 +569,11 @@ def member_backward_steps(member: MemberBackward, groups, receive, give_back):
         partial = member.remote(incoming)
         posted = [give_back(t, None if partial is None or not n else partial.rows(at, n, member.seq_dim))
                   for t, at, n in incoming.places]
-        for grads in returning:  # the previous group's returns, added in step order
-            if grads is not None:
-                grads.finish(member.dk, member.dv)
+        add_returns(returning, member.dk, member.dv, member.seq_dim)  # the previous group's, in step order
         returning = posted
     member.own_end()
     dq, dk, dv = member.finish()
-    for grads in returning:
-        if grads is not None:
-            grads.finish(dk, dv)
+    add_returns(returning, dk, dv, member.seq_dim)
     return dq, dk, dv
 
 

@@ -206,3 +206,59 @@ def test_ring_sends_are_views_of_the_keys_one_message_pair_per_range():
     exchange = _Exchange(sched, RingPeers(None, [0, 1], 0), strided, strided, "forward")
     kp, _ = exchange._send_parts(((3, 5),))[0]
     assert kp.is_contiguous() and torch.equal(kp, strided[:, 3:8])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_returns_added_in_step_order_with_shared_stretches_summed_at_once(packed, monkeypatch):
+    """add_returns: every row of dK / dV gets its returned partials' rows in step order (the bytes of adding the
+    returns one after another, fp32), returns of nothing (None, or no buffer) skipped; the stretches two or more
+    returns cover go to the fused sum (kernels/cute/sum_into.py on CUDA) with their sources in step order."""
+    from fa4dist.context_parallel import ring
+
+    tok = 0 if packed else 1
+    gen = torch.Generator().manual_seed(5)
+    shape = (lambda n: (n, 2, 8)) if packed else (lambda n: (1, n, 2, 8))
+    dk, dv = (torch.randn(shape(40), generator=gen) for _ in range(2))
+    range_sets = [((0, 10), (20, 12)), ((5, 20),), (), ((30, 10), (2, 4)), ((8, 30),)]
+    returns = []
+    for ranges in range_sets:
+        n = sum(n for _, n in ranges)
+        incoming = ring.KVBuffer.empty(dk, dv, n, tok) if n else None
+        if incoming is not None:
+            incoming.flat.copy_(torch.randn(incoming.flat.shape, generator=gen) * 1e3)
+        returns.append(ring.ReturningGrads(None, incoming, ranges, tok))
+    returns.insert(2, None)
+    want_k, want_v = dk.clone(), dv.clone()
+    for g in returns:  # one return after another
+        if g is not None and g.incoming is not None:
+            at = 0
+            for start, n in g.ranges:
+                want_k.narrow(tok, start, n).add_(g.incoming.k.narrow(tok, at, n))
+                want_v.narrow(tok, start, n).add_(g.incoming.v.narrow(tok, at, n))
+                at += n
+    calls = []
+
+    def fused(rows, sources):  # what sum_into does, in torch: the sources in the order given
+        calls.append((rows.shape[tok], len(sources)))
+        for src in sources:
+            rows.add_(src)
+        return True
+
+    monkeypatch.setattr(ring, "_fused_sum", lambda t: fused)
+    ring.add_returns(returns, dk, dv, tok)
+    assert torch.equal(dk, want_k) and torch.equal(dv, want_v)
+    # rows 8-9 see returns 0, 1 and 4 (three sources, K and V each); a stretch of one return is a plain add
+    assert calls.count((2, 3)) >= 2 and all(n >= 2 for _, n in calls)
+    # without the fused sum (the CPU, or no CuTe DSL): torch's adds, the same bytes
+    monkeypatch.setattr(ring, "_fused_sum", lambda t: None)
+    again_k, again_v = want_k.clone(), want_v.clone()
+    dk2, dv2 = dk.clone(), dv.clone()
+    ring.add_returns(returns, dk2, dv2, tok)
+    for g in returns:
+        if g is not None and g.incoming is not None:
+            at = 0
+            for start, n in g.ranges:
+                again_k.narrow(tok, start, n).add_(g.incoming.k.narrow(tok, at, n))
+                again_v.narrow(tok, start, n).add_(g.incoming.v.narrow(tok, at, n))
+                at += n
+    assert torch.equal(dk2, again_k) and torch.equal(dv2, again_v)

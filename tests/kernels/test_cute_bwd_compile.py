@@ -472,6 +472,20 @@ def test_compile_row_absmax(d, finite_only, tmp_path, monkeypatch):
 
 
 @pytest.mark.cute
+@pytest.mark.parametrize("sources", [1, 3, 8])
+def test_compile_sum_into(sources, tmp_path, monkeypatch):
+    """The ring backward's fused sum of returned partials (cute/sum_into.py): one 16-byte load per source and one of
+    dst, one store, and the adds left to right (no fma, no other order)."""
+    from fa4dist.kernels.cute.sum_into import SumIntoConfig
+
+    monkeypatch.chdir(tmp_path)
+    ptx = host.compile_config(SumIntoConfig(sources), extra_options="--keep-ptx").artifacts.PTX
+    assert ".target sm_90a" in ptx
+    assert ptx.count("ld.global.v4") == sources + 1 and ptx.count("st.global.v4") == 1
+    assert ptx.count("add.f32") == 4 * sources and "fma" not in ptx
+
+
+@pytest.mark.cute
 def test_compile_row_dot(tmp_path, monkeypatch):
     """The sinks' gradient's row dot kernel (cute/row_dot.py): two 16-byte loads per thread, shuffle reductions over
     the row's threads (two maxima, one sum), the power-of-two factors from the maxima's exponent bits."""
