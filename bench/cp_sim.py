@@ -351,9 +351,9 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                         fwd = run_rank_fwd(sched, r, qr, kr, vr, rank_launches(sched, r, held, 1), headdim, opts)
                         out_r, lse_r = fwd.out.to(dtype), fwd.lse
 
-                        # the dK / dV partials rank r gets back for the rows it sent at each step: views of one
-                        # zero buffer (their values do not matter here: the owner's adds are what is timed)
-                        returned = {t: ReturningGrads(None, returned_partial(kr, vr, sched.send_ranges(r, t), acc),
+                        # the dK / dV partials rank r gets back for the rows it sent at each step: views of a zero
+                        # buffer per step (their values do not matter here: the owner's adds are what is timed)
+                        returned = {t: ReturningGrads(None, returned_partial(kr, vr, sched.send_ranges(r, t), acc, t),
                                                       sched.send_ranges(r, t), 1)
                                     for t in sched.steps() if sched.send_ranges(r, t)}
 
@@ -531,12 +531,14 @@ def profile_kernels(fn, device: torch.device, top: int = 40, cprofile: int = 0) 
 _ZEROS: dict = {}  # (dtype, device) -> the largest zero buffer returned_partial has handed out views of
 
 
-def returned_partial(k, v, ranges, dtype) -> KVBuffer:
-    """A dK / dV partial for the rows `ranges` of k / v (fp32 zeros): a view of one shared zero buffer, grown as
-    needed, so that the simulation holds no partial per rank and step."""
+def returned_partial(k, v, ranges, dtype, slot: int = 0) -> KVBuffer:
+    """A dK / dV partial for the rows `ranges` of k / v (fp32 zeros): a view of the zero buffer of `slot` (one per
+    ring step, shared by the ranks, grown as needed), so that the simulation holds cp - 1 partials, not one per rank
+    and step, and a launch group's returns are distinct memory as in a real ring (one buffer for all of them let
+    the fused sum of a group's returns read it from cache: the fiftieth session's first reading)."""
     ks, vs = KVBuffer.shapes(k, v, sum(n for _, n in ranges), 1)
     numel = math.prod(ks) + math.prod(vs)
-    key = (dtype, k.device)
+    key = (dtype, k.device, slot)
     zeros = _ZEROS.get(key)
     if zeros is None or zeros.numel() < numel:
         zeros = _ZEROS[key] = torch.zeros(numel, dtype=dtype, device=k.device)
