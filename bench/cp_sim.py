@@ -21,6 +21,8 @@ through the contract's accumulate mode) against the key rows it would receive at
   whole-sequence calls in a row and then P + 1 passes over the ranks, dropping each block's first pass, so that the
   whole-sequence call and the ranks are each timed at the clock their own continuous load settles at on a
   power-capped device, as on a single GPU and on a ring's GPUs (``steady_rounds``);
+- after the table, "pooled": every row's eff~ against the median whole-sequence time over all rows that time
+  the same call at that length (a row's own T_full moves a few percent with what its rounds ran before it);
 - "kernel": the efficiency of the same calls without the merges (each to a fresh output), i.e. what a fused
   accumulate epilogue would approach;
 - the ring steps each rank computes (``steps``: its own keys plus the remote steps it receives at; without a window
@@ -252,6 +254,24 @@ def steady_rounds(timer, full, groups: list[list], reps: int, passes: int, log: 
     return rounds
 
 
+def pool_t_full(rows: list[dict]) -> list[tuple]:
+    """Each row's eff~ against the whole-sequence call's median over every row of the same sequence, cp-independent
+    call (``full_call``) and balancer-independent, instead of its own rounds' alone: the rows' own T_full differ by
+    a few percent with what their rounds ran before the whole-sequence block (in steady timing, the plain forward's
+    rounds also time the kernels-alone group: its T_full read 2-5% below the grouped rows' in the fiftieth session).
+    Sets ``efficiency_of_medians_pooled`` and ``t_full_pooled_ms`` on every row; returns (row, pooled ms) pairs."""
+    pooled = {}
+    for row in rows:
+        pooled.setdefault((row["seqlen"], row["full_call"]), []).extend(row["t_full_rounds_ms"])
+    out = []
+    for row in rows:
+        t_full = statistics.median(pooled[(row["seqlen"], row["full_call"])])
+        row["t_full_pooled_ms"] = t_full
+        row["efficiency_of_medians_pooled"] = t_full / (row["cp"] * row["max_rank_ms"])
+        out.append((row, t_full))
+    return out
+
+
 def steady_profile(log: list[dict], cp: int) -> dict | None:
     """The profiled steady round's kept calls (``steady_rounds(profile_last=True)``): the whole-sequence call's and
     a rank's (group 0) median elapsed ms, kernels' busy ms and span, the busy efficiency (whole-sequence busy / (cp x
@@ -414,6 +434,9 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                     # the slowest rank's median against the whole-sequence call's: per-rank noise averaged out
                     # before the max (a round's max picks up whichever rank ran at a low clock)
                     efficiency_of_medians=t_full / (cp * slowest),
+                    # the whole-sequence call this row compares with (rows of one call pool their T_full: pool_t_full)
+                    full_call=next(key for key in ("fwd", "bwd", "bwd_lse") if full[key] is full[direction]),
+                    t_full_rounds_ms=[rd[0] * 1e3 for rd in rounds],
                     timing="steady" if args.steady else "back_to_back" if args.back_to_back else "one_by_one",
                     efficiency_rounds=[rd[0] / (cp * max(rd[1:1 + cp])) for rd in rounds],
                     model_efficiency=model.efficiency, steps=steps, steps_run=[0, *sched.steps()],
@@ -749,6 +772,12 @@ def main(argv=None):
         rows += simulate(args, device, dtype, s, heads, kv_heads, headdim, backend)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if len(rows) > 1:
+        print("pooled: eff~ against the whole-sequence call's median over every row that times the same call")
+        for row, t_full in pool_t_full(rows):
+            print(f"{row['seqlen']:>7} {row['cp']:>3} {row['balancer']:>10} {row['direction']:>8} T_full "
+                  f"{t_full:9.2f} (own {row['t_full_ms']:.2f}) max rank {row['max_rank_ms']:9.2f} eff~ "
+                  f"{row['efficiency_of_medians_pooled']:.3f}")
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"cp_sim{'-' + args.tag if args.tag else ''}.json")

@@ -231,6 +231,21 @@ def test_call_kernels_split_a_profiled_stream_by_its_probe_spins():
     assert summary["rank_kernels"] == [("bwd", 9.0), ("add", 1.0)]
 
 
+def test_pooled_t_full_compares_every_row_with_one_whole_sequence_time():
+    """pool_t_full: rows that time the same whole-sequence call at one sequence length share the median of all their
+    rounds' T_full (whatever their cp or balancer); another call (bwd) or length pools apart."""
+    sim = _load()
+    rows = [dict(seqlen=8, cp=2, full_call="fwd", t_full_rounds_ms=[10.0, 11.0], max_rank_ms=5.0, direction="fwd"),
+            dict(seqlen=8, cp=4, full_call="fwd", t_full_rounds_ms=[13.0], max_rank_ms=2.5, direction="fwd/all"),
+            dict(seqlen=8, cp=2, full_call="bwd", t_full_rounds_ms=[30.0], max_rank_ms=20.0, direction="bwd"),
+            dict(seqlen=16, cp=2, full_call="fwd", t_full_rounds_ms=[40.0], max_rank_ms=25.0, direction="fwd")]
+    pooled = sim.pool_t_full(rows)
+    assert [t for _, t in pooled] == [11.0, 11.0, 30.0, 40.0]
+    assert rows[0]["efficiency_of_medians_pooled"] == pytest.approx(11.0 / 10.0)
+    assert rows[1]["efficiency_of_medians_pooled"] == pytest.approx(11.0 / 10.0)
+    assert rows[2]["t_full_pooled_ms"] == 30.0 and rows[3]["efficiency_of_medians_pooled"] == pytest.approx(0.8)
+
+
 def test_timer_back_to_back_on_cpu_times_each_call():
     sim = _load()
     timer = sim.Timer(torch.device("cpu"))
