@@ -228,14 +228,7 @@ def test_returns_added_in_step_order_with_shared_stretches_summed_at_once(packed
             incoming.flat.copy_(torch.randn(incoming.flat.shape, generator=gen) * 1e3)
         returns.append(ring.ReturningGrads(None, incoming, ranges, tok))
     returns.insert(2, None)
-    want_k, want_v = dk.clone(), dv.clone()
-    for g in returns:  # one return after another
-        if g is not None and g.incoming is not None:
-            at = 0
-            for start, n in g.ranges:
-                want_k.narrow(tok, start, n).add_(g.incoming.k.narrow(tok, at, n))
-                want_v.narrow(tok, start, n).add_(g.incoming.v.narrow(tok, at, n))
-                at += n
+    want_k, want_v = _added_in_turn(returns, dk, dv, tok)
     calls = []
 
     def fused(rows, sources):  # what sum_into does, in torch: the sources in the order given
@@ -251,14 +244,19 @@ def test_returns_added_in_step_order_with_shared_stretches_summed_at_once(packed
     assert calls.count((2, 3)) >= 2 and all(n >= 2 for _, n in calls)
     # without the fused sum (the CPU, or no CuTe DSL): torch's adds, the same bytes
     monkeypatch.setattr(ring, "_fused_sum", lambda t: None)
-    again_k, again_v = want_k.clone(), want_v.clone()
-    dk2, dv2 = dk.clone(), dv.clone()
-    ring.add_returns(returns, dk2, dv2, tok)
+    again_k, again_v = _added_in_turn(returns, want_k, want_v, tok)
+    ring.add_returns(returns, want_k, want_v, tok)
+    assert torch.equal(want_k, again_k) and torch.equal(want_v, again_v)
+
+
+def _added_in_turn(returns, dk, dv, tok):
+    """Copies of dk / dv with the returns (ReturningGrads; None or empty skipped) added one after another."""
+    dk, dv = dk.clone(), dv.clone()
     for g in returns:
         if g is not None and g.incoming is not None:
             at = 0
             for start, n in g.ranges:
-                again_k.narrow(tok, start, n).add_(g.incoming.k.narrow(tok, at, n))
-                again_v.narrow(tok, start, n).add_(g.incoming.v.narrow(tok, at, n))
+                dk.narrow(tok, start, n).add_(g.incoming.k.narrow(tok, at, n))
+                dv.narrow(tok, start, n).add_(g.incoming.v.narrow(tok, at, n))
                 at += n
-    assert torch.equal(dk2, again_k) and torch.equal(dv2, again_v)
+    return dk, dv
