@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Prepared in the forty-seventh session (2026-12-05) for the next one; the forty-eighth (2026-12-06) got no device
 # time (every start refused) and added pdl; the forty-ninth ran pdl, cp_tests and groups_cp8 (bench/RESULTS.md) and
-# added bwd_ab. A call returns few files and has at most 600 s: run stages alone or in pairs. Next: `bwd_ab` (is
-# the simulated backward's 0.83-0.86 this session a regression of 2b0418d or the spread?), `groups_cp4`.
+# added bwd_ab; the fiftieth ran bwd_ab (no regression), steady, bwd_groups, steady_profile and fused_returns (whose
+# simulated reading was too good: the partials shared one buffer, fixed since). A call returns few files and has at
+# most 600 s: run stages alone or in pairs. Next: `fused_returns` (the honest reading), then `steady` on an H200.
 # If fwd_pdl wins and fwd_pdl_events keeps the gain, the real ring's remote launches can take overlap_previous (a
 # two-GPU check); if fwd_pdl_events loses it, the transfer waits must move ahead of the previous launch first.
 # - cp_tests: tests/cp/test_cp_gpu.py (the forty-seventh session's member_backward_steps, CPU-tested only).
