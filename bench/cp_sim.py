@@ -736,7 +736,8 @@ def main(argv=None):
                         "is timed at the clock its own continuous load settles at (steady_rounds)")
     p.add_argument("--profile-steady", action="store_true",
                    help="with --steady, run each row's last round under torch.profiler: every call's kernels, split "
-                        "by the probe spins, and a summary of the whole-sequence call's and a rank's busy time")
+                        "by the probe spins, and a summary of the whole-sequence call's and a rank's busy time (that "
+                        "round's times count among the rounds': give --reps 3 or more for timings)")
     p.add_argument("--tag", default="", help="names the JSON cp_sim-TAG.json (several runs in one $OUT)")
     p.add_argument("--profile-ranks", type=int, nargs="*", default=[],
                    help="also profile one step list of these simulated ranks and the whole-sequence call: their "
