@@ -322,6 +322,7 @@ def test_exposed_backward_transfers_of_launch_groups():
     (["--heads", "4", "--kv-heads", "3"], "--kv-heads (3) must divide --heads (4)"),
     (["--cp", "2", "--profile-ranks", "5"], "--profile-ranks [5]: no simulated --cp [2] has those ranks"),
     (["--profile-steady"], "--profile-steady profiles a steady round: give --steady PASSES too"),
+    (["--steady", "-1"], "--steady takes the passes kept per round (>= 1; 0 is off), got -1"),
     (["--steady", "1", "--profile-steady"], "--profile-steady splits a CUDA stream's kernels"),
 ])
 def test_cp_sim_refuses_bad_options_by_name(bad, message, tmp_path, monkeypatch, capsys):
