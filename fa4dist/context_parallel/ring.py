@@ -11,8 +11,8 @@ fp64 inputs) running ``(out, lse)``, so nothing is rounded between steps; the me
 key), a function of the plan alone.  Optionally (``FA4DIST_RING_STEPS_PER_LAUNCH``, :func:`ring_steps_per_launch`)
 the remote steps run in launch groups, forward and backward: a group's transfers land in place in one buffer and its
 steps' blocks are one coalesced work list, merged once per row (then the order is (group, query block, key)).  In the
-one-GPU simulation at cp = 8 with steady timing, groups of four read 0.98-0.99 forward against 0.87-0.90 one launch
-per step, 0.925 backward against 0.91-0.92 (bench/RESULTS.md, fiftieth session), but a group waits for all its
+one-GPU simulation at cp = 8 with steady timing, groups of four read 0.97-0.98 forward against 0.84-0.92 one launch
+per step, 0.915-0.925 backward against 0.91-0.93 (bench/RESULTS.md, fiftieth session), but a group waits for all its
 transfers before it computes, which the simulation only models: one launch per step stays the default until a
 multi-GPU run decides.
 
