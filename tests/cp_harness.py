@@ -92,6 +92,15 @@ def shared_pool(world: int) -> "DistPool":
     return pool
 
 
+def replace_shared_pool(world: int) -> "DistPool":
+    """Closes the shared pool of `world` ranks and starts a fresh one (after a case that left its groups out of
+    step on purpose)."""
+    pool = _SHARED.pop(world, None)
+    if pool is not None:
+        pool.close()
+    return shared_pool(world)
+
+
 def _close_shared():
     for pool in _SHARED.values():
         pool.close()

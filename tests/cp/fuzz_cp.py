@@ -204,23 +204,19 @@ def draw_disagreement(seed: int) -> tuple[dict, int, str]:
 def fuzz_disagreeing_case(rank, world, *, case, odd_rank, what):
     """run_case with rank `odd_rank`'s call changed in `what`: ("ok", errors), ("refused", type, message) or
     ("error", type, message) for any other exception (all are results here: the judge wants every rank of the
-    group to stop with an error, none to hang).  The case runs on a group made for it and destroyed after: a
-    disagreement that ends in a timeout leaves its group out of step, and the library refuses later calls on it
-    (GroupBroken), as it says, until the group is made anew."""
-    import torch.distributed as dist
-    from cp_harness import GROUPS, fresh_group
-
-    cp = case["cp"]
-    shared, GROUPS[cp] = GROUPS[cp], fresh_group(range(cp))  # (every world rank makes it)
+    group to stop with an error, none to hang)."""
     mine = perturbed(case, what, random.Random(case["seed"])) if rank == odd_rank else case
     try:
         return ("ok", run_case(rank, world, **mine))
     except Exception as err:  # noqa: BLE001
         return ("refused" if isinstance(err, CLEAR_REFUSALS) else "error", type(err).__name__, str(err)[:2000])
-    finally:
-        if rank < cp:
-            dist.destroy_process_group(GROUPS[cp])
-        GROUPS[cp] = shared
+
+
+def groups_out_of_step(results) -> bool:
+    """Whether a rank's exchange failed in the case (an "error" result, such as the timeout beside a rank that
+    refused before its call): the library then refuses every later call on that group (GroupBroken) until the
+    group is made anew, so the next case needs a fresh pool."""
+    return any(r is not None and r[0] == "error" for r in results)
 
 
 def judge_disagreement(results, case: dict, what: str) -> str | None:
@@ -311,6 +307,7 @@ def main(argv=None) -> int:
     pool = DistPool(4)
     failures, refused, start = [], 0, time.monotonic()
     for i in range(args.cases):
+        results = []
         try:
             if args.disagree:
                 case, odd, what = draw_disagreement(args.seed + i)
@@ -328,7 +325,7 @@ def main(argv=None) -> int:
             refused += any(r[0] == "refused" for r in results) and problem is None
         except AssertionError as err:  # a rank raised something other than a clear refusal, or the pool broke
             problem = str(err)
-        if pool.broken or problem:  # (a failed exchange leaves the groups out of step: fresh ones for the next)
+        if pool.broken or problem or groups_out_of_step(results):  # (fresh groups for the next case)
             pool.close()
             pool = DistPool(4)
         if args.verbose and not problem:
