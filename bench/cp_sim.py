@@ -329,9 +329,8 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
     out_full, lse_full = attention_forward(q, k, v, backend=backend, **mask)
     # one call on the whole sequence, timed in every round beside the ranks' runs
     full["fwd"] = lambda: attention_forward(q, k, v, backend=backend, **mask)
-    full["fwd_zero_fill"] = full["fwd_pdl"] = full["fwd_pdl_events"] = full["fwd"]
+    full["fwd_pdl"] = full["fwd_pdl_events"] = full["fwd"]
     full["bwd"] = lambda: attention_backward(dout, q, k, v, out_full, lse_full, backend=backend, **mask)
-    full["bwd_per_call"] = full["bwd_zero_fill"] = full["bwd"]
     # bwd_lse: a loss of out and lse (return_lse=True): the lse's gradient joins the row sums, on one device and in
     # every ring step alike
     dlse = torch.randn(lse_full.shape, device=device, dtype=lse_full.dtype, generator=gen)
@@ -360,13 +359,13 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                 runners, profiles = [], {}
                 for r in range(cp):
                     qr, kr, vr, dr = shards[r]
-                    if direction in ("fwd", "fwd_zero_fill", "fwd_pdl", "fwd_pdl_events"):
+                    if direction in ("fwd", "fwd_pdl", "fwd_pdl_events"):
                         launches = rank_launches(sched, r, held, per_launch)
 
-                        def run_rank(r=r, qr=qr, kr=kr, vr=vr, launches=launches, fill=direction == "fwd_zero_fill",
+                        def run_rank(r=r, qr=qr, kr=kr, vr=vr, launches=launches,
                                      overlap=direction.startswith("fwd_pdl"),
                                      landed=landed_event(device) if direction == "fwd_pdl_events" else None):
-                            run_rank_fwd(sched, r, qr, kr, vr, launches, headdim, opts, fill, overlap, landed)
+                            run_rank_fwd(sched, r, qr, kr, vr, launches, headdim, opts, overlap, landed)
                     else:
                         fwd = run_rank_fwd(sched, r, qr, kr, vr, rank_launches(sched, r, held, 1), headdim, opts)
                         out_r, lse_r = fwd.out.to(dtype), fwd.lse
@@ -380,14 +379,11 @@ def simulate(args, device, dtype, seqlen: int, heads: int, kv_heads: int, headdi
                         def run_rank(r=r, qr=qr, kr=kr, vr=vr, dr=dr, out_r=out_r, lse_r=lse_r,
                                      incoming=rank_incoming(sched, r, held, per_launch),
                                      groups=sched.launch_groups(per_launch),
-                                     sched=sched, returned=returned, share=direction != "bwd_per_call",
-                                     fresh=direction != "bwd_zero_fill",
+                                     sched=sched, returned=returned,
                                      dlse_r=dlse_shards[r] if direction == "bwd_lse" else None):
-                            # the ring engine's own order (member_backward_steps) with keys and returns at hand; one
-                            # shared query side (bwd_per_call: a query side per call), dK / dV written by their
-                            # first step (bwd_zero_fill: zero-filled and added into)
+                            # the ring engine's own order (member_backward_steps) with keys and returns at hand
                             member = MemberBackward(sched, r, dr, qr, kr, vr, out_r, lse_r, opts, dlse_r,
-                                                    remote=bool(sched.steps()), share=share, fresh=fresh)
+                                                    remote=bool(sched.steps()))
                             member_backward_steps(member, groups, lambda i, group: incoming[i],
                                                   lambda t, partial: returned.get(t))
                     runners.append(run_rank)
@@ -650,16 +646,13 @@ def landed_event(device):
     return side.record_event()
 
 
-def run_rank_fwd(sched, r, qr, kr, vr, launches, headdim, opts, fill: bool = False, overlap: bool = False,
-                 landed=None):
+def run_rank_fwd(sched, r, qr, kr, vr, launches, headdim, opts, overlap: bool = False, landed=None):
     """As ``ring_forward``: the own step, then each of `launches` (:func:`rank_launches`), merged into one running
-    result (``MemberForward``). Rows the own step covers are not filled first (fill: every row, as before the
-    twenty-sixth session). ``overlap``: each launch after the first may start while the one before it finishes
+    result (``MemberForward``). ``overlap``: each launch after the first may start while the one before it finishes
     (``MemberForward``'s overlap_launches: programmatic dependent launch on the cute backend). ``landed``
     (:func:`landed_event`): before each remote launch the stream waits on it, as the ring's transfer wait puts an
     event wait between two launches, to see whether the overlap survives it."""
-    fwd = MemberForward(sched.members[r], qr, headdim, False, () if fill else sched.items(r, r),
-                        overlap_launches=overlap)
+    fwd = MemberForward(sched.members[r], qr, headdim, False, sched.items(r, r), overlap_launches=overlap)
     for i, (kv, items) in enumerate([(HeldKV(kr, vr), sched.items(r, r))] + launches):
         if i and landed is not None:
             torch.cuda.current_stream(qr.device).wait_event(landed)
@@ -703,12 +696,8 @@ def main(argv=None):
     p.add_argument("--dtype", default=None, help="default bfloat16 (float32 with --device cpu)")
     p.add_argument("--balancers", nargs="+", default=list(BALANCERS), choices=BALANCERS)
     p.add_argument("--directions", nargs="+", default=["fwd", "bwd"],
-                   choices=["fwd", "fwd_zero_fill", "fwd_pdl", "fwd_pdl_events", "bwd", "bwd_per_call",
-                            "bwd_zero_fill", "bwd_lse"],
-                   help="bwd_per_call: the backward without the shared query side (one preprocess and dQ convert "
-                        "per call, as before 2026-12-01); bwd_zero_fill: dK / dV zero-filled and added into (as "
-                        "before 2026-12-03's fresh_dkv); fwd_zero_fill: every row of out / lse filled first; "
-                        "bwd_lse: the backward of a loss of out and lse (dlse in every step's row sums); fwd_pdl: "
+                   choices=["fwd", "fwd_pdl", "fwd_pdl_events", "bwd", "bwd_lse"],
+                   help="bwd_lse: the backward of a loss of out and lse (dlse in every step's row sums); fwd_pdl: "
                         "each remote launch may start while the one before it finishes (programmatic dependent "
                         "launch), one launch per step; fwd_pdl_events: the same with a wait on another stream's "
                         "(complete) event before each remote launch, as the ring's transfer waits")

@@ -498,31 +498,27 @@ class MemberBackward:
     fp32 partial for their owner), the second half of its own keys (while the last partial travels back), then
     the shared query side's dQ.  :func:`ring_backward` runs it between its transfers; ``bench/cp_sim.py`` times it.
 
-    ``remote``: the ring has remote steps (else the own keys' work is one call, with no shared query side).
-    Measurement knobs of the simulation, the forms before 2026-12-01 / 2026-12-03: ``share=False`` gives every
-    launch its own query side (a preprocess and a dQ convert per call), ``fresh=False`` zero-fills dK/dV and the
-    partials and adds into them."""
+    ``remote``: the ring has remote steps (else the own keys' work is one call, with no shared query side)."""
 
     def __init__(self, sched: Schedule, member: int, dout, q, k, v, out, lse, opts: KernelOptions, dlse=None,
-                 remote: bool = True, share: bool = True, fresh: bool = True):
-        self.sched, self.member, self.opts, self.fresh = sched, member, opts, fresh
+                 remote: bool = True):
+        self.sched, self.member, self.opts = sched, member, opts
         self.dout, self.q, self.k, self.v, self.out, self.lse, self.dlse = dout, q, k, v, out, lse, dlse
         self.acc = accum_dtype(q.dtype)
         self.seq_dim = 0 if sched.plan.packed else 1
         self.dq = torch.zeros(q.shape, dtype=self.acc, device=q.device)
         # dK / dV buffers are written by their first step's kernels (fresh_dkv), not zero-filled first: at cp = 8
         # the fills were ~1.5% of a member's backward
-        alloc = torch.empty if fresh else torch.zeros
-        self.dk = alloc(k.shape, dtype=self.acc, device=k.device)
-        self.dv = alloc(v.shape, dtype=self.acc, device=v.device)
+        self.dk = torch.empty(k.shape, dtype=self.acc, device=k.device)
+        self.dv = torch.empty(v.shape, dtype=self.acc, device=v.device)
         self.shared = share_queries(dout, q, out, lse, softmax_scale=opts.softmax_scale, softcap=opts.softcap,
                                     deterministic=opts.deterministic, backend=opts.backend,
-                                    dlse=dlse) if remote and share else None
+                                    dlse=dlse) if remote else None
         self.own_first, self.own_last = sched.own_halves(member) if remote else (sched.items(member, member), ())
 
     def own_start(self) -> None:
         """The first half of the own keys' work (writes dK/dV)."""
-        self._own(self.own_first, fresh_dkv=self.fresh)
+        self._own(self.own_first, fresh_dkv=True)
 
     def own_end(self) -> None:
         """The second half of the own keys' work (adds into dK/dV)."""
@@ -540,10 +536,8 @@ class MemberBackward:
         if held is None:
             return None
         partial = KVBuffer.empty_like(held, dtype=self.acc)
-        if not self.fresh:
-            partial.flat.zero_()
         backward_step(self.sched, self.member, None, self.dout, self.q, held, self.out, self.lse, self.dq, partial,
-                      self.opts, incoming.items, shared=self.shared, fresh_dkv=self.fresh, dlse=self.dlse)
+                      self.opts, incoming.items, shared=self.shared, fresh_dkv=True, dlse=self.dlse)
         return partial
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

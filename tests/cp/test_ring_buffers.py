@@ -85,27 +85,41 @@ def _members(packed: bool, cp: int, tensors: int, seed: int):
 @pytest.mark.parametrize("packed", [False, True])
 def test_member_backward_written_fresh_equals_zero_filled(packed):
     """MemberBackward (the ring's backward order: own half, remote steps, own half): its dK / dV and partials
-    written by their first step equal the zero-filled-and-added form byte for byte, and the own halves together
-    equal one call on all the own keys (fp64, reference backend)."""
+    written by their first step equal the same steps' adds into zero-filled buffers byte for byte, and the own halves
+    together equal one call on all the own keys (fp64, reference backend)."""
     from fa4dist.context_parallel.ring import IncomingKeys, MemberBackward
+    from fa4dist.kernels.worklist import share_queries
 
     sched, opts, tok, shards, gen = _members(packed, 3, 5, seed=11)
     for m in range(3):
         dout, q, k, v, out = shards[m]
         n = sched.members[m].length
         lse = 3 + torch.randn((2, n) if packed else (1, 2, n), dtype=torch.float64, generator=gen)  # (heads, rows)
-        results = []
-        for fresh in (True, False):
-            member = MemberBackward(sched, m, dout, q, k, v, out, lse, opts, remote=True, fresh=fresh)
-            member.own_start()
-            partials = []
-            for t in sched.member_steps(m):
-                s = sched.source(m, t)
-                held = KVBuffer.gather(shards[s][2], shards[s][3], sched.needed(m, s), tok)
-                partials.append(member.remote(IncomingKeys(None, held, sched.items(m, s))).flat)
-            member.own_end()
-            results.append([*member.finish(), *partials])
-        for a, b in zip(*results):
+        received = {t: KVBuffer.gather(shards[sched.source(m, t)][2], shards[sched.source(m, t)][3],
+                                       sched.needed(m, sched.source(m, t)), tok) for t in sched.member_steps(m)}
+        member = MemberBackward(sched, m, dout, q, k, v, out, lse, opts, remote=True)
+        member.own_start()
+        partials = [member.remote(IncomingKeys(None, received[t], sched.items(m, sched.source(m, t)))).flat
+                    for t in sched.member_steps(m)]
+        member.own_end()
+        written = [*member.finish(), *partials]
+        # the same steps, every buffer zero-filled first and added into (fresh_dkv off)
+        shared = share_queries(dout, q, out, lse, deterministic=False, backend="reference")
+        dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v))
+        first, last = sched.own_halves(m)
+        backward_step(sched, m, m, dout, q, HeldKV(k, v), out, lse, dq, HeldKV(dk, dv), opts, first, shared)
+        added = []
+        for t in sched.member_steps(m):
+            partial = KVBuffer(torch.zeros(received[t].flat.shape, dtype=torch.float64), received[t].k_shape,
+                               received[t].v_shape)
+            backward_step(sched, m, None, dout, q, received[t], out, lse, dq, partial, opts,
+                          sched.items(m, sched.source(m, t)), shared)
+            added.append(partial.flat)
+        backward_step(sched, m, m, dout, q, HeldKV(k, v), out, lse, dq, HeldKV(dk, dv), opts, last, shared)
+        if shared is not None:
+            shared.finish(dq)
+        assert len(written) == 3 + len(added)
+        for a, b in zip(written, [dq, dk, dv, *added]):
             assert torch.equal(a, b)
         whole = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
         backward_step(sched, m, m, dout, q, HeldKV(k, v), out, lse, whole[0], HeldKV(whole[1], whole[2]), opts)
