@@ -16,6 +16,9 @@
 #   against ~3.2 for today's 192 x 128); 128 x 128 lost 10-14% (thirtieth session: two warpgroups overlap the
 #   softmax and the GEMMs worse than three). Predicted: 128 x 192 -3 to -8% against the default, so not a default
 #   unless it reads >= +2% at 16k.
+# Ran (bench/RESULTS.md, fifty-first session): sizes, cp2, tiles64 on an H100. Next: on two GPUs,
+# gpu_session_x2.sh cp (the cp = 2 kernels alone read ~1.0 here, so its profile shows what the transfers cost); on an
+# H200, `sizes` again (the H100's group sizes 4-6 lay within its spread).
 # One call: source .devwheels/install.sh && bash bench/sessions/gpu_session_51.sh sizes
 set -u
 source "$(dirname "$0")/../stage.sh"

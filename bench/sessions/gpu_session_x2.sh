@@ -2,6 +2,9 @@
 # One call on two H200s (kind nvidia-h200-x2): context parallelism over NCCL and the GPU tests that need a GPU, in
 # time-limited stages; logs and JSON go to $OUT.  A session's part is picked by its first argument:
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh cp      # CP tests + multi-GPU bench + p2p
+#     Predicted (fifty-first session: at cp = 2 a rank's kernels take half the whole sequence's in the one-GPU
+#     simulation, 32 / 8 heads, 32k and 128k tokens per GPU): ring efficiency 0.97-0.99 where the transfers stay
+#     hidden as in the first session's run 2 (0.4 ms exposed); what the profile shows below that is the transfers'.
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh recipes # HF SFT, FSDP2 at 2 GPUs, cp_sim
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh window  # CP with a sliding window in the kernels
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh ulysses # Ulysses head chunks (thirty-ninth
