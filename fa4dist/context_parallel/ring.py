@@ -8,13 +8,13 @@ nothing).  The transfer of the next step is posted before a step computes, so it
 work-list call (:mod:`fa4dist.kernels.worklist`: on cute, one launch per wave of blocks with disjoint query rows,
 with the per-block loop's bits) of the schedule's blocks for the held keys, merged into the member's fp32 (fp64 for
 fp64 inputs) running ``(out, lse)``, so nothing is rounded between steps; the merge order is (step, query block,
-key), a function of the plan alone.  Optionally (``FA4DIST_RING_STEPS_PER_LAUNCH``, :func:`ring_steps_per_launch`)
-the remote steps run in launch groups, forward and backward: a group's transfers land in place in one buffer and its
-steps' blocks are one coalesced work list, merged once per row (then the order is (group, query block, key)).  In the
-one-GPU simulation at cp = 8 with steady timing, groups of four read 0.97-0.98 forward against 0.84-0.92 one launch
-per step, 0.915-0.925 backward against 0.91-0.93 (bench/RESULTS.md, fiftieth session), but a group waits for all its
-transfers before it computes, which the simulation only models: one launch per step stays the default until a
-multi-GPU run decides.
+key), a function of the plan alone.  Optionally (``FA4DIST_RING_STEPS_PER_LAUNCH``, :func:`ring_steps_per_launch`;
+``auto``: half the remote steps) the remote steps run in launch groups, forward and backward: a group's transfers
+land in place in one buffer and its steps' blocks are one coalesced work list, merged once per row (then the order
+is (group, query block, key)).  In the one-GPU simulation at cp = 8 with steady timing, groups of four read
+0.97-0.98 forward against 0.84-0.92 one launch per step, 0.93-0.94 backward against 0.91-0.93 (bench/RESULTS.md,
+fiftieth and fifty-first sessions), but a group waits for all its transfers before it computes, which the
+simulation only models: one launch per step stays the default until a multi-GPU run decides.
 
 Backward: the keys go out again the same way (in the forward's launch groups); each step's (or group's) work list
 (on cute, one main kernel per group of blocks with disjoint key rows) recomputes its blocks against the global
@@ -34,6 +34,7 @@ without the transfers) are also what ``bench/cp_sim.py`` times.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -444,24 +445,35 @@ def grouped_launch_allowed(sched: Schedule, k: torch.Tensor) -> bool:
     return sched.plan.packed or k.shape[0] == 1
 
 
-def requested_steps_per_launch() -> int:
+AUTO_STEPS_PER_LAUNCH = "auto"
+
+
+def requested_steps_per_launch() -> "int | str":
     """The ring's remote steps per launch this process asks for: ``FA4DIST_RING_STEPS_PER_LAUNCH`` (an int >= 0;
-    0: all remote steps in one launch), else 1 (part of a call's agreed signature:
-    :mod:`~fa4dist.context_parallel.knobs`)."""
-    return env_int(STEPS_PER_LAUNCH_ENV, 1, 0, None, "0: every remote step in one launch")
+    0: all remote steps in one launch; ``auto``: half the schedule's remote steps, :func:`ring_steps_per_launch`),
+    else 1 (part of a call's agreed signature: :mod:`~fa4dist.context_parallel.knobs`)."""
+    text = os.environ.get(STEPS_PER_LAUNCH_ENV)
+    if text is not None and text.strip().lower() == AUTO_STEPS_PER_LAUNCH:
+        return AUTO_STEPS_PER_LAUNCH
+    return env_int(STEPS_PER_LAUNCH_ENV, 1, 0, None, "0: every remote step in one launch; or auto")
 
 
-def ring_steps_per_launch(sched: Schedule, k: torch.Tensor, requested: Optional[int] = None) -> int:
+def ring_steps_per_launch(sched: Schedule, k: torch.Tensor, requested: "int | str | None" = None) -> int:
     """The ring's remote steps per launch, forward and backward alike (:meth:`Schedule.launch_groups`; 0: all):
-    `requested` (default :func:`requested_steps_per_launch`), or 1 where :func:`grouped_launch_allowed` says no.  A
-    function of the schedule, the shapes and the agreed request alone, so every member picks the same groups."""
+    `requested` (default :func:`requested_steps_per_launch`), or 1 where :func:`grouped_launch_allowed` says no.
+    ``auto``: ceil(remote steps / 2), two launch groups (one step at cp = 2), the setting the one-GPU simulation
+    favours on one NVLink host (bench/RESULTS.md, fiftieth and fifty-first sessions: each group's transfers land
+    under the previous launch by its model).  A function of the schedule, the shapes and the agreed request alone,
+    so every member picks the same groups."""
     requested = requested_steps_per_launch() if requested is None else requested
+    if requested == AUTO_STEPS_PER_LAUNCH:
+        requested = max(1, -(-len(sched.steps()) // 2))
     sched.launch_groups(requested)  # checks it
     return requested if grouped_launch_allowed(sched, k) else 1
 
 
 def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions,
-                 steps_per_launch: Optional[int] = None) -> Accumulators:
+                 steps_per_launch: "int | str | None" = None) -> Accumulators:
     """The fp32 (out, lse) of this member's queries over every member's keys: its own keys first (while the first
     remote keys travel), then the remote steps in launch groups (:func:`ring_steps_per_launch`), each group's
     transfers posted before the previous group computes, all merged into one running result
@@ -481,7 +493,7 @@ def ring_forward(sched: Schedule, ring: RingPeers, q, k, v, opts: KernelOptions,
 
 
 def ring_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, opts: KernelOptions, dlse=None,
-                  steps_per_launch: Optional[int] = None):
+                  steps_per_launch: "int | str | None" = None):
     """Returns (dq, dk, dv) of this member's tokens in the accumulation dtype; ``dlse``: its rows' lse gradient
     (lse's layout, the accumulation dtype), joined to out's in the same steps; ``dout=None`` with it: a loss of the
     lse alone (dv is zero; a backend without ``lse_gradient`` runs each step's lse pass only, with no pass of a zero

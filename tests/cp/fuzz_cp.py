@@ -75,7 +75,7 @@ def draw_case(seed: int) -> dict:
     if rng.random() < 0.3:
         case["lse_loss"] = rng.choice(["and", "only"])
     if rng.random() < 0.25:
-        case["ring_steps_per_launch"] = rng.choice([0, 1, 2])
+        case["ring_steps_per_launch"] = rng.choice([0, 1, 2, "auto"])
     if rng.random() < 0.2:
         case["ulysses_chunks"] = rng.choice([1, 2, 3])
     if rng.random() < 0.15:

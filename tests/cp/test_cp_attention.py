@@ -61,7 +61,7 @@ GROUPED = [c for c in RING if c[0] in ("causal-uneven-gqa-b2", "full-zigzag", "c
 GROUPED.append(("window", dict(seqlen=72, heads=(2, 1), window=(9, 0), chunks_per_rank=3)))
 
 
-@pytest.mark.parametrize("cp, per_launch", [(3, 2), (4, 2), (4, 0)])
+@pytest.mark.parametrize("cp, per_launch", [(3, 2), (4, 2), (4, 0), (4, "auto")])
 @pytest.mark.parametrize("name, case", GROUPED, ids=[c[0] for c in GROUPED])
 def test_ring_launch_groups(pool, cp, per_launch, name, case):
     check_results(pool.run(run_case, cp=cp, strategy="ring", ring_steps_per_launch=per_launch,

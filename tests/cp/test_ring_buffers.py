@@ -274,3 +274,28 @@ def _added_in_turn(returns, dk, dv, tok):
                 dv.narrow(tok, start, n).add_(g.incoming.v.narrow(tok, at, n))
                 at += n
     return dk, dv
+
+
+def test_auto_steps_per_launch_is_half_the_remote_steps(monkeypatch):
+    """FA4DIST_RING_STEPS_PER_LAUNCH=auto: ceil(remote steps / 2) per launch (two launch groups), from the schedule
+    alone (a window's fewer steps too); 1 where groups cannot land in place (a dense batch of several sequences);
+    any other word is refused naming the variable and its values."""
+    from fa4dist.context_parallel.ring import STEPS_PER_LAUNCH_ENV, requested_steps_per_launch, ring_steps_per_launch
+
+    k1, k2 = torch.zeros(1, 8, 1, 4), torch.zeros(2, 8, 1, 4)
+    for value in ("auto", "AUTO", " auto "):
+        monkeypatch.setenv(STEPS_PER_LAUNCH_ENV, value)
+        assert requested_steps_per_launch() == "auto"
+    for cp, want in [(2, 1), (3, 1), (4, 2), (5, 2), (8, 4)]:
+        plan = make_plan(64 * cp, cp, "lpt", causal=True)
+        sched = Schedule(plan, 1, plan.mask)
+        assert len(sched.steps()) == cp - 1
+        got = ring_steps_per_launch(sched, k1)
+        assert got == want and [len(g) for g in sched.launch_groups(got)] == [want, cp - 1 - want][:2 if cp > 2 else 1]
+        assert ring_steps_per_launch(sched, k2) == 1
+    plan = make_plan(512, 8, "contiguous", causal=True, window=(150, 0))  # a chunk sees the three before it
+    sched = Schedule(plan, 1, plan.mask)
+    assert sched.steps() == (1, 2, 3) and ring_steps_per_launch(sched, k1) == 2
+    monkeypatch.setenv(STEPS_PER_LAUNCH_ENV, "half")
+    with pytest.raises(ValueError, match="FA4DIST_RING_STEPS_PER_LAUNCH must be an int >= 0 .*or auto.*'half'"):
+        requested_steps_per_launch()
