@@ -14,6 +14,7 @@ reproduced the placements the GPU machine's SASS showed (hdim 64: its PV wait af
     python bench/sass_softmax.py --headdim 64 [--causal [--window-left 4095]] [--set sum_from_old=false] [--fa4] \\
         [--ops] [--ptxas /usr/local/cuda/bin/ptxas] [--nvdisasm nvdisasm]
     python bench/sass_softmax.py --backward --headdim 64 --ops [--deterministic] [--set try_waits=true] [--fa4]
+    python bench/sass_softmax.py --backward --headdim 128 --causal --ops --softcap 30   # the capped step
 
 ``--ops`` counts the instructions of the main loop's step by opcode (the innermost loop with 32+ exp2): what every
 warp issues per key tile, the quantity Nsight Compute's per-step counts gave in the fifteenth session.
@@ -152,6 +153,7 @@ def main():
     p.add_argument("--backward", action="store_true",
                    help="the backward's main kernel instead (dense bf16 fresh gradients, --deterministic; with --ops)")
     p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--softcap", type=float, default=0.0, help="soft-capped scores (tanh), forward or backward")
     p.add_argument("--fa4", action="store_true", help="flash-attn-4's forward of the same head dim and mask instead")
     p.add_argument("--ops", action="store_true", help="also the main loop's instructions per step, by opcode")
     p.add_argument("--ptxas")
@@ -175,12 +177,14 @@ def main():
             _, cfg, _ = B.make_configs(bf16, args.headdim, causal=args.causal, varlen=False, seg_offsets=False,
                                        accumulate=False, deterministic=args.deterministic, dq_dtype=bf16,
                                        dkv_dtype=bf16, o_dtype=bf16, do_dtype=bf16, max_seqlen_k=16384,
+                                       window_left=args.window_left, softcap=args.softcap,
                                        **B.parse_overrides(args.set))
             print(cfg)
             ptx = ours_ptx(cfg, tmp)
         else:
             cfg = F.make_config(torch.bfloat16, args.headdim, causal=args.causal, varlen=False, accumulate=False,
-                                short=args.short, window_left=args.window_left, **F.parse_overrides(args.set))
+                                short=args.short, window_left=args.window_left, softcap=args.softcap,
+                                **F.parse_overrides(args.set))
             print(cfg)
             ptx = ours_ptx(cfg, tmp)
         lines = sass_of(ptx, *tools, labels=True)
