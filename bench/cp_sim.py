@@ -181,12 +181,24 @@ def interleaved_rounds(timer, full, groups: list[list], reps: int, log: list | N
     return rounds
 
 
+def device_kernels(events) -> list:
+    """The CUDA kernels among torch.profiler's ``events`` (those with device time), in start order."""
+    return sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0),
+                  key=lambda e: e.time_range.start)
+
+
+def span_ms(kernels) -> float:
+    """From the first kernel's start to the last one's end, in ms (0 for none)."""
+    if not kernels:
+        return 0.0
+    return (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / 1e3
+
+
 def call_kernels(events, calls: int, spin_first: bool) -> list[dict]:
     """Device kernels of a ``Timer.back_to_back`` stream run under torch.profiler, split per call by the probe
     spins between calls (``torch.cuda._sleep``'s kernel; a queue-ahead spin first where ``spin_first``): per call its
     kernels' busy ms, its span from the first kernel's start to the last one's end, and its kernels' ms by name."""
-    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0),
-                     key=lambda e: e.time_range.start)
+    kernels = device_kernels(events)
     out, current, skip = [], [], spin_first
     for e in kernels:
         if "spin_kernel" in e.name:
@@ -204,8 +216,7 @@ def call_kernels(events, calls: int, spin_first: bool) -> list[dict]:
         by_name: dict = {}
         for e in ks:
             by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time / 1e3
-        span = (max(e.time_range.end for e in ks) - min(e.time_range.start for e in ks)) / 1e3 if ks else 0.0
-        result.append(dict(busy_ms=sum(by_name.values()), span_ms=span,
+        result.append(dict(busy_ms=sum(by_name.values()), span_ms=span_ms(ks),
                            kernels=sorted(by_name.items(), key=lambda kv: -kv[1])))
     return result
 
@@ -537,11 +548,7 @@ def profile_kernels(fn, device: torch.device, top: int = 40, cprofile: int = 0) 
         us = e.device_time_total if cuda else e.self_cpu_time_total
         if us > 0:
             rows.append(dict(name=e.key, calls=e.count, ms=us / 1e3))
-    span = 0.0
-    if cuda:
-        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0]
-        if events:
-            span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / 1e3
+    span = span_ms(device_kernels(prof.events())) if cuda else 0.0
     rows.sort(key=lambda k: -k["ms"])
     return dict(kernels=rows[:top], busy_ms=sum(k["ms"] for k in rows), span_ms=span, host_ms=host * 1e3,
                 syncs=syncs, python_profile=stats.getvalue())
