@@ -6,6 +6,7 @@ the single-process fp64 oracle of the whole sequence (tests/oracle.py, which sha
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import random
 
@@ -75,20 +76,22 @@ def environment(values: dict):
 
 
 def run_case(rank, world, *, ring_steps_per_launch=None, ulysses_chunks=None, ring_max_range_messages=None,
-             **case):
+             transport=None, **case):
     """Max abs errors of the local out, dq, dk, dv against the fp64 oracle (None on ranks outside the group):
     :func:`_run_case`'s, with ``ring_steps_per_launch`` (the ring forward's launch groups,
-    FA4DIST_RING_STEPS_PER_LAUNCH), ``ulysses_chunks`` (the Ulysses head chunks, FA4DIST_ULYSSES_CHUNKS) and
+    FA4DIST_RING_STEPS_PER_LAUNCH), ``ulysses_chunks`` (the Ulysses head chunks, FA4DIST_ULYSSES_CHUNKS),
     ``ring_max_range_messages`` (the ring's ranges per step sent as one message pair each, ring.MAX_RANGE_MESSAGES)
-    set for this call."""
+    and ``transport`` (FA4DIST_CP_TRANSPORT) set for this call."""
     from fa4dist.context_parallel import ring
+    from fa4dist.context_parallel.peer import TRANSPORT_ENV
     from fa4dist.context_parallel.ulysses import CHUNKS_ENV
 
     default_ranges = ring.MAX_RANGE_MESSAGES
     if ring_max_range_messages is not None:
         ring.MAX_RANGE_MESSAGES = ring_max_range_messages
     try:
-        with environment({ring.STEPS_PER_LAUNCH_ENV: ring_steps_per_launch, CHUNKS_ENV: ulysses_chunks}):
+        with environment({ring.STEPS_PER_LAUNCH_ENV: ring_steps_per_launch, CHUNKS_ENV: ulysses_chunks,
+                          TRANSPORT_ENV: transport}):
             return _run_case(rank, world, **case)
     finally:
         ring.MAX_RANGE_MESSAGES = default_ranges
@@ -97,8 +100,9 @@ def run_case(rank, world, *, ring_steps_per_launch=None, ulysses_chunks=None, ri
 def _run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, docs=None, heads=(4, 2), head_dim=8,
               head_dim_v=None, batch=1, balancer="lpt", num_chunks=None, plan_u=1, ulysses_degree=None,
               topology="group", seed=0, dtype=torch.float64, device="cpu", backend="reference", window=(-1, -1),
-              softcap=None, sinks=False, align=1, lse_loss=None):
-    """:func:`run_case`'s case.
+              softcap=None, sinks=False, align=1, lse_loss=None, deterministic=None):
+    """:func:`run_case`'s case; its result also holds "digest", a hash of the bytes of this rank's out, dq, dk and
+    dv (for byte equality between runs).
 
     ``lse_loss``: the module returns the lse too (``return_lse=True``) and the loss has a term of it, a random
     gradient: "and" (out's and lse's) or "only" (the lse's alone); also its error ("lse").
@@ -110,7 +114,7 @@ def _run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, doc
     if device != "cpu":
         torch.cuda.set_device(torch.device(device))
     module, cp_rank = cp_module(rank, cp, strategy, causal, plan_u, ulysses_degree, topology, backend=backend,
-                                window=window, softcap=softcap)
+                                window=window, softcap=softcap, deterministic=deterministic)
     if module is None:
         return None
     packed = docs is not None
@@ -141,6 +145,8 @@ def _run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, doc
         lse = lse.detach().cpu()
     assert out.device.type == torch.device(device).type
     out, grads = out.cpu(), [leaf.grad.cpu() for leaf in leaves]
+    digest = hashlib.sha256(b"".join(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                                     for t in [out] + grads)).hexdigest()
 
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref_sinks = sink_logits.clone().requires_grad_() if sinks else None
@@ -162,6 +168,7 @@ def _run_case(rank, world, *, cp, strategy="ring", causal=True, seqlen=None, doc
         assert got.shape == want.shape, (name, got.shape, want.shape)
         assert got.dtype == dtype or name == "lse", (name, got.dtype)
         errors[name] = float((got.detach().double() - want).abs().max()) if want.numel() else 0.0
+    errors["digest"] = digest
     errors["strategy"] = module.cp.strategy_name(module.cp.degree(heads[0], heads[1], plan))
     if sinks:
         errors["dsinks"] = sinks_leaf.grad.cpu().double().tolist()

@@ -5,6 +5,9 @@ for, and CPU staging where the process group cannot move the tensors itself.
 - CUDA tensors on a gloo group (several ranks sharing one GPU: NCCL refuses two ranks on one device, gloo cannot
   send device memory) are staged: copied to pinned host memory on a side stream, sent, received into pinned host
   memory and copied back on the consumer's stream when the wait completes.
+- With ``FA4DIST_CP_TRANSPORT=peer`` (agreed per call; :meth:`Transport.use_peer_copies`) the context-parallel
+  engine's batches of CUDA tensors go over copy-engine copies between the processes of one host instead
+  (:mod:`.peer`).
 
 Every wait is bounded by the transport's timeout (on NCCL the wait is a stream dependency and the process group's
 own timeout applies); a failure raises :class:`CommError` naming the operation, the peer and the timeout.  After
@@ -291,6 +294,13 @@ class Pending:
         self.done = True
 
 
+def _peers_text(sends, recvs) -> str:
+    """The peers of a batch's remote messages, as its errors name them ("send to rank 1, recv from rank 3")."""
+    send_peers = sorted({p for _, p, _ in sends})
+    recv_peers = sorted({p for _, p, _ in recvs})
+    return ", ".join([f"send to rank {p}" for p in send_peers] + [f"recv from rank {p}" for p in recv_peers])
+
+
 class Transport:
     """Send/recv on one process group; peers are given as ranks *within* the group."""
 
@@ -306,6 +316,36 @@ class Transport:
         self._global = [_global_rank(group, r) for r in range(self.size)]
         self._side_stream = None
         self._ready = False
+        self.peer_links = None  # copy-engine links (peer.PeerLinks), while the agreed call asks for them
+
+    def use_peer_copies(self, enabled: bool) -> None:
+        """Moves this group's point-to-point batches over copy-engine peer copies (``FA4DIST_CP_TRANSPORT=peer``,
+        :mod:`.peer`) or back to the group's own send/recv.  Every rank of the group calls it alike, after the
+        agreement check of a call that carries the choice; the links are set up on the first use (collectively)."""
+        if not enabled:
+            self.peer_links = None
+            return
+        from .peer import existing_links, links_for
+
+        what = "the peer-copy links' setup"
+        self.usable(what)
+        self.peer_links = existing_links(self)
+        if self.peer_links is not None:
+            return
+        error = None
+        try:
+            links = links_for(self)
+        except RuntimeError as err:  # (CommError included) every rank must hear of it, not wait for this one
+            error = err
+        rows = self.host_gather_ints([int(error is not None)], what)
+        if error is not None:
+            raise self.failed(f"{self.label}: rank {self.rank} of {self.size} could not set up peer copies "
+                              f"(FA4DIST_CP_TRANSPORT=peer): {error}") from error
+        failed = [r for r, row in enumerate(rows) if row[0]]
+        if failed:
+            raise self.failed(f"{self.label}: rank(s) {failed} of this group could not set up peer copies "
+                              "(FA4DIST_CP_TRANSPORT=peer); their errors name why", f"rank {failed[0]}")
+        self.peer_links = links
 
     def failed(self, message: str, where: str = "this rank", waiting: bool = False) -> CommError:
         """The CommError of a failed exchange (`message`, the failure seen on `where`), the group recorded as out
@@ -373,6 +413,8 @@ class Transport:
         ops, staged, keep = [], [], []
         local_sends = {(p, tag): t for t, p, tag in sends if p == self.rank}
         send_list = [(t, p, tag) for t, p, tag in sends if p != self.rank]
+        if self.peer_links is not None:
+            return self._post_peer(local_sends, send_list, recvs, what)
         stage_sends = [t for t, _, _ in send_list if self.staged(t)]
         hosts = iter(self._to_host(stage_sends)) if stage_sends else iter(())
         for t, p, tag in send_list:
@@ -388,14 +430,28 @@ class Transport:
                 buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 staged.append((t, buf))
             ops.append(dist.P2POp(dist.irecv, buf, self._global[p], self.group, tag))
-        send_peers = sorted({p for _, p, _ in send_list})
-        recv_peers = sorted({p for _, p, _ in recvs if p != self.rank})
-        peers = ", ".join([f"send to rank {p}" for p in send_peers] + [f"recv from rank {p}" for p in recv_peers])
+        peers = _peers_text(send_list, [m for m in recvs if m[1] != self.rank])
         try:
             works = dist.batch_isend_irecv(ops) if ops else []
         except RuntimeError as err:
             raise self.failed(f"{self.label}: rank {self.rank} could not post {what} ({peers}): {err}") from err
         return Pending(self, works, staged, keep, what, peers or "local")
+
+    def _post_peer(self, local_sends, send_list, recvs, what: str):
+        remote = []
+        for t, p, tag in recvs:
+            if p == self.rank:
+                t.copy_(local_sends[(p, tag)])
+            else:
+                remote.append((t, p, tag))
+        peers = _peers_text(send_list, remote)
+        if not send_list and not remote:
+            return Pending(self, [], [], [], what, "local")
+        try:
+            return self.peer_links.post(send_list, remote, what, peers)
+        except RuntimeError as err:
+            raise self.failed(f"{self.label}: rank {self.rank} could not post {what} ({peers}) over peer copies: "
+                              f"{err}") from err
 
     def ready(self) -> None:
         """Call on every rank of the group before its first point-to-point batch: NCCL needs every rank in the first

@@ -44,6 +44,7 @@ from .agreement import LABEL, raise_disagreement, signature_digest
 from .comm import (CommError, Transport, deepcopy_sharing, exclusive, group_alive, member_size_rank,
                    refuse_pickling, world_generation)
 from .gather import gather_backward, gather_forward
+from .peer import TRANSPORT_ENV, requested_transport
 from .plan import ShardPlan
 from .ring import (KernelOptions, RingPeers, accum_dtype, requested_steps_per_launch, ring_backward,
                    ring_forward)
@@ -546,6 +547,10 @@ class ContextParallel:
         t = self._transport(self.ulysses_group if self.grid else self.group)
         if t.backend == "nccl" and not q.is_cuda:
             raise ValueError("an NCCL process group needs CUDA tensors (use a gloo group for CPU tensors)")
+        transport = requested_transport()
+        if transport == "peer" and not q.is_cuda:
+            raise ValueError(f"{TRANSPORT_ENV}=peer (copy-engine copies between the processes of one host) needs "
+                             f"CUDA tensors, got q on {q.device}; unset it for CPU tensors")
         docs = f" in {len(plan.cu_seqlens) - 1} documents" if plan.packed else ""
         shared = dict(
             direction="forward",  # a backward's check against another rank's forward call names both
@@ -560,6 +565,7 @@ class ContextParallel:
             grad=bool(torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks))),
             cp_invariant=self.cp_invariant, module=self.instance,
             ring_steps_per_launch=requested_steps_per_launch(), ulysses_chunks=requested_chunks(),
+            transport=transport,
         )
         return shared, u
 
@@ -690,6 +696,8 @@ class ContextParallel:
             if len(self._schedules) >= 16:  # per-sample plans: keep the recent ones
                 self._schedules.pop(next(iter(self._schedules)))
             sched = self._schedules[key] = Schedule(plan, u, self.mask)
+        for stage in self._stages():  # (after the agreement check: every rank makes the same choice)
+            stage.use_peer_copies(signature["transport"] == "peer")
         ring, ut, upeers, uidx = self._peers(u)
         if sched.ring_size > 1:
             ring.transport.ready()  # a sparse schedule's first transfers need not involve every rank

@@ -87,6 +87,14 @@ def bad_input_case(rank, world, kind):
         with cp_cases.environment({name: value if rank == 2 else "1"}):  # (the others: the default, explicitly)
             q, k, v = _inputs(plan, rank, heads)
             return _error(lambda: module(q, k, v, plan))
+    if kind.startswith("transport"):  # one rank's environment asks for copy-engine peer copies (CPU tensors here),
+        # or for a transport that does not exist
+        from fa4dist.context_parallel.peer import TRANSPORT_ENV
+
+        with cp_cases.environment({TRANSPORT_ENV: ("nvlink" if kind.endswith("-bad") else "peer") if rank == 2
+                                   else "group"}):
+            q, k, v = _inputs(plan, rank, heads)
+            return _error(lambda: module(q, k, v, plan))
     if kind == "cp-invariant-env":  # one rank's environment turns the invariant numerics on
         import os
 
@@ -144,6 +152,10 @@ def bad_input_case(rank, world, kind):
     ("steps-per-launch-bad", "ValueError", "rank 2 rejected its inputs: ValueError: FA4DIST_RING_STEPS_PER_LAUNCH "
      "must be an int >= 0"),
     ("ulysses-chunks", "ValueError", "ranks disagree on forward call 1: ulysses_chunks: .*rank 2 2"),
+    ("transport-cpu", "ValueError", "rank 2 rejected its inputs: ValueError: FA4DIST_CP_TRANSPORT=peer .*needs "
+     "CUDA tensors, got q on cpu"),
+    ("transport-bad", "ValueError", "rank 2 rejected its inputs: ValueError: FA4DIST_CP_TRANSPORT must be one of "
+     "group, peer .*got 'nvlink'"),
     ("ulysses-chunks-bad", "ValueError", "rank 2 rejected its inputs: ValueError: FA4DIST_ULYSSES_CHUNKS must be an "
      "int in \\[1, 64\\]"),
 ])
