@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--ulysses-chunks", type=int, nargs="+", default=[1],
                    help="Ulysses head chunks to time (FA4DIST_ULYSSES_CHUNKS, every rank alike; ulysses and hybrid "
                         "rows, one row each): each chunk's exchange overlaps the previous chunk's attention")
+    p.add_argument("--transports", nargs="+", default=["group"], choices=["group", "peer"],
+                   help="FA4DIST_CP_TRANSPORT values, each a row of every strategy (peer: copy-engine copies)")
     p.add_argument("--forward-only", action="store_true",
                    help="time the forward alone (no autograd), on one GPU and across the ranks alike")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
@@ -104,6 +106,7 @@ def _window(args) -> tuple[int, int]:
 
 def ours(args, world, device, tokens, heads, kv_heads, rows, t_full_cache):
     import fa4dist
+    from fa4dist.context_parallel.peer import TRANSPORT_ENV
     from fa4dist.context_parallel.ulysses import CHUNKS_ENV
     from fa4dist.modules import FA4ContextParallelAttention
 
@@ -131,13 +134,15 @@ def ours(args, world, device, tokens, heads, kv_heads, rows, t_full_cache):
         variants = [dict(verify=True, cp_invariant=False)]
         if strategy != "ring":  # one row per head-chunk count of the Ulysses exchange
             variants = [dict(variant, ulysses_chunks=n) for variant in variants for n in args.ulysses_chunks]
+        variants = [dict(variant, transport=name) for name in args.transports for variant in variants]
         if strategy == "ring" and first:
             variants.append(dict(verify=False, cp_invariant=False))  # the per-call agreement check's cost
         if args.invariant and first:
             variants.append(dict(verify=True, cp_invariant=True))  # cp_invariant's cost
         for variant in variants:
-            options = {name: value for name, value in variant.items() if name != "ulysses_chunks"}
+            options = {name: value for name, value in variant.items() if name not in ("ulysses_chunks", "transport")}
             os.environ[CHUNKS_ENV] = str(variant.get("ulysses_chunks", 1))  # (read per call, every rank alike)
+            os.environ[TRANSPORT_ENV] = variant["transport"]
             module = FA4ContextParallelAttention(dist.group.WORLD, strategy=strategy, causal=True,
                                                  window=_window(args), deterministic=args.deterministic, **options)
             try:
@@ -283,6 +288,7 @@ def _print(row):
               + (f"  window {row['window']}: {row['speedup']:.2f}x one GPU" if row.get("window") else "")
               + (f"  verify={row['verify']} cp_invariant={row['cp_invariant']}" if 'verify' in row else "")
               + (f"  chunks {row['ulysses_chunks']}" if row.get("ulysses_chunks", 1) > 1 else "")
+              + (f"  transport {row['transport']}" if row.get("transport", "group") != "group" else "")
               + ("  (forward)" if row.get("direction") == "fwd" else "")
               + (f"  [{row['peer']}]" if row["peer"] else ""), flush=True)
 

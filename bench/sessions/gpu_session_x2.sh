@@ -5,6 +5,12 @@
 #     Predicted (fifty-first session: at cp = 2 a rank's kernels take half the whole sequence's in the one-GPU
 #     simulation, 32 / 8 heads, 32k and 128k tokens per GPU): ring efficiency 0.97-0.99 where the transfers stay
 #     hidden as in the first session's run 2 (0.4 ms exposed); what the profile shows below that is the transfers'.
+#   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh transport # copy-engine peer copies
+#     (FA4DIST_CP_TRANSPORT=peer, fifty-second session; tested on one GPU only) against NCCL: correctness, the
+#     transport alone (bench/transport.py), then the ring and Ulysses steps under both. Predicted: the transport at
+#     1.4-1.7x NCCL's rate for 64-256 MiB (torch's peer copies read 1.5-1.7x in bench/p2p.py), and the cp = 2 step
+#     +0.5-2 points of efficiency where the profile of `cp` shows transfers exposed or NCCL's kernels slowing the
+#     attention; nothing where they are hidden already. If it holds, make peer the default on one host.
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh recipes # HF SFT, FSDP2 at 2 GPUs, cp_sim
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh window  # CP with a sliding window in the kernels
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh ulysses # Ulysses head chunks (thirty-ninth
@@ -28,6 +34,12 @@ case "$PART" in
       --heads 32:8 32:32 --peer --profile --invariant --reps 3 --out-dir "$OUT"
     TAIL_LINES=25 stage gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -rfE \
       tests/kernels/test_nonfinite.py tests/kernels/test_window_gpu.py tests/cp/test_cp_gpu.py
+    ;;
+  transport)
+    TAIL_LINES=14 stage peer_check 150 env FA4DIST_CP_TRANSPORT=peer "${TORCHRUN[@]}" tests/cp/multigpu_check.py
+    TAIL_LINES=8 stage transport 120 "${TORCHRUN[@]}" bench/transport.py --mib 1 64 256 --out-dir "$OUT"
+    TAIL_LINES=16 stage multigpu_transports 300 "${TORCHRUN[@]}" bench/multigpu.py --tokens-per-gpu 32768 131072 \
+      --heads 32:8 32:32 --transports group peer --reps 3 --out-dir "$OUT"
     ;;
   window)
     TAIL_LINES=18 stage multigpu_check 150 "${TORCHRUN[@]}" tests/cp/multigpu_check.py
