@@ -29,9 +29,12 @@ for s in ${*:-peer}; do
     peer_cp)
       TAIL_LINES=25 stage peer_cp_tests 400 env FA4DIST_CP_TRANSPORT=peer python3 -m pytest -x -q -p no:cacheprovider \
         -rfE tests/cp/test_cp_gpu.py ;;
+    peer_quick)  # (after call 6: the capture refusal; the cases that compile no fused kernel)
+      TAIL_LINES=12 stage peer_quick 200 python3 -m pytest -x -q -p no:cacheprovider -rfE tests/cp/test_peer_gpu.py \
+        -k "capture or fp64 or whole or answers" ;;
     transport)
       TAIL_LINES=6 stage transport 120 python3 -m torch.distributed.run --nproc-per-node 2 bench/transport.py \
         --out-dir "$OUT" ;;
-    *) echo "unknown stage $s (table | peer | peer_cp | transport)"; exit 2 ;;
+    *) echo "unknown stage $s (table | peer | peer_quick | peer_cp | transport)"; exit 2 ;;
   esac
 done

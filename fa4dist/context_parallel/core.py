@@ -533,6 +533,13 @@ class ContextParallel:
                     f"{name} holds {t.shape[sd]} tokens but the plan gives cp rank {self.cp_rank} {n} (shard the "
                     f"global tensors with plan.shard(x, seq_dim={sd}, rank={self.cp_rank}))"
                 )
+        transport = requested_transport()
+        if transport == "peer" and not q.is_cuda:
+            raise ValueError(f"{TRANSPORT_ENV}=peer (copy-engine copies between the processes of one host) needs "
+                             f"CUDA tensors, got q on {q.device}; unset it for CPU tensors")
+        if transport == "peer" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"{TRANSPORT_ENV}=peer cannot be captured in a CUDA graph (each transfer waits for a "
+                             f"batch number that a replay would not renew); use {TRANSPORT_ENV}=group there")
         options = dict(causal=self.causal, window=self.window, softcap=self.softcap, sinks=sinks,
                        softmax_scale=self.softmax_scale)
         if plan.packed:
@@ -547,10 +554,6 @@ class ContextParallel:
         t = self._transport(self.ulysses_group if self.grid else self.group)
         if t.backend == "nccl" and not q.is_cuda:
             raise ValueError("an NCCL process group needs CUDA tensors (use a gloo group for CPU tensors)")
-        transport = requested_transport()
-        if transport == "peer" and not q.is_cuda:
-            raise ValueError(f"{TRANSPORT_ENV}=peer (copy-engine copies between the processes of one host) needs "
-                             f"CUDA tensors, got q on {q.device}; unset it for CPU tensors")
         docs = f" in {len(plan.cu_seqlens) - 1} documents" if plan.packed else ""
         shared = dict(
             direction="forward",  # a backward's check against another rank's forward call names both

@@ -112,3 +112,36 @@ def test_a_peer_that_never_answers_ends_the_waiting_process_with_a_message(tmp_p
     assert proc.returncode != 0, text
     assert "waited more than 5s for K/V of a test step (recv from rank 1) over the peer copies" in text, text
     assert "aborting this process" in text, text
+
+
+def capture_case(rank, world):
+    """A call under CUDA graph capture with peer copies: refused on every rank before anything is posted, and the
+    group stays usable (the next call outside the capture gives the first call's bytes)."""
+    from cp_cases import environment, global_inputs
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.context_parallel.peer import TRANSPORT_ENV
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    torch.cuda.set_device(0)
+    with environment({TRANSPORT_ENV: "peer"}):
+        module = FA4ContextParallelAttention(GROUPS[4], strategy="ring", backend="reference", timeout=60)
+        plan = make_plan(256, 4)
+        q, k, v, _ = global_inputs(0, 256, 4, 2, 16, torch.float32, batch=1)
+        local = [plan.shard(t, rank=rank).cuda() for t in (q, k, v)]
+        first = module(*local, plan=plan)
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        error = None
+        try:
+            with torch.cuda.graph(graph, stream=side):
+                module(*local, plan=plan)
+        except Exception as err:  # noqa: BLE001
+            error = f"{type(err).__name__}: {err}"
+        again = module(*local, plan=plan)
+        return error, torch.equal(first, again)
+
+
+def test_a_cuda_graph_capture_with_peer_copies_is_refused_alike(pool):
+    for error, same in pool.run(capture_case, timeout=120):
+        assert error is not None and error.startswith("ValueError") and \
+            "FA4DIST_CP_TRANSPORT=peer cannot be captured in a CUDA graph" in error, error
+        assert same
