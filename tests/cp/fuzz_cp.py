@@ -145,7 +145,7 @@ def judge_invariant(results) -> str | None:
 
 # one rank's call differs from the others' in one of these (the call's options, its inputs' shapes, its plan)
 PERTURBATIONS = ("causal", "window", "softcap", "sinks", "heads", "head_dim", "dtype", "seqlen", "docs", "balancer",
-                 "num_chunks", "strategy", "lse_loss", "ulysses_chunks", "ring_steps_per_launch")
+                 "num_chunks", "strategy", "lse_loss", "ulysses_chunks", "ring_steps_per_launch", "transport")
 
 
 def perturbed(case: dict, what: str, rng: random.Random) -> dict:
@@ -190,6 +190,8 @@ def perturbed(case: dict, what: str, rng: random.Random) -> dict:
         case["ulysses_chunks"] = 2 if case.get("ulysses_chunks") != 2 else 1
     elif what == "ring_steps_per_launch":
         case["ring_steps_per_launch"] = 2 if case.get("ring_steps_per_launch") != 2 else 1
+    elif what == "transport":  # (the peer copies need CUDA: this rank refuses its CPU inputs, through the check)
+        case["transport"] = "peer"
     return case
 
 
