@@ -14,6 +14,9 @@
 #   through slot growth, the watchdog's abort), then the staged-rank CP suite under FA4DIST_CP_TRANSPORT=peer.
 #   Predicted: all pass (the transport moves bytes only).
 # - transport: bench/transport.py, the group's transport against the peer copies through Transport itself.
+# Ran: table, peer, peer_cp, transport, peer_quick (bench/RESULTS.md, fifty-second session). Next: on branch
+# peer-chunks its `peer_chunks` stage (the chunked slots, not yet run on a GPU), then merge; on two GPUs,
+# gpu_session_x2.sh transport (NCCL against the peer copies) before `cp`.
 # Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_52.sh table | peer | peer_cp | transport
 set -u
 source "$(dirname "$0")/../stage.sh"
