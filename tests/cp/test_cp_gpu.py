@@ -16,12 +16,15 @@ def pool():
     return shared_pool(4)
 
 
-@pytest.mark.parametrize("strategy, kw", [
+FP64_CASES = [  # (also tests/cp/test_peer_gpu.py's, through the copy-engine transport)
     ("ring", dict(cp=4, seqlen=301, heads=(4, 2))),
     ("ring", dict(cp=3, docs=random_docs(7, 9, 60), heads=(4, 1))),
     ("ulysses", dict(cp=4, seqlen=130, heads=(8, 2))),
     ("hybrid", dict(cp=4, seqlen=130, heads=(4, 1), ulysses_degree=2, plan_u=2)),
-])
+]
+
+
+@pytest.mark.parametrize("strategy, kw", FP64_CASES)
 def test_cuda_fp64_exact(pool, strategy, kw):
     for r in pool.run(run_case, strategy=strategy, device="cuda:0", **kw):
         if r is not None:

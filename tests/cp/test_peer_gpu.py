@@ -13,6 +13,7 @@ import torch
 
 from cp_cases import random_docs, run_case
 from cp_harness import GROUPS, shared_pool
+from test_cp_gpu import FP64_CASES
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -22,12 +23,7 @@ def pool():
     return shared_pool(4)
 
 
-@pytest.mark.parametrize("strategy, kw", [
-    ("ring", dict(cp=4, seqlen=301, heads=(4, 2))),
-    ("ring", dict(cp=3, docs=random_docs(7, 9, 60), heads=(4, 1))),
-    ("ulysses", dict(cp=4, seqlen=130, heads=(8, 2))),
-    ("hybrid", dict(cp=4, seqlen=130, heads=(4, 1), ulysses_degree=2, plan_u=2)),
-])
+@pytest.mark.parametrize("strategy, kw", FP64_CASES)
 def test_peer_copies_fp64_exact(pool, strategy, kw):
     for r in pool.run(run_case, strategy=strategy, device="cuda:0", transport="peer", **kw):
         if r is not None:
