@@ -385,3 +385,22 @@ def test_overlapped_forward_promises_overlap_after_the_first_launch_and_keeps_th
                      "--balancers", "lpt", "--directions", "fwd", "fwd_pdl", "fwd_pdl_events"])
     assert [r["direction"] for r in rows] == ["fwd", "fwd_pdl", "fwd_pdl_events"]
     assert all(r["efficiency"] > 0 for r in rows)
+
+
+def test_cp_sim_links_remodels_the_exposed_transfers_at_other_rates(tmp_path):
+    """bench/cp_sim_links.py: the launch groups a row ran, and its "+xfer" at other link rates from cp_sim's own
+    model (here a forward in groups of [4, 3] whose step's transfer takes a whole step's compute at 100 GB/s: the
+    first group's 4 transfers exceed the own step by 3 steps; the second group's 3 hide under the first's 4)."""
+    links = bench_scripts.load("cp_sim_links")
+    assert links.launch_groups(4, 7) == [4, 3] and links.launch_groups(0, 7) == [7]
+    assert links.launch_groups(1, 3) == [1] * 3
+    step_ms = 2.0
+    row = dict(direction="fwd/4", seqlen=1024, cp=8, window=[-1, -1], steps_per_launch=4, max_rank_ms=16.0,
+               efficiency_of_medians=0.9, step_compute_ms=step_ms, bytes_per_step=int(100e9 * step_ms / 1e3))
+    path = tmp_path / "sim.json"
+    path.write_text(json.dumps(dict(rows=[row])))
+    (out,) = links.main([str(path), "--gbps", "100", "1e9"])
+    assert out["groups"] == [4, 3]
+    exposed = 4 * step_ms - step_ms  # the first group's transfers against the own step
+    assert out["with_transfers"][100.0] == pytest.approx(0.9 * 16.0 / (16.0 + exposed))
+    assert out["with_transfers"][1e9] == pytest.approx(0.9)
