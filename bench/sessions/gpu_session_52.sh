@@ -35,9 +35,16 @@ for s in ${*:-peer}; do
     peer_quick)  # (after call 6: the capture refusal; the cases that compile no fused kernel)
       TAIL_LINES=12 stage peer_quick 200 python3 -m pytest -x -q -p no:cacheprovider -rfE tests/cp/test_peer_gpu.py \
         -k "capture or fp64 or whole or answers" ;;
+    peer_chunks)  # (after call 7: 32 MiB chunks through two fixed slots per pair, send and receive streams apart)
+      TAIL_LINES=8 stage peer_quick 120 python3 -m pytest -x -q -p no:cacheprovider -rfE tests/cp/test_peer_gpu.py \
+        -k "capture or fp64 or whole or answers"
+      TAIL_LINES=6 stage transport 60 python3 -m torch.distributed.run --nproc-per-node 2 bench/transport.py \
+        --out-dir "$OUT"
+      TAIL_LINES=8 stage peer_bytes 240 python3 -m pytest -x -q -p no:cacheprovider -rfE tests/cp/test_peer_gpu.py \
+        -k "bytes" ;;
     transport)
       TAIL_LINES=6 stage transport 120 python3 -m torch.distributed.run --nproc-per-node 2 bench/transport.py \
         --out-dir "$OUT" ;;
-    *) echo "unknown stage $s (table | peer | peer_quick | peer_cp | transport)"; exit 2 ;;
+    *) echo "unknown stage $s (table | peer | peer_quick | peer_chunks | peer_cp | transport)"; exit 2 ;;
   esac
 done

@@ -5,27 +5,27 @@ Why: between the GPUs of one host, torch's peer copies moved a ring step's keys 
 send/recv and slowed a concurrent matmul half as much (bench/p2p.py, two H200s: NCCL's kernels take SMs from the
 attention, a copy engine takes none).  It also replaces the host staging of several ranks sharing one GPU on gloo.
 
-How a batch moves (:meth:`PeerLinks.post`), all of it on one side stream per group, ordered after the caller's
-stream at the post:
-- Each ordered pair of ranks (sender, receiver) has a two-slot *outbox* in the sender's memory, shared with the
-  receiver through CUDA IPC.  The k-th batch between them uses slot k % 2.
-- The sender waits until the receiver has read the slot's batch k - 2, copies its messages into the slot (a local
-  device copy) and writes k into the receiver's READY word for (sender, slot).
-- The receiver waits for that word to reach k, copies the messages out of the sender's slot straight into its
-  receive tensors (the copy engine, over NVLink between GPUs) and writes k into the sender's FREE word.
+How a batch moves (:meth:`PeerLinks.post`), on two side streams per group (one sends, one receives, so that a
+rank's sends never wait behind its own receives), each ordered after the caller's stream at the post:
+- Each ordered pair of ranks (sender, receiver) has an *outbox* of two slots of ``CHUNK_BYTES`` (32 MiB) in the
+  sender's memory, shared with the receiver through CUDA IPC when the pair first talks.
+- A batch's messages (in (tag, posting) order, as the group's send/recv pair them) are laid back to back and cut
+  into chunks of a slot's size (:func:`chunk_pieces`).  The j-th chunk between the pair uses slot j % 2.
+- The sender waits until the receiver has read the slot's chunk j - 2, copies the chunk into the slot (a local
+  device copy) and writes j into the receiver's READY word for (sender, slot).
+- The receiver waits for that word to reach j, copies the chunk out of the sender's slot straight into its receive
+  tensors (the copy engine, over NVLink between GPUs) and writes j into the sender's FREE word.  So a large batch
+  streams through the two slots, the sender's copy of chunk j + 1 under the receiver's copy of chunk j, and the
+  memory is two slots per pair of ranks that talk, whatever the batch size.
 - The words are written and waited for with the driver's stream memory operations (``cuStreamWriteValue32`` /
   ``cuStreamWaitValue32``): the stream's front end waits, no kernel and no SM.
 
-Both sides derive everything about a pair's batches from the message sizes alone (:class:`PairLedger`): the batch
-number, the slot and the slot's capacity, which grows to the next power of two of a larger batch (the sender then
-allocates a new outbox and publishes its IPC handle in the group's store; the receiver reads it there).  Messages
-between two ranks pair by (tag, posting order), as the group's send/recv pair them.  Old outboxes are kept until
-the process ends (growth is geometric: at most twice the last one).
+Both sides derive the chunks, their numbers and slots from the message sizes alone, with no message of their own.
 
 A wait that is never satisfied (a peer that died or made another call) cannot be cancelled on the GPU: a watchdog
 thread then prints what was waited for, naming the peer and the batch, and aborts the process, as NCCL's watchdog
 does on its timeout.  Several processes on one GPU work too (the GPU tests' staged ranks).  Not for CUDA graphs:
-the batch numbers are baked into each operation, so a replay would wait for numbers that have passed.
+the chunk numbers are baked into each operation, so a replay would wait for numbers that have passed.
 """
 
 from __future__ import annotations
@@ -44,8 +44,7 @@ import torch
 TRANSPORT_ENV = "FA4DIST_CP_TRANSPORT"
 TRANSPORTS = ("group", "peer")
 
-_ALIGN = 256  # bytes between a batch's messages in a slot (the copy engine's fast alignment)
-_MIN_SLOT = 1 << 20  # the smallest slot capacity: small batches share one size class
+CHUNK_BYTES = 32 << 20  # a slot's size: two per pair of ranks that talk (read when a group's links are made)
 _READY, _FREE = 0, 1  # the two kinds of words in a rank's flag array: [kind][peer][slot] int32
 
 
@@ -63,34 +62,23 @@ def requested_transport() -> str:
     return value
 
 
-def layout(nbytes: Sequence[int]) -> tuple[list[int], int]:
-    """(offset of each message, total bytes) of a batch's messages placed back to back in a slot, each at a multiple
-    of 256 bytes."""
-    offsets, at = [], 0
-    for n in nbytes:
-        offsets.append(at)
-        at += -(-int(n) // _ALIGN) * _ALIGN
-    return offsets, at
-
-
-class PairLedger:
-    """What a sender and its receiver both derive from the sizes of the batches between them, alike on both sides
-    without a message: the batch number (from 1), its slot, and the slot capacity with its generation (which grows
-    to the next power of two, at least 1 MiB, when a batch does not fit)."""
-
-    def __init__(self):
-        self.batches = 0
-        self.capacity = 0
-        self.generation = 0
-
-    def next(self, total: int) -> tuple[int, int, bool]:
-        """(batch number, slot, whether the capacity grew) of the next batch, of `total` bytes."""
-        self.batches += 1
-        grew = total > self.capacity
-        if grew:
-            self.capacity = max(_MIN_SLOT, 1 << (int(total) - 1).bit_length())
-            self.generation += 1
-        return self.batches, self.batches % 2, grew
+def chunk_pieces(nbytes: Sequence[int], chunk: int) -> list[list[tuple[int, int, int, int]]]:
+    """A batch's messages of ``nbytes`` bytes laid back to back and cut into chunks of ``chunk`` bytes: per chunk,
+    its pieces (message index, byte offset in the message, bytes, byte offset in the slot).  Empty messages take no
+    piece; an empty batch has no chunk."""
+    chunks: list = []
+    at = 0  # the batch's byte position
+    for i, n in enumerate(nbytes):
+        done = 0
+        while done < n:
+            index, into = divmod(at, chunk)
+            if index == len(chunks):
+                chunks.append([])
+            take = min(n - done, chunk - into)
+            chunks[index].append((i, done, take, into))
+            done += take
+            at += take
+    return chunks
 
 
 def _flag_offset(kind: int, peer: int, slot: int, size: int) -> int:
@@ -134,9 +122,9 @@ class _Watchdog:
         self._pending: collections.deque = collections.deque()
         self._thread: Optional[threading.Thread] = None
 
-    def watch(self, event, deadline: float, message: str) -> None:
+    def watch(self, events, deadline: float, message: str) -> None:
         with self._lock:
-            self._pending.append((event, deadline, message))
+            self._pending.append((events, deadline, message))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="fa4dist peer watchdog", daemon=True)
                 self._thread.start()
@@ -147,8 +135,8 @@ class _Watchdog:
             with self._lock:
                 entries = list(self._pending)
             now, done = time.monotonic(), set()
-            for i, (event, deadline, message) in enumerate(entries):
-                if event.query():
+            for i, (events, deadline, message) in enumerate(entries):
+                if all(event.query() for event in events):
                     done.add(i)
                 elif now > deadline:
                     sys.stderr.write(f"\n[fa4dist] {message}; aborting this process (a stream waiting for a peer "
@@ -183,15 +171,16 @@ def links_for(transport) -> "PeerLinks":
 class PeerPending:
     """A batch in flight on the peer links; :meth:`wait` orders the caller's stream after it (no host wait)."""
 
-    def __init__(self, event, keep, unstage, what: str, peers: str):
-        self._event, self._keep, self._unstage = event, keep, unstage
+    def __init__(self, events, keep, unstage, what: str, peers: str):
+        self._events, self._keep, self._unstage = events, keep, unstage
         self.what, self.peers = what, peers
         self.done = False
 
     def wait(self) -> None:
         if self.done:
             return
-        torch.cuda.current_stream().wait_event(self._event)
+        for event in self._events:
+            torch.cuda.current_stream().wait_event(event)
         for dst, tmp in self._unstage:
             dst.copy_(tmp)
         self._keep = self._unstage = None
@@ -226,6 +215,8 @@ class PeerLinks:
             if text.startswith("error|"):
                 raise RuntimeError(f"rank {r} of the group could not prepare peer copies: {text[6:]}")
         rows = [text.split("|", 3) for text in texts]
+        if len({row[2] for row in rows}) > 1:
+            raise RuntimeError(f"the ranks of the group use different chunk sizes: {[int(r[2]) for r in rows]}")
         hosts = sorted({row[1] for row in rows})
         if len(hosts) > 1:
             raise RuntimeError(f"{TRANSPORT_ENV}=peer copies between the processes of one host, but the ranks of "
@@ -233,16 +224,15 @@ class PeerLinks:
                                f"({TRANSPORT_ENV}=group) across hosts")
         self._peer_flags = {r: self._flags if r == t.rank else self._open(bytes.fromhex(row[3]))
                             for r, row in enumerate(rows)}
-        self._stream = torch.cuda.Stream(self.device)
-        self._sent = collections.defaultdict(PairLedger)  # receiver -> ledger
-        self._received = collections.defaultdict(PairLedger)  # sender -> ledger
-        self._outbox: dict = {}  # receiver -> device pointer (two slots of the ledger's capacity)
+        self._send_stream, self._recv_stream = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+        self._chunks_sent = collections.Counter()  # receiver -> chunks sent to it so far
+        self._chunks_received = collections.Counter()  # sender -> chunks received from it so far
+        self._outbox: dict = {}  # receiver -> device pointer (two slots of self.chunk bytes)
         self._inbox: dict = {}  # sender -> its outbox for this rank, mapped here
-        self._kept: list = []  # outboxes replaced by larger ones, and their peers' mappings (never freed)
 
     def _prepare(self, size: int) -> str:
         """Sets up this rank's side (driver, context, flag words); returns its row for the others: "ok", the host,
-        the process id and the flag words' IPC handle."""
+        the chunk size and the flag words' IPC handle."""
         if not torch.cuda.is_available():
             raise RuntimeError(f"{TRANSPORT_ENV}=peer needs CUDA")
         cu = self._cu = _driver()
@@ -264,7 +254,8 @@ class PeerLinks:
         except RuntimeError as err:
             raise RuntimeError(f"{TRANSPORT_ENV}=peer needs the driver's stream memory operations on "
                                f"{torch.cuda.get_device_name(self.device)}: {err}") from err
-        return f"ok|{_host_id()}|{os.getpid()}|{self._export(self._flags).hex()}"
+        self.chunk = int(CHUNK_BYTES)
+        return f"ok|{_host_id()}|{self.chunk}|{self._export(self._flags).hex()}"
 
     # ---- driver helpers ---------------------------------------------------------------------------------------
 
@@ -299,36 +290,39 @@ class PeerLinks:
             cu = self._cu
             _call(cu, cu.cuMemcpyAsync(cu.CUdeviceptr(dst), cu.CUdeviceptr(src), nbytes, stream), "cuMemcpyAsync")
 
-    def _outbox_key(self, sender: int, receiver: int, generation: int) -> str:
-        return f"{self._prefix}outbox/{sender}-{receiver}/{generation}"
+    def _outbox_key(self, sender: int, receiver: int) -> str:
+        return f"{self._prefix}outbox/{sender}-{receiver}"
 
-    def _grow_outbox(self, receiver: int, ledger: PairLedger) -> None:
-        if receiver in self._outbox:
-            self._kept.append(self._outbox[receiver])  # the receiver may still be reading it
-        ptr = _call(self._cu, self._cu.cuMemAlloc(2 * ledger.capacity), "cuMemAlloc (an outbox)")
-        self._outbox[receiver] = ptr
-        self._store.set(self._outbox_key(self._t.rank, receiver, ledger.generation), self._export(ptr).hex())
+    def _outbox_for(self, receiver: int):
+        """This rank's outbox for `receiver`, made (and published) on the pair's first batch."""
+        if receiver not in self._outbox:
+            ptr = _call(self._cu, self._cu.cuMemAlloc(2 * self.chunk), "cuMemAlloc (an outbox)")
+            self._outbox[receiver] = ptr
+            self._store.set(self._outbox_key(self._t.rank, receiver), self._export(ptr).hex())
+        return self._outbox[receiver]
 
-    def _open_inbox(self, sender: int, ledger: PairLedger) -> None:
-        t = self._t
-        key = self._outbox_key(sender, t.rank, ledger.generation)
-        try:
-            self._store.wait([key], t.timeout_delta)
-        except Exception as err:  # noqa: BLE001
-            raise RuntimeError(f"waited {t.timeout:g}s for rank {sender}'s outbox of {ledger.capacity} bytes "
-                               f"(did it make this call?): {err}") from err
-        if sender in self._inbox:
-            self._kept.append(self._inbox[sender])  # (copies from it may still be queued on the stream)
-        self._inbox[sender] = self._open(bytes.fromhex(bytes(self._store.get(key)).decode()))
+    def _inbox_for(self, sender: int):
+        """`sender`'s outbox for this rank, mapped here on the pair's first batch (its handle from the store)."""
+        if sender not in self._inbox:
+            t = self._t
+            key = self._outbox_key(sender, t.rank)
+            try:
+                self._store.wait([key], t.timeout_delta)
+            except Exception as err:  # noqa: BLE001
+                raise RuntimeError(f"waited {t.timeout:g}s for rank {sender}'s outbox (did it make this call?): "
+                                   f"{err}") from err
+            self._inbox[sender] = self._open(bytes.fromhex(bytes(self._store.get(key)).decode()))
+        return self._inbox[sender]
 
     # ---- a batch ----------------------------------------------------------------------------------------------
 
     def post(self, sends, recvs, what: str, peers: str) -> PeerPending:
-        """Posts (tensor, group peer, tag) sends and receives to other ranks (module docstring).  Sends are read
-        and receives written on the links' stream, ordered after the caller's stream at this call."""
+        """Posts (tensor, group peer, tag) sends and receives to other ranks (module docstring).  Sends are read on
+        the links' send stream and receives written on their receive stream, both ordered after the caller's stream
+        at this call."""
         t = self._t
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{t.label}: {TRANSPORT_ENV}=peer cannot be captured in a CUDA graph (its batch "
+            raise RuntimeError(f"{t.label}: {TRANSPORT_ENV}=peer cannot be captured in a CUDA graph (its chunk "
                                f"numbers would be replayed); use {TRANSPORT_ENV}=group there")
         for tensor, _, _ in list(sends) + list(recvs):
             if tensor.device != self.device:
@@ -346,45 +340,48 @@ class PeerLinks:
                 tmp = torch.empty(x.shape, dtype=x.dtype, device=x.device)
                 unstage.append((x, tmp))
                 staged.append((tmp, p, tag))
-        side = self._stream
-        side.wait_stream(caller)
-        s = side.cuda_stream
-        cu_stream = self._cu.CUstream(s)
-        me, size = t.rank, t.size
+        send, recv = self._send_stream, self._recv_stream
+        send.wait_stream(caller)
+        recv.wait_stream(caller)
+        on_send, on_recv = self._cu.CUstream(send.cuda_stream), self._cu.CUstream(recv.cuda_stream)
+        me, size, chunk = t.rank, t.size, self.chunk
         for p, msgs in _by_peer(sends):
-            ledger = self._sent[p]
-            offsets, total = layout([x.numel() * x.element_size() for x in msgs])
-            k, slot, grew = ledger.next(total)
-            if grew:
-                self._grow_outbox(p, ledger)
-            if k > 2:  # the receiver has read this slot's previous batch
-                self._wait_word(cu_stream, self._flags, _flag_offset(_FREE, p, slot, size), k - 2)
-            base = int(self._outbox[p]) + slot * ledger.capacity if p in self._outbox else 0
-            for x, off in zip(msgs, offsets):
-                self._copy(cu_stream, base + off, x.data_ptr(), x.numel() * x.element_size())
-            self._write_word(cu_stream, self._peer_flags[p], _flag_offset(_READY, me, slot, size), k)
+            pieces = chunk_pieces([x.numel() * x.element_size() for x in msgs], chunk)
+            box = int(self._outbox_for(p)) if pieces else 0
+            for piece in pieces:
+                self._chunks_sent[p] += 1
+                j = self._chunks_sent[p]
+                slot = j % 2
+                if j > 2:  # the receiver has read this slot's previous chunk
+                    self._wait_word(on_send, self._flags, _flag_offset(_FREE, p, slot, size), j - 2)
+                for i, at, n, into in piece:
+                    self._copy(on_send, box + slot * chunk + into, msgs[i].data_ptr() + at, n)
+                self._write_word(on_send, self._peer_flags[p], _flag_offset(_READY, me, slot, size), j)
+            for x in msgs:
+                x.record_stream(send)
             keep += msgs
         for q, msgs in _by_peer(staged):
-            ledger = self._received[q]
-            offsets, total = layout([x.numel() * x.element_size() for x in msgs])
-            k, slot, grew = ledger.next(total)
-            if grew:
-                self._open_inbox(q, ledger)
-            self._wait_word(cu_stream, self._flags, _flag_offset(_READY, q, slot, size), k)
-            base = int(self._inbox[q]) + slot * ledger.capacity if q in self._inbox else 0
-            for x, off in zip(msgs, offsets):
-                self._copy(cu_stream, x.data_ptr(), base + off, x.numel() * x.element_size())
-            self._write_word(cu_stream, self._peer_flags[q], _flag_offset(_FREE, me, slot, size), k)
+            pieces = chunk_pieces([x.numel() * x.element_size() for x in msgs], chunk)
+            box = int(self._inbox_for(q)) if pieces else 0
+            for piece in pieces:
+                self._chunks_received[q] += 1
+                j = self._chunks_received[q]
+                slot = j % 2
+                self._wait_word(on_recv, self._flags, _flag_offset(_READY, q, slot, size), j)
+                for i, at, n, into in piece:
+                    self._copy(on_recv, msgs[i].data_ptr() + at, box + slot * chunk + into, n)
+                self._write_word(on_recv, self._peer_flags[q], _flag_offset(_FREE, me, slot, size), j)
+            for x in msgs:
+                x.record_stream(recv)
             keep += msgs
-        for x in keep:
-            x.record_stream(side)
-        event = torch.cuda.Event()
-        event.record(side)
-        _WATCHDOG.watch(event, time.monotonic() + t.timeout,
+        events = [torch.cuda.Event(), torch.cuda.Event()]
+        events[0].record(send)
+        events[1].record(recv)
+        _WATCHDOG.watch(events, time.monotonic() + t.timeout,
                         f"{t.label}: rank {me} of {size} waited more than {t.timeout:g}s for {what} ({peers}) over "
                         f"the peer copies ({TRANSPORT_ENV}=peer): a peer never posted its side (it stopped, or "
                         "made another call)")
-        return PeerPending(event, keep, unstage, what, peers)
+        return PeerPending(events, keep, unstage, what, peers)
 
 
 def _by_peer(messages):

@@ -1,6 +1,6 @@
-"""The copy-engine transport's host-side rules (``fa4dist/context_parallel/peer.py``): the knob, the placement of a
-batch's messages in a slot, what both sides of a pair derive from the batch sizes, and the order in which the two
-sides take a pair's messages.  Its transfers need CUDA: tests/cp/test_peer_gpu.py."""
+"""The copy-engine transport's host-side rules (``fa4dist/context_parallel/peer.py``): the knob, the cutting of a
+batch into slot-sized chunks (which both sides of a pair derive from the message sizes alone), and the order in
+which the two sides take a pair's messages.  Its transfers need CUDA: tests/cp/test_peer_gpu.py."""
 
 import random
 
@@ -26,28 +26,25 @@ def test_an_unknown_transport_is_refused_naming_the_variable(monkeypatch, value)
         peer.requested_transport()
 
 
-def test_messages_sit_back_to_back_at_256_byte_multiples():
-    offsets, total = peer.layout([0, 1, 256, 257, 1000])
-    assert offsets == [0, 0, 256, 512, 1024]
-    assert total == 2048
-    assert peer.layout([]) == ([], 0)
-
-
-def test_a_pair_ledger_numbers_slots_and_grows_only_when_a_batch_does_not_fit():
-    rng = random.Random(0)
-    ledger, capacity, generation = peer.PairLedger(), 0, 0
-    for k in range(1, 200):
-        total = rng.choice([0, 1, 5000, 1 << 20, (1 << 20) + 1, rng.randrange(1 << 24)])
-        batch, slot, grew = ledger.next(total)
-        assert (batch, slot) == (k, k % 2)
-        assert grew == (total > capacity)
-        if grew:
-            generation += 1
-            assert ledger.capacity >= max(total, 1 << 20) and ledger.capacity & (ledger.capacity - 1) == 0
-            assert ledger.capacity < 2 * max(total, 1 << 20)  # the next power of two, no more
-            capacity = ledger.capacity
-        assert (ledger.capacity, ledger.generation) == (capacity, generation)
-        assert total <= ledger.capacity
+@pytest.mark.parametrize("seed", range(20))
+def test_chunks_cover_every_byte_once_within_a_slot(seed):
+    """The chunks of a batch: back to back, every message byte in exactly one piece, in order; each chunk's pieces
+    tile its slot from 0 without gaps and never past the chunk size; an empty batch has no chunk."""
+    rng = random.Random(seed)
+    chunk = rng.choice([256, 1000, 4096])
+    sizes = [rng.choice([0, 1, 255, 256, 4095, 4096, 10_000]) for _ in range(rng.randrange(6))]
+    chunks = peer.chunk_pieces(sizes, chunk)
+    assert len(chunks) == -(-sum(sizes) // chunk)
+    seen = {i: 0 for i in range(len(sizes))}
+    for c, pieces in enumerate(chunks):
+        into = 0
+        for i, at, n, slot_at in pieces:
+            assert n > 0 and slot_at == into and at == seen[i]
+            seen[i] += n
+            into += n
+        assert into <= chunk and (into == chunk or c == len(chunks) - 1)
+    assert [seen[i] for i in range(len(sizes))] == sizes
+    assert peer.chunk_pieces([0, 0], chunk) == []
 
 
 def test_a_pairs_messages_go_in_tag_then_posting_order():

@@ -1,7 +1,7 @@
 """The copy-engine transport (``FA4DIST_CP_TRANSPORT=peer``) on CUDA: several ranks sharing one GPU over gloo, as the
 other staged-rank tests run (between GPUs the same copies cross NVLink).  The transport moves bytes only, so the
 context-parallel results must be the fp64 oracle's and the bytes of the group's own transport; its batches must
-arrive whole through slot growth, empty and strided messages; and a peer that never answers must end the waiting
+arrive whole through many chunks, empty and strided messages; and a peer that never answers must end the waiting
 process with a message, not hang it."""
 
 import os
@@ -48,16 +48,22 @@ def test_peer_copies_give_the_bytes_of_the_group_transport(pool, strategy, kw):
 
 
 def batches_case(rank, world, rounds=14, seed=0):
-    """Random batches over the 4 ranks' group on a Transport in peer mode: each round every rank sends 0-3 messages
-    of random sizes (empty ones included, and growing past each slot's capacity) with random tags to random peers,
-    receiving some into strided views; every byte is checked.  Returns the rounds and the largest batch seen."""
+    """Random batches over a fresh group of the 4 ranks on a Transport in peer mode, with 1 MiB slots: each round
+    every rank sends 0-3 messages of random sizes (empty ones, and many chunks long) with random tags to random
+    peers, receiving some into strided views; every byte is checked.  Returns the rounds and the largest message."""
     import random
 
+    from cp_harness import fresh_group
+    from fa4dist.context_parallel import peer
     from fa4dist.context_parallel.comm import Transport
 
     torch.cuda.set_device(0)
-    t = Transport(GROUPS[4], timeout=60.0, label="peer test")
-    t.use_peer_copies(True)
+    t = Transport(fresh_group(range(world)), timeout=60.0, label="peer test")
+    default, peer.CHUNK_BYTES = peer.CHUNK_BYTES, 1 << 20
+    try:
+        t.use_peer_copies(True)
+    finally:
+        peer.CHUNK_BYTES = default
     biggest = 0
     for r in range(rounds):
         rng = random.Random(seed * 1000 + r)  # the same plan on every rank
@@ -94,7 +100,7 @@ def batches_case(rank, world, rounds=14, seed=0):
 
 def test_peer_batches_arrive_whole(pool):
     for rounds, biggest in pool.run(batches_case, timeout=200):
-        assert rounds == 14 and biggest > 4 << 20  # slots grew past their first capacities
+        assert rounds == 14 and biggest > 8 << 20  # messages of many 1 MiB chunks
 
 
 def test_a_peer_that_never_answers_ends_the_waiting_process_with_a_message(tmp_path):
