@@ -81,6 +81,52 @@ def chunk_pieces(nbytes: Sequence[int], chunk: int) -> list[list[tuple[int, int,
     return chunks
 
 
+class Handshakes:
+    """A rank's side of the protocol as stream operations, with no device: per pair, the chunk numbers so far (the
+    same on both sides, from the message sizes alone).  Operations, in stream order:
+
+    - ``("wait", rank, offset, value)``: wait until the int32 word at ``offset`` of ``rank``'s flag array (always
+      this rank's own) is at least ``value``;
+    - ``("copy", dst, src, nbytes)``, where a place is ``("outbox", sender, receiver, byte)`` (a byte of the
+      sender's outbox for the receiver) or ``("message", index, byte)`` (a byte of the batch's index-th message
+      between the pair, in (tag, posting) order);
+    - ``("write", rank, offset, value)``: write ``value`` into the word at ``offset`` of ``rank``'s flag array.
+
+    :class:`PeerLinks` issues them with the driver; the CPU tests run them on a simulated machine."""
+
+    def __init__(self, rank: int, size: int, chunk: int):
+        self.rank, self.size, self.chunk = rank, size, chunk
+        self.sent = collections.Counter()  # receiver -> chunks sent to it so far
+        self.received = collections.Counter()  # sender -> chunks received from it so far
+
+    def send(self, receiver: int, nbytes: Sequence[int]) -> list:
+        """The operations that send a batch of messages of ``nbytes`` bytes to ``receiver``."""
+        ops, chunk, me = [], self.chunk, self.rank
+        for piece in chunk_pieces(nbytes, chunk):
+            self.sent[receiver] += 1
+            j = self.sent[receiver]
+            slot = j % 2
+            if j > 2:  # the receiver has read this slot's previous chunk
+                ops.append(("wait", me, _flag_offset(_FREE, receiver, slot, self.size), j - 2))
+            ops += [("copy", ("outbox", me, receiver, slot * chunk + into), ("message", i, at), n)
+                    for i, at, n, into in piece]
+            ops.append(("write", receiver, _flag_offset(_READY, me, slot, self.size), j))
+        return ops
+
+    def receive(self, sender: int, nbytes: Sequence[int]) -> list:
+        """The operations that receive a batch of messages of ``nbytes`` bytes from ``sender``."""
+        ops, chunk, me = [], self.chunk, self.rank
+        for piece in chunk_pieces(nbytes, chunk):
+            self.received[sender] += 1
+            j = self.received[sender]
+            slot = j % 2
+            ops.append(("wait", me, _flag_offset(_READY, sender, slot, self.size), j))
+            ops += [("copy", ("message", i, at), ("outbox", sender, me, slot * chunk + into), n)
+                    for i, at, n, into in piece]
+            ops.append(("write", sender, _flag_offset(_FREE, me, slot, self.size), j))
+        return ops
+
+
 def _flag_offset(kind: int, peer: int, slot: int, size: int) -> int:
     return ((kind * size + peer) * 2 + slot) * 4
 
@@ -225,8 +271,7 @@ class PeerLinks:
         self._peer_flags = {r: self._flags if r == t.rank else self._open(bytes.fromhex(row[3]))
                             for r, row in enumerate(rows)}
         self._send_stream, self._recv_stream = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
-        self._chunks_sent = collections.Counter()  # receiver -> chunks sent to it so far
-        self._chunks_received = collections.Counter()  # sender -> chunks received from it so far
+        self._handshakes = Handshakes(t.rank, size, self.chunk)
         self._outbox: dict = {}  # receiver -> device pointer (two slots of self.chunk bytes)
         self._inbox: dict = {}  # sender -> its outbox for this rank, mapped here
 
@@ -314,6 +359,23 @@ class PeerLinks:
             self._inbox[sender] = self._open(bytes.fromhex(bytes(self._store.get(key)).decode()))
         return self._inbox[sender]
 
+    def _issue(self, stream, ops, msgs) -> None:
+        """Issues :class:`Handshakes` operations on ``stream``; ``msgs``: the batch's tensors with one peer."""
+        def address(place) -> int:
+            if place[0] == "message":
+                return msgs[place[1]].data_ptr() + place[2]
+            _, sender, receiver, at = place
+            box = self._outbox_for(receiver) if sender == self._t.rank else self._inbox_for(sender)
+            return int(box) + at
+
+        for op in ops:
+            if op[0] == "wait":
+                self._wait_word(stream, self._peer_flags[op[1]], op[2], op[3])
+            elif op[0] == "write":
+                self._write_word(stream, self._peer_flags[op[1]], op[2], op[3])
+            else:
+                self._copy(stream, address(op[1]), address(op[2]), op[3])
+
     # ---- a batch ----------------------------------------------------------------------------------------------
 
     def post(self, sends, recvs, what: str, peers: str) -> PeerPending:
@@ -344,33 +406,13 @@ class PeerLinks:
         send.wait_stream(caller)
         recv.wait_stream(caller)
         on_send, on_recv = self._cu.CUstream(send.cuda_stream), self._cu.CUstream(recv.cuda_stream)
-        me, size, chunk = t.rank, t.size, self.chunk
         for p, msgs in _by_peer(sends):
-            pieces = chunk_pieces([x.numel() * x.element_size() for x in msgs], chunk)
-            box = int(self._outbox_for(p)) if pieces else 0
-            for piece in pieces:
-                self._chunks_sent[p] += 1
-                j = self._chunks_sent[p]
-                slot = j % 2
-                if j > 2:  # the receiver has read this slot's previous chunk
-                    self._wait_word(on_send, self._flags, _flag_offset(_FREE, p, slot, size), j - 2)
-                for i, at, n, into in piece:
-                    self._copy(on_send, box + slot * chunk + into, msgs[i].data_ptr() + at, n)
-                self._write_word(on_send, self._peer_flags[p], _flag_offset(_READY, me, slot, size), j)
+            self._issue(on_send, self._handshakes.send(p, [x.numel() * x.element_size() for x in msgs]), msgs)
             for x in msgs:
                 x.record_stream(send)
             keep += msgs
         for q, msgs in _by_peer(staged):
-            pieces = chunk_pieces([x.numel() * x.element_size() for x in msgs], chunk)
-            box = int(self._inbox_for(q)) if pieces else 0
-            for piece in pieces:
-                self._chunks_received[q] += 1
-                j = self._chunks_received[q]
-                slot = j % 2
-                self._wait_word(on_recv, self._flags, _flag_offset(_READY, q, slot, size), j)
-                for i, at, n, into in piece:
-                    self._copy(on_recv, msgs[i].data_ptr() + at, box + slot * chunk + into, n)
-                self._write_word(on_recv, self._peer_flags[q], _flag_offset(_FREE, me, slot, size), j)
+            self._issue(on_recv, self._handshakes.receive(q, [x.numel() * x.element_size() for x in msgs]), msgs)
             for x in msgs:
                 x.record_stream(recv)
             keep += msgs
@@ -378,9 +420,9 @@ class PeerLinks:
         events[0].record(send)
         events[1].record(recv)
         _WATCHDOG.watch(events, time.monotonic() + t.timeout,
-                        f"{t.label}: rank {me} of {size} waited more than {t.timeout:g}s for {what} ({peers}) over "
-                        f"the peer copies ({TRANSPORT_ENV}=peer): a peer never posted its side (it stopped, or "
-                        "made another call)")
+                        f"{t.label}: rank {t.rank} of {t.size} waited more than {t.timeout:g}s for {what} "
+                        f"({peers}) over the peer copies ({TRANSPORT_ENV}=peer): a peer never posted its side (it "
+                        "stopped, or made another call)")
         return PeerPending(events, keep, unstage, what, peers)
 
 
