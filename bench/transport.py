@@ -2,6 +2,7 @@
 process group's own send/recv against copy-engine peer copies (FA4DIST_CP_TRANSPORT=peer), in one run.
 
     torchrun --nproc-per-node 2 bench/transport.py            # one process per GPU (NCCL), or all on GPU 0 (gloo)
+    torchrun --nproc-per-node 2 bench/transport.py --chunk-mib 256   # the peer copies' slot size (default 32 MiB)
 
 Every rank sends a buffer to the next rank and receives one from the previous, as a ring step does, through
 ``Transport.post_tagged`` and its ``wait``; the rounds of the two transports alternate.  Reported per size: the
@@ -30,6 +31,8 @@ def parse_args(argv=None):
     p.add_argument("--mib", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--chunk-mib", type=int, default=None,
+                   help="the peer copies' slot (chunk) size in MiB; default the library's (peer.CHUNK_BYTES)")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     return p.parse_args(argv)
 
@@ -38,7 +41,12 @@ def main(argv=None):
     args = parse_args(argv)
     require_torchrun("transport.py")
     require_cuda("transport.py")
+    from fa4dist.context_parallel import peer
     from fa4dist.context_parallel.comm import Transport
+
+    if args.chunk_mib is not None:  # (read when the group's links are made, below)
+        peer.CHUNK_BYTES = args.chunk_mib << 20
+    chunk_mib = peer.CHUNK_BYTES / 2**20
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     own_gpus = torch.cuda.device_count() >= world
@@ -82,10 +90,11 @@ def main(argv=None):
     for (name, mib), ms in times.items():
         med = statistics.median(ms)
         rows.append(dict(transport=name, backend=backend, mib=mib, ms=med, gb_per_s=mib * 2**20 / med / 1e6,
-                         post_host_us=statistics.median(posts[(name, mib)]), world=world, shared_gpu=not own_gpus))
+                         post_host_us=statistics.median(posts[(name, mib)]), world=world, shared_gpu=not own_gpus,
+                         peer_chunk_mib=chunk_mib))
     if rank == 0:
         print(f"{world} ranks, {'one GPU each, NCCL' if own_gpus else 'sharing GPU 0, gloo'}; device "
-              f"{torch.cuda.get_device_name(device)}")
+              f"{torch.cuda.get_device_name(device)}; peer chunks of {chunk_mib:g} MiB")
         for mib in args.mib:
             line = {r["transport"]: r for r in rows if r["mib"] == mib}
             g, p = line["group"], line["peer"]
@@ -94,7 +103,8 @@ def main(argv=None):
                   f" us)  peer / group time {p['ms'] / g['ms']:.3f}", flush=True)
         date = datetime.date.today().isoformat()
         os.makedirs(args.out_dir, exist_ok=True)
-        with open(os.path.join(args.out_dir, f"{date}-transport.json"), "w") as f:
+        suffix = "" if args.chunk_mib is None else f"-chunk{args.chunk_mib}"
+        with open(os.path.join(args.out_dir, f"{date}-transport{suffix}.json"), "w") as f:
             json.dump(dict(date=date, rows=rows), f, indent=1)
     dist.destroy_process_group()
 
