@@ -10,7 +10,9 @@
 #     transport alone (bench/transport.py), then the ring and Ulysses steps under both. Predicted: the transport at
 #     1.4-1.7x NCCL's rate for 64-256 MiB (torch's peer copies read 1.5-1.7x in bench/p2p.py), and the cp = 2 step
 #     +0.5-2 points of efficiency where the profile of `cp` shows transfers exposed or NCCL's kernels slowing the
-#     attention; nothing where they are hidden already. If it holds, make peer the default on one host.
+#     attention; nothing where they are hidden already. If it holds, make peer the default on one host. Then 8 and
+#     128 MiB chunks against the default 32: predicted within 5% of each other between GPUs (a handoff is a stream
+#     wait there, not the context switch of two processes sharing one GPU).
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh recipes # HF SFT, FSDP2 at 2 GPUs, cp_sim
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh window  # CP with a sliding window in the kernels
 #   source .devwheels/install.sh && bash bench/sessions/gpu_session_x2.sh ulysses # Ulysses head chunks (thirty-ninth
@@ -38,6 +40,11 @@ case "$PART" in
   transport)
     TAIL_LINES=14 stage peer_check 150 env FA4DIST_CP_TRANSPORT=peer "${TORCHRUN[@]}" tests/cp/multigpu_check.py
     TAIL_LINES=8 stage transport 120 "${TORCHRUN[@]}" bench/transport.py --mib 1 64 256 --out-dir "$OUT"
+    # the chunk size between GPUs (on one GPU shared by two processes a chunk cost ~100 us: fifty-third session)
+    for c in 8 128; do
+      TAIL_LINES=6 stage "transport_chunk$c" 90 "${TORCHRUN[@]}" bench/transport.py --mib 64 256 --chunk-mib "$c" \
+        --out-dir "$OUT"
+    done
     TAIL_LINES=16 stage multigpu_transports 300 "${TORCHRUN[@]}" bench/multigpu.py --tokens-per-gpu 32768 131072 \
       --heads 32:8 32:32 --transports group peer --reps 3 --out-dir "$OUT"
     ;;

@@ -16,7 +16,9 @@ rank's sends never wait behind its own receives), each ordered after the caller'
 - The receiver waits for that word to reach j, copies the chunk out of the sender's slot straight into its receive
   tensors (the copy engine, over NVLink between GPUs) and writes j into the sender's FREE word.  So a large batch
   streams through the two slots, the sender's copy of chunk j + 1 under the receiver's copy of chunk j, and the
-  memory is two slots per pair of ranks that talk, whatever the batch size.
+  memory is two slots per pair of ranks that talk, whatever the batch size.  They live as long as the process:
+  freeing memory a peer has mapped is undefined until every peer has closed its mapping, which would need a
+  collective teardown (a later world's links are new ones).
 - The words are written and waited for with the driver's stream memory operations (``cuStreamWriteValue32`` /
   ``cuStreamWaitValue32``): the stream's front end waits, no kernel and no SM.
 
