@@ -6,7 +6,13 @@
 #   the receiver's) is a switch between the two processes' GPU contexts; 8 chunks of 32 MiB make 16 switches where
 #   the unchunked slots made 2. Predicted: 256 MiB chunks give ~1 ms again, 8 MiB chunks ~4-5 ms (a cost per chunk,
 #   ~60-120 us), and 1 MiB / 64 MiB (one or two chunks at 32 and 256) alike. Between two GPUs no context switches.
-# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_53.sh chunks
+# Ran (call 3): chunks; as predicted in kind, ~105 us a chunk at 32 MiB and ~155 at 8 (bench/RESULTS.md).
+# - sanitizer: how much of #15's window gap (0.98-0.99x flash-attn-4 at 32k, W 4096) is the sanitizer's scan of
+#   the masked blocks' K / V (a windowed query tile has two masked key blocks of ~33, a causal one one of ~128).
+#   bench/window.py --cases causal window, the defaults, then FA4DIST_FWD/BWD_OVERRIDE=sanitize=0 (the measurement
+#   knob that drops the masked-NaN guarantee), each run beside flash-attn-4. Predicted: sanitize=0 +1-2% on the
+#   window rows, ~0 on causal; if so, a clean-tile skip for the forward (as the backward's clean_tiles) is the lead.
+# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_53.sh chunks | sanitizer
 set -u
 source "$(dirname "$0")/../stage.sh"
 for s in ${*:-chunks}; do
@@ -16,6 +22,12 @@ for s in ${*:-chunks}; do
         TAIL_LINES=5 stage "transport_chunk$c" 90 python3 -m torch.distributed.run --nproc-per-node 2 \
           bench/transport.py --chunk-mib "$c" --out-dir "$OUT"
       done ;;
-    *) echo "unknown stage $s (chunks)"; exit 2 ;;
+    sanitizer)
+      export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s53
+      TAIL_LINES=10 stage window_default 240 python3 bench/window.py --cases causal window --rounds 5 \
+        --queue-ahead-ms 5 --out-dir "$OUT/default"
+      TAIL_LINES=10 stage window_nosanitize 240 env FA4DIST_FWD_OVERRIDE=sanitize=0 FA4DIST_BWD_OVERRIDE=sanitize=0 \
+        python3 bench/window.py --cases causal window --rounds 5 --queue-ahead-ms 5 --out-dir "$OUT/nosanitize" ;;
+    *) echo "unknown stage $s (chunks | sanitizer)"; exit 2 ;;
   esac
 done
