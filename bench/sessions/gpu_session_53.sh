@@ -12,7 +12,11 @@
 #   bench/window.py --cases causal window, the defaults, then FA4DIST_FWD/BWD_OVERRIDE=sanitize=0 (the measurement
 #   knob that drops the masked-NaN guarantee), each run beside flash-attn-4. Predicted: sanitize=0 +1-2% on the
 #   window rows, ~0 on causal; if so, a clean-tile skip for the forward (as the backward's clean_tiles) is the lead.
-# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_53.sh chunks | sanitizer
+# Ran (call 6): sanitizer; +1.0% fwd / +1.2% fwd+bwd on the window rows without it (bench/RESULTS.md).
+# - table: the #11 points at S >= 4k with device time and five interleaved rounds (the fifty-second session's do_bench
+#   table read hdim 128 non-causal 16k forward 0.94x flash-attn-4 where the forty-third's device time read 0.99).
+#   Predicted: forward 0.97-1.01 at every point, the 0.94 a do_bench reading.
+# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_53.sh chunks | sanitizer | table
 set -u
 source "$(dirname "$0")/../stage.sh"
 for s in ${*:-chunks}; do
@@ -28,6 +32,11 @@ for s in ${*:-chunks}; do
         --queue-ahead-ms 5 --out-dir "$OUT/default"
       TAIL_LINES=10 stage window_nosanitize 240 env FA4DIST_FWD_OVERRIDE=sanitize=0 FA4DIST_BWD_OVERRIDE=sanitize=0 \
         python3 bench/window.py --cases causal window --rounds 5 --queue-ahead-ms 5 --out-dir "$OUT/nosanitize" ;;
-    *) echo "unknown stage $s (chunks | sanitizer)"; exit 2 ;;
+    table)
+      export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s53
+      TAIL_LINES=24 stage table 420 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 16384 \
+        --causal false true --directions fwd bwd --deterministic --backends cute cudnn flash_attn_4 --rounds 5 \
+        --queue-ahead-ms 3 --out-dir "$OUT/table" ;;
+    *) echo "unknown stage $s (chunks | sanitizer | table)"; exit 2 ;;
   esac
 done
