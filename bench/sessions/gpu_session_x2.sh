@@ -40,13 +40,14 @@ case "$PART" in
   transport)
     TAIL_LINES=14 stage peer_check 150 env FA4DIST_CP_TRANSPORT=peer "${TORCHRUN[@]}" tests/cp/multigpu_check.py
     TAIL_LINES=8 stage transport 120 "${TORCHRUN[@]}" bench/transport.py --mib 1 64 256 --out-dir "$OUT"
-    # the chunk size between GPUs (on one GPU shared by two processes a chunk cost ~100 us: fifty-third session)
-    for c in 8 128; do
-      TAIL_LINES=6 stage "transport_chunk$c" 90 "${TORCHRUN[@]}" bench/transport.py --mib 64 256 --chunk-mib "$c" \
-        --out-dir "$OUT"
-    done
     TAIL_LINES=16 stage multigpu_transports 300 "${TORCHRUN[@]}" bench/multigpu.py --tokens-per-gpu 32768 131072 \
       --heads 32:8 32:32 --transports group peer --reps 3 --out-dir "$OUT"
+    # last (the call's 600 s may end it): the chunk size between GPUs (on one GPU shared by two processes a chunk
+    # cost ~100 us: fifty-third session)
+    for c in 8 128; do
+      TAIL_LINES=6 stage "transport_chunk$c" 60 "${TORCHRUN[@]}" bench/transport.py --mib 64 256 --chunk-mib "$c" \
+        --out-dir "$OUT"
+    done
     ;;
   window)
     TAIL_LINES=18 stage multigpu_check 150 "${TORCHRUN[@]}" tests/cp/multigpu_check.py
