@@ -16,7 +16,15 @@
 # - table: the #11 points at S >= 4k with device time and five interleaved rounds (the fifty-second session's do_bench
 #   table read hdim 128 non-causal 16k forward 0.94x flash-attn-4 where the forty-third's device time read 0.99).
 #   Predicted: forward 0.97-1.01 at every point, the 0.94 a do_bench reading.
-# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_53.sh chunks | sanitizer | table
+# Ran (call 7): table; forward 0.98-1.04x flash-attn-4 (bench/RESULTS.md).
+# - masked_last: the forward's plain key blocks first and its masked ones (causal band, window edge) last
+#   (FwdConfig.masked_last, a knob, off by default: other bits), so that the sanitizer scans a masked V tile while
+#   plain blocks compute instead of before the tile's first PV (the lead of the twenty-ninth and forty-fifth
+#   sessions). First the forward's GPU tests under FA4DIST_FWD_OVERRIDE=masked_last=1 (NaN / inf in masked V,
+#   windows, packed, accumulate), then bench/window.py with and without it and the 1k causal forward beside
+#   cuDNN and flash-attn-4. Predicted: the window rows +0.5-1% (about half of sanitize=0's +1.0%), causal 1k
+#   +1-2% (the scan's latency before the first PV, forty-fifth session), 4k-16k causal within noise.
+# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_53.sh chunks | sanitizer | table | masked_last
 set -u
 source "$(dirname "$0")/../stage.sh"
 for s in ${*:-chunks}; do
@@ -37,6 +45,19 @@ for s in ${*:-chunks}; do
       TAIL_LINES=24 stage table 420 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 16384 \
         --causal false true --directions fwd bwd --deterministic --backends cute cudnn flash_attn_4 --rounds 5 \
         --queue-ahead-ms 3 --out-dir "$OUT/table" ;;
-    *) echo "unknown stage $s (chunks | sanitizer | table)"; exit 2 ;;
+    masked_last)
+      export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s53
+      TAIL_LINES=8 stage masked_last_tests 170 env FA4DIST_FWD_OVERRIDE=masked_last=1 python3 -m pytest -x -q \
+        -p no:cacheprovider -rfE tests/kernels/test_cute_nonfinite_gpu.py tests/kernels/test_window_gpu.py \
+        tests/kernels/test_cute_fwd_gpu.py -k "forward_dense or forward_packed or fp16 or lse_is or rows_that or \
+garbage or between or dense_windows or packed_windows or test_dense or test_varlen or test_accumulate"
+      TAIL_LINES=6 stage window_base 90 python3 bench/window.py --cases causal window --rounds 5 \
+        --queue-ahead-ms 5 --out-dir "$OUT/window_base"
+      TAIL_LINES=6 stage window_masked_last 90 env FA4DIST_FWD_OVERRIDE=masked_last=1 python3 bench/window.py \
+        --cases causal window --rounds 5 --queue-ahead-ms 5 --out-dir "$OUT/window_masked_last"
+      TAIL_LINES=14 stage short_causal 100 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 4096 \
+        --causal true --directions fwd --backends cute cudnn flash_attn_4 --cute-variants fwd:masked_last=1 \
+        --rounds 5 --queue-ahead-ms 3 --out-dir "$OUT/short_causal" ;;
+    *) echo "unknown stage $s (chunks | sanitizer | table | masked_last)"; exit 2 ;;
   esac
 done
