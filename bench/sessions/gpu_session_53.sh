@@ -63,9 +63,9 @@ garbage or between or dense_windows or packed_windows or test_dense or test_varl
       TAIL_LINES=8 stage masked_last_tests 80 env FA4DIST_FWD_OVERRIDE=masked_last=1 python3 -m pytest -x -q \
         -p no:cacheprovider -rfE tests/kernels/test_cute_nonfinite_gpu.py tests/kernels/test_window_gpu.py \
         -k "forward_dense or forward_packed or garbage or between"
-      TAIL_LINES=6 stage window_base 55 python3 bench/window.py --cases causal window --rounds 5 \
+      TAIL_LINES=6 stage window_base 60 python3 bench/window.py --cases causal window --rounds 5 \
         --queue-ahead-ms 5 --out-dir "$OUT/window_base"
-      TAIL_LINES=6 stage window_masked_last 55 env FA4DIST_FWD_OVERRIDE=masked_last=1 python3 bench/window.py \
+      TAIL_LINES=6 stage window_masked_last 60 env FA4DIST_FWD_OVERRIDE=masked_last=1 python3 bench/window.py \
         --cases causal window --rounds 5 --queue-ahead-ms 5 --out-dir "$OUT/window_masked_last" ;;
     *) echo "unknown stage $s (chunks | sanitizer | table | masked_last | masked_last_quick)"; exit 2 ;;
   esac
