@@ -24,6 +24,9 @@
 #   windows, packed, accumulate), then bench/window.py with and without it and the 1k causal forward beside
 #   cuDNN and flash-attn-4. Predicted: the window rows +0.5-1% (about half of sanitize=0's +1.0%), causal 1k
 #   +1-2% (the scan's latency before the first PV, forty-fifth session), 4k-16k causal within noise.
+# Ran (call 9, masked_last_quick: the tests and the window rows in the last device time): 12 passed; window
+#   forward -1.0% (wrong in sign). Next: the `masked_last` part's short_causal stage (causal 1k and 4k, hdim 128
+#   and 64, beside cuDNN and flash-attn-4); drop the knob if it loses there too.
 # Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_53.sh chunks | sanitizer | table | masked_last
 set -u
 source "$(dirname "$0")/../stage.sh"
