@@ -219,9 +219,8 @@ def links_for(transport) -> "PeerLinks":
 class PeerPending:
     """A batch in flight on the peer links; :meth:`wait` orders the caller's stream after it (no host wait)."""
 
-    def __init__(self, events, keep, unstage, what: str, peers: str):
+    def __init__(self, events, keep, unstage):
         self._events, self._keep, self._unstage = events, keep, unstage
-        self.what, self.peers = what, peers
         self.done = False
 
     def wait(self) -> None:
@@ -425,7 +424,7 @@ class PeerLinks:
                         f"{t.label}: rank {t.rank} of {t.size} waited more than {t.timeout:g}s for {what} "
                         f"({peers}) over the peer copies ({TRANSPORT_ENV}=peer): a peer never posted its side (it "
                         "stopped, or made another call)")
-        return PeerPending(events, keep, unstage, what, peers)
+        return PeerPending(events, keep, unstage)
 
 
 def _by_peer(messages):
