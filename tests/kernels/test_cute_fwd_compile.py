@@ -103,11 +103,6 @@ EXTRA = [
     # hdim 256 on the persistent grid (O stored directly: no room for its staging tile), and a work list
     (torch.bfloat16, 256, False, False, False, {"tma_store_o": False, "persistent_ctas": 132}),
     (torch.bfloat16, 256, True, True, True, {"worklist": True}),
-    # a tile's plain key blocks first, the masked ones last (fwd_sm90.processing_block): windowed, packed merging,
-    # the two-CTA short launches
-    (torch.bfloat16, 128, True, False, False, {"masked_last": True, "window_left": 4096}),
-    (torch.float16, 128, True, True, True, {"masked_last": True, "seg_offsets": True}),
-    (torch.bfloat16, 64, True, False, False, {"masked_last": True, "short": True}),
 ]
 
 
@@ -441,19 +436,6 @@ def test_defer_v_marks_default_scope():
     assert cfg(64, short=True).tile_m == 64 and cfg(64, short=True).defer_v_marks
     assert cfg(64).tile_m == 192 and not cfg(64).defer_v_marks and not cfg(64, softcap=30.0).defer_v_marks
     assert cfg(64, defer_v_marks=True).defer_v_marks and not cfg(128, defer_v_marks=False).defer_v_marks
-
-
-def test_masked_last_scope():
-    """The masked-blocks-last order (FwdConfig.masked_last, off by default) where the kernel has it: causal, with
-    intra_wg_overlap and deferred bad-V marks; make_config turns it off elsewhere (one cache entry per kernel)."""
-    def cfg(d=128, causal=True, **kw):
-        return cute_fwd.make_config(torch.bfloat16, d, causal=causal, varlen=False, accumulate=False, **kw)
-    assert not cfg().masked_last and cfg(masked_last=True).masked_last
-    assert cfg(window_left=4096, masked_last=True).masked_last and cfg(64, short=True, masked_last=True).masked_last
-    assert not cfg(causal=False, masked_last=True).masked_last
-    assert not cfg(masked_last=True, intra_wg_overlap=False).masked_last
-    assert not cfg(64, masked_last=True).masked_last  # hdim 64's 192-row tiles mark before the PV
-    assert cfg(64, masked_last=True, defer_v_marks=True).masked_last
 
 
 def test_late_pv_wait_default_scope():

@@ -100,11 +100,6 @@ class FwdConfig:
     # of the step that issues its PV instead of right after its softmax, where the consumer waited for the sanitized
     # V before the next block's S GEMM could issue. The same bits. Default from default_defer_v_marks
     defer_v_marks: bool = True
-    # a tile's plain key blocks first, its masked ones (the causal band, the sequence end, the window's edge) last,
-    # so that the sanitizer scans their V tiles while plain blocks compute (fwd_sm90.processing_block). Other
-    # bits than the default order (another summation order, the same from run to run). Causal with intra_wg_overlap
-    # and (with the sanitizer) defer_v_marks only; make_config turns it off elsewhere. A measurement knob for now
-    masked_last: bool = False
     # >= 0 (causal only): a sliding window's lower edge, keys more than this far below the diagonal are masked
     # and their blocks never loaded (backend.py folds a window's right edge into the diagonal)
     window_left: int = -1
@@ -176,7 +171,7 @@ class FwdConfig:
             chained_max=self.chained_max,
             hoist_descriptors=self.hoist_descriptors, hoist_q_slices=self.hoist_q_slices,
             tma_store_o=self.tma_store_o, sanitize=self.sanitize, defer_v_marks=self.defer_v_marks,
-            masked_last=self.masked_last, window_left=self.window_left, softcap=self.softcap,
+            window_left=self.window_left, softcap=self.softcap,
             sinks=self.sinks, softcap_fixed_max=self.softcap_fixed_max, worklist=self.worklist,
             prefetch_running=self.prefetch_running, persistent_ctas=self.persistent_ctas if self.persistent else 0,
             dynamic_tiles=self.takes_tile_counter, reset_counter=self.reset_counter,
@@ -418,7 +413,7 @@ _FIELDS = {
     "late_pv_wait": host.parse_bool, "hoist_descriptors": host.parse_bool,
     "hoist_q_slices": host.parse_bool, "tma_store_o": host.parse_bool,
     "sanitize": host.parse_bool,
-    "defer_v_marks": host.parse_bool, "masked_last": host.parse_bool,
+    "defer_v_marks": host.parse_bool,
     "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
     "persistent_ctas": host.parse_count, "dynamic_tiles": host.parse_bool, "exact_merge": host.parse_bool,
     "reset_counter": host.parse_bool,
@@ -479,10 +474,6 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
         cfg = dataclasses.replace(cfg, defer_v_marks=default_defer_v_marks(cfg))
     if "chained_max" not in kw:
         cfg = dataclasses.replace(cfg, chained_max=bool(chained))
-    # (the kernel's order needs both; non-causal, whose one masked block is a sequence's end, compiled with its
-    # wgmmas serialized (ptxas C7511) for packed bf16 hdim 128: causal only)
-    if cfg.masked_last and not (cfg.causal and cfg.intra_wg_overlap and (cfg.defer_v_marks or not cfg.sanitize)):
-        cfg = dataclasses.replace(cfg, masked_last=False)
     if cfg.hoist_q_slices and not cfg.hoist_descriptors:  # (the slices are hoisted with the bases only)
         cfg = dataclasses.replace(cfg, hoist_q_slices=False)
     if cfg.interleave_lengths and not cfg.causal:  # tiles of one length: the same kernel, one cache entry

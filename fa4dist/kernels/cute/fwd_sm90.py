@@ -110,7 +110,6 @@ class FlashFwdSm90:
         tma_store_o: bool = True,
         sanitize: bool = True,
         defer_v_marks: bool = True,
-        masked_last: bool = False,
         l2_rows: Optional[int] = None,
         interleave_lengths: bool = False,
         window_left: int = -1,
@@ -231,9 +230,6 @@ class FlashFwdSm90:
         # a masked block's bad-V rows marked at the end of the step that issues its PV (overlap_phases_deferred),
         # so that the consumer does not wait for the sanitizer before the next S GEMM
         self.defer_v_marks = defer_v_marks and self.sanitize_v and intra_wg_overlap
-        # a tile's plain blocks first, then its masked ones (processing_block): the sanitizer scans a masked V tile
-        # while plain blocks compute instead of before the tile's first PV. Other bits than the default order
-        self.masked_last = masked_last and intra_wg_overlap and (self.defer_v_marks or not self.sanitize_v)
         self.fp16 = dtype == cutlass.Float16
         self.sanitizer_threads = 96  # warps 1..3 of the producer warpgroup
         # smem words per stage telling the consumers which V rows held NaN / inf: the first such row, or with a
@@ -541,8 +537,7 @@ class FlashFwdSm90:
                                                              n_block_window_end)
         blk = Context(n_block_min=n_block_min, n_block_max=n_block_max, n_blocks=n_block_max - n_block_min,
                       n_masked=n_masked, n_plain=n_plain, n_window=n_window, split_slot=split_rel,
-                      split_part=split_part, split_tile=split_tile, split_parts=launch.split_parts,
-                      n_lead=n_plain if const_expr(self.masked_last) else None)
+                      split_part=split_part, split_tile=split_tile, split_parts=launch.split_parts)
         return tile, seqlen, tile_valid, blk
 
     @cute.jit
@@ -671,8 +666,6 @@ class FlashFwdSm90:
 
         n_block_max, n_blocks = blk.n_block_max, blk.n_blocks
         n_block = n_block_max - 1
-        if const_expr(self.masked_last):
-            n_block = self.processing_block(blk, Int32(0))
         n_san_top, n_san_bottom = self.sanitized_v_counts(blk)
         # first K tile goes out before Q so that both land together
         pipe_k.producer_acquire(kv_state)
@@ -687,9 +680,7 @@ class FlashFwdSm90:
                 self.prefetch_running_tile(io, tile, seqlen)
         # V tiles of the masked blocks (sanitized_v_counts) land on the sanitizer's barrier instead
         san = self.sanitize_v
-        if const_expr(self.masked_last):
-            kv_state, land_state = self.produce_masked_last(ld, blk, tKgK, tKsK, kv_state, land_state)
-        elif const_expr(self.intra_wg_overlap):
+        if const_expr(self.intra_wg_overlap):
             # consumer order: K(n), [K(n-1), V(n)], [K(n-2), V(n-1)], ..., V(n_block_min)
             n_pairs = n_blocks - 1
             # pair i loads K(i + 1) and V(i), in three runs: sanitized V (the top masked blocks), plain V, and
@@ -761,36 +752,6 @@ class FlashFwdSm90:
         return q_state, kv_state, land_state
 
     @cute.jit
-    def produce_masked_last(self, ld: Context, blk: Context, tKgK, tKsK, kv_state, land_state):
-        """produce's K/V pairs in masked_last's order (processing_block), after the first K: pair i loads K of
-        processing index i + 1 and V of index i, V of the leading plain blocks straight to the consumers, V of the
-        masked ones (every later index) through the sanitizer. Returns (kv_state, land_state)."""
-        n_pairs = blk.n_blocks - 1
-        n_plain_pairs = cutlass.min(blk.n_lead, n_pairs)
-        for i in cutlass.range(n_plain_pairs, unroll=1):
-            prev_state = kv_state.clone()
-            kv_state.advance()
-            self.load_k(ld, tKgK, tKsK, kv_state, self.processing_block(blk, i + 1))
-            self.load_v(ld, prev_state, self.processing_block(blk, i))
-        for i in cutlass.range(n_plain_pairs, n_pairs, unroll=1):
-            prev_state = kv_state.clone()
-            kv_state.advance()
-            self.load_k(ld, tKgK, tKsK, kv_state, self.processing_block(blk, i + 1))
-            if const_expr(self.sanitize_v):
-                self.load_v_sanitized(ld, prev_state, land_state, self.processing_block(blk, i))
-                land_state.advance()
-            else:
-                self.load_v(ld, prev_state, self.processing_block(blk, i))
-        n_last = self.processing_block(blk, n_pairs)  # (a masked block: the last index is past the plain ones)
-        if const_expr(self.sanitize_v):
-            self.load_v_sanitized(ld, kv_state, land_state, n_last)
-            land_state.advance()
-        else:
-            self.load_v(ld, kv_state, n_last)
-        kv_state.advance()
-        return kv_state, land_state
-
-    @cute.jit
     def prefetch_running_tile(self, io: Context, tile, seqlen: SeqlenInfo):
         """Warp-wide: L2 prefetches of the tile's rows of the running fp32 out (one bulk prefetch of a row per
         lane and step) and of its running lse (a line per lane), rows past seqlen_q left alone. Issued after the
@@ -854,21 +815,6 @@ class FlashFwdSm90:
         return cutlass.min(blk.n_masked + 1, blk.n_blocks), blk.n_window
 
     @cute.jit
-    def processing_block(self, blk: Context, i: Int32) -> Int32:
-        """The key block a tile processes at index ``i``: by default descending from the highest (the causal band,
-        the plain blocks, the window's lower edge, block_info.phases); with masked_last the plain blocks come
-        first (``blk.n_lead`` of them), then the band from the highest block down, then the window's blocks. The
-        masked blocks are then the processing indices >= n_lead, one run."""
-        n = blk.n_block_max - 1 - i
-        if const_expr(self.masked_last):
-            n_top = blk.n_blocks - blk.n_lead - blk.n_window
-            if i < blk.n_lead:
-                n = blk.n_block_max - n_top - 1 - i
-            elif i < blk.n_lead + n_top:
-                n = blk.n_block_max - 1 - (i - blk.n_lead)
-        return n
-
-    @cute.jit
     def sanitize_v_tiles(self, io: Context, blk: Context, tid: Int32, land_state, kv_base):
         """Sanitizer warps: for each V tile of one work tile to sanitize, zero rows that hold NaN / inf, publish the
         first such row (sVbad[stage], NONE if none), then complete the consumers' V barrier of the stage. The
@@ -880,9 +826,7 @@ class FlashFwdSm90:
         for j in cutlass.range(n_top + n_bottom, unroll=1):
             io.pipe_vland.consumer_wait(land_state)
             proc_idx = j
-            if const_expr(self.masked_last):  # (the masked blocks are one run after the plain ones)
-                proc_idx = j + blk.n_lead
-            elif const_expr(self.block_info.windowed):
+            if const_expr(self.block_info.windowed):
                 if j >= n_top:
                     proc_idx = blk.n_blocks - n_bottom + (j - n_top)
             if const_expr(kv_base is not None):
@@ -984,8 +928,6 @@ class FlashFwdSm90:
             if const_expr(self.intra_wg_overlap):
                 # ---- first block: S only ----
                 n_block = n_block_max - 1
-                if const_expr(self.masked_last):
-                    n_block = self.processing_block(blk, Int32(0))
                 io.pipe_k.consumer_wait(kv_state)
                 acc_S = cute.make_rmem_tensor(s_shape, Float32)
                 self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
@@ -994,13 +936,7 @@ class FlashFwdSm90:
                 ml.mask.apply(acc_S, m_block, n_block, True)
                 softmax.online(acc_S, True)
                 tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
-                if const_expr(self.masked_last):
-                    kv_state, pending = self.overlap_phases_masked_last(ml, kv_state, blk)
-                    io.pipe_v.consumer_wait(kv_state)
-                    if const_expr(self.defer_v_marks):
-                        if pending >= 0:  # the last block is masked: its rows' marks before its PV
-                            self.mark_bad_v_rows(ml, kv_state, pending)
-                elif const_expr(self.defer_v_marks):
+                if const_expr(self.defer_v_marks):
                     kv_state, pending = self.overlap_phases_deferred(ml, kv_state, blk, n_block_max)
                     io.pipe_v.consumer_wait(kv_state)
                     if pending >= 0:  # the last block was masked: its rows' marks before its PV
@@ -1096,38 +1032,8 @@ class FlashFwdSm90:
         return kv_state, pending
 
     @cute.jit
-    def overlap_phases_masked_last(self, ml: Context, kv_state, blk: Context):
-        """The overlapped steps after the first block in masked_last's order (processing_block): the rest of the
-        leading plain blocks, then the causal band from the highest block down (its first block with the sequence
-        end's mask too), then the window's blocks. With defer_v_marks each masked step marks the previous block's
-        bad-V rows when that block was masked. Returns (kv_state, pending): the last block, whose mark belongs to
-        the last PV (-1 without marks)."""
-        n_lead, n_window, n_block_max = blk.n_lead, blk.n_window, blk.n_block_max
-        n_top = blk.n_blocks - n_lead - n_window
-        marks = self.defer_v_marks
-        for i in cutlass.range(1, n_lead, unroll=1):  # (the first plain block was the S-only first step)
-            kv_state = self.overlap_step(ml, kv_state, n_block_max - n_top - 1 - i, False)
-        if n_lead > 0:  # the band's highest block after a plain one: nothing to mark before it
-            kv_state = self.overlap_step(ml, kv_state, n_block_max - 1, True, mask_seqlen=True)
-        for j in cutlass.range(1, n_top, unroll=1):
-            kv_state = self.overlap_step(ml, kv_state, n_block_max - 1 - j, True, n_block_max - j if marks else None)
-        pending = Int32(-1)
-        if const_expr(marks):
-            pending = n_block_max - n_top  # the band's last block
-        if const_expr(self.block_info.windowed):
-            if n_window > 0:
-                top = blk.n_block_min + n_window - 1
-                kv_state = self.overlap_step(ml, kv_state, top, True, pending if marks else None)
-                for i in cutlass.range(1, n_window, unroll=1):
-                    kv_state = self.overlap_step(ml, kv_state, top - i, True, top - i + 1 if marks else None)
-                if const_expr(marks):
-                    pending = blk.n_block_min
-        return kv_state, pending
-
-    @cute.jit
     def overlap_step(self, ml: Context, kv_state, n_block: Int32, causal_mask: cutlass.Constexpr[bool],
-                     mark_prev=None, mark_if_masked: cutlass.Constexpr[bool] = False,
-                     mask_seqlen: cutlass.Constexpr[bool] = False):
+                     mark_prev=None, mark_if_masked: cutlass.Constexpr[bool] = False):
         """S of block n_block issued with the PV of the previous block; softmax of S while PV runs. ``mark_prev``
         (defer_v_marks): the previous block's index, whose bad-V rows are marked at the end of this step, once S is
         in 16 bits (as few registers live as where the mark was before), its V stage released after it (with
@@ -1146,7 +1052,7 @@ class FlashFwdSm90:
         ml.pipe_k.consumer_release(kv_state)
         self.cap_scores(ml, acc_S)
         if const_expr(causal_mask):
-            ml.mask.apply(acc_S, ml.m_block, n_block, mask_seqlen)
+            ml.mask.apply(acc_S, ml.m_block, n_block, False)
         row_scale = ml.softmax.online(acc_S, False)
         warpgroup.wait_group(0)
         if const_expr(mark_prev is None):
