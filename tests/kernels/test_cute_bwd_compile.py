@@ -90,8 +90,6 @@ EXTRA = [
     # releases with red.release alone)
     (BF16, 128, False, False, False, True, {"ticket_sleep_ns": 0, "release_fence": True}),
     (BF16, 128, True, False, False, False, {"try_waits": True}),
-    # dS^T's smem stores before dV's GEMM issues (flash-attn-4's order), deterministic hdim 64's 128-row tiles
-    (BF16, 64, True, False, False, True, {"ds_first": True}),
     # the descriptor bases left to the DSL in every step (the knob's off position, sixteenth session)
     (BF16, 128, False, False, False, True, {"hoist_descriptors": False}),
     # long and short causal key tiles interleaved in the launch order on one CTA per tile

@@ -379,14 +379,13 @@ def test_persistent_grid_gives_the_bits_of_one_cta_per_tile(run, deterministic):
             assert rel_error(c.double(), a.double()) < tol, f"{gname} differs on the persistent grid"
 
 
-@pytest.mark.parametrize("knob", ["early_vectors", "try_waits", "ds_first", "hoist_descriptors", "interleave_lengths",
+@pytest.mark.parametrize("knob", ["early_vectors", "try_waits", "hoist_descriptors", "interleave_lengths",
                                   "lpt_over_heads"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["nondet", "det"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_step_forms_give_the_same_bits(causal, deterministic, knob):
     """Forms of the step that only move work (early_vectors: a step's lse2 / dPsum read while its first GEMMs run;
-    try_waits: the Q / dO waits tried before they block, P^T / dS^T converted with inline cvts; ds_first: dS^T's
-    smem stores before dV's GEMM issues; hoist_descriptors:
+    try_waits: the Q / dO waits tried before they block, P^T / dS^T converted with inline cvts; hoist_descriptors:
     the smem descriptor bases computed once per CTA, not per step; interleave_lengths: long and short causal key
     tiles alternating in the launch order, non-deterministic only, and lpt_over_heads: every head's longest key
     tile first, deterministic its shortest): dK / dV bytes equal to the kernel without them,

@@ -130,10 +130,6 @@ class BwdConfig:
     # the forward's late_pv_wait forms in the step (Q / dO barriers tried before the blocking wait, P^T / dS^T
     # converted with inline cvts; the same bits). A measurement knob (NOTES_BWD.md, fifteenth session)
     try_waits: bool = False
-    # dS^T stored to smem (for dQ's GEMM) before dV's GEMM is issued, as flash-attn-4 orders them, so that the
-    # stores land while the dV wgmmas issue and the async-proxy fence after them does not wait for their latency
-    # (ours waited there: NOTES_BWD.md, fifty-fourth session). The same bits. A measurement knob for now
-    ds_first: bool = False
     # the smem operands' descriptor bases computed once per CTA instead of in every step
     # (common_sm90.loop_invariant_descriptors; the same bits). False: a measurement knob
     hoist_descriptors: bool = True
@@ -183,7 +179,7 @@ class BwdConfig:
             masked_last=self.masked_last, softcap_grad_regs=self.softcap_grad_regs, grads=self.grads,
             dq_fixed=self.dq_fixed, worklist=self.worklist, persistent_ctas=self.persistent_ctas,
             det_resident=self.det_resident, tma_store_dkv=self.tma_store_dkv, early_vectors=self.early_vectors,
-            try_waits=self.try_waits, ds_first=self.ds_first, hoist_descriptors=self.hoist_descriptors,
+            try_waits=self.try_waits, hoist_descriptors=self.hoist_descriptors,
             interleave_lengths=self.interleave_lengths, lpt_over_heads=self.lpt_over_heads, lpt_group=self.lpt_group,
             ticket_sleep_ns=self.ticket_sleep_ns,
             release_fence=self.release_fence, fixed_scales_early=self.fixed_scales_early,
@@ -318,7 +314,7 @@ _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": host.parse_count, "det_ch
            "sanitize": host.parse_bool,
            "masked_last": host.parse_bool, "softcap_grad_regs": host.parse_bool, "persistent_ctas": host.parse_count,
            "tma_store_dkv": host.parse_bool, "early_vectors": host.parse_bool,
-           "try_waits": host.parse_bool, "ds_first": host.parse_bool, "hoist_descriptors": host.parse_bool,
+           "try_waits": host.parse_bool, "hoist_descriptors": host.parse_bool,
            "interleave_lengths": host.parse_bool, "lpt_over_heads": host.parse_bool, "lpt_group": host.parse_count,
            "ticket_sleep_ns": host.parse_count,
            "release_fence": host.parse_bool,

@@ -151,7 +151,6 @@ class FlashBwdSm90:
         tma_store_dkv: bool = True,
         early_vectors: bool = False,
         try_waits: bool = False,
-        ds_first: bool = False,
         hoist_descriptors: bool = True,
         interleave_lengths: bool = False,
         lpt_over_heads: bool = False,
@@ -256,8 +255,6 @@ class FlashBwdSm90:
         # the forward's late_pv_wait forms in the step: the Q / dO barriers tried once before the blocking wait,
         # P^T / dS^T converted with inline cvts (common_sm90.convert_to_16bit); the same bits either way
         self.try_waits = try_waits
-        # dS^T's smem stores before dV's GEMM issues (the fence before dQ's GEMM then finds them landed)
-        self.ds_first = ds_first
         self.hoist_descriptors = hoist_descriptors
         # causal, no deterministic order: long and short key tiles alternate in the launch order
         # (tile_scheduler.bwd_work_tile)
@@ -1329,8 +1326,6 @@ class FlashBwdSm90:
                 acc_dP_mn[r, c] = ds
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         to_16bit(acc_dP, rdS, self.try_waits)
-        if const_expr(self.compute_dq and self.ds_first):
-            self.store_ds(st, rdS, stage)  # (dS^T -> smem, below, landing while dV's wgmmas issue)
         if const_expr(self.compute_dkv):
             # (4) dV += P^T dO, issued after dS is computed (GPU run 1: 4-15 % faster than before it, fewer live
             # registers)
@@ -1342,8 +1337,7 @@ class FlashBwdSm90:
         acc_dQ = None
         if const_expr(self.compute_dq):
             # dS^T -> smem, as the (tm, tn) K-major A operand of dQ = dS K
-            if const_expr(not self.ds_first):
-                self.store_ds(st, rdS, stage)
+            self.store_ds(st, rdS, stage)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(BwdBarrier.PDS), number_of_threads=256)
             # (6) dQ = dS K
