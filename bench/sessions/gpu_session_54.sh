@@ -22,7 +22,9 @@
 #   dS math) against the default: first its bits test (test_step_forms_give_the_same_bits, 4 cases), then the #11
 #   backward points beside flash-attn-4, deterministic too. Predicted: +1-3% at hdim 128 (the fence and barrier
 #   samples are ~8% of ours, mostly hidden by the other warpgroup), about the same at hdim 64.
-# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_54.sh short_causal table | ncu_bwd16k | ds_first
+# Ran (call 11): ds_first; bits 4 passed; -0.7 to -1.3% at hdim 128, mixed within noise at hdim 64 (bench/RESULTS.md):
+#   the knob is removed again, so this part no longer runs on main.
+# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_54.sh short_causal table | ncu_bwd16k
 set -u
 source "$(dirname "$0")/../stage.sh"
 export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s54
