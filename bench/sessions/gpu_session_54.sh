@@ -7,7 +7,7 @@
 # - table: #11's S >= 4k points (device time, five interleaved rounds), as the fifty-third session's call 7 on an
 #   H100; the issue's targets name the H200, so this is its reading where an H200 comes. Predicted: forward
 #   0.97-1.02x flash-attn-4 at every point, backward 0.98-1.03, deterministic backward >= 0.95.
-# Ran (call 8, an H100 for nvidia-h200, after six refused starts): short_causal -3.5% / -4% at 1k (the knob removed);
+# Ran (call 8, an H100 for nvidia-h200, after six refused starts): short_causal -3.5% / -4% at 1k (the knob removed: that part's variant no longer runs on main);
 #   table within 0.01 of the fifty-third session's at every point (bench/RESULTS.md).
 # - ncu_bwd16k: where the hdim-128 causal 16k backward's last 2% against flash-attn-4 sits (0.98 in two runs a
 #   session apart; 1.00 at 4k causal and 16k non-causal): Nsight's SASS samples of one launch of each main kernel
