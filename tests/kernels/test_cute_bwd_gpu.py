@@ -380,7 +380,7 @@ def test_persistent_grid_gives_the_bits_of_one_cta_per_tile(run, deterministic):
 
 
 @pytest.mark.parametrize("knob", ["early_vectors", "try_waits", "hoist_descriptors", "interleave_lengths",
-                                  "lpt_over_heads", "dq_one_wg"])
+                                  "lpt_over_heads"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["nondet", "det"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_step_forms_give_the_same_bits(causal, deterministic, knob):
@@ -388,8 +388,7 @@ def test_step_forms_give_the_same_bits(causal, deterministic, knob):
     try_waits: the Q / dO waits tried before they block, P^T / dS^T converted with inline cvts; hoist_descriptors:
     the smem descriptor bases computed once per CTA, not per step; interleave_lengths: long and short causal key
     tiles alternating in the launch order, non-deterministic only, and lpt_over_heads: every head's longest key
-    tile first, deterministic its shortest; dq_one_wg: all of dQ issued by one MMA warpgroup, in the two
-    warpgroups' fragment order): dK / dV bytes equal to the kernel without them,
+    tile first, deterministic its shortest): dK / dV bytes equal to the kernel without them,
     and dQ too when deterministic. A sequence long enough for the 132-CTA grid to hold many key tiles, 1000 tokens
     (the persistent grid), GQA 2."""
     g = _gen()

@@ -167,10 +167,6 @@ class BwdConfig:
     # (dense_split_keys_plan). Not a default of any config: launch_steps runs split_keys_variant(cfg) for the
     # launches whose plan splits
     split_keys: bool = False
-    # 64-row query tiles, every gradient, float dQ: the first MMA warpgroup issues all of dQ = dS K (64 x D) and
-    # hands it to the writer; the second only stores its dS^T half and arrives, so it no longer waits for the first
-    # in every step (bwd_sm90.FlashBwdSm90.dq_one_wg)
-    dq_one_wg: bool = False
 
     def build(self):
         from .bwd_sm90 import FlashBwdSm90
@@ -187,7 +183,7 @@ class BwdConfig:
             interleave_lengths=self.interleave_lengths, lpt_over_heads=self.lpt_over_heads, lpt_group=self.lpt_group,
             ticket_sleep_ns=self.ticket_sleep_ns,
             release_fence=self.release_fence, fixed_scales_early=self.fixed_scales_early,
-            clean_tiles=self.clean_tiles, split_keys=self.split_keys, dq_one_wg=self.dq_one_wg,
+            clean_tiles=self.clean_tiles, split_keys=self.split_keys,
         )
 
     @property
@@ -323,7 +319,6 @@ _FIELDS = {"stmatrix_ds": host.parse_bool, "regs_mma": host.parse_count, "det_ch
            "ticket_sleep_ns": host.parse_count,
            "release_fence": host.parse_bool,
            "fixed_scales_early": host.parse_bool, "clean_tiles": host.parse_bool,
-           "dq_one_wg": host.parse_bool,
            "det_resident": host.parse_bool}  # True: sequences of up to half the SMs' key tiles
 # development hook: FA4DIST_BWD_OVERRIDE="stmatrix_ds=0,det_chunk=8" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_BWD_OVERRIDE", _FIELDS)

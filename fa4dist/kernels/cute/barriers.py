@@ -19,4 +19,3 @@ class BwdBarrier(IntEnum):
     DQ_EMPTY_WG0 = 4  # + MMA warpgroup (0..1): its dQ smem buffer is free again (dQ writer warp -> MMA warpgroup)
     SANITIZE = 6  # both MMA warpgroups: non-finite rows of a tile found and cleared
     DKV_EPILOGUE = 7  # both MMA warpgroups: the dK / dV staging tile is free, then written (TMA store)
-    PDS_ODD = 8  # dq_one_wg: PDS of the odd dS stages (one warpgroup arrives, the other waits: ids alternate)

@@ -160,7 +160,6 @@ class FlashBwdSm90:
         fixed_scales_early: bool = True,
         clean_tiles: bool = True,
         split_keys: bool = False,
-        dq_one_wg: bool = False,
     ):
         assert head_dim in (64, 96, 128)
         # a work list: mCuSeqlensQ is the item table (block_info.WORKLIST_COLUMNS), one "sequence" per item with
@@ -289,15 +288,6 @@ class FlashBwdSm90:
         assert not split_keys or (self.persistent and not deterministic and not varlen and not accumulate
                                   and grads == "all" and not dq_fixed and not worklist and window_left < 0
                                   and self.tma_store_dkv)
-        # 64-row query tiles: dQ = dS K (64 x D, over all 128 keys) needs both MMA warpgroups' dS^T halves. By
-        # default each warpgroup issues half of dQ's head dim, so both wait for each other in every step and run in
-        # lockstep: their exponentials, dS math and GEMMs coincide. dq_one_wg: the first warpgroup issues all of dQ
-        # (64 more accumulator registers) and hands it to the writer; the second stores its dS^T half, arrives and
-        # goes on to its dK GEMM, so the two can drift apart and each one's GEMMs fill the tensor pipe while the
-        # other exponentiates. The dQ smem tile and the scratch keep the two-warpgroup fragment order (the first
-        # warpgroup writes both halves), so the writer, the tickets and the convert are unchanged.
-        self.dq_one_wg = dq_one_wg and tile_m == 64 and grads == "all" and not dq_fixed
-        assert not self.dq_one_wg or num_stages == 2, "dq_one_wg: one PDS barrier id per dS stage (two)"
 
     # ------------------------------------------------------------------------
     # host side
@@ -358,9 +348,6 @@ class FlashBwdSm90:
             a_source=warpgroup.OperandSource.RMEM,
         )
         tiled_mma_dq = dq_tiled_mma(self.dtype, tm, D)
-        if const_expr(self.dq_one_wg):
-            tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, K_, MN_, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(64, D))
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
@@ -951,11 +938,10 @@ class FlashBwdSm90:
         wait for this key tile's turn on query tile m, add both halves of the tile into scratch chunk `chunk`, and
         (deterministic) release the ticket once the adds landed."""
         lane, gdQ, sdQ, mSem, chunk_bytes = wr.lane, wr.gdQ, io.sdQ, io.mSem, wr.chunk_bytes
-        writers = 1 if const_expr(self.dq_one_wg) else 2  # warpgroups that hand over dQ (dq_one_wg: both halves)
-        for w in cutlass.range_constexpr(writers):
+        for w in cutlass.range_constexpr(2):
             if lane == 0:
                 # the previous add of this warpgroup's buffer has finished reading smem
-                cute.arch.cp_async_bulk_wait_group(writers - 1 - w, read=True)
+                cute.arch.cp_async_bulk_wait_group(1 - w, read=True)
             cute.arch.sync_warp()
             cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_WG0) + w, number_of_threads=160)
         if const_expr(self.deterministic):
@@ -976,8 +962,7 @@ class FlashBwdSm90:
                     cur = ld_acquire_gpu(sem_ptr)
             cute.arch.sync_warp()
         for w in cutlass.range_constexpr(2):
-            if const_expr(w < writers):
-                cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_WG0) + w, number_of_threads=160)
+            cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_WG0) + w, number_of_threads=160)
             if lane == 0:
                 add = bulk_reduce_add_u64 if const_expr(self.dq_fixed) else bulk_reduce_add_f32
                 add(sdQ[None, None, None, w].iterator, gdQ[None, None, None, w, chunk].iterator, chunk_bytes)
@@ -1023,20 +1008,8 @@ class FlashBwdSm90:
         mm = self.mma_operands(io, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, scale, scale_log2)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        if const_expr(self.dq_one_wg):
-            # one code path per warpgroup (a branch around the dQ wgmma inside the step serializes the wgmmas)
-            if mm.wg == 0:
-                self.each_tile(io, launch, first,
-                               lambda tile, seqlen, rng, st: self.mma_tile(io, mm, tile, seqlen, rng, *st, True),
-                               (kv_state, q_state), False)
-            else:
-                self.each_tile(io, launch, first,
-                               lambda tile, seqlen, rng, st: self.mma_tile(io, mm, tile, seqlen, rng, *st, False),
-                               (kv_state, q_state), False)
-        else:
-            self.each_tile(io, launch, first,
-                           lambda tile, seqlen, rng, st: self.mma_tile(io, mm, tile, seqlen, rng, *st),
-                           (kv_state, q_state), False)
+        self.each_tile(io, launch, first, lambda tile, seqlen, rng, st: self.mma_tile(io, mm, tile, seqlen, rng, *st),
+                       (kv_state, q_state), False)
         if const_expr(self.use_tma_dkv):
             tidx, _, _ = cute.arch.thread_idx()
             if tidx - 128 < 32:
@@ -1061,7 +1034,7 @@ class FlashBwdSm90:
         wg_layout = cute.make_layout(2, stride=128)
         wg_sdp = tiled_mma_sdp.get_slice(wg_layout(wg))
         wg_dkv = tiled_mma_dkv.get_slice(wg_layout(wg))
-        wg_dq = tiled_mma_dq.get_slice(0 if const_expr(self.dq_one_wg) else wg_layout(wg))
+        wg_dq = tiled_mma_dq.get_slice(wg_layout(wg))
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         thr_dkv = tiled_mma_dkv.get_slice(tidx)
         sQ, sdO, sK, sdS = io.sQ, io.sdO, io.sK, io.sdS
@@ -1090,7 +1063,7 @@ class FlashBwdSm90:
 
         # fragment-order view of this thread's dQ accumulator (matches dq_chunk_layout)
         t_in_wg = tidx - wg * 128
-        tdQsdQ = io.sdQ[None, t_in_wg, None, None if const_expr(self.dq_one_wg) else wg]
+        tdQsdQ = io.sdQ[None, t_in_wg, None, wg]
         # fixed-point dQ: the query row (in its tile) of each row of this thread's dQ fragment
         tdQcdQ_mn = None
         if const_expr(self.dq_fixed):
@@ -1111,8 +1084,7 @@ class FlashBwdSm90:
         )
 
     @cute.jit
-    def mma_tile(self, io: Context, mm: Context, tile, seqlen: SeqlenInfo, rng: Context, kv_state, q_state,
-                 issuer: cutlass.Constexpr = None):
+    def mma_tile(self, io: Context, mm: Context, tile, seqlen: SeqlenInfo, rng: Context, kv_state, q_state):
         """One tile's steps (none for a tile without work) and its dK / dV epilogue; returns the advanced
         (kv_state, q_state)."""
         D = self.head_dim
@@ -1147,14 +1119,14 @@ class FlashBwdSm90:
                     m_start = self.phase_m(first, first, end, rng)
                     m = m_start
                     for _ in cutlass.range(tile.group * (end - first), unroll=1):
-                        q_state = self.mma_step(st, q_state, m, head, masked, issuer)
+                        q_state = self.mma_step(st, q_state, m, head, masked)
                         m = m + 1
                         m = first if m == end else m
                         head = head + (1 if m == m_start else 0)  # the rotated phase is done: the next head
                 else:  # (the rotated loop with m_start = first; kept apart: the PTX measured on the GPU)
                     m = first
                     for _ in cutlass.range(tile.group * (end - first), unroll=1):
-                        q_state = self.mma_step(st, q_state, m, head, masked, issuer)
+                        q_state = self.mma_step(st, q_state, m, head, masked)
                         m = m + 1
                         wrap = m == end
                         head = head + (1 if wrap else 0)
@@ -1285,11 +1257,9 @@ class FlashBwdSm90:
 
     # ------------------------------------------------------------------------
     @cute.jit
-    def mma_step(self, st: Context, q_state, m_block: Int32, head: Int32, masked: cutlass.Constexpr[bool],
-                 issuer: cutlass.Constexpr = None):
+    def mma_step(self, st: Context, q_state, m_block: Int32, head: Int32, masked: cutlass.Constexpr[bool]):
         """One (query tile, key tile) step of both MMA warpgroups: S^T, dP^T, P^T, dS^T, dV, dK, and the dQ tile
-        handed to the writer warp. ``issuer`` (dq_one_wg): True in the warpgroup that issues all of dQ, False in
-        the other; None when each issues half."""
+        handed to the writer warp."""
         stage = q_state.index
         tScS_mn, scale = st.tScS_mn, st.scale
         row_scales = None
@@ -1369,22 +1339,12 @@ class FlashBwdSm90:
             # dS^T -> smem, as the (tm, tn) K-major A operand of dQ = dS K
             self.store_ds(st, rdS, stage)
             cute.arch.fence_view_async_shared()
-            if const_expr(issuer is None):
-                cute.arch.barrier(barrier_id=int(BwdBarrier.PDS), number_of_threads=256)
-            else:
-                # dq_one_wg: one id per dS stage, since the second warpgroup may arrive for the next stage before
-                # the first waited for this one (the Q / dO pipeline keeps it from getting two stages ahead)
-                pds = int(BwdBarrier.PDS) + stage * (int(BwdBarrier.PDS_ODD) - int(BwdBarrier.PDS))
-                if const_expr(issuer):
-                    cute.arch.barrier(barrier_id=pds, number_of_threads=256)
-                else:
-                    cute.arch.barrier_arrive(barrier_id=pds, number_of_threads=256)
-            if const_expr(issuer is None):
-                # (6) dQ = dS K
-                if const_expr(self.sanitize):
-                    st.pipe_kv.sync_object_full.wait(0, st.kv_phase)  # the sanitized K (once done: returns at once)
-                acc_dQ = cute.make_rmem_tensor(st.dq_shape, Float32)
-                self.gemm(st.tiled_mma_dq, acc_dQ, st.tdQrdS[None, None, None, stage], st.tdQrKt, True)
+            cute.arch.barrier(barrier_id=int(BwdBarrier.PDS), number_of_threads=256)
+            # (6) dQ = dS K
+            if const_expr(self.sanitize):
+                st.pipe_kv.sync_object_full.wait(0, st.kv_phase)  # the sanitized K (once done: returns at once)
+            acc_dQ = cute.make_rmem_tensor(st.dq_shape, Float32)
+            self.gemm(st.tiled_mma_dq, acc_dQ, st.tdQrdS[None, None, None, stage], st.tdQrKt, True)
             if const_expr(self.dq_fixed and not self.fixed_scales_early):
                 # loaded under the dQ and dK GEMMs (at the start of the step they held registers through its
                 # S / dS phase, which spilled at hdim 64 with 128-row query tiles)
@@ -1392,27 +1352,13 @@ class FlashBwdSm90:
         if const_expr(self.compute_dkv):
             # (7) dK += dS^T Q
             self.gemm(st.tiled_mma_dkv, st.acc_dK, acc_to_operand_a(rdS), st.tdKrQt[None, None, None, stage], False)
-            if const_expr(issuer is True):
-                warpgroup.wait_group(0)  # dV and dK done: P^T's and dS^T's registers free for dQ's accumulator
-            else:
-                warpgroup.wait_group(1)  # dV (and dQ) done: only dK may be in flight
+            warpgroup.wait_group(1)  # dV (and dQ) done: only dK may be in flight
         else:
             warpgroup.wait_group(0)  # dQ done
         st.pipe_do.consumer_release(q_state)
-        if const_expr(issuer is True):
-            # (6) dQ = dS K over all keys, issued once dV and dK are done: its 64 accumulator registers then
-            # replace P^T's and dS^T's, beside dK / dV's 128 (issued before dK, ptxas spills ~1 KB and serializes
-            # the wgmmas; after dK with dK in flight, it serializes them)
-            if const_expr(self.sanitize):
-                st.pipe_kv.sync_object_full.wait(0, st.kv_phase)  # the sanitized K (once done: returns at once)
-            acc_dQ = cute.make_rmem_tensor(st.dq_shape, Float32)
-            self.gemm(st.tiled_mma_dq, acc_dQ, st.tdQrdS[None, None, None, stage], st.tdQrKt, True)
-            warpgroup.wait_group(0)  # dQ done
 
-        if const_expr(self.compute_dq and issuer is not False):
-            # dQ tile -> smem (fragment order) for the writer warp. dq_one_wg: the first warpgroup's m64 x D
-            # fragment is the two warpgroups' m64 x D/2 ones side by side (the same rows and columns per thread, the
-            # second half's columns D/2 on), so its registers fill both halves of the tile in the same order
+        if const_expr(self.compute_dq):
+            # dQ tile -> smem (fragment order) for the writer warp
             cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_WG0) + st.wg, number_of_threads=160)
             if const_expr(self.dq_fixed):
                 acc_dQ = self.to_fixed(st, acc_dQ, row_scales)
