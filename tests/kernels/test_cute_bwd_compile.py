@@ -284,19 +284,20 @@ def test_persistent_grid_takes_a_counter(monkeypatch):
 @pytest.mark.cute
 def test_persistent_grid_is_the_default_for_short_fresh_gradients(monkeypatch):
     """Calls that write fresh dq, dk and dv (deterministic or not) on key sequences of at most
-    PERSISTENT_MAX_SEQLEN_K tokens (dense non-deterministic: PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET) run on a grid
-    of the SM count (backward.default_persistent_ctas); longer or
-    unknown lengths, merges, one-gradient calls, work lists and the fixed-point dQ keep one CTA per tile; asking
-    wins."""
+    PERSISTENT_MAX_SEQLEN_K tokens (dense non-deterministic: PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET; dense
+    non-deterministic causal at hdim 64 without a window or a cap: any length) run on a grid of the SM count
+    (backward.default_persistent_ctas); longer or unknown lengths, merges, one-gradient calls, work lists and the
+    fixed-point dQ keep one CTA per tile; asking wins."""
     monkeypatch.setattr(host, "_SM_COUNT", [114])
     limit = bwd.PERSISTENT_MAX_SEQLEN_K
 
-    def ctas(max_seqlen_k=1024, accumulate=False, deterministic=False, **kw):
+    def ctas(max_seqlen_k=1024, accumulate=False, deterministic=False, head_dim=64, causal=True, **kw):
         grads = FP32 if accumulate else BF16
         varlen = kw.pop("varlen", True)
-        return bwd.make_configs(BF16, 64, causal=True, varlen=varlen, seg_offsets=False, accumulate=accumulate,
-                                deterministic=deterministic, dq_dtype=grads, dkv_dtype=grads, o_dtype=BF16,
-                                do_dtype=BF16, max_seqlen_k=max_seqlen_k, **kw)[1].persistent_ctas
+        return bwd.make_configs(BF16, head_dim, causal=causal, varlen=varlen, seg_offsets=False,
+                                accumulate=accumulate, deterministic=deterministic, dq_dtype=grads,
+                                dkv_dtype=grads, o_dtype=BF16, do_dtype=BF16, max_seqlen_k=max_seqlen_k,
+                                **kw)[1].persistent_ctas
 
     assert ctas() == ctas(max_seqlen_k=limit) == ctas(deterministic=True) == 114
     for kw in (dict(max_seqlen_k=limit + 1), dict(max_seqlen_k=None), dict(accumulate=True),
@@ -306,9 +307,14 @@ def test_persistent_grid_is_the_default_for_short_fresh_gradients(monkeypatch):
     assert ctas(max_seqlen_k=None, persistent_ctas=100) == 100
     # dense non-deterministic calls up to PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET keys (measured to 8k)
     dense_limit = bwd.PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET
-    assert ctas(max_seqlen_k=dense_limit, varlen=False) == 114
-    assert ctas(max_seqlen_k=dense_limit + 1, varlen=False) == 0
+    for head_dim, causal in ((64, False), (128, True), (128, False)):
+        assert ctas(max_seqlen_k=dense_limit, varlen=False, head_dim=head_dim, causal=causal) == 114
+        assert ctas(max_seqlen_k=dense_limit + 1, varlen=False, head_dim=head_dim, causal=causal) == 0
     assert ctas(max_seqlen_k=limit + 1, varlen=False, deterministic=True) == 0
+    # ... and at any length causal at hdim 64 with a plain mask (measured to 32k)
+    assert ctas(max_seqlen_k=32768, varlen=False) == 114
+    for mask in (dict(window_left=4096), dict(softcap=30.0)):
+        assert ctas(max_seqlen_k=dense_limit + 1, varlen=False, **mask) == 0, mask
 
     # launch_steps passes the key length: a dense call's own, a packed call's max_seqlen_k
     seen = []

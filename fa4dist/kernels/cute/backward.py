@@ -119,7 +119,7 @@ class BwdConfig:
     # > 0: a persistent grid of at most this many CTAs claiming key tiles from a counter (bwd_sm90.FlashBwdSm90);
     # the launch passes a zeroed int32 counter. Default from default_persistent_ctas (sequences of up to 2k, 8k dense
     # non-deterministic: it measured up to -9% at causal 16k; NOTES_BWD.md, eleventh, twelfth and seventeenth
-    # sessions)
+    # sessions; dense non-deterministic causal hdim 64 at any length: +3% at 16k and 32k, fifty-fifth session)
     persistent_ctas: int = 0
     # fresh 16-bit dK / dV of a dense call staged in shared memory and written with TMA stores, as flash-attn-4
     # does (False: stores from registers, which the varlen, accumulating and fp32-output variants always use)
@@ -401,12 +401,21 @@ def default_interleave_lengths(causal: bool, deterministic: bool, varlen: bool, 
 # and for dense non-deterministic calls
 PERSISTENT_MAX_SEQLEN_K = 2048
 PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET = 8192
+# ... and at any length for dense non-deterministic causal calls at these head dims, without a window or a cap
+# (fifty-fifth session, one H100, bench/kernels.py --cute-variants bwd:persistent_ctas=132, device time, three runs
+# against one CTA per tile: hdim 64 causal +3.3 / +3.1 / +3.1% at 16k, +3.3% at 32k, reaching 1.01 / 1.03x
+# flash-attn-4 from 0.98 / 0.99; in the same runs hdim 64 non-causal 16k -0.7 / +0.2% and hdim 128 16k within
+# +-0.3%, causal and not, so those keep one CTA per tile)
+PERSISTENT_ANY_SEQLEN_CAUSAL_HEAD_DIMS = (64,)
 
 
 def default_persistent_ctas(accumulate: bool, grads: str, worklist: bool, dq_fixed: bool,
-                            max_seqlen_k: Optional[int], deterministic: bool = False, varlen: bool = True) -> int:
+                            max_seqlen_k: Optional[int], deterministic: bool = False, varlen: bool = True,
+                            head_dim: int = 0, causal: bool = False, plain_mask: bool = False) -> int:
     """The SM count for backwards that write fresh dq, dk and dv on key sequences of at most PERSISTENT_MAX_SEQLEN_K
-    tokens, PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET for dense non-deterministic calls; else 0 (one CTA per tile).
+    tokens, PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET for dense non-deterministic calls, any length for dense
+    non-deterministic causal calls at PERSISTENT_ANY_SEQLEN_CAUSAL_HEAD_DIMS with a plain mask (no window, no cap);
+    else 0 (one CTA per tile).
     Measured on the H200 against one CTA per tile (bench/RESULTS.md): packed causal documents of 512 / 1024 / 2048
     tokens 1.15 / 1.11 / 1.03x at hdim 64 and 1.07 / 1.06 / 1.02x at hdim 128, deterministic 1.17 / 1.10 / 1.04x and
     1.05 / 1.04 / 1.00x (twelfth session); dense causal 1k 1.02-1.10x (deterministic too), non-causal 1k 1.00-1.05x
@@ -420,6 +429,9 @@ def default_persistent_ctas(accumulate: bool, grads: str, worklist: bool, dq_fix
     lists, the fixed-point dQ, and calls whose longest key sequence is unknown (packed without max_seqlen_k)."""
     if accumulate or grads != "all" or worklist or dq_fixed or max_seqlen_k is None:
         return 0
+    if (not (deterministic or varlen) and causal and plain_mask
+            and head_dim in PERSISTENT_ANY_SEQLEN_CAUSAL_HEAD_DIMS):
+        return host.sm_count()
     bound = PERSISTENT_MAX_SEQLEN_K if deterministic or varlen else PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET
     return host.sm_count() if max_seqlen_k <= bound else 0
 
@@ -496,7 +508,8 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
     if "persistent_ctas" not in kw:
         kw["persistent_ctas"] = default_persistent_ctas(kw["accumulate"], kw["grads"], kw["worklist"],
                                                         kw["dq_fixed"], max_seqlen_k, kw["deterministic"],
-                                                        kw["varlen"])
+                                                        kw["varlen"], head_dim, kw["causal"],
+                                                        kw["window_left"] < 0 and not kw["softcap"])
     if "early_vectors" not in kw:
         kw["early_vectors"] = default_early_vectors(tm, kw["causal"], kw["deterministic"], kw["varlen"],
                                                     kw["accumulate"], kw["grads"], kw["dq_fixed"], kw["worklist"],

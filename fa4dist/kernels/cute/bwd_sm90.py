@@ -3,10 +3,11 @@
 One CTA owns one key tile (tile_n = 128 keys) of one kv head (tile_scheduler.bwd_work_tile) and iterates over
 the query tiles of every query head of its GQA group, so K/V stay resident in smem and dK/dV stay in registers
 for the whole tile (GQA reduction on chip: no dK/dV atomics, deterministic by construction). With
-``persistent_ctas`` (backward.default_persistent_ctas: short fresh-gradient calls) the grid has one CTA per SM,
-each claiming key tiles from a counter (tile_scheduler.TileClaims; a deterministic grid claims its first tile
-too) and walking them with every role's pipeline states running on from one tile into the
-next: the MMA warpgroups free K / V after a tile's last step, so the next tile's loads overlap its dK / dV stores.
+``persistent_ctas`` (backward.default_persistent_ctas: short fresh-gradient calls, and long dense causal hdim-64
+ones) the grid has one CTA per SM, each claiming key tiles from a counter (tile_scheduler.TileClaims; a
+deterministic grid claims its first tile too) and walking them with every role's pipeline states running on from
+one tile into the next: the MMA warpgroups free K / V after a tile's last step, so the next tile's loads overlap
+its dK / dV stores.
 With ``det_resident`` (backward.default_det_resident: non-causal fresh gradients) the deterministic orders may
 let a key tile wait on tiles launched after it, for sequences whose key tiles all fit on the GPU at once:
 non-causal tiles visit their query tiles rotated and add dQ in arrival order (rotation_step, rank_rotated),
