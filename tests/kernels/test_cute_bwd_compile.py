@@ -35,7 +35,7 @@ SUBSET = [
     (FP16, 128, False, False, False, False, {"o_fp32": True, "do_fp32": True, "grads_fp32": True}),
     (FP16, 64, True, True, True, False, {"window_left": 200, "seg_offsets": True}),
     (BF16, 64, False, False, False, False, {"softcap": 50.0}),
-    (BF16, 128, True, False, False, False, {"window_left": 1000}),  # masked_last with a window band
+    (BF16, 128, True, False, False, False, {"window_left": 1000}),  # the ascending order with a window band
     (BF16, 128, True, False, True, True, {"grads": "dq"}),  # the cp_invariant engine's two passes
     (BF16, 64, True, True, True, True, {"grads": "dkv", "seg_offsets": True}),
     # the fixed-point dQ (cp_invariant): int64 scratch, .add.u64, no tickets even when deterministic
@@ -71,7 +71,7 @@ SUBSET = [
 EXTRA = [
     (BF16, 128, False, False, False, True, {"stmatrix_ds": False}),
     (BF16, 128, True, True, False, True, {"det_chunk": 8}),
-    (BF16, 128, True, False, False, False, {"masked_last": False}),
+    (BF16, 128, True, False, False, False, {"masked_last": True, "window_left": 1000}),  # the band last (a knob)
     (FP16, 64, True, True, True, True, {"dq_fixed": True, "fixed_to_float": True}),
     (BF16, 128, True, False, False, True, {"softcap": 30.0, "window_left": 4096}),  # also with dq_fixed in SUBSET
     # a persistent grid claiming key tiles from a counter (a knob, measured in the eleventh session), deterministic:
@@ -212,17 +212,18 @@ def test_compile_backward_variant(variant, tmp_path, monkeypatch, capfd):
 def _spill_budget(main) -> int:
     """Bytes of spill stores a main-kernel variant may have: none, except the soft-capped hdim-64 backward on its
     128-row query tiles, whose masked steps spill 8-40 bytes (the cap's derivative recovered from P needs each
-    query's lse again next to the dPsum values). Measured on the H200 (bench/RESULTS.md, 2026-12-01, sixth
-    session): 0.97-1.00x the 64-row tiles with the derivative in registers, which do not spill; the 128-row tiles
-    are kept so that a capped call shares the uncapped calls' tiles (the ring's shared query side has one).
-    And the causal hdim-64 backward on the persistent grid (the default for short sequences), whose tile loop keeps
-    a few values beside the 128-row tiles' registers: 16 bytes, 24 with the dK / dV TMA stores (bench/RESULTS.md,
-    thirteenth session: +6-10% against one CTA per tile, +5% for the TMA stores, spills included). And, at hdim 128,
-    the deterministic causal kernel on the persistent grid with its step's vectors read early: 4 bytes (fourteenth
-    session: +3-6% at 1k, the spill included). And the causal hdim-64 kernel of one CTA per tile with the dK / dV
-    TMA stores (long sequences, deterministic or not): 4 bytes since those stores came in (thirteenth session,
-    measured with it); Nsight Compute counts one spill store and one load per warp and CTA, outside the step loop
-    (seventeenth session). And the soft-capped hdim-128 backward with the cap's derivative in registers
+    query's lse again next to the dPsum values). Measured on the H200 (bench/RESULTS.md, 2026-12-01, sixth session):
+    0.97-1.00x the 64-row tiles with the derivative in registers, which do not spill; the 128-row tiles are kept so
+    that a capped call shares the uncapped calls' tiles (the ring's shared query side has one). And the causal
+    hdim-64 backward on the persistent grid (the default for short sequences), whose tile loop keeps a few values
+    beside the 128-row tiles' registers: 16 bytes, 24 with the dK / dV TMA stores (bench/RESULTS.md, thirteenth
+    session: +6-10% against one CTA per tile, +5% for the TMA stores, spills included). And, at hdim 128, the causal
+    kernels on the persistent grid with their step's vectors read early: 4 bytes, 12 in the split variant of few-wave
+    launches (fourteenth session, deterministic: +3-6% at 1k; fifty-sixth, non-deterministic: +2-4% at 1k-8k and 0 to
+    +1.6% split, the spills included). And the causal hdim-64 kernel of one CTA per tile with the dK / dV TMA stores
+    (long sequences, deterministic or not): 4 bytes since those stores came in (thirteenth session, measured with
+    it); Nsight Compute counts one spill store and one load per warp and CTA, outside the step loop (seventeenth
+    session). And the soft-capped hdim-128 backward with the cap's derivative in registers
     (backward.default_softcap_grad_regs): 8 bytes causal, 16 on the persistent grid, 20-32 deterministic causal or
     windowed, none non-causal; measured with them on the H200 (bench/RESULTS.md, twentieth session: +6% causal at 4k
     and 16k with 8 bytes; 2026-12-01: +3-5% with 20-36). And the deterministic hdim-96 work list: 8 bytes (the item
@@ -234,7 +235,7 @@ def _spill_budget(main) -> int:
     if main.softcap > 0 and main.head_dim == 128 and main.softcap_grad_regs:
         return 32
     if main.early_vectors and main.causal and main.persistent_ctas > 0:
-        return 4  # the deterministic causal kernel of short sequences (backward.default_early_vectors)
+        return 12 if main.split_keys else 4  # the causal kernels of short sequences (backward.default_early_vectors)
     dense_fresh = main.tma_store_dkv and not (main.accumulate or main.varlen or main.dq_fixed)  # (the TMA stores)
     if main.causal and main.head_dim == 64 and main.tile_m == 128 and dense_fresh and not main.persistent_ctas:
         return 4
@@ -394,17 +395,19 @@ def test_entry_point_imports_without_cutlass():
 
 def test_early_vectors_default_scope():
     """The step's lse2 / dPsum read early (BwdConfig.early_vectors) by default where it measured faster: hdim 128
-    (64-row query tiles), dense fresh calls with all gradients, non-causal or deterministic, no soft-cap; the
-    ring's merges, packed calls, one-gradient calls, the fixed-point dQ and work lists keep the loads at their use
-    (not measured). Its bits are the same either way (the GPU test compares them)."""
+    (64-row query tiles), dense fresh calls with all gradients, causal or not (non-deterministic causal since the
+    fifty-sixth session, beside the ascending order), no soft-cap; the ring's merges, packed calls, one-gradient
+    calls, the fixed-point dQ and work lists keep the loads at their use. Its bits are the same either way (the GPU
+    test compares them)."""
     def main(d=128, causal=False, det=False, **kw):
         return bwd.make_configs(BF16, d, causal=causal, varlen=kw.pop("varlen", False), seg_offsets=False,
                                 accumulate=kw.pop("accumulate", False), deterministic=det, dq_dtype=BF16,
                                 dkv_dtype=BF16, o_dtype=BF16, do_dtype=BF16, **kw)[1]
 
     assert main().early_vectors and main(det=True).early_vectors and main(causal=True, det=True).early_vectors
-    assert main(max_seqlen_k=1024).early_vectors  # the persistent grid too
-    for off in (main(causal=True), main(d=64), main(softcap=30.0), main(varlen=True), main(accumulate=True),
+    assert main(causal=True).early_vectors and main(causal=True, window_left=4096).early_vectors
+    assert main(max_seqlen_k=1024).early_vectors and main(causal=True, max_seqlen_k=1024).early_vectors  # persistent
+    for off in (main(d=64), main(softcap=30.0), main(varlen=True), main(accumulate=True),
                 main(grads="dq", accumulate=True), main(dq_fixed=True, accumulate=True, det=True),
                 main(varlen=True, accumulate=True, worklist=True)):
         assert not off.early_vectors, off

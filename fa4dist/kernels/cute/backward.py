@@ -105,8 +105,12 @@ class BwdConfig:
     sanitize: bool = True
     window_left: int = -1  # >= 0 (causal only): the sliding window's lower edge (forward.FwdConfig)
     softcap: float = 0.0  # > 0: soft-capped scores (forward.FwdConfig); the launch passes tanh's scale
-    # non-deterministic causal: plain query tiles before the masked band (bwd_sm90.FlashBwdSm90.masked_last)
-    masked_last: bool = True
+    # non-deterministic causal: plain query tiles before the masked band (bwd_sm90.FlashBwdSm90.masked_last). A
+    # measurement knob since the fifty-sixth session: built when the band's Q / dO waited for the sanitizer's scan
+    # (+3-9% at 1k-4k then); once clean_tiles certified most band tiles, the ascending order measured faster at
+    # hdim 128 (one H100, bench/kernels.py --cute-variants bwd:masked_last=0: +3.7% at causal 1k, +0.9% at 2k,
+    # +0.8-1.7% at 4k-32k; packed 1-4k-token documents +0.8-1.7%) and the same at hdim 64 (within +-0.3% at 1k-16k)
+    masked_last: bool = False
     # softcap: the derivative of the cap kept in fp16 registers from the S phase (True) or recovered from P
     # through a log2 (False); default_softcap_grad_regs says which is faster where
     softcap_grad_regs: bool = True
@@ -365,19 +369,23 @@ def default_det_resident(deterministic: bool, causal: bool, accumulate: bool, gr
                 and not worklist)
 
 
-def default_early_vectors(tile_m: int, causal: bool, deterministic: bool, varlen: bool, accumulate: bool,
-                          grads: str, dq_fixed: bool, worklist: bool, softcap: float) -> bool:
+def default_early_vectors(tile_m: int, varlen: bool, accumulate: bool, grads: str, dq_fixed: bool, worklist: bool,
+                          softcap: float) -> bool:
     """Whether the step reads its lse2 / dPsum columns while its first GEMMs run (early_vectors): on 64-row query
-    tiles (hdim 128), for the family measured, dense calls writing fresh dq, dk and dv, non-causal, or causal and
-    deterministic. H200, 2026-12-02, fourteenth session, two interleaved runs against the default at 1k / 4k / 16k
-    (bench/sessions/gpu_session_14.sh, 14b.sh): non-causal +4 / 0 / +4% and +13 / +2 / +3%, deterministic
-    non-causal +2 / +3 / 0% and +3 / +2 / -2%, deterministic causal +3 / 0 / 0% and +6 / 0 / 0%; causal
-    non-deterministic lost (-2% at 4k in both runs, 0 / -3% at 16k): off there. The loads only move, so every
-    variant gives the same bits either way. On the persistent grid (short sequences) the causal deterministic
-    kernel spills 4 bytes with them (measured with the spill: the 1k gains above); soft-capped calls, not measured,
-    keep them off (16 bytes of spills there)."""
-    return bool(tile_m == 64 and (not causal or deterministic) and not varlen and not accumulate and grads == "all"
-                and not dq_fixed and not worklist and not softcap)
+    tiles (hdim 128), for the family measured, dense calls writing fresh dq, dk and dv. H200, 2026-12-02,
+    fourteenth session, two interleaved runs against the default at 1k / 4k / 16k (bench/sessions/gpu_session_14.sh,
+    14b.sh): non-causal +4 / 0 / +4% and +13 / +2 / +3%, deterministic non-causal +2 / +3 / 0% and +3 / +2 / -2%,
+    deterministic causal +3 / 0 / 0% and +6 / 0 / 0%; causal non-deterministic lost then (-2% at 4k, 0 / -3% at
+    16k), with the masked band visited last. With the ascending order (masked_last off, fifty-sixth session, one
+    H100, bench/sessions/gpu_session_56.sh confirm / short / window, against the previous defaults in the same
+    rounds) both together: causal +3.7 / +2.3 / +3.2 / +2.6 / +1.7 / +1.6% at 1k / 2k / 4k / 8k / 16k / 32k,
+    reaching 1.00x flash-attn-4 at 16k and 32k; windowed (W 4096, 32k) forward+backward +1.1% in two runs; the
+    few-wave split launches 0 to +1.6%. The loads only move, so every variant gives the same bits either way. On
+    the persistent grid (sequences of up to 8k keys) the causal kernels spill 4 bytes with them (measured with the
+    spill: the gains above), the split variant 12; soft-capped calls, not measured, keep them off (16 bytes of
+    spills there); packed calls (+0-1.2% measured over masked_last's change alone) keep the loads at their use."""
+    return bool(tile_m == 64 and not varlen and not accumulate and grads == "all" and not dq_fixed and not worklist
+                and not softcap)
 
 
 # dense causal non-deterministic backwards of at most this many keys alternate long and short key tiles
@@ -511,9 +519,8 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
                                                         kw["varlen"], head_dim, kw["causal"],
                                                         kw["window_left"] < 0 and not kw["softcap"])
     if "early_vectors" not in kw:
-        kw["early_vectors"] = default_early_vectors(tm, kw["causal"], kw["deterministic"], kw["varlen"],
-                                                    kw["accumulate"], kw["grads"], kw["dq_fixed"], kw["worklist"],
-                                                    kw["softcap"])
+        kw["early_vectors"] = default_early_vectors(tm, kw["varlen"], kw["accumulate"], kw["grads"], kw["dq_fixed"],
+                                                    kw["worklist"], kw["softcap"])
     if "det_resident" not in kw:
         kw["det_resident"] = default_det_resident(kw["deterministic"], kw["causal"], kw["accumulate"], kw["grads"],
                                                   kw.get("det_chunk", 0), kw["worklist"])

@@ -142,7 +142,7 @@ class FlashBwdSm90:
         sanitize: bool = True,
         window_left: int = -1,
         softcap: float = 0.0,
-        masked_last: bool = True,
+        masked_last: bool = False,
         softcap_grad_regs: bool = True,
         grads: str = "all",
         dq_fixed: bool = False,
@@ -225,11 +225,11 @@ class FlashBwdSm90:
         # masked pairs with stored operands exist only with a causal mask or packed sequences (a dense sequence
         # end is zero-filled by TMA)
         self.sanitize = sanitize and (causal or varlen)
-        # Non-deterministic causal: a key tile visits its plain query tiles first and the masked causal band after
-        # them, so that the band's Q / dO tiles are sanitized while plain steps compute instead of stalling the
-        # first steps of every CTA (short sequences: a key tile sees few query tiles). The deterministic dQ
-        # tickets need the ascending order: it keeps it. Every loop over a key tile's steps goes through
-        # phases(), so the producer, the sanitizer, the MMA warpgroups and the dQ writer agree.
+        # masked_last (non-deterministic causal; a measurement knob, backward.BwdConfig): a key tile visits its
+        # plain query tiles first and the masked causal band after them, so that the band's Q / dO tiles are
+        # sanitized while plain steps compute. The deterministic dQ tickets need the ascending order: it keeps it.
+        # Every loop over a key tile's steps goes through phases(), so the producer, the sanitizer, the MMA
+        # warpgroups and the dQ writer agree.
         self.masked_last = masked_last and self.sanitize and causal and not deterministic
         # A masked step's Q / dO skip the sanitizer when the preprocess found every row of their query tile clean
         # (mClean: finite lse and dpsum certify the rows' q and dO); only tiles with a non-finite row, and a packed
