@@ -286,7 +286,8 @@ def test_persistent_grid_takes_a_counter(monkeypatch):
 def test_persistent_grid_is_the_default_for_short_fresh_gradients(monkeypatch):
     """Calls that write fresh dq, dk and dv (deterministic or not) on key sequences of at most
     PERSISTENT_MAX_SEQLEN_K tokens (dense non-deterministic: PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET; dense
-    non-deterministic causal at hdim 64 without a window or a cap: any length) run on a grid of the SM count
+    causal at hdim 64 without a window or a cap: any length, deterministic up to
+    PERSISTENT_MAX_SEQLEN_K_DENSE_DET_CAUSAL) run on a grid of the SM count
     (backward.default_persistent_ctas); longer or unknown lengths, merges, one-gradient calls, work lists and the
     fixed-point dQ keep one CTA per tile; asking wins."""
     monkeypatch.setattr(host, "_SM_COUNT", [114])
@@ -311,7 +312,13 @@ def test_persistent_grid_is_the_default_for_short_fresh_gradients(monkeypatch):
     for head_dim, causal in ((64, False), (128, True), (128, False)):
         assert ctas(max_seqlen_k=dense_limit, varlen=False, head_dim=head_dim, causal=causal) == 114
         assert ctas(max_seqlen_k=dense_limit + 1, varlen=False, head_dim=head_dim, causal=causal) == 0
-    assert ctas(max_seqlen_k=limit + 1, varlen=False, deterministic=True) == 0
+    assert ctas(max_seqlen_k=limit + 1, varlen=False, deterministic=True, head_dim=128) == 0
+    assert ctas(max_seqlen_k=limit + 1, varlen=False, deterministic=True, causal=False) == 0
+    # dense deterministic causal at hdim 64 with a plain mask up to PERSISTENT_MAX_SEQLEN_K_DENSE_DET_CAUSAL keys
+    det_limit = bwd.PERSISTENT_MAX_SEQLEN_K_DENSE_DET_CAUSAL
+    assert ctas(max_seqlen_k=det_limit, varlen=False, deterministic=True) == 114
+    assert ctas(max_seqlen_k=det_limit + 1, varlen=False, deterministic=True) == 0
+    assert ctas(max_seqlen_k=limit + 1, varlen=False, deterministic=True, window_left=4096) == 0
     # ... and at any length causal at hdim 64 with a plain mask (measured to 32k)
     assert ctas(max_seqlen_k=32768, varlen=False) == 114
     for mask in (dict(window_left=4096), dict(softcap=30.0)):

@@ -123,7 +123,8 @@ class BwdConfig:
     # > 0: a persistent grid of at most this many CTAs claiming key tiles from a counter (bwd_sm90.FlashBwdSm90);
     # the launch passes a zeroed int32 counter. Default from default_persistent_ctas (sequences of up to 2k, 8k dense
     # non-deterministic: it measured up to -9% at causal 16k; NOTES_BWD.md, eleventh, twelfth and seventeenth
-    # sessions; dense non-deterministic causal hdim 64 at any length: +3% at 16k and 32k, fifty-fifth session)
+    # sessions; dense non-deterministic causal hdim 64 at any length: +3% at 16k and 32k, fifty-fifth session;
+    # deterministic up to 16k: +0.5-3.9%, fifty-sixth)
     persistent_ctas: int = 0
     # fresh 16-bit dK / dV of a dense call staged in shared memory and written with TMA stores, as flash-attn-4
     # does (False: stores from registers, which the varlen, accumulating and fp32-output variants always use)
@@ -415,15 +416,21 @@ PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET = 8192
 # flash-attn-4 from 0.98 / 0.99; in the same runs hdim 64 non-causal 16k -0.7 / +0.2% and hdim 128 16k within
 # +-0.3%, causal and not, so those keep one CTA per tile)
 PERSISTENT_ANY_SEQLEN_CAUSAL_HEAD_DIMS = (64,)
+# ... and deterministic ones at those head dims up to this many keys (fifty-sixth session, one H100, bench/kernels.py
+# --deterministic --cute-variants bwd-det:persistent_ctas=132, against one CTA per tile in the same rounds: hdim 64
+# causal +3.9 / +3.5% at 4k, +1.3% at 8k, +0.9 / +0.5% at 16k; in the same runs hdim 64 non-causal +0.6 / -0.9% at
+# 4k / 16k and hdim 128 -2.0 to -0.4%, so those keep one CTA per tile; 32k not measured). The grid gives the bits
+# of one CTA per tile (the persistent-grid GPU test's deterministic cases)
+PERSISTENT_MAX_SEQLEN_K_DENSE_DET_CAUSAL = 16384
 
 
 def default_persistent_ctas(accumulate: bool, grads: str, worklist: bool, dq_fixed: bool,
                             max_seqlen_k: Optional[int], deterministic: bool = False, varlen: bool = True,
                             head_dim: int = 0, causal: bool = False, plain_mask: bool = False) -> int:
     """The SM count for backwards that write fresh dq, dk and dv on key sequences of at most PERSISTENT_MAX_SEQLEN_K
-    tokens, PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET for dense non-deterministic calls, any length for dense
-    non-deterministic causal calls at PERSISTENT_ANY_SEQLEN_CAUSAL_HEAD_DIMS with a plain mask (no window, no cap);
-    else 0 (one CTA per tile).
+    tokens, PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET for dense non-deterministic calls; dense causal calls at
+    PERSISTENT_ANY_SEQLEN_CAUSAL_HEAD_DIMS with a plain mask (no window, no cap) at any length, deterministic ones
+    up to PERSISTENT_MAX_SEQLEN_K_DENSE_DET_CAUSAL; else 0 (one CTA per tile).
     Measured on the H200 against one CTA per tile (bench/RESULTS.md): packed causal documents of 512 / 1024 / 2048
     tokens 1.15 / 1.11 / 1.03x at hdim 64 and 1.07 / 1.06 / 1.02x at hdim 128, deterministic 1.17 / 1.10 / 1.04x and
     1.05 / 1.04 / 1.00x (twelfth session); dense causal 1k 1.02-1.10x (deterministic too), non-causal 1k 1.00-1.05x
@@ -437,8 +444,8 @@ def default_persistent_ctas(accumulate: bool, grads: str, worklist: bool, dq_fix
     lists, the fixed-point dQ, and calls whose longest key sequence is unknown (packed without max_seqlen_k)."""
     if accumulate or grads != "all" or worklist or dq_fixed or max_seqlen_k is None:
         return 0
-    if (not (deterministic or varlen) and causal and plain_mask
-            and head_dim in PERSISTENT_ANY_SEQLEN_CAUSAL_HEAD_DIMS):
+    if (not varlen and causal and plain_mask and head_dim in PERSISTENT_ANY_SEQLEN_CAUSAL_HEAD_DIMS
+            and (not deterministic or max_seqlen_k <= PERSISTENT_MAX_SEQLEN_K_DENSE_DET_CAUSAL)):
         return host.sm_count()
     bound = PERSISTENT_MAX_SEQLEN_K if deterministic or varlen else PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET
     return host.sm_count() if max_seqlen_k <= bound else 0
