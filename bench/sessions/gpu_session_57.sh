@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Prepared in the fifty-sixth session (2026-12-06) for the next one: the rest of the defaults audit. The fifty-sixth
+# found the backward's causal band order stale (masked_last, built before clean_tiles) and changed it with
+# early_vectors (commit 40e5862), and the deterministic hdim-64 causal grid (78bfac0). Thresholds measured against
+# the old order may have moved with it; and the forward's grid choices were last measured in the ninth session.
+# - bwd_interleave: long and short key tiles alternated (interleave_lengths) at causal 1k (the default there,
+#   measured with the band last in the seventeenth session: +7.6 / +8.4%) and at 2k (off: -4.6 / 0% then), both
+#   sides. Predicted: still on at 1k (+3-8%), still off at 2k.
+# - ring_sim: the ring's accumulating steps now visit their causal band first too (masked_last is off for every
+#   variant). cp_sim at cp = 8, backward, one launch per step and groups of four. Predicted: within +-1% of the
+#   fifty-first session's 0.926 / 0.941 (eff~), perhaps +1% (the diagonal steps' ascending order measured +1-4%).
+# - fwd_grid: the forward's persistent grid (default for every dense 16-bit forward since the ninth session) against
+#   one CTA per tile at hdim 128, and split_tail off, at 4k / 16k. Predicted: the grid within +-1% at 16k, +1-3% at
+#   4k; split_tail unchanged at 16k (no tail to split at 16 x 8 waves).
+# - softcap: the soft-capped hdim-128 backward with early_vectors (off for capped calls, never measured), now that
+#   the band comes first. ptxas (CPU, fifty-sixth session): 248 / 264 bytes of spill stores at 4k / 16k against
+#   the default's 16 / 20. Predicted: -3 to -8%; run to close the question, cheap.
+# - table: #11's S >= 4k points (for an H200, when one comes).
+# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_57.sh bwd_interleave fwd_grid ring_sim
+set -u
+source "$(dirname "$0")/../stage.sh"
+for s in ${*:-bwd_interleave}; do
+  case $s in
+    bwd_interleave)
+      TAIL_LINES=8 stage bwd_interleave 200 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 2048 \
+        --causal true --directions bwd --backends cute flash_attn_4 --cute-variants bwd:interleave_lengths=0 \
+        bwd:interleave_lengths=1 --rounds 5 --queue-ahead-ms 3 --out-dir "$OUT/bwd_interleave" ;;
+    ring_sim)
+      TAIL_LINES=12 stage ring_sim 300 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
+        --directions bwd --steps-per-launch 1 4 --reps 3 --queue-ahead-ms 8 --steady 2 --tag ring_sim ;;
+    fwd_grid)
+      TAIL_LINES=10 stage fwd_grid 200 python3 bench/kernels.py --headdims 128 --seqlens 4096 16384 \
+        --causal false true --directions fwd --backends cute flash_attn_4 --cute-variants fwd:persistent_ctas=0 \
+        fwd:split_tail=0 --rounds 5 --queue-ahead-ms 3 --out-dir "$OUT/fwd_grid" ;;
+    softcap)
+      TAIL_LINES=8 stage softcap 200 python3 bench/kernels.py --softcap 30 --headdims 128 --seqlens 4096 16384 \
+        --causal true --directions bwd --backends cute flash_attn_4 --cute-variants bwd:early_vectors=1 \
+        --rounds 5 --queue-ahead-ms 3 --out-dir "$OUT/softcap" ;;
+    table)
+      TAIL_LINES=24 stage table 420 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 16384 \
+        --causal false true --directions fwd bwd --deterministic --backends cute cudnn flash_attn_4 --rounds 5 \
+        --queue-ahead-ms 3 --out-dir "$OUT/table" ;;
+    *) echo "unknown stage $s (bwd_interleave | ring_sim | fwd_grid | softcap | table)"; exit 2 ;;
+  esac
+done
