@@ -11,7 +11,10 @@
 #   fifty-first session's 0.926 / 0.941 (eff~), perhaps +1% (the diagonal steps' ascending order measured +1-4%).
 # - fwd_grid: the forward's persistent grid (default for every dense 16-bit forward since the ninth session) against
 #   one CTA per tile at hdim 128, and split_tail off, at 4k / 16k. Predicted: the grid within +-1% at 16k, +1-3% at
-#   4k; split_tail unchanged at 16k (no tail to split at 16 x 8 waves).
+#   4k; split_tail unchanged at 16k (no tail to split at 16 x 8 waves). And FA3's 128 x 176 tile without the O
+#   staging tile (tile_n=176,tma_store_o=false: spill-free on today's kernel, ptxas on the CPU), last measured in
+#   the sixteenth session (-3 to +0.5% non-causal), before the persistent grid's later changes and chained_max.
+#   Predicted: -2 to +1% non-causal; its error against torch's flash kernel is printed (partial last key tiles).
 # - softcap: the soft-capped hdim-128 backward with early_vectors (off for capped calls, never measured), now that
 #   the band comes first. ptxas (CPU, fifty-sixth session): 248 / 264 bytes of spill stores at 4k / 16k against
 #   the default's 16 / 20. Predicted: -3 to -8%; run to close the question, cheap.
@@ -31,7 +34,7 @@ for s in ${*:-bwd_interleave}; do
     fwd_grid)
       TAIL_LINES=10 stage fwd_grid 200 python3 bench/kernels.py --headdims 128 --seqlens 4096 16384 \
         --causal false true --directions fwd --backends cute flash_attn_4 --cute-variants fwd:persistent_ctas=0 \
-        fwd:split_tail=0 --rounds 5 --queue-ahead-ms 3 --out-dir "$OUT/fwd_grid" ;;
+        fwd:split_tail=0 fwd:tile_n=176,tma_store_o=false --rounds 5 --queue-ahead-ms 3 --out-dir "$OUT/fwd_grid" ;;
     softcap)
       TAIL_LINES=8 stage softcap 200 python3 bench/kernels.py --softcap 30 --headdims 128 --seqlens 4096 16384 \
         --causal true --directions bwd --backends cute flash_attn_4 --cute-variants bwd:early_vectors=1 \
