@@ -109,7 +109,7 @@ class BwdConfig:
     # measurement knob since the fifty-sixth session: built when the band's Q / dO waited for the sanitizer's scan
     # (+3-9% at 1k-4k then); once clean_tiles certified most band tiles, the ascending order measured faster at
     # hdim 128 (one H100, bench/kernels.py --cute-variants bwd:masked_last=0: +3.7% at causal 1k, +0.9% at 2k,
-    # +0.8-1.7% at 4k-32k; packed 1-4k-token documents +0.8-1.7%) and the same at hdim 64 (within +-0.3% at 1k-16k)
+    # +0.6-1.7% at 4k-32k; packed 1-4k-token documents +0.8-1.7%) and the same at hdim 64 (within +-0.3% at 1k-16k)
     masked_last: bool = False
     # softcap: the derivative of the cap kept in fp16 registers from the S phase (True) or recovered from P
     # through a log2 (False); default_softcap_grad_regs says which is faster where
