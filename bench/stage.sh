@@ -38,3 +38,12 @@ ncu_sass_pair() {
 bundle_folders_on_exit() {
   trap '(cd "$OUT" && ls -d */ >/dev/null 2>&1 && tar czf results.tgz */ && rm -rf -- */)' EXIT
 }
+
+# `kernels_table`: #11's S >= 4k points (hdim 128 and 64, 4k and 16k, causal and not; forward, backward and the
+# deterministic backward) beside cuDNN and flash-attn-4, five interleaved rounds in device time, into $OUT/table:
+# the `table` part of the session scripts since the fifty-third.
+kernels_table() {
+  TAIL_LINES=24 stage table 420 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 16384 \
+    --causal false true --directions fwd bwd --deterministic --backends cute cudnn flash_attn_4 --rounds 5 \
+    --queue-ahead-ms 3 --out-dir "$OUT/table"
+}

@@ -45,9 +45,7 @@ for s in ${*:-chunks}; do
         python3 bench/window.py --cases causal window --rounds 5 --queue-ahead-ms 5 --out-dir "$OUT/nosanitize" ;;
     table)
       export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s53
-      TAIL_LINES=24 stage table 420 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 16384 \
-        --causal false true --directions fwd bwd --deterministic --backends cute cudnn flash_attn_4 --rounds 5 \
-        --queue-ahead-ms 3 --out-dir "$OUT/table" ;;
+      kernels_table ;;
     masked_last)
       export FA4DIST_CUTE_AOT_DIR=$PWD/.aot/s53
       TAIL_LINES=8 stage masked_last_tests 170 env FA4DIST_FWD_OVERRIDE=masked_last=1 python3 -m pytest -x -q \

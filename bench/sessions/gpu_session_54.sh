@@ -35,9 +35,7 @@ for s in ${*:-short_causal}; do
         --causal true --directions fwd --backends cute cudnn flash_attn_4 --cute-variants fwd:masked_last=1 \
         --rounds 5 --queue-ahead-ms 3 --out-dir "$OUT/short_causal" ;;
     table)
-      TAIL_LINES=24 stage table 420 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 16384 \
-        --causal false true --directions fwd bwd --deterministic --backends cute cudnn flash_attn_4 --rounds 5 \
-        --queue-ahead-ms 3 --out-dir "$OUT/table" ;;
+      kernels_table ;;
     ncu_bwd16k)
       ncu_sass_pair bwd:128:16384:causal FlashBwdSm90 FlashAttentionBackwardSm90 ;;
     ds_first)

@@ -60,9 +60,7 @@ for s in ${*:-grads}; do
         --causal false true --directions bwd --deterministic --backends cute \
         --cute-variants bwd-det:persistent_ctas=132 --rounds 3 --queue-ahead-ms 3 --out-dir "$OUT/det_persistent" ;;
     table)
-      TAIL_LINES=24 stage table 420 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 16384 \
-        --causal false true --directions fwd bwd --deterministic --backends cute cudnn flash_attn_4 --rounds 5 \
-        --queue-ahead-ms 3 --out-dir "$OUT/table" ;;
+      kernels_table ;;
     *) echo "unknown stage $s (grads | persistent16k | probe_pds | one_wg | det_persistent | table)"; exit 2 ;;
   esac
 done

@@ -86,9 +86,7 @@ for s in ${*:-stale_bwd}; do
           --out-dir "$OUT/split_$ab"
       done ;;
     table)
-      TAIL_LINES=24 stage table 420 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 16384 \
-        --causal false true --directions fwd bwd --deterministic --backends cute cudnn flash_attn_4 --rounds 5 \
-        --queue-ahead-ms 3 --out-dir "$OUT/table" ;;
+      kernels_table ;;
     *) echo "unknown stage $s (stale_bwd | det_persistent | stale_fwd | confirm | more | short | window | split | table)"; exit 2 ;;
   esac
 done

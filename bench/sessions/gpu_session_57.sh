@@ -40,9 +40,7 @@ for s in ${*:-bwd_interleave}; do
         --causal true --directions bwd --backends cute flash_attn_4 --cute-variants bwd:early_vectors=1 \
         --rounds 5 --queue-ahead-ms 3 --out-dir "$OUT/softcap" ;;
     table)
-      TAIL_LINES=24 stage table 420 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 16384 \
-        --causal false true --directions fwd bwd --deterministic --backends cute cudnn flash_attn_4 --rounds 5 \
-        --queue-ahead-ms 3 --out-dir "$OUT/table" ;;
+      kernels_table ;;
     *) echo "unknown stage $s (bwd_interleave | ring_sim | fwd_grid | softcap | table)"; exit 2 ;;
   esac
 done
