@@ -18,8 +18,12 @@
 # - softcap: the soft-capped hdim-128 backward with early_vectors (off for capped calls, never measured), now that
 #   the band comes first. ptxas (CPU, fifty-sixth session): 248 / 264 bytes of spill stores at 4k / 16k against
 #   the default's 16 / 20. Predicted: -3 to -8%; run to close the question, cheap.
+# - bwd_grid: the hdim-128 causal backward's persistent grid beyond 8k (PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET) with
+#   the new order and early loads (it read within +-0.3% at 16k before them, fifty-fifth session; the causal
+#   persistent kernel now spills 4 bytes). Predicted: within +-1%.
 # - table: #11's S >= 4k points (for an H200, when one comes).
-# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_57.sh bwd_interleave fwd_grid ring_sim
+# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_57.sh bwd_interleave fwd_grid bwd_grid softcap;
+#   then ring_sim; table on an H200
 set -u
 source "$(dirname "$0")/../stage.sh"
 for s in ${*:-bwd_interleave}; do
@@ -39,8 +43,12 @@ for s in ${*:-bwd_interleave}; do
       TAIL_LINES=8 stage softcap 200 python3 bench/kernels.py --softcap 30 --headdims 128 --seqlens 4096 16384 \
         --causal true --directions bwd --backends cute flash_attn_4 --cute-variants bwd:early_vectors=1 \
         --rounds 5 --queue-ahead-ms 3 --out-dir "$OUT/softcap" ;;
+    bwd_grid)
+      TAIL_LINES=6 stage bwd_grid 150 python3 bench/kernels.py --headdims 128 --seqlens 16384 32768 --causal true \
+        --directions bwd --backends cute flash_attn_4 --cute-variants bwd:persistent_ctas=132 --rounds 5 \
+        --queue-ahead-ms 3 --out-dir "$OUT/bwd_grid" ;;
     table)
       kernels_table ;;
-    *) echo "unknown stage $s (bwd_interleave | ring_sim | fwd_grid | softcap | table)"; exit 2 ;;
+    *) echo "unknown stage $s (bwd_interleave | ring_sim | fwd_grid | softcap | bwd_grid | table)"; exit 2 ;;
   esac
 done
