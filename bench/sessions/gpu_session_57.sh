@@ -21,8 +21,13 @@
 # - bwd_grid: the hdim-128 causal backward's persistent grid beyond 8k (PERSISTENT_MAX_SEQLEN_K_DENSE_NONDET) with
 #   the new order and early loads (it read within +-0.3% at 16k before them, fifty-fifth session; the causal
 #   persistent kernel now spills 4 bytes). Predicted: within +-1%.
+# - short_fwd: #11's causal 1k forward at hdim 64 (0.96x cuDNN: two 64-row CTAs per SM, 128-key tiles, longest
+#   tiles first) with the orders and tiles its family never took: long and short tiles alternated
+#   (interleave_lengths, measured only on the old 128-row short tiles: -1.2 / -0.6%), 64-key tiles in three stages
+#   (tiny_tiles' form, -2% at 1k in the twenty-eighth session, before defer_v_marks) and one CTA per tile.
+#   Predicted: within +-2%, none reaching cuDNN.
 # - table: #11's S >= 4k points (for an H200, when one comes).
-# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_57.sh bwd_interleave fwd_grid bwd_grid softcap;
+# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_57.sh bwd_interleave fwd_grid bwd_grid softcap short_fwd;
 #   then ring_sim; table on an H200
 set -u
 source "$(dirname "$0")/../stage.sh"
@@ -47,8 +52,12 @@ for s in ${*:-bwd_interleave}; do
       TAIL_LINES=6 stage bwd_grid 150 python3 bench/kernels.py --headdims 128 --seqlens 16384 32768 --causal true \
         --directions bwd --backends cute flash_attn_4 --cute-variants bwd:persistent_ctas=132 --rounds 5 \
         --queue-ahead-ms 3 --out-dir "$OUT/bwd_grid" ;;
+    short_fwd)
+      TAIL_LINES=6 stage short_fwd 150 python3 bench/kernels.py --headdims 64 --seqlens 1024 --causal true \
+        --directions fwd --backends cute cudnn flash_attn_4 --cute-variants fwd:interleave_lengths=1 \
+        fwd:tile_n=64,num_stages=3 fwd:persistent_ctas=0 --rounds 7 --queue-ahead-ms 3 --out-dir "$OUT/short_fwd" ;;
     table)
       kernels_table ;;
-    *) echo "unknown stage $s (bwd_interleave | ring_sim | fwd_grid | softcap | bwd_grid | table)"; exit 2 ;;
+    *) echo "unknown stage $s (bwd_interleave | ring_sim | fwd_grid | softcap | bwd_grid | short_fwd | table)"; exit 2 ;;
   esac
 done
