@@ -9,6 +9,9 @@
 # - ring_sim: the ring's accumulating steps now visit their causal band first too (masked_last is off for every
 #   variant). cp_sim at cp = 8, backward, one launch per step and groups of four. Predicted: within +-1% of the
 #   fifty-first session's 0.926 / 0.941 (eff~), perhaps +1% (the diagonal steps' ascending order measured +1-4%).
+#   Then the ring's accumulating steps with early_vectors (off for merges: never measured; spill-free there, ptxas on
+#   the CPU), A / B / A / B through the override hook, one launch per step. Predicted: +1-3% on a rank's backward
+#   (the fresh non-causal calls gained 0-13% in the fourteenth session), which would put it near #12's 0.95.
 # - fwd_grid: the forward's persistent grid (default for every dense 16-bit forward since the ninth session) against
 #   one CTA per tile at hdim 128, and split_tail off, at 4k / 16k. Predicted: the grid within +-1% at 16k, +1-3% at
 #   4k; split_tail unchanged at 16k (no tail to split at 16 x 8 waves). And FA3's 128 x 176 tile without the O
@@ -28,7 +31,7 @@
 #   Predicted: within +-2%, none reaching cuDNN.
 # - table: #11's S >= 4k points (for an H200, when one comes).
 # Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_57.sh bwd_interleave fwd_grid bwd_grid softcap short_fwd;
-#   then ring_sim; table on an H200
+#   then ring_sim ring_early; table on an H200
 set -u
 source "$(dirname "$0")/../stage.sh"
 for s in ${*:-bwd_interleave}; do
@@ -38,8 +41,16 @@ for s in ${*:-bwd_interleave}; do
         --causal true --directions bwd --backends cute flash_attn_4 --cute-variants bwd:interleave_lengths=0 \
         bwd:interleave_lengths=1 --rounds 5 --queue-ahead-ms 3 --out-dir "$OUT/bwd_interleave" ;;
     ring_sim)
-      TAIL_LINES=12 stage ring_sim 300 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
+      TAIL_LINES=12 stage ring_sim 240 python3 bench/cp_sim.py --seqlens 131072 --cp 8 --balancers lpt \
         --directions bwd --steps-per-launch 1 4 --reps 3 --queue-ahead-ms 8 --steady 2 --tag ring_sim ;;
+    ring_early)
+      for ab in a b a2 b2; do
+        case $ab in a*) ov= ;; b*) ov=early_vectors=1 ;; esac
+        export FA4DIST_BWD_OVERRIDE=$ov; TAIL_LINES=6 stage "ring_early_$ab" 150 python3 bench/cp_sim.py \
+          --seqlens 131072 --cp 8 --balancers lpt --directions bwd --reps 3 --queue-ahead-ms 8 --steady 2 \
+          --tag "ring_early_$ab"
+      done
+      export FA4DIST_BWD_OVERRIDE= ;;
     fwd_grid)
       TAIL_LINES=10 stage fwd_grid 200 python3 bench/kernels.py --headdims 128 --seqlens 4096 16384 \
         --causal false true --directions fwd --backends cute flash_attn_4 --cute-variants fwd:persistent_ctas=0 \
@@ -58,6 +69,6 @@ for s in ${*:-bwd_interleave}; do
         fwd:tile_n=64,num_stages=3 fwd:persistent_ctas=0 --rounds 7 --queue-ahead-ms 3 --out-dir "$OUT/short_fwd" ;;
     table)
       kernels_table ;;
-    *) echo "unknown stage $s (bwd_interleave | ring_sim | fwd_grid | softcap | bwd_grid | short_fwd | table)"; exit 2 ;;
+    *) echo "unknown stage $s (bwd_interleave | ring_sim | ring_early | fwd_grid | softcap | bwd_grid | short_fwd | table)"; exit 2 ;;
   esac
 done
