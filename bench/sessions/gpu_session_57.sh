@@ -3,6 +3,10 @@
 # found the backward's causal band order stale (masked_last, built before clean_tiles) and changed it with
 # early_vectors (commit 40e5862), and the deterministic hdim-64 causal grid (78bfac0). Thresholds measured against
 # the old order may have moved with it; and the forward's grid choices were last measured in the ninth session.
+# - suites (first): the GPU suites the fifty-sixth session's new backward defaults did not run under: the windowed
+#   kernels (non-deterministic windowed backwards now walk the deterministic ones' phase order, with early loads),
+#   the work lists, the non-finite inputs and the context-parallel GPU tests (the ring's accumulating steps).
+#   Predicted: all pass (the order is the deterministic one's, early_vectors only moves loads).
 # - bwd_interleave: long and short key tiles alternated (interleave_lengths) at causal 1k (the default there,
 #   measured with the band last in the seventeenth session: +7.6 / +8.4%) and at 2k (off: -4.6 / 0% then), both
 #   sides. Predicted: still on at 1k (+3-8%), still off at 2k.
@@ -30,12 +34,19 @@
 #   (tiny_tiles' form, -2% at 1k in the twenty-eighth session, before defer_v_marks) and one CTA per tile.
 #   Predicted: within +-2%, none reaching cuDNN.
 # - table: #11's S >= 4k points (for an H200, when one comes).
-# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_57.sh bwd_interleave fwd_grid bwd_grid softcap short_fwd;
+# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_57.sh suites (a call of its own);
+#   then bwd_interleave fwd_grid bwd_grid softcap short_fwd;
 #   then ring_sim ring_early; table on an H200
 set -u
 source "$(dirname "$0")/../stage.sh"
 for s in ${*:-bwd_interleave}; do
   case $s in
+    suites)
+      TAIL_LINES=4 stage window_tests 280 python3 -m pytest -m gpu -x -q -p no:cacheprovider -rfE \
+        tests/kernels/test_window_gpu.py tests/kernels/test_cute_nonfinite_gpu.py
+      TAIL_LINES=4 stage worklist_tests 200 python3 -m pytest -m gpu -x -q -p no:cacheprovider -rfE \
+        tests/kernels/test_worklist_gpu.py
+      TAIL_LINES=4 stage cp_tests 280 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/cp/test_cp_gpu.py ;;
     bwd_interleave)
       TAIL_LINES=8 stage bwd_interleave 200 python3 bench/kernels.py --headdims 128 64 --seqlens 1024 2048 \
         --causal true --directions bwd --backends cute flash_attn_4 --cute-variants bwd:interleave_lengths=0 \
@@ -69,6 +80,6 @@ for s in ${*:-bwd_interleave}; do
         fwd:tile_n=64,num_stages=3 fwd:persistent_ctas=0 --rounds 7 --queue-ahead-ms 3 --out-dir "$OUT/short_fwd" ;;
     table)
       kernels_table ;;
-    *) echo "unknown stage $s (bwd_interleave | ring_sim | ring_early | fwd_grid | softcap | bwd_grid | short_fwd | table)"; exit 2 ;;
+    *) echo "unknown stage $s (suites | bwd_interleave | ring_sim | ring_early | fwd_grid | softcap | bwd_grid | short_fwd | table)"; exit 2 ;;
   esac
 done
