@@ -56,8 +56,9 @@ SUBSET = [
     (torch.bfloat16, 64, True, False, False, {"short": True, "tiny": True}),  # <= 512 rows: 64-key tiles
     # hdim 128 causal sequences of at most 2k: long and short tiles interleaved (forward.interleaved_launch)
     (torch.bfloat16, 128, True, False, False, {"interleave": True}),
-    # hdim 128 non-causal sequences of 8k+ keys: the row max in chains (forward.chained_max_launch)
-    (torch.bfloat16, 128, False, False, False, {"chained": True}),
+    # hdim 128 non-causal sequences of 16k+ keys: the row max in chains (forward.chained_max_launch) on 176-key
+    # tiles, O stored directly (forward.wide_tiles_launch)
+    (torch.bfloat16, 128, False, False, False, {"chained": True, "wide": True}),
     # hdim 96 causal on the persistent grid: its producer takes 32 registers (forward.default_regs_producer)
     (torch.bfloat16, 96, True, False, False, {}),
     # hdim 256 (Gemma 2 / 3) on 128 x 64 tiles: dense, packed merging, Gemma 2's soft-cap with its window, sinks
@@ -103,6 +104,8 @@ EXTRA = [
     # hdim 256 on the persistent grid (O stored directly: no room for its staging tile), and a work list
     (torch.bfloat16, 256, False, False, False, {"tma_store_o": False, "persistent_ctas": 132}),
     (torch.bfloat16, 256, True, True, True, {"worklist": True}),
+    # hdim 128 non-causal sequences of 8k-16k keys: the row max in chains on 128-key tiles
+    (torch.bfloat16, 128, False, False, False, {"chained": True}),
 ]
 
 
@@ -336,6 +339,23 @@ def test_long_dense_non_causal_hdim128_launches_chain_the_row_max():
     make = functools.partial(cute_fwd.make_config, torch.bfloat16, 128, causal=False, varlen=False, accumulate=False)
     assert make(chained=True).chained_max and not make().chained_max
     assert not make(chained=True, chained_max=False).chained_max
+
+
+def test_long_dense_non_causal_hdim128_launches_take_wide_key_tiles():
+    """Dense non-causal hdim-128 launches writing a 16-bit out, of WIDE_TILES_MIN_KEYS+ keys, without a window,
+    soft-cap or sinks take 176-key tiles with O stored directly; shorter, causal, hdim-64, packed, merge / fp32,
+    windowed, soft-capped and sink launches keep 128-key tiles (forward.wide_tiles_launch); make_config takes the
+    caller's choice, and an override of either field wins."""
+    n = cute_fwd.WIDE_TILES_MIN_KEYS
+    assert cute_fwd.wide_tiles_launch(128, False, True, n) and cute_fwd.wide_tiles_launch(128, False, True, 8 * n)
+    for args in ((128, False, True, n - 1), (128, True, True, n), (64, False, True, n), (128, False, False, n),
+                 (128, False, True, n, 100), (128, False, True, n, -1, 30.0), (128, False, True, n, -1, 0.0, True)):
+        assert not cute_fwd.wide_tiles_launch(*args), args
+    make = functools.partial(cute_fwd.make_config, torch.bfloat16, 128, causal=False, varlen=False, accumulate=False)
+    wide, plain = make(wide=True), make()
+    assert (wide.tile_n, wide.tma_store_o) == (176, False) and (plain.tile_n, plain.tma_store_o) == (128, True)
+    assert wide.persistent and wide.split_tail  # the persistent grid and its tail splits as on 128-key tiles
+    assert make(wide=True, tile_n=128).tile_n == 128 and make(wide=True, tma_store_o=True).tile_n == 128
 
 
 def test_split_plan_splits_a_partial_last_wave_where_the_model_says_it_pays():

@@ -390,6 +390,26 @@ def chained_max_launch(head_dim: int, causal: bool, dense_plain: bool, seqlen_k:
             and not softcap and not sinks)
 
 
+# dense non-causal hdim-128 launches of at least this many keys take FA3's 128 x 176 tiles (wide_tiles_launch)
+WIDE_TILES_MIN_KEYS = 16384
+
+
+def wide_tiles_launch(head_dim: int, causal: bool, dense_plain: bool, seqlen_k: int, window_left: int = -1,
+                      softcap: float = 0.0, sinks: bool = False) -> bool:
+    """Whether a launch takes 176-key tiles with O stored directly (tile_n=176, tma_store_o=False: the O staging
+    tile does not fit beside two 176-key K / V stages): dense non-causal hdim-128 launches writing a 16-bit out, of
+    at least WIDE_TILES_MIN_KEYS keys, without a window, soft-cap or sinks (the family measured). Fewer, longer
+    steps: 427 instructions per 128 keys against 466 (sixteenth session). Measured on one H100 against the 128-key
+    tiles in the same rounds (2026-12-06, fifty-seventh session, bench/sessions/gpu_session_57.sh fwd_grid and
+    fwd176): +0.9 / +0.9% at 16k, +1.7% at 32k, +0.4% at 8k, -2.2% at 4k. Causal gained +0.5 / +0.5% at 16k and
+    +2.0% at 32k but lost 1.8% at 8k, and its unsplit persistent kernel spills 4 bytes (ptxas): not taken. On the
+    H200 with the sixteenth session's kernel (before chained_max and the persistent grid's later changes) it
+    measured -3 to +0.5% non-causal; the H200 table checks it again. Another key tiling changes the bits (the sums'
+    order), not their accuracy."""
+    return (head_dim == 128 and not causal and dense_plain and seqlen_k >= WIDE_TILES_MIN_KEYS and window_left < 0
+            and not softcap and not sinks)
+
+
 def split_tail_fits(cfg: FwdConfig) -> bool:
     """Whether a variant can split the tiles of a few-wave launch's tail (FwdConfig.split_tail): dense, causal or
     not, writing a fresh 16-bit out on the dynamic persistent grid, one CTA per SM, no window (a part's rows then
@@ -443,10 +463,10 @@ def set_override(**kw) -> None:
 
 def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=False, out_fp32=False,
                 window_left=-1, softcap=0.0, sinks=False, worklist=False, short=False, tiny=False, interleave=False,
-                chained=False, **overrides) -> FwdConfig:
+                chained=False, wide=False, **overrides) -> FwdConfig:
     """The FwdConfig of a call: the defaults for its fields, then FA4DIST_FWD_OVERRIDE, then ``overrides``.
-    ``short`` / ``tiny`` / ``interleave`` / ``chained``: the launch-size choices the caller made (short_queries or
-    short_documents, tiny_tiles, interleaved_launch, chained_max_launch)."""
+    ``short`` / ``tiny`` / ``interleave`` / ``chained`` / ``wide``: the launch-size choices the caller made
+    (short_queries or short_documents, tiny_tiles, interleaved_launch, chained_max_launch, wide_tiles_launch)."""
     tm, tn, st = default_tiles(head_dim, causal, short)
     kw = dict(
         dtype=host.dtype_name(dtype), head_dim=head_dim, causal=bool(causal), varlen=bool(varlen),
@@ -462,6 +482,8 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
         kw.update(tile_m=64, ctas_per_sm=2)
         if tiny and "tile_n" not in forced and "num_stages" not in forced:
             kw.update(tile_n=64, num_stages=3)
+    if wide and "tile_n" not in forced and "tma_store_o" not in forced:
+        kw.update(tile_n=176, tma_store_o=False)
     kw.update(forced)
     cfg = FwdConfig(**kw)
     if "persistent_ctas" not in kw:  # the default follows the other fields, overrides included (pdl: none)
@@ -625,14 +647,15 @@ def forward(
     tiny = tiny_tiles(short_two_ctas(d, short, window_left, softcap, has_sinks), rows)
     interleave = interleaved_launch(d, causal, dense_plain, 0 if varlen else q.shape[1], window_left)
     chained = chained_max_launch(d, causal, dense_plain, 0 if varlen else k.shape[1], window_left, softcap, has_sinks)
+    wide = wide_tiles_launch(d, causal, dense_plain, 0 if varlen else k.shape[1], window_left, softcap, has_sinks)
     fast_key = (q.dtype, d, causal, varlen, accumulate, seg_offsets, out_fp32, window_left, softcap, has_sinks, short,
-                tiny, interleave, chained)
+                tiny, interleave, chained, wide)
     fast = _FAST.get(fast_key) if not overrides and not _OVERRIDE else None
     if fast is None:
         cfg = make_config(q.dtype, d, causal=causal, varlen=varlen, accumulate=accumulate,
                           seg_offsets=seg_offsets, out_fp32=out_fp32, window_left=window_left, softcap=softcap,
                           sinks=has_sinks, short=short, tiny=tiny, interleave=interleave, chained=chained,
-                          **overrides)
+                          wide=wide, **overrides)
         # a split_tail variant splits only the launches its plan splits (few whole waves); every other launch runs
         # the same variant without it, whose kernel is the unsplit one
         plain = dataclasses.replace(cfg, split_tail=False) if cfg.split_tail else cfg
