@@ -7,7 +7,6 @@ FA4DIST_COMPILE_ALL=1 for the full product of dtypes x head dims x causal x varl
 """
 
 import dataclasses
-import functools
 import itertools
 import os
 import re
@@ -48,9 +47,6 @@ SUBSET = [
     # one launch over a work list's item table (pre, main and convert read the table; deterministic: each
     # item's tickets). bench/cute_ptx_dev.py compiles these subsets; the GPU tests run the other work-list variants
     (BF16, 128, True, True, True, True, {"worklist": True}),
-    # ... non-deterministic, as a ring's remote steps run it: the step's vectors read early
-    # (backward.default_early_vectors)
-    (BF16, 128, False, True, True, False, {"worklist": True}),
     # a work list's fresh dK / dV (fresh_dkv: written as 0 + x, dQ still through the scratch and an added convert)
     (FP16, 64, True, True, True, False, {"worklist": True, "write_dkv": True, "window_left": 300}),
     # deterministic non-causal fresh gradients: the rotated order by default (backward.default_det_resident), and
@@ -407,10 +403,9 @@ def test_entry_point_imports_without_cutlass():
 def test_early_vectors_default_scope():
     """The step's lse2 / dPsum read early (BwdConfig.early_vectors) by default where it measured faster: hdim 128
     (64-row query tiles), dense fresh calls with all gradients, causal or not (non-deterministic causal since the
-    fifty-sixth session, beside the ascending order), no soft-cap, and non-deterministic work lists (a ring's
-    steps, since the fifty-seventh session); single merges, packed calls, one-gradient calls, the fixed-point dQ and
-    deterministic work lists keep the loads at their use. Its bits are the same either way (the GPU test compares
-    them)."""
+    fifty-sixth session, beside the ascending order), no soft-cap; the ring's merges, packed calls, one-gradient
+    calls, the fixed-point dQ and work lists keep the loads at their use. Its bits are the same either way (the GPU
+    test compares them)."""
     def main(d=128, causal=False, det=False, **kw):
         return bwd.make_configs(BF16, d, causal=causal, varlen=kw.pop("varlen", False), seg_offsets=False,
                                 accumulate=kw.pop("accumulate", False), deterministic=det, dq_dtype=BF16,
@@ -419,11 +414,9 @@ def test_early_vectors_default_scope():
     assert main().early_vectors and main(det=True).early_vectors and main(causal=True, det=True).early_vectors
     assert main(causal=True).early_vectors and main(causal=True, window_left=4096).early_vectors
     assert main(max_seqlen_k=1024).early_vectors and main(causal=True, max_seqlen_k=1024).early_vectors  # persistent
-    ring_step = functools.partial(main, varlen=True, accumulate=True, worklist=True)
-    assert ring_step().early_vectors and ring_step(causal=True).early_vectors
     for off in (main(d=64), main(softcap=30.0), main(varlen=True), main(accumulate=True),
                 main(grads="dq", accumulate=True), main(dq_fixed=True, accumulate=True, det=True),
-                ring_step(det=True), ring_step(d=64), ring_step(softcap=30.0)):
+                main(varlen=True, accumulate=True, worklist=True)):
         assert not off.early_vectors, off
 
 

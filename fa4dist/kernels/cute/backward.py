@@ -371,7 +371,7 @@ def default_det_resident(deterministic: bool, causal: bool, accumulate: bool, gr
 
 
 def default_early_vectors(tile_m: int, varlen: bool, accumulate: bool, grads: str, dq_fixed: bool, worklist: bool,
-                          softcap: float, deterministic: bool = False) -> bool:
+                          softcap: float) -> bool:
     """Whether the step reads its lse2 / dPsum columns while its first GEMMs run (early_vectors): on 64-row query
     tiles (hdim 128), for the family measured, dense calls writing fresh dq, dk and dv. H200, 2026-12-02,
     fourteenth session, two interleaved runs against the default at 1k / 4k / 16k (bench/sessions/gpu_session_14.sh,
@@ -383,15 +383,10 @@ def default_early_vectors(tile_m: int, varlen: bool, accumulate: bool, grads: st
     reaching 1.00x flash-attn-4 at 16k and 32k; windowed (W 4096, 32k) forward+backward +1.1% in two runs; the
     few-wave split launches 0 to +1.6%. The loads only move, so every variant gives the same bits either way. On
     the persistent grid (sequences of up to 8k keys) the causal kernels spill 4 bytes with them (measured with the
-    spill: the gains above), the split variant 12; soft-capped calls keep them off (16 bytes of spills without
-    them, 248-264 with them: -43% at 4k / 16k, fifty-seventh session); packed calls (+0-1.2% measured
-    over masked_last's change alone) keep the loads at their use. Non-deterministic work-list launches (a ring's
-    steps, accumulating into fp32 gradients) take them too: spill-free (ptxas), and in the ring simulation (cp 8,
-    128k causal, hdim 128, bench/sessions/gpu_session_57.sh ring_early, one H100, A / B / A / B) the slowest rank's
-    backward went 39.03 / 38.59 ms to 37.67 / 37.83 ms (-2.7%). Deterministic work lists were not measured."""
-    fresh_dense = not varlen and not accumulate and not worklist
-    ring_steps = worklist and not deterministic
-    return bool(tile_m == 64 and (fresh_dense or ring_steps) and grads == "all" and not dq_fixed and not softcap)
+    spill: the gains above), the split variant 12; soft-capped calls, not measured, keep them off (16 bytes of
+    spills there); packed calls (+0-1.2% measured over masked_last's change alone) keep the loads at their use."""
+    return bool(tile_m == 64 and not varlen and not accumulate and grads == "all" and not dq_fixed and not worklist
+                and not softcap)
 
 
 # dense causal non-deterministic backwards of at most this many keys alternate long and short key tiles
@@ -532,7 +527,7 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
                                                         kw["window_left"] < 0 and not kw["softcap"])
     if "early_vectors" not in kw:
         kw["early_vectors"] = default_early_vectors(tm, kw["varlen"], kw["accumulate"], kw["grads"], kw["dq_fixed"],
-                                                    kw["worklist"], kw["softcap"], kw["deterministic"])
+                                                    kw["worklist"], kw["softcap"])
     if "det_resident" not in kw:
         kw["det_resident"] = default_det_resident(kw["deterministic"], kw["causal"], kw["accumulate"], kw["grads"],
                                                   kw.get("det_chunk", 0), kw["worklist"])
