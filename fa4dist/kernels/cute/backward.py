@@ -383,8 +383,11 @@ def default_early_vectors(tile_m: int, varlen: bool, accumulate: bool, grads: st
     reaching 1.00x flash-attn-4 at 16k and 32k; windowed (W 4096, 32k) forward+backward +1.1% in two runs; the
     few-wave split launches 0 to +1.6%. The loads only move, so every variant gives the same bits either way. On
     the persistent grid (sequences of up to 8k keys) the causal kernels spill 4 bytes with them (measured with the
-    spill: the gains above), the split variant 12; soft-capped calls, not measured, keep them off (16 bytes of
-    spills there); packed calls (+0-1.2% measured over masked_last's change alone) keep the loads at their use."""
+    spill: the gains above), the split variant 12; soft-capped calls keep them off (16 bytes of spills without
+    them, 248-264 with them: -43% at 4k / 16k, fifty-seventh session); packed calls (+0-1.2% measured over
+    masked_last's change alone) keep the loads at their use. So do work lists: in the ring simulation (cp 8, 128k
+    causal, fifty-seventh session, A / B / A / B) the steps' efficiency did not move with them (0.907 / 0.909
+    against 0.908 / 0.907)."""
     return bool(tile_m == 64 and not varlen and not accumulate and grads == "all" and not dq_fixed and not worklist
                 and not softcap)
 
