@@ -78,28 +78,15 @@ for s in ${*:-bwd_interleave}; do
       TAIL_LINES=6 stage short_fwd 150 python3 bench/kernels.py --headdims 64 --seqlens 1024 --causal true \
         --directions fwd --backends cute cudnn flash_attn_4 --cute-variants fwd:interleave_lengths=1 \
         fwd:tile_n=64,num_stages=3 fwd:persistent_ctas=0 --rounds 7 --queue-ahead-ms 3 --out-dir "$OUT/short_fwd" ;;
-    new_tests)  # (added in the fifty-seventh session) the suites of its two new defaults
-      TAIL_LINES=4 stage wide_tests 120 python3 -m pytest -m gpu -x -q -p no:cacheprovider -rfE \
-        tests/kernels/test_cute_fwd_gpu.py -k "16500 or schedule_fields or split_tail"
-      TAIL_LINES=4 stage ring_step_tests 200 python3 -m pytest -m gpu -x -q -p no:cacheprovider -rfE \
-        tests/kernels/test_worklist_gpu.py -k "test_backward_ring_lists_equal_the_loop_in_few_launches or \
-        test_backward_random_lists_equal_the_loop"
-      TAIL_LINES=4 stage cp_ring_tests 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
-        tests/cp/test_cp_gpu.py -k "ring_launch_groups or fused_backend_precision" ;;
+    new_tests)  # (added in the fifty-seventh session) the suite of its new forward default (forward.wide_tiles_launch)
+      TAIL_LINES=4 stage wide_tests 150 python3 -m pytest -m gpu -x -q -p no:cacheprovider -rfE \
+        tests/kernels/test_cute_fwd_gpu.py -k "16500 or schedule_fields or split_tail or persistent_grid" ;;
     wide_ab)  # (fifty-seventh) the 176-key default against the 128-key tiles, a third run
       TAIL_LINES=8 stage wide_ab 150 python3 bench/kernels.py --headdims 128 --seqlens 8192 16384 32768 \
         --causal false --directions fwd --backends cute flash_attn_4 --cute-variants \
         fwd:tile_n=128,tma_store_o=true --rounds 7 --queue-ahead-ms 3 --out-dir "$OUT/wide_ab" ;;
-    ring_default)  # (fifty-seventh) the ring's steps with early vectors by default, against them off
-      for ab in new old; do
-        case $ab in new) ov= ;; old) ov=early_vectors=0 ;; esac
-        export FA4DIST_BWD_OVERRIDE=$ov; TAIL_LINES=6 stage "ring_default_$ab" 120 python3 bench/cp_sim.py \
-          --seqlens 131072 --cp 8 --balancers lpt --directions bwd --reps 3 --queue-ahead-ms 8 --steady 2 \
-          --tag "ring_default_$ab"
-      done
-      export FA4DIST_BWD_OVERRIDE= ;;
     table)
       kernels_table ;;
-    *) echo "unknown stage $s (suites | bwd_interleave | ring_sim | ring_early | fwd_grid | softcap | bwd_grid | short_fwd | new_tests | wide_ab | ring_default | table)"; exit 2 ;;
+    *) echo "unknown stage $s (suites | bwd_interleave | ring_sim | ring_early | fwd_grid | softcap | bwd_grid | short_fwd | new_tests | wide_ab | table)"; exit 2 ;;
   esac
 done
