@@ -15,6 +15,16 @@ stage() {
   tail -n "${TAIL_LINES:-12}" "$OUT/$name.log"
 }
 
+# `gpu_tests NAME LIMIT_S PYTEST_ARGS...`: a GPU test stage in $GPU_TEST_WORKERS (default 8) parallel pytest workers
+# (pytest-xdist, in the device image): most of a GPU suite's time is its variants' first compiles (3-6 s each), which
+# one worker runs one after another (the fifty-seventh session's suites ran out of a whole call that way).
+gpu_tests() {
+  local name=$1 limit=$2
+  shift 2
+  TAIL_LINES=${TAIL_LINES:-4} stage "$name" "$limit" python3 -m pytest -m gpu -q -n "${GPU_TEST_WORKERS:-8}" \
+    -p no:cacheprovider -rfE "$@"
+}
+
 # `ncu_sass_pair CASE OURS_REGEX FA4_REGEX`: Nsight Compute's SASS-level samples (SourceCounters, WarpStateStats) of
 # one launch of our kernel and one of flash-attn-4's for a bench/ncu_kernels.py case, the source pages as
 # $OUT/sass_cute.csv.gz and $OUT/sass_flash_attn_4.csv.gz, and their comparison (bench/ncu_summary.py compare) in

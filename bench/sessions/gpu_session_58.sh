@@ -2,7 +2,7 @@
 # Prepared in the fifty-seventh session (2026-12-06) for the next one. The fifty-seventh made FA3's 128 x 176 tile
 # the default for dense non-causal hdim-128 forwards of 16k+ keys (forward.wide_tiles_launch: +0.9-1.7% on one
 # H100, three runs) and found the ring's early-vector lead to be clock drift (reverted). Its `suites` call ran out of
-# time on compiles: pytest without -n. These parts run the suites in parallel workers (the image has pytest-xdist).
+# time on compiles: pytest without -n. These parts run the suites in parallel workers (stage.sh gpu_tests).
 # - suites: the window and non-finite suites, and the work lists, under the fifty-sixth session's backward defaults
 #   (they passed 44 / 25 tests before the fifty-seventh's limit; none failed). Predicted: all pass.
 # - suites2: the context-parallel GPU tests and the whole forward GPU suite under the wide-tile default (its dense
@@ -22,14 +22,11 @@ source "$(dirname "$0")/../stage.sh"
 for s in ${*:-wide}; do
   case $s in
     suites)
-      TAIL_LINES=4 stage window_tests 280 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider -rfE \
-        tests/kernels/test_window_gpu.py tests/kernels/test_cute_nonfinite_gpu.py
-      TAIL_LINES=4 stage worklist_tests 280 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider -rfE \
-        tests/kernels/test_worklist_gpu.py ;;
+      gpu_tests window_tests 280 tests/kernels/test_window_gpu.py tests/kernels/test_cute_nonfinite_gpu.py
+      gpu_tests worklist_tests 280 tests/kernels/test_worklist_gpu.py ;;
     suites2)
-      TAIL_LINES=4 stage cp_tests 280 python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider -rfE tests/cp/test_cp_gpu.py
-      TAIL_LINES=4 stage fwd_tests 280 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider -rfE \
-        tests/kernels/test_cute_fwd_gpu.py ;;
+      GPU_TEST_WORKERS=4 gpu_tests cp_tests 280 tests/cp/test_cp_gpu.py
+      gpu_tests fwd_tests 280 tests/kernels/test_cute_fwd_gpu.py ;;
     wide)
       TAIL_LINES=12 stage wide 240 python3 bench/kernels.py --headdims 128 --seqlens 8192 16384 32768 \
         --causal false true --directions fwd --backends cute flash_attn_4 --cute-variants \
