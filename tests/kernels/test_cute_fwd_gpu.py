@@ -425,6 +425,7 @@ SPLIT_TAIL_CASES = [
     (1, 4000, 4050, 5, 1, 128),  # 160 tiles, 28 split in 4: padding rows, the last key block cut, MQA
     (1, 3000, 2048, 9, 3, 64),  # 192-row tiles: 144, 12 split in 4
     (2, 1500, 1500, 6, 2, 96),  # 144, 12 split in 3
+    (1, 2200, 16500, 9, 3, 128),  # 162 tiles of 176-key blocks (forward.wide_tiles_launch), a partial last block
 ]
 
 
@@ -435,7 +436,8 @@ def test_split_tail_tiles(case):
     element written (out / lse poisoned), the tiles before the split with the bytes of the unsplit launch, the same
     bytes from run to run, and a NaN in a V row NaN in every row that sees it, as unsplit."""
     b, sq, sk, h, hk, d = case
-    cfg = fa4cute.make_config(torch.bfloat16, d, causal=False, varlen=False, accumulate=False)
+    cfg = fa4cute.make_config(torch.bfloat16, d, causal=False, varlen=False, accumulate=False,
+                              wide=fa4cute.wide_tiles_launch(d, False, True, sk))  # the call's own key tiles
     assert cfg.split_tail
     num_m = -(-sq // cfg.tile_m)
     start, parts = fa4cute.dense_split_plan(cfg, (b, sq, h, d), sk)
