@@ -326,31 +326,29 @@ def test_short_dense_causal_launches_interleave_long_and_short_tiles():
     assert not make(causal=False, interleave_lengths=True).interleave_lengths  # one length: one kernel
 
 
-def test_long_dense_non_causal_hdim128_launches_chain_the_row_max():
-    """Dense non-causal hdim-128 launches writing a 16-bit out, of CHAINED_MAX_MIN_KEYS+ keys, without a window,
-    soft-cap or sinks take the row max in chains; shorter, causal, hdim-64, packed, merge / fp32, windowed,
-    soft-capped and sink launches keep the tree (forward.chained_max_launch); make_config takes the caller's
-    choice, an override wins."""
-    n = cute_fwd.CHAINED_MAX_MIN_KEYS
-    assert cute_fwd.chained_max_launch(128, False, True, n) and cute_fwd.chained_max_launch(128, False, True, 4 * n)
+def _assert_long_dense_non_causal_hdim128_scope(rule, n):
+    """``rule(head_dim, causal, dense_plain, seqlen_k, window_left, softcap, sinks)`` holds for dense non-causal
+    hdim-128 launches of ``n``+ keys without a window, soft-cap or sinks, and for no shorter, causal, hdim-64,
+    packed or merge / fp32, windowed, soft-capped or sink launch."""
+    assert rule(128, False, True, n) and rule(128, False, True, 4 * n)
     for args in ((128, False, True, n - 1), (128, True, True, n), (64, False, True, n), (128, False, False, n),
                  (128, False, True, n, 100), (128, False, True, n, -1, 30.0), (128, False, True, n, -1, 0.0, True)):
-        assert not cute_fwd.chained_max_launch(*args), args
+        assert not rule(*args), args
+
+
+def test_long_dense_non_causal_hdim128_launches_chain_the_row_max():
+    """Launches of CHAINED_MAX_MIN_KEYS+ keys take the row max in chains, the others keep the tree
+    (forward.chained_max_launch); make_config takes the caller's choice, an override wins."""
+    _assert_long_dense_non_causal_hdim128_scope(cute_fwd.chained_max_launch, cute_fwd.CHAINED_MAX_MIN_KEYS)
     make = functools.partial(cute_fwd.make_config, torch.bfloat16, 128, causal=False, varlen=False, accumulate=False)
     assert make(chained=True).chained_max and not make().chained_max
     assert not make(chained=True, chained_max=False).chained_max
 
 
 def test_long_dense_non_causal_hdim128_launches_take_wide_key_tiles():
-    """Dense non-causal hdim-128 launches writing a 16-bit out, of WIDE_TILES_MIN_KEYS+ keys, without a window,
-    soft-cap or sinks take 176-key tiles with O stored directly; shorter, causal, hdim-64, packed, merge / fp32,
-    windowed, soft-capped and sink launches keep 128-key tiles (forward.wide_tiles_launch); make_config takes the
-    caller's choice, and an override of either field wins."""
-    n = cute_fwd.WIDE_TILES_MIN_KEYS
-    assert cute_fwd.wide_tiles_launch(128, False, True, n) and cute_fwd.wide_tiles_launch(128, False, True, 8 * n)
-    for args in ((128, False, True, n - 1), (128, True, True, n), (64, False, True, n), (128, False, False, n),
-                 (128, False, True, n, 100), (128, False, True, n, -1, 30.0), (128, False, True, n, -1, 0.0, True)):
-        assert not cute_fwd.wide_tiles_launch(*args), args
+    """Launches of WIDE_TILES_MIN_KEYS+ keys take 176-key tiles with O stored directly, the others 128-key tiles
+    (forward.wide_tiles_launch); make_config takes the caller's choice, and an override of either field wins."""
+    _assert_long_dense_non_causal_hdim128_scope(cute_fwd.wide_tiles_launch, cute_fwd.WIDE_TILES_MIN_KEYS)
     make = functools.partial(cute_fwd.make_config, torch.bfloat16, 128, causal=False, varlen=False, accumulate=False)
     wide, plain = make(wide=True), make()
     assert (wide.tile_n, wide.tma_store_o) == (176, False) and (plain.tile_n, plain.tma_store_o) == (128, True)
