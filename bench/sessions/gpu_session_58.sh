@@ -13,7 +13,10 @@
 #   kernel spills 4 bytes on the default split and none with 32 / 232, ptxas on the CPU; non-causal spill-free either
 #   way). On an H200 this is the check the default needs (the sixteenth session read -3 to +0.5% there with an older
 #   kernel). Predicted: non-causal 176 +0.5-1.5% at 16k / 32k on either card; causal 176 with 32 registers +0.5-2%
-#   at 16k / 32k, -1 to -2% at 8k (as without them on the H100).
+#   at 16k / 32k, -1 to -2% at 8k (as without them on the H100). And two more key tiles, both spill-free
+#   non-causal without ptxas's wgmma serialization (C75xx) on the CPU: 192 keys without the O staging tile (FA3's
+#   noRS 128 x 192 shape, here with P in registers) and 160 keys with it. Predicted: 192 within -2 to +1% of 176
+#   (fewer steps again, but 96 score registers a thread); 160 between 128 and 176.
 # - table: #11's S >= 4k points (for an H200, when one comes).
 # Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_58.sh wide table (on an H200; wide alone on
 #   an H100); suites; suites2.
@@ -30,7 +33,8 @@ for s in ${*:-wide}; do
     wide)
       TAIL_LINES=12 stage wide 240 python3 bench/kernels.py --headdims 128 --seqlens 8192 16384 32768 \
         --causal false true --directions fwd --backends cute flash_attn_4 --cute-variants \
-        fwd:tile_n=128,tma_store_o=true fwd:tile_n=176,tma_store_o=false,regs_producer=32 --rounds 5 \
+        fwd:tile_n=128,tma_store_o=true fwd:tile_n=176,tma_store_o=false,regs_producer=32 \
+        fwd:tile_n=192,tma_store_o=false fwd:tile_n=160 --rounds 5 \
         --queue-ahead-ms 3 --out-dir "$OUT/wide" ;;
     table)
       kernels_table ;;
