@@ -16,7 +16,9 @@
 #   at 16k / 32k, -1 to -2% at 8k (as without them on the H100). And two more key tiles, both spill-free
 #   non-causal without ptxas's wgmma serialization (C75xx) on the CPU: 192 keys without the O staging tile (FA3's
 #   noRS 128 x 192 shape, here with P in registers) and 160 keys with it. Predicted: 192 within -2 to +1% of 176
-#   (fewer steps again, but 96 score registers a thread); 160 between 128 and 176.
+#   (fewer steps again, but 96 score registers a thread); 160 between 128 and 176. Main-loop instructions per 128
+#   keys (bench/sass_softmax.py --headdim 128 --set tile_n=N,...,chained_max=true --ops, CPU): 463 / 434 / 419 / 410
+#   at 128 / 160 / 176 / 192 keys; the 192-key step's PV wait comes after exp2 #11 (#15 in the others).
 # - table: #11's S >= 4k points (for an H200, when one comes).
 # Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_58.sh wide table (on an H200; wide alone on
 #   an H100); suites; suites2.
