@@ -132,7 +132,7 @@ DENSE_CASES = [
     (1, 1, 1, 2, 2, 128, True, 0, 0),
     (3, 200, 333, 8, 4, 128, True, 100, 0),  # GQA 2
     (1, 4097, 4097, 16, 2, 128, True, 0, 0),  # GQA 8, odd length
-    (1, 1000, 16500, 2, 1, 128, False, 0, 0),  # 16k+ keys: 176-key tiles (forward.wide_tiles_launch), a partial last
+    (1, 1000, 16500, 2, 1, 128, False, 0, 0),  # 176-key tiles (forward.wide_tiles_launch), the last one partial
     (2, 1000, 1000, 6, 3, 64, False, 0, 0),
     (2, 1000, 1500, 6, 3, 64, True, 500, 0),
     (1, 2049, 2049, 2, 1, 96, True, 0, 0),

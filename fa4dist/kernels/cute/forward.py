@@ -399,9 +399,10 @@ def wide_tiles_launch(head_dim: int, causal: bool, dense_plain: bool, seqlen_k: 
     """Whether a launch takes 176-key tiles with O stored directly (tile_n=176, tma_store_o=False: the O staging
     tile does not fit beside two 176-key K / V stages): dense non-causal hdim-128 launches writing a 16-bit out, of
     at least WIDE_TILES_MIN_KEYS keys, without a window, soft-cap or sinks (the family measured). Fewer, longer
-    steps: 427 instructions per 128 keys against 466 (sixteenth session). Measured on one H100 against the 128-key
-    tiles in the same rounds (2026-12-06, fifty-seventh session, bench/sessions/gpu_session_57.sh fwd_grid and
-    fwd176): +0.9 / +0.9% at 16k, +1.7% at 32k, +0.4% at 8k, -2.2% at 4k. Causal gained +0.5 / +0.5% at 16k and
+    steps: 419 main-loop instructions per 128 keys against 463 (bench/sass_softmax.py --ops). Measured on one H100
+    against the 128-key tiles in the same rounds (2026-12-06, fifty-seventh session, bench/sessions/
+    gpu_session_57.sh fwd_grid, fwd176 and wide_ab): +0.9 / +0.9 / +1.1% at 16k, +1.7 / +1.3% at 32k, +0.4 / 0% at
+    8k, -2.2% at 4k. Causal gained +0.5 / +0.5% at 16k and
     +2.0% at 32k but lost 1.8% at 8k, and its unsplit persistent kernel spills 4 bytes (ptxas): not taken. On the
     H200 with the sixteenth session's kernel (before chained_max and the persistent grid's later changes) it
     measured -3 to +0.5% non-causal; the H200 table checks it again. Another key tiling changes the bits (the sums'
