@@ -510,7 +510,8 @@ def make_configs(q_dtype, head_dim, *, causal, varlen, seg_offsets, accumulate, 
     tm = overrides.get("tile_m") or tile_m_for(head_dim)  # the three kernels share the query tile
     if dq_fixed:
         # exact integer sums: deterministic without tickets; the query tiles of a key tile in ascending order
-        # (no masked_last), as every deterministic variant (the dk/dv-only calls of the cp_invariant backward) has
+        # (no masked_last), as every deterministic variant (the dk/dv-only calls of the cp_invariant backward) has.
+        # masked_last is off by default; this keeps it off under FA4DIST_BWD_OVERRIDE too (it would change dk / dv)
         deterministic = False
         overrides.setdefault("masked_last", False)
     name = host.dtype_name(q_dtype)
