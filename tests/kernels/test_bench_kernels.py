@@ -1,6 +1,6 @@
 """The kernel benchmarks' CPU-checkable promises: bench/kernels.py's cute/cuDNN column divides by torch's cuDNN op
 itself, not by our guarded sdpa_cudnn backend (JSON from before the raw baseline falls back to the guarded one);
-bench/packed_tiles.py's documents, FLOPs, table and variant parsing."""
+bench/packed_tiles.py's documents, FLOPs, table and variant parsing; bench/fwd_error.py's fp64 oracle."""
 
 import os
 import bench_scripts
@@ -123,3 +123,18 @@ def test_host_python_runs_on_cpu_tensors():
                          timeout=240)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "forward+backward:" in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_error_oracle_is_the_reference_attention(causal):
+    """bench/fwd_error.py's fp64 oracle, chunked over queries, equals the reference backend in fp64 (causal with the
+    diagonal at the start), so its error column measures the kernels, not the oracle."""
+    import torch
+
+    from fa4dist.kernels import attention_forward
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 300, 3, 64, dtype=torch.float64, generator=gen) for _ in range(3))
+    got = bench_scripts.load("fwd_error").fp64_attention(q, k, v, causal, chunk=128)
+    want = attention_forward(q, k, v, causal=causal, backend="reference")[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
