@@ -56,9 +56,10 @@ SUBSET = [
     (torch.bfloat16, 64, True, False, False, {"short": True, "tiny": True}),  # <= 512 rows: 64-key tiles
     # hdim 128 causal sequences of at most 2k: long and short tiles interleaved (forward.interleaved_launch)
     (torch.bfloat16, 128, True, False, False, {"interleave": True}),
-    # hdim 128 non-causal sequences of 16k+ keys: the row max in chains (forward.chained_max_launch) on 176-key
-    # tiles, O stored directly (forward.wide_tiles_launch)
+    # hdim 128 sequences of 16k+ keys (forward.wide_tiles_launch): non-causal, the row max in chains
+    # (forward.chained_max_launch) on 176-key tiles, O stored directly; causal, 160-key tiles
     (torch.bfloat16, 128, False, False, False, {"chained": True, "wide": True}),
+    (torch.bfloat16, 128, True, False, False, {"wide": True}),
     # hdim 96 causal on the persistent grid: its producer takes 32 registers (forward.default_regs_producer)
     (torch.bfloat16, 96, True, False, False, {}),
     # hdim 256 (Gemma 2 / 3) on 128 x 64 tiles: dense, packed merging, Gemma 2's soft-cap with its window, sinks
@@ -326,34 +327,42 @@ def test_short_dense_causal_launches_interleave_long_and_short_tiles():
     assert not make(causal=False, interleave_lengths=True).interleave_lengths  # one length: one kernel
 
 
-def _assert_long_dense_non_causal_hdim128_scope(rule, n):
+def _assert_long_dense_hdim128_scope(rule, n, causal_too):
     """``rule(head_dim, causal, dense_plain, seqlen_k, window_left, softcap, sinks)`` holds for dense non-causal
-    hdim-128 launches of ``n``+ keys without a window, soft-cap or sinks, and for no shorter, causal, hdim-64,
-    packed or merge / fp32, windowed, soft-capped or sink launch."""
+    hdim-128 launches of ``n``+ keys without a window, soft-cap or sinks, for causal ones too where ``causal_too``,
+    and for no shorter, hdim-64, packed or merge / fp32, windowed, soft-capped or sink launch."""
     assert rule(128, False, True, n) and rule(128, False, True, 4 * n)
-    for args in ((128, False, True, n - 1), (128, True, True, n), (64, False, True, n), (128, False, False, n),
-                 (128, False, True, n, 100), (128, False, True, n, -1, 30.0), (128, False, True, n, -1, 0.0, True)):
-        assert not rule(*args), args
+    assert rule(128, True, True, n) == causal_too
+    for causal in (False, True):
+        for args in ((128, causal, True, n - 1), (64, causal, True, n), (128, causal, False, n),
+                     (128, causal, True, n, 100), (128, causal, True, n, -1, 30.0),
+                     (128, causal, True, n, -1, 0.0, True)):
+            assert not rule(*args), args
 
 
 def test_long_dense_non_causal_hdim128_launches_chain_the_row_max():
     """Launches of CHAINED_MAX_MIN_KEYS+ keys take the row max in chains, the others keep the tree
     (forward.chained_max_launch); make_config takes the caller's choice, an override wins."""
-    _assert_long_dense_non_causal_hdim128_scope(cute_fwd.chained_max_launch, cute_fwd.CHAINED_MAX_MIN_KEYS)
+    _assert_long_dense_hdim128_scope(cute_fwd.chained_max_launch, cute_fwd.CHAINED_MAX_MIN_KEYS, causal_too=False)
     make = functools.partial(cute_fwd.make_config, torch.bfloat16, 128, causal=False, varlen=False, accumulate=False)
     assert make(chained=True).chained_max and not make().chained_max
     assert not make(chained=True, chained_max=False).chained_max
 
 
-def test_long_dense_non_causal_hdim128_launches_take_wide_key_tiles():
-    """Launches of WIDE_TILES_MIN_KEYS+ keys take 176-key tiles with O stored directly, the others 128-key tiles
-    (forward.wide_tiles_launch); make_config takes the caller's choice, and an override of either field wins."""
-    _assert_long_dense_non_causal_hdim128_scope(cute_fwd.wide_tiles_launch, cute_fwd.WIDE_TILES_MIN_KEYS)
-    make = functools.partial(cute_fwd.make_config, torch.bfloat16, 128, causal=False, varlen=False, accumulate=False)
-    wide, plain = make(wide=True), make()
-    assert (wide.tile_n, wide.tma_store_o) == (176, False) and (plain.tile_n, plain.tma_store_o) == (128, True)
-    assert wide.persistent and wide.split_tail  # the persistent grid and its tail splits as on 128-key tiles
-    assert make(wide=True, tile_n=128).tile_n == 128 and make(wide=True, tma_store_o=True).tile_n == 128
+def test_long_dense_hdim128_launches_take_wide_key_tiles():
+    """Launches of WIDE_TILES_MIN_KEYS+ keys take wider key tiles, the others 128-key tiles (forward.wide_tiles_launch,
+    wide_tile_fields): 176 keys with O stored directly non-causal, 160 keys with O staged and 32 producer registers
+    causal; make_config takes the caller's choice, and an override of the tile or the O store wins."""
+    _assert_long_dense_hdim128_scope(cute_fwd.wide_tiles_launch, cute_fwd.WIDE_TILES_MIN_KEYS, causal_too=True)
+    for causal, tile_n, tma_store_o, regs_producer in ((False, 176, False, 0), (True, 160, True, 32)):
+        make = functools.partial(cute_fwd.make_config, torch.bfloat16, 128, causal=causal, varlen=False,
+                                 accumulate=False)
+        wide, plain = make(wide=True), make()
+        assert (wide.tile_n, wide.tma_store_o, wide.regs_producer) == (tile_n, tma_store_o, regs_producer)
+        assert (plain.tile_n, plain.tma_store_o, plain.regs_producer) == (128, True, 0)
+        assert wide.persistent and wide.split_tail  # the persistent grid and its tail splits as on 128-key tiles
+        assert make(wide=True, tile_n=128).tile_n == 128 and make(wide=True, tma_store_o=True).tile_n == 128
+        assert make(wide=True, regs_producer=24).regs_producer == 24
 
 
 def test_split_plan_splits_a_partial_last_wave_where_the_model_says_it_pays():

@@ -133,6 +133,8 @@ DENSE_CASES = [
     (3, 200, 333, 8, 4, 128, True, 100, 0),  # GQA 2
     (1, 4097, 4097, 16, 2, 128, True, 0, 0),  # GQA 8, odd length
     (1, 1000, 16500, 2, 1, 128, False, 0, 0),  # 176-key tiles (forward.wide_tiles_launch), the last one partial
+    (1, 1000, 16500, 2, 1, 128, True, 15500, 0),  # causal: 160-key tiles, bottom-right diagonal, last one partial
+    (1, 16400, 16400, 2, 2, 128, True, 0, 0),  # causal 160-key tiles from the top, padding rows
     (2, 1000, 1000, 6, 3, 64, False, 0, 0),
     (2, 1000, 1500, 6, 3, 64, True, 500, 0),
     (1, 2049, 2049, 2, 1, 96, True, 0, 0),
@@ -489,6 +491,7 @@ CAUSAL_SPLIT_CASES = [
     (2, 3000, 3000, 2, 2, 64, -200),  # 192-row tiles; the first 200 rows see no key
     (1, 5000, 5000, 2, 1, 96, 0),
     (2, 3000, 3000, 2, 2, 128, (0, -700)),  # one offset per sequence (the plan takes the first's diagonal)
+    (1, 16384, 16384, 1, 1, 128, 0),  # 128 tiles on 160-key blocks (forward.wide_tiles_launch), the last one cut
 ]
 
 
@@ -504,7 +507,8 @@ def test_causal_split_tiles(case):
     if isinstance(q_off, tuple):  # per sequence: a tensor for the kernel
         q_off = torch.tensor(q_off, dtype=torch.int32, device="cuda")
     cfg = fa4cute.make_config(torch.bfloat16, d, causal=True, varlen=False, accumulate=False,
-                              seg_offsets=isinstance(q_off, torch.Tensor))
+                              seg_offsets=isinstance(q_off, torch.Tensor),
+                              wide=fa4cute.wide_tiles_launch(d, True, True, sk))  # the call's own key tiles
     assert cfg.split_tail
     num_m = -(-sq // cfg.tile_m)
     edge, parts = fa4cute.dense_split_plan(cfg, (b, sq, h, d), sk, 0 if isinstance(q_off, torch.Tensor) else q_off)

@@ -322,9 +322,12 @@ PERSISTENT_CAUSAL_HEAD_DIMS = (64, 96, 128)
 def default_regs_producer(cfg: FwdConfig) -> int:
     """32 for hdim 96's causal kernel on the persistent grid: spill-free there (24 / 240 spills 16 bytes), and
     measured on the H200 (2026-12-01, eleventh session, bench/sessions/gpu_session_persistent_bwd.sh 3) 1.16x / 1.03x /
-    0.99x the one-CTA-per-tile kernel at 1k / 4k / 16k (1.06x / 1.00x / 0.92x flash-attn-4). Else 0 (the split
-    of the warpgroup count)."""
-    return 32 if cfg.persistent and cfg.causal and cfg.head_dim == 96 else 0
+    0.99x the one-CTA-per-tile kernel at 1k / 4k / 16k (1.06x / 1.00x / 0.92x flash-attn-4). 32 too for causal
+    hdim-128 kernels on key tiles wider than 128 (wide_tiles_launch): the unsplit persistent kernel spills 4 bytes
+    on the default split and none on 32 (ptxas, 160- and 176-key tiles). Else 0 (the split of the warpgroup
+    count)."""
+    wide_causal = cfg.head_dim == 128 and cfg.tile_n > 128
+    return 32 if cfg.persistent and cfg.causal and (cfg.head_dim == 96 or wide_causal) else 0
 
 
 def default_defer_v_marks(cfg: FwdConfig) -> bool:
@@ -390,25 +393,33 @@ def chained_max_launch(head_dim: int, causal: bool, dense_plain: bool, seqlen_k:
             and not softcap and not sinks)
 
 
-# dense non-causal hdim-128 launches of at least this many keys take FA3's 128 x 176 tiles (wide_tiles_launch)
+# dense hdim-128 launches of at least this many keys take key tiles wider than 128 (wide_tiles_launch)
 WIDE_TILES_MIN_KEYS = 16384
 
 
 def wide_tiles_launch(head_dim: int, causal: bool, dense_plain: bool, seqlen_k: int, window_left: int = -1,
                       softcap: float = 0.0, sinks: bool = False) -> bool:
-    """Whether a launch takes 176-key tiles with O stored directly (tile_n=176, tma_store_o=False: the O staging
-    tile does not fit beside two 176-key K / V stages): dense non-causal hdim-128 launches writing a 16-bit out, of
-    at least WIDE_TILES_MIN_KEYS keys, without a window, soft-cap or sinks (the family measured). Fewer, longer
-    steps: 419 main-loop instructions per 128 keys against 463 (bench/sass_softmax.py --ops). Measured on one H100
-    against the 128-key tiles in the same rounds (2026-12-06, fifty-seventh session, bench/sessions/
-    gpu_session_57.sh fwd_grid, fwd176 and wide_ab): +0.9 / +0.9 / +1.1% at 16k, +1.7 / +1.3% at 32k, +0.4 / 0% at
-    8k, -2.2% at 4k. Causal gained +0.5 / +0.5% at 16k and
-    +2.0% at 32k but lost 1.8% at 8k, and its unsplit persistent kernel spills 4 bytes (ptxas): not taken. On the
-    H200 with the sixteenth session's kernel (before chained_max and the persistent grid's later changes) it
-    measured -3 to +0.5% non-causal; the H200 table checks it again. Another key tiling changes the bits (the sums'
-    order), not their accuracy."""
-    return (head_dim == 128 and not causal and dense_plain and seqlen_k >= WIDE_TILES_MIN_KEYS and window_left < 0
+    """Whether a launch takes key tiles wider than 128 (their fields: wide_tile_fields): dense hdim-128 launches
+    writing a 16-bit out, of at least WIDE_TILES_MIN_KEYS keys, without a window, soft-cap or sinks (the family
+    measured). Fewer, longer steps: 463 / 434 / 419 main-loop instructions per 128 keys on 128 / 160 / 176-key
+    tiles (bench/sass_softmax.py --ops). Measured on one H100 against the 128-key tiles in the same rounds:
+    - non-causal, 176 keys (2026-12-06, fifty-seventh session, gpu_session_57.sh fwd_grid, fwd176 and wide_ab;
+      fifty-eighth, gpu_session_58.sh wide): +0.9 / +0.9 / +1.1 / +0.9% at 16k, +1.7 / +1.3 / +1.8% at 32k,
+      +0.4 / 0% at 8k, -2.2% at 4k; 160 keys read the same at 16k and less at 32k;
+    - causal, 160 keys (fifty-eighth session, gpu_session_58.sh wide, twice): +1.1 / +1.2% at 16k, +1.9 / +1.9% at
+      32k, 0 / 0% at 8k; 176 keys lost 1.3-1.8% at 8k and 192 keys lost at every length.
+    The fp64 oracle's error is the same on every key tile (bench/fwd_error.py: 16k and 32k within 0.2%); another
+    tiling changes the bits (the sums' order), not their accuracy. On the H200 the sixteenth session's kernel
+    measured -3 to +0.5% non-causal on 176-key tiles; the H200 table checks it again."""
+    return (head_dim == 128 and dense_plain and seqlen_k >= WIDE_TILES_MIN_KEYS and window_left < 0
             and not softcap and not sinks)
+
+
+def wide_tile_fields(causal: bool) -> dict:
+    """The FwdConfig fields of a wide_tiles_launch: FA3's 176-key tiles non-causal, with O stored directly (its
+    staging tile does not fit beside two 176-key K / V stages); 160-key tiles causal, O staged as on 128-key tiles
+    (176 lost at 8k causal; default_regs_producer gives the causal kernel 32 producer registers)."""
+    return dict(tile_n=160) if causal else dict(tile_n=176, tma_store_o=False)
 
 
 def split_tail_fits(cfg: FwdConfig) -> bool:
@@ -484,7 +495,7 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
         if tiny and "tile_n" not in forced and "num_stages" not in forced:
             kw.update(tile_n=64, num_stages=3)
     if wide and "tile_n" not in forced and "tma_store_o" not in forced:
-        kw.update(tile_n=176, tma_store_o=False)
+        kw.update(wide_tile_fields(bool(causal)))
     kw.update(forced)
     cfg = FwdConfig(**kw)
     if "persistent_ctas" not in kw:  # the default follows the other fields, overrides included (pdl: none)
