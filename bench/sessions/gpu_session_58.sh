@@ -20,6 +20,9 @@
 #   keys (bench/sass_softmax.py --headdim 128 --set tile_n=N,...,chained_max=true --ops, CPU): 463 / 434 / 419 / 410
 #   at 128 / 160 / 176 / 192 keys; the 192-key step's PV wait comes after exp2 #11 (#15 in the others).
 # - table: #11's S >= 4k points (for an H200, when one comes).
+# - error (added in the fifty-eighth): the forward against an fp64 oracle, the 176- and 128-key tiles beside the
+#   baselines (bench/fwd_error.py).
+# Run in the fifty-eighth (bench/RESULTS.md): error, fwd_tests, wide, causal160, suites, cp_tests on one H100.
 # Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_58.sh wide table (on an H200; wide alone on
 #   an H100); suites; suites2.
 set -u
@@ -32,6 +35,10 @@ for s in ${*:-wide}; do
     suites2)
       GPU_TEST_WORKERS=4 gpu_tests cp_tests 280 tests/cp/test_cp_gpu.py
       gpu_tests fwd_tests 280 tests/kernels/test_cute_fwd_gpu.py ;;
+    fwd_tests)
+      gpu_tests fwd_tests 280 tests/kernels/test_cute_fwd_gpu.py ;;
+    cp_tests)
+      GPU_TEST_WORKERS=4 gpu_tests cp_tests 280 tests/cp/test_cp_gpu.py ;;
     wide)
       TAIL_LINES=12 stage wide 240 python3 bench/kernels.py --headdims 128 --seqlens 8192 16384 32768 \
         --causal false true --directions fwd --backends cute flash_attn_4 --cute-variants \
@@ -40,6 +47,19 @@ for s in ${*:-wide}; do
         --queue-ahead-ms 3 --out-dir "$OUT/wide" ;;
     table)
       kernels_table ;;
-    *) echo "unknown stage $s (suites | suites2 | wide | table)"; exit 2 ;;
+    error)
+      # bench/kernels.py's err column (against torch's flash kernel) read 1.0e-3 for the 176-key default at 16k
+      # against 8.5e-4 for the 128-key tiles and flash-attn-4 (s57 call 5). Against fp64, is it less accurate or
+      # only further from torch? Predicted: all within 1.1x of each other (P's bf16 rounding under other maxima).
+      stage error 120 python3 bench/fwd_error.py --headdims 128 --seqlens 16384 32768 --causal false true \
+        --cute-variants fwd:tile_n=128,tma_store_o=true fwd:tile_n=176,tma_store_o=false --out-dir "$OUT/error" ;;
+    causal160)
+      # the fifty-eighth's new default (forward.wide_tile_fields: causal 160-key tiles, 32 producer registers, at
+      # 16k+ keys) beside the 128-key tiles and the 160-key form measured first (default producer split, 4 bytes
+      # spilled). Predicted: +1-2% at 16k / 32k over 128, within 0.5% of the spilling form; 8k unchanged.
+      TAIL_LINES=6 stage causal160 200 python3 bench/kernels.py --headdims 128 --seqlens 8192 16384 32768 \
+        --causal true --directions fwd --backends cute flash_attn_4 --cute-variants fwd:tile_n=128 \
+        fwd:tile_n=160,regs_producer=0 --rounds 7 --queue-ahead-ms 3 --out-dir "$OUT/causal160" ;;
+    *) echo "unknown stage $s (suites | suites2 | fwd_tests | cp_tests | wide | table | error | causal160)"; exit 2 ;;
   esac
 done
