@@ -60,6 +60,14 @@ for s in ${*:-wide}; do
       TAIL_LINES=6 stage causal160 200 python3 bench/kernels.py --headdims 128 --seqlens 8192 16384 32768 \
         --causal true --directions fwd --backends cute flash_attn_4 --cute-variants fwd:tile_n=128 \
         fwd:tile_n=160,regs_producer=0 --rounds 7 --queue-ahead-ms 3 --out-dir "$OUT/causal160" ;;
-    *) echo "unknown stage $s (suites | suites2 | fwd_tests | cp_tests | wide | table | error | causal160)"; exit 2 ;;
+    window160)
+      # 160-key tiles for the 32k window of 4096 (spill-free with 32 producer registers; ptxas, CPU), beside the
+      # default (128-key) in the same call; the causal rows are the same kernel in both (the 32k causal default is
+      # 160 keys now), a control. Predicted: window forward 0 to +1%, the backward unchanged (forward only).
+      TAIL_LINES=8 stage window_default 150 python3 bench/window.py --cases causal window --rounds 5 \
+        --queue-ahead-ms 5 --out-dir "$OUT/window_default"
+      FA4DIST_FWD_OVERRIDE=tile_n=160,regs_producer=32 TAIL_LINES=8 stage window_160 150 python3 bench/window.py \
+        --cases causal window --rounds 5 --queue-ahead-ms 5 --out-dir "$OUT/window_160" ;;
+    *) echo "unknown stage $s (suites | suites2 | fwd_tests | cp_tests | wide | table | error | causal160 | window160)"; exit 2 ;;
   esac
 done

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Prepared in the fifty-eighth session (2026-12-06) for the next one. The fifty-eighth made 160-key tiles the
+# default for dense causal hdim-128 forwards of 16k+ keys (forward.wide_tile_fields: +1.1-2.2% on one H100, three
+# runs; 1.02x flash-attn-4 there) and ran every forward-side GPU suite under it (all passed). Nothing of it has run on
+# an H200 yet, nor has the fifty-seventh's 176-key non-causal default.
+# - table: #11's S >= 4k points on an H200 (stage.sh kernels_table), the first table under both key-tile defaults.
+#   Predicted: hdim 128 16k 1.00-1.02x flash-attn-4 non-causal and causal, if the H100's gains carry over.
+# - wide: on an H200, the defaults beside the 128-key tiles at 8k / 16k / 32k, causal and not (gpu_session_58.sh's
+#   causal160 command with the non-causal rows and `fwd:tile_n=128,tma_store_o=true`). Predicted: +0.5-2% at 16k /
+#   32k; the sixteenth session's -3 to +0.5% (an older kernel) is what would send the non-causal default back.
+# - window160: gpu_session_58.sh's window160 (160-key tiles for the 32k window of 4096; not run: the device time
+#   ran out). Predicted: window forward 0 to +1%.
+# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_59.sh table (an H200, alone: 420 s);
+#   wide window160.
+set -u
+source "$(dirname "$0")/../stage.sh"
+for s in ${*:-wide}; do
+  case $s in
+    table)
+      kernels_table ;;
+    wide)
+      TAIL_LINES=9 stage wide 200 python3 bench/kernels.py --headdims 128 --seqlens 8192 16384 32768 \
+        --causal false true --directions fwd --backends cute flash_attn_4 --cute-variants \
+        fwd:tile_n=128,tma_store_o=true --rounds 7 --queue-ahead-ms 3 --out-dir "$OUT/wide" ;;
+    window160)
+      bash "$(dirname "$0")/gpu_session_58.sh" window160 ;;
+    *) echo "unknown stage $s (table | wide | window160)"; exit 2 ;;
+  esac
+done
