@@ -16,9 +16,10 @@ masked-key guard around it: a backend we ship, timed like ours, not the baseline
 Sizes follow ../shared/docs/anchors.md: batch = total_tokens / seqlen, heads = model_dim / headdim, bf16.
 TFLOP/s counts 4*B*H*S^2*D per forward (half of it when causal) and 2.5x that per backward.  Before timing, each
 backend's forward output is checked against torch's flash kernel (relative error printed), so a fast wrong kernel
-shows.  Timing: for every point, every (backend, direction, deterministic) is timed once per round, rounds
-interleaved (round 1 of all of them, then round 2, ...), and the median over the rounds is reported: slow drifts
-of the machine hit every backend alike.  Compare the ratios within one run, not absolute numbers across runs.
+shows; that is the distance between two bf16 kernels, not accuracy (bench/fwd_error.py measures against fp64).
+Timing: for every point, every (backend, direction, deterministic) is timed once per round, rounds interleaved
+(round 1 of all of them, then round 2, ...), and the median over the rounds is reported: slow drifts of the
+machine hit every backend alike.  Compare the ratios within one run, not absolute numbers across runs.
 """
 
 from __future__ import annotations
