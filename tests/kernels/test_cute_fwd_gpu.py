@@ -492,6 +492,7 @@ CAUSAL_SPLIT_CASES = [
     (1, 5000, 5000, 2, 1, 96, 0),
     (2, 3000, 3000, 2, 2, 128, (0, -700)),  # one offset per sequence (the plan takes the first's diagonal)
     (1, 16384, 16384, 1, 1, 128, 0),  # 128 tiles on 160-key blocks (forward.wide_tiles_launch), the last one cut
+    (2, 2000, 16500, 2, 1, 128, (14500, 13000)),  # 160-key blocks, one offset per sequence
 ]
 
 
