@@ -10,8 +10,10 @@
 #   32k; the sixteenth session's -3 to +0.5% (an older kernel) is what would send the non-causal default back.
 # - window160: gpu_session_58.sh's window160 (160-key tiles for the 32k window of 4096; not run: the device time
 #   ran out). Predicted: window forward 0 to +1%.
+# - new_tests: the causal split tests, with the case added after the fifty-eighth's GPU calls (160-key tiles, one
+#   offset per sequence). Predicted: all pass.
 # Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_59.sh table (an H200, alone: 420 s);
-#   wide window160.
+#   wide window160 new_tests.
 set -u
 source "$(dirname "$0")/../stage.sh"
 for s in ${*:-wide}; do
@@ -22,8 +24,10 @@ for s in ${*:-wide}; do
       TAIL_LINES=9 stage wide 200 python3 bench/kernels.py --headdims 128 --seqlens 8192 16384 32768 \
         --causal false true --directions fwd --backends cute flash_attn_4 --cute-variants \
         fwd:tile_n=128,tma_store_o=true --rounds 7 --queue-ahead-ms 3 --out-dir "$OUT/wide" ;;
+    new_tests)
+      gpu_tests causal_split_tests 200 tests/kernels/test_cute_fwd_gpu.py -k "causal_split" ;;
     window160)
       bash "$(dirname "$0")/gpu_session_58.sh" window160 ;;
-    *) echo "unknown stage $s (table | wide | window160)"; exit 2 ;;
+    *) echo "unknown stage $s (table | wide | window160 | new_tests)"; exit 2 ;;
   esac
 done
