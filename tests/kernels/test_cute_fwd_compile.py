@@ -3,9 +3,11 @@
 Every variant is traced and compiled for sm_90a with fake tensors; the PTX must target sm_90a and use wgmma,
 TMA and setmaxnreg, and ptxas must report no register spills.  CI compiles a representative subset (each static
 option at least once); set FA4DIST_COMPILE_ALL=1 to compile the full product of dtypes x head dims x causal x
-varlen x accumulate.
+varlen x accumulate.  A variant that can split a few-wave launch's tail compiles its unsplit kernel, which most
+launches run; the entries with ``split_tail`` compile the split one.
 """
 
+import dataclasses
 import functools
 import itertools
 import os
@@ -37,7 +39,7 @@ SUBSET = [
     (torch.bfloat16, 128, True, False, False, {"window_left": 4096}),
     (torch.bfloat16, 64, True, True, True, {"window_left": 200, "seg_offsets": True}),
     (torch.float16, 128, True, False, False, {"window_left": 100, "intra_wg_overlap": False}),
-    (torch.bfloat16, 128, True, False, False, {"softcap": 30.0}),
+    (torch.bfloat16, 128, True, False, False, {"softcap": 30.0, "split_tail": True}),
     (torch.bfloat16, 64, False, True, True, {"softcap": 50.0}),
     (torch.bfloat16, 128, True, False, False, {"sinks": True}),  # TMA-store epilogue
     (torch.float16, 64, True, True, False, {"sinks": True, "window_left": 127, "softcap": 20.0}),  # direct
@@ -55,11 +57,16 @@ SUBSET = [
     (torch.bfloat16, 64, True, True, False, {"short": True, "seg_offsets": True}),  # packed short documents
     (torch.bfloat16, 64, True, False, False, {"short": True, "tiny": True}),  # <= 512 rows: 64-key tiles
     # hdim 128 causal sequences of at most 2k: long and short tiles interleaved (forward.interleaved_launch)
-    (torch.bfloat16, 128, True, False, False, {"interleave": True}),
+    (torch.bfloat16, 128, True, False, False, {"interleave": True, "split_tail": True}),
     # hdim 128 sequences of 16k+ keys (forward.wide_tiles_launch): non-causal, the row max in chains
     # (forward.chained_max_launch) on 176-key tiles, O stored directly; causal, 160-key tiles
     (torch.bfloat16, 128, False, False, False, {"chained": True, "wide": True}),
+    (torch.bfloat16, 128, False, False, False, {"chained": True, "wide": True, "split_tail": True}),
     (torch.bfloat16, 128, True, False, False, {"wide": True}),
+    (torch.bfloat16, 128, True, False, False, {"wide": True, "split_tail": True}),
+    # hdim 64's default 192-row tiles on the persistent grid, unsplit and split
+    (torch.bfloat16, 64, False, False, False, {}),
+    (torch.float16, 64, True, False, False, {"split_tail": True}),
     # hdim 96 causal on the persistent grid: its producer takes 32 registers (forward.default_regs_producer)
     (torch.bfloat16, 96, True, False, False, {}),
     # hdim 256 (Gemma 2 / 3) on 128 x 64 tiles: dense, packed merging, Gemma 2's soft-cap with its window, sinks
@@ -135,6 +142,10 @@ def test_compile_variant(variant, tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)  # --keep-ptx writes the .ptx into the working directory
     dt, d, causal, varlen, acc, extra = variant
     cfg = cute_fwd.make_config(dt, d, causal=causal, varlen=varlen, accumulate=acc, **extra)
+    if cfg.split_tail and "split_tail" not in extra:
+        # forward() runs the unsplit kernel for every launch its plan does not split (most of them); the split
+        # kernels compile in the entries that ask for split_tail
+        cfg = dataclasses.replace(cfg, split_tail=False)
     compiled = host.compile_config(cfg, extra_options="--keep-ptx remarks{ptx}")
     ptx = compiled.artifacts.PTX
     assert ptx, "no PTX kept"
