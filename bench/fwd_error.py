@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -21,12 +22,15 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from kernels import CUDNN_RAW, _fa4, _make_fn, parse_variants  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
 
 from fa4dist.kernels import available_backends  # noqa: E402
+
+# bench/kernels.py by its path: a module named "kernels" may already be imported (Hugging Face's kernels package)
+_spec = importlib.util.spec_from_file_location("fa4dist_bench_kernels", os.path.join(HERE, "kernels.py"))
+bench_kernels = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_kernels)
 
 
 def fp64_attention(q, k, v, causal, chunk=1024):
@@ -66,13 +70,13 @@ def main():
         sys.exit("bench/fwd_error.py needs a CUDA GPU")
     device = torch.device("cuda")
     backends = [b for b in available_backends(device) if b not in ("sdpa", "reference")]
-    fa4 = _fa4()
+    fa4 = bench_kernels._fa4()
     if fa4 is not None:
         backends.append("flash_attn_4")
-    backends.append(CUDNN_RAW)
+    backends.append(bench_kernels.CUDNN_RAW)
     if args.backends:
         backends = [b for b in backends if b in args.backends]
-    variants = parse_variants(args.cute_variants)
+    variants = bench_kernels.parse_variants(args.cute_variants)
     names = [(b, None) for b in backends] + [(v[0], v) for v in variants if v[2] == "fwd"]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  rows: {[n for n, _ in names]}")
     rows = []
@@ -88,8 +92,9 @@ def main():
                 for name, variant in names:
                     row = dict(backend=name, headdim=d, causal=causal, seqlen=s, heads=args.heads, floor=floor)
                     try:
-                        _, out = _make_fn(name if variant is None else "cute", "fwd", False, q, k, v, None,
-                                          causal, fa4, variant[3] if variant is not None else None)
+                        overrides = variant[3] if variant is not None else None
+                        _, out = bench_kernels._make_fn(name if variant is None else "cute", "fwd", False, q, k, v,
+                                                        None, causal, fa4, overrides)
                         torch.cuda.synchronize()
                         row["rel_err"] = rel_err(out, ref)
                         row["max_abs_err"] = float((out.double() - ref).abs().max())
