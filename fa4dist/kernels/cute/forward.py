@@ -406,11 +406,12 @@ def wide_tiles_launch(head_dim: int, causal: bool, dense_plain: bool, seqlen_k: 
     - non-causal, 176 keys (2026-12-06, fifty-seventh session, gpu_session_57.sh fwd_grid, fwd176 and wide_ab;
       fifty-eighth, gpu_session_58.sh wide): +0.9 / +0.9 / +1.1 / +0.9% at 16k, +1.7 / +1.3 / +1.8% at 32k,
       +0.4 / 0% at 8k, -2.2% at 4k; 160 keys read the same at 16k and less at 32k;
-    - causal, 160 keys (fifty-eighth session, gpu_session_58.sh wide, twice): +1.1 / +1.2% at 16k, +1.9 / +1.9% at
-      32k, 0 / 0% at 8k; 176 keys lost 1.3-1.8% at 8k and 192 keys lost at every length.
-    The fp64 oracle's error is the same on every key tile (bench/fwd_error.py: 16k and 32k within 0.2%); another
-    tiling changes the bits (the sums' order), not their accuracy. On the H200 the sixteenth session's kernel
-    measured -3 to +0.5% non-causal on 176-key tiles; the H200 table checks it again."""
+    - causal, 160 keys (fifty-eighth session, gpu_session_58.sh wide twice and causal160): +1.1 / +1.2 / +1.7% at
+      16k, +1.9 / +1.9 / +2.2% at 32k, 0 / 0 / 0% at 8k; 176 keys lost 1.3-1.8% at 8k, and 192 keys trailed the
+      best tile at every length, causal or not.
+    Against the fp64 oracle the 128- and 176-key tiles read the same error (bench/fwd_error.py: 16k and 32k, within
+    0.2%): another tiling changes the bits (the sums' order), not their accuracy. On the H200 the sixteenth
+    session's kernel measured -3 to +0.5% non-causal on 176-key tiles; the H200 table checks it again."""
     return (head_dim == 128 and dense_plain and seqlen_k >= WIDE_TILES_MIN_KEYS and window_left < 0
             and not softcap and not sinks)
 
