@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from kernels import load_baseline  # noqa: E402  (bench/kernels.py)
+import sibling  # noqa: E402  (bench/sibling.py)
 
 import fa4dist.kernels as current  # noqa: E402
 
@@ -90,7 +90,7 @@ def main():
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/bits_vs_baseline.py needs a CUDA GPU")
-    baseline = load_baseline(args.baseline_dir)
+    baseline = sibling.load("kernels").load_baseline(args.baseline_dir)
     bad = 0
     for name, shape, opts in cases():
         for poison in (False, True):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import math
 import os
@@ -22,15 +21,14 @@ import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import sibling  # noqa: E402  (bench/sibling.py)
 
 from fa4dist.kernels import available_backends  # noqa: E402
 
-# bench/kernels.py by its path: a module named "kernels" may already be imported (Hugging Face's kernels package)
-_spec = importlib.util.spec_from_file_location("fa4dist_bench_kernels", os.path.join(HERE, "kernels.py"))
-bench_kernels = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_kernels)
+bench_kernels = sibling.load("kernels")
 
 
 def fp64_attention(q, k, v, causal, chunk=1024):

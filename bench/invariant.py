@@ -53,9 +53,9 @@ def main(argv=None):
     device = torch.device("cuda")
     modes = {name: (fa4dist.attention, kw) for name, kw in MODES.items()}
     if args.baseline_dir:
-        from kernels import load_baseline
+        import sibling  # (bench/, the script's folder, as timing)
 
-        load_baseline(args.baseline_dir)
+        sibling.load("kernels").load_baseline(args.baseline_dir)
         modes["cp_invariant@baseline"] = (sys.modules["fa4dist_baseline"].attention, MODES["cp_invariant"])
     rows = []
     for tokens in args.tokens:

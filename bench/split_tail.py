@@ -30,8 +30,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fa4dist.kernels.cute import backward as bwd  # noqa: E402
 from fa4dist.kernels.cute import forward as fwd  # noqa: E402
 from fa4dist.kernels.cute import host  # noqa: E402
-from kernels import _cudnn_raw, _fa4  # noqa: E402  (bench/, the script's folder: the baselines' callables)
+import sibling  # noqa: E402  (bench/, the script's folder, as timing)
 from timing import cuda_median_ms, require_cuda  # noqa: E402
+
+kbench = sibling.load("kernels")  # bench/kernels.py: the baselines' callables
 
 
 def main(argv=None):
@@ -46,7 +48,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     require_cuda('split_tail.py')
     d = args.headdim
-    fa4 = _fa4()
+    fa4 = kbench._fa4()
     rows = []
     for shape in args.shapes:
         b, s, h = (int(x) for x in shape.split("x"))
@@ -61,7 +63,7 @@ def main(argv=None):
             split_tiles = fwd.split_tile_count(cfg, q.shape, plan) if plan[1] > 1 else 0
             calls = {"split": lambda: fwd.forward(q, k, v, out, lse, causal=causal),
                      "unsplit": lambda: fwd.forward(q, k, v, out, lse, causal=causal, split_tail=False),
-                     "cudnn": lambda: _cudnn_raw(q, k, v, causal)}
+                     "cudnn": lambda: kbench._cudnn_raw(q, k, v, causal)}
             if fa4 is not None:
                 calls["flash_attn_4"] = lambda: fa4(q, k, v, causal=causal)
         else:
@@ -112,7 +114,7 @@ def _backward_calls(q, k, v, out, lse, causal, fa4):
     calls = {"split": lambda: bwd.backward(dout, q, k, v, out, lse, *grads, causal=causal),
              "unsplit": lambda: bwd.backward(dout, q, k, v, out, lse, *grads, causal=causal, split_keys=False)}
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-    ref = _cudnn_raw(qg, kg, vg, causal)
+    ref = kbench._cudnn_raw(qg, kg, vg, causal)
     calls["cudnn"] = lambda: torch.autograd.grad(ref, (qg, kg, vg), dout, retain_graph=True)
     if fa4 is not None:
         r = fa4(qg, kg, vg, causal=causal)

@@ -138,3 +138,24 @@ def test_fwd_error_oracle_is_the_reference_attention(causal):
     got = bench_scripts.load("fwd_error").fp64_attention(q, k, v, causal, chunk=128)
     want = attention_forward(q, k, v, causal=causal, backend="reference")[0]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_bench_scripts_take_bench_kernels_by_its_path(monkeypatch):
+    """A module named ``kernels`` imported first (Hugging Face's package, once transformers is imported) must not
+    stand in for bench/kernels.py: the scripts that reuse it load it through bench/sibling.py, by its path, and no
+    script imports it by name."""
+    import re
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "kernels", types.ModuleType("kernels"))
+    monkeypatch.delitem(sys.modules, "fa4dist_bench_kernels", raising=False)
+    for name in ("fwd_error", "ncu_kernels"):
+        bench_scripts.load(name)
+    assert hasattr(sys.modules["fa4dist_bench_kernels"], "_make_fn")
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+    bare = re.compile(r"^\s*(from kernels import|import kernels\b)", re.M)
+    for script in sorted(os.listdir(bench)):
+        if script.endswith(".py"):
+            with open(os.path.join(bench, script)) as f:
+                assert not bare.search(f.read()), f"bench/{script} imports bench/kernels.py by name"
