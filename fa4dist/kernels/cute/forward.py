@@ -376,6 +376,14 @@ def interleaved_launch(head_dim: int, causal: bool, dense_plain: bool, seqlen_q:
             and not short_queries(head_dim, causal, dense_plain, seqlen_q))
 
 
+def _long_plain_hdim128(head_dim: int, dense_plain: bool, seqlen_k: int, min_keys: int, window_left: int,
+                        softcap: float, sinks: bool) -> bool:
+    """The family the long-sequence schedule rules below were measured on: dense hdim-128 launches writing a 16-bit
+    out, of at least ``min_keys`` keys, without a window, soft-cap or sinks."""
+    return (head_dim == 128 and dense_plain and seqlen_k >= min_keys and window_left < 0 and not softcap
+            and not sinks)
+
+
 # dense non-causal hdim-128 launches of at least this many keys take the row max in chains (chained_max_launch)
 CHAINED_MAX_MIN_KEYS = 8192
 
@@ -389,8 +397,8 @@ def chained_max_launch(head_dim: int, causal: bool, dense_plain: bool, seqlen_k:
     +1.2% at 32k, +0.9% at 8k, -0.2 / -0.2% at 4k, -0.9% at 1k; causal hdim 128 -1.4 / +0.7% at 4k, -0.5 / 0% at
     16k, -0.6 / -1.6% at 32k; hdim 64 within +-1.5% either way. The row max is exact in both forms, so the bits
     are the same (test_schedule_fields_give_the_same_bits)."""
-    return (head_dim == 128 and not causal and dense_plain and seqlen_k >= CHAINED_MAX_MIN_KEYS and window_left < 0
-            and not softcap and not sinks)
+    return not causal and _long_plain_hdim128(head_dim, dense_plain, seqlen_k, CHAINED_MAX_MIN_KEYS, window_left,
+                                              softcap, sinks)
 
 
 # dense hdim-128 launches of at least this many keys take key tiles wider than 128 (wide_tiles_launch)
@@ -412,8 +420,7 @@ def wide_tiles_launch(head_dim: int, causal: bool, dense_plain: bool, seqlen_k: 
     Against the fp64 oracle the 128- and 176-key tiles read the same error (bench/fwd_error.py: 16k and 32k, within
     0.2%): another tiling changes the bits (the sums' order), not their accuracy. On the H200 the sixteenth
     session's kernel measured -3 to +0.5% non-causal on 176-key tiles; the H200 table checks it again."""
-    return (head_dim == 128 and dense_plain and seqlen_k >= WIDE_TILES_MIN_KEYS and window_left < 0
-            and not softcap and not sinks)
+    return _long_plain_hdim128(head_dim, dense_plain, seqlen_k, WIDE_TILES_MIN_KEYS, window_left, softcap, sinks)
 
 
 def wide_tile_fields(causal: bool) -> dict:
