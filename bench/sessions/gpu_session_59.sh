@@ -13,6 +13,7 @@
 # - new_tests: both split tests under the restored 1e-5 lse bound (the fifty-eighth's review reverted its widening),
 #   with the case added after its GPU calls (160-key tiles, one offset per sequence). Predicted: the 176-key
 #   split-tail case fails at ~1.5e-5 (as in the fifty-eighth's call 4); the causal 16k-key cases unknown.
+# - split_error (added in the fifty-ninth): bench/split_error.py, the split rows against fp64 beside the unsplit ones.
 # Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_59.sh table (an H200, alone: 420 s);
 #   wide window160 new_tests.
 set -u
@@ -27,8 +28,15 @@ for s in ${*:-wide}; do
         fwd:tile_n=128,tma_store_o=true --rounds 7 --queue-ahead-ms 3 --out-dir "$OUT/wide" ;;
     new_tests)
       gpu_tests split_tests 200 tests/kernels/test_cute_fwd_gpu.py -k "split_tail_tiles or causal_split" ;;
+    split_error)
+      # the split rows' lse and out against fp64, beside the unsplit launch's same rows (bench/split_error.py): is
+      # the 176-key case's 1.5e-5 a less accurate split or two roundings of equal accuracy? Predicted: the split and
+      # unsplit rows' max lse error vs fp64 within 1.5x of each other, both growing with the keys (4k < 16k < 32k)
+      TAIL_LINES=12 stage split_error 240 python3 bench/split_error.py --cases 1x2200x16500x9x3 1x4000x4050x5x1 \
+        1x3000x32768x9x3 1x16384x16384x1x1:causal 1x4096x4096x4x1:causal 1x8192x32768x1x1:causal \
+        --out-dir "$OUT/split_error" ;;
     window160)
       bash "$(dirname "$0")/gpu_session_58.sh" window160 ;;
-    *) echo "unknown stage $s (table | wide | window160 | new_tests)"; exit 2 ;;
+    *) echo "unknown stage $s (table | wide | window160 | new_tests | split_error)"; exit 2 ;;
   esac
 done

@@ -1,6 +1,7 @@
 """The kernel benchmarks' CPU-checkable promises: bench/kernels.py's cute/cuDNN column divides by torch's cuDNN op
 itself, not by our guarded sdpa_cudnn backend (JSON from before the raw baseline falls back to the guarded one);
-bench/packed_tiles.py's documents, FLOPs, table and variant parsing; bench/fwd_error.py's fp64 oracle."""
+bench/packed_tiles.py's documents, FLOPs, table and variant parsing; bench/fwd_error.py's and bench/split_error.py's
+fp64 oracles."""
 
 import os
 import bench_scripts
@@ -138,6 +139,24 @@ def test_fwd_error_oracle_is_the_reference_attention(causal):
     got = bench_scripts.load("fwd_error").fp64_attention(q, k, v, causal, chunk=128)
     want = attention_forward(q, k, v, causal=causal, backend="reference")[0]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_split_error_oracle_is_the_reference_attention():
+    """bench/split_error.py's fp64 lse and out of chosen query rows (chunked, GQA expanded, causal with a query
+    offset) equal the reference backend's rows in fp64."""
+    pytest.importorskip("cutlass")
+    import torch
+
+    from fa4dist.kernels import attention_forward
+
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(200, 4, 64, dtype=torch.float64, generator=gen)
+    k, v = (torch.randn(260, 2, 64, dtype=torch.float64, generator=gen) for _ in range(2))
+    rows = torch.tensor([0, 3, 64, 65, 130, 199])
+    lse, out = bench_scripts.load("split_error").fp64_rows(q, k, v, True, 60, rows, chunk=4)
+    want_o, want_l = attention_forward(q[None], k[None], v[None], causal=True, q_offset=60, backend="reference")
+    torch.testing.assert_close(out, want_o[0, rows], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_l[0][:, rows], rtol=1e-12, atol=1e-12)
 
 
 def test_bench_scripts_take_bench_kernels_by_its_path(monkeypatch):
