@@ -127,11 +127,16 @@ class OnlineSoftmax:
             p = cute.math.exp2(vals * scale_log2 - m_scaled, fastmath=True)
             acc_mn[r, None].store(p)
             terms = [acc_mn[r, c] for c in range(cute.size(acc_mn, mode=[1]))]
+            # the old terms' factor from the difference of the maxima: exactly 2^0 = 1 while the max holds. The
+            # fused m_old * scale_log2 - m_scaled is m * scale_log2's own rounding error then (up to 2^-24 of it),
+            # whose exp2 is 1 + ~1 ulp: row sum and O took that same factor every tile, so out kept its value but
+            # the lse drifted by one ulp of 1 a key tile (1.5e-5 at 16500 keys on 176-key tiles, 2.8e-5 at 32k:
+            # bench/split_error.py); flash-attn-4 subtracts first too
             if const_expr(self.sum_from_old and not is_first):
                 # the old sum, rescaled, leads the first of the short chains (flash-attn-4's order): the O
                 # factor's exp2 is then on the sum's critical path, ptxas issues it among the first exponentials,
                 # and the O rescale's FMULs fill the MUFU queue's shadow instead of following the last exponential
-                sc = cute.math.exp2(m_old * scale_log2 - m_scaled, fastmath=True)
+                sc = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
                 row_scale[r] = sc
                 row_sum[r] = sum4(terms, row_sum[r] * sc)
             else:
@@ -142,7 +147,7 @@ class OnlineSoftmax:
                     row_scale[r] = Float32(1.0)
                     row_sum[r] = p_sum
                 else:
-                    sc = cute.math.exp2(m_old * scale_log2 - m_scaled, fastmath=True)
+                    sc = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
                     row_scale[r] = sc
                     row_sum[r] = row_sum[r] * sc + p_sum
         return row_scale
