@@ -9,7 +9,7 @@ split rows only, the max and 99.9th percentile of |lse - lse_fp64| for the split
 |lse_split - lse_unsplit|, and the same for out (bf16), where lse_fp64 is logsumexp of the fp64 scores of the same bf16
 inputs (computed on the GPU, one chunk of query rows at a time). Cases are BxSQxSKxHxHK at --headdim, dense, causal
 with ":causal" (q_offset = SK - SQ then: the bottom-right diagonal). Prints a table and writes
-$OUT/<date>-split-error.json (or bench/results/).
+$OUT/<date>-split-error.json (or bench/results/). flash-attn-4's lse on the same rows (when carried) stands beside them.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fa4dist.kernels.cute import forward as fwd  # noqa: E402
+import sibling  # noqa: E402  (bench/, the script's folder)
 
 
 def fp64_rows(q, k, v, causal, q_off, rows, chunk=512):
@@ -71,10 +73,11 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench/split_error.py needs a CUDA GPU")
     d = args.headdim
+    fa4 = sibling.load("kernels")._fa4()  # flash-attn-4's lse on the same rows, when carried
     rows_out = []
     print(f"device: {torch.cuda.get_device_name()}")
     print(f"{'case':>28} {'tile_n':>6} {'split rows':>10} | {'lse err max/p99.9 split':>24} "
-          f"{'unsplit':>20} | {'split-unsplit':>20} | {'out err max split/unsplit':>26}")
+          f"{'unsplit':>20} | {'split-unsplit':>20} | {'out err max split/unsplit':>26} | {'flash-attn-4 lse':>20}")
     for case in args.cases:
         shape, _, mode = case.partition(":")
         b, sq, sk, h, hk = (int(x) for x in shape.split("x"))
@@ -98,7 +101,8 @@ def main(argv=None):
         k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
 
         (o_s, l_s), (o_u, l_u) = (launch(q, k, v, causal, q_off, **kw) for kw in ({}, dict(split_tail=False)))
-        err = {key: [] for key in ("l_s", "l_u", "l_su", "o_s", "o_u")}
+        l_f = None if fa4 is None else fa4(q, k, v, causal=causal, return_lse=True)[1]  # (b, h, sq); bottom-right
+        err = {key: [] for key in ("l_s", "l_u", "l_su", "o_s", "o_u") + (() if l_f is None else ("l_fa4",))}
         for bi in range(b):
             # the rows of any head that is split: every head's split rows are the same for causal, not for non-causal
             rows = split[bi].any(0).nonzero().flatten().cuda()
@@ -110,6 +114,8 @@ def main(argv=None):
             err["l_su"].append((l_s[bi][:, rows] - l_u[bi][:, rows])[mask].abs())
             err["o_s"].append((o_s[bi][rows].double() - out64)[omask].abs())
             err["o_u"].append((o_u[bi][rows].double() - out64)[omask].abs())
+            if l_f is not None:
+                err["l_fa4"].append((l_f[bi][:, rows].double() - lse64)[mask].abs())
         st = {key: stats(torch.cat(val)) for key, val in err.items()}
         row = dict(case=case, headdim=d, causal=causal, tile_n=cfg.tile_n, tile_m=cfg.tile_m, parts=parts,
                    split_rows=int(split.sum()), lse_max=float(l_u.max()), **st)
@@ -117,8 +123,9 @@ def main(argv=None):
         print(f"{case:>28} {cfg.tile_n:>6} {row['split_rows']:>10} | "
               f"{st['l_s']['max']:>11.2e} {st['l_s']['p999']:>11.2e}  {st['l_u']['max']:>9.2e} "
               f"{st['l_u']['p999']:>9.2e} | {st['l_su']['max']:>9.2e} {st['l_su']['p999']:>9.2e} | "
-              f"{st['o_s']['max']:>12.2e} {st['o_u']['max']:>12.2e}", flush=True)
-        del q, k, v, o_s, o_u, l_s, l_u
+              f"{st['o_s']['max']:>12.2e} {st['o_u']['max']:>12.2e} | "
+              + (f"{st['l_fa4']['max']:>9.2e} {st['l_fa4']['p999']:>9.2e}" if l_f is not None else "-"), flush=True)
+        del q, k, v, o_s, o_u, l_s, l_u, l_f
         torch.cuda.empty_cache()
     os.makedirs(args.out_dir, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)

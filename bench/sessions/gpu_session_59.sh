@@ -14,6 +14,7 @@
 #   with the case added after its GPU calls (160-key tiles, one offset per sequence). Predicted: the 176-key
 #   split-tail case fails at ~1.5e-5 (as in the fifty-eighth's call 4); the causal 16k-key cases unknown.
 # - split_error (added in the fifty-ninth): bench/split_error.py, the split rows against fp64 beside the unsplit ones.
+# - lse_fix, window_tests (added in the fifty-ninth): after the online softmax's rescale fix (softmax.py).
 # Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_59.sh table (an H200, alone: 420 s);
 #   wide window160 new_tests.
 set -u
@@ -35,8 +36,27 @@ for s in ${*:-wide}; do
       TAIL_LINES=12 stage split_error 240 python3 bench/split_error.py --cases 1x2200x16500x9x3 1x4000x4050x5x1 \
         1x3000x32768x9x3 1x16384x16384x1x1:causal 1x4096x4096x4x1:causal 1x8192x32768x1x1:causal \
         --out-dir "$OUT/split_error" ;;
+    lse_fix)
+      # the online softmax's factor for the old terms from the difference of the maxima (exactly 1 while the max
+      # holds; the fused form drifted the lse by ~1 ulp of 1 a key tile): the split rows against fp64 again, with
+      # flash-attn-4's lse beside them; the split tests under 1e-5; the forward suite; the forward's speed.
+      # Predicted: the unsplit rows' max lse error at 16500 / 32768 keys from 1.5e-5 / 2.8e-5 to < 5e-6, near
+      # the split rows' and flash-attn-4's; every split test passes; the forward within +-0.5% of flash-attn-4's
+      # ratio in this session's tables
+      TAIL_LINES=9 stage split_error 240 python3 bench/split_error.py --cases 1x2200x16500x9x3 1x4000x4050x5x1 \
+        1x3000x32768x9x3 1x16384x16384x1x1:causal 1x4096x4096x4x1:causal 1x8192x32768x1x1:causal \
+        --out-dir "$OUT/split_error"
+      TAIL_LINES=26 stage fwd_speed 200 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 16384 32768 \
+        --causal false true --directions fwd --backends cute flash_attn_4 --rounds 5 --queue-ahead-ms 3 \
+        --out-dir "$OUT/fwd_speed"
+      TAIL_LINES=8 stage long_rows 150 python3 -m pytest -m gpu -q -s -p no:cacheprovider -rfE \
+        tests/kernels/test_cute_fwd_gpu.py -k long_rows
+      grep "lse max" "$OUT/long_rows.log"
+      gpu_tests fwd_tests 280 tests/kernels/test_cute_fwd_gpu.py ;;
+    window_tests)
+      gpu_tests window_tests 280 tests/kernels/test_window_gpu.py tests/kernels/test_cute_nonfinite_gpu.py ;;
     window160)
       bash "$(dirname "$0")/gpu_session_58.sh" window160 ;;
-    *) echo "unknown stage $s (table | wide | window160 | new_tests | split_error)"; exit 2 ;;
+    *) echo "unknown stage $s (table | wide | window160 | new_tests | split_error | lse_fix | window_tests)"; exit 2 ;;
   esac
 done

@@ -169,6 +169,39 @@ def test_dense_per_sequence_offsets_and_fp32_out():
     check(out, lse, ref_out, ref_lse, torch.bfloat16, False)
 
 
+LONG_ROW_CASES = [
+    # (b, sq, sk, h, hk, d, causal): rows of 64k keys (q_offset sk - sq when causal: the bottom-right diagonal)
+    (1, 256, 65536, 2, 1, 128, False),  # 176-key tiles (forward.wide_tiles_launch): 373 of them
+    (1, 256, 65536, 2, 1, 128, True),  # 160-key tiles
+    (1, 384, 65536, 2, 2, 64, False),  # 128-key tiles: 512
+]
+
+
+@pytest.mark.parametrize("split_tail", [True, False], ids=["split", "one_loop"])
+@pytest.mark.parametrize("case", LONG_ROW_CASES, ids=[str(c) for c in LONG_ROW_CASES])
+def test_long_rows_lse_does_not_drift(case, split_tail):
+    """A row's lse over many key tiles stays within a few fp32 roundings of its magnitude from the fp64 lse,
+    whatever the tile count: the online softmax must not rescale its sum by a factor other than exactly 1 while the
+    row max holds (a fused ``m_old * c - m * c`` is m * c's rounding error, whose exp2 is 1 + ~1 ulp, and the lse
+    drifted by that every key tile: 4.5e-5 over 373 tiles). One loop over every tile, and split tiles (parts)."""
+    b, sq, sk, h, hk, d, causal = case
+    torch.manual_seed(sk + sq + d)
+    q, k, v = rand(b, sq, h, d, dtype=torch.bfloat16), rand(b, sk, hk, d, dtype=torch.bfloat16), \
+        rand(b, sk, hk, d, dtype=torch.bfloat16)
+    q_off = sk - sq if causal else 0
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+    lse = torch.full((b, h, sq), float("nan"), dtype=torch.float32, device="cuda")
+    fa4cute.forward(q, k, v, out, lse, causal=causal, q_offset=q_off, split_tail=split_tail)
+    torch.cuda.synchronize()
+    ref_o, ref_l = ref_dense(q, k, v, d**-0.5, causal, [q_off] * b, [0] * b)
+    check(out, lse, ref_o, ref_l, torch.bfloat16, True)
+    # 8 roundings of fp32 at the lse's magnitude (|lse| ~ 11.5 here: 1.1e-5); the drift was 4-5x that
+    bound = 8 * 2.0**-23 * ref_l.abs().clamp_min(1.0)
+    err = (lse.double() - ref_l).abs()
+    print(f"lse max abs err {err.max().item():.2e}, max err / bound {(err / bound).max().item():.2f}")
+    assert (err <= bound).all(), f"lse off the fp64 lse by {err.max().item():.2e} (bound {bound.max().item():.2e})"
+
+
 def _segments(seed, nseg, max_len, allow_empty=True):
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(0 if allow_empty else 1, max_len + 1, (nseg,), generator=g)
