@@ -65,10 +65,20 @@ for s in ${*:-wide}; do
         --causal false true --directions fwd --backends cute flash_attn_4 --rounds 5 --queue-ahead-ms 3 \
         --out-dir "$OUT/fwd_speed"
       gpu_tests fwd_tests 150 tests/kernels/test_cute_fwd_gpu.py -k "dense or split or persistent or schedule" ;;
+    lse_fix_min)
+      # the least of lse_fix (the device budget's last ~250 s): split_error, the long rows' test, the speed at 16k
+      TAIL_LINES=5 stage split_error 100 python3 bench/split_error.py --cases 1x2200x16500x9x3 1x3000x32768x9x3 \
+        1x8192x32768x1x1:causal --out-dir "$OUT/split_error"
+      TAIL_LINES=3 stage long_rows 100 python3 -m pytest -m gpu -q -s -p no:cacheprovider -rfE \
+        tests/kernels/test_cute_fwd_gpu.py -k long_rows
+      grep "lse max" "$OUT/long_rows.log"
+      TAIL_LINES=10 stage fwd_speed 100 python3 bench/kernels.py --headdims 128 64 --seqlens 16384 \
+        --causal false true --directions fwd --backends cute flash_attn_4 --rounds 3 --queue-ahead-ms 3 \
+        --out-dir "$OUT/fwd_speed" ;;
     window_tests)
       gpu_tests window_tests 280 tests/kernels/test_window_gpu.py tests/kernels/test_cute_nonfinite_gpu.py ;;
     window160)
       bash "$(dirname "$0")/gpu_session_58.sh" window160 ;;
-    *) echo "unknown stage $s (table | wide | window160 | new_tests | split_error | lse_fix | lse_fix_lean | window_tests)"; exit 2 ;;
+    *) echo "unknown stage $s (table | wide | window160 | new_tests | split_error | lse_fix | lse_fix_lean | lse_fix_min | window_tests)"; exit 2 ;;
   esac
 done
