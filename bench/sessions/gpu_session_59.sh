@@ -15,6 +15,9 @@
 #   split-tail case fails at ~1.5e-5 (as in the fifty-eighth's call 4); the causal 16k-key cases unknown.
 # - split_error (added in the fifty-ninth): bench/split_error.py, the split rows against fp64 beside the unsplit ones.
 # - lse_fix, window_tests (added in the fifty-ninth): after the online softmax's rescale fix (softmax.py).
+# Run in the fifty-ninth (bench/RESULTS.md), on one H200: split_error, new_tests, wide, table (twice), window160.
+#   Not run (the device's starts were refused for the rest of the session): lse_fix / lse_fix_lean / lse_fix_min
+#   (the softmax fix, commit 21da903) and window_tests: the next session's first calls: `lse_fix`, then `window_tests`.
 # Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_59.sh table (an H200, alone: 420 s);
 #   wide window160 new_tests.
 set -u
