@@ -1,7 +1,7 @@
 """The kernel benchmarks' CPU-checkable promises: bench/kernels.py's cute/cuDNN column divides by torch's cuDNN op
 itself, not by our guarded sdpa_cudnn backend (JSON from before the raw baseline falls back to the guarded one);
 bench/packed_tiles.py's documents, FLOPs, table and variant parsing; bench/fwd_error.py's and bench/split_error.py's
-fp64 oracles."""
+fp64 oracles; bench/lse_drift_model.py's fp32 model of the online softmax's rescale."""
 
 import os
 import bench_scripts
@@ -157,6 +157,21 @@ def test_split_error_oracle_is_the_reference_attention():
     want_o, want_l = attention_forward(q[None], k[None], v[None], causal=True, q_offset=60, backend="reference")
     torch.testing.assert_close(out, want_o[0, rows], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, want_l[0][:, rows], rtol=1e-12, atol=1e-12)
+
+
+def test_lse_drift_model_separates_the_two_rescale_forms():
+    """The fp32 model of a row's online softmax: with the fused rescale argument (m_old * c - m_new * c, one
+    rounding) the lse drifts with the number of key tiles; with the difference of the maxima it does not."""
+    import numpy as np
+
+    model = bench_scripts.load("lse_drift_model")
+    rng = np.random.default_rng(3)
+    for keys, tile in ((4096, 128), (32768, 128)):
+        fused = max(model.row_lse_error(rng, keys, tile, True) for _ in range(20))
+        diff = max(model.row_lse_error(rng, keys, tile, False) for _ in range(20))
+        assert diff < 2e-6, (keys, diff)
+        if keys == 32768:  # 256 tiles: the drift is several times the difference form's error
+            assert fused > 4 * diff, (fused, diff)
 
 
 def test_bench_scripts_take_bench_kernels_by_its_path(monkeypatch):
