@@ -16,8 +16,8 @@
 # - split_error (added in the fifty-ninth): bench/split_error.py, the split rows against fp64 beside the unsplit ones.
 # - lse_fix, window_tests (added in the fifty-ninth): after the online softmax's rescale fix (softmax.py).
 # Run in the fifty-ninth (bench/RESULTS.md), on one H200: split_error, new_tests, wide, table (twice), window160.
-#   Not run (the device's starts were refused for the rest of the session): lse_fix / lse_fix_lean / lse_fix_min
-#   (the softmax fix, commit 21da903) and window_tests: the next session's first calls: `lse_fix`, then `window_tests`.
+#   Not run (the device's starts were refused for the rest of the session): lse_fix (the softmax fix, commit
+#   21da903) and window_tests: the next session's first calls: `lse_fix`, then `window_tests`.
 # Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_59.sh table (an H200, alone: 420 s);
 #   wide window160 new_tests.
 set -u
@@ -56,32 +56,10 @@ for s in ${*:-wide}; do
         tests/kernels/test_cute_fwd_gpu.py -k long_rows
       grep "lse max" "$OUT/long_rows.log"
       gpu_tests fwd_tests 280 tests/kernels/test_cute_fwd_gpu.py ;;
-    lse_fix_lean)
-      # lse_fix in less device time (the session's starts were refused for ~10 minutes): three split_error cases,
-      # the long rows' test, the forward suite's dense / split / persistent / long-row tests, and the forward at 16k
-      TAIL_LINES=5 stage split_error 120 python3 bench/split_error.py --cases 1x2200x16500x9x3 1x3000x32768x9x3 \
-        1x8192x32768x1x1:causal --out-dir "$OUT/split_error"
-      TAIL_LINES=3 stage long_rows 120 python3 -m pytest -m gpu -q -s -p no:cacheprovider -rfE \
-        tests/kernels/test_cute_fwd_gpu.py -k long_rows
-      grep "lse max" "$OUT/long_rows.log"
-      TAIL_LINES=10 stage fwd_speed 120 python3 bench/kernels.py --headdims 128 64 --seqlens 16384 \
-        --causal false true --directions fwd --backends cute flash_attn_4 --rounds 5 --queue-ahead-ms 3 \
-        --out-dir "$OUT/fwd_speed"
-      gpu_tests fwd_tests 150 tests/kernels/test_cute_fwd_gpu.py -k "dense or split or persistent or schedule" ;;
-    lse_fix_min)
-      # the least of lse_fix (the device budget's last ~250 s): split_error, the long rows' test, the speed at 16k
-      TAIL_LINES=5 stage split_error 100 python3 bench/split_error.py --cases 1x2200x16500x9x3 1x3000x32768x9x3 \
-        1x8192x32768x1x1:causal --out-dir "$OUT/split_error"
-      TAIL_LINES=3 stage long_rows 100 python3 -m pytest -m gpu -q -s -p no:cacheprovider -rfE \
-        tests/kernels/test_cute_fwd_gpu.py -k long_rows
-      grep "lse max" "$OUT/long_rows.log"
-      TAIL_LINES=10 stage fwd_speed 100 python3 bench/kernels.py --headdims 128 64 --seqlens 16384 \
-        --causal false true --directions fwd --backends cute flash_attn_4 --rounds 3 --queue-ahead-ms 3 \
-        --out-dir "$OUT/fwd_speed" ;;
     window_tests)
       gpu_tests window_tests 280 tests/kernels/test_window_gpu.py tests/kernels/test_cute_nonfinite_gpu.py ;;
     window160)
       bash "$(dirname "$0")/gpu_session_58.sh" window160 ;;
-    *) echo "unknown stage $s (table | wide | window160 | new_tests | split_error | lse_fix | lse_fix_lean | lse_fix_min | window_tests)"; exit 2 ;;
+    *) echo "unknown stage $s (table | wide | window160 | new_tests | split_error | lse_fix | window_tests)"; exit 2 ;;
   esac
 done
