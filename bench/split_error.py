@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fa4dist.kernels.cute import forward as fwd  # noqa: E402
 import sibling  # noqa: E402  (bench/, the script's folder)
+from timing import require_cuda  # noqa: E402
 
 
 def fp64_rows(q, k, v, causal, q_off, rows, chunk=512):
@@ -70,8 +71,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench/split_error.py needs a CUDA GPU")
+    require_cuda("split_error.py")
     d = args.headdim
     fa4 = sibling.load("kernels")._fa4()  # flash-attn-4's lse on the same rows, when carried
     rows_out = []
