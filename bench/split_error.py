@@ -89,13 +89,7 @@ def main(argv=None):
         if parts == 1:
             print(f"{case:>28}: no split on {cfg.persistent_ctas} SMs")
             continue
-        num_m = -(-sq // cfg.tile_m)
-        split = torch.zeros(b, h, num_m, dtype=torch.bool)
-        if causal:  # the longest edge / (b * h) query tiles of every (batch, head)
-            split[..., num_m - edge // (b * h):] = True
-        else:  # launch-order tiles from `edge` on
-            split.view(-1)[edge:] = True
-        split = split.repeat_interleave(cfg.tile_m, dim=2)[..., :sq]  # (b, h, sq)
+        split = fwd.split_rows(cfg, (b, sq, h, d), (edge, parts))  # (b, h, sq)
         gen = torch.Generator(device="cuda").manual_seed(args.seed * 1000003 + sq + sk + d)
         q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))

@@ -451,6 +451,26 @@ def test_causal_split_plan_splits_the_longest_tiles_of_a_launch_of_few_waves():
     assert cute_fwd.split_tile_count(cfg, (1, 4096, 4, 128), (36, 2)) == 36
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_split_rows_are_the_rows_of_the_split_tiles(causal):
+    """forward.split_rows marks whole query tiles (the last one cut at s_q), as many as split_tile_count counts:
+    causal each (batch, head)'s last, non-causal the launch-order tiles from the edge on; none for an unsplit plan."""
+    cfg = cute_fwd.make_config(torch.bfloat16, 128, causal=causal, varlen=False, accumulate=False,
+                               persistent_ctas=132)
+    shape = (2, 1000, 3, 128)  # 8 query tiles of 128 rows, the last one of 104
+    plan = (3 * 6, 2) if causal else (29, 3)  # causal: 3 tiles of each of the 6 (batch, head)s
+    rows = cute_fwd.split_rows(cfg, shape, plan)
+    assert rows.shape == (2, 3, 1000)
+    tiles = rows[..., ::128]  # each tile's first row
+    assert torch.equal(rows, tiles.repeat_interleave(128, dim=2)[..., :1000])
+    assert int(tiles.sum()) == cute_fwd.split_tile_count(cfg, shape, plan)
+    if causal:
+        assert tiles[..., 5:].all() and not tiles[..., :5].any()
+    else:
+        assert not tiles.flatten()[:29].any() and tiles.flatten()[29:].all()
+    assert not cute_fwd.split_rows(cfg, shape, (0, 1)).any()
+
+
 def test_sum_from_old_follows_the_head_dim_only():
     """The row sum's order (FwdConfig.sum_from_old) is a function of the head dim alone, so that every variant of
     one head dim sums alike: persistent or not, short tiles or not, merge, packed, work list (their bits are

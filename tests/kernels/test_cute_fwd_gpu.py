@@ -475,7 +475,6 @@ def test_split_tail_tiles(case):
     cfg = fa4cute.make_config(torch.bfloat16, d, causal=False, varlen=False, accumulate=False,
                               wide=fa4cute.wide_tiles_launch(d, False, True, sk))  # the call's own key tiles
     assert cfg.split_tail
-    num_m = -(-sq // cfg.tile_m)
     start, parts = fa4cute.dense_split_plan(cfg, (b, sq, h, d), sk)
     if parts == 1:
         pytest.skip(f"no split on {cfg.persistent_ctas} SMs")
@@ -497,10 +496,7 @@ def test_split_tail_tiles(case):
     for a, g in zip((out, lse), again):
         assert torch.equal(a.view(torch.uint8), g.view(torch.uint8)), "split tiles differ from run to run"
     plain_o, plain_l = launch(split_tail=False)
-    # the rows of the split tiles: launch-order tile t is query tile t % num_m of (batch, head) t // num_m
-    split_rows = torch.zeros(b, h, num_m, dtype=torch.bool)
-    split_rows.view(-1)[start:] = True
-    split_rows = split_rows.repeat_interleave(cfg.tile_m, dim=2)[..., :sq].cuda()  # (b, h, sq)
+    split_rows = fa4cute.split_rows(cfg, q.shape, (start, parts)).cuda()  # (b, h, sq)
     assert torch.equal(lse.view(torch.int32)[~split_rows], plain_l.view(torch.int32)[~split_rows])
     keep = ~split_rows.transpose(1, 2)  # (b, sq, h)
     assert torch.equal(out.view(torch.int16)[keep], plain_o.view(torch.int16)[keep])
@@ -542,7 +538,6 @@ def test_causal_split_tiles(case):
                               seg_offsets=isinstance(q_off, torch.Tensor),
                               wide=fa4cute.wide_tiles_launch(d, True, True, sk))  # the call's own key tiles
     assert cfg.split_tail
-    num_m = -(-sq // cfg.tile_m)
     edge, parts = fa4cute.dense_split_plan(cfg, (b, sq, h, d), sk, 0 if isinstance(q_off, torch.Tensor) else q_off)
     if parts == 1:
         pytest.skip(f"no split on {cfg.persistent_ctas} SMs")
@@ -565,10 +560,7 @@ def test_causal_split_tiles(case):
     for a, g in zip((out, lse), again):
         assert torch.equal(a.view(torch.uint8), g.view(torch.uint8)), "split tiles differ from run to run"
     plain_o, plain_l = launch(split_tail=False)
-    # the split tiles: the longest edge / (b * h) query tiles of every (batch, head)
-    split_rows = torch.zeros(b, h, num_m * cfg.tile_m, dtype=torch.bool)
-    split_rows[..., (num_m - edge // (b * h)) * cfg.tile_m:] = True
-    split_rows = split_rows[..., :sq].cuda()
+    split_rows = fa4cute.split_rows(cfg, q.shape, (edge, parts)).cuda()  # the longest edge / (b * h) tiles of each
     assert torch.equal(lse.view(torch.int32)[~split_rows], plain_l.view(torch.int32)[~split_rows])
     keep = ~split_rows.transpose(1, 2)  # (b, sq, h)
     assert torch.equal(out.view(torch.int16)[keep], plain_o.view(torch.int16)[keep])

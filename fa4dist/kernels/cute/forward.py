@@ -717,6 +717,23 @@ def split_tile_count(cfg: FwdConfig, q_shape, plan) -> int:
     return split_plans.split_tile_count(cfg.causal, b * h * -(-sq // cfg.tile_m), plan[0])
 
 
+def split_rows(cfg: FwdConfig, q_shape, plan) -> torch.Tensor:
+    """(b, h, s_q) bool, on the CPU: the query rows of the tiles a dense call's split plan splits. Launch-order tile
+    t is query tile t % num_m of (batch, head) t // num_m; causal plans split every (batch, head)'s last
+    edge / (b * h) query tiles (its longest), non-causal ones the launch-order tiles from the edge on
+    (split_tile_count counts the same tiles)."""
+    b, sq, h, _ = q_shape
+    num_m = -(-sq // cfg.tile_m)
+    edge, parts = plan
+    tiles = torch.zeros(b, h, num_m, dtype=torch.bool)
+    if parts > 1:
+        if cfg.causal:
+            tiles[..., num_m - edge // (b * h):] = True
+        else:
+            tiles.view(-1)[edge:] = True
+    return tiles.repeat_interleave(cfg.tile_m, dim=2)[..., :sq]
+
+
 def _split_buffers(cfg: FwdConfig, q, plan) -> dict:
     """The split_tail kernel's arguments (FwdKernelArgs fields) for a dense call that splits: the tile counter and
     one arrival counter per split tile, zeroed, the parts' fp32 (out, lse) scratch and the plan."""
