@@ -22,6 +22,9 @@
 #   wide window160 new_tests.
 set -u
 source "$(dirname "$0")/../stage.sh"
+# the split rows against fp64 (split_error and lse_fix)
+SPLIT_ERROR=(python3 bench/split_error.py --cases 1x2200x16500x9x3 1x4000x4050x5x1 1x3000x32768x9x3
+  1x16384x16384x1x1:causal 1x4096x4096x4x1:causal 1x8192x32768x1x1:causal --out-dir "$OUT/split_error")
 for s in ${*:-wide}; do
   case $s in
     table)
@@ -36,9 +39,7 @@ for s in ${*:-wide}; do
       # the split rows' lse and out against fp64, beside the unsplit launch's same rows (bench/split_error.py): is
       # the 176-key case's 1.5e-5 a less accurate split or two roundings of equal accuracy? Predicted: the split and
       # unsplit rows' max lse error vs fp64 within 1.5x of each other, both growing with the keys (4k < 16k < 32k)
-      TAIL_LINES=12 stage split_error 240 python3 bench/split_error.py --cases 1x2200x16500x9x3 1x4000x4050x5x1 \
-        1x3000x32768x9x3 1x16384x16384x1x1:causal 1x4096x4096x4x1:causal 1x8192x32768x1x1:causal \
-        --out-dir "$OUT/split_error" ;;
+      TAIL_LINES=12 stage split_error 240 "${SPLIT_ERROR[@]}" ;;
     lse_fix)
       # the online softmax's factor for the old terms from the difference of the maxima (exactly 1 while the max
       # holds; the fused form drifted the lse by ~1 ulp of 1 a key tile): the split rows against fp64 again, with
@@ -46,9 +47,7 @@ for s in ${*:-wide}; do
       # Predicted: the unsplit rows' max lse error at 16500 / 32768 keys from 1.5e-5 / 2.8e-5 to < 5e-6, near
       # the split rows' and flash-attn-4's; every split test passes; the forward within +-0.5% of flash-attn-4's
       # ratio in this session's tables
-      TAIL_LINES=9 stage split_error 240 python3 bench/split_error.py --cases 1x2200x16500x9x3 1x4000x4050x5x1 \
-        1x3000x32768x9x3 1x16384x16384x1x1:causal 1x4096x4096x4x1:causal 1x8192x32768x1x1:causal \
-        --out-dir "$OUT/split_error"
+      TAIL_LINES=9 stage split_error 240 "${SPLIT_ERROR[@]}"
       TAIL_LINES=26 stage fwd_speed 200 python3 bench/kernels.py --headdims 128 64 --seqlens 4096 16384 32768 \
         --causal false true --directions fwd --backends cute flash_attn_4 --rounds 5 --queue-ahead-ms 3 \
         --out-dir "$OUT/fwd_speed"
