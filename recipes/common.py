@@ -569,17 +569,20 @@ def forward_backward(model, samples, layout: Layout, args, device, *, backward=N
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
     raw = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    invariant = bool(getattr(args, "cp_invariant", False))
     for i, sample in enumerate(samples):
         plan = raw.make_plan(sample.cu_seqlens, balancer=args.balancer)
         local = shard_sample(sample, plan, layout.cp_rank, device=device)
         if i == n - 1 and before_last is not None:
             before_last()
         logits = model(local.tokens, local.positions, plan)
-        res = cp_cross_entropy(logits, local.labels, layout.cp_group if layout.cp > 1 else None)
+        res = cp_cross_entropy(logits, local.labels, layout.cp_group if layout.cp > 1 else None,
+                               exact_value=invariant)
         backward(res.loss * loss_scale if loss_scale != 1.0 else res.loss, n)
-        loss_sum += res.loss.detach().double()
+        # --cp-invariant logs the sequence's loss with the same bits at every cp size, as its weights have
+        loss_sum += res.value if invariant else res.loss.detach().double()
         tokens += local.tokens.numel()
-    if layout.cp > 1:  # the shares of each sequence add up over cp
+    if layout.cp > 1 and not invariant:  # the shares of each sequence add up over cp
         dist.all_reduce(loss_sum, group=layout.cp_group)
     return loss_sum, tokens
 

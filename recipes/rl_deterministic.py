@@ -50,7 +50,7 @@ import common  # noqa: E402
 
 from fa4dist.data import BOS, EOS, IGNORE, ByteTokenizer, SingleRankPlan, shard_sample  # noqa: E402
 from fa4dist.data.packing import Sample, positions_from_cu_seqlens  # noqa: E402
-from fa4dist.models import FA4Llama  # noqa: E402
+from fa4dist.models import FA4Llama, invariant_sum  # noqa: E402
 
 TOK = ByteTokenizer()
 
@@ -159,7 +159,8 @@ def pack(tokens: torch.Tensor, comp_mask: torch.Tensor, prompt_len: int, per_tok
 
 
 def policy_loss(model, sample, aligned, layout, total_tokens: float, clip_eps: float, device, args):
-    """This rank's share of the clipped policy-gradient loss; returns (loss, max |logp diff| of local tokens)."""
+    """This rank's share of the clipped policy-gradient loss; returns (loss, its per-token terms (detached: loss is
+    their sum over total_tokens), max |logp diff| of local tokens)."""
     plan = model.make_plan(sample.cu_seqlens, balancer=args.balancer)
     local = shard_sample(sample, plan, layout.cp_rank, device=device)
     adv = plan.shard(aligned["adv"], seq_dim=0, rank=layout.cp_rank).to(device)
@@ -169,16 +170,22 @@ def policy_loss(model, sample, aligned, layout, total_tokens: float, clip_eps: f
     logp = torch.log_softmax(logits, dim=-1).gather(1, local.labels.clamp(min=0)[:, None]).squeeze(1)
     ratio = torch.exp(logp - old)
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
-    loss = -(surrogate * mask).sum() / total_tokens
+    terms = -(surrogate * mask)
+    loss = terms.sum() / total_tokens
     diff = ((logp.detach() - old).abs() * mask).max() if mask.any() else torch.zeros((), device=device)
-    return loss, diff
+    return loss, terms.detach(), diff
 
 
 def sft_loss(model, sample, layout, total_tokens: float, device, args):
+    """This rank's share of the SFT loss; returns (loss, its per-token terms (detached: loss is their sum over
+    total_tokens))."""
     plan = model.make_plan(sample.cu_seqlens, balancer=args.balancer)
     local = shard_sample(sample, plan, layout.cp_rank, device=device)
     logits = model(local.tokens, local.positions, plan).float()
-    return F.cross_entropy(logits, local.labels, ignore_index=IGNORE, reduction="sum") / total_tokens
+    loss = F.cross_entropy(logits, local.labels, ignore_index=IGNORE, reduction="sum") / total_tokens
+    with torch.no_grad():  # (apart from the loss's graph: its bits, and so the gradients', stay the summed call's)
+        terms = F.cross_entropy(logits, local.labels, ignore_index=IGNORE, reduction="none")
+    return loss, terms
 
 
 def allreduce_grads(model):
@@ -330,10 +337,11 @@ def main(argv=None):
                                {"adv": adv[rows, None].expand_as(comps[rows]).float(), "old_logp": old_logp[rows]})
         optimizer.zero_grad(set_to_none=True)
         if sft:
-            loss = sft_loss(policy, sample, layout, total_tokens, device, args)
+            loss, terms = sft_loss(policy, sample, layout, total_tokens, device, args)
             diff = torch.zeros((), device=device)
         else:
-            loss, diff = policy_loss(policy, sample, aligned, layout, total_tokens, args.clip_eps, device, args)
+            loss, terms, diff = policy_loss(policy, sample, aligned, layout, total_tokens, args.clip_eps, device,
+                                            args)
         loss.backward()
         if args.cp_invariant:
             policy.invariant_grads.finish()
@@ -342,8 +350,11 @@ def main(argv=None):
         if args.grad_clip:
             torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
         optimizer.step()
-        loss_all = loss.detach().clone()
-        dist.all_reduce(loss_all)
+        if args.cp_invariant:  # the logged loss with the same bits at every cp size, as the weights have
+            loss_all = invariant_sum(terms) / total_tokens
+        else:
+            loss_all = loss.detach().clone()
+            dist.all_reduce(loss_all)
         diff = diff.detach().clone()
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
         fields = {"phase": "sft" if sft else "grpo", "loss": float(loss_all)}

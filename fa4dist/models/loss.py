@@ -14,13 +14,16 @@ signatures and all raise the same error naming the ranks and fields
 (``fa4dist.context_parallel.agreement.raise_disagreement``, as the attention's agreement check does), instead of the
 others waiting in the collective or gloo/NCCL failing on mismatched buffers.  A rank that skips a call cannot be
 seen by the others: they time out after ``timeout`` seconds with a message naming the call.
-"""
+
+The value to *log* in a cp_invariant run, whose weights have the same bits at every cp size, is ``exact_value=True``'s
+``CPLoss.value``: the token losses added by :func:`invariant_sum` (int64 fixed point), which gives the same bits for
+any split of the terms over the ranks; the shares' float sum over the group does not (its last bits move with cp)."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -69,6 +72,8 @@ class CPLoss:
     loss: torch.Tensor  # this rank's share: backward through it; the shares add up to the sequence's mean
     tokens: torch.Tensor  # label tokens of the whole sequence (all cp ranks)
     local_tokens: int
+    # exact_value=True: the sequence's mean loss (fp64, detached), the same bits on every rank and at every cp size
+    value: Optional[torch.Tensor] = None
 
 
 def _check_inputs(logits, labels) -> None:
@@ -138,7 +143,7 @@ def label_counts(function: str, cp_group, inputs: Callable[[], tuple], timeout: 
 
 
 def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp_group=None, *,
-                     timeout: float = 300.0) -> CPLoss:
+                     timeout: float = 300.0, exact_value: bool = False) -> CPLoss:
     """Token-mean cross entropy of the sequence that ``logits`` (local_tokens, vocab) / ``labels`` (local_tokens,),
     integer ids or IGNORE, are this rank's shard of.  ``cp_group``: the cp group (ProcessGroup or 1-D DeviceMesh;
     None: this rank's tokens are the whole sequence); every rank of it must call this alike (checked in the one
@@ -151,23 +156,32 @@ def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp_group=None, 
     give NaN (0 / 0): chosen so that such a sequence adds nothing to a step's sums of losses and gradients, where a
     NaN would reach every replica's weights through the gradient reduction and an error would stop a run on a
     legitimate window (a prompt-only stretch of SFT data, one-token documents).  ``CPLoss.tokens`` is 0 then, for
-    a caller that wants to tell."""
-    return cp_cross_entropy_of(lambda: (logits, labels), cp_group, timeout=timeout)
+    a caller that wants to tell.
+
+    ``exact_value=True`` also gives ``CPLoss.value``: the sequence's mean loss as a detached fp64 scalar whose bits
+    do not depend on how the tokens are split over the ranks (:func:`invariant_sum` of the token losses, two more
+    reductions over the group).  The shares' own sum rounds differently at every cp size: this is the value to log
+    in a cp_invariant run, whose weights have the same bits at every cp size."""
+    return cp_cross_entropy_of(lambda: (logits, labels), cp_group, timeout=timeout, exact_value=exact_value)
 
 
-def cp_cross_entropy_of(operands: Callable[[], tuple], cp_group=None, *, timeout: float = 300.0) -> CPLoss:
+def cp_cross_entropy_of(operands: Callable[[], tuple], cp_group=None, *, timeout: float = 300.0,
+                        exact_value: bool = False) -> CPLoss:
     """:func:`cp_cross_entropy` of the ``(logits, labels)`` that ``operands()`` returns.  It is called inside the
     check of the arguments that every rank joins, so a caller's own checks of what it makes them from (a
     ``ContextParallelHandle.loss``'s) raise on every rank alike too, instead of leaving the others waiting."""
     got = {}
 
     def inputs():
+        if not isinstance(exact_value, bool):
+            raise TypeError(f"exact_value must be a bool, got {type(exact_value).__name__}")
         logits, labels = operands()
         _check_inputs(logits, labels)
         got.update(logits=logits, labels=labels)
         return labels, logits.shape[1], dict(vocab=int(logits.shape[1]), dtype=str(logits.dtype),
                                              device=logits.device.type,
-                                             grad=bool(torch.is_grad_enabled() and logits.requires_grad))
+                                             grad=bool(torch.is_grad_enabled() and logits.requires_grad),
+                                             exact_value=exact_value)
 
     count, total = label_counts("cp_cross_entropy", cp_group, inputs, timeout)
     logits, labels = got["logits"], got["labels"]
@@ -175,7 +189,60 @@ def cp_cross_entropy_of(operands: Callable[[], tuple], cp_group=None, *, timeout
         logits = logits.float()
     local_sum = F.cross_entropy(logits, labels.long(), ignore_index=IGNORE, reduction="sum")
     tokens = torch.tensor(total, dtype=logits.dtype, device=logits.device)
-    return CPLoss(local_sum / tokens.clamp(min=1.0), tokens, count)
+    value = None
+    if exact_value:  # (the token losses again, apart from the share's graph: its bits stay those of the plain call)
+        with torch.no_grad():
+            per_token = F.cross_entropy(logits, labels.long(), ignore_index=IGNORE, reduction="none")
+        value = (invariant_sum(per_token, cp_group, timeout=timeout) if cp_group is not None
+                 else _fixed_point_sum(per_token, 1, 0, lambda facts, op: facts)) / max(1, total)
+    return CPLoss(local_sum / tokens.clamp(min=1.0), tokens, count, value)
+
+
+def invariant_sum(terms: torch.Tensor, group=None, *, timeout: float = 300.0) -> torch.Tensor:
+    """The sum of every rank's ``terms`` (a floating-point tensor of any shape; each rank its own count) over
+    ``group`` (default: every rank; this rank's terms alone when torch.distributed is not initialized), as a detached
+    fp64 scalar, the same on every rank, whose bits do not depend on how the terms are split over the ranks: one
+    rank or many, any shard sizes.  A float sum's bits do (its partial sums round differently).
+
+    Each finite term becomes the integer trunc(term * 2^s) and the integers add exactly, in any order; the sum is
+    converted once.  2^s = 2^(61 - e) with n * max|term| < 2^e (n the terms and the maximum taken over the group:
+    exact in any layout), so every partial sum stays below 2^62 and the result is within n * 2^(e - 61) of the exact
+    sum (fixed_point.power_of_two_scale; NaN if that bound is 2^187 or more).  Non-finite terms give what a float
+    sum in any order gives: NaN where a term is NaN or both infinities occur, else the infinity.  Two reductions
+    (:func:`reduce_value`: a call that differs between ranks raises on every rank)."""
+    if not isinstance(terms, torch.Tensor) or not terms.is_floating_point():
+        got = terms.dtype if isinstance(terms, torch.Tensor) else type(terms).__name__
+        raise TypeError(f"terms must be a floating-point torch.Tensor, got {got}")
+    size, rank = 1, 0
+    if dist.is_available() and dist.is_initialized():
+        process_group, size = _member_group(group, "group")
+        rank = dist.get_rank(process_group)
+    return _fixed_point_sum(terms, size, rank, lambda facts, op: reduce_value(facts, group, op, timeout=timeout))
+
+
+def _fixed_point_sum(terms: torch.Tensor, size: int, rank: int, reduce: Callable) -> torch.Tensor:
+    """:func:`invariant_sum` of this rank (``rank`` of ``size``), ``reduce(tensor, op)`` reducing over the ranks."""
+    from fa4dist.kernels.fixed_point import power_of_two_scale
+
+    flat = terms.detach().reshape(-1).double()
+    finite = torch.isfinite(flat)
+    zero = flat.new_zeros(())
+    # one MAX reduction: the largest finite |term|, which non-finite kinds occur, and each rank's count in a slot of
+    # its own (the others hold 0 there), so that every rank reads the whole count exactly
+    facts = flat.new_zeros(4 + size)
+    if flat.numel():
+        facts[0] = torch.where(finite, flat.abs(), zero).max()
+        facts[1] = flat.isnan().any().double()
+        facts[2] = (flat == float("inf")).any().double()
+        facts[3] = (flat == -float("inf")).any().double()
+    facts[4 + rank] = flat.numel()
+    facts = reduce(facts, dist.ReduceOp.MAX)
+    scale = power_of_two_scale(facts[0] * facts[4:].sum()).double()
+    fixed = torch.where(finite, flat * scale, zero).trunc().to(torch.int64).sum().reshape(1)
+    total = reduce(fixed, dist.ReduceOp.SUM)[0].double() / scale
+    nan, pos, neg = facts[1] > 0, facts[2] > 0, facts[3] > 0
+    total = torch.where(pos, float("inf"), torch.where(neg, -float("inf"), total))
+    return torch.where(nan | (pos & neg), float("nan"), total)
 
 
 def reduce_value(value: torch.Tensor, group=None, op=dist.ReduceOp.SUM, *, timeout: float = 300.0) -> torch.Tensor:

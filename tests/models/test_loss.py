@@ -1,6 +1,7 @@
-"""cp_cross_entropy and reduce_value (fa4dist/models/loss.py): argument checks, the shares of a cp group adding up
-to the whole sequence's loss, and ranks that call them differently raising the same error on every rank (CPU gloo,
-ranks 0 and 1 of a 4-rank pool) instead of a gloo abort, a hang or a silently local result."""
+"""cp_cross_entropy, invariant_sum and reduce_value (fa4dist/models/loss.py): argument checks, the shares of a cp
+group adding up to the whole sequence's loss, the exact value's bits at every cp size, and ranks that call them
+differently raising the same error on every rank (CPU gloo, ranks 0 and 1 of a 4-rank pool) instead of a gloo
+abort, a hang or a silently local result."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 
 from cp_harness import GROUPS, fresh_group, shared_pool
 from fa4dist.data.packing import IGNORE
-from fa4dist.models import cp_cross_entropy
+from fa4dist.models import cp_cross_entropy, invariant_sum
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -194,8 +195,9 @@ def _disagreeing(rank, world, case):
         elif case == "grad":
             logits.requires_grad_()
     timeout = -1 if case == "timeout" and rank == 1 else 60.0
+    exact = case == "exact" and rank == 1
     try:
-        cp_cross_entropy(logits, labels, GROUPS[2], timeout=timeout)
+        cp_cross_entropy(logits, labels, GROUPS[2], timeout=timeout, exact_value=exact)
     except (TypeError, ValueError) as err:
         return type(err).__name__, str(err)
     return None
@@ -205,6 +207,7 @@ def _disagreeing(rank, world, case):
     ("dtype", "ranks disagree on cp_cross_entropy call .*: dtype: rank 0 'torch.float32', rank 1 'torch.float64'"),
     ("vocab", "ranks disagree on cp_cross_entropy call .*: vocab: rank 0 11, rank 1 12"),
     ("grad", "grad: rank 0 False, rank 1 True"),
+    ("exact", "exact_value: rank 0 False, rank 1 True"),  # rank 1 would wait in the exact value's reductions
     ("shape", r"rank 1 rejected its inputs: ValueError: logits must be 2-D .* got shape \(1, 6, 11\)"),
     ("label", r"rank 1 rejected its inputs: ValueError: labels hold 1 id\(s\) outside the vocabulary"),
     # was a CommError on both ranks at once ("did every rank call it?"): the exchange itself waited -1 s
@@ -372,3 +375,98 @@ def test_a_rank_without_targets_still_gives_the_global_mean(pool):
         assert float((torch.cat([shares[0][2], shares[1][2]]) - grad).abs().max()) <= tol * float(grad.abs().max())
         assert float((torch.cat([shares[0][4], shares[1][4]]) - hidden_grad).abs().max()) <= \
             tol * float(hidden_grad.abs().max())
+
+
+def _exact_values(rank, world, dtype):
+    """The mean loss of one 97-token sequence (a fifth of the labels IGNORE) with exact_value=True, at cp 1 without
+    a group and at cp 1-4 on gloo, the tokens cut by a plan into uneven, non-contiguous shards: per layout this
+    rank's (value, share)."""
+    from fa4dist.context_parallel import make_plan
+
+    gen = torch.Generator().manual_seed(11)
+    logits = (8 * torch.randn(97, VOCAB, generator=gen)).to(dtype)  # wide logits: losses from ~0 to ~60
+    labels = torch.randint(0, VOCAB, (97,), generator=gen)
+    labels[::5] = IGNORE
+    got = {}
+    for cp, balancer in ((1, None), (1, "contiguous"), (2, "zigzag"), (3, "lpt"), (4, "lpt")):
+        if rank >= cp:
+            continue
+        group, plan = (None, None) if balancer is None else (GROUPS[cp], make_plan([0, 40, 97], cp, balancer=balancer))
+        mine = (logits, labels) if plan is None else (plan.shard(logits, seq_dim=0, rank=rank),
+                                                    plan.shard(labels, seq_dim=0, rank=rank))
+        res = cp_cross_entropy(*mine, group, exact_value=True)
+        got[f"cp {cp} {balancer}"] = (res.value.item(), res.loss.item())
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_exact_value_has_the_same_bits_at_every_cp_size(pool, dtype):
+    """exact_value=True: every rank of every layout (cp 1 with and without a group, cp 2-4 under zigzag / LPT
+    plans) gets the same fp64 value, which is the mean of the fp32 (fp64) token losses within the fixed point's
+    bound; the shares still add up to it within their own rounding."""
+    per_rank = pool.run(_exact_values, dtype=dtype)
+    values = {got[0] for results in per_rank for got in results.values()}
+    assert len(values) == 1, per_rank
+    gen = torch.Generator().manual_seed(11)
+    logits = (8 * torch.randn(97, VOCAB, generator=gen)).to(dtype)
+    labels = torch.randint(0, VOCAB, (97,), generator=gen)
+    labels[::5] = IGNORE
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    per_token = F.cross_entropy(logits.to(compute), labels, ignore_index=IGNORE, reduction="none")
+    want = float(per_token.double().sum()) / int((labels != IGNORE).sum())
+    # n terms below 2^e: each truncated by less than 2^(e - 61), then one fp64 rounding of the sum
+    bound = 97 * 97 * float(per_token.abs().max()) * 2.0 ** -60 + 2 * torch.finfo(torch.float64).eps * abs(want)
+    assert abs(values.pop() - want) <= bound
+    eps = torch.finfo(compute).eps
+    for cp in (2, 3, 4):
+        key = [k for k in per_rank[0] if k.startswith(f"cp {cp} ")][0]
+        shares = sum(per_rank[r][key][1] for r in range(cp))
+        assert abs(shares - want) <= 97 * eps * float(per_token.abs().max()), (cp, shares, want)
+
+
+def _split_sums(rank, world, pieces):
+    """invariant_sum of this rank's piece of fixed terms (pieces: one slice per rank of GROUPS[len(pieces)])."""
+    if rank >= len(pieces):
+        return None
+    return invariant_sum(_terms()[pieces[rank]], GROUPS[len(pieces)]).item()
+
+
+def _terms():
+    """Terms over 60 orders of magnitude and both signs, whose float sums depend on their order."""
+    gen = torch.Generator().manual_seed(5)
+    return torch.randn(200, generator=gen, dtype=torch.float64) * 10.0 ** torch.randint(-30, 30, (200,), generator=gen)
+
+
+@pytest.mark.parametrize("pieces", [
+    [slice(0, 200)],
+    [slice(0, 13), slice(13, 200)],
+    [slice(0, 0), slice(0, 150), slice(150, 200)],  # a rank without terms
+    [slice(0, 50), slice(50, 51), slice(51, 120), slice(120, 200)],
+])
+def test_invariant_sum_has_the_same_bits_for_every_split(pool, pieces):
+    terms = _terms()
+    alone = invariant_sum(terms)  # not distributed: this process's terms
+    assert all(invariant_sum(terms[torch.randperm(200)]).item() == alone.item() for _ in range(3))
+    got = pool.run(_split_sums, pieces=pieces)[:len(pieces)]
+    assert got == [alone.item()] * len(pieces)
+    # against the exact sum (fractions): n terms below 2^e, each truncated by less than 2^(e - 61)
+    from fractions import Fraction
+
+    exact = float(sum(Fraction(float(t)) for t in terms))
+    assert abs(alone.item() - exact) <= 200 * 200 * float(terms.abs().max()) * 2.0 ** -60
+
+
+def test_invariant_sum_of_non_finite_terms_and_bad_input():
+    inf, nan = float("inf"), float("nan")
+    assert invariant_sum(torch.tensor([1.0, inf, 2.0])).item() == inf
+    assert invariant_sum(torch.tensor([-inf, 1.0])).item() == -inf
+    assert torch.isnan(invariant_sum(torch.tensor([inf, -inf])))
+    assert torch.isnan(invariant_sum(torch.tensor([1.0, nan])))
+    assert invariant_sum(torch.zeros(0)).item() == 0.0
+    assert invariant_sum(torch.tensor([[1.5, -0.25], [0.75, 2.0]], dtype=torch.bfloat16)).item() == 4.0
+    with pytest.raises(TypeError, match="terms must be a floating-point torch.Tensor, got torch.int64"):
+        invariant_sum(torch.ones(3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="terms must be a floating-point torch.Tensor, got list"):
+        invariant_sum([1.0])
+    with pytest.raises(TypeError, match="exact_value must be a bool, got int"):
+        cp_cross_entropy(*_inputs(), exact_value=1)

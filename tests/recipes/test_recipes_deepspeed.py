@@ -50,7 +50,8 @@ def test_deepspeed_matches_single_process(tmp_path, corpus, reference, stage, cp
 def test_cp_invariant_weights_are_the_same_bytes_at_cp_1_and_2(tmp_path, corpus, reference, stage):
     """--cp-invariant under DeepSpeed: int64 parameter gradients summed over every rank, clipped by their whole norm
     and set into DeepSpeed's gradient partitions (deepspeed.utils.safe_set_full_grad) in place of its float
-    reduction: a cp = 1 and a cp = 2 run end with the same weights, and train as the float run does."""
+    reduction: a cp = 1 and a cp = 2 run end with the same weights and log the same losses, and train as the float
+    run does."""
     steps = 2  # the reference's first two steps (warmup: their learning rates do not depend on the run's length)
     args = launch.tiny_args(steps) + ["--data", corpus, "--cp-invariant", "--zero-stage", stage]
     runs = []
@@ -63,7 +64,7 @@ def test_cp_invariant_weights_are_the_same_bytes_at_cp_1_and_2(tmp_path, corpus,
     assert len(m1) == len(m2) == steps
     assert (first["cp"], second["cp"], first["cp_invariant"], second["cp_invariant"]) == (1, 2, True, True)
     assert first["weights_sha256"] == second["weights_sha256"]
-    # (the logged loss is each rank's share summed by a float all-reduce: not part of the step, not invariant)
+    assert [m["loss"].hex() for m in m1] == [m["loss"].hex() for m in m2]  # cp_cross_entropy's exact value
     for key in ("loss", "grad_norm"):  # the gradients DeepSpeed's own reduction gives (the reference's)
         for metrics in (m1, m2):
             for step, m in enumerate(metrics):

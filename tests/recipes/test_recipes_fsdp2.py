@@ -1,6 +1,6 @@
 """The FSDP2 recipe on 2 CPU processes (gloo): dp x cp losses equal a single-process run of the same model and data,
 the README's stop-and-resume pair repeats an uninterrupted run bit for bit, and --cp-invariant ends with the same
-weights at cp = 1 and 2."""
+weights (and logs the same losses) at cp = 1 and 2."""
 
 from __future__ import annotations
 
@@ -36,17 +36,21 @@ def test_fsdp2_cp2_matches_single_process(tmp_path, corpus, reference):
 
 
 @pytest.mark.timeout(420)
-def test_cp_invariant_weights_are_the_same_bytes_at_cp_1_and_2(corpus):
+def test_cp_invariant_weights_are_the_same_bytes_at_cp_1_and_2(tmp_path, corpus):
     """--cp-invariant under FSDP2: int64 parameter gradients summed over every rank (each rank keeps its shard),
-    and clipping by their whole norm, so a cp = 1 and a cp = 2 run end with the same weights."""
+    and clipping by their whole norm, so a cp = 1 and a cp = 2 run end with the same weights; the logged losses
+    (cp_cross_entropy's exact value) are the same bits too (the shares' float sum differed in its last bits)."""
     args = launch.tiny_args(2) + ["--data", corpus, "--cp-invariant"]
-    runs = []
+    runs, losses = [], []
     for cp in (1, 2):
-        out = launch.torchrun("fsdp2_train.py", args + ["--cp", str(cp)], nproc=cp)
+        metrics = tmp_path / f"cp{cp}.jsonl"
+        out = launch.torchrun("fsdp2_train.py", args + ["--cp", str(cp), "--metrics-out", metrics], nproc=cp)
         assert "parameter gradients (int64 fixed point" in out.stdout
         runs.append(launch.summary(out.stdout))
+        losses.append(step_metrics(metrics))
     assert [s["cp"] for s in runs] == [1, 2] and all(s["cp_invariant"] for s in runs)
     assert runs[0]["weights_sha256"] == runs[1]["weights_sha256"]
+    assert len(losses[0]) == 2 and [x.hex() for x in losses[0]] == [x.hex() for x in losses[1]], losses
 
 
 def readme_resume_pair() -> list[list[str]]:

@@ -8,6 +8,7 @@ import re
 import pytest
 
 import launch  # noqa: E402
+from recipe_metrics import step_metrics  # noqa: E402
 
 ARGS = ["--cp", "2", "--sft-steps", "2", "--steps", "3", "--prompts", "4", "--group-size", "4", "--seed", "7"]
 
@@ -42,16 +43,21 @@ def test_cp_invariant_prefill_scores_equal_training_log_probs_exactly(tmp_path):
 
 
 @pytest.mark.timeout(420)
-def test_cp_invariant_runs_end_with_the_same_weights_at_cp_1_and_2():
+def test_cp_invariant_runs_end_with_the_same_weights_at_cp_1_and_2(tmp_path):
     """--cp-invariant: attention, matrix products and parameter gradients (int64 fixed point) do not depend on the
-    cp size, so a cp = 1 and a cp = 2 run print the same weights hash."""
-    hashes = []
+    cp size, so a cp = 1 and a cp = 2 run print the same weights hash and log the same losses (fixed-point sums of
+    the token terms: the ranks' float shares, all-reduced, differed in their last bits)."""
+    hashes, losses = [], []
     for cp in (1, 2):
-        out = launch.torchrun("rl_deterministic.py", _args_at(cp) + ["--cp-invariant"], nproc=cp)
+        metrics = tmp_path / f"cp{cp}.jsonl"
+        out = launch.torchrun("rl_deterministic.py", _args_at(cp) + ["--cp-invariant", "--metrics-out", metrics],
+                              nproc=cp)
         s = launch.summary(out.stdout)
         assert s["cp"] == cp and s["cp_invariant"]
         hashes.append(s["weights_sha256"])
+        losses.append([x.hex() for x in step_metrics(metrics)])
     assert hashes[0] == hashes[1]
+    assert len(losses[0]) == 5 and losses[0] == losses[1], losses
 
 
 def _args_at(cp):
