@@ -1,6 +1,8 @@
 """An fp32 model, on the CPU, of the forward's online softmax over one row: how far its lse lies from the exact one
-with the old terms' factor taken as exp2(m_old * c - m_new * c) with one rounding (the fused form the kernels had
-until the fifty-ninth session) or as exp2((m_old - m_new) * c) (softmax.OnlineSoftmax.online now).
+with the old terms' factor taken as exp2(m_old * c - m_new * c) with one rounding ("fused": the kernels' form until
+the fifty-ninth session), as exp2((m_old - m_new) * c) ("difference": the fifty-ninth's fix) or as
+exp2(M_old - M_new) of maxima stored in log2 units, M = m * c rounded ("stored": softmax.OnlineSoftmax.online since
+the sixtieth: the fix's accuracy at the fused form's instruction count).
 
     python bench/lse_drift_model.py --rows 300 --cases 4096:128 16500:176 32768:176
 
@@ -27,8 +29,12 @@ LOG2_E = F32(1.4426950408889634)
 LN_2 = F32(0.6931471805599453)
 
 
-def row_lse_error(rng, keys: int, tile: int, fused: bool) -> float:
-    """|lse - exact lse| of one row of ``keys`` N(0, 1) scores on key tiles of ``tile``."""
+FORMS = ("fused", "difference", "stored")
+
+
+def row_lse_error(rng, keys: int, tile: int, form: str) -> float:
+    """|lse - exact lse| of one row of ``keys`` N(0, 1) scores on key tiles of ``tile``, the old terms' factor in
+    ``form`` (one of FORMS)."""
     s = rng.standard_normal(keys).astype(F32)
     c = LOG2_E  # the scores are already scaled by 1 / sqrt(d)
     m, total = F32(-np.inf), F32(0.0)
@@ -39,10 +45,12 @@ def row_lse_error(rng, keys: int, tile: int, fused: bool) -> float:
         p = np.exp2((v.astype(np.float64) * c - m_scaled).astype(F32).astype(np.float64)).astype(F32)  # FFMA
         if m == -np.inf:
             factor = F32(0.0)
-        elif fused:
+        elif form == "fused":
             factor = F32(np.exp2(np.float64(F32(np.float64(m) * np.float64(c) - np.float64(m_scaled)))))
-        else:
+        elif form == "difference":
             factor = F32(np.exp2(np.float64(F32(F32(m - m_new) * c))))
+        else:  # the stored maxima are the rounded products themselves
+            factor = F32(np.exp2(np.float64(F32(F32(m * c) - m_scaled))))
         total = F32(F32(total * factor) + p.sum(dtype=F32))
         m = m_new
     lse = F32(F32(F32(m * c) + F32(np.log2(np.float64(total)))) * LN_2)
@@ -60,16 +68,16 @@ def main(argv=None):
     args = p.parse_args(argv)
     rng = np.random.default_rng(args.seed)
     rows = []
-    print(f"{'keys':>6} {'tile':>5} | {'fused: max / mean':>20} | {'difference: max / mean':>24}")
+    print(f"{'keys':>6} {'tile':>5} | " + " | ".join(f"{name + ': max / mean':>21}" for name in FORMS))
     for case in args.cases:
         keys, tile = (int(x) for x in case.split(":"))
         res = {}
-        for name, fused in (("fused", True), ("difference", False)):
-            errs = np.array([row_lse_error(rng, keys, tile, fused) for _ in range(args.rows)])
+        for name in FORMS:
+            errs = np.array([row_lse_error(rng, keys, tile, name) for _ in range(args.rows)])
             res[name] = dict(max=float(errs.max()), mean=float(errs.mean()))
         rows.append(dict(keys=keys, tile=tile, rows=args.rows, **res))
-        print(f"{keys:>6} {tile:>5} | {res['fused']['max']:>9.2e} {res['fused']['mean']:>9.2e} | "
-              f"{res['difference']['max']:>11.2e} {res['difference']['mean']:>11.2e}", flush=True)
+        print(f"{keys:>6} {tile:>5} | " + " | ".join(f"{res[n]['max']:>10.2e} {res[n]['mean']:>10.2e}" for n in FORMS),
+              flush=True)
     os.makedirs(args.out_dir, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     with open(os.path.join(args.out_dir, f"{now.date().isoformat()}-lse-drift-model.json"), "w") as f:
