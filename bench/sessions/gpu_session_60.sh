@@ -6,6 +6,10 @@
 #   every split test and the long-row test pass.
 # - speed_window: the forward's speed after the fix beside flash-attn-4 (within +-0.5% of the fifty-ninth's
 #   ratios), then the window and non-finite suites.
+# - scaled (added after call 10): the row max stored in log2 units, not yet run; see its comment.
+# Run in the sixtieth (bench/RESULTS.md), on one H100: lse_check, speed_window, and the fix beside the pre-fix
+#   softmax (call 10, by hand: the `scaled` part's ab stage). Not run (no device time left): scaled, the next
+#   session's first call.
 # Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_60.sh lse_check; then speed_window.
 set -u
 HERE="$(dirname "$0")"
@@ -24,6 +28,23 @@ for s in ${*:-lse_check}; do
         --causal false true --directions fwd --backends cute flash_attn_4 --rounds 5 --queue-ahead-ms 3 \
         --out-dir "$OUT/fwd_speed"
       bash "$HERE/gpu_session_59.sh" window_tests ;;
-    *) echo "unknown stage $s (lse_check | speed_window)"; exit 2 ;;
+    scaled)
+      # the row max kept in log2 units (softmax.py): the fix's accuracy at the pre-fix instruction count. The
+      # long-row lse test, the speed beside a baseline softmax (cute@baseline: this tree with $PRE_SOFTMAX as its
+      # softmax.py; made before the call, untracked: `git show 21da903^:fa4dist/kernels/cute/softmax.py >
+      # pre_softmax.py` for the pre-fix form, 21da903 for the fix's) and flash-attn-4, then the forward suite.
+      # Predicted: long rows within the bound as the fix's (max err / bound <= 0.25); cute within +-0.5% of the
+      # pre-fix form (the fix's difference form read -3% at hdim-64 causal 16k / 32k on an H100 in call 10)
+      source "$HERE/../stage.sh"
+      TAIL_LINES=3 stage long_rows 100 python3 -m pytest -m gpu -q -s -p no:cacheprovider -rfE \
+        tests/kernels/test_cute_fwd_gpu.py -k long_rows
+      grep "lse max" "$OUT/long_rows.log"
+      mkdir -p /tmp/pre && cp -r fa4dist /tmp/pre/
+      cp "${PRE_SOFTMAX:-pre_softmax.py}" /tmp/pre/fa4dist/kernels/cute/softmax.py
+      TAIL_LINES=8 stage ab 120 python3 bench/kernels.py --headdims 64 128 --seqlens 16384 --causal true false \
+        --directions fwd --backends cute flash_attn_4 --baseline-dir /tmp/pre --rounds 5 --queue-ahead-ms 3 \
+        --out-dir "$OUT/ab"
+      GPU_TEST_WORKERS=14 gpu_tests fwd_tests 200 tests/kernels/test_cute_fwd_gpu.py ;;
+    *) echo "unknown stage $s (lse_check | speed_window | scaled)"; exit 2 ;;
   esac
 done
