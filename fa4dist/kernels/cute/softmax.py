@@ -118,14 +118,14 @@ class OnlineSoftmax:
             if const_expr(not is_first and self.rescale_threshold > 0.0):
                 # keep the stale max unless it grew by more than the threshold (log2 units):
                 # P stays <= 2^threshold and the final normalisation is exact either way
-                if m_new - m_old <= self.rescale_threshold:  # NaN (both -inf) also lands here: fine
+                if m_new - m_old <= self.rescale_threshold:  # (both -inf: NaN, m_new stays -inf either way)
                     m_new = m_old
             row_max[r] = m_new
             m_safe = m_new
             if m_new == -Float32.inf:
                 m_safe = Float32(0.0)
-            # the FFMA takes the score's product unrounded: the row's largest P is exp2 of less than an ulp of
-            # m_safe, not more than 1 by a rounding
+            # (one FFMA: the score's product unrounded, so the row's largest P is exp2 of m_safe's own rounding
+            # error, 1 within an ulp)
             p = cute.math.exp2(vals * scale_log2 - m_safe, fastmath=True)
             acc_mn[r, None].store(p)
             terms = [acc_mn[r, c] for c in range(cute.size(acc_mn, mode=[1]))]
