@@ -628,6 +628,27 @@ def test_schedule_fields_give_the_same_bits(case, field):
         check(got[0], got[1], ref_o, ref_l, torch.bfloat16, True)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_stale_row_max_still_matches_the_oracle(causal, d):
+    """rescale_threshold > 0 (a measurement knob): the row max is kept until the new one exceeds it by more than
+    the threshold (log2 units), so O is rescaled less often, and the result must not move: keys whose scores grow
+    along the sequence (each tile's max a little above the last, a few tiles far above) put both branches to work;
+    out and lse against the fp64 oracle, as the default kernel's."""
+    b, s, h = 2, 1500, 4
+    torch.manual_seed(d + causal)
+    q, v = rand(b, s, h, d, dtype=torch.bfloat16), rand(b, s, h, d, dtype=torch.bfloat16)
+    growth = torch.linspace(0.5, 2.0, s, device="cuda")[None, :, None, None]
+    growth[:, 700:720] *= 4  # a jump far past any threshold
+    k = (torch.randn(b, s, h, d, device="cuda") * growth).to(torch.bfloat16)
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+    lse = torch.full((b, h, s), float("nan"), dtype=torch.float32, device="cuda")
+    fa4cute.forward(q, k, v, out, lse, causal=causal, rescale_threshold=8.0)
+    torch.cuda.synchronize()
+    ref_o, ref_l = ref_dense(q, k, v, d**-0.5, causal, [0] * b, [0] * b)
+    check(out, lse, ref_o, ref_l, torch.bfloat16, True)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_reset_counter_hands_the_stream_counter_on_at_zero(causal):
     """FwdConfig.reset_counter: the launch's last tile claim writes the counter back to 0, so launches in one
