@@ -40,8 +40,9 @@ for s in ${*:-lse_check}; do
       TAIL_LINES=3 stage long_rows 100 python3 -m pytest -m gpu -q -s -p no:cacheprovider -rfE \
         tests/kernels/test_cute_fwd_gpu.py -k long_rows
       grep "lse max" "$OUT/long_rows.log"
-      mkdir -p /tmp/pre && cp -r fa4dist /tmp/pre/
-      cp "${PRE_SOFTMAX:-pre_softmax.py}" /tmp/pre/fa4dist/kernels/cute/softmax.py
+      pre="${PRE_SOFTMAX:-pre_softmax.py}"
+      [ -f "$pre" ] || { echo "no $pre: make it before the call (see above)"; exit 2; }
+      mkdir -p /tmp/pre && cp -r fa4dist /tmp/pre/ && cp "$pre" /tmp/pre/fa4dist/kernels/cute/softmax.py
       TAIL_LINES=8 stage ab 120 python3 bench/kernels.py --headdims 64 128 --seqlens 16384 --causal true false \
         --directions fwd --backends cute flash_attn_4 --baseline-dir /tmp/pre --rounds 5 --queue-ahead-ms 3 \
         --out-dir "$OUT/ab"
