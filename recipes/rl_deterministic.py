@@ -182,10 +182,8 @@ def sft_loss(model, sample, layout, total_tokens: float, device, args):
     plan = model.make_plan(sample.cu_seqlens, balancer=args.balancer)
     local = shard_sample(sample, plan, layout.cp_rank, device=device)
     logits = model(local.tokens, local.positions, plan).float()
-    loss = F.cross_entropy(logits, local.labels, ignore_index=IGNORE, reduction="sum") / total_tokens
-    with torch.no_grad():  # (apart from the loss's graph: its bits, and so the gradients', stay the summed call's)
-        terms = F.cross_entropy(logits, local.labels, ignore_index=IGNORE, reduction="none")
-    return loss, terms
+    terms = F.cross_entropy(logits, local.labels, ignore_index=IGNORE, reduction="none")
+    return terms.sum() / total_tokens, terms.detach()
 
 
 def allreduce_grads(model):

@@ -187,15 +187,16 @@ def cp_cross_entropy_of(operands: Callable[[], tuple], cp_group=None, *, timeout
     logits, labels = got["logits"], got["labels"]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    local_sum = F.cross_entropy(logits, labels.long(), ignore_index=IGNORE, reduction="sum")
     tokens = torch.tensor(total, dtype=logits.dtype, device=logits.device)
-    value = None
-    if exact_value:  # (the token losses again, apart from the share's graph: its bits stay those of the plain call)
-        with torch.no_grad():
-            per_token = F.cross_entropy(logits, labels.long(), ignore_index=IGNORE, reduction="none")
-        value = (invariant_sum(per_token, cp_group, timeout=timeout) if cp_group is not None
-                 else _fixed_point_sum(per_token, 1, 0, lambda facts, op: facts)) / max(1, total)
-    return CPLoss(local_sum / tokens.clamp(min=1.0), tokens, count, value)
+    if not exact_value:
+        local_sum = F.cross_entropy(logits, labels.long(), ignore_index=IGNORE, reduction="sum")
+        return CPLoss(local_sum / tokens.clamp(min=1.0), tokens, count)
+    # the token losses once, summed for the share (whose gradient is the summed call's: each token's loss gets the
+    # same 1 / tokens) and, in fixed point, for the value
+    per_token = F.cross_entropy(logits, labels.long(), ignore_index=IGNORE, reduction="none")
+    value = (invariant_sum(per_token, cp_group, timeout=timeout) if cp_group is not None
+             else _fixed_point_sum(per_token, 1, 0, lambda facts, op: facts)) / max(1, total)
+    return CPLoss(per_token.sum() / tokens.clamp(min=1.0), tokens, count, value)
 
 
 def invariant_sum(terms: torch.Tensor, group=None, *, timeout: float = 300.0) -> torch.Tensor:
@@ -222,7 +223,7 @@ def invariant_sum(terms: torch.Tensor, group=None, *, timeout: float = 300.0) ->
 
 def _fixed_point_sum(terms: torch.Tensor, size: int, rank: int, reduce: Callable) -> torch.Tensor:
     """:func:`invariant_sum` of this rank (``rank`` of ``size``), ``reduce(tensor, op)`` reducing over the ranks."""
-    from fa4dist.kernels.fixed_point import power_of_two_scale
+    from fa4dist.kernels.fixed_point import power_of_two_scale, to_fixed
 
     flat = terms.detach().reshape(-1).double()
     finite = torch.isfinite(flat)
@@ -238,7 +239,7 @@ def _fixed_point_sum(terms: torch.Tensor, size: int, rank: int, reduce: Callable
     facts[4 + rank] = flat.numel()
     facts = reduce(facts, dist.ReduceOp.MAX)
     scale = power_of_two_scale(facts[0] * facts[4:].sum()).double()
-    fixed = torch.where(finite, flat * scale, zero).trunc().to(torch.int64).sum().reshape(1)
+    fixed = to_fixed(flat, scale).sum().reshape(1)  # (a non-finite term adds 0: its kind was counted above)
     total = reduce(fixed, dist.ReduceOp.SUM)[0].double() / scale
     nan, pos, neg = facts[1] > 0, facts[2] > 0, facts[3] > 0
     total = torch.where(pos, float("inf"), torch.where(neg, -float("inf"), total))
