@@ -6,8 +6,9 @@
 #   every split test and the long-row test pass.
 # - speed_window: the forward's speed after the fix beside flash-attn-4 (within +-0.5% of the fifty-ninth's
 #   ratios), then the window and non-finite suites.
-# - scaled (added after call 10): the row max stored in log2 units, not yet run; see its comment. Its forward suite
-#   holds test_a_stale_row_max_still_matches_the_oracle (new: rescale_threshold 8, whose comparison changed).
+# - scaled (added after call 10): the row max stored in log2 units (branch stored-max: run it on a checkout of the
+#   branch), not yet run; see its comment. Its forward suite holds test_a_stale_row_max_still_matches_the_oracle
+#   (new: rescale_threshold 8, whose comparison the branch changes).
 # Run in the sixtieth (bench/RESULTS.md), on one H100: lse_check, speed_window, and the fix beside the pre-fix
 #   softmax (call 10, by hand: the `scaled` part's ab stage). Not run (no device time left): scaled, the next
 #   session's first call.
