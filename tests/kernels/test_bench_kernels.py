@@ -161,8 +161,8 @@ def test_split_error_oracle_is_the_reference_attention():
 
 def test_lse_drift_model_separates_the_rescale_forms():
     """The fp32 model of a row's online softmax: with the fused rescale argument (m_old * c - m_new * c, one
-    rounding) the lse drifts with the number of key tiles; with the difference of the maxima (the kernels' form), or of
-    maxima stored in log2 units (branch stored-max), it does not."""
+    rounding) the lse drifts with the number of key tiles; with the difference of the maxima, or of maxima stored in
+    log2 units (the kernels' form), it does not."""
     import numpy as np
 
     model = bench_scripts.load("lse_drift_model")

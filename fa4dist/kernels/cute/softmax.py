@@ -3,7 +3,9 @@ finalisation into (1 / rowsum, lse); and soft-capping, the transform of the scor
 mask and the exponential (``softcap_scores``, with the backward's derivative ``softcap_grad_fp16``).
 
 Scores arrive as fp32 accumulator fragments (rows = queries); exp2 runs with the softmax scale folded into one
-FFMA. With ``rescale_threshold`` > 0 a stale row max is kept until the new one exceeds it by more than the
+FFMA. The running row max is kept in the exponential's units (score * scale_log2, rounded once), so the factor of
+the old terms is exp2 of the difference of two stored maxima: exactly 1 while the max holds. With
+``rescale_threshold`` > 0 a stale row max is kept until the new one exceeds it by more than the
 threshold (log2 units), so P stays below 2^threshold and O is rescaled only when some row of the warp moved; the
 final normalisation is exact either way. Soft-capped scores are bounded (|c tanh| <= c), so with
 ``fixed_row_max`` the row max is a constant instead (``softcap_fixed_row_max``): no max reductions, no O rescale.
@@ -64,7 +66,8 @@ def max_chains(terms):
 @dataclass(frozen=True)
 class OnlineSoftmax:
     """Running max / partial sums of this thread's rows (one register each; the 4 threads of a row each hold a
-    partial sum, reduced at the end). Frozen: the state lives in the two register tensors."""
+    partial sum, reduced at the end). Frozen: the state lives in the two register tensors. ``row_max`` is in log2
+    units: the largest score times scale_log2 (positive: the cute backend refuses other scales)."""
 
     row_max: Any
     row_sum: Any
@@ -83,7 +86,7 @@ class OnlineSoftmax:
                chained_max: bool = False) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor(nrows, Float32)
         row_sum = cute.make_rmem_tensor(nrows, Float32)
-        row_max.fill(-Float32.inf if fixed_row_max is None else fixed_row_max)
+        row_max.fill(-Float32.inf if fixed_row_max is None else Float32(fixed_row_max) * scale_log2)
         row_sum.fill(0.0)
         return OnlineSoftmax(row_max, row_sum, scale_log2, rescale_threshold, fixed_row_max, sum_from_old,
                              chained_max)
@@ -95,9 +98,8 @@ class OnlineSoftmax:
         row_max, row_sum, scale_log2 = self.row_max, self.row_sum, self.scale_log2
         acc_mn = mn_view(acc_S)
         if const_expr(self.fixed_row_max is not None):
-            m_scaled = Float32(self.fixed_row_max) * scale_log2
             for r in cutlass.range_constexpr(cute.size(row_max)):
-                acc_mn[r, None].store(cute.math.exp2(acc_mn[r, None].load() * scale_log2 - m_scaled, fastmath=True))
+                acc_mn[r, None].store(cute.math.exp2(acc_mn[r, None].load() * scale_log2 - row_max[r], fastmath=True))
                 p_sum = sum4([acc_mn[r, c] for c in range(cute.size(acc_mn, mode=[1]))])
                 row_sum[r] = p_sum if const_expr(is_first) else row_sum[r] + p_sum
             return None
@@ -110,33 +112,33 @@ class OnlineSoftmax:
                 m_cur = max_chains([acc_mn[r, c] for c in range(cute.size(acc_mn, mode=[1]))])
             else:
                 m_cur = Float32(vals.reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
-            m_cur = cute.arch.warp_reduction_max(m_cur, threads_in_group=4)
+            m_cur = cute.arch.warp_reduction_max(m_cur, threads_in_group=4) * scale_log2
             m_old = row_max[r]
             m_new = cute.arch.fmax(m_old, m_cur)
             if const_expr(not is_first and self.rescale_threshold > 0.0):
                 # keep the stale max unless it grew by more than the threshold (log2 units):
                 # P stays <= 2^threshold and the final normalisation is exact either way
-                grow = (m_new - m_old) * scale_log2
-                if grow <= self.rescale_threshold:  # (both -inf: NaN, m_new stays -inf either way)
+                if m_new - m_old <= self.rescale_threshold:  # (both -inf: NaN, m_new stays -inf either way)
                     m_new = m_old
             row_max[r] = m_new
             m_safe = m_new
             if m_new == -Float32.inf:
                 m_safe = Float32(0.0)
-            m_scaled = m_safe * scale_log2
-            p = cute.math.exp2(vals * scale_log2 - m_scaled, fastmath=True)
+            # (one FFMA: the score's product unrounded, so the row's largest P is exp2 of m_safe's own rounding
+            # error, 1 within an ulp)
+            p = cute.math.exp2(vals * scale_log2 - m_safe, fastmath=True)
             acc_mn[r, None].store(p)
             terms = [acc_mn[r, c] for c in range(cute.size(acc_mn, mode=[1]))]
-            # the old terms' factor from the difference of the maxima: exactly 2^0 = 1 while the max holds. The
-            # fused m_old * scale_log2 - m_scaled is m * scale_log2's own rounding error then (up to 2^-24 of it),
-            # whose exp2 is 1 + ~1 ulp: row sum and O took that same factor every tile, so out kept its value but
-            # the lse drifted by one ulp of 1 a key tile (1.5e-5 at 16500 keys on 176-key tiles, 2.8e-5 at 32k:
-            # bench/split_error.py); flash-attn-4 subtracts first too
+            # the old terms' factor from the difference of the stored maxima: exactly 2^0 = 1 while the max
+            # holds. Maxima stored unscaled made it exp2(m_old * scale_log2 - m_safe * scale_log2) with one product
+            # fused into the subtraction (FFMA): m * scale_log2's own rounding error then (up to 2^-24 of it), whose
+            # exp2 is 1 + ~1 ulp, taken by row sum and O every tile: out kept its value but the lse drifted by one
+            # ulp of 1 a key tile (1.5e-5 at 16500 keys on 176-key tiles, 2.8e-5 at 32k: bench/split_error.py)
             if const_expr(self.sum_from_old and not is_first):
                 # the old sum, rescaled, leads the first of the short chains (flash-attn-4's order): the O
                 # factor's exp2 is then on the sum's critical path, ptxas issues it among the first exponentials,
                 # and the O rescale's FMULs fill the MUFU queue's shadow instead of following the last exponential
-                sc = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
+                sc = cute.math.exp2(m_old - m_safe, fastmath=True)
                 row_scale[r] = sc
                 row_sum[r] = sum4(terms, row_sum[r] * sc)
             else:
@@ -147,7 +149,7 @@ class OnlineSoftmax:
                     row_scale[r] = Float32(1.0)
                     row_sum[r] = p_sum
                 else:
-                    sc = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
+                    sc = cute.math.exp2(m_old - m_safe, fastmath=True)
                     row_scale[r] = sc
                     row_sum[r] = row_sum[r] * sc + p_sum
         return row_scale
@@ -188,7 +190,7 @@ class OnlineSoftmax:
             inv = cute.arch.rcp_approx(s)  # 1/0 = inf and NaN stay non-finite: 0 * inf = NaN out
             lse = Float32.nan
             if s > Float32(0.0):
-                m = self.row_max[r] * self.scale_log2
+                m = self.row_max[r]
                 if const_expr(sink is None):
                     lse = (m + cute.math.log2(s, fastmath=True)) * LN_2
                 else:
