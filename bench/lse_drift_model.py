@@ -2,7 +2,7 @@
 with the old terms' factor taken as exp2(m_old * c - m_new * c) with one rounding ("fused": the kernels' form until
 the fifty-ninth session), as exp2((m_old - m_new) * c) ("difference": the fifty-ninth's fix) or as
 exp2(M_old - M_new) of maxima stored in log2 units, M = m * c rounded ("stored": softmax.OnlineSoftmax.online since
-the sixtieth: the fix's accuracy at the fused form's instruction count).
+the sixty-first session, after its GPU run: the fix's accuracy at the fused form's instruction count).
 
     python bench/lse_drift_model.py --rows 300 --cases 4096:128 16500:176 32768:176
 

@@ -387,7 +387,9 @@ def default_early_vectors(tile_m: int, varlen: bool, accumulate: bool, grads: st
     them, 248-264 with them: -43% at 4k / 16k, fifty-seventh session); packed calls (+0-1.2% measured over
     masked_last's change alone) keep the loads at their use. So do work lists: in the ring simulation (cp 8, 128k
     causal, fifty-seventh session, A / B / A / B) the steps' efficiency did not move with them (0.907 / 0.909
-    against 0.908 / 0.907)."""
+    against 0.908 / 0.907). So does the fixed-point dQ: the single device's cp_invariant step (the int64 dQ written
+    into a float dq) with them was 1.2-1.4% slower at 32k, 32 / 32 and 32 / 8 heads of 128 (sixty-first session, one
+    H100, bench/sessions/gpu_session_61.sh inv_ev, same run), and its accumulating kernel took 0-2.6% longer."""
     return bool(tile_m == 64 and not varlen and not accumulate and grads == "all" and not dq_fixed and not worklist
                 and not softcap)
 
