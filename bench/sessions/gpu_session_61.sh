@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Sixty-first session's GPU calls (bench/RESULTS.md). Each part states its prediction.
-# - scaled: gpu_session_60.sh scaled (the row max stored in log2 units, then on branch stored-max, merged after this
-#   call; needs pre_softmax.py).
+# - scaled: gpu_session_60.sh scaled (the row max stored in log2 units, then on branch stored-max at a65c9e0, merged
+#   after this call; needs pre_softmax.py).
 # - inv_ev: the single device's cp_invariant backward (the int64 dQ written into a float dq) reading its step's lse2 /
 #   dPsum early (backward.default_early_vectors, which kept every fixed-point call off). Needs pre_backward.py, the
-#   backward.py before the change (untracked: `git show stored-max:fa4dist/kernels/cute/backward.py >
+#   backward.py before the change (untracked: `git show 4c88cd6^:fa4dist/kernels/cute/backward.py >
 #   pre_backward.py`), for cp_invariant@baseline. Predicted: the cp_invariant step 1-3% faster at 32k (the plain
 #   causal backward gained +1.6-2.6% at 8k-32k from it), the int64 kernel row with early_vectors=1 (accumulating,
 #   as the ring's gather engine calls it) 1-3% below the row without; the bits tests pass (the loads only move).
