@@ -8,7 +8,10 @@
 #   128 beside cuDNN and flash-attn-4 (#11's short-document target: at least cuDNN), and the hdim-64 forward at 8k
 #   and 32k. Predicted: causal 1k forward 0.95-1.0x cuDNN at hdim 64 (0.96x on the H100), >= 1.0x at hdim 128;
 #   hdim-64 forward 0.97-0.99x flash-attn-4 at 8k / 32k.
-# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_62.sh table; then edges.
+# - health: the staged-rank context-parallel GPU suite and the whole backward GPU suite on main (neither has run whole
+#   since the fifty-sixth to sixty-first sessions' kernel changes: the backward's ascending causal band and early
+#   vectors, the forward's wide tiles and the stored row max, which the ring's merges run on). Predicted: all pass.
+# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_62.sh table; then edges; health.
 set -u
 source "$(dirname "$0")/../stage.sh"
 for s in ${*:-table}; do
@@ -19,6 +22,9 @@ for s in ${*:-table}; do
         --directions fwd bwd --backends cute cudnn flash_attn_4 --rounds 5 --queue-ahead-ms 3 --out-dir "$OUT/short"
       TAIL_LINES=6 stage fwd64 240 python3 bench/kernels.py --headdims 64 --seqlens 8192 32768 --causal false true \
         --directions fwd --backends cute cudnn flash_attn_4 --rounds 5 --queue-ahead-ms 3 --out-dir "$OUT/fwd64" ;;
-    *) echo "unknown stage $s (table | edges)"; exit 2 ;;
+    health)
+      gpu_tests cp_tests 230 tests/cp/test_cp_gpu.py
+      gpu_tests bwd_tests 330 tests/kernels/test_cute_bwd_gpu.py ;;
+    *) echo "unknown stage $s (table | edges | health)"; exit 2 ;;
   esac
 done
