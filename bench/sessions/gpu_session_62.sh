@@ -11,6 +11,9 @@
 # - health: the staged-rank context-parallel GPU suite and the whole backward GPU suite on main (neither has run whole
 #   since the fifty-sixth to sixty-first sessions' kernel changes: the backward's ascending causal band and early
 #   vectors, the forward's wide tiles and the stored row max, which the ring's merges run on). Predicted: all pass.
+# Run in the sixty-second (bench/RESULTS.md), on one H100 each time (no H200 came): table (call 6), edges (call 7),
+#   bench/window.py by hand (call 8), health (call 12; then the backends and peer GPU suites by hand, call 13).
+#   Not run: table on an H200.
 # Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_62.sh table; then edges; health.
 set -u
 source "$(dirname "$0")/../stage.sh"
