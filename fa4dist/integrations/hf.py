@@ -45,7 +45,11 @@ layer's mask (a window of W tokens, the query included: the kernels' ``window=(W
 training and per-token sinks are refused.  Under ``torch.autocast`` the attention runs in the autocast dtype, as
 eager, sdpa and flash-attention do (:func:`autocast_operands`).
 
-Query rows that are padding get a zero output (the stock attention computes something meaningless there).
+Query rows that are padding get a zero output (the stock attention computes something meaningless there), except
+right padding after a cache offset, which sees the row's keys.  After a cache offset (generation) each row is one
+document from its first real token: position_ids that show a packed document there (a restart within the call, or
+positions below the query's distance from the row's first real token) are refused, since the keys of earlier calls
+carry no position_ids in this call.
 
 ``to_hf_llama(model)`` converts an :class:`fa4dist.models.FA4Llama` into a ``LlamaForCausalLM`` with the same
 weights (parameter names match).
@@ -135,6 +139,7 @@ class FA4MaskInfo:
     window: tuple = NO_WINDOW  # verified against the predicate, like the segments
     derived: dict = field(default_factory=dict, repr=False)  # per-forward cache (every layer shares the mask)
     chunk: Optional[int] = None  # chunked attention read from local_size after a cache offset (_chunk_segments)
+    origins: list = field(default_factory=list)  # after a cache offset: each row's first real cache position
 
     @property
     def shape(self):  # for code that only looks at the mask's shape
@@ -219,6 +224,11 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     checked the same way."""
     from transformers.masking_utils import causal_mask_function, prepare_padding_mask
 
+    config = kwargs.get("config")
+    if config is not None and getattr(text_config(config), "alibi", False) is True:
+        # (Falcon adds its ALiBi biases to the mask it gets back, which is no tensor here)
+        raise UnsupportedMask("the model adds ALiBi position biases to its attention scores (config.alibi=True), "
+                              "which fa4dist attention does not compute; use attn_implementation='sdpa' or 'eager'")
     if isinstance(attention_mask, FA4MaskInfo):
         # built for this very forward already: generate() with a static cache makes the mask up front and passes it
         # back in as the attention mask
@@ -241,7 +251,9 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     if padding is not None:
         padding = padding.to(device=device, dtype=torch.bool)
     visible = _predicate(mask_function, padding, q_offset, kv_offset)
-    self_attn = q_length == kv_length and q_offset == 0 and kv_offset == 0
+    # A whole row from its first token: no cache, or a prefill into an empty cache (a static cache's keys run on to
+    # its max_cache_len; the ones past the queries are unwritten slots no query sees).
+    self_attn = q_offset == 0 and kv_offset == 0 and kv_length >= q_length
 
     seg_q = torch.full((batch_size, q_length), -1, dtype=torch.long, device=device)
     seg_k = torch.full((batch_size, kv_length), -1, dtype=torch.long, device=device)
@@ -250,6 +262,7 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         key_valid = padding[b, kv_offset:kv_offset + kv_length] if padding is not None else \
             torch.ones(kv_length, dtype=torch.bool, device=device)
         if self_attn:
+            key_valid = key_valid[:q_length]
             # Documents: i starts a new one where query i cannot see key i - 1 (both tokens real).
             i = torch.arange(1, q_length, device=device)
             bb = torch.full_like(i, b)
@@ -269,8 +282,7 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     if chunk is not None:  # with a cache offset a chunked layer is not a window: one segment per chunk
         segments, window = _chunk_segments(segments, padding, chunk, q_offset, kv_offset), NO_WINDOW
     # (rows padded in the middle are named if the check fails: looked for only then, no host reads otherwise)
-    holes = (lambda: _padding_holes(padding[:, kv_offset:kv_offset + kv_length])) if self_attn and padding is not \
-        None else (lambda: [])
+    holes = (lambda: _padding_holes(padding[:, :q_length])) if self_attn and padding is not None else (lambda: [])
     _verify(visible, _layout_of(segments, seg_q, seg_k, q_offset, kv_offset, window), batch_size, q_length,
             kv_length, device, local_size, chunk, holes)
     checked = "exhaustive" if batch_size * q_length * kv_length <= EXHAUSTIVE_CHECK_PAIRS else "probes"
@@ -278,7 +290,16 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     info = _info_from_segments(segments, batch_size, q_length, kv_length, q_offset, kv_offset, device, checked,
                                window)
     info.chunk = chunk
+    if not self_attn:
+        info.origins = [_first_real(padding, b) for b in range(batch_size)]
     return info
+
+
+def _first_real(padding: Optional[torch.Tensor], b: int) -> int:
+    """The cache position of row ``b``'s first real token (0 without padding, or for a row of padding only)."""
+    if padding is None or not bool(padding[b].any()):
+        return 0
+    return int(padding[b].to(torch.int8).argmax())
 
 
 def _layout_of(segments, seg_q, seg_k, q_offset, kv_offset, window) -> _Layout:
@@ -298,8 +319,7 @@ def _chunk_segments(row_segments, padding, chunk: int, q_offset: int, kv_offset:
     queries fall in, with that chunk's real keys (none for a query before the row's first real token)."""
     segments = []
     for b, qs, qe, ks, ke in row_segments:
-        real = padding[b] if padding is not None else None
-        origin = int(real.to(torch.int8).argmax()) if real is not None and bool(real.any()) else 0
+        origin = _first_real(padding, b)
         i = qs
         while i < qe:
             c = (q_offset + i - origin) // chunk  # the chunk of query i (negative: left padding)
@@ -356,13 +376,18 @@ def _split_at_position_breaks(info: FA4MaskInfo, position_ids: torch.Tensor, dev
     """Splits segments where :func:`document_starts` says ``position_ids`` start a document.  transformers' own mask
     finds packed documents only without a cache and without an ``attention_mask`` (and not at all for models that do
     not hand it ``position_ids``, as GPT-OSS); flash-attention reads them in the attention call whatever the cache or
-    mask, and so do we, by transformers' rule, for self-attention over a whole row (no cache offset)."""
-    if info.q_length != info.kv_length or info.q_offset or info.kv_offset or position_ids is None:
+    mask, and so do we, by transformers' rule, for self-attention over a whole row (no cache offset: no cache, or a
+    prefill into an empty one, static caches included).  After a cache offset, documents the cache hides are refused
+    (:func:`_refuse_documents_behind_a_cache`)."""
+    if position_ids is None or position_ids.dim() != 2:
         return info
     pos = position_ids.expand(info.batch_size, -1) if position_ids.shape[0] != info.batch_size else position_ids
     if pos.shape[-1] != info.q_length:
         return info
     restart = document_starts(pos)
+    if info.q_offset or info.kv_offset or info.kv_length < info.q_length:
+        _refuse_documents_behind_a_cache(info, pos, restart)
+        return info
     if not bool(restart[:, 1:].any()):
         return info
     starts = [set(torch.nonzero(restart[b]).flatten().tolist()) for b in range(info.batch_size)]
@@ -374,6 +399,35 @@ def _split_at_position_breaks(info: FA4MaskInfo, position_ids: torch.Tensor, dev
         return info
     return _info_from_segments(segments, info.batch_size, info.q_length, info.kv_length, 0, 0, device,
                                info.checked + "+position_ids", info.window)
+
+
+def _refuse_documents_behind_a_cache(info: FA4MaskInfo, pos: torch.Tensor, restart: torch.Tensor) -> None:
+    """After a cache offset each row is one document from its first real token (what transformers' masks compute
+    there too).  The keys of earlier calls are in the cache but their ``position_ids`` are not in this call, so a
+    packed row's documents cannot be told apart there: raises UnsupportedMask when this call's positions show a
+    document start, inside the call (a real query whose position does not continue the real one before it) or
+    before it (a position below the query's distance from the row's first real token: an earlier position did not
+    continue by one).  A position above that distance (positions that count cache slots, left padding included)
+    is read as the row's one document."""
+    origins = info.origins or [0] * info.batch_size
+    real_keys = [[] for _ in range(info.batch_size)]
+    for b, _, _, ks, ke in info.segments:
+        real_keys[b].append((ks, ke))
+    positions, starts = pos.tolist(), restart.tolist()
+    for b in range(info.batch_size):
+        previous_real = False
+        for i in range(info.q_length):
+            cache_position = info.q_offset + i
+            own_key = cache_position - info.kv_offset
+            real = cache_position >= origins[b] and any(ks <= own_key < ke for ks, ke in real_keys[b])
+            if real and ((previous_real and starts[b][i]) or positions[b][i] < cache_position - origins[b]):
+                raise UnsupportedMask(
+                    f"row {b}: query {i} (cache position {cache_position}, position_ids {positions[b][i]}) is in a "
+                    f"packed document that starts after the row's first real token (cache position {origins[b]}); "
+                    "after a KV cache offset fa4dist cannot tell which cached keys share its document (their "
+                    "position_ids are not in this call). Run packed rows without a cache offset (use_cache=False, "
+                    "or prefill into an empty cache in one call), or generate with one document per row")
+            previous_real = real
 
 
 def _probe_pairs(layout: _Layout, batch, q_length, kv_length, device):

@@ -203,7 +203,7 @@ def _cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
     chunk = layer_chunk(kwargs.get("config"), local_size)
     try:
         info = fa4dist_mask(batch_size, q_length, kv_length, 0, 0, mask_function=mask_function, attention_mask=None,
-                            local_size=None if chunk else local_size, device=device)
+                            local_size=None if chunk else local_size, device=device, config=kwargs.get("config"))
         longest = max((qe - qs for _, qs, qe, _, _ in info.segments), default=0)
         if chunk and longest > chunk:
             raise UnsupportedMask(f"a chunked layer's mask (chunks of {chunk} tokens) lets a run of {longest} tokens "

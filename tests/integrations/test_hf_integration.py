@@ -113,6 +113,61 @@ def test_every_break_in_position_ids_starts_a_document_with_a_cache_or_without(m
         torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5, msg=f"use_cache={use_cache}")
 
 
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_a_static_cache_prefill_keeps_packed_documents_apart(model):
+    """A prefill into a static cache has more keys (max_cache_len) than queries; it is still a whole row from its
+    first token, so its packed documents and padded query rows are those of the call without a cache (it was read
+    as one segment per row: the second document saw the first)."""
+    ids, pos = _packed([[7, 5]])
+    alone = logits_with(model, "eager", input_ids=ids[:, 7:], position_ids=pos[:, 7:], use_cache=False)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    ours = logits_with(model, NAME, input_ids=ids, position_ids=pos, past_key_values=cache,
+                       cache_position=torch.arange(12))
+    torch.testing.assert_close(ours[:, 7:], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_packed_documents_behind_a_cache_offset_are_refused(model):
+    """After a cache offset the cached keys' position_ids are not in the call, so which of them share a document
+    with the queries cannot be told: a decode step after a packed prefill is refused, not computed across the
+    documents.  Rows that are one document from their first real token decode as before, whether their positions
+    count from that token or count cache slots (left padding included)."""
+    ids, pos = _packed([[7, 5]])
+    model.set_attn_implementation(NAME)
+    with torch.no_grad():
+        cache = transformers.DynamicCache(config=model.config)
+        model(input_ids=ids[:, :11], position_ids=pos[:, :11], past_key_values=cache)  # the prefill is exact
+        with pytest.raises(UnsupportedMask, match="packed document that starts after the row's first real token"):
+            model(input_ids=ids[:, 11:], position_ids=pos[:, 11:], past_key_values=cache)
+        cache = transformers.DynamicCache(config=model.config)  # a restart inside a call with a cache offset
+        model(input_ids=ids[:, :4], position_ids=pos[:, :4], past_key_values=cache)
+        with pytest.raises(UnsupportedMask, match="packed document"):
+            model(input_ids=ids[:, 4:], position_ids=pos[:, 4:], past_key_values=cache)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0
+    two = torch.cat([ids, ids.flip(-1)])
+    for positions in (torch.arange(12).expand(2, -1), (mask.cumsum(-1) - 1).clamp(min=0)):
+        steps = {}
+        for impl in ("sdpa", NAME):
+            model.set_attn_implementation(impl)
+            with torch.no_grad():
+                cache = transformers.DynamicCache(config=model.config)
+                model(input_ids=two[:, :10], attention_mask=mask[:, :10], position_ids=positions[:, :10],
+                      past_key_values=cache)
+                steps[impl] = model(input_ids=two[:, 10:], attention_mask=mask, position_ids=positions[:, 10:],
+                                    past_key_values=cache).logits
+        torch.testing.assert_close(steps[NAME], steps["sdpa"], rtol=1e-5, atol=1e-5)
+
+
+def test_alibi_models_are_refused_by_name():
+    config = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       alibi=True)
+    model = transformers.FalconForCausalLM(config).eval()
+    model.set_attn_implementation(NAME)
+    with pytest.raises(UnsupportedMask, match="ALiBi"):
+        model(input_ids=torch.randint(0, VOCAB, (1, 8)))
+
+
 def test_flash_style_cu_seq_lens(model):
     ids, pos = _packed([[6, 10, 8]])
     cu = torch.tensor([0, 6, 16, 24], dtype=torch.int32)
