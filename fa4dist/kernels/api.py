@@ -69,7 +69,9 @@ def attention_forward(
 
     Returns ``(out, lse)``: out shaped like q (with v's head dim), lse (batch, heads, seqlen_q) or packed
     (heads, total_q), fp32 natural log (fp64 for fp64 inputs).  With ``accumulate=True``, ``out`` and ``lse`` must
-    be given as the running fp32 result; the block is merged into them in place and they are returned.
+    be given as the running fp32 result; the block is merged into them in place and they are returned.  Not
+    differentiable: the results carry no autograd history, whatever the inputs require (:func:`fa4dist.attention`
+    is the differentiable form).
 
     - ``window=(left, right)``: flash-attn's ``window_size`` on global positions: the query at position p sees keys
       at positions in ``[p - left, p + right]``, ``-1`` meaning unbounded on that side, intersected with ``causal``
@@ -88,7 +90,16 @@ def attention_forward(
         q_offset=q_offset, k_offset=k_offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         cp_invariant=cp_invariant,
     )
+    q, k, v, sinks = _outside_autograd(q, k, v, sinks)
     return forward_problem(problem, q, k, v, sinks=sinks, out=out, lse=lse, accumulate=accumulate, backend=backend)
+
+
+def _outside_autograd(*tensors):
+    """The contract's inputs as tensors without autograd history (views of the same memory; anything else as it
+    came, for the checks to name): its results are plain tensors whatever the inputs require, as a fused kernel's
+    are, so the reference's in-place merges never record a graph into the caller's running buffers, nor its
+    results a partial one (over the sinks alone, say).  :func:`fa4dist.attention` is the differentiable form."""
+    return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in tensors)
 
 
 def forward_problem(problem: AttentionProblem, q, k, v, *, sinks=None, out=None, lse=None, accumulate=False,
@@ -196,6 +207,7 @@ def attention_backward(
         q_offset=q_offset, k_offset=k_offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         cp_invariant=cp_invariant,
     )
+    dout, q, k, v, out, lse, sinks, dq_scale, dlse = _outside_autograd(dout, q, k, v, out, lse, sinks, dq_scale, dlse)
     return backward_problem(problem, dout, q, k, v, out, lse, sinks=sinks, deterministic=deterministic, dq=dq, dk=dk,
                             dv=dv, dsinks=dsinks, accumulate=accumulate, backend=backend, dq_scale=dq_scale,
                             dlse=dlse)

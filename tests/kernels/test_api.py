@@ -1,5 +1,6 @@
 """fa4dist.kernels.api: the buffers a call writes (out, lse, dq, dk, dv, dsinks) are refused by name when they cannot
-hold its results: elements that share memory, or memory shared with what the call reads."""
+hold its results: elements that share memory, or memory shared with what the call reads; and its results carry no
+autograd history, whatever the inputs require."""
 
 import math
 
@@ -173,3 +174,28 @@ def test_a_buffer_autograd_or_inference_mode_forbids_writing_is_refused_before_a
             assert torch.equal(b, w)
         with torch.no_grad() if how != "inference" else torch.inference_mode():
             call(*buffers[:-1], last)
+
+
+def test_inputs_that_require_grad_leave_no_autograd_history_in_the_results():
+    """The contract is not differentiable (fa4dist.attention is): a fused kernel's results carry no history, and
+    the reference's in-place merges used to record a graph into the caller's plain running buffers when q or the
+    sinks (an nn.Parameter) required grad, so the next accumulate call refused those very buffers ('out requires
+    grad'), and a plain call returned a graph over the sinks alone.  Now the same plain tensors, the same bits as
+    under torch.no_grad()."""
+    q, k, v = _qkv()
+    sinks = torch.nn.Parameter(torch.randn(q.shape[2]))
+    q_grad = q.clone().requires_grad_()
+    for kwargs in ({}, {"sinks": sinks}):
+        runs = []
+        for query in (q_grad, q):
+            out, lse = torch.zeros(q.shape), torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf)
+            for start in (0, 4):  # two key blocks merged into the running result
+                attention_forward(query, k[:, start:start + 4], v[:, start:start + 4], causal=True, k_offset=start,
+                                  out=out, lse=lse, accumulate=True, **kwargs if start == 0 else {})
+            plain_out, plain_lse = attention_forward(query, k, v, causal=True, **kwargs)
+            grads = attention_backward(torch.ones_like(plain_out), query, k, v, plain_out, plain_lse, causal=True,
+                                       **kwargs)
+            runs.append((out, lse, plain_out, plain_lse, *grads))
+        for with_grad, without in zip(*runs):
+            assert not with_grad.requires_grad and with_grad.grad_fn is None
+            assert torch.equal(with_grad, without)
