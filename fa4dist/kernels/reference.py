@@ -10,7 +10,8 @@ softmax; sinks are not the backend's business (the contract merges them, see :mo
 Non-finite values follow the contract: a masked (query, key) pair contributes exactly nothing, whatever the key,
 value, query or output gradient holds there (padding garbage, NaN, inf), so a row's results depend only on what it
 can see.  A row that sees no key gets out = 0 and lse = -inf; a row that sees keys but whose softmax is undefined
-(non-finite scores) gets lse = NaN, never -inf.
+(non-finite scores: NaN, +inf, or -inf for every key it sees in the call) gets lse = NaN, never -inf.  A -inf score
+beside a finite one weighs nothing, so that NaN depends on how a row's keys are split over calls (README, Range).
 """
 
 from __future__ import annotations
