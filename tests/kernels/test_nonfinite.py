@@ -7,6 +7,7 @@ lse = -inf stays reserved for rows that see no key.  The reference runs here; GP
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -391,3 +392,21 @@ def test_a_minus_inf_sink_is_no_sink(dtype):
     assert torch.isneginf(lse[:, 2, :3]).all() and (out[:, :3, 2] == 0).all()
     dsinks = attention_backward(dout, q, k, v, out, lse, sinks=sinks, **kw)[3]
     assert dsinks[2] == 0 and torch.isfinite(dsinks).all()
+
+
+def test_scores_that_overflow_to_neg_inf_weigh_nothing_beside_a_finite_one_and_alone_are_undefined():
+    """README, Range: finite inputs whose scaled product passes fp32's range give a -inf score. Beside a finite score
+    of the same call it weighs nothing; a call in which it is all a row sees has no defined softmax (NaN), so the
+    row merged from such a split is NaN where one call gives the finite row (documented, not hidden)."""
+    q = torch.tensor([1e20, 0.0]).view(1, 1, 1, 2)
+    k = torch.tensor([[-1e20, 0.0], [1e-20, 0.0]]).view(1, 2, 1, 2)
+    v = torch.tensor([[5.0, 6.0], [7.0, 8.0]]).view(1, 2, 1, 2)
+    out, lse = attention_forward(q, k, v, backend="reference")
+    assert torch.equal(out, v[:, 1:]) and torch.isfinite(lse).all()
+    alone_out, alone_lse = attention_forward(q, k[:, :1], v[:, :1], backend="reference")
+    assert torch.isnan(alone_lse).all() and torch.isnan(alone_out).all()
+    run_out, run_lse = torch.zeros_like(out), torch.full_like(lse, -math.inf)
+    for j in (0, 1):
+        attention_forward(q, k[:, j:j + 1], v[:, j:j + 1], k_offset=j, out=run_out, lse=run_lse, accumulate=True,
+                          backend="reference")
+    assert torch.isnan(run_lse).all() and torch.isnan(run_out).all()
