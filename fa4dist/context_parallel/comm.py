@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import threading
+import time
 from typing import Sequence
 
 import torch
@@ -238,6 +240,76 @@ def _refusal(label: str, what: str, name: str, where: str, first: str) -> str:
 # the value a rank whose exchange on a group failed posts as its rows of the group's store exchanges that another
 # rank may still be waiting for or make next (Transport.failed), followed by the failure's message
 _POISON = "out of step:"
+
+# A rank's wait in a store exchange that did not complete in its blocking part (_blocking_part) is posted under
+# _WAITS + its global rank (the exchange, the group, what it waits for and its missing ranks); it then polls every
+# _POLL seconds and reads the missing ranks' posts every _READ_POSTS_EVERY (Transport._wait_for_rows).  A call a rank
+# refused on its own, before any exchange, is posted there too (post_refusal).
+_WAITS = "fa4dist/waits/"
+_BLOCKING_WAIT = 10.0
+_POLL = 0.05
+_READ_POSTS_EVERY = 1.0
+
+
+def _blocking_part(timeout: float) -> float:
+    """Seconds of an exchange's wait spent in one blocking store wait (the fast path; its expiry logs a c10d
+    warning): 10 s, or a quarter of a shorter timeout, so that a deadlock is named well before the timeout."""
+    return min(_BLOCKING_WAIT, 0.25 * timeout)
+
+
+def _post(store, global_rank: int, post: dict) -> None:
+    try:
+        store.set(f"{_WAITS}{global_rank}", json.dumps(post))
+    except Exception:  # noqa: BLE001  (best effort: the posts only speed up or explain a failure)
+        pass
+
+
+def _unpost(store, global_rank: int) -> None:
+    try:
+        store.delete_key(f"{_WAITS}{global_rank}")
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _read_post(store, global_rank: int):
+    try:
+        key = f"{_WAITS}{global_rank}"
+        return json.loads(bytes(store.get(key)).decode()) if store.check([key]) else None
+    except Exception:  # noqa: BLE001  (a post deleted between the check and the read: nothing posted)
+        return None
+
+
+def _waits_for_me(store, post, me: int, exchange: str) -> bool:
+    """Whether a missing rank's post shows it waiting for global rank ``me`` while ``me`` waits in ``exchange``:
+    waiting in another exchange for a row that ``me`` has not posted there (``me``, blocked here, never will), or
+    having found that cycle itself (its ``deadlock`` names ``me``'s exchange: it raised, and its wait is gone)."""
+    if not post or not post.get("exchange"):
+        return False
+    found = post.get("deadlock")
+    if found:
+        return found.get("exchange") == exchange and found.get("rank") == me
+    row = post.get("missing", {}).get(str(me))
+    return post["exchange"] != exchange and row is not None and not store.check([f"{post['exchange']}/{row}"])
+
+
+def _describe_post(post) -> str:
+    if not post:
+        return "posted nothing (it is not waiting in an fa4dist exchange: busy elsewhere, or it never made the call)"
+    if post.get("refused"):
+        return f"refused a call on its own, before any exchange: {post['refused']}"
+    return f"waits in {post.get('what')} on process group {post.get('group')!r}"
+
+
+def post_refusal(message: str) -> None:
+    """Posts that this rank refused a call on its own, without an exchange its group's ranks could read (its process
+    group itself was refused): another rank that waits for it names it when its wait times out.  Not a failure of
+    the others' call: this rank may still make that call."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from torch.distributed import distributed_c10d
+
+    world_generation()
+    _post(distributed_c10d._get_default_store(), dist.get_rank(), dict(refused=message[:500]))
 
 
 def member_size_rank(group, name: str = "group") -> tuple[int, int]:
@@ -497,13 +569,7 @@ class Transport:
         seq = _STORE_SEQ[prefix] = _STORE_SEQ.get(prefix, 0) + 1
         keys = [f"{prefix}{seq}/{r}" for r in range(self.size)]
         store.set(keys[self.rank], ",".join(str(int(x)) for x in values))
-        try:
-            store.wait(keys, self.timeout_delta)
-        except Exception as err:  # the store raises its own timeout types, by version
-            raise self.failed(
-                f"{self.label}: rank {self.rank} of {self.size} failed waiting for {what} from all ranks of its "
-                f"group (timeout {self.timeout:g}s; did every rank call it?): {err}", waiting=True
-            ) from err
+        self._wait_for_rows(store, keys, what)
         texts = [bytes(v).decode() for v in store.multi_get(keys)]
         for r, text in enumerate(texts):
             if text.startswith(_POISON):  # rank r's exchange on the group failed (Transport.failed)
@@ -519,6 +585,62 @@ class Transport:
         if seq > 1:
             store.delete_key(f"{prefix}{seq - 1}/{self.rank}")
         return rows
+
+    def _wait_for_rows(self, store, keys: list, what: str) -> None:
+        """Waits until every rank of the group has posted its row of a store exchange (``keys``, in group rank
+        order), for at most the timeout.  A wait longer than :func:`_blocking_part` of the timeout is posted
+        (:func:`_post`) and goes on by polling (a blocking store wait that times out logs a warning), reading the
+        missing ranks' posts each second: a rank that waits, in an exchange on another group or another exchange,
+        for this rank, which has not posted there, waits for this rank as this rank waits for it (a deadlock: the
+        ranks called on different process groups, or made their calls in different orders), and the exchange fails
+        on both ranks, naming both waits, instead of at the timeout.  A timeout names what the missing ranks posted
+        last (a wait elsewhere, or a call they refused on their own)."""
+        deadline = time.monotonic() + self.timeout
+        try:
+            store.wait(keys, datetime.timedelta(seconds=_blocking_part(self.timeout)))
+            return
+        except Exception as timed_out:  # noqa: BLE001  (the store raises its own timeout types, by version)
+            err: Exception = timed_out
+        me = self._global[self.rank]
+        exchange = keys[0].rsplit("/", 1)[0]  # the exchange's key prefix: its group's and its number
+        wait = dict(exchange=exchange, group=self.group_name, what=what)
+        posted, next_read = False, 0.0
+        try:
+            while not store.check(keys):
+                now = time.monotonic()
+                if now >= next_read:
+                    missing = [r for r in range(self.size) if not store.check([keys[r]])]
+                    if not posted:
+                        _post(store, me, dict(wait, missing={str(self._global[r]): r for r in missing}))
+                        posted = True
+                    posts = {self._global[r]: _read_post(store, self._global[r]) for r in missing}
+                    for rank, post in posts.items():
+                        if _waits_for_me(store, post, me, exchange):
+                            # kept after raising: the other rank reads it should it not have found the cycle yet
+                            posted = False
+                            _post(store, me, dict(wait, deadlock=dict(rank=rank, exchange=post["exchange"])))
+                            raise self.failed(
+                                f"{self.label}: rank {self.rank} of {self.size} (global rank {me}) waits for global "
+                                f"rank {rank} in {what} on process group {self.group_name!r}, while rank {rank} "
+                                f"waits for this rank in {post.get('what')} on process group {post.get('group')!r}: "
+                                "the ranks made different calls (on different process groups, or in different "
+                                "orders), which would wait for each other until the timeout", waiting=True)
+                    next_read = now + _READ_POSTS_EVERY
+                if now >= deadline:
+                    notes = "; ".join(f"global rank {rank} {_describe_post(post)}" for rank, post in posts.items())
+                    raise self.failed(
+                        f"{self.label}: rank {self.rank} of {self.size} failed waiting for {what} from all ranks of "
+                        f"its group (timeout {self.timeout:g}s; did every rank call it?): {err}"
+                        + (f" (what the missing ranks posted last: {notes})" if notes else ""), waiting=True
+                    ) from err
+                time.sleep(_POLL)
+        finally:
+            if posted:
+                _unpost(store, me)
+
+    @property
+    def group_name(self) -> str:
+        return (self.group if self.group is not None else dist.group.WORLD).group_name
 
     def all_gather_ints(self, values: Sequence[int], what: str) -> list[list[int]]:
         """Every rank's int64 values (the same count on every rank), in rank order: one small all-gather."""

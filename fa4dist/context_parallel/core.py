@@ -42,7 +42,7 @@ from ..kernels.problem import (
 from ..kernels.registry import check_backend, get_backend
 from .agreement import LABEL, raise_disagreement, signature_digest
 from .comm import (CommError, Transport, deepcopy_sharing, exclusive, group_alive, member_size_rank,
-                   refuse_pickling, world_generation)
+                   post_refusal, refuse_pickling, world_generation)
 from .gather import gather_backward, gather_forward
 from .peer import TRANSPORT_ENV, requested_transport
 from .plan import ShardPlan
@@ -755,8 +755,10 @@ def check_single_rank_plan(q, k, v, plan) -> bool:
         packed, total = True, plan.total
     elif isinstance(plan, ShardPlan):
         if plan.cp_size != 1:  # its rank-0 segments would be attended alone: no other rank's keys
-            raise ValueError(f"the plan is for cp_size={plan.cp_size} but there is no process group (cp size 1); "
-                             "make it with make_plan(seqlen_or_cu_seqlens, 1) (or the model's make_plan)")
+            error = (f"the plan is for cp_size={plan.cp_size} but there is no process group (cp size 1); make it "
+                     "with make_plan(seqlen_or_cu_seqlens, 1) (or the model's make_plan)")
+            post_refusal(f"ValueError: {error}")  # (the plan's other ranks may be waiting for this one)
+            raise ValueError(error)
         packed, total = plan.packed, plan.total_len
     else:  # (cu_seqlens given as the plan was an AttributeError in the model)
         raise TypeError("plan must be a sharding plan (a ShardPlan of cp size 1: make_plan(seqlen_or_cu_seqlens, 1) "
@@ -885,7 +887,8 @@ def _refuse_functional(groups: tuple, timeout, verify, error: Exception) -> None
         ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf
         cp = ContextParallel(group, ulysses_group=ulysses_group, ring_group=ring_group, strategy="auto",
                              timeout=timeout if ok else 300.0, verify=True, cp_invariant=False)
-    except Exception:  # noqa: BLE001  (the groups are refused: every rank refuses them alike)
+    except Exception:  # noqa: BLE001  (the groups are refused: every rank refuses them alike, if the ranks agree)
+        post_refusal(f"{type(error).__name__}: {error}")  # (one that does not: the others' timeout names this)
         return
     _functional_bucket(groups, cp)
     if cp.cp_size == 1:

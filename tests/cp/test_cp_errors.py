@@ -693,6 +693,51 @@ def test_absent_rank_times_out_with_a_named_wait(pool, verify, pattern):
     assert elapsed < 10
 
 
+def different_groups_case(rank, world, refuse):
+    """Ranks 0 and 1 of two throw-away groups of the same members (every rank makes both): rank 0 calls on the one,
+    rank 1 on the other (refuse=False), or rank 1 makes the functional call without its group (refuse=True). Each
+    rank: (its error's type, message, seconds to fail)."""
+    from fa4dist.context_parallel import context_parallel_attention, make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    groups = fresh_group([0, 1]), fresh_group([0, 1])  # broken by this test on purpose; nothing else uses them
+    if rank > 1:
+        return None
+    plan = make_plan(20, 2)
+    inputs = _inputs(plan, rank)
+    if refuse:
+        group = groups[0] if rank == 0 else None
+        return _error(lambda: context_parallel_attention(*inputs, plan, group, strategy="ring", backend="reference",
+                                                         timeout=4))
+    module = FA4ContextParallelAttention(groups[rank], strategy="ring", backend="reference", timeout=8)
+    return _error(lambda: module(*inputs, plan=plan))
+
+
+def test_ranks_calling_on_different_groups_fail_at_once_naming_both(pool):
+    """Two ranks that call on different process groups (the same members) each wait for the other in their own
+    group's agreement check: a deadlock that used to last the whole timeout, ending in 'did every rank call it?'.
+    Each posts its wait once the blocking part of it (a quarter of the 8 s timeout here) has passed, finds the other
+    waiting for it, and both fail naming both waits."""
+    results = pool.run(different_groups_case, refuse=False, timeout=60)
+    for rank, (name, message, elapsed) in enumerate(results[:2]):
+        assert name == "CommError", message
+        assert f"waits for global rank {1 - rank} in the agreement check of forward call 1" in message, message
+        assert "the ranks made different calls (on different process groups" in message, message
+        assert elapsed < 6, (rank, elapsed)
+
+
+def test_a_rank_that_refused_its_call_on_its_own_is_named_by_the_others_timeout(pool):
+    """A rank whose functional call has no group (its plan is for cp = 2) refuses it without an exchange the other
+    rank could read; the other waits out its timeout (the refusing rank may still make the call), and its message
+    says what that rank did."""
+    results = pool.run(different_groups_case, refuse=True, timeout=60)
+    assert results[1][0] == "ValueError" and "there is no process group" in results[1][1]
+    name, message, elapsed = results[0]
+    assert name == "CommError" and "did every rank call it?" in message, message
+    assert "global rank 1 refused a call on its own, before any exchange: ValueError: the plan is for cp_size=2" in \
+        message, message
+
+
 def skipped_call_case(rank, world, skip):
     """Ranks 0 and 1 of a throw-away group (timeout 3 s) make forward call 1 and its backward; then rank 1 skips call
     2's forward ("forward") or its backward ("backward").  Rank 0: (the error of the call it waited in, the errors
