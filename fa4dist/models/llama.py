@@ -112,7 +112,9 @@ def row_block_products(x: torch.Tensor, weight: torch.Tensor, rows: int, bias=No
     n = x.shape[0]
     if n == 0:
         return F.linear(x, weight, bias)
-    return torch.cat([F.linear(b, weight, bias) for b in row_blocks(x, rows)])[:n]
+    products = [F.linear(b, weight, bias) for b in row_blocks(x, rows)]
+    products[-1] = products[-1][:n - rows * (len(products) - 1)]  # the padding's rows dropped before the cat: the
+    return torch.cat(products)  # result is a tensor of its own, not a view (FSDP2 warns of a module returning one)
 
 
 class _RowBlockLinear(torch.autograd.Function):

@@ -51,6 +51,12 @@ def test_cp_invariant_weights_are_the_same_bytes_at_cp_1_and_2(tmp_path, corpus)
     assert [s["cp"] for s in runs] == [1, 2] and all(s["cp_invariant"] for s in runs)
     assert runs[0]["weights_sha256"] == runs[1]["weights_sha256"]
     assert len(losses[0]) == 2 and [x.hex() for x in losses[0]] == [x.hex() for x in losses[1]], losses
+    # ... and they train what the float run trains: the same losses and gradient norms to fp32 rounding (equal bits
+    # at cp 1 and 2 alone would not show a mode that trains both alike and wrongly)
+    metrics = tmp_path / "float.jsonl"
+    launch.torchrun("fsdp2_train.py", launch.tiny_args(2) + ["--data", corpus, "--metrics-out", metrics], nproc=1)
+    assert_steps_close(losses[0], step_metrics(metrics))
+    assert_steps_close(step_metrics(tmp_path / "cp1.jsonl", "grad_norm"), step_metrics(metrics, "grad_norm"))
 
 
 def readme_resume_pair() -> list[list[str]]:
