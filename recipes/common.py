@@ -62,6 +62,28 @@ H200_PEAK_BF16 = 989.4e12  # dense bf16 FLOP/s of an H100/H200 SXM
 # arguments
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The recipes' ``--help``: the module docstring as written, and each option's default where it has one (not
+    None or False, and not already named in its help)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS) and \
+                "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def require(module: str, extra: str, what: str) -> None:
+    """Exits naming the install command when ``module`` (an optional dependency: the package's ``extra``) is not
+    installed, before any process group or model exists (every rank alike)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise SystemExit(f"{what} needs {module}, which is not installed: pip install -e \".[{extra}]\" (from the "
+                         "repository root)")
+
+
 def _int_at_least(minimum: int, wanted: str, name: str):
     """An argparse type: an int of at least ``minimum``, refused by name ("must be <wanted>") otherwise."""
     def parse(text: str) -> int:

@@ -181,7 +181,7 @@ def check_layout_entries(args, file_cfg: dict, recipe: dict) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
     common.add_common_args(p)
     g = p.add_argument_group("deepspeed")
     g.add_argument("--zero-stage", type=int, choices=[2, 3], default=2)
@@ -246,6 +246,7 @@ def clear_tag(where: Path, rank: int) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
+    common.require("deepspeed", "deepspeed", "recipes/deepspeed_train.py")
     # refused before the process group and DeepSpeed's engine exist: a layout the world does not allow, a
     # checkpoint that is not there, was saved at another ZeRO stage or world size, or does not continue this run
     world = common.launched_world()

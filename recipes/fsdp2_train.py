@@ -101,7 +101,7 @@ def load_checkpoint(model, optimizer, path: Path, args) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
     common.add_common_args(p)
     common.add_checkpoint_args(p, "a checkpoint directory, or 'latest' (newest in --ckpt-dir)")
     args = p.parse_args(argv)

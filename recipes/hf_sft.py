@@ -87,7 +87,7 @@ MOE_ONLY = {"experts": "only gpt_oss and llama4 have MoE layers",
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
     common.add_common_args(p, unused={"ulysses_degree": NO_HYBRID}, models=LLAMA3_PRESETS)
     strategy = next(a for a in p._actions if a.dest == "strategy")
     strategy.help = ("context-parallel strategy: auto (the largest Ulysses degree the heads allow, ring over the "
@@ -556,6 +556,7 @@ def memory_estimates(facts: dict, local_tokens: int, world: int, args, dtype) ->
 
 def main(argv=None):
     args = parse_args(argv)
+    common.require("transformers", "hf", "recipes/hf_sft.py")
     # refused before the process group and the model exist (every rank alike)
     common.check_layout(common.launched_world(), args.cp, args.batch_size)
     if args.checkpoint:

@@ -228,7 +228,7 @@ UNUSED = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
     common.add_common_args(p, unused=UNUSED)
     g = p.add_argument_group("rl")
     g.add_argument("--sft-steps", type=common.non_negative_int, default=150,

@@ -57,6 +57,7 @@ weights (parameter names match).
 
 from __future__ import annotations
 
+import importlib.util
 import operator
 import warnings
 from dataclasses import dataclass, field
@@ -67,6 +68,10 @@ import torch
 import fa4dist
 from fa4dist.kernels.mask import Mask
 from fa4dist.kernels.problem import int32_cu_seqlens
+
+if importlib.util.find_spec("transformers") is None:  # (imported where used: this only names the install)
+    raise ImportError('fa4dist.integrations.hf needs transformers (>=5, <6), which is not installed: pip install '
+                      '"fa4dist[hf]", or pip install -e ".[hf]" from the repository root')
 
 NAME = "fa4dist"
 _SETTINGS: dict[str, dict] = {}

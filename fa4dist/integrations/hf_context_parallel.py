@@ -318,6 +318,10 @@ class ContextParallelHandle:
     def __init__(self, model, group=None, mesh=None, strategy: str = "auto", balancer: str = "lpt", *,
                  backend: str = "auto", deterministic: Optional[bool] = None, num_chunks: Optional[int] = None,
                  timeout: float = 300.0, check_batch: bool = True, cp_invariant: Optional[bool] = None):
+        if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
+            raise TypeError("enable_context_parallel takes a transformers model (a torch.nn.Module with a transformers "
+                            f"config, e.g. AutoModelForCausalLM.from_config(...)), got {type(model).__name__}; for "
+                            "a model of your own use fa4dist.modules.FA4ContextParallelAttention")
         problems = unsupported_features(model)
         if problems:
             raise UnsupportedMask(f"{type(model).__name__} cannot run with fa4dist context parallelism: "
