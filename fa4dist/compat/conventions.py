@@ -10,6 +10,7 @@ at ``q_offset = seqlen_k - seqlen_q`` (per sequence for packed input) and the ke
 
 from __future__ import annotations
 
+import numbers
 import operator
 from typing import Optional
 
@@ -18,11 +19,24 @@ import torch
 import fa4dist
 
 
+def _not_asked(value) -> bool:
+    """None, False, or a number equal to 0 (a Python, numpy or one-element tensor scalar): an option's default."""
+    if value is None or value is False:
+        return True
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, numbers.Number):
+        return value == 0
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        return bool(value.detach().cpu() == 0)
+    return False
+
+
 def refuse(call: str, **unsupported) -> None:
-    """Raises for each flash-attn option given a value fa4dist does not compute (None, 0 or False: not asked)."""
+    """Raises for each flash-attn option given a value fa4dist does not compute (None, False or a zero: not
+    asked)."""
     for name, value in unsupported.items():
-        if value is None or value is False or (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                               and value == 0):
+        if _not_asked(value):
             continue
         raise NotImplementedError(f"{call}: {name}={_show(value)} is not supported by fa4dist (no dropout, ALiBi, "
                                   "paged or gathered KV, score or mask modifications); leave it at its default")
@@ -32,9 +46,10 @@ def _show(value) -> str:
     return f"a {type(value).__name__}" if isinstance(value, torch.Tensor) or callable(value) else repr(value)
 
 
-def window_of(call: str, window_size, causal: bool) -> tuple[int, int]:
-    """The contract's ``window`` of flash-attn's ``window_size`` (left, right): -1 or None unbounded; causal forces
-    right = 0, as flash-attn does."""
+def window_of(call: str, window_size, causal: bool, keys: Optional[int] = None) -> tuple[int, int]:
+    """The contract's ``window`` of flash-attn's ``window_size`` (left, right): -1 or None unbounded; a side of at
+    least ``keys`` unbounded too when given (flash-attn 2 does so, with the call's key count, before the causal
+    mask); causal forces right = 0, as flash-attn does."""
     try:
         left, right = window_size
     except (TypeError, ValueError):
@@ -50,7 +65,7 @@ def window_of(call: str, window_size, causal: bool) -> tuple[int, int]:
             raise TypeError(f"{call}: window_size's {name} side must be an int, -1 or None, got {side!r}") from None
         if side < -1:
             raise ValueError(f"{call}: window_size's {name} side must be >= -1 (-1: unbounded), got {side}")
-        sides.append(side)
+        sides.append(-1 if keys is not None and side >= keys else side)
     return (sides[0], 0) if causal else (sides[0], sides[1])
 
 
@@ -76,14 +91,17 @@ def _check_max(call: str, name: str, given, lengths: list[int]) -> None:
 
 def attention(call: str, q, k, v, *, causal: bool, window_size, softcap, softmax_scale, deterministic,
               return_lse: bool, sinks: Optional[torch.Tensor] = None, cu_seqlens_q=None, cu_seqlens_k=None,
-              max_seqlen_q=None, max_seqlen_k=None):
+              max_seqlen_q=None, max_seqlen_k=None, unbound_window_past_keys: bool = False):
     """(out, lse) of :func:`fa4dist.attention` under flash-attn's conventions (the lse differentiable when
-    ``return_lse``)."""
-    window = window_of(call, window_size, bool(causal))
+    ``return_lse``).  ``unbound_window_past_keys``: flash-attn 2's rule, a window side of at least the key count
+    (``max_seqlen_k``, else the longest key sequence, for packed input) is unbounded (:func:`window_of`)."""
     if cu_seqlens_q is None and cu_seqlens_k is None:
         if q.dim() != 4:
             raise ValueError(f"{call}: q must be (batch, seqlen, heads, head_dim), got shape {tuple(q.shape)}")
+        if k.dim() != 4:
+            raise ValueError(f"{call}: k must be (batch, seqlen_k, kv_heads, head_dim), got shape {tuple(k.shape)}")
         q_offset = k.shape[1] - q.shape[1]
+        keys = k.shape[1]
     else:
         if cu_seqlens_q is None or cu_seqlens_k is None:
             raise ValueError(f"{call}: give both cu_seqlens_q and cu_seqlens_k, or neither")
@@ -93,6 +111,8 @@ def attention(call: str, q, k, v, *, causal: bool, window_size, softcap, softmax
         _check_max(call, "max_seqlen_q", max_seqlen_q, len_q)
         _check_max(call, "max_seqlen_k", max_seqlen_k, len_k)
         q_offset = [b - a for a, b in zip(len_q, len_k)]
+        keys = operator.index(max_seqlen_k) if max_seqlen_k is not None else max(len_k, default=0)
+    window = window_of(call, window_size, bool(causal), keys if unbound_window_past_keys else None)
     out, lse = fa4dist.attention(
         q, k, v, causal=bool(causal), softmax_scale=softmax_scale, return_lse=True, window=window,
         softcap=float(softcap) if softcap else None, sinks=sinks, cu_seqlens_q=cu_seqlens_q,

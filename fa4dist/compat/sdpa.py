@@ -21,12 +21,19 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     call = "scaled_dot_product_attention"
     conventions.refuse(call, attn_mask=attn_mask, dropout_p=dropout_p)
     for name, t in (("query", query), ("key", key), ("value", value)):
+        if isinstance(t, torch.Tensor) and t.is_nested:  # (a strided nested tensor has no sizes to check)
+            raise TypeError(f"{call}: {name} is a nested tensor, which fa4dist does not take; pack variable-length "
+                            "sequences as (total_tokens, heads, head_dim) with cu_seqlens (fa4dist.attention, or "
+                            "fa4dist.compat.flash_attn.flash_attn_varlen_func)")
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{call}: {name} must be a (batch, heads, seqlen, head_dim) tensor, got {shape}")
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"{call}: query has {query.shape[1]} heads but key {key.shape[1]}; pass enable_gqa=True "
                          "for grouped-query attention (as torch requires)")
+    if scale is not None and not isinstance(scale, bool) and isinstance(scale, (int, float)) and scale == 0:
+        raise ValueError(f"{call}: scale=0 (a plain average over the visible keys) is not supported by fa4dist, "
+                         "whose softmax_scale must be non-zero")
     out = fa4dist.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                             causal=bool(is_causal), softmax_scale=scale)
     return out.transpose(1, 2)

@@ -187,3 +187,47 @@ def test_sdpa_drop_in_equals_torchs_own(sq, sk, causal):
         scaled_dot_product_attention(q, k, v)
     with pytest.raises(NotImplementedError, match="attn_mask=a Tensor is not supported"):
         scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(sq, sk, dtype=torch.bool), enable_gqa=True)
+
+
+def test_flash_attn_2_unbounds_a_window_side_of_at_least_the_key_count():
+    """flash-attn 2's kernels set a window side of at least seqlen_k (max_seqlen_k, packed) to -1 before aligning
+    the window bottom-right; its docstring's formula alone hides keys from the first rows of a non-causal call with
+    more queries than keys (window right 2 >= 2 keys: every row sees both keys). flash-attn 4 keeps the formula."""
+    q, k, v = leaves((1, 6, 2, 8), (1, 2, 2, 8), (1, 2, 2, 8), seed=7)
+    got = fa2.flash_attn_func(q, k, v, window_size=(-1, 2))
+    close(got, oracle(q, k, v)[0], "out (window right unbounded)")
+    close(fa2.flash_attn_func(q, k, v, window_size=(5, 1)), oracle(q, k, v, window=(-1, 1))[0], "out (left)")
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 2], dtype=torch.int32)
+    packed = fa2.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu_k, 6, 2, window_size=(-1, 2))
+    close(packed, got[0], "packed out")
+    close(fa4.flash_attn_func(q, k, v, window_size=(-1, 2))[0], oracle(q, k, v, window=(-1, 2))[0], "fa4 out")
+
+
+def test_packed_layouts_and_default_values_are_checked_by_name():
+    """A packed tensor of another layout ((batch, seqlen, heads, 3, head_dim), say) was Python's bare unpacking
+    error; an option at its default given as a numpy or tensor zero was refused as unsupported."""
+    import numpy as np
+
+    qkv = torch.randn(1, 4, 2, 3, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"flash_attn_qkvpacked_func: qkv must be \(batch, seqlen, 3, heads, "):
+        fa2.flash_attn_qkvpacked_func(qkv)
+    with pytest.raises(ValueError, match=r"flash_attn_varlen_kvpacked_func: kv must be \(total_k, 2, kv_heads, "):
+        fa2.flash_attn_varlen_kvpacked_func(qkv[0, :, 0], qkv[0].transpose(1, 2),  # (total, 3, heads, dim)
+                                            torch.tensor([0, 4], dtype=torch.int32),
+                                            torch.tensor([0, 4], dtype=torch.int32), 4, 4)
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    for zero in (np.float32(0.0), torch.tensor(0.0)):
+        torch.testing.assert_close(fa2.flash_attn_func(q, q, q, dropout_p=zero), fa2.flash_attn_func(q, q, q))
+
+
+def test_sdpa_refuses_nested_tensors_and_a_zero_scale_by_its_own_names():
+    from fa4dist.compat.sdpa import scaled_dot_product_attention
+
+    for layout in (torch.strided, torch.jagged):
+        nested = torch.nested.nested_tensor([torch.randn(2, 3, 8), torch.randn(2, 5, 8)], layout=layout)
+        with pytest.raises(TypeError, match="query is a nested tensor"):
+            scaled_dot_product_attention(nested, nested, nested)
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="scale=0 .* is not supported"):
+        scaled_dot_product_attention(q, q, q, scale=0.0)
