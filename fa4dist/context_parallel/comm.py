@@ -93,6 +93,15 @@ class _Use:
 
 _USE_LOCK = threading.Lock()
 _IN_USE: dict = {}  # (world number, group name) -> _Use
+_CALLERS: set = set()  # the idents of the threads that made fa4dist calls on process groups in this process
+
+
+def sole_caller() -> bool:
+    """Whether this thread is the only one of the process that makes, or may make, fa4dist calls on process groups:
+    every other live thread is a daemon that never made one (torch's and the data loaders' helper threads).  Only
+    then does a wait of this thread mean the process posts nothing else meanwhile (Transport._wait_for_rows)."""
+    me = threading.get_ident()
+    return all(t.ident == me or (t.daemon and t.ident not in _CALLERS) for t in threading.enumerate())
 
 
 @contextlib.contextmanager
@@ -119,6 +128,7 @@ def exclusive(groups: Sequence, what: str, label: str):
         for _, use in busy:
             use.intruder = use.intruder or (me, f"{label}: {what}")
         if not busy:
+            _CALLERS.add(ident)
             for key in keys:
                 _IN_USE.setdefault(key, _Use(ident, me, f"{label}: {what}")).depth += 1
     if busy:
@@ -233,8 +243,9 @@ def _refusal(label: str, what: str, name: str, where: str, first: str) -> str:
     return (f"{label}: {what} on process group {name!r} refused: an earlier fa4dist exchange on this group failed on "
             f"{where}, so its ranks are out of step (a later exchange would wait out another timeout or pair with "
             "another call's messages).  Destroy the group (torch.distributed.destroy_process_group(group)) and make "
-            "a new one on every rank (torch.distributed.new_group; for the default group, init_process_group "
-            f"again), or restart the job.  The earlier failure: {first}")
+            "a new one on every rank (torch.distributed.new_group), or restart the job (for the default group: a "
+            "new init_process_group on the same rendezvous store, as torchrun's, starts the group names over and "
+            f"would find this failure's records there again).  The earlier failure: {first}")
 
 
 # the value a rank whose exchange on a group failed posts as its rows of the group's store exchanges that another
@@ -279,15 +290,12 @@ def _read_post(store, global_rank: int):
         return None
 
 
-def _waits_for_me(store, post, me: int, exchange: str) -> bool:
-    """Whether a missing rank's post shows it waiting for global rank ``me`` while ``me`` waits in ``exchange``:
-    waiting in another exchange for a row that ``me`` has not posted there (``me``, blocked here, never will), or
-    having found that cycle itself (its ``deadlock`` names ``me``'s exchange: it raised, and its wait is gone)."""
-    if not post or not post.get("exchange"):
+def _waits_for(store, post, me: int, exchange: str) -> bool:
+    """Whether a missing rank's post shows it waiting, with no other thread of its process that could post (its
+    ``sole``), in another exchange than ``me``'s (``exchange``) for a row that global rank ``me`` has not posted
+    there (``me``, blocked here with no other thread of its own, never will)."""
+    if not post or not post.get("exchange") or not post.get("sole"):
         return False
-    found = post.get("deadlock")
-    if found:
-        return found.get("exchange") == exchange and found.get("rank") == me
     row = post.get("missing", {}).get(str(me))
     return post["exchange"] != exchange and row is not None and not store.check([f"{post['exchange']}/{row}"])
 
@@ -570,11 +578,9 @@ class Transport:
         keys = [f"{prefix}{seq}/{r}" for r in range(self.size)]
         store.set(keys[self.rank], ",".join(str(int(x)) for x in values))
         self._wait_for_rows(store, keys, what)
-        texts = [bytes(v).decode() for v in store.multi_get(keys)]
-        for r, text in enumerate(texts):
-            if text.startswith(_POISON):  # rank r's exchange on the group failed (Transport.failed)
-                self.failed(text[len(_POISON):], f"rank {r} of the group")  # (recorded, and passed on)
-                self.usable(what)  # (raises GroupBroken naming it)
+        posted = store.multi_get(keys)
+        self._raise_if_poisoned(keys, posted, what)
+        texts = [bytes(v).decode() for v in posted]
         rows = [[int(x) for x in t.split(",")] if t else [] for t in texts]
         if any(len(r) != len(values) for r in rows):  # (read as this exchange's, a short row was an IndexError)
             counts = ", ".join(f"rank {r} {len(row)}" for r, row in enumerate(rows))
@@ -590,11 +596,13 @@ class Transport:
         """Waits until every rank of the group has posted its row of a store exchange (``keys``, in group rank
         order), for at most the timeout.  A wait longer than :func:`_blocking_part` of the timeout is posted
         (:func:`_post`) and goes on by polling (a blocking store wait that times out logs a warning), reading the
-        missing ranks' posts each second: a rank that waits, in an exchange on another group or another exchange,
-        for this rank, which has not posted there, waits for this rank as this rank waits for it (a deadlock: the
-        ranks called on different process groups, or made their calls in different orders), and the exchange fails
-        on both ranks, naming both waits, instead of at the timeout.  A timeout names what the missing ranks posted
-        last (a wait elsewhere, or a call they refused on their own)."""
+        missing ranks' posts each second.  A missing rank that waits, in another exchange, for a row this rank has
+        not posted there is waiting for this rank as this rank waits for it, if neither process has another thread
+        that could post meanwhile (:func:`sole_caller`, posted too): a deadlock (the ranks called on different
+        process groups, or made their calls in different orders).  This rank then fails naming both waits, and
+        posts its failure as its row of the other rank's exchange, which fails it too (the poisoned rows of
+        :meth:`failed`).  A timeout names what the missing ranks posted last (a wait elsewhere, or a call they
+        refused on their own)."""
         deadline = time.monotonic() + self.timeout
         try:
             store.wait(keys, datetime.timedelta(seconds=_blocking_part(self.timeout)))
@@ -603,28 +611,30 @@ class Transport:
             err: Exception = timed_out
         me = self._global[self.rank]
         exchange = keys[0].rsplit("/", 1)[0]  # the exchange's key prefix: its group's and its number
-        wait = dict(exchange=exchange, group=self.group_name, what=what)
         posted, next_read = False, 0.0
         try:
             while not store.check(keys):
                 now = time.monotonic()
                 if now >= next_read:
                     missing = [r for r in range(self.size) if not store.check([keys[r]])]
-                    if not posted:
-                        _post(store, me, dict(wait, missing={str(self._global[r]): r for r in missing}))
-                        posted = True
+                    present = [k for r, k in enumerate(keys) if r not in missing]
+                    self._raise_if_poisoned(present, store.multi_get(present) if present else [], what)
+                    sole = sole_caller()
+                    _post(store, me, dict(exchange=exchange, group=self.group_name, what=what, sole=sole,
+                                          missing={str(self._global[r]): r for r in missing}))
+                    posted = True
                     posts = {self._global[r]: _read_post(store, self._global[r]) for r in missing}
                     for rank, post in posts.items():
-                        if _waits_for_me(store, post, me, exchange):
-                            # kept after raising: the other rank reads it should it not have found the cycle yet
-                            posted = False
-                            _post(store, me, dict(wait, deadlock=dict(rank=rank, exchange=post["exchange"])))
-                            raise self.failed(
-                                f"{self.label}: rank {self.rank} of {self.size} (global rank {me}) waits for global "
-                                f"rank {rank} in {what} on process group {self.group_name!r}, while rank {rank} "
-                                f"waits for this rank in {post.get('what')} on process group {post.get('group')!r}: "
-                                "the ranks made different calls (on different process groups, or in different "
-                                "orders), which would wait for each other until the timeout", waiting=True)
+                        if sole and _waits_for(store, post, me, exchange):
+                            message = (f"{self.label}: rank {self.rank} of {self.size} (global rank {me}) waits for "
+                                       f"global rank {rank} in {what} on process group {self.group_name!r}, while "
+                                       f"rank {rank} waits for this rank in {post.get('what')} on process group "
+                                       f"{post.get('group')!r}: the ranks made different calls (on different "
+                                       "process groups, or in different orders), which would wait for each other "
+                                       "until the timeout")
+                            with contextlib.suppress(Exception):  # (best effort: its own poll finds the cycle too)
+                                store.set(f"{post['exchange']}/{post['missing'][str(me)]}", _POISON + message)
+                            raise self.failed(message, waiting=True)
                     next_read = now + _READ_POSTS_EVERY
                 if now >= deadline:
                     notes = "; ".join(f"global rank {rank} {_describe_post(post)}" for rank, post in posts.items())
@@ -637,6 +647,15 @@ class Transport:
         finally:
             if posted:
                 _unpost(store, me)
+
+    def _raise_if_poisoned(self, keys: list, values: list, what: str) -> None:
+        """Raises (GroupBroken, naming it) when one of the rows read (``values`` of ``keys``) is a rank's failure
+        (:meth:`failed`)."""
+        for key, value in zip(keys, values):
+            r, text = int(key.rsplit("/", 1)[1]), bytes(value).decode()
+            if text.startswith(_POISON):  # rank r's exchange on the group failed (Transport.failed)
+                self.failed(text[len(_POISON):], f"rank {r} of the group")  # (recorded, and passed on)
+                self.usable(what)  # (raises GroupBroken naming it)
 
     @property
     def group_name(self) -> str:

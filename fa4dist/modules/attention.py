@@ -7,6 +7,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from ..context_parallel.comm import post_refusal
 from ..context_parallel.core import ContextParallel
 from ..context_parallel.plan import ShardPlan, make_plan
 from ..data.sharding import SingleRankPlan
@@ -79,11 +80,15 @@ class FA4ContextParallelAttention(nn.Module):
         super().__init__()
         if plan is not None and not isinstance(plan, (ShardPlan, SingleRankPlan)):  # as forward takes it
             raise TypeError(f"plan must be a ShardPlan (fa4dist.context_parallel.make_plan), got {type(plan).__name__}")
-        self.cp = ContextParallel(group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
-                                  strategy=strategy, causal=causal, window=window, softcap=softcap,
-                                  softmax_scale=softmax_scale,
-                                  deterministic=deterministic, backend=backend, ulysses_degree=ulysses_degree,
-                                  timeout=timeout, verify=verify, cp_invariant=cp_invariant)
+        try:
+            self.cp = ContextParallel(group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
+                                      strategy=strategy, causal=causal, window=window, softcap=softcap,
+                                      softmax_scale=softmax_scale,
+                                      deterministic=deterministic, backend=backend, ulysses_degree=ulysses_degree,
+                                      timeout=timeout, verify=verify, cp_invariant=cp_invariant)
+        except Exception as err:  # a rank alone in refusing (its environment, say): the others' timeout names it
+            post_refusal(f"{type(err).__name__}: {err}")
+            raise
         if plan is not None and plan.cp_size != self.cp.cp_size:  # forward would refuse it on every call
             raise ValueError(f"plan is for cp_size={plan.cp_size} but the module's group has {self.cp.cp_size} "
                              "rank(s) (make it with module.make_plan)")
