@@ -64,8 +64,9 @@ def collect_documents(
 
     Hidden directories, caches, egg-info and build outputs are skipped; files larger than ``max_file_bytes`` or not
     valid UTF-8 are skipped too.  The default root, when it is a git checkout, gives the files git tracks only, so
-    that the default data is a function of the commit: a bench's or a test's outputs (git-ignored or not yet added)
-    would otherwise change the text between two runs of one recipe."""
+    that a bench's or a test's outputs (git-ignored or not yet added) do not change the text between two runs of one
+    recipe; their contents are read from the working tree, so the default data is a function of the commit only
+    while the tracked files have no uncommitted edits."""
     if isinstance(roots, (str, os.PathLike)):  # one root (a string is not a sequence of roots)
         roots = [roots]
     if roots is not None:
@@ -196,7 +197,10 @@ def _token_ids(ids, index: int) -> torch.Tensor:
     if t.dim() != 1:
         raise ValueError(f"{name} must return a flat sequence of token ids, got shape {tuple(t.shape)}")
     check_integer_dtype(name, t)
-    return t.long()
+    t = t.long()
+    if bool((t < 0).any()):  # (-100, the labels' IGNORE, would silently drop the previous token's target)
+        raise ValueError(f"{name} must return token ids >= 0, got {int(t.min())}")
+    return t
 
 
 class PackedTokenStream:

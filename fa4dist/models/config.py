@@ -73,6 +73,8 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def get_config(name: str, **overrides) -> ModelConfig:
+    """The preset ``name`` with ``overrides`` (ModelConfig fields) replaced.  An override of None means not given
+    (the preset's value stays), as the recipes pass their unset options."""
     if not isinstance(name, str):  # a list was an unhashable-type TypeError from the dict lookup
         raise TypeError(f"model size must be a preset name (one of {sorted(PRESETS)}), got {type_name(name)}")
     try:

@@ -439,7 +439,22 @@ class FA4Llama(nn.Module):
             if chunk is not None and self.cp_size > 1 and chunk % Linear.ROW_BLOCK:
                 raise ValueError(f"invariant gradients need plans whose chunks are multiples of {Linear.ROW_BLOCK} "
                                  f"tokens (model.make_plan makes them), got chunk_size={chunk}")
+        expected = self._local_tokens(plan)
+        if expected is not None and tokens.shape[0] != expected:  # (the attention named its own q: never passed)
+            raise ValueError(f"tokens holds {tokens.shape[0]} tokens but the plan gives this rank {expected} (its "
+                             "shard: plan.shard of the stream, or fa4dist.data.shard_sample)")
         return tokens
+
+    def _local_tokens(self, plan):
+        """The number of tokens ``plan`` gives this rank (None: not a plan the model knows; the attention checks)."""
+        from fa4dist.context_parallel.plan import ShardPlan
+        from fa4dist.data.sharding import SingleRankPlan
+
+        if isinstance(plan, SingleRankPlan):
+            return plan.total
+        if isinstance(plan, ShardPlan) and plan.packed and plan.cp_size == self.cp_size:
+            return plan.local_len(self.cp_rank) if plan.cp_size > 1 else plan.total_len
+        return None
 
     def _refuse(self, error: Exception) -> None:
         """At cp > 1, raises ``error`` (this rank's refusal of its arguments) through the attention's agreement

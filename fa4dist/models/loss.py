@@ -208,7 +208,9 @@ def invariant_sum(terms: torch.Tensor, group=None, *, timeout: float = 300.0) ->
     Each finite term becomes the integer trunc(term * 2^s) and the integers add exactly, in any order; the sum is
     converted once.  2^s = 2^(61 - e) with n * max|term| < 2^e (n the terms and the maximum taken over the group:
     exact in any layout), so every partial sum stays below 2^62 and the result is within n * 2^(e - 61) of the exact
-    sum (fixed_point.power_of_two_scale; NaN if that bound is 2^187 or more).  Non-finite terms give what a float
+    sum (fixed_point.power_of_two_scale; NaN if that bound is 2^187 or more).  The scale is at most 2^126, so below
+    n * max|term| ~ 2^-65 (~3e-20) the bound is n * 2^-126 instead, absolute: such tiny terms lose their low bits,
+    and a term below 2^-126 (~1.2e-38) truncates to 0 (a float sum keeps it).  Non-finite terms give what a float
     sum in any order gives: NaN where a term is NaN or both infinities occur, else the infinity.  Two reductions
     (:func:`reduce_value`: a call that differs between ranks raises on every rank)."""
     if not isinstance(terms, torch.Tensor) or not terms.is_floating_point():

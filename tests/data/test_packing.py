@@ -286,3 +286,15 @@ def test_segments_from_doc_ids_of_a_cuda_tensor():
 
     cu = segments_from_doc_ids(torch.tensor([0, 0, 1, 1, 1, 4], device="cuda"))
     assert cu.device.type == "cuda" and cu.dtype == torch.int32 and cu.tolist() == [0, 2, 5, 6]
+
+
+def test_negative_token_ids_from_a_tokenizer_are_refused():
+    """-100 is the labels' IGNORE: a tokenizer id of -100 silently dropped the previous token's target."""
+    from fa4dist.data import PackedTokenStream
+
+    class Tokenizer:
+        def encode(self, text):
+            return [1, -100, 2, 3]
+
+    with pytest.raises(ValueError, match=r"tokenizer.encode\(documents\[0\]\) must return token ids >= 0, got -100"):
+        PackedTokenStream(["abc"], 4, tokenizer=Tokenizer()).window(0)

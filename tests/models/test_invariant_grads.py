@@ -71,7 +71,7 @@ def _misaligned(rank, world):
     model = FA4Llama(get_config("tiny"), GROUPS[2], cp_invariant=True, backend="reference")
     model.set_invariant_grads(True, GROUPS[2])
     cu = torch.tensor([0, 700], dtype=torch.int32)
-    plan = make_plan(cu, 2)  # 4 chunks of 175 tokens
+    plan = make_plan(cu, 2)  # 16 chunks of 44 tokens
     aligned = model.make_plan(cu)
     try:
         model(torch.zeros(350, dtype=torch.long), torch.arange(350), plan)

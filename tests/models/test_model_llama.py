@@ -525,3 +525,12 @@ def test_a_token_count_is_one_document_at_every_cp_size():
     assert model.make_plan(16).cu_seqlens.tolist() == [0, 16]
     for err in shared_pool(4).run(_token_count_plans)[:2]:
         assert isinstance(err, float) and err < 1e-12, err
+
+
+def test_tokens_of_another_count_than_the_plan_gives_are_named():
+    """The attention's own check named q, an argument the model's caller never passed."""
+    from fa4dist.data import SingleRankPlan
+
+    model = FA4Llama(get_config("tiny"))
+    with pytest.raises(ValueError, match="tokens holds 6 tokens but the plan gives this rank 8"):
+        model(torch.zeros(6, dtype=torch.long), torch.arange(6), SingleRankPlan(torch.tensor([0, 8])))
