@@ -13,6 +13,9 @@ Every wait is bounded by the transport's timeout (on NCCL the wait is a stream d
 own timeout applies); a failure raises :class:`CommError` naming the operation, the peer and the timeout.  After
 one, the group is out of step for fa4dist: this rank refuses its later calls on it at once (:class:`GroupBroken`),
 and so do the other ranks from their next agreement check on it (the failure is posted as this rank's row there).
+A store exchange's wait that outlasts a quarter of the timeout (at most 10 s) is posted and polls: two ranks that
+wait for each other in different exchanges (calls on different process groups, or in other orders) fail then,
+naming both waits, instead of at the timeout (:meth:`Transport._wait_for_rows`).
 """
 
 from __future__ import annotations
