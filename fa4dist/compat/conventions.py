@@ -20,14 +20,15 @@ import fa4dist
 
 
 def _not_asked(value) -> bool:
-    """None, False, or a number equal to 0 (a Python, numpy or one-element tensor scalar): an option's default."""
+    """None, False, or a number equal to 0 (a Python, numpy or 0-dim tensor scalar): an option's default.  A tensor
+    of one or more dimensions is an option's value whatever it holds (a (1, 1) block table of block 0 is a page)."""
     if value is None or value is False:
         return True
     if isinstance(value, bool):
         return False
     if isinstance(value, numbers.Number):
         return value == 0
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
         return bool(value.detach().cpu() == 0)
     return False
 

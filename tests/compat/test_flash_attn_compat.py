@@ -219,6 +219,10 @@ def test_packed_layouts_and_default_values_are_checked_by_name():
     q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
     for zero in (np.float32(0.0), torch.tensor(0.0)):
         torch.testing.assert_close(fa2.flash_attn_func(q, q, q, dropout_p=zero), fa2.flash_attn_func(q, q, q))
+    with pytest.raises(NotImplementedError, match="block_table"):  # a (1, 1) table of block 0 is a page, not a zero
+        fa2.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 4], dtype=torch.int32),
+                                   torch.tensor([0, 4], dtype=torch.int32), 4, 4,
+                                   block_table=torch.zeros(1, 1, dtype=torch.int32))
 
 
 def test_sdpa_refuses_nested_tensors_and_a_zero_scale_by_its_own_names():
