@@ -38,7 +38,7 @@ import torch
 from .api import attention_backward, attention_forward
 from .mask import Mask, is_int, visible_pairs
 from .problem import (EAGER_ONLY, OFFSET_LIMIT, AttentionProblem, accum_dtype, check_bool, check_buffer,
-                      check_optional_bool, check_window, check_written, validate_inputs)
+                      check_optional_bool, check_window, check_written, type_name, validate_inputs)
 from .registry import select_backend
 
 
@@ -74,18 +74,18 @@ _INT_FIELDS = ("q_start", "q_len", "k_start", "k_len", "q_offset", "k_offset")
 
 def _check_items(items: Sequence[WorkItem], total_q: int, total_k: int) -> tuple[WorkItem, ...]:
     if not isinstance(items, (list, tuple)):
-        raise TypeError(f"items must be a list or tuple of WorkItem, got {type(items).__name__}")
+        raise TypeError(f"items must be a list or tuple of WorkItem, got {type_name(items)}")
     for i, item in enumerate(items):
         if not isinstance(item, WorkItem):
-            raise TypeError(f"items[{i}] must be a WorkItem, got {type(item).__name__}")
+            raise TypeError(f"items[{i}] must be a WorkItem, got {type_name(item)}")
         for name in _INT_FIELDS:
             value = getattr(item, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"items[{i}].{name} must be an int, got {type(value).__name__}")
+                raise TypeError(f"items[{i}].{name} must be an int, got {type_name(value)}")
             if name.endswith("offset") and not -OFFSET_LIMIT <= value < OFFSET_LIMIT:
                 raise ValueError(f"items[{i}].{name} must be a token position in [-2**62, 2**62), got {value}")
         if not isinstance(item.causal, bool):
-            raise TypeError(f"items[{i}].causal must be a bool, got {type(item.causal).__name__}")
+            raise TypeError(f"items[{i}].causal must be a bool, got {type_name(item.causal)}")
         try:
             check_window(item.window)
         except (TypeError, ValueError) as err:
