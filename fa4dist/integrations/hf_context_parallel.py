@@ -464,11 +464,18 @@ class ContextParallelHandle:
         return make_plan(cu_seqlens, self.cp_size, self.balancer, self.num_chunks, causal=True,
                          window=self.plan_window, ulysses_degree=core.cp.plan_ulysses_degree())
 
+    def _check_enabled(self, what: str) -> None:
+        """Refuses ``what`` on a disabled handle: the model attends with its own attention again, which ignores a
+        local batch's plan, so each rank would attend within its shard only (a loss about 2e-3 off, no error)."""
+        if not self.enabled:
+            raise RuntimeError(f"{what}: this context-parallel handle was disabled (the model attends with its own "
+                               "attention again, within each rank's shard only); run the forward and the loss of a "
+                               "sharded batch while the handle is enabled")
+
     def shard_batch(self, batch) -> dict:
         """This rank's part of a packed batch (``input_ids``, optional ``labels`` and ``position_ids``, (1, T)):
         a dict ``model(**local)`` accepts.  See the module docstring."""
-        if not self.enabled:
-            raise RuntimeError("this context-parallel handle was disabled")
+        self._check_enabled("shard_batch")
         checked = self.check_batch and self.cp_size > 1
         try:
             ids, positions, shifted, plan = self._checked_batch(batch)
@@ -578,6 +585,7 @@ class ContextParallelHandle:
         arguments are checked inside the loss's exchange: a rank that refuses them makes every cp rank raise (the
         others naming it), within the handle's ``timeout``."""
         def operands():
+            self._check_enabled("handle.loss")
             labels = local_labels(local)
             flat = logits
             if isinstance(flat, torch.Tensor) and flat.dim() == 3:

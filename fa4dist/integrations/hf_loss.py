@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fa4dist.context_parallel.comm import post_refusal
 from fa4dist.data.packing import IGNORE
 from fa4dist.kernels.problem import check_int, check_softcap
 from fa4dist.models.loss import label_counts
@@ -193,6 +194,11 @@ class TiledCausalLMLoss(nn.Module):
         """The rank's loss share.  The labels are checked inside the loss's exchange (its timeout: the handle's), so
         a rank whose batch has none makes every cp rank raise, the others naming it; a rank whose batch has no plan
         fails in its first attention call, whose agreement check makes the others fail with it."""
+        try:
+            self.handle._check_enabled("TiledCausalLMLoss")
+        except RuntimeError as err:  # (before the forward: a rank alone here leaves the others to their timeout)
+            post_refusal(f"RuntimeError: {err}")
+            raise
         inputs = {k: v for k, v in local.items() if k != LABELS_KEY}
         hidden = decoder_of(self.model)(**inputs).last_hidden_state
         head = self.model.get_output_embeddings()

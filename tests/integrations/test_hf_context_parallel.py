@@ -596,6 +596,14 @@ def test_disable_restores_the_models_own_attention():
     torch.testing.assert_close(ours, want, rtol=1e-10, atol=1e-12)  # cp = 1: the whole batch
     with pytest.raises(RuntimeError, match="disabled"):
         handle.shard_batch(batch)
+    # a batch sharded while it was enabled: the model's own attention ignores its plan (at cp > 1 each rank would
+    # attend within its shard only, a loss ~2e-3 off), so the losses refuse it instead of taking those logits
+    with torch.no_grad():
+        stale = model(**local).logits
+    with pytest.raises(RuntimeError, match="handle.loss: this context-parallel handle was disabled"):
+        handle.loss(stale, local)
+    with pytest.raises(RuntimeError, match="TiledCausalLMLoss: this context-parallel handle was disabled"):
+        TiledCausalLMLoss(model, handle)(local)
     handle.disable()  # idempotent
 
 
