@@ -414,25 +414,25 @@ def _refuse_documents_behind_a_cache(info: FA4MaskInfo, pos: torch.Tensor, resta
     before it (a position below the query's distance from the row's first real token: an earlier position did not
     continue by one).  A position above that distance (positions that count cache slots, left padding included)
     is read as the row's one document."""
-    origins = info.origins or [0] * info.batch_size
-    real_keys = [[] for _ in range(info.batch_size)]
+    device = pos.device
+    origins = torch.tensor(info.origins or [0] * info.batch_size, device=device)[:, None]
+    key_real = torch.zeros(info.batch_size, info.kv_length + 1, dtype=torch.bool, device=device)  # (+1: no key)
     for b, _, _, ks, ke in info.segments:
-        real_keys[b].append((ks, ke))
-    positions, starts = pos.tolist(), restart.tolist()
-    for b in range(info.batch_size):
-        previous_real = False
-        for i in range(info.q_length):
-            cache_position = info.q_offset + i
-            own_key = cache_position - info.kv_offset
-            real = cache_position >= origins[b] and any(ks <= own_key < ke for ks, ke in real_keys[b])
-            if real and ((previous_real and starts[b][i]) or positions[b][i] < cache_position - origins[b]):
-                raise UnsupportedMask(
-                    f"row {b}: query {i} (cache position {cache_position}, position_ids {positions[b][i]}) is in a "
-                    f"packed document that starts after the row's first real token (cache position {origins[b]}); "
-                    "after a KV cache offset fa4dist cannot tell which cached keys share its document (their "
-                    "position_ids are not in this call). Run packed rows without a cache offset (use_cache=False, "
-                    "or prefill into an empty cache in one call), or generate with one document per row")
-            previous_real = real
+        key_real[b, ks:ke] = True
+    cache_position = info.q_offset + torch.arange(info.q_length, device=device)
+    own_key = (cache_position - info.kv_offset).clamp(-1, info.kv_length)
+    own_key = torch.where(own_key < 0, info.kv_length, own_key)  # (outside the keys: the column that is never real)
+    real = (cache_position[None] >= origins) & key_real[:, own_key]  # a real query: its own key is a real one
+    previous_real = torch.cat([torch.zeros_like(real[:, :1]), real[:, :-1]], dim=1)
+    started = real & ((previous_real & restart) | (pos < cache_position[None] - origins))
+    if bool(started.any()):  # (one host read per forward: the layers share the result)
+        b, i = (int(x) for x in torch.nonzero(started)[0])
+        raise UnsupportedMask(
+            f"row {b}: query {i} (cache position {info.q_offset + i}, position_ids {int(pos[b, i])}) is in a packed "
+            f"document that starts after the row's first real token (cache position {int(origins[b])}); after a KV "
+            "cache offset fa4dist cannot tell which cached keys share its document (their position_ids are not in "
+            "this call). Run packed rows without a cache offset (use_cache=False, or prefill into an empty cache in "
+            "one call), or generate with one document per row")
 
 
 def _probe_pairs(layout: _Layout, batch, q_length, kv_length, device):
