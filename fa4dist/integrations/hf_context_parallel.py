@@ -21,7 +21,9 @@ How it works:
 
 - The handle registers an attention function (and a mask function) with transformers under a name of its own
   and switches the model to it (``model.set_attn_implementation``); ``disable()`` (or leaving the ``with``) puts
-  back the model's previous attention.
+  back the model's previous attention.  The switch is on the config object, so a second model built on the same
+  config (``Model(model.config)``) would be switched too: its layers are refused naming the shared config (build
+  each model from its own ``copy.deepcopy(config)``).
 - ``shard_batch`` takes what ``DataCollatorWithFlattening`` makes (``input_ids``, ``labels``, ``position_ids`` of
   shape (1, T); documents start where ``position_ids`` do not continue the one before by one, a gap included:
   transformers' own rule, and the single-process attention's, :func:`fa4dist.integrations.hf.document_starts`; or at
@@ -59,6 +61,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -80,6 +83,11 @@ CHUNK_PLAN_KEY = "fa4dist_cp_chunk_plan"  # the plan of chunked attention layers
 LABELS_KEY = "shift_labels"  # transformers' own name for labels that are already shifted
 CACHE_KEY = "fa4dist_cp_cache"  # set by the handle's model hook when a forward with a plan asks for a KV cache
 _HANDLES: dict[str, "ContextParallelHandle"] = {}
+# why a model's layers can reach a handle that is not theirs: transformers picks the attention by the config
+_NOT_THIS_MODEL = ("transformers picks attention through the model's config, and this model shares that config object "
+                   "with the enabled model (or was copied from it while enabled), so it was switched too; give each "
+                   "model its own config (build it from copy.deepcopy(config)) and enable context parallelism on "
+                   "the model that should run it")
 _NAMES = itertools.count()
 _CHECKSUM_SEED = 0x9E3779B1
 
@@ -225,6 +233,9 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     if handle is None:
         raise RuntimeError(f"the context-parallel attention {name!r} was disabled; set the model's attention back "
                            "(handle.disable() does) or enable_context_parallel again")
+    if module not in handle.layers:
+        raise RuntimeError(f"an attention layer of a model context parallelism was not enabled on called "
+                           f"{name!r}: {_NOT_THIS_MODEL}")
     plan = kwargs.get(PLAN_KEY)
     warn_no_attention_weights(kwargs, "fa4dist context-parallel attention")
     window, sinks, refused, tune = NO_WINDOW, None, None, False
@@ -326,8 +337,12 @@ class ContextParallelHandle:
         if problems:
             raise UnsupportedMask(f"{type(model).__name__} cannot run with fa4dist context parallelism: "
                                   + "; ".join(problems))
-        if getattr(model.config, "_attn_implementation", None) in _HANDLES:
+        owner = _HANDLES.get(getattr(model.config, "_attn_implementation", None))
+        if owner is not None and owner.model is model:
             raise ValueError("context parallelism is already enabled on this model; disable() that handle first")
+        if owner is not None:
+            raise ValueError(f"context parallelism is enabled on another model ({owner.name!r}), not on this one: "
+                             f"{_NOT_THIS_MODEL}")
         if group is not None and mesh is not None:
             raise ValueError("pass either group (a process group) or mesh (a DeviceMesh), not both")
         check_bool("check_batch", check_batch)  # "no" would be truthy
@@ -341,6 +356,7 @@ class ContextParallelHandle:
                     "would run alone; call torch.distributed.init_process_group() first (the cp group is then the "
                     "whole world), or pass group= or mesh=")
         self.model, self.balancer, self.num_chunks, self.check_batch = model, balancer, num_chunks, check_batch
+        self.layers = weakref.WeakSet(model.modules())  # the layers this handle's attention serves
         self._options = dict(group=group, mesh=mesh, strategy=strategy, backend=backend,
                              deterministic=deterministic, timeout=timeout, cp_invariant=cp_invariant)
         self._cores: dict = {}

@@ -662,6 +662,27 @@ def test_unsupported_models_and_options_are_refused():
             handle.shard_batch(padded)
 
 
+def test_a_model_sharing_the_enabled_models_config_is_told_so():
+    """transformers switches attention through the config object: a second model built on the same config (a
+    policy and its reference model, say) or a copy made while enabled reaches the handle; it is refused naming the
+    shared config, not sent to the plan checks as if it were the enabled model."""
+    import copy
+
+    model = tiny_model("llama")
+    other = type(model)(model.config).double()  # the same config object
+    batch = packed_batch()
+    with enable_context_parallel(model) as handle:
+        copied = copy.deepcopy(model)
+        for stranger in (other, copied):
+            with pytest.raises(RuntimeError, match="shares that config object"):
+                stranger(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+        with pytest.raises(ValueError, match="enabled on another model .*shares that config object"):
+            enable_context_parallel(other)
+        out = model(**handle.shard_batch(batch))  # the enabled model itself runs as before
+        assert torch.isfinite(out.logits).all()
+    assert torch.isfinite(other(input_ids=batch["input_ids"], use_cache=False).logits).all()
+
+
 @pytest.mark.parametrize("change, error, message", [
     # each was an AttributeError deep in shard_batch ('list' object has no attribute 'shape' / 'new_full')
     (lambda b: dict(b, labels=b["labels"].tolist()), TypeError,
