@@ -21,9 +21,10 @@ How it works:
 
 - The handle registers an attention function (and a mask function) with transformers under a name of its own
   and switches the model to it (``model.set_attn_implementation``); ``disable()`` (or leaving the ``with``) puts
-  back the model's previous attention.  The switch is on the config object, so a second model built on the same
-  config (``Model(model.config)``) would be switched too: its layers are refused naming the shared config (build
-  each model from its own ``copy.deepcopy(config)``).
+  back the model's previous attention (a hook left on the decoder refuses a sharded batch from then on: the
+  model's own attention would attend within the shard).  The switch is on the config object, so a second model
+  built on the same config (``Model(model.config)``) is switched too: a sharded batch runs through the handle, an
+  unsharded one is refused naming the shared config (build each model from its own ``copy.deepcopy(config)``).
 - ``shard_batch`` takes what ``DataCollatorWithFlattening`` makes (``input_ids``, ``labels``, ``position_ids`` of
   shape (1, T); documents start where ``position_ids`` do not continue the one before by one, a gap included:
   transformers' own rule, and the single-process attention's, :func:`fa4dist.integrations.hf.document_starts`; or at
@@ -87,7 +88,7 @@ _HANDLES: dict[str, "ContextParallelHandle"] = {}
 _NOT_THIS_MODEL = ("transformers picks attention through the model's config, and this model shares that config object "
                    "with the enabled model (or was copied from it while enabled), so it was switched too; give each "
                    "model its own config (build it from copy.deepcopy(config)) and enable context parallelism on "
-                   "the model that should run it")
+                   "the model that should run it (a batch from handle.shard_batch does run through the handle)")
 _NAMES = itertools.count()
 _CHECKSUM_SEED = 0x9E3779B1
 
@@ -233,13 +234,13 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     if handle is None:
         raise RuntimeError(f"the context-parallel attention {name!r} was disabled; set the model's attention back "
                            "(handle.disable() does) or enable_context_parallel again")
-    if module not in handle.layers:
-        raise RuntimeError(f"an attention layer of a model context parallelism was not enabled on called "
-                           f"{name!r}: {_NOT_THIS_MODEL}")
     plan = kwargs.get(PLAN_KEY)
     warn_no_attention_weights(kwargs, "fa4dist context-parallel attention")
     window, sinks, refused, tune = NO_WINDOW, None, None, False
     try:  # this call's own checks: a refusal goes through the attention's agreement check (below)
+        if not isinstance(plan, ShardPlan) and module not in handle.layers:
+            raise ValueError(f"a model context parallelism was not enabled on ran {name!r} on a batch that was not "
+                             f"sharded: {_NOT_THIS_MODEL}")
         if not isinstance(plan, ShardPlan):
             raise ValueError(f"context-parallel attention needs the batch from handle.shard_batch(batch) (its "
                              f"{PLAN_KEY!r} entry); call model(**handle.shard_batch(batch))")
@@ -294,6 +295,21 @@ def _cache_hook(module, args, kwargs):
     elif kwargs.get("use_cache") or cache is not None:
         kwargs[CACHE_KEY] = True
     return args, kwargs
+
+
+def _sharded_batch_guard(module, args, kwargs):
+    """The decoder stack's forward pre-hook that outlives the handle (installed once per model): a local batch
+    (its plan among the kwargs) run while the model's config names no enabled handle (after
+    ``disable()``, say, outside the ``with`` block) is refused; the model's own attention would ignore the plan
+    and attend within this rank's shard only, and ``model(**local)`` would return shard-local logits and loss."""
+    if PLAN_KEY not in kwargs:
+        return None
+    if _HANDLES.get(getattr(getattr(module, "config", None), "_attn_implementation", None)) is None:
+        raise RuntimeError("this batch was sharded by a context-parallel handle (shard_batch), but the model is not "
+                           "running context-parallel attention now (the handle was disabled, e.g. the forward ran "
+                           "after its with block): its own attention would attend within this rank's shard only; "
+                           "run a sharded batch while the handle is enabled")
+    return None
 
 
 def _cache_hook_owner(model):
@@ -382,7 +398,11 @@ class ContextParallelHandle:
         _set_attn_implementation(model, self.name)
         # on the decoder stack, which the task heads call with the batch's kwargs (the plan among them), and which
         # TiledCausalLMLoss calls itself; for Llama 4 it is not the base model (that is the task head itself)
-        self._cache_hook = _cache_hook_owner(model).register_forward_pre_hook(_cache_hook, with_kwargs=True)
+        owner = _cache_hook_owner(model)
+        if not getattr(owner, "_fa4dist_sharded_batch_guard", False):  # once per model: it stays after disable()
+            owner.register_forward_pre_hook(_sharded_batch_guard, with_kwargs=True)
+            owner._fa4dist_sharded_batch_guard = True
+        self._cache_hook = owner.register_forward_pre_hook(_cache_hook, with_kwargs=True)
         self.temperature_tuned = tuple(temperature_tuned(model))  # applied by the attention (global indices)
         self._tuning = [module.attn_temperature_tuning for module in self.temperature_tuned]
         for module in self.temperature_tuned:

@@ -597,14 +597,18 @@ def test_disable_restores_the_models_own_attention():
     with pytest.raises(RuntimeError, match="disabled"):
         handle.shard_batch(batch)
     # a batch sharded while it was enabled: the model's own attention ignores its plan (at cp > 1 each rank would
-    # attend within its shard only, a loss ~2e-3 off), so the losses refuse it instead of taking those logits
-    with torch.no_grad():
-        stale = model(**local).logits
+    # attend within its shard only, a loss ~2e-3 off), so the model and the losses refuse it
+    with torch.no_grad(), pytest.raises(RuntimeError, match="sharded by a context-parallel handle"):
+        model(**local)
     with pytest.raises(RuntimeError, match="handle.loss: this context-parallel handle was disabled"):
-        handle.loss(stale, local)
+        handle.loss(ours, local)
     with pytest.raises(RuntimeError, match="TiledCausalLMLoss: this context-parallel handle was disabled"):
         TiledCausalLMLoss(model, handle)(local)
     handle.disable()  # idempotent
+    with enable_context_parallel(model) as again:  # enabled again: the guard (one per model) lets its batch through
+        assert torch.equal(model(**again.shard_batch(batch)).logits, ours)
+    guards = [hook for hook in decoder_of(model)._forward_pre_hooks.values() if hook.__name__ == "_sharded_batch_guard"]
+    assert len(guards) == 1
 
 
 def test_group_none_under_torchrun_without_a_process_group_is_refused(monkeypatch):
@@ -664,22 +668,19 @@ def test_unsupported_models_and_options_are_refused():
 
 def test_a_model_sharing_the_enabled_models_config_is_told_so():
     """transformers switches attention through the config object: a second model built on the same config (a
-    policy and its reference model, say) or a copy made while enabled reaches the handle; it is refused naming the
-    shared config, not sent to the plan checks as if it were the enabled model."""
-    import copy
-
+    policy and its reference model, say) reaches the handle too.  A sharded batch runs through it (as a copy made
+    while enabled does); an unsharded one is refused naming the shared config, not only asked for a sharded batch."""
     model = tiny_model("llama")
     other = type(model)(model.config).double()  # the same config object
+    other.load_state_dict(model.state_dict())
     batch = packed_batch()
     with enable_context_parallel(model) as handle:
-        copied = copy.deepcopy(model)
-        for stranger in (other, copied):
-            with pytest.raises(RuntimeError, match="shares that config object"):
-                stranger(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+        with pytest.raises(ValueError, match="shares that config object"):
+            other(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
         with pytest.raises(ValueError, match="enabled on another model .*shares that config object"):
             enable_context_parallel(other)
-        out = model(**handle.shard_batch(batch))  # the enabled model itself runs as before
-        assert torch.isfinite(out.logits).all()
+        local = handle.shard_batch(batch)
+        assert torch.equal(other(**local).logits, model(**local).logits)
     assert torch.isfinite(other(input_ids=batch["input_ids"], use_cache=False).logits).all()
 
 
