@@ -69,6 +69,17 @@ def row_items(sched: Schedule, member: int) -> list[WorkItem]:
             for row, n, _, pos, doc_start, doc_len in _pieces(sched, member)]
 
 
+def whole_items(sched: Schedule) -> list[WorkItem]:
+    """The whole sequence's rows against all keys of their document (in the gathered sequence): one item per
+    document, the items one device makes for it (invariant.single_device_items)."""
+    mask = dict(causal=sched.mask.causal, window=sched.mask.window)
+    plan = sched.plan
+    if not plan.packed:
+        return [WorkItem(0, plan.total_len, 0, plan.total_len, 0, 0, **mask)]
+    bounds = list(plan.cu_seqlens)
+    return [WorkItem(a, b - a, a, b - a, 0, 0, **mask) for a, b in zip(bounds, bounds[1:])]
+
+
 def key_calls(sched: Schedule, member: int) -> list[invariant.KeyCall]:
     """The backward's calls for the member's keys: all queries of a document (in the gathered sequence) against
     the canonical key tiles (in the gathered sequence) the member's pieces start or hold the tail of; dk/dv kept
@@ -145,13 +156,18 @@ def gather_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, o
     m = ring.index
     full_k = gather_members(sched, ring, k, sd, "the invariant backward's K")
     full_v = gather_members(sched, ring, v, sd, "the invariant backward's V")
-    # each query head's maxima are its key/value head's (taken before the expansion: fewer bytes, same values)
-    k_max, v_max = (fixed_point.head_absmax(t)[head_map.to(t.device)] for t in (full_k, full_v))
+    # each query head's bounds are its key/value head's (taken before the expansion: fewer bytes, same values), over
+    # the keys each row sees of its document, as one device takes them (invariant.single_device_backward)
+    rows = whole_items(sched)
+    (k_max, sees), (v_max, _) = (fixed_point.visible_key_bounds(t, rows, sched.plan.total_len)
+                                 for t in (full_k, full_v))
+    k_max, v_max = (t.index_select(-1, head_map.to(t.device)) for t in (k_max, v_max))
     full_k, full_v = _expand(full_k, head_map), _expand(full_v, head_map)
     full_q, full_do, full_out = (gather_members(sched, ring, t, sd, f"the invariant backward's {name}")
                                  for t, name in ((q, "Q"), (dout, "dO"), (out, "out")))
     full_lse = gather_members(sched, ring, lse, lse_sd, "the invariant backward's lse")
-    scale = fixed_point.dq_scale(full_do, full_out, k_max, v_max, check_softmax_scale(opts.softmax_scale, q.shape[-1]))
+    scale = fixed_point.dq_scale(full_do, full_out, k_max, v_max, check_softmax_scale(opts.softmax_scale, q.shape[-1]),
+                                 sees)
     acc = invariant.accum_dtype(q.dtype)
     dq_fixed = torch.zeros(full_q.shape, dtype=torch.int64, device=q.device)
     dk = torch.zeros(*k.shape[:-2], full_k.shape[-2], k.shape[-1], dtype=acc, device=k.device)

@@ -8,23 +8,28 @@ then add exactly in any order: the kernel's bulk adds, several launches, a sum o
 ``dq = sum * 2^-s``, rounded once.
 
 **The scale.**  With P summing to at most 1 over a row, |dP_ij| = |dO_i . V_j| <= d m_i Vmax and
-|D_i| = |dO_i . O_i| <= d m_i Omax_i, where m_i = max |dO_i|, Omax_i = max |O_i| and Kmax, Vmax are the largest
-finite |K|, |V| of the head over the whole sequence (a soft-cap's derivative is at most 1), so
+|D_i| = |dO_i . O_i| <= d m_i Omax_i, where m_i = max |dO_i|, Omax_i = max |O_i| and Kmax, Vmax bound the finite
+|K|, |V| of the head over the keys of the row's document (or sequence) from its first key through the last the row
+sees, each rounded up to a power of two (:func:`visible_key_bounds`; a soft-cap's derivative is at most 1), so
 
     |dq_i| <= softmax_scale * Kmax * d * m_i * (Vmax + Omax_i) =: bound_i,
 
 and so is the sum of |contribution| over the tiles (each tile's share of P is part of the same 1).  With
 bound_i < 2^e_i, s_i = 61 - e_i keeps |sum| below 2^62 (room for the rounding of 16-bit dS and of the tiles'
 fp32 sums) and resolves 2^-61 of the bound: far finer than fp32 for any row whose dq is not ~2^30 times smaller
-than its bound.  fp64 inputs get 53-bit accuracy only where |dq| is within ~2^8 of the bound: the bound takes the
-head's largest |K| and |V| over the whole sequence, so a row that never sees a key or value far larger than its
-own (or whose dq is small against its bound) keeps 2^-61 of the bound, not fp64's relative precision (a V token
-1e9 times the rest costs ~1e-8 absolute in rows of |dq| ~1 that never see it).  s_i is clamped to [-126, 126], so
-that 2^s_i is a normal fp32.  All inputs of the bound are maxima (exact in any order and layout) and the arithmetic
-is elementwise fp64, so every layout computes the same scales.  Non-finite values spread as in fp32 sums: a masked
-bad key or value contributes nothing (the kernels select it away, and the maxima skip it), a row that sees one has a
-non-finite out, and a row whose bound is not finite (a non-finite dO or out row), or is 2^187 or more (past what
-the clamped scale keeps in int64), gets a NaN scale, so its dq comes out NaN.
+than its bound.  Other sequences of a batch, other documents and keys after a row's last visible one (causal
+padding) do not enter its bound; keys of its document before a window's lower edge do.  fp64 inputs get 53-bit
+accuracy only where |dq| is within ~2^8 of the bound, so a row whose keys hold one far larger than the rest (or
+whose dq is small against its bound) keeps 2^-61 of the bound, not fp64's relative precision (a V token 1e9 times
+the rest costs ~1e-8 absolute in rows of |dq| ~1).  s_i is clamped to [-126, 126], so that 2^s_i is a normal fp32:
+a row whose bound is below 2^-65 (|dO| below ~1e-20 against unit K and V) resolves only 2^-126 absolute, so its dq
+loses bits from there down (1e-3 relative at |dO| ~1e-35 in fp32, 0 at subnormal dO), where the other modes keep
+fp32's.  All inputs of the bound are maxima and exponents (exact in any order and layout), the geometry is global
+and the arithmetic elementwise fp64, so every layout computes the same scales.  Non-finite values spread as in fp32
+sums: a masked bad key or value contributes nothing (the kernels select it away, and the maxima skip it), a row that
+sees one has a non-finite out, and a row whose bound is not finite (a non-finite dO or out row), or is 2^187 or
+more (past what the clamped scale keeps in int64), gets a NaN scale, so its dq comes out NaN; a row that sees no key
+gets a finite scale whatever its dO holds, so its dq is 0, as in the other modes.
 
 The caller must pass the forward's own out and lse (the bound relies on P summing to at most 1).
 """
@@ -82,14 +87,97 @@ def _row_kernel(t: torch.Tensor, finite_only: bool):
     return row_absmax(t, finite_only)
 
 
+# the exponent of a key vector with no non-zero finite entry: 2^_NO_KEY is 0 in fp64 (and below any real key's)
+_NO_KEY = -(1 << 20)
+_POSITION_CLAMP = 1 << 61  # position differences past this see every key or none of a call (int64-safe sums)
+
+
+def key_exponents(t: torch.Tensor) -> torch.Tensor:
+    """int64 (..., tokens, heads) of keys or values (..., tokens, heads, d): E with every finite |entry| of the
+    (token, head) vector below 2^E (frexp's exponent of its finite max, exact), ``_NO_KEY`` for a vector with no
+    non-zero finite entry."""
+    t = t.detach()
+    rows = _row_kernel(t, finite_only=True)
+    if rows is None:
+        finite = t.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        rows = torch.linalg.vector_norm(finite, ord=float("inf"), dim=-1)
+    rows = rows.double()
+    return torch.where(rows > 0, torch.frexp(rows).exponent.long(), torch.full_like(rows, _NO_KEY, dtype=torch.long))
+
+
+def visible_key_bounds(t: torch.Tensor, items, q_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row and key/value head, a power of two above every finite |entry| of ``t`` (keys or values,
+    (..., tokens, heads, d), dense (b, s, h, d) or packed (t, h, d)) over the keys of the row's item from the
+    item's first key through the row's last visible one, as fp64 (..., q_rows, heads) (0 where none is non-zero);
+    and whether each row sees a key at all, bool (q_rows,).  ``items``: the calls of a whole problem, each row in
+    at most one (``WorkItem``-like: q/k starts and lengths, offsets, causal, window), their key ranges disjoint
+    and in ascending order, as one device's items and the gather engine's documents are.
+
+    A row's bound so depends on its own document's keys up to the last it sees: not on other sequences of a batch
+    or other documents of a packed row, nor on padding after a causal row (keys before a window's lower edge do
+    count).  Exponents and maxima are exact and the geometry global, so every layout computes the same bounds."""
+    from .mask import Mask
+
+    exps = key_exponents(t)  # (..., tokens, heads)
+    device, token_dim, n_keys = exps.device, exps.dim() - 2, exps.shape[-2]
+    items = [it for it in items if it.q_len > 0]
+    bounds = torch.full((*exps.shape[:-2], q_rows, exps.shape[-1]), _NO_KEY, dtype=torch.long, device=device)
+    sees = torch.zeros(q_rows, dtype=torch.bool, device=device)
+    if not items or n_keys == 0:
+        return torch.ldexp(torch.ones((), dtype=torch.float64, device=device), bounds.double()), sees
+    # the running max from each item's first key: one cummax over segments kept apart by their number in the high
+    # bits (a later item's values are all above an earlier one's); keys outside every item add nothing
+    segment = torch.zeros(n_keys, dtype=torch.long)
+    inside = torch.zeros(n_keys, dtype=torch.bool)
+    for number, it in enumerate(items, start=1):
+        segment[it.k_start:it.k_start + it.k_len] = number
+        inside[it.k_start:it.k_start + it.k_len] = True
+    segment = segment.cummax(0).values.to(device)  # (keys between items stay in the item before)
+    shape = [1] * exps.dim()
+    shape[token_dim] = n_keys
+    low = torch.where(inside.to(device).view(shape), exps - _NO_KEY, 0)
+    running = (low + (segment.view(shape) << 32)).cummax(token_dim).values - (segment.view(shape) << 32) + _NO_KEY
+    # each row's last visible key: q_offset + i + band hi - k_offset, within the item's keys
+    lengths = torch.tensor([it.q_len for it in items])
+    item_of = torch.repeat_interleave(torch.arange(len(items)), lengths)
+    local = torch.arange(int(lengths.sum())) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+
+    def per_item(values):
+        return torch.tensor(values, dtype=torch.long)[item_of]
+
+    def clamp(x: int) -> int:
+        return max(-_POSITION_CLAMP, min(_POSITION_CLAMP, x))
+
+    bands = [Mask.canonical(it.causal, tuple(it.window)) for it in items]
+    delta = per_item([clamp(it.q_offset - it.k_offset) for it in items]) + local  # key index of the diagonal
+    k_len = per_item([it.k_len for it in items])
+    last = torch.minimum(delta + per_item([clamp(b.hi) if b.hi is not None else _POSITION_CLAMP for b in bands]),
+                         k_len - 1)
+    first = torch.maximum(delta + per_item([clamp(b.lo) if b.lo is not None else -_POSITION_CLAMP for b in bands]),
+                          torch.zeros_like(delta))
+    visible = (first <= last) & (last >= 0)
+    rows = (per_item([it.q_start for it in items]) + local).to(device)
+    keys = (per_item([it.k_start for it in items]) + last.clamp(min=0)).to(device)
+    picked = running.index_select(token_dim, keys)
+    picked = torch.where(visible.to(device).view([-1, 1]), picked, _NO_KEY)
+    bounds.index_copy_(token_dim, rows, picked)
+    sees[rows] = visible.to(device)
+    return torch.ldexp(torch.ones((), dtype=torch.float64, device=device), bounds.double()), sees
+
+
 def dq_scale(dout: torch.Tensor, out: torch.Tensor, k_absmax: torch.Tensor, v_absmax: torch.Tensor,
-             softmax_scale: float) -> torch.Tensor:
+             softmax_scale: float, sees_key: torch.Tensor = None) -> torch.Tensor:
     """The rows' scales 2^s (fp32, lse's layout: (b, h, s) for dense (b, s, h, d) input, (h, t) for packed
-    (t, h, d)); ``k_absmax`` / ``v_absmax``: :func:`head_absmax` of the keys and values each query head reads."""
+    (t, h, d)); ``k_absmax`` / ``v_absmax``: bounds of the keys and values each query head reads, per head
+    (:func:`head_absmax`) or per row and head (:func:`visible_key_bounds`, in dout's (..., tokens, heads)
+    layout); ``sees_key`` (tokens,): rows that see no key get a finite scale whatever their dO holds (their dq
+    is 0, as the other modes give)."""
     head_dim = dout.shape[-1]
     m = absmax(dout, -1)  # (..., heads)
     o_max = absmax(out, -1)
     bound = (float(softmax_scale) * head_dim) * k_absmax.to(m.device) * m * (v_absmax.to(m.device) + o_max)
+    if sees_key is not None:
+        bound = torch.where(sees_key.to(m.device).view(-1, 1), bound, 0.0)
     scale = power_of_two_scale(bound)
     return (scale.movedim(-1, 0) if dout.dim() == 3 else scale.movedim(-1, 1)).contiguous()
 

@@ -196,11 +196,12 @@ def single_device_backward(dout, q, k, v, out, lse, items: list[WorkItem], *, so
     group = q.shape[-2] // k.shape[-2]
     packed = q.dim() == 3
     seq_dim = 0 if packed else 1
-    # the maxima of the heads as they are (a query head's expanded copy has the same entries), then the expansion
-    k_max, v_max = (fixed_point.head_absmax(t).repeat_interleave(group) for t in (k, v))
+    # the bounds of the heads as they are (a query head's expanded copy has the same entries), then the expansion
+    (k_max, sees), (v_max, _) = (fixed_point.visible_key_bounds(t, items, q.shape[seq_dim]) for t in (k, v))
+    k_max, v_max = (t.repeat_interleave(group, dim=-1) for t in (k_max, v_max))
     k, v = expand_kv(k, group), expand_kv(v, group)
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
-    dq_scale = fixed_point.dq_scale(dout, out, k_max, v_max, scale)
+    dq_scale = fixed_point.dq_scale(dout, out, k_max, v_max, scale, sees)
     # GQA: dk / dv per query head in fp32 (summed over the group below, then rounded once), else in k's dtype
     grad_dtype = k.dtype if group == 1 else accum_dtype(q.dtype)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -195,3 +195,104 @@ def test_key_calls_cover_every_key_once_and_every_tile_dq_once(seed):
                 assert a <= it.k_start < b  # a caller adds the dq of the tiles that start in its keys
     assert kept == [1] * doc_len
     assert sorted(dq_tiles) == list(range(-(-doc_len // KEY_TILE)))
+
+
+def _brute_bounds(t, items, q_rows):
+    """Per row and head: 2^E above the largest finite |entry| over the item's keys from its first through the row's
+    last visible one (0 where all are zero), by the mask's own rule, and whether the row sees any key."""
+    from fa4dist.kernels.mask import Mask, visible
+
+    finite = t.double().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).abs().amax(-1)  # (..., keys, heads)
+    bounds = torch.zeros(*finite.shape[:-2], q_rows, finite.shape[-1], dtype=torch.float64)
+    sees = torch.zeros(q_rows, dtype=torch.bool)
+    for it in items:
+        q_pos = torch.arange(it.q_len) + it.q_offset
+        k_pos = torch.arange(it.k_len) + it.k_offset
+        vis = visible(q_pos, k_pos, Mask.canonical(it.causal, it.window))  # (q, k)
+        for i in range(it.q_len):
+            seen = vis[i].nonzero()
+            if seen.numel() == 0:
+                continue
+            sees[it.q_start + i] = True
+            keys = finite.narrow(-2, it.k_start, int(seen.max()) + 1).amax(-2)
+            exponent = torch.frexp(keys).exponent.double()
+            bounds.select(-2, it.q_start + i).copy_(torch.where(keys > 0, torch.ldexp(torch.ones(()), exponent), 0.0))
+    return bounds, sees
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_visible_key_bounds_follow_each_rows_document_and_mask(seed):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    window = rng.choice([(-1, -1), (-1, 0), (5, 0), (7, 3), (-1, 4)])
+    causal = rng.random() < 0.5
+    if rng.random() < 0.5:  # packed documents, a gap of keys no item covers between two of them
+        lengths = [rng.randint(0, 40) for _ in range(rng.randint(1, 4))]
+        items, start = [], 0
+        for n in lengths:
+            items.append(invariant.WorkItem(start, n, start, n, 0, 0, causal=causal, window=window))
+            start += n + rng.choice([0, 0, 3])
+        t = torch.randn(start + 2, 3, 8, generator=g)
+    else:  # a dense batch, the queries a suffix of the keys (offsets)
+        seqlen_k = rng.randint(1, 60)
+        seqlen_q = rng.randint(1, seqlen_k)
+        items = [invariant.WorkItem(0, seqlen_q, 0, seqlen_k, seqlen_k - seqlen_q + rng.randint(-3, 3), 0,
+                                    causal=causal, window=window)]
+        t = torch.randn(2, seqlen_k, 3, 8, generator=g)
+    t = t * torch.exp(4 * torch.randn(t.shape[:-1], generator=g)).unsqueeze(-1)  # maxima over many binades
+    t.view(-1)[::17] = float("nan")
+    t.view(-1)[::29] = 0.0
+    rows = max(it.q_start + it.q_len for it in items) + 1  # one row no item covers
+    got, sees = fixed_point.visible_key_bounds(t, items, rows)
+    want, want_sees = _brute_bounds(t, items, rows)
+    assert torch.equal(sees, want_sees)
+    assert torch.equal(got, want)
+
+
+def test_cp_invariant_dq_ignores_other_sequences_documents_and_padding_it_cannot_see():
+    """A row's scale comes from the keys it sees up to its last one: large finite K / V in another sequence of the
+    batch, another packed document or causal padding after it leave its dq's bits alone (they once shared one
+    bound per head, and 1e9 there truncated every other row's dq to 0)."""
+    import fa4dist
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(2, 96, 2, 16, generator=g) for _ in range(4))
+
+    def dq_of(q, k, v, dout, **kwargs):
+        q = q.clone().requires_grad_(True)
+        fa4dist.attention(q, k, v, causal=True, cp_invariant=True, backend="reference", **kwargs).backward(dout)
+        return q.grad
+
+    alone = dq_of(q[:1], k[:1], v[:1], dout[:1])
+    loud_k, loud_v = k.clone(), v.clone()
+    loud_k[1] *= 1e9
+    loud_v[1] *= 1e9
+    assert torch.equal(dq_of(q, loud_k, loud_v, dout)[:1], alone)  # a batch neighbour
+    cu = torch.tensor([0, 96, 192], dtype=torch.int32)
+    packed = [t.flatten(0, 1) for t in (q, loud_k, loud_v, dout)]
+    assert torch.equal(dq_of(*packed, cu_seqlens_q=cu, cu_seqlens_k=cu)[:96],
+                       alone[0])  # the next document
+    padded_k, padded_v = k[:1].clone(), v[:1].clone()
+    padded_k[:, 80:] = 1e12  # finite garbage in the last 16 keys, which rows 0..79 never see
+    padded_v[:, 80:] = -1e12
+    want = dq_of(q[:1], k[:1], v[:1], dout[:1])[:, :80]
+    assert torch.equal(dq_of(q[:1], padded_k, padded_v, dout[:1])[:, :80], want)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_cp_invariant_keyless_rows_get_zero_dq_whatever_their_output_gradient(bad):
+    """A row that sees no key has dq = 0 in every mode (its bound is 0 by the mask, not NaN from its dO)."""
+    import fa4dist
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(1, 12, 2, 8, generator=g) for _ in range(4))
+    dout[0, :4] = bad  # rows 0..3 see no key: the queries sit before every key
+    grads = []
+    for invariant_mode in (False, True):
+        leaf = q.clone().requires_grad_(True)
+        fa4dist.attention(leaf, k, v, causal=True, q_offset=0, k_offset=4, cp_invariant=invariant_mode,
+                          backend="reference").backward(dout)
+        grads.append(leaf.grad)
+    assert torch.equal(grads[1][0, :4], torch.zeros_like(grads[1][0, :4]))
+    assert torch.isfinite(grads[1]).all()
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
