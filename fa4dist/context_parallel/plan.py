@@ -43,7 +43,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..kernels.mask import Mask, visible_pairs
-from ..kernels.problem import check_cu_seqlens_values, check_int, check_integer_dtype, check_mask
+from ..kernels.problem import check_cu_seqlens_values, check_int, check_integer_dtype, check_mask, type_name
 
 BALANCERS = ("contiguous", "zigzag", "lpt")
 
@@ -345,10 +345,35 @@ _BALANCER_FNS = {"contiguous": _contiguous, "zigzag": _zigzag, "lpt": _lpt}
 
 
 class ShardPlan:
-    """Chunks of the global token stream and their assignment to cp ranks.  Build one with :func:`make_plan`."""
+    """Chunks of the global token stream and their assignment to cp ranks.  Build one with :func:`make_plan`; one
+    built directly (a balancer of your own, a plan rebuilt from ``describe()``) is checked alike: every chunk
+    owned by a rank of ``cp_size``, so that every token is computed."""
 
     def __init__(self, total_len: int, cu_seqlens: Optional[tuple[int, ...]], cp_size: int, num_chunks: int,
                  owner: Sequence[int], balancer: str, mask: Mask, ulysses_degree: int = 1, align: int = 1):
+        total_len = check_int("total_len", total_len, 0)
+        cp_size = check_int("cp_size", cp_size, 1)
+        num_chunks = check_int("num_chunks", num_chunks, 1)
+        ulysses_degree = check_int("ulysses_degree", ulysses_degree, 1)
+        align = check_int("align", align, 1)
+        if cp_size % ulysses_degree:
+            raise ValueError(f"ulysses_degree ({ulysses_degree}) must divide cp_size ({cp_size})")
+        if cu_seqlens is not None:
+            cu_seqlens = tuple(check_int("cu_seqlens entries", x) for x in cu_seqlens)
+            if len(cu_seqlens) < 2 or cu_seqlens[-1] != total_len:
+                raise ValueError(f"cu_seqlens must run from 0 to total_len ({total_len}), got {list(cu_seqlens)[:8]}")
+            check_cu_seqlens_values("cu_seqlens", cu_seqlens)
+        if not isinstance(balancer, str):
+            raise TypeError(f"balancer must be a str (its name), got {type_name(balancer)}")
+        if not isinstance(mask, Mask):
+            raise TypeError(f"mask must be a fa4dist.kernels.mask.Mask, got {type_name(mask)}")
+        owner = tuple(check_int("owner entries", r) for r in owner)
+        if len(owner) != num_chunks:
+            raise ValueError(f"owner must name one rank per chunk ({num_chunks}), got {len(owner)}")
+        stray = [(c, r) for c, r in enumerate(owner) if not 0 <= r < cp_size]
+        if stray:  # (their tokens would belong to no rank: never computed, no error)
+            raise ValueError(f"owner must name ranks in [0, {cp_size}) (cp_size), got chunk {stray[0][0]} -> rank "
+                             f"{stray[0][1]}")
         self.total_len = total_len
         self.cu_seqlens = cu_seqlens
         self.cp_size = cp_size

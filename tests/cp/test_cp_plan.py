@@ -582,3 +582,32 @@ def test_split_documents_keeps_the_shards_and_cuts_the_documents():
     for bad in (None, "50", [[1, 2], [3]]):  # (torch's own errors named no argument)
         with pytest.raises(TypeError, match="starts must be a 1-D tensor or sequence of token indices"):
             plan.split_documents(bad)
+
+
+def test_a_plan_built_directly_is_checked_like_make_plans():
+    """ShardPlan is public (a balancer of one's own, a plan rebuilt from describe()): an owner outside cp_size left
+    its chunk's tokens to no rank, computed by nobody with no error (0.28 off in the ring's output)."""
+    from fa4dist.context_parallel import ShardPlan
+    from fa4dist.kernels.mask import Mask
+
+    causal = Mask.canonical(True)
+    good = make_plan(10, 2, num_chunks=4)
+    rebuilt = ShardPlan(10, None, 2, 4, good.chunk_owner, "mine", causal)
+    assert rebuilt.assignment == good.assignment
+    cases = [
+        (dict(owner=[0, 1, 7, 1]), ValueError, r"owner must name ranks in \[0, 2\).*chunk 2 -> rank 7"),
+        (dict(owner=[-1, 0, 1, 1]), ValueError, r"chunk 0 -> rank -1"),
+        (dict(owner=[0, 1, 1]), ValueError, r"one rank per chunk \(4\), got 3"),
+        (dict(owner=[0, 1, 0.5, 1]), TypeError, "owner entries must be an int"),
+        (dict(ulysses_degree=3), ValueError, r"ulysses_degree \(3\) must divide cp_size \(2\)"),
+        (dict(cu_seqlens=(0, 4, 9)), ValueError, r"cu_seqlens must run from 0 to total_len \(10\)"),
+        (dict(cu_seqlens=(0, 6, 4, 10)), ValueError, "non-decreasing"),
+        (dict(mask=True), TypeError, "mask must be a fa4dist.kernels.mask.Mask"),
+        (dict(num_chunks=0, owner=[]), ValueError, "num_chunks must be >= 1"),
+    ]
+    for change, error, match in cases:
+        fields = dict(total_len=10, cu_seqlens=None, cp_size=2, num_chunks=4, owner=[0, 1, 0, 1], balancer="mine",
+                      mask=causal)
+        fields.update(change)
+        with pytest.raises(error, match=match):
+            ShardPlan(**fields)
