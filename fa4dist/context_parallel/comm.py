@@ -323,6 +323,17 @@ def post_refusal(message: str) -> None:
     _post(distributed_c10d._get_default_store(), dist.get_rank(), dict(refused=message[:500]))
 
 
+@contextlib.contextmanager
+def refusals_posted():
+    """Posts an exception raised inside (:func:`post_refusal`) before it propagates: for a rank's own checks outside
+    any exchange (a module's constructor, plan or shard), so that the ranks left waiting for it name it."""
+    try:
+        yield
+    except Exception as err:
+        post_refusal(f"{type(err).__name__}: {err}")
+        raise
+
+
 def member_size_rank(group, name: str = "group") -> tuple[int, int]:
     """(size, this process's rank) of a process group (None: the default group).  A group this process is not a
     member of is refused: ``torch.distributed.new_group`` gives non-members a placeholder whose size and rank are

@@ -7,7 +7,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ..context_parallel.comm import post_refusal
+from ..context_parallel.comm import refusals_posted
 from ..context_parallel.core import ContextParallel
 from ..context_parallel.plan import ShardPlan, make_plan
 from ..data.sharding import SingleRankPlan
@@ -80,15 +80,12 @@ class FA4ContextParallelAttention(nn.Module):
         super().__init__()
         if plan is not None and not isinstance(plan, (ShardPlan, SingleRankPlan)):  # as forward takes it
             raise TypeError(f"plan must be a ShardPlan (fa4dist.context_parallel.make_plan), got {type(plan).__name__}")
-        try:
+        with refusals_posted():  # a rank alone in refusing (its environment, say): the others' timeout names it
             self.cp = ContextParallel(group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
                                       strategy=strategy, causal=causal, window=window, softcap=softcap,
                                       softmax_scale=softmax_scale,
                                       deterministic=deterministic, backend=backend, ulysses_degree=ulysses_degree,
                                       timeout=timeout, verify=verify, cp_invariant=cp_invariant)
-        except Exception as err:  # a rank alone in refusing (its environment, say): the others' timeout names it
-            post_refusal(f"{type(err).__name__}: {err}")
-            raise
         if plan is not None and plan.cp_size != self.cp.cp_size:  # forward would refuse it on every call
             raise ValueError(f"plan is for cp_size={plan.cp_size} but the module's group has {self.cp.cp_size} "
                              "rank(s) (make it with module.make_plan)")
@@ -110,7 +107,12 @@ class FA4ContextParallelAttention(nn.Module):
         (``align``: chunk sizes a multiple of it, see :func:`fa4dist.context_parallel.make_plan`).  ``heads``:
         the (query, key/value) head counts forward will get; with ``strategy="auto"`` the plan is then balanced for
         the Ulysses degree auto will run (without it, for a ring: still correct, but a hybrid run's ring part may
-        be less balanced)."""
+        be less balanced).  A refusal here (of this rank's batch, say) is posted for the ranks it leaves waiting in
+        their next call, whose timeout then names it."""
+        with refusals_posted():
+            return self._make_plan(seqlen_or_cu_seqlens, balancer, num_chunks, align, heads)
+
+    def _make_plan(self, seqlen_or_cu_seqlens, balancer, num_chunks, align, heads) -> ShardPlan:
         if heads is not None:
             if not isinstance(heads, (tuple, list)) or len(heads) != 2:
                 raise TypeError(f"heads must be a pair (query heads, key/value heads), got {heads!r}")
@@ -130,19 +132,24 @@ class FA4ContextParallelAttention(nn.Module):
             single = " (fa4dist.data's SingleRankPlan is a plan for cp size 1 only)" if isinstance(
                 plan, SingleRankPlan) else ""
             raise TypeError(f"plan must be a ShardPlan (module.make_plan), got {type(plan).__name__}{single}")
+        if plan.cp_size != self.cp_size:  # (forward refuses it too; a shard under it would be another rank's part)
+            raise ValueError(f"plan is for cp_size={plan.cp_size} but the module's group has {self.cp_size} "
+                             "rank(s) (make it with module.make_plan)")
         return plan
 
     def shard(self, x: torch.Tensor, plan: Optional[ShardPlan] = None, seq_dim: Optional[int] = None) -> torch.Tensor:
         """This rank's tokens of a global tensor under `plan` (default: the module's); ``seq_dim`` defaults to 0
         for packed-document plans (and fa4dist.data's SingleRankPlan) and 1 for one sequence ((batch, seqlen, ...))."""
-        plan = self._plan(plan)
-        if seq_dim is None:
-            seq_dim = 0 if getattr(plan, "packed", True) else 1  # a SingleRankPlan's input is packed, as in forward
-        return plan.shard(x, seq_dim=seq_dim, rank=self.cp_rank)
+        with refusals_posted():  # (as make_plan)
+            plan = self._plan(plan)
+            if seq_dim is None:
+                seq_dim = 0 if getattr(plan, "packed", True) else 1  # a SingleRankPlan's input is packed, as forward's
+            return plan.shard(x, seq_dim=seq_dim, rank=self.cp_rank)
 
     def positions(self, plan: Optional[ShardPlan] = None) -> torch.Tensor:
         """int64 positions of this rank's tokens (within their document for packed plans): what RoPE needs."""
-        return self._plan(plan).positions(self.cp_rank)
+        with refusals_posted():  # (as make_plan)
+            return self._plan(plan).positions(self.cp_rank)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Optional[ShardPlan] = None,
                 sinks: Optional[torch.Tensor] = None, return_lse: bool = False):

@@ -740,6 +740,46 @@ def test_a_rank_that_refused_its_call_on_its_own_is_named_by_the_others_timeout(
         message, message
 
 
+def module_helper_refusal_case(rank, world, helper):
+    """Ranks 0 and 1 of a throw-away group (timeout 4 s): rank 1's module.make_plan / shard refuses its batch on its
+    own (another length) and it makes no call; rank 0 calls forward.  (error name, message) per rank."""
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    group = fresh_group([0, 1])
+    if rank > 1:
+        return None
+    module = FA4ContextParallelAttention(group, strategy="ring", backend="reference", timeout=4)
+    plan = module.make_plan(20)
+    if rank == 1:
+        if helper == "make_plan":
+            return _error(lambda: module.make_plan(torch.tensor([0, 12, 10], dtype=torch.int32)))
+        return _error(lambda: module.shard(torch.zeros(1, 21, 2, 8), plan))
+    return _error(lambda: module(*_inputs(plan, 0), plan=plan))
+
+
+@pytest.mark.parametrize("helper", ["make_plan", "shard"])
+def test_a_refusal_in_the_modules_plan_or_shard_is_named_by_the_waiting_ranks(pool, helper):
+    """module.make_plan / shard / positions check a rank's own batch without an exchange: they post the refusal, so
+    the ranks left waiting in their call name it when their timeout ends (they said "posted nothing" before)."""
+    results = pool.run(module_helper_refusal_case, helper=helper, timeout=60)
+    assert results[1][0] == "ValueError", results[1]
+    name, message = results[0][:2]
+    assert name == "CommError" and "global rank 1 refused a call on its own, before any exchange: ValueError" in \
+        message, message
+
+
+def test_the_modules_shard_and_positions_refuse_a_plan_for_another_cp_size():
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    module = FA4ContextParallelAttention(None, backend="reference")
+    wrong = make_plan(20, 2)
+    with pytest.raises(ValueError, match=r"plan is for cp_size=2 but the module's group has 1"):
+        module.shard(torch.zeros(1, 20, 2, 8), wrong)
+    with pytest.raises(ValueError, match=r"plan is for cp_size=2 but the module's group has 1"):
+        module.positions(wrong)
+
+
 def skipped_call_case(rank, world, skip):
     """Ranks 0 and 1 of a throw-away group (timeout 3 s) make forward call 1 and its backward; then rank 1 skips call
     2's forward ("forward") or its backward ("backward").  Rank 0: (the error of the call it waited in, the errors
