@@ -251,6 +251,10 @@ def _refusal(label: str, what: str, name: str, where: str, first: str) -> str:
             f"would find this failure's records there again).  The earlier failure: {first}")
 
 
+# what a timeout's message adds: the knob, for a rank that was only busy elsewhere for longer
+_TIMEOUT_HINT = (" A rank busy elsewhere for longer, e.g. saving a checkpoint alone, needs a larger timeout= (the "
+                 "module's, the call's, or enable_context_parallel's)")
+
 # the value a rank whose exchange on a group failed posts as its rows of the group's store exchanges that another
 # rank may still be waiting for or make next (Transport.failed), followed by the failure's message
 _POISON = "out of step:"
@@ -654,7 +658,7 @@ class Transport:
                     notes = "; ".join(f"global rank {rank} {_describe_post(post)}" for rank, post in posts.items())
                     raise self.failed(
                         f"{self.label}: rank {self.rank} of {self.size} failed waiting for {what} from all ranks of "
-                        f"its group (timeout {self.timeout:g}s; did every rank call it?): {err}"
+                        f"its group (timeout {self.timeout:g}s; did every rank call it?{_TIMEOUT_HINT})"
                         + (f" (what the missing ranks posted last: {notes})" if notes else ""), waiting=True
                     ) from err
                 time.sleep(_POLL)
@@ -690,5 +694,5 @@ class Transport:
         except RuntimeError as err:
             raise self.failed(
                 f"{self.label}: rank {self.rank} of {self.size} failed waiting for {what} from all ranks of its "
-                f"group (timeout {self.timeout:g}s; did every rank call it?): {err}"
+                f"group (timeout {self.timeout:g}s; did every rank call it?{_TIMEOUT_HINT}): {err}"
             ) from err

@@ -681,7 +681,8 @@ def absent_rank_case(rank, world, verify):
 
 @pytest.mark.parametrize("verify, pattern", [
     (True, "rank 0 of 2 failed waiting for the agreement check of forward call 1 from all ranks of its group "
-           "\\(timeout 2s; did every rank call it\\?\\)"),
+           "\\(timeout 2s; did every rank call it\\? A rank busy elsewhere for longer, e.g. saving a checkpoint alone, "
+           "needs a larger timeout= \\(the module's, the call's, or enable_context_parallel's\\)\\)"),
     (False, "rank 0 of 2 failed waiting for K/V of forward ring step 1 \\(send to rank 1, recv from rank 1; "
             "timeout 2s\\)"),
 ])
