@@ -15,8 +15,10 @@ _FRAME = 4096  # bytes of one rank's frame in the agreement check's exchange (Tr
 
 
 _FIELD_HINTS = {"module": " (which attention module was called: each rank numbers its modules on the group in the "
-                          "order it created them, so the ranks called different modules, or created them in "
-                          "different orders)",
+                          "order it created them, copy.deepcopy included, so the ranks called different modules, or "
+                          "created them in different orders; a module or model created or deep-copied on some "
+                          "ranks only shifts the numbers of every later one: make such copies on every rank, or "
+                          "copy a state_dict)",
                 "direction": " (a rank made a new forward call while others ran a backward: its loss did not "
                              "depend on every attention output the others' did, or it skipped a backward)"}
 

@@ -69,7 +69,9 @@ class FA4ContextParallelAttention(nn.Module):
 
     The calls on a process group pair up across ranks by order: make them from one thread at a time (a second
     thread's call raises at once).  A module on a process group is not picklable (``torch.save(model)``): save the
-    ``state_dict()``; ``copy.deepcopy`` shares the group.
+    ``state_dict()``; ``copy.deepcopy`` shares the group.  Ranks match their calls by module number (each rank
+    numbers its modules on a group in creation order, deep copies included): create and copy modules on every rank
+    alike; a copy made on one rank only (a snapshot, say) is a ``state_dict`` copy.
     """
 
     def __init__(self, group=None, *, mesh=None, ulysses_group=None, ring_group=None, strategy: str = "auto",
