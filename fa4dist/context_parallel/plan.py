@@ -641,7 +641,8 @@ class ShardPlan:
 
     def unshard(self, x_local, seq_dim: int = 1) -> torch.Tensor:
         """The global tensor from every rank's local part: a list of cp_size local tensors (in rank order), or
-        their concatenation along `seq_dim` (what an all-gather of the local parts gives)."""
+        their concatenation along `seq_dim`.  The local parts differ in length in general (``local_len(rank)``), so
+        ``dist.all_gather`` of them needs each padded to the longest and cut back, or a list gather."""
         if isinstance(x_local, torch.Tensor):
             seq_dim = self._check_seq(x_local, seq_dim, self.total_len, "the gathered tensor")
             sizes = [self.local_len(r) for r in range(self.cp_size)]
@@ -714,7 +715,8 @@ def make_plan(
     - ``balancer``: ``"lpt"`` (default), ``"zigzag"`` or ``"contiguous"``.
     - ``num_chunks``: a multiple of ``cp_size`` (every rank holds as many chunks); default ``2 * cp_size`` for one
       sequence (zigzag's count), ``8 * cp_size`` for packed documents (finer chunks let LPT balance a mix
-      dominated by one long document within ~1%); with ``align > 1``, for packed documents, 8 to 16 real chunks
+      dominated by one long document, mostly within 1%; where one chunk costs nearly a rank's share, more chunks,
+      e.g. ``16 * cp_size``, balance it: ``balance_report()`` shows it); with ``align > 1``, for packed documents, 8 to 16 real chunks
       per rank (:func:`_aligned_chunk_count`; for ``zigzag`` rounded up to two chunks per ring group and round).
     - ``causal``, ``window``: the mask the cost model assumes (use the attention's own; ``window=(left, right)`` as
       in :func:`fa4dist.kernels.attention_forward`).  With a window, ``balance_report()`` shows the ring steps it
