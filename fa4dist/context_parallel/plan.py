@@ -35,7 +35,6 @@ import hashlib
 import json
 import math
 import numbers
-import sys
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional, Sequence, Union
@@ -43,7 +42,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..kernels.mask import Mask, visible_pairs
-from ..kernels.problem import check_cu_seqlens_values, check_int, check_integer_dtype, check_mask, type_name
+from ..kernels.problem import (check_cu_seqlens_values, check_int, check_integer_dtype, check_mask, is_ndarray,
+                               type_name)
 
 BALANCERS = ("contiguous", "zigzag", "lpt")
 
@@ -164,11 +164,6 @@ class BalanceReport:
         return "\n".join(lines)
 
 
-def _is_ndarray(x) -> bool:
-    np = sys.modules.get("numpy")  # not imported: x is no NumPy array
-    return np is not None and isinstance(x, np.ndarray)
-
-
 def _documents(seqlen_or_cu_seqlens) -> tuple[int, Optional[tuple[int, ...]]]:
     """(total tokens, document boundaries or None for one dense sequence)."""
     if isinstance(seqlen_or_cu_seqlens, bool):
@@ -186,7 +181,7 @@ def _documents(seqlen_or_cu_seqlens) -> tuple[int, Optional[tuple[int, ...]]]:
         if t.dim() != 1:
             raise ValueError(f"cu_seqlens must be 1-D (documents + 1), got shape {tuple(t.shape)}")
         values = tuple(int(x) for x in t.tolist())
-    elif _is_ndarray(seqlen_or_cu_seqlens):  # as a tensor, as NumPy integers are taken as ints
+    elif is_ndarray(seqlen_or_cu_seqlens):  # as a tensor, as NumPy integers are taken as ints
         a = seqlen_or_cu_seqlens
         if a.dtype.kind not in "iu":
             raise TypeError(f"cu_seqlens must hold integers, got NumPy dtype {a.dtype}")
@@ -716,8 +711,9 @@ def make_plan(
     - ``num_chunks``: a multiple of ``cp_size`` (every rank holds as many chunks); default ``2 * cp_size`` for one
       sequence (zigzag's count), ``8 * cp_size`` for packed documents (finer chunks let LPT balance a mix
       dominated by one long document, mostly within 1%; where one chunk costs nearly a rank's share, more chunks,
-      e.g. ``16 * cp_size``, balance it: ``balance_report()`` shows it); with ``align > 1``, for packed documents, 8 to 16 real chunks
-      per rank (:func:`_aligned_chunk_count`; for ``zigzag`` rounded up to two chunks per ring group and round).
+      e.g. ``16 * cp_size``, balance it: ``balance_report()`` shows it); with ``align > 1``, for packed
+      documents, 8 to 16 real chunks per rank where the stream has that many aligned chunks
+      (:func:`_aligned_chunk_count`; for ``zigzag`` rounded up to two chunks per ring group and round).
     - ``causal``, ``window``: the mask the cost model assumes (use the attention's own; ``window=(left, right)`` as
       in :func:`fa4dist.kernels.attention_forward`).  With a window, ``balance_report()`` shows the ring steps it
       leaves; a ``contiguous`` plan keeps a member's window inside its neighbour's chunks (fewest transfers).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
@@ -314,15 +315,29 @@ def _offset_values(name: str, value: Offset, count: int) -> tuple[int, ...]:
             raise ValueError(f"{name} must be 0-D or 1-D (one entry per sequence/segment), got shape "
                              f"{tuple(value.shape)}")
         values = tuple(int(x) for x in value.tolist())
+    elif is_ndarray(value):  # as a tensor, as NumPy integers are taken as ints
+        if value.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers, got NumPy dtype {value.dtype}")
+        if value.ndim == 0:
+            return (int(value),) * count
+        if value.ndim != 1:
+            raise ValueError(f"{name} must be 0-D or 1-D (one entry per sequence/segment), got shape {value.shape}")
+        values = tuple(int(x) for x in value.tolist())
     elif isinstance(value, (list, tuple)):
         if not all(is_int(x) for x in value):
             raise TypeError(f"{name} must hold ints, got {value!r}")
         values = tuple(int(x) for x in value)
     else:
-        raise TypeError(f"{name} must be an int or a sequence/tensor of ints, got {type_name(value)}")
+        raise TypeError(f"{name} must be an int or a sequence / tensor / NumPy array of ints, got {type_name(value)}")
     if len(values) != count:
         raise ValueError(f"{name} must have one entry per sequence/segment ({count}), got {len(values)}")
     return values
+
+
+def is_ndarray(x) -> bool:
+    """Whether x is a NumPy array (without importing NumPy: not imported, x is none)."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(x, np.ndarray)
 
 
 def _is_real(value) -> bool:

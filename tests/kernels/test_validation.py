@@ -277,13 +277,17 @@ def test_numpy_integer_windows_and_offsets_are_taken_as_ints():
                     attention_backward(dout, q, k, v, *want, **as_ints)):
         assert torch.equal(a, b)
     assert torch.equal(fa4dist.attention(q, k, v, **as_numpy), want[0])
-    # still refused: NumPy's bool (not an integer), a float, and an array (a tensor of offsets is the array form)
+    # an integer array as a tensor of offsets is (as make_plan takes cu_seqlens arrays)
+    arrays = dict(as_ints, k_offset=np.array([2, 0], dtype=np.int32))
+    assert all(torch.equal(a, b) for a, b in zip(attention_forward(q, k, v, **arrays), want))
+    # still refused: NumPy's bool (not an integer), a float, an array of floats
     with pytest.raises(TypeError, match=r"window left must be an int >= -1 .*got np.True_"):
         attention_forward(q, k, v, window=(np.bool_(True), 0))
-    with pytest.raises(TypeError, match=r"k_offset must be an int or a sequence/tensor of ints, got numpy.float64$"):
+    with pytest.raises(TypeError, match=r"k_offset must be an int or a sequence / tensor / NumPy array of ints, got "
+                                        r"numpy.float64$"):
         attention_forward(q, k, v, causal=True, k_offset=np.float64(3))
-    with pytest.raises(TypeError, match=r"q_offset must be an int or a sequence/tensor of ints, got numpy.ndarray$"):
-        attention_forward(q, k, v, causal=True, q_offset=np.array([1, 2]))
+    with pytest.raises(TypeError, match=r"q_offset must hold integers, got NumPy dtype float64$"):
+        attention_forward(q, k, v, causal=True, q_offset=np.array([1.0, 2.0]))
     with pytest.raises(TypeError, match=r"q_offset must hold ints, got \[np.True_, 0\]"):
         attention_forward(q, k, v, causal=True, q_offset=[np.bool_(True), 0])
 
