@@ -249,18 +249,17 @@ def test_visible_key_bounds_follow_each_rows_document_and_mask(seed):
     assert torch.equal(got, want)
 
 
-def test_cp_invariant_dq_ignores_other_sequences_documents_and_padding_it_cannot_see():
-    """A row's scale comes from the keys it sees up to its last one: large finite K / V in another sequence of the
-    batch, another packed document or causal padding after it leave its dq's bits alone (they once shared one
-    bound per head, and 1e9 there truncated every other row's dq to 0)."""
+def check_dq_ignores_keys_it_cannot_see(device="cpu", dtype=torch.float32, head_dim=16, backend="reference"):
+    """cp_invariant dq of sequence 0 / document 0 / the first 80 rows: the same bytes with large finite K / V in the
+    batch's other sequence, the next document, or the last 16 (causal padding) keys (the GPU test runs it too)."""
     import fa4dist
 
     g = torch.Generator().manual_seed(7)
-    q, k, v, dout = (torch.randn(2, 96, 2, 16, generator=g) for _ in range(4))
+    q, k, v, dout = (torch.randn(2, 96, 2, head_dim, generator=g).to(device, dtype) for _ in range(4))
 
     def dq_of(q, k, v, dout, **kwargs):
         q = q.clone().requires_grad_(True)
-        fa4dist.attention(q, k, v, causal=True, cp_invariant=True, backend="reference", **kwargs).backward(dout)
+        fa4dist.attention(q, k, v, causal=True, cp_invariant=True, backend=backend, **kwargs).backward(dout)
         return q.grad
 
     alone = dq_of(q[:1], k[:1], v[:1], dout[:1])
@@ -268,15 +267,20 @@ def test_cp_invariant_dq_ignores_other_sequences_documents_and_padding_it_cannot
     loud_k[1] *= 1e9
     loud_v[1] *= 1e9
     assert torch.equal(dq_of(q, loud_k, loud_v, dout)[:1], alone)  # a batch neighbour
-    cu = torch.tensor([0, 96, 192], dtype=torch.int32)
+    cu = torch.tensor([0, 96, 192], dtype=torch.int32, device=device)
     packed = [t.flatten(0, 1) for t in (q, loud_k, loud_v, dout)]
-    assert torch.equal(dq_of(*packed, cu_seqlens_q=cu, cu_seqlens_k=cu)[:96],
-                       alone[0])  # the next document
+    assert torch.equal(dq_of(*packed, cu_seqlens_q=cu, cu_seqlens_k=cu)[:96], alone[0])  # the next document
     padded_k, padded_v = k[:1].clone(), v[:1].clone()
     padded_k[:, 80:] = 1e12  # finite garbage in the last 16 keys, which rows 0..79 never see
     padded_v[:, 80:] = -1e12
-    want = dq_of(q[:1], k[:1], v[:1], dout[:1])[:, :80]
-    assert torch.equal(dq_of(q[:1], padded_k, padded_v, dout[:1])[:, :80], want)
+    assert torch.equal(dq_of(q[:1], padded_k, padded_v, dout[:1])[:, :80], alone[:, :80])
+
+
+def test_cp_invariant_dq_ignores_other_sequences_documents_and_padding_it_cannot_see():
+    """A row's scale comes from the keys it sees up to its last one: large finite K / V in another sequence of the
+    batch, another packed document or causal padding after it leave its dq's bits alone (they once shared one
+    bound per head, and 1e9 there truncated every other row's dq to 0)."""
+    check_dq_ignores_keys_it_cannot_see()
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
