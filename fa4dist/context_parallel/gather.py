@@ -158,9 +158,7 @@ def gather_backward(sched: Schedule, ring: RingPeers, dout, q, k, v, out, lse, o
     full_v = gather_members(sched, ring, v, sd, "the invariant backward's V")
     # each query head's bounds are its key/value head's (taken before the expansion: fewer bytes, same values), over
     # the keys each row sees of its document, as one device takes them (invariant.single_device_backward)
-    rows = whole_items(sched)
-    (k_max, sees), (v_max, _) = (fixed_point.visible_key_bounds(t, rows, sched.plan.total_len)
-                                 for t in (full_k, full_v))
+    (k_max, v_max), sees = fixed_point.visible_key_bounds((full_k, full_v), whole_items(sched), sched.plan.total_len)
     k_max, v_max = (t.index_select(-1, head_map.to(t.device)) for t in (k_max, v_max))
     full_k, full_v = _expand(full_k, head_map), _expand(full_v, head_map)
     full_q, full_do, full_out = (gather_members(sched, ring, t, sd, f"the invariant backward's {name}")

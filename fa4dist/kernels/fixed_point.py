@@ -105,64 +105,75 @@ def key_exponents(t: torch.Tensor) -> torch.Tensor:
     return torch.where(rows > 0, torch.frexp(rows).exponent.long(), torch.full_like(rows, _NO_KEY, dtype=torch.long))
 
 
-def visible_key_bounds(t: torch.Tensor, items, q_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query row and key/value head, a power of two above every finite |entry| of ``t`` (keys or values,
-    (..., tokens, heads, d), dense (b, s, h, d) or packed (t, h, d)) over the keys of the row's item from the
-    item's first key through the row's last visible one, as fp64 (..., q_rows, heads) (0 where none is non-zero);
-    and whether each row sees a key at all, bool (q_rows,).  ``items``: the calls of a whole problem, each row in
-    at most one (``WorkItem``-like: q/k starts and lengths, offsets, causal, window), their key ranges disjoint
-    and in ascending order, as one device's items and the gather engine's documents are.
+def visible_key_bounds(tensors, items, q_rows: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per query row and key/value head, a power of two above every finite |entry| of each of ``tensors`` (keys and
+    values, (..., tokens, heads, d), dense (b, s, h, d) or packed (t, h, d), their token and head counts alike)
+    over the keys of the row's item from the item's first key through the row's last visible one, as fp64
+    (..., q_rows, heads) (0 where none is non-zero); and whether each row sees a key at all, bool (q_rows,).
+    ``items``: the calls of a whole problem, each row in at most one (``WorkItem``-like: q/k starts and lengths,
+    offsets, causal, window), their key ranges disjoint and in ascending order, as one device's items and the gather
+    engine's documents are.
 
     A row's bound so depends on its own document's keys up to the last it sees: not on other sequences of a batch
     or other documents of a packed row, nor on padding after a causal row (keys before a window's lower edge do
     count).  Exponents and maxima are exact and the geometry global, so every layout computes the same bounds."""
     from .mask import Mask
 
-    exps = key_exponents(t)  # (..., tokens, heads)
-    device, token_dim, n_keys = exps.device, exps.dim() - 2, exps.shape[-2]
+    # (n, ..., heads, tokens): the scans run along the contiguous last dim (an outer-dim cummax is ~50x slower)
+    exps = torch.stack([key_exponents(t) for t in tensors]).movedim(-2, -1).contiguous()
+    device, n_keys = exps.device, exps.shape[-1]
     items = [it for it in items if it.q_len > 0]
-    bounds = torch.full((*exps.shape[:-2], q_rows, exps.shape[-1]), _NO_KEY, dtype=torch.long, device=device)
+    bounds = torch.full((*exps.shape[:-1], q_rows), _NO_KEY, dtype=torch.long, device=device)
     sees = torch.zeros(q_rows, dtype=torch.bool, device=device)
-    if not items or n_keys == 0:
-        return torch.ldexp(torch.ones((), dtype=torch.float64, device=device), bounds.double()), sees
-    # the running max from each item's first key: one cummax over segments kept apart by their number in the high
-    # bits (a later item's values are all above an earlier one's); keys outside every item add nothing
-    segment = torch.zeros(n_keys, dtype=torch.long)
-    inside = torch.zeros(n_keys, dtype=torch.bool)
-    for number, it in enumerate(items, start=1):
-        segment[it.k_start:it.k_start + it.k_len] = number
-        inside[it.k_start:it.k_start + it.k_len] = True
-    segment = segment.cummax(0).values.to(device)  # (keys between items stay in the item before)
-    shape = [1] * exps.dim()
-    shape[token_dim] = n_keys
-    low = torch.where(inside.to(device).view(shape), exps - _NO_KEY, 0)
-    running = (low + (segment.view(shape) << 32)).cummax(token_dim).values - (segment.view(shape) << 32) + _NO_KEY
-    # each row's last visible key: q_offset + i + band hi - k_offset, within the item's keys
-    lengths = torch.tensor([it.q_len for it in items])
-    item_of = torch.repeat_interleave(torch.arange(len(items)), lengths)
-    local = torch.arange(int(lengths.sum())) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    one = torch.ones((), dtype=torch.float64, device=device)
+    if items and n_keys:
+        # the running max from each item's first key: one cummax over segments kept apart by their number in the
+        # high bits (a later item's values are all above an earlier one's); keys outside every item add nothing
+        segment = torch.zeros(n_keys, dtype=torch.long)
+        inside = torch.zeros(n_keys, dtype=torch.bool)
+        for number, it in enumerate(items, start=1):
+            segment[it.k_start:it.k_start + it.k_len] = number
+            inside[it.k_start:it.k_start + it.k_len] = True
+        high = segment.cummax(0).values << 32  # (keys between items stay in the item before)
+        # each row's last visible key: q_offset + i + band hi - k_offset, within the item's keys
+        lengths = torch.tensor([it.q_len for it in items])
+        item_of = torch.repeat_interleave(torch.arange(len(items)), lengths)
+        local = torch.arange(int(lengths.sum())) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
 
-    def per_item(values):
-        return torch.tensor(values, dtype=torch.long)[item_of]
+        def per_item(values):
+            return torch.tensor(values, dtype=torch.long)[item_of]
 
-    def clamp(x: int) -> int:
-        return max(-_POSITION_CLAMP, min(_POSITION_CLAMP, x))
+        def clamp(x: int) -> int:
+            return max(-_POSITION_CLAMP, min(_POSITION_CLAMP, x))
 
-    bands = [Mask.canonical(it.causal, tuple(it.window)) for it in items]
-    delta = per_item([clamp(it.q_offset - it.k_offset) for it in items]) + local  # key index of the diagonal
-    k_len = per_item([it.k_len for it in items])
-    last = torch.minimum(delta + per_item([clamp(b.hi) if b.hi is not None else _POSITION_CLAMP for b in bands]),
-                         k_len - 1)
-    first = torch.maximum(delta + per_item([clamp(b.lo) if b.lo is not None else -_POSITION_CLAMP for b in bands]),
-                          torch.zeros_like(delta))
-    visible = (first <= last) & (last >= 0)
-    rows = (per_item([it.q_start for it in items]) + local).to(device)
-    keys = (per_item([it.k_start for it in items]) + last.clamp(min=0)).to(device)
-    picked = running.index_select(token_dim, keys)
-    picked = torch.where(visible.to(device).view([-1, 1]), picked, _NO_KEY)
-    bounds.index_copy_(token_dim, rows, picked)
-    sees[rows] = visible.to(device)
-    return torch.ldexp(torch.ones((), dtype=torch.float64, device=device), bounds.double()), sees
+        bands = [Mask.canonical(it.causal, tuple(it.window)) for it in items]
+        delta = per_item([clamp(it.q_offset - it.k_offset) for it in items]) + local  # key index of the diagonal
+        last = torch.minimum(delta + per_item([clamp(b.hi) if b.hi is not None else _POSITION_CLAMP for b in bands]),
+                             per_item([it.k_len for it in items]) - 1)
+        first = torch.maximum(delta + per_item([clamp(b.lo) if b.lo is not None else -_POSITION_CLAMP
+                                                for b in bands]), torch.zeros_like(delta))
+        visible = (first <= last) & (last >= 0)
+        rows = per_item([it.q_start for it in items]) + local
+        keys = per_item([it.k_start for it in items]) + last.clamp(min=0)
+        high, inside, visible, rows, keys = _to_device((high, inside, visible, rows, keys), device)
+        low = torch.where(inside, exps - _NO_KEY, 0)
+        running = (low + high).cummax(-1).values - high + _NO_KEY
+        picked = torch.where(visible, running.index_select(-1, keys), _NO_KEY)
+        bounds.index_copy_(-1, rows, picked)
+        sees[rows] = visible
+    return list(torch.ldexp(one, bounds.double()).movedim(-1, -2).unbind(0)), sees
+
+
+def _to_device(parts, device) -> tuple:
+    """1-D host tensors (int64 or bool) on ``device`` in one pinned, asynchronous copy: a plain copy would wait for
+    the GPU's queued work (the backward's) and leave it idle while the host goes on."""
+    if device.type != "cuda":
+        return tuple(parts)
+    flat = torch.cat([p.long() for p in parts])
+    pinned = torch.empty(flat.shape, dtype=torch.long, pin_memory=True)
+    pinned.copy_(flat)
+    on_device = pinned.to(device, non_blocking=True).split([p.numel() for p in parts])
+    return tuple(d.bool() if p.dtype == torch.bool else d for d, p in zip(on_device, parts))
 
 
 def dq_scale(dout: torch.Tensor, out: torch.Tensor, k_absmax: torch.Tensor, v_absmax: torch.Tensor,

@@ -197,7 +197,7 @@ def single_device_backward(dout, q, k, v, out, lse, items: list[WorkItem], *, so
     packed = q.dim() == 3
     seq_dim = 0 if packed else 1
     # the bounds of the heads as they are (a query head's expanded copy has the same entries), then the expansion
-    (k_max, sees), (v_max, _) = (fixed_point.visible_key_bounds(t, items, q.shape[seq_dim]) for t in (k, v))
+    (k_max, v_max), sees = fixed_point.visible_key_bounds((k, v), items, q.shape[seq_dim])
     k_max, v_max = (t.repeat_interleave(group, dim=-1) for t in (k_max, v_max))
     k, v = expand_kv(k, group), expand_kv(v, group)
     scale = check_softmax_scale(softmax_scale, q.shape[-1])

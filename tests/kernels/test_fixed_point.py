@@ -243,10 +243,11 @@ def test_visible_key_bounds_follow_each_rows_document_and_mask(seed):
     t.view(-1)[::17] = float("nan")
     t.view(-1)[::29] = 0.0
     rows = max(it.q_start + it.q_len for it in items) + 1  # one row no item covers
-    got, sees = fixed_point.visible_key_bounds(t, items, rows)
+    (got, got_v), sees = fixed_point.visible_key_bounds((t, t * 3), items, rows)
     want, want_sees = _brute_bounds(t, items, rows)
     assert torch.equal(sees, want_sees)
     assert torch.equal(got, want)
+    assert torch.equal(got_v, _brute_bounds(t * 3, items, rows)[0])
 
 
 def check_dq_ignores_keys_it_cannot_see(device="cpu", dtype=torch.float32, head_dim=16, backend="reference"):
