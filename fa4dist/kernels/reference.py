@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -41,19 +42,36 @@ def _finite_absmax(t: torch.Tensor, dims) -> torch.Tensor:
     return finite.sum(dim=dims)  # (the zeros of the kept dims: amax refuses an empty reduction)
 
 
-def _pv_weight(v: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """The factor (batch, heads_kv, 1, 1, 1) that P @ V's weights enter with.  P @ V adds up to seqlen_k values times
-    weights of at most 1, so values near the top of the accumulation dtype's range overflow that sum (bfloat16
-    values of 3e38: out = inf) although out, a convex combination of them, does not.  A head whose finite values
-    can overflow it (max |v| x seqlen_k) takes 2^-n, n above log2(seqlen_k), and its row sums are scaled alike
-    before the division; every other head takes 1: a fixed small factor would push the products of small values
-    below the normal range (values of 1e-36 gave out = 0).  Exact (the same bits) wherever the weighted products
-    stay normal.  Per head of one call's keys: a row's factor depends on nothing else in the call (cp_invariant)."""
+def _pv_weight(v: torch.Tensor, acc: torch.dtype, mask: Mask, q_len: int, q_offset: int, k_offset: int) -> torch.Tensor:
+    """The factor (batch, heads_kv, 1, q_len, 1) that each row's P @ V weights enter with.  P @ V adds up to seqlen_k
+    values times weights of at most 1, so values near the top of the accumulation dtype's range overflow that sum
+    (bfloat16 values of 3e38: out = inf) although out, a convex combination of them, does not.  A row whose keys
+    from the call's first through the last it sees hold finite values that can overflow it (2^E > max |v|, times
+    2 seqlen_k) takes 2^-n, n above log2(seqlen_k), and its row sum is scaled alike before the division; every other
+    row takes 1: a fixed small factor would push the products of small values below the normal range (values of
+    1e-36 gave out = 0), as a factor taken from keys a row never sees did (a value of 3e38 after a causal row).
+    Exact (the same bits) wherever the weighted products stay normal.  A row's factor depends on nothing else in
+    the call but keys before its last one (cp_invariant's calls hold a whole document's keys)."""
     batch, seqlen_k, heads_kv, _ = v.shape
+    row = _Rows(0, q_len, 0, seqlen_k, q_offset, k_offset, mask.causal, mask.window)
+    (bound,), _ = fixed_point.visible_key_bounds((v,), [row], q_len)  # (batch, q_len, heads_kv)
     # twice the bound (the partial sums' rounding stays in range too), inf where the product itself overflows
-    overflows = _finite_absmax(v, (1, 3)).to(acc) * (2 * seqlen_k) >= torch.finfo(acc).max
-    weight = torch.where(overflows, 2.0 ** -(seqlen_k.bit_length() + 1), 1.0)
-    return weight.to(acc).view(batch, heads_kv, 1, 1, 1)
+    overflows = bound.to(acc) * (2 * seqlen_k) >= torch.finfo(acc).max
+    weight = torch.where(overflows, 2.0 ** -(seqlen_k.bit_length() + 1), 1.0).to(acc)
+    return weight.permute(0, 2, 1)[:, :, None, :, None]
+
+
+class _Rows(NamedTuple):
+    """One call's rows against its keys, as fixed_point.visible_key_bounds reads a work item."""
+
+    q_start: int
+    q_len: int
+    k_start: int
+    k_len: int
+    q_offset: int
+    k_offset: int
+    causal: bool
+    window: tuple
 
 
 def _chunks(seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
@@ -183,7 +201,7 @@ def _forward_dense(p: AttentionProblem, q, k, v, q_offset: int, k_offset: int):
     out = torch.zeros(batch, seqlen_q, heads_kv, group, head_dim_v, dtype=acc, device=q.device)
     lse = torch.full((batch, heads_kv, group, seqlen_q), float("-inf"), dtype=acc, device=q.device)
     q_chunk, k_chunk = ops.chunks(seqlen_q, seqlen_k)
-    pv_weight = _pv_weight(v, acc)
+    pv_weight = _pv_weight(v, acc, p.mask, seqlen_q, q_offset, k_offset)
     for qs in range(0, seqlen_q, q_chunk):
         ql = min(q_chunk, seqlen_q - qs)
         qc = q[:, qs : qs + ql].to(acc).view(batch, ql, heads_kv, group, -1)
@@ -191,6 +209,7 @@ def _forward_dense(p: AttentionProblem, q, k, v, q_offset: int, k_offset: int):
         row_sum = torch.zeros_like(row_max)
         acc_out = torch.zeros(batch, heads_kv, group, ql, head_dim_v, dtype=acc, device=q.device)
         sees_a_key = torch.zeros(ql, dtype=torch.bool, device=q.device)  # from the mask alone, not the values
+        row_weight = pv_weight[:, :, :, qs : qs + ql]
         for ks in _key_tiles(ql, seqlen_k, q_offset + qs, k_offset, p.mask, k_chunk):
             kl = min(k_chunk, seqlen_k - ks)
             vis, mask = _tile_mask(ql, kl, q_offset + qs, k_offset + ks, p.mask, q.device)
@@ -208,7 +227,7 @@ def _forward_dense(p: AttentionProblem, q, k, v, q_offset: int, k_offset: int):
             probs = torch.exp(scores - shift.unsqueeze(-1))
             rescale = torch.exp(row_max - shift)
             row_sum = row_sum * rescale + probs.sum(-1)
-            acc_out = acc_out * rescale.unsqueeze(-1) + ops.rows_from_keys(probs * pv_weight, vc, mask)
+            acc_out = acc_out * rescale.unsqueeze(-1) + ops.rows_from_keys(probs * row_weight, vc, mask)
             row_max = new_max
         # Rows that see keys: lse from the running max and sum, NaN where the softmax is undefined (a sum of 0 from
         # -inf scores, or NaN); -inf only for rows that see no key at all.
@@ -221,7 +240,7 @@ def _forward_dense(p: AttentionProblem, q, k, v, q_offset: int, k_offset: int):
         row_lse = torch.where(defined, shift + torch.log(safe_sum), nan)
         lse[..., qs : qs + ql] = torch.where(sees_a_key, row_lse, torch.full_like(row_sum, -torch.inf))
         # (keyless rows: 0 / weight, then 0 below)
-        denominator = torch.where(defined | ~sees_a_key, safe_sum * pv_weight.squeeze(-1), nan)
+        denominator = torch.where(defined | ~sees_a_key, safe_sum * row_weight.squeeze(-1), nan)
         normalized = acc_out / denominator.unsqueeze(-1)
         normalized = torch.where(sees_a_key.unsqueeze(-1), normalized, torch.zeros((), dtype=acc))
         out[:, qs : qs + ql] = normalized.permute(0, 3, 1, 2, 4)

@@ -385,6 +385,24 @@ def test_values_near_the_bottom_of_the_range_keep_their_precision(dtype, cp_inva
     torch.testing.assert_close(out, ref_out.to(dtype), atol=0, rtol=1e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
+@pytest.mark.parametrize("cp_invariant", [False, True], ids=["einsum", "cp-invariant"])
+def test_a_huge_value_a_row_cannot_see_leaves_its_small_values_alone(cp_invariant):
+    """The overflow guard's weight was taken from every key of the call: a 3e38 value after a causal row pushed that
+    row's products of ~1e-36 values into subnormals (55 ulps off, a subnormal out 24% off).  Each row's weight now
+    comes from the keys up to the last it sees, so the rows before the huge key have the bits of the call without
+    it, and the row that sees it stays finite and accurate."""
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 64, 2, 16, generator=gen), torch.randn(1, 64, 2, 16, generator=gen)
+    v = (torch.rand(1, 64, 2, 16, generator=gen) + 1) * 1e-36
+    loud = v.clone()
+    loud[0, -1, :, 0] = 3e38
+    quiet_out, _ = attention_forward(q, k, v, causal=True, backend="reference", cp_invariant=cp_invariant)
+    out, _ = attention_forward(q, k, loud, causal=True, backend="reference", cp_invariant=cp_invariant)
+    assert torch.equal(out[:, :-1], quiet_out[:, :-1])
+    ref_out, _ = naive_attention(q.double(), k.double(), loud.double(), causal=True)
+    torch.testing.assert_close(out[:, -1].double(), ref_out[:, -1], atol=0, rtol=1e-5)
+
+
 def _oracle_grads(dout, q, k, v, dlse=None, **kw):
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     out, lse = naive_attention(q64, k64, v64, **kw)
