@@ -7,7 +7,9 @@
 #   session's start (.kwt/base: `git archive 237f516 fa4dist | tar -x -C .kwt/base`, carried), cp_invariant@baseline.
 #   Predicted: every test passes; the cp_invariant step within +-0.5% of the baseline's (a cummax and a gather over
 #   tokens x heads, ~0.1-0.3 ms of a ~60 ms step).
-# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_64.sh inv_bounds
+# - suites: the GPU suites the session's host changes reach (the reference forward's per-row overflow guard and its
+#   blocked non-finite sums on CUDA tensors, the bounds through the staged ranks). Predicted: all pass.
+# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_64.sh inv_bounds; then suites.
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/../stage.sh"
@@ -19,6 +21,9 @@ for s in ${*:-inv_bounds}; do
       if [ -d .kwt/base/fa4dist ]; then base=(--baseline-dir .kwt/base); else echo "no .kwt/base: no baseline"; fi
       TAIL_LINES=14 stage inv_cost 300 python3 bench/invariant.py --tokens 32768 --heads 32:32 32:8 --reps 5 \
         --rounds 3 "${base[@]}" --out-dir "$OUT/inv" ;;
-    *) echo "unknown stage $s (inv_bounds)"; exit 2 ;;
+    suites)
+      gpu_tests suites 560 tests/kernels/test_backends_gpu.py tests/kernels/test_nonfinite.py tests/cp/test_cp_gpu.py \
+        tests/kernels/test_invariant_gpu.py ;;
+    *) echo "unknown stage $s (inv_bounds | suites)"; exit 2 ;;
   esac
 done
