@@ -9,16 +9,16 @@ then add exactly in any order: the kernel's bulk adds, several launches, a sum o
 
 **The scale.**  With P summing to at most 1 over a row, |dP_ij| = |dO_i . V_j| <= d m_i Vmax and
 |D_i| = |dO_i . O_i| <= d m_i Omax_i, where m_i = max |dO_i|, Omax_i = max |O_i| and Kmax, Vmax bound the finite
-|K|, |V| of the head over the keys of the row's document (or sequence) from its first key through the last the row
-sees, each rounded up to a power of two (:func:`visible_key_bounds`; a soft-cap's derivative is at most 1), so
+|K|, |V| of the head over the keys the row sees, each rounded up to a power of two (:func:`visible_key_bounds`; a
+soft-cap's derivative is at most 1), so
 
     |dq_i| <= softmax_scale * Kmax * d * m_i * (Vmax + Omax_i) =: bound_i,
 
 and so is the sum of |contribution| over the tiles (each tile's share of P is part of the same 1).  With
 bound_i < 2^e_i, s_i = 61 - e_i keeps |sum| below 2^62 (room for the rounding of 16-bit dS and of the tiles'
 fp32 sums) and resolves 2^-61 of the bound: far finer than fp32 for any row whose dq is not ~2^30 times smaller
-than its bound.  Other sequences of a batch, other documents and keys after a row's last visible one (causal
-padding) do not enter its bound; keys of its document before a window's lower edge do.  fp64 inputs get 53-bit
+than its bound.  Other sequences of a batch, other documents, keys after a causal row (padding) and keys before
+a window do not enter its bound.  fp64 inputs get 53-bit
 accuracy only where |dq| is within ~2^8 of the bound, so a row whose keys hold one far larger than the rest (or
 whose dq is small against its bound) keeps 2^-61 of the bound, not fp64's relative precision (a V token 1e9 times
 the rest costs ~1e-8 absolute in rows of |dq| ~1).  s_i is clamped to [-126, 126], so that 2^s_i is a normal fp32:
@@ -89,7 +89,6 @@ def _row_kernel(t: torch.Tensor, finite_only: bool):
 
 # the exponent of a key vector with no non-zero finite entry: 2^_NO_KEY is 0 in fp64 (and below any real key's)
 _NO_KEY = -(1 << 20)
-_POSITION_CLAMP = 1 << 61  # position differences past this see every key or none of a call (int64-safe sums)
 
 
 def key_exponents(t: torch.Tensor) -> torch.Tensor:
@@ -108,15 +107,15 @@ def key_exponents(t: torch.Tensor) -> torch.Tensor:
 def visible_key_bounds(tensors, items, q_rows: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Per query row and key/value head, a power of two above every finite |entry| of each of ``tensors`` (keys and
     values, (..., tokens, heads, d), dense (b, s, h, d) or packed (t, h, d), their token and head counts alike)
-    over the keys of the row's item from the item's first key through the row's last visible one, as fp64
-    (..., q_rows, heads) (0 where none is non-zero); and whether each row sees a key at all, bool (q_rows,).
-    ``items``: the calls of a whole problem, each row in at most one (``WorkItem``-like: q/k starts and lengths,
-    offsets, causal, window), their key ranges disjoint and in ascending order, as one device's items and the gather
-    engine's documents are.
+    over the keys the row sees, as fp64 (..., q_rows, heads) (0 where none is non-zero); and whether each row sees a
+    key at all, bool (q_rows,).  ``items``: the calls of a whole problem, each row in at most one (``WorkItem``-like:
+    q/k starts and lengths, offsets, causal, window), their key ranges disjoint and in ascending order, as one
+    device's items and the gather engine's documents are.
 
-    A row's bound so depends on its own document's keys up to the last it sees: not on other sequences of a batch
-    or other documents of a packed row, nor on padding after a causal row (keys before a window's lower edge do
-    count).  Exponents and maxima are exact and the geometry global, so every layout computes the same bounds."""
+    A row's bound so depends on the keys it sees alone: not on other sequences of a batch or other documents of a
+    packed row, nor on padding after a causal row or keys before a window.  Exponents and maxima are exact and the
+    geometry global (positions in Python integers: offsets and windows up to 2^62), so every layout computes the
+    same bounds."""
     from .mask import Mask
 
     # (n, ..., heads, tokens): the scans run along the contiguous last dim (an outer-dim cummax is ~50x slower)
@@ -127,15 +126,14 @@ def visible_key_bounds(tensors, items, q_rows: int) -> tuple[list[torch.Tensor],
     sees = torch.zeros(q_rows, dtype=torch.bool, device=device)
     one = torch.ones((), dtype=torch.float64, device=device)
     if items and n_keys:
-        # the running max from each item's first key: one cummax over segments kept apart by their number in the
-        # high bits (a later item's values are all above an earlier one's); keys outside every item add nothing
         segment = torch.zeros(n_keys, dtype=torch.long)
         inside = torch.zeros(n_keys, dtype=torch.bool)
         for number, it in enumerate(items, start=1):
             segment[it.k_start:it.k_start + it.k_len] = number
             inside[it.k_start:it.k_start + it.k_len] = True
-        high = segment.cummax(0).values << 32  # (keys between items stay in the item before)
-        # each row's last visible key: q_offset + i + band hi - k_offset, within the item's keys
+        # each row's visible keys, [first, last] within its item's: query i at q_offset + i sees the keys j with
+        # lo <= k_offset + j - (q_offset + i) <= hi; the band edges clamped in Python integers to what can matter
+        # for the item's rows and keys (offsets and windows reach 2^62: their sums would wrap in int64)
         lengths = torch.tensor([it.q_len for it in items])
         item_of = torch.repeat_interleave(torch.arange(len(items)), lengths)
         local = torch.arange(int(lengths.sum())) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
@@ -143,25 +141,46 @@ def visible_key_bounds(tensors, items, q_rows: int) -> tuple[list[torch.Tensor],
         def per_item(values):
             return torch.tensor(values, dtype=torch.long)[item_of]
 
-        def clamp(x: int) -> int:
-            return max(-_POSITION_CLAMP, min(_POSITION_CLAMP, x))
-
         bands = [Mask.canonical(it.causal, tuple(it.window)) for it in items]
-        delta = per_item([clamp(it.q_offset - it.k_offset) for it in items]) + local  # key index of the diagonal
-        last = torch.minimum(delta + per_item([clamp(b.hi) if b.hi is not None else _POSITION_CLAMP for b in bands]),
-                             per_item([it.k_len for it in items]) - 1)
-        first = torch.maximum(delta + per_item([clamp(b.lo) if b.lo is not None else -_POSITION_CLAMP
-                                                for b in bands]), torch.zeros_like(delta))
+        top, bottom = [], []  # the last / first visible key of each item's row 0 (row i: + i)
+        for it, band in zip(items, bands):
+            diagonal = it.q_offset - it.k_offset
+            top.append(it.k_len if band.hi is None else max(-it.q_len - 1, min(it.k_len, diagonal + band.hi)))
+            bottom.append(-it.q_len if band.lo is None else max(-it.q_len, min(it.k_len, diagonal + band.lo)))
+        last = torch.minimum(per_item(top) + local, per_item([it.k_len for it in items]) - 1)
+        first = torch.maximum(per_item(bottom) + local, torch.zeros_like(local))
         visible = (first <= last) & (last >= 0)
         rows = per_item([it.q_start for it in items]) + local
-        keys = per_item([it.k_start for it in items]) + last.clamp(min=0)
-        high, inside, visible, rows, keys = _to_device((high, inside, visible, rows, keys), device)
-        low = torch.where(inside, exps - _NO_KEY, 0)
-        running = (low + high).cummax(-1).values - high + _NO_KEY
-        picked = torch.where(visible, running.index_select(-1, keys), _NO_KEY)
-        bounds.index_copy_(-1, rows, picked)
+        start = per_item([it.k_start for it in items])
+        lo_key, hi_key = (torch.where(visible, start + edge, 0) for edge in (first, last))
+        windowed = any(band.lo is not None for band in bands)
+        span = int((hi_key - lo_key).max()) + 1
+        high, inside, visible, rows, lo_key, hi_key = _to_device(
+            (segment.cummax(0).values << 32, inside, visible, rows, lo_key, hi_key), device)
+        low = torch.where(inside, exps - _NO_KEY, 0)  # >= 0; 0 outside every item
+        if windowed:  # ranges that start past their item's first key: a max over [lo_key, hi_key] per row
+            picked = _range_max(low, lo_key, hi_key, span)
+        else:  # the running max from each item's first key: one cummax over segments kept apart by their number in
+            # the high bits (a later item's values are all above an earlier one's)
+            picked = ((low + high).cummax(-1).values - high).index_select(-1, hi_key)
+        bounds.index_copy_(-1, rows, torch.where(visible, picked + _NO_KEY, _NO_KEY))
         sees[rows] = visible
     return list(torch.ldexp(one, bounds.double()).movedim(-1, -2).unbind(0)), sees
+
+
+def _range_max(values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, span: int) -> torch.Tensor:
+    """max of values[..., lo_r : hi_r + 1] for each r, (..., R) (lo <= hi, ranges at most ``span`` long): a sparse
+    table of maxima over 2^k keys, each range the max of the two blocks of its largest 2^k that cover it."""
+    levels = [values]
+    for k in range(1, max(1, span).bit_length()):
+        prev, step = levels[-1], 1 << (k - 1)
+        level = prev.clone()
+        level[..., :-step] = torch.maximum(prev[..., :-step], prev[..., step:])
+        levels.append(level)
+    table = torch.stack(levels, dim=-2)  # (..., levels, tokens)
+    length = hi - lo + 1
+    k = torch.floor(torch.log2(length.double())).long()  # exact for lengths below 2^52
+    return torch.maximum(table[..., k, lo], table[..., k, hi - torch.bitwise_left_shift(torch.ones_like(k), k) + 1])
 
 
 def _to_device(parts, device) -> tuple:

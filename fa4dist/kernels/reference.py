@@ -46,13 +46,13 @@ def _finite_absmax(t: torch.Tensor, dims) -> torch.Tensor:
 def _pv_weight(v: torch.Tensor, acc: torch.dtype, mask: Mask, q_len: int, q_offset: int, k_offset: int) -> torch.Tensor:
     """The factor (batch, heads_kv, 1, q_len, 1) that each row's P @ V weights enter with.  P @ V adds up to seqlen_k
     values times weights of at most 1, so values near the top of the accumulation dtype's range overflow that sum
-    (bfloat16 values of 3e38: out = inf) although out, a convex combination of them, does not.  A row whose keys
-    from the call's first through the last it sees hold finite values that can overflow it (2^E > max |v|, times
+    (bfloat16 values of 3e38: out = inf) although out, a convex combination of them, does not.  A row whose visible
+    keys hold finite values that can overflow it (2^E > max |v|, times
     2 seqlen_k) takes 2^-n, n above log2(seqlen_k), and its row sum is scaled alike before the division; every other
     row takes 1: a fixed small factor would push the products of small values below the normal range (values of
     1e-36 gave out = 0), as a factor taken from keys a row never sees did (a value of 3e38 after a causal row).
-    Exact (the same bits) wherever the weighted products stay normal.  A row's factor depends on nothing else in
-    the call but keys before its last one (cp_invariant's calls hold a whole document's keys)."""
+    Exact (the same bits) wherever the weighted products stay normal.  A row's factor depends on the keys it sees
+    alone (:func:`fixed_point.visible_key_bounds`)."""
     batch, seqlen_k, heads_kv, _ = v.shape
     row = _Rows(0, q_len, 0, seqlen_k, q_offset, k_offset, mask.causal, mask.window)
     (bound,), _ = fixed_point.visible_key_bounds((v,), [row], q_len)  # (batch, q_len, heads_kv)

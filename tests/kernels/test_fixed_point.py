@@ -8,6 +8,7 @@ import torch
 
 from fa4dist.kernels import attention_backward, attention_forward, fixed_point, invariant
 from fa4dist.kernels.fixed_point import KEY_TILE
+from fa4dist.kernels.mask import Mask
 
 
 def _problem(seed, seqlen=300, heads=2, d=16, dtype=torch.float32, spread=1.0):
@@ -198,42 +199,40 @@ def test_key_calls_cover_every_key_once_and_every_tile_dq_once(seed):
 
 
 def _brute_bounds(t, items, q_rows):
-    """Per row and head: 2^E above the largest finite |entry| over the item's keys from its first through the row's
-    last visible one (0 where all are zero), by the mask's own rule, and whether the row sees any key."""
-    from fa4dist.kernels.mask import Mask, visible
-
+    """Per row and head: 2^E above the largest finite |entry| over the keys the row sees (0 where all are zero), by
+    the mask's rule on Python-integer positions, and whether the row sees any key."""
     finite = t.double().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).abs().amax(-1)  # (..., keys, heads)
     bounds = torch.zeros(*finite.shape[:-2], q_rows, finite.shape[-1], dtype=torch.float64)
     sees = torch.zeros(q_rows, dtype=torch.bool)
     for it in items:
-        q_pos = torch.arange(it.q_len) + it.q_offset
-        k_pos = torch.arange(it.k_len) + it.k_offset
-        vis = visible(q_pos, k_pos, Mask.canonical(it.causal, it.window))  # (q, k)
+        band = Mask.canonical(it.causal, it.window)
         for i in range(it.q_len):
-            seen = vis[i].nonzero()
-            if seen.numel() == 0:
+            p = it.q_offset + i
+            seen = [j for j in range(it.k_len) if (band.lo is None or it.k_offset + j - p >= band.lo)
+                    and (band.hi is None or it.k_offset + j - p <= band.hi)]
+            if not seen:
                 continue
             sees[it.q_start + i] = True
-            keys = finite.narrow(-2, it.k_start, int(seen.max()) + 1).amax(-2)
+            keys = finite[..., [it.k_start + j for j in seen], :].amax(-2)
             exponent = torch.frexp(keys).exponent.double()
             bounds.select(-2, it.q_start + i).copy_(torch.where(keys > 0, torch.ldexp(torch.ones(()), exponent), 0.0))
     return bounds, sees
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_visible_key_bounds_follow_each_rows_document_and_mask(seed):
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
-    window = rng.choice([(-1, -1), (-1, 0), (5, 0), (7, 3), (-1, 4)])
+    window = rng.choice([(-1, -1), (-1, 0), (5, 0), (7, 3), (-1, 4), (2, 2)])
     causal = rng.random() < 0.5
-    if rng.random() < 0.5:  # packed documents, a gap of keys no item covers between two of them
+    if rng.random() < 0.5:  # packed documents, a gap of keys no item covers between two of them, empty ones
         lengths = [rng.randint(0, 40) for _ in range(rng.randint(1, 4))]
         items, start = [], 0
         for n in lengths:
             items.append(invariant.WorkItem(start, n, start, n, 0, 0, causal=causal, window=window))
             start += n + rng.choice([0, 0, 3])
         t = torch.randn(start + 2, 3, 8, generator=g)
-    else:  # a dense batch, the queries a suffix of the keys (offsets)
+    else:  # a dense batch, the queries placed anywhere against the keys (offsets)
         seqlen_k = rng.randint(1, 60)
         seqlen_q = rng.randint(1, seqlen_k)
         items = [invariant.WorkItem(0, seqlen_q, 0, seqlen_k, seqlen_k - seqlen_q + rng.randint(-3, 3), 0,
@@ -248,6 +247,30 @@ def test_visible_key_bounds_follow_each_rows_document_and_mask(seed):
     assert torch.equal(sees, want_sees)
     assert torch.equal(got, want)
     assert torch.equal(got_v, _brute_bounds(t * 3, items, rows)[0])
+
+
+def test_visible_key_bounds_at_offsets_and_windows_near_the_limit():
+    """Offsets and windows reach 2^62: their sums passed int64 (a causal row 2^61 past its keys saw none, a right
+    window of 2^62 missed keys), and an empty last key segment indexed past the keys."""
+    t = torch.randn(1, 6, 2, 4)
+    cases = [
+        invariant.WorkItem(0, 5, 0, 6, 2**61, 0, causal=True),
+        invariant.WorkItem(0, 5, 0, 6, 2**61, 0),
+        invariant.WorkItem(0, 5, 0, 6, -(2**62), 2**62 - 1, window=(-1, 2**62 - 1)),
+        invariant.WorkItem(0, 5, 0, 6, 2**62 - 1, -(2**62), window=(2**62 - 1, -1)),
+        invariant.WorkItem(0, 5, 0, 6, 2**62 - 1, -(2**62), causal=True, window=(3, 0)),
+        invariant.WorkItem(0, 5, 0, 6, 3, 0, causal=True, window=(1, 0)),
+    ]
+    for item in cases:
+        (got,), sees = fixed_point.visible_key_bounds((t,), [item], 5)
+        want, want_sees = _brute_bounds(t, [item], 5)
+        assert torch.equal(sees, want_sees), item
+        assert torch.equal(got, want), item
+    packed = torch.randn(3, 2, 4)
+    items = [invariant.WorkItem(0, 2, 0, 3, 0, 0, causal=True), invariant.WorkItem(2, 3, 3, 0, 0, 0, causal=True)]
+    (got,), sees = fixed_point.visible_key_bounds((packed,), items, 5)
+    assert sees.tolist() == [True, True, False, False, False]
+    assert torch.equal(got, _brute_bounds(packed, items, 5)[0])
 
 
 def check_dq_ignores_keys_it_cannot_see(device="cpu", dtype=torch.float32, head_dim=16, backend="reference"):
