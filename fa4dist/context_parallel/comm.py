@@ -282,6 +282,9 @@ def _post(store, global_rank: int, post: dict) -> None:
         pass
 
 
+_REFUSAL_POSTED = [False]  # whether this process's last post is a refusal (post_refusal)
+
+
 def _unpost(store, global_rank: int) -> None:
     try:
         store.delete_key(f"{_WAITS}{global_rank}")
@@ -311,20 +314,35 @@ def _describe_post(post) -> str:
     if not post:
         return "posted nothing (it is not waiting in an fa4dist exchange: busy elsewhere, or it never made the call)"
     if post.get("refused"):
-        return f"refused a call on its own, before any exchange: {post['refused']}"
+        when = f" at {post['at']} UTC" if post.get("at") else ""
+        return (f"refused a call on its own{when} and has made no exchange since (a refusal its caller handled, or "
+                f"its call never came): {post['refused']}")
     return f"waits in {post.get('what')} on process group {post.get('group')!r}"
 
 
 def post_refusal(message: str) -> None:
     """Posts that this rank refused a call on its own, without an exchange its group's ranks could read (its process
     group itself was refused): another rank that waits for it names it when its wait times out.  Not a failure of
-    the others' call: this rank may still make that call."""
+    the others' call: this rank may still make that call.  The post stands until this rank's next exchange
+    completes (a refusal its caller handled must not explain a later wait)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     from torch.distributed import distributed_c10d
 
     world_generation()
-    _post(distributed_c10d._get_default_store(), dist.get_rank(), dict(refused=message[:500]))
+    _post(distributed_c10d._get_default_store(), dist.get_rank(),
+          dict(refused=message[:500], at=time.strftime("%H:%M:%S", time.gmtime())))
+    _REFUSAL_POSTED[0] = True
+
+
+def _clear_refusal() -> None:
+    """Takes back this rank's posted refusal once it has made an exchange (it went on after refusing)."""
+    if _REFUSAL_POSTED[0]:
+        _REFUSAL_POSTED[0] = False
+        from torch.distributed import distributed_c10d
+
+        with contextlib.suppress(Exception):  # (best effort: a post only explains a failure)
+            _unpost(distributed_c10d._get_default_store(), dist.get_rank())
 
 
 @contextlib.contextmanager
@@ -622,6 +640,7 @@ class Transport:
         :meth:`failed`).  A timeout names what the missing ranks posted last (a wait elsewhere, or a call they
         refused on their own)."""
         deadline = time.monotonic() + self.timeout
+        _clear_refusal()  # (this rank made its part of an exchange: a refusal it posted before was handled)
         try:
             store.wait(keys, datetime.timedelta(seconds=_blocking_part(self.timeout)))
             return
@@ -689,6 +708,7 @@ class Transport:
         return torch.stack(gathered).cpu().tolist()
 
     def _collective(self, work, what: str) -> None:
+        _clear_refusal()  # (as _wait_for_rows)
         try:
             work.wait(self.timeout_delta)
         except RuntimeError as err:

@@ -665,7 +665,7 @@ class ShardPlan:
             total_len=self.total_len, cu_seqlens=list(self.cu_seqlens) if self.cu_seqlens else None,
             cp_size=self.cp_size, ulysses_degree=self.ulysses_degree, num_chunks=self.num_chunks,
             chunk_size=self.chunk_size, balancer=self.balancer, causal=self.mask.causal, window=list(self.mask.window),
-            owner=list(self.chunk_owner),
+            owner=list(self.chunk_owner), align=self.align,
         )
 
     @cached_property
@@ -675,6 +675,7 @@ class ShardPlan:
         d.pop("balancer")  # two balancers giving the same assignment are the same plan
         d.pop("causal")  # the mask only informed the costs
         d.pop("window")
+        d.pop("align")  # (its effect, the chunk size, is kept)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def __eq__(self, other) -> bool:

@@ -84,6 +84,7 @@ CHUNK_PLAN_KEY = "fa4dist_cp_chunk_plan"  # the plan of chunked attention layers
 LABELS_KEY = "shift_labels"  # transformers' own name for labels that are already shifted
 CACHE_KEY = "fa4dist_cp_cache"  # set by the handle's model hook when a forward with a plan asks for a KV cache
 _HANDLES: dict[str, "ContextParallelHandle"] = {}
+_PREVIOUS: dict[str, Optional[str]] = {}  # each handle's name -> the attention it replaced (kept after disable)
 # why a model's layers can reach a handle that is not theirs: transformers picks the attention by the config
 _NOT_THIS_MODEL = ("transformers picks attention through the model's config, and this model shares that config object "
                    "with the enabled model (or was copied from it while enabled), so it was switched too; give each "
@@ -233,7 +234,9 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     handle = _HANDLES.get(name)
     if handle is None:
         raise RuntimeError(f"the context-parallel attention {name!r} was disabled; set the model's attention back "
-                           "(handle.disable() does) or enable_context_parallel again")
+                           f"(handle.disable() does for the model it was enabled on; a copy made while enabled: "
+                           f"model.set_attn_implementation({_PREVIOUS.get(name)!r})) or enable_context_parallel "
+                           "again")
     plan = kwargs.get(PLAN_KEY)
     warn_no_attention_weights(kwargs, "fa4dist context-parallel attention")
     window, sinks, refused, tune = NO_WINDOW, None, None, False
@@ -388,7 +391,10 @@ class ContextParallelHandle:
         self.loss_group = _loss_group(group, mesh)
         self._agree_on_options()
         self.previous = getattr(model.config, "_attn_implementation", None)
+        # a copy made while another handle was enabled carries that handle's name: put back what it replaced
+        self.previous = _PREVIOUS.get(self.previous, self.previous)
         self.name = f"fa4dist_cp_{next(_NAMES)}"
+        _PREVIOUS[self.name] = self.previous
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
 

@@ -316,6 +316,9 @@ def _offset_values(name: str, value: Offset, count: int) -> tuple[int, ...]:
                              f"{tuple(value.shape)}")
         values = tuple(int(x) for x in value.tolist())
     elif is_ndarray(value):  # as a tensor, as NumPy integers are taken as ints
+        if sys.modules["numpy"].ma.isMaskedArray(value):
+            raise TypeError(f"{name} must be a plain integer array, got a NumPy masked array (its masked entries "
+                            "have no value)")
         if value.dtype.kind not in "iu":
             raise TypeError(f"{name} must hold integers, got NumPy dtype {value.dtype}")
         if value.ndim == 0:

@@ -594,6 +594,11 @@ def test_a_plan_built_directly_is_checked_like_make_plans():
     good = make_plan(10, 2, num_chunks=4)
     rebuilt = ShardPlan(10, None, 2, 4, good.chunk_owner, "mine", causal)
     assert rebuilt.assignment == good.assignment
+    aligned = make_plan([0, 30, 40], 2, num_chunks=4, align=8)
+    d = aligned.describe()  # carries align: a plan rebuilt from it has the chunk size it describes
+    again = ShardPlan(d["total_len"], d["cu_seqlens"], d["cp_size"], d["num_chunks"], d["owner"], d["balancer"],
+                      Mask.canonical(d["causal"], tuple(d["window"])), d["ulysses_degree"], d["align"])
+    assert again.chunk_size == d["chunk_size"] and again == aligned
     cases = [
         (dict(owner=[0, 1, 7, 1]), ValueError, r"owner must name ranks in \[0, 2\).*chunk 2 -> rank 7"),
         (dict(owner=[-1, 0, 1, 1]), ValueError, r"chunk 0 -> rank -1"),

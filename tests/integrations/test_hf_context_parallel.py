@@ -684,6 +684,21 @@ def test_a_model_sharing_the_enabled_models_config_is_told_so():
     assert torch.isfinite(other(input_ids=batch["input_ids"], use_cache=False).logits).all()
 
 
+def test_a_copy_made_while_enabled_gets_back_the_original_attention():
+    """A deep copy made while enabled keeps the handle's attention name after disable(): its error names the
+    attention to set back, and a handle enabled on the copy restores that one (not the dead name) when disabled."""
+    import copy
+
+    model = tiny_model("llama")
+    with enable_context_parallel(model):
+        twin = copy.deepcopy(model)
+    with pytest.raises(RuntimeError, match=r"a copy made while enabled: model.set_attn_implementation\('eager'\)"):
+        twin(input_ids=packed_batch()["input_ids"], use_cache=False)
+    with enable_context_parallel(twin) as handle:
+        assert handle.previous == "eager"
+    assert twin.config._attn_implementation == "eager"
+
+
 @pytest.mark.parametrize("change, error, message", [
     # each was an AttributeError deep in shard_batch ('list' object has no attribute 'shape' / 'new_full')
     (lambda b: dict(b, labels=b["labels"].tolist()), TypeError,

@@ -288,6 +288,8 @@ def test_numpy_integer_windows_and_offsets_are_taken_as_ints():
         attention_forward(q, k, v, causal=True, k_offset=np.float64(3))
     with pytest.raises(TypeError, match=r"q_offset must hold integers, got NumPy dtype float64$"):
         attention_forward(q, k, v, causal=True, q_offset=np.array([1.0, 2.0]))
+    with pytest.raises(TypeError, match=r"q_offset must be a plain integer array, got a NumPy masked array"):
+        attention_forward(q, k, v, causal=True, q_offset=np.ma.masked_array([1, 2], mask=[0, 1]))
     with pytest.raises(TypeError, match=r"q_offset must hold ints, got \[np.True_, 0\]"):
         attention_forward(q, k, v, causal=True, q_offset=[np.bool_(True), 0])
 
