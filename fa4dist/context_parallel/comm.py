@@ -25,6 +25,7 @@ import datetime
 import json
 import threading
 import time
+import weakref
 from typing import Sequence
 
 import torch
@@ -35,6 +36,7 @@ from ..kernels.checkpointing import outside_selective_checkpoint
 
 _STORE_SEQ: dict = {}  # key prefix -> exchanges made on it in the current world
 _WORLD: list = [None, 0]  # the current world's default store, and its number in this process
+_WRITTEN: set = set()  # this process's rows still in the store (world_generation takes them back)
 # (world number, group name) -> the message of the first fa4dist exchange that failed on the group in this process
 # (a CommError: a timeout, a transport error, ranks out of step); the group is refused from then on (GroupBroken)
 _BROKEN: dict = {}
@@ -48,6 +50,15 @@ def world_generation() -> int:
 
     store = distributed_c10d._get_default_store()
     if _WORLD[0] is not store:
+        if _WORLD[0] is not None:
+            # A new world on the same store (a re-init on torchrun's, or store=) starts its group names and exchange
+            # numbers over, and would read the last exchange's rows this rank left there as its own.  Taken back
+            # here, at this rank's first use of the new world (exchanges after the first then find none; a first
+            # exchange can still meet a row another rank has not taken back yet: use a new store to re-init).
+            for key in _WRITTEN:
+                with contextlib.suppress(Exception):
+                    store.delete_key(key)
+        _WRITTEN.clear()
         _WORLD[0] = store
         _WORLD[1] += 1
         _STORE_SEQ.clear()
@@ -96,7 +107,9 @@ class _Use:
 
 _USE_LOCK = threading.Lock()
 _IN_USE: dict = {}  # (world number, group name) -> _Use
-_CALLERS: set = set()  # the idents of the threads that made fa4dist calls on process groups in this process
+# the threads that made fa4dist calls on process groups in this process (the Thread objects, not their idents: a
+# later thread may reuse a finished one's ident, and was read as a caller, which switched deadlock detection off)
+_CALLERS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 
 
 def sole_caller() -> bool:
@@ -104,7 +117,7 @@ def sole_caller() -> bool:
     every other live thread is a daemon that never made one (torch's and the data loaders' helper threads).  Only
     then does a wait of this thread mean the process posts nothing else meanwhile (Transport._wait_for_rows)."""
     me = threading.get_ident()
-    return all(t.ident == me or (t.daemon and t.ident not in _CALLERS) for t in threading.enumerate())
+    return all(t.ident == me or (t.daemon and t not in _CALLERS) for t in threading.enumerate())
 
 
 @contextlib.contextmanager
@@ -131,7 +144,7 @@ def exclusive(groups: Sequence, what: str, label: str):
         for _, use in busy:
             use.intruder = use.intruder or (me, f"{label}: {what}")
         if not busy:
-            _CALLERS.add(ident)
+            _CALLERS.add(threading.current_thread())
             for key in keys:
                 _IN_USE.setdefault(key, _Use(ident, me, f"{label}: {what}")).depth += 1
     if busy:
@@ -476,6 +489,7 @@ class Transport:
             seq = _STORE_SEQ.get(prefix, 0)
             for n in (seq, seq + 1) if waiting and seq else (seq + 1,):
                 store.set(f"{prefix}{n}/{self.rank}", _POISON + message)
+                _WRITTEN.add(f"{prefix}{n}/{self.rank}")
         except Exception:  # noqa: BLE001  (the store may be gone too: the failure itself is what to raise)
             pass
         return CommError(message)
@@ -613,6 +627,7 @@ class Transport:
         seq = _STORE_SEQ[prefix] = _STORE_SEQ.get(prefix, 0) + 1
         keys = [f"{prefix}{seq}/{r}" for r in range(self.size)]
         store.set(keys[self.rank], ",".join(str(int(x)) for x in values))
+        _WRITTEN.add(keys[self.rank])
         self._wait_for_rows(store, keys, what)
         posted = store.multi_get(keys)
         self._raise_if_poisoned(keys, posted, what)
@@ -626,6 +641,7 @@ class Transport:
                 "another exchange, of an earlier call that failed or another kind of call)")
         if seq > 1:
             store.delete_key(f"{prefix}{seq - 1}/{self.rank}")
+            _WRITTEN.discard(f"{prefix}{seq - 1}/{self.rank}")
         return rows
 
     def _wait_for_rows(self, store, keys: list, what: str) -> None:

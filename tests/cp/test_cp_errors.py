@@ -1313,3 +1313,28 @@ def test_threads_with_groups_of_their_own_may_be_skewed(pool):
     deadlocked (fa4dist.context_parallel.comm.sole_caller)."""
     for rank, errors in enumerate(pool.run(threads_own_groups_case, timeout=60)[:2]):
         assert errors == [None, None], (rank, errors)
+
+
+def test_sole_caller_counts_live_caller_threads_by_object_not_ident():
+    """A finished caller's ident can be reused by a later daemon thread (seen on gloo runs): counted by ident, that
+    daemon read as a caller and switched the deadlock detection off for the rest of the process."""
+    import threading
+
+    from fa4dist.context_parallel import comm
+
+    done = threading.Thread(target=lambda: None)
+    done.start()
+    done.join()
+    comm._CALLERS.add(done)  # a caller that finished
+    release = threading.Event()
+    helper = threading.Thread(target=release.wait, daemon=True)  # a live daemon that never called
+    helper.start()
+    try:
+        assert comm.sole_caller()
+        comm._CALLERS.add(helper)  # a live daemon that did call: this thread is no longer the only caller
+        assert not comm.sole_caller()
+    finally:
+        comm._CALLERS.discard(helper)
+        comm._CALLERS.discard(done)
+        release.set()
+        helper.join()
