@@ -743,16 +743,24 @@ def test_a_rank_that_refused_its_call_on_its_own_is_named_by_the_others_timeout(
                      r"cp_size=2", message), message
 
 
-def module_helper_refusal_case(rank, world, helper):
-    """Ranks 0 and 1 of a throw-away group (timeout 4 s): rank 1's module.make_plan / shard refuses its batch on its
-    own (another length) and it makes no call; rank 0 calls forward.  (error name, message) per rank."""
+def _ring_module_of_two(rank, timeout):
+    """(module, plan of 20 tokens) on ranks 0 and 1 of a throw-away group (None on the other ranks)."""
     from fa4dist.modules import FA4ContextParallelAttention
 
     group = fresh_group([0, 1])
     if rank > 1:
         return None
-    module = FA4ContextParallelAttention(group, strategy="ring", backend="reference", timeout=4)
-    plan = module.make_plan(20)
+    module = FA4ContextParallelAttention(group, strategy="ring", backend="reference", timeout=timeout)
+    return module, module.make_plan(20)
+
+
+def module_helper_refusal_case(rank, world, helper):
+    """Ranks 0 and 1 of a throw-away group (timeout 4 s): rank 1's module.make_plan / shard refuses its batch on its
+    own (another length) and it makes no call; rank 0 calls forward.  (error name, message) per rank."""
+    made = _ring_module_of_two(rank, 4)
+    if made is None:
+        return None
+    module, plan = made
     if rank == 1:
         if helper == "make_plan":
             return _error(lambda: module.make_plan(torch.tensor([0, 12, 10], dtype=torch.int32)))
@@ -774,13 +782,10 @@ def test_a_refusal_in_the_modules_plan_or_shard_is_named_by_the_waiting_ranks(po
 def handled_refusal_case(rank, world):
     """Ranks 0 and 1 of a throw-away group (timeout 3 s): rank 1 refuses a plan (caught), makes a call with both
     ranks, then stays away from the next one; rank 0's error for that call."""
-    from fa4dist.modules import FA4ContextParallelAttention
-
-    group = fresh_group([0, 1])
-    if rank > 1:
+    made = _ring_module_of_two(rank, 3)
+    if made is None:
         return None
-    module = FA4ContextParallelAttention(group, strategy="ring", backend="reference", timeout=3)
-    plan = module.make_plan(20)
+    module, plan = made
     if rank == 1:
         with contextlib.suppress(ValueError):
             module.make_plan(20, balancer="zigzagg")
