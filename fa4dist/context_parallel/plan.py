@@ -42,8 +42,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..kernels.mask import Mask, visible_pairs
-from ..kernels.problem import (check_cu_seqlens_values, check_int, check_integer_dtype, check_mask, is_ndarray,
-                               type_name)
+from ..kernels.problem import (check_cu_seqlens_values, check_int, check_integer_dtype, check_integer_ndarray,
+                               check_mask, is_ndarray, type_name)
 
 BALANCERS = ("contiguous", "zigzag", "lpt")
 
@@ -183,8 +183,7 @@ def _documents(seqlen_or_cu_seqlens) -> tuple[int, Optional[tuple[int, ...]]]:
         values = tuple(int(x) for x in t.tolist())
     elif is_ndarray(seqlen_or_cu_seqlens):  # as a tensor, as NumPy integers are taken as ints
         a = seqlen_or_cu_seqlens
-        if a.dtype.kind not in "iu":
-            raise TypeError(f"cu_seqlens must hold integers, got NumPy dtype {a.dtype}")
+        check_integer_ndarray("cu_seqlens", a)
         if a.ndim == 0:
             return check_int("seqlen", int(a), 1), None
         if a.ndim != 1:

@@ -405,9 +405,8 @@ class ContextParallelHandle:
         # on the decoder stack, which the task heads call with the batch's kwargs (the plan among them), and which
         # TiledCausalLMLoss calls itself; for Llama 4 it is not the base model (that is the task head itself)
         owner = _cache_hook_owner(model)
-        if not getattr(owner, "_fa4dist_sharded_batch_guard", False):  # once per model: it stays after disable()
+        if _sharded_batch_guard not in owner._forward_pre_hooks.values():  # once per model: it stays after disable()
             owner.register_forward_pre_hook(_sharded_batch_guard, with_kwargs=True)
-            owner._fa4dist_sharded_batch_guard = True
         self._cache_hook = owner.register_forward_pre_hook(_cache_hook, with_kwargs=True)
         self.temperature_tuned = tuple(temperature_tuned(model))  # applied by the attention (global indices)
         self._tuning = [module.attn_temperature_tuning for module in self.temperature_tuned]

@@ -37,6 +37,7 @@ The caller must pass the forward's own out and lse (the bound relies on P summin
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -196,7 +197,7 @@ def _to_device(parts, device) -> tuple:
 
 
 def dq_scale(dout: torch.Tensor, out: torch.Tensor, k_absmax: torch.Tensor, v_absmax: torch.Tensor,
-             softmax_scale: float, sees_key: torch.Tensor = None) -> torch.Tensor:
+             softmax_scale: float, sees_key: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The rows' scales 2^s (fp32, lse's layout: (b, h, s) for dense (b, s, h, d) input, (h, t) for packed
     (t, h, d)); ``k_absmax`` / ``v_absmax``: bounds of the keys and values each query head reads, per head
     (:func:`head_absmax`) or per row and head (:func:`visible_key_bounds`, in dout's (..., tokens, heads)

@@ -316,11 +316,7 @@ def _offset_values(name: str, value: Offset, count: int) -> tuple[int, ...]:
                              f"{tuple(value.shape)}")
         values = tuple(int(x) for x in value.tolist())
     elif is_ndarray(value):  # as a tensor, as NumPy integers are taken as ints
-        if sys.modules["numpy"].ma.isMaskedArray(value):
-            raise TypeError(f"{name} must be a plain integer array, got a NumPy masked array (its masked entries "
-                            "have no value)")
-        if value.dtype.kind not in "iu":
-            raise TypeError(f"{name} must hold integers, got NumPy dtype {value.dtype}")
+        check_integer_ndarray(name, value)
         if value.ndim == 0:
             return (int(value),) * count
         if value.ndim != 1:
@@ -341,6 +337,15 @@ def is_ndarray(x) -> bool:
     """Whether x is a NumPy array (without importing NumPy: not imported, x is none)."""
     np = sys.modules.get("numpy")
     return np is not None and isinstance(x, np.ndarray)
+
+
+def check_integer_ndarray(name: str, a) -> None:
+    """A NumPy array taken as integer values (as a tensor is): an integer dtype, not a masked array."""
+    if sys.modules["numpy"].ma.isMaskedArray(a):
+        raise TypeError(f"{name} must be a plain integer array, got a NumPy masked array (its masked entries have no "
+                        "value)")
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers, got NumPy dtype {a.dtype}")
 
 
 def _is_real(value) -> bool:

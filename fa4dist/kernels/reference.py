@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import NamedTuple
 
 import torch
 
@@ -53,26 +52,15 @@ def _pv_weight(v: torch.Tensor, acc: torch.dtype, mask: Mask, q_len: int, q_offs
     1e-36 gave out = 0), as a factor taken from keys a row never sees did (a value of 3e38 after a causal row).
     Exact (the same bits) wherever the weighted products stay normal.  A row's factor depends on the keys it sees
     alone (:func:`fixed_point.visible_key_bounds`)."""
+    from .worklist import WorkItem  # (worklist imports the backends: not at module level)
+
     batch, seqlen_k, heads_kv, _ = v.shape
-    row = _Rows(0, q_len, 0, seqlen_k, q_offset, k_offset, mask.causal, mask.window)
-    (bound,), _ = fixed_point.visible_key_bounds((v,), [row], q_len)  # (batch, q_len, heads_kv)
+    rows = WorkItem(0, q_len, 0, seqlen_k, q_offset, k_offset, mask.causal, mask.window)
+    (bound,), _ = fixed_point.visible_key_bounds((v,), [rows], q_len)  # (batch, q_len, heads_kv)
     # twice the bound (the partial sums' rounding stays in range too), inf where the product itself overflows
     overflows = bound.to(acc) * (2 * seqlen_k) >= torch.finfo(acc).max
     weight = torch.where(overflows, 2.0 ** -(seqlen_k.bit_length() + 1), 1.0).to(acc)
     return weight.permute(0, 2, 1)[:, :, None, :, None]
-
-
-class _Rows(NamedTuple):
-    """One call's rows against its keys, as fixed_point.visible_key_bounds reads a work item."""
-
-    q_start: int
-    q_len: int
-    k_start: int
-    k_len: int
-    q_offset: int
-    k_offset: int
-    causal: bool
-    window: tuple
 
 
 def _chunks(seqlen_q: int, seqlen_k: int) -> tuple[int, int]:

@@ -88,9 +88,8 @@ class FA4ContextParallelAttention(nn.Module):
                                       softmax_scale=softmax_scale,
                                       deterministic=deterministic, backend=backend, ulysses_degree=ulysses_degree,
                                       timeout=timeout, verify=verify, cp_invariant=cp_invariant)
-        if plan is not None and plan.cp_size != self.cp.cp_size:  # forward would refuse it on every call
-            raise ValueError(f"plan is for cp_size={plan.cp_size} but the module's group has {self.cp.cp_size} "
-                             "rank(s) (make it with module.make_plan)")
+        if plan is not None:  # forward would refuse it on every call
+            self._check_plan_size(plan)
         self.plan = plan
 
     @property
@@ -112,18 +111,15 @@ class FA4ContextParallelAttention(nn.Module):
         be less balanced).  A refusal here (of this rank's batch, say) is posted for the ranks it leaves waiting in
         their next call, whose timeout then names it."""
         with refusals_posted():
-            return self._make_plan(seqlen_or_cu_seqlens, balancer, num_chunks, align, heads)
-
-    def _make_plan(self, seqlen_or_cu_seqlens, balancer, num_chunks, align, heads) -> ShardPlan:
-        if heads is not None:
-            if not isinstance(heads, (tuple, list)) or len(heads) != 2:
-                raise TypeError(f"heads must be a pair (query heads, key/value heads), got {heads!r}")
-            hq, hkv = (check_int(name, h, 1) for name, h in zip(("heads[0]", "heads[1]"), heads))
-            if hq % hkv:
-                raise ValueError(f"heads: {hq} query heads are not a multiple of {hkv} key/value heads")
-            heads = (hq, hkv)
-        return make_plan(seqlen_or_cu_seqlens, self.cp_size, balancer, num_chunks, causal=self.cp.causal,
-                         window=self.cp.window, ulysses_degree=self.cp.plan_ulysses_degree(heads), align=align)
+            if heads is not None:
+                if not isinstance(heads, (tuple, list)) or len(heads) != 2:
+                    raise TypeError(f"heads must be a pair (query heads, key/value heads), got {heads!r}")
+                hq, hkv = (check_int(name, h, 1) for name, h in zip(("heads[0]", "heads[1]"), heads))
+                if hq % hkv:
+                    raise ValueError(f"heads: {hq} query heads are not a multiple of {hkv} key/value heads")
+                heads = (hq, hkv)
+            return make_plan(seqlen_or_cu_seqlens, self.cp_size, balancer, num_chunks, causal=self.cp.causal,
+                             window=self.cp.window, ulysses_degree=self.cp.plan_ulysses_degree(heads), align=align)
 
     def _plan(self, plan: Optional[ShardPlan]):
         """A ShardPlan, or at cp size 1 fa4dist.data's SingleRankPlan (of packed documents), as forward takes it."""
@@ -134,10 +130,13 @@ class FA4ContextParallelAttention(nn.Module):
             single = " (fa4dist.data's SingleRankPlan is a plan for cp size 1 only)" if isinstance(
                 plan, SingleRankPlan) else ""
             raise TypeError(f"plan must be a ShardPlan (module.make_plan), got {type(plan).__name__}{single}")
-        if plan.cp_size != self.cp_size:  # (forward refuses it too; a shard under it would be another rank's part)
-            raise ValueError(f"plan is for cp_size={plan.cp_size} but the module's group has {self.cp_size} "
-                             "rank(s) (make it with module.make_plan)")
+        self._check_plan_size(plan)  # (forward refuses it too; a shard under it would be another rank's part)
         return plan
+
+    def _check_plan_size(self, plan: ShardPlan) -> None:
+        if plan.cp_size != self.cp.cp_size:
+            raise ValueError(f"plan is for cp_size={plan.cp_size} but the module's group has {self.cp.cp_size} "
+                             "rank(s) (make it with module.make_plan)")
 
     def shard(self, x: torch.Tensor, plan: Optional[ShardPlan] = None, seq_dim: Optional[int] = None) -> torch.Tensor:
         """This rank's tokens of a global tensor under `plan` (default: the module's); ``seq_dim`` defaults to 0
