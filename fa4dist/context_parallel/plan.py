@@ -11,9 +11,9 @@ Balancers (how chunks go to ranks):
 - ``zigzag``: with 2c chunks per round, rank r holds chunks r and 2c-1-r of each round (the classic causal balance).
 - ``lpt`` (default): every chunk is costed from the mask (the visible (query, key) pairs of its queries under
   causal and the sliding window; for packed documents only pairs within a document, see
-  :func:`fa4dist.kernels.mask.visible_pairs`), then chunks go longest-first to the least-loaded rank that still has
-  room, followed by a pairwise-swap refinement of the most loaded rank.  With 2c equal chunks of one causal
-  sequence this is exactly zigzag's balance.
+  :func:`fa4dist.kernels.mask.visible_pairs`), then :func:`fa4dist.context_parallel.balance.lpt` assigns them (a
+  longest-first greedy and a balanced-differencing start, each improved by chunk swaps).  With 2c equal chunks of
+  one causal sequence this is exactly zigzag's balance.
 
 Every balancer but zigzag also gives each rank as many *real* chunks (chunks with tokens) as the others, within
 one: chunks past the end are empty, and without that rule they are free slots where the real chunks can pile up
@@ -44,8 +44,7 @@ import torch
 from ..kernels.mask import Mask, visible_pairs
 from ..kernels.problem import (check_cu_seqlens_values, check_int, check_integer_dtype, check_integer_ndarray,
                                check_mask, is_ndarray, type_name)
-
-BALANCERS = ("contiguous", "zigzag", "lpt")
+from .balance import BALANCER_FNS, BALANCERS
 
 
 @dataclass(frozen=True)
@@ -206,110 +205,6 @@ def _documents(seqlen_or_cu_seqlens) -> tuple[int, Optional[tuple[int, ...]]]:
     return values[-1], values
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# balancers: costs per chunk and which chunks are real (hold tokens; the empty ones are the last) -> group per
-# chunk, every group `capacity` chunks
-
-
-def _contiguous(costs: Sequence[int], groups: int, real: Sequence[bool]) -> list[int]:
-    """Group g holds one contiguous run of the real chunks (as many as the others, within one: the runs' tokens do
-    not pile on the first groups when the chunks past the end are empty), then empty chunks up to its capacity."""
-    capacity = len(costs) // groups
-    if all(real):
-        return [i // capacity for i in range(len(costs))]
-    low, extra = divmod(sum(1 for r in real if r), groups)  # the first `extra` runs hold one more
-    owner, count, g = [0] * len(costs), [0] * groups, 0
-    for i in range(len(costs)):  # the real chunks come first (the stream's prefix)
-        if real[i]:
-            while count[g] == low + (g < extra):
-                g += 1
-            owner[i] = g
-            count[g] += 1
-    g = 0
-    for i in range(len(costs)):
-        if not real[i]:
-            while count[g] == capacity:
-                g += 1
-            owner[i] = g
-            count[g] += 1
-    return owner
-
-
-def _zigzag(costs: Sequence[int], groups: int, real: Sequence[bool]) -> list[int]:
-    if len(costs) % (2 * groups):
-        raise ValueError(
-            f"the zigzag balancer needs num_chunks to be a multiple of 2 x {groups} (two chunks per rank and round), "
-            f"got {len(costs)}"
-        )
-    out = []
-    for i in range(len(costs)):
-        j = i % (2 * groups)
-        out.append(j if j < groups else 2 * groups - 1 - j)
-    return out
-
-
-def _lpt(costs: Sequence[int], groups: int, real: Sequence[bool]) -> list[int]:
-    """Longest processing time first with equal chunk counts per group, then pairwise-swap refinement.
-
-    Every group also holds as many *real* chunks (ones with tokens) as the others, within one.  Without that rule
-    the empty chunks past the end (an aligned chunk size rounds the stream up by whole chunks) are free slots: the
-    cheap chunks (many short documents: few visible pairs, as many tokens as any) pile up in a few groups and the
-    token-proportional work of the layers around the attention (projections, MLP, loss) with them."""
-    n = len(costs)
-    capacity = n // groups
-    low, extra = divmod(sum(1 for r in real if r), groups)  # real chunks: `low` per group, `extra` groups one more
-    order = sorted((i for i in range(n) if real[i]), key=lambda i: (-costs[i], i))
-    load, count, nreal, owner = [0] * groups, [0] * groups, [0] * groups, [0] * n
-    high = 0  # groups holding low + 1 real chunks
-    for i in order:
-        room = [g for g in range(groups) if nreal[g] < low or (nreal[g] == low and high < extra)]
-        g = min(room, key=lambda g: (load[g], g))
-        owner[i] = g
-        load[g] += costs[i]
-        count[g] += 1
-        nreal[g] += 1
-        high += nreal[g] == low + 1
-    g = 0
-    for i in range(n):  # the empty chunks fill the groups' remaining slots
-        if not real[i]:
-            while count[g] == capacity:
-                g += 1
-            owner[i] = g
-            count[g] += 1
-    # Refinement: swap a chunk of the most loaded group with one of another group while that lowers the maximum (a
-    # real chunk for an empty one only where it moves a group's one extra real chunk to a group without one).
-    members = [[i for i in range(n) if owner[i] == g] for g in range(groups)]
-    for _ in range(4 * n):
-        top = max(range(groups), key=lambda g: (load[g], -g))
-        best = None  # (new pair maximum, a, g, b)
-        for a in members[top]:
-            for g in range(groups):
-                if g == top:
-                    continue
-                for b in members[g]:
-                    delta = costs[a] - costs[b]
-                    if delta <= 0:
-                        continue
-                    if real[a] != real[b] and not (real[a] and nreal[top] > low and nreal[g] == low):
-                        continue  # (an empty chunk costs 0, so delta > 0 means a is the real one)
-                    pair_max = max(load[top] - delta, load[g] + delta)
-                    if pair_max < load[top] and (best is None or pair_max < best[0]):
-                        best = (pair_max, a, g, b)
-        if best is None:
-            break
-        _, a, g, b = best
-        delta = costs[a] - costs[b]
-        load[top] -= delta
-        load[g] += delta
-        if real[a] != real[b]:
-            nreal[top] -= 1
-            nreal[g] += 1
-        members[top][members[top].index(a)] = b
-        members[g][members[g].index(b)] = a
-        owner[a], owner[b] = g, top
-    return owner
-
-
 def _aligned_chunk_count(total: int, cp_size: int, align: int) -> int:
     """The default chunk count of a packed plan with ``align > 1``.
 
@@ -330,9 +225,6 @@ def _aligned_chunk_count(total: int, cp_size: int, align: int) -> int:
         if best is None or busiest < best[0]:
             best = (busiest, real)
     return -(-best[1] // cp_size) * cp_size
-
-
-_BALANCER_FNS = {"contiguous": _contiguous, "zigzag": _zigzag, "lpt": _lpt}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -379,9 +271,10 @@ class ShardPlan:
         self.ulysses_degree = ulysses_degree
         self.ring_degree = cp_size // ulysses_degree
         self.chunk_owner: tuple[int, ...] = tuple(owner)
-        self._rank_chunks = tuple(
-            tuple(c for c in range(num_chunks) if self.chunk_owner[c] == r) for r in range(cp_size)
-        )
+        held = [[] for _ in range(cp_size)]
+        for c, r in enumerate(self.chunk_owner):  # (one pass: cp_size x num_chunks stalls at a large cp)
+            held[r].append(c)
+        self._rank_chunks = tuple(map(tuple, held))
 
     # ---- structure ----------------------------------------------------------------------------------------------
 
@@ -710,8 +603,9 @@ def make_plan(
     - ``balancer``: ``"lpt"`` (default), ``"zigzag"`` or ``"contiguous"``.
     - ``num_chunks``: a multiple of ``cp_size`` (every rank holds as many chunks); default ``2 * cp_size`` for one
       sequence (zigzag's count), ``8 * cp_size`` for packed documents (finer chunks let LPT balance a mix
-      dominated by one long document, mostly within 1%; where one chunk costs nearly a rank's share, more chunks,
-      e.g. ``16 * cp_size``, balance it: ``balance_report()`` shows it); with ``align > 1``, for packed
+      dominated by one long document), and for ``lpt`` ``16 * cp_size`` where 8 per rank leave the busiest ring
+      group over 1% above the mean, 16 balance it better and chunks stay at least 256 tokens (one chunk can cost
+      nearly a group's share: the end of a long document); with ``align > 1``, for packed
       documents, 8 to 16 real chunks per rank where the stream has that many aligned chunks
       (:func:`_aligned_chunk_count`; for ``zigzag`` rounded up to two chunks per ring group and round).
     - ``causal``, ``window``: the mask the cost model assumes (use the attention's own; ``window=(left, right)`` as
@@ -732,6 +626,7 @@ def make_plan(
     if cp_size % ulysses_degree:
         raise ValueError(f"ulysses_degree ({ulysses_degree}) must divide cp_size ({cp_size})")
     groups = cp_size // ulysses_degree
+    finer = None  # the count tried where the default leaves the groups' work over 1% apart
     if num_chunks is None:  # packed documents balance far better with more, smaller chunks
         num_chunks = (8 if cu is not None else 2) * cp_size
         if cu is not None and align > 1:
@@ -739,21 +634,43 @@ def make_plan(
             if balancer == "zigzag":  # (a multiple of cp): zigzag also needs two chunks per ring group and round
                 step = math.lcm(cp_size, 2 * groups)
                 num_chunks = -(-num_chunks // step) * step
+        elif cu is not None and balancer == "lpt" and total >= 16 * cp_size * _MIN_FINER_CHUNK:
+            finer = 16 * cp_size
     num_chunks = check_int("num_chunks", num_chunks, 1)
     if num_chunks % cp_size:
         raise ValueError(
             f"num_chunks must be a multiple of cp_size ({cp_size}) so every rank holds as many chunks, got {num_chunks}"
         )
+    plan, spread = _balanced_plan(total, cu, cp_size, num_chunks, balancer, mask, ulysses_degree, align)
+    if finer is not None and spread > 1.01:
+        # One chunk can cost nearly a group's share (the end of a long document), and every group holds as many
+        # chunks: halving them lets the balancer even it out (4.5% of random 4k-128k mixes at cp 2-8 were over 1%
+        # at 8 per rank, none at 16).  The finer plan is taken only where it balances better.
+        other, other_spread = _balanced_plan(total, cu, cp_size, finer, balancer, mask, ulysses_degree, align)
+        if other_spread < spread:
+            plan = other
+    return plan
+
+
+_MIN_FINER_CHUNK = 256  # tokens: the finer default count never cuts a chunk below two kernel tiles of rows
+
+
+def _balanced_plan(total, cu, cp_size, num_chunks, balancer, mask, ulysses_degree, align) -> tuple[ShardPlan, float]:
+    """The plan of `balancer` at `num_chunks`, and its busiest ring group's work over the mean."""
+    groups = cp_size // ulysses_degree
     plan = ShardPlan(total, cu, cp_size, num_chunks, [0] * num_chunks, balancer, mask, ulysses_degree, align)
     real = [plan.chunk_len(c) > 0 for c in range(num_chunks)]
-    group_of = _BALANCER_FNS[balancer](plan.chunk_costs, groups, real)
+    costs = plan.chunk_costs
+    group_of = BALANCER_FNS[balancer](costs, groups, real)
     # Within a ring group, its u ranks take contiguous runs of the group's real chunks (in global order, as many
     # each as the others within one), then its empty chunks fill their slots.
     per_rank = num_chunks // cp_size
     owner = [0] * num_chunks
     u = ulysses_degree
-    for g in range(groups):
-        chunks = [c for c in range(num_chunks) if group_of[c] == g]
+    held = [[] for _ in range(groups)]
+    for c, g in enumerate(group_of):
+        held[g].append(c)
+    for g, chunks in enumerate(held):
         full = [c for c in chunks if real[c]]
         low, extra = divmod(len(full), u)
         count, j = [0] * u, 0
@@ -769,4 +686,8 @@ def make_plan(
                     j += 1
                 owner[c] = g * u + j
                 count[j] += 1
-    return ShardPlan(total, cu, cp_size, num_chunks, owner, balancer, mask, ulysses_degree, align)
+    work = [0] * groups
+    for c, g in enumerate(group_of):
+        work[g] += costs[c]
+    spread = max(work) * groups / sum(work) if sum(work) else 1.0
+    return ShardPlan(total, cu, cp_size, num_chunks, owner, balancer, mask, ulysses_degree, align), spread
