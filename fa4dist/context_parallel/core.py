@@ -24,6 +24,7 @@ its gradient).  With ``cp_invariant`` it is a second pass of the invariant engin
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -88,6 +89,25 @@ def _groups_key(*groups) -> tuple:
     if all(g is None for g in groups):
         return (0,) + groups
     return (world_generation(),) + tuple(None if g is None else g.group_name for g in groups)
+
+
+_WARNED_DEGREES: set = set()  # (plan's Ulysses degree, the call's): warned once per process
+
+
+def _warn_degree_mismatch(plan: ShardPlan, u: int, cp_size: int) -> None:
+    """Warns once per pair of degrees where a call runs a ring part (u < cp) of another Ulysses degree than its plan
+    was balanced for: exact, but the plan's balance (and ``balance_report()``) is that of its own degree's ring
+    groups, not of the ones that run (a ring plan run at u = 2 was up to 1.04x off, a hybrid plan run as a ring up
+    to 1.5x)."""
+    key = (plan.ulysses_degree, u)
+    if u == plan.ulysses_degree or u >= cp_size or key in _WARNED_DEGREES:
+        return
+    _WARNED_DEGREES.add(key)
+    warnings.warn(
+        f"{LABEL}: a plan made for ulysses_degree={plan.ulysses_degree} runs at Ulysses degree {u} (a ring of "
+        f"{cp_size // u} groups): the result is exact, but the plan balanced {plan.ring_degree} ring groups, not "
+        f"these; make it with ulysses_degree={u} (module.make_plan(..., heads=(query heads, key/value heads)) "
+        "chooses it for strategy='auto')", stacklevel=3)
 
 
 def _next_instance(key: tuple) -> int:
@@ -551,6 +571,7 @@ class ContextParallel:
         # at the first kernel call, with the first step's transfers posted: the group was left out of step
         check_backend(self.backend, problem.device)
         u = self.degree(problem.heads_q, problem.heads_kv, plan)
+        _warn_degree_mismatch(plan, u, self.cp_size)
         t = self._transport(self.ulysses_group if self.grid else self.group)
         if t.backend == "nccl" and not q.is_cuda:
             raise ValueError("an NCCL process group needs CUDA tensors (use a gloo group for CPU tensors)")

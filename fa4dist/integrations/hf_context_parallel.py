@@ -109,6 +109,18 @@ def _plan_window(config) -> tuple[int, int]:
     return window_of(window)
 
 
+def _plan_heads(config) -> Optional[tuple[int, int]]:
+    """(query heads, key/value heads) of the model's attention, for the Ulysses degree ``strategy="auto"`` runs and
+    the plan balances for; None where the config does not say (the plan is then balanced for a ring: exact all the
+    same, a hybrid's ring part less balanced).  Tensor parallelism over heads makes the calls' counts smaller: auto
+    then runs the plan's degree only if those counts allow it, as for any plan."""
+    hq = getattr(config, "num_attention_heads", None)
+    hkv = getattr(config, "num_key_value_heads", None) or hq
+    if isinstance(hq, int) and isinstance(hkv, int) and hq > 0 and hkv > 0 and hq % hkv == 0:
+        return hq, hkv
+    return None
+
+
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
@@ -386,6 +398,7 @@ class ContextParallelHandle:
                              "2-D mesh (mesh=, mesh_dim_names=('ring', 'ulysses')); with one process group use "
                              "strategy='auto', 'ring' or 'ulysses'")
         self.plan_window = _plan_window(text_config(model.config))
+        self.plan_heads = _plan_heads(text_config(model.config))
         self.chunk = getattr(text_config(model.config), "attention_chunk_size", None) or None
         self.make_plan([0, 1])  # balancer and num_chunks, checked as every batch's plan checks them: before the switch
         self.loss_group = _loss_group(group, mesh)
@@ -500,10 +513,10 @@ class ContextParallelHandle:
 
     def make_plan(self, cu_seqlens) -> ShardPlan:
         """The plan for a packed stream of documents (cu_seqlens) over this handle's cp group (costed with the
-        model's window when every layer has it)."""
+        model's window when every layer has it, and balanced for the Ulysses degree its head counts give)."""
         core = self._planner
         return make_plan(cu_seqlens, self.cp_size, self.balancer, self.num_chunks, causal=True,
-                         window=self.plan_window, ulysses_degree=core.cp.plan_ulysses_degree())
+                         window=self.plan_window, ulysses_degree=core.cp.plan_ulysses_degree(self.plan_heads))
 
     def _check_enabled(self, what: str) -> None:
         """Refuses ``what`` on a disabled handle: the model attends with its own attention again, which ignores a

@@ -179,6 +179,34 @@ def test_make_plan_with_heads_balances_for_autos_degree(pool):
         assert errors == [True] * 5
 
 
+def degree_warning_case(rank, world):
+    import warnings
+
+    from fa4dist.context_parallel import core
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    core._WARNED_DEGREES.clear()  # (once per process: earlier cases in this worker may have warned)
+    attn = FA4ContextParallelAttention(GROUPS[4], strategy="auto", backend="reference", timeout=30)
+    q = torch.randn(1, 64, 6, 8, dtype=torch.float64)
+    caught = []
+    for plan in (attn.make_plan(64), attn.make_plan(64), attn.make_plan(64, heads=(6, 6))):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            x = attn.shard(q, plan)
+            attn(x, x, x, plan=plan)
+        caught.append([str(w.message) for w in seen])
+    return caught
+
+
+def test_a_plan_of_another_ulysses_degree_warns_once(pool):
+    """A ring plan under auto with 6 / 6 heads runs Ulysses over 2 and a ring of 2: exact, but balanced for other
+    ring groups (up to 1.5x off for a hybrid plan run as a ring), and balance_report() describes the plan's own
+    degree.  Warned once per process and pair of degrees; a plan made with the heads does not warn."""
+    for first, again, matching in pool.run(degree_warning_case):
+        assert len(first) == 1 and "made for ulysses_degree=1 runs at Ulysses degree 2" in first[0], first
+        assert again == [] and matching == []
+
+
 # ---- precision -------------------------------------------------------------------------------------------------
 
 
