@@ -323,7 +323,41 @@ def _waits_for(store, post, me: int, exchange: str) -> bool:
     return post["exchange"] != exchange and row is not None and not store.check([f"{post['exchange']}/{row}"])
 
 
-def _describe_post(post) -> str:
+# A rank that makes calls on a group without the agreement checks (verify=False) posts the group's name under
+# _UNVERIFIED + its global rank, once per group and world (post_unverified): a rank that checks, left waiting for it
+# in an agreement check, names the mismatch at its timeout instead of "posted nothing".
+_UNVERIFIED = "fa4dist/unverified/"
+_UNVERIFIED_GROUPS: dict = {}  # world number -> the names of this process's groups posted under _UNVERIFIED
+
+
+def post_unverified(group) -> None:
+    """Posts, once per group and world, that this rank calls on `group` with verify=False (best effort)."""
+    world, name = group_key(group)
+    names = _UNVERIFIED_GROUPS.setdefault(world, set())
+    if name in names or not (dist.is_available() and dist.is_initialized()):
+        return
+    from torch.distributed import distributed_c10d
+
+    names.add(name)
+    key = f"{_UNVERIFIED}{dist.get_rank()}"
+    with contextlib.suppress(Exception):
+        distributed_c10d._get_default_store().set(key, json.dumps(sorted(names)))
+        _WRITTEN.add(key)
+
+
+def _unverified_on(store, global_rank: int, group_name: str) -> bool:
+    """Whether `global_rank` posted that it calls on group `group_name` with verify=False."""
+    key = f"{_UNVERIFIED}{global_rank}"
+    try:
+        return store.check([key]) and group_name in json.loads(bytes(store.get(key)).decode())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _describe_post(post, unverified: bool = False) -> str:
+    if not post and unverified:
+        return ("posted nothing, and calls on this group with verify=False: it skips the agreement checks this rank "
+                "waits in (every rank must pass the same verify)")
     if not post:
         return "posted nothing (it is not waiting in an fa4dist exchange: busy elsewhere, or it never made the call)"
     if post.get("refused"):
@@ -690,7 +724,9 @@ class Transport:
                             raise self.failed(message, waiting=True)
                     next_read = now + _READ_POSTS_EVERY
                 if now >= deadline:
-                    notes = "; ".join(f"global rank {rank} {_describe_post(post)}" for rank, post in posts.items())
+                    notes = "; ".join(
+                        f"global rank {rank} {_describe_post(post, _unverified_on(store, rank, self.group_name))}"
+                        for rank, post in posts.items())
                     raise self.failed(
                         f"{self.label}: rank {self.rank} of {self.size} failed waiting for {what} from all ranks of "
                         f"its group (timeout {self.timeout:g}s; did every rank call it?{_TIMEOUT_HINT})"

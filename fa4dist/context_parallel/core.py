@@ -42,7 +42,7 @@ from ..kernels.problem import (
 )
 from ..kernels.registry import check_backend, get_backend
 from .agreement import LABEL, raise_disagreement, signature_digest
-from .comm import (CommError, Transport, deepcopy_sharing, exclusive, group_alive, member_size_rank,
+from .comm import (CommError, Transport, deepcopy_sharing, exclusive, group_alive, member_size_rank, post_unverified,
                    post_refusal, refuse_pickling, world_generation)
 from .gather import gather_backward, gather_forward
 from .peer import TRANSPORT_ENV, requested_transport
@@ -515,7 +515,12 @@ class ContextParallel:
     def _transport(self, group) -> Transport:
         key = id(group)
         if key not in self._transports:
-            self._transports[key] = (group, Transport(group, self.timeout, LABEL))
+            # unchecked calls (verify=False) say so in every failure: a rank that checks waits in its agreement
+            # check while this one moves on to its transfers, and neither wait can name the other
+            label = LABEL if self.verify else f"{LABEL} (verify=False: calls not compared across ranks)"
+            if not self.verify:
+                post_unverified(group)
+            self._transports[key] = (group, Transport(group, self.timeout, label))
         return self._transports[key][1]
 
     def _peers(self, u: int):

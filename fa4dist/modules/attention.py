@@ -47,6 +47,8 @@ class FA4ContextParallelAttention(nn.Module):
             that ranks that disagree all fail at once with one message naming the field and the ranks, instead
             of hanging or computing garbage.  The values of the inputs are not compared (each rank holds its own
             shard), nor those of ``sinks``: a replicated sinks parameter that drifts between ranks is not detected.
+            Every rank must pass the same ``verify``: a rank with ``verify=False`` goes on to its transfers while the
+            others wait in the check, until the timeout (then every message names ``verify=False``).
 
         cp_invariant: out, lse and the gradients bitwise identical at every cp size, strategy and balancer, and
             to ``fa4dist.attention(..., cp_invariant=True)`` on one device (default: the environment variable

@@ -695,6 +695,32 @@ def test_absent_rank_times_out_with_a_named_wait(pool, verify, pattern):
     assert elapsed < 10
 
 
+def mixed_verify_case(rank, world, timeouts):
+    """Ranks 0 and 1 of a throw-away group, rank 0 with verify=True and rank 1 with verify=False, each with its
+    timeout of `timeouts`."""
+    from fa4dist.context_parallel import make_plan
+    from fa4dist.modules import FA4ContextParallelAttention
+
+    group = fresh_group([0, 1])  # broken by this test on purpose; nothing else uses it
+    if rank > 1:
+        return None
+    plan = make_plan(20, 2)
+    module = FA4ContextParallelAttention(group, strategy="ring", backend="reference", timeout=timeouts[rank],
+                                         verify=rank == 0)
+    return _error(lambda: module(*_inputs(plan, rank), plan=plan))
+
+
+@pytest.mark.parametrize("timeouts", [(2, 5), (5, 2)], ids=["checking-rank-first", "unchecked-rank-first"])
+def test_ranks_that_mix_verify_flags_are_told_so(pool, timeouts):
+    """verify=True waits in the agreement check while a verify=False rank waits for its first ring transfer.  Both
+    fail, and each message names the unchecked calls, whichever times out first: the unchecked rank's failures say
+    so, and it posted its group's name once, which the checking rank's timeout reads (they named two waits, or
+    'posted nothing')."""
+    for name, message, elapsed in pool.run(mixed_verify_case, timeouts=timeouts, timeout=60)[:2]:
+        assert name in ("CommError", "GroupBroken") and "verify=False" in message, message
+        assert elapsed < 10
+
+
 def different_groups_case(rank, world, refuse):
     """Ranks 0 and 1 of two throw-away groups of the same members (every rank makes both): rank 0 calls on the one,
     rank 1 on the other (refuse=False), or rank 1 makes the functional call without its group (refuse=True). Each
