@@ -47,32 +47,54 @@ def _show(value) -> str:
     return f"a {type(value).__name__}" if isinstance(value, torch.Tensor) or callable(value) else repr(value)
 
 
-def window_of(call: str, window_size, causal: bool, keys: Optional[int] = None) -> tuple[int, int]:
-    """The contract's ``window`` of flash-attn's ``window_size`` (left, right): -1 or None unbounded; a side of at
-    least ``keys`` unbounded too when given (flash-attn 2 does so, with the call's key count, before the causal
-    mask); causal forces right = 0, as flash-attn does."""
+def window_of(call: str, window_size, causal: bool, flash_attn: int, keys: int) -> tuple[tuple[int, int], int]:
+    """(the contract's ``window``, a shift of the queries' positions) of flash-attn's ``window_size`` (left, right)
+    as flash-attn version ``flash_attn`` (2 or 4) computes it; ``keys``: the call's key count (``max_seqlen_k``,
+    else the longest key sequence, for packed input).  ``causal`` forces right = 0 in both.
+
+    - flash-attn 2 (its kernels, ``flash_api.cpp``): -1 (or None) is unbounded, and so is a side of at least
+      ``keys``, before ``causal``; then a bounded left side with an unbounded right one makes the right side
+      ``keys`` (it hides the last keys from the first rows of a non-causal call with more queries than keys).
+    - flash-attn 4 (``flash_attn.cute``): None is unbounded and ints are taken literally, negative ones included
+      (``(None, -1)``: the keys strictly before the diagonal); two int sides that sum below 0 mean no window.  A
+      negative side becomes the contract's 0 with the queries shifted by it (the band keeps its width)."""
     try:
         left, right = window_size
     except (TypeError, ValueError):
         raise TypeError(f"{call}: window_size must be a pair (left, right), got {window_size!r}") from None
     sides = []
     for name, side in (("left", left), ("right", right)):
-        if side is None:
-            sides.append(-1)
-            continue
-        try:
-            side = operator.index(side)
-        except TypeError:
-            raise TypeError(f"{call}: window_size's {name} side must be an int, -1 or None, got {side!r}") from None
-        if side < -1:
-            raise ValueError(f"{call}: window_size's {name} side must be >= -1 (-1: unbounded), got {side}")
-        sides.append(-1 if keys is not None and side >= keys else side)
-    return (sides[0], 0) if causal else (sides[0], sides[1])
+        if side is not None:
+            try:
+                side = operator.index(side)
+            except TypeError:
+                raise TypeError(f"{call}: window_size's {name} side must be an int or None, got {side!r}") from None
+            if flash_attn == 2 and side < -1:
+                raise ValueError(f"{call}: window_size's {name} side must be >= -1 (-1: unbounded), got {side}")
+        sides.append(side)
+    left, right = sides
+    if flash_attn == 2:
+        left, right = (-1 if s is None or s >= keys else s for s in (left, right))
+        if causal:
+            right = 0
+        elif left >= 0 and right == -1:
+            right = keys
+        return (left, right), 0
+    if causal:
+        right = 0
+    if left is not None and right is not None and left + right < 0:
+        left = right = None
+    if right is not None and right < 0:  # keys up to `right` before the diagonal: the diagonal moves by right
+        return (-1 if left is None else left + right, 0), right
+    if left is not None and left < 0:  # keys from `-left` after the diagonal on
+        return (0, -1 if right is None else right + left), -left
+    return (-1 if left is None else left, -1 if right is None else right), 0
 
 
 def _lengths(name: str, cu: torch.Tensor) -> list[int]:
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1:
-        raise TypeError(f"{name} must be a 1-D int32 tensor of sequence boundaries, got {_show(cu)}")
+        got = f"shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else _show(cu)
+        raise TypeError(f"{name} must be a 1-D int32 tensor of sequence boundaries, got {got}")
     values = cu.tolist()
     return [b - a for a, b in zip(values, values[1:])]
 
@@ -92,10 +114,10 @@ def _check_max(call: str, name: str, given, lengths: list[int]) -> None:
 
 def attention(call: str, q, k, v, *, causal: bool, window_size, softcap, softmax_scale, deterministic,
               return_lse: bool, sinks: Optional[torch.Tensor] = None, cu_seqlens_q=None, cu_seqlens_k=None,
-              max_seqlen_q=None, max_seqlen_k=None, unbound_window_past_keys: bool = False):
-    """(out, lse) of :func:`fa4dist.attention` under flash-attn's conventions (the lse differentiable when
-    ``return_lse``).  ``unbound_window_past_keys``: flash-attn 2's rule, a window side of at least the key count
-    (``max_seqlen_k``, else the longest key sequence, for packed input) is unbounded (:func:`window_of`)."""
+              max_seqlen_q=None, max_seqlen_k=None, flash_attn: int):
+    """(out, lse) of :func:`fa4dist.attention` under flash-attn ``flash_attn``'s conventions (2 or 4: its window
+    (:func:`window_of`) and softcap rules; the lse differentiable when ``return_lse``)."""
+    pad = 0  # rows of a packed buffer past cu_seqlens_q[-1]
     if cu_seqlens_q is None and cu_seqlens_k is None:
         if q.dim() != 4:
             raise ValueError(f"{call}: q must be (batch, seqlen, heads, head_dim), got shape {tuple(q.shape)}")
@@ -113,9 +135,33 @@ def attention(call: str, q, k, v, *, causal: bool, window_size, softcap, softmax
         _check_max(call, "max_seqlen_k", max_seqlen_k, len_k)
         q_offset = [b - a for a, b in zip(len_q, len_k)]
         keys = operator.index(max_seqlen_k) if max_seqlen_k is not None else max(len_k, default=0)
-    window = window_of(call, window_size, bool(causal), keys if unbound_window_past_keys else None)
+        # flash-attn computes the tokens its cu_seqlens cover and leaves the rest of a longer (padded, fixed-size)
+        # buffer alone: here those output rows are 0 and their lse -inf
+        used_q, used_k = int(cu_seqlens_q[-1]), int(cu_seqlens_k[-1])
+        if q.dim() == 3 and q.shape[0] > used_q >= 0:
+            pad, q = q.shape[0] - used_q, q[:used_q]
+        if k.dim() == 3 and v.dim() == 3 and k.shape[0] == v.shape[0] > used_k >= 0:
+            k, v = k[:used_k], v[:used_k]
+    window, shift = window_of(call, window_size, bool(causal), flash_attn, keys)
+    if shift:
+        q_offset = [x + shift for x in q_offset] if isinstance(q_offset, list) else q_offset + shift
     out, lse = fa4dist.attention(
         q, k, v, causal=bool(causal), softmax_scale=softmax_scale, return_lse=True, window=window,
-        softcap=float(softcap) if softcap else None, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k, q_offset=q_offset, k_offset=0, deterministic=True if deterministic else None)
+        softcap=_softcap(softcap, flash_attn), sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        q_offset=q_offset, k_offset=0, deterministic=True if deterministic else None)
+    if pad:
+        out = torch.cat([out, out.new_zeros(pad, *out.shape[1:])])
+        lse = torch.cat([lse, lse.new_full((*lse.shape[:-1], pad), float("-inf"))], dim=-1)
     return out, (lse if return_lse else lse.detach())
+
+
+def _softcap(softcap, flash_attn: int) -> Optional[float]:
+    """fa4dist's softcap (None: no capping) of flash-attn's: 0 is none in both; flash-attn 2 caps only above 0,
+    and flash-attn 4 computes c * tanh(s / c), which is |c| * tanh(s / |c|) for a negative c.  (A non-finite value
+    goes on to fa4dist's own check.)"""
+    if not softcap:
+        return None
+    softcap = float(softcap)
+    if flash_attn == 2 and softcap < 0:
+        return None
+    return abs(softcap)

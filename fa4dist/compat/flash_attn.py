@@ -4,10 +4,10 @@
 ``(out, softmax_lse, None)``; fa4dist never forms the attention probabilities, and the lse is differentiable).
 Dropout, ALiBi and paged KV caches are refused by name.  Conventions: :mod:`fa4dist.compat.conventions`.  One
 difference: a query row that sees no key (a causal call with more queries than keys) has out 0 and lse -inf, the
-log of its empty sum, as in flash-attn 4; flash-attn 2's kernels write +inf there.  As flash-attn 2 does, a window
-side of at least the key count (``max_seqlen_k`` for packed input) is unbounded, before ``causal`` sets the right
-one to 0 (its docstring's formula alone would hide keys from the first rows of a non-causal call with more queries
-than keys)."""
+log of its empty sum, as in flash-attn 4; flash-attn 2's kernels write +inf there.  Windows follow flash-attn 2's
+kernels (:func:`fa4dist.compat.conventions.window_of`): a side of at least the key count (``max_seqlen_k`` for
+packed input) is unbounded, before ``causal`` sets the right one to 0, and an unbounded right side next to a bounded
+left one is the key count."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     conventions.refuse(call, dropout_p=dropout_p, alibi_slopes=alibi_slopes)
     out, lse = conventions.attention(call, q, k, v, causal=causal, window_size=window_size, softcap=softcap,
                                      softmax_scale=softmax_scale, deterministic=deterministic,
-                                     return_lse=return_attn_probs, unbound_window_past_keys=True)
+                                     return_lse=return_attn_probs, flash_attn=2)
     return _result(out, lse, return_attn_probs)
 
 
@@ -48,7 +48,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                      softmax_scale=softmax_scale, deterministic=deterministic,
                                      return_lse=return_attn_probs, cu_seqlens_q=cu_seqlens_q,
                                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                     unbound_window_past_keys=True)
+                                     flash_attn=2)
     return _result(out, lse, return_attn_probs)
 
 

@@ -4,11 +4,27 @@ otherwise) and taking ``learnable_sink`` (per-head sinks, with their gradient). 
 ``pack_gqa``, ``min_seqlen_k``, ``scheduler_metadata``, ...) are accepted and left to fa4dist's own dispatch;
 what changes the result and fa4dist does not compute (``qv``, score / mask modifications, block sparsity, paged or
 gathered KV, ``seqused_*``, and sparse MLA's backward options ``gather_bwd_*``, which flash-attn 4 itself refuses
-without ``gather_kv_indices``) is refused by name.  Conventions: :mod:`fa4dist.compat.conventions`."""
+without ``gather_kv_indices``) is refused by name.  ``window_size`` sides are taken literally, as flash-attn 4
+does: None is unbounded, a negative int moves the band off the diagonal.  Conventions:
+:mod:`fa4dist.compat.conventions`."""
 
 from __future__ import annotations
 
 from . import conventions
+
+
+def _empty_is_absent(value):
+    """flash-attn 4 tests ``aux_tensors`` / ``aux_scalars`` for truth: an empty list or tuple is not given."""
+    return None if isinstance(value, (list, tuple)) and not value else value
+
+
+def _sink(call: str, learnable_sink, q):
+    """flash-attn 4's ``learnable_sink``, checked under its own name: one logit per query head."""
+    heads = q.shape[-2] if hasattr(q, "shape") and len(q.shape) >= 3 else None
+    if learnable_sink is not None and (not hasattr(learnable_sink, "shape") or tuple(learnable_sink.shape) != (heads,)):
+        got = tuple(learnable_sink.shape) if hasattr(learnable_sink, "shape") else type(learnable_sink).__name__
+        raise ValueError(f"{call}: learnable_sink must be a tensor of shape (num_heads,) = ({heads},), got {got}")
+    return learnable_sink
 
 
 def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False,
@@ -19,13 +35,13 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     """q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, kv_heads, head_dim) -> (out, lse)."""
     call = "flash_attn_func"
     conventions.refuse(call, qv=qv, gather_kv_indices=gather_kv_indices, score_mod=score_mod,
-                       score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors,
-                       aux_scalars=aux_scalars, block_sparse_tensors=block_sparse_tensors,
+                       score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=_empty_is_absent(aux_tensors),
+                       aux_scalars=_empty_is_absent(aux_scalars), block_sparse_tensors=block_sparse_tensors,
                        block_sparse_tensors_bwd=block_sparse_tensors_bwd, gather_bwd_recompute_p=gather_bwd_recompute_p,
                        gather_bwd_token_chunk=gather_bwd_token_chunk)
     return conventions.attention(call, q, k, v, causal=causal, window_size=window_size, softcap=softcap,
                                  softmax_scale=softmax_scale, deterministic=deterministic, return_lse=return_lse,
-                                 sinks=learnable_sink)
+                                 sinks=_sink(call, learnable_sink, q), flash_attn=4)
 
 
 def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
@@ -42,9 +58,11 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
     call = "flash_attn_varlen_func"
     conventions.refuse(call, qv=qv, seqused_q=seqused_q, seqused_k=seqused_k, gather_kv_indices=gather_kv_indices,
                        page_table=page_table, score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod,
-                       block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors, aux_scalars=aux_scalars,
+                       block_sparse_tensors=block_sparse_tensors, aux_tensors=_empty_is_absent(aux_tensors),
+                       aux_scalars=_empty_is_absent(aux_scalars),
                        gather_bwd_recompute_p=gather_bwd_recompute_p, gather_bwd_token_chunk=gather_bwd_token_chunk)
     return conventions.attention(call, q, k, v, causal=causal, window_size=window_size, softcap=softcap,
                                  softmax_scale=softmax_scale, deterministic=deterministic, return_lse=return_lse,
-                                 sinks=learnable_sink, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                                 sinks=_sink(call, learnable_sink, q), cu_seqlens_q=cu_seqlens_q,
+                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                 flash_attn=4)

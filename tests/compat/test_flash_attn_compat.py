@@ -14,8 +14,9 @@ from fa4dist.compat import flash_attn_cute as fa4
 TOL = 1e-10
 
 
-def oracle(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None, sinks=None):
-    """(out, lse) of one (batch, seqlen, heads, dim) call, flash-attn's mask written out, fp64."""
+def oracle(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None, sinks=None, visible=None):
+    """(out, lse) of one (batch, seqlen, heads, dim) call, flash-attn's mask written out, fp64 (``visible``: a
+    (seqlen_q, seqlen_k) mask of its own instead)."""
     q, k, v = q.double(), k.double(), v.double()
     sq, sk, group = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
@@ -25,11 +26,12 @@ def oracle(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None, sink
     i = torch.arange(sq)[:, None] + sk - sq
     j = torch.arange(sk)[None, :]
     left, right = window[0], 0 if causal else window[1]
-    visible = torch.ones(sq, sk, dtype=torch.bool)
-    if causal or right >= 0:
-        visible &= j <= i + max(right, 0)
-    if left >= 0:
-        visible &= j >= i - left
+    if visible is None:
+        visible = torch.ones(sq, sk, dtype=torch.bool)
+        if causal or right >= 0:
+            visible &= j <= i + max(right, 0)
+        if left >= 0:
+            visible &= j >= i - left
     scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         scores = torch.cat([scores, sinks.double().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)], dim=-1)
@@ -201,7 +203,110 @@ def test_flash_attn_2_unbounds_a_window_side_of_at_least_the_key_count():
     cu_k = torch.tensor([0, 2], dtype=torch.int32)
     packed = fa2.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu_k, 6, 2, window_size=(-1, 2))
     close(packed, got[0], "packed out")
-    close(fa4.flash_attn_func(q, k, v, window_size=(-1, 2))[0], oracle(q, k, v, window=(-1, 2))[0], "fa4 out")
+    close(fa4.flash_attn_func(q, k, v, window_size=(None, 2))[0], oracle(q, k, v, window=(-1, 2))[0], "fa4 out")
+
+
+def fa2_kernel_mask(sq, sk, causal, window):
+    """flash-attn 2's kernels (flash_api.cpp mha_fwd, set_params_fprop; mask.h): a side >= seqlen_k is -1, causal
+    makes right 0, and a bounded left side with an unbounded right one makes right seqlen_k."""
+    left, right = (-1 if s >= sk else s for s in window)
+    right = 0 if causal else (sk if left >= 0 and right < 0 else right)
+    i, j = torch.arange(sq)[:, None] + sk - sq, torch.arange(sk)[None, :]
+    visible = torch.ones(sq, sk, dtype=torch.bool)
+    if right >= 0:
+        visible &= j <= i + right
+    if left >= 0:
+        visible &= j >= i - left
+    return visible
+
+
+@pytest.mark.parametrize("sq, sk, window", [(6, 4, (1, -1)), (6, 4, (1, 100)), (8, 3, (1, 4)), (8, 3, (0, -1)),
+                                            (4, 6, (1, -1)), (6, 4, (-1, 1))])
+def test_flash_attn_2_bounded_left_side_makes_an_unbounded_right_one_the_key_count(sq, sk, window):
+    """flash-attn 2's kernels turn an unbounded right side next to a bounded left one into seqlen_k, which hides the
+    last keys from the first rows of a non-causal call with more queries than keys (rows 0-1 of 8 queries against
+    3 keys at (1, 4) see none); the compat unbounded it, and matched neither its kernels nor its docstring."""
+    q, k, v = leaves((1, sq, 2, 8), (1, sk, 2, 8), (1, sk, 2, 8), seed=11)
+    visible = fa2_kernel_mask(sq, sk, False, window)
+    want_out, want_lse = oracle(q, k, v, visible=visible)
+    out, lse, _ = fa2.flash_attn_func(q, k, v, window_size=window, return_attn_probs=True)
+    close(out, want_out, "out")
+    seen = ~torch.isneginf(want_lse)
+    assert torch.equal(torch.isneginf(lse), ~seen)
+    close(lse[seen], want_lse[seen], "lse")
+    cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32) for n in (sq, sk))
+    close(fa2.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, sq, sk, window_size=window), out[0], "varlen")
+
+
+def fa4_mask(sq, sk, causal, window):
+    """flash-attn 4 (flash_attn/cute/interface.py _resolve_causal_local_window, cute/mask.py): causal makes right
+    0; two int sides summing below 0 are no window; None is unbounded and ints are literal, negative ones too."""
+    left, right = window
+    right = 0 if causal else right
+    if left is not None and right is not None and left + right < 0:
+        left = right = None
+    i, j = torch.arange(sq)[:, None] + sk - sq, torch.arange(sk)[None, :]
+    visible = torch.ones(sq, sk, dtype=torch.bool)
+    if right is not None:
+        visible &= j <= i + right
+    if left is not None:
+        visible &= j >= i - left
+    return visible
+
+
+@pytest.mark.parametrize("sq, sk", [(5, 5), (4, 7), (7, 4)])
+@pytest.mark.parametrize("causal, window", [(False, (None, -1)), (False, (-1, 0)), (False, (-1, 2)), (False, (2, -1)),
+                                            (False, (-2, 3)), (False, (-1, -1)), (False, (None, -2)),
+                                            (False, (-3, None)), (True, (-1, None)), (True, (2, -5)),
+                                            (False, (3, 1)), (False, (None, 9))])
+def test_flash_attn_4_takes_window_sides_literally(sq, sk, causal, window):
+    """flash-attn 4 takes a negative window side literally ((None, -1): the keys strictly before the diagonal) and
+    unbounds only None; the compat read -1 as unbounded, flash-attn 2's convention (a wrong answer in 636 of 7200
+    small cases, a review found).  Out, lse and the gradients, packed input too."""
+    q, k, v = leaves((1, sq, 2, 8), (1, sk, 2, 8), (1, sk, 2, 8), seed=12)
+    want_out, want_lse = oracle(q, k, v, visible=fa4_mask(sq, sk, causal, window))
+    out, lse = fa4.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True)
+    close(out, want_out, "out")
+    seen = ~torch.isneginf(want_lse)
+    assert torch.equal(torch.isneginf(lse), ~seen)
+    close(lse[seen], want_lse[seen], "lse")
+    for name, g, w in zip("qkv", grads_of([out], (q, k, v)), grads_of([want_out], (q, k, v))):
+        close(g, w, f"d{name}")
+    cu_q, cu_k = (torch.tensor([0, n, 2 * n], dtype=torch.int32) for n in (sq, sk))
+    packed = fa4.flash_attn_varlen_func(torch.cat([q[0], q[0]]), torch.cat([k[0], k[0]]), torch.cat([v[0], v[0]]),
+                                        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal, window_size=window)[0]
+    close(packed, torch.cat([out[0], out[0]]), "packed out")
+
+
+def test_softcap_signs_and_empty_aux_follow_each_flash_attn():
+    """flash-attn 2 caps only above 0 (a negative softcap is none); flash-attn 4 computes c * tanh(s / c), the same
+    as |c|.  flash-attn 4 takes empty aux_tensors / aux_scalars as absent.  All were refused."""
+    q, k, v = leaves((1, 6, 2, 8), (1, 6, 2, 8), (1, 6, 2, 8), seed=13)
+    assert torch.equal(fa2.flash_attn_func(q, k, v, softcap=-1.0), fa2.flash_attn_func(q, k, v))
+    close(fa4.flash_attn_func(q, k, v, softcap=-1.5)[0], oracle(q, k, v, softcap=1.5)[0], "fa4 negative softcap")
+    assert torch.equal(fa4.flash_attn_func(q, k, v, aux_tensors=[], aux_scalars=())[0], fa4.flash_attn_func(q, k, v)[0])
+    with pytest.raises(ValueError, match=r"flash_attn_func: learnable_sink must be a tensor of shape \(num_heads,\) "
+                                         r"= \(2,\), got \(3,\)"):
+        fa4.flash_attn_func(q, k, v, learnable_sink=torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"cu_seqlens_q must be a 1-D int32 tensor .* got shape \(1, 2\)"):
+        fa2.flash_attn_varlen_func(q[0], k[0], v[0], torch.tensor([[0, 6]], dtype=torch.int32),
+                                   torch.tensor([0, 6], dtype=torch.int32), 6, 6)
+
+
+def test_a_padded_packed_buffer_computes_the_tokens_its_cu_seqlens_cover():
+    """flash-attn runs a fixed-size token buffer longer than cu_seqlens[-1] (its kernels compute the covered
+    tokens); it was refused.  Rows past the end: out 0, lse -inf, no gradient."""
+    q, k, v = leaves((11, 2, 8), (9, 2, 8), (9, 2, 8), seed=14)
+    cu_q = torch.tensor([0, 3, 8], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 7], dtype=torch.int32)
+    out, lse, _ = fa2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 4, causal=True, return_attn_probs=True)
+    want, want_lse, _ = fa2.flash_attn_varlen_func(q[:8], k[:7], v[:7], cu_q, cu_k, 5, 4, causal=True,
+                                                   return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (2, 11)
+    assert torch.equal(out[:8], want) and torch.equal(lse[:, :8], want_lse)
+    assert not out[8:].any() and torch.isneginf(lse[:, 8:]).all()
+    dq, dk = torch.autograd.grad(out.sum(), (q, k))
+    assert not dq[8:].any() and not dk[7:].any()
 
 
 def test_packed_layouts_and_default_values_are_checked_by_name():
