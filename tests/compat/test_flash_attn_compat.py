@@ -249,6 +249,8 @@ def fa4_mask(sq, sk, causal, window):
     visible = torch.ones(sq, sk, dtype=torch.bool)
     if right is not None:
         visible &= j <= i + right
+    elif causal:  # (a window dropped for its negative sum: causal stays)
+        visible &= j <= i
     if left is not None:
         visible &= j >= i - left
     return visible
