@@ -460,13 +460,18 @@ def prepare(args, layout, device, dtype):
 
 
 def hf_batch(sample) -> dict:
-    """A packed window as transformers' DataCollatorWithFlattening makes it: one row of documents, positions
-    restarting per document, labels -100 at each document's first token."""
+    """A packed window as transformers' DataCollatorWithFlattening makes it (one row of documents, positions
+    restarting per document, labels -100 at each document's first token), with the window's own targets as
+    ``shift_labels`` (already shifted, as transformers' losses take them): the last token's target is the next
+    window's first token, which the unshifted labels cannot hold (a target lost per window, as the other recipes
+    train on it)."""
     from transformers import DataCollatorWithFlattening
 
     cu = sample.cu_seqlens.tolist()
     tokens = sample.tokens.tolist()
-    return DataCollatorWithFlattening()([{"input_ids": tokens[a:b]} for a, b in zip(cu, cu[1:])])
+    batch = DataCollatorWithFlattening()([{"input_ids": tokens[a:b]} for a, b in zip(cu, cu[1:])])
+    batch["shift_labels"] = sample.labels[None].clone()
+    return batch
 
 
 def to_device(local: dict, device) -> dict:
@@ -650,42 +655,49 @@ def main(argv=None):
 
 
 def per_document_loss(model, sample) -> torch.Tensor:
-    """The packed sample's mean next-token loss computed one document at a time (each a batch of its own, positions
-    from 0), with the model's own loss: what the packed call means, without trusting the model's packed-sequence
-    masks (transformers 5.24's eager GPT-OSS sliding-window layers let a document's first tokens see the previous
-    document in a packed row: a document run alone and the same document packed differ by ~4e-2 there).  A window
-    without targets gives 0, as the cp loss does.  A model that scales its queries by their token's index in the row
-    (Llama 4's temperature-tuned NoPE layers, from floor_scale tokens on) computes something else for a document
-    alone (from index 0) than packed: it runs the packed row (positions restarting per document, no cache:
-    transformers' packed-sequence mask), as the recipe's run computes it."""
+    """The packed sample's mean next-token loss over its own targets (``sample.labels``: the next token within a
+    document, the next window's first token for the last one) computed one document at a time (each a batch of its
+    own, positions from 0), the cross entropy of the model's fp32 logits as its own loss takes it: what the packed
+    call means, without trusting the model's packed-sequence masks (transformers 5.24's eager GPT-OSS
+    sliding-window layers let a document's first tokens see the previous document in a packed row: a document run
+    alone and the same document packed differ by ~4e-2 there).  A window without targets gives 0, as the cp loss
+    does.  A model that scales its queries by their token's index in the row (Llama 4's temperature-tuned NoPE
+    layers, from floor_scale tokens on) computes something else for a document alone (from index 0) than packed:
+    it runs the packed row (positions restarting per document, no cache: transformers' packed-sequence mask), as
+    the recipe's run computes it."""
+    from fa4dist.data.packing import IGNORE
     from fa4dist.integrations.hf_context_parallel import temperature_tuned
 
     cu = sample.cu_seqlens.tolist()
-    if temperature_tuned(model) and any(b - a >= 2 for a, b in zip(cu, cu[1:])):
+    labels = sample.labels
+    count = int((labels != IGNORE).sum())
+    if temperature_tuned(model) or not count:
+        # (no target: 0 with zero gradients through the graph, as the cp loss gives (cp_cross_entropy says why),
+        # not a NaN mean over no labels)
         batch = hf_batch(sample)
-        return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
-                     use_cache=False).loss
-    total, count = None, 0
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
+        return _target_loss(logits, labels) / max(count, 1)
+    total = None
     for a, b in zip(cu, cu[1:]):
-        if b - a < 2:  # no next-token label in a one-token document
+        if not bool((labels[a:b] != IGNORE).any()):
             continue
         ids = sample.tokens[a:b].unsqueeze(0)
-        out = model(input_ids=ids, position_ids=torch.arange(b - a).unsqueeze(0), labels=ids, use_cache=False)
-        term = out.loss * (b - a - 1)  # the model's mean over its b - a - 1 labels, back to a sum
+        logits = model(input_ids=ids, position_ids=torch.arange(b - a).unsqueeze(0), use_cache=False).logits[0]
+        term = _target_loss(logits, labels[a:b])
         total = term if total is None else total + term
-        count += b - a - 1
-    if not count:  # no next-token target in the window (one-token documents): 0 with zero gradients, as the cp
-        # loss gives (cp_cross_entropy says why, not the model's NaN mean over no labels), through the graph
-        logits = model(input_ids=sample.tokens[None], use_cache=False).logits[0]
-        return torch.nn.functional.cross_entropy(logits, torch.full_like(sample.tokens, -100), reduction="sum")
     return total / count
+
+
+def _target_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross entropy of (tokens, vocab) logits in fp32 against shifted targets (-100: none)."""
+    return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
 
 
 def reference_run(args, device=torch.device("cpu")) -> dict:
     """``{"loss": [...], "grad_norm": [...]}`` of common.reference_loop over the same data with the model's own
-    attention (``own_attention``: sdpa, or eager for Gemma and GPT-OSS) and its own loss (``labels``, shifted
-    inside), one document at a time (the packed row for Llama 4: :func:`per_document_loss`).  What the distributed
-    recipe must reproduce."""
+    attention (``own_attention``: sdpa, or eager for Gemma and GPT-OSS) and the cross entropy of its logits against
+    the windows' own targets, one document at a time (the packed row for Llama 4: :func:`per_document_loss`).  What
+    the distributed recipe must reproduce."""
     common.set_determinism(args)
     model, sharded = build_model(args, device)
     if sharded:

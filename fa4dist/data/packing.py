@@ -16,7 +16,8 @@ import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Mapping
+from typing import Optional, Sequence
 
 import torch
 
@@ -35,8 +36,13 @@ def _skipped(part: str) -> bool:
 
 def _tracked_files(root: Path) -> Optional[list[Path]]:
     """The files git tracks under ``root``, outside the skipped directories, in walk order (sorted by path parts);
-    None where ``root`` is not a git checkout or git is not there."""
+    None where ``root`` is not the top of a git checkout or git is not there (an installed package in a git-ignored
+    ``.venv`` inside a project's checkout, uv's and poetry's layout, is in a checkout that tracks none of it)."""
     try:
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True,
+                             check=True, timeout=60).stdout.decode("utf-8", "surrogateescape").strip()
+        if not top or Path(top).resolve() != root.resolve():
+            return None
         out = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, check=True,
                              timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
@@ -70,7 +76,13 @@ def collect_documents(
     if isinstance(roots, (str, os.PathLike)):  # one root (a string is not a sequence of roots)
         roots = [roots]
     if roots is not None:
+        if isinstance(roots, bytes) or not isinstance(roots, Iterable):
+            raise TypeError(f"roots must be a path or a sequence of paths (None: this repository), got "
+                            f"{type(roots).__name__}")
         given, roots = roots, list(roots)
+        bad = [r for r in roots if not isinstance(r, (str, os.PathLike))]
+        if bad:
+            raise TypeError(f"roots must hold paths (str or os.PathLike), got {type(bad[0]).__name__} in {given!r}")
         if not roots:  # (was taken as None: this repository's text, silently)
             raise ValueError(f"roots must name at least one file or directory (None: this repository), got {given!r}")
         empty = [r for r in roots if not os.fspath(r)]
@@ -218,6 +230,8 @@ class PackedTokenStream:
         if isinstance(documents, (str, bytes)):
             raise TypeError("documents must be a sequence of texts, got one "
                             f"{type(documents).__name__} (wrap it in a list: [text])")
+        if isinstance(documents, Mapping) or not isinstance(documents, Iterable):  # (a dict packed its keys)
+            raise TypeError(f"documents must be a sequence of texts (str), got {type(documents).__name__}")
         if tokenizer is None:
             tokenizer = ByteTokenizer()
         elif isinstance(tokenizer, (str, bytes)) or not callable(getattr(tokenizer, "encode", None)):

@@ -31,7 +31,9 @@ How it works:
   ``cu_seq_lens_q`` when the collator gives them, which must then agree with the positions), builds the LPT plan
   of the documents (:func:`fa4dist.context_parallel.make_plan`) and returns this rank's ``input_ids`` and
   ``position_ids`` (the global positions, for RoPE), ``shift_labels`` (the labels shifted by one token *before*
-  sharding, so no target is lost at a shard edge), ``use_cache=False`` and the plan (under :data:`PLAN_KEY`), which
+  sharding, so no target is lost at a shard edge; a batch's own ``shift_labels``, already shifted, are taken as they
+  are, as transformers' losses take them: they can hold the last token's target, the next window's first token),
+  ``use_cache=False`` and the plan (under :data:`PLAN_KEY`), which
   transformers hands to every attention call.  The cp ranks must hold the same batch; a checksum exchange makes a
   disagreement an error.
 - The attention function runs :class:`fa4dist.modules.FA4ContextParallelAttention` on the local query, key and
@@ -567,7 +569,7 @@ class ContextParallelHandle:
         else:
             check_token_ids("batch['input_ids']", ids, vocab)
         total = ids.shape[1]
-        for key in ("labels", "position_ids", "attention_mask"):
+        for key in ("labels", LABELS_KEY, "position_ids", "attention_mask"):
             t = batch.get(key)
             if t is None:
                 continue
@@ -592,10 +594,11 @@ class ContextParallelHandle:
             from fa4dist.data import positions_from_cu_seqlens
 
             positions = positions_from_cu_seqlens(cu)[None].to(ids.device)
-        labels = batch.get("labels")
-        shifted = None
-        if labels is not None:  # the target of token i is labels[i + 1]; the last token has none
+        labels, shifted = batch.get("labels"), batch.get(LABELS_KEY)
+        if shifted is None and labels is not None:  # the target of token i is labels[i + 1]; the last token has none
             shifted = torch.cat([labels[:, 1:], labels.new_full((1, 1), IGNORE)], dim=1)
+        # (shift_labels, transformers' name for targets already shifted, takes precedence as in its losses: the
+        # target of a window's last token, the next window's first, has no place in unshifted labels)
         plan = self.make_plan(cu)
         empty = [r for r in range(self.cp_size) if plan.local_len(r) == 0]
         if empty:

@@ -86,6 +86,9 @@ def test_windows_keep_their_document_structure():
     (["abc"], 1, {}, ValueError, "seqlen must be >= 2, got 1"),
     (["abc"], 4, dict(seed=None), TypeError, "seed must be an int, got NoneType"),
     (["abc"], 4, dict(packing="rows"), ValueError, "packing must be 'documents' or 'stream'"),
+    (None, 4, {}, TypeError, "documents must be a sequence of texts \\(str\\), got NoneType"),  # not iterable
+    (5, 4, {}, TypeError, "documents must be a sequence of texts \\(str\\), got int"),
+    ({"a": "text"}, 4, {}, TypeError, "documents must be a sequence of texts \\(str\\), got dict"),  # packed its keys
 ])
 def test_bad_stream_arguments_are_refused_by_name(documents, seqlen, kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -277,6 +280,40 @@ def test_the_default_data_of_a_git_checkout_is_what_git_tracks(tmp_path, monkeyp
     # an explicit root: every file, walked (a directory's files, then its subdirectories in order)
     assert collect_documents([root]) == ["alpha document", "print('beta')", '{"a bench": "output"}', "delta",
                                          "not added yet"]
+
+
+def test_an_installed_package_in_an_ignored_folder_of_a_checkout_is_walked(tmp_path, monkeypatch):
+    """uv's and poetry's layout: the package installed in a git-ignored .venv inside the user's own checkout.  git's
+    list there is empty (the checkout tracks none of it), and it was trusted: 'no text files found' under a folder
+    holding them.  git's list is taken only where the root is the top of its checkout."""
+    import shutil
+    import subprocess
+
+    from fa4dist.data import packing
+
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    project = tmp_path / "project"
+    pkg = project / ".venv" / "site-packages" / "fa4dist"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text("print('installed')")
+    (project / ".gitignore").write_text(".venv/\n")
+    git = ["git", "-C", str(project), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", ".gitignore"], check=True)
+    subprocess.run(git + ["commit", "-qm", "project"], check=True)
+    assert packing._tracked_files(pkg) is None
+    monkeypatch.setattr(packing, "default_text_root", lambda: pkg)
+    assert collect_documents() == ["print('installed')"]
+
+
+@pytest.mark.parametrize("roots, message", [
+    (5, "roots must be a path or a sequence of paths \\(None: this repository\\), got int"),
+    ([None], "roots must hold paths \\(str or os.PathLike\\), got NoneType"),
+])
+def test_roots_that_are_not_paths_are_refused_by_name(roots, message):
+    with pytest.raises(TypeError, match=message):
+        collect_documents(roots)
 
 
 @pytest.mark.gpu

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -327,6 +328,37 @@ def test_the_reference_loss_of_a_window_without_targets_is_the_cp_loss_zero():
     with enable_context_parallel(model) as handle:
         local = handle.shard_batch(hf_sft.hf_batch(sample))
         assert handle.loss(model(**local).logits, local).item() == want.item()
+
+
+@pytest.mark.parametrize("packing", ["documents", "stream"])
+def test_every_target_of_a_window_is_trained_on(packing):
+    """hf_batch rebuilt the labels from the window's tokens, so the last token's target (the next window's first
+    token, as fa4dist.data's windows hold it) was -100: one target per window never trained, in both packings, where
+    the other recipes train on it.  The window's own targets go through shard_batch as shift_labels now, and the
+    reference counts them too."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from fa4dist.data import PackedTokenStream
+    from fa4dist.data.packing import IGNORE
+    from fa4dist.data.tokenizer import VOCAB_SIZE
+    from fa4dist.integrations.hf import enable_context_parallel
+
+    texts = [f"document {i}: " + "text " * (3 + 7 * i) for i in range(12)]
+    stream = PackedTokenStream(texts, 48, packing=packing)
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    samples, losses = [stream.window(i) for i in range(3)], []
+    with enable_context_parallel(model) as handle:
+        for sample in samples:
+            local = handle.shard_batch(hf_sft.hf_batch(sample))
+            assert torch.equal(local["shift_labels"][0], sample.labels)
+            assert int(sample.labels[-1]) != IGNORE  # the target the unshifted labels could not hold
+            logits = model(**{k: v for k, v in local.items() if k != "shift_labels"}).logits
+            losses.append(handle.loss(logits, local))
+    for sample, loss in zip(samples, losses):  # (the model's own attention again)
+        torch.testing.assert_close(loss, hf_sft.per_document_loss(model, sample), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3", "gpt_oss", "llama4"])
