@@ -8,15 +8,12 @@ tokens, pile up on a few groups).
 
 - ``contiguous``: group g holds one contiguous run of the real chunks.
 - ``zigzag``: with 2G chunks per round, group g holds chunks g and 2G-1-g of each round.
-- ``lpt``: two starts, each then improved by pairwise swaps (:func:`_improve`); the better result wins (the greedy
-  one on a tie):
-
-  - longest processing time first: chunks go costliest-first to the least-loaded group that has room;
-  - balanced differencing (Karmarkar-Karp with equal counts): the chunks, costliest first, form rows of G; the two
-    rows whose loads spread the most merge, the heaviest group of one with the lightest of the other, until one row
-    is left.  It beats the greedy where one long document's chunks dominate the mix.
-
-  With 2G equal chunks of one causal sequence both give zigzag's balance (every group the same work).
+- ``lpt``: longest processing time first (chunks go costliest-first to the least-loaded group that has room), then
+  swaps (:func:`_improve`): first the previous balancer's own (the busiest group's one-for-one swap that lowers it
+  most), so that it never ends more than the search's stopping tolerance (0.1% of the mean) above where that one
+  did, then, where none is left, swaps that bring two groups
+  closer (one-for-one, then two-for-two), which open new ones for the busiest group.  With 2G equal chunks of one
+  causal sequence it is zigzag's balance (every group the same work).
 
 The search is deterministic (plans must agree on every rank), and a round of swaps looks at a bounded number of group
 pairs whatever the cp size.
@@ -95,71 +92,56 @@ def _greedy(costs: Sequence[int], groups: int, items: list[int], slots: int) -> 
         load[g] += costs[i]
         full += len(members[g]) == slots
         heapq.heappush(heap, (load[g], g))
-    return [m + [None] * (slots - len(m)) for m in members]
-
-
-def _differencing(costs: Sequence[int], groups: int, items: list[int], slots: int) -> list[list]:
-    """Balanced differencing: rows of G chunks (costliest first; the holes, cost 0, last) merge two at a time, the
-    pair whose loads spread the most first, pairing one row's heaviest groups with the other's lightest."""
-    ordered = sorted(items, key=lambda i: (-costs[i], i)) + [None] * (groups * slots - len(items))
-    heap = []
-    for r in range(slots):
-        row = [(0 if i is None else costs[i], i) for i in ordered[r * groups:(r + 1) * groups]]  # (load, tree)
-        heapq.heappush(heap, (row[-1][0] - row[0][0], r, row))  # rows are sorted heaviest first
-    seq = slots
-    while len(heap) > 1:
-        (_, _, a), (_, _, b) = heapq.heappop(heap), heapq.heappop(heap)
-        row = sorted(((la + lb, (ta, tb)) for (la, ta), (lb, tb) in zip(a, reversed(b))),
-                     key=lambda x: -x[0])  # (stable: ties keep their order, so the result is deterministic)
-        heapq.heappush(heap, (row[-1][0] - row[0][0], seq, row))
-        seq += 1
-    members = []
-    for _, tree in heap[0][2]:
-        leaves, stack = [], [tree]
-        while stack:  # a merge tree's leaves are chunk indices (or a hole)
-            t = stack.pop()
-            if isinstance(t, tuple):
-                stack.extend(t)
-            else:
-                leaves.append(t)
-        members.append(leaves)
-    return members
+    return [sorted(m) + [None] * (slots - len(m)) for m in members]  # (in chunk order, as the swaps' tie-break)
 
 
 def _improve(costs: Sequence[int], members: list[list], max_rounds: int) -> list[int]:
-    """Swaps that bring two groups' loads closer (the sum of squared loads falls, so the maximum never rises): one
-    chunk for one, or two for two where a group holds at most ``_PAIR_SWAP_SLOTS`` (a chain of single swaps cannot
-    always reach what one double swap does: the big chunks of one long document are spread over the groups).  Each
-    round looks at the most loaded group against the ``_PARTNERS`` least loaded and the least loaded against the
-    most loaded ones (the widest spreads allow the largest gains), and makes the swap that lowers the sum of squares
-    most, until the maximum is within ``_GOOD_ENOUGH`` of the mean or no swap helps.  Returns the loads."""
+    """Swaps that lower the busiest group's load, and where none does, swaps that bring two groups' loads closer;
+    the maximum never rises.  Returns the loads.  Each round makes one swap:
+
+    1. the one-for-one swap of the busiest group with any other (past ``_PARTNERS`` groups, with the ``_PARTNERS``
+       least loaded: a round's cost does not grow with cp) that leaves the pair's larger load smallest, below the
+       busiest load, the first in slot and group order on a tie: the previous balancer's own rule, so that from the
+       same start this one stops no higher (up to the tolerance below);
+    2. else the one that lowers the sum of squared loads most, between the busiest group and the
+       ``_CLOSER_PARTNERS`` least loaded or the ``_CLOSER_PARTNERS`` most loaded and the least loaded group; then
+       two-for-two among the same pairs where groups hold at most ``_PAIR_SWAP_SLOTS`` chunks (a chain of single
+       swaps cannot always reach what one double swap does: the big chunks of one long document spread over the
+       groups).
+
+    The search stops within ``_GOOD_ENOUGH`` of the mean."""
     groups = len(members)
     cost = [[0 if i is None else costs[i] for i in m] for m in members]
     load = [sum(c) for c in cost]
     good_enough = sum(load) / groups * (1 + _GOOD_ENOUGH)
     pairs_too = len(members[0]) <= _PAIR_SWAP_SLOTS
+    k = min(_PARTNERS, groups - 1)
     for _ in range(max_rounds):
         order = sorted(range(groups), key=lambda g: (load[g], g))
-        low, top = order[0], order[-1]
+        top = max(range(groups), key=lambda g: (load[g], -g))  # (the lowest index among the busiest)
         if load[top] <= good_enough:
             break
-        k = min(_PARTNERS, groups - 1)
-        pairs = [(top, g) for g in order[:k]] + [(g, low) for g in order[-1 - k:-1] if g not in order[:k]]
-        best = None  # (gain, hi, slots in hi, lo, slots in lo)
-        for moves in (_single_slots, _slot_pairs) if pairs_too else (_single_slots,):
-            for hi, lo in pairs:
-                spread = load[hi] - load[lo]
-                if spread > 1:
-                    hole_to_hi = None not in members[hi]  # (a group holds one hole at most)
-                    found = _best_swap(moves(cost[hi], members[hi], False), moves(cost[lo], members[lo], hole_to_hi),
-                                       spread)
-                    if found is not None and (best is None or found[0] > best[0]):
-                        best = (found[0], hi, found[1], lo, found[2])
-            if best is not None:  # (two-for-two only where no single swap helps: it costs far more)
-                break
-        if best is None:
+        partners = sorted(order[:k]) if k < groups - 1 else [g for g in range(groups) if g != top]
+        move = _lower_the_top(cost, members, load, top, partners)
+        if move is None:
+            low = order[0]
+            kb = min(_CLOSER_PARTNERS, groups - 1)
+            pairs = ([(top, g) for g in order[:kb] if g != top]
+                     + [(g, low) for g in order[-1 - kb:] if g not in (top, low)])
+            for moves in (_single_slots, _slot_pairs) if pairs_too else (_single_slots,):
+                for hi, lo in pairs:
+                    spread = load[hi] - load[lo]
+                    if spread > 1:
+                        hole_to_hi = None not in members[hi]  # (a group holds one hole at most)
+                        found = _best_swap(moves(cost[hi], members[hi], False),
+                                           moves(cost[lo], members[lo], hole_to_hi), spread)
+                        if found is not None and (move is None or found[0] > move[0]):
+                            move = (found[0], hi, found[1], lo, found[2])
+                if move is not None:  # (two-for-two only where no single swap helps: it costs far more)
+                    break
+        if move is None:
             break
-        _, hi, slots_hi, lo, slots_lo = best
+        _, hi, slots_hi, lo, slots_lo = move
         for sa, sb in zip(slots_hi, slots_lo):
             delta = cost[hi][sa] - cost[lo][sb]
             members[hi][sa], members[lo][sb] = members[lo][sb], members[hi][sa]
@@ -169,8 +151,38 @@ def _improve(costs: Sequence[int], members: list[list], max_rounds: int) -> list
     return load
 
 
-_PAIR_SWAP_SLOTS = 64  # two-for-two swaps look at (slots choose 2)^2 pairs of a group pair, by bisection
-_PARTNERS = 8  # groups a round pairs with the most and with the least loaded: its cost does not grow with cp
+def _lower_the_top(cost: list, members: list, load: list, top: int, partners: list):
+    """(_, top, (slot,), partner, (slot,)): the one-for-one swap of ``top`` with one of ``partners`` whose pair's
+    larger load is smallest and below ``load[top]``, the first in (top's slot, partner, partner's slot) order on a
+    tie; or None."""
+    best = None  # ((pair maximum, slot in top, partner, slot in partner))
+    hole_ok = None not in members[top]
+    for g in sorted(partners, key=lambda g: (load[g], g)):  # the widest spreads first
+        spread = load[top] - load[g]
+        if spread <= 0 or (best is not None and load[top] - spread // 2 > best[0]):
+            break  # (no swap with this group or a busier one gets below load[top] - spread / 2)
+        cand = sorted((c, s) for s, c in enumerate(cost[g]) if hole_ok or members[g][s] is not None)
+        keys = [c for c, _ in cand]
+        for sa, ca in enumerate(cost[top]):
+            if members[top][sa] is None:
+                continue
+            j = bisect_left(keys, ca - spread // 2)  # the partner's slots costing about ca - spread / 2
+            for near in (j - 1, j):
+                if 0 <= near < len(cand) and 0 < ca - keys[near]:
+                    first = bisect_left(keys, keys[near])  # the first slot of that cost
+                    pair_max = max(load[top] - (ca - keys[near]), load[g] + (ca - keys[near]))
+                    key = (pair_max, sa, g, cand[first][1])
+                    if pair_max < load[top] and (best is None or key < best):
+                        best = key
+    if best is None:
+        return None
+    _, sa, g, sb = best
+    return None, top, (sa,), g, (sb,)
+
+
+_PAIR_SWAP_SLOTS = 16  # two-for-two swaps look at (slots choose 2)^2 pairs of a group pair, by bisection
+_PARTNERS = 64  # groups the busiest one's swaps look at (rule 1): a round's cost does not grow with cp
+_CLOSER_PARTNERS = 8  # groups the busiest and the least loaded pair with for rule 2
 _GOOD_ENOUGH = 1e-3  # the busiest group's work over the mean, minus one, where the search stops
 
 
@@ -207,22 +219,13 @@ def _best_swap(give, take, spread: int):
 
 
 def lpt(costs: Sequence[int], groups: int, real: Sequence[bool]) -> list[int]:
-    """The greedy and the differencing starts, each improved by swaps; the lower (maximum load, sum of squared
-    loads) wins, the greedy one on a tie."""
+    """Longest first to the least-loaded group with room (:func:`_greedy`), then swaps (:func:`_improve`)."""
     n = len(costs)
     items = [i for i in range(n) if real[i]]
-    slots = -(-len(items) // groups)
-    best = None
-    for start in (_greedy, _differencing):
-        members = start(costs, groups, items, slots)
-        load = _improve(costs, members, max_rounds=2 * groups + 64)
-        key = (max(load), sum(x * x for x in load))
-        if best is None or key < best[0]:
-            best = (key, members)
-        if max(load) <= sum(load) / groups * (1 + _GOOD_ENOUGH):
-            break  # (the greedy start is enough)
+    members = _greedy(costs, groups, items, -(-len(items) // groups))
+    _improve(costs, members, max_rounds=4 * n + 16)
     owner, count = [0] * n, [0] * groups
-    for g, m in enumerate(best[1]):
+    for g, m in enumerate(members):
         for i in m:
             if i is not None:
                 owner[i] = g

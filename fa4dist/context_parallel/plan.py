@@ -11,8 +11,8 @@ Balancers (how chunks go to ranks):
 - ``zigzag``: with 2c chunks per round, rank r holds chunks r and 2c-1-r of each round (the classic causal balance).
 - ``lpt`` (default): every chunk is costed from the mask (the visible (query, key) pairs of its queries under
   causal and the sliding window; for packed documents only pairs within a document, see
-  :func:`fa4dist.kernels.mask.visible_pairs`), then :func:`fa4dist.context_parallel.balance.lpt` assigns them (a
-  longest-first greedy and a balanced-differencing start, each improved by chunk swaps).  With 2c equal chunks of
+  :func:`fa4dist.kernels.mask.visible_pairs`), then :func:`fa4dist.context_parallel.balance.lpt` assigns them
+  (longest first to the least-loaded rank with room, then chunk swaps).  With 2c equal chunks of
   one causal sequence this is exactly zigzag's balance.
 
 Every balancer but zigzag also gives each rank as many *real* chunks (chunks with tokens) as the others, within
@@ -604,7 +604,7 @@ def make_plan(
     - ``num_chunks``: a multiple of ``cp_size`` (every rank holds as many chunks); default ``2 * cp_size`` for one
       sequence (zigzag's count), ``8 * cp_size`` for packed documents (finer chunks let LPT balance a mix
       dominated by one long document), and for ``lpt`` ``16 * cp_size`` where 8 per rank leave the busiest ring
-      group over 1% above the mean, 16 balance it better and chunks stay at least 256 tokens (one chunk can cost
+      group over 1% above the mean, 16 balance it better and chunks stay at least 128 tokens (one chunk can cost
       nearly a group's share: the end of a long document); with ``align > 1``, for packed
       documents, 8 to 16 real chunks per rank where the stream has that many aligned chunks
       (:func:`_aligned_chunk_count`; for ``zigzag`` rounded up to two chunks per ring group and round).
@@ -652,7 +652,7 @@ def make_plan(
     return plan
 
 
-_MIN_FINER_CHUNK = 256  # tokens: the finer default count never cuts a chunk below two kernel tiles of rows
+_MIN_FINER_CHUNK = 128  # tokens: the finer default count never cuts a chunk below one 128-row kernel tile
 
 
 def _balanced_plan(total, cu, cp_size, num_chunks, balancer, mask, ulysses_degree, align) -> tuple[ShardPlan, float]:
