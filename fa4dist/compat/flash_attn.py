@@ -1,7 +1,8 @@
 """flash-attn 2's Python API on fa4dist: ``flash_attn_func``, ``flash_attn_varlen_func``,
 ``flash_attn_qkvpacked_func``, ``flash_attn_kvpacked_func``, ``flash_attn_varlen_qkvpacked_func`` and
 ``flash_attn_varlen_kvpacked_func``, with flash-attn 2's signatures and results (``return_attn_probs=True``:
-``(out, softmax_lse, None)``; fa4dist never forms the attention probabilities, and the lse is differentiable).
+``(out, softmax_lse, S_dmask)``, the last an empty tensor as flash-attn 2 returns it without dropout; fa4dist never
+forms the attention probabilities, and the lse is differentiable).
 Dropout, ALiBi and paged KV caches are refused by name.  Conventions: :mod:`fa4dist.compat.conventions`.  One
 difference: a query row that sees no key (a causal call with more queries than keys) has out 0 and lse -inf, the
 log of its empty sum, as in flash-attn 4; flash-attn 2's kernels write +inf there.  Windows follow flash-attn 2's
@@ -15,7 +16,8 @@ from . import conventions
 
 
 def _result(out, lse, return_attn_probs: bool):
-    return (out, lse, None) if return_attn_probs else out
+    # (flash-attn 2 returns an empty tensor of the output's dtype as the probabilities without dropout)
+    return (out, lse, out.new_empty(0)) if return_attn_probs else out
 
 
 def _unpack(call: str, name: str, packed, dim: int, count: int, layout: str) -> tuple:

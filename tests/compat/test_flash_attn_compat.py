@@ -68,7 +68,7 @@ def test_flash_attn_2_func_equals_its_documented_mask(sq, sk, mask):
               softcap=1.5 if mask == "softcap" else 0.0)
     out, lse, probs = fa2.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
     want_out, want_lse = oracle(q, k, v, kw["causal"], kw["window_size"], kw["softcap"])
-    assert probs is None
+    assert probs.shape == (0,) and probs.dtype == q.dtype  # flash-attn 2's S_dmask without dropout
     close(out, want_out, "out")
     seen = ~torch.isneginf(want_lse)  # (rows that see no key: out 0, lse -inf)
     close(lse[seen], want_lse[seen], "lse")
