@@ -4,6 +4,7 @@ packed plan (single process: pure bookkeeping)."""
 import random
 import time
 
+import bench_scripts
 import pytest
 
 from fa4dist.context_parallel import make_plan
@@ -113,29 +114,17 @@ def test_swaps_never_raise_the_maximum():
         assert all(sum(i is None for i in m) <= 1 for m in members)  # one hole per group at most
 
 
-def _random_mix(rng, total):
-    kind = rng.choice(["uniform", "one-long", "power"])
-    lens = [int(total * rng.uniform(0.3, 0.9))] if kind == "one-long" else []
-    while sum(lens) < total:
-        n = rng.randint(16, 2048) if kind != "power" else int(min(total, 16 * (1 / (rng.random() + 1e-3)) ** 1.2))
-        lens.append(min(n, total - sum(lens)))
-    rng.shuffle(lens)
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    return cu
-
-
 def test_default_packed_plans_are_within_one_percent():
     """Random mixes (uniform short documents, one long document among short ones, a power law) of 4k-128k tokens at
     cp 2-8.  The default count is 8 chunks per rank, 16 where that balances better than 8 left over 1% off; one
     chunk can cost nearly a rank's share (the end of a long document) and every rank holds as many.  (31 seeds of
     bench/cp_balance.py's 400 mixes: none over 1.0100; 624 were before, up to 1.24.)"""
+    bench = bench_scripts.load("cp_balance")  # (the benchmark's mixes)
     rng = random.Random(0)
     finer = 0
     for _ in range(200):
         cp, total = rng.choice([2, 4, 8]), rng.choice([4096, 16384, 32768, 131072])
-        cu = _random_mix(rng, total)
+        _, cu = bench.random_mix(rng, total)
         plan = make_plan(cu, cp)
         imbalance = plan.balance_report().imbalance
         assert imbalance < 1.01, (cp, total, len(cu) - 1, plan.num_chunks, imbalance)
