@@ -44,11 +44,15 @@ def test_cuda_bf16_fused_backend_precision(pool, strategy, kw):
     print(strategy, {k: f"{a:.2e} (cp=1 {b:.2e})" for k, (a, b) in report.items()})
 
 
-@pytest.mark.parametrize("packed, heads, head_dim, sinks", [(False, (4, 2), 128, False), (True, (4, 1), 128, False),
-                                                            (True, (4, 2), 96, False), (True, (4, 2), 128, True)])
-def test_cuda_cp_invariant_bitwise_across_layouts(pool, packed, heads, head_dim, sinks):
+@pytest.mark.parametrize("packed, heads, head_dim, sinks, window", [
+    (False, (4, 2), 128, False, (-1, -1)), (True, (4, 1), 128, False, (-1, -1)), (True, (4, 2), 96, False, (-1, -1)),
+    (True, (4, 2), 128, True, (-1, -1)),
+    (True, (4, 2), 128, False, (300, -1)),  # a window's lower edge: the dq bounds' sparse-table path
+])
+def test_cuda_cp_invariant_bitwise_across_layouts(pool, packed, heads, head_dim, sinks, window):
     """cp_invariant with the fastest backend that guarantees it, bf16, several ranks on one GPU: the same bytes at
-    cp 1-4, ring, Ulysses and hybrid as one device (with sinks: their gradient summed over the ranks too)."""
+    cp 1-4, ring, Ulysses and hybrid as one device (with sinks: their gradient summed over the ranks too; with a
+    sliding window, the dq bound of each row from the keys inside it)."""
     import torch
 
     layouts = [(1, "ring", "lpt", None), (2, "ring", "lpt", None), (3, "ring", "zigzag", None),
@@ -56,7 +60,7 @@ def test_cuda_cp_invariant_bitwise_across_layouts(pool, packed, heads, head_dim,
     docs = [0, 700, 701, 1900, 3000]
     for per_rank in pool.run(invariant_case, layouts=layouts, dtype=torch.bfloat16, packed=packed, heads=heads,
                              device="cuda:0", backend="auto", head_dim=head_dim, docs=docs, total=2048, timeout=280,
-                             sinks=sinks):
+                             sinks=sinks, window=window):
         for cp, strategy, balancer, u, same in per_rank:
             assert len(same) == 4 + sinks and all(same), \
                 f"cp={cp} {strategy} {balancer} u={u}: out/dq/dk/dv(/dsinks) bytes equal: {same}"
