@@ -154,30 +154,25 @@ def _improve(costs: Sequence[int], members: list[list], max_rounds: int) -> list
 def _lower_the_top(cost: list, members: list, load: list, top: int, partners: list):
     """(_, top, (slot,), partner, (slot,)): the one-for-one swap of ``top`` with one of ``partners`` whose pair's
     larger load is smallest and below ``load[top]``, the first in (top's slot, partner, partner's slot) order on a
-    tie; or None."""
-    best = None  # ((pair maximum, slot in top, partner, slot in partner))
-    hole_ok = None not in members[top]
+    tie; or None.  (In one pair the smallest larger load is :func:`_best_swap`'s move, closest to half the spread.)"""
+    best = None  # (pair maximum, slots in top, partner, slots in partner)
+    hole_ok = None not in members[top]  # (a group holds one hole at most)
     for g in sorted(partners, key=lambda g: (load[g], g)):  # the widest spreads first
         spread = load[top] - load[g]
         if spread <= 0 or (best is not None and load[top] - spread // 2 > best[0]):
             break  # (no swap with this group or a busier one gets below load[top] - spread / 2)
-        cand = sorted((c, s) for s, c in enumerate(cost[g]) if hole_ok or members[g][s] is not None)
-        keys = [c for c, _ in cand]
-        for sa, ca in enumerate(cost[top]):
-            if members[top][sa] is None:
-                continue
-            j = bisect_left(keys, ca - spread // 2)  # the partner's slots costing about ca - spread / 2
-            for near in (j - 1, j):
-                if 0 <= near < len(cand) and 0 < ca - keys[near]:
-                    first = bisect_left(keys, keys[near])  # the first slot of that cost
-                    pair_max = max(load[top] - (ca - keys[near]), load[g] + (ca - keys[near]))
-                    key = (pair_max, sa, g, cand[first][1])
-                    if pair_max < load[top] and (best is None or key < best):
-                        best = key
+        found = _best_swap(_single_slots(cost[top], members[top], False),
+                           _single_slots(cost[g], members[g], hole_ok), spread)
+        if found is not None:
+            _, sa, sb = found
+            delta = cost[top][sa[0]] - cost[g][sb[0]]
+            key = (max(load[top] - delta, load[g] + delta), sa, g, sb)
+            if best is None or key < best:
+                best = key
     if best is None:
         return None
     _, sa, g, sb = best
-    return None, top, (sa,), g, (sb,)
+    return None, top, sa, g, sb
 
 
 _PAIR_SWAP_SLOTS = 16  # two-for-two swaps look at (slots choose 2)^2 pairs of a group pair, by bisection
@@ -204,18 +199,19 @@ def _slot_pairs(cost: list[int], member: list, holes: bool):
 def _best_swap(give, take, spread: int):
     """(gain, give's slots, take's slots): the swap moving closest to spread / 2 of cost from the group giving to
     the one taking, strictly between 0 and spread (the gain delta * (spread - delta) is what the sum of squared
-    loads falls by, over two), or None."""
-    cand = sorted(take)
+    loads falls by, over two), the first in (give's slots, take's slots) order on a tie; or None."""
+    cand = sorted(take)  # (cost, slots): each cost's first slots first
     keys = [c for c, _ in cand]
-    best = None
+    best = None  # (-gain, give's slots, take's slots)
     for c_give, s_give in give:
         j = bisect_left(keys, c_give - spread // 2)  # take's slots costing about c_give - spread / 2
         for near in (j - 1, j):
-            if 0 <= near < len(cand):
+            if 0 <= near < len(cand) and 0 < c_give - keys[near] < spread:
                 delta = c_give - keys[near]
-                if 0 < delta < spread and (best is None or delta * (spread - delta) > best[0]):
-                    best = (delta * (spread - delta), s_give, cand[near][1])
-    return best
+                key = (-delta * (spread - delta), s_give, cand[bisect_left(keys, keys[near])][1])
+                if best is None or key < best:
+                    best = key
+    return None if best is None else (-best[0], best[1], best[2])
 
 
 def lpt(costs: Sequence[int], groups: int, real: Sequence[bool]) -> list[int]:
