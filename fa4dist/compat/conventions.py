@@ -91,12 +91,12 @@ def window_of(call: str, window_size, causal: bool, flash_attn: int, keys: int) 
     return (-1 if left is None else left, -1 if right is None else right), 0
 
 
-def _lengths(name: str, cu: torch.Tensor) -> list[int]:
+def _boundaries(name: str, cu: torch.Tensor) -> list[int]:
+    """cu_seqlens' values, read once (a CUDA tensor's read waits for the device)."""
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1:
         got = f"shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else _show(cu)
         raise TypeError(f"{name} must be a 1-D int32 tensor of sequence boundaries, got {got}")
-    values = cu.tolist()
-    return [b - a for a, b in zip(values, values[1:])]
+    return cu.tolist()
 
 
 def _check_max(call: str, name: str, given, lengths: list[int]) -> None:
@@ -128,7 +128,8 @@ def attention(call: str, q, k, v, *, causal: bool, window_size, softcap, softmax
     else:
         if cu_seqlens_q is None or cu_seqlens_k is None:
             raise ValueError(f"{call}: give both cu_seqlens_q and cu_seqlens_k, or neither")
-        len_q, len_k = _lengths("cu_seqlens_q", cu_seqlens_q), _lengths("cu_seqlens_k", cu_seqlens_k)
+        bounds_q, bounds_k = _boundaries("cu_seqlens_q", cu_seqlens_q), _boundaries("cu_seqlens_k", cu_seqlens_k)
+        len_q, len_k = ([b - a for a, b in zip(x, x[1:])] for x in (bounds_q, bounds_k))
         if len(len_q) != len(len_k):
             raise ValueError(f"{call}: cu_seqlens_q holds {len(len_q)} sequences but cu_seqlens_k {len(len_k)}")
         _check_max(call, "max_seqlen_q", max_seqlen_q, len_q)
@@ -137,7 +138,7 @@ def attention(call: str, q, k, v, *, causal: bool, window_size, softcap, softmax
         keys = operator.index(max_seqlen_k) if max_seqlen_k is not None else max(len_k, default=0)
         # flash-attn computes the tokens its cu_seqlens cover and leaves the rest of a longer (padded, fixed-size)
         # buffer alone: here those output rows are 0 and their lse -inf
-        used_q, used_k = int(cu_seqlens_q[-1]), int(cu_seqlens_k[-1])
+        used_q, used_k = bounds_q[-1], bounds_k[-1]
         if q.dim() == 3 and q.shape[0] > used_q >= 0:
             pad, q = q.shape[0] - used_q, q[:used_q]
         if k.dim() == 3 and v.dim() == 3 and k.shape[0] == v.shape[0] > used_k >= 0:
