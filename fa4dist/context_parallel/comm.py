@@ -63,6 +63,7 @@ def world_generation() -> int:
         _WORLD[1] += 1
         _STORE_SEQ.clear()
         _BROKEN.clear()
+        _UNVERIFIED_NAMES.clear()
     return _WORLD[1]
 
 
@@ -327,21 +328,22 @@ def _waits_for(store, post, me: int, exchange: str) -> bool:
 # _UNVERIFIED + its global rank, once per group and world (post_unverified): a rank that checks, left waiting for it
 # in an agreement check, names the mismatch at its timeout instead of "posted nothing".
 _UNVERIFIED = "fa4dist/unverified/"
-_UNVERIFIED_GROUPS: dict = {}  # world number -> the names of this process's groups posted under _UNVERIFIED
+_UNVERIFIED_NAMES: set = set()  # this process's groups posted under _UNVERIFIED in the current world
 
 
 def post_unverified(group) -> None:
     """Posts, once per group and world, that this rank calls on `group` with verify=False (best effort)."""
-    world, name = group_key(group)
-    names = _UNVERIFIED_GROUPS.setdefault(world, set())
-    if name in names or not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    _, name = group_key(group)  # (a new world starts the names over: world_generation clears them)
+    if name in _UNVERIFIED_NAMES:
         return
     from torch.distributed import distributed_c10d
 
-    names.add(name)
+    _UNVERIFIED_NAMES.add(name)
     key = f"{_UNVERIFIED}{dist.get_rank()}"
     with contextlib.suppress(Exception):
-        distributed_c10d._get_default_store().set(key, json.dumps(sorted(names)))
+        distributed_c10d._get_default_store().set(key, json.dumps(sorted(_UNVERIFIED_NAMES)))
         _WRITTEN.add(key)
 
 
