@@ -689,8 +689,10 @@ def per_document_loss(model, sample) -> torch.Tensor:
 
 
 def _target_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross entropy of (tokens, vocab) logits in fp32 against shifted targets (-100: none)."""
-    return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
+    """Summed cross entropy of (tokens, vocab) logits in fp32 against shifted targets (IGNORE: none)."""
+    from fa4dist.data.packing import IGNORE
+
+    return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum")
 
 
 def reference_run(args, device=torch.device("cpu")) -> dict:
