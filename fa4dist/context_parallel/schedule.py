@@ -465,8 +465,8 @@ class Schedule:
 
     def member_steps(self, member: int) -> tuple[int, ...]:
         """The remote steps at which `member` receives keys (and computes)."""
-        sources = self._sources_of(member)
-        return tuple(t for t in range(1, self.ring_size) if self.source(member, t) in sources)
+        r = self.ring_size  # (step t reads source member - t: the sources give the steps, no walk over all R)
+        return tuple(sorted((member - s) % r for s in self._sources_of(member) if s != member))
 
     def member_calls(self, member: int) -> int:
         """Contract calls `member` makes over all steps (one forward call and one backward call each)."""
@@ -479,4 +479,19 @@ class Schedule:
     def member_received(self, member: int) -> int:
         """Key/value tokens `member` receives over a forward (the backward receives them again and returns as many
         dK/dV rows)."""
-        return sum(self.recv_len(member, t) for t in range(1, self.ring_size))
+        # The sum over sources of needed()'s lengths is the keys `member`'s queries see (the union of its key spans)
+        # less those it holds itself: counted on the merged spans against its own blocks, without the per-source
+        # ranges (an R^2 walk of block overlaps at cp 1024).
+        seen = _merge_ranges((f, e - f + 1) for spans in self._key_spans(self._index("member", member))
+                             for f, e in spans)
+        own = self.members[member].blocks  # (in global order, disjoint)
+        held, i = 0, 0
+        for start, length in seen:
+            end = start + length
+            while i < len(own) and own[i].start + own[i].length <= start:
+                i += 1
+            j = i
+            while j < len(own) and own[j].start < end:
+                held += min(end, own[j].start + own[j].length) - max(start, own[j].start)
+                j += 1
+        return sum(n for _, n in seen) - held

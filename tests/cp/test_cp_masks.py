@@ -220,6 +220,19 @@ def test_schedule_computes_every_visible_pair_once_and_sends_only_what_is_read()
                 assert torch.equal(got, want), (plan, u, mask)
 
 
+def test_the_reports_counts_are_the_steps_transfers():
+    """member_received / member_steps are counted from the key spans (no walk over every step at large cp): they
+    must equal the per-step transfers the ring posts."""
+    for plan in _plans():
+        for u in [d for d in range(1, plan.cp_size + 1) if plan.cp_size % d == 0]:
+            for mask in {plan.mask, Mask(True, (3, -1)), Mask(False, (-1, 1)), Mask(True)}:
+                sched = Schedule(plan, u, mask)
+                for m in range(sched.ring_size):
+                    steps = range(1, sched.ring_size)
+                    assert sched.member_received(m) == sum(sched.recv_len(m, t) for t in steps), (plan, u, mask, m)
+                    assert sched.member_steps(m) == tuple(t for t in steps if sched.recv_len(m, t)), (plan, u, m)
+
+
 def test_windows_skip_steps_and_the_report_says_so():
     cp, total = 8, 8 * 512
     plan = make_plan(total, cp, "contiguous", window=(255, -1))  # a 256-token window, chunks of 256
