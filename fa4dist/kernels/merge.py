@@ -86,7 +86,12 @@ def _merge_weights(lses: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], to
     total = exps[0]
     for e in exps[1:]:
         total = total + e
-    merged = shift + torch.log(total)  # log(0) = -inf for rows no side saw
+    # Rows no side saw get -inf, not log(0): the same value, but log's derivative there is inf, and a second
+    # derivative through this merge (create_graph) would turn the rows' zero weights into NaN
+    # (a NaN total keeps its NaN lse)
+    unseen = total == 0
+    merged = torch.where(unseen, torch.full_like(total, float("-inf")),
+                         shift + torch.log(torch.where(unseen, torch.ones_like(total), total)))
     safe_total = torch.where(total > 0, total, torch.ones_like(total))
     return [e / safe_total for e in exps], merged
 

@@ -403,3 +403,31 @@ def test_an_infinite_dlse_gives_the_oracles_infinities():
         assert torch.equal(g[torch.isinf(r)], r[torch.isinf(r)]), name
         finite = torch.isfinite(r)
         assert float((g[finite] - r[finite]).abs().max()) <= 1e-10 * float(r[finite].abs().max()), name
+
+
+def test_a_minus_inf_sink_on_a_row_that_sees_no_key_has_a_zero_second_order_sink_gradient():
+    """A -inf sink is no sink. A row that sees no key with it has lse -inf, and the sink merge took log(0) there:
+    its value was right, but under create_graph the derivative of log(0) (inf) times the row's zero weight gave a
+    NaN sink gradient. Now the gradients with create_graph equal the first-order ones (and the oracle's)."""
+    from oracle import naive_attention
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 3, 2, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, 4, 1, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    kw = dict(causal=True, q_offset=0, k_offset=1)  # query 0 sees no key (keys 1..4)
+    grads = {}
+    for create_graph in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        sinks = torch.tensor([float("-inf"), 0.3], dtype=torch.float64, requires_grad=True)
+        out, lse = fa4dist.attention(*leaves, sinks=sinks, return_lse=True, **kw)
+        loss = out.square().sum() + torch.where(lse.isinf(), torch.zeros_like(lse), lse).sum()
+        grads[create_graph] = torch.autograd.grad(loss, leaves + [sinks], create_graph=create_graph)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_sinks = torch.tensor([float("-inf"), 0.3], dtype=torch.float64, requires_grad=True)
+    ref_out, ref_lse = naive_attention(*ref_leaves, sinks=ref_sinks, **kw)
+    ref_loss = ref_out.square().sum() + torch.where(ref_lse.isinf(), torch.zeros_like(ref_lse), ref_lse).sum()
+    want = torch.autograd.grad(ref_loss, ref_leaves + [ref_sinks])
+    for name, first, second, r in zip("qkvs", grads[False], grads[True], want):
+        assert torch.isfinite(second).all(), name
+        torch.testing.assert_close(second.detach(), first, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(second.detach(), torch.nan_to_num(r), rtol=1e-10, atol=1e-12)
