@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Sixty-sixth session's GPU calls (bench/RESULTS.md). Each part states its prediction.
+# - inv_window: the staged-rank cp_invariant GPU tests, among them the windowed case the sixty-fifth session added
+#   (window (300, -1): each row's fixed-point dq bound from the keys inside its window, the sparse-table path of
+#   fixed_point.visible_key_bounds), never run on a GPU; and the single device's invariant suite. Predicted: all pass.
+# - table: #11's table (stage.sh kernels_table) on whatever card comes; the H200's under the stored row max has not
+#   been taken. Predicted (H200): hdim 128 forward and backward >= 0.99x flash-attn-4, hdim-64 forward at 16k
+#   0.97-0.99x; (H100): within +-0.01 of the sixty-second session's rows.
+# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_66.sh inv_window; then table.
+set -u
+source "$(dirname "$0")/../stage.sh"
+for s in ${*:-inv_window}; do
+  case $s in
+    inv_window)
+      gpu_tests inv_tests 300 tests/cp/test_cp_gpu.py tests/kernels/test_invariant_gpu.py -k "invariant or keys_it" ;;
+    table) kernels_table ;;
+    *) echo "unknown stage $s (inv_window | table)"; exit 2 ;;
+  esac
+done
