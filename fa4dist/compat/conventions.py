@@ -124,7 +124,7 @@ def attention(call: str, q, k, v, *, causal: bool, window_size, softcap, softmax
         if k.dim() != 4:
             raise ValueError(f"{call}: k must be (batch, seqlen_k, kv_heads, head_dim), got shape {tuple(k.shape)}")
         q_offset = k.shape[1] - q.shape[1]
-        keys = k.shape[1]
+        keys = k.shape[1] if max_seqlen_k is None else operator.index(max_seqlen_k)  # (a KV cache's length)
     else:
         if cu_seqlens_q is None or cu_seqlens_k is None:
             raise ValueError(f"{call}: give both cu_seqlens_q and cu_seqlens_k, or neither")

@@ -1,6 +1,7 @@
 """flash-attn 2's Python API on fa4dist: ``flash_attn_func``, ``flash_attn_varlen_func``,
-``flash_attn_qkvpacked_func``, ``flash_attn_kvpacked_func``, ``flash_attn_varlen_qkvpacked_func`` and
-``flash_attn_varlen_kvpacked_func``, with flash-attn 2's signatures and results (``return_attn_probs=True``:
+``flash_attn_qkvpacked_func``, ``flash_attn_kvpacked_func``, ``flash_attn_varlen_qkvpacked_func``,
+``flash_attn_varlen_kvpacked_func`` and ``flash_attn_with_kvcache`` (contiguous caches), with flash-attn 2's
+signatures and results (``return_attn_probs=True``:
 ``(out, softmax_lse, S_dmask)``, the last an empty tensor as flash-attn 2 returns it without dropout; fa4dist never
 forms the attention probabilities, and the lse is differentiable).
 Dropout, ALiBi and paged KV caches are refused by name.  Conventions: :mod:`fa4dist.compat.conventions`.  One
@@ -11,6 +12,10 @@ packed input) is unbounded, before ``causal`` sets the right one to 0, and an un
 left one is the key count."""
 
 from __future__ import annotations
+
+import operator
+
+import torch
 
 from . import conventions
 
@@ -88,3 +93,127 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                   return_attn_probs)
+
+
+def _rotary(x, cos, sin, positions, interleaved: bool):
+    """flash-attn's rotary embedding of x (batch, seqlen, heads, dim) at ``positions`` (batch, seqlen): the first
+    ``2 * cos.shape[1]`` channels turned, in pairs of neighbours (``interleaved``) or of halves (GPT-NeoX)."""
+    half = cos.shape[1]  # (turned in fp32 at least, as flash-attn's kernels do, then rounded to x's dtype)
+    work = torch.promote_types(x.dtype, torch.float32)
+    c, s = cos.to(work)[positions].unsqueeze(2), sin.to(work)[positions].unsqueeze(2)  # (batch, seqlen, 1, half)
+    turned, rest = x[..., :2 * half].to(work), x[..., 2 * half:]
+    if interleaved:
+        x1, x2 = turned[..., 0::2], turned[..., 1::2]
+        turned = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = turned[..., :half], turned[..., half:]
+        turned = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((turned.to(x.dtype), rest), dim=-1)
+
+
+def _per_sequence(call: str, name: str, value, batch: int, device, default: int) -> torch.Tensor:
+    """An int or a (batch,) integer tensor of per-sequence cache indices, as an int64 tensor on the cache's device."""
+    if value is None:
+        return torch.full((batch,), default, dtype=torch.int64, device=device)
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.shape[0] != batch or value.dtype.is_floating_point or value.dtype.is_complex \
+                or value.dtype == torch.bool:
+            raise ValueError(f"{call}: {name} must be an int or a ({batch},) integer tensor, got "
+                             f"{value.dtype} of shape {tuple(value.shape)}")
+        return value.to(device=device, dtype=torch.int64)
+    try:
+        return torch.full((batch,), operator.index(value), dtype=torch.int64, device=device)
+    except TypeError:
+        raise TypeError(f"{call}: {name} must be an int or a ({batch},) integer tensor, got {value!r}") from None
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash-attn 2's decoding call on a contiguous KV cache: q (batch, seqlen_q, heads, head_dim) against, for
+    sequence b, the cache rows ``[cache_leftpad[b], cache_seqlens[b])`` of cache row ``cache_batch_idx[b]`` and,
+    when k / v (batch, seqlen_new, kv_heads, head_dim) are given, those new rows, which are first written into the
+    cache in place at ``cache_seqlens[b]``. With ``rotary_cos`` / ``rotary_sin`` (seqlen_ro, rotary_dim / 2) the new
+    keys are turned at their cache indices, and q at ``cache_seqlens[b] + i`` (causal or windowed; else all at
+    ``cache_seqlens[b]``), as flash-attn does. Masks align bottom-right to each sequence's keys. Returns out like q
+    (and the lse, (batch, heads, seqlen_q), with ``return_softmax_lse``). Paged caches (``block_table``) and ALiBi
+    are refused; ``num_splits`` is a kernel hint and is ignored. Sequences of unequal key counts are computed as one
+    packed call over a copy of their cache rows (equal ones read the cache in place)."""
+    call = "flash_attn_with_kvcache"
+    conventions.refuse(call, alibi_slopes=alibi_slopes, block_table=block_table)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{call}: {name} must be a 4-D tensor (batch, seqlen, heads, head_dim), got {got}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"{call}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must hold the "
+                         "same (batch, seqlen_cache, kv_heads)")
+    if (k is None) != (v is None):
+        raise ValueError(f"{call}: give both k and v (the rows to append), or neither")
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    cache_batches, seqlen_cache = k_cache.shape[0], k_cache.shape[1]
+    device = k_cache.device
+    new = 0
+    if k is not None:
+        if k.dim() != 4 or v.dim() != 4 or k.shape[0] != batch or v.shape[:3] != k.shape[:3] \
+                or k.shape[2:] != k_cache.shape[2:] or v.shape[2:] != v_cache.shape[2:]:
+            raise ValueError(f"{call}: k {tuple(k.shape)} and v {tuple(v.shape)} must be (batch={batch}, "
+                             f"seqlen_new, kv_heads, head_dim) like the caches' rows")
+        new = k.shape[1]
+    ends = _per_sequence(call, "cache_seqlens", cache_seqlens, batch, device, 0)
+    starts = _per_sequence(call, "cache_leftpad", cache_leftpad, batch, device, 0)
+    rows = _per_sequence(call, "cache_batch_idx", cache_batch_idx, batch, device, 0)
+    if cache_batch_idx is None:
+        if cache_batches < batch:
+            raise ValueError(f"{call}: the caches hold {cache_batches} sequences for a batch of {batch} (pass "
+                             "cache_batch_idx)")
+        rows = torch.arange(batch, device=device)
+    ends_l, starts_l, rows_l = ends.tolist(), starts.tolist(), rows.tolist()  # (one read each)
+    for b, (a, e, r) in enumerate(zip(starts_l, ends_l, rows_l)):
+        if not 0 <= r < cache_batches:
+            raise ValueError(f"{call}: cache_batch_idx[{b}]={r} is outside the caches' {cache_batches} sequences")
+        if not 0 <= a <= e or e + new > seqlen_cache:
+            raise ValueError(f"{call}: sequence {b} takes cache rows [{a}, {e}) and {new} new ones, outside the "
+                             f"cache's {seqlen_cache} rows (cache_leftpad <= cache_seqlens, cache_seqlens + "
+                             "seqlen_new <= seqlen_cache)")
+    if rotary_cos is not None or rotary_sin is not None:
+        if k is None:
+            raise ValueError(f"{call}: rotary_cos / rotary_sin turn the new keys: pass k and v with them")
+        if rotary_cos is None or rotary_sin is None or rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape:
+            raise ValueError(f"{call}: rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2)")
+        if 2 * rotary_cos.shape[1] > q.shape[-1]:
+            raise ValueError(f"{call}: rotary_dim ({2 * rotary_cos.shape[1]}) exceeds head_dim ({q.shape[-1]})")
+        windowed = tuple(window_size) != (-1, -1)
+        reach = max((e + max(new, seqlen_q if (causal or windowed) else 1) for e in ends_l), default=0)
+        if reach > rotary_cos.shape[0]:
+            raise ValueError(f"{call}: rotary_cos / rotary_sin hold {rotary_cos.shape[0]} positions, the call "
+                             f"turns up to position {reach - 1}")
+        steps = torch.arange(seqlen_q, device=device) * int(bool(causal or windowed))
+        q = _rotary(q, rotary_cos, rotary_sin, (ends[:, None] + steps).to(q.device), rotary_interleaved)
+        if k is not None:
+            k = _rotary(k, rotary_cos, rotary_sin, (ends[:, None] + torch.arange(new, device=device)).to(k.device),
+                        rotary_interleaved)
+    if k is not None:  # the new rows into the cache, in place
+        with torch.no_grad():
+            for b, (e, r) in enumerate(zip(ends_l, rows_l)):
+                k_cache[r, e:e + new] = k[b]
+                v_cache[r, e:e + new] = v[b]
+    lengths = [e + new - a for a, e in zip(starts_l, ends_l)]
+    options = dict(causal=causal, window_size=window_size, softcap=softcap, softmax_scale=softmax_scale,
+                   deterministic=False, return_lse=return_softmax_lse, flash_attn=2)
+    if len(set(lengths)) <= 1 and not any(starts_l) and rows_l == list(range(batch)):
+        length = lengths[0] if lengths else 0  # every sequence the same cache rows: the cache itself, no copy
+        out, lse = conventions.attention(call, q, k_cache[:batch, :length], v_cache[:batch, :length], **options,
+                                         max_seqlen_k=seqlen_cache)
+    else:
+        keys = [k_cache[r, a:e + new] for a, e, r in zip(starts_l, ends_l, rows_l)]
+        values = [v_cache[r, a:e + new] for a, e, r in zip(starts_l, ends_l, rows_l)]
+        cu_k = torch.tensor([0] + lengths, device=q.device).cumsum(0).to(torch.int32)
+        cu_q = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * seqlen_q
+        out, lse = conventions.attention(call, q.reshape(batch * seqlen_q, *q.shape[2:]), torch.cat(keys),
+                                         torch.cat(values), **options, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                         max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_cache)
+        out = out.view(batch, seqlen_q, *out.shape[1:])
+        lse = lse.view(lse.shape[0], batch, seqlen_q).transpose(0, 1)
+    return (out, lse) if return_softmax_lse else out

@@ -342,3 +342,89 @@ def test_sdpa_refuses_nested_tensors_and_a_zero_scale_by_its_own_names():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="scale=0 .* is not supported"):
         scaled_dot_product_attention(q, q, q, scale=0.0)
+
+
+def _turned(x, cos, sin, positions, interleaved):
+    """Rotary embedding written as complex rotation (the test's own form): channel pairs (2i, 2i+1) when
+    interleaved, (i, i + half) otherwise, turned by the angle whose cos / sin the tables hold at each position."""
+    half = cos.shape[1]
+    rot = torch.complex(cos[positions], sin[positions]).unsqueeze(2)  # (batch, seqlen, 1, half)
+    head, rest = x[..., :2 * half], x[..., 2 * half:]
+    if interleaved:
+        pairs = torch.complex(head[..., 0::2], head[..., 1::2]) * rot
+        head = torch.stack((pairs.real, pairs.imag), -1).flatten(-2)
+    else:
+        pairs = torch.complex(head[..., :half], head[..., half:]) * rot
+        head = torch.cat((pairs.real, pairs.imag), -1)
+    return torch.cat((head, rest), -1)
+
+
+@pytest.mark.parametrize("case", ["equal lengths", "ragged", "indexed and left-padded", "rotary interleaved",
+                                  "rotary halves, not causal", "window and softcap"])
+def test_flash_attn_2_with_kvcache_appends_then_attends_each_sequences_cache_rows(case):
+    """flash_attn_with_kvcache against the oracle run per sequence on the cache rows it documents: the new k / v
+    written at cache_seqlens[b] of cache row cache_batch_idx[b], keys from cache_leftpad[b], masks bottom-right,
+    rotary at the rows' cache indices (q at cache_seqlens[b] + i when causal or windowed, else at cache_seqlens[b])."""
+    gen = torch.Generator().manual_seed(hash(case) % 1000)
+    batch, sq, new, heads, kv_heads, d, cache_len, cache_rows = 3, 3, 2, 4, 2, 16, 24, 4
+    q = torch.randn(batch, sq, heads, d, generator=gen, dtype=torch.float64)
+    k_cache, v_cache = (torch.randn(cache_rows, cache_len, kv_heads, d, generator=gen, dtype=torch.float64)
+                        for _ in range(2))
+    k_new, v_new = (torch.randn(batch, new, kv_heads, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    seqlens, idx, leftpad, causal = torch.tensor([7, 7, 7], dtype=torch.int32), None, None, True
+    kw, rotary, interleaved, window, softcap = {}, False, True, (-1, -1), 0.0
+    if case != "equal lengths":
+        seqlens = torch.tensor([5, 0, 11], dtype=torch.int32)
+    if case == "indexed and left-padded":
+        idx, leftpad = torch.tensor([3, 0, 2], dtype=torch.int32), torch.tensor([2, 0, 4], dtype=torch.int32)
+    if case.startswith("rotary"):
+        rotary, interleaved, causal = True, "interleaved" in case, "not causal" not in case
+        angles = torch.rand(cache_len, 6, generator=gen, dtype=torch.float64) * 6.3
+        kw = dict(rotary_cos=angles.cos(), rotary_sin=angles.sin(), rotary_interleaved=interleaved)
+    if case == "window and softcap":
+        window, softcap = (4, -1), 2.5
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    out, lse = fa2.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                           cache_batch_idx=idx, cache_leftpad=leftpad, causal=causal,
+                                           window_size=window, softcap=softcap, return_softmax_lse=True, **kw)
+    assert out.shape == q.shape and lse.shape == (batch, heads, sq)
+    rows = idx.tolist() if idx is not None else list(range(batch))
+    starts = leftpad.tolist() if leftpad is not None else [0] * batch
+    for b, (r, end, start) in enumerate(zip(rows, seqlens.tolist(), starts)):
+        k_b, q_b = k_new[b:b + 1], q[b:b + 1]
+        if rotary:
+            k_b = _turned(k_b, kw["rotary_cos"], kw["rotary_sin"], torch.arange(end, end + new)[None], interleaved)
+            steps = torch.arange(sq) if causal else torch.zeros(sq, dtype=torch.int64)
+            q_b = _turned(q_b, kw["rotary_cos"], kw["rotary_sin"], (end + steps)[None], interleaved)
+        torch.testing.assert_close(k_cache[r, end:end + new], k_b[0], rtol=1e-13, atol=1e-13)  # written in place
+        torch.testing.assert_close(v_cache[r, end:end + new], v_new[b], rtol=0, atol=0)
+        keys, values = k_cache[r:r + 1, start:end + new], v_cache[r:r + 1, start:end + new]
+        torch.testing.assert_close(keys[:, :end - start], before_k[r:r + 1, start:end], rtol=0, atol=0)
+        # (flash-attn 2: a bounded left side with an unbounded right one makes the right one the cache's length)
+        want_out, want_lse = oracle(q_b, keys, values, causal=causal, softcap=softcap,
+                                    window=(window[0], cache_len if window[0] >= 0 and not causal else window[1]))
+        close(out[b:b + 1], want_out, f"out of sequence {b}")
+        seen = torch.isfinite(want_lse)  # (a row before the sequence's first key sees none: lse -inf)
+        assert torch.equal(torch.isneginf(lse[b:b + 1]), ~seen), f"keyless rows of sequence {b}"
+        close(lse[b:b + 1][seen], want_lse[seen], f"lse of sequence {b}")
+    untouched = [r for r in range(cache_rows) if r not in rows]
+    assert all(torch.equal(k_cache[r], before_k[r]) and torch.equal(v_cache[r], before_v[r]) for r in untouched)
+
+
+def test_flash_attn_2_with_kvcache_without_new_rows_reads_the_cache_and_refuses_what_it_cannot_do():
+    q, k_cache, v_cache = (torch.randn(2, s, 2, 8, dtype=torch.float64) for s in (1, 10, 10))
+    out = fa2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=6, causal=True)
+    close(out, oracle(q, k_cache[:, :6], v_cache[:, :6], causal=True)[0], "a decode step on the cache alone")
+    cos = sin = torch.ones(16, 2, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        fa2.flash_attn_with_kvcache(q, k_cache, v_cache, block_table=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="pass k and v"):
+        fa2.flash_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=cos, rotary_sin=sin, cache_seqlens=3)
+    with pytest.raises(ValueError, match="outside the cache"):
+        fa2.flash_attn_with_kvcache(q, k_cache, v_cache, q.clone(), q.clone(), cache_seqlens=10)
+    with pytest.raises(ValueError, match="cache_batch_idx\\[1\\]=5"):
+        fa2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_batch_idx=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="give both k and v"):
+        fa2.flash_attn_with_kvcache(q, k_cache, v_cache, q.clone())
+    with pytest.raises(ValueError, match="cache_seqlens must be an int or a \\(2,\\) integer tensor"):
+        fa2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([1.0, 2.0]))
