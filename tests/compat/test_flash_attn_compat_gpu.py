@@ -1,0 +1,37 @@
+"""fa4dist.compat's flash-attn 2 decoding call on a CUDA cache: the GPU backends (the CuTe kernels where installed)
+against the fp64 run of the same call on the CPU, ragged caches and a whole-cache prefill."""
+
+import pytest
+import torch
+
+from fa4dist.compat import flash_attn as fa2
+from oracle import REL_TOL, rel_error
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seqlens, sq, new, head_dim", [
+    ([700, 33, 1500], 1, 1, 128),  # decode steps on ragged caches (one packed call)
+    ([0, 900, 128], 4, 4, 64),  # a 4-token draft appended; one sequence starts empty
+    ([1024, 1024], 256, 256, 128),  # equal lengths: the cache read in place
+])
+def test_with_kvcache_on_the_gpu_equals_the_fp64_call(dtype, seqlens, sq, new, head_dim):
+    gen = torch.Generator().manual_seed(len(seqlens) * 1000 + sq)
+    batch, heads, kv_heads, cache_len = len(seqlens), 8, 2, 2048
+    host = [torch.randn(s, generator=gen, dtype=torch.float64) for s in (
+        (batch, sq, heads, head_dim), (batch, cache_len, kv_heads, head_dim), (batch, cache_len, kv_heads, head_dim),
+        (batch, new, kv_heads, head_dim), (batch, new, kv_heads, head_dim))]
+    q, k_cache, v_cache, k, v = (t.to(dtype).cuda() for t in host)
+    lengths = torch.tensor(seqlens, dtype=torch.int32)
+    out, lse = fa2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths.cuda(), causal=True,
+                                           return_softmax_lse=True)
+    ref = [t.cpu().double() for t in (q, k_cache, v_cache, k, v)]  # the same rounded inputs, in fp64
+    ref_out, ref_lse = fa2.flash_attn_with_kvcache(*ref, cache_seqlens=lengths, causal=True,
+                                                   return_softmax_lse=True)
+    for b, end in enumerate(seqlens):  # the new rows went into the CUDA cache in place
+        assert torch.equal(k_cache[b, end:end + new], k[b]) and torch.equal(v_cache[b, end:end + new], v[b])
+    assert rel_error(out.cpu(), ref_out) < REL_TOL[dtype]
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite)
+    assert float((lse.cpu().double() - ref_lse)[finite].abs().max()) < 1e-3
