@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seqlens, sq, new, head_dim", [
     ([700, 33, 1500], 1, 1, 128),  # decode steps on ragged caches (one packed call)
-    ([0, 900, 128], 4, 4, 64),  # a 4-token draft appended; one sequence starts empty
+    ([0, 900, 128], 4, 2, 64),  # 4 queries, 2 new rows; an empty cache: its first 2 queries see no key
     ([1024, 1024], 256, 256, 128),  # equal lengths: the cache read in place
 ])
 def test_with_kvcache_on_the_gpu_equals_the_fp64_call(dtype, seqlens, sq, new, head_dim):
