@@ -211,6 +211,27 @@ class CheckedCausalMask:
     def __init__(self, checked: str, window: tuple[int, int] = NO_WINDOW, chunk: Optional[int] = None):
         self.checked, self.window, self.chunk = checked, window, chunk
 
+    # Only the handle's attention reads this mask.  Another attention implementation gets it when the config was
+    # switched back while a call with it was still to run: most often a gradient-checkpointed layer recomputed by a
+    # backward after the handle's `with` block.  Used as a tensor (torch ops, indexing, tensor attributes), it
+    # raises saying so, where transformers' own attention would fail on a TypeError naming neither.
+    _MISUSED = ("fa4dist's context-parallel mask reached another attention implementation ({what}): the model's "
+                "context-parallel attention was switched off (handle.disable(), or the end of its with block) "
+                "before a call of the sharded batch ran, e.g. a gradient-checkpointed layer recomputed by a "
+                "backward after the with block; run the backward (the whole step) while the handle is enabled")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(cls._MISUSED.format(what=getattr(func, "__name__", str(func))))
+
+    def __getitem__(self, index):
+        raise RuntimeError(self._MISUSED.format(what="indexing"))
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # (copy, pickle and hasattr probes of protocols)
+            raise AttributeError(name)
+        raise AttributeError(self._MISUSED.format(what=f"attribute {name!r}"))
+
 
 def _cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
              attention_mask=None, local_size=None, device="cpu", **kwargs) -> CheckedCausalMask:

@@ -601,6 +601,26 @@ def test_plan_and_batch_options_are_checked_at_enable_time(options, error, messa
     assert model.config._attn_implementation == "eager"
 
 
+@pytest.mark.parametrize("previous", ["eager", "sdpa"])
+def test_a_checkpointed_recompute_after_the_with_block_is_refused_by_name(previous):
+    """Gradient checkpointing recomputes each layer in the backward. A backward run after the handle's with block
+    recomputes under the model's own attention (the config was switched back), with the shard's mask: that is
+    refused naming the cause (transformers' attention raised a TypeError about a CheckedCausalMask). The same step
+    with its backward inside the block trains."""
+    model = hf_tiny.tiny_model("llama", 0, attn_implementation=previous)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    batch = packed_batch()
+    with enable_context_parallel(model) as handle:
+        local = handle.shard_batch(batch)
+        loss = handle.loss(model(**local).logits, local)
+        late = handle.loss(model(**local).logits, local)
+        loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    with pytest.raises(RuntimeError, match="context-parallel attention was switched off .* with block"):
+        late.backward()
+
+
 def test_disable_restores_the_models_own_attention():
     model = tiny_model("llama")
     batch = packed_batch()
