@@ -11,6 +11,7 @@ Gradients are therefore *summed* over cp and *averaged* over dp.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import hashlib
 import json
@@ -68,10 +69,23 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS) and \
-                "default" not in text:
+        if self._shows_default(action) and "default" not in text:
             text += " (default: %(default)s)"
         return text
+
+    def _format_action(self, action):
+        # argparse expands (and so reaches _get_help_string) only a non-empty help: an option without one would
+        # print no default
+        if not action.help and self._shows_default(action):
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    @staticmethod
+    def _shows_default(action) -> bool:
+        default = action.default  # (by identity: 0 is a default to show, False a store_true's absence)
+        return bool(action.option_strings) and default is not None and default is not False \
+            and default != argparse.SUPPRESS
 
 
 def require(module: str, extra: str, what: str) -> None:
@@ -133,14 +147,15 @@ def add_common_args(p: argparse.ArgumentParser, unused: Optional[dict] = None,
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=positive_int, default=10,
                    help="training steps: the length of the LR schedule (stored in checkpoints)")
-    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
     g.add_argument("--warmup", type=non_negative_int, default=2, help="linear warmup steps (then cosine to 10%%)")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--grad-clip", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clipping (0: none)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the data")
     g.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="compute dtype (auto: bf16 on GPU, fp32 on CPU); master weights stay fp32")
-    g.add_argument("--activation-checkpointing", action="store_true")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations in the backward instead of keeping them")
     g = p.add_argument_group("logging")
     g.add_argument("--log-every", type=positive_int, default=1)
     g.add_argument("--metrics-out", default=None, help="write one JSON line per step (rank 0)")

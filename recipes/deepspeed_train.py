@@ -184,8 +184,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
     common.add_common_args(p)
     g = p.add_argument_group("deepspeed")
-    g.add_argument("--zero-stage", type=int, choices=[2, 3], default=2)
-    g.add_argument("--ds-config", default=str(HERE / "ds_config.json"))
+    g.add_argument("--zero-stage", type=int, choices=[2, 3], default=2,
+                   help="ZeRO stage: 2 shards gradients and optimizer state, 3 the parameters too")
+    g.add_argument("--ds-config", default=str(HERE / "ds_config.json"),
+                   help="DeepSpeed JSON config (batch sizes and precision come from the recipe's flags)")
     common.add_checkpoint_args(p, "'latest' (newest tag in --ckpt-dir) or a tag")
     args = p.parse_args(argv)
     common.check_common_args(p, args)

@@ -236,14 +236,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--prompts", type=common.positive_int, default=8, help="prompts per RL step")
     g.add_argument("--group-size", type=common.positive_int, default=8,
                    help="completions per prompt (GRPO group; at least 2: advantages are within-group z-scores)")
-    g.add_argument("--task-len", type=common.positive_int, default=3)
-    g.add_argument("--alphabet", default="abcd")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--clip-eps", type=float, default=0.2)
+    g.add_argument("--task-len", type=common.positive_int, default=3, help="letters in a prompt to reverse")
+    g.add_argument("--alphabet", default="abcd", help="the letters prompts are drawn from")
+    g.add_argument("--temperature", type=float, default=1.0, help="the rollout's sampling temperature")
+    g.add_argument("--clip-eps", type=float, default=0.2,
+                   help="the policy ratio's clip range (1 +- eps) in the surrogate loss")
     g.add_argument("--score-with-prefill", action="store_true",
                    help="the rollout's log-probs come from one forward over the finished completions (a scoring "
                         "prefill) instead of the sampling steps; the sampling-vs-prefill gap is logged too")
     g.set_defaults(steps=40, lr=1e-2, warmup=10, grad_clip=1.0)
+    # (its steps: RL steps after --sft-steps; the LR schedule runs over both, and no checkpoint is written)
+    [steps] = [a for a in p._actions if a.dest == "steps"]
+    steps.help = "RL steps after the --sft-steps warm-up (the LR schedule spans both)"
     args, given = common.parse_given(p, argv)
     common.refuse_unused(p, given, UNUSED, "by rl_deterministic")
     common.check_common_args(p, args)

@@ -242,3 +242,30 @@ def test_throughput_summary_counts_only_the_steps_after_the_warmup():
     small.add(0, 3.0, 1000, 2.5e9)
     got = small.summary(1e12, 2)
     assert (got["achieved_tflops_per_device"], got["mfu"]) == (0.000417, 0.000417), got
+
+
+@pytest.mark.parametrize("recipe", ["fsdp2_train", "deepspeed_train", "rl_deterministic", "hf_sft"])
+def test_the_help_shows_every_options_default(recipe, capsys, monkeypatch):
+    """--help promises each option's default where it has one: argparse left it out of options without help text
+    (--lr, --seed, ...), so the RL recipe's own --lr (10x the others') did not show; a default of 0 was hidden too."""
+    import importlib
+
+    monkeypatch.delenv("FA4DIST_CP_INVARIANT", raising=False)
+    module = importlib.import_module(recipe)
+    with pytest.raises(SystemExit):
+        module.parse_args(["--help"])
+    text = capsys.readouterr().out
+    options = text[text.index("options:"):]
+    blocks = {}  # option -> its help text (up to the next option)
+    for part in options.split("\n  --")[1:]:
+        name = part.split()[0].rstrip(",")
+        blocks["--" + name] = " ".join(part.split())
+    parsed = vars(module.parse_args([] if recipe != "hf_sft" else ["--arch", "llama"]))
+    shown = 0
+    for dest, value in parsed.items():
+        option = "--" + dest.replace("_", "-")
+        if option not in blocks or value is None or value is False:
+            continue
+        assert "default" in blocks[option], (option, value, blocks[option])
+        shown += 1
+    assert shown >= 10 and "(default: 0)" in blocks["--seed"]
