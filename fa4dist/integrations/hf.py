@@ -200,21 +200,18 @@ def _padding_holes(padding: torch.Tensor) -> list:
 
 
 def _runs(valid: torch.Tensor, boundary: torch.Tensor) -> list[tuple[int, int]]:
-    """[start, end) of the maximal runs of valid positions with no boundary inside (boundary[i]: i starts a run)."""
-    runs, start = [], None
-    v, bd = valid.tolist(), boundary.tolist()
-    for i, ok in enumerate(v):
-        if ok and start is not None and bd[i]:
-            runs.append((start, i))
-            start = i
-        elif ok and start is None:
-            start = i
-        elif not ok and start is not None:
-            runs.append((start, i))
-            start = None
-    if start is not None:
-        runs.append((start, len(v)))
-    return runs
+    """[start, end) of the maximal runs of valid positions with no boundary inside (boundary[i]: i starts a run).
+    Found with tensor ops, and only the runs' edges read back (a Python walk over every key cost ~10 ms per 32k-key
+    row at each decoding step)."""
+    valid, boundary = valid.bool(), boundary.bool()
+    if valid.numel() == 0:
+        return []
+    before = torch.cat([valid.new_zeros(1), valid[:-1]])  # position i - 1 valid
+    after = torch.cat([valid[1:], valid.new_zeros(1)])  # position i + 1 valid
+    cut_after = torch.cat([boundary[1:], boundary.new_ones(1)])  # a run must end at i (i + 1 starts one)
+    starts = (valid & (~before | boundary)).nonzero().flatten()
+    ends = (valid & (~after | cut_after)).nonzero().flatten() + 1
+    return list(zip(starts.tolist(), ends.tolist()))
 
 
 def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
