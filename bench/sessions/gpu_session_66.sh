@@ -6,7 +6,10 @@
 # - table: #11's table (stage.sh kernels_table) on whatever card comes; the H200's under the stored row max has not
 #   been taken. Predicted (H200): hdim 128 forward and backward >= 0.99x flash-attn-4, hdim-64 forward at 16k
 #   0.97-0.99x; (H100): within +-0.01 of the sixty-second session's rows.
-# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_66.sh inv_window; then table.
+# - grid: the backward's pre- and postprocess on a one-dimensional grid of (tile, sequence) (row_tile_grid; a batch
+#   of 70000 sequences failed to launch: bench/sessions/s66_grid_probe.py, call 7), and every backward GPU test and
+#   the staged-rank cp suite on it. Predicted: all pass, the 70000-sequence cases among them.
+# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_66.sh inv_window; then table; grid.
 set -u
 source "$(dirname "$0")/../stage.sh"
 for s in ${*:-inv_window}; do
@@ -14,6 +17,7 @@ for s in ${*:-inv_window}; do
     inv_window)
       gpu_tests inv_tests 300 tests/cp/test_cp_gpu.py tests/kernels/test_invariant_gpu.py -k "invariant or keys_it" ;;
     table) kernels_table ;;
-    *) echo "unknown stage $s (inv_window | table)"; exit 2 ;;
+    grid) gpu_tests grid_tests 560 tests/kernels/test_cute_bwd_gpu.py tests/cp/test_cp_gpu.py ;;
+    *) echo "unknown stage $s (inv_window | table | grid)"; exit 2 ;;
   esac
 done

@@ -171,6 +171,30 @@ def test_packed_random(causal, d, dtype, hq, hkv):
     _packed(lens, lens, hq, hkv, d, dtype, causal=causal)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_more_sequences_than_a_grid_dimension_holds(packed):
+    """70000 sequences of 8 tokens: the pre- and postprocess launched one CTA per (tile, head, sequence) with the
+    sequences on the grid's z, which stops at 65535 (CUDA refused the launch). They share x with the tiles now."""
+    n, s, dtype = 70000, 8, torch.bfloat16
+    g = _gen()
+    q, k, v = _inputs((n, s, 2, 64), (n, s, 1, 64), dtype, g)
+    dout = torch.randn(q.shape, device="cuda", dtype=dtype, generator=g)
+    out64, lse64, ref = _reference(q, k, v, dout, causal=True)  # (the batch's reference: packed is the same)
+    kw = dict(causal=True)
+    if packed:  # the same sequences as 70000 documents of one packed call
+        cu = torch.arange(0, n * s + 1, s, dtype=torch.int32, device="cuda")
+        q, k, v, dout, out64 = (t.flatten(0, 1) for t in (q, k, v, dout, out64))
+        lse64 = lse64.transpose(0, 1).flatten(1)  # (heads, tokens)
+        ref = [t.flatten(0, 1) for t in ref]
+        kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    out, lse = attention_forward(q, k, v, backend="cute", **kw)
+    assert rel_error(out.double().cpu(), out64.cpu()) < REL_TOL[dtype]
+    extra = dict(max_seqlen_q=s, max_seqlen_k=s) if packed else {}
+    got = _run(q, k, v, dout, out64.to(dtype), lse64.float(), **kw, **extra)
+    for name, a, r in zip(("dq", "dk", "dv"), got, ref):
+        _check(a, r, dtype, name)
+
+
 def test_packed_per_segment_offsets():
     lens_q, lens_k = [100, 0, 257, 64], [300, 50, 129, 64]
     q_off = torch.tensor([200, 0, 0, 5], dtype=torch.int32, device="cuda")

@@ -40,6 +40,7 @@ from .common_sm90 import (
     store_acc_rows,
     store_tile_tma,
 )
+from .tile_scheduler import row_tile_grid, row_tile_of
 
 
 class BwdPostprocess:
@@ -102,19 +103,19 @@ class BwdPostprocess:
             sdQ: cute.struct.Align[cute.struct.MemRange[staged_type, staged_elems], 1024]
 
         self.shared_storage = SharedStorage
-        self.kernel(mdQacc, mdQ, mScale2, tma_dQ, tma_atom, tiled_mma, mCuSeqlensQ, self.sdQ_layout).launch(
-            grid=(grid_m, num_heads, num_batch), block=[256, 1, 1], stream=stream
+        self.kernel(mdQacc, mdQ, mScale2, tma_dQ, tma_atom, tiled_mma, mCuSeqlensQ, self.sdQ_layout, grid_m).launch(
+            grid=row_tile_grid(grid_m, num_heads, num_batch), block=[256, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(
         self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mScale2: Optional[cute.Tensor], mdQ_tma: Optional[cute.Tensor],
         tma_atom: Optional[cute.CopyAtom], tiled_mma: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor],
-        sdQ_layout: cute.ComposedLayout,
+        sdQ_layout: cute.ComposedLayout, grid_m: Int32,
     ):
         tm, D = self.tile_m, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, head, batch = cute.arch.block_idx()
+        m_block, head, batch = row_tile_of(grid_m)
         num_heads = cute.size(mdQ.shape[2])
         seqlen = SeqlenInfo.create_q(batch, mdQ, mCuSeqlensQ, varlen=self.varlen, scratch_tile_m=tm,
                                      worklist=self.worklist)

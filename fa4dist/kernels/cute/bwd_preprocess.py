@@ -28,6 +28,7 @@ from cutlass import Float32, Int32, const_expr
 from .block_info import WORKLIST_COLUMNS, SeqlenInfo
 from .common_sm90 import select_modes
 from .sanitize import block_any
+from .tile_scheduler import row_tile_grid, row_tile_of
 
 LOG2_E = math.log2(math.e)
 
@@ -94,8 +95,8 @@ class BwdPreprocess:
             grid_m = m_blocks
         num_heads = cute.size(mO.shape[2])
         self.kernel(mO, mdO, mLSE, mDlse, mLSE2, mDpsum, mClean, mdQacc, mSem, mScale, mScale2, scale,
-                    mCuSeqlensQ).launch(
-            grid=(grid_m, num_heads, num_batch), block=[self.num_threads, 1, 1], stream=stream
+                    mCuSeqlensQ, grid_m).launch(
+            grid=row_tile_grid(grid_m, num_heads, num_batch), block=[self.num_threads, 1, 1], stream=stream
         )
 
     @cute.kernel
@@ -114,10 +115,11 @@ class BwdPreprocess:
         mScale2: Optional[cute.Tensor],
         scale: Float32,
         mCuSeqlensQ: Optional[cute.Tensor],
+        grid_m: Int32,
     ):
         tm, D, vec = self.tile_m, self.head_dim, self.vec
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, head, batch = cute.arch.block_idx()
+        m_block, head, batch = row_tile_of(grid_m)
         num_heads = cute.size(mO.shape[2])
         seqlen = SeqlenInfo.create_q(batch, mO, mCuSeqlensQ, varlen=self.varlen, scratch_tile_m=tm,
                                      worklist=self.worklist)

@@ -163,6 +163,19 @@ class TileClaims:
         return t, state
 
 
+def row_tile_grid(grid_m, num_heads, num_batch) -> tuple:
+    """The grid of a kernel with one CTA per (query tile, head, sequence) (the backward's pre- and postprocess):
+    tiles and sequences share x, as the main kernels' one-dimensional grids hold them, since a grid's y and z stop
+    at 65535 (a batch of 70000 short sequences did not launch). Decoded by :func:`row_tile_of`."""
+    return (grid_m * num_batch, num_heads, 1)
+
+
+def row_tile_of(grid_m: Int32):
+    """(query tile, head, sequence) of this CTA in a :func:`row_tile_grid` launch."""
+    bid, head, _ = cute.arch.block_idx()
+    return bid % grid_m, head, bid // grid_m
+
+
 @cute.jit
 def parts_first(tile_idx: Int32, split_edge: Int32, split_parts: Int32):
     """(tile, slot, split tile) of launch index ``tile_idx`` in a causal split launch (split_plans): the first
