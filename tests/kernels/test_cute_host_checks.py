@@ -34,6 +34,18 @@ def test_supports_takes_no_diagonal_the_launches_refuse(direction):
 
 
 @pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_a_right_window_edge_past_the_diagonal_range_falls_back_saying_so(direction):
+    """The kernels fold a window's right edge into the causal diagonal: an edge past its range (offsets of 0) was
+    refused without a fallback, blaming q_offset - k_offset, which the caller never set."""
+    limit = host.INT32_MAX // 4
+    assert _supports(direction, window=(-1, limit)) is None
+    refusal = _supports(direction, window=(-1, limit + 1))
+    assert refusal is not None and refusal.fallback and "right edge" in str(refusal), refusal
+    refusal = _supports(direction, causal=True, q_offset=limit + 1)  # the offsets themselves: named as such
+    assert refusal is not None and "q_offset - k_offset" in str(refusal)
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_supports_declines_a_score_scale_beyond_one_float32(direction):
     """The kernels take softmax_scale / softcap (or softmax_scale * log2(e)) as one float32: in range each, the
     ratio can still overflow or underflow it (a kernel would compute inf * 0 = NaN for a zero score). supports()

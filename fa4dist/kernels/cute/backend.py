@@ -144,7 +144,11 @@ class CuteSm90Backend:
             largest = max(largest, _bwd.dq_scratch_elements(problem.total_q, problem.batch, problem.heads_q, d))
         if largest >= host.INT32_MAX:
             return Unsupported(f"{largest} elements in one tensor: the cute kernels index in 32 bits")
-        if not all(band_diagonal_fits(band, qo, ko) for qo, ko in zip(problem.q_offsets, problem.k_offsets)):
+        offsets = tuple(zip(problem.q_offsets, problem.k_offsets))
+        if not all(band_diagonal_fits(band, qo, ko) for qo, ko in offsets):
+            if all(abs(qo - ko) <= DIAG_LIMIT for qo, ko in offsets):  # the window's right edge moved it there
+                return Unsupported(f"a window's right edge of {problem.mask.hi} keys puts the kernels' causal "
+                                   f"diagonal past its int32 range", fallback=True)
             return Unsupported("q_offset - k_offset beyond int32 range")
         return None
 
