@@ -15,16 +15,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("var, fields, text, expected", [
-    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "tile_m=abc", "field 'tile_m' must be an int >= 0, got 'abc'"),
+    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "tile_m=abc", "field 'tile_m' must be an int >= 1, got 'abc'"),
     ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "rescale_threshold=x",
      "field 'rescale_threshold' must be a finite float >= 0"),
     ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "sanitize=maybe", "field 'sanitize' must be a boolean"),
     ("FA4DIST_BWD_OVERRIDE", backward._FIELDS, "det_chunk", "field 'det_chunk' must be an int >= 0, got ''"),
     ("FA4DIST_BWD_OVERRIDE", backward._FIELDS, "stmatrix_ds=2", "field 'stmatrix_ds' must be a boolean"),
     # sizes and counts below zero, and thresholds that compare false with everything, were taken as given
-    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "tile_m=-128", "field 'tile_m' must be an int >= 0, got '-128'"),
+    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "tile_m=-128", "field 'tile_m' must be an int >= 1, got '-128'"),
+    # a tile, stage count or CTAs per SM of 0 failed deep in the launch (a ZeroDivisionError, an empty assert)
+    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "tile_m=0", "field 'tile_m' must be an int >= 1, got '0'"),
+    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "num_stages=0", "field 'num_stages' must be an int >= 1, got '0'"),
+    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "ctas_per_sm=0", "field 'ctas_per_sm' must be an int >= 1"),
     ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "persistent_ctas=-5", "field 'persistent_ctas' must be an int >= 0"),
-    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "num_stages=\u00b2", "field 'num_stages' must be an int >= 0"),
+    ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "num_stages=\u00b2", "field 'num_stages' must be an int >= 1"),
     ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "rescale_threshold=nan",
      "field 'rescale_threshold' must be a finite float >= 0, got 'nan'"),
     ("FA4DIST_FWD_OVERRIDE", forward._FIELDS, "rescale_threshold=-1", "field 'rescale_threshold' must be a finite"),
@@ -59,7 +63,7 @@ def test_a_bad_override_fails_the_import_naming_the_variable():
     proc = subprocess.run([sys.executable, "-c", "import fa4dist.kernels"], capture_output=True, text=True, env=env,
                           timeout=120)
     assert proc.returncode != 0
-    assert "FA4DIST_FWD_OVERRIDE: field 'tile_m' must be an int >= 0, got 'abc'" in proc.stderr
+    assert "FA4DIST_FWD_OVERRIDE: field 'tile_m' must be an int >= 1, got 'abc'" in proc.stderr
 
 
 def test_the_aot_folder_must_be_a_folder_or_it_is_logged_once(monkeypatch, tmp_path, caplog):

@@ -446,7 +446,7 @@ def default_split_tail(cfg: FwdConfig) -> bool:
 
 
 _FIELDS = {
-    "tile_m": host.parse_count, "tile_n": host.parse_count, "num_stages": host.parse_count,
+    "tile_m": host.parse_positive, "tile_n": host.parse_positive, "num_stages": host.parse_positive,
     "intra_wg_overlap": host.parse_bool,
     "sched_barrier": host.parse_bool, "rescale_threshold": host.parse_threshold, "sum_from_old": host.parse_bool,
     "chained_max": host.parse_bool,
@@ -457,7 +457,7 @@ _FIELDS = {
     "softcap_fixed_max": host.parse_bool, "prefetch_running": host.parse_bool,
     "persistent_ctas": host.parse_count, "dynamic_tiles": host.parse_bool, "exact_merge": host.parse_bool,
     "reset_counter": host.parse_bool,
-    "regs_producer": host.parse_count, "ctas_per_sm": host.parse_count,
+    "regs_producer": host.parse_count, "ctas_per_sm": host.parse_positive,
     "l2_rows": host.parse_count, "interleave_lengths": host.parse_bool, "split_tail": host.parse_bool,
 }
 # the fields a work-list launch must share with the per-item calls it replaces to give their bits (all but these)
@@ -523,8 +523,9 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
     if "split_tail" not in kw:
         cfg = dataclasses.replace(cfg, split_tail=default_split_tail(cfg))
     elif cfg.split_tail and not split_tail_fits(cfg):
-        raise ValueError(f"split_tail needs a dense fresh 16-bit launch on the dynamic persistent grid, one CTA "
-                         f"per SM, without window or sinks: {cfg}")
+        raise ValueError(f"split_tail (forced by FA4DIST_FWD_OVERRIDE or a variant's overrides) needs a dense fresh "
+                         f"16-bit launch on the dynamic persistent grid, one CTA per SM, without window or sinks: "
+                         f"{cfg}")
     if cfg.pdl and cfg.persistent:
         raise ValueError(f"pdl needs one CTA per tile (a persistent grid's tile counter would be shared with the "
                          f"launch it overlaps): {cfg}")

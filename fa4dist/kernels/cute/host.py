@@ -239,7 +239,16 @@ def parse_threshold(s: str) -> float:
     return value
 
 
-_EXPECTED = {parse_count: "an int >= 0", parse_threshold: "a finite float >= 0"}
+def parse_positive(s: str) -> int:
+    """A tile size, stage count or CTAs per SM: an int >= 1 (0 has no "off" meaning there; it failed deep in the
+    launch)."""
+    value = parse_count(s)
+    if value < 1:
+        raise ValueError(f"not an int >= 1: {s!r}")
+    return value
+
+
+_EXPECTED = {parse_count: "an int >= 0", parse_positive: "an int >= 1", parse_threshold: "a finite float >= 0"}
 
 
 def parse_overrides(text: str, fields: dict, source: str) -> dict:
