@@ -419,7 +419,7 @@ def test_split_tail_default_scope():
         assert not make(128, **kw).split_tail, kw
     assert not make(256, causal=False, varlen=False, accumulate=False).split_tail
     assert not make(64, causal=True, varlen=False, accumulate=False, short=True).split_tail  # two CTAs per SM
-    with pytest.raises(ValueError, match="split_tail needs"):
+    with pytest.raises(ValueError, match="split_tail .forced by FA4DIST_FWD_OVERRIDE or a variant.s overrides. needs"):
         make(128, causal=True, varlen=False, accumulate=False, window_left=100, split_tail=True)
 
 
