@@ -152,7 +152,9 @@ def check_backend(name, device):
         raise TypeError(f"backend must be a string, got {type(name).__name__}")
     backend = get_backend(name)
     if not backend.available(device):
-        raise ValueError(f"backend {name!r} is not available on device {device}")
+        why = getattr(backend, "unavailable_reason", None)  # (optional: a backend that can say what is missing)
+        why = why(device) if why is not None else None
+        raise ValueError(f"backend {name!r} is not available on device {device}" + (f": {why}" if why else ""))
     return backend
 
 

@@ -258,3 +258,21 @@ def test_backward_scratch_is_one_carved_allocation_and_each_launch_zeroes_its_co
         args.tile_counter.fill_(7)  # a launch leaves its counter claimed: the next launch zeroes it first
         steps[1]()
         assert not bwd.BwdKernelArgs(*calls[-1][1]).tile_counter.any()
+
+
+def test_a_named_cute_backend_that_cannot_run_says_what_is_missing(monkeypatch):
+    """`backend="cute"` where it cannot run said only "not available on device ...": now what the device or the
+    install lacks (a CUDA tensor, a Hopper GPU, the cute extra)."""
+    from fa4dist.kernels import registry
+
+    with pytest.raises(ValueError, match="not available on device cpu: the cute kernels run on CUDA tensors"):
+        registry.check_backend("cute", torch.device("cpu"))
+    reason = cute_backend.CuteSm90Backend.unavailable_reason
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "built for Hopper (sm_90), this GPU is sm_80" in reason("cuda:0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(host, "cutlass_importable", lambda: False)
+    assert "pip install 'fa4dist[cute]'" in reason("cuda:0")
+    monkeypatch.setattr(host, "cutlass_importable", lambda: True)
+    assert reason("cuda:0") is None

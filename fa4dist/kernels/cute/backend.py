@@ -87,6 +87,21 @@ class CuteSm90Backend:
         major, _ = torch.cuda.get_device_capability(device)
         return major == 9 and host.cutlass_importable()
 
+    @staticmethod
+    def unavailable_reason(device) -> Optional[str]:
+        """What the device or the install lacks for the kernels (the registry's error names it), or None."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            return "the cute kernels run on CUDA tensors of a Hopper GPU (sm_90: H100, H200)"
+        if not torch.cuda.is_available():
+            return "this torch sees no CUDA device"
+        major, minor = torch.cuda.get_device_capability(device)
+        if major != 9:
+            return f"the cute kernels are built for Hopper (sm_90), this GPU is sm_{major}{minor}"
+        if not host.cutlass_importable():
+            return "nvidia-cutlass-dsl is not installed: pip install 'fa4dist[cute]'"
+        return None
+
     # a bound on the remembered verdicts (calls of many shapes are distinct problems)
     _VERDICTS_KEPT = 4096
 
