@@ -712,8 +712,10 @@ def launch_steps(
             longest = k.shape[1] if cu_seqlens_k is None else (max_seqlen_k or k.shape[0])
             form = nondeterministic_gqa_form(group, _kv_tiles(k, cu_seqlens_k), host.sm_count(), causal,
                                              -(-longest // TILE_N))
+    # (the copies per query head hold group x |K| elements: past 32-bit indexing, which supports() checks for K as
+    # given, the GQA kernel runs as it is)
     if (form == "expanded" and group > 1 and rows is None and dq_scale is None
-            and dq is not None and dk is not None and dv is not None):
+            and dq is not None and dk is not None and dv is not None and k.numel() * group < host.INT32_MAX):
         inner = dict(softmax_scale=softmax_scale, causal=causal, q_offset=q_offset, k_offset=k_offset,
                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                      max_seqlen_k=max_seqlen_k, window_left=window_left, softcap=softcap, split_keys=split_keys,
