@@ -803,6 +803,24 @@ def test_long_causal_deterministic_gqa_backward_takes_expanded_heads():
     _assert_same_grads(expanded, auto, True, "det_dq auto against expanded")
 
 
+def test_gqa_copies_past_32_bit_indexing_run_the_gqa_kernel():
+    """A deterministic causal GQA backward of long keys takes K / V copied per query head: 16k queries against 256k
+    keys of 8 heads, 64 query heads, hdim 128 is 2^31 elements of copies, past the kernels' 32-bit indexing, though
+    every given tensor is within it. It runs the GQA kernel as it is: the tickets' bytes, near the
+    non-deterministic backward's."""
+    g = _gen()
+    q, k, v = _inputs((1, 16384, 64, 128), (1, 262144, 8, 128), torch.bfloat16, g)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    kw = dict(causal=True, q_offset=262144 - 16384)
+    out, lse = attention_forward(q, k, v, backend="cute", **kw)
+    auto = _run(q, k, v, dout, out, lse, deterministic=True, **kw)
+    tickets = _run(q, k, v, dout, out, lse, deterministic=True, det_dq="tickets", **kw)
+    _assert_same_grads(tickets, auto, True, "det_dq auto against tickets past 32 bits")
+    free = _run(q, k, v, dout, out, lse, **kw)
+    for name, a, b in zip(("dq", "dk", "dv"), auto, free):
+        assert rel_error(a.double(), b.double()) < 1e-2, name
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_deterministic_gqa_backward_takes_the_fixed_point_dq(packed):
     """A deterministic backward on the int64 dQ (no tickets; `det_dq="fixed"`, measured slower than the other
