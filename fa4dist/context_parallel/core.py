@@ -74,6 +74,30 @@ def _resolve_mesh(mesh):
     return None, mesh.get_group(1), mesh.get_group(0)
 
 
+def mesh_group(mesh, call: str):
+    """The process group spanning every rank of a 1-D mesh, or of a named 2-D mesh (flattened: a loss's token
+    count, say, is summed over all cp ranks of a ring x ulysses grid). ``call`` names the caller in errors."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim != 2 or set(names) != {"ring", "ulysses"}:  # (torch flattens named meshes only; a (dp, cp) mesh
+        # would sum over data-parallel replicas too)
+        raise ValueError(f"{call} takes a 1-D mesh or a 2-D one with mesh_dim_names=('ring', 'ulysses') (all its ranks "
+                         f"are the cp group), got a {mesh.ndim}-D mesh named {names or 'nothing'}; pass the cp "
+                         "dimension (mesh['cp']) or the cp process group")
+    # torch keeps flattened meshes by name on the root mesh: a name flattened from another 2-D submesh of the same
+    # root (unflattened differently) is refused, one from this layout is given back.  So the first name that is
+    # free or holds this layout (the same on every rank, which holds the same meshes).
+    for i in range(64):
+        try:
+            return mesh._flatten("fa4dist_cp" if i == 0 else f"fa4dist_cp_{i}").get_group()
+        except ValueError as err:
+            if "has been created before" not in str(err):
+                raise
+    raise ValueError(f"{call}: 64 other 2-D submeshes of this mesh's root were flattened already; pass the cp group "
+                     "as a process group instead")
+
+
 _INSTANCES: dict = {}  # process groups' key (_groups_key) -> modules created on them so far in this process
 # the keys of the (ulysses_group, ring_group) pairs checked to form a 2-D grid (ContextParallel._check_grid).  Per
 # pair of groups, not per object: every rank makes the same calls on the groups, so each knows alike whether a check

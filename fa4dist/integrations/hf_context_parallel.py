@@ -724,22 +724,9 @@ def _loss_group(group, mesh):
     """The process group spanning every cp rank (the loss's token count is summed over it)."""
     if mesh is None:
         return group
-    if mesh.ndim == 1:
-        return mesh.get_group()
-    if not mesh.mesh_dim_names:  # the loss group is the flattened mesh, and torch flattens named meshes only
-        raise ValueError("enable_context_parallel(mesh=) takes a 2-D mesh with mesh_dim_names=('ring', 'ulysses'), "
-                         "got an unnamed 2-D mesh (init_device_mesh(..., mesh_dim_names=('ring', 'ulysses')))")
-    # torch keeps flattened meshes by name on the root mesh: a name flattened from another 2-D submesh of the same
-    # root (another handle's mesh, unflattened differently) is refused, one from this layout is given back.  So the
-    # first name that is free or holds this layout (the same on every rank, which holds the same meshes).
-    for i in range(64):
-        try:
-            return mesh._flatten("fa4dist_cp" if i == 0 else f"fa4dist_cp_{i}").get_group()
-        except ValueError as err:
-            if "has been created before" not in str(err):
-                raise
-    raise ValueError("enable_context_parallel(mesh=): 64 other 2-D submeshes of this mesh's root were flattened "
-                     "already; pass the cp group as group= instead")
+    from fa4dist.context_parallel.core import mesh_group
+
+    return mesh_group(mesh, "enable_context_parallel(mesh=)")
 
 
 def enable_context_parallel(model, group=None, mesh=None, strategy: str = "auto", balancer: str = "lpt", *,

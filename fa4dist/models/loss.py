@@ -36,8 +36,12 @@ _CALLS: dict = {}  # (function, group name) -> this rank's calls on the group so
 
 
 def _process_group(group):
-    if group is not None and hasattr(group, "get_group"):  # DeviceMesh
-        return group.get_group()
+    """A group argument as a process group: a DeviceMesh (1-D, or a named 2-D ring x ulysses one: all its ranks)
+    resolved."""
+    if group is not None and hasattr(group, "get_group") and hasattr(group, "ndim"):  # DeviceMesh
+        from fa4dist.context_parallel.core import mesh_group
+
+        return mesh_group(group, "the loss's cp group")
     return group
 
 

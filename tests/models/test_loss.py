@@ -470,3 +470,31 @@ def test_invariant_sum_of_non_finite_terms_and_bad_input():
         invariant_sum([1.0])
     with pytest.raises(TypeError, match="exact_value must be a bool, got int"):
         cp_cross_entropy(*_inputs(), exact_value=1)
+
+
+def _meshes(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+    logits, labels = _inputs(seed=rank)
+    x = torch.tensor([rank + 0.25])
+    got = (invariant_sum(x, grid).item(), cp_cross_entropy(logits, labels, grid, exact_value=True).value.item())
+    world_group = torch.distributed.group.WORLD
+    want = (invariant_sum(x, world_group).item(),
+            cp_cross_entropy(logits, labels, world_group, exact_value=True).value.item())
+    replicas = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    try:
+        invariant_sum(x, replicas)
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    return got, want, refused
+
+
+def test_a_ring_by_ulysses_mesh_is_the_group_of_all_its_ranks(pool):
+    """The model and the attention take a 2-D ("ring", "ulysses") mesh as their cp group; the losses failed on it
+    with torch's "needs mesh_dim". They sum over all its ranks now, and a 2-D mesh of other dims (a (dp, cp) one
+    would sum over the replicas too) is refused, naming what to pass."""
+    for got, want, refused in pool.run(_meshes):
+        assert got == want
+        assert "mesh_dim_names=('ring', 'ulysses')" in refused and "mesh['cp']" in refused, refused
