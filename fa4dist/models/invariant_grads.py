@@ -27,6 +27,11 @@ before any exchange whose size could differ; :meth:`FixedPointGrads.finish` open
 still in a backward pairs with it too.  No store round trip and one collective per site, but the check is read
 back: one wait for the device per site.
 Slower than autograd's own (one small product per block, int64 sums): a reproducibility mode.
+
+Non-finite and tiny values: a site's scale comes from its maxima, so one NaN or inf contribution makes the whole
+parameter's gradient NaN (autograd's would be NaN in the affected entries only; either way the step is not usable,
+and a NaN gradient norm says so). The scale stops at 2^126: a loss scaled below ~1e-30 resolves its gradients only
+to ~2^-126 of their bound, and past that to 0, as the attention's fixed-point dq does.
 """
 
 from __future__ import annotations
