@@ -30,8 +30,8 @@ Slower than autograd's own (one small product per block, int64 sums): a reproduc
 
 Non-finite and tiny values: a site's scale comes from its maxima, so one NaN or inf contribution makes the whole
 parameter's gradient NaN (autograd's would be NaN in the affected entries only; either way the step is not usable,
-and a NaN gradient norm says so). The scale stops at 2^126: a loss scaled below ~1e-30 resolves its gradients only
-to ~2^-126 of their bound, and past that to 0, as the attention's fixed-point dq does.
+and a NaN gradient norm says so). The scale stops at 2^126: with a loss scaled below ~1e-30 the gradients resolve only
+2^-126 absolute (smaller ones become 0), as the attention's fixed-point dq does for tiny rows.
 """
 
 from __future__ import annotations
