@@ -13,9 +13,9 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32
-from cutlass._mlir.dialects import llvm
+from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import Boolean, T, dsl_user_op, if_generate
 from cutlass.tensor_utils import LayoutEnum
 
 _CONTEXT_TYPES: dict = {}
@@ -147,6 +147,19 @@ def stage_wait(pipe, state, try_first: cutlass.Constexpr[bool]):
         pipe.consumer_wait(state, pipe.consumer_try_wait(state))
     else:
         pipe.consumer_wait(state)
+
+
+@cute.jit
+def stage_release(pipe, state, elected: cutlass.Constexpr[bool]):
+    """A consumer warp's release of a pipeline stage (one arrival per warp). ``elected``: the arrival by the
+    ``elect.sync`` winner instead of the pipeline's lane-0 predicate, which comes from the thread index: under the
+    forward's register pressure ptxas reads %tid again (an S2R) in every step for it."""
+    if cutlass.const_expr(elected):
+        # the arrival predicated on elect.sync's predicate, as consumer_release predicates it on the lane's (an
+        # elect_one region is a branch, which ptxas would not schedule the PV wait across)
+        if_generate(Boolean(nvvm.elect_sync()), lambda: pipe.sync_object_empty.arrive(state.index, pipe.consumer_mask))
+    else:
+        pipe.consumer_release(state)
 
 
 @dsl_user_op

@@ -159,6 +159,10 @@ class FwdConfig:
     # stream finishes, and its epilogue waits for that kernel before it touches out / lse (fwd_sm90). The same bits.
     # For a caller whose previous kernel wrote none of q, k, v and the table (forward_worklist's overlap_previous)
     pdl: bool = False
+    # the overlapped step's K / V releases by the elect.sync winner (common_sm90.stage_release) instead of the lane-0
+    # predicate ptxas recomputes from %tid in every step (one S2R a step; flash-attn-4's loop has none). The same
+    # bits. A measurement knob
+    elect_release: bool = False
 
     def build(self):
         from .fwd_sm90 import FlashFwdSm90
@@ -178,7 +182,7 @@ class FwdConfig:
             exact_merge=self.exact_merge, regs_producer=self.regs_producer,
             ctas_per_sm=self.ctas_per_sm,
             l2_rows=self.l2_rows or None, interleave_lengths=self.interleave_lengths, split_tail=self.split_tail,
-            pdl=self.pdl,
+            pdl=self.pdl, elect_release=self.elect_release,
         )
 
     @property
@@ -459,12 +463,13 @@ _FIELDS = {
     "reset_counter": host.parse_bool,
     "regs_producer": host.parse_count, "ctas_per_sm": host.parse_positive,
     "l2_rows": host.parse_count, "interleave_lengths": host.parse_bool, "split_tail": host.parse_bool,
+    "elect_release": host.parse_bool,
 }
 # the fields a work-list launch must share with the per-item calls it replaces to give their bits (all but these)
 _LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o", "persistent_ctas", "dynamic_tiles")
 # fields that move instructions or tiles, not results (each one's bits test compares the bytes both ways)
 _SCHEDULE_FIELDS = ("late_pv_wait", "hoist_descriptors", "hoist_q_slices", "interleave_lengths", "chained_max",
-                    "defer_v_marks", "reset_counter")
+                    "defer_v_marks", "reset_counter", "elect_release")
 # development hook: FA4DIST_FWD_OVERRIDE="rescale_threshold=0,tile_m=128" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_FWD_OVERRIDE", _FIELDS)
 

@@ -55,6 +55,7 @@ from .common_sm90 import (
     prefetch_l2_bulk,
     select_modes,
     smem_layout_kmajor,
+    stage_release,
     stage_wait,
     tma_pipeline,
     store_tile_tma,
@@ -126,6 +127,7 @@ class FlashFwdSm90:
         ctas_per_sm: int = 1,
         split_tail: bool = False,
         pdl: bool = False,
+        elect_release: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
         assert head_dim % 16 == 0 and tile_n % 16 == 0
@@ -165,6 +167,7 @@ class FlashFwdSm90:
         # and P converted with inline cvts; ptxas then places the PV wait among the exponentials instead of before
         # them (NOTES_FWD.md, fourteenth session)
         self.late_pv_wait = late_pv_wait
+        self.elect_release = elect_release  # the overlapped step's stage releases by elect.sync (FwdConfig)
         self.hoist_descriptors = hoist_descriptors
         self.hoist_q_slices = hoist_q_slices and hoist_descriptors
         # O through smem (reusing sQ) and one TMA store; dense, non-accumulate, 16-bit out only
@@ -1049,23 +1052,25 @@ class FlashFwdSm90:
         self.gemm(ml.tiled_mma_pv, ml.acc_O, ml.tOrP, ml.tOrVt[None, None, None, v_state.index], False, -1)
         self.sched_arrive(ml.wg)
         warpgroup.wait_group(1)
-        ml.pipe_k.consumer_release(kv_state)
+        stage_release(ml.pipe_k, kv_state, self.elect_release)
         self.cap_scores(ml, acc_S)
         if const_expr(causal_mask):
             ml.mask.apply(acc_S, ml.m_block, n_block, False)
         row_scale = ml.softmax.online(acc_S, False)
         warpgroup.wait_group(0)
-        if const_expr(mark_prev is None):
+        if const_expr(mark_prev is None and not self.elect_release):
             ml.pipe_v.consumer_release(v_state)
         to_16bit(acc_to_operand_a(acc_S), ml.tOrP, self.late_pv_wait)
         ml.softmax.rescale_o(ml.acc_O, row_scale)
+        if const_expr(mark_prev is None and self.elect_release):  # (ptxas keeps elect.sync where it stands: after
+            stage_release(ml.pipe_v, v_state, True)  # the step's work, so the PV wait still sinks below the exp2s)
         if const_expr(mark_prev is not None):
             if const_expr(mark_if_masked):
                 if mark_prev >= 0:
                     self.mark_bad_v_rows(ml, v_state, mark_prev)
             else:
                 self.mark_bad_v_rows(ml, v_state, mark_prev)
-            ml.pipe_v.consumer_release(v_state)
+            stage_release(ml.pipe_v, v_state, self.elect_release)
         if const_expr(causal_mask and not self.defer_v_marks):
             self.mark_rows_seeing_bad_v(ml, kv_state, n_block)
         return kv_state
