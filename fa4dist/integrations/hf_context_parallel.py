@@ -93,6 +93,10 @@ _NOT_THIS_MODEL = ("transformers picks attention through the model's config, and
                    "model its own config (build it from copy.deepcopy(config)) and enable context parallelism on "
                    "the model that should run it (a batch from handle.shard_batch does run through the handle)")
 _NAMES = itertools.count()
+# a model's attention name, used again when it is enabled again: transformers keeps every registration, and the
+# names stay registered after disable() (a copy made while enabled then gets this module's error, not transformers'),
+# so a new name per enable grew its registries by two entries a cycle
+_MODEL_NAMES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _CHECKSUM_SEED = 0x9E3779B1
 
 
@@ -429,7 +433,10 @@ class ContextParallelHandle:
         self.previous = getattr(model.config, "_attn_implementation", None)
         # a copy made while another handle was enabled carries that handle's name: put back what it replaced
         self.previous = _PREVIOUS.get(self.previous, self.previous)
-        self.name = f"fa4dist_cp_{next(_NAMES)}"
+        name = _MODEL_NAMES.get(model)
+        if name is None or name in _HANDLES:  # (in use: another handle still enabled under it)
+            name = _MODEL_NAMES[model] = f"fa4dist_cp_{next(_NAMES)}"
+        self.name = name
         _PREVIOUS[self.name] = self.previous
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface

@@ -621,6 +621,26 @@ def test_a_checkpointed_recompute_after_the_with_block_is_refused_by_name(previo
         late.backward()
 
 
+def test_enabling_one_model_again_reuses_its_registrations():
+    """Each enable registered a new name with transformers' attention and mask interfaces, kept after disable (for
+    the error a copy made while enabled gets): a loop enabling per step grew both registries by one entry a step.
+    A model enabled again takes its name again; another model gets its own."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    model, other = tiny_model("llama"), tiny_model("llama")
+    sizes = lambda: (len(AttentionInterface._global_mapping), len(AttentionMaskInterface._global_mapping))  # noqa: E731
+    with enable_context_parallel(model) as first:
+        pass
+    before = sizes()
+    for _ in range(3):
+        with enable_context_parallel(model) as again:
+            assert again.name == first.name
+    assert sizes() == before
+    with enable_context_parallel(other) as elsewhere:
+        assert elsewhere.name != first.name
+
+
 def test_disable_restores_the_models_own_attention():
     model = tiny_model("llama")
     batch = packed_batch()
