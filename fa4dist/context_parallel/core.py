@@ -75,8 +75,8 @@ def _resolve_mesh(mesh):
 
 
 def mesh_group(mesh, call: str):
-    """The process group spanning every rank of a 1-D mesh, or of a named 2-D mesh (flattened: a loss's token
-    count, say, is summed over all cp ranks of a ring x ulysses grid). ``call`` names the caller in errors."""
+    """The process group spanning every rank of a 1-D mesh, or of a 2-D ('ring', 'ulysses') mesh (flattened: a
+    loss's token count, say, is summed over all cp ranks of the grid). ``call`` names the caller in errors."""
     if mesh.ndim == 1:
         return mesh.get_group()
     names = tuple(mesh.mesh_dim_names or ())

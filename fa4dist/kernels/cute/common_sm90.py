@@ -155,8 +155,7 @@ def stage_release(pipe, state, elected: cutlass.Constexpr[bool]):
     ``elect.sync`` winner instead of the pipeline's lane-0 predicate, which comes from the thread index: under the
     forward's register pressure ptxas reads %tid again (an S2R) in every step for it."""
     if cutlass.const_expr(elected):
-        # the arrival predicated on elect.sync's predicate, as consumer_release predicates it on the lane's (an
-        # elect_one region is a branch, which ptxas would not schedule the PV wait across)
+        # (the arrival predicated on elect.sync's predicate, as consumer_release predicates it on the lane's)
         if_generate(Boolean(nvvm.elect_sync()), lambda: pipe.sync_object_empty.arrive(state.index, pipe.consumer_mask))
     else:
         pipe.consumer_release(state)

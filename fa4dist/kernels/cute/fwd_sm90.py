@@ -1062,8 +1062,8 @@ class FlashFwdSm90:
             ml.pipe_v.consumer_release(v_state)
         to_16bit(acc_to_operand_a(acc_S), ml.tOrP, self.late_pv_wait)
         ml.softmax.rescale_o(ml.acc_O, row_scale)
-        if const_expr(mark_prev is None and self.elect_release):  # (ptxas keeps elect.sync where it stands: after
-            stage_release(ml.pipe_v, v_state, True)  # the step's work, so the PV wait still sinks below the exp2s)
+        if const_expr(mark_prev is None and self.elect_release):  # (after the step's work: ptxas keeps elect.sync
+            stage_release(ml.pipe_v, v_state, True)  # where it stands; the PV wait lands before the exp2s either way)
         if const_expr(mark_prev is not None):
             if const_expr(mark_if_masked):
                 if mark_prev >= 0:
