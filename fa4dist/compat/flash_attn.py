@@ -163,12 +163,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         new = k.shape[1]
     ends = _per_sequence(call, "cache_seqlens", cache_seqlens, batch, device, 0)
     starts = _per_sequence(call, "cache_leftpad", cache_leftpad, batch, device, 0)
-    rows = _per_sequence(call, "cache_batch_idx", cache_batch_idx, batch, device, 0)
     if cache_batch_idx is None:
         if cache_batches < batch:
             raise ValueError(f"{call}: the caches hold {cache_batches} sequences for a batch of {batch} (pass "
                              "cache_batch_idx)")
         rows = torch.arange(batch, device=device)
+    else:
+        rows = _per_sequence(call, "cache_batch_idx", cache_batch_idx, batch, device, 0)
     ends_l, starts_l, rows_l = ends.tolist(), starts.tolist(), rows.tolist()  # (one read each)
     for b, (a, e, r) in enumerate(zip(starts_l, ends_l, rows_l)):
         if not 0 <= r < cache_batches:
@@ -184,6 +185,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"{call}: rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2)")
         if 2 * rotary_cos.shape[1] > q.shape[-1]:
             raise ValueError(f"{call}: rotary_dim ({2 * rotary_cos.shape[1]}) exceeds head_dim ({q.shape[-1]})")
+        conventions.window_of(call, window_size, bool(causal), 2, seqlen_cache)  # (a malformed one named first)
         windowed = tuple(window_size) != (-1, -1)
         reach = max((e + max(new, seqlen_q if (causal or windowed) else 1) for e in ends_l), default=0)
         if reach > rotary_cos.shape[0]:
@@ -191,14 +193,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              f"turns up to position {reach - 1}")
         steps = torch.arange(seqlen_q, device=device) * int(bool(causal or windowed))
         q = _rotary(q, rotary_cos, rotary_sin, (ends[:, None] + steps).to(q.device), rotary_interleaved)
-        if k is not None:
-            k = _rotary(k, rotary_cos, rotary_sin, (ends[:, None] + torch.arange(new, device=device)).to(k.device),
-                        rotary_interleaved)
-    if k is not None:  # the new rows into the cache, in place
+        k = _rotary(k, rotary_cos, rotary_sin, (ends[:, None] + torch.arange(new, device=device)).to(k.device),
+                    rotary_interleaved)
+    if k is not None:  # the new rows into the cache, in place: one indexed write per cache, not one per sequence
+        at_rows = rows[:, None].expand(batch, new)
+        at = ends[:, None] + torch.arange(new, device=device)
         with torch.no_grad():
-            for b, (e, r) in enumerate(zip(ends_l, rows_l)):
-                k_cache[r, e:e + new] = k[b]
-                v_cache[r, e:e + new] = v[b]
+            k_cache[at_rows, at] = k.to(k_cache.device, k_cache.dtype)
+            v_cache[at_rows, at] = v.to(v_cache.device, v_cache.dtype)
     lengths = [e + new - a for a, e in zip(starts_l, ends_l)]
     options = dict(causal=causal, window_size=window_size, softcap=softcap, softmax_scale=softmax_scale,
                    deterministic=False, return_lse=return_softmax_lse, flash_attn=2)
