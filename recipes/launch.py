@@ -26,6 +26,14 @@ def torchrun(script: str, args: list[str], nproc: int = 2, timeout: float = 240.
     return run(cmd, timeout)
 
 
+def ranks(script: str, args: list[str], nproc: int, timeout: float = 240.0) -> subprocess.CompletedProcess:
+    """The recipe on ``nproc`` processes: torchrun's, or for one a plain process (a world of one, as torchrun's one
+    rank would be, without a launcher process to start)."""
+    if nproc == 1:
+        return python(script, args, timeout)
+    return torchrun(script, args, nproc, timeout)
+
+
 def python(script: str, args: list[str], timeout: float = 240.0):
     """The recipe as a plain single process (a world of one)."""
     return run([sys.executable, str(RECIPES / script), *map(str, args)], timeout)

@@ -57,7 +57,7 @@ def test_cp_invariant_weights_are_the_same_bytes_at_cp_1_and_2(tmp_path, corpus,
     runs = []
     for cp in (1, 2):
         metrics_path = tmp_path / f"m{cp}.jsonl"
-        out = launch.torchrun("deepspeed_train.py", args + ["--cp", cp, "--metrics-out", metrics_path], nproc=cp)
+        out = launch.ranks("deepspeed_train.py", args + ["--cp", cp, "--metrics-out", metrics_path], nproc=cp)
         assert "parameter gradients (int64 fixed point" in out.stdout
         runs.append((launch.summary(out.stdout), common.read_metrics(metrics_path)))
     (first, m1), (second, m2) = runs

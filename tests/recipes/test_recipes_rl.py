@@ -50,8 +50,8 @@ def test_cp_invariant_runs_end_with_the_same_weights_at_cp_1_and_2(tmp_path):
     hashes, losses = [], []
     for cp in (1, 2):
         metrics = tmp_path / f"cp{cp}.jsonl"
-        out = launch.torchrun("rl_deterministic.py", _args_at(cp) + ["--cp-invariant", "--metrics-out", metrics],
-                              nproc=cp)
+        out = launch.ranks("rl_deterministic.py", _args_at(cp) + ["--cp-invariant", "--metrics-out", metrics],
+                           nproc=cp)
         s = launch.summary(out.stdout)
         assert s["cp"] == cp and s["cp_invariant"]
         hashes.append(s["weights_sha256"])
