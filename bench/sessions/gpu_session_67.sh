@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Sixty-seventh session's GPU calls (bench/RESULTS.md). Each part states its prediction.
+# - elect: FwdConfig.elect_release (prepared in the sixty-sixth session, not run), the overlapped step's K / V
+#   releases by elect.sync instead of the lane-0 predicate ptxas recomputes from %tid in every step. The
+#   schedule-fields bits test, then hdim 64 / 128 forwards at 16k / 32k beside the default and flash-attn-4.
+#   Predicted: the same bits; speed within +-1% (ptxas places the PV wait before the step's first exp2 there).
+# - kvcache: flash_attn_with_kvcache's GPU tests on 9ee48cb's indexed write of the new rows (one write per cache,
+#   was a copy per sequence). Predicted: 6 passed.
+# - table: #11's table (stage.sh kernels_table) if an H200 comes: none has been taken under the stored row max.
+#   Predicted (H200): hdim 128 forward and backward >= 0.99x flash-attn-4, hdim-64 forward 0.97-0.99x.
+# Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_67.sh elect kvcache
+set -u
+source "$(dirname "$0")/../stage.sh"
+for s in ${*:-elect}; do
+  case $s in
+    elect)
+      gpu_tests elect_bits 240 tests/kernels/test_cute_fwd_gpu.py -k "schedule_fields and elect_release"
+      TAIL_LINES=10 stage elect_ab 300 python3 bench/kernels.py --headdims 64 128 --seqlens 16384 32768 \
+        --causal false true --directions fwd --backends cute flash_attn_4 --cute-variants fwd:elect_release=1 \
+        --rounds 5 --queue-ahead-ms 3 --out-dir "$OUT/elect" ;;
+    kvcache) gpu_tests kvcache 200 tests/compat/test_flash_attn_compat_gpu.py ;;
+    table) kernels_table ;;
+    *) echo "unknown stage $s (elect | kvcache | table)"; exit 2 ;;
+  esac
+done
