@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 import fa4dist
+from fa4dist.kernels.problem import check_layout
 
 
 def _not_asked(value) -> bool:
@@ -91,7 +92,7 @@ def window_of(call: str, window_size, causal: bool, flash_attn: int, keys: int) 
     return (-1 if left is None else left, -1 if right is None else right), 0
 
 
-def _boundaries(name: str, cu: torch.Tensor) -> list[int]:
+def boundaries(name: str, cu: torch.Tensor) -> list[int]:
     """cu_seqlens' values, read once (a CUDA tensor's read waits for the device)."""
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1:
         got = f"shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else _show(cu)
@@ -112,6 +113,16 @@ def _check_max(call: str, name: str, given, lengths: list[int]) -> None:
         raise ValueError(f"{call}: {name}={given} is shorter than the longest sequence ({longest} tokens)")
 
 
+def check_call(call: str, q, k, v, *, causal: bool, window_size, softcap, softmax_scale, flash_attn: int,
+               keys: int) -> None:
+    """The checks :func:`attention` makes that read no tensor's values (the window's form, the softcap, shapes,
+    dtypes, devices, heads, the scale), for a caller that must refuse a call before it changes anything (a KV
+    cache's append): ``k`` / ``v`` may be empty stand-ins of the keys' batch, heads and head dim."""
+    window, _ = window_of(call, window_size, bool(causal), flash_attn, keys)
+    check_layout(q, k, v, causal=bool(causal), window=window, softcap=_softcap(softcap, flash_attn),
+                 softmax_scale=softmax_scale)
+
+
 def attention(call: str, q, k, v, *, causal: bool, window_size, softcap, softmax_scale, deterministic,
               return_lse: bool, sinks: Optional[torch.Tensor] = None, cu_seqlens_q=None, cu_seqlens_k=None,
               max_seqlen_q=None, max_seqlen_k=None, flash_attn: int):
@@ -128,7 +139,7 @@ def attention(call: str, q, k, v, *, causal: bool, window_size, softcap, softmax
     else:
         if cu_seqlens_q is None or cu_seqlens_k is None:
             raise ValueError(f"{call}: give both cu_seqlens_q and cu_seqlens_k, or neither")
-        bounds_q, bounds_k = _boundaries("cu_seqlens_q", cu_seqlens_q), _boundaries("cu_seqlens_k", cu_seqlens_k)
+        bounds_q, bounds_k = boundaries("cu_seqlens_q", cu_seqlens_q), boundaries("cu_seqlens_k", cu_seqlens_k)
         len_q, len_k = ([b - a for a, b in zip(x, x[1:])] for x in (bounds_q, bounds_k))
         if len(len_q) != len(len_k):
             raise ValueError(f"{call}: cu_seqlens_q holds {len(len_q)} sequences but cu_seqlens_k {len(len_k)}")

@@ -4,7 +4,8 @@
 signatures and results (``return_attn_probs=True``:
 ``(out, softmax_lse, S_dmask)``, the last an empty tensor as flash-attn 2 returns it without dropout; fa4dist never
 forms the attention probabilities, and the lse is differentiable).
-Dropout, ALiBi and paged KV caches are refused by name.  Conventions: :mod:`fa4dist.compat.conventions`.  One
+Paged KV caches (``block_table``) are read, and appended to, through their block tables.  Dropout and ALiBi are
+refused by name.  Conventions: :mod:`fa4dist.compat.conventions`.  One
 difference: a query row that sees no key (a causal call with more queries than keys) has out 0 and lse -inf, the
 log of its empty sum, as in flash-attn 4; flash-attn 2's kernels write +inf there.  Windows follow flash-attn 2's
 kernels (:func:`fa4dist.compat.conventions.window_of`): a side of at least the key count (``max_seqlen_k`` for
@@ -48,9 +49,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
     """q (total_q, heads, head_dim), k and v (total_k, kv_heads, head_dim), sequence b of q against sequence b of
-    k (int32 ``cu_seqlens_*``) -> out like q; the lse is (heads, total_q)."""
+    k (int32 ``cu_seqlens_*``) -> out like q; the lse is (heads, total_q). With ``block_table`` (batch,
+    max_blocks_per_seq), k and v are paged caches (num_blocks, page_block_size, kv_heads, head_dim): sequence b's
+    key i is row ``i % page_block_size`` of block ``block_table[b, i // page_block_size]``, for the
+    ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` keys of sequence b, as flash-attn 2 reads them."""
     call = "flash_attn_varlen_func"
-    conventions.refuse(call, dropout_p=dropout_p, alibi_slopes=alibi_slopes, block_table=block_table)
+    conventions.refuse(call, dropout_p=dropout_p, alibi_slopes=alibi_slopes)
+    if block_table is not None:
+        bounds = conventions.boundaries("cu_seqlens_k", cu_seqlens_k)
+        pages = _PagedCache(call, k, v, block_table, len(bounds) - 1)
+        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        pages.check_blocks([max(n, 0) for n in lengths])
+        k, v = pages.gather([0] * len(lengths), lengths, lead=bounds[0] if bounds else 0)
     out, lse = conventions.attention(call, q, k, v, causal=causal, window_size=window_size, softcap=softcap,
                                      softmax_scale=softmax_scale, deterministic=deterministic,
                                      return_lse=return_attn_probs, cu_seqlens_q=cu_seqlens_q,
@@ -127,57 +137,163 @@ def _per_sequence(call: str, name: str, value, batch: int, device, default: int)
         raise TypeError(f"{call}: {name} must be an int or a ({batch},) integer tensor, got {value!r}") from None
 
 
+class _Cache:
+    """A contiguous KV cache (cache_batches, seqlen_cache, kv_heads, head_dim) as flash_attn_with_kvcache addresses
+    it: sequence b's position i is row i of cache sequence ``rows[b]``."""
+
+    def __init__(self, call: str, k_cache, v_cache, rows: torch.Tensor):
+        self.k, self.v, self.rows = k_cache, v_cache, rows
+        self.capacity = k_cache.shape[1]
+
+    def at(self, seq: torch.Tensor, pos: torch.Tensor) -> tuple:
+        """The index of (sequence ``seq``, position ``pos``) pairs into the caches' first two dims."""
+        return self.rows[seq], pos
+
+    def gather(self, starts: list[int], lengths: list[int], lead: int = 0) -> tuple:
+        """k, v of positions ``[starts[b], starts[b] + lengths[b])`` of every sequence b, packed in order (after
+        ``lead`` rows of sequence 0's first position: a packed buffer's rows before its first sequence)."""
+        device = self.k.device
+        count = torch.tensor(lengths, device=device, dtype=torch.int64)
+        seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), count)
+        first = torch.cumsum(count, 0) - count  # each sequence's first packed row
+        pos = torch.arange(seq.numel(), device=device) - first[seq] + torch.tensor(starts, device=device)[seq]
+        if lead:
+            seq = torch.cat([seq.new_zeros(lead), seq])
+            pos = torch.cat([pos.new_zeros(lead), pos])
+        at = self.at(seq, pos)
+        return self.k[at], self.v[at]
+
+
+class _PagedCache(_Cache):
+    """A paged KV cache (num_blocks, page_block_size, kv_heads, head_dim) with its block table (batch,
+    max_blocks_per_seq): sequence b's position i is row ``i % page_block_size`` of block
+    ``block_table[b, i // page_block_size]`` (flash-attn 2's layout)."""
+
+    def __init__(self, call: str, k_cache, v_cache, block_table, batch: int):
+        self.call = call
+        for name, t in (("k", k_cache), ("v", v_cache)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{call}: with block_table, the paged {name} cache must be (num_blocks, "
+                                 f"page_block_size, kv_heads, head_dim), got {got}")
+        if k_cache.shape[:3] != v_cache.shape[:3]:
+            raise ValueError(f"{call}: the paged k {tuple(k_cache.shape)} and v {tuple(v_cache.shape)} caches must "
+                             "hold the same (num_blocks, page_block_size, kv_heads)")
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch \
+                or block_table.dtype.is_floating_point or block_table.dtype.is_complex \
+                or block_table.dtype == torch.bool:
+            got = f"{block_table.dtype} of shape {tuple(block_table.shape)}" if isinstance(block_table, torch.Tensor) \
+                else type(block_table).__name__
+            raise ValueError(f"{call}: block_table must be a ({batch}, max_blocks_per_seq) integer tensor, got {got}")
+        self.k, self.v = k_cache, v_cache
+        self.table = block_table.to(device=k_cache.device, dtype=torch.int64)
+        self.page = k_cache.shape[1]
+        self.capacity = block_table.shape[1] * self.page  # (flash-attn 2's seqlen_k of a paged cache)
+
+    def at(self, seq: torch.Tensor, pos: torch.Tensor) -> tuple:
+        return self.table[seq, pos // self.page], pos % self.page
+
+    def check_blocks(self, ends: list[int]) -> None:
+        """Every block sequence b's positions ``[0, ends[b])`` use must be one of the caches' blocks."""
+        if any(e > self.capacity for e in ends):
+            b, e = next((b, e) for b, e in enumerate(ends) if e > self.capacity)
+            raise ValueError(f"{self.call}: sequence {b} takes {e} cache positions, past the {self.capacity} its "
+                             f"block_table row addresses ({self.table.shape[1]} blocks of {self.page})")
+        used = torch.arange(self.table.shape[1], device=self.table.device)[None, :] * self.page \
+            < torch.tensor(ends, device=self.table.device, dtype=torch.int64)[:, None]
+        bad = used & ((self.table < 0) | (self.table >= self.k.shape[0]))
+        if bool(bad.any()):
+            b, j = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"{self.call}: block_table[{b}, {j}]={int(self.table[b, j])} is not one of the "
+                             f"caches' {self.k.shape[0]} blocks")
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
-    """flash-attn 2's decoding call on a contiguous KV cache: q (batch, seqlen_q, heads, head_dim) against, for
-    sequence b, the cache rows ``[cache_leftpad[b], cache_seqlens[b])`` of cache row ``cache_batch_idx[b]`` and,
-    when k / v (batch, seqlen_new, kv_heads, head_dim) are given, those new rows, which are first written into the
-    cache in place at ``cache_seqlens[b]``. With ``rotary_cos`` / ``rotary_sin`` (seqlen_ro, rotary_dim / 2) the new
-    keys are turned at their cache indices, and q at ``cache_seqlens[b] + i`` (causal or windowed; else all at
-    ``cache_seqlens[b]``), as flash-attn does. Masks align bottom-right to each sequence's keys. Returns out like q
-    (and the lse, (batch, heads, seqlen_q), with ``return_softmax_lse``). Paged caches (``block_table``) and ALiBi
-    are refused; ``num_splits`` is a kernel hint and is ignored. Sequences of unequal key counts are computed as one
-    packed call over a copy of their cache rows (equal ones read the cache in place)."""
+    """flash-attn 2's decoding call on a KV cache: q (batch, seqlen_q, heads, head_dim) against, for sequence b, the
+    cache positions ``[cache_leftpad[b], cache_seqlens[b])`` and, when k / v (batch, seqlen_new, kv_heads,
+    head_dim) are given, those new rows, which are first written into the cache in place at ``cache_seqlens[b]``
+    (required with them; without them the whole cache is read by default). The cache is contiguous, (cache_batches,
+    seqlen_cache, kv_heads, head_dim) with sequence b in cache row ``cache_batch_idx[b]``, or paged, (num_blocks,
+    page_block_size, kv_heads, head_dim) with ``block_table`` (batch, max_blocks_per_seq): position i of sequence
+    b is row ``i % page_block_size`` of block ``block_table[b, i // page_block_size]`` (no ``cache_batch_idx`` or
+    ``cache_leftpad`` then, as in flash-attn 2). With ``rotary_cos`` / ``rotary_sin`` (seqlen_ro, rotary_dim / 2)
+    the new keys are turned at their cache positions, and q at ``cache_seqlens[b] + i`` (causal or windowed; else
+    all at ``cache_seqlens[b]``), as flash-attn does. Masks align bottom-right to each sequence's keys. Returns out
+    like q (and the lse, (batch, heads, seqlen_q), with ``return_softmax_lse``). ALiBi is refused; ``num_splits``
+    is a kernel hint and is ignored. A malformed call is refused before the cache is written. Sequences of unequal
+    key counts, and paged caches, are computed as one packed call over a copy of their cache rows (equal ones of a
+    contiguous cache read it in place)."""
     call = "flash_attn_with_kvcache"
-    conventions.refuse(call, alibi_slopes=alibi_slopes, block_table=block_table)
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{call}: {name} must be a 4-D tensor (batch, seqlen, heads, head_dim), got {got}")
-    if k_cache.shape[:3] != v_cache.shape[:3]:
-        raise ValueError(f"{call}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must hold the "
-                         "same (batch, seqlen_cache, kv_heads)")
+    conventions.refuse(call, alibi_slopes=alibi_slopes)
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"{call}: q must be a 4-D tensor (batch, seqlen, heads, head_dim), got {got}")
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    if block_table is None:
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{call}: {name} must be a 4-D tensor (batch, seqlen, heads, head_dim), got {got}")
+        if k_cache.shape[:3] != v_cache.shape[:3]:
+            raise ValueError(f"{call}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must hold "
+                             "the same (batch, seqlen_cache, kv_heads)")
+    else:
+        for name, given in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+            if given is not None:
+                raise ValueError(f"{call}: {name} cannot be given with block_table (a paged cache addresses each "
+                                 "sequence through its block_table row, from position 0; flash-attn 2 refuses it "
+                                 "too)")
     if (k is None) != (v is None):
         raise ValueError(f"{call}: give both k and v (the rows to append), or neither")
-    batch, seqlen_q = q.shape[0], q.shape[1]
-    cache_batches, seqlen_cache = k_cache.shape[0], k_cache.shape[1]
     device = k_cache.device
+    if block_table is None:
+        cache_batches = k_cache.shape[0]
+        if cache_batch_idx is None:
+            if cache_batches < batch:
+                raise ValueError(f"{call}: the caches hold {cache_batches} sequences for a batch of {batch} (pass "
+                                 "cache_batch_idx)")
+            rows = torch.arange(batch, device=device)
+        else:
+            rows = _per_sequence(call, "cache_batch_idx", cache_batch_idx, batch, device, 0)
+        cache = _Cache(call, k_cache, v_cache, rows)
+    else:
+        cache = _PagedCache(call, k_cache, v_cache, block_table, batch)
+        rows = None
     new = 0
     if k is not None:
         if k.dim() != 4 or v.dim() != 4 or k.shape[0] != batch or v.shape[:3] != k.shape[:3] \
                 or k.shape[2:] != k_cache.shape[2:] or v.shape[2:] != v_cache.shape[2:]:
             raise ValueError(f"{call}: k {tuple(k.shape)} and v {tuple(v.shape)} must be (batch={batch}, "
                              f"seqlen_new, kv_heads, head_dim) like the caches' rows")
+        if cache_seqlens is None:  # (flash-attn 2 refuses it too: where would the new rows go)
+            raise ValueError(f"{call}: pass cache_seqlens with k and v: the new rows are written at each "
+                             "sequence's cache_seqlens")
         new = k.shape[1]
-    ends = _per_sequence(call, "cache_seqlens", cache_seqlens, batch, device, 0)
+    seqlen_cache = cache.capacity
+    ends = _per_sequence(call, "cache_seqlens", cache_seqlens, batch, device, seqlen_cache)
     starts = _per_sequence(call, "cache_leftpad", cache_leftpad, batch, device, 0)
-    if cache_batch_idx is None:
-        if cache_batches < batch:
-            raise ValueError(f"{call}: the caches hold {cache_batches} sequences for a batch of {batch} (pass "
-                             "cache_batch_idx)")
-        rows = torch.arange(batch, device=device)
-    else:
-        rows = _per_sequence(call, "cache_batch_idx", cache_batch_idx, batch, device, 0)
-    ends_l, starts_l, rows_l = ends.tolist(), starts.tolist(), rows.tolist()  # (one read each)
-    for b, (a, e, r) in enumerate(zip(starts_l, ends_l, rows_l)):
-        if not 0 <= r < cache_batches:
-            raise ValueError(f"{call}: cache_batch_idx[{b}]={r} is outside the caches' {cache_batches} sequences")
+    ends_l, starts_l = ends.tolist(), starts.tolist()  # (one read each)
+    rows_l = rows.tolist() if rows is not None else None
+    for b, (a, e) in enumerate(zip(starts_l, ends_l)):
+        if rows_l is not None and not 0 <= rows_l[b] < cache_batches:
+            raise ValueError(f"{call}: cache_batch_idx[{b}]={rows_l[b]} is outside the caches' {cache_batches} "
+                             "sequences")
         if not 0 <= a <= e or e + new > seqlen_cache:
             raise ValueError(f"{call}: sequence {b} takes cache rows [{a}, {e}) and {new} new ones, outside the "
                              f"cache's {seqlen_cache} rows (cache_leftpad <= cache_seqlens, cache_seqlens + "
                              "seqlen_new <= seqlen_cache)")
+    if block_table is not None:
+        cache.check_blocks([e + new for e in ends_l])
+    # everything the attention call checks that reads no values, before the cache is written: a refused call leaves
+    # the cache as it was
+    (window_left, window_right), _ = conventions.window_of(call, window_size, bool(causal), 2, seqlen_cache)
+    conventions.check_call(call, q, k_cache.new_empty((batch, 0, *k_cache.shape[2:])),
+                           v_cache.new_empty((batch, 0, *v_cache.shape[2:])), causal=causal,
+                           window_size=window_size, softcap=softcap, softmax_scale=softmax_scale, flash_attn=2,
+                           keys=seqlen_cache)
     if rotary_cos is not None or rotary_sin is not None:
         if k is None:
             raise ValueError(f"{call}: rotary_cos / rotary_sin turn the new keys: pass k and v with them")
@@ -185,37 +301,37 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"{call}: rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2)")
         if 2 * rotary_cos.shape[1] > q.shape[-1]:
             raise ValueError(f"{call}: rotary_dim ({2 * rotary_cos.shape[1]}) exceeds head_dim ({q.shape[-1]})")
-        conventions.window_of(call, window_size, bool(causal), 2, seqlen_cache)  # (a malformed one named first)
-        windowed = tuple(window_size) != (-1, -1)
-        reach = max((e + max(new, seqlen_q if (causal or windowed) else 1) for e in ends_l), default=0)
+        # flash-attn 2 steps q's positions in causal and local calls; local: a side bounded after the sides of at
+        # least the cache's length became unbounded (window_of)
+        stepped = bool(causal) or window_left >= 0 or window_right >= 0
+        reach = max((e + max(new, seqlen_q if stepped else 1) for e in ends_l), default=0)
         if reach > rotary_cos.shape[0]:
             raise ValueError(f"{call}: rotary_cos / rotary_sin hold {rotary_cos.shape[0]} positions, the call "
                              f"turns up to position {reach - 1}")
-        steps = torch.arange(seqlen_q, device=device) * int(bool(causal or windowed))
+        steps = torch.arange(seqlen_q, device=device) * int(stepped)
         q = _rotary(q, rotary_cos, rotary_sin, (ends[:, None] + steps).to(q.device), rotary_interleaved)
         k = _rotary(k, rotary_cos, rotary_sin, (ends[:, None] + torch.arange(new, device=device)).to(k.device),
                     rotary_interleaved)
     if k is not None:  # the new rows into the cache, in place: one indexed write per cache, not one per sequence
-        at_rows = rows[:, None].expand(batch, new)
-        at = ends[:, None] + torch.arange(new, device=device)
+        at = cache.at(torch.arange(batch, device=device)[:, None].expand(batch, new),
+                      ends[:, None] + torch.arange(new, device=device))
         with torch.no_grad():
-            k_cache[at_rows, at] = k.to(k_cache.device, k_cache.dtype)
-            v_cache[at_rows, at] = v.to(v_cache.device, v_cache.dtype)
+            k_cache[at] = k.to(k_cache.device, k_cache.dtype)
+            v_cache[at] = v.to(v_cache.device, v_cache.dtype)
     lengths = [e + new - a for a, e in zip(starts_l, ends_l)]
     options = dict(causal=causal, window_size=window_size, softcap=softcap, softmax_scale=softmax_scale,
                    deterministic=False, return_lse=return_softmax_lse, flash_attn=2)
-    if len(set(lengths)) <= 1 and not any(starts_l) and rows_l == list(range(batch)):
+    if rows_l == list(range(batch)) and len(set(lengths)) <= 1 and not any(starts_l):
         length = lengths[0] if lengths else 0  # every sequence the same cache rows: the cache itself, no copy
         out, lse = conventions.attention(call, q, k_cache[:batch, :length], v_cache[:batch, :length], **options,
                                          max_seqlen_k=seqlen_cache)
     else:
-        keys = [k_cache[r, a:e + new] for a, e, r in zip(starts_l, ends_l, rows_l)]
-        values = [v_cache[r, a:e + new] for a, e, r in zip(starts_l, ends_l, rows_l)]
+        keys, values = cache.gather(starts_l, lengths)
         cu_k = torch.tensor([0] + lengths, device=q.device).cumsum(0).to(torch.int32)
         cu_q = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * seqlen_q
-        out, lse = conventions.attention(call, q.reshape(batch * seqlen_q, *q.shape[2:]), torch.cat(keys),
-                                         torch.cat(values), **options, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                         max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_cache)
+        out, lse = conventions.attention(call, q.reshape(batch * seqlen_q, *q.shape[2:]), keys, values, **options,
+                                         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=seqlen_q,
+                                         max_seqlen_k=seqlen_cache)
         out = out.view(batch, seqlen_q, *out.shape[1:])
         lse = lse.view(lse.shape[0], batch, seqlen_q).transpose(0, 1)
     return (out, lse) if return_softmax_lse else out

@@ -24,6 +24,9 @@ def _sink(call: str, learnable_sink, q):
     if learnable_sink is not None and (not hasattr(learnable_sink, "shape") or tuple(learnable_sink.shape) != (heads,)):
         got = tuple(learnable_sink.shape) if hasattr(learnable_sink, "shape") else type(learnable_sink).__name__
         raise ValueError(f"{call}: learnable_sink must be a tensor of shape (num_heads,) = ({heads},), got {got}")
+    if learnable_sink is not None and not learnable_sink.dtype.is_floating_point:
+        raise TypeError(f"{call}: learnable_sink must be a float16, bfloat16 or float32 tensor (one logit per query "
+                        f"head), got {learnable_sink.dtype}")
     return learnable_sink
 
 

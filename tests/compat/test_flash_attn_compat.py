@@ -163,7 +163,7 @@ def test_varlen_refusals():
         fa2.flash_attn_varlen_func(q, q, q, cu, cu, 3, 4)
     with pytest.raises(TypeError, match="max_seqlen_k must be an int or None, got 4.0"):  # (was int()'s own error)
         fa2.flash_attn_varlen_func(q, q, q, cu, cu, 4, 4.0)
-    with pytest.raises(NotImplementedError, match="block_table"):
+    with pytest.raises(ValueError, match="with block_table, the paged k cache must be \\(num_blocks, "):
         fa2.flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, block_table=torch.zeros(2, 1, dtype=torch.int32))
     with pytest.raises(NotImplementedError, match="seqused_k"):
         fa4.flash_attn_varlen_func(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu,
@@ -290,6 +290,8 @@ def test_softcap_signs_and_empty_aux_follow_each_flash_attn():
     with pytest.raises(ValueError, match=r"flash_attn_func: learnable_sink must be a tensor of shape \(num_heads,\) "
                                          r"= \(2,\), got \(3,\)"):
         fa4.flash_attn_func(q, k, v, learnable_sink=torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"flash_attn_func: learnable_sink must be a float16, bfloat16 or float32 "):
+        fa4.flash_attn_func(q, k, v, learnable_sink=torch.zeros(2, dtype=torch.int64))
     with pytest.raises(TypeError, match=r"cu_seqlens_q must be a 1-D int32 tensor .* got shape \(1, 2\)"):
         fa2.flash_attn_varlen_func(q[0], k[0], v[0], torch.tensor([[0, 6]], dtype=torch.int32),
                                    torch.tensor([0, 6], dtype=torch.int32), 6, 6)
@@ -326,10 +328,28 @@ def test_packed_layouts_and_default_values_are_checked_by_name():
     q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
     for zero in (np.float32(0.0), torch.tensor(0.0)):
         torch.testing.assert_close(fa2.flash_attn_func(q, q, q, dropout_p=zero), fa2.flash_attn_func(q, q, q))
-    with pytest.raises(NotImplementedError, match="block_table"):  # a (1, 1) table of block 0 is a page, not a zero
+    with pytest.raises(ValueError, match="paged k cache"):  # a (1, 1) table of block 0 is a page, not an absent one
         fa2.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 4], dtype=torch.int32),
                                    torch.tensor([0, 4], dtype=torch.int32), 4, 4,
                                    block_table=torch.zeros(1, 1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("shape_q, shape_k, gqa", [((5, 7, 8), (5, 9, 8), False), ((6, 7, 8), (2, 9, 8), True),
+                                                   ((2, 3, 4, 7, 8), (2, 3, 2, 9, 8), True)])
+def test_sdpa_takes_torchs_leading_batch_dims(shape_q, shape_k, gqa):
+    """torch's (N, ..., heads, L, E): no batch dim (dim -3 the heads, as torch's enable_gqa reads it) or several."""
+    from fa4dist.compat.sdpa import scaled_dot_product_attention
+
+    q, k, v = leaves(shape_q, shape_k, (*shape_k[:-1], 6), seed=len(shape_q))
+    for causal in (False, True):
+        got = scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        assert got.shape == want.shape
+        close(got, want, f"out, causal={causal}")
+        for name, g, w in zip("qkv", grads_of([got], (q, k, v)), grads_of([want], (q, k, v))):
+            close(g, w, f"d{name}, causal={causal}")
+    with pytest.raises(ValueError, match="must share their leading batch dims"):
+        scaled_dot_product_attention(q, k[..., :1, :, :, :] if k.dim() == 5 else k[None], v)
 
 
 def test_sdpa_refuses_nested_tensors_and_a_zero_scale_by_its_own_names():
@@ -415,9 +435,11 @@ def test_flash_attn_2_with_kvcache_without_new_rows_reads_the_cache_and_refuses_
     q, k_cache, v_cache = (torch.randn(2, s, 2, 8, dtype=torch.float64) for s in (1, 10, 10))
     out = fa2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=6, causal=True)
     close(out, oracle(q, k_cache[:, :6], v_cache[:, :6], causal=True)[0], "a decode step on the cache alone")
+    out = fa2.flash_attn_with_kvcache(q, k_cache, v_cache)  # no cache_seqlens: the whole cache, as flash-attn 2
+    close(out, oracle(q, k_cache, v_cache)[0], "the whole cache")
     cos = sin = torch.ones(16, 2, dtype=torch.float64)
-    with pytest.raises(NotImplementedError, match="block_table"):
-        fa2.flash_attn_with_kvcache(q, k_cache, v_cache, block_table=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="pass cache_seqlens with k and v"):  # (where would they go)
+        fa2.flash_attn_with_kvcache(q, k_cache, v_cache, q.clone(), q.clone())
     with pytest.raises(ValueError, match="pass k and v"):
         fa2.flash_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=cos, rotary_sin=sin, cache_seqlens=3)
     with pytest.raises(ValueError, match="outside the cache"):
@@ -428,3 +450,134 @@ def test_flash_attn_2_with_kvcache_without_new_rows_reads_the_cache_and_refuses_
         fa2.flash_attn_with_kvcache(q, k_cache, v_cache, q.clone())
     with pytest.raises(ValueError, match="cache_seqlens must be an int or a \\(2,\\) integer tensor"):
         fa2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([1.0, 2.0]))
+
+
+def test_flash_attn_2_with_kvcache_refuses_before_it_writes_and_steps_rotary_as_flash_attn_2():
+    """A call refused by the attention's own checks (heads, scale) leaves the cache as it was; a window whose sides
+    are all at least the cache's length is no window (flash-attn 2 clamps them to -1 first), so a non-causal call
+    turns every query at cache_seqlens, as with (-1, -1)."""
+    gen = torch.Generator().manual_seed(7)
+    q, k_cache, v_cache = (torch.randn(2, s, h, 8, generator=gen, dtype=torch.float64)
+                           for s, h in ((3, 4), (12, 3), (12, 3)))
+    k_new, v_new = (torch.randn(2, 2, 3, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match="query heads \\(4\\) must be a multiple"):
+        fa2.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=3)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        fa2.flash_attn_with_kvcache(q[:, :, :3], k_cache, v_cache, k_new, v_new, cache_seqlens=3, softmax_scale=0.0)
+    assert torch.equal(k_cache, before)
+    q = q[:, :, :3]
+    angles = torch.rand(16, 4, generator=gen, dtype=torch.float64) * 6.3
+    rotary = dict(rotary_cos=angles.cos(), rotary_sin=angles.sin(), cache_seqlens=5)
+    want = fa2.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, **rotary)
+    for window in [(100, 100), (-1, 12), (12, -1)]:
+        got = fa2.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, window_size=window,
+                                          **rotary)
+        close(got, want, f"window {window}")
+
+
+def _paged(caches, page, blocks, gen):
+    """Paged copies of contiguous (batch, seqlen, kv_heads, dim) caches: each sequence's pages in shuffled blocks of
+    ``blocks`` (the rest random), and their block table."""
+    batch, capacity = caches[0].shape[:2]
+    per_seq = -(-capacity // page)
+    table = torch.randperm(blocks, generator=gen)[:batch * per_seq].view(batch, per_seq).to(torch.int32)
+    out = []
+    for cache in caches:
+        paged = torch.randn(blocks, page, *cache.shape[2:], generator=gen, dtype=cache.dtype)
+        for b in range(batch):
+            for j in range(per_seq):
+                rows = cache[b, j * page:(j + 1) * page]
+                paged[int(table[b, j]), :rows.shape[0]] = rows
+        out.append(paged)
+    return (*out, table)
+
+
+def _contiguous(paged, table, lengths):
+    """Each sequence's first ``lengths[b]`` positions of a paged cache, read through its block table."""
+    page = paged.shape[1]
+    return [torch.cat([paged[0, :0]] + [paged[int(table[b, j])] for j in range(-(-n // page))])[:n]
+            for b, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("case", ["ragged causal", "rotary and window", "one page each, no new rows"])
+def test_flash_attn_2_with_kvcache_on_a_paged_cache_equals_the_contiguous_cache(case):
+    """A paged cache (block_table) gives what the same cache laid out contiguously gives, and its new rows land in
+    the pages the block table names for their positions, no other block touched."""
+    gen = torch.Generator().manual_seed(len(case))
+    batch, sq, heads, kv_heads, d, page, blocks = 3, 2, 4, 2, 8, 4, 20
+    capacity = 3 * page if case != "one page each, no new rows" else page
+    new = 0 if "no new rows" in case else 3
+    q = torch.randn(batch, sq, heads, d, generator=gen, dtype=torch.float64)
+    k_cont, v_cont = (torch.randn(batch, capacity, kv_heads, d, generator=gen, dtype=torch.float64)
+                      for _ in range(2))
+    k_new, v_new = (torch.randn(batch, new, kv_heads, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    seqlens = torch.tensor([5, 0, 9] if new else [4, 1, 3], dtype=torch.int32)
+    kw = dict(causal=True)
+    if case == "rotary and window":
+        angles = torch.rand(capacity, 3, generator=gen, dtype=torch.float64) * 6.3
+        kw = dict(causal=False, window_size=(3, 1), rotary_cos=angles.cos(), rotary_sin=angles.sin(),
+                  rotary_interleaved=False, softcap=2.0)
+    ends = [int(e) + new for e in seqlens]
+    k_paged, v_paged, table = _paged((k_cont, v_cont), page, blocks, gen)
+    before_k, before_v = k_paged.clone(), v_paged.clone()
+    args = (k_new, v_new) if new else (None, None)
+    got, got_lse = fa2.flash_attn_with_kvcache(q, k_paged, v_paged, *args, cache_seqlens=seqlens, block_table=table,
+                                               return_softmax_lse=True, **kw)
+    want, want_lse = fa2.flash_attn_with_kvcache(q, k_cont, v_cont, *args, cache_seqlens=seqlens,
+                                                 return_softmax_lse=True, **kw)
+    close(got, want, "out")
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(seen, torch.isfinite(got_lse))
+    close(got_lse[seen], want_lse[seen], "lse")
+    for name, paged, cont in (("k", k_paged, k_cont), ("v", v_paged, v_cont)):  # the appended rows, in their pages
+        for b, rows in enumerate(_contiguous(paged, table, [capacity] * batch)):
+            assert torch.equal(rows[:ends[b]], cont[b, :ends[b]]), f"{name} cache of sequence {b}"
+    untouched = sorted(set(range(blocks)) - set(table.flatten().tolist()))
+    assert torch.equal(k_paged[untouched], before_k[untouched]) and torch.equal(v_paged[untouched], before_v[untouched])
+
+
+def test_flash_attn_2_varlen_on_a_paged_cache_equals_its_packed_keys():
+    """flash_attn_varlen_func with block_table: sequence b's keys are the first cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b] positions its block table row addresses; gradients reach the pages they were read from."""
+    gen = torch.Generator().manual_seed(3)
+    lengths_q, lengths_k, page, blocks, heads, kv_heads, d = [3, 1, 4], [6, 0, 9], 4, 9, 4, 2, 8
+    q = torch.randn(sum(lengths_q), heads, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    k_pages, v_pages = (torch.randn(blocks, page, kv_heads, d, generator=gen, dtype=torch.float64, requires_grad=True)
+                        for _ in range(2))
+    table = torch.tensor([[4, 0, 7], [8, 1, 2], [3, 6, 5]], dtype=torch.int32)
+    cu_q, cu_k = (torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0).to(torch.int32)
+                  for lengths in (lengths_q, lengths_k))
+    kw = dict(causal=True, return_attn_probs=True)
+    out, lse, _ = fa2.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 4, 9, block_table=table, **kw)
+    keys = torch.cat(_contiguous(k_pages, table, lengths_k))
+    values = torch.cat(_contiguous(v_pages, table, lengths_k))
+    want_out, want_lse, _ = fa2.flash_attn_varlen_func(q, keys, values, cu_q, cu_k, 4, 9, **kw)
+    close(out, want_out, "out")
+    seen = torch.isfinite(want_lse)
+    close(lse[seen], want_lse[seen], "lse")
+    for name, g, w in zip(("dq", "dk pages", "dv pages"), grads_of([out], (q, k_pages, v_pages)),
+                          grads_of([want_out], (q, k_pages, v_pages))):
+        close(g, w, name)
+
+
+def test_paged_caches_refuse_what_flash_attn_2_refuses_and_blocks_they_do_not_hold():
+    q = torch.randn(2, 1, 2, 8, dtype=torch.float64)
+    pages = torch.randn(5, 4, 2, 8, dtype=torch.float64)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    for name in ("cache_batch_idx", "cache_leftpad"):
+        with pytest.raises(ValueError, match=f"{name} cannot be given with block_table"):
+            fa2.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table,
+                                        **{name: torch.tensor([0, 1], dtype=torch.int32)})
+    with pytest.raises(ValueError, match="block_table\\[1, 1\\]=9 is not one of the caches' 5 blocks"):
+        fa2.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=torch.tensor([3, 6]),
+                                    block_table=torch.tensor([[0, 9], [2, 9]], dtype=torch.int32))
+    # (an entry past a sequence's positions is never read: -1 is fine there)
+    out = fa2.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=torch.tensor([3, 4]),
+                                      block_table=torch.tensor([[0, -1], [2, -1]], dtype=torch.int32))
+    close(out, torch.cat([oracle(q[b:b + 1], pages[blk:blk + 1, :n], pages[blk:blk + 1, :n])[0]
+                          for b, (blk, n) in enumerate(((0, 3), (2, 4)))]), "pages read through the table")
+    with pytest.raises(ValueError, match="outside the cache's 8 rows"):
+        fa2.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=9, block_table=table)
+    with pytest.raises(ValueError, match="block_table must be a \\(2, max_blocks_per_seq\\) integer tensor"):
+        fa2.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table.float())

@@ -35,3 +35,28 @@ def test_with_kvcache_on_the_gpu_equals_the_fp64_call(dtype, seqlens, sq, new, h
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse.cpu()), finite)
     assert float((lse.cpu().double() - ref_lse)[finite].abs().max()) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_with_kvcache_on_a_paged_gpu_cache_equals_the_fp64_call(dtype):
+    """A paged CUDA cache (blocks of 256 rows in shuffled order, as an inference engine hands them out): the new
+    rows land in the blocks the table names, and the result is the fp64 call's on the same pages."""
+    gen = torch.Generator().manual_seed(11)
+    seqlens, sq, new, heads, kv_heads, head_dim, page, blocks = [700, 33, 1500], 1, 1, 8, 2, 128, 256, 32
+    batch, per_seq = len(seqlens), 8
+    host = [torch.randn(s, generator=gen, dtype=torch.float64) for s in (
+        (batch, sq, heads, head_dim), (blocks, page, kv_heads, head_dim), (blocks, page, kv_heads, head_dim),
+        (batch, new, kv_heads, head_dim), (batch, new, kv_heads, head_dim))]
+    q, k_pages, v_pages, k, v = (t.to(dtype).cuda() for t in host)
+    table = torch.randperm(blocks, generator=gen)[:batch * per_seq].view(batch, per_seq).to(torch.int32)
+    lengths = torch.tensor(seqlens, dtype=torch.int32)
+    ref = [t.cpu().double() for t in (q, k_pages, v_pages, k, v)]  # the same rounded inputs, in fp64
+    out, lse = fa2.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=lengths.cuda(),
+                                           block_table=table.cuda(), causal=True, return_softmax_lse=True)
+    ref_out, ref_lse = fa2.flash_attn_with_kvcache(*ref, cache_seqlens=lengths, block_table=table, causal=True,
+                                                   return_softmax_lse=True)
+    for b, end in enumerate(seqlens):
+        block, row = int(table[b, end // page]), end % page
+        assert torch.equal(k_pages[block, row], k[b, 0]) and torch.equal(v_pages[block, row], v[b, 0])
+    assert rel_error(out.cpu(), ref_out) < REL_TOL[dtype]
+    assert float((lse.cpu().double() - ref_lse).abs().max()) < 1e-3
