@@ -410,7 +410,8 @@ class ShardPlan:
             raise ValueError(f"starts must be token indices in [0, {self.total_len}] (the plan's tokens), got "
                              f"{bad[:4]}")
         old = self.cu_seqlens if self.cu_seqlens is not None else (0, self.total_len)
-        cu = tuple(sorted(set(old) | set(cuts)))
+        known = set(old)  # (the plan's boundaries all kept: an empty document keeps its number in document_ids)
+        cu = tuple(sorted([*old, *(c for c in set(cuts) if c not in known)]))
         if cu == self.cu_seqlens:
             return self
         return ShardPlan(self.total_len, cu, self.cp_size, self.num_chunks, self.chunk_owner, self.balancer,

@@ -575,6 +575,9 @@ def test_split_documents_keeps_the_shards_and_cuts_the_documents():
         assert sum(fine.received) < sum(coarse.received) / 3 and sum(fine.work) < sum(coarse.work) / 5
     plan = make_plan(100, 2)
     assert plan.split_documents([]) is plan and plan.split_documents([0, 100]).cu_seqlens == (0, 100)
+    with_empty = make_plan([0, 0, 5, 9], 2)  # an empty document stays: the later documents keep their numbers
+    assert with_empty.split_documents([5]) is with_empty
+    assert with_empty.split_documents([3, 3, 5]).cu_seqlens == (0, 0, 3, 5, 9)
     with pytest.raises(ValueError, match=r"starts must be token indices in \[0, 100\]"):
         plan.split_documents([50, 101])
     with pytest.raises(TypeError, match="starts must hold integers"):
