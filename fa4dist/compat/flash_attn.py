@@ -19,6 +19,7 @@ import operator
 import torch
 
 from . import conventions
+from .addressing import Batched, Paged
 
 
 def _result(out, lse, return_attn_probs: bool):
@@ -55,12 +56,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` keys of sequence b, as flash-attn 2 reads them."""
     call = "flash_attn_varlen_func"
     conventions.refuse(call, dropout_p=dropout_p, alibi_slopes=alibi_slopes)
-    if block_table is not None:
+    if block_table is not None:  # the pages' rows packed as cu_seqlens_k lays them out (rows before it: unread)
         bounds = conventions.boundaries("cu_seqlens_k", cu_seqlens_k)
-        pages = _PagedCache(call, k, v, block_table, len(bounds) - 1)
-        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-        pages.check_blocks([max(n, 0) for n in lengths])
-        k, v = pages.gather([0] * len(lengths), lengths, lead=bounds[0] if bounds else 0)
+        pages = Paged(call, "block_table", k, v, block_table, len(bounds) - 1)
+        lengths = [max(b - a, 0) for a, b in zip(bounds, bounds[1:])]
+        pages.check_pages(lengths)
+        k, v = (torch.cat([t.new_zeros(bounds[0], *t.shape[1:]), t]) for t in pages.gather([0] * len(lengths),
+                                                                                            lengths))
     out, lse = conventions.attention(call, q, k, v, causal=causal, window_size=window_size, softcap=softcap,
                                      softmax_scale=softmax_scale, deterministic=deterministic,
                                      return_lse=return_attn_probs, cu_seqlens_q=cu_seqlens_q,
@@ -137,77 +139,6 @@ def _per_sequence(call: str, name: str, value, batch: int, device, default: int)
         raise TypeError(f"{call}: {name} must be an int or a ({batch},) integer tensor, got {value!r}") from None
 
 
-class _Cache:
-    """A contiguous KV cache (cache_batches, seqlen_cache, kv_heads, head_dim) as flash_attn_with_kvcache addresses
-    it: sequence b's position i is row i of cache sequence ``rows[b]``."""
-
-    def __init__(self, call: str, k_cache, v_cache, rows: torch.Tensor):
-        self.k, self.v, self.rows = k_cache, v_cache, rows
-        self.capacity = k_cache.shape[1]
-
-    def at(self, seq: torch.Tensor, pos: torch.Tensor) -> tuple:
-        """The index of (sequence ``seq``, position ``pos``) pairs into the caches' first two dims."""
-        return self.rows[seq], pos
-
-    def gather(self, starts: list[int], lengths: list[int], lead: int = 0) -> tuple:
-        """k, v of positions ``[starts[b], starts[b] + lengths[b])`` of every sequence b, packed in order (after
-        ``lead`` rows of sequence 0's first position: a packed buffer's rows before its first sequence)."""
-        device = self.k.device
-        count = torch.tensor(lengths, device=device, dtype=torch.int64)
-        seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), count)
-        first = torch.cumsum(count, 0) - count  # each sequence's first packed row
-        pos = torch.arange(seq.numel(), device=device) - first[seq] + torch.tensor(starts, device=device)[seq]
-        if lead:
-            seq = torch.cat([seq.new_zeros(lead), seq])
-            pos = torch.cat([pos.new_zeros(lead), pos])
-        at = self.at(seq, pos)
-        return self.k[at], self.v[at]
-
-
-class _PagedCache(_Cache):
-    """A paged KV cache (num_blocks, page_block_size, kv_heads, head_dim) with its block table (batch,
-    max_blocks_per_seq): sequence b's position i is row ``i % page_block_size`` of block
-    ``block_table[b, i // page_block_size]`` (flash-attn 2's layout)."""
-
-    def __init__(self, call: str, k_cache, v_cache, block_table, batch: int):
-        self.call = call
-        for name, t in (("k", k_cache), ("v", v_cache)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{call}: with block_table, the paged {name} cache must be (num_blocks, "
-                                 f"page_block_size, kv_heads, head_dim), got {got}")
-        if k_cache.shape[:3] != v_cache.shape[:3]:
-            raise ValueError(f"{call}: the paged k {tuple(k_cache.shape)} and v {tuple(v_cache.shape)} caches must "
-                             "hold the same (num_blocks, page_block_size, kv_heads)")
-        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch \
-                or block_table.dtype.is_floating_point or block_table.dtype.is_complex \
-                or block_table.dtype == torch.bool:
-            got = f"{block_table.dtype} of shape {tuple(block_table.shape)}" if isinstance(block_table, torch.Tensor) \
-                else type(block_table).__name__
-            raise ValueError(f"{call}: block_table must be a ({batch}, max_blocks_per_seq) integer tensor, got {got}")
-        self.k, self.v = k_cache, v_cache
-        self.table = block_table.to(device=k_cache.device, dtype=torch.int64)
-        self.page = k_cache.shape[1]
-        self.capacity = block_table.shape[1] * self.page  # (flash-attn 2's seqlen_k of a paged cache)
-
-    def at(self, seq: torch.Tensor, pos: torch.Tensor) -> tuple:
-        return self.table[seq, pos // self.page], pos % self.page
-
-    def check_blocks(self, ends: list[int]) -> None:
-        """Every block sequence b's positions ``[0, ends[b])`` use must be one of the caches' blocks."""
-        if any(e > self.capacity for e in ends):
-            b, e = next((b, e) for b, e in enumerate(ends) if e > self.capacity)
-            raise ValueError(f"{self.call}: sequence {b} takes {e} cache positions, past the {self.capacity} its "
-                             f"block_table row addresses ({self.table.shape[1]} blocks of {self.page})")
-        used = torch.arange(self.table.shape[1], device=self.table.device)[None, :] * self.page \
-            < torch.tensor(ends, device=self.table.device, dtype=torch.int64)[:, None]
-        bad = used & ((self.table < 0) | (self.table >= self.k.shape[0]))
-        if bool(bad.any()):
-            b, j = (int(x) for x in bad.nonzero()[0])
-            raise ValueError(f"{self.call}: block_table[{b}, {j}]={int(self.table[b, j])} is not one of the "
-                             f"caches' {self.k.shape[0]} blocks")
-
-
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -258,9 +189,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             rows = torch.arange(batch, device=device)
         else:
             rows = _per_sequence(call, "cache_batch_idx", cache_batch_idx, batch, device, 0)
-        cache = _Cache(call, k_cache, v_cache, rows)
+        cache = Batched(k_cache, v_cache, rows=rows)
     else:
-        cache = _PagedCache(call, k_cache, v_cache, block_table, batch)
+        cache = Paged(call, "block_table", k_cache, v_cache, block_table, batch)
         rows = None
     new = 0
     if k is not None:
@@ -286,7 +217,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              f"cache's {seqlen_cache} rows (cache_leftpad <= cache_seqlens, cache_seqlens + "
                              "seqlen_new <= seqlen_cache)")
     if block_table is not None:
-        cache.check_blocks([e + new for e in ends_l])
+        cache.check_pages([e + new for e in ends_l])
     # everything the attention call checks that reads no values, before the cache is written: a refused call leaves
     # the cache as it was
     (window_left, window_right), _ = conventions.window_of(call, window_size, bool(causal), 2, seqlen_cache)

@@ -163,7 +163,7 @@ def test_varlen_refusals():
         fa2.flash_attn_varlen_func(q, q, q, cu, cu, 3, 4)
     with pytest.raises(TypeError, match="max_seqlen_k must be an int or None, got 4.0"):  # (was int()'s own error)
         fa2.flash_attn_varlen_func(q, q, q, cu, cu, 4, 4.0)
-    with pytest.raises(ValueError, match="with block_table, the paged k cache must be \\(num_blocks, "):
+    with pytest.raises(ValueError, match="with block_table, the paged k cache must be \\(num_pages, page_size, "):
         fa2.flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, block_table=torch.zeros(2, 1, dtype=torch.int32))
     with pytest.raises(NotImplementedError, match="seqused_k"):
         fa4.flash_attn_varlen_func(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu,
@@ -569,7 +569,7 @@ def test_paged_caches_refuse_what_flash_attn_2_refuses_and_blocks_they_do_not_ho
         with pytest.raises(ValueError, match=f"{name} cannot be given with block_table"):
             fa2.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table,
                                         **{name: torch.tensor([0, 1], dtype=torch.int32)})
-    with pytest.raises(ValueError, match="block_table\\[1, 1\\]=9 is not one of the caches' 5 blocks"):
+    with pytest.raises(ValueError, match="block_table\\[1, 1\\]=9 is not one of the caches' 5 pages"):
         fa2.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=torch.tensor([3, 6]),
                                     block_table=torch.tensor([[0, 9], [2, 9]], dtype=torch.int32))
     # (an entry past a sequence's positions is never read: -1 is fine there)
@@ -579,5 +579,5 @@ def test_paged_caches_refuse_what_flash_attn_2_refuses_and_blocks_they_do_not_ho
                           for b, (blk, n) in enumerate(((0, 3), (2, 4)))]), "pages read through the table")
     with pytest.raises(ValueError, match="outside the cache's 8 rows"):
         fa2.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=9, block_table=table)
-    with pytest.raises(ValueError, match="block_table must be a \\(2, max_blocks_per_seq\\) integer tensor"):
+    with pytest.raises(ValueError, match="block_table must be a \\(2, max_pages_per_seq\\) integer tensor"):
         fa2.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table.float())
