@@ -1,16 +1,20 @@
-"""flash-attn 4's Python API (``flash_attn.cute``) on fa4dist: ``flash_attn_func`` and ``flash_attn_varlen_func``
-with its signatures, returning ``(out, lse)`` (the lse differentiable with ``return_lse=True``, detached
-otherwise) and taking ``learnable_sink`` (per-head sinks, with their gradient).  Performance hints (``num_splits``,
-``pack_gqa``, ``min_seqlen_k``, ``scheduler_metadata``, ...) are accepted and left to fa4dist's own dispatch;
-what changes the result and fa4dist does not compute (``qv``, score / mask modifications, block sparsity, paged or
-gathered KV, ``seqused_*``, and sparse MLA's backward options ``gather_bwd_*``, which flash-attn 4 itself refuses
-without ``gather_kv_indices``) is refused by name.  ``window_size`` sides are taken literally, as flash-attn 4
-does: None is unbounded, a negative int moves the band off the diagonal.  Conventions:
-:mod:`fa4dist.compat.conventions`."""
+"""flash-attn 4's Python API (``flash_attn.cute``) on fa4dist: ``flash_attn_func`` and ``flash_attn_varlen_func`` with
+its signatures, returning ``(out, lse)`` (the lse differentiable with ``return_lse=True``, detached otherwise) and
+taking ``learnable_sink`` (per-head sinks, with their gradient). Performance hints (``num_splits``, ``pack_gqa``,
+``min_seqlen_k``, ``scheduler_metadata``, ...) are accepted and left to fa4dist's own dispatch; ``seqused_q`` /
+``seqused_k`` (the rows each sequence uses, from its first) and a paged KV cache (``page_table``) are read as flash-
+attn 4 reads them, each sequence's used rows packed into one call; a query row a sequence does not use gets out 0
+and lse -inf. What changes the result and fa4dist does not compute (``qv``, score / mask modifications, block
+sparsity, gathered KV, and sparse MLA's backward options ``gather_bwd_*``, which flash-attn 4 itself refuses without
+``gather_kv_indices``) is refused by name. ``window_size`` sides are taken literally, as flash-attn 4 does: None is
+unbounded, a negative int moves the band off the diagonal. Conventions: :mod:`fa4dist.compat.conventions`."""
 
 from __future__ import annotations
 
+import torch
+
 from . import conventions
+from .addressing import Batched, Packed, Paged, packed_order
 
 
 def _empty_is_absent(value):
@@ -59,13 +63,82 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
     (out, lse (heads, total_q)); without cu_seqlens, (batch, seqlen, heads, head_dim) tensors as
     :func:`flash_attn_func` takes them."""
     call = "flash_attn_varlen_func"
-    conventions.refuse(call, qv=qv, seqused_q=seqused_q, seqused_k=seqused_k, gather_kv_indices=gather_kv_indices,
-                       page_table=page_table, score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod,
-                       block_sparse_tensors=block_sparse_tensors, aux_tensors=_empty_is_absent(aux_tensors),
-                       aux_scalars=_empty_is_absent(aux_scalars),
+    conventions.refuse(call, qv=qv, gather_kv_indices=gather_kv_indices, score_mod=score_mod,
+                       score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, block_sparse_tensors=block_sparse_tensors,
+                       aux_tensors=_empty_is_absent(aux_tensors), aux_scalars=_empty_is_absent(aux_scalars),
                        gather_bwd_recompute_p=gather_bwd_recompute_p, gather_bwd_token_chunk=gather_bwd_token_chunk)
-    return conventions.attention(call, q, k, v, causal=causal, window_size=window_size, softcap=softcap,
-                                 softmax_scale=softmax_scale, deterministic=deterministic, return_lse=return_lse,
-                                 sinks=_sink(call, learnable_sink, q), cu_seqlens_q=cu_seqlens_q,
-                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                 flash_attn=4)
+    options = dict(causal=causal, window_size=window_size, softcap=softcap, softmax_scale=softmax_scale,
+                   deterministic=deterministic, return_lse=return_lse, sinks=_sink(call, learnable_sink, q),
+                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, flash_attn=4)
+    if seqused_q is None and seqused_k is None and page_table is None:
+        return conventions.attention(call, q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **options)
+    return _used_rows(call, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, options)
+
+
+def _seqused(call: str, name: str, value, batch: int, available: list[int]) -> list[int]:
+    """``seqused_q`` / ``seqused_k``: each sequence's used rows, at most the ``available`` ones (all by default)."""
+    if value is None:
+        return available
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.shape[0] != batch \
+            or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        got = f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) \
+            else type(value).__name__
+        raise ValueError(f"{call}: {name} must be a ({batch},) int32 tensor, got {got}")
+    used = value.tolist()
+    for b, (n, most) in enumerate(zip(used, available)):
+        if not 0 <= n <= most:
+            raise ValueError(f"{call}: {name}[{b}]={n} is outside the sequence's {most} rows")
+    return used
+
+
+def _rows_of(call: str, name: str, t, cu_seqlens, batch: int) -> tuple:
+    """(addressing, rows available per sequence) of a packed (with ``cu_seqlens``) or batched tensor."""
+    if cu_seqlens is not None:
+        bounds = conventions.boundaries(f"cu_seqlens_{name}", cu_seqlens)
+        if len(bounds) != batch + 1:
+            raise ValueError(f"{call}: cu_seqlens_{name} holds {len(bounds) - 1} sequences for a batch of {batch}")
+        return Packed(*t, first=bounds[:-1]), [b - a for a, b in zip(bounds, bounds[1:])]
+    if t[0].dim() != 4 or t[0].shape[0] != batch:
+        raise ValueError(f"{call}: without cu_seqlens_{name}, {name} must be (batch={batch}, seqlen, heads, "
+                         f"head_dim), got {tuple(t[0].shape)}")
+    return Batched(*t), [t[0].shape[1]] * batch
+
+
+def _used_rows(call, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, options):
+    """flash-attn 4's seqused_q / seqused_k / page_table: every sequence's used query and key rows gathered into
+    one packed call, its out and lse put back at the queries' rows (unused rows: out 0, lse -inf)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{call}: {name} must be a tensor, got {type(t).__name__}")
+    if cu_seqlens_q is not None:
+        batch = len(conventions.boundaries("cu_seqlens_q", cu_seqlens_q)) - 1
+    elif q.dim() == 4:
+        batch = q.shape[0]
+    else:
+        raise ValueError(f"{call}: q must be (total_q, heads, head_dim) with cu_seqlens_q, or (batch, seqlen_q, "
+                         f"heads, head_dim), got {tuple(q.shape)}")
+    queries, q_rows = _rows_of(call, "q", (q,), cu_seqlens_q, batch)
+    len_q = _seqused(call, "seqused_q", seqused_q, batch, q_rows)
+    if page_table is not None:
+        keys = Paged(call, "page_table", k, v, page_table, batch)
+        k_rows = [keys.capacity] * batch
+        if cu_seqlens_k is not None:  # (each sequence's keys from its pages' position 0)
+            bounds = conventions.boundaries("cu_seqlens_k", cu_seqlens_k)
+            k_rows = [b - a for a, b in zip(bounds, bounds[1:])]
+        len_k = _seqused(call, "seqused_k", seqused_k, batch, [min(n, keys.capacity) for n in k_rows])
+        keys.check_pages(len_k)
+    else:
+        keys, k_rows = _rows_of(call, "k", (k, v), cu_seqlens_k, batch)
+        len_k = _seqused(call, "seqused_k", seqused_k, batch, k_rows)
+    (q_packed,) = queries.gather([0] * batch, len_q)
+    k_packed, v_packed = keys.gather([0] * batch, len_k)
+    cu_q, cu_k = (torch.tensor([0, *n], device=q.device).cumsum(0).to(torch.int32) for n in (len_q, len_k))
+    out, lse = conventions.attention(call, q_packed, k_packed, v_packed, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                     **options)
+    at = queries.at(*packed_order([0] * batch, len_q, q.device))
+    full_out = out.new_zeros(*q.shape[:-1], out.shape[-1]).index_put(at, out)
+    full_lse = lse.new_full((*q.shape[:-2], q.shape[-2]), float("-inf")).index_put(at, lse.transpose(0, 1))
+    # flash-attn 4's lse: (heads, total_q) packed, (batch, heads, seqlen_q) batched
+    full_lse = full_lse.transpose(0, 1) if q.dim() == 3 else full_lse.transpose(1, 2)
+    return full_out, full_lse
+

@@ -165,9 +165,11 @@ def test_varlen_refusals():
         fa2.flash_attn_varlen_func(q, q, q, cu, cu, 4, 4.0)
     with pytest.raises(ValueError, match="with block_table, the paged k cache must be \\(num_pages, page_size, "):
         fa2.flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, block_table=torch.zeros(2, 1, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="seqused_k"):
+    with pytest.raises(ValueError, match="seqused_k\\[0\\]=3 is outside the sequence's 2 rows"):
         fa4.flash_attn_varlen_func(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                                   seqused_k=torch.tensor([2, 4], dtype=torch.int32))
+                                   seqused_k=torch.tensor([3, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="seqused_q must be a \\(2,\\) int32 tensor"):
+        fa4.flash_attn_varlen_func(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_q=torch.tensor([1.0, 2.0]))
     with pytest.raises(ValueError, match="give both cu_seqlens_q and cu_seqlens_k"):
         fa4.flash_attn_varlen_func(q, q, q, cu_seqlens_q=cu)
 
@@ -581,3 +583,71 @@ def test_paged_caches_refuse_what_flash_attn_2_refuses_and_blocks_they_do_not_ho
         fa2.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=9, block_table=table)
     with pytest.raises(ValueError, match="block_table must be a \\(2, max_pages_per_seq\\) integer tensor"):
         fa2.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table.float())
+
+
+@pytest.mark.parametrize("layout", ["packed, both used counts", "batched q and k, seqused_k",
+                                    "batched q, paged k", "packed q, paged k by cu_seqlens_k"])
+def test_flash_attn_4_varlen_reads_the_rows_each_sequence_uses(layout):
+    """flash-attn 4's seqused_q / seqused_k (each sequence's first rows only) and page_table (keys through a page
+    table): every sequence against the oracle of its used rows, with a window, softcap and sinks; the rows a
+    sequence does not use get out 0 and lse -inf and no gradient."""
+    gen = torch.Generator().manual_seed(len(layout))
+    batch, heads, kv_heads, d, page = 3, 4, 2, 8, 4
+    rows_q, rows_k = [5, 3, 6], [7, 0, 9]
+    used_q, used_k = [4, 3, 0], [7, 0, 5]
+    kw = dict(causal=True, window_size=(3, None), softcap=2.0)
+    sinks = torch.randn(heads, generator=gen, dtype=torch.float64, requires_grad=True)
+    seqs_q = [torch.randn(n, heads, d, generator=gen, dtype=torch.float64) for n in rows_q]
+    seqs_k = [torch.randn(n, kv_heads, d, generator=gen, dtype=torch.float64) for n in rows_k]
+    seqs_v = [torch.randn(n, kv_heads, d, generator=gen, dtype=torch.float64) for n in rows_k]
+    cu = lambda lengths: torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)  # noqa: E731
+    pad = lambda seqs, n: torch.stack([torch.cat([s, s.new_zeros(n - len(s), *s.shape[1:])]) for s in seqs])  # noqa
+    args = dict(seqused_k=torch.tensor(used_k, dtype=torch.int32))
+    if layout.startswith("packed"):
+        q = torch.cat(seqs_q).requires_grad_()
+        args.update(cu_seqlens_q=cu(rows_q), seqused_q=torch.tensor(used_q, dtype=torch.int32))
+        query_rows = [(b, int(cu(rows_q)[b]) + i) for b in range(batch) for i in range(used_q[b])]
+    else:
+        q = pad(seqs_q, max(rows_q)).requires_grad_()
+        used_q = [q.shape[1]] * batch  # (without seqused_q every row of a batched q is a query)
+        query_rows = [(b, (b, i)) for b in range(batch) for i in range(q.shape[1])]
+    if "paged" in layout:
+        k_pages, v_pages, table = _paged((pad(seqs_k, 12), pad(seqs_v, 12)), page, 16, gen)
+        k, v = k_pages.requires_grad_(), v_pages.requires_grad_()
+        args["page_table"] = table
+        if "cu_seqlens_k" in layout:
+            args.update(cu_seqlens_k=cu(rows_k))
+            del args["seqused_k"]
+            used_k = rows_k
+    elif layout.startswith("packed"):
+        k, v = torch.cat(seqs_k).requires_grad_(), torch.cat(seqs_v).requires_grad_()
+        args["cu_seqlens_k"] = cu(rows_k)
+    else:
+        k, v = pad(seqs_k, max(rows_k)).requires_grad_(), pad(seqs_v, max(rows_k)).requires_grad_()
+    out, lse = fa4.flash_attn_varlen_func(q, k, v, learnable_sink=sinks, return_lse=True, **args, **kw)
+    assert out.shape == q.shape and lse.shape == ((heads, q.shape[0]) if q.dim() == 3 else (batch, heads, q.shape[1]))
+    got_out = torch.stack([out[at] for _, at in query_rows])
+    got_lse = torch.stack([lse[:, at] if q.dim() == 3 else lse[at[0], :, at[1]] for _, at in query_rows])
+    def used_rows(t, name, lengths):  # sequence b's used rows of the leaf t, as the layout holds them
+        if "paged" in layout and name != "q":
+            return _contiguous(t, table, lengths)
+        if t.dim() == 4:
+            return [t[b, :n] for b, n in enumerate(lengths)]
+        first = args["cu_seqlens_q" if name == "q" else "cu_seqlens_k"].tolist()
+        return [t[first[b]:first[b] + n] for b, n in enumerate(lengths)]
+
+    want = [oracle(q_b[None], k_b[None], v_b[None], causal=True, window=(3, -1), softcap=2.0, sinks=sinks)
+            for q_b, k_b, v_b in zip(used_rows(q, "q", used_q), used_rows(k, "k", used_k), used_rows(v, "v", used_k))]
+    want_out = torch.cat([o[0] for o, _ in want])
+    want_lse = torch.cat([lse_b[0].transpose(0, 1) for _, lse_b in want])
+    close(got_out, want_out, "out of the used rows")
+    close(got_lse, want_lse, "lse of the used rows")
+    used = torch.zeros(out.shape[:-2], dtype=torch.bool)
+    for _, at in query_rows:
+        used[at] = True
+    assert not out[~used].any() and bool(torch.isneginf(lse.transpose(0, 1)[~used] if q.dim() == 3 else
+                                                          lse.transpose(1, 2)[~used]).all())
+    gq, gk, gv, gs = grads_of([got_out], (q, k, v, sinks))
+    wq, wk, wv, ws = grads_of([want_out], (q, k, v, sinks))
+    for name, g, w in (("dq", gq, wq), ("dk", gk, wk), ("dv", gv, wv), ("dsinks", gs, ws)):
+        close(g, w, name)
