@@ -5,7 +5,8 @@
 #   schedule-fields bits test, then hdim 64 / 128 forwards at 16k / 32k beside the default and flash-attn-4.
 #   Predicted: the same bits; speed within +-1% (ptxas places the PV wait before the step's first exp2 there).
 # - kvcache: flash_attn_with_kvcache's GPU tests on 9ee48cb's indexed write of the new rows (one write per cache,
-#   was a copy per sequence), and a paged cache (block_table, new). Predicted: 7 passed.
+#   was a copy per sequence), a paged cache (block_table) and flash-attn 4's paged varlen (page_table, seqused_*),
+#   both new. Predicted: 8 passed.
 # - table: #11's table (stage.sh kernels_table) if an H200 comes: none has been taken under the stored row max.
 #   Predicted (H200): hdim 128 forward and backward >= 0.99x flash-attn-4, hdim-64 forward 0.97-0.99x.
 # Calls: source .devwheels/install.sh && bash bench/sessions/gpu_session_67.sh elect kvcache

@@ -60,3 +60,28 @@ def test_with_kvcache_on_a_paged_gpu_cache_equals_the_fp64_call(dtype):
         assert torch.equal(k_pages[block, row], k[b, 0]) and torch.equal(v_pages[block, row], v[b, 0])
     assert rel_error(out.cpu(), ref_out) < REL_TOL[dtype]
     assert float((lse.cpu().double() - ref_lse).abs().max()) < 1e-3
+
+
+def test_flash_attn_4_varlen_with_a_page_table_on_the_gpu_equals_the_fp64_call():
+    """flash-attn 4's paged varlen call (page_table, seqused_k; packed queries with seqused_q) on CUDA tensors against
+    the same call in fp64 on the CPU."""
+    from fa4dist.compat import flash_attn_cute as fa4
+
+    gen = torch.Generator().manual_seed(12)
+    rows_q, used_q, used_k, heads, kv_heads, d, page, pages = [300, 1, 64], [300, 1, 40], [1000, 513, 64], 8, 2, \
+        128, 128, 40
+    dtype = torch.bfloat16
+    host = [torch.randn(s, generator=gen, dtype=torch.float64) for s in (
+        (sum(rows_q), heads, d), (pages, page, kv_heads, d), (pages, page, kv_heads, d))]
+    q, k, v = (t.to(dtype).cuda() for t in host)
+    table = torch.randperm(pages, generator=gen)[:24].view(3, 8).to(torch.int32)
+    cu_q = torch.tensor([0, *rows_q]).cumsum(0).to(torch.int32)
+    args = dict(cu_seqlens_q=cu_q, seqused_q=torch.tensor(used_q, dtype=torch.int32), page_table=table,
+                seqused_k=torch.tensor(used_k, dtype=torch.int32), causal=True, return_lse=True)
+    out, lse = fa4.flash_attn_varlen_func(q, k, v, **{n: t.cuda() if isinstance(t, torch.Tensor) else t
+                                                      for n, t in args.items()})
+    ref_out, ref_lse = fa4.flash_attn_varlen_func(*(t.cpu().double() for t in (q, k, v)), **args)
+    assert rel_error(out.cpu(), ref_out) < REL_TOL[dtype]
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite)
+    assert float((lse.cpu().double() - ref_lse)[finite].abs().max()) < 1e-3
