@@ -109,8 +109,9 @@ EXTRA = [
     # a fresh zeroed tile counter per launch (the knob's off position: by default the launch's last claim sets the
     # counter back to 0 and the host reuses the stream's counter)
     (torch.bfloat16, 128, True, False, False, {"reset_counter": False}),
-    # the overlapped step's stage releases by elect.sync (no S2R of %tid in the loop; a measurement knob)
-    (torch.bfloat16, 64, False, False, False, {"elect_release": True}),
+    # the overlapped step's stage releases by elect.sync (no S2R of %tid in the loop): the default of hdim-64 causal
+    # launches only (default_elect_release), so its other positions here
+    (torch.bfloat16, 64, True, False, False, {"elect_release": False}),
     (torch.bfloat16, 128, True, False, False, {"elect_release": True}),
     # hdim 256 on the persistent grid (O stored directly: no room for its staging tile), and a work list
     (torch.bfloat16, 256, False, False, False, {"tma_store_o": False, "persistent_ctas": 132}),
