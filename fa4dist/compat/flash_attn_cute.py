@@ -94,6 +94,9 @@ def _seqused(call: str, name: str, value, batch: int, available: list[int]) -> l
 def _rows_of(call: str, name: str, t, cu_seqlens, batch: int) -> tuple:
     """(addressing, rows available per sequence) of a packed (with ``cu_seqlens``) or batched tensor."""
     if cu_seqlens is not None:
+        if t[0].dim() != 3:
+            raise ValueError(f"{call}: with cu_seqlens_{name}, {name} must be (total_{name}, heads, head_dim), got "
+                             f"{tuple(t[0].shape)}")
         bounds = conventions.boundaries(f"cu_seqlens_{name}", cu_seqlens)
         if len(bounds) != batch + 1:
             raise ValueError(f"{call}: cu_seqlens_{name} holds {len(bounds) - 1} sequences for a batch of {batch}")

@@ -170,6 +170,9 @@ def test_varlen_refusals():
                                    seqused_k=torch.tensor([3, 4], dtype=torch.int32))
     with pytest.raises(ValueError, match="seqused_q must be a \\(2,\\) int32 tensor"):
         fa4.flash_attn_varlen_func(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_q=torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="with cu_seqlens_q, q must be \\(total_q, heads, head_dim\\)"):
+        fa4.flash_attn_varlen_func(q[None], q, q, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                   seqused_k=torch.tensor([1, 2], dtype=torch.int32))
     with pytest.raises(ValueError, match="give both cu_seqlens_q and cu_seqlens_k"):
         fa4.flash_attn_varlen_func(q, q, q, cu_seqlens_q=cu)
 
