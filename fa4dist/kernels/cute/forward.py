@@ -321,8 +321,8 @@ def default_late_pv_wait(head_dim: int, causal: bool) -> bool:
 def default_elect_release(head_dim: int, causal: bool) -> bool:
     """On for hdim <= 64 causal. H100, 2026-12-07, sixty-seventh session (bench/RESULTS.md; two runs, 5 and 7 rounds,
     beside the default in the same rounds): hdim 64 causal +1.1 / +2.0% and +0.9 / +1.2 / +1.0% at 16k / 32k and
-    8k / 16k / 32k; hdim 64 non-causal -0.4 to -1.0% in both; hdim 128 -1.1 to +0.1%. The bits do not depend on it
-    (test_schedule_fields_give_the_same_bits)."""
+    8k / 16k / 32k (at 1k / 4k / 16k: 0 / +0.6 / +1.1%); hdim 64 non-causal -0.4 to -1.0% in both; hdim 128 -1.1
+    to +0.1%. The bits do not depend on it (test_schedule_fields_give_the_same_bits)."""
     return head_dim <= 64 and causal
 
 
