@@ -127,9 +127,11 @@ def _used_rows(call, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
         k_rows = [keys.capacity] * batch
         if cu_seqlens_k is not None:  # (each sequence's keys from its pages' position 0)
             bounds = conventions.boundaries("cu_seqlens_k", cu_seqlens_k)
+            if len(bounds) != batch + 1:
+                raise ValueError(f"{call}: cu_seqlens_k holds {len(bounds) - 1} sequences for a batch of {batch}")
             k_rows = [b - a for a, b in zip(bounds, bounds[1:])]
-        len_k = _seqused(call, "seqused_k", seqused_k, batch, [min(n, keys.capacity) for n in k_rows])
-        keys.check_pages(len_k)
+        len_k = _seqused(call, "seqused_k", seqused_k, batch, k_rows)
+        keys.check_pages(len_k)  # (a sequence longer than its page_table row addresses is refused here)
     else:
         keys, k_rows = _rows_of(call, "k", (k, v), cu_seqlens_k, batch)
         len_k = _seqused(call, "seqused_k", seqused_k, batch, k_rows)

@@ -566,6 +566,19 @@ def test_flash_attn_2_varlen_on_a_paged_cache_equals_its_packed_keys():
         close(g, w, name)
 
 
+def test_flash_attn_4_page_table_refuses_keys_past_its_rows():
+    q = torch.randn(4, 2, 8, dtype=torch.float64)
+    pages = torch.randn(5, 4, 2, 8, dtype=torch.float64)
+    cu_q = torch.tensor([0, 2, 4], dtype=torch.int32)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="sequence 1 takes 9 cache positions, past the 8 its page_table row"):
+        fa4.flash_attn_varlen_func(q, pages, pages, cu_seqlens_q=cu_q, page_table=table,
+                                   cu_seqlens_k=torch.tensor([0, 3, 12], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_k holds 1 sequences for a batch of 2"):
+        fa4.flash_attn_varlen_func(q, pages, pages, cu_seqlens_q=cu_q, page_table=table,
+                                   cu_seqlens_k=torch.tensor([0, 3], dtype=torch.int32))
+
+
 def test_paged_caches_refuse_what_flash_attn_2_refuses_and_blocks_they_do_not_hold():
     q = torch.randn(2, 1, 2, 8, dtype=torch.float64)
     pages = torch.randn(5, 4, 2, 8, dtype=torch.float64)
