@@ -11,6 +11,13 @@ from typing import Sequence
 import torch
 
 
+def per_sequence_integers(value, batch: int, dims: int = 1) -> bool:
+    """Whether ``value`` is a ``dims``-D integer tensor with one row per sequence of the batch (cache_seqlens,
+    seqused_*, a block or page table)."""
+    return isinstance(value, torch.Tensor) and value.dim() == dims and value.shape[0] == batch \
+        and not (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool)
+
+
 def packed_order(starts: Sequence[int], lengths: Sequence[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence, position) of every packed row: sequence b's positions ``starts[b] .. starts[b] + lengths[b] - 1``,
     in sequence order."""
@@ -77,8 +84,7 @@ class Paged(Rows):
         if k.shape[:3] != v.shape[:3]:
             raise ValueError(f"{call}: the paged k {tuple(k.shape)} and v {tuple(v.shape)} caches must hold the same "
                              "(num_pages, page_size, kv_heads)")
-        if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[0] != batch \
-                or table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool:
+        if not per_sequence_integers(table, batch, dims=2):
             got = f"{table.dtype} of shape {tuple(table.shape)}" if isinstance(table, torch.Tensor) \
                 else type(table).__name__
             raise ValueError(f"{call}: {table_name} must be a ({batch}, max_pages_per_seq) integer tensor, got {got}")

@@ -114,13 +114,15 @@ def _check_max(call: str, name: str, given, lengths: list[int]) -> None:
 
 
 def check_call(call: str, q, k, v, *, causal: bool, window_size, softcap, softmax_scale, flash_attn: int,
-               keys: int) -> None:
+               keys: int) -> tuple[int, int]:
     """The checks :func:`attention` makes that read no tensor's values (the window's form, the softcap, shapes,
     dtypes, devices, heads, the scale), for a caller that must refuse a call before it changes anything (a KV
-    cache's append): ``k`` / ``v`` may be empty stand-ins of the keys' batch, heads and head dim."""
+    cache's append): ``k`` / ``v`` may be empty stand-ins of the keys' batch, heads and head dim.  Returns the
+    contract's window (:func:`window_of`)."""
     window, _ = window_of(call, window_size, bool(causal), flash_attn, keys)
     check_layout(q, k, v, causal=bool(causal), window=window, softcap=_softcap(softcap, flash_attn),
                  softmax_scale=softmax_scale)
+    return window
 
 
 def attention(call: str, q, k, v, *, causal: bool, window_size, softcap, softmax_scale, deterministic,

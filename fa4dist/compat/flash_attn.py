@@ -19,7 +19,7 @@ import operator
 import torch
 
 from . import conventions
-from .addressing import Batched, Paged
+from .addressing import Batched, Paged, per_sequence_integers
 
 
 def _result(out, lse, return_attn_probs: bool):
@@ -128,8 +128,7 @@ def _per_sequence(call: str, name: str, value, batch: int, device, default: int)
     if value is None:
         return torch.full((batch,), default, dtype=torch.int64, device=device)
     if isinstance(value, torch.Tensor):
-        if value.dim() != 1 or value.shape[0] != batch or value.dtype.is_floating_point or value.dtype.is_complex \
-                or value.dtype == torch.bool:
+        if not per_sequence_integers(value, batch):
             raise ValueError(f"{call}: {name} must be an int or a ({batch},) integer tensor, got "
                              f"{value.dtype} of shape {tuple(value.shape)}")
         return value.to(device=device, dtype=torch.int64)
@@ -220,11 +219,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache.check_pages([e + new for e in ends_l])
     # everything the attention call checks that reads no values, before the cache is written: a refused call leaves
     # the cache as it was
-    (window_left, window_right), _ = conventions.window_of(call, window_size, bool(causal), 2, seqlen_cache)
-    conventions.check_call(call, q, k_cache.new_empty((batch, 0, *k_cache.shape[2:])),
-                           v_cache.new_empty((batch, 0, *v_cache.shape[2:])), causal=causal,
-                           window_size=window_size, softcap=softcap, softmax_scale=softmax_scale, flash_attn=2,
-                           keys=seqlen_cache)
+    window_left, window_right = conventions.check_call(
+        call, q, k_cache.new_empty((batch, 0, *k_cache.shape[2:])), v_cache.new_empty((batch, 0, *v_cache.shape[2:])),
+        causal=causal, window_size=window_size, softcap=softcap, softmax_scale=softmax_scale, flash_attn=2,
+        keys=seqlen_cache)
     if rotary_cos is not None or rotary_sin is not None:
         if k is None:
             raise ValueError(f"{call}: rotary_cos / rotary_sin turn the new keys: pass k and v with them")

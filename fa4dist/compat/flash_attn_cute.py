@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import conventions
-from .addressing import Batched, Packed, Paged, packed_order
+from .addressing import Batched, Packed, Paged, packed_order, per_sequence_integers
 
 
 def _empty_is_absent(value):
@@ -79,8 +79,7 @@ def _seqused(call: str, name: str, value, batch: int, available: list[int]) -> l
     """``seqused_q`` / ``seqused_k``: each sequence's used rows, at most the ``available`` ones (all by default)."""
     if value is None:
         return available
-    if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.shape[0] != batch \
-            or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+    if not per_sequence_integers(value, batch):
         got = f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) \
             else type(value).__name__
         raise ValueError(f"{call}: {name} must be a ({batch},) int32 tensor, got {got}")

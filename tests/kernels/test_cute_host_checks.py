@@ -82,7 +82,7 @@ def test_remembered_verdicts_follow_the_problem_and_the_direction():
     kept = len(be._verdicts)
     assert be.supports(packed, "forward") is None and len(be._verdicts) == kept  # (no key holding cu's tensor)
     assert be.available(torch.device("cpu")) is False and be.available("cpu") is False
-    assert be.available(torch.device("cuda", 0)) is be._device_available("cuda:0")
+    assert be.available(torch.device("cuda", 0)) is (be.unavailable_reason("cuda:0") is None)
     be.available("cuda")
     assert "cuda" not in be._available_on  # the current device's answer is not remembered: it may change
 

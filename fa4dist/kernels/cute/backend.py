@@ -73,19 +73,11 @@ class CuteSm90Backend:
             return self._available_on[device]
         except (KeyError, TypeError):  # (TypeError: an unhashable device argument is answered uncached)
             pass
-        answer = self._device_available(device)
+        answer = self.unavailable_reason(device) is None
         # remembered for a device named with its index ("cuda" alone means whichever device is current)
         if isinstance(device, (torch.device, str)) and torch.device(device).index is not None:
             self._available_on[device] = answer
         return answer
-
-    @staticmethod
-    def _device_available(device) -> bool:
-        device = torch.device(device)
-        if device.type != "cuda" or not torch.cuda.is_available():
-            return False
-        major, _ = torch.cuda.get_device_capability(device)
-        return major == 9 and host.cutlass_importable()
 
     @staticmethod
     def unavailable_reason(device) -> Optional[str]:
