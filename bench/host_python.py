@@ -158,7 +158,7 @@ def backend_choice(args) -> None:
         "supports, remembered": lambda: be.supports(replace(problem), "backward"),
         "supports, computed": lambda: be._supports(replace(problem), "backward"),
         "available, remembered": lambda: be.available(device),
-        "available, asked of torch": lambda: be._device_available(device),
+        "available, asked of torch": lambda: be.unavailable_reason(device) is None,
     }
     print("; ".join(f"{name} {best_us(fn, args.calls, args.loops):.1f} us" for name, fn in rows.items()))
 
