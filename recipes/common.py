@@ -158,7 +158,9 @@ def add_common_args(p: argparse.ArgumentParser, unused: Optional[dict] = None,
                    help="recompute each block's activations in the backward instead of keeping them")
     g = p.add_argument_group("logging")
     g.add_argument("--log-every", type=positive_int, default=1)
-    g.add_argument("--metrics-out", default=None, help="write one JSON line per step (rank 0)")
+    g.add_argument("--metrics-out", default=None,
+                   help="write one JSON line per step (rank 0); a new run starts the file afresh, a resumed one "
+                        "keeps the lines of the steps before its checkpoint and continues them")
     g.add_argument("--timing-warmup", type=non_negative_int, default=1, help="steps left out of tokens/s and MFU")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense FLOP/s per device for MFU in TFLOP/s (default: 989.4 on CUDA, none on CPU)")
@@ -276,7 +278,7 @@ def check_common_args(p: argparse.ArgumentParser, args, models=()) -> None:
     if args.metrics_out and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics_out))):
         p.error(f"--metrics-out {args.metrics_out!r}: its directory does not exist")
     if args.metrics_out and os.path.isdir(args.metrics_out):  # rank 0 failed to open it once the run was set up
-        p.error(f"--metrics-out {args.metrics_out!r} is a directory; give a file to append the JSON lines to")
+        p.error(f"--metrics-out {args.metrics_out!r} is a directory; give a file to write the JSON lines to")
 
 
 def ulysses_heads_problem(args, heads_q: int, heads_kv: int, model: str) -> Optional[str]:
@@ -648,7 +650,7 @@ class Progress:
     def __init__(self, total: int, rank: int, metrics_out: Optional[str], log_every: int = 1, start: int = 0):
         self.total, self.rank, self.log_every = total, rank, max(1, log_every)
         self.tty = sys.stderr.isatty()
-        self.metrics = open(metrics_out, "a") if (metrics_out and rank == 0) else None
+        self.metrics = open_metrics(metrics_out, start) if (metrics_out and rank == 0) else None
         self.start = start
 
     def update(self, step: int, **fields):
@@ -674,6 +676,28 @@ class Progress:
             self.metrics.close()
         if self.rank == 0 and self.tty:  # a run stopped early leaves its bar without a line end
             sys.stderr.write("\n")
+
+
+def open_metrics(path, start: int):
+    """The metrics file, opened for appending the lines of steps ``start`` on.  It then holds the lines of the
+    steps before ``start`` that it held (a resumed run's, from the run that saved the checkpoint) and nothing else:
+    a new run (start 0) begins it empty, and a run stopped past its last checkpoint leaves lines of steps the
+    resumed run takes again, which would otherwise appear twice.  A line that is not a step's JSON (a crash in the
+    middle of writing one) is dropped."""
+    path = Path(path)
+    kept = []
+    if start > 0 and path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, TypeError, KeyError):
+                continue
+            if isinstance(step, int) and step < start:
+                kept.append(line + "\n")
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(kept))
+    os.replace(partial, path)  # (never a half-written file where the old one was)
+    return open(path, "a")
 
 
 def _fmt(v):

@@ -269,3 +269,28 @@ def test_the_help_shows_every_options_default(recipe, capsys, monkeypatch):
         assert "default" in blocks[option], (option, value, blocks[option])
         shown += 1
     assert shown >= 10 and "(default: 0)" in blocks["--seed"]
+
+
+def test_metrics_file_holds_one_line_per_step_of_the_run_so_far(tmp_path):
+    """--metrics-out: a new run starts the file afresh (it appended to an earlier run's lines), and a resumed run
+    keeps the lines of the steps before its checkpoint and drops the rest, which it takes again (a run stopped past
+    its last checkpoint left them: they appeared twice). A torn last line is dropped."""
+    path = tmp_path / "m.jsonl"
+
+    def run(start, stop):
+        progress = common.Progress(stop, 0, str(path), start=start)
+        for step in range(start, stop):
+            progress.update(step, loss=float(step))
+        progress.close()
+        return [m["step"] for m in common.read_metrics(path)]
+
+    assert run(0, 6) == [0, 1, 2, 3, 4, 5]
+    assert run(0, 3) == [0, 1, 2]  # a new run: the old lines gone
+    assert run(0, 6) == list(range(6))
+    assert run(3, 6) == list(range(6))  # resumed at step 3 after a stop at 6: steps 3-5 once
+    path.write_text(path.read_text() + '{"step": 6, "lo')  # killed while writing step 6
+    assert run(6, 8) == list(range(8))
+    path.unlink()
+    assert run(4, 5) == [4]  # a resume without the earlier file
+    assert common.Progress(5, 1, str(tmp_path / "other.jsonl")).metrics is None  # rank 0 writes it alone
+    assert not (tmp_path / "other.jsonl").exists()
