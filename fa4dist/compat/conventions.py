@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 import fa4dist
-from fa4dist.kernels.problem import check_layout
+from fa4dist.kernels.problem import check_cu_seqlens_values, check_layout
 
 
 def _not_asked(value) -> bool:
@@ -48,6 +48,10 @@ def _show(value) -> str:
     return f"a {type(value).__name__}" if isinstance(value, torch.Tensor) or callable(value) else repr(value)
 
 
+# window_of's shift for a band that holds no key (flash-attn 4's sides summing below 0)
+NO_KEYS = "no keys"
+
+
 def window_of(call: str, window_size, causal: bool, flash_attn: int, keys: int) -> tuple[tuple[int, int], int]:
     """(the contract's ``window``, a shift of the queries' positions) of flash-attn's ``window_size`` (left, right)
     as flash-attn version ``flash_attn`` (2 or 4) computes it; ``keys``: the call's key count (``max_seqlen_k``,
@@ -56,9 +60,11 @@ def window_of(call: str, window_size, causal: bool, flash_attn: int, keys: int) 
     - flash-attn 2 (its kernels, ``flash_api.cpp``): -1 (or None) is unbounded, and so is a side of at least
       ``keys``, before ``causal``; then a bounded left side with an unbounded right one makes the right side
       ``keys`` (it hides the last keys from the first rows of a non-causal call with more queries than keys).
-    - flash-attn 4 (``flash_attn.cute``): None is unbounded and ints are taken literally, negative ones included
-      (``(None, -1)``: the keys strictly before the diagonal); two int sides that sum below 0 mean no window.  A
-      negative side becomes the contract's 0 with the queries shifted by it (the band keeps its width)."""
+    - flash-attn 4 (``flash_attn.cute``, 4.0.0b36's ``_resolve_causal_local_window``): two negative int sides
+      mean no window, before ``causal``; otherwise None is unbounded and ints are taken literally, negative ones
+      included (``(None, -1)``: the keys strictly before the diagonal).  A negative side becomes the contract's 0
+      with the queries shifted by it (the band keeps its width); sides that sum below 0 leave an empty band:
+      :data:`NO_KEYS` as the shift (every row sees no key, out 0 and lse -inf, or the sink's)."""
     try:
         left, right = window_size
     except (TypeError, ValueError):
@@ -81,10 +87,12 @@ def window_of(call: str, window_size, causal: bool, flash_attn: int, keys: int) 
         elif left >= 0 and right == -1:
             right = keys
         return (left, right), 0
+    if left is not None and right is not None and left < 0 and right < 0:
+        left = right = None
     if causal:
         right = 0
     if left is not None and right is not None and left + right < 0:
-        left = right = None
+        return (0, 0), NO_KEYS
     if right is not None and right < 0:  # keys up to `right` before the diagonal: the diagonal moves by right
         return (-1 if left is None else left + right, 0), right
     if left is not None and left < 0:  # keys from `-left` after the diagonal on
@@ -93,11 +101,16 @@ def window_of(call: str, window_size, causal: bool, flash_attn: int, keys: int) 
 
 
 def boundaries(name: str, cu: torch.Tensor) -> list[int]:
-    """cu_seqlens' values, read once (a CUDA tensor's read waits for the device)."""
+    """cu_seqlens' values, read once (a CUDA tensor's read waits for the device), and checked as flash-attn takes
+    them: int32, from 0, non-decreasing (a caller may address rows with them before fa4dist's own checks run)."""
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1:
         got = f"shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else _show(cu)
         raise TypeError(f"{name} must be a 1-D int32 tensor of sequence boundaries, got {got}")
-    return cu.tolist()
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}")
+    values = cu.tolist()
+    check_cu_seqlens_values(name, values)
+    return values
 
 
 def _check_max(call: str, name: str, given, lengths: list[int]) -> None:
@@ -157,7 +170,9 @@ def attention(call: str, q, k, v, *, causal: bool, window_size, softcap, softmax
         if k.dim() == 3 and v.dim() == 3 and k.shape[0] == v.shape[0] > used_k >= 0:
             k, v = k[:used_k], v[:used_k]
     window, shift = window_of(call, window_size, bool(causal), flash_attn, keys)
-    if shift:
+    if shift == NO_KEYS:  # a one-key band on each row's diagonal placed one key before the sequence's first key
+        q_offset = [-n - 1 for n in len_q] if isinstance(q_offset, list) else -q.shape[1] - 1
+    elif shift:
         q_offset = [x + shift for x in q_offset] if isinstance(q_offset, list) else q_offset + shift
     out, lse = fa4dist.attention(
         q, k, v, causal=bool(causal), softmax_scale=softmax_scale, return_lse=True, window=window,

@@ -56,13 +56,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` keys of sequence b, as flash-attn 2 reads them."""
     call = "flash_attn_varlen_func"
     conventions.refuse(call, dropout_p=dropout_p, alibi_slopes=alibi_slopes)
-    if block_table is not None:  # the pages' rows packed as cu_seqlens_k lays them out (rows before it: unread)
+    if block_table is not None:  # the pages' rows packed as cu_seqlens_k lays them out
         bounds = conventions.boundaries("cu_seqlens_k", cu_seqlens_k)
-        pages = Paged(call, "block_table", k, v, block_table, len(bounds) - 1)
-        lengths = [max(b - a, 0) for a, b in zip(bounds, bounds[1:])]
+        sequences = len(conventions.boundaries("cu_seqlens_q", cu_seqlens_q)) - 1
+        if sequences != len(bounds) - 1:
+            raise ValueError(f"{call}: cu_seqlens_q holds {sequences} sequences but cu_seqlens_k {len(bounds) - 1}")
+        pages = Paged(call, "block_table", k, v, block_table, sequences)
+        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
         pages.check_pages(lengths)
-        k, v = (torch.cat([t.new_zeros(bounds[0], *t.shape[1:]), t]) for t in pages.gather([0] * len(lengths),
-                                                                                            lengths))
+        k, v = pages.gather([0] * sequences, lengths)
     out, lse = conventions.attention(call, q, k, v, causal=causal, window_size=window_size, softcap=softcap,
                                      softmax_scale=softmax_scale, deterministic=deterministic,
                                      return_lse=return_attn_probs, cu_seqlens_q=cu_seqlens_q,
@@ -198,6 +200,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 or k.shape[2:] != k_cache.shape[2:] or v.shape[2:] != v_cache.shape[2:]:
             raise ValueError(f"{call}: k {tuple(k.shape)} and v {tuple(v.shape)} must be (batch={batch}, "
                              f"seqlen_new, kv_heads, head_dim) like the caches' rows")
+        if (k.dtype, v.dtype) != (k_cache.dtype, v_cache.dtype):  # (flash-attn 2 refuses them too: no cast)
+            raise TypeError(f"{call}: k and v ({k.dtype}, {v.dtype}) must have the caches' dtype ({k_cache.dtype}, "
+                            f"{v_cache.dtype})")
         if cache_seqlens is None:  # (flash-attn 2 refuses it too: where would the new rows go)
             raise ValueError(f"{call}: pass cache_seqlens with k and v: the new rows are written at each "
                              "sequence's cache_seqlens")
@@ -212,9 +217,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"{call}: cache_batch_idx[{b}]={rows_l[b]} is outside the caches' {cache_batches} "
                              "sequences")
         if not 0 <= a <= e or e + new > seqlen_cache:
-            raise ValueError(f"{call}: sequence {b} takes cache rows [{a}, {e}) and {new} new ones, outside the "
-                             f"cache's {seqlen_cache} rows (cache_leftpad <= cache_seqlens, cache_seqlens + "
-                             "seqlen_new <= seqlen_cache)")
+            where = f"the cache's {seqlen_cache} rows" if block_table is None else \
+                f"the {seqlen_cache} positions its block_table row addresses"
+            raise ValueError(f"{call}: sequence {b} takes cache rows [{a}, {e}) and {new} new ones, outside {where} "
+                             "(cache_leftpad <= cache_seqlens, cache_seqlens + seqlen_new <= the cache's length)")
     if block_table is not None:
         cache.check_pages([e + new for e in ends_l])
     # everything the attention call checks that reads no values, before the cache is written: a refused call leaves

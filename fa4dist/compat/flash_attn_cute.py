@@ -70,7 +70,8 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
     options = dict(causal=causal, window_size=window_size, softcap=softcap, softmax_scale=softmax_scale,
                    deterministic=deterministic, return_lse=return_lse, sinks=_sink(call, learnable_sink, q),
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, flash_attn=4)
-    if seqused_q is None and seqused_k is None and page_table is None:
+    if seqused_q is None and seqused_k is None and page_table is None and \
+            (cu_seqlens_q is None) == (cu_seqlens_k is None):
         return conventions.attention(call, q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **options)
     return _used_rows(call, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, options)
 
@@ -99,6 +100,8 @@ def _rows_of(call: str, name: str, t, cu_seqlens, batch: int) -> tuple:
         bounds = conventions.boundaries(f"cu_seqlens_{name}", cu_seqlens)
         if len(bounds) != batch + 1:
             raise ValueError(f"{call}: cu_seqlens_{name} holds {len(bounds) - 1} sequences for a batch of {batch}")
+        if bounds[-1] > t[0].shape[0]:
+            raise ValueError(f"{call}: cu_seqlens_{name} ends at row {bounds[-1]}, past {name}'s {t[0].shape[0]} rows")
         return Packed(*t, first=bounds[:-1]), [b - a for a, b in zip(bounds, bounds[1:])]
     if t[0].dim() != 4 or t[0].shape[0] != batch:
         raise ValueError(f"{call}: without cu_seqlens_{name}, {name} must be (batch={batch}, seqlen, heads, "
@@ -107,8 +110,9 @@ def _rows_of(call: str, name: str, t, cu_seqlens, batch: int) -> tuple:
 
 
 def _used_rows(call, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, options):
-    """flash-attn 4's seqused_q / seqused_k / page_table: every sequence's used query and key rows gathered into
-    one packed call, its out and lse put back at the queries' rows (unused rows: out 0, lse -inf)."""
+    """flash-attn 4's seqused_q / seqused_k / page_table, and a packed side with a batched one (cu_seqlens of one
+    side only): every sequence's used query and key rows gathered into one packed call, its out and lse put back at
+    the queries' rows (unused rows: out 0, lse -inf)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{call}: {name} must be a tensor, got {type(t).__name__}")
@@ -122,14 +126,11 @@ def _used_rows(call, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
     queries, q_rows = _rows_of(call, "q", (q,), cu_seqlens_q, batch)
     len_q = _seqused(call, "seqused_q", seqused_q, batch, q_rows)
     if page_table is not None:
+        if cu_seqlens_k is not None:
+            raise ValueError(f"{call}: page_table cannot be given with cu_seqlens_k (flash-attn 4 refuses it too): "
+                             "give each sequence's key count as seqused_k")
         keys = Paged(call, "page_table", k, v, page_table, batch)
-        k_rows = [keys.capacity] * batch
-        if cu_seqlens_k is not None:  # (each sequence's keys from its pages' position 0)
-            bounds = conventions.boundaries("cu_seqlens_k", cu_seqlens_k)
-            if len(bounds) != batch + 1:
-                raise ValueError(f"{call}: cu_seqlens_k holds {len(bounds) - 1} sequences for a batch of {batch}")
-            k_rows = [b - a for a, b in zip(bounds, bounds[1:])]
-        len_k = _seqused(call, "seqused_k", seqused_k, batch, k_rows)
+        len_k = _seqused(call, "seqused_k", seqused_k, batch, [keys.capacity] * batch)
         keys.check_pages(len_k)  # (a sequence longer than its page_table row addresses is refused here)
     else:
         keys, k_rows = _rows_of(call, "k", (k, v), cu_seqlens_k, batch)

@@ -55,6 +55,9 @@ def grads_of(outputs, inputs, seed=1):
 
 def close(got, want, what):
     got, want = got.detach(), want.detach()
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    if want.numel() == 0:
+        return
     scale = max(float(want.abs().max()), 1e-30)
     err = float((got - want).abs().max())
     assert err <= TOL * scale, f"{what}: {err:.2e} vs max {scale:.2e}"
@@ -174,7 +177,27 @@ def test_varlen_refusals():
         fa4.flash_attn_varlen_func(q[None], q, q, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                    seqused_k=torch.tensor([1, 2], dtype=torch.int32))
     with pytest.raises(ValueError, match="give both cu_seqlens_q and cu_seqlens_k"):
+        fa2.flash_attn_varlen_func(q, q, q, cu, None, 4, 4)
+    # flash-attn 4 takes one packed side with a batched one; the other side's form is then checked by name
+    with pytest.raises(ValueError, match="without cu_seqlens_k, k must be \\(batch=2, seqlen, heads, head_dim\\)"):
         fa4.flash_attn_varlen_func(q, q, q, cu_seqlens_q=cu)
+    # boundaries that address rows are checked before they are used (they failed deep inside, or were taken)
+    used = dict(seqused_k=torch.tensor([1, 2], dtype=torch.int32))
+    for bad, message in ((cu.float(), "cu_seqlens_q must have dtype torch.int32, got torch.float32"),
+                         (torch.tensor([0, 3, 2], dtype=torch.int32), "cu_seqlens_q must be non-decreasing"),
+                         (torch.tensor([1, 2, 6], dtype=torch.int32), "cu_seqlens_q must start at 0, got 1"),
+                         (torch.tensor([0, 2, 7], dtype=torch.int32), "cu_seqlens_q ends at row 7, past q's 6 rows")):
+        with pytest.raises((TypeError, ValueError), match=message):
+            fa4.flash_attn_varlen_func(q, q, q, cu_seqlens_q=bad, cu_seqlens_k=cu, **used)
+    with pytest.raises(TypeError, match="cu_seqlens_k must have dtype torch.int32, got torch.float32"):
+        fa2.flash_attn_varlen_func(q, q[None], q[None], cu, cu.float(), 4, 4,
+                                   block_table=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_q holds 1 sequences but cu_seqlens_k 2"):
+        fa2.flash_attn_varlen_func(q, q[None], q[None], cu[:2], cu, 4, 4,
+                                   block_table=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="page_table cannot be given with cu_seqlens_k"):
+        fa4.flash_attn_varlen_func(q, q[None], q[None], cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                   page_table=torch.zeros(2, 1, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("sq, sk, causal", [(9, 9, True), (5, 11, True), (11, 5, False), (7, 7, False)])
@@ -244,18 +267,17 @@ def test_flash_attn_2_bounded_left_side_makes_an_unbounded_right_one_the_key_cou
 
 
 def fa4_mask(sq, sk, causal, window):
-    """flash-attn 4 (flash_attn/cute/interface.py _resolve_causal_local_window, cute/mask.py): causal makes right
-    0; two int sides summing below 0 are no window; None is unbounded and ints are literal, negative ones too."""
+    """flash-attn 4.0.0b36 (flash_attn/cute/interface.py _resolve_causal_local_window, cute/mask.py): two negative
+    int sides are no window, then causal makes right 0; None is unbounded and ints are literal, negative ones too
+    (sides summing below 0: no key visible)."""
     left, right = window
-    right = 0 if causal else right
-    if left is not None and right is not None and left + right < 0:
+    if left is not None and right is not None and left < 0 and right < 0:
         left = right = None
+    right = 0 if causal else right
     i, j = torch.arange(sq)[:, None] + sk - sq, torch.arange(sk)[None, :]
     visible = torch.ones(sq, sk, dtype=torch.bool)
     if right is not None:
         visible &= j <= i + right
-    elif causal:  # (a window dropped for its negative sum: causal stays)
-        visible &= j <= i
     if left is not None:
         visible &= j >= i - left
     return visible
@@ -265,11 +287,13 @@ def fa4_mask(sq, sk, causal, window):
 @pytest.mark.parametrize("causal, window", [(False, (None, -1)), (False, (-1, 0)), (False, (-1, 2)), (False, (2, -1)),
                                             (False, (-2, 3)), (False, (-1, -1)), (False, (None, -2)),
                                             (False, (-3, None)), (True, (-1, None)), (True, (2, -5)),
-                                            (False, (3, 1)), (False, (None, 9))])
+                                            (False, (3, 1)), (False, (None, 9)), (False, (-2, 1)),
+                                            (False, (1, -2)), (True, (-1, None)), (True, (-2, 5)), (True, (-1, -1))])
 def test_flash_attn_4_takes_window_sides_literally(sq, sk, causal, window):
     """flash-attn 4 takes a negative window side literally ((None, -1): the keys strictly before the diagonal) and
     unbounds only None; the compat read -1 as unbounded, flash-attn 2's convention (a wrong answer in 636 of 7200
-    small cases, a review found).  Out, lse and the gradients, packed input too."""
+    small cases, a review found).  Sides that sum below 0 leave no key (they were read as no window: full or causal
+    attention, another review found).  Out, lse and the gradients, packed input too."""
     q, k, v = leaves((1, sq, 2, 8), (1, sk, 2, 8), (1, sk, 2, 8), seed=12)
     want_out, want_lse = oracle(q, k, v, visible=fa4_mask(sq, sk, causal, window))
     out, lse = fa4.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True)
@@ -571,12 +595,11 @@ def test_flash_attn_4_page_table_refuses_keys_past_its_rows():
     pages = torch.randn(5, 4, 2, 8, dtype=torch.float64)
     cu_q = torch.tensor([0, 2, 4], dtype=torch.int32)
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    with pytest.raises(ValueError, match="sequence 1 takes 9 cache positions, past the 8 its page_table row"):
+    with pytest.raises(ValueError, match="seqused_k\\[1\\]=9 is outside the sequence's 8 rows"):
         fa4.flash_attn_varlen_func(q, pages, pages, cu_seqlens_q=cu_q, page_table=table,
-                                   cu_seqlens_k=torch.tensor([0, 3, 12], dtype=torch.int32))
-    with pytest.raises(ValueError, match="cu_seqlens_k holds 1 sequences for a batch of 2"):
-        fa4.flash_attn_varlen_func(q, pages, pages, cu_seqlens_q=cu_q, page_table=table,
-                                   cu_seqlens_k=torch.tensor([0, 3], dtype=torch.int32))
+                                   seqused_k=torch.tensor([3, 9], dtype=torch.int32))
+    with pytest.raises(ValueError, match="page_table must be a \\(1, max_pages_per_seq\\) integer tensor"):
+        fa4.flash_attn_varlen_func(q, pages, pages, cu_seqlens_q=cu_q[:2], page_table=table)
 
 
 def test_paged_caches_refuse_what_flash_attn_2_refuses_and_blocks_they_do_not_hold():
@@ -595,22 +618,27 @@ def test_paged_caches_refuse_what_flash_attn_2_refuses_and_blocks_they_do_not_ho
                                       block_table=torch.tensor([[0, -1], [2, -1]], dtype=torch.int32))
     close(out, torch.cat([oracle(q[b:b + 1], pages[blk:blk + 1, :n], pages[blk:blk + 1, :n])[0]
                           for b, (blk, n) in enumerate(((0, 3), (2, 4)))]), "pages read through the table")
-    with pytest.raises(ValueError, match="outside the cache's 8 rows"):
+    with pytest.raises(ValueError, match="outside the 8 positions its block_table row addresses"):
         fa2.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=9, block_table=table)
+    with pytest.raises(TypeError, match="k and v \\(torch.float32, torch.float32\\) must have the caches' dtype "
+                                        "\\(torch.float64, torch.float64\\)"):  # (they were cast into the cache)
+        new = torch.randn(2, 1, 2, 8)
+        fa2.flash_attn_with_kvcache(q, pages, pages, new, new, cache_seqlens=3, block_table=table)
     with pytest.raises(ValueError, match="block_table must be a \\(2, max_pages_per_seq\\) integer tensor"):
         fa2.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table.float())
 
 
-@pytest.mark.parametrize("layout", ["packed, both used counts", "batched q and k, seqused_k",
-                                    "batched q, paged k", "packed q, paged k by cu_seqlens_k"])
+@pytest.mark.parametrize("layout", ["packed q and k, seqused_q and seqused_k", "batched q and k, seqused_k",
+                                    "batched q, paged k, seqused_k", "packed q, paged k, seqused_k",
+                                    "packed q, batched k", "batched q, packed k"])
 def test_flash_attn_4_varlen_reads_the_rows_each_sequence_uses(layout):
-    """flash-attn 4's seqused_q / seqused_k (each sequence's first rows only) and page_table (keys through a page
-    table): every sequence against the oracle of its used rows, with a window, softcap and sinks; the rows a
-    sequence does not use get out 0 and lse -inf and no gradient."""
+    """flash-attn 4's seqused_q / seqused_k (each sequence's first rows only), page_table (keys through a page
+    table) and one packed side with a batched one (cu_seqlens of that side only; refused before): every sequence
+    against the oracle of its used rows, with a window, softcap and sinks; the rows a sequence does not use get out
+    0 and lse -inf and no gradient."""
     gen = torch.Generator().manual_seed(len(layout))
     batch, heads, kv_heads, d, page = 3, 4, 2, 8, 4
     rows_q, rows_k = [5, 3, 6], [7, 0, 9]
-    used_q, used_k = [4, 3, 0], [7, 0, 5]
     kw = dict(causal=True, window_size=(3, None), softcap=2.0)
     sinks = torch.randn(heads, generator=gen, dtype=torch.float64, requires_grad=True)
     seqs_q = [torch.randn(n, heads, d, generator=gen, dtype=torch.float64) for n in rows_q]
@@ -618,28 +646,34 @@ def test_flash_attn_4_varlen_reads_the_rows_each_sequence_uses(layout):
     seqs_v = [torch.randn(n, kv_heads, d, generator=gen, dtype=torch.float64) for n in rows_k]
     cu = lambda lengths: torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)  # noqa: E731
     pad = lambda seqs, n: torch.stack([torch.cat([s, s.new_zeros(n - len(s), *s.shape[1:])]) for s in seqs])  # noqa
-    args = dict(seqused_k=torch.tensor(used_k, dtype=torch.int32))
-    if layout.startswith("packed"):
+    args = {}
+    if layout.startswith("packed q"):
         q = torch.cat(seqs_q).requires_grad_()
-        args.update(cu_seqlens_q=cu(rows_q), seqused_q=torch.tensor(used_q, dtype=torch.int32))
-        query_rows = [(b, int(cu(rows_q)[b]) + i) for b in range(batch) for i in range(used_q[b])]
+        args["cu_seqlens_q"] = cu(rows_q)
+        used_q = rows_q
+        query_rows = lambda: [(b, int(cu(rows_q)[b]) + i) for b in range(batch) for i in range(used_q[b])]  # noqa
     else:
         q = pad(seqs_q, max(rows_q)).requires_grad_()
         used_q = [q.shape[1]] * batch  # (without seqused_q every row of a batched q is a query)
-        query_rows = [(b, (b, i)) for b in range(batch) for i in range(q.shape[1])]
-    if "paged" in layout:
+        query_rows = lambda: [(b, (b, i)) for b in range(batch) for i in range(used_q[b])]  # noqa: E731
+    if "seqused_q" in layout:
+        used_q = [4, 3, 0]
+        args["seqused_q"] = torch.tensor(used_q, dtype=torch.int32)
+    if "paged k" in layout:
         k_pages, v_pages, table = _paged((pad(seqs_k, 12), pad(seqs_v, 12)), page, 16, gen)
         k, v = k_pages.requires_grad_(), v_pages.requires_grad_()
         args["page_table"] = table
-        if "cu_seqlens_k" in layout:
-            args.update(cu_seqlens_k=cu(rows_k))
-            del args["seqused_k"]
-            used_k = rows_k
-    elif layout.startswith("packed"):
+    elif "packed k" in layout or "packed q and k" in layout:
         k, v = torch.cat(seqs_k).requires_grad_(), torch.cat(seqs_v).requires_grad_()
         args["cu_seqlens_k"] = cu(rows_k)
+        used_k = rows_k
     else:
         k, v = pad(seqs_k, max(rows_k)).requires_grad_(), pad(seqs_v, max(rows_k)).requires_grad_()
+        used_k = [k.shape[1]] * batch  # (every row of a batched k is a key)
+    if "seqused_k" in layout:
+        used_k = [7, 0, 5]
+        args["seqused_k"] = torch.tensor(used_k, dtype=torch.int32)
+    query_rows = query_rows()
     out, lse = fa4.flash_attn_varlen_func(q, k, v, learnable_sink=sinks, return_lse=True, **args, **kw)
     assert out.shape == q.shape and lse.shape == ((heads, q.shape[0]) if q.dim() == 3 else (batch, heads, q.shape[1]))
     got_out = torch.stack([out[at] for _, at in query_rows])
