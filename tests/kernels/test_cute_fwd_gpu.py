@@ -597,7 +597,8 @@ def test_schedule_fields_give_the_same_bits(case, field):
     tile; interleave_lengths: long and short causal tiles alternating in the launch order; chained_max: the row
     max as four max.f32 chains, the same max for rows without a NaN score; defer_v_marks: a masked block's rows
     that see a bad V row marked one step later; reset_counter: the stream's tile counter, reset by the last
-    claim; elect_release: the step's stage releases by elect.sync) changes where ptxas schedules or which CTA
+    claim; elect_release: the step's stage releases by elect.sync; late_k_release: by the tile's elect.sync winner,
+    the K release after the step's softmax) changes where ptxas schedules or which CTA
     computes what, not what is computed: out / lse bytes equal
     either way, fresh and merged into a running result, with NaN in masked V rows (one in the last key block,
     masked for all rows but the last few; one mid-sequence, in a masked step of its tile's own blocks and a plain

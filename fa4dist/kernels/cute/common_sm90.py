@@ -149,16 +149,30 @@ def stage_wait(pipe, state, try_first: cutlass.Constexpr[bool]):
         pipe.consumer_wait(state)
 
 
-@cute.jit
-def stage_release(pipe, state, elected: cutlass.Constexpr[bool]):
-    """A consumer warp's release of a pipeline stage (one arrival per warp). ``elected``: the arrival by the
-    ``elect.sync`` winner instead of the pipeline's lane-0 predicate, which comes from the thread index: under the
-    forward's register pressure ptxas reads %tid again (an S2R) in every step for it."""
-    if cutlass.const_expr(elected):
-        # (the arrival predicated on elect.sync's predicate, as consumer_release predicates it on the lane's)
-        if_generate(Boolean(nvvm.elect_sync()), lambda: pipe.sync_object_empty.arrive(state.index, pipe.consumer_mask))
-    else:
+def elected_lane():
+    """A predicate true in one lane of the warp (``elect.sync``'s winner; taken where the warp is converged)."""
+    return Boolean(nvvm.elect_sync())
+
+
+def stage_release(pipe, state, winner=None):
+    """A consumer warp's release of a pipeline stage (one arrival per warp). ``winner``: the arrival in the lane
+    where this predicate is true (:func:`elected_lane`) instead of by the pipeline's lane-0 predicate, which comes
+    from the thread index: under the forward's register pressure ptxas reads %tid again (an S2R) in every step."""
+    if winner is None:
         pipe.consumer_release(state)
+    else:  # (predicated as consumer_release predicates it on the lane's)
+        if_generate(winner, lambda: pipe.sync_object_empty.arrive(state.index, pipe.consumer_mask))
+
+
+@dsl_user_op
+def true_after(x, *, loc=None, ip=None) -> Boolean:
+    """True, computed from ``x`` (x >= -inf, or unordered: every float, NaN included) in inline PTX that neither
+    LLVM nor ptxas folds: what it predicates is ordered after x is computed."""
+    val = llvm.inline_asm(
+        T.i32(), [cutlass.Float32(x).ir_value(loc=loc, ip=ip)],
+        "{ .reg .pred p; setp.geu.f32 p, $1, 0fFF800000; selp.u32 $0, 1, 0, p; }", "=r,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return Int32(val) != 0
 
 
 @dsl_user_op

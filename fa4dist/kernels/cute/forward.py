@@ -163,6 +163,11 @@ class FwdConfig:
     # predicate ptxas recomputes from %tid in every step (one S2R a step; flash-attn-4's loop has none). The same
     # bits. Default from default_elect_release (measured)
     elect_release: bool = False
+    # the same releases by elect.sync's winner taken once per tile (a predicate held through the loop), and the K
+    # release after the step's softmax, predicated on one of its exponentials too (common_sm90.true_after): with a
+    # winner ready from the tile's start ptxas hoists that release, and the PV wait after it, before the step's
+    # first exp2; this keeps both among the exponentials, where the lane-0 form's late S2R put them. The same bits
+    late_k_release: bool = False
 
     def build(self):
         from .fwd_sm90 import FlashFwdSm90
@@ -182,7 +187,7 @@ class FwdConfig:
             exact_merge=self.exact_merge, regs_producer=self.regs_producer,
             ctas_per_sm=self.ctas_per_sm,
             l2_rows=self.l2_rows or None, interleave_lengths=self.interleave_lengths, split_tail=self.split_tail,
-            pdl=self.pdl, elect_release=self.elect_release,
+            pdl=self.pdl, elect_release=self.elect_release, late_k_release=self.late_k_release,
         )
 
     @property
@@ -471,13 +476,13 @@ _FIELDS = {
     "reset_counter": host.parse_bool,
     "regs_producer": host.parse_count, "ctas_per_sm": host.parse_positive,
     "l2_rows": host.parse_count, "interleave_lengths": host.parse_bool, "split_tail": host.parse_bool,
-    "elect_release": host.parse_bool,
+    "elect_release": host.parse_bool, "late_k_release": host.parse_bool,
 }
 # the fields a work-list launch must share with the per-item calls it replaces to give their bits (all but these)
 _LAUNCH_SHAPE_FIELDS = ("varlen", "seg_offsets", "worklist", "tma_store_o", "persistent_ctas", "dynamic_tiles")
 # fields that move instructions or tiles, not results (each one's bits test compares the bytes both ways)
 _SCHEDULE_FIELDS = ("late_pv_wait", "hoist_descriptors", "hoist_q_slices", "interleave_lengths", "chained_max",
-                    "defer_v_marks", "reset_counter", "elect_release")
+                    "defer_v_marks", "reset_counter", "elect_release", "late_k_release")
 # development hook: FA4DIST_FWD_OVERRIDE="rescale_threshold=0,tile_m=128" (tests and benches run a variant)
 _OVERRIDE: dict = host.env_overrides("FA4DIST_FWD_OVERRIDE", _FIELDS)
 

@@ -47,6 +47,7 @@ from .common_sm90 import (
     acc_to_operand_a,
     check_smem,
     descriptor_hoister,
+    elected_lane,
     fma_rn,
     k_slices,
     mn_view,
@@ -57,11 +58,12 @@ from .common_sm90 import (
     smem_layout_kmajor,
     stage_release,
     stage_wait,
-    tma_pipeline,
     store_tile_tma,
+    tma_pipeline,
     tma_tile_partition,
     to_16bit,
     transpose_smem,
+    true_after,
     wgmma_gemm,
 )
 from .mask import AttentionMask
@@ -128,6 +130,7 @@ class FlashFwdSm90:
         split_tail: bool = False,
         pdl: bool = False,
         elect_release: bool = False,
+        late_k_release: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in (1, 2, 3)
         assert head_dim % 16 == 0 and tile_n % 16 == 0
@@ -167,7 +170,9 @@ class FlashFwdSm90:
         # and P converted with inline cvts; ptxas then places the PV wait among the exponentials instead of before
         # them (NOTES_FWD.md, fourteenth session)
         self.late_pv_wait = late_pv_wait
-        self.elect_release = elect_release  # the overlapped step's stage releases by elect.sync (FwdConfig)
+        # the overlapped step's stage releases by elect.sync's winner, taken every step (elect_release) or once per
+        # tile with the K release after the step's softmax (late_k_release): FwdConfig
+        self.elect_release, self.late_k_release = elect_release, late_k_release
         self.hoist_descriptors = hoist_descriptors
         self.hoist_q_slices = hoist_q_slices and hoist_descriptors
         # O through smem (reusing sQ) and one TMA store; dense, non-accumulate, 16-bit out only
@@ -914,7 +919,7 @@ class FlashFwdSm90:
             acc_O=acc_O, s_shape=s_shape, pipe_k=io.pipe_k, pipe_v=io.pipe_v, softmax=softmax, m_block=m_block,
             wg=wg, mask=AttentionMask(self.tile_m, self.tile_n, self.causal, seqlen.seqlen_k, seqlen.diag, tScS_mn,
                                       t0ScS_mn, self.window_left),
-            sVbad=io.sVbad, tanh_scale=scale_log2,
+            sVbad=io.sVbad, tanh_scale=scale_log2, winner=elected_lane() if const_expr(self.late_k_release) else None,
         )
 
         n_block_max = blk.n_block_max
@@ -1052,28 +1057,39 @@ class FlashFwdSm90:
         self.gemm(ml.tiled_mma_pv, ml.acc_O, ml.tOrP, ml.tOrVt[None, None, None, v_state.index], False, -1)
         self.sched_arrive(ml.wg)
         warpgroup.wait_group(1)
-        stage_release(ml.pipe_k, kv_state, self.elect_release)
+        if const_expr(not self.late_k_release):
+            stage_release(ml.pipe_k, kv_state, self.release_winner(ml))
         self.cap_scores(ml, acc_S)
         if const_expr(causal_mask):
             ml.mask.apply(acc_S, ml.m_block, n_block, False)
         row_scale = ml.softmax.online(acc_S, False)
+        if const_expr(self.late_k_release):  # (ordered after one of the step's exponentials, and the PV wait with it)
+            stage_release(ml.pipe_k, kv_state, true_after(acc_S[cute.size(acc_S) // 3]) & ml.winner)
         warpgroup.wait_group(0)
-        if const_expr(mark_prev is None and not self.elect_release):
+        elected = self.elect_release or self.late_k_release
+        if const_expr(mark_prev is None and not elected):
             ml.pipe_v.consumer_release(v_state)
         to_16bit(acc_to_operand_a(acc_S), ml.tOrP, self.late_pv_wait)
         ml.softmax.rescale_o(ml.acc_O, row_scale)
-        if const_expr(mark_prev is None and self.elect_release):  # (after the step's work: ptxas keeps elect.sync
-            stage_release(ml.pipe_v, v_state, True)  # where it stands; the PV wait lands before the exp2s either way)
+        if const_expr(mark_prev is None and elected):  # (after the step's work: ptxas keeps elect.sync where it
+            stage_release(ml.pipe_v, v_state, self.release_winner(ml))  # stands)
         if const_expr(mark_prev is not None):
             if const_expr(mark_if_masked):
                 if mark_prev >= 0:
                     self.mark_bad_v_rows(ml, v_state, mark_prev)
             else:
                 self.mark_bad_v_rows(ml, v_state, mark_prev)
-            stage_release(ml.pipe_v, v_state, self.elect_release)
+            stage_release(ml.pipe_v, v_state, self.release_winner(ml))
         if const_expr(causal_mask and not self.defer_v_marks):
             self.mark_rows_seeing_bad_v(ml, kv_state, n_block)
         return kv_state
+
+    def release_winner(self, ml: Context):
+        """The predicate of the overlapped step's stage releases (common_sm90.stage_release): the tile's elect.sync
+        winner (late_k_release), the step's (elect_release), or None (the pipeline's lane-0 predicate)."""
+        if const_expr(self.late_k_release):
+            return ml.winner
+        return elected_lane() if const_expr(self.elect_release) else None
 
     @cute.jit
     def cap_scores(self, ml: Context, acc_S: cute.Tensor):
