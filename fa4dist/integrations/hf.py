@@ -277,7 +277,9 @@ def fa4dist_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
             runs = _runs(key_valid, torch.zeros_like(key_valid))
             if len(runs) > 1:
                 raise UnsupportedMask(f"row {b}: the real keys are not contiguous ({runs[:4]}...); fa4dist "
-                                      "attention supports left or right padding only")
+                                      "attention supports left or right padding only (a right-padded batch that "
+                                      "generates has its padding between the prompt and the new tokens: pad on the "
+                                      "left to generate)")
             if runs:
                 segments.append((b, 0, q_length, runs[0][0], runs[0][1]))
     chunk = None if self_attn else layer_chunk(kwargs.get("config"), local_size)
@@ -434,7 +436,9 @@ def _refuse_documents_behind_a_cache(info: FA4MaskInfo, pos: torch.Tensor, resta
 
 def _probe_pairs(layout: _Layout, batch, q_length, kv_length, device):
     """(b, i, j) to check for a large problem: per query the diagonal and its neighbours, the window's edge and the
-    key just outside it, the first and last key, its segment's first key and the one before, and random keys."""
+    key just outside it, the first and last key, its segment's first key, the one before and the last real key
+    before it (across padding in the middle of a row, which our segments cut and transformers' mask may not), and
+    random keys."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     bi = torch.arange(batch).repeat_interleave(q_length)
     ii = torch.arange(q_length).repeat(batch)
@@ -453,7 +457,10 @@ def _probe_pairs(layout: _Layout, batch, q_length, kv_length, device):
                 sk_first.scatter_reduce_(0, flat[bb, idx], idx, reduce="amin")
         sq = layout.seg_q.cpu()[bi, ii]
         first = torch.where(sq >= 0, sk_first[sq.clamp(min=0)], torch.zeros_like(sq))
-        probes_j += [first, first - 1]
+        keys = torch.arange(kv_length).expand(batch, -1)
+        last_real = torch.where(flat >= 0, keys, -1).cummax(dim=1).values  # per row: the last real key up to j
+        before = last_real[bi, (first - 1).clamp(0, kv_length - 1)]
+        probes_j += [first, first - 1, torch.where(first >= 1, before, 0)]
     j = torch.cat(probes_j).clamp(0, kv_length - 1).to(device)
     return bi.repeat(len(probes_j)).to(device), ii.repeat(len(probes_j)).to(device), j
 

@@ -62,6 +62,8 @@ How it works:
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import os
 import weakref
@@ -85,6 +87,7 @@ PLAN_KEY = "fa4dist_cp_plan"  # the local batch's key holding the ShardPlan (tra
 CHUNK_PLAN_KEY = "fa4dist_cp_chunk_plan"  # the plan of chunked attention layers (the same shards, finer documents)
 LABELS_KEY = "shift_labels"  # transformers' own name for labels that are already shifted
 CACHE_KEY = "fa4dist_cp_cache"  # set by the handle's model hook when a forward with a plan asks for a KV cache
+NO_POSITIONS_KEY = "fa4dist_cp_no_positions"  # set by the same hook when such a forward got no position_ids
 _HANDLES: dict[str, "ContextParallelHandle"] = {}
 _PREVIOUS: dict[str, Optional[str]] = {}  # each handle's name -> the attention it replaced (kept after disable)
 # why a model's layers can reach a handle that is not theirs: transformers picks the attention by the config
@@ -212,8 +215,13 @@ class CheckedCausalMask:
     local shard, with ``window`` (the kernels' ``(left, right)``) on a sliding-window layer (the plan decides which
     documents each query really sees)."""
 
-    def __init__(self, checked: str, window: tuple[int, int] = NO_WINDOW, chunk: Optional[int] = None):
+    def __init__(self, checked: str, window: tuple[int, int] = NO_WINDOW, chunk: Optional[int] = None,
+                 refusal: Optional[Exception] = None):
         self.checked, self.window, self.chunk = checked, window, chunk
+        # the mask function's refusal of this rank's call: raised by the attention, inside its agreement check, so
+        # that every cp rank raises at once naming it (raised in the mask function, this rank alone failed and
+        # the others waited in the attention's first exchange until the timeout)
+        self.refusal = refusal
 
     # Only the handle's attention reads this mask.  Another attention implementation gets it when the config was
     # switched back while a call with it was still to run: most often a gradient-checkpointed layer recomputed by a
@@ -239,20 +247,32 @@ class CheckedCausalMask:
 
 def _cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
              attention_mask=None, local_size=None, device="cpu", **kwargs) -> CheckedCausalMask:
+    chunk = layer_chunk(kwargs.get("config"), local_size)
+    try:
+        info = _check_local_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                                 local_size, chunk, device, kwargs.get("config"))
+    except UnsupportedMask as err:  # (raised by the attention: CheckedCausalMask.refusal)
+        return CheckedCausalMask("refused", refusal=err)
+    return CheckedCausalMask(info.checked, info.window, chunk)
+
+
+def _check_local_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                      local_size, chunk, device, config):
+    """The local shard's verified mask (hf.FA4MaskInfo).  Raises UnsupportedMask unless transformers asks this
+    rank's shard for what the plan computes: one packed row, no cache, no padding, and a predicate that is causal
+    (with the layer's window, which transformers names in local_size) within the local runs of positions; the plan
+    holds the documents, which the attention call follows.  A chunked layer's (local_size its chunk size) must be
+    causal within runs of at most that many tokens: transformers counts the chunks of a shard from the shard's own
+    indices or positions, the chunk plan from the whole row's."""
     if batch_size != 1:
         raise UnsupportedMask(f"context parallelism takes one packed row (batch size 1), got batch size {batch_size}")
     if int(q_offset) or int(kv_offset) or q_length != kv_length:
         raise UnsupportedMask("context parallelism does not run with a KV cache (use_cache=False, no past_key_values)")
     if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
         raise UnsupportedMask("context parallelism takes packed documents without padding (no attention_mask zeros)")
-    # The predicate must be causal (with the layer's window, which transformers names in local_size) within the
-    # local runs of positions; the plan holds the documents, which the attention call follows.  A chunked layer's
-    # (local_size its chunk size) must be causal within runs of at most that many tokens: transformers counts the
-    # chunks of a shard from the shard's own indices or positions, the chunk plan from the whole row's.
-    chunk = layer_chunk(kwargs.get("config"), local_size)
     try:
         info = fa4dist_mask(batch_size, q_length, kv_length, 0, 0, mask_function=mask_function, attention_mask=None,
-                            local_size=None if chunk else local_size, device=device, config=kwargs.get("config"))
+                            local_size=None if chunk else local_size, device=device, config=config)
         longest = max((qe - qs for _, qs, qe, _, _ in info.segments), default=0)
         if chunk and longest > chunk:
             raise UnsupportedMask(f"a chunked layer's mask (chunks of {chunk} tokens) lets a run of {longest} tokens "
@@ -261,7 +281,7 @@ def _cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
         raise UnsupportedMask(f"the mask the model asks for on its local shard is not causal masking (with a "
                               f"sliding window, or in chunks); fa4dist context parallelism computes nothing else: "
                               f"{err}") from err
-    return CheckedCausalMask(info.checked, info.window, chunk)
+    return info
 
 
 def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -289,6 +309,12 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
         if attention_mask is not None and not isinstance(attention_mask, CheckedCausalMask):
             raise UnsupportedMask(f"context-parallel attention got a precomputed {type(attention_mask).__name__} "
                                   "mask; it computes causal attention within the batch's documents only")
+        if attention_mask is not None and attention_mask.refusal is not None:
+            raise attention_mask.refusal
+        if kwargs.get(NO_POSITIONS_KEY):
+            raise ValueError("the model ran a sharded batch without position_ids, so it numbered each rank's tokens "
+                             "from 0 instead of by their place in the sequence: pass the position_ids of "
+                             "handle.shard_batch(batch) (model(**handle.shard_batch(batch)) does)")
         _refuse_unsupported(module, dropout)
         if kwargs.get(CACHE_KEY):
             raise UnsupportedMask("context parallelism does not run with a KV cache: each rank's cache would hold "
@@ -327,10 +353,13 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 def _cache_hook(module, args, kwargs):
     """The decoder stack's forward pre-hook: a call with a plan that asks for a KV cache (use_cache=True, or a cache
-    passed) is marked for the attention to refuse (through its agreement check, so every cp rank raises at once);
-    use_cache left out (the config's default, often True) becomes False, as no cache of a shard is ever right."""
+    passed), or that has no position_ids where the decoder takes them, is marked for the attention to refuse
+    (through its agreement check, so every cp rank raises at once); use_cache left out (the config's default, often
+    True) becomes False, as no cache of a shard is ever right."""
     if PLAN_KEY not in kwargs:
         return None
+    if kwargs.get("position_ids") is None and _takes_positions(type(module)):
+        kwargs[NO_POSITIONS_KEY] = True
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if kwargs.get("use_cache") is None and cache is None:
         kwargs["use_cache"] = False
@@ -352,6 +381,15 @@ def _sharded_batch_guard(module, args, kwargs):
                            "after its with block): its own attention would attend within this rank's shard only; "
                            "run a sharded batch while the handle is enabled")
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_positions(module_class) -> bool:
+    """Whether a decoder stack's forward takes ``position_ids`` (it then numbers the tokens 0, 1, ... without them)."""
+    try:
+        return "position_ids" in inspect.signature(module_class.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _cache_hook_owner(model):

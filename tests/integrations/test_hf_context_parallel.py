@@ -462,6 +462,55 @@ def test_a_rank_that_refuses_its_attention_call_does_not_leave_the_others_waitin
     assert re.search(rf"^UnsupportedMask: .*{message}", theirs), theirs  # its own error, on the refusing rank
 
 
+def _one_rank_refuses_its_forward(rank, world, case):
+    """model(**local) on ranks 0 and 1 of a throw-away group, rank 1's forward refused by transformers' mask build
+    (padding, two rows: the handle's mask function) or by the decoder's hook (no position_ids): (the error each
+    raises, seconds it took)."""
+    import time
+
+    from cp_harness import fresh_group
+
+    group = fresh_group([0, 1])
+    if rank >= 2:
+        return None
+    model = tiny_model("llama")
+    handle = enable_context_parallel(model, group=group, timeout=10.0)
+    start = time.monotonic()
+    try:
+        local = handle.shard_batch(packed_batch())
+        if rank == 1 and case == "padding":
+            local["attention_mask"] = torch.ones_like(local["input_ids"])
+            local["attention_mask"][0, 0] = 0
+        elif rank == 1 and case == "two rows":
+            local["input_ids"] = local["input_ids"].expand(2, -1)
+        elif rank == 1 and case == "no positions":
+            del local["position_ids"]
+        model(**local)
+    except ValueError as err:
+        return f"{type(err).__name__}: {err}", time.monotonic() - start
+    finally:
+        handle.disable()
+    return "no error", time.monotonic() - start
+
+
+@pytest.mark.parametrize("case, message", [
+    ("padding", r"packed documents without padding \(no attention_mask zeros\)"),
+    ("two rows", r"one packed row \(batch size 1\), got batch size 2"),
+    ("no positions", "without position_ids, so it numbered each rank's tokens from 0"),
+])
+def test_a_rank_whose_forward_is_refused_does_not_leave_the_others_waiting(pool, case, message):
+    """A refusal in the mask function transformers calls (before any attention call) was raised on that rank
+    alone: the others waited in the attention's first exchange for the handle's timeout, then failed without the
+    reason. A forward without position_ids ran silently with each shard's tokens numbered from 0 (RoPE at the
+    wrong positions)."""
+    import re
+
+    (got, seconds), (theirs, _) = pool.run(_one_rank_refuses_its_forward, case=case, timeout=30)[:2]
+    assert re.search(rf"^ValueError: .*rank 1 rejected its inputs: \w+: .*{message}", got), got
+    assert seconds < 5, (seconds, got)
+    assert re.search(rf"^\w+: .*{message}", theirs), theirs  # its own error, on the refusing rank
+
+
 def test_the_tiled_loss_waits_the_handles_timeout(pool):
     """A rank that skips the loss: the others raise after the handle's timeout (2 s), not the loss's default 300."""
     (got, seconds), (theirs, _) = pool.run(_one_rank_refuses_its_tiled_loss, case="skip", timeout=30)[:2]

@@ -641,3 +641,22 @@ def test_autocast_bf16_runs_the_attention_in_the_autocast_dtype(family):
     for name, g in want_grads.items():
         if g is not None:
             hf_tiny.assert_close_rel(got_grads[name], g, rel, name)
+
+
+def test_padding_in_the_middle_of_a_large_row_is_refused_by_the_probes():
+    """Above EXHAUSTIVE_CHECK_PAIRS the mask is checked by probes, which missed a row padded in the middle: its
+    tokens after the padding, which transformers' mask lets see the ones before it, became a document of their own
+    (0.46 off eager, a review found). Each query's probes hold the last real key before its segment now."""
+    from fa4dist.integrations.hf import EXHAUSTIVE_CHECK_PAIRS
+
+    length = 760
+    assert 2 * length * length > EXHAUSTIVE_CHECK_PAIRS
+    padding = torch.ones(2, length, dtype=torch.bool)
+    padding[1, :341] = False  # left padding, one real token, a two-token hole, then real tokens
+    padding[1, 342:344] = False
+    with pytest.raises(UnsupportedMask, match=r"the attention_mask pads row 1 in the middle \(its real tokens are "
+                                              r"\[\(341, 342\), \(344, 760\)\]"):
+        fa4dist_mask(2, length, length, mask_function=causal_mask_function, attention_mask=padding)
+    padding[1, :344] = False  # left padding only: accepted, by probes
+    assert fa4dist_mask(2, length, length, mask_function=causal_mask_function, attention_mask=padding).checked == \
+        "probes"
