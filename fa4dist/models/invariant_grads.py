@@ -25,7 +25,11 @@ micro-batch) and its negation, and each rank's token count in a slot of its own:
 and minimum and, where they differ, every rank raises (the full signatures then exchanged to name the difference)
 before any exchange whose size could differ; :meth:`FixedPointGrads.finish` opens with the same check, so a rank
 still in a backward pairs with it too.  No store round trip and one collective per site, but the check is read
-back: one wait for the device per site.
+back: one wait for the device per site.  What this check cannot pair is an exchange of another kind: a rank whose
+backward skips a site the others run just before a context-parallel attention call (a parameter frozen on that rank
+only, another number of micro-batches) waits in the attention's store exchange while the others wait in the site's
+all-reduce, and each fails when its wait times out (the attention's timeout, and 300 s for this object's
+exchanges), naming the exchange it waited in, not at once.
 Slower than autograd's own (one small product per block, int64 sums): a reproducibility mode.
 
 Non-finite and tiny values: a site's scale comes from its maxima, so one NaN or inf contribution makes the whole

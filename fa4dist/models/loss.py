@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fa4dist.data.packing import IGNORE
-from fa4dist.kernels.problem import check_timeout, comparable_integers
+from fa4dist.kernels.problem import check_timeout
 
 _CALLS: dict = {}  # (function, group name) -> this rank's calls on the group so far
 
@@ -100,7 +100,7 @@ def _check_inputs(logits, labels) -> None:
 def _label_count(labels: torch.Tensor, vocab: int) -> int:
     """The labels that are targets (not IGNORE); refuses ids outside [0, vocab) (a CUDA device assert, or an
     IndexError on one rank only, in the cross entropy).  One host sync, as the count needs anyway."""
-    labels = comparable_integers(labels)
+    labels = labels.long()  # (int64: IGNORE and vocab wrap in narrow dtypes; uint64 past 2^63 turns negative: refused)
     outside = ((labels < 0) & (labels != IGNORE)) | (labels >= vocab)
     count, n_out = torch.stack([(labels != IGNORE).sum(), outside.sum()]).tolist()
     if n_out:

@@ -90,6 +90,21 @@ def test_unsigned_labels_of_any_width(dtype):
     assert torch.equal(got.loss, want.loss) and got.local_tokens == want.local_tokens == labels.numel()
 
 
+@pytest.mark.parametrize("dtype, vocab, ids", [
+    (torch.uint8, 200, [156, 1, 2, 3]),  # 156 is -100 wrapped to uint8: it was counted as IGNORE
+    (torch.uint8, 300, [50, 1, 2, 3]),  # the vocab wrapped to 44 in uint8: 50 was refused
+    (torch.int8, 300, [50, 1, -100, 3]),
+    (torch.int16, 40000, [7, 1, 2, -100]),  # the vocab wrapped to -25536 in int16: every id was refused
+])
+def test_narrow_labels_are_compared_in_int64(dtype, vocab, ids):
+    """IGNORE and the vocabulary size were compared with the labels in the labels' own dtype, where they wrap: a
+    wrong target count (the loss of 4 tokens divided by 3) or valid ids refused."""
+    logits = torch.randn(4, vocab, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    wide = torch.tensor(ids)
+    got, want = cp_cross_entropy(logits, wide.to(dtype)), cp_cross_entropy(logits, wide)
+    assert torch.equal(got.loss, want.loss) and got.local_tokens == want.local_tokens == int((wide != IGNORE).sum())
+
+
 def _shares(rank, world):
     """cp = 2 over 24 tokens: each rank's share and the whole sequence's mean."""
     if rank >= 2:
