@@ -94,6 +94,8 @@ def collect_documents(
     if missing:  # was skipped silently beside roots that exist: a typo trained on less text than asked for
         raise FileNotFoundError(f"roots must be existing files or directories, these do not exist: {missing}")
     check_int("max_file_bytes", max_file_bytes, 0)
+    if not isinstance(suffixes, (str, Iterable)) or isinstance(suffixes, bytes):
+        raise TypeError(f"suffixes must be file name endings (strings), got {type(suffixes).__name__}")
     suffixes = (suffixes,) if isinstance(suffixes, str) else tuple(suffixes)
     if not suffixes or not all(isinstance(x, str) for x in suffixes):
         raise TypeError(f"suffixes must be file name endings (strings), got {suffixes!r}")
@@ -225,8 +227,7 @@ class PackedTokenStream:
                  tokenizer: Optional[ByteTokenizer] = None):
         if packing not in ("documents", "stream"):
             raise ValueError(f"packing must be 'documents' or 'stream', got {packing!r}")
-        check_int("seqlen", seqlen, 2)
-        check_seed("seed", seed)
+        seqlen, seed = check_int("seqlen", seqlen, 2), check_seed("seed", seed)  # (Python ints: NumPy's too)
         if isinstance(documents, (str, bytes)):
             raise TypeError("documents must be a sequence of texts, got one "
                             f"{type(documents).__name__} (wrap it in a list: [text])")
@@ -285,6 +286,8 @@ class PackedTokenStream:
         check_int("step", step, 0)
         check_int("sequences_per_step", sequences_per_step, 1)
         check_int("first", first, 0)
+        if first > sequences_per_step:  # (the default count would be negative, and the error name it)
+            raise ValueError(f"first={first} exceeds the step's sequences_per_step={sequences_per_step}")
         count = sequences_per_step - first if count is None else count
         check_int("count", count, 0)
         if first + count > sequences_per_step:

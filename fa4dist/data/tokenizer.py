@@ -62,7 +62,9 @@ class ByteTokenizer:
 class PretrainedTokenizer:
     """``transformers.AutoTokenizer`` from the local directory ``path`` (nothing is downloaded) with
     :class:`ByteTokenizer`'s ``encode(text)``: the text's ids with the tokenizer's special tokens, then its EOS
-    (when it has one and did not add it), so that a packed stream's documents end as the byte tokenizer's do.
+    (when it has one and did not add it), so that a packed stream's documents end as the byte tokenizer's do.  A
+    special token's text inside a document (``</s>``: HTML's strike-through tag) is encoded as text, not as the
+    token (transformers' default), which put an EOS inside a document with no boundary there.
     ``vocab_size``: every id it can produce is below it (its largest id + 1, added tokens included; at least
     ``len(tokenizer)``)."""
 
@@ -81,7 +83,7 @@ class PretrainedTokenizer:
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type_name(text)}")
         # (verbose=False: a document longer than the model's context is expected here, the stream cuts windows)
-        ids = list(self.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
+        ids = list(self.tokenizer(text, add_special_tokens=True, verbose=False, split_special_tokens=True)["input_ids"])
         if self.eos_id is not None and (not ids or ids[-1] != self.eos_id):
             ids.append(self.eos_id)
         return ids

@@ -25,6 +25,10 @@ def test_one_root_and_one_suffix_may_be_given_as_strings(tmp_path):
     assert collect_documents([root]) == collect_documents(str(root))
     with pytest.raises(TypeError, match="suffixes must be file name endings"):
         collect_documents(root, suffixes=[1])
+    for bad in (None, 3):  # (was Python's own "'NoneType' object is not iterable")
+        with pytest.raises(TypeError, match=f"suffixes must be file name endings \\(strings\\), got "
+                                            f"{type(bad).__name__}"):
+            collect_documents(root, suffixes=bad)
 
 
 def test_a_root_that_does_not_exist_is_refused_by_name(tmp_path):
@@ -105,6 +109,12 @@ def test_a_seed_outside_torchs_range_is_refused_by_name():
     for seed in (2**64 - 1, -(2**63)):  # the range's ends are torch's own: taken, and each a fixed order
         first, again = (PackedTokenStream(["abcdefgh" * 4], 4, seed=seed) for _ in range(2))
         assert first.seed == seed and torch.equal(first._perm, again._perm)
+    # NumPy's integers are ints (check_int takes them): the generator got the NumPy value and raised "an integer is
+    # required", naming nothing
+    np = pytest.importorskip("numpy")
+    stream = PackedTokenStream(["abcdefgh" * 4], np.int64(4), seed=np.int64(3))
+    assert type(stream.seqlen) is int and type(stream.seed) is int
+    assert torch.equal(stream._perm, PackedTokenStream(["abcdefgh" * 4], 4, seed=3)._perm)
 
 def test_a_step_batch_stays_inside_its_step():
     stream = PackedTokenStream(["abcdefgh" * 20], seqlen=4)
@@ -114,6 +124,8 @@ def test_a_step_batch_stays_inside_its_step():
     for first, count in ((2, 4), (-2, None), (0, -1)):
         with pytest.raises(ValueError, match="first|count"):
             stream.batch(0, 4, first=first, count=count)
+    with pytest.raises(ValueError, match="first=5 exceeds the step's sequences_per_step=4"):  # (named count, not given)
+        stream.batch(0, 4, first=5)
 
 
 def test_a_bad_step_or_window_index_is_refused_by_name():

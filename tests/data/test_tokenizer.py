@@ -61,6 +61,12 @@ def test_a_pretrained_tokenizer_frames_documents_like_the_byte_tokenizer(tmp_pat
         PretrainedTokenizer(tmp_path / "missing")
     with pytest.raises(TypeError, match="text must be a str"):
         tok.encode(b"bytes")
+    # a special token's text inside a document is text: transformers' default made "</s>" (HTML's strike-through)
+    # the EOS token, an end of document inside one, with no boundary there
+    special = tok.tokenizer.eos_token
+    for text in (f"fox{special}", f"{special} fox"):
+        ids = tok.encode(text)
+        assert ids.count(tok.eos_id) == 1 and ids[-1] == tok.eos_id, (text, ids)
 
 
 def test_a_pretrained_tokenizers_vocab_size_is_above_every_id_it_produces(tmp_path):
