@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import json
 import threading
 import time
@@ -280,6 +281,7 @@ _POISON = "out of step:"
 _WAITS = "fa4dist/waits/"
 _BLOCKING_WAIT = 10.0
 _POLL = 0.05
+_COLLECTIVE_WAITS = itertools.count()  # numbers the slow waits of collectives in this process (Transport._collective)
 _READ_POSTS_EVERY = 1.0
 
 
@@ -762,11 +764,74 @@ class Transport:
         return torch.stack(gathered).cpu().tolist()
 
     def _collective(self, work, what: str) -> None:
+        """Waits for a collective (``work``) for at most the timeout.  On gloo, a wait longer than
+        :func:`_blocking_part` of the timeout is posted and goes on by polling, as a store exchange's
+        (:meth:`_wait_for_rows`): a rank that waits, in a store exchange, for a row this rank has not posted there
+        (this rank, blocked here with no other thread that could post, never will) is waiting for this rank as
+        this rank waits for it in the collective (a backward that runs a FixedPointGrads exchange on one rank and
+        an attention call on another); this rank then fails naming both, and posts its failure as its row there,
+        which fails that rank too.  (A timed-out gloo wait leaves the operation running: a later wait completes
+        it.  NCCL's wait aborts its communicator on a timeout, so there it is one wait of the whole timeout.)"""
         _clear_refusal()  # (as _wait_for_rows)
+        start = time.monotonic()
         try:
-            work.wait(self.timeout_delta)
+            if self.backend != "gloo":
+                work.wait(self.timeout_delta)
+                return
+            try:
+                work.wait(datetime.timedelta(seconds=_blocking_part(self.timeout)))
+                return
+            except RuntimeError:
+                pass
+            self._poll_collective(work, what, start + self.timeout)
+            work.wait()
+        except CommError:
+            raise
         except RuntimeError as err:
             raise self.failed(
                 f"{self.label}: rank {self.rank} of {self.size} failed waiting for {what} from all ranks of its "
                 f"group (timeout {self.timeout:g}s; did every rank call it?{_TIMEOUT_HINT}): {err}"
             ) from err
+
+    def _poll_collective(self, work, what: str, deadline: float) -> None:
+        """_collective's slow path on gloo: polls until ``work`` completes, posting this rank's wait and reading its
+        peers' posts each second; raises on a deadlock (as :meth:`_wait_for_rows` names one) or at ``deadline``."""
+        store = _store_channel(self.group)[0]
+        me = self._global[self.rank]
+        # A name of this wait alone: no rank posts rows there, so a peer waiting for this rank reads it as a wait
+        # elsewhere, and a peer that finds the cycle first posts its failure there (read below) as its row.
+        exchange = f"fa4dist/collective/{self.group_name}/{me}/{next(_COLLECTIVE_WAITS)}"
+        peers = {str(g): r for r, g in enumerate(self._global) if r != self.rank}
+        rows = [f"{exchange}/{r}" for r in peers.values()]
+        posted, next_read = False, 0.0
+        try:
+            while not work.is_completed():
+                now = time.monotonic()
+                if now >= next_read:
+                    failed = [k for k in rows if store.check([k])]
+                    self._raise_if_poisoned(failed, store.multi_get(failed) if failed else [], what)
+                    sole = sole_caller()
+                    _post(store, me, dict(exchange=exchange, group=self.group_name, what=what, sole=sole,
+                                          missing=peers))
+                    posted = True
+                    for rank in (int(g) for g in peers):
+                        post = _read_post(store, rank)
+                        if sole and _waits_for(store, post, me, exchange):
+                            message = (f"{self.label}: rank {self.rank} of {self.size} (global rank {me}) waits in "
+                                       f"{what} on process group {self.group_name!r}, while global rank {rank} waits "
+                                       f"for this rank in {post.get('what')} on process group {post.get('group')!r}: "
+                                       "the ranks made different calls (on different process groups, or in "
+                                       "different orders), which would wait for each other until the timeout")
+                            with contextlib.suppress(Exception):  # (best effort: its own poll finds the cycle too)
+                                store.set(f"{post['exchange']}/{post['missing'][str(me)]}", _POISON + message)
+                            raise self.failed(message)  # (posted as its row of the group's next store exchange)
+                    next_read = now + _READ_POSTS_EVERY
+                if now >= deadline:
+                    raise RuntimeError("timed out")
+                time.sleep(_POLL)
+        finally:
+            if posted:
+                _unpost(store, me)
+            for key in rows:  # (a peer's failure posted here: read, or too late to matter)
+                with contextlib.suppress(Exception):
+                    store.delete_key(key)

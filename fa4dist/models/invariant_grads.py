@@ -28,8 +28,9 @@ still in a backward pairs with it too.  No store round trip and one collective p
 back: one wait for the device per site.  What this check cannot pair is an exchange of another kind: a rank whose
 backward skips a site the others run just before a context-parallel attention call (a parameter frozen on that rank
 only, another number of micro-batches) waits in the attention's store exchange while the others wait in the site's
-all-reduce, and each fails when its wait times out (the attention's timeout, and 300 s for this object's
-exchanges), naming the exchange it waited in, not at once.
+all-reduce.  On gloo the all-reduce's wait reads the peers' posted waits (``comm.Transport._collective``), so both
+fail within the first 10 s of the wait, naming the two; on NCCL each fails when its wait times out (the attention's
+timeout, and 300 s for this object's exchanges), naming the exchange it waited in.
 Slower than autograd's own (one small product per block, int64 sums): a reproducibility mode.
 
 Non-finite and tiny values: a site's scale comes from its maxima, so one NaN or inf contribution makes the whole

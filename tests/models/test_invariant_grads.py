@@ -456,6 +456,55 @@ def test_a_backward_that_differs_between_ranks_fails_on_every_rank(pool, case, m
     assert any(re.search(message, r[1]) for r in results), results
 
 
+def _disagreeing_backward_beside_cp_attention(rank, world, case):
+    """Ranks 0 and 1 of a fresh group run a cp_invariant FA4Llama at cp 2 with invariant gradients over the same
+    group, rank 1 skipping a site the other runs just before an attention call (o_proj frozen), or running a second
+    micro-batch: each rank's (error type, message, seconds)."""
+    import time
+
+    from cp_harness import fresh_group
+    from fa4dist.data.packing import Sample, positions_from_cu_seqlens
+    from fa4dist.data.sharding import shard_sample
+    from fa4dist.models import FA4Llama, cp_cross_entropy, get_config
+    from fa4dist.models.attention import make_attention
+
+    group = fresh_group([0, 1])
+    if rank >= 2:
+        return None
+    torch.manual_seed(0)
+    attention = lambda: make_attention(group, cp_invariant=True, backend="reference", timeout=60.0)  # noqa: E731
+    model = FA4Llama(get_config("tiny"), group, attention_factory=attention)
+    model.set_invariant_grads(True, group)
+    if case == "frozen" and rank == 1:
+        model.layers[1].self_attn.o_proj.weight.requires_grad_(False)
+    ids = torch.randint(0, 300, (128,), generator=torch.Generator().manual_seed(0))
+    cu = torch.tensor([0, 128], dtype=torch.int32)
+    sample = Sample(ids, torch.roll(ids, -1), positions_from_cu_seqlens(cu), cu)
+    start = time.monotonic()
+    try:
+        for _ in range(2 if case == "micro-batches" and rank == 1 else 1):
+            plan = model.make_plan(cu)
+            local = shard_sample(sample, plan, model.cp_rank)
+            cp_cross_entropy(model(local.tokens, local.positions, plan), local.labels, group).loss.backward()
+        model.invariant_grads.finish()
+    except Exception as err:  # noqa: BLE001
+        return type(err).__name__, str(err), time.monotonic() - start
+    return None
+
+
+@pytest.mark.parametrize("case", ["frozen", "micro-batches"])
+def test_a_backward_that_differs_beside_cp_attention_fails_on_every_rank_before_the_timeout(pool, case):
+    """A site's exchange is an all-reduce and the attention's a store exchange, which never pair: rank 0 waited in
+    the site's all-reduce, rank 1 in the attention's agreement check, each until its timeout (300 s by default).
+    The all-reduce's wait now reads the peers' posted waits as a store exchange's does (comm.Transport._collective):
+    both ranks fail within the blocking part of the wait (10 s), naming the two waits."""
+    results = pool.run(_disagreeing_backward_beside_cp_attention, case=case, timeout=120.0)[:2]
+    for rank, result in enumerate(results):
+        assert result is not None, (rank, results)
+        assert result[0] in ("CommError", "GroupBroken") and result[2] < 30, (rank, result)
+    assert "waits for this rank in" in results[0][1] or "waits for this rank in" in results[1][1], results
+
+
 @pytest.mark.parametrize("holder, intruder", [("invariant_grads", "reduce_value"), ("reduce_value", "invariant_grads")])
 def test_a_second_thread_on_the_group_is_refused_at_once(pool, holder, intruder):
     """The backward's per-site all-reduces did not take the group's thread guard (comm.exclusive) that every other
