@@ -338,15 +338,18 @@ def check_resumed_schedule(saved: dict, args) -> None:
 
 # what else decides the run a checkpoint continues: the model's shape, the data each step reads (seed, windows, corpus)
 # and the optimizer's settings.  Written beside each checkpoint (RUN_FILE), checked on resume.
-RUN_FIELDS = ("model", "layers", "seqlen", "batch_size", "packing", "data", "seed", "weight_decay", "grad_clip")
+RUN_FIELDS = ("model", "layers", "seqlen", "batch_size", "packing", "data", "seed", "weight_decay", "grad_clip",
+              "dtype", "cp_invariant")
 RUN_FILE = "fa4dist_run.json"
 
 
 def run_settings(args) -> dict:
-    """The RUN_FIELDS of ``args`` as JSON values (--data as absolute paths: the same corpus from any directory)."""
+    """The RUN_FIELDS of ``args`` as JSON values (--data as absolute paths: the same corpus from any directory), and
+    the digest of the tokens the run trains on (:func:`build_stream` sets it; checked there on resume)."""
     out = {f: getattr(args, f, None) for f in RUN_FIELDS}
     if out["data"] is not None:
         out["data"] = [os.path.abspath(d) for d in out["data"]]
+    out["data_digest"] = getattr(args, "data_digest", None)
     return out
 
 
@@ -582,13 +585,29 @@ def weights_hash(model) -> str:
     return h.hexdigest()
 
 
-def build_stream(args, tokenizer=None) -> PackedTokenStream:
-    """The packed windows of ``--data``, tokenized by ``tokenizer`` (None: fa4dist.data's byte tokens)."""
+def build_stream(args, tokenizer=None, resumed: Optional[Path] = None) -> PackedTokenStream:
+    """The packed windows of ``--data``, tokenized by ``tokenizer`` (None: fa4dist.data's byte tokens).  Sets
+    ``args.data_digest`` (sha256 of the stream's tokens and documents, which the checkpoints record) and, for a run
+    ``resumed`` from a checkpoint directory, refuses text other than the one it was trained on: the record holds
+    the --data paths, whose files (this repository's, by default) may have changed since, and a resume on other
+    text reads other windows silently, not the stopped run's."""
     try:
         documents = collect_documents(args.data)
     except (OSError, ValueError) as err:  # a --data without text files: the same on every rank
         raise SystemExit(f"--data: {err}") from None
-    return PackedTokenStream(documents, args.seqlen, packing=args.packing, seed=args.seed, tokenizer=tokenizer)
+    stream = PackedTokenStream(documents, args.seqlen, packing=args.packing, seed=args.seed, tokenizer=tokenizer)
+    digest = hashlib.sha256(stream.tokens.numpy().tobytes())
+    digest.update(stream.doc_ids.numpy().tobytes())
+    args.data_digest = digest.hexdigest()
+    record = Path(resumed) / RUN_FILE if resumed is not None else None
+    if record is not None and record.is_file():
+        saved = json.loads(record.read_text()).get("data_digest")
+        if saved is not None and saved != args.data_digest:
+            raise SystemExit(f"--resume: the training text differs from the text the checkpoint {resumed} was trained "
+                             f"on (token digest {saved[:12]}... then, {args.data_digest[:12]}... now: the files of "
+                             f"{'--data' if args.data else 'this repository (the default data)'} changed), so the run "
+                             "would not continue the one that was stopped.  Restore that text.")
+    return stream
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -221,7 +221,10 @@ def resume_tag(args) -> str:
         raise SystemExit(f"--resume {args.resume}: no checkpoint tag {tag!r} in --ckpt-dir {args.ckpt_dir}")
     saved = (3 if any(where.glob("zero_pp_rank_*_model_states.pt"))
              else 2 if any(where.glob("mp_rank_*_model_states.pt")) else None)
-    if saved is not None and saved != args.zero_stage:
+    if saved is None:  # (another recipe's checkpoint, or an empty tag: an AssertionError inside DeepSpeed's loader)
+        raise SystemExit(f"--resume {args.resume}: {where} is not a checkpoint of this recipe (no DeepSpeed model "
+                         "states in it)")
+    if saved != args.zero_stage:
         raise SystemExit(f"--resume {args.resume}: the checkpoint was saved with --zero-stage {saved}, this run has "
                          f"--zero-stage {args.zero_stage}; DeepSpeed loads it only at its own stage")
     # ZeRO partitions the optimizer state over all dp x cp ranks, one file per rank
@@ -293,7 +296,7 @@ def main(argv=None):
             raise SystemExit(f"no DeepSpeed checkpoint found in {args.ckpt_dir}")
         start = int(client["step"])
         common.check_resumed_schedule(client["schedule"], args)
-    stream = common.build_stream(args)
+    stream = common.build_stream(args, resumed=Path(args.ckpt_dir) / resume if resume is not None else None)
     per_rank = layout.sequences_per_rank
     if rank == 0:
         print(f"deepspeed: ZeRO-{args.zero_stage} world={world} dp={layout.dp} cp={layout.cp} model={args.model} "

@@ -134,7 +134,7 @@ def main(argv=None):
     start = 0
     if resume is not None:
         start = load_checkpoint(model, optimizer, resume, args)
-    stream = common.build_stream(args)
+    stream = common.build_stream(args, resumed=resume)
     per_rank = layout.sequences_per_rank
     if rank == 0:
         print(f"fsdp2: world={world} dp={layout.dp} cp={layout.cp} model={args.model} params={n_params / 1e6:.1f}M "

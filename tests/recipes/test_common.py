@@ -58,8 +58,38 @@ def test_a_resume_with_other_model_data_or_optimizer_settings_is_refused_by_name
                                          r"checkpoint, 3 now; --batch-size 2 in the checkpoint, 4 now; --seed 0 in"):
         fsdp2_train.find_checkpoint(other.resume, other.ckpt_dir, other)  # refused before loading
     other = deepspeed_train.parse_args(base + ["--ckpt-dir", str(tmp_path), "--resume", ckpt.name, "--seed", "3"])
+    # a tag without DeepSpeed's files (the FSDP2 recipe's checkpoint, an empty tag) failed in an AssertionError inside
+    # DeepSpeed's loader, once the engine was built
+    with pytest.raises(SystemExit, match="is not a checkpoint of this recipe \\(no DeepSpeed model states in it\\)"):
+        deepspeed_train.resume_tag(other)
+    (ckpt / "mp_rank_00_model_states.pt").write_bytes(b"")
     with pytest.raises(SystemExit, match="--seed 0 in the checkpoint, 3 now"):
         deepspeed_train.resume_tag(other)
+
+
+def test_a_resume_on_other_text_or_numerics_is_refused(tmp_path):
+    """The record held the --data paths only: text edited between a stop and its resume (this repository's files, by
+    default) was trained on silently, another run's windows than the stopped one's.  It holds the tokens' digest now,
+    checked when the stream is built, and --dtype and --cp-invariant, which change the numerics a resume continues."""
+    import fsdp2_train
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.md").write_text("the quick brown fox jumps over the lazy dog " * 40)
+    base = ["--steps", "4", "--seqlen", "64", "--data", str(tmp_path / "data")]
+    saved = fsdp2_train.parse_args(base)
+    common.build_stream(saved)
+    ckpt = tmp_path / "step_000002"
+    common.save_run_settings(ckpt, saved, 2)
+    again = fsdp2_train.parse_args(base)
+    common.check_resumed_run(ckpt, again)
+    common.build_stream(again, resumed=ckpt)  # the same text: taken
+    (tmp_path / "data" / "a.md").write_text("the quick brown fox jumps over the lazy cat " * 40)
+    with pytest.raises(SystemExit, match="the training text differs from the text the checkpoint .* was trained on"):
+        common.build_stream(fsdp2_train.parse_args(base), resumed=ckpt)
+    with pytest.raises(SystemExit, match="--cp-invariant False in the checkpoint, True now"):
+        common.check_resumed_run(ckpt, fsdp2_train.parse_args(base + ["--cp-invariant"]))
+    with pytest.raises(SystemExit, match="--dtype 'auto' in the checkpoint, 'fp32' now"):
+        common.check_resumed_run(ckpt, fsdp2_train.parse_args(base + ["--dtype", "fp32"]))
 
 
 def test_run_main_ends_a_refusal_with_its_message_and_code():
