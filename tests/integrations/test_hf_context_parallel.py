@@ -405,9 +405,14 @@ def test_a_rank_whose_tiled_loss_head_differs_makes_every_rank_raise(pool):
     assert theirs is not None and theirs[0] == "TypeError" and theirs[1] == got[1], theirs
 
 
-def _one_rank_refuses_its_attention_call(rank, world, case):
-    """_cp_attention on ranks 0 and 1 of a throw-away group, rank 1's call refused by the call's own checks (before
-    the attention): (the error each raises, seconds it took)."""
+# rank 1's refusals in the forward: transformers' mask build (the handle's mask function) and the decoder's hook
+_FORWARD_CASES = ("forward padding", "forward two rows", "no positions")
+
+
+def _one_rank_refuses_its_call(rank, world, case):
+    """Ranks 0 and 1 of a throw-away group, rank 1's call refused by the attention call's own checks (before the
+    attention: _cp_attention called directly) or in its forward (_FORWARD_CASES: model(**local)): (the error each
+    raises, seconds it took)."""
     import time
 
     from cp_harness import fresh_group
@@ -415,10 +420,21 @@ def _one_rank_refuses_its_attention_call(rank, world, case):
     group = fresh_group([0, 1])
     if rank >= 2:
         return None
-    model = tiny_model("gpt_oss")
+    model = tiny_model("llama" if case in _FORWARD_CASES else "gpt_oss")
     handle = enable_context_parallel(model, group=group, timeout=10.0)
     start = time.monotonic()
     try:
+        if case in _FORWARD_CASES:
+            local = handle.shard_batch(packed_batch())
+            if rank == 1 and case == "forward padding":
+                local["attention_mask"] = torch.ones_like(local["input_ids"])
+                local["attention_mask"][0, 0] = 0
+            elif rank == 1 and case == "forward two rows":
+                local["input_ids"] = local["input_ids"].expand(2, -1)
+            elif rank == 1 and case == "no positions":
+                del local["position_ids"]
+            model(**local)
+            return "no error", time.monotonic() - start
         plan = handle.shard_batch(packed_batch())[PLAN_KEY]
         n = plan.local_len(handle.cp_rank)
         module = model.model.layers[0].self_attn
@@ -450,62 +466,20 @@ def _one_rank_refuses_its_attention_call(rank, world, case):
     ("window", "sliding window of 16 tokens but the layer's mask"),
     ("sinks", r"shape \(4,\)"),
     ("dropout", "no attention dropout"),
-])
-def test_a_rank_that_refuses_its_attention_call_does_not_leave_the_others_waiting(pool, case, message):
-    """The call's own checks (mask, batch, window, sinks, dropout) ran before the attention's agreement check: rank 0
-    waited in it for the handle's timeout (10 s) while rank 1 raised alone."""
-    import re
-
-    (got, seconds), (theirs, _) = pool.run(_one_rank_refuses_its_attention_call, case=case, timeout=30)[:2]
-    assert re.search(rf"^ValueError: .*rank 1 rejected its inputs: UnsupportedMask: .*{message}", got), got
-    assert seconds < 5, (seconds, got)
-    assert re.search(rf"^UnsupportedMask: .*{message}", theirs), theirs  # its own error, on the refusing rank
-
-
-def _one_rank_refuses_its_forward(rank, world, case):
-    """model(**local) on ranks 0 and 1 of a throw-away group, rank 1's forward refused by transformers' mask build
-    (padding, two rows: the handle's mask function) or by the decoder's hook (no position_ids): (the error each
-    raises, seconds it took)."""
-    import time
-
-    from cp_harness import fresh_group
-
-    group = fresh_group([0, 1])
-    if rank >= 2:
-        return None
-    model = tiny_model("llama")
-    handle = enable_context_parallel(model, group=group, timeout=10.0)
-    start = time.monotonic()
-    try:
-        local = handle.shard_batch(packed_batch())
-        if rank == 1 and case == "padding":
-            local["attention_mask"] = torch.ones_like(local["input_ids"])
-            local["attention_mask"][0, 0] = 0
-        elif rank == 1 and case == "two rows":
-            local["input_ids"] = local["input_ids"].expand(2, -1)
-        elif rank == 1 and case == "no positions":
-            del local["position_ids"]
-        model(**local)
-    except ValueError as err:
-        return f"{type(err).__name__}: {err}", time.monotonic() - start
-    finally:
-        handle.disable()
-    return "no error", time.monotonic() - start
-
-
-@pytest.mark.parametrize("case, message", [
-    ("padding", r"packed documents without padding \(no attention_mask zeros\)"),
-    ("two rows", r"one packed row \(batch size 1\), got batch size 2"),
+    # refused in the mask function transformers calls before any attention call: raised on that rank alone, the
+    # others waited in the attention's first exchange for the timeout and failed without the reason
+    ("forward padding", r"packed documents without padding \(no attention_mask zeros\)"),
+    ("forward two rows", r"one packed row \(batch size 1\), got batch size 2"),
+    # a forward without position_ids ran silently with each shard's tokens numbered from 0 (RoPE at wrong places)
     ("no positions", "without position_ids, so it numbered each rank's tokens from 0"),
 ])
-def test_a_rank_whose_forward_is_refused_does_not_leave_the_others_waiting(pool, case, message):
-    """A refusal in the mask function transformers calls (before any attention call) was raised on that rank
-    alone: the others waited in the attention's first exchange for the handle's timeout, then failed without the
-    reason. A forward without position_ids ran silently with each shard's tokens numbered from 0 (RoPE at the
-    wrong positions)."""
+def test_a_rank_that_refuses_its_call_does_not_leave_the_others_waiting(pool, case, message):
+    """The call's own checks (mask, batch, window, sinks, dropout; in the forward: the mask function's, the
+    positions) ran before the attention's agreement check, or outside it: rank 0 waited in it for the handle's
+    timeout (10 s) while rank 1 raised alone."""
     import re
 
-    (got, seconds), (theirs, _) = pool.run(_one_rank_refuses_its_forward, case=case, timeout=30)[:2]
+    (got, seconds), (theirs, _) = pool.run(_one_rank_refuses_its_call, case=case, timeout=30)[:2]
     assert re.search(rf"^ValueError: .*rank 1 rejected its inputs: \w+: .*{message}", got), got
     assert seconds < 5, (seconds, got)
     assert re.search(rf"^\w+: .*{message}", theirs), theirs  # its own error, on the refusing rank
