@@ -715,17 +715,8 @@ class Transport:
                                           missing={str(self._global[r]): r for r in missing}))
                     posted = True
                     posts = {self._global[r]: _read_post(store, self._global[r]) for r in missing}
-                    for rank, post in posts.items():
-                        if sole and _waits_for(store, post, me, exchange):
-                            message = (f"{self.label}: rank {self.rank} of {self.size} (global rank {me}) waits for "
-                                       f"global rank {rank} in {what} on process group {self.group_name!r}, while "
-                                       f"rank {rank} waits for this rank in {post.get('what')} on process group "
-                                       f"{post.get('group')!r}: the ranks made different calls (on different "
-                                       "process groups, or in different orders), which would wait for each other "
-                                       "until the timeout")
-                            with contextlib.suppress(Exception):  # (best effort: its own poll finds the cycle too)
-                                store.set(f"{post['exchange']}/{post['missing'][str(me)]}", _POISON + message)
-                            raise self.failed(message, waiting=True)
+                    if sole:
+                        self._raise_on_cycle(store, posts, exchange, what, waiting=True)
                     next_read = now + _READ_POSTS_EVERY
                 if now >= deadline:
                     notes = "; ".join(
@@ -740,6 +731,23 @@ class Transport:
         finally:
             if posted:
                 _unpost(store, me)
+
+    def _raise_on_cycle(self, store, posts: dict, exchange: str, what: str, waiting: bool) -> None:
+        """Raises where a peer's post (``posts``: global rank -> its post) shows it waiting, in another exchange, for
+        a row of this rank, which waits for it in ``exchange`` (``what``): each waits for the other (the ranks made
+        their calls on different process groups, or in different orders).  This rank's failure is also posted as
+        its row of the peer's exchange, which fails the peer too."""
+        me = self._global[self.rank]
+        for rank, post in posts.items():
+            if _waits_for(store, post, me, exchange):
+                message = (f"{self.label}: rank {self.rank} of {self.size} (global rank {me}) waits for global rank "
+                           f"{rank} in {what} on process group {self.group_name!r}, while rank {rank} waits for this "
+                           f"rank in {post.get('what')} on process group {post.get('group')!r}: the ranks made "
+                           "different calls (on different process groups, or in different orders), which would wait "
+                           "for each other until the timeout")
+                with contextlib.suppress(Exception):  # (best effort: its own poll finds the cycle too)
+                    store.set(f"{post['exchange']}/{post['missing'][str(me)]}", _POISON + message)
+                raise self.failed(message, waiting=waiting)
 
     def _raise_if_poisoned(self, keys: list, values: list, what: str) -> None:
         """Raises (GroupBroken, naming it) when one of the rows read (``values`` of ``keys``) is a rank's failure
@@ -814,17 +822,9 @@ class Transport:
                     _post(store, me, dict(exchange=exchange, group=self.group_name, what=what, sole=sole,
                                           missing=peers))
                     posted = True
-                    for rank in (int(g) for g in peers):
-                        post = _read_post(store, rank)
-                        if sole and _waits_for(store, post, me, exchange):
-                            message = (f"{self.label}: rank {self.rank} of {self.size} (global rank {me}) waits in "
-                                       f"{what} on process group {self.group_name!r}, while global rank {rank} waits "
-                                       f"for this rank in {post.get('what')} on process group {post.get('group')!r}: "
-                                       "the ranks made different calls (on different process groups, or in "
-                                       "different orders), which would wait for each other until the timeout")
-                            with contextlib.suppress(Exception):  # (best effort: its own poll finds the cycle too)
-                                store.set(f"{post['exchange']}/{post['missing'][str(me)]}", _POISON + message)
-                            raise self.failed(message)  # (posted as its row of the group's next store exchange)
+                    if sole:  # (its failure posted as its row of the group's next store exchange)
+                        self._raise_on_cycle(store, {int(g): _read_post(store, int(g)) for g in peers}, exchange,
+                                             what, waiting=False)
                     next_read = now + _READ_POSTS_EVERY
                 if now >= deadline:
                     raise RuntimeError("timed out")
