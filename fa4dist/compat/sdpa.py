@@ -7,6 +7,8 @@ from its own arguments (:func:`fa4dist.attention`)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 import fa4dist
@@ -35,9 +37,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if query.shape[-3] != key.shape[-3] and not enable_gqa:
         raise ValueError(f"{call}: query has {query.shape[-3]} heads but key {key.shape[-3]}; pass enable_gqa=True "
                          "for grouped-query attention (as torch requires)")
+    if key.shape[-3] != value.shape[-3]:  # (named in the caller's layout, not fa4dist's)
+        raise ValueError(f"{call}: key has {key.shape[-3]} heads but value {value.shape[-3]}; fa4dist takes as many "
+                         "value heads as key heads")
     if scale is not None and not isinstance(scale, bool) and isinstance(scale, (int, float)) and scale == 0:
         raise ValueError(f"{call}: scale=0 (a plain average over the visible keys) is not supported by fa4dist, "
                          "whose softmax_scale must be non-zero")
-    q, k, v = (t.reshape(-1, *t.shape[-3:]).transpose(1, 2) for t in (query, key, value))  # (one batch dim)
+    # (one batch dim; its size given, not -1: a length of 0 left -1 ambiguous)
+    q, k, v = (t.reshape(math.prod(batch), *t.shape[-3:]).transpose(1, 2) for t in (query, key, value))
     out = fa4dist.attention(q, k, v, causal=bool(is_causal), softmax_scale=scale)
     return out.transpose(1, 2).reshape(*batch, *out.shape[2:3], out.shape[1], out.shape[3])

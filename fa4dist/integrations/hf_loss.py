@@ -122,6 +122,11 @@ def tiled_cp_cross_entropy_of(operands: Callable[[], tuple], cp_group=None, *, b
             raise ValueError(f"weight must be (vocab, dim) for hidden states (..., dim), got weight "
                              f"{tuple(weight.shape)} and hidden {tuple(hidden.shape)}")
         _check_head(hidden, weight, bias)
+        # (any shape of the right element count was flattened: a (tokens, 1) or (2, tokens / 2) mix-up went through)
+        if not (hidden.dim() == 2 or (hidden.dim() == 3 and hidden.shape[0] == 1)):
+            raise ValueError(f"hidden must be (tokens, dim) or (1, tokens, dim), got {tuple(hidden.shape)}")
+        if not (labels.dim() == 1 or (labels.dim() == 2 and labels.shape[0] == 1)):
+            raise ValueError(f"labels must be (tokens,) or (1, tokens), got {tuple(labels.shape)}")
         hidden = hidden.reshape(-1, hidden.shape[-1])
         labels = labels.reshape(-1)
         if hidden.shape[0] != labels.shape[0]:

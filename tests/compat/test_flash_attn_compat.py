@@ -219,6 +219,22 @@ def test_sdpa_drop_in_equals_torchs_own(sq, sk, causal):
         scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(sq, sk, dtype=torch.bool), enable_gqa=True)
 
 
+@pytest.mark.parametrize("sq, sk", [(3, 0), (0, 3), (0, 0)])
+def test_sdpa_drop_in_takes_empty_sequences(sq, sk):
+    """A length of 0 made the reshape to one batch dim ambiguous (RuntimeError: cannot reshape tensor of 0 elements
+    into shape [-1, ...]); torch gives zeros (no key) or an empty out, and so does the drop-in, 3-D inputs too."""
+    from fa4dist.compat.sdpa import scaled_dot_product_attention
+
+    for lead in ((1,), ()):
+        q, k = torch.randn(*lead, 2, sq, 4, dtype=torch.float64), torch.randn(*lead, 2, sk, 4, dtype=torch.float64)
+        for causal in (False, True):
+            got = scaled_dot_product_attention(q, k, k, is_causal=causal)
+            assert torch.equal(got, torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=causal))
+    with pytest.raises(ValueError, match="key has 2 heads but value 1"):  # (named in the caller's layout)
+        scaled_dot_product_attention(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), torch.randn(1, 1, 3, 4),
+                                     enable_gqa=True)
+
+
 def test_flash_attn_2_unbounds_a_window_side_of_at_least_the_key_count():
     """flash-attn 2's kernels set a window side of at least seqlen_k (max_seqlen_k, packed) to -1 before aligning
     the window bottom-right; its docstring's formula alone hides keys from the first rows of a non-causal call with

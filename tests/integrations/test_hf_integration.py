@@ -551,12 +551,17 @@ def test_tiled_loss_refuses_a_chunk_size_it_cannot_use(chunk_tokens, error):
     (torch.zeros(6), TypeError, "labels must have an integer dtype"),
     (torch.tensor([0, 1, 2, 3, 4, 10]), ValueError, r"labels hold 1 id\(s\) outside the vocabulary \[0, 10\)"),
     (torch.zeros(5, dtype=torch.long), ValueError, "hidden holds 6 tokens but labels 5"),
+    # any shape of six elements was flattened and taken (handle.loss refused the same labels)
+    (torch.zeros(6, 1, dtype=torch.long), ValueError, r"labels must be \(tokens,\) or \(1, tokens\), got \(6, 1\)"),
+    (torch.zeros(2, 3, dtype=torch.long), ValueError, r"labels must be \(tokens,\) or \(1, tokens\), got \(2, 3\)"),
 ])
 def test_tiled_loss_refuses_labels_it_cannot_use(labels, error, message):
     from fa4dist.integrations.hf_loss import tiled_cp_cross_entropy
 
     with pytest.raises(error, match=message):
         tiled_cp_cross_entropy(torch.randn(6, 4), torch.randn(10, 4), labels)
+    with pytest.raises(ValueError, match=r"hidden must be \(tokens, dim\) or \(1, tokens, dim\), got \(2, 3, 4\)"):
+        tiled_cp_cross_entropy(torch.randn(2, 3, 4), torch.randn(10, 4), torch.zeros(6, dtype=torch.long))
 
 
 @pytest.mark.parametrize("change, error, message", [
