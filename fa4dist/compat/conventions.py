@@ -41,7 +41,7 @@ def refuse(call: str, **unsupported) -> None:
         if _not_asked(value):
             continue
         raise NotImplementedError(f"{call}: {name}={_show(value)} is not supported by fa4dist (no dropout, ALiBi, "
-                                  "paged or gathered KV, score or mask modifications); leave it at its default")
+                                  "gathered KV, block sparsity, score or mask modifications); leave it at its default")
 
 
 def _show(value) -> str:

@@ -38,7 +38,13 @@ def _unpack(call: str, name: str, packed, dim: int, count: int, layout: str) -> 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, kv_heads, head_dim) -> out like q."""
-    call = "flash_attn_func"
+    return _dense("flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                  deterministic, return_attn_probs)
+
+
+def _dense(call, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+           return_attn_probs):
+    """flash_attn_func and its packed forms, errors naming ``call``."""
     conventions.refuse(call, dropout_p=dropout_p, alibi_slopes=alibi_slopes)
     out, lse = conventions.attention(call, q, k, v, causal=causal, window_size=window_size, softcap=softcap,
                                      softmax_scale=softmax_scale, deterministic=deterministic,
@@ -54,7 +60,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_blocks_per_seq), k and v are paged caches (num_blocks, page_block_size, kv_heads, head_dim): sequence b's
     key i is row ``i % page_block_size`` of block ``block_table[b, i // page_block_size]``, for the
     ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` keys of sequence b, as flash-attn 2 reads them."""
-    call = "flash_attn_varlen_func"
+    return _varlen("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs, block_table)
+
+
+def _varlen(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+            window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table):
+    """flash_attn_varlen_func and its packed forms, errors naming ``call``."""
     conventions.refuse(call, dropout_p=dropout_p, alibi_slopes=alibi_slopes)
     if block_table is not None:  # the pages' rows packed as cu_seqlens_k lays them out
         bounds = conventions.boundaries("cu_seqlens_k", cu_seqlens_k)
@@ -76,37 +89,39 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """qkv (batch, seqlen, 3, heads, head_dim)."""
-    q, k, v = _unpack("flash_attn_qkvpacked_func", "qkv", qkv, 2, 3, "(batch, seqlen, 3, heads, head_dim)")
-    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+    call = "flash_attn_qkvpacked_func"
+    q, k, v = _unpack(call, "qkv", qkv, 2, 3, "(batch, seqlen, 3, heads, head_dim)")
+    return _dense(call, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                  return_attn_probs)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """q (batch, seqlen_q, heads, head_dim), kv (batch, seqlen_k, 2, kv_heads, head_dim)."""
-    k, v = _unpack("flash_attn_kvpacked_func", "kv", kv, 2, 2, "(batch, seqlen_k, 2, kv_heads, head_dim)")
-    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+    call = "flash_attn_kvpacked_func"
+    k, v = _unpack(call, "kv", kv, 2, 2, "(batch, seqlen_k, 2, kv_heads, head_dim)")
+    return _dense(call, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                  return_attn_probs)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
     """qkv (total, 3, heads, head_dim)."""
-    q, k, v = _unpack("flash_attn_varlen_qkvpacked_func", "qkv", qkv, 1, 3, "(total, 3, heads, head_dim)")
-    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
-                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+    call = "flash_attn_varlen_qkvpacked_func"
+    q, k, v = _unpack(call, "qkv", qkv, 1, 3, "(total, 3, heads, head_dim)")
+    return _varlen(call, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
+                   window_size, softcap, alibi_slopes, deterministic, return_attn_probs, None)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """q (total_q, heads, head_dim), kv (total_k, 2, kv_heads, head_dim)."""
-    k, v = _unpack("flash_attn_varlen_kvpacked_func", "kv", kv, 1, 2, "(total_k, 2, kv_heads, head_dim)")
-    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+    call = "flash_attn_varlen_kvpacked_func"
+    k, v = _unpack(call, "kv", kv, 1, 2, "(total_k, 2, kv_heads, head_dim)")
+    return _varlen(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                   causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, None)
 
 
 def _rotary(x, cos, sin, positions, interleaved: bool):

@@ -94,6 +94,14 @@ def test_flash_attn_2_packed_forms_equal_the_plain_call():
     close(want_varlen.view_as(want), want, "varlen out")  # another layout: the same values, not the same bits
     assert torch.equal(fa2.flash_attn_varlen_qkvpacked_func(torch.stack(flat, 1), cu, 9, causal=True,
                                                             softmax_scale=0.3), want_varlen)
+    # a packed form's refusals name it (they named flash_attn_func / flash_attn_varlen_func, which it called)
+    slopes = torch.zeros(4)
+    for call, args in (("flash_attn_qkvpacked_func", (torch.stack([q, k, v], 2),)),
+                       ("flash_attn_kvpacked_func", (q, torch.stack([k, v], 2))),
+                       ("flash_attn_varlen_qkvpacked_func", (torch.stack(flat, 1), cu, 9)),
+                       ("flash_attn_varlen_kvpacked_func", (flat[0], torch.stack(flat[1:], 1), cu, cu, 9, 9))):
+        with pytest.raises(NotImplementedError, match=f"^{call}: alibi_slopes"):
+            getattr(fa2, call)(*args, alibi_slopes=slopes)
 
 
 def test_flash_attn_2_varlen_aligns_each_sequence_bottom_right():
