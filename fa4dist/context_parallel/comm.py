@@ -198,9 +198,10 @@ def refuse_pickling(obj, what: str, names: Sequence[str], remedy: str) -> dict:
     world) cannot take over.  Without groups (None) the state is ``obj.__dict__``."""
     held = [name for name in names if getattr(obj, name, None) is not None]
     if held:
+        verb = "belongs" if len(held) == 1 else "belong"
         raise TypeError(
             f"{what} on a process group cannot be pickled (pickle, torch.save(model), multiprocessing): its "
-            f"{' and '.join(held)} belong to this process's torch.distributed world.  Save the weights instead "
+            f"{' and '.join(held)} {verb} to this process's torch.distributed world.  Save the weights instead "
             f"(torch.save(model.state_dict())) and {remedy} where you load them (copy.deepcopy works: the copy "
             "shares the groups)")
     return obj.__dict__
