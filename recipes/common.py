@@ -21,6 +21,7 @@ import resource
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -279,6 +280,10 @@ def check_common_args(p: argparse.ArgumentParser, args, models=()) -> None:
         p.error(f"--metrics-out {args.metrics_out!r}: its directory does not exist")
     if args.metrics_out and os.path.isdir(args.metrics_out):  # rank 0 failed to open it once the run was set up
         p.error(f"--metrics-out {args.metrics_out!r} is a directory; give a file to write the JSON lines to")
+    steps, warmup = getattr(args, "steps", None), getattr(args, "warmup", None)
+    if steps is not None and warmup is not None and warmup > steps:  # (taken: a run may mean it, but rarely)
+        warnings.warn(f"--warmup {warmup} is longer than --steps {steps}: the learning rate stops at "
+                      f"{steps / warmup:.0%} of --lr, rising (it reaches --lr after {warmup} steps)", stacklevel=2)
 
 
 def ulysses_heads_problem(args, heads_q: int, heads_kv: int, model: str) -> Optional[str]:

@@ -324,3 +324,16 @@ def test_metrics_file_holds_one_line_per_step_of_the_run_so_far(tmp_path):
     assert run(4, 5) == [4]  # a resume without the earlier file
     assert common.Progress(5, 1, str(tmp_path / "other.jsonl")).metrics is None  # rank 0 writes it alone
     assert not (tmp_path / "other.jsonl").exists()
+
+
+def test_a_warmup_longer_than_the_run_is_named():
+    """--warmup 100 --steps 6 was taken silently: the learning rate never reached --lr."""
+    import warnings
+
+    import fsdp2_train
+
+    with pytest.warns(UserWarning, match=r"--warmup 100 is longer than --steps 6: the learning rate stops at 6% of"):
+        fsdp2_train.parse_args(["--steps", "6", "--warmup", "100", "--seqlen", "64"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fsdp2_train.parse_args(["--steps", "6", "--warmup", "6", "--seqlen", "64"])
