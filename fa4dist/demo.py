@@ -151,8 +151,14 @@ class _Progress:
             print(line, flush=True)
 
 
-def _setup():
+class StartFailed(RuntimeError):
+    """The ranks' process group did not start (a rank missing, or the connections timed out)."""
+
+
+def _setup(timeout: float):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if not 0 <= rank < world:  # (the rendezvous waited for a rank that cannot come)
+        raise ValueError(f"RANK {rank} must be in [0, WORLD_SIZE {world})")
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if torch.cuda.is_available():
@@ -164,7 +170,12 @@ def _setup():
         device, backend = torch.device("cpu"), "gloo"
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     kw = dict(device_id=device) if backend == "nccl" else {}
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30), **kw)
+    # --timeout bounds the start too: a rank that never comes fails the rendezvous then, not after 30 minutes
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **kw)
+    except RuntimeError as err:  # (the store's rendezvous, or the backend's connections: their own error types)
+        raise StartFailed(f"the process group did not start within --timeout {timeout:g}s: "
+                          f"{type(err).__name__}: {err}") from err
     return rank, world, device, backend
 
 
@@ -192,7 +203,7 @@ def run(args) -> int:
     from fa4dist.kernels import invariant
     from fa4dist.modules import FA4ContextParallelAttention
 
-    rank, world, device, comm = _setup()
+    rank, world, device, comm = _setup(args.timeout)
     lead = rank == 0
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     total = args.seqlen if args.seqlen is not None else (32768 if device.type == "cuda" else 2048)
@@ -285,7 +296,7 @@ def run(args) -> int:
                 print(f"check {name:>3}: max abs error {err:.2e}, rel. error {rel:.2e} vs single-process attention "
                       f"({'ok' if good else 'FAILED'}, tolerance {tol:g})")
     if lead:
-        verdict = "PASS" if ok else "FAIL"
+        verdict = ("PASS" if ok else "FAIL") if not args.no_check else "DONE"  # (PASS: a comparison passed)
         checked = "checked against single-process attention" if not args.no_check else "not checked (--no-check)"
         print(f"{verdict}: fa4dist demo, {world} ranks, {module.cp.strategy_name(u) if world > 1 else 'single'}, "
               f"{checked}", flush=True)
@@ -348,11 +359,14 @@ def _spawned(local_rank: int, nproc: int, port: int, argv):
 def main(argv=None) -> int:
     args = _args(argv)
     if _launched_world() is not None:
+        from fa4dist.context_parallel.comm import CommError
+
         try:
             return run(args)
-        except (ValueError, TypeError) as err:
-            # the library's refusal of a size or option (every rank raises it): one line per rank, as the
-            # self-launched demo prints, instead of a traceback per rank from deep inside the module
+        except (ValueError, TypeError, CommError, StartFailed) as err:
+            # the library's refusal of a size or option (every rank raises it), or a wait on another rank past
+            # --timeout (the start's included): one line per rank, as the self-launched demo prints, instead of a
+            # traceback per rank from deep inside the module
             error_line(f"fa4dist demo: rank {os.environ['RANK']} failed: {type(err).__name__}: {err}")
             return 1
     import torch.multiprocessing as mp

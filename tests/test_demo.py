@@ -110,6 +110,8 @@ def test_auto_strategy_reports_the_plan_of_the_degree_it_runs():
     out = _run([sys.executable, "-m", "fa4dist.demo", "--nproc", "2", "--strategy", "auto", "--no-check", *SMALL])
     assert "strategy: ulysses" in out and "ulysses=2: each rank computes 1/2" in out, out
     assert "ring of" not in out and "receives K/V" not in out, out
+    # nothing was compared: not a PASS (a script grepping for it took a run that checked nothing as passed)
+    assert out.rstrip().splitlines()[-1].startswith("DONE: fa4dist demo, 2 ranks"), out
 
 
 def test_nproc_that_contradicts_torchruns_world_size_is_refused(monkeypatch, capsys):
@@ -134,7 +136,9 @@ def test_nproc_that_contradicts_torchruns_world_size_is_refused(monkeypatch, cap
 def test_a_rank_whose_run_is_refused_under_a_launcher_prints_one_line(monkeypatch, capsys):
     """Under torchrun a size the library refuses (e.g. --strategy ulysses with heads that do not split over the
     ranks) ended every rank with a traceback from inside the module; as in the self-launched demo, each rank now
-    prints one line naming the error and exits 1. Other errors (a bug, a broken transport) keep their traceback."""
+    prints one line naming the error and exits 1. So does a wait past --timeout (CommError) and a start that did not
+    come together (a rank missing: it waited 30 minutes whatever --timeout said; a RANK past WORLD_SIZE hung). Other
+    errors (a bug) keep their traceback."""
     from fa4dist import demo
 
     def refused(args):
@@ -146,6 +150,19 @@ def test_a_rank_whose_run_is_refused_under_a_launcher_prints_one_line(monkeypatc
     assert demo.main(["--seqlen", "8"]) == 1
     assert capsys.readouterr().err == ("fa4dist demo: rank 1 failed: ValueError: Ulysses degree 2 is impossible: 3 "
                                        "query heads do not split evenly over 2 ranks\n")
+
+    from fa4dist.context_parallel.comm import CommError
+
+    def timed_out(args):
+        raise CommError("fa4dist context parallel: rank 1 of 2 failed waiting for the agreement check (timeout 5s)")
+
+    monkeypatch.setattr(demo, "run", timed_out)
+    assert demo.main(["--seqlen", "8"]) == 1
+    assert capsys.readouterr().err.startswith("fa4dist demo: rank 1 failed: CommError: fa4dist context parallel:")
+    monkeypatch.setattr(demo, "run", lambda args: demo._setup(5.0))
+    monkeypatch.setenv("WORLD_SIZE", "1")  # (RANK 1)
+    assert demo.main(["--seqlen", "8"]) == 1
+    assert capsys.readouterr().err == "fa4dist demo: rank 1 failed: ValueError: RANK 1 must be in [0, WORLD_SIZE 1)\n"
 
     def broken(args):
         raise RuntimeError("a bug")
