@@ -91,13 +91,13 @@ def _seqused(call: str, name: str, value, batch: int, available: list[int]) -> l
     return used
 
 
-def _rows_of(call: str, name: str, t, cu_seqlens, batch: int) -> tuple:
-    """(addressing, rows available per sequence) of a packed (with ``cu_seqlens``) or batched tensor."""
-    if cu_seqlens is not None:
+def _rows_of(call: str, name: str, t, bounds, batch: int) -> tuple:
+    """(addressing, rows available per sequence) of a packed (``bounds``: its cu_seqlens' values) or batched
+    (``bounds`` None) tensor."""
+    if bounds is not None:
         if t[0].dim() != 3:
             raise ValueError(f"{call}: with cu_seqlens_{name}, {name} must be (total_{name}, heads, head_dim), got "
                              f"{tuple(t[0].shape)}")
-        bounds = conventions.boundaries(f"cu_seqlens_{name}", cu_seqlens)
         if len(bounds) != batch + 1:
             raise ValueError(f"{call}: cu_seqlens_{name} holds {len(bounds) - 1} sequences for a batch of {batch}")
         if bounds[-1] > t[0].shape[0]:
@@ -116,14 +116,17 @@ def _used_rows(call, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{call}: {name} must be a tensor, got {type(t).__name__}")
-    if cu_seqlens_q is not None:
-        batch = len(conventions.boundaries("cu_seqlens_q", cu_seqlens_q)) - 1
+    # (each cu_seqlens read once: a CUDA tensor's read waits for the device)
+    bounds_q, bounds_k = (None if cu is None else conventions.boundaries(f"cu_seqlens_{name}", cu)
+                          for name, cu in (("q", cu_seqlens_q), ("k", cu_seqlens_k)))
+    if bounds_q is not None:
+        batch = len(bounds_q) - 1
     elif q.dim() == 4:
         batch = q.shape[0]
     else:
         raise ValueError(f"{call}: q must be (total_q, heads, head_dim) with cu_seqlens_q, or (batch, seqlen_q, "
                          f"heads, head_dim), got {tuple(q.shape)}")
-    queries, q_rows = _rows_of(call, "q", (q,), cu_seqlens_q, batch)
+    queries, q_rows = _rows_of(call, "q", (q,), bounds_q, batch)
     len_q = _seqused(call, "seqused_q", seqused_q, batch, q_rows)
     if page_table is not None:
         if cu_seqlens_k is not None:
@@ -133,7 +136,7 @@ def _used_rows(call, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
         len_k = _seqused(call, "seqused_k", seqused_k, batch, [keys.capacity] * batch)
         keys.check_pages(len_k)  # (a sequence longer than its page_table row addresses is refused here)
     else:
-        keys, k_rows = _rows_of(call, "k", (k, v), cu_seqlens_k, batch)
+        keys, k_rows = _rows_of(call, "k", (k, v), bounds_k, batch)
         len_k = _seqused(call, "seqused_k", seqused_k, batch, k_rows)
     (q_packed,) = queries.gather([0] * batch, len_q)
     k_packed, v_packed = keys.gather([0] * batch, len_k)

@@ -780,7 +780,8 @@ class Transport:
         this rank waits for it in the collective (a backward that runs a FixedPointGrads exchange on one rank and
         an attention call on another); this rank then fails naming both, and posts its failure as its row there,
         which fails that rank too.  (A timed-out gloo wait leaves the operation running: a later wait completes
-        it.  NCCL's wait aborts its communicator on a timeout, so there it is one wait of the whole timeout.)"""
+        it, as checked on torch 2.13.  NCCL's timed-out wait may abort its communicator, so there it stays one wait
+        of the whole timeout.)"""
         _clear_refusal()  # (as _wait_for_rows)
         start = time.monotonic()
         try:

@@ -351,7 +351,7 @@ def _cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     return out.unsqueeze(0), None
 
 
-def _cache_hook(module, args, kwargs):
+def _forward_hook(module, args, kwargs):
     """The decoder stack's forward pre-hook: a call with a plan that asks for a KV cache (use_cache=True, or a cache
     passed), or that has no position_ids where the decoder takes them, is marked for the attention to refuse
     (through its agreement check, so every cp rank raises at once); use_cache left out (the config's default, often
@@ -392,7 +392,7 @@ def _takes_positions(module_class) -> bool:
         return False
 
 
-def _cache_hook_owner(model):
+def _forward_hook_owner(model):
     """The module whose forward every call of ``model`` with a local batch goes through: the decoder stack
     (:func:`~fa4dist.integrations.hf.decoder_of`, also what :class:`~fa4dist.integrations.hf_loss.TiledCausalLMLoss`
     calls), else the base model."""
@@ -485,10 +485,10 @@ class ContextParallelHandle:
         _set_attn_implementation(model, self.name)
         # on the decoder stack, which the task heads call with the batch's kwargs (the plan among them), and which
         # TiledCausalLMLoss calls itself; for Llama 4 it is not the base model (that is the task head itself)
-        owner = _cache_hook_owner(model)
+        owner = _forward_hook_owner(model)
         if _sharded_batch_guard not in owner._forward_pre_hooks.values():  # once per model: it stays after disable()
             owner.register_forward_pre_hook(_sharded_batch_guard, with_kwargs=True)
-        self._cache_hook = owner.register_forward_pre_hook(_cache_hook, with_kwargs=True)
+        self._forward_hook = owner.register_forward_pre_hook(_forward_hook, with_kwargs=True)
         self.temperature_tuned = tuple(temperature_tuned(model))  # applied by the attention (global indices)
         self._tuning = [module.attn_temperature_tuning for module in self.temperature_tuned]
         for module in self.temperature_tuned:
@@ -730,7 +730,7 @@ class ContextParallelHandle:
         if not self.enabled:
             return
         _HANDLES.pop(self.name, None)
-        self._cache_hook.remove()
+        self._forward_hook.remove()
         for module, tuning in zip(self.temperature_tuned, self._tuning):
             module.attn_temperature_tuning = tuning
         if self.previous is not None:

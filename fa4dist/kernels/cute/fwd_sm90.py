@@ -173,6 +173,7 @@ class FlashFwdSm90:
         # the overlapped step's stage releases by elect.sync's winner, taken every step (elect_release) or once per
         # tile with the K release after the step's softmax (late_k_release): FwdConfig
         self.elect_release, self.late_k_release = elect_release, late_k_release
+        self.elected_releases = elect_release or late_k_release
         self.hoist_descriptors = hoist_descriptors
         self.hoist_q_slices = hoist_q_slices and hoist_descriptors
         # O through smem (reusing sQ) and one TMA store; dense, non-accumulate, 16-bit out only
@@ -1066,13 +1067,12 @@ class FlashFwdSm90:
         if const_expr(self.late_k_release):  # (ordered after one of the step's exponentials, and the PV wait with it)
             stage_release(ml.pipe_k, kv_state, true_after(acc_S[cute.size(acc_S) // 3]) & ml.winner)
         warpgroup.wait_group(0)
-        elected = self.elect_release or self.late_k_release
-        if const_expr(mark_prev is None and not elected):
+        if const_expr(mark_prev is None and not self.elected_releases):
             ml.pipe_v.consumer_release(v_state)
         to_16bit(acc_to_operand_a(acc_S), ml.tOrP, self.late_pv_wait)
         ml.softmax.rescale_o(ml.acc_O, row_scale)
-        if const_expr(mark_prev is None and elected):  # (after the step's work: ptxas keeps elect.sync where it
-            stage_release(ml.pipe_v, v_state, self.release_winner(ml))  # stands)
+        if const_expr(mark_prev is None and self.elected_releases):  # (after the step's work: ptxas keeps
+            stage_release(ml.pipe_v, v_state, self.release_winner(ml))  # elect.sync where it stands)
         if const_expr(mark_prev is not None):
             if const_expr(mark_if_masked):
                 if mark_prev >= 0:
