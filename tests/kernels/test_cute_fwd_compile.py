@@ -113,8 +113,9 @@ EXTRA = [
     # launches only (default_elect_release), so its other positions here
     (torch.bfloat16, 64, True, False, False, {"elect_release": False}),
     (torch.bfloat16, 128, True, False, False, {"elect_release": True}),
-    # the tile's elect.sync winner held through the loop, the K release after the step's softmax
-    (torch.bfloat16, 64, False, False, False, {"late_k_release": True}),
+    # the tile's elect.sync winner held through the loop, the K release after the step's softmax: the default of
+    # hdim-64 non-causal launches only (default_late_k_release), so its other positions here
+    (torch.bfloat16, 64, False, False, False, {"late_k_release": False}),
     (torch.bfloat16, 128, True, False, True, {"late_k_release": True, "window_left": 300}),
     # hdim 256 on the persistent grid (O stored directly: no room for its staging tile), and a work list
     (torch.bfloat16, 256, False, False, False, {"tma_store_o": False, "persistent_ctas": 132}),

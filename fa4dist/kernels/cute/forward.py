@@ -166,7 +166,8 @@ class FwdConfig:
     # the same releases by elect.sync's winner taken once per tile (a predicate held through the loop), and the K
     # release after the step's softmax, predicated on one of its exponentials too (common_sm90.true_after): with a
     # winner ready from the tile's start ptxas hoists that release, and the PV wait after it, before the step's
-    # first exp2; this keeps both among the exponentials, where the lane-0 form's late S2R put them. The same bits
+    # first exp2; this keeps both among the exponentials, where the lane-0 form's late S2R put them. The same bits.
+    # Default from default_late_k_release (measured); where both are on, this one decides
     late_k_release: bool = False
 
     def build(self):
@@ -329,6 +330,16 @@ def default_elect_release(head_dim: int, causal: bool) -> bool:
     8k / 16k / 32k (at 1k / 4k / 16k: 0 / +0.6 / +1.1%); hdim 64 non-causal -0.4 to -1.0% in both; hdim 128 -1.1
     to +0.1%. The bits do not depend on it (test_schedule_fields_give_the_same_bits)."""
     return head_dim <= 64 and causal
+
+
+def default_late_k_release(head_dim: int, causal: bool) -> bool:
+    """On for hdim <= 64 non-causal. H100, 2026-12-08, sixty-ninth session (bench/RESULTS.md; two runs, 5 and 7
+    rounds, beside the default in the same rounds): hdim 64 non-causal +1.3 / +1.8 / +1.7% at 1k / 4k / 16k and
+    +1.2 / +1.6 / +1.8 / +1.6 / +1.1% at 1k / 4k / 8k / 16k / 32k; hdim 64 causal +0.4 / -4.5 / -4.9% at 1k / 4k /
+    16k against its elect_release default (the PV wait it moves back among the exponentials was better before them
+    there); hdim 128 -0.4 to +0.7% (off: no gain to measure). The bits do not depend on it
+    (test_schedule_fields_give_the_same_bits; the whole forward GPU suite passed with it forced on)."""
+    return head_dim <= 64 and not causal
 
 
 # hdim 96's causal kernel spills 16 bytes on the persistent grid with the default 24 / 240 register split (ptxas,
@@ -511,7 +522,8 @@ def make_config(dtype, head_dim, *, causal, varlen, accumulate, seg_offsets=Fals
         accumulate=bool(accumulate), seg_offsets=bool(seg_offsets) and bool(causal),
         out_fp32=bool(out_fp32) and not accumulate, tile_m=tm, tile_n=tn, num_stages=st,
         sum_from_old=default_sum_from_old(head_dim), late_pv_wait=default_late_pv_wait(head_dim, causal),
-        elect_release=default_elect_release(head_dim, causal), window_left=int(window_left),
+        elect_release=default_elect_release(head_dim, causal),
+        late_k_release=default_late_k_release(head_dim, causal), window_left=int(window_left),
         softcap=float(softcap or 0.0), sinks=bool(sinks), worklist=bool(worklist),
     )
     forced = {**_OVERRIDE, **overrides}
