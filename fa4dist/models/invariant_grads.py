@@ -30,7 +30,7 @@ backward skips a site the others run just before a context-parallel attention ca
 only, another number of micro-batches) waits in the attention's store exchange while the others wait in the site's
 all-reduce.  On gloo the all-reduce's wait reads the peers' posted waits (``comm.Transport._collective``), so both
 fail within the first 10 s of the wait, naming the two; on NCCL each fails when its wait times out (the attention's
-timeout, and 300 s for this object's exchanges), naming the exchange it waited in.
+timeout, and this object's own ``timeout``, 300 s by default), naming the exchange it waited in.
 Slower than autograd's own (one small product per block, int64 sums): a reproducibility mode.
 
 Non-finite and tiny values: a site's scale comes from its maxima, so one NaN or inf contribution makes the whole
@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..context_parallel.agreement import raise_disagreement, signature_digest
 from ..kernels import fixed_point
-from ..kernels.problem import accum_dtype
+from ..kernels.problem import accum_dtype, check_timeout
 from .llama import row_block_products, row_blocks
 
 
@@ -182,9 +182,12 @@ class _FixedEmbedding(torch.autograd.Function):
 class FixedPointGrads:
     """The fixed-point gradients of a model's Linear (weight only), RMSNorm and Embedding parameters; install with
     ``FA4Llama.set_invariant_grads`` and call :meth:`finish` after the step's backward passes (it sets ``p.grad``,
-    summed over ``group``, the default group when distributed: no other gradient reduction for these parameters)."""
+    summed over ``group``, the default group when distributed: no other gradient reduction for these parameters).
+    ``timeout``: seconds any of its waits on another rank may take before it raises a
+    :class:`~fa4dist.context_parallel.CommError` naming the exchange (as the attention's ``timeout``)."""
 
-    def __init__(self, group=None, zero_weight_grads: bool = False):
+    def __init__(self, group=None, zero_weight_grads: bool = False, timeout: float = 300.0):
+        self.timeout = check_timeout(timeout)
         if group is not None:  # a group without this rank has size -1: taken as 'not distributed', its sums local
             from ..context_parallel.comm import member_size_rank
 
@@ -421,7 +424,7 @@ class FixedPointGrads:
 
         generation = world_generation()
         if self._transports is None or self._transports[0] != generation:
-            self._transports = generation, Transport(self.group, label="fa4dist invariant gradients")
+            self._transports = generation, Transport(self.group, self.timeout, label="fa4dist invariant gradients")
         return self._transports[1]
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels.mask import Mask, visible_pairs
-from ..kernels.problem import check_bool, check_integer_dtype, comparable_integers, type_name
+from ..kernels.problem import check_bool, check_integer_dtype, check_timeout, comparable_integers, type_name
 from .attention import make_attention
 from .config import ModelConfig
 
@@ -369,7 +369,8 @@ class FA4Llama(nn.Module):
             if isinstance(m, Linear):
                 m.row_invariant = enabled
 
-    def set_invariant_grads(self, enabled: bool = True, group=None, zero_weight_grads: bool = False):
+    def set_invariant_grads(self, enabled: bool = True, group=None, zero_weight_grads: bool = False,
+                            timeout: float = 300.0):
         """Parameter gradients in int64 fixed point (:mod:`fa4dist.models.invariant_grads`): with cp_invariant
         attention and row-invariant products (implied while on: the fixed-point Linear runs in row blocks) a
         training step's gradients are the same bits at every cp size.  Call ``model.invariant_grads.finish()`` after
@@ -378,8 +379,8 @@ class FA4Llama(nn.Module):
         installation are refused at the next forward), in place of the gradient all-reduce or reduce-scatter.
         Plans come from :meth:`make_plan` (chunks aligned to the canonical token blocks).  ``zero_weight_grads``:
         autograd still gives each weight a (zero) gradient, for a wrapper whose reduction runs from gradient hooks
-        (DeepSpeed; the real gradients then go in through ``finish(assign=...)``).  Returns the FixedPointGrads, or
-        None.
+        (DeepSpeed; the real gradients then go in through ``finish(assign=...)``).  ``timeout``: seconds its waits on
+        another rank may take (FixedPointGrads).  Returns the FixedPointGrads, or None.
 
         Enabling again with the same ``group`` and ``zero_weight_grads`` returns the installed object (its pending
         sums kept); otherwise, and on ``enabled=False``, the installed object is retired (its ``finish`` raises;
@@ -389,15 +390,17 @@ class FA4Llama(nn.Module):
 
         check_bool("enabled", enabled)
         check_bool("zero_weight_grads", zero_weight_grads)
+        timeout = check_timeout(timeout)
         current = self.invariant_grads
         if (enabled and current is not None and current.group is group
-                and current.zero_weight_grads == zero_weight_grads and not current.replaced_params()):
+                and current.zero_weight_grads == zero_weight_grads and current.timeout == timeout
+                and not current.replaced_params()):
             return current  # a handle the caller holds stays the live one
         if enabled:  # checked before anything changes: a refused call leaves the model as it was
             biased = [n for n, m in self.named_modules() if isinstance(m, Linear) and m.bias is not None]
             if biased:
                 raise ValueError(f"invariant gradients cover bias-free Linear layers only; these have a bias: {biased}")
-        grads = FixedPointGrads(group, zero_weight_grads) if enabled else None  # (refuses a group first)
+        grads = FixedPointGrads(group, zero_weight_grads, timeout) if enabled else None  # (refuses a group first)
         if current is not None:
             current.retire("a later set_invariant_grads(True)" if enabled else "set_invariant_grads(False)")
         self.invariant_grads = grads

@@ -403,6 +403,54 @@ def test_a_finish_that_one_rank_refuses_fails_on_every_rank(pool):
     assert done0 and done1
 
 
+def _finish_alone(rank, world, wait_s):
+    """Ranks 0 and 1 install invariant gradients over a fresh group with a timeout of ``wait_s``; rank 1 never calls
+    finish(): rank 0's (error type, message, seconds) from its finish()."""
+    import time
+
+    from cp_harness import fresh_group
+    from fa4dist.models import FA4Llama, get_config
+
+    group = fresh_group([0, 1])
+    if rank >= 2:
+        return None
+    torch.manual_seed(0)
+    model = FA4Llama(get_config("tiny"), None, backend="reference")
+    grads = model.set_invariant_grads(True, group, timeout=wait_s)
+    model(torch.arange(20), torch.arange(20)).float().logsumexp(-1).sum().backward()
+    if rank == 1:
+        return None
+    start = time.monotonic()
+    try:
+        grads.finish()
+        error = None
+    except Exception as err:  # noqa: BLE001
+        error = type(err).__name__, str(err)
+    return error, time.monotonic() - start
+
+
+def test_the_invariant_gradients_wait_no_longer_than_their_timeout(pool):
+    """A rank whose peer never reaches finish() raises a CommError naming the invariant gradients once their own
+    timeout has passed (it was fixed at 300 s), not the group's or the attention's."""
+    error, seconds = pool.run(_finish_alone, wait_s=3.0, timeout=60.0)[0]
+    assert error is not None and error[0] == "CommError", error
+    assert "fa4dist invariant gradients" in error[1], error
+    assert 3.0 <= seconds < 30, seconds
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), True, "60"])
+def test_a_bad_timeout_is_refused_by_name(timeout):
+    from fa4dist.models import FA4Llama, get_config
+    from fa4dist.models.invariant_grads import FixedPointGrads
+
+    with pytest.raises(ValueError, match="timeout must be a positive, finite number of seconds"):
+        FixedPointGrads(None, timeout=timeout)
+    model = FA4Llama(get_config("tiny"), None, backend="reference")
+    with pytest.raises(ValueError, match="timeout must be a positive, finite number of seconds"):
+        model.set_invariant_grads(True, timeout=timeout)
+    assert model.invariant_grads is None  # a refused call leaves the model as it was
+
+
 def _disagreeing_backward(rank, world, case):
     """Ranks 0 and 1 sum their invariant gradients over a fresh group (a refused exchange leaves its call numbers out
     of step), rank 1's step differing as ``case`` says: each rank's (error type, message, seconds) from its backward
