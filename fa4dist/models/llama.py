@@ -382,10 +382,10 @@ class FA4Llama(nn.Module):
         (DeepSpeed; the real gradients then go in through ``finish(assign=...)``).  ``timeout``: seconds its waits on
         another rank may take (FixedPointGrads).  Returns the FixedPointGrads, or None.
 
-        Enabling again with the same ``group`` and ``zero_weight_grads`` returns the installed object (its pending
-        sums kept); otherwise, and on ``enabled=False``, the installed object is retired (its ``finish`` raises;
-        sums not yet finished are dropped).  Turning it off leaves the products as :meth:`set_row_invariant` set
-        them, so off is the state before it was turned on."""
+        Enabling again with the same ``group``, ``zero_weight_grads`` and ``timeout`` returns the installed object
+        (its pending sums kept); otherwise, and on ``enabled=False``, the installed object is retired (its
+        ``finish`` raises; sums not yet finished are dropped).  Turning it off leaves the products as
+        :meth:`set_row_invariant` set them, so off is the state before it was turned on."""
         from .invariant_grads import FixedPointGrads
 
         check_bool("enabled", enabled)
