@@ -181,27 +181,36 @@ def test_the_hybrid_strategy_takes_a_ulysses_degree(tmp_path, corpus, reference)
     assert_steps_close(step_metrics(tmp_path / "m.jsonl"), reference["loss"])
 
 
-@pytest.mark.timeout(120)
-def test_resume_from_a_directory_without_a_checkpoint_is_refused_by_name(tmp_path, corpus):
-    """--resume DIR that holds no checkpoint (a typo, a deleted step): one line naming the flag, not an
-    AssertionError from inside torch.distributed.checkpoint."""
+def test_resume_from_a_directory_without_a_checkpoint_is_refused_by_name(tmp_path, corpus,
+                                                                         launched_without_a_rendezvous):
+    """--resume DIR that holds no checkpoint (a typo, a deleted step): refused naming the flag before the process
+    group (in this process, as a rank torchrun launched), not an AssertionError from inside
+    torch.distributed.checkpoint (test_common has how a refusal ends a launched run: one line and its code)."""
+    import fsdp2_train
+
     (tmp_path / "empty").mkdir()
+    launched_without_a_rendezvous(1)
     for where in (tmp_path / "empty", tmp_path / "missing"):
-        with pytest.raises(RuntimeError) as err:
-            launch.python("fsdp2_train.py", BASE + ["--data", corpus, "--resume", where], timeout=100)
+        with pytest.raises(SystemExit) as err:
+            fsdp2_train.main([str(a) for a in BASE + ["--data", corpus, "--resume", where]])
         assert f"--resume {where}: {str(where)!r} is not a checkpoint of this recipe" in str(err.value)
-        assert "AssertionError" not in str(err.value)
 
 
 @pytest.mark.timeout(200)
-def test_resume_with_a_stop_at_the_checkpoint_already_passed_is_refused(tmp_path, corpus):
+def test_resume_with_a_stop_at_the_checkpoint_already_passed_is_refused(tmp_path, corpus, monkeypatch,
+                                                                        launched_without_a_rendezvous):
     """--resume with --stop-at at or before the checkpoint's step would train nothing and save nothing, and used
     to end with a SUMMARY as if it had run: refused by name."""
+    import fsdp2_train
+
     ckpt = tmp_path / "ckpt"
     args = BASE + ["--data", corpus, "--ckpt-dir", ckpt]
     launch.python("fsdp2_train.py", args + ["--stop-at", "2"], timeout=150)
-    with pytest.raises(RuntimeError, match=r"--stop-at 1: the resumed checkpoint is at step 2 already"):
-        launch.python("fsdp2_train.py", args + ["--resume", "latest", "--stop-at", "1"], timeout=150)
+    # (refused before the process group: in this process, as a rank torchrun launched)
+    launched_without_a_rendezvous(1)
+    with pytest.raises(SystemExit, match=r"--stop-at 1: the resumed checkpoint is at step 2 already"):
+        fsdp2_train.main([str(a) for a in args + ["--resume", "latest", "--stop-at", "1"]])
+    monkeypatch.undo()  # (the last run is a process of its own again)
     # --stop-at at --steps saves there too, as its help says (it used to save only before the last step)
     launch.python("fsdp2_train.py", args + ["--resume", "latest", "--stop-at", str(STEPS)], timeout=150)
     assert (ckpt / "latest").read_text().strip() == f"step_{STEPS:06d}" and (ckpt / f"step_{STEPS:06d}").is_dir()
