@@ -731,7 +731,8 @@ def _fmt(v):
 
 
 class Throughput:
-    """tokens/s and MFU over the steps after the first ``warmup`` ones."""
+    """tokens/s and MFU over the steps from ``warmup`` on (a step index: a resumed run's start plus
+    --timing-warmup)."""
 
     def __init__(self, warmup: int, device):
         self.warmup, self.device = warmup, device
@@ -739,6 +740,15 @@ class Throughput:
         self.flops = 0.0
         self.seconds = 0.0
         self.steps = 0
+
+    @classmethod
+    def for_run(cls, args, device, start: int, stop: int) -> "Throughput":
+        """The meter of an invocation that trains steps ``start`` to ``stop`` - 1, leaving out the first
+        --timing-warmup of them; warns where that leaves none (the SUMMARY's tokens/s and MFU are then null)."""
+        if start + args.timing_warmup >= stop:
+            warnings.warn(f"--timing-warmup {args.timing_warmup} leaves out every one of the {stop - start} steps "
+                          f"this run trains: its SUMMARY will have no tokens/s or MFU (null)", stacklevel=2)
+        return cls(start + args.timing_warmup, device)
 
     def add(self, step_index: int, seconds: float, tokens: int, flops: float):
         if step_index < self.warmup:

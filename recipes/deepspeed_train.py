@@ -307,7 +307,6 @@ def main(argv=None):
                 "attention, logits and parameter gradients (int64 fixed point, summed over every rank, set into "
                 "DeepSpeed's partitions)"), flush=True)
     progress = common.Progress(args.steps, rank, args.metrics_out, args.log_every, start)
-    meter = common.Throughput(start + args.timing_warmup, device)
     peak = common.peak_flops(args, device)
 
     invariant_norm = []  # the step's gradient norm in --cp-invariant mode
@@ -320,6 +319,7 @@ def main(argv=None):
         engine.step()  # an optimizer step only at the accumulation boundary
 
     stop = common.last_step(args, start)
+    meter = common.Throughput.for_run(args, device, start, stop)
     for step in range(start, stop):
         lr = common.set_lr(optimizer, step, args)
         samples = stream.batch(step, args.batch_size, first=layout.dp_rank * per_rank, count=per_rank)

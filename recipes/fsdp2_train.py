@@ -144,12 +144,12 @@ def main(argv=None):
             print(common.cp_invariant_scope(
                 "attention, logits and parameter gradients (int64 fixed point, summed over every rank)"), flush=True)
     progress = common.Progress(args.steps, rank, args.metrics_out, args.log_every, start)
-    meter = common.Throughput(start + args.timing_warmup, device)
     peak = common.peak_flops(args, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
     stop = common.last_step(args, start)
+    meter = common.Throughput.for_run(args, device, start, stop)
     for step in range(start, stop):
         lr = common.set_lr(optimizer, step, args)
         samples = stream.batch(step, args.batch_size, first=layout.dp_rank * per_rank, count=per_rank)

@@ -602,7 +602,7 @@ def main(argv=None):
                 "the transformers model's matrix products over each rank's rows and FSDP2's gradient reduce-scatter"),
                 flush=True)
     progress = common.Progress(args.steps, rank, args.metrics_out, args.log_every)
-    meter = common.Throughput(args.timing_warmup, device)
+    meter = common.Throughput.for_run(args, device, 0, args.steps)
     peak = common.peak_flops(args, device)
     phases: dict = {}
     if device.type == "cuda":

@@ -326,6 +326,26 @@ def test_metrics_file_holds_one_line_per_step_of_the_run_so_far(tmp_path):
     assert not (tmp_path / "other.jsonl").exists()
 
 
+def test_a_timing_warmup_that_leaves_no_step_timed_is_named():
+    """--timing-warmup covering every step an invocation trains was taken silently: the SUMMARY's tokens/s and MFU
+    came out null (steps_timed 0) with nothing to say why. Counted from where the invocation starts (a resume)."""
+    import warnings
+
+    import fsdp2_train
+
+    args = fsdp2_train.parse_args(["--steps", "6", "--timing-warmup", "3", "--seqlen", "64"])
+    for start, stop in ((0, 3), (4, 6), (0, 2)):
+        with pytest.warns(UserWarning, match=rf"--timing-warmup 3 leaves out every one of the {stop - start} steps "
+                                             r"this run trains: its SUMMARY will have no tokens/s or MFU \(null\)"):
+            common.Throughput.for_run(args, "cpu", start, stop)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        meter = common.Throughput.for_run(args, "cpu", 2, 6)
+    for step in range(2, 6):
+        meter.add(step, 1.0, 10, 0.0)
+    assert meter.steps == 1 and meter.tokens_per_s() == 10.0  # step 5 alone: 2 + 3 steps left out
+
+
 def test_a_warmup_longer_than_the_run_is_named():
     """--warmup 100 --steps 6 was taken silently: the learning rate never reached --lr."""
     import warnings
