@@ -26,7 +26,9 @@ def _differentiable_grads(dout, q, k, v, sinks, mask_kwargs, dlse=None):
         if sinks is not None:
             out, lse = with_sink(out, lse, sinks)
         wanted = [t for t in inputs if t is not None and t.requires_grad]
-        seeded = [(t, g.to(t.dtype)) for t, g in ((out, dout), (lse, dlse)) if g is not None]
+        # (an output that depends on no input wanted is left out: the lse when only v requires grad; autograd.grad
+        # raised 'element 1 of tensors does not require grad' for it, and its gradient there is zero)
+        seeded = [(t, g.to(t.dtype)) for t, g in ((out, dout), (lse, dlse)) if g is not None and t.requires_grad]
         if not out.requires_grad or not seeded:  # no row sees a key (and no sinks): out is constant zeros, lse -inf
             return tuple(torch.zeros_like(t) if t is not None and t.requires_grad else None for t in inputs)
         results, seeds = zip(*seeded)

@@ -431,3 +431,31 @@ def test_a_minus_inf_sink_on_a_row_that_sees_no_key_has_a_zero_second_order_sink
         assert torch.isfinite(second).all(), name
         torch.testing.assert_close(second.detach(), first, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(second.detach(), torch.nan_to_num(r), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("use_out", [True, False])
+def test_create_graph_with_only_v_requiring_grad_and_a_loss_of_the_lse(use_out):
+    """return_lse=True, only v requiring grad (q, k, sinks frozen), a loss of the lse (and of out), create_graph=True:
+    the differentiable backward seeded the recomputed lse, which depends on no input that requires grad, and
+    autograd.grad raised 'element 1 of tensors does not require grad' from inside fa4dist.  The lse's share of dv
+    is zero: dv is out's part alone, the gradient of an fp64 oracle written here (none without out), and a second
+    derivative through it (dv does not depend on v: none either)."""
+    gen = torch.Generator().manual_seed(21)
+    q = torch.randn(1, 6, 4, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, 6, 2, 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, 6, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64)
+    w_out = torch.randn(1, 6, 4, 8, generator=gen, dtype=torch.float64)
+    w_lse = torch.randn(1, 4, 6, generator=gen, dtype=torch.float64)
+    out, lse = fa4dist.attention(q, k, v, causal=True, sinks=sinks, return_lse=True, backend="reference")
+    loss = (lse * w_lse).sum() + ((out * w_out).sum() if use_out else 0)
+    (dv,) = torch.autograd.grad(loss, v, create_graph=True)
+
+    # the oracle: softmax(q k^T * scale + causal mask, with the sink column) v, in fp64, K/V heads repeated (GQA)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, dim=2)) * 8 ** -0.5
+    scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    scores = torch.cat([scores, sinks.view(1, 4, 1, 1).expand(1, 4, 6, 1)], dim=-1)
+    probs = scores.softmax(-1)[..., :-1]  # (the sink's column multiplies a zero value)
+    want = torch.einsum("bhqk,bqhd->bkhd", probs, w_out).unflatten(2, (2, 2)).sum(3) if use_out else 0 * v
+    torch.testing.assert_close(dv, want, rtol=1e-12, atol=1e-12)
+    assert not dv.requires_grad  # dv = P^T dout: no function of v
