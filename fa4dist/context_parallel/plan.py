@@ -237,7 +237,8 @@ class ShardPlan:
 
     def __init__(self, total_len: int, cu_seqlens: Optional[tuple[int, ...]], cp_size: int, num_chunks: int,
                  owner: Sequence[int], balancer: str, mask: Mask, ulysses_degree: int = 1, align: int = 1):
-        total_len = check_int("total_len", total_len, 0)
+        # (>= 1 as make_plan: a plan of no tokens crashed in aligned_floor and unshard)
+        total_len = check_int("total_len", total_len, 1)
         cp_size = check_int("cp_size", cp_size, 1)
         num_chunks = check_int("num_chunks", num_chunks, 1)
         ulysses_degree = check_int("ulysses_degree", ulysses_degree, 1)

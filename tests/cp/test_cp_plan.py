@@ -619,3 +619,15 @@ def test_a_plan_built_directly_is_checked_like_make_plans():
         fields.update(change)
         with pytest.raises(error, match=match):
             ShardPlan(**fields)
+
+
+def test_a_plan_built_directly_of_no_tokens_is_refused_by_name():
+    """make_plan refuses an empty stream ("seqlen must be >= 1"), but ShardPlan took total_len=0: its balance_report
+    with align > 1 failed with an IndexError and unshard with torch.cat's "expected a non-empty list"."""
+    from fa4dist.context_parallel import ShardPlan
+    from fa4dist.kernels.mask import Mask
+
+    causal = Mask.canonical(True)
+    for cu, align in ((None, 1), (None, 4), ((0, 0), 1)):
+        with pytest.raises(ValueError, match="total_len must be >= 1"):
+            ShardPlan(0, cu, 2, 2, [0, 1], "mine", causal, align=align)
