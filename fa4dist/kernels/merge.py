@@ -103,10 +103,12 @@ def merge_into_(
 
     Three passes over ``out``: scale, clear the rows that had seen no key (whatever they held, NaN included), add
     the weighted block.  As in :func:`merge_partials`, the block's rows whose ``block_lse`` is -inf (no key) add
-    nothing, whatever ``block_out`` holds there (NaN included)."""
+    nothing, whatever ``block_out`` holds there (NaN included).  Not differentiable (:func:`merge_partials` is): a
+    block that requires grad records no graph into the running buffers."""
     _check_running(out, lse)
     check_partial("the block", block_out, block_lse, like_out=out)
     check_written({"out": out, "lse": lse}, {"block_out": block_out, "block_lse": block_lse})
+    block_out, block_lse = block_out.detach(), block_lse.detach()  # (a graph here broke the next in-place merge)
     (w_run, w_blk), merged = _merge_weights([lse, block_lse.to(lse.dtype)])
     # rows that saw no key (lse -inf) are cleared; a row that saw keys keeps a NaN it holds even where its weight
     # underflows to 0 (a row that sees a non-finite value is NaN however its keys are split)
@@ -174,9 +176,12 @@ def _sink_weights(lse: torch.Tensor, sinks: torch.Tensor):
 
 
 def merge_sink_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
-    """Merges the sinks' virtual key block into the running fp32 (out, lse), in place (once per row!)."""
+    """Merges the sinks' virtual key block into the running fp32 (out, lse), in place (once per row!).  Not
+    differentiable (:func:`with_sink` is): learnable sinks (a Parameter) record no graph into the running buffers,
+    which the next in-place merge into them then refused as buffers that require grad."""
     _check_running(out, lse)
     check_written({"out": out, "lse": lse}, {"sinks": sinks})
+    sinks = sinks.detach() if isinstance(sinks, torch.Tensor) else sinks
     w_run, undefined, merged = _sink_weights(lse, sinks)
     out.mul_(lse_as_out_layout(w_run)).masked_fill_(_unseen(lse), 0.0).masked_fill_(undefined, float("nan"))
     lse.copy_(merged)

@@ -82,3 +82,27 @@ def test_sink_gradient_of_a_loss_of_the_lse_alone_takes_dout_none():
     tol = 64 * torch.finfo(torch.float32).eps
     torch.testing.assert_close(sink_grad(None, out, lse, sinks, dlse).double(), want, rtol=tol, atol=tol)
     assert torch.equal(sink_grad(None, out, lse, sinks), torch.zeros(2))
+
+
+def test_in_place_merges_record_no_graph_from_inputs_that_require_grad():
+    """merge_sink_ with learnable sinks (a Parameter) and merge_into_ with a block that requires grad recorded an
+    autograd graph into the caller's running buffers, and the next in-place merge into them was refused ("out
+    requires grad"). They are the non-differentiable forms (with_sink / merge_partials are the differentiable ones):
+    the buffers stay plain, and the values are the fp64 oracle's."""
+    from fa4dist.kernels import attention_forward, merge_into_, merge_sink_
+
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 12, 2, 8, dtype=torch.float64) for _ in range(3))
+    sinks = torch.nn.Parameter(torch.randn(2, dtype=torch.float64))
+    out = torch.zeros(1, 12, 2, 8, dtype=torch.float64)
+    lse = torch.full((1, 2, 12), float("-inf"), dtype=torch.float64)
+    attention_forward(q, k[:, :5], v[:, :5], out=out, lse=lse, accumulate=True, backend="reference")
+    merge_sink_(out, lse, sinks)
+    assert not out.requires_grad and not lse.requires_grad
+    block_out, block_lse = attention_forward(q, k[:, 5:9], v[:, 5:9], k_offset=5, backend="reference")
+    merge_into_(out, lse, block_out.requires_grad_(), block_lse.requires_grad_())
+    assert not out.requires_grad and not lse.requires_grad
+    attention_forward(q, k[:, 9:], v[:, 9:], k_offset=9, out=out, lse=lse, accumulate=True, backend="reference")
+    want_out, want_lse = naive_attention(q, k, v, sinks=sinks.detach())
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
