@@ -456,6 +456,9 @@ class ContextParallel:
                 raise ValueError(f"ulysses_degree ({ulysses_degree}) must divide the cp size ({self.cp_size})")
             if strategy == "ring" and ulysses_degree != 1 or strategy == "ulysses" and ulysses_degree != self.cp_size:
                 raise ValueError(f"ulysses_degree={ulysses_degree} contradicts strategy={strategy!r}")
+        elif strategy == "ring" and ulysses_degree not in (None, 1):  # a contradiction at every cp size: refused at
+            # cp 1 too, where a model checks its options before it runs on a cp group
+            raise ValueError(f"ulysses_degree={ulysses_degree} contradicts strategy='ring'")
         self._transports: dict = {}
         self._schedules: dict = {}
         # forward calls made (every rank makes the same ones: checked per call), in a list that the functional

@@ -960,6 +960,8 @@ def test_an_exchange_whose_ranks_sent_different_counts_says_out_of_step(pool):
     (dict(plan=42), TypeError, "plan must be a ShardPlan"),
     (dict(verify=0), TypeError, "verify must be a bool, got int"),
     (dict(verify="no"), TypeError, "verify must be a bool, got str"),
+    # a contradiction at every cp size: refused without a group too, not first when the code runs on a cp group
+    (dict(strategy="ring", ulysses_degree=2), ValueError, "ulysses_degree=2 contradicts strategy='ring'"),
 ])
 def test_module_argument_errors(kwargs, error, pattern):
     from fa4dist.modules import FA4ContextParallelAttention
@@ -979,6 +981,8 @@ def test_module_options_are_checked_at_construction():
     FA4ContextParallelAttention(plan=make_plan(8, 1), backend="reference")
     with pytest.raises(ValueError, match="backend must be 'auto' or one of"):  # before the inputs are looked at
         context_parallel_attention(None, None, None, backend="Reference")
+    with pytest.raises(ValueError, match="ulysses_degree=2 contradicts strategy='ring'"):  # without a group too
+        context_parallel_attention(None, None, None, strategy="ring", ulysses_degree=2)
 
 
 def test_single_process_plan_errors():
