@@ -451,14 +451,14 @@ class ContextParallel:
             self.cp_size, self.cp_rank = member_size_rank(group, "group")
         else:
             self.cp_size, self.cp_rank = 1, 0
-        if ulysses_degree is not None and not self.grid and self.cp_size > 1:
-            if self.cp_size % ulysses_degree:
-                raise ValueError(f"ulysses_degree ({ulysses_degree}) must divide the cp size ({self.cp_size})")
-            if strategy == "ring" and ulysses_degree != 1 or strategy == "ulysses" and ulysses_degree != self.cp_size:
-                raise ValueError(f"ulysses_degree={ulysses_degree} contradicts strategy={strategy!r}")
-        elif strategy == "ring" and ulysses_degree not in (None, 1):  # a contradiction at every cp size: refused at
-            # cp 1 too, where a model checks its options before it runs on a cp group
-            raise ValueError(f"ulysses_degree={ulysses_degree} contradicts strategy='ring'")
+        sized = ulysses_degree is not None and not self.grid and self.cp_size > 1  # (a degree to check against)
+        if sized and self.cp_size % ulysses_degree:
+            raise ValueError(f"ulysses_degree ({ulysses_degree}) must divide the cp size ({self.cp_size})")
+        # a ring with a Ulysses degree contradicts itself at every cp size (so refused at cp 1 too, where a model
+        # checks its options before it runs on a cp group); Ulysses spans the whole cp group
+        if (strategy == "ring" and ulysses_degree not in (None, 1)
+                or strategy == "ulysses" and sized and ulysses_degree != self.cp_size):
+            raise ValueError(f"ulysses_degree={ulysses_degree} contradicts strategy={strategy!r}")
         self._transports: dict = {}
         self._schedules: dict = {}
         # forward calls made (every rank makes the same ones: checked per call), in a list that the functional

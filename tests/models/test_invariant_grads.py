@@ -357,11 +357,23 @@ def test_invariant_gradients_over_a_group_without_this_rank_are_refused(pool):
         assert kept
 
 
+def _timed_finish(grads):
+    """grads.finish()'s (error type, message) or None, and the seconds it took."""
+    import time
+
+    start = time.monotonic()
+    try:
+        grads.finish()
+        error = None
+    except Exception as err:  # noqa: BLE001
+        error = type(err).__name__, str(err)
+    return error, time.monotonic() - start
+
+
 def _one_rank_refuses_finish(rank, world):
     """Ranks 0 and 1 sum their invariant gradients over their group; after the backward rank 1 replaces its
     parameters (load_state_dict(assign=True)), which its finish() refuses: each rank's (error type, message) and
     the seconds its finish() took, and whether a second, agreed finish() then completes on both."""
-    import time
 
     from fa4dist.models import FA4Llama, get_config
 
@@ -374,13 +386,7 @@ def _one_rank_refuses_finish(rank, world):
     held = {k: v.clone() for k, v in model.state_dict().items()}
     if rank == 1:
         model.load_state_dict(held, assign=True)
-    start = time.monotonic()
-    try:
-        grads.finish()
-        error = None
-    except Exception as err:  # noqa: BLE001
-        error = type(err).__name__, str(err)
-    seconds = time.monotonic() - start
+    error, seconds = _timed_finish(grads)
     if rank == 1:  # back to the installed parameters: the step's sums are still there
         for site in grads.sites:
             site.module._parameters["weight"] = site.param
@@ -406,7 +412,6 @@ def test_a_finish_that_one_rank_refuses_fails_on_every_rank(pool):
 def _finish_alone(rank, world, wait_s):
     """Ranks 0 and 1 install invariant gradients over a fresh group with a timeout of ``wait_s``; rank 1 never calls
     finish(): rank 0's (error type, message, seconds) from its finish()."""
-    import time
 
     from cp_harness import fresh_group
     from fa4dist.models import FA4Llama, get_config
@@ -420,13 +425,7 @@ def _finish_alone(rank, world, wait_s):
     model(torch.arange(20), torch.arange(20)).float().logsumexp(-1).sum().backward()
     if rank == 1:
         return None
-    start = time.monotonic()
-    try:
-        grads.finish()
-        error = None
-    except Exception as err:  # noqa: BLE001
-        error = type(err).__name__, str(err)
-    return error, time.monotonic() - start
+    return _timed_finish(grads)
 
 
 def test_the_invariant_gradients_wait_no_longer_than_their_timeout(pool):
